@@ -1,0 +1,52 @@
+// Names and bulk conversion for strata::DType.
+#include "runtime/core/dtype.h"
+
+#include <cstring>
+
+#include "runtime/core/error.h"
+
+namespace strata {
+
+std::string_view dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "fp32";
+    case DType::kF16: return "fp16";
+    case DType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
+DType parse_dtype(std::string_view name) {
+  if (name == "fp32" || name == "float32" || name == "float") return DType::kF32;
+  if (name == "fp16" || name == "float16" || name == "half") return DType::kF16;
+  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
+  raise(ErrorCategory::kBadArgument, "unknown dtype \"{}\" (expected fp32, fp16 or bf16)", name);
+}
+
+namespace {
+float load(const void* src, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(src)[i];
+    case DType::kF16: return half_to_float(static_cast<const Half*>(src)[i]);
+    case DType::kBF16: return bf16_to_float(static_cast<const BFloat16*>(src)[i]);
+  }
+  return 0.0f;
+}
+void store(void* dst, DType dtype, size_t i, float value) {
+  switch (dtype) {
+    case DType::kF32: static_cast<float*>(dst)[i] = value; break;
+    case DType::kF16: static_cast<Half*>(dst)[i] = float_to_half(value); break;
+    case DType::kBF16: static_cast<BFloat16*>(dst)[i] = float_to_bf16(value); break;
+  }
+}
+}  // namespace
+
+void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t numel) {
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, numel * dtype_nbytes(src_dtype));
+    return;
+  }
+  for (size_t i = 0; i < numel; ++i) store(dst, dst_dtype, i, load(src, src_dtype, i));
+}
+
+}  // namespace strata

@@ -1,0 +1,26 @@
+// CUDA, cuBLAS and NCCL result checks.
+#include "runtime/cuda/cuda_check.h"
+
+#include "runtime/core/error.h"
+
+namespace strata {
+
+void check_cuda(cudaError_t result, std::string_view what) {
+  if (result == cudaSuccess) return;
+  raise(ErrorCategory::kCuda, "{}: {} ({})", what, cudaGetErrorString(result),
+        cudaGetErrorName(result));
+}
+
+void check_cublas(cublasStatus_t result, std::string_view what) {
+  if (result == CUBLAS_STATUS_SUCCESS) return;
+  raise(ErrorCategory::kCuda, "{}: cuBLAS {} ({})", what, cublasGetStatusString(result),
+        cublasGetStatusName(result));
+}
+
+void check_nccl(ncclResult_t result, std::string_view what) {
+  if (result == ncclSuccess) return;
+  raise(ErrorCategory::kCuda, "{}: NCCL {} (code {})", what, ncclGetErrorString(result),
+        static_cast<int>(result));
+}
+
+}  // namespace strata

@@ -1,0 +1,23 @@
+// Shared Catch2 main. Binaries built with STRATA_TEST_REQUIRES_GPU exit 77
+// (reported by CTest as SKIPPED) when no CUDA device is present, except when
+// asked only to list their tests.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstring>
+
+#include "runtime/core/accelerator.h"
+
+int main(int argc, char** argv) {
+#ifdef STRATA_TEST_REQUIRES_GPU
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) listing |= std::strncmp(argv[i], "--list", 6) == 0;
+  if (!listing && strata::cuda_device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device present (%s)\n",
+                strata::cuda_built() ? "CUDA backend built" : "built without CUDA");
+    return 77;
+  }
+#endif
+  return Catch::Session().run(argc, argv);
+}
