@@ -1,0 +1,131 @@
+// Training configuration (DESIGN.md §7): a DeepSpeed-style JSON file checked
+// against the schema (schema.h) and turned into typed structs with every
+// default filled in. Loading either returns a complete, consistent Config or
+// throws one ConfigError listing every problem found.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "runtime/core/error.h"
+
+namespace strata {
+
+enum class OffloadDevice { kNone, kCpu, kNvme };
+
+struct AioConfig {
+  uint64_t block_size = 0;  // bytes
+  int queue_depth = 0;
+  int thread_count = 0;
+  bool single_submit = false;
+  bool overlap_events = false;
+};
+
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  bool pin_memory = false;
+  int buffer_count = 0;
+  uint64_t buffer_numel = 0;      // "buffer_size" (elements)
+  uint64_t max_in_cpu_numel = 0;  // "max_in_cpu" (elements)
+};
+
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  std::string nvme_path;
+  bool pin_memory = false;
+  int buffer_count = 0;
+};
+
+struct ZeroConfig {
+  int stage = 0;
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  uint64_t sub_group_numel = 0;
+  uint64_t reduce_bucket_numel = 0;
+  bool overlap_comm = false;
+  bool contiguous_gradients = false;
+  uint64_t prefetch_bucket_numel = 0;
+  uint64_t param_persistence_threshold_numel = 0;
+  uint64_t max_live_parameters_numel = 0;
+  uint64_t max_reuse_distance_numel = 0;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0;  // 0: dynamic
+  int initial_scale_power = 0;
+  int loss_scale_window = 0;
+  int hysteresis = 0;
+  double min_loss_scale = 0;
+};
+
+struct OptimizerConfig {
+  std::string type;  // "Adam" or "AdamW"
+  double lr = 0;
+  std::array<double, 2> betas{};
+  double eps = 0;
+  double weight_decay = 0;
+};
+
+struct StrataOptions {
+  std::string accelerator;  // auto | cpu | cuda
+  std::string io_engine;    // uring | aio | psync
+  uint64_t seed = 0;
+  std::string log_level;
+  double collective_timeout_s = 0;
+  uint64_t pinned_pool_nbytes = 0;
+  std::string trace_path;
+  bool keep_swap_files = false;
+};
+
+struct Config {
+  int micro_batch_size = 0;             // train_micro_batch_size_per_gpu
+  int gradient_accumulation_steps = 0;
+  int64_t train_batch_size = 0;         // 0: derived
+  double gradient_clipping = 0;
+  int64_t steps_per_print = 0;
+  bool bf16 = false;
+  Fp16Config fp16;
+  OptimizerConfig optimizer;
+  ZeroConfig zero;
+  AioConfig aio;
+  bool cpu_checkpointing = false;
+  StrataOptions strata;
+
+  // The complete configuration as JSON, every default filled in.
+  nlohmann::json effective;
+  // Keys given that strata accepts for compatibility but does not use.
+  std::vector<std::string> no_effect_keys;
+};
+
+// Thrown when a configuration is invalid; what() lists every problem, one per line.
+class ConfigError : public Error {
+ public:
+  ConfigError(std::string source, std::vector<std::string> problems);
+  const std::vector<std::string>& problems() const { return problems_; }
+  const std::string& source() const { return source_; }
+
+ private:
+  std::string source_;
+  std::vector<std::string> problems_;
+};
+
+// Reads and checks a config file. Throws Error(kIo) if unreadable, ConfigError
+// if invalid (JSON syntax errors name line and column).
+Config load_config_file(const std::string& path);
+// Checks a parsed document; `source` names it in messages.
+Config parse_config(const nlohmann::json& document, std::string_view source = "config");
+// Parses JSON text; syntax errors become ConfigError with line:column.
+Config parse_config_text(std::string_view text, std::string_view source = "config");
+// The configuration with every default (what an empty file gives).
+Config default_config();
+
+std::string_view offload_device_name(OffloadDevice device);
+
+}  // namespace strata

@@ -1,0 +1,228 @@
+// The table of configuration keys with their defaults (DeepSpeed v0.19's where the
+// key is shared) and documentation.
+#include "runtime/config/schema.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <set>
+
+namespace strata {
+namespace {
+
+using nlohmann::json;
+
+ConfigField field(std::string path, FieldKind kind, json default_value, std::string doc) {
+  ConfigField f;
+  f.path = std::move(path);
+  f.kind = kind;
+  f.default_value = std::move(default_value);
+  f.doc = std::move(doc);
+  return f;
+}
+ConfigField flag(std::string path, bool default_value, std::string doc) {
+  return field(std::move(path), FieldKind::kBool, default_value, std::move(doc));
+}
+ConfigField integer(std::string path, int64_t default_value, double min, double max, std::string doc) {
+  ConfigField f = field(std::move(path), FieldKind::kInt, default_value, std::move(doc));
+  f.min = min;
+  f.max = max;
+  return f;
+}
+ConfigField number(std::string path, double default_value, double min, double max, std::string doc) {
+  ConfigField f = field(std::move(path), FieldKind::kNumber, default_value, std::move(doc));
+  f.min = min;
+  f.max = max;
+  return f;
+}
+ConfigField size(std::string path, uint64_t default_value, std::string unit, double min, std::string doc) {
+  ConfigField f = field(std::move(path), FieldKind::kSize, default_value, std::move(doc));
+  f.unit = std::move(unit);
+  f.min = min;
+  return f;
+}
+ConfigField choice(std::string path, std::string default_value, std::vector<std::string> choices,
+                   std::string doc) {
+  ConfigField f = field(std::move(path), FieldKind::kEnum, default_value, std::move(doc));
+  f.choices = std::move(choices);
+  return f;
+}
+ConfigField text(std::string path, std::string default_value, std::string doc) {
+  return field(std::move(path), FieldKind::kString, default_value, std::move(doc));
+}
+ConfigField ignored(ConfigField f) {
+  f.no_effect = true;
+  return f;
+}
+
+std::vector<ConfigField> build_fields() {
+  const std::vector<std::string> devices = {"none", "cpu", "nvme"};
+  std::vector<ConfigField> f;
+  // Batch and step.
+  f.push_back(integer("train_micro_batch_size_per_gpu", 1, 1, 1 << 20, "Sequences per rank per micro-step."));
+  f.push_back(integer("gradient_accumulation_steps", 1, 1, 1 << 20, "Micro-steps whose gradients are summed before each optimizer step."));
+  f.push_back(integer("train_batch_size", 0, 0, 1e12, "Global batch = micro batch x accumulation x world size; 0 derives it. When set, must be divisible by micro batch x accumulation."));
+  f.push_back(number("gradient_clipping", 0.0, 0, 1e300, "Clip the global gradient L2 norm to this value; 0 disables clipping."));
+  f.push_back(integer("steps_per_print", 10, 1, 1e12, "Log loss and throughput every this many optimizer steps."));
+  f.push_back(ignored(flag("wall_clock_breakdown", false, "DeepSpeed timing breakdown; strata writes its timeline with strata.trace_path instead.")));
+  f.push_back(ignored(flag("zero_allow_untested_optimizer", false, "DeepSpeed safety switch; strata only runs its own optimizers.")));
+  // Precision.
+  f.push_back(flag("bf16.enabled", false, "Train with bf16 parameters and gradients (fp32 master weights)."));
+  f.push_back(flag("fp16.enabled", false, "Train with fp16 parameters and gradients, with loss scaling."));
+  f.push_back(number("fp16.loss_scale", 0.0, 0, 1e300, "Static loss scale; 0 selects dynamic loss scaling."));
+  f.push_back(integer("fp16.initial_scale_power", 16, 0, 64, "Dynamic scaling starts at 2^initial_scale_power."));
+  f.push_back(integer("fp16.loss_scale_window", 1000, 1, 1e12, "Steps without overflow before the dynamic scale doubles."));
+  f.push_back(integer("fp16.hysteresis", 2, 1, 1e6, "Overflows tolerated before the dynamic scale halves."));
+  f.push_back(number("fp16.min_loss_scale", 1.0, 0, 1e300, "Lower bound of the dynamic loss scale."));
+  // Optimizer.
+  f.push_back(choice("optimizer.type", "AdamW", {"Adam", "AdamW"}, "Adam (L2 weight decay added to the gradient) or AdamW (decoupled weight decay), PyTorch's formulas."));
+  f.push_back(number("optimizer.params.lr", 1e-3, 0, 1e300, "Learning rate."));
+  ConfigField betas = field("optimizer.params.betas", FieldKind::kNumberPair, json::array({0.9, 0.999}), "Adam's (beta1, beta2), each in [0, 1).");
+  betas.min = 0;
+  betas.max = 0.999999999999;
+  f.push_back(betas);
+  f.push_back(number("optimizer.params.eps", 1e-8, 0, 1, "Added to the square root of the second moment."));
+  f.push_back(number("optimizer.params.weight_decay", 0.01, 0, 1e300, "Weight decay (decoupled for AdamW)."));
+  f.push_back(ignored(flag("optimizer.params.torch_adam", false, "DeepSpeed's choice of torch's Adam; strata uses its own CPU/CUDA Adam.")));
+  f.push_back(ignored(flag("optimizer.params.adam_w_mode", true, "DeepSpeed's Adam/AdamW switch; use optimizer.type.")));
+  // ZeRO.
+  f.push_back(integer("zero_optimization.stage", 0, 0, 3, "ZeRO stage: 0 none, 1 optimizer state sharded, 2 plus gradients, 3 plus parameters."));
+  f.push_back(choice("zero_optimization.offload_param.device", "none", devices, "Where parameter shards live between uses (stage 3 only)."));
+  f.push_back(text("zero_optimization.offload_param.nvme_path", "", "Directory for parameter swap files; required with device nvme."));
+  f.push_back(flag("zero_optimization.offload_param.pin_memory", true, "Stage parameters through page-locked host memory."));
+  f.push_back(integer("zero_optimization.offload_param.buffer_count", 5, 1, 1 << 20, "Pinned buffers for parameters in flight from NVMe."));
+  f.push_back(size("zero_optimization.offload_param.buffer_size", 100000000, "elements", 1, "Elements per parameter swap buffer."));
+  f.push_back(size("zero_optimization.offload_param.max_in_cpu", 1000000000, "elements", 0, "Parameter elements kept in CPU memory when offloading to NVMe."));
+  f.push_back(choice("zero_optimization.offload_optimizer.device", "none", devices, "Where optimizer state (fp32 master, momentum, variance) lives."));
+  f.push_back(text("zero_optimization.offload_optimizer.nvme_path", "", "Directory for optimizer-state swap files; required with device nvme."));
+  f.push_back(flag("zero_optimization.offload_optimizer.pin_memory", true, "Stage optimizer state through page-locked host memory."));
+  f.push_back(integer("zero_optimization.offload_optimizer.buffer_count", 4, 1, 1 << 20, "Pinned buffers for the optimizer swap pipeline (read, update, write)."));
+  f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_read", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
+  f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_write", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
+  f.push_back(ignored(flag("zero_optimization.offload_optimizer.fast_init", false, "DeepSpeed initialisation shortcut; not needed in strata.")));
+  f.push_back(size("zero_optimization.sub_group_size", 1000000000, "elements", 1, "Optimizer step granularity: elements updated per pipeline stage."));
+  f.push_back(size("zero_optimization.reduce_bucket_size", 500000000, "elements", 1, "Elements per gradient reduce-scatter bucket."));
+  f.push_back(flag("zero_optimization.overlap_comm", true, "Overlap gradient reduction with backward."));
+  f.push_back(flag("zero_optimization.contiguous_gradients", true, "Copy gradients into one contiguous buffer as they are produced."));
+  f.push_back(size("zero_optimization.stage3_prefetch_bucket_size", 50000000, "elements", 0, "Parameter elements prefetched ahead of use (stage 3)."));
+  f.push_back(size("zero_optimization.stage3_param_persistence_threshold", 100000, "elements", 0, "Parameters smaller than this stay gathered on the device (stage 3)."));
+  f.push_back(size("zero_optimization.stage3_max_live_parameters", 1000000000, "elements", 0, "Upper bound of gathered parameter elements on the device (stage 3)."));
+  f.push_back(size("zero_optimization.stage3_max_reuse_distance", 1000000000, "elements", 0, "Keep a gathered parameter if it is used again within this many elements of other parameters."));
+  f.push_back(ignored(flag("zero_optimization.allgather_partitions", true, "DeepSpeed stage 1/2 switch; strata always allgathers partitions.")));
+  f.push_back(ignored(size("zero_optimization.allgather_bucket_size", 500000000, "elements", 1, "DeepSpeed stage 1/2 bucket; strata sizes allgathers by parameter.")));
+  f.push_back(ignored(flag("zero_optimization.reduce_scatter", true, "DeepSpeed stage 1/2 switch; strata always reduce-scatters.")));
+  f.push_back(ignored(flag("zero_optimization.round_robin_gradients", false, "DeepSpeed stage 1/2 option; not applicable.")));
+  f.push_back(ignored(flag("zero_optimization.stage3_gather_16bit_weights_on_model_save", false, "DeepSpeed save option; strata checkpoints shards and converts with its own tools.")));
+  // Asynchronous I/O.
+  f.push_back(size("aio.block_size", 1048576, "bytes", 4096, "Bytes per I/O request piece; a multiple of 4096 (O_DIRECT)."));
+  f.push_back(integer("aio.queue_depth", 8, 1, 65536, "Requests in flight per I/O worker."));
+  f.push_back(integer("aio.thread_count", 1, 1, 1024, "I/O workers, each with its own ring. Alias: intra_op_parallelism."));
+  f.push_back(flag("aio.single_submit", false, "Submit requests one at a time instead of in batches."));
+  f.push_back(flag("aio.overlap_events", true, "Reap completions while submitting new requests."));
+  f.push_back(flag("aio.use_gds", false, "GPUDirect Storage; not supported by strata, must stay false."));
+  // Activations.
+  f.push_back(flag("activation_checkpointing.cpu_checkpointing", false, "Move activation checkpoints to CPU memory."));
+  f.push_back(ignored(flag("activation_checkpointing.partition_activations", false, "DeepSpeed model-parallel option; not applicable.")));
+  f.push_back(ignored(flag("activation_checkpointing.contiguous_memory_optimization", false, "DeepSpeed option; strata allocates checkpoints from its own pool.")));
+  f.push_back(ignored(flag("activation_checkpointing.synchronize_checkpoint_boundary", false, "DeepSpeed profiling option.")));
+  f.push_back(ignored(flag("activation_checkpointing.profile", false, "DeepSpeed profiling option.")));
+  // strata's own keys.
+  f.push_back(choice("strata.accelerator", "auto", {"auto", "cpu", "cuda"}, "Backend: auto uses CUDA when a GPU is present."));
+  f.push_back(choice("strata.io_engine", "uring", {"uring", "aio", "psync"}, "NVMe I/O backend: io_uring, libaio, or pread/pwrite."));
+  f.push_back(integer("strata.seed", 1234, 0, 9.007199254740992e15, "Seed of the counter-based parameter initialisation (same model for any world size)."));
+  f.push_back(choice("strata.log_level", "info", {"trace", "debug", "info", "warn", "error", "off"}, "Logging threshold."));
+  f.push_back(number("strata.collective_timeout_s", 300, 0.1, 1e9, "Seconds before a collective or rendezvous fails with an error naming the missing rank."));
+  f.push_back(size("strata.pinned_pool_size", 0, "bytes", 0, "Upper bound of page-locked host memory; 0 sizes the pool from the buffer counts."));
+  f.push_back(text("strata.trace_path", "", "Write a Chrome-trace timeline of every transfer and kernel here; empty disables."));
+  f.push_back(flag("strata.keep_swap_files", false, "Keep NVMe swap files after a clean shutdown."));
+  return f;
+}
+
+}  // namespace
+
+const std::vector<ConfigField>& config_fields() {
+  static const std::vector<ConfigField> fields = build_fields();
+  return fields;
+}
+
+const ConfigField* find_config_field(std::string_view path) {
+  for (const auto& f : config_fields()) {
+    if (f.path == path) return &f;
+  }
+  return nullptr;
+}
+
+std::string_view canonical_config_path(std::string_view path) {
+  if (path == "aio.intra_op_parallelism") return "aio.thread_count";
+  return path;
+}
+
+bool is_config_section(std::string_view path) {
+  const std::string prefix = std::string(path) + ".";
+  return std::any_of(config_fields().begin(), config_fields().end(),
+                     [&](const ConfigField& f) { return f.path.rfind(prefix, 0) == 0; });
+}
+
+namespace {
+std::string bound(double value) {
+  if (value >= 1e15 || value <= -1e15) return "";
+  if (value == static_cast<double>(static_cast<int64_t>(value))) {
+    return fmt::format("{}", static_cast<int64_t>(value));
+  }
+  return fmt::format("{}", value);
+}
+std::string range(const ConfigField& f) {
+  const std::string lo = bound(f.min), hi = bound(f.max);
+  if (!lo.empty() && !hi.empty()) return fmt::format(" {}..{}", lo, hi);
+  if (!lo.empty()) return fmt::format(" >= {}", lo);
+  return "";
+}
+}  // namespace
+
+std::string describe_accepted(const ConfigField& f) {
+  switch (f.kind) {
+    case FieldKind::kBool: return "true or false";
+    case FieldKind::kInt: return "an integer" + range(f);
+    case FieldKind::kNumber: return "a number" + range(f);
+    case FieldKind::kSize:
+      return fmt::format("a count of {}{} (a number, or a string such as \"1GB\" or \"512MiB\")", f.unit,
+                         range(f));
+    case FieldKind::kString: return "a string";
+    case FieldKind::kEnum: return fmt::format("one of {}", fmt::join(f.choices, ", "));
+    case FieldKind::kNumberPair: return "a list of two numbers" + range(f);
+  }
+  return "?";
+}
+
+std::string config_reference_markdown() {
+  std::string out =
+      "# Configuration reference\n\n"
+      "<!-- Generated by `strata config docs` from runtime/config/schema.cc; do not edit by hand. -->\n\n"
+      "strata reads a JSON file that uses DeepSpeed's key names where the concept is shared, so an\n"
+      "existing `ds_config.json` mostly works. Unknown keys, wrong types and values out of range are\n"
+      "errors naming the key and what it accepts (with the closest valid key when one is near).\n"
+      "Keys marked *no effect* are DeepSpeed keys strata accepts for compatibility and does not use;\n"
+      "`strata config check` lists them. The value `\"auto\"` (written by Hugging Face's integration)\n"
+      "means the default. Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"
+      "for element counts the unit names only the multiplier.\n\n"
+      "Checked combinations: parameter offload needs stage 3; NVMe offload needs `nvme_path`;\n"
+      "optimizer offload needs stage >= 1 (NVMe: stage 3); fp16 and bf16 are exclusive;\n"
+      "`train_batch_size` must be divisible by micro batch x accumulation steps; `aio.block_size`\n"
+      "must be a multiple of 4096.\n";
+  std::string section;
+  for (const auto& f : config_fields()) {
+    const auto dot = f.path.find('.');
+    const std::string top = dot == std::string::npos ? "(top level)" : f.path.substr(0, dot);
+    if (top != section) {
+      section = top;
+      out += fmt::format("\n## `{}`\n\n| key | accepts | default | meaning |\n|---|---|---|---|\n", section);
+    }
+    out += fmt::format("| `{}` | {} | `{}` | {}{} |\n", f.path, describe_accepted(f), f.default_value.dump(),
+                       f.no_effect ? "*no effect in strata.* " : "", f.doc);
+  }
+  out += "\n`aio.intra_op_parallelism` is accepted as another name for `aio.thread_count`.\n";
+  return out;
+}
+
+}  // namespace strata
