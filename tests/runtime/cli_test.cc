@@ -1,0 +1,63 @@
+// The `strata` command as a user runs it: doctor's report, config check's exit
+// codes and messages, help text.
+#include <catch2/catch.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/support/run_command.h"
+#include "tests/support/temp_dir.h"
+
+using strata::test::run_command;
+using strata::test::strata_binary;
+
+TEST_CASE("strata doctor --json reports every section", "[cli]") {
+  strata::test::TempDir dir;
+  const auto result = run_command(strata_binary() + " doctor --json --dir " + dir.path().string());
+  REQUIRE(result.exit_code == 0);
+  const auto report = nlohmann::json::parse(result.output);
+  REQUIRE(report["cpu"]["logical_cores"].get<int>() >= 1);
+  REQUIRE(report["cpu"].contains("avx512_bf16"));
+  REQUIRE(report["memory"]["total_bytes"].get<uint64_t>() > 0);
+  REQUIRE(report["memory"].contains("memlock_limit_bytes"));
+  REQUIRE(report["cuda"].contains("devices"));
+  REQUIRE(report["io_uring"].contains("supported"));
+  REQUIRE(report["directory"]["path"] == dir.path().string());
+  REQUIRE(report["directory"]["free_bytes"].get<uint64_t>() > 0);
+  REQUIRE(report["directory"].contains("o_direct"));
+  // The readable report names the same things.
+  const auto text = run_command(strata_binary() + " doctor --dir " + dir.path().string());
+  REQUIRE(text.exit_code == 0);
+  REQUIRE_THAT(text.output, Catch::Contains("RLIMIT_MEMLOCK") && Catch::Contains("O_DIRECT") &&
+                                Catch::Contains("io_uring") && Catch::Contains("CUDA"));
+}
+
+TEST_CASE("strata doctor rejects a missing directory", "[cli]") {
+  const auto result = run_command(strata_binary() + " doctor --dir /nonexistent/strata 2>&1");
+  REQUIRE(result.exit_code != 0);
+  REQUIRE_THAT(result.output, Catch::Contains("/nonexistent/strata"));
+}
+
+TEST_CASE("strata config check: exit codes and messages", "[cli]") {
+  strata::test::TempDir dir;
+  const auto good = run_command(strata_binary() + " config check " STRATA_SOURCE_DIR
+                                "/tests/runtime/configs/ds_zero3_nvme.json 2>/dev/null");
+  REQUIRE(good.exit_code == 0);
+  REQUIRE(nlohmann::json::parse(good.output)["zero_optimization"]["stage"] == 3);
+
+  const std::string bad = dir.file("bad.json");
+  REQUIRE(run_command("printf '%s' '{\"zero_optimization\": {\"offload_param\": {\"device\": \"ssd\"}}, "
+                      "\"aio\": {\"thread_cont\": 2}}' > " + bad).exit_code == 0);
+  const auto result = run_command(strata_binary() + " config check " + bad + " 2>&1");
+  REQUIRE(result.exit_code == 1);
+  REQUIRE_THAT(result.output,
+               Catch::Contains("2 problems") &&
+                   Catch::Contains("zero_optimization.offload_param.device: \"ssd\" is not one of none, cpu, nvme") &&
+                   Catch::Contains("did you mean \"aio.thread_count\""));
+}
+
+TEST_CASE("strata --help lists the subcommands", "[cli]") {
+  const auto result = run_command(strata_binary() + " --help");
+  REQUIRE(result.exit_code == 0);
+  REQUIRE_THAT(result.output, Catch::Contains("doctor") && Catch::Contains("config"));
+  REQUIRE(run_command(strata_binary() + " no-such-command 2>&1").exit_code != 0);
+}
