@@ -17,7 +17,10 @@ function(strata_add_library name)
   endif()
   add_library(strata_${name} ${sources})
   add_library(strata::${name} ALIAS strata_${name})
-  set_target_properties(strata_${name} PROPERTIES OUTPUT_NAME strata_${name} EXPORT_NAME ${name})
+  # INSTALL_RPATH $ORIGIN: an installed library finds the strata libraries it
+  # depends on (e.g. runtime -> kernels) beside itself, without LD_LIBRARY_PATH.
+  set_target_properties(strata_${name} PROPERTIES OUTPUT_NAME strata_${name} EXPORT_NAME ${name}
+                        INSTALL_RPATH "$ORIGIN")
   target_include_directories(strata_${name} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
     $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/strata>)
