@@ -1,0 +1,424 @@
+// AioHandle: request splitting, per-worker submission loops, completion
+// checking (short transfers resumed, EINTR/EAGAIN retried, errors with context).
+#include "nvme/aio_handle.h"
+
+#include <string.h>
+
+#include <cerrno>
+#include <chrono>
+#include <deque>
+#include <optional>
+
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::nvme {
+namespace {
+
+constexpr int kMaxRetries = 10000;  // EINTR/EAGAIN resubmissions of one piece before giving up
+
+std::string errno_text(int err) {
+  const char* name = strerrorname_np(err);
+  return fmt::format("{} ({})", strerror(err), name ? name : fmt::format("errno {}", err));
+}
+
+const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+
+}  // namespace
+
+struct AioHandle::Request {
+  IoOp op;
+  std::string path;
+  uint64_t offset;
+  size_t nbytes;
+  size_t pieces_left = 0;  // guarded by AioHandle::mutex_
+  std::exception_ptr error;
+};
+
+struct AioHandle::Piece {
+  std::shared_ptr<Request> request;
+  const File* file = nullptr;
+  char* buf = nullptr;
+  size_t nbytes = 0;
+  uint64_t offset = 0;
+  size_t done = 0;  // bytes already transferred (short completions resumed)
+  int fixed_index = -1;
+  int retries = 0;
+  uint64_t id = 0;  // key in the worker's in-flight table
+  std::chrono::steady_clock::time_point started;
+};
+
+struct AioHandle::Worker {
+  std::unique_ptr<IoQueue> queue;
+  std::thread thread;
+  std::mutex mutex;  // guards inbox, stop
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<Piece>> inbox;
+  bool stop = false;
+  std::vector<uint64_t> latencies_ns;  // guarded by mutex
+};
+
+AioHandle::AioHandle(const AioOptions& options, std::unique_ptr<IoBackend> backend)
+    : options_(options), backend_(std::move(backend)) {
+  options_.validate();
+  if (!backend_) backend_ = make_backend(options_.engine);
+  for (int i = 0; i < options_.thread_count; ++i) {
+    auto worker = std::make_unique<Worker>();
+    worker->queue = backend_->create_queue(static_cast<size_t>(options_.queue_depth));
+    workers_.push_back(std::move(worker));
+  }
+  for (auto& worker : workers_) {
+    Worker* w = worker.get();
+    w->thread = std::thread([this, w] { worker_loop(*w); });
+  }
+}
+
+AioHandle::~AioHandle() {
+  try {
+    wait_all();
+  } catch (const std::exception& e) {
+    logger().error("I/O error not collected before the handle was destroyed: {}", e.what());
+  }
+  for (auto& worker : workers_) {
+    {
+      std::lock_guard lock(worker->mutex);
+      worker->stop = true;
+    }
+    worker->cv.notify_one();
+  }
+  for (auto& worker : workers_) worker->thread.join();
+}
+
+std::string_view AioHandle::backend_name() const { return backend_->name(); }
+
+AioStats AioHandle::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+Ticket AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
+  return submit(IoOp::kRead, file, buf, nbytes, offset);
+}
+
+Ticket AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset) {
+  // The buffer is only read from for writes; the piece type is shared with reads.
+  return submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset);
+}
+
+void AioHandle::read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
+  wait(submit_read(file, buf, nbytes, offset));
+}
+
+void AioHandle::write(const File& file, const void* buf, size_t nbytes, uint64_t offset) {
+  wait(submit_write(file, buf, nbytes, offset));
+}
+
+int AioHandle::find_fixed_index(const void* buf, size_t nbytes) const {
+  if (!fixed_active_) return -1;
+  auto p = reinterpret_cast<uintptr_t>(buf);
+  for (size_t i = 0; i < fixed_.size(); ++i) {
+    auto base = reinterpret_cast<uintptr_t>(fixed_[i].iov_base);
+    if (p >= base && p + nbytes <= base + fixed_[i].iov_len) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset) {
+  STRATA_CHECK(file.is_open(), kBadArgument, "{} of a closed file", op_name(op));
+  STRATA_CHECK(buf != nullptr || nbytes == 0, kBadArgument, "{} of {} with a null buffer",
+               op_name(op), file.path());
+  const size_t align = file.alignment();
+  if (align > 1) {
+    auto address = reinterpret_cast<uintptr_t>(buf);
+    if (address % align != 0 || offset % align != 0 || nbytes % align != 0) {
+      raise(ErrorCategory::kBadArgument,
+            "{} of {} (O_DIRECT): buffer address {}, file offset {} and length {} must each be a "
+            "multiple of {} bytes (misaligned: {}{}{})",
+            op_name(op), file.path(), buf, offset, nbytes, align,
+            address % align ? "buffer " : "", offset % align ? "offset " : "",
+            nbytes % align ? "length" : "");
+    }
+  }
+  auto request = std::make_shared<Request>();
+  request->op = op;
+  request->path = file.path();
+  request->offset = offset;
+  request->nbytes = nbytes;
+
+  const size_t block = options_.block_size;
+  const size_t piece_count = (nbytes + block - 1) / block;
+  std::vector<std::vector<std::unique_ptr<Piece>>> per_worker(workers_.size());
+  Ticket ticket;
+  {
+    std::lock_guard lock(mutex_);
+    ticket = next_ticket_++;
+    request->pieces_left = piece_count;
+    requests_.emplace(ticket, request);
+    for (size_t i = 0; i < piece_count; ++i) {
+      auto piece = std::make_unique<Piece>();
+      piece->request = request;
+      piece->file = &file;
+      piece->buf = static_cast<char*>(buf) + i * block;
+      piece->nbytes = std::min(block, nbytes - i * block);
+      piece->offset = offset + i * block;
+      piece->fixed_index = find_fixed_index(piece->buf, piece->nbytes);
+      per_worker[next_worker_].push_back(std::move(piece));
+      next_worker_ = (next_worker_ + 1) % workers_.size();
+    }
+  }
+  for (size_t w = 0; w < workers_.size(); ++w) {
+    if (per_worker[w].empty()) continue;
+    {
+      std::lock_guard lock(workers_[w]->mutex);
+      for (auto& piece : per_worker[w]) workers_[w]->inbox.push_back(std::move(piece));
+    }
+    workers_[w]->cv.notify_one();
+  }
+  return ticket;
+}
+
+void AioHandle::finish_piece(Piece& piece, std::exception_ptr error) {
+  std::lock_guard lock(mutex_);
+  Request& request = *piece.request;
+  if (error && !request.error) request.error = error;
+  ++stats_.pieces;
+  if (!error) {
+    (request.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += piece.nbytes;
+    if (piece.fixed_index >= 0) ++stats_.fixed_pieces;
+  }
+  if (--request.pieces_left == 0) done_cv_.notify_all();
+}
+
+void AioHandle::worker_loop(Worker& worker) {
+  IoQueue& queue = *worker.queue;
+  const size_t depth = queue.capacity();
+  std::unordered_map<uint64_t, std::unique_ptr<Piece>> in_flight;
+  std::vector<Piece*> to_submit;
+  std::vector<IoCompletion> completions;
+  uint64_t next_id = 1;
+  // Set once the queue itself failed (submit or wait threw): from then on every
+  // piece of this worker fails with this text, so no waiter is left hanging.
+  std::optional<std::string> broken;
+
+  auto piece_error = [](const Piece& piece, uint64_t at, const std::string& why) {
+    const Request& r = *piece.request;
+    return std::make_exception_ptr(
+        Error(ErrorCategory::kIo,
+              fmt::format("{} of {} (request offset {}, {} bytes) failed at offset {} (piece of {} "
+                          "bytes, {} done): {}",
+                          op_name(r.op), r.path, r.offset, r.nbytes, at, piece.nbytes, piece.done,
+                          why)));
+  };
+
+  auto broken_error = [&](const Piece& piece) {
+    return piece_error(piece, piece.offset + piece.done,
+                       fmt::format("I/O worker queue ({}) failed: {}", backend_->name(), *broken));
+  };
+  auto fail_all = [&] {
+    for (auto& [id, piece] : in_flight) finish_piece(*piece, broken_error(*piece));
+    in_flight.clear();
+    to_submit.clear();
+  };
+
+  while (true) {
+    // Take new pieces: up to the free depth (all at once only when the queue is
+    // empty if overlap_events is off, so batches complete before the next one).
+    {
+      std::unique_lock lock(worker.mutex);
+      if (in_flight.empty()) {
+        worker.cv.wait(lock, [&] { return worker.stop || !worker.inbox.empty(); });
+        if (worker.inbox.empty() && worker.stop) return;
+      }
+      const bool may_refill = options_.overlap_events || in_flight.empty();
+      while (may_refill && in_flight.size() < depth && !worker.inbox.empty()) {
+        std::unique_ptr<Piece> piece = std::move(worker.inbox.front());
+        worker.inbox.pop_front();
+        if (broken) {
+          lock.unlock();
+          finish_piece(*piece, broken_error(*piece));
+          lock.lock();
+          continue;
+        }
+        Piece* raw = piece.get();
+        raw->id = next_id++;
+        if (record_latency_.load(std::memory_order_relaxed)) {
+          raw->started = std::chrono::steady_clock::now();
+        }
+        in_flight.emplace(raw->id, std::move(piece));
+        to_submit.push_back(raw);
+      }
+    }
+    if (in_flight.empty()) continue;
+    try {
+      if (!to_submit.empty()) {
+        for (Piece* piece : to_submit) {
+          IoPiece io;
+          io.op = piece->request->op;
+          io.fd = piece->file->fd();
+          io.buf = piece->buf + piece->done;
+          io.nbytes = piece->nbytes - piece->done;
+          io.offset = piece->offset + piece->done;
+          io.fixed_index = piece->fixed_index;
+          io.user_data = piece->id;
+          queue.prepare(io);
+          if (options_.single_submit) queue.submit();
+        }
+        to_submit.clear();
+      }
+      completions.clear();
+      queue.submit_and_wait(completions, options_.overlap_events ? 1 : in_flight.size());
+    } catch (const std::exception& e) {
+      broken = e.what();
+      logger().error("I/O worker queue ({}) failed, failing its requests: {}", backend_->name(),
+                     e.what());
+      fail_all();
+      continue;
+    }
+    for (const IoCompletion& c : completions) {
+      auto it = in_flight.find(c.user_data);
+      if (it == in_flight.end()) {
+        logger().error("I/O completion for unknown piece id {}", c.user_data);
+        continue;
+      }
+      Piece& piece = *it->second;
+      const IoOp op = piece.request->op;
+      const uint64_t at = piece.offset + piece.done;
+      const size_t remaining = piece.nbytes - piece.done;
+      std::exception_ptr error;
+      bool resubmit = false;
+      if (c.result == -EINTR || c.result == -EAGAIN) {
+        if (++piece.retries > kMaxRetries) {
+          error = piece_error(piece, at, fmt::format("{} after {} retries",
+                                                     errno_text(static_cast<int>(-c.result)),
+                                                     kMaxRetries));
+        } else {
+          resubmit = true;
+          std::lock_guard lock(mutex_);
+          ++stats_.retried;
+        }
+      } else if (c.result < 0) {
+        error = piece_error(piece, at, errno_text(static_cast<int>(-c.result)));
+      } else if (c.result == 0) {
+        error = op == IoOp::kRead
+                    ? piece_error(piece, at, "read past end of file")
+                    : piece_error(piece, at, "write transferred 0 bytes (no progress)");
+      } else if (static_cast<size_t>(c.result) < remaining) {
+        piece.done += static_cast<size_t>(c.result);
+        const uint64_t next = piece.offset + piece.done;
+        if (piece.file->direct() && next % kDirectIoAlignment != 0) {
+          // O_DIRECT cannot resume at an unaligned offset; for reads this is EOF.
+          uint64_t size = 0;
+          try {
+            size = piece.file->size_nbytes();
+          } catch (...) {
+          }
+          error = piece_error(
+              piece, next,
+              op == IoOp::kRead && next >= size
+                  ? fmt::format("read past end of file (file size {} bytes)", size)
+                  : std::string("short O_DIRECT transfer ended at an unaligned offset"));
+        } else {
+          resubmit = true;
+          std::lock_guard lock(mutex_);
+          ++stats_.short_resumed;
+        }
+      } else {
+        piece.done = piece.nbytes;
+      }
+      if (resubmit) {
+        to_submit.push_back(&piece);
+        continue;
+      }
+      std::unique_ptr<Piece> owned = std::move(it->second);
+      in_flight.erase(it);
+      if (record_latency_.load(std::memory_order_relaxed) &&
+          owned->started != std::chrono::steady_clock::time_point{}) {
+        auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - owned->started)
+                      .count();
+        std::lock_guard lock(worker.mutex);
+        worker.latencies_ns.push_back(static_cast<uint64_t>(ns));
+      }
+      finish_piece(*owned, error);
+    }
+  }
+}
+
+void AioHandle::wait(Ticket ticket) {
+  std::shared_ptr<Request> request;
+  {
+    std::unique_lock lock(mutex_);
+    auto it = requests_.find(ticket);
+    STRATA_CHECK(it != requests_.end(), kBadArgument,
+                 "I/O ticket {} is unknown or was already waited on", ticket);
+    request = it->second;
+    done_cv_.wait(lock, [&] { return request->pieces_left == 0; });
+    requests_.erase(ticket);
+  }
+  if (request->error) std::rethrow_exception(request->error);
+}
+
+bool AioHandle::done(Ticket ticket) const {
+  std::lock_guard lock(mutex_);
+  auto it = requests_.find(ticket);
+  STRATA_CHECK(it != requests_.end(), kBadArgument,
+               "I/O ticket {} is unknown or was already waited on", ticket);
+  return it->second->pieces_left == 0;
+}
+
+void AioHandle::wait_all() {
+  std::exception_ptr first;
+  std::unique_lock lock(mutex_);
+  done_cv_.wait(lock, [&] {
+    for (const auto& [ticket, request] : requests_) {
+      if (request->pieces_left != 0) return false;
+    }
+    return true;
+  });
+  // Report the error of the earliest ticket, so the message is deterministic.
+  Ticket first_ticket = 0;
+  for (const auto& [ticket, request] : requests_) {
+    if (request->error && (first_ticket == 0 || ticket < first_ticket)) {
+      first_ticket = ticket;
+      first = request->error;
+    }
+  }
+  requests_.clear();
+  lock.unlock();
+  if (first) std::rethrow_exception(first);
+}
+
+bool AioHandle::register_buffers(const std::vector<iovec>& buffers) {
+  std::lock_guard lock(mutex_);
+  for (const auto& [ticket, request] : requests_) {
+    STRATA_CHECK(request->pieces_left == 0, kBadArgument,
+                 "register_buffers needs an idle handle, but ticket {} is in flight", ticket);
+  }
+  for (auto& worker : workers_) worker->queue->unregister_buffers();
+  fixed_.clear();
+  fixed_active_ = false;
+  if (!options_.register_buffers || buffers.empty()) return false;
+  bool ok = true;
+  for (auto& worker : workers_) ok = ok && worker->queue->register_buffers(buffers);
+  if (!ok) {
+    for (auto& worker : workers_) worker->queue->unregister_buffers();
+    return false;
+  }
+  fixed_ = buffers;
+  fixed_active_ = true;
+  return true;
+}
+
+std::vector<uint64_t> AioHandle::take_latencies_ns() {
+  std::vector<uint64_t> all;
+  for (auto& worker : workers_) {
+    std::lock_guard lock(worker->mutex);
+    all.insert(all.end(), worker->latencies_ns.begin(), worker->latencies_ns.end());
+    worker->latencies_ns.clear();
+  }
+  return all;
+}
+
+void AioHandle::unregister_buffers() { register_buffers({}); }
+
+}  // namespace strata::nvme

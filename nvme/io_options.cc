@@ -1,0 +1,35 @@
+// Engine names and validation of the `aio` options.
+#include "nvme/io_options.h"
+
+#include "runtime/core/error.h"
+
+namespace strata::nvme {
+
+std::string_view engine_kind_name(EngineKind kind) {
+  switch (kind) {
+    case EngineKind::kUring: return "uring";
+    case EngineKind::kAio: return "aio";
+    case EngineKind::kPsync: return "psync";
+  }
+  return "unknown";
+}
+
+EngineKind parse_engine_kind(std::string_view text) {
+  if (text == "uring" || text == "io_uring") return EngineKind::kUring;
+  if (text == "aio" || text == "libaio") return EngineKind::kAio;
+  if (text == "psync") return EngineKind::kPsync;
+  raise(ErrorCategory::kBadArgument, "unknown I/O engine '{}': accepted values are uring, aio, psync",
+        text);
+}
+
+void AioOptions::validate() const {
+  STRATA_CHECK(block_size > 0 && block_size % kDirectIoAlignment == 0, kBadArgument,
+               "aio.block_size = {} must be a positive multiple of {}", block_size,
+               kDirectIoAlignment);
+  STRATA_CHECK(queue_depth >= 1 && queue_depth <= 4096, kBadArgument,
+               "aio.queue_depth = {} must be in [1, 4096]", queue_depth);
+  STRATA_CHECK(thread_count >= 1 && thread_count <= 256, kBadArgument,
+               "aio.thread_count = {} must be in [1, 256]", thread_count);
+}
+
+}  // namespace strata::nvme

@@ -1,0 +1,128 @@
+// SwapSpace: stable per-(group, rank) directory of preallocated swap files.
+#include "nvme/swap_space.h"
+
+#include <sys/statvfs.h>
+
+#include <cerrno>
+#include <system_error>
+
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::nvme {
+namespace {
+
+void check_name(std::string_view what, const std::string& name) {
+  STRATA_CHECK(!name.empty() && name != "." && name != "..", kBadArgument,
+               "swap {} '{}' must be a non-empty file name", what, name);
+  for (char c : name) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+              c == '.' || c == '_' || c == '-';
+    STRATA_CHECK(ok, kBadArgument,
+                 "swap {} '{}' may contain only letters, digits, '.', '_' and '-'", what, name);
+  }
+}
+
+}  // namespace
+
+uint64_t free_space_nbytes(const std::filesystem::path& path) {
+  struct statvfs st {};
+  check_errno(::statvfs(path.c_str(), &st), fmt::format("statvfs {}", path.string()));
+  return static_cast<uint64_t>(st.f_bavail) * static_cast<uint64_t>(st.f_frsize);
+}
+
+SwapSpace::SwapSpace(SwapSpaceOptions options) : options_(std::move(options)) {
+  STRATA_CHECK(!options_.root.empty(), kBadArgument, "swap space root directory is empty");
+  STRATA_CHECK(options_.rank >= 0, kBadArgument, "swap space rank {} is negative", options_.rank);
+  check_name("group", options_.group);
+  dir_ = options_.root / options_.group / fmt::format("rank{}", options_.rank);
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec) {
+    raise(ErrorCategory::kIo, "cannot create swap directory {} (rank {}): {}", dir_.string(),
+          options_.rank, ec.message());
+  }
+}
+
+SwapSpace::~SwapSpace() {
+  if (keep_) {
+    for (auto& [key, file] : files_) file.close();
+    return;
+  }
+  try {
+    remove_all();
+  } catch (const std::exception& e) {
+    logger().warn("could not remove swap space {}: {}", dir_.string(), e.what());
+  }
+}
+
+std::filesystem::path SwapSpace::path_for(const std::string& key) const {
+  check_name("key", key);
+  return dir_ / (key + ".swp");
+}
+
+void SwapSpace::create(const std::vector<SwapFileSpec>& files) {
+  // Room needed beyond what files already on disk hold (a resumed run reuses them).
+  uint64_t needed = 0, total = 0;
+  for (const auto& spec : files) {
+    std::filesystem::path path = path_for(spec.key);
+    std::error_code ec;
+    uint64_t existing = std::filesystem::exists(path, ec) ? std::filesystem::file_size(path, ec) : 0;
+    if (ec) existing = 0;
+    if (spec.nbytes > existing) needed += spec.nbytes - existing;
+    total += spec.nbytes;
+  }
+  uint64_t available = free_space_nbytes(dir_);
+  if (needed > available) {
+    raise(ErrorCategory::kIo,
+          "swap space {} (group '{}', rank {}) needs {} more bytes for {} files ({} bytes in "
+          "all) but the filesystem has only {} bytes free",
+          dir_.string(), options_.group, options_.rank, needed, files.size(), total, available);
+  }
+  for (const auto& spec : files) create(spec);
+}
+
+File& SwapSpace::create(const SwapFileSpec& spec) {
+  std::filesystem::path path = path_for(spec.key);
+  auto it = files_.find(spec.key);
+  if (it == files_.end()) {
+    it = files_.emplace(spec.key, File::open(path.string(), OpenMode::kReadWrite, options_.direct))
+             .first;
+  }
+  try {
+    it->second.allocate(spec.nbytes);
+  } catch (const Error& e) {
+    raise(ErrorCategory::kIo, "swap file for key '{}' (group '{}', rank {}): {}", spec.key,
+          options_.group, options_.rank, e.message());
+  }
+  sizes_[spec.key] = std::max(sizes_[spec.key], spec.nbytes);
+  return it->second;
+}
+
+File& SwapSpace::file(const std::string& key) {
+  auto it = files_.find(key);
+  STRATA_CHECK(it != files_.end(), kBadArgument, "no swap file with key '{}' in {}", key,
+               dir_.string());
+  return it->second;
+}
+
+uint64_t SwapSpace::total_nbytes() const {
+  uint64_t total = 0;
+  for (const auto& [key, nbytes] : sizes_) total += nbytes;
+  return total;
+}
+
+void SwapSpace::remove_all() {
+  std::error_code ec;
+  for (auto& [key, file] : files_) {
+    file.close();
+    std::filesystem::remove(path_for(key), ec);
+  }
+  files_.clear();
+  sizes_.clear();
+  // Only empty directories are removed: files not created by us stay.
+  std::filesystem::remove(dir_, ec);
+  std::filesystem::remove(dir_.parent_path(), ec);
+}
+
+}  // namespace strata::nvme

@@ -1,0 +1,144 @@
+// io_uring backend: one ring per queue; fixed buffers when registered.
+#include <liburing.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "nvme/backends.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::nvme {
+namespace {
+
+class UringQueue final : public IoQueue {
+ public:
+  explicit UringQueue(size_t depth) : depth_(depth) {
+    int rc = io_uring_queue_init(static_cast<unsigned>(depth), &ring_, 0);
+    if (rc < 0) raise_errno(-rc, fmt::format("io_uring_queue_init(entries={})", depth));
+  }
+  ~UringQueue() override {
+    if (registered_) io_uring_unregister_buffers(&ring_);
+    io_uring_queue_exit(&ring_);
+  }
+
+  size_t capacity() const override { return depth_; }
+
+  void prepare(const IoPiece& piece) override {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) {
+      // Only when the caller exceeded capacity(); submitting frees the ring's slots.
+      submit();
+      sqe = io_uring_get_sqe(&ring_);
+      STRATA_CHECK(sqe != nullptr, kInternal, "io_uring submission queue full (depth {})", depth_);
+    }
+    const bool fixed = registered_ && piece.fixed_index >= 0;
+    unsigned nbytes = static_cast<unsigned>(piece.nbytes);
+    if (piece.op == IoOp::kRead) {
+      if (fixed) {
+        io_uring_prep_read_fixed(sqe, piece.fd, piece.buf, nbytes, piece.offset, piece.fixed_index);
+      } else {
+        io_uring_prep_read(sqe, piece.fd, piece.buf, nbytes, piece.offset);
+      }
+    } else {
+      if (fixed) {
+        io_uring_prep_write_fixed(sqe, piece.fd, piece.buf, nbytes, piece.offset,
+                                  piece.fixed_index);
+      } else {
+        io_uring_prep_write(sqe, piece.fd, piece.buf, nbytes, piece.offset);
+      }
+    }
+    io_uring_sqe_set_data64(sqe, piece.user_data);
+    ++prepared_;
+  }
+
+  void submit() override {
+    while (prepared_ > 0) {
+      int rc = io_uring_submit(&ring_);
+      if (rc == -EINTR) continue;
+      if (rc == -EAGAIN || rc == -EBUSY) {
+        // The kernel is short of resources or the CQ is full; let completions drain.
+        std::this_thread::yield();
+        continue;
+      }
+      if (rc < 0) raise_errno(-rc, "io_uring_submit");
+      prepared_ -= std::min<size_t>(prepared_, static_cast<size_t>(rc));
+      if (rc == 0) std::this_thread::yield();
+    }
+  }
+
+  void submit_and_wait(std::vector<IoCompletion>& out, size_t min_count) override {
+    if (prepared_ > 0 && min_count > 0) {
+      // One io_uring_enter submits everything prepared and waits for the first
+      // completion; the rest is reaped below.
+      int rc = io_uring_submit_and_wait(&ring_, 1);
+      if (rc >= 0) {
+        prepared_ -= std::min<size_t>(prepared_, static_cast<size_t>(rc));
+      } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+        raise_errno(-rc, "io_uring_submit_and_wait");
+      }
+    }
+    submit();  // anything left (EINTR, partial submission)
+    wait(out, min_count);
+  }
+
+  void wait(std::vector<IoCompletion>& out, size_t min_count) override {
+    size_t got = 0;
+    while (true) {
+      io_uring_cqe* cqes[64];
+      unsigned n = io_uring_peek_batch_cqe(&ring_, cqes, 64);
+      for (unsigned i = 0; i < n; ++i) {
+        out.push_back({io_uring_cqe_get_data64(cqes[i]), static_cast<long>(cqes[i]->res)});
+      }
+      io_uring_cq_advance(&ring_, n);
+      got += n;
+      if (got >= min_count && (n > 0 || min_count == 0)) return;
+      if (n > 0) continue;
+      io_uring_cqe* cqe = nullptr;
+      int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR || rc == -EAGAIN) continue;
+      if (rc < 0) raise_errno(-rc, "io_uring_wait_cqe");
+    }
+  }
+
+  bool register_buffers(const std::vector<iovec>& buffers) override {
+    unregister_buffers();
+    if (buffers.empty()) return false;
+    int rc = io_uring_register_buffers(&ring_, buffers.data(), static_cast<unsigned>(buffers.size()));
+    if (rc < 0) {
+      warn_once("nvme-uring-register",
+                fmt::format("io_uring could not register {} fixed buffers ({}); using unregistered "
+                            "I/O (raise RLIMIT_MEMLOCK or keep each buffer under 1 GiB)",
+                            buffers.size(), std::strerror(-rc)));
+      return false;
+    }
+    registered_ = true;
+    return true;
+  }
+
+  void unregister_buffers() override {
+    if (registered_) io_uring_unregister_buffers(&ring_);
+    registered_ = false;
+  }
+
+ private:
+  io_uring ring_{};
+  size_t depth_;
+  size_t prepared_ = 0;
+  bool registered_ = false;
+};
+
+class UringBackend final : public IoBackend {
+ public:
+  std::string_view name() const override { return "uring"; }
+  std::unique_ptr<IoQueue> create_queue(size_t depth) override {
+    return std::make_unique<UringQueue>(depth);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<IoBackend> make_uring_backend() { return std::make_unique<UringBackend>(); }
+
+}  // namespace strata::nvme
