@@ -1,0 +1,189 @@
+// strata-adam, in memory: the STREAM-style triad anchor and the optimizer
+// kernel timed per ISA and dtype mix, each checked against the scalar reference.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "bench/strata-adam/adam_bench.h"
+#include "runtime/core/error.h"
+#include "runtime/core/host_memory.h"
+
+namespace strata::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Page-aligned host array, first touched by the threads that will use it.
+struct HostArray {
+  explicit HostArray(size_t nbytes) : nbytes_(nbytes) {
+    ptr_ = std::aligned_alloc(4096, (nbytes + 4095) / 4096 * 4096);
+    STRATA_CHECK(ptr_ != nullptr, kOutOfMemory, "strata-adam: cannot allocate {} bytes", nbytes);
+  }
+  ~HostArray() { std::free(ptr_); }
+  HostArray(const HostArray&) = delete;
+  HostArray& operator=(const HostArray&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t nbytes() const { return nbytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t nbytes_ = 0;
+};
+
+// A deterministic value in [-1, 1) for element i (no RNG state to share across threads).
+float pseudo(uint64_t i, uint64_t salt) {
+  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ salt;
+  x ^= x >> 31;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<double>(x >> 40) / static_cast<double>(1ull << 23) - 1.0);
+}
+
+void fill(float* dst, size_t numel, uint64_t salt, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (size_t i = 0; i < numel; ++i) dst[i] = salt == 0 ? 0.0f : pseudo(i, salt);
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+double adam_bytes_per_element(DType grad_dtype, std::optional<DType> copy_dtype) {
+  return 24.0 + static_cast<double>(dtype_nbytes(grad_dtype)) +
+         (copy_dtype ? static_cast<double>(dtype_nbytes(*copy_dtype)) : 0.0);
+}
+
+TriadResult run_triad(size_t numel, int threads, int iters) {
+  HostArray a(numel * 4), b(numel * 4), c(numel * 4);
+  float* __restrict pa = a.as<float>();
+  const float* __restrict pb = b.as<float>();
+  const float* __restrict pc = c.as<float>();
+  fill(a.as<float>(), numel, 0, threads);
+  fill(b.as<float>(), numel, 1, threads);
+  fill(c.as<float>(), numel, 2, threads);
+  const float s = 3.0f;
+  TriadResult r;
+  r.numel = numel;
+  r.seconds = 1e30;
+  for (int it = 0; it < iters + 1; ++it) {  // the first pass warms up
+    const auto start = Clock::now();
+    // Vectorised (SSE2 baseline is enough to saturate memory), static split
+    // like the kernel's.
+#pragma omp parallel for simd num_threads(threads) schedule(static)
+    for (size_t i = 0; i < numel; ++i) pa[i] = pb[i] + s * pc[i];
+    const double t = seconds_since(start);
+    if (it > 0) r.seconds = std::min(r.seconds, t);
+  }
+  r.gb_per_s = 3.0 * 4.0 * static_cast<double>(numel) / r.seconds / 1e9;
+  r.correct = true;
+  for (size_t i = 0; i < numel; i += std::max<size_t>(1, numel / 4099)) {
+    r.correct &= pa[i] == pb[i] + s * pc[i];
+  }
+  return r;
+}
+
+std::vector<KernelRow> run_kernel_cases(const std::vector<KernelCase>& cases, size_t numel,
+                                        int threads, int iters, bool adamw, double triad_gb_per_s) {
+  HostArray p(numel * 4), m(numel * 4), v(numel * 4), g32(numel * 4), g16(numel * 2), copy(numel * 2);
+  fill(p.as<float>(), numel, 11, threads);
+  fill(m.as<float>(), numel, 0, threads);
+  fill(v.as<float>(), numel, 0, threads);
+  fill(g32.as<float>(), numel, 12, threads);
+  std::memset(copy.as<void>(), 0, copy.nbytes());
+
+  // Samples checked against the scalar reference: spread over the array plus the tail.
+  std::vector<size_t> sample;
+  for (size_t i = 0; i < numel; i += std::max<size_t>(1, numel / 4096)) sample.push_back(i);
+  for (size_t i = numel > 67 ? numel - 67 : 0; i < numel; ++i) sample.push_back(i);
+  std::sort(sample.begin(), sample.end());
+  sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
+
+  kernels::AdamConfig config;
+  config.weight_decay = 0.01f;
+  config.adamw = adamw;
+  int64_t step = 0;
+  DType g16_dtype = DType::kF32;  // what g16 holds now
+  std::vector<KernelRow> rows;
+  for (const KernelCase& kc : cases) {
+    const void* grad = g32.as<void>();
+    if (kc.grad_dtype != DType::kF32) {
+      if (g16_dtype != kc.grad_dtype) {
+        convert(g32.as<void>(), DType::kF32, g16.as<void>(), kc.grad_dtype, numel);
+        g16_dtype = kc.grad_dtype;
+      }
+      grad = g16.as<void>();
+    }
+    kernels::AdamBuffers b{p.as<float>(), m.as<float>(), v.as<float>(), grad, kc.grad_dtype,
+                           kc.copy_dtype ? copy.as<void>() : nullptr,
+                           kc.copy_dtype.value_or(DType::kBF16), numel};
+    KernelRow row;
+    row.isa = std::string(kernels::isa_name(kc.isa));
+    row.grad_dtype = std::string(dtype_name(kc.grad_dtype));
+    row.copy_dtype = kc.copy_dtype ? std::string(dtype_name(*kc.copy_dtype)) : "none";
+    row.numel = numel;
+    row.threads = threads;
+
+    // Check step: gather the samples, run, compare with the scalar formula on the gathered copy.
+    const size_t ns = sample.size();
+    std::vector<float> sp(ns), sm(ns), sv(ns), sg32(ns);
+    std::vector<uint16_t> sg16(ns), scopy(ns);
+    for (size_t j = 0; j < ns; ++j) {
+      const size_t i = sample[j];
+      sp[j] = b.param[i];
+      sm[j] = b.exp_avg[i];
+      sv[j] = b.exp_avg_sq[i];
+      if (kc.grad_dtype == DType::kF32) sg32[j] = g32.as<float>()[i];
+      else sg16[j] = g16.as<uint16_t>()[i];
+    }
+    const auto coeffs = kernels::adam_coefficients(config, ++step, 0.5f);
+    kernels::adam_step(coeffs, b, kc.isa, threads);
+    kernels::AdamBuffers ref{sp.data(), sm.data(), sv.data(),
+                             kc.grad_dtype == DType::kF32 ? static_cast<const void*>(sg32.data())
+                                                          : static_cast<const void*>(sg16.data()),
+                             kc.grad_dtype, kc.copy_dtype ? scopy.data() : nullptr,
+                             kc.copy_dtype.value_or(DType::kBF16), ns};
+    kernels::adam_step(coeffs, ref, kernels::CpuIsa::kScalar, 1);
+    size_t bad = 0;
+    double worst = 0;
+    for (size_t j = 0; j < ns; ++j) {
+      const size_t i = sample[j];
+      // One step: only FMA contraction separates the variants.
+      const double err = std::abs(static_cast<double>(b.param[i]) - sp[j]) / (1e-6 + 1e-6 * std::abs(sp[j]));
+      worst = std::max(worst, err);
+      bad += err > 1.0;
+      bad += std::abs(b.exp_avg_sq[i] - sv[j]) > 1e-6 * std::abs(sv[j]) + 1e-12;
+      if (kc.copy_dtype) {
+        const float x = b.param[i];
+        const uint16_t expect = *kc.copy_dtype == DType::kBF16 ? float_to_bf16(x).bits : float_to_half(x).bits;
+        bad += copy.as<uint16_t>()[i] != expect;
+      }
+    }
+    row.correct = bad == 0;
+    row.check_detail = fmt::format("{} samples, {} mismatches, worst param error {:.3f} of tolerance", ns, bad, worst);
+
+    row.seconds = 1e30;
+    for (int it = 0; it < iters; ++it) {
+      const auto c = kernels::adam_coefficients(config, ++step, 0.5f);
+      const auto start = Clock::now();
+      kernels::adam_step(c, b, kc.isa, threads);
+      row.seconds = std::min(row.seconds, seconds_since(start));
+    }
+    row.params_per_s = static_cast<double>(numel) / row.seconds;
+    row.bytes = adam_bytes_per_element(kc.grad_dtype, kc.copy_dtype) * static_cast<double>(numel);
+    row.gb_per_s = row.bytes / row.seconds / 1e9;
+    row.triad_gb_per_s = triad_gb_per_s;
+    row.ratio = row.gb_per_s / triad_gb_per_s;
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace strata::bench

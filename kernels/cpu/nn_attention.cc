@@ -1,0 +1,131 @@
+// CPU causal self-attention with grouped-query heads. Forward keeps only the
+// per-row log-sum-exp; backward recomputes the probabilities from it (the
+// FlashAttention recurrence), so no [seq, seq] matrix is stored between passes.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/nn_gemm.h"
+#include "kernels/nn_ops.h"
+#include "runtime/core/error.h"
+
+namespace strata::nn::cpu {
+namespace {
+
+void check_shape(const AttentionShape& s) {
+  STRATA_CHECK(s.batch > 0 && s.seq > 0 && s.heads > 0 && s.kv_heads > 0 && s.head_dim > 0 &&
+                   s.heads % s.kv_heads == 0,
+               kBadArgument,
+               "attention: bad shape batch={} seq={} heads={} kv_heads={} head_dim={} (heads must "
+               "be a multiple of kv_heads)",
+               s.batch, s.seq, s.heads, s.kv_heads, s.head_dim);
+}
+
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  T acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+}  // namespace
+
+template <typename T>
+void attention_forward(const T* q, const T* k, const T* v, const AttentionShape& s, T* out,
+                       T* lse) {
+  check_shape(s);
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
+  const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+#pragma omp parallel if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
+  {
+    std::vector<T> p(static_cast<size_t>(s.seq));
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const int64_t kh = h / group;
+        for (int64_t i = 0; i < s.seq; ++i) {
+          const T* qi = q + (b * s.seq + i) * q_row + h * d;
+          T m = -std::numeric_limits<T>::infinity();
+          for (int64_t j = 0; j <= i; ++j) {
+            p[j] = dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale;
+            m = std::max(m, p[j]);
+          }
+          T sum = 0;
+          for (int64_t j = 0; j <= i; ++j) {
+            p[j] = std::exp(p[j] - m);
+            sum += p[j];
+          }
+          T* oi = out + (b * s.seq + i) * q_row + h * d;
+          std::fill(oi, oi + d, T(0));
+          for (int64_t j = 0; j <= i; ++j) {
+            const T* vj = v + (b * s.seq + j) * kv_row + kh * d;
+            const T w = p[j] / sum;
+            for (int64_t c = 0; c < d; ++c) oi[c] += w * vj[c];
+          }
+          lse[(b * s.heads + h) * s.seq + i] = m + std::log(sum);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out,
+                        const T* lse, const AttentionShape& s, T* dq, T* dk, T* dv) {
+  check_shape(s);
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
+  const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  // One (batch, kv head) per iteration: all query heads of a group write the
+  // same dk/dv rows, so they stay on one thread.
+#pragma omp parallel for collapse(2) \
+    schedule(static) if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
+      for (int64_t j = 0; j < s.seq; ++j) {
+        std::fill_n(dk + (b * s.seq + j) * kv_row + kh * d, d, T(0));
+        std::fill_n(dv + (b * s.seq + j) * kv_row + kh * d, d, T(0));
+      }
+      for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+        for (int64_t i = 0; i < s.seq; ++i) {
+          const int64_t qo = (b * s.seq + i) * q_row + h * d;
+          const T* qi = q + qo;
+          const T* doi = dout + qo;
+          T* dqi = dq + qo;
+          std::fill(dqi, dqi + d, T(0));
+          const T delta = dot(doi, out + qo, d);  // sum_j p_ij dp_ij
+          const T row_lse = lse[(b * s.heads + h) * s.seq + i];
+          for (int64_t j = 0; j <= i; ++j) {
+            const int64_t ko = (b * s.seq + j) * kv_row + kh * d;
+            const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
+            const T dp = dot(doi, v + ko, d);
+            const T ds = p * (dp - delta) * scale;
+            T* dkj = dk + ko;
+            T* dvj = dv + ko;
+            const T* kj = k + ko;
+            for (int64_t c = 0; c < d; ++c) {
+              dvj[c] += p * doi[c];
+              dqi[c] += ds * kj[c];
+              dkj[c] += ds * qi[c];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template void attention_forward<float>(const float*, const float*, const float*,
+                                       const AttentionShape&, float*, float*);
+template void attention_forward<double>(const double*, const double*, const double*,
+                                        const AttentionShape&, double*, double*);
+template void attention_backward<float>(const float*, const float*, const float*, const float*,
+                                        const float*, const float*, const AttentionShape&, float*,
+                                        float*, float*);
+template void attention_backward<double>(const double*, const double*, const double*, const double*,
+                                         const double*, const double*, const AttentionShape&,
+                                         double*, double*, double*);
+
+}  // namespace strata::nn::cpu

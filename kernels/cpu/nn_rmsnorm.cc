@@ -1,0 +1,59 @@
+// CPU RMSNorm forward and backward; statistics accumulate in double.
+#include <cmath>
+
+#include "kernels/cpu/nn_gemm.h"
+#include "kernels/nn_ops.h"
+
+namespace strata::nn::cpu {
+
+template <typename T>
+void rmsnorm_forward(const T* x, const T* w, int64_t rows, int64_t dim, double eps, T* y, T* rstd) {
+#pragma omp parallel for schedule(static) if (rows * dim >= detail::kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    double sum_sq = 0;
+    for (int64_t c = 0; c < dim; ++c) sum_sq += static_cast<double>(xr[c]) * xr[c];
+    const T s = static_cast<T>(1.0 / std::sqrt(sum_sq / static_cast<double>(dim) + eps));
+    rstd[r] = s;
+    T* yr = y + r * dim;
+    for (int64_t c = 0; c < dim; ++c) yr[c] = xr[c] * s * w[c];
+  }
+}
+
+template <typename T>
+void rmsnorm_backward(const T* dy, const T* x, const T* w, const T* rstd, int64_t rows, int64_t dim,
+                      T* dx, T* dw) {
+  // dx = s * (g - x * s^2 * mean(g * x)), g = dy * w.
+#pragma omp parallel for schedule(static) if (rows * dim >= detail::kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * dim;
+    const T* dyr = dy + r * dim;
+    const double s = rstd[r];
+    double dot = 0;
+    for (int64_t c = 0; c < dim; ++c) dot += static_cast<double>(dyr[c]) * w[c] * xr[c];
+    const double coef = s * s * dot / static_cast<double>(dim);
+    T* dxr = dx + r * dim;
+    for (int64_t c = 0; c < dim; ++c) {
+      dxr[c] = static_cast<T>(s * (static_cast<double>(dyr[c]) * w[c] - xr[c] * coef));
+    }
+  }
+  // Weight gradient: a column reduction, parallel over columns (no races).
+#pragma omp parallel for schedule(static) if (rows * dim >= detail::kMinParallelWork)
+  for (int64_t c = 0; c < dim; ++c) {
+    double acc = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      acc += static_cast<double>(dy[r * dim + c]) * x[r * dim + c] * rstd[r];
+    dw[c] += static_cast<T>(acc);
+  }
+}
+
+template void rmsnorm_forward<float>(const float*, const float*, int64_t, int64_t, double, float*,
+                                     float*);
+template void rmsnorm_forward<double>(const double*, const double*, int64_t, int64_t, double,
+                                      double*, double*);
+template void rmsnorm_backward<float>(const float*, const float*, const float*, const float*,
+                                      int64_t, int64_t, float*, float*);
+template void rmsnorm_backward<double>(const double*, const double*, const double*, const double*,
+                                       int64_t, int64_t, double*, double*);
+
+}  // namespace strata::nn::cpu

@@ -1,0 +1,58 @@
+// CPU rotary position embedding (Hugging Face rotate_half layout), forward and
+// its transpose for backward. Angles are computed in double.
+#include <cmath>
+
+#include "kernels/cpu/nn_gemm.h"
+#include "kernels/nn_ops.h"
+#include "runtime/core/error.h"
+
+namespace strata::nn::cpu {
+namespace {
+
+// sign = +1 rotates by +angle (forward), -1 by -angle (backward = transpose).
+template <typename T>
+void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
+            double theta, double sign) {
+  STRATA_CHECK(head_dim > 0 && head_dim % 2 == 0, kBadArgument,
+               "rope: head_dim must be even and positive, got {}", head_dim);
+  const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= detail::kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const double pos = positions[r];
+    for (int64_t i = 0; i < half; ++i) {
+      const double inv_freq =
+          std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+      const double angle = pos * inv_freq;
+      const T c = static_cast<T>(std::cos(angle));
+      const T s = static_cast<T>(sign * std::sin(angle));
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xh = x + (r * heads + h) * head_dim;
+        const T x1 = xh[i];
+        const T x2 = xh[i + half];
+        xh[i] = x1 * c - x2 * s;
+        xh[i + half] = x2 * c + x1 * s;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void rope_forward(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
+                  double theta) {
+  rotate(x, positions, rows, heads, head_dim, theta, 1.0);
+}
+
+template <typename T>
+void rope_backward(T* dx, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
+                   double theta) {
+  rotate(dx, positions, rows, heads, head_dim, theta, -1.0);
+}
+
+template void rope_forward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, double);
+template void rope_forward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, double);
+template void rope_backward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, double);
+template void rope_backward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, double);
+
+}  // namespace strata::nn::cpu

@@ -1,0 +1,422 @@
+// The optimizer step walker: CPU-resident state updated in place, or
+// NVMe-resident state streamed through pool buffers as a three-stage pipeline
+// with a two-slot, manifest-committed layout on disk.
+#include "offload/optimizer_swapper.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::offload {
+namespace {
+
+constexpr const char* kManifestFormat = "strata-optimizer-swap-v1";
+constexpr size_t kStateArrays = 3;  // master, exp_avg, exp_avg_sq
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+void fsync_path(const std::filesystem::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  check_errno(fd, fmt::format("open {} for fsync", path.string()));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) raise_errno(err, fmt::format("fsync {}", path.string()));
+}
+
+// A pool buffer with the I/O request using it, if any.
+struct Op {
+  PinnedBuffer buffer;
+  nvme::Ticket ticket = 0;
+  bool pending = false;
+};
+
+}  // namespace
+
+size_t OptimizerSwapper::record_nbytes(size_t numel) {
+  return round_up(numel * kStateArrays * sizeof(float), nvme::kDirectIoAlignment);
+}
+
+OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBufferPool* pool,
+                                   nvme::AioHandle* aio)
+    : options_(std::move(options)), pool_(pool), aio_(aio) {
+  options_.adam.validate();
+  STRATA_CHECK(options_.numel > 0, kBadArgument, "optimizer swapper: shard numel must be > 0");
+  STRATA_CHECK(options_.sub_group_numel > 0, kBadArgument, "sub_group_size must be > 0");
+  STRATA_CHECK(options_.state_tier == Tier::kCpu || options_.state_tier == Tier::kNvme, kBadArgument,
+               "optimizer state tier must be cpu or nvme, got {}", tier_name(options_.state_tier));
+  options_.sub_group_numel = std::min(options_.sub_group_numel, options_.numel);
+  sub_groups_ = (options_.numel + options_.sub_group_numel - 1) / options_.sub_group_numel;
+  stride_nbytes_ = record_nbytes(options_.sub_group_numel);
+  if (options_.state_tier == Tier::kCpu) {
+    STRATA_CHECK(!options_.resume, kBadArgument, "optimizer swapper: resume needs state on nvme");
+    master_.assign(options_.numel, 0.0f);
+    exp_avg_.assign(options_.numel, 0.0f);
+    exp_avg_sq_.assign(options_.numel, 0.0f);
+    return;
+  }
+  STRATA_CHECK(pool_ != nullptr && aio_ != nullptr, kBadArgument,
+               "optimizer state on nvme needs a pinned pool and an I/O handle");
+  STRATA_CHECK(!options_.nvme_path.empty(), kBadArgument,
+               "offload_optimizer.nvme_path must be set when the optimizer state is on nvme");
+  STRATA_CHECK(pool_->buffer_nbytes() >= stride_nbytes_, kBadArgument,
+               "pinned pool buffers hold {} bytes but one sub-group of {} elements needs {} "
+               "(fp32 master + 2 moments); lower sub_group_size or raise the buffer size",
+               pool_->buffer_nbytes(), options_.sub_group_numel, stride_nbytes_);
+  STRATA_CHECK(pool_->buffer_count() >= 2, kBadArgument,
+               "the optimizer pipeline needs at least 2 pool buffers (3 to overlap read, update "
+               "and write), the pool has {}", pool_->buffer_count());
+  swap_ = std::make_unique<nvme::SwapSpace>(
+      nvme::SwapSpaceOptions{options_.nvme_path, options_.group, options_.rank, true});
+  const uint64_t slot_nbytes = static_cast<uint64_t>(sub_groups_) * stride_nbytes_;
+  swap_->create({{"slot0", slot_nbytes}, {"slot1", slot_nbytes}});
+  if (options_.keep_files) swap_->keep();
+  if (options_.resume) {
+    read_manifest();
+    initialized_ = true;
+  }
+}
+
+OptimizerSwapper::~OptimizerSwapper() {
+  if (swap_ && !options_.keep_files) {
+    std::error_code ignored;
+    std::filesystem::remove(manifest_path(), ignored);
+    std::filesystem::remove(manifest_path().string() + ".tmp", ignored);
+  }
+}
+
+OptimizerSwapper::Range OptimizerSwapper::sub_group(size_t k) const {
+  const size_t offset = k * options_.sub_group_numel;
+  return {offset, std::min(options_.sub_group_numel, options_.numel - offset)};
+}
+
+nvme::File& OptimizerSwapper::slot_file(int slot) { return swap_->file(slot == 0 ? "slot0" : "slot1"); }
+
+std::filesystem::path OptimizerSwapper::manifest_path() const {
+  return swap_->directory() / "manifest.json";
+}
+
+void OptimizerSwapper::initialize(const float* master) {
+  STRATA_CHECK(master != nullptr, kBadArgument, "optimizer swapper initialize: master is null");
+  initialize([master](size_t first, size_t numel, float* out) {
+    std::copy(master + first, master + first + numel, out);
+  });
+}
+
+void OptimizerSwapper::initialize(const FillFn& fill) {
+  if (options_.state_tier == Tier::kCpu) {
+    for (size_t k = 0; k < sub_groups_; ++k) {
+      const Range r = sub_group(k);
+      fill(r.offset, r.numel, master_.data() + r.offset);
+    }
+    std::fill(exp_avg_.begin(), exp_avg_.end(), 0.0f);
+    std::fill(exp_avg_sq_.begin(), exp_avg_sq_.end(), 0.0f);
+  } else {
+    // Written to the spare slot and committed, like a step, so an interrupted
+    // initialize never damages a committed state.
+    const int out_slot = static_cast<int>((generation_ + 1) % 2);
+    nvme::File& out = slot_file(out_slot);
+    std::deque<Op> writes;
+    try {
+      for (size_t k = 0; k < sub_groups_; ++k) {
+        while (pool_->available() == 0 && !writes.empty()) {
+          writes.front().pending = false;
+          aio_->wait(writes.front().ticket);
+          writes.pop_front();
+        }
+        Op op{pool_->acquire()};
+        const Range r = sub_group(k);
+        float* p = op.buffer.as<float>();
+        fill(r.offset, r.numel, p);
+        std::memset(p + r.numel, 0, record_nbytes(r.numel) - r.numel * sizeof(float));
+        op.ticket = aio_->submit_write(out, p, record_nbytes(r.numel), file_offset(k));
+        op.pending = true;
+        writes.push_back(std::move(op));
+      }
+      while (!writes.empty()) {
+        writes.front().pending = false;
+        aio_->wait(writes.front().ticket);
+        writes.pop_front();
+      }
+      out.sync();
+    } catch (...) {
+      for (Op& op : writes) {
+        if (!op.pending) continue;
+        try { aio_->wait(op.ticket); } catch (...) {}  // first error is the one rethrown
+      }
+      throw;
+    }
+    commit(generation_ + 1, 0);
+  }
+  step_count_ = 0;
+  initialized_ = true;
+}
+
+void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k,
+                              float* p, float* m, float* v) {
+  const Range r = sub_group(k);
+  kernels::AdamBuffers b;
+  b.param = p;
+  b.exp_avg = m;
+  b.exp_avg_sq = v;
+  b.grad = static_cast<const char*>(in.grad) + r.offset * dtype_nbytes(in.grad_dtype);
+  b.grad_dtype = in.grad_dtype;
+  b.param16 = in.param16 == nullptr
+                  ? nullptr
+                  : static_cast<char*>(in.param16) + r.offset * dtype_nbytes(in.param16_dtype);
+  b.param16_dtype = in.param16_dtype;
+  b.numel = r.numel;
+  const auto start = Clock::now();
+  kernels::adam_step(c, b, options_.isa, options_.threads);
+  timings_.update_seconds += seconds_since(start);
+}
+
+void OptimizerSwapper::step(const StepInputs& in) {
+  STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: step() before initialize()");
+  STRATA_CHECK(in.grad != nullptr, kBadArgument, "optimizer step: gradient is null");
+  const auto c = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
+  timings_ = StepTimings{};
+  timings_.sub_groups = sub_groups_;
+  const auto start = Clock::now();
+  if (options_.state_tier == Tier::kCpu) {
+    for (size_t k = 0; k < sub_groups_; ++k) {
+      const size_t offset = sub_group(k).offset;
+      update(c, in, k, master_.data() + offset, exp_avg_.data() + offset, exp_avg_sq_.data() + offset);
+    }
+    ++step_count_;
+  } else {
+    step_nvme(c, in);
+  }
+  timings_.total_seconds = seconds_since(start);
+}
+
+void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in) {
+  nvme::File& in_file = slot_file(static_cast<int>(generation_ % 2));
+  nvme::File& out_file = slot_file(static_cast<int>((generation_ + 1) % 2));
+  std::deque<Op> writes;
+  Op current, next;
+  auto finish = [&](Op& op, double& waited) {
+    const auto start = Clock::now();
+    op.pending = false;
+    aio_->wait(op.ticket);
+    waited += seconds_since(start);
+  };
+  // A buffer for the next read: when the pool is empty the oldest write must
+  // finish first — that is the backpressure bounding what is in flight.
+  auto start_read = [&](size_t k) {
+    while (pool_->available() == 0 && !writes.empty()) {
+      finish(writes.front(), timings_.write_wait_seconds);
+      writes.pop_front();
+    }
+    Op op{pool_->acquire()};
+    const size_t nbytes = record_nbytes(sub_group(k).numel);
+    op.ticket = aio_->submit_read(in_file, op.buffer.data(), nbytes, file_offset(k));
+    op.pending = true;
+    timings_.bytes_read += nbytes;
+    return op;
+  };
+  try {
+    current = start_read(0);
+    for (size_t k = 0; k < sub_groups_; ++k) {
+      if (k + 1 < sub_groups_) next = start_read(k + 1);
+      finish(current, timings_.read_wait_seconds);
+      const Range r = sub_group(k);
+      float* p = current.buffer.as<float>();
+      update(c, in, k, p, p + r.numel, p + 2 * r.numel);
+      const size_t nbytes = record_nbytes(r.numel);
+      current.ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
+      current.pending = true;
+      timings_.bytes_written += nbytes;
+      writes.push_back(std::move(current));
+      current = std::move(next);
+      next = Op{};
+    }
+    while (!writes.empty()) {
+      finish(writes.front(), timings_.write_wait_seconds);
+      writes.pop_front();
+    }
+    const auto commit_start = Clock::now();
+    out_file.sync();
+    commit(generation_ + 1, step_count_ + 1);
+    timings_.commit_seconds = seconds_since(commit_start);
+  } catch (...) {
+    // Every request still in flight must finish before its buffer returns to
+    // the pool; their errors are secondary to the one being rethrown.
+    for (Op* op : {&current, &next}) {
+      if (op->pending) {
+        try { aio_->wait(op->ticket); } catch (...) {}
+      }
+    }
+    for (Op& op : writes) {
+      if (op.pending) {
+        try { aio_->wait(op.ticket); } catch (...) {}
+      }
+    }
+    throw;
+  }
+}
+
+void OptimizerSwapper::commit(uint64_t generation, int64_t step_count) {
+  const nlohmann::json manifest = {{"format", kManifestFormat},
+                                   {"generation", generation},
+                                   {"step", step_count},
+                                   {"numel", options_.numel},
+                                   {"sub_group_numel", options_.sub_group_numel},
+                                   {"slot", generation % 2}};
+  const std::filesystem::path path = manifest_path();
+  const std::string tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << manifest.dump(2) << '\n';
+    out.close();
+    STRATA_CHECK(out.good(), kIo, "cannot write optimizer manifest {} (rank {})", tmp, options_.rank);
+  }
+  // Durable before it becomes visible; the rename is the commit point.
+  fsync_path(tmp, O_RDONLY);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    raise_errno(errno, fmt::format("rename {} to {}", tmp, path.string()));
+  }
+  fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+  generation_ = generation;
+  step_count_ = step_count;
+}
+
+void OptimizerSwapper::read_manifest() {
+  const std::filesystem::path path = manifest_path();
+  std::ifstream in(path);
+  STRATA_CHECK(in.good(), kIo, "cannot resume optimizer state: {} is missing (rank {})",
+               path.string(), options_.rank);
+  nlohmann::json manifest;
+  try {
+    in >> manifest;
+  } catch (const std::exception& e) {
+    raise(ErrorCategory::kIo, "optimizer manifest {} is not valid JSON: {}", path.string(), e.what());
+  }
+  STRATA_CHECK(manifest.value("format", "") == kManifestFormat, kIo,
+               "optimizer manifest {} has format '{}', expected '{}'", path.string(),
+               manifest.value("format", ""), kManifestFormat);
+  const size_t numel = manifest.at("numel").get<size_t>();
+  const size_t sub_group = manifest.at("sub_group_numel").get<size_t>();
+  STRATA_CHECK(numel == options_.numel && sub_group == options_.sub_group_numel, kBadArgument,
+               "optimizer state in {} has numel {} / sub_group {}, this run expects {} / {}",
+               path.string(), numel, sub_group, options_.numel, options_.sub_group_numel);
+  generation_ = manifest.at("generation").get<uint64_t>();
+  step_count_ = manifest.at("step").get<int64_t>();
+}
+
+void OptimizerSwapper::load_state(float* master, float* exp_avg, float* exp_avg_sq) {
+  STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: load_state() before initialize()");
+  for (size_t k = 0; k < sub_groups_; ++k) {
+    const size_t offset = sub_group(k).offset;
+    load_sub_group(k, master ? master + offset : nullptr, exp_avg ? exp_avg + offset : nullptr,
+                   exp_avg_sq ? exp_avg_sq + offset : nullptr);
+  }
+}
+
+std::pair<size_t, size_t> OptimizerSwapper::sub_group_range(size_t k) const {
+  STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
+  const Range r = sub_group(k);
+  return {r.offset, r.numel};
+}
+
+void OptimizerSwapper::load_sub_group(size_t k, float* master, float* exp_avg, float* exp_avg_sq) {
+  STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: load before initialize()");
+  STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
+  const Range r = sub_group(k);
+  if (options_.state_tier == Tier::kCpu) {
+    if (master) std::copy_n(master_.data() + r.offset, r.numel, master);
+    if (exp_avg) std::copy_n(exp_avg_.data() + r.offset, r.numel, exp_avg);
+    if (exp_avg_sq) std::copy_n(exp_avg_sq_.data() + r.offset, r.numel, exp_avg_sq);
+    return;
+  }
+  PinnedBuffer buffer = pool_->acquire();
+  aio_->read(slot_file(static_cast<int>(generation_ % 2)), buffer.data(), record_nbytes(r.numel),
+             file_offset(k));
+  const float* p = buffer.as<float>();
+  if (master) std::copy(p, p + r.numel, master);
+  if (exp_avg) std::copy(p + r.numel, p + 2 * r.numel, exp_avg);
+  if (exp_avg_sq) std::copy(p + 2 * r.numel, p + 3 * r.numel, exp_avg_sq);
+}
+
+namespace {
+
+// Streams every record through pool buffers with as many requests in flight
+// as the pool holds; returns seconds.
+template <typename Submit>
+double stream_records(PinnedBufferPool& pool, nvme::AioHandle& aio, size_t count, Submit submit) {
+  std::deque<Op> inflight;
+  const auto start = Clock::now();
+  try {
+    for (size_t k = 0; k < count; ++k) {
+      while (pool.available() == 0 && !inflight.empty()) {
+        inflight.front().pending = false;
+        aio.wait(inflight.front().ticket);
+        inflight.pop_front();
+      }
+      Op op{pool.acquire()};
+      op.ticket = submit(k, op.buffer.data());
+      op.pending = true;
+      inflight.push_back(std::move(op));
+    }
+    while (!inflight.empty()) {
+      inflight.front().pending = false;
+      aio.wait(inflight.front().ticket);
+      inflight.pop_front();
+    }
+  } catch (...) {
+    for (Op& op : inflight) {
+      if (op.pending) {
+        try { aio.wait(op.ticket); } catch (...) {}
+      }
+    }
+    throw;
+  }
+  return seconds_since(start);
+}
+
+}  // namespace
+
+double OptimizerSwapper::time_read_alone() {
+  STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_read_alone needs initialized nvme state");
+  nvme::File& file = slot_file(static_cast<int>(generation_ % 2));
+  return stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
+    return aio_->submit_read(file, buf, record_nbytes(sub_group(k).numel), file_offset(k));
+  });
+}
+
+double OptimizerSwapper::time_write_alone() {
+  STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_write_alone needs initialized nvme state");
+  // The spare slot: the next step overwrites it anyway, the commit never points at it.
+  nvme::File& file = slot_file(static_cast<int>((generation_ + 1) % 2));
+  return stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
+    return aio_->submit_write(file, buf, record_nbytes(sub_group(k).numel), file_offset(k));
+  });
+}
+
+double OptimizerSwapper::time_read_write_alone() {
+  STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_read_write_alone needs initialized nvme state");
+  nvme::File& in = slot_file(static_cast<int>(generation_ % 2));
+  nvme::File& out = slot_file(static_cast<int>((generation_ + 1) % 2));
+  return stream_records(*pool_, *aio_, 2 * sub_groups_, [&](size_t i, void* buf) {
+    const size_t k = i / 2;
+    const size_t nbytes = record_nbytes(sub_group(k).numel);
+    return i % 2 == 0 ? aio_->submit_read(in, buf, nbytes, file_offset(k))
+                      : aio_->submit_write(out, buf, nbytes, file_offset(k));
+  });
+}
+
+}  // namespace strata::offload

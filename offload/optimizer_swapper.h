@@ -1,0 +1,146 @@
+// The optimizer step over this rank's shard (DESIGN.md §3 Step): walks the
+// shard in sub-groups of sub_group_numel. With optimizer state on NVMe it is a
+// pipeline — read k+1 ‖ update k ‖ write k-1 — through pinned-pool buffers, so
+// never more is in flight than the pool holds; with state in CPU memory it is
+// the same walk without I/O.
+//
+// Crash safety (NVMe): the state lives in two slots (files); a step reads the
+// committed slot and writes the other, then commits by atomically replacing a
+// small manifest. A failed step leaves the committed slot untouched, loadable
+// by a new swapper with resume = true.
+//
+// Thread-safety: not thread-safe; one thread drives a swapper. Ownership: the
+// pool and the I/O handle belong to the caller and must outlive the swapper.
+// Errors: Error(kBadArgument) for inconsistent options or inputs; Error(kIo)
+// from any failed read, write or manifest update (step() then leaves the
+// committed state as it was); Error(kOutOfMemory) when the pool is too small.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/optimizer.h"
+#include "nvme/aio_handle.h"
+#include "nvme/swap_space.h"
+#include "offload/pinned_pool.h"
+#include "runtime/core/tensor.h"
+
+namespace strata::offload {
+
+struct OptimizerSwapperOptions {
+  size_t numel = 0;                          // elements of this rank's shard
+  size_t sub_group_numel = 1000000000;       // DeepSpeed's sub_group_size
+  Tier state_tier = Tier::kCpu;              // kCpu or kNvme
+  kernels::AdamConfig adam;
+  std::optional<kernels::CpuIsa> isa;        // nullopt: kernels::default_isa()
+  int threads = 0;                           // optimizer threads; 0: OpenMP default
+  // NVMe only: swap space <nvme_path>/<group>/rank<rank>/.
+  std::filesystem::path nvme_path;
+  std::string group = "optimizer";
+  int rank = 0;
+  bool resume = false;      // open the committed state already on disk instead of initialize()
+  bool keep_files = false;  // leave the swap files on disk at destruction (checkpoint)
+};
+
+// What one step() took, for the bench and the trace.
+struct StepTimings {
+  double total_seconds = 0;
+  double update_seconds = 0;      // inside the Adam kernel
+  double read_wait_seconds = 0;   // blocked waiting for reads
+  double write_wait_seconds = 0;  // blocked waiting for writes (incl. the final drain)
+  double commit_seconds = 0;      // fdatasync + manifest
+  size_t sub_groups = 0;
+  uint64_t bytes_read = 0, bytes_written = 0;
+};
+
+// The gradient and the 16-bit copy for one step.
+struct StepInputs {
+  const void* grad = nullptr;       // [numel] of grad_dtype (this rank's shard)
+  DType grad_dtype = DType::kF32;
+  float grad_scale = 1.0f;          // kernels::combined_grad_scale (unscale + clip)
+  void* param16 = nullptr;          // [numel] of param16_dtype, or nullptr
+  DType param16_dtype = DType::kBF16;
+};
+
+class OptimizerSwapper {
+ public:
+  // pool and aio are required for Tier::kNvme (pool buffers of at least
+  // record_nbytes(sub_group_numel), two or more of them; three give full overlap).
+  OptimizerSwapper(OptimizerSwapperOptions options, PinnedBufferPool* pool, nvme::AioHandle* aio);
+  ~OptimizerSwapper();
+  OptimizerSwapper(const OptimizerSwapper&) = delete;
+  OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
+
+  // Bytes one sub-group of `numel` elements takes on disk and in a pool buffer
+  // (fp32 master, exp_avg, exp_avg_sq; rounded up for O_DIRECT).
+  static size_t record_nbytes(size_t numel);
+
+  // Sets the master weights to master[numel], moments to zero, step count to 0,
+  // and commits that state.
+  void initialize(const float* master);
+  // Same, with the master weights produced sub-group by sub-group by
+  // fill(first, numel, out) — no full fp32 copy of the shard in memory.
+  using FillFn = std::function<void(size_t first, size_t numel, float* out)>;
+  void initialize(const FillFn& fill);
+  // One Adam/AdamW step (step count + 1) over the whole shard.
+  void step(const StepInputs& inputs);
+  // Copies the committed state out (any argument may be nullptr).
+  void load_state(float* master, float* exp_avg, float* exp_avg_sq);
+  // Same for sub-group k only: sub_group_range(k).numel elements each.
+  void load_sub_group(size_t k, float* master, float* exp_avg, float* exp_avg_sq);
+  // First element and length of sub-group k.
+  std::pair<size_t, size_t> sub_group_range(size_t k) const;
+
+  int64_t step_count() const { return step_count_; }
+  size_t numel() const { return options_.numel; }
+  size_t sub_group_count() const { return sub_groups_; }
+  const StepTimings& last_timings() const { return timings_; }
+
+  // For the bench's lower bound (NVMe only): seconds to read every record of
+  // the committed slot, and to write every record of the spare slot, each
+  // alone, with the same pool and handle. Does not change the committed state.
+  double time_read_alone();
+  double time_write_alone();
+  // Both at once (reads of the committed slot interleaved with writes of the
+  // spare one, as a step issues them) but no update: the device's I/O floor
+  // for a step when reads and writes share its bandwidth.
+  double time_read_write_alone();
+
+ private:
+  struct Range {
+    size_t offset, numel;
+  };
+  Range sub_group(size_t k) const;
+  uint64_t file_offset(size_t k) const { return static_cast<uint64_t>(k) * stride_nbytes_; }
+  nvme::File& slot_file(int slot);
+  void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
+              float* m, float* v);
+  void step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in);
+  void commit(uint64_t generation, int64_t step_count);
+  void read_manifest();
+  std::filesystem::path manifest_path() const;
+
+  OptimizerSwapperOptions options_;
+  PinnedBufferPool* pool_;
+  nvme::AioHandle* aio_;
+  size_t sub_groups_ = 0;
+  size_t stride_nbytes_ = 0;  // record_nbytes(sub_group_numel): file offset between records
+  int64_t step_count_ = 0;
+  bool initialized_ = false;
+  StepTimings timings_;
+
+  // kCpu state.
+  std::vector<float> master_, exp_avg_, exp_avg_sq_;
+  // kNvme state: slot (generation % 2) is committed.
+  std::unique_ptr<nvme::SwapSpace> swap_;
+  uint64_t generation_ = 0;
+};
+
+}  // namespace strata::offload

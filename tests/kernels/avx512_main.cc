@@ -1,0 +1,21 @@
+// Catch2 main of kernels_avx512_tests: exits 77 (CTest: SKIPPED) with a clear
+// line when this CPU has no AVX-512, except when only listing tests.
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstring>
+
+#include "kernels/optimizer.h"
+#include "runtime/core/cpu_features.h"
+
+int main(int argc, char** argv) {
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) listing |= std::strncmp(argv[i], "--list", 6) == 0;
+  if (!listing && !strata::kernels::isa_supported(strata::kernels::CpuIsa::kAvx512)) {
+    std::printf("SKIPPED: this CPU (%s) has no AVX-512; the avx512 kernels were not run\n",
+                strata::cpu_features().model.c_str());
+    return 77;
+  }
+  return Catch::Session().run(argc, argv);
+}
