@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "strata 0.1.0");
   strata::cli::add_doctor_command(app);
   strata::cli::add_config_command(app);
+  strata::cli::add_run_command(app);
   try {
     app.parse(argc, argv);
     return strata::cli::run_selected(app);

@@ -1,0 +1,308 @@
+// The Gloo (TCP) communicator for the cpu accelerator: each collective runs on
+// the stream's host thread with Gloo's blocking algorithms; reduce-scatter is
+// our own ring over Gloo's unbound buffers (this Gloo has no options-style one).
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "partition/communicator.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::partition {
+namespace {
+using Clock = std::chrono::steady_clock;
+using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t numel);
+
+// Slots of our reduce-scatter ring; Gloo's own algorithms use prefixes 0x01-0x08.
+constexpr uint64_t kReduceScatterSlotPrefix = uint64_t{0x7e} << 56;
+
+template <typename T, float (*ToFloat)(T), T (*FromFloat)(float)>
+void sum_converted(void* out, const void* a, const void* b, size_t numel) {
+  auto* o = static_cast<T*>(out);
+  auto* x = static_cast<const T*>(a);
+  auto* y = static_cast<const T*>(b);
+  for (size_t i = 0; i < numel; ++i) o[i] = FromFloat(ToFloat(x[i]) + ToFloat(y[i]));
+}
+
+void sum_f32(void* out, const void* a, const void* b, size_t numel) {
+  auto* o = static_cast<float*>(out);
+  auto* x = static_cast<const float*>(a);
+  auto* y = static_cast<const float*>(b);
+  for (size_t i = 0; i < numel; ++i) o[i] = x[i] + y[i];
+}
+
+ReduceFn sum_fn(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return sum_f32;
+    case DType::kF16: return sum_converted<Half, half_to_float, float_to_half>;
+    case DType::kBF16: return sum_converted<BFloat16, bf16_to_float, float_to_bf16>;
+  }
+  raise(ErrorCategory::kInternal, "unknown dtype");
+}
+
+// Divides (not multiplies by the reciprocal) so an average rounds like sum / n.
+void divide(void* data, size_t numel, DType dtype, float divisor) {
+  if (dtype == DType::kF32) {
+    auto* p = static_cast<float*>(data);
+    for (size_t i = 0; i < numel; ++i) p[i] /= divisor;
+  } else if (dtype == DType::kF16) {
+    auto* p = static_cast<Half*>(data);
+    for (size_t i = 0; i < numel; ++i) p[i] = float_to_half(half_to_float(p[i]) / divisor);
+  } else {
+    auto* p = static_cast<BFloat16*>(data);
+    for (size_t i = 0; i < numel; ++i) p[i] = float_to_bf16(bf16_to_float(p[i]) / divisor);
+  }
+}
+
+// Gloo's templated setters want a typed pointer; every collective here moves
+// raw elements of dtype_nbytes, so 2- and 4-byte integer stand-ins suffice.
+template <typename Fn>
+void with_element_type(DType dtype, Fn&& fn) {
+  if (dtype_nbytes(dtype) == 4) fn(uint32_t{}); else fn(uint16_t{});
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& options)
+      : accelerator_(accelerator), store_(store), options_(options) {
+    STRATA_CHECK(accelerator.backend() == Backend::kCpu, kBadArgument,
+                 "the Gloo communicator needs host memory (cpu accelerator), got {}", accelerator.name());
+    STRATA_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size,
+                 kBadArgument, "rank {} outside world size {}", options.rank, options.world_size);
+    // A peer that dies leaves a socket that raises SIGPIPE on our next write; the
+    // error must come back as an exception naming the rank, not kill this process.
+    struct sigaction current {};
+    if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
+
+    gloo::transport::tcp::attr attr;
+    attr.hostname = options.hostname.empty() ? default_hostname(store.address()) : options.hostname;
+    attr.ai_family = AF_INET;
+    try {
+      device_ = gloo::transport::tcp::CreateDevice(attr);
+      context_ = std::make_shared<gloo::rendezvous::Context>(options.rank, options.world_size);
+      context_->setTimeout(options.timeout);
+      gloo::rendezvous::PrefixStore prefixed(options.prefix, store);
+      context_->connectFullMesh(prefixed, device_);
+    } catch (const Error& e) {
+      raise(ErrorCategory::kCommunication, "rank {} of {}: Gloo connection through the rendezvous store failed: {}",
+            options.rank, options.world_size, e.message());
+    } catch (const std::exception& e) {
+      raise(ErrorCategory::kCommunication, "rank {} of {}: Gloo connection failed ({}); {}", options.rank,
+            options.world_size, e.what(), describe_dead_ranks(store));
+    }
+  }
+
+  int rank() const override { return options_.rank; }
+  int world_size() const override { return options_.world_size; }
+  std::string_view backend() const override { return "gloo"; }
+
+  std::unique_ptr<Event> allgather(const void* send, void* recv, size_t numel, DType dtype,
+                                   Stream& stream) override {
+    return submit("allgather", numel, dtype, stream, [=, this](uint32_t tag) {
+      size_t nbytes = numel * dtype_nbytes(dtype);
+      if (world_size() == 1 || numel == 0) {
+        if (nbytes > 0 && send != recv) std::memmove(recv, send, nbytes);
+        return;
+      }
+      with_element_type(dtype, [&](auto element) {
+        using T = decltype(element);
+        gloo::AllgatherOptions opts(context_);
+        opts.setInput(static_cast<T*>(const_cast<void*>(send)), numel);
+        opts.setOutput(static_cast<T*>(recv), numel * world_size());
+        opts.setTag(tag);
+        opts.setTimeout(options_.timeout);
+        gloo::allgather(opts);
+      });
+    });
+  }
+
+  std::unique_ptr<Event> reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
+                                        Stream& stream) override {
+    return submit("reduce_scatter", numel, dtype, stream, [=, this](uint32_t tag) {
+      ring_reduce_scatter(send, recv, numel, dtype, tag);
+      if (op == ReduceOp::kAverage) divide(recv, numel, dtype, static_cast<float>(world_size()));
+    });
+  }
+
+  std::unique_ptr<Event> allreduce(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
+                                   Stream& stream) override {
+    return submit("allreduce", numel, dtype, stream, [=, this](uint32_t tag) {
+      size_t nbytes = numel * dtype_nbytes(dtype);
+      if (nbytes > 0 && send != recv) std::memmove(recv, send, nbytes);
+      if (world_size() > 1 && numel > 0) {
+        with_element_type(dtype, [&](auto element) {
+          using T = decltype(element);
+          gloo::AllreduceOptions opts(context_);
+          opts.setOutput(static_cast<T*>(recv), numel);
+          opts.setReduceFunction(sum_fn(dtype));
+          opts.setTag(tag);
+          opts.setTimeout(options_.timeout);
+          gloo::allreduce(opts);
+        });
+      }
+      if (op == ReduceOp::kAverage) divide(recv, numel, dtype, static_cast<float>(world_size()));
+    });
+  }
+
+  std::unique_ptr<Event> broadcast(void* data, size_t numel, DType dtype, int root, Stream& stream) override {
+    STRATA_CHECK(root >= 0 && root < world_size(), kBadArgument, "broadcast root {} outside world size {}", root,
+                 world_size());
+    return submit("broadcast", numel, dtype, stream, [=, this](uint32_t tag) {
+      if (world_size() == 1 || numel == 0) return;
+      with_element_type(dtype, [&](auto element) {
+        using T = decltype(element);
+        gloo::BroadcastOptions opts(context_);
+        opts.setOutput(static_cast<T*>(data), numel);
+        opts.setRoot(root);
+        opts.setTag(tag);
+        opts.setTimeout(options_.timeout);
+        gloo::broadcast(opts);
+      });
+    });
+  }
+
+  std::unique_ptr<Event> barrier(Stream& stream) override {
+    return submit("barrier", 0, DType::kF32, stream, [this](uint32_t tag) {
+      if (world_size() == 1) return;
+      gloo::BarrierOptions opts(context_);
+      opts.setTag(tag);
+      opts.setTimeout(options_.timeout);
+      gloo::barrier(opts);
+    });
+  }
+
+ private:
+  static std::string default_hostname(const std::string& store_address) {
+    if (store_address.rfind("127.", 0) == 0 || store_address.rfind("localhost", 0) == 0) return "127.0.0.1";
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) != 0) return "127.0.0.1";
+    return name;
+  }
+
+  // Ring reduce-scatter: in step s, rank r sends its partial block (r-1-s) to
+  // r+1 and adds the block (r-2-s) received from r-1; after world_size-1 steps
+  // block r holds every rank's contribution.
+  void ring_reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, uint32_t tag) {
+    int world = world_size(), me = rank();
+    size_t block_nbytes = numel * dtype_nbytes(dtype);
+    if (world == 1 || numel == 0) {
+      if (block_nbytes > 0 && send != recv) std::memmove(recv, send, block_nbytes);
+      return;
+    }
+    std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + block_nbytes * world);
+    std::vector<char> incoming(block_nbytes);
+    auto work_buffer = context_->createUnboundBuffer(work.data(), work.size());
+    auto incoming_buffer = context_->createUnboundBuffer(incoming.data(), incoming.size());
+    ReduceFn sum = sum_fn(dtype);
+    int right = (me + 1) % world, left = (me + world - 1) % world;
+    for (int step = 0; step < world - 1; ++step) {
+      size_t send_block = static_cast<size_t>(((me - 1 - step) % world + world) % world);
+      size_t recv_block = static_cast<size_t>(((me - 2 - step) % world + world) % world);
+      uint64_t slot = kReduceScatterSlotPrefix | (uint64_t{tag} << 16) | static_cast<uint64_t>(step);
+      work_buffer->send(right, slot, send_block * block_nbytes, block_nbytes);
+      incoming_buffer->recv(left, slot, 0, block_nbytes);
+      incoming_buffer->waitRecv(options_.timeout);
+      work_buffer->waitSend(options_.timeout);
+      char* target = work.data() + recv_block * block_nbytes;
+      sum(target, target, incoming.data(), numel);
+    }
+    std::memcpy(recv, work.data() + static_cast<size_t>(me) * block_nbytes, block_nbytes);
+  }
+
+  template <typename Body>
+  std::unique_ptr<Event> submit(const char* name, size_t numel, DType dtype, Stream& stream, Body body) {
+    uint32_t tag = next_tag_++;
+    stream.launch_host_func([this, name, numel, dtype, tag, body] {
+      auto start = Clock::now();
+      try {
+        body(tag);
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        fail(name, tag, numel, dtype, start, e.what());
+      }
+    });
+    auto event = accelerator_.create_event();
+    stream.record(*event);
+    return event;
+  }
+
+  [[noreturn]] void fail(const char* name, uint32_t tag, size_t numel, DType dtype, Clock::time_point start,
+                         const std::string& what) {
+    auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+    // The rank next to a dead peer sees its socket close at once; give the store
+    // a moment to notice the same closed connection before asking it.
+    std::string dead = describe_dead_ranks(store_);
+    for (int i = 0; i < 20 && dead.rfind("no rank", 0) == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      dead = describe_dead_ranks(store_);
+    }
+    raise(ErrorCategory::kCommunication, "{} #{} ({} x {}) failed on rank {} of {} after {} ms (timeout {} ms): {}; {}{}",
+          name, tag, numel, dtype_name(dtype), rank(), world_size(), elapsed, options_.timeout.count(), what, dead,
+          silent_ranks(tag));
+  }
+
+  // A hung (not dead) peer keeps its sockets open, so only the timeout fires.
+  // Every failing rank reports the failed operation to the store; the ranks
+  // that stay silent for a moment are the likely culprits (hung, or dead).
+  std::string silent_ranks(uint32_t tag) {
+    try {
+      std::string base = fmt::format("{}/failed/{}/", options_.prefix, tag);
+      store_.set(base + std::to_string(rank()), {'1'});
+      auto deadline = Clock::now() + std::min<std::chrono::milliseconds>(options_.timeout, std::chrono::seconds(1));
+      std::vector<int> silent;
+      for (;;) {
+        silent.clear();
+        std::vector<char> ignored;
+        for (int r = 0; r < world_size(); ++r) {
+          if (!store_.try_get(base + std::to_string(r), ignored)) silent.push_back(r);
+        }
+        if (silent.empty() || Clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (silent.empty()) return "";
+      std::string list;
+      for (int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(r);
+      return fmt::format("; rank{} {} did not report this failure (dead, hung or slow)", silent.size() > 1 ? "s" : "",
+                         list);
+    } catch (const std::exception&) {
+      return "";  // the store is gone; describe_dead_ranks already said so
+    }
+  }
+
+  Accelerator& accelerator_;
+  StoreClient& store_;
+  CommunicatorOptions options_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  uint32_t next_tag_ = 1;
+};
+}  // namespace
+
+std::string_view reduce_op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "average"; }
+
+std::unique_ptr<Communicator> make_gloo_communicator(Accelerator& accelerator, StoreClient& store,
+                                                     const CommunicatorOptions& options) {
+  return std::make_unique<GlooCommunicator>(accelerator, store, options);
+}
+
+std::unique_ptr<Communicator> make_communicator(Accelerator& accelerator, StoreClient& store,
+                                                const CommunicatorOptions& options) {
+  if (accelerator.backend() == Backend::kCuda) return make_nccl_communicator(accelerator, store, options);
+  return make_gloo_communicator(accelerator, store, options);
+}
+
+}  // namespace strata::partition

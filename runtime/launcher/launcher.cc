@@ -1,0 +1,307 @@
+// The process launcher behind `strata run`: fork/exec of the ranks, one poll
+// loop over their output pipes and a signalfd, and the failure policy.
+#include "runtime/launcher/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "runtime/core/error.h"
+
+namespace strata::launcher {
+namespace {
+using Clock = std::chrono::steady_clock;
+
+struct OutputStream {
+  int fd = -1;     // read end of the child's pipe; -1 once closed
+  FILE* sink = nullptr;
+  std::string partial;  // bytes after the last newline
+};
+
+struct Rank {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  OutputStream out, err;
+};
+
+void write_lines(OutputStream& stream, const std::string& prefix, const char* data, size_t nbytes, bool flush_all) {
+  stream.partial.append(data, nbytes);
+  size_t begin = 0;
+  for (;;) {
+    size_t newline = stream.partial.find('\n', begin);
+    if (newline == std::string::npos) break;
+    std::fprintf(stream.sink, "%s%.*s\n", prefix.c_str(), static_cast<int>(newline - begin),
+                 stream.partial.data() + begin);
+    begin = newline + 1;
+  }
+  stream.partial.erase(0, begin);
+  if (flush_all && !stream.partial.empty()) {
+    std::fprintf(stream.sink, "%s%s\n", prefix.c_str(), stream.partial.c_str());
+    stream.partial.clear();
+  }
+  std::fflush(stream.sink);
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return fmt::format("was killed by signal {} (SIG{}: {})", sig, name ? name : "?", strsignal(sig));
+  }
+  return fmt::format("ended with wait status {}", status);
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+[[noreturn]] void exec_child(const LaunchOptions& options, int local_rank, int world_size, int port,
+                             int out_fd, int err_fd, const sigset_t& original_mask, pid_t launcher_pid) {
+  // Own process group: the launcher signals each rank's whole tree. Die with the
+  // launcher so that no rank outlives it (a killed launcher, a test timeout).
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != launcher_pid) _exit(125);
+  sigprocmask(SIG_SETMASK, &original_mask, nullptr);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGPIPE, SIG_DFL);
+  dup2(out_fd, STDOUT_FILENO);
+  dup2(err_fd, STDERR_FILENO);
+  int rank = options.node_rank * options.nproc_per_node + local_rank;
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(local_rank).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(options.node_rank).c_str(), 1);
+  setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  std::vector<char*> argv;
+  for (const auto& arg : options.command) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  execvp(argv[0], argv.data());
+  std::fprintf(stderr, "strata run: cannot execute '%s': %s\n", argv[0], std::strerror(errno));
+  _exit(127);
+}
+}  // namespace
+
+int find_free_port(const std::string& host) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  check_errno(fd, "socket for a free port");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t length = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    int err = errno;
+    close(fd);
+    raise_errno(err, fmt::format("finding a free TCP port on {}", host));
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+int launch(const LaunchOptions& options) {
+  STRATA_CHECK(options.nproc_per_node >= 1, kBadArgument, "-n must be >= 1, got {}", options.nproc_per_node);
+  STRATA_CHECK(options.nnodes >= 1, kBadArgument, "--nnodes must be >= 1, got {}", options.nnodes);
+  STRATA_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes, kBadArgument,
+               "--node-rank {} must be in [0, {})", options.node_rank, options.nnodes);
+  STRATA_CHECK(!options.command.empty(), kBadArgument, "no command given: strata run -n N -- PROGRAM ARGS...");
+  STRATA_CHECK(options.master_port >= 0 && options.master_port <= 65535, kBadArgument,
+               "--master-port {} is not a TCP port", options.master_port);
+  int world_size = options.nnodes * options.nproc_per_node;
+  int port = options.master_port;
+  if (port == 0) port = options.nnodes == 1 ? find_free_port(options.master_addr) : 29500;
+
+  // Signals arrive through a signalfd, so the poll loop sees them in order with output.
+  sigset_t handled, original;
+  sigemptyset(&handled);
+  sigaddset(&handled, SIGINT);
+  sigaddset(&handled, SIGTERM);
+  sigaddset(&handled, SIGCHLD);
+  sigprocmask(SIG_BLOCK, &handled, &original);
+  // A launcher started in the background by a non-interactive shell inherits
+  // SIGINT ignored, and ignored signals never reach a signalfd: take them back.
+  struct sigaction default_action {}, old_int {}, old_term {};
+  default_action.sa_handler = SIG_DFL;
+  sigaction(SIGINT, &default_action, &old_int);
+  sigaction(SIGTERM, &default_action, &old_term);
+  int signal_fd = signalfd(-1, &handled, SFD_CLOEXEC | SFD_NONBLOCK);
+  if (signal_fd < 0) {
+    int err = errno;
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+    sigprocmask(SIG_SETMASK, &original, nullptr);
+    raise_errno(err, "signalfd");
+  }
+
+  std::vector<Rank> ranks(static_cast<size_t>(options.nproc_per_node));
+  pid_t launcher_pid = getpid();
+  for (int local = 0; local < options.nproc_per_node; ++local) {
+    Rank& r = ranks[static_cast<size_t>(local)];
+    r.rank = options.node_rank * options.nproc_per_node + local;
+    int out_pipe[2], err_pipe[2];
+    check_errno(pipe2(out_pipe, O_CLOEXEC), "pipe for rank output");
+    check_errno(pipe2(err_pipe, O_CLOEXEC), "pipe for rank output");
+    std::fflush(nullptr);
+    pid_t pid = fork();
+    check_errno(pid, "fork");
+    if (pid == 0) exec_child(options, local, world_size, port, out_pipe[1], err_pipe[1], original, launcher_pid);
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    r.pid = pid;
+    r.running = true;
+    r.out = {out_pipe[0], stdout, {}};
+    r.err = {err_pipe[0], stderr, {}};
+  }
+
+  int first_failed = -1;
+  int interrupts = 0;
+  bool terminated = false, killed = false;
+  Clock::time_point stop_at{}, kill_at{};
+  auto signal_all = [&](int sig) {
+    for (auto& r : ranks) {
+      if (r.running) killpg(r.pid, sig);
+    }
+  };
+
+  auto pipes_open = [&] {
+    for (auto& r : ranks) {
+      if (r.out.fd >= 0 || r.err.fd >= 0) return true;
+    }
+    return false;
+  };
+  auto any_running = [&] {
+    for (auto& r : ranks) {
+      if (r.running) return true;
+    }
+    return false;
+  };
+
+  Clock::time_point drain_deadline{};
+  while (any_running() || pipes_open()) {
+    if (!any_running()) {
+      // Every rank is reaped; a grandchild may still hold a pipe open. Stop after a moment.
+      if (drain_deadline == Clock::time_point{}) drain_deadline = Clock::now() + std::chrono::milliseconds(500);
+      if (Clock::now() > drain_deadline) break;
+    }
+    std::vector<pollfd> fds;
+    std::vector<OutputStream*> streams;
+    fds.push_back({signal_fd, POLLIN, 0});
+    streams.push_back(nullptr);
+    for (auto& r : ranks) {
+      for (OutputStream* s : {&r.out, &r.err}) {
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+      }
+    }
+    int ready = poll(fds.data(), fds.size(), 50);
+    if (ready < 0 && errno != EINTR) check_errno(ready, "poll in strata run");
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      OutputStream* s = streams[i];
+      const Rank* owner = nullptr;
+      for (auto& r : ranks) {
+        if (&r.out == s || &r.err == s) owner = &r;
+      }
+      std::string prefix = options.prefix_output ? fmt::format("[rank {}] ", owner->rank) : "";
+      char buffer[65536];
+      ssize_t n = read(s->fd, buffer, sizeof(buffer));
+      if (n > 0) {
+        write_lines(*s, prefix, buffer, static_cast<size_t>(n), false);
+      } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+        write_lines(*s, prefix, "", 0, true);
+        close(s->fd);
+        s->fd = -1;
+      }
+    }
+    signalfd_siginfo info;
+    while (read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+      if (info.ssi_signo == SIGINT || info.ssi_signo == SIGTERM) {
+        ++interrupts;
+        std::fprintf(stderr, "strata run: received %s, forwarding it to the ranks%s\n",
+                     info.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM", interrupts > 1 ? " (and killing them)" : "");
+        signal_all(interrupts > 1 ? SIGKILL : static_cast<int>(info.ssi_signo));
+        if (kill_at == Clock::time_point{}) {
+          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(options.kill_delay_s));
+        }
+        terminated = true;
+      }
+    }
+    // Reap every rank that ended.
+    for (;;) {
+      int status = 0;
+      pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      for (auto& r : ranks) {
+        if (r.pid != pid) continue;
+        r.running = false;
+        r.status = status;
+        bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && first_failed < 0 && interrupts == 0) {
+          first_failed = r.rank;
+          std::fprintf(stderr, "strata run: rank %d (pid %d) %s; stopping the other ranks\n", r.rank,
+                       static_cast<int>(pid), describe_status(status).c_str());
+          stop_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(options.failure_grace_s));
+        } else if (failed && interrupts == 0) {
+          std::fprintf(stderr, "strata run: rank %d (pid %d) %s%s\n", r.rank, static_cast<int>(pid),
+                       describe_status(status).c_str(), terminated ? " (stopped by strata run)" : "");
+        }
+      }
+    }
+    auto now = Clock::now();
+    if (first_failed >= 0 && !terminated && now >= stop_at && any_running()) {
+      signal_all(SIGTERM);
+      terminated = true;
+      kill_at = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.kill_delay_s));
+    }
+    if (terminated && !killed && kill_at != Clock::time_point{} && now >= kill_at && any_running()) {
+      signal_all(SIGKILL);
+      killed = true;
+    }
+  }
+  for (auto& r : ranks) {
+    if (r.out.fd >= 0) close(r.out.fd);
+    if (r.err.fd >= 0) close(r.err.fd);
+  }
+  close(signal_fd);
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  sigprocmask(SIG_SETMASK, &original, nullptr);
+
+  if (interrupts > 0) return 130;
+  if (first_failed >= 0) {
+    const Rank& failed = ranks[static_cast<size_t>(first_failed - options.node_rank * options.nproc_per_node)];
+    std::fprintf(stderr, "strata run: failed: rank %d %s\n", failed.rank, describe_status(failed.status).c_str());
+    int code = exit_code_of(failed.status);
+    return code == 0 ? 1 : code;
+  }
+  return 0;
+}
+
+}  // namespace strata::launcher

@@ -1,0 +1,41 @@
+// `strata run`: starts the local ranks of a data-parallel job with the
+// environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT), prefixes their output lines with the rank,
+// forwards Ctrl-C, and when one rank fails stops the others and says which
+// rank failed and how.
+//
+// Thread-safety: launch() is meant to be called once per process from its main
+// thread (it changes the signal mask while it runs).
+// Throws: strata::Error(kBadArgument) for bad options; process failures are
+// reported through the exit code and stderr, not exceptions.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace strata::launcher {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;  // ranks started by this launcher
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port when nnodes == 1, else 29500
+  // After a rank fails, how long the others may take to finish on their own
+  // (reporting their own errors) before they are sent SIGTERM, then SIGKILL
+  // kill_delay_s later.
+  double failure_grace_s = 2.0;
+  double kill_delay_s = 3.0;
+  bool prefix_output = true;
+  std::vector<std::string> command;  // program and arguments
+};
+
+// Runs the job; returns the exit code for `strata run`: 0 when every rank exited
+// with 0; the first failed rank's exit code (128 + signal when it was killed);
+// 130 after Ctrl-C.
+int launch(const LaunchOptions& options);
+
+// A TCP port on `host` that was free a moment ago.
+int find_free_port(const std::string& host);
+
+}  // namespace strata::launcher

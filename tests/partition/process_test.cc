@@ -1,0 +1,128 @@
+// Multi-process tests: ranks started as real processes by the built `strata run`.
+#include <catch2/catch.hpp>
+
+#include <sys/wait.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+namespace {
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  double seconds = 0;
+};
+
+// Runs `strata run ARGS` under coreutils timeout, so a hang fails the test instead of blocking CI.
+Result strata_run(const std::string& args, int limit_s = 60) {
+  std::string command = "timeout -k 5 " + std::to_string(limit_s) + " " STRATA_BUILD_DIR "/bin/strata run " + args +
+                        " 2>&1";
+  auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(command.c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  Result result;
+  std::array<char, 4096> buffer;
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+const std::string kHelper = STRATA_RANK_PROGRAM;
+}  // namespace
+
+TEST_CASE("strata run: sets the rank environment and prefixes output") {
+  Result r = strata_run("-n 3 -- " + kHelper + " env");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    REQUIRE_THAT(r.output, Catch::Contains("[rank " + std::to_string(rank) + "] rank=" + std::to_string(rank) +
+                                           " world=3 local_rank=" + std::to_string(rank) + " local_world=3 master=127.0.0.1:"));
+  }
+}
+
+TEST_CASE("strata run: multi-node options give global ranks") {
+  Result r = strata_run("-n 2 --nnodes 3 --node-rank 1 --master-port 29999 -- " + kHelper + " env");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE_THAT(r.output, Catch::Contains("[rank 2] rank=2 world=6 local_rank=0 local_world=2 master=127.0.0.1:29999"));
+  REQUIRE_THAT(r.output, Catch::Contains("[rank 3] rank=3 world=6 local_rank=1"));
+}
+
+TEST_CASE("gloo collectives, ranks as processes under strata run: 2, 3, 4 and 8 ranks") {
+  for (int world : {2, 3, 4, 8}) {
+    Result r = strata_run("-n " + std::to_string(world) + " -- " + kHelper + " collectives 1000 5000");
+    INFO("world " << world << "\n" << r.output);
+    REQUIRE(r.exit_code == 0);
+    for (int rank = 0; rank < world; ++rank) {
+      REQUIRE_THAT(r.output, Catch::Contains("collectives ok on rank " + std::to_string(rank)));
+    }
+  }
+}
+
+TEST_CASE("a rank killed during a collective: the others fail naming it within the timeout, strata run exits non-zero") {
+  // Communicator timeout 3 s; the launcher lets the survivors report (grace 8 s).
+  Result r = strata_run("-n 4 --failure-grace 8 -- " + kHelper + " die 2 3000");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 128 + 9);
+  REQUIRE_THAT(r.output, Catch::Contains("strata run: rank 2 (pid") && Catch::Contains("killed by signal 9"));
+  REQUIRE_THAT(r.output, Catch::Contains("strata run: failed: rank 2"));
+  for (int rank : {0, 1, 3}) {
+    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
+    REQUIRE_THAT(r.output, Catch::Contains(prefix));
+    size_t at = r.output.find(prefix);
+    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    INFO(line);
+    REQUIRE_THAT(line, Catch::Contains("rank 2 died"));
+    REQUIRE_THAT(line, Catch::Contains("on rank " + std::to_string(rank) + " of 4"));
+  }
+  // Timeout 3 s plus start-up: well below the 8 s grace, so nobody was killed by the launcher.
+  REQUIRE_THAT(r.output, !Catch::Contains("stopped by strata run"));
+  REQUIRE(r.seconds < 8.0);
+}
+
+TEST_CASE("a rank that hangs in a collective: the others fail within the timeout naming it, nothing hangs") {
+  // Rank 1 stops (SIGSTOP): its sockets stay open, so only the 2 s timeout can fire.
+  Result r = strata_run("-n 3 --failure-grace 4 --kill-delay 1 -- " + kHelper + " stall 1 2000");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 3);  // the first rank to fail is a survivor reporting the error
+  for (int rank : {0, 2}) {
+    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
+    REQUIRE_THAT(r.output, Catch::Contains(prefix));
+    size_t at = r.output.find(prefix);
+    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    INFO(line);
+    REQUIRE_THAT(line, Catch::Contains("timeout 2000 ms") && Catch::Contains("rank 1 did not report this failure"));
+  }
+  REQUIRE_THAT(r.output, Catch::Contains("rank 1 (pid") && Catch::Contains("stopped by strata run"));
+  REQUIRE(r.seconds < 15.0);
+}
+
+TEST_CASE("strata run: a failing rank stops the others and its exit code is reported") {
+  Result r = strata_run("-n 3 --failure-grace 0 -- sh -c 'if [ $RANK = 1 ]; then exit 7; fi; sleep 30'");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 7);
+  REQUIRE_THAT(r.output, Catch::Contains("rank 1 (pid") && Catch::Contains("exited with code 7"));
+  REQUIRE(r.seconds < 10.0);
+}
+
+TEST_CASE("strata run: Ctrl-C is forwarded to every rank") {
+  // The shell sends SIGINT to the launcher; each rank traps it and reports.
+  Result r = strata_run("-n 1 --no-prefix -- sh -c '" STRATA_BUILD_DIR
+                        "/bin/strata run -n 2 -- sh -c \"trap \\\"echo got-int; exit 0\\\" INT; echo ready; "
+                        "while true; do sleep 0.05; done\" & pid=$!; sleep 1; kill -INT $pid; wait $pid; echo launcher=$?'");
+  INFO(r.output);
+  REQUIRE_THAT(r.output, Catch::Contains("[rank 0] got-int") && Catch::Contains("[rank 1] got-int"));
+  REQUIRE_THAT(r.output, Catch::Contains("launcher=130"));
+}
+
+TEST_CASE("strata run: a program that cannot be executed is reported") {
+  Result r = strata_run("-n 2 -- /nonexistent/program");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 127);
+  REQUIRE_THAT(r.output, Catch::Contains("cannot execute '/nonexistent/program'"));
+}
