@@ -1,0 +1,256 @@
+// safetensors reader (mmap, full header validation) and writer.
+#include "runtime/nn/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace strata::nn {
+namespace {
+
+// Headers larger than this are rejected before parsing (the reference
+// implementation uses the same order of magnitude).
+constexpr uint64_t kMaxHeaderNbytes = 100ull << 20;
+
+DType parse_st_dtype(const std::string& path, const std::string& name, const std::string& s) {
+  if (s == "F32") return DType::kF32;
+  if (s == "F16") return DType::kF16;
+  if (s == "BF16") return DType::kBF16;
+  raise(ErrorCategory::kBadArgument, "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16",
+        path, name, s);
+}
+
+uint64_t read_le64(const std::byte* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
+  return v;
+}
+
+}  // namespace
+
+std::string_view safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+  }
+  return "?";
+}
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  SafetensorsFile f;
+  f.path_ = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) raise_errno(errno, "open safetensors file " + path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    raise_errno(err, "stat " + path);
+  }
+  const auto file_nbytes = static_cast<size_t>(st.st_size);
+  if (file_nbytes < 8) {
+    ::close(fd);
+    raise(ErrorCategory::kBadArgument, "{}: {} bytes is too short for a safetensors header", path,
+          file_nbytes);
+  }
+  void* map = ::mmap(nullptr, file_nbytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
+  ::close(fd);  // the mapping keeps the file referenced
+  if (map == MAP_FAILED) raise_errno(map_err, "mmap " + path);
+  f.map_ = map;
+  f.map_nbytes_ = file_nbytes;  // from here on, f's destructor unmaps on error
+
+  const auto* base = static_cast<const std::byte*>(map);
+  const uint64_t header_nbytes = read_le64(base);
+  STRATA_CHECK(header_nbytes <= kMaxHeaderNbytes && header_nbytes <= file_nbytes - 8, kBadArgument,
+               "{}: header length {} at offset 0 exceeds the file ({} bytes) or the {} byte limit",
+               path, header_nbytes, file_nbytes, kMaxHeaderNbytes);
+  const char* header = reinterpret_cast<const char*>(base + 8);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(header, header + header_nbytes);
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCategory::kBadArgument, "{}: header is not valid JSON: {}", path, e.what());
+  }
+  STRATA_CHECK(j.is_object(), kBadArgument, "{}: header must be a JSON object", path);
+  f.data_ = base + 8 + header_nbytes;
+  const size_t data_nbytes = file_nbytes - 8 - header_nbytes;
+
+  for (const auto& [name, value] : j.items()) {
+    if (name == "__metadata__") {
+      STRATA_CHECK(value.is_object(), kBadArgument, "{}: __metadata__ must be an object", path);
+      for (const auto& [k, v] : value.items()) {
+        STRATA_CHECK(v.is_string(), kBadArgument, "{}: __metadata__ key '{}' must be a string",
+                     path, k);
+        f.metadata_[k] = v.get<std::string>();
+      }
+      continue;
+    }
+    STRATA_CHECK(value.is_object() && value.contains("dtype") && value["dtype"].is_string() &&
+                     value.contains("shape") && value["shape"].is_array() &&
+                     value.contains("data_offsets") && value["data_offsets"].is_array() &&
+                     value["data_offsets"].size() == 2,
+                 kBadArgument,
+                 "{}: tensor '{}' needs \"dtype\" (string), \"shape\" (array) and \"data_offsets\" "
+                 "([begin, end]); got {}",
+                 path, name, value.dump());
+    SafetensorsEntry e;
+    e.name = name;
+    e.dtype = parse_st_dtype(path, name, value["dtype"].get<std::string>());
+    uint64_t numel = 1;
+    for (const auto& d : value["shape"]) {
+      STRATA_CHECK(d.is_number_unsigned(), kBadArgument,
+                   "{}: tensor '{}' has a shape entry {} that is not a non-negative integer", path,
+                   name, d.dump());
+      const uint64_t dim = d.get<uint64_t>();
+      STRATA_CHECK(dim == 0 || numel <= std::numeric_limits<uint64_t>::max() / 8 / dim,
+                   kBadArgument, "{}: tensor '{}' shape overflows", path, name);
+      numel *= dim;
+      e.shape.push_back(static_cast<int64_t>(dim));
+    }
+    const auto& offs = value["data_offsets"];
+    STRATA_CHECK(offs[0].is_number_unsigned() && offs[1].is_number_unsigned(), kBadArgument,
+                 "{}: tensor '{}' data_offsets {} must be non-negative integers", path, name,
+                 offs.dump());
+    e.begin = offs[0].get<uint64_t>();
+    e.end = offs[1].get<uint64_t>();
+    STRATA_CHECK(e.begin <= e.end && e.end <= data_nbytes, kBadArgument,
+                 "{}: tensor '{}' data_offsets [{}, {}] out of range (data section is {} bytes)",
+                 path, name, e.begin, e.end, data_nbytes);
+    STRATA_CHECK(e.end - e.begin == numel * dtype_nbytes(e.dtype), kBadArgument,
+                 "{}: tensor '{}' has {} bytes but shape {} of {} needs {}", path, name,
+                 e.end - e.begin, shape_string(e.shape), dtype_name(e.dtype),
+                 numel * dtype_nbytes(e.dtype));
+    f.entries_[name] = std::move(e);
+  }
+  // Tensors must not overlap (the format also requires no gaps; we only
+  // reject what would make two tensors alias).
+  std::vector<const SafetensorsEntry*> sorted;
+  for (const auto& [n, e] : f.entries_) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    STRATA_CHECK(sorted[i]->begin >= sorted[i - 1]->end, kBadArgument,
+                 "{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", path, sorted[i - 1]->name,
+                 sorted[i - 1]->begin, sorted[i - 1]->end, sorted[i]->name, sorted[i]->begin,
+                 sorted[i]->end);
+  }
+  return f;
+}
+
+SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept {
+  *this = std::move(other);
+}
+
+SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_nbytes_ = std::exchange(other.map_nbytes_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    entries_ = std::move(other.entries_);
+    metadata_ = std::move(other.metadata_);
+  }
+  return *this;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  release();
+}
+
+void SafetensorsFile::release() {
+  if (map_ != nullptr) ::munmap(map_, map_nbytes_);
+  map_ = nullptr;
+}
+
+const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
+  auto it = entries_.find(name);
+  STRATA_CHECK(it != entries_.end(), kBadArgument, "{}: no tensor named '{}'", path_, name);
+  return it->second;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  for (const auto& [n, e] : entries_) out.push_back(n);
+  return out;
+}
+
+TensorView SafetensorsFile::view(const std::string& name) const {
+  const SafetensorsEntry& e = entry(name);
+  TensorView v;
+  v.desc = TensorDesc{e.dtype, e.shape, Tier::kCpu};
+  v.data = const_cast<std::byte*>(data_ + e.begin);  // PROT_READ: writes would fault
+  return v;
+}
+
+void SafetensorsFile::read(const std::string& name, const TensorView& dst,
+                           bool allow_convert) const {
+  const SafetensorsEntry& e = entry(name);
+  STRATA_CHECK(e.shape == dst.desc.shape, kBadArgument, "{}: tensor '{}' has shape {}, expected {}",
+               path_, name, shape_string(e.shape), shape_string(dst.desc.shape));
+  STRATA_CHECK(allow_convert || e.dtype == dst.desc.dtype, kBadArgument,
+               "{}: tensor '{}' has dtype {}, expected {}", path_, name, dtype_name(e.dtype),
+               dtype_name(dst.desc.dtype));
+  convert(data_ + e.begin, e.dtype, dst.data, dst.desc.dtype, static_cast<size_t>(dst.numel()));
+}
+
+void SafetensorsWriter::add(const std::string& name, const TensorView& tensor) {
+  STRATA_CHECK(!name.empty() && name != "__metadata__", kBadArgument,
+               "safetensors: invalid tensor name '{}'", name);
+  STRATA_CHECK(!tensors_.contains(name), kBadArgument, "safetensors: tensor '{}' added twice",
+               name);
+  Pending p{tensor.desc.dtype, tensor.desc.shape, std::vector<std::byte>(tensor.nbytes())};
+  if (tensor.nbytes() > 0) std::memcpy(p.bytes.data(), tensor.data, tensor.nbytes());
+  tensors_.emplace(name, std::move(p));
+}
+
+void SafetensorsWriter::write(const std::string& path) const {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata_.empty()) header["__metadata__"] = metadata_;
+  size_t offset = 0;
+  for (const auto& [name, t] : tensors_) {
+    header[name] = {{"dtype", safetensors_dtype_name(t.dtype)},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + t.bytes.size()}}};
+    offset += t.bytes.size();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data section is 8-byte aligned
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (f == nullptr) raise_errno(errno, "create " + tmp);
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i)
+    len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  bool ok =
+      std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  for (const auto& [name, t] : tensors_) {
+    ok = ok && std::fwrite(t.bytes.data(), 1, t.bytes.size(), f) == t.bytes.size();
+  }
+  const int write_err = errno;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok) {
+    std::remove(tmp.c_str());
+    raise_errno(write_err != 0 ? write_err : EIO, "write safetensors file " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    raise_errno(errno, "rename " + tmp + " to " + path);
+}
+
+}  // namespace strata::nn

@@ -1,0 +1,105 @@
+// A tiny Llama-style model trained for 50 AdamW steps on a fixed synthetic
+// corpus must lower its loss. The AdamW here is a plain scalar loop on purpose:
+// this test checks the model, not the production optimizer (kernels/cpu/adam*).
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "runtime/nn/llama_model.h"
+
+using namespace strata;
+using namespace strata::nn;
+
+namespace {
+strata::nn::LlamaModelOptions model_options(strata::DType dtype, int64_t loss_chunk_rows = 256) {
+  strata::nn::LlamaModelOptions o;
+  o.dtype = dtype;
+  o.loss_chunk_rows = loss_chunk_rows;
+  return o;
+}
+}  // namespace
+
+namespace {
+
+// Decoupled-weight-decay Adam over every registered fp32 parameter.
+class PlainAdamW {
+ public:
+  PlainAdamW(ResidentEngine& engine, double lr, double weight_decay)
+      : engine_(engine), lr_(lr), wd_(weight_decay) {
+    for (Parameter* p : engine.parameters()) {
+      m_.emplace_back(static_cast<size_t>(p->desc.numel()), 0.0f);
+      v_.emplace_back(static_cast<size_t>(p->desc.numel()), 0.0f);
+    }
+  }
+  void step() {
+    ++t_;
+    const double c1 = 1 - std::pow(kBeta1, t_), c2 = 1 - std::pow(kBeta2, t_);
+    const auto& params = engine_.parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      float* w = engine_.data(*params[k]).as<float>();
+      const float* g = engine_.grad(*params[k]).as<float>();
+      for (size_t i = 0; i < m_[k].size(); ++i) {
+        m_[k][i] = static_cast<float>(kBeta1 * m_[k][i] + (1 - kBeta1) * g[i]);
+        v_[k][i] = static_cast<float>(kBeta2 * v_[k][i] + (1 - kBeta2) * g[i] * g[i]);
+        const double update = (m_[k][i] / c1) / (std::sqrt(v_[k][i] / c2) + 1e-8);
+        w[i] = static_cast<float>(w[i] - lr_ * (update + wd_ * w[i]));
+      }
+    }
+  }
+
+ private:
+  static constexpr double kBeta1 = 0.9, kBeta2 = 0.999;
+  ResidentEngine& engine_;
+  double lr_, wd_;
+  int t_ = 0;
+  std::vector<std::vector<float>> m_, v_;
+};
+
+}  // namespace
+
+TEST_CASE("tiny model loss falls over 50 AdamW steps on a fixed corpus", "[nn][train]") {
+  LlamaConfig c;
+  c.vocab_size = 48;
+  c.hidden_size = 48;
+  c.intermediate_size = 96;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 12;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  ResidentEngine engine;
+  LlamaModel model(engine, c, model_options(DType::kF32, 16));
+  initialize_parameters(engine, model.parameters(), 1234);
+  PlainAdamW opt(engine, 3e-3, 0.01);
+
+  // Corpus: sequences of an affine recurrence t' = (5 t + 3) mod V from seeded
+  // starts; the next token is a function of the current one, so it is learnable.
+  const int64_t batch = 4, seq = 24;
+  std::mt19937 gen(42);
+  std::vector<double> losses;
+  for (int step = 0; step < 50; ++step) {
+    std::vector<int32_t> ids(batch * seq), targets(batch * seq);
+    for (int64_t b = 0; b < batch; ++b) {
+      int32_t t = static_cast<int32_t>(gen() % c.vocab_size);
+      for (int64_t s = 0; s < seq; ++s) {
+        ids[b * seq + s] = t;
+        t = static_cast<int32_t>((5 * t + 3) % c.vocab_size);
+        targets[b * seq + s] = t;
+      }
+    }
+    engine.zero_grad();
+    const double loss = model.forward(ids, targets, batch, seq);
+    REQUIRE(std::isfinite(loss));
+    model.backward();
+    opt.step();
+    losses.push_back(loss);
+  }
+  double first = 0, last = 0;
+  for (int i = 0; i < 5; ++i) first += losses[i] / 5, last += losses[45 + i] / 5;
+  INFO("loss at step 1: " << losses[0] << ", mean of steps 1-5: " << first
+                          << ", of steps 46-50: " << last);
+  CHECK(losses[0] == Approx(std::log(48.0)).margin(0.2));  // starts near uniform
+  CHECK(last < 0.5 * first);
+}
