@@ -207,33 +207,46 @@ void OptimizerSwapper::step(const StepInputs& in) {
 void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in) {
   nvme::File& in_file = slot_file(static_cast<int>(generation_ % 2));
   nvme::File& out_file = slot_file(static_cast<int>((generation_ + 1) % 2));
-  std::deque<Op> writes;
-  Op current, next;
+  // A pool buffer cycles read -> update (in place) -> write. Reads are issued
+  // as far ahead as free buffers allow, so the drive always has queued work and
+  // reads (on the critical path) are queued before later writes; writes hold
+  // their buffers until done, which is the backpressure bounding what is in flight.
+  std::deque<Op> reads, writes;
+  size_t next_read = 0;
   auto finish = [&](Op& op, double& waited) {
     const auto start = Clock::now();
     op.pending = false;
     aio_->wait(op.ticket);
     waited += seconds_since(start);
   };
-  // A buffer for the next read: when the pool is empty the oldest write must
-  // finish first — that is the backpressure bounding what is in flight.
-  auto start_read = [&](size_t k) {
-    while (pool_->available() == 0 && !writes.empty()) {
-      finish(writes.front(), timings_.write_wait_seconds);
-      writes.pop_front();
-    }
+  auto start_read = [&] {
+    const size_t k = next_read++;
     Op op{pool_->acquire()};
     const size_t nbytes = record_nbytes(sub_group(k).numel);
     op.ticket = aio_->submit_read(in_file, op.buffer.data(), nbytes, file_offset(k));
     op.pending = true;
     timings_.bytes_read += nbytes;
-    return op;
+    reads.push_back(std::move(op));
+  };
+  // Issues reads until min_reads are in flight (waiting for the oldest write
+  // when the pool is empty), then every further read a free buffer allows.
+  auto top_up_reads = [&](size_t min_reads) {
+    while (reads.size() < min_reads && next_read < sub_groups_) {
+      while (pool_->available() == 0 && !writes.empty()) {
+        finish(writes.front(), timings_.write_wait_seconds);
+        writes.pop_front();
+      }
+      if (pool_->available() == 0) break;  // every buffer already holds a read
+      start_read();
+    }
+    while (next_read < sub_groups_ && pool_->available() > 0) start_read();
   };
   try {
-    current = start_read(0);
     for (size_t k = 0; k < sub_groups_; ++k) {
-      if (k + 1 < sub_groups_) next = start_read(k + 1);
-      finish(current, timings_.read_wait_seconds);
+      top_up_reads(2);  // read k at the front, k+1 behind it while k is waited on and updated
+      finish(reads.front(), timings_.read_wait_seconds);
+      Op current = std::move(reads.front());
+      reads.pop_front();
       const Range r = sub_group(k);
       float* p = current.buffer.as<float>();
       update(c, in, k, p, p + r.numel, p + 2 * r.numel);
@@ -242,8 +255,11 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
       current.pending = true;
       timings_.bytes_written += nbytes;
       writes.push_back(std::move(current));
-      current = std::move(next);
-      next = Op{};
+      // Completed writes free their buffers for reads further ahead.
+      while (!writes.empty() && aio_->done(writes.front().ticket)) {
+        finish(writes.front(), timings_.write_wait_seconds);
+        writes.pop_front();
+      }
     }
     while (!writes.empty()) {
       finish(writes.front(), timings_.write_wait_seconds);
@@ -256,14 +272,11 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
   } catch (...) {
     // Every request still in flight must finish before its buffer returns to
     // the pool; their errors are secondary to the one being rethrown.
-    for (Op* op : {&current, &next}) {
-      if (op->pending) {
-        try { aio_->wait(op->ticket); } catch (...) {}
-      }
-    }
-    for (Op& op : writes) {
-      if (op.pending) {
-        try { aio_->wait(op.ticket); } catch (...) {}
+    for (std::deque<Op>* ops : {&reads, &writes}) {
+      for (Op& op : *ops) {
+        if (op.pending) {
+          try { aio_->wait(op.ticket); } catch (...) {}
+        }
       }
     }
     throw;
@@ -402,21 +415,27 @@ double OptimizerSwapper::time_write_alone() {
   STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_write_alone needs initialized nvme state");
   // The spare slot: the next step overwrites it anyway, the commit never points at it.
   nvme::File& file = slot_file(static_cast<int>((generation_ + 1) % 2));
-  return stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
+  const auto start = Clock::now();
+  stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
     return aio_->submit_write(file, buf, record_nbytes(sub_group(k).numel), file_offset(k));
   });
+  file.sync();  // written = durable, as a step's commit requires (a drive's write cache)
+  return seconds_since(start);
 }
 
 double OptimizerSwapper::time_read_write_alone() {
   STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_read_write_alone needs initialized nvme state");
   nvme::File& in = slot_file(static_cast<int>(generation_ % 2));
   nvme::File& out = slot_file(static_cast<int>((generation_ + 1) % 2));
-  return stream_records(*pool_, *aio_, 2 * sub_groups_, [&](size_t i, void* buf) {
+  const auto start = Clock::now();
+  stream_records(*pool_, *aio_, 2 * sub_groups_, [&](size_t i, void* buf) {
     const size_t k = i / 2;
     const size_t nbytes = record_nbytes(sub_group(k).numel);
     return i % 2 == 0 ? aio_->submit_read(in, buf, nbytes, file_offset(k))
                       : aio_->submit_write(out, buf, nbytes, file_offset(k));
   });
+  out.sync();
+  return seconds_since(start);
 }
 
 }  // namespace strata::offload

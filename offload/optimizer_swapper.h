@@ -104,13 +104,14 @@ class OptimizerSwapper {
   const StepTimings& last_timings() const { return timings_; }
 
   // For the bench's lower bound (NVMe only): seconds to read every record of
-  // the committed slot, and to write every record of the spare slot, each
-  // alone, with the same pool and handle. Does not change the committed state.
+  // the committed slot, and to write every record of the spare slot and
+  // fdatasync it (durable, as step() must be before its commit), each alone,
+  // with the same pool and handle. Does not change the committed state.
   double time_read_alone();
   double time_write_alone();
   // Both at once (reads of the committed slot interleaved with writes of the
-  // spare one, as a step issues them) but no update: the device's I/O floor
-  // for a step when reads and writes share its bandwidth.
+  // spare one, as a step issues them, then fdatasync) but no update: the
+  // device's I/O floor for a step when reads and writes share its bandwidth.
   double time_read_write_alone();
 
  private:

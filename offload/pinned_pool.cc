@@ -2,6 +2,8 @@
 // and a condition variable for backpressure.
 #include "offload/pinned_pool.h"
 
+#include <algorithm>
+
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/host_memory.h"
@@ -85,25 +87,13 @@ PinnedBuffer PinnedBufferPool::acquire_for(std::chrono::milliseconds timeout) {
             options_.buffer_count + short_by);
     }
   }
-  const size_t index = free_.back();
-  free_.pop_back();
-  ++stats_.acquires;
-  ++stats_.in_use;
-  stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
-  return PinnedBuffer(this, index, static_cast<char*>(base_) + index * options_.buffer_nbytes,
-                      options_.buffer_nbytes);
+  return take_locked();
 }
 
 std::optional<PinnedBuffer> PinnedBufferPool::try_acquire() {
   std::lock_guard lock(mutex_);
   if (free_.empty()) return std::nullopt;
-  const size_t index = free_.back();
-  free_.pop_back();
-  ++stats_.acquires;
-  ++stats_.in_use;
-  stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
-  return PinnedBuffer(this, index, static_cast<char*>(base_) + index * options_.buffer_nbytes,
-                      options_.buffer_nbytes);
+  return take_locked();
 }
 
 void PinnedBufferPool::give_back(size_t index) {
@@ -125,6 +115,25 @@ PinnedPoolStats PinnedBufferPool::stats() const {
   return stats_;
 }
 
-std::vector<iovec> PinnedBufferPool::regions() const { return {iovec{base_, total_nbytes_}}; }
+PinnedBuffer PinnedBufferPool::take_locked() {
+  const size_t index = free_.back();
+  free_.pop_back();
+  ++stats_.acquires;
+  ++stats_.in_use;
+  stats_.peak_in_use = std::max(stats_.peak_in_use, stats_.in_use);
+  return PinnedBuffer(this, index, static_cast<char*>(base_) + index * options_.buffer_nbytes,
+                      options_.buffer_nbytes);
+}
+
+std::vector<iovec> PinnedBufferPool::regions() const {
+  std::vector<iovec> out;
+  for (size_t i = 0; i < options_.buffer_count; ++i) {
+    char* buffer = static_cast<char*>(base_) + i * options_.buffer_nbytes;
+    for (size_t done = 0; done < options_.buffer_nbytes; done += kMaxRegionNbytes) {
+      out.push_back(iovec{buffer + done, std::min(kMaxRegionNbytes, options_.buffer_nbytes - done)});
+    }
+  }
+  return out;
+}
 
 }  // namespace strata::offload

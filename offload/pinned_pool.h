@@ -96,12 +96,18 @@ class PinnedBufferPool {
   size_t buffer_nbytes() const { return options_.buffer_nbytes; }
   size_t available() const;
   PinnedPoolStats stats() const;
-  // The whole pool as one region, e.g. to register with io_uring.
+  // The pool's memory as regions to register with io_uring: one per buffer, a
+  // buffer over kMaxRegionNbytes split into pieces of that size (the kernel
+  // refuses a larger fixed buffer). A transfer of a block size that divides
+  // kMaxRegionNbytes never straddles two regions.
+  static constexpr size_t kMaxRegionNbytes = size_t{1} << 30;
   std::vector<iovec> regions() const;
 
  private:
   friend class PinnedBuffer;
   void give_back(size_t index);
+  // Hands out the last free buffer; mutex_ held and free_ not empty.
+  PinnedBuffer take_locked();
 
   PinnedPoolOptions options_;
   Accelerator* accelerator_ = nullptr;

@@ -16,7 +16,7 @@ struct KernelRow {
   std::string isa, grad_dtype, copy_dtype;  // copy "none" when no 16-bit copy
   size_t numel = 0;
   int threads = 0;
-  double seconds = 0;        // best of the timed iterations
+  double seconds = 0;        // median of the timed iterations
   double params_per_s = 0;   // numel / seconds
   double bytes = 0;          // bytes counted per step (see PERFORMANCE.md)
   double gb_per_s = 0;       // bytes / seconds / 1e9
@@ -33,7 +33,7 @@ struct TriadResult {
 };
 
 // a[i] = b[i] + s*c[i] over three fp32 arrays of numel, OpenMP with `threads`;
-// best of iters. Bytes counted: 3 * 4 * numel (STREAM's convention).
+// median of iters. Bytes counted: 3 * 4 * numel (STREAM's convention).
 TriadResult run_triad(size_t numel, int threads, int iters);
 
 struct KernelCase {
@@ -60,7 +60,7 @@ struct NvmeStepOptions {
 struct NvmeStepResult {
   size_t numel = 0, sub_group_numel = 0, sub_groups = 0, buffer_count = 0;
   double init_seconds = 0;
-  double step_seconds = 0;         // best full step (read ‖ update ‖ write + commit)
+  double step_seconds = 0;         // median full step (read ‖ update ‖ write + commit)
   double read_alone_seconds = 0;   // every record read, nothing else running
   double write_alone_seconds = 0;  // every record written, nothing else running
   double update_alone_seconds = 0; // every sub-group updated in memory, no I/O

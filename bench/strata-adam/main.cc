@@ -64,18 +64,18 @@ int main(int argc, char** argv) {
       "triad measured in the same run (ratio = Adam GB/s / triad GB/s). Bytes counted per parameter:\n"
       "read p, m, v (fp32) and g; write p, m, v and the 16-bit copy. With --nvme DIR it also times a\n"
       "full NVMe-offloaded step (read k+1 | update k | write k-1) beside max(read alone, write alone,\n"
-      "update alone). See bench/strata-adam/PERFORMANCE.md."};
+      "update alone). See bench/PERFORMANCE.md."};
   std::string numel_text = "64M", isa_text = "all", grad_text = "all", copy_text = "bf16,fp16,none";
   std::string nvme_dir, nvme_numel_text = "", sub_group_text = "64M", json_path, engine = "uring";
   std::string nvme_grad = "bf16", nvme_copy = "bf16";
-  int iters = 5, threads = 0, buffers = 3, nvme_steps = 1, queue_depth = 32, io_threads = 1;
+  int iters = 5, threads = 0, buffers = 3, nvme_steps = 3, queue_depth = 32, io_threads = 1;
   size_t block_size = size_t{1} << 20;
   bool adam_l2 = false, skip_kernels = false;
   app.add_option("--numel", numel_text, "Parameters per kernel run (e.g. 256M; acceptance uses >= 256M)")->capture_default_str();
   app.add_option("--isa", isa_text, "scalar,avx2,avx512 or all (those this CPU supports)")->capture_default_str();
   app.add_option("--grad-dtype", grad_text, "fp32,bf16,fp16 or all")->capture_default_str();
   app.add_option("--copy", copy_text, "16-bit copy written in the same pass: bf16,fp16,none or all")->capture_default_str();
-  app.add_option("--iters", iters, "Timed steps per row (best is reported)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--iters", iters, "Timed steps per row (median is reported)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "Optimizer threads (0: OpenMP default)")->capture_default_str();
   app.add_flag("--adam", adam_l2, "Adam with L2 decay instead of AdamW");
   app.add_flag("--no-kernels", skip_kernels, "Skip the in-memory rows (only --nvme)");
@@ -83,7 +83,7 @@ int main(int argc, char** argv) {
   app.add_option("--nvme-numel", nvme_numel_text, "Parameters of the offloaded step (default: --numel; acceptance uses 1B)");
   app.add_option("--sub-group", sub_group_text, "sub_group_size in parameters")->capture_default_str();
   app.add_option("--buffers", buffers, "Pinned pool buffers (each holds one sub-group: 12 B/param)")->capture_default_str();
-  app.add_option("--steps", nvme_steps, "Offloaded steps (best is reported)")->capture_default_str();
+  app.add_option("--steps", nvme_steps, "Offloaded steps (median is reported)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--nvme-grad-dtype", nvme_grad, "Gradient dtype of the offloaded step")->capture_default_str();
   app.add_option("--nvme-copy", nvme_copy, "16-bit copy dtype of the offloaded step")->capture_default_str();
   app.add_option("--engine", engine, "uring | aio | psync")->capture_default_str();

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <memory>
 
+#include "bench/common/pattern.h"
+#include "bench/common/stats.h"
 #include "bench/strata-adam/adam_bench.h"
 #include "runtime/core/error.h"
 #include "runtime/core/host_memory.h"
@@ -35,15 +37,6 @@ struct HostArray {
   void* ptr_ = nullptr;
   size_t nbytes_ = 0;
 };
-
-// A deterministic value in [-1, 1) for element i (no RNG state to share across threads).
-float pseudo(uint64_t i, uint64_t salt) {
-  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ salt;
-  x ^= x >> 31;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<double>(x >> 40) / static_cast<double>(1ull << 23) - 1.0);
-}
 
 void fill(float* dst, size_t numel, uint64_t salt, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -72,7 +65,7 @@ TriadResult run_triad(size_t numel, int threads, int iters) {
   const float s = 3.0f;
   TriadResult r;
   r.numel = numel;
-  r.seconds = 1e30;
+  std::vector<double> times;
   for (int it = 0; it < iters + 1; ++it) {  // the first pass warms up
     const auto start = Clock::now();
     // Vectorised (SSE2 baseline is enough to saturate memory), static split
@@ -80,8 +73,9 @@ TriadResult run_triad(size_t numel, int threads, int iters) {
 #pragma omp parallel for simd num_threads(threads) schedule(static)
     for (size_t i = 0; i < numel; ++i) pa[i] = pb[i] + s * pc[i];
     const double t = seconds_since(start);
-    if (it > 0) r.seconds = std::min(r.seconds, t);
+    if (it > 0) times.push_back(t);
   }
+  r.seconds = median(times);
   r.gb_per_s = 3.0 * 4.0 * static_cast<double>(numel) / r.seconds / 1e9;
   r.correct = true;
   for (size_t i = 0; i < numel; i += std::max<size_t>(1, numel / 4099)) {
@@ -169,13 +163,14 @@ std::vector<KernelRow> run_kernel_cases(const std::vector<KernelCase>& cases, si
     row.correct = bad == 0;
     row.check_detail = fmt::format("{} samples, {} mismatches, worst param error {:.3f} of tolerance", ns, bad, worst);
 
-    row.seconds = 1e30;
+    std::vector<double> times;
     for (int it = 0; it < iters; ++it) {
       const auto c = kernels::adam_coefficients(config, ++step, 0.5f);
       const auto start = Clock::now();
       kernels::adam_step(c, b, kc.isa, threads);
-      row.seconds = std::min(row.seconds, seconds_since(start));
+      times.push_back(seconds_since(start));
     }
+    row.seconds = median(times);
     row.params_per_s = static_cast<double>(numel) / row.seconds;
     row.bytes = adam_bytes_per_element(kc.grad_dtype, kc.copy_dtype) * static_cast<double>(numel);
     row.gb_per_s = row.bytes / row.seconds / 1e9;

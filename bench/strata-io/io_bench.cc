@@ -36,13 +36,6 @@ double percentile(std::vector<uint64_t>& values, double q) {
 
 }  // namespace
 
-double median(std::vector<double> values) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  size_t n = values.size();
-  return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
 Pattern::Pattern(uint64_t seed) : seed_(seed), base_(kPeriod) {
   std::mt19937_64 rng(seed);
   for (size_t i = 0; i < kPeriod; i += 8) {
@@ -229,13 +222,10 @@ double run_fio(const IoCase& c, const std::string& path, uint64_t size_nbytes, b
   STRATA_CHECK(!doc.is_discarded() && doc.contains("jobs") && !doc["jobs"].empty(), kIo,
                "cannot parse fio JSON output: {}", output);
   const auto& job = doc["jobs"][0][c.rw == nvme::IoOp::kRead ? "read" : "write"];
-  double io_bytes = job.value("io_bytes", 0.0);
   double runtime_ms = doc["jobs"][0].value("job_runtime", 0.0);
   STRATA_CHECK(runtime_ms > 0, kIo, "fio reported no runtime: {}", output);
   // job_runtime is summed over jobs under group_reporting; bw_bytes is the aggregate.
-  double bw = job.value("bw_bytes", 0.0);
-  (void)io_bytes;
-  return bw / 1e9;
+  return job.value("bw_bytes", 0.0) / 1e9;
 }
 
 }  // namespace strata::bench

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/common/stats.h"
 #include "nvme/aio_handle.h"
 
 namespace strata::bench {
@@ -88,7 +89,5 @@ class IoRunner {
 // Runs fio once on the same file and parameters; returns GB/s (1e9 B/s).
 // Throws Error(kIo) when fio is missing or fails (its output is in the message).
 double run_fio(const IoCase& c, const std::string& path, uint64_t size_nbytes, bool buffered);
-
-double median(std::vector<double> values);
 
 }  // namespace strata::bench

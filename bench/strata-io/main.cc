@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
       "whole file (1 GB = 1e9 bytes); IOPS = GB/s / bs; p50/p99 are per-bs-piece latencies\n"
       "over all timed passes; #wrong counts 4 KiB blocks read back with other content than\n"
       "written (-: --no-check). --vs-fio runs fio with the same file and parameters before\n"
-      "each timed pass (alternating) and prints the ratio. See bench/strata-io/PERFORMANCE.md."};
+      "each timed pass (alternating) and prints the ratio. See bench/PERFORMANCE.md."};
   app.add_option("--file", f.file, "Test file (created if missing; overwritten)");
   app.add_option("--dir", f.dir, "Directory for a temporary test file (removed at the end)");
   app.add_option("--size", f.size, "Bytes per pass, e.g. 4GiB (a multiple of every --bs)")

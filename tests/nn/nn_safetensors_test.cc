@@ -8,21 +8,13 @@
 
 #include "runtime/core/error.h"
 #include "runtime/nn/llama_model.h"
+#include "tests/nn/model_options.h"
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;
 using namespace strata::nn;
-
-namespace {
-strata::nn::LlamaModelOptions model_options(strata::DType dtype, int64_t loss_chunk_rows = 256) {
-  strata::nn::LlamaModelOptions o;
-  o.dtype = dtype;
-  o.loss_chunk_rows = loss_chunk_rows;
-  return o;
-}
-}  // namespace
 
 namespace {
 

@@ -7,18 +7,10 @@
 #include <vector>
 
 #include "runtime/nn/llama_model.h"
+#include "tests/nn/model_options.h"
 
 using namespace strata;
 using namespace strata::nn;
-
-namespace {
-strata::nn::LlamaModelOptions model_options(strata::DType dtype, int64_t loss_chunk_rows = 256) {
-  strata::nn::LlamaModelOptions o;
-  o.dtype = dtype;
-  o.loss_chunk_rows = loss_chunk_rows;
-  return o;
-}
-}  // namespace
 
 namespace {
 
