@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -192,9 +193,12 @@ class GlooCommunicator final : public Communicator {
     return name;
   }
 
-  // Ring reduce-scatter: in step s, rank r sends its partial block (r-1-s) to
-  // r+1 and adds the block (r-2-s) received from r-1; after world_size-1 steps
-  // block r holds every rank's contribution.
+  // Ring reduce-scatter: in step s, rank r sends its partial sum of block
+  // (r-1-s) to r+1 and adds its own contribution to the block (r-2-s) received
+  // from r-1; after world_size-1 steps block r holds every rank's contribution.
+  // Only one block of running sum and one incoming block are needed (reused
+  // across calls, so a large collective does not page-fault fresh memory); the
+  // first send comes straight from the input and the last sum goes straight to recv.
   void ring_reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, uint32_t tag) {
     int world = world_size(), me = rank();
     size_t block_nbytes = numel * dtype_nbytes(dtype);
@@ -202,24 +206,32 @@ class GlooCommunicator final : public Communicator {
       if (block_nbytes > 0 && send != recv) std::memmove(recv, send, block_nbytes);
       return;
     }
-    std::vector<char> work(static_cast<const char*>(send), static_cast<const char*>(send) + block_nbytes * world);
-    std::vector<char> incoming(block_nbytes);
-    auto work_buffer = context_->createUnboundBuffer(work.data(), work.size());
-    auto incoming_buffer = context_->createUnboundBuffer(incoming.data(), incoming.size());
+    std::lock_guard lock(scratch_mutex_);
+    if (acc_.size() < block_nbytes) acc_.resize(block_nbytes);
+    if (incoming_.size() < block_nbytes) incoming_.resize(block_nbytes);
+    const char* input = static_cast<const char*>(send);
+    // Gloo's buffers take void*; the input is only ever sent from.
+    auto input_buffer = context_->createUnboundBuffer(const_cast<char*>(input), block_nbytes * world);
+    auto acc_buffer = context_->createUnboundBuffer(acc_.data(), block_nbytes);
+    auto incoming_buffer = context_->createUnboundBuffer(incoming_.data(), block_nbytes);
     ReduceFn sum = sum_fn(dtype);
     int right = (me + 1) % world, left = (me + world - 1) % world;
     for (int step = 0; step < world - 1; ++step) {
       size_t send_block = static_cast<size_t>(((me - 1 - step) % world + world) % world);
       size_t recv_block = static_cast<size_t>(((me - 2 - step) % world + world) % world);
       uint64_t slot = kReduceScatterSlotPrefix | (uint64_t{tag} << 16) | static_cast<uint64_t>(step);
-      work_buffer->send(right, slot, send_block * block_nbytes, block_nbytes);
+      if (step == 0) {
+        input_buffer->send(right, slot, send_block * block_nbytes, block_nbytes);
+      } else {
+        acc_buffer->send(right, slot, 0, block_nbytes);  // the sum made in the previous step
+      }
       incoming_buffer->recv(left, slot, 0, block_nbytes);
       incoming_buffer->waitRecv(options_.timeout);
-      work_buffer->waitSend(options_.timeout);
-      char* target = work.data() + recv_block * block_nbytes;
-      sum(target, target, incoming.data(), numel);
+      (step == 0 ? input_buffer : acc_buffer)->waitSend(options_.timeout);
+      // The last step's block is this rank's own (recv_block == me).
+      void* target = step == world - 2 ? recv : static_cast<void*>(acc_.data());
+      sum(target, input + recv_block * block_nbytes, incoming_.data(), numel);
     }
-    std::memcpy(recv, work.data() + static_cast<size_t>(me) * block_nbytes, block_nbytes);
   }
 
   template <typename Body>
@@ -289,6 +301,8 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   uint32_t next_tag_ = 1;
+  std::mutex scratch_mutex_;           // guards acc_, incoming_
+  std::vector<char> acc_, incoming_;   // reduce-scatter scratch, one block each
 };
 }  // namespace
 
