@@ -44,9 +44,11 @@ CpuFeatures detect() {
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, eax, ebx, ecx, edx);
     const bool avx2 = (ebx >> 5) & 1;
-    const bool avx512f = (ebx >> 16) & 1, avx512bw = (ebx >> 30) & 1, avx512vl = (ebx >> 31) & 1;
+    const bool avx512f = (ebx >> 16) & 1, avx512dq = (ebx >> 17) & 1, avx512bw = (ebx >> 30) & 1,
+               avx512vl = (ebx >> 31) & 1;
     f.avx2 = avx && avx2 && fma && ymm_enabled;
-    f.avx512f = avx512f && avx512bw && avx512vl && zmm_enabled;
+    // The *_avx512.cc kernels are compiled with -mavx512{f,bw,vl,dq}: all four must be present.
+    f.avx512f = avx512f && avx512dq && avx512bw && avx512vl && zmm_enabled;
     __cpuid_count(7, 1, eax, ebx, ecx, edx);
     f.avx512_bf16 = f.avx512f && ((eax >> 5) & 1);
   }

@@ -9,7 +9,7 @@ namespace strata {
 struct CpuFeatures {
   std::string model;        // "AMD EPYC 7763 64-Core Processor"
   bool avx2 = false;        // AVX2 + FMA, with OS-enabled YMM state
-  bool avx512f = false;     // AVX-512 F/BW/VL with OS-enabled ZMM state
+  bool avx512f = false;     // AVX-512 F/DQ/BW/VL with OS-enabled ZMM state
   bool avx512_bf16 = false; // AVX512_BF16 (vcvtne2ps2bf16)
   bool f16c = false;        // vcvtph2ps / vcvtps2ph
   int logical_cores = 0;    // online logical CPUs
