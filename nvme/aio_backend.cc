@@ -2,6 +2,7 @@
 #include <libaio.h>
 
 #include <cerrno>
+#include <deque>
 #include <thread>
 
 #include "nvme/backends.h"
@@ -46,11 +47,13 @@ class AioQueue final : public IoQueue {
         continue;
       }
       if (rc < 0) {
-        // The unsubmitted iocbs go back to the pool; their pieces are lost to the
-        // kernel, so the caller must treat the whole queue as failed.
-        for (size_t i = done; i < pending_.size(); ++i) free_.push_back(pending_[i]);
-        pending_.clear();
-        raise_errno(-rc, "io_submit");
+        // io_submit refused the first remaining iocb (EBADF, EINVAL, ...): that
+        // piece completes with the error, as io_uring reports it; the rest go on.
+        iocb* refused = pending_[done];
+        synthetic_.push_back({static_cast<uint64_t>(reinterpret_cast<uintptr_t>(refused->data)), rc});
+        free_.push_back(refused);
+        ++done;
+        continue;
       }
       done += static_cast<size_t>(rc);
     }
@@ -59,6 +62,12 @@ class AioQueue final : public IoQueue {
 
   void wait(std::vector<IoCompletion>& out, size_t min_count) override {
     size_t got = 0;
+    while (!synthetic_.empty()) {
+      out.push_back(synthetic_.front());
+      synthetic_.pop_front();
+      ++got;
+    }
+    if (got > 0 && got >= min_count) return;
     do {
       int rc = io_getevents(ctx_, static_cast<long>(min_count > got ? min_count - got : 0),
                             static_cast<long>(events_.size()), events_.data(), nullptr);
@@ -81,6 +90,7 @@ class AioQueue final : public IoQueue {
   std::vector<iocb> iocbs_;
   std::vector<iocb*> free_;
   std::vector<iocb*> pending_;
+  std::deque<IoCompletion> synthetic_;  // pieces io_submit refused, reported by wait()
   std::vector<io_event> events_;
 };
 

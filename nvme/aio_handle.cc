@@ -196,8 +196,11 @@ void AioHandle::worker_loop(Worker& worker) {
   std::vector<Piece*> to_submit;
   std::vector<IoCompletion> completions;
   uint64_t next_id = 1;
-  // Set once the queue itself failed (submit or wait threw): from then on every
-  // piece of this worker fails with this text, so no waiter is left hanging.
+  // Set once the queue itself failed (submit threw): from then on every new
+  // piece of this worker fails with this text, so no waiter is left hanging,
+  // while pieces the kernel already has are still reaped — their buffers stay
+  // in use until the kernel is done with them, so they must not be reported
+  // finished before that.
   std::optional<std::string> broken;
 
   auto piece_error = [](const Piece& piece, uint64_t at, const std::string& why) {
@@ -213,6 +216,14 @@ void AioHandle::worker_loop(Worker& worker) {
   auto broken_error = [&](const Piece& piece) {
     return piece_error(piece, piece.offset + piece.done,
                        fmt::format("I/O worker queue ({}) failed: {}", backend_->name(), *broken));
+  };
+  auto fail_ids = [&](const std::vector<uint64_t>& ids) {
+    for (uint64_t id : ids) {
+      auto it = in_flight.find(id);
+      if (it == in_flight.end()) continue;
+      finish_piece(*it->second, broken_error(*it->second));
+      in_flight.erase(it);
+    }
   };
   auto fail_all = [&] {
     for (auto& [id, piece] : in_flight) finish_piece(*piece, broken_error(*piece));
@@ -249,6 +260,7 @@ void AioHandle::worker_loop(Worker& worker) {
       }
     }
     if (in_flight.empty()) continue;
+    size_t prepared = 0;  // pieces of to_submit handed to queue.prepare() so far
     try {
       if (!to_submit.empty()) {
         for (Piece* piece : to_submit) {
@@ -261,17 +273,37 @@ void AioHandle::worker_loop(Worker& worker) {
           io.fixed_index = piece->fixed_index;
           io.user_data = piece->id;
           queue.prepare(io);
+          ++prepared;
           if (options_.single_submit) queue.submit();
         }
         to_submit.clear();
       }
       completions.clear();
-      queue.submit_and_wait(completions, options_.overlap_events ? 1 : in_flight.size());
+      if (broken) {
+        queue.wait(completions, 1);  // only reap what the kernel already has
+      } else {
+        queue.submit_and_wait(completions, options_.overlap_events ? 1 : in_flight.size());
+      }
     } catch (const std::exception& e) {
-      broken = e.what();
-      logger().error("I/O worker queue ({}) failed, failing its requests: {}", backend_->name(),
-                     e.what());
-      fail_all();
+      if (!broken) {
+        broken = e.what();
+        logger().error("I/O worker queue ({}) failed, failing its requests: {}", backend_->name(),
+                       e.what());
+        // Pieces that never reached the kernel fail now; the rest are reaped.
+        std::vector<uint64_t> lost;
+        queue.take_unsubmitted(lost);
+        for (size_t i = prepared; i < to_submit.size(); ++i) lost.push_back(to_submit[i]->id);
+        to_submit.clear();
+        fail_ids(lost);
+      } else {
+        // Not even reaping works: nothing more can be learnt about these
+        // pieces. Fail them rather than hang, and say what that risks.
+        logger().error("I/O worker queue ({}) cannot reap completions ({}); failing {} pieces whose "
+                       "transfers may still be in progress in the kernel (their buffers may still "
+                       "be read or written)",
+                       backend_->name(), e.what(), in_flight.size());
+        fail_all();
+      }
       continue;
     }
     for (const IoCompletion& c : completions) {
@@ -324,6 +356,10 @@ void AioHandle::worker_loop(Worker& worker) {
         }
       } else {
         piece.done = piece.nbytes;
+      }
+      if (resubmit && broken) {
+        resubmit = false;  // a failed queue takes no new submissions
+        error = broken_error(piece);
       }
       if (resubmit) {
         to_submit.push_back(&piece);

@@ -1,6 +1,8 @@
 // Fault-injecting backend wrapper: fails or shortens chosen pieces so tests can
 // reach error paths (EIO, short completions) the kernel will not produce on demand.
+#include <algorithm>
 #include <deque>
+#include <vector>
 
 #include "nvme/io_backend.h"
 #include "runtime/core/error.h"
@@ -40,6 +42,7 @@ class FaultQueue final : public IoQueue {
     }
     if (fault->kind == IoFault::Kind::kBrokenQueue) {
       broken_ = true;
+      lost_.push_back(piece.user_data);
       return;
     }
     if (fault->kind == IoFault::Kind::kError) {
@@ -59,9 +62,18 @@ class FaultQueue final : public IoQueue {
   }
 
   void submit() override {
-    // Fails before handing anything to the kernel, so nothing stays in flight.
+    // Fails before handing this batch to the inner queue; pieces of earlier
+    // batches are still in the kernel and complete through wait().
     if (broken_) strata::raise(strata::ErrorCategory::kIo, "injected queue failure (submit)");
     inner_->submit();
+  }
+
+  void take_unsubmitted(std::vector<uint64_t>& user_data) override {
+    user_data.insert(user_data.end(), lost_.begin(), lost_.end());
+    lost_.clear();
+    const size_t before = user_data.size();
+    inner_->take_unsubmitted(user_data);
+    inner_in_flight_ -= std::min(inner_in_flight_, user_data.size() - before);
   }
 
   void wait(std::vector<IoCompletion>& out, size_t min_count) override {
@@ -87,6 +99,7 @@ class FaultQueue final : public IoQueue {
   std::unique_ptr<IoQueue> inner_;
   std::shared_ptr<FaultPlan> plan_;
   std::deque<IoCompletion> synthetic_;
+  std::vector<uint64_t> lost_;  // pieces the broken queue swallowed
   size_t inner_in_flight_ = 0;
   bool broken_ = false;
 };

@@ -45,13 +45,20 @@ class IoQueue {
   virtual size_t capacity() const = 0;
   // Queues a piece; it is handed to the kernel at the next submit().
   virtual void prepare(const IoPiece& piece) = 0;
-  // Hands every prepared piece to the kernel. Throws Error(kIo) when the
-  // submission syscall fails for a reason other than EINTR/EAGAIN.
+  // Hands every prepared piece to the kernel. A piece the kernel refuses on
+  // its own (bad fd, bad alignment) completes with -errno through wait().
+  // Throws Error(kIo) when the submission syscall fails for the whole queue;
+  // take_unsubmitted() then says which pieces never reached the kernel.
   virtual void submit() = 0;
   // Blocks until at least min_count pieces (≤ the number in flight) have
   // finished; appends them (and any others already finished) to `out`.
   // Throws Error(kIo) when waiting itself fails.
   virtual void wait(std::vector<IoCompletion>& out, size_t min_count) = 0;
+  // After submit() or submit_and_wait() threw: appends the user_data of every
+  // prepared piece that was never handed to the kernel (it will never
+  // complete) and forgets them. Pieces handed over still complete through
+  // wait(), so their buffers stay in use until then.
+  virtual void take_unsubmitted(std::vector<uint64_t>& user_data) {}
   // submit() then wait(); io_uring does both in one system call.
   virtual void submit_and_wait(std::vector<IoCompletion>& out, size_t min_count) {
     submit();

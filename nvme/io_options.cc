@@ -23,9 +23,9 @@ EngineKind parse_engine_kind(std::string_view text) {
 }
 
 void AioOptions::validate() const {
-  STRATA_CHECK(block_size > 0 && block_size % kDirectIoAlignment == 0, kBadArgument,
-               "aio.block_size = {} must be a positive multiple of {}", block_size,
-               kDirectIoAlignment);
+  STRATA_CHECK(block_size > 0 && block_size % kDirectIoAlignment == 0 && block_size <= kMaxBlockNbytes,
+               kBadArgument, "aio.block_size = {} must be a positive multiple of {} and at most {} (1 GiB)",
+               block_size, kDirectIoAlignment, kMaxBlockNbytes);
   STRATA_CHECK(queue_depth >= 1 && queue_depth <= 4096, kBadArgument,
                "aio.queue_depth = {} must be in [1, 4096]", queue_depth);
   STRATA_CHECK(thread_count >= 1 && thread_count <= 256, kBadArgument,

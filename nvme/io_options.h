@@ -32,12 +32,16 @@ struct AioOptions {
   bool register_buffers = true;         // io_uring: use fixed buffers for registered memory
 
   // Throws Error(kBadArgument) naming the field when a value is out of range
-  // (block_size must be a positive multiple of 4096; queue_depth in [1, 4096];
+  // (block_size must be a positive multiple of 4096, at most kMaxBlockNbytes;
+  // queue_depth in [1, 4096];
   // thread_count in [1, 256]).
   void validate() const;
 };
 
 // Alignment O_DIRECT requires of buffer address, file offset and length here.
 constexpr size_t kDirectIoAlignment = 4096;
+// Largest piece: io_uring lengths are 32-bit, and 1 GiB keeps pieces inside one
+// registered fixed buffer (offload::PinnedBufferPool::kMaxRegionNbytes).
+constexpr size_t kMaxBlockNbytes = size_t{1} << 30;
 
 }  // namespace strata::nvme

@@ -3,6 +3,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <thread>
 
 #include "nvme/backends.h"
@@ -51,6 +52,7 @@ class UringQueue final : public IoQueue {
     }
     io_uring_sqe_set_data64(sqe, piece.user_data);
     ++prepared_;
+    unsubmitted_.push_back(piece.user_data);
   }
 
   void submit() override {
@@ -63,7 +65,7 @@ class UringQueue final : public IoQueue {
         continue;
       }
       if (rc < 0) raise_errno(-rc, "io_uring_submit");
-      prepared_ -= std::min<size_t>(prepared_, static_cast<size_t>(rc));
+      consumed(static_cast<size_t>(rc));
       if (rc == 0) std::this_thread::yield();
     }
   }
@@ -74,7 +76,7 @@ class UringQueue final : public IoQueue {
       // completion; the rest is reaped below.
       int rc = io_uring_submit_and_wait(&ring_, 1);
       if (rc >= 0) {
-        prepared_ -= std::min<size_t>(prepared_, static_cast<size_t>(rc));
+        consumed(static_cast<size_t>(rc));
       } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
         raise_errno(-rc, "io_uring_submit_and_wait");
       }
@@ -102,6 +104,14 @@ class UringQueue final : public IoQueue {
     }
   }
 
+  void take_unsubmitted(std::vector<uint64_t>& user_data) override {
+    // Their SQEs stay in the ring unsubmitted; the handle never submits on a
+    // queue that failed, it only reaps what the kernel already has.
+    user_data.insert(user_data.end(), unsubmitted_.begin(), unsubmitted_.end());
+    unsubmitted_.clear();
+    prepared_ = 0;
+  }
+
   bool register_buffers(const std::vector<iovec>& buffers) override {
     unregister_buffers();
     if (buffers.empty()) return false;
@@ -125,7 +135,15 @@ class UringQueue final : public IoQueue {
  private:
   io_uring ring_{};
   size_t depth_;
+  // The kernel consumed the oldest n prepared SQEs.
+  void consumed(size_t n) {
+    n = std::min(n, prepared_);
+    prepared_ -= n;
+    unsubmitted_.erase(unsubmitted_.begin(), unsubmitted_.begin() + static_cast<long>(n));
+  }
+
   size_t prepared_ = 0;
+  std::deque<uint64_t> unsubmitted_;  // user_data of prepared SQEs, oldest first
   bool registered_ = false;
 };
 

@@ -88,6 +88,21 @@ OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBuffer
   if (options_.resume) {
     read_manifest();
     initialized_ = true;
+  } else if (std::filesystem::exists(manifest_path())) {
+    // A committed state from an earlier run stays intact until initialize()
+    // commits a new one: continue its generation count, so the first write
+    // goes to the slot it does not name. A manifest this run cannot use (other
+    // shape, unreadable) is removed durably first, so it can never name a slot
+    // this run is about to overwrite.
+    try {
+      read_manifest();
+      step_count_ = 0;
+    } catch (const std::exception&) {
+      std::filesystem::remove(manifest_path());
+      fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+      generation_ = 0;
+      step_count_ = 0;
+    }
   }
 }
 
@@ -126,6 +141,7 @@ void OptimizerSwapper::initialize(const FillFn& fill) {
     std::fill(exp_avg_.begin(), exp_avg_.end(), 0.0f);
     std::fill(exp_avg_sq_.begin(), exp_avg_sq_.end(), 0.0f);
   } else {
+    check_writable();
     // Written to the spare slot and committed, like a step, so an interrupted
     // initialize never damages a committed state.
     const int out_slot = static_cast<int>((generation_ + 1) % 2);
@@ -188,6 +204,7 @@ void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInpu
 void OptimizerSwapper::step(const StepInputs& in) {
   STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: step() before initialize()");
   STRATA_CHECK(in.grad != nullptr, kBadArgument, "optimizer step: gradient is null");
+  if (swap_) check_writable();
   const auto c = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
   timings_ = StepTimings{};
   timings_.sub_groups = sub_groups_;
@@ -236,7 +253,9 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
         finish(writes.front(), timings_.write_wait_seconds);
         writes.pop_front();
       }
-      if (pool_->available() == 0) break;  // every buffer already holds a read
+      // Every buffer already holds a read: enough in flight. (With no read at
+      // all, the pool is shared and another user holds it: block in acquire.)
+      if (pool_->available() == 0 && !reads.empty()) break;
       start_read();
     }
     while (next_read < sub_groups_ && pool_->available() > 0) start_read();
@@ -303,9 +322,24 @@ void OptimizerSwapper::commit(uint64_t generation, int64_t step_count) {
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     raise_errno(errno, fmt::format("rename {} to {}", tmp, path.string()));
   }
-  fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+  try {
+    fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+  } catch (const Error&) {
+    // The rename is visible but may not be durable: disk may name either
+    // generation, so neither slot may be written again in this process.
+    commit_uncertain_ = true;
+    throw;
+  }
   generation_ = generation;
   step_count_ = step_count;
+}
+
+void OptimizerSwapper::check_writable() const {
+  STRATA_CHECK(!commit_uncertain_, kIo,
+               "optimizer state in {} (rank {}): an earlier commit's directory fsync failed, so the "
+               "committed generation on disk is unknown; restart with resume = true to continue from "
+               "what the manifest names",
+               swap_->directory().string(), options_.rank);
 }
 
 void OptimizerSwapper::read_manifest() {

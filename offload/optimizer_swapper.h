@@ -7,7 +7,10 @@
 // Crash safety (NVMe): the state lives in two slots (files); a step reads the
 // committed slot and writes the other, then commits by atomically replacing a
 // small manifest. A failed step leaves the committed slot untouched, loadable
-// by a new swapper with resume = true.
+// by a new swapper with resume = true. A new swapper without resume keeps an
+// earlier run's committed state intact until its initialize() commits. If the
+// directory fsync after a manifest rename fails, the swapper refuses further
+// writes (the committed generation on disk is unknown); resume from disk.
 //
 // Thread-safety: not thread-safe; one thread drives a swapper. Ownership: the
 // pool and the I/O handle belong to the caller and must outlive the swapper.
@@ -125,6 +128,8 @@ class OptimizerSwapper {
               float* m, float* v);
   void step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in);
   void commit(uint64_t generation, int64_t step_count);
+  // Throws Error(kIo) once a commit's durability became unknown.
+  void check_writable() const;
   void read_manifest();
   std::filesystem::path manifest_path() const;
 
@@ -142,6 +147,7 @@ class OptimizerSwapper {
   // kNvme state: slot (generation % 2) is committed.
   std::unique_ptr<nvme::SwapSpace> swap_;
   uint64_t generation_ = 0;
+  bool commit_uncertain_ = false;  // a manifest rename may not be durable (directory fsync failed)
 };
 
 }  // namespace strata::offload

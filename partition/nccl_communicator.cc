@@ -120,6 +120,11 @@ class NcclCommunicator final : public Communicator {
   // Waits for `event`, watching for asynchronous NCCL errors and the timeout;
   // aborts the communicator and throws naming the dead rank when either fires.
   void watch(Event& event, const std::string& what) {
+    // After an abort the communicator is gone and the killed kernels may have
+    // "completed" the event over partial data: never report success then.
+    STRATA_CHECK(!aborted_, kCommunication,
+                 "NCCL {} on rank {}: the communicator was aborted by an earlier failure, so this "
+                 "collective's result is undefined", what, rank());
     auto deadline = Clock::now() + options_.timeout;
     while (!event.query()) {
       ncclResult_t async_error = ncclSuccess;
@@ -165,6 +170,7 @@ class NcclCommunicator final : public Communicator {
     if (!aborted_) {
       aborted_ = true;
       ncclCommAbort(comm_);
+      comm_ = nullptr;  // freed by the abort
     }
     raise(ErrorCategory::kCommunication, "NCCL {} failed on rank {} of {} (timeout {} ms): {}; {}", what, rank(),
           world_size(), options_.timeout.count(), reason, describe_dead_ranks(store_));

@@ -57,6 +57,11 @@ GradientReducer::~GradientReducer() {
 }
 
 void GradientReducer::zero() {
+  // A window abandoned without finish(): let queued buckets drain and drop the
+  // open one, so no stale gradient reaches the next window.
+  stream_.synchronize();
+  in_flight_.clear();
+  open_.reset();
   shard_.assign(static_cast<size_t>(layout_.shard_numel()), 0.0f);
   if (stage_ == ZeroStage::kStage1) {
     full_.resize(layout_.params().size());
@@ -96,37 +101,38 @@ void GradientReducer::flush() {
     in_flight_.pop_front();
   }
   Bucket* bucket = open_.get();
-  int world = layout_.world_size(), me = comm_.rank();
-  size_t element_nbytes = dtype_nbytes(bucket->dtype);
-  bucket->send.assign(static_cast<size_t>(bucket->block_numel * world) * element_nbytes, 0);
-  bucket->recv.assign(static_cast<size_t>(bucket->block_numel) * element_nbytes, 0);
+  int world = layout_.world_size();
+  // Gradients are widened to fp32 while packing and summed across ranks in
+  // fp32 (stages.h): a 16-bit ring would round after every hop.
+  bucket->send.assign(static_cast<size_t>(bucket->block_numel * world) * sizeof(float), 0);
+  bucket->recv.assign(static_cast<size_t>(bucket->block_numel) * sizeof(float), 0);
   // Pack into rank-major blocks on the stream, so the caller's backward goes on.
-  stream_.launch_host_func([this, bucket, world, element_nbytes] {
+  stream_.launch_host_func([this, bucket, world] {
+    float* send = reinterpret_cast<float*>(bucket->send.data());
+    const size_t element_nbytes = dtype_nbytes(bucket->dtype);
     for (int r = 0; r < world; ++r) {
-      size_t block_offset = static_cast<size_t>(r * bucket->block_numel) * element_nbytes;
+      size_t block_offset = static_cast<size_t>(r * bucket->block_numel);
       for (size_t i = 0; i < bucket->params.size(); ++i) {
         const ParamSlot& slot = layout_.param(bucket->params[i]);
-        size_t owned_nbytes = static_cast<size_t>(slot.owned_numel(r)) * element_nbytes;
-        if (owned_nbytes > 0) {
-          std::memcpy(bucket->send.data() + block_offset,
-                      bucket->staging.data() + bucket->staging_offsets_nbytes[i] + slot.owned_begin(r) * element_nbytes,
-                      owned_nbytes);
+        const size_t owned_numel = static_cast<size_t>(slot.owned_numel(r));
+        if (owned_numel > 0) {
+          convert(bucket->staging.data() + bucket->staging_offsets_nbytes[i] + slot.owned_begin(r) * element_nbytes,
+                  bucket->dtype, send + block_offset, DType::kF32, owned_numel);
         }
-        block_offset += slot.slice_nbytes();
+        block_offset += static_cast<size_t>(slot.slice_numel);
       }
     }
   });
   comm_.reduce_scatter(bucket->send.data(), bucket->recv.data(), static_cast<size_t>(bucket->block_numel),
-                       bucket->dtype, ReduceOp::kSum, stream_);
+                       DType::kF32, ReduceOp::kSum, stream_);
   ++collectives_;
-  stream_.launch_host_func([this, bucket, element_nbytes, me] {
-    (void)me;
-    size_t offset_nbytes = 0;
+  stream_.launch_host_func([this, bucket] {
+    const float* recv = reinterpret_cast<const float*>(bucket->recv.data());
+    size_t offset = 0;
     for (size_t p : bucket->params) {
       const ParamSlot& slot = layout_.param(p);
-      accumulate_as_float(bucket->recv.data() + offset_nbytes, bucket->dtype, shard_.data() + slot.shard_offset_numel,
-                          slot.slice_numel);
-      offset_nbytes += slot.slice_nbytes();
+      accumulate_as_float(recv + offset, DType::kF32, shard_.data() + slot.shard_offset_numel, slot.slice_numel);
+      offset += static_cast<size_t>(slot.slice_numel);
     }
   });
   bucket->done = accelerator_.create_event();

@@ -245,6 +245,11 @@ std::vector<char> StoreClient::request(uint8_t op, const std::string& key, const
   STRATA_CHECK(!impl_->broken, kCommunication,
                "rendezvous store at {} is unreachable after an earlier failure (rank 0 hosts it and may have died)",
                address());
+  // The server closes the connection on oversized requests, which would look
+  // like a dead store; refuse them here with the reason instead.
+  STRATA_CHECK(key.size() <= kMaxKeyNbytes && value.size() <= kMaxValueNbytes, kBadArgument,
+               "rendezvous store request for key '{}...' too large: key {} bytes (max {}), value {} bytes (max {})",
+               key.substr(0, 64), key.size(), kMaxKeyNbytes, value.size(), kMaxValueNbytes);
   std::vector<char> out(kHeaderNbytes + key.size() + value.size());
   out[0] = static_cast<char>(op);
   put_u32(out.data() + 1, static_cast<uint32_t>(key.size()));
@@ -259,7 +264,14 @@ std::vector<char> StoreClient::request(uint8_t op, const std::string& key, const
     if (wec) { ec = wec; return; }
     asio::async_read(impl_->socket, asio::buffer(header), [&](boost::system::error_code hec, size_t) {
       if (hec) { ec = hec; return; }
-      reply.resize(get_u32(header + 5));
+      // A length off the wire is bounded before it sizes an allocation: a peer
+      // that is not a strata store (another service on MASTER_PORT) fails cleanly.
+      const uint32_t reply_nbytes = get_u32(header + 5);
+      if (reply_nbytes > kMaxValueNbytes) {
+        ec = asio::error::message_size;
+        return;
+      }
+      reply.resize(reply_nbytes);
       asio::async_read(impl_->socket, asio::buffer(reply), [&](boost::system::error_code bec, size_t) { ec = bec; });
     });
   });
@@ -267,7 +279,8 @@ std::vector<char> StoreClient::request(uint8_t op, const std::string& key, const
   if (!finished || ec) {
     impl_->broken = true;
     raise(ErrorCategory::kCommunication,
-          "rendezvous store request for key '{}' to {} failed: {} (rank 0 hosts the store and may have died)", key,
+          "rendezvous store request for key '{}' to {} failed: {} (rank 0 hosts the store and may have died; "
+          "or MASTER_ADDR:MASTER_PORT is another service)", key,
           address(), finished ? ec.message() : fmt::format("no reply within {} ms", timeout_.count()));
   }
   *status = static_cast<uint8_t>(header[0]);

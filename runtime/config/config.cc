@@ -307,6 +307,11 @@ void check_combinations(const Config& c, Checker& checker) {
     checker.problem("aio.block_size {} is not a multiple of 4096 bytes, which O_DIRECT requires",
                     c.aio.block_size);
   }
+  if (c.aio.block_size > (uint64_t{1} << 30)) {
+    checker.problem("aio.block_size {} is over 1 GiB (1073741824), the largest I/O piece strata issues "
+                    "(io_uring lengths are 32-bit); 1 MiB to 16 MiB is typical",
+                    c.aio.block_size);
+  }
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");
   }

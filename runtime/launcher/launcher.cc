@@ -168,6 +168,9 @@ int launch(const LaunchOptions& options) {
     pid_t pid = fork();
     check_errno(pid, "fork");
     if (pid == 0) exec_child(options, local, world_size, port, out_pipe[1], err_pipe[1], original, launcher_pid);
+    // Also here, not only in the child: a signal forwarded before the child ran
+    // its own setpgid would otherwise miss it (EACCES after its exec is harmless).
+    setpgid(pid, pid);
     close(out_pipe[1]);
     close(err_pipe[1]);
     r.pid = pid;
@@ -180,10 +183,13 @@ int launch(const LaunchOptions& options) {
   int interrupts = 0;
   bool terminated = false, killed = false;
   Clock::time_point stop_at{}, kill_at{};
+  // Every rank's process group, also of ranks already reaped: their children
+  // (a shell's background job, a data loader) live on in the group.
   auto signal_all = [&](int sig) {
-    for (auto& r : ranks) {
-      if (r.running) killpg(r.pid, sig);
-    }
+    for (auto& r : ranks) killpg(r.pid, sig);
+  };
+  auto prefix_of = [&](const Rank& r) {
+    return options.prefix_output ? fmt::format("[rank {}] ", r.rank) : std::string();
   };
 
   auto pipes_open = [&] {
@@ -227,7 +233,7 @@ int launch(const LaunchOptions& options) {
       for (auto& r : ranks) {
         if (&r.out == s || &r.err == s) owner = &r;
       }
-      std::string prefix = options.prefix_output ? fmt::format("[rank {}] ", owner->rank) : "";
+      const std::string prefix = prefix_of(*owner);
       char buffer[65536];
       ssize_t n = read(s->fd, buffer, sizeof(buffer));
       if (n > 0) {
@@ -286,9 +292,15 @@ int launch(const LaunchOptions& options) {
     }
   }
   for (auto& r : ranks) {
-    if (r.out.fd >= 0) close(r.out.fd);
-    if (r.err.fd >= 0) close(r.err.fd);
+    for (OutputStream* s : {&r.out, &r.err}) {
+      if (s->fd < 0) continue;
+      write_lines(*s, prefix_of(r), "", 0, true);  // a last line without its newline
+      close(s->fd);
+    }
   }
+  // A failed or interrupted run leaves nothing behind: what a rank started is
+  // still in its process group.
+  if (interrupts > 0 || first_failed >= 0) signal_all(SIGKILL);
   close(signal_fd);
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);

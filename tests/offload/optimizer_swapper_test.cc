@@ -69,6 +69,13 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Master weights and both moments are bit-identical.
+void check_same_state(const State& got, const State& expect) {
+  CHECK(same_bits(got.p, expect.p));
+  CHECK(same_bits(got.m, expect.m));
+  CHECK(same_bits(got.v, expect.v));
+}
+
 offload::StepInputs inputs(const std::vector<BFloat16>& grad, std::vector<BFloat16>& p16) {
   offload::StepInputs in;
   in.grad = grad.data();
@@ -175,9 +182,7 @@ TEST_CASE("a failed nvme write makes step() raise and keeps the previous state l
   CHECK(pool.stats().in_use == 0);  // every buffer came back after the failure
   {
     const State now = load(disk);
-    CHECK(same_bits(now.p, after_two.p));
-    CHECK(same_bits(now.m, after_two.m));
-    CHECK(same_bits(now.v, after_two.v));
+    check_same_state(now, after_two);
   }
 
   // A new process-like swapper over the same files resumes at step 2 and
@@ -188,13 +193,56 @@ TEST_CASE("a failed nvme write makes step() raise and keeps the previous state l
   offload::OptimizerSwapper resumed(resume_options, &pool, &aio);
   REQUIRE(resumed.step_count() == 2);
   const State loaded = load(resumed);
-  CHECK(same_bits(loaded.p, after_two.p));
-  CHECK(same_bits(loaded.m, after_two.m));
-  CHECK(same_bits(loaded.v, after_two.v));
+  check_same_state(loaded, after_two);
   std::vector<BFloat16> p16_cpu(kNumel);
   cpu.step(inputs(grad3, p16_cpu));
   resumed.step(inputs(grad3, p16));
   CHECK(same_bits(load(resumed).p, load(cpu).p));
+}
+
+TEST_CASE("a new run's failed initialize leaves an earlier run's committed state resumable", "[offload][swapper]") {
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  const auto master = random_floats(kNumel, 3, 1.0f);
+  cpu.initialize(master.data());
+  std::vector<BFloat16> p16(kNumel);
+  {
+    // Run 1: initialize + 2 steps = generation 3, so slot 1 is committed — the
+    // slot a fresh initialize (generation 0 -> 1) would naively write.
+    nvme::AioHandle aio(nvme::AioOptions{});
+    auto options = options_for(Tier::kNvme, dir.path());
+    options.keep_files = true;
+    offload::OptimizerSwapper run1(options, &pool, &aio);
+    run1.initialize(master.data());
+    for (int step = 1; step <= 2; ++step) {
+      const auto grad = grad_for_step(step);
+      cpu.step(inputs(grad, p16));
+      run1.step(inputs(grad, p16));
+    }
+  }
+  const State after_two = load(cpu);
+  {
+    // Run 2 forgets resume and initializes other weights; its 2nd write fails.
+    auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
+        nvme::IoFault{2, nvme::IoFault::Kind::kError, 5, 0, nvme::IoOp::kWrite, false}});
+    nvme::AioOptions aio_options;
+    nvme::AioHandle faulty(aio_options, nvme::make_fault_backend(nvme::make_backend(aio_options.engine), plan));
+    auto options = options_for(Tier::kNvme, dir.path());
+    options.keep_files = true;
+    offload::OptimizerSwapper run2(options, &pool, &faulty);
+    const auto other = random_floats(kNumel, 4, 1.0f);
+    CHECK_THROWS_AS(run2.initialize(other.data()), Error);
+    CHECK(plan->fired() == 1);
+  }
+  // Run 3 resumes run 1's state, untouched.
+  nvme::AioHandle aio(nvme::AioOptions{});
+  auto resume_options = options_for(Tier::kNvme, dir.path());
+  resume_options.resume = true;
+  offload::OptimizerSwapper run3(resume_options, &pool, &aio);
+  REQUIRE(run3.step_count() == 2);
+  const State loaded = load(run3);
+  check_same_state(loaded, after_two);
 }
 
 TEST_CASE("swapper rejects a pool whose buffers cannot hold a sub-group", "[offload][swapper]") {

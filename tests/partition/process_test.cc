@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 namespace {
 struct Result {
@@ -108,6 +109,28 @@ TEST_CASE("strata run: a failing rank stops the others and its exit code is repo
   REQUIRE(r.exit_code == 7);
   REQUIRE_THAT(r.output, Catch::Contains("rank 1 (pid") && Catch::Contains("exited with code 7"));
   REQUIRE(r.seconds < 10.0);
+}
+
+TEST_CASE("strata run: a failed rank's own children do not outlive the run") {
+  // The rank starts a background process (as a data loader or a shell job
+  // would) and fails; its process group must be killed with it.
+  Result r = strata_run("-n 1 --no-prefix -- sh -c 'sleep 300 >/dev/null 2>&1 & echo child=$!; exit 3'");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 3);
+  const auto at = r.output.find("child=");
+  REQUIRE(at != std::string::npos);
+  const std::string pid = r.output.substr(at + 6, r.output.find('\n', at) - at - 6);
+  // Gone, or a zombie waiting for its new parent to reap it: not running.
+  auto running = [&] {
+    FILE* stat = std::fopen(("/proc/" + pid + "/stat").c_str(), "r");
+    if (stat == nullptr) return false;
+    char state = '?';
+    const int fields = std::fscanf(stat, "%*d %*s %c", &state);
+    std::fclose(stat);
+    return fields == 1 && state != 'Z' && state != 'X';
+  };
+  for (int i = 0; i < 100 && running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(running());
 }
 
 TEST_CASE("strata run: Ctrl-C is forwarded to every rank") {

@@ -152,3 +152,32 @@ TEST_CASE("stage 3: gradients as stage 2, parameters gathered on demand and rele
     STRATA_CHECK(out == whole, kInternal, "gather_all differs on rank {}", rank);
   });
 }
+
+TEST_CASE("stage 2: 16-bit gradients are summed across ranks in fp32", "[partition][stages]") {
+  // Rank 0 contributes 1.0, every other rank 2^-8 (each exact in bf16 and fp16).
+  // In fp32 the sum is 1 + 3 * 2^-8 = 1.01171875; a ring summing in 16 bits
+  // would round 1 + 2^-8 back to 1 at every hop (bf16) and return 1.0.
+  constexpr int kWorld = 4;
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    LayoutOptions options;
+    options.world_size = kWorld;
+    options.alignment_nbytes = 64;
+    PartitionLayout layout({{"w", {64}, dtype}}, options);
+    test::run_thread_ranks(kWorld, [&](int rank, Communicator& comm, Accelerator& accelerator, Stream& stream) {
+      GradientReducer reducer(comm, accelerator, stream, layout, ZeroStage::kStage2, 1 << 20);
+      const float value = rank == 0 ? 1.0f : 1.0f / 256.0f;
+      std::vector<uint16_t> grad(64);
+      std::vector<float> widened(64, value);
+      convert(widened.data(), DType::kF32, grad.data(), dtype, grad.size());
+      reducer.add(0, grad.data());
+      reducer.finish(1);
+      const ParamSlot& slot = layout.param(0);
+      for (int64_t i = 0; i < slot.owned_numel(rank); ++i) {
+        const float got = reducer.gradient_shard()[static_cast<size_t>(slot.shard_offset_numel + i)];
+        const float expect = (1.0f + 3.0f / 256.0f) / kWorld;  // finish() averages over ranks
+        STRATA_CHECK(got == expect, kInternal, "{} rank {} element {}: {} != {}", dtype_name(dtype), rank, i, got,
+                     expect);
+      }
+    });
+  }
+}
