@@ -60,7 +60,9 @@ void rope_forward(BlasContext& ctx, DType dtype, void* x, const int32_t* positio
 void rope_backward(BlasContext& ctx, DType dtype, void* dx, const int32_t* positions, int64_t rows,
                    int64_t heads, int64_t head_dim, double theta);
 
-// lse is fp32 [batch, heads, seq]. seq is limited by shared memory (<= 8192).
+// lse is fp32 [batch, heads, seq]. One row lives in shared memory, so
+// seq + head_dim <= 6128 (seq <= 6000 at head_dim 128); larger shapes throw
+// Error(kBadArgument).
 void attention_forward(BlasContext& ctx, DType dtype, const void* q, const void* k, const void* v,
                        const cpu::AttentionShape& shape, void* out, float* lse);
 void attention_backward(BlasContext& ctx, DType dtype, const void* dout, const void* q,

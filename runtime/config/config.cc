@@ -1,6 +1,7 @@
 // Checking a configuration document against the schema and building Config.
 #include "runtime/config/config.h"
 
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -11,6 +12,7 @@
 #include <optional>
 #include <sstream>
 
+#include "runtime/config/json_describe.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
 
@@ -72,15 +74,6 @@ std::string closest_key(const std::string& path) {
   return "";
 }
 
-std::string json_type(const json& value) {
-  if (value.is_string()) return fmt::format("\"{}\" (a string)", value.get<std::string>());
-  if (value.is_boolean()) return fmt::format("{} (a boolean)", value.dump());
-  if (value.is_number()) return fmt::format("{} (a number)", value.dump());
-  if (value.is_null()) return "null";
-  if (value.is_array()) return "a list";
-  return "an object";
-}
-
 class Checker {
  public:
   explicit Checker(std::string source) : source_(std::move(source)) {}
@@ -95,7 +88,7 @@ class Checker {
         if (value.is_object()) {
           walk(value, path);
         } else {
-          problem("{}: expected an object (a section), got {}", given, json_type(value));
+          problem("{}: expected an object (a section), got {}", given, describe_json(value));
         }
       } else {
         const std::string suggestion = closest_key(path);
@@ -142,7 +135,7 @@ class Checker {
     if (!accepted) {
       const std::string got = f.kind == FieldKind::kEnum && value.is_string()
                                   ? fmt::format("\"{}\"", value.get<std::string>())
-                                  : json_type(value);
+                                  : describe_json(value);
       problem("{}: {} is not {}", given, got, describe_accepted(f));
       return;
     }
@@ -344,7 +337,7 @@ Config parse_config(const json& document, std::string_view source) {
   Checker checker{std::string(source)};
   if (!document.is_object()) {
     throw ConfigError(std::string(source), {fmt::format("the top level must be a JSON object, got {}",
-                                                        json_type(document))});
+                                                        describe_json(document))});
   }
   checker.walk(document, "");
   if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.problems());

@@ -3,6 +3,7 @@
 
 #include <fstream>
 
+#include "runtime/config/json_describe.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
@@ -15,7 +16,7 @@ int64_t get_int(const nlohmann::json& j, const std::string& source, const char* 
     return fallback;
   }
   STRATA_CHECK(j[key].is_number_integer(), kBadArgument, "{}: key '{}' must be an integer, got {}",
-               source, key, j[key].dump());
+               source, key, describe_json(j[key]));
   return j[key].get<int64_t>();
 }
 
@@ -23,14 +24,14 @@ double get_double(const nlohmann::json& j, const std::string& source, const char
                   double fallback) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
   STRATA_CHECK(j[key].is_number(), kBadArgument, "{}: key '{}' must be a number, got {}", source,
-               key, j[key].dump());
+               key, describe_json(j[key]));
   return j[key].get<double>();
 }
 
 bool get_bool(const nlohmann::json& j, const std::string& source, const char* key, bool fallback) {
   if (!j.contains(key) || j[key].is_null()) return fallback;
   STRATA_CHECK(j[key].is_boolean(), kBadArgument, "{}: key '{}' must be true or false, got {}",
-               source, key, j[key].dump());
+               source, key, describe_json(j[key]));
   return j[key].get<bool>();
 }
 
@@ -41,12 +42,12 @@ LlamaConfig parse_llama_config(const nlohmann::json& j, const std::string& sourc
   if (j.contains("hidden_act") && !j["hidden_act"].is_null()) {
     STRATA_CHECK(j["hidden_act"] == "silu", kBadArgument,
                  "{}: key 'hidden_act' is {}; only \"silu\" (SwiGLU) is supported", source,
-                 j["hidden_act"].dump());
+                 describe_json(j["hidden_act"]));
   }
   if (j.contains("rope_scaling")) {
     STRATA_CHECK(j["rope_scaling"].is_null(), kBadArgument,
                  "{}: key 'rope_scaling' is {}; rope scaling is not supported (use null)", source,
-                 j["rope_scaling"].dump());
+                 describe_json(j["rope_scaling"]));
   }
   LlamaConfig c;
   c.vocab_size = get_int(j, source, "vocab_size", true, 0);
@@ -60,6 +61,20 @@ LlamaConfig parse_llama_config(const nlohmann::json& j, const std::string& sourc
   c.max_position_embeddings = get_int(j, source, "max_position_embeddings", false, 2048);
   c.rms_norm_eps = get_double(j, source, "rms_norm_eps", 1e-6);
   c.rope_theta = get_double(j, source, "rope_theta", 10000.0);
+  // Newer transformers releases nest RoPE settings: {"rope_parameters":
+  // {"rope_type": "default", "rope_theta": 500000.0}}. Read theta from there,
+  // and refuse the scaled variants (llama3, yarn, ...) this model lacks.
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const auto& rope = j["rope_parameters"];
+    const std::string where = source + ": rope_parameters";
+    STRATA_CHECK(rope.is_object(), kBadArgument, "{} must be an object, got {}", where, describe_json(rope));
+    if (rope.contains("rope_type") && !rope["rope_type"].is_null()) {
+      STRATA_CHECK(rope["rope_type"] == "default", kBadArgument,
+                   "{}: rope_type {} is not supported (only \"default\": unscaled RoPE)", where,
+                   describe_json(rope["rope_type"]));
+    }
+    c.rope_theta = get_double(rope, where, "rope_theta", c.rope_theta);
+  }
   c.tie_word_embeddings = get_bool(j, source, "tie_word_embeddings", false);
   c.attention_bias = get_bool(j, source, "attention_bias", false);
   c.mlp_bias = get_bool(j, source, "mlp_bias", false);

@@ -57,6 +57,22 @@ void load_parameters(Engine& engine, const std::vector<Parameter*>& params, cons
     }
     claimed.insert(s.tensor);
   }
+  // A tied model (no lm_head parameter) must not drop a distinct lm_head from
+  // the file, even with allow_unused: that would silently load other weights.
+  constexpr const char* kHead = "lm_head.weight";
+  constexpr const char* kEmbed = "model.embed_tokens.weight";
+  if (!claimed.contains(kHead) && claimed.contains(kEmbed) && file.contains(kHead)) {
+    const SafetensorsEntry& head = file.entry(kHead);
+    const SafetensorsEntry& embed = file.entry(kEmbed);
+    const TensorView h = file.view(kHead), e = file.view(kEmbed);
+    STRATA_CHECK(head.dtype == embed.dtype && head.shape == embed.shape &&
+                     std::memcmp(h.data, e.data, h.nbytes()) == 0,
+                 kBadArgument,
+                 "{}: the model ties lm_head to embed_tokens (tie_word_embeddings), but the file's "
+                 "'{}' differs from '{}'; load it into a model with tie_word_embeddings = false",
+                 path, kHead, kEmbed);
+    claimed.insert(kHead);
+  }
   if (allow_unused) return;
   for (const std::string& name : file.names()) {
     STRATA_CHECK(claimed.contains(name), kBadArgument,

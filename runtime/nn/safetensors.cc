@@ -10,10 +10,12 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "runtime/config/json_describe.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
@@ -108,7 +110,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                  kBadArgument,
                  "{}: tensor '{}' needs \"dtype\" (string), \"shape\" (array) and \"data_offsets\" "
                  "([begin, end]); got {}",
-                 path, name, value.dump());
+                 path, name, describe_json(value));
     SafetensorsEntry e;
     e.name = name;
     e.dtype = parse_st_dtype(path, name, value["dtype"].get<std::string>());
@@ -116,7 +118,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     for (const auto& d : value["shape"]) {
       STRATA_CHECK(d.is_number_unsigned(), kBadArgument,
                    "{}: tensor '{}' has a shape entry {} that is not a non-negative integer", path,
-                   name, d.dump());
+                   name, describe_json(d));
       const uint64_t dim = d.get<uint64_t>();
       STRATA_CHECK(dim == 0 || numel <= std::numeric_limits<uint64_t>::max() / 8 / dim,
                    kBadArgument, "{}: tensor '{}' shape overflows", path, name);
@@ -126,7 +128,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     const auto& offs = value["data_offsets"];
     STRATA_CHECK(offs[0].is_number_unsigned() && offs[1].is_number_unsigned(), kBadArgument,
                  "{}: tensor '{}' data_offsets {} must be non-negative integers", path, name,
-                 offs.dump());
+                 describe_json(offs));
     e.begin = offs[0].get<uint64_t>();
     e.end = offs[1].get<uint64_t>();
     STRATA_CHECK(e.begin <= e.end && e.end <= data_nbytes, kBadArgument,
@@ -136,14 +138,22 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                  "{}: tensor '{}' has {} bytes but shape {} of {} needs {}", path, name,
                  e.end - e.begin, shape_string(e.shape), dtype_name(e.dtype),
                  numel * dtype_nbytes(e.dtype));
+    // Views and conversions read elements through typed pointers; conforming
+    // writers pad the header to 8 bytes and order tensors so this holds.
+    STRATA_CHECK((8 + header_nbytes + e.begin) % dtype_nbytes(e.dtype) == 0, kBadArgument,
+                 "{}: tensor '{}' starts at file offset {}, not a multiple of its {}-byte elements "
+                 "(the file was not written by a conforming safetensors writer)",
+                 path, name, 8 + header_nbytes + e.begin, dtype_nbytes(e.dtype));
     f.entries_[name] = std::move(e);
   }
   // Tensors must not overlap (the format also requires no gaps; we only
   // reject what would make two tensors alias).
   std::vector<const SafetensorsEntry*> sorted;
   for (const auto& [n, e] : f.entries_) sorted.push_back(&e);
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  // By (begin, end): a zero-sized tensor may share its offset with the next one.
+  std::sort(sorted.begin(), sorted.end(), [](const auto* a, const auto* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
   for (size_t i = 1; i < sorted.size(); ++i) {
     STRATA_CHECK(sorted[i]->begin >= sorted[i - 1]->end, kBadArgument,
                  "{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", path, sorted[i - 1]->name,
@@ -221,36 +231,73 @@ void SafetensorsWriter::add(const std::string& name, const TensorView& tensor) {
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
+  // Wider elements first (then by name), as the reference writer orders them:
+  // with the header padded to 8 bytes, every tensor starts element-aligned.
+  std::vector<const std::pair<const std::string, Pending>*> order;
+  for (const auto& entry : tensors_) order.push_back(&entry);
+  std::stable_sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
+    return dtype_nbytes(a->second.dtype) > dtype_nbytes(b->second.dtype);
+  });
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata_.empty()) header["__metadata__"] = metadata_;
   size_t offset = 0;
-  for (const auto& [name, t] : tensors_) {
-    header[name] = {{"dtype", safetensors_dtype_name(t.dtype)},
-                    {"shape", t.shape},
-                    {"data_offsets", {offset, offset + t.bytes.size()}}};
+  for (const auto* entry : order) {
+    const Pending& t = entry->second;
+    header[entry->first] = {{"dtype", safetensors_dtype_name(t.dtype)},
+                            {"shape", t.shape},
+                            {"data_offsets", {offset, offset + t.bytes.size()}}};
     offset += t.bytes.size();
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data section is 8-byte aligned
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (f == nullptr) raise_errno(errno, "create " + tmp);
+
+  // A unique temporary beside the target, written, fsynced, then renamed into
+  // place and the directory fsynced: a crash (even of the OS) leaves either
+  // the old file or the whole new one under `path`, never a partial one.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) raise_errno(errno, "create a temporary file beside " + path);
+  auto fail = [&](int err, const std::string& what) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    raise_errno(err != 0 ? err : EIO, what);
+  };
+  auto write_all = [&](const void* data, size_t nbytes) {
+    const char* p = static_cast<const char*>(data);
+    while (nbytes > 0) {
+      const ssize_t n = ::write(fd, p, nbytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail(n < 0 ? errno : EIO, "write safetensors file " + tmp);
+      p += n;
+      nbytes -= static_cast<size_t>(n);
+    }
+  };
   uint8_t len[8];
-  for (int i = 0; i < 8; ++i)
-    len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  bool ok =
-      std::fwrite(len, 1, 8, f) == 8 && std::fwrite(text.data(), 1, text.size(), f) == text.size();
-  for (const auto& [name, t] : tensors_) {
-    ok = ok && std::fwrite(t.bytes.data(), 1, t.bytes.size(), f) == t.bytes.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  write_all(len, 8);
+  write_all(text.data(), text.size());
+  for (const auto* entry : order) write_all(entry->second.bytes.data(), entry->second.bytes.size());
+  if (::fchmod(fd, 0644) != 0) fail(errno, "chmod " + tmp);  // mkstemp creates 0600
+  if (::fsync(fd) != 0) fail(errno, "fsync " + tmp);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    raise_errno(err, "close " + tmp);
   }
-  const int write_err = errno;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok) {
-    std::remove(tmp.c_str());
-    raise_errno(write_err != 0 ? write_err : EIO, "write safetensors file " + tmp);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    raise_errno(err, "rename " + tmp + " to " + path);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    raise_errno(errno, "rename " + tmp + " to " + path);
+  const std::string dir = std::filesystem::path(path).parent_path().empty()
+                              ? std::string(".")
+                              : std::filesystem::path(path).parent_path().string();
+  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) raise_errno(errno, "open directory " + dir + " to make the rename durable");
+  const int rc = ::fsync(dir_fd);
+  const int err = errno;
+  ::close(dir_fd);
+  if (rc != 0) raise_errno(err, "fsync directory " + dir);
 }
 
 }  // namespace strata::nn

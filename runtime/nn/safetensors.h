@@ -47,6 +47,8 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   // A read-only view of the mapped bytes (Tier::kCpu; do not write through it).
+  // The file is mapped, not copied: if another process truncates it while it is
+  // open, touching a view (or read()) raises SIGBUS; edits in place show through.
   TensorView view(const std::string& name) const;
   // Copies tensor `name` into dst. The shape must equal dst's; the dtype must
   // too unless allow_convert, in which case values are converted.
@@ -69,8 +71,10 @@ class SafetensorsWriter {
   // Records a tensor to write; the bytes are copied now. Throws on a duplicate name.
   void add(const std::string& name, const TensorView& tensor);
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
-  // Writes `path` (through a temporary file renamed into place, so a crash
-  // never leaves a half-written file under the final name).
+  // Writes `path`: a unique temporary file beside it, fsynced, renamed into
+  // place, then the directory fsynced, so a crash (process or OS) never leaves
+  // a partial file under the final name. Tensors are laid out widest dtype
+  // first, so each starts aligned to its element size. Throws Error(kIo).
   void write(const std::string& path) const;
 
  private:

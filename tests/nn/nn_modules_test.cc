@@ -387,5 +387,12 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   auto act = j;
   act["hidden_act"] = "gelu";
   expect_error(act, "hidden_act");
+  // Newer transformers nest RoPE settings under rope_parameters.
+  auto nested = j;
+  nested.erase("rope_theta");
+  nested["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}};
+  CHECK(parse_llama_config(nested).rope_theta == 250000.0);
+  nested["rope_parameters"]["rope_type"] = "llama3";
+  expect_error(nested, "rope_type \"llama3\" (a string) is not supported");
   REQUIRE_THROWS_AS(load_llama_config(dir.file("absent.json")), Error);
 }

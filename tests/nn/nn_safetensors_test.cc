@@ -20,8 +20,11 @@ namespace {
 
 // Writes a file from a raw header string and data bytes (header length as given
 // unless overridden), for building corrupt files.
-void write_raw(const std::string& path, const std::string& header, size_t data_nbytes,
-               int64_t header_len_override = -1) {
+// A file with `header` (padded with spaces to 8 bytes, as conforming writers
+// do, unless pad is false) and data_nbytes bytes of data.
+void write_raw(const std::string& path, std::string header, size_t data_nbytes,
+               int64_t header_len_override = -1, bool pad = true) {
+  if (pad) header.append((8 - header.size() % 8) % 8, ' ');
   std::ofstream out(path, std::ios::binary);
   uint64_t len =
       header_len_override >= 0 ? static_cast<uint64_t>(header_len_override) : header.size();
@@ -113,9 +116,12 @@ TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safet
   tied.tie_word_embeddings = true;
   ResidentEngine et;
   LlamaModel t(et, tied);
+  // A tied model refuses a file whose lm_head differs from its embeddings,
+  // even when unused tensors are allowed: it would silently compute otherwise.
   REQUIRE_THROWS_WITH(load_parameters(et, t.parameters(), dir.file("model.safetensors")),
-                      Catch::Contains("lm_head.weight"));
-  load_parameters(et, t.parameters(), dir.file("model.safetensors"), /*allow_unused=*/true);
+                      Catch::Contains("lm_head.weight") && Catch::Contains("tie_word_embeddings"));
+  REQUIRE_THROWS_WITH(load_parameters(et, t.parameters(), dir.file("model.safetensors"), /*allow_unused=*/true),
+                      Catch::Contains("tie_word_embeddings"));
   // A model with a bigger layer finds a shape mismatch naming the tensor.
   LlamaConfig wider = c;
   wider.intermediate_size = 32;
@@ -206,6 +212,19 @@ TEST_CASE("corrupt safetensors files fail with clear errors", "[nn][safetensors]
   write_raw(
       p, R"({"__metadata__":{"k":1},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})", 16);
   expect_open_error(p, "__metadata__");
+
+  // A deeply nested value is reported by its kind, never echoed (dump() of it
+  // would recurse off the stack).
+  write_raw(p, "{\"w\":" + std::string(200000, '[') + std::string(200000, ']') + "}", 0);
+  expect_open_error(p, "got a list of 1");
+  // An element-misaligned tensor is refused (header not padded to 8 bytes).
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}} )", 16, -1, /*pad=*/false);
+  expect_open_error(p, "not a multiple of its 4-byte elements");
+  // A zero-sized tensor may share its offset with the next one (the reference
+  // writer produces this); it is not an overlap.
+  write_raw(p, R"({"b":{"dtype":"BF16","shape":[8],"data_offsets":[0,16]},"z":{"dtype":"F32","shape":[0],"data_offsets":[0,0]}})",
+            16);
+  CHECK(SafetensorsFile::open(p).entry("z").shape == Shape{0});
 
   write_raw(p, good, 16);  // and the well-formed one opens
   CHECK(SafetensorsFile::open(p).entry("w").shape == Shape{2, 2});

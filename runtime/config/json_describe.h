@@ -1,0 +1,30 @@
+// Describes a JSON value for an error message without echoing it whole: the
+// value may come from an untrusted file (a safetensors header, a downloaded
+// config.json), where dump() of a deeply nested array recurses off the stack
+// and a huge string floods the message.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace strata {
+
+// `"silu" (a string)`, `3.5 (a number)`, `true (a boolean)`, `null`,
+// `a list of 3`, `an object of 2 keys`. Strings are cut at 80 characters.
+inline std::string describe_json(const nlohmann::json& value) {
+  if (value.is_string()) {
+    const auto& text = value.get_ref<const std::string&>();
+    return text.size() <= 80 ? fmt::format("\"{}\" (a string)", text)
+                             : fmt::format("\"{}...\" (a string of {} characters)", text.substr(0, 80),
+                                           text.size());
+  }
+  if (value.is_boolean()) return fmt::format("{} (a boolean)", value.dump());
+  if (value.is_number()) return fmt::format("{} (a number)", value.dump());
+  if (value.is_null()) return "null";
+  if (value.is_array()) return fmt::format("a list of {}", value.size());
+  return fmt::format("an object of {} keys", value.size());
+}
+
+}  // namespace strata
