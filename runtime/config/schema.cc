@@ -115,7 +115,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(flag("zero_optimization.round_robin_gradients", false, "DeepSpeed stage 1/2 option; not applicable.")));
   f.push_back(ignored(flag("zero_optimization.stage3_gather_16bit_weights_on_model_save", false, "DeepSpeed save option; strata checkpoints shards and converts with its own tools.")));
   // Asynchronous I/O.
-  f.push_back(size("aio.block_size", 1048576, "bytes", 4096, "Bytes per I/O request piece; a multiple of 4096 (O_DIRECT)."));
+  f.push_back(size("aio.block_size", 1048576, "bytes", 4096, "Bytes per I/O request piece; a multiple of 4096 (O_DIRECT), at most 1 GiB."));
   f.push_back(integer("aio.queue_depth", 8, 1, 65536, "Requests in flight per I/O worker."));
   f.push_back(integer("aio.thread_count", 1, 1, 1024, "I/O workers, each with its own ring. Alias: intra_op_parallelism."));
   f.push_back(flag("aio.single_submit", false, "Submit requests one at a time instead of in batches."));

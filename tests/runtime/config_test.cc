@@ -116,6 +116,7 @@ TEST_CASE("inconsistent combinations say why", "[config]") {
   REQUIRE_THAT(only_problem(R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4})"),
                Contains("not divisible"));
   REQUIRE_THAT(only_problem(R"({"aio": {"block_size": 5000}})"), Contains("multiple of 4096"));
+  REQUIRE_THAT(only_problem(R"({"aio": {"block_size": "4GiB"}})"), Contains("over 1 GiB"));
   REQUIRE_THAT(only_problem(R"({"aio": {"intra_op_parallelism": 2, "thread_count": 3}})"),
                Contains("aio.thread_count: conflicts with aio.intra_op_parallelism"));
 }
