@@ -142,6 +142,9 @@ double IoRunner::pass(nvme::AioHandle& handle, nvme::IoOp rw, uint64_t* wrong) {
 void IoRunner::prepare(nvme::AioHandle& handle) {
   if (has_pattern_) return;
   pass(handle, nvme::IoOp::kWrite, nullptr);
+  // Durable before any timed read: a drive (or virtual disk) still flushing
+  // this write from its cache would slow whichever tool's pass came next.
+  file_.sync();
 }
 
 IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
