@@ -61,12 +61,7 @@ class AioQueue final : public IoQueue {
   }
 
   void wait(std::vector<IoCompletion>& out, size_t min_count) override {
-    size_t got = 0;
-    while (!synthetic_.empty()) {
-      out.push_back(synthetic_.front());
-      synthetic_.pop_front();
-      ++got;
-    }
+    size_t got = take_synthetic(synthetic_, out);
     if (got > 0 && got >= min_count) return;
     do {
       int rc = io_getevents(ctx_, static_cast<long>(min_count > got ? min_count - got : 0),

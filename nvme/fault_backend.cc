@@ -4,7 +4,7 @@
 #include <deque>
 #include <vector>
 
-#include "nvme/io_backend.h"
+#include "nvme/backends.h"
 #include "runtime/core/error.h"
 
 namespace strata::nvme {
@@ -77,12 +77,7 @@ class FaultQueue final : public IoQueue {
   }
 
   void wait(std::vector<IoCompletion>& out, size_t min_count) override {
-    size_t got = 0;
-    while (!synthetic_.empty()) {
-      out.push_back(synthetic_.front());
-      synthetic_.pop_front();
-      ++got;
-    }
+    size_t got = take_synthetic(synthetic_, out);
     if (got >= min_count && got > 0) return;
     size_t need = std::min(min_count > got ? min_count - got : 1, inner_in_flight_);
     size_t before = out.size();

@@ -45,6 +45,17 @@ struct Op {
   bool pending = false;
 };
 
+// On an error path: waits out every request still in flight, so no buffer
+// returns to the pool under a transfer. Their errors are secondary to the one
+// being rethrown and are dropped.
+void drain_pending(nvme::AioHandle& aio, std::deque<Op>& ops) {
+  for (Op& op : ops) {
+    if (!op.pending) continue;
+    op.pending = false;
+    try { aio.wait(op.ticket); } catch (...) {}
+  }
+}
+
 }  // namespace
 
 size_t OptimizerSwapper::record_nbytes(size_t numel) {
@@ -170,10 +181,7 @@ void OptimizerSwapper::initialize(const FillFn& fill) {
       }
       out.sync();
     } catch (...) {
-      for (Op& op : writes) {
-        if (!op.pending) continue;
-        try { aio_->wait(op.ticket); } catch (...) {}  // first error is the one rethrown
-      }
+      drain_pending(*aio_, writes);
       throw;
     }
     commit(generation_ + 1, 0);
@@ -289,15 +297,8 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
     commit(generation_ + 1, step_count_ + 1);
     timings_.commit_seconds = seconds_since(commit_start);
   } catch (...) {
-    // Every request still in flight must finish before its buffer returns to
-    // the pool; their errors are secondary to the one being rethrown.
-    for (std::deque<Op>* ops : {&reads, &writes}) {
-      for (Op& op : *ops) {
-        if (op.pending) {
-          try { aio_->wait(op.ticket); } catch (...) {}
-        }
-      }
-    }
+    drain_pending(*aio_, reads);
+    drain_pending(*aio_, writes);
     throw;
   }
 }
@@ -402,11 +403,10 @@ void OptimizerSwapper::load_sub_group(size_t k, float* master, float* exp_avg, f
 namespace {
 
 // Streams every record through pool buffers with as many requests in flight
-// as the pool holds; returns seconds.
+// as the pool holds.
 template <typename Submit>
-double stream_records(PinnedBufferPool& pool, nvme::AioHandle& aio, size_t count, Submit submit) {
+void stream_records(PinnedBufferPool& pool, nvme::AioHandle& aio, size_t count, Submit submit) {
   std::deque<Op> inflight;
-  const auto start = Clock::now();
   try {
     for (size_t k = 0; k < count; ++k) {
       while (pool.available() == 0 && !inflight.empty()) {
@@ -425,14 +425,9 @@ double stream_records(PinnedBufferPool& pool, nvme::AioHandle& aio, size_t count
       inflight.pop_front();
     }
   } catch (...) {
-    for (Op& op : inflight) {
-      if (op.pending) {
-        try { aio.wait(op.ticket); } catch (...) {}
-      }
-    }
+    drain_pending(aio, inflight);
     throw;
   }
-  return seconds_since(start);
 }
 
 }  // namespace
@@ -440,9 +435,11 @@ double stream_records(PinnedBufferPool& pool, nvme::AioHandle& aio, size_t count
 double OptimizerSwapper::time_read_alone() {
   STRATA_CHECK(swap_ != nullptr && initialized_, kBadArgument, "time_read_alone needs initialized nvme state");
   nvme::File& file = slot_file(static_cast<int>(generation_ % 2));
-  return stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
+  const auto start = Clock::now();
+  stream_records(*pool_, *aio_, sub_groups_, [&](size_t k, void* buf) {
     return aio_->submit_read(file, buf, record_nbytes(sub_group(k).numel), file_offset(k));
   });
+  return seconds_since(start);
 }
 
 double OptimizerSwapper::time_write_alone() {

@@ -11,16 +11,7 @@ namespace {
 constexpr size_t kMaxBucketsInFlight = 2;  // one being reduced while the next fills
 
 void accumulate_as_float(const void* src, DType dtype, float* dst, int64_t numel) {
-  if (dtype == DType::kF32) {
-    auto* s = static_cast<const float*>(src);
-    for (int64_t i = 0; i < numel; ++i) dst[i] += s[i];
-  } else if (dtype == DType::kF16) {
-    auto* s = static_cast<const Half*>(src);
-    for (int64_t i = 0; i < numel; ++i) dst[i] += half_to_float(s[i]);
-  } else {
-    auto* s = static_cast<const BFloat16*>(src);
-    for (int64_t i = 0; i < numel; ++i) dst[i] += bf16_to_float(s[i]);
-  }
+  for (int64_t i = 0; i < numel; ++i) dst[i] += load_as_float(src, dtype, static_cast<size_t>(i));
 }
 }  // namespace
 

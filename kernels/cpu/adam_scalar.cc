@@ -7,23 +7,6 @@
 namespace strata::kernels::detail {
 namespace {
 
-float load_grad(const void* grad, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(grad)[i];
-    case DType::kBF16: return bf16_to_float(static_cast<const BFloat16*>(grad)[i]);
-    case DType::kF16: return half_to_float(static_cast<const Half*>(grad)[i]);
-  }
-  return 0.0f;
-}
-
-void store_param16(void* dst, DType dtype, size_t i, float value) {
-  if (dtype == DType::kBF16) {
-    static_cast<BFloat16*>(dst)[i] = float_to_bf16(value);
-  } else {
-    static_cast<Half*>(dst)[i] = float_to_half(value);
-  }
-}
-
 // The reference update of one element (PyTorch's order of operations; the
 // SIMD variants use FMA where this multiplies and adds, hence the tolerances).
 void adam_element(const AdamCoefficients& c, float& p, float& m, float& v, float g) {
@@ -39,15 +22,15 @@ void adam_element(const AdamCoefficients& c, float& p, float& m, float& v, float
 
 void adam_range_scalar(const AdamCoefficients& c, const AdamBuffers& b, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    adam_element(c, b.param[i], b.exp_avg[i], b.exp_avg_sq[i], load_grad(b.grad, b.grad_dtype, i));
-    if (b.param16 != nullptr) store_param16(b.param16, b.param16_dtype, i, b.param[i]);
+    adam_element(c, b.param[i], b.exp_avg[i], b.exp_avg_sq[i], load_as_float(b.grad, b.grad_dtype, i));
+    if (b.param16 != nullptr) store_from_float(b.param16, b.param16_dtype, i, b.param[i]);
   }
 }
 
 double sum_sq_range_scalar(const void* grad, DType dtype, size_t begin, size_t end, float scale) {
   double sum = 0.0;
   for (size_t i = begin; i < end; ++i) {
-    const double x = static_cast<double>(load_grad(grad, dtype, i) * scale);
+    const double x = static_cast<double>(load_as_float(grad, dtype, i) * scale);
     sum += x * x;
   }
   return sum;

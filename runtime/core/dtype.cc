@@ -23,30 +23,12 @@ DType parse_dtype(std::string_view name) {
   raise(ErrorCategory::kBadArgument, "unknown dtype \"{}\" (expected fp32, fp16 or bf16)", name);
 }
 
-namespace {
-float load(const void* src, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kF32: return static_cast<const float*>(src)[i];
-    case DType::kF16: return half_to_float(static_cast<const Half*>(src)[i]);
-    case DType::kBF16: return bf16_to_float(static_cast<const BFloat16*>(src)[i]);
-  }
-  return 0.0f;
-}
-void store(void* dst, DType dtype, size_t i, float value) {
-  switch (dtype) {
-    case DType::kF32: static_cast<float*>(dst)[i] = value; break;
-    case DType::kF16: static_cast<Half*>(dst)[i] = float_to_half(value); break;
-    case DType::kBF16: static_cast<BFloat16*>(dst)[i] = float_to_bf16(value); break;
-  }
-}
-}  // namespace
-
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t numel) {
   if (src_dtype == dst_dtype) {
     std::memcpy(dst, src, numel * dtype_nbytes(src_dtype));
     return;
   }
-  for (size_t i = 0; i < numel; ++i) store(dst, dst_dtype, i, load(src, src_dtype, i));
+  for (size_t i = 0; i < numel; ++i) store_from_float(dst, dst_dtype, i, load_as_float(src, src_dtype, i));
 }
 
 }  // namespace strata

@@ -73,6 +73,24 @@ inline Half float_to_half(float value) {
   return Half{static_cast<uint16_t>(sign | (x >> 13))};
 }
 
+// Element i of src (of `dtype`) as a float; bf16 and fp16 widen exactly.
+inline float load_as_float(const void* src, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kF32: return static_cast<const float*>(src)[i];
+    case DType::kF16: return half_to_float(static_cast<const Half*>(src)[i]);
+    case DType::kBF16: return bf16_to_float(static_cast<const BFloat16*>(src)[i]);
+  }
+  return 0.0f;
+}
+// Stores value as element i of dst (of `dtype`), rounding to nearest even.
+inline void store_from_float(void* dst, DType dtype, size_t i, float value) {
+  switch (dtype) {
+    case DType::kF32: static_cast<float*>(dst)[i] = value; break;
+    case DType::kF16: static_cast<Half*>(dst)[i] = float_to_half(value); break;
+    case DType::kBF16: static_cast<BFloat16*>(dst)[i] = float_to_bf16(value); break;
+  }
+}
+
 // Converts numel elements from src (of src_dtype) to dst (of dst_dtype).
 // Same dtype is a copy. src and dst must not overlap.
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t numel);

@@ -12,7 +12,7 @@
 #include "runtime/core/error.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_model.h"
-#include "tests/nn/model_options.h"
+#include "tests/nn/test_models.h"
 #include "tests/nn/grad_check.h"
 #include "tests/support/temp_dir.h"
 
@@ -26,14 +26,7 @@ std::vector<float> random_floats(size_t n, uint32_t seed) {
 }
 
 LlamaConfig tiny_config() {
-  LlamaConfig c;
-  c.vocab_size = 32;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
+  LlamaConfig c = tiny_llama(32, 32, 48, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
   c.rope_theta = 10000.0;

@@ -8,7 +8,7 @@
 
 #include "runtime/core/error.h"
 #include "runtime/nn/llama_model.h"
-#include "tests/nn/model_options.h"
+#include "tests/nn/test_models.h"
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/temp_dir.h"
@@ -86,14 +86,7 @@ TEST_CASE("safetensors round trip of fp32, fp16 and bf16 tensors with metadata",
 
 TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safetensors]") {
   test::TempDir dir("nn-st-model");
-  LlamaConfig c;
-  c.vocab_size = 16;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 1;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 1;
-  c.head_dim = 8;
+  const LlamaConfig c = tiny_llama(16, 16, 24, 1, 2, 1);
   std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8}, targets = {2, 3, 4, 5, 6, 7, 8, 9};
 
   ResidentEngine ea, eb;
@@ -135,14 +128,7 @@ TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safet
 TEST_CASE("a model with tiled MLP loads and saves untiled HF tensors and computes the same",
           "[nn][safetensors][tiled]") {
   test::TempDir dir("nn-st-tiled");
-  LlamaConfig c;
-  c.vocab_size = 16;
-  c.hidden_size = 16;
-  c.intermediate_size = 40;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
+  LlamaConfig c = tiny_llama(16, 16, 40, 2, 2, 2);
   c.mlp_bias = true;
   std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10},
                        targets = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11};

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "runtime/nn/llama_model.h"
-#include "tests/nn/model_options.h"
+#include "tests/nn/test_models.h"
 
 using namespace strata;
 using namespace strata::nn;
@@ -51,14 +51,7 @@ class PlainAdamW {
 }  // namespace
 
 TEST_CASE("tiny model loss falls over 50 AdamW steps on a fixed corpus", "[nn][train]") {
-  LlamaConfig c;
-  c.vocab_size = 48;
-  c.hidden_size = 48;
-  c.intermediate_size = 96;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 12;
+  LlamaConfig c = tiny_llama(48, 48, 96, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
   ResidentEngine engine;

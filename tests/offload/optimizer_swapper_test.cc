@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <vector>
@@ -86,6 +87,15 @@ offload::StepInputs inputs(const std::vector<BFloat16>& grad, std::vector<BFloat
   return in;
 }
 
+// Steps every swapper through steps first..last with the same gradients.
+void step_all(std::initializer_list<offload::OptimizerSwapper*> swappers, int first, int last,
+              std::vector<BFloat16>& p16) {
+  for (int step = first; step <= last; ++step) {
+    const auto grad = grad_for_step(step);
+    for (auto* swapper : swappers) swapper->step(inputs(grad, p16));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("nvme-resident optimizer state is bit-identical to cpu-resident state", "[offload][swapper]") {
@@ -136,11 +146,7 @@ TEST_CASE("the pipeline works with only two pool buffers (less overlap, same res
   cpu.initialize(master.data());
   disk.initialize(master.data());
   std::vector<BFloat16> p16(kNumel);
-  for (int step = 1; step <= 2; ++step) {
-    const auto grad = grad_for_step(step);
-    cpu.step(inputs(grad, p16));
-    disk.step(inputs(grad, p16));
-  }
+  step_all({&cpu, &disk}, 1, 2, p16);
   REQUIRE(same_bits(load(cpu).p, load(disk).p));
   CHECK(pool.stats().peak_in_use == 2);
 }
@@ -162,11 +168,7 @@ TEST_CASE("a failed nvme write makes step() raise and keeps the previous state l
   cpu.initialize(master.data());
   disk.initialize(master.data());
   std::vector<BFloat16> p16(kNumel);
-  for (int step = 1; step <= 2; ++step) {
-    const auto grad = grad_for_step(step);
-    cpu.step(inputs(grad, p16));
-    disk.step(inputs(grad, p16));
-  }
+  step_all({&cpu, &disk}, 1, 2, p16);
   const State after_two = load(cpu);
 
   const auto grad3 = grad_for_step(3);
@@ -215,11 +217,7 @@ TEST_CASE("a new run's failed initialize leaves an earlier run's committed state
     options.keep_files = true;
     offload::OptimizerSwapper run1(options, &pool, &aio);
     run1.initialize(master.data());
-    for (int step = 1; step <= 2; ++step) {
-      const auto grad = grad_for_step(step);
-      cpu.step(inputs(grad, p16));
-      run1.step(inputs(grad, p16));
-    }
+    step_all({&cpu, &run1}, 1, 2, p16);
   }
   const State after_two = load(cpu);
   {
