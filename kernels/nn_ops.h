@@ -20,6 +20,8 @@
 
 #include <cstdint>
 
+#include "kernels/ops.h"
+
 namespace strata::nn::cpu {
 
 // ---- embedding: out[t, :] = table[ids[t], :] ---------------------------------
@@ -66,12 +68,7 @@ void rope_backward(T* dx, const int32_t* positions, int64_t rows, int64_t heads,
                    double theta);
 
 // ---- causal self-attention with grouped-query heads -------------------------
-struct AttentionShape {
-  int64_t batch = 0, seq = 0;
-  int64_t heads = 0;     // query heads
-  int64_t kv_heads = 0;  // key/value heads; heads % kv_heads == 0
-  int64_t head_dim = 0;
-};
+using ops::AttentionShape;
 // q/out: [batch, seq, heads, head_dim]; k/v: [batch, seq, kv_heads, head_dim];
 // lse: [batch, heads, seq] (log-sum-exp of each softmax row, saved so backward
 // recomputes probabilities instead of storing seq x seq of them). Scale 1/sqrt(head_dim).
@@ -97,7 +94,7 @@ void add(const T* a, const T* b, int64_t numel, T* out);
 // logits = h W^T are formed chunk_rows rows at a time (chunk_rows x vocab scratch),
 // so the full [rows, vocab] logits never exist. Targets equal to kIgnoreIndex
 // contribute nothing. Targets outside [0, vocab) raise Error(kBadArgument).
-inline constexpr int32_t kIgnoreIndex = -100;
+using ops::kIgnoreIndex;
 struct CrossEntropyShape {
   int64_t rows = 0, dim = 0, vocab = 0;
   int64_t chunk_rows = 256;

@@ -121,6 +121,7 @@ void adam_range_avx2(const AdamCoefficients& c, const AdamBuffers& b, size_t beg
     case DType::kF32: return adam_avx2_for_grad<DType::kF32>(c, b, begin, end);
     case DType::kBF16: return adam_avx2_for_grad<DType::kBF16>(c, b, begin, end);
     case DType::kF16: return adam_avx2_for_grad<DType::kF16>(c, b, begin, end);
+    default: break;
   }
 }
 
@@ -129,6 +130,7 @@ double sum_sq_range_avx2(const void* grad, DType dtype, size_t begin, size_t end
     case DType::kF32: return sum_sq_avx2<DType::kF32>(grad, begin, end, scale);
     case DType::kBF16: return sum_sq_avx2<DType::kBF16>(grad, begin, end, scale);
     case DType::kF16: return sum_sq_avx2<DType::kF16>(grad, begin, end, scale);
+    default: break;
   }
   return 0.0;
 }

@@ -112,6 +112,7 @@ void adam_range_avx512(const AdamCoefficients& c, const AdamBuffers& b, size_t b
     case DType::kF32: return adam_avx512_for_grad<DType::kF32>(c, b, begin, end);
     case DType::kBF16: return adam_avx512_for_grad<DType::kBF16>(c, b, begin, end);
     case DType::kF16: return adam_avx512_for_grad<DType::kF16>(c, b, begin, end);
+    default: break;
   }
 }
 
@@ -120,6 +121,7 @@ double sum_sq_range_avx512(const void* grad, DType dtype, size_t begin, size_t e
     case DType::kF32: return sum_sq_avx512<DType::kF32>(grad, begin, end, scale);
     case DType::kBF16: return sum_sq_avx512<DType::kBF16>(grad, begin, end, scale);
     case DType::kF16: return sum_sq_avx512<DType::kF16>(grad, begin, end, scale);
+    default: break;
   }
   return 0.0;
 }

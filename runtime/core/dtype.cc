@@ -12,6 +12,8 @@ std::string_view dtype_name(DType dtype) {
     case DType::kF32: return "fp32";
     case DType::kF16: return "fp16";
     case DType::kBF16: return "bf16";
+    case DType::kI32: return "int32";
+    case DType::kF64: return "fp64";
   }
   return "?";
 }
@@ -28,6 +30,9 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_
     std::memcpy(dst, src, numel * dtype_nbytes(src_dtype));
     return;
   }
+  STRATA_CHECK(is_float_storage(src_dtype) && is_float_storage(dst_dtype), kBadArgument,
+               "convert: {} -> {} is not a conversion between float storage types",
+               dtype_name(src_dtype), dtype_name(dst_dtype));
   for (size_t i = 0; i < numel; ++i) store_from_float(dst, dst_dtype, i, load_as_float(src, src_dtype, i));
 }
 

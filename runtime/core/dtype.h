@@ -1,4 +1,7 @@
-// Element types (fp32, fp16, bf16) and conversions between them. Conversions
+// Element types and conversions between them. Parameters, gradients and
+// activations are stored as fp32, fp16 or bf16 (the "float" types); int32
+// (token ids, targets, positions) and fp64 (loss sums, token counts, norms) are
+// for indices and accumulators only. Float conversions
 // to 16 bits round to nearest, ties to even, keep Inf, and keep NaN a NaN
 // (signalling NaNs come back quiet). Header-only scalar versions so hot loops
 // in kernels/ can inline them; bulk conversion lives in dtype.cc.
@@ -11,12 +14,27 @@
 
 namespace strata {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+enum class DType : uint8_t { kF32, kF16, kBF16, kI32, kF64 };
 
 // Bytes per element.
-constexpr size_t dtype_nbytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
-std::string_view dtype_name(DType dtype);  // "fp32", "fp16", "bf16"
-// Parses "fp32"/"float32", "fp16"/"float16", "bf16"/"bfloat16"; throws Error(kBadArgument).
+constexpr size_t dtype_nbytes(DType dtype) {
+  switch (dtype) {
+    case DType::kF16:
+    case DType::kBF16: return 2;
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kF64: return 8;
+  }
+  return 0;
+}
+// fp32, fp16 or bf16: a type parameters and activations may be stored in.
+constexpr bool is_float_storage(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16;
+}
+
+std::string_view dtype_name(DType dtype);  // "fp32", "fp16", "bf16", "int32", "fp64"
+// Parses the float storage types "fp32"/"float32", "fp16"/"float16",
+// "bf16"/"bfloat16"; throws Error(kBadArgument) for anything else.
 DType parse_dtype(std::string_view name);
 
 // IEEE binary16 and bfloat16, stored as their bit patterns.
@@ -79,6 +97,8 @@ inline float load_as_float(const void* src, DType dtype, size_t i) {
     case DType::kF32: return static_cast<const float*>(src)[i];
     case DType::kF16: return half_to_float(static_cast<const Half*>(src)[i]);
     case DType::kBF16: return bf16_to_float(static_cast<const BFloat16*>(src)[i]);
+    case DType::kI32: return static_cast<float>(static_cast<const int32_t*>(src)[i]);
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(src)[i]);
   }
   return 0.0f;
 }
@@ -88,11 +108,14 @@ inline void store_from_float(void* dst, DType dtype, size_t i, float value) {
     case DType::kF32: static_cast<float*>(dst)[i] = value; break;
     case DType::kF16: static_cast<Half*>(dst)[i] = float_to_half(value); break;
     case DType::kBF16: static_cast<BFloat16*>(dst)[i] = float_to_bf16(value); break;
+    case DType::kI32: static_cast<int32_t*>(dst)[i] = static_cast<int32_t>(value); break;
+    case DType::kF64: static_cast<double*>(dst)[i] = value; break;
   }
 }
 
 // Converts numel elements from src (of src_dtype) to dst (of dst_dtype).
-// Same dtype is a copy. src and dst must not overlap.
+// Same dtype is a copy. Between different dtypes both must be float storage
+// types (Error(kBadArgument) otherwise). src and dst must not overlap.
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t numel);
 
 }  // namespace strata

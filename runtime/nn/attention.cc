@@ -1,13 +1,30 @@
 // Attention and Mlp modules: projections through Linear children, the rest
-// through the CPU attention, rotary and SwiGLU kernels.
+// (rotary embedding, attention, SwiGLU) through Ops.
 #include "runtime/nn/attention.h"
 
-#include "kernels/nn_ops.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
 
-Attention::Attention(Engine& engine, std::string name, const LlamaConfig& c, DType dtype)
+TensorView reshaped(const TensorView& t, Shape shape) {
+  STRATA_CHECK(shape_numel(shape) == t.numel(), kBadArgument, "cannot view {} as {}",
+               shape_string(t.desc.shape), shape_string(shape));
+  TensorView v = t;
+  v.desc.shape = std::move(shape);
+  return v;
+}
+
+namespace {
+// A [rows, ...] tensor as a rows x (everything else) matrix: q [rows, heads,
+// head_dim] is the [rows, heads * head_dim] output of q_proj.
+MatView mat(const TensorView& t) {
+  const int64_t rows = t.desc.shape.empty() ? 1 : t.desc.shape[0];
+  const int64_t cols = rows == 0 ? 0 : t.numel() / rows;
+  return MatView{t.data, t.desc.dtype, rows, cols, cols};
+}
+}  // namespace
+
+Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
       heads_(c.num_attention_heads),
@@ -26,44 +43,46 @@ Attention::Attention(Engine& engine, std::string name, const LlamaConfig& c, DTy
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
 }
 
-Activations Attention::forward(const Activations& x, int64_t batch, int64_t seq) {
+void Attention::forward(const TensorView& x, const TensorView& positions, int64_t batch,
+                        int64_t seq, const AttentionActs& a, const TensorView& y, Phase phase) {
   const int64_t rows = batch * seq;
-  check_numel(name_, "input", x.size(), static_cast<size_t>(rows * hidden_));
-  batch_ = batch;
-  seq_ = seq;
-  positions_.resize(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) positions_[r] = static_cast<int32_t>(r % seq);
-  q_ = q_proj_->forward(x, rows);
-  k_ = k_proj_->forward(x, rows);
-  v_ = v_proj_->forward(x, rows);
-  cpu::rope_forward(q_.data(), positions_.data(), rows, heads_, head_dim_, rope_theta_);
-  cpu::rope_forward(k_.data(), positions_.data(), rows, kv_heads_, head_dim_, rope_theta_);
-  cpu::AttentionShape s{batch, seq, heads_, kv_heads_, head_dim_};
-  out_.resize(q_.size());
-  lse_.resize(static_cast<size_t>(batch * heads_ * seq));
-  cpu::attention_forward(q_.data(), k_.data(), v_.data(), s, out_.data(), lse_.data());
-  return o_proj_->forward(out_, rows);
+  check_shape(name_, "input", x, {rows, hidden_});
+  check_shape(name_, "q", a.q, {rows, heads_, head_dim_});
+  check_shape(name_, "k", a.k, {rows, kv_heads_, head_dim_});
+  check_shape(name_, "v", a.v, {rows, kv_heads_, head_dim_});
+  q_proj_->forward(mat(x), mat(a.q), phase);
+  k_proj_->forward(mat(x), mat(a.k), phase);
+  v_proj_->forward(mat(x), mat(a.v), phase);
+  ops().rope_forward(ctx(), a.q, positions, rope_theta_);
+  ops().rope_forward(ctx(), a.k, positions, rope_theta_);
+  ops().attention_forward(ctx(), reshaped(a.q, {batch, seq, heads_, head_dim_}),
+                          reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
+                          reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
+                          reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse);
+  o_proj_->forward(mat(a.attn), mat(y), phase);
 }
 
-Activations Attention::backward(const Activations& dy) {
-  const int64_t rows = batch_ * seq_;
-  const Activations dout = o_proj_->backward(dy);
-  Activations dq(q_.size()), dk(k_.size()), dv(v_.size());
-  cpu::AttentionShape s{batch_, seq_, heads_, kv_heads_, head_dim_};
-  cpu::attention_backward(dout.data(), q_.data(), k_.data(), v_.data(), out_.data(), lse_.data(), s,
-                          dq.data(), dk.data(), dv.data());
-  cpu::rope_backward(dq.data(), positions_.data(), rows, heads_, head_dim_, rope_theta_);
-  cpu::rope_backward(dk.data(), positions_.data(), rows, kv_heads_, head_dim_, rope_theta_);
-  Activations dx = q_proj_->backward(dq);
-  const Activations dxk = k_proj_->backward(dk);
-  const Activations dxv = v_proj_->backward(dv);
-  const auto n = static_cast<int64_t>(dx.size());
-  cpu::add(dx.data(), dxk.data(), n, dx.data());
-  cpu::add(dx.data(), dxv.data(), n, dx.data());
-  return dx;
+void Attention::backward(const TensorView& dy, const TensorView& x, const TensorView& positions,
+                         int64_t batch, int64_t seq, const AttentionActs& a,
+                         const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
+  o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false);
+  ops().attention_backward(ctx(), reshaped(g.dattn, {batch, seq, heads_, head_dim_}),
+                           reshaped(a.q, {batch, seq, heads_, head_dim_}),
+                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
+                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
+                           reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse,
+                           reshaped(g.dq, {batch, seq, heads_, head_dim_}),
+                           reshaped(g.dk, {batch, seq, kv_heads_, head_dim_}),
+                           reshaped(g.dv, {batch, seq, kv_heads_, head_dim_}));
+  ops().rope_backward(ctx(), g.dq, positions, rope_theta_);
+  ops().rope_backward(ctx(), g.dk, positions, rope_theta_);
+  q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx);
+  k_proj_->backward(mat(g.dk), mat(x), mat(dx), true);
+  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true);
 }
 
-Mlp::Mlp(Engine& engine, std::string name, const LlamaConfig& c, DType dtype, MlpTiling tiling)
+Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
+         MlpTiling tiling)
     : Module(engine, std::move(name)) {
   auto make = [&](const char* local, int64_t in, int64_t out) -> std::unique_ptr<LinearBase> {
     if (tiling.in_splits == 1 && tiling.out_splits == 1) {
@@ -78,23 +97,19 @@ Mlp::Mlp(Engine& engine, std::string name, const LlamaConfig& c, DType dtype, Ml
   for (LinearBase* l : {gate_proj_.get(), up_proj_.get(), down_proj_.get()}) add_child(*l);
 }
 
-Activations Mlp::forward(const Activations& x, int64_t rows) {
-  gate_ = gate_proj_->forward(x, rows);
-  up_ = up_proj_->forward(x, rows);
-  Activations h(gate_.size());
-  cpu::swiglu_forward(gate_.data(), up_.data(), static_cast<int64_t>(h.size()), h.data());
-  return down_proj_->forward(h, rows);
+void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Phase phase) {
+  gate_proj_->forward(mat(x), mat(a.gate), phase);
+  up_proj_->forward(mat(x), mat(a.up), phase);
+  ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
+  down_proj_->forward(mat(a.act), mat(y), phase);
 }
 
-Activations Mlp::backward(const Activations& dy) {
-  const Activations dh = down_proj_->backward(dy);
-  Activations dgate(gate_.size()), dup(up_.size());
-  cpu::swiglu_backward(dh.data(), gate_.data(), up_.data(), static_cast<int64_t>(dh.size()),
-                       dgate.data(), dup.data());
-  Activations dx = gate_proj_->backward(dgate);
-  const Activations dxu = up_proj_->backward(dup);
-  cpu::add(dx.data(), dxu.data(), static_cast<int64_t>(dx.size()), dx.data());
-  return dx;
+void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, const MlpGrads& g,
+                   const TensorView& dx, bool accumulate_dx) {
+  down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false);
+  ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
+  gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx);
+  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true);
 }
 
 }  // namespace strata::nn

@@ -1,6 +1,8 @@
 // Llama self-attention (q/k/v/o projections, rotary embedding, causal GQA
 // attention) and the SwiGLU MLP (gate/up/down projections), as modules whose
 // Linear children carry the Hugging Face names ("<name>.q_proj.weight", ...).
+// What a forward saves for its backward lives in the caller's activation arena
+// and is passed in as the *Acts structs; backward scratch as *Grads.
 // Ownership, thread-safety, errors: see module.h.
 #pragma once
 
@@ -11,24 +13,42 @@
 
 namespace strata::nn {
 
+// A view of the same memory with another shape (same numel).
+TensorView reshaped(const TensorView& t, Shape shape);
+
+// Saved by Attention::forward for backward. q [rows, heads, head_dim] and k/v
+// [rows, kv_heads, head_dim] hold the projections after the rotary embedding;
+// attn [rows, heads * head_dim] the attention output (o_proj's input); lse
+// fp32 [batch, heads, seq].
+struct AttentionActs {
+  TensorView q, k, v, attn, lse;
+};
+// Backward scratch, same shapes as q, k, v, attn.
+struct AttentionGrads {
+  TensorView dq, dk, dv, dattn;
+};
+
 class Attention : public Module {
  public:
-  Attention(Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32);
-  // x: [batch * seq, hidden] -> [batch * seq, hidden]; positions are 0..seq-1.
-  Activations forward(const Activations& x, int64_t batch, int64_t seq);
-  Activations backward(const Activations& dy);
+  Attention(engine::Engine& engine, std::string name, const LlamaConfig& config,
+            DType dtype = DType::kF32);
+  // x, y [batch * seq, hidden]; positions int32 [batch * seq].
+  void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+               const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward);
+  // dx [rows, hidden] = input gradient (+= when accumulate_dx).
+  void backward(const TensorView& dy, const TensorView& x, const TensorView& positions,
+                int64_t batch, int64_t seq, const AttentionActs& acts,
+                const AttentionGrads& grads, const TensorView& dx, bool accumulate_dx);
 
   Linear& q_proj() { return *q_proj_; }
   Linear& o_proj() { return *o_proj_; }
+  int64_t q_width() const { return heads_ * head_dim_; }
+  int64_t kv_width() const { return kv_heads_ * head_dim_; }
 
  private:
   int64_t hidden_, heads_, kv_heads_, head_dim_;
   double rope_theta_;
   std::unique_ptr<Linear> q_proj_, k_proj_, v_proj_, o_proj_;
-  int64_t batch_ = 0, seq_ = 0;
-  std::vector<int32_t> positions_;
-  Activations q_, k_, v_, out_;  // q, k after rotary embedding
-  std::vector<float> lse_;
 };
 
 // How the MLP projections are tiled (TiledLinear); 1 x 1 means plain Linear.
@@ -36,16 +56,26 @@ struct MlpTiling {
   int64_t in_splits = 1, out_splits = 1;
 };
 
+// Saved by Mlp::forward: gate, up and silu(gate) * up, each [rows, intermediate].
+struct MlpActs {
+  TensorView gate, up, act;
+};
+// Backward scratch, each [rows, intermediate].
+struct MlpGrads {
+  TensorView dact, dgate, dup;
+};
+
 class Mlp : public Module {
  public:
-  Mlp(Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32,
-      MlpTiling tiling = {});
-  Activations forward(const Activations& x, int64_t rows);
-  Activations backward(const Activations& dy);
+  Mlp(engine::Engine& engine, std::string name, const LlamaConfig& config,
+      DType dtype = DType::kF32, MlpTiling tiling = {});
+  void forward(const TensorView& x, const MlpActs& acts, const TensorView& y,
+               Phase phase = Phase::kForward);
+  void backward(const TensorView& dy, const TensorView& x, const MlpActs& acts,
+                const MlpGrads& grads, const TensorView& dx, bool accumulate_dx);
 
  private:
   std::unique_ptr<LinearBase> gate_proj_, up_proj_, down_proj_;
-  Activations gate_, up_;
 };
 
 }  // namespace strata::nn

@@ -1,64 +1,41 @@
-// Embedding and RMSNorm modules over the CPU kernels.
+// Embedding and RMSNorm modules over Ops.
 #include "runtime/nn/layers.h"
-
-#include "kernels/nn_ops.h"
-#include "runtime/core/error.h"
 
 namespace strata::nn {
 
-Embedding::Embedding(Engine& engine, std::string name, int64_t vocab, int64_t dim, DType dtype)
+Embedding::Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
+                     DType dtype)
     : Module(engine, std::move(name)), vocab_(vocab), dim_(dim) {
-  weight_ = &add_parameter("weight", dtype, {vocab, dim});
+  weight_ = add_parameter("weight", dtype, {vocab, dim});
+  op_ = add_operator({weight_});
 }
 
-Activations Embedding::forward(const std::vector<int32_t>& ids) {
-  ids_ = ids;
-  const auto rows = static_cast<int64_t>(ids.size());
-  Activations out(static_cast<size_t>(rows * dim_));
-  Parameter* params[] = {weight_};
-  pre(params, false);
-  cpu::embedding_forward(load(*weight_, scratch_), ids.data(), rows, vocab_, dim_, out.data());
-  post(params, false);
-  return out;
+void Embedding::forward(const TensorView& ids, const TensorView& out, Phase phase) {
+  check_shape(name_, "output", out, {ids.numel(), dim_});
+  run(op_, phase, [&] { ops().embedding_forward(ctx(), param(weight_), ids, out); });
 }
 
-void Embedding::backward(const Activations& dout) {
-  const auto rows = static_cast<int64_t>(ids_.size());
-  check_numel(name_, "output gradient", dout.size(), static_cast<size_t>(rows * dim_));
-  Parameter* params[] = {weight_};
-  pre(params, true);
-  cpu::embedding_backward(dout.data(), ids_.data(), rows, vocab_, dim_, grad(*weight_));
-  post(params, true);
+void Embedding::backward(const TensorView& ids, const TensorView& dout) {
+  check_shape(name_, "output gradient", dout, {ids.numel(), dim_});
+  run(op_, Phase::kBackward, [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_)); });
 }
 
-RMSNorm::RMSNorm(Engine& engine, std::string name, int64_t dim, double eps, DType dtype)
+RMSNorm::RMSNorm(engine::Engine& engine, std::string name, int64_t dim, double eps, DType dtype)
     : Module(engine, std::move(name)), dim_(dim), eps_(eps) {
-  weight_ = &add_parameter("weight", dtype, {dim});
+  weight_ = add_parameter("weight", dtype, {dim});
+  op_ = add_operator({weight_});
 }
 
-Activations RMSNorm::forward(const Activations& x, int64_t rows) {
-  check_numel(name_, "input", x.size(), static_cast<size_t>(rows * dim_));
-  x_ = x;
-  rows_ = rows;
-  rstd_.resize(static_cast<size_t>(rows));
-  Activations y(x.size());
-  Parameter* params[] = {weight_};
-  pre(params, false);
-  cpu::rmsnorm_forward(x.data(), load(*weight_, scratch_), rows, dim_, eps_, y.data(),
-                       rstd_.data());
-  post(params, false);
-  return y;
+void RMSNorm::forward(const TensorView& x, const TensorView& y, const TensorView& rstd,
+                      Phase phase) {
+  run(op_, phase, [&] { ops().rmsnorm_forward(ctx(), x, param(weight_), eps_, y, rstd); });
 }
 
-Activations RMSNorm::backward(const Activations& dy) {
-  check_numel(name_, "output gradient", dy.size(), x_.size());
-  Activations dx(dy.size());
-  Parameter* params[] = {weight_};
-  pre(params, true);
-  cpu::rmsnorm_backward(dy.data(), x_.data(), load(*weight_, scratch_), rstd_.data(), rows_, dim_,
-                        dx.data(), grad(*weight_));
-  post(params, true);
-  return dx;
+void RMSNorm::backward(const TensorView& dy, const TensorView& x, const TensorView& rstd,
+                       const TensorView& dx, bool accumulate_dx) {
+  run(op_, Phase::kBackward, [&] {
+    ops().rmsnorm_backward(ctx(), dy, x, param(weight_), rstd, dx, accumulate_dx, grad(weight_));
+  });
 }
 
 }  // namespace strata::nn

@@ -8,36 +8,39 @@ namespace strata::nn {
 
 class Embedding : public Module {
  public:
-  Embedding(Engine& engine, std::string name, int64_t vocab, int64_t dim,
+  Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
             DType dtype = DType::kF32);
-  // ids: [rows] -> [rows, dim]. Ids outside [0, vocab) raise kBadArgument.
-  Activations forward(const std::vector<int32_t>& ids);
+  // ids int32 [rows] (validated by the caller) -> out [rows, dim].
+  void forward(const TensorView& ids, const TensorView& out, Phase phase = Phase::kForward);
   // Adds dout [rows, dim] into the table gradient.
-  void backward(const Activations& dout);
-  Parameter& weight() { return *weight_; }
+  void backward(const TensorView& ids, const TensorView& dout);
+  ParamId weight() const { return weight_; }
+  OpId op() const { return op_; }
+  int64_t vocab() const { return vocab_; }
 
  private:
   int64_t vocab_, dim_;
-  Parameter* weight_;
-  std::vector<int32_t> ids_;
-  std::vector<float> scratch_;
+  ParamId weight_;
+  OpId op_;
 };
 
 class RMSNorm : public Module {
  public:
-  RMSNorm(Engine& engine, std::string name, int64_t dim, double eps, DType dtype = DType::kF32);
-  Activations forward(const Activations& x, int64_t rows);
-  Activations backward(const Activations& dy);
-  Parameter& weight() { return *weight_; }
+  RMSNorm(engine::Engine& engine, std::string name, int64_t dim, double eps,
+          DType dtype = DType::kF32);
+  // x, y [rows, dim]; rstd fp32 [rows] (saved for backward).
+  void forward(const TensorView& x, const TensorView& y, const TensorView& rstd,
+               Phase phase = Phase::kForward);
+  // dx [rows, dim] = the input gradient (+= when accumulate_dx); adds the weight gradient.
+  void backward(const TensorView& dy, const TensorView& x, const TensorView& rstd,
+                const TensorView& dx, bool accumulate_dx);
+  ParamId weight() const { return weight_; }
 
  private:
   int64_t dim_;
   double eps_;
-  Parameter* weight_;
-  Activations x_;
-  std::vector<float> rstd_;
-  int64_t rows_ = 0;
-  std::vector<float> scratch_;
+  ParamId weight_;
+  OpId op_;
 };
 
 }  // namespace strata::nn

@@ -1,10 +1,13 @@
 // Linear (y = x W^T + b, W stored [out, in] as in Hugging Face) and TiledLinear,
 // its memory-centric tiled form: W split into out_splits x in_splits tiles, each
-// an independent parameter fetched through its own hooks, partial products
-// summed. Mathematically the same as Linear, so an operator too large for
-// device memory needs only one tile resident at a time.
+// an independent parameter with its own operator (hook window), partial
+// products summed. Mathematically the same as Linear, so an operator too large
+// for device memory needs only one tile gathered at a time.
+// Activations are MatViews (a column block of a wider matrix is fine).
 // Ownership, thread-safety, errors: see module.h.
 #pragma once
+
+#include <vector>
 
 #include "runtime/nn/module.h"
 
@@ -13,67 +16,66 @@ namespace strata::nn {
 // What Linear and TiledLinear share, so a layer can hold either.
 class LinearBase : public Module {
  public:
-  using Module::Module;
-  // x: [rows, in] -> [rows, out]. Saves x for backward.
-  virtual Activations forward(const Activations& x, int64_t rows) = 0;
-  // dy: [rows, out] -> dx [rows, in]; adds into the weight (and bias) gradients.
-  virtual Activations backward(const Activations& dy) = 0;
+  LinearBase(engine::Engine& engine, std::string name, int64_t in, int64_t out)
+      : Module(engine, std::move(name)), in_(in), out_(out) {}
+  // y [rows, out] = x [rows, in] W^T (+ b).
+  virtual void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) = 0;
+  // dx [rows, in] = dy W (+= when accumulate_dx; dx may be empty: not wanted);
+  // adds into the weight (and bias) gradients. x is the forward's input.
+  virtual void backward(const MatView& dy, const MatView& x, const MatView& dx,
+                        bool accumulate_dx) = 0;
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+
+ protected:
+  void check_rows(const MatView& a, int64_t a_cols, const MatView& b, int64_t b_cols) const;
+  int64_t in_, out_;
 };
 
 class Linear : public LinearBase {
  public:
-  Linear(Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
+  Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
          DType dtype = DType::kF32);
-  Activations forward(const Activations& x, int64_t rows) override;
-  Activations backward(const Activations& dy) override;
+  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) override;
+  void backward(const MatView& dy, const MatView& x, const MatView& dx,
+                bool accumulate_dx) override;
 
-  Parameter& weight() { return *weight_; }
-  Parameter* bias() { return bias_; }
-  int64_t in_features() const { return in_; }
-  int64_t out_features() const { return out_; }
+  ParamId weight() const { return weight_; }
+  ParamId bias() const { return bias_; }  // -1 without bias
+  OpId op() const { return op_; }
 
  private:
-  int64_t in_, out_;
-  Parameter* weight_;
-  Parameter* bias_ = nullptr;
-  Activations x_;
-  int64_t rows_ = 0;
-  std::vector<float> w_scratch_, b_scratch_;
+  ParamId weight_;
+  ParamId bias_ = -1;
+  OpId op_;
 };
 
 class TiledLinear : public LinearBase {
  public:
   // Tile (o, i) is "<name>.weight.tile_<o>_<i>" of shape [out part o, in part i];
-  // with bias, out part o has "<name>.bias.tile_<o>". Parts are as even as
-  // possible (the first ones one larger). Requires 1 <= splits <= features.
-  // Each tile's Parameter::slice names "<name>.weight" / "<name>.bias", so
-  // weights load from and save to the untiled Hugging Face tensors.
-  TiledLinear(Engine& engine, std::string name, int64_t in, int64_t out, int64_t in_splits,
-              int64_t out_splits, bool bias, DType dtype = DType::kF32);
-  Activations forward(const Activations& x, int64_t rows) override;
-  Activations backward(const Activations& dy) override;
-
-  // Copies a full [out, in] weight (and [out] bias, may be null) into the tiles,
-  // and back. Values are converted to the storage dtype.
-  void set_full(const float* weight, const float* bias);
-  void get_full(float* weight, float* bias);
-  // The full [out, in] fp32 gradient assembled from the tile gradients.
-  void get_full_grad(float* weight_grad, float* bias_grad);
+  // with bias, out part o has "<name>.bias.tile_<o>", read by tile (o, 0)'s
+  // operator. Parts are as even as possible (the first ones one larger).
+  // Requires 1 <= splits <= features. Each tile's slice names "<name>.weight" /
+  // "<name>.bias", so weights load from and save to the untiled HF tensors.
+  TiledLinear(engine::Engine& engine, std::string name, int64_t in, int64_t out,
+              int64_t in_splits, int64_t out_splits, bool bias, DType dtype = DType::kF32);
+  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) override;
+  void backward(const MatView& dy, const MatView& x, const MatView& dx,
+                bool accumulate_dx) override;
 
   int64_t in_splits() const { return static_cast<int64_t>(in_parts_.size()) - 1; }
   int64_t out_splits() const { return static_cast<int64_t>(out_parts_.size()) - 1; }
 
  private:
-  Parameter& tile(int64_t o, int64_t i) { return *tiles_[o * in_splits() + i]; }
-  std::vector<Parameter*> tile_params(int64_t o, int64_t i);
+  struct Tile {
+    ParamId weight;
+    ParamId bias;  // -1 unless this is the first input tile of a biased out part
+    OpId op;
+  };
+  const Tile& tile(int64_t o, int64_t i) const { return tiles_[o * in_splits() + i]; }
 
-  int64_t in_, out_;
   std::vector<int64_t> in_parts_, out_parts_;  // boundaries, size splits + 1
-  std::vector<Parameter*> tiles_;              // row-major over (o, i)
-  std::vector<Parameter*> biases_;             // per out part, empty without bias
-  Activations x_;
-  int64_t rows_ = 0;
-  std::vector<float> w_scratch_, b_scratch_;
+  std::vector<Tile> tiles_;                    // row-major over (o, i)
 };
 
 // Boundaries of `n` split into `parts` near-equal pieces: {0, ..., n}.

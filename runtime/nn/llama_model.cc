@@ -1,16 +1,17 @@
-// DecoderLayer and LlamaModel, and counter-based parameter initialisation.
+// DecoderLayer, LlamaModel (the runner with its activation arena), and
+// counter-based parameter initialisation.
 #include "runtime/nn/llama_model.h"
 
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
-#include "kernels/nn_ops.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
 
-DecoderLayer::DecoderLayer(Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
-                           MlpTiling mlp_tiling)
+DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
+                           DType dtype, MlpTiling mlp_tiling)
     : Module(engine, std::move(name)) {
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
@@ -24,24 +25,26 @@ DecoderLayer::DecoderLayer(Engine& engine, std::string name, const LlamaConfig& 
   add_child(*mlp_);
 }
 
-Activations DecoderLayer::forward(const Activations& x, int64_t batch, int64_t seq) {
-  rows_ = batch * seq;
-  const auto n = static_cast<int64_t>(x.size());
-  Activations h = self_attn_->forward(input_layernorm_->forward(x, rows_), batch, seq);
-  cpu::add(x.data(), h.data(), n, h.data());
-  Activations y = mlp_->forward(post_attention_layernorm_->forward(h, rows_), rows_);
-  cpu::add(h.data(), y.data(), n, y.data());
-  return y;
+void DecoderLayer::forward(const TensorView& x, const TensorView& positions, int64_t batch,
+                           int64_t seq, const DecoderActs& a, const TensorView& y, Phase phase) {
+  // h = x + attn(norm1(x)); y = h + mlp(norm2(h)).
+  input_layernorm_->forward(x, a.ln1, a.rstd1, phase);
+  self_attn_->forward(a.ln1, positions, batch, seq, a.attn, a.h, phase);
+  ops().add(ctx(), x, a.h, a.h);
+  post_attention_layernorm_->forward(a.h, a.ln2, a.rstd2, phase);
+  mlp_->forward(a.ln2, a.mlp, y, phase);
+  ops().add(ctx(), a.h, y, y);
 }
 
-Activations DecoderLayer::backward(const Activations& dy) {
-  // y = h + mlp(norm2(h)), h = x + attn(norm1(x)): the residual passes dy through.
-  const auto n = static_cast<int64_t>(dy.size());
-  Activations dh = post_attention_layernorm_->backward(mlp_->backward(dy));
-  cpu::add(dy.data(), dh.data(), n, dh.data());
-  Activations dx = input_layernorm_->backward(self_attn_->backward(dh));
-  cpu::add(dh.data(), dx.data(), n, dx.data());
-  return dx;
+void DecoderLayer::backward(const TensorView& x, const TensorView& positions, int64_t batch,
+                            int64_t seq, const DecoderActs& a, const DecoderGrads& g,
+                            const TensorView& dres) {
+  // The residual passes the gradient through, so each norm's input gradient
+  // is ADDED into dres: dy -> dh = dy + d(mlp path) -> dx = dh + d(attn path).
+  mlp_->backward(dres, a.ln2, a.mlp, g.mlp, g.dln, false);
+  post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true);
+  self_attn_->backward(dres, a.ln1, positions, batch, seq, a.attn, g.attn, g.dln, false);
+  input_layernorm_->backward(g.dln, x, a.rstd1, dres, /*accumulate_dx=*/true);
 }
 
 namespace {
@@ -49,17 +52,67 @@ namespace {
 // A module that only owns lm_head.weight (its kernel runs inside LlamaModel).
 class LmHead : public Module {
  public:
-  LmHead(Engine& engine, int64_t vocab, int64_t hidden, DType dtype) : Module(engine, "lm_head") {
-    weight = &add_parameter("weight", dtype, {vocab, hidden});
+  LmHead(engine::Engine& engine, int64_t vocab, int64_t hidden, DType dtype)
+      : Module(engine, "lm_head") {
+    weight = add_parameter("weight", dtype, {vocab, hidden});
   }
-  Parameter* weight;
+  ParamId weight;
+};
+
+// Lays views out in one allocation, each on a 256-byte boundary.
+class ArenaLayout {
+ public:
+  void add(TensorView& view, DType dtype, Shape shape) {
+    view.desc = TensorDesc{dtype, std::move(shape), Tier::kDevice};
+    places_.push_back({&view, nbytes_});
+    nbytes_ += (view.desc.nbytes() + 255) / 256 * 256;
+  }
+  size_t nbytes() const { return nbytes_; }
+  void bind(void* base) const {
+    for (const auto& [view, offset] : places_) view->data = static_cast<char*>(base) + offset;
+  }
+
+ private:
+  std::vector<std::pair<TensorView*, size_t>> places_;
+  size_t nbytes_ = 0;
 };
 
 }  // namespace
 
-LlamaModel::LlamaModel(Engine& engine, const LlamaConfig& config, LlamaModelOptions options)
+// Everything a step needs in accelerator memory, plus pinned host staging.
+struct LlamaModel::Arena {
+  Accelerator* accelerator = nullptr;
+  int64_t batch = 0, seq = 0;
+  Tensor memory;
+  std::vector<TensorView> res;  // res[0] = embeddings, res[l + 1] = layer l's output
+  std::vector<DecoderActs> acts;
+  DecoderGrads grads;
+  TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets, positions;
+  // Host side: ids, targets, positions (int32 [rows] each), then normalizer and stats (fp64).
+  void* host = nullptr;
+  std::unique_ptr<Event> uploaded;  // the last upload's copies have read `host`
+
+  int32_t* host_ints() const { return static_cast<int32_t*>(host); }
+  double* host_doubles() const {
+    return reinterpret_cast<double*>(static_cast<char*>(host) + host_ints_nbytes());
+  }
+  size_t host_ints_nbytes() const {
+    return (static_cast<size_t>(3 * batch * seq) * sizeof(int32_t) + 7) / 8 * 8;
+  }
+  ~Arena() {
+    if (uploaded) uploaded->synchronize();
+    if (host != nullptr) accelerator->deallocate_pinned(host);
+  }
+};
+
+LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaModelOptions options)
     : Module(engine, "model"), config_(config), options_(options) {
   config_.validate();
+  act_dtype_ = options_.activation_dtype.value_or(
+      engine.accelerator().backend() == Backend::kCpu ? DType::kF32 : options_.dtype);
+  STRATA_CHECK(is_float_storage(act_dtype_) && is_float_storage(options_.dtype), kBadArgument,
+               "model: parameter and activation dtypes must be fp32, fp16 or bf16");
+  STRATA_CHECK(options_.loss_chunk_rows > 0, kBadArgument, "model: loss_chunk_rows must be > 0");
   embed_tokens_ = std::make_unique<Embedding>(
       engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype);
   add_child(*embed_tokens_);
@@ -73,7 +126,7 @@ LlamaModel::LlamaModel(Engine& engine, const LlamaConfig& config, LlamaModelOpti
                                     config_.rms_norm_eps, options_.dtype);
   add_child(*norm_);
   if (config_.tie_word_embeddings) {
-    lm_head_param_ = &embed_tokens_->weight();
+    lm_head_param_ = embed_tokens_->weight();
   } else {
     auto head =
         std::make_unique<LmHead>(engine, config_.vocab_size, config_.hidden_size, options_.dtype);
@@ -81,52 +134,177 @@ LlamaModel::LlamaModel(Engine& engine, const LlamaConfig& config, LlamaModelOpti
     lm_head_ = std::move(head);
     add_child(*lm_head_);
   }
+  lm_head_op_ = engine.declare_operator("lm_head", {lm_head_param_});
 }
 
-double LlamaModel::forward(const std::vector<int32_t>& ids, const std::vector<int32_t>& targets,
-                           int64_t batch, int64_t seq) {
-  const int64_t rows = batch * seq;
+LlamaModel::~LlamaModel() = default;
+
+size_t LlamaModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
+
+void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
+  if (arena_ && arena_->batch == batch && arena_->seq == seq) return;
+  if (arena_) engine_.compute_stream().synchronize();  // the old arena may still be in use
+  arena_.reset();
+  auto a = std::make_unique<Arena>();
+  a->accelerator = &engine_.accelerator();
+  a->batch = batch;
+  a->seq = seq;
+  const LlamaConfig& c = config_;
+  const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
+  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
+  const DType t = act_dtype_;
+  const auto layers = static_cast<size_t>(c.num_hidden_layers);
+  a->res.resize(layers + 1);
+  a->acts.resize(layers);
+  ArenaLayout layout;
+  for (TensorView& r : a->res) layout.add(r, t, {rows, hidden});
+  for (DecoderActs& d : a->acts) {
+    layout.add(d.ln1, t, {rows, hidden});
+    layout.add(d.rstd1, DType::kF32, {rows});
+    layout.add(d.attn.q, t, {rows, heads, hd});
+    layout.add(d.attn.k, t, {rows, kv_heads, hd});
+    layout.add(d.attn.v, t, {rows, kv_heads, hd});
+    layout.add(d.attn.attn, t, {rows, heads * hd});
+    layout.add(d.attn.lse, DType::kF32, {batch, heads, seq});
+    layout.add(d.h, t, {rows, hidden});
+    layout.add(d.ln2, t, {rows, hidden});
+    layout.add(d.rstd2, DType::kF32, {rows});
+    layout.add(d.mlp.gate, t, {rows, inter});
+    layout.add(d.mlp.up, t, {rows, inter});
+    layout.add(d.mlp.act, t, {rows, inter});
+  }
+  DecoderGrads& g = a->grads;
+  layout.add(g.dln, t, {rows, hidden});
+  layout.add(g.attn.dq, t, {rows, heads, hd});
+  layout.add(g.attn.dk, t, {rows, kv_heads, hd});
+  layout.add(g.attn.dv, t, {rows, kv_heads, hd});
+  layout.add(g.attn.dattn, t, {rows, heads * hd});
+  layout.add(g.mlp.dact, t, {rows, inter});
+  layout.add(g.mlp.dgate, t, {rows, inter});
+  layout.add(g.mlp.dup, t, {rows, inter});
+  layout.add(a->dres, t, {rows, hidden});
+  layout.add(a->final_ln, t, {rows, hidden});
+  layout.add(a->rstd_f, DType::kF32, {rows});
+  layout.add(a->lse_ce, DType::kF32, {rows});
+  layout.add(a->stats, DType::kF64, {2});
+  layout.add(a->count, DType::kF64, {1});
+  layout.add(a->normalizer, DType::kF64, {1});
+  layout.add(a->ids, DType::kI32, {rows});
+  layout.add(a->targets, DType::kI32, {rows});
+  layout.add(a->positions, DType::kI32, {rows});
+  a->memory = engine_.accelerator().allocate_tensor(
+      DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
+  layout.bind(a->memory.data());
+  a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 3 * sizeof(double));
+  a->uploaded = engine_.accelerator().create_event();
+  arena_ = std::move(a);
+}
+
+void LlamaModel::upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
+                        int64_t batch, int64_t seq, double normalizer) {
+  Arena& a = *arena_;
+  a.uploaded->synchronize();  // the previous step's copies have read the staging memory
+  const auto rows = static_cast<size_t>(batch * seq);
+  int32_t* h = a.host_ints();
+  std::memcpy(h, ids.data(), rows * sizeof(int32_t));
+  std::memcpy(h + rows, targets.data(), rows * sizeof(int32_t));
+  for (size_t r = 0; r < rows; ++r) h[2 * rows + r] = static_cast<int32_t>(r % static_cast<size_t>(seq));
+  a.host_doubles()[0] = normalizer;
+  Accelerator& acc = engine_.accelerator();
+  Stream& s = engine_.compute_stream();
+  acc.copy_async(a.ids.data, h, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  acc.copy_async(a.targets.data, h + rows, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  acc.copy_async(a.positions.data, h + 2 * rows, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  acc.copy_async(a.normalizer.data, a.host_doubles(), sizeof(double), CopyKind::kHostToDevice, s);
+  s.record(*a.uploaded);
+}
+
+void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> targets,
+                         int64_t batch, int64_t seq, const ForwardOptions& options) {
   STRATA_CHECK(batch > 0 && seq > 0 && seq <= config_.max_position_embeddings, kBadArgument,
                "model: batch {} x seq {} invalid (max_position_embeddings {})", batch, seq,
                config_.max_position_embeddings);
-  check_numel(name_, "ids", ids.size(), static_cast<size_t>(rows));
-  check_numel(name_, "targets", targets.size(), static_cast<size_t>(rows));
+  const auto rows = static_cast<size_t>(batch * seq);
+  STRATA_CHECK(ids.size() == rows && targets.size() == rows, kBadArgument,
+               "model: ids has {} and targets {} elements, expected batch {} x seq {} = {}",
+               ids.size(), targets.size(), batch, seq, rows);
+  // Validated here because the device does not range-check (ops.h).
+  const int64_t vocab = config_.vocab_size;
+  int64_t counted = 0;
+  for (size_t r = 0; r < rows; ++r) {
+    STRATA_CHECK(ids[r] >= 0 && ids[r] < vocab, kBadArgument,
+                 "model: token id {} at position {} is outside the vocabulary [0, {})", ids[r], r,
+                 vocab);
+    STRATA_CHECK(targets[r] == ops::kIgnoreIndex || (targets[r] >= 0 && targets[r] < vocab),
+                 kBadArgument, "model: target {} at position {} is outside [0, {}) and not {}",
+                 targets[r], r, vocab, ops::kIgnoreIndex);
+    counted += targets[r] != ops::kIgnoreIndex;
+  }
+  STRATA_CHECK(!options.backward || options.normalizer > 0 || counted > 0, kBadArgument,
+               "model: every target is ignored ({}) and no normalizer is given", ops::kIgnoreIndex);
+  STRATA_CHECK(options.normalizer >= 0, kBadArgument, "model: normalizer {} < 0",
+               options.normalizer);
+  ensure_arena(batch, seq);
+  Arena& a = *arena_;
   batch_ = batch;
   seq_ = seq;
-  targets_ = targets;
-  counted_ = cpu::count_targets(targets.data(), rows);
-  STRATA_CHECK(counted_ > 0, kBadArgument, "model: every target is ignored ({})",
-               cpu::kIgnoreIndex);
+  Accelerator& acc = engine_.accelerator();
+  Stream& s = engine_.compute_stream();
+  upload(ids, targets, batch, seq, options.normalizer);
+  acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
 
-  Activations h = embed_tokens_->forward(ids);
-  for (auto& layer : layers_) h = layer->forward(h, batch, seq);
-  final_hidden_ = norm_->forward(h, rows);
+  embed_tokens_->forward(a.ids, a.res[0]);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layers_[l]->forward(a.res[l], a.positions, batch, seq, a.acts[l], a.res[l + 1]);
+  }
+  norm_->forward(a.res.back(), a.final_ln, a.rstd_f);
 
-  cpu::CrossEntropyShape s{rows, config_.hidden_size, config_.vocab_size, options_.loss_chunk_rows};
-  lse_.resize(static_cast<size_t>(rows));
-  Parameter* params[] = {lm_head_param_};
-  engine_.pre_forward("lm_head", params);
-  const double total = cpu::cross_entropy_forward(
-      final_hidden_.data(), load(*lm_head_param_, scratch_), targets.data(), s, lse_.data());
-  engine_.post_forward("lm_head", params);
-  return total / static_cast<double>(counted_);
+  if (!options.backward) {
+    run(lm_head_op_, Phase::kForward, [&] {
+      ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets,
+                          options_.loss_chunk_rows, a.lse_ce, a.stats, nullptr);
+    });
+    backward_pending_ = false;
+    return;
+  }
+  TensorView normalizer = a.normalizer;
+  if (options.normalizer == 0) {
+    acc.memset_async(a.count.data, 0, a.count.nbytes(), s);
+    ops().count_targets(ctx(), a.targets, a.count);
+    normalizer = a.count;
+  }
+  // The loss's backward, fused: lm_head's backward window, at the end of forward.
+  run(lm_head_op_, Phase::kBackward, [&] {
+    const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, a.grads.dln,
+                                          this->grad(lm_head_param_)};
+    ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets,
+                        options_.loss_chunk_rows, a.lse_ce, a.stats, &grad);
+  });
+  backward_pending_ = true;
 }
 
 void LlamaModel::backward() {
-  STRATA_CHECK(counted_ > 0, kBadArgument, "model: backward() without a forward()");
-  const int64_t rows = batch_ * seq_;
-  cpu::CrossEntropyShape s{rows, config_.hidden_size, config_.vocab_size, options_.loss_chunk_rows};
-  Activations dh(final_hidden_.size());
-  Parameter* params[] = {lm_head_param_};
-  engine_.pre_backward("lm_head", params);
-  cpu::cross_entropy_backward(final_hidden_.data(), load(*lm_head_param_, scratch_),
-                              targets_.data(), lse_.data(), s, 1.0 / static_cast<double>(counted_),
-                              dh.data(), grad(*lm_head_param_));
-  engine_.post_backward("lm_head", params);
-  dh = norm_->backward(dh);
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) dh = (*it)->backward(dh);
-  embed_tokens_->backward(dh);
-  counted_ = 0;
+  STRATA_CHECK(backward_pending_, kBadArgument,
+               "model: backward() needs a forward() with ForwardOptions::backward (and only one "
+               "backward per forward)");
+  backward_pending_ = false;
+  Arena& a = *arena_;
+  // grads.dln holds d loss / d final_ln (written by the fused loss).
+  norm_->backward(a.grads.dln, a.res.back(), a.rstd_f, a.dres, /*accumulate_dx=*/false);
+  for (size_t l = layers_.size(); l-- > 0;) {
+    layers_[l]->backward(a.res[l], a.positions, batch_, seq_, a.acts[l], a.grads, a.dres);
+  }
+  embed_tokens_->backward(a.ids, a.dres);
+}
+
+LossStats LlamaModel::loss_stats() {
+  STRATA_CHECK(arena_ && batch_ > 0, kBadArgument, "model: loss requested before any forward()");
+  Arena& a = *arena_;
+  double* host = a.host_doubles() + 1;
+  engine_.accelerator().copy_async(host, a.stats.data, 2 * sizeof(double),
+                                   CopyKind::kDeviceToHost, engine_.compute_stream());
+  engine_.compute_stream().synchronize();
+  return LossStats{host[0], host[1]};
 }
 
 namespace {
@@ -160,20 +338,38 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 
 }  // namespace
 
-void initialize_parameters(Engine& engine, const std::vector<Parameter*>& params, uint64_t seed,
-                           double std) {
+void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
+                           uint64_t seed, double std) {
   std::vector<float> values;
-  for (Parameter* p : params) {
-    const TensorView v = engine.data(*p);
-    values.resize(static_cast<size_t>(v.numel()));
-    const bool is_bias =
-        ends_with(p->name, ".bias") || p->name.find(".bias.tile_") != std::string::npos;
-    const bool is_norm = p->desc.shape.size() == 1 && !is_bias;
-    const uint64_t key = splitmix64(seed) ^ fnv1a(p->name);
-    for (size_t i = 0; i < values.size(); ++i) {
-      values[i] = is_bias ? 0.0f : is_norm ? 1.0f : static_cast<float>(std * normal_at(key, i));
-    }
-    convert(values.data(), DType::kF32, v.data, v.desc.dtype, values.size());
+  for (ParamId id : params) {
+    const engine::ParamInfo& p = engine.param_info(id);
+    // Tiles are keyed by their untiled tensor and element index within it, so a
+    // tiled model initialises exactly like an untiled one.
+    const std::string& key_name = p.slice ? p.slice->tensor : p.name;
+    const bool is_bias = ends_with(key_name, ".bias");
+    const bool is_norm = p.shape.size() == 1 && !is_bias;
+    const uint64_t key = splitmix64(seed) ^ fnv1a(key_name);
+    const int64_t cols = p.shape.back();
+    engine.for_each_owned_range(
+        id, engine::Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
+          values.resize(static_cast<size_t>(host.numel()));
+          for (size_t i = 0; i < values.size(); ++i) {
+            const int64_t e = first + static_cast<int64_t>(i);
+            // Element index in the untiled tensor (2-D tiles: row, column offsets).
+            int64_t index = e;
+            if (p.slice) {
+              const auto& s = *p.slice;
+              index = s.offset.size() == 2
+                          ? (s.offset[0] + e / cols) * s.tensor_shape[1] + s.offset[1] + e % cols
+                          : s.offset[0] + e;
+            }
+            values[i] = is_bias ? 0.0f
+                        : is_norm
+                            ? 1.0f
+                            : static_cast<float>(std * normal_at(key, static_cast<uint64_t>(index)));
+          }
+          convert(values.data(), DType::kF32, host.data, host.desc.dtype, values.size());
+        });
   }
 }
 

@@ -1,70 +1,138 @@
-// A Llama-style decoder (Hugging Face LlamaForCausalLM layout): embedding,
-// decoder layers (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP ->
-// residual), final RMSNorm, and the output projection fused with a chunked
-// cross-entropy loss. Parameter names are Hugging Face's, so weights load from
-// and save to HF safetensors unchanged (runtime/nn/llama_weights.h).
-// Ownership, thread-safety, errors: see module.h.
+// A Llama-style decoder (Hugging Face LlamaForCausalLM layout) and its runner:
+// embedding, decoder layers (RMSNorm -> attention -> residual, RMSNorm ->
+// SwiGLU MLP -> residual), final RMSNorm, and the output projection fused with
+// a chunked cross-entropy loss. Parameter names are Hugging Face's, so weights
+// load from and save to HF safetensors unchanged (runtime/nn/llama_weights.h).
+//
+// LlamaModel is also the model RUNNER (llm.c style): it owns one activation
+// arena in accelerator memory, sized for the largest batch x seq seen, holding
+// everything a forward saves for backward plus backward scratch; modules hold
+// descriptors only. All work is enqueued on the engine's compute stream; the
+// host waits only in loss() / loss_stats() (one small copy).
+//
+// Training forward fuses the loss's backward: the lm_head operator runs in its
+// BACKWARD hook window at the end of forward(), computing the loss, dh and the
+// lm_head gradient from logits formed once (ops.h, cross_entropy). backward()
+// then continues from the final norm down to the embedding.
+//
+// Ownership: borrows the Engine (which must outlive it). Thread-safety: none.
+// Errors: kBadArgument for bad ids/targets/shapes (checked on the host before
+// anything is enqueued); errors of enqueued work surface from loss() or the
+// engine's compute stream.
 #pragma once
 
 #include <memory>
+#include <span>
 
 #include "runtime/nn/attention.h"
 #include "runtime/nn/layers.h"
 
 namespace strata::nn {
 
+// Activations a decoder layer's forward saves for its backward (views of the arena).
+struct DecoderActs {
+  TensorView ln1, rstd1;  // input norm output [rows, hidden], fp32 [rows]
+  AttentionActs attn;
+  TensorView h;           // residual after attention [rows, hidden]
+  TensorView ln2, rstd2;  // post-attention norm
+  MlpActs mlp;
+};
+// Backward scratch shared by all layers.
+struct DecoderGrads {
+  TensorView dln;  // gradient at a norm's output [rows, hidden]
+  AttentionGrads attn;
+  MlpGrads mlp;
+};
+
 class DecoderLayer : public Module {
  public:
-  DecoderLayer(Engine& engine, std::string name, const LlamaConfig& config, DType dtype,
+  DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype,
                MlpTiling mlp_tiling = {});
-  Activations forward(const Activations& x, int64_t batch, int64_t seq);
-  Activations backward(const Activations& dy);
+  // x, y [batch * seq, hidden].
+  void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+               const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
+  // dres holds the gradient at the layer's output on entry and at its input on return.
+  void backward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+                const DecoderActs& acts, const DecoderGrads& grads, const TensorView& dres);
 
  private:
-  int64_t rows_ = 0;
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::unique_ptr<Attention> self_attn_;
   std::unique_ptr<Mlp> mlp_;
 };
 
 struct LlamaModelOptions {
-  DType dtype = DType::kF32;      // parameter storage
+  DType dtype = DType::kF32;  // parameter storage
+  // Activation storage; unset: fp32 on the cpu accelerator (its kernels compute
+  // in fp32 anyway), the parameter dtype on cuda.
+  std::optional<DType> activation_dtype;
   int64_t loss_chunk_rows = 256;  // rows of logits formed at a time by the loss
   MlpTiling mlp_tiling;           // memory-centric tiling of the MLP projections
 };
 
+struct ForwardOptions {
+  // Also run the loss's backward (needed before backward()). False: evaluation.
+  bool backward = true;
+  // The loss whose gradient is taken is grad_scale * (sum of per-token losses)
+  // / normalizer. 0: this micro-batch's own count of predicted tokens (counted
+  // on the device). Set it to the count over all ranks and micro-batches of a
+  // step so that gradients add up to the gradient of the combined batch's mean.
+  double normalizer = 0;
+  double grad_scale = 1.0;  // e.g. an fp16 loss scale
+};
+
+struct LossStats {
+  double sum = 0;    // sum of per-token losses over counted targets
+  double count = 0;  // number of counted (not ignored) targets
+  double mean() const { return sum / count; }
+};
+
 class LlamaModel : public Module {
  public:
-  LlamaModel(Engine& engine, const LlamaConfig& config, LlamaModelOptions options = {});
+  LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaModelOptions options = {});
+  ~LlamaModel() override;
 
-  // Mean cross-entropy of predicting targets[t] from ids[0..t] within each
-  // sequence. ids, targets: [batch * seq]; targets may hold kIgnoreIndex (-100).
-  double forward(const std::vector<int32_t>& ids, const std::vector<int32_t>& targets,
-                 int64_t batch, int64_t seq);
-  // Adds the gradient of the last forward's mean loss into every parameter's gradient.
+  // Predicting targets[t] from ids[0..t] within each sequence. ids, targets:
+  // [batch * seq] host arrays; targets may hold ops::kIgnoreIndex. Enqueues the
+  // forward (and, with options.backward, the loss's backward) and returns.
+  void forward(std::span<const int32_t> ids, std::span<const int32_t> targets, int64_t batch,
+               int64_t seq, const ForwardOptions& options = {});
+  // Adds the gradient of the last forward's loss into every parameter's gradient.
   void backward();
+  // The last forward's loss: waits for it.
+  LossStats loss_stats();
+  double loss() { return loss_stats().mean(); }
 
   const LlamaConfig& config() const { return config_; }
+  DType activation_dtype() const { return act_dtype_; }
+  // Bytes of the activation arena (0 before the first forward).
+  size_t arena_nbytes() const;
 
  private:
+  struct Arena;
+  void ensure_arena(int64_t batch, int64_t seq);
+  void upload(std::span<const int32_t> ids, std::span<const int32_t> targets, int64_t batch,
+              int64_t seq, double normalizer);
+
   LlamaConfig config_;
   LlamaModelOptions options_;
+  DType act_dtype_;
   std::unique_ptr<Embedding> embed_tokens_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
   std::unique_ptr<RMSNorm> norm_;
   std::unique_ptr<Module> lm_head_;  // holds lm_head.weight unless tied
-  Parameter* lm_head_param_ = nullptr;
-  int64_t batch_ = 0, seq_ = 0, counted_ = 0;
-  std::vector<int32_t> targets_;
-  Activations final_hidden_;
-  std::vector<float> lse_, scratch_;
+  ParamId lm_head_param_ = -1;
+  OpId lm_head_op_ = -1;
+  std::unique_ptr<Arena> arena_;
+  int64_t batch_ = 0, seq_ = 0;
+  bool backward_pending_ = false;
 };
 
 // Deterministic initialisation keyed by (parameter name, element index), so the
-// result does not depend on registration order or on how a tensor is sharded:
-// normal(0, std) for matrices, 1 for norm weights, 0 for biases. Writes through
-// engine.data() in each parameter's storage dtype.
-void initialize_parameters(Engine& engine, const std::vector<Parameter*>& params, uint64_t seed,
-                           double std = 0.02);
+// result does not depend on declaration order, world size or sharding:
+// normal(0, std) for matrices, 1 for norm weights, 0 for biases. Writes each
+// rank's owned ranges only (engine.for_each_owned_range).
+void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
+                           uint64_t seed, double std = 0.02);
 
 }  // namespace strata::nn

@@ -1,5 +1,5 @@
-// Parameters <-> safetensors by Hugging Face name; tiles (Parameter::slice)
-// are cut from, and reassembled into, their untiled tensors.
+// Parameters <-> safetensors by Hugging Face name, range by range; tiles
+// (ParameterSlice) map their elements into their untiled tensor row by row.
 #include "runtime/nn/llama_weights.h"
 
 #include <cstring>
@@ -8,54 +8,71 @@
 
 #include "runtime/core/error.h"
 #include "runtime/nn/safetensors.h"
+#include "runtime/nn/safetensors_stream.h"
 
 namespace strata::nn {
 namespace {
 
-// A block's geometry as rows x cols inside a [full_rows, full_cols] matrix
-// (1-D tensors are one row).
-struct Block {
-  int64_t rows, cols, full_cols, row0, col0;
-};
+using engine::Engine;
+using engine::ParamId;
+using engine::ParamInfo;
 
-Block block_of(const Parameter& p) {
-  const ParameterSlice& s = *p.slice;
-  STRATA_CHECK(s.tensor_shape.size() == p.desc.shape.size() &&
-                   s.offset.size() == p.desc.shape.size() &&
-                   (p.desc.shape.size() == 1 || p.desc.shape.size() == 2),
+// Calls fn(tensor_element, param_element, count) for each contiguous run of
+// elements [first, first + n) of parameter p inside its file tensor: the whole
+// range for an untiled parameter, row segments for a tile.
+template <typename Fn>
+void for_each_run(const ParamInfo& p, int64_t first, int64_t n, Fn&& fn) {
+  if (!p.slice) {
+    fn(first, first, n);
+    return;
+  }
+  const auto& s = *p.slice;
+  STRATA_CHECK(s.tensor_shape.size() == p.shape.size() && s.offset.size() == p.shape.size() &&
+                   (p.shape.size() == 1 || p.shape.size() == 2),
                kInternal, "parameter '{}': slice of '{}' must be 1-D or 2-D with matching rank",
                p.name, s.tensor);
-  if (p.desc.shape.size() == 1) return {1, p.desc.shape[0], s.tensor_shape[0], 0, s.offset[0]};
-  return {p.desc.shape[0], p.desc.shape[1], s.tensor_shape[1], s.offset[0], s.offset[1]};
+  if (p.shape.size() == 1) {
+    fn(s.offset[0] + first, first, n);
+    return;
+  }
+  const int64_t cols = p.shape[1], full_cols = s.tensor_shape[1];
+  for (int64_t e = first; e < first + n;) {
+    const int64_t r = e / cols, c = e % cols;
+    const int64_t len = std::min(cols - c, first + n - e);
+    fn((s.offset[0] + r) * full_cols + s.offset[1] + c, e, len);
+    e += len;
+  }
 }
+
+const std::string& tensor_of(const ParamInfo& p) { return p.slice ? p.slice->tensor : p.name; }
+const Shape& tensor_shape_of(const ParamInfo& p) { return p.slice ? p.slice->tensor_shape : p.shape; }
 
 }  // namespace
 
-void load_parameters(Engine& engine, const std::vector<Parameter*>& params, const std::string& path,
+void load_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
                      bool allow_unused) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   std::set<std::string> claimed;
-  for (Parameter* p : params) {
-    if (!p->slice) {
-      file.read(p->name, engine.data(*p), /*allow_convert=*/true);
-      claimed.insert(p->name);
-      continue;
-    }
-    const ParameterSlice& s = *p->slice;
-    const SafetensorsEntry& e = file.entry(s.tensor);
-    STRATA_CHECK(e.shape == s.tensor_shape, kBadArgument,
-                 "{}: tensor '{}' has shape {}, expected {} (tiled as '{}')", path, s.tensor,
-                 shape_string(e.shape), shape_string(s.tensor_shape), p->name);
-    const Block b = block_of(*p);
-    const TensorView src = file.view(s.tensor);
-    const TensorView dst = engine.data(*p);
-    const size_t src_elem = dtype_nbytes(e.dtype), dst_elem = dtype_nbytes(dst.desc.dtype);
-    for (int64_t r = 0; r < b.rows; ++r) {
-      convert(static_cast<const char*>(src.data) + ((b.row0 + r) * b.full_cols + b.col0) * src_elem,
-              e.dtype, static_cast<char*>(dst.data) + r * b.cols * dst_elem, dst.desc.dtype,
-              static_cast<size_t>(b.cols));
-    }
-    claimed.insert(s.tensor);
+  for (ParamId id : params) {
+    const ParamInfo& p = engine.param_info(id);
+    const std::string& name = tensor_of(p);
+    const SafetensorsEntry& e = file.entry(name);
+    STRATA_CHECK(e.shape == tensor_shape_of(p), kBadArgument,
+                 "{}: tensor '{}' has shape {}, but the model's '{}' needs {}", path, name,
+                 shape_string(e.shape), p.name, shape_string(tensor_shape_of(p)));
+    const TensorView src = file.view(name);
+    const size_t src_elem = dtype_nbytes(e.dtype);
+    engine.for_each_owned_range(
+        id, Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
+          const size_t dst_elem = dtype_nbytes(host.desc.dtype);
+          for_each_run(p, first, host.numel(), [&](int64_t at, int64_t into, int64_t n) {
+            convert(static_cast<const char*>(src.data) + at * static_cast<int64_t>(src_elem),
+                    e.dtype,
+                    static_cast<char*>(host.data) + (into - first) * static_cast<int64_t>(dst_elem),
+                    host.desc.dtype, static_cast<size_t>(n));
+          });
+        });
+    claimed.insert(name);
   }
   // A tied model (no lm_head parameter) must not drop a distinct lm_head from
   // the file, even with allow_unused: that would silently load other weights.
@@ -80,43 +97,35 @@ void load_parameters(Engine& engine, const std::vector<Parameter*>& params, cons
   }
 }
 
-void save_parameters(Engine& engine, const std::vector<Parameter*>& params,
-                     const std::string& path) {
-  SafetensorsWriter writer;
-  writer.set_metadata("format", "pt");
-  // Tiles are assembled into their full tensor (in the tiles' storage dtype).
-  std::map<std::string, Tensor> assembled;
-  std::map<std::string, int64_t> covered;  // elements written, to catch missing tiles
-  for (Parameter* p : params) {
-    if (!p->slice) {
-      writer.add(p->name, engine.data(*p));
-      continue;
-    }
-    const ParameterSlice& s = *p->slice;
-    auto it = assembled.find(s.tensor);
-    if (it == assembled.end()) {
-      it = assembled.emplace(s.tensor, Tensor::host(p->desc.dtype, s.tensor_shape)).first;
-    }
-    Tensor& full = it->second;
-    STRATA_CHECK(full.desc().dtype == p->desc.dtype, kBadArgument,
-                 "tiles of '{}' have different dtypes ({} has {})", s.tensor, p->name,
-                 dtype_name(p->desc.dtype));
-    const Block b = block_of(*p);
-    const TensorView src = engine.data(*p);
-    const size_t elem = dtype_nbytes(p->desc.dtype);
-    for (int64_t r = 0; r < b.rows; ++r) {
-      std::memcpy(static_cast<char*>(full.data()) + ((b.row0 + r) * b.full_cols + b.col0) * elem,
-                  static_cast<const char*>(src.data) + r * b.cols * elem,
-                  static_cast<size_t>(b.cols) * elem);
-    }
-    covered[s.tensor] += p->desc.numel();
+void save_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path) {
+  std::vector<SafetensorsDecl> decls;
+  std::map<std::string, DType> declared;
+  for (ParamId id : params) {
+    const ParamInfo& p = engine.param_info(id);
+    const std::string& name = tensor_of(p);
+    auto [it, fresh] = declared.emplace(name, p.dtype);
+    STRATA_CHECK(it->second == p.dtype, kBadArgument,
+                 "tiles of '{}' have different dtypes ({} has {})", name, p.name,
+                 dtype_name(p.dtype));
+    if (fresh) decls.push_back(SafetensorsDecl{name, p.dtype, tensor_shape_of(p)});
   }
-  for (const auto& [name, full] : assembled) {
-    STRATA_CHECK(covered[name] == full.numel(), kBadArgument,
-                 "tiles of '{}' cover {} of its {} elements", name, covered[name], full.numel());
-    writer.add(name, full.view());
+  SafetensorsStreamWriter writer(path, decls, {{"format", "pt"}});
+  for (ParamId id : params) {
+    const ParamInfo& p = engine.param_info(id);
+    const size_t elem = dtype_nbytes(p.dtype);
+    engine.for_each_owned_range(
+        id, Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
+          for_each_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
+            writer.write(tensor_of(p), static_cast<size_t>(at) * elem,
+                         static_cast<const char*>(host.data) +
+                             static_cast<size_t>(from - first) * elem,
+                         static_cast<size_t>(n) * elem);
+          });
+        });
   }
-  writer.write(path);
+  // commit() refuses unless every byte of every tensor arrived (a missing tile
+  // or a rank that owns only a shard).
+  writer.commit();
 }
 
 }  // namespace strata::nn

@@ -1,25 +1,31 @@
-// Loading and saving a module's parameters as Hugging Face safetensors, by
-// parameter name (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight,
-// ..., lm_head.weight); TiledLinear tiles are cut from and reassembled into the
-// untiled tensor their Parameter::slice names. Values are converted between the
-// file's dtype and the parameter's storage dtype.
-// Thread-safety: none. Errors: strata::Error from SafetensorsFile (missing
-// tensor, shape mismatch, corrupt file), naming the tensor and the file.
+// Loading and saving parameters as Hugging Face safetensors, by parameter name
+// (model.embed_tokens.weight, model.layers.N.self_attn.q_proj.weight, ...,
+// lm_head.weight); TiledLinear tiles are cut from, and written into, the
+// untiled tensor their ParameterSlice names. Both stream: each rank reads or
+// writes only the ranges it owns (Engine::for_each_owned_range), tensor by
+// tensor, so no whole model is ever assembled in host memory. Values are
+// converted between the file's dtype and the parameter's storage dtype.
+// Thread-safety: none. Errors: strata::Error from the safetensors reader and
+// writer (missing tensor, shape mismatch, corrupt file, I/O), naming the
+// tensor and the file.
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "runtime/nn/engine.h"
+#include "runtime/engine/engine.h"
 
 namespace strata::nn {
 
-// Reads every parameter from `path`. A tensor in the file that no parameter
-// claims is an error unless allow_unused (HF files may carry e.g. rotary buffers).
-void load_parameters(Engine& engine, const std::vector<Parameter*>& params, const std::string& path,
-                     bool allow_unused = false);
-// Writes every parameter in its storage dtype.
-void save_parameters(Engine& engine, const std::vector<Parameter*>& params,
+// Reads every parameter in `params` from `path`. A tensor in the file that no
+// parameter claims is an error unless allow_unused (HF files may carry e.g.
+// rotary buffers).
+void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                     const std::string& path, bool allow_unused = false);
+// Writes every parameter in its storage dtype (tiles as their untiled tensor).
+// Needs a rank that owns every element (a resident engine, or world size 1);
+// sharded checkpoints are the engine's business.
+void save_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::string& path);
 
 }  // namespace strata::nn

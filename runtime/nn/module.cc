@@ -1,13 +1,12 @@
-// Module base: parameter registration, fp32 widening of 16-bit storage, hooks.
+// Module base: declarations through the engine.
 #include "runtime/nn/module.h"
 
 #include "runtime/core/error.h"
 
 namespace strata::nn {
 
-std::vector<Parameter*> Module::parameters() const {
-  std::vector<Parameter*> out;
-  for (const auto& p : own_) out.push_back(p.get());
+std::vector<ParamId> Module::parameters() const {
+  std::vector<ParamId> out = own_;
   for (const Module* c : children_) {
     auto sub = c->parameters();
     out.insert(out.end(), sub.begin(), sub.end());
@@ -15,54 +14,23 @@ std::vector<Parameter*> Module::parameters() const {
   return out;
 }
 
-Parameter& Module::add_parameter(const std::string& local, DType dtype, Shape shape,
-                                 std::optional<ParameterSlice> slice) {
-  auto p = std::make_unique<Parameter>();
-  p->name = child_name(local);
-  p->desc.dtype = dtype;
-  p->desc.shape = std::move(shape);
-  p->slice = std::move(slice);
-  engine_.register_parameter(*p);
-  own_.push_back(std::move(p));
-  return *own_.back();
+ParamId Module::add_parameter(const std::string& local, DType dtype, Shape shape,
+                              std::optional<engine::ParameterSlice> slice) {
+  const ParamId id =
+      engine_.declare_parameter(engine::ParamInfo{child_name(local), dtype, std::move(shape),
+                                                  std::move(slice)});
+  own_.push_back(id);
+  return id;
 }
 
-const float* Module::load(const Parameter& p, std::vector<float>& scratch) {
-  const TensorView v = engine_.data(p);
-  STRATA_CHECK(v.data != nullptr && v.desc.tier != Tier::kNvme, kInternal,
-               "parameter '{}' has no host-addressable data inside its hook window", p.name);
-  if (v.desc.dtype == DType::kF32) return v.as<const float>();
-  scratch.resize(static_cast<size_t>(v.numel()));
-  convert(v.data, v.desc.dtype, scratch.data(), DType::kF32, scratch.size());
-  return scratch.data();
+OpId Module::add_operator(std::vector<ParamId> params, const std::string& suffix) {
+  return engine_.declare_operator(suffix.empty() ? name_ : child_name(suffix), std::move(params));
 }
 
-float* Module::grad(const Parameter& p) {
-  const TensorView g = engine_.grad(p);
-  STRATA_CHECK(g.desc.dtype == DType::kF32 && g.data != nullptr, kInternal,
-               "gradient of '{}' must be an fp32 host buffer", p.name);
-  return g.as<float>();
-}
-
-void Module::pre(std::span<Parameter* const> params, bool backward) {
-  if (backward) {
-    engine_.pre_backward(name_, params);
-  } else {
-    engine_.pre_forward(name_, params);
-  }
-}
-
-void Module::post(std::span<Parameter* const> params, bool backward) {
-  if (backward) {
-    engine_.post_backward(name_, params);
-  } else {
-    engine_.post_forward(name_, params);
-  }
-}
-
-void check_numel(const std::string& module, const char* what, size_t got, size_t want) {
-  STRATA_CHECK(got == want, kBadArgument, "{}: {} has {} elements, expected {}", module, what, got,
-               want);
+void check_shape(const std::string& module, const char* what, const TensorView& view,
+                 const Shape& want) {
+  STRATA_CHECK(view.desc.shape == want, kBadArgument, "{}: {} has shape {}, expected {}", module,
+               what, shape_string(view.desc.shape), shape_string(want));
 }
 
 }  // namespace strata::nn

@@ -1,65 +1,77 @@
-// Base class of runtime/nn modules: a named node that owns parameter
-// descriptors (registered with an Engine) and children, and brackets each
-// kernel with the engine's hooks. Activations are fp32 host vectors; parameters
-// may be stored as fp32, fp16 or bf16 and are widened to fp32 for compute.
+// Base class of runtime/nn modules: a named node that DECLARES its parameters
+// and operators with an Engine (engine/engine.h) and runs its kernels, through
+// Ops, between the engine's hooks. Modules hold descriptors only — parameter
+// and operator ids, shapes, hyper-parameters — never activations and never a
+// copy of a weight: the caller (the model runner) passes every activation in
+// as a view of its activation arena, and weights are read through
+// engine.param() inside a hook window. So the same module code runs on the cpu
+// and the cuda accelerator, resident or offloaded.
 //
-// Ownership: a module owns its Parameter descriptors and never their storage
-// (the Engine does); children are owned by their parent (unique_ptr members).
-// A module saves what its backward needs during forward, so forward and
-// backward alternate: one forward, then at most one backward.
-// Thread-safety: none; one thread drives a model.
-// Errors: strata::Error (kBadArgument for shape mismatches, naming the module).
+// Ownership: a module owns its children (unique_ptr members) and borrows the
+// Engine, which must outlive it. Thread-safety: none; one thread drives a model.
+// Errors: strata::Error (kBadArgument for shapes, naming the module); errors of
+// enqueued work surface from the engine's compute stream.
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <optional>
-#include <span>
 #include <string>
 #include <vector>
 
-#include "runtime/nn/engine.h"
+#include "runtime/engine/engine.h"
 
 namespace strata::nn {
 
-using Activations = std::vector<float>;
+using engine::OpId;
+using engine::ParamId;
+using engine::Phase;
+using ops::MatView;
 
 class Module {
  public:
-  Module(Engine& engine, std::string name) : engine_(engine), name_(std::move(name)) {}
+  Module(engine::Engine& engine, std::string name) : engine_(engine), name_(std::move(name)) {}
   virtual ~Module() = default;
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
   const std::string& name() const { return name_; }
-  // This module's parameters, then its children's, in construction order.
-  std::vector<Parameter*> parameters() const;
+  // This module's parameters, then its children's, in declaration order.
+  std::vector<ParamId> parameters() const;
 
  protected:
-  // Creates and registers "<name>.<local>".
-  Parameter& add_parameter(const std::string& local, DType dtype, Shape shape,
-                           std::optional<ParameterSlice> slice = std::nullopt);
+  // Declares "<name>.<local>".
+  ParamId add_parameter(const std::string& local, DType dtype, Shape shape,
+                        std::optional<engine::ParameterSlice> slice = std::nullopt);
+  // Declares an operator (one hook window) reading `params`; named after this
+  // module unless `suffix` is given ("<name>.<suffix>").
+  OpId add_operator(std::vector<ParamId> params, const std::string& suffix = "");
   void add_child(Module& child) { children_.push_back(&child); }
-  // fp32 pointer to a parameter's values (between hooks): the storage itself
-  // when it is fp32, else a widened copy in `scratch`.
-  const float* load(const Parameter& p, std::vector<float>& scratch);
-  float* grad(const Parameter& p);  // fp32 accumulator
   std::string child_name(const std::string& local) const { return name_ + "." + local; }
 
-  // The engine hooks, named after this module. A kernel runs between pre and
-  // post; if it throws, post is not called (the error propagates instead).
-  void pre(std::span<Parameter* const> params, bool backward);
-  void post(std::span<Parameter* const> params, bool backward);
+  // Runs `body` (which enqueues kernels) inside op's hook window. If body
+  // throws, the window is not closed and the error propagates: the step is
+  // lost and the engine must not be used for another step.
+  template <typename Body>
+  void run(OpId op, Phase phase, Body&& body) {
+    engine_.pre_op(op, phase);
+    body();
+    engine_.post_op(op, phase);
+  }
+  ops::Ops& ops() const { return engine_.ops(); }
+  ops::ComputeContext& ctx() const { return engine_.compute(); }
+  TensorView param(ParamId id) const { return engine_.param(id); }
+  TensorView grad(ParamId id) const { return engine_.grad(id); }
 
-  Engine& engine_;
+  engine::Engine& engine_;
   std::string name_;
 
  private:
-  std::vector<std::unique_ptr<Parameter>> own_;
+  std::vector<ParamId> own_;
   std::vector<Module*> children_;
 };
 
-// Throws Error(kBadArgument) naming `module` unless got == want.
-void check_numel(const std::string& module, const char* what, size_t got, size_t want);
+// Throws Error(kBadArgument) naming `module` unless view's shape equals `want`.
+void check_shape(const std::string& module, const char* what, const TensorView& view,
+                 const Shape& want);
 
 }  // namespace strata::nn

@@ -1,23 +1,24 @@
-// runtime/nn modules: TiledLinear equals Linear, hook protocol, 16-bit storage,
-// HF config parsing, and a whole-model gradient check against finite differences.
+// runtime/nn modules on Engine v2 and the cpu Ops: TiledLinear equals Linear,
+// the hook protocol (windows, one tile at a time, gradients complete at their
+// last use), 16-bit storage, initialisation, HF names and config parsing, and a
+// whole-model gradient check against finite differences.
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <fstream>
 #include <map>
 #include <set>
-#include <stdexcept>
 #include <vector>
 
-#include "kernels/nn_ops.h"
 #include "runtime/core/error.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_model.h"
-#include "tests/nn/test_models.h"
+#include "tests/nn/engine_rig.h"
 #include "tests/nn/grad_check.h"
+#include "tests/nn/test_models.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;
 using namespace strata::nn;
+using engine::Phase;
 
 namespace {
 
@@ -33,10 +34,26 @@ LlamaConfig tiny_config() {
   return c;
 }
 
-void set_param(Engine& engine, Parameter& p, const std::vector<float>& values) {
-  const TensorView v = engine.data(p);
-  REQUIRE(static_cast<size_t>(v.numel()) == values.size());
-  convert(values.data(), DType::kF32, v.data, v.desc.dtype, values.size());
+struct Batch {
+  std::vector<int32_t> ids, targets;
+  int64_t batch, seq;
+};
+
+Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, int ignore_at = -1) {
+  Batch b{{}, {}, batch, seq};
+  for (int64_t i = 0; i < batch * seq; ++i) {
+    b.ids.push_back(static_cast<int32_t>((i * 5 + 3) % vocab));
+    b.targets.push_back(i == ignore_at ? ops::kIgnoreIndex
+                                       : static_cast<int32_t>((i * 3 + 1) % vocab));
+  }
+  return b;
+}
+
+double eval_loss(LlamaModel& model, const Batch& b) {
+  ForwardOptions eval;
+  eval.backward = false;
+  model.forward(b.ids, b.targets, b.batch, b.seq, eval);
+  return model.loss();
 }
 
 }  // namespace
@@ -45,54 +62,77 @@ TEST_CASE("TiledLinear equals Linear for several split factors", "[nn][tiled]") 
   const int64_t rows = 6, in = 10, out = 7;
   const auto x = random_floats(rows * in, 1), w = random_floats(out * in, 2),
              b = random_floats(out, 3), dy = random_floats(rows * out, 4);
-  ResidentEngine ref_engine;
-  Linear ref(ref_engine, "ref", in, out, true);
-  set_param(ref_engine, ref.weight(), w);
-  set_param(ref_engine, *ref.bias(), b);
-  const Activations y_ref = ref.forward(x, rows);
-  const Activations dx_ref = ref.backward(dy);
-  const float* dw_ref = ref_engine.grad(ref.weight()).as<float>();
-  const float* db_ref = ref_engine.grad(*ref.bias()).as<float>();
-
   for (auto [is, os] : {std::pair{1, 1}, {2, 1}, {1, 3}, {3, 2}, {10, 7}, {4, 5}}) {
     INFO("in_splits " << is << " out_splits " << os);
-    ResidentEngine engine;
-    TiledLinear tiled(engine, "tiled", in, out, is, os, true);
-    REQUIRE(engine.parameters().size() == static_cast<size_t>(is * os + os));
-    tiled.set_full(w.data(), b.data());
-    std::vector<float> w_back(w.size()), b_back(b.size());
-    tiled.get_full(w_back.data(), b_back.data());
-    REQUIRE(w_back == w);
-    REQUIRE(b_back == b);
-    const Activations y = tiled.forward(x, rows);
-    const Activations dx = tiled.backward(dy);
-    for (size_t i = 0; i < y.size(); ++i) REQUIRE(y[i] == Approx(y_ref[i]).margin(1e-5));
-    for (size_t i = 0; i < dx.size(); ++i) REQUIRE(dx[i] == Approx(dx_ref[i]).margin(1e-5));
-    std::vector<float> dw(w.size()), db(b.size());
-    tiled.get_full_grad(dw.data(), db.data());
-    for (size_t i = 0; i < dw.size(); ++i) REQUIRE(dw[i] == Approx(dw_ref[i]).margin(1e-5));
-    for (size_t i = 0; i < db.size(); ++i) REQUIRE(db[i] == Approx(db_ref[i]).margin(1e-5));
+    test::Rig rig;
+    Linear ref(*rig.engine, "ref", in, out, true);
+    TiledLinear tiled(*rig.engine, "tiled", in, out, is, os, true);
+    REQUIRE(tiled.parameters().size() == static_cast<size_t>(is * os + os));
+    rig.engine->finalize();
+    rig.set_param(ref.weight(), w);
+    rig.set_param(ref.bias(), b);
+    // Tiles take their block of the full weight (slices say where).
+    for (ParamId id : tiled.parameters()) {
+      const auto& p = rig.engine->param_info(id);
+      REQUIRE(p.slice);
+      std::vector<float> block(static_cast<size_t>(p.numel()));
+      if (p.shape.size() == 2) {
+        for (int64_t r = 0; r < p.shape[0]; ++r)
+          for (int64_t c = 0; c < p.shape[1]; ++c)
+            block[r * p.shape[1] + c] = w[(p.slice->offset[0] + r) * in + p.slice->offset[1] + c];
+      } else {
+        for (int64_t c = 0; c < p.shape[0]; ++c) block[c] = b[p.slice->offset[0] + c];
+      }
+      rig.set_param(id, block);
+    }
+    Tensor xd = rig.upload(x, DType::kF32, {rows, in}), dyd = rig.upload(dy, DType::kF32, {rows, out});
+    Tensor y_ref = rig.zeros(DType::kF32, {rows, out}), y = rig.zeros(DType::kF32, {rows, out});
+    Tensor dx_ref = rig.zeros(DType::kF32, {rows, in}), dx = rig.zeros(DType::kF32, {rows, in});
+    auto m = [](const Tensor& t) { return MatView::of(t.view()); };
+    ref.forward(m(xd), m(y_ref));
+    tiled.forward(m(xd), m(y));
+    ref.backward(m(dyd), m(xd), m(dx_ref), false);
+    tiled.backward(m(dyd), m(xd), m(dx), false);
+    const auto yr = rig.download(y_ref.view()), yt = rig.download(y.view());
+    const auto dxr = rig.download(dx_ref.view()), dxt = rig.download(dx.view());
+    for (size_t i = 0; i < yr.size(); ++i) REQUIRE(yt[i] == Approx(yr[i]).margin(1e-5));
+    for (size_t i = 0; i < dxr.size(); ++i) REQUIRE(dxt[i] == Approx(dxr[i]).margin(1e-5));
+    const auto dw_ref = rig.grad_values(ref.weight()), db_ref = rig.grad_values(ref.bias());
+    for (ParamId id : tiled.parameters()) {
+      const auto& p = rig.engine->param_info(id);
+      const auto g = rig.grad_values(id);
+      for (size_t e = 0; e < g.size(); ++e) {
+        const double want =
+            p.shape.size() == 2
+                ? dw_ref[(p.slice->offset[0] + e / p.shape[1]) * in + p.slice->offset[1] + e % p.shape[1]]
+                : db_ref[p.slice->offset[0] + e];
+        REQUIRE(g[e] == Approx(want).margin(1e-5));
+      }
+    }
   }
-  ResidentEngine engine;
-  REQUIRE_THROWS_AS(TiledLinear(engine, "bad", in, out, 11, 1, false), Error);
+  test::Rig rig;
+  REQUIRE_THROWS_AS(TiledLinear(*rig.engine, "bad", in, out, 11, 1, false), Error);
 }
 
 TEST_CASE("TiledLinear fetches one tile at a time through the hooks", "[nn][tiled][hooks]") {
-  ResidentEngine engine;
-  TiledLinear tiled(engine, "model.big", 8, 6, 2, 3, false);
+  test::Rig rig;
+  TiledLinear tiled(*rig.engine, "model.big", 8, 6, 2, 3, false);
+  rig.engine->finalize();
   std::vector<std::string> events;
   int in_flight = 0, max_in_flight = 0;
-  engine.set_hook_observer(
-      [&](HookPhase phase, const std::string& module, std::span<Parameter* const> ps) {
-        REQUIRE(module == "model.big");
-        REQUIRE(ps.size() == 1);
-        const bool pre = phase == HookPhase::kPreForward || phase == HookPhase::kPreBackward;
-        in_flight += pre ? 1 : -1;
-        max_in_flight = std::max(max_in_flight, in_flight);
-        events.push_back(std::string(pre ? "pre " : "post ") + ps[0]->name);
-      });
-  tiled.forward(random_floats(3 * 8, 5), 3);
-  tiled.backward(random_floats(3 * 6, 6));
+  rig.engine->set_hook_observer([&](OpId op, Phase, bool pre) {
+    const auto& info = rig.engine->op_info(op);
+    REQUIRE(info.params.size() == 1);
+    in_flight += pre ? 1 : -1;
+    max_in_flight = std::max(max_in_flight, in_flight);
+    events.push_back(std::string(pre ? "pre " : "post ") + rig.engine->param_info(info.params[0]).name);
+  });
+  Tensor x = rig.upload(random_floats(3 * 8, 5), DType::kF32, {3, 8});
+  Tensor y = rig.zeros(DType::kF32, {3, 6});
+  Tensor dx = rig.zeros(DType::kF32, {3, 8});
+  tiled.forward(MatView::of(x.view()), MatView::of(y.view()));
+  tiled.backward(MatView::of(y.view()), MatView::of(x.view()), MatView::of(dx.view()), false);
+  rig.engine->compute_stream().synchronize();
   CHECK(max_in_flight == 1);
   CHECK(in_flight == 0);
   REQUIRE(events.size() == 2 * 2 * 6);
@@ -102,122 +142,124 @@ TEST_CASE("TiledLinear fetches one tile at a time through the hooks", "[nn][tile
 }
 
 TEST_CASE("model hooks bracket every parameter use in forward and backward", "[nn][hooks]") {
-  ResidentEngine engine;
-  LlamaModel model(engine, tiny_config());
-  initialize_parameters(engine, model.parameters(), 7);
-  std::map<std::string, int> pre_fwd, post_fwd, pre_bwd, post_bwd;
-  std::set<std::string> open;
-  engine.set_hook_observer(
-      [&](HookPhase phase, const std::string&, std::span<Parameter* const> ps) {
-        for (Parameter* p : ps) {
-          switch (phase) {
-            case HookPhase::kPreForward:
-              ++pre_fwd[p->name];
-              REQUIRE(open.insert(p->name).second);
-              break;
-            case HookPhase::kPostForward:
-              ++post_fwd[p->name];
-              REQUIRE(open.erase(p->name) == 1);
-              break;
-            case HookPhase::kPreBackward:
-              ++pre_bwd[p->name];
-              REQUIRE(open.insert(p->name).second);
-              break;
-            case HookPhase::kPostBackward:
-              ++post_bwd[p->name];
-              REQUIRE(open.erase(p->name) == 1);
-              break;
-          }
-        }
-      });
-  std::vector<int32_t> ids(2 * 8), targets(2 * 8);
-  for (size_t i = 0; i < ids.size(); ++i)
-    ids[i] = static_cast<int32_t>(i * 7 % 32), targets[i] = static_cast<int32_t>(i % 32);
-  model.forward(ids, targets, 2, 8);
-  model.backward();
-  CHECK(open.empty());
-  for (Parameter* p : model.parameters()) {
-    INFO(p->name);
-    CHECK(pre_fwd[p->name] == 1);
-    CHECK(post_fwd[p->name] == 1);
-    CHECK(pre_bwd[p->name] == 1);
-    CHECK(post_bwd[p->name] == 1);
+  for (bool tied : {false, true}) {
+    INFO("tied " << tied);
+    LlamaConfig c = tiny_config();
+    c.tie_word_embeddings = tied;
+    test::Rig rig;
+    LlamaModel model(*rig.engine, c);
+    rig.engine->finalize();
+    initialize_parameters(*rig.engine, model.parameters(), 7);
+    std::map<ParamId, int> fwd, bwd;
+    std::vector<OpId> open;
+    rig.engine->set_hook_observer([&](OpId op, Phase phase, bool pre) {
+      if (pre) {
+        REQUIRE(open.empty());  // the model never nests windows
+        open.push_back(op);
+        for (ParamId p : rig.engine->op_info(op).params) ++(phase == Phase::kBackward ? bwd : fwd)[p];
+      } else {
+        REQUIRE(open.size() == 1);
+        REQUIRE(open.back() == op);
+        open.pop_back();
+      }
+    });
+    const Batch b = make_batch(2, 8, c.vocab_size);
+    model.forward(b.ids, b.targets, b.batch, b.seq);
+    model.backward();
+    CHECK(open.empty());
+    for (ParamId id : model.parameters()) {
+      const auto& name = rig.engine->param_info(id).name;
+      INFO(name);
+      const bool head = name == "lm_head.weight";
+      const bool shared = tied && name == "model.embed_tokens.weight";
+      // The training forward runs lm_head only in its backward window (fused loss).
+      CHECK(fwd[id] == (head ? 0 : 1));
+      CHECK(bwd[id] == (shared ? 2 : 1));
+      CHECK(rig.engine->uses_of(id) == (shared ? 2 : 1));
+    }
   }
 }
 
-namespace {
-
-// Delegates to a ResidentEngine but refuses data()/grad() for a parameter
-// outside its pre/post window, and grad() outside backward: the contract an
-// offloading engine relies on to release memory after post_forward.
-class StrictEngine final : public Engine {
- public:
-  void register_parameter(Parameter& p) override { inner.register_parameter(p); }
-  void pre_forward(const std::string& m, std::span<Parameter* const> ps) override {
-    open_all(ps, false);
-    inner.pre_forward(m, ps);
-  }
-  void post_forward(const std::string& m, std::span<Parameter* const> ps) override {
-    close_all(ps);
-    inner.post_forward(m, ps);
-  }
-  void pre_backward(const std::string& m, std::span<Parameter* const> ps) override {
-    open_all(ps, true);
-    inner.pre_backward(m, ps);
-  }
-  void post_backward(const std::string& m, std::span<Parameter* const> ps) override {
-    close_all(ps);
-    inner.post_backward(m, ps);
-  }
-  TensorView data(const Parameter& p) override {
-    if (strict && !open_.contains(p.id)) throw std::logic_error("data() outside hooks: " + p.name);
-    return inner.data(p);
-  }
-  TensorView grad(const Parameter& p) override {
-    if (strict && (!open_.contains(p.id) || !open_[p.id])) {
-      throw std::logic_error("grad() outside a backward window: " + p.name);
-    }
-    return inner.grad(p);
-  }
-  ResidentEngine inner;
-  bool strict = false;
-
- private:
-  void open_all(std::span<Parameter* const> ps, bool backward) {
-    for (Parameter* p : ps) {
-      if (!open_.emplace(p->id, backward).second)
-        throw std::logic_error("opened twice: " + p->name);
-    }
-  }
-  void close_all(std::span<Parameter* const> ps) {
-    for (Parameter* p : ps) {
-      if (open_.erase(p->id) != 1) throw std::logic_error("closed without open: " + p->name);
-    }
-  }
-  std::map<int64_t, bool> open_;  // id -> opened for backward
-};
-
-}  // namespace
+TEST_CASE("a gradient is reported complete at its last use in backward (tied embeddings)",
+          "[nn][hooks]") {
+  LlamaConfig c = tiny_config();
+  c.tie_word_embeddings = true;
+  test::Rig rig;
+  LlamaModel model(*rig.engine, c);
+  rig.engine->finalize();
+  initialize_parameters(*rig.engine, model.parameters(), 8);
+  const ParamId embed = rig.engine->find_parameter("model.embed_tokens.weight");
+  std::map<ParamId, int> ready_count;
+  std::vector<float> embed_at_ready;
+  bool embed_op_done = false;
+  rig.engine->set_hook_observer([&](OpId op, Phase phase, bool pre) {
+    if (!pre && phase == Phase::kBackward && rig.engine->op_info(op).name == "model.embed_tokens")
+      embed_op_done = true;
+  });
+  rig.engine->set_grad_ready_callback([&](ParamId id, Event& ready) {
+    ++ready_count[id];
+    if (id != embed) return;
+    CHECK(embed_op_done);  // not at lm_head, its first use in backward
+    ready.synchronize();
+    embed_at_ready = rig.grad_values(id);
+  });
+  const Batch b = make_batch(2, 8, c.vocab_size);
+  rig.engine->zero_grad();
+  model.forward(b.ids, b.targets, b.batch, b.seq);
+  model.backward();
+  for (ParamId id : model.parameters()) CHECK(ready_count[id] == 1);
+  REQUIRE(!embed_at_ready.empty());
+  CHECK(embed_at_ready == rig.grad_values(embed));  // nothing was added after "ready"
+}
 
 TEST_CASE("modules touch parameter memory only inside their hook windows", "[nn][hooks]") {
+  // ResidentEngine refuses param()/grad() outside a window of an op listing the
+  // parameter, and grad() outside a backward window: a full training step (with
+  // 16-bit storage, biases, tied and untied) must never trip it.
   for (bool tied : {false, true}) {
     LlamaConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     c.attention_bias = true;
-    StrictEngine engine;
-    LlamaModel model(engine, c, model_options(DType::kBF16));
-    TiledLinear tiled(engine, "extra.tiled", 8, 6, 2, 3, true);
-    initialize_parameters(engine, engine.inner.parameters(), 3);
-    engine.strict = true;
-    std::vector<int32_t> ids(12), targets(12);
-    for (int i = 0; i < 12; ++i) ids[i] = (i * 5) % 32, targets[i] = (i * 3) % 32;
-    REQUIRE_NOTHROW(model.forward(ids, targets, 2, 6));
+    test::Rig rig;
+    LlamaModel model(*rig.engine, c, model_options(DType::kBF16));
+    rig.engine->finalize();
+    initialize_parameters(*rig.engine, model.parameters(), 3);
+    const Batch b = make_batch(2, 6, c.vocab_size);
+    REQUIRE_NOTHROW(model.forward(b.ids, b.targets, b.batch, b.seq));
     REQUIRE_NOTHROW(model.backward());
-    REQUIRE_NOTHROW(tiled.forward(random_floats(3 * 8, 1), 3));
-    REQUIRE_NOTHROW(tiled.backward(random_floats(3 * 6, 2)));
+    REQUIRE(std::isfinite(model.loss()));
     // And the check itself bites.
-    REQUIRE_THROWS_AS(engine.data(*engine.inner.parameters()[0]), std::logic_error);
+    REQUIRE_THROWS_WITH(rig.engine->param(model.parameters()[0]),
+                        Catch::Contains("outside a hook window"));
+    REQUIRE_THROWS_WITH(rig.engine->grad(model.parameters()[0]),
+                        Catch::Contains("outside a backward window"));
   }
+}
+
+TEST_CASE("engine declarations: errors and ids", "[nn][engine]") {
+  test::Rig rig;
+  auto& e = *rig.engine;
+  const ParamId a = e.declare_parameter({"a", DType::kF32, {2, 3}, std::nullopt});
+  CHECK(a == 0);
+  REQUIRE_THROWS_WITH(e.declare_parameter({"a", DType::kF32, {2}, std::nullopt}),
+                      Catch::Contains("declared twice"));
+  REQUIRE_THROWS_WITH(e.declare_parameter({"z", DType::kF32, {0, 3}, std::nullopt}),
+                      Catch::Contains("shape"));
+  REQUIRE_THROWS_WITH(e.declare_parameter({"i", DType::kI32, {3}, std::nullopt}),
+                      Catch::Contains("dtype"));
+  REQUIRE_THROWS_WITH(e.declare_operator("op", {5}), Catch::Contains("unknown parameter id 5"));
+  const OpId op = e.declare_operator("op", {a});
+  REQUIRE_THROWS_WITH(e.pre_op(op, Phase::kForward), Catch::Contains("before finalize"));
+  e.finalize();
+  REQUIRE_THROWS_WITH(e.declare_parameter({"b", DType::kF32, {2}, std::nullopt}),
+                      Catch::Contains("after finalize"));
+  REQUIRE_THROWS_AS(e.finalize(), Error);
+  REQUIRE_THROWS_WITH(e.pre_op(99, Phase::kForward), Catch::Contains("unknown operator id 99"));
+  REQUIRE_THROWS_WITH(e.find_parameter("nope"), Catch::Contains("no parameter named 'nope'"));
+  e.pre_op(op, Phase::kForward);
+  CHECK(e.param(a).desc.shape == Shape{2, 3});
+  REQUIRE_THROWS_WITH(e.post_op(op, Phase::kBackward), Catch::Contains("innermost open window"));
+  e.post_op(op, Phase::kForward);
 }
 
 TEST_CASE("model parameters carry Hugging Face names and the configured count", "[nn]") {
@@ -225,13 +267,13 @@ TEST_CASE("model parameters carry Hugging Face names and the configured count", 
     LlamaConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     c.attention_bias = !tied;
-    ResidentEngine engine;
-    LlamaModel model(engine, c);
+    test::Rig rig;
+    LlamaModel model(*rig.engine, c);
     int64_t total = 0;
     std::set<std::string> names;
-    for (Parameter* p : model.parameters()) {
-      total += p->desc.numel();
-      names.insert(p->name);
+    for (ParamId id : model.parameters()) {
+      total += rig.engine->param_info(id).numel();
+      names.insert(rig.engine->param_info(id).name);
     }
     CHECK(total == c.parameter_count());
     CHECK(names.contains("model.embed_tokens.weight"));
@@ -251,39 +293,38 @@ TEST_CASE("whole-model gradients match finite differences (fp32, tied, untied, t
     const bool tied = variant == 1;
     LlamaConfig c = tiny_config();
     c.tie_word_embeddings = tied;
-    ResidentEngine engine;
+    test::Rig rig;
     LlamaModelOptions options = model_options(DType::kF32, 5);
     if (variant == 2) options.mlp_tiling = {2, 3};
-    LlamaModel model(engine, c, options);
-    initialize_parameters(engine, model.parameters(), 11, /*std=*/0.3);
-    const int64_t batch = 2, seq = 6;
-    std::vector<int32_t> ids(batch * seq), targets(batch * seq);
-    for (int64_t i = 0; i < batch * seq; ++i) {
-      ids[i] = static_cast<int32_t>((i * 5 + 3) % c.vocab_size);
-      targets[i] = i == 4 ? cpu::kIgnoreIndex : static_cast<int32_t>((i * 3 + 1) % c.vocab_size);
-    }
-    engine.zero_grad();
-    model.forward(ids, targets, batch, seq);
+    LlamaModel model(*rig.engine, c, options);
+    rig.engine->finalize();
+    initialize_parameters(*rig.engine, model.parameters(), 11, /*std=*/0.3);
+    const Batch b = make_batch(2, 6, c.vocab_size, /*ignore_at=*/4);
+    rig.engine->zero_grad();
+    model.forward(b.ids, b.targets, b.batch, b.seq);
     model.backward();
     // For each parameter, the element with the largest gradient (the one a
     // wiring mistake would disturb most) and one fixed element.
-    for (Parameter* p : model.parameters()) {
-      float* data = engine.data(*p).as<float>();
-      const float* g = engine.grad(*p).as<float>();
-      const int64_t n = p->desc.numel();
+    for (ParamId id : model.parameters()) {
+      const std::vector<float> g = rig.grad_values(id);
+      std::vector<float> data = rig.param_values(id);
+      const auto n = static_cast<int64_t>(g.size());
       int64_t best = 0;
       for (int64_t i = 1; i < n; ++i) best = std::abs(g[i]) > std::abs(g[best]) ? i : best;
       for (int64_t i : {best, n / 3}) {
         const float saved = data[i];
         const float h = 1e-2f;
         data[i] = saved + h;
-        const double up = model.forward(ids, targets, batch, seq);
+        rig.set_param(id, data);
+        const double up = eval_loss(model, b);
         data[i] = saved - h;
-        const double down = model.forward(ids, targets, batch, seq);
+        rig.set_param(id, data);
+        const double down = eval_loss(model, b);
         data[i] = saved;
+        rig.set_param(id, data);
         const double numeric = (up - down) / (2.0 * h);
-        INFO("variant " << variant << " " << p->name << "[" << i << "] analytic " << g[i]
-                        << " numeric " << numeric);
+        INFO("variant " << variant << " " << rig.engine->param_info(id).name << "[" << i
+                        << "] analytic " << g[i] << " numeric " << numeric);
         CHECK(std::abs(numeric - g[i]) <= 2e-3 + 2e-2 * std::abs(numeric));
       }
     }
@@ -292,48 +333,80 @@ TEST_CASE("whole-model gradients match finite differences (fp32, tied, untied, t
 
 TEST_CASE("bf16 and fp16 storage compute like fp32 on the rounded values", "[nn][dtype]") {
   const LlamaConfig c = tiny_config();
-  std::vector<int32_t> ids(16), targets(16);
-  for (int i = 0; i < 16; ++i) ids[i] = (i * 11) % 32, targets[i] = (i * 7 + 2) % 32;
+  const Batch b = make_batch(2, 8, c.vocab_size);
   for (DType dtype : {DType::kBF16, DType::kF16}) {
-    ResidentEngine low_engine, ref_engine;
-    LlamaModel low(low_engine, c, model_options(dtype));
-    LlamaModel ref(ref_engine, c, model_options(DType::kF32));
-    initialize_parameters(low_engine, low.parameters(), 3);
+    test::Rig low_rig, ref_rig;
+    LlamaModel low(*low_rig.engine, c, model_options(dtype));
+    LlamaModel ref(*ref_rig.engine, c, model_options(DType::kF32));
+    low_rig.engine->finalize();
+    ref_rig.engine->finalize();
+    initialize_parameters(*low_rig.engine, low.parameters(), 3);
     // The reference holds exactly the 16-bit values, widened.
-    auto lp = low.parameters(), rp = ref.parameters();
+    const auto lp = low.parameters(), rp = ref.parameters();
     REQUIRE(lp.size() == rp.size());
     for (size_t i = 0; i < lp.size(); ++i) {
-      REQUIRE(lp[i]->desc.dtype == dtype);
-      const TensorView src = low_engine.data(*lp[i]);
-      convert(src.data, dtype, ref_engine.data(*rp[i]).data, DType::kF32,
-              static_cast<size_t>(src.numel()));
+      REQUIRE(low_rig.engine->param_info(lp[i]).dtype == dtype);
+      ref_rig.set_param(rp[i], low_rig.param_values(lp[i]));
     }
-    const double l_low = low.forward(ids, targets, 2, 8);
-    const double l_ref = ref.forward(ids, targets, 2, 8);
+    low_rig.engine->zero_grad();
+    ref_rig.engine->zero_grad();
+    low.forward(b.ids, b.targets, b.batch, b.seq);
+    ref.forward(b.ids, b.targets, b.batch, b.seq);
+    const double l_low = low.loss(), l_ref = ref.loss();
     CHECK(l_low == Approx(l_ref).epsilon(1e-6));
     CHECK(std::abs(l_low - std::log(32.0)) < 0.5);  // small init: near-uniform prediction
     low.backward();
     ref.backward();
-    const float* g_low = low_engine.grad(*lp[0]).as<float>();
-    const float* g_ref = ref_engine.grad(*rp[0]).as<float>();
-    for (int64_t i = 0; i < lp[0]->desc.numel(); ++i)
-      REQUIRE(g_low[i] == Approx(g_ref[i]).margin(1e-6));
+    for (size_t k = 0; k < lp.size(); ++k) {
+      const auto g_low = low_rig.grad_values(lp[k]), g_ref = ref_rig.grad_values(rp[k]);
+      for (size_t i = 0; i < g_low.size(); ++i) REQUIRE(g_low[i] == Approx(g_ref[i]).margin(1e-6));
+    }
   }
 }
 
-TEST_CASE("initialisation is keyed by name and element, not by order", "[nn]") {
-  ResidentEngine a, b;
-  Linear la(a, "x.proj", 4, 3, true);
-  Linear lb(b, "x.proj", 4, 3, true);
-  initialize_parameters(a, la.parameters(), 5);
+TEST_CASE("16-bit activations on the cpu accelerator stay close to fp32", "[nn][dtype]") {
+  const LlamaConfig c = tiny_config();
+  const Batch b = make_batch(2, 8, c.vocab_size);
+  test::Rig ref_rig, low_rig;
+  LlamaModelOptions low_options = model_options(DType::kBF16);
+  low_options.activation_dtype = DType::kBF16;
+  LlamaModel ref(*ref_rig.engine, c, model_options(DType::kBF16));
+  LlamaModel low(*low_rig.engine, c, low_options);
+  CHECK(ref.activation_dtype() == DType::kF32);  // the cpu default
+  ref_rig.engine->finalize();
+  low_rig.engine->finalize();
+  initialize_parameters(*ref_rig.engine, ref.parameters(), 5, 0.2);
+  initialize_parameters(*low_rig.engine, low.parameters(), 5, 0.2);
+  ref.forward(b.ids, b.targets, b.batch, b.seq);
+  low.forward(b.ids, b.targets, b.batch, b.seq);
+  // bf16 activations round every intermediate to 8 significant bits
+  // (relative 2^-9); through two layers that stays well inside 2%.
+  CHECK(low.loss() == Approx(ref.loss()).epsilon(2e-2));
+  CHECK(low.loss() != ref.loss());  // the activations really were 16-bit
+}
+
+TEST_CASE("initialisation is keyed by name and element, not by order or tiling", "[nn]") {
+  test::Rig a, b, t;
+  Linear la(*a.engine, "x.proj", 4, 3, true);
+  Linear lb(*b.engine, "x.proj", 4, 3, true);
+  TiledLinear lt(*t.engine, "x.proj", 4, 3, 2, 2, true);
+  a.engine->finalize();
+  b.engine->finalize();
+  t.engine->finalize();
+  initialize_parameters(*a.engine, la.parameters(), 5);
   auto params = lb.parameters();
   std::reverse(params.begin(), params.end());
-  initialize_parameters(b, params, 5);
-  const float* wa = a.data(la.weight()).as<float>();
-  const float* wb = b.data(lb.weight()).as<float>();
-  for (int i = 0; i < 12; ++i) CHECK(wa[i] == wb[i]);
+  initialize_parameters(*b.engine, params, 5);
+  initialize_parameters(*t.engine, lt.parameters(), 5);
+  const auto wa = a.param_values(la.weight()), wb = b.param_values(lb.weight());
+  CHECK(wa == wb);
   CHECK(wa[0] != wa[1]);
-  CHECK(a.data(*la.bias()).as<float>()[0] == 0.0f);
+  CHECK(a.param_values(la.bias())[0] == 0.0f);
+  // Tile (1, 1) holds rows [2, 3) x columns [2, 4) of the untiled weight.
+  const auto tile = t.param_values(t.engine->find_parameter("x.proj.weight.tile_1_1"));
+  REQUIRE(tile.size() == 2);
+  CHECK(tile[0] == wa[2 * 4 + 2]);
+  CHECK(tile[1] == wa[2 * 4 + 3]);
 }
 
 TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][config]") {

@@ -1,12 +1,14 @@
 // A tiny Llama-style model trained for 50 AdamW steps on a fixed synthetic
-// corpus must lower its loss. The AdamW here is a plain scalar loop on purpose:
-// this test checks the model, not the production optimizer (kernels/cpu/adam*).
+// corpus, through Ops on the cpu accelerator, must lower its loss. The AdamW
+// here is a plain scalar loop on purpose: this test checks the model, not the
+// production optimizer (kernels/cpu/adam*).
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <random>
 #include <vector>
 
 #include "runtime/nn/llama_model.h"
+#include "tests/nn/engine_rig.h"
 #include "tests/nn/test_models.h"
 
 using namespace strata;
@@ -14,27 +16,30 @@ using namespace strata::nn;
 
 namespace {
 
-// Decoupled-weight-decay Adam over every registered fp32 parameter.
+// Decoupled-weight-decay Adam over every fp32 parameter, between steps (the
+// compute stream is synchronised first; the cpu accelerator's memory is host memory).
 class PlainAdamW {
  public:
-  PlainAdamW(ResidentEngine& engine, double lr, double weight_decay)
+  PlainAdamW(engine::ResidentEngine& engine, double lr, double weight_decay)
       : engine_(engine), lr_(lr), wd_(weight_decay) {
-    for (Parameter* p : engine.parameters()) {
-      m_.emplace_back(static_cast<size_t>(p->desc.numel()), 0.0f);
-      v_.emplace_back(static_cast<size_t>(p->desc.numel()), 0.0f);
+    for (ParamId id = 0; id < engine.parameter_count(); ++id) {
+      m_.emplace_back(static_cast<size_t>(engine.param_info(id).numel()), 0.0f);
+      v_.emplace_back(static_cast<size_t>(engine.param_info(id).numel()), 0.0f);
     }
   }
   void step() {
+    engine_.compute_stream().synchronize();
     ++t_;
     const double c1 = 1 - std::pow(kBeta1, t_), c2 = 1 - std::pow(kBeta2, t_);
-    const auto& params = engine_.parameters();
-    for (size_t k = 0; k < params.size(); ++k) {
-      float* w = engine_.data(*params[k]).as<float>();
-      const float* g = engine_.grad(*params[k]).as<float>();
-      for (size_t i = 0; i < m_[k].size(); ++i) {
-        m_[k][i] = static_cast<float>(kBeta1 * m_[k][i] + (1 - kBeta1) * g[i]);
-        v_[k][i] = static_cast<float>(kBeta2 * v_[k][i] + (1 - kBeta2) * g[i] * g[i]);
-        const double update = (m_[k][i] / c1) / (std::sqrt(v_[k][i] / c2) + 1e-8);
+    for (ParamId id = 0; id < engine_.parameter_count(); ++id) {
+      float* w = engine_.param_storage(id).as<float>();
+      const float* g = engine_.grad_storage(id).as<float>();
+      auto& m = m_[static_cast<size_t>(id)];
+      auto& v = v_[static_cast<size_t>(id)];
+      for (size_t i = 0; i < m.size(); ++i) {
+        m[i] = static_cast<float>(kBeta1 * m[i] + (1 - kBeta1) * g[i]);
+        v[i] = static_cast<float>(kBeta2 * v[i] + (1 - kBeta2) * g[i] * g[i]);
+        const double update = (m[i] / c1) / (std::sqrt(v[i] / c2) + 1e-8);
         w[i] = static_cast<float>(w[i] - lr_ * (update + wd_ * w[i]));
       }
     }
@@ -42,7 +47,7 @@ class PlainAdamW {
 
  private:
   static constexpr double kBeta1 = 0.9, kBeta2 = 0.999;
-  ResidentEngine& engine_;
+  engine::ResidentEngine& engine_;
   double lr_, wd_;
   int t_ = 0;
   std::vector<std::vector<float>> m_, v_;
@@ -54,10 +59,11 @@ TEST_CASE("tiny model loss falls over 50 AdamW steps on a fixed corpus", "[nn][t
   LlamaConfig c = tiny_llama(48, 48, 96, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
-  ResidentEngine engine;
-  LlamaModel model(engine, c, model_options(DType::kF32, 16));
-  initialize_parameters(engine, model.parameters(), 1234);
-  PlainAdamW opt(engine, 3e-3, 0.01);
+  test::Rig rig;
+  LlamaModel model(*rig.engine, c, model_options(DType::kF32, 16));
+  rig.engine->finalize();
+  initialize_parameters(*rig.engine, model.parameters(), 1234);
+  PlainAdamW opt(*rig.engine, 3e-3, 0.01);
 
   // Corpus: sequences of an affine recurrence t' = (5 t + 3) mod V from seeded
   // starts; the next token is a function of the current one, so it is learnable.
@@ -74,10 +80,11 @@ TEST_CASE("tiny model loss falls over 50 AdamW steps on a fixed corpus", "[nn][t
         targets[b * seq + s] = t;
       }
     }
-    engine.zero_grad();
-    const double loss = model.forward(ids, targets, batch, seq);
-    REQUIRE(std::isfinite(loss));
+    rig.engine->zero_grad();
+    model.forward(ids, targets, batch, seq);
     model.backward();
+    const double loss = model.loss();
+    REQUIRE(std::isfinite(loss));
     opt.step();
     losses.push_back(loss);
   }

@@ -1,0 +1,603 @@
+// The cpu implementation of Ops (kernels/ops.h). Each op checks its arguments
+// on the calling thread, then enqueues one task on the context's stream; the
+// task runs on the stream's own thread, so OpenMP teams and OpenBLAS's (OpenMP)
+// GEMMs run there and the calling thread goes on, as with a GPU stream.
+//
+// Compute is fp32. fp32 tensors are used in place; 16-bit activations are
+// widened into the context's scratch, computed, and narrowed back; 16-bit
+// weights of Linear are widened in blocks of rows (kWeightBlockRows) so the
+// fp32 copy of a block stays in cache and no whole fp32 weight ever exists.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/nn_gemm.h"
+#include "kernels/cpu/vec_math.h"
+#include "kernels/nn_ops.h"
+#include "kernels/ops.h"
+#include "runtime/core/error.h"
+
+namespace strata::ops {
+namespace {
+
+using nn::cpu::detail::gemm;
+using nn::cpu::detail::kMinParallelWork;
+
+// Rows of a 16-bit weight widened at a time by Linear: 64 rows x 4096 inputs
+// of fp32 is 1 MiB, a block that stays in L2 while its GEMM runs.
+constexpr int64_t kWeightBlockRows = 64;
+
+// Scratch buffers of one context. Used only by tasks on the context's stream,
+// which run one at a time on that stream's thread, so no locking is needed.
+// Buffers grow to the largest request of their slot and are reused after.
+class CpuContext final : public ComputeContext {
+ public:
+  CpuContext(Accelerator& accelerator, Stream& stream) : ComputeContext(accelerator, stream) {}
+  ~CpuContext() override {
+    for (Buffer& b : buffers_) accelerator().deallocate(b.ptr);
+  }
+  void* blas_handle() const override { return nullptr; }
+
+  template <typename T>
+  T* scratch(size_t slot, int64_t numel) {
+    Buffer& b = buffers_.at(slot);
+    const size_t nbytes = static_cast<size_t>(std::max<int64_t>(numel, 1)) * sizeof(T);
+    if (b.nbytes < nbytes) {
+      accelerator().deallocate(b.ptr);
+      b.ptr = nullptr;
+      b.nbytes = 0;
+      b.ptr = accelerator().allocate(nbytes);
+      b.nbytes = nbytes;
+    }
+    return static_cast<T*>(b.ptr);
+  }
+
+ private:
+  struct Buffer {
+    void* ptr = nullptr;
+    size_t nbytes = 0;
+  };
+  std::array<Buffer, 8> buffers_{};
+};
+
+// A matrix in fp32: the tensor's own memory (fp32) or a contiguous scratch copy.
+struct F32Mat {
+  float* data;
+  int64_t ld;
+};
+
+void convert_rows(const void* src, DType src_dtype, int64_t src_ld, void* dst, DType dst_dtype,
+                  int64_t dst_ld, int64_t rows, int64_t cols) {
+  const size_t se = dtype_nbytes(src_dtype), de = dtype_nbytes(dst_dtype);
+#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    convert(static_cast<const char*>(src) + r * src_ld * static_cast<int64_t>(se), src_dtype,
+            static_cast<char*>(dst) + r * dst_ld * static_cast<int64_t>(de), dst_dtype,
+            static_cast<size_t>(cols));
+  }
+}
+
+// `m` as fp32 for reading.
+F32Mat widen(CpuContext& c, size_t slot, const MatView& m) {
+  if (m.dtype == DType::kF32) return {static_cast<float*>(m.data), m.ld};
+  float* buf = c.scratch<float>(slot, m.rows * m.cols);
+  convert_rows(m.data, m.dtype, m.ld, buf, DType::kF32, m.cols, m.rows, m.cols);
+  return {buf, m.cols};
+}
+const float* widen(CpuContext& c, size_t slot, const TensorView& t) {
+  return widen(c, slot, MatView::of(t)).data;
+}
+
+// `m` as fp32 for writing; with `load`, holding m's current values (for += and in place).
+F32Mat stage(CpuContext& c, size_t slot, const MatView& m, bool load) {
+  if (m.dtype == DType::kF32) return {static_cast<float*>(m.data), m.ld};
+  float* buf = c.scratch<float>(slot, m.rows * m.cols);
+  if (load) convert_rows(m.data, m.dtype, m.ld, buf, DType::kF32, m.cols, m.rows, m.cols);
+  return {buf, m.cols};
+}
+float* stage(CpuContext& c, size_t slot, const TensorView& t, bool load) {
+  return stage(c, slot, MatView::of(t), load).data;
+}
+
+// Writes a staged fp32 matrix back into `m` (nothing to do when m is fp32).
+void commit(const F32Mat& f, const MatView& m) {
+  if (m.dtype != DType::kF32) convert_rows(f.data, DType::kF32, f.ld, m.data, m.dtype, m.ld, m.rows, m.cols);
+}
+void commit(const float* f, const TensorView& t) {
+  const MatView m = MatView::of(t);
+  commit(F32Mat{const_cast<float*>(f), m.cols}, m);
+}
+
+bool empty(const TensorView& t) { return t.data == nullptr; }
+bool empty(const MatView& m) { return m.data == nullptr; }
+
+void check_mat(std::string_view op, std::string_view what, const MatView& m) {
+  STRATA_CHECK(m.data != nullptr, kBadArgument, "{}: {} is empty (no data)", op, what);
+  STRATA_CHECK(is_float_storage(m.dtype), kBadArgument, "{}: {} has dtype {}", op, what,
+               dtype_name(m.dtype));
+  STRATA_CHECK(m.rows >= 0 && m.cols > 0 && m.ld >= m.cols, kBadArgument,
+               "{}: {} is a bad matrix ({} x {}, ld {})", op, what, m.rows, m.cols, m.ld);
+}
+
+class CpuOps final : public Ops {
+ public:
+  explicit CpuOps(Accelerator& accelerator) : accelerator_(accelerator) {}
+
+  Backend backend() const override { return Backend::kCpu; }
+
+  std::unique_ptr<ComputeContext> make_context(Stream& stream) override {
+    return std::make_unique<CpuContext>(accelerator_, stream);
+  }
+
+  void embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
+                         const TensorView& out) override {
+    constexpr const char* op = "embedding_forward";
+    check::float_tensor(op, "table", table);
+    check::dtype(op, "ids", ids, DType::kI32);
+    check::float_tensor(op, "out", out);
+    STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
+                 shape_string(table.desc.shape));
+    const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
+    check::shape(op, "out", out, {rows, dim});
+    enqueue(ctx, [=](CpuContext&) {
+      const auto* id = ids.as<const int32_t>();
+      const size_t te = dtype_nbytes(table.desc.dtype), oe = dtype_nbytes(out.desc.dtype);
+      for (int64_t r = 0; r < rows; ++r) {
+        STRATA_CHECK(id[r] >= 0 && id[r] < vocab, kBadArgument,
+                     "embedding: token id {} at position {} is outside the vocabulary [0, {})",
+                     id[r], r, vocab);
+      }
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        convert(table.as<const char>() + id[r] * dim * static_cast<int64_t>(te), table.desc.dtype,
+                out.as<char>() + r * dim * static_cast<int64_t>(oe), out.desc.dtype,
+                static_cast<size_t>(dim));
+      }
+    });
+  }
+
+  void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
+                          const TensorView& dtable) override {
+    constexpr const char* op = "embedding_backward";
+    check::float_tensor(op, "dout", dout);
+    check::dtype(op, "ids", ids, DType::kI32);
+    check::dtype(op, "dtable", dtable, DType::kF32);
+    STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D", op);
+    const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
+    check::shape(op, "dout", dout, {rows, dim});
+    enqueue(ctx, [=](CpuContext& c) {
+      nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab,
+                                         dim, dtable.as<float>());
+    });
+  }
+
+  void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
+                       const TensorView& y, const TensorView& rstd) override {
+    constexpr const char* op = "rmsnorm_forward";
+    check::float_tensor(op, "x", x);
+    check::float_tensor(op, "w", w);
+    check::float_tensor(op, "y", y);
+    check::same_dtype(op, x, y);
+    check::dtype(op, "rstd", rstd, DType::kF32);
+    const MatView xm = MatView::of(x);
+    check::shape(op, "w", w, {xm.cols});
+    check::shape(op, "y", y, x.desc.shape);
+    check::numel(op, "rstd", rstd, xm.rows);
+    enqueue(ctx, [=](CpuContext& c) {
+      float* yf = stage(c, 2, y, false);
+      nn::cpu::rmsnorm_forward<float>(widen(c, 0, x), widen(c, 1, w), xm.rows, xm.cols, eps, yf,
+                                      rstd.as<float>());
+      commit(yf, y);
+    });
+  }
+
+  void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+                        const TensorView& w, const TensorView& rstd, const TensorView& dx,
+                        bool accumulate_dx, const TensorView& dw) override {
+    constexpr const char* op = "rmsnorm_backward";
+    for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
+      check::float_tensor(op, what, *t);
+    }
+    check::same_dtype(op, dy, x);
+    check::same_dtype(op, dy, dx);
+    check::dtype(op, "rstd", rstd, DType::kF32);
+    check::dtype(op, "dw", dw, DType::kF32);
+    const MatView xm = MatView::of(x);
+    check::shape(op, "dy", dy, x.desc.shape);
+    check::shape(op, "dx", dx, x.desc.shape);
+    check::shape(op, "w", w, {xm.cols});
+    check::shape(op, "dw", dw, {xm.cols});
+    check::numel(op, "rstd", rstd, xm.rows);
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t n = xm.rows * xm.cols;
+      // The kernel overwrites its dx; accumulation goes through a scratch buffer.
+      float* out = accumulate_dx ? c.scratch<float>(4, n) : stage(c, 3, dx, false);
+      nn::cpu::rmsnorm_backward<float>(widen(c, 0, dy), widen(c, 1, x), widen(c, 2, w),
+                                       rstd.as<const float>(), xm.rows, xm.cols, out,
+                                       dw.as<float>());
+      if (accumulate_dx) {
+        float* acc = stage(c, 3, dx, true);
+        nn::cpu::add<float>(acc, out, n, acc);
+        commit(acc, dx);
+      } else {
+        commit(out, dx);
+      }
+    });
+  }
+
+  void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                      const TensorView& bias, const MatView& y, bool accumulate) override {
+    constexpr const char* op = "linear_forward";
+    check_mat(op, "x", x);
+    check_mat(op, "y", y);
+    check::float_tensor(op, "w", w);
+    STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op,
+                 dtype_name(x.dtype), dtype_name(y.dtype));
+    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
+                 shape_string(w.desc.shape));
+    const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = x.rows;
+    STRATA_CHECK(x.cols == in && y.cols == out && y.rows == rows, kBadArgument,
+                 "{}: x is {} x {}, w is [{}, {}], y is {} x {}", op, x.rows, x.cols, out, in,
+                 y.rows, y.cols);
+    if (!empty(bias)) {
+      check::float_tensor(op, "bias", bias);
+      check::shape(op, "bias", bias, {out});
+    }
+    if (rows == 0) return;
+    enqueue(ctx, [=](CpuContext& c) {
+      const F32Mat xf = widen(c, 0, x);
+      const F32Mat yf = stage(c, 1, y, accumulate);
+      const float* bf = empty(bias) ? nullptr : widen(c, 2, bias);
+      if (w.desc.dtype == DType::kF32) {
+        gemm<float>(false, true, rows, out, in, 1.0f, xf.data, xf.ld, w.as<const float>(), in,
+                    accumulate ? 1.0f : 0.0f, yf.data, yf.ld);
+      } else {
+        for (int64_t o0 = 0; o0 < out; o0 += kWeightBlockRows) {
+          const int64_t bo = std::min(kWeightBlockRows, out - o0);
+          float* wb = c.scratch<float>(3, bo * in);
+          convert_rows(w.as<const char>() + o0 * in * 2, w.desc.dtype, in, wb, DType::kF32, in, bo,
+                       in);
+          gemm<float>(false, true, rows, bo, in, 1.0f, xf.data, xf.ld, wb, in,
+                      accumulate ? 1.0f : 0.0f, yf.data + o0, yf.ld);
+        }
+      }
+      if (bf != nullptr) {
+#pragma omp parallel for schedule(static) if (rows * out >= kMinParallelWork)
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t o = 0; o < out; ++o) yf.data[r * yf.ld + o] += bf[o];
+        }
+      }
+      commit(yf, y);
+    });
+  }
+
+  void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+                       const TensorView& w, const MatView& dx, bool accumulate_dx,
+                       const TensorView& dw, const TensorView& dbias) override {
+    constexpr const char* op = "linear_backward";
+    check_mat(op, "dy", dy);
+    check_mat(op, "x", x);
+    check::float_tensor(op, "w", w);
+    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D", op);
+    const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
+    STRATA_CHECK(dy.cols == out && x.cols == in && x.rows == rows && dy.dtype == x.dtype,
+                 kBadArgument, "{}: dy is {} x {} ({}), x is {} x {} ({}), w is [{}, {}]", op,
+                 dy.rows, dy.cols, dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out,
+                 in);
+    if (!empty(dx)) {
+      check_mat(op, "dx", dx);
+      STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
+                   "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
+                   dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
+    }
+    if (!empty(dw)) {
+      check::dtype(op, "dw", dw, DType::kF32);
+      check::shape(op, "dw", dw, {out, in});
+    }
+    if (!empty(dbias)) {
+      check::dtype(op, "dbias", dbias, DType::kF32);
+      check::shape(op, "dbias", dbias, {out});
+    }
+    if (rows == 0) return;
+    enqueue(ctx, [=](CpuContext& c) {
+      const F32Mat dyf = widen(c, 0, dy);
+      const F32Mat xf = widen(c, 1, x);
+      if (!empty(dx)) {
+        const F32Mat dxf = stage(c, 2, dx, accumulate_dx);
+        if (w.desc.dtype == DType::kF32) {
+          gemm<float>(false, false, rows, in, out, 1.0f, dyf.data, dyf.ld, w.as<const float>(), in,
+                      accumulate_dx ? 1.0f : 0.0f, dxf.data, dxf.ld);
+        } else {
+          for (int64_t o0 = 0; o0 < out; o0 += kWeightBlockRows) {
+            const int64_t bo = std::min(kWeightBlockRows, out - o0);
+            float* wb = c.scratch<float>(3, bo * in);
+            convert_rows(w.as<const char>() + o0 * in * 2, w.desc.dtype, in, wb, DType::kF32, in,
+                         bo, in);
+            const bool first = o0 == 0;
+            gemm<float>(false, false, rows, in, bo, 1.0f, dyf.data + o0, dyf.ld, wb, in,
+                        first && !accumulate_dx ? 0.0f : 1.0f, dxf.data, dxf.ld);
+          }
+        }
+        commit(dxf, dx);
+      }
+      if (!empty(dw)) {
+        gemm<float>(true, false, out, in, rows, 1.0f, dyf.data, dyf.ld, xf.data, xf.ld, 1.0f,
+                    dw.as<float>(), in);
+      }
+      if (!empty(dbias)) {
+        float* db = dbias.as<float>();
+#pragma omp parallel for schedule(static) if (rows * out >= kMinParallelWork)
+        for (int64_t o = 0; o < out; ++o) {
+          float acc = 0;
+          for (int64_t r = 0; r < rows; ++r) acc += dyf.data[r * dyf.ld + o];
+          db[o] += acc;
+        }
+      }
+    });
+  }
+
+  void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                    double theta) override {
+    rope(ctx, "rope_forward", x, positions, theta, false);
+  }
+  void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
+                     double theta) override {
+    rope(ctx, "rope_backward", dx, positions, theta, true);
+  }
+
+  void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& out,
+                         const TensorView& lse) override {
+    constexpr const char* op = "attention_forward";
+    const AttentionShape s = check::attention(op, q, k, v);
+    check::float_tensor(op, "out", out);
+    check::same_dtype(op, q, out);
+    check::shape(op, "out", out, q.desc.shape);
+    check::dtype(op, "lse", lse, DType::kF32);
+    check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+    enqueue(ctx, [=](CpuContext& c) {
+      float* of = stage(c, 3, out, false);
+      nn::cpu::attention_forward<float>(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, of,
+                                        lse.as<float>());
+      commit(of, out);
+    });
+  }
+
+  void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& out,
+                          const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv) override {
+    constexpr const char* op = "attention_backward";
+    const AttentionShape s = check::attention(op, q, k, v);
+    for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk},
+                           {"dv", &dv}}) {
+      check::float_tensor(op, what, *t);
+      check::same_dtype(op, q, *t);
+    }
+    check::shape(op, "dout", dout, q.desc.shape);
+    check::shape(op, "out", out, q.desc.shape);
+    check::shape(op, "dq", dq, q.desc.shape);
+    check::shape(op, "dk", dk, k.desc.shape);
+    check::shape(op, "dv", dv, v.desc.shape);
+    check::dtype(op, "lse", lse, DType::kF32);
+    check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+    enqueue(ctx, [=](CpuContext& c) {
+      float* dqf = stage(c, 5, dq, false);
+      float* dkf = stage(c, 6, dk, false);
+      float* dvf = stage(c, 7, dv, false);
+      nn::cpu::attention_backward<float>(widen(c, 0, dout), widen(c, 1, q), widen(c, 2, k),
+                                         widen(c, 3, v), widen(c, 4, out), lse.as<const float>(),
+                                         s, dqf, dkf, dvf);
+      commit(dqf, dq);
+      commit(dkf, dk);
+      commit(dvf, dv);
+    });
+  }
+
+  void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+                      const TensorView& out) override {
+    constexpr const char* op = "swiglu_forward";
+    elementwise_check(op, {&gate, &up, &out});
+    enqueue(ctx, [=](CpuContext& c) {
+      float* of = stage(c, 2, out, false);
+      nn::cpu::swiglu_forward<float>(widen(c, 0, gate), widen(c, 1, up), gate.numel(), of);
+      commit(of, out);
+    });
+  }
+
+  void swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
+                       const TensorView& up, const TensorView& dgate,
+                       const TensorView& dup) override {
+    constexpr const char* op = "swiglu_backward";
+    elementwise_check(op, {&dout, &gate, &up, &dgate, &dup});
+    enqueue(ctx, [=](CpuContext& c) {
+      float* dgf = stage(c, 3, dgate, false);
+      float* duf = stage(c, 4, dup, false);
+      nn::cpu::swiglu_backward<float>(widen(c, 0, dout), widen(c, 1, gate), widen(c, 2, up),
+                                      gate.numel(), dgf, duf);
+      commit(dgf, dgate);
+      commit(duf, dup);
+    });
+  }
+
+  void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+           const TensorView& out) override {
+    elementwise_check("add", {&a, &b, &out});
+    enqueue(ctx, [=](CpuContext& c) {
+      // Widen both inputs before staging the output: out may alias a or b.
+      const float* af = widen(c, 0, a);
+      const float* bf = widen(c, 1, b);
+      float* of = stage(c, 2, out, false);
+      nn::cpu::add<float>(af, bf, a.numel(), of);
+      commit(of, out);
+    });
+  }
+
+  void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                     const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                     const TensorView& stats, const CrossEntropyGrad* grad) override;
+
+  void count_targets(ComputeContext& ctx, const TensorView& targets,
+                     const TensorView& count) override {
+    constexpr const char* op = "count_targets";
+    check::dtype(op, "targets", targets, DType::kI32);
+    check::dtype(op, "count", count, DType::kF64);
+    check::numel(op, "count", count, 1);
+    enqueue(ctx, [=](CpuContext&) {
+      count.as<double>()[0] +=
+          static_cast<double>(nn::cpu::count_targets(targets.as<const int32_t>(), targets.numel()));
+    });
+  }
+
+  void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
+    check::float_tensor("cast", "src", src);
+    check::float_tensor("cast", "dst", dst);
+    check::shape("cast", "dst", dst, src.desc.shape);
+    enqueue(ctx, [=](CpuContext&) {
+      const MatView s = MatView::of(src), d = MatView::of(dst);
+      convert_rows(s.data, s.dtype, s.ld, d.data, d.dtype, d.ld, s.rows, s.cols);
+    });
+  }
+
+ private:
+  template <typename Fn>
+  void enqueue(ComputeContext& ctx, Fn&& fn) {
+    auto& c = static_cast<CpuContext&>(ctx);
+    ctx.stream().launch_host_func([&c, fn = std::forward<Fn>(fn)] { fn(c); });
+  }
+
+  void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
+            double theta, bool inverse) {
+    check::float_tensor(op, "x", x);
+    check::dtype(op, "positions", positions, DType::kI32);
+    STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
+                 "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
+                 shape_string(x.desc.shape));
+    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
+    check::numel(op, "positions", positions, rows);
+    enqueue(ctx, [=](CpuContext& c) {
+      float* xf = stage(c, 0, x, true);
+      if (inverse) {
+        nn::cpu::rope_backward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
+                                      theta);
+      } else {
+        nn::cpu::rope_forward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
+                                     theta);
+      }
+      commit(xf, x);
+    });
+  }
+
+  static void elementwise_check(const char* op, std::initializer_list<const TensorView*> views) {
+    const TensorView& first = **views.begin();
+    for (const TensorView* t : views) {
+      check::float_tensor(op, "operand", *t);
+      check::same_dtype(op, first, *t);
+      check::numel(op, "operand", *t, first.numel());
+    }
+  }
+
+  Accelerator& accelerator_;
+};
+
+void CpuOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                           const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                           const TensorView& stats, const CrossEntropyGrad* grad) {
+  constexpr const char* op = "cross_entropy";
+  check::float_tensor(op, "h", h);
+  check::float_tensor(op, "w", w);
+  check::dtype(op, "targets", targets, DType::kI32);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::dtype(op, "stats", stats, DType::kF64);
+  check::numel(op, "stats", stats, 2);
+  STRATA_CHECK(w.desc.shape.size() == 2 && chunk_rows > 0, kBadArgument,
+               "{}: w must be [vocab, dim] (got {}) and chunk_rows > 0 (got {})", op,
+               shape_string(w.desc.shape), chunk_rows);
+  const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
+  check::shape(op, "h", h, {rows, dim});
+  check::numel(op, "lse", lse, rows);
+  CrossEntropyGrad g;
+  if (grad != nullptr) {
+    g = *grad;
+    check::dtype(op, "normalizer", g.normalizer, DType::kF64);
+    check::numel(op, "normalizer", g.normalizer, 1);
+    check::float_tensor(op, "dh", g.dh);
+    check::same_dtype(op, h, g.dh);
+    check::shape(op, "dh", g.dh, {rows, dim});
+    if (!empty(g.dw)) {
+      check::dtype(op, "dw", g.dw, DType::kF32);
+      check::shape(op, "dw", g.dw, {vocab, dim});
+    }
+  }
+  const bool want_grad = grad != nullptr;
+  enqueue(ctx, [=](CpuContext& c) {
+    const float* hf = widen(c, 0, h);
+    // The whole weight is widened once when it is 16-bit: a softmax row needs
+    // every vocabulary column, so per-block widening would repeat per row chunk.
+    const float* wf = widen(c, 1, w);
+    float* dhf = want_grad ? stage(c, 2, g.dh, false) : nullptr;
+    const int64_t chunk = std::min(chunk_rows, std::max<int64_t>(rows, 1));
+    float* logits = c.scratch<float>(3, chunk * vocab);
+    const auto* tgt = targets.as<const int32_t>();
+    float* lse_out = lse.as<float>();
+    double scale = 0;
+    if (want_grad) {
+      const double normalizer = g.normalizer.as<const double>()[0];
+      STRATA_CHECK(normalizer > 0, kBadArgument,
+                   "cross_entropy: the loss normalizer is {} (no counted targets?)", normalizer);
+      scale = g.grad_scale / normalizer;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      STRATA_CHECK(tgt[r] == kIgnoreIndex || (tgt[r] >= 0 && tgt[r] < vocab), kBadArgument,
+                   "cross_entropy: target {} at row {} is outside [0, {}) and not {}", tgt[r], r,
+                   vocab, kIgnoreIndex);
+    }
+    double loss = 0, counted = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t n = std::min(chunk, rows - r0);
+      gemm<float>(false, true, n, vocab, dim, 1.0f, hf + r0 * dim, dim, wf, dim, 0.0f, logits,
+                  vocab);
+#pragma omp parallel for schedule(static) reduction(+ : loss, counted) if (n * vocab >= kMinParallelWork)
+      for (int64_t r = 0; r < n; ++r) {
+        float* lr = logits + r * vocab;
+        const int32_t t = tgt[r0 + r];
+        const bool counts = t != kIgnoreIndex;
+        const double logit_t = counts ? lr[t] : 0.0;  // before the exponentials replace it
+        const float m = vec::max(lr, vocab);
+        // In place: the gradient needs the exponentials, the loss only their sum.
+        const double sum = vec::exp_shifted(lr, vocab, m, want_grad ? lr : nullptr);
+        const double row_lse = static_cast<double>(m) + std::log(sum);
+        lse_out[r0 + r] = static_cast<float>(row_lse);
+        if (counts) {
+          loss += row_lse - logit_t;
+          counted += 1;
+        }
+        if (want_grad) {
+          // d loss / d logit = scale * (softmax - onehot); ignored rows give 0.
+          vec::scale(lr, vocab, counts ? static_cast<float>(scale / sum) : 0.0f);
+          if (counts) lr[t] -= static_cast<float>(scale);
+        }
+      }
+      if (want_grad) {
+        gemm<float>(false, false, n, dim, vocab, 1.0f, logits, vocab, wf, dim, 0.0f,
+                    dhf + r0 * dim, dim);
+        if (!empty(g.dw)) {
+          gemm<float>(true, false, vocab, dim, n, 1.0f, logits, vocab, hf + r0 * dim, dim, 1.0f,
+                      g.dw.as<float>(), dim);
+        }
+      }
+    }
+    if (want_grad) commit(dhf, g.dh);
+    stats.as<double>()[0] += loss;
+    stats.as<double>()[1] += counted;
+  });
+}
+
+}  // namespace
+
+std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator) {
+  return std::make_unique<CpuOps>(accelerator);
+}
+
+}  // namespace strata::ops

@@ -1,0 +1,221 @@
+// Ops: the model operators of a Llama-style decoder behind one interface with
+// one implementation per accelerator (ENGINE.md §1): cpu (OpenBLAS + OpenMP +
+// our SIMD, run on the cpu stream's thread) and cuda (cuBLAS + our kernels).
+// Model code calls Ops only, so it never names a device.
+//
+// Calling convention. Every op takes a ComputeContext (the stream it runs on,
+// the accelerator that owns its scratch memory, the BLAS handle bound to that
+// stream) and TensorViews of accelerator memory. An op only ENQUEUES work on
+// the context's stream and returns; it never synchronises with the host. Views
+// must stay valid, and must not be written by other streams, until that work
+// has run (order later users after it with an event). Scratch memory comes
+// from the context's accelerator and is released in stream order.
+//
+// Dtypes. Activations and parameters are fp32, fp16 or bf16 ("float storage");
+// the activations of one call share one dtype, and a parameter may be stored in
+// any float dtype (the op converts where it must). Arithmetic is fp32 with fp32
+// (or wider) accumulation on every backend. Parameter gradients (dw, dbias,
+// dtable) are fp32 accumulators: ops ADD into them, so micro-batches and tiles
+// can sum into one buffer. Activation gradients are overwritten unless an
+// `accumulate` flag says otherwise. Indices (ids, targets, positions) are int32;
+// loss statistics are fp64.
+//
+// Layout: row-major; "rows" = tokens (batch * seq). Outputs never alias inputs
+// unless an op says "in place".
+//
+// Errors. Shapes, dtypes and tiers are checked on the calling thread before
+// anything is enqueued: a mismatch throws Error(kBadArgument) naming the op and
+// the offending argument, and nothing is enqueued. Failures while the work runs
+// (a CUDA launch or cuBLAS error on cuda; a kernel exception on cpu) become the
+// stream's error, rethrown by Stream::synchronize and by events recorded after
+// it. Token ids, targets and positions are not range-checked on the device
+// (that would need a host round trip): out-of-range values give unspecified
+// results without out-of-bounds memory access; callers validate them on the
+// host before uploading (LlamaModel does).
+//
+// Thread-safety: an Ops object is immutable after creation and may be shared
+// by threads; a ComputeContext belongs to one stream and must be used by one
+// thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string_view>
+
+#include "runtime/core/accelerator.h"
+#include "runtime/core/tensor.h"
+
+namespace strata::ops {
+
+// Targets equal to this contribute nothing to the loss (PyTorch's ignore_index).
+inline constexpr int32_t kIgnoreIndex = -100;
+
+// A row-major matrix inside a tensor: rows x cols elements, consecutive rows
+// `ld` elements apart (ld >= cols). Lets an op address a column block of a wider
+// matrix (TiledLinear) without a copy.
+struct MatView {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0, cols = 0, ld = 0;
+
+  // The whole tensor as a matrix: its last dimension is the columns, all
+  // leading dimensions are rows (a 1-D tensor is one row).
+  static MatView of(const TensorView& t);
+  // Columns [c0, c1) of this matrix (same rows and ld).
+  MatView columns(int64_t c0, int64_t c1) const;
+};
+
+// Where an op's work runs. Created by Ops::make_context for one stream; owns
+// the backend's BLAS handle for it. Move-only.
+class ComputeContext {
+ public:
+  virtual ~ComputeContext() = default;
+  Accelerator& accelerator() const { return *accelerator_; }
+  Stream& stream() const { return *stream_; }
+  // cublasHandle_t bound to stream() on cuda; nullptr on cpu.
+  virtual void* blas_handle() const = 0;
+
+ protected:
+  ComputeContext(Accelerator& accelerator, Stream& stream)
+      : accelerator_(&accelerator), stream_(&stream) {}
+
+ private:
+  Accelerator* accelerator_;
+  Stream* stream_;
+};
+
+// Shape of causal self-attention with grouped-query heads.
+struct AttentionShape {
+  int64_t batch = 0, seq = 0;
+  int64_t heads = 0;     // query heads
+  int64_t kv_heads = 0;  // key/value heads; heads % kv_heads == 0
+  int64_t head_dim = 0;
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual Backend backend() const = 0;
+  // A context for work on `stream` (a stream of the accelerator these Ops were made for).
+  virtual std::unique_ptr<ComputeContext> make_context(Stream& stream) = 0;
+
+  // ---- embedding: out[r, :] = table[ids[r], :] --------------------------------
+  // table [vocab, dim], ids int32 [rows], out [rows, dim].
+  virtual void embedding_forward(ComputeContext& ctx, const TensorView& table,
+                                 const TensorView& ids, const TensorView& out) = 0;
+  // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids.
+  virtual void embedding_backward(ComputeContext& ctx, const TensorView& dout,
+                                  const TensorView& ids, const TensorView& dtable) = 0;
+
+  // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
+  // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
+  virtual void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
+                               double eps, const TensorView& y, const TensorView& rstd) = 0;
+  // dx [rows, dim] is overwritten (added into when accumulate_dx); dw fp32 [dim] +=.
+  virtual void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+                                const TensorView& w, const TensorView& rstd, const TensorView& dx,
+                                bool accumulate_dx, const TensorView& dw) = 0;
+
+  // ---- Linear: y = x W^T (+ b) -------------------------------------------------
+  // x [rows, in], W [out, in] (the Hugging Face layout), bias [out] or an empty
+  // view, y [rows, out]. accumulate: y += x W^T (+ b) instead of y = ....
+  virtual void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                              const TensorView& bias, const MatView& y, bool accumulate) = 0;
+  // dx = dy W (+= when accumulate_dx), dw (fp32 [out, in]) += dy^T x, dbias
+  // (fp32 [out]) += column sums of dy. dx, dw and dbias may each be empty (not wanted).
+  virtual void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+                               const TensorView& w, const MatView& dx, bool accumulate_dx,
+                               const TensorView& dw, const TensorView& dbias) = 0;
+
+  // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
+  // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
+  // positions[row] * theta^(-2i/head_dim). positions int32 [rows]. head_dim even.
+  virtual void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                            double theta) = 0;
+  // The inverse rotation, in place on the gradient.
+  virtual void rope_backward(ComputeContext& ctx, const TensorView& dx,
+                             const TensorView& positions, double theta) = 0;
+
+  // ---- causal self-attention, grouped-query heads, scale 1/sqrt(head_dim) ------
+  // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
+  // lse fp32 [batch, heads, seq] (log-sum-exp of each softmax row, saved so that
+  // backward recomputes probabilities; no [seq, seq] matrix is kept).
+  virtual void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& out,
+                                 const TensorView& lse) = 0;
+  // dq, dk, dv are overwritten.
+  virtual void attention_backward(ComputeContext& ctx, const TensorView& dout,
+                                  const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse,
+                                  const TensorView& dq, const TensorView& dk,
+                                  const TensorView& dv) = 0;
+
+  // ---- SwiGLU: out = silu(gate) * up -------------------------------------------
+  virtual void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+                              const TensorView& out) = 0;
+  virtual void swiglu_backward(ComputeContext& ctx, const TensorView& dout,
+                               const TensorView& gate, const TensorView& up,
+                               const TensorView& dgate, const TensorView& dup) = 0;
+
+  // ---- residual: out = a + b (out may alias a or b) ----------------------------
+  virtual void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+                   const TensorView& out) = 0;
+
+  // ---- cross-entropy over the vocabulary, fused with the output projection ------
+  // logits = h W^T are formed chunk_rows rows at a time (scratch of chunk_rows x
+  // vocab), so the [rows, vocab] logits never exist. h [rows, dim], W [vocab,
+  // dim], targets int32 [rows] (kIgnoreIndex rows count for nothing).
+  //
+  // Forward: lse fp32 [rows] (saved); stats fp64 [2] ACCUMULATES: stats[0] += sum
+  // of the per-row losses, stats[1] += number of counted (not ignored) rows.
+  //
+  // With `grad` set (training), the same pass also computes the gradient of
+  //   loss = grad_scale * (sum of per-row losses) / normalizer[0]
+  // where normalizer is an fp64 [1] device scalar read when the work runs (so it
+  // may be produced by earlier stream work: a count, an allreduce): dh [rows,
+  // dim] is overwritten and dw (fp32 [vocab, dim]) accumulated. This is the
+  // whole backward of the loss: the logits are formed once per step, not twice.
+  struct CrossEntropyGrad {
+    TensorView normalizer;  // fp64 [1]
+    double grad_scale = 1.0;
+    TensorView dh;          // [rows, dim]
+    TensorView dw;          // fp32 [vocab, dim], +=; may be empty
+  };
+  virtual void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                             const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                             const TensorView& stats, const CrossEntropyGrad* grad) = 0;
+  // count fp64 [1] += number of targets that are not kIgnoreIndex.
+  virtual void count_targets(ComputeContext& ctx, const TensorView& targets,
+                             const TensorView& count) = 0;
+
+  // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
+  virtual void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
+};
+
+// The cpu implementation. Never fails.
+std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator);
+// The cuda implementation; Error(kCuda) in builds without CUDA.
+std::unique_ptr<Ops> make_cuda_ops(Accelerator& accelerator);
+// The implementation for `accelerator`'s backend.
+std::unique_ptr<Ops> make_ops(Accelerator& accelerator);
+
+// Shape checks shared by every implementation (kernels/ops_checks.cc): each
+// throws Error(kBadArgument) naming `op` and the argument. Implementations call
+// them before enqueueing anything, so both backends refuse the same calls.
+namespace check {
+void float_tensor(std::string_view op, std::string_view what, const TensorView& t);
+void dtype(std::string_view op, std::string_view what, const TensorView& t, DType want);
+void shape(std::string_view op, std::string_view what, const TensorView& t, const Shape& want);
+void same_dtype(std::string_view op, const TensorView& a, const TensorView& b);
+void numel(std::string_view op, std::string_view what, const TensorView& t, int64_t want);
+AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
+                         const TensorView& v);
+// A matrix operand (Linear): data present, float storage, rows >= 0, cols > 0, ld >= cols.
+void matrix(std::string_view op, std::string_view what, const MatView& m);
+// The operands of an elementwise op (swiglu, add): float tensors of one dtype
+// and one element count.
+void elementwise(std::string_view op, std::initializer_list<const TensorView*> operands);
+}  // namespace check
+
+}  // namespace strata::ops

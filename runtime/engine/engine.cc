@@ -1,0 +1,106 @@
+// Engine base: declarations, ids, the compute stream and the count of
+// backward uses that decides when a gradient is complete.
+#include "runtime/engine/engine.h"
+
+#include "runtime/core/error.h"
+
+namespace strata::engine {
+
+std::string_view phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::kForward: return "forward";
+    case Phase::kBackward: return "backward";
+    case Phase::kRecompute: return "recompute";
+  }
+  return "?";
+}
+
+Engine::Engine(Accelerator& accelerator)
+    : accelerator_(accelerator),
+      ops_impl_(ops::make_ops(accelerator)),
+      compute_stream_(accelerator.create_stream()),
+      compute_(ops_impl_->make_context(*compute_stream_)) {}
+
+Engine::~Engine() {
+  // Work still queued may use the context's scratch: let it finish first.
+  try {
+    compute_stream_->synchronize();
+  } catch (...) {
+    // The error was (or will never be) reported by the owner; nothing to do here.
+  }
+}
+
+ParamId Engine::declare_parameter(ParamInfo info) {
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' declared after finalize()", info.name);
+  STRATA_CHECK(!by_name_.contains(info.name), kBadArgument, "parameter name '{}' declared twice",
+               info.name);
+  STRATA_CHECK(!info.shape.empty() && info.numel() > 0, kBadArgument,
+               "parameter '{}' has empty shape {}", info.name, shape_string(info.shape));
+  for (int64_t d : info.shape) {
+    STRATA_CHECK(d > 0, kBadArgument, "parameter '{}' has shape {} (dims must be positive)",
+                 info.name, shape_string(info.shape));
+  }
+  STRATA_CHECK(is_float_storage(info.dtype), kBadArgument,
+               "parameter '{}' has dtype {} (fp32, fp16 or bf16)", info.name,
+               dtype_name(info.dtype));
+  const auto id = static_cast<ParamId>(params_.size());
+  by_name_.emplace(info.name, id);
+  params_.push_back(std::move(info));
+  uses_.push_back(0);
+  backward_seen_.push_back(0);
+  return id;
+}
+
+OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
+  STRATA_CHECK(!finalized_, kBadArgument, "operator '{}' declared after finalize()", name);
+  for (ParamId p : params) {
+    STRATA_CHECK(p >= 0 && p < parameter_count(), kBadArgument,
+                 "operator '{}' lists unknown parameter id {}", name, p);
+    ++uses_[p];
+  }
+  const auto id = static_cast<OpId>(ops_.size());
+  ops_.push_back(OpInfo{std::move(name), std::move(params)});
+  return id;
+}
+
+void Engine::finalize() {
+  STRATA_CHECK(!finalized_, kBadArgument, "finalize() called twice");
+  on_finalize();
+  finalized_ = true;
+}
+
+const ParamInfo& Engine::param_info(ParamId id) const {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "unknown parameter id {}", id);
+  return params_[id];
+}
+
+const OpInfo& Engine::op_info(OpId id) const {
+  STRATA_CHECK(id >= 0 && id < operator_count(), kBadArgument, "unknown operator id {}", id);
+  return ops_[id];
+}
+
+ParamId Engine::find_parameter(const std::string& name) const {
+  auto it = by_name_.find(name);
+  STRATA_CHECK(it != by_name_.end(), kBadArgument, "no parameter named '{}'", name);
+  return it->second;
+}
+
+int32_t Engine::uses_of(ParamId id) const {
+  param_info(id);
+  return uses_[id];
+}
+
+void Engine::check_hook(OpId op) const {
+  STRATA_CHECK(finalized_, kBadArgument, "hook for operator {} before finalize()", op);
+  op_info(op);
+}
+
+void Engine::note_backward_done(OpId op, Event& ready) {
+  for (ParamId p : ops_[op].params) {
+    if (++backward_seen_[p] < uses_[p]) continue;
+    backward_seen_[p] = 0;  // complete for this pass; the next backward counts afresh
+    if (grad_ready_) grad_ready_(p, ready);
+  }
+}
+
+}  // namespace strata::engine

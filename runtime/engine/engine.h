@@ -1,0 +1,174 @@
+// Engine v2 (ENGINE.md §2): the hooks between model code (runtime/nn) and
+// whatever owns parameter memory — a ResidentEngine that keeps everything on
+// the accelerator, or a ZeroEngine that partitions, offloads and prefetches.
+//
+// Lifecycle. Model code DECLARES parameters (name, dtype, shape, slice) and
+// operators (one operator = one hook window = the parameters one kernel group
+// reads); nothing is allocated. finalize() sees every declaration and creates
+// storage where the engine's configuration says. Declaring after finalize, or
+// using hooks before it, throws Error(kBadArgument).
+//
+// Ids. Parameters and operators have dense integer ids in declaration order;
+// names are for logs, checkpoints and Hugging Face files only. Layers below
+// runtime/ (offload/, partition/) see ids, shapes and bytes, never nn types.
+//
+// Hooks are stream-ordered, not host-blocking. The model runs an operator as
+//     pre_op(op, phase);  ...enqueue kernels on compute()...;  post_op(op, phase);
+// After pre_op returns, param(p) is valid for every p of `op`, and work
+// enqueued on the compute stream afterwards sees the parameter's full value
+// (the engine makes the stream wait on an event, never the host). In a
+// backward phase grad(p) is valid too. post_op records where the op's kernels
+// end; the engine may release gathered memory once that point is reached
+// (stream-ordered free) and, in backward, treats the op's gradient
+// contributions as enqueued. A parameter's gradient is complete at its LAST
+// use in a backward pass (a tied embedding is used twice); the engine reduces
+// or hands it on only then (see set_grad_ready_callback).
+//
+// Phases: kForward, kBackward, and kRecompute — the forward of a checkpointed
+// segment run again inside backward, fetched like forward.
+//
+// Ownership: the engine owns all parameter and gradient storage and the
+// compute stream; it borrows the Accelerator, which must outlive it.
+// Thread-safety: one training thread drives declarations, hooks and steps.
+// Errors: Error(kBadArgument) for unknown ids, calls out of order, and access
+// outside a hook window the engine can detect; kOutOfMemory when storage does
+// not fit its budget; errors of asynchronous work surface from the compute
+// stream's synchronize (and events recorded after the failure).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/tensor.h"
+
+namespace strata::engine {
+
+using ParamId = int32_t;
+using OpId = int32_t;
+
+// Where a parameter sits when it is a block of a larger logical tensor (a
+// TiledLinear tile of a Hugging Face weight): that tensor's name and shape,
+// and the block's offset in each dimension. Used to load and save by HF name.
+struct ParameterSlice {
+  std::string tensor;
+  Shape tensor_shape;
+  std::vector<int64_t> offset;
+};
+
+// What a parameter is; no storage. `name` is the Hugging Face tensor name (or,
+// for a tile, "<HF name>.tile_<o>_<i>" with `slice` saying where it belongs).
+struct ParamInfo {
+  std::string name;
+  DType dtype = DType::kF32;  // storage dtype (fp32, fp16 or bf16)
+  Shape shape;
+  std::optional<ParameterSlice> slice;
+
+  int64_t numel() const { return shape_numel(shape); }
+  size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
+};
+
+struct OpInfo {
+  std::string name;             // e.g. "model.layers.0.self_attn.q_proj"
+  std::vector<ParamId> params;  // what the op's kernels read
+};
+
+enum class Phase : uint8_t { kForward, kBackward, kRecompute };
+std::string_view phase_name(Phase phase);
+
+class Engine {
+ public:
+  virtual ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // ---- declaration ------------------------------------------------------------
+  // Names are unique; shapes non-empty with positive dims; dtype float storage.
+  ParamId declare_parameter(ParamInfo info);
+  // Every parameter id must exist; an op may list no parameter (a window that
+  // only marks a point in the trace).
+  OpId declare_operator(std::string name, std::vector<ParamId> params);
+  // Creates storage for every declared parameter (zero-filled; see
+  // for_each_owned_range to initialise or load). Once only.
+  void finalize();
+  bool finalized() const { return finalized_; }
+
+  int32_t parameter_count() const { return static_cast<int32_t>(params_.size()); }
+  int32_t operator_count() const { return static_cast<int32_t>(ops_.size()); }
+  const ParamInfo& param_info(ParamId id) const;
+  const OpInfo& op_info(OpId id) const;
+  // Throws kBadArgument naming `name` when there is no such parameter.
+  ParamId find_parameter(const std::string& name) const;
+  // Number of declared operators that list `id` (its uses per forward / backward).
+  int32_t uses_of(ParamId id) const;
+
+  // ---- compute -------------------------------------------------------------------
+  Accelerator& accelerator() const { return accelerator_; }
+  ops::Ops& ops() const { return *ops_impl_; }
+  // The context of the compute stream: model kernels are enqueued here.
+  ops::ComputeContext& compute() const { return *compute_; }
+  Stream& compute_stream() const { return *compute_stream_; }
+
+  // ---- hooks ---------------------------------------------------------------------
+  virtual void pre_op(OpId op, Phase phase) = 0;
+  virtual void post_op(OpId op, Phase phase) = 0;
+  // The full parameter (storage dtype, accelerator memory). Valid between
+  // pre_op and post_op of an op that lists it.
+  virtual TensorView param(ParamId id) = 0;
+  // Its fp32 gradient accumulator (same shape, accelerator memory); kernels add
+  // into it. Valid in a backward window of an op that lists it.
+  virtual TensorView grad(ParamId id) = 0;
+
+  // Called (on the training thread, from post_op) when a parameter's gradient
+  // for this backward pass is complete: all its uses have run post_op(kBackward).
+  // `ready` is recorded on the compute stream after its last contribution.
+  using GradReadyFn = std::function<void(ParamId id, Event& ready)>;
+  void set_grad_ready_callback(GradReadyFn fn) { grad_ready_ = std::move(fn); }
+
+  // Sets every gradient this rank holds to zero (stream-ordered on compute()).
+  virtual void zero_grad() = 0;
+
+  // ---- range-based init, load and save -----------------------------------------
+  // Calls fn(first, host) once per contiguous range of parameter `id`'s
+  // flattened elements that this rank owns: elements [first, first +
+  // host.numel()), as a host view in the storage dtype. kWrite: the values fn
+  // leaves in `host` become the parameter's (fn must fill all of it). kRead:
+  // `host` holds the current values. The view is valid during the call only.
+  // A resident engine owns every element; a sharded one only its shard. Blocks
+  // until the data has moved (not for use on the hot path).
+  enum class Access : uint8_t { kRead, kWrite };
+  using RangeFn = std::function<void(int64_t first, const TensorView& host)>;
+  virtual void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) = 0;
+
+ protected:
+  // `accelerator` must outlive the engine.
+  explicit Engine(Accelerator& accelerator);
+  virtual void on_finalize() = 0;
+  // Called by implementations at the start of pre_op / post_op.
+  void check_hook(OpId op) const;
+  // Implementations call this from post_op(kBackward) after recording `ready`
+  // on the compute stream: counts the uses and fires the callback for each
+  // parameter of `op` whose gradient just became complete.
+  void note_backward_done(OpId op, Event& ready);
+
+ private:
+  Accelerator& accelerator_;
+  std::unique_ptr<ops::Ops> ops_impl_;
+  std::unique_ptr<Stream> compute_stream_;
+  std::unique_ptr<ops::ComputeContext> compute_;
+  std::vector<ParamInfo> params_;
+  std::vector<OpInfo> ops_;
+  std::vector<int32_t> uses_;           // per parameter: declared ops listing it
+  std::vector<int32_t> backward_seen_;  // per parameter: uses done in this backward
+  std::unordered_map<std::string, ParamId> by_name_;
+  bool finalized_ = false;
+  GradReadyFn grad_ready_;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,346 @@
+// The cpu Ops against the double-precision reference templates (kernels/nn_ops.h)
+// for every op, forward and backward, in fp32, bf16 and fp16 storage; strided
+// and accumulating Linear; the fused cross-entropy; argument checks; and that
+// an op enqueues and returns without waiting for its work.
+#include <catch2/catch.hpp>
+#include <atomic>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kernels/nn_ops.h"
+#include "kernels/ops.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+
+using namespace strata;
+using namespace strata::ops;
+using Vec = std::vector<double>;
+
+namespace {
+
+Vec random_vec(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> d(-scale, scale);
+  Vec v(n);
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+
+// The value a stored element of `dtype` holds for x (what the op reads).
+double rounded(double x, DType dtype) {
+  double slot = 0;  // room for any element type
+  store_from_float(&slot, dtype, 0, static_cast<float>(x));
+  return load_as_float(&slot, dtype, 0);
+}
+
+// Relative tolerance per storage dtype of the op's inputs and outputs: 16-bit
+// outputs are rounded once (2^-8 for bf16, 2^-11 for fp16, relative), fp32
+// compute adds ~1e-6; references are computed from the rounded inputs.
+double tol_of(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return 1e-2;
+    case DType::kF16: return 2e-3;
+    default: return 2e-5;
+  }
+}
+
+struct Fixture {
+  std::unique_ptr<Accelerator> acc = make_cpu_accelerator();
+  std::unique_ptr<Stream> stream = acc->create_stream();
+  std::unique_ptr<Ops> ops = make_cpu_ops(*acc);
+  std::unique_ptr<ComputeContext> ctx = ops->make_context(*stream);
+  std::vector<Tensor> keep;
+
+  // A tensor holding v (rounded to dtype); v is replaced by the rounded values.
+  TensorView tensor(Vec& v, DType dtype, Shape shape) {
+    Tensor t = acc->allocate_tensor(dtype, shape);
+    for (size_t i = 0; i < v.size(); ++i) {
+      v[i] = rounded(v[i], dtype);
+      store_from_float(t.data(), dtype, i, static_cast<float>(v[i]));
+    }
+    keep.push_back(std::move(t));
+    return keep.back().view();
+  }
+  TensorView zeros(DType dtype, Shape shape) {
+    Tensor t = acc->allocate_tensor(dtype, shape);
+    std::memset(t.data(), 0, t.nbytes());
+    keep.push_back(std::move(t));
+    return keep.back().view();
+  }
+  TensorView ints(const std::vector<int32_t>& v) {
+    Tensor t = acc->allocate_tensor(DType::kI32, {static_cast<int64_t>(v.size())});
+    std::memcpy(t.data(), v.data(), v.size() * 4);
+    keep.push_back(std::move(t));
+    return keep.back().view();
+  }
+  Vec read(const TensorView& t) {
+    stream->synchronize();
+    Vec out(static_cast<size_t>(t.numel()));
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i] = t.desc.dtype == DType::kF64 ? static_cast<const double*>(t.data)[i]
+                                           : load_as_float(t.data, t.desc.dtype, i);
+    }
+    return out;
+  }
+};
+
+void expect_close(const Vec& got, const Vec& want, double rel, const char* what) {
+  REQUIRE(got.size() == want.size());
+  double scale = 0;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (size_t i = 0; i < got.size(); ++i) {
+    INFO(what << "[" << i << "] got " << got[i] << " want " << want[i] << " (scale " << scale << ")");
+    REQUIRE(std::abs(got[i] - want[i]) <= rel * std::max(scale, 1e-3) + 1e-7);
+  }
+}
+
+const DType kDtypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+
+}  // namespace
+
+TEST_CASE("cpu ops: embedding, rmsnorm, rope, swiglu, add and cast match the reference",
+          "[ops][cpu]") {
+  for (DType dt : kDtypes) {
+    INFO("dtype " << dtype_name(dt));
+    Fixture f;
+    const double tol = tol_of(dt);
+    const int64_t rows = 6, dim = 8, vocab = 5;
+    // embedding
+    Vec table = random_vec(vocab * dim, 1);
+    const std::vector<int32_t> ids = {0, 4, 2, 2, 1, 3};
+    auto tv = f.tensor(table, dt, {vocab, dim});
+    auto out = f.zeros(dt, {rows, dim});
+    f.ops->embedding_forward(*f.ctx, tv, f.ints(ids), out);
+    Vec ref(rows * dim);
+    nn::cpu::embedding_forward<double>(table.data(), ids.data(), rows, vocab, dim, ref.data());
+    expect_close(f.read(out), ref, tol, "embedding");
+    Vec dout = random_vec(rows * dim, 2);
+    auto dtab = f.zeros(DType::kF32, {vocab, dim});
+    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab);
+    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab);  // +=
+    Vec dref(vocab * dim, 0.0);
+    nn::cpu::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, dref.data());
+    nn::cpu::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, dref.data());
+    expect_close(f.read(dtab), dref, 2e-6, "embedding dtable");
+
+    // rmsnorm (with accumulate_dx)
+    Vec x = random_vec(rows * dim, 3), w = random_vec(dim, 4), dy = random_vec(rows * dim, 5);
+    auto xv = f.tensor(x, dt, {rows, dim}), wv = f.tensor(w, dt, {dim});
+    auto y = f.zeros(dt, {rows, dim}), rstd = f.zeros(DType::kF32, {rows});
+    f.ops->rmsnorm_forward(*f.ctx, xv, wv, 1e-5, y, rstd);
+    Vec yref(rows * dim), rref(rows);
+    nn::cpu::rmsnorm_forward<double>(x.data(), w.data(), rows, dim, 1e-5, yref.data(), rref.data());
+    expect_close(f.read(y), yref, tol, "rmsnorm y");
+    expect_close(f.read(rstd), rref, 1e-5, "rmsnorm rstd");
+    Vec dx0 = random_vec(rows * dim, 6);
+    auto dx = f.tensor(dx0, dt, {rows, dim});
+    auto dw = f.zeros(DType::kF32, {dim});
+    f.ops->rmsnorm_backward(*f.ctx, f.tensor(dy, dt, {rows, dim}), xv, wv, rstd, dx, true, dw);
+    Vec dxref(rows * dim), dwref(dim, 0.0);
+    nn::cpu::rmsnorm_backward<double>(dy.data(), x.data(), w.data(), rref.data(), rows, dim,
+                                      dxref.data(), dwref.data());
+    for (size_t i = 0; i < dxref.size(); ++i) dxref[i] += dx0[i];
+    expect_close(f.read(dx), dxref, tol, "rmsnorm dx (accumulated)");
+    expect_close(f.read(dw), dwref, tol, "rmsnorm dw");
+
+    // rope forward then backward is the identity; forward matches the reference.
+    const int64_t heads = 2, hd = 4;
+    Vec r = random_vec(rows * heads * hd, 7);
+    auto rv = f.tensor(r, dt, {rows, heads, hd});
+    std::vector<int32_t> pos = {0, 1, 2, 3, 4, 5};
+    f.ops->rope_forward(*f.ctx, rv, f.ints(pos), 10000.0);
+    Vec rref2 = r;
+    nn::cpu::rope_forward<double>(rref2.data(), pos.data(), rows, heads, hd, 10000.0);
+    expect_close(f.read(rv), rref2, tol, "rope");
+
+    // swiglu and add
+    Vec g = random_vec(rows * dim, 8, 3.0), u = random_vec(rows * dim, 9);
+    auto gv = f.tensor(g, dt, {rows, dim}), uv = f.tensor(u, dt, {rows, dim});
+    auto act = f.zeros(dt, {rows, dim});
+    f.ops->swiglu_forward(*f.ctx, gv, uv, act);
+    Vec aref(rows * dim);
+    nn::cpu::swiglu_forward<double>(g.data(), u.data(), rows * dim, aref.data());
+    expect_close(f.read(act), aref, tol, "swiglu");
+    auto dg = f.zeros(dt, {rows, dim}), du = f.zeros(dt, {rows, dim});
+    f.ops->swiglu_backward(*f.ctx, f.tensor(dy, dt, {rows, dim}), gv, uv, dg, du);
+    Vec dgref(rows * dim), duref(rows * dim);
+    nn::cpu::swiglu_backward<double>(dy.data(), g.data(), u.data(), rows * dim, dgref.data(),
+                                     duref.data());
+    expect_close(f.read(dg), dgref, tol, "swiglu dgate");
+    expect_close(f.read(du), duref, tol, "swiglu dup");
+    f.ops->add(*f.ctx, gv, uv, gv);  // out aliases a
+    Vec sum(rows * dim);
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] = g[i] + u[i];
+    expect_close(f.read(gv), sum, tol, "add (aliased)");
+
+    // cast to every dtype and back
+    for (DType to : kDtypes) {
+      auto c = f.zeros(to, {rows, dim});
+      f.ops->cast(*f.ctx, uv, c);
+      expect_close(f.read(c), u, std::max(tol, tol_of(to)), "cast");
+    }
+  }
+}
+
+TEST_CASE("cpu ops: linear with bias, strides, accumulation and mixed weight dtype",
+          "[ops][cpu]") {
+  for (DType act : kDtypes) {
+    for (DType wdt : kDtypes) {
+      INFO("activations " << dtype_name(act) << ", weight " << dtype_name(wdt));
+      Fixture f;
+      const double tol = std::max(tol_of(act), tol_of(wdt));
+      // x is columns [2, 2 + in) of a [rows, 13] matrix, y columns [1, 1 + out)
+      // of a [rows, 90] one: out > the widening block (64 rows) so blocks are exercised.
+      const int64_t rows = 5, in = 9, out = 70, ldx = 13, ldy = 90;
+      Vec xw = random_vec(rows * ldx, 10), w = random_vec(out * in, 11), b = random_vec(out, 12),
+          y0 = random_vec(rows * ldy, 13), dy = random_vec(rows * ldy, 14),
+          dx0 = random_vec(rows * ldx, 15);
+      auto xv = f.tensor(xw, act, {rows, ldx});
+      auto wv = f.tensor(w, wdt, {out, in});
+      auto bv = f.tensor(b, wdt, {out});
+      auto yv = f.tensor(y0, act, {rows, ldy});
+      const MatView x = MatView::of(xv).columns(2, 2 + in), y = MatView::of(yv).columns(1, 1 + out);
+      f.ops->linear_forward(*f.ctx, x, wv, bv, y, /*accumulate=*/true);
+      Vec yref = y0;
+      nn::cpu::linear_forward<double>(xw.data() + 2, ldx, w.data(), b.data(), rows, in, out,
+                                      yref.data() + 1, ldy, true);
+      expect_close(f.read(yv), yref, tol, "linear y (+=, strided, untouched columns kept)");
+
+      auto dyv = f.tensor(dy, act, {rows, ldy});
+      auto dxv = f.tensor(dx0, act, {rows, ldx});
+      auto dw = f.zeros(DType::kF32, {out, in}), db = f.zeros(DType::kF32, {out});
+      f.ops->linear_backward(*f.ctx, MatView::of(dyv).columns(1, 1 + out), x, wv,
+                             MatView::of(dxv).columns(2, 2 + in), /*accumulate_dx=*/false, dw, db);
+      Vec dxref = dx0, dwref(out * in, 0.0), dbref(out, 0.0);
+      nn::cpu::linear_backward<double>(dy.data() + 1, ldy, xw.data() + 2, ldx, w.data(), rows, in,
+                                       out, dxref.data() + 2, ldx, false, dwref.data(),
+                                       dbref.data());
+      expect_close(f.read(dxv), dxref, tol, "linear dx (overwritten block only)");
+      expect_close(f.read(dw), dwref, tol, "linear dw");
+      expect_close(f.read(db), dbref, tol, "linear dbias");
+    }
+  }
+}
+
+TEST_CASE("cpu ops: GQA causal attention matches the reference", "[ops][cpu]") {
+  for (DType dt : kDtypes) {
+    for (auto [batch, seq, heads, kv, hd] :
+         {std::tuple{2, 13, 4, 2, 8}, {1, 1, 2, 1, 4}, {1, 70, 4, 1, 16}, {2, 33, 2, 2, 8}}) {
+      INFO(dtype_name(dt) << " batch " << batch << " seq " << seq << " heads " << heads << "/" << kv
+                          << " head_dim " << hd);
+      Fixture f;
+      const double tol = tol_of(dt);
+      const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
+      Vec q = random_vec(nq, 20), k = random_vec(nkv, 21), v = random_vec(nkv, 22),
+          dout = random_vec(nq, 23);
+      auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
+           vv = f.tensor(v, dt, {batch, seq, kv, hd});
+      auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
+      f.ops->attention_forward(*f.ctx, qv, kv_, vv, ov, lse);
+      nn::cpu::AttentionShape s{batch, seq, heads, kv, hd};
+      Vec oref(nq), lref(static_cast<size_t>(batch * heads * seq));
+      nn::cpu::attention_forward<double>(q.data(), k.data(), v.data(), s, oref.data(), lref.data());
+      expect_close(f.read(ov), oref, tol, "attention out");
+      expect_close(f.read(lse), lref, 1e-4, "attention lse");
+      // Backward from the op's own (rounded) output, as a model would.
+      Vec o_used = f.read(ov);
+      auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
+           dv = f.zeros(dt, {batch, seq, kv, hd});
+      f.ops->attention_backward(*f.ctx, f.tensor(dout, dt, {batch, seq, heads, hd}), qv, kv_, vv,
+                                ov, lse, dq, dk, dv);
+      Vec dqr(nq), dkr(nkv), dvr(nkv);
+      nn::cpu::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), o_used.data(),
+                                          lref.data(), s, dqr.data(), dkr.data(), dvr.data());
+      expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
+      expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
+      expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
+    }
+  }
+}
+
+TEST_CASE("cpu ops: fused cross-entropy gives the loss, dh and dw of the reference",
+          "[ops][cpu]") {
+  for (DType dt : kDtypes) {
+    for (int64_t chunk : {1, 4, 64}) {
+      INFO(dtype_name(dt) << " chunk " << chunk);
+      Fixture f;
+      const double tol = tol_of(dt);
+      const int64_t rows = 9, dim = 6, vocab = 37;
+      Vec h = random_vec(rows * dim, 30, 2.0), w = random_vec(vocab * dim, 31);
+      std::vector<int32_t> targets = {3, kIgnoreIndex, 0, 36, 5, 5, kIgnoreIndex, 1, 20};
+      auto hv = f.tensor(h, dt, {rows, dim}), wv = f.tensor(w, dt, {vocab, dim});
+      auto tv = f.ints(targets);
+      auto lse = f.zeros(DType::kF32, {rows}), stats = f.zeros(DType::kF64, {2});
+      auto count = f.zeros(DType::kF64, {1});
+      auto dh = f.zeros(dt, {rows, dim}), dw = f.zeros(DType::kF32, {vocab, dim});
+      f.ops->count_targets(*f.ctx, tv, count);
+      Ops::CrossEntropyGrad grad{count, 2.0, dh, dw};
+      f.ops->cross_entropy(*f.ctx, hv, wv, tv, chunk, lse, stats, &grad);
+      f.ops->cross_entropy(*f.ctx, hv, wv, tv, chunk, lse, stats, nullptr);  // stats accumulate
+      nn::cpu::CrossEntropyShape s{rows, dim, vocab, chunk};
+      Vec lref(rows), dhref(rows * dim), dwref(vocab * dim, 0.0);
+      const double total = nn::cpu::cross_entropy_forward<double>(h.data(), w.data(),
+                                                                  targets.data(), s, lref.data());
+      nn::cpu::cross_entropy_backward<double>(h.data(), w.data(), targets.data(), lref.data(), s,
+                                              2.0 / 7.0, dhref.data(), dwref.data());
+      const Vec st = f.read(stats);
+      CHECK(f.read(count)[0] == 7.0);
+      CHECK(st[1] == 14.0);
+      CHECK(st[0] == Approx(2 * total).epsilon(std::max(tol, 1e-5)));
+      expect_close(f.read(lse), lref, 1e-4, "cross-entropy lse");
+      expect_close(f.read(dh), dhref, tol, "cross-entropy dh");
+      expect_close(f.read(dw), dwref, tol, "cross-entropy dw");
+    }
+  }
+}
+
+TEST_CASE("cpu ops refuse bad arguments before enqueueing anything", "[ops][cpu]") {
+  Fixture f;
+  Vec a = random_vec(12, 1), b = random_vec(8, 2);
+  auto x = f.tensor(a, DType::kF32, {3, 4});
+  auto w = f.tensor(b, DType::kF32, {2, 4});
+  auto y_bad = f.zeros(DType::kF32, {3, 3});
+  REQUIRE_THROWS_WITH(
+      f.ops->linear_forward(*f.ctx, MatView::of(x), w, {}, MatView::of(y_bad), false),
+      Catch::Contains("linear_forward"));
+  auto y16 = f.zeros(DType::kBF16, {3, 2});
+  REQUIRE_THROWS_WITH(f.ops->linear_forward(*f.ctx, MatView::of(x), w, {}, MatView::of(y16), false),
+                      Catch::Contains("x is fp32 but y is bf16"));
+  auto ids_f = f.zeros(DType::kF32, {3});
+  REQUIRE_THROWS_WITH(f.ops->embedding_forward(*f.ctx, w, ids_f, x),
+                      Catch::Contains("ids has dtype fp32; expected int32"));
+  auto q = f.zeros(DType::kF32, {1, 4, 3, 2}), k = f.zeros(DType::kF32, {1, 4, 2, 2});
+  auto lse = f.zeros(DType::kF32, {1, 3, 4});
+  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, k, k, q, lse),
+                      Catch::Contains("multiple of kv_heads"));
+  // Out-of-range token ids are refused by the cpu kernel: a stream error.
+  auto table = f.zeros(DType::kF32, {2, 4});
+  f.ops->embedding_forward(*f.ctx, table, f.ints({0, 5, 1}), x);
+  REQUIRE_THROWS_WITH(f.stream->synchronize(), Catch::Contains("outside the vocabulary"));
+}
+
+TEST_CASE("cpu ops enqueue on the stream and return without waiting", "[ops][cpu]") {
+  Fixture f;
+  std::atomic<bool> release{false}, ran{false};
+  // Hold the stream's thread until the op has been enqueued.
+  f.stream->launch_host_func([&] {
+    while (!release.load()) std::this_thread::yield();
+  });
+  Vec a = random_vec(64 * 64, 1);
+  auto x = f.tensor(a, DType::kF32, {64, 64});
+  auto y = f.zeros(DType::kF32, {64, 64});
+  f.ops->linear_forward(*f.ctx, MatView::of(x), x, {}, MatView::of(y), false);
+  Vec h = random_vec(4 * 64, 2);
+  auto stats = f.zeros(DType::kF64, {2}), lse = f.zeros(DType::kF32, {4});
+  f.ops->cross_entropy(*f.ctx, f.tensor(h, DType::kF32, {4, 64}), x, f.ints({1, 2, 3, 4}), 2, lse,
+                       stats, nullptr);
+  f.stream->launch_host_func([&] { ran = true; });
+  CHECK_FALSE(ran.load());  // the calls returned while the stream was held
+  CHECK(static_cast<const double*>(stats.data)[1] == 0.0);
+  release = true;
+  f.stream->synchronize();
+  CHECK(ran.load());
+  CHECK(static_cast<const double*>(stats.data)[1] == 4.0);
+}
