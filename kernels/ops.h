@@ -195,6 +195,10 @@ class Ops {
 
 // The cpu implementation. Never fails.
 std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator);
+// Threads each cpu op uses (its OpenMP team, which OpenBLAS's GEMMs share), for
+// every cpu Ops object of the process; 0 (the default): OpenMP's default
+// (OMP_NUM_THREADS, else one per core). Takes effect from the next op that runs.
+void set_cpu_threads(int threads);
 // The cuda implementation; Error(kCuda) in builds without CUDA.
 std::unique_ptr<Ops> make_cuda_ops(Accelerator& accelerator);
 // The implementation for `accelerator`'s backend.

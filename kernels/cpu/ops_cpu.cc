@@ -7,11 +7,15 @@
 // widened into the context's scratch, computed, and narrowed back; 16-bit
 // weights of Linear are widened in blocks of rows (kWeightBlockRows) so the
 // fp32 copy of a block stays in cache and no whole fp32 weight ever exists.
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/attention_blocked.h"
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/nn_ops.h"
@@ -23,6 +27,8 @@ namespace {
 
 using nn::cpu::detail::gemm;
 using nn::cpu::detail::kMinParallelWork;
+
+std::atomic<int> g_cpu_threads{0};
 
 // Rows of a 16-bit weight widened at a time by Linear: 64 rows x 4096 inputs
 // of fp32 is 1 MiB, a block that stays in L2 while its GEMM runs.
@@ -358,8 +364,8 @@ class CpuOps final : public Ops {
     check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 3, out, false);
-      nn::cpu::attention_forward<float>(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, of,
-                                        lse.as<float>());
+      cpu::attention_forward(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, of,
+                             lse.as<float>());
       commit(of, out);
     });
   }
@@ -386,9 +392,8 @@ class CpuOps final : public Ops {
       float* dqf = stage(c, 5, dq, false);
       float* dkf = stage(c, 6, dk, false);
       float* dvf = stage(c, 7, dv, false);
-      nn::cpu::attention_backward<float>(widen(c, 0, dout), widen(c, 1, q), widen(c, 2, k),
-                                         widen(c, 3, v), widen(c, 4, out), lse.as<const float>(),
-                                         s, dqf, dkf, dvf);
+      cpu::attention_backward(widen(c, 0, dout), widen(c, 1, q), widen(c, 2, k), widen(c, 3, v),
+                              widen(c, 4, out), lse.as<const float>(), s, dqf, dkf, dvf);
       commit(dqf, dq);
       commit(dkf, dk);
       commit(dvf, dv);
@@ -464,7 +469,12 @@ class CpuOps final : public Ops {
   template <typename Fn>
   void enqueue(ComputeContext& ctx, Fn&& fn) {
     auto& c = static_cast<CpuContext&>(ctx);
-    ctx.stream().launch_host_func([&c, fn = std::forward<Fn>(fn)] { fn(c); });
+    ctx.stream().launch_host_func([&c, fn = std::forward<Fn>(fn)] {
+      // OpenMP's team size is per thread: set it on the stream's thread.
+      const int threads = g_cpu_threads.load(std::memory_order_relaxed);
+      if (threads > 0 && omp_get_max_threads() != threads) omp_set_num_threads(threads);
+      fn(c);
+    });
   }
 
   void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
@@ -595,6 +605,8 @@ void CpuOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const Tenso
 }
 
 }  // namespace
+
+void set_cpu_threads(int threads) { g_cpu_threads.store(std::max(threads, 0)); }
 
 std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator) {
   return std::make_unique<CpuOps>(accelerator);

@@ -18,7 +18,16 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 ResidentEngine::ResidentEngine(Accelerator& accelerator)
     : Engine(accelerator), backward_done_(accelerator.create_event()) {}
 
-ResidentEngine::~ResidentEngine() = default;
+ResidentEngine::~ResidentEngine() {
+  // Queued work may still read the flat buffers, which die before the base
+  // class's destructor gets to wait for the stream.
+  try {
+    compute_stream().synchronize();
+  } catch (...) {
+    // A failed step was (or will never be) reported to the caller; the
+    // buffers may go once the stream has drained, which synchronize ensured.
+  }
+}
 
 void ResidentEngine::on_finalize() {
   size_t param_total = 0, grad_total = 0;

@@ -137,7 +137,14 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   lm_head_op_ = engine.declare_operator("lm_head", {lm_head_param_});
 }
 
-LlamaModel::~LlamaModel() = default;
+LlamaModel::~LlamaModel() {
+  // The arena must outlive the work enqueued on it (a step abandoned by an error).
+  try {
+    if (arena_) engine_.compute_stream().synchronize();
+  } catch (...) {
+    // The stream's error belongs to the step that failed; drained either way.
+  }
+}
 
 size_t LlamaModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
 
