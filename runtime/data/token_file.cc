@@ -1,0 +1,229 @@
+// TokenFile (mmap + validation per format) and TokenLoader (windows, a keyed
+// permutation per epoch, rank assignment).
+#include "runtime/data/token_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cstring>
+#include <utility>
+
+#include "runtime/core/error.h"
+
+namespace strata::data {
+namespace {
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+int32_t read_i32_le(const unsigned char* p) {
+  return static_cast<int32_t>(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                              static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24);
+}
+
+uint64_t mix(uint64_t x) {  // splitmix64's finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A bijection of [0, n) keyed by `key`: a 4-round Feistel network on the
+// smallest even number of bits covering n, cycle-walking until the value is
+// back in range (at most ~4 walks on average since the domain is < 4n).
+uint64_t permute(uint64_t i, uint64_t n, uint64_t key) {
+  if (n <= 1) return 0;
+  const int bits = std::bit_width(n - 1);
+  const int half = (bits + 1) / 2;
+  const uint64_t mask = (uint64_t{1} << half) - 1;
+  uint64_t x = i;
+  do {
+    uint64_t left = x >> half, right = x & mask;
+    for (uint64_t round = 0; round < 4; ++round) {
+      const uint64_t f = mix(right ^ key ^ (round * 0x9e3779b97f4a7c15ull)) & mask;
+      const uint64_t next = left ^ f;
+      left = right;
+      right = next;
+    }
+    x = (left << half) | right;
+  } while (x >= n);
+  return x;
+}
+
+}  // namespace
+
+std::string_view token_format_name(TokenFormat format) {
+  switch (format) {
+    case TokenFormat::kAuto: return "auto";
+    case TokenFormat::kLlmc: return "llmc";
+    case TokenFormat::kU16: return "u16";
+    case TokenFormat::kU32: return "u32";
+    case TokenFormat::kText: return "text";
+  }
+  return "?";
+}
+
+TokenFormat parse_token_format(std::string_view name) {
+  for (TokenFormat f : {TokenFormat::kAuto, TokenFormat::kLlmc, TokenFormat::kU16,
+                        TokenFormat::kU32, TokenFormat::kText}) {
+    if (name == token_format_name(f)) return f;
+  }
+  raise(ErrorCategory::kBadArgument,
+        "unknown token file format \"{}\" (expected auto, llmc, u16, u32 or text)", name);
+}
+
+TokenFile TokenFile::open(const std::string& path, TokenFormat format) {
+  TokenFile f;
+  f.path_ = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) raise_errno(errno, "open token file " + path);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    raise_errno(err, "stat token file " + path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    raise(ErrorCategory::kBadArgument, "token file {} is not a regular file", path);
+  }
+  const auto nbytes = static_cast<size_t>(st.st_size);
+  if (nbytes > 0) {
+    f.map_ = ::mmap(nullptr, nbytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (f.map_ == MAP_FAILED) {
+      const int err = errno;
+      f.map_ = nullptr;
+      ::close(fd);
+      raise_errno(err, "mmap token file " + path);
+    }
+    f.map_nbytes_ = nbytes;
+  }
+  ::close(fd);
+  const auto* bytes = static_cast<const unsigned char*>(f.map_);
+  if (format == TokenFormat::kAuto) {
+    if (nbytes >= 4 && read_i32_le(bytes) == kLlmcMagic) format = TokenFormat::kLlmc;
+    else if (ends_with(path, ".u32")) format = TokenFormat::kU32;
+    else if (ends_with(path, ".txt")) format = TokenFormat::kText;
+    else format = TokenFormat::kU16;
+  }
+  f.format_ = format;
+  switch (format) {
+    case TokenFormat::kLlmc: {
+      STRATA_CHECK(nbytes >= static_cast<size_t>(kLlmcHeaderBytes), kBadArgument,
+                   "{}: {} bytes, shorter than llm.c's {}-byte header", path, nbytes,
+                   kLlmcHeaderBytes);
+      const int32_t magic = read_i32_le(bytes), version = read_i32_le(bytes + 4),
+                    count = read_i32_le(bytes + 8);
+      STRATA_CHECK(magic == kLlmcMagic, kBadArgument,
+                   "{}: not an llm.c token file (magic {}, expected {})", path, magic, kLlmcMagic);
+      STRATA_CHECK(version == 1, kBadArgument,
+                   "{}: llm.c token file version {} is not supported (expected 1: uint16 tokens)",
+                   path, version);
+      const size_t data = nbytes - static_cast<size_t>(kLlmcHeaderBytes);
+      STRATA_CHECK(count >= 0 && data == static_cast<size_t>(count) * 2, kBadArgument,
+                   "{}: the header says {} tokens ({} bytes) but {} bytes follow it (truncated or "
+                   "corrupt)",
+                   path, count, static_cast<int64_t>(count) * 2, data);
+      f.tokens_ = bytes + kLlmcHeaderBytes;
+      f.count_ = count;
+      f.width_ = 2;
+      break;
+    }
+    case TokenFormat::kU16:
+    case TokenFormat::kU32: {
+      f.width_ = format == TokenFormat::kU16 ? 2 : 4;
+      STRATA_CHECK(nbytes % static_cast<size_t>(f.width_) == 0, kBadArgument,
+                   "{}: {} bytes is not a whole number of {}-byte tokens (truncated?)", path,
+                   nbytes, f.width_);
+      f.tokens_ = bytes;
+      f.count_ = static_cast<int64_t>(nbytes) / f.width_;
+      break;
+    }
+    case TokenFormat::kText:
+      f.width_ = 1;
+      f.tokens_ = bytes;
+      f.count_ = static_cast<int64_t>(nbytes);
+      break;
+    case TokenFormat::kAuto: break;
+  }
+  return f;
+}
+
+TokenFile::TokenFile(TokenFile&& other) noexcept { *this = std::move(other); }
+
+TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    format_ = other.format_;
+    map_ = std::exchange(other.map_, nullptr);
+    map_nbytes_ = std::exchange(other.map_nbytes_, 0);
+    tokens_ = std::exchange(other.tokens_, nullptr);
+    count_ = std::exchange(other.count_, 0);
+    width_ = other.width_;
+  }
+  return *this;
+}
+
+TokenFile::~TokenFile() { release(); }
+
+void TokenFile::release() {
+  if (map_ != nullptr) ::munmap(map_, map_nbytes_);
+  map_ = nullptr;
+}
+
+int64_t TokenFile::token(int64_t i) const {
+  const unsigned char* p = tokens_ + i * width_;
+  switch (width_) {
+    case 1: return p[0];
+    case 2: return static_cast<int64_t>(p[0] | p[1] << 8);
+    default:
+      return static_cast<int64_t>(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                                  static_cast<uint32_t>(p[2]) << 16 |
+                                  static_cast<uint32_t>(p[3]) << 24);
+  }
+}
+
+TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
+    : file_(file), options_(options) {
+  STRATA_CHECK(options.seq > 0 && options.micro_batch > 0 && options.world > 0 &&
+                   options.rank >= 0 && options.rank < options.world,
+               kBadArgument, "token loader: bad options seq={} micro_batch={} rank={} world={}",
+               options.seq, options.micro_batch, options.rank, options.world);
+  STRATA_CHECK(file.size() >= options.seq + 1, kBadArgument,
+               "{}: {} tokens is shorter than one sample of seq {} + 1 (ids and the next token)",
+               file.path(), file.size(), options.seq);
+  windows_ = (file.size() - 1) / options.seq;
+}
+
+int64_t TokenLoader::window_of(uint64_t sample) const {
+  const auto w = static_cast<uint64_t>(windows_);
+  const uint64_t epoch = sample / w;
+  return static_cast<int64_t>(permute(sample % w, w, mix(options_.seed ^ mix(epoch + 1))));
+}
+
+void TokenLoader::next(std::vector<int32_t>& ids, std::vector<int32_t>& targets) {
+  const int64_t seq = options_.seq, mb = options_.micro_batch;
+  ids.resize(static_cast<size_t>(mb * seq));
+  targets.resize(ids.size());
+  const uint64_t first = cursor_ + static_cast<uint64_t>(options_.rank * mb);
+  for (int64_t s = 0; s < mb; ++s) {
+    const int64_t start = window_of(first + static_cast<uint64_t>(s)) * seq;
+    for (int64_t t = 0; t <= seq; ++t) {
+      const int64_t tok = file_.token(start + t);
+      STRATA_CHECK(options_.vocab <= 0 || tok < options_.vocab, kBadArgument,
+                   "{}: token {} at position {} is outside the model's vocabulary [0, {})",
+                   file_.path(), tok, start + t, options_.vocab);
+      if (t < seq) ids[static_cast<size_t>(s * seq + t)] = static_cast<int32_t>(tok);
+      if (t > 0) targets[static_cast<size_t>(s * seq + t - 1)] = static_cast<int32_t>(tok);
+    }
+  }
+  cursor_ += static_cast<uint64_t>(mb * options_.world);
+}
+
+}  // namespace strata::data
