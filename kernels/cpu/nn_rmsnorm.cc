@@ -1,5 +1,8 @@
 // CPU RMSNorm forward and backward; statistics accumulate in double.
+#include <omp.h>
+
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/nn_ops.h"
@@ -37,13 +40,25 @@ void rmsnorm_backward(const T* dy, const T* x, const T* w, const T* rstd, int64_
       dxr[c] = static_cast<T>(s * (static_cast<double>(dyr[c]) * w[c] - xr[c] * coef));
     }
   }
-  // Weight gradient: a column reduction, parallel over columns (no races).
-#pragma omp parallel for schedule(static) if (rows * dim >= detail::kMinParallelWork)
+  // Weight gradient: a column reduction. Each thread sums a block of rows
+  // (reading rows contiguously, not columns with a stride of dim) into its own
+  // partial, then the partials are added in thread order (deterministic).
+  const int threads = rows * dim >= detail::kMinParallelWork ? omp_get_max_threads() : 1;
+  std::vector<double> partial(static_cast<size_t>(threads * dim), 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    double* acc = partial.data() + static_cast<int64_t>(t) * dim;
+    for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; ++r) {
+      const double s = rstd[r];
+      for (int64_t c = 0; c < dim; ++c)
+        acc[c] += static_cast<double>(dy[r * dim + c]) * x[r * dim + c] * s;
+    }
+  }
   for (int64_t c = 0; c < dim; ++c) {
-    double acc = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      acc += static_cast<double>(dy[r * dim + c]) * x[r * dim + c] * rstd[r];
-    dw[c] += static_cast<T>(acc);
+    double sum = 0;
+    for (int t = 0; t < threads; ++t) sum += partial[static_cast<size_t>(t * dim + c)];
+    dw[c] += static_cast<T>(sum);
   }
 }
 

@@ -115,6 +115,15 @@ void commit(const float* f, const TensorView& t) {
   commit(F32Mat{const_cast<float*>(f), m.cols}, m);
 }
 
+// Calls fn(begin, end) on contiguous chunks of [0, n), in parallel when n is large.
+template <typename Fn>
+void for_chunks(int64_t n, Fn&& fn) {
+  constexpr int64_t kChunk = 1 << 14;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t k = 0; k < chunks; ++k) fn(k * kChunk, std::min(n, (k + 1) * kChunk));
+}
+
 bool empty(const TensorView& t) { return t.data == nullptr; }
 bool empty(const MatView& m) { return m.data == nullptr; }
 
@@ -406,7 +415,9 @@ class CpuOps final : public Ops {
     elementwise_check(op, {&gate, &up, &out});
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 2, out, false);
-      nn::cpu::swiglu_forward<float>(widen(c, 0, gate), widen(c, 1, up), gate.numel(), of);
+      const float* g = widen(c, 0, gate);
+      const float* u = widen(c, 1, up);
+      for_chunks(gate.numel(), [&](int64_t b, int64_t e) { vec::swiglu(g + b, u + b, e - b, of + b); });
       commit(of, out);
     });
   }
@@ -419,8 +430,12 @@ class CpuOps final : public Ops {
     enqueue(ctx, [=](CpuContext& c) {
       float* dgf = stage(c, 3, dgate, false);
       float* duf = stage(c, 4, dup, false);
-      nn::cpu::swiglu_backward<float>(widen(c, 0, dout), widen(c, 1, gate), widen(c, 2, up),
-                                      gate.numel(), dgf, duf);
+      const float* d = widen(c, 0, dout);
+      const float* g = widen(c, 1, gate);
+      const float* u = widen(c, 2, up);
+      for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+        vec::swiglu_backward(d + b, g + b, u + b, e - b, dgf + b, duf + b);
+      });
       commit(dgf, dgate);
       commit(duf, dup);
     });

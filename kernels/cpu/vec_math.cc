@@ -50,4 +50,22 @@ void axpy(float* y, const float* x, int64_t n, float a) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  if (use_avx2()) return detail::swiglu_avx2(gate, up, n, out);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void swiglu_backward(const float* dout, const float* gate, const float* up, int64_t n,
+                     float* dgate, float* dup) {
+  if (use_avx2()) return detail::swiglu_backward_avx2(dout, gate, up, n, dgate, dup);
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i], s = 1.0f / (1.0f + std::exp(-g));
+    dgate[i] = dout[i] * up[i] * s * (1.0f + g * (1.0f - s));
+    dup[i] = dout[i] * g * s;
+  }
+}
+
 }  // namespace strata::ops::vec

@@ -20,12 +20,20 @@ double exp_shifted(const float* x, int64_t n, float shift, float* out);
 void scale(float* x, int64_t n, float f);
 // y[i] += a * x[i].
 void axpy(float* y, const float* x, int64_t n, float a);
+// SwiGLU: out[i] = silu(gate[i]) * up[i], silu(g) = g * sigmoid(g).
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+// Its backward: dgate = dout * up * s * (1 + g (1 - s)), dup = dout * silu(g).
+void swiglu_backward(const float* dout, const float* gate, const float* up, int64_t n,
+                     float* dgate, float* dup);
 
 namespace detail {
 float max_avx2(const float* x, int64_t n);
 double exp_shifted_avx2(const float* x, int64_t n, float shift, float* out);
 void scale_avx2(float* x, int64_t n, float f);
 void axpy_avx2(float* y, const float* x, int64_t n, float a);
+void swiglu_avx2(const float* gate, const float* up, int64_t n, float* out);
+void swiglu_backward_avx2(const float* dout, const float* gate, const float* up, int64_t n,
+                          float* dgate, float* dup);
 }  // namespace detail
 
 }  // namespace strata::ops::vec

@@ -92,4 +92,39 @@ void axpy_avx2(float* y, const float* x, int64_t n, float a) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+namespace {
+// sigmoid(g) = 1 / (1 + exp(-g)); exp8 saturates, so large |g| gives 0 or 1.
+inline __m256 sigmoid8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+}  // namespace
+
+void swiglu_avx2(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+void swiglu_backward_avx2(const float* dout, const float* gate, const float* up, int64_t n,
+                          float* dgate, float* dup) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i), d = _mm256_loadu_ps(dout + i);
+    const __m256 s = sigmoid8(g);
+    const __m256 dsilu = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
+    _mm256_storeu_ps(dgate + i, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(up + i)), dsilu));
+    _mm256_storeu_ps(dup + i, _mm256_mul_ps(d, _mm256_mul_ps(g, s)));
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i], s = 1.0f / (1.0f + std::exp(-g));
+    dgate[i] = dout[i] * up[i] * s * (1.0f + g * (1.0f - s));
+    dup[i] = dout[i] * g * s;
+  }
+}
+
 }  // namespace strata::ops::vec::detail
