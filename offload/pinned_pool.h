@@ -3,9 +3,14 @@
 // active, otherwise page-aligned and mlocked — handed out and returned, so
 // pinned memory is bounded by configuration, not by model size.
 //
-// Thread-safety: every method of PinnedBufferPool may be called from any thread.
-// Ownership: the pool owns the memory; a PinnedBuffer is a move-only lease that
-// returns its buffer when destroyed. The pool must outlive every lease.
+// Thread-safety: every method of PinnedBufferPool may be called from any thread;
+// a PinnedBuffer is used by one thread at a time.
+// Ownership: the pool and its leases share the memory: a PinnedBuffer is a
+// move-only lease that returns its buffer when destroyed or released, and the
+// memory is freed when the pool and every lease are gone. Destroying the pool
+// with leases outstanding logs an error (it usually means buffers are still
+// in I/O), but the leased memory stays valid until each lease is released.
+// An accelerator that provides the memory must outlive the pool and every lease.
 // Errors: the constructor throws Error(kBadArgument) for a zero count or size
 // and Error(kOutOfMemory) when allocation fails; acquire() throws
 // Error(kOutOfMemory) after its timeout, saying by how much the pool is too small.
@@ -17,6 +22,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -48,6 +54,9 @@ struct PinnedPoolStats {
 };
 
 class PinnedBufferPool;
+namespace detail {
+struct PinnedPoolState;
+}
 
 // A leased buffer. Move-only; returns the buffer to the pool on destruction or release().
 class PinnedBuffer {
@@ -69,9 +78,10 @@ class PinnedBuffer {
 
  private:
   friend class PinnedBufferPool;
-  PinnedBuffer(PinnedBufferPool* pool, size_t index, void* data, size_t nbytes)
-      : pool_(pool), index_(index), data_(data), nbytes_(nbytes) {}
-  PinnedBufferPool* pool_ = nullptr;
+  PinnedBuffer(std::shared_ptr<detail::PinnedPoolState> pool, size_t index, void* data, size_t nbytes)
+      : pool_(std::move(pool)), index_(index), data_(data), nbytes_(nbytes) {}
+  // Shared with the pool: keeps the memory (and the free list it returns to) alive.
+  std::shared_ptr<detail::PinnedPoolState> pool_;
   size_t index_ = 0;
   void* data_ = nullptr;
   size_t nbytes_ = 0;
@@ -80,7 +90,8 @@ class PinnedBuffer {
 class PinnedBufferPool {
  public:
   // accelerator: when given, memory comes from its allocate_pinned (cudaHostAlloc
-  // for cuda) and it must outlive the pool; nullptr: allocate_locked_host.
+  // for cuda) and it must outlive the pool and its leases; nullptr:
+  // allocate_locked_host.
   explicit PinnedBufferPool(const PinnedPoolOptions& options, Accelerator* accelerator = nullptr);
   ~PinnedBufferPool();
   PinnedBufferPool(const PinnedBufferPool&) = delete;
@@ -92,8 +103,8 @@ class PinnedBufferPool {
   // A buffer if one is free now.
   std::optional<PinnedBuffer> try_acquire();
 
-  size_t buffer_count() const { return options_.buffer_count; }
-  size_t buffer_nbytes() const { return options_.buffer_nbytes; }
+  size_t buffer_count() const;
+  size_t buffer_nbytes() const;
   size_t available() const;
   PinnedPoolStats stats() const;
   // The pool's memory as regions to register with io_uring: one per buffer, a
@@ -104,21 +115,9 @@ class PinnedBufferPool {
   std::vector<iovec> regions() const;
 
  private:
-  friend class PinnedBuffer;
-  void give_back(size_t index);
-  // Hands out the last free buffer; mutex_ held and free_ not empty.
+  // Hands out the last free buffer; the state's mutex held and a buffer free.
   PinnedBuffer take_locked();
-
-  PinnedPoolOptions options_;
-  Accelerator* accelerator_ = nullptr;
-  void* base_ = nullptr;
-  size_t total_nbytes_ = 0;
-
-  mutable std::mutex mutex_;
-  std::condition_variable freed_cv_;
-  std::vector<size_t> free_;  // indices of free buffers
-  size_t waiting_ = 0;        // threads blocked in acquire
-  PinnedPoolStats stats_;
+  std::shared_ptr<detail::PinnedPoolState> state_;
 };
 
 }  // namespace strata::offload

@@ -15,7 +15,10 @@
 // until the move's event completes. Destruction waits for pending moves.
 // Errors: Error(kBadArgument) for unknown/duplicate keys or misaligned
 // buffers; a failed move is rethrown (Error(kIo) naming key, file and offset)
-// by wait(key) and by the event's synchronize().
+// by wait(key) and by the event's synchronize(), on every backend. A move
+// queued on a stream whose earlier work failed, or after a wait on a failed
+// event, did not happen (or moved undefined bytes): it reports that error the
+// same way. A failed fetch never makes an nvme shard resident.
 #pragma once
 
 #include <map>

@@ -6,14 +6,28 @@
 // Every rank must issue the same collectives in the same order. Buffers must
 // stay valid until the returned event completes.
 //
+// Events: the returned event is an ordinary Event of the accelerator, recorded
+// on `stream` after the collective: Stream::wait / record of that accelerator's
+// streams accept it, and Accelerator::deallocate_after may free buffers after it.
+//
 // Ownership: a Communicator borrows the Accelerator and the Rendezvous store,
 // which must outlive it.
 // Thread-safety: submit collectives from one thread at a time.
 // Errors: a failed collective (a dead peer, a timeout) becomes the stream's
-// error: Event::synchronize / Stream::synchronize throw strata::Error
-// (kCommunication) naming the operation, this rank and, when the rendezvous
-// store knows it, the rank that died. A peer's death is reported within
-// CommunicatorOptions::timeout; the communicator is unusable afterwards.
+// error at the collective (see Stream in accelerator.h): the returned event's
+// synchronize, the stream's later events and synchronize, and streams that
+// waited on those events throw strata::Error(kCommunication) naming the
+// operation, this rank, the timeout and, when the rendezvous store knows it,
+// the rank that died. A peer's death is reported within
+// CommunicatorOptions::timeout whether a host thread or a stream waits: Gloo
+// runs each collective on the stream's thread with that timeout; NCCL has a
+// watchdog thread per communicator that polls for asynchronous errors and for
+// collectives running longer than the timeout on the device (counted from when
+// the collective starts there), marks the collectives in flight failed and
+// aborts the communicator so that their kernels end. The communicator is
+// unusable afterwards: NCCL's later collectives throw Error(kCommunication) at
+// once; Gloo's fail like the first (on the failed stream they are skipped and
+// report its error).
 #pragma once
 
 #include <chrono>

@@ -38,25 +38,35 @@ void sum_converted(void* out, const void* a, const void* b, size_t numel) {
   for (size_t i = 0; i < numel; ++i) o[i] = FromFloat(ToFloat(x[i]) + ToFloat(y[i]));
 }
 
-void sum_f32(void* out, const void* a, const void* b, size_t numel) {
-  auto* o = static_cast<float*>(out);
-  auto* x = static_cast<const float*>(a);
-  auto* y = static_cast<const float*>(b);
+template <typename T>
+void sum_same(void* out, const void* a, const void* b, size_t numel) {
+  auto* o = static_cast<T*>(out);
+  auto* x = static_cast<const T*>(a);
+  auto* y = static_cast<const T*>(b);
   for (size_t i = 0; i < numel; ++i) o[i] = x[i] + y[i];
 }
 
 ReduceFn sum_fn(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return sum_f32;
+    case DType::kF32: return sum_same<float>;
     case DType::kF16: return sum_converted<Half, half_to_float, float_to_half>;
     case DType::kBF16: return sum_converted<BFloat16, bf16_to_float, float_to_bf16>;
+    case DType::kI32: return sum_same<int32_t>;
+    case DType::kF64: return sum_same<double>;
   }
   raise(ErrorCategory::kInternal, "unknown dtype");
 }
 
 // Divides (not multiplies by the reciprocal) so an average rounds like sum / n.
+// An int32 average truncates toward zero.
 void divide(void* data, size_t numel, DType dtype, float divisor) {
-  if (dtype == DType::kF32) {
+  if (dtype == DType::kF64) {
+    auto* p = static_cast<double*>(data);
+    for (size_t i = 0; i < numel; ++i) p[i] /= static_cast<double>(divisor);
+  } else if (dtype == DType::kI32) {
+    auto* p = static_cast<int32_t*>(data);
+    for (size_t i = 0; i < numel; ++i) p[i] = static_cast<int32_t>(p[i] / static_cast<int64_t>(divisor));
+  } else if (dtype == DType::kF32) {
     auto* p = static_cast<float*>(data);
     for (size_t i = 0; i < numel; ++i) p[i] /= divisor;
   } else if (dtype == DType::kF16) {
@@ -69,10 +79,14 @@ void divide(void* data, size_t numel, DType dtype, float divisor) {
 }
 
 // Gloo's templated setters want a typed pointer; every collective here moves
-// raw elements of dtype_nbytes, so 2- and 4-byte integer stand-ins suffice.
+// raw elements of dtype_nbytes, so 2-, 4- and 8-byte integer stand-ins suffice.
 template <typename Fn>
 void with_element_type(DType dtype, Fn&& fn) {
-  if (dtype_nbytes(dtype) == 4) fn(uint32_t{}); else fn(uint16_t{});
+  switch (dtype_nbytes(dtype)) {
+    case 8: fn(uint64_t{}); break;
+    case 4: fn(uint32_t{}); break;
+    default: fn(uint16_t{}); break;
+  }
 }
 
 class GlooCommunicator final : public Communicator {

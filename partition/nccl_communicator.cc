@@ -1,45 +1,65 @@
 // The NCCL communicator for the cuda accelerator. Collectives are enqueued on
-// the stream's cudaStream_t; the communicator is created non-blocking so that a
-// dead peer can be detected (async error or timeout) and the communicator
-// aborted instead of hanging.
+// the stream's cudaStream_t and return an ordinary event of the accelerator,
+// recorded after them, so any stream of that accelerator can wait on it.
+//
+// The communicator is created non-blocking so that a dead peer can be detected
+// and the communicator aborted instead of hanging. A watchdog thread per
+// communicator polls ncclCommGetAsyncError and the age of every collective in
+// flight (counted from when it starts on the device, so a collective queued
+// behind long work is not timed out). On a failure it marks every collective in
+// flight failed (kCommunication, naming the op, this rank and the timeout) and
+// only then aborts the communicator, which makes their kernels end. Each
+// collective is attached to its stream's error history (cuda_stream.h), so the
+// failure reaches whoever waits: a host in Event/Stream::synchronize (woken
+// when the aborted kernels end) and streams that waited on the event (their
+// later events and synchronize).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <thread>
 
 #include "partition/communicator.h"
 #include "runtime/core/error.h"
+#include "runtime/core/log.h"
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_stream.h"
 
 namespace strata::partition {
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// How often the watchdog looks at collectives in flight. Only bounds how late
+// a failure is noticed (timeouts are seconds); successes need no watchdog.
+constexpr std::chrono::milliseconds kWatchInterval{5};
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
     case DType::kF32: return ncclFloat32;
     case DType::kF16: return ncclFloat16;
     case DType::kBF16: return ncclBfloat16;
+    case DType::kI32: return ncclInt32;
+    case DType::kF64: return ncclFloat64;
   }
   raise(ErrorCategory::kInternal, "unknown dtype");
 }
 
-class NcclCommunicator;
-
-// An event that, while waited on, also watches the communicator for an
-// asynchronous error and the timeout.
-class NcclEvent final : public Event {
+// Makes `device` current on this thread; restores the previous one on exit.
+class DeviceGuard {
  public:
-  NcclEvent(NcclCommunicator& comm, std::unique_ptr<Event> inner, std::string what)
-      : comm_(comm), inner_(std::move(inner)), what_(std::move(what)) {}
-  void synchronize() override;
-  bool query() override { return inner_->query(); }
+  explicit DeviceGuard(int device) {
+    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
+    STRATA_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
 
  private:
-  NcclCommunicator& comm_;
-  std::unique_ptr<Event> inner_;
-  std::string what_;
+  int previous_ = 0;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -48,6 +68,7 @@ class NcclCommunicator final : public Communicator {
       : accelerator_(accelerator), store_(store), options_(options) {
     STRATA_CHECK(accelerator.backend() == Backend::kCuda, kBadArgument,
                  "the NCCL communicator needs a cuda accelerator, got {}", accelerator.name());
+    device_ = cuda_internal::device_index(accelerator);
     ncclUniqueId id;
     std::string key = options.prefix + "/nccl_unique_id";
     if (options.rank == 0) {
@@ -63,23 +84,49 @@ class NcclCommunicator final : public Communicator {
     config.blocking = 0;
     // Non-blocking: the call returns ncclInProgress and wait_ready bounds the
     // wait by the timeout (a blocking init would hang on a missing peer).
+    // NCCL binds the communicator to the calling thread's current device.
+    std::unique_lock<std::mutex> lock(mutex_);
+    DeviceGuard guard(device_);
     ncclResult_t init = ncclCommInitRankConfig(&comm_, options.world_size, id, options.rank, &config);
     if (init != ncclSuccess && init != ncclInProgress) STRATA_NCCL_CHECK(init);
-    wait_ready("ncclCommInitRankConfig");
+    wait_ready_locked("ncclCommInitRankConfig");
+    lock.unlock();
+    watchdog_ = std::thread([this] { watch(); });
   }
 
   ~NcclCommunicator() override {
-    if (barrier_word_ != nullptr) accelerator_.deallocate(barrier_word_);
-    if (comm_ == nullptr) return;
-    if (aborted_) return;
-    // Finalize is asynchronous in non-blocking mode: wait (bounded) before destroying.
-    ncclResult_t state = ncclCommFinalize(comm_);
-    auto deadline = Clock::now() + options_.timeout;
-    while (state == ncclInProgress && Clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-      ncclCommGetAsyncError(comm_, &state);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
     }
-    if (state == ncclSuccess) ncclCommDestroy(comm_); else ncclCommAbort(comm_);
+    watch_cv_.notify_all();
+    watchdog_.join();
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (comm_ != nullptr && !aborted_) {
+      try {
+        DeviceGuard guard(device_);
+        // Finalize is asynchronous in non-blocking mode: it flushes what was
+        // issued; wait (bounded) before destroying.
+        ncclResult_t state = ncclCommFinalize(comm_);
+        auto deadline = Clock::now() + options_.timeout;
+        while (state == ncclInProgress && Clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+          ncclCommGetAsyncError(comm_, &state);
+        }
+        if (state == ncclSuccess) {
+          ncclCommDestroy(comm_);
+          comm_ = nullptr;
+        } else {
+          fail_locked("ncclCommFinalize at destruction",
+                      state == ncclInProgress ? "it did not finish within the timeout" : ncclGetErrorString(state));
+        }
+      } catch (const std::exception& e) {
+        logger().error("NCCL communicator of rank {}: {}", rank(), e.what());
+      }
+    }
+    lock.unlock();
+    // Last: a barrier in flight used it, and the communicator is quiet now.
+    if (barrier_word_ != nullptr) accelerator_.deallocate(barrier_word_);
   }
 
   int rank() const override { return options_.rank; }
@@ -117,75 +164,170 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  // Waits for `event`, watching for asynchronous NCCL errors and the timeout;
-  // aborts the communicator and throws naming the dead rank when either fires.
-  void watch(Event& event, const std::string& what) {
-    // After an abort the communicator is gone and the killed kernels may have
-    // "completed" the event over partial data: never report success then.
-    STRATA_CHECK(!aborted_, kCommunication,
-                 "NCCL {} on rank {}: the communicator was aborted by an earlier failure, so this "
-                 "collective's result is undefined", what, rank());
-    auto deadline = Clock::now() + options_.timeout;
-    while (!event.query()) {
-      ncclResult_t async_error = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async_error);
-      if (async_error != ncclSuccess && async_error != ncclInProgress) {
-        abort_and_raise(what, ncclGetErrorString(async_error));
-      }
-      if (Clock::now() > deadline) abort_and_raise(what, "timed out");
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    event.synchronize();
-  }
-
  private:
+  // A collective in flight, watched until its outcome is decided.
+  struct InFlight {
+    std::string what;
+    std::unique_ptr<Event> start;  // recorded before the kernel
+    std::shared_ptr<cuda_internal::WatchedWork> work;
+    bool started = false;
+    Clock::time_point started_at;
+  };
+
   static ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclAvg; }
 
-  void wait_ready(const char* what) {
+  // Waits for a non-blocking call to finish, bounded by the timeout.
+  void wait_ready_locked(const std::string& what) {
     auto deadline = Clock::now() + options_.timeout;
     for (;;) {
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) abort_and_raise(what, ncclGetErrorString(state));
-      if (Clock::now() > deadline) abort_and_raise(what, "timed out");
+      if (state != ncclInProgress) abort_and_raise_locked(what, ncclGetErrorString(state));
+      if (Clock::now() > deadline) abort_and_raise_locked(what, "timed out");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
 
   template <typename Call>
   std::unique_ptr<Event> enqueue(const char* name, size_t numel, DType dtype, Stream& stream, Call call) {
-    STRATA_CHECK(!aborted_, kCommunication, "NCCL communicator of rank {} was aborted by an earlier failure",
-                 rank());
+    std::unique_lock<std::mutex> lock(mutex_);
+    STRATA_CHECK(!aborted_, kCommunication,
+                 "NCCL communicator of rank {} was aborted by an earlier failure ({}); it cannot run {}", rank(),
+                 first_failure_, name);
     std::string what = fmt::format("{} #{} ({} x {})", name, ++op_count_, numel, dtype_name(dtype));
-    ncclResult_t result = call(static_cast<cudaStream_t>(stream.native_handle()));
-    if (result != ncclSuccess && result != ncclInProgress) abort_and_raise(what, ncclGetErrorString(result));
-    wait_ready(what.c_str());
-    auto inner = accelerator_.create_event();
-    stream.record(*inner);
-    return std::make_unique<NcclEvent>(*this, std::move(inner), what);
+    DeviceGuard guard(device_);
+    auto start = accelerator_.create_event();
+    stream.record(*start);
+    try {
+      ncclResult_t result = call(static_cast<cudaStream_t>(stream.native_handle()));
+      if (result != ncclSuccess && result != ncclInProgress) abort_and_raise_locked(what, ncclGetErrorString(result));
+      // In non-blocking mode the kernel may reach the stream only once this
+      // returns, so the completion event is recorded after it.
+      wait_ready_locked(what);
+    } catch (...) {
+      // Thrown here, and also the stream's error from this point (the kernel
+      // may be on it), through an already failed host event: no device wait.
+      auto failed = accelerator_.create_host_event();
+      failed->fail(std::current_exception());
+      stream.wait(*failed);
+      throw;
+    }
+    auto done = accelerator_.create_event();
+    stream.record(*done);
+    auto work = std::make_shared<cuda_internal::WatchedWork>(std::move(done));
+    // Later events of the stream, and streams that wait on them, report the
+    // collective's outcome as the watchdog decides it.
+    cuda_internal::attach_error_source(stream, work);
+    auto event = accelerator_.create_event();
+    stream.record(*event);
+    InFlight op;
+    op.what = std::move(what);
+    op.start = std::move(start);
+    op.work = std::move(work);
+    in_flight_.push_back(std::move(op));
+    lock.unlock();
+    watch_cv_.notify_all();
+    return event;
   }
 
-  [[noreturn]] void abort_and_raise(const std::string& what, const char* reason) {
-    if (!aborted_) {
-      aborted_ = true;
-      ncclCommAbort(comm_);
+  void watch() {
+    try {
+      DeviceGuard guard(device_);
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!stopping_) {
+        if (in_flight_.empty() || aborted_) {
+          watch_cv_.wait(lock, [&] { return stopping_ || (!in_flight_.empty() && !aborted_); });
+          continue;
+        }
+        poll_locked();
+        watch_cv_.wait_for(lock, kWatchInterval);
+      }
+    } catch (const std::exception& e) {
+      // Only a broken CUDA device gets here; collectives then fail through it.
+      logger().error("NCCL watchdog of rank {} stopped: {}", rank(), e.what());
+    }
+  }
+
+  void poll_locked() {
+    const auto now = Clock::now();
+    while (!in_flight_.empty() && in_flight_.front().work->decided()) in_flight_.pop_front();
+    for (InFlight& op : in_flight_) {
+      if (!op.started && op.start->query()) {
+        op.started = true;
+        op.started_at = now;
+      }
+    }
+    if (in_flight_.empty()) return;
+    ncclResult_t async_error = ncclSuccess;
+    ncclCommGetAsyncError(comm_, &async_error);
+    if (async_error != ncclSuccess && async_error != ncclInProgress) {
+      fail_locked(in_flight_.front().what, ncclGetErrorString(async_error));
+      return;
+    }
+    for (InFlight& op : in_flight_) {
+      if (op.started && now - op.started_at > options_.timeout && !op.work->decided()) {
+        fail_locked(op.what, fmt::format("timed out: not complete {} ms after it started on the device",
+                                         options_.timeout.count()));
+        return;
+      }
+    }
+  }
+
+  std::string failure_message(const std::string& what, const std::string& reason) const {
+    return fmt::format("NCCL {} failed on rank {} of {} (timeout {} ms): {}", what, rank(), world_size(),
+                       options_.timeout.count(), reason);
+  }
+
+  // Fails every collective in flight, then aborts the communicator (which ends
+  // their kernels): in this order, so that no aborted collective can be taken
+  // for one that completed. `what` failed for `reason`.
+  void fail_locked(const std::string& what, const std::string& reason) {
+    if (aborted_) return;
+    const std::string dead = describe_dead_ranks(store_);
+    first_failure_ = failure_message(what, reason);
+    for (InFlight& op : in_flight_) {
+      const std::string cause =
+          op.what == what ? reason : fmt::format("the communicator was aborted after {} failed: {}", what, reason);
+      const std::string message = fmt::format("{}; {}", failure_message(op.what, cause), dead);
+      op.work->fail(std::make_exception_ptr(Error(ErrorCategory::kCommunication, message)));
+    }
+    in_flight_.clear();
+    aborted_ = true;
+    if (comm_ != nullptr) {
+      try {
+        DeviceGuard guard(device_);
+        ncclCommAbort(comm_);
+      } catch (const std::exception& e) {
+        logger().error("NCCL communicator of rank {}: abort: {}", rank(), e.what());
+      }
       comm_ = nullptr;  // freed by the abort
     }
-    raise(ErrorCategory::kCommunication, "NCCL {} failed on rank {} of {} (timeout {} ms): {}; {}", what, rank(),
-          world_size(), options_.timeout.count(), reason, describe_dead_ranks(store_));
+  }
+
+  [[noreturn]] void abort_and_raise_locked(const std::string& what, const std::string& reason) {
+    fail_locked(what, reason);
+    raise(ErrorCategory::kCommunication, "{}; {}", failure_message(what, reason), describe_dead_ranks(store_));
   }
 
   Accelerator& accelerator_;
   StoreClient& store_;
   CommunicatorOptions options_;
+  int device_ = 0;
+  void* barrier_word_ = nullptr;  // used by the submitting thread only
+
+  // Guards everything below: the submitting thread and the watchdog share the
+  // communicator (an abort must not race an enqueue).
+  std::mutex mutex_;
+  std::condition_variable watch_cv_;
   ncclComm_t comm_ = nullptr;
   bool aborted_ = false;
+  bool stopping_ = false;
+  std::string first_failure_;
   uint64_t op_count_ = 0;
-  void* barrier_word_ = nullptr;
+  std::deque<InFlight> in_flight_;  // in submission order
+  std::thread watchdog_;
 };
-
-void NcclEvent::synchronize() { comm_.watch(*inner_, what_); }
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator(Accelerator& accelerator, StoreClient& store,

@@ -2,14 +2,23 @@
 // events, asynchronous copies and pinned host memory. Two implementations:
 // cpu (host memory, one thread per stream) and cuda. Layers above program
 // against this interface only; which one is used is chosen in make_accelerator.
+// Every contract stated here holds on both backends (tests/runtime/accelerator_contract.h).
 //
-// Thread-safety: an Accelerator may be used from several threads. A Stream or
-// Event may be used from several threads, but callers must order their own
-// submissions to one stream. Objects created by an Accelerator must be destroyed
-// before it.
+// Thread-safety: every method of Accelerator, Stream, Event and HostEvent may be
+// called from any thread. Work submitted to one stream runs in submission
+// order; when several threads submit to one stream at once, the order among
+// their concurrent calls is unspecified, so such callers order them themselves.
+// Ownership: objects created by an Accelerator (streams, events, host events,
+// memory) must be destroyed or freed before it. Destroying a stream waits for
+// its queued work.
+// Errors: strata::Error. Work that fails on a stream (a host function that
+// throws, a copy the device rejects, a collective a communicator declares
+// failed, a wait on a failed event) is that stream's error from that point on:
+// see Stream.
 #pragma once
 
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -25,29 +34,72 @@ std::string_view backend_name(Backend backend);
 
 enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice, kHostToHost };
 
-// Marks a point in a stream. Reusable: each record() moves the point.
+// A point in a stream's work, or (HostEvent) a completion a host thread reports.
+// A recorded Event is reusable: each Stream::record moves the point; a wait or
+// a stream-ordered free made earlier keeps the point it saw.
 class Event {
  public:
   virtual ~Event() = default;
-  // Blocks until the work recorded before this event has finished. Rethrows the
-  // error of the stream it was recorded on, if that work failed. An event never
+  // Blocks until the work before the point has finished. Throws the first error
+  // of that work (the stream's error if it was raised before the point, or one
+  // that reached the stream through a wait before the point); an error raised
+  // on the stream after the point does not make it throw. An event never
   // recorded is complete.
   virtual void synchronize() = 0;
-  // True when complete. Does not throw for stream errors (synchronize does).
+  // True when complete (successfully or not; synchronize tells which). Never
+  // throws for stream errors and never blocks.
   virtual bool query() = 0;
 };
 
-// An ordered queue of work. Errors raised by work on a stream are sticky: later
-// work on it is skipped and synchronize() (and events recorded on it) rethrow.
+// An event completed by a host thread (an I/O completion, a watchdog) instead
+// of by stream work: streams can wait on it, so that a transfer a host thread
+// completes is ordered before device work without a thread blocked on it.
+// Single-use: it completes once, by the first signal() or fail(); later calls
+// have no effect. It cannot be recorded on a stream (Stream::record throws
+// Error(kBadArgument)). Destroying it before it completes fails it (waiting
+// streams are released and get an Error(kInternal) naming the mistake).
+// A signal() must not depend on device work of this accelerator queued behind
+// a wait on it (on cuda a waiting stream may hold up other streams that share
+// its hardware queue, and on the fallback path the driver's callback thread).
+class HostEvent : public Event {
+ public:
+  // Completes the event: synchronize() returns, waiting streams go on.
+  // Callable from any thread, including ones that hold no CUDA context.
+  virtual void signal() = 0;
+  // Completes the event with `error`: synchronize() rethrows it, and every
+  // stream that waited on this event gets it as its error (see Stream).
+  virtual void fail(std::exception_ptr error) = 0;
+};
+
+// An ordered queue of work.
+//
+// Errors: the first failure among a stream's work (a host function that threw,
+// a wait on an event whose work failed) is the stream's error. It is reported
+// by every event recorded on the stream after the failure, by synchronize(),
+// and, through Stream::wait, by every stream that waits on such an event (and
+// by those streams' later events), on both backends. After it, the stream's
+// host functions are skipped. Other work submitted after the failure (copies,
+// memsets, kernels, waits) is skipped on cpu but still runs on cuda, so its
+// results are undefined: the events after it report the error. An error is
+// never reported by an event recorded before it. A CUDA error of the device
+// itself (an illegal address) is reported by later calls as Error(kCuda).
 class Stream {
  public:
   virtual ~Stream() = default;
-  // Records `event` at the current end of this stream.
+  // Records `event` (an Event from create_event of the same accelerator) at the
+  // current end of this stream. Error(kBadArgument) for a HostEvent or an event
+  // of another backend.
   virtual void record(Event& event) = 0;
-  // Work submitted to this stream after the call waits until `event` completes.
+  // Work submitted to this stream after the call waits until `event` completes
+  // (as recorded at the time of the call; a later record does not move this
+  // wait). Accepts every Event this accelerator's objects hand out: its own
+  // events, host events, and events returned by a communicator built on it.
+  // If the work before `event` failed, its error becomes this stream's error.
+  // Never blocks the caller. Error(kBadArgument) for an event of another backend.
   virtual void wait(Event& event) = 0;
   // Runs `fn` on a host thread after all earlier work of this stream. An
-  // exception thrown by fn becomes the stream's error.
+  // exception thrown by fn becomes the stream's error. On cuda fn runs on the
+  // driver's callback thread: it must not call CUDA.
   virtual void launch_host_func(std::function<void()> fn) = 0;
   // Blocks until all submitted work finished; rethrows the stream's error.
   virtual void synchronize() = 0;
@@ -57,9 +109,12 @@ class Stream {
 
 struct MemoryStats {
   size_t capacity_nbytes = 0;  // the budget
-  size_t in_use_nbytes = 0;    // handed out and not yet freed
+  // Handed out and not yet freed, including blocks freed with deallocate_after
+  // whose event has not been seen complete yet (pending_free_nbytes).
+  size_t in_use_nbytes = 0;
   size_t peak_nbytes = 0;      // highest in_use seen
-  size_t cached_nbytes = 0;    // held by a caching allocator but free (cuda)
+  size_t cached_nbytes = 0;    // held by a caching allocator but free (cuda; 0 on cpu)
+  size_t pending_free_nbytes = 0;  // part of in_use: freed after an event not yet complete
 };
 
 struct AcceleratorOptions {
@@ -76,13 +131,31 @@ class Accelerator {
   // "cpu" or e.g. "cuda:0 (NVIDIA H100 80GB HBM3)".
   virtual std::string name() const = 0;
 
-  // Device memory. allocate throws Error(kOutOfMemory) naming requested, in use
-  // and capacity when the budget cannot hold the request. Pointers are aligned
-  // to at least 256 bytes. deallocate(nullptr) is a no-op.
+  // Device memory, one budget per accelerator (op scratch comes from it too).
+  // The budget counts in-use, pending and cached bytes: an allocation that fits
+  // only after the allocator drops cached blocks drops them; one that does not
+  // fit throws Error(kOutOfMemory) naming requested, in use (and pending),
+  // cached and capacity bytes. allocate never waits for stream work: a block
+  // whose stream-ordered free is pending is not available until its event is
+  // seen complete. (On cuda, dropping cached blocks calls cudaFree, which waits
+  // for the device's queued work; the allocator's lock is not held meanwhile.)
+  // Pointers are aligned to at least 256 bytes.
   virtual void* allocate(size_t nbytes) = 0;
+  // Frees ptr now. The caller guarantees that no queued work on any stream
+  // still uses ptr (e.g. it synchronized the streams that used it); otherwise
+  // use deallocate_after. deallocate(nullptr) is a no-op; an unknown pointer
+  // is Error(kInternal).
   virtual void deallocate(void* ptr) = 0;
+  // Stream-ordered free: ptr is freed once `event` (as recorded now; any Event
+  // of this accelerator, a HostEvent included) has completed, successfully or
+  // not. Never blocks the caller. Until then the block counts as in use and is
+  // not handed to another allocation. Completion is observed by later
+  // allocate, deallocate, deallocate_after and memory_stats calls.
+  // deallocate_after(nullptr, e) is a no-op; an unknown pointer is Error(kInternal).
+  virtual void deallocate_after(void* ptr, Event& event) = 0;
   virtual MemoryStats memory_stats() const = 0;
-  // A device tensor that frees itself through this accelerator (which must outlive it).
+  // A device tensor that frees itself through this accelerator (which must
+  // outlive it) with deallocate: drop it only once no queued work uses it.
   Tensor allocate_tensor(DType dtype, Shape shape);
 
   // Page-locked host memory for async copies and NVMe I/O, aligned to 4096.
@@ -90,9 +163,14 @@ class Accelerator {
   virtual void deallocate_pinned(void* ptr) = 0;
 
   virtual std::unique_ptr<Stream> create_stream() = 0;
+  // An event to record on this accelerator's streams.
   virtual std::unique_ptr<Event> create_event() = 0;
+  // An event a host thread completes (see HostEvent).
+  virtual std::unique_ptr<HostEvent> create_host_event() = 0;
 
   // Copies nbytes in stream order; src and dst stay valid until the copy has run.
+  // Host memory should be pinned (allocate_pinned): on cuda a copy to or from
+  // pageable memory may block the caller until the stream has reached it.
   virtual void copy_async(void* dst, const void* src, size_t nbytes, CopyKind kind,
                           Stream& stream) = 0;
   virtual void memset_async(void* dst, int value, size_t nbytes, Stream& stream) = 0;

@@ -1,14 +1,20 @@
 // The cpu backend: device memory is host memory under a budget, a stream is an
-// ordered work queue on its own thread, an event is a position in that queue.
+// ordered work queue on its own thread, an event is a position in that queue,
+// a host event is a flag and a condition variable.
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
+#include <vector>
 
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
@@ -17,46 +23,116 @@
 namespace strata {
 namespace {
 
+constexpr uint64_t kNoTicket = std::numeric_limits<uint64_t>::max();
+
 // Shared between a stream and the events recorded on it, so that an event
-// outlives neither correctness nor its stream's error.
+// outlives neither correctness nor its stream's error. Tasks are numbered from
+// 1 in submission order; the stream's error remembers which task raised it, so
+// that an event before the failure does not report it.
 struct QueueState {
   std::mutex mutex;
   std::condition_variable changed;
   uint64_t submitted = 0;  // tasks enqueued so far
   uint64_t completed = 0;  // tasks finished (run or skipped)
-  ErrorSlot error;
+  std::exception_ptr error;          // the first error
+  uint64_t error_ticket = kNoTicket;  // the task that raised it
 };
 
-class CpuEvent final : public Event {
- public:
-  void set(std::shared_ptr<QueueState> queue, uint64_t ticket) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_ = std::move(queue);
-    ticket_ = ticket;
-  }
-  void synchronize() override {
-    auto [queue, ticket] = snapshot();
-    if (!queue) return;
-    std::unique_lock<std::mutex> lock(queue->mutex);
-    queue->changed.wait(lock, [&] { return queue->completed >= ticket; });
-    lock.unlock();
-    queue->error.rethrow_if_set();
-  }
-  bool query() override {
-    auto [queue, ticket] = snapshot();
+// The first `ticket` tasks of a queue: what a recorded event stands for.
+struct QueuePoint {
+  std::shared_ptr<QueueState> queue;  // nullptr: never recorded (complete)
+  uint64_t ticket = 0;
+
+  bool done() const {
     if (!queue) return true;
     std::lock_guard<std::mutex> lock(queue->mutex);
     return queue->completed >= ticket;
   }
-  std::pair<std::shared_ptr<QueueState>, uint64_t> snapshot() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return {queue_, ticket_};
+  void wait() const {
+    if (!queue) return;
+    std::unique_lock<std::mutex> lock(queue->mutex);
+    queue->changed.wait(lock, [&] { return queue->completed >= ticket; });
   }
+  // The error of the tasks up to the point, or nullptr.
+  std::exception_ptr error() const {
+    if (!queue) return nullptr;
+    std::lock_guard<std::mutex> lock(queue->mutex);
+    return queue->error_ticket <= ticket ? queue->error : nullptr;
+  }
+};
+
+class CpuEvent final : public Event {
+ public:
+  void set(QueuePoint point) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    point_ = std::move(point);
+  }
+  QueuePoint snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return point_;
+  }
+  void synchronize() override {
+    const QueuePoint point = snapshot();
+    point.wait();
+    if (auto error = point.error()) std::rethrow_exception(error);
+  }
+  bool query() override { return snapshot().done(); }
 
  private:
-  std::mutex mutex_;
-  std::shared_ptr<QueueState> queue_;
-  uint64_t ticket_ = 0;
+  mutable std::mutex mutex_;
+  QueuePoint point_;
+};
+
+// A host event's state, shared with the stream tasks and stream-ordered frees
+// that wait on it, so that they survive the event object.
+struct HostState {
+  std::mutex mutex;
+  std::condition_variable completed_cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void complete(std::exception_ptr failure) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (done) return;  // single-use: the first completion wins
+      done = true;
+      error = std::move(failure);
+    }
+    completed_cv.notify_all();
+  }
+  bool is_done() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return done;
+  }
+  // Blocks until complete; returns its error or nullptr.
+  std::exception_ptr wait() {
+    std::unique_lock<std::mutex> lock(mutex);
+    completed_cv.wait(lock, [&] { return done; });
+    return error;
+  }
+};
+
+std::exception_ptr null_failure_error() {
+  return std::make_exception_ptr(Error(ErrorCategory::kBadArgument, "HostEvent::fail called with a null error"));
+}
+
+class CpuHostEvent final : public HostEvent {
+ public:
+  CpuHostEvent() : state_(std::make_shared<HostState>()) {}
+  ~CpuHostEvent() override {
+    state_->complete(std::make_exception_ptr(
+        Error(ErrorCategory::kInternal, "a host event was destroyed before it was signalled or failed")));
+  }
+  void signal() override { state_->complete(nullptr); }
+  void fail(std::exception_ptr error) override { state_->complete(error ? error : null_failure_error()); }
+  void synchronize() override {
+    if (auto error = state_->wait()) std::rethrow_exception(error);
+  }
+  bool query() override { return state_->is_done(); }
+  const std::shared_ptr<HostState>& state() const { return state_; }
+
+ private:
+  std::shared_ptr<HostState> state_;
 };
 
 class CpuStream final : public Stream {
@@ -72,19 +148,29 @@ class CpuStream final : public Stream {
   }
 
   void record(Event& event) override {
+    auto* cpu_event = dynamic_cast<CpuEvent*>(&event);
+    if (cpu_event == nullptr) raise_foreign(event, "record");
     std::lock_guard<std::mutex> lock(state_->mutex);
-    static_cast<CpuEvent&>(event).set(state_, state_->submitted);
+    cpu_event->set(QueuePoint{state_, state_->submitted});
   }
 
   void wait(Event& event) override {
-    // Snapshot the event's current position now (as cudaStreamWaitEvent does),
-    // then block this stream's thread on it. A failure upstream fails this stream.
-    auto [queue, ticket] = static_cast<CpuEvent&>(event).snapshot();
-    launch_host_func([queue, ticket] {
-      CpuEvent position;
-      position.set(queue, ticket);
-      position.synchronize();
-    });
+    // Snapshot the event's position now (as cudaStreamWaitEvent does), then
+    // block this stream's thread on it; its error becomes this stream's.
+    if (auto* cpu_event = dynamic_cast<CpuEvent*>(&event)) {
+      QueuePoint point = cpu_event->snapshot();
+      if (!point.queue) return;  // never recorded: complete
+      launch_host_func([point] {
+        point.wait();
+        if (auto error = point.error()) std::rethrow_exception(error);
+      });
+    } else if (auto* host_event = dynamic_cast<CpuHostEvent*>(&event)) {
+      launch_host_func([state = host_event->state()] {
+        if (auto error = state->wait()) std::rethrow_exception(error);
+      });
+    } else {
+      raise_foreign(event, "wait on");
+    }
   }
 
   void launch_host_func(std::function<void()> fn) override {
@@ -97,16 +183,27 @@ class CpuStream final : public Stream {
   }
 
   void synchronize() override {
-    std::unique_lock<std::mutex> lock(state_->mutex);
-    const uint64_t target = state_->submitted;
-    state_->changed.wait(lock, [&] { return state_->completed >= target; });
-    lock.unlock();
-    state_->error.rethrow_if_set();
+    uint64_t target = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      target = state_->submitted;
+    }
+    const QueuePoint point{state_, target};
+    point.wait();
+    if (auto error = point.error()) std::rethrow_exception(error);
   }
 
   void* native_handle() override { return nullptr; }
 
  private:
+  [[noreturn]] static void raise_foreign(Event& event, const char* what) {
+    if (dynamic_cast<HostEvent*>(&event) != nullptr) {
+      raise(ErrorCategory::kBadArgument, "cpu stream: cannot {} a host event that is not from the cpu backend", what);
+    }
+    raise(ErrorCategory::kBadArgument,
+          "cpu stream: cannot {} an event that is not from the cpu backend (host events cannot be recorded)", what);
+  }
+
   void run() {
     std::unique_lock<std::mutex> lock(state_->mutex);
     for (;;) {
@@ -114,15 +211,24 @@ class CpuStream final : public Stream {
       if (tasks_.empty()) return;  // stopping and drained
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
+      const uint64_t ticket = state_->completed + 1;
+      // After the stream's first error, later work is skipped.
+      const bool failed = state_->error != nullptr;
       lock.unlock();
-      if (!state_->error.has_error()) {
+      std::exception_ptr error;
+      if (!failed) {
         try {
           task();
         } catch (...) {
-          state_->error.set(std::current_exception());
+          error = std::current_exception();
         }
       }
+      task = nullptr;  // release captures (events, buffers) outside the lock
       lock.lock();
+      if (error && !state_->error) {
+        state_->error = error;
+        state_->error_ticket = ticket;
+      }
       ++state_->completed;
       state_->changed.notify_all();
     }
@@ -146,6 +252,7 @@ class CpuAccelerator final : public Accelerator {
       : capacity_(options.memory_budget_nbytes ? options.memory_budget_nbytes : default_budget()) {}
 
   ~CpuAccelerator() override {
+    // Streams were destroyed first (they drain), so pending frees are due.
     for (auto& [ptr, nbytes] : allocations_) std::free(ptr);
   }
 
@@ -154,15 +261,16 @@ class CpuAccelerator final : public Accelerator {
 
   void* allocate(size_t nbytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    reap_locked();
     if (nbytes > capacity_ - in_use_) {
       raise(ErrorCategory::kOutOfMemory,
-            "cpu device memory: requested {} bytes, {} in use, capacity {} ({} free)", nbytes,
-            in_use_, capacity_, capacity_ - in_use_);
+            "cpu device memory: requested {} bytes, {} in use ({} of them waiting for stream-ordered frees), "
+            "0 cached, capacity {} ({} free)",
+            nbytes, in_use_, pending_nbytes_, capacity_, capacity_ - in_use_);
     }
     void* ptr = std::aligned_alloc(256, (std::max<size_t>(nbytes, 1) + 255) / 256 * 256);
     if (ptr == nullptr) {
-      raise(ErrorCategory::kOutOfMemory, "cpu device memory: host allocation of {} bytes failed",
-            nbytes);
+      raise(ErrorCategory::kOutOfMemory, "cpu device memory: host allocation of {} bytes failed", nbytes);
     }
     allocations_.emplace(ptr, nbytes);
     in_use_ += nbytes;
@@ -173,16 +281,48 @@ class CpuAccelerator final : public Accelerator {
   void deallocate(void* ptr) override {
     if (ptr == nullptr) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = allocations_.find(ptr);
-    STRATA_CHECK(it != allocations_.end(), kInternal, "cpu deallocate of unknown pointer {}", ptr);
+    reap_locked();
+    auto it = find_live_locked(ptr, "deallocate");
     in_use_ -= it->second;
     allocations_.erase(it);
     std::free(ptr);
   }
 
+  void deallocate_after(void* ptr, Event& event) override {
+    if (ptr == nullptr) return;
+    std::function<bool()> done;  // empty: already complete
+    if (auto* cpu_event = dynamic_cast<CpuEvent*>(&event)) {
+      QueuePoint point = cpu_event->snapshot();
+      if (point.queue) done = [point] { return point.done(); };
+    } else if (auto* host_event = dynamic_cast<CpuHostEvent*>(&event)) {
+      done = [state = host_event->state()] { return state->is_done(); };
+    } else {
+      raise(ErrorCategory::kBadArgument, "cpu deallocate_after: the event is not from the cpu backend");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = find_live_locked(ptr, "deallocate_after");
+    STRATA_CHECK(pending_ptrs_.count(ptr) == 0, kInternal, "cpu deallocate_after of {} freed twice", ptr);
+    if (!done || done()) {
+      in_use_ -= it->second;
+      allocations_.erase(it);
+      std::free(ptr);
+    } else {
+      pending_.push_back(Pending{ptr, it->second, std::move(done)});
+      pending_ptrs_.insert(ptr);
+      pending_nbytes_ += it->second;
+    }
+    reap_locked();
+  }
+
   MemoryStats memory_stats() const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    return MemoryStats{capacity_, in_use_, peak_, 0};
+    reap_locked();
+    MemoryStats stats;
+    stats.capacity_nbytes = capacity_;
+    stats.in_use_nbytes = in_use_;
+    stats.peak_nbytes = peak_;
+    stats.pending_free_nbytes = pending_nbytes_;
+    return stats;
   }
 
   void* allocate_pinned(size_t nbytes) override {
@@ -207,6 +347,7 @@ class CpuAccelerator final : public Accelerator {
 
   std::unique_ptr<Stream> create_stream() override { return std::make_unique<CpuStream>(); }
   std::unique_ptr<Event> create_event() override { return std::make_unique<CpuEvent>(); }
+  std::unique_ptr<HostEvent> create_host_event() override { return std::make_unique<CpuHostEvent>(); }
 
   void copy_async(void* dst, const void* src, size_t nbytes, CopyKind /*kind*/,
                   Stream& stream) override {
@@ -218,11 +359,44 @@ class CpuAccelerator final : public Accelerator {
   }
 
  private:
+  // A block freed with deallocate_after whose event has not been seen complete.
+  struct Pending {
+    void* ptr;
+    size_t nbytes;
+    std::function<bool()> done;  // never blocks
+  };
+
+  std::unordered_map<void*, size_t>::iterator find_live_locked(void* ptr, const char* what) const {
+    auto it = allocations_.find(ptr);
+    STRATA_CHECK(it != allocations_.end() && pending_ptrs_.count(ptr) == 0, kInternal,
+                 "cpu {} of unknown or already freed pointer {}", what, ptr);
+    return it;
+  }
+
+  // Frees the pending blocks whose events have completed. Lock order: this
+  // accelerator's mutex, then a queue's or host event's (never the reverse:
+  // stream threads do not allocate while holding their queue's lock).
+  void reap_locked() const {
+    auto due = std::partition(pending_.begin(), pending_.end(), [](Pending& p) { return !p.done(); });
+    for (auto it = due; it != pending_.end(); ++it) {
+      in_use_ -= it->nbytes;
+      pending_nbytes_ -= it->nbytes;
+      pending_ptrs_.erase(it->ptr);
+      allocations_.erase(it->ptr);
+      std::free(it->ptr);
+    }
+    pending_.erase(due, pending_.end());
+  }
+
   mutable std::mutex mutex_;
   const size_t capacity_;
-  size_t in_use_ = 0;
+  // Allocator bookkeeping; mutable because memory_stats() observes completed frees.
+  mutable size_t in_use_ = 0;  // includes pending_nbytes_
   size_t peak_ = 0;
-  std::unordered_map<void*, size_t> allocations_;
+  mutable size_t pending_nbytes_ = 0;
+  mutable std::unordered_map<void*, size_t> allocations_;  // every block not yet freed
+  mutable std::vector<Pending> pending_;
+  mutable std::unordered_set<void*> pending_ptrs_;
   std::unordered_map<void*, size_t> pinned_;
 };
 

@@ -117,3 +117,39 @@ TEST_CASE("pool rejects a zero size or count", "[offload][pool]") {
   CHECK_THROWS_AS(offload::PinnedBufferPool({0, 4096}), Error);
   CHECK_THROWS_AS(offload::PinnedBufferPool({1, 0}), Error);
 }
+
+// (f) Destroying the pool while buffers are leased must not free memory the
+// leases still use. Before the fix the destructor unmapped the memory, so the
+// writes below faulted (SIGSEGV: the test crashes, observably) and release()
+// then touched the destroyed pool's mutex; now the memory lives until the last
+// lease is released.
+TEST_CASE("a pool destroyed with leases outstanding keeps their memory until the last is released",
+          "[offload][pool]") {
+  SECTION("host memory") {
+    auto pool = std::make_unique<offload::PinnedBufferPool>(offload::PinnedPoolOptions{2, 8192, 1000ms, "early pool"});
+    auto first = pool->acquire();
+    auto second = pool->acquire();
+    std::memset(first.data(), 0x11, first.nbytes());
+    pool.reset();
+    std::memset(first.data(), 0x5a, first.nbytes());
+    std::memset(second.data(), 0xa5, second.nbytes());
+    CHECK(first.as<unsigned char>()[8191] == 0x5a);
+    CHECK(second.as<unsigned char>()[0] == 0xa5);
+    first.release();
+    CHECK_FALSE(first.valid());
+    std::memset(second.data(), 0x3c, second.nbytes());  // still ours after the other lease went
+    CHECK(second.as<unsigned char>()[4096] == 0x3c);
+    second.release();
+  }
+  SECTION("accelerator memory") {
+    auto cpu = make_cpu_accelerator();
+    offload::PinnedBuffer lease;
+    {
+      offload::PinnedBufferPool pool({1, 4096, 1000ms, "acc pool"}, cpu.get());
+      lease = pool.acquire();
+    }
+    std::memset(lease.data(), 0x77, lease.nbytes());
+    CHECK(lease.as<unsigned char>()[4095] == 0x77);
+    lease.release();  // frees through the accelerator, which outlives it
+  }
+}

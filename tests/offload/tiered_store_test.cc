@@ -124,3 +124,87 @@ TEST_CASE("a failed nvme move is rethrown by wait() naming the shard", "[offload
   CHECK(store.state("opt_m") == Residency::kAbsent);  // never became resident
   CHECK(plan->fired() == 1);
 }
+
+namespace {
+
+// The cpu backend always; cuda too where a device is present.
+std::vector<std::unique_ptr<Accelerator>> every_backend() {
+  std::vector<std::unique_ptr<Accelerator>> out;
+  out.push_back(make_cpu_accelerator());
+  if (cuda_device_count() > 0) out.push_back(make_cuda_accelerator(0));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a failed nvme read reaches wait(), the move's event and streams that waited on it, on every backend",
+          "[offload][store]") {
+  for (auto& acc : every_backend()) {
+    CAPTURE(acc->name());
+    test::TempDir dir("strata-store");
+    auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
+        nvme::IoFault{1, nvme::IoFault::Kind::kError, 5, 0, nvme::IoOp::kRead, false}});
+    nvme::AioOptions options;
+    nvme::AioHandle aio(options, nvme::make_fault_backend(nvme::make_backend(options.engine), plan));
+    nvme::SwapSpace swap({dir.path(), "store", 0, true});
+    offload::TieredStore store(*acc, &aio, &swap);
+    offload::PinnedBufferPool pool({1, 8192, 1000ms}, acc.get());
+    auto stream = acc->create_stream();
+    auto waiter = acc->create_stream();
+    store.add("opt_m", TensorDesc{DType::kBF16, {1000}, Tier::kNvme});
+    auto buf = pool.acquire();
+    Event& fetched = store.fetch_async("opt_m", buf.data(), *stream);
+    bool waiter_ran = false;
+    waiter->wait(fetched);
+    waiter->launch_host_func([&] { waiter_ran = true; });
+    REQUIRE_THROWS_WITH(waiter->synchronize(), Catch::Contains("fetch of shard 'opt_m'"));
+    REQUIRE_FALSE(waiter_ran);
+    REQUIRE_THROWS_WITH(fetched.synchronize(), Catch::Contains("fetch of shard 'opt_m'"));
+    CHECK(store.state("opt_m") != Residency::kResident);  // complete but failed: not resident
+    try {
+      store.wait("opt_m");
+      FAIL("wait() returned although the read failed");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::kIo);
+      CHECK_THAT(e.what(), Catch::Contains("fetch of shard 'opt_m'"));
+    }
+    CHECK(store.state("opt_m") == Residency::kAbsent);
+    CHECK(plan->fired() == 1);
+  }
+}
+
+TEST_CASE("a fetch queued after an error on its stream reports it and leaves the shard absent, on every backend",
+          "[offload][store]") {
+  for (auto& acc : every_backend()) {
+    CAPTURE(acc->name());
+    test::TempDir dir("strata-store");
+    nvme::AioHandle aio(nvme::AioOptions{});
+    nvme::SwapSpace swap({dir.path(), "store", 0, true});
+    offload::TieredStore store(*acc, &aio, &swap);
+    offload::PinnedBufferPool pool({2, 8192, 1000ms}, acc.get());
+    auto writer = acc->create_stream();
+    auto stream = acc->create_stream();
+    store.add("w", TensorDesc{DType::kF32, {1024}, Tier::kNvme});
+    auto src = pool.acquire();
+    auto dst = pool.acquire();
+    const auto values = iota_floats(1024, 3.0f);
+    std::memcpy(src.data(), values.data(), values.size() * 4);
+    store.store_async("w", src.data(), *writer);
+    store.wait("w");
+    REQUIRE(store.state("w") == Residency::kAbsent);
+    // Earlier work on the fetch's stream fails: the read never runs, so the
+    // buffer holds no copy of the shard, and the store must say so.
+    stream->launch_host_func([] { raise(ErrorCategory::kIo, "earlier transfer failed"); });
+    Event& fetched = store.fetch_async("w", dst.data(), *stream);
+    REQUIRE_THROWS_WITH(fetched.synchronize(), Catch::Contains("earlier transfer failed"));
+    CHECK(store.state("w") != Residency::kResident);
+    REQUIRE_THROWS_WITH(store.wait("w"), Catch::Contains("earlier transfer failed"));
+    CHECK(store.state("w") == Residency::kAbsent);
+    // The store still works on a healthy stream.
+    store.fetch_async("w", dst.data(), *writer);
+    store.wait("w");
+    CHECK(store.state("w") == Residency::kResident);
+    CHECK(std::memcmp(dst.data(), values.data(), values.size() * 4) == 0);
+    store.release("w");
+  }
+}

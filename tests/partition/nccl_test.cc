@@ -1,11 +1,18 @@
 // The NCCL communicator on a real GPU (SKIPPED without one). One GPU allows one
-// rank (NCCL refuses two ranks on one device), so these check the wiring:
-// unique id through the store, stream ordering, dtypes, events, results.
+// rank (NCCL refuses two ranks on one device), so most of these check the
+// wiring: unique id through the store, stream ordering, dtypes, events,
+// results, the watchdog's clock; the dead-peer test needs two GPUs.
 #include <catch2/catch.hpp>
+
+#include <future>
+#include <thread>
 
 #include "partition/communicator.h"
 #include "partition/store.h"
 #include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "tests/runtime/accelerator_comm_contract.h"
+#include "tests/runtime/accelerator_contract.h"
 
 using namespace strata;
 using namespace strata::partition;
@@ -68,4 +75,119 @@ TEST_CASE("nccl: a peer that never joins makes initialisation fail within the ti
   auto start = std::chrono::steady_clock::now();
   REQUIRE_THROWS_WITH(make_communicator(*accelerator, store, options), Catch::Contains("nccl_unique_id"));
   REQUIRE(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+// (a) The collective's event is an ordinary event of the cuda accelerator:
+// another stream waits on it, records it again and frees buffers after it
+// (today's NcclEvent would have been static_cast to a CudaEvent: undefined).
+TEST_CASE("nccl: a collective's event works in Stream::wait, record and deallocate_after") {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
+  auto accelerator = make_cuda_accelerator(0);
+  CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  options.prefix = "strata/event_test";
+  auto comm = make_communicator(*accelerator, store, options);
+  REQUIRE_NOTHROW(test::check_collective_event_in_streams(*accelerator, *comm));
+}
+
+// (e) The watchdog times a collective from when it starts on the device: one
+// queued behind a stream held for several timeouts completes normally, and
+// the communicator stays usable.
+TEST_CASE("nccl: a collective queued behind a held stream is not timed out by the watchdog") {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
+  auto accelerator = make_cuda_accelerator(0);
+  CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(1000);
+  options.prefix = "strata/queued_test";
+  auto comm = make_communicator(*accelerator, store, options);
+  auto stream = accelerator->create_stream();
+  auto* host = static_cast<float*>(accelerator->allocate_pinned(64 * sizeof(float)));
+  for (int i = 0; i < 64; ++i) host[i] = static_cast<float>(i);
+  void* data = accelerator->allocate(64 * sizeof(float));
+  auto gate = accelerator->create_host_event();
+  test::GateGuard guard(*gate);
+  accelerator->copy_async(data, host, 64 * sizeof(float), CopyKind::kHostToDevice, *stream);
+  stream->wait(*gate);
+  auto reduced = comm->allreduce(data, data, 64, DType::kF32, ReduceOp::kSum, *stream);
+  std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // three timeouts while held
+  REQUIRE_FALSE(reduced->query());
+  REQUIRE_FALSE(guard.open());
+  REQUIRE_NOTHROW(reduced->synchronize());
+  accelerator->copy_async(host, data, 64 * sizeof(float), CopyKind::kDeviceToHost, *stream);
+  stream->synchronize();
+  for (int i = 0; i < 64; ++i) REQUIRE(host[i] == static_cast<float>(i));
+  REQUIRE_NOTHROW(comm->barrier(*stream)->synchronize());
+  accelerator->deallocate(data);
+  accelerator->deallocate_pinned(host);
+}
+
+// (e) A peer that stops taking part: the watchdog turns the hung collective
+// into Error(kCommunication) for a host waiter and for a stream that waited on
+// its event, and the communicator refuses later collectives. Needs two GPUs
+// (NCCL refuses two ranks on one device); with fewer it only says so.
+TEST_CASE("nccl: a peer that stops taking part becomes an error for host and stream waiters") {
+  if (cuda_device_count() < 2) {
+    WARN("needs 2 CUDA devices; " << cuda_device_count() << " present");
+    return;
+  }
+  constexpr std::chrono::milliseconds kTimeout{2000};
+  StoreServer server("127.0.0.1", 0);
+  auto options_for = [&](int rank) {
+    CommunicatorOptions options;
+    options.rank = rank;
+    options.world_size = 2;
+    options.timeout = kTimeout;
+    options.prefix = "strata/watchdog_test";
+    return options;
+  };
+  std::promise<void> rank0_finished;
+  std::exception_ptr rank1_error;
+  auto accelerator1 = make_cuda_accelerator(1);
+  // Rank 1 joins, then never issues the collective; it leaves once rank 0 is done.
+  std::thread rank1([&, finished = rank0_finished.get_future()]() mutable {
+    try {
+      StoreClient store("127.0.0.1", server.port(), 1, std::chrono::milliseconds(30000));
+      auto comm = make_communicator(*accelerator1, store, options_for(1));
+      finished.wait();
+    } catch (...) {
+      rank1_error = std::current_exception();
+    }
+  });
+  struct Finish {
+    std::promise<void>& promise;
+    std::thread& thread;
+    ~Finish() {
+      promise.set_value();
+      thread.join();
+    }
+  } finish{rank0_finished, rank1};
+
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(30000));
+  auto accelerator = make_cuda_accelerator(0);
+  auto comm = make_communicator(*accelerator, store, options_for(0));
+  auto stream = accelerator->create_stream();
+  auto waiter = accelerator->create_stream();
+  void* data = accelerator->allocate(1024 * sizeof(float));
+  accelerator->memset_async(data, 0, 1024 * sizeof(float), *stream);
+  auto reduced = comm->allreduce(data, data, 1024, DType::kF32, ReduceOp::kSum, *stream);
+  waiter->wait(*reduced);
+  auto waiter_done = accelerator->create_event();
+  waiter->record(*waiter_done);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    reduced->synchronize();
+    FAIL("a collective without its peer completed");
+  } catch (const Error& e) {
+    REQUIRE(e.category() == ErrorCategory::kCommunication);
+    REQUIRE_THAT(e.what(), Catch::Contains("allreduce") && Catch::Contains("rank 0 of 2") &&
+                               Catch::Contains("timeout 2000 ms"));
+  }
+  REQUIRE(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));  // hang guard only
+  REQUIRE_THROWS_WITH(waiter_done->synchronize(), Catch::Contains("allreduce"));
+  REQUIRE_THROWS_WITH(waiter->synchronize(), Catch::Contains("allreduce"));
+  REQUIRE_THROWS_WITH(stream->synchronize(), Catch::Contains("allreduce"));
+  REQUIRE_THROWS_WITH(comm->barrier(*stream), Catch::Contains("aborted"));
+  accelerator->deallocate(data);
 }

@@ -1,5 +1,14 @@
-// The accelerator contract on the cpu backend.
+// The accelerator contract on the cpu backend, and the Gloo communicator's
+// events under it (real TCP over loopback).
 #include "tests/runtime/accelerator_contract.h"
+
+#include <future>
+#include <thread>
+
+#include "partition/communicator.h"
+#include "partition/store.h"
+#include "tests/partition/thread_ranks.h"
+#include "tests/runtime/accelerator_comm_contract.h"
 
 STRATA_ACCELERATOR_CONTRACT_TESTS("cpu", strata::make_cpu_accelerator)
 
@@ -9,5 +18,82 @@ TEST_CASE("make_accelerator picks a backend by name", "[accelerator]") {
   if (strata::cuda_device_count() == 0) {
     REQUIRE(strata::make_accelerator("auto")->backend() == strata::Backend::kCpu);
     REQUIRE_THROWS_AS(strata::make_cuda_accelerator(0), strata::Error);
+  }
+}
+
+TEST_CASE("cpu: a Gloo collective's event works in Stream::wait, record and deallocate_after",
+          "[accelerator][gloo]") {
+  for (int world : {1, 2, 3}) {
+    INFO("world size " << world);
+    REQUIRE_NOTHROW(strata::test::run_thread_ranks(
+        world, [](int, strata::partition::Communicator& comm, strata::Accelerator& acc, strata::Stream&) {
+          strata::test::check_collective_event_in_streams(acc, comm);
+        }));
+  }
+}
+
+// (e) on Gloo: a collective whose peer is gone fails on the stream's thread
+// within the timeout, and the failure reaches a stream that waited on it.
+TEST_CASE("cpu: a failed Gloo collective reaches the streams that waited on its event", "[accelerator][gloo]") {
+  using namespace strata;
+  constexpr std::chrono::milliseconds kTimeout{2000};
+  partition::StoreServer server("127.0.0.1", 0);
+  auto acc = make_cpu_accelerator();
+  auto options_for = [&](int rank) {
+    partition::CommunicatorOptions options;
+    options.rank = rank;
+    options.world_size = 2;
+    options.timeout = kTimeout;
+    return options;
+  };
+  std::promise<void> rank0_connected;
+  std::exception_ptr rank1_error;
+  // Rank 1 connects, then leaves without taking part in the collective.
+  std::thread rank1([&, connected = rank0_connected.get_future()]() mutable {
+    try {
+      partition::StoreClient store("127.0.0.1", server.port(), 1, kTimeout);
+      auto comm = partition::make_gloo_communicator(*acc, store, options_for(1));
+      connected.wait();
+    } catch (...) {
+      rank1_error = std::current_exception();
+    }
+  });
+  std::unique_ptr<partition::Communicator> comm;
+  {
+    partition::StoreClient store("127.0.0.1", server.port(), 0, kTimeout);
+    try {
+      comm = partition::make_gloo_communicator(*acc, store, options_for(0));
+    } catch (...) {
+      rank0_connected.set_value();
+      rank1.join();
+      throw;
+    }
+    rank0_connected.set_value();
+    rank1.join();
+    REQUIRE_FALSE(rank1_error);
+
+    auto stream = acc->create_stream();
+    auto waiter = acc->create_stream();
+    std::vector<float> data(16, 1.0f);
+    auto reduced = comm->allreduce(data.data(), data.data(), data.size(), DType::kF32,
+                                   partition::ReduceOp::kSum, *stream);
+    bool waiter_ran = false;
+    waiter->wait(*reduced);
+    waiter->launch_host_func([&] { waiter_ran = true; });
+    auto waiter_done = acc->create_event();
+    waiter->record(*waiter_done);
+    try {
+      waiter_done->synchronize();
+      FAIL("a stream that waited on a failed collective reported success");
+    } catch (const Error& e) {
+      REQUIRE(e.category() == ErrorCategory::kCommunication);
+      REQUIRE_THAT(e.what(), Catch::Contains("allreduce") && Catch::Contains("rank 0 of 2") &&
+                                 Catch::Contains("timeout 2000 ms"));
+    }
+    REQUIRE_FALSE(waiter_ran);
+    REQUIRE_THROWS_WITH(waiter->synchronize(), Catch::Contains("allreduce"));
+    REQUIRE_THROWS_WITH(reduced->synchronize(), Catch::Contains("allreduce"));
+    REQUIRE_THROWS_WITH(stream->synchronize(), Catch::Contains("allreduce"));
+    comm.reset();
   }
 }
