@@ -26,10 +26,10 @@ void AioOptions::validate() const {
   STRATA_CHECK(block_size > 0 && block_size % kDirectIoAlignment == 0 && block_size <= kMaxBlockNbytes,
                kBadArgument, "aio.block_size = {} must be a positive multiple of {} and at most {} (1 GiB)",
                block_size, kDirectIoAlignment, kMaxBlockNbytes);
-  STRATA_CHECK(queue_depth >= 1 && queue_depth <= 4096, kBadArgument,
-               "aio.queue_depth = {} must be in [1, 4096]", queue_depth);
-  STRATA_CHECK(thread_count >= 1 && thread_count <= 256, kBadArgument,
-               "aio.thread_count = {} must be in [1, 256]", thread_count);
+  STRATA_CHECK(queue_depth >= 1 && queue_depth <= kMaxQueueDepth, kBadArgument,
+               "aio.queue_depth = {} must be in [1, {}]", queue_depth, kMaxQueueDepth);
+  STRATA_CHECK(thread_count >= 1 && thread_count <= kMaxThreadCount, kBadArgument,
+               "aio.thread_count = {} must be in [1, {}]", thread_count, kMaxThreadCount);
 }
 
 }  // namespace strata::nvme

@@ -43,5 +43,8 @@ constexpr size_t kDirectIoAlignment = 4096;
 // Largest piece: io_uring lengths are 32-bit, and 1 GiB keeps pieces inside one
 // registered fixed buffer (offload::PinnedBufferPool::kMaxRegionNbytes).
 constexpr size_t kMaxBlockNbytes = size_t{1} << 30;
+// Largest queue_depth and thread_count AioOptions::validate() accepts.
+constexpr int kMaxQueueDepth = 4096;
+constexpr int kMaxThreadCount = 256;
 
 }  // namespace strata::nvme

@@ -72,9 +72,9 @@ class UringQueue final : public IoQueue {
 
   void submit_and_wait(std::vector<IoCompletion>& out, size_t min_count) override {
     if (prepared_ > 0 && min_count > 0) {
-      // One io_uring_enter submits everything prepared and waits for the first
-      // completion; the rest is reaped below.
-      int rc = io_uring_submit_and_wait(&ring_, 1);
+      // One io_uring_enter submits everything prepared and sleeps until
+      // min_count completions are there (min_count <= pieces in flight).
+      int rc = io_uring_submit_and_wait(&ring_, static_cast<unsigned>(min_count));
       if (rc >= 0) {
         consumed(static_cast<size_t>(rc));
       } else if (rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
@@ -97,8 +97,10 @@ class UringQueue final : public IoQueue {
       got += n;
       if (got >= min_count && (n > 0 || min_count == 0)) return;
       if (n > 0) continue;
+      // Sleep until all that is still missing has arrived (one wakeup).
       io_uring_cqe* cqe = nullptr;
-      int rc = io_uring_wait_cqe(&ring_, &cqe);
+      const size_t missing = min_count > got ? min_count - got : 1;
+      int rc = io_uring_wait_cqe_nr(&ring_, &cqe, static_cast<unsigned>(missing));
       if (rc == -EINTR || rc == -EAGAIN) continue;
       if (rc < 0) raise_errno(-rc, "io_uring_wait_cqe");
     }

@@ -80,6 +80,26 @@ IoRunner::IoRunner(std::string path, uint64_t size_nbytes, bool buffered)
     : path_(std::move(path)), size_nbytes_(size_nbytes), pattern_(std::make_unique<Pattern>()) {
   file_ = nvme::File::open(path_, nvme::OpenMode::kReadWrite, !buffered);
   file_.allocate(size_nbytes_);
+  device_ = nvme::BlockDevice::of(path_, &device_why_);
+}
+
+std::optional<nvme::BlockCounters> IoRunner::counters() const {
+  if (!device_) return std::nullopt;
+  try {
+    return device_->counters();
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+std::optional<double> IoRunner::request_kib(const std::optional<nvme::BlockCounters>& before,
+                                            const std::optional<nvme::BlockCounters>& after,
+                                            nvme::IoOp rw) {
+  if (!before || !after) return std::nullopt;
+  const nvme::BlockCounters d = *after - *before;
+  const double nbytes = rw == nvme::IoOp::kRead ? d.read_request_nbytes() : d.write_request_nbytes();
+  if (nbytes <= 0) return std::nullopt;
+  return nbytes / 1024;
 }
 
 IoRunner::~IoRunner() {
@@ -97,6 +117,13 @@ void IoRunner::ensure_buffers(size_t chunk_nbytes, nvme::AioHandle& handle) {
   std::vector<iovec> regions;
   for (int s = 0; s < kSlots; ++s) regions.push_back({slots_ + s * chunk_nbytes_, chunk_nbytes_});
   handle.register_buffers(regions);
+}
+
+std::optional<double> IoRunner::huge_share() const {
+  if (!slots_) return std::nullopt;
+  const HostBacking backing = host_backing(slots_, kSlots * chunk_nbytes_);
+  if (!backing.known || backing.nbytes == 0) return std::nullopt;
+  return static_cast<double>(backing.huge_nbytes) / static_cast<double>(backing.nbytes);
 }
 
 double IoRunner::pass(nvme::AioHandle& handle, nvme::IoOp rw, uint64_t* wrong) {
@@ -149,7 +176,7 @@ void IoRunner::prepare(nvme::AioHandle& handle) {
 
 IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
                        const std::function<void(int)>& before_pass) {
-  STRATA_CHECK(size_nbytes_ % c.bs == 0, kBadArgument,
+  STRATA_CHECK(c.bs > 0 && size_nbytes_ % c.bs == 0, kBadArgument,
                "--size {} must be a multiple of --bs {}", size_nbytes_, c.bs);
   nvme::AioOptions options;
   options.engine = c.engine;
@@ -169,6 +196,7 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
   IoResult result;
   result.c = c;
   result.size_nbytes = size_nbytes_;
+  result.huge_share = huge_share();
   for (int i = 0; i < warmup; ++i) pass(handle, c.rw, nullptr);
   handle.take_latencies_ns();
   handle.set_record_latency(true);
@@ -181,8 +209,10 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
       handle.take_latencies_ns();
       handle.set_record_latency(true);
     }
+    const auto before = counters();
     double seconds = pass(handle, c.rw, nullptr);
     result.gbps.push_back(static_cast<double>(size_nbytes_) / seconds / 1e9);
+    if (auto kib = request_kib(before, counters(), c.rw)) result.req_kib.push_back(*kib);
   }
   handle.set_record_latency(false);
   std::vector<uint64_t> lat = handle.take_latencies_ns();
@@ -198,10 +228,8 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
   return result;
 }
 
-double run_fio(const IoCase& c, const std::string& path, uint64_t size_nbytes, bool buffered) {
-  const char* engine = c.engine == nvme::EngineKind::kUring ? "io_uring"
-                       : c.engine == nvme::EngineKind::kAio ? "libaio"
-                                                            : "psync";
+double run_fio(const IoCase& c, const std::string& engine, const std::string& path,
+               uint64_t size_nbytes, bool buffered) {
   // Each of the `threads` jobs covers its own 1/threads of the file, as our workers do together.
   uint64_t per_job = size_nbytes / static_cast<uint64_t>(c.threads) / c.bs * c.bs;
   std::string command = fmt::format(

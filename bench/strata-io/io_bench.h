@@ -10,6 +10,7 @@
 
 #include "bench/common/stats.h"
 #include "nvme/aio_handle.h"
+#include "nvme/block_stats.h"
 
 namespace strata::bench {
 
@@ -21,6 +22,15 @@ struct IoCase {
   int threads = 1;
 };
 
+// Another tool timed on the same file, parameters and rounds (fio, DeepSpeed).
+struct AnchorResult {
+  std::string name;             // "fio-io_uring", "fio-libaio", "deepspeed"
+  std::vector<double> gbps;     // one per round
+  std::vector<double> req_kib;  // mean request size at the block layer per round, KiB (empty: unknown)
+  double gbps_median = 0;
+  std::string error;            // why it was not (fully) measured; empty when it was
+};
+
 struct IoResult {
   IoCase c;
   uint64_t size_nbytes = 0;
@@ -30,8 +40,13 @@ struct IoResult {
   double lat_p50_us = 0;     // per piece, over every timed iteration
   double lat_p99_us = 0;
   std::optional<uint64_t> wrong;  // 4 KiB blocks that did not hold what was written
-  std::vector<double> fio_gbps;   // with --vs-fio
-  double fio_gbps_median = 0;
+  // Mean size of the requests that reached the file's block device during each
+  // timed pass, KiB (/sys/dev/block/M:m/stat; other I/O on the device counts
+  // too). Empty when the device's statistics are not readable.
+  std::vector<double> req_kib;
+  // Share of the I/O buffers backed by 2 MiB huge pages (nullopt: unknown).
+  std::optional<double> huge_share;
+  std::vector<AnchorResult> anchors;  // --vs-fio, --vs-deepspeed
 };
 
 // Content of the test file: a random base block sequence, with every 4 KiB
@@ -56,7 +71,9 @@ class Pattern {
 // Runs passes over one file with one handle configuration.
 class IoRunner {
  public:
-  // Opens (creating) `path` with O_DIRECT unless buffered.
+  // Opens (creating) `path` with O_DIRECT unless buffered, and preallocates
+  // size_nbytes. Callers validate their parameters before (no file is made for
+  // a run that cannot start).
   IoRunner(std::string path, uint64_t size_nbytes, bool buffered);
   ~IoRunner();
 
@@ -72,6 +89,18 @@ class IoRunner {
   void invalidate_pattern() { has_pattern_ = false; }
   const std::string& path() const { return path_; }
   uint64_t size_nbytes() const { return size_nbytes_; }
+  // The file's block device, when its statistics are readable.
+  const std::optional<nvme::BlockDevice>& device() const { return device_; }
+  // Why device() is empty.
+  const std::string& device_why() const { return device_why_; }
+  // Mean request size (KiB) in direction `rw` between two readings; nullopt
+  // without a readable device or when no request completed.
+  static std::optional<double> request_kib(const std::optional<nvme::BlockCounters>& before,
+                                           const std::optional<nvme::BlockCounters>& after,
+                                           nvme::IoOp rw);
+  std::optional<nvme::BlockCounters> counters() const;
+  // Share of the I/O buffers in 2 MiB huge pages (nullopt before the first run).
+  std::optional<double> huge_share() const;
 
  private:
   void ensure_buffers(size_t chunk_nbytes, nvme::AioHandle& handle);
@@ -84,10 +113,14 @@ class IoRunner {
   static constexpr int kSlots = 4;
   char* slots_ = nullptr;  // kSlots * chunk_nbytes_, page-aligned, locked
   std::unique_ptr<Pattern> pattern_;
+  std::optional<nvme::BlockDevice> device_;
+  std::string device_why_;
 };
 
-// Runs fio once on the same file and parameters; returns GB/s (1e9 B/s).
-// Throws Error(kIo) when fio is missing or fails (its output is in the message).
-double run_fio(const IoCase& c, const std::string& path, uint64_t size_nbytes, bool buffered);
+// Runs fio once on the same file and parameters with fio's `ioengine`
+// (io_uring, libaio, psync); returns GB/s (1e9 B/s). Throws Error(kIo) when
+// fio is missing or fails (its output is in the message).
+double run_fio(const IoCase& c, const std::string& ioengine, const std::string& path,
+               uint64_t size_nbytes, bool buffered);
 
 }  // namespace strata::bench

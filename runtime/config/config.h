@@ -19,6 +19,7 @@ namespace strata {
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
 struct AioConfig {
+  std::string engine;       // uring | aio | psync
   uint64_t block_size = 0;  // bytes
   int queue_depth = 0;
   int thread_count = 0;
@@ -75,7 +76,6 @@ struct OptimizerConfig {
 
 struct StrataOptions {
   std::string accelerator;  // auto | cpu | cuda
-  std::string io_engine;    // uring | aio | psync
   uint64_t seed = 0;
   std::string log_level;
   double collective_timeout_s = 0;

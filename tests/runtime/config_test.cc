@@ -2,12 +2,17 @@
 // with the message that names the key and what it accepts, docs in sync.
 #include <catch2/catch.hpp>
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
+#include "nvme/io_options.h"
 #include "runtime/config/config.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
+#include "tests/support/temp_dir.h"
 
 using namespace strata;
 using Catch::Contains;
@@ -44,7 +49,8 @@ TEST_CASE("a typical DeepSpeed ZeRO-3 NVMe-offload config is accepted", "[config
   REQUIRE(c.optimizer.lr == Approx(3e-5));
   REQUIRE(c.micro_batch_size == 2);
   REQUIRE(c.no_effect_keys.size() == 3);
-  REQUIRE(c.effective["strata"]["io_engine"] == "uring");  // strata defaults filled in
+  REQUIRE(c.effective["aio"]["engine"] == "uring");  // defaults filled in
+  REQUIRE(c.aio.engine == "uring");
 }
 
 TEST_CASE("defaults are DeepSpeed's and written once", "[config]") {
@@ -150,4 +156,139 @@ TEST_CASE("docs/config.md is generated from the schema", "[config][docs]") {
   text << file.rdbuf();
   INFO("regenerate with: build/bin/strata config docs > docs/config.md");
   REQUIRE(text.str() == config_reference_markdown());
+}
+
+// --- Bad input found by probing and fuzzing (issue 16) ----------------------
+
+TEST_CASE("a number beyond double's range is a syntax problem with line:column, not a crash", "[config][issue16]") {
+  // nlohmann throws out_of_range (not parse_error) for these; it used to
+  // escape parse_config_text and end `strata config check` in std::terminate.
+  REQUIRE_THAT(only_problem("{\"fp16\": {\"initial_scale_power\": 1e400}}"),
+               Contains("1:34: JSON number 1e400 is out of range"));
+  REQUIRE_THAT(only_problem("{\"fp16\":\n {\"initial_scale_power\":1e30016}}"), Contains("2:") && Contains("out of range"));
+  REQUIRE_THAT(only_problem("1e400"), Contains("JSON number 1e400 is out of range"));
+  REQUIRE_THAT(only_problem("[-1e400]"), Contains("out of range"));
+}
+
+TEST_CASE("an integer key's upper bound fits the int it is read into", "[config][issue16]") {
+  // 1e12 used to be accepted and read with get<int>() as -727379968.
+  REQUIRE_THAT(only_problem(R"({"fp16": {"loss_scale_window": 1e12}})"),
+               Contains("fp16.loss_scale_window") && Contains("1..2147483647"));
+  REQUIRE(parse_config_text(R"({"fp16": {"loss_scale_window": 2147483647}})").fp16.loss_scale_window == 2147483647);
+  // Every integer key at its documented maximum builds the typed config with
+  // that value (build() refuses to narrow a value that does not fit).
+  for (const auto& f : config_fields()) {
+    if (f.kind != FieldKind::kInt) continue;
+    INFO(f.path << " at " << f.max);
+    std::string pointer = "/" + f.path;
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    nlohmann::json doc = nlohmann::json::object();
+    doc[nlohmann::json::json_pointer(pointer)] = static_cast<int64_t>(f.max);
+    try {
+      const Config c = parse_config(doc);
+      CHECK(c.effective[nlohmann::json::json_pointer(pointer)].get<int64_t>() == static_cast<int64_t>(f.max));
+    } catch (const ConfigError&) {
+      // A combination rule may refuse it (that is not the bound's business).
+    }
+  }
+}
+
+TEST_CASE("integers are compared exactly, not through double", "[config][issue16]") {
+  // 2^53 + 1 rounds to 2^53 as a double: it used to pass the check and be stored as given.
+  REQUIRE_THAT(only_problem(R"({"strata": {"seed": 9007199254740993}})"), Contains("strata.seed"));
+  REQUIRE(parse_config_text(R"({"strata": {"seed": 9007199254740992}})").strata.seed == 9007199254740992ull);
+  // A size given as an integer keeps every digit.
+  REQUIRE(parse_config_text(R"({"strata": {"pinned_pool_size": 18000000000000000001}})").strata.pinned_pool_nbytes ==
+          18000000000000000001ull);
+}
+
+TEST_CASE("the seed's limit is said, as 2^53", "[config][issue16]") {
+  REQUIRE_THAT(only_problem(R"({"strata": {"seed": 18446744073709551615}})"),
+               Contains("strata.seed: 18446744073709551615 (a number) is not an integer 0..2^53"));
+}
+
+TEST_CASE("aio limits are the I/O engine's own", "[config][issue16]") {
+  // The schema accepted queue_depth up to 65536 and thread_count up to 1024;
+  // the engine refuses more than 4096 and 256.
+  for (const char* key : {"queue_depth", "thread_count"}) {
+    const ConfigField* f = find_config_field(std::string("aio.") + key);
+    REQUIRE(f != nullptr);
+    const int max = static_cast<int>(f->max);
+    INFO(key << " schema max " << max);
+    nvme::AioOptions at_max, over;
+    (std::string(key) == "queue_depth" ? at_max.queue_depth : at_max.thread_count) = max;
+    (std::string(key) == "queue_depth" ? over.queue_depth : over.thread_count) = max + 1;
+    REQUIRE_NOTHROW(at_max.validate());
+    REQUIRE_THROWS(over.validate());
+    const Config c = parse_config_text(fmt::format(R"({{"aio": {{"{}": {}}}}})", key, max));
+    nvme::AioOptions from_config;
+    from_config.queue_depth = c.aio.queue_depth;
+    from_config.thread_count = c.aio.thread_count;
+    REQUIRE_NOTHROW(from_config.validate());
+    REQUIRE_THAT(only_problem(fmt::format(R"({{"aio": {{"{}": {}}}}})", key, max + 1)), Contains(std::string("aio.") + key));
+  }
+  REQUIRE(find_config_field("aio.queue_depth")->max == 4096);
+  REQUIRE(find_config_field("aio.thread_count")->max == 256);
+}
+
+TEST_CASE("a long unknown key costs no suggestion search and is not echoed whole", "[config][issue16]") {
+  const std::string key(1 << 20, 'k');
+  const std::string problem = only_problem("{\"" + key + "\": 1}");
+  REQUIRE_THAT(problem, Contains("unknown key") && Contains("(1048576 bytes)"));
+  REQUIRE(problem.size() < 300);
+  // No edit distance for keys past 64 characters: a long extension of a valid
+  // key, which the prefix rule would otherwise match, gets no suggestion.
+  REQUIRE_THAT(only_problem("{\"train_micro_batch_size_per_gpu" + std::string(40, 'x') + "\": 1}"),
+               Contains("unknown key") && !Contains("did you mean"));
+  // Control characters in a key are escaped, not printed.
+  REQUIRE_THAT(only_problem("{\"a\\nb\\u0007\": 1}"), Contains("a\\nb\\x07: unknown key"));
+}
+
+TEST_CASE("the problems listed are bounded; the rest are counted", "[config][issue16]") {
+  std::string text = "{";
+  for (int i = 0; i < 10000; ++i) text += fmt::format("{}\"unknown_{}\": {}", i == 0 ? "" : ",", i, i);
+  text += "}";
+  const auto problems = problems_of(text);
+  REQUIRE(problems.size() == 51);
+  REQUIRE(problems.back() == "... and 9950 more problems");
+}
+
+TEST_CASE("a key given twice is a problem, not a silent overwrite", "[config][issue16]") {
+  REQUIRE_THAT(only_problem(R"({"aio": {"queue_depth": 8, "queue_depth": 16}})"),
+               Contains("aio.queue_depth: given more than once"));
+}
+
+TEST_CASE("strings and bytes from the file are quoted escaped and bounded", "[config][issue16]") {
+  // A binary file: the byte nlohmann stopped at is escaped, not echoed raw.
+  const std::string problem = only_problem("\x89PNG\r\n");
+  REQUIRE_THAT(problem, Contains("1:1: JSON syntax error") && Contains("\\x89"));
+  REQUIRE(problem.find('\x89') == std::string::npos);
+  const std::string enum_problem = only_problem("{\"optimizer\": {\"type\": \"" + std::string(100000, 'A') + "\"}}");
+  REQUIRE(enum_problem.size() < 400);
+  REQUIRE_THAT(enum_problem, Contains("(100000 bytes)"));
+  REQUIRE_THAT(only_problem(R"({"strata": {"trace_path": "a\u0000b"}})"), Contains("strata.trace_path"));
+  // Nesting is bounded, not paid for in memory.
+  REQUIRE_THAT(only_problem(std::string(100000, '[') + std::string(100000, ']')), Contains("nested deeper than 64"));
+}
+
+TEST_CASE("a directory, an oversized file: named as such", "[config][issue16]") {
+  test::TempDir dir("config-dir");
+  // Was "JSON syntax error ... unexpected end of input".
+  REQUIRE_THROWS_WITH(load_config_file(dir.path().string()), Contains("Is a directory"));
+  const std::string big = dir.file("big.json");
+  {
+    std::ofstream out(big);
+    out << "{\"x\": \"" << std::string((16 << 20) + 10, 'x') << "\"}";
+  }
+  REQUIRE_THROWS_WITH(load_config_file(big), Contains("larger than 16777216 bytes"));
+}
+
+TEST_CASE("aio.engine chooses the I/O backend; strata.io_engine is its older name", "[config]") {
+  CHECK(strata::parse_config_text(R"({"aio": {"engine": "aio"}})").aio.engine == "aio");
+  CHECK(strata::parse_config_text(R"({"strata": {"io_engine": "psync"}})").aio.engine == "psync");
+  REQUIRE_THROWS_WITH(strata::parse_config_text(R"({"aio": {"engine": "spdk"}})"),
+                      Catch::Contains("aio.engine"));
+  REQUIRE_THROWS_WITH(
+      strata::parse_config_text(R"({"aio": {"engine": "aio"}, "strata": {"io_engine": "psync"}})"),
+      Catch::Contains("conflicts with aio.engine"));
 }
