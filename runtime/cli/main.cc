@@ -2,8 +2,11 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <exception>
+#include <new>
 
 #include "runtime/cli/commands.h"
+#include "runtime/config/json_text.h"
 #include "runtime/core/error.h"
 
 int main(int argc, char** argv) {
@@ -20,6 +23,14 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const strata::Error& e) {
     std::fprintf(stderr, "strata: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "strata: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    // Not a strata::Error: a bug (every bad input should have been named), but
+    // a message and exit code 1 rather than std::terminate and a core dump.
+    std::fprintf(stderr, "strata: internal error: %s\n", strata::printable_excerpt(e.what(), 1000).c_str());
     return 1;
   }
 }

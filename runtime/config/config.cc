@@ -1,18 +1,22 @@
 // Checking a configuration document against the schema and building Config.
 #include "runtime/config/config.h"
 
-
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
-#include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
-#include <sstream>
 
+#include "nvme/io_options.h"
 #include "runtime/config/json_describe.h"
+#include "runtime/config/json_text.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
 
@@ -20,6 +24,15 @@ namespace strata {
 namespace {
 
 using nlohmann::json;
+
+// Problems listed in one error; the rest are counted ("... and 12 more").
+constexpr size_t kMaxListedProblems = 50;
+// Unknown keys longer than this get no "did you mean": no valid key is near,
+// and the edit distance costs length x length.
+constexpr size_t kMaxSuggestedKeyLength = 64;
+// A configuration is a few kilobytes; anything this large is not one (and
+// /dev/zero must not be read until memory runs out).
+constexpr size_t kMaxConfigFileNbytes = size_t{16} << 20;
 
 size_t edit_distance(std::string_view a, std::string_view b) {
   std::vector<size_t> row(b.size() + 1);
@@ -47,6 +60,7 @@ std::string closest_key(const std::string& path) {
   const auto dot = path.rfind('.');
   const std::string parent = dot == std::string::npos ? "" : path.substr(0, dot + 1);
   const std::string name = last_component(path);
+  if (name.size() > kMaxSuggestedKeyLength) return "";
   std::string best;
   size_t best_distance = SIZE_MAX;
   auto consider = [&](const std::string& candidate_path, const std::string& candidate_name) {
@@ -90,9 +104,13 @@ class Checker {
         } else {
           problem("{}: expected an object (a section), got {}", given, describe_json(value));
         }
+      } else if (full()) {
+        ++unlisted_;  // counted only: no suggestion search for problems nobody sees
       } else {
+        // Sections are known names, so only the last component can be long or odd.
+        const std::string shown = (prefix.empty() ? "" : prefix + ".") + printable_excerpt(key, 80);
         const std::string suggestion = closest_key(path);
-        problem("{}: unknown key{}", given,
+        problem("{}: unknown key{}", shown,
                 suggestion.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", suggestion));
       }
     }
@@ -113,7 +131,18 @@ class Checker {
 
   template <typename... Args>
   void problem(fmt::format_string<Args...> format, Args&&... args) {
+    if (full()) {
+      ++unlisted_;
+      return;
+    }
     problems_.push_back(fmt::format(format, std::forward<Args>(args)...));
+  }
+  bool full() const { return problems_.size() >= kMaxListedProblems; }
+  // The problems to report: at most kMaxListedProblems, then one line counting the rest.
+  std::vector<std::string> listed_problems() const {
+    std::vector<std::string> out = problems_;
+    if (unlisted_ > 0) out.push_back(fmt::format("... and {} more problem{}", unlisted_, unlisted_ == 1 ? "" : "s"));
+    return out;
   }
 
  private:
@@ -134,7 +163,7 @@ class Checker {
     std::optional<json> accepted = convert(f, value);
     if (!accepted) {
       const std::string got = f.kind == FieldKind::kEnum && value.is_string()
-                                  ? fmt::format("\"{}\"", value.get<std::string>())
+                                  ? fmt::format("\"{}\"", printable_excerpt(value.get_ref<const std::string&>()))
                                   : describe_json(value);
       problem("{}: {} is not {}", given, got, describe_accepted(f));
       return;
@@ -146,6 +175,24 @@ class Checker {
 
   static bool in_range(const ConfigField& f, double x) { return std::isfinite(x) && x >= f.min && x <= f.max; }
 
+  // An integer JSON value compared exactly with the field's bounds (a double
+  // would round 2^53 + 1 to 2^53 and accept it, then store the other value).
+  static std::optional<int64_t> exact_int(const ConfigField& f, const json& value) {
+    constexpr double kInt64Bound = 9.2e18;  // below 2^63: every bound in the schema is far inside
+    const int64_t lo = f.min <= -kInt64Bound ? std::numeric_limits<int64_t>::min() : static_cast<int64_t>(std::ceil(f.min));
+    const int64_t hi = f.max >= kInt64Bound ? std::numeric_limits<int64_t>::max() : static_cast<int64_t>(std::floor(f.max));
+    if (value.is_number_unsigned()) {
+      const uint64_t u = value.get<uint64_t>();
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+      const auto i = static_cast<int64_t>(u);
+      if (i < lo || i > hi) return std::nullopt;
+      return i;
+    }
+    const int64_t i = value.get<int64_t>();
+    if (i < lo || i > hi) return std::nullopt;
+    return i;
+  }
+
   static std::optional<json> convert(const ConfigField& f, const json& value) {
     switch (f.kind) {
       case FieldKind::kBool:
@@ -153,25 +200,42 @@ class Checker {
         return std::nullopt;
       case FieldKind::kInt: {
         if (!value.is_number()) return std::nullopt;
-        const double x = value.get<double>();
-        if (x != std::floor(x) || !in_range(f, x)) return std::nullopt;
+        if (value.is_number_integer()) {
+          const auto i = exact_int(f, value);
+          if (!i) return std::nullopt;
+          return json(*i);
+        }
+        const double x = value.get<double>();  // 1e6 written as a float
+        if (x != std::floor(x) || !in_range(f, x) || std::fabs(x) > 9.2e18) return std::nullopt;
         return json(static_cast<int64_t>(x));
       }
       case FieldKind::kNumber:
         if (!value.is_number() || !in_range(f, value.get<double>())) return std::nullopt;
         return json(value.get<double>());
       case FieldKind::kSize: {
-        double x = -1;
-        if (value.is_number()) {
-          x = value.get<double>();
+        std::optional<uint64_t> exact;  // integers and size strings: no rounding through double
+        if (value.is_number_unsigned()) {
+          exact = value.get<uint64_t>();
+        } else if (value.is_number_integer()) {  // signed: a document built in code
+          if (value.get<int64_t>() < 0) return std::nullopt;
+          exact = static_cast<uint64_t>(value.get<int64_t>());
         } else if (value.is_string()) {
-          if (auto parsed = parse_size(value.get<std::string>())) x = static_cast<double>(*parsed);
+          exact = parse_size(value.get<std::string>());
         }
+        if (exact) {
+          if (!in_range(f, static_cast<double>(*exact))) return std::nullopt;
+          return json(*exact);
+        }
+        if (!value.is_number_float()) return std::nullopt;  // other types, strings that are not sizes
+        const double x = value.get<double>();
         if (x < 0 || x != std::floor(x) || !in_range(f, x) || x > 1.8e19) return std::nullopt;
         return json(static_cast<uint64_t>(x));
       }
       case FieldKind::kString:
-        if (!value.is_string()) return std::nullopt;
+        // A NUL would silently cut a path where the operating system reads it.
+        if (!value.is_string() || value.get_ref<const std::string&>().find('\0') != std::string::npos) {
+          return std::nullopt;
+        }
         return value;
       case FieldKind::kEnum: {
         if (!value.is_string()) return std::nullopt;
@@ -195,6 +259,7 @@ class Checker {
   std::map<std::string, json> values_;
   std::map<std::string, std::string> given_as_;  // canonical path -> the name the file used
   std::vector<std::string> problems_;
+  size_t unlisted_ = 0;
   std::vector<std::string> no_effect_;
 };
 
@@ -204,19 +269,29 @@ OffloadDevice parse_device(const std::string& name) {
   return OffloadDevice::kNone;
 }
 
+// A schema-checked integer read into an `int` member. The schema's bounds are
+// what keep it in range; a field whose bound exceeds int is a bug in the
+// schema, reported as such rather than wrapped to another value.
+int as_int(const json& value) {
+  const auto v = value.get<int64_t>();
+  STRATA_CHECK(v >= std::numeric_limits<int>::min() && v <= std::numeric_limits<int>::max(), kInternal,
+               "configuration value {} does not fit the int it is read into: the schema's bound is too wide", v);
+  return static_cast<int>(v);
+}
+
 // Fills the typed structs from the complete effective document.
 Config build(const json& e) {
   Config c;
-  c.micro_batch_size = e["train_micro_batch_size_per_gpu"].get<int>();
-  c.gradient_accumulation_steps = e["gradient_accumulation_steps"].get<int>();
+  c.micro_batch_size = as_int(e["train_micro_batch_size_per_gpu"]);
+  c.gradient_accumulation_steps = as_int(e["gradient_accumulation_steps"]);
   c.train_batch_size = e["train_batch_size"].get<int64_t>();
   c.gradient_clipping = e["gradient_clipping"].get<double>();
   c.steps_per_print = e["steps_per_print"].get<int64_t>();
   c.bf16 = e["bf16"]["enabled"].get<bool>();
   const json& fp16 = e["fp16"];
   c.fp16 = {fp16["enabled"].get<bool>(),        fp16["loss_scale"].get<double>(),
-            fp16["initial_scale_power"].get<int>(), fp16["loss_scale_window"].get<int>(),
-            fp16["hysteresis"].get<int>(),      fp16["min_loss_scale"].get<double>()};
+            as_int(fp16["initial_scale_power"]), as_int(fp16["loss_scale_window"]),
+            as_int(fp16["hysteresis"]),      fp16["min_loss_scale"].get<double>()};
   const json& opt = e["optimizer"];
   c.optimizer.type = opt["type"].get<std::string>();
   c.optimizer.lr = opt["params"]["lr"].get<double>();
@@ -224,14 +299,14 @@ Config build(const json& e) {
   c.optimizer.eps = opt["params"]["eps"].get<double>();
   c.optimizer.weight_decay = opt["params"]["weight_decay"].get<double>();
   const json& z = e["zero_optimization"];
-  c.zero.stage = z["stage"].get<int>();
+  c.zero.stage = as_int(z["stage"]);
   const json& op = z["offload_param"];
   c.zero.offload_param = {parse_device(op["device"].get<std::string>()), op["nvme_path"].get<std::string>(),
-                          op["pin_memory"].get<bool>(),  op["buffer_count"].get<int>(),
+                          op["pin_memory"].get<bool>(),  as_int(op["buffer_count"]),
                           op["buffer_size"].get<uint64_t>(), op["max_in_cpu"].get<uint64_t>()};
   const json& oo = z["offload_optimizer"];
   c.zero.offload_optimizer = {parse_device(oo["device"].get<std::string>()), oo["nvme_path"].get<std::string>(),
-                              oo["pin_memory"].get<bool>(), oo["buffer_count"].get<int>()};
+                              oo["pin_memory"].get<bool>(), as_int(oo["buffer_count"])};
   c.zero.sub_group_numel = z["sub_group_size"].get<uint64_t>();
   c.zero.reduce_bucket_numel = z["reduce_bucket_size"].get<uint64_t>();
   c.zero.overlap_comm = z["overlap_comm"].get<bool>();
@@ -241,11 +316,11 @@ Config build(const json& e) {
   c.zero.max_live_parameters_numel = z["stage3_max_live_parameters"].get<uint64_t>();
   c.zero.max_reuse_distance_numel = z["stage3_max_reuse_distance"].get<uint64_t>();
   const json& aio = e["aio"];
-  c.aio = {aio["block_size"].get<uint64_t>(), aio["queue_depth"].get<int>(), aio["thread_count"].get<int>(),
+  c.aio = {aio["engine"].get<std::string>(), aio["block_size"].get<uint64_t>(), as_int(aio["queue_depth"]), as_int(aio["thread_count"]),
            aio["single_submit"].get<bool>(), aio["overlap_events"].get<bool>()};
   c.cpu_checkpointing = e["activation_checkpointing"]["cpu_checkpointing"].get<bool>();
   const json& s = e["strata"];
-  c.strata = {s["accelerator"].get<std::string>(),  s["io_engine"].get<std::string>(),
+  c.strata = {s["accelerator"].get<std::string>(),
               s["seed"].get<uint64_t>(),           s["log_level"].get<std::string>(),
               s["collective_timeout_s"].get<double>(), s["pinned_pool_size"].get<uint64_t>(),
               s["trace_path"].get<std::string>(),  s["keep_swap_files"].get<bool>()};
@@ -296,14 +371,16 @@ void check_combinations(const Config& c, Checker& checker) {
         "gradient_accumulation_steps {} = {}: the world size would not be a whole number",
         c.train_batch_size, c.micro_batch_size, c.gradient_accumulation_steps, per_rank);
   }
-  if (c.aio.block_size % 4096 != 0) {
-    checker.problem("aio.block_size {} is not a multiple of 4096 bytes, which O_DIRECT requires",
-                    c.aio.block_size);
+  // The I/O engine's own limits (nvme/io_options.h), so that a file this
+  // accepts is one the engine accepts.
+  if (c.aio.block_size % nvme::kDirectIoAlignment != 0) {
+    checker.problem("aio.block_size {} is not a multiple of {} bytes, which O_DIRECT requires",
+                    c.aio.block_size, nvme::kDirectIoAlignment);
   }
-  if (c.aio.block_size > (uint64_t{1} << 30)) {
-    checker.problem("aio.block_size {} is over 1 GiB (1073741824), the largest I/O piece strata issues "
+  if (c.aio.block_size > nvme::kMaxBlockNbytes) {
+    checker.problem("aio.block_size {} is over 1 GiB ({}), the largest I/O piece strata issues "
                     "(io_uring lengths are 32-bit); 1 MiB to 16 MiB is typical",
-                    c.aio.block_size);
+                    c.aio.block_size, nvme::kMaxBlockNbytes);
   }
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");
@@ -333,46 +410,72 @@ std::string_view offload_device_name(OffloadDevice device) {
   return "?";
 }
 
-Config parse_config(const json& document, std::string_view source) {
+namespace {
+// parse_config with problems already found in the text (duplicate keys).
+Config check_document(const json& document, std::string_view source, const std::vector<std::string>& text_problems) {
   Checker checker{std::string(source)};
+  for (const auto& p : text_problems) checker.problem("{}", p);
   if (!document.is_object()) {
-    throw ConfigError(std::string(source), {fmt::format("the top level must be a JSON object, got {}",
-                                                        describe_json(document))});
+    checker.problem("the top level must be a JSON object, got {}", describe_json(document));
+    throw ConfigError(std::string(source), checker.listed_problems());
   }
   checker.walk(document, "");
-  if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.problems());
+  if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.listed_problems());
   Config config = build(checker.effective());
   config.no_effect_keys = checker.no_effect();
   check_combinations(config, checker);
-  if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.problems());
+  if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.listed_problems());
   return config;
 }
+}  // namespace
+
+Config parse_config(const json& document, std::string_view source) { return check_document(document, source, {}); }
 
 Config parse_config_text(std::string_view text, std::string_view source) {
-  json document;
-  try {
-    document = json::parse(text);
-  } catch (const json::parse_error& e) {
-    // Translate the byte offset into line:column for the message.
-    size_t line = 1, column = 1;
-    for (size_t i = 0; i + 1 < e.byte && i < text.size(); ++i) {
-      if (text[i] == '\n') ++line, column = 1;
-      else ++column;
-    }
-    std::string detail = e.what();
-    const auto colon = detail.find("syntax error");
-    if (colon != std::string::npos) detail = detail.substr(colon);
-    throw ConfigError(std::string(source), {fmt::format("{}:{}: JSON {}", line, column, detail)});
+  JsonTextResult parsed = parse_json_text(text);
+  if (!parsed.ok) throw ConfigError(std::string(source), {parsed.error});
+  std::vector<std::string> duplicates;
+  for (const auto& key : parsed.duplicate_keys) {
+    duplicates.push_back(fmt::format("{}: given more than once (a second value would silently replace the first)", key));
   }
-  return parse_config(document, source);
+  if (parsed.duplicate_key_count > parsed.duplicate_keys.size()) {
+    duplicates.push_back(fmt::format("... and {} more keys given more than once",
+                                     parsed.duplicate_key_count - parsed.duplicate_keys.size()));
+  }
+  return check_document(parsed.document, source, duplicates);
 }
 
 Config load_config_file(const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) raise_errno(errno, fmt::format("cannot read config file {}", path));
-  std::stringstream buffer;
-  buffer << file.rdbuf();
-  return parse_config_text(buffer.str(), path);
+  const std::string what = fmt::format("cannot read config file {}", path);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) raise_errno(errno, what);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
+    const int err = S_ISDIR(st.st_mode) ? EISDIR : errno;
+    ::close(fd);
+    raise_errno(err, what);  // "...: Is a directory", not a JSON error about empty input
+  }
+  // Read at most one byte past the limit (pipes and devices have no size to check first).
+  std::string text;
+  char buffer[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      raise_errno(err, what);
+    }
+    if (n == 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    if (text.size() > kMaxConfigFileNbytes) {
+      ::close(fd);
+      throw ConfigError(path, {fmt::format("the file is larger than {} bytes (16 MiB); a configuration is a few "
+                                           "kilobytes of JSON", kMaxConfigFileNbytes)});
+    }
+  }
+  ::close(fd);
+  return parse_config_text(text, path);
 }
 
 Config default_config() { return parse_config(json::object(), "defaults"); }

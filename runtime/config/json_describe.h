@@ -7,18 +7,24 @@
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
+#include <cstdint>
 #include <string>
+#include <string_view>
+
+#include "runtime/config/json_text.h"
 
 namespace strata {
 
 // `"silu" (a string)`, `3.5 (a number)`, `true (a boolean)`, `null`,
-// `a list of 3`, `an object of 2 keys`. Strings are cut at 80 characters.
+// `a list of 3`, `an object of 2 keys`. Strings are cut at 80 bytes, and
+// control characters and invalid UTF-8 in them are escaped (printable_excerpt).
 inline std::string describe_json(const nlohmann::json& value) {
   if (value.is_string()) {
-    const auto& text = value.get_ref<const std::string&>();
-    return text.size() <= 80 ? fmt::format("\"{}\" (a string)", text)
-                             : fmt::format("\"{}...\" (a string of {} characters)", text.substr(0, 80),
-                                           text.size());
+    const std::string_view text = value.get_ref<const std::string&>();
+    return text.size() <= 80
+               ? fmt::format("\"{}\" (a string)", printable_excerpt(text, SIZE_MAX))
+               : fmt::format("\"{}...\" (a string of {} characters)",
+                             printable_excerpt(text.substr(0, 80), SIZE_MAX), text.size());
   }
   if (value.is_boolean()) return fmt::format("{} (a boolean)", value.dump());
   if (value.is_number()) return fmt::format("{} (a number)", value.dump());

@@ -6,7 +6,11 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <climits>
 #include <set>
+
+#include "nvme/io_options.h"
+#include "runtime/core/error.h"
 
 namespace strata {
 namespace {
@@ -72,7 +76,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(flag("fp16.enabled", false, "Train with fp16 parameters and gradients, with loss scaling."));
   f.push_back(number("fp16.loss_scale", 0.0, 0, 1e300, "Static loss scale; 0 selects dynamic loss scaling."));
   f.push_back(integer("fp16.initial_scale_power", 16, 0, 64, "Dynamic scaling starts at 2^initial_scale_power."));
-  f.push_back(integer("fp16.loss_scale_window", 1000, 1, 1e12, "Steps without overflow before the dynamic scale doubles."));
+  f.push_back(integer("fp16.loss_scale_window", 1000, 1, INT_MAX, "Steps without overflow before the dynamic scale doubles."));
   f.push_back(integer("fp16.hysteresis", 2, 1, 1e6, "Overflows tolerated before the dynamic scale halves."));
   f.push_back(number("fp16.min_loss_scale", 1.0, 0, 1e300, "Lower bound of the dynamic loss scale."));
   // Optimizer.
@@ -116,8 +120,11 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(flag("zero_optimization.stage3_gather_16bit_weights_on_model_save", false, "DeepSpeed save option; strata checkpoints shards and converts with its own tools.")));
   // Asynchronous I/O.
   f.push_back(size("aio.block_size", 1048576, "bytes", 4096, "Bytes per I/O request piece; a multiple of 4096 (O_DIRECT), at most 1 GiB."));
-  f.push_back(integer("aio.queue_depth", 8, 1, 65536, "Requests in flight per I/O worker."));
-  f.push_back(integer("aio.thread_count", 1, 1, 1024, "I/O workers, each with its own ring. Alias: intra_op_parallelism."));
+  f.push_back(integer("aio.queue_depth", 8, 1, nvme::kMaxQueueDepth,
+                      "Requests in flight per I/O worker."));
+  f.push_back(integer("aio.thread_count", 1, 1, nvme::kMaxThreadCount,
+                      "I/O workers, each with its own ring. Alias: intra_op_parallelism."));
+  f.push_back(choice("aio.engine", "uring", {"uring", "aio", "psync"}, "NVMe I/O backend: io_uring, libaio, or pread/pwrite (`strata-io tune` measures which is faster; `strata.io_engine` is its older name)."));
   f.push_back(flag("aio.single_submit", false, "Submit requests one at a time instead of in batches."));
   f.push_back(flag("aio.overlap_events", true, "Reap completions while submitting new requests."));
   f.push_back(flag("aio.use_gds", false, "GPUDirect Storage; not supported by strata, must stay false."));
@@ -129,8 +136,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(flag("activation_checkpointing.profile", false, "DeepSpeed profiling option.")));
   // strata's own keys.
   f.push_back(choice("strata.accelerator", "auto", {"auto", "cpu", "cuda"}, "Backend: auto uses CUDA when a GPU is present."));
-  f.push_back(choice("strata.io_engine", "uring", {"uring", "aio", "psync"}, "NVMe I/O backend: io_uring, libaio, or pread/pwrite."));
-  f.push_back(integer("strata.seed", 1234, 0, 9.007199254740992e15, "Seed of the counter-based parameter initialisation (same model for any world size)."));
+  f.push_back(integer("strata.seed", 1234, 0, 9.007199254740992e15, "Seed of the counter-based parameter initialisation (same model for any world size). At most 2^53, the largest integer every JSON reader holds exactly."));
   f.push_back(choice("strata.log_level", "info", {"trace", "debug", "info", "warn", "error", "off"}, "Logging threshold."));
   f.push_back(number("strata.collective_timeout_s", 300, 0.1, 1e9, "Seconds before a collective or rendezvous fails with an error naming the missing rank."));
   f.push_back(size("strata.pinned_pool_size", 0, "bytes", 0, "Upper bound of page-locked host memory; 0 sizes the pool from the buffer counts."));
@@ -155,6 +161,7 @@ const ConfigField* find_config_field(std::string_view path) {
 
 std::string_view canonical_config_path(std::string_view path) {
   if (path == "aio.intra_op_parallelism") return "aio.thread_count";
+  if (path == "strata.io_engine") return "aio.engine";
   return path;
 }
 
@@ -165,10 +172,15 @@ bool is_config_section(std::string_view path) {
 }
 
 namespace {
+// A bound as people read it: "1048576", "0.1", "2^53"; "" for the
+// "no bound" sentinels (+-1e300).
 std::string bound(double value) {
-  if (value >= 1e15 || value <= -1e15) return "";
+  if (value >= 1e18 || value <= -1e18) return "";
   if (value == static_cast<double>(static_cast<int64_t>(value))) {
-    return fmt::format("{}", static_cast<int64_t>(value));
+    const auto i = static_cast<int64_t>(value);
+    // Large powers of two (2^53) say more as such than as 16 digits.
+    if (i >= (int64_t{1} << 32) && (i & (i - 1)) == 0) return fmt::format("2^{}", __builtin_ctzll(static_cast<uint64_t>(i)));
+    return fmt::format("{}", i);
   }
   return fmt::format("{}", value);
 }
@@ -188,7 +200,7 @@ std::string describe_accepted(const ConfigField& f) {
     case FieldKind::kSize:
       return fmt::format("a count of {}{} (a number, or a string such as \"1GB\" or \"512MiB\")", f.unit,
                          range(f));
-    case FieldKind::kString: return "a string";
+    case FieldKind::kString: return "a string (without NUL characters)";
     case FieldKind::kEnum: return fmt::format("one of {}", fmt::join(f.choices, ", "));
     case FieldKind::kNumberPair: return "a list of two numbers" + range(f);
   }
@@ -200,8 +212,9 @@ std::string config_reference_markdown() {
       "# Configuration reference\n\n"
       "<!-- Generated by `strata config docs` from runtime/config/schema.cc; do not edit by hand. -->\n\n"
       "strata reads a JSON file that uses DeepSpeed's key names where the concept is shared, so an\n"
-      "existing `ds_config.json` mostly works. Unknown keys, wrong types and values out of range are\n"
-      "errors naming the key and what it accepts (with the closest valid key when one is near).\n"
+      "existing `ds_config.json` mostly works. Unknown keys, keys given twice, wrong types and values\n"
+      "out of range are errors naming the key and what it accepts (with the closest valid key when one\n"
+      "is near); integer bounds are checked exactly and never exceed what strata reads them into.\n"
       "Keys marked *no effect* are DeepSpeed keys strata accepts for compatibility and does not use;\n"
       "`strata config check` lists them. The value `\"auto\"` (written by Hugging Face's integration)\n"
       "means the default. Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"

@@ -26,6 +26,7 @@ DType parse_dtype(std::string_view name) {
 }
 
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t numel) {
+  if (numel == 0) return;  // src and dst may be null then (memcpy would not allow it)
   if (src_dtype == dst_dtype) {
     std::memcpy(dst, src, numel * dtype_nbytes(src_dtype));
     return;

@@ -82,7 +82,8 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
                  "{}.params.{}: must be an integer >= {}", where, key, lo);
     out = v.get<int64_t>();
   };
-  for (const auto& [key, value] : params.items()) {
+  for (const auto& item : params.items()) {
+    const std::string& key = item.key();
     static const char* const kKnown[] = {"warmup_min_lr",  "warmup_max_lr",    "warmup_num_steps",
                                          "warmup_type",    "total_num_steps",  "warmup_min_ratio",
                                          "cos_min_ratio",  "last_batch_iteration"};

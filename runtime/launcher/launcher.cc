@@ -9,12 +9,16 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -68,13 +72,21 @@ std::string describe_status(int status) {
   return fmt::format("ended with wait status {}", status);
 }
 
+// now + seconds, saturating: a grace of 1e10 s (or infinity) is "never", not
+// a double -> int64 nanosecond cast that overflows into the past.
+Clock::time_point deadline_after(Clock::time_point now, double seconds) {
+  const double room_s = std::chrono::duration<double>(Clock::time_point::max() - now).count();
+  if (!(seconds < room_s / 2)) return Clock::time_point::max();
+  return now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
 }
 
-[[noreturn]] void exec_child(const LaunchOptions& options, int local_rank, int world_size, int port,
+[[noreturn]] void exec_child(const LaunchOptions& options, int local_rank, int64_t world_size, int port,
                              int out_fd, int err_fd, const sigset_t& original_mask, pid_t launcher_pid) {
   // Own process group: the launcher signals each rank's whole tree. Die with the
   // launcher so that no rank outlives it (a killed launcher, a test timeout).
@@ -87,7 +99,7 @@ int exit_code_of(int status) {
   signal(SIGPIPE, SIG_DFL);
   dup2(out_fd, STDOUT_FILENO);
   dup2(err_fd, STDERR_FILENO);
-  int rank = options.node_rank * options.nproc_per_node + local_rank;
+  const int64_t rank = int64_t{options.node_rank} * options.nproc_per_node + local_rank;
   setenv("RANK", std::to_string(rank).c_str(), 1);
   setenv("WORLD_SIZE", std::to_string(world_size).c_str(), 1);
   setenv("LOCAL_RANK", std::to_string(local_rank).c_str(), 1);
@@ -122,15 +134,55 @@ int find_free_port(const std::string& host) {
   return ntohs(addr.sin_port);
 }
 
+namespace {
+void validate(const LaunchOptions& options) {
+  if (options.nproc_per_node < 1 || options.nproc_per_node > kMaxLocalRanks) {
+    raise(ErrorCategory::kBadArgument, "-n (ranks on this node) must be in [1, {}], got {}",
+          kMaxLocalRanks, options.nproc_per_node);
+  }
+  if (options.nnodes < 1)
+    raise(ErrorCategory::kBadArgument, "--nnodes must be >= 1, got {}", options.nnodes);
+  if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
+    raise(ErrorCategory::kBadArgument, "--node-rank {} must be in [0, {}) (--nnodes {})",
+          options.node_rank, options.nnodes, options.nnodes);
+  }
+  const int64_t world_size = int64_t{options.nnodes} * options.nproc_per_node;
+  if (world_size > INT_MAX) {
+    raise(ErrorCategory::kBadArgument,
+          "--nnodes {} x -n {} = {} ranks; RANK and WORLD_SIZE must fit a 32-bit int (at most {})",
+          options.nnodes, options.nproc_per_node, world_size, INT_MAX);
+  }
+  if (options.command.empty())
+    raise(ErrorCategory::kBadArgument, "no command given: strata run -n N -- PROGRAM ARGS...");
+  if (options.master_port < 0 || options.master_port > 65535) {
+    raise(ErrorCategory::kBadArgument, "--master-port {} is not a TCP port (0..65535)",
+          options.master_port);
+  }
+  if (std::isnan(options.failure_grace_s) || options.failure_grace_s < 0) {
+    raise(ErrorCategory::kBadArgument,
+          "--failure-grace must be a number of seconds >= 0 (or inf), got {}",
+          options.failure_grace_s);
+  }
+  if (std::isnan(options.kill_delay_s) || options.kill_delay_s < 0) {
+    raise(ErrorCategory::kBadArgument,
+          "--kill-delay must be a number of seconds >= 0 (or inf), got {}", options.kill_delay_s);
+  }
+  // Two pipes per rank stay open in the launcher, plus two more while one starts.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur != RLIM_INFINITY) {
+    const uint64_t needed = 2 * static_cast<uint64_t>(options.nproc_per_node) + 32;
+    if (needed > files.rlim_cur) {
+      raise(ErrorCategory::kBadArgument,
+            "-n {} needs about {} open files in strata run, over the limit of {} (ulimit -n)",
+            options.nproc_per_node, needed, static_cast<uint64_t>(files.rlim_cur));
+    }
+  }
+}
+}  // namespace
+
 int launch(const LaunchOptions& options) {
-  STRATA_CHECK(options.nproc_per_node >= 1, kBadArgument, "-n must be >= 1, got {}", options.nproc_per_node);
-  STRATA_CHECK(options.nnodes >= 1, kBadArgument, "--nnodes must be >= 1, got {}", options.nnodes);
-  STRATA_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes, kBadArgument,
-               "--node-rank {} must be in [0, {})", options.node_rank, options.nnodes);
-  STRATA_CHECK(!options.command.empty(), kBadArgument, "no command given: strata run -n N -- PROGRAM ARGS...");
-  STRATA_CHECK(options.master_port >= 0 && options.master_port <= 65535, kBadArgument,
-               "--master-port {} is not a TCP port", options.master_port);
-  int world_size = options.nnodes * options.nproc_per_node;
+  validate(options);
+  const int64_t world_size = int64_t{options.nnodes} * options.nproc_per_node;
   int port = options.master_port;
   if (port == 0) port = options.nnodes == 1 ? find_free_port(options.master_addr) : 29500;
 
@@ -158,25 +210,52 @@ int launch(const LaunchOptions& options) {
 
   std::vector<Rank> ranks(static_cast<size_t>(options.nproc_per_node));
   pid_t launcher_pid = getpid();
-  for (int local = 0; local < options.nproc_per_node; ++local) {
-    Rank& r = ranks[static_cast<size_t>(local)];
-    r.rank = options.node_rank * options.nproc_per_node + local;
-    int out_pipe[2], err_pipe[2];
-    check_errno(pipe2(out_pipe, O_CLOEXEC), "pipe for rank output");
-    check_errno(pipe2(err_pipe, O_CLOEXEC), "pipe for rank output");
-    std::fflush(nullptr);
-    pid_t pid = fork();
-    check_errno(pid, "fork");
-    if (pid == 0) exec_child(options, local, world_size, port, out_pipe[1], err_pipe[1], original, launcher_pid);
-    // Also here, not only in the child: a signal forwarded before the child ran
-    // its own setpgid would otherwise miss it (EACCES after its exec is harmless).
-    setpgid(pid, pid);
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-    r.pid = pid;
-    r.running = true;
-    r.out = {out_pipe[0], stdout, {}};
-    r.err = {err_pipe[0], stderr, {}};
+  int local = 0;
+  try {
+    for (; local < options.nproc_per_node; ++local) {
+      Rank& r = ranks[static_cast<size_t>(local)];
+      r.rank = static_cast<int>(int64_t{options.node_rank} * options.nproc_per_node + local);  // < world_size <= INT_MAX
+      int out_pipe[2], err_pipe[2];
+      check_errno(pipe2(out_pipe, O_CLOEXEC), "pipe for rank output");
+      if (pipe2(err_pipe, O_CLOEXEC) != 0) {
+        const int err = errno;
+        close(out_pipe[0]);
+        close(out_pipe[1]);
+        raise_errno(err, "pipe for rank output");
+      }
+      std::fflush(nullptr);
+      pid_t pid = fork();
+      if (pid < 0) {
+        const int err = errno;
+        for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) close(fd);
+        raise_errno(err, fmt::format("fork for rank {}", r.rank));
+      }
+      if (pid == 0) exec_child(options, local, world_size, port, out_pipe[1], err_pipe[1], original, launcher_pid);
+      // Also here, not only in the child: a signal forwarded before the child ran
+      // its own setpgid would otherwise miss it (EACCES after its exec is harmless).
+      setpgid(pid, pid);
+      close(out_pipe[1]);
+      close(err_pipe[1]);
+      r.pid = pid;
+      r.running = true;
+      r.out = {out_pipe[0], stdout, {}};
+      r.err = {err_pipe[0], stderr, {}};
+    }
+  } catch (...) {
+    // Starting rank `local` failed (out of processes or files): the ranks
+    // already started must not run on without their peers.
+    for (int k = 0; k < local; ++k) {
+      Rank& r = ranks[static_cast<size_t>(k)];
+      killpg(r.pid, SIGKILL);
+      waitpid(r.pid, nullptr, 0);
+      close(r.out.fd);
+      close(r.err.fd);
+    }
+    close(signal_fd);
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+    sigprocmask(SIG_SETMASK, &original, nullptr);
+    throw;
   }
 
   int first_failed = -1;
@@ -251,10 +330,7 @@ int launch(const LaunchOptions& options) {
         std::fprintf(stderr, "strata run: received %s, forwarding it to the ranks%s\n",
                      info.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM", interrupts > 1 ? " (and killing them)" : "");
         signal_all(interrupts > 1 ? SIGKILL : static_cast<int>(info.ssi_signo));
-        if (kill_at == Clock::time_point{}) {
-          kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(options.kill_delay_s));
-        }
+        if (kill_at == Clock::time_point{}) kill_at = deadline_after(Clock::now(), options.kill_delay_s);
         terminated = true;
       }
     }
@@ -272,8 +348,7 @@ int launch(const LaunchOptions& options) {
           first_failed = r.rank;
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s; stopping the other ranks\n", r.rank,
                        static_cast<int>(pid), describe_status(status).c_str());
-          stop_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(options.failure_grace_s));
+          stop_at = deadline_after(Clock::now(), options.failure_grace_s);
         } else if (failed && interrupts == 0) {
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s%s\n", r.rank, static_cast<int>(pid),
                        describe_status(status).c_str(), terminated ? " (stopped by strata run)" : "");
@@ -284,7 +359,7 @@ int launch(const LaunchOptions& options) {
     if (first_failed >= 0 && !terminated && now >= stop_at && any_running()) {
       signal_all(SIGTERM);
       terminated = true;
-      kill_at = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options.kill_delay_s));
+      kill_at = deadline_after(now, options.kill_delay_s);
     }
     if (terminated && !killed && kill_at != Clock::time_point{} && now >= kill_at && any_running()) {
       signal_all(SIGKILL);
@@ -308,7 +383,8 @@ int launch(const LaunchOptions& options) {
 
   if (interrupts > 0) return 130;
   if (first_failed >= 0) {
-    const Rank& failed = ranks[static_cast<size_t>(first_failed - options.node_rank * options.nproc_per_node)];
+    const Rank& failed =
+        ranks[static_cast<size_t>(first_failed - int64_t{options.node_rank} * options.nproc_per_node)];
     std::fprintf(stderr, "strata run: failed: rank %d %s\n", failed.rank, describe_status(failed.status).c_str());
     int code = exit_code_of(failed.status);
     return code == 0 ? 1 : code;

@@ -15,15 +15,20 @@
 
 namespace strata::launcher {
 
+// Most ranks one launcher starts (-n): each costs a process and two pipes,
+// and no machine runs more ranks than this usefully.
+constexpr int kMaxLocalRanks = 1024;
+
 struct LaunchOptions {
-  int nproc_per_node = 1;  // ranks started by this launcher
-  int nnodes = 1;
+  int nproc_per_node = 1;  // ranks started by this launcher, 1..kMaxLocalRanks
+  int nnodes = 1;          // nnodes x nproc_per_node must fit an int (RANK, WORLD_SIZE)
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;  // 0: a free port when nnodes == 1, else 29500
   // After a rank fails, how long the others may take to finish on their own
   // (reporting their own errors) before they are sent SIGTERM, then SIGKILL
-  // kill_delay_s later.
+  // kill_delay_s later. Seconds, >= 0; infinity (or any value beyond the
+  // clock's range) means never.
   double failure_grace_s = 2.0;
   double kill_delay_s = 3.0;
   bool prefix_output = true;

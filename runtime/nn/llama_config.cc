@@ -1,9 +1,11 @@
 // Reading and writing Hugging Face Llama config.json.
 #include "runtime/nn/llama_config.h"
 
+#include <cstdint>
 #include <fstream>
 
 #include "runtime/config/json_describe.h"
+#include "runtime/config/json_text.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
@@ -17,6 +19,10 @@ int64_t get_int(const nlohmann::json& j, const std::string& source, const char* 
   }
   STRATA_CHECK(j[key].is_number_integer(), kBadArgument, "{}: key '{}' must be an integer, got {}",
                source, key, describe_json(j[key]));
+  // Above 2^63 - 1, get<int64_t>() would wrap to a negative number.
+  STRATA_CHECK(!j[key].is_number_unsigned() || j[key].get<uint64_t>() <= uint64_t{INT64_MAX}, kBadArgument,
+               "{}: key '{}' is {}, larger than any model dimension (at most 2^63 - 1)", source, key,
+               describe_json(j[key]));
   return j[key].get<int64_t>();
 }
 
@@ -107,6 +113,21 @@ void LlamaConfig::validate() const {
                rms_norm_eps);
   STRATA_CHECK(rope_theta > 0, kBadArgument, "key 'rope_theta' must be positive, got {}",
                rope_theta);
+  // parameter_count() and the model's shapes multiply these in int64; every
+  // such product is at most the parameter count (or the RoPE table), so
+  // bounding those two, estimated in double, keeps all of them exact.
+  const double h = static_cast<double>(hidden_size), q = static_cast<double>(num_attention_heads) * head_dim,
+               kv = static_cast<double>(num_key_value_heads) * head_dim, ff = static_cast<double>(intermediate_size);
+  const double layer = 2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h;
+  const double parameters = static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
+  constexpr double kMaxCount = 0x1p62;
+  STRATA_CHECK(parameters < kMaxCount, kBadArgument,
+               "the sizes give about {:.3g} parameters, beyond what strata counts (2^62): check vocab_size, "
+               "hidden_size, intermediate_size, num_hidden_layers and the head counts",
+               parameters);
+  STRATA_CHECK(static_cast<double>(max_position_embeddings) * static_cast<double>(head_dim) < kMaxCount,
+               kBadArgument, "key 'max_position_embeddings' ({}) x head_dim ({}) is beyond 2^62", max_position_embeddings,
+               head_dim);
 }
 
 int64_t LlamaConfig::parameter_count() const {
@@ -146,7 +167,8 @@ LlamaConfig load_llama_config(const std::string& path) {
   try {
     j = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
-    raise(ErrorCategory::kBadArgument, "{}: not valid JSON: {}", path, e.what());
+    // The message quotes the input (a 1 MB token, raw bytes): bound and escape it.
+    raise(ErrorCategory::kBadArgument, "{}: not valid JSON: {}", path, printable_excerpt(e.what(), 240));
   }
   return parse_llama_config(j, path);
 }

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "runtime/config/json_describe.h"
+#include "runtime/config/json_text.h"
 #include "runtime/core/error.h"
 
 namespace strata::nn {
@@ -25,12 +26,16 @@ namespace {
 // implementation uses the same order of magnitude).
 constexpr uint64_t kMaxHeaderNbytes = 100ull << 20;
 
+// Header strings (tensor names, dtypes) quoted in messages: bounded and
+// without raw bytes, however long or odd the file makes them.
+std::string quoted(const std::string& text) { return printable_excerpt(text, 200); }
+
 DType parse_st_dtype(const std::string& path, const std::string& name, const std::string& s) {
   if (s == "F32") return DType::kF32;
   if (s == "F16") return DType::kF16;
   if (s == "BF16") return DType::kBF16;
   raise(ErrorCategory::kBadArgument, "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16",
-        path, name, s);
+        path, quoted(name), quoted(s));
 }
 
 uint64_t read_le64(const std::byte* p) {
@@ -49,6 +54,10 @@ std::string_view safetensors_dtype_name(DType dtype) {
       return "F16";
     case DType::kBF16:
       return "BF16";
+    case DType::kI32:
+      return "I32";
+    case DType::kF64:
+      return "F64";
   }
   return "?";
 }
@@ -83,12 +92,19 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                "{}: header length {} at offset 0 exceeds the file ({} bytes) or the {} byte limit",
                path, header_nbytes, file_nbytes, kMaxHeaderNbytes);
   const char* header = reinterpret_cast<const char*>(base + 8);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header, header + header_nbytes);
-  } catch (const nlohmann::json::exception& e) {
-    raise(ErrorCategory::kBadArgument, "{}: header is not valid JSON: {}", path, e.what());
+  // The format nests 3 levels (header, tensor, shape); the strict parser
+  // bounds nesting and reports keys given twice instead of keeping the last.
+  JsonTextResult parsed = parse_json_text(std::string_view(header, header_nbytes));
+  if (!parsed.ok)
+    raise(ErrorCategory::kBadArgument, "{}: header is not valid JSON: {}", path, parsed.error);
+  if (!parsed.duplicate_keys.empty()) {
+    // A tensor named twice: which data is meant is ambiguous (others' readers keep the last).
+    raise(ErrorCategory::kBadArgument,
+          "{}: header key '{}' appears more than once ({} repeated key{})", path,
+          parsed.duplicate_keys.front(), parsed.duplicate_key_count,
+          parsed.duplicate_key_count == 1 ? "" : "s");
   }
+  const nlohmann::json& j = parsed.document;
   STRATA_CHECK(j.is_object(), kBadArgument, "{}: header must be a JSON object", path);
   f.data_ = base + 8 + header_nbytes;
   const size_t data_nbytes = file_nbytes - 8 - header_nbytes;
@@ -98,7 +114,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
       STRATA_CHECK(value.is_object(), kBadArgument, "{}: __metadata__ must be an object", path);
       for (const auto& [k, v] : value.items()) {
         STRATA_CHECK(v.is_string(), kBadArgument, "{}: __metadata__ key '{}' must be a string",
-                     path, k);
+                     path, quoted(k));
         f.metadata_[k] = v.get<std::string>();
       }
       continue;
@@ -110,32 +126,44 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                  kBadArgument,
                  "{}: tensor '{}' needs \"dtype\" (string), \"shape\" (array) and \"data_offsets\" "
                  "([begin, end]); got {}",
-                 path, name, describe_json(value));
+                 path, quoted(name), describe_json(value));
     SafetensorsEntry e;
     e.name = name;
     e.dtype = parse_st_dtype(path, name, value["dtype"].get<std::string>());
-    uint64_t numel = 1;
+    // Shapes are int64 (Shape): every dimension, and the product of the
+    // non-zero ones (a 0 elsewhere must not hide [0, 2^63] or [0, 2^40, 2^40]),
+    // must fit with room for 8-byte elements, so no later product overflows.
+    constexpr uint64_t kMaxNumel = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / 8;
+    uint64_t nonzero_product = 1;
+    bool has_zero = false;
     for (const auto& d : value["shape"]) {
       STRATA_CHECK(d.is_number_unsigned(), kBadArgument,
                    "{}: tensor '{}' has a shape entry {} that is not a non-negative integer", path,
-                   name, describe_json(d));
+                   quoted(name), describe_json(d));
       const uint64_t dim = d.get<uint64_t>();
-      STRATA_CHECK(dim == 0 || numel <= std::numeric_limits<uint64_t>::max() / 8 / dim,
-                   kBadArgument, "{}: tensor '{}' shape overflows", path, name);
-      numel *= dim;
+      STRATA_CHECK(
+          dim <= kMaxNumel && (dim == 0 || nonzero_product <= kMaxNumel / dim), kBadArgument,
+          "{}: tensor '{}' has shape dimension {}, which with the others exceeds {} elements", path,
+          quoted(name), dim, kMaxNumel);
+      if (dim == 0) {
+        has_zero = true;
+      } else {
+        nonzero_product *= dim;
+      }
       e.shape.push_back(static_cast<int64_t>(dim));
     }
+    const uint64_t numel = has_zero ? 0 : nonzero_product;
     const auto& offs = value["data_offsets"];
     STRATA_CHECK(offs[0].is_number_unsigned() && offs[1].is_number_unsigned(), kBadArgument,
-                 "{}: tensor '{}' data_offsets {} must be non-negative integers", path, name,
-                 describe_json(offs));
+                 "{}: tensor '{}' data_offsets {} must be non-negative integers", path,
+                 quoted(name), describe_json(offs));
     e.begin = offs[0].get<uint64_t>();
     e.end = offs[1].get<uint64_t>();
     STRATA_CHECK(e.begin <= e.end && e.end <= data_nbytes, kBadArgument,
                  "{}: tensor '{}' data_offsets [{}, {}] out of range (data section is {} bytes)",
-                 path, name, e.begin, e.end, data_nbytes);
+                 path, quoted(name), e.begin, e.end, data_nbytes);
     STRATA_CHECK(e.end - e.begin == numel * dtype_nbytes(e.dtype), kBadArgument,
-                 "{}: tensor '{}' has {} bytes but shape {} of {} needs {}", path, name,
+                 "{}: tensor '{}' has {} bytes but shape {} of {} needs {}", path, quoted(name),
                  e.end - e.begin, shape_string(e.shape), dtype_name(e.dtype),
                  numel * dtype_nbytes(e.dtype));
     // Views and conversions read elements through typed pointers; conforming
@@ -143,7 +171,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     STRATA_CHECK((8 + header_nbytes + e.begin) % dtype_nbytes(e.dtype) == 0, kBadArgument,
                  "{}: tensor '{}' starts at file offset {}, not a multiple of its {}-byte elements "
                  "(the file was not written by a conforming safetensors writer)",
-                 path, name, 8 + header_nbytes + e.begin, dtype_nbytes(e.dtype));
+                 path, quoted(name), 8 + header_nbytes + e.begin, dtype_nbytes(e.dtype));
     f.entries_[name] = std::move(e);
   }
   // Tensors must not overlap (the format also requires no gaps; we only
@@ -156,9 +184,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   });
   for (size_t i = 1; i < sorted.size(); ++i) {
     STRATA_CHECK(sorted[i]->begin >= sorted[i - 1]->end, kBadArgument,
-                 "{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", path, sorted[i - 1]->name,
-                 sorted[i - 1]->begin, sorted[i - 1]->end, sorted[i]->name, sorted[i]->begin,
-                 sorted[i]->end);
+                 "{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", path,
+                 quoted(sorted[i - 1]->name), sorted[i - 1]->begin, sorted[i - 1]->end,
+                 quoted(sorted[i]->name), sorted[i]->begin, sorted[i]->end);
   }
   return f;
 }

@@ -1,5 +1,5 @@
-// safetensors reader/writer: round trips, model weights by HF name, and
-// corrupt files that must fail with errors naming the tensor.
+// safetensors reader/writer: round trips and corrupt files that must fail with
+// errors naming the tensor (model weights by HF name: nn_weights_test.cc).
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <fstream>
@@ -7,9 +7,7 @@
 #include <vector>
 
 #include "runtime/core/error.h"
-#include "runtime/nn/llama_model.h"
-#include "tests/nn/test_models.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/llama_config.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/temp_dir.h"
 
@@ -84,85 +82,6 @@ TEST_CASE("safetensors round trip of fp32, fp16 and bf16 tensors with metadata",
   REQUIRE_THROWS_WITH(f.entry("missing"), Catch::Contains("'missing'"));
 }
 
-TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safetensors]") {
-  test::TempDir dir("nn-st-model");
-  const LlamaConfig c = tiny_llama(16, 16, 24, 1, 2, 1);
-  std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8}, targets = {2, 3, 4, 5, 6, 7, 8, 9};
-
-  ResidentEngine ea, eb;
-  LlamaModel a(ea, c, model_options(DType::kBF16));
-  LlamaModel b(eb, c, model_options(DType::kF32));
-  initialize_parameters(ea, a.parameters(), 1);
-  initialize_parameters(eb, b.parameters(), 2);
-  save_parameters(ea, a.parameters(), dir.file("model.safetensors"));
-  const SafetensorsFile f = SafetensorsFile::open(dir.file("model.safetensors"));
-  CHECK(f.contains("model.layers.0.self_attn.q_proj.weight"));
-  CHECK(f.contains("lm_head.weight"));
-  CHECK(f.entry("model.embed_tokens.weight").dtype == DType::kBF16);
-  CHECK(f.entry("model.layers.0.mlp.down_proj.weight").shape == Shape{16, 24});
-
-  load_parameters(eb, b.parameters(), dir.file("model.safetensors"));  // bf16 -> fp32
-  CHECK(a.forward(ids, targets, 1, 8) == Approx(b.forward(ids, targets, 1, 8)).epsilon(1e-6));
-
-  // A model that lacks lm_head (tied) finds an unclaimed tensor in the file.
-  LlamaConfig tied = c;
-  tied.tie_word_embeddings = true;
-  ResidentEngine et;
-  LlamaModel t(et, tied);
-  // A tied model refuses a file whose lm_head differs from its embeddings,
-  // even when unused tensors are allowed: it would silently compute otherwise.
-  REQUIRE_THROWS_WITH(load_parameters(et, t.parameters(), dir.file("model.safetensors")),
-                      Catch::Contains("lm_head.weight") && Catch::Contains("tie_word_embeddings"));
-  REQUIRE_THROWS_WITH(load_parameters(et, t.parameters(), dir.file("model.safetensors"), /*allow_unused=*/true),
-                      Catch::Contains("tie_word_embeddings"));
-  // A model with a bigger layer finds a shape mismatch naming the tensor.
-  LlamaConfig wider = c;
-  wider.intermediate_size = 32;
-  ResidentEngine ew;
-  LlamaModel m(ew, wider);
-  REQUIRE_THROWS_WITH(
-      load_parameters(ew, m.parameters(), dir.file("model.safetensors")),
-      Catch::Contains("model.layers.0.mlp.gate_proj.weight") && Catch::Contains("shape"));
-}
-
-TEST_CASE("a model with tiled MLP loads and saves untiled HF tensors and computes the same",
-          "[nn][safetensors][tiled]") {
-  test::TempDir dir("nn-st-tiled");
-  LlamaConfig c = tiny_llama(16, 16, 40, 2, 2, 2);
-  c.mlp_bias = true;
-  std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10},
-                       targets = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
-
-  ResidentEngine ep, et;
-  LlamaModel plain(ep, c);
-  LlamaModelOptions tiled_options;
-  tiled_options.mlp_tiling = {3, 2};
-  LlamaModel tiled(et, c, tiled_options);
-  CHECK(tiled.parameters().size() > plain.parameters().size());
-  initialize_parameters(ep, plain.parameters(), 9, 0.2);
-  save_parameters(ep, plain.parameters(), dir.file("plain.safetensors"));
-  load_parameters(et, tiled.parameters(), dir.file("plain.safetensors"));
-  const double lp = plain.forward(ids, targets, 2, 5), lt = tiled.forward(ids, targets, 2, 5);
-  CHECK(lt == Approx(lp).epsilon(1e-6));
-  plain.backward();
-  tiled.backward();
-  const float* gp = ep.grad(ep.find("model.layers.1.mlp.up_proj.bias")).as<float>();
-  const float* gt = et.grad(et.find("model.layers.1.mlp.up_proj.bias.tile_1")).as<float>();
-  for (int i = 0; i < 20; ++i) CHECK(gt[i] == Approx(gp[20 + i]).margin(1e-6));
-
-  // Saved from tiles: the same HF names and bytes as the untiled model's file.
-  save_parameters(et, tiled.parameters(), dir.file("tiled.safetensors"));
-  const SafetensorsFile a = SafetensorsFile::open(dir.file("plain.safetensors"));
-  const SafetensorsFile b = SafetensorsFile::open(dir.file("tiled.safetensors"));
-  REQUIRE(a.names() == b.names());
-  CHECK(b.contains("model.layers.0.mlp.down_proj.weight"));
-  for (const std::string& name : a.names()) {
-    INFO(name);
-    REQUIRE(a.view(name).nbytes() == b.view(name).nbytes());
-    CHECK(std::memcmp(a.view(name).data, b.view(name).data, a.view(name).nbytes()) == 0);
-  }
-}
-
 TEST_CASE("corrupt safetensors files fail with clear errors", "[nn][safetensors]") {
   test::TempDir dir("nn-st-bad");
   const std::string p = dir.file("bad.safetensors");
@@ -199,9 +118,11 @@ TEST_CASE("corrupt safetensors files fail with clear errors", "[nn][safetensors]
       p, R"({"__metadata__":{"k":1},"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})", 16);
   expect_open_error(p, "__metadata__");
 
-  // A deeply nested value is reported by its kind, never echoed (dump() of it
-  // would recurse off the stack).
+  // A deeply nested value is refused by depth, never echoed (dump() of it
+  // would recurse off the stack) nor built (a 100 MB header of '[' would cost gigabytes).
   write_raw(p, "{\"w\":" + std::string(200000, '[') + std::string(200000, ']') + "}", 0);
+  expect_open_error(p, "nested deeper than 64 levels");
+  write_raw(p, R"({"w":[[[[1]]]]})", 0);
   expect_open_error(p, "got a list of 1");
   // An element-misaligned tensor is refused (header not padded to 8 bytes).
   write_raw(p, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}} )", 16, -1, /*pad=*/false);
@@ -220,5 +141,96 @@ TEST_CASE("corrupt safetensors files fail with clear errors", "[nn][safetensors]
   } catch (const Error& e) {
     CHECK(e.category() == ErrorCategory::kIo);
     CHECK(std::string(e.what()).find("absent.safetensors") != std::string::npos);
+  }
+}
+
+TEST_CASE("safetensors: dimensions past int64 are refused, also after a 0 (issue 16)", "[nn][safetensors][issue16]") {
+  test::TempDir dir("nn-st-issue16");
+  const std::string p = dir.file("bad.safetensors");
+  // After a 0 the element count stays 0, so 2^63 passed the overflow check and
+  // became a negative int64 dimension.
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[0,9223372036854775808],"data_offsets":[0,0]}})", 0);
+  expect_open_error(p, "'w' has shape dimension 9223372036854775808");
+  // Non-zero dimensions whose product overflows, hidden behind a 0.
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}})", 0);
+  expect_open_error(p, "'w' has shape dimension 4294967296");
+  // The largest count that still fits with 8-byte elements opens (as a 0-sized tensor).
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[0,1152921504606846975],"data_offsets":[0,0]}})", 0);
+  CHECK(SafetensorsFile::open(p).entry("w").shape == Shape{0, 1152921504606846975});
+}
+
+TEST_CASE("safetensors: a tensor name given twice is refused (issue 16)", "[nn][safetensors][issue16]") {
+  test::TempDir dir("nn-st-issue16");
+  const std::string p = dir.file("bad.safetensors");
+  // A name given twice was accepted, the last entry silently winning.
+  write_raw(p,
+            R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+            16);
+  expect_open_error(p, "header key 'w' appears more than once");
+}
+
+TEST_CASE("safetensors: a huge tensor name is not echoed whole (issue 16)", "[nn][safetensors][issue16]") {
+  test::TempDir dir("nn-st-issue16");
+  const std::string p = dir.file("bad.safetensors");
+  // A 1 MB tensor name is quoted cut and escaped, not echoed whole.
+  const std::string name = std::string(1 << 20, 'n') + "\\u0001";
+  write_raw(p, "{\"" + name + R"(":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}})", 16);
+  try {
+    SafetensorsFile::open(p);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    INFO(what.substr(0, 400));
+    CHECK(what.size() < 1000);
+    CHECK(what.find("has dtype 'I64'") != std::string::npos);
+    CHECK(what.find("bytes)") != std::string::npos);
+  }
+  // A number beyond double's range in the header is a JSON error, not an escape.
+  write_raw(p, R"({"w":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}})", 4);
+  expect_open_error(p, "out of range");
+}
+
+// HF config.json comes with the downloaded weights, so it is untrusted input
+// too (tests/fuzz/llama_config_fuzzer.cc); these were found by that fuzzer.
+TEST_CASE("HF config.json: an integer above 2^63 - 1 is refused, not wrapped (issue 16)", "[nn][config][issue16]") {
+  const nlohmann::json base = {{"vocab_size", 16},         {"hidden_size", 16},        {"intermediate_size", 24},
+                               {"num_hidden_layers", 1},   {"num_attention_heads", 2}, {"num_key_value_heads", 1}};
+  CHECK(parse_llama_config(base).parameter_count() > 0);
+  // Above 2^63 - 1 get<int64_t>() wrapped (2^64 - 1 became -1).
+  nlohmann::json j = base;
+  j["vocab_size"] = 18446744073709551615ull;
+  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("'vocab_size'") && Catch::Contains("2^63 - 1"));
+}
+
+TEST_CASE("HF config.json: sizes whose products overflow int64 are refused (issue 16)", "[nn][config][issue16]") {
+  const nlohmann::json base = {{"vocab_size", 16},         {"hidden_size", 16},        {"intermediate_size", 24},
+                               {"num_hidden_layers", 1},   {"num_attention_heads", 2}, {"num_key_value_heads", 1}};
+  nlohmann::json j = base;
+  // Positive sizes whose products overflow int64 in parameter_count() and the model's shapes.
+  j = base;
+  j["hidden_size"] = int64_t{1} << 40;
+  j["intermediate_size"] = int64_t{1} << 40;
+  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("parameters, beyond what strata counts"));
+  j = base;
+  j["max_position_embeddings"] = int64_t{1} << 62;
+  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("max_position_embeddings"));
+}
+
+TEST_CASE("HF config.json: a JSON error quotes the file bounded and escaped (issue 16)", "[nn][config][issue16]") {
+  test::TempDir dir("nn-hf-config");
+  const std::string path = dir.file("config.json");
+  {
+    std::ofstream out(path, std::ios::binary);
+    out << "{\"vocab_size\": \"" << std::string(100000, 'v') << "\xff";  // unterminated, invalid UTF-8
+  }
+  try {
+    load_llama_config(path);
+    FAIL("expected an error");
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    INFO(what.substr(0, 400));
+    CHECK(e.category() == ErrorCategory::kBadArgument);
+    CHECK(what.size() < 1000);  // nlohmann's message quoted the whole 100 KB token
+    CHECK(what.find('\xff') == std::string::npos);
   }
 }

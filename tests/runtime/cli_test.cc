@@ -61,3 +61,39 @@ TEST_CASE("strata --help lists the subcommands", "[cli]") {
   REQUIRE_THAT(result.output, Catch::Contains("doctor") && Catch::Contains("config"));
   REQUIRE(run_command(strata_binary() + " no-such-command 2>&1").exit_code != 0);
 }
+
+// --- Bad input as a hostile user gives it (issue 16) -------------------------
+
+TEST_CASE("strata config check: a number out of range, a directory, a binary file", "[cli][issue16]") {
+  strata::test::TempDir dir;
+  const std::string file = dir.file("overflow.json");
+  REQUIRE(run_command("printf '%s' '{\"fp16\":{\"initial_scale_power\":1e30016}}' > " + file).exit_code == 0);
+  // Was std::terminate (exit 134) on nlohmann::out_of_range.
+  auto result = run_command(strata_binary() + " config check " + file + " 2>&1");
+  REQUIRE(result.exit_code == 1);
+  REQUIRE_THAT(result.output, Catch::Contains("1:") && Catch::Contains("JSON number 1e30016 is out of range"));
+
+  result = run_command(strata_binary() + " config check " + dir.path().string() + " 2>&1");
+  REQUIRE(result.exit_code == 1);
+  REQUIRE_THAT(result.output, Catch::Contains("Is a directory") && !Catch::Contains("JSON"));
+
+  const std::string binary = dir.file("binary.json");
+  REQUIRE(run_command("printf '\\211PNG\\r\\n' > " + binary).exit_code == 0);
+  result = run_command(strata_binary() + " config check " + binary + " 2>&1");
+  REQUIRE(result.exit_code == 1);
+  REQUIRE_THAT(result.output, Catch::Contains("\\x89"));
+  REQUIRE(result.output.find('\x89') == std::string::npos);
+}
+
+TEST_CASE("strata run: flag values out of range say the range", "[cli][issue16]") {
+  // Was "Value 0 not in range 0.000000 to 1797...368.000000".
+  auto result = run_command(strata_binary() + " run -n 0 -- true 2>&1");
+  REQUIRE(result.exit_code != 0);
+  REQUIRE_THAT(result.output, Catch::Contains("must be an integer in [1, 1024], got '0'") && !Catch::Contains("1797"));
+  result = run_command(strata_binary() + " run -n 2 --master-port 70000 -- true 2>&1");
+  REQUIRE(result.exit_code != 0);
+  REQUIRE_THAT(result.output, Catch::Contains("must be an integer in [0, 65535], got '70000'"));
+  result = run_command(strata_binary() + " run -n 2 --failure-grace nan -- true 2>&1");
+  REQUIRE(result.exit_code != 0);
+  REQUIRE_THAT(result.output, Catch::Contains("seconds >= 0"));
+}
