@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "runtime/core/accelerator.h"
@@ -199,6 +200,9 @@ std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator);
 // every cpu Ops object of the process; 0 (the default): OpenMP's default
 // (OMP_NUM_THREADS, else one per core). Takes effect from the next op that runs.
 void set_cpu_threads(int threads);
+// The OpenBLAS kernel set the cpu ops use and why ("SkylakeX (chosen by strata
+// from the CPU's features)"); loads OpenBLAS if needed (kernels/cpu/blas.h).
+std::string cpu_blas_core();
 // The cuda implementation; Error(kCuda) in builds without CUDA.
 std::unique_ptr<Ops> make_cuda_ops(Accelerator& accelerator);
 // The implementation for `accelerator`'s backend.

@@ -17,6 +17,7 @@
 
 #include "bench/common/stats.h"
 #include "bench/common/subprocess.h"
+#include "kernels/cuda_peak.h"
 #include "kernels/ops.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
@@ -92,6 +93,7 @@ class StrataModel {
     return model_.loss();
   }
   std::string device() const { return accelerator_->name(); }
+  strata::Accelerator& accelerator() const { return *accelerator_; }
   size_t param_nbytes() const { return engine_.param_nbytes(); }
   size_t arena_nbytes() const { return model_.arena_nbytes(); }
 
@@ -162,17 +164,19 @@ int run(const Flags& f) {
   STRATA_CHECK(f.batch > 0 && f.seq > 0 && f.steps > 0 && f.rounds > 0 && f.warmup >= 0,
                kBadArgument, "--batch, --seq, --steps and --rounds must be positive");
   const int threads = f.threads > 0 ? f.threads : omp_get_max_threads();
-  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  const char* coretype_env = std::getenv("OPENBLAS_CORETYPE");
+  const std::string coretype_given = coretype_env != nullptr ? coretype_env : "";
 
   StrataModel model(f, c);
+  const std::string blas_core = f.accelerator == "cpu" ? strata::ops::cpu_blas_core() : "-";
   const double tokens = static_cast<double>(f.batch * f.seq);
   const double flops = flops_per_token(c, f.seq) * tokens;
   const std::string script = f.vs_torch ? find_script() : std::string();
   fmt::print("strata-train: {} | hidden {} inter {} layers {} heads {}/{} vocab {} | batch {} seq {} "
-             "| {} | {} threads | OPENBLAS_CORETYPE={}\n",
+             "| {} | {} threads | OPENBLAS_CORETYPE={} | OpenBLAS core {}\n",
              model.device(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
              c.num_attention_heads, c.num_key_value_heads, c.vocab_size, f.batch, f.seq, f.dtype,
-             threads, coretype ? coretype : "(unset)");
+             threads, coretype_given.empty() ? "(unset)" : coretype_given, blas_core);
   fmt::print("parameters {:.1f} M ({:.1f} MiB), activation arena {:.1f} MiB, {:.2f} GFLOP/step\n",
              static_cast<double>(c.parameter_count()) / 1e6,
              static_cast<double>(model.param_nbytes()) / (1 << 20),
@@ -210,17 +214,29 @@ int run(const Flags& f) {
     rounds.push_back(row);
   }
   const double s_med = sb::median(strata_round);
+  // On a GPU: the bf16 GEMM peak of this device, measured now (PERFORMANCE.md).
+  double peak_tflops = 0;
+  if (f.accelerator == "cuda") {
+    peak_tflops = strata::ops::measure_bf16_gemm_tflops(model.accelerator(), 8192, 8192, 8192, 10);
+  }
   nlohmann::json out = {{"config", {{"hidden", c.hidden_size}, {"intermediate", c.intermediate_size},
                                     {"layers", c.num_hidden_layers}, {"heads", c.num_attention_heads},
                                     {"kv_heads", c.num_key_value_heads}, {"vocab", c.vocab_size},
                                     {"batch", f.batch}, {"seq", f.seq}, {"dtype", f.dtype}}},
                         {"device", model.device()}, {"threads", threads},
-                        {"openblas_coretype", coretype ? coretype : ""},
+                        {"openblas_coretype_env", coretype_given},
+                        {"openblas_core", blas_core},
                         {"flops_per_step", flops}, {"rounds", rounds},
                         {"strata_tokens_per_s", tokens / s_med},
                         {"strata_model_tflops", flops / s_med / 1e12}};
   fmt::print("median: strata {:.1f} tok/s ({:.3f} s/step, {:.2f} model TFLOP/s)", tokens / s_med,
              s_med, flops / s_med / 1e12);
+  if (peak_tflops > 0) {
+    const double mfu = flops / s_med / 1e12 / peak_tflops;
+    out["bf16_gemm_peak_tflops"] = peak_tflops;
+    out["model_flop_utilisation"] = mfu;
+    fmt::print(" | MFU {:.1f}% of the {:.0f} TFLOP/s bf16 GEMM peak", 100 * mfu, peak_tflops);
+  }
   if (!torch_round.empty()) {
     const double t_med = sb::median(torch_round);
     out["torch_tokens_per_s"] = tokens / t_med;

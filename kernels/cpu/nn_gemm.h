@@ -1,9 +1,10 @@
 // Internal to kernels/cpu: row-major GEMM for float (cblas_sgemm) and double
-// (cblas_dgemm), and the OpenMP-free helpers the nn_* operator files share.
-// Not a public header: it includes cblas.h, whose include path is private.
+// (cblas_dgemm) through OpenBLAS as strata loads it (blas.h), and the helpers
+// the nn_* operator files share. Not a public header: it includes cblas.h,
+// whose include path is private.
 #pragma once
 
-#include <cblas.h>
+#include "kernels/cpu/blas.h"
 
 #include <cstdint>
 
@@ -20,11 +21,11 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T 
   const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans;
   const CBLAS_TRANSPOSE tb = trans_b ? CblasTrans : CblasNoTrans;
   if constexpr (sizeof(T) == sizeof(float)) {
-    cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
+    blas::api().sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
                 static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
                 static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
   } else {
-    cblas_dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
+    blas::api().dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(m), static_cast<blasint>(n),
                 static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b,
                 static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
   }

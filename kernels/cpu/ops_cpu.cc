@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "kernels/cpu/attention_blocked.h"
+#include "kernels/cpu/blas.h"
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/nn_ops.h"
@@ -127,14 +128,6 @@ void for_chunks(int64_t n, Fn&& fn) {
 bool empty(const TensorView& t) { return t.data == nullptr; }
 bool empty(const MatView& m) { return m.data == nullptr; }
 
-void check_mat(std::string_view op, std::string_view what, const MatView& m) {
-  STRATA_CHECK(m.data != nullptr, kBadArgument, "{}: {} is empty (no data)", op, what);
-  STRATA_CHECK(is_float_storage(m.dtype), kBadArgument, "{}: {} has dtype {}", op, what,
-               dtype_name(m.dtype));
-  STRATA_CHECK(m.rows >= 0 && m.cols > 0 && m.ld >= m.cols, kBadArgument,
-               "{}: {} is a bad matrix ({} x {}, ld {})", op, what, m.rows, m.cols, m.ld);
-}
-
 class CpuOps final : public Ops {
  public:
   explicit CpuOps(Accelerator& accelerator) : accelerator_(accelerator) {}
@@ -244,8 +237,8 @@ class CpuOps final : public Ops {
   void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
                       const TensorView& bias, const MatView& y, bool accumulate) override {
     constexpr const char* op = "linear_forward";
-    check_mat(op, "x", x);
-    check_mat(op, "y", y);
+    check::matrix(op, "x", x);
+    check::matrix(op, "y", y);
     check::float_tensor(op, "w", w);
     STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op,
                  dtype_name(x.dtype), dtype_name(y.dtype));
@@ -291,8 +284,8 @@ class CpuOps final : public Ops {
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
                        const TensorView& dw, const TensorView& dbias) override {
     constexpr const char* op = "linear_backward";
-    check_mat(op, "dy", dy);
-    check_mat(op, "x", x);
+    check::matrix(op, "dy", dy);
+    check::matrix(op, "x", x);
     check::float_tensor(op, "w", w);
     STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D", op);
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
@@ -301,7 +294,7 @@ class CpuOps final : public Ops {
                  dy.rows, dy.cols, dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out,
                  in);
     if (!empty(dx)) {
-      check_mat(op, "dx", dx);
+      check::matrix(op, "dx", dx);
       STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
                    "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
                    dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
@@ -412,7 +405,7 @@ class CpuOps final : public Ops {
   void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
     constexpr const char* op = "swiglu_forward";
-    elementwise_check(op, {&gate, &up, &out});
+    check::elementwise(op, {&gate, &up, &out});
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 2, out, false);
       const float* g = widen(c, 0, gate);
@@ -426,7 +419,7 @@ class CpuOps final : public Ops {
                        const TensorView& up, const TensorView& dgate,
                        const TensorView& dup) override {
     constexpr const char* op = "swiglu_backward";
-    elementwise_check(op, {&dout, &gate, &up, &dgate, &dup});
+    check::elementwise(op, {&dout, &gate, &up, &dgate, &dup});
     enqueue(ctx, [=](CpuContext& c) {
       float* dgf = stage(c, 3, dgate, false);
       float* duf = stage(c, 4, dup, false);
@@ -443,7 +436,7 @@ class CpuOps final : public Ops {
 
   void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
            const TensorView& out) override {
-    elementwise_check("add", {&a, &b, &out});
+    check::elementwise("add", {&a, &b, &out});
     enqueue(ctx, [=](CpuContext& c) {
       // Widen both inputs before staging the output: out may alias a or b.
       const float* af = widen(c, 0, a);
@@ -512,15 +505,6 @@ class CpuOps final : public Ops {
       }
       commit(xf, x);
     });
-  }
-
-  static void elementwise_check(const char* op, std::initializer_list<const TensorView*> views) {
-    const TensorView& first = **views.begin();
-    for (const TensorView* t : views) {
-      check::float_tensor(op, "operand", *t);
-      check::same_dtype(op, first, *t);
-      check::numel(op, "operand", *t, first.numel());
-    }
   }
 
   Accelerator& accelerator_;
@@ -622,6 +606,11 @@ void CpuOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const Tenso
 }  // namespace
 
 void set_cpu_threads(int threads) { g_cpu_threads.store(std::max(threads, 0)); }
+
+std::string cpu_blas_core() {
+  const blas::Api& a = blas::api();
+  return a.core + " (" + a.core_source + ")";
+}
 
 std::unique_ptr<Ops> make_cpu_ops(Accelerator& accelerator) {
   return std::make_unique<CpuOps>(accelerator);

@@ -1,0 +1,63 @@
+// Loads OpenBLAS's OpenMP build with dlopen after choosing its core (blas.h).
+#include "kernels/cpu/blas.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "runtime/core/cpu_features.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+
+namespace strata::blas {
+namespace {
+
+// The best OpenBLAS core for this CPU, or "" to let OpenBLAS decide.
+std::string core_for_this_cpu() {
+  const CpuFeatures& f = cpu_features();
+  if (f.avx512f) return f.avx512_bf16 ? "Cooperlake" : "SkylakeX";
+  if (f.avx2) return "Haswell";
+  return "";
+}
+
+template <typename Fn>
+Fn symbol(void* handle, const char* name) {
+  void* p = dlsym(handle, name);
+  STRATA_CHECK(p != nullptr, kInternal, "OpenBLAS ({}) has no symbol {}: {}",
+               STRATA_OPENBLAS_PATH, name, dlerror());
+  return reinterpret_cast<Fn>(p);
+}
+
+Api load() {
+  Api a;
+  const char* given = std::getenv("OPENBLAS_CORETYPE");
+  if (given != nullptr && *given != '\0') {
+    a.core_source = "OPENBLAS_CORETYPE set in the environment";
+  } else if (const std::string core = core_for_this_cpu(); !core.empty()) {
+    // Before OpenBLAS is loaded, which is when it reads the variable.
+    setenv("OPENBLAS_CORETYPE", core.c_str(), 0);
+    a.core_source = "chosen by strata from the CPU's features";
+  } else {
+    a.core_source = "OpenBLAS's own detection";
+  }
+  void* handle = dlopen(STRATA_OPENBLAS_PATH, RTLD_NOW | RTLD_GLOBAL);
+  STRATA_CHECK(handle != nullptr, kInternal,
+               "cannot load OpenBLAS from {}: {} (scripts/setup installs libopenblas-openmp-dev)",
+               STRATA_OPENBLAS_PATH, dlerror());
+  a.sgemm = symbol<decltype(&cblas_sgemm)>(handle, "cblas_sgemm");
+  a.dgemm = symbol<decltype(&cblas_dgemm)>(handle, "cblas_dgemm");
+  a.core = symbol<char* (*)()>(handle, "openblas_get_corename")();
+  a.config = symbol<char* (*)()>(handle, "openblas_get_config")();
+  logger().debug("OpenBLAS core {} ({}); {}", a.core, a.core_source, a.config);
+  return a;
+}
+
+}  // namespace
+
+const Api& api() {
+  static const Api loaded = load();
+  return loaded;
+}
+
+}  // namespace strata::blas

@@ -1,0 +1,107 @@
+// measure_bf16_gemm_tflops (kernels/cuda_peak.h): times a cuBLAS bf16 GEMM
+// on its own stream with CUDA timing events. A benchmark, so unlike the Ops
+// it synchronises.
+#include "kernels/cuda_peak.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <vector>
+
+#include "runtime/core/error.h"
+#include "runtime/cuda/cuda_check.h"
+
+namespace strata::ops {
+namespace {
+
+// Frees accelerator memory, cuBLAS and CUDA objects on every exit path (the
+// stream is synchronised before anything is freed).
+struct Resources {
+  Accelerator* accelerator = nullptr;
+  Stream* stream = nullptr;
+  std::vector<void*> blocks;
+  cublasHandle_t handle = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+
+  ~Resources() {
+    if (stream != nullptr)
+      cudaStreamSynchronize(static_cast<cudaStream_t>(stream->native_handle()));
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
+    if (handle != nullptr) cublasDestroy(handle);
+    for (void* p : blocks) accelerator->deallocate(p);
+  }
+  void* allocate(size_t nbytes) {
+    blocks.push_back(accelerator->allocate(nbytes));
+    return blocks.back();
+  }
+};
+
+}  // namespace
+
+double measure_bf16_gemm_tflops(Accelerator& accelerator, int64_t m, int64_t n, int64_t k,
+                                int iters) {
+  STRATA_CHECK(accelerator.backend() == Backend::kCuda, kCuda,
+               "measure_bf16_gemm_tflops needs a cuda accelerator, got {}", accelerator.name());
+  STRATA_CHECK(m > 0 && n > 0 && k > 0 && iters > 0 && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX,
+               kBadArgument, "measure_bf16_gemm_tflops: bad sizes m={} n={} k={} iters={}", m, n, k,
+               iters);
+  std::unique_ptr<Stream> owned_stream = accelerator.create_stream();
+  const auto stream = static_cast<cudaStream_t>(owned_stream->native_handle());
+  int device = 0, previous = 0;
+  STRATA_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+  STRATA_CUDA_CHECK(cudaGetDevice(&previous));
+  STRATA_CUDA_CHECK(cudaSetDevice(device));
+  struct Restore {
+    int device;
+    ~Restore() { cudaSetDevice(device); }
+  } restore{previous};
+
+  Resources r;
+  r.accelerator = &accelerator;
+  r.stream = owned_stream.get();
+  const size_t a_bytes = static_cast<size_t>(m * k) * 2, b_bytes = static_cast<size_t>(k * n) * 2;
+  const size_t c_bytes = static_cast<size_t>(m * n) * 2;
+  void* a = r.allocate(a_bytes);
+  void* b = r.allocate(b_bytes);
+  void* c = r.allocate(c_bytes);
+  constexpr size_t kWorkspace = size_t{32} << 20;
+  void* workspace = r.allocate(kWorkspace);
+  // 0x3c3c is bf16 ~0.0115: finite products, no denormals, no overflow.
+  STRATA_CUDA_CHECK(cudaMemsetAsync(a, 0x3c, a_bytes, stream));
+  STRATA_CUDA_CHECK(cudaMemsetAsync(b, 0x3c, b_bytes, stream));
+  STRATA_CUBLAS_CHECK(cublasCreate(&r.handle));
+  STRATA_CUBLAS_CHECK(cublasSetStream(r.handle, stream));
+  STRATA_CUBLAS_CHECK(cublasSetWorkspace(r.handle, workspace, kWorkspace));
+  STRATA_CUDA_CHECK(cudaEventCreate(&r.start));
+  STRATA_CUDA_CHECK(cudaEventCreate(&r.stop));
+
+  // Row-major C = A B is column-major C^T = B^T A^T.
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run_once = [&] {
+    STRATA_CUBLAS_CHECK(cublasGemmEx(r.handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n),
+                                     static_cast<int>(m), static_cast<int>(k), &alpha, b,
+                                     CUDA_R_16BF, static_cast<int>(n), a, CUDA_R_16BF,
+                                     static_cast<int>(k), &beta, c, CUDA_R_16BF,
+                                     static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  };
+  run_once();
+  run_once();
+  std::vector<float> ms(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    STRATA_CUDA_CHECK(cudaEventRecord(r.start, stream));
+    run_once();
+    STRATA_CUDA_CHECK(cudaEventRecord(r.stop, stream));
+    STRATA_CUDA_CHECK(cudaEventSynchronize(r.stop));
+    STRATA_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], r.start, r.stop));
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median_ms = ms[ms.size() / 2];
+  const double flops =
+      2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  return flops / (median_ms * 1e-3) / 1e12;
+}
+
+}  // namespace strata::ops

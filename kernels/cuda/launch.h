@@ -1,0 +1,128 @@
+// Internal to kernels/cuda: the launchers of our CUDA kernels, called by
+// ops_cuda.cc after it has checked every argument. A launcher only enqueues
+// work on `stream`; it never synchronises and never throws. Launch errors are
+// left for the caller's cudaGetLastError() (launchers that make other runtime
+// calls return their status). Shapes are element counts; pointers are device
+// memory. This header is plain C++ so that ops_cuda.cc (C++20, host compiler)
+// and the .cu files (C++17, nvcc) share it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata::ops::cuda {
+
+// The float storage types (strata::DType's fp32/fp16/bf16 without dtype.h,
+// which is C++20 and not for nvcc).
+enum class Storage : int { kF32, kF16, kBF16 };
+
+// ---- elementwise.cu ---------------------------------------------------------
+// dst = src converted (any storage types, numel elements).
+void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64_t numel,
+                 cudaStream_t stream);
+// out = a + b (out may alias a or b).
+void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,
+                cudaStream_t stream);
+void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t numel, void* out,
+                           cudaStream_t stream);
+void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
+                            int64_t numel, void* dgate, void* dup, cudaStream_t stream);
+// y[r, c] += bias[c] for a [rows, cols] block with row stride ldy.
+void launch_add_bias(Storage t, void* y, int64_t ldy, Storage bias_t, const void* bias,
+                     int64_t rows, int64_t cols, cudaStream_t stream);
+// Deterministic column sums: dst[c] += sum_r a[r, c] * b[r, c] * row_scale[r]
+// (b and row_scale may be null: factor 1). Rows are split into `splits`
+// groups (column_sum_splits); with more than one, `partial` is fp32 scratch of
+// splits * cols floats and a second kernel adds the groups in order.
+int64_t column_sum_splits(int64_t rows, int64_t cols);
+void launch_column_sum(Storage t, const void* a, int64_t lda, const void* b, int64_t ldb,
+                       const float* row_scale, int64_t rows, int64_t cols, int64_t splits,
+                       float* partial, float* dst, cudaStream_t stream);
+
+// ---- embedding.cu -----------------------------------------------------------
+void launch_embedding_forward(Storage table_t, const void* table, const int32_t* ids, int64_t rows,
+                              int64_t vocab, int64_t dim, Storage out_t, void* out,
+                              cudaStream_t stream);
+// Scratch for the deterministic backward (ids sorted with their rows).
+size_t embedding_backward_scratch_nbytes(int64_t rows);
+cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
+                                      int64_t vocab, int64_t dim, float* dtable, void* scratch,
+                                      size_t scratch_nbytes, cudaStream_t stream);
+
+// ---- rmsnorm.cu -------------------------------------------------------------
+void launch_rmsnorm_forward(Storage t, const void* x, Storage w_t, const void* w, int64_t rows,
+                            int64_t dim, float eps, void* y, float* rstd, cudaStream_t stream);
+// dx = rstd * (dy * w - x * rstd^2 * mean(dy * w * x)); added into dx when accumulate.
+void launch_rmsnorm_backward_dx(Storage t, const void* dy, const void* x, Storage w_t,
+                                const void* w, const float* rstd, int64_t rows, int64_t dim,
+                                void* dx, bool accumulate, cudaStream_t stream);
+
+// ---- rope.cu ----------------------------------------------------------------
+// In place on x [rows, heads, head_dim]; sign +1 rotates forward, -1 back.
+void launch_rope(Storage t, void* x, const int32_t* positions, int64_t rows, int64_t heads,
+                 int64_t head_dim, double theta, double sign, cudaStream_t stream);
+
+// ---- cross_entropy.cu -------------------------------------------------------
+// For the n rows of an fp32 logits chunk [n, vocab]: lse[r] and loss[r] (0 for
+// ignored rows). With grad non-null also grad [n, vocab] (storage grad_t; may
+// alias logits when grad_t is fp32) = grad_scale / normalizer[0] *
+// (softmax - onehot(target)), 0 on ignored rows; normalizer is read on the device.
+void launch_ce_rows(const float* logits, const int32_t* targets, int64_t n, int64_t vocab,
+                    float* lse, float* loss, Storage grad_t, void* grad, const double* normalizer,
+                    double grad_scale, cudaStream_t stream);
+// stats[0] += sum of loss[0, rows) (in a fixed order), stats[1] += counted rows.
+void launch_ce_stats(const float* loss, const int32_t* targets, int64_t rows, double* stats,
+                     cudaStream_t stream);
+// count[0] += number of targets that are not kIgnoreIndex.
+void launch_count_targets(const int32_t* targets, int64_t rows, double* count, cudaStream_t stream);
+
+// ---- attention_*.cu ---------------------------------------------------------
+struct AttentionDims {
+  int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+};
+// The largest head_dim the attention kernels support.
+inline constexpr int64_t kMaxAttentionHeadDim = 128;
+// q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
+// lse fp32 [batch, heads, seq]. head_dim in [1, kMaxAttentionHeadDim].
+cudaError_t launch_attention_forward(Storage t, const void* q, const void* k, const void* v,
+                                     const AttentionDims& dims, void* out, float* lse,
+                                     cudaStream_t stream);
+// How the backward runs on the current device: the dK/dV head split and the
+// device workspace it needs (delta, plus fp32 partial dK/dV when split).
+struct AttentionBackwardPlan {
+  int splits = 1;
+  size_t workspace_nbytes = 0;
+};
+AttentionBackwardPlan plan_attention_backward(Storage t, const AttentionDims& dims);
+cudaError_t launch_attention_backward(Storage t, const void* dout, const void* q, const void* k,
+                                      const void* v, const void* out, const float* lse,
+                                      const AttentionDims& dims, void* dq, void* dk, void* dv,
+                                      const AttentionBackwardPlan& plan, void* workspace,
+                                      cudaStream_t stream);
+
+// Behind the two launchers above (attention_tc_*.cu: fp16/bf16 on tensor
+// cores; attention_f32.cu: fp32 on CUDA cores).
+cudaError_t attention_forward_tc(Storage t, const void* q, const void* k, const void* v,
+                                 const AttentionDims& dims, void* out, float* lse,
+                                 cudaStream_t stream);
+// partial: fp32 [2][splits][batch, seq, kv_heads, head_dim] when splits > 1.
+cudaError_t attention_backward_tc(Storage t, const void* dout, const void* q, const void* k,
+                                  const void* v, const float* lse, const float* delta,
+                                  const AttentionDims& dims, void* dq, void* dk, void* dv,
+                                  float* partial, int splits, cudaStream_t stream);
+// Query-head splits of the 16-bit dK/dV kernel for a device with sm_count SMs.
+int attention_dkdv_splits(const AttentionDims& dims, int sm_count);
+cudaError_t attention_forward_f32(const float* q, const float* k, const float* v,
+                                  const AttentionDims& dims, float* out, float* lse,
+                                  cudaStream_t stream);
+cudaError_t attention_backward_f32(const float* dout, const float* q, const float* k,
+                                   const float* v, const float* lse, const float* delta,
+                                   const AttentionDims& dims, float* dq, float* dk, float* dv,
+                                   cudaStream_t stream);
+// delta[b, h, i] = sum_c dout[b, i, h, c] * out[b, i, h, c] (the softmax-backward row term).
+void launch_attention_delta(Storage t, const void* dout, const void* out, const AttentionDims& dims,
+                            float* delta, cudaStream_t stream);
+
+}  // namespace strata::ops::cuda

@@ -1,0 +1,733 @@
+// The cuda implementation of Ops (kernels/ops.h): argument checks, the
+// per-stream context (cuBLAS handle and workspace), stream-ordered scratch,
+// the row-major GEMMs through cuBLAS, and the orchestration of the kernels in
+// kernels/cuda/*.cu.
+//
+// GEMMs: cublasGemmEx with CUBLAS_COMPUTE_32F (fp32 accumulation; tensor cores
+// for 16-bit inputs, no TF32 for fp32) and reduced-precision split-K
+// reductions disallowed. Weight gradients go straight into their fp32
+// accumulators (16-bit A and B, fp32 C, beta = 1). cuBLAS wants A and B of
+// one type, so a parameter stored in another dtype than the activations is
+// cast into scratch first.
+//
+// Nothing here synchronises with the host. Scratch comes from the context's
+// accelerator and is released with deallocate_after an event recorded after
+// the op's last kernel. A CUDA launch or cuBLAS failure is made the stream's
+// error (a host function that throws it), as the Ops contract says; argument
+// errors and scratch allocation failures throw before anything is enqueued.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+#include <utility>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/ops.h"
+#include "runtime/core/error.h"
+#include "runtime/cuda/cuda_check.h"
+
+namespace strata::ops {
+namespace {
+
+using cuda::Storage;
+
+Storage storage(DType dtype) {
+  switch (dtype) {
+    case DType::kF16:
+      return Storage::kF16;
+    case DType::kBF16:
+      return Storage::kBF16;
+    default:
+      return Storage::kF32;
+  }
+}
+
+cudaDataType_t blas_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_32F;
+  }
+}
+
+int64_t esize(DType dtype) {
+  return static_cast<int64_t>(dtype_nbytes(dtype));
+}
+
+const char* offset(const void* p, int64_t bytes) {
+  return static_cast<const char*>(p) + bytes;
+}
+char* offset(void* p, int64_t bytes) {
+  return static_cast<char*>(p) + bytes;
+}
+
+// A launch or cuBLAS failure inside an op, turned into the stream's error at
+// the op boundary (run()).
+struct LaunchFailure {
+  std::string message;
+};
+
+void check_status(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw LaunchFailure{
+        fmt::format("{}: {} ({})", what, cudaGetErrorString(status), cudaGetErrorName(status))};
+  }
+}
+void check_launch(const char* what) {
+  check_status(cudaGetLastError(), what);
+}
+void check_blas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw LaunchFailure{fmt::format("{}: cuBLAS {}", what, cublasGetStatusString(status))};
+  }
+}
+
+// Makes `device` current for the scope (a no-op when it already is).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) STRATA_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() {
+    int now = previous_;
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// cuBLAS's recommended workspace on Hopper (smaller suffices before it).
+constexpr size_t kBlasWorkspaceNbytes = size_t{32} << 20;
+
+class CudaContext final : public ComputeContext {
+ public:
+  CudaContext(Accelerator& accelerator, Stream& stream) : ComputeContext(accelerator, stream) {
+    STRATA_CHECK(stream.native_handle() != nullptr, kBadArgument,
+                 "cuda Ops: make_context needs a stream of the cuda accelerator");
+    STRATA_CUDA_CHECK(cudaStreamGetDevice(cuda_stream(), &device_));
+    DeviceScope scope(device_);
+    event_ = accelerator.create_event();
+    STRATA_CUBLAS_CHECK(cublasCreate(&handle_));
+    try {
+      STRATA_CUBLAS_CHECK(cublasSetStream(handle_, cuda_stream()));
+      // fp32 accumulation throughout: no split-K reductions in 16-bit.
+      STRATA_CUBLAS_CHECK(cublasSetMathMode(
+          handle_, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                             CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+      workspace_ = accelerator.allocate(kBlasWorkspaceNbytes);
+      STRATA_CUBLAS_CHECK(cublasSetWorkspace(handle_, workspace_, kBlasWorkspaceNbytes));
+    } catch (...) {
+      cublasDestroy(handle_);
+      if (workspace_ != nullptr) accelerator.deallocate(workspace_);
+      throw;
+    }
+  }
+
+  ~CudaContext() override {
+    // cuBLAS work queued with the workspace may still run: free it in stream order.
+    release(workspace_);
+    int previous = 0;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
+                          cudaSetDevice(device_) == cudaSuccess;
+    cublasDestroy(handle_);
+    if (switched) cudaSetDevice(previous);
+  }
+
+  void* blas_handle() const override { return handle_; }
+  cublasHandle_t handle() const { return handle_; }
+  cudaStream_t cuda_stream() const { return static_cast<cudaStream_t>(stream().native_handle()); }
+  int device() const { return device_; }
+
+  // Frees ptr (from accelerator().allocate) once the work queued so far on
+  // this context's stream has run. Never throws: if the event cannot be
+  // recorded the block is leaked, since freeing it now could hand it to new
+  // work while queued kernels still use it.
+  void release(void* ptr) noexcept {
+    if (ptr == nullptr) return;
+    try {
+      stream().record(*event_);
+      accelerator().deallocate_after(ptr, *event_);
+    } catch (...) {
+    }
+  }
+
+ private:
+  int device_ = 0;
+  cublasHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::unique_ptr<Event> event_;  // re-recorded per release; deallocate_after keeps its point
+};
+
+// Device scratch for one op, released in stream order when it goes out of
+// scope (after the op has enqueued everything that uses it).
+class Scratch {
+ public:
+  Scratch(CudaContext& ctx, size_t nbytes)
+      : ctx_(&ctx), ptr_(nbytes == 0 ? nullptr : ctx.accelerator().allocate(nbytes)) {}
+  ~Scratch() { ctx_->release(ptr_); }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  CudaContext* ctx_;
+  void* ptr_;
+};
+
+// Row-major C[m, n] = op(A) op(B) + beta C, where op(A) is [m, k] (A stored
+// [k, m] when trans_a) and op(B) is [k, n] (B stored [n, k] when trans_b).
+// cuBLAS is column-major, and a row-major X with row stride ld is the
+// column-major X^T with the same ld, so it computes C^T = op(B)^T op(A)^T:
+// the operands swap places and m, n swap.
+struct Operand {
+  const void* data;
+  DType dtype;
+  int64_t ld;
+};
+void gemm(CudaContext& c, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
+          const Operand& a, const Operand& b, float beta, void* cdata, DType ctype, int64_t ldc,
+          const char* what) {
+  if (m == 0 || n == 0) return;
+  const float alpha = 1.0f;
+  check_blas(cublasGemmEx(c.handle(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                          trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
+                          static_cast<int>(m), static_cast<int>(k), &alpha, b.data,
+                          blas_type(b.dtype), static_cast<int>(b.ld), a.data, blas_type(a.dtype),
+                          static_cast<int>(a.ld), &beta, cdata, blas_type(ctype),
+                          static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+             what);
+}
+
+bool empty(const TensorView& t) {
+  return t.data == nullptr;
+}
+bool empty(const MatView& m) {
+  return m.data == nullptr;
+}
+
+// cuBLAS and our grids take 32-bit extents.
+void check_int(std::string_view op, std::string_view what, int64_t value) {
+  STRATA_CHECK(value <= INT_MAX, kBadArgument, "{}: {} = {} exceeds what the cuda ops support ({})",
+               op, what, value, INT_MAX);
+}
+
+// Device memory only: a kernel cannot address pageable host memory (a
+// Tier::kCpu view), and touching it would fault the whole CUDA context.
+void check_device(std::string_view op, std::string_view what, const TensorView& t) {
+  STRATA_CHECK(t.desc.tier == Tier::kDevice, kBadArgument,
+               "{}: {} is {} memory; the cuda ops need device tensors", op, what,
+               tier_name(t.desc.tier));
+}
+void check_float(std::string_view op, std::string_view what, const TensorView& t) {
+  check::float_tensor(op, what, t);
+  check_device(op, what, t);
+}
+void check_typed(std::string_view op, std::string_view what, const TensorView& t, DType dtype) {
+  check::dtype(op, what, t, dtype);
+  check_device(op, what, t);
+}
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(Accelerator& accelerator) : accelerator_(accelerator) {
+    STRATA_CHECK(accelerator.backend() == Backend::kCuda, kBadArgument,
+                 "make_cuda_ops needs a cuda accelerator, got {}", accelerator.name());
+  }
+
+  Backend backend() const override { return Backend::kCuda; }
+
+  std::unique_ptr<ComputeContext> make_context(Stream& stream) override {
+    return std::make_unique<CudaContext>(accelerator_, stream);
+  }
+
+  void embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
+                         const TensorView& out) override {
+    constexpr const char* op = "embedding_forward";
+    CudaContext& c = context(ctx, op);
+    check_float(op, "table", table);
+    check_typed(op, "ids", ids, DType::kI32);
+    check_float(op, "out", out);
+    STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
+                 shape_string(table.desc.shape));
+    const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
+    check::shape(op, "out", out, {rows, dim});
+    run(c, op, [&] {
+      cuda::launch_embedding_forward(storage(table.desc.dtype), table.data, ids.as<int32_t>(), rows,
+                                     vocab, dim, storage(out.desc.dtype), out.data,
+                                     c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
+                          const TensorView& dtable) override {
+    constexpr const char* op = "embedding_backward";
+    CudaContext& c = context(ctx, op);
+    check_float(op, "dout", dout);
+    check_typed(op, "ids", ids, DType::kI32);
+    check_typed(op, "dtable", dtable, DType::kF32);
+    STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D, got {}", op,
+                 shape_string(dtable.desc.shape));
+    const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
+    check::shape(op, "dout", dout, {rows, dim});
+    check_int(op, "rows", rows);
+    if (rows == 0) return;
+    run(c, op, [&] {
+      const size_t nbytes = cuda::embedding_backward_scratch_nbytes(rows);
+      Scratch scratch(c, nbytes);
+      check_status(cuda::launch_embedding_backward(
+                       storage(dout.desc.dtype), dout.data, ids.as<int32_t>(), rows, vocab, dim,
+                       dtable.as<float>(), scratch.get(), nbytes, c.cuda_stream()),
+                   op);
+      check_launch(op);
+    });
+  }
+
+  void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
+                       const TensorView& y, const TensorView& rstd) override {
+    constexpr const char* op = "rmsnorm_forward";
+    CudaContext& c = context(ctx, op);
+    check_float(op, "x", x);
+    check_float(op, "w", w);
+    check_float(op, "y", y);
+    check::same_dtype(op, x, y);
+    check_typed(op, "rstd", rstd, DType::kF32);
+    const MatView xm = MatView::of(x);
+    check::shape(op, "w", w, {xm.cols});
+    check::shape(op, "y", y, x.desc.shape);
+    check::numel(op, "rstd", rstd, xm.rows);
+    run(c, op, [&] {
+      cuda::launch_rmsnorm_forward(storage(x.desc.dtype), x.data, storage(w.desc.dtype), w.data,
+                                   xm.rows, xm.cols, static_cast<float>(eps), y.data,
+                                   rstd.as<float>(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+                        const TensorView& w, const TensorView& rstd, const TensorView& dx,
+                        bool accumulate_dx, const TensorView& dw) override {
+    constexpr const char* op = "rmsnorm_backward";
+    CudaContext& c = context(ctx, op);
+    for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
+      check_float(op, what, *t);
+    }
+    check::same_dtype(op, dy, x);
+    check::same_dtype(op, dy, dx);
+    check_typed(op, "rstd", rstd, DType::kF32);
+    check_typed(op, "dw", dw, DType::kF32);
+    const MatView xm = MatView::of(x);
+    check::shape(op, "dy", dy, x.desc.shape);
+    check::shape(op, "dx", dx, x.desc.shape);
+    check::shape(op, "w", w, {xm.cols});
+    check::shape(op, "dw", dw, {xm.cols});
+    check::numel(op, "rstd", rstd, xm.rows);
+    if (xm.rows == 0) return;
+    run(c, op, [&] {
+      const Storage t = storage(x.desc.dtype);
+      const int64_t splits = cuda::column_sum_splits(xm.rows, xm.cols);
+      Scratch partial(c, splits > 1 ? static_cast<size_t>(splits * xm.cols) * 4 : 0);
+      cuda::launch_rmsnorm_backward_dx(t, dy.data, x.data, storage(w.desc.dtype), w.data,
+                                       rstd.as<float>(), xm.rows, xm.cols, dx.data, accumulate_dx,
+                                       c.cuda_stream());
+      check_launch(op);
+      // dw += sum over rows of dy * x * rstd.
+      cuda::launch_column_sum(t, dy.data, xm.cols, x.data, xm.cols, rstd.as<float>(), xm.rows,
+                              xm.cols, splits, partial.as<float>(), dw.as<float>(),
+                              c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                      const TensorView& bias, const MatView& y, bool accumulate) override {
+    constexpr const char* op = "linear_forward";
+    CudaContext& c = context(ctx, op);
+    check::matrix(op, "x", x);
+    check::matrix(op, "y", y);
+    check_float(op, "w", w);
+    STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op,
+                 dtype_name(x.dtype), dtype_name(y.dtype));
+    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
+                 shape_string(w.desc.shape));
+    const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = x.rows;
+    STRATA_CHECK(x.cols == in && y.cols == out && y.rows == rows, kBadArgument,
+                 "{}: x is {} x {}, w is [{}, {}], y is {} x {}", op, x.rows, x.cols, out, in,
+                 y.rows, y.cols);
+    if (!empty(bias)) {
+      check_float(op, "bias", bias);
+      check::shape(op, "bias", bias, {out});
+    }
+    for (auto [what, v] :
+         {std::pair{"rows", rows}, {"in", in}, {"out", out}, {"x.ld", x.ld}, {"y.ld", y.ld}}) {
+      check_int(op, what, v);
+    }
+    if (rows == 0) return;
+    run(c, op, [&] {
+      Scratch w_cast(c,
+                     w.desc.dtype == x.dtype ? 0 : static_cast<size_t>(out * in * esize(x.dtype)));
+      const void* wd = weight_as(c, w, x.dtype, w_cast, op);
+      gemm(c, false, true, rows, out, in, {x.data, x.dtype, x.ld}, {wd, x.dtype, in},
+           accumulate ? 1.0f : 0.0f, y.data, y.dtype, y.ld, op);
+      if (!empty(bias)) {
+        cuda::launch_add_bias(storage(y.dtype), y.data, y.ld, storage(bias.desc.dtype), bias.data,
+                              rows, out, c.cuda_stream());
+        check_launch(op);
+      }
+    });
+  }
+
+  void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+                       const TensorView& w, const MatView& dx, bool accumulate_dx,
+                       const TensorView& dw, const TensorView& dbias) override {
+    constexpr const char* op = "linear_backward";
+    CudaContext& c = context(ctx, op);
+    check::matrix(op, "dy", dy);
+    check::matrix(op, "x", x);
+    check_float(op, "w", w);
+    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
+                 shape_string(w.desc.shape));
+    const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
+    STRATA_CHECK(dy.cols == out && x.cols == in && x.rows == rows && dy.dtype == x.dtype,
+                 kBadArgument, "{}: dy is {} x {} ({}), x is {} x {} ({}), w is [{}, {}]", op,
+                 dy.rows, dy.cols, dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out,
+                 in);
+    if (!empty(dx)) {
+      check::matrix(op, "dx", dx);
+      STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
+                   "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
+                   dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
+    }
+    if (!empty(dw)) {
+      check_typed(op, "dw", dw, DType::kF32);
+      check::shape(op, "dw", dw, {out, in});
+    }
+    if (!empty(dbias)) {
+      check_typed(op, "dbias", dbias, DType::kF32);
+      check::shape(op, "dbias", dbias, {out});
+    }
+    for (auto [what, v] : {std::pair{"rows", rows},
+                           {"in", in},
+                           {"out", out},
+                           {"dy.ld", dy.ld},
+                           {"x.ld", x.ld},
+                           {"dx.ld", dx.ld}}) {
+      check_int(op, what, v);
+    }
+    if (rows == 0) return;
+    run(c, op, [&] {
+      const bool cast_w = !empty(dx) && w.desc.dtype != dy.dtype;
+      Scratch w_cast(c, cast_w ? static_cast<size_t>(out * in * esize(dy.dtype)) : 0);
+      const int64_t splits = empty(dbias) ? 1 : cuda::column_sum_splits(rows, out);
+      Scratch partial(c, splits > 1 ? static_cast<size_t>(splits * out) * 4 : 0);
+      if (!empty(dx)) {
+        const void* wd = weight_as(c, w, dy.dtype, w_cast, op);
+        // dx [rows, in] = dy [rows, out] W [out, in]
+        gemm(c, false, false, rows, in, out, {dy.data, dy.dtype, dy.ld}, {wd, dy.dtype, in},
+             accumulate_dx ? 1.0f : 0.0f, dx.data, dx.dtype, dx.ld, op);
+      }
+      if (!empty(dw)) {
+        // dw [out, in] += dy^T [out, rows] x [rows, in], straight into fp32.
+        gemm(c, true, false, out, in, rows, {dy.data, dy.dtype, dy.ld}, {x.data, x.dtype, x.ld},
+             1.0f, dw.data, DType::kF32, in, op);
+      }
+      if (!empty(dbias)) {
+        cuda::launch_column_sum(storage(dy.dtype), dy.data, dy.ld, nullptr, 0, nullptr, rows, out,
+                                splits, partial.as<float>(), dbias.as<float>(), c.cuda_stream());
+        check_launch(op);
+      }
+    });
+  }
+
+  void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                    double theta) override {
+    rope(ctx, "rope_forward", x, positions, theta, 1.0);
+  }
+  void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
+                     double theta) override {
+    rope(ctx, "rope_backward", dx, positions, theta, -1.0);
+  }
+
+  void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
+                         const TensorView& v, const TensorView& out,
+                         const TensorView& lse) override {
+    constexpr const char* op = "attention_forward";
+    CudaContext& c = context(ctx, op);
+    const cuda::AttentionDims d = attention_dims(op, q, k, v);
+    check_float(op, "out", out);
+    check::same_dtype(op, q, out);
+    check::shape(op, "out", out, q.desc.shape);
+    check_typed(op, "lse", lse, DType::kF32);
+    check::shape(op, "lse", lse, {d.batch, d.heads, d.seq});
+    run(c, op, [&] {
+      check_status(cuda::launch_attention_forward(storage(q.desc.dtype), q.data, k.data, v.data, d,
+                                                  out.data, lse.as<float>(), c.cuda_stream()),
+                   op);
+    });
+  }
+
+  void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& out,
+                          const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv) override {
+    constexpr const char* op = "attention_backward";
+    CudaContext& c = context(ctx, op);
+    const cuda::AttentionDims d = attention_dims(op, q, k, v);
+    for (auto [what, t] :
+         {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+      check_float(op, what, *t);
+      check::same_dtype(op, q, *t);
+    }
+    check::shape(op, "dout", dout, q.desc.shape);
+    check::shape(op, "out", out, q.desc.shape);
+    check::shape(op, "dq", dq, q.desc.shape);
+    check::shape(op, "dk", dk, k.desc.shape);
+    check::shape(op, "dv", dv, v.desc.shape);
+    check_typed(op, "lse", lse, DType::kF32);
+    check::shape(op, "lse", lse, {d.batch, d.heads, d.seq});
+    run(c, op, [&] {
+      const Storage t = storage(q.desc.dtype);
+      const cuda::AttentionBackwardPlan plan = cuda::plan_attention_backward(t, d);
+      Scratch workspace(c, plan.workspace_nbytes);
+      check_status(cuda::launch_attention_backward(t, dout.data, q.data, k.data, v.data, out.data,
+                                                   lse.as<float>(), d, dq.data, dk.data, dv.data,
+                                                   plan, workspace.get(), c.cuda_stream()),
+                   op);
+    });
+  }
+
+  void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+                      const TensorView& out) override {
+    constexpr const char* op = "swiglu_forward";
+    CudaContext& c = context(ctx, op);
+    elementwise_check(op, {&gate, &up, &out});
+    run(c, op, [&] {
+      cuda::launch_swiglu_forward(storage(gate.desc.dtype), gate.data, up.data, gate.numel(),
+                                  out.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
+                       const TensorView& up, const TensorView& dgate,
+                       const TensorView& dup) override {
+    constexpr const char* op = "swiglu_backward";
+    CudaContext& c = context(ctx, op);
+    elementwise_check(op, {&dout, &gate, &up, &dgate, &dup});
+    run(c, op, [&] {
+      cuda::launch_swiglu_backward(storage(gate.desc.dtype), dout.data, gate.data, up.data,
+                                   gate.numel(), dgate.data, dup.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+           const TensorView& out) override {
+    constexpr const char* op = "add";
+    CudaContext& c = context(ctx, op);
+    elementwise_check(op, {&a, &b, &out});
+    run(c, op, [&] {
+      cuda::launch_add(storage(a.desc.dtype), a.data, b.data, a.numel(), out.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                     const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                     const TensorView& stats, const CrossEntropyGrad* grad) override;
+
+  void count_targets(ComputeContext& ctx, const TensorView& targets,
+                     const TensorView& count) override {
+    constexpr const char* op = "count_targets";
+    CudaContext& c = context(ctx, op);
+    check_typed(op, "targets", targets, DType::kI32);
+    check_typed(op, "count", count, DType::kF64);
+    check::numel(op, "count", count, 1);
+    run(c, op, [&] {
+      cuda::launch_count_targets(targets.as<int32_t>(), targets.numel(), count.as<double>(),
+                                 c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
+    constexpr const char* op = "cast";
+    CudaContext& c = context(ctx, op);
+    check_float(op, "src", src);
+    check_float(op, "dst", dst);
+    check::shape(op, "dst", dst, src.desc.shape);
+    if (src.data == dst.data && src.desc.dtype == dst.desc.dtype) return;
+    run(c, op, [&] {
+      cuda::launch_cast(storage(src.desc.dtype), src.data, storage(dst.desc.dtype), dst.data,
+                        src.numel(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+ private:
+  CudaContext& context(ComputeContext& ctx, const char* op) {
+    auto* c = dynamic_cast<CudaContext*>(&ctx);
+    STRATA_CHECK(c != nullptr && &ctx.accelerator() == &accelerator_, kBadArgument,
+                 "{}: the context was not made by these cuda Ops", op);
+    return *c;
+  }
+
+  // Runs an op's enqueueing on the context's device; a launch or cuBLAS
+  // failure becomes the stream's error (reported by later events and
+  // synchronize), like a failing kernel on the cpu backend.
+  template <typename Fn>
+  void run(CudaContext& c, const char* op, Fn&& fn) {
+    DeviceScope scope(c.device());
+    try {
+      fn();
+    } catch (LaunchFailure& failure) {
+      std::string message = fmt::format("cuda {}: {}", op, failure.message);
+      c.stream().launch_host_func(
+          [message = std::move(message)] { throw Error(ErrorCategory::kCuda, message); });
+    }
+  }
+
+  // w's data in `dtype`: w itself, or w cast into `scratch`.
+  static const void* weight_as(CudaContext& c, const TensorView& w, DType dtype,
+                               const Scratch& scratch, const char* op) {
+    if (w.desc.dtype == dtype) return w.data;
+    cuda::launch_cast(storage(w.desc.dtype), w.data, storage(dtype), scratch.get(), w.numel(),
+                      c.cuda_stream());
+    check_launch(op);
+    return scratch.get();
+  }
+
+  void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
+            double theta, double sign) {
+    CudaContext& c = context(ctx, op);
+    check_float(op, "x", x);
+    check_typed(op, "positions", positions, DType::kI32);
+    STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
+                 "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
+                 shape_string(x.desc.shape));
+    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
+    check::numel(op, "positions", positions, rows);
+    run(c, op, [&] {
+      cuda::launch_rope(storage(x.desc.dtype), x.data, positions.as<int32_t>(), rows, heads,
+                        head_dim, theta, sign, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  static cuda::AttentionDims attention_dims(const char* op, const TensorView& q,
+                                            const TensorView& k, const TensorView& v) {
+    const AttentionShape s = check::attention(op, q, k, v);
+    check_device(op, "q", q);
+    check_device(op, "k", k);
+    check_device(op, "v", v);
+    STRATA_CHECK(s.head_dim <= cuda::kMaxAttentionHeadDim, kBadArgument,
+                 "{}: head_dim {} is not supported by the cuda attention kernels (at most {})", op,
+                 s.head_dim, cuda::kMaxAttentionHeadDim);
+    STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2, kBadArgument,
+                 "{}: batch {} and heads {} must be at most 65535, seq {} at most {}", op, s.batch,
+                 s.heads, s.seq, INT_MAX / 2);
+    return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim};
+  }
+
+  static void elementwise_check(const char* op, std::initializer_list<const TensorView*> views) {
+    check::elementwise(op, views);
+    for (const TensorView* t : views) check_device(op, "operand", *t);
+  }
+
+  Accelerator& accelerator_;
+};
+
+void CudaOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                            const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                            const TensorView& stats, const CrossEntropyGrad* grad) {
+  constexpr const char* op = "cross_entropy";
+  CudaContext& c = context(ctx, op);
+  check_float(op, "h", h);
+  check_float(op, "w", w);
+  check_typed(op, "targets", targets, DType::kI32);
+  check_typed(op, "lse", lse, DType::kF32);
+  check_typed(op, "stats", stats, DType::kF64);
+  check::numel(op, "stats", stats, 2);
+  STRATA_CHECK(w.desc.shape.size() == 2 && chunk_rows > 0, kBadArgument,
+               "{}: w must be [vocab, dim] (got {}) and chunk_rows > 0 (got {})", op,
+               shape_string(w.desc.shape), chunk_rows);
+  const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
+  check::shape(op, "h", h, {rows, dim});
+  check::numel(op, "lse", lse, rows);
+  if (grad != nullptr) {
+    check_typed(op, "normalizer", grad->normalizer, DType::kF64);
+    check::numel(op, "normalizer", grad->normalizer, 1);
+    check_float(op, "dh", grad->dh);
+    check::same_dtype(op, h, grad->dh);
+    check::shape(op, "dh", grad->dh, {rows, dim});
+    if (!empty(grad->dw)) {
+      check_typed(op, "dw", grad->dw, DType::kF32);
+      check::shape(op, "dw", grad->dw, {vocab, dim});
+    }
+  }
+  const int64_t chunk = std::min(chunk_rows, std::max<int64_t>(rows, 1));
+  for (auto [what, value] : {std::pair{"rows", rows}, {"vocab", vocab}, {"dim", dim}}) {
+    check_int(op, what, value);
+  }
+  if (rows == 0) return;
+  run(c, op, [&] {
+    const DType at = h.desc.dtype;
+    const Storage st = storage(at);
+    const cudaStream_t stream = c.cuda_stream();
+    // Everything is allocated before the first launch, so an allocation
+    // failure throws with nothing enqueued.
+    Scratch w_cast(c, w.desc.dtype == at ? 0 : static_cast<size_t>(vocab * dim * esize(at)));
+    Scratch logits(c, static_cast<size_t>(chunk * vocab) * 4);
+    // The logits gradient feeds two GEMMs with h's type; fp32 overwrites the logits in place.
+    Scratch grad16(c, grad != nullptr && at != DType::kF32
+                          ? static_cast<size_t>(chunk * vocab * esize(at))
+                          : 0);
+    Scratch loss(c, static_cast<size_t>(rows) * 4);
+    const void* wd = weight_as(c, w, at, w_cast, op);
+    void* g = grad == nullptr ? nullptr : (at == DType::kF32 ? logits.get() : grad16.get());
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t n = std::min(chunk, rows - r0);
+      const void* hc = offset(h.data, r0 * dim * esize(at));
+      // logits [n, vocab] = h [n, dim] W^T, in fp32.
+      gemm(c, false, true, n, vocab, dim, {hc, at, dim}, {wd, at, dim}, 0.0f, logits.get(),
+           DType::kF32, vocab, op);
+      cuda::launch_ce_rows(logits.as<float>(), targets.as<int32_t>() + r0, n, vocab,
+                           lse.as<float>() + r0, loss.as<float>() + r0, st, g,
+                           grad == nullptr ? nullptr : grad->normalizer.as<double>(),
+                           grad == nullptr ? 0.0 : grad->grad_scale, stream);
+      check_launch(op);
+      if (grad == nullptr) continue;
+      // dh [n, dim] = G [n, vocab] W [vocab, dim]; dw [vocab, dim] += G^T h.
+      gemm(c, false, false, n, dim, vocab, {g, at, vocab}, {wd, at, dim}, 0.0f,
+           offset(grad->dh.data, r0 * dim * esize(at)), at, dim, op);
+      if (!empty(grad->dw)) {
+        gemm(c, true, false, vocab, dim, n, {g, at, vocab}, {hc, at, dim}, 1.0f, grad->dw.data,
+             DType::kF32, dim, op);
+      }
+    }
+    cuda::launch_ce_stats(loss.as<float>(), targets.as<int32_t>(), rows, stats.as<double>(),
+                          stream);
+    check_launch(op);
+  });
+}
+
+}  // namespace
+
+std::unique_ptr<Ops> make_cuda_ops(Accelerator& accelerator) {
+  return std::make_unique<CudaOps>(accelerator);
+}
+
+}  // namespace strata::ops

@@ -1,0 +1,716 @@
+// The cuda Ops against the exact references (the double templates of
+// kernels/nn_ops.h, run on the same rounded inputs) for every op, forward and
+// backward, in fp32, fp16 and bf16, with the tolerances of
+// tests/kernels/ops_tolerances.h. Also: attention at many shapes (seq not a
+// multiple of a tile, seq 1, GQA groups 1/2/3/4, head_dim 20..128, seq 4096);
+// strided, accumulating, mixed-dtype Linear; the fused cross-entropy with
+// ignored targets, several chunk sizes, stats over two calls and a normalizer
+// written by an earlier kernel; bitwise determinism; that no op waits for the
+// stream; that scratch is returned; argument errors. SKIPPED without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <future>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda_peak.h"
+#include "kernels/nn_ops.h"
+#include "kernels/ops.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "tests/kernels/ops_tolerances.h"
+
+using namespace strata;
+using namespace strata::ops;
+using namespace strata::test;
+using Vec = std::vector<double>;
+namespace ref = strata::nn::cpu;
+
+namespace {
+
+const DType kDtypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+
+Vec random_vec(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> d(-scale, scale);
+  Vec v(n);
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+
+// The value an element of `dtype` holds for x.
+double rounded(double x, DType dtype) {
+  const auto f = static_cast<float>(x);
+  if (dtype == DType::kF32) return f;
+  uint64_t bits = 0;  // as wide as any dtype, so no access looks out of bounds
+  store_from_float(&bits, dtype, 0, f);
+  return load_as_float(&bits, dtype, 0);
+}
+Vec rounded(Vec v, DType dtype) {
+  for (double& x : v) x = rounded(x, dtype);
+  return v;
+}
+
+struct Fixture {
+  std::unique_ptr<Accelerator> acc = make_cuda_accelerator(0);
+  std::unique_ptr<Stream> stream = acc->create_stream();
+  std::unique_ptr<Ops> ops = make_cuda_ops(*acc);
+  std::unique_ptr<ComputeContext> ctx = ops->make_context(*stream);
+  std::vector<Tensor> keep;
+
+  ~Fixture() {
+    try {
+      stream->synchronize();  // before keep's tensors are freed
+    } catch (...) {
+    }
+  }
+
+  TensorView upload(const void* bytes, DType dtype, Shape shape) {
+    Tensor t = acc->allocate_tensor(dtype, std::move(shape));
+    acc->copy_async(t.data(), bytes, t.nbytes(), CopyKind::kHostToDevice, *stream);
+    stream->synchronize();
+    keep.push_back(std::move(t));
+    return keep.back().view();
+  }
+  // A device tensor holding v rounded to dtype; v becomes the rounded values
+  // (what the device reads, and what the reference must see).
+  TensorView tensor(Vec& v, DType dtype, Shape shape) {
+    REQUIRE(static_cast<int64_t>(v.size()) == shape_numel(shape));
+    std::vector<unsigned char> bytes(v.size() * dtype_nbytes(dtype));
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (dtype == DType::kF64) {
+        std::memcpy(bytes.data() + 8 * i, &v[i], 8);
+      } else {
+        v[i] = rounded(v[i], dtype);
+        store_from_float(bytes.data(), dtype, i, static_cast<float>(v[i]));
+      }
+    }
+    return upload(bytes.data(), dtype, std::move(shape));
+  }
+  TensorView ints(const std::vector<int32_t>& v) {
+    return upload(v.data(), DType::kI32, {static_cast<int64_t>(v.size())});
+  }
+  TensorView zeros(DType dtype, Shape shape) {
+    Tensor t = acc->allocate_tensor(dtype, std::move(shape));
+    acc->memset_async(t.data(), 0, t.nbytes(), *stream);
+    keep.push_back(std::move(t));
+    return keep.back().view();
+  }
+  Vec read(const void* data, DType dtype, int64_t numel) {
+    stream->synchronize();
+    std::vector<unsigned char> bytes(static_cast<size_t>(numel) * dtype_nbytes(dtype));
+    acc->copy_async(bytes.data(), data, bytes.size(), CopyKind::kDeviceToHost, *stream);
+    stream->synchronize();
+    Vec out(static_cast<size_t>(numel));
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (dtype == DType::kF64) {
+        std::memcpy(&out[i], bytes.data() + 8 * i, 8);
+      } else {
+        out[i] = load_as_float(bytes.data(), dtype, i);
+      }
+    }
+    return out;
+  }
+  Vec read(const TensorView& t) { return read(t.data, t.desc.dtype, t.numel()); }
+  // The raw bytes, for bitwise comparisons.
+  std::vector<unsigned char> bytes(const TensorView& t) {
+    stream->synchronize();
+    std::vector<unsigned char> out(t.nbytes());
+    acc->copy_async(out.data(), t.data, out.size(), CopyKind::kDeviceToHost, *stream);
+    stream->synchronize();
+    return out;
+  }
+};
+
+// |got - want| <= abs * max(max|want|, scale_floor) + rel * |want| for every
+// element. scale_floor is the size of the terms where the exact result can
+// cancel to zero (attention gradients at seq 1: dS = P (dP - delta) = 0).
+void expect_close(const std::string& what, const Vec& got, const Vec& want, const OpTol& tol,
+                  double scale_floor = 0.0) {
+  REQUIRE(got.size() == want.size());
+  double scale = scale_floor;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  size_t bad = 0, worst = 0;
+  double worst_ratio = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::abs(got[i] - want[i]);
+    const double allowed = tol.abs * scale + tol.rel * std::abs(want[i]);
+    const bool ok = diff <= allowed;  // false for NaN
+    const double ratio = ok ? (allowed > 0 ? diff / allowed : 0.0) : INFINITY;
+    if (!ok) ++bad;
+    if (ratio > worst_ratio || (!ok && bad == 1)) {
+      worst_ratio = ratio;
+      worst = i;
+    }
+  }
+  INFO(what << ": " << bad << " of " << got.size() << " elements out of tolerance (abs " << tol.abs
+            << " x max " << scale << ", rel " << tol.rel << "); worst at " << worst << ": got "
+            << (got.empty() ? 0.0 : got[worst]) << " want " << (want.empty() ? 0.0 : want[worst]));
+  CHECK(bad == 0);
+}
+
+// Another float dtype than dt, for mixed parameter/activation dtypes.
+DType other(DType dt) {
+  return dt == DType::kF32 ? DType::kBF16 : DType::kF32;
+}
+
+}  // namespace
+
+TEST_CASE("cuda ops: embedding forward and deterministic backward", "[ops][cuda]") {
+  Fixture f;
+  const int64_t vocab = 50, rows = 33;
+  std::vector<int32_t> ids(rows);
+  for (int64_t r = 0; r < rows; ++r) ids[r] = r % 5 == 0 ? 3 : static_cast<int32_t>(r * 7 % vocab);
+  for (int64_t dim : {40, 37}) {  // vectorised rows and the scalar path
+    for (DType dt : kDtypes) {
+      for (DType table_dt : {dt, other(dt)}) {
+        INFO("dim " << dim << " out " << dtype_name(dt) << " table " << dtype_name(table_dt));
+        Vec table = random_vec(vocab * dim, 1), dout = random_vec(rows * dim, 2);
+        Vec dtable0 = random_vec(vocab * dim, 3);
+        auto t = f.tensor(table, table_dt, {vocab, dim});
+        auto d_ids = f.ints(ids);
+        auto out = f.zeros(dt, {rows, dim});
+        f.ops->embedding_forward(*f.ctx, t, d_ids, out);
+        Vec want(rows * dim);
+        ref::embedding_forward<double>(table.data(), ids.data(), rows, vocab, dim, want.data());
+        expect_close("embedding out", f.read(out), want, kEmbeddingOut.of(dt));
+
+        auto d_dout = f.tensor(dout, dt, {rows, dim});
+        auto dtable = f.tensor(dtable0, DType::kF32, {vocab, dim});
+        Vec again0 = dtable0;
+        auto dtable_again = f.tensor(again0, DType::kF32, {vocab, dim});
+        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable);
+        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable_again);
+        Vec want_dt = dtable0;
+        ref::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, want_dt.data());
+        expect_close("embedding dtable", f.read(dtable), want_dt, kEmbeddingGrad.of(dt));
+        CHECK(f.bytes(dtable) == f.bytes(dtable_again));  // no atomics: bitwise repeatable
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda ops: rmsnorm forward and backward", "[ops][cuda]") {
+  Fixture f;
+  const double eps = 1e-5;
+  // (17, 300): scalar path, one row split of the dw sums; (300, 512): 8-wide
+  // loads and dw summed in several ordered partials.
+  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{17, 300}, {300, 512}}) {
+    for (DType dt : kDtypes) {
+      for (DType w_dt : {dt, other(dt)}) {
+        INFO("rows " << rows << " dim " << dim << " dtype " << dtype_name(dt) << " w "
+                     << dtype_name(w_dt));
+        Vec x = random_vec(rows * dim, 4), w = random_vec(dim, 5), dy = random_vec(rows * dim, 6);
+        Vec dx0 = random_vec(rows * dim, 7), dw0 = random_vec(dim, 8);
+        auto d_x = f.tensor(x, dt, {rows, dim});
+        auto d_w = f.tensor(w, w_dt, {dim});
+        auto d_dy = f.tensor(dy, dt, {rows, dim});
+        auto y = f.zeros(dt, {rows, dim});
+        auto rstd = f.zeros(DType::kF32, {rows});
+        f.ops->rmsnorm_forward(*f.ctx, d_x, d_w, eps, y, rstd);
+        Vec want_y(rows * dim), want_rstd(rows);
+        ref::rmsnorm_forward<double>(x.data(), w.data(), rows, dim, eps, want_y.data(),
+                                     want_rstd.data());
+        expect_close("rmsnorm y", f.read(y), want_y, kRmsnormY.of(dt));
+        expect_close("rmsnorm rstd", f.read(rstd), want_rstd, kRmsnormRstd.of(dt));
+
+        // Twice: overwriting dx, then adding into dx0; dw accumulates both.
+        auto dx = f.zeros(dt, {rows, dim});
+        auto dx_acc = f.tensor(dx0, dt, {rows, dim});
+        auto dw = f.tensor(dw0, DType::kF32, {dim});
+        f.ops->rmsnorm_backward(*f.ctx, d_dy, d_x, d_w, rstd, dx, false, dw);
+        f.ops->rmsnorm_backward(*f.ctx, d_dy, d_x, d_w, rstd, dx_acc, true, dw);
+        Vec want_dx(rows * dim), want_dw = dw0;
+        ref::rmsnorm_backward<double>(dy.data(), x.data(), w.data(), want_rstd.data(), rows, dim,
+                                      want_dx.data(), want_dw.data());
+        ref::rmsnorm_backward<double>(dy.data(), x.data(), w.data(), want_rstd.data(), rows, dim,
+                                      want_dx.data(), want_dw.data());
+        Vec want_dx_acc = dx0;
+        for (size_t i = 0; i < want_dx.size(); ++i) want_dx_acc[i] += want_dx[i];
+        expect_close("rmsnorm dx", f.read(dx), want_dx, kRmsnormDx.of(dt));
+        expect_close("rmsnorm dx (accumulated)", f.read(dx_acc), want_dx_acc, kRmsnormDx.of(dt));
+        expect_close("rmsnorm dw", f.read(dw), want_dw, kRmsnormDw.of(dt));
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda ops: linear on column blocks with accumulation bias and mixed weight dtype",
+          "[ops][cuda]") {
+  Fixture f;
+  // x = columns [2, 26) of [rows, 30]; y = columns [1, 14) of [rows, 16];
+  // dx = columns [3, 27) of [rows, 32]: strides and offsets that are not
+  // multiples of 8 elements, so cuBLAS also runs unaligned.
+  const int64_t rows = 19, in = 24, out = 13;
+  const int64_t ldx = 30, ldy = 16, lddx = 32, x0 = 2, y0c = 1, dx0c = 3;
+  for (DType dt : kDtypes) {
+    for (DType w_dt : {dt, other(dt)}) {
+      INFO("activations " << dtype_name(dt) << " weight/bias " << dtype_name(w_dt));
+      Vec x = random_vec(rows * ldx, 9), w = random_vec(out * in, 10), b = random_vec(out, 11);
+      Vec y0 = random_vec(rows * ldy, 12), dy = random_vec(rows * ldy, 13);
+      Vec dx0 = random_vec(rows * lddx, 14), dw0 = random_vec(out * in, 15),
+          db0 = random_vec(out, 16);
+      auto d_x = f.tensor(x, dt, {rows, ldx});
+      auto d_w = f.tensor(w, w_dt, {out, in});
+      auto d_b = f.tensor(b, w_dt, {out});
+      auto d_y = f.tensor(y0, dt, {rows, ldy});
+      auto d_y2 = f.zeros(dt, {rows, ldy});
+      auto d_dy = f.tensor(dy, dt, {rows, ldy});
+      auto d_dx = f.tensor(dx0, dt, {rows, lddx});
+      auto d_dw = f.tensor(dw0, DType::kF32, {out, in});
+      auto d_db = f.tensor(db0, DType::kF32, {out});
+      auto d_dw2 = f.zeros(DType::kF32, {out, in});
+      const MatView xm = MatView::of(d_x).columns(x0, x0 + in);
+      const MatView ym = MatView::of(d_y).columns(y0c, y0c + out);
+      const MatView dym = MatView::of(d_dy).columns(y0c, y0c + out);
+      const MatView dxm = MatView::of(d_dx).columns(dx0c, dx0c + in);
+
+      f.ops->linear_forward(*f.ctx, xm, d_w, d_b, ym, true);
+      f.ops->linear_forward(*f.ctx, xm, d_w, {}, MatView::of(d_y2).columns(y0c, y0c + out), false);
+      f.ops->linear_backward(*f.ctx, dym, xm, d_w, dxm, true, d_dw, d_db);
+      // dx and dbias not wanted: only dw.
+      f.ops->linear_backward(*f.ctx, dym, xm, d_w, MatView{}, false, d_dw2, {});
+
+      Vec want_y = y0, want_y2(rows * ldy, 0.0), want_dx = dx0, want_dw = dw0, want_db = db0;
+      Vec want_dw2(out * in, 0.0);
+      ref::linear_forward<double>(x.data() + x0, ldx, w.data(), b.data(), rows, in, out,
+                                  want_y.data() + y0c, ldy, true);
+      ref::linear_forward<double>(x.data() + x0, ldx, w.data(), nullptr, rows, in, out,
+                                  want_y2.data() + y0c, ldy, false);
+      ref::linear_backward<double>(dy.data() + y0c, ldy, x.data() + x0, ldx, w.data(), rows, in,
+                                   out, want_dx.data() + dx0c, lddx, true, want_dw.data(),
+                                   want_db.data());
+      ref::linear_backward<double>(dy.data() + y0c, ldy, x.data() + x0, ldx, w.data(), rows, in,
+                                   out, nullptr, 0, false, want_dw2.data(), nullptr);
+      // Whole matrices: the columns outside the blocks must be untouched.
+      expect_close("linear y (accumulate, bias)", f.read(d_y), want_y, kLinearOut.of(dt));
+      expect_close("linear y", f.read(d_y2), want_y2, kLinearOut.of(dt));
+      expect_close("linear dx (accumulate)", f.read(d_dx), want_dx, kLinearOut.of(dt));
+      expect_close("linear dw", f.read(d_dw), want_dw, kLinearParamGrad.of(dt));
+      expect_close("linear dbias", f.read(d_db), want_db, kLinearParamGrad.of(dt));
+      expect_close("linear dw (alone)", f.read(d_dw2), want_dw2, kLinearParamGrad.of(dt));
+    }
+  }
+}
+
+TEST_CASE("cuda ops: rotary embedding and its inverse", "[ops][cuda]") {
+  Fixture f;
+  const int64_t rows = 40, heads = 3;
+  std::vector<int32_t> pos(rows);
+  for (int64_t r = 0; r < rows; ++r) pos[r] = r == 7 ? 100000 : static_cast<int32_t>(r * 97 % 4096);
+  for (int64_t head_dim : {16, 128}) {
+    for (DType dt : kDtypes) {
+      INFO("head_dim " << head_dim << " dtype " << dtype_name(dt));
+      Vec x = random_vec(rows * heads * head_dim, 17);
+      auto d_x = f.tensor(x, dt, {rows, heads, head_dim});
+      auto d_pos = f.ints(pos);
+      f.ops->rope_forward(*f.ctx, d_x, d_pos, 10000.0);
+      Vec want = x;
+      ref::rope_forward<double>(want.data(), pos.data(), rows, heads, head_dim, 10000.0);
+      expect_close("rope forward", f.read(d_x), want, kRope.of(dt));
+      f.ops->rope_backward(*f.ctx, d_x, d_pos, 10000.0);
+      expect_close("rope backward(forward(x))", f.read(d_x), x, kRopeRoundTrip.of(dt));
+    }
+  }
+}
+
+namespace {
+
+// Forward and backward of one attention shape in one dtype against the
+// reference; backward runs from the device's own out and lse (as training
+// does; lse and out are checked separately), and twice, to check that it is
+// bitwise repeatable.
+void check_attention(Fixture& f, const AttentionShape& s, DType dt) {
+  INFO("batch " << s.batch << " seq " << s.seq << " heads " << s.heads << " kv_heads " << s.kv_heads
+                << " head_dim " << s.head_dim << " dtype " << dtype_name(dt));
+  const int64_t nq = s.batch * s.seq * s.heads * s.head_dim;
+  const int64_t nkv = s.batch * s.seq * s.kv_heads * s.head_dim;
+  const int64_t nl = s.batch * s.heads * s.seq;
+  const Shape q_shape{s.batch, s.seq, s.heads, s.head_dim};
+  const Shape kv_shape{s.batch, s.seq, s.kv_heads, s.head_dim};
+  const uint32_t seed = static_cast<uint32_t>(s.seq * 31 + s.head_dim);
+  // Scores of a few units, like a trained model's: softmax rows neither flat nor one-hot.
+  Vec q = random_vec(nq, seed, 1.5), k = random_vec(nkv, seed + 1, 1.5);
+  Vec v = random_vec(nkv, seed + 2), dout = random_vec(nq, seed + 3);
+  auto d_q = f.tensor(q, dt, q_shape);
+  auto d_k = f.tensor(k, dt, kv_shape);
+  auto d_v = f.tensor(v, dt, kv_shape);
+  auto d_dout = f.tensor(dout, dt, q_shape);
+  auto out = f.zeros(dt, q_shape);
+  auto lse = f.zeros(DType::kF32, {s.batch, s.heads, s.seq});
+  f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, out, lse);
+  Vec want_out(nq), want_lse(nl);
+  ref::attention_forward<double>(q.data(), k.data(), v.data(), s, want_out.data(), want_lse.data());
+  const Vec got_out = f.read(out), got_lse = f.read(lse);
+  expect_close("attention out", got_out, want_out, kAttentionOut.of(dt));
+  expect_close("attention lse", got_lse, want_lse, kAttentionLse.of(dt));
+
+  auto dq = f.zeros(dt, q_shape), dk = f.zeros(dt, kv_shape), dv = f.zeros(dt, kv_shape);
+  auto dq2 = f.zeros(dt, q_shape), dk2 = f.zeros(dt, kv_shape), dv2 = f.zeros(dt, kv_shape);
+  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq, dk, dv);
+  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq2, dk2, dv2);
+  Vec want_dq(nq), want_dk(nkv), want_dv(nkv);
+  ref::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), got_out.data(),
+                                  got_lse.data(), s, want_dq.data(), want_dk.data(),
+                                  want_dv.data());
+  // dO, V are O(1): the terms of dP and delta, the scale of dq/dk's errors.
+  expect_close("attention dq", f.read(dq), want_dq, kAttentionGrad.of(dt), 1.0);
+  expect_close("attention dk", f.read(dk), want_dk, kAttentionGrad.of(dt), 1.0);
+  expect_close("attention dv", f.read(dv), want_dv, kAttentionGrad.of(dt), 1.0);
+  CHECK(f.bytes(dq) == f.bytes(dq2));
+  CHECK(f.bytes(dk) == f.bytes(dk2));
+  CHECK(f.bytes(dv) == f.bytes(dv2));
+}
+
+AttentionShape shape(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim) {
+  return AttentionShape{batch, seq, heads, kv_heads, head_dim};
+}
+
+}  // namespace
+
+TEST_CASE("cuda ops: causal GQA attention at many shapes", "[ops][cuda]") {
+  Fixture f;
+  // seq not a multiple of the 64/128 (16-bit) or 32 (fp32) tiles; seq 1;
+  // GQA groups 1, 2, 3, 4; head_dim 20 (scalar loads, padded to 64), 32, 64,
+  // 96 and 128; few kv heads and a small batch (dK/dV split over query heads
+  // with ordered partial sums) and a large batch (no split, group 2).
+  const AttentionShape shapes[] = {
+      shape(2, 70, 6, 2, 32),  shape(1, 1, 4, 4, 64),    shape(1, 333, 4, 1, 128),
+      shape(2, 200, 8, 4, 64), shape(1, 130, 2, 1, 20),  shape(1, 129, 4, 2, 96),
+      shape(1, 256, 8, 2, 64), shape(70, 256, 2, 1, 16), shape(3, 64, 2, 2, 128),
+  };
+  for (const AttentionShape& s : shapes) {
+    for (DType dt : kDtypes) check_attention(f, s, dt);
+  }
+}
+
+TEST_CASE("cuda ops: attention at seq 4096 (no shared-memory row limit)", "[ops][cuda]") {
+  Fixture f;
+  for (DType dt : kDtypes) check_attention(f, shape(1, 4096, 4, 2, 64), dt);
+  check_attention(f, shape(1, 4096, 2, 1, 128), DType::kBF16);
+}
+
+TEST_CASE("cuda ops: attention refuses head_dim above 128", "[ops][cuda]") {
+  Fixture f;
+  auto q = f.zeros(DType::kBF16, {1, 8, 2, 256}), k = f.zeros(DType::kBF16, {1, 8, 1, 256});
+  auto lse = f.zeros(DType::kF32, {1, 2, 8});
+  try {
+    f.ops->attention_forward(*f.ctx, q, k, k, q, lse);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::kBadArgument);
+    CHECK_THAT(e.message(), Catch::Contains("head_dim 256"));
+  }
+}
+
+TEST_CASE("cuda ops: swiglu add and cast", "[ops][cuda]") {
+  Fixture f;
+  // 5000: 8-wide accesses; 4999: a scalar tail; offset views: unaligned, all scalar.
+  for (int64_t n : {5000, 4999}) {
+    for (bool unaligned : {false, true}) {
+      for (DType dt : kDtypes) {
+        INFO("n " << n << " unaligned " << unaligned << " dtype " << dtype_name(dt));
+        const int64_t pad = unaligned ? 1 : 0;
+        Vec g = random_vec(n + pad, 18, 4.0), u = random_vec(n + pad, 19),
+            d = random_vec(n + pad, 20);
+        auto view = [&](Vec& v) {
+          TensorView t = f.tensor(v, dt, {n + pad});
+          t.data = static_cast<char*>(t.data) + pad * static_cast<int64_t>(dtype_nbytes(dt));
+          t.desc.shape = {n};
+          v.erase(v.begin(), v.begin() + pad);
+          return t;
+        };
+        auto d_g = view(g), d_u = view(u), d_d = view(d);
+        auto o = f.zeros(dt, {n}), dg = f.zeros(dt, {n}), du = f.zeros(dt, {n});
+        auto sum = f.zeros(dt, {n});
+        f.ops->swiglu_forward(*f.ctx, d_g, d_u, o);
+        f.ops->swiglu_backward(*f.ctx, d_d, d_g, d_u, dg, du);
+        f.ops->add(*f.ctx, d_g, d_u, sum);
+        Vec want_o(n), want_dg(n), want_du(n), want_sum(n);
+        ref::swiglu_forward<double>(g.data(), u.data(), n, want_o.data());
+        ref::swiglu_backward<double>(d.data(), g.data(), u.data(), n, want_dg.data(),
+                                     want_du.data());
+        ref::add<double>(g.data(), u.data(), n, want_sum.data());
+        expect_close("swiglu out", f.read(o), want_o, kSwiglu.of(dt));
+        expect_close("swiglu dgate", f.read(dg), want_dg, kSwiglu.of(dt));
+        expect_close("swiglu dup", f.read(du), want_du, kSwiglu.of(dt));
+        expect_close("add", f.read(sum), want_sum, kAdd.of(dt));
+        f.ops->add(*f.ctx, d_d, d_u, d_d);  // out aliases a
+        Vec want_alias(n);
+        ref::add<double>(d.data(), u.data(), n, want_alias.data());
+        expect_close("add in place", f.read(d_d), want_alias, kAdd.of(dt));
+      }
+    }
+  }
+  for (DType src : kDtypes) {
+    for (DType dst : kDtypes) {
+      INFO("cast " << dtype_name(src) << " -> " << dtype_name(dst));
+      Vec v = random_vec(1001, 21, 100.0);
+      auto s = f.tensor(v, src, {7, 143});
+      auto d = f.zeros(dst, {7, 143});
+      f.ops->cast(*f.ctx, s, d);
+      const Vec got = f.read(d);
+      expect_close("cast", got, v, kCast.of(dst));
+      CHECK(got == rounded(v, dst));  // round to nearest even, as strata::convert
+    }
+  }
+}
+
+namespace {
+
+struct CeCase {
+  int64_t rows, dim, vocab, chunk;
+  DType w_dt;  // the weight's dtype; kF64 means "the activations' dtype"
+};
+
+void check_cross_entropy(Fixture& f, const CeCase& cc, DType dt) {
+  const DType w_dt = cc.w_dt == DType::kF64 ? dt : cc.w_dt;
+  INFO("rows " << cc.rows << " dim " << cc.dim << " vocab " << cc.vocab << " chunk " << cc.chunk
+               << " h " << dtype_name(dt) << " w " << dtype_name(w_dt));
+  std::vector<int32_t> targets(cc.rows);
+  for (int64_t r = 0; r < cc.rows; ++r) {
+    targets[r] = r % 9 == 4 ? kIgnoreIndex : static_cast<int32_t>(r * 37 % cc.vocab);
+  }
+  Vec h = random_vec(cc.rows * cc.dim, 22), w = random_vec(cc.vocab * cc.dim, 23, 0.3);
+  Vec dw0 = random_vec(cc.vocab * cc.dim, 24, 0.01);
+  auto d_h = f.tensor(h, dt, {cc.rows, cc.dim});
+  auto d_w = f.tensor(w, w_dt, {cc.vocab, cc.dim});
+  // cuBLAS multiplies in one dtype, so a weight stored in another dtype is
+  // used rounded to h's: that is what the exact reference must see.
+  w = rounded(w, dt);
+  auto d_t = f.ints(targets);
+  auto lse = f.zeros(DType::kF32, {cc.rows});
+  auto lse2 = f.zeros(DType::kF32, {cc.rows});
+  auto stats = f.zeros(DType::kF64, {2});
+  auto normalizer = f.zeros(DType::kF64, {1});
+  auto dh = f.zeros(dt, {cc.rows, cc.dim});
+  auto dw = f.tensor(dw0, DType::kF32, {cc.vocab, cc.dim});
+  // The normalizer is produced by an earlier kernel on the same stream and
+  // read by the gradient kernel when it runs (no host round trip between).
+  // grad_scale plays the loss scale (it keeps fp16 gradients normal).
+  const double grad_scale = 64.0;
+  f.ops->count_targets(*f.ctx, d_t, normalizer);
+  Ops::CrossEntropyGrad grad{normalizer, grad_scale, dh, dw};
+  f.ops->cross_entropy(*f.ctx, d_h, d_w, d_t, cc.chunk, lse, stats, &grad);
+  f.ops->cross_entropy(*f.ctx, d_h, d_w, d_t, cc.chunk, lse2, stats, nullptr);  // stats accumulate
+
+  ref::CrossEntropyShape rs;
+  rs.rows = cc.rows;
+  rs.dim = cc.dim;
+  rs.vocab = cc.vocab;
+  rs.chunk_rows = cc.chunk;
+  Vec want_lse(cc.rows), want_dh(cc.rows * cc.dim), want_dw = dw0;
+  const double loss =
+      ref::cross_entropy_forward<double>(h.data(), w.data(), targets.data(), rs, want_lse.data());
+  const auto count = static_cast<double>(ref::count_targets(targets.data(), cc.rows));
+  ref::cross_entropy_backward<double>(h.data(), w.data(), targets.data(), want_lse.data(), rs,
+                                      grad_scale / count, want_dh.data(), want_dw.data());
+  const Vec got_stats = f.read(stats);
+  CHECK(f.read(normalizer)[0] == count);
+  CHECK(got_stats[1] == 2 * count);
+  expect_close("ce loss sum (two calls)", {got_stats[0]}, {2 * loss}, kCrossEntropyLoss.of(dt));
+  expect_close("ce lse", f.read(lse), want_lse, kCrossEntropyLse.of(dt));
+  CHECK(f.bytes(lse) == f.bytes(lse2));
+  expect_close("ce dh", f.read(dh), want_dh, kCrossEntropyDh.of(dt));
+  expect_close("ce dw", f.read(dw), want_dw, kCrossEntropyDw.of(dt));
+}
+
+}  // namespace
+
+TEST_CASE("cuda ops: fused cross-entropy loss statistics and gradients", "[ops][cuda]") {
+  Fixture f;
+  // 45 rows in chunks of 16 (16+16+13), 7, one chunk, and a chunk larger than
+  // the rows; every 9th target ignored; a weight in another dtype.
+  const CeCase cases[] = {
+      {45, 32, 1000, 16, DType::kF64}, {45, 32, 1000, 7, DType::kF64},
+      {45, 64, 1000, 45, DType::kF64}, {45, 32, 1000, 1000, DType::kF64},
+      {45, 32, 1000, 16, DType::kF32}, {45, 32, 1000, 16, DType::kBF16},
+  };
+  for (const CeCase& cc : cases) {
+    for (DType dt : kDtypes) check_cross_entropy(f, cc, dt);
+  }
+}
+
+TEST_CASE("cuda ops: count_targets accumulates", "[ops][cuda]") {
+  Fixture f;
+  std::vector<int32_t> targets(3000);
+  for (size_t i = 0; i < targets.size(); ++i) targets[i] = i % 7 == 0 ? kIgnoreIndex : 5;
+  auto t = f.ints(targets);
+  auto count = f.zeros(DType::kF64, {1});
+  f.ops->count_targets(*f.ctx, t, count);
+  f.ops->count_targets(*f.ctx, t, count);
+  CHECK(f.read(count)[0] == 2.0 * (3000 - 429));
+}
+
+TEST_CASE("cuda ops only enqueue: they return while the stream is held", "[ops][cuda]") {
+  Fixture f;
+  const DType dt = DType::kBF16;
+  const Shape q_shape{1, 300, 4, 64}, kv_shape{1, 300, 2, 64};
+  Vec q = random_vec(300 * 4 * 64, 30), k = random_vec(300 * 2 * 64, 31),
+      v = random_vec(300 * 2 * 64, 32), h = random_vec(300 * 64, 33),
+      w = random_vec(500 * 64, 34, 0.3), x = random_vec(300 * 64, 35), lw = random_vec(64 * 64, 36),
+      nw = random_vec(64, 37);
+  std::vector<int32_t> targets(300);
+  for (int i = 0; i < 300; ++i) targets[i] = i % 5 == 0 ? kIgnoreIndex : i;
+  auto d_q = f.tensor(q, dt, q_shape), d_k = f.tensor(k, dt, kv_shape),
+       d_v = f.tensor(v, dt, kv_shape), d_h = f.tensor(h, dt, {300, 64}),
+       d_w = f.tensor(w, DType::kF32, {500, 64}), d_x = f.tensor(x, dt, {300, 64}),
+       d_lw = f.tensor(lw, DType::kF32, {64, 64}), d_nw = f.tensor(nw, dt, {64}),
+       d_t = f.ints(targets);
+
+  // All the ops' outputs, twice: gated by a host event, and not.
+  struct Outputs {
+    TensorView out, lse, dq, dk, dv, y, dx, dlw, ce_lse, stats, norm, dh, dw, rstd, yn, dxn, dwn;
+  };
+  auto make = [&] {
+    return Outputs{f.zeros(dt, q_shape),
+                   f.zeros(DType::kF32, {1, 4, 300}),
+                   f.zeros(dt, q_shape),
+                   f.zeros(dt, kv_shape),
+                   f.zeros(dt, kv_shape),
+                   f.zeros(dt, {300, 64}),
+                   f.zeros(dt, {300, 64}),
+                   f.zeros(DType::kF32, {64, 64}),
+                   f.zeros(DType::kF32, {300}),
+                   f.zeros(DType::kF64, {2}),
+                   f.zeros(DType::kF64, {1}),
+                   f.zeros(dt, {300, 64}),
+                   f.zeros(DType::kF32, {500, 64}),
+                   f.zeros(DType::kF32, {300}),
+                   f.zeros(dt, {300, 64}),
+                   f.zeros(dt, {300, 64}),
+                   f.zeros(DType::kF32, {64})};
+  };
+  auto enqueue_all = [&](const Outputs& o) {
+    f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, o.out, o.lse);
+    f.ops->attention_backward(*f.ctx, d_q, d_q, d_k, d_v, o.out, o.lse, o.dq, o.dk, o.dv);
+    f.ops->linear_forward(*f.ctx, MatView::of(d_x), d_lw, {}, MatView::of(o.y), false);
+    f.ops->linear_backward(*f.ctx, MatView::of(o.y), MatView::of(d_x), d_lw, MatView::of(o.dx),
+                           false, o.dlw, {});
+    f.ops->count_targets(*f.ctx, d_t, o.norm);
+    Ops::CrossEntropyGrad grad{o.norm, 1.0, o.dh, o.dw};
+    f.ops->cross_entropy(*f.ctx, d_h, d_w, d_t, 64, o.ce_lse, o.stats, &grad);
+    f.ops->rmsnorm_forward(*f.ctx, d_x, d_nw, 1e-5, o.yn, o.rstd);
+    f.ops->rmsnorm_backward(*f.ctx, o.yn, d_x, d_nw, o.rstd, o.dxn, false, o.dwn);
+  };
+  const Outputs plain = make(), gated = make();
+  enqueue_all(plain);
+  f.stream->synchronize();
+
+  auto gate = f.acc->create_host_event();
+  f.stream->wait(*gate);
+  auto enqueued = std::async(std::launch::async, [&] { enqueue_all(gated); });
+  const bool returned = enqueued.wait_for(std::chrono::seconds(30)) == std::future_status::ready;
+  const cudaError_t held = cudaStreamQuery(static_cast<cudaStream_t>(f.stream->native_handle()));
+  gate->signal();  // releases an op that (wrongly) waited, so the test cannot hang
+  enqueued.get();
+  CHECK(returned);
+  CHECK(held == cudaErrorNotReady);
+  f.stream->synchronize();
+  // The same bits as the run that never waited (every op is deterministic).
+  for (auto [a, b] : {std::pair{plain.out, gated.out},
+                      {plain.lse, gated.lse},
+                      {plain.dq, gated.dq},
+                      {plain.dk, gated.dk},
+                      {plain.dv, gated.dv},
+                      {plain.y, gated.y},
+                      {plain.dx, gated.dx},
+                      {plain.dlw, gated.dlw},
+                      {plain.ce_lse, gated.ce_lse},
+                      {plain.stats, gated.stats},
+                      {plain.dh, gated.dh},
+                      {plain.dw, gated.dw},
+                      {plain.yn, gated.yn},
+                      {plain.dxn, gated.dxn},
+                      {plain.dwn, gated.dwn}}) {
+    CHECK(f.bytes(a) == f.bytes(b));
+  }
+}
+
+TEST_CASE("cuda ops return their scratch memory to the accelerator", "[ops][cuda]") {
+  Fixture f;
+  Vec q = random_vec(2 * 256 * 8 * 64, 40), h = random_vec(100 * 64, 41),
+      w = random_vec(3000 * 64, 42, 0.3);
+  auto d_q = f.tensor(q, DType::kBF16, {2, 256, 8, 64});
+  auto d_kv = f.zeros(DType::kBF16, {2, 256, 2, 64});
+  auto out = f.zeros(DType::kBF16, {2, 256, 8, 64}), dq = f.zeros(DType::kBF16, {2, 256, 8, 64});
+  auto dk = f.zeros(DType::kBF16, {2, 256, 2, 64}), dv = f.zeros(DType::kBF16, {2, 256, 2, 64});
+  auto lse = f.zeros(DType::kF32, {2, 8, 256});
+  auto d_h = f.tensor(h, DType::kBF16, {100, 64});
+  auto d_w = f.tensor(w, DType::kF32, {3000, 64});  // cast into scratch
+  std::vector<int32_t> targets(100, 7);
+  auto d_t = f.ints(targets);
+  auto ce_lse = f.zeros(DType::kF32, {100}), stats = f.zeros(DType::kF64, {2});
+  f.stream->synchronize();
+  const size_t before = f.acc->memory_stats().in_use_nbytes;
+  f.ops->attention_forward(*f.ctx, d_q, d_kv, d_kv, out, lse);
+  f.ops->attention_backward(*f.ctx, d_q, d_q, d_kv, d_kv, out, lse, dq, dk, dv);
+  f.ops->cross_entropy(*f.ctx, d_h, d_w, d_t, 32, ce_lse, stats, nullptr);
+  f.stream->synchronize();
+  CHECK(f.acc->memory_stats().in_use_nbytes == before);
+}
+
+TEST_CASE("cuda ops refuse bad arguments before enqueueing anything", "[ops][cuda]") {
+  Fixture f;
+  auto x = f.zeros(DType::kF32, {3, 4});
+  auto w = f.zeros(DType::kF32, {2, 4});
+  auto y_bad = f.zeros(DType::kF32, {3, 3});
+  CHECK_THROWS_WITH(f.ops->linear_forward(*f.ctx, MatView::of(x), w, {}, MatView::of(y_bad), false),
+                    Catch::Contains("linear_forward"));
+  auto ids_f = f.zeros(DType::kF32, {3});
+  CHECK_THROWS_WITH(f.ops->embedding_forward(*f.ctx, w, ids_f, x),
+                    Catch::Contains("ids has dtype fp32; expected int32"));
+  // Host memory is not addressable by the kernels.
+  Tensor host = Tensor::host(DType::kF32, {3, 4});
+  CHECK_THROWS_WITH(f.ops->add(*f.ctx, host.view(), x, x), Catch::Contains("device tensors"));
+  // A context of another backend.
+  auto cpu = make_cpu_accelerator();
+  auto cpu_stream = cpu->create_stream();
+  auto cpu_ops = make_cpu_ops(*cpu);
+  auto cpu_ctx = cpu_ops->make_context(*cpu_stream);
+  CHECK_THROWS_WITH(f.ops->add(*cpu_ctx, x, x, x), Catch::Contains("not made by these cuda Ops"));
+  f.stream->synchronize();  // nothing was enqueued that could fail
+}
+
+TEST_CASE("measure_bf16_gemm_tflops reports a tensor-core rate", "[ops][cuda]") {
+  Fixture f;
+  const double tflops = measure_bf16_gemm_tflops(*f.acc, 4096, 4096, 4096, 5);
+  INFO("bf16 GEMM 4096^3: " << tflops << " TFLOP/s");
+  CHECK(tflops > 20.0);  // any sm_80+ part; an H100 gives several hundred
+}
+
+// Timings for the performance work (not run by default: `ops_cuda_tests
+// "[.bench]"`): attention at the bench model's shape, next to the GEMM peak.
+TEST_CASE("bench: bf16 attention at seq 2048 with 16 heads of 128", "[.bench][cuda]") {
+  Fixture f;
+  const AttentionShape s{4, 2048, 16, 16, 128};
+  const Shape shape4{4, 2048, 16, 128};
+  auto q = f.zeros(DType::kBF16, shape4), out = f.zeros(DType::kBF16, shape4);
+  auto dq = f.zeros(DType::kBF16, shape4), dk = f.zeros(DType::kBF16, shape4),
+       dv = f.zeros(DType::kBF16, shape4);
+  auto lse = f.zeros(DType::kF32, {4, 16, 2048});
+  f.acc->memset_async(q.data, 0x3c, q.nbytes(), *f.stream);
+  const double causal_flops = 4.0 * s.batch * s.heads * s.seq * s.seq * s.head_dim / 2;
+  auto time = [&](auto&& fn) {
+    fn();
+    f.stream->synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10; ++i) fn();
+    f.stream->synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
+  };
+  const double fwd = time([&] { f.ops->attention_forward(*f.ctx, q, q, q, out, lse); });
+  const double bwd =
+      time([&] { f.ops->attention_backward(*f.ctx, q, q, q, q, out, lse, dq, dk, dv); });
+  const double peak = measure_bf16_gemm_tflops(*f.acc, 8192, 8192, 8192, 5);
+  WARN("attention forward " << fwd * 1e3 << " ms = " << causal_flops / fwd / 1e12
+                            << " TFLOP/s; backward " << bwd * 1e3 << " ms = "
+                            << 2.5 * causal_flops / bwd / 1e12 << " TFLOP/s (FA2 count: 2.5x "
+                            << "forward); bf16 GEMM peak " << peak << " TFLOP/s");
+}
