@@ -3,6 +3,7 @@
 #include "runtime/nn/llama_model.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <numbers>
 
@@ -112,7 +113,11 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
       engine.accelerator().backend() == Backend::kCpu ? DType::kF32 : options_.dtype);
   STRATA_CHECK(is_float_storage(act_dtype_) && is_float_storage(options_.dtype), kBadArgument,
                "model: parameter and activation dtypes must be fp32, fp16 or bf16");
-  STRATA_CHECK(options_.loss_chunk_rows > 0, kBadArgument, "model: loss_chunk_rows must be > 0");
+  STRATA_CHECK(options_.loss_chunk_rows >= 0, kBadArgument, "model: loss_chunk_rows must be >= 0");
+  if (options_.loss_chunk_rows == 0) {
+    constexpr int64_t kLogitsBudget = int64_t{64} << 20;
+    options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
+  }
   embed_tokens_ = std::make_unique<Embedding>(
       engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype);
   add_child(*embed_tokens_);

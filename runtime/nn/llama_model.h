@@ -66,7 +66,9 @@ struct LlamaModelOptions {
   // Activation storage; unset: fp32 on the cpu accelerator (its kernels compute
   // in fp32 anyway), the parameter dtype on cuda.
   std::optional<DType> activation_dtype;
-  int64_t loss_chunk_rows = 256;  // rows of logits formed at a time by the loss
+  // Rows of logits the loss forms at a time (scratch: rows x vocab fp32).
+  // 0: as many as fit in 64 MiB (at least 64): bigger chunks make bigger GEMMs.
+  int64_t loss_chunk_rows = 0;
   MlpTiling mlp_tiling;           // memory-centric tiling of the MLP projections
 };
 
