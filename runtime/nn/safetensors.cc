@@ -1,6 +1,8 @@
 // safetensors reader (mmap, full header validation) and writer.
 #include "runtime/nn/safetensors.h"
 
+#include "runtime/nn/safetensors_stream.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -259,73 +261,13 @@ void SafetensorsWriter::add(const std::string& name, const TensorView& tensor) {
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
-  // Wider elements first (then by name), as the reference writer orders them:
-  // with the header padded to 8 bytes, every tensor starts element-aligned.
-  std::vector<const std::pair<const std::string, Pending>*> order;
-  for (const auto& entry : tensors_) order.push_back(&entry);
-  std::stable_sort(order.begin(), order.end(), [](const auto* a, const auto* b) {
-    return dtype_nbytes(a->second.dtype) > dtype_nbytes(b->second.dtype);
-  });
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!metadata_.empty()) header["__metadata__"] = metadata_;
-  size_t offset = 0;
-  for (const auto* entry : order) {
-    const Pending& t = entry->second;
-    header[entry->first] = {{"dtype", safetensors_dtype_name(t.dtype)},
-                            {"shape", t.shape},
-                            {"data_offsets", {offset, offset + t.bytes.size()}}};
-    offset += t.bytes.size();
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data section is 8-byte aligned
-
-  // A unique temporary beside the target, written, fsynced, then renamed into
-  // place and the directory fsynced: a crash (even of the OS) leaves either
-  // the old file or the whole new one under `path`, never a partial one.
-  std::string tmp = path + ".tmp.XXXXXX";
-  const int fd = ::mkstemp(tmp.data());
-  if (fd < 0) raise_errno(errno, "create a temporary file beside " + path);
-  auto fail = [&](int err, const std::string& what) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    raise_errno(err != 0 ? err : EIO, what);
-  };
-  auto write_all = [&](const void* data, size_t nbytes) {
-    const char* p = static_cast<const char*>(data);
-    while (nbytes > 0) {
-      const ssize_t n = ::write(fd, p, nbytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) fail(n < 0 ? errno : EIO, "write safetensors file " + tmp);
-      p += n;
-      nbytes -= static_cast<size_t>(n);
-    }
-  };
-  uint8_t len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  write_all(len, 8);
-  write_all(text.data(), text.size());
-  for (const auto* entry : order) write_all(entry->second.bytes.data(), entry->second.bytes.size());
-  if (::fchmod(fd, 0644) != 0) fail(errno, "chmod " + tmp);  // mkstemp creates 0600
-  if (::fsync(fd) != 0) fail(errno, "fsync " + tmp);
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    raise_errno(err, "close " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    raise_errno(err, "rename " + tmp + " to " + path);
-  }
-  const std::string dir = std::filesystem::path(path).parent_path().empty()
-                              ? std::string(".")
-                              : std::filesystem::path(path).parent_path().string();
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) raise_errno(errno, "open directory " + dir + " to make the rename durable");
-  const int rc = ::fsync(dir_fd);
-  const int err = errno;
-  ::close(dir_fd);
-  if (rc != 0) raise_errno(err, "fsync directory " + dir);
+  // The streaming writer owns the layout (widest dtype first, 8-byte aligned
+  // header) and the durable commit (temporary, fsync, rename, fsync of the dir).
+  std::vector<SafetensorsDecl> decls;
+  for (const auto& [name, t] : tensors_) decls.push_back(SafetensorsDecl{name, t.dtype, t.shape});
+  SafetensorsStreamWriter writer(path, decls, metadata_);
+  for (const auto& [name, t] : tensors_) writer.write(name, 0, t.bytes.data(), t.bytes.size());
+  writer.commit();
 }
 
 }  // namespace strata::nn
