@@ -375,6 +375,13 @@ void OptimizerSwapper::load_state(float* master, float* exp_avg, float* exp_avg_
   }
 }
 
+void OptimizerSwapper::set_lr(float lr) {
+  kernels::AdamConfig next = options_.adam;
+  next.lr = lr;
+  next.validate();
+  options_.adam = next;
+}
+
 std::pair<size_t, size_t> OptimizerSwapper::sub_group_range(size_t k) const {
   STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
   const Range r = sub_group(k);

@@ -94,6 +94,9 @@ class OptimizerSwapper {
   void initialize(const FillFn& fill);
   // One Adam/AdamW step (step count + 1) over the whole shard.
   void step(const StepInputs& inputs);
+  // The learning rate of later steps (a schedule's value); Error(kBadArgument)
+  // when negative or not finite.
+  void set_lr(float lr);
   // Copies the committed state out (any argument may be nullptr).
   void load_state(float* master, float* exp_avg, float* exp_avg_sq);
   // Same for sub-group k only: sub_group_range(k).numel elements each.

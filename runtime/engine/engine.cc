@@ -2,6 +2,8 @@
 // backward uses that decides when a gradient is complete.
 #include "runtime/engine/engine.h"
 
+#include <algorithm>
+
 #include "runtime/core/error.h"
 
 namespace strata::engine {
@@ -95,10 +97,33 @@ void Engine::check_hook(OpId op) const {
   op_info(op);
 }
 
+void Engine::open_window(OpId op, Phase phase) {
+  check_hook(op);
+  open_windows_.push_back({op, phase});
+}
+
+void Engine::close_window(OpId op, Phase phase) {
+  check_hook(op);
+  STRATA_CHECK(!open_windows_.empty() && open_windows_.back().op == op &&
+                   open_windows_.back().phase == phase,
+               kBadArgument, "post_op({} '{}', {}) does not close the innermost open window", op,
+               op_info(op).name, phase_name(phase));
+  open_windows_.pop_back();
+}
+
+bool Engine::in_window(ParamId id, bool backward) const {
+  return std::any_of(open_windows_.begin(), open_windows_.end(), [&](const Window& w) {
+    if (backward && w.phase != Phase::kBackward) return false;
+    const auto& params = ops_[w.op].params;
+    return std::find(params.begin(), params.end(), id) != params.end();
+  });
+}
+
 void Engine::note_backward_done(OpId op, Event& ready) {
   for (ParamId p : ops_[op].params) {
     if (++backward_seen_[p] < uses_[p]) continue;
     backward_seen_[p] = 0;  // complete for this pass; the next backward counts afresh
+    on_grad_ready(p, ready);
     if (grad_ready_) grad_ready_(p, ready);
   }
 }

@@ -152,10 +152,21 @@ class Engine {
   virtual void on_finalize() = 0;
   // Called by implementations at the start of pre_op / post_op.
   void check_hook(OpId op) const;
+  // Hook-window bookkeeping shared by the engines: open_window (in pre_op)
+  // checks the op and records the window; close_window (in post_op) checks
+  // that it closes the innermost open window and removes it. Windows nest.
+  void open_window(OpId op, Phase phase);
+  void close_window(OpId op, Phase phase);
+  // Whether an open window (a backward one when `backward`) lists parameter `id`.
+  bool in_window(ParamId id, bool backward) const;
   // Implementations call this from post_op(kBackward) after recording `ready`
-  // on the compute stream: counts the uses and fires the callback for each
-  // parameter of `op` whose gradient just became complete.
+  // on the compute stream: counts the uses and, for each parameter of `op`
+  // whose gradient just became complete, calls on_grad_ready and then the
+  // callback set with set_grad_ready_callback.
   void note_backward_done(OpId op, Event& ready);
+  // An engine's own reaction to a complete gradient (a ZeRO engine starts its
+  // reduction here). `ready` is the compute-stream point after the last contribution.
+  virtual void on_grad_ready(ParamId /*id*/, Event& /*ready*/) {}
 
  private:
   Accelerator& accelerator_;
@@ -169,6 +180,11 @@ class Engine {
   std::unordered_map<std::string, ParamId> by_name_;
   bool finalized_ = false;
   GradReadyFn grad_ready_;
+  struct Window {
+    OpId op;
+    Phase phase;
+  };
+  std::vector<Window> open_windows_;  // pre_op without its post_op yet
 };
 
 }  // namespace strata::engine

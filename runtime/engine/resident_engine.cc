@@ -47,30 +47,17 @@ void ResidentEngine::on_finalize() {
 }
 
 void ResidentEngine::pre_op(OpId op, Phase phase) {
-  check_hook(op);
-  open_.push_back({op, phase});
+  open_window(op, phase);
   if (observer_) observer_(op, phase, true);
 }
 
 void ResidentEngine::post_op(OpId op, Phase phase) {
-  check_hook(op);
-  STRATA_CHECK(!open_.empty() && open_.back().op == op && open_.back().phase == phase,
-               kBadArgument, "post_op({} '{}', {}) does not close the innermost open window", op,
-               op_info(op).name, phase_name(phase));
-  open_.pop_back();
+  close_window(op, phase);
   if (observer_) observer_(op, phase, false);
   if (phase == Phase::kBackward) {
     compute_stream().record(*backward_done_);
     note_backward_done(op, *backward_done_);
   }
-}
-
-bool ResidentEngine::in_window(ParamId id, bool backward) const {
-  return std::any_of(open_.begin(), open_.end(), [&](const Window& w) {
-    if (backward && w.phase != Phase::kBackward) return false;
-    const auto& params = op_info(w.op).params;
-    return std::find(params.begin(), params.end(), id) != params.end();
-  });
 }
 
 TensorView ResidentEngine::param_storage(ParamId id) const {

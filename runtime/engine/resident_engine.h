@@ -45,15 +45,9 @@ class ResidentEngine final : public Engine {
 
  private:
   void on_finalize() override;
-  bool in_window(ParamId id, bool backward) const;
 
   Tensor param_flat_, grad_flat_;  // bytes, accelerator memory
   std::vector<size_t> param_offset_, grad_offset_;
-  struct Window {
-    OpId op;
-    Phase phase;
-  };
-  std::vector<Window> open_;  // pre_op without its post_op yet (nested windows allowed)
   std::unique_ptr<Event> backward_done_;
   HookObserver observer_;
 };

@@ -1,0 +1,109 @@
+// BucketReducer: pack → reduce-scatter → accumulate, stream-ordered.
+#include "runtime/engine/bucket_reducer.h"
+
+#include "runtime/core/error.h"
+
+namespace strata::engine {
+namespace {
+// One bucket being reduced while the next fills; more would only hold memory.
+constexpr size_t kMaxBucketsInFlight = 2;
+
+TensorView fp32_view(float* data, int64_t numel) {
+  return TensorView{TensorDesc{DType::kF32, {numel}, Tier::kDevice}, data};
+}
+}  // namespace
+
+struct BucketReducer::Bucket {
+  struct Entry {
+    size_t param;
+    const float* grad;
+    ReleaseFn release;
+  };
+  std::vector<Entry> entries;
+  int64_t block_numel = 0;  // sum of the entries' slice_numel
+  std::unique_ptr<Event> done;
+};
+
+BucketReducer::BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
+                             const partition::PartitionLayout& layout, int64_t bucket_numel,
+                             float* shard_accum)
+    : accelerator_(accelerator), ops_(ops), comm_(comm), layout_(layout), bucket_numel_(bucket_numel),
+      shard_accum_(shard_accum), stream_(accelerator.create_stream()), ctx_(ops.make_context(*stream_)) {
+  STRATA_CHECK(layout.world_size() == comm.world_size(), kBadArgument,
+               "gradient layout is for world size {}, the communicator has {}", layout.world_size(),
+               comm.world_size());
+  STRATA_CHECK(bucket_numel >= 1, kBadArgument, "reduce_bucket_size must be >= 1, got {}", bucket_numel);
+}
+
+BucketReducer::~BucketReducer() {
+  // Queued work reads bucket entries and writes the accumulator.
+  try {
+    stream_->synchronize();
+  } catch (...) {
+    // Reported (or never to be reported) by synchronize() on the owner's path.
+  }
+}
+
+void BucketReducer::add(size_t p, const float* grad, Event& ready, ReleaseFn release) {
+  STRATA_CHECK(p < layout_.params().size(), kBadArgument, "gradient of parameter index {} outside the layout ({})",
+               p, layout_.params().size());
+  const partition::ParamSlot& slot = layout_.param(p);
+  const int world = layout_.world_size();
+  if (open_ != nullptr && (open_->block_numel + slot.slice_numel) * world > bucket_numel_) flush();
+  if (open_ == nullptr) open_ = std::make_unique<Bucket>();
+  stream_->wait(ready);
+  open_->entries.push_back({p, grad, std::move(release)});
+  open_->block_numel += slot.slice_numel;
+  if (open_->block_numel * world >= bucket_numel_) flush();
+}
+
+void BucketReducer::flush() {
+  if (open_ == nullptr) return;
+  while (in_flight_.size() >= kMaxBucketsInFlight) {
+    in_flight_.front()->done->synchronize();
+    in_flight_.pop_front();
+  }
+  std::unique_ptr<Bucket> bucket = std::move(open_);
+  const int world = layout_.world_size();
+  const size_t block_numel = static_cast<size_t>(bucket->block_numel);
+  auto* send = static_cast<float*>(accelerator_.allocate(block_numel * world * sizeof(float)));
+  auto* recv = static_cast<float*>(accelerator_.allocate(block_numel * sizeof(float)));
+  // Rank-major blocks: block r holds every entry's slice r, padding zero.
+  accelerator_.memset_async(send, 0, block_numel * world * sizeof(float), *stream_);
+  size_t offset = 0;
+  for (const auto& entry : bucket->entries) {
+    const partition::ParamSlot& slot = layout_.param(entry.param);
+    for (int r = 0; r < world; ++r) {
+      const int64_t owned = slot.owned_numel(r);
+      if (owned <= 0) continue;
+      accelerator_.copy_async(send + r * block_numel + offset, entry.grad + slot.owned_begin(r),
+                              static_cast<size_t>(owned) * sizeof(float), CopyKind::kDeviceToDevice, *stream_);
+    }
+    offset += static_cast<size_t>(slot.slice_numel);
+  }
+  comm_.reduce_scatter(send, recv, block_numel, DType::kF32, partition::ReduceOp::kSum, *stream_);
+  ++collectives_;
+  offset = 0;
+  for (const auto& entry : bucket->entries) {
+    const partition::ParamSlot& slot = layout_.param(entry.param);
+    const TensorView accum = fp32_view(shard_accum_ + slot.shard_offset_numel, slot.slice_numel);
+    ops_.add(*ctx_, accum, fp32_view(recv + offset, slot.slice_numel), accum);
+    offset += static_cast<size_t>(slot.slice_numel);
+  }
+  bucket->done = accelerator_.create_event();
+  stream_->record(*bucket->done);
+  accelerator_.deallocate_after(send, *bucket->done);
+  accelerator_.deallocate_after(recv, *bucket->done);
+  for (auto& entry : bucket->entries) {
+    if (entry.release) entry.release(*bucket->done);
+  }
+  in_flight_.push_back(std::move(bucket));
+}
+
+void BucketReducer::synchronize() {
+  flush();
+  stream_->synchronize();
+  in_flight_.clear();
+}
+
+}  // namespace strata::engine

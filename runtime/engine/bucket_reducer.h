@@ -1,0 +1,73 @@
+// BucketReducer: the gradient path of the ZeRO engine (ENGINE.md §5). Full
+// fp32 gradients of whole parameters are packed into buckets of about
+// `bucket_numel` elements as they become complete, each bucket is
+// reduce-scattered (summed in fp32) on the reducer's own stream and
+// communicator, and this rank's block is added into its fp32 gradient shard
+// accumulator — while backward goes on.
+//
+// Works on any accelerator: packing is stream-ordered copies, accumulation is
+// Ops::add on the reducer's stream; nothing waits on the host except
+// synchronize() (and add() when kMaxBucketsInFlight buckets are still in flight).
+//
+// Ownership: borrows the accelerator, the Ops, the communicator, the layout and
+// the shard accumulator (fp32, layout.shard_numel() elements of accelerator
+// memory), which must outlive it. It owns its stream and bucket buffers.
+// Thread-safety: one thread drives it.
+// Errors: kBadArgument for misuse; a failed collective or copy surfaces from
+// synchronize() (and from every later bucket's event) as the stream's error.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "partition/communicator.h"
+#include "partition/layout.h"
+
+namespace strata::engine {
+
+class BucketReducer {
+ public:
+  BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
+                const partition::PartitionLayout& layout, int64_t bucket_numel, float* shard_accum);
+  ~BucketReducer();
+  BucketReducer(const BucketReducer&) = delete;
+  BucketReducer& operator=(const BucketReducer&) = delete;
+
+  // Called with the event after which a handed-over gradient is no longer read.
+  using ReleaseFn = std::function<void(Event& consumed)>;
+  // Hands over parameter p's full fp32 gradient (layout.param(p).numel
+  // elements, accelerator memory), final once `ready` completes (the reducer's
+  // stream waits on it; the caller may re-record `ready` afterwards). `release`
+  // (may be empty) is called once the bucket holding p is enqueued, with an
+  // event after which `grad` is no longer read. Buckets fill in call order and
+  // are reduced when full.
+  void add(size_t p, const float* grad, Event& ready, ReleaseFn release = {});
+  // Reduces the open bucket (if any) without waiting.
+  void flush();
+  // flush(), then waits until every bucket has been added into the shard
+  // accumulator; rethrows the first failure.
+  void synchronize();
+
+  Stream& stream() { return *stream_; }
+  int64_t collectives_issued() const { return collectives_; }
+
+ private:
+  struct Bucket;
+  Accelerator& accelerator_;
+  ops::Ops& ops_;
+  partition::Communicator& comm_;
+  const partition::PartitionLayout& layout_;
+  int64_t bucket_numel_;
+  float* shard_accum_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<ops::ComputeContext> ctx_;
+  std::unique_ptr<Bucket> open_;
+  std::deque<std::unique_ptr<Bucket>> in_flight_;
+  int64_t collectives_ = 0;
+};
+
+}  // namespace strata::engine
