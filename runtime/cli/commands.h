@@ -17,5 +17,6 @@ int run_selected(CLI::App& app);
 void add_doctor_command(CLI::App& app);
 void add_config_command(CLI::App& app);
 void add_run_command(CLI::App& app);
+void add_finetune_command(CLI::App& app);
 
 }  // namespace strata::cli

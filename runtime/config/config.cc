@@ -19,6 +19,7 @@
 #include "runtime/config/json_text.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
+#include "runtime/engine/lr_schedule.h"
 
 namespace strata {
 namespace {
@@ -424,6 +425,14 @@ Config check_document(const json& document, std::string_view source, const std::
   Config config = build(checker.effective());
   config.no_effect_keys = checker.no_effect();
   check_combinations(config, checker);
+  if (document.contains("scheduler")) {
+    config.scheduler = document.at("scheduler");
+    try {
+      (void)engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
+    } catch (const Error& e) {
+      checker.problem("{}", e.message());
+    }
+  }
   if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.listed_problems());
   return config;
 }

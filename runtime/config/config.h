@@ -98,6 +98,10 @@ struct Config {
   bool cpu_checkpointing = false;
   StrataOptions strata;
 
+  // The "scheduler" block as given (null when absent); turn it into a schedule
+  // with engine::LrSchedule::from_json(scheduler, optimizer.lr), which applies
+  // the defaults that depend on the type.
+  nlohmann::json scheduler;
   // The complete configuration as JSON, every default filled in.
   nlohmann::json effective;
   // Keys given that strata accepts for compatibility but does not use.

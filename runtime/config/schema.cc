@@ -91,6 +91,18 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(flag("optimizer.params.torch_adam", false, "DeepSpeed's choice of torch's Adam; strata uses its own CPU/CUDA Adam.")));
   f.push_back(ignored(flag("optimizer.params.adam_w_mode", true, "DeepSpeed's Adam/AdamW switch; use optimizer.type.")));
   // ZeRO.
+  // Learning-rate schedule (DeepSpeed's scheduler block; runtime/engine/lr_schedule.h).
+  // Defaults that depend on the type (WarmupDecayLR warms up to 0.001, WarmupLR
+  // to the optimizer's lr) are applied by the schedule, not here.
+  f.push_back(choice("scheduler.type", "Constant", {"Constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, "Learning-rate schedule; Constant keeps optimizer.params.lr."));
+  f.push_back(number("scheduler.params.warmup_min_lr", 0, 0, 1e300, "WarmupLR/WarmupDecayLR: rate at the first step."));
+  f.push_back(number("scheduler.params.warmup_max_lr", 0.001, 0, 1e300, "WarmupLR/WarmupDecayLR: rate at the end of warmup (WarmupLR: the optimizer's lr when absent)."));
+  f.push_back(integer("scheduler.params.warmup_num_steps", 1000, 1, 1e12, "Optimizer steps of warmup."));
+  f.push_back(choice("scheduler.params.warmup_type", "log", {"log", "linear"}, "Warmup curve."));
+  f.push_back(integer("scheduler.params.total_num_steps", 0, 0, 1e12, "WarmupDecayLR/WarmupCosineLR (required there, >= 1): the step where decay ends; 0: not set."));
+  f.push_back(number("scheduler.params.warmup_min_ratio", 0, 0, 1, "WarmupCosineLR: lr ratio at the first step."));
+  f.push_back(number("scheduler.params.cos_min_ratio", 1e-4, 0, 1, "WarmupCosineLR: lr ratio at the end of the cosine."));
+  f.push_back(ignored(integer("scheduler.params.last_batch_iteration", -1, -1, 1e12, "DeepSpeed resume position; strata checkpoints its own step count.")));
   f.push_back(integer("zero_optimization.stage", 0, 0, 3, "ZeRO stage: 0 none, 1 optimizer state sharded, 2 plus gradients, 3 plus parameters."));
   f.push_back(choice("zero_optimization.offload_param.device", "none", devices, "Where parameter shards live between uses (stage 3 only)."));
   f.push_back(text("zero_optimization.offload_param.nvme_path", "", "Directory for parameter swap files; required with device nvme."));

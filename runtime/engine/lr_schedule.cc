@@ -50,12 +50,21 @@ double LrSchedule::lr(int64_t completed_steps) const {
   return base_lr;
 }
 
+namespace {
+// A configuration problem: the message is for the user, without the source
+// location STRATA_CHECK adds for programming errors.
+template <typename... Args>
+void require(bool ok, fmt::format_string<Args...> format, Args&&... args) {
+  if (!ok) raise(ErrorCategory::kBadArgument, format, std::forward<Args>(args)...);
+}
+}  // namespace
+
 LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimizer_lr,
                                  const std::string& where) {
   LrSchedule s;
   s.base_lr = optimizer_lr;
   if (scheduler.is_null()) return s;
-  STRATA_CHECK(scheduler.is_object(), kBadArgument, "{}: must be an object", where);
+  require(scheduler.is_object(), "{}: must be an object", where);
   const std::string type = scheduler.value("type", std::string());
   if (type == "WarmupLR") s.kind = Kind::kWarmupLR;
   else if (type == "WarmupDecayLR") s.kind = Kind::kWarmupDecayLR;
@@ -67,18 +76,18 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
           type.size() > 64 ? type.substr(0, 64) + "..." : type);
   }
   const nlohmann::json params = scheduler.value("params", nlohmann::json::object());
-  STRATA_CHECK(params.is_object(), kBadArgument, "{}.params: must be an object", where);
+  require(params.is_object(), "{}.params: must be an object", where);
   auto number = [&](const char* key, double& out, double lo, double hi) {
     if (!params.contains(key)) return;
     const auto& v = params.at(key);
-    STRATA_CHECK(v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi, kBadArgument,
+    require(v.is_number() && v.get<double>() >= lo && v.get<double>() <= hi,
                  "{}.params.{}: must be a number in [{}, {}]", where, key, lo, hi);
     out = v.get<double>();
   };
   auto integer = [&](const char* key, int64_t& out, int64_t lo) {
     if (!params.contains(key)) return;
     const auto& v = params.at(key);
-    STRATA_CHECK(v.is_number_integer() && v.get<int64_t>() >= lo, kBadArgument,
+    require(v.is_number_integer() && v.get<int64_t>() >= lo,
                  "{}.params.{}: must be an integer >= {}", where, key, lo);
     out = v.get<int64_t>();
   };
@@ -87,9 +96,9 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
     static const char* const kKnown[] = {"warmup_min_lr",  "warmup_max_lr",    "warmup_num_steps",
                                          "warmup_type",    "total_num_steps",  "warmup_min_ratio",
                                          "cos_min_ratio",  "last_batch_iteration"};
-    STRATA_CHECK(std::any_of(std::begin(kKnown), std::end(kKnown),
+    require(std::any_of(std::begin(kKnown), std::end(kKnown),
                              [&](const char* k) { return key == k; }),
-                 kBadArgument, "{}.params: unknown key \"{}\"", where,
+                 "{}.params: unknown key \"{}\"", where,
                  key.size() > 64 ? key.substr(0, 64) + "..." : key);
   }
   // DeepSpeed's defaults differ: WarmupLR warms up to the optimizer's lr,
@@ -103,12 +112,12 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
   number("cos_min_ratio", s.cos_min_ratio, 0, 1);
   if (params.contains("warmup_type")) {
     const auto& v = params.at("warmup_type");
-    STRATA_CHECK(v.is_string() && (v == "log" || v == "linear"), kBadArgument,
+    require(v.is_string() && (v == "log" || v == "linear"),
                  "{}.params.warmup_type: must be \"log\" or \"linear\"", where);
     s.linear_warmup = v == "linear";
   }
   if (s.kind == Kind::kWarmupDecayLR || s.kind == Kind::kWarmupCosineLR) {
-    STRATA_CHECK(params.contains("total_num_steps"), kBadArgument,
+    require(params.contains("total_num_steps"),
                  "{}.params.total_num_steps: required by {}", where, type);
   }
   return s;

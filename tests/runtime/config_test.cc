@@ -292,3 +292,25 @@ TEST_CASE("aio.engine chooses the I/O backend; strata.io_engine is its older nam
       strata::parse_config_text(R"({"aio": {"engine": "aio"}, "strata": {"io_engine": "psync"}})"),
       Catch::Contains("conflicts with aio.engine"));
 }
+
+TEST_CASE("the scheduler block: checked with the schedule's own rules, kept as given", "[config]") {
+  using strata::parse_config_text;
+  const auto good = parse_config_text(
+      R"({"scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}}})");
+  CHECK(good.scheduler["type"] == "WarmupCosineLR");
+  CHECK(good.scheduler["params"].size() == 2);  // not padded with defaults of other types
+  CHECK(parse_config_text("{}").scheduler.is_null());
+  const auto problems = [](const char* text) {
+    try {
+      parse_config_text(text);
+    } catch (const strata::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("valid");
+  };
+  CHECK_THAT(problems(R"({"scheduler": {"type": "OneCycle"}})"), Catch::Contains("scheduler.type"));
+  CHECK_THAT(problems(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})"),
+             Catch::Contains("total_num_steps: required by WarmupDecayLR"));
+  CHECK_THAT(problems(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}})"),
+             Catch::Contains("warmup_steps"));
+}

@@ -1,0 +1,67 @@
+// `strata finetune`: train a Llama with ZeRO (runtime/train/finetune.h).
+#include <fmt/format.h>
+
+#include <memory>
+
+#include "runtime/cli/commands.h"
+#include "runtime/config/size.h"
+#include "runtime/core/error.h"
+#include "runtime/train/finetune.h"
+
+namespace strata::cli {
+
+void add_finetune_command(CLI::App& app) {
+  auto options = std::make_shared<train::FinetuneOptions>();
+  auto seed = std::make_shared<uint64_t>(0);
+  CLI::App* cmd = app.add_subcommand(
+      "finetune",
+      "Fine-tune (or train from scratch) a Llama-architecture model with ZeRO stage 1/2/3, parameters and "
+      "optimizer state in device memory, pinned CPU memory or on NVMe as the config says. Run one process per "
+      "rank: `strata run -n N -- strata finetune ...`; alone it is one rank. Rank 0 shows progress and writes "
+      "OUT/metrics.jsonl (one JSON object per step) and OUT/loss.svg.");
+  cmd->add_option("--config", options->config,
+                  "DeepSpeed-style JSON config (checked as `strata config check` does); default: ZeRO-3 in "
+                  "memory, AdamW lr 1e-4, micro-batch 1")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--model", options->model,
+                  "Hugging Face model directory: config.json and model.safetensors (or sharded, with "
+                  "model.safetensors.index.json); each rank loads only its partitions");
+  cmd->add_option("--init", options->init,
+                  "Start from random weights with the shape of this HF config.json instead of --model (the "
+                  "same model for any world size)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--data", options->data,
+                  "Token file: llm.c format (magic 20240520), raw uint16/uint32 tokens, or text read as bytes "
+                  "(vocab 256)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--data-format", options->data_format, "auto, llmc, u16, u32 or text")
+      ->check(CLI::IsMember({"auto", "llmc", "u16", "u32", "text"}))
+      ->capture_default_str();
+  cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--seq", options->seq, "Tokens per sample")->check(CLI::PositiveNumber)->capture_default_str();
+  cmd->add_option("--seed", *seed, "Seed of the initialisation and the data order (default: strata.seed)");
+  cmd->add_option("--out", options->out, "Directory for metrics.jsonl and loss.svg")->capture_default_str();
+  cmd->add_option("--export", options->export_dir,
+                  "At the end, write a Hugging Face directory here (config.json + safetensors, streamed tensor by "
+                  "tensor; transformers' from_pretrained loads it)");
+  cmd->add_option("--export-dtype", options->export_dtype, "fp32, fp16 or bf16 (default: the training dtype)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  auto shard_size = std::make_shared<std::string>("5GB");
+  cmd->add_option("--export-shard-size", *shard_size,
+                  "Largest safetensors file of the export; past it the weights are sharded with "
+                  "model.safetensors.index.json")
+      ->capture_default_str();
+  on_selected(cmd, [cmd, options, seed, shard_size] {
+    if (cmd->count("--seed") > 0) options->seed = *seed;
+    const std::optional<uint64_t> shard_nbytes = parse_size(*shard_size);
+    STRATA_CHECK(shard_nbytes && *shard_nbytes > 0, kBadArgument,
+                 "--export-shard-size: \"{}\" is not a size (e.g. 5GB, 500MiB, 1000000)", *shard_size);
+    options->export_shard_nbytes = *shard_nbytes;
+    const train::FinetuneResult result = train::run_finetune(*options);
+    (void)result;
+    return 0;
+  });
+}
+
+}  // namespace strata::cli

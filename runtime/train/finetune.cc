@@ -1,0 +1,234 @@
+// The finetune job, top to bottom: configuration → ranks and communicators →
+// engine and model → weights → data → steps → report.
+#include "runtime/train/finetune.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "partition/communicator.h"
+#include "partition/rendezvous.h"
+#include "runtime/config/config.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+#include "runtime/data/token_file.h"
+#include "runtime/engine/lr_schedule.h"
+#include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_model.h"
+#include "runtime/train/hf_export.h"
+#include "runtime/train/hf_model.h"
+#include "runtime/train/run_report.h"
+
+namespace strata::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+Tier tier_of(OffloadDevice device) {
+  switch (device) {
+    case OffloadDevice::kNone: return Tier::kDevice;
+    case OffloadDevice::kCpu: return Tier::kCpu;
+    case OffloadDevice::kNvme: return Tier::kNvme;
+  }
+  return Tier::kDevice;
+}
+
+// The ZeroEngine's options from a checked ds_config.
+engine::ZeroEngineOptions engine_options(const Config& c, const std::string& source) {
+  STRATA_CHECK(c.zero.stage >= 1, kBadArgument,
+               "{}: zero_optimization.stage is 0; strata finetune partitions at least the optimizer state: use "
+               "stage 1, 2 or 3",
+               source);
+  STRATA_CHECK(!c.fp16.enabled, kBadArgument,
+               "{}: fp16.enabled: fp16 training needs dynamic loss scaling, which strata finetune does not have "
+               "yet; use bf16.enabled (no loss scaling needed) or fp32",
+               source);
+  engine::ZeroEngineOptions o;
+  o.stage = c.zero.stage;
+  o.param_tier = tier_of(c.zero.offload_param.device);
+  // The optimizer always runs on the CPU here; "none" keeps its state in CPU memory.
+  o.optimizer_tier = c.zero.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu;
+  const std::string& param_path = c.zero.offload_param.nvme_path;
+  const std::string& optimizer_path = c.zero.offload_optimizer.nvme_path;
+  const bool param_nvme = o.param_tier == Tier::kNvme, optimizer_nvme = o.optimizer_tier == Tier::kNvme;
+  STRATA_CHECK(!(param_nvme && optimizer_nvme) || param_path == optimizer_path, kBadArgument,
+               "{}: offload_param.nvme_path ({}) and offload_optimizer.nvme_path ({}) differ; strata finetune "
+               "keeps both kinds of swap files under one directory for now: give the same path",
+               source, param_path, optimizer_path);
+  o.nvme_path = param_nvme ? param_path : optimizer_path;
+  o.reduce_bucket_numel = static_cast<int64_t>(c.zero.reduce_bucket_numel);
+  o.sub_group_numel = static_cast<int64_t>(c.zero.sub_group_numel);
+  o.persistence_threshold_numel = static_cast<int64_t>(c.zero.param_persistence_threshold_numel);
+  o.adam.lr = static_cast<float>(c.optimizer.lr);
+  o.adam.beta1 = static_cast<float>(c.optimizer.betas[0]);
+  o.adam.beta2 = static_cast<float>(c.optimizer.betas[1]);
+  o.adam.eps = static_cast<float>(c.optimizer.eps);
+  o.adam.weight_decay = static_cast<float>(c.optimizer.weight_decay);
+  o.adam.adamw = c.optimizer.type == "AdamW";
+  o.gradient_clipping = c.gradient_clipping;
+  o.aio.block_size = c.aio.block_size;
+  o.aio.queue_depth = c.aio.queue_depth;
+  o.aio.thread_count = c.aio.thread_count;
+  o.aio.single_submit = c.aio.single_submit;
+  o.aio.overlap_events = c.aio.overlap_events;
+  o.aio.engine = nvme::parse_engine_kind(c.aio.engine);
+  o.optimizer_buffer_count = static_cast<size_t>(std::max(2, c.zero.offload_optimizer.buffer_count));
+  o.validate();
+  return o;
+}
+
+// Without --config: ZeRO stage 3, everything in memory, AdamW at 1e-4.
+constexpr const char* kBuiltinConfig = R"({
+  "train_micro_batch_size_per_gpu": 1,
+  "gradient_accumulation_steps": 1,
+  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+  "zero_optimization": {"stage": 3}
+})";
+
+double count_targets(const std::vector<int32_t>& targets) {
+  double n = 0;
+  for (int32_t t : targets) n += t != ops::kIgnoreIndex;
+  return n;
+}
+
+}  // namespace
+
+FinetuneResult run_finetune(const FinetuneOptions& options) {
+  // ---- inputs, all checked before any rank connects or allocates -------------------
+  const std::string source = options.config.empty() ? "built-in defaults" : options.config.string();
+  const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source)
+                                               : load_config_file(options.config.string());
+  const engine::ZeroEngineOptions zero = engine_options(config, source);
+  const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
+  STRATA_CHECK(options.model.empty() != options.init.empty(), kBadArgument,
+               "give exactly one of --model DIR (Hugging Face weights) and --init CONFIG.json (random weights)");
+  const nn::LlamaConfig model_config =
+      options.model.empty() ? nn::load_llama_config(options.init.string()) : load_hf_config(options.model);
+  STRATA_CHECK(options.steps >= 1, kBadArgument, "--steps must be >= 1, got {}", options.steps);
+  STRATA_CHECK(options.seq >= 1 && options.seq <= model_config.max_position_embeddings, kBadArgument,
+               "--seq {} must be in [1, {}] (the model's max_position_embeddings)", options.seq,
+               model_config.max_position_embeddings);
+  const data::TokenFile data = data::TokenFile::open(options.data.string(),
+                                                     data::parse_token_format(options.data_format));
+  const uint64_t seed = options.seed.value_or(config.strata.seed);
+  const DType train_dtype = config.bf16 ? DType::kBF16 : DType::kF32;
+  ExportOptions export_options;
+  export_options.dtype = options.export_dtype.empty() ? train_dtype : parse_dtype(options.export_dtype);
+  export_options.max_shard_nbytes = options.export_shard_nbytes;
+  STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
+
+  // ---- ranks, accelerator, communicators ------------------------------------------------
+  const partition::RankInfo rank = partition::RankInfo::from_env();
+  set_log_rank(rank.rank, rank.world_size);
+  set_log_level(config.strata.log_level);
+  const int64_t micro_batch = config.micro_batch_size, accumulation = config.gradient_accumulation_steps;
+  STRATA_CHECK(config.train_batch_size == 0 || config.train_batch_size == micro_batch * accumulation * rank.world_size,
+               kBadArgument,
+               "{}: train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
+               "world size {}",
+               source, config.train_batch_size, micro_batch, accumulation, rank.world_size);
+  std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
+  partition::Rendezvous rendezvous(rank, timeout);
+  auto communicator = [&](const char* traffic) {
+    partition::CommunicatorOptions o;
+    o.rank = rank.rank;
+    o.world_size = rank.world_size;
+    o.timeout = timeout;
+    o.prefix = std::string("strata/finetune/") + traffic;
+    return partition::make_communicator(*accelerator, rendezvous.store(), o);
+  };
+  auto gather = communicator("gather"), reduce = communicator("reduce"), control = communicator("control");
+
+  // ---- engine, model, weights ---------------------------------------------------------
+  engine::ZeroEngine engine(*accelerator, {gather.get(), reduce.get(), control.get()}, zero);
+  nn::LlamaModelOptions model_options;
+  model_options.dtype = train_dtype;
+  nn::LlamaModel model(engine, model_config, model_options);
+  engine.finalize();
+  if (options.model.empty()) {
+    nn::initialize_parameters(engine, model.parameters(), seed);
+  } else {
+    load_hf_weights(engine, model.parameters(), options.model);
+  }
+  data::TokenLoader loader(data, {options.seq, micro_batch, rank.rank, rank.world_size, seed,
+                                  model_config.vocab_size});
+  logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
+                "{} x {} sequences of {} tokens per step, {}; data {} ({} tokens, {} samples per epoch)",
+                [&] {
+                  int64_t n = 0;
+                  for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) n += engine.param_info(id).numel();
+                  return n;
+                }(),
+                dtype_name(model_options.dtype), zero.stage, tier_name(zero.param_tier), tier_name(zero.optimizer_tier),
+                rank.world_size, accumulation, micro_batch, options.seq, schedule.describe(), data.path(), data.size(),
+                loader.windows());
+
+  // ---- the steps ------------------------------------------------------------------------
+  std::unique_ptr<RunReport> report;
+  if (rank.rank == 0) report = std::make_unique<RunReport>(options.out, options.steps, options.progress);
+  FinetuneResult result;
+  std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());
+  for (int64_t step = 1; step <= options.steps; ++step) {
+    const auto start = Clock::now();
+    double local_count = 0;
+    for (size_t m = 0; m < ids.size(); ++m) {
+      loader.next(ids[m], targets[m]);
+      local_count += count_targets(targets[m]);
+    }
+    // Normalise by every rank's predicted tokens of this step, so N ranks equal one rank on the combined batch.
+    const double global_count = engine.global_sum(local_count);
+    STRATA_CHECK(global_count > 0, kBadArgument, "step {}: every target of the global batch is ignored", step);
+    double loss_sum = 0;
+    for (size_t m = 0; m < ids.size(); ++m) {
+      nn::ForwardOptions forward;
+      forward.normalizer = global_count;
+      model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
+      model.backward();
+      loss_sum += model.loss_stats().sum;
+    }
+    const double forward_backward = seconds_since(start);
+    const double loss = engine.global_sum(loss_sum) / global_count;
+    const double lr = schedule.lr(engine.step_count());
+    const engine::StepResult stepped = engine.step(static_cast<float>(lr));
+    StepRecord r;
+    r.step = step;
+    r.loss = loss;
+    r.lr = lr;
+    r.grad_norm = stepped.grad_norm;
+    r.applied = stepped.applied;
+    r.tokens = static_cast<int64_t>(global_count);
+    r.seconds = seconds_since(start);
+    r.forward_backward_seconds = forward_backward;
+    r.optimizer_seconds = r.seconds - forward_backward;
+    if (report) report->record(r);
+    if (step == 1) result.first_loss = loss;
+    result.last_loss = loss;
+    result.skipped += !stepped.applied;
+    result.steps = step;
+  }
+  if (report) {
+    report->finish();
+    result.metrics = report->metrics_path();
+    result.curve = report->curve_path();
+  }
+  if (!options.export_dir.empty()) {
+    const auto start = Clock::now();
+    const ExportResult exported = export_hf_model(engine, *control, model_config, model.parameters(),
+                                                  options.export_dir, export_options);
+    result.exported = exported.files;
+    if (rank.rank == 0 && options.progress != nullptr) {
+      fmt::print(options.progress, "  exported         {} ({} in {}, {:.1f} MB) in {:.1f} s\n",
+                 options.export_dir.string(), exported.files.size() == 1 ? "one file" : "sharded",
+                 dtype_name(export_options.dtype), static_cast<double>(exported.tensor_nbytes) / 1e6,
+                 seconds_since(start));
+    }
+  }
+  return result;
+}
+
+}  // namespace strata::train

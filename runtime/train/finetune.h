@@ -1,0 +1,52 @@
+// `strata finetune`: the training loop of the main job, read top to bottom in
+// finetune.cc. Each rank (started by `strata run`, torchrun or mpirun; alone
+// it is rank 0 of 1) builds the accelerator, the rendezvous and the three
+// communicators, a ZeroEngine from the ds_config, a LlamaModel on it (weights
+// from a Hugging Face directory, loaded shard by shard into each rank's
+// partitions, or a seeded initialisation that does not depend on the world
+// size), reads its own samples of a token file, and runs optimizer steps of
+// micro_batch x gradient_accumulation_steps x world sequences. The loss is
+// normalised by the global count of predicted tokens. Rank 0 reports progress,
+// writes metrics.jsonl and the loss curve.
+//
+// Errors: every bad input (config, model directory, data file, flags) is an
+// Error naming the file or flag and what was wrong, raised before any training
+// work; failures during training (I/O, a dead rank) propagate as Error.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace strata::train {
+
+struct FinetuneOptions {
+  std::filesystem::path config;      // ds_config JSON; empty: the built-in defaults
+  std::filesystem::path model;       // HF directory (config.json + safetensors), or
+  std::filesystem::path init;        // an HF config.json to initialise randomly
+  std::filesystem::path data;        // token file
+  std::string data_format = "auto";  // auto | llmc | u16 | u32 | text
+  int64_t steps = 100;               // optimizer steps
+  int64_t seq = 256;                 // tokens per sample
+  std::optional<uint64_t> seed;      // overrides strata.seed (init and data order)
+  std::filesystem::path out = "finetune_out";  // metrics.jsonl, loss.svg
+  std::filesystem::path export_dir;  // empty: no export; else a Hugging Face directory at the end
+  std::string export_dtype;          // fp32 | fp16 | bf16; empty: the training dtype
+  uint64_t export_shard_nbytes = 5'000'000'000;
+  std::FILE* progress = stderr;      // rank 0's progress lines; nullptr: none
+};
+
+// What the run did (rank 0's view; every rank returns the same losses).
+struct FinetuneResult {
+  int64_t steps = 0, skipped = 0;
+  double first_loss = 0, last_loss = 0;
+  std::filesystem::path metrics, curve;  // rank 0 only
+  std::vector<std::filesystem::path> exported;  // files written by the export
+};
+
+FinetuneResult run_finetune(const FinetuneOptions& options);
+
+}  // namespace strata::train

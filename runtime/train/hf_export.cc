@@ -1,0 +1,191 @@
+// Export: gather each tensor to rank 0 from the owned ranges, convert, write.
+#include "runtime/train/hf_export.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/error.h"
+#include "runtime/nn/safetensors_stream.h"
+
+namespace strata::train {
+namespace fs = std::filesystem;
+namespace {
+
+// An allgather of host buffers through accelerator memory (NCCL needs device
+// buffers; on the cpu accelerator this is a copy more than necessary).
+void allgather_host(partition::Communicator& comm, Accelerator& accelerator, Stream& stream, const void* send,
+                    void* recv, size_t numel, DType dtype) {
+  const size_t nbytes = numel * dtype_nbytes(dtype), world = static_cast<size_t>(comm.world_size());
+  void* device_send = accelerator.allocate(std::max<size_t>(nbytes, 1));
+  void* device_recv = accelerator.allocate(std::max<size_t>(nbytes * world, 1));
+  try {
+    if (nbytes > 0) accelerator.copy_async(device_send, send, nbytes, CopyKind::kHostToDevice, stream);
+    comm.allgather(device_send, device_recv, numel, dtype, stream);
+    if (nbytes > 0) accelerator.copy_async(recv, device_recv, nbytes * world, CopyKind::kDeviceToHost, stream);
+    stream.synchronize();
+  } catch (...) {
+    accelerator.deallocate(device_send);
+    accelerator.deallocate(device_recv);
+    throw;
+  }
+  accelerator.deallocate(device_send);
+  accelerator.deallocate(device_recv);
+}
+
+// Parameter `id` whole, in its storage dtype, on rank 0 (empty elsewhere).
+std::vector<char> gather_to_rank0(engine::Engine& engine, partition::Communicator& comm, Stream& stream,
+                                  engine::ParamId id) {
+  const engine::ParamInfo& info = engine.param_info(id);
+  const size_t element_nbytes = dtype_nbytes(info.dtype);
+  // This rank's range as (first, count), exact in doubles up to 2^53 elements.
+  double range[2] = {0, 0};
+  std::vector<char> local;
+  engine.for_each_owned_range(id, engine::Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
+    STRATA_CHECK(range[1] == 0, kInternal, "export: '{}' has more than one owned range on a rank", info.name);
+    range[0] = static_cast<double>(first);
+    range[1] = static_cast<double>(host.numel());
+    local.assign(static_cast<const char*>(host.data), static_cast<const char*>(host.data) + host.nbytes());
+  });
+  const int world = comm.world_size();
+  std::vector<double> ranges(2 * static_cast<size_t>(world));
+  allgather_host(comm, engine.accelerator(), stream, range, ranges.data(), 2, DType::kF64);
+  size_t max_count = 0;
+  for (int r = 0; r < world; ++r) max_count = std::max(max_count, static_cast<size_t>(ranges[2 * r + 1]));
+  local.resize(max_count * element_nbytes);
+  std::vector<char> all(max_count * element_nbytes * static_cast<size_t>(world));
+  allgather_host(comm, engine.accelerator(), stream, local.data(), all.data(), max_count, info.dtype);
+  if (comm.rank() != 0) return {};
+  std::vector<char> whole(info.nbytes());
+  size_t covered = 0;
+  for (int r = 0; r < world; ++r) {
+    const auto first = static_cast<size_t>(ranges[2 * r]), count = static_cast<size_t>(ranges[2 * r + 1]);
+    STRATA_CHECK(first + count <= static_cast<size_t>(info.numel()), kInternal,
+                 "export: rank {} owns [{}, {}) of '{}' ({} elements)", r, first, first + count, info.name, info.numel());
+    std::copy_n(all.data() + static_cast<size_t>(r) * max_count * element_nbytes, count * element_nbytes,
+                whole.data() + first * element_nbytes);
+    covered += count;
+  }
+  STRATA_CHECK(covered == static_cast<size_t>(info.numel()), kInternal,
+               "export: the ranks own {} of the {} elements of '{}'", covered, info.numel(), info.name);
+  return whole;
+}
+
+// The untiled tensors, in parameter order; a tile names its tensor in its slice.
+struct TensorPlan {
+  std::string name;
+  Shape shape;
+  std::vector<engine::ParamId> parts;
+  uint64_t nbytes(DType dtype) const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_nbytes(dtype); }
+};
+
+}  // namespace
+
+ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
+                             const std::vector<engine::ParamId>& params, const fs::path& dir,
+                             const ExportOptions& options) {
+  STRATA_CHECK(is_float_storage(options.dtype), kBadArgument, "export dtype must be fp32, fp16 or bf16, got {}",
+               dtype_name(options.dtype));
+  STRATA_CHECK(options.max_shard_nbytes > 0, kBadArgument, "export: max shard size must be > 0");
+  std::vector<TensorPlan> tensors;
+  std::map<std::string, size_t> index_of;
+  for (engine::ParamId id : params) {
+    const engine::ParamInfo& info = engine.param_info(id);
+    const std::string& name = info.slice ? info.slice->tensor : info.name;
+    auto [it, inserted] = index_of.emplace(name, tensors.size());
+    if (inserted) tensors.push_back({name, info.slice ? info.slice->tensor_shape : info.shape, {}});
+    tensors[it->second].parts.push_back(id);
+  }
+  // Shards of at most max_shard_nbytes (a larger tensor gets a file of its own).
+  std::vector<std::vector<size_t>> shards;
+  uint64_t shard_nbytes = 0, total_nbytes = 0;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const uint64_t n = tensors[t].nbytes(options.dtype);
+    if (shards.empty() || (shard_nbytes > 0 && shard_nbytes + n > options.max_shard_nbytes)) {
+      shards.emplace_back();
+      shard_nbytes = 0;
+    }
+    shards.back().push_back(t);
+    shard_nbytes += n;
+    total_nbytes += n;
+  }
+  const auto file_name = [&](size_t s) {
+    return shards.size() == 1 ? std::string("model.safetensors")
+                              : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, shards.size());
+  };
+  const bool writer = comm.rank() == 0;
+  if (writer) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    STRATA_CHECK(!ec, kIo, "cannot create the export directory {}: {}", dir.string(), ec.message());
+    nlohmann::json hf = config.to_json();
+    hf["torch_dtype"] = options.dtype == DType::kF32 ? "float32" : options.dtype == DType::kF16 ? "float16" : "bfloat16";
+    const fs::path config_path = dir / "config.json";
+    std::ofstream out(config_path);
+    out << hf.dump(2) << "\n";
+    out.close();
+    STRATA_CHECK(out.good(), kIo, "cannot write {}", config_path.string());
+  }
+  auto stream = engine.accelerator().create_stream();
+  ExportResult result;
+  result.tensor_nbytes = total_nbytes;
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const fs::path path = dir / file_name(s);
+    std::unique_ptr<nn::SafetensorsStreamWriter> file;
+    if (writer) {
+      std::vector<nn::SafetensorsDecl> decls;
+      for (size_t t : shards[s]) decls.push_back({tensors[t].name, options.dtype, tensors[t].shape});
+      file = std::make_unique<nn::SafetensorsStreamWriter>(path.string(), decls,
+                                                           std::map<std::string, std::string>{{"format", "pt"}});
+    }
+    for (size_t t : shards[s]) {
+      const TensorPlan& tensor = tensors[t];
+      weight_map[tensor.name] = file_name(s);
+      for (engine::ParamId id : tensor.parts) {
+        const std::vector<char> whole = gather_to_rank0(engine, comm, *stream, id);
+        if (!writer) continue;
+        const engine::ParamInfo& info = engine.param_info(id);
+        std::vector<char> converted(static_cast<size_t>(info.numel()) * dtype_nbytes(options.dtype));
+        convert(whole.data(), info.dtype, converted.data(), options.dtype, static_cast<size_t>(info.numel()));
+        const size_t out_element = dtype_nbytes(options.dtype);
+        if (!info.slice) {
+          file->write(tensor.name, 0, converted.data(), converted.size());
+          continue;
+        }
+        // A 2-D tile: each of its rows is a piece of a row of the tensor.
+        STRATA_CHECK(info.shape.size() == 2 && tensor.shape.size() == 2 && info.slice->offset.size() == 2,
+                     kBadArgument, "export: tile '{}' is not a 2-D block of '{}'", info.name, tensor.name);
+        const auto rows = static_cast<size_t>(info.shape[0]), cols = static_cast<size_t>(info.shape[1]);
+        const auto tensor_cols = static_cast<size_t>(tensor.shape[1]);
+        for (size_t row = 0; row < rows; ++row) {
+          const size_t at = (static_cast<size_t>(info.slice->offset[0]) + row) * tensor_cols +
+                            static_cast<size_t>(info.slice->offset[1]);
+          file->write(tensor.name, at * out_element, converted.data() + row * cols * out_element, cols * out_element);
+        }
+      }
+    }
+    if (writer) file->commit();
+    result.files.push_back(path);
+  }
+  if (writer && shards.size() > 1) {
+    const fs::path index = dir / "model.safetensors.index.json";
+    const fs::path tmp = dir / "model.safetensors.index.json.tmp";
+    {
+      std::ofstream out(tmp);
+      out << nlohmann::json{{"metadata", {{"total_size", total_nbytes}}}, {"weight_map", weight_map}}.dump(2) << "\n";
+      out.close();
+      STRATA_CHECK(out.good(), kIo, "cannot write {}", tmp.string());
+    }
+    std::error_code ec;
+    fs::rename(tmp, index, ec);
+    STRATA_CHECK(!ec, kIo, "cannot rename {} to {}: {}", tmp.string(), index.string(), ec.message());
+    result.files.push_back(index);
+  }
+  return result;
+}
+
+}  // namespace strata::train

@@ -1,0 +1,41 @@
+// Export to a Hugging Face directory (ENGINE.md §6): config.json and the
+// weights as safetensors in the dtype asked for, one file or, past
+// `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
+// model.safetensors.index.json. Streams tensor by tensor: each tensor is
+// gathered from the ranks' owned ranges (Engine::for_each_owned_range) to
+// rank 0, converted and written in place (SafetensorsStreamWriter), so rank 0
+// holds one tensor at a time and no rank holds the model. Each file is
+// committed atomically (fsync, rename, fsync of the directory).
+//
+// Collective: every rank calls it with the same arguments, with no hook
+// window open; `comm` must be idle (nothing else runs collectives on it).
+// Errors: Error(kIo) naming the file; kBadArgument for a dtype that is not a
+// float storage type; kCommunication from the gathers.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <vector>
+
+#include "partition/communicator.h"
+#include "runtime/engine/engine.h"
+#include "runtime/nn/llama_config.h"
+
+namespace strata::train {
+
+struct ExportOptions {
+  DType dtype = DType::kBF16;
+  uint64_t max_shard_nbytes = 5'000'000'000;  // transformers' default max_shard_size, "5GB"
+};
+
+// What was written (rank 0; other ranks get the same file list).
+struct ExportResult {
+  std::vector<std::filesystem::path> files;  // safetensors files (and the index when sharded)
+  uint64_t tensor_nbytes = 0;
+};
+
+ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
+                             const std::vector<engine::ParamId>& params, const std::filesystem::path& dir,
+                             const ExportOptions& options);
+
+}  // namespace strata::train

@@ -1,0 +1,160 @@
+// Progress, metrics.jsonl, the summary table and the loss curve.
+#include "runtime/train/run_report.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/error.h"
+
+namespace strata::train {
+namespace {
+
+std::string duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}h{:02}m", s / 3600, (s / 60) % 60);
+  if (s >= 60) return fmt::format("{}m{:02}s", s / 60, s % 60);
+  return fmt::format("{}s", s);
+}
+
+// JSON numbers must be finite: a skipped step's infinite norm becomes null.
+nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::json(x) : nlohmann::json(); }
+
+}  // namespace
+
+RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out)
+    : dir_(std::move(dir)), total_steps_(total_steps), out_(out) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  STRATA_CHECK(!ec, kIo, "cannot create the output directory {}: {}", dir_.string(), ec.message());
+  metrics_path_ = dir_ / "metrics.jsonl";
+  curve_path_ = dir_ / "loss.svg";
+  metrics_ = std::fopen(metrics_path_.c_str(), "w");
+  STRATA_CHECK(metrics_ != nullptr, kIo, "cannot create {}: {}", metrics_path_.string(), std::strerror(errno));
+  terminal_ = out_ != nullptr && ::isatty(::fileno(out_)) == 1;
+}
+
+RunReport::~RunReport() {
+  if (metrics_ != nullptr) std::fclose(metrics_);
+}
+
+void RunReport::record(const StepRecord& r) {
+  steps_.push_back(r);
+  elapsed_ += r.seconds;
+  nlohmann::json line = {{"step", r.step},
+                         {"loss", finite_or_null(r.loss)},
+                         {"lr", r.lr},
+                         {"grad_norm", finite_or_null(r.grad_norm)},
+                         {"applied", r.applied},
+                         {"tokens", r.tokens},
+                         {"tokens_per_s", r.tokens_per_second()},
+                         {"step_s", r.seconds},
+                         {"breakdown_s", {{"forward_backward", r.forward_backward_seconds},
+                                          {"optimizer", r.optimizer_seconds}}}};
+  const std::string text = line.dump() + "\n";
+  STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
+               "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
+  print_progress(r);
+}
+
+void RunReport::print_progress(const StepRecord& r) {
+  if (out_ == nullptr) return;
+  const double per_step = elapsed_ / static_cast<double>(steps_.size());
+  const double eta = per_step * static_cast<double>(std::max<int64_t>(0, total_steps_ - r.step));
+  const std::string stats =
+      fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step  ETA {}{}", r.step,
+                  total_steps_, r.loss, r.lr, r.grad_norm, r.tokens_per_second(), r.seconds, duration(eta),
+                  r.applied ? "" : "  (skipped: gradient not finite)");
+  if (terminal_) {
+    constexpr int kWidth = 24;
+    const int filled = total_steps_ > 0 ? static_cast<int>(kWidth * r.step / total_steps_) : kWidth;
+    fmt::print(out_, "\r[{}{}] {}\x1b[K", std::string(static_cast<size_t>(filled), '#'),
+               std::string(static_cast<size_t>(kWidth - filled), '.'), stats);
+  } else {
+    fmt::print(out_, "{}\n", stats);
+  }
+  std::fflush(out_);
+}
+
+void RunReport::finish() {
+  if (terminal_ && out_ != nullptr) fmt::print(out_, "\n");
+  {
+    std::ofstream svg(curve_path_, std::ios::trunc);
+    svg << loss_curve_svg(steps_);
+    svg.flush();
+    STRATA_CHECK(svg.good(), kIo, "cannot write {}", curve_path_.string());
+  }
+  if (out_ == nullptr || steps_.empty()) return;
+  // Summary: first and last losses (means of up to 5 steps), throughput median.
+  const size_t n = steps_.size(), k = std::min<size_t>(5, n);
+  double first = 0, last = 0;
+  for (size_t i = 0; i < k; ++i) first += steps_[i].loss / static_cast<double>(k);
+  for (size_t i = n - k; i < n; ++i) last += steps_[i].loss / static_cast<double>(k);
+  std::vector<double> rates;
+  int64_t skipped = 0, tokens = 0;
+  for (const auto& s : steps_) {
+    rates.push_back(s.tokens_per_second());
+    skipped += !s.applied;
+    tokens += s.tokens;
+  }
+  std::nth_element(rates.begin(), rates.begin() + static_cast<std::ptrdiff_t>(n / 2), rates.end());
+  fmt::print(out_,
+             "\n  steps            {} ({} skipped)\n"
+             "  loss             {:.4f} (mean of the first {}) -> {:.4f} (mean of the last {})\n"
+             "  tokens           {}\n"
+             "  throughput       {:.0f} tokens/s (median step)\n"
+             "  wall time        {}\n"
+             "  metrics          {}\n"
+             "  loss curve       {}\n",
+             n, skipped, first, k, last, k, tokens, rates[n / 2], duration(elapsed_), metrics_path_.string(),
+             curve_path_.string());
+  std::fflush(out_);
+}
+
+std::string loss_curve_svg(const std::vector<StepRecord>& steps) {
+  constexpr double kW = 640, kH = 360, kLeft = 60, kRight = 20, kTop = 20, kBottom = 40;
+  double lo = INFINITY, hi = -INFINITY;
+  for (const auto& s : steps) {
+    if (!std::isfinite(s.loss)) continue;
+    lo = std::min(lo, s.loss);
+    hi = std::max(hi, s.loss);
+  }
+  if (!(lo <= hi)) lo = 0, hi = 1;
+  if (hi - lo < 1e-12) hi = lo + 1;
+  const double max_step = steps.empty() ? 1.0 : static_cast<double>(std::max<int64_t>(1, steps.back().step));
+  auto x = [&](double step) { return kLeft + (kW - kLeft - kRight) * (step / max_step); };
+  auto y = [&](double loss) { return kTop + (kH - kTop - kBottom) * (1 - (loss - lo) / (hi - lo)); };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\">\n"
+      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<line x1=\"{2}\" y1=\"{3}\" x2=\"{2}\" y2=\"{4}\" stroke=\"black\"/>\n"
+      "<line x1=\"{2}\" y1=\"{4}\" x2=\"{5}\" y2=\"{4}\" stroke=\"black\"/>\n"
+      "<text x=\"{2}\" y=\"{6}\" font-family=\"sans-serif\" font-size=\"12\">step</text>\n"
+      "<text x=\"4\" y=\"{7:.1f}\" font-family=\"sans-serif\" font-size=\"12\">{8:.3f}</text>\n"
+      "<text x=\"4\" y=\"{9:.1f}\" font-family=\"sans-serif\" font-size=\"12\">{10:.3f}</text>\n"
+      "<text x=\"{5}\" y=\"{6}\" font-family=\"sans-serif\" font-size=\"12\" text-anchor=\"end\">{11}</text>\n",
+      kW, kH, kLeft, kTop, kH - kBottom, kW - kRight, kH - 12, y(hi) + 4, hi, y(lo) + 4, lo,
+      static_cast<int64_t>(max_step));
+  std::string points;
+  for (const auto& s : steps) {
+    if (!std::isfinite(s.loss)) continue;
+    points += fmt::format("{:.1f},{:.1f} ", x(static_cast<double>(s.step)), y(s.loss));
+  }
+  svg += fmt::format("<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>\n", points);
+  for (const auto& s : steps) {
+    if (s.applied) continue;
+    svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"#d62728\"><title>step {} skipped</title></circle>\n",
+                       x(static_cast<double>(s.step)), std::isfinite(s.loss) ? y(s.loss) : kTop, s.step);
+  }
+  svg += "</svg>\n";
+  return svg;
+}
+
+}  // namespace strata::train

@@ -1,0 +1,67 @@
+// What a training run shows and leaves behind (issue 13 §3): a progress line
+// per step (a bar redrawn in place on a terminal, one plain line per step
+// otherwise), metrics.jsonl (one JSON object per step, flushed as written so a
+// crash keeps every finished step), and at the end a summary table and a
+// loss-curve picture (SVG) beside the metrics.
+//
+// Ownership: owns the metrics file. Thread-safety: one thread (rank 0's
+// training thread). Errors: Error(kIo) naming the file when it cannot be
+// created or written.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace strata::train {
+
+// One optimizer step as reported.
+struct StepRecord {
+  int64_t step = 0;            // 1-based
+  double loss = 0;             // mean loss over the global batch
+  double lr = 0;
+  double grad_norm = 0;        // global, before clipping
+  bool applied = true;         // false: skipped (a gradient was not finite)
+  int64_t tokens = 0;          // predicted tokens in the global batch
+  double seconds = 0;          // wall time of the step
+  double forward_backward_seconds = 0;  // this rank's forward + backward
+  double optimizer_seconds = 0;          // step(): reduction tail, norm, update, gather
+  double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
+};
+
+class RunReport {
+ public:
+  // Creates `dir` and dir/metrics.jsonl (truncated). `total_steps` sizes the
+  // bar and the ETA; `out` is where progress goes (stderr in the tool).
+  RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out);
+  ~RunReport();
+  RunReport(const RunReport&) = delete;
+  RunReport& operator=(const RunReport&) = delete;
+
+  void record(const StepRecord& r);
+  // Ends the progress line, writes loss.svg and prints the summary table.
+  void finish();
+
+  const std::filesystem::path& metrics_path() const { return metrics_path_; }
+  const std::filesystem::path& curve_path() const { return curve_path_; }
+  const std::vector<StepRecord>& steps() const { return steps_; }
+
+ private:
+  void print_progress(const StepRecord& r);
+
+  std::filesystem::path dir_, metrics_path_, curve_path_;
+  int64_t total_steps_;
+  std::FILE* out_;
+  std::FILE* metrics_ = nullptr;
+  bool terminal_ = false;
+  double elapsed_ = 0;
+  std::vector<StepRecord> steps_;
+};
+
+// The SVG of a loss curve (step on x, loss on y, skipped steps marked); pure,
+// for tests. Empty input gives a valid, empty plot.
+std::string loss_curve_svg(const std::vector<StepRecord>& steps);
+
+}  // namespace strata::train
