@@ -1,0 +1,526 @@
+// `strata plan`: memory per tier and rank for every ZeRO stage and offload
+// placement, the bandwidth each needs, the efficiency predicted and the
+// placement to use, for a model (HF config.json or sizes), an optional
+// ds_config and a machine (detected, or described by flags). The model is in
+// runtime/plan; this file turns flags, files and probes into its inputs and
+// says where each value came from.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "runtime/cli/commands.h"
+#include "runtime/config/config.h"
+#include "runtime/config/json_text.h"
+#include "runtime/config/size.h"
+#include "runtime/core/error.h"
+#include "runtime/nn/llama_config.h"
+#include "runtime/plan/machine_probe.h"
+#include "runtime/plan/plan.h"
+#include "runtime/plan/plan_report.h"
+
+namespace strata::cli {
+namespace {
+
+using plan::Tier;
+
+// Every option is read as text and parsed here, so that each error names its
+// flag and the text given (and a negative number is an error, not an option).
+struct Options {
+  std::string model, params, layers, hidden, heads, intermediate, vocab;
+  std::string seq, batch, grad_accum, checkpoint_every, tiling;
+  bool no_checkpointing = false;
+  std::string config;
+  std::string gpus, nodes, dp, gpu_mem, host_mem, nvme_path, nvme_capacity;
+  std::string bw_gpu_cpu, bw_nvme, bw_nvme_write, bw_host_mem, bw_interconnect, peak_tflops;
+  std::string target_efficiency;
+  std::string units = "GB";
+  bool json = false;
+};
+
+[[noreturn]] void bad(const std::string& flag, const std::string& text,
+                      const std::string& expected) {
+  raise(ErrorCategory::kBadArgument, "{}: '{}' is not {}", flag, printable_excerpt(text, 60),
+        expected);
+}
+
+std::optional<double> parse_number(std::string_view text) {
+  double value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || stop != end || !std::isfinite(value)) return std::nullopt;
+  return value;
+}
+
+int64_t parse_integer(const std::string& flag, const std::string& text, int64_t min) {
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || stop != end || value < min)
+    bad(flag, text, fmt::format("an integer >= {}", min));
+  return value;
+}
+
+// A parameter count: 7.5B, 100B, 0.1T, 350M, 1.3e9 (K, M, B or G, T are decimal).
+int64_t parse_param_count(const std::string& flag, const std::string& text) {
+  std::string digits = text;
+  double scale = 1;
+  if (!digits.empty() && std::isalpha(static_cast<unsigned char>(digits.back()))) {
+    switch (std::toupper(static_cast<unsigned char>(digits.back()))) {
+      case 'K':
+        scale = 1e3;
+        break;
+      case 'M':
+        scale = 1e6;
+        break;
+      case 'B':
+      case 'G':
+        scale = 1e9;
+        break;
+      case 'T':
+        scale = 1e12;
+        break;
+      default:
+        bad(flag, text, "a parameter count (examples: 7.5B, 100B, 0.1T, 350M, 1.3e9)");
+    }
+    digits.pop_back();
+  }
+  const auto number = parse_number(digits);
+  const double count = number ? std::round(*number * scale) : 0;
+  if (!number || count < 1 || count > 0x1p62) {
+    bad(flag, text, "a parameter count from 1 to 2^62 (examples: 7.5B, 100B, 0.1T, 350M, 1.3e9)");
+  }
+  return static_cast<int64_t>(count);
+}
+
+// A memory size: a bare number is GB (1e9 bytes); else a size with its unit
+// (80GB, 80GiB, 512M; as in configs, K/M/G/T alone are binary).
+double parse_memory(const std::string& flag, const std::string& text) {
+  if (const auto gb = parse_number(text)) {
+    if (*gb < 0) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
+    return *gb * 1e9;
+  }
+  const auto nbytes = parse_size(text);
+  if (!nbytes) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
+  return static_cast<double>(*nbytes);
+}
+
+// A bandwidth: a bare number is GB/s; else a size with an optional "/s" (25GB/s, 12GiB/s).
+double parse_rate(const std::string& flag, const std::string& text) {
+  std::string size_text = text;
+  if (size_text.size() > 2 && size_text.compare(size_text.size() - 2, 2, "/s") == 0)
+    size_text.resize(size_text.size() - 2);
+  double bytes_per_s = 0;
+  if (const auto gb = parse_number(size_text)) {
+    bytes_per_s = *gb * 1e9;
+  } else if (const auto nbytes = parse_size(size_text)) {
+    bytes_per_s = static_cast<double>(*nbytes);
+  }
+  if (!(bytes_per_s > 0))
+    bad(flag, text, "a bandwidth above 0 (GB/s, or with a unit: 25GB/s, 12GiB/s)");
+  return bytes_per_s;
+}
+
+double parse_fraction(const std::string& flag, const std::string& text) {
+  const bool percent = !text.empty() && text.back() == '%';
+  const auto number =
+      parse_number(percent ? std::string_view(text).substr(0, text.size() - 1) : text);
+  const double value = number ? *number / (percent ? 100 : 1) : 0;
+  if (!(value > 0 && value < 1)) bad(flag, text, "an efficiency between 0 and 1 (0.9, or 90%)");
+  return value;
+}
+
+Tier tier_of(OffloadDevice device) {
+  return device == OffloadDevice::kCpu    ? Tier::kCpu
+         : device == OffloadDevice::kNvme ? Tier::kNvme
+                                          : Tier::kGpu;
+}
+
+std::string gb_text(double nbytes) {
+  return fmt::format("{:.1f} GB", nbytes / 1e9);
+}
+
+// 7.5B, 100.7B, 1.0T, 350.0M: parameter counts as papers write them.
+std::string count_text(int64_t count) {
+  const double n = static_cast<double>(count);
+  if (n >= 1e12) return fmt::format("{:.2f}T", n / 1e12);
+  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
+  return std::to_string(count);
+}
+
+// Inputs for the plan, and a line of provenance per value for the header.
+struct Resolved {
+  plan::PlanInputs inputs;
+  std::map<std::string, std::string> sources;
+  std::string model_source;
+  std::vector<std::string> hints;  // what flag would make the plan more exact
+};
+
+void resolve_model(const Options& o, Resolved& r) {
+  plan::ModelShape& m = r.inputs.model;
+  const bool sizes_given = !o.params.empty() || !o.layers.empty() || !o.hidden.empty() ||
+                           !o.heads.empty() || !o.intermediate.empty() || !o.vocab.empty();
+  if (!o.model.empty()) {
+    if (sizes_given)
+      raise(ErrorCategory::kBadArgument,
+            "--model gives the model's shape; --params, --layers, --hidden, --heads, "
+            "--intermediate and "
+            "--vocab cannot be combined with it");
+    std::filesystem::path path = o.model;
+    if (std::filesystem::is_directory(path)) path /= "config.json";
+    if (!std::filesystem::exists(path))
+      raise(ErrorCategory::kBadArgument, "--model: {} does not exist{}", path.string(),
+            std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
+    const nn::LlamaConfig config = nn::load_llama_config(path.string());
+    m.param_count = config.parameter_count();
+    m.layers = config.num_hidden_layers;
+    m.hidden = config.hidden_size;
+    m.heads = config.num_attention_heads;
+    m.intermediate = config.intermediate_size;
+    m.vocab = config.vocab_size;
+    r.model_source = path.string();
+    return;
+  }
+  if (!o.layers.empty()) m.layers = parse_integer("--layers", o.layers, 1);
+  if (!o.hidden.empty()) m.hidden = parse_integer("--hidden", o.hidden, 1);
+  if (!o.heads.empty()) m.heads = parse_integer("--heads", o.heads, 1);
+  if (!o.intermediate.empty()) m.intermediate = parse_integer("--intermediate", o.intermediate, 1);
+  if (!o.vocab.empty()) m.vocab = parse_integer("--vocab", o.vocab, 1);
+  if ((m.layers > 0) != (m.hidden > 0))
+    raise(ErrorCategory::kBadArgument,
+          "--layers and --hidden go together: give both (or only --params for model states alone)");
+  if (!o.params.empty()) {
+    m.param_count = parse_param_count("--params", o.params);
+    r.model_source = "--params";
+  } else {
+    if (m.layers == 0)
+      raise(ErrorCategory::kBadArgument,
+            "no model: give --model (a Hugging Face config.json or its directory), --params, or "
+            "--layers and "
+            "--hidden");
+    // 12·L·h² for the layers (REFERENCE.md), plus embedding and lm_head when the vocabulary is
+    // known.
+    const double count = 12.0 * static_cast<double>(m.layers) * static_cast<double>(m.hidden) *
+                             static_cast<double>(m.hidden) +
+                         2.0 * static_cast<double>(m.vocab) * static_cast<double>(m.hidden);
+    if (count > 0x1p62)
+      raise(ErrorCategory::kBadArgument,
+            "--layers {} and --hidden {} give {:.3g} parameters, beyond 2^62", m.layers, m.hidden,
+            count);
+    m.param_count = static_cast<int64_t>(count);
+    r.model_source = m.vocab > 0 ? "12*layers*hidden^2 + 2*vocab*hidden" : "12*layers*hidden^2";
+  }
+}
+
+void resolve_training(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  plan::TrainingShape& t = r.inputs.training;
+  if (config) {
+    t.micro_batch = config->micro_batch_size;
+    t.grad_accumulation = config->gradient_accumulation_steps;
+    t.checkpoints_on_cpu = config->cpu_checkpointing;
+    const ZeroConfig& z = config->zero;
+    t.reduce_bucket_numel = static_cast<int64_t>(z.reduce_bucket_numel);
+    t.prefetch_bucket_numel = static_cast<int64_t>(z.prefetch_bucket_numel);
+    t.sub_group_numel = static_cast<int64_t>(z.sub_group_numel);
+    t.param_buffer_count = z.offload_param.buffer_count;
+    t.param_buffer_numel = static_cast<int64_t>(z.offload_param.buffer_numel);
+    t.optimizer_buffer_count = z.offload_optimizer.buffer_count;
+    r.inputs.configured_stage = z.stage;
+    r.inputs.configured_params = tier_of(z.offload_param.device);
+    r.inputs.configured_optimizer = tier_of(z.offload_optimizer.device);
+  }
+  if (!o.seq.empty()) t.seq = parse_integer("--seq", o.seq, 1);
+  if (!o.batch.empty()) t.micro_batch = parse_integer("--batch", o.batch, 1);
+  if (!o.grad_accum.empty()) t.grad_accumulation = parse_integer("--grad-accum", o.grad_accum, 1);
+  if (!o.checkpoint_every.empty())
+    t.layers_per_checkpoint = parse_integer("--checkpoint-every", o.checkpoint_every, 1);
+  if (!o.tiling.empty()) t.tiling = parse_integer("--tiling", o.tiling, 1);
+  t.activation_checkpointing = !o.no_checkpointing;
+}
+
+void resolve_machine(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  plan::Machine& hw = r.inputs.machine;
+  auto& src = r.sources;
+  const plan::DetectedMachine found = plan::detect_machine();
+
+  // 0: not given. (Plain integers, not std::optional: GCC 12 warns that an
+  // optional's value may be uninitialised here, wrongly, and warnings are errors.)
+  const int64_t dp = o.dp.empty() ? 0 : parse_integer("--dp", o.dp, 1);
+  const int64_t nodes = o.nodes.empty() ? 0 : parse_integer("--nodes", o.nodes, 1);
+  if (!o.gpus.empty()) {
+    hw.gpus_per_node = parse_integer("--gpus", o.gpus, 1);
+    src["gpus_per_node"] = "--gpus";
+  } else if (found.gpu_count > 0) {
+    hw.gpus_per_node = found.gpu_count;
+    src["gpus_per_node"] = "detected";
+  } else {
+    // No GPU here and none named: one rank per node, or --dp spread over --nodes.
+    const int64_t node_guess = nodes > 0 ? nodes : 1;
+    hw.gpus_per_node = dp > 0 ? (dp + node_guess - 1) / node_guess : 1;
+    src["gpus_per_node"] = dp > 0 ? "--dp / --nodes" : "assumed";
+  }
+  const int64_t node_count = nodes > 0 ? nodes
+                             : dp > 0  ? (dp + hw.gpus_per_node - 1) / hw.gpus_per_node
+                                       : 1;
+  hw.nodes = node_count;
+  hw.data_parallel = dp > 0 ? dp : hw.gpus_per_node * node_count;
+  if (hw.data_parallel > hw.gpus_per_node * node_count)
+    raise(ErrorCategory::kBadArgument,
+          "--dp {} is more than the {} GPUs of {} node(s) x {} GPUs (--nodes, --gpus)",
+          hw.data_parallel, hw.gpus_per_node * node_count, node_count, hw.gpus_per_node);
+  src["data_parallel"] = dp > 0 ? "--dp" : "GPUs x nodes";
+
+  if (!o.gpu_mem.empty()) {
+    hw.gpu_nbytes = parse_memory("--gpu-mem", o.gpu_mem);
+    if (!(*hw.gpu_nbytes > 0)) raise(ErrorCategory::kBadArgument, "--gpu-mem: must be above 0");
+    src["gpu_bytes"] = "--gpu-mem";
+  } else if (found.gpu_nbytes) {
+    hw.gpu_nbytes = static_cast<double>(*found.gpu_nbytes);
+    src["gpu_bytes"] = "detected: " + found.gpu_name;
+  } else {
+    src["gpu_bytes"] = "unknown: " + found.gpu_detail;
+    r.hints.push_back("no GPU detected: give --gpu-mem (and --gpus) to see which placements fit");
+  }
+  if (!o.host_mem.empty()) {
+    hw.host_nbytes = parse_memory("--host-mem", o.host_mem);
+    src["host_bytes"] = "--host-mem";
+  } else if (found.host_available_nbytes) {
+    hw.host_nbytes = static_cast<double>(*found.host_available_nbytes);
+    src["host_bytes"] = "detected: MemAvailable of this machine";
+  } else {
+    src["host_bytes"] = "unknown";
+  }
+  // NVMe: a capacity given, else the free space of --nvme-path, else of the
+  // ds_config's swap directory when it exists.
+  std::string nvme_dir = o.nvme_path;
+  if (nvme_dir.empty() && config) {
+    for (const std::string& dir :
+         {config->zero.offload_optimizer.nvme_path, config->zero.offload_param.nvme_path}) {
+      if (!dir.empty() && std::filesystem::is_directory(dir)) {
+        nvme_dir = dir;
+        break;
+      }
+    }
+  }
+  if (!o.nvme_capacity.empty()) {
+    hw.nvme_nbytes = parse_memory("--nvme-capacity", o.nvme_capacity);
+    src["nvme_bytes"] = "--nvme-capacity";
+  } else if (!nvme_dir.empty()) {
+    hw.nvme_nbytes = static_cast<double>(plan::free_space_nbytes(nvme_dir));
+    src["nvme_bytes"] = "detected: free space of " + nvme_dir;
+  } else {
+    src["nvme_bytes"] = "unknown";
+    r.hints.push_back(
+        "NVMe capacity unknown: give --nvme-path DIR or --nvme-capacity so NVMe placements can be "
+        "recommended");
+  }
+
+  auto rate = [&](const std::string& text, const char* flag, double& field, const char* key) {
+    if (text.empty()) {
+      src[key] = "assumed";
+    } else {
+      field = parse_rate(flag, text);
+      src[key] = flag;
+    }
+  };
+  rate(o.bw_gpu_cpu, "--bw-gpu-cpu", hw.gpu_cpu_bw, "gpu_cpu_bw");
+  rate(o.bw_nvme, "--bw-nvme", hw.nvme_read_bw, "nvme_read_bw");
+  hw.nvme_write_bw = hw.nvme_read_bw;
+  src["nvme_write_bw"] = src["nvme_read_bw"];
+  if (!o.bw_nvme_write.empty())
+    rate(o.bw_nvme_write, "--bw-nvme-write", hw.nvme_write_bw, "nvme_write_bw");
+  rate(o.bw_host_mem, "--bw-host-mem", hw.host_memory_bw, "host_memory_bw");
+  if (!o.bw_interconnect.empty()) {
+    hw.interconnect_bw = parse_rate("--bw-interconnect", o.bw_interconnect);
+    src["interconnect_bw"] = "--bw-interconnect";
+  } else {
+    src["interconnect_bw"] = "unknown";
+  }
+  if (!o.peak_tflops.empty()) {
+    const auto tflops = parse_number(o.peak_tflops);
+    if (!tflops || *tflops <= 0) bad("--peak-tflops", o.peak_tflops, "a number of TFLOPS above 0");
+    hw.peak_flops = *tflops * 1e12;
+    src["peak_flops"] = "--peak-tflops";
+  } else {
+    src["peak_flops"] = "assumed";
+  }
+  if (!o.target_efficiency.empty())
+    r.inputs.target_efficiency = parse_fraction("--target-efficiency", o.target_efficiency);
+  if (src["gpu_cpu_bw"] == "assumed" || src["nvme_read_bw"] == "assumed" ||
+      src["peak_flops"] == "assumed") {
+    r.hints.push_back(
+        "assumed bandwidths and peak: measure them with strata-bw (GPU<->CPU), strata-io (NVMe), "
+        "strata-adam (host) "
+        "and give --bw-gpu-cpu, --bw-nvme, --bw-host-mem, --peak-tflops");
+  }
+}
+
+std::string header(const Resolved& r) {
+  const plan::PlanInputs& in = r.inputs;
+  const plan::ModelShape& m = in.model;
+  const plan::TrainingShape& t = in.training;
+  const plan::Machine& hw = in.machine;
+  auto src = [&](const char* key) { return r.sources.at(key); };
+  std::string out =
+      fmt::format("Model     {} parameters ({})\n", count_text(m.param_count), r.model_source);
+  if (m.shape_known()) {
+    out += fmt::format("          {} layers, hidden {}, {} heads, intermediate {}, vocab {}\n",
+                       m.layers, m.hidden, m.heads > 0 ? std::to_string(m.heads) : "?",
+                       m.intermediate > 0 ? std::to_string(m.intermediate) : "4*hidden",
+                       m.vocab > 0 ? std::to_string(m.vocab) : "?");
+  }
+  out += fmt::format(
+      "Training  seq {}, micro-batch {}, gradient accumulation {}, {}\n", t.seq, t.micro_batch,
+      t.grad_accumulation,
+      t.activation_checkpointing
+          ? fmt::format("activation checkpoint every {} layer(s){}", t.layers_per_checkpoint,
+                        t.checkpoints_on_cpu ? ", kept in CPU memory" : "")
+          : std::string("no activation checkpointing"));
+  out +=
+      fmt::format("Machine   {} node(s) x {} GPUs ({}), data-parallel N_d = {} ({})\n", hw.nodes,
+                  hw.gpus_per_node, src("gpus_per_node"), hw.data_parallel, src("data_parallel"));
+  auto capacity = [](const std::optional<double>& nbytes) {
+    return nbytes ? gb_text(*nbytes) : std::string("?");
+  };
+  out += fmt::format("          GPU {} each ({}); host {} per node ({}); NVMe {} per node ({})\n",
+                     capacity(hw.gpu_nbytes), src("gpu_bytes"), capacity(hw.host_nbytes),
+                     src("host_bytes"), capacity(hw.nvme_nbytes), src("nvme_bytes"));
+  out += fmt::format(
+      "          GPU<->CPU {:.1f} GB/s per GPU ({}); NVMe {:.1f}/{:.1f} GB/s read/write per node "
+      "({}); host memory "
+      "{:.1f} GB/s per node ({});\n          interconnect {} ({}); peak {:.0f} TFLOPS per GPU "
+      "({})\n",
+      hw.gpu_cpu_bw / 1e9, src("gpu_cpu_bw"), hw.nvme_read_bw / 1e9, hw.nvme_write_bw / 1e9,
+      src("nvme_read_bw"), hw.host_memory_bw / 1e9, src("host_memory_bw"),
+      hw.interconnect_bw ? fmt::format("{:.1f} GB/s per GPU", *hw.interconnect_bw / 1e9)
+                         : std::string("?"),
+      src("interconnect_bw"), hw.peak_flops / 1e12, src("peak_flops"));
+  return out;
+}
+
+int run_plan(const Options& o) {
+  std::optional<Config> config;
+  if (!o.config.empty()) config = load_config_file(o.config);
+  Resolved r;
+  resolve_model(o, r);
+  resolve_training(o, config, r);
+  resolve_machine(o, config, r);
+  plan::Plan result = plan::make_plan(r.inputs);
+  for (const std::string& hint : r.hints) result.notes.push_back(hint);
+  if (o.json) {
+    nlohmann::json out = plan::to_json(result);
+    out["model"]["source"] = r.model_source;
+    out["sources"] = r.sources;
+    std::cout << out.dump(2) << "\n";
+  } else {
+    std::cout << header(r)
+              << plan::to_text(result, o.units == "GiB" ? plan::Units::kGiB : plan::Units::kGB);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand("plan",
+                                     "Plan memory and bandwidth for a model on a machine: memory "
+                                     "per tier (GPU, CPU, NVMe) per rank for every ZeRO "
+                                     "stage and offload placement (the ZeRO formulas, plus "
+                                     "activations and the largest operator's working "
+                                     "memory), the bandwidth each class of traffic needs for a "
+                                     "target efficiency, the efficiency predicted "
+                                     "(ZeRO-Infinity's model), and the placement to use. Sizes "
+                                     "print in GB (1e9 bytes), as the papers do.");
+  const auto text = [&](const char* name, std::string& field, const char* help) {
+    return cmd->add_option(name, field, help);
+  };
+  text("--model", o->model, "Hugging Face config.json, or the model directory holding it")
+      ->type_name("PATH");
+  text("--params", o->params, "Parameter count instead of --model: 7.5B, 100B, 0.1T, 350M, 1.3e9")
+      ->type_name("N");
+  text("--layers", o->layers,
+       "Transformer layers; with --hidden they give activations and working memory, and "
+       "without --params the parameter count 12*layers*hidden^2 (+ 2*vocab*hidden)")
+      ->type_name("INT");
+  text("--hidden", o->hidden, "Hidden size")->type_name("INT");
+  text("--heads", o->heads, "Attention heads (default hidden/128)")->type_name("INT");
+  text("--intermediate", o->intermediate, "MLP width (default 4*hidden)")->type_name("INT");
+  text("--vocab", o->vocab, "Vocabulary size (adds embedding and lm_head)")->type_name("INT");
+  text("--seq", o->seq, "Sequence length (default 1024)")->type_name("INT");
+  text("--batch", o->batch,
+       "Micro-batch per GPU (default: the config's train_micro_batch_size_per_gpu, else 1)")
+      ->type_name("INT");
+  text("--grad-accum", o->grad_accum,
+       "Micro-steps per optimizer step (default: the config's, else 1)")
+      ->type_name("INT");
+  cmd->add_flag("--no-checkpointing", o->no_checkpointing,
+                "Plan without activation checkpointing (default: a checkpoint every "
+                "--checkpoint-every layers)");
+  text("--checkpoint-every", o->checkpoint_every,
+       "Layers between activation checkpoints, c_i (default 1)")
+      ->type_name("INT");
+  text("--tiling", o->tiling,
+       "Tiles the largest operator is cut into when it does not fit whole (default 16)")
+      ->type_name("INT");
+  text("--config", o->config,
+       "ds_config JSON: marks its placement (stage, offload devices) and supplies micro-batch, "
+       "accumulation, "
+       "cpu_checkpointing and buffer sizes")
+      ->type_name("FILE");
+  text("--gpus", o->gpus, "GPUs (ranks) per node (default: detected, else 1)")->type_name("INT");
+  text("--nodes", o->nodes, "Nodes (default 1, or enough for --dp)")->type_name("INT");
+  text("--dp", o->dp, "Data-parallel degree N_d (default GPUs x nodes)")->type_name("INT");
+  text("--gpu-mem", o->gpu_mem,
+       "Memory per GPU: GB, or with a unit (80GB, 80GiB) (default: detected)")
+      ->type_name("SIZE");
+  text("--host-mem", o->host_mem,
+       "Host memory per node for training (default: this machine's MemAvailable)")
+      ->type_name("SIZE");
+  text("--nvme-path", o->nvme_path,
+       "Directory for swap files: its free space is the NVMe capacity (default: the "
+       "config's nvme_path when it exists)")
+      ->type_name("DIR");
+  text("--nvme-capacity", o->nvme_capacity, "NVMe space per node instead of --nvme-path")
+      ->type_name("SIZE");
+  text("--bw-gpu-cpu", o->bw_gpu_cpu,
+       "Pinned GPU<->CPU copy bandwidth per GPU, GB/s or 25GB/s (default 25, PCIe "
+       "Gen4; measure with strata-bw)")
+      ->type_name("RATE");
+  text("--bw-nvme", o->bw_nvme,
+       "NVMe read bandwidth per node, and write unless --bw-nvme-write (default 7; measure "
+       "with strata-io)")
+      ->type_name("RATE");
+  text("--bw-nvme-write", o->bw_nvme_write, "NVMe write bandwidth per node (default: --bw-nvme)")
+      ->type_name("RATE");
+  text("--bw-host-mem", o->bw_host_mem,
+       "Host memory bandwidth per node the CPU optimizer streams at (default 100; "
+       "strata-adam measures it)")
+      ->type_name("RATE");
+  text("--bw-interconnect", o->bw_interconnect,
+       "Collective bus bandwidth per GPU (strata-bw's busbw); without it "
+       "collectives are not counted")
+      ->type_name("RATE");
+  text("--peak-tflops", o->peak_tflops,
+       "Achievable compute per GPU in TFLOPS (default 70, the paper's V100)")
+      ->type_name("NUM");
+  text("--target-efficiency", o->target_efficiency,
+       "Efficiency the bandwidth needs are computed for (default 0.9; "
+       "or 90%)")
+      ->type_name("FRAC");
+  cmd->add_option("--units", o->units, "Units of the table: GB (1e9, default) or GiB (2^30)")
+      ->check(CLI::IsMember({"GB", "GiB"}));
+  cmd->add_flag("--json", o->json, "Print the plan as JSON (bytes, bytes/s, fractions)");
+  on_selected(cmd, [o] { return run_plan(*o); });
+}
+
+}  // namespace strata::cli

@@ -1,0 +1,376 @@
+// `strata plan`: the papers' figures (ZeRO's 7.5B / N_d = 64 table and
+// ZeRO-Infinity's 0.1T model), the efficiency model, placements and the
+// recommendation, and the command as a user runs it, bad input included.
+#include "runtime/plan/plan.h"
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/error.h"
+#include "tests/support/run_command.h"
+#include "tests/support/temp_dir.h"
+
+using namespace strata::plan;
+using strata::test::run_command;
+using strata::test::strata_binary;
+
+namespace {
+
+// Rounds to one decimal, as the papers print their tables.
+double one_decimal(double value) {
+  return std::round(value * 10) / 10;
+}
+
+PlanInputs paper_7_5b() {
+  PlanInputs in;
+  in.model.param_count = 7'500'000'000;
+  in.machine.data_parallel = 64;  // 4 DGX-2 nodes of 16 GPUs
+  in.machine.gpus_per_node = 16;
+  in.machine.nodes = 4;
+  return in;
+}
+
+const PlacementPlan& find(const Plan& plan, Placement p) {
+  for (const auto& pp : plan.placements) {
+    if (pp.placement == p) return pp;
+  }
+  FAIL("placement missing: " << describe(p));
+  throw;
+}
+
+}  // namespace
+
+TEST_CASE("plan: ZeRO paper's 7.5B model on N_d = 64 (Figure 1)", "[plan]") {
+  constexpr int64_t kPsi = 7'500'000'000;
+  CHECK(one_decimal(zero_model_states_per_rank(kPsi, 0, 64) / 1e9) == 120.0);
+  CHECK(one_decimal(zero_model_states_per_rank(kPsi, 1, 64) / 1e9) == 31.4);
+  CHECK(one_decimal(zero_model_states_per_rank(kPsi, 2, 64) / 1e9) == 16.6);
+  CHECK(one_decimal(zero_model_states_per_rank(kPsi, 3, 64) / 1e9) == 1.9);
+
+  // The plan's placements without offload hold exactly those model states on the GPU.
+  const Plan plan = make_plan(paper_7_5b());
+  const std::array<double, 4> expected{120.0, 31.4, 16.6, 1.9};
+  for (int stage = 0; stage <= 3; ++stage) {
+    const PlacementPlan& pp = find(plan, {stage, Tier::kGpu, Tier::kGpu});
+    const double model_states = pp.param16.gpu + pp.grad16.gpu + pp.optimizer.gpu;
+    CHECK(one_decimal(model_states / 1e9) == expected[static_cast<size_t>(stage)]);
+    CHECK(model_states == plan.zero_stage_nbytes[static_cast<size_t>(stage)]);
+    CHECK(pp.total.cpu == 0);
+    CHECK(pp.total.nvme == 0);
+  }
+  CHECK(plan.model_states_nbytes == 120e9);
+}
+
+TEST_CASE("plan: ZeRO-Infinity's 0.1T model has 1.83 TB of model states (Table 1)", "[plan]") {
+  // 80 layers of hidden size 10K, where the paper's K is 1024 and its TB is
+  // 2^40 bytes: 12·L·h² = 1.007e11 parameters, 20 bytes each (fp32 gradients counted).
+  const int64_t psi = transformer_param_count(80, 10 * 1024);
+  CHECK(psi == 100'663'296'000);
+  PlanInputs in;
+  in.model.param_count = psi;
+  in.model.layers = 80;
+  in.model.hidden = 10 * 1024;
+  const Plan plan = make_plan(in);
+  CHECK(plan.model_states_with_grad32_nbytes == 240.0 * 80 * 10240.0 * 10240.0);
+  CHECK(std::round(plan.model_states_with_grad32_nbytes / 0x1p40 * 100) / 100 == 1.83);
+  // ZeRO's own count, 16 bytes per parameter, is 4/5 of it.
+  CHECK(plan.model_states_nbytes == 0.8 * plan.model_states_with_grad32_nbytes);
+}
+
+TEST_CASE("plan: ZeRO-Infinity's bandwidth figures", "[plan]") {
+  // Parameters and gradients: AIT = seq·bsz; at the smallest batch (1, seq
+  // 1024) and 70 TFLOPS, 50% efficiency needs about 70 GB/s.
+  CHECK(bandwidth_for_efficiency(1024, 0.5, 70e12) == Approx(68.4e9).epsilon(0.01));
+  CHECK(efficiency(1024, 68.359375e9, 70e12) == Approx(0.5));
+  // Activation checkpoints (AIT = 24·h·c_i) need a few GB/s for 90% at h = 8K.
+  const double checkpoints = bandwidth_for_efficiency(24.0 * 8192, 0.9, 70e12);
+  CHECK(checkpoints > 1e9);
+  CHECK(checkpoints < 4e9);
+
+  // The plan's per-rank intensities are the paper's on one rank: everything
+  // offloaded to CPU moves 2 bytes x 4 per parameter (3 loads with recompute,
+  // 1 gradient), and the optimizer reads and writes 16 bytes per parameter.
+  PlanInputs in;
+  in.model.param_count = 1'000'000'000;
+  in.training.seq = 1024;
+  in.training.micro_batch = 2;
+  const Plan plan = make_plan(in);
+  CHECK(plan.ait_params_grads == 2048);
+  CHECK(plan.ait_optimizer == 512);
+  for (Tier optimizer : {Tier::kCpu, Tier::kNvme}) {
+    const PlacementPlan& pp = find(plan, {3, Tier::kCpu, optimizer});
+    REQUIRE(pp.traffic.size() == 2);
+    CHECK(pp.traffic[0].name == "params_grads");
+    CHECK(pp.traffic[0].ait == Approx(2048));
+    CHECK(pp.traffic[1].name == "optimizer");
+    CHECK(pp.traffic[1].ait == Approx(512));
+  }
+  // With N_d ranks each moves only its shard over its own link
+  // (bandwidth-centric partitioning): the intensity per rank grows N_d-fold.
+  in.machine.data_parallel = 8;
+  in.machine.gpus_per_node = 8;
+  const Plan spread = make_plan(in);
+  CHECK(find(spread, {3, Tier::kCpu, Tier::kCpu}).traffic[0].ait == Approx(8 * 2048));
+  // Without offload there is no host traffic, and without an interconnect
+  // bandwidth no collective is counted: compute alone.
+  CHECK(find(spread, {3, Tier::kGpu, Tier::kGpu}).traffic.empty());
+  CHECK(find(spread, {3, Tier::kGpu, Tier::kGpu}).predicted_efficiency == 1.0);
+}
+
+TEST_CASE("plan: the valid placements are ds_config's", "[plan]") {
+  const auto all = valid_placements();
+  CHECK(all.size() == 14);  // stage 0; 1 and 2 x optimizer gpu|cpu; stage 3 x 3 x 3
+  for (const Placement& p : all) {
+    CHECK(placement_valid(p));
+    if (p.stage < 3) {
+      CHECK(p.params == Tier::kGpu);
+      CHECK(p.optimizer != Tier::kNvme);
+    }
+  }
+  CHECK_FALSE(placement_valid({2, Tier::kCpu, Tier::kCpu}));
+  CHECK_FALSE(placement_valid({0, Tier::kGpu, Tier::kCpu}));
+  CHECK_FALSE(placement_valid({1, Tier::kGpu, Tier::kNvme}));
+}
+
+TEST_CASE("plan: activations and working memory follow ZeRO-Infinity's formulas", "[plan]") {
+  PlanInputs in;
+  in.model.param_count = transformer_param_count(4, 1024);
+  in.model.layers = 4;
+  in.model.hidden = 1024;
+  in.model.heads = 16;
+  in.training.seq = 512;
+  in.training.micro_batch = 2;
+  const Plan plan = make_plan(in);
+  REQUIRE(plan.activations_checkpointed);
+  REQUIRE(plan.activations_full);
+  // 2·bsz·seq·h·L/c_i checkpoints; bsz·seq·(16h + 2·heads·seq) per layer.
+  CHECK(plan.activations_checkpointed->checkpoints == 2.0 * 2 * 512 * 1024 * 4);
+  const double layer = 2.0 * 512 * (16 * 1024 + 2 * 16 * 512);
+  CHECK(plan.activations_checkpointed->working == layer);
+  CHECK(plan.activations_full->total() == 4 * layer);
+  // The h->4h linear, weight and gradient in 16 bits: 4·h·4h bytes.
+  CHECK(plan.working_whole_nbytes == 4.0 * 1024 * 4096);
+  CHECK(plan.working_tiled_nbytes == plan.working_whole_nbytes / 16);
+
+  // At h = 64K that is 64 GiB (ZeRO-Infinity §5.1.3).
+  in.model.hidden = 64 * 1024;
+  in.model.param_count = transformer_param_count(4, in.model.hidden);
+  CHECK(make_plan(in).working_whole_nbytes == 0x1p36);
+
+  // A vocabulary wider than the MLP makes the embedding the largest operator.
+  in.model.hidden = 1024;
+  in.model.vocab = 50'000;
+  in.model.param_count = transformer_param_count(4, 1024);
+  const Plan with_vocab = make_plan(in);
+  CHECK(with_vocab.largest_operator_numel == 50'000.0 * 1024);
+}
+
+TEST_CASE("plan: the recommendation is the fastest placement that fits", "[plan]") {
+  PlanInputs in = paper_7_5b();
+  in.machine.data_parallel = 1;
+  in.machine.gpus_per_node = 1;
+  in.machine.nodes = 1;
+  in.machine.host_nbytes = 1e12;
+  in.machine.nvme_nbytes = 4e12;
+  in.machine.gpu_nbytes = 80e9;
+  Plan plan = make_plan(in);
+  REQUIRE(plan.recommended);
+  const PlacementPlan& pick = plan.placements[*plan.recommended];
+  CHECK(pick.fits());
+  for (const auto& pp : plan.placements) {
+    if (pp.fits()) CHECK(pp.predicted_efficiency <= pick.predicted_efficiency + 1e-3);
+  }
+  // 120 GB of model states do not fit on an 80 GB GPU: something is offloaded.
+  CHECK(pick.placement.optimizer != Tier::kGpu);
+  CHECK_FALSE(find(plan, {0, Tier::kGpu, Tier::kGpu}).fits());
+  CHECK_THAT(find(plan, {0, Tier::kGpu, Tier::kGpu}).shortfall, Catch::Contains("GPU needs 12"));
+  CHECK_THAT(plan.reason, Catch::Contains("does not fit"));
+
+  // With room for everything the plain stage 0 wins: nothing to move.
+  in.machine.gpu_nbytes = 400e9;
+  plan = make_plan(in);
+  REQUIRE(plan.recommended);
+  CHECK(plan.placements[*plan.recommended].placement == Placement{0, Tier::kGpu, Tier::kGpu});
+
+  // Unknown GPU memory: nothing is known to fit, and the plan says so.
+  in.machine.gpu_nbytes.reset();
+  plan = make_plan(in);
+  CHECK_FALSE(plan.recommended);
+  CHECK_THAT(plan.reason, Catch::Contains("no placement is known to fit"));
+}
+
+TEST_CASE("plan: the largest operator is tiled when it does not fit whole", "[plan]") {
+  PlanInputs in;
+  in.model.layers = 4;
+  in.model.hidden = 64 * 1024;
+  in.model.param_count = transformer_param_count(4, in.model.hidden);
+  in.machine.gpu_nbytes = 32e9;  // less than the 64 GiB operator
+  in.machine.host_nbytes = 2e12;
+  in.machine.nvme_nbytes = 100e12;
+  const Plan plan = make_plan(in);
+  const PlacementPlan& pp = find(plan, {3, Tier::kNvme, Tier::kNvme});
+  CHECK(pp.fits());
+  CHECK(pp.needs_tiling);
+  CHECK(pp.working.gpu == plan.working_tiled_nbytes);
+}
+
+TEST_CASE("plan: bad inputs are errors that name them", "[plan]") {
+  PlanInputs in;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("parameter count"));
+  in.model.param_count = 1000;
+  in.target_efficiency = 1.0;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("target efficiency"));
+  in.target_efficiency = 0.9;
+  in.machine.gpu_cpu_bw = -1;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("GPU<->CPU bandwidth"));
+  in.machine.gpu_cpu_bw = 25e9;
+  in.model.layers = 4;  // without a hidden size
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("hidden"));
+  CHECK_THROWS_AS(zero_model_states_per_rank(1000, 4, 1), strata::Error);
+}
+
+// --- The command -------------------------------------------------------------
+
+TEST_CASE("strata plan --json: the ZeRO figures and every placement", "[plan][cli]") {
+  const auto result = run_command(strata_binary() +
+                                  " plan --params 7.5B --dp 64 --gpus 16 --gpu-mem 32GB "
+                                  "--host-mem 1.5TB --nvme-capacity 30TB --json");
+  REQUIRE(result.exit_code == 0);
+  const auto plan = nlohmann::json::parse(result.output);
+  CHECK(plan["model"]["param_count"] == 7'500'000'000);
+  CHECK(plan["machine"]["data_parallel"] == 64);
+  CHECK(plan["machine"]["gpus_per_node"] == 16);
+  CHECK(plan["machine"]["gpu_bytes"] == 32'000'000'000);
+  CHECK(plan["sources"]["data_parallel"] == "--dp");
+  const auto& stages = plan["model_states"]["zero_stages"];
+  REQUIRE(stages.size() == 4);
+  CHECK(stages[0]["bytes_per_rank"] == 120'000'000'000);
+  CHECK(stages[1]["bytes_per_rank"] == 31'406'250'000);
+  CHECK(stages[2]["bytes_per_rank"] == 16'640'625'000);
+  CHECK(stages[3]["bytes_per_rank"] == 1'875'000'000);
+  REQUIRE(plan["placements"].size() == 14);
+  for (const auto& pp : plan["placements"]) {
+    CHECK(pp.contains("gpu"));
+    CHECK(pp["gpu"].contains("total_bytes"));
+    CHECK(pp["predicted_efficiency"].get<double>() > 0);
+    CHECK(pp["predicted_efficiency"].get<double>() <= 1);
+  }
+  REQUIRE(plan["recommendation"].is_object());
+  CHECK(plan["recommendation"]["stage"].get<int>() >= 1);
+  CHECK(!plan["reason"].get<std::string>().empty());
+  CHECK(plan["bandwidth_needed_bytes_per_s"].contains("params_grads"));
+
+  // The table prints the paper's figures as it does.
+  const auto text =
+      run_command(strata_binary() + " plan --params 7.5B --dp 64 --gpus 16 --gpu-mem 32GB");
+  REQUIRE(text.exit_code == 0);
+  CHECK_THAT(text.output, Catch::Contains("120.0 GB") && Catch::Contains("31.4 GB") &&
+                              Catch::Contains("16.6 GB") && Catch::Contains("1.9 GB") &&
+                              Catch::Contains("Recommended"));
+}
+
+TEST_CASE("strata plan: the 0.1T model from layers and hidden size", "[plan][cli]") {
+  const auto result =
+      run_command(strata_binary() + " plan --layers 80 --hidden 10240 --gpu-mem 32GB --json");
+  REQUIRE(result.exit_code == 0);
+  const auto plan = nlohmann::json::parse(result.output);
+  CHECK(plan["model"]["param_count"] == 100'663'296'000);
+  CHECK(plan["model_states"]["bytes_with_fp32_grads"] == 2'013'265'920'000);
+  CHECK(plan["activations"]["checkpointed"].is_object());
+  CHECK(plan["working_memory"]["whole_bytes"] == 4 * 10240 * 40960);
+  // In binary units the paper's 1.83 TB is 1875 GiB.
+  const auto text =
+      run_command(strata_binary() + " plan --layers 80 --hidden 10240 --gpu-mem 32GB --units GiB");
+  REQUIRE(text.exit_code == 0);
+  CHECK_THAT(text.output, Catch::Contains("1875.0 GiB at 20 B/param"));
+}
+
+TEST_CASE("strata plan: a Hugging Face config and a ds_config", "[plan][cli]") {
+  strata::test::TempDir dir;
+  {
+    std::ofstream out(dir.file("config.json"));
+    out << R"({"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 2048})";
+  }
+  const auto result =
+      run_command(strata_binary() + " plan --model " + dir.path().string() + " --config " +
+                  STRATA_SOURCE_DIR
+                  "/tests/runtime/configs/ds_zero3_nvme.json --gpus 1 --gpu-mem 16GB "
+                  "--nvme-path " +
+                  dir.path().string() + " --seq 512 --json");
+  REQUIRE(result.exit_code == 0);
+  const auto plan = nlohmann::json::parse(result.output);
+  CHECK(plan["model"]["layers"] == 8);
+  CHECK(plan["model"]["heads"] == 16);
+  CHECK(plan["model"]["vocab"] == 32000);
+  // LlamaConfig::parameter_count: embedding and lm_head 2·32000·1024, 8 layers
+  // of q,o 1024² + k,v 2·1024·256 + MLP 3·1024·2816 + two norms, the final norm.
+  CHECK(plan["model"]["param_count"] == 155'730'944);
+  // train_micro_batch_size_per_gpu and gradient_accumulation_steps come from the config.
+  CHECK(plan["training"]["micro_batch"] == 2);
+  CHECK(plan["training"]["grad_accumulation"] == 2);
+  CHECK(plan["training"]["seq"] == 512);
+  CHECK(plan["machine"]["nvme_bytes"].get<uint64_t>() > 0);
+  int configured = 0;
+  for (const auto& pp : plan["placements"]) {
+    if (!pp["configured"].get<bool>()) continue;
+    ++configured;
+    CHECK(pp["stage"] == 3);
+    CHECK(pp["params"] == "nvme");
+    CHECK(pp["optimizer"] == "nvme");
+  }
+  CHECK(configured == 1);
+  CHECK(plan["working_memory"]["operator"].get<std::string>().find("embedding") !=
+        std::string::npos);
+}
+
+TEST_CASE("strata plan: bad input names the flag or file", "[plan][cli]") {
+  struct Case {
+    std::string args, expected;
+  };
+  const std::vector<Case> cases = {
+      {"--model /nonexistent/strata/config.json", "/nonexistent/strata/config.json"},
+      {"--layers -5 --hidden 1024", "--layers"},
+      {"--params -7B", "--params"},
+      {"--params 7.5X", "--params"},
+      {"--params 7.5B --gpu-mem lots", "--gpu-mem"},
+      {"--params 7.5B --bw-nvme -3", "--bw-nvme"},
+      {"--params 7.5B --target-efficiency 1.5", "--target-efficiency"},
+      {"--params 7.5B --dp 64 --gpus 8 --nodes 1", "--dp 64"},
+      {"--layers 32", "--hidden"},
+      {"", "no model"},
+      {"--params 7.5B --config /nonexistent/ds.json", "/nonexistent/ds.json"},
+      {"--params 7.5B --nvme-path /nonexistent/nvme", "/nonexistent/nvme"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.args);
+    const auto result = run_command(strata_binary() + " plan " + c.args + " 2>&1");
+    CHECK(result.exit_code == 1);
+    CHECK_THAT(result.output, Catch::Contains(c.expected));
+    CHECK_THAT(result.output, !Catch::Contains("internal error"));
+  }
+  // A model file that is not a Llama config.
+  strata::test::TempDir dir;
+  {
+    std::ofstream out(dir.file("config.json"));
+    out << R"({"hidden_size": 1024})";
+  }
+  const auto result =
+      run_command(strata_binary() + " plan --model " + dir.file("config.json") + " 2>&1");
+  CHECK(result.exit_code == 1);
+  CHECK_THAT(result.output, Catch::Contains("config.json") && Catch::Contains("vocab_size"));
+}
+
+TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
+  const auto result = run_command(strata_binary() + " plan --help");
+  REQUIRE(result.exit_code == 0);
+  for (const char* flag :
+       {"--model", "--params", "--layers", "--hidden", "--seq", "--batch", "--config", "--gpus",
+        "--gpu-mem", "--host-mem", "--nvme-path", "--nvme-capacity", "--dp", "--bw-gpu-cpu",
+        "--bw-nvme", "--peak-tflops", "--target-efficiency", "--json"}) {
+    CHECK_THAT(result.output, Catch::Contains(flag));
+  }
+  CHECK_THAT(run_command(strata_binary() + " --help").output, Catch::Contains("plan"));
+}
