@@ -36,6 +36,7 @@ struct Flags {
   std::string dtype = "fp32", accelerator = "cpu", json, python;
   int threads = 0, steps = 5, warmup = 1, rounds = 3;
   bool vs_torch = false;
+  bool checkpoint_activations = false, cpu_checkpointing = false;
 };
 
 std::string find_script() {
@@ -96,11 +97,14 @@ class StrataModel {
   strata::Accelerator& accelerator() const { return *accelerator_; }
   size_t param_nbytes() const { return engine_.param_nbytes(); }
   size_t arena_nbytes() const { return model_.arena_nbytes(); }
+  size_t host_checkpoint_nbytes() const { return model_.host_checkpoint_nbytes(); }
 
  private:
   static strata::nn::LlamaModelOptions options(const Flags& f) {
     strata::nn::LlamaModelOptions o;
     o.dtype = strata::parse_dtype(f.dtype);
+    o.checkpoint_activations = f.checkpoint_activations || f.cpu_checkpointing;
+    o.cpu_checkpointing = f.cpu_checkpointing;
     return o;
   }
   std::unique_ptr<strata::Accelerator> accelerator_;
@@ -130,11 +134,12 @@ nlohmann::json time_torch(const Flags& f, const strata::nn::LlamaConfig& c, int 
   const std::string cmd = fmt::format(
       "OMP_NUM_THREADS={} {} {} --hidden {} --intermediate {} --layers {} --heads {} "
       "--kv-heads {} --vocab {} --batch {} --seq {} --threads {} --steps {} --warmup {} "
-      "--dtype {} --device {} 2>/dev/null",
+      "--dtype {} --device {}{} 2>/dev/null",
       threads, sb::shell_quote(f.python), sb::shell_quote(script), c.hidden_size,
       c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
       c.vocab_size, f.batch, f.seq, threads, f.steps, f.warmup, f.dtype,
-      f.accelerator == "cpu" ? "cpu" : "cuda");
+      f.accelerator == "cpu" ? "cpu" : "cuda",
+      f.checkpoint_activations || f.cpu_checkpointing ? " --gradient-checkpointing" : "");
   const sb::CommandResult r = sb::run_capture(cmd);
   const size_t brace = r.output.rfind("\n{");
   const std::string text = brace == std::string::npos ? r.output : r.output.substr(brace + 1);
@@ -177,10 +182,19 @@ int run(const Flags& f) {
              model.device(), c.hidden_size, c.intermediate_size, c.num_hidden_layers,
              c.num_attention_heads, c.num_key_value_heads, c.vocab_size, f.batch, f.seq, f.dtype,
              threads, coretype_given.empty() ? "(unset)" : coretype_given, blas_core);
-  fmt::print("parameters {:.1f} M ({:.1f} MiB), activation arena {:.1f} MiB, {:.2f} GFLOP/step\n",
+  // The first step lays out the activation arena, so its size can be printed;
+  // it counts as one of the warmup steps (steps change no parameter).
+  model.step();
+  const std::string checkpointing =
+      f.cpu_checkpointing ? fmt::format(" (checkpointed per layer; {:.1f} MiB of checkpoints in "
+                                        "pinned host memory)",
+                                        static_cast<double>(model.host_checkpoint_nbytes()) / (1 << 20))
+      : f.checkpoint_activations ? std::string(" (checkpointed per layer)")
+                                 : std::string();
+  fmt::print("parameters {:.1f} M ({:.1f} MiB), activation arena {:.1f} MiB{}, {:.2f} GFLOP/step\n",
              static_cast<double>(c.parameter_count()) / 1e6,
              static_cast<double>(model.param_nbytes()) / (1 << 20),
-             static_cast<double>(model.arena_nbytes()) / (1 << 20), flops / 1e9);
+             static_cast<double>(model.arena_nbytes()) / (1 << 20), checkpointing, flops / 1e9);
   fmt::print("{:>5} {:>14} {:>14} {:>10} {:>12} {:>12}\n", "round", "strata tok/s", "torch tok/s",
              "ratio", "strata loss", "torch loss");
 
@@ -188,7 +202,7 @@ int run(const Flags& f) {
   std::vector<double> strata_round, torch_round;
   std::string torch_note;
   for (int r = 0; r < f.rounds; ++r) {
-    const StrataRun s = time_strata(model, f.steps, r == 0 ? f.warmup : 0);
+    const StrataRun s = time_strata(model, f.steps, r == 0 ? std::max(f.warmup - 1, 0) : 0);
     const double s_med = sb::median(s.step_s);
     strata_round.push_back(s_med);
     nlohmann::json row = {{"round", r}, {"strata_step_s", s.step_s},
@@ -222,7 +236,11 @@ int run(const Flags& f) {
   nlohmann::json out = {{"config", {{"hidden", c.hidden_size}, {"intermediate", c.intermediate_size},
                                     {"layers", c.num_hidden_layers}, {"heads", c.num_attention_heads},
                                     {"kv_heads", c.num_key_value_heads}, {"vocab", c.vocab_size},
-                                    {"batch", f.batch}, {"seq", f.seq}, {"dtype", f.dtype}}},
+                                    {"batch", f.batch}, {"seq", f.seq}, {"dtype", f.dtype},
+                                    {"checkpoint_activations", f.checkpoint_activations || f.cpu_checkpointing},
+                                    {"cpu_checkpointing", f.cpu_checkpointing}}},
+                        {"arena_nbytes", model.arena_nbytes()},
+                        {"host_checkpoint_nbytes", model.host_checkpoint_nbytes()},
                         {"device", model.device()}, {"threads", threads},
                         {"openblas_coretype_env", coretype_given},
                         {"openblas_core", blas_core},
@@ -281,10 +299,14 @@ int main(int argc, char** argv) {
   app.add_option("--threads", f.threads, "CPU threads for strata and torch (default: all cores)")
       ->check(CLI::Range(0, 4096));
   app.add_option("--steps", f.steps, "timed steps per round")->capture_default_str()->check(CLI::Range(1, 100000));
-  app.add_option("--warmup", f.warmup, "untimed steps before the first round")->capture_default_str()
+  app.add_option("--warmup", f.warmup, "untimed steps before the first round (at least one: it lays out the arena)")->capture_default_str()
       ->check(CLI::Range(0, 1000));
   app.add_option("--rounds", f.rounds, "alternating rounds (strata, then torch)")->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  app.add_flag("--checkpoint-activations", f.checkpoint_activations,
+               "per-layer activation checkpointing (recompute in backward; torch too with --vs-torch)");
+  app.add_flag("--cpu-checkpointing", f.cpu_checkpointing,
+               "keep the checkpoints in pinned host memory (implies --checkpoint-activations)");
   app.add_flag("--vs-torch", f.vs_torch, "also time transformers' LlamaForCausalLM (needs Python torch)");
   app.add_option("--python", f.python, "Python interpreter for --vs-torch (env STRATA_PYTHON)")
       ->capture_default_str();

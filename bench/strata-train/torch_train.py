@@ -21,6 +21,8 @@ def main():
         p.add_argument("--" + name.replace("_", "-"), type=int, required=True)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each decoder layer in backward (strata's --checkpoint-activations)")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     try:
@@ -38,6 +40,8 @@ def main():
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device=a.device, dtype=dtype)
+    if a.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     model.train()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)

@@ -85,13 +85,31 @@ struct LlamaModel::Arena {
   Accelerator* accelerator = nullptr;
   int64_t batch = 0, seq = 0;
   Tensor memory;
-  std::vector<TensorView> res;  // res[0] = embeddings, res[l + 1] = layer l's output
+  // The residual stream. Without cpu_checkpointing: res[0] = embeddings,
+  // res[l + 1] = layer l's output, so res[l] is layer l's input (its checkpoint
+  // when checkpointing). With cpu_checkpointing: two buffers used in turn,
+  // layer l reading res[l % 2] and writing res[(l + 1) % 2].
+  std::vector<TensorView> res;
+  bool alternating = false;  // res is the two buffers of cpu_checkpointing
+  // Saved activations: one set per layer, or (checkpointing) one set shared.
   std::vector<DecoderActs> acts;
   DecoderGrads grads;
   TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets, positions;
   // Host side: ids, targets, positions (int32 [rows] each), then normalizer and stats (fp64).
   void* host = nullptr;
   std::unique_ptr<Event> uploaded;  // the last upload's copies have read `host`
+  // cpu_checkpointing: pinned host memory, checkpoint l (the input of layer l,
+  // for each recomputed layer) at l * checkpoint_stride; copied only in order
+  // on the compute stream, never touched by the host.
+  void* host_checkpoints = nullptr;
+  size_t checkpoint_stride = 0, host_checkpoints_nbytes = 0;
+
+  const TensorView& input(size_t l) const { return alternating ? res[l % 2] : res[l]; }
+  const TensorView& output(size_t l) const { return input(l + 1); }
+  const DecoderActs& acts_of(size_t l) const { return acts.size() == 1 ? acts[0] : acts[l]; }
+  void* host_checkpoint(size_t l) const {
+    return static_cast<char*>(host_checkpoints) + l * checkpoint_stride;
+  }
 
   int32_t* host_ints() const { return static_cast<int32_t*>(host); }
   double* host_doubles() const {
@@ -100,9 +118,11 @@ struct LlamaModel::Arena {
   size_t host_ints_nbytes() const {
     return (static_cast<size_t>(3 * batch * seq) * sizeof(int32_t) + 7) / 8 * 8;
   }
+  // The owner drains the compute stream first (copies may still use host_checkpoints).
   ~Arena() {
     if (uploaded) uploaded->synchronize();
     if (host != nullptr) accelerator->deallocate_pinned(host);
+    if (host_checkpoints != nullptr) accelerator->deallocate_pinned(host_checkpoints);
   }
 };
 
@@ -114,6 +134,9 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   STRATA_CHECK(is_float_storage(act_dtype_) && is_float_storage(options_.dtype), kBadArgument,
                "model: parameter and activation dtypes must be fp32, fp16 or bf16");
   STRATA_CHECK(options_.loss_chunk_rows >= 0, kBadArgument, "model: loss_chunk_rows must be >= 0");
+  STRATA_CHECK(!options_.cpu_checkpointing || options_.checkpoint_activations, kBadArgument,
+               "model: cpu_checkpointing moves activation checkpoints to host memory and needs "
+               "checkpoint_activations");
   if (options_.loss_chunk_rows == 0) {
     constexpr int64_t kLogitsBudget = int64_t{64} << 20;
     options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
@@ -153,6 +176,10 @@ LlamaModel::~LlamaModel() {
 
 size_t LlamaModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
 
+size_t LlamaModel::host_checkpoint_nbytes() const {
+  return arena_ ? arena_->host_checkpoints_nbytes : 0;
+}
+
 void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   if (arena_ && arena_->batch == batch && arena_->seq == seq) return;
   if (arena_) engine_.compute_stream().synchronize();  // the old arena may still be in use
@@ -166,8 +193,12 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const DType t = act_dtype_;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
-  a->res.resize(layers + 1);
-  a->acts.resize(layers);
+  // Checkpointing keeps one layer's activations; the checkpoints are the
+  // residual stream, which stays here unless it goes to host memory, where
+  // two device buffers (a layer's input and output) remain.
+  a->alternating = options_.cpu_checkpointing;
+  a->res.resize(a->alternating ? 2 : layers + 1);
+  a->acts.resize(options_.checkpoint_activations ? 1 : layers);
   ArenaLayout layout;
   for (TensorView& r : a->res) layout.add(r, t, {rows, hidden});
   for (DecoderActs& d : a->acts) {
@@ -209,6 +240,13 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.bind(a->memory.data());
   a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 3 * sizeof(double));
   a->uploaded = engine_.accelerator().create_event();
+  if (options_.cpu_checkpointing && layers > 1) {
+    // Even on the cpu accelerator this is a separate allocation and a real
+    // copy, so both backends run the same code and the arena shrinks alike.
+    a->checkpoint_stride = (a->res[0].nbytes() + 255) / 256 * 256;
+    a->host_checkpoints_nbytes = (layers - 1) * a->checkpoint_stride;
+    a->host_checkpoints = engine_.accelerator().allocate_pinned(a->host_checkpoints_nbytes);
+  }
   arena_ = std::move(a);
 }
 
@@ -265,11 +303,17 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   upload(ids, targets, batch, seq, options.normalizer);
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
 
-  embed_tokens_->forward(a.ids, a.res[0]);
+  embed_tokens_->forward(a.ids, a.input(0));
   for (size_t l = 0; l < layers_.size(); ++l) {
-    layers_[l]->forward(a.res[l], a.positions, batch, seq, a.acts[l], a.res[l + 1]);
+    if (a.host_checkpoints != nullptr && recomputed(l) && options.backward) {
+      // Out before layer l + 1 overwrites the buffer (same stream: in order).
+      acc.copy_async(a.host_checkpoint(l), a.input(l).data, a.input(l).nbytes(),
+                     CopyKind::kDeviceToHost, s);
+    }
+    layers_[l]->forward(a.input(l), a.positions, batch, seq, a.acts_of(l), a.output(l));
   }
-  norm_->forward(a.res.back(), a.final_ln, a.rstd_f);
+  const TensorView& top = a.output(layers_.size() - 1);
+  norm_->forward(top, a.final_ln, a.rstd_f);
 
   if (!options.backward) {
     run(lm_head_op_, Phase::kForward, [&] {
@@ -301,10 +345,22 @@ void LlamaModel::backward() {
                "backward per forward)");
   backward_pending_ = false;
   Arena& a = *arena_;
+  Stream& s = engine_.compute_stream();
   // grads.dln holds d loss / d final_ln (written by the fused loss).
-  norm_->backward(a.grads.dln, a.res.back(), a.rstd_f, a.dres, /*accumulate_dx=*/false);
+  norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres,
+                  /*accumulate_dx=*/false);
   for (size_t l = layers_.size(); l-- > 0;) {
-    layers_[l]->backward(a.res[l], a.positions, batch_, seq_, a.acts[l], a.grads, a.dres);
+    if (recomputed(l)) {
+      if (a.host_checkpoints != nullptr) {
+        engine_.accelerator().copy_async(a.input(l).data, a.host_checkpoint(l),
+                                         a.input(l).nbytes(), CopyKind::kHostToDevice, s);
+      }
+      // Layer l's output lands where forward put it: layer l + 1's input,
+      // whose backward is done (and the recompute reproduces it anyway).
+      layers_[l]->forward(a.input(l), a.positions, batch_, seq_, a.acts_of(l), a.output(l),
+                          Phase::kRecompute);
+    }
+    layers_[l]->backward(a.input(l), a.positions, batch_, seq_, a.acts_of(l), a.grads, a.dres);
   }
   embed_tokens_->backward(a.ids, a.dres);
 }

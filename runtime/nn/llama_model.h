@@ -15,6 +15,19 @@
 // lm_head gradient from logits formed once (ops.h, cross_entropy). backward()
 // then continues from the final norm down to the embedding.
 //
+// Activation checkpointing (LlamaModelOptions::checkpoint_activations), per
+// decoder layer: forward keeps only each layer's input (its checkpoint, which
+// is the residual stream) and runs every layer in ONE shared set of activation
+// buffers; backward, from the top, runs each layer's forward again from its
+// checkpoint under Phase::kRecompute hooks (so a partitioning engine fetches
+// the layer's parameters as for forward), then that layer's backward. The top
+// layer is not recomputed: its activations are still in the shared buffers
+// when backward starts. With cpu_checkpointing the checkpoints live in pinned
+// host memory, copied out in forward and back before each recompute, in order
+// on the compute stream. The recompute runs the same kernels on the same
+// inputs as forward, so results equal those without checkpointing (bitwise
+// with deterministic kernels, as both backends' are).
+//
 // Ownership: borrows the Engine (which must outlive it). Thread-safety: none.
 // Errors: kBadArgument for bad ids/targets/shapes (checked on the host before
 // anything is enqueued); errors of enqueued work surface from loss() or the
@@ -70,6 +83,13 @@ struct LlamaModelOptions {
   // 0: as many as fit in 64 MiB (at least 64): bigger chunks make bigger GEMMs.
   int64_t loss_chunk_rows = 0;
   MlpTiling mlp_tiling;           // memory-centric tiling of the MLP projections
+  // Per-layer activation checkpointing (see above): the arena holds the
+  // checkpoints plus ONE layer's activations instead of every layer's, at the
+  // cost of recomputing all but the top layer's forward in backward.
+  bool checkpoint_activations = false;
+  // Keep the checkpoints in pinned host memory instead of the arena (DeepSpeed's
+  // activation_checkpointing.cpu_checkpointing). Requires checkpoint_activations.
+  bool cpu_checkpointing = false;
 };
 
 struct ForwardOptions {
@@ -107,12 +127,19 @@ class LlamaModel : public Module {
 
   const LlamaConfig& config() const { return config_; }
   DType activation_dtype() const { return act_dtype_; }
-  // Bytes of the activation arena (0 before the first forward).
+  // Bytes of the activation arena in accelerator memory (0 before the first forward).
   size_t arena_nbytes() const;
+  // Bytes of pinned host memory holding activation checkpoints (nonzero only
+  // with cpu_checkpointing and more than one layer, after the first forward).
+  size_t host_checkpoint_nbytes() const;
 
  private:
   struct Arena;
   void ensure_arena(int64_t batch, int64_t seq);
+  // Whether the forward of layer l runs again in backward (every layer but the top).
+  bool recomputed(size_t l) const {
+    return options_.checkpoint_activations && l + 1 < layers_.size();
+  }
   void upload(std::span<const int32_t> ids, std::span<const int32_t> targets, int64_t batch,
               int64_t seq, double normalizer);
 

@@ -33,10 +33,12 @@ inline nlohmann::json read_json(const std::string& path) {
 
 // Runs the case's batch through a LlamaModel with the case's storage dtype and
 // `activation_dtype` (unset: the accelerator's default), forward and backward,
-// and compares with expected.json[loss_key] and `grads_file`.
+// and compares with expected.json[loss_key] and `grads_file`. The last two
+// arguments set LlamaModelOptions' activation checkpointing.
 inline void check_golden(Backend backend, const std::string& name, const std::string& loss_key,
                          const std::string& grads_file, GoldenTolerance tol,
-                         std::optional<DType> activation_dtype = std::nullopt) {
+                         std::optional<DType> activation_dtype = std::nullopt,
+                         bool checkpoint_activations = false, bool cpu_checkpointing = false) {
   const std::string dir = golden_dir(name);
   const nn::LlamaConfig config = nn::load_llama_config(dir + "/config.json");
   const nlohmann::json expected = read_json(dir + "/expected.json");
@@ -45,6 +47,8 @@ inline void check_golden(Backend backend, const std::string& name, const std::st
   options.dtype = parse_dtype(expected.at("dtype").get<std::string>());
   options.activation_dtype = activation_dtype;
   options.loss_chunk_rows = 5;  // several chunks, the last one short
+  options.checkpoint_activations = checkpoint_activations;
+  options.cpu_checkpointing = cpu_checkpointing;
   Rig rig(backend);
   nn::LlamaModel model(*rig.engine, config, options);
   rig.engine->finalize();
