@@ -41,6 +41,10 @@ void add_finetune_command(CLI::App& app) {
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--seq", options->seq, "Tokens per sample")->check(CLI::PositiveNumber)->capture_default_str();
   cmd->add_option("--seed", *seed, "Seed of the initialisation and the data order (default: strata.seed)");
+  cmd->add_flag("--checkpoint-activations", options->checkpoint_activations,
+               "Keep only each decoder layer's input in forward and recompute the layer in backward (less "
+               "activation memory, about a quarter more compute); activation_checkpointing.cpu_checkpointing in "
+               "the config also turns it on and keeps the checkpoints in pinned CPU memory");
   cmd->add_option("--out", options->out, "Directory for metrics.jsonl and loss.svg")->capture_default_str();
   cmd->add_option("--export", options->export_dir,
                   "At the end, write a Hugging Face directory here (config.json + safetensors, streamed tensor by "

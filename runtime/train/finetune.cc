@@ -148,6 +148,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   engine::ZeroEngine engine(*accelerator, {gather.get(), reduce.get(), control.get()}, zero);
   nn::LlamaModelOptions model_options;
   model_options.dtype = train_dtype;
+  model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
+  model_options.cpu_checkpointing = config.cpu_checkpointing;
   nn::LlamaModel model(engine, model_config, model_options);
   engine.finalize();
   if (options.model.empty()) {
@@ -158,15 +160,19 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   data::TokenLoader loader(data, {options.seq, micro_batch, rank.rank, rank.world_size, seed,
                                   model_config.vocab_size});
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
-                "{} x {} sequences of {} tokens per step, {}; data {} ({} tokens, {} samples per epoch)",
+                "{} x {} sequences of {} tokens per step, {}, activation checkpoints {}; data {} ({} tokens, {} "
+                "samples per epoch)",
                 [&] {
                   int64_t n = 0;
                   for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) n += engine.param_info(id).numel();
                   return n;
                 }(),
                 dtype_name(model_options.dtype), zero.stage, tier_name(zero.param_tier), tier_name(zero.optimizer_tier),
-                rank.world_size, accumulation, micro_batch, options.seq, schedule.describe(), data.path(), data.size(),
-                loader.windows());
+                rank.world_size, accumulation, micro_batch, options.seq, schedule.describe(),
+                !model_options.checkpoint_activations ? "off"
+                : model_options.cpu_checkpointing     ? "in pinned CPU memory"
+                                                      : "on the device",
+                data.path(), data.size(), loader.windows());
 
   // ---- the steps ------------------------------------------------------------------------
   std::unique_ptr<RunReport> report;

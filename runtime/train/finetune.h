@@ -32,6 +32,9 @@ struct FinetuneOptions {
   int64_t steps = 100;               // optimizer steps
   int64_t seq = 256;                 // tokens per sample
   std::optional<uint64_t> seed;      // overrides strata.seed (init and data order)
+  // Per-layer activation checkpointing (recompute in backward); also on when
+  // the config sets activation_checkpointing.cpu_checkpointing.
+  bool checkpoint_activations = false;
   std::filesystem::path out = "finetune_out";  // metrics.jsonl, loss.svg
   std::filesystem::path export_dir;  // empty: no export; else a Hugging Face directory at the end
   std::string export_dtype;          // fp32 | fp16 | bf16; empty: the training dtype

@@ -147,3 +147,28 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
     CHECK_THAT(result.output, Catch::Contains(c.expect));
   }
 }
+
+TEST_CASE("strata finetune with activation checkpointing gives the same losses, bit for bit", "[finetune]") {
+  strata::test::TempDir dir;
+  const std::string model = small_model(dir);
+  const std::string plain = write(dir, "plain.json", R"({"train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
+  const std::string cpu = write(dir, "cpu.json", R"({"train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    "activation_checkpointing": {"cpu_checkpointing": true}})");
+  const auto run = [&](const std::string& config, const std::string& flags, const std::string& out) {
+    const auto r = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                               " --init " + model + " --data " + kExamples +
+                               "/data/gpl-3.0.txt --data-format text --steps 5 --seq 32 --out " + dir.file(out) +
+                               " " + flags + " 2>&1");
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    std::vector<double> losses;
+    for (const auto& step : read_jsonl(dir.file(out) + "/metrics.jsonl")) losses.push_back(step["loss"].get<double>());
+    return losses;
+  };
+  const auto reference = run(plain, "", "plain");
+  REQUIRE(reference.size() == 5);
+  CHECK(run(plain, "--checkpoint-activations", "device") == reference);
+  CHECK(run(cpu, "", "cpu") == reference);
+}
