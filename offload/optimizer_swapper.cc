@@ -144,17 +144,30 @@ void OptimizerSwapper::initialize(const float* master) {
 }
 
 void OptimizerSwapper::initialize(const FillFn& fill) {
+  write_state(
+      [&](size_t first, size_t numel, float* master, float* exp_avg, float* exp_avg_sq) {
+        fill(first, numel, master);
+        std::fill(exp_avg, exp_avg + numel, 0.0f);
+        std::fill(exp_avg_sq, exp_avg_sq + numel, 0.0f);
+      },
+      0);
+}
+
+void OptimizerSwapper::restore(const StateFillFn& fill, int64_t step_count) {
+  STRATA_CHECK(step_count >= 0, kBadArgument, "optimizer swapper restore: step count {} < 0", step_count);
+  write_state(fill, step_count);
+}
+
+void OptimizerSwapper::write_state(const StateFillFn& fill, int64_t step_count) {
   if (options_.state_tier == Tier::kCpu) {
     for (size_t k = 0; k < sub_groups_; ++k) {
       const Range r = sub_group(k);
-      fill(r.offset, r.numel, master_.data() + r.offset);
+      fill(r.offset, r.numel, master_.data() + r.offset, exp_avg_.data() + r.offset, exp_avg_sq_.data() + r.offset);
     }
-    std::fill(exp_avg_.begin(), exp_avg_.end(), 0.0f);
-    std::fill(exp_avg_sq_.begin(), exp_avg_sq_.end(), 0.0f);
   } else {
     check_writable();
     // Written to the spare slot and committed, like a step, so an interrupted
-    // initialize never damages a committed state.
+    // initialize or restore never damages a committed state.
     const int out_slot = static_cast<int>((generation_ + 1) % 2);
     nvme::File& out = slot_file(out_slot);
     std::deque<Op> writes;
@@ -168,8 +181,8 @@ void OptimizerSwapper::initialize(const FillFn& fill) {
         Op op{pool_->acquire()};
         const Range r = sub_group(k);
         float* p = op.buffer.as<float>();
-        fill(r.offset, r.numel, p);
-        std::memset(p + r.numel, 0, record_nbytes(r.numel) - r.numel * sizeof(float));
+        fill(r.offset, r.numel, p, p + r.numel, p + 2 * r.numel);  // the record: master, exp_avg, exp_avg_sq
+        std::memset(p + 3 * r.numel, 0, record_nbytes(r.numel) - 3 * r.numel * sizeof(float));
         op.ticket = aio_->submit_write(out, p, record_nbytes(r.numel), file_offset(k));
         op.pending = true;
         writes.push_back(std::move(op));
@@ -184,9 +197,9 @@ void OptimizerSwapper::initialize(const FillFn& fill) {
       drain_pending(*aio_, writes);
       throw;
     }
-    commit(generation_ + 1, 0);
+    commit(generation_ + 1, step_count);
   }
-  step_count_ = 0;
+  step_count_ = step_count;
   initialized_ = true;
 }
 

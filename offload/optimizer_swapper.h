@@ -92,6 +92,12 @@ class OptimizerSwapper {
   // fill(first, numel, out) — no full fp32 copy of the shard in memory.
   using FillFn = std::function<void(size_t first, size_t numel, float* out)>;
   void initialize(const FillFn& fill);
+  // Sets the whole state — master weights and both moments, produced
+  // sub-group by sub-group by fill(first, numel, master, exp_avg, exp_avg_sq)
+  // — and the step count, and commits it (a checkpoint being loaded).
+  using StateFillFn =
+      std::function<void(size_t first, size_t numel, float* master, float* exp_avg, float* exp_avg_sq)>;
+  void restore(const StateFillFn& fill, int64_t step_count);
   // One Adam/AdamW step (step count + 1) over the whole shard.
   void step(const StepInputs& inputs);
   // The learning rate of later steps (a schedule's value); Error(kBadArgument)
@@ -130,6 +136,7 @@ class OptimizerSwapper {
   void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
               float* m, float* v);
   void step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in);
+  void write_state(const StateFillFn& fill, int64_t step_count);
   void commit(uint64_t generation, int64_t step_count);
   // Throws Error(kIo) once a commit's durability became unknown.
   void check_writable() const;

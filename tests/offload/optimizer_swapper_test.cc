@@ -265,3 +265,35 @@ TEST_CASE("resume without a committed state is an error naming the manifest", "[
   o.resume = true;
   CHECK_THROWS_WITH(offload::OptimizerSwapper(o, &pool, &aio), Catch::Contains("manifest.json"));
 }
+
+TEST_CASE("restore() of a saved state continues exactly like the swapper it was saved from", "[offload][swapper]") {
+  for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+    CAPTURE(tier_name(tier));
+    test::TempDir dir("strata-swap");
+    offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+    nvme::AioHandle aio(nvme::AioOptions{});
+    const bool nvme = tier == Tier::kNvme;
+    auto options = options_for(tier, dir.path());
+    offload::OptimizerSwapper original(options, nvme ? &pool : nullptr, nvme ? &aio : nullptr);
+    original.initialize(random_floats(kNumel, 2, 1.0f).data());
+    std::vector<BFloat16> p16_a(kNumel), p16_b(kNumel);
+    step_all({&original}, 1, 3, p16_a);
+    const State saved = load(original);  // what a checkpoint keeps
+
+    options.group = "restored";
+    offload::OptimizerSwapper restored(options, nvme ? &pool : nullptr, nvme ? &aio : nullptr);
+    restored.restore(
+        [&](size_t first, size_t numel, float* p, float* m, float* v) {
+          std::copy_n(saved.p.begin() + static_cast<std::ptrdiff_t>(first), numel, p);
+          std::copy_n(saved.m.begin() + static_cast<std::ptrdiff_t>(first), numel, m);
+          std::copy_n(saved.v.begin() + static_cast<std::ptrdiff_t>(first), numel, v);
+        },
+        original.step_count());
+    CHECK(restored.step_count() == 3);
+    check_same_state(load(restored), saved);
+    step_all({&original}, 4, 6, p16_a);
+    step_all({&restored}, 4, 6, p16_b);  // the bias corrections need the right step count
+    check_same_state(load(restored), load(original));
+    CHECK(std::memcmp(p16_a.data(), p16_b.data(), kNumel * 2) == 0);
+  }
+}
