@@ -39,6 +39,13 @@ struct AioHandle::Request {
   size_t nbytes;
   size_t pieces_left = 0;  // guarded by AioHandle::mutex_
   std::exception_ptr error;
+  Ticket ticket = 0;
+  // Set for a callback request (no ticket handed out): called once by the
+  // worker that finishes the last piece, and moved out before the call. Such
+  // a request stays in requests_ until on_done has returned, so wait_all()
+  // (and the destructor) wait for the callback too.
+  AioHandle::DoneFn on_done;
+  bool callback = false;
 };
 
 struct AioHandle::Piece {
@@ -103,12 +110,23 @@ AioStats AioHandle::stats() const {
 }
 
 Ticket AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
-  return submit(IoOp::kRead, file, buf, nbytes, offset);
+  return submit(IoOp::kRead, file, buf, nbytes, offset, nullptr);
 }
 
 Ticket AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset) {
   // The buffer is only read from for writes; the piece type is shared with reads.
-  return submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset);
+  return submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, nullptr);
+}
+
+void AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done) {
+  STRATA_CHECK(on_done != nullptr, kBadArgument, "read of {} with an empty completion callback", file.path());
+  submit(IoOp::kRead, file, buf, nbytes, offset, std::move(on_done));
+}
+
+void AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset,
+                             DoneFn on_done) {
+  STRATA_CHECK(on_done != nullptr, kBadArgument, "write of {} with an empty completion callback", file.path());
+  submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, std::move(on_done));
 }
 
 void AioHandle::read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
@@ -129,7 +147,22 @@ int AioHandle::find_fixed_index(const void* buf, size_t nbytes) const {
   return -1;
 }
 
-Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset) {
+namespace {
+
+// A completion callback's exception has nowhere to go (no caller waits).
+void call_done(const AioHandle::DoneFn& on_done, std::exception_ptr error) {
+  try {
+    on_done(std::move(error));
+  } catch (const std::exception& e) {
+    logger().error("I/O completion callback threw (dropped): {}", e.what());
+  } catch (...) {
+    logger().error("I/O completion callback threw a non-standard exception (dropped)");
+  }
+}
+
+}  // namespace
+
+Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done) {
   STRATA_CHECK(file.is_open(), kBadArgument, "{} of a closed file", op_name(op));
   STRATA_CHECK(buf != nullptr || nbytes == 0, kBadArgument, "{} of {} with a null buffer",
                op_name(op), file.path());
@@ -153,6 +186,10 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
 
   const size_t block = options_.block_size;
   const size_t piece_count = (nbytes + block - 1) / block;
+  if (on_done && piece_count == 0) {
+    call_done(on_done, nullptr);  // nothing to transfer: done now
+    return 0;
+  }
   // Each worker takes a contiguous run of pieces (not every n-th piece), so
   // the pieces it submits together are adjacent in the file and in memory and
   // the block layer can merge them into larger requests.
@@ -162,6 +199,9 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
   {
     std::lock_guard lock(mutex_);
     ticket = next_ticket_++;
+    request->ticket = ticket;
+    request->callback = on_done != nullptr;
+    request->on_done = std::move(on_done);
     request->pieces_left = piece_count;
     requests_.emplace(ticket, request);
     for (size_t i = 0; i < piece_count; ++i) {
@@ -190,15 +230,33 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
 }
 
 void AioHandle::finish_piece(Piece& piece, std::exception_ptr error) {
-  std::lock_guard lock(mutex_);
   Request& request = *piece.request;
-  if (error && !request.error) request.error = error;
-  ++stats_.pieces;
-  if (!error) {
-    (request.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += piece.nbytes;
-    if (piece.fixed_index >= 0) ++stats_.fixed_pieces;
+  DoneFn on_done;
+  std::exception_ptr request_error;
+  {
+    std::lock_guard lock(mutex_);
+    if (error && !request.error) request.error = error;
+    ++stats_.pieces;
+    if (!error) {
+      (request.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += piece.nbytes;
+      if (piece.fixed_index >= 0) ++stats_.fixed_pieces;
+    }
+    if (--request.pieces_left != 0) return;
+    if (!request.callback) {
+      done_cv_.notify_all();
+      return;
+    }
+    on_done = std::move(request.on_done);
+    request_error = request.error;
   }
-  if (--request.pieces_left == 0) done_cv_.notify_all();
+  // Outside the lock: the callback may submit more I/O to this handle.
+  call_done(on_done, std::move(request_error));
+  on_done = nullptr;  // what it captured goes before wait_all() can return
+  {
+    std::lock_guard lock(mutex_);
+    requests_.erase(request.ticket);
+  }
+  done_cv_.notify_all();
 }
 
 void AioHandle::worker_loop(Worker& worker) {
@@ -435,7 +493,8 @@ void AioHandle::wait_all() {
   std::unique_lock lock(mutex_);
   done_cv_.wait(lock, [&] {
     for (const auto& [ticket, request] : requests_) {
-      if (request->pieces_left != 0) return false;
+      // A callback request leaves the table once its on_done has returned.
+      if (request->pieces_left != 0 || request->callback) return false;
     }
     return true;
   });
@@ -447,7 +506,7 @@ void AioHandle::wait_all() {
       first = request->error;
     }
   }
-  requests_.clear();
+  requests_.clear();  // only ticketed requests are left (see the predicate)
   lock.unlock();
   if (first) std::rethrow_exception(first);
 }

@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -37,7 +39,8 @@ struct AioStats {
 // may be waited on once (by one thread). Ownership: the handle owns its worker
 // threads and queues; buffers and Files belong to the caller and must stay
 // valid until the request's wait() (or wait_all()) returns.
-// Destruction waits for everything in flight (errors are then only logged).
+// Destruction waits for everything in flight (errors are then only logged;
+// completion callbacks are still called).
 class AioHandle {
  public:
   // Starts the workers. `backend` overrides options.engine (the fault wrapper
@@ -54,13 +57,31 @@ class AioHandle {
   Ticket submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset);
   Ticket submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset);
 
+  // Completion callbacks, for callers that keep many requests in flight with
+  // no thread blocked per request (the ZeRO engine's prefetch signals a
+  // HostEvent from here). Starts the request like the ticketed forms (same
+  // argument checks and exceptions, thrown before anything is queued) and
+  // calls on_done(error) exactly once when its last piece has finished:
+  // error is nullptr on success, else the Error(kIo) that wait() would throw
+  // for it. on_done runs on an I/O worker thread — or on the calling thread
+  // before submit returns when nbytes == 0 — and holds up that worker's
+  // completions while it runs: it must be quick, must not wait for I/O of this
+  // handle, and should not throw (an exception it throws is logged and
+  // dropped). Such a request has no ticket: wait_all() waits for it, on_done
+  // included, but neither consumes it nor rethrows its error (on_done got it).
+  // The buffer must stay valid until on_done has been called.
+  using DoneFn = std::function<void(std::exception_ptr error)>;
+  void submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
+  void submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
+
   // Blocks until the request finished. Throws Error(kIo) naming file, offset,
   // length and errno text if any piece failed (EIO, ENOSPC, EFBIG, read past
   // end of file, ...); Error(kBadArgument) for an unknown or already-waited ticket.
   void wait(Ticket ticket);
   // True when the request finished (wait() will not block).
   bool done(Ticket ticket) const;
-  // Waits for every outstanding request; rethrows the first error among them
+  // Waits for every outstanding request (callback requests until their
+  // on_done has returned); rethrows the first error among the ticketed ones
   // after all have finished.
   void wait_all();
 
@@ -91,7 +112,7 @@ class AioHandle {
   struct Piece;
   struct Worker;
 
-  Ticket submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset);
+  Ticket submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
   void worker_loop(Worker& worker);
   void finish_piece(Piece& piece, std::exception_ptr error);
   int find_fixed_index(const void* buf, size_t nbytes) const;

@@ -3,10 +3,15 @@
 #include "runtime/engine/zero_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <map>
+#include <mutex>
+#include <thread>
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
@@ -24,6 +29,19 @@ namespace {
 // accelerator's allocation alignment), as in the ResidentEngine.
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// An I/O completion callback that completes `done` (on the I/O worker). It
+// holds its own reference, so the event outlives the signal even when the
+// engine has moved on.
+nvme::AioHandle::DoneFn complete_with(std::shared_ptr<HostEvent> done) {
+  return [done = std::move(done)](std::exception_ptr error) {
+    if (error) {
+      done->fail(std::move(error));
+    } else {
+      done->signal();
+    }
+  };
+}
 
 }  // namespace
 
@@ -47,9 +65,101 @@ void ZeroEngineOptions::validate() const {
                "gradient_clipping must be >= 0, got {}", gradient_clipping);
   STRATA_CHECK(optimizer_buffer_count >= 2, kBadArgument, "the optimizer pipeline needs >= 2 buffers, got {}",
                optimizer_buffer_count);
+  STRATA_CHECK(prefetch_bucket_numel >= 0, kBadArgument, "stage3_prefetch_bucket_size must be >= 0, got {}",
+               prefetch_bucket_numel);
+  STRATA_CHECK(max_live_parameters_numel >= 1, kBadArgument, "stage3_max_live_parameters must be >= 1, got {}",
+               max_live_parameters_numel);
+  STRATA_CHECK(max_reuse_distance_numel >= 0, kBadArgument, "stage3_max_reuse_distance must be >= 0, got {}",
+               max_reuse_distance_numel);
+  STRATA_CHECK(param_buffer_count >= 1, kBadArgument, "offload_param.buffer_count must be >= 1, got {}",
+               param_buffer_count);
+  STRATA_CHECK(param_buffer_numel >= 1, kBadArgument, "offload_param.buffer_size must be >= 1, got {}",
+               param_buffer_numel);
   adam.validate();
   if (param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme) aio.validate();
 }
+
+// nvme home: the pinned staging buffers of one group (nc). A buffer is free
+// when no parameter holds it and the gather stream is past its last reader.
+struct ZeroEngine::Staging {
+  struct Buffer {
+    void* data = nullptr;
+    ParamId holder = -1;                   // the parameter whose read it holds (no gather yet), -1: none
+    std::shared_ptr<HostEvent> read_done;  // its latest read (shared with the read's callback)
+    // Gather stream, after the copy / allgather that last read the buffer; a
+    // fresh event per reader, since a deferred read waits for this one point.
+    std::shared_ptr<Event> consumed;
+    uint64_t consumed_seq = 0;             // order of `consumed` on the gather stream
+  };
+  std::vector<Buffer> buffers;
+  size_t buffer_nbytes = 0;
+};
+
+// nc reads that must wait until the gather stream is past a staging buffer's
+// last reader: one thread takes them in issue order (the gather stream's
+// order), waits for that point and submits the read, whose completion
+// callback completes the HostEvent the gather stream waits on. So a gather
+// issued far ahead never blocks the host for a buffer, and no thread blocks
+// per read. No cycle: the point a read waits for lies before, on the gather
+// stream, the wait on that read's own event.
+struct ZeroEngine::ReadQueue {
+  struct Item {
+    std::shared_ptr<Event> after;
+    const nvme::File* file = nullptr;
+    void* buf = nullptr;
+    size_t nbytes = 0;
+    uint64_t offset = 0;
+    std::shared_ptr<HostEvent> done;
+  };
+  explicit ReadQueue(nvme::AioHandle& aio) : aio_(aio), thread_([this] { run(); }) {}
+  // Submits what is queued (each after its point), then joins.
+  ~ReadQueue() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(Item item) {
+    {
+      std::lock_guard lock(mutex_);
+      items_.push_back(std::move(item));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Item item;
+      {
+        std::unique_lock lock(mutex_);
+        cv_.wait(lock, [&] { return stop_ || !items_.empty(); });
+        if (items_.empty()) return;
+        item = std::move(items_.front());
+        items_.pop_front();
+      }
+      try {
+        item.after->synchronize();
+      } catch (...) {
+        // The reader failed, but it is over: the buffer may be written. (Its
+        // error reached the gather stream already.)
+      }
+      try {
+        aio_.submit_read(*item.file, item.buf, item.nbytes, item.offset, complete_with(item.done));
+      } catch (...) {
+        item.done->fail(std::current_exception());
+      }
+    }
+  }
+  nvme::AioHandle& aio_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses
+};
 
 // One dtype group: its layout, this rank's shard at home, its gradient shard,
 // reducer and optimizer.
@@ -67,12 +177,16 @@ struct ZeroEngine::Group {
   std::unique_ptr<offload::OptimizerSwapper> swapper;
   void* full_flat = nullptr;          // stages 1/2: every full parameter
   std::vector<size_t> full_offset;    // per member: offset in full_flat
+  Staging staging;                    // stage 3, nvme home
 };
 
 // Stage 3: a gathered full parameter (world x slice_numel elements).
 struct ZeroEngine::Gathered {
   void* full = nullptr;
   std::unique_ptr<Event> ready;  // on the gather stream, after the allgather
+  bool prefetched = false;       // gathered ahead; no pre_op has used this copy yet
+  size_t kept_until = OperatorTrace::npos;  // kept for reuse: the trace entry that uses it next
+  int staged = -1;               // nvme: the staging buffer holding its read, -1: none
 };
 
 ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOptions options)
@@ -99,6 +213,11 @@ ZeroEngine::~ZeroEngine() {
     } catch (...) {
       // Reported (or never to be) on the caller's path; the memory may go now.
     }
+  }
+  read_queue_.reset();  // submits what is left (every point it waits for is passed)
+  drain_staging();      // reads in flight write into the staging buffers
+  for (auto& group : groups_) {
+    for (auto& buffer : group->staging.buffers) accelerator().deallocate_pinned(buffer.data);
   }
   for (auto& group : groups_) {
     group->reducer.reset();  // waits for its stream
@@ -154,9 +273,15 @@ void ZeroEngine::on_finalize() {
   }
   gathered_.resize(static_cast<size_t>(parameter_count()));
   grad_full_.assign(static_cast<size_t>(parameter_count()), nullptr);
+  visited_.assign(static_cast<size_t>(parameter_count()), 0);
+  if (options_.stage == 3) {
+    trace_ = std::make_unique<OperatorTrace>(
+        [this](OpId op) -> const std::vector<ParamId>& { return op_info(op).params; },
+        [this](ParamId id) { return gathered_numel(id); });
+  }
 
   if (options_.param_tier == Tier::kNvme || options_.optimizer_tier == Tier::kNvme) {
-    aio_ = std::make_unique<nvme::AioHandle>(options_.aio);
+    aio_ = std::make_unique<nvme::AioHandle>(options_.aio, options_.io_backend ? options_.io_backend() : nullptr);
   }
   Stream& stream = compute_stream();
   for (auto& gp : groups_) {
@@ -190,6 +315,24 @@ void ZeroEngine::on_finalize() {
       g.host_params = accelerator().allocate_pinned(shard_nbytes);
       std::memset(g.host_params, 0, shard_nbytes);
       if (options_.param_tier == Tier::kNvme) aio_->write(*g.file, g.host_params, shard_nbytes, 0);
+    }
+    if (options_.param_tier == Tier::kNvme) {
+      // nc staging: one buffer holds one slice, so buffers larger than the
+      // largest slice, or more of them than there are slices, would only pin
+      // memory that is never used.
+      size_t largest = 0;
+      for (size_t i = 0; i < g.params.size(); ++i) largest = std::max(largest, g.layout->param(i).slice_nbytes());
+      const size_t element_nbytes = dtype_nbytes(g.dtype);
+      STRATA_CHECK(largest <= static_cast<size_t>(options_.param_buffer_numel) * element_nbytes, kBadArgument,
+                   "offload_param.buffer_size ({} elements) is smaller than this rank's largest {} parameter slice "
+                   "({} elements); raise it",
+                   options_.param_buffer_numel, dtype_name(g.dtype), largest / element_nbytes);
+      g.staging.buffer_nbytes = largest;
+      g.staging.buffers.resize(std::min(options_.param_buffer_count, g.params.size()));
+      for (auto& buffer : g.staging.buffers) {
+        buffer.data = accelerator().allocate_pinned(largest);
+      }
+      if (read_queue_ == nullptr) read_queue_ = std::make_unique<ReadQueue>(*aio_);
     }
     g.grad_accum = static_cast<float*>(accelerator().allocate(shard_numel * sizeof(float)));
     accelerator().memset_async(g.grad_accum, 0, shard_numel * sizeof(float), stream);
@@ -260,7 +403,15 @@ void ZeroEngine::pre_op(OpId op, Phase phase) {
     if (full_params_stale_) sync_full_params();
     return;
   }
-  for (ParamId id : op_info(op).params) gather(id);
+  const OperatorTrace::Advance advance = trace_->advance(op, phase);
+  window_position_.push_back(advance.position);
+  if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
+  ++prefetch_.windows;
+  make_room(op);
+  for (ParamId id : op_info(op).params) fetch(id);
+  if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
+    prefetch_from(advance.position);
+  }
 }
 
 void ZeroEngine::post_op(OpId op, Phase phase) {
@@ -268,26 +419,70 @@ void ZeroEngine::post_op(OpId op, Phase phase) {
   compute_stream().record(*compute_point_);
   if (phase == Phase::kBackward) note_backward_done(op, *compute_point_);
   if (options_.stage < 3) return;
-  for (ParamId id : op_info(op).params) {
-    if (param_info(id).numel() <= options_.persistence_threshold_numel) continue;
+  const size_t position = window_position_.back();
+  window_position_.pop_back();
+  // The trace may have been dropped since this window opened: then its
+  // position says nothing about the future any more.
+  const bool follow = position != OperatorTrace::npos && trace_->following();
+  const auto& params = op_info(op).params;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const ParamId id = params[k];
+    if (persistent(id)) continue;
     if (in_window(id, false)) continue;  // an enclosing window still uses it
+    if (follow) {
+      // Used again soon (by the trace): keep it rather than gather it again.
+      const size_t next = trace_->next_use(position, k);
+      if (next != OperatorTrace::npos &&
+          trace_->numel_between(position, next) <= options_.max_reuse_distance_numel) {
+        gathered_[id]->kept_until = next;
+        continue;
+      }
+    }
     release_gathered(id, *compute_point_);
   }
 }
 
-void ZeroEngine::gather(ParamId id) {
+int64_t ZeroEngine::gathered_numel(ParamId id) const {
+  const Group& g = *groups_[group_of_[id]];
+  return g.layout->param(index_in_group_[id]).slice_numel * world_size();
+}
+
+bool ZeroEngine::persistent(ParamId id) const {
+  return param_info(id).numel() <= options_.persistence_threshold_numel;
+}
+
+void ZeroEngine::fetch(ParamId id) {
   auto& slot_ptr = gathered_[id];
   if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
   Gathered& gathered = *slot_ptr;
-  if (gathered.full != nullptr) {
-    compute_stream().wait(*gathered.ready);
-    return;
+  if (gathered.full == nullptr) {
+    ++prefetch_.on_demand;
+    issue_gather(id, /*prefetch=*/false);
+  } else if (gathered.prefetched) {
+    ++(gathered.ready->query() ? prefetch_.prefetched_ready : prefetch_.prefetched_in_flight);
+    gathered.prefetched = false;
+  } else {
+    ++prefetch_.reused;
   }
+  gathered.kept_until = OperatorTrace::npos;
+  compute_stream().wait(*gathered.ready);
+}
+
+void ZeroEngine::issue_gather(ParamId id, bool prefetch) {
+  auto& slot_ptr = gathered_[id];
+  if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
+  Gathered& gathered = *slot_ptr;
   Group& g = *groups_[group_of_[id]];
   const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
   const size_t full_nbytes = slot.slice_nbytes() * static_cast<size_t>(world_size());
-  gathered.full = accelerator().allocate(full_nbytes);
   if (gathered.ready == nullptr) gathered.ready = accelerator().create_event();
+  // nc first (it may block for a staging buffer): nothing is allocated yet.
+  Staging::Buffer* staged = nullptr;
+  if (options_.param_tier == Tier::kNvme) {
+    if (gathered.staged < 0) stage_read(id, /*ahead=*/false);
+    staged = &g.staging.buffers[static_cast<size_t>(gathered.staged)];
+  }
+  gathered.full = accelerator().allocate(full_nbytes);
 
   const void* src = nullptr;
   void* device_copy = nullptr;
@@ -295,41 +490,255 @@ void ZeroEngine::gather(ParamId id) {
     src = static_cast<const char*>(g.home) + slot.shard_offset_nbytes;
   } else {
     const char* host = nullptr;
-    if (options_.param_tier == Tier::kCpu) {
-      host = static_cast<const char*>(g.home) + slot.shard_offset_nbytes;
+    if (staged != nullptr) {
+      // The read lands before anything after this wait runs on the gather
+      // stream; a failed read becomes the gather stream's error.
+      gather_stream_->wait(*staged->read_done);
+      host = static_cast<const char*>(staged->data);
     } else {
-      // nvme: read the slice into the group's pinned staging (the host waits;
-      // the prefetching pipeline is the next layer). The staging may still
-      // feed an earlier allgather.
-      gather_stream_->synchronize();
-      char* staging = static_cast<char*>(g.host_params) + slot.shard_offset_nbytes;
-      aio_->read(*g.file, staging, slot.slice_nbytes(), slot.shard_offset_nbytes);
-      host = staging;
+      host = static_cast<const char*>(g.home) + slot.shard_offset_nbytes;
     }
     if (accelerator().backend() == Backend::kCpu) {
-      src = host;
+      src = host;  // the allgather reads pinned memory directly
     } else {
+      // cg: pinned -> device on the gather stream, right before the allgather.
       device_copy = accelerator().allocate(slot.slice_nbytes());
       accelerator().copy_async(device_copy, host, slot.slice_nbytes(), CopyKind::kHostToDevice, *gather_stream_);
       src = device_copy;
     }
   }
+  const auto mark_consumed = [&] {  // the staging buffer is free once this point is passed
+    staged->consumed = accelerator().create_event();
+    gather_stream_->record(*staged->consumed);
+    staged->consumed_seq = ++consumed_seq_;
+  };
+  if (staged != nullptr && device_copy != nullptr) mark_consumed();
   comms_.gather->allgather(src, gathered.full, static_cast<size_t>(slot.slice_numel), g.dtype, *gather_stream_);
   ++gathers_issued_;
+  ++prefetch_.gathers;
   gather_stream_->record(*gathered.ready);
+  if (staged != nullptr) {
+    if (device_copy == nullptr) mark_consumed();  // the allgather read it
+    staged->holder = -1;
+    gathered.staged = -1;
+  }
   if (device_copy != nullptr) accelerator().deallocate_after(device_copy, *gathered.ready);
-  compute_stream().wait(*gathered.ready);
+  gathered.prefetched = prefetch;
+  live_numel_ += gathered_numel(id);
   gathered_nbytes_ += full_nbytes;
   peak_gathered_nbytes_ = std::max(peak_gathered_nbytes_, gathered_nbytes_);
+  prefetch_.peak_gathered_nbytes = std::max(prefetch_.peak_gathered_nbytes, gathered_nbytes_);
+}
+
+bool ZeroEngine::stage_read(ParamId id, bool ahead) {
+  Group& g = *groups_[group_of_[id]];
+  Staging& staging = g.staging;
+  // Free: held by no parameter, and the gather stream is past its last reader.
+  Staging::Buffer* buffer = nullptr;
+  for (auto& b : staging.buffers) {
+    if (b.holder < 0 && (b.consumed == nullptr || b.consumed->query())) {
+      buffer = &b;
+      break;
+    }
+  }
+  bool deferred = false;
+  if (buffer == nullptr) {
+    if (ahead) return false;  // nc runs ahead only into free buffers
+    // A gather is being issued: take the buffer whose last reader comes
+    // first on the gather stream and let the read queue submit the read once
+    // the stream is past it — the host does not wait.
+    for (auto& b : staging.buffers) {
+      if (b.holder < 0 && (buffer == nullptr || b.consumed_seq < buffer->consumed_seq)) buffer = &b;
+    }
+    deferred = buffer != nullptr;
+  }
+  if (buffer == nullptr) {
+    // Every buffer holds a read no gather has used yet (the trace changed
+    // under nc): give one up. Its read must land before the buffer is reused;
+    // it is read again if it is needed.
+    const auto start = std::chrono::steady_clock::now();
+    for (auto& b : staging.buffers) {
+      if (b.holder != id) buffer = &b;
+    }
+    try {
+      buffer->read_done->synchronize();
+    } catch (...) {
+      // Dropped unused; a read that fails again fails where it is used.
+    }
+    gathered_[buffer->holder]->staged = -1;
+    buffer->holder = -1;
+    ++prefetch_.blocked_waits;
+    prefetch_.blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
+  std::shared_ptr<HostEvent> done = accelerator().create_host_event();
+  if (deferred) {
+    read_queue_->push(
+        ReadQueue::Item{buffer->consumed, g.file, buffer->data, slot.slice_nbytes(), slot.shard_offset_nbytes, done});
+    ++prefetch_.reads_deferred;
+  } else {
+    aio_->submit_read(*g.file, buffer->data, slot.slice_nbytes(), slot.shard_offset_nbytes, complete_with(done));
+  }
+  buffer->read_done = std::move(done);
+  buffer->holder = id;
+  auto& slot_ptr = gathered_[id];
+  if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
+  slot_ptr->staged = static_cast<int>(buffer - staging.buffers.data());
+  ++prefetch_.reads;
+  if (ahead) ++prefetch_.reads_ahead;
+  return true;
+}
+
+void ZeroEngine::prefetch_from(size_t position) {
+  // One walk along the trace after the current entry, each parameter once:
+  // gg issues allgathers while both budgets allow, then nc goes on reading
+  // shards into free staging buffers (nvme home) until none is free.
+  if (++walk_ == 0) {  // the generation wrapped: forget old marks
+    std::fill(visited_.begin(), visited_.end(), 0);
+    walk_ = 1;
+  }
+  for (ParamId id : op_info(trace_->entry(position).op).params) visited_[id] = walk_;
+  const bool nvme = options_.param_tier == Tier::kNvme;
+  int64_t ahead = 0;  // elements gathered (or gathering) for entries after the current one
+  bool gg = true;
+  for (size_t j = position + 1; j < trace_->size(); ++j) {
+    for (ParamId id : op_info(trace_->entry(j).op).params) {
+      if (visited_[id] == walk_) continue;
+      visited_[id] = walk_;
+      const Gathered* gathered = gathered_[id].get();
+      if (gathered != nullptr && gathered->full != nullptr) {
+        ahead += gathered_numel(id);
+        continue;
+      }
+      if (gg) {
+        const int64_t numel = gathered_numel(id);
+        const bool in_bucket = ahead + numel <= options_.prefetch_bucket_numel;
+        if (in_bucket && live_numel_ + numel > options_.max_live_parameters_numel) {
+          // A copy kept for a use after entry j holds room this one needs sooner.
+          release_kept(j, numel, /*prefetched_too=*/false);
+        }
+        if (in_bucket && live_numel_ + numel <= options_.max_live_parameters_numel) {
+          issue_gather(id, /*prefetch=*/true);
+          ahead += numel;
+          continue;
+        }
+        gg = false;  // in trace order: later parameters wait for this one
+        if (!nvme) return;
+      }
+      if (gathered != nullptr && gathered->staged >= 0) continue;
+      if (!stage_read(id, /*ahead=*/true)) return;
+    }
+  }
+}
+
+void ZeroEngine::make_room(OpId op) {
+  const auto& params = op_info(op).params;
+  int64_t need = 0;
+  for (ParamId id : params) {
+    const Gathered* gathered = gathered_[id].get();
+    if (gathered == nullptr || gathered->full == nullptr) need += gathered_numel(id);
+  }
+  if (live_numel_ + need <= options_.max_live_parameters_numel) return;
+  // Copies kept for reuse go first, then copies prefetched for later ops
+  // (there are such only when the current op was not prefetched itself:
+  // budgets shrank under a kept copy); never one an open window uses.
+  release_kept(0, need, /*prefetched_too=*/true);
+  if (live_numel_ + need > options_.max_live_parameters_numel) {
+    warn_once("zero.max_live",
+              fmt::format("operator '{}' needs {} gathered elements with {} held by open windows and persistent "
+                          "parameters: more than stage3_max_live_parameters ({}); gathering it anyway",
+                          op_info(op).name, need, live_numel_, options_.max_live_parameters_numel));
+  }
+}
+
+void ZeroEngine::release_kept(size_t after, int64_t need, bool prefetched_too) {
+  // Candidates, the furthest next use first (a prefetched copy's next use is
+  // unknown here: after every kept one).
+  std::vector<std::pair<size_t, ParamId>> candidates;
+  for (ParamId id = 0; id < parameter_count(); ++id) {
+    const Gathered* gathered = gathered_[id].get();
+    if (gathered == nullptr || gathered->full == nullptr) continue;
+    if (persistent(id) || in_window(id, false)) continue;
+    if (gathered->prefetched) {
+      if (prefetched_too) candidates.emplace_back(0, id);
+    } else if (gathered->kept_until == OperatorTrace::npos || gathered->kept_until > after) {
+      candidates.emplace_back(gathered->kept_until == OperatorTrace::npos ? OperatorTrace::npos - 1
+                                                                         : gathered->kept_until + 1,
+                              id);
+    }
+  }
+  if (candidates.empty()) return;
+  std::sort(candidates.begin(), candidates.end(), std::greater<>());
+  compute_stream().record(*compute_point_);
+  for (const auto& [next, id] : candidates) {
+    if (live_numel_ + need <= options_.max_live_parameters_numel) return;
+    release_gathered(id, *compute_point_);
+  }
+}
+
+void ZeroEngine::on_trace_dropped(const OperatorTrace::Advance& what, std::optional<OperatorTrace::Entry> got) {
+  const auto describe = [this](const OperatorTrace::Entry& e) {
+    return fmt::format("'{}' ({})", op_info(e.op).name, phase_name(e.phase));
+  };
+  const std::string where =
+      what.pass == OperatorTrace::npos
+          ? std::string()
+          : fmt::format(" ({} pass {})", what.backward_pass ? "backward" : "forward", what.pass);
+  std::string line;
+  if (!got) {
+    line = fmt::format("operator trace: step {} ended after {} of the trace's {} windows{}; expected {} next",
+                       step_boundaries_ + 1, what.at, what.trace_size, where,
+                       what.expected ? describe(*what.expected) : std::string("?"));
+  } else if (!what.expected) {
+    line = fmt::format("operator trace: step {} ran past the trace's {} windows with {}", step_boundaries_ + 1,
+                       what.trace_size, describe(*got));
+  } else {
+    line = fmt::format("operator trace: step {} diverged at window {}{}: expected {}, got {}", step_boundaries_ + 1,
+                       what.at, where, describe(*what.expected), describe(*got));
+  }
+  logger().info("{}; prefetch is off until the step ends and the next step records a new trace", line);
+  prefetch_.trace_dropped = true;
+  release_all_unused();
+}
+
+void ZeroEngine::release_all_unused() {
+  compute_stream().record(*compute_point_);
+  for (ParamId id = 0; id < parameter_count(); ++id) {
+    if (persistent(id) || in_window(id, false)) continue;
+    release_gathered(id, *compute_point_);
+  }
+}
+
+void ZeroEngine::drain_staging() {
+  // Callers have synchronized the gather stream (or given up on it), so every
+  // deferred read has been submitted; each one's event completes after its I/O.
+  for (auto& group : groups_) {
+    for (auto& buffer : group->staging.buffers) {
+      if (buffer.read_done != nullptr) {
+        try {
+          buffer.read_done->synchronize();
+        } catch (...) {
+          // Dropped unused, or already the gather stream's error; a read that
+          // fails again fails where it is used.
+        }
+      }
+      if (buffer.holder >= 0) gathered_[buffer.holder]->staged = -1;
+      buffer.holder = -1;
+    }
+  }
 }
 
 void ZeroEngine::release_gathered(ParamId id, Event& after) {
   Gathered* gathered = gathered_[id].get();
   if (gathered == nullptr || gathered->full == nullptr) return;
-  accelerator().deallocate_after(gathered->full, after);
+  // A copy no pre_op used was never waited on by compute: free it after its
+  // own allgather instead.
+  accelerator().deallocate_after(gathered->full, gathered->prefetched ? *gathered->ready : after);
   gathered->full = nullptr;
-  const Group& g = *groups_[group_of_[id]];
-  gathered_nbytes_ -= g.layout->param(index_in_group_[id]).slice_nbytes() * static_cast<size_t>(world_size());
+  gathered->prefetched = false;
+  gathered->kept_until = OperatorTrace::npos;
+  live_numel_ -= gathered_numel(id);
+  gathered_nbytes_ -= static_cast<size_t>(gathered_numel(id)) * dtype_nbytes(param_info(id).dtype);
 }
 
 TensorView ZeroEngine::param(ParamId id) {
@@ -435,9 +844,11 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
     if (access == Access::kWrite) note_written(id);
     return;
   }
-  // Nothing queued may touch the home while the host does.
+  // Nothing queued may touch the home while the host does, and nothing
+  // staged may outlive a write.
   compute_stream().synchronize();
   gather_stream_->synchronize();
+  drain_staging();
   char* host = nullptr;
   if (home_is_host_addressable()) {
     host = static_cast<char*>(g.home) + slot.shard_offset_nbytes;
@@ -545,6 +956,21 @@ StepResult ZeroEngine::step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
   STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
                kBadArgument, "step() with a backward pass not finished (a gradient is still being accumulated)");
+  if (options_.stage == 3) {
+    // The step boundary: the trace closes (or diverges by ending early), and
+    // no read may still be in flight or staged when the optimizer rewrites
+    // the shards (staged values would be stale after it).
+    const bool was_following = trace_->following();
+    if (trace_->end_step()) on_trace_dropped(trace_->ended_early(), std::nullopt);
+    prefetch_.trace_followed = was_following && !prefetch_.trace_dropped && prefetch_.windows > 0;
+    if (options_.param_tier == Tier::kNvme) {
+      gather_stream_->synchronize();  // prefetched gathers' reads have landed (an error is the step's)
+      drain_staging();
+    }
+    last_prefetch_ = prefetch_;
+    prefetch_ = PrefetchStats{};
+    ++step_boundaries_;
+  }
   compute_stream().record(*compute_point_);
   if (options_.stage == 1) {
     for (ParamId id = 0; id < parameter_count(); ++id) {

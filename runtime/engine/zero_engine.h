@@ -7,11 +7,43 @@
 //              resident (gathered after each optimizer step);
 //   stage 3:   the shard in accelerator memory, pinned CPU memory, or a flat
 //              per-rank NVMe file per group (`param_tier`); full parameters
-//              are gathered on demand in pre_op (allgather on the gather
-//              communicator; the compute stream waits on its event, not the
-//              host) and released after post_op with a stream-ordered free —
-//              except parameters of at most `persistence_threshold_numel`
-//              elements, which stay gathered until the next step changes them.
+//              are gathered by the parameter coordinator (below) on the
+//              gather stream and communicator; the compute stream waits on the
+//              gather's event, not the host. A parameter is released after
+//              post_op with a stream-ordered free — except parameters of at
+//              most `persistence_threshold_numel` elements, which stay
+//              gathered until the next step changes them, and parameters the
+//              trace says are used again within `max_reuse_distance_numel`.
+// The stage-3 parameter coordinator (ENGINE.md §3, OperatorTrace):
+//   trace:     the first step records its (operator, phase) windows; later
+//              steps follow the trace while each pre_op matches the next entry.
+//              A window that differs (or a step that ends early) drops the
+//              trace with one log line (logger().info); the rest of that step
+//              fetches on demand and the next step records afresh.
+//   gg:        while following, pre_op issues the allgathers of upcoming ops'
+//              parameters, in trace order, as long as the elements gathered
+//              ahead of the current op stay within `prefetch_bucket_numel`
+//              and everything gathered (the current op's included) within
+//              `max_live_parameters_numel` (kept copies are released first
+//              when the current op needs the room).
+//   nc:        nvme home: shards are read NVMe→pinned staging by the I/O
+//              engine with completion callbacks, many in flight, bounded by
+//              `param_buffer_count` buffers of at most `param_buffer_numel`
+//              elements; each read completes a HostEvent that the gather
+//              stream waits on. Beyond gg's reach nc reads ahead, in trace
+//              order, into buffers free now; a gather that finds none queues
+//              its read for one engine thread, which submits it once the
+//              gather stream is past the buffer's last reader. No thread
+//              blocks per read, and the host blocks only when every buffer
+//              holds a read no gather used (the trace changed) — counted in
+//              PrefetchStats.
+//   cg:        a non-cpu accelerator copies the pinned shard to device memory
+//              on the gather stream right before its allgather (on the cpu
+//              accelerator the allgather reads the pinned shard directly).
+//   Allgathers are collectives: every decision that issues one depends only
+//   on the trace, the budgets and what is gathered — the same on every rank.
+//   Reads are local and may run as far ahead as staging allows. Prefetch
+//   never changes a result: it moves the same bytes earlier.
 // Gradients are summed in fp32 and never averaged: normalise the loss by the
 // global number of predicted tokens (global_sum) instead, so N ranks equal one
 // rank on the combined batch.
@@ -32,24 +64,34 @@
 // finalize, the hooks of each step, for_each_owned_range (kWrite) before the
 // next pre_op, global_sum and step.
 //
-// Not yet: operator trace and prefetch (stage 3 gathers when the op asks),
+// Not yet: per-operator stall accounting on the compute stream (PrefetchStats
+// counts fetches and host blocking only), TiledLinear-aware prefetch,
 // loss scaling for fp16, the CUDA optimizer (the CPU one serves every backend;
 // on cuda the gradient shard is copied to host memory for it).
 //
 // Ownership: borrows the accelerator and the communicators (which must outlive
-// it); owns storage, streams, swap files and the optimizer state.
+// it); owns storage, streams, swap files, the optimizer state, the I/O handle
+// and (nvme home) the read-queue thread.
 // Thread-safety and errors: see engine.h; collectives fail with
-// Error(kCommunication), NVMe I/O with Error(kIo).
+// Error(kCommunication), NVMe I/O with Error(kIo) — a prefetch read that fails
+// fails its HostEvent, so the error reaches the gather and compute streams and
+// surfaces from the step's next synchronize (loss, step()) on that rank; its
+// peers' pending allgathers fail within the communicator's timeout.
 #pragma once
 
+#include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kernels/optimizer.h"
+#include "nvme/io_backend.h"
 #include "nvme/io_options.h"
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
+#include "runtime/engine/operator_trace.h"
 
 namespace strata::nvme {
 class AioHandle;
@@ -82,8 +124,49 @@ struct ZeroEngineOptions {
   size_t optimizer_buffer_count = 3;       // pinned buffers of the NVMe optimizer pipeline
   int optimizer_threads = 0;               // CPU Adam threads; 0: OpenMP default
 
+  // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
+  int64_t prefetch_bucket_numel = 50'000'000;         // stage3_prefetch_bucket_size; 0: no prefetch
+  int64_t max_live_parameters_numel = 1'000'000'000;  // stage3_max_live_parameters
+  int64_t max_reuse_distance_numel = 1'000'000'000;   // stage3_max_reuse_distance
+  // Pinned staging of NVMe→pinned reads, per dtype group: buffer_count
+  // buffers of buffer_size elements of the group's dtype, each holding one
+  // parameter's shard slice — clamped to the group's parameter count and
+  // largest slice, so a small model does not pin gigabytes. A slice larger
+  // than buffer_size is refused at finalize (as DeepSpeed does).
+  size_t param_buffer_count = 5;                      // offload_param.buffer_count
+  int64_t param_buffer_numel = 100'000'000;           // offload_param.buffer_size
+  // For tests: makes the I/O engine's backend (e.g. nvme::make_fault_backend
+  // around nvme::make_backend); empty: aio.engine's.
+  std::function<std::unique_ptr<nvme::IoBackend>()> io_backend;
+
   // Throws Error(kBadArgument) naming the option when inconsistent.
   void validate() const;
+};
+
+// What the stage-3 coordinator did in one step (from one step() to the next).
+// A fetch is a parameter an operator needs at pre_op that was not still
+// gathered from an earlier use: it was prefetched (complete or still in flight
+// at pre_op) or gathered on demand there.
+struct PrefetchStats {
+  bool trace_followed = false;   // the step matched a recorded trace to its end
+  bool trace_dropped = false;    // the step diverged from the trace (logged once)
+  int64_t windows = 0;           // pre_op calls
+  int64_t prefetched_ready = 0;  // fetches whose allgather had completed at pre_op
+  int64_t prefetched_in_flight = 0;  // fetches issued ahead, still running at pre_op
+  int64_t on_demand = 0;         // fetches issued at their op's pre_op
+  int64_t reused = 0;            // uses served by a copy kept gathered (reuse distance,
+                                 // persistence, an enclosing window)
+  int64_t gathers = 0;           // allgathers issued (prefetch and on demand)
+  int64_t reads = 0;             // NVMe→pinned reads issued
+  int64_t reads_ahead = 0;       // of them, issued by nc's walk before a gather needed them
+  int64_t reads_deferred = 0;    // of them, queued for a buffer the gather stream still reads
+  int64_t blocked_waits = 0;     // times pre_op blocked the host (every staging buffer held
+                                 // by a read no gather used: after a trace change)
+  double blocked_seconds = 0;    // host time pre_op spent blocked
+  size_t peak_gathered_nbytes = 0;  // most bytes of full parameters gathered at once
+
+  int64_t fetches() const { return prefetched_ready + prefetched_in_flight + on_demand; }
+  int64_t prefetched() const { return prefetched_ready + prefetched_in_flight; }
 };
 
 // What one step() did.
@@ -123,13 +206,41 @@ class ZeroEngine final : public Engine {
   size_t peak_gathered_nbytes() const { return peak_gathered_nbytes_; }
   // Parameter allgathers issued so far (stage 3: one per gather of a parameter).
   int64_t gathers_issued() const { return gathers_issued_; }
+  // The coordinator's counts for the last completed step (step() closes one)
+  // and for the step running now.
+  PrefetchStats last_step_prefetch() const { return last_prefetch_; }
+  PrefetchStats current_prefetch() const { return prefetch_; }
+  // Times the operator trace was dropped since construction.
+  int64_t trace_drops() const { return trace_ ? trace_->drops() : 0; }
 
  private:
   struct Group;
   struct Gathered;
   void on_finalize() override;
   void on_grad_ready(ParamId id, Event& ready) override;
-  void gather(ParamId id);          // stage 3: enqueue the allgather of id, compute waits
+  struct Staging;
+  struct ReadQueue;
+  // Stage 3 coordinator.
+  void fetch(ParamId id);           // pre_op: id gathered (now or before), compute waits
+  void issue_gather(ParamId id, bool prefetch);  // cg + gg on the gather stream
+  // nc: read id's slice into a staging buffer. ahead: only into a free one
+  // (false when none is); else for a gather being issued (deferred to the
+  // read queue when every buffer still has a reader queued).
+  bool stage_read(ParamId id, bool ahead);
+  void prefetch_from(size_t position);           // gg then nc along the trace
+  void make_room(OpId op);          // max_live: release kept copies the current op needs the room of
+  // Releases kept copies whose next use is after trace entry `after` (and,
+  // with prefetched_too, unused prefetched copies) until `need` more elements fit.
+  void release_kept(size_t after, int64_t need, bool prefetched_too);
+  // The one log line of a drop; `got` is the window that diverged (nullopt:
+  // the step ended early). Releases what was fetched for the lost future.
+  void on_trace_dropped(const OperatorTrace::Advance& what, std::optional<OperatorTrace::Entry> got);
+  void release_all_unused();        // every gathered copy no open window uses (persistent ones stay)
+  void drain_staging();             // waits for every read into staging; forgets staged ones
+  int64_t gathered_numel(ParamId id) const;
+  bool persistent(ParamId id) const;
+  // `after`: where compute's last use of the copy is; a copy compute never
+  // used (prefetched) goes after its own gather instead.
   void release_gathered(ParamId id, Event& after);
   void sync_full_params();          // stages 1/2: allgather every group into the full copies
   void init_optimizer();
@@ -160,6 +271,15 @@ class ZeroEngine final : public Engine {
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather
   bool optimizer_stale_ = true;      // master weights must be (re)initialised from the shards
   size_t gathered_nbytes_ = 0, peak_gathered_nbytes_ = 0;
+  int64_t live_numel_ = 0;           // elements gathered now (max_live_parameters)
+  std::unique_ptr<OperatorTrace> trace_;
+  std::vector<size_t> window_position_;  // per open window: its trace entry, or npos
+  std::vector<uint32_t> visited_;    // per parameter: walk generation (prefetch_from)
+  uint32_t walk_ = 0;
+  int64_t step_boundaries_ = 0;      // step() calls (for messages)
+  uint64_t consumed_seq_ = 0;        // staging readers recorded on the gather stream so far
+  std::unique_ptr<ReadQueue> read_queue_;  // nvme home; after aio_ (destroyed first)
+  PrefetchStats prefetch_, last_prefetch_;
 };
 
 }  // namespace strata::engine
