@@ -192,6 +192,7 @@ struct ZeroEngine::Gathered {
 ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOptions options)
     : Engine(accelerator), comms_(comms), options_(std::move(options)) {
   options_.validate();
+  if (options_.loss_scaling) loss_scaler_ = LossScaler(*options_.loss_scaling);
   STRATA_CHECK(comms_.gather != nullptr && comms_.reduce != nullptr && comms_.control != nullptr, kBadArgument,
                "ZeroEngine needs gather, reduce and control communicators");
   STRATA_CHECK(comms_.gather != comms_.reduce && comms_.gather != comms_.control && comms_.reduce != comms_.control,
@@ -999,14 +1000,26 @@ StepResult ZeroEngine::step(float lr) {
   global.sum_sq = reduced[0];
   global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
   StepResult result;
-  result.grad_norm = global.finite ? global.norm() : std::numeric_limits<double>::infinity();
+  const double loss_scale = loss_scaler_.scale();
+  result.loss_scale = loss_scale;
+  // The gradients hold loss_scale x the true ones; report the true norm.
+  result.grad_norm = global.finite ? global.norm() / loss_scale : std::numeric_limits<double>::infinity();
   if (!global.finite) {
-    logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1, reduced[1]);
+    // Every rank saw the same reduced flags, so every rank skips and backs off alike.
+    if (options_.loss_scaling) {
+      logger().info("step {}: the gradients overflow at loss scale {} on {} rank(s); the step is skipped", steps_ + 1,
+                    loss_scale, reduced[1]);
+    } else {
+      logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1, reduced[1]);
+    }
     zero_grad();
+    loss_scaler_.update(true);  // throws at the minimum scale: no progress is possible
     result.step = steps_;
     return result;
   }
-  result.grad_scale = kernels::combined_grad_scale(global, 1.0f, static_cast<float>(options_.gradient_clipping));
+  loss_scaler_.update(false);
+  result.grad_scale = kernels::combined_grad_scale(global, static_cast<float>(loss_scale),
+                                                   static_cast<float>(options_.gradient_clipping));
   if (optimizer_stale_) init_optimizer();
   for (auto& gp : groups_) {
     Group& g = *gp;

@@ -55,7 +55,8 @@
 //              this rank's fp32 gradient shard (BucketReducer), then freed.
 // step() is the optimizer at an accumulation boundary: the global gradient norm
 // (f64 allreduce on the control communicator), clipping, a skip without any
-// state change when a gradient is not finite, Adam/AdamW on the CPU over this
+// state change when a gradient is not finite (with fp16 loss scaling the scale
+// then backs off, DeepSpeed's rule: LossScaler), Adam/AdamW on the CPU over this
 // rank's shard through offload::OptimizerSwapper (state in CPU memory or on
 // NVMe, `optimizer_tier`), the new values written to the shard's home, and
 // (stages 1/2) one allgather per group.
@@ -66,7 +67,7 @@
 //
 // Not yet: per-operator stall accounting on the compute stream (PrefetchStats
 // counts fetches and host blocking only), TiledLinear-aware prefetch,
-// loss scaling for fp16, the CUDA optimizer (the CPU one serves every backend;
+// the CUDA optimizer (the CPU one serves every backend;
 // on cuda the gradient shard is copied to host memory for it).
 //
 // Ownership: borrows the accelerator and the communicators (which must outlive
@@ -91,6 +92,7 @@
 #include "nvme/io_options.h"
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
+#include "runtime/engine/loss_scaler.h"
 #include "runtime/engine/operator_trace.h"
 
 namespace strata::nvme {
@@ -139,6 +141,9 @@ struct ZeroEngineOptions {
   // around nvme::make_backend); empty: aio.engine's.
   std::function<std::unique_ptr<nvme::IoBackend>()> io_backend;
 
+  // fp16: loss scaling (DeepSpeed's fp16.* keys); unset: a scale of 1 (bf16, fp32).
+  std::optional<LossScalerOptions> loss_scaling;
+
   // Throws Error(kBadArgument) naming the option when inconsistent.
   void validate() const;
 };
@@ -173,7 +178,8 @@ struct PrefetchStats {
 struct StepResult {
   bool applied = false;     // false: a gradient was not finite; nothing changed
   double grad_norm = 0;     // global L2 norm of the summed gradients (before clipping)
-  float grad_scale = 1;     // factor applied to the gradients (clipping)
+  float grad_scale = 1;     // factor applied to the stored gradients (1/loss scale x clipping)
+  double loss_scale = 1;    // the loss scale this step's gradients carried
   int64_t step = 0;         // optimizer steps applied so far
 };
 
@@ -200,6 +206,11 @@ class ZeroEngine final : public Engine {
   // replaces options().adam.lr for this step (a schedule's value).
   StepResult step(float lr);
   int64_t step_count() const;
+  // Multiply the loss by this before backward (ForwardOptions::grad_scale):
+  // the fp16 loss scale of the coming step, 1 without loss scaling. step()
+  // divides it out, skips a step whose gradients overflow and adjusts it.
+  double loss_scale() const { return loss_scaler_.scale(); }
+  const LossScaler& loss_scaler() const { return loss_scaler_; }
 
   // Bytes of full parameters gathered now and at most since finalize (stage 3).
   size_t gathered_nbytes() const { return gathered_nbytes_; }
@@ -266,6 +277,7 @@ class ZeroEngine final : public Engine {
   void* stage1_grads_ = nullptr;                   // stage 1: every full fp32 gradient
   size_t stage1_grads_nbytes_ = 0;
   int64_t steps_ = 0;
+  LossScaler loss_scaler_;
   int64_t gathers_issued_ = 0;
   std::unique_ptr<Event> compute_point_;
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather

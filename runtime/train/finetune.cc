@@ -21,65 +21,13 @@
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
 #include "runtime/train/run_report.h"
+#include "runtime/train/zero_config.h"
 
 namespace strata::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-Tier tier_of(OffloadDevice device) {
-  switch (device) {
-    case OffloadDevice::kNone: return Tier::kDevice;
-    case OffloadDevice::kCpu: return Tier::kCpu;
-    case OffloadDevice::kNvme: return Tier::kNvme;
-  }
-  return Tier::kDevice;
-}
-
-// The ZeroEngine's options from a checked ds_config.
-engine::ZeroEngineOptions engine_options(const Config& c, const std::string& source) {
-  STRATA_CHECK(c.zero.stage >= 1, kBadArgument,
-               "{}: zero_optimization.stage is 0; strata finetune partitions at least the optimizer state: use "
-               "stage 1, 2 or 3",
-               source);
-  STRATA_CHECK(!c.fp16.enabled, kBadArgument,
-               "{}: fp16.enabled: fp16 training needs dynamic loss scaling, which strata finetune does not have "
-               "yet; use bf16.enabled (no loss scaling needed) or fp32",
-               source);
-  engine::ZeroEngineOptions o;
-  o.stage = c.zero.stage;
-  o.param_tier = tier_of(c.zero.offload_param.device);
-  // The optimizer always runs on the CPU here; "none" keeps its state in CPU memory.
-  o.optimizer_tier = c.zero.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu;
-  const std::string& param_path = c.zero.offload_param.nvme_path;
-  const std::string& optimizer_path = c.zero.offload_optimizer.nvme_path;
-  const bool param_nvme = o.param_tier == Tier::kNvme, optimizer_nvme = o.optimizer_tier == Tier::kNvme;
-  STRATA_CHECK(!(param_nvme && optimizer_nvme) || param_path == optimizer_path, kBadArgument,
-               "{}: offload_param.nvme_path ({}) and offload_optimizer.nvme_path ({}) differ; strata finetune "
-               "keeps both kinds of swap files under one directory for now: give the same path",
-               source, param_path, optimizer_path);
-  o.nvme_path = param_nvme ? param_path : optimizer_path;
-  o.reduce_bucket_numel = static_cast<int64_t>(c.zero.reduce_bucket_numel);
-  o.sub_group_numel = static_cast<int64_t>(c.zero.sub_group_numel);
-  o.persistence_threshold_numel = static_cast<int64_t>(c.zero.param_persistence_threshold_numel);
-  o.adam.lr = static_cast<float>(c.optimizer.lr);
-  o.adam.beta1 = static_cast<float>(c.optimizer.betas[0]);
-  o.adam.beta2 = static_cast<float>(c.optimizer.betas[1]);
-  o.adam.eps = static_cast<float>(c.optimizer.eps);
-  o.adam.weight_decay = static_cast<float>(c.optimizer.weight_decay);
-  o.adam.adamw = c.optimizer.type == "AdamW";
-  o.gradient_clipping = c.gradient_clipping;
-  o.aio.block_size = c.aio.block_size;
-  o.aio.queue_depth = c.aio.queue_depth;
-  o.aio.thread_count = c.aio.thread_count;
-  o.aio.single_submit = c.aio.single_submit;
-  o.aio.overlap_events = c.aio.overlap_events;
-  o.aio.engine = nvme::parse_engine_kind(c.aio.engine);
-  o.optimizer_buffer_count = static_cast<size_t>(std::max(2, c.zero.offload_optimizer.buffer_count));
-  o.validate();
-  return o;
-}
 
 // Without --config: ZeRO stage 3, everything in memory, AdamW at 1e-4.
 constexpr const char* kBuiltinConfig = R"({
@@ -102,7 +50,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const std::string source = options.config.empty() ? "built-in defaults" : options.config.string();
   const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source)
                                                : load_config_file(options.config.string());
-  const engine::ZeroEngineOptions zero = engine_options(config, source);
+  const engine::ZeroEngineOptions zero = zero_engine_options(config, source);
   const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
   STRATA_CHECK(options.model.empty() != options.init.empty(), kBadArgument,
                "give exactly one of --model DIR (Hugging Face weights) and --init CONFIG.json (random weights)");
@@ -115,7 +63,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const data::TokenFile data = data::TokenFile::open(options.data.string(),
                                                      data::parse_token_format(options.data_format));
   const uint64_t seed = options.seed.value_or(config.strata.seed);
-  const DType train_dtype = config.bf16 ? DType::kBF16 : DType::kF32;
+  const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   ExportOptions export_options;
   export_options.dtype = options.export_dtype.empty() ? train_dtype : parse_dtype(options.export_dtype);
   export_options.max_shard_nbytes = options.export_shard_nbytes;
@@ -193,6 +141,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (size_t m = 0; m < ids.size(); ++m) {
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
+      forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
       model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
       model.backward();
       loss_sum += model.loss_stats().sum;
@@ -206,6 +155,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.loss = loss;
     r.lr = lr;
     r.grad_norm = stepped.grad_norm;
+    r.loss_scale = stepped.loss_scale;
     r.applied = stepped.applied;
     r.tokens = static_cast<int64_t>(global_count);
     r.seconds = seconds_since(start);

@@ -53,6 +53,7 @@ void RunReport::record(const StepRecord& r) {
                          {"lr", r.lr},
                          {"grad_norm", finite_or_null(r.grad_norm)},
                          {"applied", r.applied},
+                         {"loss_scale", r.loss_scale},
                          {"tokens", r.tokens},
                          {"tokens_per_s", r.tokens_per_second()},
                          {"step_s", r.seconds},

@@ -122,3 +122,47 @@ TEST_CASE("inconsistent ZeRO options are refused, naming the option", "[engine][
     CHECK_THROWS_WITH(engine::ZeroEngine(accelerator, same, sgd_like(3)), Catch::Contains("three communicators"));
   });
 }
+
+TEST_CASE("fp16 loss scaling: gradients are unscaled, an overflow skips the step and halves the scale on every rank",
+          "[engine][zero][fp16]") {
+  std::vector<std::vector<float>> after_overflow(2), after_good(2), reference(2);
+  std::vector<engine::StepResult> overflow(2), good(2);
+  std::vector<double> scale_before(2), scale_after(2);
+  engine::ZeroEngineOptions o = sgd_like(3);
+  engine::LossScalerOptions scaling;
+  scaling.initial_scale_power = 10;
+  scaling.hysteresis = 1;
+  o.loss_scaling = scaling;
+  test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
+    Manual m(accelerator, comms, o);
+    const auto before = m.owned();
+    scale_before[rank] = m.eng.loss_scale();
+    m.backward(rank == 0 ? std::numeric_limits<float>::infinity() : 1.0f);  // an fp16 overflow on rank 0
+    overflow[rank] = m.eng.step(0.1f);
+    after_overflow[rank] = m.owned();
+    CHECK(after_overflow[rank] == before);
+    scale_after[rank] = m.eng.loss_scale();
+    // The gradients carry the loss scale; the update must not.
+    m.backward(static_cast<float>(m.eng.loss_scale()));
+    good[rank] = m.eng.step(0.1f);
+    after_good[rank] = m.owned();
+  });
+  // The same step with gradients of 1 per rank and no scaling.
+  test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
+    Manual m(accelerator, comms, sgd_like(3));
+    m.backward(1.0f);
+    m.eng.step(0.1f);
+    reference[rank] = m.owned();
+  });
+  for (int rank : {0, 1}) {
+    CAPTURE(rank);
+    CHECK(scale_before[rank] == 1024.0);
+    CHECK_FALSE(overflow[rank].applied);
+    CHECK(overflow[rank].loss_scale == 1024.0);
+    CHECK(scale_after[rank] == 512.0);
+    CHECK(good[rank].applied);
+    CHECK(good[rank].step == 1);
+    CHECK(good[rank].grad_norm == Approx(2.0 * std::sqrt(8.0)));  // unscaled
+    CHECK(after_good[rank] == reference[rank]);
+  }
+}

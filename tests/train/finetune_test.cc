@@ -115,10 +115,12 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
   const std::vector<Case> cases = {
       {"data shorter than one sample", "--init " + model + " --data " + short_data + " --data-format text --seq 64",
        short_data},
-      {"fp16 without loss scaling",
-       "--config " + write(dir, "fp16.json", R"({"fp16": {"enabled": true}, "zero_optimization": {"stage": 3}})") +
+      {"fp16 and bf16 at once",
+       "--config " +
+           write(dir, "fp16.json",
+                 R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}, "zero_optimization": {"stage": 3}})") +
            " --init " + model + " --data " + text + " --data-format text",
-       "fp16"},
+       "both true"},
       {"stage 0", "--config " + write(dir, "s0.json", R"({"zero_optimization": {"stage": 0}})") + " --init " + model +
                       " --data " + text + " --data-format text",
        "stage is 0"},
@@ -146,6 +148,24 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
     CHECK(result.exit_code != 0);
     CHECK_THAT(result.output, Catch::Contains(c.expect));
   }
+}
+
+TEST_CASE("strata finetune in fp16 with dynamic loss scaling: the scale is reported and the loss falls", "[finetune]") {
+  strata::test::TempDir dir;
+  const std::string config = write(dir, "fp16.json", R"({"train_micro_batch_size_per_gpu": 4,
+    "zero_optimization": {"stage": 3}, "fp16": {"enabled": true, "initial_scale_power": 12},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
+  const auto r = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                             " --init " + small_model(dir) + " --data " + kExamples +
+                             "/data/gpl-3.0.txt --data-format text --steps 30 --seq 64 --out " + dir.file("out") +
+                             " 2>&1");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("(fp16)"));
+  const auto steps = read_jsonl(dir.file("out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == 30);
+  CHECK(steps[0]["loss_scale"].get<double>() == 4096.0);
+  CHECK(steps[29]["loss"].get<double>() < steps[0]["loss"].get<double>() - 1.0);
 }
 
 TEST_CASE("strata finetune with activation checkpointing gives the same losses, bit for bit", "[finetune]") {
