@@ -7,6 +7,7 @@ find_package(CLI11 REQUIRED)
 find_package(Boost 1.74 REQUIRED)
 find_package(Gloo REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(ZLIB REQUIRED)  # CRC-32 of checkpoint files
 # OpenBLAS's OpenMP build (libopenblas-openmp-dev), linked by path: its GEMMs run
 # on the same libgomp thread team as our OpenMP loops, so the cpu ops have one
 # thread pool instead of two spinning against each other. Debian's default

@@ -93,6 +93,7 @@
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/loss_scaler.h"
+#include "runtime/engine/state_file.h"
 #include "runtime/engine/operator_trace.h"
 
 namespace strata::nvme {
@@ -206,6 +207,23 @@ class ZeroEngine final : public Engine {
   // replaces options().adam.lr for this step (a schedule's value).
   StepResult step(float lr);
   int64_t step_count() const;
+
+  // ---- checkpoints (ENGINE.md §6) ---------------------------------------------------
+  // Writes this rank's state into the existing directory `dir`: per dtype
+  // group its parameter shard (params_<dtype>.bin, storage dtype) and its
+  // optimizer state (master_, exp_avg_, exp_avg_sq_<dtype>.bin, fp32), then
+  // engine.json (step count, loss scaler, the layout written). NVMe-resident
+  // optimizer state is copied from its committed slot, which no step writes
+  // between steps. Every file is durable (fsync, and the directory) before
+  // this returns; the result names each with its size and CRC-32. Between
+  // steps only (after step(), before the next pre_op); not collective.
+  std::vector<StateFile> save_state(const std::filesystem::path& dir);
+  // Loads what save_state wrote for this rank into this finalized engine:
+  // parameters, optimizer state, step count, loss scaler (the stage and tiers
+  // may differ; the layout must not). Error(kBadArgument) naming the file when
+  // it was written for another world size, rank or model, Error(kIo) for a
+  // short or unreadable file. Every rank calls it before the next pre_op.
+  void load_state(const std::filesystem::path& dir);
   // Multiply the loss by this before backward (ForwardOptions::grad_scale):
   // the fp16 loss scale of the coming step, 1 without loss scaling. step()
   // divides it out, skips a step whose gradients overflow and adjusts it.

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <random>
@@ -82,6 +83,13 @@ struct TrainSpec {
   std::chrono::milliseconds timeout{30000};
   // Catch each rank's error into TrainResult::errors instead of rethrowing.
   bool collect_errors = false;
+  // Checkpoints: after step `save_after_step` (0-based) each rank saves its
+  // state to save_dir/rank<r>; with load_dir, each rank loads
+  // load_dir/rank<r> after initialisation and training starts at first_step.
+  std::filesystem::path save_dir;
+  int save_after_step = -1;
+  std::filesystem::path load_dir;
+  int first_step = 0;
 };
 
 struct TrainResult {
@@ -116,11 +124,13 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           nn::LlamaModel model(eng, config, model_options);
           eng.finalize();
           nn::initialize_parameters(eng, model.parameters(), 7);
+          const std::string rank_dir = "rank" + std::to_string(rank);
+          if (!spec.load_dir.empty()) eng.load_state(spec.load_dir / rank_dir);
           const int64_t per_rank = kSequences / spec.world, per_micro = per_rank / spec.micro_steps;
           std::vector<double> losses, norms;
           std::vector<int> applied;
           std::vector<engine::PrefetchStats> prefetch;
-          for (step = 0; step < spec.steps; ++step) {
+          for (step = spec.first_step; step < spec.steps; ++step) {
             const Batch batch = corpus(step, config.vocab_size);
             const auto rows = [&](int micro) {
               return std::pair{static_cast<size_t>((rank * per_rank + micro * per_micro) * kSeq),
@@ -155,6 +165,10 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             norms.push_back(r.grad_norm);
             applied.push_back(r.applied);
             prefetch.push_back(eng.last_step_prefetch());
+            if (step == spec.save_after_step) {
+              std::filesystem::create_directories(spec.save_dir / rank_dir);
+              eng.save_state(spec.save_dir / rank_dir);
+            }
           }
           step = -1;
           std::lock_guard lock(mutex);

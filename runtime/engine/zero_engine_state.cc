@@ -1,0 +1,166 @@
+// ZeroEngine checkpoints: this rank's shards and optimizer state to files and back.
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <vector>
+
+#include "runtime/core/error.h"
+#include "runtime/engine/zero_engine.h"
+#include "runtime/engine/zero_engine_parts.h"
+
+namespace strata::engine {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kStateFormat = "strata-zero-state/1";
+constexpr const char* kStateFile = "engine.json";
+
+std::string params_file(DType dtype) { return fmt::format("params_{}.bin", dtype_name(dtype)); }
+std::string optimizer_file(const char* what, DType dtype) { return fmt::format("{}_{}.bin", what, dtype_name(dtype)); }
+
+// The exact size a state file must have, or an error naming it.
+void expect_size(const fs::path& path, uint64_t nbytes) {
+  std::error_code ec;
+  const uint64_t actual = fs::file_size(path, ec);
+  STRATA_CHECK(!ec, kIo, "checkpoint file {} is missing or unreadable: {}", path.string(), ec.message());
+  STRATA_CHECK(actual == nbytes, kIo, "checkpoint file {} has {} bytes, expected {} (truncated or from another model)",
+               path.string(), actual, nbytes);
+}
+
+}  // namespace
+
+std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
+  STRATA_CHECK(finalized(), kBadArgument, "save_state() before finalize()");
+  STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
+               kBadArgument, "save_state() during a backward pass: save between steps");
+  compute_stream().synchronize();
+  gather_stream_->synchronize();
+  // Never stepped (or loaded since): the master weights are the parameters.
+  if (optimizer_stale_) init_optimizer();
+  std::vector<StateFile> files;
+  nlohmann::json groups = nlohmann::json::array();
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    {
+      StateFileWriter out(dir, params_file(g.dtype));
+      out.append(host_params(g, /*load=*/true), g.layout->shard_nbytes());
+      files.push_back(out.finish());
+    }
+    // One pass over the sub-groups (each read once from NVMe), three files.
+    StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
+        exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
+    std::vector<float> p, m, v;
+    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+      const size_t numel = g.swapper->sub_group_range(k).second;
+      p.resize(numel), m.resize(numel), v.resize(numel);
+      g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
+      master.append(p.data(), numel * sizeof(float));
+      exp_avg.append(m.data(), numel * sizeof(float));
+      exp_avg_sq.append(v.data(), numel * sizeof(float));
+    }
+    files.push_back(master.finish());
+    files.push_back(exp_avg.finish());
+    files.push_back(exp_avg_sq.finish());
+    groups.push_back({{"dtype", dtype_name(g.dtype)},
+                      {"params", g.params.size()},
+                      {"shard_numel", g.layout->shard_numel()},
+                      {"first_param", param_info(g.params.front()).name}});
+  }
+  const LossScaler::State scaler = loss_scaler_.state();
+  const nlohmann::json state = {{"format", kStateFormat},
+                                {"rank", rank()},
+                                {"world_size", world_size()},
+                                {"stage", options_.stage},
+                                {"steps", steps_},
+                                {"loss_scaler",
+                                 {{"scale", scaler.scale},
+                                  {"iteration", scaler.iteration},
+                                  {"last_overflow_iteration", scaler.last_overflow_iteration},
+                                  {"hysteresis_left", scaler.hysteresis_left}}},
+                                {"groups", groups}};
+  StateFileWriter out(dir, kStateFile);
+  const std::string text = state.dump(2) + "\n";
+  out.append(text.data(), text.size());
+  files.push_back(out.finish());
+  sync_directory(dir);
+  return files;
+}
+
+void ZeroEngine::load_state(const fs::path& dir) {
+  STRATA_CHECK(finalized(), kBadArgument, "load_state() before finalize()");
+  const fs::path state_path = dir / kStateFile;
+  nlohmann::json state;
+  {
+    std::ifstream in(state_path);
+    STRATA_CHECK(in.good(), kIo, "cannot read {}", state_path.string());
+    state = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  }
+  STRATA_CHECK(state.is_object() && state.value("format", "") == kStateFormat, kBadArgument,
+               "{}: not a strata engine state (format \"{}\" expected)", state_path.string(), kStateFormat);
+  try {
+    STRATA_CHECK(state.at("world_size").get<int>() == world_size(), kBadArgument,
+                 "{} was written by a run of {} ranks; this run has {} (resharding a checkpoint is not supported)",
+                 state_path.string(), state.at("world_size").get<int>(), world_size());
+    STRATA_CHECK(state.at("rank").get<int>() == rank(), kBadArgument, "{} is rank {}'s state, not rank {}'s",
+                 state_path.string(), state.at("rank").get<int>(), rank());
+    const auto& groups = state.at("groups");
+    STRATA_CHECK(groups.size() == groups_.size(), kBadArgument, "{}: {} parameter groups, this model has {}",
+                 state_path.string(), groups.size(), groups_.size());
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const Group& g = *groups_[i];
+      const auto& saved = groups[i];
+      STRATA_CHECK(saved.at("dtype").get<std::string>() == dtype_name(g.dtype) &&
+                       saved.at("params").get<size_t>() == g.params.size() &&
+                       saved.at("shard_numel").get<int64_t>() == g.layout->shard_numel(),
+                   kBadArgument,
+                   "{}: group {} is {} parameters of {} ({} elements per rank); this model's is {} of {} ({}): "
+                   "the checkpoint is of another model",
+                   state_path.string(), i, saved.at("params").get<size_t>(), saved.at("dtype").get<std::string>(),
+                   saved.at("shard_numel").get<int64_t>(), g.params.size(), dtype_name(g.dtype),
+                   g.layout->shard_numel());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    raise(ErrorCategory::kBadArgument, "{}: a field is missing or of the wrong type ({})", state_path.string(),
+          e.what());
+  }
+  const int64_t steps = state["steps"].get<int64_t>();
+  LossScaler::State scaler;
+  scaler.scale = state["loss_scaler"]["scale"].get<double>();
+  scaler.iteration = state["loss_scaler"]["iteration"].get<int64_t>();
+  scaler.last_overflow_iteration = state["loss_scaler"]["last_overflow_iteration"].get<int64_t>();
+  scaler.hysteresis_left = state["loss_scaler"]["hysteresis_left"].get<int>();
+
+  compute_stream().synchronize();
+  gather_stream_->synchronize();
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
+    const fs::path params = dir / params_file(g.dtype);
+    const fs::path master = dir / optimizer_file("master", g.dtype), exp_avg = dir / optimizer_file("exp_avg", g.dtype),
+                   exp_avg_sq = dir / optimizer_file("exp_avg_sq", g.dtype);
+    expect_size(params, g.layout->shard_nbytes());
+    for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));
+    read_state_range(params, 0, host_params(g, /*load=*/false), g.layout->shard_nbytes());
+    store_host_params(g);
+    g.swapper->restore(
+        [&](size_t first, size_t numel, float* p, float* m, float* v) {
+          read_state_range(master, first * sizeof(float), p, numel * sizeof(float));
+          read_state_range(exp_avg, first * sizeof(float), m, numel * sizeof(float));
+          read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
+        },
+        steps);
+  }
+  steps_ = steps;
+  loss_scaler_.restore(scaler);
+  optimizer_stale_ = false;
+  // Copies of the old values are stale.
+  if (options_.stage < 3) {
+    full_params_stale_ = true;
+  } else {
+    compute_stream().record(*compute_point_);
+    for (ParamId id = 0; id < parameter_count(); ++id) release_gathered(id, *compute_point_);
+  }
+  zero_grad();
+}
+
+}  // namespace strata::engine
