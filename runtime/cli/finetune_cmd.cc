@@ -46,6 +46,18 @@ void add_finetune_command(CLI::App& app) {
                "activation memory, about a quarter more compute); activation_checkpointing.cpu_checkpointing in "
                "the config also turns it on and keeps the checkpoints in pinned CPU memory");
   cmd->add_option("--out", options->out, "Directory for metrics.jsonl and loss.svg")->capture_default_str();
+  cmd->add_option("--save", options->save_dir,
+                  "Checkpoint directory: DIR/step_<N>/ with every rank's shards and optimizer state and a manifest "
+                  "written last, so a crash never leaves a checkpoint that looks complete");
+  cmd->add_option("--save-every", options->save_every, "Steps between checkpoints (one is also taken at the end)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--keep-checkpoints", options->keep_checkpoints, "Complete checkpoints kept; older ones are removed")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_flag("--resume", options->resume,
+                "Continue from the newest complete checkpoint in --save DIR (same world size), exactly where it "
+                "stopped: parameters, optimizer state, loss scale, learning-rate schedule, data position");
   cmd->add_option("--export", options->export_dir,
                   "At the end, write a Hugging Face directory here (config.json + safetensors, streamed tensor by "
                   "tensor; transformers' from_pretrained loads it)");

@@ -18,6 +18,7 @@
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/train/checkpoint.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
 #include "runtime/train/run_report.h"
@@ -57,6 +58,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const nn::LlamaConfig model_config =
       options.model.empty() ? nn::load_llama_config(options.init.string()) : load_hf_config(options.model);
   STRATA_CHECK(options.steps >= 1, kBadArgument, "--steps must be >= 1, got {}", options.steps);
+  STRATA_CHECK(!options.resume || !options.save_dir.empty(), kBadArgument,
+               "--resume needs --save DIR (the directory the checkpoints are in)");
+  STRATA_CHECK(options.save_every >= 1, kBadArgument, "--save-every must be >= 1, got {}", options.save_every);
   STRATA_CHECK(options.seq >= 1 && options.seq <= model_config.max_position_embeddings, kBadArgument,
                "--seq {} must be in [1, {}] (the model's max_position_embeddings)", options.seq,
                model_config.max_position_embeddings);
@@ -123,11 +127,27 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                 data.path(), data.size(), loader.windows());
 
   // ---- the steps ------------------------------------------------------------------------
+  // ---- resume -----------------------------------------------------------------------------
+  std::optional<Checkpoints> checkpoints;
+  if (!options.save_dir.empty()) checkpoints.emplace(options.save_dir, options.keep_checkpoints);
+  int64_t done = 0;  // steps already taken (by the run a checkpoint came from)
+  if (options.resume) {
+    const std::optional<TrainerState> resumed = checkpoints->find_and_load(engine);
+    STRATA_CHECK(resumed.has_value(), kBadArgument, "--resume: no complete checkpoint in {} (nothing to resume)",
+                 options.save_dir.string());
+    done = resumed->step;
+    loader.set_cursor(resumed->data_cursor);
+  }
+
+  // ---- the steps ------------------------------------------------------------------------
   std::unique_ptr<RunReport> report;
-  if (rank.rank == 0) report = std::make_unique<RunReport>(options.out, options.steps, options.progress);
+  if (rank.rank == 0) {
+    report = std::make_unique<RunReport>(options.out, options.steps, options.progress,
+                                         options.resume ? std::optional<int64_t>(done) : std::nullopt);
+  }
   FinetuneResult result;
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());
-  for (int64_t step = 1; step <= options.steps; ++step) {
+  for (int64_t step = done + 1; step <= options.steps; ++step) {
     const auto start = Clock::now();
     double local_count = 0;
     for (size_t m = 0; m < ids.size(); ++m) {
@@ -162,7 +182,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.forward_backward_seconds = forward_backward;
     r.optimizer_seconds = r.seconds - forward_backward;
     if (report) report->record(r);
-    if (step == 1) result.first_loss = loss;
+    if (checkpoints && (step % options.save_every == 0 || step == options.steps)) {
+      checkpoints->save(engine, {step, loader.cursor()});
+    }
+    if (step == done + 1) result.first_loss = loss;
     result.last_loss = loss;
     result.skipped += !stepped.applied;
     result.steps = step;

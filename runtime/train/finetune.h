@@ -36,6 +36,10 @@ struct FinetuneOptions {
   // the config sets activation_checkpointing.cpu_checkpointing.
   bool checkpoint_activations = false;
   std::filesystem::path out = "finetune_out";  // metrics.jsonl, loss.svg
+  std::filesystem::path save_dir;    // checkpoints (runtime/train/checkpoint.h); empty: none
+  int64_t save_every = 100;          // steps between checkpoints (and one at the end)
+  int keep_checkpoints = 2;          // complete checkpoints kept
+  bool resume = false;               // continue from save_dir's newest complete checkpoint
   std::filesystem::path export_dir;  // empty: no export; else a Hugging Face directory at the end
   std::string export_dtype;          // fp32 | fp16 | bf16; empty: the training dtype
   uint64_t export_shard_nbytes = 5'000'000'000;

@@ -29,15 +29,35 @@ nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::js
 
 }  // namespace
 
-RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out)
+RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out,
+                     std::optional<int64_t> resumed_after)
     : dir_(std::move(dir)), total_steps_(total_steps), out_(out) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   STRATA_CHECK(!ec, kIo, "cannot create the output directory {}: {}", dir_.string(), ec.message());
   metrics_path_ = dir_ / "metrics.jsonl";
   curve_path_ = dir_ / "loss.svg";
+  std::string kept;  // the lines of steps the resumed checkpoint includes
+  if (resumed_after) {
+    std::ifstream in(metrics_path_);
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (j.is_discarded() || !j.contains("step") || j["step"].get<int64_t>() > *resumed_after) continue;
+      StepRecord r;
+      r.step = j["step"].get<int64_t>();
+      r.loss = j["loss"].is_number() ? j["loss"].get<double>() : NAN;
+      r.applied = j.value("applied", true);
+      r.tokens = j.value("tokens", int64_t{0});
+      r.seconds = j.value("step_s", 0.0);
+      steps_.push_back(r);
+      elapsed_ += r.seconds;
+      kept += line + "\n";
+    }
+  }
   metrics_ = std::fopen(metrics_path_.c_str(), "w");
   STRATA_CHECK(metrics_ != nullptr, kIo, "cannot create {}: {}", metrics_path_.string(), std::strerror(errno));
+  STRATA_CHECK(std::fwrite(kept.data(), 1, kept.size(), metrics_) == kept.size() && std::fflush(metrics_) == 0, kIo,
+               "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
   terminal_ = out_ != nullptr && ::isatty(::fileno(out_)) == 1;
 }
 

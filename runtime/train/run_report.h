@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,11 @@ class RunReport {
  public:
   // Creates `dir` and dir/metrics.jsonl (truncated). `total_steps` sizes the
   // bar and the ETA; `out` is where progress goes (stderr in the tool).
-  RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out);
+  // `resumed_after`: the run continues from that step (a checkpoint):
+  // metrics.jsonl keeps its lines up to it (later ones were lost with the
+  // run that wrote them) and appends; the summary and curve cover them.
+  RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out,
+            std::optional<int64_t> resumed_after = std::nullopt);
   ~RunReport();
   RunReport(const RunReport&) = delete;
   RunReport& operator=(const RunReport&) = delete;

@@ -192,3 +192,123 @@ TEST_CASE("strata finetune with activation checkpointing gives the same losses, 
   CHECK(run(plain, "--checkpoint-activations", "device") == reference);
   CHECK(run(cpu, "", "cpu") == reference);
 }
+
+namespace {
+
+// The arguments of the checkpoint tests: 2 ranks, ZeRO-3 with parameters and
+// optimizer state on NVMe, a checkpoint every 2 steps, an fp32 export.
+std::string resumable_args(const strata::test::TempDir& dir, const std::string& name, int steps) {
+  const std::string swap = dir.file(name + "_swap");
+  static int configs = 0;
+  const std::string config = write(dir, name + "_ds" + std::to_string(++configs) + ".json", R"({
+    "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 20000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  return "finetune --config " + config + " --init " + dir.file("small.json") + " --data " + kExamples +
+         "/data/gpl-3.0.txt --data-format text --seq 32 --steps " + std::to_string(steps) + " --save " +
+         dir.file(name + "_ckpt") + " --save-every 2 --out " + dir.file(name + "_out") + " --export " +
+         dir.file(name + "_model") + " --export-dtype fp32";
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for bit like an uninterrupted one",
+          "[finetune][checkpoint]") {
+  strata::test::TempDir dir;
+  small_model(dir);
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 30;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+
+  // Each attempt runs in its own session and is killed (every process of it,
+  // at once) after a delay, unless it finishes first; the next resumes.
+  const std::string script = write(dir, "kill.sh", R"SH(#!/usr/bin/env bash
+set -u
+args="$1"; delay="$2"; ckpt="$3"; log="$4"
+resume=""
+if ls "$ckpt"/step_*/manifest.json >/dev/null 2>&1; then resume="--resume"; fi
+setsid bash -c "exec $args $resume" >"$log" 2>&1 &
+sid=$!
+end=$(( $(date +%s%N) + ${delay%.*}000000 ))
+while kill -0 $sid 2>/dev/null && [ "$(date +%s%N)" -lt "$end" ]; do sleep 0.02; done
+if kill -0 $sid 2>/dev/null; then
+  pkill -KILL -s $sid; while pgrep -s $sid >/dev/null; do sleep 0.02; done
+  echo killed; exit 0
+fi
+wait $sid; rc=$?; echo "exited $rc"
+)SH");
+  const std::string args = run + resumable_args(dir, "killed", kSteps);
+  // Start-up (rendezvous, engine, model) takes a few hundred ms, a step tens:
+  // these land in start-up, in steps, in checkpoint writes and in the export.
+  const int delays_ms[] = {700, 450, 900, 600, 1100, 800, 550, 1300, 1000, 1500};
+  int kills = 0;
+  bool finished = false;
+  for (int attempt = 0; attempt < 30 && !finished; ++attempt) {
+    const int delay = attempt < 10 ? delays_ms[attempt] : 600000;  // then let it finish
+    const std::string log = dir.file("attempt" + std::to_string(attempt) + ".log");
+    const auto r = run_command("bash " + script + " '" + args + "' " + std::to_string(delay) + " " +
+                               dir.file("killed_ckpt") + " " + log);
+    INFO("attempt " << attempt << ": " << r.output << file_bytes(log));
+    REQUIRE(r.exit_code == 0);
+    if (r.output.find("killed") != std::string::npos) {
+      ++kills;
+      continue;
+    }
+    REQUIRE_THAT(r.output, Catch::Contains("exited 0"));
+    finished = true;
+  }
+  REQUIRE(finished);
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  WARN("killed " << kills << " times");
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  // The metrics of the resumed run cover every step once.
+  const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["step"].get<int>() == i + 1);
+}
+
+TEST_CASE("a damaged newest checkpoint is named and the previous one used; --resume without one is an error",
+          "[finetune][checkpoint]") {
+  strata::test::TempDir dir;
+  small_model(dir);
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  const auto reference = run_command(run + resumable_args(dir, "ref", 8) + " 2>&1");
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+
+  // --resume with nothing to resume from.
+  const auto none = run_command(run + resumable_args(dir, "none", 8) + " --resume 2>&1");
+  CHECK(none.exit_code != 0);
+  CHECK_THAT(none.output, Catch::Contains("no complete checkpoint"));
+
+  for (const std::string damage : {"truncate-shard", "truncate-manifest"}) {
+    CAPTURE(damage);
+    // A run of 6 steps keeps checkpoints 4 and 6; damage 6, resume to 8.
+    const std::string name = damage == "truncate-shard" ? "shard" : "manifest";
+    const auto first = run_command(run + resumable_args(dir, name, 6) + " 2>&1");
+    REQUIRE(first.exit_code == 0);
+    const std::string step6 = dir.file(name + "_ckpt") + "/step_00000006";
+    const std::string victim =
+        damage == "truncate-shard" ? step6 + "/rank1/params_fp32.bin" : step6 + "/manifest.json";
+    std::filesystem::resize_file(victim, std::filesystem::file_size(victim) / 2);
+    const auto resumed = run_command(run + resumable_args(dir, name, 8) + " --resume 2>&1");
+    INFO(resumed.output);
+    REQUIRE(resumed.exit_code == 0);
+    CHECK_THAT(resumed.output, Catch::Contains("cannot be used") && Catch::Contains(victim) &&
+                                   Catch::Contains("step_00000004 (step 4)"));
+    CHECK(file_bytes(dir.file(name + "_model") + "/model.safetensors") == expected);
+  }
+}
