@@ -18,6 +18,7 @@ void add_doctor_command(CLI::App& app);
 void add_config_command(CLI::App& app);
 void add_run_command(CLI::App& app);
 void add_finetune_command(CLI::App& app);
+void add_export_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
 
 }  // namespace strata::cli

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   strata::cli::add_config_command(app);
   strata::cli::add_run_command(app);
   strata::cli::add_finetune_command(app);
+  strata::cli::add_export_command(app);
   strata::cli::add_plan_command(app);
   try {
     app.parse(argc, argv);

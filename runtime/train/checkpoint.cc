@@ -130,6 +130,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
                                      {"engine_steps", engine.step_count()},
                                      {"data_cursor", trainer.data_cursor},
                                      {"world_size", world},
+                                     {"model", trainer.model},
                                      {"ranks", ranks}};
     // Written last and atomically: until the rename the checkpoint does not exist.
     const std::string tmp = std::string(kManifest) + ".tmp";
@@ -152,9 +153,11 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
   return dir;
 }
 
-std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engine) {
+std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engine,
+                                                       std::optional<int64_t> only_step) {
   const int rank = engine.rank(), world = engine.world_size();
   for (const auto& [step, dir] : step_dirs(root_)) {
+    if (only_step && step != *only_step) continue;
     const fs::path manifest_path = dir / kManifest;
     if (!fs::exists(manifest_path)) {
       if (rank == 0) logger().info("{}: no manifest (a save that did not finish); skipped", dir.string());
@@ -188,10 +191,38 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
     TrainerState state;
     state.step = manifest.at("step").get<int64_t>();
     state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
-    if (rank == 0) logger().info("resumed from {} (step {})", dir.string(), state.step);
+    state.model = manifest.value("model", nlohmann::json());
+    if (rank == 0) logger().info("loaded checkpoint {} (step {})", dir.string(), state.step);
     return state;
   }
   return std::nullopt;
+}
+
+CheckpointInfo newest_checkpoint(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> candidates;
+  if (fs::exists(root / kManifest)) {
+    candidates.emplace_back(0, root);
+  } else {
+    candidates = step_dirs(root);
+  }
+  for (const auto& [step, dir] : candidates) {
+    if (!fs::exists(dir / kManifest)) continue;
+    const nlohmann::json manifest = read_json(dir / kManifest);
+    STRATA_CHECK(manifest.value("format", "") == kFormat, kBadArgument, "{}: not a strata checkpoint manifest",
+                 (dir / kManifest).string());
+    CheckpointInfo info;
+    info.dir = dir;
+    try {
+      info.world_size = manifest.at("world_size").get<int>();
+      info.state.step = manifest.at("step").get<int64_t>();
+      info.state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
+      info.state.model = manifest.value("model", nlohmann::json());
+    } catch (const nlohmann::json::exception& e) {
+      raise(ErrorCategory::kBadArgument, "{}: {}", (dir / kManifest).string(), e.what());
+    }
+    return info;
+  }
+  raise(ErrorCategory::kBadArgument, "{}: no checkpoint (no step_<N>/manifest.json)", root.string());
 }
 
 }  // namespace strata::train

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "runtime/engine/zero_engine.h"
@@ -29,7 +30,19 @@ namespace strata::train {
 struct TrainerState {
   int64_t step = 0;          // loop iterations done (attempted optimizer steps)
   uint64_t data_cursor = 0;  // TokenLoader::cursor() after them
+  nlohmann::json model;      // what the checkpoint is of: {"config": HF config.json, "dtype": "bf16"}
 };
+
+// The newest checkpoint with a manifest under `root` (or `root` itself when it
+// is a step directory), read without checking its files: what it is of, for a
+// tool that must build the model before it can load (strata export). Error
+// naming the directory when there is none.
+struct CheckpointInfo {
+  std::filesystem::path dir;
+  int world_size = 0;
+  TrainerState state;
+};
+CheckpointInfo newest_checkpoint(const std::filesystem::path& root);
 
 class Checkpoints {
  public:
@@ -42,7 +55,9 @@ class Checkpoints {
   std::filesystem::path save(engine::ZeroEngine& engine, const TrainerState& trainer);
   // Loads the newest complete checkpoint into `engine`; collective. nullopt
   // when the root holds none (the caller decides whether that is an error).
-  std::optional<TrainerState> find_and_load(engine::ZeroEngine& engine);
+  // only_step: consider that step's checkpoint only.
+  std::optional<TrainerState> find_and_load(engine::ZeroEngine& engine,
+                                            std::optional<int64_t> only_step = std::nullopt);
 
  private:
   std::filesystem::path root_;

@@ -128,6 +128,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
 
   // ---- the steps ------------------------------------------------------------------------
   // ---- resume -----------------------------------------------------------------------------
+  // What the checkpoints are of, so `strata export` can rebuild the model from one.
+  const nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) checkpoints.emplace(options.save_dir, options.keep_checkpoints);
   int64_t done = 0;  // steps already taken (by the run a checkpoint came from)
@@ -183,7 +185,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_seconds = r.seconds - forward_backward;
     if (report) report->record(r);
     if (checkpoints && (step % options.save_every == 0 || step == options.steps)) {
-      checkpoints->save(engine, {step, loader.cursor()});
+      checkpoints->save(engine, {step, loader.cursor(), checkpoint_model});
     }
     if (step == done + 1) result.first_loss = loss;
     result.last_loss = loss;

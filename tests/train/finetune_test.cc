@@ -289,6 +289,17 @@ TEST_CASE("a damaged newest checkpoint is named and the previous one used; --res
   REQUIRE(reference.exit_code == 0);
   const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
 
+  // strata export of the last checkpoint is the model the run exported; it
+  // needs the checkpoint's world size.
+  const auto exported = run_command(run + "export " + dir.file("ref_ckpt") + " " + dir.file("exported") +
+                                    " --dtype fp32 2>&1");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
+  const auto alone = run_command(strata_binary() + " export " + dir.file("ref_ckpt") + " " + dir.file("x") + " 2>&1");
+  CHECK(alone.exit_code != 0);
+  CHECK_THAT(alone.output, Catch::Contains("strata run -n 2 -- strata export"));
+
   // --resume with nothing to resume from.
   const auto none = run_command(run + resumable_args(dir, "none", 8) + " --resume 2>&1");
   CHECK(none.exit_code != 0);

@@ -1,0 +1,72 @@
+// strata export: rebuild the model a checkpoint names, load it, export it.
+#include "runtime/train/export_checkpoint.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "partition/rendezvous.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+#include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_model.h"
+#include "runtime/train/checkpoint.h"
+
+namespace strata::train {
+
+ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
+  const CheckpointInfo info = newest_checkpoint(options.checkpoint);
+  const partition::RankInfo rank = partition::RankInfo::from_env();
+  set_log_rank(rank.rank, rank.world_size);
+  STRATA_CHECK(rank.world_size == info.world_size, kBadArgument,
+               "{} was written by {} ranks and each rank loads its own shards: run `strata run -n {} -- strata "
+               "export ...`",
+               info.dir.string(), info.world_size, info.world_size);
+  STRATA_CHECK(info.state.model.is_object() && info.state.model.contains("config"), kBadArgument,
+               "{}/manifest.json does not say what model it holds (written by an older strata)", info.dir.string());
+  const nn::LlamaConfig config = nn::parse_llama_config(info.state.model["config"], info.dir.string() + "/manifest.json");
+  const DType train_dtype = parse_dtype(info.state.model.value("dtype", std::string("fp32")));
+  ExportOptions export_options;
+  export_options.dtype = options.dtype.empty() ? train_dtype : parse_dtype(options.dtype);
+  export_options.max_shard_nbytes = options.shard_nbytes;
+
+  const auto start = std::chrono::steady_clock::now();
+  auto accelerator = make_accelerator("auto");
+  const auto timeout = std::chrono::milliseconds(300'000);
+  partition::Rendezvous rendezvous(rank, timeout);
+  auto communicator = [&](const char* traffic) {
+    partition::CommunicatorOptions o;
+    o.rank = rank.rank;
+    o.world_size = rank.world_size;
+    o.timeout = timeout;
+    o.prefix = std::string("strata/export/") + traffic;
+    return partition::make_communicator(*accelerator, rendezvous.store(), o);
+  };
+  auto gather = communicator("gather"), reduce = communicator("reduce"), control = communicator("control");
+  // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
+  engine::ZeroEngineOptions zero;
+  zero.stage = 3;
+  engine::ZeroEngine engine(*accelerator, {gather.get(), reduce.get(), control.get()}, zero);
+  nn::LlamaModelOptions model_options;
+  model_options.dtype = train_dtype;
+  nn::LlamaModel model(engine, config, model_options);
+  engine.finalize();
+  const bool is_step_dir = info.dir == options.checkpoint || std::filesystem::equivalent(info.dir, options.checkpoint);
+  Checkpoints checkpoints(info.dir.parent_path(), 1);
+  const auto loaded = checkpoints.find_and_load(engine, is_step_dir ? std::optional<int64_t>(info.state.step)
+                                                                    : std::nullopt);
+  STRATA_CHECK(loaded.has_value(), kBadArgument, "{}: no complete checkpoint to export", options.checkpoint.string());
+  const ExportResult result =
+      export_hf_model(engine, *control, config, model.parameters(), options.out, export_options);
+  if (rank.rank == 0 && options.progress != nullptr) {
+    fmt::print(options.progress, "exported step {} of {} to {} ({} file(s), {} in {}, {:.1f} MB) in {:.1f} s\n",
+               loaded->step, checkpoints.root().string(), options.out.string(), result.files.size(),
+               dtype_name(export_options.dtype), result.files.size() > 1 ? "sharded" : "one file",
+               static_cast<double>(result.tensor_nbytes) / 1e6,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return result;
+}
+
+}  // namespace strata::train
