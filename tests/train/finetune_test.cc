@@ -323,3 +323,35 @@ TEST_CASE("a damaged newest checkpoint is named and the previous one used; --res
     CHECK(file_bytes(dir.file(name + "_model") + "/model.safetensors") == expected);
   }
 }
+
+TEST_CASE("a disk that fills during a checkpoint: a clear error naming the file, the earlier checkpoints intact",
+          "[finetune][checkpoint]") {
+  strata::test::TempDir dir;
+  const std::string model = small_model(dir);
+  const std::string config = write(dir, "mem.json", R"({"train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                          " --init " + model + " --data " + kExamples +
+                          "/data/gpl-3.0.txt --data-format text --seq 32 --save-every 2 --export-dtype fp32";
+  const auto reference =
+      run_command(run + " --steps 8 --out " + dir.file("ref") + " --export " + dir.file("ref_model") + " 2>&1");
+  REQUIRE(reference.exit_code == 0);
+  const std::string ckpt = dir.file("ckpt");
+  REQUIRE(run_command(run + " --steps 4 --out " + dir.file("out") + " --save " + ckpt + " 2>&1").exit_code == 0);
+  // A file-size limit stands in for a full disk: writes past 100 KiB fail
+  // (EFBIG; SIGXFSZ ignored, as a full disk raises no signal).
+  const auto full = run_command("bash -c \"ulimit -f 200; trap '' XFSZ; " + run + " --steps 8 --out " +
+                                dir.file("out") + " --save " + ckpt + " --resume\" 2>&1");
+  INFO(full.output);
+  CHECK(full.exit_code != 0);
+  CHECK_THAT(full.output, Catch::Contains("step_00000006/rank") && Catch::Contains("File too large"));
+  CHECK_FALSE(std::filesystem::exists(ckpt + "/step_00000006/manifest.json"));
+  CHECK(std::filesystem::exists(ckpt + "/step_00000004/manifest.json"));
+  // With room again, the run resumes from step 4 and ends where the uninterrupted one did.
+  const auto again = run_command(run + " --steps 8 --out " + dir.file("out") + " --save " + ckpt + " --resume --export " +
+                                 dir.file("model") + " 2>&1");
+  INFO(again.output);
+  REQUIRE(again.exit_code == 0);
+  CHECK_THAT(again.output, Catch::Contains("step_00000004 (step 4)"));
+  CHECK(file_bytes(dir.file("model") + "/model.safetensors") == file_bytes(dir.file("ref_model") + "/model.safetensors"));
+}
