@@ -1,0 +1,536 @@
+"""strata from Python: a ctypes binding over strata's C API (runtime/capi/strata.h).
+
+No build step: the package loads libstrata_runtime.so, found (first match) at
+  1. $STRATA_LIBRARY (the file),
+  2. $STRATA_PREFIX/lib/libstrata_runtime.so (and lib64, lib/<multiarch>),
+  3. the install this package belongs to (<prefix>/lib/strata/python/strata),
+  4. a build directory of the source tree this package is in (build*/runtime),
+  5. the dynamic linker's search path.
+
+A Python trainer keeps its model code and loop; strata owns the parameters
+(partitioned over ranks, offloaded to CPU memory or NVMe as the DeepSpeed-style
+config says) and runs the optimizer:
+
+    import numpy as np, strata
+    eng = strata.Engine({"zero_optimization": {"stage": 3}, "strata": {"accelerator": "cpu"}})
+    w = eng.register("w", np.zeros((1, 8), np.float32))
+    lin = eng.op("linear", [w])
+    eng.finalize()
+    with eng.fetch(lin, "forward") as win:
+        pred = x @ win.param(w).T          # a read-only view of the full value
+    with eng.fetch(lin, "backward") as win:
+        win.add_grad(w, dw)                # or: win.grad(w)[...] += dw
+    eng.step(lr=0.05)
+    eng.read("w")                          # the full value, on every rank (collective)
+
+Every failure of the C API raises strata.Error (InvalidArgument, InvalidState,
+EngineFailed, ... by status) carrying strata's message. Collectives
+(Engine(), finalize, fetch at stage 3, global_sum, step, read, write) must be
+called by every rank in the same order, as in the C API. Parameter values are
+numpy arrays (float32, float16; bf16 as float32 values converted on the way in
+and out) or torch tensors (through DLPack / their CPU copy) when torch is
+importable.
+"""
+
+import ctypes
+import ctypes.util
+import json
+import os
+import pathlib
+from collections import namedtuple
+
+import numpy as np
+
+__all__ = [
+    "Engine", "Param", "Op", "Window", "StepResult", "Error", "InvalidArgument", "InvalidState",
+    "IoError", "OutOfMemory", "CommunicationError", "CudaError", "InternalError", "EngineFailed",
+    "CallbackError", "FORWARD", "BACKWARD", "RECOMPUTE", "version", "library_path",
+]
+
+FORWARD, BACKWARD, RECOMPUTE = 0, 1, 2
+_PHASES = {"forward": FORWARD, "backward": BACKWARD, "recompute": RECOMPUTE}
+_F32, _F16, _BF16 = 0, 1, 2
+_DTYPE_NAMES = {"fp32": _F32, "float32": _F32, "fp16": _F16, "float16": _F16, "bf16": _BF16, "bfloat16": _BF16}
+_MAJOR = 0  # the C API major version this binding is written for
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+class Error(RuntimeError):
+    """A strata C API call failed; str() is strata_last_error() ("<function>: <what>")."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+class InvalidArgument(Error, ValueError):
+    """Bad input (unknown id, wrong dtype or shape, bad config); the engine stays usable."""
+
+
+class InvalidState(Error):
+    """A call out of order (fetch before finalize, step inside a window); the engine stays usable."""
+
+
+class IoError(Error):
+    pass
+
+
+class OutOfMemory(Error, MemoryError):
+    pass
+
+
+class CommunicationError(Error):
+    pass
+
+
+class CudaError(Error):
+    pass
+
+
+class InternalError(Error):
+    pass
+
+
+class EngineFailed(Error):
+    """An earlier error left the engine unusable; close it."""
+
+
+class CallbackError(Error):
+    pass
+
+
+_ERRORS = {1: InvalidArgument, 2: InvalidState, 3: IoError, 4: OutOfMemory, 5: CommunicationError,
+           6: CudaError, 7: InternalError, 8: EngineFailed, 9: CallbackError}
+
+
+# ---- the library --------------------------------------------------------------------------
+
+_NAME = "libstrata_runtime.so"
+
+
+def _candidates():
+    env = os.environ.get("STRATA_LIBRARY")
+    if env:
+        yield pathlib.Path(env)
+    prefix = os.environ.get("STRATA_PREFIX")
+    if prefix:
+        for lib in ("lib", "lib64", "lib/x86_64-linux-gnu", "lib/aarch64-linux-gnu"):
+            yield pathlib.Path(prefix) / lib / _NAME
+    here = pathlib.Path(__file__).resolve().parent
+    # Installed: <prefix>/<libdir>/strata/python/strata/__init__.py
+    yield here.parents[2] / _NAME
+    # The source tree: <repo>/python/strata/__init__.py, built in <repo>/build*/ (newest first).
+    repo = here.parents[1]
+    builds = [p for p in repo.glob("build*/runtime/" + _NAME) if p.is_file()]
+    yield from sorted(builds, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        tried.append(str(path))
+        if path.is_file():
+            lib = ctypes.CDLL(str(path))
+            if hasattr(lib, "strata_engine_create"):  # a build from before the C API has none
+                return lib, str(path)
+    found = ctypes.util.find_library("strata_runtime")
+    if found:
+        return ctypes.CDLL(found), found
+    raise ImportError("strata: libstrata_runtime.so not found; set STRATA_LIBRARY=/path/to/libstrata_runtime.so "
+                      "or STRATA_PREFIX=<install prefix>. Tried: " + ", ".join(tried))
+
+
+_lib, library_path = _load()
+
+_i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_INIT_FN = ctypes.CFUNCTYPE(ctypes.c_int, _vp, _i32, _i64, _i64, _vp)
+
+
+class _StepResult(ctypes.Structure):
+    _fields_ = [("applied", _i32), ("grad_scale", ctypes.c_float), ("grad_norm", ctypes.c_double),
+                ("loss_scale", ctypes.c_double), ("step", _i64)]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("rank", _i32), ("world_size", _i32), ("zero_stage", _i32), ("param_tier", _i32),
+                ("optimizer_tier", _i32), ("param_count", _i32), ("op_count", _i32), ("host_memory", _i32),
+                ("finalized", _i32), ("failed", _i32), ("param_numel", _i64), ("steps", _i64),
+                ("steps_skipped", _i64), ("gathered_bytes", ctypes.c_uint64),
+                ("peak_gathered_bytes", ctypes.c_uint64), ("gathers", _i64)]
+
+
+def _declare(name, argtypes, restype=ctypes.c_int):
+    fn = getattr(_lib, name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+_EP = _vp  # strata_engine*
+_version = _declare("strata_version", [], ctypes.c_int)
+_version_string = _declare("strata_version_string", [], ctypes.c_char_p)
+_last_error = _declare("strata_last_error", [], ctypes.c_char_p)
+_create = _declare("strata_engine_create", [ctypes.c_char_p, ctypes.POINTER(_vp)])
+_destroy = _declare("strata_engine_destroy", [_EP])
+_register_param = _declare("strata_register_param", [_EP, ctypes.c_char_p, ctypes.c_int, _i32,
+                                                      ctypes.POINTER(_i64), _vp, _INIT_FN, _vp,
+                                                      ctypes.POINTER(_i32)])
+_register_op = _declare("strata_register_op", [_EP, ctypes.c_char_p, _i32, ctypes.POINTER(_i32),
+                                                ctypes.POINTER(_i32)])
+_finalize = _declare("strata_finalize", [_EP])
+_fetch = _declare("strata_fetch", [_EP, _i32, ctypes.c_int])
+_release = _declare("strata_release", [_EP, _i32, ctypes.c_int])
+_param_ptr = _declare("strata_param_ptr", [_EP, _i32, ctypes.POINTER(_vp)])
+_grad_ptr = _declare("strata_grad_ptr", [_EP, _i32, ctypes.POINTER(_vp)])
+_add_grad = _declare("strata_add_grad", [_EP, _i32, _vp])
+_global_sum = _declare("strata_global_sum", [_EP, ctypes.c_double, ctypes.POINTER(ctypes.c_double)])
+_step = _declare("strata_step", [_EP, ctypes.c_float, ctypes.POINTER(_StepResult)])
+_zero_grad = _declare("strata_zero_grad", [_EP])
+_loss_scale = _declare("strata_loss_scale", [_EP, ctypes.POINTER(ctypes.c_double)])
+_read_param = _declare("strata_read_param", [_EP, _i32, _vp])
+_write_param = _declare("strata_write_param", [_EP, _i32, _vp])
+_get_stats = _declare("strata_get_stats", [_EP, ctypes.POINTER(_Stats)])
+
+if _version() // 10000 != _MAJOR:
+    raise ImportError(f"strata: this binding is for C API {_MAJOR}.x; {library_path} is "
+                      f"{_version_string().decode()}")
+
+
+def version():
+    """The loaded library's version string, e.g. "0.1.0"."""
+    return _version_string().decode()
+
+
+def _check(status):
+    if status != 0:
+        raise _ERRORS.get(status, Error)(status, _last_error().decode(errors="replace"))
+
+
+# ---- values: numpy, torch, bf16 -------------------------------------------------------------
+
+
+def _f32_to_bf16_bits(a):
+    """float32 -> bfloat16 bit patterns, round to nearest even, NaN kept a (quiet) NaN."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def _bf16_bits_to_f32(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _as_numpy(value):
+    """A host numpy array for a numpy array, anything array-like, or a torch tensor (any device)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__dlpack__") and hasattr(value, "detach"):  # a torch tensor
+        import torch  # present: `value` is one of its tensors
+
+        t = value.detach().contiguous().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.float().numpy()  # exact: bf16 widens to fp32 without rounding
+        try:
+            return np.from_dlpack(t)
+        except (AttributeError, TypeError, RuntimeError, BufferError):
+            return t.numpy()
+    return np.asarray(value)
+
+
+def _dtype_code(dtype, array):
+    if dtype is None:
+        dtype = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}.get(array.dtype)
+        if dtype is None:
+            if array.dtype.kind in "iub":
+                raise InvalidArgument(1, f"strata: values of dtype {array.dtype} need dtype='fp32', 'fp16' or "
+                                         "'bf16' to say how strata stores them")
+            dtype = "fp32"
+    key = str(dtype).replace("torch.", "").lower()
+    if key not in _DTYPE_NAMES:
+        raise InvalidArgument(1, f"strata: dtype {dtype!r} is not fp32, fp16 or bf16")
+    return _DTYPE_NAMES[key]
+
+
+def _storage(array, code):
+    """`array` in strata's storage layout for dtype `code`, C-contiguous."""
+    if code == _F32:
+        return np.ascontiguousarray(array, dtype=np.float32)
+    if code == _F16:
+        return np.ascontiguousarray(array, dtype=np.float16)
+    return _f32_to_bf16_bits(np.asarray(array, dtype=np.float32))
+
+
+_NP_STORAGE = {_F32: np.float32, _F16: np.float16, _BF16: np.uint16}
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+class Param(namedtuple("Param", "id name shape dtype")):
+    """A registered parameter: its id, name, shape and storage dtype ("fp32", "fp16", "bf16")."""
+
+    @property
+    def numel(self):
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class Op(namedtuple("Op", "id name params")):
+    """A registered operator: its id, name and the Params its window makes available."""
+
+
+StepResult = namedtuple("StepResult", "applied grad_norm grad_scale loss_scale step")
+_DTYPE_OF_CODE = {_F32: "fp32", _F16: "fp16", _BF16: "bf16"}
+
+
+class Engine:
+    """This rank's strata engine (strata_engine_create); `config` is a dict or JSON text.
+
+    Use as a context manager, or call close(); the rank environment comes from
+    `strata run` / torchrun (alone: rank 0 of 1).
+    """
+
+    def __init__(self, config):
+        text = config if isinstance(config, str) else json.dumps(config)
+        handle = _vp()
+        _check(_create(text.encode(), ctypes.byref(handle)))
+        self._handle = handle
+        self._params = []
+        self._by_name = {}
+        self._ops = []
+        self._keep = []  # init callbacks, alive until finalize
+        stats = self.stats()
+        self.rank, self.world_size = stats["rank"], stats["world_size"]
+        self.host_memory = bool(stats["host_memory"])
+
+    # -- lifetime --
+    def close(self):
+        """Destroys the engine (strata_engine_destroy); collective like every rank's exit."""
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            _destroy(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+    def _h(self):
+        if not self._handle:
+            raise InvalidState(2, "strata: the engine is closed")
+        return self._handle
+
+    # -- declaration --
+    def register(self, name, values=None, *, shape=None, dtype=None, init=None):
+        """Registers a parameter; returns its Param.
+
+        values: its full initial value (numpy array, torch tensor or array-like), the same on
+                every rank; or `shape` (+ dtype) with `init(first, count) -> values` (called at
+                finalize for this rank's ranges only) or neither (zeros).
+        dtype:  "fp32", "fp16" or "bf16"; default from the values (float32/float16), else fp32.
+        """
+        array = None
+        if values is not None:
+            if dtype is None and str(getattr(values, "dtype", "")) == "torch.bfloat16":
+                dtype = "bf16"  # keep a torch tensor's storage dtype (numpy has no bf16)
+            array = _as_numpy(values)
+            if shape is not None and tuple(shape) != tuple(array.shape):
+                raise InvalidArgument(1, f"strata: shape {tuple(shape)} given for values of shape {array.shape}")
+            shape = array.shape
+        if shape is None:
+            raise InvalidArgument(1, f"strata: parameter '{name}': give values or a shape")
+        shape = tuple(int(d) for d in shape)
+        code = _dtype_code(dtype, array if array is not None else np.zeros(0, np.float32))
+        data = None
+        if array is not None:
+            data = _storage(array, code)
+        callback = _INIT_FN()
+        if init is not None:
+            storage = _NP_STORAGE[code]
+
+            def fill(_user, _param, first, count, out, init=init, code=code, storage=storage):
+                try:
+                    chunk = _storage(np.asarray(init(int(first), int(count))).reshape(-1), code)
+                    if chunk.size != count:
+                        return 2
+                    ctypes.memmove(out, chunk.ctypes.data, chunk.nbytes)
+                    return 0
+                except Exception:  # an exception must not cross into C
+                    return 1
+
+            callback = _INIT_FN(fill)
+            self._keep.append(callback)
+        dims = (_i64 * max(len(shape), 1))(*shape)
+        out = _i32()
+        _check(_register_param(self._h(), name.encode(), code, len(shape), dims,
+                               data.ctypes.data if data is not None else None, callback, None, ctypes.byref(out)))
+        param = Param(out.value, name, shape, _DTYPE_OF_CODE[code])
+        self._params.append(param)
+        self._by_name[name] = param
+        return param
+
+    def _param(self, p):
+        if isinstance(p, Param):
+            return p
+        if isinstance(p, str):
+            if p not in self._by_name:
+                raise InvalidArgument(1, f"strata: no parameter is called '{p}'")
+            return self._by_name[p]
+        if isinstance(p, (int, np.integer)) and 0 <= int(p) < len(self._params):
+            return self._params[int(p)]
+        return Param(int(p), f"#{int(p)}", (), "fp32")  # strata says what is wrong with it
+
+    def op(self, name, params):
+        """Registers an operator reading `params` (Params, names or ids); returns its Op."""
+        resolved = [self._param(p) for p in params]
+        ids = (_i32 * max(len(resolved), 1))(*[p.id for p in resolved])
+        out = _i32()
+        _check(_register_op(self._h(), name.encode(), len(resolved), ids, ctypes.byref(out)))
+        op = Op(out.value, name, tuple(resolved))
+        self._ops.append(op)
+        return op
+
+    def finalize(self):
+        """Partitions and stores every parameter (collective)."""
+        try:
+            _check(_finalize(self._h()))
+        finally:
+            self._keep.clear()
+
+    # -- hook windows --
+    def fetch(self, op, phase="forward"):
+        """Opens `op`'s window (strata_fetch); a context manager that releases it on exit."""
+        code = _PHASES.get(phase, phase) if isinstance(phase, str) else phase
+        if isinstance(phase, str) and phase not in _PHASES:
+            raise InvalidArgument(1, f"strata: phase {phase!r} is not forward, backward or recompute")
+        op_id = op.id if isinstance(op, Op) else int(op)
+        _check(_fetch(self._h(), op_id, int(code)))
+        return Window(self, op_id, int(code))
+
+    def _view(self, param, ptr, dtype, writable):
+        if not self.host_memory:
+            raise InvalidState(2, "strata: the accelerator's memory is not host memory; use ptr() / grad_ptr()")
+        count = param.numel
+        buffer = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)
+        view = np.frombuffer(buffer, dtype=dtype).reshape(param.shape)
+        view.flags.writeable = writable
+        return view
+
+    def ptr(self, p):
+        """The address of p's full value (accelerator memory) in an open window."""
+        out = _vp()
+        _check(_param_ptr(self._h(), self._param(p).id, ctypes.byref(out)))
+        return out.value
+
+    def grad_ptr(self, p):
+        """The address of p's fp32 gradient buffer in an open backward window."""
+        out = _vp()
+        _check(_grad_ptr(self._h(), self._param(p).id, ctypes.byref(out)))
+        return out.value
+
+    def add_grad(self, p, grad):
+        """Adds `grad` (p's shape; numpy, torch or array-like; converted to fp32) into p's gradient."""
+        param = self._param(p)
+        array = np.ascontiguousarray(_as_numpy(grad), dtype=np.float32)
+        if param.shape and array.size != param.numel:
+            raise InvalidArgument(1, f"strata: gradient for '{param.name}' has {array.size} elements, the "
+                                     f"parameter {param.numel} (shape {param.shape})")
+        _check(_add_grad(self._h(), param.id, array.ctypes.data))
+
+    # -- steps --
+    def global_sum(self, value):
+        """Sum of `value` over ranks (collective)."""
+        out = ctypes.c_double()
+        _check(_global_sum(self._h(), float(value), ctypes.byref(out)))
+        return out.value
+
+    def step(self, lr):
+        """The optimizer step (collective); returns StepResult(applied, grad_norm, grad_scale, loss_scale, step)."""
+        result = _StepResult()
+        _check(_step(self._h(), float(lr), ctypes.byref(result)))
+        return StepResult(bool(result.applied), result.grad_norm, result.grad_scale, result.loss_scale, result.step)
+
+    def loss_scale(self):
+        """The fp16 loss scale of the coming step (1 without fp16): multiply the loss by it."""
+        out = ctypes.c_double()
+        _check(_loss_scale(self._h(), ctypes.byref(out)))
+        return out.value
+
+    def zero_grad(self):
+        _check(_zero_grad(self._h()))
+
+    def read(self, p):
+        """p's full current value as a new numpy array (collective); bf16 comes back as float32."""
+        param = self._param(p)
+        code = _DTYPE_NAMES[param.dtype]
+        out = np.empty(param.shape, dtype=_NP_STORAGE[code])
+        _check(_read_param(self._h(), param.id, out.ctypes.data))
+        return _bf16_bits_to_f32(out) if code == _BF16 else out
+
+    def write(self, p, values):
+        """Sets p to `values` (its full value, the same on every rank; collective)."""
+        param = self._param(p)
+        data = _storage(_as_numpy(values), _DTYPE_NAMES[param.dtype])
+        if data.size != param.numel:
+            raise InvalidArgument(1, f"strata: values for '{param.name}' have {data.size} elements, the "
+                                     f"parameter {param.numel}")
+        _check(_write_param(self._h(), param.id, data.ctypes.data))
+
+    def stats(self):
+        out = _Stats()
+        _check(_get_stats(self._h(), ctypes.byref(out)))
+        return {name: getattr(out, name) for name, _ in _Stats._fields_}
+
+    @property
+    def params(self):
+        return list(self._params)
+
+
+class Window:
+    """An open hook window (Engine.fetch); release() or leave the `with` block to close it."""
+
+    def __init__(self, engine, op, phase):
+        self._engine, self.op, self.phase, self._open = engine, op, phase, True
+
+    def param(self, p):
+        """A read-only numpy view of p's full value (cpu accelerator), valid until release.
+
+        Its storage dtype: float32, float16, or for bf16 the raw bit patterns as uint16."""
+        param = self._engine._param(p)
+        return self._engine._view(param, self._engine.ptr(param), _NP_STORAGE[_DTYPE_NAMES[param.dtype]], False)
+
+    def grad(self, p):
+        """A writable fp32 numpy view of p's gradient buffer (backward, cpu accelerator): add into it."""
+        param = self._engine._param(p)
+        return self._engine._view(param, self._engine.grad_ptr(param), np.float32, True)
+
+    def add_grad(self, p, grad):
+        self._engine.add_grad(p, grad)
+
+    def release(self):
+        if self._open:
+            self._open = False
+            _check(_release(self._engine._h(), self.op, self.phase))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.release()
+            return
+        try:  # keep the original exception; a failed engine would only repeat it
+            self.release()
+        except Error:
+            pass

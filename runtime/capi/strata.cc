@@ -1,0 +1,746 @@
+// The C API (strata.h) over engine::ZeroEngine. Each entry point checks its
+// arguments and the call order itself, before touching the engine, so that
+// bad input is a status that leaves the engine usable; whatever the engine
+// then throws is caught here, converted to a status and a thread-local
+// message, and (except for declarations, which change nothing when they
+// throw) marks the engine failed, because the throw may have come half way
+// through a collective or a transfer.
+#include "runtime/capi/strata.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "partition/communicator.h"
+#include "partition/rendezvous.h"
+#include "runtime/config/config.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+#include "runtime/engine/zero_engine.h"
+#include "runtime/launcher/launcher.h"
+#include "runtime/train/zero_config.h"
+
+namespace {
+
+namespace engine = strata::engine;
+namespace partition = strata::partition;
+using strata::DType;
+
+thread_local std::string t_last_error;
+
+// A failure found by the C layer's own checks: nothing has changed yet.
+struct ApiError {
+  strata_status status;
+  std::string message;
+};
+
+template <typename... Args>
+void require(bool ok, strata_status status, fmt::format_string<Args...> format, Args&&... args) {
+  if (!ok) [[unlikely]] {
+    throw ApiError{status, fmt::format(format, std::forward<Args>(args)...)};
+  }
+}
+
+template <typename T>
+void require_not_null(const T* p, const char* name) {
+  require(p != nullptr, STRATA_ERROR_INVALID_ARGUMENT, "{} is NULL", name);
+}
+
+strata_status status_of(strata::ErrorCategory category) {
+  switch (category) {
+    case strata::ErrorCategory::kBadArgument: return STRATA_ERROR_INVALID_ARGUMENT;
+    case strata::ErrorCategory::kIo: return STRATA_ERROR_IO;
+    case strata::ErrorCategory::kOutOfMemory: return STRATA_ERROR_OUT_OF_MEMORY;
+    case strata::ErrorCategory::kCommunication: return STRATA_ERROR_COMMUNICATION;
+    case strata::ErrorCategory::kCuda: return STRATA_ERROR_CUDA;
+    case strata::ErrorCategory::kInternal: return STRATA_ERROR_INTERNAL;
+  }
+  return STRATA_ERROR_INTERNAL;
+}
+
+// An init callback's failure, raised inside for_each_owned_range.
+struct CallbackError {
+  std::string message;
+};
+
+DType dtype_of(strata_dtype dtype) {
+  switch (dtype) {
+    case STRATA_DTYPE_F32: return DType::kF32;
+    case STRATA_DTYPE_F16: return DType::kF16;
+    case STRATA_DTYPE_BF16: return DType::kBF16;
+  }
+  return DType::kF32;  // unreachable: checked by the caller
+}
+
+bool valid_dtype(int dtype) { return dtype >= STRATA_DTYPE_F32 && dtype <= STRATA_DTYPE_BF16; }
+bool valid_phase(int phase) { return phase >= STRATA_PHASE_FORWARD && phase <= STRATA_PHASE_RECOMPUTE; }
+
+engine::Phase phase_of(strata_phase phase) {
+  switch (phase) {
+    case STRATA_PHASE_FORWARD: return engine::Phase::kForward;
+    case STRATA_PHASE_BACKWARD: return engine::Phase::kBackward;
+    case STRATA_PHASE_RECOMPUTE: return engine::Phase::kRecompute;
+  }
+  return engine::Phase::kForward;
+}
+
+const char* phase_name(strata_phase phase) {
+  switch (phase) {
+    case STRATA_PHASE_FORWARD: return "forward";
+    case STRATA_PHASE_BACKWARD: return "backward";
+    case STRATA_PHASE_RECOMPUTE: return "recompute";
+  }
+  return "?";
+}
+
+int32_t tier_of(strata::Tier tier) {
+  switch (tier) {
+    case strata::Tier::kDevice: return STRATA_TIER_DEVICE;
+    case strata::Tier::kCpu: return STRATA_TIER_CPU;
+    case strata::Tier::kNvme: return STRATA_TIER_NVME;
+  }
+  return STRATA_TIER_DEVICE;
+}
+
+// 64-bit FNV-1a, to compare the ranks' declarations.
+struct Fnv {
+  uint64_t h = 1469598103934665603ull;
+  void bytes(const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ull;
+  }
+  template <typename T>
+  void value(const T& v) { bytes(&v, sizeof v); }
+  void text(const std::string& s) {
+    value(s.size());
+    bytes(s.data(), s.size());
+  }
+};
+
+}  // namespace
+
+struct strata_engine {
+  struct Param {
+    std::vector<char> initial;  // the full tensor given at registration (until finalize)
+    strata_init_fn init = nullptr;
+    void* user = nullptr;
+  };
+  struct Window {
+    int32_t op;
+    strata_phase phase;
+  };
+
+  // Declaration order is destruction order reversed: the engine goes first,
+  // then the streams and communicators, and the accelerator they all borrow.
+  // The rendezvous is the process's (shared_rendezvous), alive until exit.
+  std::unique_ptr<strata::Accelerator> accelerator;
+  std::unique_ptr<partition::Communicator> gather, reduce, control, host;
+  std::unique_ptr<strata::Stream> host_stream;  // the C layer's own collectives (read_param, finalize check)
+  std::unique_ptr<engine::ZeroEngine> zero;
+
+  std::vector<Param> params;
+  std::vector<std::vector<int32_t>> ops;  // the parameters each operator lists
+  std::vector<Window> windows;            // open, innermost last
+  std::vector<int32_t> backward_seen;     // per parameter: its operators released in this backward pass
+  bool finalized = false;
+  std::string failure;  // the error that left the engine unusable; empty while usable
+  int64_t steps_skipped = 0;
+};
+
+namespace {
+
+// The process's rendezvous, shared by its engines: made by the first
+// strata_engine_create and destroyed at exit, where rank 0 waits for every
+// rank's goodbye (Rendezvous's destructor). One per process because
+// MASTER_PORT names one store: a second server on it while a peer still talks
+// to the first would race. Engines differ by their communicators' key prefix,
+// numbered in creation order (the same on every rank).
+struct SharedRendezvous {
+  std::mutex mutex;
+  std::unique_ptr<partition::Rendezvous> rendezvous;
+  int64_t engines = 0;
+};
+
+SharedRendezvous& shared_rendezvous() {
+  static SharedRendezvous shared;
+  return shared;
+}
+
+// Runs `body` for the C function `function`; converts everything it throws.
+// `poison`: whether an error from the engine (not from the C layer's checks)
+// leaves `e` unusable.
+template <typename Body>
+strata_status guarded(const char* function, strata_engine* e, bool poison, Body&& body) {
+  strata_status status = STRATA_OK;
+  std::string message;
+  try {
+    if (e != nullptr && !e->failure.empty()) {
+      throw ApiError{STRATA_ERROR_ENGINE_FAILED,
+                     fmt::format("the engine is unusable after an earlier error ({}); destroy it", e->failure)};
+    }
+    body();
+    return STRATA_OK;
+  } catch (const ApiError& error) {
+    status = error.status;
+    message = error.message;
+    poison = false;  // found before anything changed
+  } catch (const CallbackError& error) {
+    status = STRATA_ERROR_CALLBACK;
+    message = error.message;
+  } catch (const strata::Error& error) {
+    status = status_of(error.category());
+    // The C layer checks every argument and the call order first; an engine
+    // that still says "bad argument" mid-operation has changed state.
+    if (poison && status == STRATA_ERROR_INVALID_ARGUMENT) status = STRATA_ERROR_INTERNAL;
+    message = error.message();  // the status carries the category
+  } catch (const std::bad_alloc&) {
+    status = STRATA_ERROR_OUT_OF_MEMORY;
+    message = "out of host memory (std::bad_alloc)";
+  } catch (const std::exception& error) {
+    status = STRATA_ERROR_INTERNAL;
+    message = error.what();
+  } catch (...) {
+    status = STRATA_ERROR_INTERNAL;
+    message = "unknown exception";
+  }
+  try {
+    t_last_error = fmt::format("{}: {}", function, message);
+    if (e != nullptr && poison && e->failure.empty()) e->failure = t_last_error;
+  } catch (...) {
+    // Out of memory for the message itself: the status still says what happened.
+  }
+  return status;
+}
+
+void require_engine(const strata_engine* e) { require_not_null(e, "engine"); }
+
+void require_param(const strata_engine* e, int32_t id) {
+  require(id >= 0 && static_cast<size_t>(id) < e->params.size(), STRATA_ERROR_INVALID_ARGUMENT,
+          "parameter id {} is not registered (ids are 0..{})", id, static_cast<int64_t>(e->params.size()) - 1);
+}
+
+void require_op(const strata_engine* e, int32_t op) {
+  require(op >= 0 && static_cast<size_t>(op) < e->ops.size(), STRATA_ERROR_INVALID_ARGUMENT,
+          "operator id {} is not registered (ids are 0..{})", op, static_cast<int64_t>(e->ops.size()) - 1);
+}
+
+void require_finalized(const strata_engine* e) {
+  require(e->finalized, STRATA_ERROR_INVALID_STATE, "called before strata_finalize");
+}
+
+void require_no_window(const strata_engine* e) {
+  require(e->windows.empty(), STRATA_ERROR_INVALID_STATE,
+          "called with operator '{}' ({}) still fetched; strata_release every window first",
+          e->windows.empty() ? "" : e->zero->op_info(e->windows.back().op).name,
+          e->windows.empty() ? "" : phase_name(e->windows.back().phase));
+}
+
+// Every backward pass begun has been finished (the engine reduces a gradient
+// only at its last use; a half-done pass would be completed by the next one).
+void require_backward_done(const strata_engine* e) {
+  for (size_t p = 0; p < e->backward_seen.size(); ++p) {
+    require(e->backward_seen[p] == 0, STRATA_ERROR_INVALID_STATE,
+            "a backward pass is half done: parameter '{}' has had {} of its {} operators released in "
+            "backward; release the rest first",
+            e->zero->param_info(static_cast<int32_t>(p)).name, e->backward_seen[p],
+            e->zero->uses_of(static_cast<int32_t>(p)));
+  }
+}
+
+// Whether an open window (a backward one when `backward`) lists `id`.
+bool in_window(const strata_engine* e, int32_t id, bool backward) {
+  for (const auto& w : e->windows) {
+    if (backward && w.phase != STRATA_PHASE_BACKWARD) continue;
+    const auto& listed = e->ops[static_cast<size_t>(w.op)];
+    if (std::find(listed.begin(), listed.end(), id) != listed.end()) return true;
+  }
+  return false;
+}
+
+// Sum of int32 `words` over ranks on the C layer's own communicator, through
+// accelerator memory (NCCL needs device buffers). Blocks.
+void allreduce_i32(strata_engine* e, int32_t* words, size_t count) {
+  if (e->zero->world_size() == 1 || count == 0) return;
+  strata::Accelerator& acc = *e->accelerator;
+  const size_t nbytes = count * sizeof(int32_t);
+  void* device = acc.allocate(nbytes);
+  try {
+    acc.copy_async(device, words, nbytes, strata::CopyKind::kHostToDevice, *e->host_stream);
+    e->host->allreduce(device, device, count, DType::kI32, partition::ReduceOp::kSum, *e->host_stream);
+    acc.copy_async(words, device, nbytes, strata::CopyKind::kDeviceToHost, *e->host_stream);
+    e->host_stream->synchronize();
+  } catch (...) {
+    try {  // the buffer is free only once the stream is done with it; its error is the one thrown
+      e->host_stream->synchronize();
+    } catch (...) {
+    }
+    acc.deallocate(device);
+    throw;
+  }
+  acc.deallocate(device);
+}
+
+// Whether every rank declared the same parameters and operators: the
+// declarations' hash in 16-bit lanes, summed over ranks, must be world x own.
+void check_same_declarations(strata_engine* e) {
+  const int world = e->zero->world_size();
+  if (world == 1 || world > 32767) return;  // a lane sum must fit in int32
+  Fnv fnv;
+  for (int32_t p = 0; p < e->zero->parameter_count(); ++p) {
+    const engine::ParamInfo& info = e->zero->param_info(p);
+    fnv.text(info.name);
+    fnv.value(info.dtype);
+    for (int64_t d : info.shape) fnv.value(d);
+    fnv.value(int64_t{-1});
+  }
+  for (const auto& op : e->ops) {
+    fnv.value(op.size());
+    for (int32_t p : op) fnv.value(p);
+  }
+  int32_t lanes[4], sums[4];
+  for (int i = 0; i < 4; ++i) sums[i] = lanes[i] = static_cast<int32_t>((fnv.h >> (16 * i)) & 0xffff);
+  allreduce_i32(e, sums, 4);
+  for (int i = 0; i < 4; ++i) {
+    require(sums[i] == lanes[i] * world, STRATA_ERROR_INVALID_ARGUMENT,
+            "the ranks registered different parameters or operators (names, dtypes, shapes or order); every "
+            "rank must register the same ones in the same order");
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int strata_version(void) { return STRATA_VERSION; }
+
+const char* strata_version_string(void) {
+#define STRATA_STR2(x) #x
+#define STRATA_STR(x) STRATA_STR2(x)
+  return STRATA_STR(STRATA_VERSION_MAJOR) "." STRATA_STR(STRATA_VERSION_MINOR) "." STRATA_STR(STRATA_VERSION_PATCH);
+#undef STRATA_STR
+#undef STRATA_STR2
+}
+
+const char* strata_status_string(strata_status status) {
+  switch (status) {
+    case STRATA_OK: return "ok";
+    case STRATA_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case STRATA_ERROR_INVALID_STATE: return "invalid state";
+    case STRATA_ERROR_IO: return "I/O error";
+    case STRATA_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case STRATA_ERROR_COMMUNICATION: return "communication error";
+    case STRATA_ERROR_CUDA: return "CUDA error";
+    case STRATA_ERROR_INTERNAL: return "internal error";
+    case STRATA_ERROR_ENGINE_FAILED: return "engine failed";
+    case STRATA_ERROR_CALLBACK: return "init callback failed";
+  }
+  return "unknown status";
+}
+
+const char* strata_last_error(void) { return t_last_error.c_str(); }
+
+strata_status strata_engine_create(const char* config_json, strata_engine** out) {
+  if (out != nullptr) *out = nullptr;
+  return guarded("strata_engine_create", nullptr, false, [&] {
+    require_not_null(config_json, "config_json");
+    require_not_null(out, "out");
+    const std::string source = "config";
+    const strata::Config config = strata::parse_config_text(config_json, source);
+    const engine::ZeroEngineOptions options = strata::train::zero_engine_options(config, source);
+    partition::RankInfo rank = partition::RankInfo::from_env();
+    // A process alone needs no agreed port: take a free one rather than the
+    // default, which another single-rank job on this machine may hold.
+    if (rank.world_size == 1 && std::getenv("MASTER_PORT") == nullptr) {
+      rank.master_port = strata::launcher::find_free_port(rank.master_addr);
+    }
+    strata::set_log_rank(rank.rank, rank.world_size);
+    strata::set_log_level(config.strata.log_level);
+
+    auto e = std::make_unique<strata_engine>();
+    e->accelerator = strata::make_accelerator(config.strata.accelerator);
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
+    partition::Rendezvous* rendezvous = nullptr;
+    int64_t generation = 0;
+    {
+      SharedRendezvous& shared = shared_rendezvous();
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      if (shared.rendezvous == nullptr) shared.rendezvous = std::make_unique<partition::Rendezvous>(rank, timeout);
+      rendezvous = shared.rendezvous.get();
+      rank = rendezvous->info();  // the process's ranks, fixed by its first engine
+      generation = shared.engines++;
+    }
+    auto communicator = [&](const char* traffic) {
+      partition::CommunicatorOptions o;
+      o.rank = rank.rank;
+      o.world_size = rank.world_size;
+      o.timeout = timeout;
+      o.prefix = fmt::format("strata/capi/{}/{}", generation, traffic);
+      return partition::make_communicator(*e->accelerator, rendezvous->store(), o);
+    };
+    e->gather = communicator("gather");
+    e->reduce = communicator("reduce");
+    e->control = communicator("control");
+    e->host = communicator("host");
+    e->host_stream = e->accelerator->create_stream();
+    e->zero = std::make_unique<engine::ZeroEngine>(*e->accelerator,
+                                                   engine::ZeroComms{e->gather.get(), e->reduce.get(), e->control.get()},
+                                                   options);
+    strata::logger().info("strata_engine_create: rank {} of {}, {} accelerator, ZeRO stage {}, params on {}, "
+                          "optimizer state on {}",
+                          rank.rank, rank.world_size, e->accelerator->name(), options.stage,
+                          strata::tier_name(options.param_tier), strata::tier_name(options.optimizer_tier));
+    *out = e.release();
+  });
+}
+
+strata_status strata_engine_destroy(strata_engine* engine) {
+  if (engine == nullptr) return STRATA_OK;
+  try {
+    delete engine;
+  } catch (...) {
+    // Destructors do not throw; nothing to report if one did.
+  }
+  return STRATA_OK;
+}
+
+strata_status strata_register_param(strata_engine* e, const char* name, strata_dtype dtype, int32_t ndim,
+                                    const int64_t* shape, const void* initial_values, strata_init_fn init,
+                                    void* user, int32_t* id_out) {
+  return guarded("strata_register_param", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_not_null(name, "name");
+    require_not_null(id_out, "id_out");
+    require(*name != '\0', STRATA_ERROR_INVALID_ARGUMENT, "name is empty");
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "parameter '{}' registered after strata_finalize", name);
+    require(valid_dtype(dtype), STRATA_ERROR_INVALID_ARGUMENT,
+            "parameter '{}': dtype {} is not a strata_dtype (STRATA_DTYPE_F32 = 0, F16 = 1, BF16 = 2)", name,
+            static_cast<int>(dtype));
+    require(ndim >= 1 && ndim <= STRATA_MAX_NDIM, STRATA_ERROR_INVALID_ARGUMENT,
+            "parameter '{}': ndim {} must be in [1, {}]", name, ndim, STRATA_MAX_NDIM);
+    require_not_null(shape, "shape");
+    require(initial_values == nullptr || init == nullptr, STRATA_ERROR_INVALID_ARGUMENT,
+            "parameter '{}': give initial_values or an init callback, not both", name);
+    engine::ParamInfo info;
+    info.name = name;
+    info.dtype = dtype_of(dtype);
+    int64_t numel = 1;
+    for (int32_t d = 0; d < ndim; ++d) {
+      require(shape[d] >= 1, STRATA_ERROR_INVALID_ARGUMENT,
+              "parameter '{}': shape[{}] is {}; every dimension must be >= 1", name, d, shape[d]);
+      require(numel <= (int64_t{1} << 62) / shape[d], STRATA_ERROR_INVALID_ARGUMENT,
+              "parameter '{}': the shape's element count overflows", name);
+      numel *= shape[d];
+      info.shape.push_back(shape[d]);
+    }
+    bool taken = true;
+    try {
+      (void)e->zero->find_parameter(info.name);
+    } catch (const strata::Error&) {
+      taken = false;
+    }
+    require(!taken, STRATA_ERROR_INVALID_ARGUMENT, "parameter name '{}' is already registered", name);
+    strata_engine::Param param;
+    if (initial_values != nullptr) {
+      const auto* bytes = static_cast<const char*>(initial_values);
+      param.initial.assign(bytes, bytes + info.nbytes());
+    }
+    param.init = init;
+    param.user = user;
+    e->params.reserve(e->params.size() + 1);  // nothing below may throw after the engine declared it
+    const int32_t id = e->zero->declare_parameter(std::move(info));
+    e->params.push_back(std::move(param));
+    *id_out = id;
+  });
+}
+
+strata_status strata_register_op(strata_engine* e, const char* name, int32_t n, const int32_t* params,
+                                 int32_t* op_out) {
+  return guarded("strata_register_op", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_not_null(name, "name");
+    require_not_null(op_out, "op_out");
+    require(*name != '\0', STRATA_ERROR_INVALID_ARGUMENT, "name is empty");
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "operator '{}' registered after strata_finalize", name);
+    require(n >= 0, STRATA_ERROR_INVALID_ARGUMENT, "operator '{}': n is {}", name, n);
+    require(n == 0 || params != nullptr, STRATA_ERROR_INVALID_ARGUMENT, "operator '{}': params is NULL with n = {}",
+            name, n);
+    std::vector<int32_t> listed(params, params + n);
+    for (int32_t i = 0; i < n; ++i) {
+      require(listed[i] >= 0 && static_cast<size_t>(listed[i]) < e->params.size(), STRATA_ERROR_INVALID_ARGUMENT,
+              "operator '{}': params[{}] = {} is not a registered parameter id (ids are 0..{})", name, i, listed[i],
+              static_cast<int64_t>(e->params.size()) - 1);
+      require(std::find(listed.begin(), listed.begin() + i, listed[i]) == listed.begin() + i,
+              STRATA_ERROR_INVALID_ARGUMENT, "operator '{}': parameter id {} is listed twice", name, listed[i]);
+    }
+    e->ops.reserve(e->ops.size() + 1);
+    const int32_t op = e->zero->declare_operator(name, listed);
+    e->ops.push_back(std::move(listed));
+    *op_out = op;
+  });
+}
+
+strata_status strata_find_param(strata_engine* e, const char* name, int32_t* id_out) {
+  return guarded("strata_find_param", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_not_null(name, "name");
+    require_not_null(id_out, "id_out");
+    for (int32_t p = 0; p < e->zero->parameter_count(); ++p) {
+      if (e->zero->param_info(p).name == name) {
+        *id_out = p;
+        return;
+      }
+    }
+    require(false, STRATA_ERROR_INVALID_ARGUMENT, "no parameter is called '{}'", name);
+  });
+}
+
+strata_status strata_finalize(strata_engine* e) {
+  return guarded("strata_finalize", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "strata_finalize called twice");
+    require(!e->params.empty(), STRATA_ERROR_INVALID_STATE, "no parameter is registered");
+    check_same_declarations(e);
+    e->zero->finalize();
+    for (int32_t p = 0; p < e->zero->parameter_count(); ++p) {
+      strata_engine::Param& param = e->params[static_cast<size_t>(p)];
+      const size_t element_nbytes = e->zero->param_info(p).nbytes() / static_cast<size_t>(e->zero->param_info(p).numel());
+      if (!param.initial.empty()) {
+        e->zero->for_each_owned_range(p, engine::Engine::Access::kWrite, [&](int64_t first, const strata::TensorView& host) {
+          std::memcpy(host.data, param.initial.data() + static_cast<size_t>(first) * element_nbytes, host.nbytes());
+        });
+        std::vector<char>().swap(param.initial);
+      } else if (param.init != nullptr) {
+        e->zero->for_each_owned_range(p, engine::Engine::Access::kWrite, [&](int64_t first, const strata::TensorView& host) {
+          const int rc = param.init(param.user, p, first, host.numel(), host.data);
+          if (rc != 0) {
+            throw CallbackError{fmt::format("the init callback of parameter '{}' returned {} for elements [{}, {})",
+                                            e->zero->param_info(p).name, rc, first, first + host.numel())};
+          }
+        });
+      }
+    }
+    e->backward_seen.assign(e->params.size(), 0);
+    e->finalized = true;
+  });
+}
+
+strata_status strata_fetch(strata_engine* e, int32_t op, strata_phase phase) {
+  return guarded("strata_fetch", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_op(e, op);
+    require(valid_phase(phase), STRATA_ERROR_INVALID_ARGUMENT, "phase {} is not a strata_phase",
+            static_cast<int>(phase));
+    require_finalized(e);
+    for (const auto& w : e->windows) {
+      require(w.op != op, STRATA_ERROR_INVALID_STATE, "operator '{}' is already fetched ({})",
+              e->zero->op_info(op).name, phase_name(w.phase));
+    }
+    e->windows.push_back({op, phase});
+    e->zero->pre_op(op, phase_of(phase));
+    // The caller's code may run on the host or on another stream: values must be in place now.
+    e->zero->compute_stream().synchronize();
+  });
+}
+
+strata_status strata_release(strata_engine* e, int32_t op, strata_phase phase) {
+  return guarded("strata_release", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_op(e, op);
+    require(valid_phase(phase), STRATA_ERROR_INVALID_ARGUMENT, "phase {} is not a strata_phase",
+            static_cast<int>(phase));
+    require_finalized(e);
+    require(!e->windows.empty(), STRATA_ERROR_INVALID_STATE, "operator '{}' ({}) is not fetched; no window is open",
+            e->zero->op_info(op).name, phase_name(phase));
+    const strata_engine::Window innermost = e->windows.back();
+    require(innermost.op == op && innermost.phase == phase, STRATA_ERROR_INVALID_STATE,
+            "releasing operator '{}' ({}) but the innermost open window is '{}' ({})", e->zero->op_info(op).name,
+            phase_name(phase), e->zero->op_info(innermost.op).name, phase_name(innermost.phase));
+    e->windows.pop_back();
+    e->zero->post_op(op, phase_of(phase));
+    if (phase == STRATA_PHASE_BACKWARD) {
+      for (int32_t p : e->ops[static_cast<size_t>(op)]) {
+        int32_t& seen = e->backward_seen[static_cast<size_t>(p)];
+        if (++seen == e->zero->uses_of(p)) seen = 0;
+      }
+    }
+  });
+}
+
+strata_status strata_param_ptr(strata_engine* e, int32_t id, void** ptr) {
+  return guarded("strata_param_ptr", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(ptr, "ptr");
+    require_param(e, id);
+    require_finalized(e);
+    require(in_window(e, id, false), STRATA_ERROR_INVALID_STATE,
+            "parameter '{}' is not available: no fetched operator lists it", e->zero->param_info(id).name);
+    *ptr = e->zero->param(id).data;
+  });
+}
+
+namespace {
+float* grad_buffer(strata_engine* e, int32_t id) {
+  require_param(e, id);
+  require_finalized(e);
+  require(in_window(e, id, true), STRATA_ERROR_INVALID_STATE,
+          "the gradient of '{}' is not available: no operator fetched for backward lists it",
+          e->zero->param_info(id).name);
+  float* grad = e->zero->grad(id).as<float>();
+  // A first use zero-fills it on the compute stream; the caller writes from elsewhere.
+  e->zero->compute_stream().synchronize();
+  return grad;
+}
+}  // namespace
+
+strata_status strata_grad_ptr(strata_engine* e, int32_t id, float** ptr) {
+  return guarded("strata_grad_ptr", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(ptr, "ptr");
+    *ptr = grad_buffer(e, id);
+  });
+}
+
+strata_status strata_add_grad(strata_engine* e, int32_t id, const float* host_grad) {
+  return guarded("strata_add_grad", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(host_grad, "host_grad");
+    float* grad = grad_buffer(e, id);
+    const size_t numel = static_cast<size_t>(e->zero->param_info(id).numel());
+    if (e->accelerator->backend() == strata::Backend::kCpu) {
+      for (size_t i = 0; i < numel; ++i) grad[i] += host_grad[i];
+      return;
+    }
+    std::vector<float> sum(numel);
+    strata::Stream& stream = e->zero->compute_stream();
+    e->accelerator->copy_async(sum.data(), grad, numel * sizeof(float), strata::CopyKind::kDeviceToHost, stream);
+    stream.synchronize();
+    for (size_t i = 0; i < numel; ++i) sum[i] += host_grad[i];
+    e->accelerator->copy_async(grad, sum.data(), numel * sizeof(float), strata::CopyKind::kHostToDevice, stream);
+    stream.synchronize();
+  });
+}
+
+strata_status strata_global_sum(strata_engine* e, double value, double* sum) {
+  return guarded("strata_global_sum", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(sum, "sum");
+    require_finalized(e);
+    *sum = e->zero->global_sum(value);
+  });
+}
+
+strata_status strata_step(strata_engine* e, float lr, strata_step_result* result) {
+  return guarded("strata_step", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require(std::isfinite(lr) && lr >= 0, STRATA_ERROR_INVALID_ARGUMENT, "lr is {}; it must be finite and >= 0", lr);
+    require_finalized(e);
+    require_no_window(e);
+    require_backward_done(e);
+    const engine::StepResult r = e->zero->step(lr);
+    e->steps_skipped += !r.applied;
+    if (result != nullptr) {
+      result->applied = r.applied ? 1 : 0;
+      result->grad_scale = r.grad_scale;
+      result->grad_norm = r.grad_norm;
+      result->loss_scale = r.loss_scale;
+      result->step = r.step;
+    }
+  });
+}
+
+strata_status strata_loss_scale(strata_engine* e, double* scale) {
+  return guarded("strata_loss_scale", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(scale, "scale");
+    *scale = e->zero->loss_scale();
+  });
+}
+
+strata_status strata_zero_grad(strata_engine* e) {
+  return guarded("strata_zero_grad", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_finalized(e);
+    require_no_window(e);
+    require_backward_done(e);
+    e->zero->zero_grad();
+  });
+}
+
+strata_status strata_read_param(strata_engine* e, int32_t id, void* host_full) {
+  return guarded("strata_read_param", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(host_full, "host_full");
+    require_param(e, id);
+    require_finalized(e);
+    require_no_window(e);
+    const engine::ParamInfo& info = e->zero->param_info(id);
+    const size_t element_nbytes = strata::dtype_nbytes(info.dtype), nbytes = info.nbytes();
+    // Each element is owned by one rank and is zero elsewhere, so an integer
+    // sum of the words is a bitwise OR of the owners' bits: exact for every
+    // dtype, NaN payloads included, whatever the layout's alignment (even if
+    // two ranks owned the halves of one word, they could not carry).
+    std::vector<int32_t> words((nbytes + sizeof(int32_t) - 1) / sizeof(int32_t), 0);
+    e->zero->for_each_owned_range(id, engine::Engine::Access::kRead, [&](int64_t first, const strata::TensorView& host) {
+      std::memcpy(reinterpret_cast<char*>(words.data()) + static_cast<size_t>(first) * element_nbytes, host.data,
+                  host.nbytes());
+    });
+    allreduce_i32(e, words.data(), words.size());
+    std::memcpy(host_full, words.data(), nbytes);
+  });
+}
+
+strata_status strata_write_param(strata_engine* e, int32_t id, const void* host_full) {
+  return guarded("strata_write_param", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_not_null(host_full, "host_full");
+    require_param(e, id);
+    require_finalized(e);
+    require_no_window(e);
+    const size_t element_nbytes = strata::dtype_nbytes(e->zero->param_info(id).dtype);
+    const char* src = static_cast<const char*>(host_full);
+    e->zero->for_each_owned_range(id, engine::Engine::Access::kWrite, [&](int64_t first, const strata::TensorView& host) {
+      std::memcpy(host.data, src + static_cast<size_t>(first) * element_nbytes, host.nbytes());
+    });
+  });
+}
+
+strata_status strata_get_stats(strata_engine* e, strata_stats* stats) {
+  if (e == nullptr || stats == nullptr) {
+    return guarded("strata_get_stats", nullptr, false, [&] {
+      require_engine(e);
+      require_not_null(stats, "stats");
+    });
+  }
+  // Reads plain counters only: valid on a failed engine as well.
+  const engine::ZeroEngine& z = *e->zero;
+  *stats = strata_stats{};
+  stats->rank = z.rank();
+  stats->world_size = z.world_size();
+  stats->zero_stage = z.options().stage;
+  stats->param_tier = tier_of(z.options().param_tier);
+  stats->optimizer_tier = tier_of(z.options().optimizer_tier);
+  stats->param_count = z.parameter_count();
+  stats->op_count = z.operator_count();
+  stats->host_memory = e->accelerator->backend() == strata::Backend::kCpu ? 1 : 0;
+  stats->finalized = e->finalized ? 1 : 0;
+  stats->failed = e->failure.empty() ? 0 : 1;
+  for (int32_t p = 0; p < z.parameter_count(); ++p) stats->param_numel += z.param_info(p).numel();
+  stats->steps = z.step_count();
+  stats->steps_skipped = e->steps_skipped;
+  stats->gathered_bytes = z.gathered_nbytes();
+  stats->peak_gathered_bytes = z.peak_gathered_nbytes();
+  stats->gathers = z.gathers_issued();
+  return STRATA_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,332 @@
+/* strata's C API: embed strata's ZeRO engine (partitioning, NVMe/CPU offload,
+ * the optimizer) in a trainer written in any language that can call C.
+ *
+ * The trainer keeps its own model code and training loop. It tells strata
+ * what its parameters are (name, dtype, shape, initial values) and which
+ * parameters each operator (one kernel group of its forward) reads; around
+ * each operator it asks strata for the parameters' full values (strata_fetch)
+ * and gives them back (strata_release); in backward it adds the parameters'
+ * gradients into buffers strata hands out; at an accumulation boundary
+ * strata_step runs the optimizer on this rank's shard. strata decides where
+ * each shard lives (accelerator memory, pinned CPU memory or NVMe swap files,
+ * as the DeepSpeed-style config says) and when full values exist.
+ *
+ *     strata_engine* e;
+ *     strata_engine_create("{\"zero_optimization\": {\"stage\": 3}}", &e);
+ *     strata_register_param(e, "fc1.weight", STRATA_DTYPE_F32, 2, shape, values, NULL, NULL, &w1);
+ *     strata_register_op(e, "fc1", 1, &w1, &fc1);
+ *     strata_finalize(e);
+ *     for each step:
+ *       strata_fetch(e, fc1, STRATA_PHASE_FORWARD);  strata_param_ptr(e, w1, &p);
+ *       ... forward with p ...;                      strata_release(e, fc1, STRATA_PHASE_FORWARD);
+ *       strata_fetch(e, fc1, STRATA_PHASE_BACKWARD); strata_grad_ptr(e, w1, &g);
+ *       ... add the gradient into g ...;             strata_release(e, fc1, STRATA_PHASE_BACKWARD);
+ *       strata_step(e, lr, &result);
+ *     strata_engine_destroy(e);
+ *
+ * Ranks. Each process is one data-parallel rank. strata_engine_create reads
+ * the rank environment `strata run -n N` (or torchrun) sets: RANK,
+ * WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (mpirun's OMPI_COMM_WORLD_*
+ * too). Without them the process is rank 0 of 1. Functions marked COLLECTIVE
+ * must be called by every rank, in the same order, with the same arguments
+ * (except host buffers and gradients); a rank that does not join makes its
+ * peers fail with STRATA_ERROR_COMMUNICATION after strata.collective_timeout_s.
+ * Each rank trains on its own data; gradients are SUMMED over ranks (never
+ * averaged): normalise the loss by a global count (strata_global_sum).
+ *
+ * Memory. Pointers from strata_param_ptr and strata_grad_ptr are accelerator
+ * memory: host memory with the "cpu" accelerator (strata.accelerator in the
+ * config), CUDA device memory with "cuda". strata_fetch returns once the
+ * values are in place (the calling thread waits), so any stream or thread may
+ * read them afterwards; before strata_release the caller must have finished
+ * all of its own work on those pointers (e.g. synchronized its CUDA stream).
+ *
+ * Errors. Every function returns a strata_status; STRATA_OK is 0. On failure
+ * strata_last_error() gives a message naming the function and what was wrong;
+ * successful calls leave it unchanged. No C++ exception crosses this API.
+ *   - Bad input (a NULL pointer, an unknown id, a wrong dtype or shape, a bad
+ *     config) is STRATA_ERROR_INVALID_ARGUMENT, and a call out of order (a
+ *     fetch before strata_finalize, a registration after it, a step inside a
+ *     hook window) is STRATA_ERROR_INVALID_STATE. Both are detected before
+ *     anything changes: the engine stays usable.
+ *   - Any other failure (I/O, memory, a dead peer, an init callback that
+ *     failed, an internal error) may have happened half way through a
+ *     collective or a transfer, so it leaves the engine unusable: every later
+ *     call on it except strata_get_stats and strata_engine_destroy returns
+ *     STRATA_ERROR_ENGINE_FAILED, repeating the first error. Destroy it.
+ *
+ * Thread-safety. An engine is driven by one thread at a time (the caller
+ * serialises calls on one engine). strata_version*, strata_status_string and
+ * strata_last_error may be called from any thread; strata_last_error is per
+ * thread. A process may create several engines, one after another or side by
+ * side; every rank must create them in the same order. They share the
+ * process's connection to the other ranks, made by the first
+ * strata_engine_create (with its config's collective timeout) and closed at
+ * exit, where rank 0 waits for the others to finish.
+ *
+ * Ownership. strata owns everything behind a strata_engine* and every pointer
+ * it hands out; the caller owns the buffers it passes, which strata only reads
+ * or writes during the call (initial values are copied at registration).
+ *
+ * Not yet: checkpoint save and load (the C API will wrap the checkpoint
+ * directory format that runtime/train is getting; meanwhile read the values
+ * out with strata_read_param), the operator trace and per-step breakdown,
+ * exposing the compute stream (so CUDA users could skip the host wait in
+ * strata_fetch).
+ *
+ * Versioning: STRATA_VERSION_* below is the version this header belongs to;
+ * strata_version() the library's. Structs and enum values change only with
+ * STRATA_VERSION_MAJOR; a minor version only adds functions. */
+#ifndef STRATA_CAPI_STRATA_H_
+#define STRATA_CAPI_STRATA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STRATA_VERSION_MAJOR 0
+#define STRATA_VERSION_MINOR 1
+#define STRATA_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, like strata_version(). */
+#define STRATA_VERSION (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
+
+/* The most dimensions a parameter may have. */
+#define STRATA_MAX_NDIM 8
+
+typedef enum strata_status {
+  STRATA_OK = 0,
+  STRATA_ERROR_INVALID_ARGUMENT = 1, /* NULL pointer, unknown id, bad dtype/shape/config; engine usable */
+  STRATA_ERROR_INVALID_STATE = 2,    /* call out of order; engine usable */
+  STRATA_ERROR_IO = 3,               /* file or NVMe I/O failed */
+  STRATA_ERROR_OUT_OF_MEMORY = 4,    /* a memory budget or allocation failed */
+  STRATA_ERROR_COMMUNICATION = 5,    /* a collective or the rendezvous failed or timed out */
+  STRATA_ERROR_CUDA = 6,             /* CUDA, cuBLAS or NCCL reported an error */
+  STRATA_ERROR_INTERNAL = 7,         /* a broken invariant inside strata (a bug) */
+  STRATA_ERROR_ENGINE_FAILED = 8,    /* an earlier error left this engine unusable */
+  STRATA_ERROR_CALLBACK = 9          /* an init callback returned non-zero */
+} strata_status;
+
+/* Storage dtype of a parameter. Gradients are always fp32. */
+typedef enum strata_dtype {
+  STRATA_DTYPE_F32 = 0,
+  STRATA_DTYPE_F16 = 1, /* IEEE binary16 bits (uint16_t) */
+  STRATA_DTYPE_BF16 = 2 /* bfloat16 bits (uint16_t) */
+} strata_dtype;
+
+/* Which pass a hook window belongs to. RECOMPUTE: the forward of a
+ * checkpointed segment run again inside backward (fetched like FORWARD). */
+typedef enum strata_phase {
+  STRATA_PHASE_FORWARD = 0,
+  STRATA_PHASE_BACKWARD = 1,
+  STRATA_PHASE_RECOMPUTE = 2
+} strata_phase;
+
+/* Where shards live (strata_stats). */
+typedef enum strata_tier { STRATA_TIER_DEVICE = 0, STRATA_TIER_CPU = 1, STRATA_TIER_NVME = 2 } strata_tier;
+
+typedef struct strata_engine strata_engine; /* opaque */
+
+/* What one strata_step did. */
+typedef struct strata_step_result {
+  int32_t applied;   /* 0: a gradient was not finite on some rank; nothing changed */
+  float grad_scale;  /* factor applied to the stored gradients: 1 / loss scale x clipping */
+  double grad_norm;  /* global L2 norm of the summed (unscaled) gradients, before clipping */
+  double loss_scale; /* the fp16 loss scale this step's gradients carried; 1 without fp16 */
+  int64_t step;      /* optimizer steps applied so far */
+} strata_step_result;
+
+typedef struct strata_stats {
+  int32_t rank, world_size;
+  int32_t zero_stage;                       /* 1, 2 or 3 */
+  int32_t param_tier, optimizer_tier;       /* strata_tier of the shards' homes */
+  int32_t param_count, op_count;            /* registered so far */
+  int32_t host_memory;                      /* 1: strata_param_ptr/grad_ptr give host memory (cpu accelerator) */
+  int32_t finalized;                        /* 1 after strata_finalize succeeded */
+  int32_t failed;                           /* 1 when an error left the engine unusable */
+  int64_t param_numel;                      /* elements over every registered parameter */
+  int64_t steps;                            /* optimizer steps applied */
+  int64_t steps_skipped;                    /* strata_step calls skipped (gradient not finite) */
+  uint64_t gathered_bytes;                  /* full parameters gathered now (stage 3) */
+  uint64_t peak_gathered_bytes;             /* the most gathered at once since finalize */
+  int64_t gathers;                          /* parameter allgathers issued (stage 3) */
+} strata_stats;
+
+/* Fills `values` with elements [first, first + count) of parameter `param`'s
+ * flattened tensor, in its storage dtype. Returns 0 on success; any other
+ * value fails strata_finalize with STRATA_ERROR_CALLBACK (its message names
+ * the parameter, the value and the range). Called on strata_finalize's thread. */
+typedef int (*strata_init_fn)(void* user, int32_t param, int64_t first, int64_t count, void* values);
+
+/* ---- library -------------------------------------------------------------- */
+
+/* The library's version, MAJOR * 10000 + MINOR * 100 + PATCH. Compare
+ * strata_version() / 10000 with STRATA_VERSION_MAJOR to detect a mismatch
+ * between the header compiled against and the library loaded. */
+int strata_version(void);
+/* "MAJOR.MINOR.PATCH"; static storage. */
+const char* strata_version_string(void);
+/* "ok", "invalid argument", ...; static storage; "unknown status" for others. */
+const char* strata_status_string(strata_status status);
+/* The message of this thread's most recent failed call ("" before any):
+ * "<function>: <what was wrong>". Valid until this thread's next failing call. */
+const char* strata_last_error(void);
+
+/* ---- engine --------------------------------------------------------------- */
+
+/* Creates this rank's engine from a DeepSpeed-style config (JSON text; the
+ * keys of `strata config docs`: zero_optimization.stage 1-3, offload_param /
+ * offload_optimizer device none|cpu|nvme with nvme_path, optimizer Adam|AdamW,
+ * gradient_clipping, aio, strata.accelerator cpu|cuda|auto, ...). Connects to
+ * the other ranks (COLLECTIVE: every rank creates its engine). On success
+ * *out owns the engine (free it with strata_engine_destroy); on failure *out
+ * is NULL. Errors: INVALID_ARGUMENT for a NULL argument, invalid JSON (line
+ * and column), every config problem found (one per line), a bad rank
+ * environment; COMMUNICATION when the ranks cannot connect; CUDA when the
+ * config asks for cuda and there is no device. */
+strata_status strata_engine_create(const char* config_json, strata_engine** out);
+
+/* Frees the engine: its storage, swap files, streams and communicators (the
+ * process's rendezvous stays for the next engine). NULL is a no-op. Never
+ * fails on a valid engine, failed or not. Not collective, but a peer still
+ * in a collective with this engine then fails with COMMUNICATION. */
+strata_status strata_engine_destroy(strata_engine* engine);
+
+/* ---- declaration (before strata_finalize) --------------------------------- */
+
+/* Declares a parameter: a unique non-empty `name`, `dtype`, `ndim` in
+ * [1, STRATA_MAX_NDIM] dimensions, each >= 1. Its initial value is one of:
+ *   initial_values: the full tensor (numel x dtype size bytes, row-major),
+ *     the same on every rank; copied now, so the buffer may be freed on
+ *     return; each rank keeps only its own shard at strata_finalize;
+ *   init (with `user`): called from strata_finalize for the ranges this rank
+ *     owns, so the full tensor never has to exist (for large models);
+ *   neither: zeros.
+ * Giving both is INVALID_ARGUMENT. *id_out receives the parameter's id:
+ * dense, from 0 in registration order, the same on every rank when every
+ * rank registers the same parameters in the same order (they must).
+ * Errors: INVALID_ARGUMENT (NULL, duplicate name, bad dtype, ndim or dim);
+ * INVALID_STATE after strata_finalize. */
+strata_status strata_register_param(strata_engine* engine, const char* name, strata_dtype dtype, int32_t ndim,
+                                    const int64_t* shape, const void* initial_values, strata_init_fn init,
+                                    void* user, int32_t* id_out);
+
+/* Declares an operator: one hook window reading `n` distinct registered
+ * parameters (`params` may be NULL when n is 0: a window that reads none).
+ * A parameter may belong to several operators (a tied embedding); its
+ * gradient is complete when every operator listing it has been released in
+ * a backward pass. *op_out receives the operator's id (dense, from 0).
+ * Errors: INVALID_ARGUMENT (NULL, empty name, n < 0, unknown or repeated
+ * id); INVALID_STATE after strata_finalize. */
+strata_status strata_register_op(strata_engine* engine, const char* name, int32_t n, const int32_t* params,
+                                 int32_t* op_out);
+
+/* Id of the parameter called `name`. Errors: INVALID_ARGUMENT (NULL, no such
+ * parameter). */
+strata_status strata_find_param(strata_engine* engine, const char* name, int32_t* id_out);
+
+/* COLLECTIVE. Partitions every parameter, creates each shard's storage where
+ * the config says (device, pinned CPU, NVMe) and writes the initial values of
+ * this rank's shard (calling init callbacks on this thread). Once; needs at
+ * least one parameter. With several ranks it first checks that every rank
+ * registered the same parameters and operators. Errors: INVALID_STATE
+ * (twice, no parameter); INVALID_ARGUMENT (the ranks' registrations differ);
+ * CALLBACK (an init callback returned non-zero), OUT_OF_MEMORY, IO,
+ * COMMUNICATION -- each of these last four leaves the engine unusable. */
+strata_status strata_finalize(strata_engine* engine);
+
+/* ---- hook windows (after strata_finalize) -------------------------------- */
+
+/* COLLECTIVE at stage 3 (gathers shards). Opens operator `op`'s window for
+ * `phase`: on return every parameter of `op` has its full value at
+ * strata_param_ptr (the calling thread waited for it). Windows nest
+ * (release the innermost first); an operator cannot be open twice.
+ * Errors: INVALID_ARGUMENT (unknown op, bad phase); INVALID_STATE (before
+ * finalize, op already open); IO/COMMUNICATION/OUT_OF_MEMORY (unusable). */
+strata_status strata_fetch(strata_engine* engine, int32_t op, strata_phase phase);
+
+/* Closes the innermost window, which must be (op, phase); the caller has
+ * finished every use of its pointers. Pointers from strata_param_ptr and
+ * strata_grad_ptr for this window are invalid afterwards (strata may free or
+ * reuse them). After a BACKWARD release, a parameter whose every operator has
+ * now been released in this backward pass has a complete gradient, which
+ * strata reduces over ranks and accumulates into this rank's shard (stages
+ * 2/3; stage 1 at strata_step). Errors: INVALID_ARGUMENT (unknown op, bad
+ * phase); INVALID_STATE (not the innermost open window). */
+strata_status strata_release(strata_engine* engine, int32_t op, strata_phase phase);
+
+/* *ptr receives parameter `id`'s full value (row-major, its storage dtype,
+ * accelerator memory), which the caller may read but not write, valid until
+ * the release of the window that made it available. Errors: INVALID_ARGUMENT
+ * (NULL, unknown id); INVALID_STATE (no open window lists `id`). */
+strata_status strata_param_ptr(strata_engine* engine, int32_t id, void** ptr);
+
+/* *ptr receives parameter `id`'s fp32 gradient buffer for this backward pass
+ * (its full shape, accelerator memory), zero at the pass's first use: ADD
+ * the operator's gradient contribution into it (never overwrite: a tied
+ * parameter receives several). Valid until the window's release. Errors:
+ * INVALID_ARGUMENT (NULL, unknown id); INVALID_STATE (no open BACKWARD
+ * window lists `id`). */
+strata_status strata_grad_ptr(strata_engine* engine, int32_t id, float** ptr);
+
+/* Adds `host_grad` (numel fp32 values in host memory, the parameter's full
+ * gradient contribution) into the gradient buffer strata_grad_ptr gives; for
+ * trainers whose gradients are on the host (with a cuda accelerator it goes
+ * through host memory: slower than adding on the device). Same window rules
+ * and errors as strata_grad_ptr. */
+strata_status strata_add_grad(strata_engine* engine, int32_t id, const float* host_grad);
+
+/* ---- steps (after strata_finalize, no window open) ------------------------ */
+
+/* COLLECTIVE. *sum receives the sum of `value` over ranks (exact fp64 sum),
+ * e.g. the global number of samples or tokens to normalise the loss by.
+ * Errors: INVALID_ARGUMENT (NULL); INVALID_STATE (before finalize);
+ * COMMUNICATION (unusable). */
+strata_status strata_global_sum(strata_engine* engine, double value, double* sum);
+
+/* COLLECTIVE. The optimizer at an accumulation boundary: the global gradient
+ * norm, clipping (gradient_clipping), Adam/AdamW on this rank's shard with
+ * learning rate `lr` (finite, >= 0; a schedule's value), the new values
+ * written to the shards' homes; then every gradient is zero. When a gradient
+ * is not finite on any rank the step is skipped on every rank (applied = 0,
+ * nothing changes but the gradients, which are dropped). `result` may be
+ * NULL. Errors: INVALID_ARGUMENT (bad lr); INVALID_STATE (before finalize, a
+ * window open, a backward pass half done: some operator listing a parameter
+ * not yet released in BACKWARD); IO/COMMUNICATION/OUT_OF_MEMORY (unusable). */
+strata_status strata_step(strata_engine* engine, float lr, strata_step_result* result);
+
+/* *scale receives the loss scale of the coming step: with fp16.enabled in the
+ * config (dynamic loss scaling, DeepSpeed's fp16.* keys), multiply the loss --
+ * so every gradient added -- by it; strata_step divides it out, skips a step
+ * whose gradients overflow (applied = 0) and adjusts it. 1 for fp32/bf16.
+ * Errors: INVALID_ARGUMENT (NULL). */
+strata_status strata_loss_scale(strata_engine* engine, double* scale);
+
+/* Drops the gradients accumulated since the last step (e.g. to abandon
+ * micro-batches). Needs every backward pass finished, like strata_step. */
+strata_status strata_zero_grad(strata_engine* engine);
+
+/* COLLECTIVE. Copies parameter `id`'s full current value (its storage dtype,
+ * numel elements) into `host_full` (host memory) on every rank. For tests,
+ * exports and handing values back to another framework; not for the hot
+ * path (it moves the whole tensor). Errors: INVALID_ARGUMENT (NULL, unknown
+ * id); INVALID_STATE (before finalize, a window open). */
+strata_status strata_read_param(strata_engine* engine, int32_t id, void* host_full);
+
+/* COLLECTIVE. Sets parameter `id` to `host_full` (the full tensor, its
+ * storage dtype, the same on every rank); each rank stores its shard. The
+ * optimizer's fp32 master copy restarts from the new values. Same errors as
+ * strata_read_param. */
+strata_status strata_write_param(strata_engine* engine, int32_t id, const void* host_full);
+
+/* Fills *stats. Works on a failed engine too (stats->failed = 1). Errors:
+ * INVALID_ARGUMENT (NULL). */
+strata_status strata_get_stats(strata_engine* engine, strata_stats* stats);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* STRATA_CAPI_STRATA_H_ */
