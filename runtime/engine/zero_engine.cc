@@ -216,6 +216,8 @@ ZeroEngine::~ZeroEngine() {
 int ZeroEngine::rank() const { return comms_.control->rank(); }
 int ZeroEngine::world_size() const { return comms_.control->world_size(); }
 int64_t ZeroEngine::step_count() const { return steps_; }
+uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
+uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }
 
 bool ZeroEngine::home_is_host_addressable() const {
   return options_.param_tier == Tier::kCpu ||

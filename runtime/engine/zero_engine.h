@@ -224,6 +224,10 @@ class ZeroEngine final : public Engine {
   // it was written for another world size, rank or model, Error(kIo) for a
   // short or unreadable file. Every rank calls it before the next pre_op.
   void load_state(const std::filesystem::path& dir);
+  // Bytes this rank's engine moved between NVMe and host memory so far
+  // (parameter shards and optimizer state; 0 without an nvme tier).
+  uint64_t nvme_bytes_read() const;
+  uint64_t nvme_bytes_written() const;
   // Multiply the loss by this before backward (ForwardOptions::grad_scale):
   // the fp16 loss scale of the coming step, 1 without loss scaling. step()
   // divides it out, skips a step whose gradients overflow and adjusts it.

@@ -151,6 +151,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());
   for (int64_t step = done + 1; step <= options.steps; ++step) {
     const auto start = Clock::now();
+    const uint64_t nvme_before = engine.nvme_bytes_read() + engine.nvme_bytes_written();
     double local_count = 0;
     for (size_t m = 0; m < ids.size(); ++m) {
       loader.next(ids[m], targets[m]);
@@ -181,6 +182,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.applied = stepped.applied;
     r.tokens = static_cast<int64_t>(global_count);
     r.seconds = seconds_since(start);
+    r.nvme_bytes = engine.nvme_bytes_read() + engine.nvme_bytes_written() - nvme_before;
     r.forward_backward_seconds = forward_backward;
     r.optimizer_seconds = r.seconds - forward_backward;
     if (report) report->record(r);

@@ -76,6 +76,7 @@ void RunReport::record(const StepRecord& r) {
                          {"loss_scale", r.loss_scale},
                          {"tokens", r.tokens},
                          {"tokens_per_s", r.tokens_per_second()},
+                         {"nvme_bytes", r.nvme_bytes},
                          {"step_s", r.seconds},
                          {"breakdown_s", {{"forward_backward", r.forward_backward_seconds},
                                           {"optimizer", r.optimizer_seconds}}}};
@@ -90,9 +91,12 @@ void RunReport::print_progress(const StepRecord& r) {
   const double per_step = elapsed_ / static_cast<double>(steps_.size());
   const double eta = per_step * static_cast<double>(std::max<int64_t>(0, total_steps_ - r.step));
   const std::string stats =
-      fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step  ETA {}{}", r.step,
-                  total_steps_, r.loss, r.lr, r.grad_norm, r.tokens_per_second(), r.seconds, duration(eta),
-                  r.applied ? "" : "  (skipped: gradient not finite)");
+      fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
+                  total_steps_, r.loss, r.lr, r.grad_norm, r.tokens_per_second(), r.seconds,
+                  r.nvme_bytes > 0 && r.seconds > 0
+                      ? fmt::format("  NVMe {:.2f} GB/s", static_cast<double>(r.nvme_bytes) / r.seconds / 1e9)
+                      : std::string(),
+                  duration(eta), r.applied ? "" : "  (skipped: gradient not finite)");
   if (terminal_) {
     constexpr int kWidth = 24;
     const int filled = total_steps_ > 0 ? static_cast<int>(kWidth * r.step / total_steps_) : kWidth;

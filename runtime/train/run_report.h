@@ -26,6 +26,7 @@ struct StepRecord {
   double grad_norm = 0;        // global, before clipping
   bool applied = true;         // false: skipped (a gradient was not finite)
   double loss_scale = 1;       // fp16 loss scale the step's gradients carried
+  uint64_t nvme_bytes = 0;     // bytes rank 0 moved to and from NVMe during the step
   int64_t tokens = 0;          // predicted tokens in the global batch
   double seconds = 0;          // wall time of the step
   double forward_backward_seconds = 0;  // this rank's forward + backward

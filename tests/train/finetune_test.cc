@@ -77,6 +77,7 @@ TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimi
     CHECK(s.contains("lr"));
     CHECK(s.contains("grad_norm"));
     CHECK(s["breakdown_s"].contains("optimizer"));
+    CHECK(s["nvme_bytes"].get<uint64_t>() > 0);  // parameters and optimizer state stream through NVMe
   }
   // The schedule's warmup is visible in the metrics.
   CHECK(steps[0]["lr"].get<double>() < steps[5]["lr"].get<double>());
