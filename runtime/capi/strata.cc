@@ -144,7 +144,8 @@ struct strata_engine {
   // then the streams and communicators, and the accelerator they all borrow.
   // The rendezvous is the process's (shared_rendezvous), alive until exit.
   std::unique_ptr<strata::Accelerator> accelerator;
-  std::unique_ptr<partition::Communicator> gather, reduce, control, host;
+  strata::train::ZeroCommunicators comms;  // the engine's gather, reduce and control traffic
+  std::unique_ptr<partition::Communicator> host;
   std::unique_ptr<strata::Stream> host_stream;  // the C layer's own collectives (read_param, finalize check)
   std::unique_ptr<engine::ZeroEngine> zero;
 
@@ -387,13 +388,13 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
       o.prefix = fmt::format("strata/capi/{}/{}", generation, traffic);
       return partition::make_communicator(*e->accelerator, rendezvous->store(), o);
     };
-    e->gather = communicator("gather");
-    e->reduce = communicator("reduce");
-    e->control = communicator("control");
+    e->comms = strata::train::make_zero_communicators(*e->accelerator, rendezvous->store(), rank.rank,
+                                                       rank.world_size, timeout,
+                                                       fmt::format("strata/capi/{}", generation));
     e->host = communicator("host");
     e->host_stream = e->accelerator->create_stream();
     e->zero = std::make_unique<engine::ZeroEngine>(*e->accelerator,
-                                                   engine::ZeroComms{e->gather.get(), e->reduce.get(), e->control.get()},
+                                                   e->comms.comms(),
                                                    options);
     strata::logger().info("strata_engine_create: rank {} of {}, {} accelerator, ZeRO stage {}, params on {}, "
                           "optimizer state on {}",

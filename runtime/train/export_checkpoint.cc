@@ -12,6 +12,7 @@
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "runtime/train/checkpoint.h"
+#include "runtime/train/zero_config.h"
 
 namespace strata::train {
 
@@ -35,19 +36,12 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   auto accelerator = make_accelerator("auto");
   const auto timeout = std::chrono::milliseconds(300'000);
   partition::Rendezvous rendezvous(rank, timeout);
-  auto communicator = [&](const char* traffic) {
-    partition::CommunicatorOptions o;
-    o.rank = rank.rank;
-    o.world_size = rank.world_size;
-    o.timeout = timeout;
-    o.prefix = std::string("strata/export/") + traffic;
-    return partition::make_communicator(*accelerator, rendezvous.store(), o);
-  };
-  auto gather = communicator("gather"), reduce = communicator("reduce"), control = communicator("control");
+  const ZeroCommunicators comms =
+      make_zero_communicators(*accelerator, rendezvous.store(), rank.rank, rank.world_size, timeout, "strata/export");
   // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
   engine::ZeroEngineOptions zero;
   zero.stage = 3;
-  engine::ZeroEngine engine(*accelerator, {gather.get(), reduce.get(), control.get()}, zero);
+  engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
   nn::LlamaModelOptions model_options;
   model_options.dtype = train_dtype;
   nn::LlamaModel model(engine, config, model_options);
@@ -58,7 +52,7 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                                                                     : std::nullopt);
   STRATA_CHECK(loaded.has_value(), kBadArgument, "{}: no complete checkpoint to export", options.checkpoint.string());
   const ExportResult result =
-      export_hf_model(engine, *control, config, model.parameters(), options.out, export_options);
+      export_hf_model(engine, *comms.control, config, model.parameters(), options.out, export_options);
   if (rank.rank == 0 && options.progress != nullptr) {
     fmt::print(options.progress, "exported step {} of {} to {} ({} file(s), {} in {}, {:.1f} MB) in {:.1f} s\n",
                loaded->step, checkpoints.root().string(), options.out.string(), result.files.size(),

@@ -86,18 +86,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
-  auto communicator = [&](const char* traffic) {
-    partition::CommunicatorOptions o;
-    o.rank = rank.rank;
-    o.world_size = rank.world_size;
-    o.timeout = timeout;
-    o.prefix = std::string("strata/finetune/") + traffic;
-    return partition::make_communicator(*accelerator, rendezvous.store(), o);
-  };
-  auto gather = communicator("gather"), reduce = communicator("reduce"), control = communicator("control");
+  const ZeroCommunicators comms =
+      make_zero_communicators(*accelerator, rendezvous.store(), rank.rank, rank.world_size, timeout, "strata/finetune");
 
   // ---- engine, model, weights ---------------------------------------------------------
-  engine::ZeroEngine engine(*accelerator, {gather.get(), reduce.get(), control.get()}, zero);
+  engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
   nn::LlamaModelOptions model_options;
   model_options.dtype = train_dtype;
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
@@ -201,7 +194,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   if (!options.export_dir.empty()) {
     const auto start = Clock::now();
-    const ExportResult exported = export_hf_model(engine, *control, model_config, model.parameters(),
+    const ExportResult exported = export_hf_model(engine, *comms.control, model_config, model.parameters(),
                                                   options.export_dir, export_options);
     result.exported = exported.files;
     if (rank.rank == 0 && options.progress != nullptr) {

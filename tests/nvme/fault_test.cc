@@ -18,19 +18,10 @@
 using namespace strata::nvme;
 using strata::nvme::test::aligned_buffer;
 using strata::nvme::test::fill_random;
+using strata::nvme::test::kEngines;
+using strata::nvme::test::options_for;
 
 namespace {
-
-constexpr EngineKind kEngines[] = {EngineKind::kUring, EngineKind::kAio, EngineKind::kPsync};
-
-AioOptions options_for(EngineKind engine, int threads) {
-  AioOptions options;
-  options.engine = engine;
-  options.thread_count = threads;
-  options.queue_depth = 4;
-  options.block_size = 64 << 10;
-  return options;
-}
 
 std::unique_ptr<AioHandle> faulty_handle(EngineKind engine, int threads,
                                          std::shared_ptr<FaultPlan> plan) {

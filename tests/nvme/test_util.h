@@ -35,4 +35,18 @@ inline void fill_random(char* p, size_t nbytes, uint64_t seed) {
   for (; i < nbytes; ++i) p[i] = static_cast<char>(rng());
 }
 
+// Every I/O engine, for tests that must hold on each.
+inline constexpr EngineKind kEngines[] = {EngineKind::kUring, EngineKind::kAio, EngineKind::kPsync};
+
+// Small queues and 64 KiB pieces, so a request of a few hundred KiB is several
+// pieces in flight on each of `threads` workers.
+inline AioOptions options_for(EngineKind engine, int threads) {
+  AioOptions options;
+  options.engine = engine;
+  options.thread_count = threads;
+  options.queue_depth = 4;
+  options.block_size = 64 << 10;
+  return options;
+}
+
 }  // namespace strata::nvme::test
