@@ -11,6 +11,7 @@
 
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
 
 namespace strata::nvme {
 namespace {
@@ -29,6 +30,58 @@ const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 // while each system call carries several adjacent pieces for the block
 // layer's plug to merge (four 1 MiB pieces make one 4 MiB request).
 size_t refill_batch(size_t depth) { return std::max<size_t>(1, depth / 4); }
+
+// Handles are numbered in creation order for their workers' track names.
+std::atomic<int> g_handle_count{0};
+
+// The timeline of one worker (trace_recorder.h): a span per run of one
+// request's pieces that the worker had in flight together, from the first
+// piece's submission to the last one's completion, with the run's bytes, file
+// and first offset. Several requests are in flight at once, so runs overlap;
+// each span starts no earlier than the worker's previous span ended, so the
+// worker's track nests (Perfetto drops overlapping slices) and each span's
+// GB/s is the worker's throughput over that stretch. Runs are keyed by their
+// request; a run starts only while tracing is on.
+class WorkerTimeline {
+ public:
+  bool empty() const { return runs_.empty(); }
+  void taken(const void* request, uint64_t offset) {
+    Run& run = runs_[request];
+    if (run.outstanding++ == 0) {  // a new run (finished runs are erased)
+      run.begin_ns = trace::now_ns();
+      run.offset = offset;
+    }
+  }
+  void finished(const void* request, size_t nbytes, bool ok, const char* op, const std::string& path) {
+    auto it = runs_.find(request);
+    if (it == runs_.end()) return;  // taken before tracing started
+    Run& run = it->second;
+    run.bytes += ok ? nbytes : 0;
+    ++run.pieces;
+    if (--run.outstanding != 0) return;
+    const int64_t end = trace::now_ns();
+    trace::Args args;
+    args.bytes = run.bytes;
+    args.offset = static_cast<int64_t>(run.offset);
+    args.detail_key = "file";
+    args.detail = path;
+    args.value_key = "pieces";
+    args.value = run.pieces;
+    trace::complete("io", op, std::max(run.begin_ns, last_end_ns_), end, args);
+    last_end_ns_ = end;
+    runs_.erase(it);
+  }
+
+ private:
+  struct Run {
+    int64_t begin_ns = 0;
+    uint64_t offset = 0, bytes = 0;
+    size_t outstanding = 0;
+    int64_t pieces = 0;
+  };
+  std::unordered_map<const void*, Run> runs_;
+  int64_t last_end_ns_ = 0;
+};
 
 }  // namespace
 
@@ -80,18 +133,28 @@ AioHandle::AioHandle(const AioOptions& options, std::unique_ptr<IoBackend> backe
     worker->queue = backend_->create_queue(static_cast<size_t>(options_.queue_depth));
     workers_.push_back(std::move(worker));
   }
-  for (auto& worker : workers_) {
-    Worker* w = worker.get();
-    w->thread = std::thread([this, w] { worker_loop(*w); });
+  const int handle_index = g_handle_count.fetch_add(1);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    Worker* w = workers_[i].get();
+    w->thread = std::thread([this, w, handle_index, i] {
+      trace::name_this_thread(fmt::format("io worker {}.{}", handle_index, i));
+      worker_loop(*w);
+    });
   }
 }
 
 AioHandle::~AioHandle() {
-  try {
-    wait_all();
-  } catch (const std::exception& e) {
-    logger().error("I/O error not collected before the handle was destroyed: {}", e.what());
+  wait_all();
+  // Finished requests nobody waited for: their errors would otherwise vanish.
+  for (const auto& [ticket, request] : requests_) {
+    if (!request->error) continue;
+    try {
+      std::rethrow_exception(request->error);
+    } catch (const std::exception& e) {
+      logger().error("I/O error not collected before the handle was destroyed: {}", e.what());
+    }
   }
+  requests_.clear();
   for (auto& worker : workers_) {
     {
       std::lock_guard lock(worker->mutex);
@@ -272,6 +335,15 @@ void AioHandle::worker_loop(Worker& worker) {
   // in use until the kernel is done with them, so they must not be reported
   // finished before that.
   std::optional<std::string> broken;
+  WorkerTimeline timeline;
+  // Every piece this worker took from its inbox finishes through here.
+  auto finish = [&](Piece& piece, std::exception_ptr error) {
+    if (!timeline.empty()) {
+      const Request& r = *piece.request;
+      timeline.finished(&r, piece.nbytes, error == nullptr, op_name(r.op), r.path);
+    }
+    finish_piece(piece, std::move(error));
+  };
 
   auto piece_error = [](const Piece& piece, uint64_t at, const std::string& why) {
     const Request& r = *piece.request;
@@ -291,12 +363,12 @@ void AioHandle::worker_loop(Worker& worker) {
     for (uint64_t id : ids) {
       auto it = in_flight.find(id);
       if (it == in_flight.end()) continue;
-      finish_piece(*it->second, broken_error(*it->second));
+      finish(*it->second, broken_error(*it->second));
       in_flight.erase(it);
     }
   };
   auto fail_all = [&] {
-    for (auto& [id, piece] : in_flight) finish_piece(*piece, broken_error(*piece));
+    for (auto& [id, piece] : in_flight) finish(*piece, broken_error(*piece));
     in_flight.clear();
     to_submit.clear();
   };
@@ -333,6 +405,7 @@ void AioHandle::worker_loop(Worker& worker) {
         if (record_latency_.load(std::memory_order_relaxed)) {
           raw->started = std::chrono::steady_clock::now();
         }
+        if (trace::enabled()) [[unlikely]] timeline.taken(raw->request.get(), raw->offset);
         in_flight.emplace(raw->id, std::move(piece));
         to_submit.push_back(raw);
       }
@@ -461,7 +534,7 @@ void AioHandle::worker_loop(Worker& worker) {
         std::lock_guard lock(worker.mutex);
         worker.latencies_ns.push_back(static_cast<uint64_t>(ns));
       }
-      finish_piece(*owned, error);
+      finish(*owned, error);
     }
   }
 }
@@ -488,8 +561,19 @@ bool AioHandle::done(Ticket ticket) const {
   return it->second->pieces_left == 0;
 }
 
-void AioHandle::wait_all() {
+void AioHandle::wait(std::span<const Ticket> tickets) {
   std::exception_ptr first;
+  for (Ticket ticket : tickets) {
+    try {
+      wait(ticket);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void AioHandle::wait_all() {
   std::unique_lock lock(mutex_);
   done_cv_.wait(lock, [&] {
     for (const auto& [ticket, request] : requests_) {
@@ -498,17 +582,6 @@ void AioHandle::wait_all() {
     }
     return true;
   });
-  // Report the error of the earliest ticket, so the message is deterministic.
-  Ticket first_ticket = 0;
-  for (const auto& [ticket, request] : requests_) {
-    if (request->error && (first_ticket == 0 || ticket < first_ticket)) {
-      first_ticket = ticket;
-      first = request->error;
-    }
-  }
-  requests_.clear();  // only ticketed requests are left (see the predicate)
-  lock.unlock();
-  if (first) std::rethrow_exception(first);
 }
 
 bool AioHandle::register_buffers(const std::vector<iovec>& buffers) {

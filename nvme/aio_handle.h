@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -80,9 +81,13 @@ class AioHandle {
   void wait(Ticket ticket);
   // True when the request finished (wait() will not block).
   bool done(Ticket ticket) const;
-  // Waits for every outstanding request (callback requests until their
-  // on_done has returned); rethrows the first error among the ticketed ones
-  // after all have finished.
+  // Waits for each of `tickets` (the caller's own) and consumes them; once all
+  // have finished, rethrows the error of the first one that failed.
+  void wait(std::span<const Ticket> tickets);
+  // Blocks until no request is in flight (callback requests until their
+  // on_done has returned). Consumes nothing and reports nothing: a ticket is
+  // still waited on, and its error reported, by whoever holds it — so one user
+  // of a shared handle never takes another's completions or errors.
   void wait_all();
 
   // Synchronous helpers: submit + wait.

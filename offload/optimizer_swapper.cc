@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/core/error.h"
+#include "runtime/core/trace_recorder.h"
 #include "runtime/core/log.h"
 
 namespace strata::offload {
@@ -210,21 +211,46 @@ void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInpu
   b.param = p;
   b.exp_avg = m;
   b.exp_avg_sq = v;
-  b.grad = static_cast<const char*>(in.grad) + r.offset * dtype_nbytes(in.grad_dtype);
+  if (in.grad_source) {
+    b.grad = in.grad_source(r.offset, r.numel);
+    STRATA_CHECK(b.grad != nullptr, kBadArgument, "optimizer step: the gradient source gave no gradient for [{}, {})",
+                 r.offset, r.offset + r.numel);
+  } else {
+    b.grad = static_cast<const char*>(in.grad) + r.offset * dtype_nbytes(in.grad_dtype);
+  }
   b.grad_dtype = in.grad_dtype;
-  b.param16 = in.param16 == nullptr
-                  ? nullptr
-                  : static_cast<char*>(in.param16) + r.offset * dtype_nbytes(in.param16_dtype);
+  const bool sink16 = in.param_sink && in.param16_dtype != DType::kF32;
+  if (sink16) {
+    sink_scratch_.resize(std::max(sink_scratch_.size(), r.numel));
+    b.param16 = sink_scratch_.data();
+  } else {
+    b.param16 = in.param16 == nullptr
+                    ? nullptr
+                    : static_cast<char*>(in.param16) + r.offset * dtype_nbytes(in.param16_dtype);
+  }
   b.param16_dtype = in.param16_dtype;
   b.numel = r.numel;
   const auto start = Clock::now();
-  kernels::adam_step(c, b, options_.isa, options_.threads);
+  {
+    trace::Span span("optimizer", "adam");
+    // Bytes the kernel streams: p, m, v read and written, the gradient read, the 16-bit copy written.
+    const size_t per_element = 24 + dtype_nbytes(b.grad_dtype) + (b.param16 != nullptr ? dtype_nbytes(b.param16_dtype) : 0);
+    span.value("sub_group", static_cast<int64_t>(k)).bytes(r.numel * per_element);
+    kernels::adam_step(c, b, options_.isa, options_.threads);
+  }
   timings_.update_seconds += seconds_since(start);
+  if (in.param_sink) {
+    trace::Span span("optimizer", "new values to home");
+    span.value("sub_group", static_cast<int64_t>(k));
+    in.param_sink(r.offset, r.numel, sink16 ? static_cast<const void*>(b.param16) : p);
+  }
 }
 
 void OptimizerSwapper::step(const StepInputs& in) {
   STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: step() before initialize()");
-  STRATA_CHECK(in.grad != nullptr, kBadArgument, "optimizer step: gradient is null");
+  STRATA_CHECK(in.grad != nullptr || in.grad_source, kBadArgument, "optimizer step: gradient is null");
+  STRATA_CHECK(!in.param_sink || in.param16 == nullptr, kBadArgument,
+               "optimizer step: give param16 or param_sink, not both");
   if (swap_) check_writable();
   const auto c = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
   timings_ = StepTimings{};

@@ -63,13 +63,25 @@ struct StepTimings {
   uint64_t bytes_read = 0, bytes_written = 0;
 };
 
-// The gradient and the 16-bit copy for one step.
+// The gradient and the new parameter values of one step: whole-shard arrays,
+// or streamed sub-group by sub-group through callbacks (so neither the
+// gradient nor the parameters of a shard need to be in memory at once).
 struct StepInputs {
   const void* grad = nullptr;       // [numel] of grad_dtype (this rank's shard)
   DType grad_dtype = DType::kF32;
   float grad_scale = 1.0f;          // kernels::combined_grad_scale (unscale + clip)
   void* param16 = nullptr;          // [numel] of param16_dtype, or nullptr
   DType param16_dtype = DType::kBF16;
+  // Instead of `grad`: returns the gradient of elements [first, first + numel)
+  // (one sub-group, in order), valid until the next call or the end of step().
+  std::function<const void*(size_t first, size_t numel)> grad_source;
+  // Instead of `param16`: called right after sub-group [first, first + numel)
+  // is updated with its new parameter values — the 16-bit copy in
+  // param16_dtype, or the fp32 master weights themselves when param16_dtype is
+  // kF32 — valid only during the call. A sink that throws fails the step; with
+  // state on NVMe the committed state stays as it was (the step never commits),
+  // in CPU memory the sub-groups already updated keep their new state.
+  std::function<void(size_t first, size_t numel, const void* values)> param_sink;
 };
 
 class OptimizerSwapper {
@@ -154,6 +166,7 @@ class OptimizerSwapper {
 
   // kCpu state.
   std::vector<float> master_, exp_avg_, exp_avg_sq_;
+  std::vector<uint16_t> sink_scratch_;  // the 16-bit copy of one sub-group (param_sink)
   // kNvme state: slot (generation % 2) is committed.
   std::unique_ptr<nvme::SwapSpace> swap_;
   uint64_t generation_ = 0;

@@ -11,6 +11,11 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <csignal>
 #include <cstring>
@@ -21,6 +26,7 @@
 #include "partition/communicator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
 
 namespace strata::partition {
 namespace {
@@ -126,7 +132,8 @@ class GlooCommunicator final : public Communicator {
 
   std::unique_ptr<Event> allgather(const void* send, void* recv, size_t numel, DType dtype,
                                    Stream& stream) override {
-    return submit("allgather", numel, dtype, stream, [=, this](uint32_t tag) {
+    return submit("allgather", numel, dtype, numel * world_size() * dtype_nbytes(dtype), stream,
+                  [=, this](uint32_t tag) {
       size_t nbytes = numel * dtype_nbytes(dtype);
       if (world_size() == 1 || numel == 0) {
         if (nbytes > 0 && send != recv) std::memmove(recv, send, nbytes);
@@ -146,7 +153,8 @@ class GlooCommunicator final : public Communicator {
 
   std::unique_ptr<Event> reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                         Stream& stream) override {
-    return submit("reduce_scatter", numel, dtype, stream, [=, this](uint32_t tag) {
+    return submit("reduce_scatter", numel, dtype, numel * world_size() * dtype_nbytes(dtype), stream,
+                  [=, this](uint32_t tag) {
       ring_reduce_scatter(send, recv, numel, dtype, tag);
       if (op == ReduceOp::kAverage) divide(recv, numel, dtype, static_cast<float>(world_size()));
     });
@@ -154,7 +162,7 @@ class GlooCommunicator final : public Communicator {
 
   std::unique_ptr<Event> allreduce(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                    Stream& stream) override {
-    return submit("allreduce", numel, dtype, stream, [=, this](uint32_t tag) {
+    return submit("allreduce", numel, dtype, numel * dtype_nbytes(dtype), stream, [=, this](uint32_t tag) {
       size_t nbytes = numel * dtype_nbytes(dtype);
       if (nbytes > 0 && send != recv) std::memmove(recv, send, nbytes);
       if (world_size() > 1 && numel > 0) {
@@ -175,7 +183,7 @@ class GlooCommunicator final : public Communicator {
   std::unique_ptr<Event> broadcast(void* data, size_t numel, DType dtype, int root, Stream& stream) override {
     STRATA_CHECK(root >= 0 && root < world_size(), kBadArgument, "broadcast root {} outside world size {}", root,
                  world_size());
-    return submit("broadcast", numel, dtype, stream, [=, this](uint32_t tag) {
+    return submit("broadcast", numel, dtype, numel * dtype_nbytes(dtype), stream, [=, this](uint32_t tag) {
       if (world_size() == 1 || numel == 0) return;
       with_element_type(dtype, [&](auto element) {
         using T = decltype(element);
@@ -190,7 +198,7 @@ class GlooCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Event> barrier(Stream& stream) override {
-    return submit("barrier", 0, DType::kF32, stream, [this](uint32_t tag) {
+    return submit("barrier", 0, DType::kF32, 0, stream, [this](uint32_t tag) {
       if (world_size() == 1) return;
       gloo::BarrierOptions opts(context_);
       opts.setTag(tag);
@@ -200,8 +208,35 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
+  // The address this rank's Gloo device binds and advertises: the local
+  // address of the route to the rendezvous store (the master), which every
+  // peer reaches the master through too. Not gethostname(): Debian maps the
+  // host name to 127.0.1.1, which no other node can reach.
   static std::string default_hostname(const std::string& store_address) {
     if (store_address.rfind("127.", 0) == 0 || store_address.rfind("localhost", 0) == 0) return "127.0.0.1";
+    const size_t colon = store_address.rfind(':');
+    const std::string host = store_address.substr(0, colon);
+    const std::string port = colon == std::string::npos ? "9" : store_address.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_DGRAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(host.c_str(), port.c_str(), &hints, &found) == 0 && found != nullptr) {
+      std::string local;
+      const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+      sockaddr_in self{};
+      socklen_t self_len = sizeof(self);
+      char text[INET_ADDRSTRLEN] = {};
+      // A UDP connect only picks the route and source address; nothing is sent.
+      if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&self), &self_len) == 0 &&
+          inet_ntop(AF_INET, &self.sin_addr, text, sizeof(text)) != nullptr) {
+        local = text;
+      }
+      if (fd >= 0) ::close(fd);
+      freeaddrinfo(found);
+      if (!local.empty()) return local;
+    }
     char name[256] = {};
     if (gethostname(name, sizeof(name) - 1) != 0) return "127.0.0.1";
     return name;
@@ -248,10 +283,20 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
+  // `nbytes`: nccl-tests' size of the collective (allgather: the gathered
+  // output, reduce-scatter: the input, allreduce/broadcast: the buffer), so
+  // the trace's GB/s is algbw.
   template <typename Body>
-  std::unique_ptr<Event> submit(const char* name, size_t numel, DType dtype, Stream& stream, Body body) {
+  std::unique_ptr<Event> submit(const char* name, size_t numel, DType dtype, size_t nbytes, Stream& stream,
+                                Body body) {
     uint32_t tag = next_tag_++;
-    stream.launch_host_func([this, name, numel, dtype, tag, body] {
+    stream.launch_host_func([this, name, numel, dtype, nbytes, tag, body] {
+      // On the thread that runs it (the stream's): a span per collective.
+      trace::Span span("comm", name);
+      if (span.recording()) {
+        name_thread_for_trace();
+        span.bytes(nbytes).detail("comm", options_.prefix).value("tag", tag);
+      }
       auto start = Clock::now();
       try {
         body(tag);
@@ -264,6 +309,17 @@ class GlooCommunicator final : public Communicator {
     auto event = accelerator_.create_event();
     stream.record(*event);
     return event;
+  }
+
+  // The stream's thread gets a track named after the first communicator that
+  // runs on it, unless the engine named it (the trace's "comm gather" track).
+  void name_thread_for_trace() const {
+    thread_local bool named = false;
+    if (named) return;
+    named = true;
+    const size_t slash = options_.prefix.rfind('/');
+    trace::name_this_thread("comm " + options_.prefix.substr(slash == std::string::npos ? 0 : slash + 1),
+                            /*replace=*/false);
   }
 
   [[noreturn]] void fail(const char* name, uint32_t tag, size_t numel, DType dtype, Clock::time_point start,

@@ -2,7 +2,8 @@
 // resident engine (everything on the accelerator), median of N steps per round.
 // --vs-torch also times transformers' LlamaForCausalLM on the same config,
 // threads and dtype, alternating round by round, and prints the ratio.
-// Formulas: bench/strata-train/PERFORMANCE.md.
+// --zero 1|2|3 trains the same model through a ZeroEngine instead
+// (zero_bench.h). Formulas: bench/strata-train/PERFORMANCE.md.
 #include <omp.h>
 #include <unistd.h>
 
@@ -13,14 +14,18 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "bench/common/stats.h"
 #include "bench/common/subprocess.h"
+#include "bench/strata-train/zero_bench.h"
 #include "kernels/cuda_peak.h"
 #include "kernels/ops.h"
+#include "partition/rendezvous.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
+#include "runtime/core/trace_recorder.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
 
@@ -88,8 +93,13 @@ class StrataModel {
   // One training step's compute: zero_grad, forward, backward, and the loss
   // read back (which waits for all of it).
   double step() {
+    strata::trace::Span span("phase", "step");  // --trace
     engine_.zero_grad();
-    model_.forward(ids_, targets_, batch_, seq_);
+    {
+      strata::trace::Span forward("phase", "forward");
+      model_.forward(ids_, targets_, batch_, seq_);
+    }
+    strata::trace::Span backward("phase", "backward");
     model_.backward();
     return model_.loss();
   }
@@ -152,9 +162,8 @@ nlohmann::json time_torch(const Flags& f, const strata::nn::LlamaConfig& c, int 
   return j;
 }
 
-int run(const Flags& f) {
-  using strata::nn::LlamaConfig;
-  LlamaConfig c;
+strata::nn::LlamaConfig model_config(const Flags& f) {
+  strata::nn::LlamaConfig c;
   c.vocab_size = f.vocab;
   c.hidden_size = f.hidden;
   c.intermediate_size = f.intermediate > 0 ? f.intermediate : (f.hidden * 8 / 3 + 127) / 128 * 128;
@@ -166,6 +175,30 @@ int run(const Flags& f) {
   c.head_dim = f.hidden / f.heads;
   c.max_position_embeddings = std::max<int64_t>(f.seq, 2048);
   c.validate();
+  return c;
+}
+
+// The ZeRO mode's share of the resident benchmark's flags.
+strata::bench::train::ModelRun zero_run(const Flags& f) {
+  strata::bench::train::ModelRun r;
+  r.config = model_config(f);
+  r.batch = f.batch;
+  r.seq = f.seq;
+  r.dtype = f.dtype;
+  r.accelerator = f.accelerator;
+  r.json = f.json;
+  r.threads = f.threads > 0 ? f.threads : omp_get_max_threads();
+  r.steps = f.steps;
+  r.warmup = f.warmup;
+  r.rounds = f.rounds;
+  r.checkpoint_activations = f.checkpoint_activations;
+  r.cpu_checkpointing = f.cpu_checkpointing;
+  return r;
+}
+
+int run(const Flags& f) {
+  using strata::nn::LlamaConfig;
+  const LlamaConfig c = model_config(f);
   STRATA_CHECK(f.batch > 0 && f.seq > 0 && f.steps > 0 && f.rounds > 0 && f.warmup >= 0,
                kBadArgument, "--batch, --seq, --steps and --rounds must be positive");
   const int threads = f.threads > 0 ? f.threads : omp_get_max_threads();
@@ -275,6 +308,26 @@ int run(const Flags& f) {
 
 }  // namespace
 
+// --trace FILE: the run's timeline (runtime/core/trace_recorder.h), one file
+// per rank under `strata run` ({rank} in FILE, else .rank<N>).
+void start_trace(const std::string& path, std::optional<strata::trace::Session>& session) {
+  if (path.empty()) return;
+  const strata::partition::RankInfo rank = strata::partition::RankInfo::from_env();
+  strata::trace::Options options;
+  options.path = path;
+  options.rank = rank.rank;
+  options.world_size = rank.world_size;
+  options.process_name = fmt::format("strata-train rank {}", options.rank);
+  session.emplace(options);
+  strata::trace::name_this_thread("train loop");
+}
+
+void finish_trace(std::optional<strata::trace::Session>& session) {
+  if (!session) return;
+  const strata::trace::Summary s = session->finish();
+  fmt::print("trace: {} ({} events, {} dropped)\n", s.path, s.events, s.dropped);
+}
+
 int main(int argc, char** argv) {
   Flags f;
   const char* py = std::getenv("STRATA_PYTHON");
@@ -282,7 +335,10 @@ int main(int argc, char** argv) {
   CLI::App app{
       "strata-train: forward + backward tokens/s of a Llama config on a resident engine\n"
       "(median of --steps steps per round; --vs-torch alternates rounds with transformers'\n"
-      "LlamaForCausalLM on the same config, threads and dtype, and prints the ratio)."};
+      "LlamaForCausalLM on the same config, threads and dtype, and prints the ratio).\n"
+      "--zero 1|2|3 trains the model through a ZeroEngine (ranks: `strata run -n N -- strata-train ...`\n"
+      "or --ranks N threads; --batch is then per rank) and reports the step's breakdown and its ratio\n"
+      "to its bound, max(the step resident, parameter bytes read / the drive's read bandwidth)."};
   app.add_option("--hidden", f.hidden, "hidden size")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--intermediate", f.intermediate, "MLP size (default: 8/3 hidden, rounded up to 128)")
       ->check(CLI::NonNegativeNumber);
@@ -311,10 +367,26 @@ int main(int argc, char** argv) {
   app.add_option("--python", f.python, "Python interpreter for --vs-torch (env STRATA_PYTHON)")
       ->capture_default_str();
   app.add_option("--json", f.json, "write the results as JSON to this file");
+  std::string trace_path;
+  app.add_option("--trace", trace_path,
+                 "write the run's timeline as Chrome/Perfetto trace JSON to this file ({rank} in it is replaced "
+                 "by the rank; under `strata run -n N` without it, .rank<N> is added)");
+  strata::bench::train::ZeroFlags zero;
+  strata::bench::train::add_zero_flags(app, zero);
   CLI11_PARSE(app, argc, argv);
   if (f.threads > 0) strata::ops::set_cpu_threads(f.threads);
   try {
-    return run(f);
+    std::optional<strata::trace::Session> tracing;
+    start_trace(trace_path, tracing);
+    int status = 0;
+    if (zero.stage > 0) {
+      STRATA_CHECK(!f.vs_torch, kBadArgument, "--vs-torch times the resident benchmark; leave it out with --zero");
+      status = strata::bench::train::run_zero(zero_run(f), zero);
+    } else {
+      status = run(f);
+    }
+    finish_trace(tracing);
+    return status;
   } catch (const strata::Error& e) {
     std::cerr << "strata-train: " << e.what() << "\n";
     return 1;

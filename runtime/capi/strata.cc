@@ -27,6 +27,7 @@
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/launcher/launcher.h"
 #include "runtime/train/zero_config.h"
@@ -358,12 +359,7 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
     const std::string source = "config";
     const strata::Config config = strata::parse_config_text(config_json, source);
     const engine::ZeroEngineOptions options = strata::train::zero_engine_options(config, source);
-    partition::RankInfo rank = partition::RankInfo::from_env();
-    // A process alone needs no agreed port: take a free one rather than the
-    // default, which another single-rank job on this machine may hold.
-    if (rank.world_size == 1 && std::getenv("MASTER_PORT") == nullptr) {
-      rank.master_port = strata::launcher::find_free_port(rank.master_addr);
-    }
+    partition::RankInfo rank = strata::launcher::rank_info_from_env();
     strata::set_log_rank(rank.rank, rank.world_size);
     strata::set_log_level(config.strata.log_level);
 
@@ -547,6 +543,8 @@ strata_status strata_fetch(strata_engine* e, int32_t op, strata_phase phase) {
               e->zero->op_info(op).name, phase_name(w.phase));
     }
     e->windows.push_back({op, phase});
+    strata::trace::Span span("capi", "strata_fetch");
+    if (span.recording()) span.detail("op", e->zero->op_info(op).name).value("phase", phase);
     e->zero->pre_op(op, phase_of(phase));
     // The caller's code may run on the host or on another stream: values must be in place now.
     e->zero->compute_stream().synchronize();
@@ -567,6 +565,8 @@ strata_status strata_release(strata_engine* e, int32_t op, strata_phase phase) {
             "releasing operator '{}' ({}) but the innermost open window is '{}' ({})", e->zero->op_info(op).name,
             phase_name(phase), e->zero->op_info(innermost.op).name, phase_name(innermost.phase));
     e->windows.pop_back();
+    strata::trace::Span span("capi", "strata_release");
+    if (span.recording()) span.detail("op", e->zero->op_info(op).name).value("phase", phase);
     e->zero->post_op(op, phase_of(phase));
     if (phase == STRATA_PHASE_BACKWARD) {
       for (int32_t p : e->ops[static_cast<size_t>(op)]) {
@@ -647,6 +647,7 @@ strata_status strata_step(strata_engine* e, float lr, strata_step_result* result
     require_finalized(e);
     require_no_window(e);
     require_backward_done(e);
+    strata::trace::Span span("capi", "strata_step");
     const engine::StepResult r = e->zero->step(lr);
     e->steps_skipped += !r.applied;
     if (result != nullptr) {
@@ -742,6 +743,34 @@ strata_status strata_get_stats(strata_engine* e, strata_stats* stats) {
   stats->peak_gathered_bytes = z.peak_gathered_nbytes();
   stats->gathers = z.gathers_issued();
   return STRATA_OK;
+}
+
+strata_status strata_trace_start(const char* path) {
+  return guarded("strata_trace_start", nullptr, false, [&] {
+    require_not_null(path, "path");
+    require(*path != '\0', STRATA_ERROR_INVALID_ARGUMENT, "path is empty");
+    require(!strata::trace::enabled(), STRATA_ERROR_INVALID_STATE,
+            "a trace is already being recorded; call strata_trace_stop first");
+    const partition::RankInfo rank = partition::RankInfo::from_env();
+    strata::trace::Options options;
+    options.path = path;
+    options.rank = rank.rank;
+    options.world_size = rank.world_size;
+    options.process_name = fmt::format("strata rank {}", rank.rank);
+    strata::trace::start(options);
+    // The trainer's thread, which runs the hook windows: a named track.
+    strata::trace::name_this_thread("caller", /*replace=*/false);
+  });
+}
+
+strata_status strata_trace_stop(void) {
+  return guarded("strata_trace_stop", nullptr, false, [&] {
+    require(strata::trace::enabled(), STRATA_ERROR_INVALID_STATE,
+            "no trace is being recorded (strata_trace_start was not called, or strata_trace_stop was)");
+    const strata::trace::Summary summary = strata::trace::stop();
+    strata::logger().info("trace written to {} ({} events{})", summary.path, summary.events,
+                          summary.dropped > 0 ? fmt::format(", {} dropped", summary.dropped) : "");
+  });
 }
 
 }  // extern "C"

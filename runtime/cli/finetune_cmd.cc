@@ -68,6 +68,11 @@ void add_finetune_command(CLI::App& app) {
                   "Largest safetensors file of the export; past it the weights are sharded with "
                   "model.safetensors.index.json")
       ->capture_default_str();
+  cmd->add_option("--trace", options->trace,
+                  "Write a timeline of the run as Chrome/Perfetto trace JSON (open it in ui.perfetto.dev): a track "
+                  "per I/O worker, communicator and stream thread, spans for each step's phases, I/O requests "
+                  "and collectives with bytes and GB/s. One file per rank: {rank} in FILE is replaced by the "
+                  "rank, else .rank<N> goes before .json when there are several ranks");
   on_selected(cmd, [cmd, options, seed, shard_size] {
     if (cmd->count("--seed") > 0) options->seed = *seed;
     const std::optional<uint64_t> shard_nbytes = parse_size(*shard_size);

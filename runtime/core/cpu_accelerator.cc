@@ -253,7 +253,7 @@ class CpuAccelerator final : public Accelerator {
 
   ~CpuAccelerator() override {
     // Streams were destroyed first (they drain), so pending frees are due.
-    for (auto& [ptr, nbytes] : allocations_) std::free(ptr);
+    for (auto& [ptr, nbytes] : allocations_) free_host(ptr, nbytes);
   }
 
   Backend backend() const override { return Backend::kCpu; }
@@ -268,10 +268,7 @@ class CpuAccelerator final : public Accelerator {
             "0 cached, capacity {} ({} free)",
             nbytes, in_use_, pending_nbytes_, capacity_, capacity_ - in_use_);
     }
-    void* ptr = std::aligned_alloc(256, (std::max<size_t>(nbytes, 1) + 255) / 256 * 256);
-    if (ptr == nullptr) {
-      raise(ErrorCategory::kOutOfMemory, "cpu device memory: host allocation of {} bytes failed", nbytes);
-    }
+    void* ptr = allocate_host(nbytes);
     allocations_.emplace(ptr, nbytes);
     in_use_ += nbytes;
     peak_ = std::max(peak_, in_use_);
@@ -284,8 +281,8 @@ class CpuAccelerator final : public Accelerator {
     reap_locked();
     auto it = find_live_locked(ptr, "deallocate");
     in_use_ -= it->second;
+    free_host(ptr, it->second);
     allocations_.erase(it);
-    std::free(ptr);
   }
 
   void deallocate_after(void* ptr, Event& event) override {
@@ -304,8 +301,8 @@ class CpuAccelerator final : public Accelerator {
     STRATA_CHECK(pending_ptrs_.count(ptr) == 0, kInternal, "cpu deallocate_after of {} freed twice", ptr);
     if (!done || done()) {
       in_use_ -= it->second;
+      free_host(ptr, it->second);
       allocations_.erase(it);
-      std::free(ptr);
     } else {
       pending_.push_back(Pending{ptr, it->second, std::move(done)});
       pending_ptrs_.insert(ptr);
@@ -383,7 +380,7 @@ class CpuAccelerator final : public Accelerator {
       pending_nbytes_ -= it->nbytes;
       pending_ptrs_.erase(it->ptr);
       allocations_.erase(it->ptr);
-      std::free(it->ptr);
+      free_host(it->ptr, it->nbytes);
     }
     pending_.erase(due, pending_.end());
   }

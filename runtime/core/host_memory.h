@@ -28,6 +28,16 @@ void* allocate_locked_host(size_t nbytes);
 // Frees memory from allocate_locked_host; nbytes must be the requested size.
 void free_locked_host(void* ptr, size_t nbytes);
 
+// Ordinary (pageable) host memory, 256-byte aligned, for the cpu accelerator's
+// device memory. Blocks of 1 MiB or more are their own mmap and go back to the
+// OS when freed, so the process's resident set follows what is in use: the
+// allocator cannot strand them in a thread's heap arena, as malloc does with
+// blocks below its (adaptive, up to 32 MiB) mmap threshold when many threads
+// allocate and free them. Throws Error(kOutOfMemory) when allocation fails.
+void* allocate_host(size_t nbytes);
+// Frees memory from allocate_host; nbytes must be the requested size.
+void free_host(void* ptr, size_t nbytes);
+
 // RLIMIT_MEMLOCK soft limit in bytes (SIZE_MAX when unlimited).
 size_t memlock_limit_nbytes();
 

@@ -8,9 +8,6 @@ namespace {
 // One bucket being reduced while the next fills; more would only hold memory.
 constexpr size_t kMaxBucketsInFlight = 2;
 
-TensorView fp32_view(float* data, int64_t numel) {
-  return TensorView{TensorDesc{DType::kF32, {numel}, Tier::kDevice}, data};
-}
 }  // namespace
 
 struct BucketReducer::Bucket {
@@ -26,9 +23,9 @@ struct BucketReducer::Bucket {
 
 BucketReducer::BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
                              const partition::PartitionLayout& layout, int64_t bucket_numel,
-                             float* shard_accum)
+                             GradShard& shard)
     : accelerator_(accelerator), ops_(ops), comm_(comm), layout_(layout), bucket_numel_(bucket_numel),
-      shard_accum_(shard_accum), stream_(accelerator.create_stream()), ctx_(ops.make_context(*stream_)) {
+      shard_(shard), stream_(accelerator.create_stream()), ctx_(ops.make_context(*stream_)) {
   STRATA_CHECK(layout.world_size() == comm.world_size(), kBadArgument,
                "gradient layout is for world size {}, the communicator has {}", layout.world_size(),
                comm.world_size());
@@ -86,8 +83,7 @@ void BucketReducer::flush() {
   offset = 0;
   for (const auto& entry : bucket->entries) {
     const partition::ParamSlot& slot = layout_.param(entry.param);
-    const TensorView accum = fp32_view(shard_accum_ + slot.shard_offset_numel, slot.slice_numel);
-    ops_.add(*ctx_, accum, fp32_view(recv + offset, slot.slice_numel), accum);
+    shard_.accumulate(entry.param, recv + offset, *stream_, *ctx_);
     offset += static_cast<size_t>(slot.slice_numel);
   }
   bucket->done = accelerator_.create_event();

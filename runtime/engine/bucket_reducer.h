@@ -6,12 +6,11 @@
 // accumulator — while backward goes on.
 //
 // Works on any accelerator: packing is stream-ordered copies, accumulation is
-// Ops::add on the reducer's stream; nothing waits on the host except
+// GradShard::accumulate on the reducer's stream; nothing waits on the host except
 // synchronize() (and add() when kMaxBucketsInFlight buckets are still in flight).
 //
 // Ownership: borrows the accelerator, the Ops, the communicator, the layout and
-// the shard accumulator (fp32, layout.shard_numel() elements of accelerator
-// memory), which must outlive it. It owns its stream and bucket buffers.
+// the gradient shard, which must outlive it. It owns its stream and bucket buffers.
 // Thread-safety: one thread drives it.
 // Errors: kBadArgument for misuse; a failed collective or copy surfaces from
 // synchronize() (and from every later bucket's event) as the stream's error.
@@ -26,13 +25,14 @@
 #include "kernels/ops.h"
 #include "partition/communicator.h"
 #include "partition/layout.h"
+#include "runtime/engine/grad_shard.h"
 
 namespace strata::engine {
 
 class BucketReducer {
  public:
   BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
-                const partition::PartitionLayout& layout, int64_t bucket_numel, float* shard_accum);
+                const partition::PartitionLayout& layout, int64_t bucket_numel, GradShard& shard);
   ~BucketReducer();
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -48,8 +48,7 @@ class BucketReducer {
   void add(size_t p, const float* grad, Event& ready, ReleaseFn release = {});
   // Reduces the open bucket (if any) without waiting.
   void flush();
-  // flush(), then waits until every bucket has been added into the shard
-  // accumulator; rethrows the first failure.
+  // flush(), then waits until every bucket has been added into the shard; rethrows the first failure.
   void synchronize();
 
   Stream& stream() { return *stream_; }
@@ -62,7 +61,7 @@ class BucketReducer {
   partition::Communicator& comm_;
   const partition::PartitionLayout& layout_;
   int64_t bucket_numel_;
-  float* shard_accum_;
+  GradShard& shard_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<ops::ComputeContext> ctx_;
   std::unique_ptr<Bucket> open_;

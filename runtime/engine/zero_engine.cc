@@ -31,18 +31,23 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// An I/O completion callback that completes `done` (on the I/O worker). It
-// holds its own reference, so the event outlives the signal even when the
-// engine has moved on.
-nvme::AioHandle::DoneFn complete_with(std::shared_ptr<HostEvent> done) {
-  return [done = std::move(done)](std::exception_ptr error) {
-    if (error) {
-      done->fail(std::move(error));
-    } else {
-      done->signal();
-    }
-  };
+// The optimizer walks the layout's sub-groups: the layout cuts the shard every
+// sub_group_numel elements rounded up to the alignment, so the swapper's
+// uniform sub-groups of that size start exactly where the layout's do — each
+// an aligned range of the parameter, gradient and state files.
+size_t optimizer_sub_group_numel(const partition::PartitionLayout& layout, DType dtype, int64_t sub_group_numel) {
+  const int64_t align_numel = static_cast<int64_t>(layout.alignment_nbytes() / dtype_nbytes(dtype));
+  const int64_t limit = (sub_group_numel + align_numel - 1) / align_numel * align_numel;
+  const size_t numel = static_cast<size_t>(std::min(limit, std::max<int64_t>(layout.shard_numel(), 1)));
+  int64_t first = 0;
+  for (const auto& sub_group : layout.sub_groups()) {
+    STRATA_CHECK(first % static_cast<int64_t>(numel) == 0, kInternal,
+                 "the layout's sub-group at element {} does not start at a multiple of {}", first, numel);
+    first += sub_group.numel;
+  }
+  return numel;
 }
+
 
 }  // namespace
 
@@ -55,8 +60,11 @@ void ZeroEngineOptions::validate() const {
   STRATA_CHECK(optimizer_tier == Tier::kCpu || optimizer_tier == Tier::kNvme, kBadArgument,
                "the ZeroEngine's optimizer runs on the CPU: its state lives on cpu or nvme, not {}",
                tier_name(optimizer_tier));
-  STRATA_CHECK(!nvme_path.empty() || (param_tier != Tier::kNvme && optimizer_tier != Tier::kNvme), kBadArgument,
-               "an nvme tier needs nvme_path");
+  STRATA_CHECK(grad_tier == Tier::kDevice || grad_tier == Tier::kNvme, kBadArgument,
+               "the gradient shard lives in accelerator memory or on nvme, not {}", tier_name(grad_tier));
+  STRATA_CHECK(!nvme_path.empty() ||
+                   (param_tier != Tier::kNvme && optimizer_tier != Tier::kNvme && grad_tier != Tier::kNvme),
+               kBadArgument, "an nvme tier needs nvme_path");
   STRATA_CHECK(reduce_bucket_numel >= 1, kBadArgument, "reduce_bucket_size must be >= 1, got {}",
                reduce_bucket_numel);
   STRATA_CHECK(sub_group_numel >= 1, kBadArgument, "sub_group_size must be >= 1, got {}", sub_group_numel);
@@ -77,84 +85,9 @@ void ZeroEngineOptions::validate() const {
   STRATA_CHECK(param_buffer_numel >= 1, kBadArgument, "offload_param.buffer_size must be >= 1, got {}",
                param_buffer_numel);
   adam.validate();
-  if (param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme) aio.validate();
+  if (param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme || grad_tier == Tier::kNvme) aio.validate();
 }
 
-// nc reads that must wait until the gather stream is past a staging buffer's
-// last reader: one thread takes them in issue order (the gather stream's
-// order), waits for that point and submits the read, whose completion
-// callback completes the HostEvent the gather stream waits on. So a gather
-// issued far ahead never blocks the host for a buffer, and no thread blocks
-// per read. No cycle: the point a read waits for lies before, on the gather
-// stream, the wait on that read's own event.
-struct ZeroEngine::ReadQueue {
-  struct Item {
-    std::shared_ptr<Event> after;
-    const nvme::File* file = nullptr;
-    void* buf = nullptr;
-    size_t nbytes = 0;
-    uint64_t offset = 0;
-    std::shared_ptr<HostEvent> done;
-  };
-  explicit ReadQueue(nvme::AioHandle& aio) : aio_(aio), thread_([this] { run(); }) {}
-  // Submits what is queued (each after its point), then joins.
-  ~ReadQueue() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void push(Item item) {
-    {
-      std::lock_guard lock(mutex_);
-      items_.push_back(std::move(item));
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void run() {
-    for (;;) {
-      Item item;
-      {
-        std::unique_lock lock(mutex_);
-        cv_.wait(lock, [&] { return stop_ || !items_.empty(); });
-        if (items_.empty()) return;
-        item = std::move(items_.front());
-        items_.pop_front();
-      }
-      try {
-        item.after->synchronize();
-      } catch (...) {
-        // The reader failed, but it is over: the buffer may be written. (Its
-        // error reached the gather stream already.)
-      }
-      try {
-        aio_.submit_read(*item.file, item.buf, item.nbytes, item.offset, complete_with(item.done));
-      } catch (...) {
-        item.done->fail(std::current_exception());
-      }
-    }
-  }
-  nvme::AioHandle& aio_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Item> items_;
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the members it uses
-};
-
-
-// Stage 3: a gathered full parameter (world x slice_numel elements).
-struct ZeroEngine::Gathered {
-  void* full = nullptr;
-  std::unique_ptr<Event> ready;  // on the gather stream, after the allgather
-  bool prefetched = false;       // gathered ahead; no pre_op has used this copy yet
-  size_t kept_until = OperatorTrace::npos;  // kept for reuse: the trace entry that uses it next
-  int staged = -1;               // nvme: the staging buffer holding its read, -1: none
-};
 
 ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOptions options)
     : Engine(accelerator), comms_(comms), options_(std::move(options)) {
@@ -189,6 +122,7 @@ ZeroEngine::~ZeroEngine() {
   }
   for (auto& group : groups_) {
     group->reducer.reset();  // waits for its stream
+    group->grads.reset();
     group->swapper.reset();
   }
   for (auto& gathered : gathered_) {
@@ -199,9 +133,6 @@ ZeroEngine::~ZeroEngine() {
   }
   for (auto& group : groups_) {
     if (group->full_flat) accelerator().deallocate(group->full_flat);
-    if (group->grad_accum) accelerator().deallocate(group->grad_accum);
-    if (group->host_params) accelerator().deallocate_pinned(group->host_params);
-    if (group->host_grads) accelerator().deallocate_pinned(group->host_grads);
     if (group->home) {
       if (options_.param_tier == Tier::kCpu) {
         accelerator().deallocate_pinned(group->home);
@@ -211,6 +142,8 @@ ZeroEngine::~ZeroEngine() {
     }
   }
   if (stage1_grads_) accelerator().deallocate(stage1_grads_);
+  if (window_) accelerator().deallocate_pinned(window_);
+  if (control_buffer_) accelerator().deallocate(control_buffer_);
 }
 
 int ZeroEngine::rank() const { return comms_.control->rank(); }
@@ -250,7 +183,8 @@ void ZeroEngine::on_finalize() {
         [this](ParamId id) { return gathered_numel(id); });
   }
 
-  if (options_.param_tier == Tier::kNvme || options_.optimizer_tier == Tier::kNvme) {
+  if (options_.param_tier == Tier::kNvme || options_.optimizer_tier == Tier::kNvme ||
+      options_.grad_tier == Tier::kNvme) {
     aio_ = std::make_unique<nvme::AioHandle>(options_.aio, options_.io_backend ? options_.io_backend() : nullptr);
   }
   Stream& stream = compute_stream();
@@ -281,10 +215,13 @@ void ZeroEngine::on_finalize() {
         break;
       }
     }
-    if (!home_is_host_addressable()) {
-      g.host_params = accelerator().allocate_pinned(shard_nbytes);
-      std::memset(g.host_params, 0, shard_nbytes);
-      if (options_.param_tier == Tier::kNvme) aio_->write(*g.file, g.host_params, shard_nbytes, 0);
+    if (options_.param_tier == Tier::kNvme) {
+      // The file may hold an earlier run's bytes: zeros, so padding is zero
+      // as in the other homes (the window, bounded, one range at a time).
+      for_each_home_chunk(g, [&](size_t first, size_t numel) {
+        std::memset(home_range(g, first, numel, /*load=*/false), 0, numel * dtype_nbytes(g.dtype));
+        store_home_range(g, first, numel);
+      });
     }
     if (options_.param_tier == Tier::kNvme) {
       // nc staging: one buffer holds one slice, so buffers larger than the
@@ -304,13 +241,17 @@ void ZeroEngine::on_finalize() {
       }
       if (read_queue_ == nullptr) read_queue_ = std::make_unique<ReadQueue>(*aio_);
     }
-    g.grad_accum = static_cast<float*>(accelerator().allocate(shard_numel * sizeof(float)));
-    accelerator().memset_async(g.grad_accum, 0, shard_numel * sizeof(float), stream);
-    if (accelerator().backend() != Backend::kCpu) {
-      g.host_grads = static_cast<float*>(accelerator().allocate_pinned(shard_numel * sizeof(float)));
+    if (options_.grad_tier == Tier::kNvme) {
+      if (grad_swap_ == nullptr) {
+        grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
+      }
+      g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
+                                            std::string(dtype_name(g.dtype)));
+    } else {
+      g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout);
     }
     g.reducer = std::make_unique<BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
-                                                options_.reduce_bucket_numel, g.grad_accum);
+                                                options_.reduce_bucket_numel, *g.grads);
 
     if (options_.stage < 3) {
       size_t total = 0;
@@ -324,8 +265,7 @@ void ZeroEngine::on_finalize() {
 
     offload::OptimizerSwapperOptions swapper_options;
     swapper_options.numel = shard_numel;
-    swapper_options.sub_group_numel =
-        std::min<size_t>(static_cast<size_t>(options_.sub_group_numel), shard_numel);
+    swapper_options.sub_group_numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
     swapper_options.state_tier = options_.optimizer_tier;
     swapper_options.adam = options_.adam;
     swapper_options.threads = options_.optimizer_threads;
@@ -365,351 +305,6 @@ void ZeroEngine::on_finalize() {
   full_params_stale_ = false;
 }
 
-// ---- hooks --------------------------------------------------------------------------
-
-void ZeroEngine::pre_op(OpId op, Phase phase) {
-  open_window(op, phase);
-  if (options_.stage < 3) {
-    if (full_params_stale_) sync_full_params();
-    return;
-  }
-  const OperatorTrace::Advance advance = trace_->advance(op, phase);
-  window_position_.push_back(advance.position);
-  if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
-  ++prefetch_.windows;
-  make_room(op);
-  for (ParamId id : op_info(op).params) fetch(id);
-  if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
-    prefetch_from(advance.position);
-  }
-}
-
-void ZeroEngine::post_op(OpId op, Phase phase) {
-  close_window(op, phase);
-  compute_stream().record(*compute_point_);
-  if (phase == Phase::kBackward) note_backward_done(op, *compute_point_);
-  if (options_.stage < 3) return;
-  const size_t position = window_position_.back();
-  window_position_.pop_back();
-  // The trace may have been dropped since this window opened: then its
-  // position says nothing about the future any more.
-  const bool follow = position != OperatorTrace::npos && trace_->following();
-  const auto& params = op_info(op).params;
-  for (size_t k = 0; k < params.size(); ++k) {
-    const ParamId id = params[k];
-    if (persistent(id)) continue;
-    if (in_window(id, false)) continue;  // an enclosing window still uses it
-    if (follow) {
-      // Used again soon (by the trace): keep it rather than gather it again.
-      const size_t next = trace_->next_use(position, k);
-      if (next != OperatorTrace::npos &&
-          trace_->numel_between(position, next) <= options_.max_reuse_distance_numel) {
-        gathered_[id]->kept_until = next;
-        continue;
-      }
-    }
-    release_gathered(id, *compute_point_);
-  }
-}
-
-int64_t ZeroEngine::gathered_numel(ParamId id) const {
-  const Group& g = *groups_[group_of_[id]];
-  return g.layout->param(index_in_group_[id]).slice_numel * world_size();
-}
-
-bool ZeroEngine::persistent(ParamId id) const {
-  return param_info(id).numel() <= options_.persistence_threshold_numel;
-}
-
-void ZeroEngine::fetch(ParamId id) {
-  auto& slot_ptr = gathered_[id];
-  if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
-  Gathered& gathered = *slot_ptr;
-  if (gathered.full == nullptr) {
-    ++prefetch_.on_demand;
-    issue_gather(id, /*prefetch=*/false);
-  } else if (gathered.prefetched) {
-    ++(gathered.ready->query() ? prefetch_.prefetched_ready : prefetch_.prefetched_in_flight);
-    gathered.prefetched = false;
-  } else {
-    ++prefetch_.reused;
-  }
-  gathered.kept_until = OperatorTrace::npos;
-  compute_stream().wait(*gathered.ready);
-}
-
-void ZeroEngine::issue_gather(ParamId id, bool prefetch) {
-  auto& slot_ptr = gathered_[id];
-  if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
-  Gathered& gathered = *slot_ptr;
-  Group& g = *groups_[group_of_[id]];
-  const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
-  const size_t full_nbytes = slot.slice_nbytes() * static_cast<size_t>(world_size());
-  if (gathered.ready == nullptr) gathered.ready = accelerator().create_event();
-  // nc first (it may block for a staging buffer): nothing is allocated yet.
-  Staging::Buffer* staged = nullptr;
-  if (options_.param_tier == Tier::kNvme) {
-    if (gathered.staged < 0) stage_read(id, /*ahead=*/false);
-    staged = &g.staging.buffers[static_cast<size_t>(gathered.staged)];
-  }
-  gathered.full = accelerator().allocate(full_nbytes);
-
-  const void* src = nullptr;
-  void* device_copy = nullptr;
-  if (options_.param_tier == Tier::kDevice) {
-    src = static_cast<const char*>(g.home) + slot.shard_offset_nbytes;
-  } else {
-    const char* host = nullptr;
-    if (staged != nullptr) {
-      // The read lands before anything after this wait runs on the gather
-      // stream; a failed read becomes the gather stream's error.
-      gather_stream_->wait(*staged->read_done);
-      host = static_cast<const char*>(staged->data);
-    } else {
-      host = static_cast<const char*>(g.home) + slot.shard_offset_nbytes;
-    }
-    if (accelerator().backend() == Backend::kCpu) {
-      src = host;  // the allgather reads pinned memory directly
-    } else {
-      // cg: pinned -> device on the gather stream, right before the allgather.
-      device_copy = accelerator().allocate(slot.slice_nbytes());
-      accelerator().copy_async(device_copy, host, slot.slice_nbytes(), CopyKind::kHostToDevice, *gather_stream_);
-      src = device_copy;
-    }
-  }
-  const auto mark_consumed = [&] {  // the staging buffer is free once this point is passed
-    staged->consumed = accelerator().create_event();
-    gather_stream_->record(*staged->consumed);
-    staged->consumed_seq = ++consumed_seq_;
-  };
-  if (staged != nullptr && device_copy != nullptr) mark_consumed();
-  comms_.gather->allgather(src, gathered.full, static_cast<size_t>(slot.slice_numel), g.dtype, *gather_stream_);
-  ++gathers_issued_;
-  ++prefetch_.gathers;
-  gather_stream_->record(*gathered.ready);
-  if (staged != nullptr) {
-    if (device_copy == nullptr) mark_consumed();  // the allgather read it
-    staged->holder = -1;
-    gathered.staged = -1;
-  }
-  if (device_copy != nullptr) accelerator().deallocate_after(device_copy, *gathered.ready);
-  gathered.prefetched = prefetch;
-  live_numel_ += gathered_numel(id);
-  gathered_nbytes_ += full_nbytes;
-  peak_gathered_nbytes_ = std::max(peak_gathered_nbytes_, gathered_nbytes_);
-  prefetch_.peak_gathered_nbytes = std::max(prefetch_.peak_gathered_nbytes, gathered_nbytes_);
-}
-
-bool ZeroEngine::stage_read(ParamId id, bool ahead) {
-  Group& g = *groups_[group_of_[id]];
-  Staging& staging = g.staging;
-  // Free: held by no parameter, and the gather stream is past its last reader.
-  Staging::Buffer* buffer = nullptr;
-  for (auto& b : staging.buffers) {
-    if (b.holder < 0 && (b.consumed == nullptr || b.consumed->query())) {
-      buffer = &b;
-      break;
-    }
-  }
-  bool deferred = false;
-  if (buffer == nullptr) {
-    if (ahead) return false;  // nc runs ahead only into free buffers
-    // A gather is being issued: take the buffer whose last reader comes
-    // first on the gather stream and let the read queue submit the read once
-    // the stream is past it — the host does not wait.
-    for (auto& b : staging.buffers) {
-      if (b.holder < 0 && (buffer == nullptr || b.consumed_seq < buffer->consumed_seq)) buffer = &b;
-    }
-    deferred = buffer != nullptr;
-  }
-  if (buffer == nullptr) {
-    // Every buffer holds a read no gather has used yet (the trace changed
-    // under nc): give one up. Its read must land before the buffer is reused;
-    // it is read again if it is needed.
-    const auto start = std::chrono::steady_clock::now();
-    for (auto& b : staging.buffers) {
-      if (b.holder != id) buffer = &b;
-    }
-    try {
-      buffer->read_done->synchronize();
-    } catch (...) {
-      // Dropped unused; a read that fails again fails where it is used.
-    }
-    gathered_[buffer->holder]->staged = -1;
-    buffer->holder = -1;
-    ++prefetch_.blocked_waits;
-    prefetch_.blocked_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
-  std::shared_ptr<HostEvent> done = accelerator().create_host_event();
-  if (deferred) {
-    read_queue_->push(
-        ReadQueue::Item{buffer->consumed, g.file, buffer->data, slot.slice_nbytes(), slot.shard_offset_nbytes, done});
-    ++prefetch_.reads_deferred;
-  } else {
-    aio_->submit_read(*g.file, buffer->data, slot.slice_nbytes(), slot.shard_offset_nbytes, complete_with(done));
-  }
-  buffer->read_done = std::move(done);
-  buffer->holder = id;
-  auto& slot_ptr = gathered_[id];
-  if (slot_ptr == nullptr) slot_ptr = std::make_unique<Gathered>();
-  slot_ptr->staged = static_cast<int>(buffer - staging.buffers.data());
-  ++prefetch_.reads;
-  if (ahead) ++prefetch_.reads_ahead;
-  return true;
-}
-
-void ZeroEngine::prefetch_from(size_t position) {
-  // One walk along the trace after the current entry, each parameter once:
-  // gg issues allgathers while both budgets allow, then nc goes on reading
-  // shards into free staging buffers (nvme home) until none is free.
-  if (++walk_ == 0) {  // the generation wrapped: forget old marks
-    std::fill(visited_.begin(), visited_.end(), 0);
-    walk_ = 1;
-  }
-  for (ParamId id : op_info(trace_->entry(position).op).params) visited_[id] = walk_;
-  const bool nvme = options_.param_tier == Tier::kNvme;
-  int64_t ahead = 0;  // elements gathered (or gathering) for entries after the current one
-  bool gg = true;
-  for (size_t j = position + 1; j < trace_->size(); ++j) {
-    for (ParamId id : op_info(trace_->entry(j).op).params) {
-      if (visited_[id] == walk_) continue;
-      visited_[id] = walk_;
-      const Gathered* gathered = gathered_[id].get();
-      if (gathered != nullptr && gathered->full != nullptr) {
-        ahead += gathered_numel(id);
-        continue;
-      }
-      if (gg) {
-        const int64_t numel = gathered_numel(id);
-        const bool in_bucket = ahead + numel <= options_.prefetch_bucket_numel;
-        if (in_bucket && live_numel_ + numel > options_.max_live_parameters_numel) {
-          // A copy kept for a use after entry j holds room this one needs sooner.
-          release_kept(j, numel, /*prefetched_too=*/false);
-        }
-        if (in_bucket && live_numel_ + numel <= options_.max_live_parameters_numel) {
-          issue_gather(id, /*prefetch=*/true);
-          ahead += numel;
-          continue;
-        }
-        gg = false;  // in trace order: later parameters wait for this one
-        if (!nvme) return;
-      }
-      if (gathered != nullptr && gathered->staged >= 0) continue;
-      if (!stage_read(id, /*ahead=*/true)) return;
-    }
-  }
-}
-
-void ZeroEngine::make_room(OpId op) {
-  const auto& params = op_info(op).params;
-  int64_t need = 0;
-  for (ParamId id : params) {
-    const Gathered* gathered = gathered_[id].get();
-    if (gathered == nullptr || gathered->full == nullptr) need += gathered_numel(id);
-  }
-  if (live_numel_ + need <= options_.max_live_parameters_numel) return;
-  // Copies kept for reuse go first, then copies prefetched for later ops
-  // (there are such only when the current op was not prefetched itself:
-  // budgets shrank under a kept copy); never one an open window uses.
-  release_kept(0, need, /*prefetched_too=*/true);
-  if (live_numel_ + need > options_.max_live_parameters_numel) {
-    warn_once("zero.max_live",
-              fmt::format("operator '{}' needs {} gathered elements with {} held by open windows and persistent "
-                          "parameters: more than stage3_max_live_parameters ({}); gathering it anyway",
-                          op_info(op).name, need, live_numel_, options_.max_live_parameters_numel));
-  }
-}
-
-void ZeroEngine::release_kept(size_t after, int64_t need, bool prefetched_too) {
-  // Candidates, the furthest next use first (a prefetched copy's next use is
-  // unknown here: after every kept one).
-  std::vector<std::pair<size_t, ParamId>> candidates;
-  for (ParamId id = 0; id < parameter_count(); ++id) {
-    const Gathered* gathered = gathered_[id].get();
-    if (gathered == nullptr || gathered->full == nullptr) continue;
-    if (persistent(id) || in_window(id, false)) continue;
-    if (gathered->prefetched) {
-      if (prefetched_too) candidates.emplace_back(0, id);
-    } else if (gathered->kept_until == OperatorTrace::npos || gathered->kept_until > after) {
-      candidates.emplace_back(gathered->kept_until == OperatorTrace::npos ? OperatorTrace::npos - 1
-                                                                         : gathered->kept_until + 1,
-                              id);
-    }
-  }
-  if (candidates.empty()) return;
-  std::sort(candidates.begin(), candidates.end(), std::greater<>());
-  compute_stream().record(*compute_point_);
-  for (const auto& [next, id] : candidates) {
-    if (live_numel_ + need <= options_.max_live_parameters_numel) return;
-    release_gathered(id, *compute_point_);
-  }
-}
-
-void ZeroEngine::on_trace_dropped(const OperatorTrace::Advance& what, std::optional<OperatorTrace::Entry> got) {
-  const auto describe = [this](const OperatorTrace::Entry& e) {
-    return fmt::format("'{}' ({})", op_info(e.op).name, phase_name(e.phase));
-  };
-  const std::string where =
-      what.pass == OperatorTrace::npos
-          ? std::string()
-          : fmt::format(" ({} pass {})", what.backward_pass ? "backward" : "forward", what.pass);
-  std::string line;
-  if (!got) {
-    line = fmt::format("operator trace: step {} ended after {} of the trace's {} windows{}; expected {} next",
-                       step_boundaries_ + 1, what.at, what.trace_size, where,
-                       what.expected ? describe(*what.expected) : std::string("?"));
-  } else if (!what.expected) {
-    line = fmt::format("operator trace: step {} ran past the trace's {} windows with {}", step_boundaries_ + 1,
-                       what.trace_size, describe(*got));
-  } else {
-    line = fmt::format("operator trace: step {} diverged at window {}{}: expected {}, got {}", step_boundaries_ + 1,
-                       what.at, where, describe(*what.expected), describe(*got));
-  }
-  logger().info("{}; prefetch is off until the step ends and the next step records a new trace", line);
-  prefetch_.trace_dropped = true;
-  release_all_unused();
-}
-
-void ZeroEngine::release_all_unused() {
-  compute_stream().record(*compute_point_);
-  for (ParamId id = 0; id < parameter_count(); ++id) {
-    if (persistent(id) || in_window(id, false)) continue;
-    release_gathered(id, *compute_point_);
-  }
-}
-
-void ZeroEngine::drain_staging() {
-  // Callers have synchronized the gather stream (or given up on it), so every
-  // deferred read has been submitted; each one's event completes after its I/O.
-  for (auto& group : groups_) {
-    for (auto& buffer : group->staging.buffers) {
-      if (buffer.read_done != nullptr) {
-        try {
-          buffer.read_done->synchronize();
-        } catch (...) {
-          // Dropped unused, or already the gather stream's error; a read that
-          // fails again fails where it is used.
-        }
-      }
-      if (buffer.holder >= 0) gathered_[buffer.holder]->staged = -1;
-      buffer.holder = -1;
-    }
-  }
-}
-
-void ZeroEngine::release_gathered(ParamId id, Event& after) {
-  Gathered* gathered = gathered_[id].get();
-  if (gathered == nullptr || gathered->full == nullptr) return;
-  // A copy no pre_op used was never waited on by compute: free it after its
-  // own allgather instead.
-  accelerator().deallocate_after(gathered->full, gathered->prefetched ? *gathered->ready : after);
-  gathered->full = nullptr;
-  gathered->prefetched = false;
-  gathered->kept_until = OperatorTrace::npos;
-  live_numel_ -= gathered_numel(id);
-  gathered_nbytes_ -= static_cast<size_t>(gathered_numel(id)) * dtype_nbytes(param_info(id).dtype);
-}
 
 TensorView ZeroEngine::param(ParamId id) {
   STRATA_CHECK(in_window(id, false), kBadArgument,
@@ -748,9 +343,7 @@ void ZeroEngine::zero_grad() {
   STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
   for (auto& g : groups_) {
     g->reducer->synchronize();
-    accelerator().memset_async(g->grad_accum, 0, static_cast<size_t>(g->layout->shard_numel()) * sizeof(float),
-                               g->reducer->stream());
-    g->reducer->stream().synchronize();
+    g->grads->zero(g->reducer->stream());
   }
   if (options_.stage == 1) {
     accelerator().memset_async(stage1_grads_, 0, stage1_grads_nbytes_, compute_stream());
@@ -819,31 +412,12 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   compute_stream().synchronize();
   gather_stream_->synchronize();
   drain_staging();
-  char* host = nullptr;
-  if (home_is_host_addressable()) {
-    host = static_cast<char*>(g.home) + slot.shard_offset_nbytes;
-  } else {
-    host = static_cast<char*>(g.host_params) + slot.shard_offset_nbytes;
-    if (options_.param_tier == Tier::kNvme) {
-      aio_->read(*g.file, host, slot.slice_nbytes(), slot.shard_offset_nbytes);
-    } else {
-      accelerator().copy_async(host, static_cast<char*>(g.home) + slot.shard_offset_nbytes, slot.slice_nbytes(),
-                               CopyKind::kDeviceToHost, *gather_stream_);
-      gather_stream_->synchronize();
-    }
-  }
+  const size_t first = static_cast<size_t>(slot.shard_offset_numel), numel = static_cast<size_t>(slot.slice_numel);
+  void* host = home_range(g, first, numel, /*load=*/true);
   const TensorView view{TensorDesc{info.dtype, {owned}, Tier::kCpu}, host};
   fn(slot.owned_begin(rank()), view);
   if (access == Access::kRead) return;
-  if (!home_is_host_addressable()) {
-    if (options_.param_tier == Tier::kNvme) {
-      aio_->write(*g.file, host, slot.slice_nbytes(), slot.shard_offset_nbytes);
-    } else {
-      accelerator().copy_async(static_cast<char*>(g.home) + slot.shard_offset_nbytes, host, slot.slice_nbytes(),
-                               CopyKind::kHostToDevice, *gather_stream_);
-      gather_stream_->synchronize();
-    }
-  }
+  store_home_range(g, first, numel);
   note_written(id);
 }
 
@@ -869,42 +443,72 @@ double ZeroEngine::global_sum(double value) {
 }
 
 void ZeroEngine::allreduce_f64(double* values, size_t count) {
+  STRATA_CHECK(count <= kControlSlots, kInternal, "allreduce_f64 of {} values (at most {})", count, kControlSlots);
   const size_t nbytes = count * sizeof(double);
-  void* device = accelerator().allocate(nbytes);
-  try {
-    accelerator().copy_async(device, values, nbytes, CopyKind::kHostToDevice, *control_stream_);
-    comms_.control->allreduce(device, device, count, DType::kF64, partition::ReduceOp::kSum, *control_stream_);
-    accelerator().copy_async(values, device, nbytes, CopyKind::kDeviceToHost, *control_stream_);
-    control_stream_->synchronize();
-  } catch (...) {
-    accelerator().deallocate(device);
-    throw;
-  }
-  accelerator().deallocate(device);
+  // One small accelerator buffer serves every call (two or three a step).
+  if (control_buffer_ == nullptr) control_buffer_ = accelerator().allocate(kControlSlots * sizeof(double));
+  accelerator().copy_async(control_buffer_, values, nbytes, CopyKind::kHostToDevice, *control_stream_);
+  comms_.control->allreduce(control_buffer_, control_buffer_, count, DType::kF64, partition::ReduceOp::kSum,
+                            *control_stream_);
+  accelerator().copy_async(values, control_buffer_, nbytes, CopyKind::kDeviceToHost, *control_stream_);
+  control_stream_->synchronize();
 }
 
-// Host views of a group's shard: parameters (storage dtype) and fp32 gradients.
-void* ZeroEngine::host_params(Group& g, bool load) {
-  if (home_is_host_addressable()) return g.home;
+// ---- the parameter shard's home, one bounded range at a time --------------------
+
+size_t ZeroEngine::max_home_range_numel(const Group& g) const {
+  size_t numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
+  for (const auto& slot : g.layout->params()) numel = std::max(numel, static_cast<size_t>(slot.slice_numel));
+  return numel;
+}
+
+void ZeroEngine::for_each_home_chunk(const Group& g, const std::function<void(size_t, size_t)>& fn) const {
+  // Sub-group-sized chunks: multiples of the alignment, so aligned ranges.
+  const size_t chunk = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
+  const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
+  for (size_t first = 0; first < shard_numel; first += chunk) fn(first, std::min(chunk, shard_numel - first));
+}
+
+void* ZeroEngine::home_range(Group& g, size_t first, size_t numel, bool load) {
+  const size_t element_nbytes = dtype_nbytes(g.dtype);
+  STRATA_CHECK(first + numel <= static_cast<size_t>(g.layout->shard_numel()), kInternal,
+               "parameter range [{}, {}) outside the shard ({} elements)", first, first + numel,
+               g.layout->shard_numel());
+  if (home_is_host_addressable()) return static_cast<char*>(g.home) + first * element_nbytes;
+  const size_t nbytes = numel * element_nbytes;
+  if (nbytes > window_nbytes_) {
+    // Grows to the largest range any group asks for, then stays: bounded by
+    // the largest slice and sub_group_size, not by the model.
+    size_t want = nbytes;
+    for (const auto& other : groups_) {
+      if (other->layout) want = std::max(want, max_home_range_numel(*other) * dtype_nbytes(other->dtype));
+    }
+    if (window_ != nullptr) accelerator().deallocate_pinned(window_);
+    window_ = nullptr;
+    window_nbytes_ = 0;
+    window_ = accelerator().allocate_pinned(want);
+    window_nbytes_ = want;
+  }
   if (load) {
     if (options_.param_tier == Tier::kNvme) {
-      aio_->read(*g.file, g.host_params, g.layout->shard_nbytes(), 0);
+      aio_->read(*g.file, window_, nbytes, first * element_nbytes);
     } else {
-      accelerator().copy_async(g.host_params, g.home, g.layout->shard_nbytes(), CopyKind::kDeviceToHost,
-                               *gather_stream_);
+      accelerator().copy_async(window_, static_cast<char*>(g.home) + first * element_nbytes, nbytes,
+                               CopyKind::kDeviceToHost, *gather_stream_);
       gather_stream_->synchronize();
     }
   }
-  return g.host_params;
+  return window_;
 }
 
-void ZeroEngine::store_host_params(Group& g) {
+void ZeroEngine::store_home_range(Group& g, size_t first, size_t numel) {
   if (home_is_host_addressable()) return;
+  const size_t element_nbytes = dtype_nbytes(g.dtype), nbytes = numel * element_nbytes;
   if (options_.param_tier == Tier::kNvme) {
-    aio_->write(*g.file, g.host_params, g.layout->shard_nbytes(), 0);
+    aio_->write(*g.file, window_, nbytes, first * element_nbytes);
   } else {
-    accelerator().copy_async(g.home, g.host_params, g.layout->shard_nbytes(), CopyKind::kHostToDevice,
-                             *gather_stream_);
+    accelerator().copy_async(static_cast<char*>(g.home) + first * element_nbytes, window_, nbytes,
+                             CopyKind::kHostToDevice, *gather_stream_);
     gather_stream_->synchronize();
   }
 }
@@ -912,11 +516,9 @@ void ZeroEngine::store_host_params(Group& g) {
 void ZeroEngine::init_optimizer() {
   for (auto& gp : groups_) {
     Group& g = *gp;
-    const char* params = static_cast<const char*>(host_params(g, /*load=*/true));
-    const size_t element_nbytes = dtype_nbytes(g.dtype);
     // The fp32 master weights start as the (widened) parameters, padding zero.
     g.swapper->initialize([&](size_t first, size_t numel, float* out) {
-      convert(params + first * element_nbytes, g.dtype, out, DType::kF32, numel);
+      convert(home_range(g, first, numel, /*load=*/true), g.dtype, out, DType::kF32, numel);
     });
   }
   optimizer_stale_ = false;
@@ -948,19 +550,22 @@ StepResult ZeroEngine::step(float lr) {
     }
   }
   // The gradient shards are final once every bucket has landed.
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  StepResult result;
+  auto start = Clock::now();
+  for (auto& gp : groups_) gp->reducer->synchronize();
+  result.grad_wait_seconds = seconds_since(start);
+  start = Clock::now();
   kernels::GradStats local;
   for (auto& gp : groups_) {
     Group& g = *gp;
-    g.reducer->synchronize();
-    const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
-    if (g.host_grads != nullptr) {
-      accelerator().copy_async(g.host_grads, g.grad_accum, shard_numel * sizeof(float), CopyKind::kDeviceToHost,
-                               g.reducer->stream());
-      g.reducer->stream().synchronize();
+    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+      const auto [first, numel] = g.swapper->sub_group_range(k);
+      const float* grads = g.grads->read(first, numel, g.reducer->stream());
+      local = kernels::merge(local, kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt,
+                                                        options_.optimizer_threads));
     }
-    const float* grads = g.host_grads != nullptr ? g.host_grads : g.grad_accum;
-    local = kernels::merge(local, kernels::grad_stats(grads, DType::kF32, shard_numel, 1.0f, std::nullopt,
-                                                      options_.optimizer_threads));
   }
   // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
   double reduced[2] = {local.finite ? local.sum_sq : 0.0, local.finite ? 0.0 : 1.0};
@@ -968,7 +573,6 @@ StepResult ZeroEngine::step(float lr) {
   kernels::GradStats global;
   global.sum_sq = reduced[0];
   global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
-  StepResult result;
   const double loss_scale = loss_scaler_.scale();
   result.loss_scale = loss_scale;
   // The gradients hold loss_scale x the true ones; report the true norm.
@@ -984,6 +588,7 @@ StepResult ZeroEngine::step(float lr) {
     zero_grad();
     loss_scaler_.update(true);  // throws at the minimum scale: no progress is possible
     result.step = steps_;
+    result.optimizer_seconds = seconds_since(start);
     return result;
   }
   loss_scaler_.update(false);
@@ -992,24 +597,32 @@ StepResult ZeroEngine::step(float lr) {
   if (optimizer_stale_) init_optimizer();
   for (auto& gp : groups_) {
     Group& g = *gp;
-    void* params = host_params(g, /*load=*/false);
     g.swapper->set_lr(lr);
     offload::StepInputs inputs;
-    inputs.grad = g.host_grads != nullptr ? g.host_grads : g.grad_accum;
+    // Streamed sub-group by sub-group: the gradient from its shard, the new
+    // values (the 16-bit copy, or the fp32 master itself) to the home.
+    inputs.grad_source = [&](size_t first, size_t numel) -> const void* {
+      return g.grads->read(first, numel, g.reducer->stream());
+    };
     inputs.grad_dtype = DType::kF32;
     inputs.grad_scale = result.grad_scale;
-    if (g.dtype != DType::kF32) {
-      inputs.param16 = params;
-      inputs.param16_dtype = g.dtype;
+    inputs.param16_dtype = g.dtype;
+    if (home_is_host_addressable() && g.dtype != DType::kF32) {
+      inputs.param16 = g.home;  // the kernel writes the home directly
+    } else {
+      inputs.param_sink = [&](size_t first, size_t numel, const void* values) {
+        const size_t nbytes = numel * dtype_nbytes(g.dtype);
+        void* range = home_range(g, first, numel, /*load=*/false);
+        if (range != values) std::memcpy(range, values, nbytes);
+        store_home_range(g, first, numel);
+      };
     }
     g.swapper->step(inputs);
-    // fp32 parameters are the master weights themselves.
-    if (g.dtype == DType::kF32) g.swapper->load_state(static_cast<float*>(params), nullptr, nullptr);
-    store_host_params(g);
   }
   ++steps_;
   result.applied = true;
   result.step = steps_;
+  result.optimizer_seconds = seconds_since(start);
   // Copies of the old values are stale: re-gather.
   if (options_.stage < 3) {
     sync_full_params();

@@ -53,22 +53,26 @@
 //              runs; at its last use in backward it joins a bucket that is
 //              reduce-scattered on its own stream and communicator and added into
 //              this rank's fp32 gradient shard (BucketReducer), then freed.
+//   The gradient shard (GradShard) lives in accelerator memory or, with
+//   `grad_tier` nvme, in a file (ZeRO-Infinity's gradient swapping).
 // step() is the optimizer at an accumulation boundary: the global gradient norm
 // (f64 allreduce on the control communicator), clipping, a skip without any
 // state change when a gradient is not finite (with fp16 loss scaling the scale
 // then backs off, DeepSpeed's rule: LossScaler), Adam/AdamW on the CPU over this
 // rank's shard through offload::OptimizerSwapper (state in CPU memory or on
-// NVMe, `optimizer_tier`), the new values written to the shard's home, and
-// (stages 1/2) one allgather per group.
+// NVMe, `optimizer_tier`), and (stages 1/2) one allgather per group. The
+// optimizer walks the layout's sub-groups and streams each: its gradient read
+// from the shard, its new values written to the shard's home. So with every
+// tier on NVMe, host memory is bounded by sub_group_size, the largest
+// parameter slice and the buffers the options name — not by the model.
 //
 // Collectives: every rank must make the same calls in the same order —
 // finalize, the hooks of each step, for_each_owned_range (kWrite) before the
 // next pre_op, global_sum and step.
 //
-// Not yet: per-operator stall accounting on the compute stream (PrefetchStats
-// counts fetches and host blocking only), TiledLinear-aware prefetch,
-// the CUDA optimizer (the CPU one serves every backend;
-// on cuda the gradient shard is copied to host memory for it).
+// Not yet: the optimizer overlapping backward (it starts at step()), the CUDA
+// optimizer (the CPU one serves every backend; on cuda each sub-group's
+// gradient is copied to pinned memory for it).
 //
 // Ownership: borrows the accelerator and the communicators (which must outlive
 // it); owns storage, streams, swap files, the optimizer state, the I/O handle
@@ -81,6 +85,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -98,6 +103,7 @@
 
 namespace strata::nvme {
 class AioHandle;
+class SwapSpace;
 }
 namespace strata::offload {
 class PinnedBufferPool;
@@ -117,6 +123,11 @@ struct ZeroEngineOptions {
   int stage = 3;                           // 1, 2 or 3
   Tier param_tier = Tier::kDevice;         // offload_param.device; cpu/nvme need stage 3
   Tier optimizer_tier = Tier::kCpu;        // offload_optimizer.device: kCpu or kNvme
+  // This rank's fp32 gradient shard: accelerator memory (kDevice) or a file
+  // under nvme_path (kNvme: ZeRO-Infinity's gradient swapping, so host memory
+  // does not grow with the model; train::zero_engine_options picks it with an
+  // nvme optimizer).
+  Tier grad_tier = Tier::kDevice;
   std::filesystem::path nvme_path;         // swap files (either tier on nvme)
   int64_t reduce_bucket_numel = 500'000'000;        // DeepSpeed's reduce_bucket_size
   int64_t sub_group_numel = 1'000'000'000;          // DeepSpeed's sub_group_size
@@ -149,6 +160,19 @@ struct ZeroEngineOptions {
   void validate() const;
 };
 
+// Where compute waited for one operator's parameters in one step: the
+// compute stream's time from reaching the op's pre_op waits to passing them,
+// summed over the op's windows of one phase (stage 3).
+struct OpStall {
+  OpId op = -1;
+  Phase phase = Phase::kForward;
+  std::string name;      // the operator's name (op_info)
+  int64_t windows = 0;   // windows of (op, phase) whose wait was timed
+  double seconds = 0;    // compute-stream time spent at those waits
+};
+
+struct StallLog;  // written by the compute stream; zero_coordinator.cc
+
 // What the stage-3 coordinator did in one step (from one step() to the next).
 // A fetch is a parameter an operator needs at pre_op that was not still
 // gathered from an earlier use: it was prefetched (complete or still in flight
@@ -163,9 +187,11 @@ struct PrefetchStats {
   int64_t reused = 0;            // uses served by a copy kept gathered (reuse distance,
                                  // persistence, an enclosing window)
   int64_t gathers = 0;           // allgathers issued (prefetch and on demand)
+  uint64_t gather_nbytes = 0;    // bytes of full parameters those allgathers produce (this rank)
   int64_t reads = 0;             // NVMe→pinned reads issued
   int64_t reads_ahead = 0;       // of them, issued by nc's walk before a gather needed them
   int64_t reads_deferred = 0;    // of them, queued for a buffer the gather stream still reads
+  uint64_t read_nbytes = 0;      // bytes of parameter shards those reads move (this rank)
   int64_t blocked_waits = 0;     // times pre_op blocked the host (every staging buffer held
                                  // by a read no gather used: after a trace change)
   double blocked_seconds = 0;    // host time pre_op spent blocked
@@ -173,6 +199,24 @@ struct PrefetchStats {
 
   int64_t fetches() const { return prefetched_ready + prefetched_in_flight + on_demand; }
   int64_t prefetched() const { return prefetched_ready + prefetched_in_flight; }
+
+  // Stall on parameters: how long the compute stream sat at pre_op's waits
+  // for gathered parameters. Timed on the stream itself, by host functions
+  // enqueued right before and right after the waits (cpu: on the stream's
+  // thread; cuda: when the stream reaches them), so it means the same on
+  // every backend: time compute could not run because a parameter was not
+  // there. Only windows with a gather not yet complete at pre_op are timed
+  // (the others cannot stall, and cost no host function). Stages 1/2: 0.
+  // The stream writes these figures after pre_op returns, into a log this
+  // struct's copies share: they are final once the compute stream has passed
+  // the step's last timed wait — after a synchronize of it, and after step()
+  // of a step whose last window produced gradients (step() waits for every
+  // gradient bucket, each of which waits for compute). Work the stream skips
+  // after an error is not timed. Thread-safe.
+  double param_stall_seconds() const;
+  int64_t stalled_windows() const;          // windows timed
+  std::vector<OpStall> op_stalls() const;   // per (op, phase) timed, most seconds first
+  std::shared_ptr<StallLog> stall_log;      // null: nothing timed (yet)
 };
 
 // What one step() did.
@@ -182,6 +226,9 @@ struct StepResult {
   float grad_scale = 1;     // factor applied to the stored gradients (1/loss scale x clipping)
   double loss_scale = 1;    // the loss scale this step's gradients carried
   int64_t step = 0;         // optimizer steps applied so far
+  // Host time step() spent, for the step breakdown (bench, metrics):
+  double grad_wait_seconds = 0;  // waiting for the last gradient buckets to land in the shards
+  double optimizer_seconds = 0;  // norm, Adam over the shards, new values to their home
 };
 
 class ZeroEngine final : public Engine {
@@ -275,14 +322,23 @@ class ZeroEngine final : public Engine {
   // `after`: where compute's last use of the copy is; a copy compute never
   // used (prefetched) goes after its own gather instead.
   void release_gathered(ParamId id, Event& after);
+  // Blocks until `need` more gathered elements fit max_live_parameters with
+  // the copies compute may still read (releasing_) counted.
+  void wait_for_room(int64_t need);
   void sync_full_params();          // stages 1/2: allgather every group into the full copies
   void init_optimizer();
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
   bool home_is_host_addressable() const;
-  // A host view of the group's parameter shard (staged when the home is not
-  // host-addressable; `load` fills the staging from the home first).
-  void* host_params(Group& g, bool load);
-  void store_host_params(Group& g);  // staging back to a non-host home
+  // A host view of elements [first, first + numel) of the group's parameter
+  // shard (aligned: slice or sub-group boundaries): the home itself when it is
+  // host memory, else the pinned window (`load`: filled from the home first),
+  // valid until the next call. store_home_range writes the window back.
+  void* home_range(Group& g, size_t first, size_t numel, bool load);
+  void store_home_range(Group& g, size_t first, size_t numel);
+  // The largest range home_range serves for `g` (its largest slice or sub-group).
+  size_t max_home_range_numel(const Group& g) const;
+  // Calls fn(first, numel) over the whole shard in ranges home_range serves.
+  void for_each_home_chunk(const Group& g, const std::function<void(size_t first, size_t numel)>& fn) const;
   void allreduce_f64(double* values, size_t count);  // control communicator, blocks
 
   ZeroComms comms_;
@@ -294,6 +350,11 @@ class ZeroEngine final : public Engine {
   std::vector<float*> grad_full_;    // per parameter: its full fp32 gradient (stage 1: resident)
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   std::unique_ptr<nvme::AioHandle> aio_;           // when a tier is nvme
+  std::unique_ptr<nvme::SwapSpace> grad_swap_;     // grad_tier nvme: the gradient files
+  static constexpr size_t kControlSlots = 4;
+  void* control_buffer_ = nullptr;                 // allreduce_f64: kControlSlots doubles, accelerator memory
+  void* window_ = nullptr;                         // pinned: home_range of a non-host home
+  size_t window_nbytes_ = 0;
   std::vector<std::unique_ptr<offload::PinnedBufferPool>> pools_;  // nvme optimizer staging
   offload::PinnedBufferPool* pool_ = nullptr;      // the newest (largest) of pools_
   void* stage1_grads_ = nullptr;                   // stage 1: every full fp32 gradient
@@ -306,6 +367,13 @@ class ZeroEngine final : public Engine {
   bool optimizer_stale_ = true;      // master weights must be (re)initialised from the shards
   size_t gathered_nbytes_ = 0, peak_gathered_nbytes_ = 0;
   int64_t live_numel_ = 0;           // elements gathered now (max_live_parameters)
+  // Copies released at a post_op that compute may still read until it passes `after`.
+  struct Releasing {
+    std::shared_ptr<Event> after;
+    int64_t numel = 0;
+  };
+  std::deque<Releasing> releasing_;
+  int64_t releasing_numel_ = 0;
   std::unique_ptr<OperatorTrace> trace_;
   std::vector<size_t> window_position_;  // per open window: its trace entry, or npos
   std::vector<uint32_t> visited_;    // per parameter: walk generation (prefetch_from)

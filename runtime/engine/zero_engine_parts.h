@@ -1,18 +1,113 @@
-// ZeroEngine's per-group storage, shared by its translation units
-// (zero_engine.cc: hooks, coordinator, step; zero_engine_state.cc:
-// checkpoints). Not a public header.
+// ZeroEngine's internals shared by its translation units (zero_engine.cc:
+// storage, gradients, step; zero_coordinator.cc: the stage-3 hooks and
+// parameter coordinator; zero_engine_state.cc: checkpoints). Not a public
+// header.
 #pragma once
 
+#include <condition_variable>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
+#include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
 #include "runtime/engine/bucket_reducer.h"
+#include "runtime/engine/grad_shard.h"
 #include "runtime/engine/zero_engine.h"
 
 namespace strata::engine {
+
+// An I/O completion callback that completes `done` (on the I/O worker). It
+// holds its own reference, so the event outlives the signal even when the
+// engine has moved on.
+inline nvme::AioHandle::DoneFn complete_with(std::shared_ptr<HostEvent> done) {
+  return [done = std::move(done)](std::exception_ptr error) {
+    if (error) {
+      done->fail(std::move(error));
+    } else {
+      done->signal();
+    }
+  };
+}
+
+// nc reads that must wait until the gather stream is past a staging buffer's
+// last reader: one thread takes them in issue order (the gather stream's
+// order), waits for that point and submits the read, whose completion
+// callback completes the HostEvent the gather stream waits on. So a gather
+// issued far ahead never blocks the host for a buffer, and no thread blocks
+// per read. No cycle: the point a read waits for lies before, on the gather
+// stream, the wait on that read's own event.
+struct ZeroEngine::ReadQueue {
+  struct Item {
+    std::shared_ptr<Event> after;
+    const nvme::File* file = nullptr;
+    void* buf = nullptr;
+    size_t nbytes = 0;
+    uint64_t offset = 0;
+    std::shared_ptr<HostEvent> done;
+  };
+  explicit ReadQueue(nvme::AioHandle& aio) : aio_(aio), thread_([this] { run(); }) {}
+  // Submits what is queued (each after its point), then joins.
+  ~ReadQueue() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void push(Item item) {
+    {
+      std::lock_guard lock(mutex_);
+      items_.push_back(std::move(item));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Item item;
+      {
+        std::unique_lock lock(mutex_);
+        cv_.wait(lock, [&] { return stop_ || !items_.empty(); });
+        if (items_.empty()) return;
+        item = std::move(items_.front());
+        items_.pop_front();
+      }
+      try {
+        item.after->synchronize();
+      } catch (...) {
+        // The reader failed, but it is over: the buffer may be written. (Its
+        // error reached the gather stream already.)
+      }
+      try {
+        aio_.submit_read(*item.file, item.buf, item.nbytes, item.offset, complete_with(item.done));
+      } catch (...) {
+        item.done->fail(std::current_exception());
+      }
+    }
+  }
+  nvme::AioHandle& aio_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Item> items_;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it uses
+};
+
+// Stage 3: a gathered full parameter (world x slice_numel elements).
+struct ZeroEngine::Gathered {
+  void* full = nullptr;
+  std::unique_ptr<Event> ready;  // on the gather stream, after the allgather
+  bool prefetched = false;       // gathered ahead; no pre_op has used this copy yet
+  size_t kept_until = OperatorTrace::npos;  // kept for reuse: the trace entry that uses it next
+  int staged = -1;               // nvme: the staging buffer holding its read, -1: none
+};
 
 // nvme home: the pinned staging buffers of one group (nc). A buffer is free
 // when no parameter holds it and the gather stream is past its last reader.
@@ -39,10 +134,8 @@ struct ZeroEngine::Group {
   void* home = nullptr;  // device: accelerator memory; cpu: pinned memory; nvme: unused
   std::unique_ptr<nvme::SwapSpace> swap;
   nvme::File* file = nullptr;         // nvme home
-  void* host_params = nullptr;        // pinned shard staging when home is not host-addressable
-  float* host_grads = nullptr;        // pinned fp32 shard staging (non-cpu accelerators)
-  float* grad_accum = nullptr;        // fp32 [shard_numel], accelerator memory
-  std::unique_ptr<BucketReducer> reducer;
+  std::unique_ptr<GradShard> grads;   // this rank's fp32 gradient shard (memory or nvme)
+  std::unique_ptr<BucketReducer> reducer;  // after grads: destroyed first (its stream writes them)
   std::unique_ptr<offload::OptimizerSwapper> swapper;
   void* full_flat = nullptr;          // stages 1/2: every full parameter
   std::vector<size_t> full_offset;    // per member: offset in full_flat

@@ -43,7 +43,9 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
     Group& g = *gp;
     {
       StateFileWriter out(dir, params_file(g.dtype));
-      out.append(host_params(g, /*load=*/true), g.layout->shard_nbytes());
+      for_each_home_chunk(g, [&](size_t first, size_t numel) {
+        out.append(home_range(g, first, numel, /*load=*/true), numel * dtype_nbytes(g.dtype));
+      });
       files.push_back(out.finish());
     }
     // One pass over the sub-groups (each read once from NVMe), three files.
@@ -140,8 +142,12 @@ void ZeroEngine::load_state(const fs::path& dir) {
                    exp_avg_sq = dir / optimizer_file("exp_avg_sq", g.dtype);
     expect_size(params, g.layout->shard_nbytes());
     for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));
-    read_state_range(params, 0, host_params(g, /*load=*/false), g.layout->shard_nbytes());
-    store_host_params(g);
+    for_each_home_chunk(g, [&](size_t first, size_t numel) {
+      const size_t element_nbytes = dtype_nbytes(g.dtype);
+      read_state_range(params, first * element_nbytes, home_range(g, first, numel, /*load=*/false),
+                       numel * element_nbytes);
+      store_home_range(g, first, numel);
+    });
     g.swapper->restore(
         [&](size_t first, size_t numel, float* p, float* m, float* v) {
           read_state_range(master, first * sizeof(float), p, numel * sizeof(float));

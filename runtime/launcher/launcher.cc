@@ -19,6 +19,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -115,6 +116,12 @@ int exit_code_of(int status) {
   _exit(127);
 }
 }  // namespace
+
+partition::RankInfo rank_info_from_env() {
+  partition::RankInfo rank = partition::RankInfo::from_env();
+  if (rank.world_size == 1 && std::getenv("MASTER_PORT") == nullptr) rank.master_port = find_free_port(rank.master_addr);
+  return rank;
+}
 
 int find_free_port(const std::string& host) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

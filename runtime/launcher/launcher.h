@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "partition/rendezvous.h"
+
 namespace strata::launcher {
 
 // Most ranks one launcher starts (-n): each costs a process and two pipes,
@@ -42,5 +44,10 @@ int launch(const LaunchOptions& options);
 
 // A TCP port on `host` that was free a moment ago.
 int find_free_port(const std::string& host);
+
+// partition::RankInfo::from_env(), except that a process alone (no WORLD_SIZE
+// above 1) with no MASTER_PORT takes a free port instead of the default,
+// which another single-rank job on this machine may hold.
+partition::RankInfo rank_info_from_env();
 
 }  // namespace strata::launcher

@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "partition/rendezvous.h"
+#include "runtime/launcher/launcher.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
@@ -18,7 +19,7 @@ namespace strata::train {
 
 ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   const CheckpointInfo info = newest_checkpoint(options.checkpoint);
-  const partition::RankInfo rank = partition::RankInfo::from_env();
+  const partition::RankInfo rank = launcher::rank_info_from_env();
   set_log_rank(rank.rank, rank.world_size);
   STRATA_CHECK(rank.world_size == info.world_size, kBadArgument,
                "{} was written by {} ranks and each rank loads its own shards: run `strata run -n {} -- strata "

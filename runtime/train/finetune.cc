@@ -6,14 +6,17 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "partition/communicator.h"
 #include "partition/rendezvous.h"
+#include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
 #include "runtime/data/token_file.h"
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
@@ -74,9 +77,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
 
   // ---- ranks, accelerator, communicators ------------------------------------------------
-  const partition::RankInfo rank = partition::RankInfo::from_env();
+  const partition::RankInfo rank = launcher::rank_info_from_env();
   set_log_rank(rank.rank, rank.world_size);
   set_log_level(config.strata.log_level);
+  // The timeline: recording from here on; each rank's file is created now.
+  std::optional<trace::Session> tracing;
+  if (!options.trace.empty()) {
+    trace::Options trace_options;
+    trace_options.path = options.trace.string();
+    trace_options.rank = rank.rank;
+    trace_options.world_size = rank.world_size;
+    trace_options.process_name = fmt::format("strata finetune rank {}", rank.rank);
+    tracing.emplace(trace_options);
+    trace::name_this_thread("train loop");
+  }
+  std::optional<trace::Span> setup_span(std::in_place, "phase", "connect");
   const int64_t micro_batch = config.micro_batch_size, accumulation = config.gradient_accumulation_steps;
   STRATA_CHECK(config.train_batch_size == 0 || config.train_batch_size == micro_batch * accumulation * rank.world_size,
                kBadArgument,
@@ -90,6 +105,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       make_zero_communicators(*accelerator, rendezvous.store(), rank.rank, rank.world_size, timeout, "strata/finetune");
 
   // ---- engine, model, weights ---------------------------------------------------------
+  setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
   engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
   nn::LlamaModelOptions model_options;
   model_options.dtype = train_dtype;
@@ -102,6 +118,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   } else {
     load_hf_weights(engine, model.parameters(), options.model);
   }
+  setup_span.reset();
   data::TokenLoader loader(data, {options.seq, micro_batch, rank.rank, rank.world_size, seed,
                                   model_config.vocab_size});
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
@@ -127,6 +144,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   if (!options.save_dir.empty()) checkpoints.emplace(options.save_dir, options.keep_checkpoints);
   int64_t done = 0;  // steps already taken (by the run a checkpoint came from)
   if (options.resume) {
+    trace::Span span("phase", "resume");
     const std::optional<TrainerState> resumed = checkpoints->find_and_load(engine);
     STRATA_CHECK(resumed.has_value(), kBadArgument, "--resume: no complete checkpoint in {} (nothing to resume)",
                  options.save_dir.string());
@@ -143,6 +161,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   FinetuneResult result;
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());
   for (int64_t step = done + 1; step <= options.steps; ++step) {
+    trace::Span step_span("phase", "step");
+    step_span.value("step", step);
     const auto start = Clock::now();
     const uint64_t nvme_before = engine.nvme_bytes_read() + engine.nvme_bytes_written();
     double local_count = 0;
@@ -158,14 +178,24 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
-      model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
-      model.backward();
-      loss_sum += model.loss_stats().sum;
+      {
+        trace::Span span("phase", "forward");
+        span.value("micro_batch", static_cast<int64_t>(m));
+        model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
+      }
+      {
+        trace::Span span("phase", "backward");
+        span.value("micro_batch", static_cast<int64_t>(m));
+        model.backward();
+        loss_sum += model.loss_stats().sum;  // waits for the backward's loss
+      }
     }
     const double forward_backward = seconds_since(start);
     const double loss = engine.global_sum(loss_sum) / global_count;
     const double lr = schedule.lr(engine.step_count());
+    trace::Span optimizer_span("phase", "optimizer step");
     const engine::StepResult stepped = engine.step(static_cast<float>(lr));
+    optimizer_span.end();
     StepRecord r;
     r.step = step;
     r.loss = loss;
@@ -178,8 +208,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.nvme_bytes = engine.nvme_bytes_read() + engine.nvme_bytes_written() - nvme_before;
     r.forward_backward_seconds = forward_backward;
     r.optimizer_seconds = r.seconds - forward_backward;
+    r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
+    r.host_peak_rss_nbytes = peak_rss_nbytes();
     if (report) report->record(r);
     if (checkpoints && (step % options.save_every == 0 || step == options.steps)) {
+      trace::Span span("phase", "checkpoint");
       checkpoints->save(engine, {step, loader.cursor(), checkpoint_model});
     }
     if (step == done + 1) result.first_loss = loss;
@@ -193,6 +226,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     result.curve = report->curve_path();
   }
   if (!options.export_dir.empty()) {
+    trace::Span span("phase", "export");
     const auto start = Clock::now();
     const ExportResult exported = export_hf_model(engine, *comms.control, model_config, model.parameters(),
                                                   options.export_dir, export_options);
@@ -202,6 +236,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  options.export_dir.string(), exported.files.size() == 1 ? "one file" : "sharded",
                  dtype_name(export_options.dtype), static_cast<double>(exported.tensor_nbytes) / 1e6,
                  seconds_since(start));
+    }
+  }
+  if (tracing) {
+    const trace::Summary traced = tracing->finish();
+    if (rank.rank == 0 && options.progress != nullptr) {
+      fmt::print(options.progress, "  trace            {}{} ({} events{}; open in ui.perfetto.dev)\n", traced.path,
+                 rank.world_size > 1 ? " and the other ranks' files beside it" : "", traced.events,
+                 traced.dropped > 0 ? fmt::format(", {} dropped", traced.dropped) : "");
     }
   }
   return result;

@@ -43,6 +43,12 @@ struct FinetuneOptions {
   std::filesystem::path export_dir;  // empty: no export; else a Hugging Face directory at the end
   std::string export_dtype;          // fp32 | fp16 | bf16; empty: the training dtype
   uint64_t export_shard_nbytes = 5'000'000'000;
+  // Chrome/Perfetto trace JSON of the run, one file per rank ("{rank}" in the
+  // path is replaced, else ".rank<N>" is added with several ranks; see
+  // runtime/core/trace_recorder.h); empty: no trace. Created before any rank
+  // connects, so a bad path fails at once; written at the end, and also when
+  // the run fails (up to the failure).
+  std::filesystem::path trace;
   std::FILE* progress = stderr;      // rank 0's progress lines; nullptr: none
 };
 

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -65,6 +66,15 @@ RunReport::~RunReport() {
   if (metrics_ != nullptr) std::fclose(metrics_);
 }
 
+uint64_t peak_rss_nbytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;  // kB
+  }
+  return 0;
+}
+
 void RunReport::record(const StepRecord& r) {
   steps_.push_back(r);
   elapsed_ += r.seconds;
@@ -79,7 +89,9 @@ void RunReport::record(const StepRecord& r) {
                          {"nvme_bytes", r.nvme_bytes},
                          {"step_s", r.seconds},
                          {"breakdown_s", {{"forward_backward", r.forward_backward_seconds},
-                                          {"optimizer", r.optimizer_seconds}}}};
+                                          {"optimizer", r.optimizer_seconds}}},
+                         {"memory", {{"device_peak_bytes", r.device_peak_nbytes},
+                                     {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
   const std::string text = line.dump() + "\n";
   STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
                "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
@@ -136,9 +148,12 @@ void RunReport::finish() {
              "  tokens           {}\n"
              "  throughput       {:.0f} tokens/s (median step)\n"
              "  wall time        {}\n"
+             "  peak memory      {:.2f} GiB accelerator, {:.2f} GiB host resident (rank 0)\n"
              "  metrics          {}\n"
              "  loss curve       {}\n",
-             n, skipped, first, k, last, k, tokens, rates[n / 2], duration(elapsed_), metrics_path_.string(),
+             n, skipped, first, k, last, k, tokens, rates[n / 2], duration(elapsed_),
+             static_cast<double>(steps_.back().device_peak_nbytes) / (1ull << 30),
+             static_cast<double>(steps_.back().host_peak_rss_nbytes) / (1ull << 30), metrics_path_.string(),
              curve_path_.string());
   std::fflush(out_);
 }

@@ -31,8 +31,14 @@ struct StepRecord {
   double seconds = 0;          // wall time of the step
   double forward_backward_seconds = 0;  // this rank's forward + backward
   double optimizer_seconds = 0;          // step(): reduction tail, norm, update, gather
+  uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
+  uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
+
+// The highest resident set size of this process so far (VmHWM of
+// /proc/self/status), 0 where it cannot be read.
+uint64_t peak_rss_nbytes();
 
 class RunReport {
  public:

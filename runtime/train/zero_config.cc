@@ -30,6 +30,10 @@ engine::ZeroEngineOptions zero_engine_options(const Config& c, const std::string
   o.param_tier = tier_of(c.zero.offload_param.device);
   // The optimizer always runs on the CPU here; "none" keeps its state in CPU memory.
   o.optimizer_tier = c.zero.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu;
+  // With the optimizer on NVMe the gradient shard goes there too (as
+  // ZeRO-Infinity swaps gradients with the optimizer state): host memory then
+  // stays bounded by the config's buffers, not by the model.
+  o.grad_tier = o.optimizer_tier == Tier::kNvme ? Tier::kNvme : Tier::kDevice;
   const std::string& param_path = c.zero.offload_param.nvme_path;
   const std::string& optimizer_path = c.zero.offload_optimizer.nvme_path;
   const bool param_nvme = o.param_tier == Tier::kNvme, optimizer_nvme = o.optimizer_tier == Tier::kNvme;

@@ -64,7 +64,9 @@ TrainResult train_resident(int steps, bool tied, const kernels::AdamConfig& adam
       layout.shard_param(static_cast<size_t>(id), eng.grad_storage(id).data, 0, grads.data());
     }
     swapper.set_lr(kLr);
-    swapper.step({grads.data(), DType::kF32, 1.0f, nullptr, DType::kBF16});
+    offload::StepInputs inputs;
+    inputs.grad = grads.data();
+    swapper.step(inputs);
     swapper.load_state(master.data(), nullptr, nullptr);
     for (ParamId id = 0; id < eng.parameter_count(); ++id) {
       layout.gather_param(static_cast<size_t>(id), {master.data()}, eng.param_storage(id).data);
@@ -137,22 +139,28 @@ TEST_CASE("two ranks equal one rank on the combined batch: stages 1, 2, 3, accum
   }
 }
 
-TEST_CASE("parameter and optimizer tiers change where bytes live, not the result", "[engine][zero][nvme]") {
+TEST_CASE("parameter, gradient and optimizer tiers change where bytes live, not the result",
+          "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
   const auto dir = std::filesystem::temp_directory_path() / ("strata_zero_tiers_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   TrainSpec device;
   device.world = 2;
+  device.micro_steps = 2;  // a gradient on NVMe is then read, added to and written back
   device.tied = true;
   device.options = options_for(3);
   const TrainResult reference = train_zero(device);
-  for (auto [param_tier, optimizer_tier] :
-       {std::pair{Tier::kCpu, Tier::kCpu}, std::pair{Tier::kNvme, Tier::kCpu}, std::pair{Tier::kDevice, Tier::kNvme},
-        std::pair{Tier::kNvme, Tier::kNvme}}) {
-    CAPTURE(tier_name(param_tier), tier_name(optimizer_tier));
+  struct Tiers {
+    Tier param, optimizer, grad;
+  };
+  for (const Tiers t : {Tiers{Tier::kCpu, Tier::kCpu, Tier::kDevice}, Tiers{Tier::kNvme, Tier::kCpu, Tier::kDevice},
+                        Tiers{Tier::kDevice, Tier::kNvme, Tier::kDevice}, Tiers{Tier::kNvme, Tier::kNvme, Tier::kDevice},
+                        Tiers{Tier::kDevice, Tier::kCpu, Tier::kNvme}, Tiers{Tier::kNvme, Tier::kNvme, Tier::kNvme}}) {
+    CAPTURE(tier_name(t.param), tier_name(t.optimizer), tier_name(t.grad));
     TrainSpec spec = device;
-    spec.options.param_tier = param_tier;
-    spec.options.optimizer_tier = optimizer_tier;
+    spec.options.param_tier = t.param;
+    spec.options.optimizer_tier = t.optimizer;
+    spec.options.grad_tier = t.grad;
     spec.options.nvme_path = dir;
     spec.options.sub_group_numel = 4096;  // several sub-groups through the NVMe pipeline
     const TrainResult r = train_zero(spec);
@@ -160,8 +168,11 @@ TEST_CASE("parameter and optimizer tiers change where bytes live, not the result
     CHECK(r.losses == reference.losses);
   }
   // Swap files go with their engine.
-  const bool param_files_gone = !std::filesystem::exists(dir / "param") || std::filesystem::is_empty(dir / "param");
-  CHECK(param_files_gone);
+  for (const char* kind : {"param", "grad"}) {
+    CAPTURE(kind);
+    const bool files_gone = !std::filesystem::exists(dir / kind) || std::filesystem::is_empty(dir / kind);
+    CHECK(files_gone);
+  }
   std::filesystem::remove_all(dir);
 }
 

@@ -132,7 +132,7 @@ TEST_CASE("misaligned O_DIRECT requests are refused with the requirement", "[nvm
   CHECK_THROWS_WITH(handle.wait(ticket), Catch::Contains("unknown or was already waited"));
 }
 
-TEST_CASE("many requests in flight, waited out of order and with wait_all", "[nvme]") {
+TEST_CASE("many requests in flight, waited out of order, all at once, and with wait_all", "[nvme]") {
   strata::test::TempDir dir("nvme-many");
   for (EngineKind engine : {EngineKind::kUring, EngineKind::kAio}) {
     INFO("engine " << engine_kind_name(engine));
@@ -151,8 +151,10 @@ TEST_CASE("many requests in flight, waited out of order and with wait_all", "[nv
       tickets.push_back(handle.submit_write(file, out.get() + i * chunk, chunk, i * chunk));
     }
     for (int i = count - 1; i >= 0; --i) handle.wait(tickets[i]);
-    for (int i = 0; i < count; ++i) handle.submit_read(file, in.get() + i * chunk, chunk, i * chunk);
-    handle.wait_all();
+    tickets.clear();
+    for (int i = 0; i < count; ++i) tickets.push_back(handle.submit_read(file, in.get() + i * chunk, chunk, i * chunk));
+    handle.wait_all();  // waits without consuming: the tickets are still ours to wait for
+    handle.wait(std::span<const Ticket>(tickets));
     CHECK(std::memcmp(out.get(), in.get(), chunk * count) == 0);
   }
 }

@@ -58,7 +58,7 @@ TEST_CASE("an injected EIO surfaces from wait() with file, offset, length and er
   }
 }
 
-TEST_CASE("an injected error in one of many requests is reported by wait_all", "[nvme]") {
+TEST_CASE("an injected error in one of many requests is reported by waiting for them; wait_all takes no ticket", "[nvme]") {
   strata::test::TempDir dir("nvme-eio-all");
   auto plan = std::make_shared<FaultPlan>(std::vector<IoFault>{
       IoFault{.nth = 7, .kind = IoFault::Kind::kError, .error = ENOSPC, .op = IoOp::kRead}});
@@ -67,8 +67,15 @@ TEST_CASE("an injected error in one of many requests is reported by wait_all", "
   const size_t chunk = 128 << 10;
   auto buf = aligned_buffer(8 * chunk);
   handle->write(file, buf.get(), 8 * chunk, 0);
-  for (int i = 0; i < 8; ++i) handle->submit_read(file, buf.get() + i * chunk, chunk, i * chunk);
-  CHECK_THROWS_WITH(handle->wait_all(), Catch::Contains("ENOSPC") && Catch::Contains("read"));
+  std::vector<Ticket> tickets;
+  for (int i = 0; i < 8; ++i) tickets.push_back(handle->submit_read(file, buf.get() + i * chunk, chunk, i * chunk));
+  // Another user of the handle waiting for everything neither consumes these
+  // tickets nor takes their error.
+  CHECK_NOTHROW(handle->wait_all());
+  for (Ticket t : tickets) CHECK(handle->done(t));
+  CHECK_THROWS_WITH(handle->wait(std::span<const Ticket>(tickets)), Catch::Contains("ENOSPC") && Catch::Contains("read"));
+  // Consumed, every one of them.
+  for (Ticket t : tickets) CHECK_THROWS_WITH(handle->wait(t), Catch::Contains("ticket"));
   handle->wait_all();  // nothing left: returns at once
 }
 

@@ -1,0 +1,589 @@
+// strata-train --zero: see zero_bench.h; formulas in PERFORMANCE.md.
+#include "bench/strata-train/zero_bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "bench/common/stats.h"
+#include "bench/strata-train/drive_bandwidth.h"
+#include "kernels/ops.h"
+#include "partition/communicator.h"
+#include "partition/rendezvous.h"
+#include "partition/store.h"
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
+#include "runtime/engine/resident_engine.h"
+#include "runtime/nn/llama_model.h"
+#include "runtime/train/zero_config.h"
+
+namespace strata::bench::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+constexpr auto kTimeout = std::chrono::milliseconds(600'000);  // a slow step on a loaded machine is not a dead peer
+
+// Sums of small f64 vectors over ranks, on a communicator and stream of the
+// bench's own (the engine's control communicator belongs to the engine).
+class RankSum {
+ public:
+  RankSum(Accelerator& accelerator, partition::StoreClient& store, int rank, int world)
+      : accelerator_(accelerator), rank_(rank), world_(world), stream_(accelerator.create_stream()) {
+    partition::CommunicatorOptions o;
+    o.rank = rank;
+    o.world_size = world;
+    o.timeout = kTimeout;
+    o.prefix = "strata-train/bench";
+    comm_ = partition::make_communicator(accelerator, store, o);
+  }
+  std::vector<double> sum(std::vector<double> values) {
+    const size_t nbytes = values.size() * sizeof(double);
+    void* device = accelerator_.allocate(nbytes);
+    try {
+      accelerator_.copy_async(device, values.data(), nbytes, CopyKind::kHostToDevice, *stream_);
+      comm_->allreduce(device, device, values.size(), DType::kF64, partition::ReduceOp::kSum, *stream_);
+      accelerator_.copy_async(values.data(), device, nbytes, CopyKind::kDeviceToHost, *stream_);
+      stream_->synchronize();
+    } catch (...) {
+      accelerator_.deallocate(device);
+      throw;
+    }
+    accelerator_.deallocate(device);
+    return values;
+  }
+  // Every rank's `value`, indexed by rank.
+  std::vector<double> each(double value) {
+    std::vector<double> v(static_cast<size_t>(world_), 0.0);
+    v[static_cast<size_t>(rank_)] = value;
+    return sum(std::move(v));
+  }
+  double max(double value) {
+    const auto v = each(value);
+    return *std::max_element(v.begin(), v.end());
+  }
+  void barrier() { sum({0.0}); }
+
+ private:
+  Accelerator& accelerator_;
+  int rank_, world_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<partition::Communicator> comm_;
+};
+
+// One ZeRO step as rank 0 saw it.
+struct StepFigures {
+  double step = 0, compute = 0, stall = 0, rank_wait = 0, grad_wait = 0, optimizer = 0, other = 0, loss = 0;
+  double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
+  std::vector<engine::OpStall> ops;
+};
+
+// Field by field medians of a round's steps.
+StepFigures median_of(const std::vector<StepFigures>& steps) {
+  const auto med = [&](double StepFigures::*field) {
+    std::vector<double> v;
+    for (const auto& s : steps) v.push_back(s.*field);
+    return median(v);
+  };
+  StepFigures m;
+  for (double StepFigures::*f : {&StepFigures::step, &StepFigures::compute, &StepFigures::stall, &StepFigures::rank_wait,
+                                 &StepFigures::grad_wait, &StepFigures::optimizer, &StepFigures::other,
+                                 &StepFigures::loss, &StepFigures::nvme_read, &StepFigures::nvme_written,
+                                 &StepFigures::param_read, &StepFigures::gathered}) {
+    m.*f = med(f);
+  }
+  return m;
+}
+
+struct Round {
+  StepFigures zero;           // rank 0, medians over the round's steps
+  double resident = 0;        // the same step resident: max over ranks of their medians
+  double drive_bytes = 0;     // parameter bytes read per step by the ranks sharing a drive
+  double io_bound = 0, bound = 0, ratio = 0;
+  double worst_stall = 0;     // max over ranks of their median stall
+  std::vector<double> losses; // rank 0's ZeRO losses in this round
+  double unoffloaded = 0;     // --vs-unoffloaded: the same stage with nothing offloaded (rank 0's median)
+};
+
+Tier param_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == "cpu" ? Tier::kCpu : Tier::kDevice; }
+// The ZeroEngine's optimizer runs on the CPU: its state is in host memory
+// ("none" and "cpu" alike) or on NVMe.
+Tier optimizer_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : Tier::kCpu; }
+
+nn::LlamaModelOptions model_options(const ModelRun& run) {
+  nn::LlamaModelOptions o;
+  o.dtype = parse_dtype(run.dtype);
+  o.checkpoint_activations = run.checkpoint_activations || run.cpu_checkpointing;
+  o.cpu_checkpointing = run.cpu_checkpointing;
+  return o;
+}
+
+struct RankSetup {
+  int rank = 0, world = 1, ranks_per_drive = 1;
+  bool processes = false;
+};
+
+// The global batch: world x batch sequences of random tokens, each target the
+// next token; the same every step (so the loss falls as the model learns it).
+// This rank's share is rows [rank * batch, (rank + 1) * batch).
+void rank_batch(const ModelRun& run, const RankSetup& r, std::vector<int32_t>& ids, std::vector<int32_t>& targets) {
+  std::mt19937 gen(1);
+  const auto vocab = static_cast<uint32_t>(run.config.vocab_size);
+  ids.clear();
+  targets.clear();
+  for (int64_t s = 0; s < run.batch * r.world; ++s) {
+    std::vector<int32_t> tokens(static_cast<size_t>(run.seq + 1));
+    for (auto& t : tokens) t = static_cast<int32_t>(gen() % vocab);
+    if (s / run.batch != r.rank) continue;
+    ids.insert(ids.end(), tokens.begin(), tokens.end() - 1);
+    targets.insert(targets.end(), tokens.begin() + 1, tokens.end());
+  }
+}
+
+void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::ZeroEngineOptions& o,
+                  const RankSetup& r, double param_count, size_t param_nbytes) {
+  const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+  fmt::print("strata-train --zero {}: {} rank(s) ({}) | params on {}, optimizer state on {}{} | hidden {} inter {} "
+             "layers {} heads {}/{} vocab {} | {} x {} sequences of {} tokens per step | {} | {} threads per rank | "
+             "OPENBLAS_CORETYPE={} | OpenBLAS core {}\n",
+             o.stage, r.world, r.processes ? "processes" : "threads", tier_name(o.param_tier),
+             tier_name(o.optimizer_tier),
+             o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme ? " under " + flags.nvme_dir : "",
+             run.config.hidden_size, run.config.intermediate_size, run.config.num_hidden_layers,
+             run.config.num_attention_heads, run.config.num_key_value_heads, run.config.vocab_size, r.world,
+             run.batch, run.seq, run.dtype, run.threads, coretype != nullptr ? coretype : "(unset)",
+             run.accelerator == "cpu" ? ops::cpu_blas_core() : "-");
+  fmt::print("parameters {:.1f} M ({:.1f} MiB) | prefetch bucket {} / max live {} / reuse distance {} elements | "
+             "{} staging buffers | aio: {} x {} KiB, queue depth {}, {} thread(s)\n",
+             param_count / 1e6, static_cast<double>(param_nbytes) / (1 << 20), o.prefetch_bucket_numel,
+             o.max_live_parameters_numel, o.max_reuse_distance_numel, o.param_buffer_count,
+             nvme::engine_kind_name(o.aio.engine), o.aio.block_size >> 10, o.aio.queue_depth, o.aio.thread_count);
+}
+
+double mib(double bytes) { return bytes / (1 << 20); }
+
+// The whole benchmark on one rank; rank 0 prints and writes the JSON.
+// Returns whether every check held.
+bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, Accelerator& accelerator,
+              partition::StoreClient& store) {
+  engine::ZeroEngineOptions o = flags.engine;
+  o.stage = flags.stage;
+  o.param_tier = param_tier(flags.offload_param);
+  o.optimizer_tier = optimizer_tier(flags.offload_optimizer);
+  const bool nvme = o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme;
+  if (nvme) o.nvme_path = std::filesystem::path(flags.nvme_dir) / "strata-train-swap";
+  o.adam.lr = flags.lr;
+  o.adam.weight_decay = 0.01f;
+  o.optimizer_threads = run.threads;
+  if (run.dtype == "fp16") o.loss_scaling = engine::LossScalerOptions{};
+  o.validate();
+
+  const strata::train::ZeroCommunicators comms =
+      strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero");
+  RankSum ranks(accelerator, store, r.rank, r.world);
+  engine::ZeroEngine eng(accelerator, comms.comms(), o);
+  nn::LlamaModel model(eng, run.config, model_options(run));
+  eng.finalize();
+  nn::initialize_parameters(eng, model.parameters(), 0);
+  // --vs-unoffloaded: the same stage and budgets with parameters on the device
+  // and optimizer state in host memory, trained alongside (its own
+  // communicators), to tell what offloading costs from what ZeRO costs.
+  const bool offloaded = o.param_tier != Tier::kDevice || o.optimizer_tier != Tier::kCpu;
+  std::optional<strata::train::ZeroCommunicators> plain_comms;
+  std::unique_ptr<engine::ZeroEngine> plain;
+  std::unique_ptr<nn::LlamaModel> plain_model;
+  if (flags.vs_unoffloaded && offloaded) {
+    engine::ZeroEngineOptions po = o;
+    po.param_tier = Tier::kDevice;
+    po.optimizer_tier = Tier::kCpu;
+    plain_comms.emplace(strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout,
+                                                               "strata-train/unoffloaded"));
+    plain = std::make_unique<engine::ZeroEngine>(accelerator, plain_comms->comms(), po);
+    plain_model = std::make_unique<nn::LlamaModel>(*plain, run.config, model_options(run));
+    plain->finalize();
+    nn::initialize_parameters(*plain, plain_model->parameters(), 0);
+  }
+  // The same step with everything resident: this rank's micro-batch on a
+  // ResidentEngine with the same weights (no partitioning, no offload, no
+  // gradient reduction, no optimizer), all ranks at once as in the ZeRO step.
+  engine::ResidentEngine resident(accelerator);
+  nn::LlamaModel resident_model(resident, run.config, model_options(run));
+  resident.finalize();
+  nn::initialize_parameters(resident, resident_model.parameters(), 0);
+
+  std::vector<int32_t> ids, targets;
+  rank_batch(run, r, ids, targets);
+  const double local_count = static_cast<double>(targets.size());
+  const double global_tokens = local_count * r.world;
+  size_t param_nbytes = 0;
+  double param_count = 0;
+  for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
+    param_nbytes += eng.param_info(id).nbytes();
+    param_count += static_cast<double>(eng.param_info(id).numel());
+  }
+  if (r.rank == 0) print_header(run, flags, o, r, param_count, param_nbytes);
+
+  // The drive's read bandwidth, measured by rank 0 while the others wait.
+  std::vector<DriveBandwidth> drive;
+  const auto probe_drive = [&] {
+    if (o.param_tier != Tier::kNvme) return;
+    ranks.barrier();
+    DriveBandwidth bw;
+    if (r.rank == 0) {
+      bw = measure_read_bandwidth(accelerator, o.nvme_path, o.aio, static_cast<size_t>(flags.drive_test_mib) << 20);
+    }
+    bw.read_bytes_per_s = ranks.sum({bw.read_bytes_per_s})[0];
+    drive.push_back(bw);
+  };
+
+  const auto zero_step = [&](engine::ZeroEngine& z, nn::LlamaModel& zm) {
+    StepFigures f;
+    trace::Span span("phase", "zero step");  // --trace
+    const auto start = Clock::now();
+    const double read0 = static_cast<double>(z.nvme_bytes_read());
+    const double written0 = static_cast<double>(z.nvme_bytes_written());
+    const double global_count = z.global_sum(local_count);
+    nn::ForwardOptions forward;
+    forward.normalizer = global_count;
+    forward.grad_scale = z.loss_scale();
+    {
+      trace::Span phase("phase", "forward");
+      zm.forward(ids, targets, run.batch, run.seq, forward);
+    }
+    trace::Span phase("phase", "backward");
+    zm.backward();
+    const double loss_sum = zm.loss_stats().sum;
+    // Compute is done here, so step() waits only for the gradient tail.
+    z.compute_stream().synchronize();
+    phase.end();
+    const double until_step = seconds_since(start);
+    f.loss = z.global_sum(loss_sum) / global_count;
+    f.rank_wait = seconds_since(start) - until_step;  // mostly: waiting for the slowest rank's compute
+    trace::Span stepping("phase", "step()");
+    const engine::StepResult stepped = z.step(flags.lr);
+    stepping.end();
+    f.step = seconds_since(start);
+    const engine::PrefetchStats p = z.last_step_prefetch();
+    f.stall = p.param_stall_seconds();
+    f.compute = until_step - f.stall;
+    f.grad_wait = stepped.grad_wait_seconds;
+    f.optimizer = stepped.optimizer_seconds;
+    f.other = f.step - f.compute - f.stall - f.rank_wait - f.grad_wait - f.optimizer;
+    f.nvme_read = static_cast<double>(z.nvme_bytes_read()) - read0;
+    f.nvme_written = static_cast<double>(z.nvme_bytes_written()) - written0;
+    f.param_read = static_cast<double>(p.read_nbytes);
+    f.gathered = static_cast<double>(p.gather_nbytes);
+    f.ops = p.op_stalls();
+    return f;
+  };
+  double resident_loss = 0;
+  const auto resident_step = [&] {
+    trace::Span span("phase", "resident step");
+    const auto start = Clock::now();
+    resident.zero_grad();
+    resident_model.forward(ids, targets, run.batch, run.seq);
+    resident_model.backward();
+    resident_loss = resident_model.loss();
+    return seconds_since(start);
+  };
+
+  probe_drive();
+  std::vector<Round> rounds;
+  std::vector<double> all_losses;
+  std::map<std::pair<std::string, int>, std::pair<double, int64_t>> op_totals;  // (name, phase) -> seconds, windows
+  int timed_steps = 0;
+  const std::string table_head = fmt::format(
+      "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9} {:>7} {:>9}", "round", "step s",
+      "tok/s", "compute", "p.stall", "r.wait", "g.wait", "optim", "other", "nvme rd MB", "nvme wr MB", "resident",
+      "io bound", "ratio", "loss");
+  if (r.rank == 0) fmt::print("{}\n", table_head);
+  // Rounds of `steps` pairs: a ZeRO step, then the same step resident (all
+  // ranks at once), so that load from outside hits both alike.
+  for (int round = 0; round < run.rounds; ++round) {
+    Round rd;
+    std::vector<StepFigures> steps;
+    std::vector<double> resident_s, unoffloaded_s;
+    const int warm = round == 0 ? std::max(run.warmup, 1) : 0;  // the first step records the trace
+    for (int s = 0; s < warm + run.steps; ++s) {
+      ranks.barrier();
+      StepFigures f = zero_step(eng, model);
+      if (plain) {
+        ranks.barrier();
+        const double t = zero_step(*plain, *plain_model).step;
+        if (s >= warm) unoffloaded_s.push_back(t);
+      }
+      ranks.barrier();
+      const double resident_t = resident_step();  // the first lays out the arena: warmup too
+      all_losses.push_back(f.loss);
+      rd.losses.push_back(f.loss);
+      if (s < warm) continue;
+      for (const auto& x : f.ops) {
+        auto& t = op_totals[{x.name, static_cast<int>(x.phase)}];
+        t.first += x.seconds;
+        t.second += x.windows;
+      }
+      ++timed_steps;
+      steps.push_back(std::move(f));
+      resident_s.push_back(resident_t);
+    }
+    rd.zero = median_of(steps);
+    rd.worst_stall = ranks.max(rd.zero.stall);
+    rd.drive_bytes = ranks.sum({rd.zero.param_read})[0] / (r.world / r.ranks_per_drive);
+    rd.resident = ranks.max(median(resident_s));
+    rd.unoffloaded = median(unoffloaded_s);
+    rounds.push_back(std::move(rd));
+  }
+  probe_drive();
+  // The resident model never steps: its loss is the initial weights' on this
+  // rank's micro-batch; averaged over ranks (equal counts) it is the global
+  // loss the ZeRO engine's first step saw.
+  const double resident_global_loss = ranks.sum({resident_loss})[0] / r.world;
+  const double loss_spread = ranks.max(all_losses.back()) + ranks.max(-all_losses.back());
+
+  std::vector<double> bw;
+  for (const auto& d : drive) bw.push_back(d.read_bytes_per_s);
+  const double drive_bw = median(bw);
+  for (Round& rd : rounds) {
+    rd.io_bound = drive_bw > 0 ? rd.drive_bytes / drive_bw : 0;
+    rd.bound = std::max(rd.resident, rd.io_bound);
+    rd.ratio = rd.zero.step / rd.bound;
+  }
+  if (r.rank != 0) return true;
+
+  // ---- report (rank 0) -----------------------------------------------------------------
+  for (size_t k = 0; k < rounds.size(); ++k) {
+    const Round& rd = rounds[k];
+    const StepFigures& z = rd.zero;
+    fmt::print("{:>5} {:>9.3f} {:>9.1f} {:>9.3f} {:>9.3f} {:>9.3f} {:>9.3f} {:>9.3f} {:>9.3f} {:>10.1f} {:>10.1f} "
+               "{:>9.3f} {:>9.3f} {:>7.3f} {:>9.4f}\n",
+               k, z.step, global_tokens / z.step, z.compute, z.stall, z.rank_wait, z.grad_wait, z.optimizer, z.other,
+               z.nvme_read / 1e6, z.nvme_written / 1e6, rd.resident, rd.io_bound, rd.ratio, rd.losses.back());
+  }
+  const auto over_rounds = [&](auto get) {
+    std::vector<double> v;
+    for (const Round& rd : rounds) v.push_back(get(rd));
+    return median(v);
+  };
+  const double step = over_rounds([](const Round& rd) { return rd.zero.step; });
+  const double compute = over_rounds([](const Round& rd) { return rd.zero.compute; });
+  const double stall = over_rounds([](const Round& rd) { return rd.zero.stall; });
+  const double grad_wait = over_rounds([](const Round& rd) { return rd.zero.grad_wait; });
+  const double rank_wait = over_rounds([](const Round& rd) { return rd.zero.rank_wait; });
+  const double optimizer = over_rounds([](const Round& rd) { return rd.zero.optimizer; });
+  const double other = over_rounds([](const Round& rd) { return rd.zero.other; });
+  const double resident_step_s = over_rounds([](const Round& rd) { return rd.resident; });
+  const double io_bound = over_rounds([](const Round& rd) { return rd.io_bound; });
+  const double ratio = over_rounds([](const Round& rd) { return rd.ratio; });
+  const double worst_stall = over_rounds([](const Round& rd) { return rd.worst_stall; });
+  const double nvme_read = over_rounds([](const Round& rd) { return rd.zero.nvme_read; });
+  const double nvme_written = over_rounds([](const Round& rd) { return rd.zero.nvme_written; });
+  const double param_read = over_rounds([](const Round& rd) { return rd.zero.param_read; });
+  const double gathered = over_rounds([](const Round& rd) { return rd.zero.gathered; });
+  const double drive_bytes = over_rounds([](const Round& rd) { return rd.drive_bytes; });
+  const double bound = std::max(resident_step_s, io_bound);
+
+  // Correctness: the first step's loss is the resident model's on the same
+  // weights and batch, the loss is finite and falls, ranks agree on it.
+  const bool finite = std::all_of(all_losses.begin(), all_losses.end(), [](double l) { return std::isfinite(l); });
+  const bool matches = std::fabs(all_losses.front() - resident_global_loss) <= 1e-4 * std::max(1.0, resident_global_loss);
+  const bool falls = all_losses.back() < all_losses.front();
+  const bool agree = loss_spread == 0;
+  const bool ok = finite && matches && falls && agree;
+
+  fmt::print("median: {:.3f} s/step, {:.1f} tok/s | compute {:.3f} s, stall on params {:.3f} s ({:.1f}%; worst rank "
+             "{:.1f}%), waiting for the other ranks {:.3f} s, stall on gradients {:.3f} s, optimizer {:.3f} s, other "
+             "{:.3f} s\n",
+             step, global_tokens / step, compute, stall, 100 * stall / step, 100 * worst_stall / step, rank_wait,
+             grad_wait, optimizer, other);
+  fmt::print("bytes per step (rank 0): NVMe read {:.1f} MB (parameters {:.1f} MB), NVMe written {:.1f} MB, "
+             "parameters gathered {:.1f} MB\n",
+             nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6);
+  if (!drive.empty()) {
+    fmt::print("drive: {:.2f} GB/s sequential O_DIRECT read{} (median of {} probes of {:.0f} MiB, before and after "
+               "the rounds); {:.1f} MB of parameters read per step by the {} rank(s) sharing it\n",
+               drive_bw / 1e9, drive.front().direct ? "" : " (O_DIRECT refused: page cache)", drive.size(),
+               mib(static_cast<double>(drive.front().file_nbytes)), drive_bytes / 1e6, r.ranks_per_drive);
+  }
+  fmt::print("bound: max(resident {:.3f} s, I/O {:.3f} s) = {:.3f} s | step / bound = {:.3f}x (median of the "
+             "rounds' ratios)\n",
+             resident_step_s, io_bound, bound, ratio);
+  const double unoffloaded = over_rounds([](const Round& rd) { return rd.unoffloaded; });
+  const double offload_ratio = over_rounds([](const Round& rd) { return rd.zero.step / rd.unoffloaded; });
+  if (unoffloaded > 0) {
+    fmt::print("the same ZeRO-{} step with nothing offloaded: {:.3f} s | offloaded / not = {:.3f}x, not offloaded / "
+               "resident = {:.3f}x\n",
+               o.stage, unoffloaded, offload_ratio, unoffloaded / resident_step_s);
+  }
+  fmt::print("correctness: {} | losses finite: {} | first loss {:.5f} vs resident {:.5f}: {} | loss falls {:.4f} -> "
+             "{:.4f}: {} | ranks agree: {}\n",
+             ok ? "ok" : "FAILED", finite ? "yes" : "NO", all_losses.front(), resident_global_loss,
+             matches ? "yes" : "NO", all_losses.front(), all_losses.back(), falls ? "yes" : "NO",
+             agree ? "yes" : "NO");
+  // Where compute waited, over the timed steps (rank 0).
+  std::vector<std::pair<double, std::string>> worst;
+  nlohmann::json ops_json = nlohmann::json::array();
+  for (const auto& [key, value] : op_totals) {
+    const std::string phase(engine::phase_name(static_cast<engine::Phase>(key.second)));
+    worst.emplace_back(value.first / timed_steps, key.first + " (" + phase + ")");
+    ops_json.push_back({{"op", key.first}, {"phase", phase}, {"seconds_per_step", value.first / timed_steps},
+                        {"windows_per_step", static_cast<double>(value.second) / timed_steps}});
+  }
+  std::sort(worst.begin(), worst.end(), std::greater<>());
+  if (!worst.empty()) {
+    fmt::print("stall by op (rank 0, mean per step):");
+    for (size_t k = 0; k < std::min<size_t>(worst.size(), 6); ++k) {
+      fmt::print(" {} {:.1f} ms;", worst[k].second, 1e3 * worst[k].first);
+    }
+    fmt::print("\n");
+  }
+
+  if (!run.json.empty()) {
+    nlohmann::json rounds_json = nlohmann::json::array();
+    for (const Round& rd : rounds) {
+      const StepFigures& z = rd.zero;
+      rounds_json.push_back({{"step_s", z.step}, {"tokens_per_s", global_tokens / z.step}, {"compute_s", z.compute},
+                             {"param_stall_s", z.stall}, {"rank_wait_s", z.rank_wait}, {"grad_wait_s", z.grad_wait},
+                             {"optimizer_s", z.optimizer},
+                             {"other_s", z.other}, {"nvme_read_bytes", z.nvme_read},
+                             {"nvme_written_bytes", z.nvme_written}, {"param_read_bytes", z.param_read},
+                             {"gathered_bytes", z.gathered}, {"resident_step_s", rd.resident},
+                             {"io_bound_s", rd.io_bound}, {"bound_s", rd.bound}, {"ratio", rd.ratio},
+                             {"worst_rank_param_stall_s", rd.worst_stall}, {"losses", rd.losses},
+                             {"unoffloaded_step_s", rd.unoffloaded}});
+    }
+    const char* coretype = std::getenv("OPENBLAS_CORETYPE");
+    nlohmann::json out = {
+        {"mode", "zero"},
+        {"config", {{"hidden", run.config.hidden_size}, {"intermediate", run.config.intermediate_size},
+                    {"layers", run.config.num_hidden_layers}, {"heads", run.config.num_attention_heads},
+                    {"kv_heads", run.config.num_key_value_heads}, {"vocab", run.config.vocab_size},
+                    {"batch_per_rank", run.batch}, {"seq", run.seq}, {"dtype", run.dtype},
+                    {"parameters", param_count}}},
+        {"zero", {{"stage", o.stage}, {"offload_param", tier_name(o.param_tier)},
+                  {"offload_optimizer", tier_name(o.optimizer_tier)}, {"nvme_dir", flags.nvme_dir},
+                  {"ranks", r.world}, {"processes", r.processes}, {"prefetch_bucket", o.prefetch_bucket_numel},
+                  {"max_live", o.max_live_parameters_numel}, {"reuse_distance", o.max_reuse_distance_numel},
+                  {"param_buffer_count", o.param_buffer_count}, {"param_buffer_size", o.param_buffer_numel},
+                  {"aio_block_size", o.aio.block_size}, {"aio_queue_depth", o.aio.queue_depth},
+                  {"aio_threads", o.aio.thread_count}}},
+        {"threads_per_rank", run.threads},
+        {"openblas_coretype_env", coretype != nullptr ? coretype : ""},
+        {"openblas_core", run.accelerator == "cpu" ? ops::cpu_blas_core() : "-"},
+        {"device", accelerator.name()},
+        {"rounds", rounds_json},
+        {"median", {{"step_s", step}, {"tokens_per_s", global_tokens / step}, {"compute_s", compute},
+                    {"param_stall_s", stall}, {"param_stall_fraction", stall / step}, {"rank_wait_s", rank_wait},
+                    {"worst_rank_param_stall_s", worst_stall}, {"grad_wait_s", grad_wait},
+                    {"optimizer_s", optimizer}, {"other_s", other}, {"nvme_read_bytes", nvme_read},
+                    {"nvme_written_bytes", nvme_written}, {"param_read_bytes", param_read},
+                    {"gathered_bytes", gathered}, {"drive_param_read_bytes", drive_bytes},
+                    {"resident_step_s", resident_step_s}, {"io_bound_s", io_bound}, {"bound_s", bound},
+                    {"ratio", ratio}, {"unoffloaded_step_s", unoffloaded}}},
+        {"drive_read_bytes_per_s", drive_bw},
+        {"op_stalls", ops_json},
+        {"correctness", {{"ok", ok}, {"losses_finite", finite}, {"first_loss", all_losses.front()},
+                         {"resident_loss", resident_global_loss}, {"first_loss_matches_resident", matches},
+                         {"last_loss", all_losses.back()}, {"loss_falls", falls}, {"ranks_agree", agree}}}};
+    std::ofstream(run.json) << out.dump(1) << "\n";
+  }
+  return ok;
+}
+
+}  // namespace
+
+void add_zero_flags(CLI::App& app, ZeroFlags& f) {
+  engine::ZeroEngineOptions& e = f.engine;
+  app.add_option("--zero", f.stage, "train through a ZeroEngine at this ZeRO stage (1, 2 or 3) instead of the "
+                                    "resident benchmark")
+      ->check(CLI::Range(1, 3));
+  app.add_option("--offload-param", f.offload_param, "--zero 3: where parameter shards live")
+      ->capture_default_str()->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  app.add_option("--offload-optimizer", f.offload_optimizer,
+                 "optimizer state: none and cpu keep it in host memory (the optimizer runs on the CPU), nvme")
+      ->capture_default_str()->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  app.add_option("--nvme-dir", f.nvme_dir, "directory for swap files and the drive bandwidth probe (an nvme tier)");
+  app.add_option("--ranks", f.ranks, "ranks as threads of this process when not started by `strata run` (default 1)")
+      ->check(CLI::Range(0, 64));
+  app.add_flag("--vs-unoffloaded", f.vs_unoffloaded,
+               "also time the same stage with nothing offloaded (parameters on the device, optimizer state in host "
+               "memory), alternating step by step");
+  app.add_option("--lr", f.lr, "AdamW learning rate (weight decay 0.01)")->capture_default_str();
+  app.add_option("--drive-test-mib", f.drive_test_mib, "size of the drive bandwidth probe's file")
+      ->capture_default_str()->check(CLI::Range(4, 1 << 20));
+  app.add_option("--prefetch-bucket", e.prefetch_bucket_numel, "stage3_prefetch_bucket_size (elements)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--max-live", e.max_live_parameters_numel, "stage3_max_live_parameters (elements)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--reuse-distance", e.max_reuse_distance_numel, "stage3_max_reuse_distance (elements)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--persistence", e.persistence_threshold_numel, "stage3_param_persistence_threshold (elements)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--param-buffers", e.param_buffer_count, "offload_param.buffer_count")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--param-buffer-size", e.param_buffer_numel, "offload_param.buffer_size (elements)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--reduce-bucket", e.reduce_bucket_numel, "reduce_bucket_size (elements)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--aio-block-size", e.aio.block_size, "aio.block_size (bytes)")->capture_default_str();
+  app.add_option("--aio-queue-depth", e.aio.queue_depth, "aio.queue_depth")->capture_default_str();
+  app.add_option("--aio-threads", e.aio.thread_count, "aio.thread_count")->capture_default_str();
+}
+
+int run_zero(const ModelRun& run, const ZeroFlags& flags) {
+  const bool nvme = flags.offload_param == "nvme" || flags.offload_optimizer == "nvme";
+  STRATA_CHECK(flags.stage == 3 || flags.offload_param == "none", kBadArgument,
+               "--offload-param {} needs --zero 3 (only stage 3 partitions the parameters)", flags.offload_param);
+  STRATA_CHECK(!nvme || !flags.nvme_dir.empty(), kBadArgument, "an nvme tier needs --nvme-dir DIR");
+  if (nvme) std::filesystem::create_directories(flags.nvme_dir);
+  const bool processes = std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  std::atomic<bool> ok{true};
+  if (processes) {
+    const partition::RankInfo info = partition::RankInfo::from_env();
+    STRATA_CHECK(flags.ranks == 0 || flags.ranks == info.world_size, kBadArgument,
+                 "--ranks {} under a launcher with WORLD_SIZE {}: leave --ranks out", flags.ranks, info.world_size);
+    set_log_rank(info.rank, info.world_size);
+    std::unique_ptr<Accelerator> accelerator = make_accelerator(run.accelerator);
+    partition::Rendezvous rendezvous(info, kTimeout);
+    RankSetup r{info.rank, info.world_size, info.local_world_size, true};
+    ok = run_rank(run, flags, r, *accelerator, rendezvous.store());
+  } else {
+    const int world = std::max(flags.ranks, 1);
+    partition::StoreServer server("127.0.0.1", 0);
+    std::unique_ptr<Accelerator> accelerator = make_accelerator(run.accelerator);
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < world; ++rank) {
+      threads.emplace_back([&, rank] {
+        try {
+          partition::StoreClient store("127.0.0.1", server.port(), rank, kTimeout);
+          if (!run_rank(run, flags, RankSetup{rank, world, world, false}, *accelerator, store)) ok = false;
+        } catch (...) {
+          errors[static_cast<size_t>(rank)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+  return ok ? 0 : 1;
+}
+
+}  // namespace strata::bench::train

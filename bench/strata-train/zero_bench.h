@@ -1,0 +1,50 @@
+// strata-train's ZeRO mode (--zero 1|2|3): the resident benchmark's Llama
+// trained through a ZeroEngine — ZeRO stage, parameter and optimizer tiers as
+// the flags say — one rank per process under `strata run -n N`, or N threads
+// of this process with --ranks N. Per step it reports tokens/s and the step's
+// breakdown (compute, stall on parameters, stall on gradients, optimizer),
+// the bytes moved per tier, and the step's ratio to its bound, max(the same
+// step with everything resident, parameter bytes read / the drive's read
+// bandwidth), each measured in the same run. Definitions: PERFORMANCE.md.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+
+#include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_config.h"
+
+namespace strata::bench::train {
+
+// What the resident benchmark's flags say that the ZeRO mode uses too.
+struct ModelRun {
+  nn::LlamaConfig config;
+  int64_t batch = 0, seq = 0;  // sequences per rank per step, tokens per sequence
+  std::string dtype, accelerator, json;
+  int threads = 0, steps = 0, warmup = 0, rounds = 0;
+  bool checkpoint_activations = false, cpu_checkpointing = false;
+};
+
+struct ZeroFlags {
+  int stage = 0;  // 0: the resident benchmark, not the ZeRO mode
+  std::string offload_param = "none", offload_optimizer = "none", nvme_dir;
+  int ranks = 0;  // threads of this process when not started by `strata run`; 0: 1
+  bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
+  float lr = 1e-3f;
+  int64_t drive_test_mib = 1024;  // the bandwidth probe's file
+  // The coordinator's budgets, reduce buckets, aio: DeepSpeed's defaults
+  // (ZeroEngineOptions'), settable per flag.
+  engine::ZeroEngineOptions engine;
+};
+
+// Adds --zero, --offload-param, --offload-optimizer, --nvme-dir, --ranks and
+// the engine's knobs to `app`, bound to `flags`.
+void add_zero_flags(CLI::App& app, ZeroFlags& flags);
+
+// Runs the ZeRO benchmark; rank 0 prints (and writes run.json). Returns the
+// exit status: 0, or 1 when a correctness check failed. Throws strata::Error
+// for bad flags or a failed run.
+int run_zero(const ModelRun& run, const ZeroFlags& flags);
+
+}  // namespace strata::bench::train

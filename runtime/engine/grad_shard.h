@@ -1,0 +1,88 @@
+// GradShard: this rank's fp32 gradient shard of one dtype group (ENGINE.md §5)
+// — where BucketReducer adds the reduced blocks of backward and where the
+// optimizer reads the final gradient, sub-group by sub-group.
+//
+// Two homes:
+//   memory: one fp32 array of layout.shard_numel() elements in accelerator
+//           memory; accumulation is Ops::add on the reducer's stream.
+//   nvme:   a flat fp32 file in the engine's swap space (ZeRO-Infinity swaps
+//           gradients with the optimizer state), so host memory does not grow
+//           with the model. A parameter's first block since zero() is written
+//           straight to its slice; later blocks (gradient accumulation) are
+//           read, added and written back. Slices not written since zero() read
+//           as zeros, so zero() costs no I/O. The I/O runs in host functions on
+//           the reducer's stream (blocking that stream, not the caller) through
+//           one pinned scratch of the largest slice.
+// read() gives a host view of an aligned range for the optimizer: the array
+// itself when the accelerator's memory is host memory, else a pinned window
+// filled by a copy (memory) or a read (nvme).
+//
+// Ownership: borrows the accelerator, the Ops, the layout and (nvme) the I/O
+// handle and swap space, which must outlive it. Owns its array, file, scratch
+// and window.
+// Thread-safety: one thread drives it; accumulate()'s work runs on the given
+// stream. zero() and read() require that stream to be idle (the reducer
+// synchronized).
+// Errors: Error(kIo) from a failed gradient read or write — from the stream
+// (the reducer's synchronize) for accumulate, directly for read().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "partition/layout.h"
+#include "runtime/core/accelerator.h"
+
+namespace strata::nvme {
+class AioHandle;
+class File;
+class SwapSpace;
+}  // namespace strata::nvme
+
+namespace strata::engine {
+
+class GradShard {
+ public:
+  // Memory home.
+  GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::PartitionLayout& layout);
+  // NVMe home: creates the file `key` (fp32, shard_numel elements) in `swap`.
+  GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::PartitionLayout& layout,
+            nvme::AioHandle& aio, nvme::SwapSpace& swap, const std::string& key);
+  ~GradShard();
+  GradShard(const GradShard&) = delete;
+  GradShard& operator=(const GradShard&) = delete;
+
+  bool on_nvme() const { return file_ != nullptr; }
+
+  // Adds `block` (layout.param(p).slice_numel fp32 elements of accelerator
+  // memory) into parameter p's slice, on `stream` after its queued work;
+  // `block` is read before the stream's next queued operation starts.
+  void accumulate(size_t p, const float* block, Stream& stream, ops::ComputeContext& ctx);
+  // Every element zero again. `stream` must be idle.
+  void zero(Stream& stream);
+  // A host view of shard elements [first, first + numel) — both multiples of
+  // the layout's alignment in elements of the group's dtype (slice and
+  // sub-group boundaries are) — valid until the next read() or zero().
+  // `stream` (idle) carries the copy when the array is not host memory.
+  const float* read(size_t first, size_t numel, Stream& stream);
+
+ private:
+  void ensure_window(size_t numel);
+
+  Accelerator& accelerator_;
+  ops::Ops& ops_;
+  const partition::PartitionLayout& layout_;
+  float* memory_ = nullptr;        // memory home
+  nvme::AioHandle* aio_ = nullptr;  // nvme home
+  nvme::File* file_ = nullptr;
+  std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched on the stream)
+  float* scratch_ = nullptr;       // nvme: pinned, largest slice x 2 (incoming | on disk)
+  size_t scratch_numel_ = 0;
+  float* window_ = nullptr;        // pinned host view for read()
+  size_t window_numel_ = 0;
+};
+
+}  // namespace strata::engine
