@@ -1,7 +1,8 @@
 // CPU optimizer kernels: Adam/AdamW with fp32 master weights and moments, the
 // 16-bit parameter copy written in the same pass, and the gradient statistics
 // (squared norm + inf/NaN) the step needs. One binary picks scalar, AVX2 or
-// AVX-512 at run time from CPUID; STRATA_ISA=scalar|avx2|avx512 forces one.
+// AVX-512 at run time from CPUID and, between AVX2 and AVX-512, by timing (see
+// default_isa); STRATA_ISA=scalar|avx2|avx512 forces one.
 //
 // Thread-safety: every function is reentrant; concurrent calls on disjoint
 // buffers are fine. Kernels parallelise internally with OpenMP.
@@ -29,10 +30,24 @@ CpuIsa parse_isa(std::string_view text);
 bool isa_supported(CpuIsa isa);
 // ISAs this CPU can run, scalar first.
 std::vector<CpuIsa> supported_isas();
-// The ISA used when none is asked for: STRATA_ISA if set (throws
-// Error(kBadArgument) when it names an unknown or unsupported ISA), else the
-// widest the CPU supports. Read once per process.
+// The ISA adam_step uses when none is asked for: STRATA_ISA if set (throws
+// Error(kBadArgument) when it names an unknown or unsupported ISA); else, on a
+// CPU that runs both AVX2 and AVX-512, the faster of the two for this process's
+// updates: the first six adam_step calls of >= 2^20 elements that ask for no
+// ISA are run alternately with each and timed, and the lower median time per
+// element wins (AVX2 only by more than 3%). Until then it is AVX-512; after,
+// it never changes. Else the widest the CPU supports. Only speed depends on
+// this choice: the AVX2 and AVX-512 updates are bit-identical.
 CpuIsa default_isa();
+
+// How default_isa() was decided, for tools that report it.
+struct DefaultIsaInfo {
+  CpuIsa isa = CpuIsa::kScalar;
+  std::string_view basis;  // "STRATA_ISA", "widest supported", "calibrating", "calibrated"
+  int trials = 0;          // timed updates so far
+  double avx512_ns_per_param = 0, avx2_ns_per_param = 0;  // medians, once calibrated
+};
+DefaultIsaInfo default_isa_info();
 
 // Hyper-parameters of one Adam/AdamW step, with PyTorch's meaning.
 struct AdamConfig {
@@ -78,15 +93,20 @@ struct AdamBuffers {
 //   g = grad*grad_scale (+ l2*p);  p *= decay;  m = b1*m + (1-b1)*g;
 //   v = b2*v + (1-b2)*g*g;  p -= step_size * m / (sqrt(v)*inv_bias2_sqrt + eps);
 //   param16 = round_to_nearest_even(p).
-// isa nullopt: default_isa(). threads 0: OpenMP's default. Results do not
-// depend on the thread count. Throws Error(kBadArgument) for an unsupported
+// isa nullopt: default_isa() (such a call may be one of its timed trials).
+// threads 0: OpenMP's default. Results do not depend on the thread count, nor
+// on the ISA among AVX2 and AVX-512 (scalar rounds without FMA). The 16-bit copy
+// of an update of >= 2^23 elements is stored non-temporally (it would not stay
+// in cache for its reader anyway); smaller ones use normal stores. Throws Error(kBadArgument) for an unsupported
 // ISA or dtype, or null buffers with numel > 0.
 void adam_step(const AdamCoefficients& coeffs, const AdamBuffers& buffers,
                std::optional<CpuIsa> isa = std::nullopt, int threads = 0);
 
 // Sum of squares of a gradient (accumulated in double) and whether every
 // element is finite — one read of the gradient gives both the clipping norm
-// and fp16 overflow detection. `scale` multiplies each element first.
+// and fp16 overflow detection. `scale` multiplies each element first. isa
+// nullopt: STRATA_ISA, else the widest supported — never a timed choice, since
+// the sum's rounding depends on the ISA.
 struct GradStats {
   double sum_sq = 0;
   bool finite = true;

@@ -1,5 +1,7 @@
-// strata-adam internals: the in-memory kernel benchmark (with the triad anchor)
-// and the NVMe-offloaded step benchmark, each returning rows for the table and JSON.
+// strata-adam internals: the in-memory kernel benchmark (each row beside its
+// own Adam-shaped triad), the per-parameter CPU-side path beside DeepSpeed's
+// way of doing it, and the NVMe-offloaded step benchmark, each returning rows
+// for the table and JSON. What every number counts: PERFORMANCE.md.
 #pragma once
 
 #include <cstddef>
@@ -14,15 +16,17 @@ namespace strata::bench {
 
 struct KernelRow {
   std::string isa, grad_dtype, copy_dtype;  // copy "none" when no 16-bit copy
+  bool default_isa = false;  // the row asked for no ISA (isa is what default_isa() chose)
   size_t numel = 0;
   int threads = 0;
   double seconds = 0;        // median of the timed iterations
   double params_per_s = 0;   // numel / seconds
   double bytes = 0;          // bytes counted per step (see PERFORMANCE.md)
   double gb_per_s = 0;       // bytes / seconds / 1e9
-  double triad_gb_per_s = 0; // same run's triad
-  double ratio = 0;          // gb_per_s / triad_gb_per_s
-  bool correct = false;      // sampled elements match the scalar reference
+  double triad_seconds = 0;  // median of the row's Adam-shaped triad passes
+  double triad_gb_per_s = 0; // bytes / triad_seconds / 1e9 (same bytes as the row)
+  double ratio = 0;          // median over the pairs of triad time / Adam time
+  bool correct = false;      // sampled elements match the scalar reference, triad kept the state
   std::string check_detail;
 };
 
@@ -32,18 +36,49 @@ struct TriadResult {
   bool correct = false;
 };
 
-// a[i] = b[i] + s*c[i] over three fp32 arrays of numel, OpenMP with `threads`;
-// median of iters. Bytes counted: 3 * 4 * numel (STREAM's convention).
-TriadResult run_triad(size_t numel, int threads, int iters);
+// STREAM's a[i] = b[i] + s*c[i] over three fp32 arrays of numel, OpenMP with
+// `threads`; median of iters. Bytes counted: 3 * 4 * numel (STREAM's
+// convention). A reference printed in the header, not the rows' anchor.
+TriadResult run_stream_triad(size_t numel, int threads, int iters);
 
 struct KernelCase {
-  kernels::CpuIsa isa;
+  std::optional<kernels::CpuIsa> isa;  // nullopt: the default (calibrated) ISA
   DType grad_dtype;
   std::optional<DType> copy_dtype;
 };
-// Allocates the optimizer arrays once per grad dtype and times every case.
+// Allocates the optimizer arrays once and times every case, alternating each
+// Adam step with an Adam-shaped triad pass over the same arrays.
 std::vector<KernelRow> run_kernel_cases(const std::vector<KernelCase>& cases, size_t numel,
-                                        int threads, int iters, bool adamw, double triad_gb_per_s);
+                                        int threads, int iters, bool adamw);
+
+// One way of doing the per-parameter CPU-side work of a ZeRO-3 offloaded step.
+struct PathRow {
+  std::string name;          // "strata", "deepspeed-way", "deepspeed"
+  std::string isa;           // the Adam kernel's ISA ("" for DeepSpeed's own op)
+  size_t numel = 0;
+  double seconds = 0;        // median of the whole path
+  double land_seconds = 0, adam_seconds = 0, copy_seconds = 0;  // medians of the parts
+  double params_per_s = 0;
+  double bytes = 0;          // bytes counted per pass (PERFORMANCE.md)
+  // Medians over the rounds of deepspeed-way (resp. deepspeed) time / this row's time; 0 without.
+  double ratio_to_deepspeed_way = 0;
+  double ratio_to_deepspeed = 0;
+  bool correct = false;
+  std::string check_detail;
+};
+
+struct PathResult {
+  std::vector<PathRow> rows;
+  std::string deepspeed_versions;  // "deepspeed 0.19.8, torch ..., python" when it ran
+  std::string deepspeed_skipped;   // why the real DeepSpeed row is absent ("" when present)
+};
+
+// The path with bf16 gradients and a bf16 copy, --iters passes of each way in
+// alternation: strata's (land the 16-bit gradient, one fused Adam + copy),
+// DeepSpeed's written by us (land into an fp32 buffer, Adam, a separate copy),
+// and, when `python` is non-empty, DeepSpeed's own (its cpu_adam + torch copies
+// in a coprocess, same numel and threads).
+PathResult run_path(size_t numel, int threads, int iters, bool adamw, const std::string& python);
 
 struct NvmeStepOptions {
   std::string dir;

@@ -1,12 +1,15 @@
 // strata-adam: CPU optimizer throughput (parameters/s, GB/s) for each
-// instruction set and dtype mix beside a memory-bandwidth triad of the same
-// run; with --nvme DIR, a full NVMe-offloaded optimizer step beside its lower
-// bound. Every row carries a correctness check against the scalar reference.
+// instruction set and dtype mix, each row beside an Adam-shaped triad timed in
+// alternation with it; the per-parameter CPU-side path of a ZeRO-3 step beside
+// the same path done DeepSpeed's way (and DeepSpeed itself with --vs-deepspeed);
+// with --nvme DIR, a full NVMe-offloaded optimizer step beside its lower bound.
+// Every row carries a correctness check.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -56,29 +59,47 @@ std::vector<std::string> expand(const std::string& arg, const std::vector<std::s
   return out;
 }
 
+std::string default_python() {
+  const char* env = std::getenv("STRATA_PYTHON");
+  return env != nullptr && *env != '\0' ? env : "python3";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
-      "strata-adam: CPU Adam/AdamW throughput per instruction set and dtype mix, beside a memory\n"
-      "triad measured in the same run (ratio = Adam GB/s / triad GB/s). Bytes counted per parameter:\n"
-      "read p, m, v (fp32) and g; write p, m, v and the 16-bit copy. With --nvme DIR it also times a\n"
-      "full NVMe-offloaded step (read k+1 | update k | write k-1) beside max(read alone, write alone,\n"
-      "update alone). See bench/PERFORMANCE.md."};
+      "strata-adam: CPU Adam/AdamW throughput per instruction set and dtype mix, each row beside an\n"
+      "Adam-shaped triad (the same reads and writes with no arithmetic) timed in alternation with it\n"
+      "(ratio = triad time / Adam time). Bytes counted per parameter: read p, m, v (fp32) and g; write\n"
+      "p, m, v and the 16-bit copy. Then the CPU-side path of a ZeRO-3 step (land the bf16 gradient,\n"
+      "Adam, bf16 copy) strata's way beside DeepSpeed's way (fp32 gradient buffer, Adam, separate\n"
+      "copy), and DeepSpeed itself with --vs-deepspeed. With --nvme DIR it also times a full\n"
+      "NVMe-offloaded step (read k+1 | update k | write k-1) beside max(read alone, write alone,\n"
+      "update alone). See bench/strata-adam/PERFORMANCE.md."};
   std::string numel_text = "64M", isa_text = "all", grad_text = "all", copy_text = "bf16,fp16,none";
   std::string nvme_dir, nvme_numel_text = "", sub_group_text = "64M", json_path, engine = "uring";
   std::string nvme_grad = "bf16", nvme_copy = "bf16";
   int iters = 5, threads = 0, buffers = 3, nvme_steps = 3, queue_depth = 32, io_threads = 1;
   size_t block_size = size_t{1} << 20;
-  bool adam_l2 = false, skip_kernels = false;
+  bool adam_l2 = false, skip_kernels = false, skip_path = false, vs_deepspeed = false;
+  std::string python = default_python();
   app.add_option("--numel", numel_text, "Parameters per kernel run (e.g. 256M; acceptance uses >= 256M)")->capture_default_str();
-  app.add_option("--isa", isa_text, "scalar,avx2,avx512 or all (those this CPU supports)")->capture_default_str();
+  app.add_option("--isa", isa_text,
+                 "scalar,avx2,avx512,default or all (those this CPU supports; default: what adam_step "
+                 "picks when asked for none)")->capture_default_str();
   app.add_option("--grad-dtype", grad_text, "fp32,bf16,fp16 or all")->capture_default_str();
   app.add_option("--copy", copy_text, "16-bit copy written in the same pass: bf16,fp16,none or all")->capture_default_str();
   app.add_option("--iters", iters, "Timed steps per row (median is reported)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "Optimizer threads (0: OpenMP default)")->capture_default_str();
   app.add_flag("--adam", adam_l2, "Adam with L2 decay instead of AdamW");
-  app.add_flag("--no-kernels", skip_kernels, "Skip the in-memory rows (only --nvme)");
+  app.add_flag("--no-kernels", skip_kernels, "Skip the in-memory kernel rows");
+  app.add_flag("--no-path", skip_path, "Skip the CPU-side path rows (strata vs DeepSpeed's way)");
+  app.add_flag("--vs-deepspeed", vs_deepspeed,
+               "Also time DeepSpeed's own cpu_adam + torch copies on the path, in alternation; needs a "
+               "Python that imports torch and deepspeed (a first run builds the op: minutes), else "
+               "says so and runs the rest");
+  app.add_option("--python", python, "Python interpreter for --vs-deepspeed (default: $STRATA_PYTHON or python3)")
+      ->capture_default_str();
   app.add_option("--nvme", nvme_dir, "Directory on the drive: time a full offloaded step there");
   app.add_option("--nvme-numel", nvme_numel_text, "Parameters of the offloaded step (default: --numel; acceptance uses 1B)");
   app.add_option("--sub-group", sub_group_text, "sub_group_size in parameters")->capture_default_str();
@@ -97,18 +118,23 @@ int main(int argc, char** argv) {
     const size_t numel = parse_count(numel_text, "--numel");
     const int nthreads = threads > 0 ? threads : omp_get_max_threads();
     const auto& cpu = strata::cpu_features();
-    nlohmann::json doc = {{"tool", "strata-adam"}, {"version", 1}, {"cpu", cpu.model},
+    nlohmann::json doc = {{"tool", "strata-adam"}, {"version", 2}, {"cpu", cpu.model},
                           {"threads", nthreads}, {"optimizer", adam_l2 ? "adam" : "adamw"}};
     std::vector<std::string> not_run;
     bool all_rows_correct = true;
 
+    std::printf("# strata-adam  cpu: %s  threads: %d  numel: %zu  %s\n", cpu.model.c_str(), nthreads,
+                numel, adam_l2 ? "Adam (L2)" : "AdamW");
     if (!skip_kernels) {
       std::vector<sb::KernelCase> cases;
-      for (const auto& isa_name : expand(isa_text, {"scalar", "avx2", "avx512"})) {
-        const auto isa = kernels::parse_isa(isa_name);
-        if (!kernels::isa_supported(isa)) {
-          not_run.push_back(isa_name);
-          continue;
+      for (const auto& isa_name : expand(isa_text, {"scalar", "avx2", "avx512", "default"})) {
+        std::optional<kernels::CpuIsa> isa;
+        if (isa_name != "default") {
+          isa = kernels::parse_isa(isa_name);
+          if (!kernels::isa_supported(*isa)) {
+            not_run.push_back(isa_name);
+            continue;
+          }
         }
         for (const auto& g : expand(grad_text, {"fp32", "bf16", "fp16"})) {
           for (const auto& c : expand(copy_text, {"bf16", "fp16", "none"})) {
@@ -118,54 +144,111 @@ int main(int argc, char** argv) {
           }
         }
       }
-      // The triad runs before and after the kernel rows and the better one is
-      // the anchor: neighbours on a shared machine only ever lower it.
-      auto triad = sb::run_triad(numel, nthreads, iters);
-      std::printf("# strata-adam  cpu: %s  threads: %d  numel: %zu  %s\n", cpu.model.c_str(), nthreads,
-                  numel, adam_l2 ? "Adam (L2)" : "AdamW");
+      // STREAM's triad, for reference only: it writes a line it never read, so
+      // its uncounted read-for-ownership makes it a low bar (PERFORMANCE.md).
+      const auto stream = sb::run_stream_triad(numel, nthreads, iters);
+      std::printf("# STREAM triad (reference, not the anchor): %.2f GB/s counted (12 B/element)\n",
+                  stream.gb_per_s);
       for (const auto& isa : not_run) {
         std::printf("# %s: not supported by this CPU, not measured\n", isa.c_str());
       }
-      std::printf("%-7s %-5s %-5s %12s %10s %12s %9s %9s %7s  %s\n", "isa", "grad", "copy", "numel",
+      std::printf("# triad: the row's own reads and writes with no arithmetic, timed alternately with it; "
+                  "ratio: median of the pairs' triad time / Adam time\n");
+      std::printf("%-14s %-5s %-5s %12s %10s %10s %9s %9s %7s  %s\n", "isa", "grad", "copy", "numel",
                   "time_ms", "Mparam/s", "GB/s", "triad", "ratio", "correct");
-      // Sort cases by grad dtype only to reuse the converted gradient buffer.
-      auto rows = sb::run_kernel_cases(cases, numel, nthreads, iters, !adam_l2, triad.gb_per_s);
-      const auto triad_after = sb::run_triad(numel, nthreads, iters);
-      const double triad_before = triad.gb_per_s;
-      if (triad_after.gb_per_s > triad.gb_per_s) triad = triad_after;
-      triad.correct = triad.correct && triad_after.correct;
-      for (auto& r : rows) {
-        r.triad_gb_per_s = triad.gb_per_s;
-        r.ratio = r.gb_per_s / triad.gb_per_s;
-      }
-      std::printf("# triad before %.2f GB/s, after %.2f GB/s: anchor %.2f GB/s\n", triad_before,
-                  triad_after.gb_per_s, triad.gb_per_s);
+      auto rows = sb::run_kernel_cases(cases, numel, nthreads, iters, !adam_l2);
       nlohmann::json jrows = nlohmann::json::array();
       for (const auto& r : rows) {
-        std::printf("%-7s %-5s %-5s %12zu %10.2f %12.1f %9.2f %9.2f %7.3f  %s\n", r.isa.c_str(),
+        const std::string label = r.default_isa ? "default=" + r.isa : r.isa;
+        std::printf("%-14s %-5s %-5s %12zu %10.2f %10.1f %9.2f %9.2f %7.3f  %s\n", label.c_str(),
                     r.grad_dtype.c_str(), r.copy_dtype.c_str(), r.numel, r.seconds * 1e3,
                     r.params_per_s / 1e6, r.gb_per_s, r.triad_gb_per_s, r.ratio,
                     r.correct ? "ok" : "WRONG");
         if (!r.correct) std::printf("        check: %s\n", r.check_detail.c_str());
-        jrows.push_back({{"isa", r.isa}, {"grad_dtype", r.grad_dtype}, {"copy_dtype", r.copy_dtype},
+        all_rows_correct &= r.correct;
+        jrows.push_back({{"isa", r.isa}, {"default_isa", r.default_isa},
+                         {"grad_dtype", r.grad_dtype}, {"copy_dtype", r.copy_dtype},
                          {"numel", r.numel}, {"threads", r.threads}, {"seconds", r.seconds},
                          {"params_per_s", r.params_per_s}, {"bytes", r.bytes},
-                         {"gb_per_s", r.gb_per_s}, {"triad_gb_per_s", r.triad_gb_per_s},
-                         {"ratio_to_triad", r.ratio}, {"correct", r.correct},
-                         {"check", r.check_detail}});
+                         {"gb_per_s", r.gb_per_s}, {"triad_seconds", r.triad_seconds},
+                         {"triad_gb_per_s", r.triad_gb_per_s}, {"ratio_to_triad", r.ratio},
+                         {"correct", r.correct}, {"check", r.check_detail}});
       }
-      doc["triad"] = {{"numel", triad.numel}, {"seconds", triad.seconds},
-                      {"gb_per_s", triad.gb_per_s}, {"before_gb_per_s", triad_before},
-                      {"after_gb_per_s", triad_after.gb_per_s}, {"correct", triad.correct}};
-      all_rows_correct = triad.correct;
+      doc["stream_triad"] = {{"numel", stream.numel}, {"seconds", stream.seconds},
+                             {"gb_per_s", stream.gb_per_s}, {"correct", stream.correct}};
+      all_rows_correct &= stream.correct;
       doc["kernels"] = jrows;
       doc["isa_not_supported"] = not_run;
     }
 
-    bool all_ok = all_rows_correct;
-    if (doc.contains("kernels")) {
-      for (const auto& r : doc["kernels"]) all_ok &= r["correct"].get<bool>();
+    if (!skip_path) {
+      if (vs_deepspeed) {
+        std::printf("\n# --vs-deepspeed: starting DeepSpeed's cpu_adam with Python '%s' (a first run "
+                    "builds the op: minutes)\n", python.c_str());
+        std::fflush(stdout);
+      }
+      const auto path = sb::run_path(numel, nthreads, iters, !adam_l2, vs_deepspeed ? python : "");
+      std::printf("\n# CPU-side path per parameter, bf16 gradient and bf16 copy, %d alternating rounds "
+                  "(time and parts: medians; vs_way, vs_ds: medians of the rounds' ratios)\n", iters);
+      if (!path.deepspeed_versions.empty()) {
+        std::printf("# deepspeed: %s; DeepSpeedCPUAdam.step() + torch copy_ (OMP_NUM_THREADS=%d)\n",
+                    path.deepspeed_versions.c_str(), nthreads);
+      } else {
+        std::printf("# deepspeed row: not run: %s\n", path.deepspeed_skipped.c_str());
+      }
+      const bool with_ds = !path.deepspeed_versions.empty();
+      std::printf("%-14s %-7s %10s %9s %9s %9s %10s %9s %9s%s  %s\n", "path", "isa", "time_ms",
+                  "land_ms", "adam_ms", "copy_ms", "Mparam/s", "GB/s", "vs_way", with_ds ? "     vs_ds" : "",
+                  "correct");
+      nlohmann::json jpath = nlohmann::json::array();
+      for (const auto& r : path.rows) {
+        std::printf("%-14s %-7s %10.2f %9.2f %9.2f %9.2f %10.1f %9.2f %9.3f", r.name.c_str(),
+                    r.isa.empty() ? "-" : r.isa.c_str(), r.seconds * 1e3, r.land_seconds * 1e3,
+                    r.adam_seconds * 1e3, r.copy_seconds * 1e3, r.params_per_s / 1e6,
+                    r.bytes / r.seconds / 1e9, r.ratio_to_deepspeed_way);
+        if (with_ds) std::printf(" %9.3f", r.ratio_to_deepspeed);
+        std::printf("  %s\n", r.correct ? "ok" : "WRONG");
+        if (!r.correct) std::printf("        check: %s\n", r.check_detail.c_str());
+        all_rows_correct &= r.correct;
+        jpath.push_back({{"path", r.name}, {"isa", r.isa}, {"numel", r.numel}, {"seconds", r.seconds},
+                         {"land_seconds", r.land_seconds}, {"adam_seconds", r.adam_seconds},
+                         {"copy_seconds", r.copy_seconds}, {"params_per_s", r.params_per_s},
+                         {"bytes", r.bytes}, {"ratio_to_deepspeed_way", r.ratio_to_deepspeed_way},
+                         {"ratio_to_deepspeed", with_ds ? nlohmann::json(r.ratio_to_deepspeed)
+                                                        : nlohmann::json(nullptr)},
+                         {"correct", r.correct}, {"check", r.check_detail}});
+      }
+      if (with_ds && path.rows.size() == 3) {
+        // The parts side by side: Adam alone (fp32 gradient, no copy) is our
+        // kernel inside deepspeed-way against DeepSpeed's step.
+        const auto& way = path.rows[1];
+        const auto& ds = path.rows[2];
+        std::printf("# medians of the parts: Adam alone (fp32 gradient, no copy): strata %.2f ms, DeepSpeed "
+                    "%.2f ms: %.3fx; Adam + bf16 copy: strata's fused pass (bf16 gradient) %.2f ms, "
+                    "DeepSpeed's step + copy %.2f ms: %.3fx\n",
+                    way.adam_seconds * 1e3, ds.adam_seconds * 1e3, ds.adam_seconds / way.adam_seconds,
+                    path.rows[0].adam_seconds * 1e3, (ds.adam_seconds + ds.copy_seconds) * 1e3,
+                    (ds.adam_seconds + ds.copy_seconds) / path.rows[0].adam_seconds);
+      }
+      doc["path"] = jpath;
+      doc["deepspeed"] = with_ds ? nlohmann::json(path.deepspeed_versions) : nlohmann::json(nullptr);
+      if (!with_ds) doc["deepspeed_skipped"] = path.deepspeed_skipped;
     }
+
+    const auto chosen = kernels::default_isa_info();
+    std::printf("\n# default ISA: %s (%s", std::string(kernels::isa_name(chosen.isa)).c_str(),
+                std::string(chosen.basis).c_str());
+    if (chosen.basis == "calibrated") {
+      std::printf(" on %d updates: avx512 %.3f ns/param, avx2 %.3f ns/param", chosen.trials,
+                  chosen.avx512_ns_per_param, chosen.avx2_ns_per_param);
+    }
+    std::printf(")\n");
+    doc["default_isa"] = {{"isa", kernels::isa_name(chosen.isa)}, {"basis", chosen.basis},
+                          {"trials", chosen.trials},
+                          {"avx512_ns_per_param", chosen.avx512_ns_per_param},
+                          {"avx2_ns_per_param", chosen.avx2_ns_per_param}};
+
+    bool all_ok = all_rows_correct;
     if (!nvme_dir.empty()) {
       sb::NvmeStepOptions o;
       o.dir = nvme_dir;

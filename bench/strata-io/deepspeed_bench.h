@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "bench/common/python_coprocess.h"
 #include "bench/strata-io/io_bench.h"
 
 namespace strata::bench {
@@ -22,14 +23,11 @@ class DeepSpeedAio {
   // false and why() says what failed (interpreter missing, import error with
   // the interpreter's own path, op not buildable).
   explicit DeepSpeedAio(std::string python);
-  ~DeepSpeedAio();
-  DeepSpeedAio(const DeepSpeedAio&) = delete;
-  DeepSpeedAio& operator=(const DeepSpeedAio&) = delete;
 
-  bool available() const { return available_; }
-  const std::string& why() const { return why_; }
+  bool available() const { return child_.available(); }
+  const std::string& why() const { return child_.why(); }
   // "deepspeed 0.19.8, torch 2.x, /path/to/python" once available.
-  const std::string& versions() const { return versions_; }
+  const std::string& versions() const { return child_.versions(); }
 
   // One timed sequential pass over [0, size) of `path` with an aio_handle of
   // the case's block size, queue depth and thread count (intra_op_parallelism),
@@ -40,20 +38,7 @@ class DeepSpeedAio {
               uint64_t buffer_nbytes, int warmup);
 
  private:
-  std::string request(const std::string& line);  // one request line -> one reply (JSON text)
-  std::string read_reply();
-  std::string stderr_tail() const;
-  void stop();
-
-  std::string python_;
-  pid_t pid_ = -1;
-  int to_child_ = -1;
-  int from_child_ = -1;
-  std::string stderr_path_;
-  std::string pending_;  // bytes read from the child past the last reply line
-  bool available_ = false;
-  std::string why_;
-  std::string versions_;
+  PythonCoprocess child_;
 };
 
 }  // namespace strata::bench

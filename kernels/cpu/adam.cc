@@ -1,11 +1,15 @@
-// Dispatcher of the CPU optimizer kernels: picks the ISA (CPUID, STRATA_ISA),
-// derives the per-step coefficients once, and splits the work across OpenMP
-// threads in SIMD-aligned chunks so results do not depend on the thread count.
+// Dispatcher of the CPU optimizer kernels: picks the ISA (STRATA_ISA, CPUID,
+// then timing: class Calibration), derives the per-step coefficients once, and
+// splits the work across OpenMP threads in SIMD-aligned chunks so results do
+// not depend on the thread count.
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,12 +44,10 @@ std::pair<size_t, size_t> chunk_range(size_t numel, int index, int count) {
   return {std::min(numel, first * kChunkAlignNumel), std::min(numel, last * kChunkAlignNumel)};
 }
 
-CpuIsa resolve(std::optional<CpuIsa> isa) {
-  const CpuIsa chosen = isa ? *isa : default_isa();
+void check_supported(CpuIsa chosen) {
   STRATA_CHECK(isa_supported(chosen), kBadArgument,
                "instruction set '{}' is not supported by this CPU ({})", isa_name(chosen),
                cpu_features().model);
-  return chosen;
 }
 
 using AdamRange = void (*)(const AdamCoefficients&, const AdamBuffers&, size_t, size_t);
@@ -69,19 +71,130 @@ SumSqRange sum_sq_range_for(CpuIsa isa) {
   return detail::sum_sq_range_scalar;
 }
 
-CpuIsa detect_default_isa() {
+// STRATA_ISA when set (validated), else nullopt.
+std::optional<CpuIsa> forced_isa() {
   const char* forced = std::getenv("STRATA_ISA");
-  if (forced != nullptr && *forced != '\0') {
-    const CpuIsa isa = parse_isa(forced);
-    STRATA_CHECK(isa_supported(isa), kBadArgument,
-                 "STRATA_ISA={} but this CPU ({}) does not support it; supported: scalar{}{}",
-                 forced, cpu_features().model, isa_supported(CpuIsa::kAvx2) ? ", avx2" : "",
-                 isa_supported(CpuIsa::kAvx512) ? ", avx512" : "");
-    return isa;
-  }
+  if (forced == nullptr || *forced == '\0') return std::nullopt;
+  const CpuIsa isa = parse_isa(forced);
+  STRATA_CHECK(isa_supported(isa), kBadArgument,
+               "STRATA_ISA={} but this CPU ({}) does not support it; supported: scalar{}{}",
+               forced, cpu_features().model, isa_supported(CpuIsa::kAvx2) ? ", avx2" : "",
+               isa_supported(CpuIsa::kAvx512) ? ", avx512" : "");
+  return isa;
+}
+
+CpuIsa widest_isa() {
   if (isa_supported(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
   if (isa_supported(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
   return CpuIsa::kScalar;
+}
+
+// The ISA grad_stats and an unset STRATA_ISA start from. Read once per process.
+CpuIsa static_isa() {
+  static const CpuIsa isa = forced_isa().value_or(widest_isa());
+  return isa;
+}
+
+// Which of AVX-512 and AVX2 adam_step uses by default, chosen by timing the
+// first kTrialsPerIsa * 2 updates of at least kCalibrationMinNumel elements
+// that ask for no ISA, alternately with each (they are real updates: the
+// calibration costs no extra work or memory). Why measure instead of a rule:
+// Adam is memory-bound at every size that matters, and which kernel streams
+// memory faster is a property of the machine, not of the instruction set — on
+// an AMD Zen 5 EPYC the AVX2 kernel ran 33% faster than the (then fully masked)
+// AVX-512 one, on the Intel Xeon of bench/strata-adam/PERFORMANCE.md they tie
+// out of cache and AVX-512 wins in cache. Timing the caller's own updates
+// measures the regime the caller is in. Results cannot depend on the choice:
+// both kernels run the same operation sequence on every element, tail
+// included, so they are bit-identical (tests/kernels/avx512_test.cc).
+class Calibration {
+ public:
+  static constexpr int kTrialsPerIsa = 3;
+  static constexpr size_t kCalibrationMinNumel = size_t{1} << 20;  // >= ~1 ms: timeable
+
+  Calibration() {
+    forced_ = forced_isa();
+    active_ = !forced_ && isa_supported(CpuIsa::kAvx512) && isa_supported(CpuIsa::kAvx2);
+    chosen_.store(forced_.value_or(widest_isa()));
+    if (!active_) done_.store(true);
+  }
+
+  // The ISA for an update of numel elements that asks for none; `trial` is set
+  // when this update is one of the timed ones.
+  CpuIsa pick(size_t numel, bool& trial) {
+    trial = false;
+    if (done_.load(std::memory_order_acquire) || numel < kCalibrationMinNumel) return chosen_.load();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (handed_out_ >= 2 * kTrialsPerIsa) return chosen_.load();
+    trial = true;
+    return handed_out_++ % 2 == 0 ? CpuIsa::kAvx512 : CpuIsa::kAvx2;
+  }
+
+  void record(CpuIsa isa, double seconds, size_t numel) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& mine = isa == CpuIsa::kAvx512 ? avx512_ : avx2_;
+    mine.push_back(seconds / static_cast<double>(numel) * 1e9);
+    if (avx512_.size() < kTrialsPerIsa || avx2_.size() < kTrialsPerIsa) return;
+    avx512_ns_ = median(avx512_);
+    avx2_ns_ = median(avx2_);
+    // AVX2 must win by more than noise; in a tie AVX-512 is kept because it is
+    // the faster one on data in cache (fewer instructions per element).
+    chosen_.store(avx2_ns_ < 0.97 * avx512_ns_ ? CpuIsa::kAvx2 : CpuIsa::kAvx512);
+    done_.store(true, std::memory_order_release);
+  }
+
+  CpuIsa current() const { return chosen_.load(); }
+
+  DefaultIsaInfo info() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DefaultIsaInfo out;
+    out.isa = chosen_.load();
+    if (forced_) {
+      out.basis = "STRATA_ISA";
+    } else if (!active_) {
+      out.basis = "widest supported";
+    } else if (done_.load()) {
+      out.basis = "calibrated";
+    } else {
+      out.basis = "calibrating";
+    }
+    out.avx512_ns_per_param = avx512_ns_;
+    out.avx2_ns_per_param = avx2_ns_;
+    out.trials = static_cast<int>(avx512_.size() + avx2_.size());
+    return out;
+  }
+
+ private:
+  static double median(std::vector<double> values) {
+    std::sort(values.begin(), values.end());
+    return values[values.size() / 2];
+  }
+
+  std::mutex mutex_;
+  std::optional<CpuIsa> forced_;
+  bool active_ = false;
+  std::atomic<CpuIsa> chosen_{CpuIsa::kScalar};
+  std::atomic<bool> done_{false};
+  int handed_out_ = 0;
+  std::vector<double> avx512_, avx2_;
+  double avx512_ns_ = 0, avx2_ns_ = 0;
+};
+
+Calibration& calibration() {
+  static Calibration instance;
+  return instance;
+}
+
+void run_adam(AdamRange range, const AdamCoefficients& coeffs, const AdamBuffers& b, int count) {
+  if (count == 1) {
+    range(coeffs, b, 0, b.numel);
+    return;
+  }
+#pragma omp parallel num_threads(count)
+  {
+    const auto [begin, end] = chunk_range(b.numel, omp_get_thread_num(), omp_get_num_threads());
+    range(coeffs, b, begin, end);
+  }
 }
 
 }  // namespace
@@ -121,10 +234,9 @@ std::vector<CpuIsa> supported_isas() {
   return out;
 }
 
-CpuIsa default_isa() {
-  static const CpuIsa isa = detect_default_isa();
-  return isa;
-}
+CpuIsa default_isa() { return calibration().current(); }
+
+DefaultIsaInfo default_isa_info() { return calibration().info(); }
 
 void AdamConfig::validate() const {
   STRATA_CHECK(std::isfinite(lr) && lr >= 0.0f, kBadArgument, "optimizer lr must be >= 0, got {}", lr);
@@ -168,16 +280,15 @@ void adam_step(const AdamCoefficients& coeffs, const AdamBuffers& b, std::option
                "adam_step over {} elements got a null param, moment or gradient pointer", b.numel);
   STRATA_CHECK(b.param16 == nullptr || b.param16_dtype != DType::kF32, kBadArgument,
                "adam_step: the parameter copy must be fp16 or bf16, got {}", dtype_name(b.param16_dtype));
-  const AdamRange range = adam_range_for(resolve(isa));
-  const int count = thread_count(b.numel, threads);
-  if (count == 1) {
-    range(coeffs, b, 0, b.numel);
-    return;
-  }
-#pragma omp parallel num_threads(count)
-  {
-    const auto [begin, end] = chunk_range(b.numel, omp_get_thread_num(), omp_get_num_threads());
-    range(coeffs, b, begin, end);
+  bool trial = false;
+  const CpuIsa chosen = isa ? *isa : calibration().pick(b.numel, trial);
+  check_supported(chosen);
+  const auto start = std::chrono::steady_clock::now();
+  run_adam(adam_range_for(chosen), coeffs, b, thread_count(b.numel, threads));
+  if (trial) {
+    calibration().record(
+        chosen, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+        b.numel);
   }
 }
 
@@ -191,7 +302,11 @@ GradStats grad_stats(const void* grad, DType grad_dtype, size_t numel, float sca
                      std::optional<CpuIsa> isa, int threads) {
   if (numel == 0) return GradStats{};
   STRATA_CHECK(grad != nullptr, kBadArgument, "grad_stats over {} elements got a null gradient", numel);
-  const SumSqRange range = sum_sq_range_for(resolve(isa));
+  // Not the timed choice of adam_step: the sum's rounding depends on the ISA,
+  // and a clipping norm must not depend on timing.
+  const CpuIsa chosen = isa ? *isa : static_isa();
+  check_supported(chosen);
+  const SumSqRange range = sum_sq_range_for(chosen);
   const int count = thread_count(numel, threads);
   double sum = 0.0;
   if (count == 1) {

@@ -1,9 +1,13 @@
 // AVX2 + FMA + F16C variant of the CPU optimizer kernels (compiled with
 // -mavx2 -mfma -mf16c; called only after cpu_features() reports AVX2).
-// 16 elements per iteration; the remainder goes through the scalar formula.
+// 8 elements per iteration. The last < 8 elements go through the same vector
+// update on a zero-padded copy (not the scalar formula, which rounds without
+// FMA), so every element is bit-identical to the AVX-512 kernel's: the
+// dispatcher may pick either by speed alone (adam.cc).
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cpu/adam_impl.h"
 
@@ -38,12 +42,11 @@ inline __m128i to_bf16x8(__m256 value) {
 }
 
 template <DType P>
-inline void store8(void* dst, size_t i, __m256 value) {
-  auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(dst) + i);
+inline __m128i to16(__m256 value) {
   if constexpr (P == DType::kBF16) {
-    _mm_storeu_si128(out, to_bf16x8(value));
+    return to_bf16x8(value);
   } else {
-    _mm_storeu_si128(out, _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    return _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
 }
 
@@ -59,6 +62,7 @@ struct Vec {
         neg_step_size(_mm256_set1_ps(-c.step_size)) {}
 };
 
+// Operation for operation the same as update16 in adam_avx512.cc.
 inline void update8(const Vec& k, __m256& p, __m256& m, __m256& v, __m256 g) {
   g = _mm256_fmadd_ps(g, k.grad_scale, _mm256_mul_ps(k.l2, p));
   p = _mm256_mul_ps(p, k.decay);
@@ -68,8 +72,35 @@ inline void update8(const Vec& k, __m256& p, __m256& m, __m256& v, __m256 g) {
   p = _mm256_fmadd_ps(k.neg_step_size, _mm256_div_ps(m, denom), p);
 }
 
-// G: gradient dtype; P: param16 dtype (kF32 means no 16-bit copy).
+// The last n < 8 elements at i: copied into zero-padded vectors, updated like
+// the others, copied back.
 template <DType G, DType P>
+void adam_tail8(const Vec& k, const AdamBuffers& b, size_t i, size_t n) {
+  constexpr size_t kGradBytes = G == DType::kF32 ? 4 : 2;
+  alignas(32) float p8[8] = {}, m8[8] = {}, v8[8] = {};
+  alignas(32) unsigned char g8[8 * kGradBytes] = {};
+  alignas(16) uint16_t c8[8];
+  std::memcpy(p8, b.param + i, n * 4);
+  std::memcpy(m8, b.exp_avg + i, n * 4);
+  std::memcpy(v8, b.exp_avg_sq + i, n * 4);
+  std::memcpy(g8, static_cast<const unsigned char*>(b.grad) + i * kGradBytes, n * kGradBytes);
+  __m256 p = _mm256_load_ps(p8), m = _mm256_load_ps(m8), v = _mm256_load_ps(v8);
+  update8(k, p, m, v, load8<G>(g8, 0));
+  _mm256_store_ps(p8, p);
+  _mm256_store_ps(m8, m);
+  _mm256_store_ps(v8, v);
+  std::memcpy(b.param + i, p8, n * 4);
+  std::memcpy(b.exp_avg + i, m8, n * 4);
+  std::memcpy(b.exp_avg_sq + i, v8, n * 4);
+  if constexpr (P != DType::kF32) {
+    _mm_store_si128(reinterpret_cast<__m128i*>(c8), to16<P>(p));
+    std::memcpy(static_cast<uint16_t*>(b.param16) + i, c8, n * 2);
+  }
+}
+
+// G: gradient dtype; P: param16 dtype (kF32 means no 16-bit copy); Stream:
+// store the copy non-temporally (see stream_param16 in adam_impl.h).
+template <DType G, DType P, bool Stream>
 void adam_avx2(const AdamCoefficients& c, const AdamBuffers& b, size_t begin, size_t end) {
   const Vec k(c);
   size_t i = begin;
@@ -81,19 +112,38 @@ void adam_avx2(const AdamCoefficients& c, const AdamBuffers& b, size_t begin, si
     _mm256_storeu_ps(b.param + i, p);
     _mm256_storeu_ps(b.exp_avg + i, m);
     _mm256_storeu_ps(b.exp_avg_sq + i, v);
-    if constexpr (P != DType::kF32) store8<P>(b.param16, i, p);
+    if constexpr (P != DType::kF32) {
+      auto* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.param16) + i);
+      if constexpr (Stream) {
+        _mm_stream_si128(out, to16<P>(p));
+      } else {
+        _mm_storeu_si128(out, to16<P>(p));
+      }
+    }
   }
-  adam_range_scalar(c, b, i, end);
+  if (i < end) adam_tail8<G, P>(k, b, i, end - i);
+  // Non-temporal stores are weakly ordered: fence before the caller (or the
+  // other threads after the OpenMP barrier) may read the copy.
+  if constexpr (Stream) _mm_sfence();
+}
+
+template <DType G, DType P>
+void adam_avx2_for_copy(const AdamCoefficients& c, const AdamBuffers& b, size_t begin, size_t end) {
+  if (stream_param16(b, 16)) {
+    adam_avx2<G, P, true>(c, b, begin, end);
+  } else {
+    adam_avx2<G, P, false>(c, b, begin, end);
+  }
 }
 
 template <DType G>
 void adam_avx2_for_grad(const AdamCoefficients& c, const AdamBuffers& b, size_t begin, size_t end) {
   if (b.param16 == nullptr) {
-    adam_avx2<G, DType::kF32>(c, b, begin, end);
+    adam_avx2<G, DType::kF32, false>(c, b, begin, end);
   } else if (b.param16_dtype == DType::kBF16) {
-    adam_avx2<G, DType::kBF16>(c, b, begin, end);
+    adam_avx2_for_copy<G, DType::kBF16>(c, b, begin, end);
   } else {
-    adam_avx2<G, DType::kF16>(c, b, begin, end);
+    adam_avx2_for_copy<G, DType::kF16>(c, b, begin, end);
   }
 }
 

@@ -1,6 +1,7 @@
 // The scalar reference of the CPU optimizer kernels: plain C++ per element,
 // the ground truth every SIMD variant is tested against.
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/cpu/adam_impl.h"
 
@@ -25,6 +26,11 @@ void adam_range_scalar(const AdamCoefficients& c, const AdamBuffers& b, size_t b
     adam_element(c, b.param[i], b.exp_avg[i], b.exp_avg_sq[i], load_as_float(b.grad, b.grad_dtype, i));
     if (b.param16 != nullptr) store_from_float(b.param16, b.param16_dtype, i, b.param[i]);
   }
+}
+
+bool stream_param16(const AdamBuffers& b, size_t alignment) {
+  return b.param16 != nullptr && b.numel >= kStreamParam16MinNumel &&
+         reinterpret_cast<uintptr_t>(b.param16) % alignment == 0;
 }
 
 double sum_sq_range_scalar(const void* grad, DType dtype, size_t begin, size_t end, float scale) {

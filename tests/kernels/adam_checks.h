@@ -115,6 +115,47 @@ inline void check_isa_against_scalar(kernels::CpuIsa isa) {
   }
 }
 
+// Runs kAdamSteps steps with isa `a` and isa `b` on the same inputs and
+// requires every output bit to match: the dispatcher chooses between AVX2 and
+// AVX-512 by speed, so nothing else may differ. Buffers start `offset`
+// elements into their allocation (unaligned vector accesses).
+inline void check_isas_bit_identical(kernels::CpuIsa a, kernels::CpuIsa b, size_t offset) {
+  for (const bool adamw : {true, false}) {
+    for (const DType grad_dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+      for (const int copy : {0, 1, 2}) {  // none, bf16, fp16
+        const DType copy_dtype = copy == 2 ? DType::kF16 : DType::kBF16;
+        for (const size_t numel : tail_lengths()) {
+          CAPTURE(kernels::isa_name(a), kernels::isa_name(b), offset, adamw, dtype_name(grad_dtype), copy, numel);
+          kernels::AdamConfig config;
+          config.lr = 1e-2f;
+          config.weight_decay = 0.05f;
+          config.adamw = adamw;
+          OptimState sa = make_state(numel + offset, 9), sb = make_state(numel + offset, 9);
+          for (int step = 1; step <= kAdamSteps; ++step) {
+            const auto grad = make_grad(numel + offset, grad_dtype, 300u + static_cast<uint32_t>(step), 4.0f);
+            const auto c = kernels::adam_coefficients(config, step, 0.5f);
+            for (auto [state, isa] : {std::pair{&sa, a}, std::pair{&sb, b}}) {
+              auto buffers = buffers_of(*state, grad.data(), grad_dtype, copy != 0, copy_dtype);
+              buffers.param += offset;
+              buffers.exp_avg += offset;
+              buffers.exp_avg_sq += offset;
+              buffers.grad = grad.data() + offset * dtype_nbytes(grad_dtype);
+              if (buffers.param16 != nullptr) buffers.param16 = state->param16.data() + offset;
+              buffers.numel = numel;
+              kernels::adam_step(c, buffers, isa);
+            }
+          }
+          // Double parentheses: a failure reports false, not every element.
+          REQUIRE((sa.param == sb.param));
+          REQUIRE((sa.exp_avg == sb.exp_avg));
+          REQUIRE((sa.exp_avg_sq == sb.exp_avg_sq));
+          REQUIRE((sa.param16 == sb.param16));
+        }
+      }
+    }
+  }
+}
+
 inline void check_grad_stats_against_scalar(kernels::CpuIsa isa) {
   for (const DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
     for (const size_t numel : tail_lengths()) {

@@ -25,7 +25,8 @@ TEST_CASE("isa names parse and dispatch follows cpu_features", "[kernels][adam]"
   CHECK(kernels::isa_supported(kernels::default_isa()));
   if (std::getenv("STRATA_ISA") == nullptr) {
     const auto all = kernels::supported_isas();
-    CHECK(kernels::default_isa() == all.back());  // the widest
+    // The widest until large updates have been timed (none have in this test).
+    CHECK(kernels::default_isa() == all.back());
   }
   if (!kernels::isa_supported(CpuIsa::kAvx512)) {
     // Asking for what the CPU lacks is an error, not a crash.
@@ -93,10 +94,61 @@ TEST_CASE("adam_step results do not depend on the thread count", "[kernels][adam
   const auto c = kernels::adam_coefficients({}, 3, 0.7f);
   kernels::adam_step(c, test::buffers_of(one, grad.data(), DType::kBF16, true, DType::kBF16), std::nullopt, 1);
   kernels::adam_step(c, test::buffers_of(many, grad.data(), DType::kBF16, true, DType::kBF16), std::nullopt, 7);
-  REQUIRE(one.param == many.param);
-  REQUIRE(one.exp_avg == many.exp_avg);
-  REQUIRE(one.exp_avg_sq == many.exp_avg_sq);
-  REQUIRE(one.param16 == many.param16);
+  // Double parentheses: a failure reports false instead of printing every element.
+  REQUIRE((one.param == many.param));
+  REQUIRE((one.exp_avg == many.exp_avg));
+  REQUIRE((one.exp_avg_sq == many.exp_avg_sq));
+  REQUIRE((one.param16 == many.param16));
+}
+
+TEST_CASE("the default ISA is timed on the first large updates, then fixed", "[kernels][adam]") {
+  const auto before = kernels::default_isa_info();
+  const bool both = kernels::isa_supported(CpuIsa::kAvx512) && kernels::isa_supported(CpuIsa::kAvx2);
+  if (std::getenv("STRATA_ISA") != nullptr) {
+    CHECK(before.basis == "STRATA_ISA");
+  } else if (!both) {
+    CHECK(before.basis == "widest supported");
+  } else {
+    CHECK(before.basis == "calibrating");
+  }
+  const size_t numel = size_t{1} << 20;  // the smallest update that is timed
+  test::OptimState s = test::make_state(numel, 21);
+  const auto grad = test::make_grad(numel, DType::kBF16, 22, 1.0f);
+  for (int step = 1; step <= 6; ++step) {
+    kernels::adam_step(kernels::adam_coefficients({}, step),
+                       test::buffers_of(s, grad.data(), DType::kBF16, true, DType::kBF16));
+  }
+  const auto after = kernels::default_isa_info();
+  CHECK(after.isa == kernels::default_isa());
+  CHECK(kernels::isa_supported(after.isa));
+  if (before.basis == "calibrating") {
+    CHECK(after.basis == "calibrated");
+    CHECK(after.trials == 6);
+    CHECK((after.isa == CpuIsa::kAvx512 || after.isa == CpuIsa::kAvx2));
+    CHECK(after.avx512_ns_per_param > 0);
+    CHECK(after.avx2_ns_per_param > 0);
+  } else {
+    CHECK(after.basis == before.basis);
+    CHECK(after.trials == 0);
+  }
+  // Once decided, the choice no longer changes.
+  kernels::adam_step(kernels::adam_coefficients({}, 7),
+                     test::buffers_of(s, grad.data(), DType::kBF16, true, DType::kBF16));
+  CHECK(kernels::default_isa_info().trials == after.trials);
+  CHECK(kernels::default_isa() == after.isa);
+  // Which ISA each trial used cannot show in the result: the same steps with
+  // AVX2 alone give the same bits (AVX2 and AVX-512 are bit-identical).
+  test::OptimState ref = test::make_state(numel, 21);
+  const CpuIsa fixed = before.basis == "calibrating" ? CpuIsa::kAvx2 : kernels::default_isa();
+  for (int step = 1; step <= 7; ++step) {
+    kernels::adam_step(kernels::adam_coefficients({}, step),
+                       test::buffers_of(ref, grad.data(), DType::kBF16, true, DType::kBF16), fixed);
+  }
+  // Double parentheses: a failure reports false instead of printing every element.
+  CHECK((ref.param == s.param));
+  CHECK((ref.exp_avg == s.exp_avg));
+  CHECK((ref.exp_avg_sq == s.exp_avg_sq));
+  CHECK((ref.param16 == s.param16));
 }
 
 TEST_CASE("combined gradient scale unscales and clips like clip_grad_norm_", "[kernels][grad]") {
