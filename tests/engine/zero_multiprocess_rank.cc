@@ -37,6 +37,7 @@
 #include "runtime/nn/llama_model.h"
 #include "runtime/train/zero_config.h"
 #include "tests/engine/zero_multiprocess.h"
+#include "tests/nvme/hooked_backend.h"
 #include "tests/engine/zero_training.h"
 
 namespace {
@@ -57,44 +58,15 @@ std::atomic<bool> armed{false};
 std::atomic<int> reads_since_armed{0};
 constexpr int kKillAtRead = 2;  // the second read: the first operator's fetch has begun
 
-// Passes every piece through to the real backend; kills the process when the
-// kKillAtRead-th read after arming is prepared.
-class KillingQueue final : public nvme::IoQueue {
- public:
-  explicit KillingQueue(std::unique_ptr<nvme::IoQueue> inner) : inner_(std::move(inner)) {}
-  size_t capacity() const override { return inner_->capacity(); }
-  void prepare(const nvme::IoPiece& piece) override {
-    if (piece.op == nvme::IoOp::kRead && armed.load() && reads_since_armed.fetch_add(1) + 1 == kKillAtRead) {
-      std::fprintf(stderr, "zero rank program: killing myself (SIGKILL) at an NVMe read of the next step\n");
-      std::fflush(stderr);
-      ::raise(SIGKILL);
-    }
-    inner_->prepare(piece);
+// Kills the process when the kKillAtRead-th read after arming is prepared
+// (every piece still goes to the real backend).
+void kill_at_read(const nvme::IoPiece& piece) {
+  if (piece.op == nvme::IoOp::kRead && armed.load() && reads_since_armed.fetch_add(1) + 1 == kKillAtRead) {
+    std::fprintf(stderr, "zero rank program: killing myself (SIGKILL) at an NVMe read of the next step\n");
+    std::fflush(stderr);
+    ::raise(SIGKILL);
   }
-  void submit() override { inner_->submit(); }
-  void wait(std::vector<nvme::IoCompletion>& out, size_t min_count) override { inner_->wait(out, min_count); }
-  void take_unsubmitted(std::vector<uint64_t>& user_data) override { inner_->take_unsubmitted(user_data); }
-  void submit_and_wait(std::vector<nvme::IoCompletion>& out, size_t min_count) override {
-    inner_->submit_and_wait(out, min_count);
-  }
-  bool register_buffers(const std::vector<iovec>& buffers) override { return inner_->register_buffers(buffers); }
-  void unregister_buffers() override { inner_->unregister_buffers(); }
-
- private:
-  std::unique_ptr<nvme::IoQueue> inner_;
-};
-
-class KillingBackend final : public nvme::IoBackend {
- public:
-  explicit KillingBackend(std::unique_ptr<nvme::IoBackend> inner) : inner_(std::move(inner)) {}
-  std::string_view name() const override { return inner_->name(); }
-  std::unique_ptr<nvme::IoQueue> create_queue(size_t depth) override {
-    return std::make_unique<KillingQueue>(inner_->create_queue(depth));
-  }
-
- private:
-  std::unique_ptr<nvme::IoBackend> inner_;
-};
+}
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -138,7 +110,7 @@ int run(const Args& args) {
   const bool victim = info.rank == args.kill_rank;
   if (victim) {
     options.io_backend = [engine = options.aio.engine] {
-      return std::make_unique<KillingBackend>(nvme::make_backend(engine));
+      return std::make_unique<test::HookedBackend>(nvme::make_backend(engine), kill_at_read);
     };
   }
   engine::ZeroEngine eng(*accelerator, comms.comms(), options);

@@ -26,6 +26,7 @@
 #include "nvme/io_backend.h"
 #include "runtime/core/log.h"
 #include "tests/engine/zero_training.h"
+#include "tests/nvme/hooked_backend.h"
 
 namespace {
 using namespace strata;
@@ -44,44 +45,11 @@ struct ScratchDir {
   }
 };
 
-// An I/O backend whose reads each take at least `delay` longer: the pieces
-// are held back on the worker before they reach the kernel. Writes pass.
-class DelayQueue final : public nvme::IoQueue {
- public:
-  DelayQueue(std::unique_ptr<nvme::IoQueue> inner, std::chrono::milliseconds delay)
-      : inner_(std::move(inner)), delay_(delay) {}
-  size_t capacity() const override { return inner_->capacity(); }
-  void prepare(const nvme::IoPiece& piece) override {
-    if (piece.op == nvme::IoOp::kRead) std::this_thread::sleep_for(delay_);
-    inner_->prepare(piece);
-  }
-  void submit() override { inner_->submit(); }
-  void wait(std::vector<nvme::IoCompletion>& out, size_t min_count) override { inner_->wait(out, min_count); }
-  void take_unsubmitted(std::vector<uint64_t>& user_data) override { inner_->take_unsubmitted(user_data); }
-  void submit_and_wait(std::vector<nvme::IoCompletion>& out, size_t min_count) override {
-    inner_->submit_and_wait(out, min_count);
-  }
-  bool register_buffers(const std::vector<iovec>& buffers) override { return inner_->register_buffers(buffers); }
-  void unregister_buffers() override { inner_->unregister_buffers(); }
-
- private:
-  std::unique_ptr<nvme::IoQueue> inner_;
-  std::chrono::milliseconds delay_;
-};
-
-class DelayBackend final : public nvme::IoBackend {
- public:
-  DelayBackend(std::unique_ptr<nvme::IoBackend> inner, std::chrono::milliseconds delay)
-      : inner_(std::move(inner)), delay_(delay) {}
-  std::string_view name() const override { return inner_->name(); }
-  std::unique_ptr<nvme::IoQueue> create_queue(size_t depth) override {
-    return std::make_unique<DelayQueue>(inner_->create_queue(depth), delay_);
-  }
-
- private:
-  std::unique_ptr<nvme::IoBackend> inner_;
-  std::chrono::milliseconds delay_;
-};
+// Reads each take at least 20 ms longer: the pieces are held back on the
+// worker before they reach the kernel (test::HookedBackend). Writes pass.
+void delay_reads(const nvme::IoPiece& piece) {
+  if (piece.op == nvme::IoOp::kRead) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
 
 // Slow NVMe reads and no prefetch: every gather is issued at its pre_op and
 // waits for its read, so compute is bound to wait for it.
@@ -92,7 +60,7 @@ engine::ZeroEngineOptions slow_reads_no_prefetch(const std::filesystem::path& di
   o.prefetch_bucket_numel = 0;
   o.max_reuse_distance_numel = 0;
   o.io_backend = [engine = o.aio.engine] {
-    return std::make_unique<DelayBackend>(nvme::make_backend(engine), std::chrono::milliseconds(20));
+    return std::make_unique<test::HookedBackend>(nvme::make_backend(engine), delay_reads);
   };
   return o;
 }
