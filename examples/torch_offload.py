@@ -8,6 +8,12 @@ files, as do strata's parameter shards), and copies the new parameters back
 into the torch model. The same model trained with torch.optim.AdamW runs
 beside it as the reference: the two should agree to float rounding.
 
+Half way, strata saves a checkpoint (Engine.save_checkpoint: every rank's
+shards and Adam moments, crash-safe). At the end a fresh engine loads it into
+a fresh torch model and replays the second half: it must end where the first
+engine did, bit for bit -- the optimizer state came back whole. The last
+step's breakdown (where its time and bytes went) is printed.
+
     PYTHONPATH=python python3 examples/torch_offload.py [--steps 30] [--nvme DIR]
     strata run -n 2 -- python3 examples/torch_offload.py     # each rank half the batch
 
@@ -47,7 +53,13 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nvme", help="directory for the swap files (default: a temporary one)")
+    parser.add_argument("--checkpoint", help="directory for the checkpoint, the same for every rank "
+                                             "(default: a temporary one, removed at the end)")
     args = parser.parse_args()
+    # Every rank names the same directory: under `strata run` they share MASTER_PORT.
+    ckpt = pathlib.Path(args.checkpoint or pathlib.Path(tempfile.gettempdir()) /
+                        f"strata-torch-ckpt-{os.environ.get('MASTER_PORT', os.getpid())}")
+    half = args.steps // 2
     swap = pathlib.Path(args.nvme or tempfile.mkdtemp(prefix="strata-torch-"))
     swap.mkdir(parents=True, exist_ok=True)
 
@@ -76,7 +88,7 @@ def main():
         print(f"torch {torch.__version__}, strata {strata.version()}: {n} parameters, {eng.world_size} rank(s), "
               f"ZeRO-3 with parameters and AdamW state in {swap}")
 
-    for step in range(args.steps):
+    def train_step(eng, model, params, ops, step):
         x, y = batch(step)
         mine = slice(eng.rank, len(x), eng.world_size)
         # torch: forward and backward on this rank's part of the batch, the loss
@@ -92,7 +104,13 @@ def main():
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.from_numpy(eng.read(params[name])))
-        global_loss = eng.global_sum(loss.item())
+        return result, eng.global_sum(loss.item())
+
+    for step in range(args.steps):
+        if step == half:
+            eng.save_checkpoint(ckpt)  # collective: every rank's shards and Adam state, manifest last
+        result, global_loss = train_step(eng, model, params, ops, step)
+        x, y = batch(step)
 
         # The reference: the whole batch, torch's own AdamW.
         ref_opt.zero_grad(set_to_none=True)
@@ -105,17 +123,51 @@ def main():
                   f"grad norm {result.grad_norm:.4f}  max |w - w_torch| {diff:.2e}")
 
     stats = eng.stats()
+    b = eng.step_breakdown()
     swap_files = ", ".join(f"{f.relative_to(swap)} ({f.stat().st_size / 1e3:.0f} KB)" for f in sorted(swap.rglob("*"))
                            if f.is_file())
     eng.close()
     if rank0:
         print(f"strata: {stats['steps']} steps, {stats['gathers']} parameter gathers; swap files while "
               f"training: {swap_files or 'none'}")
+        print(f"last step: {b.seconds * 1e3:.1f} ms = outside strata_step (torch, the reference) "
+              f"{b.compute_seconds * 1e3:.1f} + stall "
+              f"{b.param_stall_seconds * 1e3:.1f} + gradient wait {b.grad_wait_seconds * 1e3:.1f} + AdamW "
+              f"{b.optimizer_seconds * 1e3:.1f} + other {b.other_seconds * 1e3:.1f}; NVMe "
+              f"{b.nvme_read_bytes / 1e3:.0f} KB read, {b.nvme_written_bytes / 1e3:.0f} KB written")
+
+    # Resume: a fresh engine and a fresh torch model (other initial values) from the checkpoint,
+    # the second half replayed: the result must be the first run's, bit for bit.
+    resumed = make_model(1)
+    eng2 = strata.Engine(config)
+    params2 = {name: eng2.register(name, p) for name, p in resumed.named_parameters()}
+    ops2 = {name: eng2.op(name, [params2[name]]) for name in names}
+    eng2.finalize()
+    eng2.load_checkpoint(ckpt)
+    assert eng2.stats()["steps"] == half, eng2.stats()["steps"]
+    with torch.no_grad():
+        for name, p in resumed.named_parameters():
+            p.copy_(torch.from_numpy(eng2.read(params2[name])))
+    for step in range(half, args.steps):
+        train_step(eng2, resumed, params2, ops2, step)
+    eng2.global_sum(0)  # every rank is done with the checkpoint
+    eng2.close()
+    if not args.checkpoint and rank0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    resume_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), resumed.parameters()))
+    if rank0:
+        print(f"resumed from the checkpoint of step {half} in a fresh engine: after step {args.steps}, "
+              f"max |w - w_uninterrupted| = {resume_diff:.1e}")
+
     if not args.nvme:
         shutil.rmtree(swap, ignore_errors=True)
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
     if diff > 1e-3:
         print(f"torch_offload: strata's AdamW and torch's differ by {diff:.2e}", file=sys.stderr)
+        return 1
+    if resume_diff != 0:
+        print(f"torch_offload: the resumed run differs from the uninterrupted one by {resume_diff:.2e}",
+              file=sys.stderr)
         return 1
     if rank0:
         print("torch_offload: ok")

@@ -110,6 +110,12 @@ struct AioHandle::Piece {
   size_t done = 0;  // bytes already transferred (short completions resumed)
   int fixed_index = -1;
   int retries = 0;
+  // The setting this piece was cut with: its worker keeps at most `depth`
+  // pieces in flight while this one is next in its inbox.
+  size_t depth = 1;
+  int tune_tag = OnlineTuner::kUntracked;
+  bool tune_overtime = false;
+  bool tune_started = false;  // handed to the kernel (the tuner was told)
   uint64_t id = 0;  // key in the worker's in-flight table
   std::chrono::steady_clock::time_point started;
 };
@@ -130,10 +136,14 @@ AioHandle::AioHandle(const AioOptions& options, std::unique_ptr<IoBackend> backe
   if (!backend_) backend_ = make_backend(options_.engine);
   for (int i = 0; i < options_.thread_count; ++i) {
     auto worker = std::make_unique<Worker>();
-    worker->queue = backend_->create_queue(static_cast<size_t>(options_.queue_depth));
+    // Deep enough for every setting auto_tune may pick (ring sizes are fixed).
+    worker->queue = backend_->create_queue(static_cast<size_t>(options_.max_queue_depth()));
     workers_.push_back(std::move(worker));
   }
   const int handle_index = g_handle_count.fetch_add(1);
+  tuner_ = std::make_unique<OnlineTuner>(
+      options_, fmt::format("I/O handle {}, {}, {} worker{}", handle_index, backend_->name(),
+                            options_.thread_count, options_.thread_count == 1 ? "" : "s"));
   for (size_t i = 0; i < workers_.size(); ++i) {
     Worker* w = workers_[i].get();
     w->thread = std::thread([this, w, handle_index, i] {
@@ -247,38 +257,53 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
   request->offset = offset;
   request->nbytes = nbytes;
 
-  const size_t block = options_.block_size;
-  const size_t piece_count = (nbytes + block - 1) / block;
-  if (on_done && piece_count == 0) {
+  if (on_done && nbytes == 0) {
     call_done(on_done, nullptr);  // nothing to transfer: done now
     return 0;
   }
-  // Each worker takes a contiguous run of pieces (not every n-th piece), so
-  // the pieces it submits together are adjacent in the file and in memory and
-  // the block layer can merge them into larger requests.
-  const size_t run = (piece_count + workers_.size() - 1) / workers_.size();
   std::vector<std::vector<std::unique_ptr<Piece>>> per_worker(workers_.size());
   Ticket ticket;
   {
     std::lock_guard lock(mutex_);
+    // Cut the request (the tuner says how long each piece is and how deep its
+    // worker's queue may be; the pieces tile [offset, offset + nbytes) exactly).
+    std::vector<std::unique_ptr<Piece>> pieces;
+    for (size_t at = 0; at < nbytes;) {
+      const OnlineTuner::Cut cut = tuner_->cut(op, nbytes - at);
+      auto piece = std::make_unique<Piece>();
+      piece->request = request;
+      piece->file = &file;
+      piece->buf = static_cast<char*>(buf) + at;
+      piece->nbytes = cut.nbytes;
+      piece->offset = offset + at;
+      piece->fixed_index = find_fixed_index(piece->buf, piece->nbytes);
+      piece->depth = static_cast<size_t>(cut.queue_depth);
+      piece->tune_tag = cut.tag;
+      piece->tune_overtime = cut.overtime;
+      pieces.push_back(std::move(piece));
+      at += cut.nbytes;
+    }
     ticket = next_ticket_++;
     request->ticket = ticket;
     request->callback = on_done != nullptr;
     request->on_done = std::move(on_done);
-    request->pieces_left = piece_count;
+    request->pieces_left = pieces.size();
     requests_.emplace(ticket, request);
-    for (size_t i = 0; i < piece_count; ++i) {
-      auto piece = std::make_unique<Piece>();
-      piece->request = request;
-      piece->file = &file;
-      piece->buf = static_cast<char*>(buf) + i * block;
-      piece->nbytes = std::min(block, nbytes - i * block);
-      piece->offset = offset + i * block;
-      piece->fixed_index = find_fixed_index(piece->buf, piece->nbytes);
-      per_worker[next_worker_].push_back(std::move(piece));
-      if ((i + 1) % run == 0 || i + 1 == piece_count) {
-        next_worker_ = (next_worker_ + 1) % workers_.size();
+    // Each worker takes a contiguous run of pieces (not every n-th piece), so
+    // the pieces it submits together are adjacent in the file and in memory and
+    // the block layer can merge them into larger requests. While auto_tune
+    // measures, each candidate's stretch of the request is spread over the
+    // workers on its own, so all workers run the same candidate at a time.
+    for (size_t begin = 0; begin < pieces.size();) {
+      size_t end = begin + 1;
+      while (end < pieces.size() && pieces[end]->tune_tag == pieces[begin]->tune_tag) ++end;
+      const size_t count = end - begin;
+      const size_t run = (count + workers_.size() - 1) / workers_.size();
+      for (size_t i = 0; i < count; ++i) {
+        per_worker[next_worker_].push_back(std::move(pieces[begin + i]));
+        if ((i + 1) % run == 0 || i + 1 == count) next_worker_ = (next_worker_ + 1) % workers_.size();
       }
+      begin = end;
     }
   }
   for (size_t w = 0; w < workers_.size(); ++w) {
@@ -294,6 +319,8 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
 
 void AioHandle::finish_piece(Piece& piece, std::exception_ptr error) {
   Request& request = *piece.request;
+  tuner_->finished(request.op, piece.tune_tag, piece.nbytes, error == nullptr, piece.tune_started,
+                   piece.tune_overtime);
   DoneFn on_done;
   std::exception_ptr request_error;
   {
@@ -324,7 +351,11 @@ void AioHandle::finish_piece(Piece& piece, std::exception_ptr error) {
 
 void AioHandle::worker_loop(Worker& worker) {
   IoQueue& queue = *worker.queue;
-  const size_t depth = queue.capacity();
+  const size_t capacity = queue.capacity();
+  // The queue depth in force: that of the piece next in the inbox (each piece
+  // carries its setting, so auto_tune's candidates each run at their own depth).
+  auto depth_of = [&](const Piece& piece) { return std::clamp<size_t>(piece.depth, 1, capacity); };
+  size_t depth = std::min<size_t>(capacity, static_cast<size_t>(options_.queue_depth));
   std::unordered_map<uint64_t, std::unique_ptr<Piece>> in_flight;
   std::vector<Piece*> to_submit;
   std::vector<IoCompletion> completions;
@@ -336,8 +367,24 @@ void AioHandle::worker_loop(Worker& worker) {
   // finished before that.
   std::optional<std::string> broken;
   WorkerTimeline timeline;
+  // auto_tune: per direction, the candidate of this worker's in-flight tuning
+  // pieces and how many there are. A piece of another candidate waits until
+  // they have all finished, so candidates never share busy time.
+  struct Measuring {
+    int tag = OnlineTuner::kUntracked;
+    size_t in_flight = 0;
+  } measuring[2];
+  auto measuring_of = [&](const Piece& piece) -> Measuring& {
+    return measuring[piece.request->op == IoOp::kRead ? 0 : 1];
+  };
+  auto must_drain_before = [&](const Piece& piece) {
+    if (piece.tune_tag < 0) return false;
+    const Measuring& m = measuring_of(piece);
+    return m.in_flight > 0 && m.tag != piece.tune_tag;
+  };
   // Every piece this worker took from its inbox finishes through here.
   auto finish = [&](Piece& piece, std::exception_ptr error) {
+    if (piece.tune_tag >= 0 && piece.tune_started) --measuring_of(piece).in_flight;
     if (!timeline.empty()) {
       const Request& r = *piece.request;
       timeline.finished(&r, piece.nbytes, error == nullptr, op_name(r.op), r.path);
@@ -373,7 +420,6 @@ void AioHandle::worker_loop(Worker& worker) {
     to_submit.clear();
   };
 
-  const size_t batch = refill_batch(depth);
   while (true) {
     // Take new pieces: up to the free depth. With a backlog, only once `batch`
     // slots are free, so the pieces go to the kernel together (one system
@@ -387,11 +433,14 @@ void AioHandle::worker_loop(Worker& worker) {
         worker.cv.wait(lock, [&] { return worker.stop || !worker.inbox.empty(); });
         if (worker.inbox.empty() && worker.stop) return;
       }
-      const size_t free_slots = depth - in_flight.size();
+      if (!worker.inbox.empty()) depth = depth_of(*worker.inbox.front());
+      const size_t free_slots = depth > in_flight.size() ? depth - in_flight.size() : 0;
       const bool may_refill = options_.overlap_events
-                                  ? free_slots >= std::min(batch, worker.inbox.size())
+                                  ? free_slots >= std::min(refill_batch(depth), worker.inbox.size())
                                   : in_flight.empty();
-      while (may_refill && in_flight.size() < depth && !worker.inbox.empty()) {
+      while (may_refill && !worker.inbox.empty() &&
+             in_flight.size() < depth_of(*worker.inbox.front()) &&
+             !must_drain_before(*worker.inbox.front())) {
         std::unique_ptr<Piece> piece = std::move(worker.inbox.front());
         worker.inbox.pop_front();
         if (broken) {
@@ -406,10 +455,18 @@ void AioHandle::worker_loop(Worker& worker) {
           raw->started = std::chrono::steady_clock::now();
         }
         if (trace::enabled()) [[unlikely]] timeline.taken(raw->request.get(), raw->offset);
+        if (raw->tune_tag >= 0) {
+          Measuring& m = measuring_of(*raw);
+          m.tag = raw->tune_tag;
+          ++m.in_flight;
+          tuner_->started(raw->request->op, raw->tune_tag);
+          raw->tune_started = true;
+        }
         in_flight.emplace(raw->id, std::move(piece));
         to_submit.push_back(raw);
       }
       backlog = !worker.inbox.empty();
+      if (backlog) depth = depth_of(*worker.inbox.front());
     }
     if (in_flight.empty()) continue;
     size_t prepared = 0;  // pieces of to_submit handed to queue.prepare() so far
@@ -436,9 +493,12 @@ void AioHandle::worker_loop(Worker& worker) {
       } else {
         // Without a backlog, completions are reported as soon as they come;
         // with one, the worker sleeps until `batch` slots are free again.
+        // (Past a switch to a shallower setting, in_flight may exceed depth:
+        // no slot is free until it has drained below.)
         size_t want = in_flight.size();
         if (options_.overlap_events) {
-          const size_t free_slots = depth - in_flight.size();
+          const size_t batch = refill_batch(depth);
+          const size_t free_slots = depth > in_flight.size() ? depth - in_flight.size() : 0;
           want = backlog && batch > free_slots ? std::min(batch - free_slots, in_flight.size()) : 1;
         }
         queue.submit_and_wait(completions, want);

@@ -1,7 +1,9 @@
 // The async I/O handle: splits large read/write requests into block_size
 // pieces across thread_count workers (each with its own ring or io_context,
 // queue_depth pieces in flight), checks every completion, resumes short
-// transfers and reports errors from wait() on the caller's thread.
+// transfers and reports errors from wait() on the caller's thread. With
+// options.auto_tune, block size and queue depth are chosen on the first
+// traffic (nvme/online_tuner.h) and the choice is logged.
 #pragma once
 
 #include <atomic>
@@ -21,6 +23,7 @@
 #include "nvme/file.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_options.h"
+#include "nvme/online_tuner.h"
 
 namespace strata::nvme {
 
@@ -108,7 +111,12 @@ class AioHandle {
   void set_record_latency(bool on) { record_latency_.store(on); }
   std::vector<uint64_t> take_latencies_ns();
 
+  // The options given at construction (with auto_tune, block_size and
+  // queue_depth are where tuning starts; auto_tune_report() has the choice).
   const AioOptions& options() const { return options_; }
+  // aio.auto_tune's measurements and choice for reads or writes; enabled is
+  // false when auto_tune is off. Thread-safe.
+  TuneReport auto_tune_report(IoOp op) const { return tuner_->report(op); }
   std::string_view backend_name() const;
   AioStats stats() const;
 
@@ -125,6 +133,9 @@ class AioHandle {
   AioOptions options_;
   std::unique_ptr<IoBackend> backend_;
   std::vector<std::unique_ptr<Worker>> workers_;
+  // Cuts every request into pieces: the configured setting when auto_tune is
+  // off (lock-free then), candidates and then the choice when it is on.
+  std::unique_ptr<OnlineTuner> tuner_;
 
   mutable std::mutex mutex_;  // guards requests_, next_ticket_, stats_, fixed_
   std::condition_variable done_cv_;

@@ -160,6 +160,7 @@ void OptimizerSwapper::restore(const StateFillFn& fill, int64_t step_count) {
 }
 
 void OptimizerSwapper::write_state(const StateFillFn& fill, int64_t step_count) {
+  STRATA_CHECK(open_ == nullptr, kBadArgument, "optimizer swapper: initialize or restore while a step is open");
   if (options_.state_tier == Tier::kCpu) {
     for (size_t k = 0; k < sub_groups_; ++k) {
       const Range r = sub_group(k);
@@ -246,29 +247,114 @@ void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInpu
   }
 }
 
+struct OptimizerSwapper::OpenStep {
+  StepInputs inputs;
+  kernels::AdamCoefficients coefficients;
+  bool revocable = false;
+  std::vector<uint8_t> updated;  // per sub-group
+  size_t updated_count = 0;
+  // cpu, revocable: each updated sub-group's state before its update (master | exp_avg | exp_avg_sq).
+  std::vector<std::pair<size_t, std::vector<float>>> saved;
+};
+
 void OptimizerSwapper::step(const StepInputs& in) {
-  STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: step() before initialize()");
+  begin_step(in, /*revocable=*/false);
+  std::vector<size_t> all(sub_groups_);
+  for (size_t k = 0; k < sub_groups_; ++k) all[k] = k;
+  try {
+    update_sub_groups(all);
+    commit_step();
+  } catch (...) {
+    // NVMe: the committed state is untouched; cpu: updated sub-groups keep their new state.
+    open_.reset();
+    throw;
+  }
+}
+
+void OptimizerSwapper::begin_step(const StepInputs& in, bool revocable) {
+  STRATA_CHECK(initialized_, kBadArgument, "optimizer swapper: step before initialize()");
+  STRATA_CHECK(open_ == nullptr, kBadArgument, "optimizer swapper: a step is already open");
   STRATA_CHECK(in.grad != nullptr || in.grad_source, kBadArgument, "optimizer step: gradient is null");
   STRATA_CHECK(!in.param_sink || in.param16 == nullptr, kBadArgument,
                "optimizer step: give param16 or param_sink, not both");
   if (swap_) check_writable();
-  const auto c = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
+  auto open = std::make_unique<OpenStep>();
+  open->inputs = in;
+  open->coefficients = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
+  open->revocable = revocable && options_.state_tier == Tier::kCpu;
+  open->updated.assign(sub_groups_, 0);
+  open_ = std::move(open);
   timings_ = StepTimings{};
-  timings_.sub_groups = sub_groups_;
-  const auto start = Clock::now();
-  if (options_.state_tier == Tier::kCpu) {
-    for (size_t k = 0; k < sub_groups_; ++k) {
-      const size_t offset = sub_group(k).offset;
-      update(c, in, k, master_.data() + offset, exp_avg_.data() + offset, exp_avg_sq_.data() + offset);
-    }
-    ++step_count_;
-  } else {
-    step_nvme(c, in);
-  }
-  timings_.total_seconds = seconds_since(start);
 }
 
-void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in) {
+bool OptimizerSwapper::updated(size_t k) const {
+  return open_ != nullptr && k < sub_groups_ && open_->updated[k] != 0;
+}
+
+void OptimizerSwapper::update_sub_groups(std::span<const size_t> ks) {
+  STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: update_sub_groups without begin_step");
+  for (size_t k : ks) {
+    STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
+    STRATA_CHECK(open_->updated[k] == 0, kBadArgument, "sub-group {} is already updated in this step", k);
+  }
+  const auto start = Clock::now();
+  if (options_.state_tier == Tier::kCpu) {
+    for (size_t k : ks) {
+      const Range r = sub_group(k);
+      if (open_->revocable) {
+        std::vector<float> saved(3 * r.numel);
+        std::copy_n(master_.data() + r.offset, r.numel, saved.data());
+        std::copy_n(exp_avg_.data() + r.offset, r.numel, saved.data() + r.numel);
+        std::copy_n(exp_avg_sq_.data() + r.offset, r.numel, saved.data() + 2 * r.numel);
+        open_->saved.emplace_back(k, std::move(saved));
+      }
+      open_->updated[k] = 1;  // before: a sink that throws leaves k updated (and, revocable, saved)
+      ++open_->updated_count;
+      update(open_->coefficients, open_->inputs, k, master_.data() + r.offset, exp_avg_.data() + r.offset,
+             exp_avg_sq_.data() + r.offset);
+    }
+  } else {
+    update_nvme(ks);
+  }
+  timings_.sub_groups += ks.size();
+  timings_.total_seconds += seconds_since(start);
+}
+
+void OptimizerSwapper::commit_step() {
+  STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: commit_step without begin_step");
+  STRATA_CHECK(open_->updated_count == sub_groups_, kBadArgument,
+               "optimizer swapper: commit_step with {} of {} sub-groups updated", open_->updated_count, sub_groups_);
+  std::unique_ptr<OpenStep> open = std::move(open_);  // closed, whatever happens below
+  if (options_.state_tier == Tier::kCpu) {
+    ++step_count_;
+    return;
+  }
+  const auto start = Clock::now();
+  slot_file(static_cast<int>((generation_ + 1) % 2)).sync();
+  commit(generation_ + 1, step_count_ + 1);
+  timings_.commit_seconds = seconds_since(start);
+  timings_.total_seconds += timings_.commit_seconds;
+}
+
+void OptimizerSwapper::abort_step() {
+  if (open_ == nullptr) return;
+  std::unique_ptr<OpenStep> open = std::move(open_);
+  if (options_.state_tier != Tier::kCpu) return;  // the committed slot was never written
+  for (const auto& [k, saved] : open->saved) {
+    const Range r = sub_group(k);
+    std::copy_n(saved.data(), r.numel, master_.data() + r.offset);
+    std::copy_n(saved.data() + r.numel, r.numel, exp_avg_.data() + r.offset);
+    std::copy_n(saved.data() + 2 * r.numel, r.numel, exp_avg_sq_.data() + r.offset);
+  }
+  STRATA_CHECK(open->revocable || open->updated_count == 0, kBadArgument,
+               "optimizer swapper: a step that was not revocable aborted after updating {} sub-group(s): "
+               "they keep their new state",
+               open->updated_count);
+}
+
+void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
+  const kernels::AdamCoefficients& c = open_->coefficients;
+  const StepInputs& in = open_->inputs;
   nvme::File& in_file = slot_file(static_cast<int>(generation_ % 2));
   nvme::File& out_file = slot_file(static_cast<int>((generation_ + 1) % 2));
   // A pool buffer cycles read -> update (in place) -> write. Reads are issued
@@ -276,7 +362,7 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
   // reads (on the critical path) are queued before later writes; writes hold
   // their buffers until done, which is the backpressure bounding what is in flight.
   std::deque<Op> reads, writes;
-  size_t next_read = 0;
+  size_t next_read = 0;  // index into ks
   auto finish = [&](Op& op, double& waited) {
     const auto start = Clock::now();
     op.pending = false;
@@ -284,7 +370,7 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
     waited += seconds_since(start);
   };
   auto start_read = [&] {
-    const size_t k = next_read++;
+    const size_t k = ks[next_read++];
     Op op{pool_->acquire()};
     const size_t nbytes = record_nbytes(sub_group(k).numel);
     op.ticket = aio_->submit_read(in_file, op.buffer.data(), nbytes, file_offset(k));
@@ -295,7 +381,7 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
   // Issues reads until min_reads are in flight (waiting for the oldest write
   // when the pool is empty), then every further read a free buffer allows.
   auto top_up_reads = [&](size_t min_reads) {
-    while (reads.size() < min_reads && next_read < sub_groups_) {
+    while (reads.size() < min_reads && next_read < ks.size()) {
       while (pool_->available() == 0 && !writes.empty()) {
         finish(writes.front(), timings_.write_wait_seconds);
         writes.pop_front();
@@ -305,16 +391,18 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
       if (pool_->available() == 0 && !reads.empty()) break;
       start_read();
     }
-    while (next_read < sub_groups_ && pool_->available() > 0) start_read();
+    while (next_read < ks.size() && pool_->available() > 0) start_read();
   };
   try {
-    for (size_t k = 0; k < sub_groups_; ++k) {
-      top_up_reads(2);  // read k at the front, k+1 behind it while k is waited on and updated
+    for (size_t k : ks) {
+      top_up_reads(2);  // read k at the front, the next behind it while k is waited on and updated
       finish(reads.front(), timings_.read_wait_seconds);
       Op current = std::move(reads.front());
       reads.pop_front();
       const Range r = sub_group(k);
       float* p = current.buffer.as<float>();
+      open_->updated[k] = 1;  // its spare-slot record is about to change; the committed one never does
+      ++open_->updated_count;
       update(c, in, k, p, p + r.numel, p + 2 * r.numel);
       const size_t nbytes = record_nbytes(r.numel);
       current.ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
@@ -331,10 +419,6 @@ void OptimizerSwapper::step_nvme(const kernels::AdamCoefficients& c, const StepI
       finish(writes.front(), timings_.write_wait_seconds);
       writes.pop_front();
     }
-    const auto commit_start = Clock::now();
-    out_file.sync();
-    commit(generation_ + 1, step_count_ + 1);
-    timings_.commit_seconds = seconds_since(commit_start);
   } catch (...) {
     drain_pending(*aio_, reads);
     drain_pending(*aio_, writes);

@@ -12,7 +12,14 @@
 // directory fsync after a manifest rename fails, the swapper refuses further
 // writes (the committed generation on disk is unknown); resume from disk.
 //
-// Thread-safety: not thread-safe; one thread drives a swapper. Ownership: the
+// A step may also be taken in parts, so the optimizer can overlap backward:
+// begin_step, update_sub_groups as each sub-group's gradient becomes final,
+// then commit_step — or abort_step, which leaves the state exactly as before
+// begin_step (NVMe: the committed slot is never written by an open step; cpu:
+// a revocable step saves each sub-group's state before updating it).
+//
+// Thread-safety: not thread-safe; one thread at a time drives a swapper (an
+// open step may pass between threads when the caller orders the hand-over). Ownership: the
 // pool and the I/O handle belong to the caller and must outlive the swapper.
 // Errors: Error(kBadArgument) for inconsistent options or inputs; Error(kIo)
 // from any failed read, write or manifest update (step() then leaves the
@@ -25,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -110,14 +118,45 @@ class OptimizerSwapper {
   using StateFillFn =
       std::function<void(size_t first, size_t numel, float* master, float* exp_avg, float* exp_avg_sq)>;
   void restore(const StateFillFn& fill, int64_t step_count);
-  // One Adam/AdamW step (step count + 1) over the whole shard.
+  // One Adam/AdamW step (step count + 1) over the whole shard: begin_step,
+  // every sub-group in order, commit_step.
   void step(const StepInputs& inputs);
+
+  // ---- one step in parts --------------------------------------------------------
+  // Opens step step_count() + 1 with `inputs` (copied; what its callbacks and
+  // pointers refer to must stay valid until the step closes) and the current
+  // learning rate. `revocable` (cpu state): save each sub-group's state before
+  // its update, 12 bytes per element, so abort_step can restore it (NVMe state
+  // is always revocable and saves nothing). Error(kBadArgument) when a step is
+  // already open or before initialize().
+  void begin_step(const StepInputs& inputs, bool revocable);
+  // Updates the listed sub-groups of the open step (each once per step; any
+  // order, any batching), pipelined as step() is. Error(kBadArgument) for a
+  // sub-group out of range or already updated. On an error the step stays open
+  // (with the sub-groups updated so far): abort_step it.
+  void update_sub_groups(std::span<const size_t> sub_groups);
+  // Closes the open step once every sub-group is updated: NVMe: fdatasync and
+  // the manifest commit; the step count advances. Error(kBadArgument) while a
+  // sub-group is not updated; Error(kIo) from the commit (the step is then
+  // closed, the committed state the old one).
+  void commit_step();
+  // Closes the open step without applying it: NVMe: the committed slot is as
+  // it was; cpu: a revocable step's updated sub-groups get their saved state
+  // back (a step that was not revocable keeps its updated sub-groups' new
+  // state: Error(kBadArgument), the state is then mixed). No-op when no step
+  // is open. The parameter values given to param_sink are not undone: the
+  // caller rewrites them from load_sub_group.
+  void abort_step();
+  bool step_open() const { return open_ != nullptr; }
+  // Sub-group k was updated by the open step.
+  bool updated(size_t k) const;
   // The learning rate of later steps (a schedule's value); Error(kBadArgument)
   // when negative or not finite.
   void set_lr(float lr);
   // Copies the committed state out (any argument may be nullptr).
   void load_state(float* master, float* exp_avg, float* exp_avg_sq);
-  // Same for sub-group k only: sub_group_range(k).numel elements each.
+  // Same for sub-group k only: sub_group_range(k).numel elements each. While
+  // a step is open: NVMe gives the committed (pre-step) state, cpu the current.
   void load_sub_group(size_t k, float* master, float* exp_avg, float* exp_avg_sq);
   // First element and length of sub-group k.
   std::pair<size_t, size_t> sub_group_range(size_t k) const;
@@ -147,7 +186,8 @@ class OptimizerSwapper {
   nvme::File& slot_file(int slot);
   void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
               float* m, float* v);
-  void step_nvme(const kernels::AdamCoefficients& c, const StepInputs& in);
+  void update_nvme(std::span<const size_t> sub_groups);
+  struct OpenStep;
   void write_state(const StateFillFn& fill, int64_t step_count);
   void commit(uint64_t generation, int64_t step_count);
   // Throws Error(kIo) once a commit's durability became unknown.
@@ -163,6 +203,7 @@ class OptimizerSwapper {
   int64_t step_count_ = 0;
   bool initialized_ = false;
   StepTimings timings_;
+  std::unique_ptr<OpenStep> open_;  // the step begun and not yet committed or aborted
 
   // kCpu state.
   std::vector<float> master_, exp_avg_, exp_avg_sq_;

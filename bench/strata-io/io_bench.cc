@@ -183,11 +183,20 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
   options.block_size = c.bs;
   options.queue_depth = c.qd;
   options.thread_count = c.threads;
+  options.auto_tune = c.auto_tune;
+  options.auto_tune_nbytes = c.auto_tune_nbytes;
   nvme::AioHandle handle(options);
   // A chunk per request: enough pieces to fill every worker's queue, a multiple
   // of bs and of the pattern period, at most 256 MiB so registration stays small.
+  // With auto_tune: enough for the candidate with the most bytes in flight, so
+  // the tool's own request pipeline does not cap what the tuner measures.
   size_t unit = std::lcm(c.bs, Pattern::kPeriod);
-  size_t want = std::clamp<size_t>(c.bs * static_cast<size_t>(c.qd * c.threads), 16u << 20,
+  size_t in_flight_nbytes = 0;
+  for (const nvme::IoSetting& s : options.tune_candidates()) {
+    unit = std::lcm(unit, s.block_size);
+    in_flight_nbytes = std::max(in_flight_nbytes, s.block_size * static_cast<size_t>(s.queue_depth));
+  }
+  size_t want = std::clamp<size_t>(in_flight_nbytes * static_cast<size_t>(c.threads), 16u << 20,
                                    256u << 20);
   size_t chunk = std::max(unit, (want + unit - 1) / unit * unit);
   ensure_buffers(chunk, handle);
@@ -198,6 +207,18 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
   result.size_nbytes = size_nbytes_;
   result.huge_share = huge_share();
   for (int i = 0; i < warmup; ++i) pass(handle, c.rw, nullptr);
+  if (c.auto_tune) {
+    // The tuner needs auto_tune_nbytes of this direction's traffic (and the
+    // last of its pieces back); the cap only guards against a tuner that
+    // never settles, which would be a bug worth an error.
+    const uint64_t cap = options.auto_tune_nbytes / size_nbytes_ + 4;
+    while (!handle.auto_tune_report(c.rw).settled) {
+      STRATA_CHECK(result.tuning_gbps.size() < cap, kInternal,
+                   "aio.auto_tune did not settle after {} passes of {} bytes", cap, size_nbytes_);
+      result.tuning_gbps.push_back(static_cast<double>(size_nbytes_) / pass(handle, c.rw, nullptr) / 1e9);
+    }
+    result.tune = handle.auto_tune_report(c.rw);
+  }
   handle.take_latencies_ns();
   handle.set_record_latency(true);
   for (int i = 0; i < iters; ++i) {
@@ -219,7 +240,9 @@ IoResult IoRunner::run(const IoCase& c, int iters, int warmup, bool check,
   result.lat_p50_us = percentile(lat, 0.50) / 1e3;
   result.lat_p99_us = percentile(lat, 0.99) / 1e3;
   result.gbps_median = median(result.gbps);
-  result.iops = result.gbps_median * 1e9 / static_cast<double>(c.bs);
+  // IOPS in the pieces the timed passes used (auto_tune's choice, if on).
+  const size_t piece_nbytes = result.tune ? result.tune->chosen.block_size : c.bs;
+  result.iops = result.gbps_median * 1e9 / static_cast<double>(piece_nbytes);
   if (check) {
     uint64_t wrong = 0;
     pass(handle, nvme::IoOp::kRead, &wrong);

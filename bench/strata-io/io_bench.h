@@ -20,6 +20,10 @@ struct IoCase {
   size_t bs = 1 << 20;
   int qd = 32;
   int threads = 1;
+  // aio.auto_tune: bs and qd are where tuning starts; untimed passes run until
+  // the tuner has settled, and the timed passes run with its choice.
+  bool auto_tune = false;
+  uint64_t auto_tune_nbytes = nvme::AioOptions{}.auto_tune_nbytes;  // per direction
 };
 
 // Another tool timed on the same file, parameters and rounds (fio, DeepSpeed).
@@ -47,6 +51,11 @@ struct IoResult {
   // Share of the I/O buffers backed by 2 MiB huge pages (nullopt: unknown).
   std::optional<double> huge_share;
   std::vector<AnchorResult> anchors;  // --vs-fio, --vs-deepspeed
+  // --auto-tune: GB/s of the untimed passes after --warmup that the tuner
+  // still needed (none when the warmup carried its traffic), and the tuner's
+  // report for this row's direction.
+  std::vector<double> tuning_gbps;
+  std::optional<nvme::TuneReport> tune;
 };
 
 // Content of the test file: a random base block sequence, with every 4 KiB

@@ -39,6 +39,8 @@ struct Flags {
   std::vector<int> qd{32}, threads{1};
   int iters = 3, warmup = 1;
   bool check = true, vs_fio = false, vs_deepspeed = false, buffered = false, keep = false;
+  bool auto_tune = false;
+  std::string auto_tune_nbytes = "512MiB";
   std::string python = default_python();
   std::string ds_overlap = "on";
   // tune
@@ -89,6 +91,7 @@ void check_threads(int threads) {
 
 struct Sweep {
   uint64_t size = 0;
+  uint64_t auto_tune_nbytes = 0;
   std::vector<nvme::IoOp> ops;
   std::vector<size_t> bss;
   std::vector<nvme::EngineKind> engines;
@@ -118,6 +121,14 @@ Sweep validate_sweep(const Flags& f) {
   require(!f.qd.empty() && !f.threads.empty(), "--qd and --threads need a value");
   for (const auto& e : split_list(f.engine)) s.engines.push_back(nvme::parse_engine_kind(e));
   require(!s.engines.empty(), "--engine: give uring, aio or psync");
+  s.auto_tune_nbytes = strata::parse_size_or_throw(f.auto_tune_nbytes, "--auto-tune-nbytes");
+  require(s.auto_tune_nbytes > 0, "--auto-tune-nbytes {}: the tuner needs some traffic",
+          f.auto_tune_nbytes);
+  for (auto e : s.engines) {
+    require(!f.auto_tune || e != nvme::EngineKind::kPsync,
+            "--auto-tune with --engine psync: psync moves one piece at a time, so there is no "
+            "queue depth to tune; use uring or aio");
+  }
   require(f.ds_overlap == "on" || f.ds_overlap == "off",
           "--ds-overlap-events {}: accepted values are on, off", f.ds_overlap);
   return s;
@@ -290,6 +301,21 @@ nlohmann::json to_json(const sb::IoResult& r, const std::vector<std::string>& lo
       {"huge_page_share", r.huge_share ? nlohmann::json(*r.huge_share) : nlohmann::json(nullptr)},
   };
   if (!loads.empty()) j["load_iters"] = loads;
+  if (r.tune) {
+    nlohmann::json candidates = nlohmann::json::array();
+    for (const auto& m : r.tune->candidates) {
+      candidates.push_back({{"bs", m.setting.block_size},
+                            {"qd", m.setting.queue_depth},
+                            {"bytes", m.nbytes},
+                            {"busy_s", m.busy_s},
+                            {"gbps", m.gbps()}});
+    }
+    j["auto_tune"] = {{"chosen_bs", r.tune->chosen.block_size},
+                      {"chosen_qd", r.tune->chosen.queue_depth},
+                      {"tuning_gbps_passes", r.tuning_gbps},
+                      {"candidates", candidates},
+                      {"summary", r.tune->summary}};
+  }
   if (!r.anchors.empty()) {
     nlohmann::json anchors = nlohmann::json::array();
     for (const auto& a : r.anchors) {
@@ -376,7 +402,7 @@ int run_sweep(const Flags& f) {
       for (int qd : f.qd) {
         for (int threads : f.threads) {
           for (auto op : sweep.ops) {
-            sb::IoCase c{engine, op, bs, qd, threads};
+            sb::IoCase c{engine, op, bs, qd, threads, f.auto_tune, sweep.auto_tune_nbytes};
             std::vector<sb::AnchorResult> anchors;
             if (f.vs_fio) {
               anchors.push_back({kFioUring, {}, {}, 0, ""});
@@ -416,6 +442,15 @@ int run_sweep(const Flags& f) {
             r.anchors = anchors;
             total_wrong += r.wrong.value_or(0);
             print_row(r, f.vs_fio, ds_on);
+            if (r.tune) {
+              std::string passes;
+              for (double g : r.tuning_gbps) passes += fmt::format(" {:.3f}", g);
+              if (passes.empty()) passes = " none (settled within --warmup)";
+              std::printf("    auto_tune: timed passes used bs %s qd %d; untimed tuning passes GB/s:%s\n    %s\n",
+                          fmt_bs(r.tune->chosen.block_size).c_str(), r.tune->chosen.queue_depth,
+                          passes.c_str(), r.tune->summary.c_str());
+              std::fflush(stdout);
+            }
             if (rounds) print_rounds(r, loads);
             rows.push_back(to_json(r, loads));
           }
@@ -583,7 +618,8 @@ int main(int argc, char** argv) {
       "--vs-fio (fio with io_uring and with libaio) and --vs-deepspeed (DeepSpeed's\n"
       "aio_handle, through Python) run on the same file and parameters before each timed\n"
       "pass (alternating rounds); the ratios are strata / the faster fio and strata /\n"
-      "DeepSpeed. See bench/strata-io/PERFORMANCE.md."};
+      "DeepSpeed. --auto-tune times the handle after aio.auto_tune has chosen.\n"
+      "See bench/strata-io/PERFORMANCE.md."};
   app.add_option("--file", f.file, "Test file (created if missing; overwritten)");
   app.add_option("--dir", f.dir, "Directory for a temporary test file (removed at the end)");
   app.add_option("--size", f.size, "Bytes per pass, e.g. 4GiB (a multiple of every --bs)")
@@ -619,6 +655,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ds-overlap-events", f.ds_overlap,
                  "DeepSpeed aio_handle overlap_events: on (the ZeRO-Infinity `aio` default) | off")
+      ->capture_default_str();
+  app.add_flag("--auto-tune", f.auto_tune,
+               "aio.auto_tune: --bs/--qd are where tuning starts; untimed passes carry the "
+               "tuning traffic until the tuner settles, the timed passes use its choice (shown "
+               "below the row)");
+  app.add_option("--auto-tune-nbytes", f.auto_tune_nbytes,
+                 "With --auto-tune: traffic per direction the tuner spends on its candidates")
       ->capture_default_str();
   app.add_flag("--buffered", f.buffered, "Use the page cache instead of O_DIRECT");
   app.add_flag("--keep", f.keep, "Keep the --dir test file");

@@ -90,6 +90,10 @@ class RankSum {
 // One ZeRO step as rank 0 saw it.
 struct StepFigures {
   double step = 0, compute = 0, stall = 0, rank_wait = 0, grad_wait = 0, optimizer = 0, other = 0, loss = 0;
+  // The optimizer overlapping backward: its thread's time before step() (kept
+  // work only), the part of `optimizer` spent waiting for that thread, and of
+  // the optimizer's own time the share compute waited for.
+  double optimizer_hidden = 0, optimizer_drain = 0, optimizer_not_hidden = 1, sub_groups_overlapped = 0, sub_groups = 0;
   double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
   std::vector<engine::OpStall> ops;
 };
@@ -105,7 +109,9 @@ StepFigures median_of(const std::vector<StepFigures>& steps) {
   for (double StepFigures::*f : {&StepFigures::step, &StepFigures::compute, &StepFigures::stall, &StepFigures::rank_wait,
                                  &StepFigures::grad_wait, &StepFigures::optimizer, &StepFigures::other,
                                  &StepFigures::loss, &StepFigures::nvme_read, &StepFigures::nvme_written,
-                                 &StepFigures::param_read, &StepFigures::gathered}) {
+                                 &StepFigures::param_read, &StepFigures::gathered, &StepFigures::optimizer_hidden,
+                                 &StepFigures::optimizer_drain, &StepFigures::optimizer_not_hidden,
+                                 &StepFigures::sub_groups_overlapped, &StepFigures::sub_groups}) {
     m.*f = med(f);
   }
   return m;
@@ -191,6 +197,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   o.adam.lr = flags.lr;
   o.adam.weight_decay = 0.01f;
   o.optimizer_threads = run.threads;
+  o.overlap_optimizer = flags.overlap_optimizer;
   if (run.dtype == "fp16") o.loss_scaling = engine::LossScalerOptions{};
   o.validate();
 
@@ -259,6 +266,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     const double read0 = static_cast<double>(z.nvme_bytes_read());
     const double written0 = static_cast<double>(z.nvme_bytes_written());
     const double global_count = z.global_sum(local_count);
+    // The optimizer may update each sub-group during backward, as soon as its gradient is final.
+    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
     nn::ForwardOptions forward;
     forward.normalizer = global_count;
     forward.grad_scale = z.loss_scale();
@@ -284,6 +293,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     f.compute = until_step - f.stall;
     f.grad_wait = stepped.grad_wait_seconds;
     f.optimizer = stepped.optimizer_seconds;
+    f.optimizer_hidden = stepped.optimizer_overlapped_seconds;
+    f.optimizer_drain = stepped.optimizer_drain_seconds;
+    f.optimizer_not_hidden = stepped.optimizer_not_hidden_fraction();
+    f.sub_groups_overlapped = static_cast<double>(stepped.sub_groups_overlapped);
+    f.sub_groups = static_cast<double>(stepped.sub_groups);
     f.other = f.step - f.compute - f.stall - f.rank_wait - f.grad_wait - f.optimizer;
     f.nvme_read = static_cast<double>(z.nvme_bytes_read()) - read0;
     f.nvme_written = static_cast<double>(z.nvme_bytes_written()) - written0;
@@ -386,6 +400,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   const double grad_wait = over_rounds([](const Round& rd) { return rd.zero.grad_wait; });
   const double rank_wait = over_rounds([](const Round& rd) { return rd.zero.rank_wait; });
   const double optimizer = over_rounds([](const Round& rd) { return rd.zero.optimizer; });
+  const double optimizer_hidden = over_rounds([](const Round& rd) { return rd.zero.optimizer_hidden; });
+  const double optimizer_drain = over_rounds([](const Round& rd) { return rd.zero.optimizer_drain; });
+  const double not_hidden = over_rounds([](const Round& rd) { return rd.zero.optimizer_not_hidden; });
+  const double overlapped = over_rounds([](const Round& rd) { return rd.zero.sub_groups_overlapped; });
+  const double sub_groups_total = over_rounds([](const Round& rd) { return rd.zero.sub_groups; });
   const double other = over_rounds([](const Round& rd) { return rd.zero.other; });
   const double resident_step_s = over_rounds([](const Round& rd) { return rd.resident; });
   const double io_bound = over_rounds([](const Round& rd) { return rd.io_bound; });
@@ -411,6 +430,15 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
              "{:.3f} s\n",
              step, global_tokens / step, compute, stall, 100 * stall / step, 100 * worst_stall / step, rank_wait,
              grad_wait, optimizer, other);
+  // The optimizer's own time: what step() spent on it (less waiting for its
+  // thread, which overlaps that thread's work) plus the thread's hidden time.
+  const double optimizer_own = optimizer - optimizer_drain + optimizer_hidden;
+  fmt::print("optimizer (rank 0): {:.3f} s of its own per step ({:.1f}% of the step) | {:.3f} s hidden behind "
+             "backward ({:.0f} of {} sub-groups), {:.3f} s in step() ({:.3f} s of it draining the optimizer thread) | "
+             "not hidden: {:.1f}% of its time{}\n",
+             optimizer_own, 100 * optimizer_own / step, optimizer_hidden, overlapped, sub_groups_total, optimizer,
+             optimizer_drain, 100 * not_hidden,
+             flags.overlap_optimizer ? "" : " (--no-overlap-optimizer)");
   fmt::print("bytes per step (rank 0): NVMe read {:.1f} MB (parameters {:.1f} MB), NVMe written {:.1f} MB, "
              "parameters gathered {:.1f} MB\n",
              nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6);
@@ -459,7 +487,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       const StepFigures& z = rd.zero;
       rounds_json.push_back({{"step_s", z.step}, {"tokens_per_s", global_tokens / z.step}, {"compute_s", z.compute},
                              {"param_stall_s", z.stall}, {"rank_wait_s", z.rank_wait}, {"grad_wait_s", z.grad_wait},
-                             {"optimizer_s", z.optimizer},
+                             {"optimizer_s", z.optimizer}, {"optimizer_hidden_s", z.optimizer_hidden},
+                             {"optimizer_drain_s", z.optimizer_drain},
+                             {"optimizer_not_hidden_fraction", z.optimizer_not_hidden},
                              {"other_s", z.other}, {"nvme_read_bytes", z.nvme_read},
                              {"nvme_written_bytes", z.nvme_written}, {"param_read_bytes", z.param_read},
                              {"gathered_bytes", z.gathered}, {"resident_step_s", rd.resident},
@@ -481,7 +511,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                   {"max_live", o.max_live_parameters_numel}, {"reuse_distance", o.max_reuse_distance_numel},
                   {"param_buffer_count", o.param_buffer_count}, {"param_buffer_size", o.param_buffer_numel},
                   {"aio_block_size", o.aio.block_size}, {"aio_queue_depth", o.aio.queue_depth},
-                  {"aio_threads", o.aio.thread_count}}},
+                  {"aio_threads", o.aio.thread_count}, {"sub_group_size", o.sub_group_numel},
+                  {"overlap_optimizer", flags.overlap_optimizer}}},
         {"threads_per_rank", run.threads},
         {"openblas_coretype_env", coretype != nullptr ? coretype : ""},
         {"openblas_core", run.accelerator == "cpu" ? ops::cpu_blas_core() : "-"},
@@ -490,7 +521,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         {"median", {{"step_s", step}, {"tokens_per_s", global_tokens / step}, {"compute_s", compute},
                     {"param_stall_s", stall}, {"param_stall_fraction", stall / step}, {"rank_wait_s", rank_wait},
                     {"worst_rank_param_stall_s", worst_stall}, {"grad_wait_s", grad_wait},
-                    {"optimizer_s", optimizer}, {"other_s", other}, {"nvme_read_bytes", nvme_read},
+                    {"optimizer_s", optimizer}, {"optimizer_hidden_s", optimizer_hidden},
+                    {"optimizer_drain_s", optimizer_drain}, {"optimizer_own_s", optimizer_own},
+                    {"optimizer_share_of_step", optimizer_own / step},
+                    {"optimizer_not_hidden_fraction", not_hidden}, {"sub_groups_overlapped", overlapped},
+                    {"sub_groups", sub_groups_total}, {"other_s", other}, {"nvme_read_bytes", nvme_read},
                     {"nvme_written_bytes", nvme_written}, {"param_read_bytes", param_read},
                     {"gathered_bytes", gathered}, {"drive_param_read_bytes", drive_bytes},
                     {"resident_step_s", resident_step_s}, {"io_bound_s", io_bound}, {"bound_s", bound},
@@ -540,6 +575,12 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--reduce-bucket", e.reduce_bucket_numel, "reduce_bucket_size (elements)")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--sub-group", e.sub_group_numel,
+                 "sub_group_size (elements): the optimizer's unit, and so how finely it can overlap backward")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_flag("!--no-overlap-optimizer", f.overlap_optimizer,
+               "run the optimizer in step() only, instead of updating each sub-group during backward as soon as its "
+               "gradient is final");
   app.add_option("--aio-block-size", e.aio.block_size, "aio.block_size (bytes)")->capture_default_str();
   app.add_option("--aio-queue-depth", e.aio.queue_depth, "aio.queue_depth")->capture_default_str();
   app.add_option("--aio-threads", e.aio.thread_count, "aio.thread_count")->capture_default_str();

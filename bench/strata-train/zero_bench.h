@@ -33,6 +33,7 @@ struct ZeroFlags {
   bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
   float lr = 1e-3f;
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
+  bool overlap_optimizer = true;  // prepare_step before each step's backward
   // The coordinator's budgets, reduce buckets, aio: DeepSpeed's defaults
   // (ZeroEngineOptions'), settable per flag.
   engine::ZeroEngineOptions engine;

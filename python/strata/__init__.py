@@ -21,11 +21,17 @@ config says) and runs the optimizer:
     with eng.fetch(lin, "backward") as win:
         win.add_grad(w, dw)                # or: win.grad(w)[...] += dw
     eng.step(lr=0.05)
+    eng.step_breakdown()                   # where the step's time and bytes went
     eng.read("w")                          # the full value, on every rank (collective)
+    eng.save_checkpoint("ckpt/")           # crash-safe; a fresh engine: eng.load_checkpoint("ckpt/")
+
+    with strata.trace("run.json"):         # a Chrome/Perfetto timeline of what runs inside
+        ...
 
 Every failure of the C API raises strata.Error (InvalidArgument, InvalidState,
 EngineFailed, ... by status) carrying strata's message. Collectives
-(Engine(), finalize, fetch at stage 3, global_sum, step, read, write) must be
+(Engine(), finalize, fetch at stage 3, global_sum, step, read, write,
+save_checkpoint, load_checkpoint) must be
 called by every rank in the same order, as in the C API. Parameter values are
 numpy arrays (float32, float16; bf16 as float32 values converted on the way in
 and out) or torch tensors (through DLPack / their CPU copy) when torch is
@@ -42,9 +48,10 @@ from collections import namedtuple
 import numpy as np
 
 __all__ = [
-    "Engine", "Param", "Op", "Window", "StepResult", "Error", "InvalidArgument", "InvalidState",
-    "IoError", "OutOfMemory", "CommunicationError", "CudaError", "InternalError", "EngineFailed",
-    "CallbackError", "FORWARD", "BACKWARD", "RECOMPUTE", "version", "library_path",
+    "Engine", "Param", "Op", "Window", "StepResult", "StepBreakdown", "OpStall", "Error", "InvalidArgument",
+    "InvalidState", "IoError", "OutOfMemory", "CommunicationError", "CudaError", "InternalError", "EngineFailed",
+    "CallbackError", "FORWARD", "BACKWARD", "RECOMPUTE", "version", "library_path", "trace_start",
+    "trace_stop", "trace",
 ]
 
 FORWARD, BACKWARD, RECOMPUTE = 0, 1, 2
@@ -161,8 +168,27 @@ class _Stats(ctypes.Structure):
                 ("peak_gathered_bytes", ctypes.c_uint64), ("gathers", _i64)]
 
 
+class _StepBreakdown(ctypes.Structure):
+    _fields_ = [("step", _i64), ("applied", _i32), ("trace_followed", _i32), ("trace_dropped", _i32),
+                ("stalled_windows", _i32), ("seconds", ctypes.c_double), ("compute_seconds", ctypes.c_double),
+                ("param_stall_seconds", ctypes.c_double), ("grad_wait_seconds", ctypes.c_double),
+                ("optimizer_seconds", ctypes.c_double), ("other_seconds", ctypes.c_double), ("windows", _i64),
+                ("fetches", _i64), ("prefetched", _i64), ("gathers", _i64), ("gathered_bytes", ctypes.c_uint64),
+                ("param_read_bytes", ctypes.c_uint64), ("nvme_read_bytes", ctypes.c_uint64),
+                ("nvme_written_bytes", ctypes.c_uint64)]
+
+
+class _OpStall(ctypes.Structure):
+    _fields_ = [("op", _i32), ("phase", _i32), ("windows", _i64), ("seconds", ctypes.c_double)]
+
+
 def _declare(name, argtypes, restype=ctypes.c_int):
-    fn = getattr(_lib, name)
+    fn = getattr(_lib, name, None)
+    if fn is None:  # a library older than this binding: the call says so when made
+        def missing(*_args, name=name):
+            raise Error(-1, f"strata: {name} is not in {library_path} (strata {_version_string().decode()}); "
+                            "it needs a newer libstrata_runtime.so")
+        return missing
     fn.argtypes = argtypes
     fn.restype = restype
     return fn
@@ -187,11 +213,18 @@ _grad_ptr = _declare("strata_grad_ptr", [_EP, _i32, ctypes.POINTER(_vp)])
 _add_grad = _declare("strata_add_grad", [_EP, _i32, _vp])
 _global_sum = _declare("strata_global_sum", [_EP, ctypes.c_double, ctypes.POINTER(ctypes.c_double)])
 _step = _declare("strata_step", [_EP, ctypes.c_float, ctypes.POINTER(_StepResult)])
+_prepare_step = _declare("strata_prepare_step", [_EP, ctypes.c_float])
 _zero_grad = _declare("strata_zero_grad", [_EP])
 _loss_scale = _declare("strata_loss_scale", [_EP, ctypes.POINTER(ctypes.c_double)])
 _read_param = _declare("strata_read_param", [_EP, _i32, _vp])
 _write_param = _declare("strata_write_param", [_EP, _i32, _vp])
 _get_stats = _declare("strata_get_stats", [_EP, ctypes.POINTER(_Stats)])
+_get_step_breakdown = _declare("strata_get_step_breakdown", [_EP, ctypes.POINTER(_StepBreakdown)])
+_get_op_stalls = _declare("strata_get_op_stalls", [_EP, ctypes.POINTER(_OpStall), _i32, ctypes.POINTER(_i32)])
+_save_checkpoint = _declare("strata_save_checkpoint", [_EP, ctypes.c_char_p])
+_load_checkpoint = _declare("strata_load_checkpoint", [_EP, ctypes.c_char_p])
+_trace_start = _declare("strata_trace_start", [ctypes.c_char_p])
+_trace_stop = _declare("strata_trace_stop", [])
 
 if _version() // 10000 != _MAJOR:
     raise ImportError(f"strata: this binding is for C API {_MAJOR}.x; {library_path} is "
@@ -199,13 +232,55 @@ if _version() // 10000 != _MAJOR:
 
 
 def version():
-    """The loaded library's version string, e.g. "0.1.0"."""
+    """The loaded library's version string, e.g. "0.2.0"."""
     return _version_string().decode()
 
 
 def _check(status):
     if status != 0:
         raise _ERRORS.get(status, Error)(status, _last_error().decode(errors="replace"))
+
+
+def _path_bytes(path):
+    """A path (str, bytes or os.PathLike) as the C API's bytes."""
+    return os.fsencode(os.fspath(path))
+
+
+# ---- the timeline -----------------------------------------------------------------------------
+
+
+def trace_start(path):
+    """Starts recording this process's timeline (strata_trace_start): every engine's I/O workers,
+    collectives and hook windows, to be written to `path` as Chrome/Perfetto trace JSON by
+    trace_stop() (or at exit). "{rank}" in `path` becomes the rank; without it and with several
+    ranks, ".rank<N>" goes before ".json". Not collective. Raises InvalidState when already
+    recording, IoError when the file cannot be created."""
+    _check(_trace_start(_path_bytes(path)))
+
+
+def trace_stop():
+    """Stops recording and writes the file trace_start named (strata_trace_stop)."""
+    _check(_trace_stop())
+
+
+class trace:
+    """Records the timeline of the `with` block into `path` (trace_start ... trace_stop)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        trace_start(self.path)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            trace_stop()
+            return
+        try:  # keep the block's exception; still write what was recorded
+            trace_stop()
+        except Error:
+            pass
 
 
 # ---- values: numpy, torch, bf16 -------------------------------------------------------------
@@ -284,7 +359,16 @@ class Op(namedtuple("Op", "id name params")):
 
 
 StepResult = namedtuple("StepResult", "applied grad_norm grad_scale loss_scale step")
+StepBreakdown = namedtuple("StepBreakdown", [name for name, _ in _StepBreakdown._fields_])
+StepBreakdown.__doc__ = """The last step's breakdown (strata_step_breakdown in strata.h): seconds = compute_seconds +
+param_stall_seconds + grad_wait_seconds + optimizer_seconds + other_seconds; bytes per tier
+(gathered_bytes: full parameters in accelerator memory; param_read_bytes, nvme_read_bytes,
+nvme_written_bytes: NVMe traffic); operator-trace flags and fetch counts."""
 _DTYPE_OF_CODE = {_F32: "fp32", _F16: "fp16", _BF16: "bf16"}
+OpStall = namedtuple("OpStall", "op phase windows seconds")
+OpStall.__doc__ = """How long compute waited in fetch for one operator's parameters in the last step: its Op,
+the phase ("forward", "backward", "recompute"), the windows timed and the seconds (strata_op_stall)."""
+_PHASE_NAMES = {code: name for name, code in _PHASES.items()}
 
 
 class Engine:
@@ -461,6 +545,11 @@ class Engine:
         _check(_step(self._h(), float(lr), ctypes.byref(result)))
         return StepResult(bool(result.applied), result.grad_norm, result.grad_scale, result.loss_scale, result.step)
 
+    def prepare_step(self, lr):
+        """Optional, collective: the next backward is the last before step(lr), so the optimizer may update each
+        sub-group during it (ZeRO-2/3), rolled back exactly when clipping or an overflow fires."""
+        _check(_prepare_step(self._h(), float(lr)))
+
     def loss_scale(self):
         """The fp16 loss scale of the coming step (1 without fp16): multiply the loss by it."""
         out = ctypes.c_double()
@@ -491,6 +580,35 @@ class Engine:
         out = _Stats()
         _check(_get_stats(self._h(), ctypes.byref(out)))
         return {name: getattr(out, name) for name, _ in _Stats._fields_}
+
+    def step_breakdown(self):
+        """The last step's StepBreakdown on this rank: seconds and bytes (all 0 before the first step)."""
+        out = _StepBreakdown()
+        _check(_get_step_breakdown(self._h(), ctypes.byref(out)))
+        return StepBreakdown(*[getattr(out, name) for name in StepBreakdown._fields])
+
+    def op_stalls(self):
+        """The last step's OpStalls, most seconds first (stage 3; they sum to param_stall_seconds)."""
+        count = _i32()
+        _check(_get_op_stalls(self._h(), None, 0, ctypes.byref(count)))
+        out = (_OpStall * max(count.value, 1))()
+        _check(_get_op_stalls(self._h(), out, count.value, ctypes.byref(count)))
+        ops = {op.id: op for op in self._ops}
+        return [OpStall(ops.get(s.op, s.op), _PHASE_NAMES.get(s.phase, s.phase), s.windows, s.seconds)
+                for s in out[:count.value]]
+
+    # -- checkpoints --
+    def save_checkpoint(self, directory):
+        """Saves the engine's state as `directory`/step_<N> (collective; strata_save_checkpoint):
+        crash-safe, the manifest written last; `directory` keeps the newest checkpoint only."""
+        _check(_save_checkpoint(self._h(), _path_bytes(directory)))
+
+    def load_checkpoint(self, directory):
+        """Loads the newest complete checkpoint in `directory` into this finalized engine
+        (collective; strata_load_checkpoint). Same world size and parameters as the saver's.
+        A missing, truncated or corrupt checkpoint raises InvalidArgument naming the file, and
+        the engine stays usable."""
+        _check(_load_checkpoint(self._h(), _path_bytes(directory)))
 
     @property
     def params(self):

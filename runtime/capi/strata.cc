@@ -1,7 +1,9 @@
-// The C API (strata.h) over engine::ZeroEngine. Each entry point checks its
-// arguments and the call order itself, before touching the engine, so that
-// bad input is a status that leaves the engine usable; whatever the engine
-// then throws is caught here, converted to a status and a thread-local
+// The C API (strata.h) over engine::ZeroEngine: engines, declarations, hook
+// windows, steps and the timeline (the step breakdown and checkpoints are in
+// strata_state.cc). Each entry point checks its arguments and the call order
+// itself, before touching the engine, so that bad input is a status that
+// leaves the engine usable; whatever the engine then throws is caught
+// (guarded, capi_internal.h), converted to a status and a thread-local
 // message, and (except for declarations, which change nothing when they
 // throw) marks the engine failed, because the throw may have come half way
 // through a collective or a transfer.
@@ -16,13 +18,13 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "partition/communicator.h"
 #include "partition/rendezvous.h"
+#include "runtime/capi/capi_internal.h"
 #include "runtime/config/config.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
@@ -32,48 +34,18 @@
 #include "runtime/launcher/launcher.h"
 #include "runtime/train/zero_config.h"
 
+std::string& strata::capi::last_error_message() {
+  thread_local std::string message;
+  return message;
+}
+
+using namespace strata::capi;
+
 namespace {
 
 namespace engine = strata::engine;
 namespace partition = strata::partition;
 using strata::DType;
-
-thread_local std::string t_last_error;
-
-// A failure found by the C layer's own checks: nothing has changed yet.
-struct ApiError {
-  strata_status status;
-  std::string message;
-};
-
-template <typename... Args>
-void require(bool ok, strata_status status, fmt::format_string<Args...> format, Args&&... args) {
-  if (!ok) [[unlikely]] {
-    throw ApiError{status, fmt::format(format, std::forward<Args>(args)...)};
-  }
-}
-
-template <typename T>
-void require_not_null(const T* p, const char* name) {
-  require(p != nullptr, STRATA_ERROR_INVALID_ARGUMENT, "{} is NULL", name);
-}
-
-strata_status status_of(strata::ErrorCategory category) {
-  switch (category) {
-    case strata::ErrorCategory::kBadArgument: return STRATA_ERROR_INVALID_ARGUMENT;
-    case strata::ErrorCategory::kIo: return STRATA_ERROR_IO;
-    case strata::ErrorCategory::kOutOfMemory: return STRATA_ERROR_OUT_OF_MEMORY;
-    case strata::ErrorCategory::kCommunication: return STRATA_ERROR_COMMUNICATION;
-    case strata::ErrorCategory::kCuda: return STRATA_ERROR_CUDA;
-    case strata::ErrorCategory::kInternal: return STRATA_ERROR_INTERNAL;
-  }
-  return STRATA_ERROR_INTERNAL;
-}
-
-// An init callback's failure, raised inside for_each_owned_range.
-struct CallbackError {
-  std::string message;
-};
 
 DType dtype_of(strata_dtype dtype) {
   switch (dtype) {
@@ -94,15 +66,6 @@ engine::Phase phase_of(strata_phase phase) {
     case STRATA_PHASE_RECOMPUTE: return engine::Phase::kRecompute;
   }
   return engine::Phase::kForward;
-}
-
-const char* phase_name(strata_phase phase) {
-  switch (phase) {
-    case STRATA_PHASE_FORWARD: return "forward";
-    case STRATA_PHASE_BACKWARD: return "backward";
-    case STRATA_PHASE_RECOMPUTE: return "recompute";
-  }
-  return "?";
 }
 
 int32_t tier_of(strata::Tier tier) {
@@ -128,39 +91,6 @@ struct Fnv {
   }
 };
 
-}  // namespace
-
-struct strata_engine {
-  struct Param {
-    std::vector<char> initial;  // the full tensor given at registration (until finalize)
-    strata_init_fn init = nullptr;
-    void* user = nullptr;
-  };
-  struct Window {
-    int32_t op;
-    strata_phase phase;
-  };
-
-  // Declaration order is destruction order reversed: the engine goes first,
-  // then the streams and communicators, and the accelerator they all borrow.
-  // The rendezvous is the process's (shared_rendezvous), alive until exit.
-  std::unique_ptr<strata::Accelerator> accelerator;
-  strata::train::ZeroCommunicators comms;  // the engine's gather, reduce and control traffic
-  std::unique_ptr<partition::Communicator> host;
-  std::unique_ptr<strata::Stream> host_stream;  // the C layer's own collectives (read_param, finalize check)
-  std::unique_ptr<engine::ZeroEngine> zero;
-
-  std::vector<Param> params;
-  std::vector<std::vector<int32_t>> ops;  // the parameters each operator lists
-  std::vector<Window> windows;            // open, innermost last
-  std::vector<int32_t> backward_seen;     // per parameter: its operators released in this backward pass
-  bool finalized = false;
-  std::string failure;  // the error that left the engine unusable; empty while usable
-  int64_t steps_skipped = 0;
-};
-
-namespace {
-
 // The process's rendezvous, shared by its engines: made by the first
 // strata_engine_create and destroyed at exit, where rank 0 waits for every
 // rank's goodbye (Rendezvous's destructor). One per process because
@@ -176,87 +106,6 @@ struct SharedRendezvous {
 SharedRendezvous& shared_rendezvous() {
   static SharedRendezvous shared;
   return shared;
-}
-
-// Runs `body` for the C function `function`; converts everything it throws.
-// `poison`: whether an error from the engine (not from the C layer's checks)
-// leaves `e` unusable.
-template <typename Body>
-strata_status guarded(const char* function, strata_engine* e, bool poison, Body&& body) {
-  strata_status status = STRATA_OK;
-  std::string message;
-  try {
-    if (e != nullptr && !e->failure.empty()) {
-      throw ApiError{STRATA_ERROR_ENGINE_FAILED,
-                     fmt::format("the engine is unusable after an earlier error ({}); destroy it", e->failure)};
-    }
-    body();
-    return STRATA_OK;
-  } catch (const ApiError& error) {
-    status = error.status;
-    message = error.message;
-    poison = false;  // found before anything changed
-  } catch (const CallbackError& error) {
-    status = STRATA_ERROR_CALLBACK;
-    message = error.message;
-  } catch (const strata::Error& error) {
-    status = status_of(error.category());
-    // The C layer checks every argument and the call order first; an engine
-    // that still says "bad argument" mid-operation has changed state.
-    if (poison && status == STRATA_ERROR_INVALID_ARGUMENT) status = STRATA_ERROR_INTERNAL;
-    message = error.message();  // the status carries the category
-  } catch (const std::bad_alloc&) {
-    status = STRATA_ERROR_OUT_OF_MEMORY;
-    message = "out of host memory (std::bad_alloc)";
-  } catch (const std::exception& error) {
-    status = STRATA_ERROR_INTERNAL;
-    message = error.what();
-  } catch (...) {
-    status = STRATA_ERROR_INTERNAL;
-    message = "unknown exception";
-  }
-  try {
-    t_last_error = fmt::format("{}: {}", function, message);
-    if (e != nullptr && poison && e->failure.empty()) e->failure = t_last_error;
-  } catch (...) {
-    // Out of memory for the message itself: the status still says what happened.
-  }
-  return status;
-}
-
-void require_engine(const strata_engine* e) { require_not_null(e, "engine"); }
-
-void require_param(const strata_engine* e, int32_t id) {
-  require(id >= 0 && static_cast<size_t>(id) < e->params.size(), STRATA_ERROR_INVALID_ARGUMENT,
-          "parameter id {} is not registered (ids are 0..{})", id, static_cast<int64_t>(e->params.size()) - 1);
-}
-
-void require_op(const strata_engine* e, int32_t op) {
-  require(op >= 0 && static_cast<size_t>(op) < e->ops.size(), STRATA_ERROR_INVALID_ARGUMENT,
-          "operator id {} is not registered (ids are 0..{})", op, static_cast<int64_t>(e->ops.size()) - 1);
-}
-
-void require_finalized(const strata_engine* e) {
-  require(e->finalized, STRATA_ERROR_INVALID_STATE, "called before strata_finalize");
-}
-
-void require_no_window(const strata_engine* e) {
-  require(e->windows.empty(), STRATA_ERROR_INVALID_STATE,
-          "called with operator '{}' ({}) still fetched; strata_release every window first",
-          e->windows.empty() ? "" : e->zero->op_info(e->windows.back().op).name,
-          e->windows.empty() ? "" : phase_name(e->windows.back().phase));
-}
-
-// Every backward pass begun has been finished (the engine reduces a gradient
-// only at its last use; a half-done pass would be completed by the next one).
-void require_backward_done(const strata_engine* e) {
-  for (size_t p = 0; p < e->backward_seen.size(); ++p) {
-    require(e->backward_seen[p] == 0, STRATA_ERROR_INVALID_STATE,
-            "a backward pass is half done: parameter '{}' has had {} of its {} operators released in "
-            "backward; release the rest first",
-            e->zero->param_info(static_cast<int32_t>(p)).name, e->backward_seen[p],
-            e->zero->uses_of(static_cast<int32_t>(p)));
-  }
 }
 
 // Whether an open window (a backward one when `backward`) lists `id`.
@@ -349,7 +198,7 @@ const char* strata_status_string(strata_status status) {
   return "unknown status";
 }
 
-const char* strata_last_error(void) { return t_last_error.c_str(); }
+const char* strata_last_error(void) { return strata::capi::last_error_message().c_str(); }
 
 strata_status strata_engine_create(const char* config_json, strata_engine** out) {
   if (out != nullptr) *out = nullptr;
@@ -528,6 +377,7 @@ strata_status strata_finalize(strata_engine* e) {
     }
     e->backward_seen.assign(e->params.size(), 0);
     e->finalized = true;
+    e->start_interval();
   });
 }
 
@@ -648,8 +498,10 @@ strata_status strata_step(strata_engine* e, float lr, strata_step_result* result
     require_no_window(e);
     require_backward_done(e);
     strata::trace::Span span("capi", "strata_step");
+    const Clock::time_point start = Clock::now();
     const engine::StepResult r = e->zero->step(lr);
     e->steps_skipped += !r.applied;
+    record_breakdown(e, r, start);
     if (result != nullptr) {
       result->applied = r.applied ? 1 : 0;
       result->grad_scale = r.grad_scale;
@@ -657,6 +509,19 @@ strata_status strata_step(strata_engine* e, float lr, strata_step_result* result
       result->loss_scale = r.loss_scale;
       result->step = r.step;
     }
+  });
+}
+
+strata_status strata_prepare_step(strata_engine* e, float lr) {
+  return guarded("strata_prepare_step", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require(std::isfinite(lr) && lr >= 0, STRATA_ERROR_INVALID_ARGUMENT, "lr is {}; it must be finite and >= 0", lr);
+    require_finalized(e);
+    require_no_window(e);
+    require_backward_done(e);
+    require(!e->zero->step_prepared(), STRATA_ERROR_INVALID_STATE,
+            "strata_prepare_step called twice without a strata_step (or strata_zero_grad) between");
+    e->zero->prepare_step(lr);
   });
 }
 
@@ -685,6 +550,7 @@ strata_status strata_read_param(strata_engine* e, int32_t id, void* host_full) {
     require_param(e, id);
     require_finalized(e);
     require_no_window(e);
+    require_not_prepared(e, "strata_read_param");
     const engine::ParamInfo& info = e->zero->param_info(id);
     const size_t element_nbytes = strata::dtype_nbytes(info.dtype), nbytes = info.nbytes();
     // Each element is owned by one rank and is zero elsewhere, so an integer
@@ -708,6 +574,7 @@ strata_status strata_write_param(strata_engine* e, int32_t id, const void* host_
     require_param(e, id);
     require_finalized(e);
     require_no_window(e);
+    require_not_prepared(e, "strata_write_param");
     const size_t element_nbytes = strata::dtype_nbytes(e->zero->param_info(id).dtype);
     const char* src = static_cast<const char*>(host_full);
     e->zero->for_each_owned_range(id, engine::Engine::Access::kWrite, [&](int64_t first, const strata::TensorView& host) {

@@ -68,15 +68,19 @@
  * it hands out; the caller owns the buffers it passes, which strata only reads
  * or writes during the call (initial values are copied at registration).
  *
- * Not yet: checkpoint save and load (the C API will wrap the checkpoint
- * directory format that runtime/train is getting; meanwhile read the values
- * out with strata_read_param), the per-step breakdown,
- * exposing the compute stream (so CUDA users could skip the host wait in
- * strata_fetch).
+ * Checkpoints. strata_save_checkpoint / strata_load_checkpoint write and read
+ * the directory format of `strata finetune --save` (crash-safe: a manifest
+ * written last); strata_get_step_breakdown says where the last step's time
+ * and bytes went, strata_get_op_stalls which operators compute waited for.
+ *
+ * Not yet: exposing the compute stream (so CUDA users could skip the host
+ * wait in strata_fetch); loading a checkpoint into another world size.
  *
  * Versioning: STRATA_VERSION_* below is the version this header belongs to;
  * strata_version() the library's. Structs and enum values change only with
- * STRATA_VERSION_MAJOR; a minor version only adds functions. */
+ * STRATA_VERSION_MAJOR; a minor version only adds functions (and new structs
+ * they fill). Since 0.2: strata_get_step_breakdown, strata_get_op_stalls,
+ * strata_save_checkpoint, strata_load_checkpoint, strata_prepare_step. */
 #ifndef STRATA_CAPI_STRATA_H_
 #define STRATA_CAPI_STRATA_H_
 
@@ -88,7 +92,7 @@ extern "C" {
 #endif
 
 #define STRATA_VERSION_MAJOR 0
-#define STRATA_VERSION_MINOR 1
+#define STRATA_VERSION_MINOR 2
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, like strata_version(). */
 #define STRATA_VERSION (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
@@ -153,6 +157,42 @@ typedef struct strata_stats {
   uint64_t peak_gathered_bytes;             /* the most gathered at once since finalize */
   int64_t gathers;                          /* parameter allgathers issued (stage 3) */
 } strata_stats;
+
+/* Where the time and the bytes of one step went: the interval from the end
+ * of the previous strata_step (or strata_finalize, or strata_load_checkpoint)
+ * to the end of this one, on this rank. seconds = compute + param_stall +
+ * grad_wait + optimizer + other (up to rounding). */
+typedef struct strata_step_breakdown {
+  int64_t step;                /* strata_step calls so far, skipped ones included; 0: no step yet (all else 0) */
+  int32_t applied;             /* the step's strata_step_result.applied */
+  int32_t trace_followed;      /* 1: every window matched the recorded operator trace, so strata prefetched (stage 3) */
+  int32_t trace_dropped;       /* 1: a window differed from the trace; it is recorded again next step (stage 3) */
+  int32_t stalled_windows;     /* windows whose parameters were not gathered yet at strata_fetch (timed) */
+  double seconds;              /* wall time of the interval */
+  double compute_seconds;      /* outside strata_step, minus param_stall: the caller's work, the windows' host work */
+  double param_stall_seconds;  /* compute waiting in strata_fetch for parameters (timed on the compute stream) */
+  double grad_wait_seconds;    /* strata_step waiting for the last gradient reductions to land */
+  double optimizer_seconds;    /* strata_step's global norm, clipping, Adam, new values to their home */
+  double other_seconds;        /* the rest of strata_step (stages 1/2: gathering the new values) */
+  int64_t windows;             /* strata_fetch calls */
+  int64_t fetches;             /* parameters a window needed that were not gathered already */
+  int64_t prefetched;          /* of them, gathered ahead from the operator trace */
+  int64_t gathers;             /* parameter allgathers issued (stage 3) */
+  uint64_t gathered_bytes;     /* full parameters those allgathers produced (accelerator memory) */
+  uint64_t param_read_bytes;   /* parameter shards read NVMe -> pinned CPU memory for them (offload_param nvme) */
+  uint64_t nvme_read_bytes;    /* everything this rank read from NVMe: parameter shards, optimizer state, gradients */
+  uint64_t nvme_written_bytes; /* everything this rank wrote to NVMe */
+} strata_step_breakdown;
+
+/* One operator's stall in a step (strata_get_op_stalls): how long compute
+ * waited in strata_fetch for the parameters of operator `op`'s windows of
+ * `phase` (stage 3; timed on the compute stream, like param_stall_seconds). */
+typedef struct strata_op_stall {
+  int32_t op;      /* the operator's id (strata_register_op) */
+  int32_t phase;   /* a strata_phase */
+  int64_t windows; /* its windows of that phase whose wait was timed */
+  double seconds;  /* the time compute waited in them */
+} strata_op_stall;
 
 /* Fills `values` with elements [first, first + count) of parameter `param`'s
  * flattened tensor, in its storage dtype. Returns 0 on success; any other
@@ -297,6 +337,23 @@ strata_status strata_global_sum(strata_engine* engine, double value, double* sum
  * not yet released in BACKWARD); IO/COMMUNICATION/OUT_OF_MEMORY (unusable). */
 strata_status strata_step(strata_engine* engine, float lr, strata_step_result* result);
 
+/* COLLECTIVE, optional. Says that the next backward pass is the last before
+ * strata_step(engine, lr, ...): with ZeRO stage 2 or 3 the optimizer may then
+ * update each sub-group of this rank's shard during that backward, as soon as
+ * its gradient is final, instead of after it (strata.overlap_optimizer,
+ * zero_optimization.sub_group_size and reduce_bucket_size set how much
+ * overlaps). It speculates that the step applies unclipped; when clipping or
+ * an overflow fires, or strata_step gets another lr, the speculative updates
+ * are rolled back exactly and the step is taken as without this call: results
+ * never depend on it. Call it after the previous micro-step's backward and
+ * before the last one's (before its forward is simplest). Until strata_step
+ * or strata_zero_grad (which abandons the step and rolls back),
+ * strata_read_param, strata_write_param and strata_save_checkpoint fail with
+ * INVALID_STATE. Errors: INVALID_ARGUMENT (bad lr); INVALID_STATE (before
+ * finalize, a window open, a backward pass half done, already prepared);
+ * COMMUNICATION (unusable). Since 0.2. */
+strata_status strata_prepare_step(strata_engine* engine, float lr);
+
 /* *scale receives the loss scale of the coming step: with fp16.enabled in the
  * config (dynamic loss scaling, DeepSpeed's fp16.* keys), multiply the loss --
  * so every gradient added -- by it; strata_step divides it out, skips a step
@@ -324,6 +381,63 @@ strata_status strata_write_param(strata_engine* engine, int32_t id, const void* 
 /* Fills *stats. Works on a failed engine too (stats->failed = 1). Errors:
  * INVALID_ARGUMENT (NULL). */
 strata_status strata_get_stats(strata_engine* engine, strata_stats* stats);
+
+/* Fills *breakdown with the last strata_step's breakdown (this rank's; all
+ * zero before the first step and after strata_load_checkpoint). Not
+ * collective; works on a failed engine too. For the whole run, sum them.
+ * Errors: INVALID_ARGUMENT (NULL). Since 0.2. */
+strata_status strata_get_step_breakdown(strata_engine* engine, strata_step_breakdown* breakdown);
+
+/* The last strata_step's stall per (operator, phase), most seconds first:
+ * *count receives how many there are; the first min(count, capacity) are
+ * written to `stalls` (which may be NULL when capacity is 0: ask the count
+ * first). Their seconds sum to the breakdown's param_stall_seconds. Not
+ * collective; works on a failed engine too. Errors: INVALID_ARGUMENT (NULL
+ * engine or count, capacity < 0, NULL stalls with capacity > 0). Since 0.2. */
+strata_status strata_get_op_stalls(strata_engine* engine, strata_op_stall* stalls, int32_t capacity,
+                                   int32_t* count);
+
+/* ---- checkpoints (after strata_finalize, between steps) -------------------- */
+
+/* COLLECTIVE. Saves the engine's state -- every rank's parameter shards, the
+ * optimizer's fp32 master weights and Adam moments, the step count and the
+ * fp16 loss scaler -- as the checkpoint `dir`/step_<N>, N being the number of
+ * strata_step calls so far (skipped ones included). The format is `strata
+ * finetune --save`'s: each rank writes and fsyncs its files under
+ * step_<N>/rank<r>/, then rank 0 writes manifest.json (the world size, the
+ * parameters' names, dtypes and shapes, each file's size and CRC-32) under a
+ * temporary name, fsyncs it and renames it into place. The checkpoint exists
+ * from that rename on: a process killed at any instant leaves the previous
+ * checkpoint in `dir` loadable (a step_<N> without a manifest is ignored, and
+ * removed by the next save). After the rename, older checkpoints in `dir` are
+ * removed: `dir` keeps one. Gradients accumulated since the last strata_step
+ * are not saved. `dir` is created if missing and must be the same directory
+ * for every rank (one machine, or a shared filesystem). `dir` is the
+ * caller's; strata only reads it during the call.
+ * Errors, the engine usable: INVALID_ARGUMENT (NULL or empty dir; `dir`
+ * cannot be created or written; it already holds a checkpoint of step N or
+ * later -- save after the next strata_step, or elsewhere); INVALID_STATE
+ * (before finalize, a window open, a backward pass half done). Unusable: IO
+ * (a write failed, a full disk included; the partial checkpoint has no
+ * manifest and never counts), COMMUNICATION. Since 0.2. */
+strata_status strata_save_checkpoint(strata_engine* engine, const char* dir);
+
+/* COLLECTIVE. Loads the newest complete checkpoint in `dir` (or `dir` itself
+ * when it is a step_<N> directory) written by strata_save_checkpoint into
+ * this finalized engine: parameters, optimizer state, step count, loss
+ * scale; gradients accumulated since the last strata_step are dropped. The
+ * checkpoint must come from the same number of ranks and the same parameters
+ * (names, dtypes, shapes, registration order); the ZeRO stage and the
+ * offload tiers may differ. Every file is checked against the manifest (size
+ * and CRC-32) on every rank before anything is loaded. Then
+ * strata_get_stats's steps is the checkpoint's.
+ * Errors, nothing loaded, the engine usable: INVALID_ARGUMENT (NULL or empty
+ * dir; `dir` does not exist or holds no complete checkpoint; a manifest that
+ * does not parse; a checkpoint of another world size or other parameters; a
+ * file missing, truncated or corrupt -- each message names the file);
+ * INVALID_STATE (before finalize, a window open, a backward pass half done).
+ * Unusable: IO (a read failed while loading), COMMUNICATION. Since 0.2. */
+strata_status strata_load_checkpoint(strata_engine* engine, const char* dir);
 
 /* ---- timeline (any time; process-wide, not per engine) -------------------- */
 

@@ -3,7 +3,9 @@
 // placement to use, for a model (HF config.json or sizes), an optional
 // ds_config and a machine (detected, or described by flags). The model is in
 // runtime/plan; this file turns flags, files and probes into its inputs and
-// says where each value came from.
+// says where each value came from. With --check RUN it sets the prediction
+// for the configuration a `strata finetune` run used beside what that run
+// measured (runtime/plan/plan_check.h).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -25,7 +28,12 @@
 #include "runtime/nn/llama_config.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"
+#include "runtime/plan/plan_check.h"
 #include "runtime/plan/plan_report.h"
+#include "runtime/plan/runtime_memory.h"
+#include "runtime/train/finetune.h"
+#include "runtime/train/run_report.h"
+#include "runtime/train/zero_config.h"
 
 namespace strata::cli {
 namespace {
@@ -44,6 +52,9 @@ struct Options {
   std::string target_efficiency;
   std::string units = "GB";
   bool json = false;
+  // --check RUN: the run directory (or its metrics.jsonl) to compare with.
+  std::string check, tolerance = "15%", baseline_rss;
+  bool checkpoint_activations = false;
 };
 
 [[noreturn]] void bad(const std::string& flag, const std::string& text,
@@ -407,7 +418,338 @@ std::string header(const Resolved& r) {
   return out;
 }
 
+// ---- --check: a run's measured memory beside the prediction for that run ------------
+
+// What a `strata finetune` run was started with, as far as the plan needs it.
+struct RunSetup {
+  std::filesystem::path config, model;  // model: an HF directory or a config.json
+  int64_t seq = train::FinetuneOptions{}.seq;
+  int64_t world_size = 1;
+  bool checkpoint_activations = false;
+  std::filesystem::path cwd;
+  std::optional<uint64_t> resident_at_start;   // run.json: rank 0's VmRSS before its first step
+  std::map<std::string, std::string> sources;  // where each came from
+};
+
+// Reads the finetune flags the plan needs from run.json's command line
+// (both "--flag value" and "--flag=value", as CLI11 accepts them).
+void setup_from_record(const train::RunRecord& record, const std::string& source, RunSetup& s) {
+  const auto finetune = std::find(record.argv.begin(), record.argv.end(), "finetune");
+  STRATA_CHECK(finetune != record.argv.end(), kBadArgument,
+               "{}: the run's command line has no 'finetune' ('{}'); --check compares `strata "
+               "finetune` runs",
+               source, printable_excerpt(record.argv.empty() ? std::string() : record.argv[0], 80));
+  const auto resolve = [&](const std::string& path) {
+    const std::filesystem::path p(path);
+    return p.is_absolute() ? p : record.cwd / p;
+  };
+  for (auto it = finetune + 1; it != record.argv.end(); ++it) {
+    std::string flag = *it, value;
+    const size_t eq = flag.find('=');
+    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
+    if (inline_value) {
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    }
+    const auto take = [&]() -> std::string {
+      if (inline_value) return value;
+      STRATA_CHECK(it + 1 != record.argv.end(), kBadArgument,
+                   "{}: {} has no value in the run's command line", source, flag);
+      return *++it;
+    };
+    if (flag == "--config") {
+      s.config = resolve(take());
+      s.sources["config"] = source;
+    } else if (flag == "--init" || flag == "--model") {
+      s.model = resolve(take());
+      s.sources["model"] = source;
+    } else if (flag == "--seq") {
+      s.seq = parse_integer(source + ": --seq", take(), 1);
+      s.sources["seq"] = source;
+    } else if (flag == "--checkpoint-activations") {
+      s.checkpoint_activations = true;
+    }
+  }
+  s.world_size = record.world_size;
+  s.sources["world_size"] = source;
+  s.resident_at_start = record.resident_at_start_nbytes;
+  s.cwd = record.cwd;
+}
+
+uint64_t resident_nbytes_now() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0)
+      return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;  // kB
+  }
+  return 0;
+}
+
+// Rank 0's swap files, while they exist: <nvme_path>/<group>/rank0/*.swp (nvme/swap_space.h).
+std::optional<double> swap_files_nbytes(const std::filesystem::path& root) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(root, ec)) return std::nullopt;
+  double total = 0;
+  bool any = false;
+  for (const auto& group : std::filesystem::directory_iterator(root, ec)) {
+    const std::filesystem::path rank0 = group.path() / "rank0";
+    if (!std::filesystem::is_directory(rank0, ec)) continue;
+    for (const auto& file : std::filesystem::directory_iterator(rank0, ec)) {
+      if (file.path().extension() != ".swp") continue;
+      total += static_cast<double>(file.file_size(ec));
+      any = true;
+    }
+  }
+  return any ? std::optional<double>(total) : std::nullopt;
+}
+
+// What the comparison cannot see, said every time rather than hidden in a tolerance.
+std::string check_notes(bool device_is_host) {
+  std::string out =
+      "Not predicted: what the process adds while it steps besides the items above — heap that the "
+      "allocator "
+      "keeps beyond the bytes live at once";
+  out += device_is_host ? " (the cpu accelerator takes blocks under 1 MiB from malloc)" : "";
+  out +=
+      ", per-thread malloc arenas (I/O, communicator and stream threads), code first run in the "
+      "steps. It does not "
+      "grow with the model, so the host row is tight only when the run holds much more than "
+      "it.\n\n";
+  return out;
+}
+
+int run_check(const Options& o) {
+  // The measurement first: a bad metrics file is the likeliest mistake.
+  std::filesystem::path metrics = o.check, dir;
+  std::error_code ec;
+  if (std::filesystem::is_directory(metrics, ec)) {
+    dir = metrics;
+    metrics /= "metrics.jsonl";
+  } else {
+    dir = metrics.has_parent_path() ? metrics.parent_path() : std::filesystem::path(".");
+  }
+  const plan::RunMeasurement measured = plan::read_metrics(metrics);
+  double tolerance = 0;
+  {
+    const bool percent = !o.tolerance.empty() && o.tolerance.back() == '%';
+    const auto number =
+        parse_number(percent ? std::string_view(o.tolerance).substr(0, o.tolerance.size() - 1)
+                             : std::string_view(o.tolerance));
+    tolerance = number ? *number / (percent ? 100 : 1) : -1;
+    if (!(tolerance >= 0 && tolerance < 10))
+      bad("--tolerance", o.tolerance, "a fraction >= 0 (0.15, or 15%)");
+  }
+
+  RunSetup s;
+  const std::filesystem::path run_json = dir / "run.json";
+  if (std::filesystem::exists(run_json, ec)) {
+    std::ifstream file(run_json, std::ios::binary);
+    const std::string text((std::istreambuf_iterator<char>(file)),
+                           std::istreambuf_iterator<char>());
+    setup_from_record(train::parse_run_record(text, run_json.string()), run_json.string(), s);
+  }
+  // Flags describe the run where run.json does not (older runs), or override it.
+  const auto override_with = [&](const std::string& given, const char* flag, const char* key,
+                                 auto apply) {
+    if (given.empty()) return;
+    apply(given);
+    s.sources[key] = flag;
+  };
+  override_with(o.config, "--config", "config", [&](const std::string& v) { s.config = v; });
+  override_with(o.model, "--model", "model", [&](const std::string& v) { s.model = v; });
+  override_with(o.seq, "--seq", "seq",
+                [&](const std::string& v) { s.seq = parse_integer("--seq", v, 1); });
+  override_with(o.dp, "--dp", "world_size",
+                [&](const std::string& v) { s.world_size = parse_integer("--dp", v, 1); });
+  if (o.checkpoint_activations) s.checkpoint_activations = true;
+  const std::string no_record =
+      std::filesystem::exists(run_json, ec)
+          ? fmt::format("{} does not name it", run_json.string())
+          : fmt::format("{} has no run.json (a run of an older strata)", dir.string());
+  STRATA_CHECK(
+      !s.model.empty(), kBadArgument,
+      "--check: the run's model is unknown ({}): give --model (its config.json or HF directory)",
+      no_record);
+  STRATA_CHECK(!s.config.empty(), kBadArgument,
+               "--check: the run's ds_config is unknown ({}, or the run used finetune's built-in "
+               "defaults): give "
+               "--config",
+               no_record);
+  if (!s.sources.count("world_size")) s.sources["world_size"] = "assumed (no run.json, no --dp)";
+
+  const Config config = load_config_file(s.config.string());
+  std::filesystem::path model_config = s.model;
+  if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
+  plan::RuntimeInputs in;
+  in.model = nn::load_llama_config(model_config.string());
+  in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
+  const bool device_is_host =
+      config.strata.accelerator == "cpu" ||
+      (config.strata.accelerator == "auto" && plan::detect_machine().gpu_count == 0);
+  in.device_is_host = device_is_host;
+  in.activation_dtype = device_is_host ? DType::kF32 : in.param_dtype;
+  in.micro_batch = config.micro_batch_size;
+  in.seq = s.seq;
+  in.checkpoint_activations = s.checkpoint_activations || config.cpu_checkpointing;
+  in.cpu_checkpointing = config.cpu_checkpointing;
+  in.world_size = static_cast<int>(s.world_size);
+  in.zero = train::zero_engine_options(config, s.config.string());
+  // Relative swap paths are relative to the run's working directory.
+  if (!in.zero.nvme_path.empty() && in.zero.nvme_path.is_relative() && !s.cwd.empty())
+    in.zero.nvme_path = s.cwd / in.zero.nvme_path;
+  const plan::RuntimeMemory memory = plan::runtime_memory(in);
+
+  // The process itself (code and libraries, threads and their stacks, BLAS,
+  // communicator and allocator overhead) is measured, not predicted: the
+  // run's resident set before its first step less the setup items above
+  // (which it already held), else this very binary's resident set now —
+  // which loaded the same libraries but started no threads, so it is lower.
+  const double bare = static_cast<double>(resident_nbytes_now());
+  const double setup = memory.setup_resident_nbytes(device_is_host);
+  double baseline = bare;
+  std::string baseline_from =
+      "this strata binary's resident set now (no threads, BLAS or communicators yet)";
+  if (!o.baseline_rss.empty()) {
+    baseline = parse_memory("--baseline-rss", o.baseline_rss);
+    baseline_from = "--baseline-rss";
+  } else if (s.resident_at_start && static_cast<double>(*s.resident_at_start) > setup) {
+    baseline = static_cast<double>(*s.resident_at_start) - setup;
+    baseline_from = fmt::format(
+        "the run's resident set before its first step ({:.2f} MB, run.json) less the {:.2f} MB of "
+        "setup items; "
+        "a bare strata process holds {:.2f} MB",
+        static_cast<double>(*s.resident_at_start) / 1e6, setup / 1e6, bare / 1e6);
+  }
+
+  plan::CheckResult result;
+  result.tolerance = tolerance;
+  const std::string rank0 =
+      fmt::format("{}, rank 0, highest of {} step(s)", metrics.filename().string(), measured.steps);
+  result.rows.push_back({device_is_host ? "device (cpu)" : "device", memory.device_nbytes,
+                         static_cast<double>(measured.device_peak_nbytes),
+                         "memory.device_peak_bytes in " + rank0});
+  result.rows.push_back({"host resident", baseline + memory.resident_nbytes(device_is_host),
+                         static_cast<double>(measured.host_peak_rss_nbytes),
+                         "memory.host_peak_rss_bytes in " + rank0});
+  if (memory.nvme_nbytes > 0) {
+    const std::optional<double> files = swap_files_nbytes(in.zero.nvme_path);
+    result.rows.push_back(
+        {"nvme", memory.nvme_nbytes, files,
+         files ? "rank 0's swap files under " + in.zero.nvme_path.string()
+               : "not measured: the run removes its swap files at exit and metrics.jsonl does not "
+                 "record them"});
+  }
+
+  if (o.json) {
+    nlohmann::json items = nlohmann::json::array();
+    for (const plan::MemoryItem& item : memory.items) {
+      items.push_back({{"name", item.name},
+                       {"where", plan::where_name(item.where)},
+                       {"bytes", static_cast<uint64_t>(std::llround(item.nbytes))},
+                       {"upper_bound", item.upper_bound},
+                       {"during_steps", item.during_steps},
+                       {"basis", item.basis}});
+    }
+    nlohmann::json out = plan::check_json(result);
+    out["run"] = {{"metrics", metrics.string()},
+                  {"steps", measured.steps},
+                  {"config", s.config.string()},
+                  {"model", s.model.string()},
+                  {"seq", s.seq},
+                  {"micro_batch", in.micro_batch},
+                  {"world_size", s.world_size},
+                  {"checkpoint_activations", in.checkpoint_activations},
+                  {"sources", s.sources}};
+    out["items"] = items;
+    out["process_baseline"] = {{"bytes", static_cast<uint64_t>(std::llround(baseline))},
+                               {"from", baseline_from},
+                               {"bare_process_bytes", static_cast<uint64_t>(std::llround(bare))}};
+    std::cout << out.dump(2) << "\n";
+  } else {
+    std::string text = fmt::format(
+        "Run       {} ({} steps)\n"
+        "          config {} ({}), model {} ({})\n"
+        "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
+        "checkpointing {}\n\n"
+        "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
+        metrics.string(), measured.steps, s.config.string(), s.sources["config"], s.model.string(),
+        s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
+        dtype_name(in.param_dtype),
+        in.checkpoint_activations
+            ? (in.cpu_checkpointing ? "on, checkpoints in pinned host memory" : "on")
+            : "off");
+    for (const plan::MemoryItem& item : memory.items) {
+      text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
+                          plan::where_name(item.where), item.during_steps ? "steps" : "setup",
+                          item.upper_bound ? "<=" : "", item.nbytes / 1e6, item.basis);
+    }
+    text += fmt::format("  {:<34} {:<12} {:<6} {:>11.2f} MB  {}\n", "process baseline", "host", "",
+                        baseline / 1e6, baseline_from);
+    text += fmt::format(
+        "\nPredicted: device {:.2f} MB; host resident = baseline + pinned {:.2f} MB + host {:.2f} "
+        "MB{}; nvme "
+        "{:.2f} MB\n\n",
+        memory.device_nbytes / 1e6, memory.pinned_nbytes / 1e6, memory.host_nbytes / 1e6,
+        device_is_host ? " + device (the cpu accelerator's memory is the process's)" : "",
+        memory.nvme_nbytes / 1e6);
+    text += check_notes(device_is_host);
+    std::cout << text << plan::check_text(result)
+              << (result.ok()
+                      ? fmt::format("every measured tier is within {:.0f}%\n", 100 * tolerance)
+                      : fmt::format("a measured tier is outside {:.0f}%\n", 100 * tolerance));
+  }
+  return result.ok() ? 0 : 1;
+}
+
+// Flags that describe a hypothetical job or machine mean nothing to --check,
+// which compares a run that happened; the --check flags mean nothing without it.
+void check_flag_combination(const Options& o) {
+  const std::vector<std::pair<const char*, bool>> plan_only = {
+      {"--params", !o.params.empty()},
+      {"--layers", !o.layers.empty()},
+      {"--hidden", !o.hidden.empty()},
+      {"--heads", !o.heads.empty()},
+      {"--intermediate", !o.intermediate.empty()},
+      {"--vocab", !o.vocab.empty()},
+      {"--batch", !o.batch.empty()},
+      {"--grad-accum", !o.grad_accum.empty()},
+      {"--checkpoint-every", !o.checkpoint_every.empty()},
+      {"--tiling", !o.tiling.empty()},
+      {"--no-checkpointing", o.no_checkpointing},
+      {"--gpus", !o.gpus.empty()},
+      {"--nodes", !o.nodes.empty()},
+      {"--gpu-mem", !o.gpu_mem.empty()},
+      {"--host-mem", !o.host_mem.empty()},
+      {"--nvme-path", !o.nvme_path.empty()},
+      {"--nvme-capacity", !o.nvme_capacity.empty()},
+      {"--bw-gpu-cpu", !o.bw_gpu_cpu.empty()},
+      {"--bw-nvme", !o.bw_nvme.empty()},
+      {"--bw-nvme-write", !o.bw_nvme_write.empty()},
+      {"--bw-host-mem", !o.bw_host_mem.empty()},
+      {"--bw-interconnect", !o.bw_interconnect.empty()},
+      {"--peak-tflops", !o.peak_tflops.empty()},
+      {"--target-efficiency", !o.target_efficiency.empty()},
+      {"--units", o.units != "GB"}};
+  const std::vector<std::pair<const char*, bool>> check_only = {
+      {"--tolerance", o.tolerance != "15%"},
+      {"--baseline-rss", !o.baseline_rss.empty()},
+      {"--checkpoint-activations", o.checkpoint_activations}};
+  for (const auto& [flag, given] : o.check.empty() ? check_only : plan_only) {
+    if (!given) continue;
+    if (o.check.empty())
+      raise(ErrorCategory::kBadArgument, "{} goes with --check RUN (comparing a run with its plan)",
+            flag);
+    raise(ErrorCategory::kBadArgument,
+          "{} describes a planned job or machine; --check takes the run's own configuration (from "
+          "run.json, "
+          "or --config, --model, --seq, --dp)",
+          flag);
+  }
+}
+
 int run_plan(const Options& o) {
+  check_flag_combination(o);
+  if (!o.check.empty()) return run_check(o);
   std::optional<Config> config;
   if (!o.config.empty()) config = load_config_file(o.config);
   Resolved r;
@@ -520,6 +862,28 @@ void add_plan_command(CLI::App& app) {
   cmd->add_option("--units", o->units, "Units of the table: GB (1e9, default) or GiB (2^30)")
       ->check(CLI::IsMember({"GB", "GiB"}));
   cmd->add_flag("--json", o->json, "Print the plan as JSON (bytes, bytes/s, fractions)");
+  text("--check", o->check,
+       "Compare with a `strata finetune` run: its directory (or metrics.jsonl). The configuration "
+       "comes from "
+       "the run's run.json (--config, --model, --seq, --dp override it); prints what this runtime "
+       "holds per "
+       "rank and, per tier, predicted vs measured peak memory; exits 1 when a measured tier is "
+       "outside "
+       "--tolerance")
+      ->type_name("RUN");
+  text("--tolerance", o->tolerance,
+       "With --check: the largest |measured/predicted - 1| accepted (default 15%)")
+      ->type_name("FRAC");
+  text("--baseline-rss", o->baseline_rss,
+       "With --check: the process's own resident memory (code, libraries, threads) to add to the "
+       "host "
+       "prediction (default: the run's resident set before its first step, from run.json, less the "
+       "setup "
+       "items; for runs without it, this binary's resident set at the check)")
+      ->type_name("SIZE");
+  cmd->add_flag("--checkpoint-activations", o->checkpoint_activations,
+                "With --check: the run used finetune's --checkpoint-activations (when run.json "
+                "does not say)");
   on_selected(cmd, [o] { return run_plan(*o); });
 }
 

@@ -318,13 +318,14 @@ Config build(const json& e) {
   c.zero.max_reuse_distance_numel = z["stage3_max_reuse_distance"].get<uint64_t>();
   const json& aio = e["aio"];
   c.aio = {aio["engine"].get<std::string>(), aio["block_size"].get<uint64_t>(), as_int(aio["queue_depth"]), as_int(aio["thread_count"]),
-           aio["single_submit"].get<bool>(), aio["overlap_events"].get<bool>()};
+           aio["single_submit"].get<bool>(), aio["overlap_events"].get<bool>(), aio["auto_tune"].get<bool>()};
   c.cpu_checkpointing = e["activation_checkpointing"]["cpu_checkpointing"].get<bool>();
   const json& s = e["strata"];
   c.strata = {s["accelerator"].get<std::string>(),
               s["seed"].get<uint64_t>(),           s["log_level"].get<std::string>(),
               s["collective_timeout_s"].get<double>(), s["pinned_pool_size"].get<uint64_t>(),
-              s["trace_path"].get<std::string>(),  s["keep_swap_files"].get<bool>()};
+              s["trace_path"].get<std::string>(),  s["keep_swap_files"].get<bool>(),
+              s["overlap_optimizer"].get<bool>()};
   c.effective = e;
   return c;
 }
@@ -382,6 +383,11 @@ void check_combinations(const Config& c, Checker& checker) {
     checker.problem("aio.block_size {} is over 1 GiB ({}), the largest I/O piece strata issues "
                     "(io_uring lengths are 32-bit); 1 MiB to 16 MiB is typical",
                     c.aio.block_size, nvme::kMaxBlockNbytes);
+  }
+  if (c.aio.auto_tune && c.aio.engine == "psync") {
+    checker.problem("aio.auto_tune is true with aio.engine \"psync\": psync moves one piece at a "
+                    "time, so there is no queue depth to tune; use engine \"uring\" or \"aio\", "
+                    "or set auto_tune false");
   }
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");

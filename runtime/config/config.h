@@ -25,6 +25,7 @@ struct AioConfig {
   int thread_count = 0;
   bool single_submit = false;
   bool overlap_events = false;
+  bool auto_tune = false;   // choose block_size and queue_depth online (nvme/online_tuner.h)
 };
 
 struct OffloadParamConfig {
@@ -82,6 +83,7 @@ struct StrataOptions {
   uint64_t pinned_pool_nbytes = 0;
   std::string trace_path;
   bool keep_swap_files = false;
+  bool overlap_optimizer = true;
 };
 
 struct Config {

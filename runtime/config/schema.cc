@@ -139,6 +139,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(choice("aio.engine", "uring", {"uring", "aio", "psync"}, "NVMe I/O backend: io_uring, libaio, or pread/pwrite (`strata-io tune` measures which is faster; `strata.io_engine` is its older name)."));
   f.push_back(flag("aio.single_submit", false, "Submit requests one at a time instead of in batches."));
   f.push_back(flag("aio.overlap_events", true, "Reap completions while submitting new requests."));
+  f.push_back(flag("aio.auto_tune", false, "Choose block_size and queue_depth online: the first 512 MiB of reads and of writes try the configured block_size x queue_depth and 256 KiB x 32, 1 MiB x 8, 1 MiB x 32, 4 MiB x 8 on the live traffic, keep the fastest per direction (bytes / busy time, from the completions) and log the choice; the data is unchanged. Needs engine uring or aio. `strata-io tune` stays for offline tuning (engine and thread_count too)."));
   f.push_back(flag("aio.use_gds", false, "GPUDirect Storage; not supported by strata, must stay false."));
   // Activations.
   f.push_back(flag("activation_checkpointing.cpu_checkpointing", false, "Move activation checkpoints to CPU memory."));
@@ -154,6 +155,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(size("strata.pinned_pool_size", 0, "bytes", 0, "Upper bound of page-locked host memory; 0 sizes the pool from the buffer counts."));
   f.push_back(text("strata.trace_path", "", "Write a Chrome-trace timeline of every transfer and kernel here; empty disables."));
   f.push_back(flag("strata.keep_swap_files", false, "Keep NVMe swap files after a clean shutdown."));
+  f.push_back(flag("strata.overlap_optimizer", true, "ZeRO-2/3: update each optimizer sub-group during the last backward as soon as its gradient is final (rolled back exactly when clipping or an overflow fires); a smaller zero_optimization.sub_group_size overlaps more. false: the optimizer runs after backward."));
   return f;
 }
 
@@ -234,7 +236,7 @@ std::string config_reference_markdown() {
       "Checked combinations: parameter offload needs stage 3; NVMe offload needs `nvme_path`;\n"
       "optimizer offload needs stage >= 1 (NVMe: stage 3); fp16 and bf16 are exclusive;\n"
       "`train_batch_size` must be divisible by micro batch x accumulation steps; `aio.block_size`\n"
-      "must be a multiple of 4096.\n";
+      "must be a multiple of 4096; `aio.auto_tune` needs engine uring or aio.\n";
   std::string section;
   for (const auto& f : config_fields()) {
     const auto dot = f.path.find('.');

@@ -86,6 +86,11 @@ void BucketReducer::flush() {
     shard_.accumulate(entry.param, recv + offset, *stream_, *ctx_);
     offset += static_cast<size_t>(slot.slice_numel);
   }
+  if (landed_) {
+    std::vector<size_t> params;
+    for (const auto& entry : bucket->entries) params.push_back(entry.param);
+    stream_->launch_host_func([fn = landed_, params = std::move(params)] { fn(params); });
+  }
   bucket->done = accelerator_.create_event();
   stream_->record(*bucket->done);
   accelerator_.deallocate_after(send, *bucket->done);

@@ -46,6 +46,12 @@ class BucketReducer {
   // event after which `grad` is no longer read. Buckets fill in call order and
   // are reduced when full.
   void add(size_t p, const float* grad, Event& ready, ReleaseFn release = {});
+  // Called on a host thread (a host function on the reducer's stream) once a
+  // bucket's blocks are added into the shard, with the layout indexes of its
+  // parameters; buckets in order. Not called for a bucket whose work failed.
+  // The function must not block on this reducer's stream. Set before add().
+  using LandedFn = std::function<void(const std::vector<size_t>& params)>;
+  void set_landed_callback(LandedFn fn) { landed_ = std::move(fn); }
   // Reduces the open bucket (if any) without waiting.
   void flush();
   // flush(), then waits until every bucket has been added into the shard; rethrows the first failure.
@@ -67,6 +73,7 @@ class BucketReducer {
   std::unique_ptr<Bucket> open_;
   std::deque<std::unique_ptr<Bucket>> in_flight_;
   int64_t collectives_ = 0;
+  LandedFn landed_;
 };
 
 }  // namespace strata::engine

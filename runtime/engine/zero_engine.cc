@@ -103,12 +103,20 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
                kBadArgument, "the three communicators disagree on rank or world size");
   gather_stream_ = accelerator.create_stream();
   control_stream_ = accelerator.create_stream();
+  home_stream_ = accelerator.create_stream();
+  overlap_ = std::make_unique<Overlap>();
   compute_point_ = accelerator.create_event();
 }
 
 ZeroEngine::~ZeroEngine() {
+  {
+    std::lock_guard lock(overlap_->mutex);
+    overlap_->stop = true;
+  }
+  overlap_->cv.notify_all();
+  if (overlap_->thread.joinable()) overlap_->thread.join();
   // Queued work reads and writes the memory freed below.
-  for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get()}) {
+  for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get()}) {
     try {
       stream->synchronize();
     } catch (...) {
@@ -285,6 +293,29 @@ void ZeroEngine::on_finalize() {
       }
     }
     g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options, pool_, aio_.get());
+
+    // Which sub-groups each member's slice meets, for the optimizer overlapping backward.
+    const size_t sub_groups = g.swapper->sub_group_count();
+    g.sub_group_numel = g.swapper->sub_group_range(0).second;
+    g.param_sub_groups.assign(g.params.size(), {});
+    g.members_of_sub_group.assign(sub_groups, 0);
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const partition::ParamSlot& slot = g.layout->param(i);
+      if (slot.slice_numel <= 0) continue;
+      const size_t first = static_cast<size_t>(slot.shard_offset_numel);
+      const size_t last = first + static_cast<size_t>(slot.slice_numel) - 1;
+      for (size_t k = first / g.sub_group_numel; k <= last / g.sub_group_numel; ++k) {
+        g.param_sub_groups[i].push_back(static_cast<uint32_t>(k));
+        ++g.members_of_sub_group[k];
+      }
+    }
+    g.pending.assign(sub_groups, 0);
+    g.landed.assign(g.params.size(), 0);
+    g.stats.assign(sub_groups, {});
+    g.stats_known.assign(sub_groups, 0);
+    const size_t group_index = static_cast<size_t>(&gp - groups_.data());
+    g.reducer->set_landed_callback(
+        [this, group_index](const std::vector<size_t>& params) { on_landed(group_index, params); });
   }
   if (options_.stage == 1) {
     size_t total = 0;
@@ -341,6 +372,7 @@ void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
 
 void ZeroEngine::zero_grad() {
   STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
+  abandon_speculation();  // a step prepared and abandoned: its speculative updates are undone
   for (auto& g : groups_) {
     g->reducer->synchronize();
     g->grads->zero(g->reducer->stream());
@@ -397,6 +429,7 @@ void ZeroEngine::sync_full_params() {
 
 void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& fn) {
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
+  check_not_prepared("for_each_owned_range");
   const ParamInfo& info = param_info(id);
   Group& g = *groups_[group_of_[id]];
   const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
@@ -494,8 +527,8 @@ void* ZeroEngine::home_range(Group& g, size_t first, size_t numel, bool load) {
       aio_->read(*g.file, window_, nbytes, first * element_nbytes);
     } else {
       accelerator().copy_async(window_, static_cast<char*>(g.home) + first * element_nbytes, nbytes,
-                               CopyKind::kDeviceToHost, *gather_stream_);
-      gather_stream_->synchronize();
+                               CopyKind::kDeviceToHost, *home_stream_);
+      home_stream_->synchronize();
     }
   }
   return window_;
@@ -508,130 +541,9 @@ void ZeroEngine::store_home_range(Group& g, size_t first, size_t numel) {
     aio_->write(*g.file, window_, nbytes, first * element_nbytes);
   } else {
     accelerator().copy_async(static_cast<char*>(g.home) + first * element_nbytes, window_, nbytes,
-                             CopyKind::kHostToDevice, *gather_stream_);
-    gather_stream_->synchronize();
+                             CopyKind::kHostToDevice, *home_stream_);
+    home_stream_->synchronize();
   }
-}
-
-void ZeroEngine::init_optimizer() {
-  for (auto& gp : groups_) {
-    Group& g = *gp;
-    // The fp32 master weights start as the (widened) parameters, padding zero.
-    g.swapper->initialize([&](size_t first, size_t numel, float* out) {
-      convert(home_range(g, first, numel, /*load=*/true), g.dtype, out, DType::kF32, numel);
-    });
-  }
-  optimizer_stale_ = false;
-}
-
-StepResult ZeroEngine::step(float lr) {
-  STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
-  STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
-               kBadArgument, "step() with a backward pass not finished (a gradient is still being accumulated)");
-  if (options_.stage == 3) {
-    // The step boundary: the trace closes (or diverges by ending early), and
-    // no read may still be in flight or staged when the optimizer rewrites
-    // the shards (staged values would be stale after it).
-    const bool was_following = trace_->following();
-    if (trace_->end_step()) on_trace_dropped(trace_->ended_early(), std::nullopt);
-    prefetch_.trace_followed = was_following && !prefetch_.trace_dropped && prefetch_.windows > 0;
-    if (options_.param_tier == Tier::kNvme) {
-      gather_stream_->synchronize();  // prefetched gathers' reads have landed (an error is the step's)
-      drain_staging();
-    }
-    last_prefetch_ = prefetch_;
-    prefetch_ = PrefetchStats{};
-    ++step_boundaries_;
-  }
-  compute_stream().record(*compute_point_);
-  if (options_.stage == 1) {
-    for (ParamId id = 0; id < parameter_count(); ++id) {
-      groups_[group_of_[id]]->reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
-    }
-  }
-  // The gradient shards are final once every bucket has landed.
-  using Clock = std::chrono::steady_clock;
-  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
-  StepResult result;
-  auto start = Clock::now();
-  for (auto& gp : groups_) gp->reducer->synchronize();
-  result.grad_wait_seconds = seconds_since(start);
-  start = Clock::now();
-  kernels::GradStats local;
-  for (auto& gp : groups_) {
-    Group& g = *gp;
-    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
-      const auto [first, numel] = g.swapper->sub_group_range(k);
-      const float* grads = g.grads->read(first, numel, g.reducer->stream());
-      local = kernels::merge(local, kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt,
-                                                        options_.optimizer_threads));
-    }
-  }
-  // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
-  double reduced[2] = {local.finite ? local.sum_sq : 0.0, local.finite ? 0.0 : 1.0};
-  allreduce_f64(reduced, 2);
-  kernels::GradStats global;
-  global.sum_sq = reduced[0];
-  global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
-  const double loss_scale = loss_scaler_.scale();
-  result.loss_scale = loss_scale;
-  // The gradients hold loss_scale x the true ones; report the true norm.
-  result.grad_norm = global.finite ? global.norm() / loss_scale : std::numeric_limits<double>::infinity();
-  if (!global.finite) {
-    // Every rank saw the same reduced flags, so every rank skips and backs off alike.
-    if (options_.loss_scaling) {
-      logger().info("step {}: the gradients overflow at loss scale {} on {} rank(s); the step is skipped", steps_ + 1,
-                    loss_scale, reduced[1]);
-    } else {
-      logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1, reduced[1]);
-    }
-    zero_grad();
-    loss_scaler_.update(true);  // throws at the minimum scale: no progress is possible
-    result.step = steps_;
-    result.optimizer_seconds = seconds_since(start);
-    return result;
-  }
-  loss_scaler_.update(false);
-  result.grad_scale = kernels::combined_grad_scale(global, static_cast<float>(loss_scale),
-                                                   static_cast<float>(options_.gradient_clipping));
-  if (optimizer_stale_) init_optimizer();
-  for (auto& gp : groups_) {
-    Group& g = *gp;
-    g.swapper->set_lr(lr);
-    offload::StepInputs inputs;
-    // Streamed sub-group by sub-group: the gradient from its shard, the new
-    // values (the 16-bit copy, or the fp32 master itself) to the home.
-    inputs.grad_source = [&](size_t first, size_t numel) -> const void* {
-      return g.grads->read(first, numel, g.reducer->stream());
-    };
-    inputs.grad_dtype = DType::kF32;
-    inputs.grad_scale = result.grad_scale;
-    inputs.param16_dtype = g.dtype;
-    if (home_is_host_addressable() && g.dtype != DType::kF32) {
-      inputs.param16 = g.home;  // the kernel writes the home directly
-    } else {
-      inputs.param_sink = [&](size_t first, size_t numel, const void* values) {
-        const size_t nbytes = numel * dtype_nbytes(g.dtype);
-        void* range = home_range(g, first, numel, /*load=*/false);
-        if (range != values) std::memcpy(range, values, nbytes);
-        store_home_range(g, first, numel);
-      };
-    }
-    g.swapper->step(inputs);
-  }
-  ++steps_;
-  result.applied = true;
-  result.step = steps_;
-  result.optimizer_seconds = seconds_since(start);
-  // Copies of the old values are stale: re-gather.
-  if (options_.stage < 3) {
-    sync_full_params();
-  } else {
-    compute_stream().record(*compute_point_);
-    for (ParamId id = 0; id < parameter_count(); ++id) release_gathered(id, *compute_point_);
-  }
-  zero_grad();
-  return result;
 }
 
 }  // namespace strata::engine

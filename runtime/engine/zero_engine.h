@@ -66,17 +66,30 @@
 // tier on NVMe, host memory is bounded by sub_group_size, the largest
 // parameter slice and the buffers the options name — not by the model.
 //
-// Collectives: every rank must make the same calls in the same order —
-// finalize, the hooks of each step, for_each_owned_range (kWrite) before the
-// next pre_op, global_sum and step.
+// The optimizer overlapping backward (stages 2/3, `overlap_optimizer`): after
+// prepare_step(lr), the last backward before step() counts down each
+// sub-group's parameters as their reduced blocks land in the gradient shard;
+// a sub-group whose every parameter has landed is final, and the optimizer
+// thread updates it then — speculating that the step will apply unclipped
+// (every gradient finite, the global norm within gradient_clipping, the same
+// lr). step() computes the global norm, updates the sub-groups still left and
+// commits; when the speculation was wrong it rolls back exactly (the state
+// saved before each update, or the NVMe slot never committed; the parameter
+// home rewritten from the restored master weights) and takes the step as if
+// nothing had been speculated. So a result never depends on the overlap.
+// Granularity is the sub-group (sub_group_size): a shard of one sub-group
+// overlaps nothing.
 //
-// Not yet: the optimizer overlapping backward (it starts at step()), the CUDA
-// optimizer (the CPU one serves every backend; on cuda each sub-group's
-// gradient is copied to pinned memory for it).
+// Collectives: every rank must make the same calls in the same order —
+// finalize, prepare_step, the hooks of each step, for_each_owned_range (kWrite)
+// before the next pre_op, global_sum and step.
+//
+// Not yet: the CUDA optimizer (the CPU one serves every backend; on cuda each
+// sub-group's gradient is copied to pinned memory for it).
 //
 // Ownership: borrows the accelerator and the communicators (which must outlive
-// it); owns storage, streams, swap files, the optimizer state, the I/O handle
-// and (nvme home) the read-queue thread.
+// it); owns storage, streams, swap files, the optimizer state, the I/O handle,
+// (nvme home) the read-queue thread and (after prepare_step) the optimizer thread.
 // Thread-safety and errors: see engine.h; collectives fail with
 // Error(kCommunication), NVMe I/O with Error(kIo) — a prefetch read that fails
 // fails its HostEvent, so the error reaches the gather and compute streams and
@@ -95,6 +108,7 @@
 #include "kernels/optimizer.h"
 #include "nvme/io_backend.h"
 #include "nvme/io_options.h"
+#include "offload/optimizer_swapper.h"
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/loss_scaler.h"
@@ -137,6 +151,10 @@ struct ZeroEngineOptions {
   nvme::AioOptions aio;                    // I/O engine for NVMe tiers
   size_t optimizer_buffer_count = 3;       // pinned buffers of the NVMe optimizer pipeline
   int optimizer_threads = 0;               // CPU Adam threads; 0: OpenMP default
+  // Stages 2/3: after prepare_step, update each sub-group during backward as
+  // soon as its gradient is final (speculatively; see above). false: the
+  // optimizer runs in step() only.
+  bool overlap_optimizer = true;
 
   // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
   int64_t prefetch_bucket_numel = 50'000'000;         // stage3_prefetch_bucket_size; 0: no prefetch
@@ -229,6 +247,16 @@ struct StepResult {
   // Host time step() spent, for the step breakdown (bench, metrics):
   double grad_wait_seconds = 0;  // waiting for the last gradient buckets to land in the shards
   double optimizer_seconds = 0;  // norm, Adam over the shards, new values to their home
+  // The optimizer overlapping backward (prepare_step):
+  double optimizer_drain_seconds = 0;       // of optimizer_seconds: waiting for the optimizer thread's last sub-groups
+  double optimizer_overlapped_seconds = 0;  // optimizer thread's busy time before step(), hidden behind backward
+  int64_t sub_groups = 0;                   // sub-groups this step updated (every group)
+  int64_t sub_groups_overlapped = 0;        // of them, updated by the optimizer thread (kept)
+  bool rolled_back = false;                 // speculative updates were undone (clipping, overflow, lr)
+  // Of the optimizer's own time, the share compute waited for: the host time
+  // step() spent on it over (that + the thread's hidden time, less the drain
+  // the two overlap in). 1 without overlap.
+  double optimizer_not_hidden_fraction() const;
 };
 
 class ZeroEngine final : public Engine {
@@ -253,6 +281,19 @@ class ZeroEngine final : public Engine {
   // The optimizer at an accumulation boundary (see above); collective. `lr`
   // replaces options().adam.lr for this step (a schedule's value).
   StepResult step(float lr);
+  // The next backward is the last before step(lr): the optimizer may update
+  // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
+  // checks). Collective (it may reduce a partly filled gradient bucket): every
+  // rank calls it after the previous micro-step's backward and before the
+  // last micro-step's backward — before its forward is simplest. Until step()
+  // (or zero_grad(), which abandons the step and rolls back) the parameters
+  // may not be read or written through for_each_owned_range nor saved. A
+  // different lr at step(), or more than one backward after this call, is
+  // detected and redone exactly. Error(kBadArgument) when called twice
+  // without a step() between.
+  void prepare_step(float lr);
+  // prepare_step was called and neither step() nor zero_grad() since.
+  bool step_prepared() const;
   int64_t step_count() const;
 
   // ---- checkpoints (ENGINE.md §6) ---------------------------------------------------
@@ -327,6 +368,17 @@ class ZeroEngine final : public Engine {
   void wait_for_room(int64_t need);
   void sync_full_params();          // stages 1/2: allgather every group into the full copies
   void init_optimizer();
+  // The optimizer overlapping backward (zero_optimizer.cc).
+  struct Overlap;
+  void on_landed(size_t group, const std::vector<size_t>& params);  // reducer stream's host function
+  void overlap_main();                          // the optimizer thread
+  double settle_overlap();                      // waits until the thread is idle; disarms; returns seconds waited
+  void roll_back_speculation();                 // aborts every group's open step, rewrites the homes
+  void abandon_speculation();                   // settle + roll back (zero_grad, destructor)
+  // The optimizer inputs of group g: gradients streamed from the shard (their
+  // statistics recorded per sub-group), new values to the home.
+  offload::StepInputs step_inputs(Group& g, float grad_scale);
+  void check_not_prepared(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
   bool home_is_host_addressable() const;
   // A host view of elements [first, first + numel) of the group's parameter
@@ -349,6 +401,9 @@ class ZeroEngine final : public Engine {
   std::vector<std::unique_ptr<Gathered>> gathered_;  // per parameter
   std::vector<float*> grad_full_;    // per parameter: its full fp32 gradient (stage 1: resident)
   std::unique_ptr<Stream> gather_stream_, control_stream_;
+  // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
+  // (home_range, GradShard::read): synchronized by each use, one user at a time.
+  std::unique_ptr<Stream> home_stream_;
   std::unique_ptr<nvme::AioHandle> aio_;           // when a tier is nvme
   std::unique_ptr<nvme::SwapSpace> grad_swap_;     // grad_tier nvme: the gradient files
   static constexpr size_t kControlSlots = 4;
@@ -382,6 +437,7 @@ class ZeroEngine final : public Engine {
   uint64_t consumed_seq_ = 0;        // staging readers recorded on the gather stream so far
   std::unique_ptr<ReadQueue> read_queue_;  // nvme home; after aio_ (destroyed first)
   PrefetchStats prefetch_, last_prefetch_;
+  std::unique_ptr<Overlap> overlap_;     // after prepare_step; destroyed (joined) first in ~ZeroEngine
 };
 
 }  // namespace strata::engine

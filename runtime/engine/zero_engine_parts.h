@@ -140,6 +140,38 @@ struct ZeroEngine::Group {
   void* full_flat = nullptr;          // stages 1/2: every full parameter
   std::vector<size_t> full_offset;    // per member: offset in full_flat
   Staging staging;                    // stage 3, nvme home
+
+  // The optimizer's sub-groups (swapper->sub_group_range) and, for the
+  // optimizer overlapping backward, what each waits for. pending, landed and
+  // armed change under Overlap::mutex (on the reducer stream's host thread);
+  // stats are written by whoever drives the swapper (one at a time).
+  size_t sub_group_numel = 0;                         // swapper's uniform sub-group length
+  std::vector<std::vector<uint32_t>> param_sub_groups;  // per member: the sub-groups its slice meets
+  std::vector<int32_t> members_of_sub_group;          // per sub-group: members whose slice meets it
+  std::vector<int32_t> pending;                       // per sub-group: members not landed since arming
+  std::vector<uint8_t> landed;                        // per member: landed since arming
+  bool armed = false;                                 // counting the last backward's landings
+  bool landed_twice = false;                          // a member landed twice: more than one backward
+  std::vector<kernels::GradStats> stats;              // per sub-group: its gradient's statistics
+  std::vector<uint8_t> stats_known;                   // per sub-group: stats computed this step
+};
+
+// The optimizer overlapping backward: the thread that updates sub-groups as
+// they become final (ZeroEngine::overlap_main) and the queue feeding it.
+struct ZeroEngine::Overlap {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::pair<size_t, size_t>> ready;  // (group, sub-group) final, not yet updated
+  bool stop = false;
+  bool busy = false;                 // updating a batch taken from `ready`
+  bool prepared = false;             // prepare_step called, step() not yet
+  std::exception_ptr error;          // the first failure of the thread (rethrown by step())
+  double busy_seconds = 0;           // since prepare_step
+  int64_t updated = 0;               // sub-groups the thread updated since prepare_step
+  float lr = 0;                      // prepare_step's
+  float grad_scale = 1;              // the speculated one (no clipping, the loss scale then)
+  double loss_scale = 1;
+  std::thread thread;
 };
 
 }  // namespace strata::engine

@@ -31,6 +31,7 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
 
 std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
   STRATA_CHECK(finalized(), kBadArgument, "save_state() before finalize()");
+  check_not_prepared("save_state");
   STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
                kBadArgument, "save_state() during a backward pass: save between steps");
   compute_stream().synchronize();
@@ -90,6 +91,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
 
 void ZeroEngine::load_state(const fs::path& dir) {
   STRATA_CHECK(finalized(), kBadArgument, "load_state() before finalize()");
+  check_not_prepared("load_state");
   const fs::path state_path = dir / kStateFile;
   nlohmann::json state;
   {

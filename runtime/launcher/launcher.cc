@@ -353,8 +353,14 @@ int launch(const LaunchOptions& options) {
         bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         if (failed && first_failed < 0 && interrupts == 0) {
           first_failed = r.rank;
-          std::fprintf(stderr, "strata run: rank %d (pid %d) %s; stopping the other ranks\n", r.rank,
-                       static_cast<int>(pid), describe_status(status).c_str());
+          // What happens next, as the grace period decides it.
+          const std::string next =
+              std::isinf(options.failure_grace_s) ? "the other ranks may finish on their own (--failure-grace inf)"
+              : options.failure_grace_s > 0
+                  ? fmt::format("stopping the other ranks in {:g} s unless they end first", options.failure_grace_s)
+                  : std::string("stopping the other ranks");
+          std::fprintf(stderr, "strata run: rank %d (pid %d) %s; %s\n", r.rank, static_cast<int>(pid),
+                       describe_status(status).c_str(), next.c_str());
           stop_at = deadline_after(Clock::now(), options.failure_grace_s);
         } else if (failed && interrupts == 0) {
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s%s\n", r.rank, static_cast<int>(pid),

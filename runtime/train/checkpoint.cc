@@ -154,7 +154,8 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
 }
 
 std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engine,
-                                                       std::optional<int64_t> only_step) {
+                                                       std::optional<int64_t> only_step,
+                                                       std::vector<std::string>* rejected) {
   const int rank = engine.rank(), world = engine.world_size();
   for (const auto& [step, dir] : step_dirs(root_)) {
     if (only_step && step != *only_step) continue;
@@ -184,7 +185,15 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
     // Every rank must take the same checkpoint: any rank's problem rejects it for all.
     const double bad = engine.global_sum(why.empty() ? 0.0 : 1.0);
     if (bad > 0) {
-      if (!why.empty()) logger().warn("checkpoint {} cannot be used: {}; trying the previous one", dir.string(), why);
+      if (!why.empty()) {
+        logger().warn("checkpoint {} cannot be used: {}{}", dir.string(), why,
+                      only_step ? "" : "; trying the previous one");
+      }
+      if (rejected != nullptr) {
+        rejected->push_back(!why.empty() ? why
+                                         : fmt::format("{}: another rank found it damaged (its log names the file)",
+                                                       dir.string()));
+      }
       continue;
     }
     engine.load_state(dir / rank_dir_name(rank));

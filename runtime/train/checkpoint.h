@@ -21,6 +21,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "runtime/engine/zero_engine.h"
 
@@ -55,9 +57,15 @@ class Checkpoints {
   std::filesystem::path save(engine::ZeroEngine& engine, const TrainerState& trainer);
   // Loads the newest complete checkpoint into `engine`; collective. nullopt
   // when the root holds none (the caller decides whether that is an error).
-  // only_step: consider that step's checkpoint only.
+  // only_step: consider that step's checkpoint only. rejected: when not null,
+  // receives one line per checkpoint this rank found unusable (each also
+  // logged as a warning), naming the file and what is wrong with it, for a
+  // caller that reports nullopt as an error (the C API); a checkpoint another
+  // rank rejected adds a line saying so. Nothing is loaded into `engine`
+  // before a checkpoint has passed every rank's checks.
   std::optional<TrainerState> find_and_load(engine::ZeroEngine& engine,
-                                            std::optional<int64_t> only_step = std::nullopt);
+                                            std::optional<int64_t> only_step = std::nullopt,
+                                            std::vector<std::string>* rejected = nullptr);
 
  private:
   std::filesystem::path root_;

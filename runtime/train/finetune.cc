@@ -173,8 +173,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     // Normalise by every rank's predicted tokens of this step, so N ranks equal one rank on the combined batch.
     const double global_count = engine.global_sum(local_count);
     STRATA_CHECK(global_count > 0, kBadArgument, "step {}: every target of the global batch is ignored", step);
+    const double lr = schedule.lr(engine.step_count());
     double loss_sum = 0;
     for (size_t m = 0; m < ids.size(); ++m) {
+      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
+      if (m + 1 == ids.size()) engine.prepare_step(static_cast<float>(lr));
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
@@ -192,7 +195,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     }
     const double forward_backward = seconds_since(start);
     const double loss = engine.global_sum(loss_sum) / global_count;
-    const double lr = schedule.lr(engine.step_count());
     trace::Span optimizer_span("phase", "optimizer step");
     const engine::StepResult stepped = engine.step(static_cast<float>(lr));
     optimizer_span.end();

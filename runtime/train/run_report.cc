@@ -36,6 +36,14 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   STRATA_CHECK(!ec, kIo, "cannot create the output directory {}: {}", dir_.string(), ec.message());
+  {
+    // Written whole before the metrics, so a run with metrics has its record.
+    const std::filesystem::path run_path = dir_ / "run.json";
+    std::ofstream run(run_path, std::ios::trunc);
+    run << run_record_json(this_run_record());
+    run.flush();
+    STRATA_CHECK(run.good(), kIo, "cannot write {}", run_path.string());
+  }
   metrics_path_ = dir_ / "metrics.jsonl";
   curve_path_ = dir_ / "loss.svg";
   std::string kept;  // the lines of steps the resumed checkpoint includes
@@ -66,13 +74,67 @@ RunReport::~RunReport() {
   if (metrics_ != nullptr) std::fclose(metrics_);
 }
 
-uint64_t peak_rss_nbytes() {
+namespace {
+// A "Key:   N kB" line of /proc/self/status, in bytes; 0 where it cannot be read.
+uint64_t status_kb_field(const char* key) {
   std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;  // kB
+  const size_t length = std::strlen(key);
+  for (std::string line; std::getline(status, line);) {
+    if (line.compare(0, length, key) == 0) return std::strtoull(line.c_str() + length, nullptr, 10) * 1024;
   }
   return 0;
+}
+}  // namespace
+
+uint64_t peak_rss_nbytes() { return status_kb_field("VmHWM:"); }
+uint64_t resident_nbytes() { return status_kb_field("VmRSS:"); }
+
+RunRecord this_run_record() {
+  RunRecord record;
+  std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
+  for (std::string arg; std::getline(cmdline, arg, '\0');) record.argv.push_back(arg);
+  std::error_code ec;
+  record.cwd = std::filesystem::current_path(ec);
+  if (const char* world = std::getenv("WORLD_SIZE")) {
+    char* end = nullptr;
+    const long long n = std::strtoll(world, &end, 10);
+    if (end != world && *end == '\0' && n >= 1) record.world_size = n;
+  }
+  if (const uint64_t resident = resident_nbytes(); resident > 0) record.resident_at_start_nbytes = resident;
+  return record;
+}
+
+std::string run_record_json(const RunRecord& record) {
+  nlohmann::json j = {{"argv", record.argv}, {"cwd", record.cwd.string()}, {"world_size", record.world_size}};
+  if (record.resident_at_start_nbytes) j["resident_bytes_at_start"] = *record.resident_at_start_nbytes;
+  return j.dump(2) + "\n";
+}
+
+RunRecord parse_run_record(const std::string& text, const std::string& source) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  STRATA_CHECK(!j.is_discarded() && j.is_object(), kBadArgument, "{}: not a JSON object (truncated or corrupt?)",
+               source);
+  const auto need = [&](const char* key, bool ok, const char* type) {
+    STRATA_CHECK(j.contains(key) && ok, kBadArgument, "{}: \"{}\" is missing or not {}", source, key, type);
+  };
+  need("argv", j.contains("argv") && j["argv"].is_array(), "an array of strings");
+  need("cwd", j.contains("cwd") && j["cwd"].is_string(), "a string");
+  need("world_size", j.contains("world_size") && j["world_size"].is_number_integer() &&
+                         j["world_size"].get<int64_t>() >= 1,
+       "an integer >= 1");
+  RunRecord record;
+  for (const auto& arg : j["argv"]) {
+    STRATA_CHECK(arg.is_string(), kBadArgument, "{}: \"argv\" holds {}, not a string", source, arg.dump());
+    record.argv.push_back(arg.get<std::string>());
+  }
+  record.cwd = j["cwd"].get<std::string>();
+  record.world_size = j["world_size"].get<int64_t>();
+  if (j.contains("resident_bytes_at_start")) {
+    STRATA_CHECK(j["resident_bytes_at_start"].is_number_unsigned(), kBadArgument,
+                 "{}: \"resident_bytes_at_start\" is not a byte count", source);
+    record.resident_at_start_nbytes = j["resident_bytes_at_start"].get<uint64_t>();
+  }
+  return record;
 }
 
 void RunReport::record(const StepRecord& r) {

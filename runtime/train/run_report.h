@@ -4,6 +4,11 @@
 // crash keeps every finished step), and at the end a summary table and a
 // loss-curve picture (SVG) beside the metrics.
 //
+// It also writes run.json beside the metrics: how the run was started (the
+// command line, the working directory, the world size from the launcher's
+// environment), so `strata plan --check DIR` can rebuild the configuration
+// the run measured.
+//
 // Ownership: owns the metrics file. Thread-safety: one thread (rank 0's
 // training thread). Errors: Error(kIo) naming the file when it cannot be
 // created or written.
@@ -40,9 +45,29 @@ struct StepRecord {
 // /proc/self/status), 0 where it cannot be read.
 uint64_t peak_rss_nbytes();
 
+// What run.json records (written by RunReport's constructor).
+struct RunRecord {
+  std::vector<std::string> argv;  // this process's command line (/proc/self/cmdline)
+  std::filesystem::path cwd;      // its working directory (relative paths in argv)
+  int64_t world_size = 1;         // WORLD_SIZE from the launcher's environment, else 1
+  // This process's resident set (VmRSS) when the report opened: after setup
+  // (accelerator, communicators, engine buffers, weights), before the first
+  // step. The process's own baseline for `strata plan --check`. Absent in
+  // records of older runs.
+  std::optional<uint64_t> resident_at_start_nbytes;
+};
+// This process's resident set now (VmRSS), 0 where it cannot be read.
+uint64_t resident_nbytes();
+// The record of this process, now.
+RunRecord this_run_record();
+// run.json's text for `record`; and its parse, throwing Error(kBadArgument)
+// naming `source` and the key when a key is missing or of the wrong type.
+std::string run_record_json(const RunRecord& record);
+RunRecord parse_run_record(const std::string& text, const std::string& source);
+
 class RunReport {
  public:
-  // Creates `dir` and dir/metrics.jsonl (truncated). `total_steps` sizes the
+  // Creates `dir`, dir/run.json (this_run_record()) and dir/metrics.jsonl (truncated). `total_steps` sizes the
   // bar and the ETA; `out` is where progress goes (stderr in the tool).
   // `resumed_after`: the run continues from that step (a checkpoint):
   // metrics.jsonl keeps its lines up to it (later ones were lost with the

@@ -52,11 +52,13 @@ engine::ZeroEngineOptions zero_engine_options(const Config& c, const std::string
   o.adam.weight_decay = static_cast<float>(c.optimizer.weight_decay);
   o.adam.adamw = c.optimizer.type == "AdamW";
   o.gradient_clipping = c.gradient_clipping;
+  o.overlap_optimizer = c.strata.overlap_optimizer;
   o.aio.block_size = c.aio.block_size;
   o.aio.queue_depth = c.aio.queue_depth;
   o.aio.thread_count = c.aio.thread_count;
   o.aio.single_submit = c.aio.single_submit;
   o.aio.overlap_events = c.aio.overlap_events;
+  o.aio.auto_tune = c.aio.auto_tune;
   o.aio.engine = nvme::parse_engine_kind(c.aio.engine);
   o.optimizer_buffer_count = static_cast<size_t>(std::max(2, c.zero.offload_optimizer.buffer_count));
   // The stage-3 coordinator's budgets (elements), DeepSpeed's keys.

@@ -16,77 +16,22 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "offload/optimizer_swapper.h"
-#include "partition/layout.h"
-#include "runtime/engine/resident_engine.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
 
-namespace {
 using namespace strata;
 using namespace strata::test::zero;
-
-// The reference: a resident engine on the whole batch, and the same optimizer
-// (OptimizerSwapper, CPU state) over the same one-rank flat layout.
-TrainResult train_resident(int steps, bool tied, const kernels::AdamConfig& adam) {
-  auto accelerator = make_cpu_accelerator();
-  engine::ResidentEngine eng(*accelerator);
-  const nn::LlamaConfig config = model_config(tied);
-  nn::LlamaModel model(eng, config, nn::model_options(DType::kF32, 16));
-  eng.finalize();
-  nn::initialize_parameters(eng, model.parameters(), 7);
-  std::vector<partition::ParamSpec> specs;
-  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-    specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
-  }
-  partition::PartitionLayout layout(specs, {});
-  const auto shard_numel = static_cast<size_t>(layout.shard_numel());
-  offload::OptimizerSwapperOptions options;
-  options.numel = shard_numel;
-  options.sub_group_numel = shard_numel;
-  options.adam = adam;
-  offload::OptimizerSwapper swapper(options, nullptr, nullptr);
-  std::vector<float> master(shard_numel, 0.0f), grads(shard_numel, 0.0f);
-  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-    layout.shard_param(static_cast<size_t>(id), eng.param_storage(id).data, 0, master.data());
-  }
-  swapper.initialize(master.data());
-  TrainResult result;
-  for (int step = 0; step < steps; ++step) {
-    const Batch batch = corpus(step, config.vocab_size);
-    eng.zero_grad();
-    model.forward(batch.ids, batch.targets, kSequences, kSeq);
-    model.backward();
-    result.losses.push_back(model.loss());
-    eng.compute_stream().synchronize();
-    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.shard_param(static_cast<size_t>(id), eng.grad_storage(id).data, 0, grads.data());
-    }
-    swapper.set_lr(kLr);
-    offload::StepInputs inputs;
-    inputs.grad = grads.data();
-    swapper.step(inputs);
-    swapper.load_state(master.data(), nullptr, nullptr);
-    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.gather_param(static_cast<size_t>(id), {master.data()}, eng.param_storage(id).data);
-    }
-  }
-  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-    const float* p = eng.param_storage(id).as<float>();
-    result.params.emplace_back(p, p + eng.param_info(id).numel());
-  }
-  return result;
-}
-
-}  // namespace
 
 TEST_CASE("one rank, stages 1, 2 and 3: bit for bit the resident engine with the same optimizer",
           "[engine][zero]") {
   ops::set_cpu_threads(1);
   for (bool tied : {false, true}) {
-    const engine::ZeroEngineOptions base = options_for(3);
-    const TrainResult reference = train_resident(3, tied, base.adam);
+    ResidentSpec resident;
+    resident.tied = tied;
+    resident.adam = options_for(3).adam;
+    const TrainResult reference = train_resident(resident);
     for (int stage : {1, 2, 3}) {
       CAPTURE(tied, stage);
       TrainSpec spec;
@@ -110,7 +55,6 @@ TEST_CASE("two ranks equal one rank on the combined batch: stages 1, 2, 3, accum
   // Adam turns a gradient of ~0 into a step of +-lr).
   const auto with_eps = [](engine::ZeroEngineOptions o) {
     o.adam.eps = 1.0f;
-    o.adam.lr = 0.5f;
     return o;
   };
   for (int stage : {1, 2, 3}) {
@@ -142,8 +86,8 @@ TEST_CASE("two ranks equal one rank on the combined batch: stages 1, 2, 3, accum
 TEST_CASE("parameter, gradient and optimizer tiers change where bytes live, not the result",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
-  const auto dir = std::filesystem::temp_directory_path() / ("strata_zero_tiers_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
+  const test::TempDir swap("strata-zero-tiers");
+  const std::filesystem::path& dir = swap.path();
   TrainSpec device;
   device.world = 2;
   device.micro_steps = 2;  // a gradient on NVMe is then read, added to and written back
@@ -173,10 +117,9 @@ TEST_CASE("parameter, gradient and optimizer tiers change where bytes live, not 
     const bool files_gone = !std::filesystem::exists(dir / kind) || std::filesystem::is_empty(dir / kind);
     CHECK(files_gone);
   }
-  std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("stage 3 holds only what the running operator needs; small parameters may persist",
+TEST_CASE("stage 3 holds only what the running operator needs, small parameters may persist",
           "[engine][zero]") {
   ops::set_cpu_threads(1);
   TrainSpec spec;

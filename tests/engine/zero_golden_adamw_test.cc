@@ -6,7 +6,6 @@
 // recorded losses and gradient norms and torch's final parameters.
 #include <catch2/catch.hpp>
 
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -24,6 +23,7 @@
 #include "runtime/nn/safetensors.h"
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
+#include "tests/support/temp_dir.h"
 
 using namespace strata;
 
@@ -45,15 +45,14 @@ TEST_CASE("torch AdamW with clipping, replayed by 2 ZeRO-3 ranks with everything
   const int64_t batch = record.at("batch").get<int64_t>(), seq = record.at("seq").get<int64_t>();
   REQUIRE(batch == 2);
   const nn::LlamaConfig config = nn::load_llama_config(fixture("config.json"));
-  const auto dir = std::filesystem::temp_directory_path() / ("strata_golden_adamw_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
+  const test::TempDir dir("strata-golden-adamw");
 
   engine::ZeroEngineOptions options;
   options.stage = 3;
   options.param_tier = Tier::kNvme;
   options.optimizer_tier = Tier::kNvme;
   options.grad_tier = Tier::kNvme;
-  options.nvme_path = dir;
+  options.nvme_path = dir.path();
   options.sub_group_numel = 4096;        // several sub-groups through the NVMe pipeline
   options.reduce_bucket_numel = 8192;    // several buckets
   options.prefetch_bucket_numel = 4096;  // prefetch on
@@ -107,7 +106,6 @@ TEST_CASE("torch AdamW with clipping, replayed by 2 ZeRO-3 ranks with everything
     }
     if (rank == 0) losses = my_losses, norms = my_norms;
   });
-  std::filesystem::remove_all(dir);
 
   const nlohmann::json& steps = record.at("steps");
   REQUIRE(losses.size() == steps.size());

@@ -13,14 +13,11 @@
 // output format are in zero_multiprocess.h.
 #include <catch2/catch.hpp>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -29,12 +26,9 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "offload/optimizer_swapper.h"
-#include "partition/layout.h"
-#include "runtime/engine/resident_engine.h"
-#include "runtime/nn/llama_model.h"
 #include "tests/engine/zero_multiprocess.h"
 #include "tests/engine/zero_training.h"
+#include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
 namespace {
@@ -42,36 +36,12 @@ using namespace strata;
 namespace zero = strata::test::zero;
 namespace zero_mp = strata::test::zero_mp;
 
-const std::string kStrata = STRATA_BUILD_DIR "/bin/strata";
+const std::string kStrata = test::strata_binary();
 const std::string kRankProgram = STRATA_ZERO_RANK_PROGRAM;
 constexpr int kWorld = 4;
 
-struct Command {
-  int exit_code = -1;  // -1: killed by a signal
-  std::string output;  // stdout and stderr
-  double seconds = 0;
-};
-
-// Runs a shell command under coreutils `timeout` (TERM at limit_s, KILL 5 s
-// later, to the whole process group; strata run's ranks die with it through
-// PR_SET_PDEATHSIG), so a hang fails the test instead of blocking CI.
-Command run_with_limit(const std::string& command, int limit_s) {
-  const std::string line = "timeout -k 5 " + std::to_string(limit_s) + " " + command + " 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  Command result;
-  FILE* pipe = popen(line.c_str(), "r");
-  if (pipe == nullptr) {
-    result.output = "popen failed: " + line;
-    return result;
-  }
-  std::array<char, 4096> buffer{};
-  size_t n = 0;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return result;
-}
+using Command = test::CommandResult;
+using test::run_with_limit;
 
 std::string rank_program(const test::TempDir& dir, const std::string& nvme, const std::string& extra = "") {
   return kRankProgram + " --out " + dir.file("out") + " --nvme " + nvme + " --steps " +
@@ -125,72 +95,17 @@ Assembled assemble(const test::TempDir& dir, int world) {
   return a;
 }
 
-// The reference: ONE rank with everything resident (ResidentEngine) on the
-// combined batch, the same model (tiling included) and the same optimizer
-// (OptimizerSwapper: the CPU Adam the ZeroEngine runs) over the one-rank flat
-// layout — as zero_engine_test.cc's train_resident, which one ZeRO rank
-// matches bit for bit.
-struct Reference {
-  std::vector<double> losses;
-  std::vector<std::string> names;
-  std::vector<std::vector<float>> initial, params;
-};
-
-Reference train_resident() {
+// The reference: ONE rank with everything resident on the combined batch
+// (zero::train_resident), the same model (tiling included), seed and Adam.
+zero::TrainResult train_resident() {
   ops::set_cpu_threads(1);
-  auto accelerator = make_cpu_accelerator();
-  engine::ResidentEngine eng(*accelerator);
-  const nn::LlamaConfig config = zero::model_config(zero_mp::kTied);
-  nn::LlamaModel model(eng, config, zero_mp::model_options());
-  eng.finalize();
-  nn::initialize_parameters(eng, model.parameters(), zero_mp::kInitSeed);
-  std::vector<partition::ParamSpec> specs;
-  for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-    specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
-  }
-  partition::PartitionLayout layout(specs, {});
-  const auto shard_numel = static_cast<size_t>(layout.shard_numel());
-  offload::OptimizerSwapperOptions options;
-  options.numel = shard_numel;
-  options.sub_group_numel = shard_numel;
-  options.adam = zero_mp::adam();
-  offload::OptimizerSwapper swapper(options, nullptr, nullptr);
-  std::vector<float> master(shard_numel, 0.0f), grads(shard_numel, 0.0f);
-  for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-    layout.shard_param(static_cast<size_t>(id), eng.param_storage(id).data, 0, master.data());
-  }
-  swapper.initialize(master.data());
-  Reference result;
-  for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-    const float* p = eng.param_storage(id).as<float>();
-    result.initial.emplace_back(p, p + eng.param_info(id).numel());
-  }
-  for (int step = 0; step < zero_mp::kSteps; ++step) {
-    const zero::Batch batch = zero::corpus(step, config.vocab_size);
-    eng.zero_grad();
-    model.forward(batch.ids, batch.targets, zero::kSequences, zero::kSeq);
-    model.backward();
-    result.losses.push_back(model.loss());
-    eng.compute_stream().synchronize();
-    for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.shard_param(static_cast<size_t>(id), eng.grad_storage(id).data, 0, grads.data());
-    }
-    swapper.set_lr(zero::kLr);
-    offload::StepInputs inputs;  // the fp32 gradient shard, no 16-bit copy
-    inputs.grad = grads.data();
-    inputs.grad_dtype = DType::kF32;
-    swapper.step(inputs);
-    swapper.load_state(master.data(), nullptr, nullptr);
-    for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.gather_param(static_cast<size_t>(id), {master.data()}, eng.param_storage(id).data);
-    }
-  }
-  for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
-    const float* p = eng.param_storage(id).as<float>();
-    result.names.push_back(eng.param_info(id).name);
-    result.params.emplace_back(p, p + eng.param_info(id).numel());
-  }
-  return result;
+  zero::ResidentSpec spec;
+  spec.steps = zero_mp::kSteps;
+  spec.tied = zero_mp::kTied;
+  spec.model = zero_mp::model_options();
+  spec.init_seed = zero_mp::kInitSeed;
+  spec.adam = zero_mp::adam();
+  return zero::train_resident(spec);
 }
 
 // Tolerances, from fp32 reduction order alone. Not bit-identical: each rank
@@ -211,7 +126,7 @@ Reference train_resident() {
 constexpr double kParamTolerance = 2e-6;
 constexpr double kLossRelTolerance = 1e-6;
 
-void check_equals_resident(const Assembled& zero3, const Reference& reference) {
+void check_equals_resident(const Assembled& zero3, const zero::TrainResult& reference) {
   REQUIRE(zero3.names == reference.names);
   REQUIRE(zero3.losses.size() == reference.losses.size());
   for (size_t s = 0; s < reference.losses.size(); ++s) {
@@ -231,7 +146,7 @@ void check_equals_resident(const Assembled& zero3, const Reference& reference) {
       identical = identical && std::memcmp(&x, &y, sizeof(float)) == 0;
       max_abs = std::max(max_abs, static_cast<double>(std::fabs(x - y)));
       max_ref = std::max(max_ref, static_cast<double>(std::fabs(y)));
-      moved = std::max(moved, static_cast<double>(std::fabs(y - reference.initial[p][i])));
+      moved = std::max(moved, static_cast<double>(std::fabs(y - reference.initial_params[p][i])));
     }
   }
   double max_loss_rel = 0;

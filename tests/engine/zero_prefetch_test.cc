@@ -14,7 +14,6 @@
 
 #include <spdlog/sinks/ostream_sink.h>
 
-#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -29,25 +28,13 @@
 #include "runtime/core/log.h"
 #include "runtime/engine/operator_trace.h"
 #include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
 
 namespace {
 using namespace strata;
 using namespace strata::test::zero;
 using engine::OperatorTrace;
 using engine::Phase;
-
-// A scratch directory for swap files, removed at the end of the test.
-struct ScratchDir {
-  std::filesystem::path path;
-  explicit ScratchDir(const std::string& name)
-      : path(std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))) {
-    std::filesystem::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path, ignored);
-  }
-};
 
 // Captures the process logger's lines while alive (info level).
 struct LogCapture {
@@ -70,12 +57,6 @@ struct LogCapture {
     return n;
   }
 };
-
-engine::ZeroEngineOptions prefetch_off(engine::ZeroEngineOptions o) {
-  o.prefetch_bucket_numel = 0;
-  o.max_reuse_distance_numel = 0;
-  return o;
-}
 
 int64_t sum(const std::vector<engine::PrefetchStats>& steps, int64_t (engine::PrefetchStats::*f)() const, size_t from) {
   int64_t n = 0;
@@ -149,7 +130,7 @@ TEST_CASE("operator trace: records a step, follows it, knows next uses, drops on
 TEST_CASE("prefetch changes when bytes move, not the result: device, cpu and nvme homes, 2 ranks, 3 steps",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
-  ScratchDir dir("strata_zero_prefetch");
+  test::TempDir dir("strata-zero-prefetch");
   for (Tier tier : {Tier::kDevice, Tier::kCpu, Tier::kNvme}) {
     for (bool tied : {false, true}) {
       CAPTURE(tier_name(tier), tied);
@@ -158,7 +139,7 @@ TEST_CASE("prefetch changes when bytes move, not the result: device, cpu and nvm
       on.tied = tied;
       on.options = options_for(3);
       on.options.param_tier = tier;
-      on.options.nvme_path = dir.path;
+      on.options.nvme_path = dir.path();
       TrainSpec off = on;
       off.options = prefetch_off(on.options);
       const TrainResult a = train_zero(off), b = train_zero(on);
@@ -194,7 +175,7 @@ TEST_CASE("prefetch changes when bytes move, not the result: device, cpu and nvm
   tight.checkpoint_activations = true;
   tight.options = options_for(3);
   tight.options.param_tier = Tier::kNvme;
-  tight.options.nvme_path = dir.path;
+  tight.options.nvme_path = dir.path();
   tight.options.prefetch_bucket_numel = 2 * 2048;
   tight.options.max_live_parameters_numel = 5 * 2048;
   tight.options.max_reuse_distance_numel = 0;
@@ -209,10 +190,10 @@ TEST_CASE("prefetch changes when bytes move, not the result: device, cpu and nvm
   CHECK(b.peak_gathered_nbytes <= 5 * 2048 * sizeof(float));
 }
 
-TEST_CASE("after the first step most fetches are prefetched; gathered bytes stay within max_live_parameters",
+TEST_CASE("after the first step most fetches are prefetched, gathered bytes stay within max_live_parameters",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
-  ScratchDir dir("strata_zero_prefetch_stats");
+  test::TempDir dir("strata-zero-prefetch-stats");
   for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
     CAPTURE(tier_name(tier));
     // Every parameter of this model gathers to 2048 elements on 2 ranks (one
@@ -224,7 +205,7 @@ TEST_CASE("after the first step most fetches are prefetched; gathered bytes stay
     spec.tied = true;
     spec.options = options_for(3);
     spec.options.param_tier = tier;
-    spec.options.nvme_path = dir.path;
+    spec.options.nvme_path = dir.path();
     spec.options.max_live_parameters_numel = 4 * kGathered;
     const TrainResult r = train_zero(spec);
     for (size_t s = 0; s < r.prefetch.size(); ++s) {
@@ -267,7 +248,7 @@ TEST_CASE("after the first step most fetches are prefetched; gathered bytes stay
 TEST_CASE("a step with another operator sequence drops the trace with one log line and the same result",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
-  ScratchDir dir("strata_zero_prefetch_diverge");
+  test::TempDir dir("strata-zero-prefetch-diverge");
   // Tight: gg two parameters ahead, nc filling two staging buffers beyond it,
   // so the diverging window finds buffers held by reads for the lost future.
   for (auto [tier, tight] : {std::pair{Tier::kDevice, false}, std::pair{Tier::kNvme, false},
@@ -278,7 +259,7 @@ TEST_CASE("a step with another operator sequence drops the trace with one log li
     spec.steps = 4;
     spec.options = options_for(3);
     spec.options.param_tier = tier;
-    spec.options.nvme_path = dir.path;
+    spec.options.nvme_path = dir.path();
     if (tight) {
       spec.options.max_live_parameters_numel = 3 * 2048;
       spec.options.param_buffer_count = 2;
@@ -312,13 +293,13 @@ TEST_CASE("a step with another operator sequence drops the trace with one log li
 TEST_CASE("an NVMe read error during prefetch is that rank's step error, and its peer fails in time, not a hang",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);
-  ScratchDir dir("strata_zero_prefetch_eio");
+  test::TempDir dir("strata-zero-prefetch-eio");
   TrainSpec spec;
   spec.world = 2;
   spec.steps = 3;
   spec.options = options_for(3);
   spec.options.param_tier = Tier::kNvme;
-  spec.options.nvme_path = dir.path;
+  spec.options.nvme_path = dir.path();
   spec.timeout = std::chrono::milliseconds(5000);
   // Rank 0's reads through step 0 (its on-demand reads, then the optimizer's
   // read of the shard at the step): the fault starts a few reads into step 1,
@@ -372,7 +353,7 @@ TEST_CASE("staging held by reads for a future that does not come: a diverging wi
   // pauses (the streams catch up, so nc finds its buffers free): at op 1 p0 is
   // reused, nc holds both buffers for p1 and p2 — then the step diverges to
   // op 4, whose read needs a buffer: one staged read is given up.
-  ScratchDir dir("strata_zero_prefetch_evict");
+  test::TempDir dir("strata-zero-prefetch-evict");
   engine::PrefetchStats before, after;
   int64_t drops = 0;
   std::vector<std::string> wrong;  // values a window saw that were not the parameter's
@@ -380,7 +361,7 @@ TEST_CASE("staging held by reads for a future that does not come: a diverging wi
     engine::ZeroEngineOptions o = options_for(3);
     o.adam.weight_decay = 0;  // zero gradients: the step leaves every value as it was
     o.param_tier = Tier::kNvme;
-    o.nvme_path = dir.path;
+    o.nvme_path = dir.path();
     o.max_live_parameters_numel = 1024;  // one 1024-element parameter
     o.param_buffer_count = 2;
     engine::ZeroEngine eng(accelerator, comms, o);

@@ -12,7 +12,6 @@
 // figures are checked against each other, never against a clock.
 #include <catch2/catch.hpp>
 
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -26,24 +25,13 @@
 #include "nvme/io_backend.h"
 #include "runtime/core/log.h"
 #include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
 #include "tests/nvme/hooked_backend.h"
 
 namespace {
 using namespace strata;
 using namespace strata::test::zero;
 using engine::Phase;
-
-struct ScratchDir {
-  std::filesystem::path path;
-  explicit ScratchDir(const std::string& name)
-      : path(std::filesystem::temp_directory_path() / (name + "_" + std::to_string(::getpid()))) {
-    std::filesystem::create_directories(path);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path, ignored);
-  }
-};
 
 // Reads each take at least 20 ms longer: the pieces are held back on the
 // worker before they reach the kernel (test::HookedBackend). Writes pass.
@@ -54,11 +42,9 @@ void delay_reads(const nvme::IoPiece& piece) {
 // Slow NVMe reads and no prefetch: every gather is issued at its pre_op and
 // waits for its read, so compute is bound to wait for it.
 engine::ZeroEngineOptions slow_reads_no_prefetch(const std::filesystem::path& dir) {
-  engine::ZeroEngineOptions o = options_for(3);
+  engine::ZeroEngineOptions o = prefetch_off(options_for(3));
   o.param_tier = Tier::kNvme;
   o.nvme_path = dir;
-  o.prefetch_bucket_numel = 0;
-  o.max_reuse_distance_numel = 0;
   o.io_backend = [engine = o.aio.engine] {
     return std::make_unique<test::HookedBackend>(nvme::make_backend(engine), delay_reads);
   };
@@ -75,11 +61,11 @@ double sum_seconds(const std::vector<engine::OpStall>& stalls) {
 
 TEST_CASE("stall accounting: prefetch off, slow reads: each op's window is timed with a positive stall",
           "[engine][zero][stall]") {
-  ScratchDir dir("strata_zero_stall_ops");
+  test::TempDir dir("strata-zero-stall-ops");
   std::vector<engine::PrefetchStats> steps;
   std::vector<std::string> names{"a", "b", "c"};
   test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
-    engine::ZeroEngine eng(accelerator, comms, slow_reads_no_prefetch(dir.path));
+    engine::ZeroEngine eng(accelerator, comms, slow_reads_no_prefetch(dir.path()));
     std::vector<engine::ParamId> p;
     std::vector<engine::OpId> op;
     for (size_t i = 0; i < names.size(); ++i) {
@@ -126,11 +112,11 @@ TEST_CASE("stall accounting: prefetch off, slow reads: each op's window is timed
 
 TEST_CASE("stall accounting through training: 2 ranks, slow reads, per op and phase, final after step()",
           "[engine][zero][stall][nvme]") {
-  ScratchDir dir("strata_zero_stall_train");
+  test::TempDir dir("strata-zero-stall-train");
   TrainSpec spec;
   spec.world = 2;
   spec.steps = 2;
-  spec.options = slow_reads_no_prefetch(dir.path);
+  spec.options = slow_reads_no_prefetch(dir.path());
   const TrainResult r = train_zero(spec);
   REQUIRE(r.prefetch.size() == 2);
   for (const engine::PrefetchStats& s : r.prefetch) {

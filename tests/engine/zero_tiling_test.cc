@@ -25,7 +25,7 @@ struct Run {
 
 // One decoder layer whose MLP dominates (hidden 32, intermediate 4096): its
 // gate/up/down weights are 131072 elements each, the rest a few thousand.
-Run train(int64_t splits, int64_t prefetch_bucket_numel) {
+Run train_tiles(int64_t splits, int64_t prefetch_bucket_numel) {
   Run run;
   std::mutex mutex;
   test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
@@ -72,7 +72,7 @@ Run train(int64_t splits, int64_t prefetch_bucket_numel) {
 TEST_CASE("TiledLinear under the coordinator: working memory cut by the tile count, same results",
           "[engine][zero][tiling]") {
   ops::set_cpu_threads(1);
-  const Run whole = train(1, 0), tiled = train(4, 0);
+  const Run whole = train_tiles(1, 0), tiled = train_tiles(4, 0);
   // Largest operator without tiling: one MLP projection, 131072 fp32 elements
   // (gate and up are separate operators); tiled 4 x 4: 8192 per tile. Measured:
   // 524288 B untiled, 32768 B tiled (16x less).
@@ -90,7 +90,7 @@ TEST_CASE("TiledLinear under the coordinator: working memory cut by the tile cou
 
   // With prefetch on, the next tile is gathered while this one computes; the
   // peak stays bounded by the prefetch bucket, not by the whole layer.
-  const Run prefetched = train(4, 3 * 8192);
+  const Run prefetched = train_tiles(4, 3 * 8192);
   WARN("peak gathered with a 24576-element prefetch bucket: " << prefetched.peak_gathered_nbytes << " B");
   CHECK(prefetched.peak_gathered_nbytes < whole.peak_gathered_nbytes);
   CHECK(prefetched.losses == tiled.losses);  // prefetch never changes a result

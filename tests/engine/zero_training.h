@@ -2,7 +2,8 @@
 // steps through the ZeroEngine on N ranks (threads of run_zero_ranks), with
 // the global batch split over ranks and micro-steps, the loss normalised by
 // the global count of predicted tokens, and the final parameters assembled
-// from every rank's owned ranges.
+// from every rank's owned ranges; and the reference they are held against,
+// ONE rank with everything resident on the combined batch (train_resident).
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -21,6 +22,11 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "kernels/optimizer.h"
+#include "offload/optimizer_swapper.h"
+#include "partition/layout.h"
+#include "runtime/core/error.h"
+#include "runtime/engine/resident_engine.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/engine/zero_rig.h"
@@ -61,6 +67,14 @@ inline Batch corpus(int step, int64_t vocab) {
   return b;
 }
 
+// Makes step `step`'s global batch (kSeq tokens per sequence) for a model of
+// `vocab` tokens; empty: corpus.
+using BatchFn = std::function<Batch(int step, int64_t vocab)>;
+inline Batch batch_for(const BatchFn& batches, int step, int64_t vocab) {
+  return batches ? batches(step, vocab) : corpus(step, vocab);
+}
+inline int64_t sequences_of(const Batch& b) { return static_cast<int64_t>(b.ids.size()) / kSeq; }
+
 inline double counted(std::span<const int32_t> targets) {
   double n = 0;
   for (int32_t t : targets) n += t != ops::kIgnoreIndex;
@@ -74,6 +88,20 @@ struct TrainSpec {
   bool tied = false;
   bool checkpoint_activations = false;
   engine::ZeroEngineOptions options;
+  BatchFn batches;  // empty: corpus (kSequences sequences)
+  // Call prepare_step before the last micro-step, as `strata finetune` does:
+  // the optimizer may then overlap that backward (overlap_optimizer). On by
+  // default, so every engine test also holds with the overlap.
+  bool prepare_step = true;
+  // The model's dtype (parameters are read back widened to fp32).
+  DType dtype = DType::kF32;
+  // Per step (0-based): the lr step() gets (empty: options.adam.lr), the lr
+  // prepare_step gets (empty: the step's), rank's ForwardOptions::grad_scale
+  // (empty: 1; infinity makes that rank's gradients non-finite).
+  std::function<float(int step)> lr, prepare_lr;
+  std::function<float(int rank, int step)> grad_scale;
+  // This step runs its micro-steps once, is abandoned (zero_grad), then runs for real.
+  int abandoned_step = -1;
   // Rank-specific options (e.g. a fault-injecting I/O backend on one rank).
   std::function<void(int rank, engine::ZeroEngineOptions&)> per_rank;
   // Before these steps (0-based), each rank runs an evaluation forward
@@ -93,10 +121,13 @@ struct TrainSpec {
 };
 
 struct TrainResult {
+  std::vector<std::string> names;          // every parameter's, in id order
   std::vector<std::vector<float>> params;  // every parameter, assembled from the ranks' owned ranges
+  std::vector<std::vector<float>> initial_params;  // before training (train_resident only)
   std::vector<double> losses;              // global mean loss per step
   std::vector<double> grad_norms;
   std::vector<int> applied;
+  std::vector<engine::StepResult> steps;   // rank 0, per step
   size_t peak_gathered_nbytes = 0, gathered_nbytes_after = 0, param_nbytes = 0;
   int64_t gathers = 0;  // allgathers rank 0 issued
   std::vector<engine::PrefetchStats> prefetch;  // rank 0, per step
@@ -119,19 +150,24 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
           const nn::LlamaConfig config = model_config(spec.tied);
-          nn::LlamaModelOptions model_options = nn::model_options(DType::kF32, 16);
+          nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
           nn::LlamaModel model(eng, config, model_options);
           eng.finalize();
           nn::initialize_parameters(eng, model.parameters(), 7);
           const std::string rank_dir = "rank" + std::to_string(rank);
           if (!spec.load_dir.empty()) eng.load_state(spec.load_dir / rank_dir);
-          const int64_t per_rank = kSequences / spec.world, per_micro = per_rank / spec.micro_steps;
           std::vector<double> losses, norms;
           std::vector<int> applied;
           std::vector<engine::PrefetchStats> prefetch;
+          std::vector<engine::StepResult> steps;
           for (step = spec.first_step; step < spec.steps; ++step) {
-            const Batch batch = corpus(step, config.vocab_size);
+            const Batch batch = batch_for(spec.batches, step, config.vocab_size);
+            const int64_t sequences = sequences_of(batch);
+            STRATA_CHECK(sequences % (spec.world * spec.micro_steps) == 0, kBadArgument,
+                         "{} ranks x {} micro-steps do not divide the batch's {} sequences", spec.world,
+                         spec.micro_steps, sequences);
+            const int64_t per_rank = sequences / spec.world, per_micro = per_rank / spec.micro_steps;
             const auto rows = [&](int micro) {
               return std::pair{static_cast<size_t>((rank * per_rank + micro * per_micro) * kSeq),
                                static_cast<size_t>(per_micro * kSeq)};
@@ -150,18 +186,30 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               local_count += counted(std::span(batch.targets).subspan(first, n));
             }
             const double global_count = eng.global_sum(local_count);
+            const float lr = spec.lr ? spec.lr(step) : options.adam.lr;
+            const auto micro_steps = [&](double& loss_sum) {
+              for (int m = 0; m < spec.micro_steps; ++m) {
+                if (spec.prepare_step && m == spec.micro_steps - 1) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
+                auto [first, n] = rows(m);
+                nn::ForwardOptions forward;
+                forward.normalizer = global_count;
+                if (spec.grad_scale) forward.grad_scale = spec.grad_scale(rank, step);
+                model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
+                              per_micro, kSeq, forward);
+                model.backward();
+                loss_sum += model.loss_stats().sum;
+              }
+            };
             double loss_sum = 0;
-            for (int m = 0; m < spec.micro_steps; ++m) {
-              auto [first, n] = rows(m);
-              nn::ForwardOptions forward;
-              forward.normalizer = global_count;
-              model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
-                            per_micro, kSeq, forward);
-              model.backward();
-              loss_sum += model.loss_stats().sum;
+            if (step == spec.abandoned_step) {
+              micro_steps(loss_sum);
+              eng.zero_grad();  // abandoned after backward (what was speculated is undone)
+              loss_sum = 0;
             }
+            micro_steps(loss_sum);
             losses.push_back(eng.global_sum(loss_sum) / global_count);
-            const engine::StepResult r = eng.step(kLr);
+            const engine::StepResult r = eng.step(lr);
+            steps.push_back(r);
             norms.push_back(r.grad_norm);
             applied.push_back(r.applied);
             prefetch.push_back(eng.last_step_prefetch());
@@ -174,17 +222,20 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           std::lock_guard lock(mutex);
           if (result.params.empty()) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+              result.names.push_back(eng.param_info(id).name);
               result.params.emplace_back(static_cast<size_t>(eng.param_info(id).numel()), std::nanf(""));
               result.param_nbytes += eng.param_info(id).nbytes();
             }
           }
           for (ParamId id = 0; id < eng.parameter_count(); ++id) {
             eng.for_each_owned_range(id, engine::Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
-              std::copy_n(host.as<float>(), host.numel(), result.params[id].begin() + first);
+              convert(host.data, host.desc.dtype, result.params[id].data() + first, DType::kF32,
+                      static_cast<size_t>(host.numel()));
             });
           }
           if (rank == 0) {
             result.losses = losses;
+            result.steps = steps;
             result.grad_norms = norms;
             result.applied = applied;
             result.peak_gathered_nbytes = eng.peak_gathered_nbytes();
@@ -204,6 +255,92 @@ inline TrainResult train_zero(const TrainSpec& spec) {
   return result;
 }
 
+// The reference: ONE rank with everything resident (ResidentEngine) on the
+// combined batch, and the optimizer the ZeroEngine runs (OptimizerSwapper, CPU
+// Adam) over the same one-rank flat layout, with the engine's clipping: the
+// global norm from kernels::grad_stats per optimizer sub-group, merged in
+// order (one thread, as options_for's optimizer_threads: the f64 sum then
+// runs in the engine's order), and kernels::combined_grad_scale folded into
+// the update. One ZeRO rank without accumulation matches it bit for bit.
+struct ResidentSpec {
+  int steps = 3;
+  bool tied = false;
+  nn::LlamaModelOptions model = nn::model_options(DType::kF32, 16);
+  uint64_t init_seed = 7;
+  kernels::AdamConfig adam;
+  double gradient_clipping = 0;  // max global norm; 0: none
+  int64_t sub_group_numel = 1'000'000'000;  // the engine's sub_group_size (norm summation order)
+  BatchFn batches;               // empty: corpus
+};
+
+inline TrainResult train_resident(const ResidentSpec& spec) {
+  auto accelerator = make_cpu_accelerator();
+  engine::ResidentEngine eng(*accelerator);
+  const nn::LlamaConfig config = model_config(spec.tied);
+  nn::LlamaModel model(eng, config, spec.model);
+  eng.finalize();
+  nn::initialize_parameters(eng, model.parameters(), spec.init_seed);
+  std::vector<partition::ParamSpec> specs;
+  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+    specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
+  }
+  partition::LayoutOptions layout_options;
+  layout_options.sub_group_numel = spec.sub_group_numel;
+  partition::PartitionLayout layout(specs, layout_options);
+  const auto shard_numel = static_cast<size_t>(layout.shard_numel());
+  offload::OptimizerSwapperOptions options;
+  options.numel = shard_numel;
+  options.sub_group_numel = shard_numel;
+  options.adam = spec.adam;
+  offload::OptimizerSwapper swapper(options, nullptr, nullptr);
+  std::vector<float> master(shard_numel, 0.0f), grads(shard_numel, 0.0f);
+  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+    layout.shard_param(static_cast<size_t>(id), eng.param_storage(id).data, 0, master.data());
+  }
+  swapper.initialize(master.data());
+  TrainResult result;
+  const auto snapshot = [&](std::vector<std::vector<float>>& out) {
+    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+      const float* p = eng.param_storage(id).as<float>();
+      out.emplace_back(p, p + eng.param_info(id).numel());
+    }
+  };
+  snapshot(result.initial_params);
+  for (int step = 0; step < spec.steps; ++step) {
+    const Batch batch = batch_for(spec.batches, step, config.vocab_size);
+    eng.zero_grad();
+    model.forward(batch.ids, batch.targets, sequences_of(batch), kSeq);
+    model.backward();
+    result.losses.push_back(model.loss());
+    eng.compute_stream().synchronize();
+    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+      layout.shard_param(static_cast<size_t>(id), eng.grad_storage(id).data, 0, grads.data());
+    }
+    kernels::GradStats stats;
+    size_t first = 0;
+    for (const auto& sub_group : layout.sub_groups()) {
+      const auto numel = static_cast<size_t>(sub_group.numel);
+      stats = kernels::merge(stats, kernels::grad_stats(grads.data() + first, DType::kF32, numel, 1.0f, std::nullopt, 1));
+      first += numel;
+    }
+    result.grad_norms.push_back(stats.norm());
+    result.applied.push_back(1);
+    swapper.set_lr(spec.adam.lr);
+    offload::StepInputs inputs;  // the fp32 gradient shard, no 16-bit copy
+    inputs.grad = grads.data();
+    inputs.grad_dtype = DType::kF32;
+    inputs.grad_scale = kernels::combined_grad_scale(stats, 1.0f, static_cast<float>(spec.gradient_clipping));
+    swapper.step(inputs);
+    swapper.load_state(master.data(), nullptr, nullptr);
+    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+      layout.gather_param(static_cast<size_t>(id), {master.data()}, eng.param_storage(id).data);
+    }
+  }
+  for (ParamId id = 0; id < eng.parameter_count(); ++id) result.names.push_back(eng.param_info(id).name);
+  snapshot(result.params);
+  return result;
+}
+
 // Largest |a - b| over every element, and whether any element differs in its bits.
 struct Diff {
   double max_abs = 0, max_ref = 0;
@@ -212,16 +349,20 @@ struct Diff {
 inline Diff compare(const TrainResult& a, const TrainResult& b) {
   Diff d;
   REQUIRE(a.params.size() == b.params.size());
+  // One assertion per parameter, not per element: Catch2 assertions cost
+  // about a microsecond each, and the matrix compares millions of elements.
   for (size_t p = 0; p < a.params.size(); ++p) {
     REQUIRE(a.params[p].size() == b.params[p].size());
+    size_t not_finite = 0;
     for (size_t i = 0; i < a.params[p].size(); ++i) {
       const float x = a.params[p][i], y = b.params[p][i];
-      REQUIRE(std::isfinite(x));
-      REQUIRE(std::isfinite(y));
+      not_finite += !std::isfinite(x) || !std::isfinite(y);
       d.identical = d.identical && std::memcmp(&x, &y, sizeof(float)) == 0;
       d.max_abs = std::max(d.max_abs, static_cast<double>(std::fabs(x - y)));
       d.max_ref = std::max(d.max_ref, static_cast<double>(std::fabs(y)));
     }
+    CAPTURE(p);
+    REQUIRE(not_finite == 0);
   }
   return d;
 }
@@ -234,6 +375,14 @@ inline engine::ZeroEngineOptions options_for(int stage) {
   o.reduce_bucket_numel = 3000;  // several buckets per backward
   o.persistence_threshold_numel = 0;
   o.optimizer_threads = 1;
+  return o;
+}
+
+// Stage 3 with nothing gathered ahead and nothing kept for a later use:
+// every operator's parameters are gathered at its pre_op.
+inline engine::ZeroEngineOptions prefetch_off(engine::ZeroEngineOptions o) {
+  o.prefetch_bucket_numel = 0;
+  o.max_reuse_distance_numel = 0;
   return o;
 }
 

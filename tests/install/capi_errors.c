@@ -4,14 +4,20 @@
  * problem, never crashes, and leaves the engine usable unless the header says
  * otherwise. Also values through the API: a tied parameter, a bf16 tensor
  * read back bit for bit on any number of ranks, write/read, and (two ranks) a
- * finalize whose ranks registered different things.
+ * finalize whose ranks registered different things; checkpoints saved and
+ * loaded bit for bit, and refused with a message naming the problem (a
+ * missing directory, a truncated file, other parameters, a step already
+ * saved) without changing the engine; the step breakdown.
  * Runs alone or under `strata run -n 2`; prints "capi_errors: ok". */
 #define _XOPEN_SOURCE 700
 
+#include <ftw.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "runtime/capi/strata.h"
 
@@ -277,11 +283,195 @@ static void ranks_disagree(void) {
   REQUIRE_OK(strata_engine_destroy(e));
 }
 
+/* A directory every rank names alike (under `strata run` the ranks share
+ * MASTER_PORT), removed by the caller's rank 0 at the end. */
+static void shared_dir(char* out, size_t size, const char* name) {
+  const char* world = getenv("WORLD_SIZE");
+  const char* port = getenv("MASTER_PORT");
+  if (world != NULL && atoi(world) > 1 && port != NULL) {
+    snprintf(out, size, "/tmp/strata-capi-errors-%s-%s", port, name);
+  } else {
+    snprintf(out, size, "/tmp/strata-capi-errors-%ld-%s", (long)getpid(), name);
+  }
+}
+
+static int remove_entry(const char* path, const struct stat* st, int flag, struct FTW* ftw) {
+  (void)st, (void)flag, (void)ftw;
+  return remove(path);
+}
+
+static void barrier(strata_engine* e) {
+  double sum;
+  REQUIRE_OK(strata_global_sum(e, 0.0, &sum));
+}
+
+/* One step adding `value` to every gradient element of `p` (op lists only p). */
+static void one_step(strata_engine* e, int32_t op, int32_t p, int64_t numel, float value) {
+  float* g = NULL;
+  int64_t i;
+  strata_step_result result;
+  REQUIRE_OK(strata_fetch(e, op, STRATA_PHASE_BACKWARD));
+  REQUIRE_OK(strata_grad_ptr(e, p, &g));
+  for (i = 0; i < numel; ++i) g[i] += value * (float)(i % 7 - 3);
+  REQUIRE_OK(strata_release(e, op, STRATA_PHASE_BACKWARD));
+  REQUIRE_OK(strata_step(e, 0.05f, &result));
+}
+
+/* Checkpoints: a round trip bit for bit, and every bad input a status with a
+ * message naming the problem (the file, for a damaged one), the engine
+ * usable afterwards; the step breakdown after a step. */
+static void checkpoints(void) {
+  enum { N = 1000 };
+  char dir[256], bad[512], path[640], rank_file[768];
+  static float values[N], saved[N], back[N];
+  const int64_t shape[1] = {N};
+  strata_engine* e = create();
+  strata_engine* fresh;
+  strata_stats stats;
+  strata_step_breakdown b;
+  int32_t p, op;
+  int i;
+  struct stat st;
+  for (i = 0; i < N; ++i) values[i] = (float)i / N;
+  shared_dir(dir, sizeof dir, "ckpt");
+
+  REQUIRE_OK(strata_register_param(e, "p", STRATA_DTYPE_F32, 1, shape, values, NULL, NULL, &p));
+  REQUIRE_OK(strata_register_op(e, "op", 1, &p, &op));
+  EXPECT(strata_save_checkpoint(e, dir), STRATA_ERROR_INVALID_STATE,
+         "strata_save_checkpoint: called before strata_finalize");
+  EXPECT(strata_get_step_breakdown(e, NULL), STRATA_ERROR_INVALID_ARGUMENT, "breakdown is NULL");
+  EXPECT(strata_get_step_breakdown(NULL, &b), STRATA_ERROR_INVALID_ARGUMENT, "engine is NULL");
+  REQUIRE_OK(strata_finalize(e));
+  REQUIRE_OK(strata_get_step_breakdown(e, &b));
+  if (b.step != 0 || b.seconds != 0) fprintf(stderr, "capi_errors: a breakdown before any step\n"), ++failures;
+  one_step(e, op, p, N, 1.0f);
+  one_step(e, op, p, N, 2.0f);
+  REQUIRE_OK(strata_get_step_breakdown(e, &b));
+  {
+    const double parts = b.compute_seconds + b.param_stall_seconds + b.grad_wait_seconds + b.optimizer_seconds +
+                         b.other_seconds;
+    if (b.step != 2 || !b.applied || b.windows != 1 || b.gathers < 1 || b.gathered_bytes < N * 4 ||
+        !(b.seconds > 0) || fabs(parts - b.seconds) > 1e-6 + 1e-3 * b.seconds) {
+      fprintf(stderr, "capi_errors: breakdown: step %lld windows %lld gathers %lld bytes %llu seconds %g parts %g\n",
+              (long long)b.step, (long long)b.windows, (long long)b.gathers, (unsigned long long)b.gathered_bytes,
+              b.seconds, parts);
+      ++failures;
+    }
+  }
+
+  {
+    strata_op_stall stall[4];
+    int32_t count = -1, k;
+    double seconds = 0;
+    EXPECT(strata_get_op_stalls(e, NULL, 0, NULL), STRATA_ERROR_INVALID_ARGUMENT, "count is NULL");
+    EXPECT(strata_get_op_stalls(e, NULL, 2, &count), STRATA_ERROR_INVALID_ARGUMENT, "stalls is NULL with capacity 2");
+    EXPECT(strata_get_op_stalls(e, stall, -1, &count), STRATA_ERROR_INVALID_ARGUMENT, "capacity is -1");
+    REQUIRE_OK(strata_get_op_stalls(e, NULL, 0, &count));
+    if (count < 0 || count > 1 || count != b.stalled_windows) {
+      fprintf(stderr, "capi_errors: %d operator stalls, %d stalled windows\n", (int)count, (int)b.stalled_windows);
+      ++failures;
+    }
+    REQUIRE_OK(strata_get_op_stalls(e, stall, 4, &count));
+    for (k = 0; k < count && k < 4; ++k) {
+      seconds += stall[k].seconds;
+      if (stall[k].op != op || stall[k].phase != STRATA_PHASE_BACKWARD || stall[k].windows != 1) ++failures;
+    }
+    if (fabs(seconds - b.param_stall_seconds) > 1e-9 + 1e-6 * b.param_stall_seconds) {
+      fprintf(stderr, "capi_errors: op stalls sum to %g, the breakdown says %g\n", seconds, b.param_stall_seconds);
+      ++failures;
+    }
+  }
+
+  /* Bad arguments and states. */
+  EXPECT(strata_save_checkpoint(NULL, dir), STRATA_ERROR_INVALID_ARGUMENT, "engine is NULL");
+  EXPECT(strata_save_checkpoint(e, NULL), STRATA_ERROR_INVALID_ARGUMENT, "dir is NULL");
+  EXPECT(strata_load_checkpoint(e, ""), STRATA_ERROR_INVALID_ARGUMENT, "dir is empty");
+  EXPECT(strata_save_checkpoint(e, "/proc/strata-no-such/ckpt"), STRATA_ERROR_INVALID_ARGUMENT,
+         "cannot create the checkpoint directory /proc/strata-no-such/ckpt");
+  snprintf(bad, sizeof bad, "%s-missing", dir);
+  EXPECT(strata_load_checkpoint(e, bad), STRATA_ERROR_INVALID_ARGUMENT, "does not exist");
+  if (strstr(strata_last_error(), bad) == NULL) fprintf(stderr, "capi_errors: %s unnamed\n", bad), ++failures;
+  REQUIRE_OK(strata_fetch(e, op, STRATA_PHASE_FORWARD));
+  EXPECT(strata_save_checkpoint(e, dir), STRATA_ERROR_INVALID_STATE, "still fetched");
+  EXPECT(strata_load_checkpoint(e, dir), STRATA_ERROR_INVALID_STATE, "still fetched");
+  REQUIRE_OK(strata_release(e, op, STRATA_PHASE_FORWARD));
+
+  /* Save, train on, load: the saved values bit for bit, the step count back. */
+  REQUIRE_OK(strata_save_checkpoint(e, dir));
+  EXPECT(strata_save_checkpoint(e, dir), STRATA_ERROR_INVALID_ARGUMENT, "already holds a checkpoint of step 2");
+  REQUIRE_OK(strata_read_param(e, p, saved));
+  one_step(e, op, p, N, 3.0f);
+  REQUIRE_OK(strata_read_param(e, p, back));
+  if (memcmp(back, saved, sizeof saved) == 0) fprintf(stderr, "capi_errors: a step changed nothing\n"), ++failures;
+  REQUIRE_OK(strata_load_checkpoint(e, dir));
+  REQUIRE_OK(strata_read_param(e, p, back));
+  REQUIRE_OK(strata_get_stats(e, &stats));
+  if (memcmp(back, saved, sizeof saved) != 0 || stats.steps != 2) {
+    fprintf(stderr, "capi_errors: load gave other values or step %lld (want 2)\n", (long long)stats.steps);
+    ++failures;
+  }
+
+  /* A fresh engine loads it too; one with another shape refuses, naming the parameter. */
+  fresh = create();
+  REQUIRE_OK(strata_register_param(fresh, "p", STRATA_DTYPE_F32, 1, shape, NULL, NULL, NULL, &i));
+  REQUIRE_OK(strata_finalize(fresh));
+  REQUIRE_OK(strata_load_checkpoint(fresh, dir));
+  REQUIRE_OK(strata_read_param(fresh, 0, back));
+  if (memcmp(back, saved, sizeof saved) != 0) fprintf(stderr, "capi_errors: a fresh load differs\n"), ++failures;
+  REQUIRE_OK(strata_engine_destroy(fresh));
+  fresh = create();
+  {
+    const int64_t other[1] = {N + 1};
+    REQUIRE_OK(strata_register_param(fresh, "p", STRATA_DTYPE_F32, 1, other, NULL, NULL, NULL, &i));
+  }
+  REQUIRE_OK(strata_finalize(fresh));
+  EXPECT(strata_load_checkpoint(fresh, dir), STRATA_ERROR_INVALID_ARGUMENT,
+         "parameter 0 is 'p' fp32 [1000] there, 'p' fp32 [1001] in this engine");
+  REQUIRE_OK(strata_engine_destroy(fresh));
+
+  /* A truncated file: each rank cuts its own, the load names it, nothing changes. */
+  snprintf(path, sizeof path, "%s/step_00000002", dir);
+  if (stat(path, &st) != 0) fprintf(stderr, "capi_errors: %s missing\n", path), ++failures;
+  one_step(e, op, p, N, 4.0f);
+  REQUIRE_OK(strata_read_param(e, p, saved));
+  {
+    strata_stats mine;
+    REQUIRE_OK(strata_get_stats(e, &mine));
+    snprintf(rank_file, sizeof rank_file, "%s/rank%d/params_fp32.bin", path, (int)mine.rank);
+  }
+  barrier(e); /* every rank checked the file above before any truncates */
+  if (stat(rank_file, &st) != 0 || truncate(rank_file, st.st_size / 2) != 0) {
+    fprintf(stderr, "capi_errors: cannot truncate %s\n", rank_file);
+    ++failures;
+  }
+  barrier(e);
+  EXPECT(strata_load_checkpoint(e, dir), STRATA_ERROR_INVALID_ARGUMENT, "bytes, the manifest says");
+  if (strstr(strata_last_error(), rank_file) == NULL) {
+    fprintf(stderr, "capi_errors: the truncated file is not named: %s\n", strata_last_error());
+    ++failures;
+  }
+  REQUIRE_OK(strata_read_param(e, p, back));
+  REQUIRE_OK(strata_get_stats(e, &stats));
+  if (memcmp(back, saved, sizeof saved) != 0 || stats.failed || stats.steps != 3) {
+    fprintf(stderr, "capi_errors: a refused load changed the engine\n");
+    ++failures;
+  }
+  one_step(e, op, p, N, 5.0f); /* still usable */
+  REQUIRE_OK(strata_save_checkpoint(e, dir)); /* step 4 replaces the damaged step 2 */
+  snprintf(path, sizeof path, "%s/step_00000002", dir);
+  barrier(e);
+  if (stat(path, &st) == 0) fprintf(stderr, "capi_errors: the old checkpoint was kept\n"), ++failures;
+  REQUIRE_OK(strata_get_stats(e, &stats));
+  REQUIRE_OK(strata_engine_destroy(e));
+  if (stats.rank == 0) nftw(dir, remove_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
 int main(void) {
   const char* world = getenv("WORLD_SIZE");
   no_engine();
   declarations_and_windows();
   values_roundtrip();
+  checkpoints();
   if (world != NULL && atoi(world) > 1) {
     ranks_disagree();
   } else {

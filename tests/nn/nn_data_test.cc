@@ -85,7 +85,7 @@ TEST_CASE("corrupt, truncated and short token files are clear errors", "[data]")
   REQUIRE_THROWS_WITH(l.next(ids, targets), Catch::Contains("outside the model's vocabulary"));
 }
 
-TEST_CASE("the loader: targets are the next tokens; ranks disjoint; epochs cover every window",
+TEST_CASE("the loader: targets are the next tokens, ranks disjoint, epochs cover every window",
           "[data]") {
   test::TempDir dir("data-loader");
   write_llmc(dir.file("d.bin"), iota_tokens(1 + 10 * 7));  // exactly 10 windows of seq 7

@@ -82,7 +82,7 @@ TEST_CASE("read callbacks: many requests in flight, each called once after its d
   }
 }
 
-TEST_CASE("an injected EIO reaches the callback with file and offset; wait_all neither waits forever nor rethrows it",
+TEST_CASE("an injected EIO reaches the callback with file and offset, wait_all neither waits forever nor rethrows it",
           "[nvme]") {
   strata::test::TempDir dir("nvme-callback-eio");
   constexpr size_t kRequests = 6, kChunk = 128 << 10;  // 2 pieces each
@@ -129,7 +129,7 @@ TEST_CASE("an injected EIO reaches the callback with file and offset; wait_all n
   }
 }
 
-TEST_CASE("callbacks: an empty request completes at once; wait_all and the destructor wait for running callbacks",
+TEST_CASE("callbacks: an empty request completes at once, wait_all and the destructor wait for running callbacks",
           "[nvme]") {
   strata::test::TempDir dir("nvme-callback-wait");
   File file = File::open(dir.file("data.bin"), OpenMode::kTruncate);

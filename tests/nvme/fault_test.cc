@@ -58,7 +58,7 @@ TEST_CASE("an injected EIO surfaces from wait() with file, offset, length and er
   }
 }
 
-TEST_CASE("an injected error in one of many requests is reported by waiting for them; wait_all takes no ticket", "[nvme]") {
+TEST_CASE("an injected error in one of many requests is reported by waiting for them, wait_all takes no ticket", "[nvme]") {
   strata::test::TempDir dir("nvme-eio-all");
   auto plan = std::make_shared<FaultPlan>(std::vector<IoFault>{
       IoFault{.nth = 7, .kind = IoFault::Kind::kError, .error = ENOSPC, .op = IoOp::kRead}});

@@ -275,3 +275,38 @@ TEST_CASE("strata-io tune prints an aio block within its budget", "[nvme][tool]"
   REQUIRE(given.exit_code == 0);
   CHECK_THAT(given.output, Catch::Contains("# engine: aio — given with --engine aio"));
 }
+
+TEST_CASE("strata-io --auto-tune times the handle after aio.auto_tune has chosen", "[nvme][tool][auto_tune]") {
+  strata::test::TempDir dir("nvme-strata-io-autotune");
+  std::string json = dir.file("r.json");
+  auto result = strata::test::run_command(
+      strata_io() + " --dir " + dir.path().string() +
+      " --size 16MiB --bs 1M --qd 8 --rw both --iters 2 --warmup 0 --auto-tune "
+      "--auto-tune-nbytes 32MiB --json " + json + " 2>&1");
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  CHECK_THAT(result.output, Catch::Contains("auto_tune: timed passes used bs") &&
+                                Catch::Contains("writes use block_size") &&
+                                Catch::Contains("reads use block_size"));
+  std::ifstream in(json);
+  nlohmann::json doc = nlohmann::json::parse(in);
+  REQUIRE(doc["results"].size() == 2);
+  for (const auto& row : doc["results"]) {
+    CHECK(row["wrong"] == 0);
+    REQUIRE(row.contains("auto_tune"));
+    const auto& tune = row["auto_tune"];
+    // 32 MiB of tuning traffic in passes of 16 MiB: at least two untimed passes.
+    CHECK(tune["tuning_gbps_passes"].size() >= 2);
+    bool chosen_is_candidate = false;
+    REQUIRE(tune["candidates"].size() == 4);  // 1M x8 and the three other defaults
+    for (const auto& c : tune["candidates"]) {
+      CHECK(c["bytes"].get<uint64_t>() > 0);
+      chosen_is_candidate |= c["bs"] == tune["chosen_bs"] && c["qd"] == tune["chosen_qd"];
+    }
+    CHECK(chosen_is_candidate);
+  }
+  auto psync = strata::test::run_command(strata_io() + " --dir " + dir.path().string() +
+                                         " --size 8MiB --engine psync --auto-tune 2>&1");
+  CHECK(psync.exit_code == 1);
+  CHECK_THAT(psync.output, Catch::Contains("--auto-tune with --engine psync"));
+}

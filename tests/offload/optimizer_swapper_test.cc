@@ -297,3 +297,54 @@ TEST_CASE("restore() of a saved state continues exactly like the swapper it was 
     CHECK(std::memcmp(p16_a.data(), p16_b.data(), kNumel * 2) == 0);
   }
 }
+
+TEST_CASE("a step in parts (any order, batches) equals step(), abort restores the state exactly", "[offload][swapper]") {
+  test::TempDir dir("strata-swap");
+  const Tier tier = GENERATE(Tier::kCpu, Tier::kNvme);
+  CAPTURE(tier_name(tier));
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  offload::OptimizerSwapper whole(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper parts(options_for(tier, dir.path()), tier == Tier::kNvme ? &pool : nullptr,
+                                  tier == Tier::kNvme ? &aio : nullptr);
+  const auto master = random_floats(kNumel, 1, 1.0f);
+  whole.initialize(master.data());
+  parts.initialize(master.data());
+  std::vector<BFloat16> p16_whole(kNumel), p16_parts(kNumel);
+  // Backward finishes the last sub-groups first, in batches.
+  const std::vector<std::vector<size_t>> batches = {{4}, {3, 2}, {0, 1}};
+  for (int step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const auto grad = grad_for_step(step);
+    whole.step(inputs(grad, p16_whole));
+    // A revocable step updated in part, then aborted: the state is as before.
+    const State before = load(parts);
+    const auto other_grad = grad_for_step(100 + step);
+    parts.begin_step(inputs(other_grad, p16_parts), /*revocable=*/true);
+    parts.update_sub_groups(batches[0]);
+    parts.update_sub_groups(batches[1]);
+    CHECK(parts.updated(2));
+    CHECK_FALSE(parts.updated(0));
+    CHECK_THROWS_WITH(parts.update_sub_groups(std::vector<size_t>{3}), Catch::Contains("already updated"));
+    CHECK_THROWS_WITH(parts.commit_step(), Catch::Contains("3 of 5 sub-groups"));
+    parts.abort_step();
+    CHECK_FALSE(parts.step_open());
+    check_same_state(load(parts), before);
+    CHECK(parts.step_count() == step - 1);
+    // The real step, in parts.
+    parts.begin_step(inputs(grad, p16_parts), /*revocable=*/true);
+    for (const auto& batch : batches) parts.update_sub_groups(batch);
+    parts.commit_step();
+    REQUIRE(parts.step_count() == step);
+    check_same_state(load(parts), load(whole));
+    REQUIRE(std::memcmp(p16_whole.data(), p16_parts.data(), kNumel * 2) == 0);
+  }
+  // Misuse is refused, naming what was wrong.
+  CHECK_THROWS_WITH(parts.update_sub_groups(std::vector<size_t>{0}), Catch::Contains("without begin_step"));
+  std::vector<BFloat16> p16(kNumel);
+  const auto grad = grad_for_step(9);
+  parts.begin_step(inputs(grad, p16), false);
+  CHECK_THROWS_WITH(parts.begin_step(inputs(grad, p16), false), Catch::Contains("already open"));
+  CHECK_THROWS_WITH(parts.update_sub_groups(std::vector<size_t>{5}), Catch::Contains("out of range"));
+  parts.abort_step();  // nothing updated: nothing to restore
+}

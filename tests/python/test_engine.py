@@ -9,10 +9,20 @@ engine's collectives need it). Checks
   - a bf16 parameter round-trips through register/read; write/read;
   - bad input raises a strata.Error subclass carrying strata's message (the
     C function's name and what was wrong), and the engine stays usable;
-  - an I/O failure leaves the engine unusable: later calls raise EngineFailed.
+  - an I/O failure leaves the engine unusable: later calls raise EngineFailed;
+  - checkpoints: trained, saved, trained on, loaded into fresh engines (ZeRO-3
+    on NVMe and ZeRO-2 in memory) bit for bit, the optimizer state too (three
+    more steps agree exactly); a missing directory, a truncated or corrupt
+    file, a manifest of another world size or other parameters, or one that
+    does not parse raise InvalidArgument naming the file, and leave the engine
+    usable with its own values; one rank: a child process killed with SIGKILL
+    while it saves leaves the previous checkpoint loadable bit for bit;
+  - the step breakdown adds up and counts the step's windows and bytes; a
+    timeline recorded from Python (strata.trace) is JSON with the hook events.
 Prints "python tests: ok" on success (CTest matches it).
 """
 
+import json
 import os
 import shutil
 import sys
@@ -169,6 +179,316 @@ def failure_is_sticky():
         assert eng.stats()["failed"] == 1
 
 
+# ---- checkpoints, the step breakdown, the timeline --------------------------------------------
+
+
+def shared_dir(name):
+    """A directory every rank names alike (under `strata run` the ranks share MASTER_PORT)."""
+    tag = os.environ.get("MASTER_PORT") if os.environ.get("WORLD_SIZE", "1") != "1" else str(os.getpid())
+    return os.path.join(tempfile.gettempdir(), f"strata-python-test-{tag}-{name}")
+
+
+def grad_of(step, shape):
+    """A deterministic gradient for `step`, the same on every rank (they sum)."""
+    n = int(np.prod(shape))
+    return (np.sin(np.arange(n, dtype=np.float64) * 0.37 + step) * 0.1).astype(np.float32).reshape(shape)
+
+
+def train_steps(eng, lin, params, first, count):
+    for step in range(first, first + count):
+        with eng.fetch(lin, "forward"):
+            pass
+        with eng.fetch(lin, "backward") as win:
+            for p in params:
+                win.add_grad(p, grad_of(step, p.shape))
+        assert eng.step(0.01).applied
+
+
+def make_model(eng, scale=1.0, wshape=(16, 33)):
+    w = eng.register("fc.weight", np.full(wshape, scale, np.float32))
+    b = eng.register("fc.bias", np.linspace(-1, 1, 16).astype(np.float32) * scale, dtype="bf16")
+    lin = eng.op("fc", [w, b])
+    eng.finalize()
+    return lin, [w, b]
+
+
+def checkpoints(swap_dir):
+    ckpt = shared_dir("ckpt")
+    try:
+        with strata.Engine(config(swap_dir)) as eng:
+            lin, params = make_model(eng)
+            train_steps(eng, lin, params, 0, 3)
+            saved = [eng.read(p) for p in params]
+            eng.save_checkpoint(ckpt)
+            assert os.path.isfile(os.path.join(ckpt, "step_00000003", "manifest.json"))
+            e = expect_error(strata.InvalidArgument, "already holds a checkpoint of step 3", eng.save_checkpoint, ckpt)
+            assert "strata_save_checkpoint" in str(e)
+            train_steps(eng, lin, params, 3, 3)
+            later = [eng.read(p) for p in params]
+            assert not np.array_equal(later[0], saved[0])
+            eng.save_checkpoint(ckpt)  # step 6; step 3 is removed once step 6 is complete
+            names = sorted(os.listdir(ckpt))
+            assert names == ["step_00000006"], names
+            eng.load_checkpoint(ckpt)  # back to step 6 in place: nothing changes
+            assert eng.stats()["steps"] == 6
+            assert all(np.array_equal(eng.read(p), v) for p, v in zip(params, later))
+
+        # A fresh engine (other initial values, stage 2, optimizer in CPU memory) loads it bit for
+        # bit, moments included: three more steps there equal three more steps here.
+        with strata.Engine(config(swap_dir + "-fresh")) as eng, strata.Engine(config(swap_dir + "-2", stage=2)) as eng2:
+            lin, params = make_model(eng, scale=0.0)
+            lin2, params2 = make_model(eng2, scale=5.0)
+            eng.load_checkpoint(ckpt)
+            eng2.load_checkpoint(os.path.join(ckpt, "step_00000006"))  # a step directory itself
+            for e_, ps in ((eng, params), (eng2, params2)):
+                assert e_.stats()["steps"] == 6
+                for p, v in zip(ps, later):
+                    got = e_.read(p)
+                    assert got.dtype == v.dtype and np.array_equal(got.view(np.uint8), v.view(np.uint8)), p.name
+            train_steps(eng, lin, params, 6, 3)
+            train_steps(eng2, lin2, params2, 6, 3)
+            assert all(np.array_equal(eng.read(a), eng2.read(b)) for a, b in zip(params, params2))
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("checkpoints: saved at step 3 and 6, loaded bit for bit into fresh engines (stage 3 and 2)")
+    finally:
+        barrier_and_remove(ckpt)
+
+
+def barrier_and_remove(path):
+    # Every rank is done with `path` once each has destroyed its engines; rank 0 removes it
+    # (the others may still be reading it otherwise: a throwaway engine is the barrier).
+    with strata.Engine(config(path + "-barrier", stage=1)) as eng:
+        eng.register("x", np.zeros(1, np.float32))
+        eng.finalize()
+        eng.global_sum(0)
+        if eng.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        eng.global_sum(0)
+
+
+def damage(path, how):
+    if how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:  # flip one byte in the middle: same size, another CRC-32
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def checkpoint_bad_input(swap_dir):
+    ckpt = shared_dir("bad")
+    try:
+        with strata.Engine(config(swap_dir)) as eng:
+            lin, params = make_model(eng)
+            train_steps(eng, lin, params, 0, 2)
+            before = [eng.read(p) for p in params]
+            missing = os.path.join(ckpt, "no-such-dir")
+            e = expect_error(strata.InvalidArgument, "does not exist", eng.load_checkpoint, missing)
+            assert missing in str(e) and "strata_load_checkpoint" in str(e)
+            expect_error(strata.InvalidArgument, "dir is empty", eng.load_checkpoint, "")
+            os.makedirs(os.path.join(ckpt, "empty"), exist_ok=True)
+            expect_error(strata.InvalidArgument, "no checkpoint", eng.load_checkpoint, os.path.join(ckpt, "empty"))
+            with eng.fetch(lin, "forward"):
+                expect_error(strata.InvalidState, "still fetched", eng.save_checkpoint, ckpt)
+            eng.save_checkpoint(os.path.join(ckpt, "good"))
+            step_dir = os.path.join(ckpt, "good", "step_00000002")
+            mine = os.path.join(step_dir, f"rank{eng.rank}")
+            for how, file, needle in (("truncate", "params_fp32.bin", "bytes, the manifest says"),
+                                      ("flip", "exp_avg_fp32.bin", "CRC-32"),
+                                      ("truncate", "engine.json", "bytes, the manifest says")):
+                copy = os.path.join(ckpt, f"{how}-{file}")
+                if eng.rank == 0:
+                    shutil.copytree(os.path.join(ckpt, "good"), copy)
+                eng.global_sum(0)  # the copy exists for every rank
+                target = os.path.join(copy, "step_00000002", f"rank{eng.rank}", file)
+                damage(target, how)
+                eng.global_sum(0)  # every rank damaged its file before any checks
+                e = expect_error(strata.InvalidArgument, needle, eng.load_checkpoint, copy)
+                assert target in str(e), str(e)
+            # Another world size, other parameters, a manifest that does not parse.
+            if eng.rank == 0:
+                manifest = os.path.join(step_dir, "manifest.json")
+                for name, edit in (("world", lambda m: m.update(world_size=m["world_size"] + 1)),
+                                   ("params", lambda m: m["model"]["params"][0].__setitem__(2, [4, 4])),
+                                   ("finetune", lambda m: m.update(model={"dtype": "bf16"}))):
+                    dst = os.path.join(ckpt, name)
+                    shutil.copytree(os.path.join(ckpt, "good"), dst)
+                    with open(os.path.join(dst, "step_00000002", "manifest.json")) as f:
+                        m = json.load(f)
+                    edit(m)
+                    with open(os.path.join(dst, "step_00000002", "manifest.json"), "w") as f:
+                        json.dump(m, f)
+                shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, "cut"))
+                with open(os.path.join(ckpt, "cut", "step_00000002", "manifest.json"), "r+") as f:
+                    f.truncate(40)
+            eng.global_sum(0)
+            world = eng.world_size
+            expect_error(strata.InvalidArgument, f"was written by {world + 1} rank(s); this engine has {world}",
+                         eng.load_checkpoint, os.path.join(ckpt, "world"))
+            expect_error(strata.InvalidArgument,
+                         "parameter 0 is 'fc.weight' fp32 [4,4] there, 'fc.weight' fp32 [16,33]",
+                         eng.load_checkpoint, os.path.join(ckpt, "params"))
+            expect_error(strata.InvalidArgument, "not written by strata_save_checkpoint", eng.load_checkpoint,
+                         os.path.join(ckpt, "finetune"))
+            e = expect_error(strata.InvalidArgument, "not valid JSON", eng.load_checkpoint, os.path.join(ckpt, "cut"))
+            assert os.path.join(ckpt, "cut", "step_00000002", "manifest.json") in str(e)
+            # Nothing was loaded and the engine is usable: its values are its own, a step works.
+            assert all(np.array_equal(eng.read(p), v) for p, v in zip(params, before))
+            assert eng.stats()["failed"] == 0
+            train_steps(eng, lin, params, 2, 1)
+        # A checkpoint of other parameters into a fresh engine: refused before anything changes.
+        with strata.Engine(config(swap_dir + "-other")) as eng:
+            eng.register("fc.weight", np.zeros((16, 33), np.float32))
+            eng.op("fc", [0])
+            eng.finalize()
+            expect_error(strata.InvalidArgument, "holds 2 parameters, this engine has 1", eng.load_checkpoint,
+                         os.path.join(ckpt, "good"))
+    finally:
+        barrier_and_remove(ckpt)
+
+
+def breakdown_and_trace(swap_dir):
+    path = os.path.join(swap_dir + "-trace", "run.{rank}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with strata.Engine(config(swap_dir)) as eng:
+        lin, params = make_model(eng)
+        assert eng.step_breakdown().step == 0 and eng.step_breakdown().seconds == 0
+        expect_error(strata.InvalidState, "no trace is being recorded", strata.trace_stop)
+        with strata.trace(path):
+            expect_error(strata.InvalidState, "already being recorded", strata.trace_start, path)
+            train_steps(eng, lin, params, 0, 3)
+        b = eng.step_breakdown()
+        assert isinstance(b, strata.StepBreakdown) and b.step == 3 and b.applied == 1, b
+        parts = b.compute_seconds + b.param_stall_seconds + b.grad_wait_seconds + b.optimizer_seconds + b.other_seconds
+        assert b.seconds > 0 and abs(parts - b.seconds) < 1e-6 + 1e-3 * b.seconds, b
+        assert b.windows == 2 and b.fetches >= 2 and b.gathers >= 2, b
+        assert b.gathered_bytes >= 2 * (16 * 33 * 4 + 16 * 2), b  # w and b, forward and backward
+        assert b.nvme_read_bytes > 0 and b.nvme_written_bytes > 0 and b.param_read_bytes > 0, b
+        assert b.trace_followed == 1 and b.trace_dropped == 0, b  # step 3 follows the trace step 1 recorded
+        stalls = eng.op_stalls()
+        assert len(stalls) == b.stalled_windows and all(isinstance(s.op, strata.Op) for s in stalls), stalls
+        assert all(s.phase in ("forward", "backward") and s.windows == 1 for s in stalls), stalls
+        assert abs(sum(s.seconds for s in stalls) - b.param_stall_seconds) <= 1e-9 + 1e-6 * b.param_stall_seconds
+        assert [s.seconds for s in stalls] == sorted((s.seconds for s in stalls), reverse=True), stalls
+    rank = int(os.environ.get("RANK", "0"))
+    with open(path.replace("{rank}", str(rank))) as f:
+        timeline = json.load(f)
+    names = {ev.get("name") for ev in timeline["traceEvents"]}
+    assert {"strata_fetch", "strata_release", "strata_step"} <= names, sorted(n for n in names if n)
+    expect_error(strata.InvalidArgument, "path is empty", strata.trace_start, "")
+    expect_error(strata.IoError, "cannot create the trace file /proc/no-such-dir/t.", strata.trace_start,
+                 "/proc/no-such-dir/t.json")
+    if rank == 0:
+        print(f"step breakdown: {b.seconds * 1e3:.2f} ms = compute {b.compute_seconds * 1e3:.2f} + stall "
+              f"{b.param_stall_seconds * 1e3:.2f} + grad wait {b.grad_wait_seconds * 1e3:.2f} + optimizer "
+              f"{b.optimizer_seconds * 1e3:.2f} + other {b.other_seconds * 1e3:.2f}; NVMe read {b.nvme_read_bytes} B, "
+              f"written {b.nvme_written_bytes} B; trace: {len(timeline['traceEvents'])} events")
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+KILL_CHILD = r"""
+import os, sys
+import numpy as np
+import strata
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_engine import config, grad_of
+swap, ckpt, expected = sys.argv[2], sys.argv[3], sys.argv[4]
+with strata.Engine(config(swap)) as eng:
+    w = eng.register("big", np.full((1024, 1024), 0.5, np.float32))
+    op = eng.op("big", [w])
+    eng.finalize()
+    for step in range(1, 1000):
+        with eng.fetch(op, "backward") as win:
+            win.add_grad(w, grad_of(step, w.shape))
+        eng.step(0.01)
+        # What a load of step_<step> must give, durable before the checkpoint can exist.
+        tmp = os.path.join(expected, f"{step}.npy.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, eng.read(w))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(expected, f"{step}.npy"))
+        eng.save_checkpoint(ckpt)
+"""
+
+
+def killed_mid_save(root):
+    """kill -9 while strata_save_checkpoint writes: the previous checkpoint loads bit for bit."""
+    import signal
+    import subprocess
+    import time
+
+    here = os.path.abspath(__file__)
+    landed_mid_save = 0
+    for attempt in range(4):
+        swap, ckpt, expected = (os.path.join(root, f"kill{attempt}-{n}") for n in ("swap", "ckpt", "expected"))
+        os.makedirs(expected)
+        child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, here, swap, ckpt, expected])
+        try:
+            # Wait for a complete checkpoint, then for the next save to begin, and kill at once.
+            deadline = time.monotonic() + 120
+            target = None
+            while time.monotonic() < deadline and child.poll() is None:
+                steps = sorted(d for d in os.listdir(ckpt) if d.startswith("step_")) if os.path.isdir(ckpt) else []
+                complete = [d for d in steps if os.path.exists(os.path.join(ckpt, d, "manifest.json"))]
+                if complete and target is None:
+                    target = int(complete[-1][5:]) + 1 + attempt  # later attempts: a few saves in
+                if target is not None and any(int(d[5:]) >= target for d in steps):
+                    break
+                time.sleep(0.0005)
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert target is not None, f"the child saved no checkpoint (exit status {child.returncode})"
+        incomplete = [d for d in os.listdir(ckpt) if not os.path.exists(os.path.join(ckpt, d, "manifest.json"))]
+        landed_mid_save += bool(incomplete)
+        with strata.Engine(config(os.path.join(root, f"kill{attempt}-load"))) as eng:
+            w = eng.register("big", np.zeros((1024, 1024), np.float32))
+            eng.op("big", [w])
+            eng.finalize()
+            eng.load_checkpoint(ckpt)
+            step = eng.stats()["steps"]
+            want = np.load(os.path.join(expected, f"{step}.npy"))
+            assert step >= 1 and np.array_equal(eng.read(w).view(np.uint32), want.view(np.uint32)), step
+        shutil.rmtree(os.path.join(root, f"kill{attempt}-swap"), ignore_errors=True)
+    # The kill must have hit a save in progress at least once, or this tested nothing.
+    assert landed_mid_save >= 1, "no kill landed while a checkpoint was being written"
+    print(f"kill -9 during strata_save_checkpoint: {landed_mid_save} of 4 kills landed mid-save; the previous "
+          "checkpoint loaded bit for bit each time")
+
+
+def prepared_steps(swap_dir):
+    """prepare_step (the optimizer overlapping backward) changes no result; misuse is an InvalidState."""
+    with strata.Engine(config(swap_dir + "-a")) as plain, strata.Engine(config(swap_dir + "-b")) as prepared:
+        lin, params = make_model(plain)
+        lin2, params2 = make_model(prepared)
+        for step in range(4):
+            for eng, op, ps, prepare in ((plain, lin, params, False), (prepared, lin2, params2, True)):
+                if prepare:
+                    eng.prepare_step(0.01)
+                with eng.fetch(op, "forward"):
+                    pass
+                with eng.fetch(op, "backward") as win:
+                    for p in ps:
+                        win.add_grad(p, grad_of(step, p.shape))
+                assert eng.step(0.01).applied
+        for a, b in zip(params, params2):
+            assert np.array_equal(plain.read(a).view(np.uint8), prepared.read(b).view(np.uint8)), a.name
+        prepared.prepare_step(0.01)
+        expect_error(strata.InvalidState, "twice", prepared.prepare_step, 0.01)
+        expect_error(strata.InvalidState, "between strata_prepare_step and strata_step", prepared.read, params2[0])
+        prepared.zero_grad()  # abandons the prepared step
+        prepared.read(params2[0])
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("prepare_step: 4 steps bit for bit the unprepared engine's; misuse refused")
+
+
 def main():
     root = tempfile.mkdtemp(prefix="strata-python-test-")
     try:
@@ -176,8 +496,13 @@ def main():
         linear_regression(os.path.join(root, "a"))
         dtypes_and_values(os.path.join(root, "b"))
         bad_input(os.path.join(root, "c"))
+        checkpoints(os.path.join(root, "d"))
+        checkpoint_bad_input(os.path.join(root, "e"))
+        breakdown_and_trace(os.path.join(root, "f"))
+        prepared_steps(os.path.join(root, "g"))
         if os.environ.get("WORLD_SIZE", "1") == "1":
             failure_is_sticky()  # one rank: a peer's collectives would wait for the failed one
+            killed_mid_save(root)  # one rank: the child is a job of its own
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print("python tests: ok")

@@ -244,7 +244,7 @@ TEST_CASE("a long unknown key costs no suggestion search and is not echoed whole
   REQUIRE_THAT(only_problem("{\"a\\nb\\u0007\": 1}"), Contains("a\\nb\\x07: unknown key"));
 }
 
-TEST_CASE("the problems listed are bounded; the rest are counted", "[config][issue16]") {
+TEST_CASE("the problems listed are bounded, the rest are counted", "[config][issue16]") {
   std::string text = "{";
   for (int i = 0; i < 10000; ++i) text += fmt::format("{}\"unknown_{}\": {}", i == 0 ? "" : ",", i, i);
   text += "}";
@@ -283,7 +283,7 @@ TEST_CASE("a directory, an oversized file: named as such", "[config][issue16]") 
   REQUIRE_THROWS_WITH(load_config_file(big), Contains("larger than 16777216 bytes"));
 }
 
-TEST_CASE("aio.engine chooses the I/O backend; strata.io_engine is its older name", "[config]") {
+TEST_CASE("aio.engine chooses the I/O backend, strata.io_engine is its older name", "[config]") {
   CHECK(strata::parse_config_text(R"({"aio": {"engine": "aio"}})").aio.engine == "aio");
   CHECK(strata::parse_config_text(R"({"strata": {"io_engine": "psync"}})").aio.engine == "psync");
   REQUIRE_THROWS_WITH(strata::parse_config_text(R"({"aio": {"engine": "spdk"}})"),
@@ -313,4 +313,17 @@ TEST_CASE("the scheduler block: checked with the schedule's own rules, kept as g
              Catch::Contains("total_num_steps: required by WarmupDecayLR"));
   CHECK_THAT(problems(R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}})"),
              Catch::Contains("warmup_steps"));
+}
+
+TEST_CASE("aio.auto_tune and strata.overlap_optimizer parse, with their defaults and combinations", "[config]") {
+  const Config defaults = parse_config_text("{}", "test.json");
+  CHECK_FALSE(defaults.aio.auto_tune);
+  CHECK(defaults.strata.overlap_optimizer);
+  const Config c = parse_config_text(R"({"aio": {"auto_tune": true}, "strata": {"overlap_optimizer": false}})",
+                                     "test.json");
+  CHECK(c.aio.auto_tune);
+  CHECK_FALSE(c.strata.overlap_optimizer);
+  REQUIRE_THAT(only_problem(R"({"aio": {"auto_tune": true, "engine": "psync"}})"),
+               Contains("auto_tune") && Contains("psync"));
+  REQUIRE_THAT(only_problem(R"({"aio": {"auto_tune": 1}})"), Contains("aio.auto_tune") && Contains("true or false"));
 }

@@ -75,6 +75,12 @@ TEST_CASE("strata run: a failure grace too long for the clock means wait, not ki
     REQUIRE(result.exit_code == 5);
     REQUIRE_THAT(result.output,
                  Catch::Contains("[rank 1] survived") && !Catch::Contains("stopped by strata run"));
+    // It says what it will do: for inf, not "stopping the other ranks".
+    if (std::string(grace) == "inf") {
+      REQUIRE_THAT(result.output, Catch::Contains("may finish on their own") && !Catch::Contains("stopping"));
+    } else {
+      REQUIRE_THAT(result.output, Catch::Contains("stopping the other ranks in 1e+10 s unless they end first"));
+    }
   }
 }
 

@@ -7,7 +7,7 @@
 
 #include "runtime/core/log.h"
 
-TEST_CASE("log lines carry the rank; warn_once warns once", "[log]") {
+TEST_CASE("log lines carry the rank, warn_once warns once", "[log]") {
   std::ostringstream captured;
   auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
   auto& logger = strata::logger();

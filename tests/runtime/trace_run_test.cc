@@ -11,33 +11,22 @@
 
 #include "runtime/capi/strata.h"
 #include "tests/runtime/trace_checks.h"
+#include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
 using strata::test::read_trace;
+using strata::test::kFinetuneExamples;
 using strata::test::run_command;
+using strata::test::small_model;
 using strata::test::strata_binary;
+using strata::test::write_file;
 
 namespace {
 
-const std::string kExamples = STRATA_SOURCE_DIR "/examples/finetune";
-
-std::string write(const strata::test::TempDir& dir, const std::string& name, const std::string& text) {
-  const std::string path = dir.file(name);
-  std::ofstream(path) << text;
-  return path;
-}
-
-// tests/train's small model: 2 layers of 64, so a run takes seconds.
-std::string small_model(const strata::test::TempDir& dir) {
-  return write(dir, "small.json", R"({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
-}
-
 std::string nvme_config(const strata::test::TempDir& dir) {
   const std::string swap = dir.file("swap");
-  return write(dir, "ds.json", R"({
+  return write_file(dir, "ds.json", R"({
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "zero_optimization": {"stage": 3, "sub_group_size": 20000, "reduce_bucket_size": 20000,
@@ -51,7 +40,7 @@ TEST_CASE("strata run -n 2 -- strata finetune --trace: a Perfetto trace per rank
           "[trace][finetune]") {
   strata::test::TempDir dir("trace-finetune");
   const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
-                               nvme_config(dir) + " --init " + small_model(dir) + " --data " + kExamples +
+                               nvme_config(dir) + " --init " + small_model(dir) + " --data " + kFinetuneExamples +
                                "/data/gpl-3.0.txt --data-format text --steps 2 --seq 32 --out " + dir.file("out") +
                                " --trace " + dir.file("trace.json") + " 2>&1");
   INFO(run.output);
@@ -105,7 +94,7 @@ TEST_CASE("strata run -n 2 -- strata finetune --trace: a Perfetto trace per rank
 TEST_CASE("strata finetune --trace: an unwritable path fails before training, naming it", "[trace][finetune]") {
   strata::test::TempDir dir("trace-finetune");
   const std::string bad = dir.file("missing/dir/t-{rank}.json");
-  const auto run = run_command(strata_binary() + " finetune --init " + small_model(dir) + " --data " + kExamples +
+  const auto run = run_command(strata_binary() + " finetune --init " + small_model(dir) + " --data " + kFinetuneExamples +
                                "/data/gpl-3.0.txt --data-format text --steps 1 --seq 32 --out " + dir.file("out") +
                                " --trace " + bad + " 2>&1");
   INFO(run.output);

@@ -159,7 +159,7 @@ TEST_CASE("trace: per-thread bounds drop later events and count them", "[trace]"
   CHECK(second.of("phase", "tick").empty());
 }
 
-TEST_CASE("trace: a span open at stop is written unfinished; ending it later harms nothing", "[trace]") {
+TEST_CASE("trace: a span open at stop is written unfinished, ending it later harms nothing", "[trace]") {
   strata::test::TempDir dir("trace");
   trace::start(options_for(dir.file("a.json")));
   auto open = std::make_unique<trace::Span>("phase", "hung collective");
@@ -216,7 +216,7 @@ TEST_CASE("trace: threads keep recording while sessions start and stop", "[trace
   for (auto& t : threads) t.join();
 }
 
-TEST_CASE("trace: bad paths fail at start with the path named; a second start is refused", "[trace]") {
+TEST_CASE("trace: bad paths fail at start with the path named, a second start is refused", "[trace]") {
   strata::test::TempDir dir("trace");
   const std::string missing = dir.file("no/such/dir/t.json");
   CHECK_THROWS_WITH(trace::start(options_for(missing)),

@@ -9,28 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
+using strata::test::kFinetuneExamples;
 using strata::test::run_command;
+using strata::test::small_model;
 using strata::test::strata_binary;
+using strata::test::write_file;
 
 namespace {
-
-const std::string kExamples = STRATA_SOURCE_DIR "/examples/finetune";
-
-std::string write(const strata::test::TempDir& dir, const std::string& name, const std::string& text) {
-  const std::string path = dir.file(name);
-  std::ofstream(path) << text;
-  return path;
-}
-
-// A small version of the example model (2 layers of 64) so the test runs in seconds.
-std::string small_model(const strata::test::TempDir& dir) {
-  return write(dir, "small.json", R"({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
-}
 
 std::vector<nlohmann::json> read_jsonl(const std::string& path) {
   std::ifstream in(path);
@@ -41,11 +30,11 @@ std::vector<nlohmann::json> read_jsonl(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimizer on NVMe; the loss falls",
+TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimizer on NVMe, the loss falls",
           "[finetune]") {
   strata::test::TempDir dir;
   const std::string swap = dir.file("swap");
-  const std::string config = write(dir, "ds.json", R"({
+  const std::string config = write_file(dir, "ds.json", R"({
     "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.0}},
     "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": 40}},
@@ -54,7 +43,7 @@ TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimi
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
   const std::string out = dir.file("out");
   const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
-                               " --init " + small_model(dir) + " --data " + kExamples +
+                               " --init " + small_model(dir) + " --data " + kFinetuneExamples +
                                "/data/gpl-3.0.txt --data-format text --steps 40 --seq 64 --out " + out + " --export " + out +
                                "/model --export-dtype fp32 --export-shard-size 50KB 2>&1");
   INFO(run.output);
@@ -92,7 +81,7 @@ TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimi
   CHECK(std::ifstream(model + "/config.json").good());
   const auto index = nlohmann::json::parse(std::ifstream(model + "/model.safetensors.index.json"));
   CHECK(index["weight_map"].size() == 2 + 2 * 9 + 1);  // embeddings, lm_head, 9 per layer, final norm
-  const auto again = run_command(strata_binary() + " finetune --model " + model + " --data " + kExamples +
+  const auto again = run_command(strata_binary() + " finetune --model " + model + " --data " + kFinetuneExamples +
                                  "/data/gpl-3.0.txt --data-format text --steps 3 --seq 64 --out " + out +
                                  "/again 2>&1");
   INFO(again.output);
@@ -105,28 +94,28 @@ TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimi
 TEST_CASE("strata finetune: bad input is a clear error before any training", "[finetune]") {
   strata::test::TempDir dir;
   const std::string model = small_model(dir);
-  const std::string text = kExamples + "/data/gpl-3.0.txt";
+  const std::string text = kFinetuneExamples + "/data/gpl-3.0.txt";
   const auto finetune = [&](const std::string& args) {
     return run_command(strata_binary() + " finetune --out " + dir.file("out") + " " + args + " 2>&1");
   };
   struct Case {
     std::string what, args, expect;
   };
-  const std::string short_data = write(dir, "short.txt", "only a few bytes");
+  const std::string short_data = write_file(dir, "short.txt", "only a few bytes");
   const std::vector<Case> cases = {
       {"data shorter than one sample", "--init " + model + " --data " + short_data + " --data-format text --seq 64",
        short_data},
       {"fp16 and bf16 at once",
        "--config " +
-           write(dir, "fp16.json",
+           write_file(dir, "fp16.json",
                  R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}, "zero_optimization": {"stage": 3}})") +
            " --init " + model + " --data " + text + " --data-format text",
        "both true"},
-      {"stage 0", "--config " + write(dir, "s0.json", R"({"zero_optimization": {"stage": 0}})") + " --init " + model +
+      {"stage 0", "--config " + write_file(dir, "s0.json", R"({"zero_optimization": {"stage": 0}})") + " --init " + model +
                       " --data " + text + " --data-format text",
        "stage is 0"},
       {"an unknown config key",
-       "--config " + write(dir, "typo.json", R"({"zero_optimisation": {"stage": 3}})") + " --init " + model +
+       "--config " + write_file(dir, "typo.json", R"({"zero_optimisation": {"stage": 3}})") + " --init " + model +
            " --data " + text + " --data-format text",
        "unknown key"},
       {"a model directory without weights", "--model " + dir.path().string() + " --data " + text,
@@ -137,7 +126,7 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
        "max_position_embeddings"},
       {"a missing data file", "--init " + model + " --data " + dir.file("nope.bin"), "nope.bin"},
       {"a scheduler without its required key",
-       "--config " + write(dir, "sched.json", R"({"zero_optimization": {"stage": 3},
+       "--config " + write_file(dir, "sched.json", R"({"zero_optimization": {"stage": 3},
            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})") +
            " --init " + model + " --data " + text + " --data-format text",
        "total_num_steps"},
@@ -153,11 +142,11 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
 
 TEST_CASE("strata finetune in fp16 with dynamic loss scaling: the scale is reported and the loss falls", "[finetune]") {
   strata::test::TempDir dir;
-  const std::string config = write(dir, "fp16.json", R"({"train_micro_batch_size_per_gpu": 4,
+  const std::string config = write_file(dir, "fp16.json", R"({"train_micro_batch_size_per_gpu": 4,
     "zero_optimization": {"stage": 3}, "fp16": {"enabled": true, "initial_scale_power": 12},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
   const auto r = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
-                             " --init " + small_model(dir) + " --data " + kExamples +
+                             " --init " + small_model(dir) + " --data " + kFinetuneExamples +
                              "/data/gpl-3.0.txt --data-format text --steps 30 --seq 64 --out " + dir.file("out") +
                              " 2>&1");
   INFO(r.output);
@@ -172,14 +161,14 @@ TEST_CASE("strata finetune in fp16 with dynamic loss scaling: the scale is repor
 TEST_CASE("strata finetune with activation checkpointing gives the same losses, bit for bit", "[finetune]") {
   strata::test::TempDir dir;
   const std::string model = small_model(dir);
-  const std::string plain = write(dir, "plain.json", R"({"train_micro_batch_size_per_gpu": 2,
+  const std::string plain = write_file(dir, "plain.json", R"({"train_micro_batch_size_per_gpu": 2,
     "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
-  const std::string cpu = write(dir, "cpu.json", R"({"train_micro_batch_size_per_gpu": 2,
+  const std::string cpu = write_file(dir, "cpu.json", R"({"train_micro_batch_size_per_gpu": 2,
     "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "activation_checkpointing": {"cpu_checkpointing": true}})");
   const auto run = [&](const std::string& config, const std::string& flags, const std::string& out) {
     const auto r = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
-                               " --init " + model + " --data " + kExamples +
+                               " --init " + model + " --data " + kFinetuneExamples +
                                "/data/gpl-3.0.txt --data-format text --steps 5 --seq 32 --out " + dir.file(out) +
                                " " + flags + " 2>&1");
     INFO(r.output);
@@ -201,14 +190,14 @@ namespace {
 std::string resumable_args(const strata::test::TempDir& dir, const std::string& name, int steps) {
   const std::string swap = dir.file(name + "_swap");
   static int configs = 0;
-  const std::string config = write(dir, name + "_ds" + std::to_string(++configs) + ".json", R"({
+  const std::string config = write_file(dir, name + "_ds" + std::to_string(++configs) + ".json", R"({
     "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
     "zero_optimization": {"stage": 3, "sub_group_size": 20000,
       "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
-  return "finetune --config " + config + " --init " + dir.file("small.json") + " --data " + kExamples +
+  return "finetune --config " + config + " --init " + dir.file("small.json") + " --data " + kFinetuneExamples +
          "/data/gpl-3.0.txt --data-format text --seq 32 --steps " + std::to_string(steps) + " --save " +
          dir.file(name + "_ckpt") + " --save-every 2 --out " + dir.file(name + "_out") + " --export " +
          dir.file(name + "_model") + " --export-dtype fp32";
@@ -235,7 +224,7 @@ TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for
 
   // Each attempt runs in its own session and is killed (every process of it,
   // at once) after a delay, unless it finishes first; the next resumes.
-  const std::string script = write(dir, "kill.sh", R"SH(#!/usr/bin/env bash
+  const std::string script = write_file(dir, "kill.sh", R"SH(#!/usr/bin/env bash
 set -u
 args="$1"; delay="$2"; ckpt="$3"; log="$4"
 resume=""
@@ -281,7 +270,7 @@ wait $sid; rc=$?; echo "exited $rc"
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["step"].get<int>() == i + 1);
 }
 
-TEST_CASE("a damaged newest checkpoint is named and the previous one used; --resume without one is an error",
+TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",
           "[finetune][checkpoint]") {
   strata::test::TempDir dir;
   small_model(dir);
@@ -329,10 +318,10 @@ TEST_CASE("a disk that fills during a checkpoint: a clear error naming the file,
           "[finetune][checkpoint]") {
   strata::test::TempDir dir;
   const std::string model = small_model(dir);
-  const std::string config = write(dir, "mem.json", R"({"train_micro_batch_size_per_gpu": 2,
+  const std::string config = write_file(dir, "mem.json", R"({"train_micro_batch_size_per_gpu": 2,
     "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})");
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
-                          " --init " + model + " --data " + kExamples +
+                          " --init " + model + " --data " + kFinetuneExamples +
                           "/data/gpl-3.0.txt --data-format text --seq 32 --save-every 2 --export-dtype fp32";
   const auto reference =
       run_command(run + " --steps 8 --out " + dir.file("ref") + " --export " + dir.file("ref_model") + " 2>&1");

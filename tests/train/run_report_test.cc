@@ -13,7 +13,7 @@
 using strata::train::RunReport;
 using strata::train::StepRecord;
 
-TEST_CASE("metrics.jsonl has one object per step, flushed as written; skipped steps are marked", "[train]") {
+TEST_CASE("metrics.jsonl has one object per step, flushed as written, skipped steps are marked", "[train]") {
   strata::test::TempDir dir;
   RunReport report(dir.path() / "out", 3, nullptr);
   StepRecord a;

@@ -1,0 +1,289 @@
+// The runtime's own memory, item by item (runtime_memory.h). Each item names
+// the allocation it mirrors; when that code changes, change the item (the
+// plan tests compare the arena with a real LlamaModel's).
+#include "runtime/plan/runtime_memory.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "offload/optimizer_swapper.h"
+#include "partition/layout.h"
+#include "runtime/core/error.h"
+
+namespace strata::plan {
+namespace {
+
+size_t align256(size_t nbytes) {
+  return (nbytes + 255) / 256 * 256;
+}
+
+size_t view_nbytes(DType dtype, std::initializer_list<int64_t> shape) {
+  size_t numel = 1;
+  for (int64_t d : shape) numel *= static_cast<size_t>(d);
+  return align256(numel * dtype_nbytes(dtype));
+}
+
+// The parameters LlamaModel declares (names and shapes as in llama_model.cc
+// and layers.cc: HF's layout), for the partition layout.
+std::vector<partition::ParamSpec> llama_params(const nn::LlamaConfig& c, DType dtype) {
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  std::vector<partition::ParamSpec> out;
+  auto add = [&](std::string name, Shape shape) {
+    out.push_back({std::move(name), std::move(shape), dtype});
+  };
+  add("model.embed_tokens.weight", {c.vocab_size, h});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    add(p + "input_layernorm.weight", {h});
+    add(p + "self_attn.q_proj.weight", {q, h});
+    add(p + "self_attn.k_proj.weight", {kv, h});
+    add(p + "self_attn.v_proj.weight", {kv, h});
+    add(p + "self_attn.o_proj.weight", {h, q});
+    if (c.attention_bias) {
+      add(p + "self_attn.q_proj.bias", {q});
+      add(p + "self_attn.k_proj.bias", {kv});
+      add(p + "self_attn.v_proj.bias", {kv});
+      add(p + "self_attn.o_proj.bias", {h});
+    }
+    add(p + "post_attention_layernorm.weight", {h});
+    add(p + "mlp.gate_proj.weight", {inter, h});
+    add(p + "mlp.up_proj.weight", {inter, h});
+    add(p + "mlp.down_proj.weight", {h, inter});
+    if (c.mlp_bias) {
+      add(p + "mlp.gate_proj.bias", {inter});
+      add(p + "mlp.up_proj.bias", {inter});
+      add(p + "mlp.down_proj.bias", {h});
+    }
+  }
+  add("model.norm.weight", {h});
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
+  return out;
+}
+
+// ZeroEngine's optimizer_sub_group_numel (zero_engine.cc): sub_group_size
+// rounded up to the alignment, at most the shard.
+size_t optimizer_sub_group_numel(const partition::PartitionLayout& layout, DType dtype,
+                                 int64_t sub_group_numel) {
+  const int64_t align_numel = static_cast<int64_t>(layout.alignment_nbytes() / dtype_nbytes(dtype));
+  const int64_t limit = (sub_group_numel + align_numel - 1) / align_numel * align_numel;
+  return static_cast<size_t>(std::min(limit, std::max<int64_t>(layout.shard_numel(), 1)));
+}
+
+}  // namespace
+
+std::string_view where_name(Where where) {
+  switch (where) {
+    case Where::kDevice:
+      return "device";
+    case Where::kPinned:
+      return "pinned host";
+    case Where::kHost:
+      return "host";
+    case Where::kNvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
+                          bool checkpoint_activations, bool cpu_checkpointing) {
+  const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
+  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
+  const auto layers = static_cast<size_t>(c.num_hidden_layers);
+  const DType f32 = DType::kF32;
+  // The residual stream: every layer's input, or two alternating buffers when
+  // the checkpoints live in host memory.
+  size_t n = (cpu_checkpointing ? 2 : layers + 1) * view_nbytes(t, {rows, hidden});
+  // What one decoder layer saves for backward; one set with checkpointing.
+  const size_t acts = view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
+                      view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
+                      view_nbytes(t, {rows, heads * hd}) + view_nbytes(f32, {batch, heads, seq}) +
+                      2 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
+                      3 * view_nbytes(t, {rows, inter});
+  n += (checkpoint_activations ? 1 : layers) * acts;
+  // Backward scratch shared by the layers, the final norm, loss and inputs.
+  n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +
+       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) +
+       3 * view_nbytes(t, {rows, inter});
+  n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
+  n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
+  n += 3 * view_nbytes(DType::kI32, {rows});
+  return n;
+}
+
+RuntimeMemory runtime_memory(const RuntimeInputs& in) {
+  nn::LlamaConfig c = in.model;
+  c.validate();
+  in.zero.validate();
+  STRATA_CHECK(in.micro_batch >= 1 && in.seq >= 1 && in.world_size >= 1, kBadArgument,
+               "plan: micro-batch {}, sequence {} and world size {} must all be at least 1",
+               in.micro_batch, in.seq, in.world_size);
+  STRATA_CHECK(!in.cpu_checkpointing || in.checkpoint_activations, kBadArgument,
+               "plan: cpu_checkpointing needs activation checkpointing");
+  const engine::ZeroEngineOptions& z = in.zero;
+  const DType pd = in.param_dtype;
+  const double pe = static_cast<double>(dtype_nbytes(pd));
+  const double world = in.world_size;
+  partition::LayoutOptions layout_options;
+  layout_options.world_size = in.world_size;
+  layout_options.sub_group_numel = z.sub_group_numel;
+  const partition::PartitionLayout layout(llama_params(c, pd), layout_options);
+  const double shard_numel = static_cast<double>(layout.shard_numel());
+  double padded_numel = 0, largest_slice = 0, persistent_numel = 0, largest_full = 0;
+  for (const auto& slot : layout.params()) {
+    const double full = static_cast<double>(slot.slice_numel) * world;  // a gather's output
+    padded_numel += full;
+    largest_slice = std::max(largest_slice, static_cast<double>(slot.slice_numel));
+    largest_full = std::max(largest_full, full);
+    if (slot.numel <= z.persistence_threshold_numel) persistent_numel += full;
+  }
+  const size_t opt_sub_group = optimizer_sub_group_numel(layout, pd, z.sub_group_numel);
+
+  RuntimeMemory out;
+  bool during_steps = false;  // set for the items below that the steps allocate
+  auto add = [&](std::string name, Where where, double nbytes, bool bound, std::string basis) {
+    if (nbytes <= 0) return;
+    out.items.push_back({std::move(name), where, nbytes, bound, std::move(basis), during_steps});
+    (where == Where::kDevice   ? out.device_nbytes
+     : where == Where::kPinned ? out.pinned_nbytes
+     : where == Where::kHost   ? out.host_nbytes
+                               : out.nvme_nbytes) += nbytes;
+  };
+
+  // ---- device ------------------------------------------------------------------
+  const int64_t rows = in.micro_batch * in.seq;
+  // The model runner allocates its arena and scratch at the first forward.
+  during_steps = true;
+  add("activation arena", Where::kDevice,
+      static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
+                                             in.checkpoint_activations, in.cpu_checkpointing)),
+      false,
+      fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}, {}", rows,
+                  c.hidden_size, c.intermediate_size,
+                  in.checkpoint_activations
+                      ? "one layer's activations + the checkpoints"
+                      : fmt::format("{} layers' activations", c.num_hidden_layers)));
+  // The fused loss forms logits chunk rows at a time (llama_model.cc: 64 MiB of fp32, at least 64
+  // rows).
+  const int64_t chunk_rows = std::max<int64_t>(64, (int64_t{64} << 20) / (4 * c.vocab_size));
+  add("loss logits scratch", Where::kDevice,
+      4.0 * static_cast<double>(std::min(chunk_rows, rows) * c.vocab_size), false,
+      fmt::format("{} rows x vocab {} fp32", std::min(chunk_rows, rows), c.vocab_size));
+  // Linear backward accumulating into dx stages the product in a [rows, in] fp32 scratch
+  // (ops_cpu.cc).
+  if (in.device_is_host) {
+    add("backward dx scratch", Where::kDevice,
+        4.0 * static_cast<double>(rows * std::max(c.hidden_size, c.intermediate_size)), true,
+        "rows x max(hidden, intermediate) fp32 (cpu ops)");
+  }
+  during_steps = false;  // the engine's storage: finalize
+  if (z.param_tier == strata::Tier::kDevice) {
+    add("parameter shard (home)", Where::kDevice, static_cast<double>(layout.shard_nbytes()), false,
+        "this rank's shard of every parameter");
+  }
+  if (z.stage < 3) {
+    add("full parameters", Where::kDevice, pe * padded_numel, false,
+        "stages 1/2 keep every parameter gathered");
+  }
+  if (z.stage == 1) {
+    add("full fp32 gradients", Where::kDevice, 4.0 * padded_numel, false,
+        "stage 1 accumulates whole gradients until the step");
+  }
+  if (z.grad_tier == strata::Tier::kDevice) {
+    add("fp32 gradient shard", Where::kDevice, 4.0 * shard_numel, false,
+        "GradShard in accelerator memory");
+  }
+  during_steps = true;  // gathers and gradients: forward and backward
+  if (z.stage == 3) {
+    // Persistent parameters stay gathered; the rest within the prefetch
+    // bucket ahead plus the operator being run, at most max_live (and never
+    // more than the whole model).
+    const double rest = padded_numel - persistent_numel;
+    const double live =
+        std::min({rest, static_cast<double>(z.prefetch_bucket_numel) + 2 * largest_full,
+                  static_cast<double>(z.max_live_parameters_numel) + largest_full});
+    add("gathered parameters", Where::kDevice, pe * (persistent_numel + live), true,
+        fmt::format("persistent ({:.0f} elements) + within prefetch {} / max live {} elements",
+                    persistent_numel, z.prefetch_bucket_numel, z.max_live_parameters_numel));
+  }
+  if (z.stage >= 2) {
+    // A full fp32 gradient lives from its first use in backward until its
+    // bucket is reduced: the open bucket and two in flight (bucket_reducer.cc),
+    // each up to reduce_bucket_size plus one parameter.
+    const double bucket = static_cast<double>(z.reduce_bucket_numel) + largest_full;
+    add("fp32 gradients awaiting reduction", Where::kDevice,
+        4.0 * std::min(padded_numel, 3 * bucket), true,
+        fmt::format("open bucket + 2 in flight of reduce_bucket_size {}", z.reduce_bucket_numel));
+    add("reduce-scatter buffers", Where::kDevice,
+        4.0 * (1 + 1 / world) * std::min(padded_numel, 2 * bucket), true,
+        "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
+  }
+
+  // ---- pinned and pageable host ----------------------------------------------------
+  during_steps = false;  // finalize, except where said
+  if (z.param_tier == strata::Tier::kCpu) {
+    add("parameter shard (home)", Where::kPinned, static_cast<double>(layout.shard_nbytes()), false,
+        "this rank's shard of every parameter");
+  }
+  if (z.param_tier == strata::Tier::kNvme) {
+    const double count = std::min(static_cast<double>(z.param_buffer_count),
+                                  static_cast<double>(layout.params().size()));
+    add("NVMe read staging", Where::kPinned, count * pe * largest_slice, false,
+        fmt::format("{:.0f} buffers of the largest slice ({:.0f} elements)", count, largest_slice));
+  }
+  if (z.param_tier != strata::Tier::kDevice) {
+    // zero_engine.cc home_range: one window of a sub-group or the largest slice.
+    add("parameter home window", Where::kPinned,
+        pe * std::max(static_cast<double>(opt_sub_group), largest_slice), false,
+        "the optimizer's sub-group of 16/32-bit values (home_range)");
+  }
+  if (z.optimizer_tier == strata::Tier::kNvme) {
+    add("optimizer pipeline buffers", Where::kPinned,
+        static_cast<double>(z.optimizer_buffer_count *
+                            offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
+        false,
+        fmt::format("{} buffers of one sub-group's fp32 master + 2 moments ({} elements)",
+                    z.optimizer_buffer_count, opt_sub_group));
+  } else {
+    add("optimizer state", Where::kHost, 12.0 * shard_numel, false,
+        "fp32 master + 2 moments of the shard");
+  }
+  if (z.grad_tier == strata::Tier::kNvme) {
+    add("gradient shard scratch", Where::kPinned, 4.0 * 2 * largest_slice, false,
+        "2 slices for accumulation (GradShard)");
+    during_steps = true;
+    add("gradient shard window", Where::kPinned, 4.0 * static_cast<double>(opt_sub_group), false,
+        "one sub-group read for the optimizer (GradShard)");
+  }
+  during_steps = true;  // the model runner's, at the first forward
+  add("input staging", Where::kPinned, 12.0 * static_cast<double>(rows) + 24, false,
+      "ids, targets, positions");
+  if (in.cpu_checkpointing && c.num_hidden_layers > 1) {
+    add("activation checkpoints", Where::kPinned,
+        static_cast<double>((c.num_hidden_layers - 1) *
+                            view_nbytes(in.activation_dtype, {rows, c.hidden_size})),
+        false, "every layer's input but the top one's");
+  }
+
+  // ---- NVMe ----------------------------------------------------------------------
+  during_steps = false;
+  if (z.param_tier == strata::Tier::kNvme) {
+    add("parameter file", Where::kNvme, static_cast<double>(layout.shard_nbytes()), false,
+        "this rank's shard");
+  }
+  if (z.grad_tier == strata::Tier::kNvme) {
+    add("fp32 gradient file", Where::kNvme, 4.0 * shard_numel, false, "this rank's gradient shard");
+  }
+  if (z.optimizer_tier == strata::Tier::kNvme) {
+    const double records = std::ceil(shard_numel / static_cast<double>(opt_sub_group));
+    add("optimizer state files", Where::kNvme,
+        2 * records * static_cast<double>(offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
+        false, "two slots (crash-safe commit) of fp32 master + 2 moments per sub-group");
+  }
+  return out;
+}
+
+}  // namespace strata::plan

@@ -1,0 +1,97 @@
+// What strata's own training loop holds per rank, item by item: a LlamaModel
+// (runtime/nn) on the ZeroEngine (runtime/engine), as `strata finetune` runs
+// it. The papers' formulas in plan.h count model states, activations and the
+// largest operator as a GPU framework of 2021 held them; this runtime keeps an
+// activation arena laid out by the model runner, gathers parameters within the
+// stage-3 budgets, reduces gradients in buckets, and stages NVMe traffic
+// through pinned buffers sized by the ds_config. Those are the lines here, so
+// `strata plan --check` can set a prediction beside a measured run.
+//
+// Each item mirrors the allocation it names (the code it follows is cited at
+// the item), from the same pure inputs the runtime uses: the partition layout
+// (partition::PartitionLayout), the engine options (train::zero_engine_options
+// of the ds_config) and the model config. An item is either exact (the
+// runtime allocates exactly that) or an upper bound (what is live at once
+// depends on stream timing: gathers, gradients waiting for their bucket).
+//
+// Not counted, and said so by the report: the process itself (code,
+// libraries, thread stacks, BLAS and communicator buffers), which is measured
+// rather than predicted; op scratch for 16-bit weights on the cpu backend;
+// the cuda backend's caching allocator.
+//
+// Thread-safety: pure functions. Errors: Error(kBadArgument) for a model or
+// options the runtime itself would refuse (checked by their own validate()).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/core/dtype.h"
+#include "runtime/core/tensor.h"
+#include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_config.h"
+
+namespace strata::plan {
+
+struct RuntimeInputs {
+  nn::LlamaConfig model;
+  DType param_dtype = DType::kF32;       // parameter storage (bf16/fp16 with mixed precision)
+  DType activation_dtype = DType::kF32;  // LlamaModel's: fp32 on the cpu accelerator
+  int64_t micro_batch = 1;
+  int64_t seq = 256;
+  bool checkpoint_activations = false;
+  bool cpu_checkpointing = false;  // checkpoints in pinned host memory
+  int world_size = 1;
+  engine::ZeroEngineOptions zero;
+  // The cpu accelerator: "device" memory is host memory of the process.
+  bool device_is_host = true;
+};
+
+// Where an item lives. kPinned and kHost are both host memory (resident);
+// kPinned is page-locked (mlock), so it is resident from allocation on.
+enum class Where { kDevice, kPinned, kHost, kNvme };
+std::string_view where_name(Where where);  // "device", "pinned host", "host", "nvme"
+
+struct MemoryItem {
+  std::string name;  // "activation arena"
+  Where where = Where::kDevice;
+  double nbytes = 0;
+  bool upper_bound = false;  // false: exactly what the runtime allocates
+  std::string basis;         // how it is sized, for the report
+  // Allocated by the steps (first forward, backward, optimizer) rather than
+  // at setup (finalize, weights): what a process resident at the start of its
+  // first step does not hold yet.
+  bool during_steps = false;
+};
+
+struct RuntimeMemory {
+  std::vector<MemoryItem> items;
+  double device_nbytes = 0, pinned_nbytes = 0, host_nbytes = 0, nvme_nbytes = 0;  // sums per Where
+  // What the process holds resident beyond its own baseline: pinned + host,
+  // plus device memory when the device is host memory (the cpu accelerator).
+  double resident_nbytes(bool device_is_host) const {
+    return pinned_nbytes + host_nbytes + (device_is_host ? device_nbytes : 0);
+  }
+  // The part of resident_nbytes allocated at setup (items not during_steps).
+  double setup_resident_nbytes(bool device_is_host) const {
+    double total = 0;
+    for (const MemoryItem& item : items) {
+      if (item.during_steps || item.where == Where::kNvme ||
+          (item.where == Where::kDevice && !device_is_host))
+        continue;
+      total += item.nbytes;
+    }
+    return total;
+  }
+};
+
+// The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
+// for a batch x seq, in bytes: every view rounded up to 256 bytes.
+size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
+                          int64_t seq, bool checkpoint_activations, bool cpu_checkpointing);
+
+// Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
+RuntimeMemory runtime_memory(const RuntimeInputs& inputs);
+
+}  // namespace strata::plan

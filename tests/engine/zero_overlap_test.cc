@@ -1,0 +1,150 @@
+// The optimizer overlapping backward (ZeroEngine::prepare_step): sub-groups
+// updated during backward as their gradients become final must give the step
+// taken entirely in step(), bit for bit — when the speculation holds, and when
+// it is rolled back (clipping fires, a gradient is not finite, another lr, a
+// step abandoned). Ranks are threads over real Gloo; NVMe tiers are real
+// O_DIRECT files.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_model.h"
+#include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
+
+using namespace strata;
+
+namespace {
+
+using test::zero::TrainResult;
+using test::zero::TrainSpec;
+using test::zero::train_zero;
+
+// A different lr each step, so a step() given prepare_step's lr is checked.
+float lr_of(int step) { return test::zero::kLr * (1.0f + 0.1f * static_cast<float>(step)); }
+
+TrainSpec spec_for(const engine::ZeroEngineOptions& options, DType dtype) {
+  TrainSpec spec;
+  spec.world = 2;
+  spec.steps = 4;
+  spec.dtype = dtype;
+  spec.options = options;
+  spec.prepare_step = true;
+  spec.lr = lr_of;
+  return spec;
+}
+
+engine::ZeroEngineOptions options(int stage, Tier param, Tier optimizer, Tier grad, const std::filesystem::path& dir) {
+  engine::ZeroEngineOptions o = test::zero::options_for(stage);
+  o.param_tier = param;
+  o.optimizer_tier = optimizer;
+  o.grad_tier = grad;
+  o.nvme_path = dir;
+  o.sub_group_numel = 2048;  // several sub-groups per shard, final at different points of backward
+  return o;
+}
+
+// The overlapped run equals the one with the optimizer in step() only, bit
+// for bit, in losses, norms and every parameter (bf16 ones widened exactly).
+void check_same(const TrainResult& overlapped, const TrainResult& plain) {
+  REQUIRE(overlapped.params.size() == plain.params.size());
+  for (size_t p = 0; p < plain.params.size(); ++p) {
+    CAPTURE(plain.names[p]);
+    REQUIRE(overlapped.params[p].size() == plain.params[p].size());
+    REQUIRE(std::memcmp(overlapped.params[p].data(), plain.params[p].data(), plain.params[p].size() * sizeof(float)) == 0);
+  }
+  REQUIRE(overlapped.losses.size() == plain.losses.size());
+  for (size_t s = 0; s < plain.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::memcmp(&overlapped.losses[s], &plain.losses[s], sizeof(double)) == 0);
+    CHECK(overlapped.steps[s].applied == plain.steps[s].applied);
+    CHECK(overlapped.steps[s].grad_norm == plain.steps[s].grad_norm);
+  }
+}
+
+int64_t overlapped_sub_groups(const TrainResult& r) {
+  int64_t n = 0;
+  for (const auto& s : r.steps) n += s.sub_groups_overlapped;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("optimizer overlapping backward: bit for bit the step taken in step(), every tier, stages 2 and 3",
+          "[engine][zero][overlap]") {
+  test::TempDir dir("strata-overlap");
+  struct Case {
+    int stage;
+    Tier param, optimizer, grad;
+    DType dtype;
+  };
+  const Case c = GENERATE(Case{2, Tier::kDevice, Tier::kCpu, Tier::kDevice, DType::kF32},
+                          Case{3, Tier::kDevice, Tier::kCpu, Tier::kDevice, DType::kBF16},
+                          Case{3, Tier::kCpu, Tier::kNvme, Tier::kNvme, DType::kF32},
+                          Case{3, Tier::kNvme, Tier::kNvme, Tier::kNvme, DType::kBF16},
+                          Case{2, Tier::kDevice, Tier::kNvme, Tier::kDevice, DType::kBF16});
+  CAPTURE(c.stage, tier_name(c.param), tier_name(c.optimizer), tier_name(c.grad), dtype_name(c.dtype));
+  TrainSpec spec = spec_for(options(c.stage, c.param, c.optimizer, c.grad, dir.path()), c.dtype);
+  spec.options.gradient_clipping = 1e9;  // on, never firing: the norm is computed and speculation holds
+  spec.options.overlap_optimizer = false;
+  const TrainResult plain = train_zero(spec);
+  spec.options.overlap_optimizer = true;
+  const TrainResult overlapped = train_zero(spec);
+  check_same(overlapped, plain);
+  // The optimizer thread did update sub-groups during backward, and kept them.
+  CHECK(overlapped_sub_groups(overlapped) > 0);
+  for (const auto& s : overlapped.steps) CHECK_FALSE(s.rolled_back);
+  for (const auto& s : plain.steps) CHECK(s.sub_groups_overlapped == 0);
+  CHECK(overlapped.steps.back().optimizer_not_hidden_fraction() <= 1.0);
+}
+
+TEST_CASE("optimizer overlapping backward: clipping that fires, a non-finite gradient, another lr and an abandoned "
+          "step roll back exactly",
+          "[engine][zero][overlap]") {
+  test::TempDir dir("strata-overlap");
+  const Tier optimizer = GENERATE(Tier::kCpu, Tier::kNvme);
+  CAPTURE(tier_name(optimizer));
+  TrainSpec spec = spec_for(
+      options(3, Tier::kDevice, optimizer, optimizer == Tier::kNvme ? Tier::kNvme : Tier::kDevice, dir.path()),
+      DType::kBF16);
+  spec.steps = 5;
+  spec.micro_steps = 2;
+  spec.options.gradient_clipping = 0.5;  // fires at step 0 (checked below)
+  spec.prepare_lr = [](int step) { return step == 2 ? 2 * lr_of(step) : lr_of(step); };
+  spec.grad_scale = [](int rank, int step) {
+    return rank == 0 && step == 3 ? std::numeric_limits<float>::infinity() : 1.0f;
+  };
+  spec.abandoned_step = 4;
+  spec.options.overlap_optimizer = false;
+  const TrainResult plain = train_zero(spec);
+  spec.options.overlap_optimizer = true;
+  const TrainResult overlapped = train_zero(spec);
+  check_same(overlapped, plain);
+  REQUIRE(plain.steps.size() == 5);
+  CHECK(plain.steps[0].grad_norm > 0.5);       // clipping fired at step 0
+  CHECK(overlapped.steps[0].rolled_back);
+  CHECK(overlapped.steps[2].rolled_back);      // another lr
+  CHECK_FALSE(overlapped.steps[3].applied);    // not finite: skipped, nothing changed
+  CHECK(overlapped.steps[3].rolled_back);
+  CHECK(overlapped.steps[4].applied);
+}
+
+TEST_CASE("prepare_step misuse is refused, naming the call", "[engine][zero][overlap]") {
+  test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
+    engine::ZeroEngine eng(accelerator, comms, test::zero::options_for(3));
+    nn::LlamaModel model(eng, test::zero::model_config(false), nn::model_options(DType::kF32, 16));
+    CHECK_THROWS_WITH(eng.prepare_step(0.1f), Catch::Contains("before finalize"));
+    eng.finalize();
+    CHECK_THROWS_WITH(eng.prepare_step(-1.0f), Catch::Contains("lr"));
+    eng.prepare_step(0.1f);
+    CHECK_THROWS_WITH(eng.prepare_step(0.1f), Catch::Contains("twice"));
+    CHECK_THROWS_WITH(eng.for_each_owned_range(0, engine::Engine::Access::kRead, [](int64_t, const TensorView&) {}),
+                      Catch::Contains("between prepare_step() and step()"));
+    eng.zero_grad();  // abandons the prepared step
+    eng.for_each_owned_range(0, engine::Engine::Access::kRead, [](int64_t, const TensorView&) {});
+  });
+}

@@ -1,0 +1,257 @@
+// `strata plan --check`: the metrics.jsonl and run.json parsers' errors, the
+// runtime's activation arena against a real LlamaModel's, and a real
+// `strata finetune` run (2 ranks, ZeRO-3, NVMe) compared with its plan by the
+// strata binary within the default 15%.
+#include "runtime/plan/plan_check.h"
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/core/accelerator.h"
+#include "runtime/core/error.h"
+#include "runtime/engine/resident_engine.h"
+#include "runtime/nn/llama_model.h"
+#include "runtime/plan/runtime_memory.h"
+#include "runtime/train/run_report.h"
+#include "tests/support/run_command.h"
+#include "tests/support/temp_dir.h"
+
+using strata::Error;
+using strata::plan::parse_metrics;
+using strata::test::run_command;
+using strata::test::strata_binary;
+
+namespace {
+
+const std::string kExamples = STRATA_SOURCE_DIR "/examples/finetune";
+
+std::string record(int step, uint64_t device, uint64_t rss) {
+  return nlohmann::json{{"step", step},
+                        {"loss", 1.0},
+                        {"memory", {{"device_peak_bytes", device}, {"host_peak_rss_bytes", rss}}}}
+      .dump();
+}
+
+std::string write(const strata::test::TempDir& dir, const std::string& name,
+                  const std::string& text) {
+  const std::string path = dir.file(name);
+  std::ofstream(path) << text;
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("parse_metrics: the highest peaks over the steps", "[plan][check]") {
+  const auto m = parse_metrics(
+      record(1, 100, 1000) + "\n" + record(2, 300, 900) + "\n\n" + record(3, 200, 1100) + "\n",
+      "m.jsonl");
+  CHECK(m.steps == 3);
+  CHECK(m.device_peak_nbytes == 300);
+  CHECK(m.host_peak_rss_nbytes == 1100);
+}
+
+TEST_CASE("parse_metrics: bad files are errors naming the file and line", "[plan][check]") {
+  using Catch::Contains;
+  CHECK_THROWS_WITH(parse_metrics("", "m.jsonl"),
+                    Contains("m.jsonl") && Contains("no step records"));
+  CHECK_THROWS_WITH(parse_metrics("\n  \n", "m.jsonl"), Contains("no step records"));
+  // A run killed while writing its last record.
+  const std::string cut = record(2, 1, 1).substr(0, 20);
+  CHECK_THROWS_WITH(parse_metrics(record(1, 1, 1) + "\n" + cut, "m.jsonl"),
+                    Contains("m.jsonl:2") && Contains("truncated"));
+  // Garbage in the middle is corrupt, not truncated.
+  CHECK_THROWS_WITH(
+      parse_metrics(record(1, 1, 1) + "\n{oops\n" + record(3, 1, 1) + "\n", "m.jsonl"),
+      Contains("m.jsonl:2") && Contains("not a JSON object"));
+  CHECK_THROWS_WITH(parse_metrics("[1, 2]\n", "m.jsonl"),
+                    Contains("m.jsonl:1") && Contains("not a JSON object"));
+  CHECK_THROWS_WITH(parse_metrics(R"({"step": 1, "loss": 2})"
+                                  "\n",
+                                  "m.jsonl"),
+                    Contains("m.jsonl:1") && Contains("\"memory\""));
+  CHECK_THROWS_WITH(
+      parse_metrics(R"({"step": 1, "memory": {"device_peak_bytes": -5, "host_peak_rss_bytes": 1}})"
+                    "\n",
+                    "m.jsonl"),
+      Contains("m.jsonl:1") && Contains("memory.device_peak_bytes"));
+  CHECK_THROWS_WITH(
+      parse_metrics(R"({"memory": {"device_peak_bytes": 5, "host_peak_rss_bytes": 1}})"
+                    "\n",
+                    "m.jsonl"),
+      Contains("m.jsonl:1") && Contains("\"step\""));
+  CHECK_THROWS_WITH(strata::plan::read_metrics("/nonexistent/metrics.jsonl"),
+                    Contains("/nonexistent/metrics.jsonl") && Contains("does not exist"));
+}
+
+TEST_CASE("run.json round-trips, and a bad one names the file and key", "[plan][check]") {
+  strata::train::RunRecord r;
+  r.argv = {"strata", "finetune", "--seq", "64"};
+  r.cwd = "/tmp/x";
+  r.world_size = 2;
+  const auto back = strata::train::parse_run_record(strata::train::run_record_json(r), "run.json");
+  CHECK(back.argv == r.argv);
+  CHECK(back.cwd == r.cwd);
+  CHECK(back.world_size == 2);
+  using Catch::Contains;
+  CHECK_THROWS_WITH(strata::train::parse_run_record("{\"argv\": [", "d/run.json"),
+                    Contains("d/run.json") && Contains("not a JSON object"));
+  CHECK_THROWS_WITH(
+      strata::train::parse_run_record(R"({"cwd": "/", "world_size": 1})", "d/run.json"),
+      Contains("\"argv\""));
+  CHECK_THROWS_WITH(
+      strata::train::parse_run_record(R"({"argv": [], "cwd": "/", "world_size": 0})", "d/run.json"),
+      Contains("\"world_size\""));
+  CHECK_THROWS_WITH(strata::train::parse_run_record(R"({"argv": [1], "cwd": "/", "world_size": 1})",
+                                                    "d/run.json"),
+                    Contains("not a string"));
+}
+
+TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan][check]") {
+  strata::nn::LlamaConfig c;
+  c.vocab_size = 256;
+  c.hidden_size = 64;
+  c.intermediate_size = 176;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 16;
+  c.max_position_embeddings = 64;
+  const int64_t batch = 3, seq = 20;
+  for (const bool checkpointing : {false, true}) {
+    for (const bool cpu_checkpointing : {false, true}) {
+      if (cpu_checkpointing && !checkpointing) continue;
+      auto accelerator = strata::make_cpu_accelerator();
+      strata::engine::ResidentEngine engine(*accelerator);
+      strata::nn::LlamaModelOptions options;
+      options.checkpoint_activations = checkpointing;
+      options.cpu_checkpointing = cpu_checkpointing;
+      strata::nn::LlamaModel model(engine, c, options);
+      engine.finalize();
+      strata::nn::initialize_parameters(engine, model.parameters(), 7);
+      std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
+      model.forward(ids, targets, batch, seq);
+      model.backward();
+      (void)model.loss();
+      INFO("checkpointing " << checkpointing << ", cpu " << cpu_checkpointing);
+      CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, checkpointing,
+                                             cpu_checkpointing) == model.arena_nbytes());
+    }
+  }
+}
+
+TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with its plan within 15%",
+          "[plan][check][finetune]") {
+  strata::test::TempDir dir("plan-check");
+  // The quick start's model and config (examples/finetune), fewer steps: the
+  // config's relative swap path lands in the run's working directory.
+  const std::string out = dir.file("out");
+  const auto run = run_command(
+      "cd " + dir.path().string() + " && " + strata_binary() + " run -n 2 -- " + strata_binary() +
+      " finetune --config " + kExamples + "/ds_zero3_nvme.json --init " + kExamples +
+      "/byte_llama.json --data " + kExamples +
+      "/data/gpl-3.0.txt --data-format text --steps 2 --seq 256 --out " + out + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  REQUIRE(std::filesystem::exists(out + "/run.json"));
+
+  const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
+  INFO(check.output);
+  CHECK(check.exit_code == 0);
+  const auto j = nlohmann::json::parse(check.output);
+  CHECK(j["ok"] == true);
+  CHECK(j["run"]["world_size"] == 2);
+  CHECK(j["run"]["seq"] == 256);
+  int measured = 0;
+  for (const auto& tier : j["tiers"]) {
+    if (tier["measured_bytes"].is_null()) continue;
+    ++measured;
+    CHECK(tier["ratio"].get<double>() > 0.85);
+    CHECK(tier["ratio"].get<double>() < 1.15);
+  }
+  CHECK(measured == 2);  // device and host resident; the swap files are gone after the run
+
+  // A tolerance no prediction meets fails with exit status 1 and says which tier.
+  const auto strict =
+      run_command(strata_binary() + " plan --check " + out + "/metrics.jsonl --tolerance 0% 2>&1");
+  INFO(strict.output);
+  CHECK(strict.exit_code == 1);
+  CHECK_THAT(strict.output, Catch::Contains("NO") && Catch::Contains("outside 0%"));
+
+  // Flags of a planned job mean nothing to --check, and --check's flags nothing without it.
+  const auto mixed = run_command(strata_binary() + " plan --check " + out + " --gpus 8 2>&1");
+  CHECK(mixed.exit_code != 0);
+  CHECK_THAT(mixed.output, Catch::Contains("--gpus") && Catch::Contains("--check"));
+  const auto stray = run_command(strata_binary() + " plan --params 7.5B --tolerance 5% 2>&1");
+  CHECK(stray.exit_code != 0);
+  CHECK_THAT(stray.output, Catch::Contains("--tolerance goes with --check"));
+
+  // A truncated metrics file is an error naming the file and line, not a comparison.
+  std::ifstream in(out + "/metrics.jsonl");
+  std::string first;
+  std::getline(in, first);
+  const std::string broken = dir.file("broken");
+  std::filesystem::create_directories(broken);
+  std::filesystem::copy_file(out + "/run.json", broken + "/run.json");
+  write(dir, "broken/metrics.jsonl", first + "\n" + first.substr(0, first.size() / 2));
+  const auto bad = run_command(strata_binary() + " plan --check " + broken + " 2>&1");
+  INFO(bad.output);
+  CHECK(bad.exit_code != 0);
+  CHECK_THAT(bad.output, Catch::Contains("metrics.jsonl:2") && Catch::Contains("truncated"));
+}
+
+TEST_CASE("strata plan --check on a live run measures rank 0's swap files against the plan",
+          "[plan][check][finetune]") {
+  strata::test::TempDir dir("plan-check-live");
+  const std::string out = dir.file("out"), done = dir.file("rc");
+  // In the background, long enough (60 steps, ~20 s) to be checked while its swap files exist.
+  const std::string start = "(cd " + dir.path().string() + " && " + strata_binary() +
+                            " run -n 2 -- " + strata_binary() + " finetune --config " + kExamples +
+                            "/ds_zero3_nvme.json --init " + kExamples + "/byte_llama.json --data " +
+                            kExamples +
+                            "/data/gpl-3.0.txt --data-format text --steps 60 --seq 256 --out " +
+                            out + " > " + dir.file("log") + " 2>&1; echo $? > " + done + ") &";
+  REQUIRE(std::system(start.c_str()) == 0);
+  const auto wait_for = [](const std::function<bool()>& ready, int seconds) {
+    for (int i = 0; i < seconds * 10 && !ready(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return ready();
+  };
+  const bool stepped = wait_for(
+      [&] {
+        std::ifstream metrics(out + "/metrics.jsonl");
+        std::string line;
+        return std::getline(metrics, line) && !metrics.eof();  // one whole line
+      },
+      120);
+  std::optional<nlohmann::json> j;
+  if (stepped) {
+    const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
+    INFO(check.output);
+    CHECK(check.exit_code == 0);
+    j = nlohmann::json::parse(check.output);
+  }
+  // Never leave the run behind, whatever happened above.
+  REQUIRE(wait_for([&] { return std::filesystem::exists(done); }, 180));
+  std::ifstream log(dir.file("log"));
+  INFO(std::string(std::istreambuf_iterator<char>(log), {}));
+  REQUIRE(stepped);
+  REQUIRE(j.has_value());
+  bool nvme_measured = false;
+  for (const auto& tier : (*j)["tiers"]) {
+    if (tier["tier"] != "nvme") continue;
+    REQUIRE_FALSE(tier["measured_bytes"].is_null());
+    nvme_measured = true;
+    // The swap files are preallocated: the prediction is their exact size.
+    CHECK(tier["measured_bytes"] == tier["predicted_bytes"]);
+  }
+  CHECK(nvme_measured);
+}
