@@ -10,6 +10,7 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -254,6 +255,7 @@ class CpuAccelerator final : public Accelerator {
   ~CpuAccelerator() override {
     // Streams were destroyed first (they drain), so pending frees are due.
     for (auto& [ptr, nbytes] : allocations_) free_host(ptr, nbytes);
+    for (auto& [nbytes, ptr] : cache_) free_host(ptr, nbytes);
   }
 
   Backend backend() const override { return Backend::kCpu; }
@@ -262,13 +264,27 @@ class CpuAccelerator final : public Accelerator {
   void* allocate(size_t nbytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
     reap_locked();
-    if (nbytes > capacity_ - in_use_) {
-      raise(ErrorCategory::kOutOfMemory,
-            "cpu device memory: requested {} bytes, {} in use ({} of them waiting for stream-ordered frees), "
-            "0 cached, capacity {} ({} free)",
-            nbytes, in_use_, pending_nbytes_, capacity_, capacity_ - in_use_);
+    void* ptr = nullptr;
+    if (auto hit = cache_.find(nbytes); hit != cache_.end()) {
+      ptr = hit->second;  // the same size again (a gathered parameter, a gradient, a bucket): no page faults
+      cache_.erase(hit);
+      cached_nbytes_ -= nbytes;
+    } else {
+      // Cached blocks count against the budget: drop them when the request needs their room.
+      while (nbytes > capacity_ - in_use_ - cached_nbytes_ && !cache_.empty()) {
+        auto largest = std::prev(cache_.end());
+        cached_nbytes_ -= largest->first;
+        free_host(largest->second, largest->first);
+        cache_.erase(largest);
+      }
+      if (nbytes > capacity_ - in_use_ - cached_nbytes_) {
+        raise(ErrorCategory::kOutOfMemory,
+              "cpu device memory: requested {} bytes, {} in use ({} of them waiting for stream-ordered frees), "
+              "{} cached, capacity {} ({} free)",
+              nbytes, in_use_, pending_nbytes_, cached_nbytes_, capacity_, capacity_ - in_use_ - cached_nbytes_);
+      }
+      ptr = allocate_host(nbytes);
     }
-    void* ptr = allocate_host(nbytes);
     allocations_.emplace(ptr, nbytes);
     in_use_ += nbytes;
     peak_ = std::max(peak_, in_use_);
@@ -280,9 +296,10 @@ class CpuAccelerator final : public Accelerator {
     std::lock_guard<std::mutex> lock(mutex_);
     reap_locked();
     auto it = find_live_locked(ptr, "deallocate");
-    in_use_ -= it->second;
-    free_host(ptr, it->second);
+    const size_t nbytes = it->second;
+    in_use_ -= nbytes;
     allocations_.erase(it);
+    release_locked(ptr, nbytes);
   }
 
   void deallocate_after(void* ptr, Event& event) override {
@@ -300,9 +317,10 @@ class CpuAccelerator final : public Accelerator {
     auto it = find_live_locked(ptr, "deallocate_after");
     STRATA_CHECK(pending_ptrs_.count(ptr) == 0, kInternal, "cpu deallocate_after of {} freed twice", ptr);
     if (!done || done()) {
-      in_use_ -= it->second;
-      free_host(ptr, it->second);
+      const size_t nbytes = it->second;
+      in_use_ -= nbytes;
       allocations_.erase(it);
+      release_locked(ptr, nbytes);
     } else {
       pending_.push_back(Pending{ptr, it->second, std::move(done)});
       pending_ptrs_.insert(ptr);
@@ -319,6 +337,7 @@ class CpuAccelerator final : public Accelerator {
     stats.in_use_nbytes = in_use_;
     stats.peak_nbytes = peak_;
     stats.pending_free_nbytes = pending_nbytes_;
+    stats.cached_nbytes = cached_nbytes_;
     return stats;
   }
 
@@ -380,11 +399,27 @@ class CpuAccelerator final : public Accelerator {
       pending_nbytes_ -= it->nbytes;
       pending_ptrs_.erase(it->ptr);
       allocations_.erase(it->ptr);
-      free_host(it->ptr, it->nbytes);
+      release_locked(it->ptr, it->nbytes);
     }
     pending_.erase(due, pending_.end());
   }
 
+  // A block no longer in use: kept for the next request of the same size when
+  // it is one of allocate_host's own mappings (>= 1 MiB: each one is page
+  // faults and kernel zeroing when fresh, every step, for every gathered
+  // parameter, gradient and bucket) and the cache stays within what was once
+  // in use at the same time — in use + cached <= the peak — so caching never
+  // raises the memory this accelerator holds above its peak; else freed.
+  void release_locked(void* ptr, size_t nbytes) const {
+    if (nbytes >= kCachedMinNbytes && in_use_ + cached_nbytes_ + nbytes <= peak_) {
+      cache_.emplace(nbytes, ptr);
+      cached_nbytes_ += nbytes;
+      return;
+    }
+    free_host(ptr, nbytes);
+  }
+
+  static constexpr size_t kCachedMinNbytes = size_t{1} << 20;
   mutable std::mutex mutex_;
   const size_t capacity_;
   // Allocator bookkeeping; mutable because memory_stats() observes completed frees.
@@ -394,6 +429,8 @@ class CpuAccelerator final : public Accelerator {
   mutable std::unordered_map<void*, size_t> allocations_;  // every block not yet freed
   mutable std::vector<Pending> pending_;
   mutable std::unordered_set<void*> pending_ptrs_;
+  mutable std::multimap<size_t, void*> cache_;  // free blocks by size (release_locked)
+  mutable size_t cached_nbytes_ = 0;
   std::unordered_map<void*, size_t> pinned_;
 };
 

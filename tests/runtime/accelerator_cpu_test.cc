@@ -2,6 +2,7 @@
 // events under it (real TCP over loopback).
 #include "tests/runtime/accelerator_contract.h"
 
+#include <cstring>
 #include <future>
 #include <thread>
 
@@ -96,4 +97,31 @@ TEST_CASE("cpu: a failed Gloo collective reaches the streams that waited on its 
     REQUIRE_THROWS_WITH(stream->synchronize(), Catch::Contains("allreduce"));
     comm.reset();
   }
+}
+
+TEST_CASE("cpu: a freed block of >= 1 MiB serves the next request of its size, and the cache stays within the peak",
+          "[accelerator]") {
+  auto acc = strata::make_cpu_accelerator({size_t{64} << 20});
+  const size_t big = size_t{3} << 20, other = size_t{5} << 20;
+  void* a = acc->allocate(big);
+  std::memset(a, 0x5a, big);
+  acc->deallocate(a);
+  CHECK(acc->memory_stats().cached_nbytes == big);
+  void* again = acc->allocate(big);  // the same mapping: no page faults, not zeroed
+  CHECK(again == a);
+  CHECK(static_cast<unsigned char*>(again)[big - 1] == 0x5a);
+  CHECK(acc->memory_stats().cached_nbytes == 0);
+  // Another size does not take it; and in use + cached never exceeds the peak in use.
+  acc->deallocate(again);
+  void* b = acc->allocate(other);
+  CHECK(b != a);
+  acc->deallocate(b);
+  const strata::MemoryStats stats = acc->memory_stats();
+  CHECK(stats.in_use_nbytes == 0);
+  CHECK(stats.cached_nbytes <= stats.peak_nbytes);
+  CHECK(stats.peak_nbytes == other);
+  // Small blocks come from malloc and are never cached.
+  void* small = acc->allocate(4096);
+  acc->deallocate(small);
+  CHECK(acc->memory_stats().cached_nbytes == stats.cached_nbytes);
 }
