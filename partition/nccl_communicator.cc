@@ -25,6 +25,7 @@
 #include "partition/communicator.h"
 #include "runtime/core/error.h"
 #include "runtime/core/log.h"
+#include "runtime/core/trace_recorder.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_stream.h"
 
@@ -35,6 +36,10 @@ using Clock = std::chrono::steady_clock;
 // How often the watchdog looks at collectives in flight. Only bounds how late
 // a failure is noticed (timeouts are seconds); successes need no watchdog.
 constexpr std::chrono::milliseconds kWatchInterval{5};
+// While a trace records, the watchdog polls finer: it times each collective
+// (from the poll that sees its start event complete to the one that sees it
+// decided), so this is the resolution of the "comm" spans on the NCCL track.
+constexpr std::chrono::microseconds kTracedWatchInterval{200};
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
@@ -65,7 +70,8 @@ class DeviceGuard {
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& options)
-      : accelerator_(accelerator), store_(store), options_(options) {
+      : accelerator_(accelerator), store_(store), options_(options),
+        track_(trace::make_track("nccl " + options.prefix.substr(options.prefix.rfind('/') + 1))) {
     STRATA_CHECK(accelerator.backend() == Backend::kCuda, kBadArgument,
                  "the NCCL communicator needs a cuda accelerator, got {}", accelerator.name());
     device_ = cuda_internal::device_index(accelerator);
@@ -135,31 +141,33 @@ class NcclCommunicator final : public Communicator {
 
   std::unique_ptr<Event> allgather(const void* send, void* recv, size_t numel, DType dtype,
                                    Stream& stream) override {
-    return enqueue("allgather", numel, dtype, stream, [&](cudaStream_t s) {
+    const size_t nbytes = numel * dtype_nbytes(dtype) * static_cast<size_t>(world_size());
+    return enqueue("allgather", numel, dtype, nbytes, stream, [&](cudaStream_t s) {
       return ncclAllGather(send, recv, numel, nccl_type(dtype), comm_, s);
     });
   }
   std::unique_ptr<Event> reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                         Stream& stream) override {
-    return enqueue("reduce_scatter", numel, dtype, stream, [&](cudaStream_t s) {
+    const size_t nbytes = numel * dtype_nbytes(dtype) * static_cast<size_t>(world_size());
+    return enqueue("reduce_scatter", numel, dtype, nbytes, stream, [&](cudaStream_t s) {
       return ncclReduceScatter(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
     });
   }
   std::unique_ptr<Event> allreduce(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                    Stream& stream) override {
-    return enqueue("allreduce", numel, dtype, stream, [&](cudaStream_t s) {
+    return enqueue("allreduce", numel, dtype, numel * dtype_nbytes(dtype), stream, [&](cudaStream_t s) {
       return ncclAllReduce(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
     });
   }
   std::unique_ptr<Event> broadcast(void* data, size_t numel, DType dtype, int root, Stream& stream) override {
-    return enqueue("broadcast", numel, dtype, stream, [&](cudaStream_t s) {
+    return enqueue("broadcast", numel, dtype, numel * dtype_nbytes(dtype), stream, [&](cudaStream_t s) {
       return ncclBroadcast(data, data, numel, nccl_type(dtype), root, comm_, s);
     });
   }
   std::unique_ptr<Event> barrier(Stream& stream) override {
     // NCCL has no barrier: a one-element allreduce on a scratch word orders every rank.
     if (barrier_word_ == nullptr) barrier_word_ = accelerator_.allocate(sizeof(float));
-    return enqueue("barrier", 1, DType::kF32, stream, [&](cudaStream_t s) {
+    return enqueue("barrier", 1, DType::kF32, sizeof(float), stream, [&](cudaStream_t s) {
       return ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
     });
   }
@@ -172,6 +180,9 @@ class NcclCommunicator final : public Communicator {
     std::shared_ptr<cuda_internal::WatchedWork> work;
     bool started = false;
     Clock::time_point started_at;
+    const char* name = "";   // the collective, for its trace span
+    size_t nbytes = 0;
+    int64_t started_ns = 0;  // trace clock, when the watchdog saw the start event complete
   };
 
   static ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclAvg; }
@@ -190,7 +201,11 @@ class NcclCommunicator final : public Communicator {
   }
 
   template <typename Call>
-  std::unique_ptr<Event> enqueue(const char* name, size_t numel, DType dtype, Stream& stream, Call call) {
+  // `nbytes`: nccl-tests' size of the collective, as the Gloo communicator's
+  // spans give it (allgather: the output, reduce-scatter: the input,
+  // allreduce/broadcast: the buffer), so the trace's GB/s is algbw.
+  std::unique_ptr<Event> enqueue(const char* name, size_t numel, DType dtype, size_t nbytes, Stream& stream,
+                                 Call call) {
     std::unique_lock<std::mutex> lock(mutex_);
     STRATA_CHECK(!aborted_, kCommunication,
                  "NCCL communicator of rank {} was aborted by an earlier failure ({}); it cannot run {}", rank(),
@@ -222,6 +237,8 @@ class NcclCommunicator final : public Communicator {
     auto event = accelerator_.create_event();
     stream.record(*event);
     InFlight op;
+    op.name = name;
+    op.nbytes = nbytes;
     op.what = std::move(what);
     op.start = std::move(start);
     op.work = std::move(work);
@@ -241,7 +258,11 @@ class NcclCommunicator final : public Communicator {
           continue;
         }
         poll_locked();
-        watch_cv_.wait_for(lock, kWatchInterval);
+        if (trace::enabled()) {
+          watch_cv_.wait_for(lock, kTracedWatchInterval);
+        } else {
+          watch_cv_.wait_for(lock, kWatchInterval);
+        }
       }
     } catch (const std::exception& e) {
       // Only a broken CUDA device gets here; collectives then fail through it.
@@ -251,11 +272,16 @@ class NcclCommunicator final : public Communicator {
 
   void poll_locked() {
     const auto now = Clock::now();
-    while (!in_flight_.empty() && in_flight_.front().work->decided()) in_flight_.pop_front();
+    const int64_t now_ns = trace::enabled() ? trace::now_ns() : 0;
+    while (!in_flight_.empty() && in_flight_.front().work->decided()) {
+      trace_done_locked(in_flight_.front(), now_ns);
+      in_flight_.pop_front();
+    }
     for (InFlight& op : in_flight_) {
       if (!op.started && op.start->query()) {
         op.started = true;
         op.started_at = now;
+        op.started_ns = now_ns;
       }
     }
     if (in_flight_.empty()) return;
@@ -272,6 +298,19 @@ class NcclCommunicator final : public Communicator {
         return;
       }
     }
+  }
+
+  // A collective that completed, as a span on this communicator's track
+  // (times as the watchdog saw them; see kTracedWatchInterval). One that
+  // failed is in the error instead; one whose start the watchdog never saw
+  // (the trace began meanwhile) is left out.
+  void trace_done_locked(const InFlight& op, int64_t now_ns) const {
+    if (now_ns == 0 || op.started_ns == 0 || op.work->error()) return;
+    trace::Args args;
+    args.bytes = op.nbytes;
+    args.detail_key = "comm";
+    args.detail = options_.prefix;
+    trace::complete(track_, "comm", op.name, op.started_ns, now_ns, args);
   }
 
   std::string failure_message(const std::string& what, const std::string& reason) const {
@@ -325,6 +364,7 @@ class NcclCommunicator final : public Communicator {
   bool stopping_ = false;
   std::string first_failure_;
   uint64_t op_count_ = 0;
+  const trace::Track track_;  // "nccl <traffic>": the spans trace_done_locked records
   std::deque<InFlight> in_flight_;  // in submission order
   std::thread watchdog_;
 };

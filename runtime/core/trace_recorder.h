@@ -52,7 +52,10 @@
 //     H.W" tracks: "read"/"write" spans per run of a request's pieces, with
 //     bytes, file, offset) and every Gloo collective (a "comm" span on the
 //     stream thread that runs it, which is named "comm <traffic>" unless the
-//     engine named it first). An AioHandle on_done callback runs on the worker
+//     engine named it first), and every NCCL collective (a "comm" span on a
+//     virtual track "nccl <traffic>" per communicator, timed by its watchdog
+//     from seeing the collective start on the device to seeing it complete,
+//     at 200 us resolution while recording). An AioHandle on_done callback runs on the worker
 //     after that worker's span was recorded: time a request end to end (nc:
 //     submit to HostEvent signalled) on a virtual track, not the worker's.
 //   - Suggested for the engine: spans "gg"/"cg"/"nc issue" (category

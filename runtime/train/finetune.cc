@@ -210,6 +210,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.nvme_bytes = engine.nvme_bytes_read() + engine.nvme_bytes_written() - nvme_before;
     r.forward_backward_seconds = forward_backward;
     r.optimizer_seconds = r.seconds - forward_backward;
+    r.optimizer_hidden_seconds = stepped.optimizer_overlapped_seconds;
+    r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
     if (report) report->record(r);

@@ -151,7 +151,9 @@ void RunReport::record(const StepRecord& r) {
                          {"nvme_bytes", r.nvme_bytes},
                          {"step_s", r.seconds},
                          {"breakdown_s", {{"forward_backward", r.forward_backward_seconds},
-                                          {"optimizer", r.optimizer_seconds}}},
+                                          {"optimizer", r.optimizer_seconds},
+                                          {"optimizer_hidden", r.optimizer_hidden_seconds}}},
+                         {"optimizer_not_hidden_fraction", r.optimizer_not_hidden_fraction},
                          {"memory", {{"device_peak_bytes", r.device_peak_nbytes},
                                      {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
   const std::string text = line.dump() + "\n";

@@ -36,6 +36,11 @@ struct StepRecord {
   double seconds = 0;          // wall time of the step
   double forward_backward_seconds = 0;  // this rank's forward + backward
   double optimizer_seconds = 0;          // step(): reduction tail, norm, update, gather
+  // The optimizer overlapping backward (ZeroEngine::prepare_step): its
+  // thread's time during backward whose work the step kept, and of the
+  // optimizer's own time the share the step waited for (1: none hidden).
+  double optimizer_hidden_seconds = 0;
+  double optimizer_not_hidden_fraction = 1;
   uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
   uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }

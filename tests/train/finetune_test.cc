@@ -66,6 +66,8 @@ TEST_CASE("strata run -n 2 -- strata finetune: ZeRO-3 with parameters and optimi
     CHECK(s.contains("lr"));
     CHECK(s.contains("grad_norm"));
     CHECK(s["breakdown_s"].contains("optimizer"));
+    CHECK(s["breakdown_s"].contains("optimizer_hidden"));
+    CHECK(s["optimizer_not_hidden_fraction"].get<double>() <= 1.0);
     CHECK(s["nvme_bytes"].get<uint64_t>() > 0);  // parameters and optimizer state stream through NVMe
   }
   // The schedule's warmup is visible in the metrics.
