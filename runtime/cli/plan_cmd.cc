@@ -476,15 +476,6 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
   s.cwd = record.cwd;
 }
 
-uint64_t resident_nbytes_now() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0)
-      return std::strtoull(line.c_str() + 6, nullptr, 10) * 1024;  // kB
-  }
-  return 0;
-}
-
 // Rank 0's swap files, while they exist: <nvme_path>/<group>/rank0/*.swp (nvme/swap_space.h).
 std::optional<double> swap_files_nbytes(const std::filesystem::path& root) {
   std::error_code ec;
@@ -604,7 +595,7 @@ int run_check(const Options& o) {
   // run's resident set before its first step less the setup items above
   // (which it already held), else this very binary's resident set now —
   // which loaded the same libraries but started no threads, so it is lower.
-  const double bare = static_cast<double>(resident_nbytes_now());
+  const double bare = static_cast<double>(train::resident_nbytes());
   const double setup = memory.setup_resident_nbytes(device_is_host);
   double baseline = bare;
   std::string baseline_from =

@@ -34,6 +34,22 @@ namespace {
 
 const std::string kExamples = STRATA_SOURCE_DIR "/examples/finetune";
 
+// A sanitizer build's processes (this one and the strata it runs) carry
+// shadow memory, redzones and a quarantine of freed blocks: their resident
+// set is not the runtime's, so no plan can predict it. There the host tier is
+// measured but not held to the tolerance (device and NVMe still are).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 std::string record(int step, uint64_t device, uint64_t rss) {
   return nlohmann::json{{"step", step},
                         {"loss", 1.0},
@@ -165,15 +181,19 @@ TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with i
 
   const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
   INFO(check.output);
-  CHECK(check.exit_code == 0);
+  if (!kSanitized) {
+    CHECK(check.exit_code == 0);
+    CHECK(nlohmann::json::parse(check.output)["ok"] == true);
+  }
   const auto j = nlohmann::json::parse(check.output);
-  CHECK(j["ok"] == true);
   CHECK(j["run"]["world_size"] == 2);
   CHECK(j["run"]["seq"] == 256);
   int measured = 0;
   for (const auto& tier : j["tiers"]) {
     if (tier["measured_bytes"].is_null()) continue;
     ++measured;
+    if (kSanitized && tier["tier"] == "host resident") continue;
+    INFO(tier["tier"]);
     CHECK(tier["ratio"].get<double>() > 0.85);
     CHECK(tier["ratio"].get<double>() < 1.15);
   }
@@ -236,7 +256,7 @@ TEST_CASE("strata plan --check on a live run measures rank 0's swap files agains
   if (stepped) {
     const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
     INFO(check.output);
-    CHECK(check.exit_code == 0);
+    if (!kSanitized) CHECK(check.exit_code == 0);
     j = nlohmann::json::parse(check.output);
   }
   // Never leave the run behind, whatever happened above.
