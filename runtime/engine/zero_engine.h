@@ -370,6 +370,7 @@ class ZeroEngine final : public Engine {
   void init_optimizer();
   // The optimizer overlapping backward (zero_optimizer.cc).
   struct Overlap;
+  void arm_groups(float lr);                    // prepare_step: each group's open step and countdown
   void on_landed(size_t group, const std::vector<size_t>& params);  // reducer stream's host function
   void overlap_main();                          // the optimizer thread
   double settle_overlap();                      // waits until the thread is idle; disarms; returns seconds waited

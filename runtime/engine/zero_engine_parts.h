@@ -165,6 +165,8 @@ struct ZeroEngine::Overlap {
   bool stop = false;
   bool busy = false;                 // updating a batch taken from `ready`
   bool prepared = false;             // prepare_step called, step() not yet
+  uint64_t generation = 0;           // of arming: an arming queued on a reducer stream before a
+                                     // settle or a failed prepare_step must not arm
   std::exception_ptr error;          // the first failure of the thread (rethrown by step())
   double busy_seconds = 0;           // since prepare_step
   int64_t updated = 0;               // sub-groups the thread updated since prepare_step

@@ -87,8 +87,10 @@ void ZeroEngine::prepare_step(float lr) {
   adam.validate();  // a bad lr fails here, not on the optimizer thread
   o.lr = lr;
   o.loss_scale = loss_scaler_.scale();
-  o.prepared = true;
-  if (options_.stage == 1 || !options_.overlap_optimizer) return;  // stage 1 reduces at step()
+  if (options_.stage == 1 || !options_.overlap_optimizer) {  // stage 1 reduces at step()
+    o.prepared = true;  // still: misuse until step() is refused alike
+    return;
+  }
   if (optimizer_stale_) init_optimizer();
   // What the step will apply when clipping does not fire: the loss scale divided out.
   o.grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(o.loss_scale),
@@ -99,6 +101,32 @@ void ZeroEngine::prepare_step(float lr) {
     o.updated = 0;
     o.error = nullptr;
     o.ready.clear();
+  }
+  try {
+    arm_groups(lr);
+  } catch (...) {
+    // Nothing was updated yet: disarm (an arming still queued on a reducer
+    // stream finds its generation stale), close what was opened, and the
+    // step runs unprepared.
+    {
+      std::lock_guard lock(o.mutex);
+      ++o.generation;
+      o.ready.clear();
+      for (auto& g : groups_) g->armed = false;
+    }
+    for (auto& g : groups_) g->swapper->abort_step();
+    throw;
+  }
+  o.prepared = true;
+  if (!o.thread.joinable()) o.thread = std::thread([this] { overlap_main(); });
+}
+
+void ZeroEngine::arm_groups(float lr) {
+  Overlap& o = *overlap_;
+  uint64_t generation = 0;
+  {
+    std::lock_guard lock(o.mutex);
+    generation = ++o.generation;
   }
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
@@ -116,12 +144,11 @@ void ZeroEngine::prepare_step(float lr) {
     g.swapper->set_lr(lr);
     g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/true);
     // Armed in the reducer's stream order: landings of earlier buckets are not counted.
-    g.reducer->stream().launch_host_func([this, gi] {
+    g.reducer->stream().launch_host_func([this, gi, generation] {
       std::lock_guard lock(overlap_->mutex);
-      groups_[gi]->armed = true;
+      if (overlap_->generation == generation) groups_[gi]->armed = true;
     });
   }
-  if (!o.thread.joinable()) o.thread = std::thread([this] { overlap_main(); });
 }
 
 void ZeroEngine::on_landed(size_t group, const std::vector<size_t>& params) {
@@ -192,6 +219,7 @@ double ZeroEngine::settle_overlap() {
   std::unique_lock lock(o.mutex);
   o.cv.wait(lock, [&] { return !o.busy; });
   o.ready.clear();
+  ++o.generation;
   for (auto& g : groups_) g->armed = false;
   return seconds_since(start);
 }
