@@ -74,15 +74,22 @@ TEST_CASE("a rank killed during a collective: the others fail naming it within t
   REQUIRE(r.exit_code == 128 + 9);
   REQUIRE_THAT(r.output, Catch::Contains("strata run: rank 2 (pid") && Catch::Contains("killed by signal 9"));
   REQUIRE_THAT(r.output, Catch::Contains("strata run: failed: rank 2"));
+  int named_the_dead = 0;
   for (int rank : {0, 1, 3}) {
     std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
     REQUIRE_THAT(r.output, Catch::Contains(prefix));
     size_t at = r.output.find(prefix);
     std::string line = r.output.substr(at, r.output.find('\n', at) - at);
     INFO(line);
-    REQUIRE_THAT(line, Catch::Contains("rank 2 died"));
     REQUIRE_THAT(line, Catch::Contains("on rank " + std::to_string(rank) + " of 4"));
+    // A survivor names the dead rank, unless it gave up only after rank 0 —
+    // which hosts the store it asks — had failed and exited: then it says
+    // so (seen once under ASan: rank 3's send timed out 2 s after rank 0 left).
+    const bool named = line.find("rank 2 died") != std::string::npos;
+    named_the_dead += named;
+    if (!named) REQUIRE_THAT(line, Catch::Contains("unreachable (rank 0 hosts it and may have died)"));
   }
+  REQUIRE(named_the_dead >= 1);
   // Timeout 3 s plus start-up: well below the 8 s grace, so nobody was killed by the launcher.
   REQUIRE_THAT(r.output, !Catch::Contains("stopped by strata run"));
   REQUIRE(r.seconds < 8.0);
