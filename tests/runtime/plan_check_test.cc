@@ -22,6 +22,7 @@
 #include "runtime/nn/llama_model.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/run_report.h"
+#include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
@@ -55,13 +56,6 @@ std::string record(int step, uint64_t device, uint64_t rss) {
                         {"loss", 1.0},
                         {"memory", {{"device_peak_bytes", device}, {"host_peak_rss_bytes", rss}}}}
       .dump();
-}
-
-std::string write(const strata::test::TempDir& dir, const std::string& name,
-                  const std::string& text) {
-  const std::string path = dir.file(name);
-  std::ofstream(path) << text;
-  return path;
 }
 
 }  // namespace
@@ -221,7 +215,7 @@ TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with i
   const std::string broken = dir.file("broken");
   std::filesystem::create_directories(broken);
   std::filesystem::copy_file(out + "/run.json", broken + "/run.json");
-  write(dir, "broken/metrics.jsonl", first + "\n" + first.substr(0, first.size() / 2));
+  strata::test::write_file(dir, "broken/metrics.jsonl", first + "\n" + first.substr(0, first.size() / 2));
   const auto bad = run_command(strata_binary() + " plan --check " + broken + " 2>&1");
   INFO(bad.output);
   CHECK(bad.exit_code != 0);
