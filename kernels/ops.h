@@ -44,6 +44,7 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/optimizer.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/tensor.h"
 
@@ -192,6 +193,26 @@ class Ops {
 
   // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
   virtual void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
+
+  // ---- the optimizer on the accelerator (offload_optimizer.device none) ---------
+  // One Adam/AdamW update of n elements, in place: param (the fp32 master),
+  // exp_avg and exp_avg_sq are fp32 [n], grad fp32 [n]; param_copy, unless
+  // empty (no data), receives the new values in its float dtype (the 16-bit
+  // parameter, or an fp32 copy). The arithmetic is kernels::adam_step's
+  // operation for operation (FMA where it fuses, IEEE square root and
+  // division, round-to-nearest-even copies), so every backend gives the bits
+  // of its AVX2/AVX-512 kernel; the cpu backend runs that kernel.
+  virtual void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
+                         const TensorView& param, const TensorView& exp_avg,
+                         const TensorView& exp_avg_sq, const TensorView& grad,
+                         const TensorView& param_copy) = 0;
+  // out fp64 [1] = the sum over fp32 grad of x*x, x = grad*scale (an fp32
+  // product) widened to fp64 — kernels::grad_stats's sum, not finite when an
+  // element is not (its `finite` is std::isfinite of the sum).
+  // Deterministic on each backend: the same inputs (and, on cpu, the same
+  // thread count) give the same bits; backends may differ in rounding.
+  virtual void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+                           const TensorView& out) = 0;
 };
 
 // The cpu implementation. Never fails.
@@ -224,6 +245,10 @@ void matrix(std::string_view op, std::string_view what, const MatView& m);
 // The operands of an elementwise op (swiglu, add): float tensors of one dtype
 // and one element count.
 void elementwise(std::string_view op, std::initializer_list<const TensorView*> operands);
+// adam_step's operands: fp32 param, exp_avg, exp_avg_sq, grad of one element
+// count; param_copy empty or a float tensor of that count.
+void adam(std::string_view op, const TensorView& param, const TensorView& exp_avg,
+          const TensorView& exp_avg_sq, const TensorView& grad, const TensorView& param_copy);
 }  // namespace check
 
 }  // namespace strata::ops

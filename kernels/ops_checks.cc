@@ -96,6 +96,21 @@ void elementwise(std::string_view op, std::initializer_list<const TensorView*> o
   }
 }
 
+void adam(std::string_view op, const TensorView& param, const TensorView& exp_avg,
+          const TensorView& exp_avg_sq, const TensorView& grad, const TensorView& param_copy) {
+  dtype(op, "param", param, DType::kF32);
+  dtype(op, "exp_avg", exp_avg, DType::kF32);
+  dtype(op, "exp_avg_sq", exp_avg_sq, DType::kF32);
+  dtype(op, "grad", grad, DType::kF32);
+  numel(op, "exp_avg", exp_avg, param.numel());
+  numel(op, "exp_avg_sq", exp_avg_sq, param.numel());
+  numel(op, "grad", grad, param.numel());
+  if (param_copy.data != nullptr) {
+    float_tensor(op, "param_copy", param_copy);
+    numel(op, "param_copy", param_copy, param.numel());
+  }
+}
+
 }  // namespace check
 
 std::unique_ptr<Ops> make_ops(Accelerator& accelerator) {

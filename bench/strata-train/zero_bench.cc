@@ -128,9 +128,9 @@ struct Round {
 };
 
 Tier param_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == "cpu" ? Tier::kCpu : Tier::kDevice; }
-// The ZeroEngine's optimizer runs on the CPU: its state is in host memory
-// ("none" and "cpu" alike) or on NVMe.
-Tier optimizer_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : Tier::kCpu; }
+// none: the optimizer on the accelerator (its state in accelerator memory);
+// cpu and nvme: the CPU Adam with state in host memory or swapped from NVMe.
+Tier optimizer_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == "cpu" ? Tier::kCpu : Tier::kDevice; }
 
 nn::LlamaModelOptions model_options(const ModelRun& run) {
   nn::LlamaModelOptions o;
@@ -208,17 +208,18 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   nn::LlamaModel model(eng, run.config, model_options(run));
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), 0);
-  // --vs-unoffloaded: the same stage and budgets with parameters on the device
-  // and optimizer state in host memory, trained alongside (its own
-  // communicators), to tell what offloading costs from what ZeRO costs.
-  const bool offloaded = o.param_tier != Tier::kDevice || o.optimizer_tier != Tier::kCpu;
+  // --vs-unoffloaded: the same stage and budgets with parameters and
+  // optimizer state on the device, trained alongside (its own communicators),
+  // to tell what offloading costs from what ZeRO costs.
+  const bool offloaded = o.param_tier != Tier::kDevice || o.optimizer_tier != Tier::kDevice;
   std::optional<strata::train::ZeroCommunicators> plain_comms;
   std::unique_ptr<engine::ZeroEngine> plain;
   std::unique_ptr<nn::LlamaModel> plain_model;
   if (flags.vs_unoffloaded && offloaded) {
     engine::ZeroEngineOptions po = o;
     po.param_tier = Tier::kDevice;
-    po.optimizer_tier = Tier::kCpu;
+    po.optimizer_tier = Tier::kDevice;
+    po.grad_tier = Tier::kDevice;
     plain_comms.emplace(strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout,
                                                                "strata-train/unoffloaded"));
     plain = std::make_unique<engine::ZeroEngine>(accelerator, plain_comms->comms(), po);
@@ -550,14 +551,15 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_option("--offload-param", f.offload_param, "--zero 3: where parameter shards live")
       ->capture_default_str()->check(CLI::IsMember({"none", "cpu", "nvme"}));
   app.add_option("--offload-optimizer", f.offload_optimizer,
-                 "optimizer state: none and cpu keep it in host memory (the optimizer runs on the CPU), nvme")
+                 "optimizer state: none keeps it on the accelerator and updates it there (needs --offload-param "
+                 "none), cpu in host memory and nvme on the drive (both updated by the CPU Adam)")
       ->capture_default_str()->check(CLI::IsMember({"none", "cpu", "nvme"}));
   app.add_option("--nvme-dir", f.nvme_dir, "directory for swap files and the drive bandwidth probe (an nvme tier)");
   app.add_option("--ranks", f.ranks, "ranks as threads of this process when not started by `strata run` (default 1)")
       ->check(CLI::Range(0, 64));
   app.add_flag("--vs-unoffloaded", f.vs_unoffloaded,
-               "also time the same stage with nothing offloaded (parameters on the device, optimizer state in host "
-               "memory), alternating step by step");
+               "also time the same stage with nothing offloaded (parameters and optimizer state on the device), "
+               "alternating step by step");
   app.add_option("--lr", f.lr, "AdamW learning rate (weight decay 0.01)")->capture_default_str();
   app.add_option("--drive-test-mib", f.drive_test_mib, "size of the drive bandwidth probe's file")
       ->capture_default_str()->check(CLI::Range(4, 1 << 20));
@@ -590,6 +592,10 @@ int run_zero(const ModelRun& run, const ZeroFlags& flags) {
   const bool nvme = flags.offload_param == "nvme" || flags.offload_optimizer == "nvme";
   STRATA_CHECK(flags.stage == 3 || flags.offload_param == "none", kBadArgument,
                "--offload-param {} needs --zero 3 (only stage 3 partitions the parameters)", flags.offload_param);
+  STRATA_CHECK(flags.offload_param == "none" || flags.offload_optimizer != "none", kBadArgument,
+               "--offload-param {} needs --offload-optimizer cpu or nvme: the optimizer on the accelerator (none) "
+               "needs the parameters there",
+               flags.offload_param);
   STRATA_CHECK(!nvme || !flags.nvme_dir.empty(), kBadArgument, "an nvme tier needs --nvme-dir DIR");
   if (nvme) std::filesystem::create_directories(flags.nvme_dir);
   const bool processes = std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;

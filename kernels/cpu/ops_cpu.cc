@@ -473,6 +473,40 @@ class CpuOps final : public Ops {
     });
   }
 
+  void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
+                 const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
+                 const TensorView& param_copy) override {
+    check::adam("adam_step", param, exp_avg, exp_avg_sq, grad, param_copy);
+    enqueue(ctx, [=](CpuContext&) {
+      const DType copy = param_copy.data == nullptr ? DType::kF32 : param_copy.desc.dtype;
+      kernels::AdamBuffers b;
+      b.param = param.as<float>();
+      b.exp_avg = exp_avg.as<float>();
+      b.exp_avg_sq = exp_avg_sq.as<float>();
+      b.grad = grad.data;
+      b.grad_dtype = DType::kF32;
+      b.numel = static_cast<size_t>(param.numel());
+      if (copy != DType::kF32) {  // the kernel writes a 16-bit copy itself
+        b.param16 = param_copy.data;
+        b.param16_dtype = copy;
+      }
+      kernels::adam_step(coeffs, b);  // its default ISA; threads: this stream thread's team
+      if (param_copy.data != nullptr && copy == DType::kF32 && param_copy.data != param.data) {
+        std::memcpy(param_copy.data, param.data, param.nbytes());
+      }
+    });
+  }
+
+  void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, const TensorView& out) override {
+    check::dtype("grad_sum_sq", "grad", grad, DType::kF32);
+    check::dtype("grad_sum_sq", "out", out, DType::kF64);
+    check::numel("grad_sum_sq", "out", out, 1);
+    enqueue(ctx, [=](CpuContext&) {
+      out.as<double>()[0] =
+          kernels::grad_stats(grad.data, DType::kF32, static_cast<size_t>(grad.numel()), scale).sum_sq;
+    });
+  }
+
  private:
   template <typename Fn>
   void enqueue(ComputeContext& ctx, Fn&& fn) {

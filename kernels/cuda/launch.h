@@ -78,6 +78,32 @@ void launch_ce_stats(const float* loss, const int32_t* targets, int64_t rows, do
 // count[0] += number of targets that are not kIgnoreIndex.
 void launch_count_targets(const int32_t* targets, int64_t rows, double* count, cudaStream_t stream);
 
+// ---- adam.cu ----------------------------------------------------------------
+// The per-step scalars of kernels::AdamCoefficients that the update reads
+// (kernels/optimizer.h includes dtype.h, which is C++20 and not for nvcc);
+// ops_cuda.cc copies them field by field.
+struct AdamScalars {
+  float beta1 = 0, beta2 = 0, one_minus_beta1 = 0, one_minus_beta2 = 0, eps = 0;
+  float step_size = 0, inv_bias2_sqrt = 0, decay = 1, l2 = 0, grad_scale = 1;
+};
+// One Adam/AdamW update of numel elements in place on fp32 param, exp_avg and
+// exp_avg_sq from the fp32 grad, operation for operation the update of
+// kernels::adam_step's AVX2/AVX-512 kernels (so the bits are theirs). copy,
+// unless null, receives the new param in storage copy_t (rounded to nearest
+// even); it must not alias param.
+void launch_adam_step(const AdamScalars& k, float* param, float* exp_avg, float* exp_avg_sq,
+                      const float* grad, int64_t numel, Storage copy_t, void* copy,
+                      cudaStream_t stream);
+// Blocks of grad_sum_sq's first pass, a function of numel only (0 for 0): the
+// fp64 partial sums it needs.
+int64_t grad_sum_sq_blocks(int64_t numel);
+// out[0] = sum over i of x*x, x = (double)(grad[i] * scale) (an fp32 product),
+// OVERWRITTEN (0 for numel 0). Two passes in an order fixed by numel alone (not
+// by alignment or the device), so equal inputs give equal bits; partial is fp64
+// scratch of grad_sum_sq_blocks(numel) values.
+void launch_grad_sum_sq(const float* grad, int64_t numel, float scale, double* partial, double* out,
+                        cudaStream_t stream);
+
 // ---- attention_*.cu ---------------------------------------------------------
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;

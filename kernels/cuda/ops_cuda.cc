@@ -44,6 +44,23 @@ Storage storage(DType dtype) {
   }
 }
 
+// The coefficients the device update reads, field for field (launch.h cannot
+// see kernels/optimizer.h).
+cuda::AdamScalars adam_scalars(const kernels::AdamCoefficients& c) {
+  cuda::AdamScalars k;
+  k.beta1 = c.beta1;
+  k.beta2 = c.beta2;
+  k.one_minus_beta1 = c.one_minus_beta1;
+  k.one_minus_beta2 = c.one_minus_beta2;
+  k.eps = c.eps;
+  k.step_size = c.step_size;
+  k.inv_bias2_sqrt = c.inv_bias2_sqrt;
+  k.decay = c.decay;
+  k.l2 = c.l2;
+  k.grad_scale = c.grad_scale;
+  return k;
+}
+
 cudaDataType_t blas_type(DType dtype) {
   switch (dtype) {
     case DType::kF16:
@@ -573,6 +590,45 @@ class CudaOps final : public Ops {
     run(c, op, [&] {
       cuda::launch_cast(storage(src.desc.dtype), src.data, storage(dst.desc.dtype), dst.data,
                         src.numel(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
+                 const TensorView& param, const TensorView& exp_avg, const TensorView& exp_avg_sq,
+                 const TensorView& grad, const TensorView& param_copy) override {
+    constexpr const char* op = "adam_step";
+    CudaContext& c = context(ctx, op);
+    check::adam(op, param, exp_avg, exp_avg_sq, grad, param_copy);
+    check_device(op, "param", param);
+    check_device(op, "exp_avg", exp_avg);
+    check_device(op, "exp_avg_sq", exp_avg_sq);
+    check_device(op, "grad", grad);
+    if (!empty(param_copy)) check_device(op, "param_copy", param_copy);
+    if (param.numel() == 0) return;
+    // An fp32 copy that is param itself already holds the new values (as on cpu).
+    const bool copy = !empty(param_copy) && param_copy.data != param.data;
+    run(c, op, [&] {
+      cuda::launch_adam_step(adam_scalars(coeffs), param.as<float>(), exp_avg.as<float>(),
+                             exp_avg_sq.as<float>(), grad.as<float>(), param.numel(),
+                             storage(copy ? param_copy.desc.dtype : DType::kF32),
+                             copy ? param_copy.data : nullptr, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+                   const TensorView& out) override {
+    constexpr const char* op = "grad_sum_sq";
+    CudaContext& c = context(ctx, op);
+    check_typed(op, "grad", grad, DType::kF32);
+    check_typed(op, "out", out, DType::kF64);
+    check::numel(op, "out", out, 1);
+    run(c, op, [&] {
+      // One fp64 partial per block of the first pass; none (and out = 0) for an empty grad.
+      Scratch partial(c, static_cast<size_t>(cuda::grad_sum_sq_blocks(grad.numel())) * 8);
+      cuda::launch_grad_sum_sq(grad.as<float>(), grad.numel(), scale, partial.as<double>(),
+                               out.as<double>(), c.cuda_stream());
       check_launch(op);
     });
   }

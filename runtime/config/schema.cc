@@ -110,7 +110,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(integer("zero_optimization.offload_param.buffer_count", 5, 1, 1 << 20, "Pinned buffers for parameters in flight from NVMe."));
   f.push_back(size("zero_optimization.offload_param.buffer_size", 100000000, "elements", 1, "Elements per parameter swap buffer."));
   f.push_back(size("zero_optimization.offload_param.max_in_cpu", 1000000000, "elements", 0, "Parameter elements kept in CPU memory when offloading to NVMe."));
-  f.push_back(choice("zero_optimization.offload_optimizer.device", "none", devices, "Where optimizer state (fp32 master, momentum, variance) lives."));
+  f.push_back(choice("zero_optimization.offload_optimizer.device", "none", devices, "Where optimizer state (fp32 master, momentum, variance) lives and is updated: none on the accelerator (needs offload_param none), cpu and nvme by the CPU optimizer."));
   f.push_back(text("zero_optimization.offload_optimizer.nvme_path", "", "Directory for optimizer-state swap files; required with device nvme."));
   f.push_back(flag("zero_optimization.offload_optimizer.pin_memory", true, "Stage optimizer state through page-locked host memory."));
   f.push_back(integer("zero_optimization.offload_optimizer.buffer_count", 4, 1, 1 << 20, "Pinned buffers for the optimizer swap pipeline (read, update, write)."));

@@ -68,6 +68,9 @@ class GradShard {
   // sub-group boundaries are) — valid until the next read() or zero().
   // `stream` (idle) carries the copy when the array is not host memory.
   const float* read(size_t first, size_t numel, Stream& stream);
+  // The memory home's array (shard_numel fp32 in accelerator memory, read in
+  // place by the DeviceOptimizer once the stream is idle); nullptr on nvme.
+  const float* memory() const { return memory_; }
 
  private:
   void ensure_window(size_t numel);

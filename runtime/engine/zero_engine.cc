@@ -57,9 +57,17 @@ void ZeroEngineOptions::validate() const {
                "offload_param.device {} needs zero_optimization.stage 3 (got stage {}): only stage 3 partitions "
                "the parameters",
                tier_name(param_tier), stage);
-  STRATA_CHECK(optimizer_tier == Tier::kCpu || optimizer_tier == Tier::kNvme, kBadArgument,
-               "the ZeroEngine's optimizer runs on the CPU: its state lives on cpu or nvme, not {}",
-               tier_name(optimizer_tier));
+  // The optimizer on the accelerator reads the gradient shard and writes the
+  // parameter home in accelerator memory; with either offloaded, its 12 bytes
+  // per element of state would stay on the accelerator to spare 2 to 4.
+  STRATA_CHECK(optimizer_tier != Tier::kDevice || param_tier == Tier::kDevice, kBadArgument,
+               "offload_optimizer.device none keeps the optimizer state on the accelerator, which needs the "
+               "parameters there too, but offload_param.device is {}: offload the optimizer as well "
+               "(offload_optimizer.device cpu or nvme) or keep the parameters (offload_param.device none)",
+               tier_name(param_tier));
+  STRATA_CHECK(optimizer_tier != Tier::kDevice || grad_tier == Tier::kDevice, kBadArgument,
+               "the optimizer on the accelerator reads the gradient shard there: grad tier {} is not device",
+               tier_name(grad_tier));
   STRATA_CHECK(grad_tier == Tier::kDevice || grad_tier == Tier::kNvme, kBadArgument,
                "the gradient shard lives in accelerator memory or on nvme, not {}", tier_name(grad_tier));
   STRATA_CHECK(!nvme_path.empty() ||
@@ -106,6 +114,7 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
   home_stream_ = accelerator.create_stream();
   overlap_ = std::make_unique<Overlap>();
   compute_point_ = accelerator.create_event();
+  gather_point_ = accelerator.create_event();
 }
 
 ZeroEngine::~ZeroEngine() {
@@ -132,6 +141,7 @@ ZeroEngine::~ZeroEngine() {
     group->reducer.reset();  // waits for its stream
     group->grads.reset();
     group->swapper.reset();
+    group->device_optimizer.reset();
   }
   for (auto& gathered : gathered_) {
     if (gathered && gathered->full) accelerator().deallocate(gathered->full);
@@ -271,9 +281,14 @@ void ZeroEngine::on_finalize() {
       accelerator().memset_async(g.full_flat, 0, total, stream);
     }
 
+    const size_t sub_group_numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
+    if (options_.optimizer_tier == Tier::kDevice) {
+      g.device_optimizer = std::make_unique<DeviceOptimizer>(accelerator(), ops(), *home_stream_, shard_numel,
+                                                             sub_group_numel, options_.adam);
+    }
     offload::OptimizerSwapperOptions swapper_options;
     swapper_options.numel = shard_numel;
-    swapper_options.sub_group_numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
+    swapper_options.sub_group_numel = sub_group_numel;
     swapper_options.state_tier = options_.optimizer_tier;
     swapper_options.adam = options_.adam;
     swapper_options.threads = options_.optimizer_threads;
@@ -292,11 +307,13 @@ void ZeroEngine::on_finalize() {
         pool_ = pools_.back().get();
       }
     }
-    g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options, pool_, aio_.get());
+    if (!g.device_optimizer) {
+      g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options, pool_, aio_.get());
+    }
 
     // Which sub-groups each member's slice meets, for the optimizer overlapping backward.
-    const size_t sub_groups = g.swapper->sub_group_count();
-    g.sub_group_numel = g.swapper->sub_group_range(0).second;
+    const size_t sub_groups = g.sub_group_count();
+    g.sub_group_numel = g.sub_group_range(0).second;
     g.param_sub_groups.assign(g.params.size(), {});
     g.members_of_sub_group.assign(sub_groups, 0);
     for (size_t i = 0; i < g.params.size(); ++i) {

@@ -66,7 +66,9 @@
 // tier on NVMe, host memory is bounded by sub_group_size, the largest
 // parameter slice and the buffers the options name — not by the model.
 //
-// The optimizer overlapping backward (stages 2/3, `overlap_optimizer`): after
+// The optimizer overlapping backward (stages 2/3, `overlap_optimizer`, the
+// optimizer on cpu or nvme — on the accelerator a step is one pass at device
+// memory bandwidth, nothing worth hiding): after
 // prepare_step(lr), the last backward before step() counts down each
 // sub-group's parameters as their reduced blocks land in the gradient shard;
 // a sub-group whose every parameter has landed is final, and the optimizer
@@ -136,7 +138,12 @@ struct ZeroComms {
 struct ZeroEngineOptions {
   int stage = 3;                           // 1, 2 or 3
   Tier param_tier = Tier::kDevice;         // offload_param.device; cpu/nvme need stage 3
-  Tier optimizer_tier = Tier::kCpu;        // offload_optimizer.device: kCpu or kNvme
+  // offload_optimizer.device. kCpu or kNvme: the CPU Adam updates state in
+  // host memory or swapped from NVMe (OptimizerSwapper). kDevice ("none"):
+  // state in accelerator memory, updated there by Ops::adam_step (CUDA
+  // kernels; the CPU Adam on the cpu accelerator); needs param_tier and
+  // grad_tier kDevice and never overlaps backward (DeviceOptimizer).
+  Tier optimizer_tier = Tier::kCpu;
   // This rank's fp32 gradient shard: accelerator memory (kDevice) or a file
   // under nvme_path (kNvme: ZeRO-Infinity's gradient swapping, so host memory
   // does not grow with the model; train::zero_engine_options picks it with an
@@ -151,9 +158,9 @@ struct ZeroEngineOptions {
   nvme::AioOptions aio;                    // I/O engine for NVMe tiers
   size_t optimizer_buffer_count = 3;       // pinned buffers of the NVMe optimizer pipeline
   int optimizer_threads = 0;               // CPU Adam threads; 0: OpenMP default
-  // Stages 2/3: after prepare_step, update each sub-group during backward as
-  // soon as its gradient is final (speculatively; see above). false: the
-  // optimizer runs in step() only.
+  // Stages 2/3 with optimizer_tier cpu or nvme: after prepare_step, update
+  // each sub-group during backward as soon as its gradient is final
+  // (speculatively; see above). false: the optimizer runs in step() only.
   bool overlap_optimizer = true;
 
   // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
@@ -376,6 +383,7 @@ class ZeroEngine final : public Engine {
   double settle_overlap();                      // waits until the thread is idle; disarms; returns seconds waited
   void roll_back_speculation();                 // aborts every group's open step, rewrites the homes
   void abandon_speculation();                   // settle + roll back (zero_grad, destructor)
+  bool overlaps_optimizer() const;              // prepare_step arms the optimizer thread
   // The optimizer inputs of group g: gradients streamed from the shard (their
   // statistics recorded per sub-group), new values to the home.
   offload::StepInputs step_inputs(Group& g, float grad_scale);
@@ -419,6 +427,7 @@ class ZeroEngine final : public Engine {
   LossScaler loss_scaler_;
   int64_t gathers_issued_ = 0;
   std::unique_ptr<Event> compute_point_;
+  std::unique_ptr<Event> gather_point_;  // the device optimizer's step waits for the gather stream here
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather
   bool optimizer_stale_ = true;      // master weights must be (re)initialised from the shards
   size_t gathered_nbytes_ = 0, peak_gathered_nbytes_ = 0;

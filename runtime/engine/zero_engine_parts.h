@@ -16,6 +16,7 @@
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
 #include "runtime/engine/bucket_reducer.h"
+#include "runtime/engine/device_optimizer.h"
 #include "runtime/engine/grad_shard.h"
 #include "runtime/engine/zero_engine.h"
 
@@ -136,7 +137,10 @@ struct ZeroEngine::Group {
   nvme::File* file = nullptr;         // nvme home
   std::unique_ptr<GradShard> grads;   // this rank's fp32 gradient shard (memory or nvme)
   std::unique_ptr<BucketReducer> reducer;  // after grads: destroyed first (its stream writes them)
+  // The optimizer: one of the two. swapper: state on cpu or nvme, updated by
+  // the CPU Adam; device_optimizer: state in accelerator memory (tier device).
   std::unique_ptr<offload::OptimizerSwapper> swapper;
+  std::unique_ptr<DeviceOptimizer> device_optimizer;
   void* full_flat = nullptr;          // stages 1/2: every full parameter
   std::vector<size_t> full_offset;    // per member: offset in full_flat
   Staging staging;                    // stage 3, nvme home
@@ -154,6 +158,13 @@ struct ZeroEngine::Group {
   bool landed_twice = false;                          // a member landed twice: more than one backward
   std::vector<kernels::GradStats> stats;              // per sub-group: its gradient's statistics
   std::vector<uint8_t> stats_known;                   // per sub-group: stats computed this step
+
+  size_t sub_group_count() const {
+    return swapper ? swapper->sub_group_count() : device_optimizer->sub_group_count();
+  }
+  std::pair<size_t, size_t> sub_group_range(size_t k) const {
+    return swapper ? swapper->sub_group_range(k) : device_optimizer->sub_group_range(k);
+  }
 };
 
 // The optimizer overlapping backward: the thread that updates sub-groups as

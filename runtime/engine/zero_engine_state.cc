@@ -1,6 +1,7 @@
 // ZeroEngine checkpoints: this rank's shards and optimizer state to files and back.
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <vector>
 
@@ -26,6 +27,10 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
   STRATA_CHECK(actual == nbytes, kIo, "checkpoint file {} has {} bytes, expected {} (truncated or from another model)",
                path.string(), actual, nbytes);
 }
+
+// The device optimizer's state passes through host memory this many elements
+// of each array at a time (16 MiB each), however large its sub-groups.
+constexpr size_t kDeviceStateChunkNumel = size_t{1} << 22;
 
 }  // namespace
 
@@ -53,13 +58,26 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
     StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
         exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
     std::vector<float> p, m, v;
-    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
-      const size_t numel = g.swapper->sub_group_range(k).second;
-      p.resize(numel), m.resize(numel), v.resize(numel);
-      g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
+    const auto append = [&](size_t numel) {
       master.append(p.data(), numel * sizeof(float));
       exp_avg.append(m.data(), numel * sizeof(float));
       exp_avg_sq.append(v.data(), numel * sizeof(float));
+    };
+    if (g.device_optimizer) {
+      const size_t shard_numel = g.device_optimizer->numel();
+      for (size_t first = 0; first < shard_numel; first += kDeviceStateChunkNumel) {
+        const size_t numel = std::min(kDeviceStateChunkNumel, shard_numel - first);
+        p.resize(numel), m.resize(numel), v.resize(numel);
+        g.device_optimizer->read_state(first, numel, p.data(), m.data(), v.data());
+        append(numel);
+      }
+    } else {
+      for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+        const size_t numel = g.swapper->sub_group_range(k).second;
+        p.resize(numel), m.resize(numel), v.resize(numel);
+        g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
+        append(numel);
+      }
     }
     files.push_back(master.finish());
     files.push_back(exp_avg.finish());
@@ -150,13 +168,23 @@ void ZeroEngine::load_state(const fs::path& dir) {
                        numel * element_nbytes);
       store_home_range(g, first, numel);
     });
-    g.swapper->restore(
-        [&](size_t first, size_t numel, float* p, float* m, float* v) {
-          read_state_range(master, first * sizeof(float), p, numel * sizeof(float));
-          read_state_range(exp_avg, first * sizeof(float), m, numel * sizeof(float));
-          read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
-        },
-        steps);
+    const auto fill = [&](size_t first, size_t numel, float* p, float* m, float* v) {
+      read_state_range(master, first * sizeof(float), p, numel * sizeof(float));
+      read_state_range(exp_avg, first * sizeof(float), m, numel * sizeof(float));
+      read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
+    };
+    if (g.device_optimizer) {
+      std::vector<float> p, m, v;
+      for (size_t first = 0; first < shard_numel; first += kDeviceStateChunkNumel) {
+        const size_t numel = std::min(kDeviceStateChunkNumel, shard_numel - first);
+        p.resize(numel), m.resize(numel), v.resize(numel);
+        fill(first, numel, p.data(), m.data(), v.data());
+        g.device_optimizer->write_state(first, numel, p.data(), m.data(), v.data());
+      }
+      g.device_optimizer->set_step_count(steps);
+    } else {
+      g.swapper->restore(fill, steps);
+    }
   }
   steps_ = steps;
   loss_scaler_.restore(scaler);

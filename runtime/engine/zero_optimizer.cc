@@ -29,6 +29,13 @@ double StepResult::optimizer_not_hidden_fraction() const {
 void ZeroEngine::init_optimizer() {
   for (auto& gp : groups_) {
     Group& g = *gp;
+    if (g.device_optimizer) {
+      // The home is accelerator memory here, last written on the compute or home stream.
+      compute_stream().record(*compute_point_);
+      home_stream_->wait(*compute_point_);
+      g.device_optimizer->initialize(g.home, g.dtype);
+      continue;
+    }
     // The fp32 master weights start as the (widened) parameters, padding zero.
     g.swapper->initialize([&](size_t first, size_t numel, float* out) {
       convert(home_range(g, first, numel, /*load=*/true), g.dtype, out, DType::kF32, numel);
@@ -69,6 +76,10 @@ offload::StepInputs ZeroEngine::step_inputs(Group& g, float grad_scale) {
 
 bool ZeroEngine::step_prepared() const { return overlap_->prepared; }
 
+bool ZeroEngine::overlaps_optimizer() const {
+  return options_.stage > 1 && options_.overlap_optimizer && options_.optimizer_tier != Tier::kDevice;
+}
+
 void ZeroEngine::check_not_prepared(const char* what) const {
   STRATA_CHECK(!overlap_->prepared, kBadArgument,
                "{}() between prepare_step() and step(): the optimizer may be updating the parameters; call it "
@@ -87,7 +98,7 @@ void ZeroEngine::prepare_step(float lr) {
   adam.validate();  // a bad lr fails here, not on the optimizer thread
   o.lr = lr;
   o.loss_scale = loss_scaler_.scale();
-  if (options_.stage == 1 || !options_.overlap_optimizer) {  // stage 1 reduces at step()
+  if (!overlaps_optimizer()) {  // stage 1 reduces at step(); the device optimizer is not worth hiding
     o.prepared = true;  // still: misuse until step() is refused alike
     return;
   }
@@ -227,7 +238,7 @@ double ZeroEngine::settle_overlap() {
 void ZeroEngine::roll_back_speculation() {
   for (auto& gp : groups_) {
     Group& g = *gp;
-    if (!g.swapper->step_open()) continue;
+    if (!g.swapper || !g.swapper->step_open()) continue;
     std::vector<size_t> updated;
     for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
       if (g.swapper->updated(k)) updated.push_back(k);
@@ -256,7 +267,7 @@ void ZeroEngine::abandon_speculation() {
   Overlap& o = *overlap_;
   if (!o.prepared) return;
   o.prepared = false;
-  if (options_.stage == 1 || !options_.overlap_optimizer) return;
+  if (!overlaps_optimizer()) return;
   for (auto& g : groups_) g->reducer->synchronize();
   settle_overlap();
   roll_back_speculation();
@@ -269,7 +280,7 @@ StepResult ZeroEngine::step(float lr) {
   STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
                kBadArgument, "step() with a backward pass not finished (a gradient is still being accumulated)");
   Overlap& o = *overlap_;
-  const bool speculating = o.prepared && options_.stage > 1 && options_.overlap_optimizer;
+  const bool speculating = o.prepared && overlaps_optimizer();
   o.prepared = false;
   if (options_.stage == 3) {
     // The step boundary: the trace closes (or diverges by ending early), and
@@ -324,7 +335,11 @@ StepResult ZeroEngine::step(float lr) {
   kernels::GradStats local;
   for (auto& gp : groups_) {
     Group& g = *gp;
-    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+    if (g.device_optimizer) {  // every sub-group's statistics in one round trip
+      g.stats = g.device_optimizer->grad_stats(g.grads->memory());
+      std::fill(g.stats_known.begin(), g.stats_known.end(), 1);
+    }
+    for (size_t k = 0; k < g.sub_group_count(); ++k) {
       if (g.stats_known[k] == 0) {
         const auto [first, numel] = g.swapper->sub_group_range(k);
         const float* grads = g.grads->read(first, numel, *home_stream_);
@@ -391,6 +406,15 @@ StepResult ZeroEngine::step(float lr) {
   if (optimizer_stale_) init_optimizer();
   for (auto& gp : groups_) {
     Group& g = *gp;
+    if (g.device_optimizer) {
+      // The home may still be read by a gather queued before the boundary.
+      gather_stream_->record(*gather_point_);
+      home_stream_->wait(*gather_point_);
+      g.device_optimizer->set_lr(lr);
+      g.device_optimizer->step(g.grads->memory(), result.grad_scale, g.home, g.dtype);
+      result.sub_groups += static_cast<int64_t>(g.sub_group_count());
+      continue;
+    }
     if (!keep) {
       g.swapper->set_lr(lr);
       g.swapper->begin_step(step_inputs(g, result.grad_scale), /*revocable=*/false);
@@ -404,7 +428,9 @@ StepResult ZeroEngine::step(float lr) {
   }
   // Commit only once every group is updated, so a failure above rolls back
   // every group (NVMe always; cpu when speculating).
-  for (auto& gp : groups_) gp->swapper->commit_step();
+  for (auto& gp : groups_) {
+    if (gp->swapper) gp->swapper->commit_step();
+  }
   guard.armed = false;
   ++steps_;
   result.applied = true;

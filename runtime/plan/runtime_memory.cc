@@ -196,6 +196,10 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     add("fp32 gradient shard", Where::kDevice, 4.0 * shard_numel, false,
         "GradShard in accelerator memory");
   }
+  if (z.optimizer_tier == strata::Tier::kDevice) {
+    add("optimizer state", Where::kDevice, 12.0 * shard_numel, false,
+        "fp32 master + 2 moments of the shard (DeviceOptimizer)");
+  }
   during_steps = true;  // gathers and gradients: forward and backward
   if (z.stage == 3) {
     // Persistent parameters stay gathered; the rest within the prefetch
@@ -247,7 +251,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         false,
         fmt::format("{} buffers of one sub-group's fp32 master + 2 moments ({} elements)",
                     z.optimizer_buffer_count, opt_sub_group));
-  } else {
+  } else if (z.optimizer_tier == strata::Tier::kCpu) {
     add("optimizer state", Where::kHost, 12.0 * shard_numel, false,
         "fp32 master + 2 moments of the shard");
   }

@@ -28,8 +28,14 @@ engine::ZeroEngineOptions zero_engine_options(const Config& c, const std::string
   engine::ZeroEngineOptions o;
   o.stage = c.zero.stage;
   o.param_tier = tier_of(c.zero.offload_param.device);
-  // The optimizer always runs on the CPU here; "none" keeps its state in CPU memory.
-  o.optimizer_tier = c.zero.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kCpu;
+  // "none": the optimizer state stays on the accelerator and is updated there
+  // (DeepSpeed's meaning); cpu and nvme: the CPU Adam.
+  o.optimizer_tier = tier_of(c.zero.offload_optimizer.device);
+  STRATA_CHECK(o.optimizer_tier != Tier::kDevice || o.param_tier == Tier::kDevice, kBadArgument,
+               "{}: zero_optimization.offload_param.device is {} but offload_optimizer.device is none: the optimizer "
+               "state (12 bytes per parameter) would stay on the accelerator to spare the parameters' 2; offload "
+               "the optimizer too (offload_optimizer.device cpu or nvme)",
+               source, tier_name(o.param_tier));
   // With the optimizer on NVMe the gradient shard goes there too (as
   // ZeRO-Infinity swaps gradients with the optimizer state): host memory then
   // stays bounded by the config's buffers, not by the model.

@@ -148,3 +148,50 @@ TEST_CASE("prepare_step misuse is refused, naming the call", "[engine][zero][ove
     eng.for_each_owned_range(0, engine::Engine::Access::kRead, [](int64_t, const TensorView&) {});
   });
 }
+
+TEST_CASE("the optimizer on the accelerator takes prepared steps without overlapping, bit for bit the CPU "
+          "optimizer, through clipping, a non-finite gradient, another lr and an abandoned step",
+          "[engine][zero][overlap]") {
+  test::TempDir dir("strata-overlap");
+  const int stage = GENERATE(2, 3);
+  CAPTURE(stage);
+  TrainSpec spec = spec_for(options(stage, Tier::kDevice, Tier::kCpu, Tier::kDevice, dir.path()), DType::kBF16);
+  spec.steps = 5;
+  spec.micro_steps = 2;
+  spec.options.gradient_clipping = 0.5;
+  spec.prepare_lr = [](int step) { return step == 2 ? 2 * lr_of(step) : lr_of(step); };
+  spec.grad_scale = [](int rank, int step) {
+    return rank == 0 && step == 3 ? std::numeric_limits<float>::infinity() : 1.0f;
+  };
+  spec.abandoned_step = 4;
+  spec.options.overlap_optimizer = false;
+  const TrainResult cpu = train_zero(spec);
+  spec.options.optimizer_tier = Tier::kDevice;
+  spec.options.overlap_optimizer = true;  // asked for, and not done: nothing to hide on the accelerator
+  const TrainResult device = train_zero(spec);
+  check_same(device, cpu);
+  REQUIRE(device.steps.size() == 5);
+  CHECK(device.steps[0].grad_norm > 0.5);
+  CHECK_FALSE(device.steps[3].applied);
+  CHECK(device.steps[4].applied);
+  for (const auto& s : device.steps) {
+    CHECK(s.sub_groups_overlapped == 0);
+    CHECK_FALSE(s.rolled_back);
+  }
+  CHECK(overlapped_sub_groups(device) == 0);
+}
+
+TEST_CASE("the optimizer on the accelerator needs the parameters and the gradient shard there",
+          "[engine][zero][overlap]") {
+  test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
+    engine::ZeroEngineOptions o = test::zero::options_for(3);
+    o.optimizer_tier = Tier::kDevice;
+    o.param_tier = Tier::kCpu;
+    CHECK_THROWS_WITH(engine::ZeroEngine(accelerator, comms, o),
+                      Catch::Contains("offload_optimizer.device none") && Catch::Contains("offload_param.device is cpu"));
+    o.param_tier = Tier::kDevice;
+    o.grad_tier = Tier::kNvme;
+    o.nvme_path = "/tmp/unused";
+    CHECK_THROWS_WITH(engine::ZeroEngine(accelerator, comms, o), Catch::Contains("grad tier nvme is not device"));
+  });
+}

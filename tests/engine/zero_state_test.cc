@@ -20,7 +20,8 @@ TEST_CASE("save after step 3, resume in fresh engines: bit for bit the uninterru
     Tier params, optimizer;
   };
   for (const Case& c : {Case{1, Tier::kDevice, Tier::kCpu}, Case{2, Tier::kDevice, Tier::kNvme},
-                        Case{3, Tier::kCpu, Tier::kCpu}, Case{3, Tier::kNvme, Tier::kNvme}}) {
+                        Case{3, Tier::kCpu, Tier::kCpu}, Case{3, Tier::kNvme, Tier::kNvme},
+                        Case{2, Tier::kDevice, Tier::kDevice}, Case{3, Tier::kDevice, Tier::kDevice}}) {
     CAPTURE(c.stage, tier_name(c.params), tier_name(c.optimizer));
     test::TempDir dir("strata-zero-state");
     TrainSpec spec;
@@ -48,6 +49,35 @@ TEST_CASE("save after step 3, resume in fresh engines: bit for bit the uninterru
     REQUIRE(rest.losses.size() == 2);
     CHECK(rest.losses[0] == whole.losses[3]);
     CHECK(rest.losses[1] == whole.losses[4]);
+  }
+}
+
+TEST_CASE("a checkpoint moves between the optimizer on the accelerator and the CPU optimizer, bit for bit",
+          "[engine][zero][state]") {
+  ops::set_cpu_threads(1);
+  for (const auto& [saved_on, resumed_on] : {std::pair{Tier::kDevice, Tier::kNvme}, std::pair{Tier::kCpu, Tier::kDevice}}) {
+    CAPTURE(tier_name(saved_on), tier_name(resumed_on));
+    test::TempDir dir("strata-zero-state");
+    TrainSpec spec;
+    spec.world = 2;
+    spec.steps = 5;
+    spec.options = options_for(3);
+    spec.options.nvme_path = dir.path() / "swap";
+    spec.options.sub_group_numel = 4096;
+    spec.options.optimizer_tier = saved_on;
+    const TrainResult whole = train_zero(spec);
+
+    TrainSpec saving = spec;
+    saving.save_dir = dir.path() / "ckpt";
+    saving.save_after_step = 2;
+    train_zero(saving);
+    TrainSpec resumed = spec;
+    resumed.options.optimizer_tier = resumed_on;
+    resumed.options.grad_tier = resumed_on == Tier::kNvme ? Tier::kNvme : Tier::kDevice;
+    resumed.load_dir = saving.save_dir;
+    resumed.first_step = 3;
+    const TrainResult rest = train_zero(resumed);
+    CHECK(compare(rest, whole).identical);
   }
 }
 

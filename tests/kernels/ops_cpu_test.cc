@@ -1,10 +1,14 @@
 // The cpu Ops against the double-precision reference templates (kernels/nn_ops.h)
 // for every op, forward and backward, in fp32, bf16 and fp16 storage; strided
 // and accumulating Linear; the fused cross-entropy; argument checks; and that
-// an op enqueues and returns without waiting for its work.
+// an op enqueues and returns without waiting for its work; the optimizer ops
+// (adam_step, grad_sum_sq) give the bits of kernels::adam_step / grad_stats.
 #include <catch2/catch.hpp>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -343,4 +347,177 @@ TEST_CASE("cpu ops enqueue on the stream and return without waiting", "[ops][cpu
   f.stream->synchronize();
   CHECK(ran.load());
   CHECK(static_cast<const double*>(stats.data)[1] == 4.0);
+}
+
+namespace {
+
+// n fp32 values from N(0, scale); every 13th is an exact zero when `zeros`
+// (a gradient of 0 keeps v at 0 there: the eps path of the denominator).
+std::vector<float> normal_floats(size_t n, uint32_t seed, float scale, bool zeros = false) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = zeros && i % 13 == 0 ? 0.0f : d(gen);
+  return v;
+}
+
+// An fp32 tensor holding exactly v's bits.
+TensorView floats(Fixture& f, const std::vector<float>& v) {
+  Tensor t = f.acc->allocate_tensor(DType::kF32, {static_cast<int64_t>(v.size())});
+  if (!v.empty()) std::memcpy(t.data(), v.data(), v.size() * sizeof(float));
+  f.keep.push_back(std::move(t));
+  return f.keep.back().view();
+}
+
+bool same_bits(const void* a, const void* b, size_t nbytes) {
+  return nbytes == 0 || std::memcmp(a, b, nbytes) == 0;
+}
+
+// The bits the optimizer ops promise are the AVX2 kernel's (AVX-512 gives the
+// same); a CPU without AVX2, or STRATA_ISA=scalar, runs scalar in the op too.
+std::optional<kernels::CpuIsa> reference_isa() {
+  if (kernels::default_isa() == kernels::CpuIsa::kScalar) return std::nullopt;
+  return kernels::CpuIsa::kAvx2;
+}
+
+}  // namespace
+
+TEST_CASE("cpu ops: adam_step is kernels::adam_step bit for bit, with no, fp32 and 16-bit copies",
+          "[ops][cpu][adam]") {
+  // 70001 is split over OpenMP threads, 1 and 7 are all tail.
+  for (const size_t n : {size_t{1}, size_t{7}, size_t{1000}, size_t{70001}}) {
+    for (const bool adamw : {true, false}) {
+      for (const std::optional<DType> copy :
+           {std::optional<DType>{}, std::optional{DType::kF32}, std::optional{DType::kBF16},
+            std::optional{DType::kF16}}) {
+        INFO("n " << n << (adamw ? " adamw" : " adam (L2)") << " copy "
+                  << (copy ? dtype_name(*copy) : "none"));
+        Fixture f;
+        kernels::AdamConfig config;
+        config.lr = 1e-2f;
+        config.weight_decay = 0.05f;
+        config.adamw = adamw;
+        // State as after some training: moments not zero, so every term counts.
+        std::vector<float> p = normal_floats(n, 1, 1.0f), m = normal_floats(n, 2, 0.1f),
+                           v = normal_floats(n, 3, 0.01f);
+        for (float& x : v) x *= x;
+        const std::vector<float> p0 = p;
+        auto param = floats(f, p), exp_avg = floats(f, m), exp_avg_sq = floats(f, v);
+        TensorView copy_view;
+        if (copy) copy_view = f.zeros(*copy, {static_cast<int64_t>(n)});
+        std::vector<uint16_t> ref16(n, 0);
+        for (int step = 1; step <= 3; ++step) {
+          INFO("step " << step);
+          const std::vector<float> g =
+              normal_floats(n, 10u + static_cast<uint32_t>(step), 2.0f, true);
+          // grad_scale not a power of two, so the scaling FMA rounds.
+          const auto coeffs = kernels::adam_coefficients(config, step, 0.37f);
+          f.ops->adam_step(*f.ctx, coeffs, param, exp_avg, exp_avg_sq, floats(f, g), copy_view);
+          kernels::AdamBuffers b;
+          b.param = p.data();
+          b.exp_avg = m.data();
+          b.exp_avg_sq = v.data();
+          b.grad = g.data();
+          b.numel = n;
+          if (copy && *copy != DType::kF32) {
+            b.param16 = ref16.data();
+            b.param16_dtype = *copy;
+          }
+          kernels::adam_step(coeffs, b, reference_isa());
+          f.stream->synchronize();
+          CHECK(same_bits(param.data, p.data(), n * 4));
+          CHECK(same_bits(exp_avg.data, m.data(), n * 4));
+          CHECK(same_bits(exp_avg_sq.data, v.data(), n * 4));
+          if (copy == DType::kF32) CHECK(same_bits(copy_view.data, p.data(), n * 4));
+          if (copy && *copy != DType::kF32) CHECK(same_bits(copy_view.data, ref16.data(), n * 2));
+        }
+        CHECK(p != p0);  // the update moved the parameter: the comparison is not of no-ops
+      }
+    }
+  }
+}
+
+TEST_CASE("cpu ops: grad_sum_sq is grad_stats' sum bit for bit and overwrites out",
+          "[ops][cpu][grad]") {
+  // Equal thread counts on the stream's thread and here, so the partial sums
+  // split alike (grad_stats' bits depend on the thread count).
+  constexpr int kThreads = 3;
+  set_cpu_threads(kThreads);
+  struct Reset {
+    ~Reset() { set_cpu_threads(0); }
+  } reset;
+  Fixture f;
+  const float scale = 0.37f;
+  // 0: nothing to add; 70001: split over the threads (more than 2^16 elements).
+  for (const size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000}, size_t{70001}}) {
+    INFO("n " << n);
+    const std::vector<float> g = normal_floats(n, 20, 3.0f, true);
+    auto grad = floats(f, g);
+    auto out = f.zeros(DType::kF64, {1});
+    static_cast<double*>(out.data)[0] = 12345.0;  // stale: must be overwritten, not added to
+    f.ops->grad_sum_sq(*f.ctx, grad, scale, out);
+    const double want =
+        kernels::grad_stats(g.data(), DType::kF32, n, scale, std::nullopt, kThreads).sum_sq;
+    const double got = f.read(out)[0];
+    CHECK(std::memcmp(&got, &want, sizeof(double)) == 0);
+    // And it is the sum the contract names: (fp32 product)^2 in double.
+    long double exact = 0;
+    for (float x : g) {
+      const double xs = static_cast<double>(x * scale);
+      exact += static_cast<long double>(xs * xs);
+    }
+    CHECK(std::abs(got - static_cast<double>(exact)) <= 1e-12 * static_cast<double>(exact));
+    if (n == 0) CHECK(got == 0.0);
+  }
+
+  // Not finite when an element is not: Inf, NaN, and an fp32 product that
+  // overflows (finite in double, so the product must be taken in fp32).
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const auto& [what, bad, s] :
+       {std::tuple{"inf", inf, 1.0f}, {"nan", nan, 1.0f}, {"fp32 overflow", 1e30f, 1e10f}}) {
+    INFO(what);
+    std::vector<float> g = normal_floats(1000, 21, 1.0f);
+    g[617] = bad;
+    auto out = f.zeros(DType::kF64, {1});
+    f.ops->grad_sum_sq(*f.ctx, floats(f, g), s, out);
+    const double got = f.read(out)[0];
+    CHECK_FALSE(std::isfinite(got));
+    if (std::isnan(bad)) CHECK(std::isnan(got));
+  }
+}
+
+TEST_CASE("cpu ops: adam_step and grad_sum_sq refuse bad arguments before enqueueing",
+          "[ops][cpu][adam]") {
+  Fixture f;
+  const std::vector<float> ones(8, 1.0f);
+  auto p = floats(f, ones), m = floats(f, ones), v = floats(f, ones), g = floats(f, ones);
+  auto short_m = floats(f, std::vector<float>(7, 1.0f));
+  auto g16 = f.zeros(DType::kBF16, {8});
+  auto ints = f.ints(std::vector<int32_t>(8, 0));
+  auto copy_short = f.zeros(DType::kBF16, {7});
+  const auto coeffs = kernels::adam_coefficients({}, 1);
+  auto refused = [](auto&& call, const char* message) {
+    try {
+      call();
+      FAIL("no error: expected one containing \"" << message << "\"");
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::kBadArgument);
+      CHECK_THAT(e.message(), Catch::Contains(message));
+    }
+  };
+  refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, short_m, v, g, {}); }, "exp_avg");
+  refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, m, v, g16, {}); }, "grad");
+  refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, m, v, g, ints); }, "param_copy");
+  refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, m, v, g, copy_short); }, "param_copy");
+  auto out = f.zeros(DType::kF64, {1}), out2 = f.zeros(DType::kF64, {2});
+  auto out32 = f.zeros(DType::kF32, {1});
+  refused([&] { f.ops->grad_sum_sq(*f.ctx, g16, 1.0f, out); }, "grad");
+  refused([&] { f.ops->grad_sum_sq(*f.ctx, g, 1.0f, out32); }, "out");
+  refused([&] { f.ops->grad_sum_sq(*f.ctx, g, 1.0f, out2); }, "out");
+  f.stream->synchronize();
+  // Nothing ran: the state is as it was.
+  CHECK(f.read(p) == Vec(8, 1.0));
+  CHECK(f.read(m) == Vec(8, 1.0));
+  CHECK(f.read(v) == Vec(8, 1.0));
 }
