@@ -113,6 +113,24 @@ struct NvmeStepResult {
 };
 NvmeStepResult run_nvme_step(const NvmeStepOptions& options);
 
+// The optimizer on the accelerator (offload_optimizer.device none):
+// Ops::adam_step with an fp32 gradient and a bf16 copy over numel parameters
+// in accelerator memory, alternated with a device-to-device copy of one fp32
+// array (the anchor: 8 bytes moved per element); ratio = the median over the
+// pairs of the time Adam's bytes take at the copy's bandwidth / Adam's time.
+// correct: step 1 equals kernels::adam_step on the same inputs bit for bit.
+struct DeviceStepResult {
+  std::string accelerator;  // Accelerator::name()
+  size_t numel = 0;
+  double seconds = 0, params_per_s = 0, bytes = 0, gb_per_s = 0;
+  double copy_seconds = 0, copy_gb_per_s = 0;
+  double ratio = 0;
+  bool correct = false;
+  std::string check_detail;
+};
+// accelerator_kind: "cpu", "cuda" or "auto" (make_accelerator).
+DeviceStepResult run_device_step(const std::string& accelerator_kind, size_t numel, int iters, bool adamw);
+
 // Bytes a step moves per element: read p, m, v (12) and g; write p, m, v (12) and the copy.
 double adam_bytes_per_element(DType grad_dtype, std::optional<DType> copy_dtype);
 

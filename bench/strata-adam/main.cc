@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
   size_t block_size = size_t{1} << 20;
   bool adam_l2 = false, skip_kernels = false, skip_path = false, vs_deepspeed = false;
   std::string python = default_python();
+  std::string device;
   app.add_option("--numel", numel_text, "Parameters per kernel run (e.g. 256M; acceptance uses >= 256M)")->capture_default_str();
   app.add_option("--isa", isa_text,
                  "scalar,avx2,avx512,default or all (those this CPU supports; default: what adam_step "
@@ -109,6 +110,10 @@ int main(int argc, char** argv) {
   app.add_option("--nvme-copy", nvme_copy, "16-bit copy dtype of the offloaded step")->capture_default_str();
   app.add_option("--engine", engine, "uring | aio | psync")->capture_default_str();
   app.add_option("--queue-depth", queue_depth, "Pieces in flight per I/O worker")->capture_default_str();
+  app.add_option("--device", device,
+                 "Also time the optimizer on the accelerator (offload_optimizer none): Ops::adam_step over --numel "
+                 "on cpu, cuda or auto, beside a device copy (the anchor), checked against the CPU kernel")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   app.add_option("--io-threads", io_threads, "I/O worker threads")->capture_default_str();
   app.add_option("--block-size", block_size, "Bytes per I/O piece")->capture_default_str();
   app.add_option("--json", json_path, "Write results as JSON to this path ('-' = stdout)");
@@ -247,6 +252,24 @@ int main(int argc, char** argv) {
                           {"trials", chosen.trials},
                           {"avx512_ns_per_param", chosen.avx512_ns_per_param},
                           {"avx2_ns_per_param", chosen.avx2_ns_per_param}};
+
+    if (!device.empty()) {
+      const auto d = sb::run_device_step(device, numel, iters, !adam_l2);
+      std::printf("\n# optimizer on the accelerator (%s): Ops::adam_step, fp32 gradient, bf16 copy, %d pairs "
+                  "alternating with a device copy of one fp32 array (anchor, 8 B/element)\n",
+                  d.accelerator.c_str(), iters);
+      std::printf("%-14s %12s %10s %10s %9s %9s %7s  %s\n", "device", "numel", "time_ms", "Mparam/s", "GB/s",
+                  "copy GB/s", "ratio", "correct");
+      std::printf("%-14s %12zu %10.2f %10.1f %9.2f %9.2f %7.3f  %s\n", d.accelerator.c_str(), d.numel,
+                  d.seconds * 1e3, d.params_per_s / 1e6, d.gb_per_s, d.copy_gb_per_s, d.ratio,
+                  d.correct ? "ok" : "WRONG");
+      std::printf("        check: %s\n", d.check_detail.c_str());
+      all_rows_correct &= d.correct;
+      doc["device_step"] = {{"accelerator", d.accelerator}, {"numel", d.numel}, {"seconds", d.seconds},
+                            {"params_per_s", d.params_per_s}, {"bytes", d.bytes}, {"gb_per_s", d.gb_per_s},
+                            {"copy_seconds", d.copy_seconds}, {"copy_gb_per_s", d.copy_gb_per_s},
+                            {"ratio_to_copy", d.ratio}, {"correct", d.correct}, {"check", d.check_detail}};
+    }
 
     bool all_ok = all_rows_correct;
     if (!nvme_dir.empty()) {

@@ -234,7 +234,7 @@ std::string config_reference_markdown() {
       "means the default. Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"
       "for element counts the unit names only the multiplier.\n\n"
       "Checked combinations: parameter offload needs stage 3; NVMe offload needs `nvme_path`;\n"
-      "optimizer offload needs stage >= 1 (NVMe: stage 3); fp16 and bf16 are exclusive;\n"
+      "optimizer offload needs stage >= 1; fp16 and bf16 are exclusive;\n"
       "`train_batch_size` must be divisible by micro batch x accumulation steps; `aio.block_size`\n"
       "must be a multiple of 4096; `aio.auto_tune` needs engine uring or aio.\n";
   std::string section;

@@ -452,7 +452,8 @@ bool placement_valid(const Placement& p) {
   if (p.stage < 0 || p.stage > 3) return false;
   if (p.params != Tier::kGpu && p.stage != 3) return false;
   if (p.optimizer != Tier::kGpu && p.stage == 0) return false;
-  if (p.optimizer == Tier::kNvme && p.stage != 3) return false;
+  // The optimizer on the GPU reads and writes the parameter shard there.
+  if (p.params != Tier::kGpu && p.optimizer == Tier::kGpu) return false;
   return true;
 }
 

@@ -110,12 +110,14 @@ struct Placement {
   bool operator==(const Placement&) const = default;
 };
 
-// Whether ds_config accepts it: parameter offload only with stage 3, optimizer
-// offload from stage 1, NVMe optimizer offload only with stage 3 (DeepSpeed's rules,
-// also runtime/config's).
+// Whether strata's ds_config accepts it: parameter offload only with stage 3,
+// optimizer offload from stage 1 (to NVMe too, which DeepSpeed allows only at
+// stage 3), and offloaded parameters only with the optimizer offloaded too
+// (runtime/config, runtime/train/zero_config.cc).
 bool placement_valid(const Placement& placement);
-// Every valid placement: stage 0, then 1 and 2 with the optimizer on gpu or
-// cpu, then stage 3's nine (params x optimizer).
+// Every valid placement: stage 0, then 1 and 2 with the optimizer on gpu, cpu
+// or nvme, then stage 3's seven (params x optimizer, not params offloaded
+// with the optimizer on gpu).
 std::vector<Placement> valid_placements();
 std::string describe(const Placement& placement);  // "stage 3, params cpu, optimizer nvme"
 

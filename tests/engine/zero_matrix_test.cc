@@ -103,19 +103,11 @@ engine::ZeroEngineOptions ds_config_options(int stage, const std::string& offloa
   return o;
 }
 
-// The engine options of one cell. The config refuses an NVMe optimizer below
-// stage 3, as DeepSpeed does (ZeRO-Infinity is stage 3); the engine runs it,
-// so those cells take the cpu config's options with the tiers the nvme
-// mapping picks (optimizer state and gradient shard in files).
+// The engine options of one cell. An NVMe optimizer below stage 3 goes
+// beyond DeepSpeed (which asks for stage 3); the config accepts it.
 engine::ZeroEngineOptions cell_options(int stage, const std::string& offload, int world, int micro_steps,
                                        const std::string& nvme_path) {
-  if (offload != "nvme" || stage == 3) return ds_config_options(stage, offload, world, micro_steps, nvme_path);
-  engine::ZeroEngineOptions o = ds_config_options(stage, "cpu", world, micro_steps, nvme_path);
-  const engine::ZeroEngineOptions mapped = ds_config_options(3, "nvme", world, micro_steps, nvme_path);
-  o.optimizer_tier = mapped.optimizer_tier;
-  o.grad_tier = mapped.grad_tier;
-  o.nvme_path = mapped.nvme_path;
-  return o;
+  return ds_config_options(stage, offload, world, micro_steps, nvme_path);
 }
 
 }  // namespace

@@ -327,3 +327,15 @@ TEST_CASE("aio.auto_tune and strata.overlap_optimizer parse, with their defaults
                Contains("auto_tune") && Contains("psync"));
   REQUIRE_THAT(only_problem(R"({"aio": {"auto_tune": 1}})"), Contains("aio.auto_tune") && Contains("true or false"));
 }
+
+TEST_CASE("NVMe optimizer offload is accepted at stages 1 and 2 (beyond DeepSpeed, which asks for stage 3)",
+          "[config]") {
+  for (int stage : {1, 2, 3}) {
+    CAPTURE(stage);
+    CHECK(problems_of(R"({"zero_optimization": {"stage": )" + std::to_string(stage) +
+                      R"(, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap"}}})")
+              .empty());
+  }
+  CHECK_THAT(only_problem(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap"}}})"),
+             Contains("need stage 1 or higher"));
+}
