@@ -428,6 +428,10 @@ struct RunSetup {
   bool checkpoint_activations = false;
   std::filesystem::path cwd;
   std::optional<uint64_t> resident_at_start;   // run.json: rank 0's VmRSS before its first step
+  // run.json: the configurations as the run read them (null: older runs, or
+  // replaced by --config / --model); preferred to the files, which may have
+  // changed since.
+  nlohmann::json ds_config, model_config;
   std::map<std::string, std::string> sources;  // where each came from
 };
 
@@ -469,6 +473,14 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
     } else if (flag == "--checkpoint-activations") {
       s.checkpoint_activations = true;
     }
+  }
+  if (!record.ds_config.is_null()) {
+    s.ds_config = record.ds_config;
+    s.sources["config"] = source + " (the ds_config as the run read it)";
+  }
+  if (!record.model_config.is_null()) {
+    s.model_config = record.model_config;
+    s.sources["model"] = source + " (the model config as the run read it)";
   }
   s.world_size = record.world_size;
   s.sources["world_size"] = source;
@@ -546,8 +558,14 @@ int run_check(const Options& o) {
     apply(given);
     s.sources[key] = flag;
   };
-  override_with(o.config, "--config", "config", [&](const std::string& v) { s.config = v; });
-  override_with(o.model, "--model", "model", [&](const std::string& v) { s.model = v; });
+  override_with(o.config, "--config", "config", [&](const std::string& v) {
+    s.config = v;
+    s.ds_config = nullptr;
+  });
+  override_with(o.model, "--model", "model", [&](const std::string& v) {
+    s.model = v;
+    s.model_config = nullptr;
+  });
   override_with(o.seq, "--seq", "seq",
                 [&](const std::string& v) { s.seq = parse_integer("--seq", v, 1); });
   override_with(o.dp, "--dp", "world_size",
@@ -558,21 +576,30 @@ int run_check(const Options& o) {
           ? fmt::format("{} does not name it", run_json.string())
           : fmt::format("{} has no run.json (a run of an older strata)", dir.string());
   STRATA_CHECK(
-      !s.model.empty(), kBadArgument,
+      !s.model.empty() || !s.model_config.is_null(), kBadArgument,
       "--check: the run's model is unknown ({}): give --model (its config.json or HF directory)",
       no_record);
-  STRATA_CHECK(!s.config.empty(), kBadArgument,
+  STRATA_CHECK(!s.config.empty() || !s.ds_config.is_null(), kBadArgument,
                "--check: the run's ds_config is unknown ({}, or the run used finetune's built-in "
                "defaults): give "
                "--config",
                no_record);
   if (!s.sources.count("world_size")) s.sources["world_size"] = "assumed (no run.json, no --dp)";
 
-  const Config config = load_config_file(s.config.string());
-  std::filesystem::path model_config = s.model;
-  if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
+  // What the run was given: the file it named, or finetune's defaults.
+  const std::string config_name = s.config.empty() ? "(finetune's built-in defaults)" : s.config.string();
+  const std::string config_source =
+      s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
+  const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
+                                              : parse_config(s.ds_config, config_source);
   plan::RuntimeInputs in;
-  in.model = nn::load_llama_config(model_config.string());
+  if (!s.model_config.is_null()) {
+    in.model = nn::parse_llama_config(s.model_config, run_json.string() + " (\"model_config\")");
+  } else {
+    std::filesystem::path model_config = s.model;
+    if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
+    in.model = nn::load_llama_config(model_config.string());
+  }
   in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   const bool device_is_host =
       config.strata.accelerator == "cpu" ||
@@ -584,7 +611,7 @@ int run_check(const Options& o) {
   in.checkpoint_activations = s.checkpoint_activations || config.cpu_checkpointing;
   in.cpu_checkpointing = config.cpu_checkpointing;
   in.world_size = static_cast<int>(s.world_size);
-  in.zero = train::zero_engine_options(config, s.config.string());
+  in.zero = train::zero_engine_options(config, config_source);
   // Relative swap paths are relative to the run's working directory.
   if (!in.zero.nvme_path.empty() && in.zero.nvme_path.is_relative() && !s.cwd.empty())
     in.zero.nvme_path = s.cwd / in.zero.nvme_path;
@@ -644,7 +671,7 @@ int run_check(const Options& o) {
     nlohmann::json out = plan::check_json(result);
     out["run"] = {{"metrics", metrics.string()},
                   {"steps", measured.steps},
-                  {"config", s.config.string()},
+                  {"config", config_name},
                   {"model", s.model.string()},
                   {"seq", s.seq},
                   {"micro_batch", in.micro_batch},
@@ -663,7 +690,7 @@ int run_check(const Options& o) {
         "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
         "checkpointing {}\n\n"
         "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
-        metrics.string(), measured.steps, s.config.string(), s.sources["config"], s.model.string(),
+        metrics.string(), measured.steps, config_name, s.sources["config"], s.model.string(),
         s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
         dtype_name(in.param_dtype),
         in.checkpoint_activations

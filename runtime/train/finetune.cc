@@ -155,8 +155,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- the steps ------------------------------------------------------------------------
   std::unique_ptr<RunReport> report;
   if (rank.rank == 0) {
+    RunRecord inputs;
+    inputs.ds_config = config.effective;
+    inputs.model_config = model_config.to_json();
     report = std::make_unique<RunReport>(options.out, options.steps, options.progress,
-                                         options.resume ? std::optional<int64_t>(done) : std::nullopt);
+                                         options.resume ? std::optional<int64_t>(done) : std::nullopt, inputs);
   }
   FinetuneResult result;
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());

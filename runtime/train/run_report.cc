@@ -31,7 +31,7 @@ nlohmann::json finite_or_null(double x) { return std::isfinite(x) ? nlohmann::js
 }  // namespace
 
 RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out,
-                     std::optional<int64_t> resumed_after)
+                     std::optional<int64_t> resumed_after, const RunRecord& inputs)
     : dir_(std::move(dir)), total_steps_(total_steps), out_(out) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
@@ -40,7 +40,10 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
     // Written whole before the metrics, so a run with metrics has its record.
     const std::filesystem::path run_path = dir_ / "run.json";
     std::ofstream run(run_path, std::ios::trunc);
-    run << run_record_json(this_run_record());
+    RunRecord record = this_run_record();
+    record.ds_config = inputs.ds_config;
+    record.model_config = inputs.model_config;
+    run << run_record_json(record);
     run.flush();
     STRATA_CHECK(run.good(), kIo, "cannot write {}", run_path.string());
   }
@@ -107,6 +110,8 @@ RunRecord this_run_record() {
 std::string run_record_json(const RunRecord& record) {
   nlohmann::json j = {{"argv", record.argv}, {"cwd", record.cwd.string()}, {"world_size", record.world_size}};
   if (record.resident_at_start_nbytes) j["resident_bytes_at_start"] = *record.resident_at_start_nbytes;
+  if (!record.ds_config.is_null()) j["ds_config"] = record.ds_config;
+  if (!record.model_config.is_null()) j["model_config"] = record.model_config;
   return j.dump(2) + "\n";
 }
 
@@ -134,6 +139,12 @@ RunRecord parse_run_record(const std::string& text, const std::string& source) {
                  "{}: \"resident_bytes_at_start\" is not a byte count", source);
     record.resident_at_start_nbytes = j["resident_bytes_at_start"].get<uint64_t>();
   }
+  for (const char* key : {"ds_config", "model_config"}) {
+    if (!j.contains(key)) continue;
+    STRATA_CHECK(j[key].is_object(), kBadArgument, "{}: \"{}\" is not a JSON object", source, key);
+  }
+  if (j.contains("ds_config")) record.ds_config = j["ds_config"];
+  if (j.contains("model_config")) record.model_config = j["model_config"];
   return record;
 }
 

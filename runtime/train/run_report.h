@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -60,6 +61,13 @@ struct RunRecord {
   // step. The process's own baseline for `strata plan --check`. Absent in
   // records of older runs.
   std::optional<uint64_t> resident_at_start_nbytes;
+  // What the run was configured with, as it read it (so `strata plan
+  // --check` needs neither file to be unchanged, nor to exist): the ds_config
+  // with every default filled in (Config::effective; finetune's built-in
+  // defaults when it had no --config) and the model's config
+  // (LlamaConfig::to_json). Null in records of older runs.
+  nlohmann::json ds_config;
+  nlohmann::json model_config;
 };
 // This process's resident set now (VmRSS), 0 where it cannot be read.
 uint64_t resident_nbytes();
@@ -72,13 +80,14 @@ RunRecord parse_run_record(const std::string& text, const std::string& source);
 
 class RunReport {
  public:
-  // Creates `dir`, dir/run.json (this_run_record()) and dir/metrics.jsonl (truncated). `total_steps` sizes the
+  // Creates `dir`, dir/run.json (this_run_record() with `inputs`' ds_config
+  // and model_config) and dir/metrics.jsonl (truncated). `total_steps` sizes the
   // bar and the ETA; `out` is where progress goes (stderr in the tool).
   // `resumed_after`: the run continues from that step (a checkpoint):
   // metrics.jsonl keeps its lines up to it (later ones were lost with the
   // run that wrote them) and appends; the summary and curve cover them.
   RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* out,
-            std::optional<int64_t> resumed_after = std::nullopt);
+            std::optional<int64_t> resumed_after = std::nullopt, const RunRecord& inputs = {});
   ~RunReport();
   RunReport(const RunReport&) = delete;
   RunReport& operator=(const RunReport&) = delete;

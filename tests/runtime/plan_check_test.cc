@@ -111,7 +111,16 @@ TEST_CASE("run.json round-trips, and a bad one names the file and key", "[plan][
   CHECK(back.argv == r.argv);
   CHECK(back.cwd == r.cwd);
   CHECK(back.world_size == 2);
+  CHECK(back.ds_config.is_null());
+  r.ds_config = {{"zero_optimization", {{"stage", 3}}}};
+  r.model_config = {{"hidden_size", 64}};
+  const auto with_configs = strata::train::parse_run_record(strata::train::run_record_json(r), "run.json");
+  CHECK(with_configs.ds_config == r.ds_config);
+  CHECK(with_configs.model_config == r.model_config);
   using Catch::Contains;
+  CHECK_THROWS_WITH(strata::train::parse_run_record(R"({"argv": [], "cwd": "/", "world_size": 1, "ds_config": 3})",
+                                                    "d/run.json"),
+                    Contains("d/run.json") && Contains("\"ds_config\" is not a JSON object"));
   CHECK_THROWS_WITH(strata::train::parse_run_record("{\"argv\": [", "d/run.json"),
                     Contains("d/run.json") && Contains("not a JSON object"));
   CHECK_THROWS_WITH(
@@ -161,13 +170,15 @@ TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan]
 TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with its plan within 15%",
           "[plan][check][finetune]") {
   strata::test::TempDir dir("plan-check");
-  // The quick start's model and config (examples/finetune), fewer steps: the
-  // config's relative swap path lands in the run's working directory.
+  // The quick start's model and config (examples/finetune), copied (removed
+  // below: --check must not need them), fewer steps: the config's relative
+  // swap path lands in the run's working directory.
   const std::string out = dir.file("out");
+  std::filesystem::copy_file(std::string(kExamples) + "/ds_zero3_nvme.json", dir.file("ds.json"));
+  std::filesystem::copy_file(std::string(kExamples) + "/byte_llama.json", dir.file("model.json"));
   const auto run = run_command(
       "cd " + dir.path().string() + " && " + strata_binary() + " run -n 2 -- " + strata_binary() +
-      " finetune --config " + kExamples + "/ds_zero3_nvme.json --init " + kExamples +
-      "/byte_llama.json --data " + kExamples +
+      " finetune --config ds.json --init model.json --data " + kExamples +
       "/data/gpl-3.0.txt --data-format text --steps 2 --seq 256 --out " + out + " 2>&1");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
@@ -192,6 +203,19 @@ TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with i
     CHECK(tier["ratio"].get<double>() < 1.15);
   }
   CHECK(measured == 2);  // device and host resident; the swap files are gone after the run
+
+  // The configurations come from run.json as the run read them: the files
+  // may change or go, the prediction stays.
+  CHECK_THAT(j["run"]["sources"]["config"].get<std::string>(), Catch::Contains("as the run read it"));
+  std::filesystem::remove(dir.file("ds.json"));
+  strata::test::write_file(dir, "model.json", "{ not json");
+  const auto again = run_command(strata_binary() + " plan --check " + out + " --json");
+  INFO(again.output);
+  REQUIRE(again.exit_code == check.exit_code);
+  const auto k = nlohmann::json::parse(again.output);
+  for (size_t t = 0; t < j["tiers"].size(); ++t) {
+    CHECK(k["tiers"][t]["predicted_bytes"] == j["tiers"][t]["predicted_bytes"]);
+  }
 
   // A tolerance no prediction meets fails with exit status 1 and says which tier.
   const auto strict =
