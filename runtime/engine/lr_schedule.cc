@@ -107,7 +107,7 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
   number("warmup_min_lr", s.warmup_min_lr, 0, 1e300);
   number("warmup_max_lr", s.warmup_max_lr, 0, 1e300);
   integer("warmup_num_steps", s.warmup_num_steps, 1);
-  integer("total_num_steps", s.total_num_steps, 1);
+  integer("total_num_steps", s.total_num_steps, 0);  // 0: not set (the schema's default)
   number("warmup_min_ratio", s.warmup_min_ratio, 0, 1);
   number("cos_min_ratio", s.cos_min_ratio, 0, 1);
   if (params.contains("warmup_type")) {
@@ -117,8 +117,8 @@ LrSchedule LrSchedule::from_json(const nlohmann::json& scheduler, double optimiz
     s.linear_warmup = v == "linear";
   }
   if (s.kind == Kind::kWarmupDecayLR || s.kind == Kind::kWarmupCosineLR) {
-    require(params.contains("total_num_steps"),
-                 "{}.params.total_num_steps: required by {}", where, type);
+    require(params.contains("total_num_steps") && s.total_num_steps >= 1,
+                 "{}.params.total_num_steps: required by {} (an integer >= 1)", where, type);
   }
   return s;
 }

@@ -339,3 +339,21 @@ TEST_CASE("NVMe optimizer offload is accepted at stages 1 and 2 (beyond DeepSpee
   CHECK_THAT(only_problem(R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/swap"}}})"),
              Contains("need stage 1 or higher"));
 }
+
+TEST_CASE("the effective configuration is itself a valid configuration that gives the same effective one",
+          "[config]") {
+  // run.json records it and `strata plan --check` parses it back; a user may
+  // copy it from `strata config` output.
+  for (const std::string& text :
+       {std::string("{}"),
+        std::string(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "bf16": {"enabled": true},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}},
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/s"},
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/s"}},
+            "fp16": {"enabled": false}, "gradient_clipping": 1.0})")}) {
+    CAPTURE(text);
+    const strata::Config first = strata::parse_config_text(text, "given");
+    const strata::Config again = strata::parse_config(first.effective, "effective");
+    CHECK(again.effective == first.effective);
+  }
+}
