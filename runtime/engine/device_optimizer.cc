@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "runtime/core/error.h"
+#include "runtime/core/trace_recorder.h"
 
 namespace strata::engine {
 
@@ -81,6 +82,8 @@ void DeviceOptimizer::initialize(const void* params, DType dtype) {
 }
 
 std::vector<kernels::GradStats> DeviceOptimizer::grad_stats(const float* grad) {
+  trace::Span span("optimizer", "gradient statistics on the accelerator");
+  span.bytes(numel_ * sizeof(float)).value("sub_groups", static_cast<int64_t>(sub_group_count_));
   std::vector<double> sums(sub_group_count_, 0.0);
   for (size_t k = 0; k < sub_group_count_; ++k) {
     const auto [first, count] = sub_group_range(k);
@@ -96,6 +99,9 @@ std::vector<kernels::GradStats> DeviceOptimizer::grad_stats(const float* grad) {
 }
 
 void DeviceOptimizer::step(const float* grad, float grad_scale, void* params, DType dtype) {
+  // On the timeline: the whole update, as the host waits for it.
+  trace::Span span("optimizer", "adam on the accelerator");
+  span.bytes(numel_ * (7 * sizeof(float) + dtype_nbytes(dtype))).value("numel", static_cast<int64_t>(numel_));
   const kernels::AdamCoefficients coeffs = kernels::adam_coefficients(adam_, step_count_ + 1, grad_scale);
   if (numel_ > 0) {
     const TensorView copy{TensorDesc{dtype, {static_cast<int64_t>(numel_)}, Tier::kDevice}, params};
