@@ -3,12 +3,13 @@
 // bf16 copy — what DeviceOptimizer runs), timed in alternation with a
 // device-to-device copy that is the row's anchor, and checked against the CPU
 // kernel on the same inputs.
-#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "bench/common/stats.h"
 #include "bench/strata-adam/adam_bench.h"
 #include "kernels/ops.h"
 #include "runtime/core/accelerator.h"
@@ -18,25 +19,6 @@ namespace strata::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-// Device memory freed on every path (a failed check must not leak it).
-struct DeviceBuffer {
-  Accelerator& accelerator;
-  void* data;
-  DeviceBuffer(Accelerator& a, size_t nbytes) : accelerator(a), data(a.allocate(nbytes)) {}
-  ~DeviceBuffer() { accelerator.deallocate(data); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-TensorView view(void* data, DType dtype, size_t numel) {
-  return TensorView{TensorDesc{dtype, {static_cast<int64_t>(numel)}, Tier::kDevice}, data};
-}
 
 }  // namespace
 
@@ -51,8 +33,11 @@ DeviceStepResult run_device_step(const std::string& accelerator_kind, size_t num
   r.numel = numel;
 
   const size_t f32 = numel * sizeof(float);
-  DeviceBuffer p(*accelerator, f32), m(*accelerator, f32), v(*accelerator, f32), g(*accelerator, f32),
-      copy(*accelerator, numel * 2), anchor(*accelerator, f32);
+  const Shape shape{static_cast<int64_t>(numel)};
+  Tensor p = accelerator->allocate_tensor(DType::kF32, shape), m = accelerator->allocate_tensor(DType::kF32, shape),
+         v = accelerator->allocate_tensor(DType::kF32, shape), g = accelerator->allocate_tensor(DType::kF32, shape),
+         copy = accelerator->allocate_tensor(DType::kBF16, shape),
+         anchor = accelerator->allocate_tensor(DType::kF32, shape);
 
   // Inputs: a mid-training state (non-zero moments), uploaded once.
   std::vector<float> hp(numel), hm(numel), hv(numel), hg(numel);
@@ -64,10 +49,10 @@ DeviceStepResult run_device_step(const std::string& accelerator_kind, size_t num
     hv[i] = 0.01f * std::abs(d(gen));
     hg[i] = d(gen);
   }
-  accelerator->copy_async(p.data, hp.data(), f32, CopyKind::kHostToDevice, *stream);
-  accelerator->copy_async(m.data, hm.data(), f32, CopyKind::kHostToDevice, *stream);
-  accelerator->copy_async(v.data, hv.data(), f32, CopyKind::kHostToDevice, *stream);
-  accelerator->copy_async(g.data, hg.data(), f32, CopyKind::kHostToDevice, *stream);
+  accelerator->copy_async(p.data(), hp.data(), f32, CopyKind::kHostToDevice, *stream);
+  accelerator->copy_async(m.data(), hm.data(), f32, CopyKind::kHostToDevice, *stream);
+  accelerator->copy_async(v.data(), hv.data(), f32, CopyKind::kHostToDevice, *stream);
+  accelerator->copy_async(g.data(), hg.data(), f32, CopyKind::kHostToDevice, *stream);
   stream->synchronize();
 
   kernels::AdamConfig config;
@@ -75,19 +60,18 @@ DeviceStepResult run_device_step(const std::string& accelerator_kind, size_t num
   config.weight_decay = 0.01f;
   config.adamw = adamw;
   const auto step = [&](int64_t n) {
-    ops->adam_step(*ctx, kernels::adam_coefficients(config, n, 0.5f), view(p.data, DType::kF32, numel),
-                   view(m.data, DType::kF32, numel), view(v.data, DType::kF32, numel),
-                   view(g.data, DType::kF32, numel), view(copy.data, DType::kBF16, numel));
+    ops->adam_step(*ctx, kernels::adam_coefficients(config, n, 0.5f), p.view(), m.view(), v.view(), g.view(),
+                   copy.view());
   };
 
   // Correctness: step 1 on the device against the CPU kernel on the same inputs.
   step(1);
   std::vector<float> dp(numel), dm(numel), dv(numel);
   std::vector<uint16_t> dcopy(numel), hcopy(numel);
-  accelerator->copy_async(dp.data(), p.data, f32, CopyKind::kDeviceToHost, *stream);
-  accelerator->copy_async(dm.data(), m.data, f32, CopyKind::kDeviceToHost, *stream);
-  accelerator->copy_async(dv.data(), v.data, f32, CopyKind::kDeviceToHost, *stream);
-  accelerator->copy_async(dcopy.data(), copy.data, numel * 2, CopyKind::kDeviceToHost, *stream);
+  accelerator->copy_async(dp.data(), p.data(), f32, CopyKind::kDeviceToHost, *stream);
+  accelerator->copy_async(dm.data(), m.data(), f32, CopyKind::kDeviceToHost, *stream);
+  accelerator->copy_async(dv.data(), v.data(), f32, CopyKind::kDeviceToHost, *stream);
+  accelerator->copy_async(dcopy.data(), copy.data(), numel * 2, CopyKind::kDeviceToHost, *stream);
   stream->synchronize();
   kernels::AdamBuffers host;
   host.param = hp.data();
@@ -117,7 +101,7 @@ DeviceStepResult run_device_step(const std::string& accelerator_kind, size_t num
     stream->synchronize();
     const double a = std::chrono::duration<double>(Clock::now() - t0).count();
     t0 = Clock::now();
-    accelerator->copy_async(anchor.data, g.data, f32, CopyKind::kDeviceToDevice, *stream);
+    accelerator->copy_async(anchor.data(), g.data(), f32, CopyKind::kDeviceToDevice, *stream);
     stream->synchronize();
     const double c = std::chrono::duration<double>(Clock::now() - t0).count();
     if (i == 0) continue;  // warm-up pair

@@ -3,9 +3,7 @@
 // placement to use, for a model (HF config.json or sizes), an optional
 // ds_config and a machine (detected, or described by flags). The model is in
 // runtime/plan; this file turns flags, files and probes into its inputs and
-// says where each value came from. With --check RUN it sets the prediction
-// for the configuration a `strata finetune` run used beside what that run
-// measured (runtime/plan/plan_check.h).
+// says where each value came from. --check RUN is plan_check_cmd.cc.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -13,7 +11,6 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -21,6 +18,7 @@
 #include <string>
 
 #include "runtime/cli/commands.h"
+#include "runtime/cli/plan_cli.h"
 #include "runtime/config/config.h"
 #include "runtime/config/json_text.h"
 #include "runtime/config/size.h"
@@ -28,34 +26,11 @@
 #include "runtime/nn/llama_config.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"
-#include "runtime/plan/plan_check.h"
 #include "runtime/plan/plan_report.h"
-#include "runtime/plan/runtime_memory.h"
-#include "runtime/train/finetune.h"
-#include "runtime/train/run_report.h"
-#include "runtime/train/zero_config.h"
 
 namespace strata::cli {
-namespace {
 
-using plan::Tier;
-
-// Every option is read as text and parsed here, so that each error names its
-// flag and the text given (and a negative number is an error, not an option).
-struct Options {
-  std::string model, params, layers, hidden, heads, intermediate, vocab;
-  std::string seq, batch, grad_accum, checkpoint_every, tiling;
-  bool no_checkpointing = false;
-  std::string config;
-  std::string gpus, nodes, dp, gpu_mem, host_mem, nvme_path, nvme_capacity;
-  std::string bw_gpu_cpu, bw_nvme, bw_nvme_write, bw_host_mem, bw_interconnect, peak_tflops;
-  std::string target_efficiency;
-  std::string units = "GB";
-  bool json = false;
-  // --check RUN: the run directory (or its metrics.jsonl) to compare with.
-  std::string check, tolerance = "15%", baseline_rss;
-  bool checkpoint_activations = false;
-};
+namespace plan_cli {
 
 [[noreturn]] void bad(const std::string& flag, const std::string& text,
                       const std::string& expected) {
@@ -79,6 +54,26 @@ int64_t parse_integer(const std::string& flag, const std::string& text, int64_t 
     bad(flag, text, fmt::format("an integer >= {}", min));
   return value;
 }
+
+// A memory size: a bare number is GB (1e9 bytes); else a size with its unit
+// (80GB, 80GiB, 512M; as in configs, K/M/G/T alone are binary).
+double parse_memory(const std::string& flag, const std::string& text) {
+  if (const auto gb = parse_number(text)) {
+    if (*gb < 0) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
+    return *gb * 1e9;
+  }
+  const auto nbytes = parse_size(text);
+  if (!nbytes) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
+  return static_cast<double>(*nbytes);
+}
+
+}  // namespace plan_cli
+
+namespace {
+
+using plan::Tier;
+using namespace plan_cli;
+using Options = PlanOptions;
 
 // A parameter count: 7.5B, 100B, 0.1T, 350M, 1.3e9 (K, M, B or G, T are decimal).
 int64_t parse_param_count(const std::string& flag, const std::string& text) {
@@ -110,18 +105,6 @@ int64_t parse_param_count(const std::string& flag, const std::string& text) {
     bad(flag, text, "a parameter count from 1 to 2^62 (examples: 7.5B, 100B, 0.1T, 350M, 1.3e9)");
   }
   return static_cast<int64_t>(count);
-}
-
-// A memory size: a bare number is GB (1e9 bytes); else a size with its unit
-// (80GB, 80GiB, 512M; as in configs, K/M/G/T alone are binary).
-double parse_memory(const std::string& flag, const std::string& text) {
-  if (const auto gb = parse_number(text)) {
-    if (*gb < 0) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
-    return *gb * 1e9;
-  }
-  const auto nbytes = parse_size(text);
-  if (!nbytes) bad(flag, text, "a size >= 0 (GB, or with a unit: 80GB, 80GiB)");
-  return static_cast<double>(*nbytes);
 }
 
 // A bandwidth: a bare number is GB/s; else a size with an optional "/s" (25GB/s, 12GiB/s).
@@ -418,309 +401,6 @@ std::string header(const Resolved& r) {
   return out;
 }
 
-// ---- --check: a run's measured memory beside the prediction for that run ------------
-
-// What a `strata finetune` run was started with, as far as the plan needs it.
-struct RunSetup {
-  std::filesystem::path config, model;  // model: an HF directory or a config.json
-  int64_t seq = train::FinetuneOptions{}.seq;
-  int64_t world_size = 1;
-  bool checkpoint_activations = false;
-  std::filesystem::path cwd;
-  std::optional<uint64_t> resident_at_start;   // run.json: rank 0's VmRSS before its first step
-  // run.json: the configurations as the run read them (null: older runs, or
-  // replaced by --config / --model); preferred to the files, which may have
-  // changed since.
-  nlohmann::json ds_config, model_config;
-  std::map<std::string, std::string> sources;  // where each came from
-};
-
-// Reads the finetune flags the plan needs from run.json's command line
-// (both "--flag value" and "--flag=value", as CLI11 accepts them).
-void setup_from_record(const train::RunRecord& record, const std::string& source, RunSetup& s) {
-  const auto finetune = std::find(record.argv.begin(), record.argv.end(), "finetune");
-  STRATA_CHECK(finetune != record.argv.end(), kBadArgument,
-               "{}: the run's command line has no 'finetune' ('{}'); --check compares `strata "
-               "finetune` runs",
-               source, printable_excerpt(record.argv.empty() ? std::string() : record.argv[0], 80));
-  const auto resolve = [&](const std::string& path) {
-    const std::filesystem::path p(path);
-    return p.is_absolute() ? p : record.cwd / p;
-  };
-  for (auto it = finetune + 1; it != record.argv.end(); ++it) {
-    std::string flag = *it, value;
-    const size_t eq = flag.find('=');
-    const bool inline_value = flag.rfind("--", 0) == 0 && eq != std::string::npos;
-    if (inline_value) {
-      value = flag.substr(eq + 1);
-      flag.resize(eq);
-    }
-    const auto take = [&]() -> std::string {
-      if (inline_value) return value;
-      STRATA_CHECK(it + 1 != record.argv.end(), kBadArgument,
-                   "{}: {} has no value in the run's command line", source, flag);
-      return *++it;
-    };
-    if (flag == "--config") {
-      s.config = resolve(take());
-      s.sources["config"] = source;
-    } else if (flag == "--init" || flag == "--model") {
-      s.model = resolve(take());
-      s.sources["model"] = source;
-    } else if (flag == "--seq") {
-      s.seq = parse_integer(source + ": --seq", take(), 1);
-      s.sources["seq"] = source;
-    } else if (flag == "--checkpoint-activations") {
-      s.checkpoint_activations = true;
-    }
-  }
-  if (!record.ds_config.is_null()) {
-    s.ds_config = record.ds_config;
-    s.sources["config"] = source + " (the ds_config as the run read it)";
-  }
-  if (!record.model_config.is_null()) {
-    s.model_config = record.model_config;
-    s.sources["model"] = source + " (the model config as the run read it)";
-  }
-  s.world_size = record.world_size;
-  s.sources["world_size"] = source;
-  s.resident_at_start = record.resident_at_start_nbytes;
-  s.cwd = record.cwd;
-}
-
-// Rank 0's swap files, while they exist: <nvme_path>/<group>/rank0/*.swp (nvme/swap_space.h).
-std::optional<double> swap_files_nbytes(const std::filesystem::path& root) {
-  std::error_code ec;
-  if (!std::filesystem::is_directory(root, ec)) return std::nullopt;
-  double total = 0;
-  bool any = false;
-  for (const auto& group : std::filesystem::directory_iterator(root, ec)) {
-    const std::filesystem::path rank0 = group.path() / "rank0";
-    if (!std::filesystem::is_directory(rank0, ec)) continue;
-    for (const auto& file : std::filesystem::directory_iterator(rank0, ec)) {
-      if (file.path().extension() != ".swp") continue;
-      total += static_cast<double>(file.file_size(ec));
-      any = true;
-    }
-  }
-  return any ? std::optional<double>(total) : std::nullopt;
-}
-
-// What the comparison cannot see, said every time rather than hidden in a tolerance.
-std::string check_notes(bool device_is_host) {
-  std::string out =
-      "Not predicted: what the process adds while it steps besides the items above — heap that the "
-      "allocator "
-      "keeps beyond the bytes live at once";
-  out += device_is_host ? " (the cpu accelerator takes blocks under 1 MiB from malloc)" : "";
-  out +=
-      ", per-thread malloc arenas (I/O, communicator and stream threads), code first run in the "
-      "steps. It does not "
-      "grow with the model, so the host row is tight only when the run holds much more than "
-      "it.\n\n";
-  return out;
-}
-
-int run_check(const Options& o) {
-  // The measurement first: a bad metrics file is the likeliest mistake.
-  std::filesystem::path metrics = o.check, dir;
-  std::error_code ec;
-  if (std::filesystem::is_directory(metrics, ec)) {
-    dir = metrics;
-    metrics /= "metrics.jsonl";
-  } else {
-    dir = metrics.has_parent_path() ? metrics.parent_path() : std::filesystem::path(".");
-  }
-  const plan::RunMeasurement measured = plan::read_metrics(metrics);
-  double tolerance = 0;
-  {
-    const bool percent = !o.tolerance.empty() && o.tolerance.back() == '%';
-    const auto number =
-        parse_number(percent ? std::string_view(o.tolerance).substr(0, o.tolerance.size() - 1)
-                             : std::string_view(o.tolerance));
-    tolerance = number ? *number / (percent ? 100 : 1) : -1;
-    if (!(tolerance >= 0 && tolerance < 10))
-      bad("--tolerance", o.tolerance, "a fraction >= 0 (0.15, or 15%)");
-  }
-
-  RunSetup s;
-  const std::filesystem::path run_json = dir / "run.json";
-  if (std::filesystem::exists(run_json, ec)) {
-    std::ifstream file(run_json, std::ios::binary);
-    const std::string text((std::istreambuf_iterator<char>(file)),
-                           std::istreambuf_iterator<char>());
-    setup_from_record(train::parse_run_record(text, run_json.string()), run_json.string(), s);
-  }
-  // Flags describe the run where run.json does not (older runs), or override it.
-  const auto override_with = [&](const std::string& given, const char* flag, const char* key,
-                                 auto apply) {
-    if (given.empty()) return;
-    apply(given);
-    s.sources[key] = flag;
-  };
-  override_with(o.config, "--config", "config", [&](const std::string& v) {
-    s.config = v;
-    s.ds_config = nullptr;
-  });
-  override_with(o.model, "--model", "model", [&](const std::string& v) {
-    s.model = v;
-    s.model_config = nullptr;
-  });
-  override_with(o.seq, "--seq", "seq",
-                [&](const std::string& v) { s.seq = parse_integer("--seq", v, 1); });
-  override_with(o.dp, "--dp", "world_size",
-                [&](const std::string& v) { s.world_size = parse_integer("--dp", v, 1); });
-  if (o.checkpoint_activations) s.checkpoint_activations = true;
-  const std::string no_record =
-      std::filesystem::exists(run_json, ec)
-          ? fmt::format("{} does not name it", run_json.string())
-          : fmt::format("{} has no run.json (a run of an older strata)", dir.string());
-  STRATA_CHECK(
-      !s.model.empty() || !s.model_config.is_null(), kBadArgument,
-      "--check: the run's model is unknown ({}): give --model (its config.json or HF directory)",
-      no_record);
-  STRATA_CHECK(!s.config.empty() || !s.ds_config.is_null(), kBadArgument,
-               "--check: the run's ds_config is unknown ({}, or the run used finetune's built-in "
-               "defaults): give "
-               "--config",
-               no_record);
-  if (!s.sources.count("world_size")) s.sources["world_size"] = "assumed (no run.json, no --dp)";
-
-  // What the run was given: the file it named, or finetune's defaults.
-  const std::string config_name = s.config.empty() ? "(finetune's built-in defaults)" : s.config.string();
-  const std::string config_source =
-      s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
-  const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
-                                              : parse_config(s.ds_config, config_source);
-  plan::RuntimeInputs in;
-  if (!s.model_config.is_null()) {
-    in.model = nn::parse_llama_config(s.model_config, run_json.string() + " (\"model_config\")");
-  } else {
-    std::filesystem::path model_config = s.model;
-    if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
-    in.model = nn::load_llama_config(model_config.string());
-  }
-  in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
-  const bool device_is_host =
-      config.strata.accelerator == "cpu" ||
-      (config.strata.accelerator == "auto" && plan::detect_machine().gpu_count == 0);
-  in.device_is_host = device_is_host;
-  in.activation_dtype = device_is_host ? DType::kF32 : in.param_dtype;
-  in.micro_batch = config.micro_batch_size;
-  in.seq = s.seq;
-  in.checkpoint_activations = s.checkpoint_activations || config.cpu_checkpointing;
-  in.cpu_checkpointing = config.cpu_checkpointing;
-  in.world_size = static_cast<int>(s.world_size);
-  in.zero = train::zero_engine_options(config, config_source);
-  // Relative swap paths are relative to the run's working directory.
-  if (!in.zero.nvme_path.empty() && in.zero.nvme_path.is_relative() && !s.cwd.empty())
-    in.zero.nvme_path = s.cwd / in.zero.nvme_path;
-  const plan::RuntimeMemory memory = plan::runtime_memory(in);
-
-  // The process itself (code and libraries, threads and their stacks, BLAS,
-  // communicator and allocator overhead) is measured, not predicted: the
-  // run's resident set before its first step less the setup items above
-  // (which it already held), else this very binary's resident set now —
-  // which loaded the same libraries but started no threads, so it is lower.
-  const double bare = static_cast<double>(train::resident_nbytes());
-  const double setup = memory.setup_resident_nbytes(device_is_host);
-  double baseline = bare;
-  std::string baseline_from =
-      "this strata binary's resident set now (no threads, BLAS or communicators yet)";
-  if (!o.baseline_rss.empty()) {
-    baseline = parse_memory("--baseline-rss", o.baseline_rss);
-    baseline_from = "--baseline-rss";
-  } else if (s.resident_at_start && static_cast<double>(*s.resident_at_start) > setup) {
-    baseline = static_cast<double>(*s.resident_at_start) - setup;
-    baseline_from = fmt::format(
-        "the run's resident set before its first step ({:.2f} MB, run.json) less the {:.2f} MB of "
-        "setup items; "
-        "a bare strata process holds {:.2f} MB",
-        static_cast<double>(*s.resident_at_start) / 1e6, setup / 1e6, bare / 1e6);
-  }
-
-  plan::CheckResult result;
-  result.tolerance = tolerance;
-  const std::string rank0 =
-      fmt::format("{}, rank 0, highest of {} step(s)", metrics.filename().string(), measured.steps);
-  result.rows.push_back({device_is_host ? "device (cpu)" : "device", memory.device_nbytes,
-                         static_cast<double>(measured.device_peak_nbytes),
-                         "memory.device_peak_bytes in " + rank0});
-  result.rows.push_back({"host resident", baseline + memory.resident_nbytes(device_is_host),
-                         static_cast<double>(measured.host_peak_rss_nbytes),
-                         "memory.host_peak_rss_bytes in " + rank0});
-  if (memory.nvme_nbytes > 0) {
-    const std::optional<double> files = swap_files_nbytes(in.zero.nvme_path);
-    result.rows.push_back(
-        {"nvme", memory.nvme_nbytes, files,
-         files ? "rank 0's swap files under " + in.zero.nvme_path.string()
-               : "not measured: the run removes its swap files at exit and metrics.jsonl does not "
-                 "record them"});
-  }
-
-  if (o.json) {
-    nlohmann::json items = nlohmann::json::array();
-    for (const plan::MemoryItem& item : memory.items) {
-      items.push_back({{"name", item.name},
-                       {"where", plan::where_name(item.where)},
-                       {"bytes", static_cast<uint64_t>(std::llround(item.nbytes))},
-                       {"upper_bound", item.upper_bound},
-                       {"during_steps", item.during_steps},
-                       {"basis", item.basis}});
-    }
-    nlohmann::json out = plan::check_json(result);
-    out["run"] = {{"metrics", metrics.string()},
-                  {"steps", measured.steps},
-                  {"config", config_name},
-                  {"model", s.model.string()},
-                  {"seq", s.seq},
-                  {"micro_batch", in.micro_batch},
-                  {"world_size", s.world_size},
-                  {"checkpoint_activations", in.checkpoint_activations},
-                  {"sources", s.sources}};
-    out["items"] = items;
-    out["process_baseline"] = {{"bytes", static_cast<uint64_t>(std::llround(baseline))},
-                               {"from", baseline_from},
-                               {"bare_process_bytes", static_cast<uint64_t>(std::llround(bare))}};
-    std::cout << out.dump(2) << "\n";
-  } else {
-    std::string text = fmt::format(
-        "Run       {} ({} steps)\n"
-        "          config {} ({}), model {} ({})\n"
-        "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
-        "checkpointing {}\n\n"
-        "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
-        metrics.string(), measured.steps, config_name, s.sources["config"], s.model.string(),
-        s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
-        dtype_name(in.param_dtype),
-        in.checkpoint_activations
-            ? (in.cpu_checkpointing ? "on, checkpoints in pinned host memory" : "on")
-            : "off");
-    for (const plan::MemoryItem& item : memory.items) {
-      text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
-                          plan::where_name(item.where), item.during_steps ? "steps" : "setup",
-                          item.upper_bound ? "<=" : "", item.nbytes / 1e6, item.basis);
-    }
-    text += fmt::format("  {:<34} {:<12} {:<6} {:>11.2f} MB  {}\n", "process baseline", "host", "",
-                        baseline / 1e6, baseline_from);
-    text += fmt::format(
-        "\nPredicted: device {:.2f} MB; host resident = baseline + pinned {:.2f} MB + host {:.2f} "
-        "MB{}; nvme "
-        "{:.2f} MB\n\n",
-        memory.device_nbytes / 1e6, memory.pinned_nbytes / 1e6, memory.host_nbytes / 1e6,
-        device_is_host ? " + device (the cpu accelerator's memory is the process's)" : "",
-        memory.nvme_nbytes / 1e6);
-    text += check_notes(device_is_host);
-    std::cout << text << plan::check_text(result)
-              << (result.ok()
-                      ? fmt::format("every measured tier is within {:.0f}%\n", 100 * tolerance)
-                      : fmt::format("a measured tier is outside {:.0f}%\n", 100 * tolerance));
-  }
-  return result.ok() ? 0 : 1;
-}
-
-// Flags that describe a hypothetical job or machine mean nothing to --check,
-// which compares a run that happened; the --check flags mean nothing without it.
 void check_flag_combination(const Options& o) {
   const std::vector<std::pair<const char*, bool>> plan_only = {
       {"--params", !o.params.empty()},
@@ -767,7 +447,7 @@ void check_flag_combination(const Options& o) {
 
 int run_plan(const Options& o) {
   check_flag_combination(o);
-  if (!o.check.empty()) return run_check(o);
+  if (!o.check.empty()) return run_plan_check(o);
   std::optional<Config> config;
   if (!o.config.empty()) config = load_config_file(o.config);
   Resolved r;

@@ -8,6 +8,22 @@
 
 namespace strata::engine {
 
+namespace {
+
+// Elements [first, first + count) of a 1-D tensor, as a 1-D view.
+TensorView range(const Tensor& t, size_t first, size_t count) {
+  const size_t element_nbytes = dtype_nbytes(t.view().desc.dtype);
+  return TensorView{TensorDesc{t.view().desc.dtype, {static_cast<int64_t>(count)}, Tier::kDevice},
+                    static_cast<char*>(t.data()) + first * element_nbytes};
+}
+
+// numel elements of `dtype` at `data` (accelerator memory) as a 1-D view.
+TensorView flat(const void* data, DType dtype, size_t numel) {
+  return TensorView{TensorDesc{dtype, {static_cast<int64_t>(numel)}, Tier::kDevice}, const_cast<void*>(data)};
+}
+
+}  // namespace
+
 DeviceOptimizer::DeviceOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& stream, size_t numel,
                                  size_t sub_group_numel, kernels::AdamConfig adam)
     : accelerator_(accelerator),
@@ -21,29 +37,18 @@ DeviceOptimizer::DeviceOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream
       adam_(adam) {
   STRATA_CHECK(numel > 0, kBadArgument, "device optimizer: shard numel must be > 0");
   adam_.validate();
-  const size_t nbytes = std::max<size_t>(numel_, 1) * sizeof(float);
-  try {
-    master_ = static_cast<float*>(accelerator_.allocate(nbytes));
-    exp_avg_ = static_cast<float*>(accelerator_.allocate(nbytes));
-    exp_avg_sq_ = static_cast<float*>(accelerator_.allocate(nbytes));
-    sums_ = static_cast<double*>(accelerator_.allocate(std::max<size_t>(sub_group_count_, 1) * sizeof(double)));
-  } catch (...) {
-    for (void* p : {static_cast<void*>(master_), static_cast<void*>(exp_avg_), static_cast<void*>(exp_avg_sq_)}) {
-      if (p != nullptr) accelerator_.deallocate(p);
-    }
-    throw;
-  }
+  const Shape shape{static_cast<int64_t>(numel_)};
+  master_ = accelerator_.allocate_tensor(DType::kF32, shape);
+  exp_avg_ = accelerator_.allocate_tensor(DType::kF32, shape);
+  exp_avg_sq_ = accelerator_.allocate_tensor(DType::kF32, shape);
+  sums_ = accelerator_.allocate_tensor(DType::kF64, {static_cast<int64_t>(sub_group_count_)});
 }
 
 DeviceOptimizer::~DeviceOptimizer() {
   try {
-    stream_.synchronize();  // queued updates write the state freed below
+    stream_.synchronize();  // queued updates write the state freed with the members
   } catch (...) {
     // Reported on the caller's path (or never to be); the memory may go now.
-  }
-  for (void* p : {static_cast<void*>(master_), static_cast<void*>(exp_avg_), static_cast<void*>(exp_avg_sq_),
-                  static_cast<void*>(sums_)}) {
-    accelerator_.deallocate(p);
   }
 }
 
@@ -60,23 +65,10 @@ void DeviceOptimizer::set_lr(float lr) {
   adam_ = adam;
 }
 
-void DeviceOptimizer::check_range(size_t first, size_t count) const {
-  STRATA_CHECK(first <= numel_ && count <= numel_ - first, kBadArgument,
-               "optimizer state range [{}, {}) outside the shard ({} elements)", first, first + count, numel_);
-}
-
-TensorView DeviceOptimizer::view(float* base, size_t first, size_t count) const {
-  return TensorView{TensorDesc{DType::kF32, {static_cast<int64_t>(count)}, Tier::kDevice}, base + first};
-}
-
 void DeviceOptimizer::initialize(const void* params, DType dtype) {
-  if (numel_ > 0) {
-    const TensorView source{TensorDesc{dtype, {static_cast<int64_t>(numel_)}, Tier::kDevice},
-                            const_cast<void*>(params)};
-    ops_.cast(*ctx_, source, view(master_, 0, numel_));
-    accelerator_.memset_async(exp_avg_, 0, numel_ * sizeof(float), stream_);
-    accelerator_.memset_async(exp_avg_sq_, 0, numel_ * sizeof(float), stream_);
-  }
+  ops_.cast(*ctx_, flat(params, dtype, numel_), master_.view());
+  accelerator_.memset_async(exp_avg_.data(), 0, exp_avg_.nbytes(), stream_);
+  accelerator_.memset_async(exp_avg_sq_.data(), 0, exp_avg_sq_.nbytes(), stream_);
   stream_.synchronize();
   step_count_ = 0;
 }
@@ -87,11 +79,9 @@ std::vector<kernels::GradStats> DeviceOptimizer::grad_stats(const float* grad) {
   std::vector<double> sums(sub_group_count_, 0.0);
   for (size_t k = 0; k < sub_group_count_; ++k) {
     const auto [first, count] = sub_group_range(k);
-    ops_.grad_sum_sq(*ctx_, view(const_cast<float*>(grad), first, count), 1.0f, TensorView{TensorDesc{DType::kF64, {1}, Tier::kDevice}, sums_ + k});
+    ops_.grad_sum_sq(*ctx_, flat(grad + first, DType::kF32, count), 1.0f, range(sums_, k, 1));
   }
-  if (!sums.empty()) {
-    accelerator_.copy_async(sums.data(), sums_, sums.size() * sizeof(double), CopyKind::kDeviceToHost, stream_);
-  }
+  accelerator_.copy_async(sums.data(), sums_.data(), sums_.nbytes(), CopyKind::kDeviceToHost, stream_);
   stream_.synchronize();
   std::vector<kernels::GradStats> stats(sub_group_count_);
   for (size_t k = 0; k < sub_group_count_; ++k) stats[k] = kernels::GradStats{sums[k], std::isfinite(sums[k])};
@@ -103,36 +93,45 @@ void DeviceOptimizer::step(const float* grad, float grad_scale, void* params, DT
   trace::Span span("optimizer", "adam on the accelerator");
   span.bytes(numel_ * (7 * sizeof(float) + dtype_nbytes(dtype))).value("numel", static_cast<int64_t>(numel_));
   const kernels::AdamCoefficients coeffs = kernels::adam_coefficients(adam_, step_count_ + 1, grad_scale);
-  if (numel_ > 0) {
-    const TensorView copy{TensorDesc{dtype, {static_cast<int64_t>(numel_)}, Tier::kDevice}, params};
-    ops_.adam_step(*ctx_, coeffs, view(master_, 0, numel_), view(exp_avg_, 0, numel_), view(exp_avg_sq_, 0, numel_),
-                   view(const_cast<float*>(grad), 0, numel_), copy);
-  }
+  ops_.adam_step(*ctx_, coeffs, master_.view(), exp_avg_.view(), exp_avg_sq_.view(), flat(grad, DType::kF32, numel_),
+                 flat(params, dtype, numel_));
   stream_.synchronize();
   ++step_count_;
 }
 
-void DeviceOptimizer::read_state(size_t first, size_t count, float* master, float* exp_avg, float* exp_avg_sq) {
-  check_range(first, count);
-  const size_t nbytes = count * sizeof(float);
-  accelerator_.copy_async(master, master_ + first, nbytes, CopyKind::kDeviceToHost, stream_);
-  accelerator_.copy_async(exp_avg, exp_avg_ + first, nbytes, CopyKind::kDeviceToHost, stream_);
-  accelerator_.copy_async(exp_avg_sq, exp_avg_sq_ + first, nbytes, CopyKind::kDeviceToHost, stream_);
-  stream_.synchronize();
+void DeviceOptimizer::save(const StateSinkFn& sink) {
+  std::vector<float> master, exp_avg, exp_avg_sq;
+  for (size_t first = 0; first < numel_; first += kStateChunkNumel) {
+    const size_t count = std::min(kStateChunkNumel, numel_ - first);
+    const size_t nbytes = count * sizeof(float);
+    master.resize(count), exp_avg.resize(count), exp_avg_sq.resize(count);
+    accelerator_.copy_async(master.data(), range(master_, first, count).data, nbytes, CopyKind::kDeviceToHost,
+                            stream_);
+    accelerator_.copy_async(exp_avg.data(), range(exp_avg_, first, count).data, nbytes, CopyKind::kDeviceToHost,
+                            stream_);
+    accelerator_.copy_async(exp_avg_sq.data(), range(exp_avg_sq_, first, count).data, nbytes,
+                            CopyKind::kDeviceToHost, stream_);
+    stream_.synchronize();
+    sink(first, count, master.data(), exp_avg.data(), exp_avg_sq.data());
+  }
 }
 
-void DeviceOptimizer::write_state(size_t first, size_t count, const float* master, const float* exp_avg,
-                                  const float* exp_avg_sq) {
-  check_range(first, count);
-  const size_t nbytes = count * sizeof(float);
-  accelerator_.copy_async(master_ + first, master, nbytes, CopyKind::kHostToDevice, stream_);
-  accelerator_.copy_async(exp_avg_ + first, exp_avg, nbytes, CopyKind::kHostToDevice, stream_);
-  accelerator_.copy_async(exp_avg_sq_ + first, exp_avg_sq, nbytes, CopyKind::kHostToDevice, stream_);
-  stream_.synchronize();
-}
-
-void DeviceOptimizer::set_step_count(int64_t step_count) {
+void DeviceOptimizer::restore(const StateFillFn& fill, int64_t step_count) {
   STRATA_CHECK(step_count >= 0, kBadArgument, "step count {} < 0", step_count);
+  std::vector<float> master, exp_avg, exp_avg_sq;
+  for (size_t first = 0; first < numel_; first += kStateChunkNumel) {
+    const size_t count = std::min(kStateChunkNumel, numel_ - first);
+    const size_t nbytes = count * sizeof(float);
+    master.resize(count), exp_avg.resize(count), exp_avg_sq.resize(count);
+    fill(first, count, master.data(), exp_avg.data(), exp_avg_sq.data());
+    accelerator_.copy_async(range(master_, first, count).data, master.data(), nbytes, CopyKind::kHostToDevice,
+                            stream_);
+    accelerator_.copy_async(range(exp_avg_, first, count).data, exp_avg.data(), nbytes, CopyKind::kHostToDevice,
+                            stream_);
+    accelerator_.copy_async(range(exp_avg_sq_, first, count).data, exp_avg_sq.data(), nbytes,
+                            CopyKind::kHostToDevice, stream_);
+    stream_.synchronize();  // before the host buffers take the next chunk
+  }
   step_count_ = step_count;
 }
 

@@ -24,11 +24,12 @@
 // Errors: Error(kOutOfMemory) from the allocation when the accelerator's
 // budget is too small for 12 bytes per element; errors of the stream's work
 // (a failed kernel) are rethrown by the call that synchronizes;
-// Error(kBadArgument) for ranges outside the shard.
+// Error(kBadArgument) for a negative step count.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
 #include "runtime/core/accelerator.h"
+#include "runtime/core/tensor.h"
 
 namespace strata::engine {
 
@@ -67,15 +69,21 @@ class DeviceOptimizer {
   // the 16-bit copy of the master, or an fp32 copy). Returns once done.
   void step(const float* grad, float grad_scale, void* params, DType dtype);
 
-  // Checkpoints: state elements [first, first + count) to or from host memory.
-  void read_state(size_t first, size_t count, float* master, float* exp_avg, float* exp_avg_sq);
-  void write_state(size_t first, size_t count, const float* master, const float* exp_avg,
-                   const float* exp_avg_sq);
-  void set_step_count(int64_t step_count);
+  // Checkpoints pass the state through host memory in chunks of at most
+  // kStateChunkNumel elements per array (16 MiB each), however large the
+  // shard or its sub-groups. save: `sink(first, count, master, exp_avg,
+  // exp_avg_sq)` for each chunk in order, host views valid during the call.
+  // restore: as OptimizerSwapper::restore — `fill` writes each chunk, then the
+  // step count is set.
+  static constexpr size_t kStateChunkNumel = size_t{1} << 22;
+  using StateSinkFn = std::function<void(size_t first, size_t count, const float* master, const float* exp_avg,
+                                         const float* exp_avg_sq)>;
+  using StateFillFn =
+      std::function<void(size_t first, size_t count, float* master, float* exp_avg, float* exp_avg_sq)>;
+  void save(const StateSinkFn& sink);
+  void restore(const StateFillFn& fill, int64_t step_count);
 
  private:
-  TensorView view(float* base, size_t first, size_t count) const;
-  void check_range(size_t first, size_t count) const;
 
   Accelerator& accelerator_;
   ops::Ops& ops_;
@@ -86,10 +94,8 @@ class DeviceOptimizer {
   const size_t sub_group_count_;
   kernels::AdamConfig adam_;
   int64_t step_count_ = 0;
-  float* master_ = nullptr;  // numel fp32 each
-  float* exp_avg_ = nullptr;
-  float* exp_avg_sq_ = nullptr;
-  double* sums_ = nullptr;  // per sub-group sum of squares (accelerator memory)
+  Tensor master_, exp_avg_, exp_avg_sq_;  // fp32 [numel] each
+  Tensor sums_;                           // fp64 [sub_group_count]: each sub-group's sum of squares
 };
 
 }  // namespace strata::engine

@@ -28,10 +28,6 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
                path.string(), actual, nbytes);
 }
 
-// The device optimizer's state passes through host memory this many elements
-// of each array at a time (16 MiB each), however large its sub-groups.
-constexpr size_t kDeviceStateChunkNumel = size_t{1} << 22;
-
 }  // namespace
 
 std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
@@ -57,26 +53,20 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
     // One pass over the sub-groups (each read once from NVMe), three files.
     StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
         exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
-    std::vector<float> p, m, v;
-    const auto append = [&](size_t numel) {
-      master.append(p.data(), numel * sizeof(float));
-      exp_avg.append(m.data(), numel * sizeof(float));
-      exp_avg_sq.append(v.data(), numel * sizeof(float));
+    const auto append = [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
+      master.append(p, numel * sizeof(float));
+      exp_avg.append(m, numel * sizeof(float));
+      exp_avg_sq.append(v, numel * sizeof(float));
     };
     if (g.device_optimizer) {
-      const size_t shard_numel = g.device_optimizer->numel();
-      for (size_t first = 0; first < shard_numel; first += kDeviceStateChunkNumel) {
-        const size_t numel = std::min(kDeviceStateChunkNumel, shard_numel - first);
-        p.resize(numel), m.resize(numel), v.resize(numel);
-        g.device_optimizer->read_state(first, numel, p.data(), m.data(), v.data());
-        append(numel);
-      }
+      g.device_optimizer->save(append);
     } else {
+      std::vector<float> p, m, v;
       for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
-        const size_t numel = g.swapper->sub_group_range(k).second;
+        const auto [first, numel] = g.swapper->sub_group_range(k);
         p.resize(numel), m.resize(numel), v.resize(numel);
         g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
-        append(numel);
+        append(first, numel, p.data(), m.data(), v.data());
       }
     }
     files.push_back(master.finish());
@@ -174,14 +164,7 @@ void ZeroEngine::load_state(const fs::path& dir) {
       read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
     };
     if (g.device_optimizer) {
-      std::vector<float> p, m, v;
-      for (size_t first = 0; first < shard_numel; first += kDeviceStateChunkNumel) {
-        const size_t numel = std::min(kDeviceStateChunkNumel, shard_numel - first);
-        p.resize(numel), m.resize(numel), v.resize(numel);
-        fill(first, numel, p.data(), m.data(), v.data());
-        g.device_optimizer->write_state(first, numel, p.data(), m.data(), v.data());
-      }
-      g.device_optimizer->set_step_count(steps);
+      g.device_optimizer->restore(fill, steps);
     } else {
       g.swapper->restore(fill, steps);
     }

@@ -17,9 +17,11 @@
 #include "kernels/ops.h"
 #include "runtime/core/accelerator.h"
 #include "runtime/core/error.h"
+#include "tests/kernels/optimizer_op_checks.h"
 
 using namespace strata;
 using namespace strata::ops;
+using strata::test::normal_floats;
 using Vec = std::vector<double>;
 
 namespace {
@@ -351,16 +353,6 @@ TEST_CASE("cpu ops enqueue on the stream and return without waiting", "[ops][cpu
 
 namespace {
 
-// n fp32 values from N(0, scale); every 13th is an exact zero when `zeros`
-// (a gradient of 0 keeps v at 0 there: the eps path of the denominator).
-std::vector<float> normal_floats(size_t n, uint32_t seed, float scale, bool zeros = false) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = zeros && i % 13 == 0 ? 0.0f : d(gen);
-  return v;
-}
-
 // An fp32 tensor holding exactly v's bits.
 TensorView floats(Fixture& f, const std::vector<float>& v) {
   Tensor t = f.acc->allocate_tensor(DType::kF32, {static_cast<int64_t>(v.size())});
@@ -497,15 +489,7 @@ TEST_CASE("cpu ops: adam_step and grad_sum_sq refuse bad arguments before enqueu
   auto ints = f.ints(std::vector<int32_t>(8, 0));
   auto copy_short = f.zeros(DType::kBF16, {7});
   const auto coeffs = kernels::adam_coefficients({}, 1);
-  auto refused = [](auto&& call, const char* message) {
-    try {
-      call();
-      FAIL("no error: expected one containing \"" << message << "\"");
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::kBadArgument);
-      CHECK_THAT(e.message(), Catch::Contains(message));
-    }
-  };
+  const auto refused = [](auto&& call, const char* message) { strata::test::expect_bad_argument(call, message); };
   refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, short_m, v, g, {}); }, "exp_avg");
   refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, m, v, g16, {}); }, "grad");
   refused([&] { f.ops->adam_step(*f.ctx, coeffs, p, m, v, g, ints); }, "param_copy");
