@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 namespace strata::ops {
 

@@ -45,8 +45,8 @@
 #include <string_view>
 
 #include "kernels/optimizer.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/tensor.h"
+#include "core/accelerator.h"
+#include "core/tensor.h"
 
 namespace strata::ops {
 

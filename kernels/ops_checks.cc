@@ -1,7 +1,7 @@
 // Argument checks every Ops implementation runs before it enqueues work, and
 // the MatView helpers; shared so that both backends refuse the same calls.
 #include "kernels/ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::ops {
 

@@ -1,7 +1,7 @@
 // make_cuda_ops and measure_bf16_gemm_tflops in builds without CUDA.
 #include "kernels/cuda_peak.h"
 #include "kernels/ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::ops {
 

@@ -17,7 +17,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 namespace strata::kernels {
 

@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "nvme/backends.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nvme {
 namespace {

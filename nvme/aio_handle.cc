@@ -9,9 +9,9 @@
 #include <deque>
 #include <optional>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_recorder.h"
 
 namespace strata::nvme {
 namespace {

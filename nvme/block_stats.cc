@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nvme {
 namespace {

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "nvme/backends.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nvme {
 

@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "nvme/io_options.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::nvme {
 

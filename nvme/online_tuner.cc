@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <chrono>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::nvme {
 namespace {

@@ -5,7 +5,7 @@
 #include <deque>
 
 #include "nvme/backends.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nvme {
 namespace {

@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <system_error>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::nvme {
 namespace {

@@ -7,8 +7,8 @@
 #include <thread>
 
 #include "nvme/backends.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::nvme {
 namespace {

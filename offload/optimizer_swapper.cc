@@ -13,9 +13,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
-#include "runtime/core/trace_recorder.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/trace_recorder.h"
+#include "core/log.h"
 
 namespace strata::offload {
 namespace {

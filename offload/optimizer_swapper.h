@@ -41,7 +41,7 @@
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
 #include "offload/pinned_pool.h"
-#include "runtime/core/tensor.h"
+#include "core/tensor.h"
 
 namespace strata::offload {
 

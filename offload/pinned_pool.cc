@@ -4,10 +4,10 @@
 
 #include <algorithm>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/host_memory.h"
-#include "runtime/core/log.h"
+#include "core/accelerator.h"
+#include "core/error.h"
+#include "core/host_memory.h"
+#include "core/log.h"
 
 namespace strata::offload {
 namespace {

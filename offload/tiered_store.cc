@@ -5,8 +5,8 @@
 
 #include <cstdint>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::offload {
 

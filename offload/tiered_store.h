@@ -28,8 +28,8 @@
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/tensor.h"
+#include "core/accelerator.h"
+#include "core/tensor.h"
 
 namespace strata::offload {
 

@@ -36,8 +36,8 @@
 #include <string_view>
 
 #include "partition/store.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/dtype.h"
+#include "core/accelerator.h"
+#include "core/dtype.h"
 
 namespace strata::partition {
 

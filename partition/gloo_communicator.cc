@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "partition/communicator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_recorder.h"
 
 namespace strata::partition {
 namespace {

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::partition {
 namespace {

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/dtype.h"
-#include "runtime/core/tensor.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace strata::partition {
 

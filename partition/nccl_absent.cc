@@ -1,6 +1,6 @@
 // make_nccl_communicator in builds without CUDA: the one place that says so.
 #include "partition/communicator.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::partition {
 std::unique_ptr<Communicator> make_nccl_communicator(Accelerator&, StoreClient&, const CommunicatorOptions&) {

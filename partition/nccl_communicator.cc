@@ -23,11 +23,11 @@
 #include <thread>
 
 #include "partition/communicator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
-#include "runtime/core/trace_recorder.h"
-#include "runtime/cuda/cuda_check.h"
-#include "runtime/cuda/cuda_stream.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_recorder.h"
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_stream.h"
 
 namespace strata::partition {
 namespace {

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::partition {
 namespace {

@@ -14,8 +14,8 @@
 #include <set>
 #include <thread>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::partition {
 namespace asio = boost::asio;

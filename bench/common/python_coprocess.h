@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 extern char** environ;
 

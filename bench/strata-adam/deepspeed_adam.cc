@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/strata-adam/deepspeed_adam_script.h"  // kDeepSpeedAdamScript (generated)
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::bench {
 

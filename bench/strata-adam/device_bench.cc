@@ -12,8 +12,8 @@
 #include "bench/common/stats.h"
 #include "bench/strata-adam/adam_bench.h"
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace strata::bench {
 namespace {

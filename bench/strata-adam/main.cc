@@ -18,8 +18,8 @@
 
 #include "bench/strata-adam/adam_bench.h"
 #include "kernels/optimizer.h"
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/error.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
 
 namespace sb = strata::bench;
 namespace kernels = strata::kernels;

@@ -14,8 +14,8 @@
 #include "bench/common/stats.h"
 #include "bench/strata-adam/adam_bench.h"
 #include "bench/strata-adam/stream_passes.h"
-#include "runtime/core/error.h"
-#include "runtime/core/host_memory.h"
+#include "core/error.h"
+#include "core/host_memory.h"
 
 namespace strata::bench {
 namespace {

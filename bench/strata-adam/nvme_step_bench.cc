@@ -17,8 +17,8 @@
 #include "nvme/aio_handle.h"
 #include "offload/optimizer_swapper.h"
 #include "offload/pinned_pool.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::bench {
 namespace {

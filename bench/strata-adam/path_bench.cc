@@ -21,7 +21,7 @@
 #include "bench/strata-adam/adam_bench.h"
 #include "bench/strata-adam/deepspeed_adam.h"
 #include "bench/strata-adam/stream_passes.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::bench {
 namespace {

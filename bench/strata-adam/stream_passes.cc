@@ -16,9 +16,9 @@
 
 #include "bench/common/pattern.h"
 #include "kernels/cpu/adam_impl.h"
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/dtype.h"
-#include "runtime/core/error.h"
+#include "core/cpu_features.h"
+#include "core/dtype.h"
+#include "core/error.h"
 
 namespace strata::bench {
 namespace {

@@ -19,8 +19,8 @@
 #include "partition/communicator.h"
 #include "partition/rendezvous.h"
 #include "runtime/config/size.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace {
 using namespace strata;

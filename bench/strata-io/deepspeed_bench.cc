@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/strata-io/deepspeed_aio_script.h"  // kDeepSpeedAioScript (generated)
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::bench {
 

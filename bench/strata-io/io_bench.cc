@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
-#include "runtime/core/host_memory.h"
+#include "core/error.h"
+#include "core/host_memory.h"
 
 namespace strata::bench {
 namespace {

@@ -19,8 +19,8 @@
 #include "bench/strata-io/deepspeed_bench.h"
 #include "bench/strata-io/io_bench.h"
 #include "runtime/config/size.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace sb = strata::bench;
 namespace nvme = strata::nvme;

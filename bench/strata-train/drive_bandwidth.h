@@ -10,7 +10,7 @@
 #include <filesystem>
 
 #include "nvme/io_options.h"
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 namespace strata::bench::train {
 

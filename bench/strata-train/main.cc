@@ -23,9 +23,9 @@
 #include "kernels/cuda_peak.h"
 #include "kernels/ops.h"
 #include "partition/rendezvous.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/accelerator.h"
+#include "core/error.h"
+#include "core/trace_recorder.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
 
@@ -308,7 +308,7 @@ int run(const Flags& f) {
 
 }  // namespace
 
-// --trace FILE: the run's timeline (runtime/core/trace_recorder.h), one file
+// --trace FILE: the run's timeline (core/trace_recorder.h), one file
 // per rank under `strata run` ({rank} in FILE, else .rank<N>).
 void start_trace(const std::string& path, std::optional<strata::trace::Session>& session) {
   if (path.empty()) return;

@@ -15,8 +15,8 @@
 
 #include "kernels/cpu/adam_impl.h"
 #include "kernels/optimizer.h"
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/error.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
 
 namespace strata::kernels {
 namespace {

@@ -7,7 +7,7 @@
 #include <cstddef>
 
 #include "kernels/optimizer.h"
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 namespace strata::kernels::detail {
 

@@ -6,9 +6,9 @@
 #include <cstdlib>
 #include <mutex>
 
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace strata::blas {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/nn_ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn::cpu {
 namespace {

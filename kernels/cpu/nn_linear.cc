@@ -2,7 +2,7 @@
 // strides so TiledLinear can address column blocks of its input and output.
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/nn_ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn::cpu {
 

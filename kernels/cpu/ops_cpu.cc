@@ -21,7 +21,7 @@
 #include "kernels/cpu/vec_math.h"
 #include "kernels/nn_ops.h"
 #include "kernels/ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::ops {
 namespace {

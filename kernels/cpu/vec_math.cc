@@ -6,7 +6,7 @@
 #include <cstring>
 #include <limits>
 
-#include "runtime/core/cpu_features.h"
+#include "core/cpu_features.h"
 
 namespace strata::ops::vec {
 namespace {

@@ -10,8 +10,8 @@
 #include <climits>
 #include <vector>
 
-#include "runtime/core/error.h"
-#include "runtime/cuda/cuda_check.h"
+#include "core/error.h"
+#include "core/cuda/cuda_check.h"
 
 namespace strata::ops {
 namespace {

@@ -25,8 +25,8 @@
 
 #include "kernels/cuda/launch.h"
 #include "kernels/ops.h"
-#include "runtime/core/error.h"
-#include "runtime/cuda/cuda_check.h"
+#include "core/error.h"
+#include "core/cuda/cuda_check.h"
 
 namespace strata::ops {
 namespace {

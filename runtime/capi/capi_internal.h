@@ -22,8 +22,8 @@
 
 #include "partition/communicator.h"
 #include "runtime/capi/strata.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/train/zero_config.h"
 

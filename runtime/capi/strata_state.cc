@@ -18,8 +18,8 @@
 
 #include "runtime/capi/capi_internal.h"
 #include "runtime/capi/strata.h"
-#include "runtime/core/dtype.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/dtype.h"
+#include "core/trace_recorder.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/train/checkpoint.h"
 

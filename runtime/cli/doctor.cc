@@ -18,9 +18,9 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/cli/commands.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/host_memory.h"
+#include "core/accelerator.h"
+#include "core/cpu_features.h"
+#include "core/host_memory.h"
 
 namespace strata::cli {
 namespace {

@@ -3,7 +3,7 @@
 
 #include "runtime/cli/commands.h"
 #include "runtime/config/size.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/train/export_checkpoint.h"
 
 namespace strata::cli {

@@ -5,7 +5,7 @@
 
 #include "runtime/cli/commands.h"
 #include "runtime/config/size.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/train/finetune.h"
 
 namespace strata::cli {

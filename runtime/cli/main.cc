@@ -7,7 +7,7 @@
 
 #include "runtime/cli/commands.h"
 #include "runtime/config/json_text.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"strata: ZeRO-Infinity-style offloaded training runtime", "strata"};

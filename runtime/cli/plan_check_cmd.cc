@@ -16,7 +16,7 @@
 #include "runtime/cli/plan_cli.h"
 #include "runtime/config/config.h"
 #include "runtime/config/json_text.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_config.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan_check.h"

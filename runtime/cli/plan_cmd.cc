@@ -22,7 +22,7 @@
 #include "runtime/config/config.h"
 #include "runtime/config/json_text.h"
 #include "runtime/config/size.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_config.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 

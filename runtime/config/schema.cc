@@ -10,7 +10,7 @@
 #include <set>
 
 #include "nvme/io_options.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 namespace {

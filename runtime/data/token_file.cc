@@ -11,7 +11,7 @@
 #include <cstring>
 #include <utility>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::data {
 namespace {

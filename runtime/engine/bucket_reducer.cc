@@ -1,7 +1,7 @@
 // BucketReducer: pack → reduce-scatter → accumulate, stream-ordered.
 #include "runtime/engine/bucket_reducer.h"
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/core/error.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/error.h"
+#include "core/trace_recorder.h"
 
 namespace strata::engine {
 

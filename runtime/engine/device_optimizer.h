@@ -36,8 +36,8 @@
 
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/tensor.h"
+#include "core/accelerator.h"
+#include "core/tensor.h"
 
 namespace strata::engine {
 

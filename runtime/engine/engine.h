@@ -45,8 +45,8 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/tensor.h"
+#include "core/accelerator.h"
+#include "core/tensor.h"
 
 namespace strata::engine {
 

@@ -6,7 +6,7 @@
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

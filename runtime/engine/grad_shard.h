@@ -34,7 +34,7 @@
 
 #include "kernels/ops.h"
 #include "partition/layout.h"
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 namespace strata::nvme {
 class AioHandle;

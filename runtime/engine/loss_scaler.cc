@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

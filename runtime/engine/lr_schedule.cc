@@ -5,7 +5,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::engine {
 namespace {

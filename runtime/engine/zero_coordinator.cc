@@ -8,9 +8,9 @@
 
 #include "nvme/aio_handle.h"
 #include "partition/layout.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_recorder.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/engine/zero_engine_parts.h"
 

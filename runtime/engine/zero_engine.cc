@@ -18,8 +18,8 @@
 #include "offload/optimizer_swapper.h"
 #include "offload/pinned_pool.h"
 #include "partition/layout.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "runtime/engine/bucket_reducer.h"
 #include "runtime/engine/zero_engine_parts.h"
 

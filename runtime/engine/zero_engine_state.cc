@@ -5,7 +5,7 @@
 #include <fstream>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/engine/zero_engine_parts.h"
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::launcher {
 namespace {

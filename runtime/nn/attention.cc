@@ -2,7 +2,7 @@
 // (rotary embedding, attention, SwiGLU) through Ops.
 #include "runtime/nn/attention.h"
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn {
 

@@ -1,7 +1,7 @@
 // Linear and TiledLinear modules over Ops::linear_forward / linear_backward.
 #include "runtime/nn/linear.h"
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn {
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <numbers>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn {
 

@@ -6,7 +6,7 @@
 #include <map>
 #include <set>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/nn/safetensors_stream.h"
 

@@ -1,7 +1,7 @@
 // Module base: declarations through the engine.
 #include "runtime/nn/module.h"
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn {
 

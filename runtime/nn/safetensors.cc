@@ -19,7 +19,7 @@
 
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::nn {
 namespace {

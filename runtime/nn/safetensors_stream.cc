@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/safetensors.h"
 
 namespace strata::nn {

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/tensor.h"
+#include "core/tensor.h"
 
 namespace strata::nn {
 

@@ -9,8 +9,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace strata::plan {
 namespace {

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::plan {
 namespace {

@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "runtime/config/json_text.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::plan {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::plan {
 namespace {

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/dtype.h"
-#include "runtime/core/tensor.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_config.h"
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "runtime/engine/state_file.h"
 
 namespace strata::train {

@@ -7,9 +7,9 @@
 
 #include "partition/rendezvous.h"
 #include "runtime/launcher/launcher.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/accelerator.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "runtime/train/checkpoint.h"

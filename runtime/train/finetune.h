@@ -45,7 +45,7 @@ struct FinetuneOptions {
   uint64_t export_shard_nbytes = 5'000'000'000;
   // Chrome/Perfetto trace JSON of the run, one file per rank ("{rank}" in the
   // path is replaced, else ".rank<N>" is added with several ranks; see
-  // runtime/core/trace_recorder.h); empty: no trace. Created before any rank
+  // core/trace_recorder.h); empty: no trace. Created before any rank
   // connects, so a bad path fails at once; written at the end, and also when
   // the run fails (up to the failure).
   std::filesystem::path trace;

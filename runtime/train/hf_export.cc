@@ -8,7 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/safetensors_stream.h"
 
 namespace strata::train {

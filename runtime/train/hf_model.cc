@@ -5,7 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_weights.h"
 
 namespace strata::train {

@@ -12,7 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::train {
 namespace {

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "nvme/io_options.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::train {
 namespace {

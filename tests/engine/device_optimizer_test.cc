@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 #include "runtime/engine/device_optimizer.h"
 
 using namespace strata;

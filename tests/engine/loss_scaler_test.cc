@@ -5,7 +5,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/loss_scaler.h"
 
 using strata::engine::LossScaler;

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/zero_engine.h"
 #include "tests/engine/zero_rig.h"
 

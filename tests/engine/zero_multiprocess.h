@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/engine/zero_training.h"

@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "nvme/io_backend.h"
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "runtime/engine/operator_trace.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"

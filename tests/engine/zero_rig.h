@@ -8,7 +8,7 @@
 #include <chrono>
 #include <functional>
 
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/train/zero_config.h"
 #include "tests/support/rank_threads.h"

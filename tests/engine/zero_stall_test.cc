@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "nvme/io_backend.h"
-#include "runtime/core/log.h"
+#include "core/log.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 #include "tests/nvme/hooked_backend.h"

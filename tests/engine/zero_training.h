@@ -25,7 +25,7 @@
 #include "kernels/optimizer.h"
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"

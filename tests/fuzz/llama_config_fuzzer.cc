@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_config.h"
 #include "tests/fuzz/fuzz_support.h"
 

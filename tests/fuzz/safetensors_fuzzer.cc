@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/fuzz/fuzz_support.h"
 

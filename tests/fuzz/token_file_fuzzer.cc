@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/data/token_file.h"
 #include "tests/fuzz/fuzz_support.h"
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/optimizer.h"
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 #include "tests/kernels/tolerances.h"
 
 namespace strata::test {

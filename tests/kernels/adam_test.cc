@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "kernels/optimizer.h"
-#include "runtime/core/cpu_features.h"
-#include "runtime/core/error.h"
+#include "core/cpu_features.h"
+#include "core/error.h"
 #include "tests/kernels/adam_checks.h"
 
 using namespace strata;

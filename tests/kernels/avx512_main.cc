@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "kernels/optimizer.h"
-#include "runtime/core/cpu_features.h"
+#include "core/cpu_features.h"
 
 int main(int argc, char** argv) {
   bool listing = false;

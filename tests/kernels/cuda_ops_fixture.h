@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/dtype.h"
-#include "runtime/core/tensor.h"
+#include "core/accelerator.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace strata::test {
 

@@ -15,8 +15,8 @@
 
 #include "kernels/nn_ops.h"
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "tests/kernels/optimizer_op_checks.h"
 
 using namespace strata;

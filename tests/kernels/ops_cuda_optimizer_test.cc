@@ -20,8 +20,8 @@
 
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "tests/kernels/cuda_ops_fixture.h"
 #include "tests/kernels/optimizer_op_checks.h"
 #include "tests/kernels/tolerances.h"

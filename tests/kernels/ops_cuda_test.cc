@@ -22,8 +22,8 @@
 #include "kernels/cuda_peak.h"
 #include "kernels/nn_ops.h"
 #include "kernels/ops.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "tests/kernels/cuda_ops_fixture.h"
 #include "tests/kernels/ops_tolerances.h"
 

@@ -33,7 +33,7 @@
 // margin (cuBLAS runs fp32 GEMMs without TF32: CUBLAS_COMPUTE_32F).
 #pragma once
 
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 namespace strata::test {
 

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::test {
 

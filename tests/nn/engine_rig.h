@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
 

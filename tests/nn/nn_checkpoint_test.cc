@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/golden_checks.h"

@@ -6,7 +6,7 @@
 #include <set>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/data/token_file.h"
 #include "tests/support/temp_dir.h"
 

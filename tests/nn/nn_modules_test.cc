@@ -8,7 +8,7 @@
 #include <set>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/nn/engine_rig.h"

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "kernels/nn_ops.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/nn/grad_check.h"
 
 using namespace strata::nn::cpu;

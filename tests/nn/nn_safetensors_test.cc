@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_config.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/temp_dir.h"

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/engine/lr_schedule.h"
 
 using namespace strata;

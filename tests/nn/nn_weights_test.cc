@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/nn/llama_model.h"
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/safetensors.h"

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "nvme/aio_handle.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/nvme/test_util.h"
 #include "tests/support/temp_dir.h"
 

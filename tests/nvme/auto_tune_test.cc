@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "nvme/aio_handle.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/nvme/hooked_backend.h"
 #include "tests/nvme/test_util.h"
 #include "tests/support/temp_dir.h"

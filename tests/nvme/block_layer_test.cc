@@ -26,7 +26,7 @@
 #include "nvme/aio_handle.h"
 #include "nvme/block_stats.h"
 #include "nvme/file.h"
-#include "runtime/core/host_memory.h"
+#include "core/host_memory.h"
 #include "tests/nvme/test_util.h"
 #include "tests/support/temp_dir.h"
 

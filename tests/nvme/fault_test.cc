@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "nvme/aio_handle.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/nvme/test_util.h"
 #include "tests/support/temp_dir.h"
 

@@ -7,7 +7,7 @@
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/nvme/test_util.h"
 #include "tests/support/temp_dir.h"
 

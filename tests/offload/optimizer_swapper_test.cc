@@ -16,7 +16,7 @@
 #include "nvme/io_backend.h"
 #include "offload/optimizer_swapper.h"
 #include "offload/pinned_pool.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "offload/pinned_pool.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 using namespace strata;
 using namespace std::chrono_literals;

@@ -15,7 +15,7 @@
 #include "nvme/io_backend.h"
 #include "offload/pinned_pool.h"
 #include "offload/tiered_store.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "partition/communicator.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::test {
 

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "partition/layout.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 using namespace strata;
 using namespace strata::partition;

@@ -9,8 +9,8 @@
 
 #include "partition/communicator.h"
 #include "partition/store.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "tests/runtime/accelerator_comm_contract.h"
 #include "tests/runtime/accelerator_contract.h"
 

@@ -18,8 +18,8 @@
 
 #include "partition/communicator.h"
 #include "partition/rendezvous.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "tests/partition/collective_checks.h"
 
 namespace {

@@ -8,7 +8,7 @@
 
 #include "partition/rendezvous.h"
 #include "partition/store.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 using namespace strata;
 using namespace strata::partition;

@@ -8,7 +8,7 @@
 #include <functional>
 
 #include "partition/communicator.h"
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 #include "tests/support/rank_threads.h"
 
 namespace strata::test {

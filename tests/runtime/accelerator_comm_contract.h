@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "partition/communicator.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace strata::test {
 

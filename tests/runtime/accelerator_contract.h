@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace strata::test {
 

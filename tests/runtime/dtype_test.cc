@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 using namespace strata;
 

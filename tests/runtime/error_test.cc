@@ -5,8 +5,8 @@
 
 #include <thread>
 
-#include "runtime/core/error.h"
-#include "runtime/core/tensor.h"
+#include "core/error.h"
+#include "core/tensor.h"
 
 using namespace strata;
 

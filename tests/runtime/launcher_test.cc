@@ -6,7 +6,7 @@
 #include <catch2/catch.hpp>
 #include <string>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 

@@ -5,7 +5,7 @@
 
 #include <sstream>
 
-#include "runtime/core/log.h"
+#include "core/log.h"
 
 TEST_CASE("log lines carry the rank, warn_once warns once", "[log]") {
   std::ostringstream captured;

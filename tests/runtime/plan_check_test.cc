@@ -16,8 +16,8 @@
 #include <thread>
 #include <vector>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "runtime/plan/runtime_memory.h"

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/config/config.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/train/zero_config.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"

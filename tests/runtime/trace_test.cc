@@ -1,4 +1,4 @@
-// The trace recorder (runtime/core/trace_recorder.h): the file it writes is
+// The trace recorder (core/trace_recorder.h): the file it writes is
 // Chrome trace-event JSON with one named track per thread, bounded per
 // thread, written atomically; bad paths fail at start. And the I/O workers'
 // and the Gloo communicator's spans, recorded by the real code paths.
@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "nvme/aio_handle.h"
-#include "runtime/core/error.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/error.h"
+#include "core/trace_recorder.h"
 #include "tests/nvme/test_util.h"
 #include "tests/partition/thread_ranks.h"
 #include "tests/runtime/trace_checks.h"

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 int main(int argc, char** argv) {
 #ifdef STRATA_TEST_REQUIRES_GPU

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "partition/store.h"
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 namespace strata::test {
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "runtime/config/config.h"
-#include "runtime/core/error.h"
+#include "core/error.h"
 #include "runtime/train/zero_config.h"
 
 using namespace strata;

@@ -3,8 +3,8 @@
 #include <vector>
 
 #include "runtime/config/config.h"
-#include "runtime/core/accelerator.h"
-#include "runtime/core/dtype.h"
+#include "core/accelerator.h"
+#include "core/dtype.h"
 
 int main() {
   auto acc = strata::make_cpu_accelerator();

@@ -1,7 +1,7 @@
 // CUDA, cuBLAS and NCCL result checks.
-#include "runtime/cuda/cuda_check.h"
+#include "core/cuda/cuda_check.h"
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 

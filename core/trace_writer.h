@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/trace_buffer.h"
-#include "runtime/core/trace_recorder.h"
+#include "core/trace_buffer.h"
+#include "core/trace_recorder.h"
 
 namespace strata::trace {
 

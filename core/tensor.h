@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 namespace strata {
 

@@ -1,10 +1,10 @@
 // Backend-independent parts of the accelerator layer and the one place that
 // chooses a backend.
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 #include <cstdlib>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 

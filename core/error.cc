@@ -1,5 +1,5 @@
 // strata::Error and the errno helpers.
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 #include <cstring>
 

@@ -1,6 +1,6 @@
 // Chrome trace-event JSON from the threads' published events, streamed to the
 // file in 1 MiB pieces so that a large trace never exists twice in memory.
-#include "runtime/core/trace_writer.h"
+#include "core/trace_writer.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include <cstring>
 #include <set>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata::trace {
 namespace {

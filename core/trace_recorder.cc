@@ -1,7 +1,7 @@
 // The trace recorder: per-thread buffers registered on first use, the
 // process-wide session (start/stop) and the recording calls. The publication
 // protocol between a thread and the writer is in trace_buffer.h.
-#include "runtime/core/trace_recorder.h"
+#include "core/trace_recorder.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -15,10 +15,10 @@
 #include <new>
 #include <vector>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
-#include "runtime/core/trace_buffer.h"
-#include "runtime/core/trace_writer.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_buffer.h"
+#include "core/trace_writer.h"
 
 namespace strata::trace {
 

@@ -17,9 +17,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/host_memory.h"
+#include "core/accelerator.h"
+#include "core/error.h"
+#include "core/host_memory.h"
 
 namespace strata {
 namespace {

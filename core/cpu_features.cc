@@ -1,5 +1,5 @@
 // CPUID/XGETBV feature detection.
-#include "runtime/core/cpu_features.h"
+#include "core/cpu_features.h"
 
 #include <unistd.h>
 

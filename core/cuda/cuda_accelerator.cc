@@ -1,6 +1,6 @@
 // The cuda backend: a caching device allocator over cudaMalloc under a budget
 // with stream-ordered frees, CUDA streams whose errors are tracked on the host
-// (runtime/cuda/cuda_stream.h), events, host events the device waits on,
+// (core/cuda/cuda_stream.h), events, host events the device waits on,
 // pinned memory (our locked host memory, cudaHostRegister-ed), async copies.
 #include <cuda.h>  // driver types for cuStreamWaitValue32 (the function comes from the runtime's entry point)
 #include <cuda_runtime_api.h>
@@ -17,12 +17,12 @@
 #include <unordered_set>
 #include <vector>
 
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
-#include "runtime/core/host_memory.h"
-#include "runtime/core/log.h"
-#include "runtime/cuda/cuda_check.h"
-#include "runtime/cuda/cuda_stream.h"
+#include "core/accelerator.h"
+#include "core/error.h"
+#include "core/host_memory.h"
+#include "core/log.h"
+#include "core/cuda/cuda_check.h"
+#include "core/cuda/cuda_stream.h"
 
 #include <cublas_v2.h>
 #include <nccl.h>

@@ -25,7 +25,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/core/tensor.h"
+#include "core/tensor.h"
 
 namespace strata {
 

@@ -1,7 +1,7 @@
 // The CUDA backend entry points for builds without CUDA (STRATA_CUDA=OFF or no
 // toolkit): they report the absence instead of failing to link.
-#include "runtime/core/accelerator.h"
-#include "runtime/core/error.h"
+#include "core/accelerator.h"
+#include "core/error.h"
 
 namespace strata {
 

@@ -16,7 +16,7 @@
 #include <memory>
 #include <mutex>
 
-#include "runtime/core/accelerator.h"
+#include "core/accelerator.h"
 
 namespace strata::cuda_internal {
 

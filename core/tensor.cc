@@ -1,5 +1,5 @@
 // Shape helpers and host tensors.
-#include "runtime/core/tensor.h"
+#include "core/tensor.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 

@@ -1,5 +1,5 @@
 // The process-wide spdlog logger with a rank-aware prefix.
-#include "runtime/core/log.h"
+#include "core/log.h"
 
 #include <spdlog/sinks/stdout_color_sinks.h>
 

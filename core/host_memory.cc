@@ -1,5 +1,5 @@
 // Locked, page-aligned host allocations; huge-page backing for large ones.
-#include "runtime/core/host_memory.h"
+#include "core/host_memory.h"
 
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -12,8 +12,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "runtime/core/error.h"
-#include "runtime/core/log.h"
+#include "core/error.h"
+#include "core/log.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14

@@ -1,9 +1,9 @@
 // Names and bulk conversion for strata::DType.
-#include "runtime/core/dtype.h"
+#include "core/dtype.h"
 
 #include <cstring>
 
-#include "runtime/core/error.h"
+#include "core/error.h"
 
 namespace strata {
 
