@@ -130,6 +130,10 @@ class Accelerator {
   virtual Backend backend() const = 0;
   // "cpu" or e.g. "cuda:0 (NVIDIA H100 80GB HBM3)".
   virtual std::string name() const = 0;
+  // Device memory is host memory (the cpu backend): the host may read and
+  // write what allocate() returns in place, and kernels and collectives may
+  // read pinned host memory directly, with no copy to the device.
+  bool host_addressable() const { return backend() == Backend::kCpu; }
 
   // Device memory, one budget per accelerator (op scratch comes from it too).
   // The budget counts in-use, pending and cached bytes: an allocation that fits

@@ -8,15 +8,6 @@
 
 namespace strata::engine {
 
-std::string_view phase_name(Phase phase) {
-  switch (phase) {
-    case Phase::kForward: return "forward";
-    case Phase::kBackward: return "backward";
-    case Phase::kRecompute: return "recompute";
-  }
-  return "?";
-}
-
 Engine::Engine(Accelerator& accelerator)
     : accelerator_(accelerator),
       ops_impl_(ops::make_ops(accelerator)),

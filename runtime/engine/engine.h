@@ -45,13 +45,16 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "offload/hook_ids.h"
 #include "core/accelerator.h"
 #include "core/tensor.h"
 
 namespace strata::engine {
 
-using ParamId = int32_t;
-using OpId = int32_t;
+using offload::OpId;
+using offload::ParamId;
+using offload::Phase;
+using offload::phase_name;
 
 // Where a parameter sits when it is a block of a larger logical tensor (a
 // TiledLinear tile of a Hugging Face weight): that tensor's name and shape,
@@ -79,8 +82,6 @@ struct OpInfo {
   std::vector<ParamId> params;  // what the op's kernels read
 };
 
-enum class Phase : uint8_t { kForward, kBackward, kRecompute };
-std::string_view phase_name(Phase phase);
 
 class Engine {
  public:

@@ -1,27 +1,20 @@
-// ZeroEngine: shard homes, on-demand gathers, bucketed gradient reduction and
-// the CPU optimizer at the accumulation boundary.
+// ZeroEngine: a training step over partitioned, offloaded state, read top to
+// bottom — finalize (homes, gradient shards, the coordinator, the optimizer),
+// the hooks of forward and backward, then the step at the accumulation
+// boundary. See zero_engine.h; checkpoints are in zero_engine_state.cc.
 #include "runtime/engine/zero_engine.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <cstring>
-#include <deque>
 #include <limits>
 #include <map>
-#include <mutex>
-#include <thread>
 
-#include "nvme/aio_handle.h"
-#include "nvme/swap_space.h"
-#include "offload/optimizer_swapper.h"
-#include "offload/pinned_pool.h"
-#include "partition/layout.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "runtime/engine/bucket_reducer.h"
-#include "runtime/engine/zero_engine_parts.h"
+#include "nvme/aio_handle.h"
+#include "nvme/swap_space.h"
+#include "partition/layout.h"
 
 namespace strata::engine {
 namespace {
@@ -31,25 +24,19 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-// The optimizer walks the layout's sub-groups: the layout cuts the shard every
-// sub_group_numel elements rounded up to the alignment, so the swapper's
-// uniform sub-groups of that size start exactly where the layout's do — each
-// an aligned range of the parameter, gradient and state files.
-size_t optimizer_sub_group_numel(const partition::PartitionLayout& layout, DType dtype, int64_t sub_group_numel) {
-  const int64_t align_numel = static_cast<int64_t>(layout.alignment_nbytes() / dtype_nbytes(dtype));
-  const int64_t limit = (sub_group_numel + align_numel - 1) / align_numel * align_numel;
-  const size_t numel = static_cast<size_t>(std::min(limit, std::max<int64_t>(layout.shard_numel(), 1)));
-  int64_t first = 0;
-  for (const auto& sub_group : layout.sub_groups()) {
-    STRATA_CHECK(first % static_cast<int64_t>(numel) == 0, kInternal,
-                 "the layout's sub-group at element {} does not start at a multiple of {}", first, numel);
-    first += sub_group.numel;
-  }
-  return numel;
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+bool any_nvme(const ZeroEngineOptions& o) {
+  return o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme || o.grad_tier == Tier::kNvme;
 }
 
-
 }  // namespace
+
+double StepResult::optimizer_not_hidden_fraction() const {
+  const double own = optimizer_seconds - optimizer_drain_seconds + optimizer_overlapped_seconds;
+  return own > 0 ? std::min(1.0, optimizer_seconds / own) : 1.0;
+}
 
 void ZeroEngineOptions::validate() const {
   STRATA_CHECK(stage >= 1 && stage <= 3, kBadArgument, "zero_optimization.stage must be 1, 2 or 3, got {}", stage);
@@ -93,9 +80,10 @@ void ZeroEngineOptions::validate() const {
   STRATA_CHECK(param_buffer_numel >= 1, kBadArgument, "offload_param.buffer_size must be >= 1, got {}",
                param_buffer_numel);
   adam.validate();
-  if (param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme || grad_tier == Tier::kNvme) aio.validate();
+  if (any_nvme(*this)) aio.validate();
 }
 
+// ---- construction and finalize -----------------------------------------------------
 
 ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOptions options)
     : Engine(accelerator), comms_(comms), options_(std::move(options)) {
@@ -112,18 +100,13 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
   gather_stream_ = accelerator.create_stream();
   control_stream_ = accelerator.create_stream();
   home_stream_ = accelerator.create_stream();
-  overlap_ = std::make_unique<Overlap>();
   compute_point_ = accelerator.create_event();
   gather_point_ = accelerator.create_event();
+  window_ = std::make_unique<offload::HostWindow>(accelerator);
 }
 
 ZeroEngine::~ZeroEngine() {
-  {
-    std::lock_guard lock(overlap_->mutex);
-    overlap_->stop = true;
-  }
-  overlap_->cv.notify_all();
-  if (overlap_->thread.joinable()) overlap_->thread.join();
+  if (optimizer_) optimizer_->stop();  // no sub-group is updated after this
   // Queued work reads and writes the memory freed below.
   for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get()}) {
     try {
@@ -132,47 +115,19 @@ ZeroEngine::~ZeroEngine() {
       // Reported (or never to be) on the caller's path; the memory may go now.
     }
   }
-  read_queue_.reset();  // submits what is left (every point it waits for is passed)
-  drain_staging();      // reads in flight write into the staging buffers
-  for (auto& group : groups_) {
-    for (auto& buffer : group->staging.buffers) accelerator().deallocate_pinned(buffer.data);
-  }
-  for (auto& group : groups_) {
-    group->reducer.reset();  // waits for its stream
-    group->grads.reset();
-    group->swapper.reset();
-    group->device_optimizer.reset();
-  }
-  for (auto& gathered : gathered_) {
-    if (gathered && gathered->full) accelerator().deallocate(gathered->full);
-  }
+  for (auto& g : groups_) g->reducer.reset();  // waits for its stream: nothing lands after this
+  optimizer_.reset();
+  coordinator_.reset();  // its read queue and reads in flight, then the gathered copies
+  for (auto& g : groups_) g->grads.reset();
   for (float* grad : grad_full_) {
     if (grad != nullptr && options_.stage != 1) accelerator().deallocate(grad);
   }
-  for (auto& group : groups_) {
-    if (group->full_flat) accelerator().deallocate(group->full_flat);
-    if (group->home) {
-      if (options_.param_tier == Tier::kCpu) {
-        accelerator().deallocate_pinned(group->home);
-      } else {
-        accelerator().deallocate(group->home);
-      }
-    }
+  for (auto& g : groups_) {
+    if (g->full_flat) accelerator().deallocate(g->full_flat);
+    g->home.reset();
   }
   if (stage1_grads_) accelerator().deallocate(stage1_grads_);
-  if (window_) accelerator().deallocate_pinned(window_);
   if (control_buffer_) accelerator().deallocate(control_buffer_);
-}
-
-int ZeroEngine::rank() const { return comms_.control->rank(); }
-int ZeroEngine::world_size() const { return comms_.control->world_size(); }
-int64_t ZeroEngine::step_count() const { return steps_; }
-uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
-uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }
-
-bool ZeroEngine::home_is_host_addressable() const {
-  return options_.param_tier == Tier::kCpu ||
-         (options_.param_tier == Tier::kDevice && accelerator().backend() == Backend::kCpu);
 }
 
 void ZeroEngine::on_finalize() {
@@ -192,175 +147,136 @@ void ZeroEngine::on_finalize() {
     index_in_group_[id] = g.params.size();
     g.params.push_back(id);
   }
-  gathered_.resize(static_cast<size_t>(parameter_count()));
   grad_full_.assign(static_cast<size_t>(parameter_count()), nullptr);
-  visited_.assign(static_cast<size_t>(parameter_count()), 0);
-  if (options_.stage == 3) {
-    trace_ = std::make_unique<OperatorTrace>(
-        [this](OpId op) -> const std::vector<ParamId>& { return op_info(op).params; },
-        [this](ParamId id) { return gathered_numel(id); });
-  }
-
-  if (options_.param_tier == Tier::kNvme || options_.optimizer_tier == Tier::kNvme ||
-      options_.grad_tier == Tier::kNvme) {
+  if (any_nvme(options_)) {
     aio_ = std::make_unique<nvme::AioHandle>(options_.aio, options_.io_backend ? options_.io_backend() : nullptr);
   }
-  Stream& stream = compute_stream();
-  for (auto& gp : groups_) {
-    Group& g = *gp;
-    std::vector<partition::ParamSpec> specs;
-    for (ParamId id : g.params) specs.push_back({param_info(id).name, param_info(id).shape, g.dtype});
-    partition::LayoutOptions layout_options;
-    layout_options.world_size = world_size();
-    layout_options.sub_group_numel = options_.sub_group_numel;
-    g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
-    const size_t shard_nbytes = g.layout->shard_nbytes();
-    const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
+  for (auto& g : groups_) create_group(*g);
 
-    switch (options_.param_tier) {
-      case Tier::kDevice:
-        g.home = accelerator().allocate(shard_nbytes);
-        accelerator().memset_async(g.home, 0, shard_nbytes, stream);
-        break;
-      case Tier::kCpu:
-        g.home = accelerator().allocate_pinned(shard_nbytes);
-        std::memset(g.home, 0, shard_nbytes);
-        break;
-      case Tier::kNvme: {
-        g.swap = std::make_unique<nvme::SwapSpace>(
-            nvme::SwapSpaceOptions{options_.nvme_path, "param", rank(), true});
-        g.file = &g.swap->create({std::string(dtype_name(g.dtype)), shard_nbytes});
-        break;
-      }
+  if (options_.stage == 3) {
+    // The coordinator sees each parameter as a slice of its group's home.
+    std::vector<offload::CoordinatedParam> params(static_cast<size_t>(parameter_count()));
+    for (ParamId id = 0; id < parameter_count(); ++id) {
+      const Group& g = group_of(id);
+      const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
+      params[id] = {g.home.get(), static_cast<size_t>(slot.slice_numel), static_cast<size_t>(slot.shard_offset_numel),
+                    param_info(id).numel()};
     }
-    if (options_.param_tier == Tier::kNvme) {
-      // The file may hold an earlier run's bytes: zeros, so padding is zero
-      // as in the other homes (the window, bounded, one range at a time).
-      for_each_home_chunk(g, [&](size_t first, size_t numel) {
-        std::memset(home_range(g, first, numel, /*load=*/false), 0, numel * dtype_nbytes(g.dtype));
-        store_home_range(g, first, numel);
-      });
-    }
-    if (options_.param_tier == Tier::kNvme) {
-      // nc staging: one buffer holds one slice, so buffers larger than the
-      // largest slice, or more of them than there are slices, would only pin
-      // memory that is never used.
-      size_t largest = 0;
-      for (size_t i = 0; i < g.params.size(); ++i) largest = std::max(largest, g.layout->param(i).slice_nbytes());
-      const size_t element_nbytes = dtype_nbytes(g.dtype);
-      STRATA_CHECK(largest <= static_cast<size_t>(options_.param_buffer_numel) * element_nbytes, kBadArgument,
-                   "offload_param.buffer_size ({} elements) is smaller than this rank's largest {} parameter slice "
-                   "({} elements); raise it",
-                   options_.param_buffer_numel, dtype_name(g.dtype), largest / element_nbytes);
-      g.staging.buffer_nbytes = largest;
-      g.staging.buffers.resize(std::min(options_.param_buffer_count, g.params.size()));
-      for (auto& buffer : g.staging.buffers) {
-        buffer.data = accelerator().allocate_pinned(largest);
-      }
-      if (read_queue_ == nullptr) read_queue_ = std::make_unique<ReadQueue>(*aio_);
-    }
-    if (options_.grad_tier == Tier::kNvme) {
-      if (grad_swap_ == nullptr) {
-        grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
-      }
-      g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
-                                            std::string(dtype_name(g.dtype)));
-    } else {
-      g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout);
-    }
-    g.reducer = std::make_unique<BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
-                                                options_.reduce_bucket_numel, *g.grads);
-
-    if (options_.stage < 3) {
-      size_t total = 0;
-      for (ParamId id : g.params) {
-        g.full_offset.push_back(total);
-        total += align_up(param_info(id).nbytes());
-      }
-      g.full_flat = accelerator().allocate(total);
-      accelerator().memset_async(g.full_flat, 0, total, stream);
-    }
-
-    const size_t sub_group_numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
-    if (options_.optimizer_tier == Tier::kDevice) {
-      g.device_optimizer = std::make_unique<DeviceOptimizer>(accelerator(), ops(), *home_stream_, shard_numel,
-                                                             sub_group_numel, options_.adam);
-    }
-    offload::OptimizerSwapperOptions swapper_options;
-    swapper_options.numel = shard_numel;
-    swapper_options.sub_group_numel = sub_group_numel;
-    swapper_options.state_tier = options_.optimizer_tier;
-    swapper_options.adam = options_.adam;
-    swapper_options.threads = options_.optimizer_threads;
-    swapper_options.nvme_path = options_.nvme_path;
-    swapper_options.group = std::string("optimizer_") + std::string(dtype_name(g.dtype));
-    swapper_options.rank = rank();
-    if (options_.optimizer_tier == Tier::kNvme) {
-      // Groups share a pool while its buffers are big enough for their sub-groups.
-      const size_t record = offload::OptimizerSwapper::record_nbytes(swapper_options.sub_group_numel);
-      if (pool_ == nullptr || pool_->buffer_nbytes() < record) {
-        offload::PinnedPoolOptions pool_options;
-        pool_options.buffer_count = options_.optimizer_buffer_count;
-        pool_options.buffer_nbytes = record;
-        pool_options.name = "optimizer pool";
-        pools_.push_back(std::make_unique<offload::PinnedBufferPool>(pool_options, &accelerator()));
-        pool_ = pools_.back().get();
-      }
-    }
-    if (!g.device_optimizer) {
-      g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper_options, pool_, aio_.get());
-    }
-
-    // Which sub-groups each member's slice meets, for the optimizer overlapping backward.
-    const size_t sub_groups = g.sub_group_count();
-    g.sub_group_numel = g.sub_group_range(0).second;
-    g.param_sub_groups.assign(g.params.size(), {});
-    g.members_of_sub_group.assign(sub_groups, 0);
-    for (size_t i = 0; i < g.params.size(); ++i) {
-      const partition::ParamSlot& slot = g.layout->param(i);
-      if (slot.slice_numel <= 0) continue;
-      const size_t first = static_cast<size_t>(slot.shard_offset_numel);
-      const size_t last = first + static_cast<size_t>(slot.slice_numel) - 1;
-      for (size_t k = first / g.sub_group_numel; k <= last / g.sub_group_numel; ++k) {
-        g.param_sub_groups[i].push_back(static_cast<uint32_t>(k));
-        ++g.members_of_sub_group[k];
-      }
-    }
-    g.pending.assign(sub_groups, 0);
-    g.landed.assign(g.params.size(), 0);
-    g.stats.assign(sub_groups, {});
-    g.stats_known.assign(sub_groups, 0);
-    const size_t group_index = static_cast<size_t>(&gp - groups_.data());
-    g.reducer->set_landed_callback(
-        [this, group_index](const std::vector<size_t>& params) { on_landed(group_index, params); });
+    std::vector<offload::CoordinatedOp> ops;
+    for (OpId op = 0; op < operator_count(); ++op) ops.push_back({op_info(op).name, op_info(op).params});
+    offload::CoordinatorOptions coordinator;
+    coordinator.prefetch_bucket_numel = options_.prefetch_bucket_numel;
+    coordinator.max_live_parameters_numel = options_.max_live_parameters_numel;
+    coordinator.max_reuse_distance_numel = options_.max_reuse_distance_numel;
+    coordinator.persistence_threshold_numel = options_.persistence_threshold_numel;
+    coordinator.param_buffer_count = options_.param_buffer_count;
+    coordinator.param_buffer_numel = options_.param_buffer_numel;
+    coordinator_ = std::make_unique<offload::ParamCoordinator>(accelerator(), compute_stream(), *gather_stream_,
+                                                               *comms_.gather, coordinator, std::move(params),
+                                                               std::move(ops));
   }
+
+  ShardOptimizerOptions optimizer;
+  optimizer.tier = options_.optimizer_tier;
+  optimizer.adam = options_.adam;
+  optimizer.sub_group_numel = options_.sub_group_numel;
+  optimizer.threads = options_.optimizer_threads;
+  optimizer.buffer_count = options_.optimizer_buffer_count;
+  optimizer.nvme_path = options_.nvme_path;
+  optimizer.rank = rank();
+  optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
+  std::vector<OptimizedShard> shards;
+  for (auto& g : groups_) shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
+  optimizer_ = std::make_unique<ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
+                                                std::move(shards));
+
   if (options_.stage == 1) {
-    size_t total = 0;
+    // Every full fp32 gradient, resident and accumulating over micro-steps.
+    std::vector<size_t> offsets;
     for (ParamId id = 0; id < parameter_count(); ++id) {
-      grad_full_[id] = reinterpret_cast<float*>(total);  // offsets for now
-      total += align_up(static_cast<size_t>(param_info(id).numel()) * sizeof(float));
+      offsets.push_back(stage1_grads_nbytes_);
+      stage1_grads_nbytes_ += align_up(static_cast<size_t>(param_info(id).numel()) * sizeof(float));
     }
-    stage1_grads_ = accelerator().allocate(total);
-    stage1_grads_nbytes_ = total;
-    accelerator().memset_async(stage1_grads_, 0, total, stream);
+    stage1_grads_ = accelerator().allocate(stage1_grads_nbytes_);
+    accelerator().memset_async(stage1_grads_, 0, stage1_grads_nbytes_, compute_stream());
     for (ParamId id = 0; id < parameter_count(); ++id) {
-      grad_full_[id] = reinterpret_cast<float*>(static_cast<char*>(stage1_grads_) +
-                                                reinterpret_cast<size_t>(grad_full_[id]));
+      grad_full_[id] = reinterpret_cast<float*>(static_cast<char*>(stage1_grads_) + offsets[id]);
     }
   }
-  stream.synchronize();
-  optimizer_stale_ = true;
+  compute_stream().synchronize();
   full_params_stale_ = false;
 }
 
+void ZeroEngine::create_group(Group& g) {
+  std::vector<partition::ParamSpec> specs;
+  for (ParamId id : g.params) specs.push_back({param_info(id).name, param_info(id).shape, g.dtype});
+  partition::LayoutOptions layout_options;
+  layout_options.world_size = world_size();
+  layout_options.sub_group_numel = options_.sub_group_numel;
+  g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
+
+  // The home is read and written in sub-group chunks (the optimizer) and
+  // whole slices (for_each_owned_range).
+  offload::ParamHomeOptions home;
+  home.tier = options_.param_tier;
+  home.dtype = g.dtype;
+  home.numel = static_cast<size_t>(g.layout->shard_numel());
+  home.chunk_numel = sub_group_stride(*g.layout, g.dtype, options_.sub_group_numel);
+  home.max_range_numel = home.chunk_numel;
+  for (const auto& slot : g.layout->params()) {
+    home.max_range_numel = std::max(home.max_range_numel, static_cast<size_t>(slot.slice_numel));
+  }
+  home.nvme_path = options_.nvme_path;
+  home.rank = rank();
+  g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
+
+  if (options_.grad_tier == Tier::kNvme) {
+    if (grad_swap_ == nullptr) {
+      grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
+    }
+    g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
+                                          std::string(dtype_name(g.dtype)));
+  } else {
+    g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout);
+  }
+  g.reducer = std::make_unique<BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
+                                              options_.reduce_bucket_numel, *g.grads);
+
+  if (options_.stage < 3) {
+    size_t total = 0;
+    for (ParamId id : g.params) {
+      g.full_offset.push_back(total);
+      total += align_up(param_info(id).nbytes());
+    }
+    g.full_flat = accelerator().allocate(total);
+    accelerator().memset_async(g.full_flat, 0, total, compute_stream());
+  }
+}
+
+// ---- forward and backward ------------------------------------------------------------
+
+void ZeroEngine::pre_op(OpId op, Phase phase) {
+  open_window(op, phase);
+  if (coordinator_) {
+    coordinator_->pre_op(op, phase);
+  } else if (full_params_stale_) {
+    sync_full_params();
+  }
+}
+
+void ZeroEngine::post_op(OpId op, Phase phase) {
+  close_window(op, phase);
+  compute_stream().record(*compute_point_);
+  if (phase == Phase::kBackward) note_backward_done(op, *compute_point_);
+  if (coordinator_) coordinator_->post_op(op, phase);
+}
 
 TensorView ZeroEngine::param(ParamId id) {
   STRATA_CHECK(in_window(id, false), kBadArgument,
                "parameter '{}' used outside a hook window of an operator that lists it", param_info(id).name);
   const ParamInfo& info = param_info(id);
-  const Group& g = *groups_[group_of_[id]];
-  void* data = options_.stage < 3 ? static_cast<char*>(g.full_flat) + g.full_offset[index_in_group_[id]]
-                                  : gathered_[id]->full;
+  void* data = coordinator_ ? coordinator_->full(id)
+                            : static_cast<char*>(group_of(id).full_flat) + group_of(id).full_offset[index_in_group_[id]];
   return TensorView{TensorDesc{info.dtype, info.shape, Tier::kDevice}, data};
 }
 
@@ -382,14 +298,120 @@ void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
   float* grad = grad_full_[id];
   if (grad == nullptr) return;  // the op never asked for this gradient
   grad_full_[id] = nullptr;
-  Group& g = *groups_[group_of_[id]];
-  g.reducer->add(index_in_group_[id], grad, ready,
-                 [this, grad](Event& consumed) { accelerator().deallocate_after(grad, consumed); });
+  group_of(id).reducer->add(index_in_group_[id], grad, ready,
+                            [this, grad](Event& consumed) { accelerator().deallocate_after(grad, consumed); });
+}
+
+// ---- the step ---------------------------------------------------------------------
+
+void ZeroEngine::prepare_step(float lr) {
+  STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
+  // What the step will apply when clipping does not fire: the loss scale divided out.
+  const double loss_scale = loss_scaler_.scale();
+  const float grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(loss_scale),
+                                                        static_cast<float>(options_.gradient_clipping));
+  optimizer_->prepare(lr, grad_scale, loss_scale);
+}
+
+bool ZeroEngine::step_prepared() const { return optimizer_ && optimizer_->prepared(); }
+
+StepResult ZeroEngine::step(float lr) {
+  STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
+  check_no_backward("step");
+  StepResult result;
+  // Whatever fails from here on, what the optimizer opened does not stay behind.
+  struct AbortOnError {
+    ShardOptimizer& optimizer;
+    bool armed = true;
+    ~AbortOnError() {
+      if (!armed) return;
+      try {
+        optimizer.abort();
+      } catch (...) {
+        // The step's own error is the one reported.
+      }
+    }
+  } guard{*optimizer_};
+  // The step boundary: the operator trace closes, no read of a home is left in flight.
+  if (coordinator_) coordinator_->end_step();
+  if (options_.stage == 1) {
+    compute_stream().record(*compute_point_);
+    for (ParamId id = 0; id < parameter_count(); ++id) {
+      group_of(id).reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
+    }
+  }
+
+  // The gradient shards are final once every bucket has landed, and with
+  // them every sub-group the optimizer thread could update during backward.
+  auto start = Clock::now();
+  for (auto& g : groups_) g->reducer->synchronize();
+  result.grad_wait_seconds = seconds_since(start);
+  start = Clock::now();
+  result.optimizer_drain_seconds = optimizer_->settle();
+
+  // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
+  const kernels::GradStats local = optimizer_->grad_stats();
+  double reduced[2] = {local.finite ? local.sum_sq : 0.0, local.finite ? 0.0 : 1.0};
+  allreduce_f64(reduced, 2);
+  kernels::GradStats global;
+  global.sum_sq = reduced[0];
+  global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
+  const double loss_scale = loss_scaler_.scale();
+  result.loss_scale = loss_scale;
+  // The gradients hold loss_scale x the true ones; report the true norm.
+  result.grad_norm = global.finite ? global.norm() / loss_scale : std::numeric_limits<double>::infinity();
+
+  if (!global.finite) {
+    // Every rank saw the same reduced flags, so every rank skips and backs off alike.
+    result.rolled_back = optimizer_->abort();
+    guard.armed = false;
+    if (options_.loss_scaling) {
+      logger().info("step {}: the gradients overflow at loss scale {} on {} rank(s); the step is skipped", steps_ + 1,
+                    loss_scale, reduced[1]);
+    } else {
+      logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1, reduced[1]);
+    }
+    zero_grad();
+    loss_scaler_.update(true);  // throws at the minimum scale: no progress is possible
+    result.step = steps_;
+    result.optimizer_seconds = seconds_since(start);
+    return result;
+  }
+  loss_scaler_.update(false);
+  result.grad_scale = kernels::combined_grad_scale(global, static_cast<float>(loss_scale),
+                                                   static_cast<float>(options_.gradient_clipping));
+
+  // The optimizer writes the homes: after compute's and the gathers' last reads of them.
+  compute_stream().record(*compute_point_);
+  home_stream_->wait(*compute_point_);
+  gather_stream_->record(*gather_point_);
+  home_stream_->wait(*gather_point_);
+  const AppliedStep applied = optimizer_->apply(lr, result.grad_scale, loss_scale);
+  guard.armed = false;
+  if (applied.redo_reason != nullptr && applied.rolled_back) {
+    logger().debug("step {}: {}; the sub-group(s) updated during backward are rolled back and redone", steps_ + 1,
+                   applied.redo_reason);
+  }
+  if (applied.landed_twice) {
+    logger().warn("step {}: more than one backward after prepare_step(); call it before the last", steps_ + 1);
+  }
+  ++steps_;
+  result.applied = true;
+  result.step = steps_;
+  result.sub_groups = applied.sub_groups;
+  result.sub_groups_overlapped = applied.sub_groups_overlapped;
+  result.optimizer_overlapped_seconds = applied.overlapped_seconds;
+  result.rolled_back = applied.rolled_back;
+  result.optimizer_seconds = seconds_since(start);
+
+  refresh_copies();
+  zero_grad();
+  return result;
 }
 
 void ZeroEngine::zero_grad() {
   STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
-  abandon_speculation();  // a step prepared and abandoned: its speculative updates are undone
+  optimizer_->abort();  // a step prepared and abandoned: its speculative updates are undone
   for (auto& g : groups_) {
     g->reducer->synchronize();
     g->grads->zero(g->reducer->stream());
@@ -407,7 +429,15 @@ void ZeroEngine::zero_grad() {
   }
 }
 
-// ---- stages 1/2: full parameters --------------------------------------------------
+void ZeroEngine::refresh_copies() {
+  // Copies of the old values are stale: stages 1/2 re-gather now (collective),
+  // stage 3 releases them and gathers again at the next use.
+  if (coordinator_) {
+    coordinator_->release_all();
+  } else {
+    sync_full_params();
+  }
+}
 
 void ZeroEngine::sync_full_params() {
   // The gather stream writes the full copies: after compute's last read of them.
@@ -419,7 +449,8 @@ void ZeroEngine::sync_full_params() {
     const size_t shard_nbytes = g.layout->shard_nbytes();
     const size_t element_nbytes = dtype_nbytes(g.dtype);
     void* all = accelerator().allocate(shard_nbytes * static_cast<size_t>(world));
-    comms_.gather->allgather(g.home, all, static_cast<size_t>(g.layout->shard_numel()), g.dtype, *gather_stream_);
+    comms_.gather->allgather(g.home->memory(), all, static_cast<size_t>(g.layout->shard_numel()), g.dtype,
+                             *gather_stream_);
     for (size_t i = 0; i < g.params.size(); ++i) {
       const partition::ParamSlot& slot = g.layout->param(i);
       char* full = static_cast<char*>(g.full_flat) + g.full_offset[i];
@@ -448,7 +479,7 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
   check_not_prepared("for_each_owned_range");
   const ParamInfo& info = param_info(id);
-  Group& g = *groups_[group_of_[id]];
+  Group& g = group_of(id);
   const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
   const int64_t owned = slot.owned_numel(rank());
   if (owned <= 0) {
@@ -461,30 +492,41 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   // staged may outlive a write.
   compute_stream().synchronize();
   gather_stream_->synchronize();
-  drain_staging();
+  if (coordinator_) coordinator_->quiesce();
   const size_t first = static_cast<size_t>(slot.shard_offset_numel), numel = static_cast<size_t>(slot.slice_numel);
-  void* host = home_range(g, first, numel, /*load=*/true);
+  void* host = g.home->host_range(first, numel, /*load=*/true);
   const TensorView view{TensorDesc{info.dtype, {owned}, Tier::kCpu}, host};
   fn(slot.owned_begin(rank()), view);
   if (access == Access::kRead) return;
-  store_home_range(g, first, numel);
+  g.home->store_host_range(first, numel);
   note_written(id);
 }
 
 void ZeroEngine::note_written(ParamId id) {
   // Copies made from the old values are stale now.
-  if (options_.stage < 3) {
+  if (!coordinator_) {
     full_params_stale_ = true;
-  } else if (gathered_[id] && gathered_[id]->full != nullptr) {
+  } else if (coordinator_->gathered(id)) {
     STRATA_CHECK(!in_window(id, false), kBadArgument, "parameter '{}' written inside a hook window that uses it",
                  param_info(id).name);
-    compute_stream().record(*compute_point_);
-    release_gathered(id, *compute_point_);
+    coordinator_->release(id);
   }
-  optimizer_stale_ = true;
+  optimizer_->mark_stale();
 }
 
-// ---- the optimizer step ----------------------------------------------------------
+void ZeroEngine::check_not_prepared(const char* what) const {
+  STRATA_CHECK(!step_prepared(), kBadArgument,
+               "{}() between prepare_step() and step(): the optimizer may be updating the parameters; call it "
+               "between steps",
+               what);
+}
+
+void ZeroEngine::check_no_backward(const char* what) const {
+  STRATA_CHECK(options_.stage == 1 || std::all_of(grad_full_.begin(), grad_full_.end(), [](float* g) { return g == nullptr; }),
+               kBadArgument, "{}() with a backward pass not finished (a gradient is still being accumulated)", what);
+}
+
+// ---- collectives and counters ----------------------------------------------------------
 
 double ZeroEngine::global_sum(double value) {
   double sum = value;
@@ -504,63 +546,16 @@ void ZeroEngine::allreduce_f64(double* values, size_t count) {
   control_stream_->synchronize();
 }
 
-// ---- the parameter shard's home, one bounded range at a time --------------------
-
-size_t ZeroEngine::max_home_range_numel(const Group& g) const {
-  size_t numel = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
-  for (const auto& slot : g.layout->params()) numel = std::max(numel, static_cast<size_t>(slot.slice_numel));
-  return numel;
-}
-
-void ZeroEngine::for_each_home_chunk(const Group& g, const std::function<void(size_t, size_t)>& fn) const {
-  // Sub-group-sized chunks: multiples of the alignment, so aligned ranges.
-  const size_t chunk = optimizer_sub_group_numel(*g.layout, g.dtype, options_.sub_group_numel);
-  const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
-  for (size_t first = 0; first < shard_numel; first += chunk) fn(first, std::min(chunk, shard_numel - first));
-}
-
-void* ZeroEngine::home_range(Group& g, size_t first, size_t numel, bool load) {
-  const size_t element_nbytes = dtype_nbytes(g.dtype);
-  STRATA_CHECK(first + numel <= static_cast<size_t>(g.layout->shard_numel()), kInternal,
-               "parameter range [{}, {}) outside the shard ({} elements)", first, first + numel,
-               g.layout->shard_numel());
-  if (home_is_host_addressable()) return static_cast<char*>(g.home) + first * element_nbytes;
-  const size_t nbytes = numel * element_nbytes;
-  if (nbytes > window_nbytes_) {
-    // Grows to the largest range any group asks for, then stays: bounded by
-    // the largest slice and sub_group_size, not by the model.
-    size_t want = nbytes;
-    for (const auto& other : groups_) {
-      if (other->layout) want = std::max(want, max_home_range_numel(*other) * dtype_nbytes(other->dtype));
-    }
-    if (window_ != nullptr) accelerator().deallocate_pinned(window_);
-    window_ = nullptr;
-    window_nbytes_ = 0;
-    window_ = accelerator().allocate_pinned(want);
-    window_nbytes_ = want;
-  }
-  if (load) {
-    if (options_.param_tier == Tier::kNvme) {
-      aio_->read(*g.file, window_, nbytes, first * element_nbytes);
-    } else {
-      accelerator().copy_async(window_, static_cast<char*>(g.home) + first * element_nbytes, nbytes,
-                               CopyKind::kDeviceToHost, *home_stream_);
-      home_stream_->synchronize();
-    }
-  }
-  return window_;
-}
-
-void ZeroEngine::store_home_range(Group& g, size_t first, size_t numel) {
-  if (home_is_host_addressable()) return;
-  const size_t element_nbytes = dtype_nbytes(g.dtype), nbytes = numel * element_nbytes;
-  if (options_.param_tier == Tier::kNvme) {
-    aio_->write(*g.file, window_, nbytes, first * element_nbytes);
-  } else {
-    accelerator().copy_async(static_cast<char*>(g.home) + first * element_nbytes, window_, nbytes,
-                             CopyKind::kHostToDevice, *home_stream_);
-    home_stream_->synchronize();
-  }
-}
+int ZeroEngine::rank() const { return comms_.control->rank(); }
+int ZeroEngine::world_size() const { return comms_.control->world_size(); }
+int64_t ZeroEngine::step_count() const { return steps_; }
+uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
+uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }
+size_t ZeroEngine::gathered_nbytes() const { return coordinator_ ? coordinator_->gathered_nbytes() : 0; }
+size_t ZeroEngine::peak_gathered_nbytes() const { return coordinator_ ? coordinator_->peak_gathered_nbytes() : 0; }
+int64_t ZeroEngine::gathers_issued() const { return coordinator_ ? coordinator_->gathers_issued() : 0; }
+PrefetchStats ZeroEngine::last_step_prefetch() const { return coordinator_ ? coordinator_->last_step() : PrefetchStats{}; }
+PrefetchStats ZeroEngine::current_prefetch() const { return coordinator_ ? coordinator_->current_step() : PrefetchStats{}; }
+int64_t ZeroEngine::trace_drops() const { return coordinator_ ? coordinator_->trace_drops() : 0; }
 
 }  // namespace strata::engine

@@ -7,7 +7,6 @@
 
 #include "core/error.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/engine/zero_engine_parts.h"
 
 namespace strata::engine {
 namespace fs = std::filesystem;
@@ -33,42 +32,29 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
 std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
   STRATA_CHECK(finalized(), kBadArgument, "save_state() before finalize()");
   check_not_prepared("save_state");
-  STRATA_CHECK(std::all_of(grad_full_.begin(), grad_full_.end(), [&](float* g) { return options_.stage == 1 || g == nullptr; }),
-               kBadArgument, "save_state() during a backward pass: save between steps");
+  check_no_backward("save_state");
   compute_stream().synchronize();
   gather_stream_->synchronize();
-  // Never stepped (or loaded since): the master weights are the parameters.
-  if (optimizer_stale_) init_optimizer();
   std::vector<StateFile> files;
   nlohmann::json groups = nlohmann::json::array();
-  for (auto& gp : groups_) {
-    Group& g = *gp;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
     {
       StateFileWriter out(dir, params_file(g.dtype));
-      for_each_home_chunk(g, [&](size_t first, size_t numel) {
-        out.append(home_range(g, first, numel, /*load=*/true), numel * dtype_nbytes(g.dtype));
+      g.home->for_each_chunk([&](size_t first, size_t numel) {
+        out.append(g.home->host_range(first, numel, /*load=*/true), numel * dtype_nbytes(g.dtype));
       });
       files.push_back(out.finish());
     }
     // One pass over the sub-groups (each read once from NVMe), three files.
     StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
         exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
-    const auto append = [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
+    // Never stepped (or loaded since): the master weights are the parameters.
+    optimizer_->save(gi, [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
       master.append(p, numel * sizeof(float));
       exp_avg.append(m, numel * sizeof(float));
       exp_avg_sq.append(v, numel * sizeof(float));
-    };
-    if (g.device_optimizer) {
-      g.device_optimizer->save(append);
-    } else {
-      std::vector<float> p, m, v;
-      for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
-        const auto [first, numel] = g.swapper->sub_group_range(k);
-        p.resize(numel), m.resize(numel), v.resize(numel);
-        g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
-        append(first, numel, p.data(), m.data(), v.data());
-      }
-    }
+    });
     files.push_back(master.finish());
     files.push_back(exp_avg.finish());
     files.push_back(exp_avg_sq.finish());
@@ -144,40 +130,35 @@ void ZeroEngine::load_state(const fs::path& dir) {
 
   compute_stream().synchronize();
   gather_stream_->synchronize();
-  for (auto& gp : groups_) {
-    Group& g = *gp;
+  if (coordinator_) coordinator_->quiesce();  // no read of a home stays in flight or staged
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
     const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
     const fs::path params = dir / params_file(g.dtype);
     const fs::path master = dir / optimizer_file("master", g.dtype), exp_avg = dir / optimizer_file("exp_avg", g.dtype),
                    exp_avg_sq = dir / optimizer_file("exp_avg_sq", g.dtype);
     expect_size(params, g.layout->shard_nbytes());
     for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));
-    for_each_home_chunk(g, [&](size_t first, size_t numel) {
+    g.home->for_each_chunk([&](size_t first, size_t numel) {
       const size_t element_nbytes = dtype_nbytes(g.dtype);
-      read_state_range(params, first * element_nbytes, home_range(g, first, numel, /*load=*/false),
+      read_state_range(params, first * element_nbytes, g.home->host_range(first, numel, /*load=*/false),
                        numel * element_nbytes);
-      store_home_range(g, first, numel);
+      g.home->store_host_range(first, numel);
     });
     const auto fill = [&](size_t first, size_t numel, float* p, float* m, float* v) {
       read_state_range(master, first * sizeof(float), p, numel * sizeof(float));
       read_state_range(exp_avg, first * sizeof(float), m, numel * sizeof(float));
       read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
     };
-    if (g.device_optimizer) {
-      g.device_optimizer->restore(fill, steps);
-    } else {
-      g.swapper->restore(fill, steps);
-    }
+    optimizer_->restore(gi, fill, steps);
   }
   steps_ = steps;
   loss_scaler_.restore(scaler);
-  optimizer_stale_ = false;
-  // Copies of the old values are stale.
-  if (options_.stage < 3) {
-    full_params_stale_ = true;
+  // Copies of the old values are stale (stages 1/2 re-gather at the next pre_op).
+  if (coordinator_) {
+    coordinator_->release_all();
   } else {
-    compute_stream().record(*compute_point_);
-    for (ParamId id = 0; id < parameter_count(); ++id) release_gathered(id, *compute_point_);
+    full_params_stale_ = true;
   }
   zero_grad();
 }

@@ -239,10 +239,10 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         fmt::format("{:.0f} buffers of the largest slice ({:.0f} elements)", count, largest_slice));
   }
   if (z.param_tier != strata::Tier::kDevice) {
-    // zero_engine.cc home_range: one window of a sub-group or the largest slice.
+    // offload/param_home.h HostWindow: one window of a sub-group or the largest slice.
     add("parameter home window", Where::kPinned,
         pe * std::max(static_cast<double>(opt_sub_group), largest_slice), false,
-        "the optimizer's sub-group of 16/32-bit values (home_range)");
+        "the optimizer's sub-group of 16/32-bit values (the parameter homes' window)");
   }
   if (z.optimizer_tier == strata::Tier::kNvme) {
     add("optimizer pipeline buffers", Where::kPinned,

@@ -26,14 +26,14 @@
 #include "nvme/io_backend.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "runtime/engine/operator_trace.h"
+#include "offload/operator_trace.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
 namespace {
 using namespace strata;
 using namespace strata::test::zero;
-using engine::OperatorTrace;
+using offload::OperatorTrace;
 using engine::Phase;
 
 // Captures the process logger's lines while alive (info level).

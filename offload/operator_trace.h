@@ -1,8 +1,8 @@
 // OperatorTrace: the sequence of hook windows (operator, phase) one training
 // step runs, recorded on the first step and followed on later ones, so a
-// parameter coordinator can fetch ahead of need (ENGINE.md §3).
+// parameter coordinator can fetch ahead of need (docs/DESIGN.md §5.1).
 //
-// A step is everything between two step boundaries (ZeroEngine::step()): its
+// A step is everything between two step boundaries (the engine's step(): ParamCoordinator::end_step): its
 // forward passes, their backward passes and, with activation checkpointing,
 // the recompute windows inside backward — recorded as they come, each with its
 // phase. Backward is recorded, never derived by reversing forward (attention's
@@ -23,8 +23,8 @@
 // elements are fetched in between (numel_between) — the reuse distance of
 // DeepSpeed's stage3_max_reuse_distance.
 //
-// Ownership: plain data plus two callbacks set at construction (the engine's
-// view of operators and parameter sizes), which must stay valid.
+// Ownership: plain data plus two callbacks set at construction (the
+// coordinator's view of operators and parameter sizes), which must stay valid.
 // Thread-safety: none; the training thread drives it.
 // Errors: none thrown; a divergence is reported through Advance / end_step.
 #pragma once
@@ -37,9 +37,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/engine/engine.h"
+#include "offload/hook_ids.h"
 
-namespace strata::engine {
+namespace strata::offload {
 
 class OperatorTrace {
  public:
@@ -120,4 +120,4 @@ class OperatorTrace {
   int64_t drops_ = 0;
 };
 
-}  // namespace strata::engine
+}  // namespace strata::offload

@@ -1,9 +1,9 @@
 // OperatorTrace: recording, following and dropping the step's window sequence.
-#include "runtime/engine/operator_trace.h"
+#include "offload/operator_trace.h"
 
 #include <unordered_map>
 
-namespace strata::engine {
+namespace strata::offload {
 
 OperatorTrace::OperatorTrace(ParamsOf params_of, NumelOf numel_of)
     : params_of_(std::move(params_of)), numel_of_(std::move(numel_of)) {}
@@ -104,4 +104,4 @@ void OperatorTrace::finish_recording() {
   cursor_ = 0;
 }
 
-}  // namespace strata::engine
+}  // namespace strata::offload

@@ -1,0 +1,194 @@
+// The three parameter homes (device, pinned cpu, nvme file) and the shared
+// pinned window through which the host reaches the ones it cannot address.
+#include "offload/param_home.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+#include "nvme/aio_handle.h"
+#include "nvme/swap_space.h"
+
+namespace strata::offload {
+
+HostWindow::~HostWindow() {
+  if (data_ != nullptr) accelerator_.deallocate_pinned(data_);
+}
+
+void HostWindow::expect(size_t nbytes) { expected_ = std::max(expected_, nbytes); }
+
+void* HostWindow::get(size_t nbytes) {
+  if (nbytes > nbytes_) {
+    // Grows once to everything announced: bounded by the largest slice and
+    // sub_group_size, not by the model.
+    const size_t want = std::max(nbytes, expected_);
+    if (data_ != nullptr) accelerator_.deallocate_pinned(data_);
+    data_ = nullptr;
+    nbytes_ = 0;
+    data_ = accelerator_.allocate_pinned(want);
+    nbytes_ = want;
+  }
+  return data_;
+}
+
+void ParamHome::for_each_chunk(const std::function<void(size_t, size_t)>& fn) const {
+  const size_t chunk = options_.chunk_numel;
+  for (size_t first = 0; first < options_.numel; first += chunk) fn(first, std::min(chunk, options_.numel - first));
+}
+
+namespace {
+
+void check_range(const ParamHomeOptions& options, size_t first, size_t numel) {
+  STRATA_CHECK(first + numel <= options.numel && numel <= options.max_range_numel, kInternal,
+               "parameter home range [{}, {}) outside the shard ({} elements) or above its largest range ({})", first,
+               first + numel, options.numel, options.max_range_numel);
+}
+
+// Accelerator memory. On the cpu accelerator that is host memory, viewed in place.
+class DeviceHome final : public ParamHome {
+ public:
+  DeviceHome(const ParamHomeOptions& options, Accelerator& accelerator, Stream& stream, HostWindow& window)
+      : ParamHome(options), accelerator_(accelerator), stream_(stream), window_(window) {
+    memory_ = accelerator_.allocate(nbytes());
+    accelerator_.memset_async(memory_, 0, nbytes(), stream_);
+    stream_.synchronize();
+    if (!host_addressable()) window_.expect(options.max_range_numel * dtype_nbytes(options.dtype));
+  }
+  ~DeviceHome() override { accelerator_.deallocate(memory_); }
+
+  void* memory() const override { return memory_; }
+  bool host_addressable() const override { return accelerator_.host_addressable(); }
+
+  void* host_range(size_t first, size_t numel, bool load) override {
+    check_range(options_, first, numel);
+    char* at = static_cast<char*>(memory_) + first * dtype_nbytes(dtype());
+    if (host_addressable()) return at;
+    const size_t nbytes = numel * dtype_nbytes(dtype());
+    void* view = window_.get(nbytes);
+    if (load) {
+      accelerator_.copy_async(view, at, nbytes, CopyKind::kDeviceToHost, stream_);
+      stream_.synchronize();
+    }
+    return view;
+  }
+
+  void store_host_range(size_t first, size_t numel) override {
+    if (host_addressable()) return;
+    const size_t nbytes = numel * dtype_nbytes(dtype());
+    accelerator_.copy_async(static_cast<char*>(memory_) + first * dtype_nbytes(dtype()), window_.get(nbytes), nbytes,
+                            CopyKind::kHostToDevice, stream_);
+    stream_.synchronize();
+  }
+
+  void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
+    std::exception_ptr error;
+    try {
+      accelerator_.copy_async(dst, static_cast<const char*>(memory_) + offset, nbytes, CopyKind::kDeviceToHost,
+                              stream_);
+      stream_.synchronize();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done(error);
+  }
+
+ private:
+  Accelerator& accelerator_;
+  Stream& stream_;
+  HostWindow& window_;
+  void* memory_ = nullptr;
+};
+
+// Pinned host memory: the host's view is the home itself.
+class PinnedHome final : public ParamHome {
+ public:
+  PinnedHome(const ParamHomeOptions& options, Accelerator& accelerator)
+      : ParamHome(options), accelerator_(accelerator) {
+    memory_ = accelerator_.allocate_pinned(nbytes());
+    std::memset(memory_, 0, nbytes());
+  }
+  ~PinnedHome() override { accelerator_.deallocate_pinned(memory_); }
+
+  void* memory() const override { return memory_; }
+  bool host_addressable() const override { return true; }
+  void* host_range(size_t first, size_t numel, bool /*load*/) override {
+    check_range(options_, first, numel);
+    return static_cast<char*>(memory_) + first * dtype_nbytes(dtype());
+  }
+  void store_host_range(size_t, size_t) override {}
+  void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
+    std::memcpy(dst, static_cast<const char*>(memory_) + offset, nbytes);
+    done(nullptr);
+  }
+
+ private:
+  Accelerator& accelerator_;
+  void* memory_ = nullptr;
+};
+
+// A preallocated swap file, reached through the I/O engine.
+class NvmeHome final : public ParamHome {
+ public:
+  NvmeHome(const ParamHomeOptions& options, HostWindow& window, nvme::AioHandle& aio)
+      : ParamHome(options),
+        window_(window),
+        aio_(aio),
+        swap_(nvme::SwapSpaceOptions{options.nvme_path, "param", options.rank, true}) {
+    file_ = &swap_.create({std::string(dtype_name(options.dtype)), nbytes()});
+    window_.expect(options.max_range_numel * dtype_nbytes(options.dtype));
+    // The file may hold an earlier run's bytes: zeros, so padding is zero as
+    // in the other homes (through the window, one bounded range at a time).
+    for_each_chunk([&](size_t first, size_t numel) {
+      std::memset(host_range(first, numel, /*load=*/false), 0, numel * dtype_nbytes(dtype()));
+      store_host_range(first, numel);
+    });
+  }
+
+  void* memory() const override { return nullptr; }
+  bool host_addressable() const override { return false; }
+
+  void* host_range(size_t first, size_t numel, bool load) override {
+    check_range(options_, first, numel);
+    const size_t nbytes = numel * dtype_nbytes(dtype());
+    void* view = window_.get(nbytes);
+    if (load) aio_.read(*file_, view, nbytes, first * dtype_nbytes(dtype()));
+    return view;
+  }
+
+  void store_host_range(size_t first, size_t numel) override {
+    const size_t nbytes = numel * dtype_nbytes(dtype());
+    aio_.write(*file_, window_.get(nbytes), nbytes, first * dtype_nbytes(dtype()));
+  }
+
+  void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
+    aio_.submit_read(*file_, dst, nbytes, offset, std::move(done));
+  }
+
+ private:
+  HostWindow& window_;
+  nvme::AioHandle& aio_;
+  nvme::SwapSpace swap_;
+  nvme::File* file_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<ParamHome> make_param_home(const ParamHomeOptions& options, Accelerator& accelerator,
+                                           Stream& stream, HostWindow& window, nvme::AioHandle* aio) {
+  STRATA_CHECK(options.chunk_numel >= 1 && options.max_range_numel >= options.chunk_numel, kInternal,
+               "parameter home ranges: chunk {} and largest {} elements", options.chunk_numel,
+               options.max_range_numel);
+  switch (options.tier) {
+    case Tier::kDevice:
+      return std::make_unique<DeviceHome>(options, accelerator, stream, window);
+    case Tier::kCpu:
+      return std::make_unique<PinnedHome>(options, accelerator);
+    case Tier::kNvme:
+      STRATA_CHECK(aio != nullptr, kInternal, "an nvme parameter home needs the I/O engine");
+      return std::make_unique<NvmeHome>(options, window, *aio);
+  }
+  raise(ErrorCategory::kInternal, "unknown parameter tier {}", static_cast<int>(options.tier));
+}
+
+}  // namespace strata::offload

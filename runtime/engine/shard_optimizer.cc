@@ -1,0 +1,514 @@
+// The optimizer of this rank's shards: the step in parts at the boundary, and
+// the optimizer overlapping backward — sub-groups updated by the optimizer
+// thread as their gradients become final, speculating that the step applies
+// unclipped, rolled back exactly when it does not. See shard_optimizer.h.
+#include "runtime/engine/shard_optimizer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "core/trace_recorder.h"
+#include "offload/pinned_pool.h"
+
+namespace strata::engine {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+size_t sub_group_stride(const partition::PartitionLayout& layout, DType dtype, int64_t sub_group_numel) {
+  const int64_t align_numel = static_cast<int64_t>(layout.alignment_nbytes() / dtype_nbytes(dtype));
+  const int64_t limit = (sub_group_numel + align_numel - 1) / align_numel * align_numel;
+  const size_t numel = static_cast<size_t>(std::min(limit, std::max<int64_t>(layout.shard_numel(), 1)));
+  int64_t first = 0;
+  for (const auto& sub_group : layout.sub_groups()) {
+    STRATA_CHECK(first % static_cast<int64_t>(numel) == 0, kInternal,
+                 "the layout's sub-group at element {} does not start at a multiple of {}", first, numel);
+    first += sub_group.numel;
+  }
+  return numel;
+}
+
+// One dtype group: its optimizer and, for the overlap, what each sub-group
+// waits for. pending, landed and armed change under Overlap::mutex (on the
+// reducer stream's host thread); stats are written by whoever drives the
+// swapper (one at a time).
+struct ShardOptimizer::Group {
+  OptimizedShard shard;
+  // One of the two.
+  std::unique_ptr<offload::OptimizerSwapper> swapper;
+  std::unique_ptr<DeviceOptimizer> device;
+  size_t sub_group_numel = 0;                           // uniform sub-group length
+  std::vector<std::vector<uint32_t>> param_sub_groups;  // per member: the sub-groups its slice meets
+  std::vector<int32_t> members_of_sub_group;            // per sub-group: members whose slice meets it
+  std::vector<int32_t> pending;                         // per sub-group: members not landed since arming
+  std::vector<uint8_t> landed;                          // per member: landed since arming
+  bool armed = false;                                   // counting the last backward's landings
+  bool landed_twice = false;                            // a member landed twice: more than one backward
+  std::vector<kernels::GradStats> stats;                // per sub-group: its gradient's statistics
+  std::vector<uint8_t> stats_known;                     // per sub-group: stats computed this step
+
+  size_t sub_group_count() const { return swapper ? swapper->sub_group_count() : device->sub_group_count(); }
+  std::pair<size_t, size_t> sub_group_range(size_t k) const {
+    return swapper ? swapper->sub_group_range(k) : device->sub_group_range(k);
+  }
+};
+
+// The thread that updates sub-groups as they become final, and its queue.
+struct ShardOptimizer::Overlap {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<std::pair<size_t, size_t>> ready;  // (group, sub-group) final, not yet updated
+  bool stop = false;
+  bool busy = false;                 // updating a batch taken from `ready`
+  uint64_t generation = 0;           // of arming: an arming queued on a reducer stream before a
+                                     // settle or a failed prepare must not arm
+  std::exception_ptr error;          // the first failure of the thread (rethrown by settle())
+  double busy_seconds = 0;           // since prepare
+  int64_t updated = 0;               // sub-groups the thread updated since prepare
+  float lr = 0;                      // prepare's
+  float grad_scale = 1;              // the speculated one
+  double loss_scale = 1;
+  std::thread thread;
+};
+
+ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& home_stream, nvme::AioHandle* aio,
+                               ShardOptimizerOptions options, std::vector<OptimizedShard> shards)
+    : accelerator_(accelerator), home_stream_(home_stream), options_(std::move(options)) {
+  overlap_ = std::make_unique<Overlap>();
+  offload::PinnedBufferPool* pool = nullptr;
+  for (const OptimizedShard& shard : shards) {
+    groups_.push_back(std::make_unique<Group>());
+    Group& g = *groups_.back();
+    g.shard = shard;
+    const partition::PartitionLayout& layout = *shard.layout;
+    const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
+    const size_t stride = sub_group_stride(layout, shard.dtype, options_.sub_group_numel);
+    if (options_.tier == Tier::kDevice) {
+      g.device = std::make_unique<DeviceOptimizer>(accelerator, ops, home_stream, shard_numel, stride, options_.adam);
+    } else {
+      offload::OptimizerSwapperOptions swapper;
+      swapper.numel = shard_numel;
+      swapper.sub_group_numel = stride;
+      swapper.state_tier = options_.tier;
+      swapper.adam = options_.adam;
+      swapper.threads = options_.threads;
+      swapper.nvme_path = options_.nvme_path;
+      swapper.group = std::string("optimizer_") + std::string(dtype_name(shard.dtype));
+      swapper.rank = options_.rank;
+      if (options_.tier == Tier::kNvme) {
+        // Groups share a pool while its buffers are big enough for their sub-groups.
+        const size_t record = offload::OptimizerSwapper::record_nbytes(stride);
+        if (pool == nullptr || pool->buffer_nbytes() < record) {
+          offload::PinnedPoolOptions pool_options;
+          pool_options.buffer_count = options_.buffer_count;
+          pool_options.buffer_nbytes = record;
+          pool_options.name = "optimizer pool";
+          pools_.push_back(std::make_unique<offload::PinnedBufferPool>(pool_options, &accelerator));
+          pool = pools_.back().get();
+        }
+      }
+      g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper, pool, aio);
+    }
+
+    // Which sub-groups each member's slice meets, for the overlap.
+    const size_t sub_groups = g.sub_group_count();
+    g.sub_group_numel = g.sub_group_range(0).second;
+    g.param_sub_groups.assign(layout.params().size(), {});
+    g.members_of_sub_group.assign(sub_groups, 0);
+    for (size_t i = 0; i < layout.params().size(); ++i) {
+      const partition::ParamSlot& slot = layout.param(i);
+      if (slot.slice_numel <= 0) continue;
+      const size_t first = static_cast<size_t>(slot.shard_offset_numel);
+      const size_t last = first + static_cast<size_t>(slot.slice_numel) - 1;
+      for (size_t k = first / g.sub_group_numel; k <= last / g.sub_group_numel; ++k) {
+        g.param_sub_groups[i].push_back(static_cast<uint32_t>(k));
+        ++g.members_of_sub_group[k];
+      }
+    }
+    g.pending.assign(sub_groups, 0);
+    g.landed.assign(layout.params().size(), 0);
+    g.stats.assign(sub_groups, {});
+    g.stats_known.assign(sub_groups, 0);
+    const size_t index = groups_.size() - 1;
+    shard.reducer->set_landed_callback([this, index](const std::vector<size_t>& params) { on_landed(index, params); });
+  }
+}
+
+ShardOptimizer::~ShardOptimizer() { stop(); }
+
+void ShardOptimizer::stop() {
+  {
+    std::lock_guard lock(overlap_->mutex);
+    overlap_->stop = true;
+  }
+  overlap_->cv.notify_all();
+  if (overlap_->thread.joinable()) overlap_->thread.join();
+}
+
+bool ShardOptimizer::overlaps() const { return options_.overlap && options_.tier != Tier::kDevice; }
+
+void ShardOptimizer::initialize_if_stale() {
+  if (!stale_) return;
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    offload::ParamHome& home = *g.shard.home;
+    if (g.device) {
+      g.device->initialize(home.memory(), g.shard.dtype);
+      continue;
+    }
+    // The fp32 master weights start as the (widened) parameters, padding zero.
+    g.swapper->initialize([&](size_t first, size_t numel, float* out) {
+      convert(home.host_range(first, numel, /*load=*/true), g.shard.dtype, out, DType::kF32, numel);
+    });
+  }
+  stale_ = false;
+}
+
+offload::StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
+  offload::StepInputs inputs;
+  Group* group = &g;
+  // Streamed sub-group by sub-group: the gradient from its shard (its
+  // statistics recorded on the way, once per step), the new values (the
+  // 16-bit copy, or the fp32 master itself) to the home.
+  inputs.grad_source = [this, group](size_t first, size_t numel) -> const void* {
+    const float* grads = group->shard.grads->read(first, numel, home_stream_);
+    const size_t k = first / group->sub_group_numel;
+    if (group->stats_known[k] == 0) {
+      group->stats[k] = kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
+      group->stats_known[k] = 1;
+    }
+    return grads;
+  };
+  inputs.grad_dtype = DType::kF32;
+  inputs.grad_scale = grad_scale;
+  inputs.param16_dtype = g.shard.dtype;
+  offload::ParamHome* home = g.shard.home;
+  if (home->host_addressable() && g.shard.dtype != DType::kF32) {
+    inputs.param16 = home->memory();  // the kernel writes the home directly
+  } else {
+    inputs.param_sink = [home](size_t first, size_t numel, const void* values) {
+      void* range = home->host_range(first, numel, /*load=*/false);
+      if (range != values) std::memcpy(range, values, numel * dtype_nbytes(home->dtype()));
+      home->store_host_range(first, numel);
+    };
+  }
+  return inputs;
+}
+
+// ---- the optimizer overlapping backward --------------------------------------------
+
+void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
+  STRATA_CHECK(!prepared_, kBadArgument, "prepare_step() twice without a step() between");
+  kernels::AdamConfig adam = options_.adam;
+  adam.lr = lr;
+  adam.validate();  // a bad lr fails here, not on the optimizer thread
+  Overlap& o = *overlap_;
+  o.lr = lr;
+  o.loss_scale = loss_scale;
+  o.grad_scale = grad_scale;
+  if (!overlaps()) {  // stage 1 reduces at the boundary; the device optimizer is not worth hiding
+    prepared_ = true;  // still: misuse until the step is refused alike
+    return;
+  }
+  initialize_if_stale();
+  {
+    std::lock_guard lock(o.mutex);
+    o.busy_seconds = 0;
+    o.updated = 0;
+    o.error = nullptr;
+    o.ready.clear();
+  }
+  try {
+    arm(lr);
+  } catch (...) {
+    // Nothing was updated yet: disarm (an arming still queued on a reducer
+    // stream finds its generation stale), close what was opened, and the
+    // step runs unprepared.
+    {
+      std::lock_guard lock(o.mutex);
+      ++o.generation;
+      o.ready.clear();
+      for (auto& g : groups_) g->armed = false;
+    }
+    for (auto& g : groups_) g->swapper->abort_step();
+    throw;
+  }
+  prepared_ = true;
+  speculating_ = true;
+  if (!o.thread.joinable()) o.thread = std::thread([this] { thread_main(); });
+}
+
+void ShardOptimizer::arm(float lr) {
+  Overlap& o = *overlap_;
+  uint64_t generation = 0;
+  {
+    std::lock_guard lock(o.mutex);
+    generation = ++o.generation;
+  }
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    Group& g = *groups_[gi];
+    // A bucket still open holds the previous micro-step's gradients: it is
+    // reduced (a collective every rank issues here) before counting starts.
+    g.shard.reducer->flush();
+    {
+      std::lock_guard lock(o.mutex);
+      g.pending = g.members_of_sub_group;
+      std::fill(g.landed.begin(), g.landed.end(), 0);
+      g.landed_twice = false;
+      g.armed = false;
+    }
+    std::fill(g.stats_known.begin(), g.stats_known.end(), 0);
+    g.swapper->set_lr(lr);
+    g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/true);
+    // Armed in the reducer's stream order: landings of earlier buckets are not counted.
+    g.shard.reducer->stream().launch_host_func([this, gi, generation] {
+      std::lock_guard lock(overlap_->mutex);
+      if (overlap_->generation == generation) groups_[gi]->armed = true;
+    });
+  }
+}
+
+void ShardOptimizer::on_landed(size_t group, const std::vector<size_t>& params) {
+  Overlap& o = *overlap_;
+  std::lock_guard lock(o.mutex);
+  Group& g = *groups_[group];
+  if (!g.armed) return;
+  bool queued = false;
+  for (size_t p : params) {
+    if (g.landed[p] != 0) {
+      g.landed_twice = true;  // a second backward: what was speculated may miss its gradient
+      continue;
+    }
+    g.landed[p] = 1;
+    for (uint32_t k : g.param_sub_groups[p]) {
+      if (--g.pending[k] == 0) {
+        o.ready.emplace_back(group, k);
+        queued = true;
+      }
+    }
+  }
+  if (queued) o.cv.notify_all();
+}
+
+void ShardOptimizer::thread_main() {
+  trace::name_this_thread("optimizer");
+  Overlap& o = *overlap_;
+  std::unique_lock lock(o.mutex);
+  for (;;) {
+    o.cv.wait(lock, [&] { return o.stop || (!o.ready.empty() && o.error == nullptr); });
+    if (o.stop) return;
+    // Every final sub-group of one group at once: the NVMe pipeline reads ahead across them.
+    const size_t group = o.ready.front().first;
+    std::vector<size_t> batch;
+    while (!o.ready.empty() && o.ready.front().first == group) {
+      batch.push_back(o.ready.front().second);
+      o.ready.pop_front();
+    }
+    o.busy = true;
+    lock.unlock();
+    const auto start = Clock::now();
+    std::exception_ptr error;
+    try {
+      trace::Span span("optimizer", "overlapped sub-groups");
+      span.value("count", static_cast<int64_t>(batch.size()));
+      groups_[group]->swapper->update_sub_groups(batch);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    const double seconds = seconds_since(start);
+    lock.lock();
+    o.busy = false;
+    o.busy_seconds += seconds;
+    if (error) {
+      if (!o.error) o.error = error;
+    } else {
+      o.updated += static_cast<int64_t>(batch.size());
+    }
+    o.cv.notify_all();
+  }
+}
+
+double ShardOptimizer::settle_thread() {
+  // Called once no more landings can come (the reducers synchronized): the
+  // thread finishes its batch; sub-groups it has not taken are left to the caller.
+  Overlap& o = *overlap_;
+  const auto start = Clock::now();
+  std::unique_lock lock(o.mutex);
+  o.cv.wait(lock, [&] { return !o.busy; });
+  o.ready.clear();
+  ++o.generation;
+  for (auto& g : groups_) g->armed = false;
+  return seconds_since(start);
+}
+
+double ShardOptimizer::settle() {
+  if (!speculating_) return 0;
+  const double seconds = settle_thread();
+  std::lock_guard lock(overlap_->mutex);
+  if (overlap_->error) std::rethrow_exception(overlap_->error);
+  return seconds;
+}
+
+bool ShardOptimizer::roll_back() {
+  bool rolled_back = false;
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    if (!g.swapper || !g.swapper->step_open()) continue;
+    std::vector<size_t> updated;
+    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+      if (g.swapper->updated(k)) updated.push_back(k);
+    }
+    try {
+      g.swapper->abort_step();
+    } catch (const Error&) {
+      // cpu state of a step that was not revocable: its updated sub-groups
+      // keep their new state, which is what their home holds.
+      continue;
+    }
+    // The home holds the updated sub-groups' new values: back to the restored
+    // master weights (the 16-bit copy of the master is the parameter).
+    offload::ParamHome& home = *g.shard.home;
+    std::vector<float> master;
+    for (size_t k : updated) {
+      const auto [first, numel] = g.swapper->sub_group_range(k);
+      master.resize(numel);
+      g.swapper->load_sub_group(k, master.data(), nullptr, nullptr);
+      convert(master.data(), DType::kF32, home.host_range(first, numel, /*load=*/false), g.shard.dtype, numel);
+      home.store_host_range(first, numel);
+      rolled_back = true;
+    }
+  }
+  return rolled_back;
+}
+
+bool ShardOptimizer::abort() {
+  const bool speculated = speculating_;
+  prepared_ = false;
+  speculating_ = false;
+  if (speculated) {
+    for (auto& g : groups_) g->shard.reducer->synchronize();
+    settle_thread();
+  }
+  roll_back();
+  return speculated;
+}
+
+// ---- the step ------------------------------------------------------------------------
+
+kernels::GradStats ShardOptimizer::grad_stats() {
+  if (!speculating_) {
+    for (auto& gp : groups_) std::fill(gp->stats_known.begin(), gp->stats_known.end(), 0);
+  }
+  kernels::GradStats local;
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    if (g.device) {  // every sub-group's statistics in one round trip
+      g.stats = g.device->grad_stats(g.shard.grads->memory());
+      std::fill(g.stats_known.begin(), g.stats_known.end(), 1);
+    }
+    for (size_t k = 0; k < g.sub_group_count(); ++k) {
+      if (g.stats_known[k] == 0) {
+        const auto [first, numel] = g.sub_group_range(k);
+        const float* grads = g.shard.grads->read(first, numel, home_stream_);
+        g.stats[k] = kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
+        g.stats_known[k] = 1;
+      }
+      local = kernels::merge(local, g.stats[k]);
+    }
+  }
+  return local;
+}
+
+AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale) {
+  Overlap& o = *overlap_;
+  AppliedStep applied;
+  bool keep = speculating_;
+  if (speculating_) {
+    applied.landed_twice =
+        std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
+    applied.redo_reason = grad_scale != o.grad_scale     ? "gradient clipping fired"
+                          : lr != o.lr                   ? "step() got another lr than prepare_step()"
+                          : loss_scale != o.loss_scale   ? "the loss scale changed"
+                          : applied.landed_twice         ? "more than one backward followed prepare_step()"
+                                                         : nullptr;
+    if (applied.redo_reason != nullptr) {
+      keep = false;
+      roll_back();
+      std::lock_guard lock(o.mutex);
+      applied.rolled_back = o.updated > 0;
+    }
+  }
+  initialize_if_stale();
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    if (g.device) {
+      g.device->set_lr(lr);
+      g.device->step(g.shard.grads->memory(), grad_scale, g.shard.home->memory(), g.shard.dtype);
+      applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
+      continue;
+    }
+    if (!keep) {
+      g.swapper->set_lr(lr);
+      g.swapper->begin_step(step_inputs(g, grad_scale), /*revocable=*/false);
+    }
+    std::vector<size_t> left;
+    for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+      if (!g.swapper->updated(k)) left.push_back(k);
+    }
+    g.swapper->update_sub_groups(left);
+    applied.sub_groups += static_cast<int64_t>(g.swapper->sub_group_count());
+  }
+  // Commit only once every group is updated, so a failure above rolls back
+  // every group (NVMe always; cpu when speculating).
+  for (auto& gp : groups_) {
+    if (gp->swapper) gp->swapper->commit_step();
+  }
+  if (keep) {
+    std::lock_guard lock(o.mutex);
+    applied.sub_groups_overlapped = o.updated;
+    applied.overlapped_seconds = o.busy_seconds;
+  }
+  prepared_ = false;
+  speculating_ = false;
+  return applied;
+}
+
+// ---- checkpoints --------------------------------------------------------------------
+
+void ShardOptimizer::save(size_t s, const StateSinkFn& sink) {
+  initialize_if_stale();  // never stepped (or loaded since): the master weights are the parameters
+  Group& g = *groups_.at(s);
+  if (g.device) {
+    g.device->save(sink);
+    return;
+  }
+  std::vector<float> p, m, v;
+  for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
+    const auto [first, numel] = g.swapper->sub_group_range(k);
+    p.resize(numel), m.resize(numel), v.resize(numel);
+    g.swapper->load_sub_group(k, p.data(), m.data(), v.data());
+    sink(first, numel, p.data(), m.data(), v.data());
+  }
+}
+
+void ShardOptimizer::restore(size_t s, const StateFillFn& fill, int64_t step_count) {
+  Group& g = *groups_.at(s);
+  if (g.device) {
+    g.device->restore(fill, step_count);
+  } else {
+    g.swapper->restore(fill, step_count);
+  }
+  stale_ = false;  // every shard is restored before the next update
+}
+
+}  // namespace strata::engine
