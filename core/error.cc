@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "core/log.h"
+
 namespace strata {
 
 std::string_view category_name(ErrorCategory category) {
@@ -25,7 +27,14 @@ Error::Error(ErrorCategory category, const std::string& message)
 namespace detail {
 void check_failed(ErrorCategory category, const char* condition, const char* file, int line,
                   const std::string& message) {
-  throw Error(category, fmt::format("{} (check `{}` failed at {}:{})", message, condition, file, line));
+  // The message is for the user, in their terms; where the check sits in
+  // strata's source is for a developer: the debug log. An internal error is
+  // a bug in strata, which the user reports, so it carries its location.
+  if (category == ErrorCategory::kInternal) {
+    throw Error(category, fmt::format("{} (check `{}` failed at {}:{})", message, condition, file, line));
+  }
+  logger().debug("check `{}` failed at {}:{}: {}", condition, file, line, message);
+  throw Error(category, message);
 }
 }  // namespace detail
 

@@ -48,8 +48,10 @@ namespace detail {
                                int line, const std::string& message);
 }  // namespace detail
 
-// STRATA_CHECK(cond, category, "format {}", args...): throws Error when cond is false.
-// The message names the failed condition and the source location.
+// STRATA_CHECK(cond, category, "format {}", args...): throws Error when cond is false,
+// with the formatted message (say what is wrong in the user's terms: the key,
+// flag, file or value). The failed condition and its source location go to the
+// debug log; only a kInternal error (a bug) carries them in its message.
 #define STRATA_CHECK(cond, category, ...)                                                    \
   do {                                                                                       \
     if (!(cond)) [[unlikely]] {                                                              \

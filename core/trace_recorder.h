@@ -1,4 +1,4 @@
-// The timeline recorder (`--trace FILE`, ENGINE.md §7): spans, instants and
+// The timeline recorder (`--trace FILE`, docs/DESIGN.md §10): spans, instants and
 // counters recorded into per-thread buffers and written, when recording
 // stops, as Chrome trace-event JSON that Perfetto (ui.perfetto.dev) and
 // chrome://tracing open. It lives in strata::core so that every layer (nvme,

@@ -1,5 +1,5 @@
 // Ops: the model operators of a Llama-style decoder behind one interface with
-// one implementation per accelerator (ENGINE.md §1): cpu (OpenBLAS + OpenMP +
+// one implementation per accelerator (docs/DESIGN.md §4.1): cpu (OpenBLAS + OpenMP +
 // our SIMD, run on the cpu stream's thread) and cuda (cuBLAS + our kernels).
 // Model code calls Ops only, so it never names a device.
 //

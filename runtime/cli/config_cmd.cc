@@ -27,9 +27,7 @@ void add_config_command(CLI::App& app) {
       const Config config = load_config_file(*path);
       if (!*quiet) {
         std::cout << config.effective.dump(2) << "\n";
-        for (const auto& key : config.no_effect_keys) {
-          std::cerr << fmt::format("note: {} is a DeepSpeed key that strata accepts but does not use\n", key);
-        }
+        for (const auto& note : no_effect_notes(config)) std::cerr << "note: " << note << "\n";
         std::cerr << fmt::format("{}: valid\n", *path);
       }
       return 0;

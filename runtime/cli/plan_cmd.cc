@@ -20,6 +20,7 @@
 #include "runtime/cli/commands.h"
 #include "runtime/cli/plan_cli.h"
 #include "runtime/config/config.h"
+#include "runtime/config/engine_options.h"
 #include "runtime/config/json_text.h"
 #include "runtime/config/size.h"
 #include "core/error.h"
@@ -132,10 +133,11 @@ double parse_fraction(const std::string& flag, const std::string& text) {
   return value;
 }
 
-Tier tier_of(OffloadDevice device) {
-  return device == OffloadDevice::kCpu    ? Tier::kCpu
-         : device == OffloadDevice::kNvme ? Tier::kNvme
-                                          : Tier::kGpu;
+// The plan's name for where the engine keeps a kind of state.
+Tier tier_of(strata::Tier tier) {
+  return tier == strata::Tier::kCpu    ? Tier::kCpu
+         : tier == strata::Tier::kNvme ? Tier::kNvme
+                                       : Tier::kGpu;
 }
 
 std::string gb_text(double nbytes) {
@@ -201,7 +203,7 @@ void resolve_model(const Options& o, Resolved& r) {
             "no model: give --model (a Hugging Face config.json or its directory), --params, or "
             "--layers and "
             "--hidden");
-    // 12·L·h² for the layers (REFERENCE.md), plus embedding and lm_head when the vocabulary is
+    // 12·L·h² for the layers (ZeRO-Infinity's count), plus embedding and lm_head when the vocabulary is
     // known.
     const double count = 12.0 * static_cast<double>(m.layers) * static_cast<double>(m.hidden) *
                              static_cast<double>(m.hidden) +
@@ -218,19 +220,20 @@ void resolve_model(const Options& o, Resolved& r) {
 void resolve_training(const Options& o, const std::optional<Config>& config, Resolved& r) {
   plan::TrainingShape& t = r.inputs.training;
   if (config) {
+    // The shape from the same mapping the engine is built with (engine_options.h).
+    const engine::ZeroEngineOptions z = zero_engine_options(*config, o.config);
     t.micro_batch = config->micro_batch_size;
     t.grad_accumulation = config->gradient_accumulation_steps;
     t.checkpoints_on_cpu = config->cpu_checkpointing;
-    const ZeroConfig& z = config->zero;
-    t.reduce_bucket_numel = static_cast<int64_t>(z.reduce_bucket_numel);
-    t.prefetch_bucket_numel = static_cast<int64_t>(z.prefetch_bucket_numel);
-    t.sub_group_numel = static_cast<int64_t>(z.sub_group_numel);
-    t.param_buffer_count = z.offload_param.buffer_count;
-    t.param_buffer_numel = static_cast<int64_t>(z.offload_param.buffer_numel);
-    t.optimizer_buffer_count = z.offload_optimizer.buffer_count;
+    t.reduce_bucket_numel = z.reduce_bucket_numel;
+    t.prefetch_bucket_numel = z.prefetch_bucket_numel;
+    t.sub_group_numel = z.sub_group_numel;
+    t.param_buffer_count = static_cast<int>(z.param_buffer_count);
+    t.param_buffer_numel = z.param_buffer_numel;
+    t.optimizer_buffer_count = static_cast<int>(z.optimizer_buffer_count);
     r.inputs.configured_stage = z.stage;
-    r.inputs.configured_params = tier_of(z.offload_param.device);
-    r.inputs.configured_optimizer = tier_of(z.offload_optimizer.device);
+    r.inputs.configured_params = tier_of(z.param_tier);
+    r.inputs.configured_optimizer = tier_of(z.optimizer_tier);
   }
   if (!o.seq.empty()) t.seq = parse_integer("--seq", o.seq, 1);
   if (!o.batch.empty()) t.micro_batch = parse_integer("--batch", o.batch, 1);

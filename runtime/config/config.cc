@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "nvme/io_options.h"
+#include "runtime/config/engine_options.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
 #include "runtime/config/schema.h"
@@ -330,7 +331,9 @@ Config build(const json& e) {
   return c;
 }
 
-// Combinations that are individually valid but inconsistent together.
+// Combinations that are individually valid but inconsistent together: every
+// cross-key rule, in one place, so that `strata config check` says valid
+// exactly when finetune, strata-train, the C API and `strata plan` accept.
 void check_combinations(const Config& c, Checker& checker) {
   const auto& op = c.zero.offload_param;
   const auto& oo = c.zero.offload_optimizer;
@@ -345,11 +348,23 @@ void check_combinations(const Config& c, Checker& checker) {
         "zero_optimization.offload_param.device is \"nvme\" but zero_optimization.offload_param.nvme_path is "
         "not set: say which directory holds the parameter swap files");
   }
-  if (oo.device != OffloadDevice::kNone && c.zero.stage == 0) {
+  if (c.zero.stage == 0) {
     checker.problem(
-        "zero_optimization.offload_optimizer.device is \"{}\" but zero_optimization.stage is 0: optimizer "
-        "offload works on optimizer-state shards, which need stage 1 or higher",
-        offload_device_name(oo.device));
+        "zero_optimization.stage is 0 (no partitioning, DeepSpeed's default): strata partitions at least the "
+        "optimizer state; use 1 (the same step as plain data parallelism), 2 or 3");
+  }
+  if (op.device != OffloadDevice::kNone && oo.device == OffloadDevice::kNone) {
+    checker.problem(
+        "zero_optimization.offload_param.device is \"{}\" but offload_optimizer.device is \"none\": the "
+        "optimizer state (12 bytes per parameter) would stay on the accelerator to spare the parameters' 2; "
+        "offload the optimizer too (offload_optimizer.device \"cpu\" or \"nvme\")",
+        offload_device_name(op.device));
+  }
+  if (op.device == OffloadDevice::kNvme && oo.device == OffloadDevice::kNvme && op.nvme_path != oo.nvme_path) {
+    checker.problem(
+        "zero_optimization.offload_param.nvme_path (\"{}\") and offload_optimizer.nvme_path (\"{}\") differ: "
+        "strata keeps both kinds of swap files under one directory; give the same path",
+        op.nvme_path, oo.nvme_path);
   }
   // NVMe optimizer offload at stages 1 and 2 goes beyond DeepSpeed (which
   // asks for stage 3): the engine swaps any stage's optimizer shard, and the
@@ -428,6 +443,11 @@ Config check_document(const json& document, std::string_view source, const std::
   Config config = build(checker.effective());
   config.no_effect_keys = checker.no_effect();
   check_combinations(config, checker);
+  if (checker.problems().empty()) {
+    // The engine's own limits, through the same mapping every user of a
+    // config runs (engine_options.h): valid here means accepted there.
+    if (const auto refusal = engine_refusal(config)) checker.problem("{}", *refusal);
+  }
   if (document.contains("scheduler")) {
     config.scheduler = document.at("scheduler");
     try {
@@ -491,5 +511,15 @@ Config load_config_file(const std::string& path) {
 }
 
 Config default_config() { return parse_config(json::object(), "defaults"); }
+
+std::vector<std::string> no_effect_notes(const Config& config) {
+  std::vector<std::string> notes;
+  for (const auto& key : config.no_effect_keys) {
+    const ConfigField* field = find_config_field(canonical_config_path(key));
+    notes.push_back(fmt::format("{} is a DeepSpeed key that strata accepts but does not use{}{}", key,
+                                field != nullptr ? ": " : "", field != nullptr ? field->doc : ""));
+  }
+  return notes;
+}
 
 }  // namespace strata

@@ -134,4 +134,9 @@ Config default_config();
 
 std::string_view offload_device_name(OffloadDevice device);
 
+// One line per key of config.no_effect_keys: "KEY is a DeepSpeed key strata
+// accepts but does not use: WHY" (the schema's reason). `strata config check`
+// prints them; every run that builds an engine from the config logs them.
+std::vector<std::string> no_effect_notes(const Config& config);
+
 }  // namespace strata

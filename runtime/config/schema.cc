@@ -81,13 +81,13 @@ std::vector<ConfigField> build_fields() {
   f.push_back(number("fp16.min_loss_scale", 1.0, 0, 1e300, "Lower bound of the dynamic loss scale."));
   // Optimizer.
   f.push_back(choice("optimizer.type", "AdamW", {"Adam", "AdamW"}, "Adam (L2 weight decay added to the gradient) or AdamW (decoupled weight decay), PyTorch's formulas."));
-  f.push_back(number("optimizer.params.lr", 1e-3, 0, 1e300, "Learning rate."));
+  f.push_back(number("optimizer.params.lr", 1e-3, 0, 1e30, "Learning rate."));
   ConfigField betas = field("optimizer.params.betas", FieldKind::kNumberPair, json::array({0.9, 0.999}), "Adam's (beta1, beta2), each in [0, 1).");
   betas.min = 0;
-  betas.max = 0.999999999999;
+  betas.max = 0.9999999;  // below 1 once rounded to the optimizer's float
   f.push_back(betas);
   f.push_back(number("optimizer.params.eps", 1e-8, 0, 1, "Added to the square root of the second moment."));
-  f.push_back(number("optimizer.params.weight_decay", 0.01, 0, 1e300, "Weight decay (decoupled for AdamW)."));
+  f.push_back(number("optimizer.params.weight_decay", 0.01, 0, 1e30, "Weight decay (decoupled for AdamW)."));
   f.push_back(ignored(flag("optimizer.params.torch_adam", false, "DeepSpeed's choice of torch's Adam; strata uses its own CPU/CUDA Adam.")));
   f.push_back(ignored(flag("optimizer.params.adam_w_mode", true, "DeepSpeed's Adam/AdamW switch; use optimizer.type.")));
   // ZeRO.
@@ -103,27 +103,27 @@ std::vector<ConfigField> build_fields() {
   f.push_back(number("scheduler.params.warmup_min_ratio", 0, 0, 1, "WarmupCosineLR: lr ratio at the first step."));
   f.push_back(number("scheduler.params.cos_min_ratio", 1e-4, 0, 1, "WarmupCosineLR: lr ratio at the end of the cosine."));
   f.push_back(ignored(integer("scheduler.params.last_batch_iteration", -1, -1, 1e12, "DeepSpeed resume position; strata checkpoints its own step count.")));
-  f.push_back(integer("zero_optimization.stage", 0, 0, 3, "ZeRO stage: 0 none, 1 optimizer state sharded, 2 plus gradients, 3 plus parameters."));
+  f.push_back(integer("zero_optimization.stage", 1, 0, 3, "ZeRO stage: 1 optimizer state sharded, 2 plus gradients, 3 plus parameters. 0 (DeepSpeed's default: no partitioning) is refused: strata partitions at least the optimizer state, and stage 1 computes the same step, so 1 is the default here."));
   f.push_back(choice("zero_optimization.offload_param.device", "none", devices, "Where parameter shards live between uses (stage 3 only)."));
   f.push_back(text("zero_optimization.offload_param.nvme_path", "", "Directory for parameter swap files; required with device nvme."));
-  f.push_back(flag("zero_optimization.offload_param.pin_memory", true, "Stage parameters through page-locked host memory."));
+  f.push_back(ignored(flag("zero_optimization.offload_param.pin_memory", true, "DeepSpeed's choice of pageable staging; strata always stages parameters through its own page-locked buffers (offload_param.buffer_count x buffer_size), so false would not save memory here.")));
   f.push_back(integer("zero_optimization.offload_param.buffer_count", 5, 1, 1 << 20, "Pinned buffers for parameters in flight from NVMe."));
   f.push_back(size("zero_optimization.offload_param.buffer_size", 100000000, "elements", 1, "Elements per parameter swap buffer."));
-  f.push_back(size("zero_optimization.offload_param.max_in_cpu", 1000000000, "elements", 0, "Parameter elements kept in CPU memory when offloading to NVMe."));
+  f.push_back(ignored(size("zero_optimization.offload_param.max_in_cpu", 1000000000, "elements", 0, "DeepSpeed's CPU cache of NVMe-offloaded parameters; strata keeps none: every NVMe slice is read through the staging buffers (offload_param.buffer_count x buffer_size) ahead of its use.")));
   f.push_back(choice("zero_optimization.offload_optimizer.device", "none", devices, "Where optimizer state (fp32 master, momentum, variance) lives and is updated: none on the accelerator (needs offload_param none), cpu and nvme by the CPU optimizer."));
   f.push_back(text("zero_optimization.offload_optimizer.nvme_path", "", "Directory for optimizer-state swap files; required with device nvme."));
-  f.push_back(flag("zero_optimization.offload_optimizer.pin_memory", true, "Stage optimizer state through page-locked host memory."));
-  f.push_back(integer("zero_optimization.offload_optimizer.buffer_count", 4, 1, 1 << 20, "Pinned buffers for the optimizer swap pipeline (read, update, write)."));
+  f.push_back(ignored(flag("zero_optimization.offload_optimizer.pin_memory", true, "DeepSpeed's choice of pageable staging; strata always stages optimizer state through its own page-locked pipeline buffers (offload_optimizer.buffer_count).")));
+  f.push_back(integer("zero_optimization.offload_optimizer.buffer_count", 4, 2, 1 << 20, "Pinned buffers for the optimizer swap pipeline (read, update, write): at least 2 (one read ahead while one updates); 3 overlap fully."));
   f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_read", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
   f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_write", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
   f.push_back(ignored(flag("zero_optimization.offload_optimizer.fast_init", false, "DeepSpeed initialisation shortcut; not needed in strata.")));
   f.push_back(size("zero_optimization.sub_group_size", 1000000000, "elements", 1, "Optimizer step granularity: elements updated per pipeline stage."));
   f.push_back(size("zero_optimization.reduce_bucket_size", 500000000, "elements", 1, "Elements per gradient reduce-scatter bucket."));
-  f.push_back(flag("zero_optimization.overlap_comm", true, "Overlap gradient reduction with backward."));
-  f.push_back(flag("zero_optimization.contiguous_gradients", true, "Copy gradients into one contiguous buffer as they are produced."));
+  f.push_back(ignored(flag("zero_optimization.overlap_comm", true, "strata always overlaps gradient reduction with backward (each bucket is reduce-scattered on its own stream as it fills).")));
+  f.push_back(ignored(flag("zero_optimization.contiguous_gradients", true, "strata always packs gradients into contiguous reduce buckets (reduce_bucket_size).")));
   f.push_back(size("zero_optimization.stage3_prefetch_bucket_size", 50000000, "elements", 0, "Parameter elements prefetched ahead of use (stage 3)."));
   f.push_back(size("zero_optimization.stage3_param_persistence_threshold", 100000, "elements", 0, "Parameters smaller than this stay gathered on the device (stage 3)."));
-  f.push_back(size("zero_optimization.stage3_max_live_parameters", 1000000000, "elements", 0, "Upper bound of gathered parameter elements on the device (stage 3)."));
+  f.push_back(size("zero_optimization.stage3_max_live_parameters", 1000000000, "elements", 1, "Upper bound of gathered parameter elements on the device (stage 3)."));
   f.push_back(size("zero_optimization.stage3_max_reuse_distance", 1000000000, "elements", 0, "Keep a gathered parameter if it is used again within this many elements of other parameters."));
   f.push_back(ignored(flag("zero_optimization.allgather_partitions", true, "DeepSpeed stage 1/2 switch; strata always allgathers partitions.")));
   f.push_back(ignored(size("zero_optimization.allgather_bucket_size", 500000000, "elements", 1, "DeepSpeed stage 1/2 bucket; strata sizes allgathers by parameter.")));
@@ -233,10 +233,15 @@ std::string config_reference_markdown() {
       "`strata config check` lists them. The value `\"auto\"` (written by Hugging Face's integration)\n"
       "means the default. Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"
       "for element counts the unit names only the multiplier.\n\n"
-      "Checked combinations: parameter offload needs stage 3; NVMe offload needs `nvme_path`;\n"
-      "optimizer offload needs stage >= 1; fp16 and bf16 are exclusive;\n"
-      "`train_batch_size` must be divisible by micro batch x accumulation steps; `aio.block_size`\n"
-      "must be a multiple of 4096; `aio.auto_tune` needs engine uring or aio.\n";
+      "Checked combinations (one function, runtime/config/config.cc, which `strata config check`,\n"
+      "`strata finetune`, `strata plan` and the C API all run, so a file valid for one is valid for\n"
+      "all): stage 0 is refused (strata partitions at least the optimizer state; stage 1 computes\n"
+      "the same step, and is the default); parameter offload needs stage 3 and the optimizer\n"
+      "offloaded too; NVMe offload needs `nvme_path`, the same one for parameters and optimizer;\n"
+      "fp16 and bf16 are exclusive; `train_batch_size` must be divisible by micro batch x\n"
+      "accumulation steps; `aio.block_size` must be a multiple of 4096; `aio.auto_tune` needs\n"
+      "engine uring or aio; and whatever else the engine would refuse (engine_options.cc) is listed\n"
+      "as a problem of the file.\n";
   std::string section;
   for (const auto& f : config_fields()) {
     const auto dot = f.path.find('.');

@@ -1,4 +1,4 @@
-// Engine v2 (ENGINE.md §2): the hooks between model code (runtime/nn) and
+// Engine v2 (docs/DESIGN.md §4.1): the hooks between model code (runtime/nn) and
 // whatever owns parameter memory — a ResidentEngine that keeps everything on
 // the accelerator, or a ZeroEngine that partitions, offloads and prefetches.
 //

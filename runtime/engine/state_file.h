@@ -1,4 +1,4 @@
-// Files of a checkpoint (ENGINE.md §6): written sequentially with a running
+// Files of a checkpoint (docs/DESIGN.md §5.3): written sequentially with a running
 // CRC-32 (zlib's) and made durable (fsync) before they count, so a manifest
 // written afterwards can name each file's size and checksum, and a reader can
 // tell a complete file from a truncated or corrupt one.

@@ -176,7 +176,7 @@ void ZeroEngine::on_finalize() {
                                                                std::move(ops));
   }
 
-  ShardOptimizerOptions optimizer;
+  offload::ShardOptimizerOptions optimizer;
   optimizer.tier = options_.optimizer_tier;
   optimizer.adam = options_.adam;
   optimizer.sub_group_numel = options_.sub_group_numel;
@@ -185,9 +185,9 @@ void ZeroEngine::on_finalize() {
   optimizer.nvme_path = options_.nvme_path;
   optimizer.rank = rank();
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
-  std::vector<OptimizedShard> shards;
+  std::vector<offload::OptimizedShard> shards;
   for (auto& g : groups_) shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
-  optimizer_ = std::make_unique<ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
+  optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
 
   if (options_.stage == 1) {
@@ -221,7 +221,7 @@ void ZeroEngine::create_group(Group& g) {
   home.tier = options_.param_tier;
   home.dtype = g.dtype;
   home.numel = static_cast<size_t>(g.layout->shard_numel());
-  home.chunk_numel = sub_group_stride(*g.layout, g.dtype, options_.sub_group_numel);
+  home.chunk_numel = offload::sub_group_stride(*g.layout, g.dtype, options_.sub_group_numel);
   home.max_range_numel = home.chunk_numel;
   for (const auto& slot : g.layout->params()) {
     home.max_range_numel = std::max(home.max_range_numel, static_cast<size_t>(slot.slice_numel));
@@ -234,12 +234,12 @@ void ZeroEngine::create_group(Group& g) {
     if (grad_swap_ == nullptr) {
       grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
     }
-    g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
+    g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
                                           std::string(dtype_name(g.dtype)));
   } else {
-    g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout);
+    g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout);
   }
-  g.reducer = std::make_unique<BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
+  g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
                                               options_.reduce_bucket_numel, *g.grads);
 
   if (options_.stage < 3) {
@@ -321,7 +321,7 @@ StepResult ZeroEngine::step(float lr) {
   StepResult result;
   // Whatever fails from here on, what the optimizer opened does not stay behind.
   struct AbortOnError {
-    ShardOptimizer& optimizer;
+    offload::ShardOptimizer& optimizer;
     bool armed = true;
     ~AbortOnError() {
       if (!armed) return;
@@ -386,7 +386,7 @@ StepResult ZeroEngine::step(float lr) {
   home_stream_->wait(*compute_point_);
   gather_stream_->record(*gather_point_);
   home_stream_->wait(*gather_point_);
-  const AppliedStep applied = optimizer_->apply(lr, result.grad_scale, loss_scale);
+  const offload::AppliedStep applied = optimizer_->apply(lr, result.grad_scale, loss_scale);
   guard.armed = false;
   if (applied.redo_reason != nullptr && applied.rolled_back) {
     logger().debug("step {}: {}; the sub-group(s) updated during backward are rolled back and redone", steps_ + 1,

@@ -9,7 +9,7 @@
 //       the recorded operator trace within the byte budgets, released after
 //       use. Stages 1/2 keep every full parameter resident instead, gathered
 //       after each optimizer step.
-//   BucketReducer + GradShard: gradients summed in fp32, never averaged —
+//   BucketReducer + GradShard (offload/): gradients summed in fp32, never averaged —
 //       normalise the loss by the global number of predicted tokens
 //       (global_sum) instead, so N ranks equal one rank on the combined batch.
 //         stage 1:   full fp32 gradients stay resident and accumulate over
@@ -19,7 +19,7 @@
 //                    reduce-scattered on its own stream and communicator and
 //                    added into this rank's gradient shard (in accelerator
 //                    memory, or a file with `grad_tier` nvme).
-//   ShardOptimizer (runtime/engine/shard_optimizer.h): Adam/AdamW over the
+//   ShardOptimizer (offload/shard_optimizer.h): Adam/AdamW over the
 //       shards — the CPU Adam with state in CPU memory or on NVMe, or Ops on
 //       the accelerator (offload_optimizer.device none) — and, after
 //       prepare_step, sub-groups updated during the last backward as soon as
@@ -62,7 +62,7 @@
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/engine/loss_scaler.h"
-#include "runtime/engine/shard_optimizer.h"
+#include "offload/shard_optimizer.h"
 #include "runtime/engine/state_file.h"
 
 namespace strata::nvme {
@@ -72,7 +72,7 @@ class SwapSpace;
 
 namespace strata::engine {
 
-// Each traffic class has its own communicator (ENGINE.md §4); they may not be
+// Each traffic class has its own communicator (docs/DESIGN.md §5); they may not be
 // the same object, since each runs on its own stream.
 struct ZeroComms {
   partition::Communicator* gather = nullptr;   // parameter allgathers
@@ -105,7 +105,7 @@ struct ZeroEngineOptions {
   int optimizer_threads = 0;               // CPU Adam threads; 0: OpenMP default
   // Stages 2/3 with optimizer_tier cpu or nvme: after prepare_step, update
   // each sub-group during backward as soon as its gradient is final
-  // (speculatively; ShardOptimizer). false: the optimizer runs in step() only.
+  // (speculatively; offload/shard_optimizer.h). false: the optimizer runs in step() only.
   bool overlap_optimizer = true;
 
   // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
@@ -240,8 +240,8 @@ class ZeroEngine final : public Engine {
     std::vector<ParamId> params;
     std::unique_ptr<partition::PartitionLayout> layout;
     std::unique_ptr<offload::ParamHome> home;
-    std::unique_ptr<GradShard> grads;        // this rank's fp32 gradient shard (memory or nvme)
-    std::unique_ptr<BucketReducer> reducer;  // after grads: destroyed first (its stream writes them)
+    std::unique_ptr<offload::GradShard> grads;        // this rank's fp32 gradient shard (memory or nvme)
+    std::unique_ptr<offload::BucketReducer> reducer;  // after grads: destroyed first (its stream writes them)
     void* full_flat = nullptr;               // stages 1/2: every full parameter
     std::vector<size_t> full_offset;         // per member: offset in full_flat
   };
@@ -272,7 +272,7 @@ class ZeroEngine final : public Engine {
   void* stage1_grads_ = nullptr;                   // stage 1: every full fp32 gradient
   size_t stage1_grads_nbytes_ = 0;
   std::unique_ptr<offload::ParamCoordinator> coordinator_;  // stage 3; before groups_ die
-  std::unique_ptr<ShardOptimizer> optimizer_;      // after the groups it borrows
+  std::unique_ptr<offload::ShardOptimizer> optimizer_;      // after the groups it borrows
   static constexpr size_t kControlSlots = 4;
   void* control_buffer_ = nullptr;                 // allreduce_f64: kControlSlots doubles, accelerator memory
   int64_t steps_ = 0;

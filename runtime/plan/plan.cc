@@ -350,10 +350,12 @@ void fill_shape_estimates(Plan& plan) {
 
 void recommend(Plan& plan) {
   const auto& all = plan.placements;
+  // Stage 0 (ZeRO's baseline) is planned for reference; strata runs stages
+  // 1 to 3 only, so it is never the recommendation.
+  const auto runnable = [&](size_t i) { return all[i].fits() && all[i].placement.stage >= 1; };
   std::optional<size_t> best;
   for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].fits() && (!best || all[i].predicted_efficiency > all[*best].predicted_efficiency))
-      best = i;
+    if (runnable(i) && (!best || all[i].predicted_efficiency > all[*best].predicted_efficiency)) best = i;
   }
   if (!best) {
     // Name the placement that comes closest on the GPU, and what it lacks.
@@ -369,7 +371,7 @@ void recommend(Plan& plan) {
   // lowest stage and least offload, which has fewer moving parts.
   constexpr double kTie = 1e-3;
   for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].fits() && all[i].predicted_efficiency >= all[*best].predicted_efficiency - kTie) {
+    if (runnable(i) && all[i].predicted_efficiency >= all[*best].predicted_efficiency - kTie) {
       best = i;
       break;
     }
@@ -377,7 +379,7 @@ void recommend(Plan& plan) {
   plan.recommended = best;
   const PlacementPlan& pick = all[*best];
   size_t fitting = 0;
-  for (const auto& pp : all) fitting += pp.fits() ? 1 : 0;
+  for (size_t i = 0; i < all.size(); ++i) fitting += runnable(i) ? 1 : 0;
   plan.reason =
       fmt::format("{}: predicted {:.1f}% of peak, the fastest of the {} placements that fit",
                   describe(pick.placement), 100 * pick.predicted_efficiency, fitting);

@@ -5,7 +5,7 @@
 // bandwidth it needs for a target efficiency, the efficiency predicted, and the
 // placement to use.
 //
-// The formulas are the papers' (docs: ../shared/REFERENCE.md): ZeRO
+// The formulas are the papers' (ZeRO, arXiv 1910.02054; ZeRO-Infinity, arXiv 2104.07857): ZeRO
 // (arXiv 1910.02054) for model states per stage, ZeRO-Infinity (arXiv
 // 2104.07857, §3–4) for activations, working memory, arithmetic intensity and
 // efficiency. Every size here is in bytes (double: these are estimates, and
@@ -77,8 +77,8 @@ struct Machine {
   std::optional<double> gpu_nbytes;   // per GPU
   std::optional<double> host_nbytes;  // per node, usable for training
   std::optional<double> nvme_nbytes;  // per node, free for swap files
-  double gpu_cpu_bw = 25e9;           // per GPU, pinned copies each way (PCIe Gen4, REFERENCE.md)
-  double nvme_read_bw = 7e9;          // per node (one Gen4 drive, REFERENCE.md)
+  double gpu_cpu_bw = 25e9;           // per GPU, pinned copies each way (PCIe Gen4)
+  double nvme_read_bw = 7e9;          // per node (one Gen4 drive)
   double nvme_write_bw = 7e9;         // per node
   double host_memory_bw = 100e9;      // per node: what the CPU optimizer streams its state at
   std::optional<double>

@@ -1,4 +1,4 @@
-// Checkpoints of the finetune job (ENGINE.md §6): a directory per step,
+// Checkpoints of the finetune job (docs/DESIGN.md §5.3): a directory per step,
 //   ROOT/step_<N>/rank<r>/   each rank's engine state (ZeroEngine::save_state)
 //   ROOT/step_<N>/manifest.json   written last, by rank 0
 // The manifest names the step, the world size, the data cursor and every

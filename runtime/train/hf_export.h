@@ -1,4 +1,4 @@
-// Export to a Hugging Face directory (ENGINE.md §6): config.json and the
+// Export to a Hugging Face directory (docs/DESIGN.md §5.3): config.json and the
 // weights as safetensors in the dtype asked for, one file or, past
 // `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
 // model.safetensors.index.json. Streams tensor by tensor: each tensor is

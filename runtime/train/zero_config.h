@@ -1,12 +1,6 @@
-// The ZeroEngine's options from a checked ds_config: the one mapping from
-// DeepSpeed's keys (zero_optimization, optimizer, gradient_clipping, fp16, aio) to
-// engine::ZeroEngineOptions, shared by `strata finetune` and the C API
-// (runtime/capi) so that the same config file means the same engine in both.
-//
-// Errors: Error(kBadArgument) naming `source` (the config's file name, or what
-// it came from) and the key, for a config the engine cannot run: stage 0,
-// two different NVMe paths, or options
-// ZeroEngineOptions::validate rejects.
+// What `strata finetune`, the C API and the tools share to build a ZeroEngine
+// from a checked ds_config: its options (runtime/config/engine_options.h, the
+// one mapping) and its three communicators.
 #pragma once
 
 #include <chrono>
@@ -14,16 +8,17 @@
 #include <string>
 
 #include "runtime/config/config.h"
+#include "runtime/config/engine_options.h"
 #include "partition/communicator.h"
 #include "partition/store.h"
 #include "runtime/engine/zero_engine.h"
 
 namespace strata::train {
 
-engine::ZeroEngineOptions zero_engine_options(const Config& config, const std::string& source);
+using strata::zero_engine_options;
 
-// The three communicators a ZeroEngine needs, one per traffic class (ENGINE.md
-// §4), made over `store` with keys under "<prefix>/gather", "/reduce",
+// The three communicators a ZeroEngine needs, one per traffic class (docs/DESIGN.md
+// §5), made over `store` with keys under "<prefix>/gather", "/reduce",
 // "/control" (NCCL on cuda, Gloo on cpu). Collective: every rank calls it.
 struct ZeroCommunicators {
   std::unique_ptr<partition::Communicator> gather, reduce, control;

@@ -9,10 +9,10 @@
 
 #include "kernels/ops.h"
 #include "core/accelerator.h"
-#include "runtime/engine/device_optimizer.h"
+#include "offload/device_optimizer.h"
 
 using namespace strata;
-using engine::DeviceOptimizer;
+using offload::DeviceOptimizer;
 
 TEST_CASE("device optimizer: save and restore over several chunks, then the same next step", "[engine][device]") {
   auto acc = make_cpu_accelerator();

@@ -10,15 +10,24 @@
 
 using namespace strata;
 
-TEST_CASE("STRATA_CHECK throws with category, message and location", "[error]") {
+TEST_CASE("STRATA_CHECK throws the user's message, and only an internal error names the check and its location",
+          "[error]") {
   try {
     const int rank = 3;
     STRATA_CHECK(rank < 2, kCommunication, "rank {} out of range", rank);
     FAIL("no throw");
   } catch (const Error& e) {
     REQUIRE(e.category() == ErrorCategory::kCommunication);
-    REQUIRE_THAT(e.what(), Catch::StartsWith("communication error: rank 3 out of range"));
-    REQUIRE_THAT(e.what(), Catch::Contains("rank < 2") && Catch::Contains("error_test.cc"));
+    REQUIRE(std::string(e.what()) == "communication error: rank 3 out of range");
+  }
+  try {
+    const int slots = 5;
+    STRATA_CHECK(slots <= 4, kInternal, "{} slots", slots);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    REQUIRE(e.category() == ErrorCategory::kInternal);
+    REQUIRE_THAT(e.what(), Catch::StartsWith("internal error: 5 slots"));
+    REQUIRE_THAT(e.what(), Catch::Contains("slots <= 4") && Catch::Contains("error_test.cc"));
   }
 }
 

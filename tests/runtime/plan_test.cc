@@ -127,8 +127,8 @@ TEST_CASE("plan: the valid placements are ds_config's", "[plan]") {
   for (const Placement& p : all) CHECK(placement_valid(p));
   CHECK(placement_valid({1, Tier::kGpu, Tier::kNvme}));  // beyond DeepSpeed: any stage swaps its optimizer shard
   CHECK_FALSE(placement_valid({3, Tier::kCpu, Tier::kGpu}));
-  // Every combination: valid exactly when the config and the engine's
-  // options accept it (stage 0 has no engine: the config alone).
+  // Every combination: valid and run by strata (stage >= 1; stage 0 is
+  // planned for reference only) exactly when the config accepts it.
   const auto device = [](Tier t) { return t == Tier::kGpu ? "none" : t == Tier::kCpu ? "cpu" : "nvme"; };
   for (int stage = 0; stage <= 3; ++stage) {
     for (Tier params : {Tier::kGpu, Tier::kCpu, Tier::kNvme}) {
@@ -141,12 +141,12 @@ TEST_CASE("plan: the valid placements are ds_config's", "[plan]") {
         bool accepted = true;
         try {
           const strata::Config config = strata::parse_config_text(text, "ds.json");
-          if (stage > 0) strata::train::zero_engine_options(config, "ds.json");
+          strata::train::zero_engine_options(config, "ds.json");
         } catch (const strata::Error& e) {
           INFO(e.what());
           accepted = false;
         }
-        CHECK(placement_valid({stage, params, optimizer}) == accepted);
+        CHECK((placement_valid({stage, params, optimizer}) && stage >= 1) == accepted);
       }
     }
   }
@@ -198,7 +198,7 @@ TEST_CASE("plan: the recommendation is the fastest placement that fits", "[plan]
   const PlacementPlan& pick = plan.placements[*plan.recommended];
   CHECK(pick.fits());
   for (const auto& pp : plan.placements) {
-    if (pp.fits()) CHECK(pp.predicted_efficiency <= pick.predicted_efficiency + 1e-3);
+    if (pp.fits() && pp.placement.stage >= 1) CHECK(pp.predicted_efficiency <= pick.predicted_efficiency + 1e-3);
   }
   // 120 GB of model states do not fit on an 80 GB GPU: something is offloaded.
   CHECK(pick.placement.optimizer != Tier::kGpu);
@@ -206,11 +206,13 @@ TEST_CASE("plan: the recommendation is the fastest placement that fits", "[plan]
   CHECK_THAT(find(plan, {0, Tier::kGpu, Tier::kGpu}).shortfall, Catch::Contains("GPU needs 12"));
   CHECK_THAT(plan.reason, Catch::Contains("does not fit"));
 
-  // With room for everything the plain stage 0 wins: nothing to move.
+  // With room for everything stage 1 on the GPU wins: nothing to move. Stage
+  // 0 fits too, and is planned (ZeRO's baseline), but strata does not run it.
   in.machine.gpu_nbytes = 400e9;
   plan = make_plan(in);
   REQUIRE(plan.recommended);
-  CHECK(plan.placements[*plan.recommended].placement == Placement{0, Tier::kGpu, Tier::kGpu});
+  CHECK(find(plan, {0, Tier::kGpu, Tier::kGpu}).fits());
+  CHECK(plan.placements[*plan.recommended].placement == Placement{1, Tier::kGpu, Tier::kGpu});
 
   // Unknown GPU memory: nothing is known to fit, and the plan says so.
   in.machine.gpu_nbytes.reset();

@@ -41,7 +41,7 @@ TEST_CASE("offloaded parameters with the optimizer on the accelerator are refuse
   for (const std::string param : {"cpu", "nvme"}) {
     CAPTURE(param);
     CHECK_THROWS_WITH(options_of(param, "none"),
-                      Catch::Contains("ds.json") && Catch::Contains("offload_param.device is " + param) &&
-                          Catch::Contains("offload_optimizer.device cpu or nvme"));
+                      Catch::Contains("ds.json") && Catch::Contains("offload_param.device is \"" + param + "\"") &&
+                          Catch::Contains("offload_optimizer.device \"cpu\" or \"nvme\""));
   }
 }

@@ -1,5 +1,5 @@
 // DeviceOptimizer: the optimizer of one dtype group when its state stays on
-// the accelerator (offload_optimizer.device none, ENGINE.md §5): the fp32
+// the accelerator (offload_optimizer.device none, docs/DESIGN.md §5.2): the fp32
 // master weights and both Adam moments of this rank's shard in accelerator
 // memory, updated there by Ops::adam_step — CUDA kernels on a GPU, the CPU
 // Adam kernel on the cpu accelerator (whose memory is host memory). The
@@ -39,7 +39,7 @@
 #include "core/accelerator.h"
 #include "core/tensor.h"
 
-namespace strata::engine {
+namespace strata::offload {
 
 class DeviceOptimizer {
  public:
@@ -98,4 +98,4 @@ class DeviceOptimizer {
   Tensor sums_;                           // fp64 [sub_group_count]: each sub-group's sum of squares
 };
 
-}  // namespace strata::engine
+}  // namespace strata::offload

@@ -1,4 +1,4 @@
-// GradShard: this rank's fp32 gradient shard of one dtype group (ENGINE.md §5)
+// GradShard: this rank's fp32 gradient shard of one dtype group (docs/DESIGN.md §5.2)
 // — where BucketReducer adds the reduced blocks of backward and where the
 // optimizer reads the final gradient, sub-group by sub-group.
 //
@@ -42,7 +42,7 @@ class File;
 class SwapSpace;
 }  // namespace strata::nvme
 
-namespace strata::engine {
+namespace strata::offload {
 
 class GradShard {
  public:
@@ -88,4 +88,4 @@ class GradShard {
   size_t window_numel_ = 0;
 };
 
-}  // namespace strata::engine
+}  // namespace strata::offload

@@ -1,4 +1,4 @@
-#include "runtime/engine/device_optimizer.h"
+#include "offload/device_optimizer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,7 +6,7 @@
 #include "core/error.h"
 #include "core/trace_recorder.h"
 
-namespace strata::engine {
+namespace strata::offload {
 
 namespace {
 
@@ -135,4 +135,4 @@ void DeviceOptimizer::restore(const StateFillFn& fill, int64_t step_count) {
   step_count_ = step_count;
 }
 
-}  // namespace strata::engine
+}  // namespace strata::offload

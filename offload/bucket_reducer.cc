@@ -1,9 +1,9 @@
 // BucketReducer: pack → reduce-scatter → accumulate, stream-ordered.
-#include "runtime/engine/bucket_reducer.h"
+#include "offload/bucket_reducer.h"
 
 #include "core/error.h"
 
-namespace strata::engine {
+namespace strata::offload {
 namespace {
 // One bucket being reduced while the next fills; more would only hold memory.
 constexpr size_t kMaxBucketsInFlight = 2;
@@ -107,4 +107,4 @@ void BucketReducer::synchronize() {
   in_flight_.clear();
 }
 
-}  // namespace strata::engine
+}  // namespace strata::offload

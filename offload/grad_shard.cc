@@ -1,5 +1,5 @@
 // GradShard: the fp32 gradient shard in accelerator memory or in a file.
-#include "runtime/engine/grad_shard.h"
+#include "offload/grad_shard.h"
 
 #include <algorithm>
 #include <cstring>
@@ -8,7 +8,7 @@
 #include "nvme/swap_space.h"
 #include "core/error.h"
 
-namespace strata::engine {
+namespace strata::offload {
 namespace {
 
 TensorView fp32_view(float* data, int64_t numel, Tier tier) {
@@ -111,4 +111,4 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
   return window_;
 }
 
-}  // namespace strata::engine
+}  // namespace strata::offload

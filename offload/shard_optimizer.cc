@@ -2,7 +2,7 @@
 // the optimizer overlapping backward — sub-groups updated by the optimizer
 // thread as their gradients become final, speculating that the step applies
 // unclipped, rolled back exactly when it does not. See shard_optimizer.h.
-#include "runtime/engine/shard_optimizer.h"
+#include "offload/shard_optimizer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -17,7 +17,7 @@
 #include "core/trace_recorder.h"
 #include "offload/pinned_pool.h"
 
-namespace strata::engine {
+namespace strata::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -45,7 +45,7 @@ size_t sub_group_stride(const partition::PartitionLayout& layout, DType dtype, i
 struct ShardOptimizer::Group {
   OptimizedShard shard;
   // One of the two.
-  std::unique_ptr<offload::OptimizerSwapper> swapper;
+  std::unique_ptr<OptimizerSwapper> swapper;
   std::unique_ptr<DeviceOptimizer> device;
   size_t sub_group_numel = 0;                           // uniform sub-group length
   std::vector<std::vector<uint32_t>> param_sub_groups;  // per member: the sub-groups its slice meets
@@ -85,7 +85,7 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
                                ShardOptimizerOptions options, std::vector<OptimizedShard> shards)
     : accelerator_(accelerator), home_stream_(home_stream), options_(std::move(options)) {
   overlap_ = std::make_unique<Overlap>();
-  offload::PinnedBufferPool* pool = nullptr;
+  PinnedBufferPool* pool = nullptr;
   for (const OptimizedShard& shard : shards) {
     groups_.push_back(std::make_unique<Group>());
     Group& g = *groups_.back();
@@ -96,7 +96,7 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
     if (options_.tier == Tier::kDevice) {
       g.device = std::make_unique<DeviceOptimizer>(accelerator, ops, home_stream, shard_numel, stride, options_.adam);
     } else {
-      offload::OptimizerSwapperOptions swapper;
+      OptimizerSwapperOptions swapper;
       swapper.numel = shard_numel;
       swapper.sub_group_numel = stride;
       swapper.state_tier = options_.tier;
@@ -107,17 +107,17 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
       swapper.rank = options_.rank;
       if (options_.tier == Tier::kNvme) {
         // Groups share a pool while its buffers are big enough for their sub-groups.
-        const size_t record = offload::OptimizerSwapper::record_nbytes(stride);
+        const size_t record = OptimizerSwapper::record_nbytes(stride);
         if (pool == nullptr || pool->buffer_nbytes() < record) {
-          offload::PinnedPoolOptions pool_options;
+          PinnedPoolOptions pool_options;
           pool_options.buffer_count = options_.buffer_count;
           pool_options.buffer_nbytes = record;
           pool_options.name = "optimizer pool";
-          pools_.push_back(std::make_unique<offload::PinnedBufferPool>(pool_options, &accelerator));
+          pools_.push_back(std::make_unique<PinnedBufferPool>(pool_options, &accelerator));
           pool = pools_.back().get();
         }
       }
-      g.swapper = std::make_unique<offload::OptimizerSwapper>(swapper, pool, aio);
+      g.swapper = std::make_unique<OptimizerSwapper>(swapper, pool, aio);
     }
 
     // Which sub-groups each member's slice meets, for the overlap.
@@ -161,7 +161,7 @@ void ShardOptimizer::initialize_if_stale() {
   if (!stale_) return;
   for (auto& gp : groups_) {
     Group& g = *gp;
-    offload::ParamHome& home = *g.shard.home;
+    ParamHome& home = *g.shard.home;
     if (g.device) {
       g.device->initialize(home.memory(), g.shard.dtype);
       continue;
@@ -174,8 +174,8 @@ void ShardOptimizer::initialize_if_stale() {
   stale_ = false;
 }
 
-offload::StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
-  offload::StepInputs inputs;
+StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
+  StepInputs inputs;
   Group* group = &g;
   // Streamed sub-group by sub-group: the gradient from its shard (its
   // statistics recorded on the way, once per step), the new values (the
@@ -192,7 +192,7 @@ offload::StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
   inputs.grad_dtype = DType::kF32;
   inputs.grad_scale = grad_scale;
   inputs.param16_dtype = g.shard.dtype;
-  offload::ParamHome* home = g.shard.home;
+  ParamHome* home = g.shard.home;
   if (home->host_addressable() && g.shard.dtype != DType::kF32) {
     inputs.param16 = home->memory();  // the kernel writes the home directly
   } else {
@@ -377,7 +377,7 @@ bool ShardOptimizer::roll_back() {
     }
     // The home holds the updated sub-groups' new values: back to the restored
     // master weights (the 16-bit copy of the master is the parameter).
-    offload::ParamHome& home = *g.shard.home;
+    ParamHome& home = *g.shard.home;
     std::vector<float> master;
     for (size_t k : updated) {
       const auto [first, numel] = g.swapper->sub_group_range(k);
@@ -511,4 +511,4 @@ void ShardOptimizer::restore(size_t s, const StateFillFn& fill, int64_t step_cou
   stale_ = false;  // every shard is restored before the next update
 }
 
-}  // namespace strata::engine
+}  // namespace strata::offload

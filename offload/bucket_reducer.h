@@ -1,4 +1,4 @@
-// BucketReducer: the gradient path of the ZeRO engine (ENGINE.md §5). Full
+// BucketReducer: the gradient path of the ZeRO engine (docs/DESIGN.md §5.2). Full
 // fp32 gradients of whole parameters are packed into buckets of about
 // `bucket_numel` elements as they become complete, each bucket is
 // reduce-scattered (summed in fp32) on the reducer's own stream and
@@ -25,9 +25,9 @@
 #include "kernels/ops.h"
 #include "partition/communicator.h"
 #include "partition/layout.h"
-#include "runtime/engine/grad_shard.h"
+#include "offload/grad_shard.h"
 
-namespace strata::engine {
+namespace strata::offload {
 
 class BucketReducer {
  public:
@@ -76,4 +76,4 @@ class BucketReducer {
   LandedFn landed_;
 };
 
-}  // namespace strata::engine
+}  // namespace strata::offload

@@ -1,7 +1,7 @@
 // ShardOptimizer: the Adam/AdamW optimizer of this rank's shards, one per
 // dtype group, for the ZeroEngine (docs/DESIGN.md §5.2). Per group, one of
 // two implementations:
-//   offload::OptimizerSwapper (offload_optimizer.device cpu or nvme): fp32
+//   OptimizerSwapper (offload_optimizer.device cpu or nvme): fp32
 //       master weights and moments in host memory or swapped from NVMe,
 //       updated by the CPU Adam sub-group by sub-group, the gradient streamed
 //       from the GradShard and the new values streamed into the ParamHome —
@@ -54,15 +54,13 @@
 #include "offload/optimizer_swapper.h"
 #include "offload/param_home.h"
 #include "partition/layout.h"
-#include "runtime/engine/bucket_reducer.h"
-#include "runtime/engine/device_optimizer.h"
-#include "runtime/engine/grad_shard.h"
+#include "offload/bucket_reducer.h"
+#include "offload/device_optimizer.h"
+#include "offload/grad_shard.h"
 
 namespace strata::offload {
-class PinnedBufferPool;
-}
 
-namespace strata::engine {
+class PinnedBufferPool;
 
 // The layout's sub-group length in elements: sub_group_numel rounded up to the
 // alignment, at most the shard; every sub-group but the last is this long, so
@@ -84,7 +82,7 @@ struct ShardOptimizerOptions {
 struct OptimizedShard {
   DType dtype = DType::kF32;
   const partition::PartitionLayout* layout = nullptr;
-  offload::ParamHome* home = nullptr;  // where the new values go
+  ParamHome* home = nullptr;  // where the new values go
   GradShard* grads = nullptr;          // where the final gradient is
   BucketReducer* reducer = nullptr;    // lands the gradient (the overlap counts its landings)
 };
@@ -162,12 +160,12 @@ class ShardOptimizer {
   void thread_main();
   double settle_thread();
   bool roll_back();
-  offload::StepInputs step_inputs(Group& g, float grad_scale);
+  StepInputs step_inputs(Group& g, float grad_scale);
 
   Accelerator& accelerator_;
   Stream& home_stream_;
   ShardOptimizerOptions options_;
-  std::vector<std::unique_ptr<offload::PinnedBufferPool>> pools_;  // nvme staging
+  std::vector<std::unique_ptr<PinnedBufferPool>> pools_;  // nvme staging
   std::vector<std::unique_ptr<Group>> groups_;
   bool stale_ = true;
   bool prepared_ = false;
@@ -175,4 +173,4 @@ class ShardOptimizer {
   std::unique_ptr<Overlap> overlap_;  // joined first in the destructor
 };
 
-}  // namespace strata::engine
+}  // namespace strata::offload
