@@ -334,6 +334,9 @@ void read_mistral_window(Reader& r, LlamaConfig& c) {
 // Qwen2/Qwen3: use_sliding_window gates sliding_window; layer_types (or, when
 // absent, the layers from max_window_layers on) say which layers use it.
 void read_qwen_window(Reader& r, LlamaConfig& c) {
+  // DeepSeek-R1's Qwen distillations carry Qwen2-VL's multimodal-RoPE switch,
+  // which Qwen2ForCausalLM does not read: off is the text model.
+  r.require("use_mrope", nlohmann::json(false), "multimodal RoPE is Qwen2-VL's; this is a text model");
   const bool use = r.boolean("use_sliding_window", false);
   const int64_t window =
       r.contains("sliding_window") ? r.integer("sliding_window", int64_t{0}) : 4096;

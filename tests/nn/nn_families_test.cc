@@ -198,6 +198,11 @@ TEST_CASE("families: anything else is refused before any work, naming it", "[nn]
   j = fixture_config("qwen2_untied_f32");
   j["use_sliding_window"] = false;
   expect_refused(j, {"layer_types has sliding_attention layers but use_sliding_window is false"});
+  j = fixture_config("qwen2_untied_f32");
+  j["use_mrope"] = true;
+  expect_refused(j, {"use_mrope"});
+  j["use_mrope"] = false;  // DeepSeek-R1-Distill-Qwen's configs
+  CHECK_NOTHROW(parse_llama_config(j));
   j = fixture_config("qwen3_untied_f32");
   j["layer_types"] = {"full_attention", "chunked_attention"};
   expect_refused(j, {"chunked_attention"});
