@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -157,4 +158,50 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   // One batch over and over: the loss falls.
   CHECK(steps[5]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
   check_export(out + "/model", model, "BF16");
+}
+
+TEST_CASE("families: strata finetune refuses another architecture, or a checkpoint that is not config.json's, "
+          "before step 1",
+          "[finetune][families]") {
+  strata::test::TempDir dir("families-refused");
+  const std::string data = one_window(dir, 37, 7);
+  // A directory with a fixture's weights and an edited config.json.
+  auto model_dir = [&](const std::string& name, const std::string& source, auto edit) {
+    const std::string out = dir.file(name);
+    std::filesystem::create_directories(out);
+    json config = read_json(fixture(source) + "/config.json");
+    edit(config);
+    write_file(dir, name + "/config.json", config.dump());
+    std::filesystem::copy_file(fixture(source) + "/model.safetensors", out + "/model.safetensors");
+    return out;
+  };
+  struct Case {
+    std::string model, expect;
+  };
+  const std::vector<Case> cases = {
+      {model_dir("gemma2", "llama_untied_f32", [](json& c) { c["model_type"] = "gemma2"; }),
+       "model_type \"gemma2\" is not supported"},
+      {model_dir("yarn", "llama_untied_f32",
+                 [](json& c) {
+                   c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0},
+                                           {"original_max_position_embeddings", 32}};
+                 }),
+       "rope_type \"yarn\""},
+      {model_dir("qwen2_as_llama", "qwen2_untied_f32",
+                 [](json& c) {
+                   c["model_type"] = "llama";
+                   for (const char* k : {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+                     c.erase(k);
+                 }),
+       "tensor 'model.layers.0.self_attn.k_proj.bias'"},
+  };
+  for (const Case& c : cases) {
+    const std::string out = dir.file("out_" + std::filesystem::path(c.model).filename().string());
+    const auto run = run_command(strata_binary() + " finetune --model " + c.model + " --data " + data +
+                                 " --data-format u16 --seq 7 --steps 1 --out " + out + " 2>&1");
+    INFO(run.output);
+    CHECK(run.exit_code != 0);
+    CHECK_THAT(run.output, Catch::Contains(c.expect) && !Catch::Contains("failed at"));
+    CHECK_FALSE(std::filesystem::exists(out + "/metrics.jsonl"));  // nothing trained
+  }
 }
