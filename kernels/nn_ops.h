@@ -29,9 +29,11 @@ namespace strata::nn::cpu {
 template <typename T>
 void embedding_forward(const T* table /*[vocab, dim]*/, const int32_t* ids /*[rows]*/, int64_t rows,
                        int64_t vocab, int64_t dim, T* out /*[rows, dim]*/);
+// Rows whose id is padding_idx add nothing (torch's padding_idx); < 0: none.
 template <typename T>
 void embedding_backward(const T* dout /*[rows, dim]*/, const int32_t* ids, int64_t rows,
-                        int64_t vocab, int64_t dim, T* dtable /*[vocab, dim], +=*/);
+                        int64_t vocab, int64_t dim, T* dtable /*[vocab, dim], +=*/,
+                        int64_t padding_idx = -1);
 
 // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
 template <typename T>
@@ -58,27 +60,32 @@ void linear_backward(const T* dy, int64_t ldy, const T* x, int64_t ldx, const T*
 
 // ---- rotary position embedding (Hugging Face "rotate_half" convention) ------
 // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) are rotated by
-// positions[row] * theta^(-2i/head_dim). head_dim must be even.
+// positions[row] * rope_inv_freq(rope, i, head_dim), angles in double.
+// head_dim must be even.
+using ops::Rope;
 template <typename T>
 void rope_forward(T* x, const int32_t* positions /*[rows]*/, int64_t rows, int64_t heads,
-                  int64_t head_dim, double theta);
+                  int64_t head_dim, const Rope& rope);
 // The transpose (inverse rotation), in place on the gradient.
 template <typename T>
 void rope_backward(T* dx, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
-                   double theta);
+                   const Rope& rope);
 
 // ---- causal self-attention with grouped-query heads -------------------------
+using ops::AttentionMask;
 using ops::AttentionShape;
 // q/out: [batch, seq, heads, head_dim]; k/v: [batch, seq, kv_heads, head_dim];
 // lse: [batch, heads, seq] (log-sum-exp of each softmax row, saved so backward
 // recomputes probabilities instead of storing seq x seq of them). Scale 1/sqrt(head_dim).
+// Query i sees keys [first_visible_key(mask, i), i] (attention_mask.h).
 template <typename T>
 void attention_forward(const T* q, const T* k, const T* v, const AttentionShape& shape, T* out,
-                       T* lse);
+                       T* lse, const AttentionMask& mask = {});
 // dq, dk, dv are overwritten.
 template <typename T>
 void attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out,
-                        const T* lse, const AttentionShape& shape, T* dq, T* dk, T* dv);
+                        const T* lse, const AttentionShape& shape, T* dq, T* dk, T* dv,
+                        const AttentionMask& mask = {});
 
 // ---- SwiGLU: out = silu(gate) * up ------------------------------------------
 template <typename T>

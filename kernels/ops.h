@@ -44,7 +44,9 @@
 #include <string>
 #include <string_view>
 
+#include "kernels/attention_mask.h"
 #include "kernels/optimizer.h"
+#include "kernels/rope_frequencies.h"
 #include "core/accelerator.h"
 #include "core/tensor.h"
 
@@ -106,9 +108,12 @@ class Ops {
   // table [vocab, dim], ids int32 [rows], out [rows, dim].
   virtual void embedding_forward(ComputeContext& ctx, const TensorView& table,
                                  const TensorView& ids, const TensorView& out) = 0;
-  // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids.
+  // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids, except
+  // the rows whose id is padding_idx (torch's nn.Embedding(padding_idx): that
+  // row gets no gradient from lookups); padding_idx < 0: none.
   virtual void embedding_backward(ComputeContext& ctx, const TensorView& dout,
-                                  const TensorView& ids, const TensorView& dtable) = 0;
+                                  const TensorView& ids, const TensorView& dtable,
+                                  int64_t padding_idx) = 0;
 
   // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
   // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
@@ -132,26 +137,29 @@ class Ops {
 
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
-  // positions[row] * theta^(-2i/head_dim). positions int32 [rows]. head_dim even.
+  // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
+  // default, linear and llama3 frequencies). positions int32 [rows]. head_dim even.
   virtual void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                            double theta) = 0;
+                            const Rope& rope) = 0;
   // The inverse rotation, in place on the gradient.
   virtual void rope_backward(ComputeContext& ctx, const TensorView& dx,
-                             const TensorView& positions, double theta) = 0;
+                             const TensorView& positions, const Rope& rope) = 0;
 
   // ---- causal self-attention, grouped-query heads, scale 1/sqrt(head_dim) ------
   // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
   // lse fp32 [batch, heads, seq] (log-sum-exp of each softmax row, saved so that
-  // backward recomputes probabilities; no [seq, seq] matrix is kept).
+  // backward recomputes probabilities; no [seq, seq] matrix is kept). `mask`
+  // says which keys a query sees beyond causality (attention_mask.h: a sliding
+  // window); backward must get the forward's mask.
   virtual void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
-                                 const TensorView& v, const TensorView& out,
-                                 const TensorView& lse) = 0;
+                                 const TensorView& v, const TensorView& out, const TensorView& lse,
+                                 const AttentionMask& mask) = 0;
   // dq, dk, dv are overwritten.
   virtual void attention_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& q, const TensorView& k, const TensorView& v,
                                   const TensorView& out, const TensorView& lse,
-                                  const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) = 0;
+                                  const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                  const AttentionMask& mask) = 0;
 
   // ---- SwiGLU: out = silu(gate) * up -------------------------------------------
   virtual void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
@@ -240,6 +248,11 @@ void same_dtype(std::string_view op, const TensorView& a, const TensorView& b);
 void numel(std::string_view op, std::string_view what, const TensorView& t, int64_t want);
 AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
                          const TensorView& v);
+// A sliding window >= 0.
+void attention_mask(std::string_view op, const AttentionMask& mask);
+// RoPE parameters that give finite frequencies: theta > 0, factor >= 1 where
+// used, llama3's high_freq_factor > low_freq_factor > 0 and a positive context.
+void rope(std::string_view op, const Rope& rope);
 // A matrix operand (Linear): data present, float storage, rows >= 0, cols > 0, ld >= cols.
 void matrix(std::string_view op, std::string_view what, const MatView& m);
 // The operands of an elementwise op (swiglu, add): float tensors of one dtype

@@ -1,5 +1,7 @@
 // Argument checks every Ops implementation runs before it enqueues work, and
 // the MatView helpers; shared so that both backends refuse the same calls.
+#include <cmath>
+
 #include "kernels/ops.h"
 #include "core/error.h"
 
@@ -51,6 +53,27 @@ void same_dtype(std::string_view op, const TensorView& a, const TensorView& b) {
 void numel(std::string_view op, std::string_view what, const TensorView& t, int64_t want) {
   STRATA_CHECK(t.numel() == want, kBadArgument, "{}: {} has {} elements ({}); expected {}", op,
                what, t.numel(), shape_string(t.desc.shape), want);
+}
+
+void attention_mask(std::string_view op, const AttentionMask& mask) {
+  STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
+}
+
+void rope(std::string_view op, const Rope& r) {
+  STRATA_CHECK(r.theta > 0 && std::isfinite(r.theta), kBadArgument, "{}: rope theta {} must be positive", op,
+               r.theta);
+  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3,
+               kBadArgument, "{}: unknown rope type {}", op, static_cast<int>(r.type));
+  if (r.type == RopeType::kDefault) return;
+  STRATA_CHECK(r.factor >= 1 && std::isfinite(r.factor), kBadArgument, "{}: rope factor {} must be >= 1", op,
+               r.factor);
+  if (r.type != RopeType::kLlama3) return;
+  STRATA_CHECK(r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
+                   std::isfinite(r.high_freq_factor) && r.original_max_position_embeddings > 0,
+               kBadArgument,
+               "{}: llama3 rope needs 0 < low_freq_factor < high_freq_factor and a positive "
+               "original_max_position_embeddings (got {}, {}, {})",
+               op, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings);
 }
 
 AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,

@@ -1,8 +1,9 @@
 // Causal GQA attention for the cpu ops, blocked over query rows so that the
 // work is GEMMs (OpenBLAS) plus vectorised softmax rows. For a block of kBq
-// query rows [i0, i1) of one head, only keys [0, i1) can be seen:
-//   forward:  S = Q_blk K^T * scale  ([kBq, i1], scratch), P = softmax rows
-//             (masked past the diagonal), O_blk = P V, lse saved per row;
+// query rows [i0, i1) of one head, only keys [j0, i1) can be seen, j0 the
+// first key its first row sees (0 without a sliding window; attention_mask.h):
+//   forward:  S = Q_blk K^T * scale  ([kBq, i1 - j0], scratch), P = softmax
+//             rows (each over its own visible keys), O_blk = P V, lse saved;
 //   backward: P recomputed from lse, dP = dO_blk V^T, dS = P (dP - delta) scale,
 //             dQ_blk = dS K, dK += dS^T Q_blk, dV += P^T dO_blk.
 // Scratch is kBq x seq per thread (not per head), so no [seq, seq] matrix is
@@ -42,37 +43,58 @@ Strides strides_of(const AttentionShape& s) {
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)))};
 }
 
-// Softmax rows of block scores sc [n, i1] in place (row r is query i0 + r and
-// sees keys [0, i0 + r]); writes lse; zeroes the masked tail of each row.
-void softmax_block(float* sc, int64_t n, int64_t i0, int64_t i1, float* lse_out) {
+// The keys a block of query rows [i0, i1) needs: [j0, i1), j0 the first key
+// its first row sees (later rows see no earlier key); row r's own keys are
+// columns [lo(r), hi(r)) of a [n, i1 - j0] score block.
+struct BlockKeys {
+  int64_t j0, width;
+  int64_t lo(const AttentionMask& m, int64_t i0, int64_t r) const {
+    return first_visible_key(m, i0 + r) - j0;
+  }
+  int64_t hi(int64_t i0, int64_t r) const { return i0 + r + 1 - j0; }
+};
+
+BlockKeys keys_of_block(const AttentionMask& mask, int64_t i0, int64_t i1) {
+  const int64_t j0 = first_visible_key(mask, i0);
+  return {j0, i1 - j0};
+}
+
+// Softmax rows of block scores sc [n, width] in place, each over its visible
+// columns; writes lse; zeroes the masked columns of each row.
+void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const AttentionMask& mask,
+                   float* lse_out) {
   for (int64_t r = 0; r < n; ++r) {
-    float* row = sc + r * i1;
-    const int64_t valid = i0 + r + 1;
-    const float m = vec::max(row, valid);
-    const double sum = vec::exp_shifted(row, valid, m, row);
-    vec::scale(row, valid, static_cast<float>(1.0 / sum));
-    std::fill(row + valid, row + i1, 0.0f);
+    float* row = sc + r * bk.width;
+    const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+    const float m = vec::max(row + lo, hi - lo);
+    const double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
+    vec::scale(row + lo, hi - lo, static_cast<float>(1.0 / sum));
+    std::fill(row, row + lo, 0.0f);
+    std::fill(row + hi, row + bk.width, 0.0f);
     lse_out[r] = m + static_cast<float>(std::log(sum));
   }
 }
 
 void forward_block(const float* q, const float* k, const float* v, const AttentionShape& s,
-                   const Strides& st, int64_t b, int64_t h, int64_t i0, float* out, float* lse,
-                   float* sc) {
+                   const AttentionMask& mask, const Strides& st, int64_t b, int64_t h, int64_t i0,
+                   float* out, float* lse, float* sc) {
   const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0, kh = h / st.group;
+  const BlockKeys bk = keys_of_block(mask, i0, i1);
   const float* qb = q + (b * s.seq + i0) * st.q_row + h * st.d;
-  const float* kb = k + b * s.seq * st.kv_row + kh * st.d;
-  const float* vb = v + b * s.seq * st.kv_row + kh * st.d;
-  gemm<float>(false, true, n, i1, st.d, st.scale, qb, st.q_row, kb, st.kv_row, 0.0f, sc, i1);
-  softmax_block(sc, n, i0, i1, lse + (b * s.heads + h) * s.seq + i0);
-  gemm<float>(false, false, n, st.d, i1, 1.0f, sc, i1, vb, st.kv_row, 0.0f,
+  const float* kb = k + (b * s.seq + bk.j0) * st.kv_row + kh * st.d;
+  const float* vb = v + (b * s.seq + bk.j0) * st.kv_row + kh * st.d;
+  gemm<float>(false, true, n, bk.width, st.d, st.scale, qb, st.q_row, kb, st.kv_row, 0.0f, sc,
+              bk.width);
+  softmax_block(sc, n, i0, bk, mask, lse + (b * s.heads + h) * s.seq + i0);
+  gemm<float>(false, false, n, st.d, bk.width, 1.0f, sc, bk.width, vb, st.kv_row, 0.0f,
               out + (b * s.seq + i0) * st.q_row + h * st.d, st.q_row);
 }
 
 // One (batch, kv head): every query head of its group, every query block.
 void backward_task(const float* dout, const float* q, const float* k, const float* v,
-                   const float* out, const float* lse, const AttentionShape& s, const Strides& st,
-                   int64_t b, int64_t kh, float* dq, float* dk, float* dv, float* p, float* dp) {
+                   const float* out, const float* lse, const AttentionShape& s,
+                   const AttentionMask& mask, const Strides& st, int64_t b, int64_t kh, float* dq,
+                   float* dk, float* dv, float* p, float* dp) {
   const float* kb = k + b * s.seq * st.kv_row + kh * st.d;
   const float* vb = v + b * s.seq * st.kv_row + kh * st.d;
   float* dkb = dk + b * s.seq * st.kv_row + kh * st.d;
@@ -84,32 +106,41 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
   for (int64_t h = kh * st.group; h < (kh + 1) * st.group; ++h) {
     for (int64_t i0 = 0; i0 < s.seq; i0 += kBq) {
       const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0;
+      const BlockKeys bk = keys_of_block(mask, i0, i1);
+      const int64_t w = bk.width, kv_at = bk.j0 * st.kv_row;
       const int64_t off = (b * s.seq + i0) * st.q_row + h * st.d;
       const float* row_lse = lse + (b * s.heads + h) * s.seq + i0;
-      // P = exp(scale Q K^T - lse), masked past the diagonal.
-      gemm<float>(false, true, n, i1, st.d, st.scale, q + off, st.q_row, kb, st.kv_row, 0.0f, p, i1);
+      // P = exp(scale Q K^T - lse), zero where masked.
+      gemm<float>(false, true, n, w, st.d, st.scale, q + off, st.q_row, kb + kv_at, st.kv_row, 0.0f,
+                  p, w);
       for (int64_t r = 0; r < n; ++r) {
-        float* row = p + r * i1;
-        const int64_t valid = i0 + r + 1;
-        vec::exp_shifted(row, valid, row_lse[r], row);
-        std::fill(row + valid, row + i1, 0.0f);
+        float* row = p + r * w;
+        const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+        vec::exp_shifted(row + lo, hi - lo, row_lse[r], row + lo);
+        std::fill(row, row + lo, 0.0f);
+        std::fill(row + hi, row + w, 0.0f);
       }
       // dP = dO V^T, then dS = P (dP - delta) scale in place, delta = rowsum(dO O).
-      gemm<float>(false, true, n, i1, st.d, 1.0f, dout + off, st.q_row, vb, st.kv_row, 0.0f, dp, i1);
+      gemm<float>(false, true, n, w, st.d, 1.0f, dout + off, st.q_row, vb + kv_at, st.kv_row, 0.0f,
+                  dp, w);
       for (int64_t r = 0; r < n; ++r) {
         const float* dor = dout + off + r * st.q_row;
         const float* orow = out + off + r * st.q_row;
         float delta = 0;
         for (int64_t c = 0; c < st.d; ++c) delta += dor[c] * orow[c];
-        float* prow = p + r * i1;
-        float* dsrow = dp + r * i1;
-        const int64_t valid = i0 + r + 1;
-        for (int64_t j = 0; j < valid; ++j) dsrow[j] = prow[j] * (dsrow[j] - delta) * st.scale;
-        std::fill(dsrow + valid, dsrow + i1, 0.0f);
+        float* prow = p + r * w;
+        float* dsrow = dp + r * w;
+        const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+        for (int64_t j = lo; j < hi; ++j) dsrow[j] = prow[j] * (dsrow[j] - delta) * st.scale;
+        std::fill(dsrow, dsrow + lo, 0.0f);
+        std::fill(dsrow + hi, dsrow + w, 0.0f);
       }
-      gemm<float>(false, false, n, st.d, i1, 1.0f, dp, i1, kb, st.kv_row, 0.0f, dq + off, st.q_row);
-      gemm<float>(true, false, i1, st.d, n, 1.0f, dp, i1, q + off, st.q_row, 1.0f, dkb, st.kv_row);
-      gemm<float>(true, false, i1, st.d, n, 1.0f, p, i1, dout + off, st.q_row, 1.0f, dvb, st.kv_row);
+      gemm<float>(false, false, n, st.d, w, 1.0f, dp, w, kb + kv_at, st.kv_row, 0.0f, dq + off,
+                  st.q_row);
+      gemm<float>(true, false, w, st.d, n, 1.0f, dp, w, q + off, st.q_row, 1.0f, dkb + kv_at,
+                  st.kv_row);
+      gemm<float>(true, false, w, st.d, n, 1.0f, p, w, dout + off, st.q_row, 1.0f, dvb + kv_at,
+                  st.kv_row);
     }
   }
 }
@@ -117,7 +148,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
 }  // namespace
 
 void attention_forward(const float* q, const float* k, const float* v, const AttentionShape& s,
-                       float* out, float* lse) {
+                       const AttentionMask& mask, float* out, float* lse) {
   const Strides st = strides_of(s);
   const int64_t blocks = (s.seq + kBq - 1) / kBq;
   const int64_t tasks = s.batch * s.heads * blocks;
@@ -129,14 +160,14 @@ void attention_forward(const float* q, const float* k, const float* v, const Att
     for (int64_t t = 0; t < tasks; ++t) {
       // Later query blocks see more keys: hand them out first (dynamic schedule).
       const int64_t blk = blocks - 1 - t % blocks, bh = t / blocks;
-      forward_block(q, k, v, s, st, bh / s.heads, bh % s.heads, blk * kBq, out, lse, sc.data());
+      forward_block(q, k, v, s, mask, st, bh / s.heads, bh % s.heads, blk * kBq, out, lse, sc.data());
     }
   }
 }
 
 void attention_backward(const float* dout, const float* q, const float* k, const float* v,
-                        const float* out, const float* lse, const AttentionShape& s, float* dq,
-                        float* dk, float* dv) {
+                        const float* out, const float* lse, const AttentionShape& s,
+                        const AttentionMask& mask, float* dq, float* dk, float* dv) {
   const Strides st = strides_of(s);
   const int64_t tasks = s.batch * s.kv_heads;
   const bool parallel_tasks = tasks >= omp_get_max_threads();
@@ -145,7 +176,7 @@ void attention_backward(const float* dout, const float* q, const float* k, const
     std::vector<float> p(static_cast<size_t>(kBq * s.seq)), dp(p.size());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
-      backward_task(dout, q, k, v, out, lse, s, st, t / s.kv_heads, t % s.kv_heads, dq, dk, dv,
+      backward_task(dout, q, k, v, out, lse, s, mask, st, t / s.kv_heads, t % s.kv_heads, dq, dk, dv,
                     p.data(), dp.data());
     }
   }

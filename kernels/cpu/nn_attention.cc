@@ -1,6 +1,8 @@
-// CPU causal self-attention with grouped-query heads. Forward keeps only the
-// per-row log-sum-exp; backward recomputes the probabilities from it (the
-// FlashAttention recurrence), so no [seq, seq] matrix is stored between passes.
+// CPU causal self-attention with grouped-query heads: the reference the fast
+// kernels are tested against. Forward keeps only the per-row log-sum-exp;
+// backward recomputes the probabilities from it (the FlashAttention
+// recurrence), so no [seq, seq] matrix is stored between passes. Query i sees
+// keys [first_visible_key(mask, i), i].
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,7 +35,7 @@ T dot(const T* a, const T* b, int64_t n) {
 
 template <typename T>
 void attention_forward(const T* q, const T* k, const T* v, const AttentionShape& s, T* out,
-                       T* lse) {
+                       T* lse, const AttentionMask& mask) {
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
@@ -47,19 +49,20 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
         const int64_t kh = h / group;
         for (int64_t i = 0; i < s.seq; ++i) {
           const T* qi = q + (b * s.seq + i) * q_row + h * d;
+          const int64_t first = ops::first_visible_key(mask, i);
           T m = -std::numeric_limits<T>::infinity();
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = first; j <= i; ++j) {
             p[j] = dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale;
             m = std::max(m, p[j]);
           }
           T sum = 0;
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = first; j <= i; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
           }
           T* oi = out + (b * s.seq + i) * q_row + h * d;
           std::fill(oi, oi + d, T(0));
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = first; j <= i; ++j) {
             const T* vj = v + (b * s.seq + j) * kv_row + kh * d;
             const T w = p[j] / sum;
             for (int64_t c = 0; c < d; ++c) oi[c] += w * vj[c];
@@ -73,7 +76,8 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
 
 template <typename T>
 void attention_backward(const T* dout, const T* q, const T* k, const T* v, const T* out,
-                        const T* lse, const AttentionShape& s, T* dq, T* dk, T* dv) {
+                        const T* lse, const AttentionShape& s, T* dq, T* dk, T* dv,
+                        const AttentionMask& mask) {
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
@@ -97,7 +101,7 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
           std::fill(dqi, dqi + d, T(0));
           const T delta = dot(doi, out + qo, d);  // sum_j p_ij dp_ij
           const T row_lse = lse[(b * s.heads + h) * s.seq + i];
-          for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t j = ops::first_visible_key(mask, i); j <= i; ++j) {
             const int64_t ko = (b * s.seq + j) * kv_row + kh * d;
             const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
             const T dp = dot(doi, v + ko, d);
@@ -118,14 +122,15 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
 }
 
 template void attention_forward<float>(const float*, const float*, const float*,
-                                       const AttentionShape&, float*, float*);
+                                       const AttentionShape&, float*, float*, const AttentionMask&);
 template void attention_forward<double>(const double*, const double*, const double*,
-                                        const AttentionShape&, double*, double*);
+                                        const AttentionShape&, double*, double*,
+                                        const AttentionMask&);
 template void attention_backward<float>(const float*, const float*, const float*, const float*,
                                         const float*, const float*, const AttentionShape&, float*,
-                                        float*, float*);
+                                        float*, float*, const AttentionMask&);
 template void attention_backward<double>(const double*, const double*, const double*, const double*,
                                          const double*, const double*, const AttentionShape&,
-                                         double*, double*, double*);
+                                         double*, double*, double*, const AttentionMask&);
 
 }  // namespace strata::nn::cpu

@@ -24,7 +24,7 @@ void embedding_forward(const T* table, const int32_t* ids, int64_t rows, int64_t
 
 template <typename T>
 void embedding_backward(const T* dout, const int32_t* ids, int64_t rows, int64_t vocab, int64_t dim,
-                        T* dtable) {
+                        T* dtable, int64_t padding_idx) {
   for (int64_t r = 0; r < rows; ++r) {
     STRATA_CHECK(ids[r] >= 0 && ids[r] < vocab, kBadArgument,
                  "embedding backward: token id {} at position {} is outside [0, {})", ids[r], r,
@@ -34,8 +34,9 @@ void embedding_backward(const T* dout, const int32_t* ids, int64_t rows, int64_t
   // thread owns a column range of every table row and no two threads collide.
 #pragma omp parallel for schedule(static) if (rows * dim >= detail::kMinParallelWork)
   for (int64_t c = 0; c < dim; ++c) {
-    for (int64_t r = 0; r < rows; ++r)
-      dtable[static_cast<int64_t>(ids[r]) * dim + c] += dout[r * dim + c];
+    for (int64_t r = 0; r < rows; ++r) {
+      if (ids[r] != padding_idx) dtable[static_cast<int64_t>(ids[r]) * dim + c] += dout[r * dim + c];
+    }
   }
 }
 
@@ -44,8 +45,8 @@ template void embedding_forward<float>(const float*, const int32_t*, int64_t, in
 template void embedding_forward<double>(const double*, const int32_t*, int64_t, int64_t, int64_t,
                                         double*);
 template void embedding_backward<float>(const float*, const int32_t*, int64_t, int64_t, int64_t,
-                                        float*);
+                                        float*, int64_t);
 template void embedding_backward<double>(const double*, const int32_t*, int64_t, int64_t, int64_t,
-                                         double*);
+                                         double*, int64_t);
 
 }  // namespace strata::nn::cpu

@@ -1,6 +1,8 @@
 // CPU rotary position embedding (Hugging Face rotate_half layout), forward and
-// its transpose for backward. Angles are computed in double.
+// its transpose for backward. Angles are computed in double from
+// rope_inv_freq (kernels/rope_frequencies.h).
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/nn_ops.h"
@@ -12,17 +14,17 @@ namespace {
 // sign = +1 rotates by +angle (forward), -1 by -angle (backward = transpose).
 template <typename T>
 void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
-            double theta, double sign) {
+            const Rope& rope, double sign) {
   STRATA_CHECK(head_dim > 0 && head_dim % 2 == 0, kBadArgument,
                "rope: head_dim must be even and positive, got {}", head_dim);
   const int64_t half = head_dim / 2;
+  std::vector<double> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) inv_freq[static_cast<size_t>(i)] = ops::rope_inv_freq(rope, i, head_dim);
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim >= detail::kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
     const double pos = positions[r];
     for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq =
-          std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-      const double angle = pos * inv_freq;
+      const double angle = pos * inv_freq[static_cast<size_t>(i)];
       const T c = static_cast<T>(std::cos(angle));
       const T s = static_cast<T>(sign * std::sin(angle));
       for (int64_t h = 0; h < heads; ++h) {
@@ -40,19 +42,19 @@ void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t
 
 template <typename T>
 void rope_forward(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
-                  double theta) {
-  rotate(x, positions, rows, heads, head_dim, theta, 1.0);
+                  const Rope& rope) {
+  rotate(x, positions, rows, heads, head_dim, rope, 1.0);
 }
 
 template <typename T>
 void rope_backward(T* dx, const int32_t* positions, int64_t rows, int64_t heads, int64_t head_dim,
-                   double theta) {
-  rotate(dx, positions, rows, heads, head_dim, theta, -1.0);
+                   const Rope& rope) {
+  rotate(dx, positions, rows, heads, head_dim, rope, -1.0);
 }
 
-template void rope_forward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, double);
-template void rope_forward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, double);
-template void rope_backward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, double);
-template void rope_backward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, double);
+template void rope_forward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, const Rope&);
+template void rope_forward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, const Rope&);
+template void rope_backward<float>(float*, const int32_t*, int64_t, int64_t, int64_t, const Rope&);
+template void rope_backward<double>(double*, const int32_t*, int64_t, int64_t, int64_t, const Rope&);
 
 }  // namespace strata::nn::cpu

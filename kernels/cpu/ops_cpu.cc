@@ -166,7 +166,7 @@ class CpuOps final : public Ops {
   }
 
   void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                          const TensorView& dtable) override {
+                          const TensorView& dtable, int64_t padding_idx) override {
     constexpr const char* op = "embedding_backward";
     check::float_tensor(op, "dout", dout);
     check::dtype(op, "ids", ids, DType::kI32);
@@ -176,7 +176,7 @@ class CpuOps final : public Ops {
     check::shape(op, "dout", dout, {rows, dim});
     enqueue(ctx, [=](CpuContext& c) {
       nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab,
-                                         dim, dtable.as<float>());
+                                         dim, dtable.as<float>(), padding_idx);
     });
   }
 
@@ -346,19 +346,20 @@ class CpuOps final : public Ops {
   }
 
   void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                    double theta) override {
-    rope(ctx, "rope_forward", x, positions, theta, false);
+                    const Rope& rope_params) override {
+    rope(ctx, "rope_forward", x, positions, rope_params, false);
   }
   void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
-                     double theta) override {
-    rope(ctx, "rope_backward", dx, positions, theta, true);
+                     const Rope& rope_params) override {
+    rope(ctx, "rope_backward", dx, positions, rope_params, true);
   }
 
   void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
-                         const TensorView& v, const TensorView& out,
-                         const TensorView& lse) override {
+                         const TensorView& v, const TensorView& out, const TensorView& lse,
+                         const AttentionMask& mask) override {
     constexpr const char* op = "attention_forward";
     const AttentionShape s = check::attention(op, q, k, v);
+    check::attention_mask(op, mask);
     check::float_tensor(op, "out", out);
     check::same_dtype(op, q, out);
     check::shape(op, "out", out, q.desc.shape);
@@ -366,7 +367,7 @@ class CpuOps final : public Ops {
     check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 3, out, false);
-      cpu::attention_forward(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, of,
+      cpu::attention_forward(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, mask, of,
                              lse.as<float>());
       commit(of, out);
     });
@@ -375,9 +376,10 @@ class CpuOps final : public Ops {
   void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
                           const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv) override {
+                          const TensorView& dv, const AttentionMask& mask) override {
     constexpr const char* op = "attention_backward";
     const AttentionShape s = check::attention(op, q, k, v);
+    check::attention_mask(op, mask);
     for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk},
                            {"dv", &dv}}) {
       check::float_tensor(op, what, *t);
@@ -395,7 +397,7 @@ class CpuOps final : public Ops {
       float* dkf = stage(c, 6, dk, false);
       float* dvf = stage(c, 7, dv, false);
       cpu::attention_backward(widen(c, 0, dout), widen(c, 1, q), widen(c, 2, k), widen(c, 3, v),
-                              widen(c, 4, out), lse.as<const float>(), s, dqf, dkf, dvf);
+                              widen(c, 4, out), lse.as<const float>(), s, mask, dqf, dkf, dvf);
       commit(dqf, dq);
       commit(dkf, dk);
       commit(dvf, dv);
@@ -520,8 +522,9 @@ class CpuOps final : public Ops {
   }
 
   void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
-            double theta, bool inverse) {
+            const Rope& rope_params, bool inverse) {
     check::float_tensor(op, "x", x);
+    check::rope(op, rope_params);
     check::dtype(op, "positions", positions, DType::kI32);
     STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
                  "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
@@ -532,10 +535,10 @@ class CpuOps final : public Ops {
       float* xf = stage(c, 0, x, true);
       if (inverse) {
         nn::cpu::rope_backward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
-                                      theta);
+                                      rope_params);
       } else {
         nn::cpu::rope_forward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
-                                     theta);
+                                     rope_params);
       }
       commit(xf, x);
     });

@@ -3,7 +3,9 @@
 // forward, and a backward of a dK/dV kernel per key tile plus a dQ kernel per
 // query tile, no [seq, seq] matrix and no atomics. Tiles are 32 x 32; a row of
 // a tile is owned by 4 consecutive threads of one warp, each taking every 4th
-// column. Design and shared-memory budget: attention.cu.
+// column. Design and shared-memory budget: attention.cu. Masks beyond
+// causality (a sliding window) come from attention_mask.h: key tiles wholly
+// outside a query tile's visible range are skipped, the rest masked per element.
 #include "kernels/cuda/device.h"
 
 namespace strata::ops::cuda {
@@ -41,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_forward_f32_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                  const float* __restrict__ v, float* __restrict__ out,
                                  float* __restrict__ lse, int64_t seq, int heads, int kv_heads,
-                                 int head_dim, float scale) {
+                                 int head_dim, float scale, int window) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -62,8 +64,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) o[cc] = 0.0f;
   float row_max = -INFINITY, row_sum = 0.0f;
+  const AttentionMask mask{window};
   const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
-  for (int64_t kt = 0; kt < key_tiles; ++kt) {
+  for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
     __syncthreads();  // previous tile's readers are done (first: nothing)
     load_tile32<kD>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim);
@@ -75,8 +78,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int jj = 0; jj < kPerThread; ++jj) {
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
-      s[jj] = key <= query && key < seq ? dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale
-                                        : -INFINITY;
+      s[jj] = is_visible(mask, query, key) && key < seq
+                  ? dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale
+                  : -INFINITY;
       tile_max = fmaxf(tile_max, s[jj]);
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -122,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ k, const float* __restrict__ v,
                               const float* __restrict__ lse, const float* __restrict__ delta,
                               float* __restrict__ dk, float* __restrict__ dv, int64_t seq,
-                              int heads, int kv_heads, int head_dim, float scale) {
+                              int heads, int kv_heads, int head_dim, float scale, int window) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* k_s = smem32;
@@ -146,7 +150,10 @@ __global__ void __launch_bounds__(kThreads)
   float dk_acc[kD / 4], dv_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dk_acc[cc] = dv_acc[cc] = 0.0f;
-  const int64_t q_tiles = (seq + kTile - 1) / kTile;
+  const AttentionMask mask{window};
+  // Query tiles past the last query that sees one of this tile's keys are skipped.
+  const int64_t q_tiles =
+      min((seq + kTile - 1) / kTile, last_seeing_query(mask, k0 + kTile - 1) / kTile + 1);
   for (int hi = 0; hi < group; ++hi) {
     const int h = kh * group + hi;
     const int64_t q_offset = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
@@ -166,7 +173,7 @@ __global__ void __launch_bounds__(kThreads)
         const int i = t + 4 * ii;
         const int64_t query = q0 + i;
         float p = 0.0f, ds = 0.0f;
-        if (query >= key && query < seq) {
+        if (is_visible(mask, query, key) && query < seq) {
           const float s = dot_rows<kD>(k_s + j * kLd, q_s + i * kLd);
           const float dp = dot_rows<kD>(v_s + j * kLd, do_s + i * kLd);
           p = expf(s * scale - lse_s[i]);
@@ -206,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
                             const float* __restrict__ k, const float* __restrict__ v,
                             const float* __restrict__ lse, const float* __restrict__ delta,
                             float* __restrict__ dq, int64_t seq, int heads, int kv_heads,
-                            int head_dim, float scale) {
+                            int head_dim, float scale, int window) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -231,8 +238,9 @@ __global__ void __launch_bounds__(kThreads)
   float dq_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dq_acc[cc] = 0.0f;
+  const AttentionMask mask{window};
   const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
-  for (int64_t kt = 0; kt < key_tiles; ++kt) {
+  for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
     __syncthreads();
     load_tile32<kD>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim);
@@ -243,7 +251,7 @@ __global__ void __launch_bounds__(kThreads)
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
       float ds = 0.0f;
-      if (key <= query && key < seq && query < seq) {
+      if (is_visible(mask, query, key) && key < seq && query < seq) {
         const float s = dot_rows<kD>(q_s + i * kLd, k_s + j * kLd);
         const float dp = dot_rows<kD>(do_s + i * kLd, v_s + j * kLd);
         ds = expf(s * scale - row_lse) * (dp - row_delta);
@@ -293,7 +301,7 @@ cudaError_t forward(const float* q, const float* k, const float* v, const Attent
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
   kernel<<<grid, kThreads, kForwardSmem<kD>, stream>>>(
       q, k, v, out, lse, d.seq, static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
-      static_cast<int>(d.head_dim), scale);
+      static_cast<int>(d.head_dim), scale, kernel_window(d));
   return cudaGetLastError();
 }
 
@@ -312,10 +320,10 @@ cudaError_t backward(const float* dout, const float* q, const float* k, const fl
   const int head_dim = static_cast<int>(d.head_dim);
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,
          kDkdvSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dk, dv, d.seq, heads, kv_heads,
-                                  head_dim, scale);
+                                  head_dim, scale, kernel_window(d));
   dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)), kThreads,
               kDqSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dq, d.seq, heads, kv_heads,
-                                     head_dim, scale);
+                                     head_dim, scale, kernel_window(d));
   return cudaGetLastError();
 }
 

@@ -5,7 +5,8 @@
 //    the group's query heads and the query tiles at or after the key tile.
 //  - dQ: one block per (64-query tile, head, batch); 4 warps of 16 queries
 //    loop over the key tiles up to the diagonal, recomputing P.
-// Design, tiling and shared-memory budget: attention.cu.
+// A sliding window (attention_mask.h) skips the tiles outside it and masks
+// per element inside. Design, tiling and shared-memory budget: attention.cu.
 #include "kernels/cuda/attention_tc.cuh"
 
 namespace strata::ops::cuda {
@@ -83,7 +84,8 @@ __global__ void __launch_bounds__(kBwdThreads)
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dk_part,
                              float* __restrict__ dv_part, int seq, int heads, int kv_heads,
-                             int head_dim, int splits, float scale, float scale_log2, bool vec) {
+                             int head_dim, int splits, float scale, float scale_log2, bool vec,
+                             int window) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = BwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -120,7 +122,14 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int warp_key0 = k0 + warp * kRowsPerWarp;
   const int r = lane / 2;
   const int key = warp_key0 + r;
-  const int q_tiles = (seq + kBwdTile - 1) / kBwdTile;
+  const AttentionMask mask{window};
+  // The last query that sees this row's key, and the query tiles past the
+  // last query that sees any key of the block's tile (skipped).
+  const int64_t row_last = last_seeing_query(mask, key);
+  const int key_last = row_last < seq ? static_cast<int>(row_last) : seq - 1;
+  const int64_t tile_last = last_seeing_query(mask, k0 + kBwdTile - 1);
+  const int q_tiles = tile_last < seq ? static_cast<int>(tile_last) / kBwdTile + 1
+                                      : (seq + kBwdTile - 1) / kBwdTile;
   const T* k_rows = k_s + warp * kRowsPerWarp * kLd;
   const T* v_rows = v_s + warp * kRowsPerWarp * kLd;
   const float* s_row = s_w + r * kScoreLd;
@@ -150,11 +159,12 @@ __global__ void __launch_bounds__(kBwdThreads)
       // P^T = exp(K Q^T * scale - lse) for the warp's keys (rows) and the
       // tile's queries (columns), in registers (fp32) and in p_w (16-bit).
       // Column c (query q0 + c) is visible iff it is in a computed group, not
-      // before this row's key and before seq: c_lo <= c < c_hi.
+      // before this row's key, not past the last query that sees the key and
+      // before seq: c_lo <= c < c_hi.
       scores<T, kD>(k_rows, q_s, n_first, n_end, s_w);
       __syncwarp();
       const int c_lo = max(n_first * 16, key - q0);
-      const int c_hi = min(n_end * 16, seq - q0);
+      const int c_hi = min(min(n_end * 16, seq - q0), key_last - q0 + 1);
       float p[32];
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
@@ -215,7 +225,7 @@ __global__ void __launch_bounds__(kBwdThreads)
                            const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ lse, const float* __restrict__ delta,
                            T* __restrict__ dq, int seq, int heads, int kv_heads, int head_dim,
-                           float scale, float scale_log2, bool vec) {
+                           float scale, float scale_log2, bool vec, int window) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = BwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -258,8 +268,10 @@ __global__ void __launch_bounds__(kBwdThreads)
   const float* s_row = s_w + r * kScoreLd;
   T* ds_row = ds_w + r * kProbLd;
   const int key_tiles = min(seq - 1, q0 + kBwdTile - 1) / kBwdTile + 1;
+  const AttentionMask mask{window};
+  const int first_key = static_cast<int>(first_visible_key(mask, query));
 
-  for (int kt = 0; kt < key_tiles; ++kt) {
+  for (int kt = static_cast<int>(first_visible_key(mask, q0)) / kBwdTile; kt < key_tiles; ++kt) {
     const int k0 = kt * kBwdTile;
     __syncthreads();  // the previous step is done with k_s, v_s (first: q_s etc. are loaded)
     load_tile<T, kBwdTile, kD, kBwdThreads>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim, vec);
@@ -269,9 +281,11 @@ __global__ void __launch_bounds__(kBwdThreads)
     const int last_row = warp_row0 + kRowsPerWarp - 1;
     if (warp_row0 >= seq || last_row < k0) continue;  // warp-uniform
     const int n_cols = min(min(4, (last_row - k0) / 16 + 1), (seq - k0 + 15) / 16);
-    // Column c (key k0 + c) is visible iff computed, before seq and not after
-    // the query (a row at or past seq sees nothing).
+    // Column c (key k0 + c) is visible iff computed, before seq, not after
+    // the query and not before its first visible key (a row at or past seq
+    // sees nothing): lo <= c < visible.
     const int visible = query < seq ? min(min(n_cols * 16, seq - k0), query - k0 + 1) : 0;
+    const int lo = max(0, first_key - k0);
 
     scores<T, kD>(q_rows, k_s, 0, n_cols, s_w);  // S = Q K^T
     __syncwarp();
@@ -282,8 +296,8 @@ __global__ void __launch_bounds__(kBwdThreads)
     for (int e = 0; e < 16; ++e) {
       const int c = pair_col(e, lane);
       const float2 sv = load_pair(s_row, c);
-      p[2 * e] = c < visible ? exp2f(sv.x * scale_log2 - row_lse) : 0.0f;
-      p[2 * e + 1] = c + 1 < visible ? exp2f(sv.y * scale_log2 - row_lse) : 0.0f;
+      p[2 * e] = c >= lo && c < visible ? exp2f(sv.x * scale_log2 - row_lse) : 0.0f;
+      p[2 * e + 1] = c + 1 >= lo && c + 1 < visible ? exp2f(sv.y * scale_log2 - row_lse) : 0.0f;
     }
     __syncwarp();                                 // S is read; s_w takes dP next
     scores<T, kD>(do_rows, v_s, 0, n_cols, s_w);  // dP = dO V^T
@@ -333,7 +347,8 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   float* dv_part = splits > 1 ? partial + splits * kv_numel : nullptr;
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads * splits), static_cast<unsigned>(d.batch)),
          kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dk, dv, dk_part, dv_part, seq,
-                                      heads, kv_heads, head_dim, splits, fscale, scale_log2, vec);
+                                      heads, kv_heads, head_dim, splits, fscale, scale_log2, vec,
+                                      kernel_window(d));
   if (splits > 1) {
     dkdv_reduce_kernel<T>
         <<<grid_for(kv_numel, 256), 256, 0, stream>>>(dk_part, splits, kv_numel, dk);
@@ -342,7 +357,7 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   }
   dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
               kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dq, seq, heads, kv_heads,
-                                           head_dim, fscale, scale_log2, vec);
+                                           head_dim, fscale, scale_log2, vec, kernel_window(d));
   return cudaGetLastError();
 }
 

@@ -1,7 +1,8 @@
 // Causal GQA attention forward for fp16/bf16 on tensor cores (WMMA 16x16x16,
 // fp32 accumulation) with an online softmax: one block per (64-query tile,
 // head, batch), 4 warps of 16 query rows, 64-key tiles. Design and shared-
-// memory budget: attention.cu.
+// memory budget: attention.cu. A sliding window (attention_mask.h) skips the
+// key tiles before the tile's first visible key and masks the rest per element.
 #include "kernels/cuda/attention_tc.cuh"
 
 namespace strata::ops::cuda {
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kFwdThreads)
     attention_forward_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,
                                 float* __restrict__ lse, int seq, int heads, int kv_heads,
-                                int head_dim, float scale_log2, bool vec) {
+                                int head_dim, float scale_log2, bool vec, int window) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = FwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -84,8 +85,11 @@ __global__ void __launch_bounds__(kFwdThreads)
   T* p_row = p_w + r * kProbLd;
   float row_max = -INFINITY, row_sum = 0.0f;
 
+  const AttentionMask mask{window};
+  // Columns of a key tile before this row's first visible key are masked too.
+  const int first_key = static_cast<int>(first_visible_key(mask, query));
   const int key_tiles = min(seq - 1, q0 + kFwdQueryTile - 1) / kKeyTile + 1;
-  for (int kt = 0; kt < key_tiles; ++kt) {
+  for (int kt = static_cast<int>(first_visible_key(mask, q0)) / kKeyTile; kt < key_tiles; ++kt) {
     const int k0 = kt * kKeyTile;
     load_tile<T, kKeyTile, kD, kFwdThreads>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim, vec);
     load_tile<T, kKeyTile, kD, kFwdThreads>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim, vec);
@@ -109,15 +113,17 @@ __global__ void __launch_bounds__(kFwdThreads)
       }
       __syncwarp();
       // Column c (key k0 + c) is visible iff it is in a computed group, before
-      // seq and not after the query: c < visible.
+      // seq, not after the query and not before its first visible key:
+      // lo <= c < visible.
       const int visible = min(min(n_cols * 16, seq - k0), query - k0 + 1);
+      const int lo = max(0, first_key - k0);
       float tile_max = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const int c = pair_col(e, lane);
         const float2 sv = load_pair(s_row, c);
-        if (c < visible) tile_max = fmaxf(tile_max, sv.x);
-        if (c + 1 < visible) tile_max = fmaxf(tile_max, sv.y);
+        if (c >= lo && c < visible) tile_max = fmaxf(tile_max, sv.x);
+        if (c + 1 >= lo && c + 1 < visible) tile_max = fmaxf(tile_max, sv.y);
       }
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1)) * scale_log2;
       const float new_max = fmaxf(row_max, tile_max);
@@ -129,8 +135,8 @@ __global__ void __launch_bounds__(kFwdThreads)
       for (int e = 0; e < 16; ++e) {
         const int c = pair_col(e, lane);
         const float2 sv = load_pair(s_row, c);
-        const float p0 = c < visible ? exp2f(sv.x * scale_log2 - offset) : 0.0f;
-        const float p1 = c + 1 < visible ? exp2f(sv.y * scale_log2 - offset) : 0.0f;
+        const float p0 = c >= lo && c < visible ? exp2f(sv.x * scale_log2 - offset) : 0.0f;
+        const float p1 = c + 1 >= lo && c + 1 < visible ? exp2f(sv.y * scale_log2 - offset) : 0.0f;
         tile_sum += p0 + p1;
         store_pair(p_row, c, p0, p1);
       }
@@ -183,7 +189,8 @@ cudaError_t launch_forward(const T* q, const T* k, const T* v, const AttentionDi
       static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(d.head_dim)));
   kernel<<<grid, kFwdThreads, smem, stream>>>(
       q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.heads),
-      static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec);
+      static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec,
+      kernel_window(d));
   return cudaGetLastError();
 }
 

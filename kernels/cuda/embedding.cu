@@ -53,11 +53,11 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
 template <typename T>
 __global__ void embedding_segment_kernel(const T* dout, const int32_t* sorted_ids,
                                          const int32_t* sorted_rows, int64_t rows, int64_t vocab,
-                                         int64_t dim, float* dtable) {
+                                         int64_t dim, int64_t padding_idx, float* dtable) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int32_t id = sorted_ids[i];
     if (i > 0 && sorted_ids[i - 1] == id) continue;  // not a segment start
-    if (id < 0 || id >= vocab) continue;
+    if (id < 0 || id >= vocab || id == padding_idx) continue;
     int64_t end = i + 1;
     while (end < rows && sorted_ids[end] == id) ++end;
     float* dst = dtable + static_cast<int64_t>(id) * dim;
@@ -104,8 +104,8 @@ size_t embedding_backward_scratch_nbytes(int64_t rows) {
 }
 
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
-                                      int64_t vocab, int64_t dim, float* dtable, void* scratch,
-                                      size_t scratch_nbytes, cudaStream_t stream) {
+                                      int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable,
+                                      void* scratch, size_t scratch_nbytes, cudaStream_t stream) {
   if (rows == 0 || dim == 0) return cudaSuccess;
   char* base = static_cast<char*>(scratch);
   const size_t slice = align_up(static_cast<size_t>(rows) * sizeof(int32_t));
@@ -123,7 +123,8 @@ cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t
   STRATA_DISPATCH_T(t, T,
                     embedding_segment_kernel<T>
                     <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(dout), sorted_ids,
-                                                    sorted_rows, rows, vocab, dim, dtable));
+                                                    sorted_rows, rows, vocab, dim, padding_idx,
+                                                    dtable));
   return cudaSuccess;
 }
 

@@ -12,6 +12,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/attention_mask.h"
+#include "kernels/rope_frequencies.h"
+
 namespace strata::ops::cuda {
 
 // The float storage types (strata::DType's fp32/fp16/bf16 without dtype.h,
@@ -47,9 +50,10 @@ void launch_embedding_forward(Storage table_t, const void* table, const int32_t*
                               cudaStream_t stream);
 // Scratch for the deterministic backward (ids sorted with their rows).
 size_t embedding_backward_scratch_nbytes(int64_t rows);
+// Rows whose id is padding_idx add nothing (< 0: none).
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
-                                      int64_t vocab, int64_t dim, float* dtable, void* scratch,
-                                      size_t scratch_nbytes, cudaStream_t stream);
+                                      int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable,
+                                      void* scratch, size_t scratch_nbytes, cudaStream_t stream);
 
 // ---- rmsnorm.cu -------------------------------------------------------------
 void launch_rmsnorm_forward(Storage t, const void* x, Storage w_t, const void* w, int64_t rows,
@@ -62,7 +66,7 @@ void launch_rmsnorm_backward_dx(Storage t, const void* dy, const void* x, Storag
 // ---- rope.cu ----------------------------------------------------------------
 // In place on x [rows, heads, head_dim]; sign +1 rotates forward, -1 back.
 void launch_rope(Storage t, void* x, const int32_t* positions, int64_t rows, int64_t heads,
-                 int64_t head_dim, double theta, double sign, cudaStream_t stream);
+                 int64_t head_dim, const Rope& rope, double sign, cudaStream_t stream);
 
 // ---- cross_entropy.cu -------------------------------------------------------
 // For the n rows of an fp32 logits chunk [n, vocab]: lse[r] and loss[r] (0 for
@@ -107,7 +111,13 @@ void launch_grad_sum_sq(const float* grad, int64_t numel, float scale, double* p
 // ---- attention_*.cu ---------------------------------------------------------
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  AttentionMask mask;  // which keys a query sees (attention_mask.h)
 };
+// The sliding window the kernels apply (an int, as their indices are): 0 when
+// it cannot bind (none, or at least seq long, so every causal key is in it).
+inline int kernel_window(const AttentionDims& d) {
+  return d.mask.window > 0 && d.mask.window < d.seq ? static_cast<int>(d.mask.window) : 0;
+}
 // The largest head_dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;
 // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];

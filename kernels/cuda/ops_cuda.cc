@@ -290,7 +290,7 @@ class CudaOps final : public Ops {
   }
 
   void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                          const TensorView& dtable) override {
+                          const TensorView& dtable, int64_t padding_idx) override {
     constexpr const char* op = "embedding_backward";
     CudaContext& c = context(ctx, op);
     check_float(op, "dout", dout);
@@ -307,7 +307,7 @@ class CudaOps final : public Ops {
       Scratch scratch(c, nbytes);
       check_status(cuda::launch_embedding_backward(
                        storage(dout.desc.dtype), dout.data, ids.as<int32_t>(), rows, vocab, dim,
-                       dtable.as<float>(), scratch.get(), nbytes, c.cuda_stream()),
+                       padding_idx, dtable.as<float>(), scratch.get(), nbytes, c.cuda_stream()),
                    op);
       check_launch(op);
     });
@@ -470,20 +470,20 @@ class CudaOps final : public Ops {
   }
 
   void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                    double theta) override {
-    rope(ctx, "rope_forward", x, positions, theta, 1.0);
+                    const Rope& rope_params) override {
+    rope(ctx, "rope_forward", x, positions, rope_params, 1.0);
   }
   void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
-                     double theta) override {
-    rope(ctx, "rope_backward", dx, positions, theta, -1.0);
+                     const Rope& rope_params) override {
+    rope(ctx, "rope_backward", dx, positions, rope_params, -1.0);
   }
 
   void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
-                         const TensorView& v, const TensorView& out,
-                         const TensorView& lse) override {
+                         const TensorView& v, const TensorView& out, const TensorView& lse,
+                         const AttentionMask& mask) override {
     constexpr const char* op = "attention_forward";
     CudaContext& c = context(ctx, op);
-    const cuda::AttentionDims d = attention_dims(op, q, k, v);
+    const cuda::AttentionDims d = attention_dims(op, q, k, v, mask);
     check_float(op, "out", out);
     check::same_dtype(op, q, out);
     check::shape(op, "out", out, q.desc.shape);
@@ -499,10 +499,10 @@ class CudaOps final : public Ops {
   void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
                           const TensorView& k, const TensorView& v, const TensorView& out,
                           const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv) override {
+                          const TensorView& dv, const AttentionMask& mask) override {
     constexpr const char* op = "attention_backward";
     CudaContext& c = context(ctx, op);
-    const cuda::AttentionDims d = attention_dims(op, q, k, v);
+    const cuda::AttentionDims d = attention_dims(op, q, k, v, mask);
     for (auto [what, t] :
          {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
       check_float(op, what, *t);
@@ -667,9 +667,10 @@ class CudaOps final : public Ops {
   }
 
   void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
-            double theta, double sign) {
+            const Rope& rope_params, double sign) {
     CudaContext& c = context(ctx, op);
     check_float(op, "x", x);
+    check::rope(op, rope_params);
     check_typed(op, "positions", positions, DType::kI32);
     STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
                  "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
@@ -678,14 +679,16 @@ class CudaOps final : public Ops {
     check::numel(op, "positions", positions, rows);
     run(c, op, [&] {
       cuda::launch_rope(storage(x.desc.dtype), x.data, positions.as<int32_t>(), rows, heads,
-                        head_dim, theta, sign, c.cuda_stream());
+                        head_dim, rope_params, sign, c.cuda_stream());
       check_launch(op);
     });
   }
 
   static cuda::AttentionDims attention_dims(const char* op, const TensorView& q,
-                                            const TensorView& k, const TensorView& v) {
+                                            const TensorView& k, const TensorView& v,
+                                            const AttentionMask& mask) {
     const AttentionShape s = check::attention(op, q, k, v);
+    check::attention_mask(op, mask);
     check_device(op, "q", q);
     check_device(op, "k", k);
     check_device(op, "v", v);
@@ -695,7 +698,7 @@ class CudaOps final : public Ops {
     STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2, kBadArgument,
                  "{}: batch {} and heads {} must be at most 65535, seq {} at most {}", op, s.batch,
                  s.heads, s.seq, INT_MAX / 2);
-    return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim};
+    return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
   }
 
   static void elementwise_check(const char* op, std::initializer_list<const TensorView*> views) {

@@ -1,7 +1,8 @@
 // CUDA rotary position embedding (Hugging Face rotate_half layout), in place.
 // One thread per (row, frequency): the angle and its sine/cosine are computed
 // once in double (positions reach 1e5 and beyond, where an fp32 angle would be
-// off by ~1e-2 rad) and applied to that pair in every head.
+// off by ~1e-2 rad) from rope_inv_freq (kernels/rope_frequencies.h, the
+// formula the cpu kernels use) and applied to that pair in every head.
 #include "kernels/cuda/device.h"
 
 namespace strata::ops::cuda {
@@ -9,14 +10,13 @@ namespace {
 
 template <typename T>
 __global__ void rope_kernel(T* x, const int32_t* positions, int64_t rows, int64_t heads,
-                            int64_t head_dim, double theta, double sign) {
+                            int64_t head_dim, Rope rope, double sign) {
   const int64_t half = head_dim / 2;
   const int64_t n = rows * half;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = idx / half, i = idx - r * half;
-    const double inv_freq =
-        pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    const double inv_freq = rope_inv_freq(rope, i, head_dim);
     double sn, cs;
     sincos(static_cast<double>(positions[r]) * inv_freq, &sn, &cs);
     const float c = static_cast<float>(cs), s = static_cast<float>(sign * sn);
@@ -33,11 +33,11 @@ __global__ void rope_kernel(T* x, const int32_t* positions, int64_t rows, int64_
 }  // namespace
 
 void launch_rope(Storage t, void* x, const int32_t* positions, int64_t rows, int64_t heads,
-                 int64_t head_dim, double theta, double sign, cudaStream_t stream) {
+                 int64_t head_dim, const Rope& rope, double sign, cudaStream_t stream) {
   if (rows == 0 || heads == 0) return;
   STRATA_DISPATCH_T(t, T,
                     rope_kernel<T><<<grid_for(rows * (head_dim / 2), 128), 128, 0, stream>>>(
-                        static_cast<T*>(x), positions, rows, heads, head_dim, theta, sign));
+                        static_cast<T*>(x), positions, rows, heads, head_dim, rope, sign));
 }
 
 }  // namespace strata::ops::cuda

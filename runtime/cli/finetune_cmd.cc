@@ -1,10 +1,11 @@
-// `strata finetune`: train a Llama with ZeRO (runtime/train/finetune.h).
+// `strata finetune`: train a model of the Llama family with ZeRO (runtime/train/finetune.h).
 #include <fmt/format.h>
 
 #include <memory>
 
 #include "runtime/cli/commands.h"
 #include "runtime/config/size.h"
+#include "runtime/nn/llama_config.h"
 #include "core/error.h"
 #include "runtime/train/finetune.h"
 
@@ -15,10 +16,13 @@ void add_finetune_command(CLI::App& app) {
   auto seed = std::make_shared<uint64_t>(0);
   CLI::App* cmd = app.add_subcommand(
       "finetune",
-      "Fine-tune (or train from scratch) a Llama-architecture model with ZeRO stage 1/2/3, parameters and "
-      "optimizer state in device memory, pinned CPU memory or on NVMe as the config says. Run one process per "
-      "rank: `strata run -n N -- strata finetune ...`; alone it is one rank. Rank 0 shows progress and writes "
-      "OUT/metrics.jsonl (one JSON object per step) and OUT/loss.svg.");
+      fmt::format("Fine-tune (or train from scratch) a decoder of the families {} with ZeRO stage 1/2/3, "
+                  "parameters and optimizer state in device memory, pinned CPU memory or on NVMe as the config "
+                  "says. Any other model_type, a config.json key strata does not compute (e.g. rope_type yarn) "
+                  "or a checkpoint tensor the architecture does not use is refused before training. Run one "
+                  "process per rank: `strata run -n N -- strata finetune ...`; alone it is one rank. Rank 0 "
+                  "shows progress and writes OUT/metrics.jsonl (one JSON object per step) and OUT/loss.svg.",
+                  nn::supported_model_types()));
   cmd->add_option("--config", options->config,
                   "DeepSpeed-style JSON config (checked as `strata config check` does); default: ZeRO-3 in "
                   "memory, AdamW lr 1e-4, micro-batch 1")

@@ -1,5 +1,6 @@
-// Attention and Mlp modules: projections through Linear children, the rest
-// (rotary embedding, attention, SwiGLU) through Ops.
+// Attention and Mlp modules: projections through Linear children, q/k norms
+// through RMSNorm children, the rest (rotary embedding, attention, SwiGLU)
+// through Ops.
 #include "runtime/nn/attention.h"
 
 #include "core/error.h"
@@ -24,23 +25,32 @@ MatView mat(const TensorView& t) {
 }
 }  // namespace
 
-Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype)
+Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig& c, int64_t layer,
+                     DType dtype)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
       heads_(c.num_attention_heads),
       kv_heads_(c.num_key_value_heads),
       head_dim_(c.head_dim),
-      rope_theta_(c.rope_theta) {
+      rope_(c.rope),
+      mask_(c.attention_mask(layer)) {
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
-  q_proj_ =
-      std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, c.attention_bias, dtype);
-  k_proj_ =
-      std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, c.attention_bias, dtype);
-  v_proj_ =
-      std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, c.attention_bias, dtype);
-  o_proj_ =
-      std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_bias, dtype);
+  const bool qkv_bias = c.attention_qkv_bias;
+  q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype);
+  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype);
+  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype);
+  o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
+  if (c.qk_norm) {
+    q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype);
+    k_norm_ = std::make_unique<RMSNorm>(engine, child_name("k_norm"), head_dim_, c.rms_norm_eps, dtype);
+    add_child(*q_norm_);
+    add_child(*k_norm_);
+  }
+}
+
+TensorView Attention::per_head(const TensorView& t) {
+  return reshaped(t, {t.desc.shape[0] * t.desc.shape[1], t.desc.shape[2]});
 }
 
 void Attention::forward(const TensorView& x, const TensorView& positions, int64_t batch,
@@ -50,15 +60,27 @@ void Attention::forward(const TensorView& x, const TensorView& positions, int64_
   check_shape(name_, "q", a.q, {rows, heads_, head_dim_});
   check_shape(name_, "k", a.k, {rows, kv_heads_, head_dim_});
   check_shape(name_, "v", a.v, {rows, kv_heads_, head_dim_});
-  q_proj_->forward(mat(x), mat(a.q), phase);
-  k_proj_->forward(mat(x), mat(a.k), phase);
+  if (q_norm_) {
+    check_shape(name_, "q before its norm", a.q_pre, {rows, heads_, head_dim_});
+    check_shape(name_, "k before its norm", a.k_pre, {rows, kv_heads_, head_dim_});
+  }
+  if (q_norm_) {
+    // Qwen3: q = q_norm(q_proj(x)) per head, then RoPE; the projections stay for the norms' backward.
+    q_proj_->forward(mat(x), mat(a.q_pre), phase);
+    k_proj_->forward(mat(x), mat(a.k_pre), phase);
+    q_norm_->forward(per_head(a.q_pre), per_head(a.q), a.rstd_q, phase);
+    k_norm_->forward(per_head(a.k_pre), per_head(a.k), a.rstd_k, phase);
+  } else {
+    q_proj_->forward(mat(x), mat(a.q), phase);
+    k_proj_->forward(mat(x), mat(a.k), phase);
+  }
   v_proj_->forward(mat(x), mat(a.v), phase);
-  ops().rope_forward(ctx(), a.q, positions, rope_theta_);
-  ops().rope_forward(ctx(), a.k, positions, rope_theta_);
+  ops().rope_forward(ctx(), a.q, positions, rope_);
+  ops().rope_forward(ctx(), a.k, positions, rope_);
   ops().attention_forward(ctx(), reshaped(a.q, {batch, seq, heads_, head_dim_}),
                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse);
+                          reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_);
   o_proj_->forward(mat(a.attn), mat(y), phase);
 }
 
@@ -73,11 +95,23 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const Tensor
                            reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse,
                            reshaped(g.dq, {batch, seq, heads_, head_dim_}),
                            reshaped(g.dk, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(g.dv, {batch, seq, kv_heads_, head_dim_}));
-  ops().rope_backward(ctx(), g.dq, positions, rope_theta_);
-  ops().rope_backward(ctx(), g.dk, positions, rope_theta_);
-  q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx);
-  k_proj_->backward(mat(g.dk), mat(x), mat(dx), true);
+                           reshaped(g.dv, {batch, seq, kv_heads_, head_dim_}), mask_);
+  ops().rope_backward(ctx(), g.dq, positions, rope_);
+  ops().rope_backward(ctx(), g.dk, positions, rope_);
+  if (q_norm_) {
+    // Through the norms into dattn (free since o_proj's backward, and as
+    // large as dq), then each projection before the next norm reuses it.
+    const TensorView dq_pre = reshaped(g.dattn, a.q_pre.desc.shape);
+    q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false);
+    q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx);
+    TensorView dk_pre = g.dattn;
+    dk_pre.desc.shape = a.k_pre.desc.shape;  // the first rows * kv_heads * head_dim elements
+    k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false);
+    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true);
+  } else {
+    q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx);
+    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true);
+  }
   v_proj_->backward(mat(g.dv), mat(x), mat(dx), true);
 }
 

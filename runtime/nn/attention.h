@@ -1,6 +1,8 @@
-// Llama self-attention (q/k/v/o projections, rotary embedding, causal GQA
-// attention) and the SwiGLU MLP (gate/up/down projections), as modules whose
-// Linear children carry the Hugging Face names ("<name>.q_proj.weight", ...).
+// Self-attention (q/k/v/o projections with the family's biases, Qwen3's
+// per-head q/k RMSNorm, rotary embedding with the config's frequencies,
+// causal GQA attention with the layer's sliding window) and the SwiGLU MLP
+// (gate/up/down projections), as modules whose children carry the Hugging
+// Face names ("<name>.q_proj.weight", "<name>.q_norm.weight", ...).
 // What a forward saves for its backward lives in the caller's activation arena
 // and is passed in as the *Acts structs; backward scratch as *Grads.
 // Ownership, thread-safety, errors: see module.h.
@@ -8,6 +10,7 @@
 
 #include <memory>
 
+#include "runtime/nn/layers.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_config.h"
 
@@ -17,20 +20,25 @@ namespace strata::nn {
 TensorView reshaped(const TensorView& t, Shape shape);
 
 // Saved by Attention::forward for backward. q [rows, heads, head_dim] and k/v
-// [rows, kv_heads, head_dim] hold the projections after the rotary embedding;
-// attn [rows, heads * head_dim] the attention output (o_proj's input); lse
-// fp32 [batch, heads, seq].
+// [rows, kv_heads, head_dim] hold the projections after the rotary embedding
+// (and the q/k norms); attn [rows, heads * head_dim] the attention output
+// (o_proj's input); lse fp32 [batch, heads, seq]. With q/k norms (qwen3) also
+// q_pre, k_pre (the projections before the norms, shaped as q, k) and
+// rstd_q fp32 [rows * heads], rstd_k fp32 [rows * kv_heads]; empty otherwise.
 struct AttentionActs {
   TensorView q, k, v, attn, lse;
+  TensorView q_pre, k_pre, rstd_q, rstd_k;
 };
-// Backward scratch, same shapes as q, k, v, attn.
+// Backward scratch, same shapes as q, k, v, attn. With q/k norms, dattn also
+// holds the gradients before the norms once o_proj's backward has used it.
 struct AttentionGrads {
   TensorView dq, dk, dv, dattn;
 };
 
 class Attention : public Module {
  public:
-  Attention(engine::Engine& engine, std::string name, const LlamaConfig& config,
+  // Layer `layer` of `config` (its sliding window).
+  Attention(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
             DType dtype = DType::kF32);
   // x, y [batch * seq, hidden]; positions int32 [batch * seq].
   void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
@@ -46,9 +54,14 @@ class Attention : public Module {
   int64_t kv_width() const { return kv_heads_ * head_dim_; }
 
  private:
+  // A projection's per-head rows [rows, heads, head_dim] as [rows * heads, head_dim].
+  static TensorView per_head(const TensorView& t);
+
   int64_t hidden_, heads_, kv_heads_, head_dim_;
-  double rope_theta_;
+  ops::Rope rope_;
+  ops::AttentionMask mask_;
   std::unique_ptr<Linear> q_proj_, k_proj_, v_proj_, o_proj_;
+  std::unique_ptr<RMSNorm> q_norm_, k_norm_;  // null without q/k norms
 };
 
 // How the MLP projections are tiled (TiledLinear); 1 x 1 means plain Linear.

@@ -4,8 +4,8 @@
 namespace strata::nn {
 
 Embedding::Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
-                     DType dtype)
-    : Module(engine, std::move(name)), vocab_(vocab), dim_(dim) {
+                     DType dtype, int64_t padding_idx)
+    : Module(engine, std::move(name)), vocab_(vocab), dim_(dim), padding_idx_(padding_idx) {
   weight_ = add_parameter("weight", dtype, {vocab, dim});
   op_ = add_operator({weight_});
 }
@@ -17,7 +17,8 @@ void Embedding::forward(const TensorView& ids, const TensorView& out, Phase phas
 
 void Embedding::backward(const TensorView& ids, const TensorView& dout) {
   check_shape(name_, "output gradient", dout, {ids.numel(), dim_});
-  run(op_, Phase::kBackward, [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_)); });
+  run(op_, Phase::kBackward,
+      [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_), padding_idx_); });
 }
 
 RMSNorm::RMSNorm(engine::Engine& engine, std::string name, int64_t dim, double eps, DType dtype)

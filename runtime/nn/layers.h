@@ -8,8 +8,10 @@ namespace strata::nn {
 
 class Embedding : public Module {
  public:
+  // padding_idx: the row that gets no gradient from lookups (torch's
+  // nn.Embedding padding_idx; the config's pad_token_id); -1: none.
   Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
-            DType dtype = DType::kF32);
+            DType dtype = DType::kF32, int64_t padding_idx = -1);
   // ids int32 [rows] (validated by the caller) -> out [rows, dim].
   void forward(const TensorView& ids, const TensorView& out, Phase phase = Phase::kForward);
   // Adds dout [rows, dim] into the table gradient.
@@ -19,7 +21,7 @@ class Embedding : public Module {
   int64_t vocab() const { return vocab_; }
 
  private:
-  int64_t vocab_, dim_;
+  int64_t vocab_, dim_, padding_idx_;
   ParamId weight_;
   OpId op_;
 };

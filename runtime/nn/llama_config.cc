@@ -1,95 +1,24 @@
-// Reading and writing Hugging Face Llama config.json.
+// The decoder configuration's own rules: consistency, the tensor list and
+// parameter count, writing config.json back, and the file entry points.
+// Parsing, with every family's key policy, is in config_families.cc.
 #include "runtime/nn/llama_config.h"
+
+#include <fmt/format.h>
 
 #include <cstdint>
 #include <fstream>
 
-#include "runtime/config/json_describe.h"
-#include "runtime/config/json_text.h"
 #include "core/error.h"
+#include "runtime/config/json_text.h"
 
 namespace strata::nn {
-namespace {
 
-int64_t get_int(const nlohmann::json& j, const std::string& source, const char* key, bool required,
-                int64_t fallback) {
-  if (!j.contains(key) || j[key].is_null()) {
-    STRATA_CHECK(!required, kBadArgument, "{}: required key '{}' is missing", source, key);
-    return fallback;
-  }
-  STRATA_CHECK(j[key].is_number_integer(), kBadArgument, "{}: key '{}' must be an integer, got {}",
-               source, key, describe_json(j[key]));
-  // Above 2^63 - 1, get<int64_t>() would wrap to a negative number.
-  STRATA_CHECK(!j[key].is_number_unsigned() || j[key].get<uint64_t>() <= uint64_t{INT64_MAX}, kBadArgument,
-               "{}: key '{}' is {}, larger than any model dimension (at most 2^63 - 1)", source, key,
-               describe_json(j[key]));
-  return j[key].get<int64_t>();
-}
-
-double get_double(const nlohmann::json& j, const std::string& source, const char* key,
-                  double fallback) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  STRATA_CHECK(j[key].is_number(), kBadArgument, "{}: key '{}' must be a number, got {}", source,
-               key, describe_json(j[key]));
-  return j[key].get<double>();
-}
-
-bool get_bool(const nlohmann::json& j, const std::string& source, const char* key, bool fallback) {
-  if (!j.contains(key) || j[key].is_null()) return fallback;
-  STRATA_CHECK(j[key].is_boolean(), kBadArgument, "{}: key '{}' must be true or false, got {}",
-               source, key, describe_json(j[key]));
-  return j[key].get<bool>();
-}
-
-}  // namespace
-
-LlamaConfig parse_llama_config(const nlohmann::json& j, const std::string& source) {
-  STRATA_CHECK(j.is_object(), kBadArgument, "{}: expected a JSON object", source);
-  if (j.contains("hidden_act") && !j["hidden_act"].is_null()) {
-    STRATA_CHECK(j["hidden_act"] == "silu", kBadArgument,
-                 "{}: key 'hidden_act' is {}; only \"silu\" (SwiGLU) is supported", source,
-                 describe_json(j["hidden_act"]));
-  }
-  if (j.contains("rope_scaling")) {
-    STRATA_CHECK(j["rope_scaling"].is_null(), kBadArgument,
-                 "{}: key 'rope_scaling' is {}; rope scaling is not supported (use null)", source,
-                 describe_json(j["rope_scaling"]));
-  }
-  LlamaConfig c;
-  c.vocab_size = get_int(j, source, "vocab_size", true, 0);
-  c.hidden_size = get_int(j, source, "hidden_size", true, 0);
-  c.intermediate_size = get_int(j, source, "intermediate_size", true, 0);
-  c.num_hidden_layers = get_int(j, source, "num_hidden_layers", true, 0);
-  c.num_attention_heads = get_int(j, source, "num_attention_heads", true, 0);
-  c.num_key_value_heads = get_int(j, source, "num_key_value_heads", false, c.num_attention_heads);
-  c.head_dim = get_int(j, source, "head_dim", false,
-                       c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = get_int(j, source, "max_position_embeddings", false, 2048);
-  c.rms_norm_eps = get_double(j, source, "rms_norm_eps", 1e-6);
-  c.rope_theta = get_double(j, source, "rope_theta", 10000.0);
-  // Newer transformers releases nest RoPE settings: {"rope_parameters":
-  // {"rope_type": "default", "rope_theta": 500000.0}}. Read theta from there,
-  // and refuse the scaled variants (llama3, yarn, ...) this model lacks.
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-    const auto& rope = j["rope_parameters"];
-    const std::string where = source + ": rope_parameters";
-    STRATA_CHECK(rope.is_object(), kBadArgument, "{} must be an object, got {}", where, describe_json(rope));
-    if (rope.contains("rope_type") && !rope["rope_type"].is_null()) {
-      STRATA_CHECK(rope["rope_type"] == "default", kBadArgument,
-                   "{}: rope_type {} is not supported (only \"default\": unscaled RoPE)", where,
-                   describe_json(rope["rope_type"]));
-    }
-    c.rope_theta = get_double(rope, where, "rope_theta", c.rope_theta);
-  }
-  c.tie_word_embeddings = get_bool(j, source, "tie_word_embeddings", false);
-  c.attention_bias = get_bool(j, source, "attention_bias", false);
-  c.mlp_bias = get_bool(j, source, "mlp_bias", false);
-  try {
-    c.validate();
-  } catch (const Error& e) {
-    raise(ErrorCategory::kBadArgument, "{}: {}", source, e.message());
-  }
-  return c;
+ops::AttentionMask LlamaConfig::attention_mask(int64_t layer) const {
+  const bool windowed =
+      sliding_window > 0 && (sliding_layers.empty() ||
+                             (layer >= 0 && static_cast<size_t>(layer) < sliding_layers.size() &&
+                              sliding_layers[static_cast<size_t>(layer)]));
+  return ops::AttentionMask{windowed ? sliding_window : 0};
 }
 
 void LlamaConfig::validate() const {
@@ -104,60 +33,219 @@ void LlamaConfig::validate() const {
   positive("num_key_value_heads", num_key_value_heads);
   positive("head_dim", head_dim);
   positive("max_position_embeddings", max_position_embeddings);
-  STRATA_CHECK(num_attention_heads % num_key_value_heads == 0, kBadArgument,
-               "key 'num_attention_heads' ({}) must be a multiple of 'num_key_value_heads' ({})",
-               num_attention_heads, num_key_value_heads);
-  STRATA_CHECK(head_dim % 2 == 0, kBadArgument,
-               "key 'head_dim' ({}) must be even for rotary embedding", head_dim);
+  STRATA_CHECK(
+      num_attention_heads % num_key_value_heads == 0, kBadArgument,
+      "key 'num_attention_heads' ({}) must be a multiple of 'num_key_value_heads' ({})",
+      num_attention_heads, num_key_value_heads);
+  STRATA_CHECK(head_dim % 2 == 0, kBadArgument, "key 'head_dim' ({}) must be even for rotary embedding",
+                       head_dim);
   STRATA_CHECK(rms_norm_eps > 0, kBadArgument, "key 'rms_norm_eps' must be positive, got {}",
-               rms_norm_eps);
-  STRATA_CHECK(rope_theta > 0, kBadArgument, "key 'rope_theta' must be positive, got {}",
-               rope_theta);
+                       rms_norm_eps);
+  STRATA_CHECK(rope.theta > 0, kBadArgument, "key 'rope_theta' must be positive, got {}", rope.theta);
+  if (rope.type != ops::RopeType::kDefault) {
+    STRATA_CHECK(rope.factor >= 1, kBadArgument, "RoPE key 'factor' must be at least 1, got {}",
+                         rope.factor);
+  }
+  if (rope.type == ops::RopeType::kLlama3) {
+    STRATA_CHECK(rope.low_freq_factor > 0 && rope.high_freq_factor > rope.low_freq_factor, kBadArgument,
+                         "llama3 RoPE needs 0 < low_freq_factor < high_freq_factor, got {} and {}",
+                         rope.low_freq_factor, rope.high_freq_factor);
+    STRATA_CHECK(
+        rope.original_max_position_embeddings > 0, kBadArgument,
+        "llama3 RoPE key 'original_max_position_embeddings' must be positive, got {}",
+        rope.original_max_position_embeddings);
+  }
+  STRATA_CHECK(sliding_window >= 0, kBadArgument, "key 'sliding_window' must be positive, got {}",
+                       sliding_window);
+  STRATA_CHECK(
+      sliding_layers.empty() || static_cast<int64_t>(sliding_layers.size()) == num_hidden_layers, kBadArgument,
+      "key 'layer_types' has {} entries for {} layers (num_hidden_layers)", sliding_layers.size(),
+      num_hidden_layers);
+  STRATA_CHECK(pad_token_id >= -1 && pad_token_id < vocab_size, kBadArgument,
+                       "key 'pad_token_id' ({}) must be a token of the vocabulary [0, {}) or null",
+                       pad_token_id, vocab_size);
+  // The family's fixed shape (what transformers' modeling code for it builds).
+  const bool llama = model_type == "llama", mistral = model_type == "mistral",
+             qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3";
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3, kBadArgument,
+                       "model_type \"{}\" is not supported; supported: {}",
+                       printable_excerpt(model_type, 80), supported_model_types());
+  STRATA_CHECK(!(llama || qwen3) || attention_qkv_bias == attention_o_bias, kBadArgument,
+                       "model_type {}: attention_bias gives q/k/v and o_proj biases together",
+                       model_type);
+  STRATA_CHECK(!mistral || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
+                       "model_type mistral has no attention biases");
+  STRATA_CHECK(!qwen2 || (attention_qkv_bias && !attention_o_bias), kBadArgument,
+                       "model_type qwen2 has q/k/v biases and no o_proj bias");
+  STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
+                       model_type);
+  STRATA_CHECK(qk_norm == qwen3, kBadArgument, "model_type {} {} per-head q/k norms", model_type,
+                       qwen3 ? "has" : "has no");
+  STRATA_CHECK(sliding_window == 0 || !llama, kBadArgument, "model_type llama has no sliding window");
+  STRATA_CHECK(
+      sliding_layers.empty() || qwen2 || qwen3, kBadArgument,
+      "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
   // bounding those two, estimated in double, keeps all of them exact.
-  const double h = static_cast<double>(hidden_size), q = static_cast<double>(num_attention_heads) * head_dim,
-               kv = static_cast<double>(num_key_value_heads) * head_dim, ff = static_cast<double>(intermediate_size);
-  const double layer = 2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h;
-  const double parameters = static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
+  const double h = static_cast<double>(hidden_size),
+               q = static_cast<double>(num_attention_heads) * head_dim,
+               kv = static_cast<double>(num_key_value_heads) * head_dim,
+               ff = static_cast<double>(intermediate_size);
+  const double layer =
+      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * head_dim;
+  const double parameters =
+      static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
   constexpr double kMaxCount = 0x1p62;
-  STRATA_CHECK(parameters < kMaxCount, kBadArgument,
-               "the sizes give about {:.3g} parameters, beyond what strata counts (2^62): check vocab_size, "
-               "hidden_size, intermediate_size, num_hidden_layers and the head counts",
-               parameters);
-  STRATA_CHECK(static_cast<double>(max_position_embeddings) * static_cast<double>(head_dim) < kMaxCount,
-               kBadArgument, "key 'max_position_embeddings' ({}) x head_dim ({}) is beyond 2^62", max_position_embeddings,
-               head_dim);
+  STRATA_CHECK(
+      parameters < kMaxCount, kBadArgument,
+      "the sizes give about {:.3g} parameters, beyond what strata counts (2^62): check vocab_size, "
+      "hidden_size, intermediate_size, num_hidden_layers and the head counts",
+      parameters);
+  STRATA_CHECK(
+      static_cast<double>(max_position_embeddings) * static_cast<double>(head_dim) < kMaxCount, kBadArgument,
+      "key 'max_position_embeddings' ({}) x head_dim ({}) is beyond 2^62", max_position_embeddings,
+      head_dim);
+}
+
+std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
+                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
+  std::vector<HfTensor> out;
+  auto add = [&](std::string name, Shape shape) {
+    out.push_back({std::move(name), std::move(shape)});
+  };
+  // The order of LlamaModel's declarations (llama_model.cc, attention.cc).
+  add("model.embed_tokens.weight", {c.vocab_size, h});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    add(p + "input_layernorm.weight", {h});
+    auto linear = [&](const std::string& name, int64_t in, int64_t out_features, bool bias) {
+      add(p + name + ".weight", {out_features, in});
+      if (bias) add(p + name + ".bias", {out_features});
+    };
+    linear("self_attn.q_proj", h, q, c.attention_qkv_bias);
+    linear("self_attn.k_proj", h, kv, c.attention_qkv_bias);
+    linear("self_attn.v_proj", h, kv, c.attention_qkv_bias);
+    linear("self_attn.o_proj", q, h, c.attention_o_bias);
+    if (c.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {c.head_dim});
+      add(p + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    add(p + "post_attention_layernorm.weight", {h});
+    linear("mlp.gate_proj", h, inter, c.mlp_bias);
+    linear("mlp.up_proj", h, inter, c.mlp_bias);
+    linear("mlp.down_proj", inter, h, c.mlp_bias);
+  }
+  add("model.norm.weight", {h});
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
+  return out;
 }
 
 int64_t LlamaConfig::parameter_count() const {
-  const int64_t h = hidden_size, q = num_attention_heads * head_dim,
-                kv = num_key_value_heads * head_dim;
-  int64_t attn = h * q + 2 * h * kv + q * h;
-  if (attention_bias) attn += q + 2 * kv + h;
-  int64_t mlp = 3 * h * intermediate_size;
-  if (mlp_bias) mlp += 2 * intermediate_size + h;
-  const int64_t layer = attn + mlp + 2 * h;
-  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * layer + h;
+  int64_t n = 0;
+  for (const HfTensor& t : hf_tensors(*this)) n += shape_numel(t.shape);
+  return n;
 }
 
+namespace {
+
+const char* architecture_of(const std::string& model_type) {
+  if (model_type == "mistral") return "MistralForCausalLM";
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  return "LlamaForCausalLM";
+}
+
+// rope_parameters / rope_scaling as transformers reads it.
+nlohmann::json rope_json(const ops::Rope& r, bool with_theta) {
+  nlohmann::json j = nlohmann::json::object();
+  j["rope_type"] = r.type == ops::RopeType::kLlama3   ? "llama3"
+                   : r.type == ops::RopeType::kLinear ? "linear"
+                                                      : "default";
+  if (with_theta) j["rope_theta"] = r.theta;
+  if (r.type != ops::RopeType::kDefault) j["factor"] = r.factor;
+  if (r.type == ops::RopeType::kLlama3) {
+    j["low_freq_factor"] = r.low_freq_factor;
+    j["high_freq_factor"] = r.high_freq_factor;
+    j["original_max_position_embeddings"] =
+        static_cast<int64_t>(r.original_max_position_embeddings);
+  }
+  return j;
+}
+
+}  // namespace
+
 nlohmann::json LlamaConfig::to_json() const {
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"hidden_act", "silu"},
-          {"vocab_size", vocab_size},
-          {"hidden_size", hidden_size},
-          {"intermediate_size", intermediate_size},
-          {"num_hidden_layers", num_hidden_layers},
-          {"num_attention_heads", num_attention_heads},
-          {"num_key_value_heads", num_key_value_heads},
-          {"head_dim", head_dim},
-          {"max_position_embeddings", max_position_embeddings},
-          {"rms_norm_eps", rms_norm_eps},
-          {"rope_theta", rope_theta},
-          {"tie_word_embeddings", tie_word_embeddings},
-          {"attention_bias", attention_bias},
-          {"mlp_bias", mlp_bias}};
+  nlohmann::json j = source.is_object() ? source : nlohmann::json::object();
+  j["model_type"] = model_type;
+  if (!j.contains("architectures")) j["architectures"] = {architecture_of(model_type)};
+  j["hidden_act"] = "silu";
+  j["vocab_size"] = vocab_size;
+  j["hidden_size"] = hidden_size;
+  j["intermediate_size"] = intermediate_size;
+  j["num_hidden_layers"] = num_hidden_layers;
+  j["num_attention_heads"] = num_attention_heads;
+  j["num_key_value_heads"] = num_key_value_heads;
+  j["head_dim"] = head_dim;
+  j["max_position_embeddings"] = max_position_embeddings;
+  j["rms_norm_eps"] = rms_norm_eps;
+  j["tie_word_embeddings"] = tie_word_embeddings;
+  if (pad_token_id >= 0) {
+    j["pad_token_id"] = pad_token_id;
+  } else if (j.contains("pad_token_id")) {
+    j["pad_token_id"] = nullptr;
+  }
+  // RoPE in the source's style: transformers 5 nests it in rope_parameters,
+  // older releases read rope_theta and rope_scaling (and newer ones still do).
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    j["rope_parameters"] = rope_json(rope, true);
+    j.erase("rope_theta");
+    j.erase("rope_scaling");
+  } else {
+    j["rope_theta"] = rope.theta;
+    j["rope_scaling"] =
+        rope.type == ops::RopeType::kDefault ? nlohmann::json(nullptr) : rope_json(rope, false);
+  }
+  if (model_type == "llama") {
+    j["attention_bias"] = attention_qkv_bias;
+    j["mlp_bias"] = mlp_bias;
+  } else if (model_type == "qwen3") {
+    j["attention_bias"] = attention_qkv_bias;
+  }
+  if (model_type == "mistral") {
+    j["sliding_window"] =
+        sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
+  } else if (model_type == "qwen2" || model_type == "qwen3") {
+    j["use_sliding_window"] = sliding_window > 0;
+    if (sliding_window > 0) j["sliding_window"] = sliding_window;
+    // layer_types wins over max_window_layers in transformers; written when
+    // there is a window or the source had it.
+    if (sliding_window > 0 || j.contains("layer_types")) {
+      nlohmann::json types = nlohmann::json::array();
+      for (int64_t l = 0; l < num_hidden_layers; ++l) {
+        types.push_back(attention_mask(l).window > 0 ? "sliding_attention" : "full_attention");
+      }
+      j["layer_types"] = types;
+    }
+  }
+  return j;
+}
+
+nlohmann::json LlamaConfig::to_hf_json(DType dtype) const {
+  nlohmann::json j = to_json();
+  const char* name = dtype == DType::kF32   ? "float32"
+                     : dtype == DType::kF16 ? "float16"
+                                            : "bfloat16";
+  j["torch_dtype"] = name;
+  if (j.contains("dtype")) j["dtype"] = name;  // transformers 5's name for it
+  return j;
+}
+
+const char* supported_model_types() {
+  return "llama (Llama 2, Llama 3 and 3.1-3.3 with rope_type llama3, SmolLM, TinyLlama), mistral "
+         "(Mistral 7B, "
+         "with or without a sliding window), qwen2 (Qwen2, Qwen2.5) and qwen3 (dense Qwen3)";
 }
 
 LlamaConfig load_llama_config(const std::string& path) {
@@ -168,7 +256,8 @@ LlamaConfig load_llama_config(const std::string& path) {
     j = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     // The message quotes the input (a 1 MB token, raw bytes): bound and escape it.
-    raise(ErrorCategory::kBadArgument, "{}: not valid JSON: {}", path, printable_excerpt(e.what(), 240));
+    raise(ErrorCategory::kBadArgument, "{}: not valid JSON: {}", path,
+          printable_excerpt(e.what(), 240));
   }
   return parse_llama_config(j, path);
 }

@@ -1,36 +1,101 @@
-// The Hugging Face Llama model configuration (config.json) as strata reads it.
+// The decoder's configuration: one struct for every supported Hugging Face
+// family, read from config.json. LlamaModel is one decoder (embedding, RMSNorm
+// -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual, final norm,
+// lm_head); what differs between the families is which variant each piece
+// is, and this struct says it:
+//
+//   model_type  attention biases      q/k norm  RoPE                      sliding window
+//   llama       attention_bias (all)  -         default, linear, llama3   -
+//   mistral     -                     -         default, linear, llama3   sliding_window (all layers)
+//   qwen2       q, k, v (not o)       -         default, linear, llama3   use_sliding_window + layer_types
+//   qwen3       attention_bias (all)  per head  default, linear, llama3   use_sliding_window + layer_types
+//
+// plus llama's mlp_bias, tied embeddings and the padding token (its embedding
+// row gets no gradient from lookups, as in torch's nn.Embedding). The tensor
+// names are Hugging Face's and the same in the four families (hf_tensors).
+//
+// Parsing refuses, before any work and naming the key, anything that would
+// make strata compute something other than what transformers computes for the
+// checkpoint: another model_type (gemma2, phi3, mixtral, ... named with what
+// they need), another architectures class, a RoPE type or key not listed
+// above, hidden_act other than silu, attention dropout, quantization, custom
+// modeling code, a family's key set to what that family does not have
+// (attention_bias true on mistral, ...), and any key strata does not know
+// (unless it is a generic Hugging Face key that no model computation reads:
+// token ids, dtype, generation settings, ...). A config without model_type
+// and architectures is strata's own sizes-only format: a llama.
+//
 // Thread-safety: plain value type. Errors: parse/load throw strata::Error —
-// kIo for an unreadable file, kBadArgument naming the key for a missing key,
-// a wrong type, a value out of range or an unsupported feature.
+// kIo for an unreadable file, kBadArgument naming the file, the key, its
+// value and what is supported.
 #pragma once
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kernels/ops.h"
 
 namespace strata::nn {
 
 struct LlamaConfig {
+  // config.json's model_type: "llama", "mistral", "qwen2" or "qwen3".
+  std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
-  int64_t num_key_value_heads = 0;  // defaults to num_attention_heads when absent
-  int64_t head_dim = 0;             // defaults to hidden_size / num_attention_heads
+  int64_t num_key_value_heads = 0;  // the family's default when absent
+  int64_t head_dim = 0;             // the family's default when absent (hidden / heads; qwen3: 128)
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
+  ops::Rope rope;                   // rope_theta and the rope_type's scaling
   bool tie_word_embeddings = false;
-  bool attention_bias = false;
-  bool mlp_bias = false;
+  bool attention_qkv_bias = false;  // q_proj, k_proj, v_proj have biases
+  bool attention_o_bias = false;    // o_proj has a bias
+  bool mlp_bias = false;            // gate/up/down_proj have biases (llama's mlp_bias)
+  bool qk_norm = false;             // per-head RMSNorm of q and k before RoPE (qwen3)
+  // Sliding-window attention: a query sees its `sliding_window` most recent
+  // tokens (0: no window), in the layers sliding_layers marks (empty: every
+  // layer, mistral's rule; else one entry per layer, from qwen's layer_types).
+  int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;
+  // The token whose embedding row gets no gradient from lookups (-1: none).
+  int64_t pad_token_id = -1;
+  // The config.json object this was parsed from (null when built in code):
+  // to_json() keeps its other keys, so an export carries them.
+  nlohmann::json source;
 
-  // Parameters of the whole model (embedding, layers, final norm, lm_head).
+  // The attention mask of layer `layer` (its sliding window, or none).
+  ops::AttentionMask attention_mask(int64_t layer) const;
+  // Parameters of the whole model (embedding, layers with their biases and
+  // norms, final norm, lm_head unless tied): the sum over hf_tensors().
   int64_t parameter_count() const;
-  // Checks consistency (divisibility, positivity); throws kBadArgument naming the key.
+  // Checks consistency (divisibility, positivity, sizes); throws kBadArgument naming the key.
   void validate() const;
+  // config.json as transformers reads it for this model_type: the source's
+  // keys, with every key strata models written from this struct (RoPE in the
+  // source's style: rope_parameters, or rope_theta and rope_scaling).
   nlohmann::json to_json() const;
+  // to_json() for weights saved in `dtype` ("torch_dtype", and "dtype" when
+  // the source has it, say so).
+  nlohmann::json to_hf_json(DType dtype) const;
 };
+
+// A tensor of the Hugging Face checkpoint: its name and shape.
+struct HfTensor {
+  std::string name;
+  Shape shape;
+};
+// Every tensor the architecture uses, in the model's declaration order: the
+// checkpoint must hold exactly these (a tied lm_head may repeat the embedding).
+std::vector<HfTensor> hf_tensors(const LlamaConfig& config);
+
+// The families strata fine-tunes, for messages and --help.
+const char* supported_model_types();
 
 LlamaConfig parse_llama_config(const nlohmann::json& json,
                                const std::string& source = "config.json");

@@ -12,11 +12,11 @@
 namespace strata::nn {
 
 DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
-                           DType dtype, MlpTiling mlp_tiling)
+                           int64_t layer, DType dtype, MlpTiling mlp_tiling)
     : Module(engine, std::move(name)) {
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
-  self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, dtype);
+  self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype);
   post_attention_layernorm_ = std::make_unique<RMSNorm>(
       engine, child_name("post_attention_layernorm"), c.hidden_size, c.rms_norm_eps, dtype);
   mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling);
@@ -141,13 +141,12 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
     constexpr int64_t kLogitsBudget = int64_t{64} << 20;
     options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
   }
-  embed_tokens_ = std::make_unique<Embedding>(
-      engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype);
+  embed_tokens_ = std::make_unique<Embedding>(engine, child_name("embed_tokens"), config_.vocab_size,
+                                              config_.hidden_size, options_.dtype, config_.pad_token_id);
   add_child(*embed_tokens_);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    layers_.push_back(std::make_unique<DecoderLayer>(engine,
-                                                     child_name("layers." + std::to_string(l)),
-                                                     config_, options_.dtype, options_.mlp_tiling));
+    layers_.push_back(std::make_unique<DecoderLayer>(engine, child_name("layers." + std::to_string(l)),
+                                                     config_, l, options_.dtype, options_.mlp_tiling));
     add_child(*layers_.back());
   }
   norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size,
@@ -209,6 +208,12 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(d.attn.v, t, {rows, kv_heads, hd});
     layout.add(d.attn.attn, t, {rows, heads * hd});
     layout.add(d.attn.lse, DType::kF32, {batch, heads, seq});
+    if (c.qk_norm) {
+      layout.add(d.attn.q_pre, t, {rows, heads, hd});
+      layout.add(d.attn.k_pre, t, {rows, kv_heads, hd});
+      layout.add(d.attn.rstd_q, DType::kF32, {rows * heads});
+      layout.add(d.attn.rstd_k, DType::kF32, {rows * kv_heads});
+    }
     layout.add(d.h, t, {rows, hidden});
     layout.add(d.ln2, t, {rows, hidden});
     layout.add(d.rstd2, DType::kF32, {rows});

@@ -1,8 +1,10 @@
-// A Llama-style decoder (Hugging Face LlamaForCausalLM layout) and its runner:
-// embedding, decoder layers (RMSNorm -> attention -> residual, RMSNorm ->
-// SwiGLU MLP -> residual), final RMSNorm, and the output projection fused with
-// a chunked cross-entropy loss. Parameter names are Hugging Face's, so weights
-// load from and save to HF safetensors unchanged (runtime/nn/llama_weights.h).
+// The decoder of the Llama family (Hugging Face's LlamaForCausalLM layout, and
+// Mistral, Qwen2 and Qwen3: the variants llama_config.h describes) and its
+// runner: embedding, decoder layers (RMSNorm -> attention -> residual,
+// RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, and the output
+// projection fused with a chunked cross-entropy loss. Parameter names are
+// Hugging Face's (hf_tensors), so weights load from and save to HF
+// safetensors unchanged (runtime/nn/llama_weights.h).
 //
 // LlamaModel is also the model RUNNER (llm.c style): it owns one activation
 // arena in accelerator memory, sized for the largest batch x seq seen, holding
@@ -59,8 +61,9 @@ struct DecoderGrads {
 
 class DecoderLayer : public Module {
  public:
-  DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype,
-               MlpTiling mlp_tiling = {});
+  // Layer `layer` of `config`.
+  DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
+               DType dtype, MlpTiling mlp_tiling = {});
   // x, y [batch * seq, hidden].
   void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);

@@ -25,41 +25,11 @@ size_t view_nbytes(DType dtype, std::initializer_list<int64_t> shape) {
   return align256(numel * dtype_nbytes(dtype));
 }
 
-// The parameters LlamaModel declares (names and shapes as in llama_model.cc
-// and layers.cc: HF's layout), for the partition layout.
+// The parameters LlamaModel declares: the architecture's Hugging Face
+// tensors (nn::hf_tensors, the model's own list), for the partition layout.
 std::vector<partition::ParamSpec> llama_params(const nn::LlamaConfig& c, DType dtype) {
-  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
-                kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
   std::vector<partition::ParamSpec> out;
-  auto add = [&](std::string name, Shape shape) {
-    out.push_back({std::move(name), std::move(shape), dtype});
-  };
-  add("model.embed_tokens.weight", {c.vocab_size, h});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
-    add(p + "input_layernorm.weight", {h});
-    add(p + "self_attn.q_proj.weight", {q, h});
-    add(p + "self_attn.k_proj.weight", {kv, h});
-    add(p + "self_attn.v_proj.weight", {kv, h});
-    add(p + "self_attn.o_proj.weight", {h, q});
-    if (c.attention_bias) {
-      add(p + "self_attn.q_proj.bias", {q});
-      add(p + "self_attn.k_proj.bias", {kv});
-      add(p + "self_attn.v_proj.bias", {kv});
-      add(p + "self_attn.o_proj.bias", {h});
-    }
-    add(p + "post_attention_layernorm.weight", {h});
-    add(p + "mlp.gate_proj.weight", {inter, h});
-    add(p + "mlp.up_proj.weight", {inter, h});
-    add(p + "mlp.down_proj.weight", {h, inter});
-    if (c.mlp_bias) {
-      add(p + "mlp.gate_proj.bias", {inter});
-      add(p + "mlp.up_proj.bias", {inter});
-      add(p + "mlp.down_proj.bias", {h});
-    }
-  }
-  add("model.norm.weight", {h});
-  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
+  for (nn::HfTensor& t : nn::hf_tensors(c)) out.push_back({std::move(t.name), std::move(t.shape), dtype});
   return out;
 }
 
@@ -102,7 +72,11 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
                       view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
                       view_nbytes(t, {rows, heads * hd}) + view_nbytes(f32, {batch, heads, seq}) +
                       2 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
-                      3 * view_nbytes(t, {rows, inter});
+                      3 * view_nbytes(t, {rows, inter}) +
+                      // Qwen3's q/k before their norms and the norms' rstd.
+                      (c.qk_norm ? view_nbytes(t, {rows, heads, hd}) + view_nbytes(t, {rows, kv_heads, hd}) +
+                                       view_nbytes(f32, {rows * heads}) + view_nbytes(f32, {rows * kv_heads})
+                                 : 0);
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
   n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +

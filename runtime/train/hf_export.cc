@@ -121,8 +121,8 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     std::error_code ec;
     fs::create_directories(dir, ec);
     STRATA_CHECK(!ec, kIo, "cannot create the export directory {}: {}", dir.string(), ec.message());
-    nlohmann::json hf = config.to_json();
-    hf["torch_dtype"] = options.dtype == DType::kF32 ? "float32" : options.dtype == DType::kF16 ? "float16" : "bfloat16";
+    // The source's model_type, architectures and keys, with the export's dtype.
+    const nlohmann::json hf = config.to_hf_json(options.dtype);
     const fs::path config_path = dir / "config.json";
     std::ofstream out(config_path);
     out << hf.dump(2) << "\n";

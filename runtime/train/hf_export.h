@@ -1,6 +1,7 @@
-// Export to a Hugging Face directory (docs/DESIGN.md §5.3): config.json and the
-// weights as safetensors in the dtype asked for, one file or, past
-// `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
+// Export to a Hugging Face directory (docs/DESIGN.md §5.3): config.json (the
+// source's model_type, architectures and every key it had, never relabelled:
+// LlamaConfig::to_hf_json) and the weights as safetensors in the dtype asked
+// for, one file or, past `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
 // model.safetensors.index.json. Streams tensor by tensor: each tensor is
 // gathered from the ranks' owned ranges (Engine::for_each_owned_range) to
 // rank 0, converted and written in place (SafetensorsStreamWriter), so rank 0

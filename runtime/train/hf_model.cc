@@ -1,56 +1,231 @@
-// Reading a Hugging Face model directory (single or sharded safetensors).
+// Reading a Hugging Face model directory (single or sharded safetensors),
+// with the check that the checkpoint's tensors are the architecture's.
 #include "runtime/train/hf_model.h"
 
+#include <fmt/format.h>
+
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
 #include "runtime/nn/llama_weights.h"
+#include "runtime/nn/safetensors.h"
 
 namespace strata::train {
 namespace fs = std::filesystem;
+namespace {
 
-nn::LlamaConfig load_hf_config(const fs::path& dir) {
-  STRATA_CHECK(fs::is_directory(dir), kBadArgument, "--model {}: not a directory (expected a Hugging Face model "
-               "directory with config.json and model.safetensors)", dir.string());
-  const fs::path config = dir / "config.json";
-  STRATA_CHECK(fs::exists(config), kBadArgument, "--model {}: no config.json", dir.string());
-  return nn::load_llama_config(config.string());
+constexpr const char* kHead = "lm_head.weight";
+constexpr const char* kEmbed = "model.embed_tokens.weight";
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params, const fs::path& dir) {
+// Buffers old checkpoints carry that transformers derives from config.json
+// and ignores when loading: not weights of the model.
+bool derived_buffer(const std::string& name) {
+  return ends_with(name, ".rotary_emb.inv_freq");
+}
+
+// The weights of a directory: its one file, or the index's files and map.
+struct WeightFiles {
+  fs::path index;                                 // empty: a single model.safetensors
+  std::map<std::string, std::string> weight_map;  // tensor -> file (sharded)
+  std::set<std::string> files;
+};
+
+WeightFiles weight_files(const fs::path& dir) {
+  WeightFiles w;
   const fs::path single = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
   if (!fs::exists(index)) {
-    STRATA_CHECK(fs::exists(single), kBadArgument, "--model {}: neither model.safetensors nor "
-                 "model.safetensors.index.json is there", dir.string());
-    nn::load_parameters(engine, params, single.string(), /*allow_unused=*/true);
-    return;
+    STRATA_CHECK(
+        fs::exists(single), kBadArgument,
+        "--model {}: neither model.safetensors nor model.safetensors.index.json is there",
+        dir.string());
+    w.files.insert("model.safetensors");
+    return w;
   }
+  w.index = index;
   nlohmann::json doc;
   {
     std::ifstream in(index);
-    STRATA_CHECK(in.good(), kIo, "cannot read {}", index.string());
+    if (!in.good()) raise(ErrorCategory::kIo, "cannot read {}", index.string());
     doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   }
-  STRATA_CHECK(doc.is_object() && doc.contains("weight_map") && doc["weight_map"].is_object(), kBadArgument,
-               "{}: not a safetensors index (no \"weight_map\" object)", index.string());
-  const auto& weight_map = doc["weight_map"];
+  STRATA_CHECK(
+      doc.is_object() && doc.contains("weight_map") && doc["weight_map"].is_object(), kBadArgument,
+      "{}: not a safetensors index (no \"weight_map\" object)", index.string());
+  for (const auto& [tensor, file] : doc["weight_map"].items()) {
+    STRATA_CHECK(file.is_string(), kBadArgument, "{}: the weight_map entry of '{}' is not a file name",
+                         index.string(), tensor);
+    const std::string name = file.get<std::string>();
+    STRATA_CHECK(
+        name.find('/') == std::string::npos && name != ".." && name != "." && !name.empty(), kBadArgument,
+        "{}: tensor '{}' maps to '{}', which is not a file name in the directory", index.string(),
+        tensor, name);
+    w.weight_map[tensor] = name;
+    w.files.insert(name);
+  }
+  return w;
+}
+
+// What a tensor the architecture does not use suggests about the checkpoint.
+std::string unused_hint(const std::string& name, const nn::LlamaConfig& c) {
+  auto has = [&](std::string_view part) { return name.find(part) != std::string::npos; };
+  if (has("self_attn.q_proj.bias") || has("self_attn.k_proj.bias") ||
+      has("self_attn.v_proj.bias")) {
+    return "q/k/v biases: a Qwen2 checkpoint (model_type qwen2), or a llama/qwen3 with "
+           "attention_bias true";
+  }
+  if (has("self_attn.o_proj.bias"))
+    return "an o_proj bias: a llama or qwen3 with attention_bias true";
+  if (has("q_norm.weight") || has("k_norm.weight")) {
+    return "per-head q/k norms: a Qwen3 checkpoint (model_type qwen3)";
+  }
+  if (has("mlp.") && ends_with(name, ".bias")) return "MLP biases: a llama with mlp_bias true";
+  if (has("experts") || has("block_sparse_moe") || has("mlp.gate.weight")) {
+    return "mixture-of-experts weights (Mixtral, Qwen-MoE)";
+  }
+  if (has("feedforward_layernorm") || has("post_attention_norm"))
+    return "extra norms (Gemma, OLMo 2)";
+  if (has("qkv_proj") || has("gate_up_proj")) return "fused projections (Phi-3)";
+  if (name == kHead && c.tie_word_embeddings) {
+    return "an lm_head while tie_word_embeddings is true";
+  }
+  return "a weight of another architecture or size";
+}
+
+}  // namespace
+
+void check_hf_checkpoint(const nn::LlamaConfig& config, const fs::path& dir) {
+  const WeightFiles w = weight_files(dir);
+  struct Found {
+    std::string file;
+    Shape shape;
+  };
+  std::map<std::string, Found> found;
+  std::map<std::string, nn::SafetensorsFile> opened;
+  for (const std::string& file : w.files) {
+    const fs::path path = dir / file;
+    STRATA_CHECK(fs::exists(path), kBadArgument, "{}: the weights file {} is missing",
+                         w.index.empty() ? dir.string() : w.index.string(), path.string());
+    nn::SafetensorsFile f = nn::SafetensorsFile::open(path.string());
+    for (const std::string& name : f.names()) {
+      const auto [it, fresh] = found.emplace(name, Found{file, f.entry(name).shape});
+      STRATA_CHECK(fresh, kBadArgument, "--model {}: tensor '{}' is in both {} and {}", dir.string(),
+                           name, it->second.file, file);
+      STRATA_CHECK(
+          w.index.empty() || (w.weight_map.contains(name) && w.weight_map.at(name) == file), kBadArgument,
+          "{}: {} holds tensor '{}', which the index's weight_map does not map to it",
+          w.index.string(), file, name);
+    }
+    opened.emplace(file, std::move(f));
+  }
+  for (const auto& [name, file] : w.weight_map) {
+    STRATA_CHECK(found.contains(name), kBadArgument,
+                         "{}: the weight_map maps '{}' to {}, which does not hold it",
+                         w.index.string(), name, file);
+  }
+  std::map<std::string, Shape> expected;
+  for (nn::HfTensor& t : nn::hf_tensors(config))
+    expected.emplace(std::move(t.name), std::move(t.shape));
+
+  // Unused tensors first: they say the checkpoint is another model.
+  std::vector<std::string> unused;
+  for (const auto& [name, f] : found) {
+    if (expected.contains(name) || derived_buffer(name)) continue;
+    if (name == kHead && config.tie_word_embeddings && found.contains(kEmbed)) {
+      // Tied: the file may store the shared matrix twice, but only if it is the same.
+      const nn::SafetensorsFile& hf = opened.at(f.file);
+      const nn::SafetensorsFile& ef = opened.at(found.at(kEmbed).file);
+      const TensorView h = hf.view(kHead), e = ef.view(kEmbed);
+      STRATA_CHECK(
+          h.desc.dtype == e.desc.dtype && h.desc.shape == e.desc.shape &&
+              std::memcmp(h.data, e.data, h.nbytes()) == 0, kBadArgument,
+          "--model {}: config.json ties lm_head to embed_tokens (tie_word_embeddings), but the "
+          "checkpoint's '{}' differs from '{}'; the model is untied (set tie_word_embeddings to "
+          "false)",
+          dir.string(), kHead, kEmbed);
+      continue;
+    }
+    unused.push_back(name);
+  }
+  if (!unused.empty()) {
+    const std::string& first = unused.front();
+    raise(ErrorCategory::kBadArgument,
+          "--model {}: the checkpoint's tensor '{}' (in {}) is not used by model_type \"{}\" as "
+          "config.json "
+          "describes it ({}){}; training without it would make another model than the "
+          "checkpoint's, so strata "
+          "refuses. Fix config.json (model_type and its keys) to describe the checkpoint",
+          dir.string(), first, found.at(first).file, config.model_type, unused_hint(first, config),
+          unused.size() > 1 ? fmt::format(", and {} more tensors are unused", unused.size() - 1)
+                            : "");
+  }
+  for (const auto& [name, shape] : expected) {
+    const auto it = found.find(name);
+    STRATA_CHECK(it != found.end(), kBadArgument,
+                         "--model {}: the checkpoint has no tensor '{}', which model_type \"{}\" "
+                         "with this config.json "
+                         "uses",
+                         dir.string(), name, config.model_type);
+    STRATA_CHECK(it->second.shape == shape, kBadArgument,
+                         "--model {}: tensor '{}' (in {}) has shape {}, but config.json gives {}",
+                         dir.string(), name, it->second.file, shape_string(it->second.shape),
+                         shape_string(shape));
+  }
+}
+
+nn::LlamaConfig load_hf_config(const fs::path& dir) {
+  STRATA_CHECK(fs::is_directory(dir), kBadArgument,
+                       "--model {}: not a directory (expected a Hugging Face model "
+                       "directory with config.json and model.safetensors)",
+                       dir.string());
+  const fs::path config = dir / "config.json";
+  STRATA_CHECK(fs::exists(config), kBadArgument, "--model {}: no config.json", dir.string());
+  nn::LlamaConfig c = nn::load_llama_config(config.string());
+  check_hf_checkpoint(c, dir);
+  return c;
+}
+
+void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                     const fs::path& dir) {
+  const WeightFiles w = weight_files(dir);
   // Each parameter goes with the file its (untiled) tensor lives in.
   std::map<std::string, std::vector<engine::ParamId>> by_file;
+  std::set<std::string> wanted;
   for (engine::ParamId id : params) {
     const auto& info = engine.param_info(id);
     const std::string& tensor = info.slice ? info.slice->tensor : info.name;
-    auto it = weight_map.find(tensor);
-    STRATA_CHECK(it != weight_map.end() && it->is_string(), kBadArgument,
-                 "{}: the weight_map has no file for tensor '{}'", index.string(), tensor);
-    const std::string file = it->get<std::string>();
-    STRATA_CHECK(file.find('/') == std::string::npos && file != ".." && !file.empty(), kBadArgument,
-                 "{}: tensor '{}' maps to '{}', which is not a file name in the directory", index.string(), tensor,
-                 file);
-    by_file[file].push_back(id);
+    wanted.insert(tensor);
+    if (w.index.empty()) {
+      by_file["model.safetensors"].push_back(id);
+      continue;
+    }
+    const auto it = w.weight_map.find(tensor);
+    STRATA_CHECK(it != w.weight_map.end(), kBadArgument, "{}: the weight_map has no file for tensor '{}'",
+                         w.index.string(), tensor);
+    by_file[it->second].push_back(id);
+  }
+  // No file may hold a weight the model leaves out (check_hf_checkpoint says
+  // why in the model's terms; this is the same rule for any caller).
+  for (const std::string& file : w.files) {
+    const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
+    for (const std::string& name : f.names()) {
+      const bool tied_head = name == kHead && !wanted.contains(kHead) && wanted.contains(kEmbed) &&
+                             (w.index.empty() || w.weight_map.at(kEmbed) == file);
+      STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head, kBadArgument,
+                           "{}: tensor '{}' matches no parameter of the model",
+                           (dir / file).string(), name);
+    }
   }
   for (const auto& [file, ids] : by_file) {
+    // Unused tensors were refused above; the tied lm_head is compared with the embedding here.
     nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true);
   }
 }

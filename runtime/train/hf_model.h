@@ -3,9 +3,17 @@
 // (its weight_map names the file of each tensor). Loading streams file by
 // file and tensor by tensor into each rank's owned ranges
 // (Engine::for_each_owned_range): no rank holds a whole model.
+//
+// The checkpoint must hold exactly the tensors the architecture uses
+// (nn::hf_tensors): a tensor the model would not use means the checkpoint is
+// another model than config.json says (a Qwen2 checkpoint labelled llama
+// would lose its q/k/v biases), so it is refused, naming the tensor, before
+// any work. The only tensors let through are derived buffers that
+// transformers itself ignores (rotary_emb.inv_freq) and, with
+// tie_word_embeddings, an lm_head.weight identical to the embedding.
 // Errors: Error(kBadArgument/kIo) naming the directory or file and what is
 // missing or wrong (no weights file, a tensor the index does not map, a shape
-// that disagrees with config.json).
+// that disagrees with config.json, an unused tensor).
 #pragma once
 
 #include <filesystem>
@@ -16,9 +24,14 @@
 
 namespace strata::train {
 
-// config.json of `dir`.
+// config.json of `dir`, after checking that the directory's safetensors hold
+// exactly the tensors (names and shapes) that configuration uses. Reads the
+// safetensors headers only (and, when tied, compares lm_head with the embedding).
 nn::LlamaConfig load_hf_config(const std::filesystem::path& dir);
-// Every parameter in `params` from the directory's safetensors.
+// The same check for a configuration already read.
+void check_hf_checkpoint(const nn::LlamaConfig& config, const std::filesystem::path& dir);
+// Every parameter in `params` from the directory's safetensors; a tensor no
+// parameter claims (other than those above) is refused.
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::filesystem::path& dir);
 

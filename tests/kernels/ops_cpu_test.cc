@@ -124,11 +124,15 @@ TEST_CASE("cpu ops: embedding, rmsnorm, rope, swiglu, add and cast match the ref
     expect_close(f.read(out), ref, tol, "embedding");
     Vec dout = random_vec(rows * dim, 2);
     auto dtab = f.zeros(DType::kF32, {vocab, dim});
-    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab);
-    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab);  // +=
+    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab, -1);
+    // +=, with id 2 (twice in ids) as the padding index: its row gets nothing more.
+    f.ops->embedding_backward(*f.ctx, f.tensor(dout, dt, {rows, dim}), f.ints(ids), dtab, 2);
     Vec dref(vocab * dim, 0.0);
     nn::cpu::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, dref.data());
-    nn::cpu::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, dref.data());
+    const Vec once = dref;
+    nn::cpu::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, dref.data(), 2);
+    for (int64_t c = 0; c < dim; ++c) REQUIRE(dref[2 * dim + c] == once[2 * dim + c]);
+    REQUIRE(dref[0] == 2 * once[0]);
     expect_close(f.read(dtab), dref, 2e-6, "embedding dtable");
 
     // rmsnorm (with accumulate_dx)
@@ -151,15 +155,20 @@ TEST_CASE("cpu ops: embedding, rmsnorm, rope, swiglu, add and cast match the ref
     expect_close(f.read(dx), dxref, tol, "rmsnorm dx (accumulated)");
     expect_close(f.read(dw), dwref, tol, "rmsnorm dw");
 
-    // rope forward then backward is the identity; forward matches the reference.
-    const int64_t heads = 2, hd = 4;
-    Vec r = random_vec(rows * heads * hd, 7);
-    auto rv = f.tensor(r, dt, {rows, heads, hd});
-    std::vector<int32_t> pos = {0, 1, 2, 3, 4, 5};
-    f.ops->rope_forward(*f.ctx, rv, f.ints(pos), 10000.0);
-    Vec rref2 = r;
-    nn::cpu::rope_forward<double>(rref2.data(), pos.data(), rows, heads, hd, 10000.0);
-    expect_close(f.read(rv), rref2, tol, "rope");
+    // rope (default and llama3 frequencies) forward and backward match the reference.
+    const int64_t heads = 2, hd = 8;
+    std::vector<int32_t> pos = {0, 1, 2, 3, 40, 5000};
+    for (const Rope& rope : {Rope{}, Rope{RopeType::kLlama3, 10000.0, 8.0, 1.0, 4.0, 64.0}}) {
+      Vec r = random_vec(rows * heads * hd, 7);
+      auto rv = f.tensor(r, dt, {rows, heads, hd});
+      f.ops->rope_forward(*f.ctx, rv, f.ints(pos), rope);
+      Vec rref2 = r;
+      nn::cpu::rope_forward<double>(rref2.data(), pos.data(), rows, heads, hd, rope);
+      expect_close(f.read(rv), rref2, tol, "rope");
+      f.ops->rope_backward(*f.ctx, rv, f.ints(pos), rope);
+      nn::cpu::rope_backward<double>(rref2.data(), pos.data(), rows, heads, hd, rope);
+      expect_close(f.read(rv), rref2, tol, "rope backward");
+    }
 
     // swiglu and add
     Vec g = random_vec(rows * dim, 8, 3.0), u = random_vec(rows * dim, 9);
@@ -230,12 +239,16 @@ TEST_CASE("cpu ops: linear with bias, strides, accumulation and mixed weight dty
   }
 }
 
-TEST_CASE("cpu ops: GQA causal attention matches the reference", "[ops][cpu]") {
+TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, matches the reference",
+          "[ops][cpu]") {
   for (DType dt : kDtypes) {
-    for (auto [batch, seq, heads, kv, hd] :
-         {std::tuple{2, 13, 4, 2, 8}, {1, 1, 2, 1, 4}, {1, 70, 4, 1, 16}, {2, 33, 2, 2, 8}}) {
+    // Windows: none, only itself, shorter than a query block (64), spanning blocks.
+    for (auto [batch, seq, heads, kv, hd, window] :
+         {std::tuple{2, 13, 4, 2, 8, 0}, {1, 1, 2, 1, 4, 0}, {1, 70, 4, 1, 16, 0}, {2, 33, 2, 2, 8, 0},
+          {2, 13, 4, 2, 8, 1}, {2, 13, 4, 2, 8, 5}, {1, 150, 4, 2, 8, 70}, {1, 70, 2, 1, 8, 64}}) {
       INFO(dtype_name(dt) << " batch " << batch << " seq " << seq << " heads " << heads << "/" << kv
-                          << " head_dim " << hd);
+                          << " head_dim " << hd << " window " << window);
+      const AttentionMask mask{window};
       Fixture f;
       const double tol = tol_of(dt);
       const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
@@ -244,10 +257,11 @@ TEST_CASE("cpu ops: GQA causal attention matches the reference", "[ops][cpu]") {
       auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
            vv = f.tensor(v, dt, {batch, seq, kv, hd});
       auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
-      f.ops->attention_forward(*f.ctx, qv, kv_, vv, ov, lse);
+      f.ops->attention_forward(*f.ctx, qv, kv_, vv, ov, lse, mask);
       nn::cpu::AttentionShape s{batch, seq, heads, kv, hd};
       Vec oref(nq), lref(static_cast<size_t>(batch * heads * seq));
-      nn::cpu::attention_forward<double>(q.data(), k.data(), v.data(), s, oref.data(), lref.data());
+      nn::cpu::attention_forward<double>(q.data(), k.data(), v.data(), s, oref.data(), lref.data(),
+                                         mask);
       expect_close(f.read(ov), oref, tol, "attention out");
       expect_close(f.read(lse), lref, 1e-4, "attention lse");
       // Backward from the op's own (rounded) output, as a model would.
@@ -255,10 +269,10 @@ TEST_CASE("cpu ops: GQA causal attention matches the reference", "[ops][cpu]") {
       auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
            dv = f.zeros(dt, {batch, seq, kv, hd});
       f.ops->attention_backward(*f.ctx, f.tensor(dout, dt, {batch, seq, heads, hd}), qv, kv_, vv,
-                                ov, lse, dq, dk, dv);
+                                ov, lse, dq, dk, dv, mask);
       Vec dqr(nq), dkr(nkv), dvr(nkv);
       nn::cpu::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), o_used.data(),
-                                          lref.data(), s, dqr.data(), dkr.data(), dvr.data());
+                                          lref.data(), s, dqr.data(), dkr.data(), dvr.data(), mask);
       expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
       expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
       expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
@@ -319,8 +333,15 @@ TEST_CASE("cpu ops refuse bad arguments before enqueueing anything", "[ops][cpu]
                       Catch::Contains("ids has dtype fp32; expected int32"));
   auto q = f.zeros(DType::kF32, {1, 4, 3, 2}), k = f.zeros(DType::kF32, {1, 4, 2, 2});
   auto lse = f.zeros(DType::kF32, {1, 3, 4});
-  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, k, k, q, lse),
+  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, k, k, q, lse, {}),
                       Catch::Contains("multiple of kv_heads"));
+  auto q2 = f.zeros(DType::kF32, {1, 4, 2, 2});
+  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q2, k, k, q2, f.zeros(DType::kF32, {1, 2, 4}),
+                                               AttentionMask{-1}),
+                      Catch::Contains("sliding window -1 < 0"));
+  auto r = f.zeros(DType::kF32, {4, 2, 2});
+  REQUIRE_THROWS_WITH(f.ops->rope_forward(*f.ctx, r, f.ints({0, 1, 2, 3}), Rope{RopeType::kDefault, -1.0}),
+                      Catch::Contains("rope theta -1 must be positive"));
   // Out-of-range token ids are refused by the cpu kernel: a stream error.
   auto table = f.zeros(DType::kF32, {2, 4});
   f.ops->embedding_forward(*f.ctx, table, f.ints({0, 5, 1}), x);

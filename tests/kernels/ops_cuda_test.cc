@@ -102,12 +102,16 @@ TEST_CASE("cuda ops: embedding forward and deterministic backward", "[ops][cuda]
         auto dtable = f.tensor(dtable0, DType::kF32, {vocab, dim});
         Vec again0 = dtable0;
         auto dtable_again = f.tensor(again0, DType::kF32, {vocab, dim});
-        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable);
-        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable_again);
+        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable, -1);
+        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable_again, -1);
         Vec want_dt = dtable0;
         ref::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, want_dt.data());
         expect_close("embedding dtable", f.read(dtable), want_dt, kEmbeddingGrad.of(dt));
         CHECK(f.bytes(dtable) == f.bytes(dtable_again));  // no atomics: bitwise repeatable
+        // With id 3 (every fifth row) as the padding index, its row is left alone.
+        f.ops->embedding_backward(*f.ctx, d_dout, d_ids, dtable, 3);
+        ref::embedding_backward<double>(dout.data(), ids.data(), rows, vocab, dim, want_dt.data(), 3);
+        expect_close("embedding dtable (padding_idx)", f.read(dtable), want_dt, kEmbeddingGrad.of(dt));
       }
     }
   }
@@ -117,8 +121,9 @@ TEST_CASE("cuda ops: rmsnorm forward and backward", "[ops][cuda]") {
   Fixture f;
   const double eps = 1e-5;
   // (17, 300): scalar path, one row split of the dw sums; (300, 512): 8-wide
-  // loads and dw summed in several ordered partials.
-  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{17, 300}, {300, 512}}) {
+  // loads and dw summed in several ordered partials; (96, 128) and (40, 8):
+  // Qwen3's per-head q/k norms, rows x heads rows of head_dim.
+  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{17, 300}, {300, 512}, {96, 128}, {40, 8}}) {
     for (DType dt : kDtypes) {
       for (DType w_dt : {dt, other(dt)}) {
         INFO("rows " << rows << " dim " << dim << " dtype " << dtype_name(dt) << " w "
@@ -134,7 +139,8 @@ TEST_CASE("cuda ops: rmsnorm forward and backward", "[ops][cuda]") {
         Vec want_y(rows * dim), want_rstd(rows);
         ref::rmsnorm_forward<double>(x.data(), w.data(), rows, dim, eps, want_y.data(),
                                      want_rstd.data());
-        expect_close("rmsnorm y", f.read(y), want_y, kRmsnormY.of(dt));
+        const bool per_head = dim <= 128;
+        expect_close("rmsnorm y", f.read(y), want_y, (per_head ? kRmsnormPerHeadY : kRmsnormY).of(dt));
         expect_close("rmsnorm rstd", f.read(rstd), want_rstd, kRmsnormRstd.of(dt));
 
         // Twice: overwriting dx, then adding into dx0; dw accumulates both.
@@ -150,9 +156,10 @@ TEST_CASE("cuda ops: rmsnorm forward and backward", "[ops][cuda]") {
                                       want_dx.data(), want_dw.data());
         Vec want_dx_acc = dx0;
         for (size_t i = 0; i < want_dx.size(); ++i) want_dx_acc[i] += want_dx[i];
-        expect_close("rmsnorm dx", f.read(dx), want_dx, kRmsnormDx.of(dt));
-        expect_close("rmsnorm dx (accumulated)", f.read(dx_acc), want_dx_acc, kRmsnormDx.of(dt));
-        expect_close("rmsnorm dw", f.read(dw), want_dw, kRmsnormDw.of(dt));
+        const OpTolRow& dx_tol = per_head ? kRmsnormPerHeadDx : kRmsnormDx;
+        expect_close("rmsnorm dx", f.read(dx), want_dx, dx_tol.of(dt));
+        expect_close("rmsnorm dx (accumulated)", f.read(dx_acc), want_dx_acc, dx_tol.of(dt));
+        expect_close("rmsnorm dw", f.read(dw), want_dw, (per_head ? kRmsnormPerHeadDw : kRmsnormDw).of(dt));
       }
     }
   }
@@ -221,18 +228,25 @@ TEST_CASE("cuda ops: rotary embedding and its inverse", "[ops][cuda]") {
   const int64_t rows = 40, heads = 3;
   std::vector<int32_t> pos(rows);
   for (int64_t r = 0; r < rows; ++r) pos[r] = r == 7 ? 100000 : static_cast<int32_t>(r * 97 % 4096);
-  for (int64_t head_dim : {16, 128}) {
-    for (DType dt : kDtypes) {
-      INFO("head_dim " << head_dim << " dtype " << dtype_name(dt));
-      Vec x = random_vec(rows * heads * head_dim, 17);
-      auto d_x = f.tensor(x, dt, {rows, heads, head_dim});
-      auto d_pos = f.ints(pos);
-      f.ops->rope_forward(*f.ctx, d_x, d_pos, 10000.0);
-      Vec want = x;
-      ref::rope_forward<double>(want.data(), pos.data(), rows, heads, head_dim, 10000.0);
-      expect_close("rope forward", f.read(d_x), want, kRope.of(dt));
-      f.ops->rope_backward(*f.ctx, d_x, d_pos, 10000.0);
-      expect_close("rope backward(forward(x))", f.read(d_x), x, kRopeRoundTrip.of(dt));
+  // Llama 3.1's scaled frequencies (all three bands at head_dim 128, theta 5e5).
+  const Rope llama3{RopeType::kLlama3, 500000.0, 8.0, 1.0, 4.0, 8192.0};
+  for (const Rope& rope : {Rope{}, llama3}) {
+    for (int64_t head_dim : {16, 128}) {
+      for (DType dt : kDtypes) {
+        INFO("head_dim " << head_dim << " dtype " << dtype_name(dt) << " rope type "
+                         << static_cast<int>(rope.type));
+        Vec x = random_vec(rows * heads * head_dim, 17);
+        auto d_x = f.tensor(x, dt, {rows, heads, head_dim});
+        auto d_pos = f.ints(pos);
+        f.ops->rope_forward(*f.ctx, d_x, d_pos, rope);
+        Vec want = x;
+        ref::rope_forward<double>(want.data(), pos.data(), rows, heads, head_dim, rope);
+        const bool scaled = rope.type != RopeType::kDefault;
+        expect_close("rope forward", f.read(d_x), want, (scaled ? kRopeScaled : kRope).of(dt));
+        f.ops->rope_backward(*f.ctx, d_x, d_pos, rope);
+        expect_close("rope backward(forward(x))", f.read(d_x), x,
+                     (scaled ? kRopeScaledRoundTrip : kRopeRoundTrip).of(dt));
+      }
     }
   }
 }
@@ -243,9 +257,10 @@ namespace {
 // reference; backward runs from the device's own out and lse (as training
 // does; lse and out are checked separately), and twice, to check that it is
 // bitwise repeatable.
-void check_attention(Fixture& f, const AttentionShape& s, DType dt) {
+void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMask mask = {}) {
   INFO("batch " << s.batch << " seq " << s.seq << " heads " << s.heads << " kv_heads " << s.kv_heads
-                << " head_dim " << s.head_dim << " dtype " << dtype_name(dt));
+                << " head_dim " << s.head_dim << " dtype " << dtype_name(dt) << " window "
+                << mask.window);
   const int64_t nq = s.batch * s.seq * s.heads * s.head_dim;
   const int64_t nkv = s.batch * s.seq * s.kv_heads * s.head_dim;
   const int64_t nl = s.batch * s.heads * s.seq;
@@ -261,25 +276,30 @@ void check_attention(Fixture& f, const AttentionShape& s, DType dt) {
   auto d_dout = f.tensor(dout, dt, q_shape);
   auto out = f.zeros(dt, q_shape);
   auto lse = f.zeros(DType::kF32, {s.batch, s.heads, s.seq});
-  f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, out, lse);
+  f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, out, lse, mask);
   Vec want_out(nq), want_lse(nl);
-  ref::attention_forward<double>(q.data(), k.data(), v.data(), s, want_out.data(), want_lse.data());
+  ref::attention_forward<double>(q.data(), k.data(), v.data(), s, want_out.data(), want_lse.data(),
+                                 mask);
   const Vec got_out = f.read(out), got_lse = f.read(lse);
-  expect_close("attention out", got_out, want_out, kAttentionOut.of(dt));
-  expect_close("attention lse", got_lse, want_lse, kAttentionLse.of(dt));
+  const bool windowed = mask.window > 0;
+  const OpTolRow& out_tol = windowed ? kAttentionWindowOut : kAttentionOut;
+  const OpTolRow& lse_tol = windowed ? kAttentionWindowLse : kAttentionLse;
+  const OpTolRow& grad_tol = windowed ? kAttentionWindowGrad : kAttentionGrad;
+  expect_close("attention out", got_out, want_out, out_tol.of(dt));
+  expect_close("attention lse", got_lse, want_lse, lse_tol.of(dt));
 
   auto dq = f.zeros(dt, q_shape), dk = f.zeros(dt, kv_shape), dv = f.zeros(dt, kv_shape);
   auto dq2 = f.zeros(dt, q_shape), dk2 = f.zeros(dt, kv_shape), dv2 = f.zeros(dt, kv_shape);
-  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq, dk, dv);
-  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq2, dk2, dv2);
+  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq, dk, dv, mask);
+  f.ops->attention_backward(*f.ctx, d_dout, d_q, d_k, d_v, out, lse, dq2, dk2, dv2, mask);
   Vec want_dq(nq), want_dk(nkv), want_dv(nkv);
   ref::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), got_out.data(),
                                   got_lse.data(), s, want_dq.data(), want_dk.data(),
-                                  want_dv.data());
+                                  want_dv.data(), mask);
   // dO, V are O(1): the terms of dP and delta, the scale of dq/dk's errors.
-  expect_close("attention dq", f.read(dq), want_dq, kAttentionGrad.of(dt), 1.0);
-  expect_close("attention dk", f.read(dk), want_dk, kAttentionGrad.of(dt), 1.0);
-  expect_close("attention dv", f.read(dv), want_dv, kAttentionGrad.of(dt), 1.0);
+  expect_close("attention dq", f.read(dq), want_dq, grad_tol.of(dt), 1.0);
+  expect_close("attention dk", f.read(dk), want_dk, grad_tol.of(dt), 1.0);
+  expect_close("attention dv", f.read(dv), want_dv, grad_tol.of(dt), 1.0);
   CHECK(f.bytes(dq) == f.bytes(dq2));
   CHECK(f.bytes(dk) == f.bytes(dk2));
   CHECK(f.bytes(dv) == f.bytes(dv2));
@@ -308,6 +328,19 @@ TEST_CASE("cuda ops: causal GQA attention at many shapes", "[ops][cuda]") {
   }
 }
 
+TEST_CASE("cuda ops: sliding-window attention (Mistral, Qwen2 sliding layers)", "[ops][cuda]") {
+  Fixture f;
+  // Windows of 1 (itself), inside one tile, across tiles (not a multiple of
+  // the 32/64 tiles), a multiple of 64, and one longer than seq (no effect).
+  const std::pair<AttentionShape, int64_t> cases[] = {
+      {shape(2, 70, 6, 2, 32), 1},   {shape(1, 200, 4, 2, 64), 13},  {shape(1, 333, 4, 1, 128), 100},
+      {shape(2, 256, 8, 2, 64), 64}, {shape(1, 130, 2, 1, 20), 500},
+  };
+  for (const auto& [s, window] : cases) {
+    for (DType dt : kDtypes) check_attention(f, s, dt, AttentionMask{window});
+  }
+}
+
 TEST_CASE("cuda ops: attention at seq 4096 (no shared-memory row limit)", "[ops][cuda]") {
   Fixture f;
   for (DType dt : kDtypes) check_attention(f, shape(1, 4096, 4, 2, 64), dt);
@@ -319,7 +352,7 @@ TEST_CASE("cuda ops: attention refuses head_dim above 128", "[ops][cuda]") {
   auto q = f.zeros(DType::kBF16, {1, 8, 2, 256}), k = f.zeros(DType::kBF16, {1, 8, 1, 256});
   auto lse = f.zeros(DType::kF32, {1, 2, 8});
   try {
-    f.ops->attention_forward(*f.ctx, q, k, k, q, lse);
+    f.ops->attention_forward(*f.ctx, q, k, k, q, lse, {});
     FAIL("no error");
   } catch (const Error& e) {
     CHECK(e.category() == ErrorCategory::kBadArgument);
@@ -506,8 +539,8 @@ TEST_CASE("cuda ops only enqueue: they return while the stream is held", "[ops][
                    f.zeros(DType::kF32, {64})};
   };
   auto enqueue_all = [&](const Outputs& o) {
-    f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, o.out, o.lse);
-    f.ops->attention_backward(*f.ctx, d_q, d_q, d_k, d_v, o.out, o.lse, o.dq, o.dk, o.dv);
+    f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, o.out, o.lse, {});
+    f.ops->attention_backward(*f.ctx, d_q, d_q, d_k, d_v, o.out, o.lse, o.dq, o.dk, o.dv, {});
     f.ops->linear_forward(*f.ctx, MatView::of(d_x), d_lw, {}, MatView::of(o.y), false);
     f.ops->linear_backward(*f.ctx, MatView::of(o.y), MatView::of(d_x), d_lw, MatView::of(o.dx),
                            false, o.dlw, {});
@@ -567,8 +600,8 @@ TEST_CASE("cuda ops return their scratch memory to the accelerator", "[ops][cuda
   auto ce_lse = f.zeros(DType::kF32, {100}), stats = f.zeros(DType::kF64, {2});
   f.stream->synchronize();
   const size_t before = f.acc->memory_stats().in_use_nbytes;
-  f.ops->attention_forward(*f.ctx, d_q, d_kv, d_kv, out, lse);
-  f.ops->attention_backward(*f.ctx, d_q, d_q, d_kv, d_kv, out, lse, dq, dk, dv);
+  f.ops->attention_forward(*f.ctx, d_q, d_kv, d_kv, out, lse, {});
+  f.ops->attention_backward(*f.ctx, d_q, d_q, d_kv, d_kv, out, lse, dq, dk, dv, {});
   f.ops->cross_entropy(*f.ctx, d_h, d_w, d_t, 32, ce_lse, stats, nullptr);
   f.stream->synchronize();
   CHECK(f.acc->memory_stats().in_use_nbytes == before);
@@ -623,9 +656,9 @@ TEST_CASE("bench: bf16 attention at seq 2048 with 16 heads of 128", "[.bench][cu
     f.stream->synchronize();
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 10;
   };
-  const double fwd = time([&] { f.ops->attention_forward(*f.ctx, q, q, q, out, lse); });
+  const double fwd = time([&] { f.ops->attention_forward(*f.ctx, q, q, q, out, lse, {}); });
   const double bwd =
-      time([&] { f.ops->attention_backward(*f.ctx, q, q, q, q, out, lse, dq, dk, dv); });
+      time([&] { f.ops->attention_backward(*f.ctx, q, q, q, q, out, lse, dq, dk, dv, {}); });
   const double peak = measure_bf16_gemm_tflops(*f.acc, 8192, 8192, 8192, 5);
   WARN("attention forward " << fwd * 1e3 << " ms = " << causal_flops / fwd / 1e12
                             << " TFLOP/s; backward " << bwd * 1e3 << " ms = "

@@ -74,6 +74,10 @@ inline constexpr OpTolRow kRmsnormDx{{1e-5, 1e-5}, {1e-5 + kU16, kUlp16}, {1e-5 
 // dw (fp32) += column sums over rows of dy x rstd: exact products of 16-bit
 // values times rstd, fp32 sums over <= 300 rows split into ordered partials.
 inline constexpr OpTolRow kRmsnormDw{{1e-5, 1e-5}, {1e-5, 1e-5}, {1e-5, 1e-5}};
+// Qwen3's per-head q_norm / k_norm are this op on [rows x heads, head_dim]
+// (dim 8..128): shorter sums, so the same rows bound them.
+inline constexpr OpTolRow kRmsnormPerHeadY = kRmsnormY, kRmsnormPerHeadDx = kRmsnormDx,
+                          kRmsnormPerHeadDw = kRmsnormDw;
 
 // ---- Linear -------------------------------------------------------------------
 // y = x W^T (+ b) (+ y0) and dx = dy W: dot products of length <= 64 in fp32
@@ -94,6 +98,10 @@ inline constexpr OpTolRow kLinearParamGrad{{1e-5, 1e-5}, {2e-5, 2e-5}, {2e-5, 2e
 inline constexpr OpTolRow kRope{{1e-6, 1e-6}, {kUlp16, kUlp16}, {kUlpbf, kUlpbf}};
 // backward(forward(x)) == x: two such steps, each rounded.
 inline constexpr OpTolRow kRopeRoundTrip{{2e-6, 2e-6}, {2 * kUlp16, kUlp16}, {2 * kUlpbf, kUlpbf}};
+// Scaled frequencies (linear, llama3): the same double angles from another
+// inverse frequency (rope_frequencies.h, shared with the reference), so the
+// same two rows.
+inline constexpr OpTolRow kRopeScaled = kRope, kRopeScaledRoundTrip = kRopeRoundTrip;
 
 // ---- attention ----------------------------------------------------------------
 // out = sum_j p_j v_j / l. 16-bit: P is rounded to 16 bits for the P V
@@ -112,6 +120,10 @@ inline constexpr OpTolRow kAttentionLse{{1e-5, 1e-5}, {2e-5, 2e-5}, {2e-5, 2e-5}
 // the cancellation in dP - delta (delta summed in another order than the
 // reference's): ~1e-5 of the scale, 5e-5 allowed.
 inline constexpr OpTolRow kAttentionGrad{{5e-5, 5e-5}, {8 * kU16, kUlp16}, {8 * kUbf, kUlpbf}};
+// A sliding window masks keys to exact zeros in P and dS and shortens every
+// sum, so the unmasked rows bound it.
+inline constexpr OpTolRow kAttentionWindowOut = kAttentionOut, kAttentionWindowLse = kAttentionLse,
+                          kAttentionWindowGrad = kAttentionGrad;
 
 // ---- SwiGLU, add, cast ----------------------------------------------------------
 // Elementwise in fp32 (expf <= 2 ulp, a few multiplications; 1 + g (1 - s)

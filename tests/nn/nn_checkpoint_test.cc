@@ -127,7 +127,7 @@ TEST_CASE("checkpointing: loss and gradients equal bit for bit (fp32, cpu)", "[n
   }
   SECTION("3 layers, GQA, tiled MLP, biases, bf16 storage and activations") {
     LlamaConfig c = tiny_llama(40, 32, 64, 3, 4, 1);
-    c.attention_bias = true;
+    c.attention_qkv_bias = c.attention_o_bias = true;
     c.mlp_bias = true;
     LlamaModelOptions o = model_options(DType::kBF16, 8);
     o.activation_dtype = DType::kBF16;

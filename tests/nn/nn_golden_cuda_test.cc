@@ -19,3 +19,12 @@ TEST_CASE("golden on cuda: bf16 Llama matches transformers in bf16", "[nn][golde
                  DType::kF32);
   }
 }
+
+TEST_CASE("golden on cuda: Llama 3.1, Mistral, Qwen2 and Qwen3 match transformers", "[nn][golden][cuda]") {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3"}) {
+    check_golden(Backend::kCuda, std::string(family) + "_untied_f32", "loss", "grads.safetensors", kGoldenF32Cuda);
+    const std::string tied = std::string(family) + "_tied_bf16";
+    check_golden(Backend::kCuda, tied, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCuda, tied, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
+  }
+}

@@ -25,3 +25,41 @@ TEST_CASE("golden: bf16 storage matches transformers on the same 16-bit weights"
                  DType::kBF16);
   }
 }
+
+namespace {
+
+// The families' cases (scripts/make-golden: FAMILIES): fp32 untied, bf16 tied.
+const char* const kFamilyCases[] = {"llama3", "mistral", "qwen2", "qwen3"};
+
+}  // namespace
+
+TEST_CASE("golden: Llama 3.1 RoPE, Mistral's sliding window, Qwen2's biases and windowed layers, "
+          "Qwen3's q/k norms match transformers in fp32",
+          "[nn][golden][families]") {
+  for (const char* family : kFamilyCases) {
+    const std::string name = std::string(family) + "_untied_f32";
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+    // The fixture can tell: the same weights computed as a plain Llama (the
+    // family's piece missing) give a loss far outside the tolerance.
+    const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+    const double loss = expected.at("loss").get<double>(), plain = expected.at("loss_without_feature").get<double>();
+    INFO(name << ": loss " << loss << ", without the family's piece " << plain);
+    CHECK(std::abs(plain - loss) > 100 * kGoldenF32.loss_rel * loss);
+  }
+}
+
+TEST_CASE("golden: the families with tied embeddings in bf16 match transformers", "[nn][golden][families]") {
+  for (const char* family : kFamilyCases) {
+    const std::string name = std::string(family) + "_tied_bf16";
+    check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+  }
+}
+
+TEST_CASE("golden: the families with activation checkpointing in host memory", "[nn][golden][families]") {
+  for (const char* family : kFamilyCases) {
+    check_golden(Backend::kCpu, std::string(family) + "_untied_f32", "loss", "grads.safetensors", kGoldenF32,
+                 std::nullopt, /*checkpoint_activations=*/true, /*cpu_checkpointing=*/true);
+  }
+}

@@ -30,7 +30,7 @@ LlamaConfig tiny_config() {
   LlamaConfig c = tiny_llama(32, 32, 48, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
-  c.rope_theta = 10000.0;
+  c.rope.theta = 10000.0;
   return c;
 }
 
@@ -219,7 +219,7 @@ TEST_CASE("modules touch parameter memory only inside their hook windows", "[nn]
   for (bool tied : {false, true}) {
     LlamaConfig c = tiny_config();
     c.tie_word_embeddings = tied;
-    c.attention_bias = true;
+    c.attention_qkv_bias = c.attention_o_bias = true;
     test::Rig rig;
     LlamaModel model(*rig.engine, c, model_options(DType::kBF16));
     rig.engine->finalize();
@@ -266,7 +266,7 @@ TEST_CASE("model parameters carry Hugging Face names and the configured count", 
   for (bool tied : {false, true}) {
     LlamaConfig c = tiny_config();
     c.tie_word_embeddings = tied;
-    c.attention_bias = !tied;
+    c.attention_qkv_bias = c.attention_o_bias = !tied;
     test::Rig rig;
     LlamaModel model(*rig.engine, c);
     int64_t total = 0;
@@ -420,7 +420,7 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   CHECK(c.hidden_size == 64);
   CHECK(c.head_dim == 8);
   CHECK(c.num_key_value_heads == 2);
-  CHECK(c.rope_theta == 500000.0);
+  CHECK(c.rope.theta == 500000.0);
   CHECK(c.rms_norm_eps == 1e-5);
   CHECK(c.tie_word_embeddings);
 
@@ -448,8 +448,8 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   bad_heads["num_key_value_heads"] = 3;
   expect_error(bad_heads, "num_key_value_heads");
   auto scaling = j;
-  scaling["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
-  expect_error(scaling, "rope_scaling");
+  scaling["rope_scaling"] = {{"type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 4096}};
+  expect_error(scaling, "rope_scaling: rope_type \"yarn\" (a string) is not supported");
   auto act = j;
   act["hidden_act"] = "gelu";
   expect_error(act, "hidden_act");
@@ -457,8 +457,8 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   auto nested = j;
   nested.erase("rope_theta");
   nested["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}};
-  CHECK(parse_llama_config(nested).rope_theta == 250000.0);
-  nested["rope_parameters"]["rope_type"] = "llama3";
-  expect_error(nested, "rope_type \"llama3\" (a string) is not supported");
+  CHECK(parse_llama_config(nested).rope.theta == 250000.0);
+  nested["rope_parameters"]["rope_type"] = "dynamic";
+  expect_error(nested, "rope_type \"dynamic\" (a string) is not supported");
   REQUIRE_THROWS_AS(load_llama_config(dir.file("absent.json")), Error);
 }

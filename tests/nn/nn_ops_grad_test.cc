@@ -2,6 +2,7 @@
 // forward, in double precision (the reference), plus float-vs-double agreement.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <numbers>
 #include <vector>
 
 #include "kernels/nn_ops.h"
@@ -84,25 +85,84 @@ TEST_CASE("linear backward matches finite differences (with and without bias)", 
 TEST_CASE("rope backward matches finite differences and is the inverse rotation", "[nn][grad]") {
   const int64_t rows = 5, heads = 2, head_dim = 6;
   const std::vector<int32_t> pos = {0, 1, 2, 7, 100};
-  Vec x = random_vector(rows * heads * head_dim, 10);
-  const Vec r = random_vector(x.size(), 11);
-  auto loss = [&] {
-    Vec y = x;
-    rope_forward(y.data(), pos.data(), rows, heads, head_dim, 10000.0);
-    return weighted_sum(y, r);
-  };
-  Vec dx = r;
-  rope_backward(dx.data(), pos.data(), rows, heads, head_dim, 10000.0);
-  check_gradient("dx", x, dx, loss);
+  const strata::ops::Rope llama3{strata::ops::RopeType::kLlama3, 10000.0, 8.0, 1.0, 4.0, 64.0};
+  for (const strata::ops::Rope& rope : {strata::ops::Rope{}, llama3}) {
+    Vec x = random_vector(rows * heads * head_dim, 10);
+    const Vec r = random_vector(x.size(), 11);
+    auto loss = [&] {
+      Vec y = x;
+      rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
+      return weighted_sum(y, r);
+    };
+    Vec dx = r;
+    rope_backward(dx.data(), pos.data(), rows, heads, head_dim, rope);
+    check_gradient("dx", x, dx, loss);
 
-  Vec y = x;
-  rope_forward(y.data(), pos.data(), rows, heads, head_dim, 10000.0);
-  CHECK(y[0] == Approx(x[0]).epsilon(1e-15));  // position 0 is the identity
-  CHECK(y[3 * heads * head_dim] != Approx(x[3 * heads * head_dim]));
-  rope_backward(y.data(), pos.data(), rows, heads, head_dim, 10000.0);
-  for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(x[i]).margin(1e-12));
-  REQUIRE_THROWS_AS(rope_forward(y.data(), pos.data(), rows, heads, int64_t{5}, 10000.0),
-                    strata::Error);
+    Vec y = x;
+    rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
+    CHECK(y[0] == Approx(x[0]).epsilon(1e-15));  // position 0 is the identity
+    CHECK(y[3 * heads * head_dim] != Approx(x[3 * heads * head_dim]));
+    rope_backward(y.data(), pos.data(), rows, heads, head_dim, rope);
+    for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(x[i]).margin(1e-12));
+    REQUIRE_THROWS_AS(rope_forward(y.data(), pos.data(), rows, heads, int64_t{5}, rope), strata::Error);
+  }
+}
+
+TEST_CASE("llama3 rope frequencies follow transformers' three bands", "[nn][grad]") {
+  // head_dim 8, theta 10000: wavelengths 2 pi x {1, 10, 100, 1000}; with a
+  // 64-token original context and factors 1 / 4 the bands are < 16 (kept),
+  // > 64 (divided by the factor 8) and between (interpolated).
+  const strata::ops::Rope r{strata::ops::RopeType::kLlama3, 10000.0, 8.0, 1.0, 4.0, 64.0};
+  CHECK(strata::ops::rope_inv_freq(r, 0, 8) == Approx(1.0).epsilon(1e-15));
+  CHECK(strata::ops::rope_inv_freq(r, 2, 8) == Approx(0.01 / 8).epsilon(1e-13));
+  CHECK(strata::ops::rope_inv_freq(r, 3, 8) == Approx(0.001 / 8).epsilon(1e-13));
+  const double wavelen = 2 * std::numbers::pi / 0.1, smooth = (64.0 / wavelen - 1.0) / 3.0;
+  CHECK(strata::ops::rope_inv_freq(r, 1, 8) == Approx((1 - smooth) * 0.1 / 8 + smooth * 0.1).epsilon(1e-13));
+  const strata::ops::Rope linear{strata::ops::RopeType::kLinear, 10000.0, 4.0};
+  CHECK(strata::ops::rope_inv_freq(linear, 1, 8) == Approx(0.1 / 4).epsilon(1e-13));
+}
+
+TEST_CASE("sliding-window attention: the definition, and backward by finite differences",
+          "[nn][grad]") {
+  AttentionShape s;
+  s.batch = 1;
+  s.seq = 7;
+  s.heads = 2;
+  s.kv_heads = 1;
+  s.head_dim = 3;
+  const AttentionMask mask{3};
+  const size_t nq = s.batch * s.seq * s.heads * s.head_dim, nkv = nq / 2;
+  Vec q = random_vector(nq, 40), k = random_vector(nkv, 41), v = random_vector(nkv, 42);
+  const Vec r = random_vector(nq, 43);
+  Vec out(nq), lse(s.batch * s.heads * s.seq);
+  attention_forward(q.data(), k.data(), v.data(), s, out.data(), lse.data(), mask);
+  // Query 5 of head 1 sees keys 3, 4, 5 only.
+  {
+    const int64_t h = 1, i = 5, d = s.head_dim;
+    double p[3], sum = 0;
+    for (int64_t j = 3; j <= 5; ++j) {
+      double sc = 0;
+      for (int64_t c = 0; c < d; ++c) sc += q[(i * s.heads + h) * d + c] * k[j * d + c];
+      p[j - 3] = std::exp(sc / std::sqrt(double(d)));
+      sum += p[j - 3];
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      double o = 0;
+      for (int64_t j = 3; j <= 5; ++j) o += p[j - 3] / sum * v[j * d + c];
+      CHECK(out[(i * s.heads + h) * d + c] == Approx(o).epsilon(1e-12));
+    }
+  }
+  auto loss = [&] {
+    Vec o(nq), l(lse.size());
+    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
+    return weighted_sum(o, r);
+  };
+  Vec dq(nq), dk(nkv), dv(nkv);
+  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
+                     dk.data(), dv.data(), mask);
+  check_gradient("dq", q, dq, loss);
+  check_gradient("dk", k, dk, loss);
+  check_gradient("dv", v, dv, loss);
 }
 
 TEST_CASE("GQA causal attention: forward matches the definition, backward finite differences",

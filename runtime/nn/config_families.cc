@@ -1,0 +1,456 @@
+// Reading config.json for each supported family, key by key, with the
+// defaults transformers' configuration classes give an absent key (they
+// differ: num_key_value_heads is 8 in Mistral and 32 in Qwen, head_dim 128 in
+// Qwen3, sliding_window 4096 in Mistral). Every key of the file is either
+// read here, or a generic key no model computation reads, or refused: a
+// Reader records what was read and refuses the rest by name at the end.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <string_view>
+
+#include "core/error.h"
+#include "runtime/config/json_describe.h"
+#include "runtime/config/json_text.h"
+#include "runtime/nn/llama_config.h"
+
+namespace strata::nn {
+namespace {
+
+using nlohmann::json;
+
+std::string key_text(std::string_view key) {
+  return printable_excerpt(key, 80);
+}
+
+// The keys of one config.json object, with what was read of them.
+class Reader {
+ public:
+  Reader(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+  const std::string& where() const { return where_; }
+  bool present(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
+  bool contains(const char* key) const { return j_.contains(key); }
+  // The value (null when absent), marked as read.
+  const json& read(const char* key) {
+    read_.insert(key);
+    static const json kNull;
+    return j_.contains(key) ? j_[key] : kNull;
+  }
+  // Marks a key as understood without using its value.
+  void accept(const std::string& key) { read_.insert(key); }
+
+  int64_t integer(const char* key, std::optional<int64_t> fallback) {
+    const json& v = read(key);
+    if (v.is_null()) {
+      STRATA_CHECK(fallback.has_value(), kBadArgument, "{}: required key '{}' is missing", where_, key);
+      return *fallback;
+    }
+    STRATA_CHECK(v.is_number_integer(), kBadArgument, "{}: key '{}' must be an integer, got {}", where_,
+                         key, describe_json(v));
+    // Above 2^63 - 1, get<int64_t>() would wrap to a negative number.
+    STRATA_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{INT64_MAX}, kBadArgument,
+                         "{}: key '{}' is {}, larger than any model dimension (at most 2^63 - 1)",
+                         where_, key, describe_json(v));
+    return v.get<int64_t>();
+  }
+  double number(const char* key, std::optional<double> fallback) {
+    const json& v = read(key);
+    if (v.is_null()) {
+      STRATA_CHECK(fallback.has_value(), kBadArgument, "{}: required key '{}' is missing", where_, key);
+      return *fallback;
+    }
+    STRATA_CHECK(v.is_number(), kBadArgument, "{}: key '{}' must be a number, got {}", where_, key,
+                         describe_json(v));
+    const double d = v.get<double>();
+    STRATA_CHECK(std::isfinite(d), kBadArgument, "{}: key '{}' must be finite, got {}", where_, key,
+                         describe_json(v));
+    return d;
+  }
+  bool boolean(const char* key, bool fallback) {
+    const json& v = read(key);
+    if (v.is_null()) return fallback;
+    STRATA_CHECK(v.is_boolean(), kBadArgument, "{}: key '{}' must be true or false, got {}", where_, key,
+                         describe_json(v));
+    return v.get<bool>();
+  }
+  // A key whose only supported value is `want` (or absent/null).
+  void require(const char* key, const json& want, const std::string& why) {
+    const json& v = read(key);
+    if (v.is_null() || v == want) return;
+    // 0 and 0.0 are the same dropout.
+    if (v.is_number() && want.is_number() && v.get<double>() == want.get<double>()) return;
+    raise(ErrorCategory::kBadArgument, "{}: key '{}' is {}; {}", where_, key, describe_json(v),
+          why);
+  }
+  // Every key not read: harmless ones pass, the rest are refused by name;
+  // `reader` is the transformers code that would read them.
+  void refuse_unread(const std::string& model_type, const std::string& reader);
+
+ private:
+  const json& j_;
+  std::string where_;
+  std::set<std::string, std::less<>> read_;
+};
+
+// Generic Hugging Face keys (PretrainedConfig's, generation settings, tool
+// stamps) that no computation of these models reads: a training step is the
+// same whatever their value.
+bool harmless_key(std::string_view key) {
+  static const std::set<std::string_view> kKeys = {
+      // PretrainedConfig bookkeeping and outputs.
+      "transformers_version", "torch_dtype", "dtype", "_name_or_path", "name_or_path",
+      "_commit_hash", "use_cache", "initializer_range", "output_hidden_states", "output_attentions",
+      "return_dict", "use_return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss",
+      "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+      "_experts_implementation", "is_decoder", "chunk_size_feed_forward", "problem_type",
+      "finetuning_task", "id2label", "label2id", "num_labels", "tokenizer_class", "prefix",
+      "task_specific_params", "cross_attention_hidden_size",
+      // Special tokens (pad_token_id is read: it changes the embedding's gradient).
+      "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+      // Generation settings of older configs.
+      "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+      "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+      "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+      "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+      "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+      "suppress_tokens", "begin_suppress_tokens",
+      // Llama's pretraining_tp splits a GEMM into slices (the same product);
+      // nanotron and transformers.js stamps; fine-tuning tools' stamps.
+      "pretraining_tp", "is_llama_config", "transformers.js_config", "unsloth_version",
+      "unsloth_fixed"};
+  return kKeys.contains(key);
+}
+
+void Reader::refuse_unread(const std::string& model_type, const std::string& reader) {
+  for (auto it = j_.begin(); it != j_.end(); ++it) {
+    const std::string& key = it.key();
+    if (read_.contains(key) || harmless_key(key)) continue;
+    const json& v = it.value();
+    if (key == "quantization_config") {
+      raise(ErrorCategory::kBadArgument,
+            "{}: key 'quantization_config' is set: the weights are quantized, and strata trains "
+            "full-precision "
+            "weights only (load the unquantized model)",
+            where_);
+    }
+    if (key == "auto_map") {
+      raise(ErrorCategory::kBadArgument,
+            "{}: key 'auto_map' names custom modeling code, which transformers would run instead "
+            "of its {}; "
+            "strata computes {} only (remove auto_map if the model really is one)",
+            where_, reader, reader);
+    }
+    if (key == "rope_interleaved" && v == false)
+      continue;  // nanotron: the rotate_half layout, as here
+    if ((key == "is_encoder_decoder" || key == "add_cross_attention" ||
+         key == "tie_encoder_decoder") &&
+        v == false) {
+      continue;
+    }
+    if (key == "pruned_heads" && (v.is_null() || v.empty())) continue;
+    raise(ErrorCategory::kBadArgument,
+          "{}: key '{}' is {}: strata does not read it for model_type \"{}\" and does not know "
+          "that it leaves the "
+          "model unchanged, so it refuses to train what might be another model. If transformers' "
+          "{} ignores "
+          "the key, remove it from config.json",
+          where_, key_text(key), describe_json(v), model_type, reader);
+  }
+}
+
+// Model types people ask for that strata does not compute, with what they need.
+std::string unsupported_reason(std::string_view model_type) {
+  static const std::map<std::string_view, std::string_view> kReasons = {
+      {"gemma", "Gemma needs GeGLU with gelu-tanh, (1 + w) RMSNorm and a scaled embedding"},
+      {"gemma2",
+       "Gemma 2 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms after "
+       "attention and MLP, and logit soft-capping"},
+      {"gemma3",
+       "Gemma 3 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms, q/k "
+       "norms and alternating local/global layers with two RoPE bases (and a vision tower)"},
+      {"gemma3_text",
+       "Gemma 3 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms, "
+       "q/k norms and alternating local/global layers with two RoPE bases"},
+      {"phi3",
+       "Phi-3 has fused qkv_proj and gate_up_proj weights and its own RoPE scaling (longrope)"},
+      {"phi",
+       "Phi has LayerNorm, GELU, a parallel attention/MLP block and partial rotary embedding"},
+      {"olmo2",
+       "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
+      {"olmo", "OLMo has non-parametric LayerNorm"},
+      {"mixtral", "Mixtral is a mixture of experts"},
+      {"qwen2_moe", "Qwen2-MoE is a mixture of experts"},
+      {"qwen3_moe", "Qwen3-MoE is a mixture of experts"},
+      {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
+      {"deepseek_v3", "DeepSeek-V3 is a mixture of experts with multi-head latent attention"},
+      {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
+      {"gpt2", "GPT-2 has learned positions, LayerNorm and GELU"},
+      {"gpt_neox", "GPT-NeoX has LayerNorm, GELU, partial rotary embedding and a parallel block"},
+      {"starcoder2", "StarCoder2 has LayerNorm, GELU and biases everywhere"},
+      {"cohere", "Command-R has LayerNorm, a parallel block and logit scaling"},
+      {"stablelm", "StableLM has LayerNorm and partial rotary embedding"},
+      {"qwen2_vl", "Qwen2-VL has a vision tower and multimodal RoPE"},
+      {"qwen2_5_vl", "Qwen2.5-VL has a vision tower and multimodal RoPE"},
+      {"mllama", "Llama 3.2 Vision has a vision tower and cross-attention layers"},
+  };
+  const auto it = kReasons.find(model_type);
+  return it == kReasons.end() ? std::string() : fmt::format(" ({})", it->second);
+}
+
+struct Family {
+  const char* model_type;
+  const char* architecture;  // the one architectures entry transformers builds it from
+  std::optional<int64_t>
+      kv_heads_default;  // absent num_key_value_heads; nullopt: num_attention_heads
+  std::optional<int64_t> head_dim_default;  // nullopt: hidden_size / num_attention_heads
+  int64_t max_positions_default;
+};
+
+constexpr Family kFamilies[] = {
+    {"llama", "LlamaForCausalLM", std::nullopt, std::nullopt, 2048},
+    {"mistral", "MistralForCausalLM", 8, std::nullopt, 4096 * 32},
+    {"qwen2", "Qwen2ForCausalLM", 32, std::nullopt, 32768},
+    {"qwen3", "Qwen3ForCausalLM", 32, 128, 32768},
+};
+
+const Family& family_of(Reader& r) {
+  const json& type = r.read("model_type");
+  const json& archs = r.read("architectures");
+  if (type.is_null()) {
+    // strata's own sizes-only configs have neither; an HF config always has model_type.
+    STRATA_CHECK(
+        archs.is_null() || archs == json::array({"LlamaForCausalLM"}), kBadArgument,
+        "{}: no model_type, but architectures is {}: give model_type (supported: {})", r.where(),
+        describe_json(archs), supported_model_types());
+    return kFamilies[0];
+  }
+  STRATA_CHECK(type.is_string(), kBadArgument, "{}: key 'model_type' must be a string, got {}", r.where(),
+                       describe_json(type));
+  const std::string name = type.get<std::string>();
+  const Family* family = nullptr;
+  for (const Family& f : kFamilies) {
+    if (name == f.model_type) family = &f;
+  }
+  STRATA_CHECK(family != nullptr, kBadArgument,
+                       "{}: model_type \"{}\" is not supported{}; strata fine-tunes model_type {}",
+                       r.where(), key_text(name), unsupported_reason(name),
+                       supported_model_types());
+  if (!archs.is_null()) {
+    STRATA_CHECK(
+        archs == json::array({family->architecture}), kBadArgument,
+        "{}: architectures is {} with model_type \"{}\"; strata trains [\"{}\"] (a causal language "
+        "model with its lm_head) only",
+        r.where(),
+        archs.is_array() && archs.size() == 1 ? describe_json(archs[0]) : describe_json(archs),
+        name, family->architecture);
+  }
+  return *family;
+}
+
+// RoPE: transformers 5's rope_parameters, or rope_theta with the older
+// rope_scaling (which wins when both are set; strata refuses the ambiguity).
+ops::Rope read_rope(Reader& r, const LlamaConfig& c) {
+  ops::Rope rope;
+  rope.theta = r.number("rope_theta", 10000.0);
+  const bool nested = r.present("rope_parameters"), legacy = r.present("rope_scaling");
+  r.read("rope_parameters");
+  r.read("rope_scaling");
+  STRATA_CHECK(
+      !(nested && legacy), kBadArgument,
+      "{}: both 'rope_parameters' and 'rope_scaling' are set; give one (transformers would use "
+      "rope_scaling)",
+      r.where());
+  const json* params = nested   ? &r.read("rope_parameters")
+                       : legacy ? &r.read("rope_scaling")
+                                : nullptr;
+  const std::string where = r.where() + (nested ? ": rope_parameters" : ": rope_scaling");
+  if (params != nullptr) {
+    STRATA_CHECK(params->is_object(), kBadArgument, "{} must be an object, got {}", where,
+                         describe_json(*params));
+    Reader p(*params, where);
+    const json& type = p.present("rope_type") ? p.read("rope_type") : p.read("type");
+    p.accept("type");
+    const std::string name = type.is_null()     ? "default"
+                             : type.is_string() ? type.get<std::string>()
+                                                : "";
+    STRATA_CHECK(
+        name == "default" || name == "linear" || name == "llama3", kBadArgument,
+        "{}: rope_type {} is not supported: strata computes \"default\", \"linear\" and \"llama3\" "
+        "RoPE "
+        "(yarn, dynamic, longrope and the others change the frequencies or the attention scale)",
+        where, describe_json(type));
+    rope.theta = p.number("rope_theta", rope.theta);
+    p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+    if (name == "linear") {
+      rope.type = ops::RopeType::kLinear;
+      rope.factor = p.number("factor", std::nullopt);
+    } else if (name == "llama3") {
+      rope.type = ops::RopeType::kLlama3;
+      rope.factor = p.number("factor", std::nullopt);
+      rope.low_freq_factor = p.number("low_freq_factor", std::nullopt);
+      rope.high_freq_factor = p.number("high_freq_factor", std::nullopt);
+      // transformers: a top-level original_max_position_embeddings wins, then
+      // the rope's own, then max_position_embeddings.
+      const double own = p.number("original_max_position_embeddings",
+                                  static_cast<double>(c.max_position_embeddings));
+      rope.original_max_position_embeddings = r.number("original_max_position_embeddings", own);
+    }
+    p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
+  }
+  r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+  return rope;  // its values are checked by LlamaConfig::validate
+}
+
+// Mistral: sliding_window on every layer (default 4096 when absent, none when null).
+void read_mistral_window(Reader& r, LlamaConfig& c) {
+  if (!r.contains("sliding_window")) {
+    c.sliding_window = 4096;  // MistralConfig's default
+    r.accept("sliding_window");
+  } else if (r.present("sliding_window")) {
+    c.sliding_window = r.integer("sliding_window", std::nullopt);
+    STRATA_CHECK(
+        c.sliding_window > 0, kBadArgument,
+        "{}: key 'sliding_window' is {}; a window holds at least one token (null: none)", r.where(),
+        c.sliding_window);
+  } else {
+    r.accept("sliding_window");  // null: no window
+  }
+  if (r.present("layer_types")) {
+    raise(ErrorCategory::kBadArgument,
+          "{}: key 'layer_types' is set on a mistral model, which transformers' MistralForCausalLM "
+          "does not read "
+          "(it is a Ministral-style model with alternating layers); strata refuses it",
+          r.where());
+  }
+  r.require("use_sliding_window", json(false),
+            "transformers' MistralForCausalLM does not read it; the window is "
+            "sliding_window");
+  r.accept("max_window_layers");
+}
+
+// Qwen2/Qwen3: use_sliding_window gates sliding_window; layer_types (or, when
+// absent, the layers from max_window_layers on) say which layers use it.
+void read_qwen_window(Reader& r, LlamaConfig& c) {
+  // DeepSeek-R1's Qwen distillations carry Qwen2-VL's multimodal-RoPE switch,
+  // which Qwen2ForCausalLM does not read: off is the text model.
+  r.require("use_mrope", nlohmann::json(false), "multimodal RoPE is Qwen2-VL's; this is a text model");
+  const bool use = r.boolean("use_sliding_window", false);
+  const int64_t window =
+      r.contains("sliding_window") ? r.integer("sliding_window", int64_t{0}) : 4096;
+  const int64_t max_window_layers = r.integer("max_window_layers", int64_t{28});
+  std::vector<bool> sliding;
+  const json& types = r.read("layer_types");
+  if (!types.is_null()) {
+    STRATA_CHECK(
+        types.is_array() && static_cast<int64_t>(types.size()) == c.num_hidden_layers, kBadArgument,
+        "{}: key 'layer_types' must list one type per layer ({}), got {}", r.where(),
+        c.num_hidden_layers, describe_json(types));
+    for (const json& t : types) {
+      STRATA_CHECK(
+          t == "full_attention" || t == "sliding_attention", kBadArgument,
+          "{}: layer_types holds {}; strata computes \"full_attention\" and \"sliding_attention\"",
+          r.where(), describe_json(t));
+      sliding.push_back(t == "sliding_attention");
+    }
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      sliding.push_back(use && window > 0 && l >= max_window_layers);
+  }
+  bool any = false;
+  for (bool s : sliding) any = any || s;
+  if (!use) {
+    STRATA_CHECK(!any, kBadArgument,
+                         "{}: layer_types has sliding_attention layers but use_sliding_window is "
+                         "false (transformers then "
+                         "has no sliding_window to apply); strata refuses the contradiction",
+                         r.where());
+    return;
+  }
+  STRATA_CHECK(window > 0, kBadArgument, "{}: use_sliding_window is true but sliding_window is {}",
+                       r.where(), window);
+  if (!any) return;  // the window applies to no layer
+  c.sliding_window = window;
+  c.sliding_layers = std::move(sliding);
+}
+
+}  // namespace
+
+LlamaConfig parse_llama_config(const json& j, const std::string& source) {
+  STRATA_CHECK(j.is_object(), kBadArgument, "{}: expected a JSON object", source);
+  Reader r(j, source);
+  const Family& family = family_of(r);
+  LlamaConfig c;
+  c.model_type = family.model_type;
+  c.source = j;
+  const std::string mt = c.model_type;
+  const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
+             qwen3 = mt == "qwen3";
+  r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
+  r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
+  c.vocab_size = r.integer("vocab_size", std::nullopt);
+  c.hidden_size = r.integer("hidden_size", std::nullopt);
+  c.intermediate_size = r.integer("intermediate_size", std::nullopt);
+  c.num_hidden_layers = r.integer("num_hidden_layers", std::nullopt);
+  c.num_attention_heads = r.integer("num_attention_heads", std::nullopt);
+  c.num_key_value_heads = r.contains("num_key_value_heads")
+                              ? r.integer("num_key_value_heads", c.num_attention_heads)
+                              : family.kv_heads_default.value_or(c.num_attention_heads);
+  const int64_t derived_head_dim =
+      c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+  c.head_dim = r.integer("head_dim", family.head_dim_default.value_or(derived_head_dim));
+  if (mistral && c.head_dim == 0)
+    c.head_dim = derived_head_dim;  // Mistral: "head_dim or hidden // heads"
+  c.max_position_embeddings = r.integer("max_position_embeddings", family.max_positions_default);
+  c.rms_norm_eps = r.number("rms_norm_eps", 1e-6);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
+  c.pad_token_id = r.integer("pad_token_id", int64_t{-1});
+  STRATA_CHECK(c.pad_token_id >= -1, kBadArgument,
+                       "{}: key 'pad_token_id' is {}; expected a token id or null", source,
+                       c.pad_token_id);
+  c.rope = read_rope(r, c);
+  const std::string no_bias =
+      fmt::format("transformers' {} has no such biases", family.architecture);
+  if (llama) {
+    c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+    c.mlp_bias = r.boolean("mlp_bias", false);
+  } else if (qwen3) {
+    c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  } else {
+    // Mistral has none and Qwen2 always has q/k/v (never o) biases, whatever attention_bias says.
+    r.require("attention_bias", json(false),
+              no_bias + " switch (Qwen2: q/k/v biases always, o_proj none)");
+    c.attention_qkv_bias = qwen2;
+  }
+  if (!llama) r.require("mlp_bias", json(false), no_bias + " (mlp_bias is llama's)");
+  c.qk_norm = qwen3;
+  if (mistral) {
+    read_mistral_window(r, c);
+  } else if (qwen2 || qwen3) {
+    read_qwen_window(r, c);
+  } else {
+    r.require("sliding_window", json(nullptr),
+              "transformers' LlamaForCausalLM has no sliding window");
+    r.require("use_sliding_window", json(false),
+              "transformers' LlamaForCausalLM has no sliding window");
+    r.accept("max_window_layers");
+    if (r.present("layer_types")) {
+      for (const json& t : r.read("layer_types")) {
+        STRATA_CHECK(
+            t == "full_attention", kBadArgument,
+            "{}: layer_types holds {}; transformers' LlamaForCausalLM attends fully in every layer",
+            source, describe_json(t));
+      }
+    }
+  }
+  r.refuse_unread(mt, family.architecture);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    raise(ErrorCategory::kBadArgument, "{}: {}", source, e.message());
+  }
+  return c;
+}
+
+}  // namespace strata::nn

@@ -1,0 +1,324 @@
+// config.json of each supported family read as transformers reads it (its
+// defaults, its keys), the tensor list the model declares, to_json keeping the
+// source's keys, and every refusal: another model_type, a math-changing key or
+// value strata does not compute, a key it does not know.
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "core/error.h"
+#include "runtime/nn/llama_config.h"
+#include "runtime/nn/llama_model.h"
+#include "runtime/nn/safetensors.h"
+#include "runtime/plan/runtime_memory.h"
+#include "tests/nn/engine_rig.h"
+
+using namespace strata;
+using namespace strata::nn;
+using nlohmann::json;
+
+namespace {
+
+std::string fixture(const std::string& name) {
+  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+}
+
+json fixture_config(const std::string& name) {
+  std::ifstream in(fixture(name) + "/config.json");
+  REQUIRE(in.good());
+  return json::parse(in);
+}
+
+// parse_llama_config(j) must fail with kBadArgument and a message holding every needle.
+void expect_refused(const json& j, std::initializer_list<std::string> needles) {
+  try {
+    parse_llama_config(j);
+    FAIL("accepted: " << j.dump());
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.category() == ErrorCategory::kBadArgument);
+    for (const std::string& n : needles) CHECK_THAT(e.what(), Catch::Contains(n));
+  }
+}
+
+const char* const kCases[] = {"llama_untied_f32", "llama_tied_bf16", "llama3_untied_f32", "llama3_tied_bf16",
+                              "mistral_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen2_tied_bf16",
+                              "qwen3_untied_f32", "qwen3_tied_bf16"};
+
+}  // namespace
+
+TEST_CASE("families: each fixture's config.json reads as its family", "[nn][config][families]") {
+  const LlamaConfig llama3 = parse_llama_config(fixture_config("llama3_untied_f32"));
+  CHECK(llama3.model_type == "llama");
+  CHECK(llama3.rope.type == ops::RopeType::kLlama3);
+  CHECK(llama3.rope.theta == 10.0);
+  CHECK(llama3.rope.factor == 8.0);
+  CHECK(llama3.rope.high_freq_factor == 2.0);
+  CHECK(llama3.rope.original_max_position_embeddings == 16.0);
+  CHECK(!llama3.attention_qkv_bias);
+
+  const LlamaConfig mistral = parse_llama_config(fixture_config("mistral_untied_f32"));
+  CHECK(mistral.model_type == "mistral");
+  CHECK(mistral.attention_mask(0).window == 3);
+  CHECK(mistral.attention_mask(1).window == 3);
+
+  const LlamaConfig qwen2 = parse_llama_config(fixture_config("qwen2_untied_f32"));
+  CHECK(qwen2.attention_qkv_bias);
+  CHECK(!qwen2.attention_o_bias);
+  CHECK(qwen2.attention_mask(0).window == 0);  // layer_types: full, then sliding
+  CHECK(qwen2.attention_mask(1).window == 4);
+  CHECK(qwen2.pad_token_id == 5);
+
+  const LlamaConfig qwen3 = parse_llama_config(fixture_config("qwen3_tied_bf16"));
+  CHECK(qwen3.qk_norm);
+  CHECK(qwen3.tie_word_embeddings);
+  CHECK(qwen3.attention_mask(1).window == 0);
+}
+
+TEST_CASE("families: absent keys take the family's transformers default", "[nn][config][families]") {
+  const json sizes = {{"vocab_size", 32}, {"hidden_size", 64}, {"intermediate_size", 96},
+                      {"num_hidden_layers", 2}, {"num_attention_heads", 4}};
+  json j = sizes;
+  j["model_type"] = "llama";
+  CHECK(parse_llama_config(j).num_key_value_heads == 4);
+  CHECK(parse_llama_config(j).head_dim == 16);
+  CHECK(parse_llama_config(j).max_position_embeddings == 2048);
+  j["model_type"] = "mistral";  // MistralConfig: 8 kv heads, a 4096-token window
+  j["num_attention_heads"] = 8;
+  CHECK(parse_llama_config(j).num_key_value_heads == 8);
+  CHECK(parse_llama_config(j).sliding_window == 4096);
+  j["sliding_window"] = nullptr;
+  CHECK(parse_llama_config(j).sliding_window == 0);
+  j = sizes;
+  j["model_type"] = "qwen3";  // Qwen3Config: head_dim 128, 32 kv heads
+  j["num_attention_heads"] = 32;
+  j["hidden_size"] = 256;
+  CHECK(parse_llama_config(j).head_dim == 128);
+  CHECK(parse_llama_config(j).num_key_value_heads == 32);
+  CHECK(parse_llama_config(j).qk_norm);
+  // Qwen2: the window from max_window_layers on, only with use_sliding_window.
+  j = sizes;
+  j["model_type"] = "qwen2";
+  j["num_hidden_layers"] = 4;
+  j["num_key_value_heads"] = 2;
+  j["sliding_window"] = 5;
+  j["max_window_layers"] = 2;
+  CHECK(parse_llama_config(j).sliding_window == 0);
+  j["use_sliding_window"] = true;
+  const LlamaConfig q = parse_llama_config(j);
+  CHECK(q.attention_mask(1).window == 0);
+  CHECK(q.attention_mask(2).window == 5);
+  CHECK(q.attention_mask(3).window == 5);
+  // Llama 3.1 in the older style: rope_theta beside rope_scaling; the
+  // original context defaults to max_position_embeddings.
+  j = sizes;
+  j["rope_theta"] = 500000.0;
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0}};
+  j["max_position_embeddings"] = 8192;
+  const LlamaConfig l = parse_llama_config(j);
+  CHECK(l.rope.theta == 500000.0);
+  CHECK(l.rope.original_max_position_embeddings == 8192.0);
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  CHECK(parse_llama_config(j).rope.type == ops::RopeType::kLinear);
+}
+
+TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
+  const json base = fixture_config("llama_untied_f32");
+  // Other architectures, with what they would need.
+  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen3_moe"}) {
+    json j = base;
+    j["model_type"] = type;
+    expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
+                       "qwen3"});
+  }
+  json j = base;
+  j["model_type"] = "mixtral";
+  expect_refused(j, {"mixture of experts"});
+  j = base;
+  j["architectures"] = {"LlamaForSequenceClassification"};
+  expect_refused(j, {"LlamaForSequenceClassification", "LlamaForCausalLM"});
+  j = base;
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  expect_refused(j, {"Qwen2ForCausalLM", "model_type \"llama\""});
+  j = base;
+  j.erase("model_type");
+  j["architectures"] = {"MistralForCausalLM"};
+  expect_refused(j, {"no model_type"});
+  // Math-changing values strata does not compute.
+  j = base;
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0},
+                          {"original_max_position_embeddings", 32}};
+  expect_refused(j, {"rope_type \"yarn\"", "\"default\", \"linear\" and \"llama3\""});
+  j = base;
+  j["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  expect_refused(j, {"partial_rotary_factor", "0.5"});
+  j = base;
+  j["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 1e4}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                          {"high_freq_factor", 4.0}, {"mscale", 1.0}};
+  expect_refused(j, {"'mscale'"});
+  j = base;
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  expect_refused(j, {"both 'rope_parameters' and 'rope_scaling'"});
+  j = base;
+  j["hidden_act"] = "gelu_pytorch_tanh";
+  expect_refused(j, {"hidden_act", "gelu_pytorch_tanh", "silu"});
+  j = base;
+  j["attention_dropout"] = 0.1;
+  expect_refused(j, {"attention_dropout", "no dropout"});
+  j = base;
+  j["sliding_window"] = 16;
+  expect_refused(j, {"sliding_window", "LlamaForCausalLM has no sliding window"});
+  j = base;
+  j["quantization_config"] = {{"quant_method", "bitsandbytes"}};
+  expect_refused(j, {"quantization_config", "quantized"});
+  j = base;
+  j["auto_map"] = {{"AutoModelForCausalLM", "modeling_x.XForCausalLM"}};
+  expect_refused(j, {"auto_map", "custom modeling code"});
+  j = base;
+  j["hidden_activation"] = "gelu_pytorch_tanh";  // Gemma's key: unknown here
+  expect_refused(j, {"key 'hidden_activation'", "does not read it for model_type \"llama\""});
+
+  // A family's keys set to what that family does not have.
+  j = fixture_config("mistral_untied_f32");
+  j["attention_bias"] = true;
+  expect_refused(j, {"attention_bias", "MistralForCausalLM has no such biases"});
+  j = fixture_config("mistral_untied_f32");
+  j["sliding_window"] = 0;
+  expect_refused(j, {"sliding_window", "at least one token"});
+  j = fixture_config("qwen2_untied_f32");
+  j["attention_bias"] = true;
+  expect_refused(j, {"attention_bias", "Qwen2: q/k/v biases always"});
+  j = fixture_config("qwen2_untied_f32");
+  j["mlp_bias"] = true;
+  expect_refused(j, {"mlp_bias"});
+  j = fixture_config("qwen2_untied_f32");
+  j["use_sliding_window"] = false;
+  expect_refused(j, {"layer_types has sliding_attention layers but use_sliding_window is false"});
+  j = fixture_config("qwen2_untied_f32");
+  j["use_mrope"] = true;
+  expect_refused(j, {"use_mrope"});
+  j["use_mrope"] = false;  // DeepSeek-R1-Distill-Qwen's configs
+  CHECK_NOTHROW(parse_llama_config(j));
+  j = fixture_config("qwen3_untied_f32");
+  j["layer_types"] = {"full_attention", "chunked_attention"};
+  expect_refused(j, {"chunked_attention"});
+}
+
+TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's keys", "[nn][config][families]") {
+  for (const char* name : kCases) {
+    INFO(name);
+    const json source = fixture_config(name);
+    const LlamaConfig c = parse_llama_config(source);
+    const json out = c.to_json();
+    // Every key of the source is still there, with model_type never relabelled.
+    for (const auto& [key, value] : source.items()) {
+      INFO(key);
+      CHECK(out.contains(key));
+    }
+    CHECK(out["model_type"] == source["model_type"]);
+    CHECK(out["rope_parameters"] == source["rope_parameters"]);
+    if (source.contains("layer_types")) CHECK(out["layer_types"] == source["layer_types"]);
+    // It reads back as the same model.
+    CHECK(parse_llama_config(out).to_json() == out);
+    const json hf = c.to_hf_json(DType::kBF16);
+    CHECK(hf["torch_dtype"] == "bfloat16");
+    CHECK(hf["dtype"] == "bfloat16");
+  }
+  json j = fixture_config("llama_untied_f32");
+  j["transformers.js_config"] = {{"dtype", "q4"}};
+  j["is_llama_config"] = true;
+  j["rope_interleaved"] = false;
+  j["temperature"] = 0.7;
+  CHECK_NOTHROW(parse_llama_config(j));
+  j["rope_interleaved"] = true;
+  expect_refused(j, {"rope_interleaved"});
+}
+
+TEST_CASE("families: the model declares exactly hf_tensors, and the count includes biases and norms",
+          "[nn][config][families]") {
+  for (const char* name : kCases) {
+    INFO(name);
+    const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
+    test::Rig rig;
+    LlamaModel model(*rig.engine, c);
+    const std::vector<HfTensor> tensors = hf_tensors(c);
+    const std::vector<ParamId> params = model.parameters();
+    REQUIRE(params.size() == tensors.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      CHECK(rig.engine->param_info(params[i]).name == tensors[i].name);
+      CHECK(rig.engine->param_info(params[i]).shape == tensors[i].shape);
+    }
+    // The checkpoint transformers wrote holds the same tensors: the count is the file's.
+    const SafetensorsFile file = SafetensorsFile::open(fixture(name) + "/model.safetensors");
+    int64_t in_file = 0;
+    for (const std::string& t : file.names()) in_file += shape_numel(file.entry(t).shape);
+    CHECK(c.parameter_count() == in_file);
+  }
+}
+
+TEST_CASE("families: the README's example configs and real checkpoints' key sets are read", "[nn][config][families]") {
+  // The four examples of README.md "Models".
+  const char* const examples[] = {
+      R"({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+ "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+ "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "tie_word_embeddings": true,
+ "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+ "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})",
+      R"({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 32768, "hidden_size": 4096,
+ "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+ "max_position_embeddings": 32768, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": null})",
+      R"({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+ "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+ "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+ "tie_word_embeddings": true, "use_sliding_window": false, "sliding_window": 32768, "max_window_layers": 21})",
+      R"({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 1024,
+ "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+ "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+ "tie_word_embeddings": true, "attention_bias": false, "use_sliding_window": false})"};
+  const int64_t counts[] = {1235814400, 7248023552, 494032768, 596049920};  // as transformers counts them
+  for (size_t i = 0; i < 4; ++i) {
+    const LlamaConfig c = parse_llama_config(json::parse(examples[i]));
+    INFO(c.model_type);
+    CHECK(c.parameter_count() == counts[i]);
+    CHECK(c.sliding_window == 0);
+  }
+  // A SmolLM2-style config: nanotron and transformers.js stamps, a padding token.
+  const json smol = json::parse(R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576,
+    "initializer_range": 0.041666666666666664, "intermediate_size": 1536, "is_llama_config": true,
+    "max_position_embeddings": 8192, "mlp_bias": false, "model_type": "llama", "num_attention_heads": 9,
+    "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_interleaved": false, "rope_scaling": null, "rope_theta": 100000,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
+    "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+    "use_cache": true, "vocab_size": 49152})");
+  const LlamaConfig c = parse_llama_config(smol);
+  CHECK(c.pad_token_id == 2);
+  CHECK(c.parameter_count() == 134515008);
+}
+
+TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations included",
+          "[nn][config][families]") {
+  for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32"}) {
+    const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
+    for (const bool checkpointing : {false, true}) {
+      INFO(name << " checkpointing " << checkpointing);
+      test::Rig rig;
+      LlamaModelOptions options;
+      options.checkpoint_activations = checkpointing;
+      LlamaModel model(*rig.engine, c, options);
+      rig.engine->finalize();
+      initialize_parameters(*rig.engine, model.parameters(), 7);
+      const int64_t batch = 2, seq = 9;
+      std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
+      model.forward(ids, targets, batch, seq);
+      model.backward();
+      CHECK(std::isfinite(model.loss()));
+      CHECK(plan::llama_arena_nbytes(c, DType::kF32, batch, seq, checkpointing, false) == model.arena_nbytes());
+    }
+  }
+}

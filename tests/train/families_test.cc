@@ -1,0 +1,207 @@
+// Each family as a user fine-tunes it, in real `strata finetune` processes on
+// the fixtures transformers wrote: import, a few steps, export; the export
+// holds the source's model_type, architectures and keys and exactly the
+// architecture's tensors (names, shapes, dtype), and loading it back gives
+// the loss the run would have had on its next step. A Qwen3 model trains
+// under ZeRO-3 with parameters and optimizer state on NVMe on 2 ranks. (That
+// transformers loads each export as the same model with the same loss is
+// checked by hand with scripts/check-export; see docs/DESIGN.md.)
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "runtime/nn/llama_config.h"
+#include "runtime/nn/safetensors.h"
+#include "tests/support/finetune_files.h"
+#include "tests/support/run_command.h"
+#include "tests/support/temp_dir.h"
+
+using strata::test::run_command;
+using strata::test::strata_binary;
+using strata::test::write_file;
+using nlohmann::json;
+
+namespace {
+
+std::string fixture(const std::string& name) {
+  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  return json::parse(in);
+}
+
+std::vector<json> read_jsonl(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<json> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(json::parse(line));
+  return lines;
+}
+
+// seq + 1 tokens as raw uint16: one window, so every step trains on the same
+// batch and a later run's step can be compared with an earlier run's.
+std::string one_window(const strata::test::TempDir& dir, int vocab, int seq) {
+  const std::string path = dir.file("tokens.u16");
+  std::ofstream out(path, std::ios::binary);
+  for (int i = 0; i <= seq; ++i) {
+    const auto t = static_cast<uint16_t>((i * 7 + 3) % vocab);
+    out.write(reinterpret_cast<const char*>(&t), sizeof t);
+  }
+  REQUIRE(out.good());
+  return path;
+}
+
+// The fp32 AdamW run of the round trips: a learning rate that moves the loss visibly.
+const char* const kFp32Config = R"({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+  "zero_optimization": {"stage": 3}})";
+
+// The export in `dir` against the source model `source`: config.json keeps
+// every source key and model_type, the weights are exactly hf_tensors in `dtype`.
+void check_export(const std::string& dir, const std::string& source, const std::string& dtype) {
+  const json src = read_json(source + "/config.json"), out = read_json(dir + "/config.json");
+  for (const auto& [key, value] : src.items()) {
+    INFO("config key " << key);
+    CHECK(out.contains(key));
+    if (key != "dtype" && key != "torch_dtype") CHECK(out[key] == value);
+  }
+  CHECK(out["model_type"] == src["model_type"]);
+  const strata::nn::LlamaConfig c = strata::nn::parse_llama_config(out);
+  const json archs = {c.model_type == "llama"     ? "LlamaForCausalLM"
+                      : c.model_type == "mistral" ? "MistralForCausalLM"
+                      : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                                                  : "Qwen3ForCausalLM"};
+  CHECK(out["architectures"] == archs);
+  CHECK(out["torch_dtype"] == (dtype == "F32" ? "float32" : "bfloat16"));
+  const strata::nn::SafetensorsFile file = strata::nn::SafetensorsFile::open(dir + "/model.safetensors");
+  const std::vector<strata::nn::HfTensor> tensors = strata::nn::hf_tensors(c);
+  CHECK(file.names().size() == tensors.size());
+  for (const auto& t : tensors) {
+    INFO("tensor " << t.name);
+    REQUIRE(file.contains(t.name));
+    CHECK(file.entry(t.name).shape == t.shape);
+    CHECK(std::string(strata::nn::safetensors_dtype_name(file.entry(t.name).dtype)) == dtype);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("families: import, fine-tune, export and load back give the next step's loss", "[finetune][families]") {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3"}) {
+    INFO(family);
+    strata::test::TempDir dir("families");
+    const std::string model = fixture(std::string(family) + "_untied_f32");
+    const std::string data = one_window(dir, 37, 7);
+    const std::string config = write_file(dir, "ds.json", kFp32Config);
+    const std::string common = strata_binary() + " finetune --config " + config + " --data " + data +
+                               " --data-format u16 --seq 7 ";
+    const auto first = run_command(common + "--model " + model + " --steps 3 --out " + dir.file("a") +
+                                   " --export " + dir.file("export") + " --export-dtype fp32 2>&1");
+    INFO(first.output);
+    REQUIRE(first.exit_code == 0);
+    check_export(dir.file("export"), model, "F32");
+    // The same run one step longer, and a run from the export: the export's
+    // first loss is the step the first run did not take.
+    const auto longer = run_command(common + "--model " + model + " --steps 4 --out " + dir.file("b") + " 2>&1");
+    INFO(longer.output);
+    REQUIRE(longer.exit_code == 0);
+    const auto again = run_command(common + "--model " + dir.file("export") + " --steps 1 --out " +
+                                   dir.file("c") + " 2>&1");
+    INFO(again.output);
+    REQUIRE(again.exit_code == 0);
+    const auto steps = read_jsonl(dir.file("b") + "/metrics.jsonl");
+    REQUIRE(steps.size() == 4);
+    const double next = steps[3]["loss"].get<double>(), start = steps[0]["loss"].get<double>();
+    const double loaded = read_jsonl(dir.file("c") + "/metrics.jsonl").at(0)["loss"].get<double>();
+    INFO("step 1 " << start << ", step 4 " << next << ", export's first " << loaded);
+    CHECK(std::abs(start - next) > 1e-3 * start);  // training moved the model
+    CHECK(std::abs(loaded - next) <= 1e-6 * next);
+    // The source's first loss is transformers' on that batch: the golden case
+    // checks the model; here the import reads the same weights.
+    CHECK(std::isfinite(start));
+  }
+}
+
+TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with parameters and optimizer on NVMe",
+          "[finetune][families]") {
+  strata::test::TempDir dir("families-nvme");
+  const std::string swap = dir.file("swap");
+  const std::string model = fixture("qwen3_tied_bf16");
+  const std::string data = one_window(dir, 37, 7);
+  const std::string config = write_file(dir, "ds.json", R"({
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string out = dir.file("out");
+  const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                               " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 6 --out " +
+                               out + " --export " + out + "/model 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme"));
+  const auto steps = read_jsonl(out + "/metrics.jsonl");
+  REQUIRE(steps.size() == 6);
+  for (const auto& s : steps) {
+    CHECK(s["applied"].get<bool>());
+    CHECK(s["nvme_bytes"].get<uint64_t>() > 0);
+  }
+  // One batch over and over: the loss falls.
+  CHECK(steps[5]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
+  check_export(out + "/model", model, "BF16");
+}
+
+TEST_CASE("families: strata finetune refuses another architecture, or a checkpoint that is not config.json's, "
+          "before step 1",
+          "[finetune][families]") {
+  strata::test::TempDir dir("families-refused");
+  const std::string data = one_window(dir, 37, 7);
+  // A directory with a fixture's weights and an edited config.json.
+  auto model_dir = [&](const std::string& name, const std::string& source, auto edit) {
+    const std::string out = dir.file(name);
+    std::filesystem::create_directories(out);
+    json config = read_json(fixture(source) + "/config.json");
+    edit(config);
+    write_file(dir, name + "/config.json", config.dump());
+    std::filesystem::copy_file(fixture(source) + "/model.safetensors", out + "/model.safetensors");
+    return out;
+  };
+  struct Case {
+    std::string model, expect;
+  };
+  const std::vector<Case> cases = {
+      {model_dir("gemma2", "llama_untied_f32", [](json& c) { c["model_type"] = "gemma2"; }),
+       "model_type \"gemma2\" is not supported"},
+      {model_dir("yarn", "llama_untied_f32",
+                 [](json& c) {
+                   c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0},
+                                           {"original_max_position_embeddings", 32}};
+                 }),
+       "rope_type \"yarn\""},
+      {model_dir("qwen2_as_llama", "qwen2_untied_f32",
+                 [](json& c) {
+                   c["model_type"] = "llama";
+                   for (const char* k : {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+                     c.erase(k);
+                 }),
+       "tensor 'model.layers.0.self_attn.k_proj.bias'"},
+  };
+  for (const Case& c : cases) {
+    const std::string out = dir.file("out_" + std::filesystem::path(c.model).filename().string());
+    const auto run = run_command(strata_binary() + " finetune --model " + c.model + " --data " + data +
+                                 " --data-format u16 --seq 7 --steps 1 --out " + out + " 2>&1");
+    INFO(run.output);
+    CHECK(run.exit_code != 0);
+    CHECK_THAT(run.output, Catch::Contains(c.expect) && !Catch::Contains("failed at"));
+    CHECK_FALSE(std::filesystem::exists(out + "/metrics.jsonl"));  // nothing trained
+  }
+}
