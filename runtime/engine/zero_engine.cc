@@ -228,7 +228,7 @@ void ZeroEngine::on_finalize() {
         break;
       case Tier::kNvme: {
         g.swap = std::make_unique<nvme::SwapSpace>(
-            nvme::SwapSpaceOptions{options_.nvme_path, "param", rank(), true});
+            nvme::SwapSpaceOptions{options_.nvme_path, "param", rank(), true, options_.keep_swap_files});
         g.file = &g.swap->create({std::string(dtype_name(g.dtype)), shard_nbytes});
         break;
       }
@@ -261,7 +261,8 @@ void ZeroEngine::on_finalize() {
     }
     if (options_.grad_tier == Tier::kNvme) {
       if (grad_swap_ == nullptr) {
-        grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
+        grad_swap_ = std::make_unique<nvme::SwapSpace>(
+            nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true, options_.keep_swap_files});
       }
       g.grads = std::make_unique<GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
                                             std::string(dtype_name(g.dtype)));
@@ -295,6 +296,7 @@ void ZeroEngine::on_finalize() {
     swapper_options.nvme_path = options_.nvme_path;
     swapper_options.group = std::string("optimizer_") + std::string(dtype_name(g.dtype));
     swapper_options.rank = rank();
+    swapper_options.keep_files = options_.keep_swap_files;
     if (options_.optimizer_tier == Tier::kNvme) {
       // Groups share a pool while its buffers are big enough for their sub-groups.
       const size_t record = offload::OptimizerSwapper::record_nbytes(swapper_options.sub_group_numel);

@@ -266,7 +266,9 @@ int launch(const LaunchOptions& options) {
   }
 
   int first_failed = -1;
-  int interrupts = 0;
+  // Ranks that failed on their own, before strata run stopped anyone, in the order they ended.
+  std::vector<int> failures;
+  int interrupts = 0, first_signal = 0;
   bool terminated = false, killed = false;
   Clock::time_point stop_at{}, kill_at{};
   // Every rank's process group, also of ranks already reaped: their children
@@ -334,6 +336,7 @@ int launch(const LaunchOptions& options) {
     while (read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
       if (info.ssi_signo == SIGINT || info.ssi_signo == SIGTERM) {
         ++interrupts;
+        if (first_signal == 0) first_signal = static_cast<int>(info.ssi_signo);
         std::fprintf(stderr, "strata run: received %s, forwarding it to the ranks%s\n",
                      info.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM", interrupts > 1 ? " (and killing them)" : "");
         signal_all(interrupts > 1 ? SIGKILL : static_cast<int>(info.ssi_signo));
@@ -351,6 +354,7 @@ int launch(const LaunchOptions& options) {
         r.running = false;
         r.status = status;
         bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && interrupts == 0 && !terminated) failures.push_back(r.rank);
         if (failed && first_failed < 0 && interrupts == 0) {
           first_failed = r.rank;
           // What happens next, as the grace period decides it.
@@ -394,11 +398,34 @@ int launch(const LaunchOptions& options) {
   sigaction(SIGTERM, &old_term, nullptr);
   sigprocmask(SIG_SETMASK, &original, nullptr);
 
-  if (interrupts > 0) return 130;
+  if (interrupts > 0) return 128 + first_signal;  // 130 after Ctrl-C, 143 after SIGTERM, as a shell reports them
   if (first_failed >= 0) {
-    const Rank& failed =
-        ranks[static_cast<size_t>(first_failed - int64_t{options.node_rank} * options.nproc_per_node)];
-    std::fprintf(stderr, "strata run: failed: rank %d %s\n", failed.rank, describe_status(failed.status).c_str());
+    // The cause: the first rank that failed on its own account. A rank whose
+    // peer died fails too, often first (its collective breaks while the
+    // failing rank is still unwinding), with kPeerFailedExitCode.
+    const auto rank_of = [&](int rank) -> const Rank& {
+      return ranks[static_cast<size_t>(rank - int64_t{options.node_rank} * options.nproc_per_node)];
+    };
+    int cause = failures.empty() ? first_failed : failures.front();
+    for (int rank : failures) {
+      if (exit_code_of(rank_of(rank).status) != kPeerFailedExitCode) {
+        cause = rank;
+        break;
+      }
+    }
+    const Rank& failed = rank_of(cause);
+    std::string others;
+    for (int rank : failures) {
+      if (rank != cause) others += (others.empty() ? "" : ", ") + std::to_string(rank);
+    }
+    std::string note;
+    if (!others.empty() && cause != failures.front()) {
+      note = fmt::format(" (the first to fail on its own; rank(s) {} failed because a peer did)", others);
+    } else if (!others.empty()) {
+      note = fmt::format(" (rank(s) {} failed too)", others);
+    }
+    std::fprintf(stderr, "strata run: failed: rank %d %s%s\n", failed.rank, describe_status(failed.status).c_str(),
+                 note.c_str());
     int code = exit_code_of(failed.status);
     return code == 0 ? 1 : code;
   }

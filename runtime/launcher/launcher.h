@@ -37,9 +37,16 @@ struct LaunchOptions {
   std::vector<std::string> command;  // program and arguments
 };
 
+// The exit code of a strata tool whose failure is a peer's (a collective or
+// the rendezvous broke: Error(kCommunication)), so the launcher can tell the
+// rank that failed on its own from the ranks that failed because it did.
+constexpr int kPeerFailedExitCode = 3;
+
 // Runs the job; returns the exit code for `strata run`: 0 when every rank exited
-// with 0; the first failed rank's exit code (128 + signal when it was killed);
-// 130 after Ctrl-C.
+// with 0; the exit code of the rank that failed first on its own (128 + signal
+// when it was killed; a rank exiting kPeerFailedExitCode is named only when
+// no rank failed otherwise), which the last line names;
+// 128 + the signal after Ctrl-C (130) or SIGTERM (143).
 int launch(const LaunchOptions& options);
 
 // A TCP port on `host` that was free a moment ago.

@@ -21,6 +21,14 @@ nn::LlamaConfig load_hf_config(const fs::path& dir) {
 
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params, const fs::path& dir) {
   const fs::path single = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
+  if (fs::exists(index) && fs::exists(single)) {
+    // Two saves' weights (a re-export into the same directory by another
+    // tool): loading either could be the stale one.
+    raise(ErrorCategory::kBadArgument,
+          "--model {}: holds both {} and {}, weights of two different saves; loaders pick one of them, so remove the "
+          "stale one (or export again into an empty directory)",
+          dir.string(), single.string(), index.string());
+  }
   if (!fs::exists(index)) {
     STRATA_CHECK(fs::exists(single), kBadArgument, "--model {}: neither model.safetensors nor "
                  "model.safetensors.index.json is there", dir.string());

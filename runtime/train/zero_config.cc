@@ -48,6 +48,7 @@ engine::ZeroEngineOptions zero_engine_options(const Config& c, const std::string
                "keeps both kinds of swap files under one directory for now: give the same path",
                source, param_path, optimizer_path);
   o.nvme_path = param_nvme ? param_path : optimizer_path;
+  o.keep_swap_files = c.strata.keep_swap_files;
   o.reduce_bucket_numel = static_cast<int64_t>(c.zero.reduce_bucket_numel);
   o.sub_group_numel = static_cast<int64_t>(c.zero.sub_group_numel);
   o.persistence_threshold_numel = static_cast<int64_t>(c.zero.param_persistence_threshold_numel);

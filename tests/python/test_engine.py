@@ -17,6 +17,8 @@ engine's collectives need it). Checks
     does not parse raise InvalidArgument naming the file, and leave the engine
     usable with its own values; one rank: a child process killed with SIGKILL
     while it saves leaves the previous checkpoint loadable bit for bit;
+  - arrays handed out by a window stay safe after release and close (copies,
+    read-only then); complex and string values are refused;
   - the step breakdown adds up and counts the step's windows and bytes; a
     timeline recorded from Python (strata.trace) is JSON with the hook events.
 Prints "python tests: ok" on success (CTest matches it).
@@ -168,7 +170,7 @@ def Window_release(eng, op):
 def failure_is_sticky():
     # The swap directory cannot be created: finalize fails with an I/O error,
     # and every later call says the engine is unusable, repeating why.
-    bad = "/proc/strata-no-such-dir/swap"
+    bad = "/proc/strata-no-such-dir"  # its parent exists (a missing parent is bad input, not an I/O error)
     with strata.Engine(config(bad)) as eng:
         w = eng.register("w", np.ones(4, np.float32))
         eng.op("op", [w])
@@ -177,6 +179,54 @@ def failure_is_sticky():
         e = expect_error(strata.EngineFailed, "unusable after an earlier error", eng.global_sum, 1.0)
         assert "strata_finalize" in str(e)
         assert eng.stats()["failed"] == 1
+
+
+def views_are_safe(swap_dir):
+    # Window arrays never outlive the memory they show: after release (the buffers are reused) and after
+    # close (freed) they are read-only copies; before the fix, writing one here crashed the process
+    # (SIGSEGV after a step on NVMe, "free(): corrupted unsorted chunks" after close).
+    with strata.Engine(config(swap_dir)) as eng:
+        w = eng.register("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+        expect_error(strata.InvalidArgument, "complex64", eng.register, "c", np.ones(3, np.complex64))
+        expect_error(strata.InvalidArgument, "<U1", eng.register, "s", np.array(["a", "b"]))
+        lin = eng.op("lin", [w])
+        eng.finalize()
+        with eng.fetch(lin, "forward") as win:
+            value = win.param(w)
+            assert win.param(w) is value and not value.flags.writeable
+        a = eng.fetch(lin, "backward")
+        g = a.grad(w)
+        assert a.grad(w) is g and g.flags.writeable
+        g[...] += 1.0
+        a.add_grad(w, np.full((2, 3), 0.5, np.float32))  # goes into g while g is out
+        expect_error(strata.InvalidArgument, "complex64", a.add_grad, w, np.ones((2, 3), np.complex64))
+        a.release()
+        assert not g.flags.writeable
+        assert eng.step(0.1).applied
+        for write in (lambda: g.__setitem__(slice(None), 7), lambda: value.__setitem__(0, 7)):
+            try:
+                write()
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("an array of a released window was writable")
+        assert np.array_equal(g, np.full((2, 3), 1.5, np.float32))  # what this rank added
+        assert np.array_equal(value, np.arange(6, dtype=np.float32).reshape(2, 3))  # as it was when fetched
+        expect_error(strata.InvalidState, "released", a.grad, w)
+        after = eng.read(w)
+        assert not np.array_equal(after, value), "the gradient written back at release was not applied"
+        win = eng.fetch(lin, "forward")
+        held = win.param(w)
+    # Closed with the window open: its array stays a readable, read-only copy.
+    assert np.array_equal(held, after) and not held.flags.writeable
+    try:
+        held[0, 0] = 7
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an array of a closed engine was writable")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("views: arrays outlive release and close safely; complex and string values refused")
 
 
 # ---- checkpoints, the step breakdown, the timeline --------------------------------------------
@@ -500,6 +550,7 @@ def main():
         checkpoint_bad_input(os.path.join(root, "e"))
         breakdown_and_trace(os.path.join(root, "f"))
         prepared_steps(os.path.join(root, "g"))
+        views_are_safe(os.path.join(root, "h"))
         if os.environ.get("WORLD_SIZE", "1") == "1":
             failure_is_sticky()  # one rank: a peer's collectives would wait for the failed one
             killed_mid_save(root)  # one rank: the child is a job of its own
