@@ -13,8 +13,8 @@ engine's collectives need it). Checks
   - checkpoints: trained, saved, trained on, loaded into fresh engines (ZeRO-3
     on NVMe and ZeRO-2 in memory) bit for bit, the optimizer state too (three
     more steps agree exactly); a missing directory, a truncated or corrupt
-    file, a manifest of another world size or other parameters, or one that
-    does not parse raise InvalidArgument naming the file, and leave the engine
+    file, a manifest of another world size or other parameters, an edited one
+    (its checksum) or one that does not parse raise InvalidArgument naming the file, and leave the engine
     usable with its own values; one rank: a child process killed with SIGKILL
     while it saves leaves the previous checkpoint loadable bit for bit;
   - arrays handed out by a window stay safe after release and close (copies,
@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 
 import numpy as np
 
@@ -304,6 +305,14 @@ def checkpoints(swap_dir):
         barrier_and_remove(ckpt)
 
 
+def with_checksum(manifest):
+    """`manifest` with its manifest_crc32 recomputed as strata computes it: the CRC-32 of its canonical JSON
+    (keys sorted, no spaces) without that field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return dict(body, manifest_crc32=f"{zlib.crc32(text.encode()):08x}")
+
+
 def barrier_and_remove(path):
     # Every rank is done with `path` once each has destroyed its engines; rank 0 removes it
     # (the others may still be reading it otherwise: a throwaway engine is the barrier).
@@ -370,7 +379,14 @@ def checkpoint_bad_input(swap_dir):
                         m = json.load(f)
                     edit(m)
                     with open(os.path.join(dst, "step_00000002", "manifest.json"), "w") as f:
-                        json.dump(m, f)
+                        json.dump(with_checksum(m), f)  # as a real checkpoint of that kind would be
+                # An edit that does not fix the manifest's own checksum is detected.
+                shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, "edited"))
+                with open(os.path.join(ckpt, "edited", "step_00000002", "manifest.json")) as f:
+                    m = json.load(f)
+                m["step"] = 1
+                with open(os.path.join(ckpt, "edited", "step_00000002", "manifest.json"), "w") as f:
+                    json.dump(m, f)
                 shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, "cut"))
                 with open(os.path.join(ckpt, "cut", "step_00000002", "manifest.json"), "r+") as f:
                     f.truncate(40)
@@ -383,6 +399,7 @@ def checkpoint_bad_input(swap_dir):
                          eng.load_checkpoint, os.path.join(ckpt, "params"))
             expect_error(strata.InvalidArgument, "not written by strata_save_checkpoint", eng.load_checkpoint,
                          os.path.join(ckpt, "finetune"))
+            expect_error(strata.InvalidArgument, "edited or is corrupt", eng.load_checkpoint, os.path.join(ckpt, "edited"))
             e = expect_error(strata.InvalidArgument, "not valid JSON", eng.load_checkpoint, os.path.join(ckpt, "cut"))
             assert os.path.join(ckpt, "cut", "step_00000002", "manifest.json") in str(e)
             # Nothing was loaded and the engine is usable: its values are its own, a step works.
