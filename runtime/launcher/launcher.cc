@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -30,6 +31,10 @@
 namespace strata::launcher {
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// How long the other ranks may take to end on their own when the first rank
+// to fail failed because of a peer (at least --failure-grace).
+constexpr double kPeerFailedGraceS = 10.0;
 
 struct OutputStream {
   int fd = -1;     // read end of the child's pipe; -1 once closed
@@ -357,15 +362,21 @@ int launch(const LaunchOptions& options) {
         if (failed && interrupts == 0 && !terminated) failures.push_back(r.rank);
         if (failed && first_failed < 0 && interrupts == 0) {
           first_failed = r.rank;
+          // A rank that failed because a peer did is often first: the peer that
+          // failed on its own is still unwinding, and its message comes at the
+          // end of that. Give it longer to say what went wrong.
+          const bool peer = exit_code_of(status) == kPeerFailedExitCode;
+          const double grace = peer && options.failure_grace_s > 0 ? std::max(options.failure_grace_s, kPeerFailedGraceS)
+                                                                   : options.failure_grace_s;
           // What happens next, as the grace period decides it.
           const std::string next =
-              std::isinf(options.failure_grace_s) ? "the other ranks may finish on their own (--failure-grace inf)"
-              : options.failure_grace_s > 0
-                  ? fmt::format("stopping the other ranks in {:g} s unless they end first", options.failure_grace_s)
-                  : std::string("stopping the other ranks");
+              std::isinf(grace) ? "the other ranks may finish on their own (--failure-grace inf)"
+              : grace > 0       ? fmt::format("stopping the other ranks in {:g} s unless they end first{}", grace,
+                                              peer ? " (it lost a peer: waiting for the rank that failed first)" : "")
+                                : std::string("stopping the other ranks");
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s; %s\n", r.rank, static_cast<int>(pid),
                        describe_status(status).c_str(), next.c_str());
-          stop_at = deadline_after(Clock::now(), options.failure_grace_s);
+          stop_at = deadline_after(Clock::now(), grace);
         } else if (failed && interrupts == 0) {
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s%s\n", r.rank, static_cast<int>(pid),
                        describe_status(status).c_str(), terminated ? " (stopped by strata run)" : "");

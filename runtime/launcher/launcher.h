@@ -29,7 +29,8 @@ struct LaunchOptions {
   int master_port = 0;  // 0: a free port when nnodes == 1, else 29500
   // After a rank fails, how long the others may take to finish on their own
   // (reporting their own errors) before they are sent SIGTERM, then SIGKILL
-  // kill_delay_s later. Seconds, >= 0; infinity (or any value beyond the
+  // kill_delay_s later. When the first to fail exited kPeerFailedExitCode (its
+  // peer failed), at least 10 s, so the peer can finish saying why. Seconds, >= 0; infinity (or any value beyond the
   // clock's range) means never.
   double failure_grace_s = 2.0;
   double kill_delay_s = 3.0;

@@ -295,3 +295,25 @@ TEST_CASE("a token outside the vocabulary is found before step 1 and the launche
   CHECK_THAT(r.output, Catch::Contains("strata run: failed: rank 0"));
   CHECK_FALSE(fs::exists(dir.file("out/metrics.jsonl")));
 }
+
+TEST_CASE("an allocation too large for the machine names the keys that size it", "[finetune][messages]") {
+  strata::test::TempDir dir;
+  const std::string huge_vocab = write_file(dir, "huge.json", R"({"vocab_size": 1000000000000, "hidden_size": 64,
+    "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5})");
+  const std::string text = " --data " + kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --seq 32 --steps 2";
+  const auto vocab = run_command(strata_binary() + " finetune --init " + huge_vocab + text + " --out " +
+                                 dir.file("a") + " 2>&1");
+  INFO(vocab.output);
+  CHECK(vocab.exit_code == 1);
+  CHECK_THAT(vocab.output, Catch::Contains("out of memory") && Catch::Contains("vocab_size 1000000000000"));
+  const std::string buffers = write_file(dir, "buffers.json", R"({"zero_optimization": {"stage": 3,
+    "offload_param": {"device": "nvme", "nvme_path": ")" + dir.file("swap") + R"("},
+    "offload_optimizer": {"device": "nvme", "nvme_path": ")" + dir.file("swap") + R"(", "buffer_count": 1048576}}})");
+  const auto buffer = run_command(strata_binary() + " finetune --config " + buffers + " --init " + small_model(dir) +
+                                  text + " --out " + dir.file("b") + " 2>&1");
+  INFO(buffer.output);
+  CHECK(buffer.exit_code == 1);
+  CHECK_THAT(buffer.output, Catch::Contains("out of memory") &&
+                                Catch::Contains("offload_optimizer.buffer_count 1048576"));
+}
