@@ -114,8 +114,10 @@ void ExportStaging::commit() {
   }
   std::set<std::string> written;
   for (const auto& entry : fs::directory_iterator(staging_)) written.insert(entry.path().filename().string());
-  // A symbolic link to the directory stays a link: its directory is updated in place.
-  const bool exchange = !fs::is_symlink(fs::symlink_status(target_, ec));
+  // A symbolic link to the directory stays a link, and the working directory
+  // stays where the process is: those are updated in place.
+  const bool exchange =
+      !fs::is_symlink(fs::symlink_status(target_, ec)) && !fs::equivalent(target_, fs::current_path(), ec);
   if (exchange) {
     for (const auto& entry : fs::directory_iterator(target_)) {
       const std::string name = entry.path().filename().string();
