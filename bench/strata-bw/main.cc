@@ -244,6 +244,13 @@ int run(const Options& options) {
   bool processes = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   RankInfo info = processes ? RankInfo::from_env() : RankInfo{};
   int world = processes ? info.world_size : options.ranks;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!processes && world > cores) {
+    std::fprintf(stderr,
+                 "strata-bw: note: %d ranks as threads on %d CPU cores share them: the times include waiting for a "
+                 "core, not only the transport\n",
+                 world, cores);
+  }
   std::chrono::milliseconds timeout(options.timeout_ms);
   bool header = !processes || info.rank == 0;
   std::string backend_label;
