@@ -1,6 +1,7 @@
 // Fault-injecting backend wrapper: fails or shortens chosen pieces so tests can
 // reach error paths (EIO, short completions) the kernel will not produce on demand.
 #include <algorithm>
+#include <cerrno>
 #include <deque>
 #include <vector>
 
@@ -113,7 +114,31 @@ class FaultBackend final : public IoBackend {
   std::shared_ptr<FaultPlan> plan_;
 };
 
+class FileFaultAdapter final : public FileFaults {
+ public:
+  explicit FileFaultAdapter(std::shared_ptr<FaultPlan> plan) : plan_(std::move(plan)) {}
+  int before(FileOp op, const std::filesystem::path&, size_t& nbytes) override {
+    if (op != FileOp::kWrite) return 0;
+    const std::optional<IoFault> fault = plan_->next(IoOp::kWrite);
+    if (!fault) return 0;
+    switch (fault->kind) {
+      case IoFault::Kind::kError: return fault->error;
+      case IoFault::Kind::kShort: nbytes = std::min(nbytes, fault->short_nbytes); return 0;
+      case IoFault::Kind::kBrokenQueue: return EIO;
+    }
+    return 0;
+  }
+
+ private:
+  std::shared_ptr<FaultPlan> plan_;
+};
+
 }  // namespace
+
+std::shared_ptr<FileFaults> file_faults(std::shared_ptr<FaultPlan> plan) {
+  STRATA_CHECK(plan != nullptr, kBadArgument, "file_faults needs a plan");
+  return std::make_shared<FileFaultAdapter>(std::move(plan));
+}
 
 std::unique_ptr<IoBackend> make_fault_backend(std::unique_ptr<IoBackend> inner,
                                               std::shared_ptr<FaultPlan> plan) {

@@ -16,6 +16,8 @@
 
 #include "nvme/io_options.h"
 
+#include "core/durable_file.h"
+
 namespace strata::nvme {
 
 enum class IoOp { kRead, kWrite };
@@ -117,5 +119,12 @@ class FaultPlan {
 // through unchanged. The plan is shared so a test can read fired().
 std::unique_ptr<IoBackend> make_fault_backend(std::unique_ptr<IoBackend> inner,
                                               std::shared_ptr<FaultPlan> plan);
+
+// The same plan for the durable files of checkpoints, manifests, exports and
+// run files (core/durable_file.h), installed with strata::set_file_faults:
+// each write(2) of one of them is a write piece of the plan (kError fails it
+// with the fault's errno, kShort writes short_nbytes and the writer resumes,
+// kBrokenQueue fails it with EIO); fsync and rename pass through.
+std::shared_ptr<FileFaults> file_faults(std::shared_ptr<FaultPlan> plan);
 
 }  // namespace strata::nvme

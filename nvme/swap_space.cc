@@ -4,6 +4,8 @@
 #include <sys/statvfs.h>
 
 #include <cerrno>
+#include <mutex>
+#include <set>
 #include <system_error>
 
 #include "core/error.h"
@@ -23,6 +25,16 @@ void check_name(std::string_view what, const std::string& name) {
   }
 }
 
+// The live SwapSpaces of this process, for remove_live_files_for_exit.
+std::mutex& live_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::set<SwapSpace*>& live_spaces() {
+  static auto* live = new std::set<SwapSpace*>();  // never destroyed: a signal may come during exit
+  return *live;
+}
+
 }  // namespace
 
 uint64_t free_space_nbytes(const std::filesystem::path& path) {
@@ -36,15 +48,47 @@ SwapSpace::SwapSpace(SwapSpaceOptions options) : options_(std::move(options)) {
   STRATA_CHECK(options_.rank >= 0, kBadArgument, "swap space rank {} is negative", options_.rank);
   check_name("group", options_.group);
   dir_ = options_.root / options_.group / fmt::format("rank{}", options_.rank);
+  ensure_run_directory(options_.root, "nvme_path");
+  lock_ = DirectoryLock::acquire(options_.root, rank_lock_file_name(options_.rank), "nvme_path");
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
     raise(ErrorCategory::kIo, "cannot create swap directory {} (rank {}): {}", dir_.string(),
           options_.rank, ec.message());
   }
+  std::lock_guard<std::mutex> guard(live_mutex());
+  keep_ = options_.keep_files;
+  live_spaces().insert(this);
+}
+
+void SwapSpace::keep() {
+  std::lock_guard<std::mutex> guard(live_mutex());
+  keep_ = true;
+}
+
+uint64_t SwapSpace::remove_live_files_for_exit() {
+  std::lock_guard<std::mutex> guard(live_mutex());
+  uint64_t removed = 0;
+  for (SwapSpace* space : live_spaces()) {
+    if (space->keep_) continue;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(space->dir_, ec)) {
+      std::error_code file_ec;
+      if (!entry.is_regular_file(file_ec)) continue;
+      const uint64_t nbytes = entry.file_size(file_ec);
+      if (std::filesystem::remove(entry.path(), file_ec)) removed += file_ec ? 0 : nbytes;
+    }
+    std::filesystem::remove(space->dir_, ec);
+    std::filesystem::remove(space->dir_.parent_path(), ec);
+  }
+  return removed;
 }
 
 SwapSpace::~SwapSpace() {
+  {
+    std::lock_guard<std::mutex> guard(live_mutex());
+    live_spaces().erase(this);
+  }
   if (keep_) {
     for (auto& [key, file] : files_) file.close();
     return;

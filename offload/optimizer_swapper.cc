@@ -13,6 +13,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "core/trace_recorder.h"
 #include "core/log.h"
@@ -29,15 +30,6 @@ double seconds_since(Clock::time_point start) {
 }
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-void fsync_path(const std::filesystem::path& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
-  check_errno(fd, fmt::format("open {} for fsync", path.string()));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) raise_errno(err, fmt::format("fsync {}", path.string()));
-}
 
 // A pool buffer with the I/O request using it, if any.
 struct Op {
@@ -111,7 +103,7 @@ OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBuffer
       step_count_ = 0;
     } catch (const std::exception&) {
       std::filesystem::remove(manifest_path());
-      fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+      sync_directory(swap_->directory());
       generation_ = 0;
       step_count_ = 0;
     }
@@ -433,25 +425,16 @@ void OptimizerSwapper::commit(uint64_t generation, int64_t step_count) {
                                    {"numel", options_.numel},
                                    {"sub_group_numel", options_.sub_group_numel},
                                    {"slot", generation % 2}};
-  const std::filesystem::path path = manifest_path();
-  const std::string tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << manifest.dump(2) << '\n';
-    out.close();
-    STRATA_CHECK(out.good(), kIo, "cannot write optimizer manifest {} (rank {})", tmp, options_.rank);
-  }
   // Durable before it becomes visible; the rename is the commit point.
-  fsync_path(tmp, O_RDONLY);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    raise_errno(errno, fmt::format("rename {} to {}", tmp, path.string()));
-  }
+  DurableFile out(manifest_path());
   try {
-    fsync_path(swap_->directory(), O_RDONLY | O_DIRECTORY);
+    out.append(manifest.dump(2) + "\n");
+    out.commit();
   } catch (const Error&) {
-    // The rename is visible but may not be durable: disk may name either
-    // generation, so neither slot may be written again in this process.
-    commit_uncertain_ = true;
+    // Renamed but the directory's fsync failed: visible but maybe not
+    // durable, disk may name either generation, so neither slot may be
+    // written again in this process.
+    if (out.renamed()) commit_uncertain_ = true;
     throw;
   }
   generation_ = generation;

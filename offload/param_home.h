@@ -24,7 +24,7 @@
 //
 // Ownership: borrows the accelerator, the stream its device copies run on,
 // the window and (nvme) the I/O handle, which must outlive it; owns its memory
-// or swap file (removed at destruction).
+// or swap file (removed at destruction unless keep_files).
 // Thread-safety: one thread drives host_range/store_host_range/for_each_chunk
 // (and, for a device home, the borrowed stream); read_async may be called from
 // any thread while no host range of the same bytes is being stored.
@@ -82,6 +82,7 @@ struct ParamHomeOptions {
   // nvme: the file <nvme_path>/param/rank<rank>/<dtype name>.swp.
   std::filesystem::path nvme_path;
   int rank = 0;
+  bool keep_files = false;  // nvme: leave the file on disk (strata.keep_swap_files)
 };
 
 class ParamHome {

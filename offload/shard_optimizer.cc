@@ -105,6 +105,7 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
       swapper.nvme_path = options_.nvme_path;
       swapper.group = std::string("optimizer_") + std::string(dtype_name(shard.dtype));
       swapper.rank = options_.rank;
+      swapper.keep_files = options_.keep_files;
       if (options_.tier == Tier::kNvme) {
         // Groups share a pool while its buffers are big enough for their sub-groups.
         const size_t record = OptimizerSwapper::record_nbytes(stride);

@@ -75,6 +75,7 @@ struct ShardOptimizerOptions {
   size_t buffer_count = 3;         // pinned buffers of the NVMe pipeline
   std::filesystem::path nvme_path;
   int rank = 0;
+  bool keep_files = false;         // nvme: leave the state files on disk (strata.keep_swap_files)
   bool overlap = true;             // prepare() arms the optimizer thread (cpu/nvme, stages 2/3)
 };
 

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/common/json_output.h"
 #include "bench/strata-adam/adam_bench.h"
 #include "kernels/optimizer.h"
 #include "core/cpu_features.h"
@@ -120,6 +121,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    strata::bench::check_json_path(json_path);
     const size_t numel = parse_count(numel_text, "--numel");
     const int nthreads = threads > 0 ? threads : omp_get_max_threads();
     const auto& cpu = strata::cpu_features();
@@ -324,13 +326,7 @@ int main(int argc, char** argv) {
                           {"correct", r.correct}, {"check", r.check_detail}};
     }
     doc["all_correct"] = all_ok;
-    if (!json_path.empty()) {
-      if (json_path == "-") {
-        std::cout << doc.dump(2) << "\n";
-      } else {
-        std::ofstream(json_path) << doc.dump(2) << "\n";
-      }
-    }
+    strata::bench::write_json_output(json_path, doc);
     return all_ok ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "strata-adam: %s\n", e.what());

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "bench/common/json_output.h"
 #include "partition/communicator.h"
 #include "partition/rendezvous.h"
 #include "runtime/config/size.h"
@@ -27,6 +29,9 @@ using namespace strata;
 using namespace strata::partition;
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
+
+// Ranks as threads of one process: each holds a socket to every other.
+constexpr int kMaxThreadRanks = 64;
 
 struct Options {
   std::string ops = "allgather,reduce_scatter,allreduce";
@@ -209,11 +214,43 @@ std::vector<CopyRow> run_copies(const Options& options, int device) {
   return rows;
 }
 
+// Every flag checked before any rank starts: a sweep that would never end
+// (--min-bytes 0, --factor nan), be empty (--min-bytes above --max-bytes) or
+// start more threads than a process can (--ranks 100000) is refused, naming it.
+void validate(const Options& options) {
+  if (!std::isfinite(options.factor) || options.factor < 1.01 || options.factor > 1024) {
+    raise(ErrorCategory::kBadArgument, "--factor {} must be a number in [1.01, 1024] (the size multiplier between rows)",
+          options.factor);
+  }
+  const size_t min_nbytes = parse_size_or_throw(options.min_size, "--min-bytes");
+  const size_t max_nbytes = parse_size_or_throw(options.max_size, "--max-bytes");
+  if (min_nbytes < 1) raise(ErrorCategory::kBadArgument, "--min-bytes must be at least 1 byte, got {}", options.min_size);
+  if (min_nbytes > max_nbytes) {
+    raise(ErrorCategory::kBadArgument, "--min-bytes {} is above --max-bytes {}: the sweep would be empty",
+          options.min_size, options.max_size);
+  }
+  if (options.ranks < 1 || options.ranks > kMaxThreadRanks) {
+    raise(ErrorCategory::kBadArgument,
+          "--ranks {} must be in [1, {}] (ranks as threads of this process; more: `strata run -n N -- strata-bw`)",
+          options.ranks, kMaxThreadRanks);
+  }
+  if (options.timeout_ms < 1) raise(ErrorCategory::kBadArgument, "--timeout-ms must be >= 1, got {}", options.timeout_ms);
+  (void)parse_dtype(options.dtype);
+  strata::bench::check_json_path(options.json_path);
+}
+
 int run(const Options& options) {
+  validate(options);
   bool processes = std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   RankInfo info = processes ? RankInfo::from_env() : RankInfo{};
   int world = processes ? info.world_size : options.ranks;
-  STRATA_CHECK(world >= 1, kBadArgument, "--ranks must be >= 1, got {}", world);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!processes && world > cores) {
+    std::fprintf(stderr,
+                 "strata-bw: note: %d ranks as threads on %d CPU cores share them: the times include waiting for a "
+                 "core, not only the transport\n",
+                 world, cores);
+  }
   std::chrono::milliseconds timeout(options.timeout_ms);
   bool header = !processes || info.rank == 0;
   std::string backend_label;
@@ -302,13 +339,7 @@ int run(const Options& options) {
                                {"bandwidth_gbps", c.bandwidth}, {"correct", c.correct}});
     }
     doc["all_correct"] = all_correct;
-    if (options.json_path == "-") {
-      std::cout << doc.dump(2) << "\n";
-    } else {
-      std::ofstream out(options.json_path);
-      out << doc.dump(2) << "\n";
-      STRATA_CHECK(out.good(), kIo, "cannot write {}", options.json_path);
-    }
+    strata::bench::write_json_output(options.json_path, doc);
   }
   if (header) std::printf("# %s\n", all_correct ? "all results correct" : "SOME RESULTS WRONG");
   return all_correct ? 0 : 1;
@@ -329,7 +360,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--min-bytes", options.min_size, "Smallest size (e.g. 1KiB)")->capture_default_str();
   app.add_option("--max-bytes", options.max_size, "Largest size (e.g. 64MiB)")->capture_default_str();
-  app.add_option("--factor", options.factor, "Size multiplier between steps")->capture_default_str()->check(CLI::Range(1.01, 1024.0));
+  app.add_option("--factor", options.factor, "Size multiplier between steps")->capture_default_str();
   app.add_option("--iters", options.iters, "Timed iterations per size")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--warmup", options.warmup, "Untimed iterations per size")->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--ranks", options.ranks, "Ranks as threads when not started by strata run")->capture_default_str();
@@ -346,6 +377,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const strata::Error& e) {
+    std::fprintf(stderr, "strata-bw: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    // Not a strata::Error (a thread the system refused): still a message and an exit code, never an abort.
     std::fprintf(stderr, "strata-bw: %s\n", e.what());
     return 2;
   }

@@ -16,6 +16,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "bench/common/json_output.h"
 #include "bench/strata-io/deepspeed_bench.h"
 #include "bench/strata-io/io_bench.h"
 #include "runtime/config/size.h"
@@ -467,11 +468,7 @@ int run_sweep(const Flags& f) {
       doc["deepspeed"] = ds->available() ? nlohmann::json(ds->versions()) : nlohmann::json(nullptr);
       if (!ds->available()) doc["deepspeed_unavailable"] = ds->why();
     }
-    if (f.json == "-") {
-      std::cout << doc.dump(2) << "\n";
-    } else {
-      std::ofstream(f.json) << doc.dump(2) << "\n";
-    }
+    strata::bench::write_json_output(f.json, doc);
   }
   if (total_wrong > 0) {
     std::fprintf(stderr, "strata-io: %llu blocks read back wrong\n",
@@ -678,6 +675,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   ::signal(SIGPIPE, SIG_IGN);  // a dead coprocess must be an error, not a kill
   try {
+    strata::bench::check_json_path(f.json);
     return tune->parsed() ? run_tune(f) : run_sweep(f);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "strata-io: %s\n", e.what());

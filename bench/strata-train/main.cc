@@ -17,6 +17,7 @@
 #include <optional>
 #include <random>
 
+#include "bench/common/json_output.h"
 #include "bench/common/stats.h"
 #include "bench/common/subprocess.h"
 #include "bench/strata-train/zero_bench.h"
@@ -300,9 +301,7 @@ int run(const Flags& f) {
                torch_note, f.python);
     out["torch_error"] = torch_note;
   }
-  if (!f.json.empty()) {
-    std::ofstream(f.json) << out.dump(1) << "\n";
-  }
+  strata::bench::write_json_output(f.json, out, 1);
   return 0;
 }
 
@@ -376,6 +375,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (f.threads > 0) strata::ops::set_cpu_threads(f.threads);
   try {
+    strata::bench::check_json_path(f.json);
     std::optional<strata::trace::Session> tracing;
     start_trace(trace_path, tracing);
     int status = 0;
@@ -388,6 +388,10 @@ int main(int argc, char** argv) {
     finish_trace(tracing);
     return status;
   } catch (const strata::Error& e) {
+    std::cerr << "strata-train: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    // Not a strata::Error: still a message and an exit code, never an abort.
     std::cerr << "strata-train: " << e.what() << "\n";
     return 1;
   }

@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/common/json_output.h"
 #include "bench/common/stats.h"
 #include "bench/strata-train/drive_bandwidth.h"
 #include "kernels/ops.h"
@@ -26,6 +27,7 @@
 #include "partition/rendezvous.h"
 #include "partition/store.h"
 #include "core/accelerator.h"
+#include "core/directory_lock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
@@ -536,7 +538,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         {"correctness", {{"ok", ok}, {"losses_finite", finite}, {"first_loss", all_losses.front()},
                          {"resident_loss", resident_global_loss}, {"first_loss_matches_resident", matches},
                          {"last_loss", all_losses.back()}, {"loss_falls", falls}, {"ranks_agree", agree}}}};
-    std::ofstream(run.json) << out.dump(1) << "\n";
+    write_json_output(run.json, out, 1);
   }
   return ok;
 }
@@ -596,9 +598,20 @@ int run_zero(const ModelRun& run, const ZeroFlags& flags) {
                "--offload-param {} needs --offload-optimizer cpu or nvme: the optimizer on the accelerator (none) "
                "needs the parameters there",
                flags.offload_param);
-  STRATA_CHECK(!nvme || !flags.nvme_dir.empty(), kBadArgument, "an nvme tier needs --nvme-dir DIR");
-  if (nvme) std::filesystem::create_directories(flags.nvme_dir);
+  if (nvme && flags.nvme_dir.empty()) raise(ErrorCategory::kBadArgument, "an nvme tier needs --nvme-dir DIR");
+  if (nvme) ensure_run_directory(flags.nvme_dir, "--nvme-dir");
   const bool processes = std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
+  // Ranks as threads share this process's cores; more ranks than cores
+  // oversubscribe them (each rank also runs its own compute and I/O threads),
+  // and the run measures the scheduler, or does not finish.
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!processes && flags.ranks > cores) {
+    raise(ErrorCategory::kBadArgument,
+          "--ranks {}: {} ranks as threads of this process on {} CPU cores would oversubscribe them (a rank is "
+          "busy the whole step); use at most --ranks {}, or start them as processes with `strata run -n N -- "
+          "strata-train ...`",
+          flags.ranks, flags.ranks, cores, cores);
+  }
   std::atomic<bool> ok{true};
   if (processes) {
     const partition::RankInfo info = partition::RankInfo::from_env();

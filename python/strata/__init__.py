@@ -17,7 +17,7 @@ config says) and runs the optimizer:
     lin = eng.op("linear", [w])
     eng.finalize()
     with eng.fetch(lin, "forward") as win:
-        pred = x @ win.param(w).T          # a read-only view of the full value
+        pred = x @ win.param(w).T          # a read-only copy of the full value
     with eng.fetch(lin, "backward") as win:
         win.add_grad(w, dw)                # or: win.grad(w)[...] += dw
     eng.step(lr=0.05)
@@ -35,7 +35,10 @@ save_checkpoint, load_checkpoint) must be
 called by every rank in the same order, as in the C API. Parameter values are
 numpy arrays (float32, float16; bf16 as float32 values converted on the way in
 and out) or torch tensors (through DLPack / their CPU copy) when torch is
-importable.
+importable; complex, object or string arrays are refused (InvalidArgument).
+The arrays a Window hands out are copies that stay valid after the window is
+released or the engine closed (read-only then), never views of memory that
+strata reuses or frees; Engine.ptr / grad_ptr give the raw addresses.
 """
 
 import ctypes
@@ -317,6 +320,15 @@ def _as_numpy(value):
     return np.asarray(value)
 
 
+def _real(array, what):
+    """`array` when it holds real numbers (floats, integers, booleans); else InvalidArgument: a complex value
+    would lose its imaginary part, an object or string array has no numbers at all."""
+    if array.dtype.kind not in "fiub":
+        raise InvalidArgument(1, f"strata: {what} has dtype {array.dtype}, not real numbers (float or integer); "
+                                 "strata stores fp32, fp16 or bf16")
+    return array
+
+
 def _dtype_code(dtype, array):
     if dtype is None:
         dtype = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16"}.get(array.dtype)
@@ -387,6 +399,7 @@ class Engine:
         self._by_name = {}
         self._ops = []
         self._keep = []  # init callbacks, alive until finalize
+        self._windows = set()  # open Windows: their arrays are detached when they close
         stats = self.stats()
         self.rank, self.world_size = stats["rank"], stats["world_size"]
         self.host_memory = bool(stats["host_memory"])
@@ -395,6 +408,9 @@ class Engine:
     def close(self):
         """Destroys the engine (strata_engine_destroy); collective like every rank's exit."""
         handle, self._handle = getattr(self, "_handle", None), None
+        for window in list(getattr(self, "_windows", ())):
+            window._detach(write_back=False)  # their arrays stay readable copies; the memory goes now
+            window._open = False
         if handle:
             _destroy(handle)
 
@@ -428,7 +444,7 @@ class Engine:
         if values is not None:
             if dtype is None and str(getattr(values, "dtype", "")) == "torch.bfloat16":
                 dtype = "bf16"  # keep a torch tensor's storage dtype (numpy has no bf16)
-            array = _as_numpy(values)
+            array = _real(_as_numpy(values), f"the values of '{name}'")
             if shape is not None and tuple(shape) != tuple(array.shape):
                 raise InvalidArgument(1, f"strata: shape {tuple(shape)} given for values of shape {array.shape}")
             shape = array.shape
@@ -445,7 +461,8 @@ class Engine:
 
             def fill(_user, _param, first, count, out, init=init, code=code, storage=storage):
                 try:
-                    chunk = _storage(np.asarray(init(int(first), int(count))).reshape(-1), code)
+                    chunk = _storage(_real(np.asarray(init(int(first), int(count))), "init's values").reshape(-1),
+                                     code)
                     if chunk.size != count:
                         return 2
                     ctypes.memmove(out, chunk.ctypes.data, chunk.nbytes)
@@ -500,19 +517,21 @@ class Engine:
             raise InvalidArgument(1, f"strata: phase {phase!r} is not forward, backward or recompute")
         op_id = op.id if isinstance(op, Op) else int(op)
         _check(_fetch(self._h(), op_id, int(code)))
-        return Window(self, op_id, int(code))
+        window = Window(self, op_id, int(code))
+        self._windows.add(window)
+        return window
 
-    def _view(self, param, ptr, dtype, writable):
+    def _copy(self, param, ptr, dtype):
+        """A numpy copy of p's memory at `ptr` (host memory only)."""
         if not self.host_memory:
             raise InvalidState(2, "strata: the accelerator's memory is not host memory; use ptr() / grad_ptr()")
         count = param.numel
         buffer = (ctypes.c_char * (count * np.dtype(dtype).itemsize)).from_address(ptr)
-        view = np.frombuffer(buffer, dtype=dtype).reshape(param.shape)
-        view.flags.writeable = writable
-        return view
+        return np.frombuffer(buffer, dtype=dtype).reshape(param.shape).copy()
 
     def ptr(self, p):
-        """The address of p's full value (accelerator memory) in an open window."""
+        """The address of p's full value (accelerator memory) in an open window: raw, valid until the window
+        is released (Window.param and Window.grad hand out arrays that stay safe after it)."""
         out = _vp()
         _check(_param_ptr(self._h(), self._param(p).id, ctypes.byref(out)))
         return out.value
@@ -526,10 +545,15 @@ class Engine:
     def add_grad(self, p, grad):
         """Adds `grad` (p's shape; numpy, torch or array-like; converted to fp32) into p's gradient."""
         param = self._param(p)
-        array = np.ascontiguousarray(_as_numpy(grad), dtype=np.float32)
+        array = np.ascontiguousarray(_real(_as_numpy(grad), f"the gradient for '{param.name}'"), dtype=np.float32)
         if param.shape and array.size != param.numel:
             raise InvalidArgument(1, f"strata: gradient for '{param.name}' has {array.size} elements, the "
                                      f"parameter {param.numel} (shape {param.shape})")
+        for window in self._windows:  # a grad() array of an open window holds p's gradient until release
+            held = window._grads.get(param.id)
+            if held is not None:
+                held[0].reshape(-1)[...] += array.reshape(-1)
+                return
         _check(_add_grad(self._h(), param.id, array.ctypes.data))
 
     # -- steps --
@@ -570,7 +594,7 @@ class Engine:
     def write(self, p, values):
         """Sets p to `values` (its full value, the same on every rank; collective)."""
         param = self._param(p)
-        data = _storage(_as_numpy(values), _DTYPE_NAMES[param.dtype])
+        data = _storage(_real(_as_numpy(values), f"the values for '{param.name}'"), _DTYPE_NAMES[param.dtype])
         if data.size != param.numel:
             raise InvalidArgument(1, f"strata: values for '{param.name}' have {data.size} elements, the "
                                      f"parameter {param.numel}")
@@ -616,30 +640,75 @@ class Engine:
 
 
 class Window:
-    """An open hook window (Engine.fetch); release() or leave the `with` block to close it."""
+    """An open hook window (Engine.fetch); release() or leave the `with` block to close it.
+
+    The arrays it hands out are numpy arrays of their own, never views of the engine's memory, so no
+    array outlives the memory it shows (the window's buffers are reused after release and freed at
+    close): param() copies the value; grad() copies the gradient and writes it back at release. After
+    release (or close) they are read-only: writing one raises ValueError instead of writing freed memory.
+    """
 
     def __init__(self, engine, op, phase):
         self._engine, self.op, self.phase, self._open = engine, op, phase, True
+        self._params = {}  # param id -> its read-only copy
+        self._grads = {}   # param id -> (the array handed out, the gradient when it was copied)
+
+    def _require_open(self):
+        if not self._open:
+            raise InvalidState(2, "strata: the window is released; fetch it again")
 
     def param(self, p):
-        """A read-only numpy view of p's full value (cpu accelerator), valid until release.
-
-        Its storage dtype: float32, float16, or for bf16 the raw bit patterns as uint16."""
+        """A read-only numpy array of p's full value (cpu accelerator), the same array for every call in this
+        window. Its storage dtype: float32, float16, or for bf16 the raw bit patterns as uint16."""
+        self._require_open()
         param = self._engine._param(p)
-        return self._engine._view(param, self._engine.ptr(param), _NP_STORAGE[_DTYPE_NAMES[param.dtype]], False)
+        if param.id not in self._params:
+            value = self._engine._copy(param, self._engine.ptr(param), _NP_STORAGE[_DTYPE_NAMES[param.dtype]])
+            value.flags.writeable = False
+            self._params[param.id] = value
+        return self._params[param.id]
 
     def grad(self, p):
-        """A writable fp32 numpy view of p's gradient buffer (backward, cpu accelerator): add into it."""
+        """A writable fp32 numpy array of p's gradient (backward, cpu accelerator): add into it; what it holds
+        becomes p's gradient at release. The same array for every call in this window."""
+        self._require_open()
         param = self._engine._param(p)
-        return self._engine._view(param, self._engine.grad_ptr(param), np.float32, True)
+        if param.id not in self._grads:
+            snapshot = self._engine._copy(param, self._engine.grad_ptr(param), np.float32)
+            self._grads[param.id] = (snapshot.copy(), snapshot)
+        return self._grads[param.id][0]
 
     def add_grad(self, p, grad):
+        self._require_open()
         self._engine.add_grad(p, grad)
+
+    def _detach(self, write_back):
+        """Ends the arrays' tie to the engine: writes grad() arrays back (while the window is still open), then
+        makes every array read-only."""
+        try:
+            if write_back:
+                for pid, (array, snapshot) in self._grads.items():
+                    param = self._engine._param(pid)
+                    ptr = self._engine.grad_ptr(param)
+                    current = self._engine._copy(param, ptr, np.float32)
+                    if np.array_equal(current.view(np.uint32), snapshot.view(np.uint32)):
+                        ctypes.memmove(ptr, np.ascontiguousarray(array, dtype=np.float32).ctypes.data,
+                                       array.size * 4)
+                    else:  # also changed through strata's own calls meanwhile: add what this array added
+                        delta = np.ascontiguousarray(array - snapshot, dtype=np.float32)
+                        _check(_add_grad(self._engine._h(), pid, delta.ctypes.data))
+        finally:
+            for array, _ in self._grads.values():
+                array.flags.writeable = False
+            self._engine._windows.discard(self)
 
     def release(self):
         if self._open:
-            self._open = False
-            _check(_release(self._engine._h(), self.op, self.phase))
+            try:
+                self._detach(write_back=True)
+            finally:
+                self._open = False
+                _check(_release(self._engine._h(), self.op, self.phase))
 
     def __enter__(self):
         return self

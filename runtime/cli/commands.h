@@ -5,9 +5,18 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <functional>
+#include <limits>
 
 namespace strata::cli {
+
+// A check for a flag that takes a whole number in [min, max]: "0", "1.5",
+// "1e23" and "-1" are refused with what the flag takes ("must be a whole number
+// >= 1, got \"1.5\""), instead of CLI11's conversion messages.
+CLI::Validator whole_number(int64_t min, int64_t max = std::numeric_limits<int64_t>::max());
+// The same for an unsigned 64-bit value (a seed: 0 to 2^64 - 1).
+CLI::Validator whole_unsigned();
 
 // Adds `handler` as what runs when `command` is selected.
 void on_selected(CLI::App* command, std::function<int()> handler);

@@ -7,6 +7,7 @@
 #include "runtime/config/size.h"
 #include "runtime/nn/llama_config.h"
 #include "core/error.h"
+#include "runtime/launcher/interrupt.h"
 #include "runtime/train/finetune.h"
 
 namespace strata::cli {
@@ -42,9 +43,10 @@ void add_finetune_command(CLI::App& app) {
   cmd->add_option("--data-format", options->data_format, "auto, llmc, u16, u32 or text")
       ->check(CLI::IsMember({"auto", "llmc", "u16", "u32", "text"}))
       ->capture_default_str();
-  cmd->add_option("--steps", options->steps, "Optimizer steps")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--seq", options->seq, "Tokens per sample")->check(CLI::PositiveNumber)->capture_default_str();
-  cmd->add_option("--seed", *seed, "Seed of the initialisation and the data order (default: strata.seed)");
+  cmd->add_option("--steps", options->steps, "Optimizer steps")->check(whole_number(1))->capture_default_str();
+  cmd->add_option("--seq", options->seq, "Tokens per sample")->check(whole_number(1))->capture_default_str();
+  cmd->add_option("--seed", *seed, "Seed of the initialisation and the data order (default: strata.seed)")
+      ->check(whole_unsigned());
   cmd->add_flag("--checkpoint-activations", options->checkpoint_activations,
                "Keep only each decoder layer's input in forward and recompute the layer in backward (less "
                "activation memory, about a quarter more compute); activation_checkpointing.cpu_checkpointing in "
@@ -54,10 +56,10 @@ void add_finetune_command(CLI::App& app) {
                   "Checkpoint directory: DIR/step_<N>/ with every rank's shards and optimizer state and a manifest "
                   "written last, so a crash never leaves a checkpoint that looks complete");
   cmd->add_option("--save-every", options->save_every, "Steps between checkpoints (one is also taken at the end)")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number(1))
       ->capture_default_str();
   cmd->add_option("--keep-checkpoints", options->keep_checkpoints, "Complete checkpoints kept; older ones are removed")
-      ->check(CLI::PositiveNumber)
+      ->check(whole_number(1, 1 << 30))
       ->capture_default_str();
   cmd->add_flag("--resume", options->resume,
                 "Continue from the newest complete checkpoint in --save DIR (same world size), exactly where it "
@@ -83,6 +85,8 @@ void add_finetune_command(CLI::App& app) {
     STRATA_CHECK(shard_nbytes && *shard_nbytes > 0, kBadArgument,
                  "--export-shard-size: \"{}\" is not a size (e.g. 5GB, 500MiB, 1000000)", *shard_size);
     options->export_shard_nbytes = *shard_nbytes;
+    // Ctrl-C and SIGTERM remove the swap files and keep the checkpoints (before any thread starts).
+    launcher::install_interrupt_cleanup("strata finetune");
     const train::FinetuneResult result = train::run_finetune(*options);
     (void)result;
     return 0;

@@ -8,6 +8,7 @@
 #include "runtime/cli/commands.h"
 #include "runtime/config/json_text.h"
 #include "core/error.h"
+#include "runtime/launcher/launcher.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"strata: ZeRO-Infinity-style offloaded training runtime", "strata"};
@@ -26,7 +27,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const strata::Error& e) {
     std::fprintf(stderr, "strata: %s\n", e.what());
-    return 1;
+    // A broken collective is most often a peer's failure: strata run names the rank that failed on its own.
+    return e.category() == strata::ErrorCategory::kCommunication ? strata::launcher::kPeerFailedExitCode : 1;
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "strata: out of memory\n");
     return 1;

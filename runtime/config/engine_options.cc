@@ -35,6 +35,7 @@ engine::ZeroEngineOptions map_options(const Config& c) {
   const std::string& optimizer_path = c.zero.offload_optimizer.nvme_path;
   const bool param_nvme = o.param_tier == Tier::kNvme;
   o.nvme_path = param_nvme ? param_path : optimizer_path;
+  o.keep_swap_files = c.strata.keep_swap_files;
   o.reduce_bucket_numel = static_cast<int64_t>(c.zero.reduce_bucket_numel);
   o.sub_group_numel = static_cast<int64_t>(c.zero.sub_group_numel);
   o.persistence_threshold_numel = static_cast<int64_t>(c.zero.param_persistence_threshold_numel);

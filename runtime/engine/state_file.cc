@@ -27,41 +27,24 @@ uint32_t crc_update(uint32_t crc, const void* data, size_t nbytes) {
 
 }  // namespace
 
-StateFileWriter::StateFileWriter(const std::filesystem::path& dir, std::string name) : path_(dir / name) {
-  file_.name = std::move(name);
-  file_.crc32 = static_cast<uint32_t>(::crc32(0L, Z_NULL, 0));
-  fd_ = ::open(path_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
-  STRATA_CHECK(fd_ >= 0, kIo, "cannot create {}: {}", path_.string(), std::strerror(errno));
-}
-
-StateFileWriter::~StateFileWriter() {
-  if (fd_ < 0) return;
-  ::close(fd_);
-  std::error_code ec;
-  std::filesystem::remove(path_, ec);  // unfinished: never leave a file that looks whole
+StateFileWriter::StateFileWriter(const std::filesystem::path& dir, std::string name) : file_(dir / name) {
+  state_.name = std::move(name);
+  state_.crc32 = static_cast<uint32_t>(::crc32(0L, Z_NULL, 0));
 }
 
 void StateFileWriter::append(const void* data, size_t nbytes) {
-  const char* p = static_cast<const char*>(data);
-  size_t left = nbytes;
-  while (left > 0) {
-    const ssize_t n = ::write(fd_, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    STRATA_CHECK(n > 0, kIo, "writing {} failed after {} bytes: {}", path_.string(), file_.nbytes + (nbytes - left),
-                 n < 0 ? std::strerror(errno) : "no space written (disk full?)");
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  file_.crc32 = crc_update(file_.crc32, data, nbytes);
-  file_.nbytes += nbytes;
+  file_.append(data, nbytes);
+  state_.crc32 = crc_update(state_.crc32, data, nbytes);
+  state_.nbytes += nbytes;
 }
 
 StateFile StateFileWriter::finish() {
-  STRATA_CHECK(::fsync(fd_) == 0, kIo, "fsync of {} failed: {}", path_.string(), std::strerror(errno));
-  const int fd = fd_;
-  fd_ = -1;
-  STRATA_CHECK(::close(fd) == 0, kIo, "closing {} failed: {}", path_.string(), std::strerror(errno));
-  return file_;
+  file_.commit();
+  return state_;
+}
+
+uint32_t crc32_of(const void* data, size_t nbytes) {
+  return crc_update(static_cast<uint32_t>(::crc32(0L, Z_NULL, 0)), data, nbytes);
 }
 
 StateFile checksum_file(const std::filesystem::path& dir, const std::string& name) {
@@ -103,15 +86,6 @@ void read_state_range(const std::filesystem::path& path, uint64_t offset, void* 
     done += static_cast<size_t>(n);
   }
   ::close(fd);
-}
-
-void sync_directory(const std::filesystem::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  STRATA_CHECK(fd >= 0, kIo, "cannot open directory {}: {}", dir.string(), std::strerror(errno));
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  STRATA_CHECK(rc == 0, kIo, "fsync of directory {} failed: {}", dir.string(), std::strerror(err));
 }
 
 }  // namespace strata::engine

@@ -184,6 +184,7 @@ void ZeroEngine::on_finalize() {
   optimizer.buffer_count = options_.optimizer_buffer_count;
   optimizer.nvme_path = options_.nvme_path;
   optimizer.rank = rank();
+  optimizer.keep_files = options_.keep_swap_files;
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   std::vector<offload::OptimizedShard> shards;
   for (auto& g : groups_) shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
@@ -228,11 +229,13 @@ void ZeroEngine::create_group(Group& g) {
   }
   home.nvme_path = options_.nvme_path;
   home.rank = rank();
+  home.keep_files = options_.keep_swap_files;
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
 
   if (options_.grad_tier == Tier::kNvme) {
     if (grad_swap_ == nullptr) {
-      grad_swap_ = std::make_unique<nvme::SwapSpace>(nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true});
+      grad_swap_ = std::make_unique<nvme::SwapSpace>(
+          nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true, options_.keep_swap_files});
     }
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
                                           std::string(dtype_name(g.dtype)));

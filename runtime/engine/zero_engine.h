@@ -95,6 +95,7 @@ struct ZeroEngineOptions {
   // nvme optimizer).
   Tier grad_tier = Tier::kDevice;
   std::filesystem::path nvme_path;         // swap files (either tier on nvme)
+  bool keep_swap_files = false;            // strata.keep_swap_files: leave them on disk at the end
   int64_t reduce_bucket_numel = 500'000'000;        // DeepSpeed's reduce_bucket_size
   int64_t sub_group_numel = 1'000'000'000;          // DeepSpeed's sub_group_size
   int64_t persistence_threshold_numel = 100'000;    // stage3_param_persistence_threshold

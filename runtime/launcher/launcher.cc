@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -30,6 +31,10 @@
 namespace strata::launcher {
 namespace {
 using Clock = std::chrono::steady_clock;
+
+// How long the other ranks may take to end on their own when the first rank
+// to fail failed because of a peer (at least --failure-grace).
+constexpr double kPeerFailedGraceS = 10.0;
 
 struct OutputStream {
   int fd = -1;     // read end of the child's pipe; -1 once closed
@@ -266,7 +271,9 @@ int launch(const LaunchOptions& options) {
   }
 
   int first_failed = -1;
-  int interrupts = 0;
+  // Ranks that failed on their own, before strata run stopped anyone, in the order they ended.
+  std::vector<int> failures;
+  int interrupts = 0, first_signal = 0;
   bool terminated = false, killed = false;
   Clock::time_point stop_at{}, kill_at{};
   // Every rank's process group, also of ranks already reaped: their children
@@ -334,6 +341,7 @@ int launch(const LaunchOptions& options) {
     while (read(signal_fd, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
       if (info.ssi_signo == SIGINT || info.ssi_signo == SIGTERM) {
         ++interrupts;
+        if (first_signal == 0) first_signal = static_cast<int>(info.ssi_signo);
         std::fprintf(stderr, "strata run: received %s, forwarding it to the ranks%s\n",
                      info.ssi_signo == SIGINT ? "SIGINT" : "SIGTERM", interrupts > 1 ? " (and killing them)" : "");
         signal_all(interrupts > 1 ? SIGKILL : static_cast<int>(info.ssi_signo));
@@ -351,17 +359,24 @@ int launch(const LaunchOptions& options) {
         r.running = false;
         r.status = status;
         bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+        if (failed && interrupts == 0 && !terminated) failures.push_back(r.rank);
         if (failed && first_failed < 0 && interrupts == 0) {
           first_failed = r.rank;
+          // A rank that failed because a peer did is often first: the peer that
+          // failed on its own is still unwinding, and its message comes at the
+          // end of that. Give it longer to say what went wrong.
+          const bool peer = exit_code_of(status) == kPeerFailedExitCode;
+          const double grace = peer && options.failure_grace_s > 0 ? std::max(options.failure_grace_s, kPeerFailedGraceS)
+                                                                   : options.failure_grace_s;
           // What happens next, as the grace period decides it.
           const std::string next =
-              std::isinf(options.failure_grace_s) ? "the other ranks may finish on their own (--failure-grace inf)"
-              : options.failure_grace_s > 0
-                  ? fmt::format("stopping the other ranks in {:g} s unless they end first", options.failure_grace_s)
-                  : std::string("stopping the other ranks");
+              std::isinf(grace) ? "the other ranks may finish on their own (--failure-grace inf)"
+              : grace > 0       ? fmt::format("stopping the other ranks in {:g} s unless they end first{}", grace,
+                                              peer ? " (it lost a peer: waiting for the rank that failed first)" : "")
+                                : std::string("stopping the other ranks");
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s; %s\n", r.rank, static_cast<int>(pid),
                        describe_status(status).c_str(), next.c_str());
-          stop_at = deadline_after(Clock::now(), options.failure_grace_s);
+          stop_at = deadline_after(Clock::now(), grace);
         } else if (failed && interrupts == 0) {
           std::fprintf(stderr, "strata run: rank %d (pid %d) %s%s\n", r.rank, static_cast<int>(pid),
                        describe_status(status).c_str(), terminated ? " (stopped by strata run)" : "");
@@ -394,11 +409,34 @@ int launch(const LaunchOptions& options) {
   sigaction(SIGTERM, &old_term, nullptr);
   sigprocmask(SIG_SETMASK, &original, nullptr);
 
-  if (interrupts > 0) return 130;
+  if (interrupts > 0) return 128 + first_signal;  // 130 after Ctrl-C, 143 after SIGTERM, as a shell reports them
   if (first_failed >= 0) {
-    const Rank& failed =
-        ranks[static_cast<size_t>(first_failed - int64_t{options.node_rank} * options.nproc_per_node)];
-    std::fprintf(stderr, "strata run: failed: rank %d %s\n", failed.rank, describe_status(failed.status).c_str());
+    // The cause: the first rank that failed on its own account. A rank whose
+    // peer died fails too, often first (its collective breaks while the
+    // failing rank is still unwinding), with kPeerFailedExitCode.
+    const auto rank_of = [&](int rank) -> const Rank& {
+      return ranks[static_cast<size_t>(rank - int64_t{options.node_rank} * options.nproc_per_node)];
+    };
+    int cause = failures.empty() ? first_failed : failures.front();
+    for (int rank : failures) {
+      if (exit_code_of(rank_of(rank).status) != kPeerFailedExitCode) {
+        cause = rank;
+        break;
+      }
+    }
+    const Rank& failed = rank_of(cause);
+    std::string others;
+    for (int rank : failures) {
+      if (rank != cause) others += (others.empty() ? "" : ", ") + std::to_string(rank);
+    }
+    std::string note;
+    if (!others.empty() && cause != failures.front()) {
+      note = fmt::format(" (the first to fail on its own; rank(s) {} failed because a peer did)", others);
+    } else if (!others.empty()) {
+      note = fmt::format(" (rank(s) {} failed too)", others);
+    }
+    std::fprintf(stderr, "strata run: failed: rank %d %s%s\n", failed.rank, describe_status(failed.status).c_str(),
+                 note.c_str());
     int code = exit_code_of(failed.status);
     return code == 0 ? 1 : code;
   }

@@ -29,7 +29,8 @@ struct LaunchOptions {
   int master_port = 0;  // 0: a free port when nnodes == 1, else 29500
   // After a rank fails, how long the others may take to finish on their own
   // (reporting their own errors) before they are sent SIGTERM, then SIGKILL
-  // kill_delay_s later. Seconds, >= 0; infinity (or any value beyond the
+  // kill_delay_s later. When the first to fail exited kPeerFailedExitCode (its
+  // peer failed), at least 10 s, so the peer can finish saying why. Seconds, >= 0; infinity (or any value beyond the
   // clock's range) means never.
   double failure_grace_s = 2.0;
   double kill_delay_s = 3.0;
@@ -37,9 +38,16 @@ struct LaunchOptions {
   std::vector<std::string> command;  // program and arguments
 };
 
+// The exit code of a strata tool whose failure is a peer's (a collective or
+// the rendezvous broke: Error(kCommunication)), so the launcher can tell the
+// rank that failed on its own from the ranks that failed because it did.
+constexpr int kPeerFailedExitCode = 3;
+
 // Runs the job; returns the exit code for `strata run`: 0 when every rank exited
-// with 0; the first failed rank's exit code (128 + signal when it was killed);
-// 130 after Ctrl-C.
+// with 0; the exit code of the rank that failed first on its own (128 + signal
+// when it was killed; a rank exiting kPeerFailedExitCode is named only when
+// no rank failed otherwise), which the last line names;
+// 128 + the signal after Ctrl-C (130) or SIGTERM (143).
 int launch(const LaunchOptions& options);
 
 // A TCP port on `host` that was free a moment ago.

@@ -7,7 +7,8 @@
 //
 // Layout: as SafetensorsWriter (safetensors.h) — widest dtype first, header
 // padded to 8 bytes, so each tensor starts element-aligned.
-// Ownership: owns its temporary file (removed unless committed).
+// Ownership: owns its temporary file (a DurableFile, core/durable_file.h:
+// removed unless committed).
 // Thread-safety: write() may be called from several threads for disjoint
 // ranges; commit() once, after every write returned.
 // Errors: Error(kIo) with the path and errno text; kBadArgument for unknown
@@ -16,10 +17,12 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "core/durable_file.h"
 #include "core/tensor.h"
 
 namespace strata::nn {
@@ -51,8 +54,8 @@ class SafetensorsStreamWriter {
     size_t begin = 0, nbytes = 0;  // file offset of the data and its length
     size_t written = 0;            // bytes written so far (pieces must not overlap)
   };
-  std::string path_, tmp_;
-  int fd_ = -1;
+  std::string path_;
+  std::unique_ptr<DurableFile> file_;  // the temporary, renamed to path_ at commit
   std::map<std::string, Slot> slots_;
   std::mutex mutex_;
   bool committed_ = false;

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "core/directory_lock.h"
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "runtime/engine/state_file.h"
@@ -17,9 +19,11 @@ namespace strata::train {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr const char* kFormat = "strata-checkpoint/1";
+// /2: the manifest carries the parallel layout and a CRC-32 of itself.
+constexpr const char* kFormat = "strata-checkpoint/2";
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kRankFiles = "files.json";
+constexpr const char* kChecksumKey = "manifest_crc32";
 
 std::string rank_dir_name(int rank) { return "rank" + std::to_string(rank); }
 
@@ -49,19 +53,106 @@ nlohmann::json files_json(const std::vector<engine::StateFile>& files) {
   return list;
 }
 
-void write_json_durably(const fs::path& dir, const std::string& name, const nlohmann::json& value) {
-  const std::string text = value.dump(1) + "\n";
-  engine::StateFileWriter out(dir, name);
-  out.append(text.data(), text.size());
-  out.finish();
-}
-
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path);
-  STRATA_CHECK(in.good(), kIo, "cannot read {}", path.string());
+  if (!in.good()) raise(ErrorCategory::kIo, "cannot read {}", path.string());
   nlohmann::json value = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  STRATA_CHECK(!value.is_discarded(), kIo, "{} is not valid JSON (truncated or corrupt)", path.string());
+  if (value.is_discarded()) raise(ErrorCategory::kIo, "{} is not valid JSON (truncated or corrupt)", path.string());
   return value;
+}
+
+// The CRC-32 of a manifest's canonical text without its own checksum field.
+std::string manifest_checksum(nlohmann::json manifest) {
+  manifest.erase(kChecksumKey);
+  const std::string text = manifest.dump();
+  return fmt::format("{:08x}", engine::crc32_of(text.data(), text.size()));
+}
+
+// The parallel layout a checkpoint's files are cut for.
+nlohmann::json parallel_layout(int world_size) {
+  return {{"data_parallel_size", world_size}, {"tensor_parallel_size", 1}, {"expert_parallel_size", 1}};
+}
+
+// A manifest read and checked: its format, its checksum, the type and range
+// of every field a resume uses. Error(kIo) naming the file and what is wrong
+// when it is damaged or edited (the checkpoint is then skipped like one with
+// a damaged shard).
+nlohmann::json read_manifest(const fs::path& path) {
+  nlohmann::json manifest = read_json(path);
+  if (!manifest.is_object()) raise(ErrorCategory::kIo, "{}: not a strata checkpoint manifest", path.string());
+  const std::string format = manifest.value("format", "");
+  if (format == "strata-checkpoint/1") {
+    raise(ErrorCategory::kIo,
+          "{} was written by an older strata (format strata-checkpoint/1, without a checksum or the parallel layout); "
+          "this strata reads {}: resume it with the strata that wrote it, or start from its export",
+          path.string(), kFormat);
+  }
+  if (format != kFormat) raise(ErrorCategory::kIo, "{}: not a strata checkpoint manifest", path.string());
+  const auto checksum = manifest.find(kChecksumKey);
+  if (checksum == manifest.end() || !checksum->is_string() || *checksum != manifest_checksum(manifest)) {
+    raise(ErrorCategory::kIo, "{}: its {} does not match its contents (the manifest was edited or is corrupt)",
+          path.string(), kChecksumKey);
+  }
+  const auto unsigned_field = [&](const char* key) {
+    const auto it = manifest.find(key);
+    if (it == manifest.end() || !it->is_number_unsigned()) {
+      raise(ErrorCategory::kIo, "{}: \"{}\" is {}, not an integer >= 0", path.string(), key,
+            it == manifest.end() ? "missing" : it->dump());
+    }
+  };
+  unsigned_field("step");
+  unsigned_field("engine_steps");
+  unsigned_field("data_cursor");
+  unsigned_field("world_size");
+  if (manifest["world_size"].get<uint64_t>() < 1 || manifest["world_size"].get<uint64_t>() > (1u << 30)) {
+    raise(ErrorCategory::kIo, "{}: world_size {} is not a number of ranks", path.string(),
+          manifest["world_size"].dump());
+  }
+  if (manifest["step"].get<uint64_t>() > (uint64_t{1} << 62)) {
+    raise(ErrorCategory::kIo, "{}: step {} is out of range", path.string(), manifest["step"].dump());
+  }
+  if (!manifest.contains("ranks") || !manifest["ranks"].is_array() || !manifest.contains("layout") ||
+      !manifest["layout"].is_object()) {
+    raise(ErrorCategory::kIo, "{}: \"ranks\" or \"layout\" is missing", path.string());
+  }
+  return manifest;
+}
+
+TrainerState trainer_state_of(const nlohmann::json& manifest) {
+  TrainerState state;
+  state.step = static_cast<int64_t>(manifest.at("step").get<uint64_t>());
+  state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
+  state.model = manifest.value("model", nlohmann::json());
+  return state;
+}
+
+// "the model's num_attention_heads", "the parameter dtype (...)": a key of
+// TrainerState::model in the user's terms.
+std::string describe_model_key(const std::string& path) {
+  if (path.rfind("config.", 0) == 0) return fmt::format("the model's {} (config.json)", path.substr(7));
+  if (path == "dtype") return "the parameter dtype (bf16 / fp16 of the ds_config)";
+  return path;
+}
+
+void collect_differences(const nlohmann::json& saved, const nlohmann::json& wanted, const std::string& path,
+                         std::vector<std::string>& out) {
+  if (saved.is_object() && wanted.is_object()) {
+    std::vector<std::string> keys;
+    for (const auto& [key, value] : saved.items()) keys.push_back(key);
+    for (const auto& [key, value] : wanted.items()) {
+      if (!saved.contains(key)) keys.push_back(key);
+    }
+    for (const std::string& key : keys) {
+      const std::string child = path.empty() ? key : path + "." + key;
+      const nlohmann::json absent;
+      collect_differences(saved.contains(key) ? saved[key] : absent, wanted.contains(key) ? wanted[key] : absent,
+                          child, out);
+    }
+    return;
+  }
+  if (saved == wanted) return;
+  out.push_back(fmt::format("{} is {} in the checkpoint, {} in this run", describe_model_key(path),
+                            saved.is_null() ? "absent" : saved.dump(), wanted.is_null() ? "absent" : wanted.dump()));
 }
 
 // Why this rank cannot use checkpoint `dir` (empty: it can), given its manifest.
@@ -98,13 +189,35 @@ Checkpoints::Checkpoints(fs::path root, int keep) : root_(std::move(root)), keep
   STRATA_CHECK(keep >= 1, kBadArgument, "--keep-checkpoints must be >= 1, got {}", keep);
 }
 
+std::vector<std::string> model_differences(const nlohmann::json& saved, const nlohmann::json& wanted) {
+  std::vector<std::string> out;
+  collect_differences(saved, wanted, "", out);
+  return out;
+}
+
 fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& trainer) {
   const int rank = engine.rank(), world = engine.world_size();
   const fs::path dir = root_ / fmt::format("step_{:08}", trainer.step);
-  if (rank == 0) {
+  // Each rank's hold on the root for the save (a run may hold it already:
+  // shared); any rank that cannot take it fails the save on every rank.
+  std::shared_ptr<DirectoryLock> lock;
+  std::string problem;
+  try {
     std::error_code ec;
     fs::create_directories(root_, ec);
-    STRATA_CHECK(!ec, kIo, "cannot create the checkpoint directory {}: {}", root_.string(), ec.message());
+    if (ec) raise(ErrorCategory::kIo, "cannot create the checkpoint directory {}: {}", root_.string(), ec.message());
+    lock = DirectoryLock::acquire(root_, rank_lock_file_name(rank), "checkpoint directory");
+  } catch (const Error& e) {
+    problem = e.message();
+  }
+  if (engine.global_sum(problem.empty() ? 0.0 : 1.0) > 0) {
+    raise(ErrorCategory::kBadArgument, "{}",
+          problem.empty() ? fmt::format("another rank cannot use the checkpoint directory {} (its log says why)",
+                                        root_.string())
+                          : problem);
+  }
+  if (rank == 0) {
+    std::error_code ec;
     // A directory of this step is left from a run that did not finish it (a
     // complete one would have been resumed from): replace it.
     fs::remove_all(dir, ec);
@@ -117,28 +230,26 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
   std::error_code ec;
   fs::create_directory(rank_dir, ec);
   STRATA_CHECK(!ec, kIo, "cannot create {}: {}", rank_dir.string(), ec.message());
-  write_json_durably(rank_dir, kRankFiles, files_json(engine.save_state(rank_dir)));
-  engine::sync_directory(rank_dir);
+  write_file_durably(rank_dir / kRankFiles, files_json(engine.save_state(rank_dir)).dump(1) + "\n");
+  sync_directory(rank_dir);
   barrier(engine);  // every rank's files are durable
   if (rank == 0) {
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < world; ++r) {
       ranks.push_back({{"dir", rank_dir_name(r)}, {"files", read_json(dir / rank_dir_name(r) / kRankFiles)}});
     }
-    const nlohmann::json manifest = {{"format", kFormat},
-                                     {"step", trainer.step},
-                                     {"engine_steps", engine.step_count()},
-                                     {"data_cursor", trainer.data_cursor},
-                                     {"world_size", world},
-                                     {"model", trainer.model},
-                                     {"ranks", ranks}};
-    // Written last and atomically: until the rename the checkpoint does not exist.
-    const std::string tmp = std::string(kManifest) + ".tmp";
-    write_json_durably(dir, tmp, manifest);
-    fs::rename(dir / tmp, dir / kManifest, ec);
-    STRATA_CHECK(!ec, kIo, "cannot rename {} to {}: {}", (dir / tmp).string(), kManifest, ec.message());
-    engine::sync_directory(dir);
-    engine::sync_directory(root_);
+    nlohmann::json manifest = {{"format", kFormat},
+                               {"step", static_cast<uint64_t>(trainer.step)},
+                               {"engine_steps", static_cast<uint64_t>(engine.step_count())},
+                               {"data_cursor", trainer.data_cursor},
+                               {"world_size", static_cast<uint64_t>(world)},
+                               {"layout", parallel_layout(world)},
+                               {"model", trainer.model},
+                               {"ranks", ranks}};
+    manifest[kChecksumKey] = manifest_checksum(manifest);
+    // Written last and atomically: until its rename the checkpoint does not exist.
+    write_file_durably(dir / kManifest, manifest.dump(1) + "\n");
+    sync_directory(root_);
     // Keep the newest `keep_` checkpoints; remove older ones and leftovers without a manifest.
     int complete = 0;
     for (const auto& [step, path] : step_dirs(root_)) {
@@ -167,14 +278,30 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
     std::string why;
     nlohmann::json manifest;
     try {
-      manifest = read_json(manifest_path);
-      STRATA_CHECK(manifest.value("format", "") == kFormat, kIo, "{}: not a strata checkpoint manifest",
-                   manifest_path.string());
+      manifest = read_manifest(manifest_path);
       const int saved_world = manifest.at("world_size").get<int>();
-      STRATA_CHECK(saved_world == world, kBadArgument,
-                   "{} was written by a run of {} ranks; this run has {} (resharding a checkpoint is not supported: "
-                   "resume with -n {})",
-                   manifest_path.string(), saved_world, world, saved_world);
+      if (saved_world != world) {
+        raise(ErrorCategory::kBadArgument,
+              "{} was written by a run of {} ranks; this run has {} (resharding a checkpoint is not supported: "
+              "resume with -n {})",
+              manifest_path.string(), saved_world, world, saved_world);
+      }
+      const std::vector<std::string> layout = model_differences(manifest.at("layout"), parallel_layout(world));
+      if (!layout.empty()) {
+        raise(ErrorCategory::kBadArgument, "{} is cut for another parallel layout: {}", manifest_path.string(),
+              layout.front());
+      }
+      if (!expected_model_.is_null()) {
+        const std::vector<std::string> model = model_differences(manifest.value("model", nlohmann::json()),
+                                                                 expected_model_);
+        if (!model.empty()) {
+          std::string all;
+          for (const std::string& line : model) all += (all.empty() ? "" : "; ") + line;
+          raise(ErrorCategory::kBadArgument,
+                "{} is a checkpoint of another model: {}. Resume with the model and ds_config it was trained with",
+                manifest_path.string(), all);
+        }
+      }
     } catch (const Error& e) {
       if (e.category() == ErrorCategory::kBadArgument) throw;
       why = e.message();
@@ -197,10 +324,7 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
       continue;
     }
     engine.load_state(dir / rank_dir_name(rank));
-    TrainerState state;
-    state.step = manifest.at("step").get<int64_t>();
-    state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
-    state.model = manifest.value("model", nlohmann::json());
+    const TrainerState state = trainer_state_of(manifest);
     if (rank == 0) logger().info("loaded checkpoint {} (step {})", dir.string(), state.step);
     return state;
   }
@@ -216,19 +340,16 @@ CheckpointInfo newest_checkpoint(const fs::path& root) {
   }
   for (const auto& [step, dir] : candidates) {
     if (!fs::exists(dir / kManifest)) continue;
-    const nlohmann::json manifest = read_json(dir / kManifest);
-    STRATA_CHECK(manifest.value("format", "") == kFormat, kBadArgument, "{}: not a strata checkpoint manifest",
-                 (dir / kManifest).string());
+    nlohmann::json manifest;
+    try {
+      manifest = read_manifest(dir / kManifest);
+    } catch (const Error& e) {
+      raise(ErrorCategory::kBadArgument, "{}", e.message());
+    }
     CheckpointInfo info;
     info.dir = dir;
-    try {
-      info.world_size = manifest.at("world_size").get<int>();
-      info.state.step = manifest.at("step").get<int64_t>();
-      info.state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
-      info.state.model = manifest.value("model", nlohmann::json());
-    } catch (const nlohmann::json::exception& e) {
-      raise(ErrorCategory::kBadArgument, "{}: {}", (dir / kManifest).string(), e.what());
-    }
+    info.world_size = manifest.at("world_size").get<int>();
+    info.state = trainer_state_of(manifest);
     return info;
   }
   raise(ErrorCategory::kBadArgument, "{}: no checkpoint (no step_<N>/manifest.json)", root.string());

@@ -1,20 +1,32 @@
 // Checkpoints of the finetune job (docs/DESIGN.md §5.3): a directory per step,
 //   ROOT/step_<N>/rank<r>/   each rank's engine state (ZeroEngine::save_state)
 //   ROOT/step_<N>/manifest.json   written last, by rank 0
-// The manifest names the step, the world size, the data cursor and every
-// rank's files with their sizes and CRC-32s. It is written to a temporary
-// name, fsynced and renamed, and the directories are fsynced, so a crash at
-// any instant leaves either no manifest (the directory is ignored and removed
-// later) or a complete checkpoint. Resume takes the newest checkpoint whose
-// manifest parses and whose files every rank finds whole; a newer one that is
-// damaged is named in a warning and skipped.
+// The manifest names the step, the world size, the data cursor, what the
+// checkpoint is of (the model: for finetune every key of its config.json and
+// the parameter dtype, i.e. bf16/fp16 of the ds_config; the parallel layout:
+// data-, tensor- and expert-parallel sizes) and every rank's files with their
+// sizes and CRC-32s, and carries a CRC-32 of itself, so an edited or corrupt
+// manifest is detected like a damaged file. It is written durably
+// (core/durable_file.h), and the rank directories are fsynced before it, so
+// a crash at any instant leaves either no manifest (the directory is ignored
+// and removed later) or a complete checkpoint. Resume takes the newest
+// checkpoint whose manifest is intact and whose files every rank finds whole;
+// a newer one that is damaged is named in a warning and skipped. A checkpoint
+// of another model or layout is refused (not skipped), naming the key and
+// both values.
+//
+// A run owns its checkpoint directory: save() holds each rank's lock on the
+// root (core/directory_lock.h), so a second run saving into the same
+// directory is refused naming the holder (finetune holds it for the whole run).
 //
 // Collective: every rank calls save() and find_and_load() in the same order
 // (they synchronise through the engine's control communicator). The root must
 // be on a filesystem every rank sees (one node, or a shared filesystem).
 // Errors: Error(kIo) naming the file for a failed write (a full disk
 // included: the partial checkpoint has no manifest and never counts);
-// Error(kBadArgument) when --resume finds no checkpoint to load.
+// Error(kBadArgument) when --resume finds no checkpoint to load, for a
+// checkpoint of another model, layout or world size, and when another run
+// holds the directory.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +64,10 @@ class Checkpoints {
   Checkpoints(std::filesystem::path root, int keep);
 
   const std::filesystem::path& root() const { return root_; }
+  // What the run is of (TrainerState::model): find_and_load then refuses a
+  // checkpoint whose model differs in any key, naming it and both values.
+  // Unset: not compared (the C API compares its own declarations).
+  void expect_model(nlohmann::json model) { expected_model_ = std::move(model); }
   // Saves the engine's state and `trainer` as step trainer.step; collective.
   // Returns the checkpoint's directory.
   std::filesystem::path save(engine::ZeroEngine& engine, const TrainerState& trainer);
@@ -70,6 +86,12 @@ class Checkpoints {
  private:
   std::filesystem::path root_;
   int keep_;
+  nlohmann::json expected_model_;  // null: not compared
 };
+
+// Why a checkpoint of `saved` cannot continue a run of `wanted` (both
+// TrainerState::model objects): "num_attention_heads is 4 in the checkpoint,
+// 2 in this run", one line per differing key; empty when they are the same.
+std::vector<std::string> model_differences(const nlohmann::json& saved, const nlohmann::json& wanted);
 
 }  // namespace strata::train

@@ -14,6 +14,7 @@
 #include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
 #include "core/accelerator.h"
+#include "core/directory_lock.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
@@ -21,6 +22,7 @@
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
@@ -40,6 +42,71 @@ constexpr const char* kBuiltinConfig = R"({
   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
   "zero_optimization": {"stage": 3}
 })";
+
+// Each rank's lock on the swap directory (when a tier is on NVMe) and on the
+// checkpoint directory; the engine's swap spaces and the checkpoints share them.
+std::vector<std::shared_ptr<DirectoryLock>> own_run_directories(const engine::ZeroEngineOptions& zero,
+                                                                const FinetuneOptions& options, int rank) {
+  std::vector<std::shared_ptr<DirectoryLock>> owned;
+  const bool nvme = zero.param_tier == Tier::kNvme || zero.optimizer_tier == Tier::kNvme ||
+                    zero.grad_tier == Tier::kNvme;
+  if (nvme) {
+    ensure_run_directory(zero.nvme_path, "nvme_path");
+    owned.push_back(DirectoryLock::acquire(zero.nvme_path, rank_lock_file_name(rank), "nvme_path"));
+  }
+  if (!options.save_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.save_dir, ec);
+    if (ec) {
+      raise(ErrorCategory::kIo, "--save {}: cannot create the checkpoint directory: {}", options.save_dir.string(),
+            ec.message());
+    }
+    owned.push_back(DirectoryLock::acquire(options.save_dir, rank_lock_file_name(rank), "--save"));
+  }
+  return owned;
+}
+
+// Every token id of this rank's part of the file below the model's vocabulary,
+// checked before step 1 (a bad id found at step 20 would waste the run, and the
+// rank that reads it is named as the one that failed). Each rank checks 1/world
+// of the file; a file whose format cannot hold an id >= vocab is not read.
+void check_token_ids(const data::TokenFile& data, int64_t vocab, int rank, int world) {
+  const int64_t largest = data.format() == data::TokenFormat::kText ? 255
+                          : data.format() == data::TokenFormat::kU32 ? int64_t{0xffffffff}
+                                                                      : int64_t{0xffff};
+  if (largest < vocab) return;
+  const int64_t n = data.size(), begin = n * rank / world, end = n * (rank + 1) / world;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t token = data.token(i);
+    if (token >= vocab) {
+      raise(ErrorCategory::kBadArgument,
+            "--data {}: token {} at position {} is outside the model's vocabulary [0, {}) (vocab_size of the model "
+            "config); checked before step 1",
+            data.path(), token, i, vocab);
+    }
+  }
+}
+
+// strata.pinned_pool_size: an upper bound of the page-locked host memory a
+// rank holds, checked before any is allocated against what this runtime pins
+// for this model and ds_config (runtime/plan/runtime_memory.h, item by item).
+void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs) {
+  const uint64_t budget = config.strata.pinned_pool_nbytes;
+  if (budget == 0) return;  // sized from the buffer counts
+  const plan::RuntimeMemory memory = plan::runtime_memory(inputs);
+  if (memory.pinned_nbytes <= static_cast<double>(budget)) return;
+  std::string items;
+  for (const plan::MemoryItem& item : memory.items) {
+    if (item.where != plan::Where::kPinned || item.nbytes <= 0) continue;
+    items += fmt::format("{}{} {:.0f} bytes{}", items.empty() ? "" : ", ", item.name, item.nbytes,
+                         item.upper_bound ? " at most" : "");
+  }
+  raise(ErrorCategory::kBadArgument,
+        "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
+        "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
+        "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq)",
+        source, budget, memory.pinned_nbytes, items);
+}
 
 double count_targets(const std::vector<int32_t>& targets) {
   double n = 0;
@@ -80,11 +147,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const partition::RankInfo rank = launcher::rank_info_from_env();
   set_log_rank(rank.rank, rank.world_size);
   set_log_level(config.strata.log_level);
+  // The directories this run writes are its own from now on: another run
+  // holding them is refused before anything is touched (core/directory_lock.h).
+  const std::vector<std::shared_ptr<DirectoryLock>> owned = own_run_directories(zero, options, rank.rank);
   // The timeline: recording from here on; each rank's file is created now.
   std::optional<trace::Session> tracing;
-  if (!options.trace.empty()) {
+  // --trace, else the ds_config's strata.trace_path.
+  const std::filesystem::path trace_path =
+      !options.trace.empty() ? options.trace : std::filesystem::path(config.strata.trace_path);
+  if (!trace_path.empty()) {
     trace::Options trace_options;
-    trace_options.path = options.trace.string();
+    trace_options.path = trace_path.string();
     trace_options.rank = rank.rank;
     trace_options.world_size = rank.world_size;
     trace_options.process_name = fmt::format("strata finetune rank {}", rank.rank);
@@ -99,6 +172,20 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                "world size {}",
                source, config.train_batch_size, micro_batch, accumulation, rank.world_size);
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
+  {
+    plan::RuntimeInputs pinned;
+    pinned.model = model_config;
+    pinned.param_dtype = train_dtype;
+    pinned.device_is_host = accelerator->backend() == Backend::kCpu;
+    pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
+    pinned.micro_batch = micro_batch;
+    pinned.seq = options.seq;
+    pinned.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
+    pinned.cpu_checkpointing = config.cpu_checkpointing;
+    pinned.world_size = rank.world_size;
+    pinned.zero = zero;
+    check_pinned_budget(config, source, pinned);
+  }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
   const ZeroCommunicators comms =
@@ -111,14 +198,29 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.dtype = train_dtype;
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
   model_options.cpu_checkpointing = config.cpu_checkpointing;
-  nn::LlamaModel model(engine, model_config, model_options);
-  engine.finalize();
+  std::optional<nn::LlamaModel> built;
+  try {
+    built.emplace(engine, model_config, model_options);
+    engine.finalize();
+  } catch (const Error& e) {
+    if (e.category() != ErrorCategory::kOutOfMemory) throw;
+    // Say which inputs size the allocation that failed, in the user's terms.
+    raise(ErrorCategory::kOutOfMemory,
+          "{}. What is allocated here is sized by the model ({} parameters; the embedding alone is vocab_size {} x "
+          "hidden_size {}) and by the ds_config's buffers (offload_optimizer.buffer_count {}, offload_param."
+          "buffer_count {} x buffer_size {}, sub_group_size {}, reduce_bucket_size {}): check those values",
+          e.message(), model_config.parameter_count(), model_config.vocab_size, model_config.hidden_size,
+          config.zero.offload_optimizer.buffer_count, config.zero.offload_param.buffer_count,
+          config.zero.offload_param.buffer_numel, config.zero.sub_group_numel, config.zero.reduce_bucket_numel);
+  }
+  nn::LlamaModel& model = *built;
   if (options.model.empty()) {
     nn::initialize_parameters(engine, model.parameters(), seed);
   } else {
     load_hf_weights(engine, model.parameters(), options.model);
   }
   setup_span.reset();
+  check_token_ids(data, model_config.vocab_size, rank.rank, rank.world_size);
   data::TokenLoader loader(data, {options.seq, micro_batch, rank.rank, rank.world_size, seed,
                                   model_config.vocab_size});
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
@@ -141,14 +243,25 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // What the checkpoints are of, so `strata export` can rebuild the model from one.
   const nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
   std::optional<Checkpoints> checkpoints;
-  if (!options.save_dir.empty()) checkpoints.emplace(options.save_dir, options.keep_checkpoints);
+  if (!options.save_dir.empty()) {
+    checkpoints.emplace(options.save_dir, options.keep_checkpoints);
+    checkpoints->expect_model(checkpoint_model);
+  }
   int64_t done = 0;  // steps already taken (by the run a checkpoint came from)
   if (options.resume) {
     trace::Span span("phase", "resume");
     const std::optional<TrainerState> resumed = checkpoints->find_and_load(engine);
-    STRATA_CHECK(resumed.has_value(), kBadArgument, "--resume: no complete checkpoint in {} (nothing to resume)",
-                 options.save_dir.string());
+    if (!resumed) {
+      raise(ErrorCategory::kBadArgument, "--resume: no complete checkpoint in {} (nothing to resume)",
+            options.save_dir.string());
+    }
     done = resumed->step;
+    if (options.steps <= done) {
+      raise(ErrorCategory::kBadArgument,
+            "--steps {}: the checkpoint in {} is at step {} already, so there is nothing to train; give --steps "
+            "above {} to continue (or `strata export {}` to export it)",
+            options.steps, options.save_dir.string(), done, done, options.save_dir.string());
+    }
     loader.set_cursor(resumed->data_cursor);
   }
 
@@ -160,6 +273,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     inputs.model_config = model_config.to_json();
     report = std::make_unique<RunReport>(options.out, options.steps, options.progress,
                                          options.resume ? std::optional<int64_t>(done) : std::nullopt, inputs);
+    report->set_print_every(config.steps_per_print);
   }
   FinetuneResult result;
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());

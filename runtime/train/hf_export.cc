@@ -4,12 +4,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "runtime/nn/safetensors_stream.h"
+#include "runtime/train/export_dir.h"
 
 namespace strata::train {
 namespace fs = std::filesystem;
@@ -117,17 +119,14 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
                               : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, shards.size());
   };
   const bool writer = comm.rank() == 0;
+  // Rank 0 writes into a staging directory that replaces `dir` whole at the
+  // end (export_dir.h): a directory never holds weights of two exports.
+  std::optional<ExportStaging> staging;
   if (writer) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    STRATA_CHECK(!ec, kIo, "cannot create the export directory {}: {}", dir.string(), ec.message());
+    staging.emplace(dir);
     // The source's model_type, architectures and keys, with the export's dtype.
     const nlohmann::json hf = config.to_hf_json(options.dtype);
-    const fs::path config_path = dir / "config.json";
-    std::ofstream out(config_path);
-    out << hf.dump(2) << "\n";
-    out.close();
-    STRATA_CHECK(out.good(), kIo, "cannot write {}", config_path.string());
+    write_file_durably(staging->dir() / "config.json", hf.dump(2) + "\n");
   }
   auto stream = engine.accelerator().create_stream();
   ExportResult result;
@@ -137,9 +136,10 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     const fs::path path = dir / file_name(s);
     std::unique_ptr<nn::SafetensorsStreamWriter> file;
     if (writer) {
+      const fs::path staged = staging->dir() / file_name(s);
       std::vector<nn::SafetensorsDecl> decls;
       for (size_t t : shards[s]) decls.push_back({tensors[t].name, options.dtype, tensors[t].shape});
-      file = std::make_unique<nn::SafetensorsStreamWriter>(path.string(), decls,
+      file = std::make_unique<nn::SafetensorsStreamWriter>(staged.string(), decls,
                                                            std::map<std::string, std::string>{{"format", "pt"}});
     }
     for (size_t t : shards[s]) {
@@ -172,19 +172,11 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     result.files.push_back(path);
   }
   if (writer && shards.size() > 1) {
-    const fs::path index = dir / "model.safetensors.index.json";
-    const fs::path tmp = dir / "model.safetensors.index.json.tmp";
-    {
-      std::ofstream out(tmp);
-      out << nlohmann::json{{"metadata", {{"total_size", total_nbytes}}}, {"weight_map", weight_map}}.dump(2) << "\n";
-      out.close();
-      STRATA_CHECK(out.good(), kIo, "cannot write {}", tmp.string());
-    }
-    std::error_code ec;
-    fs::rename(tmp, index, ec);
-    STRATA_CHECK(!ec, kIo, "cannot rename {} to {}: {}", tmp.string(), index.string(), ec.message());
-    result.files.push_back(index);
+    const nlohmann::json index = {{"metadata", {{"total_size", total_nbytes}}}, {"weight_map", weight_map}};
+    write_file_durably(staging->dir() / "model.safetensors.index.json", index.dump(2) + "\n");
+    result.files.push_back(dir / "model.safetensors.index.json");
   }
+  if (writer) staging->commit();
   return result;
 }
 

@@ -5,8 +5,12 @@
 // model.safetensors.index.json. Streams tensor by tensor: each tensor is
 // gathered from the ranks' owned ranges (Engine::for_each_owned_range) to
 // rank 0, converted and written in place (SafetensorsStreamWriter), so rank 0
-// holds one tensor at a time and no rank holds the model. Each file is
-// committed atomically (fsync, rename, fsync of the directory).
+// holds one tensor at a time and no rank holds the model. The directory is
+// replaced whole (runtime/train/export_dir.h): the files are written durably
+// into a staging directory that is swapped with `dir` in one rename at the
+// end, so `dir` never holds weights of two exports (a stale model.safetensors
+// beside new shards, or the reverse), and a failed export leaves the previous
+// one as it was.
 //
 // Collective: every rank calls it with the same arguments, with no hook
 // window open; `comm` must be idle (nothing else runs collectives on it).

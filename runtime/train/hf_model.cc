@@ -42,6 +42,14 @@ struct WeightFiles {
 WeightFiles weight_files(const fs::path& dir) {
   WeightFiles w;
   const fs::path single = dir / "model.safetensors", index = dir / "model.safetensors.index.json";
+  if (fs::exists(index) && fs::exists(single)) {
+    // Two saves' weights (a re-export into the same directory by another
+    // tool): loading either could be the stale one.
+    raise(ErrorCategory::kBadArgument,
+          "--model {}: holds both {} and {}, weights of two different saves; loaders pick one of them, so remove the "
+          "stale one (or export again into an empty directory)",
+          dir.string(), single.string(), index.string());
+  }
   if (!fs::exists(index)) {
     STRATA_CHECK(
         fs::exists(single), kBadArgument,

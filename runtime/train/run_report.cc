@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/durable_file.h"
 #include "core/error.h"
 
 namespace strata::train {
@@ -38,14 +39,10 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
   STRATA_CHECK(!ec, kIo, "cannot create the output directory {}: {}", dir_.string(), ec.message());
   {
     // Written whole before the metrics, so a run with metrics has its record.
-    const std::filesystem::path run_path = dir_ / "run.json";
-    std::ofstream run(run_path, std::ios::trunc);
     RunRecord record = this_run_record();
     record.ds_config = inputs.ds_config;
     record.model_config = inputs.model_config;
-    run << run_record_json(record);
-    run.flush();
-    STRATA_CHECK(run.good(), kIo, "cannot write {}", run_path.string());
+    write_file_durably(dir_ / "run.json", run_record_json(record));
   }
   metrics_path_ = dir_ / "metrics.jsonl";
   curve_path_ = dir_ / "loss.svg";
@@ -66,10 +63,12 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
       kept += line + "\n";
     }
   }
-  metrics_ = std::fopen(metrics_path_.c_str(), "w");
-  STRATA_CHECK(metrics_ != nullptr, kIo, "cannot create {}: {}", metrics_path_.string(), std::strerror(errno));
-  STRATA_CHECK(std::fwrite(kept.data(), 1, kept.size(), metrics_) == kept.size() && std::fflush(metrics_) == 0, kIo,
-               "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
+  // The kept lines replace the file whole (a crash now loses none of them); new steps are appended.
+  write_file_durably(metrics_path_, kept);
+  metrics_ = std::fopen(metrics_path_.c_str(), "a");
+  if (metrics_ == nullptr) {
+    raise(ErrorCategory::kIo, "cannot open {}: {} (errno {})", metrics_path_.string(), std::strerror(errno), errno);
+  }
   terminal_ = out_ != nullptr && ::isatty(::fileno(out_)) == 1;
 }
 
@@ -190,6 +189,8 @@ void RunReport::print_progress(const StepRecord& r) {
     fmt::print(out_, "\r[{}{}] {}\x1b[K", std::string(static_cast<size_t>(filled), '#'),
                std::string(static_cast<size_t>(kWidth - filled), '.'), stats);
   } else {
+    const bool due = r.step % print_every_ == 0 || r.step == total_steps_ || steps_.size() == 1 || !r.applied;
+    if (!due) return;
     fmt::print(out_, "{}\n", stats);
   }
   std::fflush(out_);
@@ -198,10 +199,7 @@ void RunReport::print_progress(const StepRecord& r) {
 void RunReport::finish() {
   if (terminal_ && out_ != nullptr) fmt::print(out_, "\n");
   {
-    std::ofstream svg(curve_path_, std::ios::trunc);
-    svg << loss_curve_svg(steps_);
-    svg.flush();
-    STRATA_CHECK(svg.good(), kIo, "cannot write {}", curve_path_.string());
+    write_file_durably(curve_path_, loss_curve_svg(steps_));
   }
   if (out_ == nullptr || steps_.empty()) return;
   // Summary: first and last losses (means of up to 5 steps), throughput median.

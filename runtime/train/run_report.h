@@ -92,6 +92,10 @@ class RunReport {
   RunReport(const RunReport&) = delete;
   RunReport& operator=(const RunReport&) = delete;
 
+  // A progress line every `every` steps (ds_config steps_per_print; also the
+  // first step of the run, the last, and every skipped step). 1: each step.
+  // A terminal's progress bar, redrawn in place, follows every step.
+  void set_print_every(int64_t every) { print_every_ = every < 1 ? 1 : every; }
   void record(const StepRecord& r);
   // Ends the progress line, writes loss.svg and prints the summary table.
   void finish();
@@ -108,6 +112,7 @@ class RunReport {
   std::FILE* out_;
   std::FILE* metrics_ = nullptr;
   bool terminal_ = false;
+  int64_t print_every_ = 1;
   double elapsed_ = 0;
   std::vector<StepRecord> steps_;
 };

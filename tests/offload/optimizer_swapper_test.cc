@@ -4,6 +4,7 @@
 // disk intact and loadable; the pipeline never holds more than the pool.
 #include <catch2/catch.hpp>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "nvme/io_backend.h"
 #include "offload/optimizer_swapper.h"
 #include "offload/pinned_pool.h"
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "tests/support/temp_dir.h"
 
@@ -347,4 +349,38 @@ TEST_CASE("a step in parts (any order, batches) equals step(), abort restores th
   CHECK_THROWS_WITH(parts.begin_step(inputs(grad, p16), false), Catch::Contains("already open"));
   CHECK_THROWS_WITH(parts.update_sub_groups(std::vector<size_t>{5}), Catch::Contains("out of range"));
   parts.abort_step();  // nothing updated: nothing to restore
+}
+
+TEST_CASE("a full disk when the optimizer's manifest is committed is an error naming the file and the errno",
+          "[offload][swapper]") {
+  // The manifest goes through core/durable_file.h, so the fault plan fails it
+  // as a disk would (it was "cannot write optimizer manifest ...", no errno).
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  auto options = options_for(Tier::kNvme, dir.path());
+  options.keep_files = true;
+  offload::OptimizerSwapper swapper(options, &pool, &aio);
+  const auto master = random_floats(kNumel, 3, 1.0f);
+  swapper.initialize(master.data());
+  set_file_faults(nvme::file_faults(std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
+      nvme::IoFault{1, nvme::IoFault::Kind::kError, ENOSPC, 0, nvme::IoOp::kWrite, false}})));
+  std::vector<BFloat16> p16(kNumel);
+  const auto grad = grad_for_step(1);
+  try {
+    swapper.step(inputs(grad, p16));
+    set_file_faults(nullptr);
+    FAIL("step() returned although its manifest could not be written");
+  } catch (const Error& e) {
+    set_file_faults(nullptr);
+    CHECK(e.category() == ErrorCategory::kIo);
+    CHECK_THAT(e.message(), Catch::Contains("manifest.json") && Catch::Contains("No space left on device (errno 28)"));
+  }
+  CHECK(swapper.step_count() == 0);
+  // The committed state is the initial one, whole.
+  nvme::AioHandle again(nvme::AioOptions{});
+  options.resume = true;
+  offload::OptimizerSwapper resumed(options, &pool, &again);
+  CHECK(resumed.step_count() == 0);
+  CHECK(same_bits(load(resumed).p, master));
 }

@@ -13,10 +13,12 @@ engine's collectives need it). Checks
   - checkpoints: trained, saved, trained on, loaded into fresh engines (ZeRO-3
     on NVMe and ZeRO-2 in memory) bit for bit, the optimizer state too (three
     more steps agree exactly); a missing directory, a truncated or corrupt
-    file, a manifest of another world size or other parameters, or one that
-    does not parse raise InvalidArgument naming the file, and leave the engine
+    file, a manifest of another world size or other parameters, an edited one
+    (its checksum) or one that does not parse raise InvalidArgument naming the file, and leave the engine
     usable with its own values; one rank: a child process killed with SIGKILL
     while it saves leaves the previous checkpoint loadable bit for bit;
+  - arrays handed out by a window stay safe after release and close (copies,
+    read-only then); complex and string values are refused;
   - the step breakdown adds up and counts the step's windows and bytes; a
     timeline recorded from Python (strata.trace) is JSON with the hook events.
 Prints "python tests: ok" on success (CTest matches it).
@@ -27,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 
 import numpy as np
 
@@ -168,7 +171,7 @@ def Window_release(eng, op):
 def failure_is_sticky():
     # The swap directory cannot be created: finalize fails with an I/O error,
     # and every later call says the engine is unusable, repeating why.
-    bad = "/proc/strata-no-such-dir/swap"
+    bad = "/proc/strata-no-such-dir"  # its parent exists (a missing parent is bad input, not an I/O error)
     with strata.Engine(config(bad)) as eng:
         w = eng.register("w", np.ones(4, np.float32))
         eng.op("op", [w])
@@ -177,6 +180,54 @@ def failure_is_sticky():
         e = expect_error(strata.EngineFailed, "unusable after an earlier error", eng.global_sum, 1.0)
         assert "strata_finalize" in str(e)
         assert eng.stats()["failed"] == 1
+
+
+def views_are_safe(swap_dir):
+    # Window arrays never outlive the memory they show: after release (the buffers are reused) and after
+    # close (freed) they are read-only copies; before the fix, writing one here crashed the process
+    # (SIGSEGV after a step on NVMe, "free(): corrupted unsorted chunks" after close).
+    with strata.Engine(config(swap_dir)) as eng:
+        w = eng.register("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+        expect_error(strata.InvalidArgument, "complex64", eng.register, "c", np.ones(3, np.complex64))
+        expect_error(strata.InvalidArgument, "<U1", eng.register, "s", np.array(["a", "b"]))
+        lin = eng.op("lin", [w])
+        eng.finalize()
+        with eng.fetch(lin, "forward") as win:
+            value = win.param(w)
+            assert win.param(w) is value and not value.flags.writeable
+        a = eng.fetch(lin, "backward")
+        g = a.grad(w)
+        assert a.grad(w) is g and g.flags.writeable
+        g[...] += 1.0
+        a.add_grad(w, np.full((2, 3), 0.5, np.float32))  # goes into g while g is out
+        expect_error(strata.InvalidArgument, "complex64", a.add_grad, w, np.ones((2, 3), np.complex64))
+        a.release()
+        assert not g.flags.writeable
+        assert eng.step(0.1).applied
+        for write in (lambda: g.__setitem__(slice(None), 7), lambda: value.__setitem__(0, 7)):
+            try:
+                write()
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("an array of a released window was writable")
+        assert np.array_equal(g, np.full((2, 3), 1.5, np.float32))  # what this rank added
+        assert np.array_equal(value, np.arange(6, dtype=np.float32).reshape(2, 3))  # as it was when fetched
+        expect_error(strata.InvalidState, "released", a.grad, w)
+        after = eng.read(w)
+        assert not np.array_equal(after, value), "the gradient written back at release was not applied"
+        win = eng.fetch(lin, "forward")
+        held = win.param(w)
+    # Closed with the window open: its array stays a readable, read-only copy.
+    assert np.array_equal(held, after) and not held.flags.writeable
+    try:
+        held[0, 0] = 7
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an array of a closed engine was writable")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("views: arrays outlive release and close safely; complex and string values refused")
 
 
 # ---- checkpoints, the step breakdown, the timeline --------------------------------------------
@@ -254,6 +305,14 @@ def checkpoints(swap_dir):
         barrier_and_remove(ckpt)
 
 
+def with_checksum(manifest):
+    """`manifest` with its manifest_crc32 recomputed as strata computes it: the CRC-32 of its canonical JSON
+    (keys sorted, no spaces) without that field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_crc32"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return dict(body, manifest_crc32=f"{zlib.crc32(text.encode()):08x}")
+
+
 def barrier_and_remove(path):
     # Every rank is done with `path` once each has destroyed its engines; rank 0 removes it
     # (the others may still be reading it otherwise: a throwaway engine is the barrier).
@@ -320,7 +379,14 @@ def checkpoint_bad_input(swap_dir):
                         m = json.load(f)
                     edit(m)
                     with open(os.path.join(dst, "step_00000002", "manifest.json"), "w") as f:
-                        json.dump(m, f)
+                        json.dump(with_checksum(m), f)  # as a real checkpoint of that kind would be
+                # An edit that does not fix the manifest's own checksum is detected.
+                shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, "edited"))
+                with open(os.path.join(ckpt, "edited", "step_00000002", "manifest.json")) as f:
+                    m = json.load(f)
+                m["step"] = 1
+                with open(os.path.join(ckpt, "edited", "step_00000002", "manifest.json"), "w") as f:
+                    json.dump(m, f)
                 shutil.copytree(os.path.join(ckpt, "good"), os.path.join(ckpt, "cut"))
                 with open(os.path.join(ckpt, "cut", "step_00000002", "manifest.json"), "r+") as f:
                     f.truncate(40)
@@ -333,6 +399,7 @@ def checkpoint_bad_input(swap_dir):
                          eng.load_checkpoint, os.path.join(ckpt, "params"))
             expect_error(strata.InvalidArgument, "not written by strata_save_checkpoint", eng.load_checkpoint,
                          os.path.join(ckpt, "finetune"))
+            expect_error(strata.InvalidArgument, "edited or is corrupt", eng.load_checkpoint, os.path.join(ckpt, "edited"))
             e = expect_error(strata.InvalidArgument, "not valid JSON", eng.load_checkpoint, os.path.join(ckpt, "cut"))
             assert os.path.join(ckpt, "cut", "step_00000002", "manifest.json") in str(e)
             # Nothing was loaded and the engine is usable: its values are its own, a step works.
@@ -500,6 +567,7 @@ def main():
         checkpoint_bad_input(os.path.join(root, "e"))
         breakdown_and_trace(os.path.join(root, "f"))
         prepared_steps(os.path.join(root, "g"))
+        views_are_safe(os.path.join(root, "h"))
         if os.environ.get("WORLD_SIZE", "1") == "1":
             failure_is_sticky()  # one rank: a peer's collectives would wait for the failed one
             killed_mid_save(root)  # one rank: the child is a job of its own

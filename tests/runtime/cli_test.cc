@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
@@ -96,4 +98,40 @@ TEST_CASE("strata run: flag values out of range say the range", "[cli][issue16]"
   result = run_command(strata_binary() + " run -n 2 --failure-grace nan -- true 2>&1");
   REQUIRE(result.exit_code != 0);
   REQUIRE_THAT(result.output, Catch::Contains("seconds >= 0"));
+}
+
+TEST_CASE("the bench tools refuse bad flags with a message and an exit code in 1..127, never abort or loop",
+          "[cli][tools]") {
+  strata::test::TempDir dir;
+  const std::string bin = std::string(STRATA_BUILD_DIR) + "/bin/";
+  struct Case {
+    std::string command, expect;
+  };
+  const std::vector<Case> cases = {
+      {"strata-train --zero 3 --offload-param nvme --offload-optimizer nvme --nvme-dir /dev/null --layers 1 "
+       "--hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1",
+       "--nvme-dir /dev/null is not a directory"},
+      {"strata-train --zero 3 --ranks 64 --layers 1 --hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1",
+       "would oversubscribe them"},
+      {"strata-train --layers 1 --hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1 --json /proc/no-such-dir/x.json",
+       "--json /proc/no-such-dir/x.json"},
+      {"strata-bw --ranks 100000", "--ranks 100000 must be in [1, 64]"},
+      {"strata-bw --min-bytes 0 --max-bytes 4KiB", "--min-bytes must be at least 1 byte"},
+      {"strata-bw --factor nan", "--factor nan must be a number in [1.01, 1024]"},
+      {"strata-bw --min-bytes 1MiB --max-bytes 4KiB", "the sweep would be empty"},
+      {"strata-bw --json /proc/no-such-dir/x.json", "--json /proc/no-such-dir/x.json"},
+      {"strata-io --dir " + dir.path().string() + " --size 1MiB --json /proc/no-such-dir/x.json",
+       "--json /proc/no-such-dir/x.json"},
+      {"strata-adam --numel 1K --json /proc/no-such-dir/x.json", "--json /proc/no-such-dir/x.json"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.command);
+    const auto r = strata::test::run_with_limit(bin + c.command, 60);
+    INFO(r.output);
+    CHECK(r.exit_code >= 1);
+    CHECK(r.exit_code <= 127);
+    CHECK(r.seconds < 30);
+    CHECK_THAT(r.output, Catch::Contains(c.expect));
+    CHECK_THAT(r.output, !Catch::Contains("terminate called") && !Catch::Contains("check `"));
+  }
 }
