@@ -199,10 +199,11 @@ bool ParamCoordinator::gathered(ParamId id) const {
 // ---- hooks --------------------------------------------------------------------------
 
 void ParamCoordinator::pre_op(OpId op, Phase phase) {
-  const OperatorTrace::Advance advance = trace_.advance(op, phase);
+  // Paused: not a window of the step (position npos: no prefetch, no reuse).
+  const OperatorTrace::Advance advance = trace_paused_ ? OperatorTrace::Advance{} : trace_.advance(op, phase);
   window_position_.push_back(advance.position);
   if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
-  ++current_.windows;
+  if (!trace_paused_) ++current_.windows;
   const CoordinatedOp& info = ops_[static_cast<size_t>(op)];
   for (ParamId id : info.params) ++open_uses_[static_cast<size_t>(id)];
   make_room(op);

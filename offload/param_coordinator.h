@@ -176,6 +176,12 @@ class ParamCoordinator {
   // The step boundary: the trace closes (or is dropped for ending early), and
   // no read is left in flight or staged (the homes are about to change).
   void end_step();
+  // Windows opened while paused are not part of a training step (an
+  // evaluation forward between steps): they are neither recorded nor matched
+  // against the trace, nothing is prefetched for them, and their parameters
+  // are released after use; the trace of the training step is kept.
+  void set_trace_paused(bool paused) { trace_paused_ = paused; }
+  bool trace_paused() const { return trace_paused_; }
   // Waits until nothing queued or staged reads the homes (the host is about to).
   void quiesce();
   // The homes changed: every gathered copy is stale and released once compute
@@ -250,6 +256,7 @@ class ParamCoordinator {
   std::vector<uint32_t> visited_;        // per parameter: walk generation (prefetch_from)
   uint32_t walk_ = 0;
   int64_t step_boundaries_ = 0;          // end_step calls (for messages)
+  bool trace_paused_ = false;
   uint64_t consumed_seq_ = 0;            // staging readers recorded on the gather stream so far
   std::unique_ptr<ReadQueue> read_queue_;  // with staging; destroyed first
   PrefetchStats current_, last_;

@@ -99,7 +99,7 @@ class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& options)
       : accelerator_(accelerator), store_(store), options_(options) {
-    STRATA_CHECK(accelerator.backend() == Backend::kCpu, kBadArgument,
+    STRATA_CHECK(accelerator.host_addressable(), kBadArgument,
                  "the Gloo communicator needs host memory (cpu accelerator), got {}", accelerator.name());
     STRATA_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size,
                  kBadArgument, "rank {} outside world size {}", options.rank, options.world_size);

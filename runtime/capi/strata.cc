@@ -467,7 +467,7 @@ strata_status strata_add_grad(strata_engine* e, int32_t id, const float* host_gr
     require_not_null(host_grad, "host_grad");
     float* grad = grad_buffer(e, id);
     const size_t numel = static_cast<size_t>(e->zero->param_info(id).numel());
-    if (e->accelerator->backend() == strata::Backend::kCpu) {
+    if (e->accelerator->host_addressable()) {
       for (size_t i = 0; i < numel; ++i) grad[i] += host_grad[i];
       return;
     }
@@ -600,7 +600,7 @@ strata_status strata_get_stats(strata_engine* e, strata_stats* stats) {
   stats->optimizer_tier = tier_of(z.options().optimizer_tier);
   stats->param_count = z.parameter_count();
   stats->op_count = z.operator_count();
-  stats->host_memory = e->accelerator->backend() == strata::Backend::kCpu ? 1 : 0;
+  stats->host_memory = e->accelerator->host_addressable() ? 1 : 0;
   stats->finalized = e->finalized ? 1 : 0;
   stats->failed = e->failure.empty() ? 0 : 1;
   for (int32_t p = 0; p < z.parameter_count(); ++p) stats->param_numel += z.param_info(p).numel();

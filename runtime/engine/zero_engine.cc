@@ -259,6 +259,9 @@ void ZeroEngine::create_group(Group& g) {
 // ---- forward and backward ------------------------------------------------------------
 
 void ZeroEngine::pre_op(OpId op, Phase phase) {
+  STRATA_CHECK(!evaluating_ || phase == Phase::kForward, kBadArgument,
+               "operator '{}' opened a {} window during an evaluation pass (forward only): end_evaluation() first",
+               op_info(op).name, phase_name(phase));
   open_window(op, phase);
   if (coordinator_) {
     coordinator_->pre_op(op, phase);
@@ -309,6 +312,7 @@ void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
 
 void ZeroEngine::prepare_step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
+  STRATA_CHECK(!evaluating_, kBadArgument, "prepare_step() during an evaluation pass: end_evaluation() first");
   // What the step will apply when clipping does not fire: the loss scale divided out.
   const double loss_scale = loss_scaler_.scale();
   const float grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(loss_scale),
@@ -318,8 +322,24 @@ void ZeroEngine::prepare_step(float lr) {
 
 bool ZeroEngine::step_prepared() const { return optimizer_ && optimizer_->prepared(); }
 
+void ZeroEngine::begin_evaluation() {
+  STRATA_CHECK(finalized(), kBadArgument, "begin_evaluation() before finalize()");
+  STRATA_CHECK(!evaluating_, kBadArgument, "begin_evaluation() twice without end_evaluation()");
+  check_not_prepared("begin_evaluation");
+  check_no_backward("begin_evaluation");
+  evaluating_ = true;
+  if (coordinator_) coordinator_->set_trace_paused(true);
+}
+
+void ZeroEngine::end_evaluation() {
+  STRATA_CHECK(evaluating_, kBadArgument, "end_evaluation() without begin_evaluation()");
+  evaluating_ = false;
+  if (coordinator_) coordinator_->set_trace_paused(false);
+}
+
 StepResult ZeroEngine::step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
+  STRATA_CHECK(!evaluating_, kBadArgument, "step() during an evaluation pass: end_evaluation() first");
   check_no_backward("step");
   StepResult result;
   // Whatever fails from here on, what the optimizer opened does not stay behind.

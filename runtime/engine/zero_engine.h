@@ -193,6 +193,17 @@ class ZeroEngine final : public Engine {
   void prepare_step(float lr);
   // prepare_step was called and neither step() nor zero_grad() since.
   bool step_prepared() const;
+  // An evaluation pass between steps (forward windows only, no gradient):
+  // stage 3 gathers its parameters on demand and leaves the operator trace of
+  // the training step alone, so the next step still follows it (without
+  // this, the evaluation's windows would diverge from the trace and switch
+  // prefetch off for a step). Nothing else changes; stages 1/2 read their
+  // resident copies as always. Between steps only (not after prepare_step,
+  // not with a backward pass open); end_evaluation before the next training
+  // window. Error(kBadArgument) when misplaced.
+  void begin_evaluation();
+  void end_evaluation();
+  bool evaluating() const { return evaluating_; }
   int64_t step_count() const;
 
   // ---- checkpoints (docs/DESIGN.md §5.3) ---------------------------------------------------
@@ -280,6 +291,7 @@ class ZeroEngine final : public Engine {
   LossScaler loss_scaler_;
   std::unique_ptr<Event> compute_point_, gather_point_;
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather
+  bool evaluating_ = false;          // between begin_evaluation and end_evaluation
 };
 
 }  // namespace strata::engine

@@ -176,7 +176,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
     pinned.param_dtype = train_dtype;
-    pinned.device_is_host = accelerator->backend() == Backend::kCpu;
+    pinned.device_is_host = accelerator->host_addressable();
     pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
     pinned.micro_batch = micro_batch;
     pinned.seq = options.seq;

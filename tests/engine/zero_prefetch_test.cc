@@ -290,6 +290,39 @@ TEST_CASE("a step with another operator sequence drops the trace with one log li
   }
 }
 
+TEST_CASE("an evaluation pass between steps leaves the trace alone: no divergence, the next steps follow it",
+          "[engine][zero][prefetch]") {
+  ops::set_cpu_threads(1);
+  for (Tier tier : {Tier::kDevice, Tier::kNvme}) {
+    CAPTURE(tier_name(tier));
+    test::TempDir dir("strata-zero-eval");
+    TrainSpec spec;
+    spec.world = 2;
+    spec.steps = 4;
+    spec.options = options_for(3);
+    spec.options.param_tier = tier;
+    spec.options.nvme_path = dir.path();
+    spec.eval_before = {1, 2};
+    spec.eval_marked = true;
+    TrainSpec off = spec;
+    off.options = prefetch_off(spec.options);
+    const TrainResult a = train_zero(off);
+    LogCapture log;
+    const TrainResult b = train_zero(spec);
+    CHECK(compare(b, a).identical);
+    CHECK(b.losses == a.losses);
+    INFO(log.out.str());
+    CHECK(log.count("operator trace:") == 0);
+    CHECK(b.trace_drops == 0);
+    REQUIRE(b.prefetch.size() == 4);
+    for (size_t s = 1; s < 4; ++s) {
+      CAPTURE(s);
+      CHECK(b.prefetch[s].trace_followed);
+      CHECK(b.prefetch[s].prefetched() > 0);
+    }
+  }
+}
+
 TEST_CASE("an NVMe read error during prefetch is that rank's step error, and its peer fails in time, not a hang",
           "[engine][zero][nvme]") {
   ops::set_cpu_threads(1);

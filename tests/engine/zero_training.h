@@ -107,6 +107,8 @@ struct TrainSpec {
   // Before these steps (0-based), each rank runs an evaluation forward
   // (ForwardOptions::backward = false) on its share of the batch.
   std::vector<int> eval_before;
+  // ... bracketed by ZeroEngine::begin_evaluation / end_evaluation.
+  bool eval_marked = false;
   // Communicator timeout (a failing rank's peers give up within it).
   std::chrono::milliseconds timeout{30000};
   // Catch each rank's error into TrainResult::errors instead of rethrowing.
@@ -176,9 +178,11 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               const size_t first = static_cast<size_t>(rank * per_rank * kSeq), n = static_cast<size_t>(per_rank * kSeq);
               nn::ForwardOptions eval;
               eval.backward = false;
+              if (spec.eval_marked) eng.begin_evaluation();
               model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
                             per_rank, kSeq, eval);
               model.loss_stats();
+              if (spec.eval_marked) eng.end_evaluation();
             }
             double local_count = 0;
             for (int m = 0; m < spec.micro_steps; ++m) {
