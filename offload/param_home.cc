@@ -135,7 +135,7 @@ class NvmeHome final : public ParamHome {
         window_(window),
         aio_(aio),
         swap_(nvme::SwapSpaceOptions{options.nvme_path, "param", options.rank, true, options.keep_files}) {
-    file_ = &swap_.create({std::string(dtype_name(options.dtype)), nbytes()});
+    file_ = &swap_.create({options.key.empty() ? std::string(dtype_name(options.dtype)) : options.key, nbytes()});
     window_.expect(options.max_range_numel * dtype_nbytes(options.dtype));
     // The file may hold an earlier run's bytes: zeros, so padding is zero as
     // in the other homes (through the window, one bounded range at a time).

@@ -39,6 +39,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "core/accelerator.h"
 #include "core/tensor.h"
@@ -79,8 +80,10 @@ struct ParamHomeOptions {
   size_t numel = 0;            // elements of the shard
   size_t chunk_numel = 1;      // for_each_chunk's range: a multiple of the alignment
   size_t max_range_numel = 1;  // the largest range asked for (>= chunk_numel)
-  // nvme: the file <nvme_path>/param/rank<rank>/<dtype name>.swp.
+  // nvme: the file <nvme_path>/param/rank<rank>/<key>.swp; the key is unique
+  // among an engine's homes (empty: the dtype's name).
   std::filesystem::path nvme_path;
+  std::string key;
   int rank = 0;
   bool keep_files = false;  // nvme: leave the file on disk (strata.keep_swap_files)
 };

@@ -44,6 +44,12 @@ ParamId Engine::declare_parameter(ParamInfo info) {
   return id;
 }
 
+void Engine::freeze(ParamId id) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "freeze: unknown parameter id {}", id);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' frozen after finalize()", params_[id].name);
+  params_[id].frozen = true;
+}
+
 OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
   STRATA_CHECK(!finalized_, kBadArgument, "operator '{}' declared after finalize()", name);
   for (ParamId p : params) {
@@ -112,6 +118,7 @@ bool Engine::in_window(ParamId id, bool backward) const {
 
 void Engine::note_backward_done(OpId op, Event& ready) {
   for (ParamId p : ops_[op].params) {
+    if (params_[p].frozen) continue;  // no gradient to hand on
     if (++backward_seen_[p] < uses_[p]) continue;
     backward_seen_[p] = 0;  // complete for this pass; the next backward counts afresh
     on_grad_ready(p, ready);

@@ -72,6 +72,11 @@ struct ParamInfo {
   DType dtype = DType::kF32;  // storage dtype (fp32, fp16 or bf16)
   Shape shape;
   std::optional<ParameterSlice> slice;
+  // Not trained (Engine::freeze): no gradient — grad() gives an empty view,
+  // which every op takes as "not wanted" —, never reduced, no optimizer state.
+  // A partitioning engine still shards, offloads and gathers it like any
+  // other parameter (backward needs it for the input gradient).
+  bool frozen = false;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
@@ -95,6 +100,8 @@ class Engine {
   // Every parameter id must exist; an op may list no parameter (a window that
   // only marks a point in the trace).
   OpId declare_operator(std::string name, std::vector<ParamId> params);
+  // Marks a declared parameter frozen (ParamInfo::frozen), before finalize.
+  void freeze(ParamId id);
   // Creates storage for every declared parameter (zero-filled; see
   // for_each_owned_range to initialise or load). Once only.
   void finalize();
@@ -123,11 +130,13 @@ class Engine {
   // pre_op and post_op of an op that lists it.
   virtual TensorView param(ParamId id) = 0;
   // Its fp32 gradient accumulator (same shape, accelerator memory); kernels add
-  // into it. Valid in a backward window of an op that lists it.
+  // into it. Valid in a backward window of an op that lists it. A frozen
+  // parameter's is an empty view (no data): skip its weight gradient.
   virtual TensorView grad(ParamId id) = 0;
 
   // Called (on the training thread, from post_op) when a parameter's gradient
   // for this backward pass is complete: all its uses have run post_op(kBackward).
+  // Never for a frozen parameter.
   // `ready` is recorded on the compute stream after its last contribution.
   using GradReadyFn = std::function<void(ParamId id, Event& ready)>;
   void set_grad_ready_callback(GradReadyFn fn) { grad_ready_ = std::move(fn); }

@@ -87,6 +87,7 @@ TensorView ResidentEngine::grad(ParamId id) {
   STRATA_CHECK(in_window(id, true), kBadArgument,
                "gradient of '{}' used outside a backward window of an operator that lists it",
                param_info(id).name);
+  if (param_info(id).frozen) return TensorView{};  // not trained: no gradient
   return grad_storage(id);
 }
 

@@ -131,16 +131,19 @@ ZeroEngine::~ZeroEngine() {
 }
 
 void ZeroEngine::on_finalize() {
-  // Group parameters by dtype, in declaration order within a group.
-  std::map<DType, size_t> group_index;
+  // Group parameters by dtype, frozen ones apart (they have no gradient path
+  // and no optimizer), in declaration order within a group.
+  std::map<std::pair<DType, bool>, size_t> group_index;
   group_of_.resize(static_cast<size_t>(parameter_count()));
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
     const DType dtype = param_info(id).dtype;
-    auto [it, inserted] = group_index.emplace(dtype, groups_.size());
+    const bool frozen = param_info(id).frozen;
+    auto [it, inserted] = group_index.emplace(std::pair{dtype, frozen}, groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
       groups_.back()->dtype = dtype;
+      groups_.back()->frozen = frozen;
     }
     Group& g = *groups_[it->second];
     group_of_[id] = static_cast<int>(it->second);
@@ -187,7 +190,11 @@ void ZeroEngine::on_finalize() {
   optimizer.keep_files = options_.keep_swap_files;
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   std::vector<offload::OptimizedShard> shards;
-  for (auto& g : groups_) shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
+  for (auto& g : groups_) {
+    if (g->frozen) continue;
+    g->shard = static_cast<int>(shards.size());
+    shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
+  }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
 
@@ -196,11 +203,14 @@ void ZeroEngine::on_finalize() {
     std::vector<size_t> offsets;
     for (ParamId id = 0; id < parameter_count(); ++id) {
       offsets.push_back(stage1_grads_nbytes_);
-      stage1_grads_nbytes_ += align_up(static_cast<size_t>(param_info(id).numel()) * sizeof(float));
+      if (!param_info(id).frozen) {
+        stage1_grads_nbytes_ += align_up(static_cast<size_t>(param_info(id).numel()) * sizeof(float));
+      }
     }
-    stage1_grads_ = accelerator().allocate(stage1_grads_nbytes_);
+    stage1_grads_ = accelerator().allocate(std::max<size_t>(stage1_grads_nbytes_, 1));
     accelerator().memset_async(stage1_grads_, 0, stage1_grads_nbytes_, compute_stream());
     for (ParamId id = 0; id < parameter_count(); ++id) {
+      if (param_info(id).frozen) continue;
       grad_full_[id] = reinterpret_cast<float*>(static_cast<char*>(stage1_grads_) + offsets[id]);
     }
   }
@@ -228,11 +238,14 @@ void ZeroEngine::create_group(Group& g) {
     home.max_range_numel = std::max(home.max_range_numel, static_cast<size_t>(slot.slice_numel));
   }
   home.nvme_path = options_.nvme_path;
+  home.key = std::string(dtype_name(g.dtype)) + (g.frozen ? "_frozen" : "");
   home.rank = rank();
   home.keep_files = options_.keep_swap_files;
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
 
-  if (options_.grad_tier == Tier::kNvme) {
+  if (g.frozen) {
+    // No gradient path; full copies (stages 1/2) as for every group.
+  } else if (options_.grad_tier == Tier::kNvme) {
     if (grad_swap_ == nullptr) {
       grad_swap_ = std::make_unique<nvme::SwapSpace>(
           nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true, options_.keep_swap_files});
@@ -242,8 +255,10 @@ void ZeroEngine::create_group(Group& g) {
   } else {
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout);
   }
-  g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
-                                              options_.reduce_bucket_numel, *g.grads);
+  if (g.grads) {
+    g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
+                                                         options_.reduce_bucket_numel, *g.grads);
+  }
 
   if (options_.stage < 3) {
     size_t total = 0;
@@ -290,6 +305,7 @@ TensorView ZeroEngine::grad(ParamId id) {
   STRATA_CHECK(in_window(id, true), kBadArgument,
                "gradient of '{}' used outside a backward window of an operator that lists it", param_info(id).name);
   const ParamInfo& info = param_info(id);
+  if (info.frozen) return TensorView{};  // not trained: no gradient
   float*& grad = grad_full_[id];
   if (grad == nullptr) {  // stages 2/3: exists from its first use in backward to its reduction
     const size_t nbytes = static_cast<size_t>(info.numel()) * sizeof(float);
@@ -360,14 +376,16 @@ StepResult ZeroEngine::step(float lr) {
   if (options_.stage == 1) {
     compute_stream().record(*compute_point_);
     for (ParamId id = 0; id < parameter_count(); ++id) {
-      group_of(id).reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
+      if (!param_info(id).frozen) group_of(id).reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
     }
   }
 
   // The gradient shards are final once every bucket has landed, and with
   // them every sub-group the optimizer thread could update during backward.
   auto start = Clock::now();
-  for (auto& g : groups_) g->reducer->synchronize();
+  for (auto& g : groups_) {
+    if (g->reducer) g->reducer->synchronize();
+  }
   result.grad_wait_seconds = seconds_since(start);
   start = Clock::now();
   result.optimizer_drain_seconds = optimizer_->settle();
@@ -436,6 +454,7 @@ void ZeroEngine::zero_grad() {
   STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
   optimizer_->abort();  // a step prepared and abandoned: its speculative updates are undone
   for (auto& g : groups_) {
+    if (g->frozen) continue;
     g->reducer->synchronize();
     g->grads->zero(g->reducer->stream());
   }
@@ -534,7 +553,7 @@ void ZeroEngine::note_written(ParamId id) {
                  param_info(id).name);
     coordinator_->release(id);
   }
-  optimizer_->mark_stale();
+  if (!param_info(id).frozen) optimizer_->mark_stale();  // a frozen parameter has no master weights
 }
 
 void ZeroEngine::check_not_prepared(const char* what) const {

@@ -249,6 +249,8 @@ class ZeroEngine final : public Engine {
   // rank's shard at home, its gradient shard and reducer.
   struct Group {
     DType dtype = DType::kF32;
+    bool frozen = false;                     // every member frozen: no gradient shard, reducer or optimizer
+    int shard = -1;                          // its index among the optimizer's shards (trainable groups)
     std::vector<ParamId> params;
     std::unique_ptr<partition::PartitionLayout> layout;
     std::unique_ptr<offload::ParamHome> home;
@@ -277,7 +279,7 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<nvme::AioHandle> aio_;           // when a tier is nvme
   std::unique_ptr<nvme::SwapSpace> grad_swap_;     // grad_tier nvme: the gradient files
   std::unique_ptr<offload::HostWindow> window_;    // the homes' pinned window (before groups_)
-  std::vector<std::unique_ptr<Group>> groups_;     // per dtype group, in order of first declaration
+  std::vector<std::unique_ptr<Group>> groups_;     // per (dtype, frozen), in order of first declaration
   std::vector<int> group_of_;                      // per parameter
   std::vector<size_t> index_in_group_;             // per parameter
   std::vector<float*> grad_full_;                  // per parameter: its full fp32 gradient (stage 1: resident)

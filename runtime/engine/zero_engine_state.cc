@@ -15,7 +15,12 @@ namespace {
 constexpr const char* kStateFormat = "strata-zero-state/1";
 constexpr const char* kStateFile = "engine.json";
 
-std::string params_file(DType dtype) { return fmt::format("params_{}.bin", dtype_name(dtype)); }
+// A frozen group's parameters have their own file beside the trainable group
+// of the same dtype (and no optimizer files).
+template <typename G>
+std::string params_file(const G& g) {
+  return fmt::format("params_{}{}.bin", dtype_name(g.dtype), g.frozen ? "_frozen" : "");
+}
 std::string optimizer_file(const char* what, DType dtype) { return fmt::format("{}_{}.bin", what, dtype_name(dtype)); }
 
 // The exact size a state file must have, or an error naming it.
@@ -40,28 +45,31 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
     {
-      StateFileWriter out(dir, params_file(g.dtype));
+      StateFileWriter out(dir, params_file(g));
       g.home->for_each_chunk([&](size_t first, size_t numel) {
         out.append(g.home->host_range(first, numel, /*load=*/true), numel * dtype_nbytes(g.dtype));
       });
       files.push_back(out.finish());
     }
-    // One pass over the sub-groups (each read once from NVMe), three files.
-    StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
-        exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
-    // Never stepped (or loaded since): the master weights are the parameters.
-    optimizer_->save(gi, [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
-      master.append(p, numel * sizeof(float));
-      exp_avg.append(m, numel * sizeof(float));
-      exp_avg_sq.append(v, numel * sizeof(float));
-    });
-    files.push_back(master.finish());
-    files.push_back(exp_avg.finish());
-    files.push_back(exp_avg_sq.finish());
     groups.push_back({{"dtype", dtype_name(g.dtype)},
+                      {"frozen", g.frozen},
                       {"params", g.params.size()},
                       {"shard_numel", g.layout->shard_numel()},
                       {"first_param", param_info(g.params.front()).name}});
+    if (g.frozen) continue;  // no optimizer state
+    // One pass over the sub-groups (each read once from NVMe), three files.
+    // Never stepped (or loaded since): the master weights are the parameters.
+    StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
+        exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
+    optimizer_->save(static_cast<size_t>(g.shard),
+                     [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
+                       master.append(p, numel * sizeof(float));
+                       exp_avg.append(m, numel * sizeof(float));
+                       exp_avg_sq.append(v, numel * sizeof(float));
+                     });
+    files.push_back(master.finish());
+    files.push_back(exp_avg.finish());
+    files.push_back(exp_avg_sq.finish());
   }
   const LossScaler::State scaler = loss_scaler_.state();
   const nlohmann::json state = {{"format", kStateFormat},
@@ -102,8 +110,13 @@ void ZeroEngine::load_state(const fs::path& dir) {
     STRATA_CHECK(state.at("rank").get<int>() == rank(), kBadArgument, "{} is rank {}'s state, not rank {}'s",
                  state_path.string(), state.at("rank").get<int>(), rank());
     const auto& groups = state.at("groups");
-    STRATA_CHECK(groups.size() == groups_.size(), kBadArgument, "{}: {} parameter groups, this model has {}",
-                 state_path.string(), groups.size(), groups_.size());
+    // Frozen parameters form groups of their own: a run that freezes others
+    // has other groups, which is worth saying.
+    bool any_frozen = std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->frozen; });
+    for (const auto& saved : groups) any_frozen = any_frozen || saved.value("frozen", false);
+    const char* hint = any_frozen ? " (or the run freezes other parameters than the one that saved it: --freeze)" : "";
+    STRATA_CHECK(groups.size() == groups_.size(), kBadArgument, "{}: {} parameter groups, this model has {}{}",
+                 state_path.string(), groups.size(), groups_.size(), hint);
     for (size_t i = 0; i < groups_.size(); ++i) {
       const Group& g = *groups_[i];
       const auto& saved = groups[i];
@@ -112,10 +125,16 @@ void ZeroEngine::load_state(const fs::path& dir) {
                        saved.at("shard_numel").get<int64_t>() == g.layout->shard_numel(),
                    kBadArgument,
                    "{}: group {} is {} parameters of {} ({} elements per rank); this model's is {} of {} ({}): "
-                   "the checkpoint is of another model",
+                   "the checkpoint is of another model{}",
                    state_path.string(), i, saved.at("params").get<size_t>(), saved.at("dtype").get<std::string>(),
                    saved.at("shard_numel").get<int64_t>(), g.params.size(), dtype_name(g.dtype),
-                   g.layout->shard_numel());
+                   g.layout->shard_numel(), hint);
+      const bool frozen = saved.value("frozen", false);
+      STRATA_CHECK(frozen == g.frozen, kBadArgument,
+                   "{}: group {} ({} parameters from '{}') is {} in the checkpoint and {} in this run: the run "
+                   "freezes other parameters than the one that saved it (--freeze)",
+                   state_path.string(), i, g.params.size(), param_info(g.params.front()).name,
+                   frozen ? "frozen" : "trained", g.frozen ? "frozen" : "trained");
     }
   } catch (const nlohmann::json::exception& e) {
     raise(ErrorCategory::kBadArgument, "{}: a field is missing or of the wrong type ({})", state_path.string(),
@@ -134,11 +153,13 @@ void ZeroEngine::load_state(const fs::path& dir) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
     const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
-    const fs::path params = dir / params_file(g.dtype);
+    const fs::path params = dir / params_file(g);
     const fs::path master = dir / optimizer_file("master", g.dtype), exp_avg = dir / optimizer_file("exp_avg", g.dtype),
                    exp_avg_sq = dir / optimizer_file("exp_avg_sq", g.dtype);
     expect_size(params, g.layout->shard_nbytes());
-    for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));
+    if (!g.frozen) {
+      for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));
+    }
     g.home->for_each_chunk([&](size_t first, size_t numel) {
       const size_t element_nbytes = dtype_nbytes(g.dtype);
       read_state_range(params, first * element_nbytes, g.home->host_range(first, numel, /*load=*/false),
@@ -150,7 +171,7 @@ void ZeroEngine::load_state(const fs::path& dir) {
       read_state_range(exp_avg, first * sizeof(float), m, numel * sizeof(float));
       read_state_range(exp_avg_sq, first * sizeof(float), v, numel * sizeof(float));
     };
-    optimizer_->restore(gi, fill, steps);
+    if (!g.frozen) optimizer_->restore(static_cast<size_t>(g.shard), fill, steps);
   }
   steps_ = steps;
   loss_scaler_.restore(scaler);

@@ -102,6 +102,8 @@ struct TrainSpec {
   std::function<float(int rank, int step)> grad_scale;
   // This step runs its micro-steps once, is abandoned (zero_grad), then runs for real.
   int abandoned_step = -1;
+  // Parameters to freeze (Engine::freeze) by name; empty: none.
+  std::function<bool(const std::string& name)> frozen;
   // Rank-specific options (e.g. a fault-injecting I/O backend on one rank).
   std::function<void(int rank, engine::ZeroEngineOptions&)> per_rank;
   // Before these steps (0-based), each rank runs an evaluation forward
@@ -155,6 +157,11 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
           nn::LlamaModel model(eng, config, model_options);
+          if (spec.frozen) {
+            for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+              if (spec.frozen(eng.param_info(id).name)) eng.freeze(id);
+            }
+          }
           eng.finalize();
           nn::initialize_parameters(eng, model.parameters(), 7);
           const std::string rank_dir = "rank" + std::to_string(rank);
@@ -275,6 +282,9 @@ struct ResidentSpec {
   double gradient_clipping = 0;  // max global norm; 0: none
   int64_t sub_group_numel = 1'000'000'000;  // the engine's sub_group_size (norm summation order)
   BatchFn batches;               // empty: corpus
+  // Parameters not trained (by name): left out of the optimizer's layout, as
+  // the ZeroEngine leaves its frozen groups out of the optimizer.
+  std::function<bool(const std::string& name)> frozen;
 };
 
 inline TrainResult train_resident(const ResidentSpec& spec) {
@@ -282,12 +292,18 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
   engine::ResidentEngine eng(*accelerator);
   const nn::LlamaConfig config = model_config(spec.tied);
   nn::LlamaModel model(eng, config, spec.model);
+  std::vector<ParamId> trained;  // the optimizer's parameters, in declaration order
+  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+    if (spec.frozen && spec.frozen(eng.param_info(id).name)) {
+      eng.freeze(id);
+    } else {
+      trained.push_back(id);
+    }
+  }
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), spec.init_seed);
   std::vector<partition::ParamSpec> specs;
-  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-    specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
-  }
+  for (ParamId id : trained) specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
   partition::LayoutOptions layout_options;
   layout_options.sub_group_numel = spec.sub_group_numel;
   partition::PartitionLayout layout(specs, layout_options);
@@ -298,8 +314,8 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
   options.adam = spec.adam;
   offload::OptimizerSwapper swapper(options, nullptr, nullptr);
   std::vector<float> master(shard_numel, 0.0f), grads(shard_numel, 0.0f);
-  for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-    layout.shard_param(static_cast<size_t>(id), eng.param_storage(id).data, 0, master.data());
+  for (size_t i = 0; i < trained.size(); ++i) {
+    layout.shard_param(i, eng.param_storage(trained[i]).data, 0, master.data());
   }
   swapper.initialize(master.data());
   TrainResult result;
@@ -317,8 +333,8 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
     model.backward();
     result.losses.push_back(model.loss());
     eng.compute_stream().synchronize();
-    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.shard_param(static_cast<size_t>(id), eng.grad_storage(id).data, 0, grads.data());
+    for (size_t i = 0; i < trained.size(); ++i) {
+      layout.shard_param(i, eng.grad_storage(trained[i]).data, 0, grads.data());
     }
     kernels::GradStats stats;
     size_t first = 0;
@@ -336,8 +352,8 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
     inputs.grad_scale = kernels::combined_grad_scale(stats, 1.0f, static_cast<float>(spec.gradient_clipping));
     swapper.step(inputs);
     swapper.load_state(master.data(), nullptr, nullptr);
-    for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-      layout.gather_param(static_cast<size_t>(id), {master.data()}, eng.param_storage(id).data);
+    for (size_t i = 0; i < trained.size(); ++i) {
+      layout.gather_param(i, {master.data()}, eng.param_storage(trained[i]).data);
     }
   }
   for (ParamId id = 0; id < eng.parameter_count(); ++id) result.names.push_back(eng.param_info(id).name);
