@@ -23,9 +23,12 @@
 // Layout: row-major; "rows" = tokens (batch * seq). Outputs never alias inputs
 // unless an op says "in place".
 //
-// Errors. Shapes, dtypes and tiers are checked on the calling thread before
-// anything is enqueued: a mismatch throws Error(kBadArgument) naming the op and
-// the offending argument, and nothing is enqueued. Failures while the work runs
+// Errors. Shapes and dtypes are checked on the calling thread before anything
+// is enqueued, once for every backend (the public ops below are a front end
+// that validates, then calls its backend; kernels/ops.cc): a mismatch throws
+// Error(kBadArgument) naming the op and the offending argument, and nothing is
+// enqueued. A backend then refuses, the same way, what only it cannot do
+// (cuda: a view that is not device memory, an extent over 2^31 - 1). Failures while the work runs
 // (a CUDA launch or cuBLAS error on cuda; a kernel exception on cpu) become the
 // stream's error, rethrown by Stream::synchronize and by events recorded after
 // it. Token ids, targets and positions are not range-checked on the device
@@ -70,8 +73,10 @@ struct MatView {
   MatView columns(int64_t c0, int64_t c1) const;
 };
 
+class Ops;
+
 // Where an op's work runs. Created by Ops::make_context for one stream; owns
-// the backend's BLAS handle for it. Move-only.
+// the backend's BLAS handle for it. Not copyable.
 class ComputeContext {
  public:
   virtual ~ComputeContext() = default;
@@ -85,8 +90,10 @@ class ComputeContext {
       : accelerator_(&accelerator), stream_(&stream) {}
 
  private:
+  friend class Ops;
   Accelerator* accelerator_;
   Stream* stream_;
+  const Ops* owner_ = nullptr;  // set by Ops::make_context
 };
 
 // Shape of causal self-attention with grouped-query heads.
@@ -100,50 +107,55 @@ struct AttentionShape {
 class Ops {
  public:
   virtual ~Ops() = default;
-  virtual Backend backend() const = 0;
-  // A context for work on `stream` (a stream of the accelerator these Ops were made for).
-  virtual std::unique_ptr<ComputeContext> make_context(Stream& stream) = 0;
+  Ops(const Ops&) = delete;
+  Ops& operator=(const Ops&) = delete;
+
+  Backend backend() const { return backend_; }
+  Accelerator& accelerator() const { return accelerator_; }
+  // A context for work on `stream` (a stream of accelerator()). Every op
+  // refuses a context made by another Ops object.
+  std::unique_ptr<ComputeContext> make_context(Stream& stream);
 
   // ---- embedding: out[r, :] = table[ids[r], :] --------------------------------
   // table [vocab, dim], ids int32 [rows], out [rows, dim].
-  virtual void embedding_forward(ComputeContext& ctx, const TensorView& table,
-                                 const TensorView& ids, const TensorView& out) = 0;
+  void embedding_forward(ComputeContext& ctx, const TensorView& table,
+                                 const TensorView& ids, const TensorView& out);
   // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids, except
   // the rows whose id is padding_idx (torch's nn.Embedding(padding_idx): that
   // row gets no gradient from lookups); padding_idx < 0: none.
-  virtual void embedding_backward(ComputeContext& ctx, const TensorView& dout,
+  void embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& ids, const TensorView& dtable,
-                                  int64_t padding_idx) = 0;
+                                  int64_t padding_idx);
 
   // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
   // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
-  virtual void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
-                               double eps, const TensorView& y, const TensorView& rstd) = 0;
+  void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
+                               double eps, const TensorView& y, const TensorView& rstd);
   // dx [rows, dim] is overwritten (added into when accumulate_dx); dw fp32 [dim] +=.
-  virtual void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+  void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                                 const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                                bool accumulate_dx, const TensorView& dw) = 0;
+                                bool accumulate_dx, const TensorView& dw);
 
   // ---- Linear: y = x W^T (+ b) -------------------------------------------------
   // x [rows, in], W [out, in] (the Hugging Face layout), bias [out] or an empty
   // view, y [rows, out]. accumulate: y += x W^T (+ b) instead of y = ....
-  virtual void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                              const TensorView& bias, const MatView& y, bool accumulate) = 0;
+  void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                              const TensorView& bias, const MatView& y, bool accumulate);
   // dx = dy W (+= when accumulate_dx), dw (fp32 [out, in]) += dy^T x, dbias
   // (fp32 [out]) += column sums of dy. dx, dw and dbias may each be empty (not wanted).
-  virtual void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+  void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                                const TensorView& w, const MatView& dx, bool accumulate_dx,
-                               const TensorView& dw, const TensorView& dbias) = 0;
+                               const TensorView& dw, const TensorView& dbias);
 
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
   // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
   // default, linear and llama3 frequencies). positions int32 [rows]. head_dim even.
-  virtual void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                            const Rope& rope) = 0;
+  void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                            const Rope& rope);
   // The inverse rotation, in place on the gradient.
-  virtual void rope_backward(ComputeContext& ctx, const TensorView& dx,
-                             const TensorView& positions, const Rope& rope) = 0;
+  void rope_backward(ComputeContext& ctx, const TensorView& dx,
+                             const TensorView& positions, const Rope& rope);
 
   // ---- causal self-attention, grouped-query heads, scale 1/sqrt(head_dim) ------
   // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
@@ -151,26 +163,26 @@ class Ops {
   // backward recomputes probabilities; no [seq, seq] matrix is kept). `mask`
   // says which keys a query sees beyond causality (attention_mask.h: a sliding
   // window); backward must get the forward's mask.
-  virtual void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
+  void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
                                  const TensorView& v, const TensorView& out, const TensorView& lse,
-                                 const AttentionMask& mask) = 0;
+                                 const AttentionMask& mask);
   // dq, dk, dv are overwritten.
-  virtual void attention_backward(ComputeContext& ctx, const TensorView& dout,
+  void attention_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& q, const TensorView& k, const TensorView& v,
                                   const TensorView& out, const TensorView& lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                  const AttentionMask& mask) = 0;
+                                  const AttentionMask& mask);
 
   // ---- SwiGLU: out = silu(gate) * up -------------------------------------------
-  virtual void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                              const TensorView& out) = 0;
-  virtual void swiglu_backward(ComputeContext& ctx, const TensorView& dout,
+  void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+                              const TensorView& out);
+  void swiglu_backward(ComputeContext& ctx, const TensorView& dout,
                                const TensorView& gate, const TensorView& up,
-                               const TensorView& dgate, const TensorView& dup) = 0;
+                               const TensorView& dgate, const TensorView& dup);
 
   // ---- residual: out = a + b (out may alias a or b) ----------------------------
-  virtual void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
-                   const TensorView& out) = 0;
+  void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+                   const TensorView& out);
 
   // ---- cross-entropy over the vocabulary, fused with the output projection ------
   // logits = h W^T are formed chunk_rows rows at a time (scratch of chunk_rows x
@@ -192,15 +204,15 @@ class Ops {
     TensorView dh;          // [rows, dim]
     TensorView dw;          // fp32 [vocab, dim], +=; may be empty
   };
-  virtual void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+  void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                              const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                             const TensorView& stats, const CrossEntropyGrad* grad) = 0;
+                             const TensorView& stats, const CrossEntropyGrad* grad);
   // count fp64 [1] += number of targets that are not kIgnoreIndex.
-  virtual void count_targets(ComputeContext& ctx, const TensorView& targets,
-                             const TensorView& count) = 0;
+  void count_targets(ComputeContext& ctx, const TensorView& targets,
+                             const TensorView& count);
 
   // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
-  virtual void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
+  void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst);
 
   // ---- the optimizer on the accelerator (offload_optimizer.device none) ---------
   // One Adam/AdamW update of n elements, in place: param (the fp32 master),
@@ -210,17 +222,87 @@ class Ops {
   // operation for operation (FMA where it fuses, IEEE square root and
   // division, round-to-nearest-even copies), so every backend gives the bits
   // of its AVX2/AVX-512 kernel; the cpu backend runs that kernel.
-  virtual void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
+  void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                          const TensorView& param, const TensorView& exp_avg,
                          const TensorView& exp_avg_sq, const TensorView& grad,
-                         const TensorView& param_copy) = 0;
+                         const TensorView& param_copy);
   // out fp64 [1] = the sum over fp32 grad of x*x, x = grad*scale (an fp32
   // product) widened to fp64 — kernels::grad_stats's sum, not finite when an
   // element is not (its `finite` is std::isfinite of the sum).
   // Deterministic on each backend: the same inputs (and, on cpu, the same
   // thread count) give the same bits; backends may differ in rounding.
-  virtual void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+  void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+                           const TensorView& out);
+
+ protected:
+  Ops(Accelerator& accelerator, Backend backend) : accelerator_(accelerator), backend_(backend) {}
+
+ private:
+  // What a backend implements. The public op above has checked every
+  // argument the contract names (shapes, dtypes, empty views, the context's
+  // owner) before it calls one of these, so a backend checks only its own
+  // limits (cuda: device memory, 32-bit extents), before it enqueues anything.
+  // `ctx` is always one this backend's new_context made.
+  virtual std::unique_ptr<ComputeContext> new_context(Stream& stream) = 0;
+  virtual void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table,
+                                         const TensorView& ids, const TensorView& out) = 0;
+  virtual void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout,
+                                          const TensorView& ids, const TensorView& dtable,
+                                          int64_t padding_idx) = 0;
+  virtual void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
+                                       double eps, const TensorView& y, const TensorView& rstd) = 0;
+  virtual void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+                                        const TensorView& w, const TensorView& rstd,
+                                        const TensorView& dx, bool accumulate_dx,
+                                        const TensorView& dw) = 0;
+  // rows > 0.
+  virtual void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                                      const TensorView& bias, const MatView& y, bool accumulate) = 0;
+  // rows > 0.
+  virtual void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+                                       const TensorView& w, const MatView& dx, bool accumulate_dx,
+                                       const TensorView& dw, const TensorView& dbias) = 0;
+  // sign +1: the forward rotation, -1: its inverse. x is [rows, heads, head_dim].
+  virtual void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                            const Rope& rope, int sign) = 0;
+  virtual void enqueue_attention_forward(ComputeContext& ctx, const AttentionShape& shape,
+                                         const TensorView& q, const TensorView& k,
+                                         const TensorView& v, const TensorView& out,
+                                         const TensorView& lse, const AttentionMask& mask) = 0;
+  virtual void enqueue_attention_backward(ComputeContext& ctx, const AttentionShape& shape,
+                                          const TensorView& dout, const TensorView& q,
+                                          const TensorView& k, const TensorView& v,
+                                          const TensorView& out, const TensorView& lse,
+                                          const TensorView& dq, const TensorView& dk,
+                                          const TensorView& dv, const AttentionMask& mask) = 0;
+  virtual void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate,
+                                      const TensorView& up, const TensorView& out) = 0;
+  virtual void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout,
+                                       const TensorView& gate, const TensorView& up,
+                                       const TensorView& dgate, const TensorView& dup) = 0;
+  virtual void enqueue_add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
                            const TensorView& out) = 0;
+  // rows > 0.
+  virtual void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                                     const TensorView& targets, int64_t chunk_rows,
+                                     const TensorView& lse, const TensorView& stats,
+                                     const CrossEntropyGrad* grad) = 0;
+  virtual void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
+                                     const TensorView& count) = 0;
+  virtual void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
+  // numel > 0.
+  virtual void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
+                                 const TensorView& param, const TensorView& exp_avg,
+                                 const TensorView& exp_avg_sq, const TensorView& grad,
+                                 const TensorView& param_copy) = 0;
+  virtual void enqueue_grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+                                   const TensorView& out) = 0;
+
+  // The context after checking that these Ops made it (Error(kBadArgument) naming `op`).
+  ComputeContext& own(ComputeContext& ctx, const char* op) const;
+
+  Accelerator& accelerator_;
+  const Backend backend_;
 };
 
 // The cpu implementation. Never fails.
@@ -236,32 +318,5 @@ std::string cpu_blas_core();
 std::unique_ptr<Ops> make_cuda_ops(Accelerator& accelerator);
 // The implementation for `accelerator`'s backend.
 std::unique_ptr<Ops> make_ops(Accelerator& accelerator);
-
-// Shape checks shared by every implementation (kernels/ops_checks.cc): each
-// throws Error(kBadArgument) naming `op` and the argument. Implementations call
-// them before enqueueing anything, so both backends refuse the same calls.
-namespace check {
-void float_tensor(std::string_view op, std::string_view what, const TensorView& t);
-void dtype(std::string_view op, std::string_view what, const TensorView& t, DType want);
-void shape(std::string_view op, std::string_view what, const TensorView& t, const Shape& want);
-void same_dtype(std::string_view op, const TensorView& a, const TensorView& b);
-void numel(std::string_view op, std::string_view what, const TensorView& t, int64_t want);
-AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
-                         const TensorView& v);
-// A sliding window >= 0.
-void attention_mask(std::string_view op, const AttentionMask& mask);
-// RoPE parameters that give finite frequencies: theta > 0, factor >= 1 where
-// used, llama3's high_freq_factor > low_freq_factor > 0 and a positive context.
-void rope(std::string_view op, const Rope& rope);
-// A matrix operand (Linear): data present, float storage, rows >= 0, cols > 0, ld >= cols.
-void matrix(std::string_view op, std::string_view what, const MatView& m);
-// The operands of an elementwise op (swiglu, add): float tensors of one dtype
-// and one element count.
-void elementwise(std::string_view op, std::initializer_list<const TensorView*> operands);
-// adam_step's operands: fp32 param, exp_avg, exp_avg_sq, grad of one element
-// count; param_copy empty or a float tensor of that count.
-void adam(std::string_view op, const TensorView& param, const TensorView& exp_avg,
-          const TensorView& exp_avg_sq, const TensorView& grad, const TensorView& param_copy);
-}  // namespace check
 
 }  // namespace strata::ops

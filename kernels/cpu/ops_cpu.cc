@@ -1,5 +1,5 @@
-// The cpu implementation of Ops (kernels/ops.h). Each op checks its arguments
-// on the calling thread, then enqueues one task on the context's stream; the
+// The cpu implementation of Ops (kernels/ops.h). The front end has checked
+// each op's arguments; here it enqueues one task on the context's stream; the
 // task runs on the stream's own thread, so OpenMP teams and OpenBLAS's (OpenMP)
 // GEMMs run there and the calling thread goes on, as with a GPU stream.
 //
@@ -130,24 +130,16 @@ bool empty(const MatView& m) { return m.data == nullptr; }
 
 class CpuOps final : public Ops {
  public:
-  explicit CpuOps(Accelerator& accelerator) : accelerator_(accelerator) {}
+  explicit CpuOps(Accelerator& accelerator) : Ops(accelerator, Backend::kCpu) {}
 
-  Backend backend() const override { return Backend::kCpu; }
-
-  std::unique_ptr<ComputeContext> make_context(Stream& stream) override {
-    return std::make_unique<CpuContext>(accelerator_, stream);
+ private:
+  std::unique_ptr<ComputeContext> new_context(Stream& stream) override {
+    return std::make_unique<CpuContext>(accelerator(), stream);
   }
 
-  void embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
+  void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
                          const TensorView& out) override {
-    constexpr const char* op = "embedding_forward";
-    check::float_tensor(op, "table", table);
-    check::dtype(op, "ids", ids, DType::kI32);
-    check::float_tensor(op, "out", out);
-    STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
-                 shape_string(table.desc.shape));
     const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
-    check::shape(op, "out", out, {rows, dim});
     enqueue(ctx, [=](CpuContext&) {
       const auto* id = ids.as<const int32_t>();
       const size_t te = dtype_nbytes(table.desc.dtype), oe = dtype_nbytes(out.desc.dtype);
@@ -165,33 +157,18 @@ class CpuOps final : public Ops {
     });
   }
 
-  void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
+  void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
                           const TensorView& dtable, int64_t padding_idx) override {
-    constexpr const char* op = "embedding_backward";
-    check::float_tensor(op, "dout", dout);
-    check::dtype(op, "ids", ids, DType::kI32);
-    check::dtype(op, "dtable", dtable, DType::kF32);
-    STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D", op);
     const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
-    check::shape(op, "dout", dout, {rows, dim});
     enqueue(ctx, [=](CpuContext& c) {
       nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab,
                                          dim, dtable.as<float>(), padding_idx);
     });
   }
 
-  void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
+  void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
                        const TensorView& y, const TensorView& rstd) override {
-    constexpr const char* op = "rmsnorm_forward";
-    check::float_tensor(op, "x", x);
-    check::float_tensor(op, "w", w);
-    check::float_tensor(op, "y", y);
-    check::same_dtype(op, x, y);
-    check::dtype(op, "rstd", rstd, DType::kF32);
     const MatView xm = MatView::of(x);
-    check::shape(op, "w", w, {xm.cols});
-    check::shape(op, "y", y, x.desc.shape);
-    check::numel(op, "rstd", rstd, xm.rows);
     enqueue(ctx, [=](CpuContext& c) {
       float* yf = stage(c, 2, y, false);
       nn::cpu::rmsnorm_forward<float>(widen(c, 0, x), widen(c, 1, w), xm.rows, xm.cols, eps, yf,
@@ -200,23 +177,10 @@ class CpuOps final : public Ops {
     });
   }
 
-  void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+  void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                         const TensorView& w, const TensorView& rstd, const TensorView& dx,
                         bool accumulate_dx, const TensorView& dw) override {
-    constexpr const char* op = "rmsnorm_backward";
-    for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
-      check::float_tensor(op, what, *t);
-    }
-    check::same_dtype(op, dy, x);
-    check::same_dtype(op, dy, dx);
-    check::dtype(op, "rstd", rstd, DType::kF32);
-    check::dtype(op, "dw", dw, DType::kF32);
     const MatView xm = MatView::of(x);
-    check::shape(op, "dy", dy, x.desc.shape);
-    check::shape(op, "dx", dx, x.desc.shape);
-    check::shape(op, "w", w, {xm.cols});
-    check::shape(op, "dw", dw, {xm.cols});
-    check::numel(op, "rstd", rstd, xm.rows);
     enqueue(ctx, [=](CpuContext& c) {
       const int64_t n = xm.rows * xm.cols;
       // The kernel overwrites its dx; accumulation goes through a scratch buffer.
@@ -234,25 +198,9 @@ class CpuOps final : public Ops {
     });
   }
 
-  void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+  void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
                       const TensorView& bias, const MatView& y, bool accumulate) override {
-    constexpr const char* op = "linear_forward";
-    check::matrix(op, "x", x);
-    check::matrix(op, "y", y);
-    check::float_tensor(op, "w", w);
-    STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op,
-                 dtype_name(x.dtype), dtype_name(y.dtype));
-    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
-                 shape_string(w.desc.shape));
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = x.rows;
-    STRATA_CHECK(x.cols == in && y.cols == out && y.rows == rows, kBadArgument,
-                 "{}: x is {} x {}, w is [{}, {}], y is {} x {}", op, x.rows, x.cols, out, in,
-                 y.rows, y.cols);
-    if (!empty(bias)) {
-      check::float_tensor(op, "bias", bias);
-      check::shape(op, "bias", bias, {out});
-    }
-    if (rows == 0) return;
     enqueue(ctx, [=](CpuContext& c) {
       const F32Mat xf = widen(c, 0, x);
       const F32Mat yf = stage(c, 1, y, accumulate);
@@ -280,34 +228,10 @@ class CpuOps final : public Ops {
     });
   }
 
-  void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+  void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
                        const TensorView& dw, const TensorView& dbias) override {
-    constexpr const char* op = "linear_backward";
-    check::matrix(op, "dy", dy);
-    check::matrix(op, "x", x);
-    check::float_tensor(op, "w", w);
-    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D", op);
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
-    STRATA_CHECK(dy.cols == out && x.cols == in && x.rows == rows && dy.dtype == x.dtype,
-                 kBadArgument, "{}: dy is {} x {} ({}), x is {} x {} ({}), w is [{}, {}]", op,
-                 dy.rows, dy.cols, dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out,
-                 in);
-    if (!empty(dx)) {
-      check::matrix(op, "dx", dx);
-      STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
-                   "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
-                   dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
-    }
-    if (!empty(dw)) {
-      check::dtype(op, "dw", dw, DType::kF32);
-      check::shape(op, "dw", dw, {out, in});
-    }
-    if (!empty(dbias)) {
-      check::dtype(op, "dbias", dbias, DType::kF32);
-      check::shape(op, "dbias", dbias, {out});
-    }
-    if (rows == 0) return;
     enqueue(ctx, [=](CpuContext& c) {
       const F32Mat dyf = widen(c, 0, dy);
       const F32Mat xf = widen(c, 1, x);
@@ -345,26 +269,25 @@ class CpuOps final : public Ops {
     });
   }
 
-  void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                    const Rope& rope_params) override {
-    rope(ctx, "rope_forward", x, positions, rope_params, false);
-  }
-  void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
-                     const Rope& rope_params) override {
-    rope(ctx, "rope_backward", dx, positions, rope_params, true);
+  void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                    const Rope& rope_params, int sign) override {
+    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
+    enqueue(ctx, [=](CpuContext& c) {
+      float* xf = stage(c, 0, x, true);
+      if (sign < 0) {
+        nn::cpu::rope_backward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
+                                      rope_params);
+      } else {
+        nn::cpu::rope_forward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
+                                     rope_params);
+      }
+      commit(xf, x);
+    });
   }
 
-  void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
-                         const TensorView& v, const TensorView& out, const TensorView& lse,
-                         const AttentionMask& mask) override {
-    constexpr const char* op = "attention_forward";
-    const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
-    check::float_tensor(op, "out", out);
-    check::same_dtype(op, q, out);
-    check::shape(op, "out", out, q.desc.shape);
-    check::dtype(op, "lse", lse, DType::kF32);
-    check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  void enqueue_attention_forward(ComputeContext& ctx, const AttentionShape& s, const TensorView& q,
+                                 const TensorView& k, const TensorView& v, const TensorView& out,
+                                 const TensorView& lse, const AttentionMask& mask) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 3, out, false);
       cpu::attention_forward(widen(c, 0, q), widen(c, 1, k), widen(c, 2, v), s, mask, of,
@@ -373,25 +296,11 @@ class CpuOps final : public Ops {
     });
   }
 
-  void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
-                          const TensorView& k, const TensorView& v, const TensorView& out,
-                          const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv, const AttentionMask& mask) override {
-    constexpr const char* op = "attention_backward";
-    const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
-    for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk},
-                           {"dv", &dv}}) {
-      check::float_tensor(op, what, *t);
-      check::same_dtype(op, q, *t);
-    }
-    check::shape(op, "dout", dout, q.desc.shape);
-    check::shape(op, "out", out, q.desc.shape);
-    check::shape(op, "dq", dq, q.desc.shape);
-    check::shape(op, "dk", dk, k.desc.shape);
-    check::shape(op, "dv", dv, v.desc.shape);
-    check::dtype(op, "lse", lse, DType::kF32);
-    check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  void enqueue_attention_backward(ComputeContext& ctx, const AttentionShape& s, const TensorView& dout,
+                                  const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionMask& mask) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* dqf = stage(c, 5, dq, false);
       float* dkf = stage(c, 6, dk, false);
@@ -404,10 +313,8 @@ class CpuOps final : public Ops {
     });
   }
 
-  void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+  void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
-    constexpr const char* op = "swiglu_forward";
-    check::elementwise(op, {&gate, &up, &out});
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 2, out, false);
       const float* g = widen(c, 0, gate);
@@ -417,11 +324,9 @@ class CpuOps final : public Ops {
     });
   }
 
-  void swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
+  void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
                        const TensorView& dup) override {
-    constexpr const char* op = "swiglu_backward";
-    check::elementwise(op, {&dout, &gate, &up, &dgate, &dup});
     enqueue(ctx, [=](CpuContext& c) {
       float* dgf = stage(c, 3, dgate, false);
       float* duf = stage(c, 4, dup, false);
@@ -436,9 +341,8 @@ class CpuOps final : public Ops {
     });
   }
 
-  void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+  void enqueue_add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
            const TensorView& out) override {
-    check::elementwise("add", {&a, &b, &out});
     enqueue(ctx, [=](CpuContext& c) {
       // Widen both inputs before staging the output: out may alias a or b.
       const float* af = widen(c, 0, a);
@@ -449,36 +353,28 @@ class CpuOps final : public Ops {
     });
   }
 
-  void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+  void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                      const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
                      const TensorView& stats, const CrossEntropyGrad* grad) override;
 
-  void count_targets(ComputeContext& ctx, const TensorView& targets,
+  void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                      const TensorView& count) override {
-    constexpr const char* op = "count_targets";
-    check::dtype(op, "targets", targets, DType::kI32);
-    check::dtype(op, "count", count, DType::kF64);
-    check::numel(op, "count", count, 1);
     enqueue(ctx, [=](CpuContext&) {
       count.as<double>()[0] +=
           static_cast<double>(nn::cpu::count_targets(targets.as<const int32_t>(), targets.numel()));
     });
   }
 
-  void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
-    check::float_tensor("cast", "src", src);
-    check::float_tensor("cast", "dst", dst);
-    check::shape("cast", "dst", dst, src.desc.shape);
+  void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
     enqueue(ctx, [=](CpuContext&) {
       const MatView s = MatView::of(src), d = MatView::of(dst);
       convert_rows(s.data, s.dtype, s.ld, d.data, d.dtype, d.ld, s.rows, s.cols);
     });
   }
 
-  void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
+  void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
                  const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
                  const TensorView& param_copy) override {
-    check::adam("adam_step", param, exp_avg, exp_avg_sq, grad, param_copy);
     enqueue(ctx, [=](CpuContext&) {
       const DType copy = param_copy.data == nullptr ? DType::kF32 : param_copy.desc.dtype;
       kernels::AdamBuffers b;
@@ -499,10 +395,7 @@ class CpuOps final : public Ops {
     });
   }
 
-  void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, const TensorView& out) override {
-    check::dtype("grad_sum_sq", "grad", grad, DType::kF32);
-    check::dtype("grad_sum_sq", "out", out, DType::kF64);
-    check::numel("grad_sum_sq", "out", out, 1);
+  void enqueue_grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, const TensorView& out) override {
     enqueue(ctx, [=](CpuContext&) {
       out.as<double>()[0] =
           kernels::grad_stats(grad.data, DType::kF32, static_cast<size_t>(grad.numel()), scale).sum_sq;
@@ -521,61 +414,14 @@ class CpuOps final : public Ops {
     });
   }
 
-  void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
-            const Rope& rope_params, bool inverse) {
-    check::float_tensor(op, "x", x);
-    check::rope(op, rope_params);
-    check::dtype(op, "positions", positions, DType::kI32);
-    STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
-                 "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
-                 shape_string(x.desc.shape));
-    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
-    check::numel(op, "positions", positions, rows);
-    enqueue(ctx, [=](CpuContext& c) {
-      float* xf = stage(c, 0, x, true);
-      if (inverse) {
-        nn::cpu::rope_backward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
-                                      rope_params);
-      } else {
-        nn::cpu::rope_forward<float>(xf, positions.as<const int32_t>(), rows, heads, head_dim,
-                                     rope_params);
-      }
-      commit(xf, x);
-    });
-  }
-
-  Accelerator& accelerator_;
 };
 
-void CpuOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                            const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
                            const TensorView& stats, const CrossEntropyGrad* grad) {
-  constexpr const char* op = "cross_entropy";
-  check::float_tensor(op, "h", h);
-  check::float_tensor(op, "w", w);
-  check::dtype(op, "targets", targets, DType::kI32);
-  check::dtype(op, "lse", lse, DType::kF32);
-  check::dtype(op, "stats", stats, DType::kF64);
-  check::numel(op, "stats", stats, 2);
-  STRATA_CHECK(w.desc.shape.size() == 2 && chunk_rows > 0, kBadArgument,
-               "{}: w must be [vocab, dim] (got {}) and chunk_rows > 0 (got {})", op,
-               shape_string(w.desc.shape), chunk_rows);
   const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
-  check::shape(op, "h", h, {rows, dim});
-  check::numel(op, "lse", lse, rows);
   CrossEntropyGrad g;
-  if (grad != nullptr) {
-    g = *grad;
-    check::dtype(op, "normalizer", g.normalizer, DType::kF64);
-    check::numel(op, "normalizer", g.normalizer, 1);
-    check::float_tensor(op, "dh", g.dh);
-    check::same_dtype(op, h, g.dh);
-    check::shape(op, "dh", g.dh, {rows, dim});
-    if (!empty(g.dw)) {
-      check::dtype(op, "dw", g.dw, DType::kF32);
-      check::shape(op, "dw", g.dw, {vocab, dim});
-    }
-  }
+  if (grad != nullptr) g = *grad;
   const bool want_grad = grad != nullptr;
   enqueue(ctx, [=](CpuContext& c) {
     const float* hf = widen(c, 0, h);

@@ -1,4 +1,5 @@
-// The cuda implementation of Ops (kernels/ops.h): argument checks, the
+// The cuda implementation of Ops (kernels/ops.h): its own argument limits
+// (device memory, 32-bit extents; the front end has checked the rest), the
 // per-stream context (cuBLAS handle and workspace), stream-ordered scratch,
 // the row-major GEMMs through cuBLAS, and the orchestration of the kernels in
 // kernels/cuda/*.cu.
@@ -248,39 +249,29 @@ void check_device(std::string_view op, std::string_view what, const TensorView& 
                "{}: {} is {} memory; the cuda ops need device tensors", op, what,
                tier_name(t.desc.tier));
 }
-void check_float(std::string_view op, std::string_view what, const TensorView& t) {
-  check::float_tensor(op, what, t);
-  check_device(op, what, t);
-}
-void check_typed(std::string_view op, std::string_view what, const TensorView& t, DType dtype) {
-  check::dtype(op, what, t, dtype);
-  check_device(op, what, t);
+// Every view in `views` (all present) is device memory.
+void check_device(std::string_view op, std::initializer_list<std::pair<const char*, const TensorView*>> views) {
+  for (const auto& [what, t] : views) check_device(op, what, *t);
 }
 
 class CudaOps final : public Ops {
  public:
-  explicit CudaOps(Accelerator& accelerator) : accelerator_(accelerator) {
+  explicit CudaOps(Accelerator& accelerator) : Ops(accelerator, Backend::kCuda) {
     STRATA_CHECK(accelerator.backend() == Backend::kCuda, kBadArgument,
                  "make_cuda_ops needs a cuda accelerator, got {}", accelerator.name());
   }
 
-  Backend backend() const override { return Backend::kCuda; }
-
-  std::unique_ptr<ComputeContext> make_context(Stream& stream) override {
-    return std::make_unique<CudaContext>(accelerator_, stream);
+ private:
+  std::unique_ptr<ComputeContext> new_context(Stream& stream) override {
+    return std::make_unique<CudaContext>(accelerator(), stream);
   }
 
-  void embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
+  void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
                          const TensorView& out) override {
     constexpr const char* op = "embedding_forward";
-    CudaContext& c = context(ctx, op);
-    check_float(op, "table", table);
-    check_typed(op, "ids", ids, DType::kI32);
-    check_float(op, "out", out);
-    STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
-                 shape_string(table.desc.shape));
+    CudaContext& c = context(ctx);
+    check_device(op, {{"table", &table}, {"ids", &ids}, {"out", &out}});
     const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
-    check::shape(op, "out", out, {rows, dim});
     run(c, op, [&] {
       cuda::launch_embedding_forward(storage(table.desc.dtype), table.data, ids.as<int32_t>(), rows,
                                      vocab, dim, storage(out.desc.dtype), out.data,
@@ -289,19 +280,13 @@ class CudaOps final : public Ops {
     });
   }
 
-  void embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
+  void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
                           const TensorView& dtable, int64_t padding_idx) override {
     constexpr const char* op = "embedding_backward";
-    CudaContext& c = context(ctx, op);
-    check_float(op, "dout", dout);
-    check_typed(op, "ids", ids, DType::kI32);
-    check_typed(op, "dtable", dtable, DType::kF32);
-    STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D, got {}", op,
-                 shape_string(dtable.desc.shape));
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dout", &dout}, {"ids", &ids}, {"dtable", &dtable}});
     const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
-    check::shape(op, "dout", dout, {rows, dim});
     check_int(op, "rows", rows);
-    if (rows == 0) return;
     run(c, op, [&] {
       const size_t nbytes = cuda::embedding_backward_scratch_nbytes(rows);
       Scratch scratch(c, nbytes);
@@ -313,19 +298,12 @@ class CudaOps final : public Ops {
     });
   }
 
-  void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
+  void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
                        const TensorView& y, const TensorView& rstd) override {
     constexpr const char* op = "rmsnorm_forward";
-    CudaContext& c = context(ctx, op);
-    check_float(op, "x", x);
-    check_float(op, "w", w);
-    check_float(op, "y", y);
-    check::same_dtype(op, x, y);
-    check_typed(op, "rstd", rstd, DType::kF32);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"x", &x}, {"w", &w}, {"y", &y}, {"rstd", &rstd}});
     const MatView xm = MatView::of(x);
-    check::shape(op, "w", w, {xm.cols});
-    check::shape(op, "y", y, x.desc.shape);
-    check::numel(op, "rstd", rstd, xm.rows);
     run(c, op, [&] {
       cuda::launch_rmsnorm_forward(storage(x.desc.dtype), x.data, storage(w.desc.dtype), w.data,
                                    xm.rows, xm.cols, static_cast<float>(eps), y.data,
@@ -334,25 +312,13 @@ class CudaOps final : public Ops {
     });
   }
 
-  void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+  void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                         const TensorView& w, const TensorView& rstd, const TensorView& dx,
                         bool accumulate_dx, const TensorView& dw) override {
     constexpr const char* op = "rmsnorm_backward";
-    CudaContext& c = context(ctx, op);
-    for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
-      check_float(op, what, *t);
-    }
-    check::same_dtype(op, dy, x);
-    check::same_dtype(op, dy, dx);
-    check_typed(op, "rstd", rstd, DType::kF32);
-    check_typed(op, "dw", dw, DType::kF32);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}, {"dw", &dw}});
     const MatView xm = MatView::of(x);
-    check::shape(op, "dy", dy, x.desc.shape);
-    check::shape(op, "dx", dx, x.desc.shape);
-    check::shape(op, "w", w, {xm.cols});
-    check::shape(op, "dw", dw, {xm.cols});
-    check::numel(op, "rstd", rstd, xm.rows);
-    if (xm.rows == 0) return;
     run(c, op, [&] {
       const Storage t = storage(x.desc.dtype);
       const int64_t splits = cuda::column_sum_splits(xm.rows, xm.cols);
@@ -369,30 +335,17 @@ class CudaOps final : public Ops {
     });
   }
 
-  void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+  void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
                       const TensorView& bias, const MatView& y, bool accumulate) override {
     constexpr const char* op = "linear_forward";
-    CudaContext& c = context(ctx, op);
-    check::matrix(op, "x", x);
-    check::matrix(op, "y", y);
-    check_float(op, "w", w);
-    STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op,
-                 dtype_name(x.dtype), dtype_name(y.dtype));
-    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
-                 shape_string(w.desc.shape));
+    CudaContext& c = context(ctx);
+    check_device(op, "w", w);
+    if (!empty(bias)) check_device(op, "bias", bias);
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = x.rows;
-    STRATA_CHECK(x.cols == in && y.cols == out && y.rows == rows, kBadArgument,
-                 "{}: x is {} x {}, w is [{}, {}], y is {} x {}", op, x.rows, x.cols, out, in,
-                 y.rows, y.cols);
-    if (!empty(bias)) {
-      check_float(op, "bias", bias);
-      check::shape(op, "bias", bias, {out});
-    }
     for (auto [what, v] :
          {std::pair{"rows", rows}, {"in", in}, {"out", out}, {"x.ld", x.ld}, {"y.ld", y.ld}}) {
       check_int(op, what, v);
     }
-    if (rows == 0) return;
     run(c, op, [&] {
       Scratch w_cast(c,
                      w.desc.dtype == x.dtype ? 0 : static_cast<size_t>(out * in * esize(x.dtype)));
@@ -407,35 +360,15 @@ class CudaOps final : public Ops {
     });
   }
 
-  void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
+  void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
                        const TensorView& dw, const TensorView& dbias) override {
     constexpr const char* op = "linear_backward";
-    CudaContext& c = context(ctx, op);
-    check::matrix(op, "dy", dy);
-    check::matrix(op, "x", x);
-    check_float(op, "w", w);
-    STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
-                 shape_string(w.desc.shape));
+    CudaContext& c = context(ctx);
+    check_device(op, "w", w);
+    if (!empty(dw)) check_device(op, "dw", dw);
+    if (!empty(dbias)) check_device(op, "dbias", dbias);
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
-    STRATA_CHECK(dy.cols == out && x.cols == in && x.rows == rows && dy.dtype == x.dtype,
-                 kBadArgument, "{}: dy is {} x {} ({}), x is {} x {} ({}), w is [{}, {}]", op,
-                 dy.rows, dy.cols, dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out,
-                 in);
-    if (!empty(dx)) {
-      check::matrix(op, "dx", dx);
-      STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
-                   "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
-                   dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
-    }
-    if (!empty(dw)) {
-      check_typed(op, "dw", dw, DType::kF32);
-      check::shape(op, "dw", dw, {out, in});
-    }
-    if (!empty(dbias)) {
-      check_typed(op, "dbias", dbias, DType::kF32);
-      check::shape(op, "dbias", dbias, {out});
-    }
     for (auto [what, v] : {std::pair{"rows", rows},
                            {"in", in},
                            {"out", out},
@@ -444,7 +377,6 @@ class CudaOps final : public Ops {
                            {"dx.ld", dx.ld}}) {
       check_int(op, what, v);
     }
-    if (rows == 0) return;
     run(c, op, [&] {
       const bool cast_w = !empty(dx) && w.desc.dtype != dy.dtype;
       Scratch w_cast(c, cast_w ? static_cast<size_t>(out * in * esize(dy.dtype)) : 0);
@@ -469,26 +401,26 @@ class CudaOps final : public Ops {
     });
   }
 
-  void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
-                    const Rope& rope_params) override {
-    rope(ctx, "rope_forward", x, positions, rope_params, 1.0);
-  }
-  void rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
-                     const Rope& rope_params) override {
-    rope(ctx, "rope_backward", dx, positions, rope_params, -1.0);
+  void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                    const Rope& rope_params, int sign) override {
+    const char* op = sign > 0 ? "rope_forward" : "rope_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"x", &x}, {"positions", &positions}});
+    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
+    run(c, op, [&] {
+      cuda::launch_rope(storage(x.desc.dtype), x.data, positions.as<int32_t>(), rows, heads,
+                        head_dim, rope_params, static_cast<double>(sign), c.cuda_stream());
+      check_launch(op);
+    });
   }
 
-  void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
-                         const TensorView& v, const TensorView& out, const TensorView& lse,
-                         const AttentionMask& mask) override {
+  void enqueue_attention_forward(ComputeContext& ctx, const AttentionShape& s, const TensorView& q,
+                                 const TensorView& k, const TensorView& v, const TensorView& out,
+                                 const TensorView& lse, const AttentionMask& mask) override {
     constexpr const char* op = "attention_forward";
-    CudaContext& c = context(ctx, op);
-    const cuda::AttentionDims d = attention_dims(op, q, k, v, mask);
-    check_float(op, "out", out);
-    check::same_dtype(op, q, out);
-    check::shape(op, "out", out, q.desc.shape);
-    check_typed(op, "lse", lse, DType::kF32);
-    check::shape(op, "lse", lse, {d.batch, d.heads, d.seq});
+    CudaContext& c = context(ctx);
+    check_device(op, {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}});
+    const cuda::AttentionDims d = attention_dims(op, s, mask);
     run(c, op, [&] {
       check_status(cuda::launch_attention_forward(storage(q.desc.dtype), q.data, k.data, v.data, d,
                                                   out.data, lse.as<float>(), c.cuda_stream()),
@@ -496,25 +428,16 @@ class CudaOps final : public Ops {
     });
   }
 
-  void attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
-                          const TensorView& k, const TensorView& v, const TensorView& out,
-                          const TensorView& lse, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv, const AttentionMask& mask) override {
+  void enqueue_attention_backward(ComputeContext& ctx, const AttentionShape& s, const TensorView& dout,
+                                  const TensorView& q, const TensorView& k, const TensorView& v,
+                                  const TensorView& out, const TensorView& lse, const TensorView& dq,
+                                  const TensorView& dk, const TensorView& dv,
+                                  const AttentionMask& mask) override {
     constexpr const char* op = "attention_backward";
-    CudaContext& c = context(ctx, op);
-    const cuda::AttentionDims d = attention_dims(op, q, k, v, mask);
-    for (auto [what, t] :
-         {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
-      check_float(op, what, *t);
-      check::same_dtype(op, q, *t);
-    }
-    check::shape(op, "dout", dout, q.desc.shape);
-    check::shape(op, "out", out, q.desc.shape);
-    check::shape(op, "dq", dq, q.desc.shape);
-    check::shape(op, "dk", dk, k.desc.shape);
-    check::shape(op, "dv", dv, v.desc.shape);
-    check_typed(op, "lse", lse, DType::kF32);
-    check::shape(op, "lse", lse, {d.batch, d.heads, d.seq});
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dout", &dout}, {"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse},
+                      {"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+    const cuda::AttentionDims d = attention_dims(op, s, mask);
     run(c, op, [&] {
       const Storage t = storage(q.desc.dtype);
       const cuda::AttentionBackwardPlan plan = cuda::plan_attention_backward(t, d);
@@ -526,11 +449,11 @@ class CudaOps final : public Ops {
     });
   }
 
-  void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+  void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
     constexpr const char* op = "swiglu_forward";
-    CudaContext& c = context(ctx, op);
-    elementwise_check(op, {&gate, &up, &out});
+    CudaContext& c = context(ctx);
+    check_device(op, {{"gate", &gate}, {"up", &up}, {"out", &out}});
     run(c, op, [&] {
       cuda::launch_swiglu_forward(storage(gate.desc.dtype), gate.data, up.data, gate.numel(),
                                   out.data, c.cuda_stream());
@@ -538,12 +461,12 @@ class CudaOps final : public Ops {
     });
   }
 
-  void swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
+  void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
                        const TensorView& dup) override {
     constexpr const char* op = "swiglu_backward";
-    CudaContext& c = context(ctx, op);
-    elementwise_check(op, {&dout, &gate, &up, &dgate, &dup});
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dout", &dout}, {"gate", &gate}, {"up", &up}, {"dgate", &dgate}, {"dup", &dup}});
     run(c, op, [&] {
       cuda::launch_swiglu_backward(storage(gate.desc.dtype), dout.data, gate.data, up.data,
                                    gate.numel(), dgate.data, dup.data, c.cuda_stream());
@@ -551,28 +474,26 @@ class CudaOps final : public Ops {
     });
   }
 
-  void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
+  void enqueue_add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
            const TensorView& out) override {
     constexpr const char* op = "add";
-    CudaContext& c = context(ctx, op);
-    elementwise_check(op, {&a, &b, &out});
+    CudaContext& c = context(ctx);
+    check_device(op, {{"a", &a}, {"b", &b}, {"out", &out}});
     run(c, op, [&] {
       cuda::launch_add(storage(a.desc.dtype), a.data, b.data, a.numel(), out.data, c.cuda_stream());
       check_launch(op);
     });
   }
 
-  void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+  void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                      const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
                      const TensorView& stats, const CrossEntropyGrad* grad) override;
 
-  void count_targets(ComputeContext& ctx, const TensorView& targets,
+  void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                      const TensorView& count) override {
     constexpr const char* op = "count_targets";
-    CudaContext& c = context(ctx, op);
-    check_typed(op, "targets", targets, DType::kI32);
-    check_typed(op, "count", count, DType::kF64);
-    check::numel(op, "count", count, 1);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"targets", &targets}, {"count", &count}});
     run(c, op, [&] {
       cuda::launch_count_targets(targets.as<int32_t>(), targets.numel(), count.as<double>(),
                                  c.cuda_stream());
@@ -580,12 +501,10 @@ class CudaOps final : public Ops {
     });
   }
 
-  void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
+  void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) override {
     constexpr const char* op = "cast";
-    CudaContext& c = context(ctx, op);
-    check_float(op, "src", src);
-    check_float(op, "dst", dst);
-    check::shape(op, "dst", dst, src.desc.shape);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"src", &src}, {"dst", &dst}});
     if (src.data == dst.data && src.desc.dtype == dst.desc.dtype) return;
     run(c, op, [&] {
       cuda::launch_cast(storage(src.desc.dtype), src.data, storage(dst.desc.dtype), dst.data,
@@ -594,18 +513,13 @@ class CudaOps final : public Ops {
     });
   }
 
-  void adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
+  void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                  const TensorView& param, const TensorView& exp_avg, const TensorView& exp_avg_sq,
                  const TensorView& grad, const TensorView& param_copy) override {
     constexpr const char* op = "adam_step";
-    CudaContext& c = context(ctx, op);
-    check::adam(op, param, exp_avg, exp_avg_sq, grad, param_copy);
-    check_device(op, "param", param);
-    check_device(op, "exp_avg", exp_avg);
-    check_device(op, "exp_avg_sq", exp_avg_sq);
-    check_device(op, "grad", grad);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}, {"grad", &grad}});
     if (!empty(param_copy)) check_device(op, "param_copy", param_copy);
-    if (param.numel() == 0) return;
     // An fp32 copy that is param itself already holds the new values (as on cpu).
     const bool copy = !empty(param_copy) && param_copy.data != param.data;
     run(c, op, [&] {
@@ -617,13 +531,11 @@ class CudaOps final : public Ops {
     });
   }
 
-  void grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
+  void enqueue_grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale,
                    const TensorView& out) override {
     constexpr const char* op = "grad_sum_sq";
-    CudaContext& c = context(ctx, op);
-    check_typed(op, "grad", grad, DType::kF32);
-    check_typed(op, "out", out, DType::kF64);
-    check::numel(op, "out", out, 1);
+    CudaContext& c = context(ctx);
+    check_device(op, {{"grad", &grad}, {"out", &out}});
     run(c, op, [&] {
       // One fp64 partial per block of the first pass; none (and out = 0) for an empty grad.
       Scratch partial(c, static_cast<size_t>(cuda::grad_sum_sq_blocks(grad.numel())) * 8);
@@ -634,12 +546,8 @@ class CudaOps final : public Ops {
   }
 
  private:
-  CudaContext& context(ComputeContext& ctx, const char* op) {
-    auto* c = dynamic_cast<CudaContext*>(&ctx);
-    STRATA_CHECK(c != nullptr && &ctx.accelerator() == &accelerator_, kBadArgument,
-                 "{}: the context was not made by these cuda Ops", op);
-    return *c;
-  }
+  // The front end has checked that these Ops made the context.
+  static CudaContext& context(ComputeContext& ctx) { return static_cast<CudaContext&>(ctx); }
 
   // Runs an op's enqueueing on the context's device; a launch or cuBLAS
   // failure becomes the stream's error (reported by later events and
@@ -666,32 +574,8 @@ class CudaOps final : public Ops {
     return scratch.get();
   }
 
-  void rope(ComputeContext& ctx, const char* op, const TensorView& x, const TensorView& positions,
-            const Rope& rope_params, double sign) {
-    CudaContext& c = context(ctx, op);
-    check_float(op, "x", x);
-    check::rope(op, rope_params);
-    check_typed(op, "positions", positions, DType::kI32);
-    STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
-                 "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
-                 shape_string(x.desc.shape));
-    const int64_t rows = x.desc.shape[0], heads = x.desc.shape[1], head_dim = x.desc.shape[2];
-    check::numel(op, "positions", positions, rows);
-    run(c, op, [&] {
-      cuda::launch_rope(storage(x.desc.dtype), x.data, positions.as<int32_t>(), rows, heads,
-                        head_dim, rope_params, sign, c.cuda_stream());
-      check_launch(op);
-    });
-  }
-
-  static cuda::AttentionDims attention_dims(const char* op, const TensorView& q,
-                                            const TensorView& k, const TensorView& v,
+  static cuda::AttentionDims attention_dims(const char* op, const AttentionShape& s,
                                             const AttentionMask& mask) {
-    const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
-    check_device(op, "q", q);
-    check_device(op, "k", k);
-    check_device(op, "v", v);
     STRATA_CHECK(s.head_dim <= cuda::kMaxAttentionHeadDim, kBadArgument,
                  "{}: head_dim {} is not supported by the cuda attention kernels (at most {})", op,
                  s.head_dim, cuda::kMaxAttentionHeadDim);
@@ -701,47 +585,23 @@ class CudaOps final : public Ops {
     return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
   }
 
-  static void elementwise_check(const char* op, std::initializer_list<const TensorView*> views) {
-    check::elementwise(op, views);
-    for (const TensorView* t : views) check_device(op, "operand", *t);
-  }
-
-  Accelerator& accelerator_;
 };
 
-void CudaOps::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+void CudaOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                             const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
                             const TensorView& stats, const CrossEntropyGrad* grad) {
   constexpr const char* op = "cross_entropy";
-  CudaContext& c = context(ctx, op);
-  check_float(op, "h", h);
-  check_float(op, "w", w);
-  check_typed(op, "targets", targets, DType::kI32);
-  check_typed(op, "lse", lse, DType::kF32);
-  check_typed(op, "stats", stats, DType::kF64);
-  check::numel(op, "stats", stats, 2);
-  STRATA_CHECK(w.desc.shape.size() == 2 && chunk_rows > 0, kBadArgument,
-               "{}: w must be [vocab, dim] (got {}) and chunk_rows > 0 (got {})", op,
-               shape_string(w.desc.shape), chunk_rows);
-  const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
-  check::shape(op, "h", h, {rows, dim});
-  check::numel(op, "lse", lse, rows);
+  CudaContext& c = context(ctx);
+  check_device(op, {{"h", &h}, {"w", &w}, {"targets", &targets}, {"lse", &lse}, {"stats", &stats}});
   if (grad != nullptr) {
-    check_typed(op, "normalizer", grad->normalizer, DType::kF64);
-    check::numel(op, "normalizer", grad->normalizer, 1);
-    check_float(op, "dh", grad->dh);
-    check::same_dtype(op, h, grad->dh);
-    check::shape(op, "dh", grad->dh, {rows, dim});
-    if (!empty(grad->dw)) {
-      check_typed(op, "dw", grad->dw, DType::kF32);
-      check::shape(op, "dw", grad->dw, {vocab, dim});
-    }
+    check_device(op, {{"normalizer", &grad->normalizer}, {"dh", &grad->dh}});
+    if (!empty(grad->dw)) check_device(op, "dw", grad->dw);
   }
+  const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
   const int64_t chunk = std::min(chunk_rows, std::max<int64_t>(rows, 1));
   for (auto [what, value] : {std::pair{"rows", rows}, {"vocab", vocab}, {"dim", dim}}) {
     check_int(op, what, value);
   }
-  if (rows == 0) return;
   run(c, op, [&] {
     const DType at = h.desc.dtype;
     const Storage st = storage(at);

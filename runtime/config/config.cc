@@ -175,7 +175,10 @@ class Checker {
     if (f.no_effect) no_effect_.push_back(given);
   }
 
-  static bool in_range(const ConfigField& f, double x) { return std::isfinite(x) && x >= f.min && x <= f.max; }
+  // The schema's +-1e300 bounds mean "none": any finite number passes (1e308 included).
+  static bool in_range(const ConfigField& f, double x) {
+    return std::isfinite(x) && (f.min <= -1e300 || x >= f.min) && (f.max >= 1e300 || x <= f.max);
+  }
 
   // An integer JSON value compared exactly with the field's bounds (a double
   // would round 2^53 + 1 to 2^53 and accept it, then store the other value).

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <set>
 
 #include "nvme/io_options.h"
@@ -189,8 +190,8 @@ namespace {
 // A bound as people read it: "1048576", "0.1", "2^53"; "" for the
 // "no bound" sentinels (+-1e300).
 std::string bound(double value) {
-  if (value >= 1e18 || value <= -1e18) return "";
-  if (value == static_cast<double>(static_cast<int64_t>(value))) {
+  if (value >= 1e300 || value <= -1e300) return "";
+  if (std::abs(value) < 9.2e18 && value == static_cast<double>(static_cast<int64_t>(value))) {
     const auto i = static_cast<int64_t>(value);
     // Large powers of two (2^53) say more as such than as 16 digits.
     if (i >= (int64_t{1} << 32) && (i & (i - 1)) == 0) return fmt::format("2^{}", __builtin_ctzll(static_cast<uint64_t>(i)));

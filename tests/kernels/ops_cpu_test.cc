@@ -342,6 +342,12 @@ TEST_CASE("cpu ops refuse bad arguments before enqueueing anything", "[ops][cpu]
   auto r = f.zeros(DType::kF32, {4, 2, 2});
   REQUIRE_THROWS_WITH(f.ops->rope_forward(*f.ctx, r, f.ints({0, 1, 2, 3}), Rope{RopeType::kDefault, -1.0}),
                       Catch::Contains("rope theta -1 must be positive"));
+  // A context belongs to the Ops object that made it (the front end checks, so
+  // a backend can rely on its own context type).
+  std::unique_ptr<Ops> other = make_cpu_ops(*f.acc);
+  std::unique_ptr<ComputeContext> other_ctx = other->make_context(*f.stream);
+  REQUIRE_THROWS_WITH(f.ops->add(*other_ctx, x, x, x),
+                      Catch::Contains("add: the context was made by another Ops object"));
   // Out-of-range token ids are refused by the cpu kernel: a stream error.
   auto table = f.zeros(DType::kF32, {2, 4});
   f.ops->embedding_forward(*f.ctx, table, f.ints({0, 5, 1}), x);

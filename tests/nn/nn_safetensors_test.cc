@@ -123,7 +123,7 @@ TEST_CASE("corrupt safetensors files fail with clear errors", "[nn][safetensors]
   write_raw(p, "{\"w\":" + std::string(200000, '[') + std::string(200000, ']') + "}", 0);
   expect_open_error(p, "nested deeper than 64 levels");
   write_raw(p, R"({"w":[[[[1]]]]})", 0);
-  expect_open_error(p, "got a list of 1");
+  expect_open_error(p, "got a list of 1");  // a nested list is counted, not shown
   // An element-misaligned tensor is refused (header not padded to 8 bytes).
   write_raw(p, R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}} )", 16, -1, /*pad=*/false);
   expect_open_error(p, "not a multiple of its 4-byte elements");

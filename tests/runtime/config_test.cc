@@ -99,6 +99,12 @@ TEST_CASE("wrong types and values name the full path and the accepted values", "
   REQUIRE_THAT(only_problem(R"({"bf16": {"enabled": "yes"}})"), Contains("bf16.enabled") && Contains("true or false"));
   REQUIRE_THAT(only_problem(R"({"optimizer": {"params": {"betas": [0.9]}}})"),
                Contains("optimizer.params.betas") && Contains("a list of two numbers"));
+  // The value is shown, with the range each number must be in.
+  REQUIRE(only_problem(R"({"optimizer": {"params": {"betas": [1.0, 0.999]}}})") ==
+          "optimizer.params.betas: [1.0,0.999] is not a list of two numbers 0..0.9999999");
+  // "No upper bound" means any finite number: 1e308 is a (huge) clipping threshold.
+  REQUIRE(problems_of(R"({"gradient_clipping": 1e308})").empty());
+  REQUIRE(only_problem(R"({"gradient_clipping": -1})") == "gradient_clipping: -1 (a number) is not a number >= 0");
   REQUIRE_THAT(only_problem(R"({"aio": {"block_size": "1 lightyear"}})"),
                Contains("aio.block_size: \"1 lightyear\"") && Contains("\"1GB\""));
   REQUIRE_THAT(only_problem(R"({"zero_optimization": 3})"),

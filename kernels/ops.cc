@@ -1,0 +1,430 @@
+// The Ops front end (kernels/ops.h): every op's argument checks, written once
+// so that every backend refuses the same calls with the same message, then the
+// call into the backend. And the MatView helpers.
+#include <cmath>
+
+#include "kernels/ops.h"
+#include "core/error.h"
+
+namespace strata::ops {
+
+MatView MatView::of(const TensorView& t) {
+  const Shape& s = t.desc.shape;
+  const int64_t cols = s.empty() ? 1 : s.back();
+  const int64_t rows = cols == 0 ? 0 : t.numel() / cols;
+  return MatView{t.data, t.desc.dtype, rows, cols, cols};
+}
+
+MatView MatView::columns(int64_t c0, int64_t c1) const {
+  STRATA_CHECK(0 <= c0 && c0 <= c1 && c1 <= cols, kBadArgument,
+               "columns [{}, {}) of a matrix with {} columns", c0, c1, cols);
+  return MatView{data == nullptr ? nullptr
+                                 : static_cast<char*>(data) + c0 * static_cast<int64_t>(dtype_nbytes(dtype)),
+                 dtype, rows, c1 - c0, ld};
+}
+
+namespace {
+namespace check {
+
+void float_tensor(std::string_view op, std::string_view what, const TensorView& t) {
+  STRATA_CHECK(t.data != nullptr, kBadArgument, "{}: {} is empty (no data)", op, what);
+  STRATA_CHECK(is_float_storage(t.desc.dtype), kBadArgument,
+               "{}: {} has dtype {}; expected fp32, fp16 or bf16", op, what,
+               dtype_name(t.desc.dtype));
+  STRATA_CHECK(t.desc.tier != Tier::kNvme, kBadArgument, "{}: {} is on NVMe, not addressable", op,
+               what);
+}
+
+void dtype(std::string_view op, std::string_view what, const TensorView& t, DType want) {
+  STRATA_CHECK(t.data != nullptr, kBadArgument, "{}: {} is empty (no data)", op, what);
+  STRATA_CHECK(t.desc.dtype == want, kBadArgument, "{}: {} has dtype {}; expected {}", op, what,
+               dtype_name(t.desc.dtype), dtype_name(want));
+}
+
+void shape(std::string_view op, std::string_view what, const TensorView& t, const Shape& want) {
+  STRATA_CHECK(t.desc.shape == want, kBadArgument, "{}: {} has shape {}; expected {}", op, what,
+               shape_string(t.desc.shape), shape_string(want));
+}
+
+void same_dtype(std::string_view op, const TensorView& a, const TensorView& b) {
+  STRATA_CHECK(a.desc.dtype == b.desc.dtype, kBadArgument,
+               "{}: activations must share one dtype (got {} and {})", op,
+               dtype_name(a.desc.dtype), dtype_name(b.desc.dtype));
+}
+
+void numel(std::string_view op, std::string_view what, const TensorView& t, int64_t want) {
+  STRATA_CHECK(t.numel() == want, kBadArgument, "{}: {} has {} elements ({}); expected {}", op,
+               what, t.numel(), shape_string(t.desc.shape), want);
+}
+
+void attention_mask(std::string_view op, const AttentionMask& mask) {
+  STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
+}
+
+void rope(std::string_view op, const Rope& r) {
+  STRATA_CHECK(r.theta > 0 && std::isfinite(r.theta), kBadArgument, "{}: rope theta {} must be positive", op,
+               r.theta);
+  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3,
+               kBadArgument, "{}: unknown rope type {}", op, static_cast<int>(r.type));
+  if (r.type == RopeType::kDefault) return;
+  STRATA_CHECK(r.factor >= 1 && std::isfinite(r.factor), kBadArgument, "{}: rope factor {} must be >= 1", op,
+               r.factor);
+  if (r.type != RopeType::kLlama3) return;
+  STRATA_CHECK(r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
+                   std::isfinite(r.high_freq_factor) && r.original_max_position_embeddings > 0,
+               kBadArgument,
+               "{}: llama3 rope needs 0 < low_freq_factor < high_freq_factor and a positive "
+               "original_max_position_embeddings (got {}, {}, {})",
+               op, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings);
+}
+
+AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
+                         const TensorView& v) {
+  float_tensor(op, "q", q);
+  float_tensor(op, "k", k);
+  float_tensor(op, "v", v);
+  same_dtype(op, q, k);
+  same_dtype(op, q, v);
+  STRATA_CHECK(q.desc.shape.size() == 4 && k.desc.shape.size() == 4, kBadArgument,
+               "{}: q and k must be 4-D [batch, seq, heads, head_dim] (got {} and {})", op,
+               shape_string(q.desc.shape), shape_string(k.desc.shape));
+  AttentionShape s{q.desc.shape[0], q.desc.shape[1], q.desc.shape[2], k.desc.shape[2],
+                   q.desc.shape[3]};
+  STRATA_CHECK(s.batch > 0 && s.seq > 0 && s.heads > 0 && s.kv_heads > 0 && s.head_dim > 0 &&
+                   s.heads % s.kv_heads == 0,
+               kBadArgument,
+               "{}: bad shape batch={} seq={} heads={} kv_heads={} head_dim={} (heads must be a "
+               "multiple of kv_heads)",
+               op, s.batch, s.seq, s.heads, s.kv_heads, s.head_dim);
+  shape(op, "k", k, {s.batch, s.seq, s.kv_heads, s.head_dim});
+  shape(op, "v", v, {s.batch, s.seq, s.kv_heads, s.head_dim});
+  return s;
+}
+
+void matrix(std::string_view op, std::string_view what, const MatView& m) {
+  STRATA_CHECK(m.data != nullptr, kBadArgument, "{}: {} is empty (no data)", op, what);
+  STRATA_CHECK(is_float_storage(m.dtype), kBadArgument,
+               "{}: {} has dtype {}; expected fp32, fp16 or bf16", op, what, dtype_name(m.dtype));
+  STRATA_CHECK(m.rows >= 0 && m.cols > 0 && m.ld >= m.cols, kBadArgument,
+               "{}: {} is a bad matrix ({} x {}, ld {})", op, what, m.rows, m.cols, m.ld);
+}
+
+void elementwise(std::string_view op, std::initializer_list<const TensorView*> operands) {
+  if (operands.size() == 0) return;
+  const TensorView& first = **operands.begin();
+  int index = 0;
+  for (const TensorView* t : operands) {
+    const std::string what = fmt::format("operand {}", index++);
+    float_tensor(op, what, *t);
+    same_dtype(op, first, *t);
+    numel(op, what, *t, first.numel());
+  }
+}
+
+void adam(std::string_view op, const TensorView& param, const TensorView& exp_avg,
+          const TensorView& exp_avg_sq, const TensorView& grad, const TensorView& param_copy) {
+  dtype(op, "param", param, DType::kF32);
+  dtype(op, "exp_avg", exp_avg, DType::kF32);
+  dtype(op, "exp_avg_sq", exp_avg_sq, DType::kF32);
+  dtype(op, "grad", grad, DType::kF32);
+  numel(op, "exp_avg", exp_avg, param.numel());
+  numel(op, "exp_avg_sq", exp_avg_sq, param.numel());
+  numel(op, "grad", grad, param.numel());
+  if (param_copy.data != nullptr) {
+    float_tensor(op, "param_copy", param_copy);
+    numel(op, "param_copy", param_copy, param.numel());
+  }
+}
+
+}  // namespace check
+
+bool empty(const TensorView& t) { return t.data == nullptr; }
+bool empty(const MatView& m) { return m.data == nullptr; }
+
+// rope_forward and rope_backward take the same arguments.
+void check_rope(std::string_view op, const TensorView& x, const TensorView& positions, const Rope& rope) {
+  check::float_tensor(op, "x", x);
+  check::rope(op, rope);
+  check::dtype(op, "positions", positions, DType::kI32);
+  STRATA_CHECK(x.desc.shape.size() == 3 && x.desc.shape[2] % 2 == 0, kBadArgument,
+               "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
+               shape_string(x.desc.shape));
+  check::numel(op, "positions", positions, x.desc.shape[0]);
+}
+
+}  // namespace
+
+std::unique_ptr<ComputeContext> Ops::make_context(Stream& stream) {
+  std::unique_ptr<ComputeContext> ctx = new_context(stream);
+  ctx->owner_ = this;
+  return ctx;
+}
+
+ComputeContext& Ops::own(ComputeContext& ctx, const char* op) const {
+  STRATA_CHECK(ctx.owner_ == this, kBadArgument, "{}: the context was made by another Ops object", op);
+  return ctx;
+}
+
+void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
+                            const TensorView& out) {
+  constexpr const char* op = "embedding_forward";
+  own(ctx, op);
+  check::float_tensor(op, "table", table);
+  check::dtype(op, "ids", ids, DType::kI32);
+  check::float_tensor(op, "out", out);
+  STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
+               shape_string(table.desc.shape));
+  check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
+  enqueue_embedding_forward(ctx, table, ids, out);
+}
+
+void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
+                             const TensorView& dtable, int64_t padding_idx) {
+  constexpr const char* op = "embedding_backward";
+  own(ctx, op);
+  check::float_tensor(op, "dout", dout);
+  check::dtype(op, "ids", ids, DType::kI32);
+  check::dtype(op, "dtable", dtable, DType::kF32);
+  STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D, got {}", op,
+               shape_string(dtable.desc.shape));
+  check::shape(op, "dout", dout, {ids.numel(), dtable.desc.shape[1]});
+  if (ids.numel() == 0) return;
+  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx);
+}
+
+void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
+                          const TensorView& y, const TensorView& rstd) {
+  constexpr const char* op = "rmsnorm_forward";
+  own(ctx, op);
+  check::float_tensor(op, "x", x);
+  check::float_tensor(op, "w", w);
+  check::float_tensor(op, "y", y);
+  check::same_dtype(op, x, y);
+  check::dtype(op, "rstd", rstd, DType::kF32);
+  const MatView xm = MatView::of(x);
+  check::shape(op, "w", w, {xm.cols});
+  check::shape(op, "y", y, x.desc.shape);
+  check::numel(op, "rstd", rstd, xm.rows);
+  enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd);
+}
+
+void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
+                           const TensorView& w, const TensorView& rstd, const TensorView& dx,
+                           bool accumulate_dx, const TensorView& dw) {
+  constexpr const char* op = "rmsnorm_backward";
+  own(ctx, op);
+  for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
+    check::float_tensor(op, what, *t);
+  }
+  check::same_dtype(op, dy, x);
+  check::same_dtype(op, dy, dx);
+  check::dtype(op, "rstd", rstd, DType::kF32);
+  check::dtype(op, "dw", dw, DType::kF32);
+  const MatView xm = MatView::of(x);
+  check::shape(op, "dy", dy, x.desc.shape);
+  check::shape(op, "dx", dx, x.desc.shape);
+  check::shape(op, "w", w, {xm.cols});
+  check::shape(op, "dw", dw, {xm.cols});
+  check::numel(op, "rstd", rstd, xm.rows);
+  if (xm.rows == 0) return;
+  enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw);
+}
+
+void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
+                         const TensorView& bias, const MatView& y, bool accumulate) {
+  constexpr const char* op = "linear_forward";
+  own(ctx, op);
+  check::matrix(op, "x", x);
+  check::matrix(op, "y", y);
+  check::float_tensor(op, "w", w);
+  STRATA_CHECK(x.dtype == y.dtype, kBadArgument, "{}: x is {} but y is {}", op, dtype_name(x.dtype),
+               dtype_name(y.dtype));
+  STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
+               shape_string(w.desc.shape));
+  const int64_t out = w.desc.shape[0], in = w.desc.shape[1];
+  STRATA_CHECK(x.cols == in && y.cols == out && y.rows == x.rows, kBadArgument,
+               "{}: x is {} x {}, w is [{}, {}], y is {} x {}", op, x.rows, x.cols, out, in, y.rows,
+               y.cols);
+  if (!empty(bias)) {
+    check::float_tensor(op, "bias", bias);
+    check::shape(op, "bias", bias, {out});
+  }
+  if (x.rows == 0) return;
+  enqueue_linear_forward(ctx, x, w, bias, y, accumulate);
+}
+
+void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x, const TensorView& w,
+                          const MatView& dx, bool accumulate_dx, const TensorView& dw,
+                          const TensorView& dbias) {
+  constexpr const char* op = "linear_backward";
+  own(ctx, op);
+  check::matrix(op, "dy", dy);
+  check::matrix(op, "x", x);
+  check::float_tensor(op, "w", w);
+  STRATA_CHECK(w.desc.shape.size() == 2, kBadArgument, "{}: w must be 2-D, got {}", op,
+               shape_string(w.desc.shape));
+  const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
+  STRATA_CHECK(dy.cols == out && x.cols == in && x.rows == rows && dy.dtype == x.dtype, kBadArgument,
+               "{}: dy is {} x {} ({}), x is {} x {} ({}), w is [{}, {}]", op, dy.rows, dy.cols,
+               dtype_name(dy.dtype), x.rows, x.cols, dtype_name(x.dtype), out, in);
+  if (!empty(dx)) {
+    check::matrix(op, "dx", dx);
+    STRATA_CHECK(dx.rows == rows && dx.cols == in && dx.dtype == dy.dtype, kBadArgument,
+                 "{}: dx is {} x {} ({}), expected {} x {} ({})", op, dx.rows, dx.cols,
+                 dtype_name(dx.dtype), rows, in, dtype_name(dy.dtype));
+  }
+  if (!empty(dw)) {
+    check::dtype(op, "dw", dw, DType::kF32);
+    check::shape(op, "dw", dw, {out, in});
+  }
+  if (!empty(dbias)) {
+    check::dtype(op, "dbias", dbias, DType::kF32);
+    check::shape(op, "dbias", dbias, {out});
+  }
+  if (rows == 0) return;
+  enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias);
+}
+
+void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
+                       const Rope& rope) {
+  own(ctx, "rope_forward");
+  check_rope("rope_forward", x, positions, rope);
+  enqueue_rope(ctx, x, positions, rope, +1);
+}
+
+void Ops::rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorView& positions,
+                        const Rope& rope) {
+  own(ctx, "rope_backward");
+  check_rope("rope_backward", dx, positions, rope);
+  enqueue_rope(ctx, dx, positions, rope, -1);
+}
+
+void Ops::attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, const TensorView& lse,
+                            const AttentionMask& mask) {
+  constexpr const char* op = "attention_forward";
+  own(ctx, op);
+  const AttentionShape s = check::attention(op, q, k, v);
+  check::attention_mask(op, mask);
+  check::float_tensor(op, "out", out);
+  check::same_dtype(op, q, out);
+  check::shape(op, "out", out, q.desc.shape);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  enqueue_attention_forward(ctx, s, q, k, v, out, lse, mask);
+}
+
+void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& q,
+                             const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& lse, const TensorView& dq, const TensorView& dk,
+                             const TensorView& dv, const AttentionMask& mask) {
+  constexpr const char* op = "attention_backward";
+  own(ctx, op);
+  const AttentionShape s = check::attention(op, q, k, v);
+  check::attention_mask(op, mask);
+  for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+    check::float_tensor(op, what, *t);
+    check::same_dtype(op, q, *t);
+  }
+  check::shape(op, "dout", dout, q.desc.shape);
+  check::shape(op, "out", out, q.desc.shape);
+  check::shape(op, "dq", dq, q.desc.shape);
+  check::shape(op, "dk", dk, k.desc.shape);
+  check::shape(op, "dv", dv, v.desc.shape);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  enqueue_attention_backward(ctx, s, dout, q, k, v, out, lse, dq, dk, dv, mask);
+}
+
+void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
+                         const TensorView& out) {
+  own(ctx, "swiglu_forward");
+  check::elementwise("swiglu_forward", {&gate, &up, &out});
+  enqueue_swiglu_forward(ctx, gate, up, out);
+}
+
+void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
+                          const TensorView& up, const TensorView& dgate, const TensorView& dup) {
+  own(ctx, "swiglu_backward");
+  check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
+  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup);
+}
+
+void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {
+  own(ctx, "add");
+  check::elementwise("add", {&a, &b, &out});
+  enqueue_add(ctx, a, b, out);
+}
+
+void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
+                        const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
+                        const TensorView& stats, const CrossEntropyGrad* grad) {
+  constexpr const char* op = "cross_entropy";
+  own(ctx, op);
+  check::float_tensor(op, "h", h);
+  check::float_tensor(op, "w", w);
+  check::dtype(op, "targets", targets, DType::kI32);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::dtype(op, "stats", stats, DType::kF64);
+  check::numel(op, "stats", stats, 2);
+  STRATA_CHECK(w.desc.shape.size() == 2 && chunk_rows > 0, kBadArgument,
+               "{}: w must be [vocab, dim] (got {}) and chunk_rows > 0 (got {})", op,
+               shape_string(w.desc.shape), chunk_rows);
+  const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
+  check::shape(op, "h", h, {rows, dim});
+  check::numel(op, "lse", lse, rows);
+  if (grad != nullptr) {
+    check::dtype(op, "normalizer", grad->normalizer, DType::kF64);
+    check::numel(op, "normalizer", grad->normalizer, 1);
+    check::float_tensor(op, "dh", grad->dh);
+    check::same_dtype(op, h, grad->dh);
+    check::shape(op, "dh", grad->dh, {rows, dim});
+    if (!empty(grad->dw)) {
+      check::dtype(op, "dw", grad->dw, DType::kF32);
+      check::shape(op, "dw", grad->dw, {vocab, dim});
+    }
+  }
+  if (rows == 0) return;
+  enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
+}
+
+void Ops::count_targets(ComputeContext& ctx, const TensorView& targets, const TensorView& count) {
+  constexpr const char* op = "count_targets";
+  own(ctx, op);
+  check::dtype(op, "targets", targets, DType::kI32);
+  check::dtype(op, "count", count, DType::kF64);
+  check::numel(op, "count", count, 1);
+  enqueue_count_targets(ctx, targets, count);
+}
+
+void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) {
+  own(ctx, "cast");
+  check::float_tensor("cast", "src", src);
+  check::float_tensor("cast", "dst", dst);
+  check::shape("cast", "dst", dst, src.desc.shape);
+  enqueue_cast(ctx, src, dst);
+}
+
+void Ops::adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
+                    const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
+                    const TensorView& param_copy) {
+  own(ctx, "adam_step");
+  check::adam("adam_step", param, exp_avg, exp_avg_sq, grad, param_copy);
+  if (param.numel() == 0) return;
+  enqueue_adam_step(ctx, coeffs, param, exp_avg, exp_avg_sq, grad, param_copy);
+}
+
+void Ops::grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, const TensorView& out) {
+  own(ctx, "grad_sum_sq");
+  check::dtype("grad_sum_sq", "grad", grad, DType::kF32);
+  check::dtype("grad_sum_sq", "out", out, DType::kF64);
+  check::numel("grad_sum_sq", "out", out, 1);
+  enqueue_grad_sum_sq(ctx, grad, scale, out);
+}
+
+std::unique_ptr<Ops> make_ops(Accelerator& accelerator) {
+  return accelerator.backend() == Backend::kCuda ? make_cuda_ops(accelerator)
+                                                 : make_cpu_ops(accelerator);
+}
+
+}  // namespace strata::ops
