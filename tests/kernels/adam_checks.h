@@ -13,7 +13,7 @@
 
 #include "kernels/optimizer.h"
 #include "core/dtype.h"
-#include "tests/kernels/tolerances.h"
+#include "tests/support/tolerances.h"
 
 namespace strata::test {
 

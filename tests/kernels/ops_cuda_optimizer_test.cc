@@ -24,7 +24,7 @@
 #include "core/error.h"
 #include "tests/kernels/cuda_ops_fixture.h"
 #include "tests/kernels/optimizer_op_checks.h"
-#include "tests/kernels/tolerances.h"
+#include "tests/support/tolerances.h"
 
 using namespace strata;
 using namespace strata::ops;
@@ -79,7 +79,7 @@ TEST_CASE("cuda ops: adam_step gives the bits of the host AVX2 kernel with every
   // The ops contract names kernels::adam_step's AVX2 kernel (AVX-512 gives the
   // same bits) as the result, compared bit for bit. A host without AVX2 has
   // only the scalar kernel, which rounds without FMA: there the device is held
-  // to the SIMD-vs-scalar bounds of tests/kernels/tolerances.h (~1e-6
+  // to the SIMD-vs-scalar bounds of tests/support/tolerances.h (section 1) (~1e-6
   // relative: a few ulp), and its copy to the rounding of its own fp32 result.
   const bool bitwise = kernels::isa_supported(kernels::CpuIsa::kAvx2);
   const std::optional<kernels::CpuIsa> isa =

@@ -1,7 +1,7 @@
 // The cuda Ops against the exact references (the double templates of
 // kernels/nn_ops.h, run on the same rounded inputs) for every op, forward and
 // backward, in fp32, fp16 and bf16, with the tolerances of
-// tests/kernels/ops_tolerances.h. Also: attention at many shapes (seq not a
+// tests/support/tolerances.h (section 2). Also: attention at many shapes (seq not a
 // multiple of a tile, seq 1, GQA groups 1/2/3/4, head_dim 20..128, seq 4096);
 // strided, accumulating, mixed-dtype Linear; the fused cross-entropy with
 // ignored targets, several chunk sizes, stats over two calls and a normalizer
@@ -25,7 +25,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "tests/kernels/cuda_ops_fixture.h"
-#include "tests/kernels/ops_tolerances.h"
+#include "tests/support/tolerances.h"
 
 using namespace strata;
 using namespace strata::ops;

@@ -13,13 +13,9 @@
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
+#include "tests/support/tolerances.h"
 
 namespace strata::test {
-
-struct GoldenTolerance {
-  double loss_rel;     // |ours - ref| <= loss_rel * |ref|
-  double grad_of_max;  // per tensor: max |ours - ref| <= grad_of_max * max |ref|
-};
 
 inline std::string golden_dir(const std::string& name) {
   return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;

@@ -16,7 +16,7 @@
 #include "runtime/nn/llama_model.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/golden_checks.h"
-#include "tests/nn/golden_tolerances.h"
+#include "tests/support/tolerances.h"
 #include "tests/nn/test_models.h"
 
 using namespace strata;

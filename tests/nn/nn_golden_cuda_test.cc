@@ -1,7 +1,7 @@
 // The golden checks (nn_golden_test.cc) on the cuda accelerator; SKIPPED
 // without a GPU. Default activations on cuda are the parameter dtype.
 #include "tests/nn/golden_checks.h"
-#include "tests/nn/golden_tolerances.h"
+#include "tests/support/tolerances.h"
 
 using namespace strata;
 using namespace strata::test;

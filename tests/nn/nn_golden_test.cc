@@ -1,8 +1,8 @@
 // strata's loss and every gradient against Hugging Face transformers on the
 // cpu accelerator (fixtures from scripts/make-golden; tolerances justified in
-// golden_tolerances.h).
+// tests/support/tolerances.h, section 3).
 #include "tests/nn/golden_checks.h"
-#include "tests/nn/golden_tolerances.h"
+#include "tests/support/tolerances.h"
 
 using namespace strata;
 using namespace strata::test;

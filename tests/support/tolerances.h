@@ -1,6 +1,50 @@
-// The one table of tolerances for the cuda Ops against the exact references
-// (the double templates of kernels/nn_ops.h run on the same, already rounded,
-// inputs): one row per op output, one column per storage dtype.
+// The one table of numeric tolerances of the tests, with the reason for each
+// bound. Three sections, one per kind of comparison:
+//   1. SIMD kernels against their scalar reference (the CPU optimizer);
+//   2. the cuda Ops against the exact (double) references of kernels/nn_ops.h;
+//   3. strata's model against transformers' (the golden fixtures).
+// A new comparison adds its rows to the section it belongs to, or a section.
+#pragma once
+
+#include "core/dtype.h"
+
+namespace strata::test {
+
+// ==== 1. SIMD kernels against the scalar reference ==============================
+// How far a SIMD variant may drift from the scalar reference (FMA contraction
+// and a different summation order are the only sources of difference).
+
+struct Tolerance {
+  double rel;  // |a - b| <= abs + rel * |b|
+  double abs;
+};
+
+// fp32 master weight after kAdamSteps steps of Adam/AdamW.
+constexpr Tolerance kAdamParamTol{2e-6, 1e-7};
+// First moment: an average of gradients of both signs, so it passes near zero
+// where only an absolute bound makes sense (gradients here are O(1)).
+constexpr Tolerance kAdamExpAvgTol{1e-6, 2e-6};
+// Second moment.
+constexpr Tolerance kAdamExpAvgSqTol{1e-6, 1e-12};
+// Squared gradient norm: summation order differs (double accumulators).
+constexpr Tolerance kGradSumSqTol{1e-12, 0.0};
+// Steps run by the multi-step comparison (exercises the bias correction).
+constexpr int kAdamSteps = 25;
+
+inline bool within(double a, double b, const Tolerance& tol) {
+  const double diff = a > b ? a - b : b - a;
+  return diff <= tol.abs + tol.rel * (b < 0 ? -b : b);
+}
+
+// |a - b| as a fraction of what the tolerance allows (<= 1 passes).
+inline double excess(double a, double b, const Tolerance& tol) {
+  const double diff = a > b ? a - b : b - a;
+  return diff / (tol.abs + tol.rel * (b < 0 ? -b : b));
+}
+
+// ==== 2. cuda Ops against the exact references ==================================
+// The double templates of kernels/nn_ops.h run on the same, already rounded,
+// inputs: one row per op output, one column per storage dtype.
 //
 // A value passes when |got - want| <= abs * max|want| + rel * |want|, where
 // max|want| is taken over the whole output tensor (and is at least the size of
@@ -31,11 +75,6 @@
 //  - fp32 transcendental functions (expf, exp2f, rsqrtf: <= 2 ulp).
 // fp32 has no 16-bit step, so its rows are the fp32 accumulation bounds with
 // margin (cuBLAS runs fp32 GEMMs without TF32: CUBLAS_COMPUTE_32F).
-#pragma once
-
-#include "core/dtype.h"
-
-namespace strata::test {
 
 struct OpTol {
   double abs;  // times max|want| over the tensor
@@ -149,5 +188,37 @@ inline constexpr OpTolRow kCrossEntropyDh{{2e-5, 2e-5}, {4 * kU16, kUlp16}, {4 *
 // dw (fp32) += G^T h: the same rounded G, exact products, fp32 sums over the
 // rows; rounding errors stay relative to each column's terms (2u).
 inline constexpr OpTolRow kCrossEntropyDw{{2e-5, 2e-5}, {2 * kU16, kUlp16}, {2 * kUbf, kUlpbf}};
+
+// ==== 3. the model against transformers ===========================================
+// The loss and every gradient of a fixture model against what transformers
+// computed for it (tests/nn/golden_checks.h).
+
+struct GoldenTolerance {
+  double loss_rel;     // |ours - ref| <= loss_rel * |ref|
+  double grad_of_max;  // per tensor: max |ours - ref| <= grad_of_max * max |ref|
+};
+
+// fp32 storage and compute on both sides. The only differences are summation
+// order (GEMM blocking, attention and softmax accumulation) and our vectorised
+// exp (<= 2 ulp): relative ~1e-7 per operation, grown through two layers and
+// the loss to well below these bounds (the fp32 targets).
+inline constexpr GoldenTolerance kGoldenF32{1e-5, 1e-4};
+
+// cuBLAS with CUBLAS_COMPUTE_32F and our fp32 kernels: as above, but device
+// reductions (warp shuffles, split-K) reorder sums more; same targets.
+inline constexpr GoldenTolerance kGoldenF32Cuda{1e-5, 1e-4};
+
+// bf16 weights; transformers computes in bf16 throughout (every activation,
+// every GEMM output and every gradient — torch keeps .grad in bf16 — rounded
+// to 8 significant bits: unit roundoff 2^-9 = 2e-3), strata's cpu in fp32 (or
+// with bf16 activations but fp32 accumulation, fp32 softmax/norm statistics
+// and fp32 gradients). The sides round at different points, so they differ by
+// bf16 roundings accumulated over ~30 sequential ops (two layers) and, in the
+// reference gradients, over the bf16 sums of the batch's contributions.
+// Measured (4 cases x {fp32, bf16} activations): loss <= 7.1e-4 relative;
+// gradients <= 6.9% of the tensor's max (small tensors, whose max is near the
+// rounding noise, are the worst; most are 1-3%). Bounds: loss 4x, gradients
+// about 2x the measured worst.
+inline constexpr GoldenTolerance kGoldenBf16VsTorchBf16{3e-3, 0.15};
 
 }  // namespace strata::test
