@@ -256,11 +256,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
             options.save_dir.string());
     }
     done = resumed->step;
-    if (options.steps <= done) {
+    if (options.steps < done) {
       raise(ErrorCategory::kBadArgument,
-            "--steps {}: the checkpoint in {} is at step {} already, so there is nothing to train; give --steps "
-            "above {} to continue (or `strata export {}` to export it)",
+            "--steps {}: the checkpoint in {} is at step {} already, past the last step asked for; give --steps "
+            "{} or more to continue (or `strata export {}` to export it)",
             options.steps, options.save_dir.string(), done, done, options.save_dir.string());
+    }
+    // A run killed after its last checkpoint (during the export, say) is
+    // finished by the same command: restart-until-it-succeeds must end.
+    if (options.steps == done && rank.rank == 0) {
+      logger().info("--resume: the checkpoint is at step {} = --steps, so training is complete; {}", done,
+                    options.export_dir.empty() ? "nothing is left to do" : "exporting it");
     }
     loader.set_cursor(resumed->data_cursor);
   }

@@ -196,20 +196,33 @@ TEST_CASE("Ctrl-C and SIGTERM remove the swap files, keep the checkpoints and ex
   CHECK(swap_files_under(swap) > 0);
 }
 
-TEST_CASE("finetune: --steps at or below the checkpoint's step is an error and flags take whole numbers in range",
+TEST_CASE("finetune: --steps below the checkpoint's step is an error, at it finishes the run, and flags take whole "
+          "numbers in range",
           "[finetune][checkpoint]") {
   strata::test::TempDir dir;
   small_model(dir);
   const std::string config = ds_config(dir, "memory.json", "");
-  const std::string save = "--save " + dir.file("ckpt") + " --save-every 2";
-  REQUIRE(run_command(finetune(dir, config, 4, "out", save) + " 2>&1").exit_code == 0);
-  for (const int steps : {4, 3}) {
-    const auto r = run_command(finetune(dir, config, steps, "again", save + " --resume") + " 2>&1");
+  const std::string save = "--save " + dir.file("ckpt") + " --save-every 2 --export-dtype fp32 --export ";
+  REQUIRE(run_command(finetune(dir, config, 4, "out", save + dir.file("first")) + " 2>&1").exit_code == 0);
+  {
+    const auto r = run_command(finetune(dir, config, 3, "again", save + dir.file("x") + " --resume") + " 2>&1");
     INFO(r.output);
     CHECK(r.exit_code == 1);
-    CHECK_THAT(r.output, Catch::Contains("--steps " + std::to_string(steps) + ": the checkpoint in " + dir.file("ckpt") +
-                                         " is at step 4 already"));
+    CHECK_THAT(r.output, Catch::Contains("--steps 3: the checkpoint in " + dir.file("ckpt") +
+                                         " is at step 4 already, past the last step asked for"));
   }
+  // At the checkpoint's step (a run killed after its last checkpoint, during
+  // the export): the same command finishes it, so restarting until it
+  // succeeds ends, with the model the uninterrupted run exported.
+  const auto finished = run_command(finetune(dir, config, 4, "again", save + dir.file("second") + " --resume") + " 2>&1");
+  INFO(finished.output);
+  CHECK(finished.exit_code == 0);
+  CHECK_THAT(finished.output, Catch::Contains("training is complete; exporting it"));
+  const auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  CHECK(bytes(dir.file("second") + "/model.safetensors") == bytes(dir.file("first") + "/model.safetensors"));
   struct Case {
     std::string flag, expect;
   };
