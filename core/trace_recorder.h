@@ -30,6 +30,7 @@
 //     Put the operator or parameter in detail("op", ...)/detail("param", ...),
 //     not in the name, so that spans of one kind share a name.
 //   - bytes(n): the bytes the span moved. The writer adds "GB/s" = n / duration.
+//     value("flops", n): the arithmetic it did; the writer adds "GFLOP/s".
 //     For collectives it is nccl-tests' "size" (allgather: the gathered
 //     output; reduce-scatter: the input; allreduce: the buffer), so GB/s is algbw.
 //   - One track per thread: a stream's worker thread, an I/O worker, the

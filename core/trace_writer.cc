@@ -121,6 +121,11 @@ void append_event(std::string& out, const ThreadBuffer& buffer, const Event& e, 
   if (e.value_key != nullptr) {
     key(e.value_key);
     fmt::format_to(std::back_inserter(out), "{}", e.value);
+    // An op's arithmetic: the viewer shows its rate beside its time.
+    if (std::string_view(e.value_key) == "flops" && e.kind == EventKind::kComplete && dur_ns > 0) {
+      key("GFLOP/s");  // flops per nanosecond
+      fmt::format_to(std::back_inserter(out), "{:.3f}", static_cast<double>(e.value) / static_cast<double>(dur_ns));
+    }
   }
   out += "}}";
 }

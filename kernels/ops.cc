@@ -1,10 +1,13 @@
 // The Ops front end (kernels/ops.h): every op's argument checks, written once
 // so that every backend refuses the same calls with the same message, then the
 // call into the backend. And the MatView helpers.
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "kernels/ops.h"
 #include "core/error.h"
+#include "core/trace_recorder.h"
 
 namespace strata::ops {
 
@@ -152,7 +155,42 @@ void check_rope(std::string_view op, const TensorView& x, const TensorView& posi
   check::numel(op, "positions", positions, x.desc.shape[0]);
 }
 
+uint64_t nbytes(const TensorView& t) { return t.data == nullptr ? 0 : t.nbytes(); }
+std::string brief(const TensorView& t) { return fmt::format("{} {}", shape_string(t.desc.shape), dtype_name(t.desc.dtype)); }
+std::string brief(const MatView& m) { return fmt::format("{}x{} {}", m.rows, m.cols, dtype_name(m.dtype)); }
+
+// Key positions a query of a causal attention sees, summed over the sequence
+// (a sliding window shortens the rows).
+double visible_keys(int64_t seq, int64_t window) {
+  const double s = static_cast<double>(seq);
+  if (window <= 0 || window >= seq) return s * (s + 1) / 2;
+  const double w = static_cast<double>(window);
+  return w * (w + 1) / 2 + (s - w) * w;  // rows below the window's width, then full windows
+}
+
 }  // namespace
+
+// While recording a trace, the op's label is on its context for the one
+// enqueue_* call (the backend reads it when it enqueues); the label is built
+// only then, so not recording costs one relaxed load.
+class Ops::Labeled {
+ public:
+  template <typename Describe>
+  Labeled(ComputeContext& ctx, const char* name, Describe&& describe) {
+    if (!trace::enabled()) [[likely]] return;
+    ctx_ = &ctx;
+    ctx.op_label_ = describe();
+    ctx.op_label_.name = name;
+  }
+  ~Labeled() {
+    if (ctx_ != nullptr) ctx_->op_label_ = OpLabel{};
+  }
+  Labeled(const Labeled&) = delete;
+  Labeled& operator=(const Labeled&) = delete;
+
+ private:
+  ComputeContext* ctx_ = nullptr;
+};
 
 std::unique_ptr<ComputeContext> Ops::make_context(Stream& stream) {
   std::unique_ptr<ComputeContext> ctx = new_context(stream);
@@ -175,6 +213,7 @@ void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const 
   STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
                shape_string(table.desc.shape));
   check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
+  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(out) * 2 + nbytes(ids), brief(out)}; });
   enqueue_embedding_forward(ctx, table, ids, out);
 }
 
@@ -189,6 +228,9 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
                shape_string(dtable.desc.shape));
   check::shape(op, "dout", dout, {ids.numel(), dtable.desc.shape[1]});
   if (ids.numel() == 0) return;
+  Labeled label(ctx, op, [&] {
+    return OpLabel{nullptr, 0, nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout)};
+  });
   enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx);
 }
 
@@ -205,6 +247,7 @@ void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const Tensor
   check::shape(op, "w", w, {xm.cols});
   check::shape(op, "y", y, x.desc.shape);
   check::numel(op, "rstd", rstd, xm.rows);
+  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(x) + nbytes(y) + nbytes(w), brief(x)}; });
   enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd);
 }
 
@@ -227,6 +270,9 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
   check::shape(op, "dw", dw, {xm.cols});
   check::numel(op, "rstd", rstd, xm.rows);
   if (xm.rows == 0) return;
+  Labeled label(ctx, op, [&] {
+    return OpLabel{nullptr, 0, nbytes(dy) + nbytes(x) + nbytes(dx) * (accumulate_dx ? 2 : 1), brief(x)};
+  });
   enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw);
 }
 
@@ -250,6 +296,9 @@ void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView
     check::shape(op, "bias", bias, {out});
   }
   if (x.rows == 0) return;
+  Labeled label(ctx, op, [&] {
+    return OpLabel{nullptr, 2 * x.rows * in * out, OpLabel{}.bytes, brief(x) + " * " + brief(w)};
+  });
   enqueue_linear_forward(ctx, x, w, bias, y, accumulate);
 }
 
@@ -282,6 +331,11 @@ void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView&
     check::shape(op, "dbias", dbias, {out});
   }
   if (rows == 0) return;
+  Labeled label(ctx, op, [&] {
+    const int64_t gemm = 2 * rows * in * out;
+    return OpLabel{nullptr, (empty(dx) ? 0 : gemm) + (empty(dw) ? 0 : gemm) + (empty(dbias) ? 0 : rows * out),
+                   OpLabel{}.bytes, brief(dy) + " * " + brief(w)};
+  });
   enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias);
 }
 
@@ -289,6 +343,7 @@ void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorVie
                        const Rope& rope) {
   own(ctx, "rope_forward");
   check_rope("rope_forward", x, positions, rope);
+  Labeled label(ctx, "rope_forward", [&] { return OpLabel{nullptr, 0, 2 * nbytes(x), brief(x)}; });
   enqueue_rope(ctx, x, positions, rope, +1);
 }
 
@@ -296,6 +351,7 @@ void Ops::rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorV
                         const Rope& rope) {
   own(ctx, "rope_backward");
   check_rope("rope_backward", dx, positions, rope);
+  Labeled label(ctx, "rope_backward", [&] { return OpLabel{nullptr, 0, 2 * nbytes(dx), brief(dx)}; });
   enqueue_rope(ctx, dx, positions, rope, -1);
 }
 
@@ -311,6 +367,12 @@ void Ops::attention_forward(ComputeContext& ctx, const TensorView& q, const Tens
   check::shape(op, "out", out, q.desc.shape);
   check::dtype(op, "lse", lse, DType::kF32);
   check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  Labeled label(ctx, op, [&] {
+    // Q K^T and P V over the keys each query sees.
+    const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
+    return OpLabel{nullptr, static_cast<int64_t>(4 * pairs * static_cast<double>(s.head_dim)), OpLabel{}.bytes,
+                   brief(q) + " kv " + std::to_string(s.kv_heads)};
+  });
   enqueue_attention_forward(ctx, s, q, k, v, out, lse, mask);
 }
 
@@ -333,6 +395,12 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   check::shape(op, "dv", dv, v.desc.shape);
   check::dtype(op, "lse", lse, DType::kF32);
   check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  Labeled label(ctx, op, [&] {
+    // Q K^T recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+    const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
+    return OpLabel{nullptr, static_cast<int64_t>(10 * pairs * static_cast<double>(s.head_dim)), OpLabel{}.bytes,
+                   brief(q) + " kv " + std::to_string(s.kv_heads)};
+  });
   enqueue_attention_backward(ctx, s, dout, q, k, v, out, lse, dq, dk, dv, mask);
 }
 
@@ -340,6 +408,7 @@ void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const Tens
                          const TensorView& out) {
   own(ctx, "swiglu_forward");
   check::elementwise("swiglu_forward", {&gate, &up, &out});
+  Labeled label(ctx, "swiglu_forward", [&] { return OpLabel{nullptr, 0, 3 * nbytes(out), brief(out)}; });
   enqueue_swiglu_forward(ctx, gate, up, out);
 }
 
@@ -347,12 +416,14 @@ void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const Ten
                           const TensorView& up, const TensorView& dgate, const TensorView& dup) {
   own(ctx, "swiglu_backward");
   check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
+  Labeled label(ctx, "swiglu_backward", [&] { return OpLabel{nullptr, 0, 5 * nbytes(dout), brief(dout)}; });
   enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup);
 }
 
 void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {
   own(ctx, "add");
   check::elementwise("add", {&a, &b, &out});
+  Labeled label(ctx, "add", [&] { return OpLabel{nullptr, 0, 3 * nbytes(out), brief(out)}; });
   enqueue_add(ctx, a, b, out);
 }
 
@@ -385,6 +456,11 @@ void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorVi
     }
   }
   if (rows == 0) return;
+  Labeled label(ctx, op, [&] {
+    const int64_t gemm = 2 * rows * vocab * dim;  // logits; with the gradient dh, and dw when wanted
+    return OpLabel{nullptr, gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), OpLabel{}.bytes,
+                   brief(h) + " * " + brief(w)};
+  });
   enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
 }
 
@@ -394,6 +470,7 @@ void Ops::count_targets(ComputeContext& ctx, const TensorView& targets, const Te
   check::dtype(op, "targets", targets, DType::kI32);
   check::dtype(op, "count", count, DType::kF64);
   check::numel(op, "count", count, 1);
+  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(targets), brief(targets)}; });
   enqueue_count_targets(ctx, targets, count);
 }
 
@@ -402,6 +479,7 @@ void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst
   check::float_tensor("cast", "src", src);
   check::float_tensor("cast", "dst", dst);
   check::shape("cast", "dst", dst, src.desc.shape);
+  Labeled label(ctx, "cast", [&] { return OpLabel{nullptr, 0, nbytes(src) + nbytes(dst), brief(src) + " -> " + brief(dst)}; });
   enqueue_cast(ctx, src, dst);
 }
 
@@ -411,6 +489,10 @@ void Ops::adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs
   own(ctx, "adam_step");
   check::adam("adam_step", param, exp_avg, exp_avg_sq, grad, param_copy);
   if (param.numel() == 0) return;
+  Labeled label(ctx, "adam_step", [&] {
+    // Reads param, both moments and the gradient; writes param, the moments and the copy.
+    return OpLabel{nullptr, 0, 7 * nbytes(param) + nbytes(param_copy), brief(param)};
+  });
   enqueue_adam_step(ctx, coeffs, param, exp_avg, exp_avg_sq, grad, param_copy);
 }
 
@@ -419,6 +501,7 @@ void Ops::grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, 
   check::dtype("grad_sum_sq", "grad", grad, DType::kF32);
   check::dtype("grad_sum_sq", "out", out, DType::kF64);
   check::numel("grad_sum_sq", "out", out, 1);
+  Labeled label(ctx, "grad_sum_sq", [&] { return OpLabel{nullptr, 0, nbytes(grad), brief(grad)}; });
   enqueue_grad_sum_sq(ctx, grad, scale, out);
 }
 

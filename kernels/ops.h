@@ -75,6 +75,18 @@ struct MatView {
 
 class Ops;
 
+// What the op being enqueued is, for the timeline (--trace): set by the Ops
+// front end while recording, for the duration of one backend enqueue_* call.
+// The cpu backend times the op's task on its stream thread and records it as
+// an "op" span with these arguments (and adds it to op_totals.h); the cuda
+// backend does not time ops yet (it would need an event pair per op).
+struct OpLabel {
+  const char* name = nullptr;  // the op ("linear_forward"); null: not recording
+  int64_t flops = 0;           // a matrix product's arithmetic (a multiply-add counts 2); 0: memory-bound
+  uint64_t bytes = ~uint64_t{0};  // the bytes a memory-bound op reads and writes; ~0: not given
+  std::string shape;           // its operands in brief ("512x64 bf16 * [128, 64]")
+};
+
 // Where an op's work runs. Created by Ops::make_context for one stream; owns
 // the backend's BLAS handle for it. Not copyable.
 class ComputeContext {
@@ -84,6 +96,8 @@ class ComputeContext {
   Stream& stream() const { return *stream_; }
   // cublasHandle_t bound to stream() on cuda; nullptr on cpu.
   virtual void* blas_handle() const = 0;
+  // The op being enqueued, while recording a trace (name null otherwise).
+  const OpLabel& op_label() const { return op_label_; }
 
  protected:
   ComputeContext(Accelerator& accelerator, Stream& stream)
@@ -94,6 +108,7 @@ class ComputeContext {
   Accelerator* accelerator_;
   Stream* stream_;
   const Ops* owner_ = nullptr;  // set by Ops::make_context
+  OpLabel op_label_;
 };
 
 // Shape of causal self-attention with grouped-query heads.
@@ -300,6 +315,8 @@ class Ops {
 
   // The context after checking that these Ops made it (Error(kBadArgument) naming `op`).
   ComputeContext& own(ComputeContext& ctx, const char* op) const;
+  // Labels a context's op for one enqueue_* call while recording a trace (ops.cc).
+  class Labeled;
 
   Accelerator& accelerator_;
   const Backend backend_;

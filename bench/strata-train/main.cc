@@ -22,10 +22,12 @@
 #include "bench/common/subprocess.h"
 #include "bench/strata-train/zero_bench.h"
 #include "kernels/cuda_peak.h"
+#include "kernels/op_totals.h"
 #include "kernels/ops.h"
 #include "partition/rendezvous.h"
 #include "core/accelerator.h"
 #include "core/error.h"
+#include "core/stream_span.h"
 #include "core/trace_recorder.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
@@ -94,14 +96,17 @@ class StrataModel {
   // One training step's compute: zero_grad, forward, backward, and the loss
   // read back (which waits for all of it).
   double step() {
-    strata::trace::Span span("phase", "step");  // --trace
+    // --trace: the phases on the compute stream's track, enclosing their ops
+    // (each op a span there too, with its FLOPs or bytes), and the step on the loop's.
+    strata::trace::Span span("phase", "step");
     engine_.zero_grad();
     {
-      strata::trace::Span forward("phase", "forward");
+      strata::StreamSpan forward(engine_.compute_stream(), "phase", "forward");
       model_.forward(ids_, targets_, batch_, seq_);
     }
-    strata::trace::Span backward("phase", "backward");
+    strata::StreamSpan backward(engine_.compute_stream(), "phase", "backward");
     model_.backward();
+    backward.end();
     return model_.loss();
   }
   std::string device() const { return accelerator_->name(); }
@@ -325,6 +330,8 @@ void finish_trace(std::optional<strata::trace::Session>& session) {
   if (!session) return;
   const strata::trace::Summary s = session->finish();
   fmt::print("trace: {} ({} events, {} dropped)\n", s.path, s.events, s.dropped);
+  const std::string table = strata::ops::op_totals_table(strata::ops::op_totals());
+  if (!table.empty()) fmt::print("time by op (this process, every traced step; cpu ops timed on their stream):\n{}", table);
 }
 
 int main(int argc, char** argv) {

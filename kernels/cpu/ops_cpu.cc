@@ -20,8 +20,10 @@
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/cpu/vec_math.h"
 #include "kernels/nn_ops.h"
+#include "kernels/op_totals.h"
 #include "kernels/ops.h"
 #include "core/error.h"
+#include "core/trace_recorder.h"
 
 namespace strata::ops {
 namespace {
@@ -406,12 +408,35 @@ class CpuOps final : public Ops {
   template <typename Fn>
   void enqueue(ComputeContext& ctx, Fn&& fn) {
     auto& c = static_cast<CpuContext&>(ctx);
+    if (ctx.op_label().name != nullptr) [[unlikely]] {  // recording a trace: time the task
+      ctx.stream().launch_host_func([&c, fn = std::forward<Fn>(fn), label = ctx.op_label()] {
+        set_team_size();
+        const int64_t begin = trace::now_ns();
+        fn(c);
+        const int64_t end = trace::now_ns();
+        trace::Args args;
+        args.bytes = label.flops > 0 ? trace::Args::kNoBytes : label.bytes;
+        args.detail_key = "shape";
+        args.detail = label.shape;
+        if (label.flops > 0) {
+          args.value_key = "flops";
+          args.value = label.flops;
+        }
+        trace::complete("op", label.name, begin, end, args);
+        add_op_total(label.name, end - begin, label.flops, label.bytes);
+      });
+      return;
+    }
     ctx.stream().launch_host_func([&c, fn = std::forward<Fn>(fn)] {
-      // OpenMP's team size is per thread: set it on the stream's thread.
-      const int threads = g_cpu_threads.load(std::memory_order_relaxed);
-      if (threads > 0 && omp_get_max_threads() != threads) omp_set_num_threads(threads);
+      set_team_size();
       fn(c);
     });
+  }
+
+  // OpenMP's team size is per thread: set it on the stream's thread.
+  static void set_team_size() {
+    const int threads = g_cpu_threads.load(std::memory_order_relaxed);
+    if (threads > 0 && omp_get_max_threads() != threads) omp_set_num_threads(threads);
   }
 
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/trace_recorder.h"
 
 namespace strata::engine {
 
@@ -12,7 +13,14 @@ Engine::Engine(Accelerator& accelerator)
     : accelerator_(accelerator),
       ops_impl_(ops::make_ops(accelerator)),
       compute_stream_(accelerator.create_stream()),
-      compute_(ops_impl_->make_context(*compute_stream_)) {}
+      compute_(ops_impl_->make_context(*compute_stream_)) {
+  // A cpu stream runs its ops on a thread of its own: the timeline's track of
+  // the model's ops and phases (core/stream_span.h). (A CUDA stream's host
+  // functions share the driver's thread, which is not this stream's.)
+  if (accelerator.host_addressable()) {
+    compute_stream_->launch_host_func([] { trace::name_this_thread("compute stream", /*replace=*/false); });
+  }
+}
 
 Engine::~Engine() {
   // Work still queued may use the context's scratch: let it finish first.

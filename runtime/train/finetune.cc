@@ -13,10 +13,12 @@
 #include "partition/rendezvous.h"
 #include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
+#include "kernels/op_totals.h"
 #include "core/accelerator.h"
 #include "core/directory_lock.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/stream_span.h"
 #include "core/trace_recorder.h"
 #include "runtime/data/token_file.h"
 #include "runtime/engine/lr_schedule.h"
@@ -304,15 +306,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
+      // Each phase twice on the timeline: on the loop's track, the host's view
+      // (issuing ops, waiting for parameters); on the compute stream's, the
+      // ops' (from the first to the last of them having run).
       {
         trace::Span span("phase", "forward");
         span.value("micro_batch", static_cast<int64_t>(m));
+        StreamSpan ops(engine.compute_stream(), "compute", "forward");
         model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
       }
       {
         trace::Span span("phase", "backward");
         span.value("micro_batch", static_cast<int64_t>(m));
+        StreamSpan ops(engine.compute_stream(), "compute", "backward");
         model.backward();
+        ops.end();
         loss_sum += model.loss_stats().sum;  // waits for the backward's loss
       }
     }
@@ -371,6 +379,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       fmt::print(options.progress, "  trace            {}{} ({} events{}; open in ui.perfetto.dev)\n", traced.path,
                  rank.world_size > 1 ? " and the other ranks' files beside it" : "", traced.events,
                  traced.dropped > 0 ? fmt::format(", {} dropped", traced.dropped) : "");
+      const std::string table = ops::op_totals_table(ops::op_totals(), "    ");
+      if (!table.empty()) fmt::print(options.progress, "  time by op (rank 0, every step; timed on the compute stream)\n{}", table);
     }
   }
   return result;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 
 #include "runtime/capi/strata.h"
@@ -89,6 +90,65 @@ TEST_CASE("strata run -n 2 -- strata finetune --trace: a Perfetto trace per rank
       CHECK(on_track);
     }
   }
+}
+
+TEST_CASE("strata-train --trace: every op a span on the compute stream with its FLOPs or bytes, inside its phase",
+          "[trace]") {
+  strata::test::TempDir dir("trace-train");
+  const std::string path = dir.file("train.json");
+  const auto run = run_command(std::string(STRATA_BUILD_DIR) + "/bin/strata-train --accelerator cpu --layers 2 "
+                               "--hidden 64 --heads 4 --vocab 256 --batch 2 --seq 32 --steps 1 --rounds 1 --warmup 1 "
+                               "--threads 1 --trace " + path + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  // The per-op table a person would otherwise build from the trace.
+  CHECK_THAT(run.output, Catch::Contains("time by op") && Catch::Contains("linear_backward") &&
+                             Catch::Contains("GFLOP/s") && Catch::Contains("GB/s"));
+  const auto t = read_trace(path, 0);
+  const auto stream = t.tids_named("compute stream");
+  REQUIRE(stream.size() == 1);
+  const int64_t tid = *stream.begin();
+  const auto ops = t.of("op");
+  REQUIRE(ops.size() > 20);
+  std::set<std::string> names;
+  for (const auto& op : ops) {
+    CHECK(op["tid"].get<int64_t>() == tid);
+    names.insert(op["name"].get<std::string>());
+    const auto& args = op["args"];
+    CHECK(args["shape"].is_string());
+    // A matrix product says its arithmetic and rate, the rest their bytes and bandwidth.
+    CHECK((args.contains("flops") ? args.contains("GFLOP/s") && args["flops"].get<int64_t>() > 0
+                                  : args.contains("bytes")));
+  }
+  for (const std::string want : {"embedding_forward", "rmsnorm_forward", "linear_forward", "rope_forward",
+                                 "attention_forward", "swiglu_forward", "add", "cross_entropy", "linear_backward",
+                                 "attention_backward", "rmsnorm_backward", "embedding_backward"}) {
+    CHECK(names.count(want) == 1);
+  }
+  const auto contains = [](const nlohmann::json& outer, const nlohmann::json& inner) {
+    const double b = outer["ts"].get<double>(), e = b + outer["dur"].get<double>();
+    const double ib = inner["ts"].get<double>(), ie = ib + inner["dur"].get<double>();
+    return b <= ib && ie <= e;
+  };
+  // Two steps (warmup and the timed one), each phase on the stream's track,
+  // enclosing every op of that step's phase (the cross-entropy, with its
+  // fused gradient, is the last op of forward).
+  for (const std::string phase : {"forward", "backward"}) {
+    INFO(phase);
+    const auto spans = t.of("phase", phase);
+    REQUIRE(spans.size() == 2);
+    for (const auto& span : spans) CHECK(span["tid"].get<int64_t>() == tid);
+  }
+  int enclosed = 0;
+  for (const auto& op : ops) {
+    const std::string name = op["name"];
+    const bool backward = name.find("backward") != std::string::npos;
+    bool inside = false;
+    for (const auto& span : t.of("phase", backward ? "backward" : "forward")) inside = inside || contains(span, op);
+    enclosed += inside;
+    if (name != "count_targets" && name != "add") CHECK(inside);  // adds run in both phases
+  }
+  CHECK(enclosed == static_cast<int>(ops.size()));
 }
 
 TEST_CASE("strata finetune --trace: an unwritable path fails before training, naming it", "[trace][finetune]") {
