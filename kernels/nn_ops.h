@@ -41,7 +41,7 @@ void rmsnorm_forward(const T* x /*[rows, dim]*/, const T* w /*[dim]*/, int64_t r
                      double eps, T* y /*[rows, dim]*/, T* rstd /*[rows], saved for backward*/);
 template <typename T>
 void rmsnorm_backward(const T* dy, const T* x, const T* w, const T* rstd, int64_t rows, int64_t dim,
-                      T* dx /*[rows, dim]*/, T* dw /*[dim], +=*/);
+                      T* dx /*[rows, dim]*/, T* dw /*[dim], +=; null: not wanted*/);
 
 // ---- Linear: y = x W^T (+ b) ---------------------------------------------------
 // W is [out, in] (the Hugging Face / PyTorch layout). ldx/ldy are row strides in

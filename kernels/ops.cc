@@ -221,6 +221,7 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
                              const TensorView& dtable, int64_t padding_idx) {
   constexpr const char* op = "embedding_backward";
   own(ctx, op);
+  if (empty(dtable)) return;  // a frozen table: no gradient
   check::float_tensor(op, "dout", dout);
   check::dtype(op, "ids", ids, DType::kI32);
   check::dtype(op, "dtable", dtable, DType::kF32);
@@ -262,12 +263,14 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
   check::same_dtype(op, dy, x);
   check::same_dtype(op, dy, dx);
   check::dtype(op, "rstd", rstd, DType::kF32);
-  check::dtype(op, "dw", dw, DType::kF32);
   const MatView xm = MatView::of(x);
   check::shape(op, "dy", dy, x.desc.shape);
   check::shape(op, "dx", dx, x.desc.shape);
   check::shape(op, "w", w, {xm.cols});
-  check::shape(op, "dw", dw, {xm.cols});
+  if (!empty(dw)) {  // empty: a frozen weight
+    check::dtype(op, "dw", dw, DType::kF32);
+    check::shape(op, "dw", dw, {xm.cols});
+  }
   check::numel(op, "rstd", rstd, xm.rows);
   if (xm.rows == 0) return;
   Labeled label(ctx, op, [&] {

@@ -137,7 +137,8 @@ class Ops {
                                  const TensorView& ids, const TensorView& out);
   // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids, except
   // the rows whose id is padding_idx (torch's nn.Embedding(padding_idx): that
-  // row gets no gradient from lookups); padding_idx < 0: none.
+  // row gets no gradient from lookups); padding_idx < 0: none. An empty dtable
+  // (a frozen table) does nothing.
   void embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& ids, const TensorView& dtable,
                                   int64_t padding_idx);
@@ -146,7 +147,8 @@ class Ops {
   // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
   void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
                                double eps, const TensorView& y, const TensorView& rstd);
-  // dx [rows, dim] is overwritten (added into when accumulate_dx); dw fp32 [dim] +=.
+  // dx [rows, dim] is overwritten (added into when accumulate_dx); dw fp32 [dim]
+  // +=, or an empty view (a frozen weight: no gradient).
   void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                                 const TensorView& w, const TensorView& rstd, const TensorView& dx,
                                 bool accumulate_dx, const TensorView& dw);

@@ -40,6 +40,7 @@ void rmsnorm_backward(const T* dy, const T* x, const T* w, const T* rstd, int64_
       dxr[c] = static_cast<T>(s * (static_cast<double>(dyr[c]) * w[c] - xr[c] * coef));
     }
   }
+  if (dw == nullptr) return;  // a frozen weight: no gradient wanted
   // Weight gradient: a column reduction. Each thread sums a block of rows
   // (reading rows contiguously, not columns with a stride of dim) into its own
   // partial, then the partials are added in thread order (deterministic).

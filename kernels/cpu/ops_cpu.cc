@@ -189,7 +189,7 @@ class CpuOps final : public Ops {
       float* out = accumulate_dx ? c.scratch<float>(4, n) : stage(c, 3, dx, false);
       nn::cpu::rmsnorm_backward<float>(widen(c, 0, dy), widen(c, 1, x), widen(c, 2, w),
                                        rstd.as<const float>(), xm.rows, xm.cols, out,
-                                       dw.as<float>());
+                                       empty(dw) ? nullptr : dw.as<float>());
       if (accumulate_dx) {
         float* acc = stage(c, 3, dx, true);
         nn::cpu::add<float>(acc, out, n, acc);

@@ -317,16 +317,18 @@ class CudaOps final : public Ops {
                         bool accumulate_dx, const TensorView& dw) override {
     constexpr const char* op = "rmsnorm_backward";
     CudaContext& c = context(ctx);
-    check_device(op, {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}, {"dw", &dw}});
+    check_device(op, {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}});
+    if (!empty(dw)) check_device(op, "dw", dw);
     const MatView xm = MatView::of(x);
     run(c, op, [&] {
       const Storage t = storage(x.desc.dtype);
-      const int64_t splits = cuda::column_sum_splits(xm.rows, xm.cols);
+      const int64_t splits = empty(dw) ? 1 : cuda::column_sum_splits(xm.rows, xm.cols);
       Scratch partial(c, splits > 1 ? static_cast<size_t>(splits * xm.cols) * 4 : 0);
       cuda::launch_rmsnorm_backward_dx(t, dy.data, x.data, storage(w.desc.dtype), w.data,
                                        rstd.as<float>(), xm.rows, xm.cols, dx.data, accumulate_dx,
                                        c.cuda_stream());
       check_launch(op);
+      if (empty(dw)) return;  // a frozen weight
       // dw += sum over rows of dy * x * rstd.
       cuda::launch_column_sum(t, dy.data, xm.cols, x.data, xm.cols, rstd.as<float>(), xm.rows,
                               xm.cols, splits, partial.as<float>(), dw.as<float>(),

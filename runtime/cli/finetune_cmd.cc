@@ -51,6 +51,11 @@ void add_finetune_command(CLI::App& app) {
                "Keep only each decoder layer's input in forward and recompute the layer in backward (less "
                "activation memory, about a quarter more compute); activation_checkpointing.cpu_checkpointing in "
                "the config also turns it on and keeps the checkpoints in pinned CPU memory");
+  cmd->add_option("--freeze", options->freeze,
+                  "Do not train the parameters whose Hugging Face names match this shell glob (repeatable; e.g. "
+                  "'model.embed_tokens.*', '*norm*', 'model.layers.[0-9].*'): no gradient and no optimizer state "
+                  "for them; a pattern that matches nothing is an error")
+      ->take_all();
   cmd->add_option("--out", options->out, "Directory for metrics.jsonl and loss.svg")->capture_default_str();
   cmd->add_option("--save", options->save_dir,
                   "Checkpoint directory: DIR/step_<N>/ with every rank's shards and optimizer state and a manifest "

@@ -17,6 +17,9 @@ void Embedding::forward(const TensorView& ids, const TensorView& out, Phase phas
 
 void Embedding::backward(const TensorView& ids, const TensorView& dout) {
   check_shape(name_, "output gradient", dout, {ids.numel(), dim_});
+  // A frozen table has no gradient, and its lookup's backward needs nothing
+  // else: no window, so ZeRO-3 does not gather the table for nothing.
+  if (engine_.param_info(weight_).frozen) return;
   run(op_, Phase::kBackward,
       [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_), padding_idx_); });
 }

@@ -26,6 +26,7 @@
 #include "runtime/nn/llama_model.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
+#include "runtime/train/freeze.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
 #include "runtime/train/run_report.h"
@@ -203,6 +204,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   std::optional<nn::LlamaModel> built;
   try {
     built.emplace(engine, model_config, model_options);
+    const Frozen frozen = freeze_parameters(engine, options.freeze);
+    if (frozen.tensors > 0 && rank.rank == 0) {
+      logger().info("--freeze: {} of {} parameter tensors ({} elements) are not trained", frozen.tensors,
+                    frozen.total_tensors, frozen.elements);
+    }
     engine.finalize();
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::kOutOfMemory) throw;

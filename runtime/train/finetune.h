@@ -35,6 +35,9 @@ struct FinetuneOptions {
   // Per-layer activation checkpointing (recompute in backward); also on when
   // the config sets activation_checkpointing.cpu_checkpointing.
   bool checkpoint_activations = false;
+  // Parameters not trained (shell globs of their Hugging Face names,
+  // runtime/train/freeze.h): no gradient and no optimizer state.
+  std::vector<std::string> freeze;
   std::filesystem::path out = "finetune_out";  // metrics.jsonl, loss.svg
   std::filesystem::path save_dir;    // checkpoints (runtime/train/checkpoint.h); empty: none
   int64_t save_every = 100;          // steps between checkpoints (and one at the end)

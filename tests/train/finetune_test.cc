@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/nn/safetensors.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
@@ -346,4 +347,59 @@ TEST_CASE("a disk that fills during a checkpoint: a clear error naming the file,
   REQUIRE(again.exit_code == 0);
   CHECK_THAT(again.output, Catch::Contains("step_00000004 (step 4)"));
   CHECK(file_bytes(dir.file("model") + "/model.safetensors") == file_bytes(dir.file("ref_model") + "/model.safetensors"));
+}
+
+TEST_CASE("strata finetune --freeze: the matching tensors come out bit-unchanged under ZeRO-3 on NVMe, the rest "
+          "trains, and a pattern that matches nothing is an error",
+          "[finetune][freeze]") {
+  strata::test::TempDir dir;
+  small_model(dir);
+  const std::string data = " --data " + kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --seq 32 ";
+  // A model to start from, in fp32 (so the comparison below is of the very values loaded).
+  const auto first = run_command(strata_binary() + " finetune --init " + dir.file("small.json") + data +
+                                 "--steps 1 --out " + dir.file("o1") + " --export " + dir.file("base") +
+                                 " --export-dtype fp32 2>&1");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  const std::string swap = dir.file("swap");
+  const std::string config = write_file(dir, "nvme.json", R"({"train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 20000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                          " --model " + dir.file("base") + data + "--steps 3 --export-dtype fp32 ";
+  const auto frozen = run_command(run + "--out " + dir.file("o2") + " --export " + dir.file("tuned") +
+                                  " --freeze 'model.embed_tokens.*' --freeze '*norm*' 2>&1");
+  INFO(frozen.output);
+  REQUIRE(frozen.exit_code == 0);
+  // 2 layers of 9 tensors (2 of them norms), the final norm, the table and lm_head (untied): 21.
+  CHECK_THAT(frozen.output, Catch::Contains("--freeze: 6 of 21 parameter tensors"));
+  const auto base = strata::nn::SafetensorsFile::open(dir.file("base") + "/model.safetensors");
+  const auto tuned = strata::nn::SafetensorsFile::open(dir.file("tuned") + "/model.safetensors");
+  const auto bytes = [](const strata::nn::SafetensorsFile& f, const std::string& name) {
+    const strata::TensorView v = f.view(name);
+    return std::string(static_cast<const char*>(v.data), v.nbytes());
+  };
+  int unchanged = 0, trained = 0;
+  for (const std::string& name : base.names()) {
+    CAPTURE(name);
+    const bool is_frozen = name == "model.embed_tokens.weight" || name.find("norm") != std::string::npos;
+    if (is_frozen) {
+      CHECK(bytes(base, name) == bytes(tuned, name));
+      ++unchanged;
+    } else {
+      CHECK(bytes(base, name) != bytes(tuned, name));
+      ++trained;
+    }
+  }
+  CHECK(unchanged == 6);
+  CHECK(trained == 15);
+  // A pattern that matches nothing, and one that freezes everything.
+  const auto typo = run_command(run + "--out " + dir.file("o3") + " --freeze 'model.embed.*' 2>&1");
+  CHECK(typo.exit_code != 0);
+  CHECK_THAT(typo.output, Catch::Contains("--freeze 'model.embed.*' matches no parameter of this model"));
+  const auto all = run_command(run + "--out " + dir.file("o4") + " --freeze '*' 2>&1");
+  CHECK(all.exit_code != 0);
+  CHECK_THAT(all.output, Catch::Contains("nothing would be trained"));
 }
