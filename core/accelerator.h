@@ -214,8 +214,24 @@ struct CudaInfo {
 };
 CudaInfo cuda_info();
 
-// "cpu", "cuda" (device from LOCAL_RANK, else 0) or "auto" (cuda when a device is present).
+// "cpu", "cuda" (device LOCAL_RANK, else 0) or "auto" (cuda when a device is
+// present, else cpu). One rank per GPU: with cuda or auto on a machine with
+// GPUs, LOCAL_WORLD_SIZE local ranks (mpirun's OMPI_COMM_WORLD_LOCAL_SIZE; a
+// process alone is one) need as many GPUs — two ranks
+// on one GPU would meet only NCCL's "invalid usage" at the first collective —
+// so fewer GPUs than local ranks is Error(kBadArgument) naming the GPU count
+// and the two ways out (-n <gpus>, or strata.accelerator: cpu), raised in
+// every rank before it touches a GPU or its peers (see rank_device).
+// STRATA_TEST_CUDA_DEVICE_COUNT, for tests only, replaces the device count
+// this rule and auto's choice read (tests/runtime/launcher_test.cc fakes a
+// one-GPU machine with it); creating the accelerator still needs real devices.
 std::unique_ptr<Accelerator> make_accelerator(std::string_view kind,
                                               const AcceleratorOptions& options = {});
+
+// The GPU of local rank `local_rank` among `local_world_size` on a machine with
+// `device_count` GPUs (> 0): local_rank itself. Error(kBadArgument) when
+// local_world_size > device_count (the message above), or for a rank outside
+// [0, local_world_size).
+int rank_device(int local_rank, int local_world_size, int device_count);
 
 }  // namespace strata
