@@ -99,7 +99,14 @@ class Stream {
   virtual void wait(Event& event) = 0;
   // Runs `fn` on a host thread after all earlier work of this stream. An
   // exception thrown by fn becomes the stream's error. On cuda fn runs on the
-  // driver's callback thread: it must not call CUDA.
+  // driver's callback thread: it must not call CUDA. fn must be quick and must
+  // never block — no file or network I/O, no waiting for other work, events
+  // or locks held for long: on cuda the host functions of every stream of the
+  // process run one after another on that one thread, so one that blocks holds
+  // up all of them (the optimizer's arming, the reducer's notices). Blocking
+  // work belongs on a thread of its own that a HostEvent reports back from
+  // (offload/grad_shard.cc). AcceleratorOptions::cpu_shared_host_thread makes
+  // the cpu backend behave the same way, for tests.
   virtual void launch_host_func(std::function<void()> fn) = 0;
   // Blocks until all submitted work finished; rethrows the stream's error.
   virtual void synchronize() = 0;
@@ -121,6 +128,12 @@ struct AcceleratorOptions {
   // Device memory budget; 0 means: cpu — half of physical memory; cuda — the
   // device's free memory at creation.
   size_t memory_budget_nbytes = 0;
+  // cpu only: every stream's host functions run one at a time on one thread
+  // shared by the accelerator's streams, as CUDA runs them on the driver's one
+  // callback thread — so a host function that blocks is seen delaying other
+  // streams' host functions here too (the contract tests use it). Default: on
+  // each stream's own thread. Copies, memsets and waits stay on the stream's thread.
+  bool cpu_shared_host_thread = false;
 };
 
 class Accelerator {
