@@ -154,8 +154,11 @@ class Accelerator {
   // fit throws Error(kOutOfMemory) naming requested, in use (and pending),
   // cached and capacity bytes. allocate never waits for stream work: a block
   // whose stream-ordered free is pending is not available until its event is
-  // seen complete. (On cuda, dropping cached blocks calls cudaFree, which waits
-  // for the device's queued work; the allocator's lock is not held meanwhile.)
+  // seen complete. Nor does it wait for the device: on cuda the blocks come
+  // from CUDA's stream-ordered allocator on a stream of the allocator's own,
+  // so dropping cached blocks is no cudaFree (which waits for the whole
+  // device, a stream parked on a host event the caller is yet to signal
+  // included: a deadlock).
   // Pointers are aligned to at least 256 bytes.
   virtual void* allocate(size_t nbytes) = 0;
   // Frees ptr now. The caller guarantees that no queued work on any stream
