@@ -68,7 +68,9 @@ def main():
         "steps_per_print": 1_000_000,
     }
     deepspeed.init_distributed()
-    config = transformers.LlamaConfig(**json.load(open(a.init)))
+    keys = json.load(open(a.init))
+    keys.pop("model_type", None)  # the class says it
+    config = transformers.LlamaConfig(**keys)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = transformers.LlamaForCausalLM(config)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
