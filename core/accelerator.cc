@@ -66,6 +66,9 @@ std::unique_ptr<Accelerator> make_accelerator(std::string_view kind,
   const int device_count = env_count("STRATA_TEST_CUDA_DEVICE_COUNT", cuda_device_count());
   if (kind == "auto" && device_count == 0) return make_cpu_accelerator(options);
   if (device_count == 0) return make_cuda_accelerator(local_rank, options);  // says why there is no device
+  // A launcher that gives each rank its own GPU through CUDA_VISIBLE_DEVICES
+  // (SLURM's --gpus-per-task=1) leaves each process one GPU: that one is its.
+  if (device_count == 1 && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr) return make_cuda_accelerator(0, options);
   return make_cuda_accelerator(rank_device(local_rank, local_world_size, device_count), options);
 }
 

@@ -237,7 +237,9 @@ CudaInfo cuda_info();
 // on one GPU would meet only NCCL's "invalid usage" at the first collective —
 // so fewer GPUs than local ranks is Error(kBadArgument) naming the GPU count
 // and the two ways out (-n <gpus>, or strata.accelerator: cpu), raised in
-// every rank before it touches a GPU or its peers (see rank_device).
+// every rank before it touches a GPU or its peers (see rank_device) — except
+// where CUDA_VISIBLE_DEVICES leaves a process exactly one GPU: a launcher that
+// gives each rank its own GPU that way (SLURM's --gpus-per-task=1) is trusted.
 // STRATA_TEST_CUDA_DEVICE_COUNT, for tests only, replaces the device count
 // this rule and auto's choice read (tests/runtime/launcher_test.cc fakes a
 // one-GPU machine with it); creating the accelerator still needs real devices.

@@ -117,12 +117,13 @@ TEST_CASE("strata run: more local ranks than GPUs is refused in every rank befor
       "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
       "zero_optimization": {"stage": 2}, "strata": {"accelerator": ")" + accelerator + R"("}})");
   };
-  auto finetune = [&](const std::string& n, const std::string& accelerator) {
-    return run_command("cd " + dir.path().string() + " && STRATA_TEST_CUDA_DEVICE_COUNT=1 " +
+  auto finetune = [&](const std::string& n, const std::string& accelerator,
+                      const std::string& visible = "env -u CUDA_VISIBLE_DEVICES ") {
+    return run_command("cd " + dir.path().string() + " && STRATA_TEST_CUDA_DEVICE_COUNT=1 " + visible +
                        strata_run("-n " + n + " -- " + strata_binary() + " finetune --config " +
                                   config(accelerator) + " --init " + strata::test::small_model(dir) + " --data " +
                                   strata::test::kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --steps 1 "
-                                  "--seq 16 --out " + dir.file("out-" + accelerator + n)));
+                                  "--seq 16 --out " + dir.file("out-" + accelerator + n + std::to_string(visible.size()))));
   };
   for (const std::string accelerator : {"auto", "cuda"}) {
     INFO("strata.accelerator " << accelerator);
@@ -140,6 +141,13 @@ TEST_CASE("strata run: more local ranks than GPUs is refused in every rank befor
     REQUIRE_THAT(result.output, !Catch::Contains("peer") && !Catch::Contains("rendezvous") &&
                                     !Catch::Contains("invalid usage"));
   }
+  // One GPU per process through CUDA_VISIBLE_DEVICES (a launcher's choice, as
+  // SLURM's --gpus-per-task=1 makes it) is not refused: each rank takes the GPU
+  // it sees (and fails here only because this machine has none).
+  const auto per_rank = finetune("2", "cuda", "CUDA_VISIBLE_DEVICES=0 ");
+  INFO(per_rank.output);
+  REQUIRE(per_rank.exit_code != 0);
+  REQUIRE_THAT(per_rank.output, !Catch::Contains("local ranks") && Catch::Contains("CUDA"));
   // The way out on the CPU: the same two ranks train.
   const auto cpu = finetune("2", "cpu");
   INFO(cpu.output);
