@@ -99,7 +99,14 @@ class Stream {
   virtual void wait(Event& event) = 0;
   // Runs `fn` on a host thread after all earlier work of this stream. An
   // exception thrown by fn becomes the stream's error. On cuda fn runs on the
-  // driver's callback thread: it must not call CUDA.
+  // driver's callback thread: it must not call CUDA. fn must be quick and must
+  // never block — no file or network I/O, no waiting for other work, events
+  // or locks held for long: on cuda the host functions of every stream of the
+  // process run one after another on that one thread, so one that blocks holds
+  // up all of them (the optimizer's arming, the reducer's notices). Blocking
+  // work belongs on a thread of its own that a HostEvent reports back from
+  // (offload/grad_shard.cc). AcceleratorOptions::cpu_shared_host_thread makes
+  // the cpu backend behave the same way, for tests.
   virtual void launch_host_func(std::function<void()> fn) = 0;
   // Blocks until all submitted work finished; rethrows the stream's error.
   virtual void synchronize() = 0;
@@ -121,6 +128,12 @@ struct AcceleratorOptions {
   // Device memory budget; 0 means: cpu — half of physical memory; cuda — the
   // device's free memory at creation.
   size_t memory_budget_nbytes = 0;
+  // cpu only: every stream's host functions run one at a time on one thread
+  // shared by the accelerator's streams, as CUDA runs them on the driver's one
+  // callback thread — so a host function that blocks is seen delaying other
+  // streams' host functions here too (the contract tests use it). Default: on
+  // each stream's own thread. Copies, memsets and waits stay on the stream's thread.
+  bool cpu_shared_host_thread = false;
 };
 
 class Accelerator {
@@ -141,8 +154,11 @@ class Accelerator {
   // fit throws Error(kOutOfMemory) naming requested, in use (and pending),
   // cached and capacity bytes. allocate never waits for stream work: a block
   // whose stream-ordered free is pending is not available until its event is
-  // seen complete. (On cuda, dropping cached blocks calls cudaFree, which waits
-  // for the device's queued work; the allocator's lock is not held meanwhile.)
+  // seen complete. Nor does it wait for the device: on cuda the blocks come
+  // from CUDA's stream-ordered allocator on a stream of the allocator's own,
+  // so dropping cached blocks is no cudaFree (which waits for the whole
+  // device, a stream parked on a host event the caller is yet to signal
+  // included: a deadlock).
   // Pointers are aligned to at least 256 bytes.
   virtual void* allocate(size_t nbytes) = 0;
   // Frees ptr now. The caller guarantees that no queued work on any stream
@@ -214,8 +230,26 @@ struct CudaInfo {
 };
 CudaInfo cuda_info();
 
-// "cpu", "cuda" (device from LOCAL_RANK, else 0) or "auto" (cuda when a device is present).
+// "cpu", "cuda" (device LOCAL_RANK, else 0) or "auto" (cuda when a device is
+// present, else cpu). One rank per GPU: with cuda or auto on a machine with
+// GPUs, LOCAL_WORLD_SIZE local ranks (mpirun's OMPI_COMM_WORLD_LOCAL_SIZE; a
+// process alone is one) need as many GPUs — two ranks
+// on one GPU would meet only NCCL's "invalid usage" at the first collective —
+// so fewer GPUs than local ranks is Error(kBadArgument) naming the GPU count
+// and the two ways out (-n <gpus>, or strata.accelerator: cpu), raised in
+// every rank before it touches a GPU or its peers (see rank_device) — except
+// where CUDA_VISIBLE_DEVICES leaves a process exactly one GPU: a launcher that
+// gives each rank its own GPU that way (SLURM's --gpus-per-task=1) is trusted.
+// STRATA_TEST_CUDA_DEVICE_COUNT, for tests only, replaces the device count
+// this rule and auto's choice read (tests/runtime/launcher_test.cc fakes a
+// one-GPU machine with it); creating the accelerator still needs real devices.
 std::unique_ptr<Accelerator> make_accelerator(std::string_view kind,
                                               const AcceleratorOptions& options = {});
+
+// The GPU of local rank `local_rank` among `local_world_size` on a machine with
+// `device_count` GPUs (> 0): local_rank itself. Error(kBadArgument) when
+// local_world_size > device_count (the message above), or for a rank outside
+// [0, local_world_size).
+int rank_device(int local_rank, int local_world_size, int device_count);
 
 }  // namespace strata

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -136,9 +137,64 @@ class CpuHostEvent final : public HostEvent {
   std::shared_ptr<HostState> state_;
 };
 
+// One thread that runs the host functions of every stream that shares it, one
+// at a time, as CUDA's driver runs every stream's host functions on its single
+// callback thread (AcceleratorOptions::cpu_shared_host_thread). A stream's own
+// thread hands its host function over and waits for it, so the stream is held
+// up by it just as a CUDA stream is.
+class SharedHostThread {
+ public:
+  SharedHostThread() : worker_([this] { run(); }) {}
+  ~SharedHostThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    changed_.notify_all();
+    worker_.join();
+  }
+  SharedHostThread(const SharedHostThread&) = delete;
+  SharedHostThread& operator=(const SharedHostThread&) = delete;
+
+  // Runs fn on the shared thread after the host functions handed over before
+  // it; returns when it has run, rethrowing what it threw.
+  void run_and_wait(std::function<void()>& fn) {
+    std::packaged_task<void()> task(std::move(fn));
+    std::future<void> done = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back(std::move(task));
+    }
+    changed_.notify_all();
+    done.get();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      changed_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping and drained
+      std::packaged_task<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();  // its exception goes to the waiting stream through the future
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<std::packaged_task<void()>> tasks_;  // guarded by mutex_
+  bool stopping_ = false;                          // guarded by mutex_
+  std::thread worker_;
+};
+
 class CpuStream final : public Stream {
  public:
-  CpuStream() : state_(std::make_shared<QueueState>()), worker_([this] { run(); }) {}
+  // host_thread: where this stream's host functions run (nullptr: on its own thread).
+  explicit CpuStream(std::shared_ptr<SharedHostThread> host_thread)
+      : state_(std::make_shared<QueueState>()), host_thread_(std::move(host_thread)), worker_([this] { run(); }) {}
   ~CpuStream() override {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -161,12 +217,12 @@ class CpuStream final : public Stream {
     if (auto* cpu_event = dynamic_cast<CpuEvent*>(&event)) {
       QueuePoint point = cpu_event->snapshot();
       if (!point.queue) return;  // never recorded: complete
-      launch_host_func([point] {
+      enqueue([point] {
         point.wait();
         if (auto error = point.error()) std::rethrow_exception(error);
       });
     } else if (auto* host_event = dynamic_cast<CpuHostEvent*>(&event)) {
-      launch_host_func([state = host_event->state()] {
+      enqueue([state = host_event->state()] {
         if (auto error = state->wait()) std::rethrow_exception(error);
       });
     } else {
@@ -175,6 +231,13 @@ class CpuStream final : public Stream {
   }
 
   void launch_host_func(std::function<void()> fn) override {
+    if (!host_thread_) return enqueue(std::move(fn));
+    enqueue([host_thread = host_thread_, fn = std::move(fn)]() mutable { host_thread->run_and_wait(fn); });
+  }
+
+  // Appends work to this stream's own queue: copies, memsets and waits (on
+  // cuda the device's, never the host-function thread's), and host functions.
+  void enqueue(std::function<void()> fn) {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       tasks_.push_back(std::move(fn));
@@ -236,6 +299,7 @@ class CpuStream final : public Stream {
   }
 
   std::shared_ptr<QueueState> state_;
+  std::shared_ptr<SharedHostThread> host_thread_;  // nullptr: host functions on worker_
   std::deque<std::function<void()>> tasks_;  // guarded by state_->mutex
   bool stopping_ = false;                    // guarded by state_->mutex
   std::thread worker_;
@@ -250,7 +314,8 @@ size_t default_budget() {
 class CpuAccelerator final : public Accelerator {
  public:
   explicit CpuAccelerator(const AcceleratorOptions& options)
-      : capacity_(options.memory_budget_nbytes ? options.memory_budget_nbytes : default_budget()) {}
+      : capacity_(options.memory_budget_nbytes ? options.memory_budget_nbytes : default_budget()),
+        host_thread_(options.cpu_shared_host_thread ? std::make_shared<SharedHostThread>() : nullptr) {}
 
   ~CpuAccelerator() override {
     // Streams were destroyed first (they drain), so pending frees are due.
@@ -361,17 +426,17 @@ class CpuAccelerator final : public Accelerator {
     free_locked_host(ptr, nbytes);
   }
 
-  std::unique_ptr<Stream> create_stream() override { return std::make_unique<CpuStream>(); }
+  std::unique_ptr<Stream> create_stream() override { return std::make_unique<CpuStream>(host_thread_); }
   std::unique_ptr<Event> create_event() override { return std::make_unique<CpuEvent>(); }
   std::unique_ptr<HostEvent> create_host_event() override { return std::make_unique<CpuHostEvent>(); }
 
   void copy_async(void* dst, const void* src, size_t nbytes, CopyKind /*kind*/,
                   Stream& stream) override {
-    stream.launch_host_func([=] { std::memcpy(dst, src, nbytes); });
+    cpu_stream(stream, "copy_async").enqueue([=] { std::memcpy(dst, src, nbytes); });
   }
 
   void memset_async(void* dst, int value, size_t nbytes, Stream& stream) override {
-    stream.launch_host_func([=] { std::memset(dst, value, nbytes); });
+    cpu_stream(stream, "memset_async").enqueue([=] { std::memset(dst, value, nbytes); });
   }
 
  private:
@@ -381,6 +446,12 @@ class CpuAccelerator final : public Accelerator {
     size_t nbytes;
     std::function<bool()> done;  // never blocks
   };
+
+  static CpuStream& cpu_stream(Stream& stream, const char* what) {
+    auto* cpu = dynamic_cast<CpuStream*>(&stream);
+    STRATA_CHECK(cpu != nullptr, kBadArgument, "cpu {}: the stream is not from the cpu backend", what);
+    return *cpu;
+  }
 
   std::unordered_map<void*, size_t>::iterator find_live_locked(void* ptr, const char* what) const {
     auto it = allocations_.find(ptr);
@@ -432,6 +503,9 @@ class CpuAccelerator final : public Accelerator {
   mutable std::multimap<size_t, void*> cache_;  // free blocks by size (release_locked)
   mutable size_t cached_nbytes_ = 0;
   std::unordered_map<void*, size_t> pinned_;
+  // Shared by this accelerator's streams (cpu_shared_host_thread), else nullptr;
+  // each stream holds it too, so it outlives the streams' last host function.
+  std::shared_ptr<SharedHostThread> host_thread_;
 };
 
 }  // namespace

@@ -10,8 +10,9 @@
 namespace strata::ops {
 
 // TFLOP/s of C[m, n] = A[m, k] B[k, n] in bf16 with fp32 accumulation
-// (cublasGemmEx, CUBLAS_COMPUTE_32F) on `accelerator`'s device: the median of
-// `iters` timed runs (CUDA events) after two untimed ones. Blocks until done.
+// (cublasGemmEx, CUBLAS_COMPUTE_32F) on `accelerator`'s device, on random
+// operands (as a model's are; constant ones overstate the peak): the median
+// of `iters` timed runs (CUDA events) after two untimed ones. Blocks until done.
 // Scratch comes from the accelerator (2 (mk + kn + mn) bytes). Error(kCuda) in
 // builds without CUDA or on a non-cuda accelerator; Error(kBadArgument) for
 // non-positive sizes or iters.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <deque>
+#include <thread>
 #include <vector>
 
 #include "nvme/backends.h"
@@ -44,6 +45,14 @@ class FaultQueue final : public IoQueue {
     if (fault->kind == IoFault::Kind::kBrokenQueue) {
       broken_ = true;
       lost_.push_back(piece.user_data);
+      return;
+    }
+    if (fault->kind == IoFault::Kind::kSlow) {
+      // Held on the I/O worker that prepares it, as a disk that is slow to
+      // take the request holds it; then transferred in full.
+      std::this_thread::sleep_for(fault->delay);
+      inner_->prepare(piece);
+      ++inner_in_flight_;
       return;
     }
     if (fault->kind == IoFault::Kind::kError) {
@@ -125,6 +134,7 @@ class FileFaultAdapter final : public FileFaults {
       case IoFault::Kind::kError: return fault->error;
       case IoFault::Kind::kShort: nbytes = std::min(nbytes, fault->short_nbytes); return 0;
       case IoFault::Kind::kBrokenQueue: return EIO;
+      case IoFault::Kind::kSlow: std::this_thread::sleep_for(fault->delay); return 0;
     }
     return 0;
   }

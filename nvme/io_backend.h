@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -90,6 +91,7 @@ struct IoFault {
     kError,  // complete with -error without touching the file
     kShort,  // really transfer only short_nbytes (≥ 0) and report that
     kBrokenQueue,  // the queue's next submit() throws Error(kIo), as if the ring died
+    kSlow,   // transfer it in full, but only after `delay` (a slow or busy disk)
   };
   uint64_t nth = 1;                 // 1-based count of matching pieces submitted so far
   Kind kind = Kind::kError;
@@ -97,6 +99,7 @@ struct IoFault {
   size_t short_nbytes = 0;          // bytes actually transferred for kShort
   std::optional<IoOp> op;           // count only reads or only writes; nullopt: both
   bool repeat = false;              // also hit every later matching piece
+  std::chrono::milliseconds delay{0};  // for kSlow: held this long before it is handed to the disk
 };
 
 // Counts pieces across every queue of the wrapper; thread-safe.

@@ -2,7 +2,12 @@
 #include "offload/grad_shard.h"
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
@@ -16,6 +21,121 @@ TensorView fp32_view(float* data, int64_t numel, Tier tier) {
 }
 
 }  // namespace
+
+// The nvme home's read-add-write of each block, on a thread of its own, in
+// the order accumulate() queued them. A job starts once its block has landed
+// in the scratch: the stream's host function says so (a notice, never I/O). If
+// the stream failed before the notice, the notice is skipped; the event
+// recorded after it then completes with the stream's error, which the job
+// passes on. Either way the job's HostEvent completes — the stream waits on it,
+// and on cuda a wait on a host event that never completes would hold the
+// stream for ever.
+class GradShard::IoThread {
+ public:
+  struct Job {
+    std::function<void()> work;        // read, add, write
+    std::unique_ptr<Event> noticed;    // recorded on the stream after the notice
+    std::unique_ptr<HostEvent> done;   // the stream waits on it
+    bool landed = false;               // guarded by State::mutex
+  };
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::deque<std::shared_ptr<Job>> jobs;  // queued or running, in order
+    bool stopping = false;
+  };
+
+  IoThread() : state_(std::make_shared<State>()), thread_([this] { run(); }) {}
+  ~IoThread() {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stopping = true;
+    }
+    state_->changed.notify_all();
+    thread_.join();  // after the queued jobs: their streams wait on them
+  }
+  IoThread(const IoThread&) = delete;
+  IoThread& operator=(const IoThread&) = delete;
+
+  // The host function that tells `job` its block landed: launched on the
+  // stream after the copy, before the job is posted.
+  std::function<void()> notice(std::shared_ptr<Job> job) {
+    return [state = state_, job = std::move(job)] {
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        job->landed = true;
+      }
+      state->changed.notify_all();
+    };
+  }
+
+  // Queues `job`, once the stream holds its notice, the event after it and
+  // the wait on its `done` (until then the thread must not look at them).
+  void post(std::shared_ptr<Job> job) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->jobs.push_back(std::move(job));
+    }
+    state_->changed.notify_all();
+  }
+
+  // Returns once every queued job has finished (what they wrote is then
+  // visible to the caller).
+  void drain() {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->changed.wait(lock, [&] { return state_->jobs.empty(); });
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    for (;;) {
+      state_->changed.wait(lock, [&] { return state_->stopping || !state_->jobs.empty(); });
+      if (state_->jobs.empty()) return;  // stopping and drained
+      const std::shared_ptr<Job> job = state_->jobs.front();
+      std::exception_ptr error;
+      while (!job->landed) {
+        // The notice wakes this wait; the event is looked at only when none
+        // came for a while (a skipped notice: the stream failed before it).
+        if (state_->changed.wait_for(lock, std::chrono::milliseconds(20), [&] { return job->landed; })) break;
+        lock.unlock();
+        const bool passed = job->noticed->query();
+        lock.lock();
+        if (passed && !job->landed) {
+          lock.unlock();
+          try {
+            job->noticed->synchronize();
+            error = std::make_exception_ptr(Error(ErrorCategory::kInternal,
+                                                  "a gradient block's notice was skipped on a stream without error"));
+          } catch (...) {
+            error = std::current_exception();
+          }
+          lock.lock();
+          break;
+        }
+      }
+      lock.unlock();
+      if (!error) {
+        try {
+          job->work();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      if (error) {
+        job->done->fail(error);
+      } else {
+        job->done->signal();
+      }
+      lock.lock();
+      state_->jobs.pop_front();
+      state_->changed.notify_all();
+    }
+  }
+
+  std::shared_ptr<State> state_;
+  std::thread thread_;
+};
 
 GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::PartitionLayout& layout)
     : accelerator_(accelerator), ops_(ops), layout_(layout) {
@@ -37,9 +157,11 @@ GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::P
   if (scratch_numel_ > 0) {
     scratch_ = static_cast<float*>(accelerator.allocate_pinned(2 * scratch_numel_ * sizeof(float)));
   }
+  io_ = std::make_unique<IoThread>();
 }
 
 GradShard::~GradShard() {
+  io_.reset();  // its last jobs use the scratch and the file
   if (memory_ != nullptr) accelerator_.deallocate(memory_);
   if (scratch_ != nullptr) accelerator_.deallocate_pinned(scratch_);
   if (window_ != nullptr) accelerator_.deallocate_pinned(window_);
@@ -53,13 +175,17 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
     ops_.add(ctx, accum, fp32_view(const_cast<float*>(block), slot.slice_numel, Tier::kDevice), accum);
     return;
   }
-  // The block lands in the aligned pinned scratch (O_DIRECT), then a host
-  // function on the same stream writes it, or adds it to what is on disk.
-  // Later blocks' copies queue behind that function, so one scratch serves all.
+  // The block lands in the aligned pinned scratch (O_DIRECT); the I/O thread
+  // writes it, or adds it to what is on disk, and signals `done`. The stream
+  // waits on `done`, so later blocks' copies into the scratch queue behind
+  // the I/O and one scratch serves all.
   const size_t nbytes = static_cast<size_t>(slot.slice_numel) * sizeof(float);
   const uint64_t offset = static_cast<uint64_t>(slot.shard_offset_numel) * sizeof(float);
   accelerator_.copy_async(scratch_, block, nbytes, CopyKind::kDeviceToHost, stream);
-  stream.launch_host_func([this, p, nbytes, offset, numel = static_cast<size_t>(slot.slice_numel)] {
+  auto job = std::make_shared<IoThread::Job>();
+  job->noticed = accelerator_.create_event();
+  job->done = accelerator_.create_host_event();
+  job->work = [this, p, nbytes, offset, numel = static_cast<size_t>(slot.slice_numel)] {
     if (written_[p] != 0) {
       float* on_disk = scratch_ + scratch_numel_;
       aio_->read(*file_, on_disk, nbytes, offset);
@@ -67,7 +193,11 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
     }
     aio_->write(*file_, scratch_, nbytes, offset);
     written_[p] = 1;
-  });
+  };
+  stream.launch_host_func(io_->notice(job));
+  stream.record(*job->noticed);
+  stream.wait(*job->done);
+  io_->post(std::move(job));
 }
 
 void GradShard::zero(Stream& stream) {
@@ -76,6 +206,7 @@ void GradShard::zero(Stream& stream) {
     stream.synchronize();
     return;
   }
+  io_->drain();
   std::fill(written_.begin(), written_.end(), 0);
 }
 
@@ -98,6 +229,7 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
     stream.synchronize();
     return window_;
   }
+  io_->drain();
   ensure_window(numel);
   aio_->read(*file_, window_, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
   // Slices no block reached since zero() hold an older step's values: zeros.

@@ -10,9 +10,16 @@
 //           with the model. A parameter's first block since zero() is written
 //           straight to its slice; later blocks (gradient accumulation) are
 //           read, added and written back. Slices not written since zero() read
-//           as zeros, so zero() costs no I/O. The I/O runs in host functions on
-//           the reducer's stream (blocking that stream, not the caller) through
-//           one pinned scratch of the largest slice.
+//           as zeros, so zero() costs no I/O. The I/O runs on a thread of
+//           this shard's own (never in a host function: on cuda every
+//           stream's host functions share the driver's one callback thread,
+//           and a disk write there would hold all of them up), through one
+//           pinned scratch of the largest slice. The reducer's stream copies a
+//           block into the scratch, a host function tells the thread it
+//           landed (a notice, no I/O), and the stream waits on a HostEvent
+//           the thread signals once the block is on disk: the stream, not the
+//           caller, is held until then, and the next block's copy into the
+//           scratch is ordered after it.
 // read() gives a host view of an aligned range for the optimizer: the array
 // itself when the accelerator's memory is host memory, else a pinned window
 // filled by a copy (memory) or a read (nvme).
@@ -21,8 +28,8 @@
 // handle and swap space, which must outlive it. Owns its array, file, scratch
 // and window.
 // Thread-safety: one thread drives it; accumulate()'s work runs on the given
-// stream. zero() and read() require that stream to be idle (the reducer
-// synchronized).
+// stream (and, nvme, on the I/O thread). zero() and read() require that
+// stream to be idle (the reducer synchronized).
 // Errors: Error(kIo) from a failed gradient read or write — from the stream
 // (the reducer's synchronize) for accumulate, directly for read().
 #pragma once
@@ -73,6 +80,8 @@ class GradShard {
   const float* memory() const { return memory_; }
 
  private:
+  class IoThread;  // nvme: the thread that reads, adds and writes the blocks
+
   void ensure_window(size_t numel);
 
   Accelerator& accelerator_;
@@ -81,9 +90,10 @@ class GradShard {
   float* memory_ = nullptr;        // memory home
   nvme::AioHandle* aio_ = nullptr;  // nvme home
   nvme::File* file_ = nullptr;
-  std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched on the stream)
+  std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched by the I/O thread)
   float* scratch_ = nullptr;       // nvme: pinned, largest slice x 2 (incoming | on disk)
   size_t scratch_numel_ = 0;
+  std::unique_ptr<IoThread> io_;   // nvme; declared after what its jobs touch, so it stops first
   float* window_ = nullptr;        // pinned host view for read()
   size_t window_numel_ = 0;
 };

@@ -94,7 +94,12 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock<std::mutex> lock(mutex_);
     DeviceGuard guard(device_);
     ncclResult_t init = ncclCommInitRankConfig(&comm_, options.world_size, id, options.rank, &config);
-    if (init != ncclSuccess && init != ncclInProgress) STRATA_NCCL_CHECK(init);
+    // An init that fails at once may still have made the communicator (NCCL
+    // hands it out before its checks in non-blocking mode): abort frees it
+    // (fail_locked), where a bare raise leaked it, as the destructor never runs.
+    if (init != ncclSuccess && init != ncclInProgress) {
+      abort_and_raise_locked("ncclCommInitRankConfig", ncclGetErrorString(init));
+    }
     wait_ready_locked("ncclCommInitRankConfig");
     lock.unlock();
     watchdog_ = std::thread([this] { watch(); });

@@ -1,5 +1,6 @@
-// The cuda backend: a caching device allocator over cudaMalloc under a budget
-// with stream-ordered frees, CUDA streams whose errors are tracked on the host
+// The cuda backend: a caching device allocator under a budget over CUDA's
+// stream-ordered allocator on a stream of its own (so that returning memory
+// never waits for other streams), with stream-ordered frees, CUDA streams whose errors are tracked on the host
 // (core/cuda/cuda_stream.h), events, host events the device waits on,
 // pinned memory (our locked host memory, cudaHostRegister-ed), async copies.
 #include <cuda.h>  // driver types for cuStreamWaitValue32 (the function comes from the runtime's entry point)
@@ -9,10 +10,12 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -32,6 +35,18 @@ namespace cuda_internal {
 namespace {
 
 constexpr uint64_t kNoPosition = UINT64_MAX;
+
+// Kernels load when CUDA starts (CUDA_MODULE_LOADING=EAGER), not at their
+// first launch (LAZY, CUDA's default since 12.2): loading a module can wait
+// for the whole context, and a first launch while a stream is parked on a
+// host event that the launching thread signals later would never return.
+// Set when this library loads, before anything in the process can start CUDA;
+// a value the user set is kept (and named when an accelerator is made).
+const char* const kUserModuleLoading = [] {
+  const char* value = std::getenv("CUDA_MODULE_LOADING");
+  if (value == nullptr) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  return value;
+}();
 
 // Restores the calling thread's current device on scope exit.
 class DeviceGuard {
@@ -644,13 +659,31 @@ class CudaAccelerator final : public Accelerator {
     shared_->events = std::make_shared<EventPool>(device_);
     shared_->flags = std::make_shared<FlagPool>(device_);
     shared_->wait_value32 = find_wait_value32();
+    if (kUserModuleLoading != nullptr && std::string_view(kUserModuleLoading) != "EAGER") {
+      logger().warn("CUDA_MODULE_LOADING={}: kernels then load at their first launch, which can deadlock while a "
+                    "stream waits on a host event; unset it (strata sets EAGER)",
+                    kUserModuleLoading);
+    }
+    int pools = 0;
+    STRATA_CUDA_CHECK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_));
+    if (pools != 0) {
+      STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&alloc_stream_, cudaStreamNonBlocking));
+    } else {
+      logger().warn("cuda:{}: no stream-ordered allocator; dropping cached blocks calls cudaFree, which waits for "
+                    "every stream (a stream held on a host event the caller is to signal would deadlock it)",
+                    device_);
+    }
   }
 
   ~CudaAccelerator() override {
     DeviceGuard guard(device_);
     // Streams are gone (they synchronized), so pending frees are due.
-    for (auto& [nbytes, ptr] : free_blocks_) cudaFree(ptr);
-    for (auto& [ptr, nbytes] : live_blocks_) cudaFree(ptr);
+    for (auto& [nbytes, ptr] : free_blocks_) free_now(ptr);
+    for (auto& [ptr, nbytes] : live_blocks_) free_now(ptr);
+    if (alloc_stream_ != nullptr) {
+      cudaStreamSynchronize(alloc_stream_);
+      cudaStreamDestroy(alloc_stream_);
+    }
     for (auto& [ptr, nbytes] : pinned_) {
       cudaHostUnregister(ptr);
       free_locked_host(ptr, nbytes);
@@ -661,8 +694,9 @@ class CudaAccelerator final : public Accelerator {
   std::string name() const override { return fmt::format("cuda:{} ({})", device_, device_name_); }
   int device() const { return device_; }
 
-  // The lock guards bookkeeping only: cudaMalloc and cudaFree (which waits for
-  // the device) run after it is released, on a block reserved under it.
+  // The lock guards bookkeeping only: the driver's allocation and release
+  // (malloc_now, release_blocks) run after it is released, on a block
+  // reserved under it.
   void* allocate(size_t nbytes) override {
     const size_t block = round_block(nbytes);
     std::vector<void*> dropped;
@@ -848,18 +882,35 @@ class CudaAccelerator final : public Accelerator {
     return ptr;
   }
 
-  // cudaFree of blocks no queued work uses (cached ones). Without the lock.
+  // Returns blocks no queued work uses (cached ones) to the driver. Without
+  // the lock. A cudaFree here waited for the whole device — a stream parked on
+  // a host event that this thread signals later never got there: deadlock.
+  // cudaFreeAsync on the allocator's own stream waits for nothing but that
+  // stream, and synchronizing it hands the pool's memory back (its release
+  // threshold is 0), so the budget still means memory the driver has.
   void release_blocks(const std::vector<void*>& blocks) {
     if (blocks.empty()) return;
     DeviceGuard guard(device_);
-    for (void* ptr : blocks) STRATA_CUDA_CHECK(cudaFree(ptr));
+    for (void* ptr : blocks) STRATA_CUDA_CHECK(free_now(ptr));
+    if (alloc_stream_ != nullptr) STRATA_CUDA_CHECK(cudaStreamSynchronize(alloc_stream_));
+  }
+
+  cudaError_t free_now(void* ptr) {
+    return alloc_stream_ != nullptr ? cudaFreeAsync(ptr, alloc_stream_) : cudaFree(ptr);
+  }
+
+  // A block from the driver, usable by every stream on return.
+  cudaError_t malloc_now(void** ptr, size_t nbytes) {
+    if (alloc_stream_ == nullptr) return cudaMalloc(ptr, nbytes);
+    const cudaError_t result = cudaMallocAsync(ptr, nbytes, alloc_stream_);
+    return result != cudaSuccess ? result : cudaStreamSynchronize(alloc_stream_);
   }
 
   // Without the lock; the block is reserved in the budget already.
   void* cuda_malloc(size_t block, size_t requested) {
     DeviceGuard guard(device_);
     void* ptr = nullptr;
-    cudaError_t result = cudaMalloc(&ptr, block);
+    cudaError_t result = malloc_now(&ptr, block);
     if (result == cudaErrorMemoryAllocation) {
       // The device is fuller than the budget (other processes, fragmentation):
       // return the whole cache to the driver and retry once.
@@ -872,7 +923,7 @@ class CudaAccelerator final : public Accelerator {
         cached_ = 0;
       }
       release_blocks(dropped);
-      result = cudaMalloc(&ptr, block);
+      result = malloc_now(&ptr, block);
     }
     if (result != cudaSuccess) {
       cudaGetLastError();
@@ -885,6 +936,9 @@ class CudaAccelerator final : public Accelerator {
   const int device_;
   std::string device_name_;
   std::shared_ptr<Shared> shared_;
+  // Where blocks are taken from and returned to the device's default memory
+  // pool (never waits on a host event); nullptr without memory pools.
+  cudaStream_t alloc_stream_ = nullptr;
   mutable std::mutex mutex_;
   size_t capacity_ = 0;
   // Allocator bookkeeping; mutable because memory_stats() observes completed frees.

@@ -24,12 +24,14 @@
 #include "kernels/ops.h"
 #include "core/accelerator.h"
 #include "core/error.h"
+#include "tests/runtime/accelerator_contract.h"
 #include "tests/kernels/cuda_ops_fixture.h"
 #include "tests/support/tolerances.h"
 
 using namespace strata;
 using namespace strata::ops;
 using namespace strata::test;
+
 namespace ref = strata::nn::cpu;
 
 namespace {
@@ -78,6 +80,33 @@ DType other(DType dt) {
 }
 
 }  // namespace
+
+TEST_CASE("cuda ops: a kernel's first launch returns while another stream waits on a host event",
+          "[ops][cuda]") {
+  // Lazy module loading (CUDA's default since 12.2) loads a kernel at its
+  // first launch and can wait for the whole context; a stream parked on a host
+  // event that this thread signals only after the launch would never let it
+  // finish. strata loads kernels eagerly (core/cuda/cuda_accelerator.cc). This
+  // is the binary's first test case (CTest runs each in a process of its own;
+  // the whole binary runs them in this order), so this add is the process's
+  // first kernel launch either way.
+  Fixture f;
+  auto parked = f.acc->create_stream();
+  auto gate = f.acc->create_host_event();
+  GateGuard guard(*gate, std::chrono::seconds(10));
+  parked->wait(*gate);
+  Vec a = {1, 2, 3, 4}, b = {10, 20, 30, 40};
+  const TensorView ta = f.tensor(a, DType::kF32, {4});
+  const TensorView tb = f.tensor(b, DType::kF32, {4});
+  const TensorView out = f.zeros(DType::kF32, {4});
+  f.ops->add(*f.ctx, ta, tb, out);
+  const Vec sum = f.read(out);
+  const bool returned_while_parked = !guard.fired() && !gate->query();
+  REQUIRE_FALSE(guard.open());
+  REQUIRE(returned_while_parked);
+  parked->synchronize();
+  REQUIRE(sum == Vec{11, 22, 33, 44});
+}
 
 TEST_CASE("cuda ops: embedding forward and deterministic backward", "[ops][cuda]") {
   Fixture f;

@@ -212,6 +212,28 @@ inline void check_cache_counts_against_budget(Accelerator& acc, size_t budget) {
   within_budget();
 }
 
+// allocate never waits for the device: with a stream parked on a host event
+// that this thread signals only later, an allocation that must drop cached
+// blocks still returns (on cuda a cudaFree there waited for the whole device,
+// the parked stream included: a deadlock, here caught by the guard's deadline).
+inline void check_allocate_while_a_stream_is_parked(Accelerator& acc, size_t budget) {
+  auto stream = acc.create_stream();
+  void* scratch = acc.allocate(4096);
+  auto gate = acc.create_host_event();
+  GateGuard guard(*gate, std::chrono::seconds(10));
+  stream->wait(*gate);
+  acc.memset_async(scratch, 0, 4096, *stream);  // queued behind the gate
+  void* half = acc.allocate(budget / 2);
+  acc.deallocate(half);                          // cached
+  void* most = acc.allocate(budget / 4 * 3);     // fits only once the cached half is dropped
+  const bool returned_while_parked = !guard.fired() && !gate->query();
+  REQUIRE_FALSE(guard.open());
+  REQUIRE(returned_while_parked);
+  stream->synchronize();
+  acc.deallocate(most);
+  acc.deallocate(scratch);
+}
+
 // (c) deallocate_after: never blocks, the block stays in use (and is not handed
 // out again) until the event completes, then it is free.
 inline void check_stream_ordered_free(Accelerator& acc, size_t budget) {
@@ -475,6 +497,11 @@ inline void check_pinned_memory(Accelerator& acc) {
     constexpr size_t kBudget = 64u << 20;                                                 \
     auto acc = MAKE(strata::AcceleratorOptions{kBudget});                                 \
     strata::test::check_cache_counts_against_budget(*acc, kBudget);                       \
+  }                                                                                       \
+  TEST_CASE(TAG ": allocate does not wait for a stream parked on a host event", "[accelerator]") { \
+    constexpr size_t kBudget = 64u << 20;                                                 \
+    auto acc = MAKE(strata::AcceleratorOptions{kBudget});                                 \
+    strata::test::check_allocate_while_a_stream_is_parked(*acc, kBudget);                \
   }                                                                                       \
   TEST_CASE(TAG ": stream-ordered free", "[accelerator]") {                               \
     constexpr size_t kBudget = 64u << 20;                                                 \

@@ -13,6 +13,55 @@
 
 STRATA_ACCELERATOR_CONTRACT_TESTS("cpu", strata::make_cpu_accelerator)
 
+// The same contract with every stream's host functions on one shared thread,
+// as CUDA runs them (AcceleratorOptions::cpu_shared_host_thread).
+namespace {
+std::unique_ptr<strata::Accelerator> make_cpu_shared_host_thread(strata::AcceleratorOptions options) {
+  options.cpu_shared_host_thread = true;
+  return strata::make_cpu_accelerator(options);
+}
+}  // namespace
+STRATA_ACCELERATOR_CONTRACT_TESTS("cpu with one host-function thread", make_cpu_shared_host_thread)
+
+TEST_CASE("cpu with one host-function thread: a host function that blocks holds up other streams' host functions",
+          "[accelerator][issue26]") {
+  // What the option models, shown both ways: the same two streams, a host
+  // function on one that sleeps, a host function on the other launched while
+  // it sleeps. The copies and waits of a stream are not host functions and
+  // are not held up (on cuda they are the device's).
+  using Clock = std::chrono::steady_clock;
+  for (const bool shared : {false, true}) {
+    INFO("cpu_shared_host_thread " << shared);
+    strata::AcceleratorOptions options;
+    options.cpu_shared_host_thread = shared;
+    auto acc = strata::make_cpu_accelerator(options);
+    auto a = acc->create_stream();
+    auto b = acc->create_stream();
+    std::promise<void> started;
+    a->launch_host_func([&] {
+      started.set_value();
+      std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    });
+    started.get_future().wait();
+    int src = 7, dst = 0;
+    const auto launched = Clock::now();
+    acc->copy_async(&dst, &src, sizeof(int), strata::CopyKind::kHostToHost, *b);
+    b->synchronize();
+    const auto copy_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - launched).count();
+    CHECK(dst == 7);
+    CHECK(copy_ms < 300);
+    b->launch_host_func([] {});
+    b->synchronize();
+    const auto host_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - launched).count();
+    if (shared) {
+      CHECK(host_ms >= 500);
+    } else {
+      CHECK(host_ms < 300);
+    }
+    a->synchronize();
+  }
+}
+
 TEST_CASE("make_accelerator picks a backend by name", "[accelerator]") {
   REQUIRE(strata::make_accelerator("cpu")->backend() == strata::Backend::kCpu);
   REQUIRE_THROWS_WITH(strata::make_accelerator("tpu"), Catch::Contains("unknown accelerator \"tpu\""));

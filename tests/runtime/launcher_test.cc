@@ -3,10 +3,13 @@
 // long for the clock, each checked against the behaviour that was wrong.
 #include "runtime/launcher/launcher.h"
 
+#include "core/accelerator.h"
+
 #include <catch2/catch.hpp>
 #include <string>
 
 #include "core/error.h"
+#include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
@@ -100,4 +103,63 @@ TEST_CASE("strata run: a kill delay too long for the clock means no SIGKILL",
   INFO(result.output);
   REQUIRE(result.exit_code == 5);
   REQUIRE_THAT(result.output, Catch::Contains("[rank 1] after-term"));
+}
+
+TEST_CASE("strata run: more local ranks than GPUs is refused in every rank before a GPU or a peer is touched",
+          "[launcher][issue26]") {
+  // Two ranks on a one-GPU machine both took cuda:0 (LOCAL_RANK % devices) and
+  // NCCL refused the duplicate GPU with an unexplained "invalid usage". The
+  // GPU count is faked (STRATA_TEST_CUDA_DEVICE_COUNT, core/accelerator.h).
+  strata::test::TempDir dir("launcher-gpus");
+  const std::string swap = dir.file("swap");
+  auto config = [&](const std::string& accelerator) {
+    return strata::test::write_file(dir, "ds-" + accelerator + ".json", R"({
+      "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+      "zero_optimization": {"stage": 2}, "strata": {"accelerator": ")" + accelerator + R"("}})");
+  };
+  auto finetune = [&](const std::string& n, const std::string& accelerator,
+                      const std::string& visible = "env -u CUDA_VISIBLE_DEVICES ") {
+    return run_command("cd " + dir.path().string() + " && STRATA_TEST_CUDA_DEVICE_COUNT=1 " + visible +
+                       strata_run("-n " + n + " -- " + strata_binary() + " finetune --config " +
+                                  config(accelerator) + " --init " + strata::test::small_model(dir) + " --data " +
+                                  strata::test::kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --steps 1 "
+                                  "--seq 16 --out " + dir.file("out-" + accelerator + n + std::to_string(visible.size()))));
+  };
+  for (const std::string accelerator : {"auto", "cuda"}) {
+    INFO("strata.accelerator " << accelerator);
+    const auto result = finetune("2", accelerator);
+    INFO(result.output);
+    REQUIRE(result.exit_code == 1);
+    // Each rank says it (and the launcher names the first).
+    const std::string said = "2 local ranks (strata run -n 2) but this machine has 1 GPU:";
+    size_t times = 0;
+    for (size_t at = result.output.find(said); at != std::string::npos; at = result.output.find(said, at + 1)) ++times;
+    REQUIRE(times == 2);
+    REQUIRE_THAT(result.output, Catch::Contains("Run with -n 1 (one rank per GPU)") &&
+                                    Catch::Contains(R"(or set "strata": {"accelerator": "cpu"} in the config)"));
+    // Refused before the rendezvous: no rank waited for or blamed a peer.
+    REQUIRE_THAT(result.output, !Catch::Contains("peer") && !Catch::Contains("rendezvous") &&
+                                    !Catch::Contains("invalid usage"));
+  }
+  // One GPU per process through CUDA_VISIBLE_DEVICES (a launcher's choice, as
+  // SLURM's --gpus-per-task=1 makes it) is not refused: each rank takes the GPU
+  // it sees (and fails here only because this machine has none).
+  const auto per_rank = finetune("2", "cuda", "CUDA_VISIBLE_DEVICES=0 ");
+  INFO(per_rank.output);
+  REQUIRE(per_rank.exit_code != 0);
+  REQUIRE_THAT(per_rank.output, !Catch::Contains("local ranks") && Catch::Contains("CUDA"));
+  // The way out on the CPU: the same two ranks train.
+  const auto cpu = finetune("2", "cpu");
+  INFO(cpu.output);
+  REQUIRE(cpu.exit_code == 0);
+}
+
+TEST_CASE("rank_device: one local rank per GPU", "[accelerator][issue26]") {
+  REQUIRE(strata::rank_device(0, 1, 1) == 0);
+  REQUIRE(strata::rank_device(3, 4, 8) == 3);
+  REQUIRE_THROWS_WITH(strata::rank_device(1, 2, 1),
+                      Catch::Contains("2 local ranks (strata run -n 2) but this machine has 1 GPU:") &&
+                          Catch::Contains("-n 1"));
+  REQUIRE_THROWS_WITH(strata::rank_device(0, 8, 4), Catch::Contains("has 4 GPUs") && Catch::Contains("-n 4"));
+  REQUIRE_THROWS_WITH(strata::rank_device(2, 2, 4), Catch::Contains("LOCAL_RANK 2 is outside"));
 }

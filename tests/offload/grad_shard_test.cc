@@ -1,0 +1,164 @@
+// GradShard's nvme home (offload/grad_shard.h): blocks written, added on
+// accumulation, unwritten slices read as zeros, a failed write reaching the
+// stream — and its disk I/O kept off the host-function thread. The cpu
+// accelerator runs with one host-function thread shared by all streams
+// (AcceleratorOptions::cpu_shared_host_thread), as CUDA's driver does, so a
+// bucket write inside a host function would be seen holding up every other
+// stream's host functions. Real O_DIRECT files and real io_uring; the slow and
+// failing writes come from the fault backend wrapped around it.
+#include "offload/grad_shard.h"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "nvme/aio_handle.h"
+#include "nvme/io_backend.h"
+#include "nvme/swap_space.h"
+#include "tests/support/temp_dir.h"
+
+using namespace strata;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Three bf16 parameters (slices aligned to 2048 elements): a spans two
+// alignments, b is short, c is exactly one.
+partition::PartitionLayout three_params() {
+  return partition::PartitionLayout(
+      {{"a", {3000}, DType::kBF16}, {"b", {100}, DType::kBF16}, {"c", {2048}, DType::kBF16}},
+      partition::LayoutOptions{});
+}
+
+AcceleratorOptions cuda_like() {
+  AcceleratorOptions options;
+  options.cpu_shared_host_thread = true;
+  return options;
+}
+
+// A block of accelerator memory holding slice p filled with value + i.
+float* block(Accelerator& acc, const partition::PartitionLayout& layout, size_t p, float value) {
+  const size_t numel = static_cast<size_t>(layout.param(p).slice_numel);
+  auto* data = static_cast<float*>(acc.allocate(numel * sizeof(float)));
+  for (size_t i = 0; i < numel; ++i) data[i] = value + static_cast<float>(i % 7);
+  return data;
+}
+
+struct Rig {
+  explicit Rig(std::shared_ptr<nvme::FaultPlan> plan = nullptr)
+      : acc(make_cpu_accelerator(cuda_like())),
+        ops(ops::make_ops(*acc)),
+        stream(acc->create_stream()),
+        ctx(ops->make_context(*stream)),
+        aio(nvme::AioOptions{}, plan ? nvme::make_fault_backend(nvme::make_backend(nvme::EngineKind::kUring), plan)
+                                     : nullptr),
+        swap(nvme::SwapSpaceOptions{dir.path(), "grad", 0}),
+        shard(*acc, *ops, layout, aio, swap, "fp32") {}
+  ~Rig() {
+    try {
+      stream->synchronize();
+    } catch (const Error&) {
+      // A test that failed the stream has checked its error already.
+    }
+    for (float* b : blocks) acc->deallocate(b);
+  }
+  float* add_block(size_t p, float value) {
+    blocks.push_back(block(*acc, layout, p, value));
+    return blocks.back();
+  }
+  // The slice of parameter p in the whole shard as read() shows it.
+  std::vector<float> slice(size_t p) {
+    const float* all = shard.read(0, static_cast<size_t>(layout.shard_numel()), *stream);
+    const auto& slot = layout.param(p);
+    return std::vector<float>(all + slot.shard_offset_numel, all + slot.shard_offset_numel + slot.slice_numel);
+  }
+
+  test::TempDir dir{"grad-shard"};
+  partition::PartitionLayout layout = three_params();
+  std::unique_ptr<Accelerator> acc;
+  std::unique_ptr<ops::Ops> ops;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<ops::ComputeContext> ctx;
+  nvme::AioHandle aio;
+  nvme::SwapSpace swap;
+  offload::GradShard shard;
+  std::vector<float*> blocks;
+};
+
+void require_slice(const std::vector<float>& slice, float value) {
+  for (size_t i = 0; i < slice.size(); ++i) {
+    INFO("element " << i);
+    REQUIRE(slice[i] == (value == 0 ? 0.0f : value + static_cast<float>(i % 7)));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("grad shard on nvme: blocks written and added, unwritten slices zeros, across zero()", "[grad_shard]") {
+  Rig rig;
+  REQUIRE(rig.shard.on_nvme());
+  // Parameter a twice (accumulation adds what is on disk), b once, c never.
+  rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+  rig.shard.accumulate(1, rig.add_block(1, 5), *rig.stream, *rig.ctx);
+  rig.shard.accumulate(0, rig.add_block(0, 10), *rig.stream, *rig.ctx);
+  rig.stream->synchronize();
+  const auto a = rig.slice(0);
+  for (size_t i = 0; i < a.size(); ++i) REQUIRE(a[i] == 11.0f + 2.0f * static_cast<float>(i % 7));
+  require_slice(rig.slice(1), 5);
+  require_slice(rig.slice(2), 0);
+  // After zero() only what is written again counts; a's old bytes read as zeros.
+  rig.shard.zero(*rig.stream);
+  rig.shard.accumulate(2, rig.add_block(2, 3), *rig.stream, *rig.ctx);
+  rig.stream->synchronize();
+  require_slice(rig.slice(0), 0);
+  require_slice(rig.slice(1), 0);
+  require_slice(rig.slice(2), 3);
+}
+
+TEST_CASE("grad shard on nvme: a failed write is the stream's error, and later blocks still end", "[grad_shard]") {
+  auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
+      nvme::IoFault{.nth = 1, .kind = nvme::IoFault::Kind::kError, .error = 5, .op = nvme::IoOp::kWrite}});
+  Rig rig(plan);
+  rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+  REQUIRE_THROWS_AS(rig.stream->synchronize(), Error);
+  REQUIRE(plan->fired() == 1);
+  // The stream has failed: the next block's notice is skipped, and its I/O
+  // job must still end (with the stream's error) rather than wait for ever.
+  rig.shard.accumulate(1, rig.add_block(1, 2), *rig.stream, *rig.ctx);
+  REQUIRE_THROWS_AS(rig.stream->synchronize(), Error);
+}
+
+TEST_CASE("grad shard on nvme: a slow bucket write does not delay another stream's host function",
+          "[grad_shard][accelerator]") {
+  // The write was a synchronous read-add-write inside launch_host_func: on
+  // cuda's one callback thread (modelled here) every other stream's host
+  // functions waited for the disk.
+  constexpr auto kSlow = std::chrono::milliseconds(800);
+  auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
+      .nth = 1, .kind = nvme::IoFault::Kind::kSlow, .op = nvme::IoOp::kWrite, .delay = kSlow}});
+  Rig rig(plan);
+  auto other = rig.acc->create_stream();
+  const auto start = Clock::now();
+  rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+  // The bucket's write is under way (held by the disk) before the other
+  // stream's host function is launched.
+  while (plan->fired() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::atomic<int64_t> ran_after_ms{-1};
+  const auto launched = Clock::now();
+  other->launch_host_func([&] {
+    ran_after_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - launched).count();
+  });
+  other->synchronize();
+  rig.stream->synchronize();
+  const auto bucket_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  INFO("other stream's host function ran " << ran_after_ms << " ms after its launch; the bucket took " << bucket_ms
+                                           << " ms");
+  REQUIRE(bucket_ms >= kSlow.count());  // the write really was slow
+  REQUIRE(ran_after_ms >= 0);
+  REQUIRE(ran_after_ms < 300);
+  require_slice(rig.slice(0), 1);  // and the block still reached the disk
+}
