@@ -27,6 +27,7 @@
 #include "core/log.h"
 #include "core/trace_recorder.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/device_guard.h"
 #include "core/cuda/cuda_stream.h"
 
 namespace strata::partition {
@@ -51,21 +52,6 @@ ncclDataType_t nccl_type(DType dtype) {
   }
   raise(ErrorCategory::kInternal, "unknown dtype");
 }
-
-// Makes `device` current on this thread; restores the previous one on exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
-    STRATA_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class NcclCommunicator final : public Communicator {
  public:
@@ -92,7 +78,7 @@ class NcclCommunicator final : public Communicator {
     // wait by the timeout (a blocking init would hang on a missing peer).
     // NCCL binds the communicator to the calling thread's current device.
     std::unique_lock<std::mutex> lock(mutex_);
-    DeviceGuard guard(device_);
+    DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
     ncclResult_t init = ncclCommInitRankConfig(&comm_, options.world_size, id, options.rank, &config);
     // An init that fails at once may still have made the communicator (NCCL
     // hands it out before its checks in non-blocking mode): abort frees it
@@ -115,7 +101,7 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock<std::mutex> lock(mutex_);
     if (comm_ != nullptr && !aborted_) {
       try {
-        DeviceGuard guard(device_);
+        DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
         // Finalize is asynchronous in non-blocking mode: it flushes what was
         // issued; wait (bounded) before destroying.
         ncclResult_t state = ncclCommFinalize(comm_);
@@ -216,7 +202,7 @@ class NcclCommunicator final : public Communicator {
                  "NCCL communicator of rank {} was aborted by an earlier failure ({}); it cannot run {}", rank(),
                  first_failure_, name);
     std::string what = fmt::format("{} #{} ({} x {})", name, ++op_count_, numel, dtype_name(dtype));
-    DeviceGuard guard(device_);
+    DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
     auto start = accelerator_.create_event();
     stream.record(*start);
     try {
@@ -255,7 +241,7 @@ class NcclCommunicator final : public Communicator {
 
   void watch() {
     try {
-      DeviceGuard guard(device_);
+      DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
       std::unique_lock<std::mutex> lock(mutex_);
       while (!stopping_) {
         if (in_flight_.empty() || aborted_) {
@@ -340,7 +326,7 @@ class NcclCommunicator final : public Communicator {
     aborted_ = true;
     if (comm_ != nullptr) {
       try {
-        DeviceGuard guard(device_);
+        DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
         ncclCommAbort(comm_);
       } catch (const std::exception& e) {
         logger().error("NCCL communicator of rank {}: abort: {}", rank(), e.what());

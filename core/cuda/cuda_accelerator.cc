@@ -25,6 +25,7 @@
 #include "core/host_memory.h"
 #include "core/log.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/device_guard.h"
 #include "core/cuda/cuda_stream.h"
 
 #include <cublas_v2.h>
@@ -47,37 +48,6 @@ const char* const kUserModuleLoading = [] {
   if (value == nullptr) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   return value;
 }();
-
-// Restores the calling thread's current device on scope exit.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) STRATA_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
-// Makes `device` (its primary context) current for runtime and driver calls,
-// even when it already is the runtime's current device; restores on exit.
-class CurrentDevice {
- public:
-  explicit CurrentDevice(int device) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
-    STRATA_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~CurrentDevice() { cudaSetDevice(previous_); }
-  CurrentDevice(const CurrentDevice&) = delete;
-  CurrentDevice& operator=(const CurrentDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Recycles cudaEvent_t handles: every Stream::record takes a fresh one (so a
 // point once seen by a wait or a stream-ordered free never moves), and giving
@@ -594,7 +564,7 @@ class CudaStream final : public Stream {
     if (state->slot().host != nullptr && shared_->wait_value_works.load()) {
       // A driver call uses the calling thread's current context: make it the
       // device's primary context (cudaSetDevice binds it), restore after.
-      CurrentDevice current(shared_->device);
+      DeviceGuard current(shared_->device, DeviceGuard::Bind::kAlways);
       const CUresult result = shared_->wait_value32(static_cast<CUstream>(stream_), state->slot().device,
                                                     state->slot().target, CU_STREAM_WAIT_VALUE_GEQ);
       if (result == CUDA_SUCCESS) return;

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/device_guard.h"
 
 namespace strata::ops {
 namespace {
@@ -68,14 +69,9 @@ double measure_bf16_gemm_tflops(Accelerator& accelerator, int64_t m, int64_t n, 
                iters);
   std::unique_ptr<Stream> owned_stream = accelerator.create_stream();
   const auto stream = static_cast<cudaStream_t>(owned_stream->native_handle());
-  int device = 0, previous = 0;
+  int device = 0;
   STRATA_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
-  STRATA_CUDA_CHECK(cudaGetDevice(&previous));
-  STRATA_CUDA_CHECK(cudaSetDevice(device));
-  struct Restore {
-    int device;
-    ~Restore() { cudaSetDevice(device); }
-  } restore{previous};
+  DeviceGuard guard(device, DeviceGuard::Bind::kAlways);
 
   Resources r;
   r.accelerator = &accelerator;

@@ -28,6 +28,7 @@
 #include "kernels/ops.h"
 #include "core/error.h"
 #include "core/cuda/cuda_check.h"
+#include "core/cuda/device_guard.h"
 
 namespace strata::ops {
 namespace {
@@ -105,24 +106,6 @@ void check_blas(cublasStatus_t status, const char* what) {
   }
 }
 
-// Makes `device` current for the scope (a no-op when it already is).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    STRATA_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) STRATA_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 // cuBLAS's recommended workspace on Hopper (smaller suffices before it).
 constexpr size_t kBlasWorkspaceNbytes = size_t{32} << 20;
 
@@ -132,7 +115,7 @@ class CudaContext final : public ComputeContext {
     STRATA_CHECK(stream.native_handle() != nullptr, kBadArgument,
                  "cuda Ops: make_context needs a stream of the cuda accelerator");
     STRATA_CUDA_CHECK(cudaStreamGetDevice(cuda_stream(), &device_));
-    DeviceScope scope(device_);
+    DeviceGuard scope(device_);
     event_ = accelerator.create_event();
     STRATA_CUBLAS_CHECK(cublasCreate(&handle_));
     try {
@@ -153,11 +136,12 @@ class CudaContext final : public ComputeContext {
   ~CudaContext() override {
     // cuBLAS work queued with the workspace may still run: free it in stream order.
     release(workspace_);
-    int previous = 0;
-    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
-                          cudaSetDevice(device_) == cudaSuccess;
-    cublasDestroy(handle_);
-    if (switched) cudaSetDevice(previous);
+    try {
+      DeviceGuard guard(device_);
+      cublasDestroy(handle_);
+    } catch (const Error&) {
+      cublasDestroy(handle_);  // on whatever device is current: better than leaking the handle
+    }
   }
 
   void* blas_handle() const override { return handle_; }
@@ -556,7 +540,7 @@ class CudaOps final : public Ops {
   // synchronize), like a failing kernel on the cpu backend.
   template <typename Fn>
   void run(CudaContext& c, const char* op, Fn&& fn) {
-    DeviceScope scope(c.device());
+    DeviceGuard scope(c.device());
     try {
       fn();
     } catch (LaunchFailure& failure) {
