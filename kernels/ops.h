@@ -249,7 +249,7 @@ void numel(std::string_view op, std::string_view what, const TensorView& t, int6
 AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
                          const TensorView& v);
 // A sliding window >= 0.
-void attention_mask(std::string_view op, const AttentionMask& mask);
+void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq);
 // RoPE parameters that give finite frequencies: theta > 0, factor >= 1 where
 // used, llama3's high_freq_factor > low_freq_factor > 0 and a positive context.
 void rope(std::string_view op, const Rope& rope);

@@ -55,8 +55,12 @@ void numel(std::string_view op, std::string_view what, const TensorView& t, int6
                what, t.numel(), shape_string(t.desc.shape), want);
 }
 
-void attention_mask(std::string_view op, const AttentionMask& mask) {
+void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq) {
   STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
+  STRATA_CHECK((mask.segment_start == nullptr) == (mask.segment_end == nullptr), kBadArgument,
+               "{}: packed documents need both their starts and their ends", op);
+  STRATA_CHECK(!mask.has_segments() || mask.seq == seq, kBadArgument,
+               "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, seq);
 }
 
 void rope(std::string_view op, const Rope& r) {

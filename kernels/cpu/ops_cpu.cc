@@ -359,7 +359,7 @@ class CpuOps final : public Ops {
                          const AttentionMask& mask) override {
     constexpr const char* op = "attention_forward";
     const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
+    check::attention_mask(op, mask, s.seq);
     check::float_tensor(op, "out", out);
     check::same_dtype(op, q, out);
     check::shape(op, "out", out, q.desc.shape);
@@ -379,7 +379,7 @@ class CpuOps final : public Ops {
                           const TensorView& dv, const AttentionMask& mask) override {
     constexpr const char* op = "attention_backward";
     const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
+    check::attention_mask(op, mask, s.seq);
     for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk},
                            {"dv", &dv}}) {
       check::float_tensor(op, what, *t);

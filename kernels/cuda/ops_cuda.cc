@@ -688,7 +688,7 @@ class CudaOps final : public Ops {
                                             const TensorView& k, const TensorView& v,
                                             const AttentionMask& mask) {
     const AttentionShape s = check::attention(op, q, k, v);
-    check::attention_mask(op, mask);
+    check::attention_mask(op, mask, s.seq);
     check_device(op, "q", q);
     check_device(op, "k", k);
     check_device(op, "v", v);

@@ -1,0 +1,40 @@
+// DeepSpeed's monitors, as finetune's rank 0 writes them each step
+// (ds_config csv_monitor / tensorboard, runtime/config/config.h):
+//   csv_monitor: OUTPUT/JOB/<name with / as _>.csv, a "step,<name>" header
+//     then one "step,value" line per step (DeepSpeed's csvMonitor layout).
+// The values: train/loss, train/lr, train/grad_norm, train/tokens_per_second
+// and, after an evaluation, eval/loss. tensorboard is refused until strata
+// writes its event files (a maintained protobuf encoder and the event schema).
+//
+// Ownership: owns its files. Thread-safety: one thread. Errors: Error(kIo)
+// naming the file.
+#pragma once
+
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <string>
+
+#include "runtime/config/config.h"
+
+namespace strata::train {
+
+class CsvMonitor {
+ public:
+  // `dir`: output_path/job_name (created).
+  explicit CsvMonitor(std::filesystem::path dir);
+  ~CsvMonitor();
+  CsvMonitor(const CsvMonitor&) = delete;
+  CsvMonitor& operator=(const CsvMonitor&) = delete;
+  void write(const std::string& name, int64_t step, double value);
+  const std::filesystem::path& dir() const { return dir_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::map<std::string, std::FILE*> files_;
+};
+
+// The monitor directory of a section: output_path (else `fallback`) / job_name.
+std::filesystem::path monitor_dir(const MonitorConfig& monitor, const std::filesystem::path& fallback);
+
+}  // namespace strata::train
