@@ -114,9 +114,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const DocumentFilter fill = [&](nlohmann::json doc) { return apply_trainer_flags(std::move(doc), flags, source); };
   const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source, fill)
                                                : load_config_file(options.config.string(), fill);
-  STRATA_CHECK(!config.tensorboard.enabled, kBadArgument,
-               "{}: tensorboard.enabled is true, but this strata does not write TensorBoard event files yet; use "
-               "csv_monitor (the same values as CSV) or metrics.jsonl",
+  STRATA_CHECK(!config.tensorboard.enabled || tensorboard_available(), kBadArgument,
+               "{}: tensorboard.enabled is true, but this strata was built without protobuf (Debian: libprotobuf-dev "
+               "protobuf-compiler, then rebuild); use csv_monitor (the same values as CSV) or metrics.jsonl",
                source);
   const engine::ZeroEngineOptions zero = zero_engine_options(config, source);
   const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
@@ -293,8 +293,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   // DeepSpeed's monitors (rank 0): csv_monitor's files beside the metrics.
   std::unique_ptr<CsvMonitor> csv;
+  std::unique_ptr<TensorBoardMonitor> tensorboard;
   if (rank.rank == 0 && config.csv_monitor.enabled) {
     csv = std::make_unique<CsvMonitor>(monitor_dir(config.csv_monitor, options.out));
+  }
+  if (rank.rank == 0 && config.tensorboard.enabled) {
+    tensorboard = std::make_unique<TensorBoardMonitor>(monitor_dir(config.tensorboard, options.out));
   }
   FinetuneResult result;
   // Evaluation: the masked mean loss over the held-out windows, forward only.
@@ -385,13 +389,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       result.eval_losses.emplace_back(step, *r.eval_loss);
     }
     if (report) report->record(r);
-    if (csv) {
-      csv->write("train/loss", step, r.loss);
-      csv->write("train/lr", step, r.lr);
-      csv->write("train/grad_norm", step, r.grad_norm);
-      csv->write("train/tokens_per_second", step, r.tokens_per_second());
-      if (r.eval_loss) csv->write("eval/loss", step, *r.eval_loss);
-    }
+    const auto monitor = [&](const std::string& name, double value) {
+      if (csv) csv->write(name, step, value);
+      if (tensorboard) tensorboard->write(name, step, value);
+    };
+    monitor("train/loss", r.loss);
+    monitor("train/lr", r.lr);
+    monitor("train/grad_norm", r.grad_norm);
+    monitor("train/tokens_per_second", r.tokens_per_second());
+    if (r.eval_loss) monitor("eval/loss", *r.eval_loss);
     const bool new_best = options.keep_best && r.eval_loss && (!best_eval || *r.eval_loss < *best_eval);
     if (checkpoints && (step % options.save_every == 0 || step == options.steps || new_best)) {
       trace::Span span("phase", "checkpoint");

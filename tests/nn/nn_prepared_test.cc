@@ -23,7 +23,7 @@ using strata::test::doc;
 using strata::test::prepared_bytes;
 using strata::test::write;
 
-TEST_CASE("prepared data: the documented layout reads back; damaged files are refused by name", "[data]") {
+TEST_CASE("prepared data: the documented layout reads back, damaged files are refused by name", "[data]") {
   test::TempDir dir("prepared");
   const std::vector<Doc> docs = {doc(10, 3, {false, false, true}), doc(20, 9), doc(40, 1)};
   write(dir.file("d.sd"), prepared_bytes(docs, 100));

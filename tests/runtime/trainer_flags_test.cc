@@ -28,7 +28,7 @@ Config with_flags(const TrainerFlags& flags, const char* text = kTrainerConfig) 
 
 }  // namespace
 
-TEST_CASE("\"auto\" values are filled from the Trainer-like flags, never silently defaulted", "[config]") {
+TEST_CASE("Trainer auto values are filled from the Trainer-like flags, never silently defaulted", "[config]") {
   TrainerFlags flags;
   flags.lr = 2e-5;
   flags.weight_decay = 0.1;
@@ -71,7 +71,7 @@ TEST_CASE("\"auto\" values are filled from the Trainer-like flags, never silentl
             .optimizer.lr == Approx(2e-5));
 }
 
-TEST_CASE("csv_monitor and tensorboard sections are read; wandb is refused with the reason", "[config]") {
+TEST_CASE("csv_monitor and tensorboard sections are read, wandb is refused with the reason", "[config]") {
   const Config c = parse_config_text(R"({"zero_optimization": {"stage": 3},
       "csv_monitor": {"enabled": true, "output_path": "logs/", "job_name": "run1"},
       "tensorboard": {"enabled": false, "output_path": "tb/", "job_name": "run1"}})");
