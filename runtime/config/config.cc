@@ -1,5 +1,6 @@
 // Checking a configuration document against the schema and building Config.
 #include "runtime/config/config.h"
+#include "runtime/config/trainer_flags.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -161,7 +162,20 @@ class Checker {
       }
       return;
     }
-    if (value.is_string() && value.get<std::string>() == "auto") return;  // Hugging Face: use the default
+    if (value.is_string() && value.get<std::string>() == "auto" && !convert(f, value)) {
+      // Hugging Face Trainer configs: a value the Trainer fills from its own
+      // arguments is filled only by strata finetune's flag of that meaning
+      // (trainer_flags.h); here it is refused, never silently defaulted. The
+      // sizes the Trainer derives keep strata's default.
+      if (const char* flag = trainer_flag_of(f.path)) {
+        problem("{}: \"auto\" is a Hugging Face Trainer value: strata finetune fills it from {}; give the value "
+                "here",
+                given, flag);
+      } else if (!trainer_derived(f.path)) {
+        problem("{}: \"auto\" is a Hugging Face Trainer value strata has no flag for: give the value", given);
+      }
+      return;
+    }
     std::optional<json> accepted = convert(f, value);
     if (!accepted) {
       const std::string got = f.kind == FieldKind::kEnum && value.is_string()

@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include <utility>
 #include <vector>
 
 #include "runtime/config/config.h"
@@ -37,6 +38,30 @@ void find_autos(const json& value, const std::string& path, std::vector<std::str
 }
 
 }  // namespace
+
+const char* trainer_flag_of(std::string_view key) {
+  static constexpr std::pair<std::string_view, const char*> kFlags[] = {
+      {"train_micro_batch_size_per_gpu", "--micro-batch"},
+      {"gradient_accumulation_steps", "--grad-accum"},
+      {"optimizer.params.lr", "--lr"},
+      {"optimizer.params.weight_decay", "--weight-decay"},
+      {"scheduler.params.warmup_max_lr", "--lr"},
+      {"scheduler.params.warmup_num_steps", "--warmup-steps"},
+      {"scheduler.params.total_num_steps", "--steps"},
+      {"bf16.enabled", "--bf16"},
+      {"fp16.enabled", "--fp16"},
+  };
+  for (const auto& [k, flag] : kFlags) {
+    if (k == key) return flag;
+  }
+  return nullptr;
+}
+
+bool trainer_derived(std::string_view key) {
+  return key == "train_batch_size" || key == "zero_optimization.reduce_bucket_size" ||
+         key == "zero_optimization.stage3_prefetch_bucket_size" ||
+         key == "zero_optimization.stage3_param_persistence_threshold" || key == "scheduler.params.warmup_min_lr";
+}
 
 json apply_trainer_flags(json doc, const TrainerFlags& flags, const std::string& source) {
   std::vector<std::string> problems;

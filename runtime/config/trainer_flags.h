@@ -28,6 +28,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace strata {
 
@@ -39,6 +40,16 @@ struct TrainerFlags {
   int64_t hidden_size = 0;  // the model's (the bucket sizes)
   bool override_values = false;  // a given flag replaces an explicit value (finetune's built-in defaults)
 };
+
+// The finetune flag that fills "auto" at `key` (a canonical config path), or
+// nullptr when none does. parse_config (strata config check, plan, the C API,
+// which have no such flags) refuses "auto" at those keys naming the flag,
+// reads it as the default at the sizes the Trainer derives from the model or
+// the batch (train_batch_size, the bucket sizes, warmup_min_lr), and refuses
+// it anywhere else.
+const char* trainer_flag_of(std::string_view key);
+// Whether "auto" at `key` is a size the Trainer derives (read as the default by parse_config).
+bool trainer_derived(std::string_view key);
 
 // `document` with every "auto" filled and the flags applied.
 nlohmann::json apply_trainer_flags(nlohmann::json document, const TrainerFlags& flags, const std::string& source);

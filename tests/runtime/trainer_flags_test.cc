@@ -71,6 +71,21 @@ TEST_CASE("Trainer auto values are filled from the Trainer-like flags, never sil
             .optimizer.lr == Approx(2e-5));
 }
 
+TEST_CASE("strata config check refuses a Trainer auto value naming the finetune flag, derived sizes keep the "
+          "default",
+          "[config]") {
+  REQUIRE_THROWS_WITH(parse_config_text(R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                                           "zero_optimization": {"stage": 3}})"),
+                      Catch::Contains("optimizer.params.lr: \"auto\" is a Hugging Face Trainer value: strata "
+                                      "finetune fills it from --lr"));
+  const Config c = parse_config_text(R"({"train_batch_size": "auto",
+                                         "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})");
+  CHECK(c.train_batch_size == 0);
+  CHECK(c.zero.reduce_bucket_numel == 500000000);
+  REQUIRE_THROWS_WITH(parse_config_text(R"({"gradient_clipping": "auto", "zero_optimization": {"stage": 3}})"),
+                      Catch::Contains("gradient_clipping: \"auto\" is a Hugging Face Trainer value strata has no flag"));
+}
+
 TEST_CASE("csv_monitor and tensorboard sections are read, wandb is refused with the reason", "[config]") {
   const Config c = parse_config_text(R"({"zero_optimization": {"stage": 3},
       "csv_monitor": {"enabled": true, "output_path": "logs/", "job_name": "run1"},
