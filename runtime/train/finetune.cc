@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -326,6 +327,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     return engine.global_sum(sum) / eval_targets;
   };
   std::optional<double> best_eval;
+  if (options.keep_best && options.resume) {
+    // The best so far of the run resumed, when its checkpoint is still there.
+    const std::filesystem::path best_file = options.save_dir / "best.json";
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(best_file, ec)) {
+      std::ifstream in(best_file);
+      const nlohmann::json best = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (best.is_object() && best.contains("step") && best.contains("eval_loss") && best["eval_loss"].is_number() &&
+          best["step"].is_number_integer() && best["step"].get<int64_t>() <= done) {
+        best_eval = best["eval_loss"].get<double>();
+        result.best_step = best["step"].get<int64_t>();
+        checkpoints->keep_also(result.best_step);
+      }
+    }
+  }
   std::vector<data::Batch> micro(static_cast<size_t>(accumulation));
   for (int64_t step = done + 1; step <= options.steps; ++step) {
     trace::Span step_span("phase", "step");

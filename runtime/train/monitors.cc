@@ -39,9 +39,12 @@ void CsvMonitor::write(const std::string& name, int64_t step, double value) {
     std::string file_name = name;
     for (char& c : file_name) c = c == '/' ? '_' : c;
     const std::filesystem::path path = dir_ / (file_name + ".csv");
-    std::FILE* f = std::fopen(path.c_str(), "w");
-    if (f == nullptr) raise_errno(errno, "csv_monitor: create " + path.string());
-    fmt::print(f, "step,{}\n", name);
+    // Appended to, as DeepSpeed's csvMonitor does (a resumed run continues the file).
+    std::error_code ec;
+    const bool fresh = !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) == 0;
+    std::FILE* f = std::fopen(path.c_str(), "a");
+    if (f == nullptr) raise_errno(errno, "csv_monitor: open " + path.string());
+    if (fresh) fmt::print(f, "step,{}\n", name);
     it = files_.emplace(name, f).first;
   }
   fmt::print(it->second, "{},{}\n", step, value);

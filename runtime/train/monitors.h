@@ -1,7 +1,8 @@
 // DeepSpeed's monitors, as finetune's rank 0 writes them each step
 // (ds_config csv_monitor / tensorboard, runtime/config/config.h):
 //   csv_monitor: OUTPUT/JOB/<name with / as _>.csv, a "step,<name>" header
-//     then one "step,value" line per step (DeepSpeed's csvMonitor layout).
+//     then one "step,value" line per step, appended to (DeepSpeed's csvMonitor
+//     layout; a resumed run continues the files).
 //   tensorboard: OUTPUT/JOB/events.out.tfevents.<time>.<host>, TensorFlow's
 //     event file: TFRecord framing (length, masked CRC-32C of it, the bytes,
 //     their masked CRC-32C) around Event protos encoded by protobuf from the

@@ -137,4 +137,18 @@ TEST_CASE("strata run -n 2 -- strata finetune on packed prepared data with evalu
   const std::string losses = read_text(dir.file("monitors") + "/job/train_loss.csv");
   CHECK_THAT(losses, Catch::StartsWith("step,train/loss\n1,"));
   CHECK_THAT(read_text(dir.file("monitors") + "/job/eval_loss.csv"), Catch::StartsWith("step,eval/loss\n4,"));
+  // Resumed with --keep-best: the best so far stays protected until a lower evaluation replaces it.
+  const auto resumed = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
+                                   config + " --init " + dir.file("small.json") + " --data " + dir.file("train.sd") +
+                                   " --eval-data " + dir.file("eval.sd") +
+                                   " --eval-every 4 --eval-batches 2 --steps 20 --seq 48 --out " + dir.file("out2") +
+                                   " --save " + save + " --save-every 100 --keep-checkpoints 1 --keep-best --resume 2>&1");
+  INFO(resumed.output);
+  REQUIRE(resumed.exit_code == 0);
+  const nlohmann::json best_after = nlohmann::json::parse(read_text(save + "/best.json"));
+  CHECK(best_after["eval_loss"].get<double>() <= best["eval_loss"].get<double>());
+  CHECK(std::filesystem::exists(save + "/" + best_after["checkpoint"].get<std::string>() + "/manifest.json"));
+  CHECK(std::filesystem::exists(save + "/step_00000020/manifest.json"));
+  // csv_monitor appends after a resume (as DeepSpeed's): step 16's line, then 17's.
+  CHECK_THAT(read_text(dir.file("monitors") + "/job/train_loss.csv"), Catch::Contains("\n16,") && Catch::Contains("\n17,"));
 }
