@@ -44,7 +44,7 @@ namespace strata::train {
 // What a checkpoint restores beyond the engine's own state.
 struct TrainerState {
   int64_t step = 0;          // loop iterations done (attempted optimizer steps)
-  uint64_t data_cursor = 0;  // TokenLoader::cursor() after them
+  uint64_t data_cursor = 0;  // data::Batches::cursor() after them
   nlohmann::json model;      // what the checkpoint is of: {"config": HF config.json, "dtype": "bf16"}
   // The source's tokenizer, template and generation files (model_files.h),
   // kept in the manifest for `strata export`; not compared on resume.
