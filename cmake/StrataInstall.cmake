@@ -48,3 +48,6 @@ install(FILES ${PROJECT_BINARY_DIR}/strata.pc DESTINATION ${CMAKE_INSTALL_LIBDIR
 # which finds libstrata_runtime.so two folders up. PYTHONPATH=<prefix>/<libdir>/strata/python.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/strata DESTINATION ${CMAKE_INSTALL_LIBDIR}/strata/python
         PATTERN "__pycache__" EXCLUDE)
+# `strata data prepare`'s tool (python/strata_data, run by the strata command).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/python/strata_data DESTINATION ${CMAKE_INSTALL_LIBDIR}/strata/python
+        PATTERN "__pycache__" EXCLUDE)

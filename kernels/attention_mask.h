@@ -10,6 +10,15 @@
 //  - window > 0 (sliding-window attention, transformers' sliding_window: a key
 //    is visible iff kv_idx > q_idx - window): query i sees keys
 //    (i - window, i], its `window` most recent tokens, itself included.
+//  - segments (packed documents: several documents in one row, positions
+//    restarting at each): query i sees only keys of its own document,
+//    [segment_start[i], i] — a block-diagonal causal mask, what transformers
+//    computes when it is fed the documents one by one. The arrays hold, for
+//    each position of the batch ([batch * seq], row-major), the first position
+//    of its document in its row and one past its last; both are non-decreasing
+//    along a row, so the visible ranges stay contiguous and monotone and the
+//    kernels' tile skipping holds unchanged. They live where the kernels read
+//    (device memory for cuda). A kernel takes row(b * seq) for row b.
 //
 // Header-only and usable in device code (nvcc, C++17). Thread-safety: a value type.
 #pragma once
@@ -26,19 +35,45 @@ namespace strata::ops {
 
 struct AttentionMask {
   int64_t window = 0;  // 0: no sliding window (plain causal)
+  // Packed documents; null: one document per row. int32 [batch * seq] each.
+  const int32_t* segment_start = nullptr;
+  const int32_t* segment_end = nullptr;
+  int64_t seq = 0;  // entries per row of the segment arrays
+
+  STRATA_HOST_DEVICE bool has_segments() const { return segment_start != nullptr; }
+  // The mask of the row whose first position is `offset` (b * seq) in the arrays.
+  STRATA_HOST_DEVICE AttentionMask row(int64_t offset) const {
+    AttentionMask m = *this;
+    if (segment_start != nullptr) {
+      m.segment_start += offset;
+      m.segment_end += offset;
+    }
+    return m;
+  }
+  // A position's entry; positions past the row (a kernel's tile padding) read
+  // the last one, whose range is as wide as any in the row.
+  STRATA_HOST_DEVICE int64_t entry(int64_t i) const { return i < seq ? i : seq - 1; }
 };
 
 // The first key query `query` sees (keys [first, query] are visible).
 STRATA_HOST_DEVICE inline int64_t first_visible_key(const AttentionMask& mask, int64_t query) {
-  if (mask.window <= 0) return 0;
-  const int64_t first = query - mask.window + 1;
+  int64_t first = mask.window <= 0 ? 0 : query - mask.window + 1;
+  if (mask.segment_start != nullptr) {
+    const int64_t start = mask.segment_start[mask.entry(query)];
+    if (start > first) first = start;
+  }
   return first > 0 ? first : 0;
 }
 
 // The last query that sees key `key` (queries [key, last] see it), before
 // clipping to the sequence: a caller takes min(last, seq - 1).
 STRATA_HOST_DEVICE inline int64_t last_seeing_query(const AttentionMask& mask, int64_t key) {
-  return mask.window <= 0 ? INT64_MAX : key + mask.window - 1;
+  int64_t last = mask.window <= 0 ? INT64_MAX : key + mask.window - 1;
+  if (mask.segment_end != nullptr) {
+    const int64_t end = static_cast<int64_t>(mask.segment_end[mask.entry(key)]) - 1;
+    if (end < last) last = end;
+  }
+  return last;
 }
 
 STRATA_HOST_DEVICE inline bool is_visible(const AttentionMask& mask, int64_t query, int64_t key) {

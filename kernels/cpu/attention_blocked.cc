@@ -76,8 +76,9 @@ void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const 
 }
 
 void forward_block(const float* q, const float* k, const float* v, const AttentionShape& s,
-                   const AttentionMask& mask, const Strides& st, int64_t b, int64_t h, int64_t i0,
+                   const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t h, int64_t i0,
                    float* out, float* lse, float* sc) {
+  const AttentionMask mask = batch_mask.row(b * s.seq);
   const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0, kh = h / st.group;
   const BlockKeys bk = keys_of_block(mask, i0, i1);
   const float* qb = q + (b * s.seq + i0) * st.q_row + h * st.d;
@@ -93,8 +94,9 @@ void forward_block(const float* q, const float* k, const float* v, const Attenti
 // One (batch, kv head): every query head of its group, every query block.
 void backward_task(const float* dout, const float* q, const float* k, const float* v,
                    const float* out, const float* lse, const AttentionShape& s,
-                   const AttentionMask& mask, const Strides& st, int64_t b, int64_t kh, float* dq,
+                   const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t kh, float* dq,
                    float* dk, float* dv, float* p, float* dp) {
+  const AttentionMask mask = batch_mask.row(b * s.seq);
   const float* kb = k + b * s.seq * st.kv_row + kh * st.d;
   const float* vb = v + b * s.seq * st.kv_row + kh * st.d;
   float* dkb = dk + b * s.seq * st.kv_row + kh * st.d;

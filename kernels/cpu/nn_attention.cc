@@ -49,7 +49,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
         const int64_t kh = h / group;
         for (int64_t i = 0; i < s.seq; ++i) {
           const T* qi = q + (b * s.seq + i) * q_row + h * d;
-          const int64_t first = ops::first_visible_key(mask, i);
+          const int64_t first = ops::first_visible_key(mask.row(b * s.seq), i);
           T m = -std::numeric_limits<T>::infinity();
           for (int64_t j = first; j <= i; ++j) {
             p[j] = dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale;
@@ -101,7 +101,7 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
           std::fill(dqi, dqi + d, T(0));
           const T delta = dot(doi, out + qo, d);  // sum_j p_ij dp_ij
           const T row_lse = lse[(b * s.heads + h) * s.seq + i];
-          for (int64_t j = ops::first_visible_key(mask, i); j <= i; ++j) {
+          for (int64_t j = ops::first_visible_key(mask.row(b * s.seq), i); j <= i; ++j) {
             const int64_t ko = (b * s.seq + j) * kv_row + kh * d;
             const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
             const T dp = dot(doi, v + ko, d);

@@ -23,7 +23,7 @@
 //  - Causal skipping: key tiles after a query tile are never visited; inside
 //    the diagonal tiles each warp skips the 16-wide column groups that lie
 //    wholly above the diagonal for its 16 rows (no MMA, no exp).
-//  - Sliding window (attention_mask.h, kernel_window): query tiles start
+//  - Sliding window and packed documents (attention_mask.h, kernel_mask): query tiles start
 //    their key loop at the tile holding their first row's first visible key,
 //    key tiles (dK/dV) end their query loop after the last query that sees
 //    their last key, and elements outside [first_visible_key, query] are

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
     attention_forward_f32_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                  const float* __restrict__ v, float* __restrict__ out,
                                  float* __restrict__ lse, int64_t seq, int heads, int kv_heads,
-                                 int head_dim, float scale, int window) {
+                                 int head_dim, float scale, AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) o[cc] = 0.0f;
   float row_max = -INFINITY, row_sum = 0.0f;
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
   for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ k, const float* __restrict__ v,
                               const float* __restrict__ lse, const float* __restrict__ delta,
                               float* __restrict__ dk, float* __restrict__ dv, int64_t seq,
-                              int heads, int kv_heads, int head_dim, float scale, int window) {
+                              int heads, int kv_heads, int head_dim, float scale, AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* k_s = smem32;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
   float dk_acc[kD / 4], dv_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dk_acc[cc] = dv_acc[cc] = 0.0f;
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   // Query tiles past the last query that sees one of this tile's keys are skipped.
   const int64_t q_tiles =
       min((seq + kTile - 1) / kTile, last_seeing_query(mask, k0 + kTile - 1) / kTile + 1);
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
                             const float* __restrict__ k, const float* __restrict__ v,
                             const float* __restrict__ lse, const float* __restrict__ delta,
                             float* __restrict__ dq, int64_t seq, int heads, int kv_heads,
-                            int head_dim, float scale, int window) {
+                            int head_dim, float scale, AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
   float dq_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dq_acc[cc] = 0.0f;
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
   for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
@@ -301,7 +301,7 @@ cudaError_t forward(const float* q, const float* k, const float* v, const Attent
   const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
   kernel<<<grid, kThreads, kForwardSmem<kD>, stream>>>(
       q, k, v, out, lse, d.seq, static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
-      static_cast<int>(d.head_dim), scale, kernel_window(d));
+      static_cast<int>(d.head_dim), scale, kernel_mask(d));
   return cudaGetLastError();
 }
 
@@ -320,10 +320,10 @@ cudaError_t backward(const float* dout, const float* q, const float* k, const fl
   const int head_dim = static_cast<int>(d.head_dim);
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,
          kDkdvSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dk, dv, d.seq, heads, kv_heads,
-                                  head_dim, scale, kernel_window(d));
+                                  head_dim, scale, kernel_mask(d));
   dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)), kThreads,
               kDqSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dq, d.seq, heads, kv_heads,
-                                     head_dim, scale, kernel_window(d));
+                                     head_dim, scale, kernel_mask(d));
   return cudaGetLastError();
 }
 

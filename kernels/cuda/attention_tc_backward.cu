@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kBwdThreads)
                              T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dk_part,
                              float* __restrict__ dv_part, int seq, int heads, int kv_heads,
                              int head_dim, int splits, float scale, float scale_log2, bool vec,
-                             int window) {
+                             AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = BwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int warp_key0 = k0 + warp * kRowsPerWarp;
   const int r = lane / 2;
   const int key = warp_key0 + r;
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   // The last query that sees this row's key, and the query tiles past the
   // last query that sees any key of the block's tile (skipped).
   const int64_t row_last = last_seeing_query(mask, key);
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kBwdThreads)
                            const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ lse, const float* __restrict__ delta,
                            T* __restrict__ dq, int seq, int heads, int kv_heads, int head_dim,
-                           float scale, float scale_log2, bool vec, int window) {
+                           float scale, float scale_log2, bool vec, AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = BwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -268,7 +268,7 @@ __global__ void __launch_bounds__(kBwdThreads)
   const float* s_row = s_w + r * kScoreLd;
   T* ds_row = ds_w + r * kProbLd;
   const int key_tiles = min(seq - 1, q0 + kBwdTile - 1) / kBwdTile + 1;
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   const int first_key = static_cast<int>(first_visible_key(mask, query));
 
   for (int kt = static_cast<int>(first_visible_key(mask, q0)) / kBwdTile; kt < key_tiles; ++kt) {
@@ -348,7 +348,7 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads * splits), static_cast<unsigned>(d.batch)),
          kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dk, dv, dk_part, dv_part, seq,
                                       heads, kv_heads, head_dim, splits, fscale, scale_log2, vec,
-                                      kernel_window(d));
+                                      kernel_mask(d));
   if (splits > 1) {
     dkdv_reduce_kernel<T>
         <<<grid_for(kv_numel, 256), 256, 0, stream>>>(dk_part, splits, kv_numel, dk);
@@ -357,7 +357,7 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   }
   dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
               kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dq, seq, heads, kv_heads,
-                                           head_dim, fscale, scale_log2, vec, kernel_window(d));
+                                           head_dim, fscale, scale_log2, vec, kernel_mask(d));
   return cudaGetLastError();
 }
 

@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kFwdThreads)
     attention_forward_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,
                                 float* __restrict__ lse, int seq, int heads, int kv_heads,
-                                int head_dim, float scale_log2, bool vec, int window) {
+                                int head_dim, float scale_log2, bool vec, AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = FwdSmem<kD>;
   constexpr int kLd = Smem::kLd;
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kFwdThreads)
   T* p_row = p_w + r * kProbLd;
   float row_max = -INFINITY, row_sum = 0.0f;
 
-  const AttentionMask mask{window};
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
   // Columns of a key tile before this row's first visible key are masked too.
   const int first_key = static_cast<int>(first_visible_key(mask, query));
   const int key_tiles = min(seq - 1, q0 + kFwdQueryTile - 1) / kKeyTile + 1;
@@ -190,7 +190,7 @@ cudaError_t launch_forward(const T* q, const T* k, const T* v, const AttentionDi
   kernel<<<grid, kFwdThreads, smem, stream>>>(
       q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.heads),
       static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec,
-      kernel_window(d));
+      kernel_mask(d));
   return cudaGetLastError();
 }
 

@@ -113,10 +113,14 @@ struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   AttentionMask mask;  // which keys a query sees (attention_mask.h)
 };
-// The sliding window the kernels apply (an int, as their indices are): 0 when
-// it cannot bind (none, or at least seq long, so every causal key is in it).
-inline int kernel_window(const AttentionDims& d) {
-  return d.mask.window > 0 && d.mask.window < d.seq ? static_cast<int>(d.mask.window) : 0;
+// The mask the kernels apply: the sliding window as 0 when it cannot bind
+// (none, or at least seq long, so every causal key is in it), the segments
+// (packed documents, device memory) as given.
+inline AttentionMask kernel_mask(const AttentionDims& d) {
+  AttentionMask m = d.mask;
+  if (!(m.window > 0 && m.window < d.seq)) m.window = 0;
+  m.seq = d.seq;
+  return m;
 }
 // The largest head_dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;

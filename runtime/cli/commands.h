@@ -29,5 +29,6 @@ void add_run_command(CLI::App& app);
 void add_finetune_command(CLI::App& app);
 void add_export_command(CLI::App& app);
 void add_plan_command(CLI::App& app);
+void add_data_command(CLI::App& app);
 
 }  // namespace strata::cli

@@ -36,13 +36,46 @@ void add_finetune_command(CLI::App& app) {
                   "same model for any world size)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--data", options->data,
-                  "Token file: llm.c format (magic 20240520), raw uint16/uint32 tokens, or text read as bytes "
-                  "(vocab 256)")
+                  "Training data: prepared documents with loss masks (`strata data prepare` from chat, "
+                  "prompt-completion or text JSONL), an llm.c token file (magic 20240520), raw uint16/uint32 "
+                  "tokens, or text read as bytes (vocab 256)")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--data-format", options->data_format, "auto, llmc, u16, u32 or text")
-      ->check(CLI::IsMember({"auto", "llmc", "u16", "u32", "text"}))
+  cmd->add_option("--data-format", options->data_format,
+                  "auto (by the file's magic number: prepared data or llm.c; any other file is refused), prepared, "
+                  "llmc, u16, u32 or text")
+      ->check(CLI::IsMember({"auto", "prepared", "llmc", "u16", "u32", "text"}))
       ->capture_default_str();
+  cmd->add_flag("--no-packing{false}", options->packing,
+                "Prepared data: one document per sample, padded (default: documents packed into each --seq "
+                "window, positions restarting and attention kept within each document)");
+  // Trainer-like flags: fill a Hugging Face Trainer ds_config's "auto" values.
+  auto lr = std::make_shared<double>(0), weight_decay = std::make_shared<double>(0);
+  auto micro = std::make_shared<int64_t>(0), accum = std::make_shared<int64_t>(0), warmup = std::make_shared<int64_t>(0);
+  cmd->add_option("--lr", *lr, "Learning rate: fills \"auto\" in optimizer.params.lr and scheduler.params.warmup_max_lr "
+                               "(as the Trainer's learning_rate); without --config it sets the built-in default's");
+  cmd->add_option("--weight-decay", *weight_decay, "Fills \"auto\" in optimizer.params.weight_decay");
+  cmd->add_option("--micro-batch", *micro, "Fills \"auto\" in train_micro_batch_size_per_gpu")->check(whole_number(1));
+  cmd->add_option("--grad-accum", *accum, "Fills \"auto\" in gradient_accumulation_steps")->check(whole_number(1));
+  cmd->add_option("--warmup-steps", *warmup, "Fills \"auto\" in scheduler.params.warmup_num_steps")
+      ->check(whole_number(0));
+  cmd->add_flag("--bf16", options->trainer.bf16, "Fills \"auto\" in bf16.enabled (true; absent: false)");
+  cmd->add_flag("--fp16", options->trainer.fp16, "Fills \"auto\" in fp16.enabled (true; absent: false)");
+  cmd->add_option("--eval-data", options->eval_data,
+                  "Held-out data (same --data-format): its masked mean loss, forward only, is shown on the progress "
+                  "line and written to metrics.jsonl (eval_loss) and loss.svg")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--eval-every", options->eval_every,
+                  "Steps between evaluations (one also follows the last step); 0: only after the last")
+      ->check(whole_number(0))
+      ->capture_default_str();
+  cmd->add_option("--eval-batches", options->eval_batches,
+                  "Micro-batches per rank each evaluation reads from the start of --eval-data; 0: all of it")
+      ->check(whole_number(0))
+      ->capture_default_str();
+  cmd->add_flag("--keep-best", options->keep_best,
+                "With --save: also keep the checkpoint of the lowest evaluation loss (SAVE/best.json names it), "
+                "whatever --keep-checkpoints removes");
   cmd->add_option("--steps", options->steps, "Optimizer steps")->check(whole_number(1))->capture_default_str();
   cmd->add_option("--seq", options->seq, "Tokens per sample")->check(whole_number(1))->capture_default_str();
   cmd->add_option("--seed", *seed, "Seed of the initialisation and the data order (default: strata.seed)")
@@ -84,8 +117,13 @@ void add_finetune_command(CLI::App& app) {
                   "per I/O worker, communicator and stream thread, spans for each step's phases, I/O requests "
                   "and collectives with bytes and GB/s. One file per rank: {rank} in FILE is replaced by the "
                   "rank, else .rank<N> goes before .json when there are several ranks");
-  on_selected(cmd, [cmd, options, seed, shard_size] {
+  on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup] {
     if (cmd->count("--seed") > 0) options->seed = *seed;
+    if (cmd->count("--lr") > 0) options->trainer.lr = *lr;
+    if (cmd->count("--weight-decay") > 0) options->trainer.weight_decay = *weight_decay;
+    if (cmd->count("--micro-batch") > 0) options->trainer.micro_batch = *micro;
+    if (cmd->count("--grad-accum") > 0) options->trainer.grad_accum = *accum;
+    if (cmd->count("--warmup-steps") > 0) options->trainer.warmup_steps = *warmup;
     const std::optional<uint64_t> shard_nbytes = parse_size(*shard_size);
     STRATA_CHECK(shard_nbytes && *shard_nbytes > 0, kBadArgument,
                  "--export-shard-size: \"{}\" is not a size (e.g. 5GB, 500MiB, 1000000)", *shard_size);

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   strata::cli::add_finetune_command(app);
   strata::cli::add_export_command(app);
   strata::cli::add_plan_command(app);
+  strata::cli::add_data_command(app);
   try {
     app.parse(argc, argv);
     return strata::cli::run_selected(app);

@@ -1,5 +1,6 @@
 // Checking a configuration document against the schema and building Config.
 #include "runtime/config/config.h"
+#include "runtime/config/trainer_flags.h"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -161,7 +162,20 @@ class Checker {
       }
       return;
     }
-    if (value.is_string() && value.get<std::string>() == "auto") return;  // Hugging Face: use the default
+    if (value.is_string() && value.get<std::string>() == "auto" && !convert(f, value)) {
+      // Hugging Face Trainer configs: a value the Trainer fills from its own
+      // arguments is filled only by strata finetune's flag of that meaning
+      // (trainer_flags.h); here it is refused, never silently defaulted. The
+      // sizes the Trainer derives keep strata's default.
+      if (const char* flag = trainer_flag_of(f.path)) {
+        problem("{}: \"auto\" is a Hugging Face Trainer value: strata finetune fills it from {}; give the value "
+                "here",
+                given, flag);
+      } else if (!trainer_derived(f.path)) {
+        problem("{}: \"auto\" is a Hugging Face Trainer value strata has no flag for: give the value", given);
+      }
+      return;
+    }
     std::optional<json> accepted = convert(f, value);
     if (!accepted) {
       const std::string got = f.kind == FieldKind::kEnum && value.is_string()
@@ -293,6 +307,12 @@ Config build(const json& e) {
   c.gradient_clipping = e["gradient_clipping"].get<double>();
   c.steps_per_print = e["steps_per_print"].get<int64_t>();
   c.bf16 = e["bf16"]["enabled"].get<bool>();
+  for (auto [monitor, name] : {std::pair{&c.csv_monitor, "csv_monitor"}, {&c.tensorboard, "tensorboard"}}) {
+    monitor->enabled = e[name]["enabled"].get<bool>();
+    monitor->output_path = e[name]["output_path"].get<std::string>();
+    monitor->job_name = e[name]["job_name"].get<std::string>();
+  }
+  c.wandb_enabled = e["wandb"]["enabled"].get<bool>();
   const json& fp16 = e["fp16"];
   c.fp16 = {fp16["enabled"].get<bool>(),        fp16["loss_scale"].get<double>(),
             as_int(fp16["initial_scale_power"]), as_int(fp16["loss_scale_window"]),
@@ -407,6 +427,11 @@ void check_combinations(const Config& c, Checker& checker) {
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");
   }
+  if (c.wandb_enabled) {
+    checker.problem("wandb.enabled is true: Weights & Biases logs to its servers over the network, which strata's "
+                    "training machines are not given; use csv_monitor or tensorboard (written to local files; "
+                    "tensorboard --logdir reads them) and metrics.jsonl");
+  }
 }
 
 std::string join_problems(const std::string& source, const std::vector<std::string>& problems) {
@@ -466,7 +491,7 @@ Config check_document(const json& document, std::string_view source, const std::
 
 Config parse_config(const json& document, std::string_view source) { return check_document(document, source, {}); }
 
-Config parse_config_text(std::string_view text, std::string_view source) {
+Config parse_config_text(std::string_view text, std::string_view source, const DocumentFilter& filter) {
   JsonTextResult parsed = parse_json_text(text);
   if (!parsed.ok) throw ConfigError(std::string(source), {parsed.error});
   std::vector<std::string> duplicates;
@@ -477,10 +502,11 @@ Config parse_config_text(std::string_view text, std::string_view source) {
     duplicates.push_back(fmt::format("... and {} more keys given more than once",
                                      parsed.duplicate_key_count - parsed.duplicate_keys.size()));
   }
+  if (filter && duplicates.empty()) return check_document(filter(std::move(parsed.document)), source, duplicates);
   return check_document(parsed.document, source, duplicates);
 }
 
-Config load_config_file(const std::string& path) {
+Config load_config_file(const std::string& path, const DocumentFilter& filter) {
   const std::string what = fmt::format("cannot read config file {}", path);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) raise_errno(errno, what);
@@ -510,7 +536,7 @@ Config load_config_file(const std::string& path) {
     }
   }
   ::close(fd);
-  return parse_config_text(text, path);
+  return parse_config_text(text, path, filter);
 }
 
 Config default_config() { return parse_config(json::object(), "defaults"); }

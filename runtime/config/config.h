@@ -4,6 +4,7 @@
 // throws one ConfigError listing every problem found.
 #pragma once
 
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include <array>
@@ -75,6 +76,13 @@ struct OptimizerConfig {
   double weight_decay = 0;
 };
 
+// DeepSpeed's csv_monitor and tensorboard sections: what rank 0 writes each step
+// (runtime/train/monitors.h) under output_path/job_name/.
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path, job_name;
+};
+
 struct StrataOptions {
   std::string accelerator;  // auto | cpu | cuda
   uint64_t seed = 0;
@@ -93,6 +101,8 @@ struct Config {
   double gradient_clipping = 0;
   int64_t steps_per_print = 0;
   bool bf16 = false;
+  MonitorConfig csv_monitor, tensorboard;
+  bool wandb_enabled = false;  // refused (no network): check_combinations
   Fp16Config fp16;
   OptimizerConfig optimizer;
   ZeroConfig zero;
@@ -124,11 +134,15 @@ class ConfigError : public Error {
 
 // Reads and checks a config file. Throws Error(kIo) if unreadable, ConfigError
 // if invalid (JSON syntax errors name line and column).
-Config load_config_file(const std::string& path);
+// `filter`: applied to the parsed document before it is checked (finetune's
+// "auto" values, runtime/config/trainer_flags.h).
+using DocumentFilter = std::function<nlohmann::json(nlohmann::json)>;
+Config load_config_file(const std::string& path, const DocumentFilter& filter = {});
 // Checks a parsed document; `source` names it in messages.
 Config parse_config(const nlohmann::json& document, std::string_view source = "config");
 // Parses JSON text; syntax errors become ConfigError with line:column.
-Config parse_config_text(std::string_view text, std::string_view source = "config");
+Config parse_config_text(std::string_view text, std::string_view source = "config",
+                         const DocumentFilter& filter = {});
 // The configuration with every default (what an empty file gives).
 Config default_config();
 

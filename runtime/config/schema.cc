@@ -154,6 +154,16 @@ std::vector<ConfigField> build_fields() {
   f.push_back(choice("strata.log_level", "info", {"trace", "debug", "info", "warn", "error", "off"}, "Logging threshold."));
   f.push_back(number("strata.collective_timeout_s", 300, 0.1, 1e9, "Seconds before a collective or rendezvous fails with an error naming the missing rank."));
   f.push_back(size("strata.pinned_pool_size", 0, "bytes", 0, "Upper bound of page-locked host memory; 0 sizes the pool from the buffer counts."));
+  for (const char* monitor : {"csv_monitor", "tensorboard"}) {
+    const std::string m = monitor;
+    f.push_back(flag(m + ".enabled", false, m == "csv_monitor" ? "Write each step's train/loss, train/lr, train/grad_norm, train/tokens_per_second and eval/loss as CSV files (one per value: step,value), as DeepSpeed's csv_monitor." : "Write each step's train/loss, train/lr, train/grad_norm, train/tokens_per_second and eval/loss as TensorBoard event files, as DeepSpeed's tensorboard monitor."));
+    f.push_back(text(m + ".output_path", "", "Directory of the files (empty: the finetune --out directory)."));
+    f.push_back(text(m + ".job_name", "DeepSpeedJobName", "Subdirectory of output_path for this run."));
+  }
+  f.push_back(flag("wandb.enabled", false, "Weights & Biases: refused when true (it needs network access to its servers); use csv_monitor or tensorboard."));
+  f.push_back(text("wandb.team", "", "Weights & Biases team (not used: wandb is refused)."));
+  f.push_back(text("wandb.group", "", "Weights & Biases group (not used: wandb is refused)."));
+  f.push_back(text("wandb.project", "deepspeed", "Weights & Biases project (not used: wandb is refused)."));
   f.push_back(text("strata.trace_path", "", "Write a Chrome-trace timeline of every transfer and kernel here; empty disables."));
   f.push_back(flag("strata.keep_swap_files", false, "Keep NVMe swap files after a clean shutdown."));
   f.push_back(flag("strata.overlap_optimizer", true, "ZeRO-2/3: update each optimizer sub-group during the last backward as soon as its gradient is final (rolled back exactly when clipping or an overflow fires); a smaller zero_optimization.sub_group_size overlaps more. false: the optimizer runs after backward."));

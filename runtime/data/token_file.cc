@@ -7,52 +7,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <bit>
 #include <cstring>
 #include <utility>
 
 #include "core/error.h"
+#include "runtime/data/prepared_file.h"
+#include "runtime/data/sample_order.h"
 
 namespace strata::data {
 namespace {
 
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 int32_t read_i32_le(const unsigned char* p) {
   return static_cast<int32_t>(static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
                               static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24);
-}
-
-uint64_t mix(uint64_t x) {  // splitmix64's finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// A bijection of [0, n) keyed by `key`: a 4-round Feistel network on the
-// smallest even number of bits covering n, cycle-walking until the value is
-// back in range (at most ~4 walks on average since the domain is < 4n).
-uint64_t permute(uint64_t i, uint64_t n, uint64_t key) {
-  if (n <= 1) return 0;
-  const int bits = std::bit_width(n - 1);
-  const int half = (bits + 1) / 2;
-  const uint64_t mask = (uint64_t{1} << half) - 1;
-  uint64_t x = i;
-  do {
-    uint64_t left = x >> half, right = x & mask;
-    for (uint64_t round = 0; round < 4; ++round) {
-      const uint64_t f = mix(right ^ key ^ (round * 0x9e3779b97f4a7c15ull)) & mask;
-      const uint64_t next = left ^ f;
-      left = right;
-      right = next;
-    }
-    x = (left << half) | right;
-  } while (x >= n);
-  return x;
 }
 
 }  // namespace
@@ -106,10 +73,22 @@ TokenFile TokenFile::open(const std::string& path, TokenFormat format) {
   ::close(fd);
   const auto* bytes = static_cast<const unsigned char*>(f.map_);
   if (format == TokenFormat::kAuto) {
-    if (nbytes >= 4 && read_i32_le(bytes) == kLlmcMagic) format = TokenFormat::kLlmc;
-    else if (ends_with(path, ".u32")) format = TokenFormat::kU32;
-    else if (ends_with(path, ".txt")) format = TokenFormat::kText;
-    else format = TokenFormat::kU16;
+    // By the first bytes, never by the name: a file that does not say what it is is refused.
+    if (nbytes >= 4 && read_i32_le(bytes) == kLlmcMagic) {
+      format = TokenFormat::kLlmc;
+    } else {
+      const bool prepared = is_prepared_data(bytes, nbytes);
+      const bool json = nbytes > 0 && (bytes[0] == '{' || bytes[0] == '[');
+      raise(ErrorCategory::kBadArgument,
+            "{}: {}. --data-format auto reads llm.c token files (magic {}) and strata's prepared data (\"STRATAPD\", "
+            "from `strata data prepare`); raw tokens need --data-format u16, u32 or text",
+            path,
+            prepared ? "is prepared data, which this reader does not read (a token stream was expected)"
+            : json   ? "looks like JSON lines: prepare it first with `strata data prepare --model HF_DIR --input "
+                       "FILE.jsonl --format chat|prompt-completion|text --out DATA`"
+                     : "its format cannot be told from its first bytes",
+            kLlmcMagic);
+    }
   }
   f.format_ = format;
   switch (format) {
@@ -202,9 +181,7 @@ TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
 }
 
 int64_t TokenLoader::window_of(uint64_t sample) const {
-  const auto w = static_cast<uint64_t>(windows_);
-  const uint64_t epoch = sample / w;
-  return static_cast<int64_t>(permute(sample % w, w, mix(options_.seed ^ mix(epoch + 1))));
+  return window_of_sample(sample, windows_, options_.seed);
 }
 
 void TokenLoader::next(std::vector<int32_t>& ids, std::vector<int32_t>& targets) {

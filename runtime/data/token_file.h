@@ -8,8 +8,10 @@
 //   kU16    raw little-endian uint16 tokens, no header.
 //   kU32    raw little-endian uint32 tokens, no header.
 //   kText   any file as bytes: each byte is a token (vocabulary 256), for demos.
-// kAuto picks kLlmc when the file starts with the llm.c magic, kU32 for a
-// ".u32" suffix, kText for ".txt", else kU16.
+// kAuto picks kLlmc when the file starts with the llm.c magic and refuses
+// any other file, naming the formats (a name says nothing about the bytes:
+// train.jsonl read as uint16 would train on byte pairs). Prepared data
+// (prepared_file.h) is read by the batch sources (batches.h), not here.
 //
 // Samples: the stream of N tokens is cut into W = (N - 1) / seq windows of
 // seq + 1 tokens (window w starts at token w * seq); a sample's ids are the

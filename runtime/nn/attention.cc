@@ -53,7 +53,17 @@ TensorView Attention::per_head(const TensorView& t) {
   return reshaped(t, {t.desc.shape[0] * t.desc.shape[1], t.desc.shape[2]});
 }
 
-void Attention::forward(const TensorView& x, const TensorView& positions, int64_t batch,
+ops::AttentionMask Attention::mask_of(const TokenPlaces& places, int64_t seq) const {
+  ops::AttentionMask mask = mask_;
+  if (places.packed()) {
+    mask.segment_start = places.segment_start.as<int32_t>();
+    mask.segment_end = places.segment_end.as<int32_t>();
+    mask.seq = seq;
+  }
+  return mask;
+}
+
+void Attention::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                         int64_t seq, const AttentionActs& a, const TensorView& y, Phase phase) {
   const int64_t rows = batch * seq;
   check_shape(name_, "input", x, {rows, hidden_});
@@ -75,16 +85,16 @@ void Attention::forward(const TensorView& x, const TensorView& positions, int64_
     k_proj_->forward(mat(x), mat(a.k), phase);
   }
   v_proj_->forward(mat(x), mat(a.v), phase);
-  ops().rope_forward(ctx(), a.q, positions, rope_);
-  ops().rope_forward(ctx(), a.k, positions, rope_);
+  ops().rope_forward(ctx(), a.q, places.positions, rope_);
+  ops().rope_forward(ctx(), a.k, places.positions, rope_);
   ops().attention_forward(ctx(), reshaped(a.q, {batch, seq, heads_, head_dim_}),
                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_);
+                          reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_of(places, seq));
   o_proj_->forward(mat(a.attn), mat(y), phase);
 }
 
-void Attention::backward(const TensorView& dy, const TensorView& x, const TensorView& positions,
+void Attention::backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                          int64_t batch, int64_t seq, const AttentionActs& a,
                          const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
   o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false);
@@ -95,9 +105,9 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const Tensor
                            reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse,
                            reshaped(g.dq, {batch, seq, heads_, head_dim_}),
                            reshaped(g.dk, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(g.dv, {batch, seq, kv_heads_, head_dim_}), mask_);
-  ops().rope_backward(ctx(), g.dq, positions, rope_);
-  ops().rope_backward(ctx(), g.dk, positions, rope_);
+                           reshaped(g.dv, {batch, seq, kv_heads_, head_dim_}), mask_of(places, seq));
+  ops().rope_backward(ctx(), g.dq, places.positions, rope_);
+  ops().rope_backward(ctx(), g.dk, places.positions, rope_);
   if (q_norm_) {
     // Through the norms into dattn (free since o_proj's backward, and as
     // large as dq), then each projection before the next norm reuses it.

@@ -35,16 +35,25 @@ struct AttentionGrads {
   TensorView dq, dk, dv, dattn;
 };
 
+// Where each token is in its row: positions int32 [rows] (the rotary
+// embedding's), and with packed documents the first position of each token's
+// document and one past its last (int32 [rows] each, kernels/attention_mask.h);
+// segment views without data: one document per row.
+struct TokenPlaces {
+  TensorView positions, segment_start, segment_end;
+  bool packed() const { return segment_start.data != nullptr; }
+};
+
 class Attention : public Module {
  public:
   // Layer `layer` of `config` (its sliding window).
   Attention(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
             DType dtype = DType::kF32);
-  // x, y [batch * seq, hidden]; positions int32 [batch * seq].
-  void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+  // x, y [batch * seq, hidden].
+  void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward);
   // dx [rows, hidden] = input gradient (+= when accumulate_dx).
-  void backward(const TensorView& dy, const TensorView& x, const TensorView& positions,
+  void backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                 int64_t batch, int64_t seq, const AttentionActs& acts,
                 const AttentionGrads& grads, const TensorView& dx, bool accumulate_dx);
 
@@ -56,6 +65,8 @@ class Attention : public Module {
  private:
   // A projection's per-head rows [rows, heads, head_dim] as [rows * heads, head_dim].
   static TensorView per_head(const TensorView& t);
+  // The layer's mask with the batch's documents.
+  ops::AttentionMask mask_of(const TokenPlaces& places, int64_t seq) const;
 
   int64_t hidden_, heads_, kv_heads_, head_dim_;
   ops::Rope rope_;

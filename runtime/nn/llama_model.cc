@@ -26,25 +26,25 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Llama
   add_child(*mlp_);
 }
 
-void DecoderLayer::forward(const TensorView& x, const TensorView& positions, int64_t batch,
+void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                            int64_t seq, const DecoderActs& a, const TensorView& y, Phase phase) {
   // h = x + attn(norm1(x)); y = h + mlp(norm2(h)).
   input_layernorm_->forward(x, a.ln1, a.rstd1, phase);
-  self_attn_->forward(a.ln1, positions, batch, seq, a.attn, a.h, phase);
+  self_attn_->forward(a.ln1, places, batch, seq, a.attn, a.h, phase);
   ops().add(ctx(), x, a.h, a.h);
   post_attention_layernorm_->forward(a.h, a.ln2, a.rstd2, phase);
   mlp_->forward(a.ln2, a.mlp, y, phase);
   ops().add(ctx(), a.h, y, y);
 }
 
-void DecoderLayer::backward(const TensorView& x, const TensorView& positions, int64_t batch,
+void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                             int64_t seq, const DecoderActs& a, const DecoderGrads& g,
                             const TensorView& dres) {
   // The residual passes the gradient through, so each norm's input gradient
   // is ADDED into dres: dy -> dh = dy + d(mlp path) -> dx = dh + d(attn path).
   mlp_->backward(dres, a.ln2, a.mlp, g.mlp, g.dln, false);
   post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true);
-  self_attn_->backward(dres, a.ln1, positions, batch, seq, a.attn, g.attn, g.dln, false);
+  self_attn_->backward(dres, a.ln1, places, batch, seq, a.attn, g.attn, g.dln, false);
   input_layernorm_->backward(g.dln, x, a.rstd1, dres, /*accumulate_dx=*/true);
 }
 
@@ -94,8 +94,10 @@ struct LlamaModel::Arena {
   // Saved activations: one set per layer, or (checkpointing) one set shared.
   std::vector<DecoderActs> acts;
   DecoderGrads grads;
-  TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets, positions;
-  // Host side: ids, targets, positions (int32 [rows] each), then normalizer and stats (fp64).
+  TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets;
+  TokenPlaces places;  // positions, and the documents' ranges when packed
+  // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
+  // each), then normalizer and stats (fp64).
   void* host = nullptr;
   std::unique_ptr<Event> uploaded;  // the last upload's copies have read `host`
   // cpu_checkpointing: pinned host memory, checkpoint l (the input of layer l,
@@ -116,7 +118,7 @@ struct LlamaModel::Arena {
     return reinterpret_cast<double*>(static_cast<char*>(host) + host_ints_nbytes());
   }
   size_t host_ints_nbytes() const {
-    return (static_cast<size_t>(3 * batch * seq) * sizeof(int32_t) + 7) / 8 * 8;
+    return (static_cast<size_t>(5 * batch * seq) * sizeof(int32_t) + 7) / 8 * 8;
   }
   // The owner drains the compute stream first (copies may still use host_checkpoints).
   ~Arena() {
@@ -239,7 +241,9 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.add(a->normalizer, DType::kF64, {1});
   layout.add(a->ids, DType::kI32, {rows});
   layout.add(a->targets, DType::kI32, {rows});
-  layout.add(a->positions, DType::kI32, {rows});
+  layout.add(a->places.positions, DType::kI32, {rows});
+  layout.add(a->places.segment_start, DType::kI32, {rows});
+  layout.add(a->places.segment_end, DType::kI32, {rows});
   a->memory = engine_.accelerator().allocate_tensor(
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
@@ -256,20 +260,37 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
 }
 
 void LlamaModel::upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
-                        int64_t batch, int64_t seq, double normalizer) {
+                        std::span<const int32_t> positions, int64_t batch, int64_t seq, double normalizer) {
   Arena& a = *arena_;
   a.uploaded->synchronize();  // the previous step's copies have read the staging memory
   const auto rows = static_cast<size_t>(batch * seq);
   int32_t* h = a.host_ints();
   std::memcpy(h, ids.data(), rows * sizeof(int32_t));
   std::memcpy(h + rows, targets.data(), rows * sizeof(int32_t));
-  for (size_t r = 0; r < rows; ++r) h[2 * rows + r] = static_cast<int32_t>(r % static_cast<size_t>(seq));
+  int32_t* pos = h + 2 * rows;
+  int32_t* start = h + 3 * rows;
+  int32_t* end = h + 4 * rows;
+  if (positions.empty()) {
+    for (size_t r = 0; r < rows; ++r) pos[r] = static_cast<int32_t>(r % static_cast<size_t>(seq));
+  } else {
+    // A document starts where its position is 0 and ends where the next one starts.
+    std::memcpy(pos, positions.data(), rows * sizeof(int32_t));
+    for (size_t r = 0; r < rows; ++r) start[r] = static_cast<int32_t>(r % static_cast<size_t>(seq)) - pos[r];
+    for (size_t r = rows; r-- > 0;) {
+      const bool last_in_row = (r + 1) % static_cast<size_t>(seq) == 0;
+      end[r] = last_in_row ? static_cast<int32_t>(seq) : pos[r + 1] == 0 ? start[r + 1] : end[r + 1];
+    }
+  }
   a.host_doubles()[0] = normalizer;
   Accelerator& acc = engine_.accelerator();
   Stream& s = engine_.compute_stream();
   acc.copy_async(a.ids.data, h, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
   acc.copy_async(a.targets.data, h + rows, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
-  acc.copy_async(a.positions.data, h + 2 * rows, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  acc.copy_async(a.places.positions.data, pos, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  if (!positions.empty()) {
+    acc.copy_async(a.places.segment_start.data, start, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+    acc.copy_async(a.places.segment_end.data, end, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+  }
   acc.copy_async(a.normalizer.data, a.host_doubles(), sizeof(double), CopyKind::kHostToDevice, s);
   s.record(*a.uploaded);
 }
@@ -299,13 +320,27 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
                "model: every target is ignored ({}) and no normalizer is given", ops::kIgnoreIndex);
   STRATA_CHECK(options.normalizer >= 0, kBadArgument, "model: normalizer {} < 0",
                options.normalizer);
+  if (!options.positions.empty()) {
+    STRATA_CHECK(options.positions.size() == rows, kBadArgument,
+                 "model: positions has {} elements, expected batch {} x seq {} = {}", options.positions.size(),
+                 batch, seq, rows);
+    for (size_t r = 0; r < rows; ++r) {
+      const int32_t p = options.positions[r];
+      const bool row_start = r % static_cast<size_t>(seq) == 0;
+      STRATA_CHECK(p == 0 || (!row_start && p == options.positions[r - 1] + 1), kBadArgument,
+                   "model: packed position {} at {} neither starts a document (0) nor follows the one before",
+                   p, r);
+    }
+  }
   ensure_arena(batch, seq);
   Arena& a = *arena_;
   batch_ = batch;
   seq_ = seq;
+  packed_ = !options.positions.empty();
   Accelerator& acc = engine_.accelerator();
   Stream& s = engine_.compute_stream();
-  upload(ids, targets, batch, seq, options.normalizer);
+  upload(ids, targets, options.positions, batch, seq, options.normalizer);
+  const TokenPlaces places = this->places();
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
 
   embed_tokens_->forward(a.ids, a.input(0));
@@ -315,7 +350,7 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
       acc.copy_async(a.host_checkpoint(l), a.input(l).data, a.input(l).nbytes(),
                      CopyKind::kDeviceToHost, s);
     }
-    layers_[l]->forward(a.input(l), a.positions, batch, seq, a.acts_of(l), a.output(l));
+    layers_[l]->forward(a.input(l), places, batch, seq, a.acts_of(l), a.output(l));
   }
   const TensorView& top = a.output(layers_.size() - 1);
   norm_->forward(top, a.final_ln, a.rstd_f);
@@ -351,6 +386,7 @@ void LlamaModel::backward() {
   backward_pending_ = false;
   Arena& a = *arena_;
   Stream& s = engine_.compute_stream();
+  const TokenPlaces places = this->places();
   // grads.dln holds d loss / d final_ln (written by the fused loss).
   norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres,
                   /*accumulate_dx=*/false);
@@ -362,12 +398,18 @@ void LlamaModel::backward() {
       }
       // Layer l's output lands where forward put it: layer l + 1's input,
       // whose backward is done (and the recompute reproduces it anyway).
-      layers_[l]->forward(a.input(l), a.positions, batch_, seq_, a.acts_of(l), a.output(l),
+      layers_[l]->forward(a.input(l), places, batch_, seq_, a.acts_of(l), a.output(l),
                           Phase::kRecompute);
     }
-    layers_[l]->backward(a.input(l), a.positions, batch_, seq_, a.acts_of(l), a.grads, a.dres);
+    layers_[l]->backward(a.input(l), places, batch_, seq_, a.acts_of(l), a.grads, a.dres);
   }
   embed_tokens_->backward(a.ids, a.dres);
+}
+
+TokenPlaces LlamaModel::places() const {
+  TokenPlaces p = arena_->places;
+  if (!packed_) p.segment_start = p.segment_end = TensorView{};
+  return p;
 }
 
 LossStats LlamaModel::loss_stats() {

@@ -65,10 +65,10 @@ class DecoderLayer : public Module {
   DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
                DType dtype, MlpTiling mlp_tiling = {});
   // x, y [batch * seq, hidden].
-  void forward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+  void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
   // dres holds the gradient at the layer's output on entry and at its input on return.
-  void backward(const TensorView& x, const TensorView& positions, int64_t batch, int64_t seq,
+  void backward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                 const DecoderActs& acts, const DecoderGrads& grads, const TensorView& dres);
 
  private:
@@ -104,6 +104,13 @@ struct ForwardOptions {
   // step so that gradients add up to the gradient of the combined batch's mean.
   double normalizer = 0;
   double grad_scale = 1.0;  // e.g. an fp16 loss scale
+  // Packed documents: [batch * seq] positions, each row a run of documents
+  // whose positions count 0, 1, 2, ... (a 0 starts the next one). Each token
+  // then attends only within its document (a block-diagonal causal mask) and
+  // its rotary position is its place in its document — what transformers
+  // computes for each document alone. Empty: one sequence per row, positions
+  // 0..seq-1.
+  std::span<const int32_t> positions{};
 };
 
 struct LossStats {
@@ -139,12 +146,13 @@ class LlamaModel : public Module {
  private:
   struct Arena;
   void ensure_arena(int64_t batch, int64_t seq);
+  TokenPlaces places() const;  // the last forward's (documents only when packed)
   // Whether the forward of layer l runs again in backward (every layer but the top).
   bool recomputed(size_t l) const {
     return options_.checkpoint_activations && l + 1 < layers_.size();
   }
-  void upload(std::span<const int32_t> ids, std::span<const int32_t> targets, int64_t batch,
-              int64_t seq, double normalizer);
+  void upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
+              std::span<const int32_t> positions, int64_t batch, int64_t seq, double normalizer);
 
   LlamaConfig config_;
   LlamaModelOptions options_;
@@ -157,6 +165,7 @@ class LlamaModel : public Module {
   OpId lm_head_op_ = -1;
   std::unique_ptr<Arena> arena_;
   int64_t batch_ = 0, seq_ = 0;
+  bool packed_ = false;  // the last forward's rows hold packed documents
   bool backward_pending_ = false;
 };
 

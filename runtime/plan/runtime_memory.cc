@@ -84,7 +84,7 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
        3 * view_nbytes(t, {rows, inter});
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
-  n += 3 * view_nbytes(DType::kI32, {rows});
+  n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
   return n;
 }
 
@@ -237,8 +237,8 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         "one sub-group read for the optimizer (GradShard)");
   }
   during_steps = true;  // the model runner's, at the first forward
-  add("input staging", Where::kPinned, 12.0 * static_cast<double>(rows) + 24, false,
-      "ids, targets, positions");
+  add("input staging", Where::kPinned, 20.0 * static_cast<double>(rows) + 24, false,
+      "ids, targets, positions, document starts and ends");
   if (in.cpu_checkpointing && c.num_hidden_layers > 1) {
     add("activation checkpoints", Where::kPinned,
         static_cast<double>((c.num_hidden_layers - 1) *

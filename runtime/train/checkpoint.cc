@@ -123,6 +123,9 @@ TrainerState trainer_state_of(const nlohmann::json& manifest) {
   state.step = static_cast<int64_t>(manifest.at("step").get<uint64_t>());
   state.data_cursor = manifest.at("data_cursor").get<uint64_t>();
   state.model = manifest.value("model", nlohmann::json());
+  if (manifest.contains("model_files")) {
+    state.model_files = manifest.at("model_files").get<std::map<std::string, std::string>>();
+  }
   return state;
 }
 
@@ -246,6 +249,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
                                {"layout", parallel_layout(world)},
                                {"model", trainer.model},
                                {"ranks", ranks}};
+    if (!trainer.model_files.empty()) manifest["model_files"] = trainer.model_files;
     manifest[kChecksumKey] = manifest_checksum(manifest);
     // Written last and atomically: until its rename the checkpoint does not exist.
     write_file_durably(dir / kManifest, manifest.dump(1) + "\n");
@@ -255,7 +259,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
     for (const auto& [step, path] : step_dirs(root_)) {
       const bool has_manifest = fs::exists(path / kManifest);
       if (has_manifest && ++complete <= keep_) continue;
-      if (step == trainer.step) continue;
+      if (step == trainer.step || (has_manifest && kept_step_ == step)) continue;
       fs::remove_all(path, ec);
       if (ec) logger().warn("could not remove the old checkpoint {}: {}", path.string(), ec.message());
     }

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,8 +44,11 @@ namespace strata::train {
 // What a checkpoint restores beyond the engine's own state.
 struct TrainerState {
   int64_t step = 0;          // loop iterations done (attempted optimizer steps)
-  uint64_t data_cursor = 0;  // TokenLoader::cursor() after them
+  uint64_t data_cursor = 0;  // data::Batches::cursor() after them
   nlohmann::json model;      // what the checkpoint is of: {"config": HF config.json, "dtype": "bf16"}
+  // The source's tokenizer, template and generation files (model_files.h),
+  // kept in the manifest for `strata export`; not compared on resume.
+  std::map<std::string, std::string> model_files{};
 };
 
 // The newest checkpoint with a manifest under `root` (or `root` itself when it
@@ -79,6 +83,9 @@ class Checkpoints {
   // caller that reports nullopt as an error (the C API); a checkpoint another
   // rank rejected adds a line saying so. Nothing is loaded into `engine`
   // before a checkpoint has passed every rank's checks.
+  // A checkpoint save() never removes, whatever `keep` says (--keep-best's);
+  // nullopt: none.
+  void keep_also(std::optional<int64_t> step) { kept_step_ = step; }
   std::optional<TrainerState> find_and_load(engine::ZeroEngine& engine,
                                             std::optional<int64_t> only_step = std::nullopt,
                                             std::vector<std::string>* rejected = nullptr);
@@ -87,6 +94,7 @@ class Checkpoints {
   std::filesystem::path root_;
   int keep_;
   nlohmann::json expected_model_;  // null: not compared
+  std::optional<int64_t> kept_step_;
 };
 
 // Why a checkpoint of `saved` cannot continue a run of `wanted` (both

@@ -32,6 +32,7 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   ExportOptions export_options;
   export_options.dtype = options.dtype.empty() ? train_dtype : parse_dtype(options.dtype);
   export_options.max_shard_nbytes = options.shard_nbytes;
+  export_options.files = info.state.model_files;  // the source's tokenizer, template, generation config
 
   const auto start = std::chrono::steady_clock::now();
   auto accelerator = make_accelerator("auto");

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -14,13 +15,15 @@
 #include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
 #include "kernels/op_totals.h"
+#include "runtime/config/trainer_flags.h"
 #include "core/accelerator.h"
 #include "core/directory_lock.h"
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/stream_span.h"
 #include "core/trace_recorder.h"
-#include "runtime/data/token_file.h"
+#include "runtime/data/batches.h"
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
@@ -29,6 +32,7 @@
 #include "runtime/train/freeze.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
+#include "runtime/train/monitors.h"
 #include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
@@ -69,27 +73,6 @@ std::vector<std::shared_ptr<DirectoryLock>> own_run_directories(const engine::Ze
   return owned;
 }
 
-// Every token id of this rank's part of the file below the model's vocabulary,
-// checked before step 1 (a bad id found at step 20 would waste the run, and the
-// rank that reads it is named as the one that failed). Each rank checks 1/world
-// of the file; a file whose format cannot hold an id >= vocab is not read.
-void check_token_ids(const data::TokenFile& data, int64_t vocab, int rank, int world) {
-  const int64_t largest = data.format() == data::TokenFormat::kText ? 255
-                          : data.format() == data::TokenFormat::kU32 ? int64_t{0xffffffff}
-                                                                      : int64_t{0xffff};
-  if (largest < vocab) return;
-  const int64_t n = data.size(), begin = n * rank / world, end = n * (rank + 1) / world;
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t token = data.token(i);
-    if (token >= vocab) {
-      raise(ErrorCategory::kBadArgument,
-            "--data {}: token {} at position {} is outside the model's vocabulary [0, {}) (vocab_size of the model "
-            "config); checked before step 1",
-            data.path(), token, i, vocab);
-    }
-  }
-}
-
 // strata.pinned_pool_size: an upper bound of the page-locked host memory a
 // rank holds, checked before any is allocated against what this runtime pins
 // for this model and ds_config (runtime/plan/runtime_memory.h, item by item).
@@ -122,32 +105,64 @@ double count_targets(const std::vector<int32_t>& targets) {
 FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- inputs, all checked before any rank connects or allocates -------------------
   const std::string source = options.config.empty() ? "built-in defaults" : options.config.string();
-  const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source)
-                                               : load_config_file(options.config.string());
-  const engine::ZeroEngineOptions zero = zero_engine_options(config, source);
-  const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
   STRATA_CHECK(options.model.empty() != options.init.empty(), kBadArgument,
                "give exactly one of --model DIR (Hugging Face weights) and --init CONFIG.json (random weights)");
   const nn::LlamaConfig model_config =
       options.model.empty() ? nn::load_llama_config(options.init.string()) : load_hf_config(options.model);
+  // "auto" values (Hugging Face Trainer configs) from the Trainer-like flags; the
+  // flags set the built-in defaults' values too.
+  TrainerFlags flags = options.trainer;
+  flags.steps = options.steps;
+  flags.hidden_size = model_config.hidden_size;
+  flags.override_values = options.config.empty();
+  const DocumentFilter fill = [&](nlohmann::json doc) { return apply_trainer_flags(std::move(doc), flags, source); };
+  const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source, fill)
+                                               : load_config_file(options.config.string(), fill);
+  STRATA_CHECK(!config.tensorboard.enabled || tensorboard_available(), kBadArgument,
+               "{}: tensorboard.enabled is true, but this strata was built without protobuf (Debian: libprotobuf-dev "
+               "protobuf-compiler, then rebuild); use csv_monitor (the same values as CSV) or metrics.jsonl",
+               source);
+  const engine::ZeroEngineOptions zero = zero_engine_options(config, source);
+  const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
   STRATA_CHECK(options.steps >= 1, kBadArgument, "--steps must be >= 1, got {}", options.steps);
   STRATA_CHECK(!options.resume || !options.save_dir.empty(), kBadArgument,
                "--resume needs --save DIR (the directory the checkpoints are in)");
   STRATA_CHECK(options.save_every >= 1, kBadArgument, "--save-every must be >= 1, got {}", options.save_every);
+  STRATA_CHECK(options.eval_every >= 0 && options.eval_batches >= 0, kBadArgument,
+               "--eval-every and --eval-batches must be >= 0");
+  STRATA_CHECK(!options.eval_data.empty() || (options.eval_every == 0 && options.eval_batches == 0 && !options.keep_best),
+               kBadArgument, "--eval-every, --eval-batches and --keep-best need --eval-data FILE (held-out data)");
+  STRATA_CHECK(!options.keep_best || !options.save_dir.empty(), kBadArgument,
+               "--keep-best needs --save DIR (where the best checkpoint is kept)");
   STRATA_CHECK(options.seq >= 1 && options.seq <= model_config.max_position_embeddings, kBadArgument,
                "--seq {} must be in [1, {}] (the model's max_position_embeddings)", options.seq,
                model_config.max_position_embeddings);
-  const data::TokenFile data = data::TokenFile::open(options.data.string(),
-                                                     data::parse_token_format(options.data_format));
   const uint64_t seed = options.seed.value_or(config.strata.seed);
   const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   ExportOptions export_options;
   export_options.dtype = options.export_dtype.empty() ? train_dtype : parse_dtype(options.export_dtype);
   export_options.max_shard_nbytes = options.export_shard_nbytes;
+  // The source's tokenizer, chat template and generation config go with every export and checkpoint.
+  if (!options.model.empty()) {
+    export_options.files = read_model_files(options.model, model_config.to_hf_json(DType::kF32));
+  }
   STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
 
   // ---- ranks, accelerator, communicators ------------------------------------------------
   const partition::RankInfo rank = launcher::rank_info_from_env();
+  const int64_t micro_batch = config.micro_batch_size, accumulation = config.gradient_accumulation_steps;
+  // The data, each rank its samples; a file that is not what --data-format says is refused here.
+  const std::unique_ptr<data::Batches> batches = data::open_batches(
+      options.data.string(), options.data_format,
+      {options.seq, micro_batch, rank.rank, rank.world_size, seed, options.packing});
+  const std::unique_ptr<data::Batches> eval_batches =
+      options.eval_data.empty()
+          ? nullptr
+          : data::open_batches(options.eval_data.string(), options.data_format,
+                               {options.seq, micro_batch, rank.rank, rank.world_size, seed, options.packing});
+  const int64_t eval_count = !eval_batches             ? 0
+                             : options.eval_batches > 0 ? std::min(options.eval_batches, eval_batches->eval_batches())
+                                                        : eval_batches->eval_batches();
   set_log_rank(rank.rank, rank.world_size);
   set_log_level(config.strata.log_level);
   // The directories this run writes are its own from now on: another run
@@ -168,7 +183,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     trace::name_this_thread("train loop");
   }
   std::optional<trace::Span> setup_span(std::in_place, "phase", "connect");
-  const int64_t micro_batch = config.micro_batch_size, accumulation = config.gradient_accumulation_steps;
   STRATA_CHECK(config.train_batch_size == 0 || config.train_batch_size == micro_batch * accumulation * rank.world_size,
                kBadArgument,
                "{}: train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
@@ -228,12 +242,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     load_hf_weights(engine, model.parameters(), options.model);
   }
   setup_span.reset();
-  check_token_ids(data, model_config.vocab_size, rank.rank, rank.world_size);
-  data::TokenLoader loader(data, {options.seq, micro_batch, rank.rank, rank.world_size, seed,
-                                  model_config.vocab_size});
+  batches->check_ids(model_config.vocab_size);
+  if (eval_batches) eval_batches->check_ids(model_config.vocab_size);
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
-                "{} x {} sequences of {} tokens per step, {}, activation checkpoints {}; data {} ({} tokens, {} "
-                "samples per epoch)",
+                "{} x {} sequences of {} tokens per step, {}, activation checkpoints {}; data {}",
                 [&] {
                   int64_t n = 0;
                   for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) n += engine.param_info(id).numel();
@@ -244,7 +256,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                 !model_options.checkpoint_activations ? "off"
                 : model_options.cpu_checkpointing     ? "in pinned CPU memory"
                                                       : "on the device",
-                data.path(), data.size(), loader.windows());
+                batches->describe());
+  if (eval_batches) {
+    logger().info("finetune: evaluation on {}, {} micro-batch(es) per rank {}", eval_batches->describe(), eval_count,
+                  options.eval_every > 0 ? fmt::format("every {} steps and after the last", options.eval_every)
+                                         : std::string("after the last step"));
+  }
 
   // ---- the steps ------------------------------------------------------------------------
   // ---- resume -----------------------------------------------------------------------------
@@ -276,7 +293,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       logger().info("--resume: the checkpoint is at step {} = --steps, so training is complete; {}", done,
                     options.export_dir.empty() ? "nothing is left to do" : "exporting it");
     }
-    loader.set_cursor(resumed->data_cursor);
+    batches->set_cursor(resumed->data_cursor);
   }
 
   // ---- the steps ------------------------------------------------------------------------
@@ -289,29 +306,79 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                          options.resume ? std::optional<int64_t>(done) : std::nullopt, inputs);
     report->set_print_every(config.steps_per_print);
   }
+  // DeepSpeed's monitors (rank 0): csv_monitor's files beside the metrics.
+  std::unique_ptr<CsvMonitor> csv;
+  std::unique_ptr<TensorBoardMonitor> tensorboard;
+  if (rank.rank == 0 && config.csv_monitor.enabled) {
+    csv = std::make_unique<CsvMonitor>(monitor_dir(config.csv_monitor, options.out));
+  }
+  if (rank.rank == 0 && config.tensorboard.enabled) {
+    tensorboard = std::make_unique<TensorBoardMonitor>(monitor_dir(config.tensorboard, options.out));
+  }
   FinetuneResult result;
-  std::vector<std::vector<int32_t>> ids(static_cast<size_t>(accumulation)), targets(ids.size());
+  // Evaluation: the masked mean loss over the held-out windows, forward only.
+  // Every rank runs the same number of forwards (its share; rows past the end
+  // are empty), the count of targets is known to each rank (Batches::eval_targets),
+  // so one reduction gives the mean. Under ZeRO-3 the passes are outside the
+  // operator trace (ZeroEngine::begin_evaluation), so prefetch keeps following it.
+  const double eval_targets = eval_batches ? static_cast<double>(eval_batches->eval_targets(eval_count)) : 0;
+  STRATA_CHECK(!eval_batches || eval_targets > 0, kBadArgument, "--eval-data {}: nothing to evaluate on",
+               options.eval_data.string());
+  auto evaluate = [&]() {
+    trace::Span span("phase", "evaluation");
+    engine.begin_evaluation();
+    double sum = 0;
+    data::Batch b;
+    nn::ForwardOptions forward;
+    forward.backward = false;
+    for (int64_t k = 0; k < eval_count; ++k) {
+      eval_batches->eval_batch(k, b);
+      forward.positions = b.positions;
+      model.forward(b.ids, b.targets, micro_batch, options.seq, forward);
+      sum += model.loss_stats().sum;
+    }
+    engine.end_evaluation();
+    return engine.global_sum(sum) / eval_targets;
+  };
+  std::optional<double> best_eval;
+  if (options.keep_best && options.resume) {
+    // The best so far of the run resumed, when its checkpoint is still there.
+    const std::filesystem::path best_file = options.save_dir / "best.json";
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(best_file, ec)) {
+      std::ifstream in(best_file);
+      const nlohmann::json best = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (best.is_object() && best.contains("step") && best.contains("eval_loss") && best["eval_loss"].is_number() &&
+          best["step"].is_number_integer() && best["step"].get<int64_t>() <= done) {
+        best_eval = best["eval_loss"].get<double>();
+        result.best_step = best["step"].get<int64_t>();
+        checkpoints->keep_also(result.best_step);
+      }
+    }
+  }
+  std::vector<data::Batch> micro(static_cast<size_t>(accumulation));
   for (int64_t step = done + 1; step <= options.steps; ++step) {
     trace::Span step_span("phase", "step");
     step_span.value("step", step);
     const auto start = Clock::now();
     const uint64_t nvme_before = engine.nvme_bytes_read() + engine.nvme_bytes_written();
     double local_count = 0;
-    for (size_t m = 0; m < ids.size(); ++m) {
-      loader.next(ids[m], targets[m]);
-      local_count += count_targets(targets[m]);
+    for (data::Batch& b : micro) {
+      batches->next(b);
+      local_count += count_targets(b.targets);
     }
     // Normalise by every rank's predicted tokens of this step, so N ranks equal one rank on the combined batch.
     const double global_count = engine.global_sum(local_count);
     STRATA_CHECK(global_count > 0, kBadArgument, "step {}: every target of the global batch is ignored", step);
     const double lr = schedule.lr(engine.step_count());
     double loss_sum = 0;
-    for (size_t m = 0; m < ids.size(); ++m) {
+    for (size_t m = 0; m < micro.size(); ++m) {
       // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
-      if (m + 1 == ids.size()) engine.prepare_step(static_cast<float>(lr));
+      if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
+      forward.positions = micro[m].positions;     // packed documents: attention within each
       // Each phase twice on the timeline: on the loop's track, the host's view
       // (issuing ops, waiting for parameters); on the compute stream's, the
       // ops' (from the first to the last of them having run).
@@ -319,7 +386,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         trace::Span span("phase", "forward");
         span.value("micro_batch", static_cast<int64_t>(m));
         StreamSpan ops(engine.compute_stream(), "compute", "forward");
-        model.forward(ids[m], targets[m], micro_batch, options.seq, forward);
+        model.forward(micro[m].ids, micro[m].targets, micro_batch, options.seq, forward);
       }
       {
         trace::Span span("phase", "backward");
@@ -351,10 +418,38 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
+    const bool eval_due =
+        eval_batches && ((options.eval_every > 0 && step % options.eval_every == 0) || step == options.steps);
+    if (eval_due) {
+      r.eval_loss = evaluate();
+      result.eval_losses.emplace_back(step, *r.eval_loss);
+    }
     if (report) report->record(r);
-    if (checkpoints && (step % options.save_every == 0 || step == options.steps)) {
+    const auto monitor = [&](const std::string& name, double value) {
+      if (csv) csv->write(name, step, value);
+      if (tensorboard) tensorboard->write(name, step, value);
+    };
+    monitor("train/loss", r.loss);
+    monitor("train/lr", r.lr);
+    monitor("train/grad_norm", r.grad_norm);
+    monitor("train/tokens_per_second", r.tokens_per_second());
+    if (r.eval_loss) monitor("eval/loss", *r.eval_loss);
+    const bool new_best = options.keep_best && r.eval_loss && (!best_eval || *r.eval_loss < *best_eval);
+    if (checkpoints && (step % options.save_every == 0 || step == options.steps || new_best)) {
       trace::Span span("phase", "checkpoint");
-      checkpoints->save(engine, {step, loader.cursor(), checkpoint_model});
+      if (new_best) checkpoints->keep_also(step);
+      const std::filesystem::path saved = checkpoints->save(engine, {step, batches->cursor(), checkpoint_model, export_options.files});
+      if (new_best) {
+        best_eval = r.eval_loss;
+        result.best_step = step;
+        if (rank.rank == 0) {
+          write_file_durably(options.save_dir / "best.json",
+                             nlohmann::json{{"step", step}, {"eval_loss", *r.eval_loss},
+                                            {"checkpoint", saved.filename().string()}}
+                                     .dump(1) +
+                                 "\n");
+        }
+      }
     }
     if (step == done + 1) result.first_loss = loss;
     result.last_loss = loss;

@@ -21,14 +21,28 @@
 #include <string>
 #include <vector>
 
+#include "runtime/config/trainer_flags.h"
+
 namespace strata::train {
 
 struct FinetuneOptions {
   std::filesystem::path config;      // ds_config JSON; empty: the built-in defaults
+  // Trainer-like flags: fill the config's "auto" values (runtime/config/trainer_flags.h).
+  TrainerFlags trainer;
   std::filesystem::path model;       // HF directory (config.json + safetensors), or
   std::filesystem::path init;        // an HF config.json to initialise randomly
-  std::filesystem::path data;        // token file
-  std::string data_format = "auto";  // auto | llmc | u16 | u32 | text
+  std::filesystem::path data;        // token file or prepared data (runtime/data/batches.h)
+  std::string data_format = "auto";  // auto | prepared | llmc | u16 | u32 | text
+  bool packing = true;               // prepared data: several documents per --seq window
+  // Evaluation (no gradient) on held-out data of the same kinds as `data`:
+  // every eval_every steps (0: only after the last step), eval_batches
+  // micro-batches per rank (0: the whole file once).
+  std::filesystem::path eval_data;
+  int64_t eval_every = 0;
+  int64_t eval_batches = 0;
+  // With --save: also keep the checkpoint of the lowest evaluation loss
+  // (SAVE/best.json names it), whatever --keep-checkpoints removes.
+  bool keep_best = false;
   int64_t steps = 100;               // optimizer steps
   int64_t seq = 256;                 // tokens per sample
   std::optional<uint64_t> seed;      // overrides strata.seed (init and data order)
@@ -59,6 +73,8 @@ struct FinetuneOptions {
 struct FinetuneResult {
   int64_t steps = 0, skipped = 0;
   double first_loss = 0, last_loss = 0;
+  std::vector<std::pair<int64_t, double>> eval_losses;  // (step, loss) of each evaluation
+  int64_t best_step = 0;                                // --keep-best: the step kept
   std::filesystem::path metrics, curve;  // rank 0 only
   std::vector<std::filesystem::path> exported;  // files written by the export
 };

@@ -127,6 +127,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     // The source's model_type, architectures and keys, with the export's dtype.
     const nlohmann::json hf = config.to_hf_json(options.dtype);
     write_file_durably(staging->dir() / "config.json", hf.dump(2) + "\n");
+    for (const auto& [name, contents] : options.files) write_file_durably(staging->dir() / name, contents);
   }
   auto stream = engine.accelerator().create_stream();
   ExportResult result;

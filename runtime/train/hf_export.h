@@ -1,6 +1,7 @@
 // Export to a Hugging Face directory (docs/DESIGN.md §5.3): config.json (the
-// source's model_type, architectures and every key it had, never relabelled:
-// LlamaConfig::to_hf_json) and the weights as safetensors in the dtype asked
+// source's model_type, architectures and every key it had, token ids included,
+// never relabelled: LlamaConfig::to_hf_json), the source's tokenizer, chat
+// template and generation config (ExportOptions::files) and the weights as safetensors in the dtype asked
 // for, one file or, past `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
 // model.safetensors.index.json. Streams tensor by tensor: each tensor is
 // gathered from the ranks' owned ranges (Engine::for_each_owned_range) to
@@ -25,12 +26,15 @@
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/train/model_files.h"
 
 namespace strata::train {
 
 struct ExportOptions {
   DType dtype = DType::kBF16;
   uint64_t max_shard_nbytes = 5'000'000'000;  // transformers' default max_shard_size, "5GB"
+  // The source's tokenizer, chat template and generation config (model_files.h), written as they are.
+  ModelFiles files;
 };
 
 // What was written (rank 0; other ranks get the same file list).

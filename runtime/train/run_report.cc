@@ -58,6 +58,7 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
       r.applied = j.value("applied", true);
       r.tokens = j.value("tokens", int64_t{0});
       r.seconds = j.value("step_s", 0.0);
+      if (j.contains("eval_loss") && j["eval_loss"].is_number()) r.eval_loss = j["eval_loss"].get<double>();
       steps_.push_back(r);
       elapsed_ += r.seconds;
       kept += line + "\n";
@@ -166,6 +167,7 @@ void RunReport::record(const StepRecord& r) {
                          {"optimizer_not_hidden_fraction", r.optimizer_not_hidden_fraction},
                          {"memory", {{"device_peak_bytes", r.device_peak_nbytes},
                                      {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
+  if (r.eval_loss) line["eval_loss"] = finite_or_null(*r.eval_loss);
   const std::string text = line.dump() + "\n";
   STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
                "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
@@ -177,8 +179,9 @@ void RunReport::print_progress(const StepRecord& r) {
   const double per_step = elapsed_ / static_cast<double>(steps_.size());
   const double eta = per_step * static_cast<double>(std::max<int64_t>(0, total_steps_ - r.step));
   const std::string stats =
-      fmt::format("step {}/{}  loss {:.4f}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
-                  total_steps_, r.loss, r.lr, r.grad_norm, r.tokens_per_second(), r.seconds,
+      fmt::format("step {}/{}  loss {:.4f}{}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
+                  total_steps_, r.loss, r.eval_loss ? fmt::format("  eval {:.4f}", *r.eval_loss) : std::string(),
+                  r.lr, r.grad_norm, r.tokens_per_second(), r.seconds,
                   r.nvme_bytes > 0 && r.seconds > 0
                       ? fmt::format("  NVMe {:.2f} GB/s", static_cast<double>(r.nvme_bytes) / r.seconds / 1e9)
                       : std::string(),
@@ -189,7 +192,8 @@ void RunReport::print_progress(const StepRecord& r) {
     fmt::print(out_, "\r[{}{}] {}\x1b[K", std::string(static_cast<size_t>(filled), '#'),
                std::string(static_cast<size_t>(kWidth - filled), '.'), stats);
   } else {
-    const bool due = r.step % print_every_ == 0 || r.step == total_steps_ || steps_.size() == 1 || !r.applied;
+    const bool due = r.step % print_every_ == 0 || r.step == total_steps_ || steps_.size() == 1 || !r.applied ||
+                     r.eval_loss.has_value();
     if (!due) return;
     fmt::print(out_, "{}\n", stats);
   }
@@ -222,11 +226,25 @@ void RunReport::finish() {
              "  throughput       {:.0f} tokens/s (median step)\n"
              "  wall time        {}\n"
              "  peak memory      {:.2f} GiB accelerator, {:.2f} GiB host resident (rank 0)\n"
+             "{}"
              "  metrics          {}\n"
              "  loss curve       {}\n",
              n, skipped, first, k, last, k, tokens, rates[n / 2], duration(elapsed_),
              static_cast<double>(steps_.back().device_peak_nbytes) / (1ull << 30),
-             static_cast<double>(steps_.back().host_peak_rss_nbytes) / (1ull << 30), metrics_path_.string(),
+             static_cast<double>(steps_.back().host_peak_rss_nbytes) / (1ull << 30),
+             [&] {
+               const StepRecord* best = nullptr;
+               const StepRecord* latest = nullptr;
+               for (const auto& s : steps_) {
+                 if (!s.eval_loss) continue;
+                 latest = &s;
+                 if (best == nullptr || *s.eval_loss < *best->eval_loss) best = &s;
+               }
+               return latest == nullptr ? std::string()
+                                        : fmt::format("  eval loss        {:.4f} (step {}); lowest {:.4f} (step {})\n",
+                                                      *latest->eval_loss, latest->step, *best->eval_loss, best->step);
+             }(),
+             metrics_path_.string(),
              curve_path_.string());
   std::fflush(out_);
 }
@@ -235,9 +253,11 @@ std::string loss_curve_svg(const std::vector<StepRecord>& steps) {
   constexpr double kW = 640, kH = 360, kLeft = 60, kRight = 20, kTop = 20, kBottom = 40;
   double lo = INFINITY, hi = -INFINITY;
   for (const auto& s : steps) {
-    if (!std::isfinite(s.loss)) continue;
-    lo = std::min(lo, s.loss);
-    hi = std::max(hi, s.loss);
+    for (double v : {s.loss, s.eval_loss.value_or(NAN)}) {
+      if (!std::isfinite(v)) continue;
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
   }
   if (!(lo <= hi)) lo = 0, hi = 1;
   if (hi - lo < 1e-12) hi = lo + 1;
@@ -261,6 +281,24 @@ std::string loss_curve_svg(const std::vector<StepRecord>& steps) {
     points += fmt::format("{:.1f},{:.1f} ", x(static_cast<double>(s.step)), y(s.loss));
   }
   svg += fmt::format("<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"1.5\" points=\"{}\"/>\n", points);
+  // Evaluation losses: a second line with a dot per evaluation.
+  std::string eval_points, eval_dots;
+  for (const auto& s : steps) {
+    if (!s.eval_loss || !std::isfinite(*s.eval_loss)) continue;
+    const double ex = x(static_cast<double>(s.step)), ey = y(*s.eval_loss);
+    eval_points += fmt::format("{:.1f},{:.1f} ", ex, ey);
+    eval_dots += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"2.5\" fill=\"#ff7f0e\"><title>step {} eval loss "
+                             "{:.4f}</title></circle>\n",
+                             ex, ey, s.step, *s.eval_loss);
+  }
+  if (!eval_points.empty()) {
+    svg += fmt::format("<polyline class=\"eval\" fill=\"none\" stroke=\"#ff7f0e\" stroke-width=\"1.5\" "
+                       "points=\"{}\"/>\n{}",
+                       eval_points, eval_dots);
+    svg += fmt::format("<text x=\"{}\" y=\"{}\" font-family=\"sans-serif\" font-size=\"12\" text-anchor=\"end\" "
+                       "fill=\"#ff7f0e\">eval loss</text>\n",
+                       kW - kRight, kTop + 12);
+  }
   for (const auto& s : steps) {
     if (s.applied) continue;
     svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3\" fill=\"#d62728\"><title>step {} skipped</title></circle>\n",

@@ -44,6 +44,7 @@ struct StepRecord {
   double optimizer_not_hidden_fraction = 1;
   uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
   uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
+  std::optional<double> eval_loss;       // the evaluation after this step, when one ran
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 
@@ -117,7 +118,8 @@ class RunReport {
   std::vector<StepRecord> steps_;
 };
 
-// The SVG of a loss curve (step on x, loss on y, skipped steps marked); pure,
+// The SVG of a loss curve (step on x, loss on y, skipped steps marked, the
+// evaluation losses as a second line with dots); pure,
 // for tests. Empty input gives a valid, empty plot.
 std::string loss_curve_svg(const std::vector<StepRecord>& steps);
 

@@ -239,16 +239,49 @@ TEST_CASE("cpu ops: linear with bias, strides, accumulation and mixed weight dty
   }
 }
 
-TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, matches the reference",
+namespace {
+
+// Document ranges for `batch` rows of `seq` (kernels/attention_mask.h), held in the vectors.
+AttentionMask packed_mask(int64_t batch, int64_t seq, int64_t window, std::vector<int32_t>& start,
+                          std::vector<int32_t>& end) {
+  constexpr int32_t kLengths[] = {1, 7, 30, 2, 66, 5};
+  start.resize(static_cast<size_t>(batch * seq));
+  end.resize(start.size());
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t at = 0;
+    for (size_t d = static_cast<size_t>(b); at < seq; ++d) {
+      const int32_t stop = std::min<int32_t>(static_cast<int32_t>(seq), at + kLengths[d % std::size(kLengths)]);
+      for (int32_t i = at; i < stop; ++i) {
+        start[static_cast<size_t>(b * seq + i)] = at;
+        end[static_cast<size_t>(b * seq + i)] = stop;
+      }
+      at = stop;
+    }
+  }
+  AttentionMask mask{window};
+  mask.segment_start = start.data();
+  mask.segment_end = end.data();
+  mask.seq = seq;
+  return mask;
+}
+
+}  // namespace
+
+TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, packed documents or not, matches "
+          "the reference",
           "[ops][cpu]") {
   for (DType dt : kDtypes) {
     // Windows: none, only itself, shorter than a query block (64), spanning blocks.
     for (auto [batch, seq, heads, kv, hd, window] :
          {std::tuple{2, 13, 4, 2, 8, 0}, {1, 1, 2, 1, 4, 0}, {1, 70, 4, 1, 16, 0}, {2, 33, 2, 2, 8, 0},
           {2, 13, 4, 2, 8, 1}, {2, 13, 4, 2, 8, 5}, {1, 150, 4, 2, 8, 70}, {1, 70, 2, 1, 8, 64}}) {
+     for (bool packed : {false, true}) {
       INFO(dtype_name(dt) << " batch " << batch << " seq " << seq << " heads " << heads << "/" << kv
-                          << " head_dim " << hd << " window " << window);
-      const AttentionMask mask{window};
+                          << " head_dim " << hd << " window " << window << (packed ? " packed" : ""));
+      // Packed: each row holds documents of lengths 1, 7, 30, 2, 66, ... (some
+      // within a query block, some across blocks), the last cut by the row's end.
+      std::vector<int32_t> seg_start, seg_end;
+      const AttentionMask mask = packed ? packed_mask(batch, seq, window, seg_start, seg_end) : AttentionMask{window};
       Fixture f;
       const double tol = tol_of(dt);
       const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
@@ -276,6 +309,7 @@ TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, mat
       expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
       expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
       expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
+     }
     }
   }
 }

@@ -286,7 +286,10 @@ namespace {
 // reference; backward runs from the device's own out and lse (as training
 // does; lse and out are checked separately), and twice, to check that it is
 // bitwise repeatable.
-void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMask mask = {}) {
+// `host_mask`: the reference's mask when `mask` holds device pointers (packed documents).
+void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMask mask = {},
+                     const AttentionMask* host_mask = nullptr) {
+  const AttentionMask& ref_mask = host_mask != nullptr ? *host_mask : mask;
   INFO("batch " << s.batch << " seq " << s.seq << " heads " << s.heads << " kv_heads " << s.kv_heads
                 << " head_dim " << s.head_dim << " dtype " << dtype_name(dt) << " window "
                 << mask.window);
@@ -308,9 +311,9 @@ void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMas
   f.ops->attention_forward(*f.ctx, d_q, d_k, d_v, out, lse, mask);
   Vec want_out(nq), want_lse(nl);
   ref::attention_forward<double>(q.data(), k.data(), v.data(), s, want_out.data(), want_lse.data(),
-                                 mask);
+                                 ref_mask);
   const Vec got_out = f.read(out), got_lse = f.read(lse);
-  const bool windowed = mask.window > 0;
+  const bool windowed = mask.window > 0 || mask.has_segments();
   const OpTolRow& out_tol = windowed ? kAttentionWindowOut : kAttentionOut;
   const OpTolRow& lse_tol = windowed ? kAttentionWindowLse : kAttentionLse;
   const OpTolRow& grad_tol = windowed ? kAttentionWindowGrad : kAttentionGrad;
@@ -324,7 +327,7 @@ void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMas
   Vec want_dq(nq), want_dk(nkv), want_dv(nkv);
   ref::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), got_out.data(),
                                   got_lse.data(), s, want_dq.data(), want_dk.data(),
-                                  want_dv.data(), mask);
+                                  want_dv.data(), ref_mask);
   // dO, V are O(1): the terms of dP and delta, the scale of dq/dk's errors.
   expect_close("attention dq", f.read(dq), want_dq, grad_tol.of(dt), 1.0);
   expect_close("attention dk", f.read(dk), want_dk, grad_tol.of(dt), 1.0);
@@ -367,6 +370,35 @@ TEST_CASE("cuda ops: sliding-window attention (Mistral, Qwen2 sliding layers)", 
   };
   for (const auto& [s, window] : cases) {
     for (DType dt : kDtypes) check_attention(f, s, dt, AttentionMask{window});
+  }
+}
+
+TEST_CASE("cuda ops: packed documents (a block-diagonal causal mask), with and without a window", "[ops][cuda]") {
+  Fixture f;
+  constexpr int32_t kLengths[] = {1, 7, 30, 2, 66, 5, 130};
+  const std::pair<AttentionShape, int64_t> cases[] = {
+      {shape(2, 70, 6, 2, 32), 0}, {shape(1, 333, 4, 1, 128), 0}, {shape(2, 200, 4, 2, 64), 13}};
+  for (const auto& [s, window] : cases) {
+    std::vector<int32_t> start(static_cast<size_t>(s.batch * s.seq)), end(start.size());
+    for (int64_t b = 0; b < s.batch; ++b) {
+      int32_t at = 0;
+      for (size_t d = static_cast<size_t>(b); at < s.seq; ++d) {
+        const int32_t stop = std::min<int32_t>(static_cast<int32_t>(s.seq), at + kLengths[d % std::size(kLengths)]);
+        for (int32_t i = at; i < stop; ++i) {
+          start[static_cast<size_t>(b * s.seq + i)] = at;
+          end[static_cast<size_t>(b * s.seq + i)] = stop;
+        }
+        at = stop;
+      }
+    }
+    AttentionMask host{window}, device{window};
+    host.segment_start = start.data();
+    host.segment_end = end.data();
+    host.seq = device.seq = s.seq;
+    const TensorView d_start = f.ints(start), d_end = f.ints(end);
+    device.segment_start = d_start.as<int32_t>();
+    device.segment_end = d_end.as<int32_t>();
+    for (DType dt : kDtypes) check_attention(f, s, dt, device, &host);
   }
 }
 

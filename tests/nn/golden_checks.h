@@ -51,8 +51,13 @@ inline void check_golden(Backend backend, const std::string& name, const std::st
   nn::load_parameters(*rig.engine, model.parameters(), dir + "/model.safetensors");
   const auto ids = inputs.at("ids").get<std::vector<int32_t>>();
   const auto targets = inputs.at("targets").get<std::vector<int32_t>>();
+  // Packed cases (scripts/make-golden-packed) give each row's documents' positions.
+  std::vector<int32_t> positions;
+  if (inputs.contains("positions")) positions = inputs.at("positions").get<std::vector<int32_t>>();
+  nn::ForwardOptions forward;
+  forward.positions = positions;
   rig.engine->zero_grad();
-  model.forward(ids, targets, inputs.at("batch").get<int64_t>(), inputs.at("seq").get<int64_t>());
+  model.forward(ids, targets, inputs.at("batch").get<int64_t>(), inputs.at("seq").get<int64_t>(), forward);
   model.backward();
   const double loss = model.loss(), want = expected.at(loss_key).get<double>();
   INFO(name << " loss " << loss << " expected " << want);

@@ -45,17 +45,24 @@ TEST_CASE("token files: llm.c, raw and text formats", "[data]") {
   std::vector<uint32_t> wide = {70000, 1, 2};
   std::ofstream(dir.file("w.u32"), std::ios::binary)
       .write(reinterpret_cast<const char*>(wide.data()), 12);
-  const TokenFile w = TokenFile::open(dir.file("w.u32"));
+  const TokenFile w = TokenFile::open(dir.file("w.u32"), TokenFormat::kU32);
   CHECK(w.format() == TokenFormat::kU32);
   CHECK(w.token(0) == 70000);
 
   std::ofstream(dir.file("t.txt")) << "hello";
-  const TokenFile t = TokenFile::open(dir.file("t.txt"));
+  const TokenFile t = TokenFile::open(dir.file("t.txt"), TokenFormat::kText);
   CHECK(t.format() == TokenFormat::kText);
   CHECK(t.size() == 5);
   CHECK(t.token(1) == 'e');
   CHECK(parse_token_format("u16") == TokenFormat::kU16);
   REQUIRE_THROWS_WITH(parse_token_format("u8"), Catch::Contains("expected auto, llmc"));
+  // auto goes by the bytes, never by the name: anything but llm.c's magic is refused, naming the formats.
+  REQUIRE_THROWS_WITH(TokenFile::open(dir.file("t.txt")),
+                      Catch::Contains("t.txt") && Catch::Contains("cannot be told from its first bytes") &&
+                          Catch::Contains("--data-format u16, u32 or text"));
+  std::ofstream(dir.file("train.jsonl")) << "{\"messages\": []}\n";
+  REQUIRE_THROWS_WITH(TokenFile::open(dir.file("train.jsonl")),
+                      Catch::Contains("train.jsonl") && Catch::Contains("strata data prepare"));
 }
 
 TEST_CASE("corrupt, truncated and short token files are clear errors", "[data]") {
@@ -68,6 +75,7 @@ TEST_CASE("corrupt, truncated and short token files are clear errors", "[data]")
   REQUIRE_THROWS_WITH(TokenFile::open(dir.file("v2.bin"), TokenFormat::kLlmc),
                       Catch::Contains("version 2"));
   std::ofstream(dir.file("head.bin"), std::ios::binary) << "abc";
+  REQUIRE_THROWS_WITH(TokenFile::open(dir.file("head.bin")), Catch::Contains("cannot be told"));
   REQUIRE_THROWS_WITH(TokenFile::open(dir.file("head.bin"), TokenFormat::kLlmc),
                       Catch::Contains("shorter than llm.c's"));
   REQUIRE_THROWS_WITH(TokenFile::open(dir.file("head.bin"), TokenFormat::kU16),

@@ -28,3 +28,10 @@ TEST_CASE("golden on cuda: Llama 3.1, Mistral, Qwen2 and Qwen3 match transformer
     check_golden(Backend::kCuda, tied, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
   }
 }
+
+TEST_CASE("golden on cuda: a packed batch equals transformers fed its documents one by one",
+          "[nn][golden][cuda][packed]") {
+  for (const char* name : {"llama_untied_f32_packed", "mistral_untied_f32_packed"}) {
+    check_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenF32Cuda);
+  }
+}

@@ -63,3 +63,29 @@ TEST_CASE("golden: the families with activation checkpointing in host memory", "
                  std::nullopt, /*checkpoint_activations=*/true, /*cpu_checkpointing=*/true);
   }
 }
+
+TEST_CASE("golden: a packed batch equals transformers fed its documents one by one", "[nn][golden][packed]") {
+  // Rows of several documents (positions restarting, padding after), GQA, and
+  // Mistral's sliding window inside the documents; with and without activation
+  // checkpointing (the recompute must see the same document boundaries).
+  for (const char* name : {"llama_untied_f32_packed", "mistral_untied_f32_packed"}) {
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32, std::nullopt,
+                 /*checkpoint_activations=*/true);
+  }
+  // The fixture can tell: the same rows as single sequences (attention across
+  // documents, positions 0..seq-1) give another loss.
+  const std::string dir = golden_dir("llama_untied_f32_packed");
+  const nlohmann::json inputs = read_json(dir + "/inputs.json");
+  Rig rig(Backend::kCpu);
+  nn::LlamaModel model(*rig.engine, nn::load_llama_config(dir + "/config.json"));
+  rig.engine->finalize();
+  nn::load_parameters(*rig.engine, model.parameters(), dir + "/model.safetensors");
+  nn::ForwardOptions evaluation;
+  evaluation.backward = false;
+  model.forward(inputs.at("ids").get<std::vector<int32_t>>(), inputs.at("targets").get<std::vector<int32_t>>(),
+                inputs.at("batch").get<int64_t>(), inputs.at("seq").get<int64_t>(), evaluation);
+  const double unpacked = model.loss(), want = read_json(dir + "/expected.json").at("loss").get<double>();
+  INFO("packed loss " << want << ", the rows as single sequences " << unpacked);
+  CHECK(std::abs(unpacked - want) > 100 * kGoldenF32.loss_rel * want);
+}
