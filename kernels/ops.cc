@@ -60,8 +60,12 @@ void numel(std::string_view op, std::string_view what, const TensorView& t, int6
                what, t.numel(), shape_string(t.desc.shape), want);
 }
 
-void attention_mask(std::string_view op, const AttentionMask& mask) {
+void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq) {
   STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
+  STRATA_CHECK((mask.segment_start == nullptr) == (mask.segment_end == nullptr), kBadArgument,
+               "{}: packed documents need both their starts and their ends", op);
+  STRATA_CHECK(!mask.has_segments() || mask.seq == seq, kBadArgument,
+               "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, seq);
 }
 
 void rope(std::string_view op, const Rope& r) {
@@ -364,14 +368,15 @@ void Ops::attention_forward(ComputeContext& ctx, const TensorView& q, const Tens
   constexpr const char* op = "attention_forward";
   own(ctx, op);
   const AttentionShape s = check::attention(op, q, k, v);
-  check::attention_mask(op, mask);
+  check::attention_mask(op, mask, s.seq);
   check::float_tensor(op, "out", out);
   check::same_dtype(op, q, out);
   check::shape(op, "out", out, q.desc.shape);
   check::dtype(op, "lse", lse, DType::kF32);
   check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
   Labeled label(ctx, op, [&] {
-    // Q K^T and P V over the keys each query sees.
+    // Q K^T and P V over the keys each query sees (an upper bound with packed
+    // documents: their ranges live where the kernels read them).
     const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
     return OpLabel{nullptr, static_cast<int64_t>(4 * pairs * static_cast<double>(s.head_dim)), OpLabel{}.bytes,
                    brief(q) + " kv " + std::to_string(s.kv_heads)};
@@ -386,7 +391,7 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   constexpr const char* op = "attention_backward";
   own(ctx, op);
   const AttentionShape s = check::attention(op, q, k, v);
-  check::attention_mask(op, mask);
+  check::attention_mask(op, mask, s.seq);
   for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check::float_tensor(op, what, *t);
     check::same_dtype(op, q, *t);

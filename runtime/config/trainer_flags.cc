@@ -3,10 +3,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
 #include "runtime/config/config.h"
+#include "runtime/config/schema.h"
 
 namespace strata {
 namespace {
@@ -14,6 +16,13 @@ namespace {
 using json = nlohmann::json;
 
 bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "auto"; }
+
+// A key whose own values include "auto" (strata.accelerator): not a Trainer placeholder.
+bool auto_is_a_value(const std::string& path) {
+  const ConfigField* f = find_config_field(canonical_config_path(path));
+  return f != nullptr && f->kind == FieldKind::kEnum &&
+         std::find(f->choices.begin(), f->choices.end(), "auto") != f->choices.end();
+}
 
 // The value at a dotted path, or null when a part is missing.
 json* find(json& doc, const std::string& path) {
@@ -122,6 +131,7 @@ json apply_trainer_flags(json doc, const TrainerFlags& flags, const std::string&
   std::vector<std::string> left;
   find_autos(doc, "", left);
   for (const std::string& key : left) {
+    if (auto_is_a_value(key)) continue;
     problems.push_back(fmt::format("{}: \"auto\" is a Hugging Face Trainer value strata has no flag for: give the "
                                    "value",
                                    key));

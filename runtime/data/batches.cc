@@ -54,31 +54,35 @@ void resize(Batch& b, const BatchOptions& o, bool packed) {
   }
 }
 
+}  // namespace
+
+void Batches::next(Batch& b) {
+  resize(b, options_, packed_);
+  const uint64_t first = first_sample_of_rank(cursor_, options_);
+  for (int64_t s = 0; s < options_.micro_batch; ++s) fill(b, s, training_window(first + static_cast<uint64_t>(s)));
+  cursor_ += static_cast<uint64_t>(options_.micro_batch * options_.world);
+}
+
+void Batches::eval_batch(int64_t k, Batch& b) const {
+  resize(b, options_, packed_);
+  const uint64_t first = first_sample_of_rank(static_cast<uint64_t>(k * options_.micro_batch * options_.world),
+                                              options_);
+  for (int64_t s = 0; s < options_.micro_batch; ++s) {
+    const int64_t w = static_cast<int64_t>(first) + s;
+    if (w < windows_) fill(b, s, w);
+  }
+}
+
+namespace {
+
 // ---- token streams ----------------------------------------------------------------------
 class StreamBatches final : public Batches {
  public:
-  StreamBatches(TokenFile file, BatchOptions options) : Batches(file.path(), options), file_(std::move(file)) {
+  StreamBatches(TokenFile file, BatchOptions options) : Batches(file.path(), options, /*packed=*/false), file_(std::move(file)) {
     STRATA_CHECK(file_.size() >= options.seq + 1, kBadArgument,
                  "{}: {} tokens is shorter than one sample of --seq {} + 1 (ids and the next token)", file_.path(),
                  file_.size(), options.seq);
     windows_ = (file_.size() - 1) / options.seq;
-  }
-
-  void next(Batch& b) override {
-    resize(b, options_, false);
-    const uint64_t first = first_sample_of_rank(cursor_, options_);
-    for (int64_t s = 0; s < options_.micro_batch; ++s) fill(b, s, training_window(first + static_cast<uint64_t>(s)));
-    cursor_ += static_cast<uint64_t>(options_.micro_batch * options_.world);
-  }
-
-  void eval_batch(int64_t k, Batch& b) const override {
-    resize(b, options_, false);
-    const uint64_t first = first_sample_of_rank(static_cast<uint64_t>(k * options_.micro_batch * options_.world),
-                                                options_);
-    for (int64_t s = 0; s < options_.micro_batch; ++s) {
-      const int64_t w = static_cast<int64_t>(first) + s;
-      if (w < windows_) fill(b, s, w);
-    }
   }
 
   void check_ids(int64_t vocab) const override {
@@ -107,7 +111,7 @@ class StreamBatches final : public Batches {
   }
 
  private:
-  void fill(Batch& b, int64_t s, int64_t window) const {
+  void fill(Batch& b, int64_t s, int64_t window) const override {
     const int64_t seq = options_.seq, start = window * seq;
     for (int64_t t = 0; t <= seq; ++t) {
       const auto tok = static_cast<int32_t>(file_.token(start + t));
@@ -122,7 +126,8 @@ class StreamBatches final : public Batches {
 // ---- prepared documents -----------------------------------------------------------------
 class DocumentBatches final : public Batches {
  public:
-  DocumentBatches(PreparedFile file, BatchOptions options) : Batches(file.path(), options), file_(std::move(file)) {
+  DocumentBatches(PreparedFile file, BatchOptions options)
+      : Batches(file.path(), options, /*packed=*/true), file_(std::move(file)) {
     // Windows: [first document, end document), next-fit in file order.
     const int64_t seq = options.seq;
     int64_t d = 0;
@@ -148,23 +153,6 @@ class DocumentBatches final : public Batches {
     windows_ = static_cast<int64_t>(starts_.size());
     STRATA_CHECK(windows_ > 0, kBadArgument, "{}: no document has a trained token within --seq {} tokens",
                  file_.path(), seq);
-  }
-
-  void next(Batch& b) override {
-    resize(b, options_, true);
-    const uint64_t first = first_sample_of_rank(cursor_, options_);
-    for (int64_t s = 0; s < options_.micro_batch; ++s) fill(b, s, training_window(first + static_cast<uint64_t>(s)));
-    cursor_ += static_cast<uint64_t>(options_.micro_batch * options_.world);
-  }
-
-  void eval_batch(int64_t k, Batch& b) const override {
-    resize(b, options_, true);
-    const uint64_t first = first_sample_of_rank(static_cast<uint64_t>(k * options_.micro_batch * options_.world),
-                                                options_);
-    for (int64_t s = 0; s < options_.micro_batch; ++s) {
-      const int64_t w = static_cast<int64_t>(first) + s;
-      if (w < windows_) fill(b, s, w);
-    }
   }
 
   void check_ids(int64_t vocab) const override {
@@ -211,7 +199,7 @@ class DocumentBatches final : public Batches {
     return count;
   }
 
-  void fill(Batch& b, int64_t s, int64_t window) const {
+  void fill(Batch& b, int64_t s, int64_t window) const override {
     const int64_t seq = options_.seq;
     int64_t at = s * seq;
     for (int64_t d = starts_[static_cast<size_t>(window)]; d < ends_[static_cast<size_t>(window)]; ++d) {

@@ -54,9 +54,9 @@ class Batches {
  public:
   virtual ~Batches() = default;
   // This rank's next training micro-batch; advances past the whole world's.
-  virtual void next(Batch& batch) = 0;
+  void next(Batch& batch);
   // This rank's part of evaluation micro-batch k (file order).
-  virtual void eval_batch(int64_t k, Batch& batch) const = 0;
+  void eval_batch(int64_t k, Batch& batch) const;
   // Evaluation micro-batches that cover every window once.
   int64_t eval_batches() const;
   // Trained targets of the first `batches` evaluation micro-batches of every
@@ -72,13 +72,18 @@ class Batches {
   const std::string& path() const { return path_; }
 
  protected:
-  explicit Batches(std::string path, BatchOptions options) : path_(std::move(path)), options_(options) {}
+  // packed: the batches carry document positions (prepared data).
+  Batches(std::string path, BatchOptions options, bool packed)
+      : path_(std::move(path)), options_(options), packed_(packed) {}
+  // Writes window w into sample s of a batch next() or eval_batch() sized.
+  virtual void fill(Batch& batch, int64_t s, int64_t w) const = 0;
   // Global sample g of the training order (over epochs) -> window.
   int64_t training_window(uint64_t g) const;
   virtual int64_t targets_of_window(int64_t w) const = 0;
 
   std::string path_;
   BatchOptions options_;
+  bool packed_ = false;
   int64_t windows_ = 0;
   uint64_t cursor_ = 0;
 };

@@ -1,15 +1,13 @@
 // PreparedFile: mmap and validation of the prepared-data format.
 #include "runtime/data/prepared_file.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <utility>
 
 #include "core/error.h"
+#include "runtime/data/mapped_file.h"
 
 namespace strata::data {
 namespace {
@@ -29,30 +27,10 @@ bool is_prepared_data(const unsigned char* bytes, size_t nbytes) {
 PreparedFile PreparedFile::open(const std::string& path) {
   PreparedFile f;
   f.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) raise_errno(errno, "open prepared data file " + path);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    raise_errno(err, "stat prepared data file " + path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    raise(ErrorCategory::kBadArgument, "{} is not a regular file", path);
-  }
-  const auto nbytes = static_cast<size_t>(st.st_size);
-  if (nbytes > 0) {
-    f.map_ = ::mmap(nullptr, nbytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (f.map_ == MAP_FAILED) {
-      const int err = errno;
-      f.map_ = nullptr;
-      ::close(fd);
-      raise_errno(err, "mmap prepared data file " + path);
-    }
-    f.map_nbytes_ = nbytes;
-  }
-  ::close(fd);
+  const Mapping mapping = map_read_only(path, "prepared data file");
+  f.map_ = mapping.data;
+  f.map_nbytes_ = mapping.nbytes;
+  const size_t nbytes = mapping.nbytes;
   const auto* b = static_cast<const unsigned char*>(f.map_);
   STRATA_CHECK(nbytes >= static_cast<size_t>(kPreparedHeaderBytes) && is_prepared_data(b, nbytes), kBadArgument,
                "{}: not a strata prepared-data file (no \"STRATAPD\" header; make one with `strata data prepare`)",

@@ -2,15 +2,13 @@
 // permutation per epoch, rank assignment).
 #include "runtime/data/token_file.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstring>
 #include <utility>
 
 #include "core/error.h"
+#include "runtime/data/mapped_file.h"
 #include "runtime/data/prepared_file.h"
 #include "runtime/data/sample_order.h"
 
@@ -47,30 +45,10 @@ TokenFormat parse_token_format(std::string_view name) {
 TokenFile TokenFile::open(const std::string& path, TokenFormat format) {
   TokenFile f;
   f.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) raise_errno(errno, "open token file " + path);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    raise_errno(err, "stat token file " + path);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    raise(ErrorCategory::kBadArgument, "token file {} is not a regular file", path);
-  }
-  const auto nbytes = static_cast<size_t>(st.st_size);
-  if (nbytes > 0) {
-    f.map_ = ::mmap(nullptr, nbytes, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (f.map_ == MAP_FAILED) {
-      const int err = errno;
-      f.map_ = nullptr;
-      ::close(fd);
-      raise_errno(err, "mmap token file " + path);
-    }
-    f.map_nbytes_ = nbytes;
-  }
-  ::close(fd);
+  const Mapping mapping = map_read_only(path, "token file");
+  f.map_ = mapping.data;
+  f.map_nbytes_ = mapping.nbytes;
+  const size_t nbytes = mapping.nbytes;
   const auto* bytes = static_cast<const unsigned char*>(f.map_);
   if (format == TokenFormat::kAuto) {
     // By the first bytes, never by the name: a file that does not say what it is is refused.

@@ -59,6 +59,9 @@ TEST_CASE("Trainer auto values are filled from the Trainer-like flags, never sil
   // An "auto" no flag fills.
   REQUIRE_THROWS_WITH(with_flags(flags, R"({"gradient_clipping": "auto", "zero_optimization": {"stage": 3}})"),
                       Catch::Contains("gradient_clipping: \"auto\" is a Hugging Face Trainer value"));
+  // A key whose own values include "auto" keeps it: it is not a Trainer placeholder.
+  CHECK(with_flags(flags, R"({"zero_optimization": {"stage": 3}, "strata": {"accelerator": "auto"}})").strata.accelerator ==
+        "auto");
   // A flag beside an explicit value that differs: which one? Refused.
   REQUIRE_THROWS_WITH(with_flags(flags, R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                             "zero_optimization": {"stage": 3}})"),
