@@ -163,6 +163,10 @@ uint64_t nbytes(const TensorView& t) { return t.data == nullptr ? 0 : t.nbytes()
 std::string brief(const TensorView& t) { return fmt::format("{} {}", shape_string(t.desc.shape), dtype_name(t.desc.dtype)); }
 std::string brief(const MatView& m) { return fmt::format("{}x{} {}", m.rows, m.cols, dtype_name(m.dtype)); }
 
+// An op's label, by what bounds it: arithmetic (a matrix product) or memory.
+OpLabel arithmetic(int64_t flops, std::string shape) { return OpLabel{nullptr, flops, OpLabel{}.bytes, std::move(shape)}; }
+OpLabel memory(uint64_t bytes, std::string shape) { return OpLabel{nullptr, 0, bytes, std::move(shape)}; }
+
 // Key positions a query of a causal attention sees, summed over the sequence
 // (a sliding window shortens the rows).
 double visible_keys(int64_t seq, int64_t window) {
@@ -170,6 +174,15 @@ double visible_keys(int64_t seq, int64_t window) {
   if (window <= 0 || window >= seq) return s * (s + 1) / 2;
   const double w = static_cast<double>(window);
   return w * (w + 1) / 2 + (s - w) * w;  // rows below the window's width, then full windows
+}
+
+// Attention's label: `products` products of head_dim-long rows per visible
+// (query, key) pair of each head (an upper bound with packed documents: their
+// ranges live where the kernels read them).
+OpLabel attention_label(const AttentionShape& s, const AttentionMask& mask, const TensorView& q, int products) {
+  const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
+  return arithmetic(static_cast<int64_t>(2 * products * pairs * static_cast<double>(s.head_dim)),
+                    brief(q) + " kv " + std::to_string(s.kv_heads));
 }
 
 }  // namespace
@@ -217,7 +230,7 @@ void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const 
   STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
                shape_string(table.desc.shape));
   check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
-  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(out) * 2 + nbytes(ids), brief(out)}; });
+  Labeled label(ctx, op, [&] { return memory(nbytes(out) * 2 + nbytes(ids), brief(out)); });
   enqueue_embedding_forward(ctx, table, ids, out);
 }
 
@@ -234,7 +247,7 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
   check::shape(op, "dout", dout, {ids.numel(), dtable.desc.shape[1]});
   if (ids.numel() == 0) return;
   Labeled label(ctx, op, [&] {
-    return OpLabel{nullptr, 0, nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout)};
+    return memory(nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout));
   });
   enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx);
 }
@@ -252,7 +265,7 @@ void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const Tensor
   check::shape(op, "w", w, {xm.cols});
   check::shape(op, "y", y, x.desc.shape);
   check::numel(op, "rstd", rstd, xm.rows);
-  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(x) + nbytes(y) + nbytes(w), brief(x)}; });
+  Labeled label(ctx, op, [&] { return memory(nbytes(x) + nbytes(y) + nbytes(w), brief(x)); });
   enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd);
 }
 
@@ -278,7 +291,7 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
   check::numel(op, "rstd", rstd, xm.rows);
   if (xm.rows == 0) return;
   Labeled label(ctx, op, [&] {
-    return OpLabel{nullptr, 0, nbytes(dy) + nbytes(x) + nbytes(dx) * (accumulate_dx ? 2 : 1), brief(x)};
+    return memory(nbytes(dy) + nbytes(x) + nbytes(dx) * (accumulate_dx ? 2 : 1), brief(x));
   });
   enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw);
 }
@@ -304,7 +317,7 @@ void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView
   }
   if (x.rows == 0) return;
   Labeled label(ctx, op, [&] {
-    return OpLabel{nullptr, 2 * x.rows * in * out, OpLabel{}.bytes, brief(x) + " * " + brief(w)};
+    return arithmetic(2 * x.rows * in * out, brief(x) + " * " + brief(w));
   });
   enqueue_linear_forward(ctx, x, w, bias, y, accumulate);
 }
@@ -340,8 +353,8 @@ void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView&
   if (rows == 0) return;
   Labeled label(ctx, op, [&] {
     const int64_t gemm = 2 * rows * in * out;
-    return OpLabel{nullptr, (empty(dx) ? 0 : gemm) + (empty(dw) ? 0 : gemm) + (empty(dbias) ? 0 : rows * out),
-                   OpLabel{}.bytes, brief(dy) + " * " + brief(w)};
+    return arithmetic((empty(dx) ? 0 : gemm) + (empty(dw) ? 0 : gemm) + (empty(dbias) ? 0 : rows * out),
+                      brief(dy) + " * " + brief(w));
   });
   enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias);
 }
@@ -350,7 +363,7 @@ void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorVie
                        const Rope& rope) {
   own(ctx, "rope_forward");
   check_rope("rope_forward", x, positions, rope);
-  Labeled label(ctx, "rope_forward", [&] { return OpLabel{nullptr, 0, 2 * nbytes(x), brief(x)}; });
+  Labeled label(ctx, "rope_forward", [&] { return memory(2 * nbytes(x), brief(x)); });
   enqueue_rope(ctx, x, positions, rope, +1);
 }
 
@@ -358,7 +371,7 @@ void Ops::rope_backward(ComputeContext& ctx, const TensorView& dx, const TensorV
                         const Rope& rope) {
   own(ctx, "rope_backward");
   check_rope("rope_backward", dx, positions, rope);
-  Labeled label(ctx, "rope_backward", [&] { return OpLabel{nullptr, 0, 2 * nbytes(dx), brief(dx)}; });
+  Labeled label(ctx, "rope_backward", [&] { return memory(2 * nbytes(dx), brief(dx)); });
   enqueue_rope(ctx, dx, positions, rope, -1);
 }
 
@@ -374,13 +387,8 @@ void Ops::attention_forward(ComputeContext& ctx, const TensorView& q, const Tens
   check::shape(op, "out", out, q.desc.shape);
   check::dtype(op, "lse", lse, DType::kF32);
   check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
-  Labeled label(ctx, op, [&] {
-    // Q K^T and P V over the keys each query sees (an upper bound with packed
-    // documents: their ranges live where the kernels read them).
-    const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
-    return OpLabel{nullptr, static_cast<int64_t>(4 * pairs * static_cast<double>(s.head_dim)), OpLabel{}.bytes,
-                   brief(q) + " kv " + std::to_string(s.kv_heads)};
-  });
+  // Q K^T and P V.
+  Labeled label(ctx, op, [&] { return attention_label(s, mask, q, 2); });
   enqueue_attention_forward(ctx, s, q, k, v, out, lse, mask);
 }
 
@@ -403,12 +411,8 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   check::shape(op, "dv", dv, v.desc.shape);
   check::dtype(op, "lse", lse, DType::kF32);
   check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
-  Labeled label(ctx, op, [&] {
-    // Q K^T recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
-    const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
-    return OpLabel{nullptr, static_cast<int64_t>(10 * pairs * static_cast<double>(s.head_dim)), OpLabel{}.bytes,
-                   brief(q) + " kv " + std::to_string(s.kv_heads)};
-  });
+  // Q K^T recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
+  Labeled label(ctx, op, [&] { return attention_label(s, mask, q, 5); });
   enqueue_attention_backward(ctx, s, dout, q, k, v, out, lse, dq, dk, dv, mask);
 }
 
@@ -416,7 +420,7 @@ void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const Tens
                          const TensorView& out) {
   own(ctx, "swiglu_forward");
   check::elementwise("swiglu_forward", {&gate, &up, &out});
-  Labeled label(ctx, "swiglu_forward", [&] { return OpLabel{nullptr, 0, 3 * nbytes(out), brief(out)}; });
+  Labeled label(ctx, "swiglu_forward", [&] { return memory(3 * nbytes(out), brief(out)); });
   enqueue_swiglu_forward(ctx, gate, up, out);
 }
 
@@ -424,14 +428,14 @@ void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const Ten
                           const TensorView& up, const TensorView& dgate, const TensorView& dup) {
   own(ctx, "swiglu_backward");
   check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
-  Labeled label(ctx, "swiglu_backward", [&] { return OpLabel{nullptr, 0, 5 * nbytes(dout), brief(dout)}; });
+  Labeled label(ctx, "swiglu_backward", [&] { return memory(5 * nbytes(dout), brief(dout)); });
   enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup);
 }
 
 void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {
   own(ctx, "add");
   check::elementwise("add", {&a, &b, &out});
-  Labeled label(ctx, "add", [&] { return OpLabel{nullptr, 0, 3 * nbytes(out), brief(out)}; });
+  Labeled label(ctx, "add", [&] { return memory(3 * nbytes(out), brief(out)); });
   enqueue_add(ctx, a, b, out);
 }
 
@@ -466,8 +470,7 @@ void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorVi
   if (rows == 0) return;
   Labeled label(ctx, op, [&] {
     const int64_t gemm = 2 * rows * vocab * dim;  // logits; with the gradient dh, and dw when wanted
-    return OpLabel{nullptr, gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), OpLabel{}.bytes,
-                   brief(h) + " * " + brief(w)};
+    return arithmetic(gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), brief(h) + " * " + brief(w));
   });
   enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
 }
@@ -478,7 +481,7 @@ void Ops::count_targets(ComputeContext& ctx, const TensorView& targets, const Te
   check::dtype(op, "targets", targets, DType::kI32);
   check::dtype(op, "count", count, DType::kF64);
   check::numel(op, "count", count, 1);
-  Labeled label(ctx, op, [&] { return OpLabel{nullptr, 0, nbytes(targets), brief(targets)}; });
+  Labeled label(ctx, op, [&] { return memory(nbytes(targets), brief(targets)); });
   enqueue_count_targets(ctx, targets, count);
 }
 
@@ -487,7 +490,7 @@ void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst
   check::float_tensor("cast", "src", src);
   check::float_tensor("cast", "dst", dst);
   check::shape("cast", "dst", dst, src.desc.shape);
-  Labeled label(ctx, "cast", [&] { return OpLabel{nullptr, 0, nbytes(src) + nbytes(dst), brief(src) + " -> " + brief(dst)}; });
+  Labeled label(ctx, "cast", [&] { return memory(nbytes(src) + nbytes(dst), brief(src) + " -> " + brief(dst)); });
   enqueue_cast(ctx, src, dst);
 }
 
@@ -499,7 +502,7 @@ void Ops::adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs
   if (param.numel() == 0) return;
   Labeled label(ctx, "adam_step", [&] {
     // Reads param, both moments and the gradient; writes param, the moments and the copy.
-    return OpLabel{nullptr, 0, 7 * nbytes(param) + nbytes(param_copy), brief(param)};
+    return memory(7 * nbytes(param) + nbytes(param_copy), brief(param));
   });
   enqueue_adam_step(ctx, coeffs, param, exp_avg, exp_avg_sq, grad, param_copy);
 }
@@ -509,7 +512,7 @@ void Ops::grad_sum_sq(ComputeContext& ctx, const TensorView& grad, float scale, 
   check::dtype("grad_sum_sq", "grad", grad, DType::kF32);
   check::dtype("grad_sum_sq", "out", out, DType::kF64);
   check::numel("grad_sum_sq", "out", out, 1);
-  Labeled label(ctx, "grad_sum_sq", [&] { return OpLabel{nullptr, 0, nbytes(grad), brief(grad)}; });
+  Labeled label(ctx, "grad_sum_sq", [&] { return memory(nbytes(grad), brief(grad)); });
   enqueue_grad_sum_sq(ctx, grad, scale, out);
 }
 

@@ -162,7 +162,7 @@ class Checker {
       }
       return;
     }
-    if (value.is_string() && value.get<std::string>() == "auto" && !convert(f, value)) {
+    if (value.is_string() && value.get<std::string>() == "auto" && !accepts_auto(f)) {
       // Hugging Face Trainer configs: a value the Trainer fills from its own
       // arguments is filled only by strata finetune's flag of that meaning
       // (trainer_flags.h); here it is refused, never silently defaulted. The
@@ -189,10 +189,7 @@ class Checker {
     if (f.no_effect) no_effect_.push_back(given);
   }
 
-  // The schema's +-1e300 bounds mean "none": any finite number passes (1e308 included).
-  static bool in_range(const ConfigField& f, double x) {
-    return std::isfinite(x) && (f.min <= -1e300 || x >= f.min) && (f.max >= 1e300 || x <= f.max);
-  }
+  static bool in_range(const ConfigField& f, double x) { return std::isfinite(x) && x >= f.min && x <= f.max; }
 
   // An integer JSON value compared exactly with the field's bounds (a double
   // would round 2^53 + 1 to 2^53 and accept it, then store the other value).

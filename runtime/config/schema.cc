@@ -68,18 +68,18 @@ std::vector<ConfigField> build_fields() {
   f.push_back(integer("train_micro_batch_size_per_gpu", 1, 1, 1 << 20, "Sequences per rank per micro-step."));
   f.push_back(integer("gradient_accumulation_steps", 1, 1, 1 << 20, "Micro-steps whose gradients are summed before each optimizer step."));
   f.push_back(integer("train_batch_size", 0, 0, 1e12, "Global batch = micro batch x accumulation x world size; 0 derives it. When set, must be divisible by micro batch x accumulation."));
-  f.push_back(number("gradient_clipping", 0.0, 0, 1e300, "Clip the global gradient L2 norm to this value; 0 disables clipping."));
+  f.push_back(number("gradient_clipping", 0.0, 0, kUnbounded, "Clip the global gradient L2 norm to this value; 0 disables clipping."));
   f.push_back(integer("steps_per_print", 10, 1, 1e12, "Log loss and throughput every this many optimizer steps."));
   f.push_back(ignored(flag("wall_clock_breakdown", false, "DeepSpeed timing breakdown; strata writes its timeline with strata.trace_path instead.")));
   f.push_back(ignored(flag("zero_allow_untested_optimizer", false, "DeepSpeed safety switch; strata only runs its own optimizers.")));
   // Precision.
   f.push_back(flag("bf16.enabled", false, "Train with bf16 parameters and gradients (fp32 master weights)."));
   f.push_back(flag("fp16.enabled", false, "Train with fp16 parameters and gradients, with loss scaling."));
-  f.push_back(number("fp16.loss_scale", 0.0, 0, 1e300, "Static loss scale; 0 selects dynamic loss scaling."));
+  f.push_back(number("fp16.loss_scale", 0.0, 0, kUnbounded, "Static loss scale; 0 selects dynamic loss scaling."));
   f.push_back(integer("fp16.initial_scale_power", 16, 0, 64, "Dynamic scaling starts at 2^initial_scale_power."));
   f.push_back(integer("fp16.loss_scale_window", 1000, 1, INT_MAX, "Steps without overflow before the dynamic scale doubles."));
   f.push_back(integer("fp16.hysteresis", 2, 1, 1e6, "Overflows tolerated before the dynamic scale halves."));
-  f.push_back(number("fp16.min_loss_scale", 1.0, 0, 1e300, "Lower bound of the dynamic loss scale."));
+  f.push_back(number("fp16.min_loss_scale", 1.0, 0, kUnbounded, "Lower bound of the dynamic loss scale."));
   // Optimizer.
   f.push_back(choice("optimizer.type", "AdamW", {"Adam", "AdamW"}, "Adam (L2 weight decay added to the gradient) or AdamW (decoupled weight decay), PyTorch's formulas."));
   f.push_back(number("optimizer.params.lr", 1e-3, 0, 1e30, "Learning rate."));
@@ -96,8 +96,8 @@ std::vector<ConfigField> build_fields() {
   // Defaults that depend on the type (WarmupDecayLR warms up to 0.001, WarmupLR
   // to the optimizer's lr) are applied by the schedule, not here.
   f.push_back(choice("scheduler.type", "Constant", {"Constant", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"}, "Learning-rate schedule; Constant keeps optimizer.params.lr."));
-  f.push_back(number("scheduler.params.warmup_min_lr", 0, 0, 1e300, "WarmupLR/WarmupDecayLR: rate at the first step."));
-  f.push_back(number("scheduler.params.warmup_max_lr", 0.001, 0, 1e300, "WarmupLR/WarmupDecayLR: rate at the end of warmup (WarmupLR: the optimizer's lr when absent)."));
+  f.push_back(number("scheduler.params.warmup_min_lr", 0, 0, kUnbounded, "WarmupLR/WarmupDecayLR: rate at the first step."));
+  f.push_back(number("scheduler.params.warmup_max_lr", 0.001, 0, kUnbounded, "WarmupLR/WarmupDecayLR: rate at the end of warmup (WarmupLR: the optimizer's lr when absent)."));
   f.push_back(integer("scheduler.params.warmup_num_steps", 1000, 1, 1e12, "Optimizer steps of warmup."));
   f.push_back(choice("scheduler.params.warmup_type", "log", {"log", "linear"}, "Warmup curve."));
   f.push_back(integer("scheduler.params.total_num_steps", 0, 0, 1e12, "WarmupDecayLR/WarmupCosineLR (required there, >= 1): the step where decay ends; 0: not set."));
@@ -198,9 +198,9 @@ bool is_config_section(std::string_view path) {
 
 namespace {
 // A bound as people read it: "1048576", "0.1", "2^53"; "" for the
-// "no bound" sentinels (+-1e300).
+// open ends (kUnbounded).
 std::string bound(double value) {
-  if (value >= 1e300 || value <= -1e300) return "";
+  if (std::isinf(value)) return "";
   if (std::abs(value) < 9.2e18 && value == static_cast<double>(static_cast<int64_t>(value))) {
     const auto i = static_cast<int64_t>(value);
     // Large powers of two (2^53) say more as such than as 16 digits.
@@ -216,6 +216,11 @@ std::string range(const ConfigField& f) {
   return "";
 }
 }  // namespace
+
+bool accepts_auto(const ConfigField& f) {
+  return f.kind == FieldKind::kString ||
+         (f.kind == FieldKind::kEnum && std::find(f.choices.begin(), f.choices.end(), "auto") != f.choices.end());
+}
 
 std::string describe_accepted(const ConfigField& f) {
   switch (f.kind) {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,14 +22,17 @@ enum class FieldKind {
   kNumberPair, // [a, b], each within [min, max]
 };
 
+// A range's open end: any finite number passes.
+inline constexpr double kUnbounded = std::numeric_limits<double>::infinity();
+
 struct ConfigField {
   std::string path;       // dotted: "zero_optimization.offload_param.device"
   FieldKind kind;
   nlohmann::json default_value;
   std::string doc;
   std::vector<std::string> choices;  // kEnum
-  double min = -1e300;
-  double max = 1e300;
+  double min = -kUnbounded;  // kNumber, kInt, kSize, kNumberPair: the accepted range
+  double max = kUnbounded;
   std::string unit;        // kSize: "bytes" or "elements"
   bool no_effect = false;  // DeepSpeed key accepted for compatibility; strata ignores it (and says so)
 };
@@ -43,6 +47,9 @@ std::string_view canonical_config_path(std::string_view path);
 bool is_config_section(std::string_view path);
 // Human description of what a field accepts: "an integer 0..3", "one of none, cpu, nvme".
 std::string describe_accepted(const ConfigField& field);
+// Whether "auto" is one of the field's own values (a choice, or a string),
+// rather than a Hugging Face Trainer placeholder for a value to fill.
+bool accepts_auto(const ConfigField& field);
 // Markdown reference of every key (the content of docs/config.md).
 std::string config_reference_markdown();
 

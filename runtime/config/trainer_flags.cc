@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -20,8 +19,7 @@ bool is_auto(const json& v) { return v.is_string() && v.get<std::string>() == "a
 // A key whose own values include "auto" (strata.accelerator): not a Trainer placeholder.
 bool auto_is_a_value(const std::string& path) {
   const ConfigField* f = find_config_field(canonical_config_path(path));
-  return f != nullptr && f->kind == FieldKind::kEnum &&
-         std::find(f->choices.begin(), f->choices.end(), "auto") != f->choices.end();
+  return f != nullptr && accepts_auto(*f);
 }
 
 // The value at a dotted path, or null when a part is missing.

@@ -1,13 +1,11 @@
 // PreparedFile: mmap and validation of the prepared-data format.
 #include "runtime/data/prepared_file.h"
 
-#include <sys/mman.h>
 
 #include <cstring>
 #include <utility>
 
 #include "core/error.h"
-#include "runtime/data/mapped_file.h"
 
 namespace strata::data {
 namespace {
@@ -27,11 +25,9 @@ bool is_prepared_data(const unsigned char* bytes, size_t nbytes) {
 PreparedFile PreparedFile::open(const std::string& path) {
   PreparedFile f;
   f.path_ = path;
-  const Mapping mapping = map_read_only(path, "prepared data file");
-  f.map_ = mapping.data;
-  f.map_nbytes_ = mapping.nbytes;
-  const size_t nbytes = mapping.nbytes;
-  const auto* b = static_cast<const unsigned char*>(f.map_);
+  f.file_ = MappedFile::open(path, "prepared data file");
+  const size_t nbytes = f.file_.size();
+  const unsigned char* b = f.file_.bytes();
   STRATA_CHECK(nbytes >= static_cast<size_t>(kPreparedHeaderBytes) && is_prepared_data(b, nbytes), kBadArgument,
                "{}: not a strata prepared-data file (no \"STRATAPD\" header; make one with `strata data prepare`)",
                path);
@@ -69,31 +65,6 @@ PreparedFile PreparedFile::open(const std::string& path) {
   STRATA_CHECK(previous == n, kBadArgument, "{}: the documents end at token {}, the file holds {} (corrupt)", path,
                previous, n);
   return f;
-}
-
-PreparedFile::PreparedFile(PreparedFile&& other) noexcept { *this = std::move(other); }
-
-PreparedFile& PreparedFile::operator=(PreparedFile&& other) noexcept {
-  if (this != &other) {
-    release();
-    path_ = std::move(other.path_);
-    map_ = std::exchange(other.map_, nullptr);
-    map_nbytes_ = std::exchange(other.map_nbytes_, 0);
-    token_bytes_ = other.token_bytes_;
-    mask_ = other.mask_;
-    offsets_ = other.offsets_;
-    tokens_count_ = other.tokens_count_;
-    documents_ = other.documents_;
-    vocab_ = other.vocab_;
-  }
-  return *this;
-}
-
-PreparedFile::~PreparedFile() { release(); }
-
-void PreparedFile::release() {
-  if (map_ != nullptr) ::munmap(map_, map_nbytes_);
-  map_ = nullptr;
 }
 
 int64_t PreparedFile::document_begin(int64_t d) const { return static_cast<int64_t>(read_le(offsets_ + 8 * d, 8)); }

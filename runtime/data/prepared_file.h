@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/data/mapped_file.h"
+
 namespace strata::data {
 
 inline constexpr char kPreparedMagic[9] = "STRATAPD";
@@ -38,11 +40,8 @@ bool is_prepared_data(const unsigned char* bytes, size_t nbytes);
 class PreparedFile {
  public:
   static PreparedFile open(const std::string& path);
-  PreparedFile(PreparedFile&& other) noexcept;
-  PreparedFile& operator=(PreparedFile&& other) noexcept;
-  PreparedFile(const PreparedFile&) = delete;
-  PreparedFile& operator=(const PreparedFile&) = delete;
-  ~PreparedFile();
+  PreparedFile(PreparedFile&&) noexcept = default;  // the mapping moves, its address stays
+  PreparedFile& operator=(PreparedFile&&) noexcept = default;
 
   const std::string& path() const { return path_; }
   int64_t tokens() const { return tokens_count_; }
@@ -55,11 +54,9 @@ class PreparedFile {
 
  private:
   PreparedFile() = default;
-  void release();
 
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_nbytes_ = 0;
+  MappedFile file_;
   const unsigned char* token_bytes_ = nullptr;
   const unsigned char* mask_ = nullptr;
   const unsigned char* offsets_ = nullptr;

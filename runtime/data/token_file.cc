@@ -2,13 +2,11 @@
 // permutation per epoch, rank assignment).
 #include "runtime/data/token_file.h"
 
-#include <sys/mman.h>
 
 #include <cstring>
 #include <utility>
 
 #include "core/error.h"
-#include "runtime/data/mapped_file.h"
 #include "runtime/data/prepared_file.h"
 #include "runtime/data/sample_order.h"
 
@@ -45,11 +43,9 @@ TokenFormat parse_token_format(std::string_view name) {
 TokenFile TokenFile::open(const std::string& path, TokenFormat format) {
   TokenFile f;
   f.path_ = path;
-  const Mapping mapping = map_read_only(path, "token file");
-  f.map_ = mapping.data;
-  f.map_nbytes_ = mapping.nbytes;
-  const size_t nbytes = mapping.nbytes;
-  const auto* bytes = static_cast<const unsigned char*>(f.map_);
+  f.file_ = MappedFile::open(path, "token file");
+  const size_t nbytes = f.file_.size();
+  const unsigned char* bytes = f.file_.bytes();
   if (format == TokenFormat::kAuto) {
     // By the first bytes, never by the name: a file that does not say what it is is refused.
     if (nbytes >= 4 && read_i32_le(bytes) == kLlmcMagic) {
@@ -109,29 +105,6 @@ TokenFile TokenFile::open(const std::string& path, TokenFormat format) {
     case TokenFormat::kAuto: break;
   }
   return f;
-}
-
-TokenFile::TokenFile(TokenFile&& other) noexcept { *this = std::move(other); }
-
-TokenFile& TokenFile::operator=(TokenFile&& other) noexcept {
-  if (this != &other) {
-    release();
-    path_ = std::move(other.path_);
-    format_ = other.format_;
-    map_ = std::exchange(other.map_, nullptr);
-    map_nbytes_ = std::exchange(other.map_nbytes_, 0);
-    tokens_ = std::exchange(other.tokens_, nullptr);
-    count_ = std::exchange(other.count_, 0);
-    width_ = other.width_;
-  }
-  return *this;
-}
-
-TokenFile::~TokenFile() { release(); }
-
-void TokenFile::release() {
-  if (map_ != nullptr) ::munmap(map_, map_nbytes_);
-  map_ = nullptr;
 }
 
 int64_t TokenFile::token(int64_t i) const {

@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/data/mapped_file.h"
+
 namespace strata::data {
 
 enum class TokenFormat : uint8_t { kAuto, kLlmc, kU16, kU32, kText };
@@ -47,11 +49,8 @@ inline constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 class TokenFile {
  public:
   static TokenFile open(const std::string& path, TokenFormat format = TokenFormat::kAuto);
-  TokenFile(TokenFile&& other) noexcept;
-  TokenFile& operator=(TokenFile&& other) noexcept;
-  TokenFile(const TokenFile&) = delete;
-  TokenFile& operator=(const TokenFile&) = delete;
-  ~TokenFile();
+  TokenFile(TokenFile&&) noexcept = default;  // the mapping moves, its address stays
+  TokenFile& operator=(TokenFile&&) noexcept = default;
 
   const std::string& path() const { return path_; }
   TokenFormat format() const { return format_; }
@@ -60,12 +59,10 @@ class TokenFile {
 
  private:
   TokenFile() = default;
-  void release();
 
   std::string path_;
   TokenFormat format_ = TokenFormat::kAuto;
-  void* map_ = nullptr;
-  size_t map_nbytes_ = 0;
+  MappedFile file_;
   const unsigned char* tokens_ = nullptr;  // first token
   int64_t count_ = 0;
   int width_ = 2;  // bytes per token
