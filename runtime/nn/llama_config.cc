@@ -88,12 +88,13 @@ void LlamaConfig::validate() const {
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
   // bounding those two, estimated in double, keeps all of them exact.
-  const double h = static_cast<double>(hidden_size),
-               q = static_cast<double>(num_attention_heads) * head_dim,
-               kv = static_cast<double>(num_key_value_heads) * head_dim,
+  // Every operand is a double before the first product: int64 arithmetic
+  // here could overflow on exactly the sizes this check exists to refuse.
+  const double h = static_cast<double>(hidden_size), d = static_cast<double>(head_dim),
+               q = static_cast<double>(num_attention_heads) * d,
+               kv = static_cast<double>(num_key_value_heads) * d,
                ff = static_cast<double>(intermediate_size);
-  const double layer =
-      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * head_dim;
+  const double layer = 2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d;
   const double parameters =
       static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
   constexpr double kMaxCount = 0x1p62;
@@ -103,7 +104,7 @@ void LlamaConfig::validate() const {
       "hidden_size, intermediate_size, num_hidden_layers and the head counts",
       parameters);
   STRATA_CHECK(
-      static_cast<double>(max_position_embeddings) * static_cast<double>(head_dim) < kMaxCount, kBadArgument,
+      static_cast<double>(max_position_embeddings) * d < kMaxCount, kBadArgument,
       "key 'max_position_embeddings' ({}) x head_dim ({}) is beyond 2^62", max_position_embeddings,
       head_dim);
 }

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -210,6 +211,14 @@ TEST_CASE("HF config.json: sizes whose products overflow int64 are refused (issu
   j = base;
   j["hidden_size"] = int64_t{1} << 40;
   j["intermediate_size"] = int64_t{1} << 40;
+  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("parameters, beyond what strata counts"));
+  // One head of hidden_size - 1 dimensions: head_dim itself is near 2^63, so
+  // even the estimate's 2 x head_dim overflowed before it was promoted.
+  j = base;
+  j["vocab_size"] = std::numeric_limits<int64_t>::max();
+  j["hidden_size"] = std::numeric_limits<int64_t>::max() - 1;
+  j["num_attention_heads"] = 1;
+  j["num_key_value_heads"] = 1;
   REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("parameters, beyond what strata counts"));
   j = base;
   j["max_position_embeddings"] = int64_t{1} << 62;
