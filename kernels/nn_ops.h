@@ -43,20 +43,21 @@ template <typename T>
 void rmsnorm_backward(const T* dy, const T* x, const T* w, const T* rstd, int64_t rows, int64_t dim,
                       T* dx /*[rows, dim]*/, T* dw /*[dim], +=; null: not wanted*/);
 
-// ---- Linear: y = x W^T (+ b) ---------------------------------------------------
+// ---- Linear: y = scale * x W^T (+ b) -------------------------------------------
 // W is [out, in] (the Hugging Face / PyTorch layout). ldx/ldy are row strides in
 // elements (>= in / out), so a caller can address a column block of a wider
-// matrix (TiledLinear). accumulate: y += x W^T instead of y = x W^T.
+// matrix (TiledLinear). accumulate: y += ... instead of y = .... The bias is
+// not scaled.
 template <typename T>
 void linear_forward(const T* x, int64_t ldx, const T* w /*[out, in]*/,
                     const T* bias /*[out] or null*/, int64_t rows, int64_t in, int64_t out, T* y,
-                    int64_t ldy, bool accumulate);
-// dx = dy W (+= when accumulate_dx), dw += dy^T x, dbias += sum_rows dy.
-// dx, dw and dbias may each be null (not needed).
+                    int64_t ldy, bool accumulate, T scale = T(1));
+// dx = scale * dy W (+= when accumulate_dx), dw += scale * dy^T x, dbias +=
+// sum_rows dy. dx, dw and dbias may each be null (not needed).
 template <typename T>
 void linear_backward(const T* dy, int64_t ldy, const T* x, int64_t ldx, const T* w, int64_t rows,
                      int64_t in, int64_t out, T* dx, int64_t lddx, bool accumulate_dx, T* dw,
-                     T* dbias);
+                     T* dbias, T scale = T(1));
 
 // ---- rotary position embedding (Hugging Face "rotate_half" convention) ------
 // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) are rotated by

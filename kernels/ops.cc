@@ -60,6 +60,10 @@ void numel(std::string_view op, std::string_view what, const TensorView& t, int6
                what, t.numel(), shape_string(t.desc.shape), want);
 }
 
+void finite_scale(std::string_view op, float scale) {
+  STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
+}
+
 void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq) {
   STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
   STRATA_CHECK((mask.segment_start == nullptr) == (mask.segment_end == nullptr), kBadArgument,
@@ -297,9 +301,10 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
 }
 
 void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                         const TensorView& bias, const MatView& y, bool accumulate) {
+                         const TensorView& bias, const MatView& y, bool accumulate, float scale) {
   constexpr const char* op = "linear_forward";
   own(ctx, op);
+  check::finite_scale(op, scale);
   check::matrix(op, "x", x);
   check::matrix(op, "y", y);
   check::float_tensor(op, "w", w);
@@ -319,14 +324,15 @@ void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView
   Labeled label(ctx, op, [&] {
     return arithmetic(2 * x.rows * in * out, brief(x) + " * " + brief(w));
   });
-  enqueue_linear_forward(ctx, x, w, bias, y, accumulate);
+  enqueue_linear_forward(ctx, x, w, bias, y, accumulate, scale);
 }
 
 void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x, const TensorView& w,
                           const MatView& dx, bool accumulate_dx, const TensorView& dw,
-                          const TensorView& dbias) {
+                          const TensorView& dbias, float scale) {
   constexpr const char* op = "linear_backward";
   own(ctx, op);
+  check::finite_scale(op, scale);
   check::matrix(op, "dy", dy);
   check::matrix(op, "x", x);
   check::float_tensor(op, "w", w);
@@ -356,7 +362,7 @@ void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView&
     return arithmetic((empty(dx) ? 0 : gemm) + (empty(dw) ? 0 : gemm) + (empty(dbias) ? 0 : rows * out),
                       brief(dy) + " * " + brief(w));
   });
-  enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias);
+  enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias, scale);
 }
 
 void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,

@@ -153,16 +153,20 @@ class Ops {
                                 const TensorView& w, const TensorView& rstd, const TensorView& dx,
                                 bool accumulate_dx, const TensorView& dw);
 
-  // ---- Linear: y = x W^T (+ b) -------------------------------------------------
+  // ---- Linear: y = scale * x W^T (+ b) -----------------------------------------
   // x [rows, in], W [out, in] (the Hugging Face layout), bias [out] or an empty
-  // view, y [rows, out]. accumulate: y += x W^T (+ b) instead of y = ....
+  // view, y [rows, out]. accumulate: y += ... instead of y = .... `scale` (finite)
+  // multiplies the product inside the GEMM (its alpha), never the bias: a LoRA
+  // adapter's alpha / r costs nothing.
   void linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                              const TensorView& bias, const MatView& y, bool accumulate);
-  // dx = dy W (+= when accumulate_dx), dw (fp32 [out, in]) += dy^T x, dbias
-  // (fp32 [out]) += column sums of dy. dx, dw and dbias may each be empty (not wanted).
+                      const TensorView& bias, const MatView& y, bool accumulate,
+                      float scale = 1.0f);
+  // The backward of that: dx = scale * dy W (+= when accumulate_dx), dw (fp32
+  // [out, in]) += scale * dy^T x, dbias (fp32 [out]) += column sums of dy.
+  // dx, dw and dbias may each be empty (not wanted).
   void linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
-                               const TensorView& w, const MatView& dx, bool accumulate_dx,
-                               const TensorView& dw, const TensorView& dbias);
+                       const TensorView& w, const MatView& dx, bool accumulate_dx,
+                       const TensorView& dw, const TensorView& dbias, float scale = 1.0f);
 
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
@@ -274,11 +278,12 @@ class Ops {
                                         const TensorView& dw) = 0;
   // rows > 0.
   virtual void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                                      const TensorView& bias, const MatView& y, bool accumulate) = 0;
+                                      const TensorView& bias, const MatView& y, bool accumulate,
+                                      float scale) = 0;
   // rows > 0.
   virtual void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                                        const TensorView& w, const MatView& dx, bool accumulate_dx,
-                                       const TensorView& dw, const TensorView& dbias) = 0;
+                                       const TensorView& dw, const TensorView& dbias, float scale) = 0;
   // sign +1: the forward rotation, -1: its inverse. x is [rows, heads, head_dim].
   virtual void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                             const Rope& rope, int sign) = 0;

@@ -201,14 +201,15 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                      const TensorView& bias, const MatView& y, bool accumulate) override {
+                      const TensorView& bias, const MatView& y, bool accumulate,
+                              float scale) override {
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = x.rows;
     enqueue(ctx, [=](CpuContext& c) {
       const F32Mat xf = widen(c, 0, x);
       const F32Mat yf = stage(c, 1, y, accumulate);
       const float* bf = empty(bias) ? nullptr : widen(c, 2, bias);
       if (w.desc.dtype == DType::kF32) {
-        gemm<float>(false, true, rows, out, in, 1.0f, xf.data, xf.ld, w.as<const float>(), in,
+        gemm<float>(false, true, rows, out, in, scale, xf.data, xf.ld, w.as<const float>(), in,
                     accumulate ? 1.0f : 0.0f, yf.data, yf.ld);
       } else {
         for (int64_t o0 = 0; o0 < out; o0 += kWeightBlockRows) {
@@ -216,7 +217,7 @@ class CpuOps final : public Ops {
           float* wb = c.scratch<float>(3, bo * in);
           convert_rows(w.as<const char>() + o0 * in * 2, w.desc.dtype, in, wb, DType::kF32, in, bo,
                        in);
-          gemm<float>(false, true, rows, bo, in, 1.0f, xf.data, xf.ld, wb, in,
+          gemm<float>(false, true, rows, bo, in, scale, xf.data, xf.ld, wb, in,
                       accumulate ? 1.0f : 0.0f, yf.data + o0, yf.ld);
         }
       }
@@ -232,7 +233,7 @@ class CpuOps final : public Ops {
 
   void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
-                       const TensorView& dw, const TensorView& dbias) override {
+                       const TensorView& dw, const TensorView& dbias, float scale) override {
     const int64_t out = w.desc.shape[0], in = w.desc.shape[1], rows = dy.rows;
     enqueue(ctx, [=](CpuContext& c) {
       const F32Mat dyf = widen(c, 0, dy);
@@ -240,7 +241,7 @@ class CpuOps final : public Ops {
       if (!empty(dx)) {
         const F32Mat dxf = stage(c, 2, dx, accumulate_dx);
         if (w.desc.dtype == DType::kF32) {
-          gemm<float>(false, false, rows, in, out, 1.0f, dyf.data, dyf.ld, w.as<const float>(), in,
+          gemm<float>(false, false, rows, in, out, scale, dyf.data, dyf.ld, w.as<const float>(), in,
                       accumulate_dx ? 1.0f : 0.0f, dxf.data, dxf.ld);
         } else {
           for (int64_t o0 = 0; o0 < out; o0 += kWeightBlockRows) {
@@ -249,14 +250,14 @@ class CpuOps final : public Ops {
             convert_rows(w.as<const char>() + o0 * in * 2, w.desc.dtype, in, wb, DType::kF32, in,
                          bo, in);
             const bool first = o0 == 0;
-            gemm<float>(false, false, rows, in, bo, 1.0f, dyf.data + o0, dyf.ld, wb, in,
+            gemm<float>(false, false, rows, in, bo, scale, dyf.data + o0, dyf.ld, wb, in,
                         first && !accumulate_dx ? 0.0f : 1.0f, dxf.data, dxf.ld);
           }
         }
         commit(dxf, dx);
       }
       if (!empty(dw)) {
-        gemm<float>(true, false, out, in, rows, 1.0f, dyf.data, dyf.ld, xf.data, xf.ld, 1.0f,
+        gemm<float>(true, false, out, in, rows, scale, dyf.data, dyf.ld, xf.data, xf.ld, 1.0f,
                     dw.as<float>(), in);
       }
       if (!empty(dbias)) {

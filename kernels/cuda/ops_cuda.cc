@@ -189,7 +189,7 @@ class Scratch {
   void* ptr_;
 };
 
-// Row-major C[m, n] = op(A) op(B) + beta C, where op(A) is [m, k] (A stored
+// Row-major C[m, n] = alpha op(A) op(B) + beta C, where op(A) is [m, k] (A stored
 // [k, m] when trans_a) and op(B) is [k, n] (B stored [n, k] when trans_b).
 // cuBLAS is column-major, and a row-major X with row stride ld is the
 // column-major X^T with the same ld, so it computes C^T = op(B)^T op(A)^T:
@@ -201,9 +201,8 @@ struct Operand {
 };
 void gemm(CudaContext& c, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k,
           const Operand& a, const Operand& b, float beta, void* cdata, DType ctype, int64_t ldc,
-          const char* what) {
+          const char* what, float alpha = 1.0f) {
   if (m == 0 || n == 0) return;
-  const float alpha = 1.0f;
   check_blas(cublasGemmEx(c.handle(), trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
                           trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
                           static_cast<int>(m), static_cast<int>(k), &alpha, b.data,
@@ -322,7 +321,8 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
-                      const TensorView& bias, const MatView& y, bool accumulate) override {
+                      const TensorView& bias, const MatView& y, bool accumulate,
+                      float scale) override {
     constexpr const char* op = "linear_forward";
     CudaContext& c = context(ctx);
     check_device(op, "w", w);
@@ -337,7 +337,7 @@ class CudaOps final : public Ops {
                      w.desc.dtype == x.dtype ? 0 : static_cast<size_t>(out * in * esize(x.dtype)));
       const void* wd = weight_as(c, w, x.dtype, w_cast, op);
       gemm(c, false, true, rows, out, in, {x.data, x.dtype, x.ld}, {wd, x.dtype, in},
-           accumulate ? 1.0f : 0.0f, y.data, y.dtype, y.ld, op);
+           accumulate ? 1.0f : 0.0f, y.data, y.dtype, y.ld, op, scale);
       if (!empty(bias)) {
         cuda::launch_add_bias(storage(y.dtype), y.data, y.ld, storage(bias.desc.dtype), bias.data,
                               rows, out, c.cuda_stream());
@@ -348,7 +348,7 @@ class CudaOps final : public Ops {
 
   void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
-                       const TensorView& dw, const TensorView& dbias) override {
+                       const TensorView& dw, const TensorView& dbias, float scale) override {
     constexpr const char* op = "linear_backward";
     CudaContext& c = context(ctx);
     check_device(op, "w", w);
@@ -372,12 +372,12 @@ class CudaOps final : public Ops {
         const void* wd = weight_as(c, w, dy.dtype, w_cast, op);
         // dx [rows, in] = dy [rows, out] W [out, in]
         gemm(c, false, false, rows, in, out, {dy.data, dy.dtype, dy.ld}, {wd, dy.dtype, in},
-             accumulate_dx ? 1.0f : 0.0f, dx.data, dx.dtype, dx.ld, op);
+             accumulate_dx ? 1.0f : 0.0f, dx.data, dx.dtype, dx.ld, op, scale);
       }
       if (!empty(dw)) {
         // dw [out, in] += dy^T [out, rows] x [rows, in], straight into fp32.
         gemm(c, true, false, out, in, rows, {dy.data, dy.dtype, dy.ld}, {x.data, x.dtype, x.ld},
-             1.0f, dw.data, DType::kF32, in, op);
+             1.0f, dw.data, DType::kF32, in, op, scale);
       }
       if (!empty(dbias)) {
         cuda::launch_column_sum(storage(dy.dtype), dy.data, dy.ld, nullptr, 0, nullptr, rows, out,

@@ -26,7 +26,7 @@ MatView mat(const TensorView& t) {
 }  // namespace
 
 Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig& c, int64_t layer,
-                     DType dtype)
+                     DType dtype, const LoraSpec* lora)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
       heads_(c.num_attention_heads),
@@ -36,10 +36,10 @@ Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig
       mask_(c.attention_mask(layer)) {
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
   const bool qkv_bias = c.attention_qkv_bias;
-  q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype);
-  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype);
-  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype);
-  o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype);
+  q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype, lora);
+  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype, lora);
+  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype, lora);
+  o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
   if (c.qk_norm) {
     q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype);
@@ -76,28 +76,28 @@ void Attention::forward(const TensorView& x, const TokenPlaces& places, int64_t 
   }
   if (q_norm_) {
     // Qwen3: q = q_norm(q_proj(x)) per head, then RoPE; the projections stay for the norms' backward.
-    q_proj_->forward(mat(x), mat(a.q_pre), phase);
-    k_proj_->forward(mat(x), mat(a.k_pre), phase);
+    q_proj_->forward(mat(x), mat(a.q_pre), phase, a.lora);
+    k_proj_->forward(mat(x), mat(a.k_pre), phase, a.lora);
     q_norm_->forward(per_head(a.q_pre), per_head(a.q), a.rstd_q, phase);
     k_norm_->forward(per_head(a.k_pre), per_head(a.k), a.rstd_k, phase);
   } else {
-    q_proj_->forward(mat(x), mat(a.q), phase);
-    k_proj_->forward(mat(x), mat(a.k), phase);
+    q_proj_->forward(mat(x), mat(a.q), phase, a.lora);
+    k_proj_->forward(mat(x), mat(a.k), phase, a.lora);
   }
-  v_proj_->forward(mat(x), mat(a.v), phase);
+  v_proj_->forward(mat(x), mat(a.v), phase, a.lora);
   ops().rope_forward(ctx(), a.q, places.positions, rope_);
   ops().rope_forward(ctx(), a.k, places.positions, rope_);
   ops().attention_forward(ctx(), reshaped(a.q, {batch, seq, heads_, head_dim_}),
                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_of(places, seq));
-  o_proj_->forward(mat(a.attn), mat(y), phase);
+  o_proj_->forward(mat(a.attn), mat(y), phase, a.lora);
 }
 
 void Attention::backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                          int64_t batch, int64_t seq, const AttentionActs& a,
                          const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
-  o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false);
+  o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false, a.lora);
   ops().attention_backward(ctx(), reshaped(g.dattn, {batch, seq, heads_, head_dim_}),
                            reshaped(a.q, {batch, seq, heads_, head_dim_}),
                            reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
@@ -113,25 +113,29 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     // large as dq), then each projection before the next norm reuses it.
     const TensorView dq_pre = reshaped(g.dattn, a.q_pre.desc.shape);
     q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false);
-    q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx);
+    q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx, a.lora);
     TensorView dk_pre = g.dattn;
     dk_pre.desc.shape = a.k_pre.desc.shape;  // the first rows * kv_heads * head_dim elements
     k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false);
-    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true);
+    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true, a.lora);
   } else {
-    q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx);
-    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true);
+    q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, a.lora);
+    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true, a.lora);
   }
-  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true);
+  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true, a.lora);
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
-         MlpTiling tiling)
+         MlpTiling tiling, const LoraSpec* lora)
     : Module(engine, std::move(name)) {
   auto make = [&](const char* local, int64_t in, int64_t out) -> std::unique_ptr<LinearBase> {
     if (tiling.in_splits == 1 && tiling.out_splits == 1) {
-      return std::make_unique<Linear>(engine, child_name(local), in, out, c.mlp_bias, dtype);
+      return std::make_unique<Linear>(engine, child_name(local), in, out, c.mlp_bias, dtype, lora);
     }
+    STRATA_CHECK(lora == nullptr || !lora->targets_module(local), kBadArgument,
+                 "a LoRA adapter on {} needs the projection untiled: leave it out of --lora-targets "
+                 "or turn MLP tiling off",
+                 local);
     return std::make_unique<TiledLinear>(engine, child_name(local), in, out, tiling.in_splits,
                                          tiling.out_splits, c.mlp_bias, dtype);
   };
@@ -142,18 +146,18 @@ Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType d
 }
 
 void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Phase phase) {
-  gate_proj_->forward(mat(x), mat(a.gate), phase);
-  up_proj_->forward(mat(x), mat(a.up), phase);
+  gate_proj_->forward(mat(x), mat(a.gate), phase, a.lora);
+  up_proj_->forward(mat(x), mat(a.up), phase, a.lora);
   ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
-  down_proj_->forward(mat(a.act), mat(y), phase);
+  down_proj_->forward(mat(a.act), mat(y), phase, a.lora);
 }
 
 void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, const MlpGrads& g,
                    const TensorView& dx, bool accumulate_dx) {
-  down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false);
+  down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false, a.lora);
   ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
-  gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx);
-  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true);
+  gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx, a.lora);
+  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, a.lora);
 }
 
 }  // namespace strata::nn

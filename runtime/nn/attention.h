@@ -28,6 +28,7 @@ TensorView reshaped(const TensorView& t, Shape shape);
 struct AttentionActs {
   TensorView q, k, v, attn, lse;
   TensorView q_pre, k_pre, rstd_q, rstd_k;
+  LoraScratch lora;  // the adapters' scratch (shared, not saved); empty without adapters
 };
 // Backward scratch, same shapes as q, k, v, attn. With q/k norms, dattn also
 // holds the gradients before the norms once o_proj's backward has used it.
@@ -46,9 +47,10 @@ struct TokenPlaces {
 
 class Attention : public Module {
  public:
-  // Layer `layer` of `config` (its sliding window).
+  // Layer `layer` of `config` (its sliding window); `lora`: adapters on the
+  // projections it targets.
   Attention(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
-            DType dtype = DType::kF32);
+            DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
   // x, y [batch * seq, hidden].
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward);
@@ -83,6 +85,7 @@ struct MlpTiling {
 // Saved by Mlp::forward: gate, up and silu(gate) * up, each [rows, intermediate].
 struct MlpActs {
   TensorView gate, up, act;
+  LoraScratch lora;  // as AttentionActs::lora
 };
 // Backward scratch, each [rows, intermediate].
 struct MlpGrads {
@@ -91,8 +94,9 @@ struct MlpGrads {
 
 class Mlp : public Module {
  public:
+  // Adapters (`lora`) need untiled projections: a target with tiling is refused.
   Mlp(engine::Engine& engine, std::string name, const LlamaConfig& config,
-      DType dtype = DType::kF32, MlpTiling tiling = {});
+      DType dtype = DType::kF32, MlpTiling tiling = {}, const LoraSpec* lora = nullptr);
   void forward(const TensorView& x, const MlpActs& acts, const TensorView& y,
                Phase phase = Phase::kForward);
   void backward(const TensorView& dy, const TensorView& x, const MlpActs& acts,

@@ -13,28 +13,58 @@ void LinearBase::check_rows(const MatView& a, int64_t a_cols, const MatView& b,
 }
 
 Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-               DType dtype)
+               DType dtype, const LoraSpec* lora)
     : LinearBase(engine, std::move(name), in, out) {
   STRATA_CHECK(in > 0 && out > 0, kBadArgument, "{}: bad Linear shape in={} out={}", name_, in,
                out);
   weight_ = add_parameter("weight", dtype, {out, in});
-  if (bias) bias_ = add_parameter("bias", dtype, {out});
-  op_ = bias ? add_operator({weight_, bias_}) : add_operator({weight_});
+  std::vector<ParamId> reads{weight_};
+  if (bias) reads.push_back(bias_ = add_parameter("bias", dtype, {out}));
+  if (lora != nullptr && lora->targets_module(name_)) {
+    rank_ = lora->rank;
+    scaling_ = static_cast<float>(lora->scaling());
+    reads.push_back(lora_a_ = add_parameter("lora_A.weight", DType::kF32, {rank_, in}));
+    reads.push_back(lora_b_ = add_parameter("lora_B.weight", DType::kF32, {out, rank_}));
+  }
+  op_ = add_operator(reads);
 }
 
-void Linear::forward(const MatView& x, const MatView& y, Phase phase) {
+std::pair<MatView, MatView> Linear::scratch(const LoraScratch& lora, int64_t rows) const {
+  STRATA_CHECK(lora.h.data != nullptr && lora.dh.data != nullptr, kBadArgument,
+               "{}: its LoRA adapter needs scratch and none was given", name_);
+  check_shape(name_, "LoRA scratch h", lora.h, {rows, rank_});
+  check_shape(name_, "LoRA scratch dh", lora.dh, {rows, rank_});
+  return {MatView::of(lora.h), MatView::of(lora.dh)};
+}
+
+void Linear::forward(const MatView& x, const MatView& y, Phase phase, const LoraScratch& lora) {
   check_rows(x, in_, y, out_);
   run(op_, phase, [&] {
     ops().linear_forward(ctx(), x, param(weight_), bias_ >= 0 ? param(bias_) : TensorView{}, y,
                          /*accumulate=*/false);
+    if (!adapted()) return;
+    // y += s * (x A^T) B^T: two thin GEMMs, s inside the second.
+    const MatView h = scratch(lora, x.rows).first;
+    ops().linear_forward(ctx(), x, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
+    ops().linear_forward(ctx(), h, param(lora_b_), TensorView{}, y, /*accumulate=*/true, scaling_);
   });
 }
 
-void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx) {
+void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                      const LoraScratch& lora) {
   check_rows(dy, out_, x, in_);
   run(op_, Phase::kBackward, [&] {
     ops().linear_backward(ctx(), dy, x, param(weight_), dx, accumulate_dx, grad(weight_),
                           bias_ >= 0 ? grad(bias_) : TensorView{});
+    if (!adapted()) return;
+    // h = x A^T again (not kept from forward); dB += s dy^T h and dh = s dy B;
+    // dA += dh^T x and dx += dh A.
+    const auto [h, dh] = scratch(lora, x.rows);
+    ops().linear_forward(ctx(), x, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
+    ops().linear_backward(ctx(), dy, h, param(lora_b_), dh, /*accumulate_dx=*/false, grad(lora_b_),
+                          TensorView{}, scaling_);
+    ops().linear_backward(ctx(), dh, x, param(lora_a_), dx, /*accumulate_dx=*/true, grad(lora_a_),
+                          TensorView{});
   });
 }
 
@@ -72,7 +102,7 @@ TiledLinear::TiledLinear(engine::Engine& engine, std::string name, int64_t in, i
   }
 }
 
-void TiledLinear::forward(const MatView& x, const MatView& y, Phase phase) {
+void TiledLinear::forward(const MatView& x, const MatView& y, Phase phase, const LoraScratch&) {
   check_rows(x, in_, y, out_);
   for (int64_t o = 0; o < out_splits(); ++o) {
     for (int64_t i = 0; i < in_splits(); ++i) {
@@ -88,7 +118,7 @@ void TiledLinear::forward(const MatView& x, const MatView& y, Phase phase) {
 }
 
 void TiledLinear::backward(const MatView& dy, const MatView& x, const MatView& dx,
-                           bool accumulate_dx) {
+                           bool accumulate_dx, const LoraScratch&) {
   check_rows(dy, out_, x, in_);
   for (int64_t o = 0; o < out_splits(); ++o) {
     for (int64_t i = 0; i < in_splits(); ++i) {

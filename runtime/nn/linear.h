@@ -4,11 +4,13 @@
 // products summed. Mathematically the same as Linear, so an operator too large
 // for device memory needs only one tile gathered at a time.
 // Activations are MatViews (a column block of a wider matrix is fine).
+// A Linear may carry a LoRA adapter (runtime/nn/lora.h); TiledLinear does not.
 // Ownership, thread-safety, errors: see module.h.
 #pragma once
 
 #include <vector>
 
+#include "runtime/nn/lora.h"
 #include "runtime/nn/module.h"
 
 namespace strata::nn {
@@ -18,12 +20,15 @@ class LinearBase : public Module {
  public:
   LinearBase(engine::Engine& engine, std::string name, int64_t in, int64_t out)
       : Module(engine, std::move(name)), in_(in), out_(out) {}
-  // y [rows, out] = x [rows, in] W^T (+ b).
-  virtual void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) = 0;
+  // y [rows, out] = x [rows, in] W^T (+ b) (+ the adapter's term). `lora` is
+  // the adapter's scratch, read only by a Linear that carries one.
+  virtual void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
+                       const LoraScratch& lora = {}) = 0;
   // dx [rows, in] = dy W (+= when accumulate_dx; dx may be empty: not wanted);
-  // adds into the weight (and bias) gradients. x is the forward's input.
-  virtual void backward(const MatView& dy, const MatView& x, const MatView& dx,
-                        bool accumulate_dx) = 0;
+  // adds into the gradients of the weight, bias and adapter that train. x is
+  // the forward's input.
+  virtual void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                        const LoraScratch& lora = {}) = 0;
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
 
@@ -34,19 +39,34 @@ class LinearBase : public Module {
 
 class Linear : public LinearBase {
  public:
+  // When `lora` targets this projection (LoraSpec::targets_module(name)), it
+  // also declares the adapter "<name>.lora_A.weight" [r, in] and
+  // "<name>.lora_B.weight" [out, r], fp32, in the same operator as the weight
+  // (a partitioning engine gathers them together). Freezing the base is the
+  // caller's business (LlamaModel freezes it).
   Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-         DType dtype = DType::kF32);
-  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) override;
-  void backward(const MatView& dy, const MatView& x, const MatView& dx,
-                bool accumulate_dx) override;
+         DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
+  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
+               const LoraScratch& lora = {}) override;
+  void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                const LoraScratch& lora = {}) override;
 
   ParamId weight() const { return weight_; }
   ParamId bias() const { return bias_; }  // -1 without bias
   OpId op() const { return op_; }
+  bool adapted() const { return lora_a_ >= 0; }
+  ParamId lora_a() const { return lora_a_; }  // -1 without an adapter
+  ParamId lora_b() const { return lora_b_; }
 
  private:
+  // The adapter's scratch as [rows, r] matrices (checked against its shape).
+  std::pair<MatView, MatView> scratch(const LoraScratch& lora, int64_t rows) const;
+
   ParamId weight_;
   ParamId bias_ = -1;
+  ParamId lora_a_ = -1, lora_b_ = -1;
+  int64_t rank_ = 0;
+  float scaling_ = 0;
   OpId op_;
 };
 
@@ -59,9 +79,10 @@ class TiledLinear : public LinearBase {
   // "<name>.bias", so weights load from and save to the untiled HF tensors.
   TiledLinear(engine::Engine& engine, std::string name, int64_t in, int64_t out,
               int64_t in_splits, int64_t out_splits, bool bias, DType dtype = DType::kF32);
-  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward) override;
-  void backward(const MatView& dy, const MatView& x, const MatView& dx,
-                bool accumulate_dx) override;
+  void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
+               const LoraScratch& lora = {}) override;
+  void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                const LoraScratch& lora = {}) override;
 
   int64_t in_splits() const { return static_cast<int64_t>(in_parts_.size()) - 1; }
   int64_t out_splits() const { return static_cast<int64_t>(out_parts_.size()) - 1; }

@@ -12,14 +12,14 @@
 namespace strata::nn {
 
 DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
-                           int64_t layer, DType dtype, MlpTiling mlp_tiling)
+                           int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora)
     : Module(engine, std::move(name)) {
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
-  self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype);
+  self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype, lora);
   post_attention_layernorm_ = std::make_unique<RMSNorm>(
       engine, child_name("post_attention_layernorm"), c.hidden_size, c.rms_norm_eps, dtype);
-  mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling);
+  mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling, lora);
   add_child(*input_layernorm_);
   add_child(*self_attn_);
   add_child(*post_attention_layernorm_);
@@ -94,6 +94,10 @@ struct LlamaModel::Arena {
   // Saved activations: one set per layer, or (checkpointing) one set shared.
   std::vector<DecoderActs> acts;
   DecoderGrads grads;
+  // The adapters' scratch, one pair for every adapted projection of every
+  // layer (each uses it only inside its own operator's window); copied into
+  // each acts entry. Empty without adapters.
+  LoraScratch lora;
   TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets;
   TokenPlaces places;  // positions, and the documents' ranges when packed
   // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
@@ -139,6 +143,7 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   STRATA_CHECK(!options_.cpu_checkpointing || options_.checkpoint_activations, kBadArgument,
                "model: cpu_checkpointing moves activation checkpoints to host memory and needs "
                "checkpoint_activations");
+  if (options_.lora.enabled()) options_.lora.validate();
   if (options_.loss_chunk_rows == 0) {
     constexpr int64_t kLogitsBudget = int64_t{64} << 20;
     options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
@@ -147,8 +152,9 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
                                               config_.hidden_size, options_.dtype, config_.pad_token_id);
   add_child(*embed_tokens_);
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    layers_.push_back(std::make_unique<DecoderLayer>(engine, child_name("layers." + std::to_string(l)),
-                                                     config_, l, options_.dtype, options_.mlp_tiling));
+    layers_.push_back(std::make_unique<DecoderLayer>(
+        engine, child_name("layers." + std::to_string(l)), config_, l, options_.dtype,
+        options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr));
     add_child(*layers_.back());
   }
   norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size,
@@ -164,6 +170,12 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
     add_child(*lm_head_);
   }
   lm_head_op_ = engine.declare_operator("lm_head", {lm_head_param_});
+  if (options_.lora.enabled()) {
+    // LoRA trains the adapters only (PEFT's bias="none": biases stay frozen too).
+    for (ParamId id : parameters()) {
+      if (!is_lora_parameter(engine.param_info(id).name)) engine.freeze(id);
+    }
+  }
 }
 
 LlamaModel::~LlamaModel() {
@@ -223,6 +235,10 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(d.mlp.up, t, {rows, inter});
     layout.add(d.mlp.act, t, {rows, inter});
   }
+  if (options_.lora.enabled()) {
+    layout.add(a->lora.h, t, {rows, options_.lora.rank});
+    layout.add(a->lora.dh, t, {rows, options_.lora.rank});
+  }
   DecoderGrads& g = a->grads;
   layout.add(g.dln, t, {rows, hidden});
   layout.add(g.attn.dq, t, {rows, heads, hd});
@@ -247,6 +263,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->memory = engine_.accelerator().allocate_tensor(
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
+  for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = a->lora;
   a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 3 * sizeof(double));
   a->uploaded = engine_.accelerator().create_event();
   if (options_.cpu_checkpointing && layers > 1) {

@@ -63,7 +63,7 @@ class DecoderLayer : public Module {
  public:
   // Layer `layer` of `config`.
   DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
-               DType dtype, MlpTiling mlp_tiling = {});
+               DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr);
   // x, y [batch * seq, hidden].
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
@@ -93,6 +93,11 @@ struct LlamaModelOptions {
   // Keep the checkpoints in pinned host memory instead of the arena (DeepSpeed's
   // activation_checkpointing.cpu_checkpointing). Requires checkpoint_activations.
   bool cpu_checkpointing = false;
+  // LoRA adapters on the projections lora.targets names (runtime/nn/lora.h).
+  // Enabled, the model freezes every parameter but the adapters (Engine::freeze:
+  // the base gets no gradient and no optimizer state), and the arena gains the
+  // adapters' two [rows, r] scratch buffers.
+  LoraSpec lora;
 };
 
 struct ForwardOptions {

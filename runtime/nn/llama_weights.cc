@@ -50,12 +50,12 @@ const Shape& tensor_shape_of(const ParamInfo& p) { return p.slice ? p.slice->ten
 }  // namespace
 
 void load_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
-                     bool allow_unused) {
+                     bool allow_unused, const std::string& prefix) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   std::set<std::string> claimed;
   for (ParamId id : params) {
     const ParamInfo& p = engine.param_info(id);
-    const std::string& name = tensor_of(p);
+    const std::string name = prefix + tensor_of(p);
     const SafetensorsEntry& e = file.entry(name);
     STRATA_CHECK(e.shape == tensor_shape_of(p), kBadArgument,
                  "{}: tensor '{}' has shape {}, but the model's '{}' needs {}", path, name,
@@ -97,12 +97,13 @@ void load_parameters(Engine& engine, const std::vector<ParamId>& params, const s
   }
 }
 
-void save_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path) {
+void save_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
+                     const std::string& prefix) {
   std::vector<SafetensorsDecl> decls;
   std::map<std::string, DType> declared;
   for (ParamId id : params) {
     const ParamInfo& p = engine.param_info(id);
-    const std::string& name = tensor_of(p);
+    const std::string name = prefix + tensor_of(p);
     auto [it, fresh] = declared.emplace(name, p.dtype);
     STRATA_CHECK(it->second == p.dtype, kBadArgument,
                  "tiles of '{}' have different dtypes ({} has {})", name, p.name,
@@ -116,7 +117,7 @@ void save_parameters(Engine& engine, const std::vector<ParamId>& params, const s
     engine.for_each_owned_range(
         id, Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
           for_each_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
-            writer.write(tensor_of(p), static_cast<size_t>(at) * elem,
+            writer.write(prefix + tensor_of(p), static_cast<size_t>(at) * elem,
                          static_cast<const char*>(host.data) +
                              static_cast<size_t>(from - first) * elem,
                          static_cast<size_t>(n) * elem);

@@ -17,15 +17,17 @@
 
 namespace strata::nn {
 
-// Reads every parameter in `params` from `path`. A tensor in the file that no
-// parameter claims is an error unless allow_unused (HF files may carry e.g.
-// rotary buffers).
+// Reads every parameter in `params` from `path`, parameter "x" from the
+// file's tensor prefix + "x" (PEFT's adapter files prefix "base_model.model.").
+// A tensor in the file that no parameter claims is an error unless
+// allow_unused (HF files may carry e.g. rotary buffers).
 void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const std::string& path, bool allow_unused = false);
-// Writes every parameter in its storage dtype (tiles as their untiled tensor).
-// Needs a rank that owns every element (a resident engine, or world size 1);
-// sharded checkpoints are the engine's business.
+                     const std::string& path, bool allow_unused = false,
+                     const std::string& prefix = "");
+// Writes every parameter in its storage dtype (tiles as their untiled
+// tensor), named prefix + its name. Needs a rank that owns every element (a
+// resident engine, or world size 1); sharded checkpoints are the engine's business.
 void save_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const std::string& path);
+                     const std::string& path, const std::string& prefix = "");
 
 }  // namespace strata::nn

@@ -199,7 +199,7 @@ TEST_CASE("cpu ops: embedding, rmsnorm, rope, swiglu, add and cast match the ref
   }
 }
 
-TEST_CASE("cpu ops: linear with bias, strides, accumulation and mixed weight dtype",
+TEST_CASE("cpu ops: linear with bias, strides, accumulation, a scale and mixed weight dtype",
           "[ops][cpu]") {
   for (DType act : kDtypes) {
     for (DType wdt : kDtypes) {
@@ -217,21 +217,24 @@ TEST_CASE("cpu ops: linear with bias, strides, accumulation and mixed weight dty
       auto bv = f.tensor(b, wdt, {out});
       auto yv = f.tensor(y0, act, {rows, ldy});
       const MatView x = MatView::of(xv).columns(2, 2 + in), y = MatView::of(yv).columns(1, 1 + out);
-      f.ops->linear_forward(*f.ctx, x, wv, bv, y, /*accumulate=*/true);
+      // A scale as a LoRA adapter's alpha / r: the product's, not the bias's.
+      const float scale = 2.5f;
+      f.ops->linear_forward(*f.ctx, x, wv, bv, y, /*accumulate=*/true, scale);
       Vec yref = y0;
       nn::cpu::linear_forward<double>(xw.data() + 2, ldx, w.data(), b.data(), rows, in, out,
-                                      yref.data() + 1, ldy, true);
+                                      yref.data() + 1, ldy, true, scale);
       expect_close(f.read(yv), yref, tol, "linear y (+=, strided, untouched columns kept)");
 
       auto dyv = f.tensor(dy, act, {rows, ldy});
       auto dxv = f.tensor(dx0, act, {rows, ldx});
       auto dw = f.zeros(DType::kF32, {out, in}), db = f.zeros(DType::kF32, {out});
       f.ops->linear_backward(*f.ctx, MatView::of(dyv).columns(1, 1 + out), x, wv,
-                             MatView::of(dxv).columns(2, 2 + in), /*accumulate_dx=*/false, dw, db);
+                             MatView::of(dxv).columns(2, 2 + in), /*accumulate_dx=*/false, dw, db,
+                             scale);
       Vec dxref = dx0, dwref(out * in, 0.0), dbref(out, 0.0);
       nn::cpu::linear_backward<double>(dy.data() + 1, ldy, xw.data() + 2, ldx, w.data(), rows, in,
                                        out, dxref.data() + 2, ldx, false, dwref.data(),
-                                       dbref.data());
+                                       dbref.data(), double{scale});
       expect_close(f.read(dxv), dxref, tol, "linear dx (overwritten block only)");
       expect_close(f.read(dw), dwref, tol, "linear dw");
       expect_close(f.read(db), dbref, tol, "linear dbias");

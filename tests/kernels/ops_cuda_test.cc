@@ -224,21 +224,23 @@ TEST_CASE("cuda ops: linear on column blocks with accumulation bias and mixed we
       const MatView dym = MatView::of(d_dy).columns(y0c, y0c + out);
       const MatView dxm = MatView::of(d_dx).columns(dx0c, dx0c + in);
 
-      f.ops->linear_forward(*f.ctx, xm, d_w, d_b, ym, true);
+      // A scale (a LoRA adapter's alpha / r) on the first forward and backward.
+      const float scale = 2.5f;
+      f.ops->linear_forward(*f.ctx, xm, d_w, d_b, ym, true, scale);
       f.ops->linear_forward(*f.ctx, xm, d_w, {}, MatView::of(d_y2).columns(y0c, y0c + out), false);
-      f.ops->linear_backward(*f.ctx, dym, xm, d_w, dxm, true, d_dw, d_db);
+      f.ops->linear_backward(*f.ctx, dym, xm, d_w, dxm, true, d_dw, d_db, scale);
       // dx and dbias not wanted: only dw.
       f.ops->linear_backward(*f.ctx, dym, xm, d_w, MatView{}, false, d_dw2, {});
 
       Vec want_y = y0, want_y2(rows * ldy, 0.0), want_dx = dx0, want_dw = dw0, want_db = db0;
       Vec want_dw2(out * in, 0.0);
       ref::linear_forward<double>(x.data() + x0, ldx, w.data(), b.data(), rows, in, out,
-                                  want_y.data() + y0c, ldy, true);
+                                  want_y.data() + y0c, ldy, true, scale);
       ref::linear_forward<double>(x.data() + x0, ldx, w.data(), nullptr, rows, in, out,
                                   want_y2.data() + y0c, ldy, false);
       ref::linear_backward<double>(dy.data() + y0c, ldy, x.data() + x0, ldx, w.data(), rows, in,
                                    out, want_dx.data() + dx0c, lddx, true, want_dw.data(),
-                                   want_db.data());
+                                   want_db.data(), double{scale});
       ref::linear_backward<double>(dy.data() + y0c, ldy, x.data() + x0, ldx, w.data(), rows, in,
                                    out, nullptr, 0, false, want_dw2.data(), nullptr);
       // Whole matrices: the columns outside the blocks must be untouched.

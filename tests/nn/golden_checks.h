@@ -1,6 +1,8 @@
 // Checks strata's LlamaModel against the fixtures scripts/make-golden wrote
 // from Hugging Face transformers (tests/data/golden/<case>/): the mean loss and
-// every parameter's gradient, on a given accelerator.
+// every parameter's gradient, on a given accelerator; and, with LoRA adapters,
+// against the fixtures of scripts/make-golden-lora from PEFT: the loss and
+// every adapter's gradient.
 #pragma once
 
 #include <catch2/catch.hpp>
@@ -11,6 +13,7 @@
 
 #include "runtime/nn/llama_model.h"
 #include "runtime/nn/llama_weights.h"
+#include "runtime/nn/lora.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/tolerances.h"
@@ -27,28 +30,50 @@ inline nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
+struct GoldenRun {
+  std::optional<DType> activation_dtype;  // unset: the accelerator's default
+  bool checkpoint_activations = false, cpu_checkpointing = false;
+  // The case's PEFT adapter (adapter_config.json + adapter_model.safetensors):
+  // the base frozen, only the adapters' gradients compared.
+  bool lora = false;
+};
+
 // Runs the case's batch through a LlamaModel with the case's storage dtype and
-// `activation_dtype` (unset: the accelerator's default), forward and backward,
-// and compares with expected.json[loss_key] and `grads_file`. The last two
-// arguments set LlamaModelOptions' activation checkpointing.
-inline void check_golden(Backend backend, const std::string& name, const std::string& loss_key,
-                         const std::string& grads_file, GoldenTolerance tol,
-                         std::optional<DType> activation_dtype = std::nullopt,
-                         bool checkpoint_activations = false, bool cpu_checkpointing = false) {
+// `run`'s options, forward and backward, and compares with
+// expected.json[loss_key] and `grads_file` (every gradient it holds, and no
+// trained parameter without one).
+inline void check_golden_run(Backend backend, const std::string& name, const std::string& loss_key,
+                             const std::string& grads_file, GoldenTolerance tol, const GoldenRun& run) {
   const std::string dir = golden_dir(name);
   const nn::LlamaConfig config = nn::load_llama_config(dir + "/config.json");
   const nlohmann::json expected = read_json(dir + "/expected.json");
   const nlohmann::json inputs = read_json(dir + "/inputs.json");
   nn::LlamaModelOptions options;
   options.dtype = parse_dtype(expected.at("dtype").get<std::string>());
-  options.activation_dtype = activation_dtype;
+  options.activation_dtype = run.activation_dtype;
   options.loss_chunk_rows = 5;  // several chunks, the last one short
-  options.checkpoint_activations = checkpoint_activations;
-  options.cpu_checkpointing = cpu_checkpointing;
+  options.checkpoint_activations = run.checkpoint_activations;
+  options.cpu_checkpointing = run.cpu_checkpointing;
+  if (run.lora) {
+    const nlohmann::json adapter = read_json(dir + "/adapter_config.json");
+    options.lora.rank = adapter.at("r").get<int64_t>();
+    options.lora.alpha = adapter.at("lora_alpha").get<double>();
+    options.lora.rslora = adapter.at("use_rslora").get<bool>();
+    options.lora.targets = adapter.at("target_modules").get<std::vector<std::string>>();
+    CHECK(options.lora.scaling() == Approx(expected.at("lora").at("scaling").get<double>()));
+  }
   Rig rig(backend);
   nn::LlamaModel model(*rig.engine, config, options);
   rig.engine->finalize();
-  nn::load_parameters(*rig.engine, model.parameters(), dir + "/model.safetensors");
+  std::vector<nn::ParamId> base, adapters;
+  for (nn::ParamId id : model.parameters()) {
+    (nn::is_lora_parameter(rig.engine->param_info(id).name) ? adapters : base).push_back(id);
+  }
+  nn::load_parameters(*rig.engine, base, dir + "/model.safetensors");
+  if (run.lora) {
+    nn::load_parameters(*rig.engine, adapters, dir + "/adapter_model.safetensors", false,
+                        std::string(nn::kPeftPrefix));
+  }
   const auto ids = inputs.at("ids").get<std::vector<int32_t>>();
   const auto targets = inputs.at("targets").get<std::vector<int32_t>>();
   // Packed cases (scripts/make-golden-packed) give each row's documents' positions.
@@ -67,6 +92,12 @@ inline void check_golden(Backend backend, const std::string& name, const std::st
   size_t compared = 0;
   for (nn::ParamId id : model.parameters()) {
     const std::string& pname = rig.engine->param_info(id).name;
+    if (rig.engine->param_info(id).frozen) {
+      INFO(pname);
+      CHECK(run.lora);  // only LoRA's base is frozen here
+      CHECK_FALSE(grads.contains(pname));
+      continue;
+    }
     const std::vector<float> ours = rig.grad_values(id);
     const TensorView ref = grads.view(pname);
     REQUIRE(static_cast<size_t>(ref.numel()) == ours.size());
@@ -83,6 +114,24 @@ inline void check_golden(Backend backend, const std::string& name, const std::st
     ++compared;
   }
   CHECK(compared == grads.names().size());  // every HF gradient has its parameter
+}
+
+inline void check_golden(Backend backend, const std::string& name, const std::string& loss_key,
+                         const std::string& grads_file, GoldenTolerance tol,
+                         std::optional<DType> activation_dtype = std::nullopt,
+                         bool checkpoint_activations = false, bool cpu_checkpointing = false) {
+  check_golden_run(backend, name, loss_key, grads_file, tol,
+                   GoldenRun{activation_dtype, checkpoint_activations, cpu_checkpointing});
+}
+
+// A case of scripts/make-golden-lora: the base frozen, PEFT's adapter trained.
+inline void check_lora_golden(Backend backend, const std::string& name, const std::string& loss_key,
+                              const std::string& grads_file, GoldenTolerance tol,
+                              std::optional<DType> activation_dtype = std::nullopt) {
+  GoldenRun run;
+  run.activation_dtype = activation_dtype;
+  run.lora = true;
+  check_golden_run(backend, name, loss_key, grads_file, tol, run);
 }
 
 }  // namespace strata::test

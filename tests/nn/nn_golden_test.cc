@@ -89,3 +89,35 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
   INFO("packed loss " << want << ", the rows as single sequences " << unpacked);
   CHECK(std::abs(unpacked - want) > 100 * kGoldenF32.loss_rel * want);
 }
+
+// scripts/make-golden-lora: PEFT adapters (random A and B, so every term of
+// the adapter path moves the loss) on frozen bases.
+const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn"};
+
+TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v)",
+          "[nn][golden][lora]") {
+  for (const char* name : kLoraF32Cases) {
+    check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+    // The fixture can tell: the base alone is far outside the tolerance.
+    const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+    const double loss = expected.at("loss").get<double>(), base = expected.at("base_loss").get<double>();
+    INFO(name << ": loss " << loss << ", base alone " << base);
+    CHECK(std::abs(base - loss) > 100 * kGoldenF32.loss_rel * loss);
+  }
+}
+
+TEST_CASE("golden: LoRA on a bf16 base (fp32 adapters, as PEFT keeps them) matches PEFT",
+          "[nn][golden][lora]") {
+  const char* name = "lora_llama_bf16_all";
+  check_lora_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+  check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+  check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+}
+
+TEST_CASE("golden: LoRA with activation checkpointing recomputes the adapters' path exactly",
+          "[nn][golden][lora]") {
+  GoldenRun run;
+  run.lora = true;
+  run.checkpoint_activations = true;
+  check_golden_run(Backend::kCpu, "lora_llama_f32_all", "loss", "grads.safetensors", kGoldenF32, run);
+}
