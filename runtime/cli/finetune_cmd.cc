@@ -6,6 +6,7 @@
 #include "runtime/cli/commands.h"
 #include "runtime/config/size.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/nn/lora.h"
 #include "core/error.h"
 #include "runtime/launcher/interrupt.h"
 #include "runtime/train/finetune.h"
@@ -89,6 +90,27 @@ void add_finetune_command(CLI::App& app) {
                   "'model.embed_tokens.*', '*norm*', 'model.layers.[0-9].*'): no gradient and no optimizer state "
                   "for them; a pattern that matches nothing is an error")
       ->take_all();
+  cmd->add_option("--lora-rank", options->lora.rank,
+                  "Train LoRA adapters of this rank r instead of the model: the base is frozen (no gradient, no "
+                  "optimizer state, left out of checkpoints), each targeted projection gains y += s (x A^T) B^T with "
+                  "A [r, in] (Kaiming-uniform) and B [out, r] (zero), fp32, as PEFT initialises and computes them")
+      ->check(whole_number(1));
+  cmd->add_option("--lora-alpha", options->lora.alpha,
+                  "LoRA alpha: the adapters' scale s = alpha / r (default: 8, PEFT's)");
+  auto lora_targets = std::make_shared<std::string>("q_proj,v_proj");
+  cmd->add_option("--lora-targets", *lora_targets,
+                  "Projections that get adapters, comma-separated from q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                  "up_proj, down_proj, or all-linear (all seven); the default is PEFT's for these models")
+      ->capture_default_str();
+  cmd->add_flag("--lora-rslora", options->lora.rslora, "Rank-stabilised LoRA: s = alpha / sqrt(r)");
+  auto lora_dropout = std::make_shared<double>(0.0);
+  cmd->add_option("--lora-dropout", *lora_dropout,
+                  "Dropout on the adapters' input; only 0 (the default) is supported so far")
+      ->capture_default_str();
+  cmd->add_flag("--merge-lora", options->merge_lora,
+                "With --export: write the merged model (each targeted W + s B A, a Hugging Face directory like "
+                "any export) instead of the adapter in PEFT's format (adapter_config.json + "
+                "adapter_model.safetensors, which PeftModel.from_pretrained loads onto the base)");
   cmd->add_option("--out", options->out, "Directory for metrics.jsonl and loss.svg")->capture_default_str();
   cmd->add_option("--save", options->save_dir,
                   "Checkpoint directory: DIR/step_<N>/ with every rank's shards and optimizer state and a manifest "
@@ -117,8 +139,21 @@ void add_finetune_command(CLI::App& app) {
                   "per I/O worker, communicator and stream thread, spans for each step's phases, I/O requests "
                   "and collectives with bytes and GB/s. One file per rank: {rank} in FILE is replaced by the "
                   "rank, else .rank<N> goes before .json when there are several ranks");
-  on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup] {
+  on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup, lora_targets,
+                    lora_dropout] {
     if (cmd->count("--seed") > 0) options->seed = *seed;
+    const bool lora = cmd->count("--lora-rank") > 0;
+    for (const char* flag : {"--lora-alpha", "--lora-targets", "--lora-rslora", "--lora-dropout", "--merge-lora"}) {
+      STRATA_CHECK(lora || cmd->count(flag) == 0, kBadArgument, "{} needs --lora-rank (LoRA adapters)", flag);
+    }
+    STRATA_CHECK(*lora_dropout == 0, kBadArgument,
+                 "--lora-dropout {}: dropout on the adapters' input is not implemented yet; give 0 (no dropout)",
+                 *lora_dropout);
+    if (lora) {
+      options->lora.targets = nn::parse_lora_targets(*lora_targets);
+      if (cmd->count("--lora-alpha") == 0) options->lora.alpha = 8;
+      options->lora.validate();
+    }
     if (cmd->count("--lr") > 0) options->trainer.lr = *lr;
     if (cmd->count("--weight-decay") > 0) options->trainer.weight_decay = *weight_decay;
     if (cmd->count("--micro-batch") > 0) options->trainer.micro_batch = *micro;

@@ -165,12 +165,18 @@ class ZeroEngine final : public Engine {
   // between steps. Every file is durable (fsync, and the directory) before
   // this returns; the result names each with its size and CRC-32. Between
   // steps only (after step(), before the next pre_op); not collective.
-  std::vector<StateFile> save_state(const std::filesystem::path& dir);
+  // With FrozenState::kOmitted the frozen groups' parameters are not written
+  // (a LoRA base that never changes: the caller keeps its identity and loads
+  // it again before load_state).
+  enum class FrozenState { kSaved, kOmitted };
+  std::vector<StateFile> save_state(const std::filesystem::path& dir,
+                                    FrozenState frozen = FrozenState::kSaved);
   // Loads what save_state wrote for this rank into this finalized engine:
   // parameters, optimizer state, step count, loss scaler (the stage and tiers
-  // may differ; the layout must not). Error(kBadArgument) naming the file when
-  // it was written for another world size, rank or model, Error(kIo) for a
-  // short or unreadable file. Every rank calls it before the next pre_op.
+  // may differ; the layout must not). Frozen parameters the state omitted keep
+  // the values they have. Error(kBadArgument) naming the file when it was
+  // written for another world size, rank or model, Error(kIo) for a short or
+  // unreadable file. Every rank calls it before the next pre_op.
   void load_state(const std::filesystem::path& dir);
   // Bytes this rank's engine moved between NVMe and host memory so far
   // (parameter shards and optimizer state; 0 without an nvme tier).

@@ -34,7 +34,7 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
 
 }  // namespace
 
-std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
+std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState frozen) {
   STRATA_CHECK(finalized(), kBadArgument, "save_state() before finalize()");
   check_not_prepared("save_state");
   check_no_backward("save_state");
@@ -44,7 +44,8 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
   nlohmann::json groups = nlohmann::json::array();
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
-    {
+    const bool params_saved = !g.frozen || frozen == FrozenState::kSaved;
+    if (params_saved) {
       StateFileWriter out(dir, params_file(g));
       g.home->for_each_chunk([&](size_t first, size_t numel) {
         out.append(g.home->host_range(first, numel, /*load=*/true), numel * dtype_nbytes(g.dtype));
@@ -53,6 +54,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir) {
     }
     groups.push_back({{"dtype", dtype_name(g.dtype)},
                       {"frozen", g.frozen},
+                      {"params_saved", params_saved},
                       {"params", g.params.size()},
                       {"shard_numel", g.layout->shard_numel()},
                       {"first_param", param_info(g.params.front()).name}});
@@ -135,6 +137,8 @@ void ZeroEngine::load_state(const fs::path& dir) {
                    "freezes other parameters than the one that saved it (--freeze)",
                    state_path.string(), i, g.params.size(), param_info(g.params.front()).name,
                    frozen ? "frozen" : "trained", g.frozen ? "frozen" : "trained");
+      STRATA_CHECK(frozen || saved.value("params_saved", true), kBadArgument,
+                   "{}: group {} is trained but its parameters were not saved", state_path.string(), i);
     }
   } catch (const nlohmann::json::exception& e) {
     raise(ErrorCategory::kBadArgument, "{}: a field is missing or of the wrong type ({})", state_path.string(),
@@ -152,6 +156,8 @@ void ZeroEngine::load_state(const fs::path& dir) {
   if (coordinator_) coordinator_->quiesce();  // no read of a home stays in flight or staged
   for (size_t gi = 0; gi < groups_.size(); ++gi) {
     Group& g = *groups_[gi];
+    // A frozen group the state omitted keeps what the caller loaded.
+    if (!state["groups"][gi].value("params_saved", true)) continue;
     const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
     const fs::path params = dir / params_file(g);
     const fs::path master = dir / optimizer_file("master", g.dtype), exp_avg = dir / optimizer_file("exp_avg", g.dtype),

@@ -463,6 +463,11 @@ double normal_at(uint64_t key, uint64_t index) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
 }
 
+// Uniform in [-1, 1) from a counter-derived value.
+double uniform_at(uint64_t key, uint64_t index) {
+  return static_cast<double>(splitmix64(key ^ splitmix64(index)) >> 11) * 0x1p-52 - 1.0;
+}
+
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() &&
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -480,6 +485,8 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
     const std::string& key_name = p.slice ? p.slice->tensor : p.name;
     const bool is_bias = ends_with(key_name, ".bias");
     const bool is_norm = p.shape.size() == 1 && !is_bias;
+    const bool lora_a = ends_with(key_name, ".lora_A.weight"), lora_b = ends_with(key_name, ".lora_B.weight");
+    const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;
     const uint64_t key = splitmix64(seed) ^ fnv1a(key_name);
     const int64_t cols = p.shape.back();
     engine.for_each_owned_range(
@@ -495,10 +502,11 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
                           ? (s.offset[0] + e / cols) * s.tensor_shape[1] + s.offset[1] + e % cols
                           : s.offset[0] + e;
             }
-            values[i] = is_bias ? 0.0f
-                        : is_norm
-                            ? 1.0f
-                            : static_cast<float>(std * normal_at(key, static_cast<uint64_t>(index)));
+            const auto at = static_cast<uint64_t>(index);
+            values[i] = is_bias || lora_b ? 0.0f
+                        : is_norm         ? 1.0f
+                        : lora_a          ? static_cast<float>(lora_bound * uniform_at(key, at))
+                                          : static_cast<float>(std * normal_at(key, at));
           }
           convert(values.data(), DType::kF32, host.data, host.desc.dtype, values.size());
         });

@@ -176,8 +176,11 @@ class LlamaModel : public Module {
 
 // Deterministic initialisation keyed by (parameter name, element index), so the
 // result does not depend on declaration order, world size or sharding:
-// normal(0, std) for matrices, 1 for norm weights, 0 for biases. Writes each
-// rank's owned ranges only (engine.for_each_owned_range).
+// normal(0, std) for matrices, 1 for norm weights, 0 for biases, and a LoRA
+// adapter as PEFT starts it: lora_A Kaiming-uniform (U(-1/sqrt(in),
+// 1/sqrt(in)), torch's kaiming_uniform_ with a = sqrt(5)), lora_B zero, so
+// training starts from the base model. Writes each rank's owned ranges only
+// (engine.for_each_owned_range).
 void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
                            uint64_t seed, double std = 0.02);
 

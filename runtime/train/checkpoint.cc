@@ -233,7 +233,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
   std::error_code ec;
   fs::create_directory(rank_dir, ec);
   STRATA_CHECK(!ec, kIo, "cannot create {}: {}", rank_dir.string(), ec.message());
-  write_file_durably(rank_dir / kRankFiles, files_json(engine.save_state(rank_dir)).dump(1) + "\n");
+  write_file_durably(rank_dir / kRankFiles, files_json(engine.save_state(rank_dir, frozen_)).dump(1) + "\n");
   sync_directory(rank_dir);
   barrier(engine);  // every rank's files are durable
   if (rank == 0) {

@@ -72,6 +72,10 @@ class Checkpoints {
   // checkpoint whose model differs in any key, naming it and both values.
   // Unset: not compared (the C API compares its own declarations).
   void expect_model(nlohmann::json model) { expected_model_ = std::move(model); }
+  // Frozen parameters are left out of every checkpoint saved from now on
+  // (ZeroEngine::FrozenState::kOmitted): a LoRA run's base, which the run
+  // loads again before resuming, its identity in the model (expect_model).
+  void omit_frozen() { frozen_ = engine::ZeroEngine::FrozenState::kOmitted; }
   // Saves the engine's state and `trainer` as step trainer.step; collective.
   // Returns the checkpoint's directory.
   std::filesystem::path save(engine::ZeroEngine& engine, const TrainerState& trainer);
@@ -94,6 +98,7 @@ class Checkpoints {
   std::filesystem::path root_;
   int keep_;
   nlohmann::json expected_model_;  // null: not compared
+  engine::ZeroEngine::FrozenState frozen_ = engine::ZeroEngine::FrozenState::kSaved;
   std::optional<int64_t> kept_step_;
 };
 

@@ -27,6 +27,12 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                info.dir.string(), info.world_size, info.world_size);
   STRATA_CHECK(info.state.model.is_object() && info.state.model.contains("config"), kBadArgument,
                "{}/manifest.json does not say what model it holds (written by an older strata)", info.dir.string());
+  // A LoRA run's checkpoint holds the adapters, not the base they adapt.
+  STRATA_CHECK(!info.state.model.contains("lora"), kBadArgument,
+               "{} is a checkpoint of a LoRA run: it holds the adapters only, not the base model they adapt. Export "
+               "it by finishing the run: strata finetune with the same flags, --resume and --export DIR (add "
+               "--merge-lora for a merged model)",
+               info.dir.string());
   const nn::LlamaConfig config = nn::parse_llama_config(info.state.model["config"], info.dir.string() + "/manifest.json");
   const DType train_dtype = parse_dtype(info.state.model.value("dtype", std::string("fp32")));
   ExportOptions export_options;

@@ -137,6 +137,13 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   STRATA_CHECK(options.seq >= 1 && options.seq <= model_config.max_position_embeddings, kBadArgument,
                "--seq {} must be in [1, {}] (the model's max_position_embeddings)", options.seq,
                model_config.max_position_embeddings);
+  if (options.lora.enabled()) {
+    options.lora.validate();
+    STRATA_CHECK(options.freeze.empty(), kBadArgument,
+                 "--freeze with --lora-rank: LoRA trains the adapters only, the whole base is frozen already");
+  }
+  STRATA_CHECK(!options.merge_lora || (options.lora.enabled() && !options.export_dir.empty()), kBadArgument,
+               "--merge-lora needs --lora-rank (adapters to merge) and --export DIR (where the merged model goes)");
   const uint64_t seed = options.seed.value_or(config.strata.seed);
   const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   ExportOptions export_options;
@@ -215,6 +222,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.dtype = train_dtype;
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
   model_options.cpu_checkpointing = config.cpu_checkpointing;
+  model_options.lora = options.lora;
   std::optional<nn::LlamaModel> built;
   try {
     built.emplace(engine, model_config, model_options);
@@ -236,14 +244,29 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
           config.zero.offload_param.buffer_numel, config.zero.sub_group_numel, config.zero.reduce_bucket_numel);
   }
   nn::LlamaModel& model = *built;
-  if (options.model.empty()) {
-    nn::initialize_parameters(engine, model.parameters(), seed);
-  } else {
-    load_hf_weights(engine, model.parameters(), options.model);
+  // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
+  std::vector<engine::ParamId> base, adapters;
+  for (engine::ParamId id : model.parameters()) {
+    (nn::is_lora_parameter(engine.param_info(id).name) ? adapters : base).push_back(id);
   }
+  if (options.model.empty()) {
+    nn::initialize_parameters(engine, base, seed);
+  } else {
+    load_hf_weights(engine, base, options.model);
+  }
+  nn::initialize_parameters(engine, adapters, seed);
   setup_span.reset();
   batches->check_ids(model_config.vocab_size);
   if (eval_batches) eval_batches->check_ids(model_config.vocab_size);
+  if (options.lora.enabled()) {
+    int64_t trained = 0;
+    for (engine::ParamId id : adapters) trained += engine.param_info(id).numel();
+    std::string targets;
+    for (const std::string& t : options.lora.targets) targets += (targets.empty() ? "" : ",") + t;
+    logger().info("finetune: LoRA r={} alpha={} (scale {:.4g}{}) on {}: {} adapter tensors, {} parameters trained",
+                  options.lora.rank, options.lora.alpha, options.lora.scaling(), options.lora.rslora ? ", rsLoRA" : "",
+                  targets, adapters.size(), trained);
+  }
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
                 "{} x {} sequences of {} tokens per step, {}, activation checkpoints {}; data {}",
                 [&] {
@@ -266,10 +289,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- the steps ------------------------------------------------------------------------
   // ---- resume -----------------------------------------------------------------------------
   // What the checkpoints are of, so `strata export` can rebuild the model from one.
-  const nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
+  nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) {
     checkpoints.emplace(options.save_dir, options.keep_checkpoints);
+    if (options.lora.enabled()) {
+      // A LoRA checkpoint holds the adapters; the base is named by its
+      // identity, and a resume on other base weights is refused.
+      checkpoint_model["lora"] = {{"r", options.lora.rank},
+                                  {"alpha", options.lora.alpha},
+                                  {"rslora", options.lora.rslora},
+                                  {"targets", options.lora.targets}};
+      checkpoint_model["base_weights"] = options.model.empty() ? nlohmann::json{{"init_seed", seed}}
+                                                               : hf_weights_identity(options.model);
+      checkpoints->omit_frozen();
+    }
     checkpoints->expect_model(checkpoint_model);
   }
   int64_t done = 0;  // steps already taken (by the run a checkpoint came from)
@@ -464,13 +498,23 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   if (!options.export_dir.empty()) {
     trace::Span span("phase", "export");
     const auto start = Clock::now();
-    const ExportResult exported = export_hf_model(engine, *comms.control, model_config, model.parameters(),
-                                                  options.export_dir, export_options);
+    ExportResult exported;
+    if (options.lora.enabled() && !options.merge_lora) {
+      exported = export_lora_adapter(engine, *comms.control, options.lora, adapters, options.model.string(),
+                                     options.export_dir, export_options);
+    } else {
+      if (options.merge_lora) export_options.merge = LoraMerge{options.lora, adapters};
+      exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options);
+    }
     result.exported = exported.files;
     if (rank.rank == 0 && options.progress != nullptr) {
-      fmt::print(options.progress, "  exported         {} ({} in {}, {:.1f} MB) in {:.1f} s\n",
-                 options.export_dir.string(), exported.files.size() == 1 ? "one file" : "sharded",
-                 dtype_name(export_options.dtype), static_cast<double>(exported.tensor_nbytes) / 1e6,
+      const bool adapter = options.lora.enabled() && !options.merge_lora;
+      fmt::print(options.progress, "  exported         {} ({}{} in {}, {:.1f} MB) in {:.1f} s\n",
+                 options.export_dir.string(),
+                 adapter ? "the LoRA adapter in PEFT's format"
+                         : exported.files.size() == 1 ? "one file" : "sharded",
+                 options.merge_lora ? ", merged with its LoRA adapter" : "",
+                 adapter ? "fp32" : dtype_name(export_options.dtype), static_cast<double>(exported.tensor_nbytes) / 1e6,
                  seconds_since(start));
     }
   }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "runtime/config/trainer_flags.h"
+#include "runtime/nn/lora.h"
 
 namespace strata::train {
 
@@ -52,6 +53,13 @@ struct FinetuneOptions {
   // Parameters not trained (shell globs of their Hugging Face names,
   // runtime/train/freeze.h): no gradient and no optimizer state.
   std::vector<std::string> freeze;
+  // LoRA adapters (runtime/nn/lora.h; rank 0: none): the base frozen and left
+  // out of checkpoints, which record its identity (the weights files' sizes
+  // and CRC-32s, or the seed of --init) and refuse to resume on another base.
+  nn::LoraSpec lora;
+  // With lora and export_dir: export the merged model (W + s B A) instead of
+  // the adapter in PEFT's format.
+  bool merge_lora = false;
   std::filesystem::path out = "finetune_out";  // metrics.jsonl, loss.svg
   std::filesystem::path save_dir;    // checkpoints (runtime/train/checkpoint.h); empty: none
   int64_t save_every = 100;          // steps between checkpoints (and one at the end)

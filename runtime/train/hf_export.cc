@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -76,6 +77,37 @@ std::vector<char> gather_to_rank0(engine::Engine& engine, partition::Communicato
   return whole;
 }
 
+// A parameter whole on rank 0 as fp32 (empty elsewhere).
+std::vector<float> gather_f32_to_rank0(engine::Engine& engine, partition::Communicator& comm, Stream& stream,
+                                       engine::ParamId id) {
+  const std::vector<char> whole = gather_to_rank0(engine, comm, stream, id);
+  if (whole.empty()) return {};
+  const engine::ParamInfo& info = engine.param_info(id);
+  std::vector<float> out(static_cast<size_t>(info.numel()));
+  convert(whole.data(), info.dtype, out.data(), DType::kF32, out.size());
+  return out;
+}
+
+// The merge's adapters on rank 0, by parameter name.
+using AdapterValues = std::map<std::string, std::vector<float>>;
+
+// w [out, in] += s * (B [out, r] A [r, in]), each row of B A formed first and
+// then scaled, as PEFT's delta weight ((B @ A) * scaling).
+void add_lora_delta(float* w, const std::vector<float>& a, const std::vector<float>& b, size_t out, size_t in,
+                    float scaling) {
+  const size_t r = a.size() / in;
+  std::vector<float> row(in);
+  for (size_t o = 0; o < out; ++o) {
+    std::fill(row.begin(), row.end(), 0.0f);
+    for (size_t k = 0; k < r; ++k) {
+      const float bk = b[o * r + k];
+      const float* ak = a.data() + k * in;
+      for (size_t i = 0; i < in; ++i) row[i] += bk * ak[i];
+    }
+    for (size_t i = 0; i < in; ++i) w[o * in + i] += row[i] * scaling;
+  }
+}
+
 // The untiled tensors, in parameter order; a tile names its tensor in its slice.
 struct TensorPlan {
   std::string name;
@@ -130,6 +162,13 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     for (const auto& [name, contents] : options.files) write_file_durably(staging->dir() / name, contents);
   }
   auto stream = engine.accelerator().create_stream();
+  // Merging: every adapter on rank 0 first (they are small).
+  AdapterValues adapters;
+  if (options.merge) {
+    for (engine::ParamId id : options.merge->adapters) {
+      adapters[engine.param_info(id).name] = gather_f32_to_rank0(engine, comm, *stream, id);
+    }
+  }
   ExportResult result;
   result.tensor_nbytes = total_nbytes;
   nlohmann::json weight_map = nlohmann::json::object();
@@ -151,7 +190,22 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
         if (!writer) continue;
         const engine::ParamInfo& info = engine.param_info(id);
         std::vector<char> converted(static_cast<size_t>(info.numel()) * dtype_nbytes(options.dtype));
-        convert(whole.data(), info.dtype, converted.data(), options.dtype, static_cast<size_t>(info.numel()));
+        const std::string stem = info.name.size() > 7 && info.name.ends_with(".weight")
+                                     ? info.name.substr(0, info.name.size() - 7)
+                                     : std::string();
+        const auto a = adapters.find(stem + ".lora_A.weight"), b = adapters.find(stem + ".lora_B.weight");
+        if (!stem.empty() && a != adapters.end() && b != adapters.end()) {
+          // W + s B A in fp32, then one conversion (adapted weights are never tiled).
+          STRATA_CHECK(!info.slice && info.shape.size() == 2, kBadArgument,
+                       "export: '{}' has an adapter but is not a whole matrix", info.name);
+          std::vector<float> merged(static_cast<size_t>(info.numel()));
+          convert(whole.data(), info.dtype, merged.data(), DType::kF32, merged.size());
+          add_lora_delta(merged.data(), a->second, b->second, static_cast<size_t>(info.shape[0]),
+                         static_cast<size_t>(info.shape[1]), static_cast<float>(options.merge->spec.scaling()));
+          convert(merged.data(), DType::kF32, converted.data(), options.dtype, merged.size());
+        } else {
+          convert(whole.data(), info.dtype, converted.data(), options.dtype, static_cast<size_t>(info.numel()));
+        }
         const size_t out_element = dtype_nbytes(options.dtype);
         if (!info.slice) {
           file->write(tensor.name, 0, converted.data(), converted.size());
@@ -178,6 +232,62 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     result.files.push_back(dir / "model.safetensors.index.json");
   }
   if (writer) staging->commit();
+  return result;
+}
+
+ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator& comm, const nn::LoraSpec& spec,
+                                 const std::vector<engine::ParamId>& adapters, const std::string& base_model,
+                                 const fs::path& dir, const ExportOptions& options) {
+  constexpr const char* kFile = "adapter_model.safetensors";
+  const bool writer = comm.rank() == 0;
+  std::optional<ExportStaging> staging;
+  std::vector<nn::SafetensorsDecl> decls;
+  ExportResult result;
+  for (engine::ParamId id : adapters) {
+    const engine::ParamInfo& info = engine.param_info(id);
+    decls.push_back({std::string(nn::kPeftPrefix) + info.name, DType::kF32, info.shape});
+    result.tensor_nbytes += static_cast<uint64_t>(info.numel()) * sizeof(float);
+  }
+  std::unique_ptr<nn::SafetensorsStreamWriter> file;
+  if (writer) {
+    staging.emplace(dir);
+    // What PEFT's LoraConfig needs to rebuild the adapter (the rest are its defaults).
+    const double whole_alpha = std::round(spec.alpha);
+    const nlohmann::json config = {
+        {"peft_type", "LORA"},
+        {"task_type", "CAUSAL_LM"},
+        {"base_model_name_or_path", base_model.empty() ? nlohmann::json() : nlohmann::json(base_model)},
+        {"r", spec.rank},
+        {"lora_alpha", whole_alpha == spec.alpha ? nlohmann::json(static_cast<int64_t>(whole_alpha))
+                                                 : nlohmann::json(spec.alpha)},
+        {"lora_dropout", 0.0},
+        {"target_modules", spec.targets},
+        {"bias", "none"},
+        {"use_rslora", spec.rslora},
+        {"use_dora", false},
+        {"fan_in_fan_out", false},
+        {"init_lora_weights", true},
+        {"inference_mode", true},
+        {"modules_to_save", nullptr},
+        {"layers_to_transform", nullptr},
+        {"layers_pattern", nullptr},
+        {"rank_pattern", nlohmann::json::object()},
+        {"alpha_pattern", nlohmann::json::object()}};
+    write_file_durably(staging->dir() / "adapter_config.json", config.dump(2) + "\n");
+    for (const auto& [name, contents] : options.files) write_file_durably(staging->dir() / name, contents);
+    file = std::make_unique<nn::SafetensorsStreamWriter>((staging->dir() / kFile).string(), decls,
+                                                         std::map<std::string, std::string>{{"format", "pt"}});
+  }
+  auto stream = engine.accelerator().create_stream();
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const std::vector<float> values = gather_f32_to_rank0(engine, comm, *stream, adapters[i]);
+    if (writer) file->write(decls[i].name, 0, values.data(), values.size() * sizeof(float));
+  }
+  if (writer) {
+    file->commit();
+    staging->commit();
+  }
+  result.files.push_back(dir / kFile);
   return result;
 }
 

@@ -21,20 +21,32 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/nn/lora.h"
 #include "runtime/train/model_files.h"
 
 namespace strata::train {
+
+// A LoRA run's adapters to merge into the weights they adapt.
+struct LoraMerge {
+  nn::LoraSpec spec;
+  std::vector<engine::ParamId> adapters;  // every lora_A / lora_B parameter
+};
 
 struct ExportOptions {
   DType dtype = DType::kBF16;
   uint64_t max_shard_nbytes = 5'000'000'000;  // transformers' default max_shard_size, "5GB"
   // The source's tokenizer, chat template and generation config (model_files.h), written as they are.
   ModelFiles files;
+  // Set: each weight W with an adapter is written as W + s B A (summed in
+  // fp32, then converted to dtype once), what PEFT's merge_and_unload gives.
+  std::optional<LoraMerge> merge;
 };
 
 // What was written (rank 0; other ranks get the same file list).
@@ -46,5 +58,15 @@ struct ExportResult {
 ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
                              const std::vector<engine::ParamId>& params, const std::filesystem::path& dir,
                              const ExportOptions& options);
+
+// A LoRA adapter in PEFT's format, which PeftModel.from_pretrained loads onto
+// the base: adapter_config.json (peft_type LORA, r, lora_alpha, use_rslora,
+// target_modules, base_model_name_or_path = `base_model`, or null when
+// empty) and adapter_model.safetensors (every adapter in fp32, named
+// "base_model.model.<name>"), plus options.files. The directory is replaced
+// whole, as by export_hf_model. Collective, like export_hf_model.
+ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator& comm, const nn::LoraSpec& spec,
+                                 const std::vector<engine::ParamId>& adapters, const std::string& base_model,
+                                 const std::filesystem::path& dir, const ExportOptions& options);
 
 }  // namespace strata::train

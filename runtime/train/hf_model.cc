@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "runtime/engine/state_file.h"
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/safetensors.h"
 
@@ -196,6 +197,13 @@ nn::LlamaConfig load_hf_config(const fs::path& dir) {
                        dir.string());
   const fs::path config = dir / "config.json";
   STRATA_CHECK(fs::exists(config), kBadArgument, "--model {}: no config.json", dir.string());
+  // transformers loads such a directory as the base WITH the adapter on top;
+  // its weights alone would be another model.
+  STRATA_CHECK(!fs::exists(dir / "adapter_config.json"), kBadArgument,
+               "--model {}: holds adapter_config.json, a PEFT adapter that transformers would apply on top of these "
+               "weights, and strata does not load adapters: merge it into the model first (PEFT's "
+               "merge_and_unload), or give a directory of the base alone",
+               dir.string());
   nn::LlamaConfig c = nn::load_llama_config(config.string());
   check_hf_checkpoint(c, dir);
   return c;
@@ -236,6 +244,17 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     // Unused tensors were refused above; the tied lm_head is compared with the embedding here.
     nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true);
   }
+}
+
+nlohmann::json hf_weights_identity(const fs::path& dir) {
+  WeightFiles w = weight_files(dir);
+  if (!w.index.empty()) w.files.insert(w.index.filename().string());
+  nlohmann::json out = nlohmann::json::array();
+  for (const std::string& name : w.files) {  // a std::set: name order
+    const engine::StateFile f = engine::checksum_file(dir, name);
+    out.push_back({{"file", name}, {"bytes", f.nbytes}, {"crc32", f.crc32}});
+  }
+  return out;
 }
 
 }  // namespace strata::train

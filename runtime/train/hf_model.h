@@ -8,7 +8,8 @@
 // (nn::hf_tensors): a tensor the model would not use means the checkpoint is
 // another model than config.json says (a Qwen2 checkpoint labelled llama
 // would lose its q/k/v biases), so it is refused, naming the tensor, before
-// any work. The only tensors let through are derived buffers that
+// any work. So is a directory with a PEFT adapter (adapter_config.json),
+// which transformers would apply on top. The only tensors let through are derived buffers that
 // transformers itself ignores (rotary_emb.inv_freq) and, with
 // tie_word_embeddings, an lm_head.weight identical to the embedding.
 // Errors: Error(kBadArgument/kIo) naming the directory or file and what is
@@ -17,6 +18,7 @@
 #pragma once
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "runtime/engine/engine.h"
@@ -34,5 +36,9 @@ void check_hf_checkpoint(const nn::LlamaConfig& config, const std::filesystem::p
 // parameter claims (other than those above) is refused.
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::filesystem::path& dir);
+// The identity of the directory's weights: each weights file (and the index
+// when sharded) with its size and CRC-32, [{"file", "bytes", "crc32"}, ...]
+// in name order. Reads every byte once.
+nlohmann::json hf_weights_identity(const std::filesystem::path& dir);
 
 }  // namespace strata::train

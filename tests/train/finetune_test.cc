@@ -211,22 +211,11 @@ std::string file_bytes(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
-}  // namespace
-
-TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for bit like an uninterrupted one",
-          "[finetune][checkpoint]") {
-  strata::test::TempDir dir;
-  small_model(dir);
-  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
-  constexpr int kSteps = 30;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
-  REQUIRE(expected.size() > 1000);
-
-  // Each attempt runs in its own session and is killed (every process of it,
-  // at once) after a delay, unless it finishes first; the next resumes.
+// Runs `args` (a resumable finetune) again and again, each attempt killed
+// with SIGKILL (every process of it, at once) after a delay unless it
+// finishes first, each next attempt resuming from `ckpt`, until one finishes;
+// returns how many were killed.
+int run_killed_and_resumed(const strata::test::TempDir& dir, const std::string& args, const std::string& ckpt) {
   const std::string script = write_file(dir, "kill.sh", R"SH(#!/usr/bin/env bash
 set -u
 args="$1"; delay="$2"; ckpt="$3"; log="$4"
@@ -242,17 +231,14 @@ if kill -0 $sid 2>/dev/null; then
 fi
 wait $sid; rc=$?; echo "exited $rc"
 )SH");
-  const std::string args = run + resumable_args(dir, "killed", kSteps);
   // Start-up (rendezvous, engine, model) takes a few hundred ms, a step tens:
   // these land in start-up, in steps, in checkpoint writes and in the export.
   const int delays_ms[] = {700, 450, 900, 600, 1100, 800, 550, 1300, 1000, 1500};
   int kills = 0;
-  bool finished = false;
-  for (int attempt = 0; attempt < 30 && !finished; ++attempt) {
+  for (int attempt = 0; attempt < 30; ++attempt) {
     const int delay = attempt < 10 ? delays_ms[attempt] : 600000;  // then let it finish
     const std::string log = dir.file("attempt" + std::to_string(attempt) + ".log");
-    const auto r = run_command("bash " + script + " '" + args + "' " + std::to_string(delay) + " " +
-                               dir.file("killed_ckpt") + " " + log);
+    const auto r = run_command("bash " + script + " '" + args + "' " + std::to_string(delay) + " " + ckpt + " " + log);
     INFO("attempt " << attempt << ": " << r.output << file_bytes(log));
     REQUIRE(r.exit_code == 0);
     if (r.output.find("killed") != std::string::npos) {
@@ -260,9 +246,26 @@ wait $sid; rc=$?; echo "exited $rc"
       continue;
     }
     REQUIRE_THAT(r.output, Catch::Contains("exited 0"));
-    finished = true;
+    return kills;
   }
-  REQUIRE(finished);
+  FAIL("the run never finished");
+  return kills;
+}
+
+}  // namespace
+
+TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for bit like an uninterrupted one",
+          "[finetune][checkpoint]") {
+  strata::test::TempDir dir;
+  small_model(dir);
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 30;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  const int kills = run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps), dir.file("killed_ckpt"));
   INFO("killed " << kills << " times");
   CHECK(kills >= 3);
   WARN("killed " << kills << " times");
@@ -271,6 +274,26 @@ wait $sid; rc=$?; echo "exited $rc"
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["step"].get<int>() == i + 1);
+}
+
+TEST_CASE("LoRA killed with SIGKILL at random moments and resumed: the adapter comes out bit for bit like an "
+          "uninterrupted run's",
+          "[finetune][checkpoint][lora]") {
+  strata::test::TempDir dir;
+  small_model(dir);
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear";
+  constexpr int kSteps = 30;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + lora + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/adapter_model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  const int kills =
+      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps) + lora, dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/adapter_model.safetensors") == expected);
 }
 
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",

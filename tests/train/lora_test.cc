@@ -1,0 +1,263 @@
+// LoRA as a user runs it (`strata finetune --lora-rank ...`) on a base
+// transformers wrote (the PEFT fixture's, without its adapter): under ZeRO-3
+// with the base and the optimizer state on NVMe on 2 ranks only the adapters
+// train, the untargeted tensors come out bit-unchanged, the adapter export is
+// PEFT's format and, loaded back onto the base, computes the loss the merged
+// export computes; a resume is bit-identical and refused on another base.
+// (That PEFT loads the export is checked by hand: see the issue's note.)
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/lora.h"
+#include "runtime/nn/safetensors.h"
+#include "tests/nn/engine_rig.h"
+#include "tests/support/finetune_files.h"
+#include "tests/support/run_command.h"
+#include "tests/support/temp_dir.h"
+
+using nlohmann::json;
+using strata::test::run_command;
+using strata::test::strata_binary;
+using strata::test::write_file;
+namespace fs = std::filesystem;
+namespace nn = strata::nn;
+
+namespace {
+
+json read_json(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  return json::parse(in);
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The PEFT fixture's base alone (its directory also holds the adapter, which
+// strata refuses to ignore): dir/base.
+std::string base_model(const strata::test::TempDir& dir) {
+  const std::string src = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::string out = dir.file("base");
+  fs::create_directories(out);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(src + "/" + f, out + "/" + f);
+  return out;
+}
+
+// 200 tokens of the fixture's vocabulary (61) as raw uint16.
+std::string tokens(const strata::test::TempDir& dir) {
+  const std::string path = dir.file("tokens.u16");
+  std::ofstream out(path, std::ios::binary);
+  for (int i = 0; i < 200; ++i) {
+    const auto t = static_cast<uint16_t>((i * 17 + i / 7) % 61);
+    out.write(reinterpret_cast<const char*>(&t), sizeof t);
+  }
+  REQUIRE(out.good());
+  return path;
+}
+
+const char* const kTargets = "q_proj,v_proj,down_proj";
+
+// The mean loss of `batch` through the model in `model_dir`, with the PEFT
+// adapter in `adapter_dir` on top unless it is empty.
+double loss_of(const std::string& model_dir, const std::string& adapter_dir, const std::vector<int32_t>& ids) {
+  strata::test::Rig rig;
+  nn::LlamaModelOptions options;
+  if (!adapter_dir.empty()) {
+    const json adapter = read_json(adapter_dir + "/adapter_config.json");
+    options.lora.rank = adapter.at("r").get<int64_t>();
+    options.lora.alpha = adapter.at("lora_alpha").get<double>();
+    options.lora.rslora = adapter.at("use_rslora").get<bool>();
+    options.lora.targets = adapter.at("target_modules").get<std::vector<std::string>>();
+  }
+  nn::LlamaModel model(*rig.engine, nn::load_llama_config(model_dir + "/config.json"), options);
+  rig.engine->finalize();
+  std::vector<nn::ParamId> base, adapters;
+  for (nn::ParamId id : model.parameters()) {
+    (nn::is_lora_parameter(rig.engine->param_info(id).name) ? adapters : base).push_back(id);
+  }
+  nn::load_parameters(*rig.engine, base, model_dir + "/model.safetensors");
+  if (!adapter_dir.empty()) {
+    nn::load_parameters(*rig.engine, adapters, adapter_dir + "/adapter_model.safetensors", false,
+                        std::string(nn::kPeftPrefix));
+  }
+  const int64_t seq = static_cast<int64_t>(ids.size()) - 1;
+  const std::vector<int32_t> in(ids.begin(), ids.end() - 1), targets(ids.begin() + 1, ids.end());
+  nn::ForwardOptions forward;
+  forward.backward = false;
+  model.forward(in, targets, 1, seq, forward);
+  return model.loss();
+}
+
+}  // namespace
+
+TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVMe trains the adapters only; the "
+          "adapter export is PEFT's format and computes the merged export's loss; untargeted tensors are unchanged",
+          "[finetune][lora]") {
+  strata::test::TempDir dir("lora");
+  const std::string base = base_model(dir), data = tokens(dir), swap = dir.file("swap");
+  const std::string config = write_file(dir, "ds.json", R"({
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string common = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                             " --model " + base + " --data " + data + " --data-format u16 --seq 8 --steps 5 " +
+                             "--lora-rank 4 --lora-alpha 8 --lora-targets " + kTargets + " --export-dtype fp32";
+  const auto adapter_run = run_command(common + " --out " + dir.file("a") + " --save " + dir.file("ckpt") +
+                                       " --export " + dir.file("adapter") + " 2>&1");
+  INFO(adapter_run.output);
+  REQUIRE(adapter_run.exit_code == 0);
+  CHECK_THAT(adapter_run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme") &&
+                                     Catch::Contains("LoRA r=4 alpha=8 (scale 2) on q_proj,v_proj,down_proj") &&
+                                     Catch::Contains("12 adapter tensors"));
+  const auto merged_run =
+      run_command(common + " --out " + dir.file("m") + " --merge-lora --export " + dir.file("merged") + " 2>&1");
+  INFO(merged_run.output);
+  REQUIRE(merged_run.exit_code == 0);
+
+  // PEFT's files: the config PEFT's LoraConfig reads, fp32 tensors under its names.
+  const json adapter = read_json(dir.file("adapter") + "/adapter_config.json");
+  CHECK(adapter["peft_type"] == "LORA");
+  CHECK(adapter["task_type"] == "CAUSAL_LM");
+  CHECK(adapter["r"] == 4);
+  CHECK(adapter["lora_alpha"] == 8);
+  CHECK(adapter["use_rslora"] == false);
+  CHECK(adapter["base_model_name_or_path"] == base);
+  CHECK(adapter["target_modules"].get<std::set<std::string>>() ==
+        std::set<std::string>{"q_proj", "v_proj", "down_proj"});
+  const nn::SafetensorsFile weights = nn::SafetensorsFile::open(dir.file("adapter") + "/adapter_model.safetensors");
+  const nn::LlamaConfig c = nn::load_llama_config(base + "/config.json");
+  CHECK(weights.names().size() == static_cast<size_t>(c.num_hidden_layers) * 3 * 2);
+  const auto& a = weights.entry("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight");
+  CHECK(a.shape == strata::Shape{4, c.intermediate_size});
+  CHECK(a.dtype == strata::DType::kF32);
+  CHECK(weights.entry("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight").shape ==
+        strata::Shape{c.num_attention_heads * c.head_dim, 4});
+
+  // The checkpoints hold the adapters and their optimizer state, not the base.
+  for (const auto& entry : fs::recursive_directory_iterator(dir.file("ckpt"))) {
+    INFO(entry.path().string());
+    CHECK(entry.path().filename().string().find("frozen") == std::string::npos);
+  }
+
+  // Merged: the targeted weights moved, every other tensor is the base's, bit for bit.
+  const nn::SafetensorsFile before = nn::SafetensorsFile::open(base + "/model.safetensors");
+  const nn::SafetensorsFile after = nn::SafetensorsFile::open(dir.file("merged") + "/model.safetensors");
+  REQUIRE(after.names().size() == before.names().size());
+  const nn::LoraSpec spec{4, 8, false, {"q_proj", "v_proj", "down_proj"}};
+  int changed = 0;
+  for (const std::string& name : before.names()) {
+    INFO(name);
+    const strata::TensorView x = before.view(name), y = after.view(name);
+    REQUIRE(x.nbytes() == y.nbytes());
+    const bool same = std::memcmp(x.data, y.data, x.nbytes()) == 0;
+    const bool targeted = name.size() > 7 && spec.targets_module(name.substr(0, name.size() - 7));
+    CHECK(same == !targeted);
+    changed += !same;
+  }
+  CHECK(changed == c.num_hidden_layers * 3);
+
+  // Base + adapter computes what the merged model computes; both differ from the base.
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 17; ++i) ids.push_back((i * 29 + 5) % 61);
+  const double adapted = loss_of(base, dir.file("adapter"), ids), merged = loss_of(dir.file("merged"), "", ids);
+  const double plain = loss_of(base, "", ids);
+  INFO("base " << plain << ", base + adapter " << adapted << ", merged " << merged);
+  CHECK(std::abs(adapted - merged) <= 1e-5 * adapted);
+  CHECK(std::abs(adapted - plain) > 1e-3 * plain);
+}
+
+TEST_CASE("LoRA: a resumed run is bit-identical; resuming on another base, with other LoRA flags or exporting "
+          "its checkpoint is refused",
+          "[finetune][lora][checkpoint]") {
+  strata::test::TempDir dir("lora-resume");
+  const std::string base = base_model(dir), data = tokens(dir);
+  const std::string common = strata_binary() + " finetune --model " + base + " --data " + data +
+                             " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear " +
+                             "--lr 0.01 --save-every 2";
+  const auto whole = run_command(common + " --steps 6 --out " + dir.file("w") + " --save " + dir.file("ck_whole") +
+                                 " --export " + dir.file("whole") + " 2>&1");
+  INFO(whole.output);
+  REQUIRE(whole.exit_code == 0);
+  const auto first = run_command(common + " --steps 3 --out " + dir.file("f") + " --save " + dir.file("ck") + " 2>&1");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  const auto rest = run_command(common + " --steps 6 --out " + dir.file("r") + " --save " + dir.file("ck") +
+                                " --resume --export " + dir.file("resumed") + " 2>&1");
+  INFO(rest.output);
+  REQUIRE(rest.exit_code == 0);
+  CHECK(file_bytes(dir.file("resumed") + "/adapter_model.safetensors") ==
+        file_bytes(dir.file("whole") + "/adapter_model.safetensors"));
+
+  // Other LoRA flags, another base (one byte of the weights changed).
+  auto refused = [&](const std::string& args, const std::string& expect) {
+    const auto r = run_command(args + " 2>&1");
+    INFO(args << "\n" << r.output);
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains(expect));
+  };
+  refused(strata_binary() + " finetune --model " + base + " --data " + data +
+              " --data-format u16 --seq 8 --lora-rank 4 --lora-rslora --lora-targets all-linear --steps 8 --out " +
+              dir.file("x") + " --save " + dir.file("ck") + " --resume",
+          "lora.r is 2 in the checkpoint, 4 in this run");
+  const std::string other = dir.file("other");
+  fs::copy(base, other);
+  {
+    std::fstream f(other + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x11');
+  }
+  refused(strata_binary() + " finetune --model " + other + " --data " + data +
+              " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear --steps 8 --out " +
+              dir.file("y") + " --save " + dir.file("ck") + " --resume",
+          "base_weights");
+  refused(strata_binary() + " export " + dir.file("ck") + " " + dir.file("z"), "a checkpoint of a LoRA run");
+}
+
+TEST_CASE("LoRA: bad flags and a model directory holding an adapter are refused before step 1, naming them",
+          "[finetune][lora]") {
+  strata::test::TempDir dir("lora-refused");
+  const std::string base = base_model(dir), data = tokens(dir);
+  const std::string common =
+      strata_binary() + " finetune --model " + base + " --data " + data + " --data-format u16 --seq 8 --steps 2 --out " +
+      dir.file("out") + " ";
+  struct Case {
+    std::string args, expect;
+  };
+  const std::string fixture = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::vector<Case> cases = {
+      {"--lora-rank 4 --lora-dropout 0.1", "--lora-dropout 0.1: dropout on the adapters' input is not implemented"},
+      {"--lora-rank 4 --lora-targets q_proj,lm_head", "--lora-targets: 'lm_head' is not a projection"},
+      {"--lora-rank 4 --lora-targets q_proj,,v_proj", "has an empty name"},
+      {"--lora-rank 4 --lora-targets q_proj,q_proj", "names 'q_proj' twice"},
+      {"--lora-alpha 16", "--lora-alpha needs --lora-rank"},
+      {"--lora-rank 4 --merge-lora", "--merge-lora needs --lora-rank (adapters to merge) and --export DIR"},
+      {"--lora-rank 4 --freeze '*norm*'", "--freeze with --lora-rank"},
+      {"--lora-rank 0", "--lora-rank"},
+  };
+  for (const Case& c : cases) {
+    const auto r = run_command(common + c.args + " 2>&1");
+    INFO(c.args << "\n" << r.output);
+    CHECK(r.exit_code != 0);
+    CHECK_THAT(r.output, Catch::Contains(c.expect));
+    CHECK_THAT(r.output, !Catch::Contains("step 1/"));
+  }
+  const auto r = run_command(strata_binary() + " finetune --model " + fixture + " --data " + data +
+                             " --data-format u16 --seq 8 --steps 2 --out " + dir.file("out2") + " 2>&1");
+  INFO(r.output);
+  CHECK(r.exit_code != 0);
+  CHECK_THAT(r.output, Catch::Contains("holds adapter_config.json, a PEFT adapter"));
+}
