@@ -102,8 +102,8 @@ double loss_of(const std::string& model_dir, const std::string& adapter_dir, con
 
 }  // namespace
 
-TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVMe trains the adapters only; the "
-          "adapter export is PEFT's format and computes the merged export's loss; untargeted tensors are unchanged",
+TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVMe trains the adapters only, the "
+          "adapter export is PEFT's format and computes the merged export's loss, untargeted tensors are unchanged",
           "[finetune][lora]") {
   strata::test::TempDir dir("lora");
   const std::string base = base_model(dir), data = tokens(dir), swap = dir.file("swap");
@@ -180,7 +180,7 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
   CHECK(std::abs(adapted - plain) > 1e-3 * plain);
 }
 
-TEST_CASE("LoRA: a resumed run is bit-identical; resuming on another base, with other LoRA flags or exporting "
+TEST_CASE("LoRA: a resumed run is bit-identical, and resuming on another base, with other LoRA flags or exporting "
           "its checkpoint is refused",
           "[finetune][lora][checkpoint]") {
   strata::test::TempDir dir("lora-resume");
