@@ -7,6 +7,7 @@
 // (That PEFT loads the export is checked by hand: see the issue's note.)
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -169,6 +170,30 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
     changed += !same;
   }
   CHECK(changed == c.num_hidden_layers * 3);
+  // And each targeted weight is the base's W + s B A of the exported adapter
+  // (to fp32 rounding): the frozen W itself did not move in training.
+  for (const std::string& name : before.names()) {
+    const std::string stem = name.substr(0, name.size() - 7);
+    if (!name.ends_with(".weight") || !spec.targets_module(stem)) continue;
+    INFO(name);
+    const std::string peft = std::string(nn::kPeftPrefix) + stem;
+    const auto* w = before.view(name).as<const float>();
+    const auto* m = after.view(name).as<const float>();
+    const auto* la = weights.view(peft + ".lora_A.weight").as<const float>();
+    const auto* lb = weights.view(peft + ".lora_B.weight").as<const float>();
+    const int64_t out = before.entry(name).shape[0], in = before.entry(name).shape[1];
+    double worst = 0, largest = 0;
+    for (int64_t o = 0; o < out; ++o) {
+      for (int64_t i = 0; i < in; ++i) {
+        double delta = 0;
+        for (int64_t k = 0; k < 4; ++k) delta += static_cast<double>(lb[o * 4 + k]) * la[k * in + i];
+        const double want = w[o * in + i] + spec.scaling() * delta;
+        worst = std::max(worst, std::abs(m[o * in + i] - want));
+        largest = std::max(largest, std::abs(want));
+      }
+    }
+    CHECK(worst <= 1e-6 * largest);
+  }
 
   // Base + adapter computes what the merged model computes; both differ from the base.
   std::vector<int32_t> ids;
