@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/accelerator.h"
+#include "core/block_cache.h"
 #include "core/error.h"
 #include "core/host_memory.h"
 
@@ -314,57 +315,47 @@ size_t default_budget() {
 class CpuAccelerator final : public Accelerator {
  public:
   explicit CpuAccelerator(const AcceleratorOptions& options)
-      : capacity_(options.memory_budget_nbytes ? options.memory_budget_nbytes : default_budget()),
+      : blocks_({options.memory_budget_nbytes ? options.memory_budget_nbytes : default_budget(),
+                 kCachedMinNbytes, /*cache_within_peak=*/true, "cpu"}),
         host_thread_(options.cpu_shared_host_thread ? std::make_shared<SharedHostThread>() : nullptr) {}
 
   ~CpuAccelerator() override {
     // Streams were destroyed first (they drain), so pending frees are due.
-    for (auto& [ptr, nbytes] : allocations_) free_host(ptr, nbytes);
-    for (auto& [nbytes, ptr] : cache_) free_host(ptr, nbytes);
+    free_blocks(blocks_.all_blocks());
   }
 
   Backend backend() const override { return Backend::kCpu; }
   std::string name() const override { return "cpu"; }
 
   void* allocate(size_t nbytes) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    reap_locked();
+    BlockCache::Freed dropped;
     void* ptr = nullptr;
-    if (auto hit = cache_.find(nbytes); hit != cache_.end()) {
-      ptr = hit->second;  // the same size again (a gathered parameter, a gradient, a bucket): no page faults
-      cache_.erase(hit);
-      cached_nbytes_ -= nbytes;
-    } else {
-      // Cached blocks count against the budget: drop them when the request needs their room.
-      while (nbytes > capacity_ - in_use_ - cached_nbytes_ && !cache_.empty()) {
-        auto largest = std::prev(cache_.end());
-        cached_nbytes_ -= largest->first;
-        free_host(largest->second, largest->first);
-        cache_.erase(largest);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ptr = blocks_.reserve(nbytes, nbytes, dropped);
+      if (ptr == nullptr) {
+        try {
+          ptr = allocate_host(nbytes);
+        } catch (...) {
+          blocks_.cancel(nbytes);
+          free_blocks(dropped);
+          throw;
+        }
+        blocks_.commit(ptr, nbytes);
       }
-      if (nbytes > capacity_ - in_use_ - cached_nbytes_) {
-        raise(ErrorCategory::kOutOfMemory,
-              "cpu device memory: requested {} bytes, {} in use ({} of them waiting for stream-ordered frees), "
-              "{} cached, capacity {} ({} free)",
-              nbytes, in_use_, pending_nbytes_, cached_nbytes_, capacity_, capacity_ - in_use_ - cached_nbytes_);
-      }
-      ptr = allocate_host(nbytes);
     }
-    allocations_.emplace(ptr, nbytes);
-    in_use_ += nbytes;
-    peak_ = std::max(peak_, in_use_);
+    free_blocks(dropped);
     return ptr;
   }
 
   void deallocate(void* ptr) override {
     if (ptr == nullptr) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    reap_locked();
-    auto it = find_live_locked(ptr, "deallocate");
-    const size_t nbytes = it->second;
-    in_use_ -= nbytes;
-    allocations_.erase(it);
-    release_locked(ptr, nbytes);
+    BlockCache::Freed freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.free(ptr, freed, "deallocate");
+    }
+    free_blocks(freed);
   }
 
   void deallocate_after(void* ptr, Event& event) override {
@@ -378,31 +369,23 @@ class CpuAccelerator final : public Accelerator {
     } else {
       raise(ErrorCategory::kBadArgument, "cpu deallocate_after: the event is not from the cpu backend");
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = find_live_locked(ptr, "deallocate_after");
-    STRATA_CHECK(pending_ptrs_.count(ptr) == 0, kInternal, "cpu deallocate_after of {} freed twice", ptr);
-    if (!done || done()) {
-      const size_t nbytes = it->second;
-      in_use_ -= nbytes;
-      allocations_.erase(it);
-      release_locked(ptr, nbytes);
-    } else {
-      pending_.push_back(Pending{ptr, it->second, std::move(done)});
-      pending_ptrs_.insert(ptr);
-      pending_nbytes_ += it->second;
+    BlockCache::Freed freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.free_after(ptr, std::move(done), freed, "deallocate_after");
     }
-    reap_locked();
+    free_blocks(freed);
   }
 
   MemoryStats memory_stats() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    reap_locked();
+    BlockCache::Freed freed;
     MemoryStats stats;
-    stats.capacity_nbytes = capacity_;
-    stats.in_use_nbytes = in_use_;
-    stats.peak_nbytes = peak_;
-    stats.pending_free_nbytes = pending_nbytes_;
-    stats.cached_nbytes = cached_nbytes_;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks_.reap(freed);
+      stats = blocks_.stats();
+    }
+    free_blocks(freed);
     return stats;
   }
 
@@ -440,68 +423,24 @@ class CpuAccelerator final : public Accelerator {
   }
 
  private:
-  // A block freed with deallocate_after whose event has not been seen complete.
-  struct Pending {
-    void* ptr;
-    size_t nbytes;
-    std::function<bool()> done;  // never blocks
-  };
-
   static CpuStream& cpu_stream(Stream& stream, const char* what) {
     auto* cpu = dynamic_cast<CpuStream*>(&stream);
     STRATA_CHECK(cpu != nullptr, kBadArgument, "cpu {}: the stream is not from the cpu backend", what);
     return *cpu;
   }
 
-  std::unordered_map<void*, size_t>::iterator find_live_locked(void* ptr, const char* what) const {
-    auto it = allocations_.find(ptr);
-    STRATA_CHECK(it != allocations_.end() && pending_ptrs_.count(ptr) == 0, kInternal,
-                 "cpu {} of unknown or already freed pointer {}", what, ptr);
-    return it;
+  static void free_blocks(const BlockCache::Freed& blocks) {
+    for (const auto& [ptr, nbytes] : blocks) free_host(ptr, nbytes);
   }
 
-  // Frees the pending blocks whose events have completed. Lock order: this
-  // accelerator's mutex, then a queue's or host event's (never the reverse:
-  // stream threads do not allocate while holding their queue's lock).
-  void reap_locked() const {
-    auto due = std::partition(pending_.begin(), pending_.end(), [](Pending& p) { return !p.done(); });
-    for (auto it = due; it != pending_.end(); ++it) {
-      in_use_ -= it->nbytes;
-      pending_nbytes_ -= it->nbytes;
-      pending_ptrs_.erase(it->ptr);
-      allocations_.erase(it->ptr);
-      release_locked(it->ptr, it->nbytes);
-    }
-    pending_.erase(due, pending_.end());
-  }
-
-  // A block no longer in use: kept for the next request of the same size when
-  // it is one of allocate_host's own mappings (>= 1 MiB: each one is page
-  // faults and kernel zeroing when fresh, every step, for every gathered
-  // parameter, gradient and bucket) and the cache stays within what was once
-  // in use at the same time — in use + cached <= the peak — so caching never
-  // raises the memory this accelerator holds above its peak; else freed.
-  void release_locked(void* ptr, size_t nbytes) const {
-    if (nbytes >= kCachedMinNbytes && in_use_ + cached_nbytes_ + nbytes <= peak_) {
-      cache_.emplace(nbytes, ptr);
-      cached_nbytes_ += nbytes;
-      return;
-    }
-    free_host(ptr, nbytes);
-  }
-
+  // Freed blocks of >= 1 MiB (allocate_host's own mappings: each fresh one is
+  // page faults and kernel zeroing, every step, for every gathered parameter,
+  // gradient and bucket) are kept for the next request of their size while in
+  // use + cached stays within the peak (core/block_cache.h).
   static constexpr size_t kCachedMinNbytes = size_t{1} << 20;
   mutable std::mutex mutex_;
-  const size_t capacity_;
-  // Allocator bookkeeping; mutable because memory_stats() observes completed frees.
-  mutable size_t in_use_ = 0;  // includes pending_nbytes_
-  size_t peak_ = 0;
-  mutable size_t pending_nbytes_ = 0;
-  mutable std::unordered_map<void*, size_t> allocations_;  // every block not yet freed
-  mutable std::vector<Pending> pending_;
-  mutable std::unordered_set<void*> pending_ptrs_;
-  mutable std::multimap<size_t, void*> cache_;  // free blocks by size (release_locked)
-  mutable size_t cached_nbytes_ = 0;
+  // mutable: memory_stats() observes completed stream-ordered frees.
+  mutable BlockCache blocks_;
   std::unordered_map<void*, size_t> pinned_;
   // Shared by this accelerator's streams (cpu_shared_host_thread), else nullptr;
   // each stream holds it too, so it outlives the streams' last host function.

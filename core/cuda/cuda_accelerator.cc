@@ -13,14 +13,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
 #include "core/accelerator.h"
+#include "core/block_cache.h"
 #include "core/error.h"
 #include "core/host_memory.h"
 #include "core/log.h"
@@ -623,7 +626,9 @@ class CudaAccelerator final : public Accelerator {
     device_name_ = prop.name;
     size_t free_nbytes = 0, total_nbytes = 0;
     STRATA_CUDA_CHECK(cudaMemGetInfo(&free_nbytes, &total_nbytes));
-    capacity_ = options.memory_budget_nbytes ? options.memory_budget_nbytes : free_nbytes;
+    // Every freed block is kept (cudaFree is expensive); the budget bounds the cache.
+    blocks_.emplace(BlockCache::Options{options.memory_budget_nbytes ? options.memory_budget_nbytes : free_nbytes,
+                                        0, /*cache_within_peak=*/false, name()});
     shared_ = std::make_shared<Shared>();
     shared_->device = device_;
     shared_->events = std::make_shared<EventPool>(device_);
@@ -648,8 +653,7 @@ class CudaAccelerator final : public Accelerator {
   ~CudaAccelerator() override {
     DeviceGuard guard(device_);
     // Streams are gone (they synchronized), so pending frees are due.
-    for (auto& [nbytes, ptr] : free_blocks_) free_now(ptr);
-    for (auto& [ptr, nbytes] : live_blocks_) free_now(ptr);
+    for (const auto& [ptr, nbytes] : blocks_->all_blocks()) free_now(ptr);
     if (alloc_stream_ != nullptr) {
       cudaStreamSynchronize(alloc_stream_);
       cudaStreamDestroy(alloc_stream_);
@@ -669,31 +673,10 @@ class CudaAccelerator final : public Accelerator {
   // reserved under it.
   void* allocate(size_t nbytes) override {
     const size_t block = round_block(nbytes);
-    std::vector<void*> dropped;
+    BlockCache::Freed dropped;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      reap_locked();
-      if (void* ptr = take_cached_locked(block)) {
-        live_blocks_.emplace(ptr, block);
-        in_use_ += block;
-        peak_ = std::max(peak_, in_use_);
-        return ptr;
-      }
-      if (block > capacity_ - in_use_) {
-        raise(ErrorCategory::kOutOfMemory,
-              "{} device memory: requested {} bytes (a block of {}), {} in use ({} of them waiting for "
-              "stream-ordered frees), {} cached, capacity {} ({} free)",
-              name(), nbytes, block, in_use_, pending_nbytes_, cached_, capacity_, capacity_ - in_use_);
-      }
-      // Cached bytes count against the budget: drop the largest until it fits.
-      while (in_use_ + cached_ + block > capacity_) {
-        auto largest = std::prev(free_blocks_.end());
-        cached_ -= largest->first;
-        dropped.push_back(largest->second);
-        free_blocks_.erase(largest);
-      }
-      in_use_ += block;  // reserved; undone if cudaMalloc fails
-      peak_ = std::max(peak_, in_use_);
+      if (void* ptr = blocks_->reserve(nbytes, block, dropped)) return ptr;
     }
     void* ptr = nullptr;
     try {
@@ -701,23 +684,20 @@ class CudaAccelerator final : public Accelerator {
       ptr = cuda_malloc(block, nbytes);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex_);
-      in_use_ -= block;
+      blocks_->cancel(block);
       throw;
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    live_blocks_.emplace(ptr, block);
+    blocks_->commit(ptr, block);
     return ptr;
   }
 
   void deallocate(void* ptr) override {
     if (ptr == nullptr) return;
+    BlockCache::Freed freed;  // stays empty: every block is kept
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = find_live_locked(ptr, "deallocate");
     // The caller guarantees no queued work uses the block (see accelerator.h).
-    cache_locked(ptr, it->second);
-    in_use_ -= it->second;
-    live_blocks_.erase(it);
-    reap_locked();
+    blocks_->free(ptr, freed, "deallocate");
   }
 
   void deallocate_after(void* ptr, Event& event) override {
@@ -730,31 +710,18 @@ class CudaAccelerator final : public Accelerator {
     } else {
       raise(ErrorCategory::kBadArgument, "{} deallocate_after: the event is not from the cuda backend", name());
     }
+    std::function<bool()> done;  // queries the event: never blocks, never synchronizes
+    if (completion) done = [completion] { return completion->completed(); };
+    BlockCache::Freed freed;  // stays empty: every block is kept
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = find_live_locked(ptr, "deallocate_after");
-    const size_t block = it->second;
-    if (!completion || completion->completed()) {
-      cache_locked(ptr, block);
-      in_use_ -= block;
-      live_blocks_.erase(it);
-    } else {
-      pending_.push_back(Pending{ptr, block, std::move(completion)});
-      pending_ptrs_.insert(ptr);
-      pending_nbytes_ += block;
-    }
-    reap_locked();
+    blocks_->free_after(ptr, std::move(done), freed, "deallocate_after");
   }
 
   MemoryStats memory_stats() const override {
+    BlockCache::Freed freed;  // stays empty: every block is kept
     std::lock_guard<std::mutex> lock(mutex_);
-    reap_locked();
-    MemoryStats stats;
-    stats.capacity_nbytes = capacity_;
-    stats.in_use_nbytes = in_use_;
-    stats.peak_nbytes = peak_;
-    stats.cached_nbytes = cached_;
-    stats.pending_free_nbytes = pending_nbytes_;
-    return stats;
+    blocks_->reap(freed);
+    return blocks_->stats();
   }
 
   // Pinned memory is our own locked host memory (huge-page backed when large,
@@ -808,60 +775,16 @@ class CudaAccelerator final : public Accelerator {
   }
 
  private:
-  // A block freed with deallocate_after whose event has not been seen complete.
-  struct Pending {
-    void* ptr;
-    size_t block;
-    std::shared_ptr<ErrorSource> completion;
-  };
-
-  std::unordered_map<void*, size_t>::iterator find_live_locked(void* ptr, const char* what) {
-    auto it = live_blocks_.find(ptr);
-    STRATA_CHECK(it != live_blocks_.end() && pending_ptrs_.count(ptr) == 0, kInternal,
-                 "{} {} of unknown or already freed pointer {}", name(), what, ptr);
-    return it;
-  }
-
-  void cache_locked(void* ptr, size_t block) const {
-    free_blocks_.emplace(block, ptr);
-    cached_ += block;
-  }
-
-  // Moves pending blocks whose events completed into the cache. Queries
-  // events (never blocks, never synchronizes).
-  void reap_locked() const {
-    auto due = std::partition(pending_.begin(), pending_.end(),
-                              [](const Pending& p) { return !p.completion->completed(); });
-    for (auto it = due; it != pending_.end(); ++it) {
-      pending_nbytes_ -= it->block;
-      in_use_ -= it->block;
-      pending_ptrs_.erase(it->ptr);
-      live_blocks_.erase(it->ptr);
-      cache_locked(it->ptr, it->block);
-    }
-    pending_.erase(due, pending_.end());
-  }
-
-  void* take_cached_locked(size_t block) {
-    auto it = free_blocks_.lower_bound(block);
-    // Reuse only blocks of the same size class: avoids holding a huge block for a tiny request.
-    if (it == free_blocks_.end() || it->first != block) return nullptr;
-    void* ptr = it->second;
-    cached_ -= it->first;
-    free_blocks_.erase(it);
-    return ptr;
-  }
-
   // Returns blocks no queued work uses (cached ones) to the driver. Without
   // the lock. A cudaFree here waited for the whole device — a stream parked on
   // a host event that this thread signals later never got there: deadlock.
   // cudaFreeAsync on the allocator's own stream waits for nothing but that
   // stream, and synchronizing it hands the pool's memory back (its release
   // threshold is 0), so the budget still means memory the driver has.
-  void release_blocks(const std::vector<void*>& blocks) {
+  void release_blocks(const BlockCache::Freed& blocks) {
     if (blocks.empty()) return;
     DeviceGuard guard(device_);
-    for (void* ptr : blocks) STRATA_CUDA_CHECK(free_now(ptr));
+    for (const auto& [ptr, nbytes] : blocks) STRATA_CUDA_CHECK(free_now(ptr));
     if (alloc_stream_ != nullptr) STRATA_CUDA_CHECK(cudaStreamSynchronize(alloc_stream_));
   }
 
@@ -885,12 +808,10 @@ class CudaAccelerator final : public Accelerator {
       // The device is fuller than the budget (other processes, fragmentation):
       // return the whole cache to the driver and retry once.
       cudaGetLastError();
-      std::vector<void*> dropped;
+      BlockCache::Freed dropped;
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        for (auto& [nbytes, cached] : free_blocks_) dropped.push_back(cached);
-        free_blocks_.clear();
-        cached_ = 0;
+        dropped = blocks_->drop_cached();
       }
       release_blocks(dropped);
       result = malloc_now(&ptr, block);
@@ -910,16 +831,10 @@ class CudaAccelerator final : public Accelerator {
   // pool (never waits on a host event); nullptr without memory pools.
   cudaStream_t alloc_stream_ = nullptr;
   mutable std::mutex mutex_;
-  size_t capacity_ = 0;
-  // Allocator bookkeeping; mutable because memory_stats() observes completed frees.
-  mutable size_t in_use_ = 0;  // live blocks, pending ones included
-  mutable size_t peak_ = 0;
-  mutable size_t cached_ = 0;
-  mutable size_t pending_nbytes_ = 0;
-  mutable std::multimap<size_t, void*> free_blocks_;
-  mutable std::unordered_map<void*, size_t> live_blocks_;  // every block handed out and not yet cached
-  mutable std::vector<Pending> pending_;
-  mutable std::unordered_set<void*> pending_ptrs_;
+  // The budget, live, pending and cached blocks (core/block_cache.h); set once
+  // the device's free memory is known. mutable: memory_stats() observes
+  // completed stream-ordered frees.
+  mutable std::optional<BlockCache> blocks_;
   std::unordered_map<void*, size_t> pinned_;
 };
 
