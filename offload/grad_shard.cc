@@ -223,7 +223,7 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
   STRATA_CHECK(first + numel <= static_cast<size_t>(layout_.shard_numel()), kBadArgument,
                "gradient range [{}, {}) outside the shard ({} elements)", first, first + numel, layout_.shard_numel());
   if (memory_ != nullptr) {
-    if (accelerator_.backend() == Backend::kCpu) return memory_ + first;
+    if (accelerator_.host_addressable()) return memory_ + first;  // the host reads it in place
     ensure_window(numel);
     accelerator_.copy_async(window_, memory_ + first, numel * sizeof(float), CopyKind::kDeviceToHost, stream);
     stream.synchronize();
