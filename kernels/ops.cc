@@ -365,6 +365,25 @@ void Ops::linear_backward(ComputeContext& ctx, const MatView& dy, const MatView&
   enqueue_linear_backward(ctx, dy, x, w, dx, accumulate_dx, dw, dbias, scale);
 }
 
+void Ops::dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
+                  bool accumulate) {
+  constexpr const char* op = "dropout";
+  own(ctx, op);
+  check::matrix(op, "x", x);
+  check::matrix(op, "out", out);
+  STRATA_CHECK(x.rows == out.rows && x.cols == out.cols && x.dtype == out.dtype, kBadArgument,
+               "{}: x is {} x {} ({}), out {} x {} ({})", op, x.rows, x.cols, dtype_name(x.dtype), out.rows, out.cols,
+               dtype_name(out.dtype));
+  STRATA_CHECK(p >= 0 && p < 1, kBadArgument, "{}: p {} is not in [0, 1)", op, p);
+  STRATA_CHECK(!(accumulate && x.data == out.data), kBadArgument, "{}: accumulating into x itself", op);
+  if (x.rows == 0) return;
+  Labeled label(ctx, op, [&] {
+    const uint64_t n = static_cast<uint64_t>(x.rows * x.cols) * dtype_nbytes(x.dtype);
+    return memory((accumulate ? 3 : 2) * n, brief(x));
+  });
+  enqueue_dropout(ctx, x, out, p, seed, accumulate);
+}
+
 void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                        const Rope& rope) {
   own(ctx, "rope_forward");

@@ -168,6 +168,16 @@ class Ops {
                        const TensorView& w, const MatView& dx, bool accumulate_dx,
                        const TensorView& dw, const TensorView& dbias, float scale = 1.0f);
 
+  // ---- dropout with a mask regenerated from a seed ---------------------------------
+  // out (+= when accumulate) = x * keep / (1 - p) elementwise, keep =
+  // dropout_keep(seed, r * cols + c, p) (kernels/dropout_mask.h): the same
+  // seed gives the same mask on every backend and every call, so the backward
+  // of a dropout is this op again on the gradient (accumulate into dx), with no
+  // mask stored. x and out [rows, cols] of one dtype, may be strided, must not
+  // overlap unless they are the same view (then not accumulate). 0 <= p < 1.
+  void dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
+               bool accumulate);
+
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
   // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
@@ -284,6 +294,9 @@ class Ops {
   virtual void enqueue_linear_backward(ComputeContext& ctx, const MatView& dy, const MatView& x,
                                        const TensorView& w, const MatView& dx, bool accumulate_dx,
                                        const TensorView& dw, const TensorView& dbias, float scale) = 0;
+  // rows > 0, 0 <= p < 1.
+  virtual void enqueue_dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p,
+                               uint64_t seed, bool accumulate) = 0;
   // sign +1: the forward rotation, -1: its inverse. x is [rows, heads, head_dim].
   virtual void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                             const Rope& rope, int sign) = 0;

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "kernels/cpu/attention_blocked.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/nn_gemm.h"
 #include "kernels/cpu/vec_math.h"
@@ -352,6 +353,26 @@ class CpuOps final : public Ops {
       const float* bf = widen(c, 1, b);
       float* of = stage(c, 2, out, false);
       nn::cpu::add<float>(af, bf, a.numel(), of);
+      commit(of, out);
+    });
+  }
+
+  void enqueue_dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
+                       bool accumulate) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const F32Mat xf = widen(c, 0, x);
+      const F32Mat of = stage(c, 1, out, accumulate);
+      const float scale = 1.0f / (1.0f - p);
+      const int64_t rows = x.rows, cols = x.cols;
+#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t col = 0; col < cols; ++col) {
+          const auto index = static_cast<uint64_t>(r * cols + col);
+          const float v = dropout_keep(seed, index, p) ? xf.data[r * xf.ld + col] * scale : 0.0f;
+          float& o = of.data[r * of.ld + col];
+          o = accumulate ? o + v : v;
+        }
+      }
       commit(of, out);
     });
   }

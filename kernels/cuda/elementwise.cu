@@ -4,6 +4,7 @@
 // Math is fp32; maps move eight elements per thread with 16-byte accesses when
 // every pointer is 16-byte aligned (the allocator's tensors are).
 #include "kernels/cuda/device.h"
+#include "kernels/dropout_mask.h"
 
 namespace strata::ops::cuda {
 namespace {
@@ -113,6 +114,19 @@ __global__ void add_bias_kernel(T* y, int64_t ldy, const B* bias, int64_t rows, 
   }
 }
 
+template <typename T>
+__global__ void dropout_kernel(const T* x, int64_t ldx, T* out, int64_t ldo, int64_t rows, int64_t cols, float p,
+                               float scale, uint64_t seed, bool accumulate) {
+  const int64_t n = rows * cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    const float v = dropout_keep(seed, static_cast<uint64_t>(i), p) ? to_f(x[r * ldx + c]) * scale : 0.0f;
+    T* o = out + r * ldo + c;
+    *o = from_f<T>(accumulate ? to_f(*o) + v : v);
+  }
+}
+
 // Column sums. A block covers kColTile columns (two adjacent ones per lane,
 // so a warp reads 64 consecutive elements of a row) and one split of the rows;
 // its 8 warps take every 8th row. Partial sums combine in a fixed order.
@@ -212,6 +226,16 @@ void launch_add_bias(Storage t, void* y, int64_t ldy, Storage bias_t, const void
   STRATA_DISPATCH_2(t, T, bias_t, B,
                     add_bias_kernel<T, B><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
                         static_cast<T*>(y), ldy, static_cast<const B*>(bias), rows, cols));
+}
+
+void launch_dropout(Storage t, const void* x, int64_t ldx, void* out, int64_t ldo, int64_t rows, int64_t cols,
+                    float p, uint64_t seed, bool accumulate, cudaStream_t stream) {
+  if (rows == 0) return;
+  const float scale = 1.0f / (1.0f - p);
+  STRATA_DISPATCH_T(t, T,
+                    dropout_kernel<T><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
+                        static_cast<const T*>(x), ldx, static_cast<T*>(out), ldo, rows, cols, p, scale, seed,
+                        accumulate));
 }
 
 int64_t column_sum_splits(int64_t rows, int64_t cols) {

@@ -32,6 +32,10 @@ void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t 
                            cudaStream_t stream);
 void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
                             int64_t numel, void* dgate, void* dup, cudaStream_t stream);
+// out (+= when accumulate) = x * keep / (1 - p), keep = dropout_keep(seed,
+// r * cols + c, p) (kernels/dropout_mask.h); [rows, cols] with row strides.
+void launch_dropout(Storage t, const void* x, int64_t ldx, void* out, int64_t ldo, int64_t rows, int64_t cols,
+                    float p, uint64_t seed, bool accumulate, cudaStream_t stream);
 // y[r, c] += bias[c] for a [rows, cols] block with row stride ldy.
 void launch_add_bias(Storage t, void* y, int64_t ldy, Storage bias_t, const void* bias,
                      int64_t rows, int64_t cols, cudaStream_t stream);

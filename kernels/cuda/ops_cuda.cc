@@ -387,6 +387,20 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
+                       bool accumulate) override {
+    constexpr const char* op = "dropout";
+    CudaContext& c = context(ctx);
+    for (auto [what, v] : {std::pair{"rows", x.rows}, {"cols", x.cols}, {"x.ld", x.ld}, {"out.ld", out.ld}}) {
+      check_int(op, what, v);
+    }
+    run(c, op, [&] {
+      cuda::launch_dropout(storage(x.dtype), x.data, x.ld, out.data, out.ld, x.rows, x.cols, p, seed, accumulate,
+                           c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_rope(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                     const Rope& rope_params, int sign) override {
     const char* op = sign > 0 ? "rope_forward" : "rope_backward";

@@ -103,9 +103,9 @@ void add_finetune_command(CLI::App& app) {
                   "up_proj, down_proj, or all-linear (all seven); the default is PEFT's for these models")
       ->capture_default_str();
   cmd->add_flag("--lora-rslora", options->lora.rslora, "Rank-stabilised LoRA: s = alpha / sqrt(r)");
-  auto lora_dropout = std::make_shared<double>(0.0);
-  cmd->add_option("--lora-dropout", *lora_dropout,
-                  "Dropout on the adapters' input; only 0 (the default) is supported so far")
+  cmd->add_option("--lora-dropout", options->lora.dropout,
+                  "Dropout on the adapters' input in training (PEFT's lora_dropout; its masks follow from the seed, "
+                  "the step and the micro-batch, so a resumed run drops the same elements)")
       ->capture_default_str();
   cmd->add_flag("--merge-lora", options->merge_lora,
                 "With --export: write the merged model (each targeted W + s B A, a Hugging Face directory like "
@@ -139,16 +139,12 @@ void add_finetune_command(CLI::App& app) {
                   "per I/O worker, communicator and stream thread, spans for each step's phases, I/O requests "
                   "and collectives with bytes and GB/s. One file per rank: {rank} in FILE is replaced by the "
                   "rank, else .rank<N> goes before .json when there are several ranks");
-  on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup, lora_targets,
-                    lora_dropout] {
+  on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup, lora_targets] {
     if (cmd->count("--seed") > 0) options->seed = *seed;
     const bool lora = cmd->count("--lora-rank") > 0;
     for (const char* flag : {"--lora-alpha", "--lora-targets", "--lora-rslora", "--lora-dropout", "--merge-lora"}) {
       STRATA_CHECK(lora || cmd->count(flag) == 0, kBadArgument, "{} needs --lora-rank (LoRA adapters)", flag);
     }
-    STRATA_CHECK(*lora_dropout == 0, kBadArgument,
-                 "--lora-dropout {}: dropout on the adapters' input is not implemented yet; give 0 (no dropout)",
-                 *lora_dropout);
     if (lora) {
       options->lora.targets = nn::parse_lora_targets(*lora_targets);
       if (cmd->count("--lora-alpha") == 0) options->lora.alpha = 8;

@@ -1,6 +1,8 @@
 // Linear and TiledLinear modules over Ops::linear_forward / linear_backward.
 #include "runtime/nn/linear.h"
 
+#include <optional>
+
 #include "core/error.h"
 
 namespace strata::nn {
@@ -23,6 +25,7 @@ Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out
   if (lora != nullptr && lora->targets_module(name_)) {
     rank_ = lora->rank;
     scaling_ = static_cast<float>(lora->scaling());
+    for (char ch : name_) name_key_ = (name_key_ ^ static_cast<unsigned char>(ch)) * 0x100000001b3ull;
     reads.push_back(lora_a_ = add_parameter("lora_A.weight", DType::kF32, {rank_, in}));
     reads.push_back(lora_b_ = add_parameter("lora_B.weight", DType::kF32, {out, rank_}));
   }
@@ -37,15 +40,28 @@ std::pair<MatView, MatView> Linear::scratch(const LoraScratch& lora, int64_t row
   return {MatView::of(lora.h), MatView::of(lora.dh)};
 }
 
+std::pair<MatView, MatView> Linear::dropout_scratch(const LoraScratch& lora, int64_t rows) const {
+  STRATA_CHECK(lora.xd.data != nullptr && lora.dxd.data != nullptr && lora.xd.numel() >= rows * in_ &&
+                   lora.dxd.numel() >= rows * in_ && lora.xd.desc.dtype == lora.h.desc.dtype,
+               kBadArgument, "{}: LoRA dropout needs [rows, {}] scratch", name_, in_);
+  return {MatView{lora.xd.data, lora.xd.desc.dtype, rows, in_, in_},
+          MatView{lora.dxd.data, lora.dxd.desc.dtype, rows, in_, in_}};
+}
+
 void Linear::forward(const MatView& x, const MatView& y, Phase phase, const LoraScratch& lora) {
   check_rows(x, in_, y, out_);
   run(op_, phase, [&] {
     ops().linear_forward(ctx(), x, param(weight_), bias_ >= 0 ? param(bias_) : TensorView{}, y,
                          /*accumulate=*/false);
     if (!adapted()) return;
-    // y += s * (x A^T) B^T: two thin GEMMs, s inside the second.
+    // y += s * (dropout(x) A^T) B^T: two thin GEMMs, s inside the second.
     const MatView h = scratch(lora, x.rows).first;
-    ops().linear_forward(ctx(), x, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
+    MatView in = x;
+    if (lora.dropout > 0) {
+      in = dropout_scratch(lora, x.rows).first;
+      ops().dropout(ctx(), x, in, lora.dropout, mask_seed(lora.seed), /*accumulate=*/false);
+    }
+    ops().linear_forward(ctx(), in, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
     ops().linear_forward(ctx(), h, param(lora_b_), TensorView{}, y, /*accumulate=*/true, scaling_);
   });
 }
@@ -58,13 +74,29 @@ void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bo
                           bias_ >= 0 ? grad(bias_) : TensorView{});
     if (!adapted()) return;
     // h = x A^T again (not kept from forward); dB += s dy^T h and dh = s dy B;
-    // dA += dh^T x and dx += dh A.
+    // dA += dh^T x and dx += dh A. With dropout x is the dropped input (its
+    // mask regenerated from the seed) and dx gets dh A through the same mask.
     const auto [h, dh] = scratch(lora, x.rows);
-    ops().linear_forward(ctx(), x, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
+    MatView in = x;
+    std::optional<MatView> din;
+    if (lora.dropout > 0) {
+      const auto [xd, dxd] = dropout_scratch(lora, x.rows);
+      ops().dropout(ctx(), x, xd, lora.dropout, mask_seed(lora.seed), /*accumulate=*/false);
+      in = xd;
+      din = dxd;
+    }
+    ops().linear_forward(ctx(), in, param(lora_a_), TensorView{}, h, /*accumulate=*/false);
     ops().linear_backward(ctx(), dy, h, param(lora_b_), dh, /*accumulate_dx=*/false, grad(lora_b_),
                           TensorView{}, scaling_);
-    ops().linear_backward(ctx(), dh, x, param(lora_a_), dx, /*accumulate_dx=*/true, grad(lora_a_),
-                          TensorView{});
+    if (!din) {
+      ops().linear_backward(ctx(), dh, x, param(lora_a_), dx, /*accumulate_dx=*/true, grad(lora_a_),
+                            TensorView{});
+      return;
+    }
+    const bool want_dx = dx.data != nullptr;
+    ops().linear_backward(ctx(), dh, in, param(lora_a_), want_dx ? *din : MatView{}, /*accumulate_dx=*/false,
+                          grad(lora_a_), TensorView{});
+    if (want_dx) ops().dropout(ctx(), *din, dx, lora.dropout, mask_seed(lora.seed), /*accumulate=*/true);
   });
 }
 

@@ -55,18 +55,24 @@ class Linear : public LinearBase {
   ParamId bias() const { return bias_; }  // -1 without bias
   OpId op() const { return op_; }
   bool adapted() const { return lora_a_ >= 0; }
+  // The seed of this projection's dropout mask in a forward whose
+  // LoraScratch::seed is `forward_seed` (each projection draws its own).
+  uint64_t mask_seed(uint64_t forward_seed) const { return forward_seed ^ name_key_; }
   ParamId lora_a() const { return lora_a_; }  // -1 without an adapter
   ParamId lora_b() const { return lora_b_; }
 
  private:
   // The adapter's scratch as [rows, r] matrices (checked against its shape).
   std::pair<MatView, MatView> scratch(const LoraScratch& lora, int64_t rows) const;
+  // The dropout scratch as [rows, in] matrices; the mask seed of this projection.
+  std::pair<MatView, MatView> dropout_scratch(const LoraScratch& lora, int64_t rows) const;
 
   ParamId weight_;
   ParamId bias_ = -1;
   ParamId lora_a_ = -1, lora_b_ = -1;
   int64_t rank_ = 0;
   float scaling_ = 0;
+  uint64_t name_key_ = 0;  // mixed into the dropout seed: each projection its own mask
   OpId op_;
 };
 

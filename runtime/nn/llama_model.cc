@@ -238,6 +238,15 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   if (options_.lora.enabled()) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});
     layout.add(a->lora.dh, t, {rows, options_.lora.rank});
+    if (options_.lora.dropout > 0) {
+      // The widest input of a targeted projection.
+      int64_t in = 0;
+      for (const std::string& target : options_.lora.targets) {
+        in = std::max(in, target == "o_proj" ? heads * hd : target == "down_proj" ? inter : hidden);
+      }
+      layout.add(a->lora.xd, t, {rows * in});
+      layout.add(a->lora.dxd, t, {rows * in});
+    }
   }
   DecoderGrads& g = a->grads;
   layout.add(g.dln, t, {rows, hidden});
@@ -358,6 +367,13 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   Stream& s = engine_.compute_stream();
   upload(ids, targets, options.positions, batch, seq, options.normalizer);
   const TokenPlaces places = this->places();
+  // This forward's LoRA dropout (a recompute in backward reads the same).
+  for (DecoderActs& d : a.acts) {
+    for (LoraScratch* lora : {&d.attn.lora, &d.mlp.lora}) {
+      lora->dropout = options.backward ? static_cast<float>(options_.lora.dropout) : 0.0f;
+      lora->seed = options.dropout_seed;
+    }
+  }
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
 
   embed_tokens_->forward(a.ids, a.input(0));

@@ -116,6 +116,10 @@ struct ForwardOptions {
   // computes for each document alone. Empty: one sequence per row, positions
   // 0..seq-1.
   std::span<const int32_t> positions{};
+  // LoRA dropout (LlamaModelOptions::lora.dropout): the mask seed of this
+  // forward; give each forward its own (step, micro-batch). Only a training
+  // forward (backward = true) drops; evaluation computes without dropout.
+  uint64_t dropout_seed = 0;
 };
 
 struct LossStats {

@@ -41,6 +41,7 @@ void LoraSpec::validate() const {
   STRATA_CHECK(rank > 0, kBadArgument, "--lora-rank must be a positive whole number, got {}", rank);
   STRATA_CHECK(std::isfinite(alpha) && alpha > 0, kBadArgument,
                "--lora-alpha must be a positive number, got {}", alpha);
+  STRATA_CHECK(dropout >= 0 && dropout < 1, kBadArgument, "--lora-dropout must be in [0, 1), got {}", dropout);
   STRATA_CHECK(!targets.empty(), kBadArgument, "--lora-targets names no projection (known: {})",
                known_list());
   for (size_t i = 0; i < targets.size(); ++i) {

@@ -6,7 +6,11 @@
 // inside the second (Ops::linear_forward's scale). Backward recomputes
 // h = x A^T from the projection's saved input instead of keeping it, so an
 // adapter adds no saved activation, only two [rows, r] scratch buffers shared
-// by every adapted projection.
+// by every adapted projection. With dropout (PEFT's lora_dropout, on the
+// adapter's input only, in training forwards) the mask is a function of a
+// seed per forward and per projection (Ops::dropout), regenerated in backward,
+// and two [rows, in] scratch buffers more hold the dropped input and its
+// gradient.
 //
 // Adapter parameters are named "<projection>.lora_A.weight" and
 // "<projection>.lora_B.weight" ("model.layers.0.self_attn.q_proj.lora_A.weight"),
@@ -35,14 +39,15 @@ struct LoraSpec {
   double alpha = 0;     // lora_alpha
   bool rslora = false;  // scale alpha / sqrt(r) (rank-stabilised LoRA) instead of alpha / r
   std::vector<std::string> targets;  // projection names from kLoraProjections
+  double dropout = 0;                // lora_dropout: the probability of dropping an input element
 
   bool enabled() const { return rank > 0; }
   // s: alpha / r, or alpha / sqrt(r) with rslora.
   double scaling() const;
   // Whether the projection named `name` ("...self_attn.q_proj") carries an adapter.
   bool targets_module(std::string_view name) const;
-  // Error unless rank > 0, alpha > 0 and finite, and targets is a non-empty
-  // list of known projections without repeats.
+  // Error unless rank > 0, alpha > 0 and finite, 0 <= dropout < 1, and
+  // targets is a non-empty list of known projections without repeats.
   void validate() const;
 };
 
@@ -54,10 +59,15 @@ std::vector<std::string> parse_lora_targets(std::string_view list);
 bool is_lora_parameter(std::string_view name);
 
 // Scratch of the adapter path, shared by every adapted projection and not
-// kept between them: each is [rows, r] in the activation dtype.
+// kept between them, in the activation dtype; and this forward's dropout.
 struct LoraScratch {
-  TensorView h;   // x A^T (forward, and again in backward)
-  TensorView dh;  // the gradient at h
+  TensorView h;   // [rows, r]: x A^T (forward, and again in backward)
+  TensorView dh;  // [rows, r]: the gradient at h
+  // With dropout: [rows * in] for the largest in-features of a target: the
+  // dropped input, and the gradient at it. Empty without dropout.
+  TensorView xd, dxd;
+  float dropout = 0;  // this forward's p (0 in evaluation)
+  uint64_t seed = 0;  // this forward's mask seed (each projection mixes in its name)
 };
 
 }  // namespace strata::nn

@@ -263,8 +263,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (engine::ParamId id : adapters) trained += engine.param_info(id).numel();
     std::string targets;
     for (const std::string& t : options.lora.targets) targets += (targets.empty() ? "" : ",") + t;
-    logger().info("finetune: LoRA r={} alpha={} (scale {:.4g}{}) on {}: {} adapter tensors, {} parameters trained",
+    logger().info("finetune: LoRA r={} alpha={} (scale {:.4g}{}{}) on {}: {} adapter tensors, {} parameters trained",
                   options.lora.rank, options.lora.alpha, options.lora.scaling(), options.lora.rslora ? ", rsLoRA" : "",
+                  options.lora.dropout > 0 ? fmt::format(", dropout {}", options.lora.dropout) : std::string(),
                   targets, adapters.size(), trained);
   }
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
@@ -299,6 +300,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       checkpoint_model["lora"] = {{"r", options.lora.rank},
                                   {"alpha", options.lora.alpha},
                                   {"rslora", options.lora.rslora},
+                                  {"dropout", options.lora.dropout},
                                   {"targets", options.lora.targets}};
       checkpoint_model["base_weights"] = options.model.empty() ? nlohmann::json{{"init_seed", seed}}
                                                                : hf_weights_identity(options.model);
@@ -413,6 +415,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
       forward.positions = micro[m].positions;     // packed documents: attention within each
+      // LoRA dropout's masks: a function of the run's seed, the step and the
+      // micro-batch, so a resumed run drops what the uninterrupted one did.
+      forward.dropout_seed = seed ^ (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull) ^
+                             (static_cast<uint64_t>(m + 1) * 0xc2b2ae3d27d4eb4full);
       // Each phase twice on the timeline: on the loop's track, the host's view
       // (issuing ops, waiting for parameters); on the compute stream's, the
       // ops' (from the first to the last of them having run).

@@ -260,7 +260,7 @@ ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator
         {"r", spec.rank},
         {"lora_alpha", whole_alpha == spec.alpha ? nlohmann::json(static_cast<int64_t>(whole_alpha))
                                                  : nlohmann::json(spec.alpha)},
-        {"lora_dropout", 0.0},
+        {"lora_dropout", spec.dropout},
         {"target_modules", spec.targets},
         {"bias", "none"},
         {"use_rslora", spec.rslora},

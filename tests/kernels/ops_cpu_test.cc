@@ -17,6 +17,7 @@
 #include "kernels/ops.h"
 #include "core/accelerator.h"
 #include "core/error.h"
+#include "kernels/dropout_mask.h"
 #include "tests/kernels/optimizer_op_checks.h"
 
 using namespace strata;
@@ -269,6 +270,53 @@ AttentionMask packed_mask(int64_t batch, int64_t seq, int64_t window, std::vecto
 }
 
 }  // namespace
+
+TEST_CASE("cpu ops: dropout keeps the seeded mask, scales by 1/(1-p), accumulates, and is its own backward",
+          "[ops][cpu]") {
+  for (DType dt : kDtypes) {
+    INFO(dtype_name(dt));
+    Fixture f;
+    // x is columns [1, 1 + cols) of a [rows, cols + 3] matrix: the mask follows the logical index.
+    const int64_t rows = 64, cols = 100, ld = cols + 3;
+    const float p = 0.3f;
+    const uint64_t seed = 0x1234;
+    Vec xw = random_vec(rows * ld, 21), acc0 = random_vec(rows * cols, 22);
+    auto xv = f.tensor(xw, dt, {rows, ld});
+    auto out = f.zeros(dt, {rows, cols});
+    auto acc = f.tensor(acc0, dt, {rows, cols});
+    const MatView x = MatView::of(xv).columns(1, 1 + cols);
+    f.ops->dropout(*f.ctx, x, MatView::of(out), p, seed, false);
+    f.ops->dropout(*f.ctx, x, MatView::of(acc), p, seed, true);
+    const Vec got = f.read(out), got_acc = f.read(acc);
+    Vec want(rows * cols), want_acc(rows * cols);
+    int64_t kept = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const auto i = static_cast<size_t>(r * cols + c);
+        const bool keep = dropout_keep(seed, i, p);
+        kept += keep;
+        want[i] = keep ? xw[r * ld + 1 + c] / (1.0 - p) : 0.0;
+        want_acc[i] = acc0[i] + want[i];
+      }
+    }
+    expect_close(got, want, tol_of(dt), "dropout");
+    expect_close(got_acc, want_acc, tol_of(dt), "dropout, accumulated");
+    // The kept fraction is 1 - p to within 5 standard deviations (6400 draws).
+    const double n = rows * cols, sd = std::sqrt(n * p * (1 - p));
+    CHECK(std::abs(static_cast<double>(kept) - n * (1 - p)) < 5 * sd);
+    // Another seed, another mask.
+    auto other = f.zeros(dt, {rows, cols});
+    f.ops->dropout(*f.ctx, x, MatView::of(other), p, seed + 1, false);
+    CHECK(f.read(other) != got);
+  }
+  Fixture f;
+  Vec v = random_vec(8, 1);
+  auto t = f.tensor(v, DType::kF32, {2, 4});
+  REQUIRE_THROWS_WITH(f.ops->dropout(*f.ctx, MatView::of(t), MatView::of(t), 1.0f, 1, false),
+                      Catch::Contains("dropout: p 1 is not in [0, 1)"));
+  REQUIRE_THROWS_WITH(f.ops->dropout(*f.ctx, MatView::of(t), MatView::of(t), 0.5f, 1, true),
+                      Catch::Contains("accumulating into x itself"));
+}
 
 TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, packed documents or not, matches "
           "the reference",

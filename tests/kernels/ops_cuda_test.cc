@@ -21,6 +21,7 @@
 
 #include "kernels/cuda_peak.h"
 #include "kernels/nn_ops.h"
+#include "kernels/dropout_mask.h"
 #include "kernels/ops.h"
 #include "core/accelerator.h"
 #include "core/error.h"
@@ -251,6 +252,33 @@ TEST_CASE("cuda ops: linear on column blocks with accumulation bias and mixed we
       expect_close("linear dbias", f.read(d_db), want_db, kLinearParamGrad.of(dt));
       expect_close("linear dw (alone)", f.read(d_dw2), want_dw2, kLinearParamGrad.of(dt));
     }
+  }
+}
+
+TEST_CASE("cuda ops: dropout draws the cpu's seeded mask, scales, accumulates", "[ops][cuda]") {
+  Fixture f;
+  const int64_t rows = 70, cols = 130, ld = cols + 5;
+  const float p = 0.25f;
+  const uint64_t seed = 0xfeed;
+  for (DType dt : kDtypes) {
+    INFO(dtype_name(dt));
+    Vec x = random_vec(rows * ld, 31), acc0 = random_vec(rows * cols, 32);
+    auto d_x = f.tensor(x, dt, {rows, ld});
+    auto out = f.zeros(dt, {rows, cols});
+    auto acc = f.tensor(acc0, dt, {rows, cols});
+    const MatView xm = MatView::of(d_x).columns(2, 2 + cols);
+    f.ops->dropout(*f.ctx, xm, MatView::of(out), p, seed, false);
+    f.ops->dropout(*f.ctx, xm, MatView::of(acc), p, seed, true);
+    Vec want(rows * cols), want_acc(rows * cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const auto i = static_cast<size_t>(r * cols + c);
+        want[i] = ops::dropout_keep(seed, i, p) ? x[r * ld + 2 + c] / (1.0 - p) : 0.0;
+        want_acc[i] = acc0[i] + want[i];
+      }
+    }
+    expect_close("dropout", f.read(out), want, kDropout.of(dt));
+    expect_close("dropout accumulated", f.read(acc), want_acc, kDropout.of(dt));
   }
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/dropout_mask.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/nn/engine_rig.h"
@@ -112,6 +113,85 @@ TEST_CASE("TiledLinear equals Linear for several split factors", "[nn][tiled]") 
   }
   test::Rig rig;
   REQUIRE_THROWS_AS(TiledLinear(*rig.engine, "bad", in, out, 11, 1, false), Error);
+}
+
+TEST_CASE("a Linear's LoRA adapter with dropout computes, forward and backward, what its formulas say",
+          "[nn][lora]") {
+  const int64_t rows = 7, in = 6, out = 5, r = 2;
+  const double p = 0.4, s = 1.5;
+  LoraSpec spec{r, s * r, false, {"q_proj"}, p};
+  test::Rig rig;
+  Linear lin(*rig.engine, "l.q_proj", in, out, false, DType::kF32, &spec);
+  REQUIRE(lin.adapted());
+  rig.engine->finalize();
+  const auto w = random_floats(out * in, 11), a = random_floats(r * in, 12), b = random_floats(out * r, 13),
+             x = random_floats(rows * in, 14), dy = random_floats(rows * out, 15);
+  rig.set_param(lin.weight(), w);
+  rig.set_param(lin.lora_a(), a);
+  rig.set_param(lin.lora_b(), b);
+  Tensor xd_t = rig.upload(x, DType::kF32, {rows, in}), dy_t = rig.upload(dy, DType::kF32, {rows, out});
+  Tensor y_t = rig.zeros(DType::kF32, {rows, out}), dx_t = rig.zeros(DType::kF32, {rows, in});
+  Tensor h = rig.zeros(DType::kF32, {rows, r}), dh = rig.zeros(DType::kF32, {rows, r});
+  Tensor xs = rig.zeros(DType::kF32, {rows * in}), dxs = rig.zeros(DType::kF32, {rows * in});
+  LoraScratch scratch{h.view(), dh.view(), xs.view(), dxs.view(), static_cast<float>(p), 77};
+  auto m = [](const Tensor& t) { return MatView::of(t.view()); };
+  lin.forward(m(xd_t), m(y_t), Phase::kForward, scratch);
+  lin.backward(m(dy_t), m(xd_t), m(dx_t), false, scratch);
+  // The reference, in double, with the op's mask.
+  const uint64_t seed = lin.mask_seed(77);
+  std::vector<double> xdrop(rows * in), hh(rows * r, 0), y(rows * out, 0), dhh(rows * r, 0), dx(rows * in, 0);
+  std::vector<double> da(r * in, 0), db(out * r, 0);
+  int dropped = 0;
+  for (int64_t i = 0; i < rows * in; ++i) {
+    const bool keep = ops::dropout_keep(seed, static_cast<uint64_t>(i), static_cast<float>(p));
+    dropped += !keep;
+    xdrop[i] = keep ? x[i] / (1 - p) : 0.0;
+  }
+  CHECK(dropped > 0);
+  CHECK(dropped < rows * in);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t k = 0; k < r; ++k)
+      for (int64_t c = 0; c < in; ++c) hh[i * r + k] += xdrop[i * in + c] * a[k * in + c];
+    for (int64_t o = 0; o < out; ++o) {
+      double v = 0;
+      for (int64_t c = 0; c < in; ++c) v += x[i * in + c] * w[o * in + c];
+      for (int64_t k = 0; k < r; ++k) v += s * hh[i * r + k] * b[o * r + k];
+      y[i * out + o] = v;
+    }
+    for (int64_t k = 0; k < r; ++k)
+      for (int64_t o = 0; o < out; ++o) dhh[i * r + k] += s * dy[i * out + o] * b[o * r + k];
+    for (int64_t c = 0; c < in; ++c) {
+      double base = 0, adapter = 0;
+      for (int64_t o = 0; o < out; ++o) base += dy[i * out + o] * w[o * in + c];
+      for (int64_t k = 0; k < r; ++k) adapter += dhh[i * r + k] * a[k * in + c];
+      const bool keep = ops::dropout_keep(seed, static_cast<uint64_t>(i * in + c), static_cast<float>(p));
+      dx[i * in + c] = base + (keep ? adapter / (1 - p) : 0.0);
+    }
+  }
+  for (int64_t k = 0; k < r; ++k)
+    for (int64_t c = 0; c < in; ++c)
+      for (int64_t i = 0; i < rows; ++i) da[k * in + c] += dhh[i * r + k] * xdrop[i * in + c];
+  for (int64_t o = 0; o < out; ++o)
+    for (int64_t k = 0; k < r; ++k)
+      for (int64_t i = 0; i < rows; ++i) db[o * r + k] += s * dy[i * out + o] * hh[i * r + k];
+  auto close = [](const char* what, const std::vector<float>& got, const std::vector<double>& want) {
+    REQUIRE(got.size() == want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      INFO(what << "[" << i << "]");
+      CHECK(got[i] == Approx(want[i]).margin(1e-5));
+    }
+  };
+  close("y", rig.download(y_t.view()), y);
+  close("dx", rig.download(dx_t.view()), dx);
+  close("dA", rig.grad_values(lin.lora_a()), da);
+  close("dB", rig.grad_values(lin.lora_b()), db);
+  // Evaluation (dropout 0) computes without the mask.
+  scratch.dropout = 0;
+  lin.forward(m(xd_t), m(y_t), Phase::kForward, scratch);
+  const auto y_eval = rig.download(y_t.view());
+  double moved = 0;
+  for (size_t i = 0; i < y_eval.size(); ++i) moved = std::max(moved, std::abs(y_eval[i] - y[i]));
+  CHECK(moved > 1e-3);
 }
 
 TEST_CASE("TiledLinear fetches one tile at a time through the hooks", "[nn][tiled][hooks]") {

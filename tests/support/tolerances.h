@@ -131,6 +131,11 @@ inline constexpr OpTolRow kLinearOut{{1e-5, 1e-5}, {4 * kU16, kUlp16}, {4 * kUbf
 // fp32 (tensor-core) sums over <= 64 rows.
 inline constexpr OpTolRow kLinearParamGrad{{1e-5, 1e-5}, {2e-5, 2e-5}, {2e-5, 2e-5}};
 
+// ---- dropout ------------------------------------------------------------------
+// x / (1 - p) in fp32 and one rounding; accumulated, the fp32 sum is rounded
+// once as well (the rounding of the addend's inputs is the reference's).
+inline constexpr OpTolRow kDropout{{1e-7, 1e-6}, {kU16, kUlp16}, {kUbf, kUlpbf}};
+
 // ---- rotary embedding ---------------------------------------------------------
 // x1 c - x2 s with cos/sin from double rounded to fp32, then one rounding; the
 // difference can cancel, so the rounding is bounded by u |x| (abs).

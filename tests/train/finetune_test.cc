@@ -282,7 +282,7 @@ TEST_CASE("LoRA killed with SIGKILL at random moments and resumed: the adapter c
   strata::test::TempDir dir;
   small_model(dir);
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
-  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear";
+  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear --lora-dropout 0.1";
   constexpr int kSteps = 30;
   const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + lora + " 2>&1");
   INFO(reference.output);

@@ -212,7 +212,7 @@ TEST_CASE("LoRA: a resumed run is bit-identical, and resuming on another base, w
   const std::string base = base_model(dir), data = tokens(dir);
   const std::string common = strata_binary() + " finetune --model " + base + " --data " + data +
                              " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear " +
-                             "--lr 0.01 --save-every 2";
+                             "--lora-dropout 0.2 --lr 0.01 --save-every 2";
   const auto whole = run_command(common + " --steps 6 --out " + dir.file("w") + " --save " + dir.file("ck_whole") +
                                  " --export " + dir.file("whole") + " 2>&1");
   INFO(whole.output);
@@ -226,6 +226,15 @@ TEST_CASE("LoRA: a resumed run is bit-identical, and resuming on another base, w
   REQUIRE(rest.exit_code == 0);
   CHECK(file_bytes(dir.file("resumed") + "/adapter_model.safetensors") ==
         file_bytes(dir.file("whole") + "/adapter_model.safetensors"));
+  CHECK(read_json(dir.file("whole") + "/adapter_config.json")["lora_dropout"] == 0.2);
+  // Dropout changes the training: the same run without it ends elsewhere.
+  const auto plain = run_command(strata_binary() + " finetune --model " + base + " --data " + data +
+                                 " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear "
+                                 "--lr 0.01 --steps 6 --out " + dir.file("p") + " --export " + dir.file("plain") +
+                                 " 2>&1");
+  REQUIRE(plain.exit_code == 0);
+  CHECK(file_bytes(dir.file("plain") + "/adapter_model.safetensors") !=
+        file_bytes(dir.file("whole") + "/adapter_model.safetensors"));
 
   // Other LoRA flags, another base (one byte of the weights changed).
   auto refused = [&](const std::string& args, const std::string& expect) {
@@ -235,7 +244,8 @@ TEST_CASE("LoRA: a resumed run is bit-identical, and resuming on another base, w
     CHECK_THAT(r.output, Catch::Contains(expect));
   };
   refused(strata_binary() + " finetune --model " + base + " --data " + data +
-              " --data-format u16 --seq 8 --lora-rank 4 --lora-rslora --lora-targets all-linear --steps 8 --out " +
+              " --data-format u16 --seq 8 --lora-rank 4 --lora-rslora --lora-targets all-linear --lora-dropout 0.2 "
+              "--steps 8 --out " +
               dir.file("x") + " --save " + dir.file("ck") + " --resume",
           "lora.r is 2 in the checkpoint, 4 in this run");
   const std::string other = dir.file("other");
@@ -246,7 +256,8 @@ TEST_CASE("LoRA: a resumed run is bit-identical, and resuming on another base, w
     f.put('\x11');
   }
   refused(strata_binary() + " finetune --model " + other + " --data " + data +
-              " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear --steps 8 --out " +
+              " --data-format u16 --seq 8 --lora-rank 2 --lora-rslora --lora-targets all-linear --lora-dropout 0.2 "
+              "--steps 8 --out " +
               dir.file("y") + " --save " + dir.file("ck") + " --resume",
           "base_weights");
   refused(strata_binary() + " export " + dir.file("ck") + " " + dir.file("z"), "a checkpoint of a LoRA run");
@@ -264,7 +275,7 @@ TEST_CASE("LoRA: bad flags and a model directory holding an adapter are refused 
   };
   const std::string fixture = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
   const std::vector<Case> cases = {
-      {"--lora-rank 4 --lora-dropout 0.1", "--lora-dropout 0.1: dropout on the adapters' input is not implemented"},
+      {"--lora-rank 4 --lora-dropout 1", "--lora-dropout must be in [0, 1), got 1"},
       {"--lora-rank 4 --lora-targets q_proj,lm_head", "--lora-targets: 'lm_head' is not a projection"},
       {"--lora-rank 4 --lora-targets q_proj,,v_proj", "has an empty name"},
       {"--lora-rank 4 --lora-targets q_proj,q_proj", "names 'q_proj' twice"},
