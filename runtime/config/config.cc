@@ -354,7 +354,7 @@ Config build(const json& e) {
 // Combinations that are individually valid but inconsistent together: every
 // cross-key rule, in one place, so that `strata config check` says valid
 // exactly when finetune, strata-train, the C API and `strata plan` accept.
-void check_combinations(const Config& c, Checker& checker) {
+void check_combinations(const Config& c, Checker& checker, bool frozen_parameters) {
   const auto& op = c.zero.offload_param;
   const auto& oo = c.zero.offload_optimizer;
   if (op.device != OffloadDevice::kNone && c.zero.stage != 3) {
@@ -373,11 +373,12 @@ void check_combinations(const Config& c, Checker& checker) {
         "zero_optimization.stage is 0 (no partitioning, DeepSpeed's default): strata partitions at least the "
         "optimizer state; use 1 (the same step as plain data parallelism), 2 or 3");
   }
-  if (op.device != OffloadDevice::kNone && oo.device == OffloadDevice::kNone) {
+  if (op.device != OffloadDevice::kNone && oo.device == OffloadDevice::kNone && !frozen_parameters) {
     checker.problem(
         "zero_optimization.offload_param.device is \"{}\" but offload_optimizer.device is \"none\": the "
         "optimizer state (12 bytes per parameter) would stay on the accelerator to spare the parameters' 2; "
-        "offload the optimizer too (offload_optimizer.device \"cpu\" or \"nvme\")",
+        "offload the optimizer too (offload_optimizer.device \"cpu\" or \"nvme\"), or freeze the parameters "
+        "to offload (a LoRA run, or finetune --freeze: the trained ones then stay on the accelerator)",
         offload_device_name(op.device));
   }
   if (op.device == OffloadDevice::kNvme && oo.device == OffloadDevice::kNvme && op.nvme_path != oo.nvme_path) {
@@ -456,7 +457,8 @@ std::string_view offload_device_name(OffloadDevice device) {
 
 namespace {
 // parse_config with problems already found in the text (duplicate keys).
-Config check_document(const json& document, std::string_view source, const std::vector<std::string>& text_problems) {
+Config check_document(const json& document, std::string_view source, const std::vector<std::string>& text_problems,
+                      bool frozen_parameters = false) {
   Checker checker{std::string(source)};
   for (const auto& p : text_problems) checker.problem("{}", p);
   if (!document.is_object()) {
@@ -467,7 +469,7 @@ Config check_document(const json& document, std::string_view source, const std::
   if (!checker.problems().empty()) throw ConfigError(std::string(source), checker.listed_problems());
   Config config = build(checker.effective());
   config.no_effect_keys = checker.no_effect();
-  check_combinations(config, checker);
+  check_combinations(config, checker, frozen_parameters);
   if (checker.problems().empty()) {
     // The engine's own limits, through the same mapping every user of a
     // config runs (engine_options.h): valid here means accepted there.
@@ -488,7 +490,8 @@ Config check_document(const json& document, std::string_view source, const std::
 
 Config parse_config(const json& document, std::string_view source) { return check_document(document, source, {}); }
 
-Config parse_config_text(std::string_view text, std::string_view source, const DocumentFilter& filter) {
+Config parse_config_text(std::string_view text, std::string_view source, const DocumentFilter& filter,
+                         bool frozen_parameters) {
   JsonTextResult parsed = parse_json_text(text);
   if (!parsed.ok) throw ConfigError(std::string(source), {parsed.error});
   std::vector<std::string> duplicates;
@@ -499,11 +502,13 @@ Config parse_config_text(std::string_view text, std::string_view source, const D
     duplicates.push_back(fmt::format("... and {} more keys given more than once",
                                      parsed.duplicate_key_count - parsed.duplicate_keys.size()));
   }
-  if (filter && duplicates.empty()) return check_document(filter(std::move(parsed.document)), source, duplicates);
-  return check_document(parsed.document, source, duplicates);
+  if (filter && duplicates.empty()) {
+    return check_document(filter(std::move(parsed.document)), source, duplicates, frozen_parameters);
+  }
+  return check_document(parsed.document, source, duplicates, frozen_parameters);
 }
 
-Config load_config_file(const std::string& path, const DocumentFilter& filter) {
+Config load_config_file(const std::string& path, const DocumentFilter& filter, bool frozen_parameters) {
   const std::string what = fmt::format("cannot read config file {}", path);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) raise_errno(errno, what);
@@ -533,7 +538,7 @@ Config load_config_file(const std::string& path, const DocumentFilter& filter) {
     }
   }
   ::close(fd);
-  return parse_config_text(text, path, filter);
+  return parse_config_text(text, path, filter, frozen_parameters);
 }
 
 Config default_config() { return parse_config(json::object(), "defaults"); }

@@ -137,12 +137,16 @@ class ConfigError : public Error {
 // `filter`: applied to the parsed document before it is checked (finetune's
 // "auto" values, runtime/config/trainer_flags.h).
 using DocumentFilter = std::function<nlohmann::json(nlohmann::json)>;
-Config load_config_file(const std::string& path, const DocumentFilter& filter = {});
+// `frozen_parameters`: the run freezes parameters (LoRA, --freeze), so
+// offload_param without offload_optimizer is a placement it can take (the
+// trainable parameters stay on the accelerator with their optimizer; only the
+// frozen ones are offloaded), and is not refused.
+Config load_config_file(const std::string& path, const DocumentFilter& filter = {}, bool frozen_parameters = false);
 // Checks a parsed document; `source` names it in messages.
 Config parse_config(const nlohmann::json& document, std::string_view source = "config");
 // Parses JSON text; syntax errors become ConfigError with line:column.
 Config parse_config_text(std::string_view text, std::string_view source = "config",
-                         const DocumentFilter& filter = {});
+                         const DocumentFilter& filter = {}, bool frozen_parameters = false);
 // The configuration with every default (what an empty file gives).
 Config default_config();
 

@@ -106,6 +106,20 @@ void ZeroEngine::on_finalize() {
   if (options_.any_nvme()) {
     aio_ = std::make_unique<nvme::AioHandle>(options_.aio, options_.io_backend ? options_.io_backend() : nullptr);
   }
+  // The optimizer on the accelerator reads the gradient shard and writes the
+  // parameter home in accelerator memory, so a trained group's home is there
+  // (trained_param_tier); offload_param then moves only frozen groups, and a
+  // model with none would offload nothing while keeping 12 bytes of optimizer
+  // state per element on the accelerator to spare 2 to 4.
+  if (options_.optimizer_tier == Tier::kDevice && options_.param_tier != Tier::kDevice) {
+    const bool any_frozen = std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->frozen; });
+    STRATA_CHECK(any_frozen, kBadArgument,
+                 "offload_optimizer.device none keeps the optimizer state on the accelerator, which needs the "
+                 "trained parameters there too, but offload_param.device is {} and no parameter is frozen: offload "
+                 "the optimizer as well (offload_optimizer.device cpu or nvme), keep the parameters "
+                 "(offload_param.device none), or freeze those to offload (LoRA, finetune --freeze)",
+                 tier_name(options_.param_tier));
+  }
   for (auto& g : groups_) create_group(*g);
 
   if (options_.stage == 3) {
@@ -181,7 +195,7 @@ void ZeroEngine::create_group(Group& g) {
   // The home is read and written in sub-group chunks (the optimizer) and
   // whole slices (for_each_owned_range).
   offload::ParamHomeOptions home;
-  home.tier = options_.param_tier;
+  home.tier = g.frozen ? options_.param_tier : trained_param_tier();
   home.dtype = g.dtype;
   home.numel = static_cast<size_t>(g.layout->shard_numel());
   home.chunk_numel = offload::sub_group_stride(*g.layout, g.dtype, options_.sub_group_numel);

@@ -218,6 +218,12 @@ class ZeroEngine final : public Engine {
   void on_finalize() override;
   void on_grad_ready(ParamId id, Event& ready) override;
   void create_group(Group& g);      // finalize: layout, home, gradient shard, reducer
+  // Where a trained group's parameters live: offload_param's tier, except
+  // with the optimizer on the accelerator, which updates them there (then
+  // offload_param moves the frozen groups only).
+  Tier trained_param_tier() const {
+    return options_.optimizer_tier == Tier::kDevice ? Tier::kDevice : options_.param_tier;
+  }
   void sync_full_params();          // stages 1/2: allgather every group into the full copies
   void refresh_copies();            // the homes changed: copies are stale (re-gathered when next needed)
   void check_not_prepared(const char* what) const;

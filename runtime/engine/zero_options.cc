@@ -17,14 +17,6 @@ void ZeroEngineOptions::validate() const {
                "offload_param.device {} needs zero_optimization.stage 3 (got stage {}): only stage 3 partitions "
                "the parameters",
                tier_name(param_tier), stage);
-  // The optimizer on the accelerator reads the gradient shard and writes the
-  // parameter home in accelerator memory; with either offloaded, its 12 bytes
-  // per element of state would stay on the accelerator to spare 2 to 4.
-  STRATA_CHECK(optimizer_tier != Tier::kDevice || param_tier == Tier::kDevice, kBadArgument,
-               "offload_optimizer.device none keeps the optimizer state on the accelerator, which needs the "
-               "parameters there too, but offload_param.device is {}: offload the optimizer as well "
-               "(offload_optimizer.device cpu or nvme) or keep the parameters (offload_param.device none)",
-               tier_name(param_tier));
   STRATA_CHECK(optimizer_tier != Tier::kDevice || grad_tier == Tier::kDevice, kBadArgument,
                "the optimizer on the accelerator reads the gradient shard there: grad tier {} is not device",
                tier_name(grad_tier));

@@ -116,8 +116,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   flags.hidden_size = model_config.hidden_size;
   flags.override_values = options.config.empty();
   const DocumentFilter fill = [&](nlohmann::json doc) { return apply_trainer_flags(std::move(doc), flags, source); };
-  const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source, fill)
-                                               : load_config_file(options.config.string(), fill);
+  // A run that freezes parameters may offload them alone (config.h).
+  const bool frozen = options.lora.enabled() || !options.freeze.empty();
+  const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source, fill, frozen)
+                                               : load_config_file(options.config.string(), fill, frozen);
   STRATA_CHECK(!config.tensorboard.enabled || tensorboard_available(), kBadArgument,
                "{}: tensorboard.enabled is true, but this strata was built without protobuf (Debian: libprotobuf-dev "
                "protobuf-compiler, then rebuild); use csv_monitor (the same values as CSV) or metrics.jsonl",

@@ -129,6 +129,28 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
   INFO(merged_run.output);
   REQUIRE(merged_run.exit_code == 0);
 
+  // The base alone on NVMe, the optimizer on the accelerator (offload_optimizer
+  // absent): the adapters stay resident with their optimizer state, the same
+  // update bit for bit. Without LoRA the same config is refused.
+  const std::string resident = write_file(dir, "ds_resident.json", R"({
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string resident_args = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
+                                    resident + " --model " + base + " --data " + data +
+                                    " --data-format u16 --seq 8 --steps 5 --out " + dir.file("r");
+  const auto resident_run = run_command(resident_args + " --lora-rank 4 --lora-alpha 8 --lora-targets " + kTargets +
+                                        " --export " + dir.file("adapter_resident") + " 2>&1");
+  INFO(resident_run.output);
+  REQUIRE(resident_run.exit_code == 0);
+  CHECK_THAT(resident_run.output, Catch::Contains("params on nvme, optimizer state on device"));
+  CHECK(file_bytes(dir.file("adapter_resident") + "/adapter_model.safetensors") ==
+        file_bytes(dir.file("adapter") + "/adapter_model.safetensors"));
+  const auto full = run_command(resident_args + " 2>&1");
+  CHECK(full.exit_code != 0);
+  CHECK_THAT(full.output, Catch::Contains("or freeze the parameters to offload"));
+
   // PEFT's files: the config PEFT's LoraConfig reads, fp32 tensors under its names.
   const json adapter = read_json(dir.file("adapter") + "/adapter_config.json");
   CHECK(adapter["peft_type"] == "LORA");
