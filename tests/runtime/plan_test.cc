@@ -560,7 +560,8 @@ TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
   for (const char* flag :
        {"--model", "--params", "--layers", "--hidden", "--seq", "--batch", "--config", "--gpus",
         "--gpu-mem", "--host-mem", "--nvme-path", "--nvme-capacity", "--dp", "--bw-gpu-cpu",
-        "--bw-nvme", "--peak-tflops", "--target-efficiency", "--json"}) {
+        "--bw-nvme", "--peak-tflops", "--target-efficiency", "--json", "--lora-rank",
+        "--lora-targets"}) {
     CHECK_THAT(result.output, Catch::Contains(flag));
   }
   CHECK_THAT(run_command(strata_binary() + " --help").output, Catch::Contains("plan"));
