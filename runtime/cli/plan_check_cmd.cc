@@ -2,6 +2,7 @@
 // finetune` run used (its run.json, or flags) set beside what that run
 // measured (runtime/plan/plan_check.h).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +19,7 @@
 #include "runtime/config/json_text.h"
 #include "core/error.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan_check.h"
 #include "runtime/plan/runtime_memory.h"
@@ -36,6 +38,8 @@ struct RunSetup {
   int64_t seq = train::FinetuneOptions{}.seq;
   int64_t world_size = 1;
   bool checkpoint_activations = false;
+  // finetune's LoRA flags as given (empty: not a LoRA run), parsed as finetune parses them.
+  std::string lora_rank, lora_targets = "q_proj,v_proj";
   std::filesystem::path cwd;
   std::optional<uint64_t> resident_at_start;   // run.json: rank 0's VmRSS before its first step
   // run.json: the configurations as the run read them (null: older runs, or
@@ -82,6 +86,11 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.sources["seq"] = source;
     } else if (flag == "--checkpoint-activations") {
       s.checkpoint_activations = true;
+    } else if (flag == "--lora-rank") {
+      s.lora_rank = take();
+      s.sources["lora"] = source;
+    } else if (flag == "--lora-targets") {
+      s.lora_targets = take();
     }
   }
   if (!record.ds_config.is_null()) {
@@ -224,6 +233,12 @@ int run_plan_check(const PlanOptions& o) {
   in.cpu_checkpointing = config.cpu_checkpointing;
   in.world_size = static_cast<int>(s.world_size);
   in.zero = train::zero_engine_options(config, config_source);
+  if (!s.lora_rank.empty()) {
+    // The frozen base and the adapters' groups; alpha (the scale) sizes nothing.
+    in.lora.rank = parse_integer(s.sources["lora"] + ": --lora-rank", s.lora_rank, 1);
+    in.lora.alpha = 8;
+    in.lora.targets = nn::parse_lora_targets(s.lora_targets);
+  }
   // Relative swap paths are relative to the run's working directory.
   if (!in.zero.nvme_path.empty() && in.zero.nvme_path.is_relative() && !s.cwd.empty())
     in.zero.nvme_path = s.cwd / in.zero.nvme_path;
@@ -290,6 +305,8 @@ int run_plan_check(const PlanOptions& o) {
                   {"world_size", s.world_size},
                   {"checkpoint_activations", in.checkpoint_activations},
                   {"sources", s.sources}};
+    if (in.lora.enabled())
+      out["run"]["lora"] = {{"rank", in.lora.rank}, {"targets", in.lora.targets}};
     out["items"] = items;
     out["process_baseline"] = {{"bytes", static_cast<uint64_t>(std::llround(baseline))},
                                {"from", baseline_from},
@@ -300,14 +317,18 @@ int run_plan_check(const PlanOptions& o) {
         "Run       {} ({} steps)\n"
         "          config {} ({}), model {} ({})\n"
         "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
-        "checkpointing {}\n\n"
+        "checkpointing {}{}\n\n"
         "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
         metrics.string(), measured.steps, config_name, s.sources["config"], s.model.string(),
         s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
         dtype_name(in.param_dtype),
         in.checkpoint_activations
             ? (in.cpu_checkpointing ? "on, checkpoints in pinned host memory" : "on")
-            : "off");
+            : "off",
+        in.lora.enabled() ? fmt::format("\n          LoRA rank {} on {} ({}): the base frozen",
+                                        in.lora.rank, fmt::join(in.lora.targets, ","),
+                                        s.sources["lora"])
+                          : std::string());
     for (const plan::MemoryItem& item : memory.items) {
       text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
                           plan::where_name(item.where), item.during_steps ? "steps" : "setup",

@@ -20,6 +20,8 @@ struct PlanOptions {
   std::string gpus, nodes, dp, gpu_mem, host_mem, nvme_path, nvme_capacity;
   std::string bw_gpu_cpu, bw_nvme, bw_nvme_write, bw_host_mem, bw_interconnect, peak_tflops;
   std::string target_efficiency;
+  // LoRA (`strata finetune --lora-rank`): empty when not given.
+  std::string lora_rank, lora_targets;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.

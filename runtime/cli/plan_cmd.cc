@@ -25,6 +25,7 @@
 #include "runtime/config/size.h"
 #include "core/error.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"
 #include "runtime/plan/plan_report.h"
@@ -158,6 +159,7 @@ struct Resolved {
   plan::PlanInputs inputs;
   std::map<std::string, std::string> sources;
   std::string model_source;
+  std::optional<nn::LlamaConfig> config;  // with --model
   std::vector<std::string> hints;  // what flag would make the plan more exact
 };
 
@@ -176,7 +178,7 @@ void resolve_model(const Options& o, Resolved& r) {
     if (!std::filesystem::exists(path))
       raise(ErrorCategory::kBadArgument, "--model: {} does not exist{}", path.string(),
             std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
-    const nn::LlamaConfig config = nn::load_llama_config(path.string());
+    const nn::LlamaConfig& config = r.config.emplace(nn::load_llama_config(path.string()));
     m.param_count = config.parameter_count();
     m.layers = config.num_hidden_layers;
     m.hidden = config.hidden_size;
@@ -215,6 +217,69 @@ void resolve_model(const Options& o, Resolved& r) {
     m.param_count = static_cast<int64_t>(count);
     r.model_source = m.vocab > 0 ? "12*layers*hidden^2 + 2*vocab*hidden" : "12*layers*hidden^2";
   }
+}
+
+// --lora-rank and --lora-targets, parsed and checked as finetune does, and
+// the adapters' exact parameter count: r·(in + out) for every targeted
+// projection of every layer, from the model's own tensor list with --model,
+// else from --layers, --hidden and --intermediate.
+void resolve_lora(const Options& o, Resolved& r) {
+  if (o.lora_rank.empty()) {
+    if (!o.lora_targets.empty())
+      raise(ErrorCategory::kBadArgument, "--lora-targets needs --lora-rank (LoRA adapters)");
+    return;
+  }
+  nn::LoraSpec spec;
+  spec.rank = parse_integer("--lora-rank", o.lora_rank, 1);
+  spec.alpha = 8;  // PEFT's default; the scale changes no size
+  spec.targets = nn::parse_lora_targets(o.lora_targets.empty() ? "q_proj,v_proj" : o.lora_targets);
+  spec.validate();
+  plan::LoraShape lora;
+  lora.rank = spec.rank;
+  lora.targets = spec.targets;
+  double count = 0;
+  if (r.config) {
+    for (const nn::HfTensor& t : nn::hf_tensors(*r.config)) {
+      constexpr std::string_view kWeight = ".weight";
+      const std::string_view name = t.name;
+      if (name.size() <= kWeight.size() || name.substr(name.size() - kWeight.size()) != kWeight)
+        continue;
+      if (!spec.targets_module(name.substr(0, name.size() - kWeight.size()))) continue;
+      // A projection's weight is [out, in].
+      count += static_cast<double>(spec.rank) * static_cast<double>(t.shape[0] + t.shape[1]);
+    }
+  } else {
+    const plan::ModelShape& m = r.inputs.model;
+    if (!m.shape_known())
+      raise(ErrorCategory::kBadArgument,
+            "--lora-rank needs the projections' shapes: give --model (a Hugging Face config.json or "
+            "its directory), or --layers and --hidden (and --intermediate for MLP targets); "
+            "--params alone does not say them");
+    const double h = static_cast<double>(m.hidden);
+    for (const std::string& target : spec.targets) {
+      const bool mlp = target == "gate_proj" || target == "up_proj" || target == "down_proj";
+      if (mlp && m.intermediate == 0)
+        raise(ErrorCategory::kBadArgument,
+              "--lora-targets {}: the MLP's width is unknown: give --intermediate (or --model)",
+              target);
+      // Attention projections are hidden x hidden (every head its own k and
+      // v: without --model the key/value heads are not known); the MLP's
+      // hidden x intermediate.
+      const double in_out = mlp ? h + static_cast<double>(m.intermediate) : 2 * h;
+      count += static_cast<double>(m.layers) * static_cast<double>(spec.rank) * in_out;
+    }
+    const bool kv = std::find(spec.targets.begin(), spec.targets.end(), "k_proj") != spec.targets.end() ||
+                    std::find(spec.targets.begin(), spec.targets.end(), "v_proj") != spec.targets.end();
+    if (kv)
+      r.hints.push_back(
+          "LoRA: k_proj and v_proj taken as hidden x hidden (no grouped-query attention); give "
+          "--model for the exact adapter count of a GQA model");
+  }
+  if (count > 0x1p62)
+    raise(ErrorCategory::kBadArgument, "--lora-rank {} gives {:.3g} adapter parameters, beyond 2^62",
+          spec.rank, count);
+  lora.adapter_count = static_cast<int64_t>(count);
+  r.inputs.lora = std::move(lora);
 }
 
 void resolve_training(const Options& o, const std::optional<Config>& config, Resolved& r) {
@@ -430,6 +495,8 @@ void check_flag_combination(const Options& o) {
       {"--bw-interconnect", !o.bw_interconnect.empty()},
       {"--peak-tflops", !o.peak_tflops.empty()},
       {"--target-efficiency", !o.target_efficiency.empty()},
+      {"--lora-rank", !o.lora_rank.empty()},
+      {"--lora-targets", !o.lora_targets.empty()},
       {"--units", o.units != "GB"}};
   const std::vector<std::pair<const char*, bool>> check_only = {
       {"--tolerance", o.tolerance != "15%"},
@@ -455,6 +522,7 @@ int run_plan(const Options& o) {
   if (!o.config.empty()) config = load_config_file(o.config);
   Resolved r;
   resolve_model(o, r);
+  resolve_lora(o, r);
   resolve_training(o, config, r);
   resolve_machine(o, config, r);
   plan::Plan result = plan::make_plan(r.inputs);
@@ -560,6 +628,15 @@ void add_plan_command(CLI::App& app) {
        "Efficiency the bandwidth needs are computed for (default 0.9; "
        "or 90%)")
       ->type_name("FRAC");
+  text("--lora-rank", o->lora_rank,
+       "Plan LoRA fine-tuning (`strata finetune --lora-rank`): adapters of rank r on a frozen "
+       "base, which keeps its 16-bit weights only; the adapters train in fp32 (20 B/param). "
+       "Needs the projections' shapes: --model, or --layers and --hidden")
+      ->type_name("R");
+  text("--lora-targets", o->lora_targets,
+       "With --lora-rank: the projections adapted, comma-separated (q_proj,k_proj,v_proj,o_proj,"
+       "gate_proj,up_proj,down_proj) or all-linear (default q_proj,v_proj, PEFT's)")
+      ->type_name("LIST");
   cmd->add_option("--units", o->units, "Units of the table: GB (1e9, default) or GiB (2^30)")
       ->check(CLI::IsMember({"GB", "GiB"}));
   cmd->add_flag("--json", o->json, "Print the plan as JSON (bytes, bytes/s, fractions)");

@@ -54,6 +54,10 @@ void validate(const PlanInputs& in) {
   check_count(t.param_buffer_count, 1, "offload_param.buffer_count");
   check_count(t.param_buffer_numel, 1, "offload_param.buffer_size");
   check_count(t.optimizer_buffer_count, 1, "offload_optimizer.buffer_count");
+  if (in.lora) {
+    check_count(in.lora->rank, 1, "the LoRA rank");
+    check_count(in.lora->adapter_count, 1, "the LoRA adapters' parameter count");
+  }
   const Machine& hw = in.machine;
   check_count(hw.gpus_per_node, 1, "GPUs per node");
   check_count(hw.nodes, 1, "nodes");
@@ -73,6 +77,34 @@ void validate(const PlanInputs& in) {
   STRATA_CHECK(in.target_efficiency > 0 && in.target_efficiency < 1, kBadArgument,
                "plan: the target efficiency is {}; it must lie strictly between 0 and 1",
                in.target_efficiency);
+}
+
+// The parameters as the memory and traffic formulas see them: those that
+// train (every one, or LoRA's adapters) with their bytes per parameter, and
+// those frozen (LoRA's base), which hold their 16-bit weights only.
+struct ParamClasses {
+  double trained = 0, frozen = 0;  // counts
+  double trained_param = kParam16Bytes, trained_grad = kGrad16Bytes;
+  double frozen_param = kParam16Bytes;
+  double all() const { return trained + frozen; }
+  // Weight bytes of `trained` and `frozen` parameters (a rank's shard, or all).
+  double weights(double trained_numel, double frozen_numel) const {
+    return frozen_param * frozen_numel + trained_param * trained_numel;
+  }
+};
+
+ParamClasses param_classes(const PlanInputs& in) {
+  ParamClasses c;
+  const double psi = static_cast<double>(in.model.param_count);
+  if (!in.lora) {
+    c.trained = psi;
+    return c;
+  }
+  c.frozen = psi;
+  c.trained = static_cast<double>(in.lora->adapter_count);
+  c.trained_param = kAdapterParamBytes;
+  c.trained_grad = kAdapterGradBytes;
+  return c;
 }
 
 double gb(double nbytes) {
@@ -95,7 +127,7 @@ Fit fit_of(double need, std::optional<double> capacity) {
 // one sub-group's fp32 master and both moments (OptimizerSwapper::record_nbytes).
 double optimizer_staging_nbytes(const Plan& plan) {
   const TrainingShape& t = plan.inputs.training;
-  const double shard = static_cast<double>(plan.inputs.model.param_count) /
+  const double shard = param_classes(plan.inputs).trained /
                        static_cast<double>(plan.inputs.machine.data_parallel);
   return kOptimizerBytes * static_cast<double>(t.optimizer_buffer_count) *
          std::min<double>(static_cast<double>(t.sub_group_numel), shard);
@@ -106,28 +138,33 @@ void fill_memory(const Plan& plan, PlacementPlan& pp) {
   const PlanInputs& in = plan.inputs;
   const TrainingShape& t = in.training;
   const Placement& p = pp.placement;
-  const double psi = static_cast<double>(in.model.param_count);
-  const double shard = psi / static_cast<double>(in.machine.data_parallel);
+  const ParamClasses c = param_classes(in);
+  const double n = static_cast<double>(in.machine.data_parallel);
+  const double psi = c.all(), shard = psi / n;
+  const double trained = c.trained, trained_shard = trained / n, frozen_shard = c.frozen / n;
   auto at = [](Tier tier, double nbytes) {
     TierBytes b;
     (tier == Tier::kGpu ? b.gpu : tier == Tier::kCpu ? b.cpu : b.nvme) = nbytes;
     return b;
   };
-  // Stage 3 partitions the 16-bit parameters; below it every rank holds all of them.
-  pp.param16 =
-      p.stage == 3 ? at(p.params, kParam16Bytes * shard) : at(Tier::kGpu, kParam16Bytes * psi);
+  // Stage 3 partitions the 16-bit parameters (frozen ones too: they are
+  // groups of their own, partitioned and offloaded like any other); below it
+  // every rank holds all of them.
+  pp.param16 = p.stage == 3 ? at(p.params, c.weights(trained_shard, frozen_shard))
+                            : at(Tier::kGpu, c.weights(trained, c.frozen));
+  // Only trained parameters have gradients and optimizer state.
   // Stage 2 partitions gradients. With the optimizer offloaded each reduced
   // shard leaves the GPU at once (only the reduce bucket stays, under buffers).
   if (p.stage < 2) {
-    pp.grad16 = at(Tier::kGpu, kGrad16Bytes * psi);
+    pp.grad16 = at(Tier::kGpu, c.trained_grad * trained);
   } else if (p.optimizer == Tier::kGpu) {
-    pp.grad16 = at(Tier::kGpu, kGrad16Bytes * shard);
+    pp.grad16 = at(Tier::kGpu, c.trained_grad * trained_shard);
   }
   // Stage 1 partitions optimizer state. ZeRO's K = 12 covers the fp32 copy of
   // the gradient on the GPU; an offloaded optimizer keeps its own fp32 gradient
   // shard beside its state (ZeRO-Infinity's 20 bytes per parameter).
-  pp.optimizer = at(p.optimizer, kOptimizerBytes * (p.stage == 0 ? psi : shard));
-  if (p.optimizer != Tier::kGpu) pp.grad32 = at(p.optimizer, kGrad32Bytes * shard);
+  pp.optimizer = at(p.optimizer, kOptimizerBytes * (p.stage == 0 ? trained : trained_shard));
+  if (p.optimizer != Tier::kGpu) pp.grad32 = at(p.optimizer, kGrad32Bytes * trained_shard);
 
   const auto& acts =
       t.activation_checkpointing ? plan.activations_checkpointed : plan.activations_full;
@@ -144,7 +181,7 @@ void fill_memory(const Plan& plan, PlacementPlan& pp) {
         kParam16Bytes * std::min<double>(static_cast<double>(t.prefetch_bucket_numel), psi);
   if (p.stage >= 2 || p.optimizer != Tier::kGpu) {
     pp.buffers.gpu +=
-        kGrad16Bytes * std::min<double>(static_cast<double>(t.reduce_bucket_numel), psi);
+        c.trained_grad * std::min<double>(static_cast<double>(t.reduce_bucket_numel), trained);
   }
   if (p.stage == 3 && p.params == Tier::kNvme) {
     pp.buffers.cpu += kParam16Bytes * static_cast<double>(t.param_buffer_count) *
@@ -226,9 +263,9 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
   const Machine& hw = in.machine;
   const TrainingShape& t = in.training;
   const Placement& p = pp.placement;
-  const double psi = static_cast<double>(in.model.param_count);
+  const ParamClasses c = param_classes(in);
   const double n = static_cast<double>(hw.data_parallel);
-  const double shard = psi / n;
+  const double trained_shard = c.trained / n, frozen_shard = c.frozen / n;
   const double micro_steps = static_cast<double>(t.grad_accumulation);
   const double loads = parameter_loads(t);
   const double ranks = static_cast<double>(hw.gpus_per_node);
@@ -238,18 +275,19 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
   // Parameters and gradients. Bandwidth-centric partitioning: each rank moves
   // only its 1/N_d shard over its own link; the allgather does the rest.
   double pcie = 0, nvme_read = 0, nvme_write = 0;
-  if (p.stage == 3 && p.params != Tier::kGpu) pcie += micro_steps * loads * kParam16Bytes * shard;
-  if (p.stage == 3 && p.params == Tier::kNvme)
-    nvme_read += micro_steps * loads * kParam16Bytes * shard;
+  // Every parameter is fetched; only trained ones have gradients and updates.
+  const double shard_weights = c.weights(trained_shard, frozen_shard);
+  if (p.stage == 3 && p.params != Tier::kGpu) pcie += micro_steps * loads * shard_weights;
+  if (p.stage == 3 && p.params == Tier::kNvme) nvme_read += micro_steps * loads * shard_weights;
   if (p.optimizer != Tier::kGpu) {
     // Stage 1 reduces the resident gradients once per step; 2 and 3 per micro-step.
-    pcie += (p.stage >= 2 ? micro_steps : 1) * kGrad16Bytes * shard;
+    pcie += (p.stage >= 2 ? micro_steps : 1) * c.trained_grad * trained_shard;
   }
   // The updated 16-bit shard goes from where the optimizer ran to the params' home.
   const Tier param_home = p.stage == 3 ? p.params : Tier::kGpu;
   const bool optimizer_on_host = p.optimizer != Tier::kGpu;
-  if (optimizer_on_host != (param_home != Tier::kGpu)) pcie += kParam16Bytes * shard;
-  if (param_home == Tier::kNvme) nvme_write += kParam16Bytes * shard;
+  if (optimizer_on_host != (param_home != Tier::kGpu)) pcie += c.trained_param * trained_shard;
+  if (param_home == Tier::kNvme) nvme_write += c.trained_param * trained_shard;
   if (pcie + nvme_read + nvme_write > 0) {
     const double nvme_seconds = nvme_read / nvme_read_bw + nvme_write / nvme_write_bw;
     const double pcie_seconds = pcie / hw.gpu_cpu_bw;
@@ -263,13 +301,13 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
   // (ZeRO-Infinity §4.1) at host memory speed; on NVMe it is also read and
   // written once, and the fp32 gradient is accumulated there every micro-step.
   if (p.optimizer != Tier::kGpu) {
-    const double host_bytes = 2 * (kOptimizerBytes + kGrad32Bytes) * shard;
+    const double host_bytes = 2 * (kOptimizerBytes + kGrad32Bytes) * trained_shard;
     double seconds = host_bytes / host_bw;
     double nbytes = host_bytes;
     std::string path = "CPU memory";
     if (p.optimizer == Tier::kNvme) {
-      const double read = (kOptimizerBytes + micro_steps * kGrad32Bytes) * shard;
-      const double write = (kOptimizerBytes + micro_steps * kGrad32Bytes) * shard;
+      const double read = (kOptimizerBytes + micro_steps * kGrad32Bytes) * trained_shard;
+      const double write = (kOptimizerBytes + micro_steps * kGrad32Bytes) * trained_shard;
       seconds = std::max(seconds, read / nvme_read_bw + write / nvme_write_bw);
       nbytes = read + write;
       path = "NVMe <-> CPU";
@@ -288,21 +326,25 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
   // gather for the recompute). One reduce-scatter or allgather of all 16-bit
   // values moves (N-1)/N of them per rank, at the bus bandwidth.
   if (hw.data_parallel > 1 && hw.interconnect_bw) {
-    const double pass = (n - 1) / n * kParam16Bytes * psi;
-    double passes = 0;
+    // One pass over the gradients (reduce-scatter) or the updated parameters
+    // (allgather after the step) covers the trained parameters only; stage
+    // 3's gathers for compute cover every parameter, frozen ones too.
+    const double grads = (n - 1) / n * c.trained_grad * c.trained;
+    const double updated = (n - 1) / n * c.trained_param * c.trained;
+    const double gathered = (n - 1) / n * c.weights(c.trained, c.frozen);
+    double nbytes = 0;
     switch (p.stage) {
       case 0:
       case 1:
-        passes = 2;
+        nbytes = grads + updated;
         break;  // allreduce (= reduce-scatter + allgather), once per step
       case 2:
-        passes = micro_steps + 1;
+        nbytes = micro_steps * grads + updated;
         break;  // reduce-scatter per micro-step, allgather per step
       default:
-        passes = micro_steps * (loads + 1);
+        nbytes = micro_steps * (loads * gathered + grads);
         break;  // allgather per load, reduce-scatter per micro-step
     }
-    const double nbytes = passes * pass;
     pp.traffic.push_back(
         make_traffic(plan, "collectives", "GPU <-> GPU", nbytes, nbytes / *hw.interconnect_bw));
   }
@@ -330,8 +372,13 @@ void fill_shape_estimates(Plan& plan) {
   // backward. With checkpointing, one segment of c_i layers is live during
   // its recompute; without, every layer's is live at the end of the forward.
   const double layer_working = tokens * (16 * h + 2 * heads * seq);
-  plan.activations_checkpointed = ActivationBytes{checkpoints, per_checkpoint * layer_working};
-  plan.activations_full = ActivationBytes{0, layers * layer_working};
+  // LoRA's adapters keep no activation; their two [rows, r] 16-bit scratch
+  // buffers are shared by every adapted projection (nn::LoraScratch).
+  const double lora_scratch =
+      plan.inputs.lora ? 2 * tokens * static_cast<double>(plan.inputs.lora->rank) * 2 : 0;
+  plan.activations_checkpointed =
+      ActivationBytes{checkpoints, per_checkpoint * layer_working + lora_scratch};
+  plan.activations_full = ActivationBytes{0, layers * layer_working + lora_scratch};
 
   // Model-state working memory: the largest operator's 16-bit weight and
   // gradient, fetched whole (ZeRO-Infinity §3: 4·h·4h bytes for the h->4h linear).
@@ -343,7 +390,9 @@ void fill_shape_estimates(Plan& plan) {
     plan.largest_operator = fmt::format("embedding / lm_head ({} x {})", m.vocab, m.hidden);
     plan.largest_operator_numel = static_cast<double>(m.vocab) * h;
   }
-  plan.working_whole_nbytes = (kParam16Bytes + kGrad16Bytes) * plan.largest_operator_numel;
+  // A frozen operator (LoRA's base) is fetched without a gradient.
+  plan.working_whole_nbytes =
+      (plan.inputs.lora ? kParam16Bytes : kParam16Bytes + kGrad16Bytes) * plan.largest_operator_numel;
   plan.working_tiled_nbytes = plan.working_whole_nbytes / static_cast<double>(t.tiling);
   plan.ait_checkpoints = 24 * h * per_checkpoint;
 }
@@ -517,14 +566,37 @@ Plan make_plan(const PlanInputs& inputs) {
   // 2 flops per parameter and token per pass: forward, backward (2 passes),
   // and the recompute under checkpointing (ZeRO-Infinity §4.1: 2·4·bsz·seq·ψ).
   const double passes = t.activation_checkpointing ? 4 : 3;
-  plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * passes * tokens * psi;
-  plan.compute_seconds = plan.flops_per_step / inputs.machine.peak_flops;
-  plan.model_states_nbytes = (kParam16Bytes + kGrad16Bytes + kOptimizerBytes) * psi;
-  plan.model_states_with_grad32_nbytes = plan.model_states_nbytes + kGrad32Bytes * psi;
-  for (int stage = 0; stage <= 3; ++stage) {
-    plan.zero_stage_nbytes[static_cast<size_t>(stage)] =
-        zero_model_states_per_rank(inputs.model.param_count, stage, inputs.machine.data_parallel);
+  if (!inputs.lora) {
+    plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * passes * tokens * psi;
+    plan.model_states_nbytes = (kParam16Bytes + kGrad16Bytes + kOptimizerBytes) * psi;
+    plan.model_states_with_grad32_nbytes = plan.model_states_nbytes + kGrad32Bytes * psi;
+    for (int stage = 0; stage <= 3; ++stage) {
+      plan.zero_stage_nbytes[static_cast<size_t>(stage)] =
+          zero_model_states_per_rank(inputs.model.param_count, stage, inputs.machine.data_parallel);
+    }
+  } else {
+    // A frozen weight needs no weight gradient: one backward pass (the
+    // input's gradient) instead of two.
+    const double adapters = static_cast<double>(inputs.lora->adapter_count);
+    plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * tokens *
+                          ((passes - 1) * psi + passes * adapters);
+    LoraStates lora;
+    lora.base_nbytes = lora.base_bytes_per_param * psi;
+    lora.adapter_nbytes = lora.adapter_bytes_per_param * adapters;
+    lora.full_finetune_nbytes = (kParam16Bytes + kGrad16Bytes + kOptimizerBytes) * psi;
+    lora.ratio = (lora.base_nbytes + lora.adapter_nbytes) / lora.full_finetune_nbytes;
+    plan.model_states_nbytes = lora.base_nbytes + lora.adapter_nbytes;
+    plan.model_states_with_grad32_nbytes = plan.model_states_nbytes;
+    // ZeRO's stages with the base's weights in place of its states: stage 1
+    // partitions the adapters' K, 2 their gradients too, 3 everything.
+    const double n = static_cast<double>(inputs.machine.data_parallel);
+    const double base = lora.base_nbytes, w = kAdapterParamBytes * adapters,
+                 g = kAdapterGradBytes * adapters, k = kOptimizerBytes * adapters;
+    plan.zero_stage_nbytes = {base + w + g + k, base + w + g + k / n, base + w + (g + k) / n,
+                              (base + w + g + k) / n};
+    plan.lora = lora;
   }
+  plan.compute_seconds = plan.flops_per_step / inputs.machine.peak_flops;
   plan.ait_params_grads = tokens;
   plan.ait_optimizer = tokens / 4;
   fill_shape_estimates(plan);

@@ -33,6 +33,14 @@ inline constexpr double kGrad16Bytes = 2;
 inline constexpr double kOptimizerBytes = 12;  // K
 inline constexpr double kGrad32Bytes = 4;
 
+// LoRA (runtime/nn/lora.h): the base is frozen, so it holds only its 16-bit
+// weights (no gradient, fp32 master or optimizer state); the adapters train
+// in fp32: a 4-byte weight and a 4-byte gradient where the 16-bit ones would
+// be, K = 12 bytes of optimizer state, and the fp32 gradient an offloaded
+// optimizer reads (kGrad32Bytes) -- 20 bytes per adapter parameter.
+inline constexpr double kAdapterParamBytes = 4;
+inline constexpr double kAdapterGradBytes = 4;
+
 // Where a kind of state lives. kGpu is ds_config's offload device "none".
 enum class Tier { kGpu, kCpu, kNvme };
 std::string_view tier_name(Tier tier);  // "gpu", "cpu", "nvme"
@@ -47,6 +55,13 @@ struct ModelShape {
   int64_t intermediate = 0;  // the MLP's width; 0: 4 * hidden
   int64_t vocab = 0;         // 0: unknown (then the embedding is not a candidate largest operator)
   bool shape_known() const { return layers > 0 && hidden > 0; }
+};
+
+// LoRA adapters on a frozen base (`strata finetune --lora-rank`).
+struct LoraShape {
+  int64_t rank = 0;                  // r; > 0
+  std::vector<std::string> targets;  // projection names (nn::kLoraProjections)
+  int64_t adapter_count = 0;         // ψ_a: Σ r·(in + out) over the adapted projections; > 0
 };
 
 // What one training step does, and the ZeRO buffers it keeps (ds_config keys,
@@ -91,6 +106,9 @@ struct PlanInputs {
   TrainingShape training;
   Machine machine;
   double target_efficiency = 0.9;
+  // LoRA: model.param_count is then the frozen base, and the adapters'
+  // lora->adapter_count parameters are what trains.
+  std::optional<LoraShape> lora;
   // The placement the ds_config chose, if one was given (marked in the plan).
   std::optional<int> configured_stage;
   std::optional<Tier> configured_params, configured_optimizer;
@@ -159,19 +177,34 @@ struct ActivationBytes {
   double total() const { return checkpoints + working; }
 };
 
+// The model states of a LoRA plan beside full fine-tuning of the same base.
+struct LoraStates {
+  double base_bytes_per_param = kParam16Bytes;  // frozen: the 16-bit weight only
+  // Adapters: fp32 weight + fp32 gradient + K; their gradient is already the
+  // fp32 one ZeRO-Infinity counts, so 20 in both counts (stage 1 with the
+  // optimizer offloaded keeps a second, reduced fp32 copy beside it: 24).
+  double adapter_bytes_per_param = kAdapterParamBytes + kAdapterGradBytes + kOptimizerBytes;
+  double base_nbytes = 0;           // the base's weights
+  double adapter_nbytes = 0;        // the adapters' states, ZeRO's count
+  double full_finetune_nbytes = 0;  // (2 + 2 + K) ψ: every parameter of the base trained
+  double ratio = 0;                 // (base_nbytes + adapter_nbytes) / full_finetune_nbytes
+};
+
 struct Plan {
   PlanInputs inputs;
+  std::optional<LoraStates> lora;              // present with inputs.lora
   double flops_per_step = 0;                   // per rank
   double compute_seconds = 0;                  // flops_per_step / peak
-  double model_states_nbytes = 0;              // 16 ψ, the whole model
-  double model_states_with_grad32_nbytes = 0;  // 20 ψ, ZeRO-Infinity's count
+  double model_states_nbytes = 0;              // 16 ψ, the whole model (LoRA: 2 ψ + 20 ψ_a)
+  double model_states_with_grad32_nbytes = 0;  // 20 ψ, ZeRO-Infinity's count (LoRA: 2 ψ + 20 ψ_a)
   std::array<double, 4> zero_stage_nbytes{};   // per rank, ZeRO's formula, stage 0..3
   // Present when the model's shape is known.
   std::optional<ActivationBytes> activations_checkpointed;
   std::optional<ActivationBytes> activations_full;
   std::string largest_operator;  // "mlp up (4096 x 11008)"
   double largest_operator_numel = 0;
-  double working_whole_nbytes = 0;  // its 16-bit weight + gradient, fetched whole
+  double working_whole_nbytes =
+      0;  // its 16-bit weight + gradient, fetched whole (LoRA: frozen, the weight only)
   double working_tiled_nbytes = 0;  // the same cut in `tiling` tiles
   // ZeRO-Infinity's arithmetic intensities (flops per byte) for one GPU.
   double ait_params_grads = 0;            // seq * bsz

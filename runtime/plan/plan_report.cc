@@ -115,6 +115,20 @@ json to_json(const Plan& plan) {
   out["model_states"] = {{"bytes", whole(plan.model_states_nbytes)},
                          {"bytes_with_fp32_grads", whole(plan.model_states_with_grad32_nbytes)},
                          {"zero_stages", stages}};
+  if (plan.lora && in.lora) {
+    const LoraStates& l = *plan.lora;
+    out["lora"] = {{"rank", in.lora->rank},
+                   {"targets", in.lora->targets},
+                   {"base_param_count", in.model.param_count},
+                   {"adapter_param_count", in.lora->adapter_count},
+                   {"base_bytes_per_param", l.base_bytes_per_param},
+                   {"adapter_bytes_per_param", l.adapter_bytes_per_param},
+                   {"base_bytes", whole(l.base_nbytes)},
+                   {"adapter_bytes", whole(l.adapter_nbytes)},
+                   {"model_states_bytes", whole(l.base_nbytes + l.adapter_nbytes)},
+                   {"full_finetune_bytes", whole(l.full_finetune_nbytes)},
+                   {"ratio_to_full_finetune", l.ratio}};
+  }  // without LoRA the JSON is as before: no "lora" key
   out["activations"] = {{"checkpointed", activations_json(plan.activations_checkpointed)},
                         {"full", activations_json(plan.activations_full)}};
   if (plan.largest_operator_numel > 0) {
@@ -196,11 +210,41 @@ std::string to_text(const Plan& plan, Units units) {
   std::string out;
 
   out += fmt::format("\nModel states (ZeRO, mixed-precision Adam, K = 12)\n");
-  out += fmt::format(
-      "  whole model      {} {} at 16 B/param; {} {} at 20 B/param (with fp32 gradients, as "
-      "ZeRO-Infinity counts)\n",
-      size(plan.model_states_nbytes), scale.name, size(plan.model_states_with_grad32_nbytes),
-      scale.name);
+  if (plan.lora && in.lora) {
+    const LoraStates& l = *plan.lora;
+    const auto count = [](double n) {
+      return n >= 1e9   ? fmt::format("{:.2f}B", n / 1e9)
+             : n >= 1e6 ? fmt::format("{:.2f}M", n / 1e6)
+                        : fmt::format("{:.0f}", n);
+    };
+    std::string targets;
+    for (const std::string& name : in.lora->targets) targets += (targets.empty() ? "" : ",") + name;
+    const double psi = static_cast<double>(in.model.param_count);
+    const double adapters = static_cast<double>(in.lora->adapter_count);
+    out += fmt::format("  LoRA rank {} on {}: the base frozen, the adapters trained in fp32\n",
+                       in.lora->rank, targets);
+    out += fmt::format(
+        "  base             {} parameters, frozen: {:.0f} B/param (16-bit weights only, on the "
+        "parameters' tier; no gradient, no optimizer state) = {} {}\n",
+        count(psi), l.base_bytes_per_param, size(l.base_nbytes), scale.name);
+    out += fmt::format(
+        "  adapters         {} parameters ({:.3g}% of the base): {:.0f} B/param (fp32 weight "
+        "{:.0f} + "
+        "gradient {:.0f} on the GPU, optimizer state {:.0f} on the optimizer's tier) = {} {}\n",
+        count(adapters), 100 * adapters / psi, l.adapter_bytes_per_param, kAdapterParamBytes,
+        kAdapterGradBytes, kOptimizerBytes, size(l.adapter_nbytes), scale.name);
+    out += fmt::format(
+        "  whole model      {} {}, vs {} {} to fine-tune every parameter at 16 B/param: {:.3g} of "
+        "it\n",
+        size(plan.model_states_nbytes), scale.name, size(l.full_finetune_nbytes), scale.name,
+        l.ratio);
+  } else {
+    out += fmt::format(
+        "  whole model      {} {} at 16 B/param; {} {} at 20 B/param (with fp32 gradients, as "
+        "ZeRO-Infinity counts)\n",
+        size(plan.model_states_nbytes), scale.name, size(plan.model_states_with_grad32_nbytes),
+        scale.name);
+  }
   out += fmt::format("  per rank, N_d = {}:", in.machine.data_parallel);
   static constexpr const char* kStageNames[] = {"baseline", "P_os", "P_os+g", "P_os+g+p"};
   for (size_t s = 0; s < 4; ++s) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
@@ -30,6 +31,22 @@ size_t view_nbytes(DType dtype, std::initializer_list<int64_t> shape) {
 std::vector<partition::ParamSpec> llama_params(const nn::LlamaConfig& c, DType dtype) {
   std::vector<partition::ParamSpec> out;
   for (nn::HfTensor& t : nn::hf_tensors(c)) out.push_back({std::move(t.name), std::move(t.shape), dtype});
+  return out;
+}
+
+// The adapters LlamaModel declares with `lora` (nn::Linear): for each targeted
+// projection weight [out, in], lora_A [r, in] and lora_B [out, r], fp32.
+std::vector<partition::ParamSpec> lora_params(const nn::LlamaConfig& c, const nn::LoraSpec& lora) {
+  std::vector<partition::ParamSpec> out;
+  constexpr std::string_view kWeight = ".weight";
+  for (const nn::HfTensor& t : nn::hf_tensors(c)) {
+    const std::string_view name = t.name;
+    if (name.size() <= kWeight.size() || name.substr(name.size() - kWeight.size()) != kWeight) continue;
+    const std::string module(name.substr(0, name.size() - kWeight.size()));
+    if (!lora.targets_module(module)) continue;
+    out.push_back({module + ".lora_A.weight", Shape{lora.rank, t.shape[1]}, DType::kF32});
+    out.push_back({module + ".lora_B.weight", Shape{t.shape[0], lora.rank}, DType::kF32});
+  }
   return out;
 }
 
@@ -59,7 +76,7 @@ std::string_view where_name(Where where) {
 }
 
 size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
-                          bool checkpoint_activations, bool cpu_checkpointing) {
+                          bool checkpoint_activations, bool cpu_checkpointing, int64_t lora_rank) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
@@ -85,6 +102,7 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
+  if (lora_rank > 0) n += 2 * view_nbytes(t, {rows, lora_rank});  // LoraScratch h and dh
   return n;
 }
 
@@ -97,6 +115,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                in.micro_batch, in.seq, in.world_size);
   STRATA_CHECK(!in.cpu_checkpointing || in.checkpoint_activations, kBadArgument,
                "plan: cpu_checkpointing needs activation checkpointing");
+  if (in.lora.enabled()) in.lora.validate();
   const engine::ZeroEngineOptions& z = in.zero;
   const DType pd = in.param_dtype;
   const double pe = static_cast<double>(dtype_nbytes(pd));
@@ -104,17 +123,49 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   partition::LayoutOptions layout_options;
   layout_options.world_size = in.world_size;
   layout_options.sub_group_numel = z.sub_group_numel;
-  const partition::PartitionLayout layout(llama_params(c, pd), layout_options);
-  const double shard_numel = static_cast<double>(layout.shard_numel());
-  double padded_numel = 0, largest_slice = 0, persistent_numel = 0, largest_full = 0;
-  for (const auto& slot : layout.params()) {
-    const double full = static_cast<double>(slot.slice_numel) * world;  // a gather's output
-    padded_numel += full;
-    largest_slice = std::max(largest_slice, static_cast<double>(slot.slice_numel));
-    largest_full = std::max(largest_full, full);
-    if (slot.numel <= z.persistence_threshold_numel) persistent_numel += full;
+  // ZeroEngine's groups (on_finalize): one per (dtype, frozen). Without LoRA
+  // every parameter trains in the parameter dtype; with it the base is a
+  // frozen group and the fp32 adapters the trained one.
+  struct Group {
+    std::unique_ptr<partition::PartitionLayout> layout;
+    double elem = 0;  // bytes per element
+    bool frozen = false;
+    double padded_numel = 0, largest_slice = 0, largest_full = 0;
+    size_t opt_sub_group = 0;  // its sub-group (the home's chunk; the optimizer's record)
+  };
+  std::vector<Group> groups;
+  const auto add_group = [&](std::vector<partition::ParamSpec> specs, DType dtype, bool frozen) {
+    Group g;
+    g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
+    g.elem = static_cast<double>(dtype_nbytes(dtype));
+    g.frozen = frozen;
+    g.opt_sub_group = optimizer_sub_group_numel(*g.layout, dtype, z.sub_group_numel);
+    groups.push_back(std::move(g));
+  };
+  add_group(llama_params(c, pd), pd, in.lora.enabled());
+  if (in.lora.enabled()) add_group(lora_params(c, in.lora), DType::kF32, false);
+  // Over every group, in bytes (the gathers hold all of them); over the
+  // trained group, in elements (gradients and optimizer state).
+  double shard_nbytes = 0, padded_nbytes = 0, persistent_nbytes = 0, largest_full_nbytes = 0;
+  for (Group& g : groups) {
+    for (const auto& slot : g.layout->params()) {
+      const double full = static_cast<double>(slot.slice_numel) * world;  // a gather's output
+      g.padded_numel += full;
+      g.largest_slice = std::max(g.largest_slice, static_cast<double>(slot.slice_numel));
+      g.largest_full = std::max(g.largest_full, full);
+      if (slot.numel <= z.persistence_threshold_numel) persistent_nbytes += g.elem * full;
+    }
+    shard_nbytes += static_cast<double>(g.layout->shard_nbytes());
+    padded_nbytes += g.elem * g.padded_numel;
+    largest_full_nbytes = std::max(largest_full_nbytes, g.elem * g.largest_full);
   }
-  const size_t opt_sub_group = optimizer_sub_group_numel(layout, pd, z.sub_group_numel);
+  const Group& trained = groups.back();
+  const double shard_numel = static_cast<double>(trained.layout->shard_numel());
+  const double padded_numel = trained.padded_numel, largest_slice = trained.largest_slice,
+               largest_full = trained.largest_full;
+  const size_t opt_sub_group = trained.opt_sub_group;
+  const std::string lora_basis =
+      in.lora.enabled() ? fmt::format(" (the LoRA adapters; the base is frozen)") : "";
 
   RuntimeMemory out;
   bool during_steps = false;  // set for the items below that the steps allocate
@@ -133,7 +184,8 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   during_steps = true;
   add("activation arena", Where::kDevice,
       static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
-                                             in.checkpoint_activations, in.cpu_checkpointing)),
+                                             in.checkpoint_activations, in.cpu_checkpointing,
+                                             in.lora.rank)),
       false,
       fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}, {}", rows,
                   c.hidden_size, c.intermediate_size,
@@ -155,37 +207,38 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   }
   during_steps = false;  // the engine's storage: finalize
   if (z.param_tier == strata::Tier::kDevice) {
-    add("parameter shard (home)", Where::kDevice, static_cast<double>(layout.shard_nbytes()), false,
+    add("parameter shard (home)", Where::kDevice, shard_nbytes, false,
         "this rank's shard of every parameter");
   }
   if (z.stage < 3) {
-    add("full parameters", Where::kDevice, pe * padded_numel, false,
+    add("full parameters", Where::kDevice, padded_nbytes, false,
         "stages 1/2 keep every parameter gathered");
   }
   if (z.stage == 1) {
     add("full fp32 gradients", Where::kDevice, 4.0 * padded_numel, false,
-        "stage 1 accumulates whole gradients until the step");
+        "stage 1 accumulates whole gradients until the step" + lora_basis);
   }
   if (z.grad_tier == strata::Tier::kDevice) {
     add("fp32 gradient shard", Where::kDevice, 4.0 * shard_numel, false,
-        "GradShard in accelerator memory");
+        "GradShard in accelerator memory" + lora_basis);
   }
   if (z.optimizer_tier == strata::Tier::kDevice) {
     add("optimizer state", Where::kDevice, 12.0 * shard_numel, false,
-        "fp32 master + 2 moments of the shard (DeviceOptimizer)");
+        "fp32 master + 2 moments of the shard (DeviceOptimizer)" + lora_basis);
   }
   during_steps = true;  // gathers and gradients: forward and backward
   if (z.stage == 3) {
     // Persistent parameters stay gathered; the rest within the prefetch
     // bucket ahead plus the operator being run, at most max_live (and never
     // more than the whole model).
-    const double rest = padded_numel - persistent_numel;
+    // In bytes, the budgets' elements taken at the parameter dtype's size.
+    const double rest = padded_nbytes - persistent_nbytes;
     const double live =
-        std::min({rest, static_cast<double>(z.prefetch_bucket_numel) + 2 * largest_full,
-                  static_cast<double>(z.max_live_parameters_numel) + largest_full});
-    add("gathered parameters", Where::kDevice, pe * (persistent_numel + live), true,
+        std::min({rest, pe * static_cast<double>(z.prefetch_bucket_numel) + 2 * largest_full_nbytes,
+                  pe * static_cast<double>(z.max_live_parameters_numel) + largest_full_nbytes});
+    add("gathered parameters", Where::kDevice, persistent_nbytes + live, true,
         fmt::format("persistent ({:.0f} elements) + within prefetch {} / max live {} elements",
-                    persistent_numel, z.prefetch_bucket_numel, z.max_live_parameters_numel));
+                    persistent_nbytes / pe, z.prefetch_bucket_numel, z.max_live_parameters_numel));
   }
   if (z.stage >= 2) {
     // A full fp32 gradient lives from its first use in backward until its
@@ -194,7 +247,8 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     const double bucket = static_cast<double>(z.reduce_bucket_numel) + largest_full;
     add("fp32 gradients awaiting reduction", Where::kDevice,
         4.0 * std::min(padded_numel, 3 * bucket), true,
-        fmt::format("open bucket + 2 in flight of reduce_bucket_size {}", z.reduce_bucket_numel));
+        fmt::format("open bucket + 2 in flight of reduce_bucket_size {}{}", z.reduce_bucket_numel,
+                    lora_basis));
     add("reduce-scatter buffers", Where::kDevice,
         4.0 * (1 + 1 / world) * std::min(padded_numel, 2 * bucket), true,
         "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
@@ -203,19 +257,29 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // ---- pinned and pageable host ----------------------------------------------------
   during_steps = false;  // finalize, except where said
   if (z.param_tier == strata::Tier::kCpu) {
-    add("parameter shard (home)", Where::kPinned, static_cast<double>(layout.shard_nbytes()), false,
+    add("parameter shard (home)", Where::kPinned, shard_nbytes, false,
         "this rank's shard of every parameter");
   }
   if (z.param_tier == strata::Tier::kNvme) {
-    const double count = std::min(static_cast<double>(z.param_buffer_count),
-                                  static_cast<double>(layout.params().size()));
-    add("NVMe read staging", Where::kPinned, count * pe * largest_slice, false,
-        fmt::format("{:.0f} buffers of the largest slice ({:.0f} elements)", count, largest_slice));
+    // ParamCoordinator: per home (group), min(buffer_count, members) buffers of its largest slice.
+    for (const Group& g : groups) {
+      const double count = std::min(static_cast<double>(z.param_buffer_count),
+                                    static_cast<double>(g.layout->params().size()));
+      add(groups.size() > 1 ? (g.frozen ? "NVMe read staging (frozen base)"
+                                        : "NVMe read staging (adapters)")
+                            : "NVMe read staging",
+          Where::kPinned, count * g.elem * g.largest_slice, false,
+          fmt::format("{:.0f} buffers of the largest slice ({:.0f} elements)", count,
+                      g.largest_slice));
+    }
   }
   if (z.param_tier != strata::Tier::kDevice) {
-    // offload/param_home.h HostWindow: one window of a sub-group or the largest slice.
-    add("parameter home window", Where::kPinned,
-        pe * std::max(static_cast<double>(opt_sub_group), largest_slice), false,
+    // offload/param_home.h HostWindow: one window, shared by the homes, of a
+    // sub-group or the largest slice.
+    double window = 0;
+    for (const Group& g : groups)
+      window = std::max(window, g.elem * std::max(static_cast<double>(g.opt_sub_group), g.largest_slice));
+    add("parameter home window", Where::kPinned, window, false,
         "the optimizer's sub-group of 16/32-bit values (the parameter homes' window)");
   }
   if (z.optimizer_tier == strata::Tier::kNvme) {
@@ -223,11 +287,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         static_cast<double>(z.optimizer_buffer_count *
                             offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
         false,
-        fmt::format("{} buffers of one sub-group's fp32 master + 2 moments ({} elements)",
-                    z.optimizer_buffer_count, opt_sub_group));
+        fmt::format("{} buffers of one sub-group's fp32 master + 2 moments ({} elements){}",
+                    z.optimizer_buffer_count, opt_sub_group, lora_basis));
   } else if (z.optimizer_tier == strata::Tier::kCpu) {
     add("optimizer state", Where::kHost, 12.0 * shard_numel, false,
-        "fp32 master + 2 moments of the shard");
+        "fp32 master + 2 moments of the shard" + lora_basis);
   }
   if (z.grad_tier == strata::Tier::kNvme) {
     add("gradient shard scratch", Where::kPinned, 4.0 * 2 * largest_slice, false,
@@ -249,17 +313,19 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // ---- NVMe ----------------------------------------------------------------------
   during_steps = false;
   if (z.param_tier == strata::Tier::kNvme) {
-    add("parameter file", Where::kNvme, static_cast<double>(layout.shard_nbytes()), false,
-        "this rank's shard");
+    add("parameter file", Where::kNvme, shard_nbytes, false,
+        groups.size() > 1 ? "this rank's shard (a file per group: frozen base, adapters)"
+                          : "this rank's shard");
   }
   if (z.grad_tier == strata::Tier::kNvme) {
-    add("fp32 gradient file", Where::kNvme, 4.0 * shard_numel, false, "this rank's gradient shard");
+    add("fp32 gradient file", Where::kNvme, 4.0 * shard_numel, false,
+        "this rank's gradient shard" + lora_basis);
   }
   if (z.optimizer_tier == strata::Tier::kNvme) {
     const double records = std::ceil(shard_numel / static_cast<double>(opt_sub_group));
     add("optimizer state files", Where::kNvme,
         2 * records * static_cast<double>(offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
-        false, "two slots (crash-safe commit) of fp32 master + 2 moments per sub-group");
+        false, "two slots (crash-safe commit) of fp32 master + 2 moments per sub-group" + lora_basis);
   }
   return out;
 }

@@ -31,6 +31,7 @@
 #include "core/tensor.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_config.h"
+#include "runtime/nn/lora.h"
 
 namespace strata::plan {
 
@@ -46,6 +47,10 @@ struct RuntimeInputs {
   engine::ZeroEngineOptions zero;
   // The cpu accelerator: "device" memory is host memory of the process.
   bool device_is_host = true;
+  // LoRA (`strata finetune --lora-rank`; rank 0: none): the base is frozen, a
+  // group of its own with its weights only (no gradient shard, reduce buckets
+  // or optimizer state), and the fp32 adapters are the trained group.
+  nn::LoraSpec lora;
 };
 
 // Where an item lives. kPinned and kHost are both host memory (resident);
@@ -88,8 +93,10 @@ struct RuntimeMemory {
 
 // The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
 // for a batch x seq, in bytes: every view rounded up to 256 bytes.
+// `lora_rank` > 0 adds the adapters' two [rows, r] scratch views (nn::LoraScratch).
 size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
-                          int64_t seq, bool checkpoint_activations, bool cpu_checkpointing);
+                          int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
+                          int64_t lora_rank = 0);
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

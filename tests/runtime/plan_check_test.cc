@@ -167,6 +167,88 @@ TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan]
   }
 }
 
+TEST_CASE("the plan's activation arena with LoRA adapters is the one LlamaModel allocates",
+          "[plan][check]") {
+  strata::nn::LlamaConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.max_position_embeddings = 64;
+  const int64_t batch = 2, seq = 12;
+  auto accelerator = strata::make_cpu_accelerator();
+  strata::engine::ResidentEngine engine(*accelerator);
+  strata::nn::LlamaModelOptions options;
+  options.lora.rank = 3;
+  options.lora.alpha = 8;
+  options.lora.targets = strata::nn::parse_lora_targets("all-linear");
+  strata::nn::LlamaModel model(engine, c, options);
+  engine.finalize();
+  strata::nn::initialize_parameters(engine, model.parameters(), 7);
+  std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
+  model.forward(ids, targets, batch, seq);
+  model.backward();
+  (void)model.loss();
+  CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, 3) ==
+        model.arena_nbytes());
+  CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) <
+        model.arena_nbytes());
+}
+
+TEST_CASE("strata plan --check: a LoRA finetune (2 ranks, ZeRO-3, base and optimizer on NVMe) "
+          "agrees with its plan, its swap files exactly",
+          "[plan][check][finetune]") {
+  strata::test::TempDir dir("plan-check-lora");
+  // The quick start's config, keeping its swap files so the NVMe tier is measured.
+  std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
+  auto ds = nlohmann::json::parse(example);
+  ds["strata"]["keep_swap_files"] = true;
+  strata::test::write_file(dir, "ds.json", ds.dump());
+  const std::string out = dir.file("out");
+  const auto run = run_command(
+      "cd " + dir.path().string() + " && " + strata_binary() + " run -n 2 -- " + strata_binary() +
+      " finetune --config ds.json --init " + kExamples + "/byte_llama.json --data " + kExamples +
+      "/data/gpl-3.0.txt --data-format text --steps 2 --seq 256 --lora-rank 8 --lora-targets "
+      "all-linear --out " + out + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+
+  const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
+  INFO(check.output);
+  const auto j = nlohmann::json::parse(check.output);
+  if (!kSanitized) {
+    CHECK(check.exit_code == 0);
+    CHECK(j["ok"] == true);
+  }
+  CHECK(j["run"]["lora"]["rank"] == 8);
+  CHECK(j["run"]["lora"]["targets"].size() == 7);
+  int measured = 0;
+  for (const auto& tier : j["tiers"]) {
+    if (tier["measured_bytes"].is_null()) continue;
+    ++measured;
+    INFO(tier["tier"]);
+    // The base's and the adapters' parameter files, the adapters' gradient
+    // file and optimizer slots: exactly what the plan lists.
+    if (tier["tier"] == "nvme") CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
+    if (kSanitized && tier["tier"] == "host resident") continue;
+    CHECK(tier["ratio"].get<double>() > 0.85);
+    CHECK(tier["ratio"].get<double>() < 1.15);
+  }
+  CHECK(measured == 3);
+  // Without the run's LoRA flags the plan would be the full model's: the
+  // optimizer state files are the adapters' only, far smaller.
+  double optimizer_files = 0, parameter_file = 0;
+  for (const auto& item : j["items"]) {
+    if (item["name"] == "optimizer state files") optimizer_files = item["bytes"].get<double>();
+    if (item["name"] == "parameter file") parameter_file = item["bytes"].get<double>();
+  }
+  CHECK(optimizer_files > 0);
+  CHECK(optimizer_files < parameter_file);
+}
+
 TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with its plan within 15%",
           "[plan][check][finetune]") {
   strata::test::TempDir dir("plan-check");

@@ -236,6 +236,86 @@ TEST_CASE("plan: the largest operator is tiled when it does not fit whole", "[pl
   CHECK(pp.working.gpu == plan.working_tiled_nbytes);
 }
 
+TEST_CASE("plan: LoRA keeps the base's weights only and trains the adapters in fp32", "[plan]") {
+  // ψ = 1000 frozen, ψ_a = 100 adapters, N_d = 2, no shape: model states alone.
+  PlanInputs in;
+  in.model.param_count = 1000;
+  in.lora = LoraShape{8, {"q_proj", "v_proj"}, 100};
+  in.machine.data_parallel = 2;
+  in.machine.gpus_per_node = 2;
+  const Plan plan = make_plan(in);
+  REQUIRE(plan.lora);
+  // Base 2 B/param = 2000; adapters (4 + 4 + 12) B/param = 2000; full
+  // fine-tuning of the base 16 B/param = 16000.
+  CHECK(plan.lora->base_nbytes == 2000);
+  CHECK(plan.lora->adapter_nbytes == 2000);
+  CHECK(plan.lora->full_finetune_nbytes == 16000);
+  CHECK(plan.lora->ratio == 0.25);
+  CHECK(plan.model_states_nbytes == 4000);
+  // ZeRO's stages over the adapters' states, the base's weights whole below stage 3.
+  CHECK(plan.zero_stage_nbytes[0] == 4000);
+  CHECK(plan.zero_stage_nbytes[1] == 2000 + 400 + 400 + 600);
+  CHECK(plan.zero_stage_nbytes[2] == 2000 + 400 + 800);
+  CHECK(plan.zero_stage_nbytes[3] == 2000);
+  // A frozen weight has no weight gradient: 3 passes for the base, 4 for the
+  // adapters (checkpointing), 2 flops per parameter and token, 1024 tokens.
+  CHECK(plan.flops_per_step == 2.0 * 1024 * (3 * 1000 + 4 * 100));
+
+  const PlacementPlan& s1 = find(plan, {1, Tier::kGpu, Tier::kGpu});
+  CHECK(s1.param16.gpu == 2 * 1000 + 4 * 100);
+  CHECK(s1.grad16.gpu == 4 * 100);
+  CHECK(s1.optimizer.gpu == 12 * 50);
+  CHECK(s1.grad32.gpu == 0);
+  CHECK(s1.total.gpu == 2400 + 400 + 600);
+  // Stage 3, parameters and optimizer on CPU: the shard of base and adapters
+  // on CPU, the adapters' optimizer state and fp32 gradient shard beside it;
+  // on the GPU the prefetch bucket (16-bit, capped by ψ + ψ_a) and the reduce
+  // bucket of the adapters' fp32 gradients.
+  const PlacementPlan& s3 = find(plan, {3, Tier::kCpu, Tier::kCpu});
+  CHECK(s3.param16.cpu == (2 * 1000 + 4 * 100) / 2);
+  CHECK(s3.grad16.gpu == 0);
+  CHECK(s3.optimizer.cpu == 12 * 50);
+  CHECK(s3.grad32.cpu == 4 * 50);
+  CHECK(s3.total.cpu == 1200 + 600 + 200);
+  CHECK(s3.buffers.gpu == 2 * 1100 + 4 * 100);
+  CHECK(s3.total.gpu == 2600);
+  // Its traffic: 3 loads of the weight shard up, the adapters' fp32 gradient
+  // shard down (their update stays on the host, where the shard lives).
+  REQUIRE(!s3.traffic.empty());
+  CHECK(s3.traffic[0].name == "params_grads");
+  CHECK(s3.traffic[0].nbytes == 3 * 1200 + 4 * 50);
+  // Stage 2 with the optimizer on CPU: the adapters' gradient shard down and
+  // their updated shard up; the frozen base never moves.
+  CHECK(find(plan, {2, Tier::kGpu, Tier::kCpu}).traffic[0].nbytes == 4 * 50 + 4 * 50);
+
+  // Without LoRA the same base is ZeRO's.
+  in.lora.reset();
+  const Plan full = make_plan(in);
+  CHECK(!full.lora);
+  CHECK(full.model_states_nbytes == 16000);
+  CHECK(find(full, {1, Tier::kGpu, Tier::kGpu}).total.gpu == 2000 + 2000 + 6000);
+
+  // With a shape: the operator is fetched without a gradient, and the two
+  // [rows, r] 16-bit scratch buffers join the working activations.
+  in.model.layers = 2;
+  in.model.hidden = 32;
+  in.model.heads = 4;
+  in.model.intermediate = 48;
+  const Plan no_lora = make_plan(in);
+  in.lora = LoraShape{8, {"q_proj", "v_proj"}, 100};
+  const Plan with_lora = make_plan(in);
+  CHECK(with_lora.working_whole_nbytes == 2 * 32 * 48);
+  CHECK(no_lora.working_whole_nbytes == 4 * 32 * 48);
+  CHECK(with_lora.activations_checkpointed->working ==
+        no_lora.activations_checkpointed->working + 2 * 1024 * 8 * 2);
+
+  in.lora->adapter_count = 0;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("LoRA adapters"));
+  in.lora->adapter_count = 100;
+  in.lora->rank = 0;
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("LoRA rank"));
+}
+
 TEST_CASE("plan: bad inputs are errors that name them", "[plan]") {
   PlanInputs in;
   CHECK_THROWS_WITH(make_plan(in), Catch::Contains("parameter count"));
@@ -383,13 +463,105 @@ TEST_CASE("strata plan: bad input names the flag or file", "[plan][cli]") {
   CHECK_THAT(result.output, Catch::Contains("config.json") && Catch::Contains("vocab_size"));
 }
 
+TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
+  const std::string model = STRATA_SOURCE_DIR "/tests/data/golden/llama_untied_f32";
+  const auto lora = [&](const std::string& args) {
+    const auto result = run_command(strata_binary() + " plan " + args + " --gpu-mem 1GB --json");
+    REQUIRE(result.exit_code == 0);
+    return nlohmann::json::parse(result.output);
+  };
+  // GQA: hidden 32, 4 heads of 8, 2 key/value heads (k, v are 32 -> 16),
+  // intermediate 48, 2 layers. Rank 8: q, o 8·(32+32) = 512, k, v 8·(32+16)
+  // = 384, gate, up, down 8·(32+48) = 640.
+  const auto all = lora("--model " + model + " --lora-rank 8 --lora-targets all-linear");
+  CHECK(all["lora"]["adapter_param_count"] == 2 * (2 * 512 + 2 * 384 + 3 * 640));
+  CHECK(all["lora"]["base_param_count"] == 19'424);
+  CHECK(all["model"]["param_count"] == 19'424);
+  CHECK(all["lora"]["rank"] == 8);
+  CHECK(all["lora"]["targets"].size() == 7);
+  CHECK(all["lora"]["base_bytes"] == 2 * 19'424);
+  CHECK(all["lora"]["adapter_bytes"] == 20 * 7'424);
+  CHECK(all["lora"]["model_states_bytes"] == 2 * 19'424 + 20 * 7'424);
+  CHECK(all["lora"]["full_finetune_bytes"] == 16 * 19'424);
+  CHECK(all["lora"]["ratio_to_full_finetune"].get<double>() ==
+        Approx((2.0 * 19'424 + 20.0 * 7'424) / (16.0 * 19'424)));
+  CHECK(all["model_states"]["bytes"] == 2 * 19'424 + 20 * 7'424);
+  // PEFT's default targets, q_proj and v_proj.
+  const auto qv = lora("--model " + model + " --lora-rank 8");
+  CHECK(qv["lora"]["adapter_param_count"] == 2 * (512 + 384));
+  CHECK(qv["lora"]["targets"] == nlohmann::json({"q_proj", "v_proj"}));
+  // PEFT's own adapters (the golden fixtures, written by PEFT 0.21.2): the
+  // plan counts every element of adapter_model.safetensors.
+  for (const char* fixture : {"lora_llama_f32_all", "lora_qwen2_f32_attn"}) {
+    INFO(fixture);
+    const std::string dir = std::string(STRATA_SOURCE_DIR "/tests/data/golden/") + fixture;
+    std::ifstream config_file(dir + "/adapter_config.json");
+    const auto peft = nlohmann::json::parse(config_file);
+    std::string targets;
+    for (const auto& t : peft.at("target_modules"))
+      targets += (targets.empty() ? "" : ",") + t.get<std::string>();
+    std::ifstream weights(dir + "/adapter_model.safetensors", std::ios::binary);
+    uint64_t header_size = 0;
+    weights.read(reinterpret_cast<char*>(&header_size), 8);  // little-endian, as this host
+    std::string header(header_size, '\0');
+    weights.read(header.data(), static_cast<std::streamsize>(header_size));
+    int64_t numel = 0;
+    const auto tensors = nlohmann::json::parse(header);
+    for (auto it = tensors.begin(); it != tensors.end(); ++it) {
+      if (it.key() == "__metadata__") continue;
+      int64_t n = 1;
+      for (const auto& d : it.value().at("shape")) n *= d.get<int64_t>();
+      numel += n;
+    }
+    REQUIRE(numel > 0);
+    const auto planned = lora("--model " + dir + " --lora-rank " +
+                              std::to_string(peft.at("r").get<int>()) + " --lora-targets " + targets);
+    CHECK(planned["lora"]["adapter_param_count"] == numel);
+  }
+  // From sizes: every attention projection hidden x hidden.
+  const auto sizes =
+      lora("--layers 2 --hidden 32 --intermediate 48 --lora-rank 8 --lora-targets all-linear");
+  CHECK(sizes["lora"]["adapter_param_count"] == 2 * (4 * 512 + 3 * 640));
+  // Without --lora-rank there is no LoRA section.
+  CHECK(!lora("--model " + model).contains("lora"));
+
+  const auto text = run_command(strata_binary() + " plan --model " + model +
+                                " --lora-rank 8 --lora-targets all-linear --gpu-mem 1GB");
+  REQUIRE(text.exit_code == 0);
+  CHECK_THAT(text.output, Catch::Contains("LoRA rank 8 on q_proj,k_proj,v_proj,o_proj") &&
+                              Catch::Contains("7424 parameters") &&
+                              Catch::Contains("20 B/param") && Catch::Contains("16 B/param"));
+
+  struct Case {
+    std::string args, expected;
+  };
+  const std::vector<Case> refusals = {
+      {"--params 7B --lora-rank 8", "--params alone"},
+      {"--model " + model + " --lora-targets q_proj", "--lora-targets needs --lora-rank"},
+      {"--model " + model + " --lora-rank 0", "--lora-rank"},
+      {"--model " + model + " --lora-rank x", "--lora-rank"},
+      {"--model " + model + " --lora-rank 8 --lora-targets lm_head", "'lm_head' is not a projection"},
+      {"--model " + model + " --lora-rank 8 --lora-targets q_proj,q_proj", "'q_proj' twice"},
+      {"--model " + model + " --lora-rank 8 --lora-targets q_proj,", "empty name"},
+      {"--layers 2 --hidden 32 --lora-rank 8 --lora-targets up_proj", "--intermediate"},
+  };
+  for (const Case& c : refusals) {
+    INFO(c.args);
+    const auto result = run_command(strata_binary() + " plan " + c.args + " 2>&1");
+    CHECK(result.exit_code == 1);
+    CHECK_THAT(result.output, Catch::Contains(c.expected));
+    CHECK_THAT(result.output, !Catch::Contains("internal error"));
+  }
+}
+
 TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
   const auto result = run_command(strata_binary() + " plan --help");
   REQUIRE(result.exit_code == 0);
   for (const char* flag :
        {"--model", "--params", "--layers", "--hidden", "--seq", "--batch", "--config", "--gpus",
         "--gpu-mem", "--host-mem", "--nvme-path", "--nvme-capacity", "--dp", "--bw-gpu-cpu",
-        "--bw-nvme", "--peak-tflops", "--target-efficiency", "--json"}) {
+        "--bw-nvme", "--peak-tflops", "--target-efficiency", "--json", "--lora-rank",
+        "--lora-targets"}) {
     CHECK_THAT(result.output, Catch::Contains(flag));
   }
   CHECK_THAT(run_command(strata_binary() + " --help").output, Catch::Contains("plan"));
