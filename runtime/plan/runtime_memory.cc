@@ -76,7 +76,7 @@ std::string_view where_name(Where where) {
 }
 
 size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
-                          bool checkpoint_activations, bool cpu_checkpointing, int64_t lora_rank) {
+                          bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
@@ -102,7 +102,16 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
-  if (lora_rank > 0) n += 2 * view_nbytes(t, {rows, lora_rank});  // LoraScratch h and dh
+  if (lora.enabled()) {
+    n += 2 * view_nbytes(t, {rows, lora.rank});  // LoraScratch h and dh
+    if (lora.dropout > 0) {                      // xd and dxd, for the widest targeted input
+      int64_t in = 0;
+      for (const std::string& target : lora.targets) {
+        in = std::max(in, target == "o_proj" ? heads * hd : target == "down_proj" ? inter : hidden);
+      }
+      n += 2 * view_nbytes(t, {rows * in});
+    }
+  }
   return n;
 }
 
@@ -185,7 +194,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   add("activation arena", Where::kDevice,
       static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
                                              in.checkpoint_activations, in.cpu_checkpointing,
-                                             in.lora.rank)),
+                                             in.lora)),
       false,
       fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}, {}", rows,
                   c.hidden_size, c.intermediate_size,

@@ -93,10 +93,11 @@ struct RuntimeMemory {
 
 // The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
 // for a batch x seq, in bytes: every view rounded up to 256 bytes.
-// `lora_rank` > 0 adds the adapters' two [rows, r] scratch views (nn::LoraScratch).
+// LoRA adapters add their two [rows, r] scratch views, and with dropout two
+// [rows x the widest targeted input] ones (nn::LoraScratch).
 size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
-                          int64_t lora_rank = 0);
+                          const nn::LoraSpec& lora = {});
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

@@ -167,7 +167,7 @@ TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan]
   }
 }
 
-TEST_CASE("the plan's activation arena with LoRA adapters is the one LlamaModel allocates",
+TEST_CASE("the plan's activation arena with LoRA adapters (with and without dropout) is the one LlamaModel allocates",
           "[plan][check]") {
   strata::nn::LlamaConfig c;
   c.vocab_size = 64;
@@ -179,23 +179,27 @@ TEST_CASE("the plan's activation arena with LoRA adapters is the one LlamaModel 
   c.head_dim = 8;
   c.max_position_embeddings = 64;
   const int64_t batch = 2, seq = 12;
-  auto accelerator = strata::make_cpu_accelerator();
-  strata::engine::ResidentEngine engine(*accelerator);
-  strata::nn::LlamaModelOptions options;
-  options.lora.rank = 3;
-  options.lora.alpha = 8;
-  options.lora.targets = strata::nn::parse_lora_targets("all-linear");
-  strata::nn::LlamaModel model(engine, c, options);
-  engine.finalize();
-  strata::nn::initialize_parameters(engine, model.parameters(), 7);
-  std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
-  model.forward(ids, targets, batch, seq);
-  model.backward();
-  (void)model.loss();
-  CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, 3) ==
-        model.arena_nbytes());
-  CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) <
-        model.arena_nbytes());
+  for (const double dropout : {0.0, 0.1}) {
+    INFO("dropout " << dropout);
+    auto accelerator = strata::make_cpu_accelerator();
+    strata::engine::ResidentEngine engine(*accelerator);
+    strata::nn::LlamaModelOptions options;
+    options.lora.rank = 3;
+    options.lora.alpha = 8;
+    options.lora.dropout = dropout;
+    options.lora.targets = strata::nn::parse_lora_targets(dropout > 0 ? "q_proj,down_proj" : "all-linear");
+    strata::nn::LlamaModel model(engine, c, options);
+    engine.finalize();
+    strata::nn::initialize_parameters(engine, model.parameters(), 7);
+    std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
+    model.forward(ids, targets, batch, seq);
+    model.backward();
+    (void)model.loss();
+    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, options.lora) ==
+          model.arena_nbytes());
+    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) <
+          model.arena_nbytes());
+  }
 }
 
 TEST_CASE("strata plan --check: a LoRA finetune (2 ranks, ZeRO-3, base and optimizer on NVMe) "
