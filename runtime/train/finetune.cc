@@ -210,6 +210,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.cpu_checkpointing = config.cpu_checkpointing;
     pinned.world_size = rank.world_size;
     pinned.zero = zero;
+    pinned.lora = options.lora;
     check_pinned_budget(config, source, pinned);
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));

@@ -181,14 +181,34 @@ TEST_CASE("the optimizer on the accelerator takes prepared steps without overlap
   CHECK(overlapped_sub_groups(device) == 0);
 }
 
-TEST_CASE("the optimizer on the accelerator needs the parameters and the gradient shard there",
+TEST_CASE("the optimizer on the accelerator needs the trained parameters and the gradient shard there",
           "[engine][zero][overlap]") {
   test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
     engine::ZeroEngineOptions o = test::zero::options_for(3);
     o.optimizer_tier = Tier::kDevice;
     o.param_tier = Tier::kCpu;
-    CHECK_THROWS_WITH(engine::ZeroEngine(accelerator, comms, o),
-                      Catch::Contains("offload_optimizer.device none") && Catch::Contains("offload_param.device is cpu"));
+    // Parameters offloaded with the optimizer on the accelerator: only frozen
+    // ones may be (the trained ones stay beside their optimizer state), so
+    // finalize, which knows what is frozen, decides.
+    for (const bool freeze : {false, true}) {
+      INFO("a frozen parameter: " << freeze);
+      engine::ZeroEngine e(accelerator, comms, o);
+      engine::ParamInfo trained, frozen;
+      trained.name = "trained";
+      trained.shape = {64};
+      frozen.name = "frozen";
+      frozen.shape = {64};
+      const engine::ParamId a = e.declare_parameter(trained), b = e.declare_parameter(frozen);
+      e.declare_operator("op", {a, b});
+      if (freeze) e.freeze(b);
+      if (freeze) {
+        e.finalize();
+      } else {
+        CHECK_THROWS_WITH(e.finalize(), Catch::Contains("offload_optimizer.device none") &&
+                                            Catch::Contains("offload_param.device is cpu") &&
+                                            Catch::Contains("no parameter is frozen"));
+      }
+    }
     o.param_tier = Tier::kDevice;
     o.grad_tier = Tier::kNvme;
     o.nvme_path = "/tmp/unused";
