@@ -134,16 +134,27 @@ TEST_CASE("run.json round-trips, and a bad one names the file and key", "[plan][
                     Contains("not a string"));
 }
 
-TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan][check]") {
+namespace {
+
+// A small GQA Llama for the arena checks.
+strata::nn::LlamaConfig arena_config(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers,
+                                     int64_t head_dim) {
   strata::nn::LlamaConfig c;
-  c.vocab_size = 256;
-  c.hidden_size = 64;
-  c.intermediate_size = 176;
-  c.num_hidden_layers = 3;
+  c.vocab_size = vocab;
+  c.hidden_size = hidden;
+  c.intermediate_size = intermediate;
+  c.num_hidden_layers = layers;
   c.num_attention_heads = 4;
   c.num_key_value_heads = 2;
-  c.head_dim = 16;
+  c.head_dim = head_dim;
   c.max_position_embeddings = 64;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan][check]") {
+  const strata::nn::LlamaConfig c = arena_config(256, 64, 176, 3, 16);
   const int64_t batch = 3, seq = 20;
   for (const bool checkpointing : {false, true}) {
     for (const bool cpu_checkpointing : {false, true}) {
@@ -169,15 +180,7 @@ TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan]
 
 TEST_CASE("the plan's activation arena with LoRA adapters (with and without dropout) is the one LlamaModel allocates",
           "[plan][check]") {
-  strata::nn::LlamaConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.max_position_embeddings = 64;
+  const strata::nn::LlamaConfig c = arena_config(64, 32, 48, 2, 8);
   const int64_t batch = 2, seq = 12;
   for (const double dropout : {0.0, 0.1}) {
     INFO("dropout " << dropout);
