@@ -161,7 +161,7 @@ TEST_CASE("hf model: a checkpoint that is not the architecture config.json names
   expect_refused(bad_index, {"model.norm.weight"});
 }
 
-TEST_CASE("hf model: MoE experts are read one tensor per expert; transformers 5's fused in-memory layout is refused",
+TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformers 5's fused in-memory layout is refused",
           "[train][hf][moe]") {
   test::TempDir dir("hf-model");
   expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "fused", {"model.layers.0.mlp.experts.gate_up_proj"}),
