@@ -302,9 +302,10 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
   CHECK(c.parameter_count() == 134515008);
 }
 
-TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations included",
+TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
           "[nn][config][families]") {
-  for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32"}) {
+  for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
+                           "qwen3_moe_untied_f32"}) {
     const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);
