@@ -377,6 +377,28 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
   j = fixture_config("mixtral_untied_f32");
   j["norm_topk_prob"] = false;
   expect_refused(j, {"key 'norm_topk_prob'", "model_type \"mixtral\""});
+  // Published checkpoints' config.json key sets (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) are read.
+  const json mixtral_8x7b = json::parse(R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0, "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
+  const LlamaConfig m8 = parse_llama_config(mixtral_8x7b);
+  CHECK(m8.parameter_count() == 46702792704);  // Mixtral 8x7B's 46.7B
+  const json qwen3_30b = json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": false,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+  const LlamaConfig q30 = parse_llama_config(qwen3_30b);
+  CHECK(q30.num_experts == 128);
+  CHECK(q30.parameter_count() == 30532122624);  // Qwen3-30B-A3B's 30.5B
   // The tensors: router and per-expert projections, in published checkpoints' names.
   const std::vector<HfTensor> tensors = hf_tensors(mixtral);
   std::set<std::string> names;
