@@ -26,6 +26,14 @@ MatView MatView::columns(int64_t c0, int64_t c1) const {
                  dtype, rows, c1 - c0, ld};
 }
 
+MatView MatView::row_block(int64_t r0, int64_t r1) const {
+  STRATA_CHECK(0 <= r0 && r0 <= r1 && r1 <= rows, kBadArgument, "rows [{}, {}) of a matrix with {} rows",
+               r0, r1, rows);
+  return MatView{data == nullptr ? nullptr
+                                 : static_cast<char*>(data) + r0 * ld * static_cast<int64_t>(dtype_nbytes(dtype)),
+                 dtype, r1 - r0, cols, ld};
+}
+
 namespace {
 namespace check {
 
@@ -508,6 +516,165 @@ void Ops::count_targets(ComputeContext& ctx, const TensorView& targets, const Te
   check::numel(op, "count", count, 1);
   Labeled label(ctx, op, [&] { return memory(nbytes(targets), brief(targets)); });
   enqueue_count_targets(ctx, targets, count);
+}
+
+namespace {
+
+// The routing's shape: rows and k from indices [rows, k], E from probs [rows, E].
+struct MoeShape {
+  int64_t rows, experts, k;
+};
+MoeShape moe_shape(std::string_view op, const TensorView& probs, const TensorView& indices) {
+  check::dtype(op, "probs", probs, DType::kF32);
+  check::dtype(op, "indices", indices, DType::kI32);
+  STRATA_CHECK(probs.desc.shape.size() == 2 && indices.desc.shape.size() == 2, kBadArgument,
+               "{}: probs must be [rows, experts] and indices [rows, k] (got {} and {})", op,
+               shape_string(probs.desc.shape), shape_string(indices.desc.shape));
+  const MoeShape s{probs.desc.shape[0], probs.desc.shape[1], indices.desc.shape[1]};
+  STRATA_CHECK(s.experts > 0 && s.k > 0 && s.k <= s.experts, kBadArgument,
+               "{}: top-{} of {} experts (need 1 <= k <= experts)", op, s.k, s.experts);
+  check::shape(op, "indices", indices, {s.rows, s.k});
+  return s;
+}
+
+// x [rows, dim] and its permuted copy xp [rows * k, dim], one float dtype.
+void moe_rows(std::string_view op, const char* xname, const TensorView& x, const char* xpname,
+              const TensorView& xp, int64_t rows, int64_t k) {
+  check::float_tensor(op, xname, x);
+  check::float_tensor(op, xpname, xp);
+  check::same_dtype(op, x, xp);
+  STRATA_CHECK(x.desc.shape.size() == 2 && x.desc.shape[0] == rows, kBadArgument,
+               "{}: {} must be [{}, dim], got {}", op, xname, rows, shape_string(x.desc.shape));
+  check::shape(op, xpname, xp, {rows * k, x.desc.shape[1]});
+}
+
+}  // namespace
+
+void Ops::moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
+                    const TensorView& probs, const TensorView& indices, const TensorView& weights,
+                    const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
+                    const TensorView& aux_stats) {
+  constexpr const char* op = "moe_route";
+  own(ctx, op);
+  check::float_tensor(op, "logits", logits);
+  const MoeShape s = moe_shape(op, probs, indices);
+  STRATA_CHECK(top_k == s.k, kBadArgument, "{}: top_k {} but indices has {} columns", op, top_k, s.k);
+  check::shape(op, "logits", logits, {s.rows, s.experts});
+  check::dtype(op, "weights", weights, DType::kF32);
+  check::shape(op, "weights", weights, {s.rows, s.k});
+  check::dtype(op, "offsets", offsets, DType::kI32);
+  check::numel(op, "offsets", offsets, s.experts + 1);
+  check::dtype(op, "slots", slots, DType::kI32);
+  check::shape(op, "slots", slots, {s.rows, s.k});
+  check::dtype(op, "tokens", tokens, DType::kI32);
+  check::numel(op, "tokens", tokens, s.rows * s.k);
+  if (!empty(aux_stats)) {
+    check::dtype(op, "aux_stats", aux_stats, DType::kF64);
+    check::numel(op, "aux_stats", aux_stats, 2 * s.experts);
+  }
+  Labeled label(ctx, op, [&] { return memory(nbytes(logits) + nbytes(probs), brief(logits)); });
+  enqueue_moe_route(ctx, logits, top_k, renormalize, probs, indices, weights, offsets, slots, tokens,
+                    aux_stats);
+}
+
+void Ops::moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                             const TensorView& weights, const TensorView& dweights, bool renormalize,
+                             const TensorView& aux_grad, const TensorView& dlogits) {
+  constexpr const char* op = "moe_route_backward";
+  own(ctx, op);
+  const MoeShape s = moe_shape(op, probs, indices);
+  check::dtype(op, "weights", weights, DType::kF32);
+  check::shape(op, "weights", weights, {s.rows, s.k});
+  check::dtype(op, "dweights", dweights, DType::kF32);
+  check::shape(op, "dweights", dweights, {s.rows, s.k});
+  check::float_tensor(op, "dlogits", dlogits);
+  check::shape(op, "dlogits", dlogits, {s.rows, s.experts});
+  if (!empty(aux_grad)) {
+    check::dtype(op, "aux_grad", aux_grad, DType::kF32);
+    check::numel(op, "aux_grad", aux_grad, s.experts);
+  }
+  if (s.rows == 0) return;
+  Labeled label(ctx, op, [&] { return memory(nbytes(probs) + nbytes(dlogits), brief(probs)); });
+  enqueue_moe_route_backward(ctx, probs, indices, weights, dweights, renormalize, aux_grad, dlogits);
+}
+
+void Ops::moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
+                     const TensorView& xp) {
+  constexpr const char* op = "moe_gather";
+  own(ctx, op);
+  check::dtype(op, "tokens", tokens, DType::kI32);
+  check::float_tensor(op, "x", x);
+  const int64_t rows = x.desc.shape.empty() ? 0 : x.desc.shape[0];
+  STRATA_CHECK(rows > 0 && tokens.numel() % rows == 0, kBadArgument,
+               "{}: tokens has {} entries, not a multiple of x's {} rows", op, tokens.numel(), rows);
+  moe_rows(op, "x", x, "xp", xp, rows, tokens.numel() / rows);
+  Labeled label(ctx, op, [&] { return memory(2 * nbytes(xp), brief(xp)); });
+  enqueue_moe_gather(ctx, x, tokens, xp);
+}
+
+void Ops::moe_gather_backward(ComputeContext& ctx, const TensorView& dxp, const TensorView& slots,
+                              const TensorView& dx, bool accumulate) {
+  constexpr const char* op = "moe_gather_backward";
+  own(ctx, op);
+  check::dtype(op, "slots", slots, DType::kI32);
+  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
+               shape_string(slots.desc.shape));
+  moe_rows(op, "dx", dx, "dxp", dxp, slots.desc.shape[0], slots.desc.shape[1]);
+  if (slots.numel() == 0) return;
+  Labeled label(ctx, op, [&] { return memory(nbytes(dxp) + 2 * nbytes(dx), brief(dxp)); });
+  enqueue_moe_gather_backward(ctx, dxp, slots, dx, accumulate);
+}
+
+void Ops::moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorView& slots,
+                      const TensorView& weights, const TensorView& y) {
+  constexpr const char* op = "moe_combine";
+  own(ctx, op);
+  check::dtype(op, "slots", slots, DType::kI32);
+  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
+               shape_string(slots.desc.shape));
+  check::dtype(op, "weights", weights, DType::kF32);
+  check::shape(op, "weights", weights, slots.desc.shape);
+  moe_rows(op, "y", y, "yp", yp, slots.desc.shape[0], slots.desc.shape[1]);
+  if (slots.numel() == 0) return;
+  Labeled label(ctx, op, [&] { return memory(nbytes(yp) + nbytes(y), brief(yp)); });
+  enqueue_moe_combine(ctx, yp, slots, weights, y);
+}
+
+void Ops::moe_combine_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& yp,
+                               const TensorView& slots, const TensorView& weights,
+                               const TensorView& dyp, const TensorView& dweights) {
+  constexpr const char* op = "moe_combine_backward";
+  own(ctx, op);
+  check::dtype(op, "slots", slots, DType::kI32);
+  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
+               shape_string(slots.desc.shape));
+  check::dtype(op, "weights", weights, DType::kF32);
+  check::shape(op, "weights", weights, slots.desc.shape);
+  check::dtype(op, "dweights", dweights, DType::kF32);
+  check::shape(op, "dweights", dweights, slots.desc.shape);
+  moe_rows(op, "dy", dy, "yp", yp, slots.desc.shape[0], slots.desc.shape[1]);
+  moe_rows(op, "dy", dy, "dyp", dyp, slots.desc.shape[0], slots.desc.shape[1]);
+  if (slots.numel() == 0) return;
+  Labeled label(ctx, op, [&] { return memory(2 * nbytes(yp) + nbytes(dy), brief(yp)); });
+  enqueue_moe_combine_backward(ctx, dy, yp, slots, weights, dyp, dweights);
+}
+
+void Ops::moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
+                       const TensorView& aux, const TensorView& aux_grad) {
+  constexpr const char* op = "moe_aux_loss";
+  own(ctx, op);
+  check::dtype(op, "aux_stats", aux_stats, DType::kF64);
+  STRATA_CHECK(aux_stats.numel() > 0 && aux_stats.numel() % 2 == 0, kBadArgument,
+               "{}: aux_stats must be [2, experts], got {}", op, shape_string(aux_stats.desc.shape));
+  const int64_t experts = aux_stats.numel() / 2;
+  STRATA_CHECK(rows > 0 && std::isfinite(rows) && std::isfinite(scale), kBadArgument,
+               "{}: rows {} must be positive and scale {} finite", op, rows, scale);
+  check::dtype(op, "aux", aux, DType::kF64);
+  check::numel(op, "aux", aux, 1);
+  check::dtype(op, "aux_grad", aux_grad, DType::kF32);
+  check::numel(op, "aux_grad", aux_grad, experts);
+  Labeled label(ctx, op, [&] { return memory(nbytes(aux_stats), brief(aux_stats)); });
+  enqueue_moe_aux_loss(ctx, aux_stats, rows, scale, aux, aux_grad);
 }
 
 void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) {

@@ -71,6 +71,8 @@ struct MatView {
   static MatView of(const TensorView& t);
   // Columns [c0, c1) of this matrix (same rows and ld).
   MatView columns(int64_t c0, int64_t c1) const;
+  // Rows [r0, r1) of this matrix (same cols and ld): an expert's token block.
+  MatView row_block(int64_t r0, int64_t r1) const;
 };
 
 class Ops;
@@ -242,6 +244,54 @@ class Ops {
   void count_targets(ComputeContext& ctx, const TensorView& targets,
                              const TensorView& count);
 
+  // ---- mixture of experts: routing, permutation by expert, weighted combine ------
+  // rows tokens routed over E experts, k of them each (1 <= k <= E); rows * k
+  // "assignments" (r, j), ordered by expert into "slots".
+  //
+  // moe_route: logits [rows, E] (float storage) -> probs fp32 [rows, E] = the
+  // softmax in fp32; indices int32 [rows, k] = the k largest, descending, ties
+  // to the lower expert (torch.topk's order); weights fp32 [rows, k] = their
+  // probabilities, divided by their sum when `renormalize`; offsets int32
+  // [E + 1]: expert e's assignments are slots [offsets[e], offsets[e + 1]);
+  // slots int32 [rows, k] = the slot of assignment (r, j); tokens int32
+  // [rows * k] = the row of each slot. Within an expert, slots follow the rows
+  // (stable, deterministic). aux_stats fp64 [2, E], unless empty, ACCUMULATES
+  // per expert the number of assignments (row 0) and the sum of probs over
+  // rows (row 1): the load-balancing loss's statistics (moe_aux_loss).
+  void moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
+                 const TensorView& probs, const TensorView& indices, const TensorView& weights,
+                 const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
+                 const TensorView& aux_stats);
+  // The backward of moe_route's weights: dweights fp32 [rows, k] -> dlogits
+  // [rows, E] (float storage, overwritten) through the renormalisation and the
+  // softmax; aux_grad fp32 [E], unless empty, is d loss / d probs[r, e] of the
+  // load-balancing loss (the same for every row), added before the softmax's
+  // backward. The top-k choice itself has no gradient.
+  void moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                          const TensorView& weights, const TensorView& dweights, bool renormalize,
+                          const TensorView& aux_grad, const TensorView& dlogits);
+  // xp [rows * k, dim]: slot s holds x[tokens[s]] (x [rows, dim], same dtype).
+  void moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
+                  const TensorView& xp);
+  // dx [rows, dim] = sum over j of dxp[slots[r, j]] (+= when accumulate).
+  void moe_gather_backward(ComputeContext& ctx, const TensorView& dxp, const TensorView& slots,
+                           const TensorView& dx, bool accumulate);
+  // y [rows, dim] = sum over j (ascending) of weights[r, j] * yp[slots[r, j]].
+  void moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorView& slots,
+                   const TensorView& weights, const TensorView& y);
+  // dyp [rows * k, dim]: slot slots[r, j] = weights[r, j] * dy[r]; dweights
+  // fp32 [rows, k] = <dy[r], yp[slots[r, j]]> (both overwritten).
+  void moe_combine_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& yp,
+                            const TensorView& slots, const TensorView& weights,
+                            const TensorView& dyp, const TensorView& dweights);
+  // The load-balancing loss of transformers' load_balancing_loss_func from
+  // moe_route's aux_stats summed over every layer: with n = `rows` (tokens
+  // times layers), aux fp64 [1] = E * sum_e (count_e / n) * (probsum_e / n),
+  // and aux_grad fp32 [E] = scale * E * count_e / n^2 (the gradient of scale *
+  // aux with respect to each probability; the counts carry none).
+  void moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
+                    const TensorView& aux, const TensorView& aux_grad);
+
   // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
   void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst);
 
@@ -324,6 +374,29 @@ class Ops {
                                      const CrossEntropyGrad* grad) = 0;
   virtual void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                                      const TensorView& count) = 0;
+  virtual void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k,
+                                 bool renormalize, const TensorView& probs,
+                                 const TensorView& indices, const TensorView& weights,
+                                 const TensorView& offsets, const TensorView& slots,
+                                 const TensorView& tokens, const TensorView& aux_stats) = 0;
+  virtual void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs,
+                                          const TensorView& indices, const TensorView& weights,
+                                          const TensorView& dweights, bool renormalize,
+                                          const TensorView& aux_grad, const TensorView& dlogits) = 0;
+  virtual void enqueue_moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
+                                  const TensorView& xp) = 0;
+  virtual void enqueue_moe_gather_backward(ComputeContext& ctx, const TensorView& dxp,
+                                           const TensorView& slots, const TensorView& dx,
+                                           bool accumulate) = 0;
+  virtual void enqueue_moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorView& slots,
+                                   const TensorView& weights, const TensorView& y) = 0;
+  virtual void enqueue_moe_combine_backward(ComputeContext& ctx, const TensorView& dy,
+                                            const TensorView& yp, const TensorView& slots,
+                                            const TensorView& weights, const TensorView& dyp,
+                                            const TensorView& dweights) = 0;
+  virtual void enqueue_moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows,
+                                    double scale, const TensorView& aux,
+                                    const TensorView& aux_grad) = 0;
   virtual void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
   // numel > 0.
   virtual void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,

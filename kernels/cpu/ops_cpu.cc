@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/attention_blocked.h"
 #include "kernels/dropout_mask.h"
@@ -386,6 +387,200 @@ class CpuOps final : public Ops {
     enqueue(ctx, [=](CpuContext&) {
       count.as<double>()[0] +=
           static_cast<double>(nn::cpu::count_targets(targets.as<const int32_t>(), targets.numel()));
+    });
+  }
+
+  // ---- mixture of experts (small bookkeeping; rows of dim copied or summed) ----
+  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
+                         const TensorView& probs, const TensorView& indices, const TensorView& weights,
+                         const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
+                         const TensorView& aux_stats) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = probs.desc.shape[0], experts = probs.desc.shape[1], k = top_k;
+      const float* lf = widen(c, 0, logits);
+      float* p = probs.as<float>();
+      int32_t* idx = indices.as<int32_t>();
+      float* w = weights.as<float>();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* l = lf + r * experts;
+        float* pr = p + r * experts;
+        float m = l[0];
+        for (int64_t e = 1; e < experts; ++e) m = std::max(m, l[e]);
+        float sum = 0;
+        for (int64_t e = 0; e < experts; ++e) sum += (pr[e] = std::exp(l[e] - m));
+        for (int64_t e = 0; e < experts; ++e) pr[e] /= sum;
+        // Top-k by repeated selection: the largest not yet taken, the lower index on ties.
+        float total = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          int64_t best = -1;
+          for (int64_t e = 0; e < experts; ++e) {
+            bool taken = false;
+            for (int64_t i = 0; i < j; ++i) taken = taken || idx[r * k + i] == e;
+            if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
+          }
+          idx[r * k + j] = static_cast<int32_t>(best);
+          total += (w[r * k + j] = pr[best]);
+        }
+        if (renormalize) {
+          for (int64_t j = 0; j < k; ++j) w[r * k + j] /= total;
+        }
+      }
+      // Counting sort of the assignments by expert, stable in (row, j).
+      int32_t* off = offsets.as<int32_t>();
+      std::fill(off, off + experts + 1, 0);
+      for (int64_t a = 0; a < rows * k; ++a) ++off[idx[a] + 1];
+      for (int64_t e = 0; e < experts; ++e) off[e + 1] += off[e];
+      std::vector<int32_t> next(off, off + experts);
+      int32_t* slot = slots.as<int32_t>();
+      int32_t* tok = tokens.as<int32_t>();
+      for (int64_t a = 0; a < rows * k; ++a) {
+        const int32_t s = next[static_cast<size_t>(idx[a])]++;
+        slot[a] = s;
+        tok[s] = static_cast<int32_t>(a / k);
+      }
+      if (!empty(aux_stats)) {
+        double* st = aux_stats.as<double>();
+        for (int64_t e = 0; e < experts; ++e) {
+          st[e] += off[e + 1] - off[e];
+          double psum = 0;
+          for (int64_t r = 0; r < rows; ++r) psum += p[r * experts + e];
+          st[experts + e] += psum;
+        }
+      }
+    });
+  }
+
+  void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                                  const TensorView& weights, const TensorView& dweights, bool renormalize,
+                                  const TensorView& aux_grad, const TensorView& dlogits) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = probs.desc.shape[0], experts = probs.desc.shape[1], k = indices.desc.shape[1];
+      float* dl = stage(c, 0, dlogits, false);
+      const float* p = probs.as<const float>();
+      const int32_t* idx = indices.as<const int32_t>();
+      const float* w = weights.as<const float>();
+      const float* dw = dweights.as<const float>();
+      const float* ag = empty(aux_grad) ? nullptr : aux_grad.as<const float>();
+#pragma omp parallel for schedule(static) if (rows * experts >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* pr = p + r * experts;
+        float* dp = dl + r * experts;  // d loss / d probs first, then through the softmax
+        for (int64_t e = 0; e < experts; ++e) dp[e] = ag == nullptr ? 0.0f : ag[e];
+        // w_j = p_j / S (S = sum of the chosen p): dp_j = (dw_j - sum_i dw_i w_i) / S.
+        float dot = 0, total = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          dot += dw[r * k + j] * w[r * k + j];
+          total += pr[idx[r * k + j]];
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          dp[idx[r * k + j]] += renormalize ? (dw[r * k + j] - dot) / total : dw[r * k + j];
+        }
+        float pd = 0;
+        for (int64_t e = 0; e < experts; ++e) pd += pr[e] * dp[e];
+        for (int64_t e = 0; e < experts; ++e) dp[e] = pr[e] * (dp[e] - pd);
+      }
+      commit(dl, dlogits);
+    });
+  }
+
+  void enqueue_moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
+                          const TensorView& xp) override {
+    enqueue(ctx, [=](CpuContext&) {
+      const int64_t n = xp.desc.shape[0], dim = xp.desc.shape[1];
+      const auto row_bytes = static_cast<size_t>(dim) * dtype_nbytes(x.desc.dtype);
+      const int32_t* tok = tokens.as<const int32_t>();
+      for (int64_t s = 0; s < n; ++s) {
+        std::memcpy(xp.as<char>() + static_cast<size_t>(s) * row_bytes,
+                    x.as<const char>() + static_cast<size_t>(tok[s]) * row_bytes, row_bytes);
+      }
+    });
+  }
+
+  void enqueue_moe_gather_backward(ComputeContext& ctx, const TensorView& dxp, const TensorView& slots,
+                                   const TensorView& dx, bool accumulate) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = slots.desc.shape[0], k = slots.desc.shape[1], dim = dx.desc.shape[1];
+      float* dxf = stage(c, 1, dx, accumulate);
+      const float* dpf = widen(c, 0, dxp);
+      const int32_t* slot = slots.as<const int32_t>();
+#pragma omp parallel for schedule(static) if (rows * dim * k >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = dxf + r * dim;
+        if (!accumulate) std::fill(out, out + dim, 0.0f);
+        for (int64_t j = 0; j < k; ++j) {
+          const float* in = dpf + static_cast<int64_t>(slot[r * k + j]) * dim;
+          for (int64_t d = 0; d < dim; ++d) out[d] += in[d];
+        }
+      }
+      commit(dxf, dx);
+    });
+  }
+
+  void enqueue_moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorView& slots,
+                           const TensorView& weights, const TensorView& y) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = slots.desc.shape[0], k = slots.desc.shape[1], dim = y.desc.shape[1];
+      float* yf = stage(c, 1, y, false);
+      const float* ypf = widen(c, 0, yp);
+      const int32_t* slot = slots.as<const int32_t>();
+      const float* w = weights.as<const float>();
+#pragma omp parallel for schedule(static) if (rows * dim * k >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* out = yf + r * dim;
+        std::fill(out, out + dim, 0.0f);
+        for (int64_t j = 0; j < k; ++j) {
+          const float* in = ypf + static_cast<int64_t>(slot[r * k + j]) * dim;
+          const float wj = w[r * k + j];
+          for (int64_t d = 0; d < dim; ++d) out[d] += wj * in[d];
+        }
+      }
+      commit(yf, y);
+    });
+  }
+
+  void enqueue_moe_combine_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& yp,
+                                    const TensorView& slots, const TensorView& weights,
+                                    const TensorView& dyp, const TensorView& dweights) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = slots.desc.shape[0], k = slots.desc.shape[1], dim = dy.desc.shape[1];
+      float* dypf = stage(c, 2, dyp, false);
+      const float* dyf = widen(c, 0, dy);
+      const float* ypf = widen(c, 1, yp);
+      const int32_t* slot = slots.as<const int32_t>();
+      const float* w = weights.as<const float>();
+      float* dw = dweights.as<float>();
+#pragma omp parallel for schedule(static) if (rows * dim * k >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* g = dyf + r * dim;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t s = slot[r * k + j];
+          const float* in = ypf + s * dim;
+          float* out = dypf + s * dim;
+          const float wj = w[r * k + j];
+          float dot = 0;
+          for (int64_t d = 0; d < dim; ++d) {
+            out[d] = wj * g[d];
+            dot += g[d] * in[d];
+          }
+          dw[r * k + j] = dot;
+        }
+      }
+      commit(dypf, dyp);
+    });
+  }
+
+  void enqueue_moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
+                            const TensorView& aux, const TensorView& aux_grad) override {
+    enqueue(ctx, [=](CpuContext&) {
+      const int64_t experts = aux_stats.numel() / 2;
+      const double* st = aux_stats.as<const double>();
+      double sum = 0;
+      for (int64_t e = 0; e < experts; ++e) {
+        sum += (st[e] / rows) * (st[experts + e] / rows);
+        aux_grad.as<float>()[e] =
+            static_cast<float>(scale * static_cast<double>(experts) * st[e] / (rows * rows));
+      }
+      aux.as<double>()[0] = static_cast<double>(experts) * sum;
     });
   }
 

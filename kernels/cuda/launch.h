@@ -169,4 +169,26 @@ cudaError_t attention_backward_f32(const float* dout, const float* q, const floa
 void launch_attention_delta(Storage t, const void* dout, const void* out, const AttentionDims& dims,
                             float* delta, cudaStream_t stream);
 
+// ---- moe.cu -------------------------------------------------------------------
+// The moe_* ops of kernels/ops.h (shapes as there; pointers device memory;
+// aux_stats and aux_grad may be null).
+void launch_moe_route(Storage t, const void* logits, int64_t rows, int64_t experts, int64_t k,
+                      bool renormalize, float* probs, int32_t* indices, float* weights, int32_t* offsets,
+                      int32_t* slots, int32_t* tokens, double* aux_stats, cudaStream_t stream);
+void launch_moe_route_backward(const float* probs, const int32_t* indices, const float* weights,
+                               const float* dweights, int64_t rows, int64_t experts, int64_t k,
+                               bool renormalize, const float* aux_grad, Storage t, void* dlogits,
+                               cudaStream_t stream);
+void launch_moe_gather(Storage t, const void* x, const int32_t* tokens, int64_t n, int64_t dim, void* xp,
+                       cudaStream_t stream);
+void launch_moe_gather_backward(Storage t, const void* dxp, const int32_t* slots, int64_t rows, int64_t k,
+                                int64_t dim, bool accumulate, void* dx, cudaStream_t stream);
+void launch_moe_combine(Storage t, const void* yp, const int32_t* slots, const float* weights, int64_t rows,
+                        int64_t k, int64_t dim, void* y, cudaStream_t stream);
+void launch_moe_combine_backward(Storage t, const void* dy, const void* yp, const int32_t* slots,
+                                 const float* weights, int64_t rows, int64_t k, int64_t dim, void* dyp,
+                                 float* dweights, cudaStream_t stream);
+void launch_moe_aux_loss(const double* aux_stats, int64_t experts, double rows, double scale, double* aux,
+                         float* aux_grad, cudaStream_t stream);
+
 }  // namespace strata::ops::cuda

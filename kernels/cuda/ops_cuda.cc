@@ -449,6 +449,110 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
+                         const TensorView& probs, const TensorView& indices, const TensorView& weights,
+                         const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
+                         const TensorView& aux_stats) override {
+    constexpr const char* op = "moe_route";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"logits", &logits}, {"probs", &probs}, {"indices", &indices}, {"weights", &weights},
+                      {"offsets", &offsets}, {"slots", &slots}, {"tokens", &tokens}});
+    if (!empty(aux_stats)) check_device(op, "aux_stats", aux_stats);
+    check_int(op, "rows * experts", probs.numel());
+    run(c, op, [&] {
+      cuda::launch_moe_route(storage(logits.desc.dtype), logits.data, probs.desc.shape[0],
+                             probs.desc.shape[1], top_k, renormalize, probs.as<float>(),
+                             indices.as<int32_t>(), weights.as<float>(), offsets.as<int32_t>(),
+                             slots.as<int32_t>(), tokens.as<int32_t>(),
+                             empty(aux_stats) ? nullptr : aux_stats.as<double>(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                                  const TensorView& weights, const TensorView& dweights, bool renormalize,
+                                  const TensorView& aux_grad, const TensorView& dlogits) override {
+    constexpr const char* op = "moe_route_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"probs", &probs}, {"indices", &indices}, {"weights", &weights},
+                      {"dweights", &dweights}, {"dlogits", &dlogits}});
+    if (!empty(aux_grad)) check_device(op, "aux_grad", aux_grad);
+    run(c, op, [&] {
+      cuda::launch_moe_route_backward(probs.as<float>(), indices.as<int32_t>(), weights.as<float>(),
+                                      dweights.as<float>(), probs.desc.shape[0], probs.desc.shape[1],
+                                      indices.desc.shape[1], renormalize,
+                                      empty(aux_grad) ? nullptr : aux_grad.as<float>(),
+                                      storage(dlogits.desc.dtype), dlogits.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
+                          const TensorView& xp) override {
+    constexpr const char* op = "moe_gather";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"x", &x}, {"tokens", &tokens}, {"xp", &xp}});
+    run(c, op, [&] {
+      cuda::launch_moe_gather(storage(x.desc.dtype), x.data, tokens.as<int32_t>(), xp.desc.shape[0],
+                              xp.desc.shape[1], xp.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_gather_backward(ComputeContext& ctx, const TensorView& dxp, const TensorView& slots,
+                                   const TensorView& dx, bool accumulate) override {
+    constexpr const char* op = "moe_gather_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dxp", &dxp}, {"slots", &slots}, {"dx", &dx}});
+    run(c, op, [&] {
+      cuda::launch_moe_gather_backward(storage(dx.desc.dtype), dxp.data, slots.as<int32_t>(),
+                                       slots.desc.shape[0], slots.desc.shape[1], dx.desc.shape[1],
+                                       accumulate, dx.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorView& slots,
+                           const TensorView& weights, const TensorView& y) override {
+    constexpr const char* op = "moe_combine";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"yp", &yp}, {"slots", &slots}, {"weights", &weights}, {"y", &y}});
+    run(c, op, [&] {
+      cuda::launch_moe_combine(storage(y.desc.dtype), yp.data, slots.as<int32_t>(), weights.as<float>(),
+                               slots.desc.shape[0], slots.desc.shape[1], y.desc.shape[1], y.data,
+                               c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_combine_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& yp,
+                                    const TensorView& slots, const TensorView& weights,
+                                    const TensorView& dyp, const TensorView& dweights) override {
+    constexpr const char* op = "moe_combine_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dy", &dy}, {"yp", &yp}, {"slots", &slots}, {"weights", &weights}, {"dyp", &dyp},
+                      {"dweights", &dweights}});
+    check_int(op, "rows * k * 32", slots.numel() * 32);
+    run(c, op, [&] {
+      cuda::launch_moe_combine_backward(storage(dy.desc.dtype), dy.data, yp.data, slots.as<int32_t>(),
+                                        weights.as<float>(), slots.desc.shape[0], slots.desc.shape[1],
+                                        dy.desc.shape[1], dyp.data, dweights.as<float>(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
+                            const TensorView& aux, const TensorView& aux_grad) override {
+    constexpr const char* op = "moe_aux_loss";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"aux_stats", &aux_stats}, {"aux", &aux}, {"aux_grad", &aux_grad}});
+    run(c, op, [&] {
+      cuda::launch_moe_aux_loss(aux_stats.as<double>(), aux_stats.numel() / 2, rows, scale,
+                                aux.as<double>(), aux_grad.as<float>(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
     constexpr const char* op = "swiglu_forward";

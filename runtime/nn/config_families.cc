@@ -180,9 +180,7 @@ std::string unsupported_reason(std::string_view model_type) {
       {"olmo2",
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
-      {"mixtral", "Mixtral is a mixture of experts"},
       {"qwen2_moe", "Qwen2-MoE is a mixture of experts"},
-      {"qwen3_moe", "Qwen3-MoE is a mixture of experts"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
       {"deepseek_v3", "DeepSeek-V3 is a mixture of experts with multi-head latent attention"},
       {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
@@ -213,6 +211,8 @@ constexpr Family kFamilies[] = {
     {"mistral", "MistralForCausalLM", 8, std::nullopt, 4096 * 32},
     {"qwen2", "Qwen2ForCausalLM", 32, std::nullopt, 32768},
     {"qwen3", "Qwen3ForCausalLM", 32, 128, 32768},
+    {"mixtral", "MixtralForCausalLM", 8, std::nullopt, 4096 * 32},
+    {"qwen3_moe", "Qwen3MoeForCausalLM", 4, std::nullopt, 32768},
 };
 
 const Family& family_of(Reader& r) {
@@ -375,6 +375,44 @@ void read_qwen_window(Reader& r, LlamaConfig& c) {
   c.sliding_layers = std::move(sliding);
 }
 
+// The mixture of experts of mixtral and qwen3_moe, with their configuration
+// classes' defaults. transformers maps num_experts to num_local_experts for
+// both (attribute_map), and save_pretrained writes num_local_experts; a file
+// with both must agree.
+void read_moe(Reader& r, LlamaConfig& c, bool mixtral) {
+  const int64_t fallback = mixtral ? 8 : 128;
+  const bool local = r.present("num_local_experts"), plain = r.present("num_experts");
+  const int64_t a = r.integer("num_local_experts", fallback), b = r.integer("num_experts", fallback);
+  STRATA_CHECK(!(local && plain) || a == b, kBadArgument,
+               "{}: keys 'num_local_experts' ({}) and 'num_experts' ({}) disagree; transformers "
+               "reads them as one", r.where(), a, b);
+  c.num_experts = local ? a : b;
+  STRATA_CHECK(c.num_experts > 0, kBadArgument,
+               "{}: the number of experts is {}; strata computes the sparse layers (a dense "
+               "{} has no experts)", r.where(), c.num_experts, c.model_type);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : 8);
+  c.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
+  c.output_router_logits = r.boolean("output_router_logits", false);
+  if (mixtral) {
+    c.moe_intermediate_size = c.intermediate_size;
+    c.norm_topk_prob = true;  // MixtralTopKRouter always divides by the top-k sum
+    r.require("router_jitter_noise", json(0.0),
+              "strata applies no router jitter (transformers multiplies the MoE input by noise in "
+              "training when it is set)");
+    return;
+  }
+  c.moe_intermediate_size = r.integer("moe_intermediate_size", int64_t{768});
+  c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+  r.require("decoder_sparse_step", json(1),
+            "strata computes every layer as a mixture of experts (1); dense layers in between are "
+            "not implemented");
+  const json& dense = r.read("mlp_only_layers");
+  STRATA_CHECK(dense.is_null() || (dense.is_array() && dense.empty()), kBadArgument,
+               "{}: key 'mlp_only_layers' is {}; strata computes every layer as a mixture of "
+               "experts (dense layers in between are not implemented)",
+               r.where(), describe_json(dense));
+}
+
 }  // namespace
 
 LlamaConfig parse_llama_config(const json& j, const std::string& source) {
@@ -386,7 +424,7 @@ LlamaConfig parse_llama_config(const json& j, const std::string& source) {
   c.source = j;
   const std::string mt = c.model_type;
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
-             qwen3 = mt == "qwen3";
+             qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -415,20 +453,37 @@ LlamaConfig parse_llama_config(const json& j, const std::string& source) {
   if (llama) {
     c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
     c.mlp_bias = r.boolean("mlp_bias", false);
-  } else if (qwen3) {
+  } else if (qwen3 || qwen3_moe) {
     c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
-  } else {
+  } else if (!mixtral) {
     // Mistral has none and Qwen2 always has q/k/v (never o) biases, whatever attention_bias says.
     r.require("attention_bias", json(false),
               no_bias + " switch (Qwen2: q/k/v biases always, o_proj none)");
     c.attention_qkv_bias = qwen2;
   }
-  if (!llama) r.require("mlp_bias", json(false), no_bias + " (mlp_bias is llama's)");
-  c.qk_norm = qwen3;
+  if (!llama && !mixtral && !qwen3_moe) {
+    r.require("mlp_bias", json(false), no_bias + " (mlp_bias is llama's)");
+  }
+  c.qk_norm = qwen3 || qwen3_moe;
+  if (mixtral || qwen3_moe) read_moe(r, c, mixtral);
   if (mistral) {
     read_mistral_window(r, c);
   } else if (qwen2 || qwen3) {
     read_qwen_window(r, c);
+  } else if (mixtral) {
+    // MixtralConfig: no window unless sliding_window is set; then every layer.
+    if (r.present("sliding_window")) {
+      c.sliding_window = r.integer("sliding_window", std::nullopt);
+      STRATA_CHECK(c.sliding_window > 0, kBadArgument,
+                   "{}: key 'sliding_window' is {}; a window holds at least one token (null: none)",
+                   source, c.sliding_window);
+    }
+    r.accept("sliding_window");
+  } else if (qwen3_moe) {
+    r.require("use_sliding_window", json(false),
+              "strata does not apply qwen3_moe's sliding window (every layer attends fully)");
+    r.accept("sliding_window");     // unused without use_sliding_window (Qwen3MoeConfig)
+    r.accept("max_window_layers");  // published configs carry it; Qwen3MoeForCausalLM never reads it
   } else {
     r.require("sliding_window", json(nullptr),
               "transformers' LlamaForCausalLM has no sliding window");

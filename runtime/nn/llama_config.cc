@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 
@@ -66,22 +67,37 @@ void LlamaConfig::validate() const {
                        pad_token_id, vocab_size);
   // The family's fixed shape (what transformers' modeling code for it builds).
   const bool llama = model_type == "llama", mistral = model_type == "mistral",
-             qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3";
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3, kBadArgument,
+             qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
+             mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe";
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe, kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
-  STRATA_CHECK(!(llama || qwen3) || attention_qkv_bias == attention_o_bias, kBadArgument,
+  STRATA_CHECK(!(llama || qwen3 || qwen3_moe) || attention_qkv_bias == attention_o_bias, kBadArgument,
                        "model_type {}: attention_bias gives q/k/v and o_proj biases together",
                        model_type);
-  STRATA_CHECK(!mistral || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
-                       "model_type mistral has no attention biases");
+  STRATA_CHECK(!(mistral || mixtral) || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
+                       "model_type {} has no attention biases", model_type);
   STRATA_CHECK(!qwen2 || (attention_qkv_bias && !attention_o_bias), kBadArgument,
                        "model_type qwen2 has q/k/v biases and no o_proj bias");
   STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
                        model_type);
-  STRATA_CHECK(qk_norm == qwen3, kBadArgument, "model_type {} {} per-head q/k norms", model_type,
-                       qwen3 ? "has" : "has no");
-  STRATA_CHECK(sliding_window == 0 || !llama, kBadArgument, "model_type llama has no sliding window");
+  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe), kBadArgument, "model_type {} {} per-head q/k norms",
+                       model_type, qwen3 || qwen3_moe ? "has" : "has no");
+  STRATA_CHECK(moe() == (mixtral || qwen3_moe), kBadArgument,
+               "model_type {} {} a mixture of experts (num_experts {})", model_type,
+               mixtral || qwen3_moe ? "is" : "is not", num_experts);
+  if (moe()) {
+    STRATA_CHECK(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, kBadArgument,
+                 "key 'num_experts_per_tok' ({}) must be between 1 and the number of experts ({})",
+                 num_experts_per_tok, num_experts);
+    positive("moe_intermediate_size", moe_intermediate_size);
+    STRATA_CHECK(!mixtral || norm_topk_prob, kBadArgument,
+                 "model_type mixtral always renormalises the top-k probabilities");
+    STRATA_CHECK(std::isfinite(router_aux_loss_coef), kBadArgument,
+                 "key 'router_aux_loss_coef' must be finite, got {}", router_aux_loss_coef);
+  }
+  STRATA_CHECK(sliding_window == 0 || !(llama || qwen3_moe), kBadArgument,
+               "model_type {} has no sliding window here", model_type);
   STRATA_CHECK(
       sliding_layers.empty() || qwen2 || qwen3, kBadArgument,
       "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
@@ -93,8 +109,11 @@ void LlamaConfig::validate() const {
   const double h = static_cast<double>(hidden_size), d = static_cast<double>(head_dim),
                q = static_cast<double>(num_attention_heads) * d,
                kv = static_cast<double>(num_key_value_heads) * d,
-               ff = static_cast<double>(intermediate_size);
-  const double layer = 2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d;
+               ff = moe() ? static_cast<double>(num_experts) * static_cast<double>(moe_intermediate_size)
+                          : static_cast<double>(intermediate_size);
+  const double router = moe() ? static_cast<double>(num_experts) * h : 0.0;
+  const double layer =
+      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router;
   const double parameters =
       static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
   constexpr double kMaxCount = 0x1p62;
@@ -134,6 +153,18 @@ std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
       add(p + "self_attn.k_norm.weight", {c.head_dim});
     }
     add(p + "post_attention_layernorm.weight", {h});
+    if (c.moe()) {
+      // The router, then each expert's gate, up and down projections (MoeMlp's order).
+      const MoeNames n = moe_names(c);
+      add(p + n.block + ".gate.weight", {c.num_experts, h});
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string x = fmt::format("{}{}.experts.{}.", p, n.block, e);
+        add(x + n.gate + ".weight", {c.moe_intermediate_size, h});
+        add(x + n.up + ".weight", {c.moe_intermediate_size, h});
+        add(x + n.down + ".weight", {h, c.moe_intermediate_size});
+      }
+      continue;
+    }
     linear("mlp.gate_proj", h, inter, c.mlp_bias);
     linear("mlp.up_proj", h, inter, c.mlp_bias);
     linear("mlp.down_proj", inter, h, c.mlp_bias);
@@ -141,6 +172,11 @@ std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
   add("model.norm.weight", {h});
   if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
   return out;
+}
+
+MoeNames moe_names(const LlamaConfig& c) {
+  if (c.model_type == "mixtral") return {"block_sparse_moe", "w1", "w3", "w2"};
+  return {"mlp", "gate_proj", "up_proj", "down_proj"};
 }
 
 int64_t LlamaConfig::parameter_count() const {
@@ -155,6 +191,8 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "mixtral") return "MixtralForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -211,10 +249,22 @@ nlohmann::json LlamaConfig::to_json() const {
   if (model_type == "llama") {
     j["attention_bias"] = attention_qkv_bias;
     j["mlp_bias"] = mlp_bias;
-  } else if (model_type == "qwen3") {
+  } else if (model_type == "qwen3" || model_type == "qwen3_moe") {
     j["attention_bias"] = attention_qkv_bias;
   }
-  if (model_type == "mistral") {
+  if (moe()) {
+    // The expert count under the source's key (save_pretrained writes num_local_experts for both).
+    j[j.contains("num_experts") ? "num_experts" : "num_local_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = output_router_logits;
+    if (model_type == "qwen3_moe") {
+      j["moe_intermediate_size"] = moe_intermediate_size;
+      j["norm_topk_prob"] = norm_topk_prob;
+      j["use_sliding_window"] = false;
+    }
+  }
+  if (model_type == "mistral" || model_type == "mixtral") {
     j["sliding_window"] =
         sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
   } else if (model_type == "qwen2" || model_type == "qwen3") {
@@ -246,7 +296,8 @@ nlohmann::json LlamaConfig::to_hf_json(DType dtype) const {
 const char* supported_model_types() {
   return "llama (Llama 2, Llama 3 and 3.1-3.3 with rope_type llama3, SmolLM, TinyLlama), mistral "
          "(Mistral 7B, "
-         "with or without a sliding window), qwen2 (Qwen2, Qwen2.5) and qwen3 (dense Qwen3)";
+         "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
+         "(Mixtral 8x7B, 8x22B) and qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B)";
 }
 
 LlamaConfig load_llama_config(const std::string& path) {

@@ -9,10 +9,24 @@
 //   mistral     -                     -         default, linear, llama3   sliding_window (all layers)
 //   qwen2       q, k, v (not o)       -         default, linear, llama3   use_sliding_window + layer_types
 //   qwen3       attention_bias (all)  per head  default, linear, llama3   use_sliding_window + layer_types
+//   mixtral     -                     -         default, linear, llama3   sliding_window (all layers)
+//   qwen3_moe   attention_bias (all)  per head  default, linear, llama3   - (use_sliding_window false)
+//
+// mixtral and qwen3_moe are mixtures of experts: every layer's MLP is
+// num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
+// (runtime/nn/moe_mlp.h); mixtral always renormalises the top-k
+// probabilities, qwen3_moe when norm_topk_prob. With output_router_logits the
+// training loss includes router_aux_loss_coef times transformers'
+// load-balancing loss (transformers adds it only then).
 //
 // plus llama's mlp_bias, tied embeddings and the padding token (its embedding
 // row gets no gradient from lookups, as in torch's nn.Embedding). The tensor
-// names are Hugging Face's and the same in the four families (hf_tensors).
+// names are Hugging Face's and the same in the dense families (hf_tensors);
+// the MoE families name their router and experts as published checkpoints and
+// transformers 5's save_pretrained do: mixtral
+// "block_sparse_moe.gate" and "block_sparse_moe.experts.N.w1/w2/w3", qwen3_moe
+// "mlp.gate" and "mlp.experts.N.gate_proj/up_proj/down_proj" (transformers 5
+// fuses them in memory only; its fused names are refused as unknown tensors).
 //
 // Parsing refuses, before any work and naming the key, anything that would
 // make strata compute something other than what transformers computes for the
@@ -41,7 +55,7 @@
 namespace strata::nn {
 
 struct LlamaConfig {
-  // config.json's model_type: "llama", "mistral", "qwen2" or "qwen3".
+  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral" or "qwen3_moe".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -65,6 +79,16 @@ struct LlamaConfig {
   std::vector<bool> sliding_layers;
   // The token whose embedding row gets no gradient from lookups (-1: none).
   int64_t pad_token_id = -1;
+  // Mixture of experts (mixtral, qwen3_moe; every layer sparse): 0 experts is
+  // a dense MLP. mixtral: num_local_experts, its intermediate_size per expert,
+  // norm_topk_prob always true; qwen3_moe: num_experts, moe_intermediate_size.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  double router_aux_loss_coef = 0;
+  bool output_router_logits = false;  // the loss includes coef * the load-balancing loss
+  bool moe() const { return num_experts > 0; }
   // The config.json object this was parsed from (null when built in code):
   // to_json() keeps its other keys, so an export carries them.
   nlohmann::json source;
@@ -93,6 +117,16 @@ struct HfTensor {
 // Every tensor the architecture uses, in the model's declaration order: the
 // checkpoint must hold exactly these (a tied lm_head may repeat the embedding).
 std::vector<HfTensor> hf_tensors(const LlamaConfig& config);
+
+// The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
+// (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight".
+struct MoeNames {
+  const char* block;
+  const char* gate;
+  const char* up;
+  const char* down;
+};
+MoeNames moe_names(const LlamaConfig& config);
 
 // The families strata fine-tunes, for messages and --help.
 const char* supported_model_types();

@@ -19,11 +19,19 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Llama
   self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype, lora);
   post_attention_layernorm_ = std::make_unique<RMSNorm>(
       engine, child_name("post_attention_layernorm"), c.hidden_size, c.rms_norm_eps, dtype);
-  mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling, lora);
   add_child(*input_layernorm_);
   add_child(*self_attn_);
   add_child(*post_attention_layernorm_);
-  add_child(*mlp_);
+  if (c.moe()) {
+    STRATA_CHECK(lora == nullptr && mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
+                 "model_type {}: LoRA adapters and MLP tiling are not implemented for the experts yet",
+                 c.model_type);
+    moe_ = std::make_unique<MoeMlp>(engine, child_name(moe_names(c).block), c, dtype);
+    add_child(*moe_);
+  } else {
+    mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling, lora);
+    add_child(*mlp_);
+  }
 }
 
 void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
@@ -33,7 +41,11 @@ void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64
   self_attn_->forward(a.ln1, places, batch, seq, a.attn, a.h, phase);
   ops().add(ctx(), x, a.h, a.h);
   post_attention_layernorm_->forward(a.h, a.ln2, a.rstd2, phase);
-  mlp_->forward(a.ln2, a.mlp, y, phase);
+  if (moe_) {
+    moe_->forward(a.ln2, a.moe, a.moe_aux, y, phase);
+  } else {
+    mlp_->forward(a.ln2, a.mlp, y, phase);
+  }
   ops().add(ctx(), a.h, y, y);
 }
 
@@ -42,7 +54,11 @@ void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int6
                             const TensorView& dres) {
   // The residual passes the gradient through, so each norm's input gradient
   // is ADDED into dres: dy -> dh = dy + d(mlp path) -> dx = dh + d(attn path).
-  mlp_->backward(dres, a.ln2, a.mlp, g.mlp, g.dln, false);
+  if (moe_) {
+    moe_->backward(dres, a.ln2, a.moe, g.moe, a.moe_aux, g.dln, false);
+  } else {
+    mlp_->backward(dres, a.ln2, a.mlp, g.mlp, g.dln, false);
+  }
   post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true);
   self_attn_->backward(dres, a.ln1, places, batch, seq, a.attn, g.attn, g.dln, false);
   input_layernorm_->backward(g.dln, x, a.rstd1, dres, /*accumulate_dx=*/true);
@@ -99,6 +115,11 @@ struct LlamaModel::Arena {
   // each acts entry. Empty without adapters.
   LoraScratch lora;
   TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets;
+  // Mixture of experts: the load-balancing statistics (fp64 [2, E]), the loss
+  // (fp64 [1]) and its gradient per probability (fp32 [E]); empty when dense.
+  TensorView moe_stats, moe_aux, moe_aux_grad;
+  // Pinned host memory for each acts entry's expert offsets (E + 1 int32 each).
+  void* host_moe = nullptr;
   TokenPlaces places;  // positions, and the documents' ranges when packed
   // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
   // each), then normalizer and stats (fp64).
@@ -129,6 +150,7 @@ struct LlamaModel::Arena {
     if (uploaded) uploaded->synchronize();
     if (host != nullptr) accelerator->deallocate_pinned(host);
     if (host_checkpoints != nullptr) accelerator->deallocate_pinned(host_checkpoints);
+    if (host_moe != nullptr) accelerator->deallocate_pinned(host_moe);
   }
 };
 
@@ -204,6 +226,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   const LlamaConfig& c = config_;
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
+  const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;
   const DType t = act_dtype_;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
   // Checkpointing keeps one layer's activations; the checkpoints are the
@@ -231,9 +254,25 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(d.h, t, {rows, hidden});
     layout.add(d.ln2, t, {rows, hidden});
     layout.add(d.rstd2, DType::kF32, {rows});
-    layout.add(d.mlp.gate, t, {rows, inter});
-    layout.add(d.mlp.up, t, {rows, inter});
-    layout.add(d.mlp.act, t, {rows, inter});
+    if (c.moe()) {
+      MoeActs& m = d.moe;
+      layout.add(m.logits, t, {rows, experts});
+      layout.add(m.probs, DType::kF32, {rows, experts});
+      layout.add(m.indices, DType::kI32, {rows, top_k});
+      layout.add(m.weights, DType::kF32, {rows, top_k});
+      layout.add(m.offsets, DType::kI32, {experts + 1});
+      layout.add(m.slots, DType::kI32, {rows, top_k});
+      layout.add(m.tokens, DType::kI32, {rows * top_k});
+      layout.add(m.xp, t, {rows * top_k, hidden});
+      layout.add(m.gate, t, {rows * top_k, moe_inter});
+      layout.add(m.up, t, {rows * top_k, moe_inter});
+      layout.add(m.act, t, {rows * top_k, moe_inter});
+      layout.add(m.yp, t, {rows * top_k, hidden});
+    } else {
+      layout.add(d.mlp.gate, t, {rows, inter});
+      layout.add(d.mlp.up, t, {rows, inter});
+      layout.add(d.mlp.act, t, {rows, inter});
+    }
   }
   if (options_.lora.enabled()) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});
@@ -254,9 +293,22 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.add(g.attn.dk, t, {rows, kv_heads, hd});
   layout.add(g.attn.dv, t, {rows, kv_heads, hd});
   layout.add(g.attn.dattn, t, {rows, heads * hd});
-  layout.add(g.mlp.dact, t, {rows, inter});
-  layout.add(g.mlp.dgate, t, {rows, inter});
-  layout.add(g.mlp.dup, t, {rows, inter});
+  if (c.moe()) {
+    layout.add(g.moe.dyp, t, {rows * top_k, hidden});
+    layout.add(g.moe.dxp, t, {rows * top_k, hidden});
+    layout.add(g.moe.dact, t, {rows * top_k, moe_inter});
+    layout.add(g.moe.dgate, t, {rows * top_k, moe_inter});
+    layout.add(g.moe.dup, t, {rows * top_k, moe_inter});
+    layout.add(g.moe.dweights, DType::kF32, {rows, top_k});
+    layout.add(g.moe.dlogits, t, {rows, experts});
+    layout.add(a->moe_stats, DType::kF64, {2, experts});
+    layout.add(a->moe_aux, DType::kF64, {1});
+    layout.add(a->moe_aux_grad, DType::kF32, {experts});
+  } else {
+    layout.add(g.mlp.dact, t, {rows, inter});
+    layout.add(g.mlp.dgate, t, {rows, inter});
+    layout.add(g.mlp.dup, t, {rows, inter});
+  }
   layout.add(a->dres, t, {rows, hidden});
   layout.add(a->final_ln, t, {rows, hidden});
   layout.add(a->rstd_f, DType::kF32, {rows});
@@ -273,7 +325,18 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
   for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = a->lora;
-  a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 3 * sizeof(double));
+  if (c.moe()) {
+    const auto per_acts = static_cast<size_t>(experts + 1);
+    a->host_moe = engine_.accelerator().allocate_pinned(a->acts.size() * per_acts * sizeof(int32_t));
+    for (size_t i = 0; i < a->acts.size(); ++i) {
+      DecoderActs& d = a->acts[i];
+      d.moe.host_offsets = static_cast<int32_t*>(a->host_moe) + i * per_acts;
+      // The statistics only when the loss has the term; its gradient always
+      // a view (zeros without the term would cost a pass: left empty instead).
+      if (c.output_router_logits) d.moe_aux = MoeAux{a->moe_stats, a->moe_aux_grad};
+    }
+  }
+  a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 4 * sizeof(double));
   a->uploaded = engine_.accelerator().create_event();
   if (options_.cpu_checkpointing && layers > 1) {
     // Even on the cpu accelerator this is a separate allocation and a real
@@ -375,6 +438,8 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
     }
   }
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
+  const bool aux_loss = config_.moe() && config_.output_router_logits;
+  if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);
 
   embed_tokens_->forward(a.ids, a.input(0));
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -387,6 +452,12 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   }
   const TensorView& top = a.output(layers_.size() - 1);
   norm_->forward(top, a.final_ln, a.rstd_f);
+  if (aux_loss) {
+    // transformers' load_balancing_loss_func over every layer's rows; the
+    // gradient of grad_scale * coef * aux per router probability.
+    ops().moe_aux_loss(ctx(), a.moe_stats, static_cast<double>(batch * seq) * static_cast<double>(layers_.size()),
+                       options.grad_scale * config_.router_aux_loss_coef, a.moe_aux, a.moe_aux_grad);
+  }
 
   if (!options.backward) {
     run(lm_head_op_, Phase::kForward, [&] {
@@ -451,8 +522,18 @@ LossStats LlamaModel::loss_stats() {
   double* host = a.host_doubles() + 1;
   engine_.accelerator().copy_async(host, a.stats.data, 2 * sizeof(double),
                                    CopyKind::kDeviceToHost, engine_.compute_stream());
+  const bool aux_loss = config_.moe() && config_.output_router_logits;
+  if (aux_loss) {
+    engine_.accelerator().copy_async(host + 2, a.moe_aux.data, sizeof(double), CopyKind::kDeviceToHost,
+                                     engine_.compute_stream());
+  }
   engine_.compute_stream().synchronize();
-  return LossStats{host[0], host[1]};
+  LossStats stats{host[0], host[1]};
+  if (aux_loss) {
+    stats.aux = host[2];
+    stats.aux_coef = config_.router_aux_loss_coef;
+  }
+  return stats;
 }
 
 namespace {

@@ -12,6 +12,15 @@
 // descriptors only. All work is enqueued on the engine's compute stream; the
 // host waits only in loss() / loss_stats() (one small copy).
 //
+// Mixture of experts (mixtral, qwen3_moe; runtime/nn/moe_mlp.h): every
+// layer's MLP is a MoeMlp, whose forward synchronises the compute stream once
+// (the experts' row counts). With the config's output_router_logits (what
+// makes transformers add the term), forward also computes the load-balancing
+// loss over every layer's routing (attention mask none: every token counts)
+// and the loss is the cross-entropy mean + router_aux_loss_coef * aux
+// (LossStats::mean); its gradient, grad_scale * coef * d aux, flows into each
+// router in backward.
+//
 // Training forward fuses the loss's backward: the lm_head operator runs in its
 // BACKWARD hook window at the end of forward(), computing the loss, dh and the
 // lm_head gradient from logits formed once (ops.h, cross_entropy). backward()
@@ -41,6 +50,7 @@
 
 #include "runtime/nn/attention.h"
 #include "runtime/nn/layers.h"
+#include "runtime/nn/moe_mlp.h"
 
 namespace strata::nn {
 
@@ -50,13 +60,16 @@ struct DecoderActs {
   AttentionActs attn;
   TensorView h;           // residual after attention [rows, hidden]
   TensorView ln2, rstd2;  // post-attention norm
-  MlpActs mlp;
+  MlpActs mlp;            // dense families
+  MoeActs moe;            // mixture-of-experts families
+  MoeAux moe_aux;         // the model's load-balancing state (shared by the layers)
 };
 // Backward scratch shared by all layers.
 struct DecoderGrads {
   TensorView dln;  // gradient at a norm's output [rows, hidden]
   AttentionGrads attn;
   MlpGrads mlp;
+  MoeGrads moe;
 };
 
 class DecoderLayer : public Module {
@@ -74,7 +87,8 @@ class DecoderLayer : public Module {
  private:
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::unique_ptr<Attention> self_attn_;
-  std::unique_ptr<Mlp> mlp_;
+  std::unique_ptr<Mlp> mlp_;     // dense families
+  std::unique_ptr<MoeMlp> moe_;  // mixture-of-experts families (config.moe())
 };
 
 struct LlamaModelOptions {
@@ -125,7 +139,13 @@ struct ForwardOptions {
 struct LossStats {
   double sum = 0;    // sum of per-token losses over counted targets
   double count = 0;  // number of counted (not ignored) targets
-  double mean() const { return sum / count; }
+  // Mixture of experts with output_router_logits: the load-balancing loss of
+  // the forward and its coefficient (0 otherwise). transformers' training loss
+  // is the mean plus aux_coef * aux; sum and count stay the language-model
+  // part, which is what adds up over ranks and micro-batches.
+  double aux = 0, aux_coef = 0;
+  double lm_mean() const { return sum / count; }
+  double mean() const { return sum / count + aux_coef * aux; }
 };
 
 class LlamaModel : public Module {

@@ -84,12 +84,30 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   // The residual stream: every layer's input, or two alternating buffers when
   // the checkpoints live in host memory.
   size_t n = (cpu_checkpointing ? 2 : layers + 1) * view_nbytes(t, {rows, hidden});
+  // The MLP's saved activations and backward scratch: gate, up and their
+  // product; or a mixture of experts' routing, its rows in expert order and
+  // each expert's gate, up, product and output (llama_model.cc, MoeActs).
+  const int64_t experts = c.num_experts, k = c.num_experts_per_tok, mi = c.moe_intermediate_size;
+  const int64_t rk = rows * k;
+  const size_t mlp_acts =
+      !c.moe() ? 3 * view_nbytes(t, {rows, inter})
+               : view_nbytes(t, {rows, experts}) + view_nbytes(f32, {rows, experts}) +
+                     view_nbytes(DType::kI32, {rows, k}) + view_nbytes(f32, {rows, k}) +
+                     view_nbytes(DType::kI32, {experts + 1}) + view_nbytes(DType::kI32, {rows, k}) +
+                     view_nbytes(DType::kI32, {rk}) + 2 * view_nbytes(t, {rk, hidden}) +
+                     3 * view_nbytes(t, {rk, mi});
+  const size_t mlp_scratch =
+      !c.moe() ? 3 * view_nbytes(t, {rows, inter})
+               : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {rk, mi}) +
+                     view_nbytes(f32, {rows, k}) + view_nbytes(t, {rows, experts}) +
+                     view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
+                     view_nbytes(f32, {experts});
   // What one decoder layer saves for backward; one set with checkpointing.
   const size_t acts = view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
                       view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
                       view_nbytes(t, {rows, heads * hd}) + view_nbytes(f32, {batch, heads, seq}) +
                       2 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
-                      3 * view_nbytes(t, {rows, inter}) +
+                      mlp_acts +
                       // Qwen3's q/k before their norms and the norms' rstd.
                       (c.qk_norm ? view_nbytes(t, {rows, heads, hd}) + view_nbytes(t, {rows, kv_heads, hd}) +
                                        view_nbytes(f32, {rows * heads}) + view_nbytes(f32, {rows * kv_heads})
@@ -97,8 +115,7 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
   n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +
-       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) +
-       3 * view_nbytes(t, {rows, inter});
+       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch;
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
@@ -210,9 +227,12 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // Linear backward accumulating into dx stages the product in a [rows, in] fp32 scratch
   // (ops_cpu.cc).
   if (in.device_is_host) {
+    // A mixture of experts accumulates into its permuted rows (rows x top-k x hidden).
+    const int64_t dx_rows = c.moe() ? rows * c.num_experts_per_tok : rows;
     add("backward dx scratch", Where::kDevice,
-        4.0 * static_cast<double>(rows * std::max(c.hidden_size, c.intermediate_size)), true,
-        "rows x max(hidden, intermediate) fp32 (cpu ops)");
+        4.0 * static_cast<double>(dx_rows * std::max(c.hidden_size, c.intermediate_size)), true,
+        c.moe() ? "rows x top-k x max(hidden, intermediate) fp32 (cpu ops)"
+                : "rows x max(hidden, intermediate) fp32 (cpu ops)");
   }
   during_steps = false;  // the engine's storage: finalize
   if (z.param_tier == strata::Tier::kDevice) {

@@ -97,6 +97,10 @@ std::string unused_hint(const std::string& name, const nn::LlamaConfig& c) {
     return "per-head q/k norms: a Qwen3 checkpoint (model_type qwen3)";
   }
   if (has("mlp.") && ends_with(name, ".bias")) return "MLP biases: a llama with mlp_bias true";
+  if (c.moe() && (has("experts.gate_up_proj") || has("experts.down_proj"))) {
+    return "transformers 5's fused expert tensors, its in-memory layout: save the model with "
+           "save_pretrained, which writes one tensor per expert and projection";
+  }
   if (has("experts") || has("block_sparse_moe") || has("mlp.gate.weight")) {
     return "mixture-of-experts weights (Mixtral, Qwen-MoE)";
   }

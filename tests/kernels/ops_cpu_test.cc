@@ -18,6 +18,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "kernels/dropout_mask.h"
+#include "tests/kernels/moe_op_checks.h"
 #include "tests/kernels/optimizer_op_checks.h"
 
 using namespace strata;
@@ -616,4 +617,26 @@ TEST_CASE("cpu ops: adam_step and grad_sum_sq refuse bad arguments before enqueu
   CHECK(f.read(p) == Vec(8, 1.0));
   CHECK(f.read(m) == Vec(8, 1.0));
   CHECK(f.read(v) == Vec(8, 1.0));
+}
+
+TEST_CASE("cpu ops: mixture-of-experts routing, permutation, combine and their backwards match the reference",
+          "[ops][cpu][moe]") {
+  Fixture f;
+  for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
+}
+
+TEST_CASE("cpu ops: moe ops refuse bad arguments before enqueueing", "[ops][cpu][moe]") {
+  Fixture f;
+  Vec l(12, 0.0);
+  const TensorView logits = f.tensor(l, DType::kF32, {4, 3});
+  const TensorView probs = f.zeros(DType::kF32, {4, 3}), idx = f.zeros(DType::kI32, {4, 2}),
+                   w = f.zeros(DType::kF32, {4, 2}), off = f.zeros(DType::kI32, {4}),
+                   slots = f.zeros(DType::kI32, {4, 2}), tok = f.zeros(DType::kI32, {8});
+  CHECK_THROWS_WITH(f.ops->moe_route(*f.ctx, logits, 3, true, probs, idx, w, off, slots, tok, {}),
+                    Catch::Contains("top_k 3 but indices has 2 columns"));
+  CHECK_THROWS_WITH(f.ops->moe_route(*f.ctx, logits, 2, true, probs, idx, w, f.zeros(DType::kI32, {3}), slots,
+                                     tok, {}),
+                    Catch::Contains("offsets has 3 elements"));
+  CHECK_THROWS_WITH(f.ops->moe_gather(*f.ctx, logits, f.zeros(DType::kI32, {8}), f.zeros(DType::kBF16, {8, 3})),
+                    Catch::Contains("activations must share one dtype"));
 }

@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "tests/runtime/accelerator_contract.h"
 #include "tests/kernels/cuda_ops_fixture.h"
+#include "tests/kernels/moe_op_checks.h"
 #include "tests/support/tolerances.h"
 
 using namespace strata;
@@ -449,6 +450,12 @@ TEST_CASE("cuda ops: attention refuses head_dim above 128", "[ops][cuda]") {
     CHECK(e.category() == ErrorCategory::kBadArgument);
     CHECK_THAT(e.message(), Catch::Contains("head_dim 256"));
   }
+}
+
+TEST_CASE("cuda ops: mixture-of-experts routing, permutation, combine and their backwards match the reference",
+          "[ops][cuda][moe]") {
+  Fixture f;
+  for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
 }
 
 TEST_CASE("cuda ops: swiglu add and cast", "[ops][cuda]") {

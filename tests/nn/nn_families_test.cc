@@ -46,7 +46,8 @@ void expect_refused(const json& j, std::initializer_list<std::string> needles) {
 
 const char* const kCases[] = {"llama_untied_f32", "llama_tied_bf16", "llama3_untied_f32", "llama3_tied_bf16",
                               "mistral_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen2_tied_bf16",
-                              "qwen3_untied_f32", "qwen3_tied_bf16"};
+                              "qwen3_untied_f32", "qwen3_tied_bf16", "mixtral_untied_f32", "mixtral_untied_bf16",
+                              "qwen3_moe_untied_f32", "qwen3_moe_tied_bf16", "qwen3_moe_nonorm_f32"};
 
 }  // namespace
 
@@ -129,14 +130,14 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "mixtral", "qwen3_moe"}) {
+  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "qwen2_moe", "deepseek_v3"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
                        "qwen3"});
   }
   json j = base;
-  j["model_type"] = "mixtral";
+  j["model_type"] = "qwen2_moe";
   expect_refused(j, {"mixture of experts"});
   j = base;
   j["architectures"] = {"LlamaForSequenceClassification"};
@@ -301,9 +302,10 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
   CHECK(c.parameter_count() == 134515008);
 }
 
-TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations included",
+TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
           "[nn][config][families]") {
-  for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32"}) {
+  for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
+                           "qwen3_moe_untied_f32"}) {
     const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);
@@ -321,4 +323,87 @@ TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activa
       CHECK(plan::llama_arena_nbytes(c, DType::kF32, batch, seq, checkpointing, false) == model.arena_nbytes());
     }
   }
+}
+
+TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what strata does not compute",
+          "[nn][config][families][moe]") {
+  const LlamaConfig mixtral = parse_llama_config(fixture_config("mixtral_untied_f32"));
+  CHECK(mixtral.model_type == "mixtral");
+  CHECK(mixtral.num_experts == 8);
+  CHECK(mixtral.num_experts_per_tok == 2);
+  CHECK(mixtral.moe_intermediate_size == mixtral.intermediate_size);
+  CHECK(mixtral.norm_topk_prob);  // Mixtral always renormalises
+  CHECK(mixtral.output_router_logits);
+  CHECK(mixtral.router_aux_loss_coef == 0.02);
+  CHECK(!mixtral.qk_norm);
+  const LlamaConfig qwen = parse_llama_config(fixture_config("qwen3_moe_untied_f32"));
+  CHECK(qwen.qk_norm);
+  CHECK(qwen.norm_topk_prob);
+  CHECK(qwen.moe_intermediate_size == 8);
+  CHECK(!parse_llama_config(fixture_config("qwen3_moe_nonorm_f32")).norm_topk_prob);
+  // Published configs say num_experts (save_pretrained writes num_local_experts); both must agree.
+  json j = fixture_config("qwen3_moe_untied_f32");
+  j.erase("num_local_experts");
+  j["num_experts"] = 8;
+  CHECK(parse_llama_config(j).num_experts == 8);
+  j["num_local_experts"] = 4;
+  expect_refused(j, {"'num_local_experts' (4)", "'num_experts' (8)", "disagree"});
+  // Absent keys take the configuration class's defaults.
+  j = fixture_config("qwen3_moe_untied_f32");
+  for (const char* key : {"norm_topk_prob", "router_aux_loss_coef", "output_router_logits"}) j.erase(key);
+  const LlamaConfig d = parse_llama_config(j);
+  CHECK(!d.norm_topk_prob);
+  CHECK(d.router_aux_loss_coef == 0.001);
+  CHECK(!d.output_router_logits);
+  // What would be another model.
+  j = fixture_config("qwen3_moe_untied_f32");
+  j["decoder_sparse_step"] = 2;
+  expect_refused(j, {"decoder_sparse_step", "every layer as a mixture of experts"});
+  j = fixture_config("qwen3_moe_untied_f32");
+  j["mlp_only_layers"] = {0};
+  expect_refused(j, {"mlp_only_layers", "[0]"});
+  j = fixture_config("qwen3_moe_untied_f32");
+  j["use_sliding_window"] = true;
+  expect_refused(j, {"use_sliding_window", "qwen3_moe's sliding window"});
+  j = fixture_config("qwen3_moe_untied_f32");
+  j["num_local_experts"] = 0;
+  expect_refused(j, {"number of experts is 0"});
+  j = fixture_config("qwen3_moe_untied_f32");
+  j["num_experts_per_tok"] = 9;
+  expect_refused(j, {"num_experts_per_tok", "9"});
+  j = fixture_config("mixtral_untied_f32");
+  j["router_jitter_noise"] = 0.1;
+  expect_refused(j, {"router_jitter_noise", "no router jitter"});
+  j = fixture_config("mixtral_untied_f32");
+  j["norm_topk_prob"] = false;
+  expect_refused(j, {"key 'norm_topk_prob'", "model_type \"mixtral\""});
+  // Published checkpoints' config.json key sets (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) are read.
+  const json mixtral_8x7b = json::parse(R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0, "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
+  const LlamaConfig m8 = parse_llama_config(mixtral_8x7b);
+  CHECK(m8.parameter_count() == 46702792704);  // Mixtral 8x7B's 46.7B
+  const json qwen3_30b = json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": false,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+  const LlamaConfig q30 = parse_llama_config(qwen3_30b);
+  CHECK(q30.num_experts == 128);
+  CHECK(q30.parameter_count() == 30532122624);  // Qwen3-30B-A3B's 30.5B
+  // The tensors: router and per-expert projections, in published checkpoints' names.
+  const std::vector<HfTensor> tensors = hf_tensors(mixtral);
+  std::set<std::string> names;
+  for (const HfTensor& t : tensors) names.insert(t.name);
+  CHECK(names.contains("model.layers.1.block_sparse_moe.gate.weight"));
+  CHECK(names.contains("model.layers.1.block_sparse_moe.experts.7.w2.weight"));
+  CHECK(hf_tensors(qwen).size() == tensors.size() + 4);  // q/k norms in 2 layers
 }

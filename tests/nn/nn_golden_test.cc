@@ -121,3 +121,42 @@ TEST_CASE("golden: LoRA with activation checkpointing recomputes the adapters' p
   run.checkpoint_activations = true;
   check_golden_run(Backend::kCpu, "lora_llama_f32_all", "loss", "grads.safetensors", kGoldenF32, run);
 }
+
+namespace {
+
+// scripts/make-golden-moe: E = 8 experts, top 2, GQA, 2 layers, with
+// output_router_logits (the loss includes router_aux_loss_coef * the
+// load-balancing loss); each case has an expert no token chose.
+const char* const kMoeF32Cases[] = {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32"};
+const char* const kMoeBf16Cases[] = {"mixtral_untied_bf16", "qwen3_moe_tied_bf16"};
+
+}  // namespace
+
+TEST_CASE("golden: Mixtral and Qwen3-MoE in fp32 match transformers, with and without the auxiliary loss",
+          "[nn][golden][moe]") {
+  for (const char* name : kMoeF32Cases) {
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32, std::nullopt,
+                 /*checkpoint_activations=*/true);
+    GoldenRun off;
+    off.router_logits_off = true;
+    check_golden_run(Backend::kCpu, name, "loss_without_aux", "", kGoldenF32, off);
+    // The fixture can tell: the auxiliary term and the expert choice are visible in the loss.
+    const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+    const double loss = expected.at("loss").get<double>(), lm = expected.at("loss_without_aux").get<double>();
+    INFO(name << ": loss " << loss << ", without the auxiliary term " << lm);
+    CHECK(std::abs(loss - lm) > 100 * kGoldenF32.loss_rel * loss);
+    CHECK(!expected.at("unrouted_experts").empty());
+  }
+}
+
+TEST_CASE("golden: Mixtral and Qwen3-MoE with bf16 weights match transformers", "[nn][golden][moe]") {
+  for (const char* name : kMoeBf16Cases) {
+    check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+    GoldenRun off;
+    off.router_logits_off = true;
+    check_golden_run(Backend::kCpu, name, "loss_without_aux_f32", "", kGoldenF32, off);
+  }
+}

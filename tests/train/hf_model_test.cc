@@ -92,7 +92,8 @@ void expect_refused(const fs::path& dir, std::initializer_list<std::string> need
 
 TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[train][hf]") {
   test::TempDir dir("hf-model");
-  for (const char* name : {"llama3_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen3_tied_bf16"}) {
+  for (const char* name : {"llama3_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen3_tied_bf16",
+                           "mixtral_untied_bf16", "qwen3_moe_untied_f32"}) {
     INFO(name);
     CHECK_NOTHROW(train::load_hf_config(fixture(name)));
     const fs::path sharded = shard_fixture(dir, name, std::string(name) + "_sharded");
@@ -158,6 +159,21 @@ TEST_CASE("hf model: a checkpoint that is not the architecture config.json names
     write_json(bad_index / "model.safetensors.index.json", index);
   }
   expect_refused(bad_index, {"model.norm.weight"});
+}
+
+TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformers 5's fused in-memory layout is refused",
+          "[train][hf][moe]") {
+  test::TempDir dir("hf-model");
+  expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "fused", {"model.layers.0.mlp.experts.gate_up_proj"}),
+                 {"'model.layers.0.mlp.experts.gate_up_proj'", "fused", "save_pretrained"});
+  // A Mixtral checkpoint labelled qwen3_moe: its experts have other names.
+  expect_refused(copy_fixture(dir, "mixtral_untied_f32", "mixtral_as_qwen3_moe",
+                              [](json& c) {
+                                c["model_type"] = "qwen3_moe";
+                                c["architectures"] = {"Qwen3MoeForCausalLM"};
+                                c.erase("router_jitter_noise");
+                              }),
+                 {"block_sparse_moe", "model_type \"qwen3_moe\""});
 }
 
 TEST_CASE("hf model: load_hf_weights itself refuses a tensor no parameter claims", "[train][hf]") {
