@@ -548,6 +548,17 @@ void moe_rows(std::string_view op, const char* xname, const TensorView& x, const
   check::shape(op, xpname, xp, {rows * k, x.desc.shape[1]});
 }
 
+// slots int32 [rows, k] and, when given, weights (and dweights) fp32 of the same shape.
+void moe_slots(std::string_view op, const TensorView& slots, std::initializer_list<std::pair<const char*, const TensorView*>> per_slot) {
+  check::dtype(op, "slots", slots, DType::kI32);
+  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
+               shape_string(slots.desc.shape));
+  for (const auto& [name, t] : per_slot) {
+    check::dtype(op, name, *t, DType::kF32);
+    check::shape(op, name, *t, slots.desc.shape);
+  }
+}
+
 }  // namespace
 
 void Ops::moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
@@ -616,9 +627,7 @@ void Ops::moe_gather_backward(ComputeContext& ctx, const TensorView& dxp, const 
                               const TensorView& dx, bool accumulate) {
   constexpr const char* op = "moe_gather_backward";
   own(ctx, op);
-  check::dtype(op, "slots", slots, DType::kI32);
-  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
-               shape_string(slots.desc.shape));
+  moe_slots(op, slots, {});
   moe_rows(op, "dx", dx, "dxp", dxp, slots.desc.shape[0], slots.desc.shape[1]);
   if (slots.numel() == 0) return;
   Labeled label(ctx, op, [&] { return memory(nbytes(dxp) + 2 * nbytes(dx), brief(dxp)); });
@@ -629,11 +638,7 @@ void Ops::moe_combine(ComputeContext& ctx, const TensorView& yp, const TensorVie
                       const TensorView& weights, const TensorView& y) {
   constexpr const char* op = "moe_combine";
   own(ctx, op);
-  check::dtype(op, "slots", slots, DType::kI32);
-  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
-               shape_string(slots.desc.shape));
-  check::dtype(op, "weights", weights, DType::kF32);
-  check::shape(op, "weights", weights, slots.desc.shape);
+  moe_slots(op, slots, {{"weights", &weights}});
   moe_rows(op, "y", y, "yp", yp, slots.desc.shape[0], slots.desc.shape[1]);
   if (slots.numel() == 0) return;
   Labeled label(ctx, op, [&] { return memory(nbytes(yp) + nbytes(y), brief(yp)); });
@@ -645,13 +650,7 @@ void Ops::moe_combine_backward(ComputeContext& ctx, const TensorView& dy, const 
                                const TensorView& dyp, const TensorView& dweights) {
   constexpr const char* op = "moe_combine_backward";
   own(ctx, op);
-  check::dtype(op, "slots", slots, DType::kI32);
-  STRATA_CHECK(slots.desc.shape.size() == 2, kBadArgument, "{}: slots must be [rows, k], got {}", op,
-               shape_string(slots.desc.shape));
-  check::dtype(op, "weights", weights, DType::kF32);
-  check::shape(op, "weights", weights, slots.desc.shape);
-  check::dtype(op, "dweights", dweights, DType::kF32);
-  check::shape(op, "dweights", dweights, slots.desc.shape);
+  moe_slots(op, slots, {{"weights", &weights}, {"dweights", &dweights}});
   moe_rows(op, "dy", dy, "yp", yp, slots.desc.shape[0], slots.desc.shape[1]);
   moe_rows(op, "dy", dy, "dyp", dyp, slots.desc.shape[0], slots.desc.shape[1]);
   if (slots.numel() == 0) return;

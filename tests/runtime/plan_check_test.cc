@@ -151,6 +151,21 @@ strata::nn::LlamaConfig arena_config(int64_t vocab, int64_t hidden, int64_t inte
   return c;
 }
 
+// The arena a LlamaModel of `c` with `options` allocates for one batch x seq step.
+size_t model_arena_nbytes(const strata::nn::LlamaConfig& c, const strata::nn::LlamaModelOptions& options,
+                          int64_t batch, int64_t seq) {
+  auto accelerator = strata::make_cpu_accelerator();
+  strata::engine::ResidentEngine engine(*accelerator);
+  strata::nn::LlamaModel model(engine, c, options);
+  engine.finalize();
+  strata::nn::initialize_parameters(engine, model.parameters(), 7);
+  std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
+  model.forward(ids, targets, batch, seq);
+  model.backward();
+  (void)model.loss();
+  return model.arena_nbytes();
+}
+
 }  // namespace
 
 TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan][check]") {
@@ -159,21 +174,12 @@ TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan]
   for (const bool checkpointing : {false, true}) {
     for (const bool cpu_checkpointing : {false, true}) {
       if (cpu_checkpointing && !checkpointing) continue;
-      auto accelerator = strata::make_cpu_accelerator();
-      strata::engine::ResidentEngine engine(*accelerator);
       strata::nn::LlamaModelOptions options;
       options.checkpoint_activations = checkpointing;
       options.cpu_checkpointing = cpu_checkpointing;
-      strata::nn::LlamaModel model(engine, c, options);
-      engine.finalize();
-      strata::nn::initialize_parameters(engine, model.parameters(), 7);
-      std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
-      model.forward(ids, targets, batch, seq);
-      model.backward();
-      (void)model.loss();
       INFO("checkpointing " << checkpointing << ", cpu " << cpu_checkpointing);
       CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, checkpointing,
-                                             cpu_checkpointing) == model.arena_nbytes());
+                                             cpu_checkpointing) == model_arena_nbytes(c, options, batch, seq));
     }
   }
 }
@@ -184,24 +190,14 @@ TEST_CASE("the plan's activation arena with LoRA adapters (with and without drop
   const int64_t batch = 2, seq = 12;
   for (const double dropout : {0.0, 0.1}) {
     INFO("dropout " << dropout);
-    auto accelerator = strata::make_cpu_accelerator();
-    strata::engine::ResidentEngine engine(*accelerator);
     strata::nn::LlamaModelOptions options;
     options.lora.rank = 3;
     options.lora.alpha = 8;
     options.lora.dropout = dropout;
     options.lora.targets = strata::nn::parse_lora_targets(dropout > 0 ? "q_proj,down_proj" : "all-linear");
-    strata::nn::LlamaModel model(engine, c, options);
-    engine.finalize();
-    strata::nn::initialize_parameters(engine, model.parameters(), 7);
-    std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
-    model.forward(ids, targets, batch, seq);
-    model.backward();
-    (void)model.loss();
-    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, options.lora) ==
-          model.arena_nbytes());
-    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) <
-          model.arena_nbytes());
+    const size_t arena = model_arena_nbytes(c, options, batch, seq);
+    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, options.lora) == arena);
+    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) < arena);
   }
 }
 
