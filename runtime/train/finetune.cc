@@ -410,7 +410,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     const double global_count = engine.global_sum(local_count);
     STRATA_CHECK(global_count > 0, kBadArgument, "step {}: every target of the global batch is ignored", step);
     const double lr = schedule.lr(engine.step_count());
-    double loss_sum = 0;
+    double loss_sum = 0, aux_sum = 0;
+    bool aux = false;  // a mixture of experts with its load-balancing loss
     for (size_t m = 0; m < micro.size(); ++m) {
       // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
       if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
@@ -437,7 +438,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         StreamSpan ops(engine.compute_stream(), "compute", "backward");
         model.backward();
         ops.end();
-        loss_sum += model.loss_stats().sum;  // waits for the backward's loss
+        const nn::LossStats stats = model.loss_stats();  // waits for the backward's loss
+        loss_sum += stats.sum;
+        aux_sum += stats.aux;
+        aux = stats.aux_coef > 0;
       }
     }
     const double forward_backward = seconds_since(start);
@@ -461,6 +465,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
+    if (aux) {
+      // The mean over the step's micro-batches and ranks (the gradients add each one's).
+      r.aux_loss = engine.global_sum(aux_sum) / static_cast<double>(micro.size() * static_cast<size_t>(rank.world_size));
+    }
     const bool eval_due =
         eval_batches && ((options.eval_every > 0 && step % options.eval_every == 0) || step == options.steps);
     if (eval_due) {
@@ -477,6 +485,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     monitor("train/grad_norm", r.grad_norm);
     monitor("train/tokens_per_second", r.tokens_per_second());
     if (r.eval_loss) monitor("eval/loss", *r.eval_loss);
+    if (r.aux_loss) monitor("train/aux_loss", *r.aux_loss);
     const bool new_best = options.keep_best && r.eval_loss && (!best_eval || *r.eval_loss < *best_eval);
     if (checkpoints && (step % options.save_every == 0 || step == options.steps || new_best)) {
       trace::Span span("phase", "checkpoint");

@@ -59,6 +59,7 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
       r.tokens = j.value("tokens", int64_t{0});
       r.seconds = j.value("step_s", 0.0);
       if (j.contains("eval_loss") && j["eval_loss"].is_number()) r.eval_loss = j["eval_loss"].get<double>();
+      if (j.contains("aux_loss") && j["aux_loss"].is_number()) r.aux_loss = j["aux_loss"].get<double>();
       steps_.push_back(r);
       elapsed_ += r.seconds;
       kept += line + "\n";
@@ -168,6 +169,7 @@ void RunReport::record(const StepRecord& r) {
                          {"memory", {{"device_peak_bytes", r.device_peak_nbytes},
                                      {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
   if (r.eval_loss) line["eval_loss"] = finite_or_null(*r.eval_loss);
+  if (r.aux_loss) line["aux_loss"] = finite_or_null(*r.aux_loss);
   const std::string text = line.dump() + "\n";
   STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
                "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
@@ -179,8 +181,9 @@ void RunReport::print_progress(const StepRecord& r) {
   const double per_step = elapsed_ / static_cast<double>(steps_.size());
   const double eta = per_step * static_cast<double>(std::max<int64_t>(0, total_steps_ - r.step));
   const std::string stats =
-      fmt::format("step {}/{}  loss {:.4f}{}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
-                  total_steps_, r.loss, r.eval_loss ? fmt::format("  eval {:.4f}", *r.eval_loss) : std::string(),
+      fmt::format("step {}/{}  loss {:.4f}{}{}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
+                  total_steps_, r.loss, r.aux_loss ? fmt::format("  aux {:.4f}", *r.aux_loss) : std::string(),
+                  r.eval_loss ? fmt::format("  eval {:.4f}", *r.eval_loss) : std::string(),
                   r.lr, r.grad_norm, r.tokens_per_second(), r.seconds,
                   r.nvme_bytes > 0 && r.seconds > 0
                       ? fmt::format("  NVMe {:.2f} GB/s", static_cast<double>(r.nvme_bytes) / r.seconds / 1e9)

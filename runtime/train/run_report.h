@@ -45,6 +45,10 @@ struct StepRecord {
   uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
   uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
   std::optional<double> eval_loss;       // the evaluation after this step, when one ran
+  // Mixture of experts with output_router_logits: the load-balancing loss, the
+  // mean over the step's micro-batches and ranks (`loss` is the language-model
+  // part; the gradients include router_aux_loss_coef times this).
+  std::optional<double> aux_loss;
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 

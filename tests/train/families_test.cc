@@ -160,6 +160,51 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   check_export(out + "/model", model, "BF16");
 }
 
+TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on NVMe reports its load-balancing "
+          "loss and exports what it imported",
+          "[finetune][families][moe]") {
+  strata::test::TempDir dir("families-moe");
+  const std::string swap = dir.file("swap");
+  const std::string model = fixture("mixtral_untied_f32");
+  const json source = read_json(model + "/config.json");
+  REQUIRE(source["output_router_logits"] == true);
+  const std::string data = one_window(dir, source["vocab_size"].get<int>(), 7);
+  const std::string config = write_file(dir, "ds.json", R"({
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string out = dir.file("out");
+  const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                               " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 4 --out " +
+                               out + " --export " + out + "/model --export-dtype fp32 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, Catch::Contains("  aux "));
+  const auto steps = read_jsonl(out + "/metrics.jsonl");
+  REQUIRE(steps.size() == 4);
+  for (const auto& s : steps) {
+    REQUIRE(s.contains("aux_loss"));
+    // E x the sum over the k slots and E experts of (share of tokens x mean
+    // probability): k = 2 when perfectly balanced, at most E x k = 16.
+    CHECK(s["aux_loss"].get<double>() >= 1.0);
+    CHECK(s["aux_loss"].get<double>() <= 16.0);
+  }
+  CHECK(steps[3]["loss"].get<double>() < steps[0]["loss"].get<double>());
+  const json exported = read_json(out + "/model/config.json");
+  CHECK(exported["model_type"] == "mixtral");
+  CHECK(exported["architectures"] == source["architectures"]);
+  const strata::nn::SafetensorsFile file = strata::nn::SafetensorsFile::open(out + "/model/model.safetensors");
+  const strata::nn::LlamaConfig c = strata::nn::parse_llama_config(exported);
+  CHECK(file.names().size() == strata::nn::hf_tensors(c).size());
+  for (const auto& t : strata::nn::hf_tensors(c)) {
+    INFO(t.name);
+    REQUIRE(file.contains(t.name));
+    CHECK(file.entry(t.name).shape == t.shape);
+  }
+}
+
 TEST_CASE("families: strata finetune refuses another architecture, or a checkpoint that is not config.json's, "
           "before step 1",
           "[finetune][families]") {
