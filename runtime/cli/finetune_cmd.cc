@@ -107,6 +107,11 @@ void add_finetune_command(CLI::App& app) {
                   "Dropout on the adapters' input in training (PEFT's lora_dropout; its masks follow from the seed, "
                   "the step and the micro-batch, so a resumed run drops the same elements)")
       ->capture_default_str();
+  cmd->add_option("--lora-init", options->lora_init,
+                  "Start the adapters from a PEFT adapter directory (adapter_config.json + "
+                  "adapter_model.safetensors, as --export writes or PEFT saves) instead of PEFT's initialisation; "
+                  "its config sets r, alpha, rsLoRA, the targets and the dropout (--lora-dropout may change the "
+                  "dropout); only plain LoRA is accepted");
   cmd->add_flag("--merge-lora", options->merge_lora,
                 "With --export: write the merged model (each targeted W + s B A, a Hugging Face directory like "
                 "any export) instead of the adapter in PEFT's format (adapter_config.json + "
@@ -141,10 +146,16 @@ void add_finetune_command(CLI::App& app) {
                   "rank, else .rank<N> goes before .json when there are several ranks");
   on_selected(cmd, [cmd, options, seed, shard_size, lr, weight_decay, micro, accum, warmup, lora_targets] {
     if (cmd->count("--seed") > 0) options->seed = *seed;
-    const bool lora = cmd->count("--lora-rank") > 0;
-    for (const char* flag : {"--lora-alpha", "--lora-targets", "--lora-rslora", "--lora-dropout", "--merge-lora"}) {
-      STRATA_CHECK(lora || cmd->count(flag) == 0, kBadArgument, "{} needs --lora-rank (LoRA adapters)", flag);
+    const bool lora = cmd->count("--lora-rank") > 0, init = cmd->count("--lora-init") > 0;
+    for (const char* flag : {"--lora-rank", "--lora-alpha", "--lora-targets", "--lora-rslora"}) {
+      STRATA_CHECK(!init || cmd->count(flag) == 0, kBadArgument,
+                   "{} with --lora-init: the adapter's adapter_config.json sets it", flag);
     }
+    for (const char* flag : {"--lora-alpha", "--lora-targets", "--lora-rslora", "--lora-dropout", "--merge-lora"}) {
+      STRATA_CHECK(lora || init || cmd->count(flag) == 0, kBadArgument, "{} needs --lora-rank (LoRA adapters)",
+                   flag);
+    }
+    options->lora_dropout_given = cmd->count("--lora-dropout") > 0;
     if (lora) {
       options->lora.targets = nn::parse_lora_targets(*lora_targets);
       if (cmd->count("--lora-alpha") == 0) options->lora.alpha = 8;

@@ -27,12 +27,14 @@
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/nn/llama_weights.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/freeze.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
 #include "runtime/train/monitors.h"
+#include "runtime/train/peft_adapter.h"
 #include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
@@ -116,8 +118,19 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   flags.hidden_size = model_config.hidden_size;
   flags.override_values = options.config.empty();
   const DocumentFilter fill = [&](nlohmann::json doc) { return apply_trainer_flags(std::move(doc), flags, source); };
+  // LoRA: from the flags, or from the adapter --lora-init names (its
+  // adapter_config.json; --lora-dropout may still set the dropout).
+  nn::LoraSpec lora = options.lora;
+  std::optional<PeftAdapter> start_adapter;
+  if (!options.lora_init.empty()) {
+    start_adapter = read_peft_adapter(options.lora_init);
+    const double dropout = options.lora_dropout_given ? options.lora.dropout : start_adapter->spec.dropout;
+    lora = start_adapter->spec;
+    lora.dropout = dropout;
+    lora.validate();
+  }
   // A run that freezes parameters may offload them alone (config.h).
-  const bool frozen = options.lora.enabled() || !options.freeze.empty();
+  const bool frozen = lora.enabled() || !options.freeze.empty();
   const Config config = options.config.empty() ? parse_config_text(kBuiltinConfig, source, fill, frozen)
                                                : load_config_file(options.config.string(), fill, frozen);
   STRATA_CHECK(!config.tensorboard.enabled || tensorboard_available(), kBadArgument,
@@ -139,12 +152,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   STRATA_CHECK(options.seq >= 1 && options.seq <= model_config.max_position_embeddings, kBadArgument,
                "--seq {} must be in [1, {}] (the model's max_position_embeddings)", options.seq,
                model_config.max_position_embeddings);
-  if (options.lora.enabled()) {
-    options.lora.validate();
+  if (lora.enabled()) {
+    lora.validate();
     STRATA_CHECK(options.freeze.empty(), kBadArgument,
                  "--freeze with --lora-rank: LoRA trains the adapters only, the whole base is frozen already");
   }
-  STRATA_CHECK(!options.merge_lora || (options.lora.enabled() && !options.export_dir.empty()), kBadArgument,
+  STRATA_CHECK(!options.merge_lora || (lora.enabled() && !options.export_dir.empty()), kBadArgument,
                "--merge-lora needs --lora-rank (adapters to merge) and --export DIR (where the merged model goes)");
   const uint64_t seed = options.seed.value_or(config.strata.seed);
   const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
@@ -210,7 +223,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.cpu_checkpointing = config.cpu_checkpointing;
     pinned.world_size = rank.world_size;
     pinned.zero = zero;
-    pinned.lora = options.lora;
+    pinned.lora = lora;
     check_pinned_budget(config, source, pinned);
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
@@ -225,7 +238,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.dtype = train_dtype;
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
   model_options.cpu_checkpointing = config.cpu_checkpointing;
-  model_options.lora = options.lora;
+  model_options.lora = lora;
   std::optional<nn::LlamaModel> built;
   try {
     built.emplace(engine, model_config, model_options);
@@ -258,17 +271,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     load_hf_weights(engine, base, options.model);
   }
   nn::initialize_parameters(engine, adapters, seed);
+  if (start_adapter) {
+    // Exactly the adapters this model declares: a tensor more or less is refused by name.
+    nn::load_parameters(engine, adapters, start_adapter->weights.string(), false, std::string(nn::kPeftPrefix));
+  }
   setup_span.reset();
   batches->check_ids(model_config.vocab_size);
   if (eval_batches) eval_batches->check_ids(model_config.vocab_size);
-  if (options.lora.enabled()) {
+  if (lora.enabled()) {
     int64_t trained = 0;
     for (engine::ParamId id : adapters) trained += engine.param_info(id).numel();
     std::string targets;
-    for (const std::string& t : options.lora.targets) targets += (targets.empty() ? "" : ",") + t;
+    for (const std::string& t : lora.targets) targets += (targets.empty() ? "" : ",") + t;
     logger().info("finetune: LoRA r={} alpha={} (scale {:.4g}{}{}) on {}: {} adapter tensors, {} parameters trained",
-                  options.lora.rank, options.lora.alpha, options.lora.scaling(), options.lora.rslora ? ", rsLoRA" : "",
-                  options.lora.dropout > 0 ? fmt::format(", dropout {}", options.lora.dropout) : std::string(),
+                  lora.rank, lora.alpha, lora.scaling(), lora.rslora ? ", rsLoRA" : "",
+                  lora.dropout > 0 ? fmt::format(", dropout {}", lora.dropout) : std::string(),
                   targets, adapters.size(), trained);
   }
   logger().info("finetune: {} parameters ({}), ZeRO stage {}, params on {}, optimizer state on {}, {} rank(s) x "
@@ -297,14 +314,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) {
     checkpoints.emplace(options.save_dir, options.keep_checkpoints);
-    if (options.lora.enabled()) {
+    if (lora.enabled()) {
       // A LoRA checkpoint holds the adapters; the base is named by its
       // identity, and a resume on other base weights is refused.
-      checkpoint_model["lora"] = {{"r", options.lora.rank},
-                                  {"alpha", options.lora.alpha},
-                                  {"rslora", options.lora.rslora},
-                                  {"dropout", options.lora.dropout},
-                                  {"targets", options.lora.targets}};
+      checkpoint_model["lora"] = {{"r", lora.rank},
+                                  {"alpha", lora.alpha},
+                                  {"rslora", lora.rslora},
+                                  {"dropout", lora.dropout},
+                                  {"targets", lora.targets}};
       checkpoint_model["base_weights"] = options.model.empty() ? nlohmann::json{{"init_seed", seed}}
                                                                : hf_weights_identity(options.model);
       checkpoints->omit_frozen();
@@ -517,16 +534,16 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     trace::Span span("phase", "export");
     const auto start = Clock::now();
     ExportResult exported;
-    if (options.lora.enabled() && !options.merge_lora) {
-      exported = export_lora_adapter(engine, *comms.control, options.lora, adapters, options.model.string(),
+    if (lora.enabled() && !options.merge_lora) {
+      exported = export_lora_adapter(engine, *comms.control, lora, adapters, options.model.string(),
                                      options.export_dir, export_options);
     } else {
-      if (options.merge_lora) export_options.merge = LoraMerge{options.lora, adapters};
+      if (options.merge_lora) export_options.merge = LoraMerge{lora, adapters};
       exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options);
     }
     result.exported = exported.files;
     if (rank.rank == 0 && options.progress != nullptr) {
-      const bool adapter = options.lora.enabled() && !options.merge_lora;
+      const bool adapter = lora.enabled() && !options.merge_lora;
       fmt::print(options.progress, "  exported         {} ({}{} in {}, {:.1f} MB) in {:.1f} s\n",
                  options.export_dir.string(),
                  adapter ? "the LoRA adapter in PEFT's format"

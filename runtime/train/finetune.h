@@ -57,6 +57,11 @@ struct FinetuneOptions {
   // out of checkpoints, which record its identity (the weights files' sizes
   // and CRC-32s, or the seed of --init) and refuse to resume on another base.
   nn::LoraSpec lora;
+  // Start the adapters from this PEFT adapter directory (runtime/train/peft_adapter.h)
+  // instead of PEFT's initialisation; its adapter_config.json sets the LoRA
+  // spec (lora above stays unset), except the dropout when lora_dropout_given.
+  std::filesystem::path lora_init;
+  bool lora_dropout_given = false;
   // With lora and export_dir: export the merged model (W + s B A) instead of
   // the adapter in PEFT's format.
   bool merge_lora = false;

@@ -319,3 +319,63 @@ TEST_CASE("LoRA: bad flags and a model directory holding an adapter are refused 
   CHECK(r.exit_code != 0);
   CHECK_THAT(r.output, Catch::Contains("holds adapter_config.json, a PEFT adapter"));
 }
+
+TEST_CASE("LoRA: --lora-init starts from a PEFT adapter and refuses what plain LoRA does not compute",
+          "[finetune][lora]") {
+  strata::test::TempDir dir("lora-init");
+  const std::string base = base_model(dir), data = tokens(dir);
+  const std::string fixture = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::string common = strata_binary() + " finetune --model " + base + " --data " + data +
+                             " --data-format u16 --seq 8 --steps 2 --weight-decay 0 ";
+  // At learning rate 0 the adapter comes out as it went in: PEFT's settings and every value.
+  const auto r = run_command(common + "--lr 0 --lora-init " + fixture + " --out " + dir.file("o") + " --export " +
+                             dir.file("same") + " 2>&1");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK_THAT(r.output, Catch::Contains("LoRA r=4 alpha=8 (scale 2)"));
+  const json in_config = read_json(fixture + "/adapter_config.json"), out_config = read_json(dir.file("same") + "/adapter_config.json");
+  for (const char* key : {"r", "lora_alpha", "use_rslora", "lora_dropout"}) CHECK(out_config[key] == in_config[key]);
+  CHECK(out_config["target_modules"].get<std::set<std::string>>() ==
+        in_config["target_modules"].get<std::set<std::string>>());
+  const nn::SafetensorsFile a = nn::SafetensorsFile::open(fixture + "/adapter_model.safetensors");
+  const nn::SafetensorsFile b = nn::SafetensorsFile::open(dir.file("same") + "/adapter_model.safetensors");
+  REQUIRE(a.names().size() == b.names().size());
+  for (const std::string& name : a.names()) {
+    INFO(name);
+    REQUIRE(b.contains(name));
+    const strata::TensorView x = a.view(name), y = b.view(name);
+    REQUIRE(x.nbytes() == y.nbytes());
+    CHECK(std::memcmp(x.data, y.data, x.nbytes()) == 0);
+  }
+  // What plain LoRA does not compute, and flags the adapter sets, are refused by name.
+  auto edited = [&](const std::string& name, const std::string& key, const json& value) {
+    const std::string out = dir.file(name);
+    fs::create_directories(out);
+    json c = in_config;
+    c[key] = value;
+    write_file(dir, name + "/adapter_config.json", c.dump());
+    fs::copy_file(fixture + "/adapter_model.safetensors", out + "/adapter_model.safetensors");
+    return out;
+  };
+  struct Case {
+    std::string args, expect;
+  };
+  const std::vector<Case> cases = {
+      {"--lora-init " + edited("dora", "use_dora", true), "key 'use_dora' is true"},
+      {"--lora-init " + edited("pattern", "rank_pattern", {{"q_proj", 8}}), "key 'rank_pattern'"},
+      {"--lora-init " + edited("saved", "modules_to_save", {"lm_head"}), "key 'modules_to_save'"},
+      {"--lora-init " + edited("bias", "bias", "all"), "bias is \"all\""},
+      {"--lora-init " + edited("prefix", "peft_type", "PREFIX_TUNING"), "peft_type is \"PREFIX_TUNING\""},
+      {"--lora-init " + edited("rank8", "r", 8), "has shape"},
+      {"--lora-init " + fixture + " --lora-rank 4", "--lora-rank with --lora-init"},
+      {"--lora-init " + dir.file("nowhere"), "no adapter_config.json there"},
+  };
+  for (const Case& c : cases) {
+    const auto run = run_command(common + c.args + " --out " + dir.file("x") + " 2>&1");
+    INFO(c.args << "\n" << run.output);
+    CHECK(run.exit_code != 0);
+    CHECK_THAT(run.output, Catch::Contains(c.expect));
+    CHECK_THAT(run.output, !Catch::Contains("step 1/"));
+  }
+}
+
