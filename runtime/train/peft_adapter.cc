@@ -37,6 +37,11 @@ PeftAdapter read_peft_adapter(const fs::path& dir) {
   const nlohmann::json c = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   const std::string where = config_path.string();
   STRATA_CHECK(c.is_object(), kBadArgument, "{}: not a JSON object", where);
+  // Strings where strings belong, before any is read as one.
+  for (const char* key : {"peft_type", "bias"}) {
+    STRATA_CHECK(!c.contains(key) || c[key].is_string(), kBadArgument, "{}: {} must be a string, got {}", where, key,
+                 c[key].dump());
+  }
   STRATA_CHECK(c.value("peft_type", std::string()) == "LORA", kBadArgument,
                "{}: peft_type is {}, strata trains LoRA adapters only", where,
                c.contains("peft_type") ? c["peft_type"].dump() : std::string("absent"));
@@ -51,6 +56,8 @@ PeftAdapter read_peft_adapter(const fs::path& dir) {
                "{}: bias is {}: strata trains no biases with LoRA (PEFT's bias \"none\")", where, c["bias"].dump());
   PeftAdapter a;
   try {
+    STRATA_CHECK(c.at("r").is_number_integer(), kBadArgument, "{}: r must be a whole number, got {}", where,
+                 c["r"].dump());
     a.spec.rank = c.at("r").get<int64_t>();
     a.spec.alpha = c.at("lora_alpha").get<double>();
     a.spec.rslora = c.value("use_rslora", false);
@@ -59,7 +66,8 @@ PeftAdapter read_peft_adapter(const fs::path& dir) {
     a.spec.targets = targets.is_string() ? nn::parse_lora_targets(targets.get<std::string>())
                                          : targets.get<std::vector<std::string>>();
   } catch (const nlohmann::json::exception& e) {
-    raise(ErrorCategory::kBadArgument, "{}: r, lora_alpha or target_modules missing or of the wrong type ({})", where,
+    raise(ErrorCategory::kBadArgument,
+          "{}: r, lora_alpha, use_rslora, lora_dropout or target_modules missing or of the wrong type ({})", where,
           e.what());
   }
   try {
