@@ -16,6 +16,12 @@ TensorView reshaped(const TensorView& t, Shape shape) {
 }
 
 namespace {
+// The adapter scratch an Acts points to; an empty one without adapters.
+const LoraScratch& scratch_of(const LoraScratch* lora) {
+  static const LoraScratch kNone;
+  return lora != nullptr ? *lora : kNone;
+}
+
 // A [rows, ...] tensor as a rows x (everything else) matrix: q [rows, heads,
 // head_dim] is the [rows, heads * head_dim] output of q_proj.
 MatView mat(const TensorView& t) {
@@ -76,28 +82,28 @@ void Attention::forward(const TensorView& x, const TokenPlaces& places, int64_t 
   }
   if (q_norm_) {
     // Qwen3: q = q_norm(q_proj(x)) per head, then RoPE; the projections stay for the norms' backward.
-    q_proj_->forward(mat(x), mat(a.q_pre), phase, a.lora);
-    k_proj_->forward(mat(x), mat(a.k_pre), phase, a.lora);
+    q_proj_->forward(mat(x), mat(a.q_pre), phase, scratch_of(a.lora));
+    k_proj_->forward(mat(x), mat(a.k_pre), phase, scratch_of(a.lora));
     q_norm_->forward(per_head(a.q_pre), per_head(a.q), a.rstd_q, phase);
     k_norm_->forward(per_head(a.k_pre), per_head(a.k), a.rstd_k, phase);
   } else {
-    q_proj_->forward(mat(x), mat(a.q), phase, a.lora);
-    k_proj_->forward(mat(x), mat(a.k), phase, a.lora);
+    q_proj_->forward(mat(x), mat(a.q), phase, scratch_of(a.lora));
+    k_proj_->forward(mat(x), mat(a.k), phase, scratch_of(a.lora));
   }
-  v_proj_->forward(mat(x), mat(a.v), phase, a.lora);
+  v_proj_->forward(mat(x), mat(a.v), phase, scratch_of(a.lora));
   ops().rope_forward(ctx(), a.q, places.positions, rope_);
   ops().rope_forward(ctx(), a.k, places.positions, rope_);
   ops().attention_forward(ctx(), reshaped(a.q, {batch, seq, heads_, head_dim_}),
                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_of(places, seq));
-  o_proj_->forward(mat(a.attn), mat(y), phase, a.lora);
+  o_proj_->forward(mat(a.attn), mat(y), phase, scratch_of(a.lora));
 }
 
 void Attention::backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                          int64_t batch, int64_t seq, const AttentionActs& a,
                          const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
-  o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false, a.lora);
+  o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false, scratch_of(a.lora));
   ops().attention_backward(ctx(), reshaped(g.dattn, {batch, seq, heads_, head_dim_}),
                            reshaped(a.q, {batch, seq, heads_, head_dim_}),
                            reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
@@ -113,16 +119,16 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     // large as dq), then each projection before the next norm reuses it.
     const TensorView dq_pre = reshaped(g.dattn, a.q_pre.desc.shape);
     q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false);
-    q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx, a.lora);
+    q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
     TensorView dk_pre = g.dattn;
     dk_pre.desc.shape = a.k_pre.desc.shape;  // the first rows * kv_heads * head_dim elements
     k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false);
-    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true, a.lora);
+    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true, scratch_of(a.lora));
   } else {
-    q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, a.lora);
-    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true, a.lora);
+    q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
+    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true, scratch_of(a.lora));
   }
-  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true, a.lora);
+  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true, scratch_of(a.lora));
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
@@ -146,18 +152,18 @@ Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType d
 }
 
 void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Phase phase) {
-  gate_proj_->forward(mat(x), mat(a.gate), phase, a.lora);
-  up_proj_->forward(mat(x), mat(a.up), phase, a.lora);
+  gate_proj_->forward(mat(x), mat(a.gate), phase, scratch_of(a.lora));
+  up_proj_->forward(mat(x), mat(a.up), phase, scratch_of(a.lora));
   ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
-  down_proj_->forward(mat(a.act), mat(y), phase, a.lora);
+  down_proj_->forward(mat(a.act), mat(y), phase, scratch_of(a.lora));
 }
 
 void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, const MlpGrads& g,
                    const TensorView& dx, bool accumulate_dx) {
-  down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false, a.lora);
+  down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false, scratch_of(a.lora));
   ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
-  gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx, a.lora);
-  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, a.lora);
+  gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
+  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, scratch_of(a.lora));
 }
 
 }  // namespace strata::nn

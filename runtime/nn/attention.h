@@ -28,7 +28,8 @@ TensorView reshaped(const TensorView& t, Shape shape);
 struct AttentionActs {
   TensorView q, k, v, attn, lse;
   TensorView q_pre, k_pre, rstd_q, rstd_k;
-  LoraScratch lora;  // the adapters' scratch (shared, not saved); empty without adapters
+  // The model's one adapter scratch (shared by every layer, not saved); null without adapters.
+  const LoraScratch* lora = nullptr;
 };
 // Backward scratch, same shapes as q, k, v, attn. With q/k norms, dattn also
 // holds the gradients before the norms once o_proj's backward has used it.
@@ -85,7 +86,7 @@ struct MlpTiling {
 // Saved by Mlp::forward: gate, up and silu(gate) * up, each [rows, intermediate].
 struct MlpActs {
   TensorView gate, up, act;
-  LoraScratch lora;  // as AttentionActs::lora
+  const LoraScratch* lora = nullptr;  // as AttentionActs::lora
 };
 // Backward scratch, each [rows, intermediate].
 struct MlpGrads {

@@ -110,9 +110,9 @@ struct LlamaModel::Arena {
   // Saved activations: one set per layer, or (checkpointing) one set shared.
   std::vector<DecoderActs> acts;
   DecoderGrads grads;
-  // The adapters' scratch, one pair for every adapted projection of every
-  // layer (each uses it only inside its own operator's window); copied into
-  // each acts entry. Empty without adapters.
+  // The adapters' scratch, one set for every adapted projection of every
+  // layer (each uses it only inside its own operator's window), and this
+  // forward's dropout; every acts entry points to it. Empty without adapters.
   LoraScratch lora;
   TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets;
   // Mixture of experts: the load-balancing statistics (fp64 [2, E]), the loss
@@ -278,11 +278,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});
     layout.add(a->lora.dh, t, {rows, options_.lora.rank});
     if (options_.lora.dropout > 0) {
-      // The widest input of a targeted projection.
-      int64_t in = 0;
-      for (const std::string& target : options_.lora.targets) {
-        in = std::max(in, target == "o_proj" ? heads * hd : target == "down_proj" ? inter : hidden);
-      }
+      const int64_t in = lora_widest_input(c, options_.lora);
       layout.add(a->lora.xd, t, {rows * in});
       layout.add(a->lora.dxd, t, {rows * in});
     }
@@ -324,7 +320,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->memory = engine_.accelerator().allocate_tensor(
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
-  for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = a->lora;
+  for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = &a->lora;
   if (c.moe()) {
     const auto per_acts = static_cast<size_t>(experts + 1);
     a->host_moe = engine_.accelerator().allocate_pinned(a->acts.size() * per_acts * sizeof(int32_t));
@@ -431,12 +427,8 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   upload(ids, targets, options.positions, batch, seq, options.normalizer);
   const TokenPlaces places = this->places();
   // This forward's LoRA dropout (a recompute in backward reads the same).
-  for (DecoderActs& d : a.acts) {
-    for (LoraScratch* lora : {&d.attn.lora, &d.mlp.lora}) {
-      lora->dropout = options.backward ? static_cast<float>(options_.lora.dropout) : 0.0f;
-      lora->seed = options.dropout_seed;
-    }
-  }
+  a.lora.dropout = options.backward ? static_cast<float>(options_.lora.dropout) : 0.0f;
+  a.lora.seed = options.dropout_seed;
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
   const bool aux_loss = config_.moe() && config_.output_router_logits;
   if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);
@@ -565,12 +557,17 @@ double uniform_at(uint64_t key, uint64_t index) {
   return static_cast<double>(splitmix64(key ^ splitmix64(index)) >> 11) * 0x1p-52 - 1.0;
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
+
+int64_t lora_widest_input(const LlamaConfig& c, const LoraSpec& lora) {
+  int64_t in = 0;
+  for (const std::string& target : lora.targets) {
+    in = std::max(in, target == "o_proj"      ? c.num_attention_heads * c.head_dim
+                      : target == "down_proj" ? c.intermediate_size
+                                              : c.hidden_size);
+  }
+  return in;
+}
 
 void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
                            uint64_t seed, double std) {
@@ -580,9 +577,9 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
     // Tiles are keyed by their untiled tensor and element index within it, so a
     // tiled model initialises exactly like an untiled one.
     const std::string& key_name = p.slice ? p.slice->tensor : p.name;
-    const bool is_bias = ends_with(key_name, ".bias");
+    const bool is_bias = key_name.ends_with(".bias");
     const bool is_norm = p.shape.size() == 1 && !is_bias;
-    const bool lora_a = ends_with(key_name, ".lora_A.weight"), lora_b = ends_with(key_name, ".lora_B.weight");
+    const bool lora_a = key_name.ends_with(".lora_A.weight"), lora_b = key_name.ends_with(".lora_B.weight");
     const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;
     const uint64_t key = splitmix64(seed) ^ fnv1a(key_name);
     const int64_t cols = p.shape.back();

@@ -198,6 +198,10 @@ class LlamaModel : public Module {
   bool backward_pending_ = false;
 };
 
+// The widest input of a projection `lora` targets: the columns of its dropout
+// scratch (LoraScratch::xd).
+int64_t lora_widest_input(const LlamaConfig& config, const LoraSpec& lora);
+
 // Deterministic initialisation keyed by (parameter name, element index), so the
 // result does not depend on declaration order, world size or sharding:
 // normal(0, std) for matrices, 1 for norm weights, 0 for biases, and a LoRA

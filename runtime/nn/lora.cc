@@ -21,10 +21,6 @@ std::string known_list() {
   return s;
 }
 
-bool ends_with(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 }  // namespace
 
 double LoraSpec::scaling() const {
@@ -73,7 +69,7 @@ std::vector<std::string> parse_lora_targets(std::string_view list) {
 }
 
 bool is_lora_parameter(std::string_view name) {
-  return ends_with(name, ".lora_A.weight") || ends_with(name, ".lora_B.weight");
+  return name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
 }
 
 }  // namespace strata::nn

@@ -11,6 +11,7 @@
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
+#include "runtime/nn/llama_model.h"
 #include "core/error.h"
 
 namespace strata::plan {
@@ -121,12 +122,8 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
   if (lora.enabled()) {
     n += 2 * view_nbytes(t, {rows, lora.rank});  // LoraScratch h and dh
-    if (lora.dropout > 0) {                      // xd and dxd, for the widest targeted input
-      int64_t in = 0;
-      for (const std::string& target : lora.targets) {
-        in = std::max(in, target == "o_proj" ? heads * hd : target == "down_proj" ? inter : hidden);
-      }
-      n += 2 * view_nbytes(t, {rows * in});
+    if (lora.dropout > 0) {  // xd and dxd, for the widest targeted input
+      n += 2 * view_nbytes(t, {rows * nn::lora_widest_input(c, lora)});
     }
   }
   return n;

@@ -322,8 +322,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                   {"rslora", lora.rslora},
                                   {"dropout", lora.dropout},
                                   {"targets", lora.targets}};
-      checkpoint_model["base_weights"] = options.model.empty() ? nlohmann::json{{"init_seed", seed}}
-                                                               : hf_weights_identity(options.model);
+      if (options.model.empty()) {
+        checkpoint_model["base_weights"] = {{"init_seed", seed}};
+      } else {
+        // Rank 0 reads the base once for its checksums; the others receive them.
+        nlohmann::json identity = hf_weights_identity(options.model, /*checksums=*/rank.rank == 0);
+        for (auto& file : identity) {
+          const double crc = rank.rank == 0 ? file["crc32"].get<double>() : 0.0;
+          file["crc32"] = static_cast<uint32_t>(engine.global_sum(crc));
+        }
+        checkpoint_model["base_weights"] = identity;
+      }
       checkpoints->omit_frozen();
     }
     checkpoints->expect_model(checkpoint_model);

@@ -38,7 +38,8 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
                      const std::filesystem::path& dir);
 // The identity of the directory's weights: each weights file (and the index
 // when sharded) with its size and CRC-32, [{"file", "bytes", "crc32"}, ...]
-// in name order. Reads every byte once.
-nlohmann::json hf_weights_identity(const std::filesystem::path& dir);
+// in name order. With checksums it reads every byte once; without, crc32 is
+// 0 (for ranks that receive rank 0's instead of reading the files again).
+nlohmann::json hf_weights_identity(const std::filesystem::path& dir, bool checksums = true);
 
 }  // namespace strata::train

@@ -14,6 +14,7 @@
 #include "runtime/nn/llama_model.h"
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/lora.h"
+#include "runtime/train/peft_adapter.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/tolerances.h"
@@ -72,11 +73,7 @@ inline void check_golden_run(Backend backend, const std::string& name, const std
   options.checkpoint_activations = run.checkpoint_activations;
   options.cpu_checkpointing = run.cpu_checkpointing;
   if (run.lora) {
-    const nlohmann::json adapter = read_json(dir + "/adapter_config.json");
-    options.lora.rank = adapter.at("r").get<int64_t>();
-    options.lora.alpha = adapter.at("lora_alpha").get<double>();
-    options.lora.rslora = adapter.at("use_rslora").get<bool>();
-    options.lora.targets = adapter.at("target_modules").get<std::vector<std::string>>();
+    options.lora = train::read_peft_adapter(dir).spec;  // PEFT's adapter_config.json, as --lora-init reads it
     CHECK(options.lora.scaling() == Approx(expected.at("lora").at("scaling").get<double>()));
   }
   Rig rig(backend);

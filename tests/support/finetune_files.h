@@ -22,6 +22,25 @@ inline std::string write_file(const TempDir& dir, const std::string& name, const
   return path;
 }
 
+// A ds_config for small models in real runs: ZeRO-3 with 1000-element
+// sub-groups and buckets (so a tiny model has several), parameters on NVMe
+// in `swap`, the optimizer state there too unless `optimizer_on_nvme` is
+// false (then on the accelerator), AdamW at 0.01 without weight decay, 2
+// micro-batches per step, fp32 or bf16. Written to dir/name; returns its path.
+inline std::string zero3_nvme_config(const TempDir& dir, const std::string& name, const std::string& swap,
+                                     bool bf16 = false, bool optimizer_on_nvme = true) {
+  return write_file(dir, name, std::string(R"({
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,)") +
+                                   (bf16 ? R"( "bf16": {"enabled": true},)" : "") + R"(
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + "\"}" +
+                                   (optimizer_on_nvme ? R"(,
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + "\"}"
+                                                      : std::string()) +
+                                   "}}");
+}
+
 // A small version of the example model (2 layers of 64), so a run takes
 // seconds: dir/small.json, returned.
 inline std::string small_model(const TempDir& dir) {

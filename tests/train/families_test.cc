@@ -136,12 +136,7 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   const std::string swap = dir.file("swap");
   const std::string model = fixture("qwen3_tied_bf16");
   const std::string data = one_window(dir, 37, 7);
-  const std::string config = write_file(dir, "ds.json", R"({
-    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "bf16": {"enabled": true},
-    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
-      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap, /*bf16=*/true);
   const std::string out = dir.file("out");
   const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
                                " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 6 --out " +
@@ -169,12 +164,7 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on
   const json source = read_json(model + "/config.json");
   REQUIRE(source["output_router_logits"] == true);
   const std::string data = one_window(dir, source["vocab_size"].get<int>(), 7);
-  const std::string config = write_file(dir, "ds.json", R"({
-    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
-      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap);
   const std::string out = dir.file("out");
   const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
                                " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 4 --out " +

@@ -21,6 +21,7 @@
 #include "runtime/nn/llama_weights.h"
 #include "runtime/nn/lora.h"
 #include "runtime/nn/safetensors.h"
+#include "runtime/train/peft_adapter.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
@@ -75,13 +76,7 @@ const char* const kTargets = "q_proj,v_proj,down_proj";
 double loss_of(const std::string& model_dir, const std::string& adapter_dir, const std::vector<int32_t>& ids) {
   strata::test::Rig rig;
   nn::LlamaModelOptions options;
-  if (!adapter_dir.empty()) {
-    const json adapter = read_json(adapter_dir + "/adapter_config.json");
-    options.lora.rank = adapter.at("r").get<int64_t>();
-    options.lora.alpha = adapter.at("lora_alpha").get<double>();
-    options.lora.rslora = adapter.at("use_rslora").get<bool>();
-    options.lora.targets = adapter.at("target_modules").get<std::vector<std::string>>();
-  }
+  if (!adapter_dir.empty()) options.lora = strata::train::read_peft_adapter(adapter_dir).spec;
   nn::LlamaModel model(*rig.engine, nn::load_llama_config(model_dir + "/config.json"), options);
   rig.engine->finalize();
   std::vector<nn::ParamId> base, adapters;
@@ -108,12 +103,7 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
           "[finetune][lora]") {
   strata::test::TempDir dir("lora");
   const std::string base = base_model(dir), data = tokens(dir), swap = dir.file("swap");
-  const std::string config = write_file(dir, "ds.json", R"({
-    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
-      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap);
   const std::string common = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
                              " --model " + base + " --data " + data + " --data-format u16 --seq 8 --steps 5 " +
                              "--lora-rank 4 --lora-alpha 8 --lora-targets " + kTargets + " --export-dtype fp32";
@@ -132,11 +122,8 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
   // The base alone on NVMe, the optimizer on the accelerator (offload_optimizer
   // absent): the adapters stay resident with their optimizer state, the same
   // update bit for bit. Without LoRA the same config is refused.
-  const std::string resident = write_file(dir, "ds_resident.json", R"({
-    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
-    "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
-      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
+  const std::string resident =
+      strata::test::zero3_nvme_config(dir, "ds_resident.json", swap, false, /*optimizer_on_nvme=*/false);
   const std::string resident_args = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
                                     resident + " --model " + base + " --data " + data +
                                     " --data-format u16 --seq 8 --steps 5 --out " + dir.file("r");
