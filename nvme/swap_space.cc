@@ -50,8 +50,15 @@ SwapSpace::SwapSpace(SwapSpaceOptions options) : options_(std::move(options)) {
   dir_ = options_.root / options_.group / fmt::format("rank{}", options_.rank);
   ensure_run_directory(options_.root, "nvme_path");
   lock_ = DirectoryLock::acquire(options_.root, rank_lock_file_name(options_.rank), "nvme_path");
+  // Ranks share root/group and each removes it when it is left empty (remove_all), so another
+  // rank's cleanup can take the group directory away between create_directories' two mkdirs.
+  // Creating again is safe; a bounded number of tries keeps a real failure an error.
   std::error_code ec;
-  std::filesystem::create_directories(dir_, ec);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    ec.clear();
+    std::filesystem::create_directories(dir_, ec);
+    if (ec != std::errc::no_such_file_or_directory) break;
+  }
   if (ec) {
     raise(ErrorCategory::kIo, "cannot create swap directory {} (rank {}): {}", dir_.string(),
           options_.rank, ec.message());

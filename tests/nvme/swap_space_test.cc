@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cstring>
+#include <thread>
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
@@ -72,4 +73,28 @@ TEST_CASE("a swap space larger than the free space fails up front with a clear e
   }
   // Nothing was created: the check comes before any file.
   CHECK_FALSE(fs::exists(swap.path_for("a")));
+}
+
+TEST_CASE("ranks that share a group directory create and remove their spaces at once", "[nvme]") {
+  // Each space removes the group directory when it is left empty; a peer creating its own
+  // rank directory at that moment must still succeed (the CI race of a refused resume).
+  strata::test::TempDir dir("nvme-swap-race");
+  std::exception_ptr errors[2];
+  auto churn = [&](int rank) {
+    try {
+      for (int i = 0; i < 300; ++i) {
+        SwapSpace swap({.root = dir.path(), .group = "optimizer", .rank = rank});
+        swap.create({.key = "m", .nbytes = 4096});
+      }
+    } catch (...) {
+      errors[rank] = std::current_exception();
+    }
+  };
+  std::thread peer(churn, 1);
+  churn(0);
+  peer.join();
+  for (const auto& error : errors) {
+    if (error) CHECK_NOTHROW(std::rethrow_exception(error));
+  }
+  CHECK_FALSE(fs::exists(dir.path() / "optimizer"));
 }
