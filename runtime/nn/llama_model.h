@@ -76,7 +76,8 @@ class DecoderLayer : public Module {
  public:
   // Layer `layer` of `config`.
   DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
-               DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr);
+               DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr,
+               bool skip_unrouted_experts = true);
   // x, y [batch * seq, hidden].
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
@@ -112,6 +113,12 @@ struct LlamaModelOptions {
   // the base gets no gradient and no optimizer state), and the arena gains the
   // adapters' two [rows, r] scratch buffers.
   LoraSpec lora;
+  // Mixture of experts: skip the windows of experts no rank routed a token to
+  // (moe_mlp.h: a ZeRO-3 engine then never fetches them). false: every expert
+  // runs its windows every step, empty where it got no rows — the same
+  // result, all experts fetched; for measuring what routing saves
+  // (strata-train --all-experts).
+  bool skip_unrouted_experts = true;
 };
 
 struct ForwardOptions {

@@ -10,13 +10,14 @@
 
 namespace strata::nn {
 
-MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype)
+MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype, bool skip_unrouted)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
       inter_(c.moe_intermediate_size),
       experts_(c.num_experts),
       top_k_(c.num_experts_per_tok),
-      renormalize_(c.norm_topk_prob) {
+      renormalize_(c.norm_topk_prob),
+      skip_unrouted_(skip_unrouted) {
   STRATA_CHECK(c.moe(), kBadArgument, "{}: model_type {} has no experts", name_, c.model_type);
   const MoeNames n = moe_names(c);
   router_ = std::make_unique<Linear>(engine, child_name("gate"), hidden_, experts_, false, dtype);
@@ -72,6 +73,10 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
 }
 
 void MoeMlp::agree_routing(const MoeActs& a) {
+  if (!skip_unrouted_) {
+    routed_.assign(experts_list_.size(), 1);
+    return;
+  }
   std::vector<double> rows(experts_list_.size());
   for (size_t e = 0; e < rows.size(); ++e) rows[e] = a.host_offsets[e + 1] - a.host_offsets[e];
   engine_.sum_over_ranks(rows.data(), rows.size());

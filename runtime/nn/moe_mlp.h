@@ -83,7 +83,9 @@ struct MoeAux {
 
 class MoeMlp : public Module {
  public:
-  MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32);
+  // skip_unrouted: false runs every expert's windows (LlamaModelOptions::skip_unrouted_experts).
+  MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32,
+         bool skip_unrouted = true);
   // x, y [rows, hidden]. Synchronises the compute stream once (see above).
   void forward(const TensorView& x, const MoeActs& acts, const MoeAux& aux, const TensorView& y,
                Phase phase = Phase::kForward);
@@ -106,6 +108,7 @@ class MoeMlp : public Module {
 
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
+  bool skip_unrouted_;
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
   std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
