@@ -1,7 +1,7 @@
 // The NCCL communicator on a real GPU (SKIPPED without one). One GPU allows one
 // rank (NCCL refuses two ranks on one device), so most of these check the
 // wiring: unique id through the store, stream ordering, dtypes, events,
-// results, all_to_all to itself, the watchdog's clock; the
+// results, all_to_all to itself, process groups, the watchdog's clock; the
 // dead-peer test needs two GPUs.
 #include <catch2/catch.hpp>
 
@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "partition/communicator.h"
+#include "partition/process_groups.h"
 #include "partition/store.h"
 #include "core/accelerator.h"
 #include "core/error.h"
@@ -109,6 +110,31 @@ TEST_CASE("nccl: single-rank all_to_all with a displacement, fp32 and bf16") {
     accelerator->deallocate(in);
     accelerator->deallocate(out);
   }
+}
+
+// A process group of one rank on NCCL: its own unique id under the group's
+// key prefix, and collectives that work.
+TEST_CASE("nccl: the process groups of a one-rank job") {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
+  auto accelerator = make_cuda_accelerator(0);
+  auto stream = accelerator->create_stream();
+  CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  ProcessGroups groups = make_process_groups(*accelerator, store, options, ParallelLayout(1, 1));
+  std::vector<char> id;
+  REQUIRE(store.try_get("strata/comm/groups/tp/0/nccl_unique_id", id));
+  REQUIRE(store.try_get("strata/comm/groups/dp/0/nccl_unique_id", id));
+  REQUIRE(groups.tp->backend() == "nccl");
+  float host = 5.0f;
+  void* data = accelerator->allocate(sizeof(float));
+  accelerator->copy_async(data, &host, sizeof(float), CopyKind::kHostToDevice, *stream);
+  groups.tp->allreduce(data, data, 1, DType::kF32, ReduceOp::kSum, *stream)->synchronize();
+  groups.dp->allreduce(data, data, 1, DType::kF32, ReduceOp::kSum, *stream)->synchronize();
+  accelerator->copy_async(&host, data, sizeof(float), CopyKind::kDeviceToHost, *stream);
+  stream->synchronize();
+  REQUIRE(host == 5.0f);
+  accelerator->deallocate(data);
 }
 
 TEST_CASE("nccl: a peer that never joins makes initialisation fail within the timeout") {
