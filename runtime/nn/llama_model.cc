@@ -608,4 +608,26 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
   }
 }
 
+double LlamaModel::router_load_imbalance() const {
+  double worst = 0;
+  for (const auto& layer : layers_) {
+    const MoeMlp* moe = layer->moe();
+    if (moe == nullptr || moe->load().empty()) continue;
+    const std::vector<double>& load = moe->load();
+    double total = 0, most = 0;
+    for (double n : load) {
+      total += n;
+      most = std::max(most, n);
+    }
+    if (total > 0) worst = std::max(worst, most / (total / static_cast<double>(load.size())));
+  }
+  return worst;
+}
+
+void LlamaModel::reset_router_load() {
+  for (auto& layer : layers_) {
+    if (MoeMlp* moe = layer->moe()) moe->reset_load();
+  }
+}
+
 }  // namespace strata::nn

@@ -85,6 +85,8 @@ class DecoderLayer : public Module {
   void backward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                 const DecoderActs& acts, const DecoderGrads& grads, const TensorView& dres);
 
+  MoeMlp* moe() const { return moe_.get(); }  // null for a dense MLP
+
  private:
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::unique_ptr<Attention> self_attn_;
@@ -173,6 +175,13 @@ class LlamaModel : public Module {
 
   const LlamaConfig& config() const { return config_; }
   DType activation_dtype() const { return act_dtype_; }
+  // Mixture of experts: the routers' load imbalance over the forwards since
+  // reset_router_load() — per layer, the tokens of the busiest expert over the
+  // mean per expert (every rank's tokens: the same value on every rank) —,
+  // the worst layer's. 1 is a perfect balance, E / k every token on the same
+  // k experts. 0 for a dense model, or with no forward since the reset.
+  double router_load_imbalance() const;
+  void reset_router_load();
   // Bytes of the activation arena in accelerator memory (0 before the first forward).
   size_t arena_nbytes() const;
   // Bytes of pinned host memory holding activation checkpoints (nonzero only

@@ -73,13 +73,15 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
 }
 
 void MoeMlp::agree_routing(const MoeActs& a) {
+  std::vector<double> rows(experts_list_.size());
+  for (size_t e = 0; e < rows.size(); ++e) rows[e] = a.host_offsets[e + 1] - a.host_offsets[e];
+  engine_.sum_over_ranks(rows.data(), rows.size());
+  load_.resize(rows.size(), 0.0);
+  for (size_t e = 0; e < rows.size(); ++e) load_[e] += rows[e];
   if (!skip_unrouted_) {
     routed_.assign(experts_list_.size(), 1);
     return;
   }
-  std::vector<double> rows(experts_list_.size());
-  for (size_t e = 0; e < rows.size(); ++e) rows[e] = a.host_offsets[e + 1] - a.host_offsets[e];
-  engine_.sum_over_ranks(rows.data(), rows.size());
   routed_.resize(rows.size());
   std::vector<OpId> ops;
   std::vector<uint8_t> skipped;

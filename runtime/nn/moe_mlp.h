@@ -96,6 +96,10 @@ class MoeMlp : public Module {
 
   int64_t experts() const { return experts_; }
   int64_t top_k() const { return top_k_; }
+  // Tokens routed to each expert by every rank (the counts the ranks agree
+  // on), summed over the forwards since reset_load(); empty before any.
+  const std::vector<double>& load() const { return load_; }
+  void reset_load() { load_.clear(); }
 
  private:
   struct Expert {
@@ -112,6 +116,7 @@ class MoeMlp : public Module {
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
   std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
+  std::vector<double> load_;     // per expert: tokens routed since reset_load()
 };
 
 }  // namespace strata::nn

@@ -178,3 +178,26 @@ TEST_CASE("MoE, two ZeRO-3 ranks on NVMe: only routed experts are gathered, the 
     CHECK(r.on_demand == a.on_demand);
   }
 }
+
+TEST_CASE("MoE: the routers' load imbalance is the busiest expert's tokens over the mean, the worst layer's",
+          "[engine][moe]") {
+  ops::set_cpu_threads(1);
+  auto accelerator = make_cpu_accelerator();
+  engine::ResidentEngine eng(*accelerator);
+  nn::LlamaModel model(eng, mixtral(/*aux=*/false), nn::model_options(DType::kF32, 16));
+  eng.finalize();
+  nn::initialize_parameters(eng, model.parameters(), 7);
+  CHECK(model.router_load_imbalance() == 0);  // no forward yet
+  // One token repeated: every token goes to the same 2 of the 16 experts.
+  const std::vector<int32_t> same(static_cast<size_t>(kSeq), 5);
+  model.forward(same, same, 1, kSeq);
+  model.loss_stats();
+  CHECK(model.router_load_imbalance() == Approx(8.0));
+  model.reset_router_load();
+  CHECK(model.router_load_imbalance() == 0);
+  const Batch random = corpus(0, 40);
+  model.forward(random.ids, random.targets, kSequences, kSeq);
+  model.loss_stats();
+  CHECK(model.router_load_imbalance() >= 1.0);
+  CHECK(model.router_load_imbalance() < 8.0);
+}
