@@ -247,16 +247,6 @@ void run_matrix(const std::optional<nn::LlamaConfig>& config, double clip) {
   WARN(table.str());
 }
 
-nn::LlamaConfig matrix_mixtral() {
-  nn::LlamaConfig c = model_config(false);
-  c.model_type = "mixtral";
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 32;
-  c.norm_topk_prob = true;
-  return c;
-}
-
 }  // namespace
 
 TEST_CASE("equivalence matrix: stages 1-3 x offload_optimizer none/cpu/nvme x accumulation 1, 4 x 1, 2, 4 ranks "
@@ -273,5 +263,5 @@ TEST_CASE("equivalence matrix: stages 1-3 x offload_optimizer none/cpu/nvme x ac
 TEST_CASE("equivalence matrix for Mixtral: stages 1-3 x offload none/cpu/nvme x accumulation 1, 4 x 1, 2, 4 ranks "
           "equal one resident rank on the combined batch",
           "[engine][zero][matrix][nvme][moe]") {
-  run_matrix(matrix_mixtral(), kMixtralClip);
+  run_matrix(mixtral_config(8, 32, /*aux=*/false), kMixtralClip);
 }

@@ -26,18 +26,8 @@ using offload::OperatorTrace;
 
 namespace {
 
-// A Mixtral of the engine tests' shape: 16 experts of width 64 (the experts hold most bytes), top 2.
-nn::LlamaConfig mixtral(bool aux) {
-  nn::LlamaConfig c = model_config(false);
-  c.model_type = "mixtral";
-  c.num_experts = 16;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 64;
-  c.norm_topk_prob = true;
-  c.router_aux_loss_coef = aux ? 0.05 : 0;
-  c.output_router_logits = aux;
-  return c;
-}
+// 16 experts of width 64 (the experts hold most bytes), top 2.
+nn::LlamaConfig mixtral(bool aux) { return mixtral_config(16, 64, aux); }
 
 // Every sequence one token repeated: all its positions have the same hidden
 // state, so each sequence routes to 2 experts per layer and a step's 4

@@ -48,6 +48,20 @@ inline nn::LlamaConfig model_config(bool tied) {
   return c;
 }
 
+// model_config's shape as a Mixtral: `experts` SwiGLU experts of width
+// `width` per layer, top 2, with the load-balancing loss when `aux`.
+inline nn::LlamaConfig mixtral_config(int64_t experts, int64_t width, bool aux) {
+  nn::LlamaConfig c = model_config(false);
+  c.model_type = "mixtral";
+  c.num_experts = experts;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = width;
+  c.norm_topk_prob = true;
+  c.router_aux_loss_coef = aux ? 0.05 : 0;
+  c.output_router_logits = aux;
+  return c;
+}
+
 struct Batch {
   std::vector<int32_t> ids, targets;
 };
