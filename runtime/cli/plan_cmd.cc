@@ -183,8 +183,16 @@ void resolve_model(const Options& o, Resolved& r) {
     m.layers = config.num_hidden_layers;
     m.hidden = config.hidden_size;
     m.heads = config.num_attention_heads;
-    m.intermediate = config.intermediate_size;
+    m.intermediate = config.moe() ? config.moe_intermediate_size : config.intermediate_size;
     m.vocab = config.vocab_size;
+    if (config.moe()) {
+      m.experts = config.num_experts;
+      m.experts_per_token = config.num_experts_per_tok;
+      // Every expert but the token's k: three [width, hidden] matrices each, per layer.
+      const int64_t idle = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 *
+                           config.hidden_size * config.moe_intermediate_size;
+      m.active_param_count = m.param_count - idle;
+    }
     r.model_source = path.string();
     return;
   }
@@ -439,6 +447,11 @@ std::string header(const Resolved& r) {
                        m.layers, m.hidden, m.heads > 0 ? std::to_string(m.heads) : "?",
                        m.intermediate > 0 ? std::to_string(m.intermediate) : "4*hidden",
                        m.vocab > 0 ? std::to_string(m.vocab) : "?");
+  }
+  if (m.experts > 0) {
+    out += fmt::format("          mixture of experts: {} experts of width {} per layer, {} per token: {} parameters "
+                       "active per token (compute counts these; memory and transfers every expert)\n",
+                       m.experts, m.intermediate, m.experts_per_token, count_text(m.active_param_count));
   }
   out += fmt::format(
       "Training  seq {}, micro-batch {}, gradient accumulation {}, {}\n", t.seq, t.micro_batch,

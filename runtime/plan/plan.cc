@@ -39,6 +39,12 @@ void validate(const PlanInputs& in) {
   check_count(m.heads, 0, "attention heads");
   check_count(m.intermediate, 0, "intermediate size");
   check_count(m.vocab, 0, "vocabulary size");
+  check_count(m.experts, 0, "experts");
+  STRATA_CHECK(m.active_param_count >= 0 && m.active_param_count <= m.param_count, kBadArgument,
+               "plan: {} active parameters of {} (it must be between 0 and the parameter count)",
+               m.active_param_count, m.param_count);
+  STRATA_CHECK(m.experts == 0 || (m.experts_per_token >= 1 && m.experts_per_token <= m.experts), kBadArgument,
+               "plan: {} experts per token of {}", m.experts_per_token, m.experts);
   STRATA_CHECK((m.layers > 0) == (m.hidden > 0), kBadArgument,
                "plan: layers ({}) and hidden size ({}) go together: give both or neither", m.layers,
                m.hidden);
@@ -566,8 +572,11 @@ Plan make_plan(const PlanInputs& inputs) {
   // 2 flops per parameter and token per pass: forward, backward (2 passes),
   // and the recompute under checkpointing (ZeRO-Infinity §4.1: 2·4·bsz·seq·ψ).
   const double passes = t.activation_checkpointing ? 4 : 3;
+  // A token computes with its active parameters (a mixture of experts: k of
+  // E experts); every parameter is stored and moved.
+  const double active = inputs.model.active_params();
   if (!inputs.lora) {
-    plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * passes * tokens * psi;
+    plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * passes * tokens * active;
     plan.model_states_nbytes = (kParam16Bytes + kGrad16Bytes + kOptimizerBytes) * psi;
     plan.model_states_with_grad32_nbytes = plan.model_states_nbytes + kGrad32Bytes * psi;
     for (int stage = 0; stage <= 3; ++stage) {
@@ -597,8 +606,10 @@ Plan make_plan(const PlanInputs& inputs) {
     plan.lora = lora;
   }
   plan.compute_seconds = plan.flops_per_step / inputs.machine.peak_flops;
-  plan.ait_params_grads = tokens;
-  plan.ait_optimizer = tokens / 4;
+  // Flops per byte moved: each parameter serves every token of the batch, or
+  // (experts) only the tokens routed to it, active / psi of them on average.
+  plan.ait_params_grads = tokens * active / psi;
+  plan.ait_optimizer = tokens / 4 * active / psi;
   fill_shape_estimates(plan);
 
   for (const Placement& p : valid_placements()) {

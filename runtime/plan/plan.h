@@ -54,7 +54,19 @@ struct ModelShape {
   int64_t heads = 0;         // 0: hidden / 128 (the common head size)
   int64_t intermediate = 0;  // the MLP's width; 0: 4 * hidden
   int64_t vocab = 0;         // 0: unknown (then the embedding is not a candidate largest operator)
+  // A mixture of experts (0 experts: dense): each layer's MLP is `experts`
+  // experts of width `intermediate`, `experts_per_token` of them per token;
+  // active_param_count is what one token computes with (the rest are other
+  // experts). Compute counts the active parameters; the model states and the
+  // transfers count every parameter (each expert is stored, trained and, at
+  // worst, fetched every step).
+  int64_t experts = 0;
+  int64_t experts_per_token = 0;
+  int64_t active_param_count = 0;  // 0: param_count
   bool shape_known() const { return layers > 0 && hidden > 0; }
+  double active_params() const {
+    return static_cast<double>(active_param_count > 0 ? active_param_count : param_count);
+  }
 };
 
 // LoRA adapters on a frozen base (`strata finetune --lora-rank`).

@@ -82,7 +82,10 @@ json to_json(const Plan& plan) {
                   {"hidden", in.model.hidden},
                   {"heads", in.model.heads},
                   {"intermediate", in.model.intermediate},
-                  {"vocab", in.model.vocab}};
+                  {"vocab", in.model.vocab},
+                  {"experts", in.model.experts},
+                  {"experts_per_token", in.model.experts_per_token},
+                  {"active_param_count", static_cast<int64_t>(in.model.active_params())}};
   const TrainingShape& t = in.training;
   out["training"] = {{"seq", t.seq},
                      {"micro_batch", t.micro_batch},

@@ -463,6 +463,37 @@ TEST_CASE("strata plan: bad input names the flag or file", "[plan][cli]") {
   CHECK_THAT(result.output, Catch::Contains("config.json") && Catch::Contains("vocab_size"));
 }
 
+TEST_CASE("strata plan --model of a mixture of experts: compute counts the active parameters, memory every expert",
+          "[plan][cli][moe]") {
+  const auto plan = [](const std::string& fixture) {
+    const auto result = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR "/tests/data/golden/" +
+                                    fixture + " --gpu-mem 1GB --json");
+    REQUIRE(result.exit_code == 0);
+    return nlohmann::json::parse(result.output);
+  };
+  // Mixtral: 2 layers, hidden 32, 8 experts of width 8, top 2: a token skips
+  // 6 experts x 3 matrices of 8 x 32 per layer, 2 x 6 x 768 = 9216 parameters.
+  const auto mixtral = plan("mixtral_untied_f32");
+  const int64_t total = mixtral["model"]["param_count"].get<int64_t>();
+  CHECK(mixtral["model"]["experts"] == 8);
+  CHECK(mixtral["model"]["experts_per_token"] == 2);
+  CHECK(mixtral["model"]["intermediate"] == 8);
+  CHECK(mixtral["model"]["active_param_count"].get<int64_t>() == total - 9216);
+  // flops: 2 per active parameter and token, 4 passes (checkpointing), seq 1024.
+  CHECK(mixtral["compute"]["flops_per_step"].get<double>() ==
+        Approx(2.0 * 4 * 1024 * static_cast<double>(total - 9216)));
+  // Model states: every parameter, 16 bytes each at stage 0.
+  CHECK(mixtral["model_states"]["zero_stages"][0]["bytes_per_rank"].get<double>() == Approx(16.0 * total));
+  // qwen3_moe's expert width is moe_intermediate_size, not intermediate_size.
+  const auto qwen = plan("qwen3_moe_untied_f32");
+  CHECK(qwen["model"]["experts"] == 8);
+  CHECK(qwen["model"]["intermediate"] == 8);
+  // A dense model: every parameter is active.
+  const auto dense = plan("llama_untied_f32");
+  CHECK(dense["model"]["experts"] == 0);
+  CHECK(dense["model"]["active_param_count"] == dense["model"]["param_count"]);
+}
+
 TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
   const std::string model = STRATA_SOURCE_DIR "/tests/data/golden/llama_untied_f32";
   const auto lora = [&](const std::string& args) {
