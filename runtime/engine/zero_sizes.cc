@@ -57,9 +57,11 @@ ZeroSizes choose_zero_sizes(const std::vector<SizedParam>& params, int world_siz
   std::map<std::string, Layer> layers;
   Layer whole;
   int64_t smallest_in_layer = 0;  // the smallest trained parameter of any layer (full, padded): a norm
+  int64_t all_shard = 0;          // this rank's shard of every parameter, frozen ones too
   for (const SizedParam& p : params) {
-    if (!p.trained) continue;
     const int64_t slice = slice_numel(p, world_size, alignment_nbytes);
+    all_shard += slice;
+    if (!p.trained) continue;
     whole.full += slice * world_size;
     whole.shard += slice;
     const std::string layer = layer_of(p.name);
@@ -88,6 +90,12 @@ ZeroSizes choose_zero_sizes(const std::vector<SizedParam>& params, int world_siz
     out.sub_group_pieces = ceil_div(shard, cap);
     out.sub_group_numel = ceil_div(shard, out.sub_group_pieces);
     out.sub_group_chosen = true;
+    const int64_t fewest = ceil_div(all_shard, kMaxChosenSubGroups);
+    if (out.sub_group_numel < fewest) {
+      out.sub_group_numel = fewest;
+      out.sub_group_pieces = 1;
+      out.sub_group_count_bound = true;
+    }
   }
   if (reduce_bucket_numel > 0) {
     out.reduce_bucket_numel = reduce_bucket_numel;
@@ -116,6 +124,10 @@ std::string ZeroSizes::describe() const {
   const std::string unit = layers > 0 ? "one layer" : "the whole model";
   const std::string sub =
       !sub_group_chosen ? fmt::format("sub_group_size {} (as given)", sub_group_numel)
+      : sub_group_count_bound
+          ? fmt::format("sub_group_size {} (1/{} of this rank's shard: {}'s share would make more sub-groups than "
+                        "that)",
+                        sub_group_numel, kMaxChosenSubGroups, unit)
       : sub_group_pieces == 1
           ? fmt::format("sub_group_size {} ({}'s share of this rank's shard)", sub_group_numel, unit)
           : fmt::format("sub_group_size {} ({}'s share of this rank's shard in {} pieces, each at most {} MiB "

@@ -46,6 +46,14 @@ inline constexpr int64_t kChooseFromModel = 0;
 inline constexpr int64_t kMaxChosenSubGroupNbytes = int64_t{256} << 20;
 inline constexpr int64_t kMaxChosenBucketNbytes = int64_t{256} << 20;
 inline constexpr int64_t kOptimizerRecordBytesPerElement = 12;
+// And a bound on their number: every group's layout keeps a record per
+// sub-group, so a chosen sub_group_size is at least 1/kMaxChosenSubGroups of
+// this rank's whole shard (trained and frozen parameters: every layout is cut
+// by it). It binds only where one layer is a sliver of the model (a
+// vocabulary of billions, a frozen base far larger than its adapters), and
+// wins over the bound above: host memory of the bookkeeping is not counted
+// anywhere else, pinned buffers are (allocated with a message naming the key).
+inline constexpr int64_t kMaxChosenSubGroups = int64_t{1} << 16;
 
 // A parameter as the choice sees it: its name (for its layer), its size and
 // storage dtype (for the shard's padding), and whether it is trained (a frozen
@@ -72,6 +80,7 @@ struct ZeroSizes {
   int64_t layer_shard_numel = 0;  // its share of one rank's shard
   int64_t sub_group_pieces = 1;   // sub-groups per layer (more than 1: split by the memory bound)
   int64_t bucket_pieces = 1;      // buckets per layer
+  bool sub_group_count_bound = false;  // raised to 1/kMaxChosenSubGroups of the shard
   int world_size = 1;
 
   // One line naming both sizes and why: "sub_group_size 425984 (one decoder
