@@ -1,6 +1,7 @@
 // OperatorTrace: recording, following and dropping the step's window sequence.
 #include "offload/operator_trace.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace strata::offload {
@@ -8,17 +9,20 @@ namespace strata::offload {
 OperatorTrace::OperatorTrace(ParamsOf params_of, NumelOf numel_of)
     : params_of_(std::move(params_of)), numel_of_(std::move(numel_of)) {}
 
-OperatorTrace::Advance OperatorTrace::advance(OpId op, Phase phase) {
+OperatorTrace::Advance OperatorTrace::advance(OpId op, Phase phase, bool skipped) {
+  if (skipped) mark_routed(op);
   Advance result;
   const Entry window{op, phase};
   switch (state_) {
     case State::kRecording:
       recording_.push_back(window);
+      recording_skipped_.push_back(skipped ? 1 : 0);
       break;
     case State::kDropped:
       break;
     case State::kFollowing:
       if (cursor_ < entries_.size() && entries_[cursor_] == window) {
+        skipped_[cursor_] = skipped ? 1 : 0;  // the prediction for the next step
         result.position = cursor_++;
         break;
       }
@@ -28,6 +32,24 @@ OperatorTrace::Advance OperatorTrace::advance(OpId op, Phase phase) {
       break;
   }
   return result;
+}
+
+void OperatorTrace::mark_routed(OpId op) {
+  const auto i = static_cast<size_t>(op);
+  if (i >= routed_op_.size()) routed_op_.resize(i + 1, 0);
+  routed_op_[i] = 1;
+}
+
+void OperatorTrace::plan_skip(OpId op, bool skipped) {
+  mark_routed(op);
+  if (state_ != State::kFollowing || static_cast<size_t>(op) >= of_op_.size()) return;
+  const std::vector<size_t>& mine = of_op_[static_cast<size_t>(op)];
+  auto it = std::lower_bound(mine.begin(), mine.end(), cursor_);
+  for (auto first = it; it != mine.end(); ++it) {
+    if (it != first && entries_[*it].phase == Phase::kForward) break;  // the next micro-batch's
+    skipped_[*it] = skipped ? 1 : 0;
+    planned_[*it] = 1;
+  }
 }
 
 bool OperatorTrace::end_step() {
@@ -52,6 +74,7 @@ bool OperatorTrace::end_step() {
       break;
   }
   cursor_ = 0;
+  std::fill(planned_.begin(), planned_.end(), 0);  // the next step's entries are predictions again
   return ended_early;
 }
 
@@ -70,12 +93,22 @@ void OperatorTrace::drop() {
   ++drops_;
   entries_.clear();
   recording_.clear();
+  recording_skipped_.clear();
 }
 
 void OperatorTrace::finish_recording() {
   entries_ = std::move(recording_);
+  skipped_ = std::move(recording_skipped_);
   recording_.clear();
+  recording_skipped_.clear();
   const size_t n = entries_.size();
+  planned_.assign(n, 0);
+  of_op_.clear();
+  for (size_t i = 0; i < n; ++i) {
+    const auto op = static_cast<size_t>(entries_[i].op);
+    if (op >= of_op_.size()) of_op_.resize(op + 1);
+    of_op_[op].push_back(i);
+  }
   pass_.assign(n, 0);
   offset_.assign(n + 1, 0);
   prefix_.assign(n + 1, 0);

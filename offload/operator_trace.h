@@ -23,6 +23,18 @@
 // elements are fetched in between (numel_between) — the reuse distance of
 // DeepSpeed's stage3_max_reuse_distance.
 //
+// Skipped windows (routing): a window may run no kernels this time — an expert
+// no rank routed a token to (Engine::skip_op). It is an entry like any other
+// (so routing never changes the sequence), and each entry remembers whether
+// it was skipped when it last ran: that is the prediction for the next step.
+// Before an operator's windows of one micro-batch run, the caller may replace
+// the prediction with the decision (plan_skip), from its next window through
+// its last one before the following forward window of the same operator.
+// An operator that was ever skipped or planned is routed; an entry of a
+// routed operator not planned in this step is only predicted. A coordinator
+// fetches ahead only what is not skipped, and gathers nothing on a mere
+// prediction; a wrong prediction costs bandwidth, never correctness.
+//
 // Ownership: plain data plus two callbacks set at construction (the
 // coordinator's view of operators and parameter sizes), which must stay valid.
 // Thread-safety: none; the training thread drives it.
@@ -70,9 +82,21 @@ class OperatorTrace {
     bool backward_pass = false;
     size_t trace_size = 0;      // entries the dropped trace had
   };
-  // Called at each pre_op: records the window, or checks it against the next
-  // entry (see the life cycle).
-  Advance advance(OpId op, Phase phase);
+  // Called at each pre_op (and each skipped window): records the window, or
+  // checks it against the next entry (see the life cycle). `skipped`: the
+  // window runs no kernels (remembered as the entry's prediction).
+  Advance advance(OpId op, Phase phase, bool skipped = false);
+  // While following: op's windows from the next one up to (not including) the
+  // forward window after it will be skipped (or not). No effect otherwise.
+  void plan_skip(OpId op, bool skipped);
+  // Whether entry i is expected to be skipped (its last run, or plan_skip).
+  bool skipped(size_t i) const { return skipped_[i] != 0; }
+  // Whether entry i's run is only predicted: its operator is routed and no
+  // plan for it came in this step yet.
+  bool predicted(size_t i) const {
+    const auto op = static_cast<size_t>(entries_[i].op);
+    return op < routed_op_.size() && routed_op_[op] != 0 && planned_[i] == 0;
+  }
   // Called at the step boundary. Returns true when the step diverged by
   // ending before the trace did; the state moves on as described.
   bool end_step();
@@ -103,6 +127,7 @@ class OperatorTrace {
 
  private:
   void finish_recording();
+  void mark_routed(OpId op);
   void describe(size_t at, Advance& out) const;
   void drop();
 
@@ -110,7 +135,12 @@ class OperatorTrace {
   NumelOf numel_of_;
   State state_ = State::kRecording;
   std::vector<Entry> recording_;
+  std::vector<uint8_t> recording_skipped_;
   std::vector<Entry> entries_;
+  std::vector<uint8_t> skipped_;             // per entry: skipped when it last ran, or planned
+  std::vector<uint8_t> planned_;             // per entry: plan_skip set it in this step
+  std::vector<uint8_t> routed_op_;           // per operator: ever skipped or planned
+  std::vector<std::vector<size_t>> of_op_;   // per operator: its entries, in order
   std::vector<size_t> pass_;       // per entry
   std::vector<size_t> offset_;     // per entry: its first slot in next_use_
   std::vector<size_t> next_use_;   // per (entry, k-th parameter)

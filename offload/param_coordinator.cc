@@ -220,16 +220,42 @@ void ParamCoordinator::pre_op(OpId op, Phase phase) {
 }
 
 void ParamCoordinator::post_op(OpId op, Phase /*phase*/) {
-  compute_.record(*compute_point_);
   const size_t position = window_position_.back();
   window_position_.pop_back();
+  for (ParamId id : ops_[static_cast<size_t>(op)].params) --open_uses_[static_cast<size_t>(id)];
+  keep_or_release(op, position);
+}
+
+void ParamCoordinator::skip_op(OpId op, Phase phase) {
+  const OperatorTrace::Advance advance =
+      trace_paused_ ? OperatorTrace::Advance{} : trace_.advance(op, phase, /*skipped=*/true);
+  if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
+  if (!trace_paused_) ++current_.skipped_windows;
+  keep_or_release(op, advance.position);
+  if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
+    prefetch_from(advance.position);
+  }
+}
+
+void ParamCoordinator::plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) {
+  if (trace_paused_) return;
+  for (size_t i = 0; i < ops.size(); ++i) trace_.plan_skip(ops[i], skipped[i] != 0);
+  if (!trace_.following()) return;
+  // Fetch ahead by the plan now rather than at the next window, which would
+  // itself be fetched on demand after a wrong prediction.
+  const size_t position = trace_.position();
+  if (position > 0 && options_.prefetch_bucket_numel > 0) prefetch_from(position - 1);
+}
+
+void ParamCoordinator::keep_or_release(OpId op, size_t position) {
+  compute_.record(*compute_point_);
   const auto& params = ops_[static_cast<size_t>(op)].params;
-  for (ParamId id : params) --open_uses_[static_cast<size_t>(id)];
   // The trace may have been dropped since this window opened: then its
   // position says nothing about the future any more.
   const bool follow = position != OperatorTrace::npos && trace_.following();
   for (size_t k = 0; k < params.size(); ++k) {
     const ParamId id = params[k];
+    if (!gathered(id)) continue;  // a skipped window's parameter nobody fetched
     if (persistent(id)) continue;
     if (in_use(id)) continue;  // an enclosing window still uses it
     if (follow) {
@@ -458,12 +484,21 @@ void ParamCoordinator::prefetch_from(size_t position) {
   int64_t ahead = 0;  // elements gathered (or gathering) for entries after the current one
   bool gg = true;
   for (size_t j = position + 1; j < trace_.size(); ++j) {
+    if (trace_.skipped(j)) continue;  // planned, or predicted from the last step
+    // Routing not known yet (a later layer's experts): nc reads ahead what the
+    // last step routed; gg gathers only what a plan says runs.
+    const bool predicted = trace_.predicted(j);
     for (ParamId id : ops_[static_cast<size_t>(trace_.entry(j).op)].params) {
       if (visited_[static_cast<size_t>(id)] == walk_) continue;
       visited_[static_cast<size_t>(id)] = walk_;
       const Gathered* gathered = gathered_[static_cast<size_t>(id)].get();
       if (gathered != nullptr && gathered->full != nullptr) {
         ahead += gathered_numel(id);
+        continue;
+      }
+      if (predicted) {
+        if (staging_of(id) == nullptr || (gathered != nullptr && gathered->staged >= 0)) continue;
+        if (!stage_read(id, /*ahead=*/true) && !gg) return;
         continue;
       }
       if (gg) {

@@ -57,6 +57,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,7 @@ struct PrefetchStats {
   bool trace_followed = false;   // the step matched a recorded trace to its end
   bool trace_dropped = false;    // the step diverged from the trace (logged once)
   int64_t windows = 0;           // pre_op calls
+  int64_t skipped_windows = 0;   // skip_op calls (windows that ran no kernels)
   int64_t prefetched_ready = 0;  // fetches whose allgather had completed at pre_op
   int64_t prefetched_in_flight = 0;  // fetches issued ahead, still running at pre_op
   int64_t on_demand = 0;         // fetches issued at their op's pre_op
@@ -169,6 +171,16 @@ class ParamCoordinator {
   void pre_op(OpId op, Phase phase);
   // The op's kernels are enqueued; releases or keeps its parameters.
   void post_op(OpId op, Phase phase);
+  // A window of `op` that runs no kernels this time (an expert no rank routed
+  // a token to): an entry of the trace like any window, but nothing is
+  // fetched; a copy gathered ahead for it is kept for its next use within
+  // max_reuse_distance, else released. Every rank must skip the same windows.
+  void skip_op(OpId op, Phase phase);
+  // ops[i]'s windows of this micro-batch (from its next one to the forward
+  // one after it) will be skipped when skipped[i] (OperatorTrace::plan_skip):
+  // prefetch follows the plan instead of the last step's, from here on (a
+  // walk starts now). Every rank must plan alike.
+  void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped);
   // The gathered parameter (world x slice elements of its dtype, accelerator
   // memory): valid between pre_op and post_op of an op that lists it.
   void* full(ParamId id) const;
@@ -210,6 +222,9 @@ class ParamCoordinator {
   // read queue when every buffer still has a reader queued).
   bool stage_read(ParamId id, bool ahead);
   void prefetch_from(size_t position);
+  // After op's window at trace entry `position` (npos: unknown): each of its
+  // gathered parameters is kept for its next use or released.
+  void keep_or_release(OpId op, size_t position);
   // max_live: release kept copies the current op needs the room of.
   void make_room(OpId op);
   // Releases kept copies whose next use is after trace entry `after` (and,

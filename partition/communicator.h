@@ -1,7 +1,9 @@
-// Collectives for data parallelism (DESIGN.md §5): allgather into a flat
-// buffer, reduce-scatter, allreduce, broadcast and barrier, each enqueued on an
-// accelerator stream and returning an event that completes with it. Gloo (TCP)
-// serves the cpu accelerator, NCCL the cuda one; make_communicator chooses.
+// Collectives for data, tensor and expert parallelism (DESIGN.md §5):
+// allgather into a flat buffer, reduce-scatter, allreduce, broadcast, barrier
+// and all-to-all with counts per peer, each enqueued on an accelerator stream
+// and returning an event that completes with it. Gloo (TCP) serves the cpu
+// accelerator, NCCL the cuda one; make_communicator chooses. A communicator
+// spans the whole job or one process group of it (process_groups.h).
 //
 // Every rank must issue the same collectives in the same order. Buffers must
 // stay valid until the returned event completes.
@@ -17,8 +19,9 @@
 // error at the collective (see Stream in accelerator.h): the returned event's
 // synchronize, the stream's later events and synchronize, and streams that
 // waited on those events throw strata::Error(kCommunication) naming the
-// operation, this rank, the timeout and, when the rendezvous store knows it,
-// the rank that died. A peer's death is reported within
+// operation, this rank, the timeout, the group (CommunicatorOptions::group)
+// and, when the rendezvous store knows it, the rank that died. Ranks in
+// errors are the job's ranks (CommunicatorOptions::members), not a group's. A peer's death is reported within
 // CommunicatorOptions::timeout whether a host thread or a stream waits: Gloo
 // runs each collective on the stream's thread with that timeout; NCCL has a
 // watchdog thread per communicator that polls for asynchronous errors and for
@@ -34,6 +37,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "partition/store.h"
 #include "core/accelerator.h"
@@ -54,6 +58,43 @@ struct CommunicatorOptions {
   // Address other ranks use to reach this one over TCP (Gloo). Empty: 127.0.0.1
   // when the store is on a loopback address, else this host's name.
   std::string hostname;
+  // A communicator over some of the job's ranks (make_group_communicator sets
+  // both): what errors call the group, e.g. "tp group 1 (ranks 2,3)", and the
+  // job rank of each member (members[i] is this communicator's rank i), so that
+  // errors name ranks as the job knows them. Empty: the whole job.
+  std::string group;
+  std::vector<int> members;
+};
+
+// The blocks of an all_to_all, in elements of its one dtype (MPI's
+// alltoallv): this rank sends send_counts[p] elements starting at element
+// send_displs[p] of `send` to rank p, and receives recv_counts[p] elements from
+// rank p into `recv` starting at element recv_displs[p]. Each vector has one
+// entry per rank of the communicator.
+//
+// Counts are known to both sides: rank q's send_counts[p] must equal rank p's
+// recv_counts[q] for every pair. The caller agrees them beforehand (e.g. an
+// all_to_all or allgather of the counts). Gloo checks it (each pair swaps its
+// counts before the blocks move) and fails the collective on both ranks of a
+// pair that disagrees, naming the counts; NCCL cannot without making the host
+// wait for the device, and there a mismatch is undefined (a hang until the
+// watchdog's timeout, or wrong bytes). What one rank can check is
+// checked when the collective is submitted (Error(kBadArgument), thrown there):
+// one entry per rank, send_counts[me] == recv_counts[me], receive blocks that
+// do not overlap, and send and receive extents that do not overlap (no in-place).
+// Zero counts are allowed anywhere (a rank may send or receive nothing).
+struct AllToAllSplits {
+  std::vector<size_t> send_counts, send_displs;
+  std::vector<size_t> recv_counts, recv_displs;
+
+  // `numel` elements to and from every rank, blocks in rank order: block p of
+  // `send` goes to rank p, block p of `recv` comes from rank p (MPI_Alltoall).
+  static AllToAllSplits even(int world_size, size_t numel);
+  // The given counts with blocks packed in rank order (each displacement is the
+  // sum of the counts before it), as a permutation by destination lays them out.
+  static AllToAllSplits packed(std::vector<size_t> send_counts, std::vector<size_t> recv_counts);
+  size_t send_total() const;  // elements sent, the own block included
+  size_t recv_total() const;
 };
 
 class Communicator {
@@ -78,6 +119,11 @@ class Communicator {
   virtual std::unique_ptr<Event> broadcast(void* data, size_t numel, DType dtype, int root,
                                            Stream& stream) = 0;
   virtual std::unique_ptr<Event> barrier(Stream& stream) = 0;
+  // Rank p's block for this rank (splits, above) lands in this rank's block
+  // from p; the own block is copied. The splits are copied at submission.
+  // Even blocks: all_to_all(send, recv, AllToAllSplits::even(world_size(), n), dtype, stream).
+  virtual std::unique_ptr<Event> all_to_all(const void* send, void* recv, const AllToAllSplits& splits,
+                                            DType dtype, Stream& stream) = 0;
 };
 
 // Gloo over TCP; buffers must be host memory. Connects to all peers (full mesh)

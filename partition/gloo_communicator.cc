@@ -1,6 +1,8 @@
 // The Gloo (TCP) communicator for the cpu accelerator: each collective runs on
 // the stream's host thread with Gloo's blocking algorithms; reduce-scatter is
-// our own ring over Gloo's unbound buffers (this Gloo has no options-style one).
+// our own ring over Gloo's unbound buffers (this Gloo has no options-style one),
+// and all_to_all our own pairwise exchange over them (Gloo's alltoallv places
+// the blocks at the prefix sums of the counts, so it cannot take displacements).
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -20,10 +22,13 @@
 #include <csignal>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "partition/communicator.h"
+#include "partition/communicator_support.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
@@ -33,8 +38,18 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t numel);
 
-// Slots of our reduce-scatter ring; Gloo's own algorithms use prefixes 0x01-0x08.
+// Slots of our reduce-scatter ring and all_to_all; Gloo's own algorithms use prefixes 0x01-0x08.
 constexpr uint64_t kReduceScatterSlotPrefix = uint64_t{0x7e} << 56;
+constexpr uint64_t kAllToAllSlotPrefix = uint64_t{0x7d} << 56;
+constexpr uint64_t kAllToAllCountsSlotPrefix = uint64_t{0x7c} << 56;
+
+// What one side of a pair of ranks expects of an all_to_all, sent to the other
+// before the blocks (GlooCommunicator::agree_counts).
+struct PairCounts {
+  uint64_t to_peer = 0;    // elements this rank sends the peer
+  uint64_t from_peer = 0;  // elements it expects from the peer
+  uint64_t element_nbytes = 0;
+};
 
 template <typename T, float (*ToFloat)(T), T (*FromFloat)(float)>
 void sum_converted(void* out, const void* a, const void* b, size_t numel) {
@@ -101,8 +116,7 @@ class GlooCommunicator final : public Communicator {
       : accelerator_(accelerator), store_(store), options_(options) {
     STRATA_CHECK(accelerator.host_addressable(), kBadArgument,
                  "the Gloo communicator needs host memory (cpu accelerator), got {}", accelerator.name());
-    STRATA_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size,
-                 kBadArgument, "rank {} outside world size {}", options.rank, options.world_size);
+    detail::check_options(options);
     // A peer that dies leaves a socket that raises SIGPIPE on our next write; the
     // error must come back as an exception naming the rank, not kill this process.
     struct sigaction current {};
@@ -118,11 +132,11 @@ class GlooCommunicator final : public Communicator {
       gloo::rendezvous::PrefixStore prefixed(options.prefix, store);
       context_->connectFullMesh(prefixed, device_);
     } catch (const Error& e) {
-      raise(ErrorCategory::kCommunication, "rank {} of {}: Gloo connection through the rendezvous store failed: {}",
-            options.rank, options.world_size, e.message());
+      raise(ErrorCategory::kCommunication, "{}: Gloo connection through the rendezvous store failed: {}",
+            detail::describe_rank(options), e.message());
     } catch (const std::exception& e) {
-      raise(ErrorCategory::kCommunication, "rank {} of {}: Gloo connection failed ({}); {}", options.rank,
-            options.world_size, e.what(), describe_dead_ranks(store));
+      raise(ErrorCategory::kCommunication, "{}: Gloo connection failed ({}); {}", detail::describe_rank(options),
+            e.what(), describe_dead_ranks(store));
     }
   }
 
@@ -207,6 +221,14 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+  std::unique_ptr<Event> all_to_all(const void* send, void* recv, const AllToAllSplits& splits, DType dtype,
+                                    Stream& stream) override {
+    detail::check_all_to_all(options_, send, recv, splits, dtype);
+    const size_t sent = splits.send_total();
+    return submit("all_to_all", sent, dtype, sent * dtype_nbytes(dtype), stream,
+                  [=, this](uint32_t tag) { exchange(send, recv, splits, dtype, tag); });
+  }
+
  private:
   // The address this rank's Gloo device binds and advertises: the local
   // address of the route to the rendezvous store (the master), which every
@@ -283,9 +305,102 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
+  // First the counts are checked with every peer (agree_counts); then every
+  // rank posts a receive from and a send to each peer it exchanges a non-empty
+  // block with (both sides skip empty ones: the counts agree), and waits for all
+  // of them; one timeout bounds it all. The own block is a copy.
+  void exchange(const void* send, void* recv, const AllToAllSplits& splits, DType dtype, uint32_t tag) {
+    const size_t element = dtype_nbytes(dtype);
+    const int world = world_size(), me = rank();
+    const auto deadline = Clock::now() + options_.timeout;
+    auto remaining = [&] {
+      return std::max(std::chrono::milliseconds(1),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    };
+    if (world > 1) agree_counts(splits, element, tag, remaining);
+    const auto mine = static_cast<size_t>(me);
+    const char* input = static_cast<const char*>(send);
+    char* output = static_cast<char*>(recv);
+    if (splits.send_counts[mine] > 0) {
+      std::memcpy(output + splits.recv_displs[mine] * element, input + splits.send_displs[mine] * element,
+                  splits.send_counts[mine] * element);
+    }
+    auto end_of = [&](const std::vector<size_t>& counts, const std::vector<size_t>& displs) {
+      size_t end = 0;
+      for (size_t p = 0; p < counts.size(); ++p) {
+        if (p != mine && counts[p] > 0) end = std::max(end, displs[p] + counts[p]);
+      }
+      return end * element;
+    };
+    const size_t send_nbytes = end_of(splits.send_counts, splits.send_displs);
+    const size_t recv_nbytes = end_of(splits.recv_counts, splits.recv_displs);
+    // Gloo's buffers take void*; the input is only ever sent from.
+    std::unique_ptr<gloo::transport::UnboundBuffer> input_buffer, output_buffer;
+    if (send_nbytes > 0) input_buffer = context_->createUnboundBuffer(const_cast<char*>(input), send_nbytes);
+    if (recv_nbytes > 0) output_buffer = context_->createUnboundBuffer(output, recv_nbytes);
+    const uint64_t slot = kAllToAllSlotPrefix | uint64_t{tag};
+    int sends = 0, recvs = 0;
+    // Peers in the order me+1, me+2, ...: not every rank sending to rank 0 first.
+    for (int step = 1; step < world; ++step) {
+      const auto to = static_cast<size_t>((me + step) % world), from = static_cast<size_t>((me + world - step) % world);
+      if (splits.recv_counts[from] > 0) {
+        output_buffer->recv(static_cast<int>(from), slot, splits.recv_displs[from] * element,
+                            splits.recv_counts[from] * element);
+        ++recvs;
+      }
+      if (splits.send_counts[to] > 0) {
+        input_buffer->send(static_cast<int>(to), slot, splits.send_displs[to] * element,
+                           splits.send_counts[to] * element);
+        ++sends;
+      }
+    }
+    for (int i = 0; i < recvs; ++i) output_buffer->waitRecv(remaining());
+    for (int i = 0; i < sends; ++i) input_buffer->waitSend(remaining());
+  }
+
+  // Gloo aborts the process when a message is longer than the receive posted
+  // for it, and takes a shorter one silently; so before any block moves, each
+  // pair of ranks swaps what it expects of the other (PairCounts) and a
+  // disagreement fails the collective on both ranks of the pair, naming the
+  // counts (their other peers then time out waiting for them).
+  template <typename Remaining>
+  void agree_counts(const AllToAllSplits& splits, size_t element, uint32_t tag, Remaining remaining) {
+    const int world = world_size(), me = rank();
+    std::vector<PairCounts> mine(static_cast<size_t>(world)), theirs(static_cast<size_t>(world));
+    for (size_t p = 0; p < mine.size(); ++p) mine[p] = {splits.send_counts[p], splits.recv_counts[p], element};
+    auto mine_buffer = context_->createUnboundBuffer(mine.data(), mine.size() * sizeof(PairCounts));
+    auto theirs_buffer = context_->createUnboundBuffer(theirs.data(), theirs.size() * sizeof(PairCounts));
+    const uint64_t slot = kAllToAllCountsSlotPrefix | uint64_t{tag};
+    for (int step = 1; step < world; ++step) {
+      const int to = (me + step) % world, from = (me + world - step) % world;
+      theirs_buffer->recv(from, slot, static_cast<size_t>(from) * sizeof(PairCounts), sizeof(PairCounts));
+      mine_buffer->send(to, slot, static_cast<size_t>(to) * sizeof(PairCounts), sizeof(PairCounts));
+    }
+    for (int i = 1; i < world; ++i) theirs_buffer->waitRecv(remaining());
+    for (int i = 1; i < world; ++i) mine_buffer->waitSend(remaining());
+    std::string disagreements;
+    for (size_t p = 0; p < theirs.size(); ++p) {
+      if (p == static_cast<size_t>(me)) continue;
+      const PairCounts& peer = theirs[p];
+      const int peer_rank = detail::job_rank(options_, static_cast<int>(p));
+      if (peer.element_nbytes != element) {
+        disagreements += fmt::format("; rank {} moves elements of {} bytes, this rank of {}", peer_rank,
+                                     peer.element_nbytes, element);
+      } else if (peer.to_peer != splits.recv_counts[p] || peer.from_peer != splits.send_counts[p]) {
+        disagreements += fmt::format(
+            "; rank {} sends {} elements to this rank, which expects {} (recv_counts[{}]), and expects {} from it, "
+            "which sends {} (send_counts[{}])",
+            peer_rank, peer.to_peer, splits.recv_counts[p], p, peer.from_peer, splits.send_counts[p], p);
+      }
+    }
+    if (!disagreements.empty()) {
+      throw std::runtime_error("the counts of the two sides must agree (exchange them first)" + disagreements);
+    }
+  }
+
   // `nbytes`: nccl-tests' size of the collective (allgather: the gathered
-  // output, reduce-scatter: the input, allreduce/broadcast: the buffer), so
-  // the trace's GB/s is algbw.
+  // output, reduce-scatter: the input, allreduce/broadcast: the buffer,
+  // all_to_all: what this rank sends), so the trace's GB/s is algbw.
   template <typename Body>
   std::unique_ptr<Event> submit(const char* name, size_t numel, DType dtype, size_t nbytes, Stream& stream,
                                 Body body) {
@@ -332,14 +447,15 @@ class GlooCommunicator final : public Communicator {
       std::this_thread::sleep_for(std::chrono::milliseconds(25));
       dead = describe_dead_ranks(store_);
     }
-    raise(ErrorCategory::kCommunication, "{} #{} ({} x {}) failed on rank {} of {} after {} ms (timeout {} ms): {}; {}{}",
-          name, tag, numel, dtype_name(dtype), rank(), world_size(), elapsed, options_.timeout.count(), what, dead,
-          silent_ranks(tag));
+    raise(ErrorCategory::kCommunication, "{} #{} ({} x {}) failed on {} after {} ms (timeout {} ms): {}; {}{}", name,
+          tag, numel, dtype_name(dtype), detail::describe_rank(options_), elapsed, options_.timeout.count(), what,
+          dead, silent_ranks(tag));
   }
 
   // A hung (not dead) peer keeps its sockets open, so only the timeout fires.
   // Every failing rank reports the failed operation to the store; the ranks
-  // that stay silent for a moment are the likely culprits (hung, or dead).
+  // that stay silent for a moment are the likely culprits (hung, or dead),
+  // named by their job ranks.
   std::string silent_ranks(uint32_t tag) {
     try {
       std::string base = fmt::format("{}/failed/{}/", options_.prefix, tag);
@@ -357,7 +473,7 @@ class GlooCommunicator final : public Communicator {
       }
       if (silent.empty()) return "";
       std::string list;
-      for (int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(r);
+      for (int r : silent) list += (list.empty() ? "" : ", ") + std::to_string(detail::job_rank(options_, r));
       return fmt::format("; rank{} {} did not report this failure (dead, hung or slow)", silent.size() > 1 ? "s" : "",
                          list);
     } catch (const std::exception&) {
@@ -375,8 +491,6 @@ class GlooCommunicator final : public Communicator {
   std::vector<char> acc_, incoming_;   // reduce-scatter scratch, one block each
 };
 }  // namespace
-
-std::string_view reduce_op_name(ReduceOp op) { return op == ReduceOp::kSum ? "sum" : "average"; }
 
 std::unique_ptr<Communicator> make_gloo_communicator(Accelerator& accelerator, StoreClient& store,
                                                      const CommunicatorOptions& options) {

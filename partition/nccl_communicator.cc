@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "partition/communicator.h"
+#include "partition/communicator_support.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
@@ -60,6 +61,7 @@ class NcclCommunicator final : public Communicator {
         track_(trace::make_track("nccl " + options.prefix.substr(options.prefix.rfind('/') + 1))) {
     STRATA_CHECK(accelerator.backend() == Backend::kCuda, kBadArgument,
                  "the NCCL communicator needs a cuda accelerator, got {}", accelerator.name());
+    detail::check_options(options);
     device_ = cuda_internal::device_index(accelerator);
     ncclUniqueId id;
     std::string key = options.prefix + "/nccl_unique_id";
@@ -67,7 +69,13 @@ class NcclCommunicator final : public Communicator {
       STRATA_NCCL_CHECK(ncclGetUniqueId(&id));
       store.set(key, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
     } else {
-      auto value = store.get(key);
+      std::vector<char> value;
+      try {
+        value = store.get(key);
+      } catch (const Error& e) {
+        raise(ErrorCategory::kCommunication, "{}: waiting for rank {} to publish the NCCL unique id: {}",
+              detail::describe_rank(options), detail::job_rank(options, 0), e.message());
+      }
       STRATA_CHECK(value.size() == sizeof(id.internal), kCommunication, "NCCL unique id under '{}' has {} bytes",
                    key, value.size());
       std::memcpy(id.internal, value.data(), sizeof(id.internal));
@@ -118,7 +126,7 @@ class NcclCommunicator final : public Communicator {
                       state == ncclInProgress ? "it did not finish within the timeout" : ncclGetErrorString(state));
         }
       } catch (const std::exception& e) {
-        logger().error("NCCL communicator of rank {}: {}", rank(), e.what());
+        logger().error("NCCL communicator of {}: {}", detail::describe_rank(options_), e.what());
       }
     }
     lock.unlock();
@@ -162,6 +170,33 @@ class NcclCommunicator final : public Communicator {
       return ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
     });
   }
+  // One NCCL group of a receive from and a send to every peer with a non-empty
+  // block (both sides skip empty ones: the counts agree), the own block
+  // included (NCCL copies it), as one collective.
+  std::unique_ptr<Event> all_to_all(const void* send, void* recv, const AllToAllSplits& splits, DType dtype,
+                                    Stream& stream) override {
+    detail::check_all_to_all(options_, send, recv, splits, dtype);
+    const size_t element = dtype_nbytes(dtype), sent = splits.send_total();
+    return enqueue("all_to_all", sent, dtype, sent * element, stream, [&](cudaStream_t s) {
+      ncclResult_t result = ncclGroupStart();
+      if (result != ncclSuccess) return result;
+      const ncclDataType_t type = nccl_type(dtype);
+      for (size_t p = 0; p < splits.send_counts.size() && (result == ncclSuccess || result == ncclInProgress); ++p) {
+        const int peer = static_cast<int>(p);
+        if (splits.recv_counts[p] > 0) {
+          result = ncclRecv(static_cast<char*>(recv) + splits.recv_displs[p] * element, splits.recv_counts[p], type,
+                            peer, comm_, s);
+        }
+        if (splits.send_counts[p] > 0 && (result == ncclSuccess || result == ncclInProgress)) {
+          result = ncclSend(static_cast<const char*>(send) + splits.send_displs[p] * element, splits.send_counts[p],
+                            type, peer, comm_, s);
+        }
+      }
+      // The group is closed whatever happened inside it; the first error wins.
+      const ncclResult_t ended = ncclGroupEnd();
+      return result == ncclSuccess || result == ncclInProgress ? ended : result;
+    });
+  }
 
  private:
   // A collective in flight, watched until its outcome is decided.
@@ -194,13 +229,14 @@ class NcclCommunicator final : public Communicator {
   template <typename Call>
   // `nbytes`: nccl-tests' size of the collective, as the Gloo communicator's
   // spans give it (allgather: the output, reduce-scatter: the input,
-  // allreduce/broadcast: the buffer), so the trace's GB/s is algbw.
+  // allreduce/broadcast: the buffer, all_to_all: what this rank sends), so
+  // the trace's GB/s is algbw.
   std::unique_ptr<Event> enqueue(const char* name, size_t numel, DType dtype, size_t nbytes, Stream& stream,
                                  Call call) {
     std::unique_lock<std::mutex> lock(mutex_);
     STRATA_CHECK(!aborted_, kCommunication,
-                 "NCCL communicator of rank {} was aborted by an earlier failure ({}); it cannot run {}", rank(),
-                 first_failure_, name);
+                 "NCCL communicator of {} was aborted by an earlier failure ({}); it cannot run {}",
+                 detail::describe_rank(options_), first_failure_, name);
     std::string what = fmt::format("{} #{} ({} x {})", name, ++op_count_, numel, dtype_name(dtype));
     DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
     auto start = accelerator_.create_event();
@@ -257,7 +293,7 @@ class NcclCommunicator final : public Communicator {
       }
     } catch (const std::exception& e) {
       // Only a broken CUDA device gets here; collectives then fail through it.
-      logger().error("NCCL watchdog of rank {} stopped: {}", rank(), e.what());
+      logger().error("NCCL watchdog of {} stopped: {}", detail::describe_rank(options_), e.what());
     }
   }
 
@@ -305,7 +341,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::string failure_message(const std::string& what, const std::string& reason) const {
-    return fmt::format("NCCL {} failed on rank {} of {} (timeout {} ms): {}", what, rank(), world_size(),
+    return fmt::format("NCCL {} failed on {} (timeout {} ms): {}", what, detail::describe_rank(options_),
                        options_.timeout.count(), reason);
   }
 
@@ -329,7 +365,7 @@ class NcclCommunicator final : public Communicator {
         DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
         ncclCommAbort(comm_);
       } catch (const std::exception& e) {
-        logger().error("NCCL communicator of rank {}: abort: {}", rank(), e.what());
+        logger().error("NCCL communicator of {}: abort: {}", detail::describe_rank(options_), e.what());
       }
       comm_ = nullptr;  // freed by the abort
     }

@@ -45,6 +45,10 @@ struct Flags {
   int threads = 0, steps = 5, warmup = 1, rounds = 3;
   bool vs_torch = false;
   bool checkpoint_activations = false, cpu_checkpointing = false;
+  // A mixture of experts (a mixtral): every layer's MLP is `experts` SwiGLU
+  // experts of width expert_intermediate (0: --intermediate's), top_k per token.
+  int64_t experts = 0, top_k = 2, expert_intermediate = 0;
+  bool all_experts = false;  // every expert's windows run every step (no routed fetch)
 };
 
 std::string find_script() {
@@ -63,8 +67,12 @@ std::string find_script() {
 double flops_per_token(const strata::nn::LlamaConfig& c, int64_t seq) {
   const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
   const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
-  const double h = static_cast<double>(c.hidden_size), i = static_cast<double>(c.intermediate_size);
-  const double per_layer = h * q + 2 * h * kv + q * h + 3 * h * i;
+  const double h = static_cast<double>(c.hidden_size);
+  // A mixture of experts: the router and the k experts a token goes through.
+  const double i = c.moe() ? static_cast<double>(c.num_experts_per_tok * c.moe_intermediate_size)
+                           : static_cast<double>(c.intermediate_size);
+  const double router = c.moe() ? h * static_cast<double>(c.num_experts) : 0.0;
+  const double per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + router;
   const double matmul = static_cast<double>(c.num_hidden_layers) * per_layer +
                         static_cast<double>(c.vocab_size) * h;
   const double attention = static_cast<double>(c.num_hidden_layers) * 6.0 *
@@ -121,6 +129,7 @@ class StrataModel {
     o.dtype = strata::parse_dtype(f.dtype);
     o.checkpoint_activations = f.checkpoint_activations || f.cpu_checkpointing;
     o.cpu_checkpointing = f.cpu_checkpointing;
+    o.skip_unrouted_experts = !f.all_experts;
     return o;
   }
   std::unique_ptr<strata::Accelerator> accelerator_;
@@ -180,6 +189,13 @@ strata::nn::LlamaConfig model_config(const Flags& f) {
                "--hidden {} must be a multiple of --heads {}", f.hidden, f.heads);
   c.head_dim = f.hidden / f.heads;
   c.max_position_embeddings = std::max<int64_t>(f.seq, 2048);
+  if (f.experts > 0) {
+    c.model_type = "mixtral";
+    c.num_experts = f.experts;
+    c.num_experts_per_tok = f.top_k;
+    c.moe_intermediate_size = f.expert_intermediate > 0 ? f.expert_intermediate : c.intermediate_size;
+    c.norm_topk_prob = true;
+  }
   c.validate();
   return c;
 }
@@ -198,6 +214,7 @@ strata::bench::train::ModelRun zero_run(const Flags& f) {
   r.warmup = f.warmup;
   r.rounds = f.rounds;
   r.checkpoint_activations = f.checkpoint_activations;
+  r.skip_unrouted_experts = !f.all_experts;
   r.cpu_checkpointing = f.cpu_checkpointing;
   return r;
 }
@@ -370,6 +387,14 @@ int main(int argc, char** argv) {
   app.add_flag("--cpu-checkpointing", f.cpu_checkpointing,
                "keep the checkpoints in pinned host memory (implies --checkpoint-activations)");
   app.add_flag("--vs-torch", f.vs_torch, "also time transformers' LlamaForCausalLM (needs Python torch)");
+  app.add_option("--experts", f.experts, "a mixture of experts (a mixtral): experts per layer (0: a dense MLP)")
+      ->capture_default_str()->check(CLI::Range(0, 4096));
+  app.add_option("--top-k", f.top_k, "--experts: experts per token")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--expert-intermediate", f.expert_intermediate,
+                 "--experts: each expert's MLP size (default: --intermediate's)")->check(CLI::Range(0, 1 << 20));
+  app.add_flag("--all-experts", f.all_experts,
+               "--experts: run every expert's windows every step, also those no rank routed a token to (so ZeRO-3 "
+               "fetches every expert: what routed fetch saves)");
   app.add_option("--python", f.python, "Python interpreter for --vs-torch (env STRATA_PYTHON)")
       ->capture_default_str();
   app.add_option("--json", f.json, "write the results as JSON to this file");
@@ -382,6 +407,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (f.threads > 0) strata::ops::set_cpu_threads(f.threads);
   try {
+    STRATA_CHECK(f.experts > 0 || (f.expert_intermediate == 0 && !f.all_experts && app.count("--top-k") == 0),
+                 kBadArgument, "--top-k, --expert-intermediate and --all-experts describe experts: give --experts too");
+    STRATA_CHECK(f.experts == 0 || f.top_k <= f.experts, kBadArgument, "--top-k {} is more than --experts {}",
+                 f.top_k, f.experts);
+    STRATA_CHECK(f.experts == 0 || !f.vs_torch, kBadArgument,
+                 "--vs-torch times transformers' LlamaForCausalLM, a dense model: leave it out with --experts");
     strata::bench::check_json_path(f.json);
     std::optional<strata::trace::Session> tracing;
     start_trace(trace_path, tracing);

@@ -139,6 +139,7 @@ nn::LlamaModelOptions model_options(const ModelRun& run) {
   o.dtype = parse_dtype(run.dtype);
   o.checkpoint_activations = run.checkpoint_activations || run.cpu_checkpointing;
   o.cpu_checkpointing = run.cpu_checkpointing;
+  o.skip_unrouted_experts = run.skip_unrouted_experts;
   return o;
 }
 
@@ -177,6 +178,12 @@ void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::Zer
              run.config.num_attention_heads, run.config.num_key_value_heads, run.config.vocab_size, r.world,
              run.batch, run.seq, run.dtype, run.threads, coretype != nullptr ? coretype : "(unset)",
              run.accelerator == "cpu" ? ops::cpu_blas_core() : "-");
+  if (run.config.moe()) {
+    fmt::print("experts: {} per layer of width {}, top {} | {}\n", run.config.num_experts,
+               run.config.moe_intermediate_size, run.config.num_experts_per_tok,
+               run.skip_unrouted_experts ? "routed fetch: experts no rank routed a token to are not fetched"
+                                         : "--all-experts: every expert fetched every step");
+  }
   fmt::print("parameters {:.1f} M ({:.1f} MiB) | sub-group {} / reduce bucket {} elements ({}) | prefetch bucket {} "
              "/ max live {} / reuse distance {} elements | {} staging buffers | aio: {} x {} KiB, queue depth {}, {} "
              "thread(s)\n",
@@ -514,7 +521,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                     {"layers", run.config.num_hidden_layers}, {"heads", run.config.num_attention_heads},
                     {"kv_heads", run.config.num_key_value_heads}, {"vocab", run.config.vocab_size},
                     {"batch_per_rank", run.batch}, {"seq", run.seq}, {"dtype", run.dtype},
-                    {"parameters", param_count}}},
+                    {"parameters", param_count}, {"experts", run.config.num_experts},
+                    {"top_k", run.config.num_experts_per_tok}, {"expert_intermediate", run.config.moe_intermediate_size},
+                    {"routed_fetch", run.config.moe() && run.skip_unrouted_experts}}},
         {"zero", {{"stage", o.stage}, {"offload_param", tier_name(o.param_tier)},
                   {"offload_optimizer", tier_name(o.optimizer_tier)}, {"nvme_dir", flags.nvme_dir},
                   {"ranks", r.world}, {"processes", r.processes}, {"prefetch_bucket", o.prefetch_bucket_numel},

@@ -24,6 +24,7 @@ struct ModelRun {
   std::string dtype, accelerator, json;
   int threads = 0, steps = 0, warmup = 0, rounds = 0;
   bool checkpoint_activations = false, cpu_checkpointing = false;
+  bool skip_unrouted_experts = true;  // LlamaModelOptions' (strata-train --all-experts: false)
 };
 
 struct ZeroFlags {

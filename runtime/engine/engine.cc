@@ -124,6 +124,16 @@ bool Engine::in_window(ParamId id, bool backward) const {
   });
 }
 
+void Engine::skip_op(OpId op, Phase phase) {
+  open_window(op, phase);
+  on_skip_op(op, phase);
+  close_window(op, phase);
+  if (phase != Phase::kBackward) return;
+  if (skip_point_ == nullptr) skip_point_ = accelerator_.create_event();
+  compute_stream().record(*skip_point_);
+  note_backward_done(op, *skip_point_);
+}
+
 void Engine::note_backward_done(OpId op, Event& ready) {
   for (ParamId p : ops_[op].params) {
     if (params_[p].frozen) continue;  // no gradient to hand on

@@ -40,6 +40,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -126,6 +127,24 @@ class Engine {
   // ---- hooks ---------------------------------------------------------------------
   virtual void pre_op(OpId op, Phase phase) = 0;
   virtual void post_op(OpId op, Phase phase) = 0;
+  // A window of `op` that runs no kernels in this pass — an expert no rank
+  // routed a token to —, called exactly where its pre_op/post_op would be.
+  // Its parameters are not fetched and param/grad may not be used; in a
+  // backward phase it counts as a use that adds nothing, so a gradient all of
+  // whose uses were skipped is complete without being asked for (a
+  // partitioning engine then has nothing of this rank's to reduce). Every
+  // rank must skip the same windows: decide from sum_over_ranks.
+  void skip_op(OpId op, Phase phase);
+  // Advice before the windows of `ops` of one micro-batch run (from each
+  // one's next window through the ones of its backward): ops[i]'s will be
+  // skipped when skipped[i] is non-zero, run otherwise. A prefetching engine
+  // fetches ahead by it; wrong advice costs bandwidth, never correctness.
+  // Every rank must give the same advice.
+  virtual void plan_skip(std::span<const OpId> /*ops*/, std::span<const uint8_t> /*skipped*/) {}
+  // Sums `values` over the data-parallel ranks, in place (host memory);
+  // collective and blocking: every rank calls it at the same point. A model
+  // agrees on data-dependent choices with it (which experts any rank routed to).
+  virtual void sum_over_ranks(double* values, size_t count) = 0;
   // The full parameter (storage dtype, accelerator memory). Valid between
   // pre_op and post_op of an op that lists it.
   virtual TensorView param(ParamId id) = 0;
@@ -177,6 +196,8 @@ class Engine {
   // An engine's own reaction to a complete gradient (a ZeRO engine starts its
   // reduction here). `ready` is the compute-stream point after the last contribution.
   virtual void on_grad_ready(ParamId /*id*/, Event& /*ready*/) {}
+  // An engine's own part of skip_op, between the window's open and close.
+  virtual void on_skip_op(OpId /*op*/, Phase /*phase*/) {}
 
  private:
   Accelerator& accelerator_;
@@ -195,6 +216,7 @@ class Engine {
     Phase phase;
   };
   std::vector<Window> open_windows_;  // pre_op without its post_op yet
+  std::unique_ptr<Event> skip_point_;  // skip_op's compute-stream point (backward)
 };
 
 }  // namespace strata::engine

@@ -274,6 +274,23 @@ void ZeroEngine::post_op(OpId op, Phase phase) {
   if (coordinator_) coordinator_->post_op(op, phase);
 }
 
+void ZeroEngine::on_skip_op(OpId op, Phase phase) {
+  STRATA_CHECK(!evaluating_ || phase == Phase::kForward, kBadArgument,
+               "operator '{}' skipped a {} window during an evaluation pass (forward only): end_evaluation() first",
+               op_info(op).name, phase_name(phase));
+  if (coordinator_) coordinator_->skip_op(op, phase);
+}
+
+void ZeroEngine::plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) {
+  STRATA_CHECK(ops.size() == skipped.size(), kBadArgument, "plan_skip: {} operators but {} flags", ops.size(),
+               skipped.size());
+  if (coordinator_) coordinator_->plan_skip(ops, skipped);
+}
+
+void ZeroEngine::sum_over_ranks(double* values, size_t count) {
+  if (count > 0) allreduce_f64(values, count);
+}
+
 TensorView ZeroEngine::param(ParamId id) {
   STRATA_CHECK(in_window(id, false), kBadArgument,
                "parameter '{}' used outside a hook window of an operator that lists it", param_info(id).name);
@@ -559,10 +576,17 @@ double ZeroEngine::global_sum(double value) {
 }
 
 void ZeroEngine::allreduce_f64(double* values, size_t count) {
-  STRATA_CHECK(count <= kControlSlots, kInternal, "allreduce_f64 of {} values (at most {})", count, kControlSlots);
   const size_t nbytes = count * sizeof(double);
-  // One small accelerator buffer serves every call (two or three a step).
-  if (control_buffer_ == nullptr) control_buffer_ = accelerator().allocate(kControlSlots * sizeof(double));
+  // One small accelerator buffer serves every call (two or three a step, and
+  // one per MoE layer's routing), grown to the largest count asked for.
+  if (count > control_slots_) {
+    if (control_buffer_ != nullptr) {
+      control_stream_->synchronize();
+      accelerator().deallocate(control_buffer_);
+    }
+    control_slots_ = std::max<size_t>(count, 4);
+    control_buffer_ = accelerator().allocate(control_slots_ * sizeof(double));
+  }
   accelerator().copy_async(control_buffer_, values, nbytes, CopyKind::kHostToDevice, *control_stream_);
   comms_.control->allreduce(control_buffer_, control_buffer_, count, DType::kF64, partition::ReduceOp::kSum,
                             *control_stream_);

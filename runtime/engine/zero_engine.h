@@ -121,6 +121,8 @@ class ZeroEngine final : public Engine {
   void zero_grad() override;
   void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) override;
 
+  void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) override;
+  void sum_over_ranks(double* values, size_t count) override;  // the control communicator
   int rank() const;
   int world_size() const;
   // After finalize: the sizes in use, with a size left to choose
@@ -221,6 +223,7 @@ class ZeroEngine final : public Engine {
     std::vector<size_t> full_offset;         // per member: offset in full_flat
   };
   void on_finalize() override;
+  void on_skip_op(OpId op, Phase phase) override;
   void on_grad_ready(ParamId id, Event& ready) override;
   void create_group(Group& g);      // finalize: layout, home, gradient shard, reducer
   // Where a trained group's parameters live: offload_param's tier, except
@@ -255,8 +258,8 @@ class ZeroEngine final : public Engine {
   size_t stage1_grads_nbytes_ = 0;
   std::unique_ptr<offload::ParamCoordinator> coordinator_;  // stage 3; before groups_ die
   std::unique_ptr<offload::ShardOptimizer> optimizer_;      // after the groups it borrows
-  static constexpr size_t kControlSlots = 4;
-  void* control_buffer_ = nullptr;                 // allreduce_f64: kControlSlots doubles, accelerator memory
+  void* control_buffer_ = nullptr;                 // allreduce_f64: control_slots_ doubles, accelerator memory
+  size_t control_slots_ = 0;
   int64_t steps_ = 0;
   LossScaler loss_scaler_;
   std::unique_ptr<Event> compute_point_, gather_point_;

@@ -12,7 +12,8 @@
 namespace strata::nn {
 
 DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
-                           int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora)
+                           int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora,
+                           bool skip_unrouted_experts)
     : Module(engine, std::move(name)) {
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
@@ -26,7 +27,7 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Llama
     STRATA_CHECK(lora == nullptr && mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
                  "model_type {}: LoRA adapters and MLP tiling are not implemented for the experts yet",
                  c.model_type);
-    moe_ = std::make_unique<MoeMlp>(engine, child_name(moe_names(c).block), c, dtype);
+    moe_ = std::make_unique<MoeMlp>(engine, child_name(moe_names(c).block), c, dtype, skip_unrouted_experts);
     add_child(*moe_);
   } else {
     mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling, lora);
@@ -176,7 +177,7 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
     layers_.push_back(std::make_unique<DecoderLayer>(
         engine, child_name("layers." + std::to_string(l)), config_, l, options_.dtype,
-        options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr));
+        options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr, options_.skip_unrouted_experts));
     add_child(*layers_.back());
   }
   norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size,
@@ -604,6 +605,28 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
           }
           convert(values.data(), DType::kF32, host.data, host.desc.dtype, values.size());
         });
+  }
+}
+
+double LlamaModel::router_load_imbalance() const {
+  double worst = 0;
+  for (const auto& layer : layers_) {
+    const MoeMlp* moe = layer->moe();
+    if (moe == nullptr || moe->load().empty()) continue;
+    const std::vector<double>& load = moe->load();
+    double total = 0, most = 0;
+    for (double n : load) {
+      total += n;
+      most = std::max(most, n);
+    }
+    if (total > 0) worst = std::max(worst, most / (total / static_cast<double>(load.size())));
+  }
+  return worst;
+}
+
+void LlamaModel::reset_router_load() {
+  for (auto& layer : layers_) {
+    if (MoeMlp* moe = layer->moe()) moe->reset_load();
   }
 }
 

@@ -76,13 +76,16 @@ class DecoderLayer : public Module {
  public:
   // Layer `layer` of `config`.
   DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
-               DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr);
+               DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr,
+               bool skip_unrouted_experts = true);
   // x, y [batch * seq, hidden].
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
   // dres holds the gradient at the layer's output on entry and at its input on return.
   void backward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                 const DecoderActs& acts, const DecoderGrads& grads, const TensorView& dres);
+
+  MoeMlp* moe() const { return moe_.get(); }  // null for a dense MLP
 
  private:
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
@@ -112,6 +115,12 @@ struct LlamaModelOptions {
   // the base gets no gradient and no optimizer state), and the arena gains the
   // adapters' two [rows, r] scratch buffers.
   LoraSpec lora;
+  // Mixture of experts: skip the windows of experts no rank routed a token to
+  // (moe_mlp.h: a ZeRO-3 engine then never fetches them). false: every expert
+  // runs its windows every step, empty where it got no rows — the same
+  // result, all experts fetched; for measuring what routing saves
+  // (strata-train --all-experts).
+  bool skip_unrouted_experts = true;
 };
 
 struct ForwardOptions {
@@ -166,6 +175,13 @@ class LlamaModel : public Module {
 
   const LlamaConfig& config() const { return config_; }
   DType activation_dtype() const { return act_dtype_; }
+  // Mixture of experts: the routers' load imbalance over the forwards since
+  // reset_router_load() — per layer, the tokens of the busiest expert over the
+  // mean per expert (every rank's tokens: the same value on every rank) —,
+  // the worst layer's. 1 is a perfect balance, E / k every token on the same
+  // k experts. 0 for a dense model, or with no forward since the reset.
+  double router_load_imbalance() const;
+  void reset_router_load();
   // Bytes of the activation arena in accelerator memory (0 before the first forward).
   size_t arena_nbytes() const;
   // Bytes of pinned host memory holding activation checkpoints (nonzero only

@@ -16,14 +16,26 @@
 // and "<down>" [hidden, moe_intermediate] (mixtral: w1, w3, w2; qwen3_moe:
 // gate_proj, up_proj, down_proj). Every expert projection is a Linear with its
 // own parameter and its own operator (hook window), so a partitioning engine
-// can fetch one expert's matrices alone (issue 27's routed fetch builds on
-// this); an expert no token chose still runs its (empty) windows, so
-// last-use gradient accounting is unchanged, and its gradient stays zero.
+// fetches one expert's matrices alone.
+//
+// Routed fetch: after the router, the ranks agree (Engine::sum_over_ranks of
+// the per-expert row counts: one small collective per layer forward) on the
+// experts any rank routed a token to. An expert some rank uses runs its
+// windows on every rank (with no rows where it got none); an expert no rank
+// uses has its windows skipped (Engine::skip_op) in forward, the recompute
+// and backward of that micro-batch, so a ZeRO-3 engine never gathers it and
+// has no gradient of it to reduce (it adds zero either way). Before the
+// experts run, forward advises the engine of the agreed set
+// (Engine::plan_skip), so prefetch fetches exactly the routed experts. The
+// agreed set is host state of this layer for the current micro-batch (the
+// one thing a module keeps besides descriptors): forward writes it, the
+// recompute and backward of the same micro-batch read it.
 //
 // CONTRACT — one host synchronisation per layer forward: the size of each
 // expert's row block is data-dependent, and the GEMMs need it on the host, so
 // forward copies the E + 1 offsets to pinned host memory and waits for the
-// compute stream once, after the router. Backward (and the recompute of
+// compute stream once, after the router (followed by the routing agreement,
+// a collective of E doubles that blocks the host too). Backward (and the recompute of
 // activation checkpointing, which syncs again) reuse the host copy: no sync.
 // On the cpu accelerator ops run in order on one stream thread anyway; on
 // cuda this stalls the launch queue once per MoE layer (a grouped GEMM that
@@ -71,7 +83,9 @@ struct MoeAux {
 
 class MoeMlp : public Module {
  public:
-  MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32);
+  // skip_unrouted: false runs every expert's windows (LlamaModelOptions::skip_unrouted_experts).
+  MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32,
+         bool skip_unrouted = true);
   // x, y [rows, hidden]. Synchronises the compute stream once (see above).
   void forward(const TensorView& x, const MoeActs& acts, const MoeAux& aux, const TensorView& y,
                Phase phase = Phase::kForward);
@@ -82,6 +96,10 @@ class MoeMlp : public Module {
 
   int64_t experts() const { return experts_; }
   int64_t top_k() const { return top_k_; }
+  // Tokens routed to each expert by every rank (the counts the ranks agree
+  // on), summed over the forwards since reset_load(); empty before any.
+  const std::vector<double>& load() const { return load_; }
+  void reset_load() { load_.clear(); }
 
  private:
   struct Expert {
@@ -89,11 +107,16 @@ class MoeMlp : public Module {
   };
   // Expert e's rows of a [rows * k, cols] buffer.
   MatView block(const TensorView& t, size_t e, const MoeActs& acts) const;
+  // routed_ from every rank's row counts, and the engine advised of it.
+  void agree_routing(const MoeActs& acts);
 
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
+  bool skip_unrouted_;
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
+  std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
+  std::vector<double> load_;     // per expert: tokens routed since reset_load()
 };
 
 }  // namespace strata::nn

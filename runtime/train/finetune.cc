@@ -437,6 +437,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     const double lr = schedule.lr(engine.step_count());
     double loss_sum = 0, aux_sum = 0;
     bool aux = false;  // a mixture of experts with its load-balancing loss
+    model.reset_router_load();  // an evaluation since the last step routed too
     for (size_t m = 0; m < micro.size(); ++m) {
       // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
       if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
@@ -490,6 +491,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
+    if (model.config().moe()) r.router_imbalance = model.router_load_imbalance();
     if (aux) {
       // The mean over the step's micro-batches and ranks (the gradients add each one's).
       r.aux_loss = engine.global_sum(aux_sum) / static_cast<double>(micro.size() * static_cast<size_t>(rank.world_size));
@@ -511,6 +513,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     monitor("train/tokens_per_second", r.tokens_per_second());
     if (r.eval_loss) monitor("eval/loss", *r.eval_loss);
     if (r.aux_loss) monitor("train/aux_loss", *r.aux_loss);
+    if (r.router_imbalance) monitor("train/router_imbalance", *r.router_imbalance);
     const bool new_best = options.keep_best && r.eval_loss && (!best_eval || *r.eval_loss < *best_eval);
     if (checkpoints && (step % options.save_every == 0 || step == options.steps || new_best)) {
       trace::Span span("phase", "checkpoint");

@@ -61,6 +61,9 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
       r.seconds = j.value("step_s", 0.0);
       if (j.contains("eval_loss") && j["eval_loss"].is_number()) r.eval_loss = j["eval_loss"].get<double>();
       if (j.contains("aux_loss") && j["aux_loss"].is_number()) r.aux_loss = j["aux_loss"].get<double>();
+      if (j.contains("router_imbalance") && j["router_imbalance"].is_number()) {
+        r.router_imbalance = j["router_imbalance"].get<double>();
+      }
       steps_.push_back(r);
       elapsed_ += r.seconds;
       kept += line + "\n";
@@ -184,6 +187,7 @@ void RunReport::record(const StepRecord& r) {
                                      {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
   if (r.eval_loss) line["eval_loss"] = finite_or_null(*r.eval_loss);
   if (r.aux_loss) line["aux_loss"] = finite_or_null(*r.aux_loss);
+  if (r.router_imbalance) line["router_imbalance"] = finite_or_null(*r.router_imbalance);
   const std::string text = line.dump() + "\n";
   STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
                "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));
@@ -195,8 +199,9 @@ void RunReport::print_progress(const StepRecord& r) {
   const double per_step = elapsed_ / static_cast<double>(steps_.size());
   const double eta = per_step * static_cast<double>(std::max<int64_t>(0, total_steps_ - r.step));
   const std::string stats =
-      fmt::format("step {}/{}  loss {:.4f}{}{}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
+      fmt::format("step {}/{}  loss {:.4f}{}{}{}  lr {:.2e}  |g| {:.3g}  {:.0f} tok/s  {:.2f} s/step{}  ETA {}{}", r.step,
                   total_steps_, r.loss, r.aux_loss ? fmt::format("  aux {:.4f}", *r.aux_loss) : std::string(),
+                  r.router_imbalance ? fmt::format("  experts max/mean {:.2f}", *r.router_imbalance) : std::string(),
                   r.eval_loss ? fmt::format("  eval {:.4f}", *r.eval_loss) : std::string(),
                   r.lr, r.grad_norm, r.tokens_per_second(), r.seconds,
                   r.nvme_bytes > 0 && r.seconds > 0

@@ -51,6 +51,10 @@ struct StepRecord {
   // mean over the step's micro-batches and ranks (`loss` is the language-model
   // part; the gradients include router_aux_loss_coef times this).
   std::optional<double> aux_loss;
+  // Mixture of experts: the routers' load imbalance over the step's
+  // micro-batches and ranks (LlamaModel::router_load_imbalance: the busiest
+  // expert's tokens over the mean, the worst layer's; 1 is balanced).
+  std::optional<double> router_imbalance;
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 

@@ -15,6 +15,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <mutex>
 #include <random>
 #include <span>
@@ -86,6 +87,7 @@ struct TrainSpec {
   int micro_steps = 1;
   int steps = 3;
   bool tied = false;
+  std::optional<nn::LlamaConfig> config;  // empty: model_config(tied)
   bool checkpoint_activations = false;
   engine::ZeroEngineOptions options;
   BatchFn batches;  // empty: corpus (kSequences sequences)
@@ -153,7 +155,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         int step = -1;
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
-          const nn::LlamaConfig config = model_config(spec.tied);
+          const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
           nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
           nn::LlamaModel model(eng, config, model_options);
@@ -276,6 +278,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
 struct ResidentSpec {
   int steps = 3;
   bool tied = false;
+  std::optional<nn::LlamaConfig> config;  // empty: model_config(tied)
   nn::LlamaModelOptions model = nn::model_options(DType::kF32, 16);
   uint64_t init_seed = 7;
   kernels::AdamConfig adam;
@@ -290,7 +293,7 @@ struct ResidentSpec {
 inline TrainResult train_resident(const ResidentSpec& spec) {
   auto accelerator = make_cpu_accelerator();
   engine::ResidentEngine eng(*accelerator);
-  const nn::LlamaConfig config = model_config(spec.tied);
+  const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
   nn::LlamaModel model(eng, config, spec.model);
   std::vector<ParamId> trained;  // the optimizer's parameters, in declaration order
   for (ParamId id = 0; id < eng.parameter_count(); ++id) {

@@ -1,13 +1,15 @@
 // The NCCL communicator on a real GPU (SKIPPED without one). One GPU allows one
 // rank (NCCL refuses two ranks on one device), so most of these check the
 // wiring: unique id through the store, stream ordering, dtypes, events,
-// results, the watchdog's clock; the dead-peer test needs two GPUs.
+// results, all_to_all to itself, process groups, the watchdog's clock; the
+// dead-peer test needs two GPUs.
 #include <catch2/catch.hpp>
 
 #include <future>
 #include <thread>
 
 #include "partition/communicator.h"
+#include "partition/process_groups.h"
 #include "partition/store.h"
 #include "core/accelerator.h"
 #include "core/error.h"
@@ -62,6 +64,77 @@ TEST_CASE("nccl: single-rank collectives through the rendezvous store give exact
   for (size_t i = 0; i < numel; ++i) REQUIRE(bf16_to_float(bf_out[i]) == host[i]);
   accelerator->deallocate(a);
   accelerator->deallocate(b);
+}
+
+// One rank: all_to_all is a grouped ncclSend/ncclRecv to itself; the block
+// lands at its displacement and the rest of recv is untouched.
+TEST_CASE("nccl: single-rank all_to_all with a displacement, fp32 and bf16") {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
+  auto accelerator = make_cuda_accelerator(0);
+  auto stream = accelerator->create_stream();
+  CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  options.prefix = "strata/all_to_all_test";
+  auto comm = make_communicator(*accelerator, store, options);
+  const size_t numel = 1000, gap = 24;
+  AllToAllSplits splits = AllToAllSplits::packed({numel}, {numel});
+  splits.send_displs = {gap};
+  splits.recv_displs = {2 * gap};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    INFO(dtype_name(dtype));
+    const size_t element = dtype_nbytes(dtype), extent = 2 * gap + numel;
+    std::vector<float> send(extent, -3.0f), want(extent, -1.0f);
+    for (size_t i = 0; i < numel; ++i) send[gap + i] = want[2 * gap + i] = static_cast<float>(i % 200);
+    auto to_bytes = [&](const std::vector<float>& values) {
+      std::vector<char> bytes(values.size() * element);
+      for (size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::kBF16) {
+          reinterpret_cast<BFloat16*>(bytes.data())[i] = float_to_bf16(values[i]);
+        } else {
+          reinterpret_cast<float*>(bytes.data())[i] = values[i];
+        }
+      }
+      return bytes;
+    };
+    const std::vector<char> send_bytes = to_bytes(send), untouched = to_bytes(std::vector<float>(extent, -1.0f));
+    void* in = accelerator->allocate(extent * element);
+    void* out = accelerator->allocate(extent * element);
+    accelerator->copy_async(in, send_bytes.data(), extent * element, CopyKind::kHostToDevice, *stream);
+    accelerator->copy_async(out, untouched.data(), extent * element, CopyKind::kHostToDevice, *stream);
+    comm->all_to_all(in, out, splits, dtype, *stream)->synchronize();
+    std::vector<char> got(extent * element);
+    accelerator->copy_async(got.data(), out, extent * element, CopyKind::kDeviceToHost, *stream);
+    stream->synchronize();
+    REQUIRE(got == to_bytes(want));
+    accelerator->deallocate(in);
+    accelerator->deallocate(out);
+  }
+}
+
+// A process group of one rank on NCCL: its own unique id under the group's
+// key prefix, and collectives that work.
+TEST_CASE("nccl: the process groups of a one-rank job") {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
+  auto accelerator = make_cuda_accelerator(0);
+  auto stream = accelerator->create_stream();
+  CommunicatorOptions options;
+  options.timeout = std::chrono::milliseconds(10000);
+  ProcessGroups groups = make_process_groups(*accelerator, store, options, ParallelLayout(1, 1));
+  std::vector<char> id;
+  REQUIRE(store.try_get("strata/comm/groups/tp/0/nccl_unique_id", id));
+  REQUIRE(store.try_get("strata/comm/groups/dp/0/nccl_unique_id", id));
+  REQUIRE(groups.tp->backend() == "nccl");
+  float host = 5.0f;
+  void* data = accelerator->allocate(sizeof(float));
+  accelerator->copy_async(data, &host, sizeof(float), CopyKind::kHostToDevice, *stream);
+  groups.tp->allreduce(data, data, 1, DType::kF32, ReduceOp::kSum, *stream)->synchronize();
+  groups.dp->allreduce(data, data, 1, DType::kF32, ReduceOp::kSum, *stream)->synchronize();
+  accelerator->copy_async(&host, data, sizeof(float), CopyKind::kDeviceToHost, *stream);
+  stream->synchronize();
+  REQUIRE(host == 5.0f);
+  accelerator->deallocate(data);
 }
 
 TEST_CASE("nccl: a peer that never joins makes initialisation fail within the timeout") {

@@ -95,6 +95,36 @@ TEST_CASE("a rank killed during a collective: the others fail naming it within t
   REQUIRE(r.seconds < 8.0);
 }
 
+TEST_CASE("a rank killed during all_to_all: the others fail naming the operation and the dead rank") {
+  Result r = strata_run("-n 3 --failure-grace 8 -- " + kHelper + " die 1 2000 all_to_all");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 128 + 9);
+  REQUIRE_THAT(r.output, Catch::Contains("strata run: rank 1 (pid") && Catch::Contains("killed by signal 9"));
+  int named_the_dead = 0;
+  for (int rank : {0, 2}) {
+    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
+    REQUIRE_THAT(r.output, Catch::Contains(prefix));
+    size_t at = r.output.find(prefix);
+    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    INFO(line);
+    REQUIRE_THAT(line, Catch::Contains("all_to_all #") &&
+                           Catch::Contains("failed on rank " + std::to_string(rank) + " of 3") &&
+                           Catch::Contains("(timeout 2000 ms)"));
+    // Within the timeout, by the survivor's own clock (the run's wall time
+    // depends on how loaded the machine is; the launcher's grace bounds it).
+    const size_t after = line.find(" ms (timeout 2000 ms)");
+    const size_t number = line.rfind("after ", after);
+    REQUIRE(number != std::string::npos);
+    REQUIRE(std::stoi(line.substr(number + 6, after - number - 6)) <= 2500);
+    // As above: named, unless the survivor asked only after rank 0 (the store's host) had left.
+    const bool named = line.find("rank 1 died") != std::string::npos;
+    named_the_dead += named;
+    if (!named) REQUIRE_THAT(line, Catch::Contains("unreachable (rank 0 hosts it and may have died)"));
+  }
+  REQUIRE(named_the_dead >= 1);
+  REQUIRE_THAT(r.output, !Catch::Contains("stopped by strata run"));  // all ended within the 8 s grace
+}
+
 namespace {
 // The ranks a survivor's error names as not having reported the failure
 // ("...; rank 1 did not report..." or "ranks 1, 2 did not report..."); empty if none.

@@ -1,9 +1,10 @@
 // The rank program the multi-process tests start under `strata run`: joins the
 // rendezvous from the environment, builds a Gloo communicator and runs one
 // scenario. Exit codes: 0 passed, 1 a check failed, 3 a collective raised.
-//   rank_program collectives NUMEL         every collective, checked for equality
-//   rank_program die RANK TIMEOUT_MS       RANK kills itself (SIGKILL) while the
-//                                          others are inside an allreduce
+//   rank_program collectives NUMEL         every collective (all_to_all too), checked for equality
+//   rank_program die RANK TIMEOUT_MS [OP]  RANK kills itself (SIGKILL) while the
+//                                          others are inside OP: allreduce (the
+//                                          default) or all_to_all
 //   rank_program stall RANK TIMEOUT_MS     RANK stops itself (SIGSTOP) instead
 //   rank_program env                       prints the rank environment it parsed
 #include <signal.h>
@@ -20,6 +21,7 @@
 #include "partition/rendezvous.h"
 #include "core/accelerator.h"
 #include "core/error.h"
+#include "tests/partition/all_to_all_checks.h"
 #include "tests/partition/collective_checks.h"
 
 namespace {
@@ -47,6 +49,7 @@ int run(int argc, char** argv) {
   if (scenario == "collectives") {
     size_t numel = argc > 2 ? std::strtoul(argv[2], nullptr, 10) : 1000;
     test::run_collective_checks(*comm, *stream, numel);
+    test::run_all_to_all_checks(*comm, *stream);
     std::printf("collectives ok on rank %d of %d\n", info.rank, info.world_size);
     return 0;
   }
@@ -63,11 +66,23 @@ int run(int argc, char** argv) {
         raise(signal_number);
       }).detach();
     }
-    std::vector<float> data(1 << 20, 1.0f);
+    const std::string op = argc > 4 ? argv[4] : "allreduce";
+    if (op != "allreduce" && op != "all_to_all") {
+      std::fprintf(stderr, "unknown operation '%s'\n", op.c_str());
+      return 2;
+    }
+    std::vector<float> data(1 << 20, 1.0f), received(data.size());
+    const size_t block = data.size() / static_cast<size_t>(info.world_size);
     try {
       for (int i = 0; i < 100000; ++i) {
-        comm->allreduce(data.data(), data.data(), data.size(), DType::kF32, ReduceOp::kAverage, *stream)
-            ->synchronize();
+        if (op == "allreduce") {
+          comm->allreduce(data.data(), data.data(), data.size(), DType::kF32, ReduceOp::kAverage, *stream)
+              ->synchronize();
+        } else {
+          comm->all_to_all(data.data(), received.data(), AllToAllSplits::even(info.world_size, block), DType::kF32,
+                           *stream)
+              ->synchronize();
+        }
       }
     } catch (const Error& e) {
       std::fprintf(stderr, "collective failed: %s\n", e.what());

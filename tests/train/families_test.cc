@@ -156,7 +156,7 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
 }
 
 TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on NVMe reports its load-balancing "
-          "loss and exports what it imported",
+          "loss and its routers' load imbalance and exports what it imported",
           "[finetune][families][moe]") {
   strata::test::TempDir dir("families-moe");
   const std::string swap = dir.file("swap");
@@ -171,7 +171,7 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on
                                out + " --export " + out + "/model --export-dtype fp32 2>&1");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
-  CHECK_THAT(run.output, Catch::Contains("  aux "));
+  CHECK_THAT(run.output, Catch::Contains("  aux ") && Catch::Contains("  experts max/mean "));
   const auto steps = read_jsonl(out + "/metrics.jsonl");
   REQUIRE(steps.size() == 4);
   for (const auto& s : steps) {
@@ -180,6 +180,10 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on
     // probability): k = 2 when perfectly balanced, at most E x k = 16.
     CHECK(s["aux_loss"].get<double>() >= 1.0);
     CHECK(s["aux_loss"].get<double>() <= 16.0);
+    // The busiest expert's tokens over the mean: 1 balanced, at most E / k = 4.
+    REQUIRE(s.contains("router_imbalance"));
+    CHECK(s["router_imbalance"].get<double>() >= 1.0);
+    CHECK(s["router_imbalance"].get<double>() <= 4.0);
   }
   CHECK(steps[3]["loss"].get<double>() < steps[0]["loss"].get<double>());
   const json exported = read_json(out + "/model/config.json");

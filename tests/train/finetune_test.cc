@@ -190,7 +190,9 @@ namespace {
 
 // The arguments of the checkpoint tests: 2 ranks, ZeRO-3 with parameters and
 // optimizer state on NVMe, a checkpoint every 2 steps, an fp32 export.
-std::string resumable_args(const strata::test::TempDir& dir, const std::string& name, int steps) {
+// `init`: the model's config.json in dir (small_model's by default).
+std::string resumable_args(const strata::test::TempDir& dir, const std::string& name, int steps,
+                           const std::string& init = "small.json") {
   const std::string swap = dir.file(name + "_swap");
   static int configs = 0;
   const std::string config = write_file(dir, name + "_ds" + std::to_string(++configs) + ".json", R"({
@@ -200,7 +202,7 @@ std::string resumable_args(const strata::test::TempDir& dir, const std::string& 
     "zero_optimization": {"stage": 3, "sub_group_size": 20000,
       "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}})");
-  return "finetune --config " + config + " --init " + dir.file("small.json") + " --data " + kFinetuneExamples +
+  return "finetune --config " + config + " --init " + dir.file(init) + " --data " + kFinetuneExamples +
          "/data/gpl-3.0.txt --data-format text --seq 32 --steps " + std::to_string(steps) + " --save " +
          dir.file(name + "_ckpt") + " --save-every 2 --out " + dir.file(name + "_out") + " --export " +
          dir.file(name + "_model") + " --export-dtype fp32";
@@ -294,6 +296,37 @@ TEST_CASE("LoRA killed with SIGKILL at random moments and resumed: the adapter c
   INFO("killed " << kills << " times");
   CHECK(kills >= 3);
   CHECK(file_bytes(dir.file("killed_model") + "/adapter_model.safetensors") == expected);
+}
+
+TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][moe]") {
+  strata::test::TempDir dir;
+  // 8 experts, top 2, with the load-balancing loss: routing (and so which
+  // experts each step skips) and the auxiliary gradient must resume exactly.
+  write_file(dir, "moe.json", R"({"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+    "output_router_logits": true, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 24;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "moe.json") + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  const int kills =
+      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "moe.json"), dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
+  const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == kSteps);
+  REQUIRE(ref_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    CHECK(steps[i]["aux_loss"] == ref_steps[i]["aux_loss"]);
+    CHECK(steps[i]["router_imbalance"] == ref_steps[i]["router_imbalance"]);
+  }
 }
 
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",

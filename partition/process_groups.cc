@@ -1,0 +1,147 @@
+// Process groups: the tp × dp (× ep) layout and communicators over one group.
+#include "partition/process_groups.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace strata::partition {
+namespace {
+constexpr size_t kNamedRanks = 8;  // a group's name lists at most this many ranks in full
+
+size_t kind_index(GroupKind kind) { return static_cast<size_t>(kind); }
+}  // namespace
+
+std::string_view group_kind_name(GroupKind kind) {
+  switch (kind) {
+    case GroupKind::kTensor: return "tp";
+    case GroupKind::kData: return "dp";
+    case GroupKind::kExpert: return "ep";
+    case GroupKind::kExpertData: return "expert-dp";
+  }
+  raise(ErrorCategory::kInternal, "unknown process group kind");
+}
+
+std::string ProcessGroup::name() const {
+  std::string list;
+  auto append = [&](const std::string& item) { list += (list.empty() ? "" : ",") + item; };
+  if (ranks.size() <= kNamedRanks) {
+    for (int r : ranks) append(std::to_string(r));
+    return fmt::format("{} group {} (rank{} {})", group_kind_name(kind), index, ranks.size() == 1 ? "" : "s", list);
+  }
+  for (size_t i = 0; i < 3; ++i) append(std::to_string(ranks[i]));
+  append("...");
+  append(std::to_string(ranks.back()));
+  return fmt::format("{} group {} ({} ranks: {})", group_kind_name(kind), index, ranks.size(), list);
+}
+
+int ProcessGroup::member(int job_rank) const {
+  const auto at = std::find(ranks.begin(), ranks.end(), job_rank);
+  return at == ranks.end() ? -1 : static_cast<int>(at - ranks.begin());
+}
+
+ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size)
+    : world_size_(world_size), tp_size_(tp_size), ep_size_(ep_size) {
+  STRATA_CHECK(world_size >= 1, kBadArgument, "a world of {} ranks: at least 1 is needed", world_size);
+  STRATA_CHECK(tp_size >= 1, kBadArgument, "tensor-parallel size {}: at least 1 is needed", tp_size);
+  STRATA_CHECK(world_size % tp_size == 0, kBadArgument,
+               "a world of {} ranks is not divisible by the tensor-parallel size {}: the ranks are laid out as "
+               "world = tp × dp",
+               world_size, tp_size);
+  const int dp = world_size / tp_size;
+  STRATA_CHECK(ep_size >= 1, kBadArgument, "expert-parallel size {}: at least 1 is needed", ep_size);
+  STRATA_CHECK(dp % ep_size == 0, kBadArgument,
+               "the expert-parallel size {} does not divide the data-parallel size {} (a world of {} ranks / "
+               "tensor-parallel size {}): expert-parallel groups are made inside the data-parallel ones",
+               ep_size, dp, world_size, tp_size);
+  auto add = [&](GroupKind kind, std::vector<int> ranks) {
+    std::sort(ranks.begin(), ranks.end());
+    groups_[kind_index(kind)].push_back(ProcessGroup{kind, 0, std::move(ranks)});
+  };
+  for (int g = 0; g < dp; ++g) {
+    std::vector<int> ranks;
+    for (int t = 0; t < tp_size; ++t) ranks.push_back(g * tp_size + t);
+    add(GroupKind::kTensor, std::move(ranks));
+  }
+  for (int j = 0; j < tp_size; ++j) {
+    // Member k of dp group j is job rank j + k * tp.
+    auto dp_member = [&](int k) { return j + k * tp_size; };
+    std::vector<int> data;
+    for (int k = 0; k < dp; ++k) data.push_back(dp_member(k));
+    add(GroupKind::kData, std::move(data));
+    for (int m = 0; m < dp / ep_size; ++m) {
+      std::vector<int> experts;
+      for (int e = 0; e < ep_size; ++e) experts.push_back(dp_member(m * ep_size + e));
+      add(GroupKind::kExpert, std::move(experts));
+    }
+    for (int e = 0; e < ep_size; ++e) {
+      std::vector<int> replicas;
+      for (int m = 0; m < dp / ep_size; ++m) replicas.push_back(dp_member(m * ep_size + e));
+      add(GroupKind::kExpertData, std::move(replicas));
+    }
+  }
+  for (auto& groups : groups_) {
+    std::sort(groups.begin(), groups.end(),
+              [](const ProcessGroup& a, const ProcessGroup& b) { return a.ranks.front() < b.ranks.front(); });
+    for (size_t i = 0; i < groups.size(); ++i) groups[i].index = static_cast<int>(i);
+  }
+}
+
+const std::vector<ProcessGroup>& ParallelLayout::groups(GroupKind kind) const { return groups_[kind_index(kind)]; }
+
+const ProcessGroup& ParallelLayout::group_of(GroupKind kind, int rank) const {
+  STRATA_CHECK(rank >= 0 && rank < world_size_, kBadArgument, "rank {} is outside a world of {} ranks", rank,
+               world_size_);
+  for (const ProcessGroup& group : groups(kind)) {
+    if (group.member(rank) >= 0) return group;
+  }
+  raise(ErrorCategory::kInternal, "rank {} is in no {} group", rank, group_kind_name(kind));
+}
+
+std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, StoreClient& store,
+                                                      const CommunicatorOptions& job_options,
+                                                      const ProcessGroup& group) {
+  const std::string name = group.name();
+  const int member = group.member(job_options.rank);
+  STRATA_CHECK(member >= 0, kBadArgument, "rank {} is not in {}, so it cannot make its communicator",
+               job_options.rank, name);
+  for (int r : group.ranks) {
+    STRATA_CHECK(r >= 0 && r < job_options.world_size, kBadArgument, "{} names rank {}, outside a world of {} ranks",
+                 name, r, job_options.world_size);
+  }
+  CommunicatorOptions options = job_options;
+  options.rank = member;
+  options.world_size = static_cast<int>(group.ranks.size());
+  options.prefix = fmt::format("{}/groups/{}/{}", job_options.prefix, group_kind_name(group.kind), group.index);
+  options.group = name;
+  options.members = group.ranks;
+  auto communicator = make_communicator(accelerator, store, options);
+  logger().debug("rank {}: connected {} ({})", job_options.rank, name, communicator->backend());
+  return communicator;
+}
+
+Communicator& ProcessGroups::of(GroupKind kind) const {
+  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp};
+  const auto& communicator = *held[kind_index(kind)];
+  STRATA_CHECK(communicator != nullptr, kBadArgument, "no {} group communicator was made", group_kind_name(kind));
+  return *communicator;
+}
+
+ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& job_options,
+                                  const ParallelLayout& layout) {
+  STRATA_CHECK(job_options.world_size == layout.world_size(), kBadArgument,
+               "process groups laid out for a world of {} ranks, but this job has {}", layout.world_size(),
+               job_options.world_size);
+  auto make = [&](GroupKind kind) {
+    return make_group_communicator(accelerator, store, job_options, layout.group_of(kind, job_options.rank));
+  };
+  ProcessGroups groups;
+  groups.tp = make(GroupKind::kTensor);
+  groups.dp = make(GroupKind::kData);
+  groups.ep = make(GroupKind::kExpert);
+  groups.expert_dp = make(GroupKind::kExpertData);
+  return groups;
+}
+
+}  // namespace strata::partition

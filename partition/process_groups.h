@@ -1,0 +1,94 @@
+// Process groups (DESIGN.md §5): the job's ranks arranged as world = tp × dp,
+// Megatron's layout, with expert parallelism inside the data-parallel
+// dimension, DeepSpeed's; and communicators over one group each, connected
+// through the job's rendezvous store.
+//
+// Layout (ParallelLayout: a pure function of world, tp and ep):
+//   tp group g        ranks g*tp .. g*tp + tp-1: consecutive, so on one node,
+//                     they hold the shards of one layer (tensor parallelism);
+//   dp group j        ranks j, j+tp, j+2*tp, ...: the ranks that hold the same
+//                     tp shard (j = rank % tp), over which ZeRO partitions;
+//   ep group          within a dp group, ep consecutive members (dp positions
+//                     m*ep .. m*ep + ep-1): they split the experts between them;
+//   expert-dp group   within a dp group, the members that hold the same experts
+//                     (every ep-th): they average those experts' gradients.
+// Groups of a kind are numbered in the order of their lowest rank; every rank
+// is in exactly one group of each kind. Errors and logs name a group as
+// "tp group 1 (ranks 2,3)".
+//
+// Thread-safety: ParallelLayout is immutable after construction.
+// Throws: Error(kBadArgument) for sizes that do not divide (naming them);
+// communicators throw as make_communicator's do, naming the group.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "partition/communicator.h"
+
+namespace strata::partition {
+
+enum class GroupKind { kTensor, kData, kExpert, kExpertData };
+// "tp", "dp", "ep", "expert-dp": the words errors and store keys use.
+std::string_view group_kind_name(GroupKind kind);
+
+struct ProcessGroup {
+  GroupKind kind = GroupKind::kTensor;
+  int index = 0;
+  std::vector<int> ranks;  // job ranks, ascending; member i of the group is ranks[i]
+
+  // "tp group 1 (ranks 2,3)"; past 8 ranks the list is shortened: "dp group 0 (16 ranks: 0,8,16,...,120)".
+  std::string name() const;
+  // This job rank's position in the group, or -1 when it is not a member.
+  int member(int job_rank) const;
+};
+
+class ParallelLayout {
+ public:
+  // world = tp × dp, and ep divides dp. Refused otherwise, naming the sizes.
+  ParallelLayout(int world_size, int tp_size, int ep_size = 1);
+
+  int world_size() const { return world_size_; }
+  int tp_size() const { return tp_size_; }
+  int dp_size() const { return world_size_ / tp_size_; }
+  int ep_size() const { return ep_size_; }
+  // A rank's position in its tp group and in its dp group.
+  int tp_rank(int rank) const { return rank % tp_size_; }
+  int dp_rank(int rank) const { return rank / tp_size_; }
+
+  // Every group of `kind`, by index.
+  const std::vector<ProcessGroup>& groups(GroupKind kind) const;
+  // The group of `kind` that holds job rank `rank` (Error(kBadArgument) outside the world).
+  const ProcessGroup& group_of(GroupKind kind, int rank) const;
+
+ private:
+  int world_size_, tp_size_, ep_size_;
+  std::vector<ProcessGroup> groups_[4];  // by GroupKind
+};
+
+// A communicator over `group`, as make_communicator makes one (NCCL for cuda,
+// Gloo for cpu). `job_options` describe this process in the whole job (rank,
+// world_size: the job's), and give the timeout, hostname and key prefix; the
+// group's store keys are under "<prefix>/groups/<kind>/<index>", which no
+// other group and no communicator's own keys use. Every rank of the group must
+// make it (connecting waits for them, within the timeout). Refused when this
+// rank is not in the group or the group names a rank outside the job.
+std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, StoreClient& store,
+                                                      const CommunicatorOptions& job_options,
+                                                      const ProcessGroup& group);
+
+// This rank's communicator in each group of `layout` (groups of one rank
+// included, so that callers need no special case).
+struct ProcessGroups {
+  std::unique_ptr<Communicator> tp, dp, ep, expert_dp;
+  Communicator& of(GroupKind kind) const;
+};
+// Every rank makes them in the same order (tp, dp, ep, expert-dp), so that
+// connecting one group never waits on a rank busy connecting another.
+// job_options.world_size must be layout.world_size().
+ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& job_options,
+                                  const ParallelLayout& layout);
+
+}  // namespace strata::partition
