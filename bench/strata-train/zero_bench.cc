@@ -184,9 +184,16 @@ void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::Zer
                run.skip_unrouted_experts ? "routed fetch: experts no rank routed a token to are not fetched"
                                          : "--all-experts: every expert fetched every step");
   }
-  fmt::print("parameters {:.1f} M ({:.1f} MiB) | prefetch bucket {} / max live {} / reuse distance {} elements | "
-             "{} staging buffers | aio: {} x {} KiB, queue depth {}, {} thread(s)\n",
-             param_count / 1e6, static_cast<double>(param_nbytes) / (1 << 20), o.prefetch_bucket_numel,
+  fmt::print("parameters {:.1f} M ({:.1f} MiB) | sub-group {} / reduce bucket {} elements ({}) | prefetch bucket {} "
+             "/ max live {} / reuse distance {} elements | {} staging buffers | aio: {} x {} KiB, queue depth {}, {} "
+             "thread(s)\n",
+             param_count / 1e6, static_cast<double>(param_nbytes) / (1 << 20), o.sub_group_numel,
+             o.reduce_bucket_numel,
+             flags.engine.sub_group_numel == engine::kChooseFromModel ||
+                     flags.engine.reduce_bucket_numel == engine::kChooseFromModel
+                 ? "chosen from the model's layers: see the \"ZeRO sizes\" log line"
+                 : "as given",
+             o.prefetch_bucket_numel,
              o.max_live_parameters_numel, o.max_reuse_distance_numel, o.param_buffer_count,
              nvme::engine_kind_name(o.aio.engine), o.aio.block_size >> 10, o.aio.queue_depth, o.aio.thread_count);
 }
@@ -254,7 +261,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     param_nbytes += eng.param_info(id).nbytes();
     param_count += static_cast<double>(eng.param_info(id).numel());
   }
-  if (r.rank == 0) print_header(run, flags, o, r, param_count, param_nbytes);
+  if (r.rank == 0) print_header(run, flags, eng.options(), r, param_count, param_nbytes);
 
   // The drive's read bandwidth, measured by rank 0 while the others wait.
   std::vector<DriveBandwidth> drive;
@@ -523,7 +530,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                   {"max_live", o.max_live_parameters_numel}, {"reuse_distance", o.max_reuse_distance_numel},
                   {"param_buffer_count", o.param_buffer_count}, {"param_buffer_size", o.param_buffer_numel},
                   {"aio_block_size", o.aio.block_size}, {"aio_queue_depth", o.aio.queue_depth},
-                  {"aio_threads", o.aio.thread_count}, {"sub_group_size", o.sub_group_numel},
+                  {"aio_threads", o.aio.thread_count}, {"sub_group_size", eng.options().sub_group_numel},
+                  {"reduce_bucket_size", eng.options().reduce_bucket_numel},
+                  {"zero_sizes", eng.zero_sizes().to_json()},
                   {"overlap_optimizer", flags.overlap_optimizer}}},
         {"threads_per_rank", run.threads},
         {"openblas_coretype_env", coretype != nullptr ? coretype : ""},
@@ -586,11 +595,17 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--param-buffer-size", e.param_buffer_numel, "offload_param.buffer_size (elements)")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--reduce-bucket", e.reduce_bucket_numel, "reduce_bucket_size (elements)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+  // Left out: chosen from the model's decoder layers at finalize, as for a
+  // ds_config without the keys (runtime/engine/zero_sizes.h).
+  e.reduce_bucket_numel = engine::kChooseFromModel;
+  e.sub_group_numel = engine::kChooseFromModel;
+  app.add_option("--reduce-bucket", e.reduce_bucket_numel,
+                 "reduce_bucket_size (elements; default: one decoder layer's gradients, chosen from the model)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--sub-group", e.sub_group_numel,
-                 "sub_group_size (elements): the optimizer's unit, and so how finely it can overlap backward")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+                 "sub_group_size (elements): the optimizer's unit, and so how finely it can overlap backward "
+                 "(default: one decoder layer's share of the shard, chosen from the model)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("!--no-overlap-optimizer", f.overlap_optimizer,
                "run the optimizer in step() only, instead of updating each sub-group during backward as soon as its "
                "gradient is final");

@@ -35,8 +35,10 @@ struct ZeroFlags {
   float lr = 1e-3f;
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
   bool overlap_optimizer = true;  // prepare_step before each step's backward
-  // The coordinator's budgets, reduce buckets, aio: DeepSpeed's defaults
-  // (ZeroEngineOptions'), settable per flag.
+  // The coordinator's budgets and aio: DeepSpeed's defaults
+  // (ZeroEngineOptions'), settable per flag; sub_group_size and
+  // reduce_bucket_size: chosen from the model (engine::kChooseFromModel)
+  // unless --sub-group / --reduce-bucket give them.
   engine::ZeroEngineOptions engine;
 };
 

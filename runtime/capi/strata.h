@@ -269,7 +269,12 @@ strata_status strata_find_param(strata_engine* engine, const char* name, int32_t
 
 /* COLLECTIVE. Partitions every parameter, creates each shard's storage where
  * the config says (device, pinned CPU, NVMe) and writes the initial values of
- * this rank's shard (calling init callbacks on this thread). Once; needs at
+ * this rank's shard (calling init callbacks on this thread). A config
+ * without zero_optimization.sub_group_size or reduce_bucket_size gets them
+ * here, chosen from the registered parameters' decoder layers (the names up to
+ * their first all-digit component, "model.layers.3.*"; one layer per
+ * sub-group and per bucket; names without one make the whole model one
+ * piece), logged once by rank 0. Once; needs at
  * least one parameter. With several ranks it first checks that every rank
  * registered the same parameters and operators. Errors: INVALID_STATE
  * (twice, no parameter); INVALID_ARGUMENT (the ranks' registrations differ);

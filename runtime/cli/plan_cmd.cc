@@ -29,6 +29,9 @@
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"
 #include "runtime/plan/plan_report.h"
+#include "runtime/plan/runtime_memory.h"
+#include "partition/layout.h"
+#include "runtime/engine/zero_sizes.h"
 
 namespace strata::cli {
 
@@ -161,6 +164,11 @@ struct Resolved {
   std::string model_source;
   std::optional<nn::LlamaConfig> config;  // with --model
   std::vector<std::string> hints;  // what flag would make the plan more exact
+  nn::LoraSpec lora;               // --lora-rank, --lora-targets
+  // sub_group_size and reduce_bucket_size: the config's (0: left out, or no
+  // --config), then as the engine would use them (resolve_zero_sizes).
+  int64_t sub_group_given = 0, reduce_bucket_given = 0;
+  engine::ZeroSizes zero_sizes;
 };
 
 void resolve_model(const Options& o, Resolved& r) {
@@ -242,6 +250,7 @@ void resolve_lora(const Options& o, Resolved& r) {
   spec.alpha = 8;  // PEFT's default; the scale changes no size
   spec.targets = nn::parse_lora_targets(o.lora_targets.empty() ? "q_proj,v_proj" : o.lora_targets);
   spec.validate();
+  r.lora = spec;
   plan::LoraShape lora;
   lora.rank = spec.rank;
   lora.targets = spec.targets;
@@ -298,9 +307,9 @@ void resolve_training(const Options& o, const std::optional<Config>& config, Res
     t.micro_batch = config->micro_batch_size;
     t.grad_accumulation = config->gradient_accumulation_steps;
     t.checkpoints_on_cpu = config->cpu_checkpointing;
-    t.reduce_bucket_numel = z.reduce_bucket_numel;
+    r.reduce_bucket_given = z.reduce_bucket_numel;  // 0: chosen from the model (resolve_zero_sizes)
     t.prefetch_bucket_numel = z.prefetch_bucket_numel;
-    t.sub_group_numel = z.sub_group_numel;
+    r.sub_group_given = z.sub_group_numel;
     t.param_buffer_count = static_cast<int>(z.param_buffer_count);
     t.param_buffer_numel = z.param_buffer_numel;
     t.optimizer_buffer_count = static_cast<int>(z.optimizer_buffer_count);
@@ -315,6 +324,39 @@ void resolve_training(const Options& o, const std::optional<Config>& config, Res
     t.layers_per_checkpoint = parse_integer("--checkpoint-every", o.checkpoint_every, 1);
   if (!o.tiling.empty()) t.tiling = parse_integer("--tiling", o.tiling, 1);
   t.activation_checkpointing = !o.no_checkpointing;
+}
+
+// sub_group_size and reduce_bucket_size as the engine would use them over
+// N_d ranks: a size the config gives (or leaves out, or no --config) through
+// the engine's own choice (engine::choose_zero_sizes), from the model's tensor
+// list with --model; else from a layer of 12·hidden² (4·hidden² + 3·hidden·
+// intermediate with --intermediate) and a norm per layer; else (--params
+// alone) the whole model as one piece.
+void resolve_zero_sizes(Resolved& r) {
+  const plan::ModelShape& m = r.inputs.model;
+  std::vector<engine::SizedParam> sized;
+  const DType dtype = DType::kBF16;  // 16-bit parameters, as the plan's formulas take them
+  if (r.config) {
+    sized = plan::llama_sized_params(*r.config, dtype, r.lora);
+  } else if (m.shape_known()) {
+    const int64_t h = m.hidden;
+    const int64_t block = m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h;
+    const bool lora = r.lora.enabled() && r.inputs.lora;
+    if (m.vocab > 0) sized.push_back({"embed_tokens", m.vocab * h, dtype, !lora});
+    for (int64_t l = 0; l < m.layers; ++l) {
+      const std::string layer = fmt::format("layers.{}.", l);
+      sized.push_back({layer + "block", block, dtype, !lora});
+      sized.push_back({layer + "norm", h, dtype, !lora});
+      if (lora) sized.push_back({layer + "lora", r.inputs.lora->adapter_count / m.layers, DType::kF32, true});
+    }
+  } else {
+    sized.push_back({"model", m.param_count, dtype, true});
+  }
+  r.zero_sizes = engine::choose_zero_sizes(sized, static_cast<int>(r.inputs.machine.data_parallel),
+                                           r.sub_group_given, r.reduce_bucket_given,
+                                           partition::kDefaultAlignmentNbytes);
+  r.inputs.training.sub_group_numel = r.zero_sizes.sub_group_numel;
+  r.inputs.training.reduce_bucket_numel = r.zero_sizes.reduce_bucket_numel;
 }
 
 void resolve_machine(const Options& o, const std::optional<Config>& config, Resolved& r) {
@@ -460,6 +502,7 @@ std::string header(const Resolved& r) {
           ? fmt::format("activation checkpoint every {} layer(s){}", t.layers_per_checkpoint,
                         t.checkpoints_on_cpu ? ", kept in CPU memory" : "")
           : std::string("no activation checkpointing"));
+  out += fmt::format("ZeRO      {}\n", r.zero_sizes.describe());
   out +=
       fmt::format("Machine   {} node(s) x {} GPUs ({}), data-parallel N_d = {} ({})\n", hw.nodes,
                   hw.gpus_per_node, src("gpus_per_node"), hw.data_parallel, src("data_parallel"));
@@ -538,12 +581,14 @@ int run_plan(const Options& o) {
   resolve_lora(o, r);
   resolve_training(o, config, r);
   resolve_machine(o, config, r);
+  resolve_zero_sizes(r);
   plan::Plan result = plan::make_plan(r.inputs);
   for (const std::string& hint : r.hints) result.notes.push_back(hint);
   if (o.json) {
     nlohmann::json out = plan::to_json(result);
     out["model"]["source"] = r.model_source;
     out["sources"] = r.sources;
+    out["zero_sizes"] = r.zero_sizes.to_json();
     std::cout << out.dump(2) << "\n";
   } else {
     std::cout << header(r)

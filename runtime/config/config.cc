@@ -173,9 +173,17 @@ class Checker {
                 given, flag);
       } else if (!trainer_derived(f.path)) {
         problem("{}: \"auto\" is a Hugging Face Trainer value strata has no flag for: give the value", given);
+      } else if (f.default_value.is_null()) {
+        // reduce_bucket_size: the Trainer's hidden_size^2 is filled in by
+        // finetune and plan --model (apply_trainer_flags) before this; here,
+        // without the model, DeepSpeed's default, as "auto" always read — an
+        // "auto" is given, never the per-layer choice of a key left out.
+        values_[f.path] = json(kDeepSpeedReduceBucketNumel);
+        given_as_[f.path] = given;
       }
       return;
     }
+    if (value.is_null() && f.default_value.is_null()) return;  // the sizes chosen from the model: as if left out
     std::optional<json> accepted = convert(f, value);
     if (!accepted) {
       const std::string got = f.kind == FieldKind::kEnum && value.is_string()
@@ -329,8 +337,9 @@ Config build(const json& e) {
   const json& oo = z["offload_optimizer"];
   c.zero.offload_optimizer = {parse_device(oo["device"].get<std::string>()), oo["nvme_path"].get<std::string>(),
                               oo["pin_memory"].get<bool>(), as_int(oo["buffer_count"])};
-  c.zero.sub_group_numel = z["sub_group_size"].get<uint64_t>();
-  c.zero.reduce_bucket_numel = z["reduce_bucket_size"].get<uint64_t>();
+  // null: left out, chosen from the model at finalize (0, engine::kChooseFromModel).
+  c.zero.sub_group_numel = z["sub_group_size"].is_null() ? 0 : z["sub_group_size"].get<uint64_t>();
+  c.zero.reduce_bucket_numel = z["reduce_bucket_size"].is_null() ? 0 : z["reduce_bucket_size"].get<uint64_t>();
   c.zero.overlap_comm = z["overlap_comm"].get<bool>();
   c.zero.contiguous_gradients = z["contiguous_gradients"].get<bool>();
   c.zero.prefetch_bucket_numel = z["stage3_prefetch_bucket_size"].get<uint64_t>();

@@ -19,6 +19,10 @@ namespace strata {
 
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
+// DeepSpeed's reduce_bucket_size default: what "auto" reads where the
+// Trainer's hidden_size^2 cannot be known (no model: config check, the C API).
+inline constexpr uint64_t kDeepSpeedReduceBucketNumel = 500'000'000;
+
 struct AioConfig {
   std::string engine;       // uring | aio | psync
   uint64_t block_size = 0;  // bytes
@@ -49,6 +53,8 @@ struct ZeroConfig {
   int stage = 0;
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
+  // 0: the key was left out; the engine chooses it from the model's layers
+  // at finalize (runtime/engine/zero_sizes.h).
   uint64_t sub_group_numel = 0;
   uint64_t reduce_bucket_numel = 0;
   bool overlap_comm = false;

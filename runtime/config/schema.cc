@@ -47,6 +47,13 @@ ConfigField size(std::string path, uint64_t default_value, std::string unit, dou
   f.min = min;
   return f;
 }
+// A size whose default is chosen from the model (null in the effective config).
+ConfigField chosen_size(std::string path, std::string doc) {
+  ConfigField f = field(std::move(path), FieldKind::kSize, nullptr, std::move(doc));
+  f.unit = "elements";
+  f.min = 1;
+  return f;
+}
 ConfigField choice(std::string path, std::string default_value, std::vector<std::string> choices,
                    std::string doc) {
   ConfigField f = field(std::move(path), FieldKind::kEnum, default_value, std::move(doc));
@@ -118,8 +125,12 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_read", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
   f.push_back(ignored(integer("zero_optimization.offload_optimizer.pipeline_write", 0, 0, 1, "DeepSpeed pipelining switch; strata always pipelines the NVMe optimizer step.")));
   f.push_back(ignored(flag("zero_optimization.offload_optimizer.fast_init", false, "DeepSpeed initialisation shortcut; not needed in strata.")));
-  f.push_back(size("zero_optimization.sub_group_size", 1000000000, "elements", 1, "Optimizer step granularity: elements updated per pipeline stage."));
-  f.push_back(size("zero_optimization.reduce_bucket_size", 500000000, "elements", 1, "Elements per gradient reduce-scatter bucket."));
+  // Left out: chosen from the model's decoder layers when the engine is
+  // finalized (runtime/engine/zero_sizes.h); the default is null ("not
+  // given"), not DeepSpeed's 1e9 / 5e8, which give any model under a billion
+  // parameters one sub-group and one bucket, so nothing overlaps backward.
+  f.push_back(chosen_size("zero_optimization.sub_group_size", "Optimizer step granularity: elements of this rank's shard updated per pipeline stage (and, with strata.overlap_optimizer, per update during backward). Left out (or null): one decoder layer's share of the shard, at most 256 MiB of optimizer state, chosen from the model and logged at start (DeepSpeed's default, 1e9, gives a model under a billion parameters one sub-group)."));
+  f.push_back(chosen_size("zero_optimization.reduce_bucket_size", "Elements per gradient reduce-scatter bucket. Left out (or null): one decoder layer's gradients plus a norm's, at most 256 MiB, chosen from the model and logged at start (DeepSpeed's default is 5e8). \"auto\" (a Hugging Face Trainer config) is the Trainer's hidden_size^2 in strata finetune (which reads the model with the config); elsewhere (strata config check, strata plan, the C API) DeepSpeed's 5e8."));
   f.push_back(ignored(flag("zero_optimization.overlap_comm", true, "strata always overlaps gradient reduction with backward (each bucket is reduce-scattered on its own stream as it fills).")));
   f.push_back(ignored(flag("zero_optimization.contiguous_gradients", true, "strata always packs gradients into contiguous reduce buckets (reduce_bucket_size).")));
   f.push_back(size("zero_optimization.stage3_prefetch_bucket_size", 50000000, "elements", 0, "Parameter elements prefetched ahead of use (stage 3)."));
@@ -247,7 +258,9 @@ std::string config_reference_markdown() {
       "is near); integer bounds are checked exactly and never exceed what strata reads them into.\n"
       "Keys marked *no effect* are DeepSpeed keys strata accepts for compatibility and does not use;\n"
       "`strata config check` lists them. The value `\"auto\"` (written by Hugging Face's integration)\n"
-      "means the default. Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"
+      "means the default (`reduce_bucket_size`: see its row). A default \"chosen from the model\" is\n"
+      "null in the effective config and picked when the engine is built (one decoder layer per\n"
+      "sub-group and per bucket; docs/DESIGN.md §5.2). Sizes accept numbers (`1e9`) or strings (`\"1GB\"` = 10^9, `\"1GiB\"` = 2^30);\n"
       "for element counts the unit names only the multiplier.\n\n"
       "Checked combinations (one function, runtime/config/config.cc, which `strata config check`,\n"
       "`strata finetune`, `strata plan` and the C API all run, so a file valid for one is valid for\n"
@@ -266,7 +279,9 @@ std::string config_reference_markdown() {
       section = top;
       out += fmt::format("\n## `{}`\n\n| key | accepts | default | meaning |\n|---|---|---|---|\n", section);
     }
-    out += fmt::format("| `{}` | {} | `{}` | {}{} |\n", f.path, describe_accepted(f), f.default_value.dump(),
+    const std::string default_text =
+        f.default_value.is_null() ? "chosen from the model" : fmt::format("`{}`", f.default_value.dump());
+    out += fmt::format("| `{}` | {} | {} | {}{} |\n", f.path, describe_accepted(f), default_text,
                        f.no_effect ? "*no effect in strata.* " : "", f.doc);
   }
   out += "\n`aio.intra_op_parallelism` is accepted as another name for `aio.thread_count`.\n";

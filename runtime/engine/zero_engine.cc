@@ -83,6 +83,22 @@ ZeroEngine::~ZeroEngine() {
 }
 
 void ZeroEngine::on_finalize() {
+  // Sizes the config left out, from the declared parameters' layers; every
+  // layout, reducer and optimizer below uses the result. Logged once (rank 0).
+  {
+    std::vector<SizedParam> sized;
+    for (ParamId id = 0; id < parameter_count(); ++id) {
+      const ParamInfo& p = param_info(id);
+      sized.push_back({p.name, p.numel(), p.dtype, !p.frozen});
+    }
+    zero_sizes_ = choose_zero_sizes(sized, world_size(), options_.sub_group_numel, options_.reduce_bucket_numel,
+                                    partition::kDefaultAlignmentNbytes);
+    options_.sub_group_numel = zero_sizes_.sub_group_numel;
+    options_.reduce_bucket_numel = zero_sizes_.reduce_bucket_numel;
+    if (rank() == 0 && (zero_sizes_.sub_group_chosen || zero_sizes_.reduce_bucket_chosen)) {
+      logger().info("ZeRO sizes: {}", zero_sizes_.describe());
+    }
+  }
   // Group parameters by dtype, frozen ones apart (they have no gradient path
   // and no optimizer), in declaration order within a group.
   std::map<std::pair<DType, bool>, size_t> group_index;

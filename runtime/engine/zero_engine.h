@@ -65,6 +65,7 @@
 #include "offload/shard_optimizer.h"
 #include "runtime/engine/state_file.h"
 #include "runtime/engine/zero_options.h"
+#include "runtime/engine/zero_sizes.h"
 
 namespace strata::nvme {
 class AioHandle;
@@ -124,7 +125,11 @@ class ZeroEngine final : public Engine {
   void sum_over_ranks(double* values, size_t count) override;  // the control communicator
   int rank() const;
   int world_size() const;
+  // After finalize: the sizes in use, with a size left to choose
+  // (kChooseFromModel) replaced by the choice from the model's layers.
   const ZeroEngineOptions& options() const { return options_; }
+  // After finalize: sub_group_size and reduce_bucket_size, chosen or as given, and why (zero_sizes.h).
+  const ZeroSizes& zero_sizes() const { return zero_sizes_; }
 
   // Sum of `value` over ranks (f64 allreduce on the control communicator);
   // collective, blocks. For the global count of predicted tokens.
@@ -237,6 +242,7 @@ class ZeroEngine final : public Engine {
 
   ZeroComms comms_;
   ZeroEngineOptions options_;
+  ZeroSizes zero_sizes_;
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
   // (ParamHome::host_range, GradShard::read): synchronized by each use.

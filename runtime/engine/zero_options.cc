@@ -25,9 +25,11 @@ void ZeroEngineOptions::validate() const {
   STRATA_CHECK(!nvme_path.empty() ||
                    (param_tier != Tier::kNvme && optimizer_tier != Tier::kNvme && grad_tier != Tier::kNvme),
                kBadArgument, "an nvme tier needs nvme_path");
-  STRATA_CHECK(reduce_bucket_numel >= 1, kBadArgument, "reduce_bucket_size must be >= 1, got {}",
+  // 0 (kChooseFromModel): chosen from the model at finalize.
+  STRATA_CHECK(reduce_bucket_numel >= 0, kBadArgument, "reduce_bucket_size must be >= 1 (or left out), got {}",
                reduce_bucket_numel);
-  STRATA_CHECK(sub_group_numel >= 1, kBadArgument, "sub_group_size must be >= 1, got {}", sub_group_numel);
+  STRATA_CHECK(sub_group_numel >= 0, kBadArgument, "sub_group_size must be >= 1 (or left out), got {}",
+               sub_group_numel);
   STRATA_CHECK(persistence_threshold_numel >= 0, kBadArgument,
                "stage3_param_persistence_threshold must be >= 0, got {}", persistence_threshold_numel);
   STRATA_CHECK(gradient_clipping >= 0 && std::isfinite(gradient_clipping), kBadArgument,

@@ -36,8 +36,12 @@ struct ZeroEngineOptions {
   Tier grad_tier = Tier::kDevice;
   std::filesystem::path nvme_path;         // swap files (either tier on nvme)
   bool keep_swap_files = false;            // strata.keep_swap_files: leave them on disk at the end
-  int64_t reduce_bucket_numel = 500'000'000;        // DeepSpeed's reduce_bucket_size
-  int64_t sub_group_numel = 1'000'000'000;          // DeepSpeed's sub_group_size
+  // DeepSpeed's reduce_bucket_size and sub_group_size (these defaults are
+  // DeepSpeed's). kChooseFromModel (0): chosen at finalize from the declared
+  // parameters' decoder layers (zero_sizes.h; ZeroEngine::zero_sizes() says
+  // what was chosen) — what a ds_config without the key gets.
+  int64_t reduce_bucket_numel = 500'000'000;
+  int64_t sub_group_numel = 1'000'000'000;
   int64_t persistence_threshold_numel = 100'000;    // stage3_param_persistence_threshold
   kernels::AdamConfig adam;
   double gradient_clipping = 0;            // max global norm; 0: no clipping

@@ -76,6 +76,17 @@ std::string_view where_name(Where where) {
   return "?";
 }
 
+std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DType dtype, const nn::LoraSpec& lora) {
+  std::vector<engine::SizedParam> sized;
+  for (const partition::ParamSpec& p : llama_params(c, dtype)) {
+    sized.push_back({p.name, shape_numel(p.shape), p.dtype, !lora.enabled()});
+  }
+  if (lora.enabled()) {
+    for (const partition::ParamSpec& p : lora_params(c, lora)) sized.push_back({p.name, shape_numel(p.shape), p.dtype, true});
+  }
+  return sized;
+}
+
 size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
@@ -139,8 +150,15 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   STRATA_CHECK(!in.cpu_checkpointing || in.checkpoint_activations, kBadArgument,
                "plan: cpu_checkpointing needs activation checkpointing");
   if (in.lora.enabled()) in.lora.validate();
-  const engine::ZeroEngineOptions& z = in.zero;
   const DType pd = in.param_dtype;
+  // The sizes the engine's finalize will use: the same choice from the same
+  // parameters (the base frozen under LoRA, the adapters trained).
+  const engine::ZeroSizes sizes =
+      engine::choose_zero_sizes(llama_sized_params(c, pd, in.lora), in.world_size, in.zero.sub_group_numel,
+                                in.zero.reduce_bucket_numel, partition::kDefaultAlignmentNbytes);
+  engine::ZeroEngineOptions z = in.zero;
+  z.sub_group_numel = sizes.sub_group_numel;
+  z.reduce_bucket_numel = sizes.reduce_bucket_numel;
   const double pe = static_cast<double>(dtype_nbytes(pd));
   const double world = in.world_size;
   partition::LayoutOptions layout_options;
@@ -191,6 +209,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
       in.lora.enabled() ? fmt::format(" (the LoRA adapters; the base is frozen)") : "";
 
   RuntimeMemory out;
+  out.zero_sizes = sizes;
   bool during_steps = false;  // set for the items below that the steps allocate
   auto add = [&](std::string name, Where where, double nbytes, bool bound, std::string basis) {
     if (nbytes <= 0) return;

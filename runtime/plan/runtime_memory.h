@@ -30,6 +30,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "runtime/engine/zero_engine.h"
+#include "runtime/engine/zero_sizes.h"
 #include "runtime/nn/llama_config.h"
 #include "runtime/nn/lora.h"
 
@@ -72,6 +73,10 @@ struct MemoryItem {
 
 struct RuntimeMemory {
   std::vector<MemoryItem> items;
+  // sub_group_size and reduce_bucket_size as the engine will use them: chosen
+  // from the model's layers where RuntimeInputs::zero leaves them to choose
+  // (engine::choose_zero_sizes, the engine's own function), else as given.
+  engine::ZeroSizes zero_sizes;
   double device_nbytes = 0, pinned_nbytes = 0, host_nbytes = 0, nvme_nbytes = 0;  // sums per Where
   // What the process holds resident beyond its own baseline: pinned + host,
   // plus device memory when the device is host memory (the cpu accelerator).
@@ -90,6 +95,12 @@ struct RuntimeMemory {
     return total;
   }
 };
+
+// The parameters LlamaModel declares for `model` (in `dtype`) and, with
+// `lora`, its fp32 adapters, as the engine's size choice sees them: the base
+// trained without LoRA and frozen with it (engine::choose_zero_sizes).
+std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model, DType dtype,
+                                                   const nn::LoraSpec& lora);
 
 // The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
 // for a batch x seq, in bytes: every view rounded up to 256 bytes.

@@ -257,7 +257,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
           "buffer_count {} x buffer_size {}, sub_group_size {}, reduce_bucket_size {}): check those values",
           e.message(), model_config.parameter_count(), model_config.vocab_size, model_config.hidden_size,
           config.zero.offload_optimizer.buffer_count, config.zero.offload_param.buffer_count,
-          config.zero.offload_param.buffer_numel, config.zero.sub_group_numel, config.zero.reduce_bucket_numel);
+          config.zero.offload_param.buffer_numel, engine.options().sub_group_numel,
+          engine.options().reduce_bucket_numel);
   }
   nn::LlamaModel& model = *built;
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
@@ -364,9 +365,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- the steps ------------------------------------------------------------------------
   std::unique_ptr<RunReport> report;
   if (rank.rank == 0) {
-    RunRecord inputs;
-    inputs.ds_config = config.effective;
-    inputs.model_config = model_config.to_json();
+    const RunRecord inputs = configured_run_record(config.effective, model_config.to_json(), engine.zero_sizes());
     report = std::make_unique<RunReport>(options.out, options.steps, options.progress,
                                          options.resume ? std::optional<int64_t>(done) : std::nullopt, inputs);
     report->set_print_every(config.steps_per_print);

@@ -42,6 +42,7 @@ RunReport::RunReport(std::filesystem::path dir, int64_t total_steps, std::FILE* 
     RunRecord record = this_run_record();
     record.ds_config = inputs.ds_config;
     record.model_config = inputs.model_config;
+    record.zero_sizes = inputs.zero_sizes;
     write_file_durably(dir_ / "run.json", run_record_json(record));
   }
   metrics_path_ = dir_ / "metrics.jsonl";
@@ -116,7 +117,19 @@ std::string run_record_json(const RunRecord& record) {
   if (record.resident_at_start_nbytes) j["resident_bytes_at_start"] = *record.resident_at_start_nbytes;
   if (!record.ds_config.is_null()) j["ds_config"] = record.ds_config;
   if (!record.model_config.is_null()) j["model_config"] = record.model_config;
+  if (!record.zero_sizes.is_null()) j["zero_sizes"] = record.zero_sizes;
   return j.dump(2) + "\n";
+}
+
+RunRecord configured_run_record(const nlohmann::json& effective, const nlohmann::json& model_config,
+                                const engine::ZeroSizes& sizes) {
+  RunRecord record;
+  record.ds_config = effective;
+  record.ds_config["zero_optimization"]["sub_group_size"] = sizes.sub_group_numel;
+  record.ds_config["zero_optimization"]["reduce_bucket_size"] = sizes.reduce_bucket_numel;
+  record.model_config = model_config;
+  record.zero_sizes = sizes.to_json();
+  return record;
 }
 
 RunRecord parse_run_record(const std::string& text, const std::string& source) {
@@ -143,12 +156,13 @@ RunRecord parse_run_record(const std::string& text, const std::string& source) {
                  "{}: \"resident_bytes_at_start\" is not a byte count", source);
     record.resident_at_start_nbytes = j["resident_bytes_at_start"].get<uint64_t>();
   }
-  for (const char* key : {"ds_config", "model_config"}) {
+  for (const char* key : {"ds_config", "model_config", "zero_sizes"}) {
     if (!j.contains(key)) continue;
     STRATA_CHECK(j[key].is_object(), kBadArgument, "{}: \"{}\" is not a JSON object", source, key);
   }
   if (j.contains("ds_config")) record.ds_config = j["ds_config"];
   if (j.contains("model_config")) record.model_config = j["model_config"];
+  if (j.contains("zero_sizes")) record.zero_sizes = j["zero_sizes"];
   return record;
 }
 

@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/engine/zero_sizes.h"
+
 namespace strata::train {
 
 // One optimizer step as reported.
@@ -77,7 +79,17 @@ struct RunRecord {
   // (LlamaConfig::to_json). Null in records of older runs.
   nlohmann::json ds_config;
   nlohmann::json model_config;
+  // sub_group_size and reduce_bucket_size as the engine used them, whether
+  // each was chosen from the model, and why (engine::ZeroSizes::to_json);
+  // ds_config holds the same two numbers. Null in records of older runs.
+  nlohmann::json zero_sizes;
 };
+// The record of a run's configuration: `effective` (Config::effective) with
+// the sizes the engine used written in, so that `strata plan --check` reads
+// back what ran (a size left out is chosen from the model at finalize), and
+// the choice itself.
+RunRecord configured_run_record(const nlohmann::json& effective, const nlohmann::json& model_config,
+                                const engine::ZeroSizes& sizes);
 // This process's resident set now (VmRSS), 0 where it cannot be read.
 uint64_t resident_nbytes();
 // The record of this process, now.

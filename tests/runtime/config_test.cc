@@ -62,7 +62,12 @@ TEST_CASE("defaults are DeepSpeed's and written once", "[config]") {
   REQUIRE(c.aio.thread_count == 1);
   REQUIRE(c.zero.offload_param.buffer_count == 5);
   REQUIRE(c.zero.offload_optimizer.buffer_count == 4);
-  REQUIRE(c.zero.sub_group_numel == 1000000000);
+  // Not DeepSpeed's 1e9 / 5e8: left out, they are chosen from the model at
+  // finalize (tests/engine/zero_sizes_test.cc); null in the effective config.
+  REQUIRE(c.zero.sub_group_numel == 0);
+  REQUIRE(c.zero.reduce_bucket_numel == 0);
+  REQUIRE(c.effective["zero_optimization"]["sub_group_size"].is_null());
+  REQUIRE(c.effective["zero_optimization"]["reduce_bucket_size"].is_null());
   REQUIRE(c.zero.prefetch_bucket_numel == 50000000);
   REQUIRE(c.zero.param_persistence_threshold_numel == 100000);
   REQUIRE(c.zero.offload_param.pin_memory);
@@ -374,4 +379,33 @@ TEST_CASE("the effective configuration is itself a valid configuration that give
     const strata::Config again = strata::parse_config(first.effective, "effective");
     CHECK(again.effective == first.effective);
   }
+}
+
+TEST_CASE("sub_group_size and reduce_bucket_size: left out chosen from the model, given kept, \"auto\" the "
+          "Trainer's",
+          "[config][zero_sizes]") {
+  // Left out (or null, as the effective config writes it): 0, the engine's
+  // kChooseFromModel, and the engine options carry it to finalize.
+  for (const char* text : {R"({"zero_optimization": {"stage": 3}})",
+                           R"({"zero_optimization": {"stage": 3, "sub_group_size": null, "reduce_bucket_size": null}})"}) {
+    CAPTURE(text);
+    const Config c = parse_config_text(text);
+    CHECK(c.zero.sub_group_numel == 0);
+    CHECK(c.zero.reduce_bucket_numel == 0);
+  }
+  // Given: kept as given, DeepSpeed's own defaults too.
+  const Config given = parse_config_text(
+      R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e9, "reduce_bucket_size": 2e6}})");
+  CHECK(given.zero.sub_group_numel == 1000000000);
+  CHECK(given.zero.reduce_bucket_numel == 2000000);
+  // "auto" is a value given (a Hugging Face Trainer config), never the
+  // per-layer choice: without the model DeepSpeed's 5e8, as before (finetune
+  // fills the Trainer's hidden_size^2 first: trainer_flags_test.cc).
+  const Config automatic = parse_config_text(R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})");
+  CHECK(automatic.zero.reduce_bucket_numel == kDeepSpeedReduceBucketNumel);
+  CHECK(automatic.zero.sub_group_numel == 0);
+  CHECK(automatic.effective["zero_optimization"]["reduce_bucket_size"] == kDeepSpeedReduceBucketNumel);
+  // Zero is not a size: leave the key out to have it chosen.
+  CHECK_THAT(only_problem(R"({"zero_optimization": {"sub_group_size": 0}})"),
+             Contains("zero_optimization.sub_group_size"));
 }

@@ -20,7 +20,10 @@
 #include "core/error.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/config/config.h"
+#include "runtime/engine/zero_sizes.h"
 #include "runtime/plan/runtime_memory.h"
+#include "runtime/train/zero_config.h"
 #include "runtime/train/run_report.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
@@ -100,6 +103,47 @@ TEST_CASE("parse_metrics: bad files are errors naming the file and line", "[plan
       Contains("m.jsonl:1") && Contains("\"step\""));
   CHECK_THROWS_WITH(strata::plan::read_metrics("/nonexistent/metrics.jsonl"),
                     Contains("/nonexistent/metrics.jsonl") && Contains("does not exist"));
+}
+
+TEST_CASE("run.json records the ZeRO sizes chosen from the model, and reads back as what ran",
+          "[plan][check][zero_sizes]") {
+  // A ds_config without sub_group_size / reduce_bucket_size: the engine
+  // chooses them at finalize; finetune records its choice with
+  // configured_run_record, and the plan chooses the same from the same model.
+  const strata::Config config =
+      strata::parse_config_text(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})");
+  REQUIRE(config.zero.sub_group_numel == 0);
+  strata::plan::RuntimeInputs in;
+  in.model = strata::nn::load_llama_config(kExamples + "/byte_llama.json");
+  in.world_size = 2;
+  in.zero = strata::train::zero_engine_options(config, "ds.json");
+  const strata::plan::RuntimeMemory planned = strata::plan::runtime_memory(in);
+  const strata::engine::ZeroSizes& sizes = planned.zero_sizes;
+  CHECK(sizes.sub_group_chosen);
+  CHECK(sizes.reduce_bucket_chosen);
+  CHECK(sizes.layers == in.model.num_hidden_layers);
+  CHECK(sizes.sub_group_numel > 0);
+  CHECK(sizes.sub_group_numel < sizes.layer_numel);  // a layer's share of one rank's shard (2 ranks)
+  CHECK(sizes.reduce_bucket_numel > sizes.layer_numel);  // a layer's gradients and a norm's
+
+  const auto record = strata::train::configured_run_record(config.effective, in.model.to_json(), sizes);
+  const auto back = strata::train::parse_run_record(strata::train::run_record_json(record), "run.json");
+  CHECK(back.zero_sizes["sub_group_size"] == sizes.sub_group_numel);
+  CHECK(back.zero_sizes["reduce_bucket_size"] == sizes.reduce_bucket_numel);
+  CHECK(back.zero_sizes["sub_group_size_chosen"] == true);
+  CHECK(back.zero_sizes["why"].get<std::string>() == sizes.describe());
+  // `strata plan --check` reads the ds_config back: the sizes that ran, now given.
+  const strata::Config again = strata::parse_config(back.ds_config, "run.json");
+  CHECK(again.zero.sub_group_numel == static_cast<uint64_t>(sizes.sub_group_numel));
+  CHECK(again.zero.reduce_bucket_numel == static_cast<uint64_t>(sizes.reduce_bucket_numel));
+  in.zero = strata::train::zero_engine_options(again, "run.json");
+  const strata::plan::RuntimeMemory replanned = strata::plan::runtime_memory(in);
+  CHECK_FALSE(replanned.zero_sizes.sub_group_chosen);
+  CHECK(replanned.pinned_nbytes == planned.pinned_nbytes);
+  CHECK(replanned.device_nbytes == planned.device_nbytes);
+  CHECK_THROWS_WITH(strata::train::parse_run_record(R"({"argv": [], "cwd": "/", "world_size": 1, "zero_sizes": 3})",
+                                                    "d/run.json"),
+                    Catch::Contains("\"zero_sizes\" is not a JSON object"));
 }
 
 TEST_CASE("run.json round-trips, and a bad one names the file and key", "[plan][check]") {
@@ -209,6 +253,10 @@ TEST_CASE("strata plan --check: a LoRA finetune (2 ranks, ZeRO-3, base and optim
   std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
   auto ds = nlohmann::json::parse(example);
   ds["strata"]["keep_swap_files"] = true;
+  // Without its sizes: the engine chooses them from the adapters' layers, and
+  // the plan, choosing from the same tensor list, predicts the swap files exactly.
+  ds["zero_optimization"].erase("sub_group_size");
+  ds["zero_optimization"].erase("reduce_bucket_size");
   strata::test::write_file(dir, "ds.json", ds.dump());
   const std::string out = dir.file("out");
   const auto run = run_command(
@@ -227,6 +275,14 @@ TEST_CASE("strata plan --check: a LoRA finetune (2 ranks, ZeRO-3, base and optim
     CHECK(j["ok"] == true);
   }
   CHECK(j["run"]["lora"]["rank"] == 8);
+  {
+    std::ifstream record_file(out + "/run.json");
+    const auto record = nlohmann::json::parse(record_file);
+    CHECK(record["zero_sizes"]["sub_group_size_chosen"] == true);
+    CHECK(record["zero_sizes"]["reduce_bucket_size_chosen"] == true);
+    CHECK(record["ds_config"]["zero_optimization"]["sub_group_size"] == record["zero_sizes"]["sub_group_size"]);
+    CHECK_THAT(run.output, Catch::Contains("ZeRO sizes: sub_group_size"));
+  }
   CHECK(j["run"]["lora"]["targets"].size() == 7);
   int measured = 0;
   for (const auto& tier : j["tiers"]) {
