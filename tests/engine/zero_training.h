@@ -93,6 +93,8 @@ struct TrainSpec {
   // the optimizer may then overlap that backward (overlap_optimizer). On by
   // default, so every engine test also holds with the overlap.
   bool prepare_step = true;
+  // How the optimizer uses the backward after prepare_step (ZeroEngine::set_overlap_policy).
+  offload::OverlapPolicy overlap_policy = offload::OverlapPolicy::kAuto;
   // The model's dtype (parameters are read back widened to fp32).
   DType dtype = DType::kF32;
   // Per step (0-based): the lr step() gets (empty: options.adam.lr), the lr
@@ -153,6 +155,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         int step = -1;
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
+          eng.set_overlap_policy(spec.overlap_policy);
           const nn::LlamaConfig config = model_config(spec.tied);
           nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
