@@ -144,7 +144,10 @@ class ZeroEngine final : public Engine {
   // (or zero_grad(), which abandons the step and rolls back) the parameters
   // may not be read or written through for_each_owned_range nor saved. A
   // different lr at step(), or more than one backward after this call, is
-  // detected and redone exactly. Error(kBadArgument) when called twice
+  // detected and redone exactly — except that at stage 3 a sub-group
+  // speculated during an earlier backward has already changed the parameters
+  // the next micro-step's forward gathers (a rollback cannot undo that), so
+  // call it before the last micro-step. Error(kBadArgument) when called twice
   // without a step() between.
   void prepare_step(float lr);
   // How later prepare_step()s use backward (offload/shard_optimizer.h):
