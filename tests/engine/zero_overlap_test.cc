@@ -395,7 +395,7 @@ TEST_CASE("speculating or reading ahead on every step gives the same bits, wheth
 // there prepare_step must precede the last micro-step. Stage 2's forward reads
 // the full copies, refreshed only by step().)
 TEST_CASE("more than one backward after prepare_step: the statistics taken during the first are retaken, the step "
-          "is bit for bit the unoverlapped one (reading ahead; speculating at stage 2)",
+          "is bit for bit the unoverlapped one (reading ahead, and speculating at stage 2)",
           "[engine][zero][overlap][clipping]") {
   test::TempDir dir("strata-clip-overlap");
   const Tier optimizer = GENERATE(Tier::kCpu, Tier::kNvme);

@@ -351,8 +351,8 @@ TEST_CASE("a step in parts (any order, batches) equals step(), abort restores th
   parts.abort_step();  // nothing updated: nothing to restore
 }
 
-TEST_CASE("state read ahead before the gradient scale is known, then updated with it, equals step(); abort returns "
-          "the buffers read into",
+TEST_CASE("state read ahead before the gradient scale is known, then updated with it, equals step(), and abort "
+          "returns the buffers read into",
           "[offload][swapper]") {
   test::TempDir dir("strata-swap");
   offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
