@@ -81,7 +81,6 @@ struct ShardOptimizer::Overlap {
   std::exception_ptr error;          // the first failure of the thread (rethrown by settle())
   double busy_seconds = 0;           // since prepare
   int64_t updated = 0;               // sub-groups the thread updated since prepare
-  int64_t read_ahead = 0;            // sub-groups whose state the thread read ahead since prepare
   OverlapMode mode = OverlapMode::kSpeculate;  // prepare's
   float lr = 0;                      // prepare's
   float grad_scale = 1;              // the speculated one
@@ -251,7 +250,6 @@ void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
     std::lock_guard lock(o.mutex);
     o.busy_seconds = 0;
     o.updated = 0;
-    o.read_ahead = 0;
     o.mode = mode_;
     o.error = nullptr;
     o.ready.clear();
@@ -349,7 +347,6 @@ void ShardOptimizer::thread_main() {
     lock.unlock();
     const auto start = Clock::now();
     std::exception_ptr error;
-    int64_t read = 0;
     try {
       Group& g = *groups_[group];
       if (mode == OverlapMode::kSpeculate) {
@@ -359,9 +356,7 @@ void ShardOptimizer::thread_main() {
       } else {
         trace::Span span("optimizer", "read-ahead sub-groups");
         span.value("count", static_cast<int64_t>(batch.size()));
-        const size_t before = g.swapper->prefetched().size();
         read_ahead(g, batch);
-        read = static_cast<int64_t>(g.swapper->prefetched().size() - before);
       }
     } catch (...) {
       error = std::current_exception();
@@ -374,8 +369,6 @@ void ShardOptimizer::thread_main() {
       if (!o.error) o.error = error;
     } else if (mode == OverlapMode::kSpeculate) {
       o.updated += static_cast<int64_t>(batch.size());
-    } else {
-      o.read_ahead += read;
     }
     o.cv.notify_all();
   }
@@ -512,11 +505,11 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
       applied.rolled_back = o.updated > 0;
     }
   }
-  const bool read_ahead = armed_ && mode_ == OverlapMode::kReadAhead;
+  const bool read_ahead_step = armed_ && mode_ == OverlapMode::kReadAhead;
   initialize_if_stale();
   // Read-ahead: the sub-groups whose state is in pipeline buffers first, every
   // group's, so no group's pipeline waits on buffers another group holds.
-  if (read_ahead) {
+  if (read_ahead_step) {
     for (auto& gp : groups_) {
       Group& g = *gp;
       if (!g.swapper) continue;
@@ -535,7 +528,7 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
       applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
       continue;
     }
-    if (!keep && !read_ahead) {
+    if (!keep && !read_ahead_step) {
       g.swapper->set_lr(lr);
       g.swapper->begin_step(step_inputs(g, grad_scale), /*revocable=*/false);
     }
@@ -551,7 +544,7 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
   for (auto& gp : groups_) {
     if (gp->swapper) gp->swapper->commit_step();
   }
-  if (keep || read_ahead) {
+  if (keep || read_ahead_step) {
     std::lock_guard lock(o.mutex);
     applied.sub_groups_overlapped = keep ? o.updated : 0;
     applied.overlapped_seconds = o.busy_seconds;
