@@ -233,12 +233,14 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
   ensure_window(numel);
   aio_->read(*file_, window_, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
   // Slices no block reached since zero() hold an older step's values: zeros.
+  // Only the flags of slices in the range are read: the optimizer reads a
+  // final sub-group while the I/O thread still writes other slices' flags.
   for (size_t p = 0; p < written_.size(); ++p) {
-    if (written_[p] != 0) continue;
     const partition::ParamSlot& slot = layout_.param(p);
     const size_t begin = std::max(first, static_cast<size_t>(slot.shard_offset_numel));
     const size_t end = std::min(first + numel, static_cast<size_t>(slot.shard_offset_numel + slot.slice_numel));
-    if (begin < end) std::fill(window_ + (begin - first), window_ + (end - first), 0.0f);
+    if (begin >= end || written_[p] != 0) continue;
+    std::fill(window_ + (begin - first), window_ + (end - first), 0.0f);
   }
   return window_;
 }

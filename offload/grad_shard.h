@@ -28,8 +28,10 @@
 // handle and swap space, which must outlive it. Owns its array, file, scratch
 // and window.
 // Thread-safety: one thread drives it; accumulate()'s work runs on the given
-// stream (and, nvme, on the I/O thread). zero() and read() require that
-// stream to be idle (the reducer synchronized).
+// stream (and, nvme, on the I/O thread). zero() requires that stream to be
+// idle (the reducer synchronized); so does read(), except of a range whose
+// every slice has landed, which the optimizer's thread reads during backward
+// while other slices still accumulate.
 // Errors: Error(kIo) from a failed gradient read or write — from the stream
 // (the reducer's synchronize) for accumulate, directly for read().
 #pragma once

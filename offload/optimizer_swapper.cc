@@ -11,6 +11,8 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "core/durable_file.h"
@@ -111,6 +113,7 @@ OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBuffer
 }
 
 OptimizerSwapper::~OptimizerSwapper() {
+  if (open_) release_prefetched(*open_);  // no read may land in a buffer back in the pool
   if (swap_ && !options_.keep_files) {
     std::error_code ignored;
     std::filesystem::remove(manifest_path(), ignored);
@@ -247,7 +250,23 @@ struct OptimizerSwapper::OpenStep {
   size_t updated_count = 0;
   // cpu, revocable: each updated sub-group's state before its update (master | exp_avg | exp_avg_sq).
   std::vector<std::pair<size_t, std::vector<float>>> saved;
+  // NVMe: sub-groups whose committed record was read ahead (prefetch), in
+  // the buffer their update will use; the read may still be in flight.
+  std::map<size_t, Op> prefetched;
 };
+
+void OptimizerSwapper::release_prefetched(OpenStep& open) {
+  for (auto& [k, op] : open.prefetched) {
+    if (!op.pending) continue;
+    op.pending = false;
+    try {
+      aio_->wait(op.ticket);
+    } catch (...) {
+      // A read ahead that failed is never used; the step is being closed.
+    }
+  }
+  open.prefetched.clear();
+}
 
 void OptimizerSwapper::step(const StepInputs& in) {
   begin_step(in, /*revocable=*/false);
@@ -258,6 +277,7 @@ void OptimizerSwapper::step(const StepInputs& in) {
     commit_step();
   } catch (...) {
     // NVMe: the committed state is untouched; cpu: updated sub-groups keep their new state.
+    if (open_) release_prefetched(*open_);  // commit_step closes the step before it can fail
     open_.reset();
     throw;
   }
@@ -277,6 +297,40 @@ void OptimizerSwapper::begin_step(const StepInputs& in, bool revocable) {
   open->updated.assign(sub_groups_, 0);
   open_ = std::move(open);
   timings_ = StepTimings{};
+}
+
+bool OptimizerSwapper::prefetch(size_t k) {
+  STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: prefetch without begin_step");
+  STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
+  if (options_.state_tier != Tier::kNvme || open_->updated[k] != 0 || open_->prefetched.count(k) != 0) return false;
+  std::optional<PinnedBuffer> buffer = pool_->try_acquire();
+  if (!buffer) return false;
+  Op op{std::move(*buffer)};
+  const size_t nbytes = record_nbytes(sub_group(k).numel);
+  op.ticket = aio_->submit_read(slot_file(static_cast<int>(generation_ % 2)), op.buffer.data(), nbytes,
+                                file_offset(k));
+  op.pending = true;
+  timings_.bytes_read += nbytes;
+  open_->prefetched.emplace(k, std::move(op));
+  return true;
+}
+
+std::vector<size_t> OptimizerSwapper::prefetched() const {
+  std::vector<size_t> out;
+  if (open_ == nullptr) return out;
+  for (const auto& entry : open_->prefetched) out.push_back(entry.first);
+  return out;
+}
+
+void OptimizerSwapper::set_step_inputs(const StepInputs& in) {
+  STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: set_step_inputs without begin_step");
+  STRATA_CHECK(open_->updated_count == 0, kBadArgument,
+               "optimizer swapper: set_step_inputs after {} sub-group(s) of the step were updated", open_->updated_count);
+  STRATA_CHECK(in.grad != nullptr || in.grad_source, kBadArgument, "optimizer step: gradient is null");
+  STRATA_CHECK(!in.param_sink || in.param16 == nullptr, kBadArgument,
+               "optimizer step: give param16 or param_sink, not both");
+  open_->inputs = in;
+  open_->coefficients = kernels::adam_coefficients(options_.adam, step_count_ + 1, in.grad_scale);
 }
 
 bool OptimizerSwapper::updated(size_t k) const {
@@ -331,6 +385,7 @@ void OptimizerSwapper::commit_step() {
 void OptimizerSwapper::abort_step() {
   if (open_ == nullptr) return;
   std::unique_ptr<OpenStep> open = std::move(open_);
+  release_prefetched(*open);
   if (options_.state_tier != Tier::kCpu) return;  // the committed slot was never written
   for (const auto& [k, saved] : open->saved) {
     const Range r = sub_group(k);
@@ -349,12 +404,21 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   const StepInputs& in = open_->inputs;
   nvme::File& in_file = slot_file(static_cast<int>(generation_ % 2));
   nvme::File& out_file = slot_file(static_cast<int>((generation_ + 1) % 2));
+  // Sub-groups read ahead (prefetch) first: their buffers are taken, and the
+  // reads of the others go into the buffers they free. Any order gives the
+  // same bits (each sub-group's update is its own).
+  std::vector<size_t> order(ks.begin(), ks.end());
+  std::stable_partition(order.begin(), order.end(), [&](size_t k) { return open_->prefetched.count(k) != 0; });
+  std::vector<size_t> to_read;
+  for (size_t k : order) {
+    if (open_->prefetched.count(k) == 0) to_read.push_back(k);
+  }
   // A pool buffer cycles read -> update (in place) -> write. Reads are issued
   // as far ahead as free buffers allow, so the drive always has queued work and
   // reads (on the critical path) are queued before later writes; writes hold
   // their buffers until done, which is the backpressure bounding what is in flight.
   std::deque<Op> reads, writes;
-  size_t next_read = 0;  // index into ks
+  size_t next_read = 0;  // index into to_read
   auto finish = [&](Op& op, double& waited) {
     const auto start = Clock::now();
     op.pending = false;
@@ -362,7 +426,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
     waited += seconds_since(start);
   };
   auto start_read = [&] {
-    const size_t k = ks[next_read++];
+    const size_t k = to_read[next_read++];
     Op op{pool_->acquire()};
     const size_t nbytes = record_nbytes(sub_group(k).numel);
     op.ticket = aio_->submit_read(in_file, op.buffer.data(), nbytes, file_offset(k));
@@ -373,7 +437,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   // Issues reads until min_reads are in flight (waiting for the oldest write
   // when the pool is empty), then every further read a free buffer allows.
   auto top_up_reads = [&](size_t min_reads) {
-    while (reads.size() < min_reads && next_read < ks.size()) {
+    while (reads.size() < min_reads && next_read < to_read.size()) {
       while (pool_->available() == 0 && !writes.empty()) {
         finish(writes.front(), timings_.write_wait_seconds);
         writes.pop_front();
@@ -383,24 +447,34 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       if (pool_->available() == 0 && !reads.empty()) break;
       start_read();
     }
-    while (next_read < ks.size() && pool_->available() > 0) start_read();
+    while (next_read < to_read.size() && pool_->available() > 0) start_read();
   };
+  std::optional<Op> current;
   try {
-    for (size_t k : ks) {
-      top_up_reads(2);  // read k at the front, the next behind it while k is waited on and updated
-      finish(reads.front(), timings_.read_wait_seconds);
-      Op current = std::move(reads.front());
-      reads.pop_front();
+    for (size_t k : order) {
+      const auto ahead = open_->prefetched.find(k);
+      if (ahead != open_->prefetched.end()) {
+        current.emplace(std::move(ahead->second));
+        open_->prefetched.erase(ahead);
+        top_up_reads(0);  // only into buffers free now
+        if (current->pending) finish(*current, timings_.read_wait_seconds);
+      } else {
+        top_up_reads(2);  // read k at the front, the next behind it while k is waited on and updated
+        finish(reads.front(), timings_.read_wait_seconds);
+        current.emplace(std::move(reads.front()));
+        reads.pop_front();
+      }
       const Range r = sub_group(k);
-      float* p = current.buffer.as<float>();
+      float* p = current->buffer.as<float>();
       open_->updated[k] = 1;  // its spare-slot record is about to change; the committed one never does
       ++open_->updated_count;
       update(c, in, k, p, p + r.numel, p + 2 * r.numel);
       const size_t nbytes = record_nbytes(r.numel);
-      current.ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
-      current.pending = true;
+      current->ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
+      current->pending = true;
       timings_.bytes_written += nbytes;
-      writes.push_back(std::move(current));
+      writes.push_back(std::move(*current));
+      current.reset();
       // Completed writes free their buffers for reads further ahead.
       while (!writes.empty() && aio_->done(writes.front().ticket)) {
         finish(writes.front(), timings_.write_wait_seconds);
@@ -412,6 +486,10 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       writes.pop_front();
     }
   } catch (...) {
+    if (current && current->pending) {
+      current->pending = false;
+      try { aio_->wait(current->ticket); } catch (...) {}
+    }
     drain_pending(*aio_, reads);
     drain_pending(*aio_, writes);
     throw;

@@ -135,6 +135,23 @@ class OptimizerSwapper {
   // sub-group out of range or already updated. On an error the step stays open
   // (with the sub-groups updated so far): abort_step it.
   void update_sub_groups(std::span<const size_t> sub_groups);
+  // Reads sub-group k's committed state (NVMe) into a free pool buffer now,
+  // ahead of its update in the open step, so that update_sub_groups finds it
+  // there instead of reading it (the state does not depend on the gradient,
+  // so it can be read before the global norm is known). Never blocks: false
+  // when no pool buffer is free, when k is updated or already read ahead, and
+  // for cpu state (nothing to read). The buffer is held until k's update (or
+  // abort_step), so a caller holding buffers for sub-groups it does not pass
+  // to update_sub_groups can starve that call's pipeline: update the
+  // read-ahead sub-groups first. Error(kBadArgument) without an open step.
+  bool prefetch(size_t k);
+  // Sub-groups read ahead and not yet updated in the open step.
+  std::vector<size_t> prefetched() const;
+  // Replaces the open step's inputs (grad_scale included) and takes the
+  // current learning rate, while none of its sub-groups is updated: a step
+  // opened to read ahead before its gradient scale was known.
+  // Error(kBadArgument) when no step is open or a sub-group is updated.
+  void set_step_inputs(const StepInputs& inputs);
   // Closes the open step once every sub-group is updated: NVMe: fdatasync and
   // the manifest commit; the step count advances. Error(kBadArgument) while a
   // sub-group is not updated; Error(kIo) from the commit (the step is then
@@ -188,6 +205,8 @@ class OptimizerSwapper {
               float* m, float* v);
   void update_nvme(std::span<const size_t> sub_groups);
   struct OpenStep;
+  // Waits out the open step's reads ahead and returns their buffers.
+  void release_prefetched(OpenStep& open);
   void write_state(const StateFillFn& fill, int64_t step_count);
   void commit(uint64_t generation, int64_t step_count);
   // Throws Error(kIo) once a commit's durability became unknown.

@@ -1,7 +1,9 @@
 // The optimizer of this rank's shards: the step in parts at the boundary, and
 // the optimizer overlapping backward — sub-groups updated by the optimizer
 // thread as their gradients become final, speculating that the step applies
-// unclipped, rolled back exactly when it does not. See shard_optimizer.h.
+// unclipped, rolled back exactly when it does not; or, after a step that
+// clipped, their statistics taken and state read ahead, so the boundary is
+// left the arithmetic. See shard_optimizer.h.
 #include "offload/shard_optimizer.h"
 
 #include <algorithm>
@@ -24,6 +26,10 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
+
+const char* overlap_mode_name(OverlapMode mode) {
+  return mode == OverlapMode::kSpeculate ? "speculate" : "read-ahead";
+}
 
 size_t sub_group_stride(const partition::PartitionLayout& layout, DType dtype, int64_t sub_group_numel) {
   const int64_t align_numel = static_cast<int64_t>(layout.alignment_nbytes() / dtype_nbytes(dtype));
@@ -75,6 +81,7 @@ struct ShardOptimizer::Overlap {
   std::exception_ptr error;          // the first failure of the thread (rethrown by settle())
   double busy_seconds = 0;           // since prepare
   int64_t updated = 0;               // sub-groups the thread updated since prepare
+  OverlapMode mode = OverlapMode::kSpeculate;  // prepare's
   float lr = 0;                      // prepare's
   float grad_scale = 1;              // the speculated one
   double loss_scale = 1;
@@ -84,6 +91,8 @@ struct ShardOptimizer::Overlap {
 ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& home_stream, nvme::AioHandle* aio,
                                ShardOptimizerOptions options, std::vector<OptimizedShard> shards)
     : accelerator_(accelerator), home_stream_(home_stream), options_(std::move(options)) {
+  // Fine-tuning with clipping on clips from the first steps: read ahead until a step does not.
+  last_clipped_ = options_.clipping;
   overlap_ = std::make_unique<Overlap>();
   PinnedBufferPool* pool = nullptr;
   for (const OptimizedShard& shard : shards) {
@@ -158,6 +167,20 @@ void ShardOptimizer::stop() {
 
 bool ShardOptimizer::overlaps() const { return options_.overlap && options_.tier != Tier::kDevice; }
 
+OverlapMode ShardOptimizer::choose_mode() const {
+  switch (options_.policy) {
+    case OverlapPolicy::kSpeculate:
+      return OverlapMode::kSpeculate;
+    case OverlapPolicy::kReadAhead:
+      return OverlapMode::kReadAhead;
+    case OverlapPolicy::kAuto:
+      break;
+  }
+  // Speculation redone is the whole update spent for nothing; reading ahead
+  // when clipping does not fire only leaves the arithmetic in step().
+  return options_.clipping && last_clipped_ ? OverlapMode::kReadAhead : OverlapMode::kSpeculate;
+}
+
 void ShardOptimizer::initialize_if_stale() {
   if (!stale_) return;
   for (auto& gp : groups_) {
@@ -217,6 +240,7 @@ void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
   o.lr = lr;
   o.loss_scale = loss_scale;
   o.grad_scale = grad_scale;
+  mode_ = choose_mode();
   if (!overlaps()) {  // stage 1 reduces at the boundary; the device optimizer is not worth hiding
     prepared_ = true;  // still: misuse until the step is refused alike
     return;
@@ -226,6 +250,7 @@ void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
     std::lock_guard lock(o.mutex);
     o.busy_seconds = 0;
     o.updated = 0;
+    o.mode = mode_;
     o.error = nullptr;
     o.ready.clear();
   }
@@ -245,7 +270,7 @@ void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
     throw;
   }
   prepared_ = true;
-  speculating_ = true;
+  armed_ = true;
   if (!o.thread.joinable()) o.thread = std::thread([this] { thread_main(); });
 }
 
@@ -270,7 +295,9 @@ void ShardOptimizer::arm(float lr) {
     }
     std::fill(g.stats_known.begin(), g.stats_known.end(), 0);
     g.swapper->set_lr(lr);
-    g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/true);
+    // Read-ahead updates nothing before apply(), which sets the step's real
+    // scale and lr: no state to save for a rollback.
+    g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/o.mode == OverlapMode::kSpeculate);
     // Armed in the reducer's stream order: landings of earlier buckets are not counted.
     g.shard.reducer->stream().launch_host_func([this, gi, generation] {
       std::lock_guard lock(overlap_->mutex);
@@ -316,13 +343,21 @@ void ShardOptimizer::thread_main() {
       o.ready.pop_front();
     }
     o.busy = true;
+    const OverlapMode mode = o.mode;
     lock.unlock();
     const auto start = Clock::now();
     std::exception_ptr error;
     try {
-      trace::Span span("optimizer", "overlapped sub-groups");
-      span.value("count", static_cast<int64_t>(batch.size()));
-      groups_[group]->swapper->update_sub_groups(batch);
+      Group& g = *groups_[group];
+      if (mode == OverlapMode::kSpeculate) {
+        trace::Span span("optimizer", "overlapped sub-groups");
+        span.value("count", static_cast<int64_t>(batch.size()));
+        g.swapper->update_sub_groups(batch);
+      } else {
+        trace::Span span("optimizer", "read-ahead sub-groups");
+        span.value("count", static_cast<int64_t>(batch.size()));
+        read_ahead(g, batch);
+      }
     } catch (...) {
       error = std::current_exception();
     }
@@ -332,11 +367,29 @@ void ShardOptimizer::thread_main() {
     o.busy_seconds += seconds;
     if (error) {
       if (!o.error) o.error = error;
-    } else {
+    } else if (mode == OverlapMode::kSpeculate) {
       o.updated += static_cast<int64_t>(batch.size());
     }
     o.cv.notify_all();
   }
+}
+
+void ShardOptimizer::take_stats(Group& g, size_t k) {
+  if (g.stats_known[k] != 0) return;
+  const auto [first, numel] = g.sub_group_range(k);
+  const float* grads = g.shard.grads->read(first, numel, home_stream_);
+  g.stats[k] = kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
+  g.stats_known[k] = 1;
+}
+
+void ShardOptimizer::read_ahead(Group& g, const std::vector<size_t>& sub_groups) {
+  // The state reads first (queued on the drive, into free pipeline buffers),
+  // then the statistics while they run: everything that does not need the
+  // global norm. A sub-group no buffer is free for is read in apply()'s pipeline.
+  for (size_t k : sub_groups) {
+    if (!g.swapper->prefetch(k)) break;
+  }
+  for (size_t k : sub_groups) take_stats(g, k);
 }
 
 double ShardOptimizer::settle_thread() {
@@ -353,7 +406,7 @@ double ShardOptimizer::settle_thread() {
 }
 
 double ShardOptimizer::settle() {
-  if (!speculating_) return 0;
+  if (!armed_) return 0;
   const double seconds = settle_thread();
   std::lock_guard lock(overlap_->mutex);
   if (overlap_->error) std::rethrow_exception(overlap_->error);
@@ -393,21 +446,25 @@ bool ShardOptimizer::roll_back() {
 }
 
 bool ShardOptimizer::abort() {
-  const bool speculated = speculating_;
+  const bool armed = armed_;
+  const bool speculated = armed_ && mode_ == OverlapMode::kSpeculate;
   prepared_ = false;
-  speculating_ = false;
-  if (speculated) {
+  armed_ = false;
+  if (armed) {
     for (auto& g : groups_) g->shard.reducer->synchronize();
     settle_thread();
   }
-  roll_back();
+  roll_back();  // read-ahead: releases the buffers read into, nothing was updated
   return speculated;
 }
 
 // ---- the step ------------------------------------------------------------------------
 
 kernels::GradStats ShardOptimizer::grad_stats() {
-  if (!speculating_) {
+  // Statistics the thread took are of the final gradient only when one
+  // backward followed prepare(): a second one adds to what it measured.
+  const bool twice = std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
+  if (!armed_ || twice) {
     for (auto& gp : groups_) std::fill(gp->stats_known.begin(), gp->stats_known.end(), 0);
   }
   kernels::GradStats local;
@@ -418,12 +475,7 @@ kernels::GradStats ShardOptimizer::grad_stats() {
       std::fill(g.stats_known.begin(), g.stats_known.end(), 1);
     }
     for (size_t k = 0; k < g.sub_group_count(); ++k) {
-      if (g.stats_known[k] == 0) {
-        const auto [first, numel] = g.sub_group_range(k);
-        const float* grads = g.shard.grads->read(first, numel, home_stream_);
-        g.stats[k] = kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
-        g.stats_known[k] = 1;
-      }
+      take_stats(g, k);
       local = kernels::merge(local, g.stats[k]);
     }
   }
@@ -433,15 +485,19 @@ kernels::GradStats ShardOptimizer::grad_stats() {
 AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale) {
   Overlap& o = *overlap_;
   AppliedStep applied;
-  bool keep = speculating_;
-  if (speculating_) {
+  bool keep = armed_ && mode_ == OverlapMode::kSpeculate;
+  if (armed_) {
+    applied.mode = mode_;
+    applied.clipped = grad_scale != o.grad_scale;
     applied.landed_twice =
         std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
-    applied.redo_reason = grad_scale != o.grad_scale     ? "gradient clipping fired"
-                          : lr != o.lr                   ? "step() got another lr than prepare_step()"
-                          : loss_scale != o.loss_scale   ? "the loss scale changed"
-                          : applied.landed_twice         ? "more than one backward followed prepare_step()"
-                                                         : nullptr;
+  }
+  if (keep) {
+    applied.redo_reason = applied.clipped            ? "gradient clipping fired"
+                          : lr != o.lr               ? "step() got another lr than prepare_step()"
+                          : loss_scale != o.loss_scale ? "the loss scale changed"
+                          : applied.landed_twice     ? "more than one backward followed prepare_step()"
+                                                     : nullptr;
     if (applied.redo_reason != nullptr) {
       keep = false;
       roll_back();
@@ -449,7 +505,21 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
       applied.rolled_back = o.updated > 0;
     }
   }
+  const bool read_ahead_step = armed_ && mode_ == OverlapMode::kReadAhead;
   initialize_if_stale();
+  // Read-ahead: the sub-groups whose state is in pipeline buffers first, every
+  // group's, so no group's pipeline waits on buffers another group holds.
+  if (read_ahead_step) {
+    for (auto& gp : groups_) {
+      Group& g = *gp;
+      if (!g.swapper) continue;
+      g.swapper->set_lr(lr);
+      g.swapper->set_step_inputs(step_inputs(g, grad_scale));
+      const std::vector<size_t> ready = g.swapper->prefetched();
+      applied.sub_groups_read_ahead += static_cast<int64_t>(ready.size());
+      g.swapper->update_sub_groups(ready);
+    }
+  }
   for (auto& gp : groups_) {
     Group& g = *gp;
     if (g.device) {
@@ -458,7 +528,7 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
       applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
       continue;
     }
-    if (!keep) {
+    if (!keep && !read_ahead_step) {
       g.swapper->set_lr(lr);
       g.swapper->begin_step(step_inputs(g, grad_scale), /*revocable=*/false);
     }
@@ -474,13 +544,14 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
   for (auto& gp : groups_) {
     if (gp->swapper) gp->swapper->commit_step();
   }
-  if (keep) {
+  if (keep || read_ahead_step) {
     std::lock_guard lock(o.mutex);
-    applied.sub_groups_overlapped = o.updated;
+    applied.sub_groups_overlapped = keep ? o.updated : 0;
     applied.overlapped_seconds = o.busy_seconds;
   }
+  if (armed_) last_clipped_ = applied.clipped;
   prepared_ = false;
-  speculating_ = false;
+  armed_ = false;
   return applied;
 }
 

@@ -26,6 +26,17 @@
 // the overlap. Granularity is the sub-group: a shard of one sub-group
 // overlaps nothing.
 //
+// When clipping fires, every speculative update is redone, and nothing was
+// hidden. So the thread has a second way to use backward, read-ahead: as a
+// sub-group becomes final it takes what does not depend on the global norm
+// — the sub-group's gradient statistics and (NVMe) its committed state,
+// read into a free pipeline buffer — and apply() is left only the
+// arithmetic (and the reads no buffer was free for). Per step the thread
+// speculates, or reads ahead when the previous prepared step clipped
+// (OverlapPolicy::kAuto; before any step, when clipping can fire at all):
+// speculation wins when clipping is rare, read-ahead loses nothing when it
+// fires. Both give the bits of the step taken in apply() alone.
+//
 // A step at the boundary: settle() (the thread's last sub-groups), grad_stats()
 // (this rank's merged statistics), then apply() — or abort() when the step is
 // skipped or fails, which closes whatever is open without applying it.
@@ -47,6 +58,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -67,6 +79,18 @@ class PinnedBufferPool;
 // sub-group k starts at k times it (an aligned range of every shard file).
 size_t sub_group_stride(const partition::PartitionLayout& layout, DType dtype, int64_t sub_group_numel);
 
+// How the optimizer thread uses the last backward of a prepared step.
+enum class OverlapMode {
+  kSpeculate,  // updates each final sub-group with the unclipped scale; redone when clipping fires
+  kReadAhead,  // takes each final sub-group's statistics and (NVMe) reads its state; updates at apply()
+};
+enum class OverlapPolicy {
+  kAuto,       // kReadAhead when the last prepared step clipped (before any: when clipping is on), else kSpeculate
+  kSpeculate,  // always
+  kReadAhead,  // always
+};
+const char* overlap_mode_name(OverlapMode mode);
+
 struct ShardOptimizerOptions {
   Tier tier = Tier::kCpu;          // offload_optimizer.device: kDevice (none), kCpu or kNvme
   kernels::AdamConfig adam;
@@ -77,6 +101,8 @@ struct ShardOptimizerOptions {
   int rank = 0;
   bool keep_files = false;         // nvme: leave the state files on disk (strata.keep_swap_files)
   bool overlap = true;             // prepare() arms the optimizer thread (cpu/nvme, stages 2/3)
+  bool clipping = false;           // gradient_clipping is on: a step may clip (kAuto's first guess)
+  OverlapPolicy policy = OverlapPolicy::kAuto;
 };
 
 // One dtype group's shard as the optimizer sees it.
@@ -94,6 +120,11 @@ struct AppliedStep {
   int64_t sub_groups_overlapped = 0;  // of them, by the optimizer thread during backward (kept)
   double overlapped_seconds = 0;      // the thread's busy time before the boundary (kept)
   bool rolled_back = false;           // speculative updates were undone and redone
+  // The thread's mode (nullopt: no thread this step), and of the sub-groups,
+  // how many had their state read during backward (kReadAhead, NVMe).
+  std::optional<OverlapMode> mode;
+  int64_t sub_groups_read_ahead = 0;
+  bool clipped = false;               // the step's scale was not prepare()'s (clipping fired)
   // Why the speculation did not hold (nullptr: it did, or nothing was
   // speculated), and whether more than one backward followed prepare().
   const char* redo_reason = nullptr;
@@ -122,6 +153,8 @@ class ShardOptimizer {
   // bucket is flushed). Error(kBadArgument) when already prepared.
   void prepare(float lr, float grad_scale, double loss_scale);
   bool prepared() const { return prepared_; }
+  // How later prepare()s choose the thread's mode.
+  void set_policy(OverlapPolicy policy) { options_.policy = policy; }
   // Waits for the thread's last sub-groups (once no landing can come: the
   // reducers synchronized); returns the seconds waited; rethrows its error.
   double settle();
@@ -156,7 +189,10 @@ class ShardOptimizer {
   struct Group;
   struct Overlap;
   bool overlaps() const;
+  OverlapMode choose_mode() const;
   void arm(float lr);
+  void read_ahead(Group& g, const std::vector<size_t>& sub_groups);
+  void take_stats(Group& g, size_t k);
   void on_landed(size_t group, const std::vector<size_t>& params);  // a reducer stream's host function
   void thread_main();
   double settle_thread();
@@ -170,7 +206,9 @@ class ShardOptimizer {
   std::vector<std::unique_ptr<Group>> groups_;
   bool stale_ = true;
   bool prepared_ = false;
-  bool speculating_ = false;         // prepared with the thread armed
+  bool armed_ = false;               // prepared with the thread armed (in mode_)
+  OverlapMode mode_ = OverlapMode::kSpeculate;
+  bool last_clipped_ = false;        // the last prepared, applied step clipped (kAuto)
   std::unique_ptr<Overlap> overlap_;  // joined first in the destructor
 };
 

@@ -11,6 +11,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -96,6 +97,10 @@ struct StepFigures {
   // work only), the part of `optimizer` spent waiting for that thread, and of
   // the optimizer's own time the share compute waited for.
   double optimizer_hidden = 0, optimizer_drain = 0, optimizer_not_hidden = 1, sub_groups_overlapped = 0, sub_groups = 0;
+  double grad_norm = 0;
+  bool clipped = false;  // --gradient-clipping fired (the global norm above it)
+  bool speculated = false, read_ahead = false, rolled_back = false;  // the optimizer thread's mode, and its redo
+  double sub_groups_read_ahead = 0;
   double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
   std::vector<engine::OpStall> ops;
 };
@@ -221,6 +226,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero");
   RankSum ranks(accelerator, store, r.rank, r.world);
   engine::ZeroEngine eng(accelerator, comms.comms(), o);
+  eng.set_overlap_policy(flags.overlap_policy == "speculate"    ? offload::OverlapPolicy::kSpeculate
+                         : flags.overlap_policy == "read-ahead" ? offload::OverlapPolicy::kReadAhead
+                                                                : offload::OverlapPolicy::kAuto);
   nn::LlamaModel model(eng, run.config, model_options(run));
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), 0);
@@ -315,6 +323,12 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     f.optimizer_not_hidden = stepped.optimizer_not_hidden_fraction();
     f.sub_groups_overlapped = static_cast<double>(stepped.sub_groups_overlapped);
     f.sub_groups = static_cast<double>(stepped.sub_groups);
+    f.grad_norm = stepped.grad_norm;
+    f.speculated = stepped.overlap_mode == offload::OverlapMode::kSpeculate;
+    f.read_ahead = stepped.overlap_mode == offload::OverlapMode::kReadAhead;
+    f.rolled_back = stepped.rolled_back;
+    f.sub_groups_read_ahead = static_cast<double>(stepped.sub_groups_read_ahead);
+    f.clipped = o.gradient_clipping > 0 && stepped.grad_norm > o.gradient_clipping;
     f.other = f.step - f.compute - f.stall - f.rank_wait - f.grad_wait - f.optimizer;
     f.nvme_read = static_cast<double>(z.nvme_bytes_read()) - read0;
     f.nvme_written = static_cast<double>(z.nvme_bytes_written()) - written0;
@@ -338,7 +352,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   std::vector<Round> rounds;
   std::vector<double> all_losses;
   std::map<std::pair<std::string, int>, std::pair<double, int64_t>> op_totals;  // (name, phase) -> seconds, windows
-  int timed_steps = 0;
+  int timed_steps = 0, clipped_steps = 0, speculated_steps = 0, rolled_back_steps = 0, read_ahead_steps = 0;
+  double read_ahead_sub_groups = 0;
+  double max_norm = 0, min_norm = std::numeric_limits<double>::infinity();
   const std::string table_head = fmt::format(
       "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9} {:>7} {:>9}", "round", "step s",
       "tok/s", "compute", "p.stall", "r.wait", "g.wait", "optim", "other", "nvme rd MB", "nvme wr MB", "resident",
@@ -370,6 +386,13 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         t.second += x.windows;
       }
       ++timed_steps;
+      clipped_steps += f.clipped;
+      speculated_steps += f.speculated;
+      rolled_back_steps += f.rolled_back;
+      read_ahead_steps += f.read_ahead;
+      read_ahead_sub_groups += f.sub_groups_read_ahead;
+      min_norm = std::min(min_norm, f.grad_norm);
+      max_norm = std::max(max_norm, f.grad_norm);
       steps.push_back(std::move(f));
       resident_s.push_back(resident_t);
     }
@@ -456,6 +479,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
              optimizer_own, 100 * optimizer_own / step, optimizer_hidden, overlapped, sub_groups_total, optimizer,
              optimizer_drain, 100 * not_hidden,
              flags.overlap_optimizer ? "" : " (--no-overlap-optimizer)");
+  fmt::print("gradient norm {:.3g} to {:.3g}; clipping at {:g} fired on {} of {} timed steps | the optimizer "
+             "thread speculated on {} ({} redone), read ahead on {} ({:.1f} sub-groups' state read during backward "
+             "per such step)\n",
+             min_norm, max_norm, o.gradient_clipping, clipped_steps, timed_steps, speculated_steps, rolled_back_steps,
+             read_ahead_steps, read_ahead_steps > 0 ? read_ahead_sub_groups / read_ahead_steps : 0.0);
   fmt::print("bytes per step (rank 0): NVMe read {:.1f} MB (parameters {:.1f} MB), NVMe written {:.1f} MB, "
              "parameters gathered {:.1f} MB\n",
              nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6);
@@ -533,7 +561,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                   {"aio_threads", o.aio.thread_count}, {"sub_group_size", eng.options().sub_group_numel},
                   {"reduce_bucket_size", eng.options().reduce_bucket_numel},
                   {"zero_sizes", eng.zero_sizes().to_json()},
-                  {"overlap_optimizer", flags.overlap_optimizer}}},
+                  {"overlap_optimizer", flags.overlap_optimizer}, {"gradient_clipping", o.gradient_clipping},
+                  {"overlap_policy", flags.overlap_policy},
+                  {"optimizer_buffer_count", o.optimizer_buffer_count}}},
         {"threads_per_rank", run.threads},
         {"openblas_coretype_env", coretype != nullptr ? coretype : ""},
         {"openblas_core", run.accelerator == "cpu" ? ops::cpu_blas_core() : "-"},
@@ -550,7 +580,10 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                     {"nvme_written_bytes", nvme_written}, {"param_read_bytes", param_read},
                     {"gathered_bytes", gathered}, {"drive_param_read_bytes", drive_bytes},
                     {"resident_step_s", resident_step_s}, {"io_bound_s", io_bound}, {"bound_s", bound},
-                    {"ratio", ratio}, {"unoffloaded_step_s", unoffloaded}}},
+                    {"ratio", ratio}, {"unoffloaded_step_s", unoffloaded}, {"clipped_steps", clipped_steps},
+                    {"speculated_steps", speculated_steps}, {"rolled_back_steps", rolled_back_steps},
+                    {"read_ahead_steps", read_ahead_steps},
+                    {"timed_steps", timed_steps}}},
         {"drive_read_bytes_per_s", drive_bw},
         {"op_stalls", ops_json},
         {"correctness", {{"ok", ok}, {"losses_finite", finite}, {"first_loss", all_losses.front()},
@@ -609,6 +642,18 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_flag("!--no-overlap-optimizer", f.overlap_optimizer,
                "run the optimizer in step() only, instead of updating each sub-group during backward as soon as its "
                "gradient is final");
+  app.add_option("--overlap-policy", f.overlap_policy,
+                 "what the optimizer does during backward: auto (speculate unless the last step clipped, then read "
+                 "ahead), speculate, read-ahead")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "speculate", "read-ahead"}));
+  app.add_option("--gradient-clipping", e.gradient_clipping,
+                 "gradient_clipping: the global gradient norm's maximum (0: no clipping); where it fires, what the "
+                 "optimizer speculated during backward is redone")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--optimizer-buffers", e.optimizer_buffer_count,
+                 "offload_optimizer.buffer_count: pinned buffers of one sub-group's state each, for the NVMe "
+                 "optimizer's pipeline and its reads during backward")
+      ->capture_default_str()->check(CLI::Range(2, 4096));
   app.add_option("--aio-block-size", e.aio.block_size, "aio.block_size (bytes)")->capture_default_str();
   app.add_option("--aio-queue-depth", e.aio.queue_depth, "aio.queue_depth")->capture_default_str();
   app.add_option("--aio-threads", e.aio.thread_count, "aio.thread_count")->capture_default_str();

@@ -35,6 +35,7 @@ struct ZeroFlags {
   float lr = 1e-3f;
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
   bool overlap_optimizer = true;  // prepare_step before each step's backward
+  std::string overlap_policy = "auto";  // ZeroEngine::set_overlap_policy: auto, speculate, read-ahead
   // The coordinator's budgets and aio: DeepSpeed's defaults
   // (ZeroEngineOptions'), settable per flag; sub_group_size and
   // reduce_bucket_size: chosen from the model (engine::kChooseFromModel)

@@ -171,6 +171,8 @@ void ZeroEngine::on_finalize() {
   optimizer.rank = rank();
   optimizer.keep_files = options_.keep_swap_files;
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
+  optimizer.clipping = options_.gradient_clipping > 0;
+  optimizer.policy = overlap_policy_;
   std::vector<offload::OptimizedShard> shards;
   for (auto& g : groups_) {
     if (g->frozen) continue;
@@ -335,6 +337,11 @@ void ZeroEngine::prepare_step(float lr) {
   optimizer_->prepare(lr, grad_scale, loss_scale);
 }
 
+void ZeroEngine::set_overlap_policy(offload::OverlapPolicy policy) {
+  overlap_policy_ = policy;
+  if (optimizer_) optimizer_->set_policy(policy);
+}
+
 bool ZeroEngine::step_prepared() const { return optimizer_ && optimizer_->prepared(); }
 
 void ZeroEngine::begin_evaluation() {
@@ -442,6 +449,8 @@ StepResult ZeroEngine::step(float lr) {
   result.sub_groups_overlapped = applied.sub_groups_overlapped;
   result.optimizer_overlapped_seconds = applied.overlapped_seconds;
   result.rolled_back = applied.rolled_back;
+  result.overlap_mode = applied.mode;
+  result.sub_groups_read_ahead = applied.sub_groups_read_ahead;
   result.optimizer_seconds = seconds_since(start);
 
   refresh_copies();

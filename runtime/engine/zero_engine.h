@@ -24,7 +24,8 @@
 //       the accelerator (offload_optimizer.device none) — and, after
 //       prepare_step, sub-groups updated during the last backward as soon as
 //       their gradient is final, speculatively, rolled back exactly when the
-//       step says otherwise.
+//       step says otherwise — or, while clipping fires, their statistics
+//       taken and their state read ahead, so step() is left the arithmetic.
 // step() at an accumulation boundary: the global gradient norm (f64 allreduce
 // on the control communicator), clipping, a skip without any state change when
 // a gradient is not finite (with fp16 loss scaling the scale then backs off,
@@ -103,6 +104,11 @@ struct StepResult {
   int64_t sub_groups = 0;                   // sub-groups this step updated (every group)
   int64_t sub_groups_overlapped = 0;        // of them, updated by the optimizer thread (kept)
   bool rolled_back = false;                 // speculative updates were undone (clipping, overflow, lr)
+  // What the optimizer thread did during backward (nullopt: no thread):
+  // speculated, or read ahead (statistics, NVMe state) for a step expected
+  // to clip; and how many sub-groups' state it read (read-ahead, NVMe).
+  std::optional<offload::OverlapMode> overlap_mode;
+  int64_t sub_groups_read_ahead = 0;
   // Of the optimizer's own time, the share compute waited for: the host time
   // step() spent on it over (that + the thread's hidden time, less the drain
   // the two overlap in). 1 without overlap.
@@ -145,9 +151,17 @@ class ZeroEngine final : public Engine {
   // (or zero_grad(), which abandons the step and rolls back) the parameters
   // may not be read or written through for_each_owned_range nor saved. A
   // different lr at step(), or more than one backward after this call, is
-  // detected and redone exactly. Error(kBadArgument) when called twice
+  // detected and redone exactly — except that at stage 3 a sub-group
+  // speculated during an earlier backward has already changed the parameters
+  // the next micro-step's forward gathers (a rollback cannot undo that), so
+  // call it before the last micro-step. Error(kBadArgument) when called twice
   // without a step() between.
   void prepare_step(float lr);
+  // How later prepare_step()s use backward (offload/shard_optimizer.h):
+  // kAuto (the default) speculates unless the last prepared step clipped,
+  // and reads ahead while clipping fires; kSpeculate and kReadAhead fix the
+  // mode. The results are the same bits in every mode.
+  void set_overlap_policy(offload::OverlapPolicy policy);
   // prepare_step was called and neither step() nor zero_grad() since.
   bool step_prepared() const;
   // An evaluation pass between steps (forward windows only, no gradient):
@@ -258,6 +272,7 @@ class ZeroEngine final : public Engine {
   size_t stage1_grads_nbytes_ = 0;
   std::unique_ptr<offload::ParamCoordinator> coordinator_;  // stage 3; before groups_ die
   std::unique_ptr<offload::ShardOptimizer> optimizer_;      // after the groups it borrows
+  offload::OverlapPolicy overlap_policy_ = offload::OverlapPolicy::kAuto;  // set_overlap_policy, kept for finalize
   void* control_buffer_ = nullptr;                 // allreduce_f64: control_slots_ doubles, accelerator memory
   size_t control_slots_ = 0;
   int64_t steps_ = 0;

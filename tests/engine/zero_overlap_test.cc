@@ -2,13 +2,20 @@
 // updated during backward as their gradients become final must give the step
 // taken entirely in step(), bit for bit — when the speculation holds, and when
 // it is rolled back (clipping fires, a gradient is not finite, another lr, a
-// step abandoned). Ranks are threads over real Gloo; NVMe tiers are real
+// step abandoned); and so must the read-ahead the optimizer takes while
+// clipping fires (statistics and NVMe state read during backward), whichever
+// mode each step chose. Ranks are threads over real Gloo; NVMe tiers are real
 // O_DIRECT files.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
+#include <optional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "runtime/engine/zero_engine.h"
@@ -64,6 +71,30 @@ void check_same(const TrainResult& overlapped, const TrainResult& plain) {
     CHECK(overlapped.steps[s].applied == plain.steps[s].applied);
     CHECK(overlapped.steps[s].grad_norm == plain.steps[s].grad_norm);
   }
+}
+
+// Every file two runs' save_state wrote (parameters, fp32 master weights,
+// both moments, the engine's state), byte for byte.
+void check_same_files(const std::filesystem::path& a, const std::filesystem::path& b) {
+  std::set<std::string> names_a, names_b;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(a)) {
+    if (e.is_regular_file()) names_a.insert(std::filesystem::relative(e.path(), a).string());
+  }
+  for (const auto& e : std::filesystem::recursive_directory_iterator(b)) {
+    if (e.is_regular_file()) names_b.insert(std::filesystem::relative(e.path(), b).string());
+  }
+  REQUIRE(names_a == names_b);
+  bool optimizer_state = false;
+  for (const std::string& name : names_a) {
+    CAPTURE(name);
+    std::ifstream fa(a / name, std::ios::binary), fb(b / name, std::ios::binary);
+    const std::string bytes_a((std::istreambuf_iterator<char>(fa)), std::istreambuf_iterator<char>());
+    const std::string bytes_b((std::istreambuf_iterator<char>(fb)), std::istreambuf_iterator<char>());
+    CHECK(bytes_a.size() == bytes_b.size());
+    CHECK(bytes_a == bytes_b);
+    optimizer_state = optimizer_state || name.find("exp_avg_sq") != std::string::npos;
+  }
+  CHECK(optimizer_state);  // the moments were among them
 }
 
 int64_t overlapped_sub_groups(const TrainResult& r) {
@@ -122,6 +153,7 @@ TEST_CASE("optimizer overlapping backward: clipping that fires, a non-finite gra
   spec.options.overlap_optimizer = false;
   const TrainResult plain = train_zero(spec);
   spec.options.overlap_optimizer = true;
+  spec.overlap_policy = offload::OverlapPolicy::kSpeculate;  // kAuto would read ahead after a step that clipped
   const TrainResult overlapped = train_zero(spec);
   check_same(overlapped, plain);
   REQUIRE(plain.steps.size() == 5);
@@ -214,4 +246,173 @@ TEST_CASE("the optimizer on the accelerator needs the trained parameters and the
     o.nvme_path = "/tmp/unused";
     CHECK_THROWS_WITH(engine::ZeroEngine(accelerator, comms, o), Catch::Contains("grad tier nvme is not device"));
   });
+}
+
+namespace {
+
+// When gradient clipping (at kClip) fires: every step, never, or on even
+// steps only. A gradient scaled by kLarge clips; one of scale 1 does not
+// (both checked on the run without overlap).
+enum class Clipping { kEveryStep, kNever, kAlternating };
+constexpr double kClip = 50;
+constexpr float kLarge = 1000;
+
+const char* clipping_name(Clipping c) {
+  return c == Clipping::kEveryStep ? "every step" : c == Clipping::kNever ? "never" : "alternating";
+}
+
+bool clips(Clipping c, int step) {
+  return c == Clipping::kEveryStep || (c == Clipping::kAlternating && step % 2 == 0);
+}
+
+struct ClipRun {
+  TrainResult result;
+  std::filesystem::path saved;  // save_state after the last step
+};
+
+// 5 steps of stage 3 (bf16, parameters on the device) with the optimizer
+// state on `optimizer` (gradient shard on NVMe with it), saved after the last.
+ClipRun train_clipping(const std::filesystem::path& dir, const std::string& name, int world, Tier optimizer,
+                       Clipping clipping, bool overlap, offload::OverlapPolicy policy, size_t buffers = 3) {
+  engine::ZeroEngineOptions o =
+      options(3, Tier::kDevice, optimizer, optimizer == Tier::kNvme ? Tier::kNvme : Tier::kDevice, dir / (name + "-swap"));
+  o.gradient_clipping = kClip;
+  o.overlap_optimizer = overlap;
+  o.optimizer_buffer_count = buffers;
+  TrainSpec spec = spec_for(o, DType::kBF16);
+  spec.world = world;
+  spec.steps = 5;
+  spec.overlap_policy = policy;
+  spec.grad_scale = [clipping](int, int step) { return clips(clipping, step) ? kLarge : 1.0f; };
+  spec.save_dir = dir / (name + "-saved");
+  spec.save_after_step = spec.steps - 1;
+  ClipRun run{train_zero(spec), spec.save_dir};
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one, bit for bit in the parameters "
+          "and the optimizer state, with clipping firing every step, never and on alternate steps",
+          "[engine][zero][overlap][clipping]") {
+  test::TempDir dir("strata-clip-overlap");
+  const int world = GENERATE(1, 2);
+  const Tier optimizer = GENERATE(Tier::kCpu, Tier::kNvme);
+  const Clipping clipping = GENERATE(Clipping::kEveryStep, Clipping::kNever, Clipping::kAlternating);
+  CAPTURE(world, tier_name(optimizer), clipping_name(clipping));
+  const ClipRun plain = train_clipping(dir.path(), "plain", world, optimizer, clipping, false, offload::OverlapPolicy::kAuto);
+  const ClipRun overlapped =
+      train_clipping(dir.path(), "overlapped", world, optimizer, clipping, true, offload::OverlapPolicy::kAuto);
+  check_same(overlapped.result, plain.result);
+  check_same_files(overlapped.saved, plain.saved);
+  REQUIRE(plain.result.steps.size() == 5);
+  // kAuto: read ahead at first (clipping is on) and after a step that
+  // clipped, speculate after one that did not. What the thread got done
+  // before the boundary depends on timing: each step may show none, the
+  // run as a whole must show some.
+  std::optional<bool> clipped_before;
+  int64_t read_ahead = 0, kept = 0, rolled_back = 0;
+  double read_ahead_seconds = 0;
+  int read_ahead_steps = 0, clipped_speculations = 0, kept_speculations = 0;
+  for (int s = 0; s < 5; ++s) {
+    CAPTURE(s);
+    const engine::StepResult& p = plain.result.steps[static_cast<size_t>(s)];
+    const engine::StepResult& r = overlapped.result.steps[static_cast<size_t>(s)];
+    CHECK((p.grad_norm > kClip) == clips(clipping, s));
+    CHECK_FALSE(p.overlap_mode.has_value());
+    CHECK(p.applied);
+    const bool speculated = clipped_before.has_value() && !*clipped_before;
+    REQUIRE(r.overlap_mode.has_value());
+    CHECK(*r.overlap_mode == (speculated ? offload::OverlapMode::kSpeculate : offload::OverlapMode::kReadAhead));
+    if (r.rolled_back) CHECK((speculated && clips(clipping, s)));
+    rolled_back += r.rolled_back;
+    if (!speculated) {
+      ++read_ahead_steps;
+      CHECK(r.sub_groups_overlapped == 0);
+      read_ahead_seconds += r.optimizer_overlapped_seconds;  // statistics (and reads) taken during backward
+      read_ahead += r.sub_groups_read_ahead;
+      if (optimizer == Tier::kCpu) CHECK(r.sub_groups_read_ahead == 0);  // nothing to read
+    } else if (!clips(clipping, s)) {
+      ++kept_speculations;
+      kept += r.sub_groups_overlapped;
+    } else {
+      ++clipped_speculations;
+      CHECK(r.sub_groups_overlapped == 0);
+    }
+    clipped_before = clips(clipping, s);
+  }
+  // Every step: read ahead (it always clipped); never: read ahead once, then
+  // speculate; alternating: both modes, each right and wrong once at least.
+  CHECK(read_ahead_steps == (clipping == Clipping::kEveryStep ? 5 : clipping == Clipping::kNever ? 1 : 3));
+  CHECK(read_ahead_seconds > 0);
+  if (optimizer == Tier::kNvme) CHECK(read_ahead > 0);
+  if (kept_speculations > 0) CHECK(kept > 0);
+  if (clipped_speculations > 0) CHECK(rolled_back > 0);
+  if (clipping == Clipping::kAlternating) CHECK(clipped_speculations == 2);
+}
+
+TEST_CASE("speculating or reading ahead on every step gives the same bits, whether clipping fires or not, with a "
+          "pipeline of a few buffers and one that holds every sub-group",
+          "[engine][zero][overlap][clipping]") {
+  test::TempDir dir("strata-clip-overlap");
+  const offload::OverlapPolicy policy = GENERATE(offload::OverlapPolicy::kSpeculate, offload::OverlapPolicy::kReadAhead);
+  const size_t buffers = GENERATE(size_t{2}, size_t{64});
+  CAPTURE(static_cast<int>(policy), buffers);
+  const ClipRun plain =
+      train_clipping(dir.path(), "plain", 2, Tier::kNvme, Clipping::kAlternating, false, policy, buffers);
+  const ClipRun overlapped =
+      train_clipping(dir.path(), "overlapped", 2, Tier::kNvme, Clipping::kAlternating, true, policy, buffers);
+  check_same(overlapped.result, plain.result);
+  check_same_files(overlapped.saved, plain.saved);
+  int64_t read_ahead = 0, rolled_back = 0;
+  for (size_t s = 0; s < overlapped.result.steps.size(); ++s) {
+    CAPTURE(s);
+    const engine::StepResult& r = overlapped.result.steps[s];
+    REQUIRE(r.overlap_mode.has_value());
+    read_ahead += r.sub_groups_read_ahead;
+    rolled_back += r.rolled_back;
+    if (policy == offload::OverlapPolicy::kReadAhead) {
+      CHECK(*r.overlap_mode == offload::OverlapMode::kReadAhead);
+      CHECK_FALSE(r.rolled_back);
+      CHECK(r.sub_groups_overlapped == 0);
+      CHECK(r.sub_groups_read_ahead <= static_cast<int64_t>(buffers));  // at most what the pipeline holds
+    } else {
+      CHECK(*r.overlap_mode == offload::OverlapMode::kSpeculate);
+      CHECK(r.sub_groups_read_ahead == 0);
+      if (r.rolled_back) CHECK(clips(Clipping::kAlternating, static_cast<int>(s)));
+    }
+  }
+  if (policy == offload::OverlapPolicy::kReadAhead) {
+    CHECK(read_ahead > 0);
+    if (buffers == 64) CHECK(read_ahead > 2 * 5);  // more than 2 buffers could hold in 5 steps
+  } else {
+    CHECK(rolled_back > 0);
+  }
+}
+
+// (Speculating at stage 3, an update during the first backward lands in the
+// home the next micro-step's forward gathers from, which no rollback undoes:
+// there prepare_step must precede the last micro-step. Stage 2's forward reads
+// the full copies, refreshed only by step().)
+TEST_CASE("more than one backward after prepare_step: the statistics taken during the first are retaken, the step "
+          "is bit for bit the unoverlapped one (reading ahead, and speculating at stage 2)",
+          "[engine][zero][overlap][clipping]") {
+  test::TempDir dir("strata-clip-overlap");
+  const Tier optimizer = GENERATE(Tier::kCpu, Tier::kNvme);
+  const offload::OverlapPolicy policy = GENERATE(offload::OverlapPolicy::kSpeculate, offload::OverlapPolicy::kReadAhead);
+  const int stage = policy == offload::OverlapPolicy::kSpeculate ? 2 : 3;
+  CAPTURE(tier_name(optimizer), static_cast<int>(policy), stage);
+  TrainSpec spec = spec_for(
+      options(stage, Tier::kDevice, optimizer, optimizer == Tier::kNvme && stage == 3 ? Tier::kNvme : Tier::kDevice,
+              dir.path()),
+      DType::kBF16);
+  spec.micro_steps = 2;
+  spec.prepare_micro = 0;  // two backwards follow it
+  spec.options.gradient_clipping = 1e9;
+  spec.overlap_policy = policy;
+  spec.options.overlap_optimizer = false;
+  const TrainResult plain = train_zero(spec);
+  spec.options.overlap_optimizer = true;
+  const TrainResult overlapped = train_zero(spec);
+  check_same(overlapped, plain);
 }

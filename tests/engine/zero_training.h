@@ -109,6 +109,11 @@ struct TrainSpec {
   // the optimizer may then overlap that backward (overlap_optimizer). On by
   // default, so every engine test also holds with the overlap.
   bool prepare_step = true;
+  // The micro-step prepare_step precedes; -1: the last (more than one backward
+  // after it is misuse the engine detects and redoes exactly).
+  int prepare_micro = -1;
+  // How the optimizer uses the backward after prepare_step (ZeroEngine::set_overlap_policy).
+  offload::OverlapPolicy overlap_policy = offload::OverlapPolicy::kAuto;
   // The model's dtype (parameters are read back widened to fp32).
   DType dtype = DType::kF32;
   // Per step (0-based): the lr step() gets (empty: options.adam.lr), the lr
@@ -169,6 +174,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         int step = -1;
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
+          eng.set_overlap_policy(spec.overlap_policy);
           const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
           nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
@@ -216,7 +222,8 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             const float lr = spec.lr ? spec.lr(step) : options.adam.lr;
             const auto micro_steps = [&](double& loss_sum) {
               for (int m = 0; m < spec.micro_steps; ++m) {
-                if (spec.prepare_step && m == spec.micro_steps - 1) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
+                const int prepare_at = spec.prepare_micro >= 0 ? spec.prepare_micro : spec.micro_steps - 1;
+                if (spec.prepare_step && m == prepare_at) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
                 auto [first, n] = rows(m);
                 nn::ForwardOptions forward;
                 forward.normalizer = global_count;

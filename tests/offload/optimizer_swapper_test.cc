@@ -351,6 +351,63 @@ TEST_CASE("a step in parts (any order, batches) equals step(), abort restores th
   parts.abort_step();  // nothing updated: nothing to restore
 }
 
+TEST_CASE("state read ahead before the gradient scale is known, then updated with it, equals step(), and abort "
+          "returns the buffers read into",
+          "[offload][swapper]") {
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  offload::OptimizerSwapper whole(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper parts(options_for(Tier::kNvme, dir.path()), &pool, &aio);
+  const auto master = random_floats(kNumel, 2, 1.0f);
+  whole.initialize(master.data());
+  parts.initialize(master.data());
+  std::vector<BFloat16> p16_whole(kNumel), p16_parts(kNumel);
+  for (int step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const auto grad = grad_for_step(step);
+    offload::StepInputs clipped = inputs(grad, p16_whole);
+    clipped.grad_scale = 0.125f * static_cast<float>(step);  // what the norm says, known only at the boundary
+    whole.step(clipped);
+    // A step read ahead and abandoned: every buffer back, nothing changed.
+    const State before = load(parts);
+    parts.begin_step(inputs(grad, p16_parts), /*revocable=*/false);
+    CHECK(parts.prefetch(4));
+    CHECK_FALSE(parts.prefetch(4));  // once
+    CHECK(parts.prefetch(1));
+    parts.abort_step();
+    CHECK(pool.available() == 3);
+    check_same_state(load(parts), before);
+    // The real step: opened with the unclipped scale, sub-groups read ahead as
+    // "backward" finishes them until the pool is empty, then the scale set.
+    parts.begin_step(inputs(grad, p16_parts), /*revocable=*/false);
+    CHECK(parts.prefetch(4));
+    CHECK(parts.prefetch(3));
+    CHECK(parts.prefetch(2));
+    CHECK_FALSE(parts.prefetch(0));  // no buffer free: left to the pipeline
+    CHECK(parts.prefetched() == std::vector<size_t>{2, 3, 4});
+    offload::StepInputs real = inputs(grad, p16_parts);
+    real.grad_scale = clipped.grad_scale;
+    parts.set_step_inputs(real);
+    parts.update_sub_groups(std::vector<size_t>{0, 2, 4, 1, 3});  // read-ahead ones first, whatever the order given
+    CHECK(parts.prefetched().empty());
+    CHECK_THROWS_WITH(parts.set_step_inputs(real), Catch::Contains("after 5 sub-group(s)"));
+    parts.commit_step();
+    CHECK(pool.available() == 3);
+    REQUIRE(parts.step_count() == step);
+    check_same_state(load(parts), load(whole));
+    REQUIRE(std::memcmp(p16_whole.data(), p16_parts.data(), kNumel * 2) == 0);
+  }
+  // cpu state has nothing to read ahead.
+  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  cpu.initialize(master.data());
+  CHECK_THROWS_WITH(cpu.prefetch(0), Catch::Contains("without begin_step"));
+  const auto grad = grad_for_step(1);
+  cpu.begin_step(inputs(grad, p16_whole), false);
+  CHECK_FALSE(cpu.prefetch(0));
+  cpu.abort_step();
+}
+
 TEST_CASE("a full disk when the optimizer's manifest is committed is an error naming the file and the errno",
           "[offload][swapper]") {
   // The manifest goes through core/durable_file.h, so the fault plan fails it
