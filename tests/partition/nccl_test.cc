@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include <future>
+#include <memory>
 #include <thread>
 
 #include "partition/communicator.h"
@@ -19,13 +20,30 @@
 using namespace strata;
 using namespace strata::partition;
 
+namespace {
+
+// A one-rank job on cuda:0: its rendezvous store, a stream, and communicator
+// options with a 10 s timeout (tests set their own key prefix).
+struct OneRankJob {
+  StoreServer server{"127.0.0.1", 0};
+  StoreClient store{"127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000)};
+  std::unique_ptr<Accelerator> accelerator = make_cuda_accelerator(0);
+  std::unique_ptr<Stream> stream = accelerator->create_stream();
+  CommunicatorOptions options = [] {
+    CommunicatorOptions o;
+    o.timeout = std::chrono::milliseconds(10000);
+    return o;
+  }();
+};
+
+}  // namespace
+
 TEST_CASE("nccl: single-rank collectives through the rendezvous store give exact results") {
-  StoreServer server("127.0.0.1", 0);
-  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
-  auto accelerator = make_cuda_accelerator(0);
-  auto stream = accelerator->create_stream();
-  CommunicatorOptions options;
-  options.timeout = std::chrono::milliseconds(10000);
+  OneRankJob job;
+  StoreClient& store = job.store;
+  Accelerator* accelerator = job.accelerator.get();
+  Stream* stream = job.stream.get();
+  CommunicatorOptions& options = job.options;
   auto comm = make_communicator(*accelerator, store, options);
   REQUIRE(comm->backend() == "nccl");
   std::vector<char> id;
@@ -69,12 +87,11 @@ TEST_CASE("nccl: single-rank collectives through the rendezvous store give exact
 // One rank: all_to_all is a grouped ncclSend/ncclRecv to itself; the block
 // lands at its displacement and the rest of recv is untouched.
 TEST_CASE("nccl: single-rank all_to_all with a displacement, fp32 and bf16") {
-  StoreServer server("127.0.0.1", 0);
-  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
-  auto accelerator = make_cuda_accelerator(0);
-  auto stream = accelerator->create_stream();
-  CommunicatorOptions options;
-  options.timeout = std::chrono::milliseconds(10000);
+  OneRankJob job;
+  StoreClient& store = job.store;
+  Accelerator* accelerator = job.accelerator.get();
+  Stream* stream = job.stream.get();
+  CommunicatorOptions& options = job.options;
   options.prefix = "strata/all_to_all_test";
   auto comm = make_communicator(*accelerator, store, options);
   const size_t numel = 1000, gap = 24;
@@ -115,12 +132,11 @@ TEST_CASE("nccl: single-rank all_to_all with a displacement, fp32 and bf16") {
 // A process group of one rank on NCCL: its own unique id under the group's
 // key prefix, and collectives that work.
 TEST_CASE("nccl: the process groups of a one-rank job") {
-  StoreServer server("127.0.0.1", 0);
-  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
-  auto accelerator = make_cuda_accelerator(0);
-  auto stream = accelerator->create_stream();
-  CommunicatorOptions options;
-  options.timeout = std::chrono::milliseconds(10000);
+  OneRankJob job;
+  StoreClient& store = job.store;
+  Accelerator* accelerator = job.accelerator.get();
+  Stream* stream = job.stream.get();
+  CommunicatorOptions& options = job.options;
   ProcessGroups groups = make_process_groups(*accelerator, store, options, ParallelLayout(1, 1));
   std::vector<char> id;
   REQUIRE(store.try_get("strata/comm/groups/tp/0/nccl_unique_id", id));
@@ -154,11 +170,10 @@ TEST_CASE("nccl: a peer that never joins makes initialisation fail within the ti
 // another stream waits on it, records it again and frees buffers after it
 // (today's NcclEvent would have been static_cast to a CudaEvent: undefined).
 TEST_CASE("nccl: a collective's event works in Stream::wait, record and deallocate_after") {
-  StoreServer server("127.0.0.1", 0);
-  StoreClient store("127.0.0.1", server.port(), 0, std::chrono::milliseconds(10000));
-  auto accelerator = make_cuda_accelerator(0);
-  CommunicatorOptions options;
-  options.timeout = std::chrono::milliseconds(10000);
+  OneRankJob job;
+  StoreClient& store = job.store;
+  Accelerator* accelerator = job.accelerator.get();
+  CommunicatorOptions& options = job.options;
   options.prefix = "strata/event_test";
   auto comm = make_communicator(*accelerator, store, options);
   REQUIRE_NOTHROW(test::check_collective_event_in_streams(*accelerator, *comm));
