@@ -36,6 +36,14 @@ Result strata_run(const std::string& args, int limit_s = 60) {
 }
 
 const std::string kHelper = STRATA_RANK_PROGRAM;
+
+// The "[rank N] collective failed:" line rank N printed (required to be there).
+std::string failure_line(const std::string& output, int rank) {
+  const std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
+  REQUIRE_THAT(output, Catch::Contains(prefix));
+  const size_t at = output.find(prefix);
+  return output.substr(at, output.find('\n', at) - at);
+}
 }  // namespace
 
 TEST_CASE("strata run: sets the rank environment and prefixes output") {
@@ -76,10 +84,7 @@ TEST_CASE("a rank killed during a collective: the others fail naming it within t
   REQUIRE_THAT(r.output, Catch::Contains("strata run: failed: rank 2"));
   int named_the_dead = 0;
   for (int rank : {0, 1, 3}) {
-    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
-    REQUIRE_THAT(r.output, Catch::Contains(prefix));
-    size_t at = r.output.find(prefix);
-    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    const std::string line = failure_line(r.output, rank);
     INFO(line);
     REQUIRE_THAT(line, Catch::Contains("on rank " + std::to_string(rank) + " of 4"));
     // A survivor names the dead rank, unless it gave up only after rank 0 —
@@ -102,10 +107,7 @@ TEST_CASE("a rank killed during all_to_all: the others fail naming the operation
   REQUIRE_THAT(r.output, Catch::Contains("strata run: rank 1 (pid") && Catch::Contains("killed by signal 9"));
   int named_the_dead = 0;
   for (int rank : {0, 2}) {
-    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
-    REQUIRE_THAT(r.output, Catch::Contains(prefix));
-    size_t at = r.output.find(prefix);
-    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    const std::string line = failure_line(r.output, rank);
     INFO(line);
     REQUIRE_THAT(line, Catch::Contains("all_to_all #") &&
                            Catch::Contains("failed on rank " + std::to_string(rank) + " of 3") &&
@@ -158,10 +160,7 @@ TEST_CASE("a rank that hangs in a collective: the others fail within the timeout
   // collective, or whose timeout fired late on a loaded machine, is not seen
   // (it made this test fail with "ranks 1, 2 did not report").
   for (int rank : {0, 2}) {
-    std::string prefix = "[rank " + std::to_string(rank) + "] collective failed:";
-    REQUIRE_THAT(r.output, Catch::Contains(prefix));
-    size_t at = r.output.find(prefix);
-    std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    const std::string line = failure_line(r.output, rank);
     INFO(line);
     REQUIRE_THAT(line, Catch::Contains("on rank " + std::to_string(rank) + " of 3") &&
                            Catch::Contains("(timeout 2000 ms)") && Catch::Contains("did not report this failure"));
