@@ -146,7 +146,7 @@ ParamCoordinator::ParamCoordinator(Accelerator& accelerator, Stream& compute, St
   // there are slices, would only pin memory that is never used.
   for (size_t id = 0; id < count; ++id) {
     ParamHome* home = params_[id].home;
-    if (home->memory() != nullptr) continue;
+    if (home == nullptr || home->memory() != nullptr) continue;
     auto it = std::find_if(staging_.begin(), staging_.end(), [&](const auto& s) { return s->home == home; });
     if (it == staging_.end()) {
       staging_.push_back(std::make_unique<Staging>());
@@ -321,7 +321,12 @@ void ParamCoordinator::wait_for_room(int64_t need) {
 }
 
 int64_t ParamCoordinator::gathered_numel(ParamId id) const {
-  return static_cast<int64_t>(params_[static_cast<size_t>(id)].slice_numel) * comm_.world_size();
+  return static_cast<int64_t>(params_[static_cast<size_t>(id)].slice_numel) * comm_of(id).world_size();
+}
+
+partition::Communicator& ParamCoordinator::comm_of(ParamId id) const {
+  partition::Communicator* comm = params_[static_cast<size_t>(id)].comm;
+  return comm != nullptr ? *comm : comm_;
 }
 
 bool ParamCoordinator::persistent(ParamId id) const {
@@ -357,7 +362,8 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
   const CoordinatedParam& param = params_[static_cast<size_t>(id)];
   const DType dtype = param.home->dtype();
   const size_t slice_nbytes = param.slice_numel * dtype_nbytes(dtype);
-  const size_t full_nbytes = slice_nbytes * static_cast<size_t>(comm_.world_size());
+  partition::Communicator& comm = comm_of(id);
+  const size_t full_nbytes = slice_nbytes * static_cast<size_t>(comm.world_size());
   if (gathered.ready == nullptr) gathered.ready = accelerator_.create_event();
   // nc first (it may block for a staging buffer): nothing is allocated yet.
   Staging* staging = staging_of(id);
@@ -393,7 +399,7 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
     staged->consumed_seq = ++consumed_seq_;
   };
   if (staged != nullptr && device_copy != nullptr) mark_consumed();
-  comm_.allgather(src, gathered.full, param.slice_numel, dtype, gather_);
+  comm.allgather(src, gathered.full, param.slice_numel, dtype, gather_);
   ++gathers_issued_;
   ++current_.gathers;
   current_.gather_nbytes += full_nbytes;

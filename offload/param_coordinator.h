@@ -144,10 +144,15 @@ struct CoordinatorOptions {
 
 // One parameter as the coordinator sees it.
 struct CoordinatedParam {
-  ParamHome* home = nullptr;     // its dtype group's home (gives the dtype)
+  // Its group's home (gives the dtype); null: this rank does not hold the
+  // parameter (an expert another ep member owns), and no operator it runs lists it.
+  ParamHome* home = nullptr;
   size_t slice_numel = 0;        // this rank's slice; every rank's is as long (padding included)
   size_t home_offset_numel = 0;  // where the slice starts in the home
   int64_t numel = 0;             // the parameter's own elements (the persistence threshold)
+  // The ranks it is partitioned over (an expert's: its expert-dp group);
+  // null: the coordinator's gather communicator. Used on the gather stream.
+  partition::Communicator* comm = nullptr;
 };
 
 // One operator: the parameters its kernels read, in order.
@@ -240,6 +245,7 @@ class ParamCoordinator {
   void release_gathered(ParamId id, Event& after);
   void wait_for_room(int64_t need);
   int64_t gathered_numel(ParamId id) const;
+  partition::Communicator& comm_of(ParamId id) const;  // CoordinatedParam::comm or comm_
   bool persistent(ParamId id) const;
   bool in_use(ParamId id) const { return open_uses_[static_cast<size_t>(id)] > 0; }
   Staging* staging_of(ParamId id);

@@ -112,7 +112,7 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
       swapper.adam = options_.adam;
       swapper.threads = options_.threads;
       swapper.nvme_path = options_.nvme_path;
-      swapper.group = std::string("optimizer_") + std::string(dtype_name(shard.dtype));
+      swapper.group = "optimizer_" + (shard.name.empty() ? std::string(dtype_name(shard.dtype)) : shard.name);
       swapper.rank = options_.rank;
       swapper.keep_files = options_.keep_files;
       if (options_.tier == Tier::kNvme) {

@@ -59,6 +59,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -112,6 +113,7 @@ struct OptimizedShard {
   ParamHome* home = nullptr;  // where the new values go
   GradShard* grads = nullptr;          // where the final gradient is
   BucketReducer* reducer = nullptr;    // lands the gradient (the overlap counts its landings)
+  std::string name;                    // names its state files ("optimizer_<name>"); empty: the dtype's
 };
 
 // What apply() did.

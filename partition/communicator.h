@@ -93,6 +93,9 @@ struct AllToAllSplits {
   // The given counts with blocks packed in rank order (each displacement is the
   // sum of the counts before it), as a permutation by destination lays them out.
   static AllToAllSplits packed(std::vector<size_t> send_counts, std::vector<size_t> recv_counts);
+  // The way back: what was sent is received and what was received is sent,
+  // block for block (an exchange's answer).
+  AllToAllSplits reversed() const { return {recv_counts, recv_displs, send_counts, send_displs}; }
   size_t send_total() const;  // elements sent, the own block included
   size_t recv_total() const;
 };

@@ -219,11 +219,13 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   o.adam.weight_decay = 0.01f;
   o.optimizer_threads = run.threads;
   o.overlap_optimizer = flags.overlap_optimizer;
+  o.expert_parallel_size = flags.expert_parallel;
   if (run.dtype == "fp16") o.loss_scaling = engine::LossScalerOptions{};
   o.validate();
 
   const strata::train::ZeroCommunicators comms =
-      strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero");
+      strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero",
+                                             flags.expert_parallel);
   RankSum ranks(accelerator, store, r.rank, r.world);
   engine::ZeroEngine eng(accelerator, comms.comms(), o);
   eng.set_overlap_policy(flags.overlap_policy == "speculate"    ? offload::OverlapPolicy::kSpeculate
@@ -245,7 +247,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     po.optimizer_tier = Tier::kDevice;
     po.grad_tier = Tier::kDevice;
     plain_comms.emplace(strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout,
-                                                               "strata-train/unoffloaded"));
+                                                               "strata-train/unoffloaded", flags.expert_parallel));
     plain = std::make_unique<engine::ZeroEngine>(accelerator, plain_comms->comms(), po);
     plain_model = std::make_unique<nn::LlamaModel>(*plain, run.config, model_options(run));
     plain->finalize();
@@ -610,6 +612,11 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_option("--nvme-dir", f.nvme_dir, "directory for swap files and the drive bandwidth probe (an nvme tier)");
   app.add_option("--ranks", f.ranks, "ranks as threads of this process when not started by `strata run` (default 1)")
       ->check(CLI::Range(0, 64));
+  app.add_option("--ep", f.expert_parallel,
+                 "--experts: moe.expert_parallel_size, the ranks that split each layer's experts between them (each "
+                 "holds experts / ep and runs them on every member's tokens, exchanged all-to-all); must divide "
+                 "--ranks and --experts")
+      ->capture_default_str()->check(CLI::Range(1, 4096));
   app.add_flag("--vs-unoffloaded", f.vs_unoffloaded,
                "also time the same stage with nothing offloaded (parameters and optimizer state on the device), "
                "alternating step by step");
@@ -668,6 +675,10 @@ int run_zero(const ModelRun& run, const ZeroFlags& flags) {
                "needs the parameters there",
                flags.offload_param);
   if (nvme && flags.nvme_dir.empty()) raise(ErrorCategory::kBadArgument, "an nvme tier needs --nvme-dir DIR");
+  STRATA_CHECK(flags.expert_parallel == 1 || run.config.moe(), kBadArgument,
+               "--ep {} splits experts between ranks: give --experts too", flags.expert_parallel);
+  STRATA_CHECK(!run.config.moe() || run.config.num_experts % flags.expert_parallel == 0, kBadArgument,
+               "--ep {} does not divide --experts {}", flags.expert_parallel, run.config.num_experts);
   if (nvme) ensure_run_directory(flags.nvme_dir, "--nvme-dir");
   const bool processes = std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
   // Ranks as threads share this process's cores; more ranks than cores

@@ -32,6 +32,7 @@ struct ZeroFlags {
   std::string offload_param = "none", offload_optimizer = "none", nvme_dir;
   int ranks = 0;  // threads of this process when not started by `strata run`; 0: 1
   bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
+  int expert_parallel = 1;  // --ep: moe.expert_parallel_size (needs --experts)
   float lr = 1e-3f;
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
   bool overlap_optimizer = true;  // prepare_step before each step's backward

@@ -208,6 +208,11 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
     const std::string source = "config";
     const strata::Config config = strata::parse_config_text(config_json, source);
     const engine::ZeroEngineOptions options = strata::train::zero_engine_options(config, source);
+    // The C API's parameters are not marked as experts: nothing would be split.
+    STRATA_CHECK(config.expert_parallel_size <= 1, kBadArgument,
+                 "{}: moe.expert_parallel_size {} is for strata finetune's mixture-of-experts models; the C API "
+                 "declares no experts (leave it out or set 1)",
+                 source, config.expert_parallel_size);
     partition::RankInfo rank = strata::launcher::rank_info_from_env();
     strata::set_log_rank(rank.rank, rank.world_size);
     strata::set_log_level(config.strata.log_level);

@@ -310,6 +310,7 @@ Config build(const json& e) {
   c.gradient_accumulation_steps = as_int(e["gradient_accumulation_steps"]);
   c.train_batch_size = e["train_batch_size"].get<int64_t>();
   c.gradient_clipping = e["gradient_clipping"].get<double>();
+  c.expert_parallel_size = e["moe"]["expert_parallel_size"].is_null() ? 0 : as_int(e["moe"]["expert_parallel_size"]);
   c.steps_per_print = e["steps_per_print"].get<int64_t>();
   c.bf16 = e["bf16"]["enabled"].get<bool>();
   for (auto [monitor, name] : {std::pair{&c.csv_monitor, "csv_monitor"}, {&c.tensorboard, "tensorboard"}}) {

@@ -115,6 +115,9 @@ struct Config {
   AioConfig aio;
   bool cpu_checkpointing = false;
   StrataOptions strata;
+  // moe.expert_parallel_size; 0: not given — chosen with the model and the
+  // world (train::choose_expert_parallel_size).
+  int expert_parallel_size = 0;
 
   // The "scheduler" block as given (null when absent); turn it into a schedule
   // with engine::LrSchedule::from_json(scheduler, optimizer.lr), which applies

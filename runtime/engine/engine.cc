@@ -58,6 +58,35 @@ void Engine::freeze(ParamId id) {
   params_[id].frozen = true;
 }
 
+void Engine::mark_expert(ParamId id, int expert, int experts) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "mark_expert: unknown parameter id {}", id);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' marked an expert's after finalize()", params_[id].name);
+  STRATA_CHECK(experts > 0 && expert >= 0 && expert < experts, kBadArgument,
+               "parameter '{}' marked expert {} of {}", params_[id].name, expert, experts);
+  params_[id].expert = expert;
+  params_[id].experts = experts;
+}
+
+bool Engine::owns_expert(int expert, int experts) const {
+  const int size = expert_group_.size;
+  if (size == 1) return true;
+  return expert / (experts / size) == expert_group_.member;
+}
+
+void Engine::check_owned(OpId op) const {
+  if (expert_group_.size == 1) return;
+  for (ParamId p : ops_[op].params) {
+    const ParamInfo& info = params_[p];
+    STRATA_CHECK(info.expert < 0 || owns_expert(info.expert, info.experts), kBadArgument,
+                 "operator '{}' uses expert {} of {}, which ep member {} of {} does not hold", ops_[op].name,
+                 info.expert, info.experts, expert_group_.member, expert_group_.size);
+  }
+}
+
+void Engine::exchange_experts(const TensorView&, const TensorView&, const partition::AllToAllSplits&) {
+  raise(ErrorCategory::kBadArgument, "exchange_experts: this engine has no expert parallelism (one ep member)");
+}
+
 OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
   STRATA_CHECK(!finalized_, kBadArgument, "operator '{}' declared after finalize()", name);
   for (ParamId p : params) {
@@ -104,6 +133,7 @@ void Engine::check_hook(OpId op) const {
 
 void Engine::open_window(OpId op, Phase phase) {
   check_hook(op);
+  check_owned(op);
   open_windows_.push_back({op, phase});
 }
 

@@ -49,6 +49,7 @@
 #include "offload/hook_ids.h"
 #include "core/accelerator.h"
 #include "core/tensor.h"
+#include "partition/communicator.h"
 
 namespace strata::engine {
 
@@ -78,6 +79,11 @@ struct ParamInfo {
   // A partitioning engine still shards, offloads and gathers it like any
   // other parameter (backward needs it for the input gradient).
   bool frozen = false;
+  // Expert `expert` of `experts` of one mixture-of-experts layer
+  // (Engine::mark_expert); -1: not an expert's. With expert parallelism only
+  // the ranks that own the expert hold it (Engine::owns_expert).
+  int32_t expert = -1;
+  int32_t experts = 0;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
@@ -103,6 +109,9 @@ class Engine {
   OpId declare_operator(std::string name, std::vector<ParamId> params);
   // Marks a declared parameter frozen (ParamInfo::frozen), before finalize.
   void freeze(ParamId id);
+  // Marks a declared parameter as expert `expert` of the `experts` of one
+  // mixture-of-experts layer (ParamInfo::expert), before finalize.
+  void mark_expert(ParamId id, int expert, int experts);
   // Creates storage for every declared parameter (zero-filled; see
   // for_each_owned_range to initialise or load). Once only.
   void finalize();
@@ -145,6 +154,34 @@ class Engine {
   // collective and blocking: every rank calls it at the same point. A model
   // agrees on data-dependent choices with it (which experts any rank routed to).
   virtual void sum_over_ranks(double* values, size_t count) = 0;
+
+  // ---- expert parallelism (docs/DESIGN.md §4.2) -----------------------------------
+  // The expert-parallel group of this rank: `size` data-parallel ranks that
+  // split every mixture-of-experts layer's experts between them, member i
+  // holding experts [i * E / size, (i + 1) * E / size); `ranks[i]` is member
+  // i's data-parallel rank (the index sum_over_ranks callers lay values out
+  // by), `member` this rank's index. size 1 (the default): every rank holds
+  // every expert. dp_rank and dp_size: this rank among the data-parallel ranks.
+  struct ExpertGroup {
+    int size = 1;
+    int member = 0;
+    std::vector<int> ranks{0};
+    int dp_rank = 0;
+    int dp_size = 1;
+  };
+  const ExpertGroup& expert_group() const { return expert_group_; }
+  // Whether this rank holds expert `expert` of `experts` (always with size 1).
+  // A rank never opens (nor skips) the windows of an expert it does not hold.
+  bool owns_expert(int expert, int experts) const;
+  // Rows to and from the expert group's members (Communicator::all_to_all
+  // semantics over the group: `send` and `recv` in one dtype, splits in
+  // elements, accelerator memory): ordered after the compute stream's work so far, and the compute
+  // stream's later work waits for it. Collective over the expert group, in
+  // the same order on every member. Refused (kBadArgument) when the group has
+  // one member: there is nothing to exchange.
+  virtual void exchange_experts(const TensorView& send, const TensorView& recv,
+                                const partition::AllToAllSplits& splits);
+
   // The full parameter (storage dtype, accelerator memory). Valid between
   // pre_op and post_op of an op that lists it.
   virtual TensorView param(ParamId id) = 0;
@@ -198,6 +235,10 @@ class Engine {
   virtual void on_grad_ready(ParamId /*id*/, Event& /*ready*/) {}
   // An engine's own part of skip_op, between the window's open and close.
   virtual void on_skip_op(OpId /*op*/, Phase /*phase*/) {}
+  // Set by an engine with expert parallelism (its constructor); checked there.
+  void set_expert_group(ExpertGroup group) { expert_group_ = std::move(group); }
+  // Refuses a window of an expert this rank does not hold (pre_op, skip_op).
+  void check_owned(OpId op) const;
 
  private:
   Accelerator& accelerator_;
@@ -217,6 +258,7 @@ class Engine {
   };
   std::vector<Window> open_windows_;  // pre_op without its post_op yet
   std::unique_ptr<Event> skip_point_;  // skip_op's compute-stream point (backward)
+  ExpertGroup expert_group_;
 };
 
 }  // namespace strata::engine

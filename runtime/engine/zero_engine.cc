@@ -9,12 +9,14 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/log.h"
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
 #include "partition/layout.h"
+#include "partition/process_groups.h"
 
 namespace strata::engine {
 namespace {
@@ -49,6 +51,36 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
                    comms_.gather->world_size() == comms_.control->world_size() &&
                    comms_.gather->rank() == comms_.reduce->rank() && comms_.gather->rank() == comms_.control->rank(),
                kBadArgument, "the three communicators disagree on rank or world size");
+  // Expert parallelism: the ep group this rank exchanges tokens with, and the
+  // expert-dp group its experts are partitioned over (process_groups.h's
+  // layout, world = dp here); the communicators must be over exactly those.
+  ExpertGroup experts;
+  experts.dp_rank = rank();
+  experts.dp_size = world_size();
+  experts.ranks = {rank()};
+  if (options_.expert_parallel_size > 1) {
+    const int ep = options_.expert_parallel_size;
+    STRATA_CHECK(comms_.expert_exchange != nullptr && comms_.expert_gather != nullptr &&
+                     comms_.expert_reduce != nullptr && comms_.expert_gather != comms_.expert_reduce,
+                 kBadArgument,
+                 "moe.expert_parallel_size {} needs the ep group's communicator and two of the expert-dp group's",
+                 ep);
+    const partition::ParallelLayout layout(world_size(), 1, ep);
+    const partition::ProcessGroup& ep_group = layout.group_of(partition::GroupKind::kExpert, rank());
+    const partition::ProcessGroup& edp_group = layout.group_of(partition::GroupKind::kExpertData, rank());
+    const auto matches = [&](const partition::Communicator* c, const partition::ProcessGroup& g) {
+      return c->world_size() == static_cast<int>(g.ranks.size()) && c->rank() == g.member(rank());
+    };
+    STRATA_CHECK(matches(comms_.expert_exchange, ep_group) && matches(comms_.expert_gather, edp_group) &&
+                     matches(comms_.expert_reduce, edp_group),
+                 kBadArgument, "rank {}: the expert communicators are not over {} and {}", rank(), ep_group.name(),
+                 edp_group.name());
+    experts.size = ep;
+    experts.member = ep_group.member(rank());
+    experts.ranks = ep_group.ranks;
+    exchange_stream_ = accelerator.create_stream();
+  }
+  set_expert_group(std::move(experts));
   gather_stream_ = accelerator.create_stream();
   control_stream_ = accelerator.create_stream();
   home_stream_ = accelerator.create_stream();
@@ -60,7 +92,9 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
 ZeroEngine::~ZeroEngine() {
   if (optimizer_) optimizer_->stop();  // no sub-group is updated after this
   // Queued work reads and writes the memory freed below.
-  for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get()}) {
+  for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get(),
+                         exchange_stream_.get()}) {
+    if (stream == nullptr) continue;
     try {
       stream->synchronize();
     } catch (...) {
@@ -89,6 +123,7 @@ void ZeroEngine::on_finalize() {
     std::vector<SizedParam> sized;
     for (ParamId id = 0; id < parameter_count(); ++id) {
       const ParamInfo& p = param_info(id);
+      if (p.expert >= 0 && !owns_expert(p.expert, p.experts)) continue;
       sized.push_back({p.name, p.numel(), p.dtype, !p.frozen});
     }
     zero_sizes_ = choose_zero_sizes(sized, world_size(), options_.sub_group_numel, options_.reduce_bucket_numel,
@@ -100,18 +135,34 @@ void ZeroEngine::on_finalize() {
     }
   }
   // Group parameters by dtype, frozen ones apart (they have no gradient path
-  // and no optimizer), in declaration order within a group.
-  std::map<std::pair<DType, bool>, size_t> group_index;
-  group_of_.resize(static_cast<size_t>(parameter_count()));
+  // and no optimizer), with expert parallelism the experts this rank holds
+  // apart (partitioned over their expert-dp group) and the others left out,
+  // in declaration order within a group.
+  const int ep = options_.expert_parallel_size;
+  std::map<std::tuple<DType, bool, bool>, size_t> group_index;
+  group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
-    const DType dtype = param_info(id).dtype;
-    const bool frozen = param_info(id).frozen;
-    auto [it, inserted] = group_index.emplace(std::pair{dtype, frozen}, groups_.size());
+    const ParamInfo& info = param_info(id);
+    const DType dtype = info.dtype;
+    const bool frozen = info.frozen;
+    const bool expert = ep > 1 && info.expert >= 0;
+    if (expert) {
+      STRATA_CHECK(info.experts % ep == 0, kBadArgument,
+                   "moe.expert_parallel_size {} does not divide the {} experts of the layer of '{}'", ep,
+                   info.experts, info.name);
+      if (!owns_expert(info.expert, info.experts)) continue;  // another ep member's
+    }
+    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert}, groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
-      groups_.back()->dtype = dtype;
-      groups_.back()->frozen = frozen;
+      Group& g = *groups_.back();
+      g.dtype = dtype;
+      g.frozen = frozen;
+      g.expert = expert;
+      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "");
+      g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
+      g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
     }
     Group& g = *groups_[it->second];
     group_of_[id] = static_cast<int>(it->second);
@@ -142,10 +193,11 @@ void ZeroEngine::on_finalize() {
     // The coordinator sees each parameter as a slice of its group's home.
     std::vector<offload::CoordinatedParam> params(static_cast<size_t>(parameter_count()));
     for (ParamId id = 0; id < parameter_count(); ++id) {
+      if (!holds(id)) continue;  // never used here: no home
       const Group& g = group_of(id);
       const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
       params[id] = {g.home.get(), static_cast<size_t>(slot.slice_numel), static_cast<size_t>(slot.shard_offset_numel),
-                    param_info(id).numel()};
+                    param_info(id).numel(), g.expert ? g.gather_comm : nullptr};
     }
     std::vector<offload::CoordinatedOp> ops;
     for (OpId op = 0; op < operator_count(); ++op) ops.push_back({op_info(op).name, op_info(op).params});
@@ -177,7 +229,8 @@ void ZeroEngine::on_finalize() {
   for (auto& g : groups_) {
     if (g->frozen) continue;
     g->shard = static_cast<int>(shards.size());
-    shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get()});
+    shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
+                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "")});
   }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
@@ -187,14 +240,14 @@ void ZeroEngine::on_finalize() {
     std::vector<size_t> offsets;
     for (ParamId id = 0; id < parameter_count(); ++id) {
       offsets.push_back(stage1_grads_nbytes_);
-      if (!param_info(id).frozen) {
+      if (holds(id) && !param_info(id).frozen) {
         stage1_grads_nbytes_ += align_up(static_cast<size_t>(param_info(id).numel()) * sizeof(float));
       }
     }
     stage1_grads_ = accelerator().allocate(std::max<size_t>(stage1_grads_nbytes_, 1));
     accelerator().memset_async(stage1_grads_, 0, stage1_grads_nbytes_, compute_stream());
     for (ParamId id = 0; id < parameter_count(); ++id) {
-      if (param_info(id).frozen) continue;
+      if (!holds(id) || param_info(id).frozen) continue;
       grad_full_[id] = reinterpret_cast<float*>(static_cast<char*>(stage1_grads_) + offsets[id]);
     }
   }
@@ -206,7 +259,7 @@ void ZeroEngine::create_group(Group& g) {
   std::vector<partition::ParamSpec> specs;
   for (ParamId id : g.params) specs.push_back({param_info(id).name, param_info(id).shape, g.dtype});
   partition::LayoutOptions layout_options;
-  layout_options.world_size = world_size();
+  layout_options.world_size = g.gather_comm->world_size();
   layout_options.sub_group_numel = options_.sub_group_numel;
   g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
 
@@ -222,7 +275,7 @@ void ZeroEngine::create_group(Group& g) {
     home.max_range_numel = std::max(home.max_range_numel, static_cast<size_t>(slot.slice_numel));
   }
   home.nvme_path = options_.nvme_path;
-  home.key = std::string(dtype_name(g.dtype)) + (g.frozen ? "_frozen" : "");
+  home.key = g.key;
   home.rank = rank();
   home.keep_files = options_.keep_swap_files;
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
@@ -234,13 +287,12 @@ void ZeroEngine::create_group(Group& g) {
       grad_swap_ = std::make_unique<nvme::SwapSpace>(
           nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true, options_.keep_swap_files});
     }
-    g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_,
-                                          std::string(dtype_name(g.dtype)));
+    g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_, g.key);
   } else {
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout);
   }
   if (g.grads) {
-    g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *comms_.reduce, *g.layout,
+    g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *g.reduce_comm, *g.layout,
                                                          options_.reduce_bucket_numel, *g.grads);
   }
 
@@ -291,6 +343,23 @@ void ZeroEngine::plan_skip(std::span<const OpId> ops, std::span<const uint8_t> s
 
 void ZeroEngine::sum_over_ranks(double* values, size_t count) {
   if (count > 0) allreduce_f64(values, count);
+}
+
+void ZeroEngine::exchange_experts(const TensorView& send, const TensorView& recv,
+                                  const partition::AllToAllSplits& splits) {
+  if (exchange_stream_ == nullptr) Engine::exchange_experts(send, recv, splits);  // refuses
+  STRATA_CHECK(send.desc.dtype == recv.desc.dtype, kBadArgument, "exchange_experts: send is {}, recv {}",
+               dtype_name(send.desc.dtype), dtype_name(recv.desc.dtype));
+  STRATA_CHECK(splits.send_total() <= static_cast<size_t>(send.numel()) &&
+                   splits.recv_total() <= static_cast<size_t>(recv.numel()),
+               kBadArgument, "exchange_experts: {} elements to send from {}, {} to receive into {}",
+               splits.send_total(), send.numel(), splits.recv_total(), recv.numel());
+  // After compute's writes of `send` and reads of `recv`; compute reads `recv` after it.
+  compute_stream().record(*compute_point_);
+  exchange_stream_->wait(*compute_point_);
+  const std::unique_ptr<Event> done =
+      comms_.expert_exchange->all_to_all(send.data, recv.data, splits, send.desc.dtype, *exchange_stream_);
+  compute_stream().wait(*done);
 }
 
 TensorView ZeroEngine::param(ParamId id) {
@@ -382,7 +451,9 @@ StepResult ZeroEngine::step(float lr) {
   if (options_.stage == 1) {
     compute_stream().record(*compute_point_);
     for (ParamId id = 0; id < parameter_count(); ++id) {
-      if (!param_info(id).frozen) group_of(id).reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
+      if (holds(id) && !param_info(id).frozen) {
+        group_of(id).reducer->add(index_in_group_[id], grad_full_[id], *compute_point_);
+      }
     }
   }
 
@@ -493,13 +564,13 @@ void ZeroEngine::sync_full_params() {
   // The gather stream writes the full copies: after compute's last read of them.
   compute_stream().record(*compute_point_);
   gather_stream_->wait(*compute_point_);
-  const int world = world_size();
   for (auto& gp : groups_) {
     Group& g = *gp;
+    const int world = g.gather_comm->world_size();
     const size_t shard_nbytes = g.layout->shard_nbytes();
     const size_t element_nbytes = dtype_nbytes(g.dtype);
     void* all = accelerator().allocate(shard_nbytes * static_cast<size_t>(world));
-    comms_.gather->allgather(g.home->memory(), all, static_cast<size_t>(g.layout->shard_numel()), g.dtype,
+    g.gather_comm->allgather(g.home->memory(), all, static_cast<size_t>(g.layout->shard_numel()), g.dtype,
                              *gather_stream_);
     for (size_t i = 0; i < g.params.size(); ++i) {
       const partition::ParamSlot& slot = g.layout->param(i);
@@ -529,9 +600,15 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
   check_not_prepared("for_each_owned_range");
   const ParamInfo& info = param_info(id);
+  if (!holds(id)) {
+    // Another ep member's expert: its owners have every element of it.
+    if (access == Access::kWrite && !coordinator_) full_params_stale_ = true;
+    return;
+  }
   Group& g = group_of(id);
   const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
-  const int64_t owned = slot.owned_numel(rank());
+  const int member = g.gather_comm->rank();
+  const int64_t owned = slot.owned_numel(member);
   if (owned <= 0) {
     // Nothing to write here, but every rank must agree that copies are stale
     // (stages 1/2 re-gather collectively at the next pre_op).
@@ -546,7 +623,7 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   const size_t first = static_cast<size_t>(slot.shard_offset_numel), numel = static_cast<size_t>(slot.slice_numel);
   void* host = g.home->host_range(first, numel, /*load=*/true);
   const TensorView view{TensorDesc{info.dtype, {owned}, Tier::kCpu}, host};
-  fn(slot.owned_begin(rank()), view);
+  fn(slot.owned_begin(member), view);
   if (access == Access::kRead) return;
   g.home->store_host_range(first, numel);
   note_written(id);

@@ -81,6 +81,12 @@ struct ZeroComms {
   partition::Communicator* gather = nullptr;   // parameter allgathers
   partition::Communicator* reduce = nullptr;   // gradient reduce-scatters
   partition::Communicator* control = nullptr;  // norms, token counts (f64)
+  // Expert parallelism (ZeroEngineOptions::expert_parallel_size > 1; null
+  // otherwise): the ep group (the token exchange) and, over the expert-dp
+  // group, the experts' allgathers and reduce-scatters (partition/process_groups.h).
+  partition::Communicator* expert_exchange = nullptr;
+  partition::Communicator* expert_gather = nullptr;
+  partition::Communicator* expert_reduce = nullptr;
 };
 
 // What the stage-3 coordinator did in a step, and where compute waited
@@ -128,6 +134,7 @@ class ZeroEngine final : public Engine {
   void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) override;
 
   void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) override;
+  void exchange_experts(const TensorView& send, const TensorView& recv, const partition::AllToAllSplits& splits) override;
   void sum_over_ranks(double* values, size_t count) override;  // the control communicator
   int rank() const;
   int world_size() const;
@@ -227,6 +234,12 @@ class ZeroEngine final : public Engine {
   struct Group {
     DType dtype = DType::kF32;
     bool frozen = false;                     // every member frozen: no gradient shard, reducer or optimizer
+    // Experts this rank holds (expert parallelism): partitioned over the
+    // expert-dp group, gathered and reduced on its communicators.
+    bool expert = false;
+    std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts"
+    partition::Communicator* gather_comm = nullptr;
+    partition::Communicator* reduce_comm = nullptr;
     int shard = -1;                          // its index among the optimizer's shards (trainable groups)
     std::vector<ParamId> params;
     std::unique_ptr<partition::PartitionLayout> layout;
@@ -253,11 +266,14 @@ class ZeroEngine final : public Engine {
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
   void allreduce_f64(double* values, size_t count);  // control communicator, blocks
   Group& group_of(ParamId id) { return *groups_[static_cast<size_t>(group_of_[static_cast<size_t>(id)])]; }
+  // This rank holds the parameter (not an expert another ep member owns).
+  bool holds(ParamId id) const { return group_of_[static_cast<size_t>(id)] >= 0; }
 
   ZeroComms comms_;
   ZeroEngineOptions options_;
   ZeroSizes zero_sizes_;
   std::unique_ptr<Stream> gather_stream_, control_stream_;
+  std::unique_ptr<Stream> exchange_stream_;        // expert parallelism: the token all_to_alls
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
   // (ParamHome::host_range, GradShard::read): synchronized by each use.
   std::unique_ptr<Stream> home_stream_;
@@ -265,7 +281,7 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<nvme::SwapSpace> grad_swap_;     // grad_tier nvme: the gradient files
   std::unique_ptr<offload::HostWindow> window_;    // the homes' pinned window (before groups_)
   std::vector<std::unique_ptr<Group>> groups_;     // per (dtype, frozen), in order of first declaration
-  std::vector<int> group_of_;                      // per parameter
+  std::vector<int> group_of_;                      // per parameter; -1: not held (another ep member's expert)
   std::vector<size_t> index_in_group_;             // per parameter
   std::vector<float*> grad_full_;                  // per parameter: its full fp32 gradient (stage 1: resident)
   void* stage1_grads_ = nullptr;                   // stage 1: every full fp32 gradient

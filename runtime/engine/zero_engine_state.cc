@@ -16,12 +16,16 @@ constexpr const char* kStateFormat = "strata-zero-state/1";
 constexpr const char* kStateFile = "engine.json";
 
 // A frozen group's parameters have their own file beside the trainable group
-// of the same dtype (and no optimizer files).
+// of the same dtype (and no optimizer files); so have the experts this rank
+// holds under expert parallelism (params_fp32_experts.bin, master_fp32_experts.bin, ...).
 template <typename G>
 std::string params_file(const G& g) {
-  return fmt::format("params_{}{}.bin", dtype_name(g.dtype), g.frozen ? "_frozen" : "");
+  return fmt::format("params_{}.bin", g.key);
 }
-std::string optimizer_file(const char* what, DType dtype) { return fmt::format("{}_{}.bin", what, dtype_name(dtype)); }
+template <typename G>
+std::string optimizer_file(const char* what, const G& g) {
+  return fmt::format("{}_{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "");
+}
 
 // The exact size a state file must have, or an error naming it.
 void expect_size(const fs::path& path, uint64_t nbytes) {
@@ -54,6 +58,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
     }
     groups.push_back({{"dtype", dtype_name(g.dtype)},
                       {"frozen", g.frozen},
+                      {"experts", g.expert},
                       {"params_saved", params_saved},
                       {"params", g.params.size()},
                       {"shard_numel", g.layout->shard_numel()},
@@ -61,8 +66,8 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
     if (g.frozen) continue;  // no optimizer state
     // One pass over the sub-groups (each read once from NVMe), three files.
     // Never stepped (or loaded since): the master weights are the parameters.
-    StateFileWriter master(dir, optimizer_file("master", g.dtype)), exp_avg(dir, optimizer_file("exp_avg", g.dtype)),
-        exp_avg_sq(dir, optimizer_file("exp_avg_sq", g.dtype));
+    StateFileWriter master(dir, optimizer_file("master", g)), exp_avg(dir, optimizer_file("exp_avg", g)),
+        exp_avg_sq(dir, optimizer_file("exp_avg_sq", g));
     optimizer_->save(static_cast<size_t>(g.shard),
                      [&](size_t, size_t numel, const float* p, const float* m, const float* v) {
                        master.append(p, numel * sizeof(float));
@@ -77,6 +82,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
   const nlohmann::json state = {{"format", kStateFormat},
                                 {"rank", rank()},
                                 {"world_size", world_size()},
+                                {"expert_parallel_size", options_.expert_parallel_size},
                                 {"stage", options_.stage},
                                 {"steps", steps_},
                                 {"loss_scaler",
@@ -111,6 +117,11 @@ void ZeroEngine::load_state(const fs::path& dir) {
                  state_path.string(), state.at("world_size").get<int>(), world_size());
     STRATA_CHECK(state.at("rank").get<int>() == rank(), kBadArgument, "{} is rank {}'s state, not rank {}'s",
                  state_path.string(), state.at("rank").get<int>(), rank());
+    const int saved_ep = state.value("expert_parallel_size", 1);
+    STRATA_CHECK(saved_ep == options_.expert_parallel_size, kBadArgument,
+                 "{} was written with moe.expert_parallel_size {}; this run has {} (resharding experts is not "
+                 "supported)",
+                 state_path.string(), saved_ep, options_.expert_parallel_size);
     const auto& groups = state.at("groups");
     // Frozen parameters form groups of their own: a run that freezes others
     // has other groups, which is worth saying.
@@ -123,6 +134,7 @@ void ZeroEngine::load_state(const fs::path& dir) {
       const Group& g = *groups_[i];
       const auto& saved = groups[i];
       STRATA_CHECK(saved.at("dtype").get<std::string>() == dtype_name(g.dtype) &&
+                       saved.value("experts", false) == g.expert &&
                        saved.at("params").get<size_t>() == g.params.size() &&
                        saved.at("shard_numel").get<int64_t>() == g.layout->shard_numel(),
                    kBadArgument,
@@ -160,8 +172,8 @@ void ZeroEngine::load_state(const fs::path& dir) {
     if (!state["groups"][gi].value("params_saved", true)) continue;
     const size_t shard_numel = static_cast<size_t>(g.layout->shard_numel());
     const fs::path params = dir / params_file(g);
-    const fs::path master = dir / optimizer_file("master", g.dtype), exp_avg = dir / optimizer_file("exp_avg", g.dtype),
-                   exp_avg_sq = dir / optimizer_file("exp_avg_sq", g.dtype);
+    const fs::path master = dir / optimizer_file("master", g), exp_avg = dir / optimizer_file("exp_avg", g),
+                   exp_avg_sq = dir / optimizer_file("exp_avg_sq", g);
     expect_size(params, g.layout->shard_nbytes());
     if (!g.frozen) {
       for (const auto& f : {master, exp_avg, exp_avg_sq}) expect_size(f, shard_numel * sizeof(float));

@@ -46,6 +46,8 @@ void ZeroEngineOptions::validate() const {
                param_buffer_count);
   STRATA_CHECK(param_buffer_numel >= 1, kBadArgument, "offload_param.buffer_size must be >= 1, got {}",
                param_buffer_numel);
+  STRATA_CHECK(expert_parallel_size >= 1, kBadArgument, "moe.expert_parallel_size must be >= 1, got {}",
+               expert_parallel_size);
   adam.validate();
   if (any_nvme()) aio.validate();
 }

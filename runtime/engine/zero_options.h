@@ -68,6 +68,12 @@ struct ZeroEngineOptions {
   // around nvme::make_backend); empty: aio.engine's.
   std::function<std::unique_ptr<nvme::IoBackend>()> io_backend;
 
+  // moe.expert_parallel_size: the data-parallel ranks that split each
+  // mixture-of-experts layer's experts between them (docs/DESIGN.md §4.2);
+  // 1: every rank holds every expert. Must divide the world (checked with
+  // the communicators) and the experts of every layer (at finalize).
+  int expert_parallel_size = 1;
+
   // fp16: loss scaling (DeepSpeed's fp16.* keys); unset: a scale of 1 (bf16, fp32).
   std::optional<LossScalerOptions> loss_scaling;
 

@@ -119,7 +119,10 @@ struct LlamaModel::Arena {
   // Mixture of experts: the load-balancing statistics (fp64 [2, E]), the loss
   // (fp64 [1]) and its gradient per probability (fp32 [E]); empty when dense.
   TensorView moe_stats, moe_aux, moe_aux_grad;
-  // Pinned host memory for each acts entry's expert offsets (E + 1 int32 each).
+  // Expert parallelism: the exchange's scratch, shared by the layers (moe_mlp.h).
+  TensorView moe_exchange, moe_expert_out;
+  // Pinned host memory for each acts entry's expert offsets (E + 1 int32
+  // each), then (expert parallelism) the permutation upload the layers share.
   void* host_moe = nullptr;
   TokenPlaces places;  // positions, and the documents' ranges when packed
   // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
@@ -228,6 +231,10 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;
+  // The rows the experts of this rank run on: its own tokens' k choices, or
+  // with expert parallelism up to every ep member's to the experts it holds.
+  const int64_t ep = engine_.expert_group().size;
+  const int64_t expert_rows = ep * rows * top_k;
   const DType t = act_dtype_;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
   // Checkpointing keeps one layer's activations; the checkpoints are the
@@ -265,10 +272,15 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(m.slots, DType::kI32, {rows, top_k});
       layout.add(m.tokens, DType::kI32, {rows * top_k});
       layout.add(m.xp, t, {rows * top_k, hidden});
-      layout.add(m.gate, t, {rows * top_k, moe_inter});
-      layout.add(m.up, t, {rows * top_k, moe_inter});
-      layout.add(m.act, t, {rows * top_k, moe_inter});
+      layout.add(m.gate, t, {expert_rows, moe_inter});
+      layout.add(m.up, t, {expert_rows, moe_inter});
+      layout.add(m.act, t, {expert_rows, moe_inter});
       layout.add(m.yp, t, {rows * top_k, hidden});
+      if (ep > 1) {
+        layout.add(m.xr, t, {expert_rows, hidden});
+        layout.add(m.perm, DType::kI32, {expert_rows});
+        layout.add(m.inverse, DType::kI32, {expert_rows});
+      }
     } else {
       layout.add(d.mlp.gate, t, {rows, inter});
       layout.add(d.mlp.up, t, {rows, inter});
@@ -293,9 +305,14 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   if (c.moe()) {
     layout.add(g.moe.dyp, t, {rows * top_k, hidden});
     layout.add(g.moe.dxp, t, {rows * top_k, hidden});
-    layout.add(g.moe.dact, t, {rows * top_k, moe_inter});
-    layout.add(g.moe.dgate, t, {rows * top_k, moe_inter});
-    layout.add(g.moe.dup, t, {rows * top_k, moe_inter});
+    layout.add(g.moe.dact, t, {expert_rows, moe_inter});
+    layout.add(g.moe.dgate, t, {expert_rows, moe_inter});
+    layout.add(g.moe.dup, t, {expert_rows, moe_inter});
+    if (ep > 1) {
+      layout.add(g.moe.dxr, t, {expert_rows, hidden});
+      layout.add(a->moe_exchange, t, {expert_rows, hidden});
+      layout.add(a->moe_expert_out, t, {expert_rows, hidden});
+    }
     layout.add(g.moe.dweights, DType::kF32, {rows, top_k});
     layout.add(g.moe.dlogits, t, {rows, experts});
     layout.add(a->moe_stats, DType::kF64, {2, experts});
@@ -324,10 +341,16 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = &a->lora;
   if (c.moe()) {
     const auto per_acts = static_cast<size_t>(experts + 1);
-    a->host_moe = engine_.accelerator().allocate_pinned(a->acts.size() * per_acts * sizeof(int32_t));
+    const size_t perm = ep > 1 ? 2 * static_cast<size_t>(expert_rows) : 0;
+    a->host_moe = engine_.accelerator().allocate_pinned((a->acts.size() * per_acts + perm) * sizeof(int32_t));
     for (size_t i = 0; i < a->acts.size(); ++i) {
       DecoderActs& d = a->acts[i];
       d.moe.host_offsets = static_cast<int32_t*>(a->host_moe) + i * per_acts;
+      if (ep > 1) {
+        d.moe.host_perm = static_cast<int32_t*>(a->host_moe) + a->acts.size() * per_acts;
+        d.moe.exchange = a->moe_exchange;
+        d.moe.expert_out = a->moe_expert_out;
+      }
       // The statistics only when the loss has the term; its gradient always
       // a view (zeros without the term would cost a pass: left empty instead).
       if (c.output_router_logits) d.moe_aux = MoeAux{a->moe_stats, a->moe_aux_grad};

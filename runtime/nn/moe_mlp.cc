@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -28,13 +29,42 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& c, D
     x.gate = std::make_unique<Linear>(engine, p + n.gate, hidden_, inter_, false, dtype);
     x.up = std::make_unique<Linear>(engine, p + n.up, hidden_, inter_, false, dtype);
     x.down = std::make_unique<Linear>(engine, p + n.down, inter_, hidden_, false, dtype);
-    for (Linear* l : {x.gate.get(), x.up.get(), x.down.get()}) add_child(*l);
+    for (Linear* l : {x.gate.get(), x.up.get(), x.down.get()}) {
+      add_child(*l);
+      engine.mark_expert(l->weight(), static_cast<int>(e), static_cast<int>(experts_));
+    }
     experts_list_.push_back(std::move(x));
   }
 }
 
+namespace {
+
+// The first `rows` rows of a [capacity, cols] buffer.
+TensorView first_rows(const TensorView& t, int64_t rows) {
+  TensorView v = t;
+  if (t.desc.shape.size() == 1) {
+    v.desc.shape = {rows};  // a permutation: one index per row
+  } else {
+    v.desc.shape = {rows, t.desc.shape.back()};
+  }
+  return v;
+}
+
+// Rows [r0, r1) of a buffer, as the experts' GEMMs take them.
+MatView rows_of(const TensorView& t, int64_t r0, int64_t r1) { return MatView::of(t).row_block(r0, r1); }
+
+}  // namespace
+
 MatView MoeMlp::block(const TensorView& t, size_t e, const MoeActs& a) const {
   return MatView::of(t).row_block(a.host_offsets[e], a.host_offsets[e + 1]);
+}
+
+size_t MoeMlp::first_expert() const {
+  return static_cast<size_t>(engine_.expert_group().member) * held_experts();
+}
+
+size_t MoeMlp::held_experts() const {
+  return experts_list_.size() / static_cast<size_t>(engine_.expert_group().size);
 }
 
 void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, const TensorView& y,
@@ -49,44 +79,81 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
   engine_.accelerator().copy_async(a.host_offsets, a.offsets.data, a.offsets.nbytes(),
                                    CopyKind::kDeviceToHost, ctx().stream());
   ctx().stream().synchronize();
-  // A recompute reproduces forward's routing: the agreement stands.
-  if (phase == Phase::kForward) agree_routing(a);
-  ops().moe_gather(ctx(), x, a.tokens, a.xp);
-  for (size_t e = 0; e < experts_list_.size(); ++e) {
-    const Expert& x_e = experts_list_[e];
-    if (!routed_[e]) {
-      for (const Linear* l : {x_e.gate.get(), x_e.up.get()}) engine_.skip_op(l->op(), phase);
-      continue;
-    }
-    x_e.gate->forward(block(a.xp, e, a), block(a.gate, e, a), phase);
-    x_e.up->forward(block(a.xp, e, a), block(a.up, e, a), phase);
+  // A recompute reproduces forward's routing: the agreement stands (and with
+  // expert parallelism the permutation is uploaded again: with activation
+  // checkpointing the layers share these buffers).
+  if (phase == Phase::kForward) {
+    agree_routing(a);
+  } else if (expert_parallel()) {
+    plan_exchange({}, a);
   }
-  ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
-  for (size_t e = 0; e < experts_list_.size(); ++e) {
-    if (!routed_[e]) {
-      engine_.skip_op(experts_list_[e].down->op(), phase);
-      continue;
+  ops().moe_gather(ctx(), x, a.tokens, a.xp);
+  if (!expert_parallel()) {
+    experts_forward(a.xp, a, a.yp, a.host_offsets, phase);
+  } else {
+    // Each member's experts' rows to it; what comes back is by source member.
+    const int64_t r = exchange_.received;
+    engine_.exchange_experts(a.xp, a.exchange, exchange_.to_owners);
+    if (r > 0) ops().moe_gather(ctx(), first_rows(a.exchange, r), first_rows(a.perm, r), first_rows(a.xr, r));
+    experts_forward(a.xr, a, a.expert_out, held_offsets_.data(), phase);
+    if (r > 0) {
+      ops().moe_gather(ctx(), first_rows(a.expert_out, r), first_rows(a.inverse, r), first_rows(a.exchange, r));
     }
-    experts_list_[e].down->forward(block(a.act, e, a), block(a.yp, e, a), phase);
+    engine_.exchange_experts(a.exchange, a.yp, exchange_.to_owners.reversed());
   }
   ops().moe_combine(ctx(), a.yp, a.slots, a.weights, y);
 }
 
+void MoeMlp::experts_forward(const TensorView& in, const MoeActs& a, const TensorView& out, const int32_t* offsets,
+                             Phase phase) {
+  const size_t first = first_expert(), held = held_experts();
+  for (size_t j = 0; j < held; ++j) {
+    const Expert& x_e = experts_list_[first + j];
+    if (!routed_[first + j]) {
+      for (const Linear* l : {x_e.gate.get(), x_e.up.get()}) engine_.skip_op(l->op(), phase);
+      continue;
+    }
+    x_e.gate->forward(rows_of(in, offsets[j], offsets[j + 1]), rows_of(a.gate, offsets[j], offsets[j + 1]), phase);
+    x_e.up->forward(rows_of(in, offsets[j], offsets[j + 1]), rows_of(a.up, offsets[j], offsets[j + 1]), phase);
+  }
+  const int64_t rows = offsets[held];
+  if (rows > 0) {
+    ops().swiglu_forward(ctx(), first_rows(a.gate, rows), first_rows(a.up, rows), first_rows(a.act, rows));
+  }
+  for (size_t j = 0; j < held; ++j) {
+    Linear& down = *experts_list_[first + j].down;
+    if (!routed_[first + j]) {
+      engine_.skip_op(down.op(), phase);
+      continue;
+    }
+    down.forward(rows_of(a.act, offsets[j], offsets[j + 1]), rows_of(out, offsets[j], offsets[j + 1]), phase);
+  }
+}
+
 void MoeMlp::agree_routing(const MoeActs& a) {
-  std::vector<double> rows(experts_list_.size());
-  for (size_t e = 0; e < rows.size(); ++e) rows[e] = a.host_offsets[e + 1] - a.host_offsets[e];
-  engine_.sum_over_ranks(rows.data(), rows.size());
+  const size_t experts = experts_list_.size();
+  const auto& group = engine_.expert_group();
+  // Every rank's per-expert row counts (expert parallelism: each rank fills
+  // its own row of a dp_size x E matrix) or their sum (without: E values).
+  const size_t ranks = expert_parallel() ? static_cast<size_t>(group.dp_size) : 1;
+  const size_t own = expert_parallel() ? static_cast<size_t>(group.dp_rank) : 0;
+  std::vector<double> counts(ranks * experts, 0.0);
+  for (size_t e = 0; e < experts; ++e) counts[own * experts + e] = a.host_offsets[e + 1] - a.host_offsets[e];
+  engine_.sum_over_ranks(counts.data(), counts.size());
+  std::vector<double> rows(experts, 0.0);
+  for (size_t r = 0; r < ranks; ++r) {
+    for (size_t e = 0; e < experts; ++e) rows[e] += counts[r * experts + e];
+  }
   load_.resize(rows.size(), 0.0);
   for (size_t e = 0; e < rows.size(); ++e) load_[e] += rows[e];
-  if (!skip_unrouted_) {
-    routed_.assign(experts_list_.size(), 1);
-    return;
-  }
-  routed_.resize(rows.size());
+  routed_.resize(experts);
+  for (size_t e = 0; e < experts; ++e) routed_[e] = !skip_unrouted_ || rows[e] > 0 ? 1 : 0;
+  if (expert_parallel()) plan_exchange(counts, a);
+  if (!skip_unrouted_) return;
+  // The advice covers the windows this rank opens: the experts it holds.
   std::vector<OpId> ops;
   std::vector<uint8_t> skipped;
-  for (size_t e = 0; e < rows.size(); ++e) {
-    routed_[e] = rows[e] > 0 ? 1 : 0;
+  for (size_t e = first_expert(); e < first_expert() + held_experts(); ++e) {
     const Expert& x = experts_list_[e];
     for (const Linear* l : {x.gate.get(), x.up.get(), x.down.get()}) {
       ops.push_back(l->op());
@@ -96,31 +163,113 @@ void MoeMlp::agree_routing(const MoeActs& a) {
   engine_.plan_skip(ops, skipped);
 }
 
+void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) {
+  const auto& group = engine_.expert_group();
+  const size_t members = static_cast<size_t>(group.size), held = held_experts(), first = first_expert();
+  const size_t experts = experts_list_.size();
+  const auto hidden = static_cast<size_t>(hidden_);
+  if (!counts.empty()) {
+    // rows[q][j]: what member q sends for this member's expert j.
+    std::vector<size_t> send(members), recv(members);
+    std::vector<std::vector<int64_t>> from(members, std::vector<int64_t>(held));
+    for (size_t q = 0; q < members; ++q) {
+      const int32_t* off = a.host_offsets;
+      send[q] = static_cast<size_t>(off[(q + 1) * held] - off[q * held]) * hidden;
+      const size_t source = static_cast<size_t>(group.ranks[q]);
+      for (size_t j = 0; j < held; ++j) {
+        from[q][j] = static_cast<int64_t>(counts[source * experts + first + j]);
+        recv[q] += static_cast<size_t>(from[q][j]) * hidden;
+      }
+    }
+    exchange_.to_owners = partition::AllToAllSplits::packed(std::move(send), std::move(recv));
+    // The received rows are by source member, then expert; the experts want
+    // them by expert, then source member.
+    exchange_.offsets.assign(held + 1, 0);
+    for (size_t j = 0; j < held; ++j) {
+      int64_t n = 0;
+      for (size_t q = 0; q < members; ++q) n += from[q][j];
+      exchange_.offsets[j + 1] = exchange_.offsets[j] + n;
+    }
+    exchange_.received = exchange_.offsets[held];
+    const int64_t capacity = a.xr.desc.shape.front();
+    STRATA_CHECK(exchange_.received <= capacity, kBadArgument,
+                 "{}: {} token rows routed to ep member {}'s experts, more than the {} its buffers hold (every "
+                 "member's micro-batch must be at most this one's)",
+                 name_, exchange_.received, group.member, capacity);
+    held_offsets_.assign(exchange_.offsets.begin(), exchange_.offsets.end());
+    const auto r = static_cast<size_t>(exchange_.received);
+    perm_.resize(2 * r);  // the permutation, then its inverse
+    std::vector<int64_t> next(exchange_.offsets.begin(), exchange_.offsets.end() - 1);
+    int32_t source_row = 0;
+    for (size_t q = 0; q < members; ++q) {
+      for (size_t j = 0; j < held; ++j) {
+        for (int64_t i = 0; i < from[q][j]; ++i, ++source_row) {
+          const auto expert_row = static_cast<size_t>(next[j]++);
+          perm_[expert_row] = source_row;
+          perm_[r + static_cast<size_t>(source_row)] = static_cast<int32_t>(expert_row);
+        }
+      }
+    }
+  }
+  // Uploaded on the compute stream through pinned memory the layers share
+  // (activation checkpointing: the recompute uploads again), written only
+  // after this forward synchronised that stream, so no upload still reads it.
+  const int64_t r = exchange_.received;
+  if (r == 0) return;
+  std::copy(perm_.begin(), perm_.end(), a.host_perm);
+  const size_t nbytes = static_cast<size_t>(r) * sizeof(int32_t);
+  engine_.accelerator().copy_async(a.perm.data, a.host_perm, nbytes, CopyKind::kHostToDevice, ctx().stream());
+  engine_.accelerator().copy_async(a.inverse.data, a.host_perm + r, nbytes, CopyKind::kHostToDevice,
+                                   ctx().stream());
+}
+
 void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& a, const MoeGrads& g,
                       const MoeAux& aux, const TensorView& dx, bool accumulate_dx) {
   STRATA_CHECK(routed_.size() == experts_list_.size(), kBadArgument, "{}: backward before forward", name_);
   ops().moe_combine_backward(ctx(), dy, a.yp, a.slots, a.weights, g.dyp, g.dweights);
-  for (size_t e = experts_list_.size(); e-- > 0;) {
-    if (!routed_[e]) {
-      engine_.skip_op(experts_list_[e].down->op(), Phase::kBackward);
-      continue;
-    }
-    experts_list_[e].down->backward(block(g.dyp, e, a), block(a.act, e, a), block(g.dact, e, a), false);
-  }
-  ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
-  for (size_t e = experts_list_.size(); e-- > 0;) {
-    const Expert& x_e = experts_list_[e];
-    if (!routed_[e]) {
-      for (const Linear* l : {x_e.up.get(), x_e.gate.get()}) engine_.skip_op(l->op(), Phase::kBackward);
-      continue;
-    }
-    x_e.up->backward(block(g.dup, e, a), block(a.xp, e, a), block(g.dxp, e, a), false);
-    x_e.gate->backward(block(g.dgate, e, a), block(a.xp, e, a), block(g.dxp, e, a), true);
+  if (!expert_parallel()) {
+    experts_backward(g.dyp, a.xp, a, g, g.dxp, a.host_offsets);
+  } else {
+    // dyp to the experts' members, in expert order there; dxp back.
+    const int64_t r = exchange_.received;
+    engine_.exchange_experts(g.dyp, a.exchange, exchange_.to_owners);
+    if (r > 0) ops().moe_gather(ctx(), first_rows(a.exchange, r), first_rows(a.perm, r), first_rows(a.expert_out, r));
+    experts_backward(a.expert_out, a.xr, a, g, g.dxr, held_offsets_.data());
+    if (r > 0) ops().moe_gather(ctx(), first_rows(g.dxr, r), first_rows(a.inverse, r), first_rows(a.exchange, r));
+    engine_.exchange_experts(a.exchange, g.dxp, exchange_.to_owners.reversed());
   }
   ops().moe_gather_backward(ctx(), g.dxp, a.slots, dx, accumulate_dx);
   ops().moe_route_backward(ctx(), a.probs, a.indices, a.weights, g.dweights, renormalize_, aux.aux_grad,
                            g.dlogits);
   router_->backward(MatView::of(g.dlogits), MatView::of(x), MatView::of(dx), true);
+}
+
+void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, const MoeActs& a, const MoeGrads& g,
+                              const TensorView& din, const int32_t* offsets) {
+  const size_t first = first_expert(), held = held_experts();
+  const auto rows = [&](const TensorView& t, size_t j) { return rows_of(t, offsets[j], offsets[j + 1]); };
+  for (size_t j = held; j-- > 0;) {
+    Linear& down = *experts_list_[first + j].down;
+    if (!routed_[first + j]) {
+      engine_.skip_op(down.op(), Phase::kBackward);
+      continue;
+    }
+    down.backward(rows(dout, j), rows(a.act, j), rows(g.dact, j), false);
+  }
+  const int64_t n = offsets[held];
+  if (n > 0) {
+    ops().swiglu_backward(ctx(), first_rows(g.dact, n), first_rows(a.gate, n), first_rows(a.up, n),
+                          first_rows(g.dgate, n), first_rows(g.dup, n));
+  }
+  for (size_t j = held; j-- > 0;) {
+    const Expert& x_e = experts_list_[first + j];
+    if (!routed_[first + j]) {
+      for (const Linear* l : {x_e.up.get(), x_e.gate.get()}) engine_.skip_op(l->op(), Phase::kBackward);
+      continue;
+    }
+    x_e.up->backward(rows(g.dup, j), rows(in, j), rows(din, j), false);
+    x_e.gate->backward(rows(g.dgate, j), rows(in, j), rows(din, j), true);
+  }
 }
 
 }  // namespace strata::nn

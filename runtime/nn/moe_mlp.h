@@ -46,6 +46,19 @@
 // router probabilities into the caller's aux_stats (fp64 [2, E], summed over
 // every layer); LlamaModel turns them into the loss and its gradient per
 // probability (aux_grad), which backward adds before the softmax.
+// Expert parallelism (Engine::expert_group() of size P > 1; docs/DESIGN.md
+// §4.2): member i of the ep group holds experts [i E/P, (i+1) E/P) and runs
+// only those. The routing agreement becomes every rank's per-expert counts
+// (one sum_over_ranks of dp_size x E doubles, each rank filling its row),
+// from which every rank knows what each ep member sends it. The rows in
+// expert order are contiguous per owner, so one exchange (Engine::
+// exchange_experts) sends each member its experts' rows; the received rows
+// (by source member, then expert) are permuted to expert order (moe_gather
+// with a permutation uploaded from the host), the experts run as above, and
+// their outputs go back the same way before the combine. Backward mirrors it:
+// dyp to the owners, dxp back. Other members' experts' windows are never
+// opened here. The activation buffers of the experts hold up to P x rows x k
+// rows (every member's tokens to this member's experts); more is refused.
 // Ownership, thread-safety, errors: see module.h.
 #pragma once
 
@@ -64,15 +77,26 @@ namespace strata::nn {
 // [rows * k, hidden] (the rows in expert order), gate, up, act [rows * k, I],
 // yp [rows * k, hidden] (each expert's output); host_offsets: pinned host
 // memory for E + 1 int32, the offsets as forward read them.
+// With expert parallelism (P > 1 members) gate, up and act hold up to
+// P x rows x k rows, and: xr [P rows k, hidden] (the received rows in expert
+// order), perm and inverse int32 [P rows k] (received position of each
+// expert-order row, and back), host_perm pinned host memory for 2 P rows k
+// int32 (shared by the layers); exchange and expert_out [P rows k, hidden] are scratch that every
+// layer shares (nothing in them outlives one exchange).
 struct MoeActs {
   TensorView logits, probs, indices, weights, offsets, slots, tokens;
   TensorView xp, gate, up, act, yp;
   int32_t* host_offsets = nullptr;
+  TensorView xr, perm, inverse, exchange, expert_out;
+  int32_t* host_perm = nullptr;
 };
 // Backward scratch: dyp, dxp [rows * k, hidden]; dact, dgate, dup [rows * k,
 // I]; dweights fp32 [rows, k]; dlogits [rows, E] (activation dtype).
+// With expert parallelism dact, dgate, dup hold P x rows x k rows, and dxr
+// [P rows k, hidden] is the experts' input gradient in expert order.
 struct MoeGrads {
   TensorView dyp, dxp, dact, dgate, dup, dweights, dlogits;
+  TensorView dxr;
 };
 // The load-balancing loss's state, shared by the layers of one model: forward
 // adds into stats (fp64 [2, E]) when it is not empty; backward adds aux_grad
@@ -107,8 +131,26 @@ class MoeMlp : public Module {
   };
   // Expert e's rows of a [rows * k, cols] buffer.
   MatView block(const TensorView& t, size_t e, const MoeActs& acts) const;
-  // routed_ from every rank's row counts, and the engine advised of it.
+  // routed_ from every rank's row counts, and the engine advised of it; with
+  // expert parallelism also exchange_ (and the permutation uploaded).
   void agree_routing(const MoeActs& acts);
+  // Expert parallelism: what this member receives and where it goes.
+  struct Exchange {
+    partition::AllToAllSplits to_owners;  // xp's rows to the members that hold them; received by source member
+    std::vector<int64_t> offsets;         // this member's experts' blocks in expert order (E/P + 1)
+    int64_t received = 0;                 // rows this member's experts run on
+  };
+  bool expert_parallel() const { return engine_.expert_group().size > 1; }
+  size_t first_expert() const;  // this member's first expert (0 without expert parallelism)
+  size_t held_experts() const;  // how many it holds
+  void plan_exchange(const std::vector<double>& counts, const MoeActs& acts);
+  // Forward / backward of the experts this rank holds, rows already in
+  // expert order (`in`: xp or xr; `out`: yp or expert_out), block(e) of
+  // `offsets` (host).
+  void experts_forward(const TensorView& in, const MoeActs& a, const TensorView& out, const int32_t* offsets,
+                       Phase phase);
+  void experts_backward(const TensorView& dout, const TensorView& in, const MoeActs& a, const MoeGrads& g,
+                        const TensorView& din, const int32_t* offsets);
 
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
@@ -116,6 +158,9 @@ class MoeMlp : public Module {
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
   std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
+  Exchange exchange_;            // expert parallelism: this micro-batch's exchange (host state, as routed_)
+  std::vector<int32_t> held_offsets_;  // exchange_.offsets as int32 (block's type)
+  std::vector<int32_t> perm_;          // the received rows' permutation to expert order, then its inverse
   std::vector<double> load_;     // per expert: tokens routed since reset_load()
 };
 

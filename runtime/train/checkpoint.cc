@@ -134,6 +134,7 @@ TrainerState trainer_state_of(const nlohmann::json& manifest) {
 std::string describe_model_key(const std::string& path) {
   if (path.rfind("config.", 0) == 0) return fmt::format("the model's {} (config.json)", path.substr(7));
   if (path == "dtype") return "the parameter dtype (bf16 / fp16 of the ds_config)";
+  if (path == "expert_parallel_size") return "moe.expert_parallel_size (absent: 1)";
   return path;
 }
 

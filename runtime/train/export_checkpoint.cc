@@ -44,11 +44,14 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   auto accelerator = make_accelerator("auto");
   const auto timeout = std::chrono::milliseconds(300'000);
   partition::Rendezvous rendezvous(rank, timeout);
-  const ZeroCommunicators comms =
-      make_zero_communicators(*accelerator, rendezvous.store(), rank.rank, rank.world_size, timeout, "strata/export");
+  // Each rank holds the experts the run's split gave it (moe.expert_parallel_size).
+  const int expert_parallel = info.state.model.value("expert_parallel_size", 1);
+  const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
+                                                          rank.world_size, timeout, "strata/export", expert_parallel);
   // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
   engine::ZeroEngineOptions zero;
   zero.stage = 3;
+  zero.expert_parallel_size = expert_parallel;
   engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
   nn::LlamaModelOptions model_options;
   model_options.dtype = train_dtype;

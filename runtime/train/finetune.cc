@@ -137,7 +137,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                "{}: tensorboard.enabled is true, but this strata was built without protobuf (Debian: libprotobuf-dev "
                "protobuf-compiler, then rebuild); use csv_monitor (the same values as CSV) or metrics.jsonl",
                source);
-  const engine::ZeroEngineOptions zero = zero_engine_options(config, source);
+  engine::ZeroEngineOptions zero = zero_engine_options(config, source);
   const engine::LrSchedule schedule = engine::LrSchedule::from_json(config.scheduler, config.optimizer.lr);
   STRATA_CHECK(options.steps >= 1, kBadArgument, "--steps must be >= 1, got {}", options.steps);
   STRATA_CHECK(!options.resume || !options.save_dir.empty(), kBadArgument,
@@ -228,8 +228,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
-  const ZeroCommunicators comms =
-      make_zero_communicators(*accelerator, rendezvous.store(), rank.rank, rank.world_size, timeout, "strata/finetune");
+  const int expert_parallel = choose_expert_parallel_size(config, model_config, rank.world_size, source);
+  zero.expert_parallel_size = expert_parallel;
+  if (expert_parallel > 1 && rank.rank == 0) {
+    logger().info("expert parallelism: {} ranks split the {} experts of each layer ({} each){}", expert_parallel,
+                  model_config.num_experts, model_config.num_experts / expert_parallel,
+                  config.expert_parallel_size == 0 ? " (moe.expert_parallel_size left out: the world size)" : "");
+  }
+  const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
+                                                          rank.world_size, timeout, "strata/finetune", expert_parallel);
 
   // ---- engine, model, weights ---------------------------------------------------------
   setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
@@ -312,6 +319,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- resume -----------------------------------------------------------------------------
   // What the checkpoints are of, so `strata export` can rebuild the model from one.
   nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
+  // Each rank's checkpoint holds the experts it owns: a resume or an export needs the same split.
+  if (zero.expert_parallel_size > 1) checkpoint_model["expert_parallel_size"] = zero.expert_parallel_size;
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) {
     checkpoints.emplace(options.save_dir, options.keep_checkpoints);

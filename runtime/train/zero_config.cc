@@ -1,24 +1,59 @@
 // The ZeroEngine's communicators (see zero_config.h).
 #include "runtime/train/zero_config.h"
 
+#include "partition/process_groups.h"
+
 #include "core/error.h"
 
 namespace strata::train {
 
+int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& model, int world_size,
+                                const std::string& source) {
+  const int given = config.expert_parallel_size;
+  if (given == 0) {
+    if (!model.moe() || model.num_experts % world_size != 0) return 1;
+    return world_size;
+  }
+  if (given == 1) return 1;
+  STRATA_CHECK(model.moe(), kBadArgument,
+               "{}: moe.expert_parallel_size is {}, but the model (model_type {}) has no experts: leave it out or set 1",
+               source, given, model.model_type);
+  STRATA_CHECK(world_size % given == 0, kBadArgument,
+               "{}: moe.expert_parallel_size {} does not divide the world size {} (the ranks that share experts "
+               "must be whole groups)",
+               source, given, world_size);
+  STRATA_CHECK(model.num_experts % given == 0, kBadArgument,
+               "{}: moe.expert_parallel_size {} does not divide the model's {} experts (num_local_experts / "
+               "num_experts)",
+               source, given, model.num_experts);
+  return given;
+}
+
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
-                                          int world_size, std::chrono::milliseconds timeout, const std::string& prefix) {
-  auto make = [&](const char* traffic) {
+                                          int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
+                                          int expert_parallel_size) {
+  auto options = [&](const char* traffic) {
     partition::CommunicatorOptions o;
     o.rank = rank;
     o.world_size = world_size;
     o.timeout = timeout;
     o.prefix = prefix + "/" + traffic;
-    return partition::make_communicator(accelerator, store, o);
+    return o;
   };
+  auto make = [&](const char* traffic) { return partition::make_communicator(accelerator, store, options(traffic)); };
   ZeroCommunicators c;
   c.gather = make("gather");
   c.reduce = make("reduce");
   c.control = make("control");
+  if (expert_parallel_size > 1) {
+    const partition::ParallelLayout layout(world_size, 1, expert_parallel_size);
+    using partition::GroupKind;
+    c.expert_exchange = partition::make_group_communicator(accelerator, store, options("experts"),
+                                                           layout.group_of(GroupKind::kExpert, rank));
+    const partition::ProcessGroup& edp = layout.group_of(GroupKind::kExpertData, rank);
+    c.expert_gather = partition::make_group_communicator(accelerator, store, options("expert-gather"), edp);
+    c.expert_reduce = partition::make_group_communicator(accelerator, store, options("expert-reduce"), edp);
+  }
   return c;
 }
 

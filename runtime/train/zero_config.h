@@ -12,6 +12,7 @@
 #include "partition/communicator.h"
 #include "partition/store.h"
 #include "runtime/engine/zero_engine.h"
+#include "runtime/nn/llama_config.h"
 
 namespace strata::train {
 
@@ -19,12 +20,27 @@ using strata::zero_engine_options;
 
 // The three communicators a ZeroEngine needs, one per traffic class (docs/DESIGN.md
 // §5), made over `store` with keys under "<prefix>/gather", "/reduce",
-// "/control" (NCCL on cuda, Gloo on cpu). Collective: every rank calls it.
+// "/control" (NCCL on cuda, Gloo on cpu); with expert_parallel_size > 1 also
+// the ep group's (the token exchange) and two over the expert-dp group (the
+// experts' gathers and reductions), partition/process_groups.h's groups.
+// Collective: every rank calls it.
 struct ZeroCommunicators {
   std::unique_ptr<partition::Communicator> gather, reduce, control;
-  engine::ZeroComms comms() const { return {gather.get(), reduce.get(), control.get()}; }
+  std::unique_ptr<partition::Communicator> expert_exchange, expert_gather, expert_reduce;
+  engine::ZeroComms comms() const {
+    return {gather.get(), reduce.get(), control.get(), expert_exchange.get(), expert_gather.get(),
+            expert_reduce.get()};
+  }
 };
+// moe.expert_parallel_size for `model` on `world_size` data-parallel ranks:
+// the config's value, checked (the model has experts, the value divides the
+// world and the experts), or when not given the world size if it divides the
+// experts, else 1 (a dense model: 1). `source` names the config in errors.
+int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& model, int world_size,
+                                const std::string& source);
+
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
-                                          int world_size, std::chrono::milliseconds timeout, const std::string& prefix);
+                                          int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
+                                          int expert_parallel_size = 1);
 
 }  // namespace strata::train

@@ -29,23 +29,6 @@ namespace {
 // 16 experts of width 64 (the experts hold most bytes), top 2.
 nn::LlamaConfig mixtral(bool aux) { return mixtral_config(16, 64, aux); }
 
-// Every sequence one token repeated: all its positions have the same hidden
-// state, so each sequence routes to 2 experts per layer and a step's 4
-// sequences to at most 8 of the 16. The tokens change with the step, so the
-// routed set does too (the last step's prediction is wrong in part).
-Batch repeated(int step, int64_t vocab) {
-  std::mt19937 gen(static_cast<uint32_t>(300 + step));
-  Batch b;
-  for (int64_t s = 0; s < kSequences; ++s) {
-    const auto token = static_cast<int32_t>(gen() % static_cast<uint32_t>(vocab));
-    for (int64_t i = 0; i < kSeq; ++i) {
-      b.ids.push_back(token);
-      b.targets.push_back(token);
-    }
-  }
-  return b;
-}
-
 }  // namespace
 
 TEST_CASE("operator trace: a skipped window is an entry, its last run is the prediction, a plan covers one micro-batch",
@@ -99,14 +82,14 @@ TEST_CASE("MoE, one rank at every stage: skipping the experts no token chose equ
   ResidentSpec resident;
   resident.config = mixtral(/*aux=*/true);
   resident.adam = options_for(3).adam;
-  resident.batches = repeated;
+  resident.batches = repeated_tokens;
   const TrainResult reference = train_resident(resident);
   for (int stage : {1, 2, 3}) {
     CAPTURE(stage);
     TrainSpec spec;
     spec.config = mixtral(/*aux=*/true);
     spec.options = options_for(stage);
-    spec.batches = repeated;
+    spec.batches = repeated_tokens;
     const TrainResult zero = train_zero(spec);
     CHECK(compare(zero, reference).identical);
     if (stage == 3) {
@@ -123,7 +106,7 @@ TEST_CASE("MoE, two ZeRO-3 ranks on NVMe: only routed experts are gathered, the 
   resident.config = mixtral(/*aux=*/false);
   resident.adam = options_for(3).adam;
   resident.adam.eps = 1.0f;  // rounding-size differences stay rounding-size (see the frozen two-rank test)
-  resident.batches = repeated;
+  resident.batches = repeated_tokens;
   resident.steps = 4;
   const TrainResult reference = train_resident(resident);
 
@@ -136,7 +119,7 @@ TEST_CASE("MoE, two ZeRO-3 ranks on NVMe: only routed experts are gathered, the 
   spec.options.param_tier = Tier::kNvme;
   spec.options.optimizer_tier = Tier::kNvme;
   spec.options.nvme_path = dir.path() / "swap";
-  spec.batches = repeated;
+  spec.batches = repeated_tokens;
   const TrainResult routed = train_zero(spec);
   const Diff d = compare(routed, reference);
   INFO("max |2 ranks - 1 resident rank| = " << d.max_abs);

@@ -82,6 +82,23 @@ inline Batch corpus(int step, int64_t vocab) {
   return b;
 }
 
+// Every sequence one token repeated: all its positions have the same hidden
+// state, so each sequence routes to 2 experts per layer and a step's 4
+// sequences to at most 8 of 16 experts. The tokens change with the step, so the
+// routed set does too (the last step's prediction is wrong in part).
+inline Batch repeated_tokens(int step, int64_t vocab) {
+  std::mt19937 gen(static_cast<uint32_t>(300 + step));
+  Batch b;
+  for (int64_t s = 0; s < kSequences; ++s) {
+    const auto token = static_cast<int32_t>(gen() % static_cast<uint32_t>(vocab));
+    for (int64_t i = 0; i < kSeq; ++i) {
+      b.ids.push_back(token);
+      b.targets.push_back(token);
+    }
+  }
+  return b;
+}
+
 // Makes step `step`'s global batch (kSeq tokens per sequence) for a model of
 // `vocab` tokens; empty: corpus.
 using BatchFn = std::function<Batch(int step, int64_t vocab)>;
@@ -157,6 +174,8 @@ struct TrainResult {
   int64_t gathers = 0;  // allgathers rank 0 issued
   std::vector<engine::PrefetchStats> prefetch;  // rank 0, per step
   int64_t trace_drops = 0;                      // rank 0
+  int expert_group_size = 1;                    // rank 0's Engine::expert_group().size
+  int64_t held_expert_params = 0;               // rank 0: expert parameters it holds (owns_expert)
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
 };
@@ -277,6 +296,11 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             result.gathers = eng.gathers_issued();
             result.prefetch = prefetch;
             result.trace_drops = eng.trace_drops();
+            result.expert_group_size = eng.expert_group().size;
+            for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+              const engine::ParamInfo& info = eng.param_info(id);
+              result.held_expert_params += info.expert >= 0 && eng.owns_expert(info.expert, info.experts);
+            }
           }
         } catch (...) {
           if (!spec.collect_errors) throw;
@@ -285,7 +309,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           result.failed_step[static_cast<size_t>(rank)] = step;
         }
       },
-      spec.timeout);
+      spec.timeout, spec.options.expert_parallel_size);
   return result;
 }
 

@@ -12,6 +12,8 @@
 #include "runtime/config/config.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
+#include "runtime/nn/llama_config.h"
+#include "runtime/train/zero_config.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;
@@ -408,4 +410,31 @@ TEST_CASE("sub_group_size and reduce_bucket_size: left out chosen from the model
   // Zero is not a size: leave the key out to have it chosen.
   CHECK_THAT(only_problem(R"({"zero_optimization": {"sub_group_size": 0}})"),
              Contains("zero_optimization.sub_group_size"));
+}
+
+TEST_CASE("moe.expert_parallel_size: the world size when left out and it divides the experts or checked when given",
+          "[config][moe]") {
+  nn::LlamaConfig dense;
+  nn::LlamaConfig moe;
+  moe.model_type = "mixtral";
+  moe.num_experts = 8;
+  REQUIRE(moe.moe());
+  const Config absent = parse_config_text("{}", "ds.json");
+  CHECK(absent.expert_parallel_size == 0);
+  CHECK(train::choose_expert_parallel_size(absent, moe, 4, "ds.json") == 4);
+  CHECK(train::choose_expert_parallel_size(absent, moe, 3, "ds.json") == 1);  // 3 does not divide 8
+  CHECK(train::choose_expert_parallel_size(absent, dense, 4, "ds.json") == 1);
+  const Config null = parse_config_text(R"({"moe": {"expert_parallel_size": null}})", "ds.json");
+  CHECK(null.expert_parallel_size == 0);
+  const Config two = parse_config_text(R"({"moe": {"expert_parallel_size": 2}})", "ds.json");
+  CHECK(train::choose_expert_parallel_size(two, moe, 4, "ds.json") == 2);
+  REQUIRE_THROWS_WITH(train::choose_expert_parallel_size(two, moe, 3, "ds.json"),
+                      Contains("moe.expert_parallel_size 2 does not divide the world size 3"));
+  REQUIRE_THROWS_WITH(train::choose_expert_parallel_size(two, dense, 2, "ds.json"),
+                      Contains("the model (model_type llama) has no experts"));
+  const Config three = parse_config_text(R"({"moe": {"expert_parallel_size": 3}})", "ds.json");
+  REQUIRE_THROWS_WITH(train::choose_expert_parallel_size(three, moe, 3, "ds.json"),
+                      Contains("does not divide the model's 8 experts"));
+  CHECK_THAT(problems_of(R"({"moe": {"expert_parallel_size": 0}})").front(), Contains("moe.expert_parallel_size"));
+  CHECK_THAT(problems_of(R"({"moe": {"expert_paralel_size": 2}})").front(), Contains("moe.expert_parallel_size"));
 }

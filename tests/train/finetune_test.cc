@@ -303,6 +303,8 @@ TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit 
   strata::test::TempDir dir;
   // 8 experts, top 2, with the load-balancing loss: routing (and so which
   // experts each step skips) and the auxiliary gradient must resume exactly.
+  // Two ranks split the experts (moe.expert_parallel_size left out: the
+  // world size), so each rank's checkpoint holds its own experts.
   write_file(dir, "moe.json", R"({"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 48, "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
     "output_router_logits": true, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -314,6 +316,13 @@ TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit 
   REQUIRE(reference.exit_code == 0);
   const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
   REQUIRE(expected.size() > 1000);
+  CHECK_THAT(reference.output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
+  // strata export gathers every expert from the rank that holds it.
+  const auto exported = run_command(run + "export " + dir.file("ref_ckpt") + " " + dir.file("exported") +
+                                    " --dtype fp32 2>&1");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
   const int kills =
       run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "moe.json"), dir.file("killed_ckpt"));
   INFO("killed " << kills << " times");
