@@ -233,6 +233,7 @@ int run_plan_check(const PlanOptions& o) {
   in.cpu_checkpointing = config.cpu_checkpointing;
   in.world_size = static_cast<int>(s.world_size);
   in.zero = train::zero_engine_options(config, config_source);
+  in.zero.expert_parallel_size = train::choose_expert_parallel_size(config, in.model, in.world_size, config_source);
   if (!s.lora_rank.empty()) {
     // The frozen base and the adapters' groups; alpha (the scale) sizes nothing.
     in.lora.rank = parse_integer(s.sources["lora"] + ": --lora-rank", s.lora_rank, 1);

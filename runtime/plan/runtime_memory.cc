@@ -88,7 +88,8 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DTy
 }
 
 size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
-                          bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora) {
+                          bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
+                          int expert_parallel) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
@@ -101,19 +102,23 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   // each expert's gate, up, product and output (llama_model.cc, MoeActs).
   const int64_t experts = c.num_experts, k = c.num_experts_per_tok, mi = c.moe_intermediate_size;
   const int64_t rk = rows * k;
+  // The rows the experts run on: every ep member's tokens to this member's experts.
+  const bool ep = expert_parallel > 1;
+  const int64_t erk = expert_parallel * rk;
   const size_t mlp_acts =
       !c.moe() ? 3 * view_nbytes(t, {rows, inter})
                : view_nbytes(t, {rows, experts}) + view_nbytes(f32, {rows, experts}) +
                      view_nbytes(DType::kI32, {rows, k}) + view_nbytes(f32, {rows, k}) +
                      view_nbytes(DType::kI32, {experts + 1}) + view_nbytes(DType::kI32, {rows, k}) +
                      view_nbytes(DType::kI32, {rk}) + 2 * view_nbytes(t, {rk, hidden}) +
-                     3 * view_nbytes(t, {rk, mi});
+                     3 * view_nbytes(t, {erk, mi}) +
+                     (ep ? view_nbytes(t, {erk, hidden}) + 2 * view_nbytes(DType::kI32, {erk}) : 0);
   const size_t mlp_scratch =
       !c.moe() ? 3 * view_nbytes(t, {rows, inter})
-               : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {rk, mi}) +
+               : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) +
                      view_nbytes(f32, {rows, k}) + view_nbytes(t, {rows, experts}) +
                      view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
-                     view_nbytes(f32, {experts});
+                     view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0);
   // What one decoder layer saves for backward; one set with checkpointing.
   const size_t acts = view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
                       view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
@@ -227,7 +232,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   add("activation arena", Where::kDevice,
       static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
                                              in.checkpoint_activations, in.cpu_checkpointing,
-                                             in.lora)),
+                                             in.lora, in.zero.expert_parallel_size)),
       false,
       fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}, {}", rows,
                   c.hidden_size, c.intermediate_size,

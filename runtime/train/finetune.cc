@@ -210,6 +210,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                "{}: train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
                "world size {}",
                source, config.train_batch_size, micro_batch, accumulation, rank.world_size);
+  const int expert_parallel = choose_expert_parallel_size(config, model_config, rank.world_size, source);
+  zero.expert_parallel_size = expert_parallel;
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   {
     plan::RuntimeInputs pinned;
@@ -228,8 +230,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
-  const int expert_parallel = choose_expert_parallel_size(config, model_config, rank.world_size, source);
-  zero.expert_parallel_size = expert_parallel;
   if (expert_parallel > 1 && rank.rank == 0) {
     logger().info("expert parallelism: {} ranks split the {} experts of each layer ({} each){}", expert_parallel,
                   model_config.num_experts, model_config.num_experts / expert_parallel,

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/plan/runtime_memory.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
@@ -76,6 +77,9 @@ TEST_CASE("expert parallelism equals one resident rank on the combined batch", "
   test::TempDir dir("strata-zero-ep");
   const std::vector<Case> cases = {
       {2, 2, 1, Tier::kDevice, Tier::kCpu},
+      {2, 2, 1, Tier::kDevice, Tier::kDevice},
+      {4, 4, 3, Tier::kCpu, Tier::kCpu},
+      {4, 2, 2, Tier::kDevice, Tier::kDevice},
       {2, 2, 2, Tier::kDevice, Tier::kCpu, false, 2},
       {2, 2, 3, Tier::kDevice, Tier::kCpu, true},
       {2, 2, 3, Tier::kNvme, Tier::kNvme},
@@ -101,6 +105,10 @@ TEST_CASE("expert parallelism equals one resident rank on the combined batch", "
       // Split for real: rank 0 holds its 16 / ep experts' 3 matrices in each of the 2 layers.
       CHECK(r.expert_group_size == c.ep);
       CHECK(r.held_expert_params == 2 * 3 * 16 / c.ep);
+      // strata plan's arena is the model's, the exchange's buffers included.
+      const int64_t sequences = kSequences / c.world / c.micro_steps;
+      CHECK(plan::llama_arena_nbytes(mixtral(), DType::kF32, sequences, kSeq, c.checkpoint, false, {}, c.ep) ==
+            r.arena_nbytes);
     }
   }
 }

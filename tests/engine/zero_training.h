@@ -176,6 +176,7 @@ struct TrainResult {
   int64_t trace_drops = 0;                      // rank 0
   int expert_group_size = 1;                    // rank 0's Engine::expert_group().size
   int64_t held_expert_params = 0;               // rank 0: expert parameters it holds (owns_expert)
+  size_t arena_nbytes = 0;                      // rank 0: LlamaModel::arena_nbytes()
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
 };
@@ -297,6 +298,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             result.prefetch = prefetch;
             result.trace_drops = eng.trace_drops();
             result.expert_group_size = eng.expert_group().size;
+            result.arena_nbytes = model.arena_nbytes();
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
               const engine::ParamInfo& info = eng.param_info(id);
               result.held_expert_params += info.expert >= 0 && eng.owns_expert(info.expert, info.experts);
