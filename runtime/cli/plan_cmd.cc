@@ -30,6 +30,7 @@
 #include "runtime/plan/plan.h"
 #include "runtime/plan/plan_report.h"
 #include "runtime/plan/runtime_memory.h"
+#include "runtime/train/zero_config.h"
 #include "partition/layout.h"
 #include "runtime/engine/zero_sizes.h"
 
@@ -169,6 +170,9 @@ struct Resolved {
   // --config), then as the engine would use them (resolve_zero_sizes).
   int64_t sub_group_given = 0, reduce_bucket_given = 0;
   engine::ZeroSizes zero_sizes;
+  // moe.expert_parallel_size as strata finetune would choose it (needs
+  // --model with experts; 1 otherwise), and what it changes per rank.
+  int expert_parallel = 1;
 };
 
 void resolve_model(const Options& o, Resolved& r) {
@@ -359,6 +363,49 @@ void resolve_zero_sizes(Resolved& r) {
   r.inputs.training.reduce_bucket_numel = r.zero_sizes.reduce_bucket_numel;
 }
 
+// Expert parallelism with a mixture of experts from --model: the size
+// finetune would use (the config's, or the data-parallel world when it
+// divides the experts), refused as finetune refuses it.
+void resolve_expert_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  if (!r.config || !r.config->moe()) return;
+  const Config given = config ? *config : Config{};
+  r.expert_parallel = train::choose_expert_parallel_size(given, *r.config,
+                                                         static_cast<int>(r.inputs.machine.data_parallel),
+                                                         config ? o.config : std::string("strata plan"));
+}
+
+// What expert parallelism changes per rank, per micro-step (16-bit activations,
+// as the rest of the plan): the experts each rank runs, the rows they may
+// receive, and the all-to-all's bytes (rows out and back, forward and backward).
+struct ExpertParallelShape {
+  int64_t experts_per_rank = 0, max_rows = 0;
+  double max_expert_activation_nbytes = 0;  // per layer: gate, up, act + received rows
+  double exchange_nbytes = 0;               // per micro-step, all layers, sent by one rank
+};
+ExpertParallelShape expert_parallel_shape(const Resolved& r) {
+  const nn::LlamaConfig& c = *r.config;
+  const plan::TrainingShape& t = r.inputs.training;
+  const int64_t n = r.expert_parallel, rows = t.micro_batch * t.seq * c.num_experts_per_tok;
+  ExpertParallelShape s;
+  s.experts_per_rank = c.num_experts / n;
+  s.max_rows = n * rows;
+  s.max_expert_activation_nbytes =
+      2.0 * static_cast<double>(s.max_rows) * static_cast<double>(3 * c.moe_intermediate_size + c.hidden_size);
+  // Each of the 4 exchanges a layer makes (rows out, outputs back, and their
+  // gradients) sends the share of the rows other members hold: (n-1)/n on average.
+  s.exchange_nbytes = 4.0 * static_cast<double>(c.num_hidden_layers) * static_cast<double>(rows) *
+                      static_cast<double>(c.hidden_size) * 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
+  return s;
+}
+nlohmann::json expert_parallel_json(const Resolved& r) {
+  const ExpertParallelShape s = expert_parallel_shape(r);
+  return {{"size", r.expert_parallel},
+          {"experts_per_rank", s.experts_per_rank},
+          {"max_rows_per_rank", s.max_rows},
+          {"max_expert_activation_bytes_per_layer", s.max_expert_activation_nbytes},
+          {"exchange_bytes_per_micro_step", s.exchange_nbytes}};
+}
+
 void resolve_machine(const Options& o, const std::optional<Config>& config, Resolved& r) {
   plan::Machine& hw = r.inputs.machine;
   auto& src = r.sources;
@@ -495,6 +542,16 @@ std::string header(const Resolved& r) {
                        "active per token (compute counts these; memory and transfers every expert)\n",
                        m.experts, m.intermediate, m.experts_per_token, count_text(m.active_param_count));
   }
+  if (r.expert_parallel > 1) {
+    const ExpertParallelShape s = expert_parallel_shape(r);
+    out += fmt::format(
+        "          expert parallelism {} (moe.expert_parallel_size): each rank holds {} experts per layer and their "
+        "optimizer state, partitioned over the {} rank(s) that hold the same; it runs them on up to {} token rows "
+        "(every member's), {:.1f} MB of expert activations per layer at most, and sends {:.1f} MB per micro-step "
+        "all-to-all (model states per rank as without it)\n",
+        r.expert_parallel, s.experts_per_rank, r.inputs.machine.data_parallel / r.expert_parallel, s.max_rows,
+        s.max_expert_activation_nbytes / 1e6, s.exchange_nbytes / 1e6);
+  }
   out += fmt::format(
       "Training  seq {}, micro-batch {}, gradient accumulation {}, {}\n", t.seq, t.micro_batch,
       t.grad_accumulation,
@@ -582,6 +639,7 @@ int run_plan(const Options& o) {
   resolve_training(o, config, r);
   resolve_machine(o, config, r);
   resolve_zero_sizes(r);
+  resolve_expert_parallel(o, config, r);
   plan::Plan result = plan::make_plan(r.inputs);
   for (const std::string& hint : r.hints) result.notes.push_back(hint);
   if (o.json) {
@@ -589,6 +647,7 @@ int run_plan(const Options& o) {
     out["model"]["source"] = r.model_source;
     out["sources"] = r.sources;
     out["zero_sizes"] = r.zero_sizes.to_json();
+    if (r.expert_parallel > 1) out["expert_parallel"] = expert_parallel_json(r);
     std::cout << out.dump(2) << "\n";
   } else {
     std::cout << header(r)

@@ -494,6 +494,34 @@ TEST_CASE("strata plan --model of a mixture of experts: compute counts the activ
   CHECK(dense["model"]["active_param_count"] == dense["model"]["param_count"]);
 }
 
+TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert parallelism as finetune chooses it",
+          "[plan][cli][moe]") {
+  const auto plan = [](const std::string& args) {
+    const auto result = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR
+                                    "/tests/data/golden/mixtral_untied_f32 --gpu-mem 1GB --gpus 4 --seq 512 " + args +
+                                    " 2>&1");
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    return result.output;
+  };
+  // 8 experts over 4 ranks: 2 each; micro-batch 1 x 512 tokens x top 2 = 1024
+  // rows per rank, up to 4096 received; per layer (hidden 32, width 8) at most
+  // 2 bytes x 4096 x (3 x 8 + 32); the exchange 4 x 2 layers x 1024 x 32 x 2
+  // bytes x 3/4.
+  const auto ep = nlohmann::json::parse(plan("--json"))["expert_parallel"];
+  CHECK(ep["size"] == 4);
+  CHECK(ep["experts_per_rank"] == 2);
+  CHECK(ep["max_rows_per_rank"] == 4096);
+  CHECK(ep["max_expert_activation_bytes_per_layer"].get<double>() == Approx(2.0 * 4096 * 56));
+  CHECK(ep["exchange_bytes_per_micro_step"].get<double>() == Approx(4.0 * 2 * 1024 * 32 * 2 * 0.75));
+  CHECK_THAT(plan(""), Catch::Contains("expert parallelism 4 (moe.expert_parallel_size): each rank holds 2 experts"));
+  // 3 ranks do not divide 8 experts: every rank holds every expert, nothing said.
+  const auto three = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR
+                                 "/tests/data/golden/mixtral_untied_f32 --gpu-mem 1GB --gpus 3 --json");
+  REQUIRE(three.exit_code == 0);
+  CHECK_FALSE(nlohmann::json::parse(three.output).contains("expert_parallel"));
+}
+
 TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
   const std::string model = STRATA_SOURCE_DIR "/tests/data/golden/llama_untied_f32";
   const auto lora = [&](const std::string& args) {
