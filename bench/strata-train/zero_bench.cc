@@ -32,6 +32,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
+#include "runtime/config/size.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "runtime/train/zero_config.h"
@@ -598,6 +599,18 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
 
 }  // namespace
 
+// Element counts as a ds_config writes them: 1e6 (or 1M) as well as 1000000.
+CLI::Validator count_transform() {
+  return CLI::Validator(
+      [](std::string& text) {
+        const std::optional<uint64_t> n = parse_size(text);
+        if (!n) return "not a count of elements: " + text + " (e.g. 1000000 or 1e6)";
+        text = std::to_string(*n);
+        return std::string();
+      },
+      "COUNT");
+}
+
 void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   engine::ZeroEngineOptions& e = f.engine;
   app.add_option("--zero", f.stage, "train through a ZeroEngine at this ZeRO stage (1, 2 or 3) instead of the "
@@ -624,28 +637,28 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_option("--drive-test-mib", f.drive_test_mib, "size of the drive bandwidth probe's file")
       ->capture_default_str()->check(CLI::Range(4, 1 << 20));
   app.add_option("--prefetch-bucket", e.prefetch_bucket_numel, "stage3_prefetch_bucket_size (elements)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->transform(count_transform())->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--max-live", e.max_live_parameters_numel, "stage3_max_live_parameters (elements)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->transform(count_transform())->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--reuse-distance", e.max_reuse_distance_numel, "stage3_max_reuse_distance (elements)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->transform(count_transform())->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--persistence", e.persistence_threshold_numel, "stage3_param_persistence_threshold (elements)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->transform(count_transform())->capture_default_str()->check(CLI::NonNegativeNumber);
   app.add_option("--param-buffers", e.param_buffer_count, "offload_param.buffer_count")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--param-buffer-size", e.param_buffer_numel, "offload_param.buffer_size (elements)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->transform(count_transform())->capture_default_str()->check(CLI::PositiveNumber);
   // Left out: chosen from the model's decoder layers at finalize, as for a
   // ds_config without the keys (runtime/engine/zero_sizes.h).
   e.reduce_bucket_numel = engine::kChooseFromModel;
   e.sub_group_numel = engine::kChooseFromModel;
   app.add_option("--reduce-bucket", e.reduce_bucket_numel,
                  "reduce_bucket_size (elements; default: one decoder layer's gradients, chosen from the model)")
-      ->check(CLI::PositiveNumber);
+      ->transform(count_transform())->check(CLI::PositiveNumber);
   app.add_option("--sub-group", e.sub_group_numel,
                  "sub_group_size (elements): the optimizer's unit, and so how finely it can overlap backward "
                  "(default: one decoder layer's share of the shard, chosen from the model)")
-      ->check(CLI::PositiveNumber);
+      ->transform(count_transform())->check(CLI::PositiveNumber);
   app.add_flag("!--no-overlap-optimizer", f.overlap_optimizer,
                "run the optimizer in step() only, instead of updating each sub-group during backward as soon as its "
                "gradient is final");

@@ -115,6 +115,11 @@ TEST_CASE("the bench tools refuse bad flags with a message and an exit code in 1
        "would oversubscribe them"},
       {"strata-train --layers 1 --hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1 --json /proc/no-such-dir/x.json",
        "--json /proc/no-such-dir/x.json"},
+      {"strata-train --zero 3 --sub-group 1e6x", "--sub-group: not a count of elements: 1e6x"},
+      // Counts as a ds_config writes them are accepted (1e6): the refusal is the next flag's.
+      {"strata-train --zero 3 --sub-group 1e6 --reduce-bucket 2e6 --ep 2 --layers 1 --hidden 64 --heads 2 --vocab 64 "
+       "--seq 8 --batch 1",
+       "--ep 2 splits experts between ranks: give --experts too"},
       {"strata-bw --ranks 100000", "--ranks 100000 must be in [1, 64]"},
       {"strata-bw --min-bytes 0 --max-bytes 4KiB", "--min-bytes must be at least 1 byte"},
       {"strata-bw --factor nan", "--factor nan must be a number in [1.01, 1024]"},
