@@ -26,6 +26,11 @@
 //       their gradient is final, speculatively, rolled back exactly when the
 //       step says otherwise — or, while clipping fires, their statistics
 //       taken and their state read ahead, so step() is left the arithmetic.
+//   Expert parallelism (options.expert_parallel_size > 1): the experts this
+//       rank holds (Engine::owns_expert) form groups of their own, partitioned,
+//       gathered and reduced over the expert-dp group (ZeroComms::expert_*);
+//       the other members' experts have no storage here; exchange_experts is
+//       the ep group's all_to_all (docs/DESIGN.md §4.2).
 // step() at an accumulation boundary: the global gradient norm (f64 allreduce
 // on the control communicator), clipping, a skip without any state change when
 // a gradient is not finite (with fp16 loss scaling the scale then backs off,

@@ -55,10 +55,6 @@ MatView rows_of(const TensorView& t, int64_t r0, int64_t r1) { return MatView::o
 
 }  // namespace
 
-MatView MoeMlp::block(const TensorView& t, size_t e, const MoeActs& a) const {
-  return MatView::of(t).row_block(a.host_offsets[e], a.host_offsets[e + 1]);
-}
-
 size_t MoeMlp::first_expert() const {
   return static_cast<size_t>(engine_.expert_group().member) * held_experts();
 }

@@ -129,8 +129,6 @@ class MoeMlp : public Module {
   struct Expert {
     std::unique_ptr<Linear> gate, up, down;
   };
-  // Expert e's rows of a [rows * k, cols] buffer.
-  MatView block(const TensorView& t, size_t e, const MoeActs& acts) const;
   // routed_ from every rank's row counts, and the engine advised of it; with
   // expert parallelism also exchange_ (and the permutation uploaded).
   void agree_routing(const MoeActs& acts);
@@ -145,8 +143,8 @@ class MoeMlp : public Module {
   size_t held_experts() const;  // how many it holds
   void plan_exchange(const std::vector<double>& counts, const MoeActs& acts);
   // Forward / backward of the experts this rank holds, rows already in
-  // expert order (`in`: xp or xr; `out`: yp or expert_out), block(e) of
-  // `offsets` (host).
+  // expert order (`in`: xp or xr; `out`: yp or expert_out): the j-th held
+  // expert's rows are [offsets[j], offsets[j + 1]) (host).
   void experts_forward(const TensorView& in, const MoeActs& a, const TensorView& out, const int32_t* offsets,
                        Phase phase);
   void experts_backward(const TensorView& dout, const TensorView& in, const MoeActs& a, const MoeGrads& g,
