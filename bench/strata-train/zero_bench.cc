@@ -437,7 +437,6 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   // threads share one process, whose peak every rank reads.
   const std::vector<double> peak_rss = ranks.each(static_cast<double>(strata::train::peak_rss_nbytes()));
   const double max_peak_rss = *std::max_element(peak_rss.begin(), peak_rss.end());
-  if (r.rank == 0 && std::getenv("STRATA_SMAPS_DEBUG")) { std::ifstream in("/proc/self/smaps"); std::ofstream out(std::getenv("STRATA_SMAPS_DEBUG")); out << in.rdbuf(); }
   if (r.rank != 0) return true;
 
   // ---- report (rank 0) -----------------------------------------------------------------
