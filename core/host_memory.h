@@ -35,7 +35,7 @@ void free_locked_host(void* ptr, size_t nbytes);
 // does with blocks below its (adaptive, up to 32 MiB) mmap threshold when many
 // threads allocate and free them. The bound is malloc's own initial threshold:
 // at 1 MiB, a mixture of experts' many 128 KiB expert copies and gradients
-// (small models, one rank thread each) stranded ~20 MB per rank thread more
+// (small models, one rank thread each) stranded ~30 MB more per rank thread
 // when the experts grew 4x (bench/PERFORMANCE.md, "Mixture of experts").
 // Throws Error(kOutOfMemory) when allocation fails.
 constexpr size_t kOwnMapMinNbytes = size_t{128} << 10;
