@@ -105,6 +105,7 @@ struct StepFigures {
   double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
   double peak_gathered = 0;  // most bytes of full parameters gathered at once (this rank)
   std::vector<engine::OpStall> ops;
+  std::vector<offload::LayerFetch> layers;  // stage 3: the step by decoder layer
 };
 
 // Field by field medians of a round's steps.
@@ -349,6 +350,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     f.gathered = static_cast<double>(p.gather_nbytes);
     f.peak_gathered = static_cast<double>(p.peak_gathered_nbytes);
     f.ops = p.op_stalls();
+    f.layers = p.per_layer();
     return f;
   };
   double resident_loss = 0;
@@ -367,6 +369,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   std::vector<Round> rounds;
   std::vector<double> all_losses;
   std::map<std::pair<std::string, int>, std::pair<double, int64_t>> op_totals;  // (name, phase) -> seconds, windows
+  std::vector<offload::LayerFetch> layer_totals;  // per layer slot (layer + 1), summed over the timed steps
   int timed_steps = 0, clipped_steps = 0, speculated_steps = 0, rolled_back_steps = 0, read_ahead_steps = 0;
   double read_ahead_sub_groups = 0;
   double max_norm = 0, min_norm = std::numeric_limits<double>::infinity();
@@ -399,6 +402,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         auto& t = op_totals[{x.name, static_cast<int>(x.phase)}];
         t.first += x.seconds;
         t.second += x.windows;
+      }
+      if (layer_totals.size() < f.layers.size()) layer_totals.resize(f.layers.size());
+      for (size_t k = 0; k < f.layers.size(); ++k) {
+        layer_totals[k] += f.layers[k];
+        layer_totals[k].layer = f.layers[k].layer;
       }
       ++timed_steps;
       clipped_steps += f.clipped;
@@ -556,6 +564,32 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     }
     fmt::print("\n");
   }
+  // The step by decoder layer (rank 0, mean per timed step): what routing
+  // changes is where the bytes and the stall go.
+  nlohmann::json layers_json = nlohmann::json::array();
+  const double per_step = 1.0 / std::max(timed_steps, 1);
+  for (const offload::LayerFetch& l : layer_totals) {
+    layers_json.push_back({{"layer", l.layer}, {"windows_per_step", l.windows * per_step},
+                           {"skipped_windows_per_step", l.skipped_windows * per_step},
+                           {"gathers_per_step", l.gathers * per_step},
+                           {"gathered_bytes_per_step", static_cast<double>(l.gather_nbytes) * per_step},
+                           {"param_read_bytes_per_step", static_cast<double>(l.read_nbytes) * per_step},
+                           {"param_stall_s_per_step", l.stall_seconds * per_step},
+                           {"stalled_windows_per_step", l.stalled_windows * per_step}});
+  }
+  if (!layer_totals.empty() && (run.config.moe() || flags.layer_breakdown)) {
+    fmt::print("by decoder layer (rank 0, mean per step; \"-\": outside the layers):\n{:>6} {:>9} {:>9} {:>9} {:>12} "
+               "{:>12} {:>10} {:>9}\n",
+               "layer", "windows", "skipped", "gathers", "gathered MB", "param rd MB", "stall ms", "stalled");
+    for (const offload::LayerFetch& l : layer_totals) {
+      fmt::print("{:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>12.2f} {:>12.2f} {:>10.2f} {:>9.1f}\n",
+                 l.layer < 0 ? std::string("-") : std::to_string(l.layer), l.windows * per_step,
+                 l.skipped_windows * per_step, l.gathers * per_step,
+                 static_cast<double>(l.gather_nbytes) * per_step / 1e6,
+                 static_cast<double>(l.read_nbytes) * per_step / 1e6, 1e3 * l.stall_seconds * per_step,
+                 l.stalled_windows * per_step);
+    }
+  }
 
   if (!run.json.empty()) {
     nlohmann::json rounds_json = nlohmann::json::array();
@@ -621,6 +655,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         {"host_peak_rss_bytes", max_peak_rss},
         {"host_peak_rss_bytes_per_rank", peak_rss},
         {"op_stalls", ops_json},
+        {"layers", layers_json},
         {"correctness", {{"ok", ok}, {"losses_finite", finite}, {"first_loss", all_losses.front()},
                          {"resident_loss", resident ? nlohmann::json(resident_global_loss) : nlohmann::json()},
                          {"first_loss_matches_resident", resident ? nlohmann::json(matches) : nlohmann::json()},
@@ -650,6 +685,9 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_flag("--no-resident", f.no_resident,
                "leave out the resident reference model (the whole model and its gradients per rank): no resident "
                "step in the bound, no first-loss check; peak host RSS is then the ZeRO engine's alone");
+  app.add_flag("--layer-breakdown", f.layer_breakdown,
+               "--zero 3: print the step by decoder layer (windows, skipped windows, gathers, bytes gathered and "
+               "read, stall on parameters); on by itself with --experts, and always in --json");
   app.add_option("--nvme-dir", f.nvme_dir, "directory for swap files and the drive bandwidth probe (an nvme tier)");
   app.add_option("--ranks", f.ranks, "ranks as threads of this process when not started by `strata run` (default 1)")
       ->check(CLI::Range(0, 64));

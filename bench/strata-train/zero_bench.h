@@ -39,6 +39,7 @@ struct ZeroFlags {
   // gradients, resident, per rank): no resident step in the bound and no
   // first-loss check, so peak host RSS is the ZeRO engine's alone.
   bool no_resident = false;
+  bool layer_breakdown = false;  // print the per-layer table (always with experts)
   int ranks = 0;  // threads of this process when not started by `strata run`; 0: 1
   bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
   float lr = 1e-3f;
