@@ -3,16 +3,21 @@
 // and a Mixtral under ZeRO-3 with parameters on NVMe whose per-layer figures
 // add up to the step's and follow the routing: a layer gathers exactly its
 // parameters less the experts skipped there, and a layer with experts skipped
-// reads fewer bytes than the same layer with every expert routed.
+// reads fewer bytes than the same layer with every expert routed; on the
+// timeline each layer's counters peak at its step's figures.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "core/trace_recorder.h"
 #include "offload/layer_fetch.h"
 #include "runtime/engine/zero_sizes.h"
 #include "tests/engine/zero_training.h"
+#include "tests/runtime/trace_checks.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata;
@@ -135,5 +140,50 @@ TEST_CASE("MoE under ZeRO-3 on NVMe, per layer: the layers add up to the step, s
       CHECK(r[slot].read_nbytes < a[slot].read_nbytes);
       CHECK(r[slot].gather_nbytes < a[slot].gather_nbytes);
     }
+  }
+}
+
+TEST_CASE("MoE under ZeRO-3 on NVMe, per layer on the timeline: each layer's counters peak at its step's figures",
+          "[engine][zero][moe][nvme][trace]") {
+  ops::set_cpu_threads(1);
+  test::TempDir dir("strata-zero-layer-trace");
+  TrainSpec spec;
+  spec.config = mixtral_config(16, 64, /*aux=*/false);
+  spec.steps = 3;
+  spec.options = options_for(3);
+  spec.options.param_tier = Tier::kNvme;
+  spec.options.optimizer_tier = Tier::kNvme;
+  spec.options.nvme_path = dir.path() / "swap";
+  spec.batches = one_token_per_sequence;
+  trace::Options o;
+  o.path = dir.file("trace.json");
+  trace::start(o);
+  const TrainResult routed = train_zero(spec);
+  trace::stop();
+
+  // Each counter track's highest sample.
+  const test::TraceFile file = test::read_trace(o.path, 0);
+  std::map<std::string, int64_t> peak;
+  for (const auto& e : file.events) {
+    if (e["ph"] != "C") continue;
+    int64_t& p = peak[e["name"].get<std::string>()];
+    p = std::max(p, e["args"]["value"].get<int64_t>());
+  }
+  const int64_t layers = spec.config->num_hidden_layers;
+  for (int64_t slot = 0; slot <= layers; ++slot) {
+    const std::string layer = slot == 0 ? std::string("no layer") : "layer " + std::to_string(slot - 1);
+    CAPTURE(layer);
+    uint64_t read = 0, gathered = 0;
+    double stall = 0;
+    for (const engine::PrefetchStats& p : routed.prefetch) {
+      const LayerFetch l = p.per_layer().at(static_cast<size_t>(slot));
+      read = std::max(read, l.read_nbytes);
+      gathered = std::max(gathered, l.gather_nbytes);
+      stall = std::max(stall, l.stall_seconds);
+    }
+    REQUIRE(peak.count("param bytes read: " + layer) == 1);
+    CHECK(peak["param bytes read: " + layer] == static_cast<int64_t>(read));
+    CHECK(peak["param bytes gathered: " + layer] == static_cast<int64_t>(gathered));
+    if (stall > 0) CHECK(static_cast<double>(peak["param stall us: " + layer]) == Approx(stall * 1e6).margin(2));
   }
 }
