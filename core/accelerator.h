@@ -120,7 +120,7 @@ struct MemoryStats {
   // whose event has not been seen complete yet (pending_free_nbytes).
   size_t in_use_nbytes = 0;
   size_t peak_nbytes = 0;      // highest in_use seen
-  size_t cached_nbytes = 0;    // held by a caching allocator but free (cuda; cpu: blocks >= 1 MiB, within the peak)
+  size_t cached_nbytes = 0;    // held by a caching allocator but free (cuda; cpu: blocks >= 128 KiB, within the peak)
   size_t pending_free_nbytes = 0;  // part of in_use: freed after an event not yet complete
 };
 

@@ -9,7 +9,7 @@
 // and a stream synchronization).
 //
 // Policy (Options): which freed blocks are kept. The cpu accelerator keeps
-// only its own >= 1 MiB mappings (each fresh one is page faults and kernel
+// only its own >= 128 KiB mappings (each fresh one is page faults and kernel
 // zeroing) and only while in use + cached stays within the peak in use, so
 // caching never holds more memory than was once in use at the same time; the
 // cuda accelerator keeps every block (cudaFree is expensive), its cache bounded

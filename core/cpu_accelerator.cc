@@ -433,11 +433,11 @@ class CpuAccelerator final : public Accelerator {
     for (const auto& [ptr, nbytes] : blocks) free_host(ptr, nbytes);
   }
 
-  // Freed blocks of >= 1 MiB (allocate_host's own mappings: each fresh one is
-  // page faults and kernel zeroing, every step, for every gathered parameter,
-  // gradient and bucket) are kept for the next request of their size while in
-  // use + cached stays within the peak (core/block_cache.h).
-  static constexpr size_t kCachedMinNbytes = size_t{1} << 20;
+  // Freed blocks of >= kOwnMapMinNbytes (allocate_host's own mappings: each
+  // fresh one is page faults and kernel zeroing, every step, for every
+  // gathered parameter, gradient and bucket) are kept for the next request of
+  // their size while in use + cached stays within the peak (core/block_cache.h).
+  static constexpr size_t kCachedMinNbytes = kOwnMapMinNbytes;
   mutable std::mutex mutex_;
   // mutable: memory_stats() observes completed stream-ordered frees.
   mutable BlockCache blocks_;

@@ -107,12 +107,8 @@ HostBacking host_backing(const void* ptr, size_t nbytes) {
   return backing;
 }
 
-namespace {
-constexpr size_t kOwnMapNbytes = size_t{1} << 20;
-}  // namespace
-
 void* allocate_host(size_t nbytes) {
-  if (nbytes >= kOwnMapNbytes) return map_aligned(round_up(nbytes, kPageNbytes), kPageNbytes);
+  if (nbytes >= kOwnMapMinNbytes) return map_aligned(round_up(nbytes, kPageNbytes), kPageNbytes);
   void* ptr = std::aligned_alloc(256, (std::max<size_t>(nbytes, 1) + 255) / 256 * 256);
   if (ptr == nullptr) raise(ErrorCategory::kOutOfMemory, "host allocation of {} bytes failed", nbytes);
   return ptr;
@@ -120,7 +116,7 @@ void* allocate_host(size_t nbytes) {
 
 void free_host(void* ptr, size_t nbytes) {
   if (ptr == nullptr) return;
-  if (nbytes >= kOwnMapNbytes) {
+  if (nbytes >= kOwnMapMinNbytes) {
     munmap(ptr, round_up(nbytes, kPageNbytes));
   } else {
     std::free(ptr);

@@ -29,11 +29,16 @@ void* allocate_locked_host(size_t nbytes);
 void free_locked_host(void* ptr, size_t nbytes);
 
 // Ordinary (pageable) host memory, 256-byte aligned, for the cpu accelerator's
-// device memory. Blocks of 1 MiB or more are their own mmap and go back to the
-// OS when freed, so the process's resident set follows what is in use: the
-// allocator cannot strand them in a thread's heap arena, as malloc does with
-// blocks below its (adaptive, up to 32 MiB) mmap threshold when many threads
-// allocate and free them. Throws Error(kOutOfMemory) when allocation fails.
+// device memory. Blocks of kOwnMapMinNbytes or more are their own mmap and go
+// back to the OS when freed, so the process's resident set follows what is in
+// use: the allocator cannot strand them in a thread's heap arena, as malloc
+// does with blocks below its (adaptive, up to 32 MiB) mmap threshold when many
+// threads allocate and free them. The bound is malloc's own initial threshold:
+// at 1 MiB, a mixture of experts' many 128 KiB expert copies and gradients
+// (small models, one rank thread each) stranded ~30 MB more per rank thread
+// when the experts grew 4x (bench/PERFORMANCE.md, "Mixture of experts").
+// Throws Error(kOutOfMemory) when allocation fails.
+constexpr size_t kOwnMapMinNbytes = size_t{128} << 10;
 void* allocate_host(size_t nbytes);
 // Frees memory from allocate_host; nbytes must be the requested size.
 void free_host(void* ptr, size_t nbytes);

@@ -136,6 +136,10 @@ ParamCoordinator::ParamCoordinator(Accelerator& accelerator, Stream& compute, St
       trace_([this](OpId op) -> const std::vector<ParamId>& { return ops_[static_cast<size_t>(op)].params; },
              [this](ParamId id) { return gathered_numel(id); }) {
   const size_t count = params_.size();
+  std::vector<int32_t> op_layer;
+  for (const CoordinatedOp& op : ops_) op_layer.push_back(op.layer);
+  layers_ = LayerTally(std::move(op_layer), count,
+                       [this](OpId op) -> const std::vector<ParamId>& { return ops_[static_cast<size_t>(op)].params; });
   gathered_.resize(count);
   open_uses_.assign(count, 0);
   visited_.assign(count, 0);
@@ -203,7 +207,10 @@ void ParamCoordinator::pre_op(OpId op, Phase phase) {
   const OperatorTrace::Advance advance = trace_paused_ ? OperatorTrace::Advance{} : trace_.advance(op, phase);
   window_position_.push_back(advance.position);
   if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
-  if (!trace_paused_) ++current_.windows;
+  if (!trace_paused_) {
+    ++current_.windows;
+    ++layers_.of_op(current_.layer_counts, op).windows;
+  }
   const CoordinatedOp& info = ops_[static_cast<size_t>(op)];
   for (ParamId id : info.params) ++open_uses_[static_cast<size_t>(id)];
   make_room(op);
@@ -213,7 +220,7 @@ void ParamCoordinator::pre_op(OpId op, Phase phase) {
     fetch(id);
     waits.push_back(gathered_[static_cast<size_t>(id)]->ready.get());
   }
-  wait_timed(compute_, current_, ops_.size(), op, phase, info.name, waits);
+  wait_timed(compute_, current_, ops_.size(), op, phase, info.name, waits, layers_);
   if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
     prefetch_from(advance.position);
   }
@@ -230,7 +237,10 @@ void ParamCoordinator::skip_op(OpId op, Phase phase) {
   const OperatorTrace::Advance advance =
       trace_paused_ ? OperatorTrace::Advance{} : trace_.advance(op, phase, /*skipped=*/true);
   if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
-  if (!trace_paused_) ++current_.skipped_windows;
+  if (!trace_paused_) {
+    ++current_.skipped_windows;
+    ++layers_.of_op(current_.layer_counts, op).skipped_windows;
+  }
   keep_or_release(op, advance.position);
   if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
     prefetch_from(advance.position);
@@ -280,6 +290,7 @@ void ParamCoordinator::end_step() {
     gather_.synchronize();  // prefetched gathers' reads have landed (an error is the step's)
     drain_staging();
   }
+  end_step_timeline(compute_, current_, layers_);
   last_ = current_;
   current_ = PrefetchStats{};
   ++step_boundaries_;
@@ -403,6 +414,10 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
   ++gathers_issued_;
   ++current_.gathers;
   current_.gather_nbytes += full_nbytes;
+  LayerFetch& layer = layers_.of_param(current_.layer_counts, id);
+  ++layer.gathers;
+  layer.gather_nbytes += full_nbytes;
+  layers_.trace_bytes(layer);
   gather_.record(*gathered.ready);
   if (staged != nullptr) {
     if (device_copy == nullptr) mark_consumed();  // the allgather read it
@@ -474,6 +489,10 @@ bool ParamCoordinator::stage_read(ParamId id, bool ahead) {
   slot->staged = static_cast<int>(buffer - staging.buffers.data());
   ++current_.reads;
   current_.read_nbytes += nbytes;
+  LayerFetch& layer = layers_.of_param(current_.layer_counts, id);
+  ++layer.reads;
+  layer.read_nbytes += nbytes;
+  layers_.trace_bytes(layer);
   if (ahead) ++current_.reads_ahead;
   return true;
 }

@@ -63,6 +63,7 @@
 
 #include "core/accelerator.h"
 #include "offload/hook_ids.h"
+#include "offload/layer_fetch.h"
 #include "offload/operator_trace.h"
 #include "offload/param_home.h"
 #include "partition/communicator.h"
@@ -76,6 +77,7 @@ struct OpStall {
   OpId op = -1;
   Phase phase = Phase::kForward;
   std::string name;      // the operator's name
+  int32_t layer = -1;    // its CoordinatedOp::layer
   int64_t windows = 0;   // windows of (op, phase) whose wait was timed
   double seconds = 0;    // compute-stream time spent at those waits
 };
@@ -127,6 +129,14 @@ struct PrefetchStats {
   int64_t stalled_windows() const;          // windows timed
   std::vector<OpStall> op_stalls() const;   // per (op, phase) timed, most seconds first
   std::shared_ptr<StallLog> stall_log;      // null: nothing timed (yet)
+
+  // The step by decoder layer (layer_fetch.h), indexed by layer + 1 (index 0:
+  // operators outside every layer): the counts above split by layer —
+  // windows, skipped_windows, gathers, gather_nbytes, reads and read_nbytes
+  // add up to this struct's — and each layer's stall from stall_log (final
+  // when param_stall_seconds() is). Empty before the step's first window.
+  std::vector<LayerFetch> per_layer() const;
+  std::vector<LayerFetch> layer_counts;  // the host-counted part of per_layer()
 };
 
 // Budgets, in elements; the engine's defaults are DeepSpeed's.
@@ -159,6 +169,7 @@ struct CoordinatedParam {
 struct CoordinatedOp {
   std::string name;
   std::vector<ParamId> params;
+  int32_t layer = -1;  // the decoder layer it belongs to, for per-layer accounting only (-1: none)
 };
 
 class ParamCoordinator {
@@ -258,6 +269,7 @@ class ParamCoordinator {
   std::vector<CoordinatedParam> params_;
   std::vector<CoordinatedOp> ops_;
   OperatorTrace trace_;
+  LayerTally layers_;                                // which layer each op and parameter counts for
   std::vector<std::unique_ptr<Gathered>> gathered_;  // per parameter
   std::vector<int32_t> open_uses_;                   // per parameter: open windows listing it
   std::vector<std::unique_ptr<Staging>> staging_;    // per home the accelerator cannot read

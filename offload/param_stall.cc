@@ -17,21 +17,22 @@ size_t stall_index(OpId op, Phase phase) {
 }  // namespace
 
 void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op, Phase phase,
-                const std::string& name, const std::vector<Event*>& waits) {
+                const std::string& name, const std::vector<Event*>& waits, const LayerTally& layers) {
   const bool pending = std::any_of(waits.begin(), waits.end(), [](Event* e) { return !e->query(); });
   if (!pending) {
     for (Event* e : waits) compute.wait(*e);
     return;
   }
-  if (stats.stall_log == nullptr) stats.stall_log = std::make_shared<StallLog>(op_count);
+  if (stats.stall_log == nullptr) stats.stall_log = std::make_shared<StallLog>(op_count, layers);
   const size_t index = stall_index(op, phase);
   {
     std::lock_guard lock(stats.stall_log->mutex);
     OpStall& entry = stats.stall_log->entries[index];
-    if (entry.op < 0) {  // the stream reads only seconds/windows: the name is set here, once
+    if (entry.op < 0) {  // the stream reads only seconds/windows/layer: set here, once
       entry.op = op;
       entry.phase = phase;
       entry.name = name;
+      entry.layer = layers.op_layer(op);
     }
   }
   compute.launch_host_func([log = stats.stall_log] {
@@ -44,6 +45,8 @@ void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op,
     const int64_t end = trace::now_ns();
     int64_t begin = 0;
     std::string_view name;
+    double layer_seconds = 0;
+    size_t slot = 0;
     {
       std::lock_guard lock(log->mutex);
       begin = log->begin_ns;
@@ -54,8 +57,11 @@ void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op,
       log->seconds += seconds;
       ++log->windows;
       name = entry.name;  // set before this function was enqueued; never changes
+      slot = static_cast<size_t>(entry.layer + 1);
+      layer_seconds = log->layer_seconds[slot] += seconds;
     }
     if (trace::enabled()) {
+      trace::counter((*log->layer_names)[slot].stall, static_cast<int64_t>(layer_seconds * 1e6));
       trace::Args args;
       args.detail_key = "op";
       args.detail = name;
@@ -64,6 +70,36 @@ void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op,
       trace::complete("engine", "param stall", begin, end, args);
     }
   });
+}
+
+void end_step_timeline(Stream& compute, const PrefetchStats& stats, const LayerTally& layers) {
+  if (!trace::enabled()) return;
+  layers.trace_reset();
+  if (stats.stall_log == nullptr) return;
+  compute.launch_host_func([log = stats.stall_log] {
+    std::lock_guard lock(log->mutex);
+    for (size_t slot = 0; slot < log->layer_seconds.size(); ++slot) {
+      if (log->layer_seconds[slot] > 0) trace::counter((*log->layer_names)[slot].stall, 0);
+    }
+  });
+}
+
+std::vector<LayerFetch> PrefetchStats::per_layer() const {
+  std::vector<LayerFetch> out = layer_counts;
+  if (stall_log == nullptr) return out;
+  std::lock_guard lock(stall_log->mutex);
+  for (const OpStall& entry : stall_log->entries) {
+    if (entry.windows == 0) continue;
+    const auto slot = static_cast<size_t>(entry.layer + 1);
+    if (out.size() <= slot) {  // a window while paused (evaluation) counts no window, only its stall
+      const size_t from = out.size();
+      out.resize(slot + 1);
+      for (size_t k = from; k < out.size(); ++k) out[k].layer = static_cast<int32_t>(k) - 1;
+    }
+    out[slot].stall_seconds += entry.seconds;
+    out[slot].stalled_windows += entry.windows;
+  }
+  return out;
 }
 
 double PrefetchStats::param_stall_seconds() const {

@@ -35,6 +35,7 @@
 #include "runtime/config/size.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
 namespace strata::bench::train {
@@ -103,7 +104,9 @@ struct StepFigures {
   bool speculated = false, read_ahead = false, rolled_back = false;  // the optimizer thread's mode, and its redo
   double sub_groups_read_ahead = 0;
   double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
+  double peak_gathered = 0;  // most bytes of full parameters gathered at once (this rank)
   std::vector<engine::OpStall> ops;
+  std::vector<offload::LayerFetch> layers;  // stage 3: the step by decoder layer
 };
 
 // Field by field medians of a round's steps.
@@ -117,7 +120,8 @@ StepFigures median_of(const std::vector<StepFigures>& steps) {
   for (double StepFigures::*f : {&StepFigures::step, &StepFigures::compute, &StepFigures::stall, &StepFigures::rank_wait,
                                  &StepFigures::grad_wait, &StepFigures::optimizer, &StepFigures::other,
                                  &StepFigures::loss, &StepFigures::nvme_read, &StepFigures::nvme_written,
-                                 &StepFigures::param_read, &StepFigures::gathered, &StepFigures::optimizer_hidden,
+                                 &StepFigures::param_read, &StepFigures::gathered, &StepFigures::peak_gathered,
+                                 &StepFigures::optimizer_hidden,
                                  &StepFigures::optimizer_drain, &StepFigures::optimizer_not_hidden,
                                  &StepFigures::sub_groups_overlapped, &StepFigures::sub_groups}) {
     m.*f = med(f);
@@ -174,12 +178,14 @@ void rank_batch(const ModelRun& run, const RankSetup& r, std::vector<int32_t>& i
 void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::ZeroEngineOptions& o,
                   const RankSetup& r, double param_count, size_t param_nbytes) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
-  fmt::print("strata-train --zero {}: {} rank(s) ({}) | params on {}, optimizer state on {}{} | hidden {} inter {} "
+  fmt::print("strata-train --zero {}: {} rank(s) ({}) | params on {}, optimizer state on {}, gradients on {}{} | hidden {} inter {} "
              "layers {} heads {}/{} vocab {} | {} x {} sequences of {} tokens per step | {} | {} threads per rank | "
              "OPENBLAS_CORETYPE={} | OpenBLAS core {}\n",
              o.stage, r.world, r.processes ? "processes" : "threads", tier_name(o.param_tier),
-             tier_name(o.optimizer_tier),
-             o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme ? " under " + flags.nvme_dir : "",
+             tier_name(o.optimizer_tier), tier_name(o.grad_tier),
+             o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme || o.grad_tier == Tier::kNvme
+                 ? " under " + flags.nvme_dir
+                 : "",
              run.config.hidden_size, run.config.intermediate_size, run.config.num_hidden_layers,
              run.config.num_attention_heads, run.config.num_key_value_heads, run.config.vocab_size, r.world,
              run.batch, run.seq, run.dtype, run.threads, coretype != nullptr ? coretype : "(unset)",
@@ -214,7 +220,10 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   o.stage = flags.stage;
   o.param_tier = param_tier(flags.offload_param);
   o.optimizer_tier = optimizer_tier(flags.offload_optimizer);
-  const bool nvme = o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme;
+  o.grad_tier = flags.offload_grad == "nvme" || (flags.offload_grad == "auto" && o.optimizer_tier == Tier::kNvme)
+                    ? Tier::kNvme
+                    : Tier::kDevice;
+  const bool nvme = o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme || o.grad_tier == Tier::kNvme;
   if (nvme) o.nvme_path = std::filesystem::path(flags.nvme_dir) / "strata-train-swap";
   o.adam.lr = flags.lr;
   o.adam.weight_decay = 0.01f;
@@ -257,10 +266,15 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   // The same step with everything resident: this rank's micro-batch on a
   // ResidentEngine with the same weights (no partitioning, no offload, no
   // gradient reduction, no optimizer), all ranks at once as in the ZeRO step.
-  engine::ResidentEngine resident(accelerator);
-  nn::LlamaModel resident_model(resident, run.config, model_options(run));
-  resident.finalize();
-  nn::initialize_parameters(resident, resident_model.parameters(), 0);
+  // --no-resident: none (peak host RSS is then the ZeRO engine's alone).
+  std::unique_ptr<engine::ResidentEngine> resident;
+  std::unique_ptr<nn::LlamaModel> resident_model;
+  if (!flags.no_resident) {
+    resident = std::make_unique<engine::ResidentEngine>(accelerator);
+    resident_model = std::make_unique<nn::LlamaModel>(*resident, run.config, model_options(run));
+    resident->finalize();
+    nn::initialize_parameters(*resident, resident_model->parameters(), 0);
+  }
 
   std::vector<int32_t> ids, targets;
   rank_batch(run, r, ids, targets);
@@ -337,17 +351,20 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     f.nvme_written = static_cast<double>(z.nvme_bytes_written()) - written0;
     f.param_read = static_cast<double>(p.read_nbytes);
     f.gathered = static_cast<double>(p.gather_nbytes);
+    f.peak_gathered = static_cast<double>(p.peak_gathered_nbytes);
     f.ops = p.op_stalls();
+    f.layers = p.per_layer();
     return f;
   };
   double resident_loss = 0;
   const auto resident_step = [&] {
+    if (!resident) return 0.0;
     trace::Span span("phase", "resident step");
     const auto start = Clock::now();
-    resident.zero_grad();
-    resident_model.forward(ids, targets, run.batch, run.seq);
-    resident_model.backward();
-    resident_loss = resident_model.loss();
+    resident->zero_grad();
+    resident_model->forward(ids, targets, run.batch, run.seq);
+    resident_model->backward();
+    resident_loss = resident_model->loss();
     return seconds_since(start);
   };
 
@@ -355,6 +372,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   std::vector<Round> rounds;
   std::vector<double> all_losses;
   std::map<std::pair<std::string, int>, std::pair<double, int64_t>> op_totals;  // (name, phase) -> seconds, windows
+  std::vector<offload::LayerFetch> layer_totals;  // per layer slot (layer + 1), summed over the timed steps
   int timed_steps = 0, clipped_steps = 0, speculated_steps = 0, rolled_back_steps = 0, read_ahead_steps = 0;
   double read_ahead_sub_groups = 0;
   double max_norm = 0, min_norm = std::numeric_limits<double>::infinity();
@@ -388,6 +406,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         t.first += x.seconds;
         t.second += x.windows;
       }
+      if (layer_totals.size() < f.layers.size()) layer_totals.resize(f.layers.size());
+      for (size_t k = 0; k < f.layers.size(); ++k) {
+        layer_totals[k] += f.layers[k];
+        layer_totals[k].layer = f.layers[k].layer;
+      }
       ++timed_steps;
       clipped_steps += f.clipped;
       speculated_steps += f.speculated;
@@ -419,8 +442,12 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   for (Round& rd : rounds) {
     rd.io_bound = drive_bw > 0 ? rd.drive_bytes / drive_bw : 0;
     rd.bound = std::max(rd.resident, rd.io_bound);
-    rd.ratio = rd.zero.step / rd.bound;
+    rd.ratio = rd.bound > 0 ? rd.zero.step / rd.bound : 0;  // 0: no bound (--no-resident, nothing on NVMe)
   }
+  // Peak host RSS (VmHWM) of each rank's process after the rounds; ranks as
+  // threads share one process, whose peak every rank reads.
+  const std::vector<double> peak_rss = ranks.each(static_cast<double>(strata::train::peak_rss_nbytes()));
+  const double max_peak_rss = *std::max_element(peak_rss.begin(), peak_rss.end());
   if (r.rank != 0) return true;
 
   // ---- report (rank 0) -----------------------------------------------------------------
@@ -457,13 +484,15 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   const double nvme_written = over_rounds([](const Round& rd) { return rd.zero.nvme_written; });
   const double param_read = over_rounds([](const Round& rd) { return rd.zero.param_read; });
   const double gathered = over_rounds([](const Round& rd) { return rd.zero.gathered; });
+  const double peak_gathered = over_rounds([](const Round& rd) { return rd.zero.peak_gathered; });
   const double drive_bytes = over_rounds([](const Round& rd) { return rd.drive_bytes; });
   const double bound = std::max(resident_step_s, io_bound);
 
   // Correctness: the first step's loss is the resident model's on the same
   // weights and batch, the loss is finite and falls, ranks agree on it.
   const bool finite = std::all_of(all_losses.begin(), all_losses.end(), [](double l) { return std::isfinite(l); });
-  const bool matches = std::fabs(all_losses.front() - resident_global_loss) <= 1e-4 * std::max(1.0, resident_global_loss);
+  const bool matches = !resident || std::fabs(all_losses.front() - resident_global_loss) <=
+                                         1e-4 * std::max(1.0, resident_global_loss);
   const bool falls = all_losses.back() < all_losses.front();
   const bool agree = loss_spread == 0;
   const bool ok = finite && matches && falls && agree;
@@ -488,29 +517,39 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
              min_norm, max_norm, o.gradient_clipping, clipped_steps, timed_steps, speculated_steps, rolled_back_steps,
              read_ahead_steps, read_ahead_steps > 0 ? read_ahead_sub_groups / read_ahead_steps : 0.0);
   fmt::print("bytes per step (rank 0): NVMe read {:.1f} MB (parameters {:.1f} MB), NVMe written {:.1f} MB, "
-             "parameters gathered {:.1f} MB\n",
-             nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6);
+             "parameters gathered {:.1f} MB (at most {:.1f} MB gathered at once)\n",
+             nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6, peak_gathered / 1e6);
   if (!drive.empty()) {
     fmt::print("drive: {:.2f} GB/s sequential O_DIRECT read{} (median of {} probes of {:.0f} MiB, before and after "
                "the rounds); {:.1f} MB of parameters read per step by the {} rank(s) sharing it\n",
                drive_bw / 1e9, drive.front().direct ? "" : " (O_DIRECT refused: page cache)", drive.size(),
                mib(static_cast<double>(drive.front().file_nbytes)), drive_bytes / 1e6, r.ranks_per_drive);
   }
-  fmt::print("bound: max(resident {:.3f} s, I/O {:.3f} s) = {:.3f} s | step / bound = {:.3f}x (median of the "
-             "rounds' ratios)\n",
-             resident_step_s, io_bound, bound, ratio);
+  if (resident) {
+    fmt::print("bound: max(resident {:.3f} s, I/O {:.3f} s) = {:.3f} s | step / bound = {:.3f}x (median of the "
+               "rounds' ratios)\n",
+               resident_step_s, io_bound, bound, ratio);
+  } else {
+    fmt::print("bound: I/O {:.3f} s only (--no-resident: no resident step) | step / I/O bound = {}\n", io_bound,
+               io_bound > 0 ? fmt::format("{:.3f}x", ratio) : std::string("-"));
+  }
+  fmt::print("peak host RSS (VmHWM): {:.1f} MB{}\n", max_peak_rss / 1e6,
+             r.processes ? fmt::format(" (the largest rank process's; {} processes)", r.world)
+                         : fmt::format(" (this process: {} rank threads{})", r.world,
+                                       resident ? ", each with its resident reference model" : ""));
   const double unoffloaded = over_rounds([](const Round& rd) { return rd.unoffloaded; });
   const double offload_ratio = over_rounds([](const Round& rd) { return rd.zero.step / rd.unoffloaded; });
   if (unoffloaded > 0) {
     fmt::print("the same ZeRO-{} step with nothing offloaded: {:.3f} s | offloaded / not = {:.3f}x, not offloaded / "
                "resident = {:.3f}x\n",
-               o.stage, unoffloaded, offload_ratio, unoffloaded / resident_step_s);
+               o.stage, unoffloaded, offload_ratio, resident ? unoffloaded / resident_step_s : 0.0);
   }
-  fmt::print("correctness: {} | losses finite: {} | first loss {:.5f} vs resident {:.5f}: {} | loss falls {:.4f} -> "
+  fmt::print("correctness: {} | losses finite: {} | first loss {:.5f} vs resident {} | loss falls {:.4f} -> "
              "{:.4f}: {} | ranks agree: {}\n",
-             ok ? "ok" : "FAILED", finite ? "yes" : "NO", all_losses.front(), resident_global_loss,
-             matches ? "yes" : "NO", all_losses.front(), all_losses.back(), falls ? "yes" : "NO",
-             agree ? "yes" : "NO");
+             ok ? "ok" : "FAILED", finite ? "yes" : "NO", all_losses.front(),
+             resident ? fmt::format("{:.5f}: {}", resident_global_loss, matches ? "yes" : "NO")
+                      : std::string("not checked (--no-resident)"),
+             all_losses.front(), all_losses.back(), falls ? "yes" : "NO", agree ? "yes" : "NO");
   // Where compute waited, over the timed steps (rank 0).
   std::vector<std::pair<double, std::string>> worst;
   nlohmann::json ops_json = nlohmann::json::array();
@@ -527,6 +566,32 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       fmt::print(" {} {:.1f} ms;", worst[k].second, 1e3 * worst[k].first);
     }
     fmt::print("\n");
+  }
+  // The step by decoder layer (rank 0, mean per timed step): what routing
+  // changes is where the bytes and the stall go.
+  nlohmann::json layers_json = nlohmann::json::array();
+  const double per_step = 1.0 / std::max(timed_steps, 1);
+  for (const offload::LayerFetch& l : layer_totals) {
+    layers_json.push_back({{"layer", l.layer}, {"windows_per_step", l.windows * per_step},
+                           {"skipped_windows_per_step", l.skipped_windows * per_step},
+                           {"gathers_per_step", l.gathers * per_step},
+                           {"gathered_bytes_per_step", static_cast<double>(l.gather_nbytes) * per_step},
+                           {"param_read_bytes_per_step", static_cast<double>(l.read_nbytes) * per_step},
+                           {"param_stall_s_per_step", l.stall_seconds * per_step},
+                           {"stalled_windows_per_step", l.stalled_windows * per_step}});
+  }
+  if (!layer_totals.empty() && (run.config.moe() || flags.layer_breakdown)) {
+    fmt::print("by decoder layer (rank 0, mean per step; \"-\": outside the layers):\n{:>6} {:>9} {:>9} {:>9} {:>12} "
+               "{:>12} {:>10} {:>9}\n",
+               "layer", "windows", "skipped", "gathers", "gathered MB", "param rd MB", "stall ms", "stalled");
+    for (const offload::LayerFetch& l : layer_totals) {
+      fmt::print("{:>6} {:>9.1f} {:>9.1f} {:>9.1f} {:>12.2f} {:>12.2f} {:>10.2f} {:>9.1f}\n",
+                 l.layer < 0 ? std::string("-") : std::to_string(l.layer), l.windows * per_step,
+                 l.skipped_windows * per_step, l.gathers * per_step,
+                 static_cast<double>(l.gather_nbytes) * per_step / 1e6,
+                 static_cast<double>(l.read_nbytes) * per_step / 1e6, 1e3 * l.stall_seconds * per_step,
+                 l.stalled_windows * per_step);
+    }
   }
 
   if (!run.json.empty()) {
@@ -556,7 +621,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                     {"top_k", run.config.num_experts_per_tok}, {"expert_intermediate", run.config.moe_intermediate_size},
                     {"routed_fetch", run.config.moe() && run.skip_unrouted_experts}}},
         {"zero", {{"stage", o.stage}, {"offload_param", tier_name(o.param_tier)},
-                  {"offload_optimizer", tier_name(o.optimizer_tier)}, {"nvme_dir", flags.nvme_dir},
+                  {"offload_optimizer", tier_name(o.optimizer_tier)}, {"offload_grad", tier_name(o.grad_tier)},
+                  {"resident_reference", !flags.no_resident}, {"nvme_dir", flags.nvme_dir},
                   {"ranks", r.world}, {"processes", r.processes}, {"prefetch_bucket", o.prefetch_bucket_numel},
                   {"max_live", o.max_live_parameters_numel}, {"reuse_distance", o.max_reuse_distance_numel},
                   {"param_buffer_count", o.param_buffer_count}, {"param_buffer_size", o.param_buffer_numel},
@@ -581,16 +647,21 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                     {"optimizer_not_hidden_fraction", not_hidden}, {"sub_groups_overlapped", overlapped},
                     {"sub_groups", sub_groups_total}, {"other_s", other}, {"nvme_read_bytes", nvme_read},
                     {"nvme_written_bytes", nvme_written}, {"param_read_bytes", param_read},
-                    {"gathered_bytes", gathered}, {"drive_param_read_bytes", drive_bytes},
+                    {"gathered_bytes", gathered}, {"peak_gathered_bytes", peak_gathered},
+                    {"drive_param_read_bytes", drive_bytes},
                     {"resident_step_s", resident_step_s}, {"io_bound_s", io_bound}, {"bound_s", bound},
                     {"ratio", ratio}, {"unoffloaded_step_s", unoffloaded}, {"clipped_steps", clipped_steps},
                     {"speculated_steps", speculated_steps}, {"rolled_back_steps", rolled_back_steps},
                     {"read_ahead_steps", read_ahead_steps},
                     {"timed_steps", timed_steps}}},
         {"drive_read_bytes_per_s", drive_bw},
+        {"host_peak_rss_bytes", max_peak_rss},
+        {"host_peak_rss_bytes_per_rank", peak_rss},
         {"op_stalls", ops_json},
+        {"layers", layers_json},
         {"correctness", {{"ok", ok}, {"losses_finite", finite}, {"first_loss", all_losses.front()},
-                         {"resident_loss", resident_global_loss}, {"first_loss_matches_resident", matches},
+                         {"resident_loss", resident ? nlohmann::json(resident_global_loss) : nlohmann::json()},
+                         {"first_loss_matches_resident", resident ? nlohmann::json(matches) : nlohmann::json()},
                          {"last_loss", all_losses.back()}, {"loss_falls", falls}, {"ranks_agree", agree}}}};
     write_json_output(run.json, out, 1);
   }
@@ -622,6 +693,16 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
                  "optimizer state: none keeps it on the accelerator and updates it there (needs --offload-param "
                  "none), cpu in host memory and nvme on the drive (both updated by the CPU Adam)")
       ->capture_default_str()->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  app.add_option("--offload-grad", f.offload_grad,
+                 "the gradient shard: auto as a config gets it (nvme with --offload-optimizer nvme, else none), none "
+                 "(accelerator memory) or nvme (swapped with the optimizer state)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "none", "nvme"}));
+  app.add_flag("--no-resident", f.no_resident,
+               "leave out the resident reference model (the whole model and its gradients per rank): no resident "
+               "step in the bound, no first-loss check; peak host RSS is then the ZeRO engine's alone");
+  app.add_flag("--layer-breakdown", f.layer_breakdown,
+               "--zero 3: print the step by decoder layer (windows, skipped windows, gathers, bytes gathered and "
+               "read, stall on parameters); on by itself with --experts, and always in --json");
   app.add_option("--nvme-dir", f.nvme_dir, "directory for swap files and the drive bandwidth probe (an nvme tier)");
   app.add_option("--ranks", f.ranks, "ranks as threads of this process when not started by `strata run` (default 1)")
       ->check(CLI::Range(0, 64));
@@ -680,7 +761,7 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
 }
 
 int run_zero(const ModelRun& run, const ZeroFlags& flags) {
-  const bool nvme = flags.offload_param == "nvme" || flags.offload_optimizer == "nvme";
+  const bool nvme = flags.offload_param == "nvme" || flags.offload_optimizer == "nvme" || flags.offload_grad == "nvme";
   STRATA_CHECK(flags.stage == 3 || flags.offload_param == "none", kBadArgument,
                "--offload-param {} needs --zero 3 (only stage 3 partitions the parameters)", flags.offload_param);
   STRATA_CHECK(flags.offload_param == "none" || flags.offload_optimizer != "none", kBadArgument,

@@ -30,6 +30,16 @@ struct ModelRun {
 struct ZeroFlags {
   int stage = 0;  // 0: the resident benchmark, not the ZeRO mode
   std::string offload_param = "none", offload_optimizer = "none", nvme_dir;
+  // The gradient shard: "auto" as a config gets it (runtime/config/
+  // engine_options.cc: on NVMe with an nvme optimizer, ZeRO-Infinity's
+  // gradient swapping, else in accelerator memory), "none" (accelerator
+  // memory) or "nvme".
+  std::string offload_grad = "auto";
+  // Leave out the resident reference model (the whole model and its
+  // gradients, resident, per rank): no resident step in the bound and no
+  // first-loss check, so peak host RSS is the ZeRO engine's alone.
+  bool no_resident = false;
+  bool layer_breakdown = false;  // print the per-layer table (always with experts)
   int ranks = 0;  // threads of this process when not started by `strata run`; 0: 1
   bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
   int expert_parallel = 1;  // --ep: moe.expert_parallel_size (needs --experts)

@@ -200,7 +200,9 @@ void ZeroEngine::on_finalize() {
                     param_info(id).numel(), g.expert ? g.gather_comm : nullptr};
     }
     std::vector<offload::CoordinatedOp> ops;
-    for (OpId op = 0; op < operator_count(); ++op) ops.push_back({op_info(op).name, op_info(op).params});
+    for (OpId op = 0; op < operator_count(); ++op) {
+      ops.push_back({op_info(op).name, op_info(op).params, layer_index_of(op_info(op).name)});
+    }
     offload::CoordinatorOptions coordinator;
     coordinator.prefetch_bucket_numel = options_.prefetch_bucket_numel;
     coordinator.max_live_parameters_numel = options_.max_live_parameters_numel;

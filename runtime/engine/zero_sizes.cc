@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <limits>
 #include <map>
 
 #include "core/error.h"
@@ -38,6 +39,19 @@ std::string layer_of(std::string_view name) {
     start = dot + 1;
   }
   return "";
+}
+
+int32_t layer_index_of(std::string_view name) {
+  const std::string layer = layer_of(name);
+  if (layer.empty()) return -1;
+  const size_t dot = layer.rfind('.');
+  const std::string_view digits = std::string_view(layer).substr(dot == std::string::npos ? 0 : dot + 1);
+  int64_t n = 0;
+  for (char c : digits) {
+    n = n * 10 + (c - '0');
+    if (n > std::numeric_limits<int32_t>::max()) return -1;
+  }
+  return static_cast<int32_t>(n);
 }
 
 ZeroSizes choose_zero_sizes(const std::vector<SizedParam>& params, int world_size, int64_t sub_group_numel,

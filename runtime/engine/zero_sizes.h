@@ -68,6 +68,11 @@ struct SizedParam {
 // The decoder layer `name` belongs to: its prefix up to and including the
 // first all-digit component ("model.layers.3"), or "" when it has none.
 std::string layer_of(std::string_view name);
+// Its index: the number that component holds ("model.layers.3.mlp.experts.5.w1"
+// -> 3), or -1 when `name` has none (or it does not fit an int32). What the
+// engine gives the parameter coordinator per operator for its per-layer
+// accounting (offload::CoordinatedOp::layer).
+int32_t layer_index_of(std::string_view name);
 
 struct ZeroSizes {
   int64_t sub_group_numel = 0;      // elements of this rank's shard per optimizer sub-group
