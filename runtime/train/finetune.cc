@@ -498,6 +498,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_seconds = r.seconds - forward_backward;
     r.optimizer_hidden_seconds = stepped.optimizer_overlapped_seconds;
     r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
+    if (stepped.overlap_mode) r.optimizer_overlap = offload::overlap_mode_name(*stepped.overlap_mode);
+    r.optimizer_rolled_back = stepped.rolled_back;
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
     if (model.config().moe()) r.router_imbalance = model.router_load_imbalance();

@@ -44,6 +44,12 @@ struct StepRecord {
   // optimizer's own time the share the step waited for (1: none hidden).
   double optimizer_hidden_seconds = 0;
   double optimizer_not_hidden_fraction = 1;
+  // What the optimizer thread did during the last backward: "speculate" or
+  // "read-ahead" (offload::OverlapMode), empty when nothing overlapped (no
+  // thread: stage 1, optimizer on the device, overlap off); and whether the
+  // speculated updates were rolled back (clipping fired, an overflow).
+  std::string optimizer_overlap;
+  bool optimizer_rolled_back = false;
   uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
   uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
   std::optional<double> eval_loss;       // the evaluation after this step, when one ran
