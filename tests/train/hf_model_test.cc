@@ -93,7 +93,7 @@ void expect_refused(const fs::path& dir, std::initializer_list<std::string> need
 TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[train][hf]") {
   test::TempDir dir("hf-model");
   for (const char* name : {"llama3_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen3_tied_bf16",
-                           "mixtral_untied_bf16", "qwen3_moe_untied_f32"}) {
+                           "mixtral_untied_bf16", "qwen3_moe_untied_f32", "qwen2_moe_tied_bf16"}) {
     INFO(name);
     CHECK_NOTHROW(train::load_hf_config(fixture(name)));
     const fs::path sharded = shard_fixture(dir, name, std::string(name) + "_sharded");
