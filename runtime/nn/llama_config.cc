@@ -119,7 +119,7 @@ void LlamaConfig::validate() const {
                           : static_cast<double>(intermediate_size);
   const double router = moe() ? static_cast<double>(num_experts) * h : 0.0;
   // The shared expert's three projections and its gate.
-  const double shared = 3 * h * static_cast<double>(shared_expert_intermediate_size) + h;
+  const double shared = shared_expert() ? 3 * h * static_cast<double>(shared_expert_intermediate_size) + h : 0.0;
   const double layer =
       2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router + shared;
   const double parameters =
