@@ -174,6 +174,9 @@ TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformer
                                 c.erase("router_jitter_noise");
                               }),
                  {"block_sparse_moe", "model_type \"qwen3_moe\""});
+  // A shared expert in a qwen3_moe checkpoint: Qwen2-MoE's, which qwen3_moe does not have.
+  expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "shared", {"model.layers.0.mlp.shared_expert_gate.weight"}),
+                 {"'model.layers.0.mlp.shared_expert_gate.weight'", "model_type qwen2_moe"});
 }
 
 TEST_CASE("hf model: load_hf_weights itself refuses a tensor no parameter claims", "[train][hf]") {
