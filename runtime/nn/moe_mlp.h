@@ -3,8 +3,9 @@
 // Qwen2MoeSparseMoeBlock): a router (a bias-free linear to E logits), softmax
 // in fp32, the top k experts of each token (ties to the lower expert, as
 // torch.topk), their probabilities renormalised to sum to 1 when the config
-// says so (mixtral always; qwen3_moe and qwen2_moe with norm_topk_prob), each expert a SwiGLU MLP, and the weighted sum of the k
-// experts' outputs. No capacity limit: no token is dropped.
+// says so (mixtral always; qwen3_moe and qwen2_moe with norm_topk_prob),
+// each expert a SwiGLU MLP, and the weighted sum of the k experts' outputs.
+// No capacity limit: no token is dropped.
 //
 // qwen2_moe adds a shared expert: a dense SwiGLU MLP (Mlp,
 // shared_expert_intermediate_size wide) that every token goes through, its
@@ -25,9 +26,10 @@
 // and "<down>" [hidden, moe_intermediate] (mixtral: w1, w3, w2; qwen3_moe and
 // qwen2_moe: gate_proj, up_proj, down_proj); qwen2_moe's shared expert
 // "<name>.shared_expert.{gate,up,down}_proj.weight" [shared width, hidden] /
-// [hidden, shared width] and its gate "<name>.shared_expert_gate.weight" [1, hidden]. Every expert projection is a Linear with its
-// own parameter and its own operator (hook window), so a partitioning engine
-// fetches one expert's matrices alone.
+// [hidden, shared width] and its gate "<name>.shared_expert_gate.weight"
+// [1, hidden]. Every expert projection is a Linear with its own parameter and
+// its own operator (hook window), so a partitioning engine fetches one
+// expert's matrices alone.
 //
 // Routed fetch: after the router, the ranks agree (Engine::sum_over_ranks of
 // the per-expert row counts: one small collective per layer forward) on the

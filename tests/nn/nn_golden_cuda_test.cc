@@ -45,7 +45,8 @@ TEST_CASE("golden on cuda: LoRA adapters match PEFT", "[nn][golden][cuda][lora]"
 
 TEST_CASE("golden on cuda: Mixtral, Qwen3-MoE and Qwen2-MoE match transformers, with and without the auxiliary loss",
           "[nn][golden][cuda][moe]") {
-  for (const char* name : {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32", "qwen2_moe_untied_f32"}) {
+  for (const char* name :
+       {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32", "qwen2_moe_untied_f32"}) {
     check_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenF32Cuda);
     GoldenRun off;
     off.router_logits_off = true;
