@@ -676,6 +676,48 @@ void Ops::moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double 
   enqueue_moe_aux_loss(ctx, aux_stats, rows, scale, aux, aux_grad);
 }
 
+namespace {
+
+// sigmoid_gated_add's operands: [rows, dim] rows and a [rows, 1] gate, one float dtype.
+void gated_rows(const char* op, std::initializer_list<std::pair<const char*, const TensorView*>> rows,
+                std::initializer_list<std::pair<const char*, const TensorView*>> gates) {
+  const TensorView& first = *rows.begin()->second;
+  for (const auto& [what, t] : rows) {
+    check::float_tensor(op, what, *t);
+    check::same_dtype(op, first, *t);
+    STRATA_CHECK(t->desc.shape.size() == 2, kBadArgument, "{}: {} must be [rows, dim], got {}", op, what,
+                 shape_string(t->desc.shape));
+    check::shape(op, what, *t, first.desc.shape);
+  }
+  for (const auto& [what, t] : gates) {
+    check::float_tensor(op, what, *t);
+    check::same_dtype(op, first, *t);
+    check::shape(op, what, *t, {first.desc.shape[0], 1});
+  }
+}
+
+}  // namespace
+
+void Ops::sigmoid_gated_add(ComputeContext& ctx, const TensorView& v, const TensorView& gate,
+                            const TensorView& y) {
+  constexpr const char* op = "sigmoid_gated_add";
+  own(ctx, op);
+  gated_rows(op, {{"v", &v}, {"y", &y}}, {{"gate", &gate}});
+  if (v.numel() == 0) return;
+  Labeled label(ctx, op, [&] { return memory(3 * nbytes(y) + nbytes(gate), brief(y)); });
+  enqueue_sigmoid_gated_add(ctx, v, gate, y);
+}
+
+void Ops::sigmoid_gated_add_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& v,
+                                     const TensorView& gate, const TensorView& dv, const TensorView& dgate) {
+  constexpr const char* op = "sigmoid_gated_add_backward";
+  own(ctx, op);
+  gated_rows(op, {{"dy", &dy}, {"v", &v}, {"dv", &dv}}, {{"gate", &gate}, {"dgate", &dgate}});
+  if (dy.numel() == 0) return;
+  Labeled label(ctx, op, [&] { return memory(3 * nbytes(dy) + 2 * nbytes(gate), brief(dy)); });
+  enqueue_sigmoid_gated_add_backward(ctx, dy, v, gate, dv, dgate);
+}
+
 void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) {
   own(ctx, "cast");
   check::float_tensor("cast", "src", src);

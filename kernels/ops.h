@@ -291,6 +291,15 @@ class Ops {
   // aux with respect to each probability; the counts carry none).
   void moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
                     const TensorView& aux, const TensorView& aux_grad);
+  // A gated shared expert (qwen2_moe): y[r] += sigmoid(gate[r]) * v[r], with
+  // v and y [rows, dim] and gate [rows, 1] (the gate's logit), one float
+  // storage dtype; computed in fp32, y rounded once.
+  void sigmoid_gated_add(ComputeContext& ctx, const TensorView& v, const TensorView& gate,
+                         const TensorView& y);
+  // Its backward from dy [rows, dim]: dv[r] = sigmoid(gate[r]) * dy[r] and
+  // dgate[r] = sigmoid'(gate[r]) * <dy[r], v[r]> (both overwritten).
+  void sigmoid_gated_add_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& v,
+                                  const TensorView& gate, const TensorView& dv, const TensorView& dgate);
 
   // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
   void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst);
@@ -397,6 +406,12 @@ class Ops {
   virtual void enqueue_moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows,
                                     double scale, const TensorView& aux,
                                     const TensorView& aux_grad) = 0;
+  // rows > 0.
+  virtual void enqueue_sigmoid_gated_add(ComputeContext& ctx, const TensorView& v, const TensorView& gate,
+                                         const TensorView& y) = 0;
+  virtual void enqueue_sigmoid_gated_add_backward(ComputeContext& ctx, const TensorView& dy,
+                                                  const TensorView& v, const TensorView& gate,
+                                                  const TensorView& dv, const TensorView& dgate) = 0;
   virtual void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
   // numel > 0.
   virtual void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,

@@ -569,6 +569,47 @@ class CpuOps final : public Ops {
     });
   }
 
+  void enqueue_sigmoid_gated_add(ComputeContext& ctx, const TensorView& v, const TensorView& gate,
+                                 const TensorView& y) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = y.desc.shape[0], dim = y.desc.shape[1];
+      float* yf = stage(c, 2, y, true);
+      const float* vf = widen(c, 0, v);
+      const float* sf = widen(c, 1, gate);
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float g = 1.0f / (1.0f + std::exp(-sf[r]));
+        for (int64_t d = 0; d < dim; ++d) yf[r * dim + d] += g * vf[r * dim + d];
+      }
+      commit(yf, y);
+    });
+  }
+
+  void enqueue_sigmoid_gated_add_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& v,
+                                          const TensorView& gate, const TensorView& dv,
+                                          const TensorView& dgate) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      const int64_t rows = dy.desc.shape[0], dim = dy.desc.shape[1];
+      float* dvf = stage(c, 3, dv, false);
+      float* dsf = stage(c, 4, dgate, false);
+      const float* dyf = widen(c, 0, dy);
+      const float* vf = widen(c, 1, v);
+      const float* sf = widen(c, 2, gate);
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float g = 1.0f / (1.0f + std::exp(-sf[r]));
+        float dot = 0;
+        for (int64_t d = 0; d < dim; ++d) {
+          dvf[r * dim + d] = g * dyf[r * dim + d];
+          dot += dyf[r * dim + d] * vf[r * dim + d];
+        }
+        dsf[r] = g * (1.0f - g) * dot;
+      }
+      commit(dvf, dv);
+      commit(dsf, dgate);
+    });
+  }
+
   void enqueue_moe_aux_loss(ComputeContext& ctx, const TensorView& aux_stats, double rows, double scale,
                             const TensorView& aux, const TensorView& aux_grad) override {
     enqueue(ctx, [=](CpuContext&) {

@@ -190,5 +190,10 @@ void launch_moe_combine_backward(Storage t, const void* dy, const void* yp, cons
                                  float* dweights, cudaStream_t stream);
 void launch_moe_aux_loss(const double* aux_stats, int64_t experts, double rows, double scale, double* aux,
                          float* aux_grad, cudaStream_t stream);
+// sigmoid_gated_add and its backward (v, y, dy, dv [rows, dim]; gate, dgate [rows]; one storage t).
+void launch_sigmoid_gated_add(Storage t, const void* v, const void* gate, int64_t rows, int64_t dim, void* y,
+                              cudaStream_t stream);
+void launch_sigmoid_gated_add_backward(Storage t, const void* dy, const void* v, const void* gate, int64_t rows,
+                                       int64_t dim, void* dv, void* dgate, cudaStream_t stream);
 
 }  // namespace strata::ops::cuda

@@ -169,6 +169,34 @@ __global__ void aux_loss_kernel(const double* aux_stats, int64_t experts, double
   aux[0] = static_cast<double>(experts) * sum;
 }
 
+// y[r] += sigmoid(gate[r]) * v[r] (qwen2_moe's shared expert), element-wise.
+template <typename T>
+__global__ void sigmoid_gated_add_kernel(const T* v, const T* gate, int64_t rows, int64_t dim, T* y) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * dim; i += stride) {
+    const float g = 1.0f / (1.0f + expf(-to_f(gate[i / dim])));
+    y[i] = from_f<T>(to_f(y[i]) + g * to_f(v[i]));
+  }
+}
+
+// One warp per row: dv's row and the dot product <dy, v> for dgate.
+template <typename T>
+__global__ void sigmoid_gated_add_backward_kernel(const T* dy, const T* v, const T* gate, int64_t rows,
+                                                  int64_t dim, T* dv, T* dgate) {
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const float g = 1.0f / (1.0f + expf(-to_f(gate[r])));
+  float dot = 0;
+  for (int64_t d = lane; d < dim; d += 32) {
+    const float grad = to_f(dy[r * dim + d]);
+    dv[r * dim + d] = from_f<T>(g * grad);
+    dot += grad * to_f(v[r * dim + d]);
+  }
+  dot = warp_sum(dot);
+  if (lane == 0) dgate[r] = from_f<T>(g * (1.0f - g) * dot);
+}
+
 unsigned int row_blocks(int64_t rows) {
   return static_cast<unsigned int>((rows + kThreads - 1) / kThreads);
 }
@@ -234,6 +262,22 @@ void launch_moe_combine_backward(Storage t, const void* dy, const void* yp, cons
 void launch_moe_aux_loss(const double* aux_stats, int64_t experts, double rows, double scale, double* aux,
                          float* aux_grad, cudaStream_t stream) {
   aux_loss_kernel<<<1, 1, 0, stream>>>(aux_stats, experts, rows, scale, aux, aux_grad);
+}
+
+void launch_sigmoid_gated_add(Storage t, const void* v, const void* gate, int64_t rows, int64_t dim, void* y,
+                              cudaStream_t stream) {
+  STRATA_DISPATCH_T(t, T,
+                    sigmoid_gated_add_kernel<T><<<grid_for(rows * dim, kThreads), kThreads, 0, stream>>>(
+                        static_cast<const T*>(v), static_cast<const T*>(gate), rows, dim, static_cast<T*>(y)));
+}
+
+void launch_sigmoid_gated_add_backward(Storage t, const void* dy, const void* v, const void* gate, int64_t rows,
+                                       int64_t dim, void* dv, void* dgate, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned int>((rows * 32 + kThreads - 1) / kThreads);
+  STRATA_DISPATCH_T(t, T,
+                    sigmoid_gated_add_backward_kernel<T><<<blocks, kThreads, 0, stream>>>(
+                        static_cast<const T*>(dy), static_cast<const T*>(v), static_cast<const T*>(gate), rows,
+                        dim, static_cast<T*>(dv), static_cast<T*>(dgate)));
 }
 
 }  // namespace strata::ops::cuda

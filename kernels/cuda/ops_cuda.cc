@@ -553,6 +553,33 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_sigmoid_gated_add(ComputeContext& ctx, const TensorView& v, const TensorView& gate,
+                                 const TensorView& y) override {
+    constexpr const char* op = "sigmoid_gated_add";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"v", &v}, {"gate", &gate}, {"y", &y}});
+    run(c, op, [&] {
+      cuda::launch_sigmoid_gated_add(storage(y.desc.dtype), v.data, gate.data, y.desc.shape[0], y.desc.shape[1],
+                                     y.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_sigmoid_gated_add_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& v,
+                                          const TensorView& gate, const TensorView& dv,
+                                          const TensorView& dgate) override {
+    constexpr const char* op = "sigmoid_gated_add_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dy", &dy}, {"v", &v}, {"gate", &gate}, {"dv", &dv}, {"dgate", &dgate}});
+    check_int(op, "rows * 32", dy.desc.shape[0] * 32);
+    run(c, op, [&] {
+      cuda::launch_sigmoid_gated_add_backward(storage(dy.desc.dtype), dy.data, v.data, gate.data,
+                                              dy.desc.shape[0], dy.desc.shape[1], dv.data, dgate.data,
+                                              c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
     constexpr const char* op = "swiglu_forward";

@@ -200,7 +200,10 @@ void resolve_model(const Options& o, Resolved& r) {
     if (config.moe()) {
       m.experts = config.num_experts;
       m.experts_per_token = config.num_experts_per_tok;
-      // Every expert but the token's k: three [width, hidden] matrices each, per layer.
+      m.shared_expert_intermediate = config.shared_expert_intermediate_size;
+      // Every routed expert but the token's k: three [width, hidden] matrices
+      // each, per layer. A shared expert (qwen2_moe) and its gate are active
+      // for every token: in param_count and never idle.
       const int64_t idle = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 *
                            config.hidden_size * config.moe_intermediate_size;
       m.active_param_count = m.param_count - idle;
@@ -541,6 +544,10 @@ std::string header(const Resolved& r) {
     out += fmt::format("          mixture of experts: {} experts of width {} per layer, {} per token: {} parameters "
                        "active per token (compute counts these; memory and transfers every expert)\n",
                        m.experts, m.intermediate, m.experts_per_token, count_text(m.active_param_count));
+    if (m.shared_expert_intermediate > 0) {
+      out += fmt::format("          plus a shared expert of width {} per layer that every token uses (active)\n",
+                         m.shared_expert_intermediate);
+    }
   }
   if (r.expert_parallel > 1) {
     const ExpertParallelShape s = expert_parallel_shape(r);

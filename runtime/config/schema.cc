@@ -81,7 +81,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(ignored(flag("zero_allow_untested_optimizer", false, "DeepSpeed safety switch; strata only runs its own optimizers.")));
   // Mixture of experts.
   {
-    ConfigField ep = integer("moe.expert_parallel_size", 1, 1, 1 << 16, "Expert parallelism for a mixture-of-experts model (mixtral, qwen3_moe): this many data-parallel ranks split each layer's experts between them, each holding num_local_experts / N experts and their optimizer state and running them on the tokens every member routes to them (an all-to-all before and after the experts); the experts are partitioned over the ranks that hold the same ones. Must divide the world size and the number of experts. Left out (or null): the world size when it divides the number of experts, else 1 (logged at start). 1: every rank holds every expert (ZeRO partitions them like any parameter).");
+    ConfigField ep = integer("moe.expert_parallel_size", 1, 1, 1 << 16, "Expert parallelism for a mixture-of-experts model (mixtral, qwen3_moe, qwen2_moe): this many data-parallel ranks split each layer's experts between them, each holding num_local_experts / N experts and their optimizer state and running them on the tokens every member routes to them (an all-to-all before and after the experts); the experts are partitioned over the ranks that hold the same ones. Must divide the world size and the number of experts. Left out (or null): the world size when it divides the number of experts, else 1 (logged at start). 1: every rank holds every expert (ZeRO partitions them like any parameter).");
     ep.default_value = nullptr;
     f.push_back(ep);
   }

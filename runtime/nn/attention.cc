@@ -132,8 +132,9 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
-         MlpTiling tiling, const LoraSpec* lora)
+         MlpTiling tiling, const LoraSpec* lora, int64_t intermediate)
     : Module(engine, std::move(name)) {
+  const int64_t width = intermediate > 0 ? intermediate : c.intermediate_size;
   auto make = [&](const char* local, int64_t in, int64_t out) -> std::unique_ptr<LinearBase> {
     if (tiling.in_splits == 1 && tiling.out_splits == 1) {
       return std::make_unique<Linear>(engine, child_name(local), in, out, c.mlp_bias, dtype, lora);
@@ -145,9 +146,9 @@ Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType d
     return std::make_unique<TiledLinear>(engine, child_name(local), in, out, tiling.in_splits,
                                          tiling.out_splits, c.mlp_bias, dtype);
   };
-  gate_proj_ = make("gate_proj", c.hidden_size, c.intermediate_size);
-  up_proj_ = make("up_proj", c.hidden_size, c.intermediate_size);
-  down_proj_ = make("down_proj", c.intermediate_size, c.hidden_size);
+  gate_proj_ = make("gate_proj", c.hidden_size, width);
+  up_proj_ = make("up_proj", c.hidden_size, width);
+  down_proj_ = make("down_proj", width, c.hidden_size);
   for (LinearBase* l : {gate_proj_.get(), up_proj_.get(), down_proj_.get()}) add_child(*l);
 }
 

@@ -96,8 +96,11 @@ struct MlpGrads {
 class Mlp : public Module {
  public:
   // Adapters (`lora`) need untiled projections: a target with tiling is refused.
+  // intermediate: the width (0: config.intermediate_size; qwen2_moe's shared
+  // expert passes shared_expert_intermediate_size).
   Mlp(engine::Engine& engine, std::string name, const LlamaConfig& config,
-      DType dtype = DType::kF32, MlpTiling tiling = {}, const LoraSpec* lora = nullptr);
+      DType dtype = DType::kF32, MlpTiling tiling = {}, const LoraSpec* lora = nullptr,
+      int64_t intermediate = 0);
   void forward(const TensorView& x, const MlpActs& acts, const TensorView& y,
                Phase phase = Phase::kForward);
   void backward(const TensorView& dy, const TensorView& x, const MlpActs& acts,

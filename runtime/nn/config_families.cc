@@ -180,7 +180,6 @@ std::string unsupported_reason(std::string_view model_type) {
       {"olmo2",
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
-      {"qwen2_moe", "Qwen2-MoE is a mixture of experts"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
       {"deepseek_v3", "DeepSeek-V3 is a mixture of experts with multi-head latent attention"},
       {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
@@ -213,6 +212,7 @@ constexpr Family kFamilies[] = {
     {"qwen3", "Qwen3ForCausalLM", 32, 128, 32768},
     {"mixtral", "MixtralForCausalLM", 8, std::nullopt, 4096 * 32},
     {"qwen3_moe", "Qwen3MoeForCausalLM", 4, std::nullopt, 32768},
+    {"qwen2_moe", "Qwen2MoeForCausalLM", 16, std::nullopt, 32768},
 };
 
 const Family& family_of(Reader& r) {
@@ -330,9 +330,11 @@ void read_mistral_window(Reader& r, LlamaConfig& c) {
   r.accept("max_window_layers");
 }
 
-// Qwen2/Qwen3: use_sliding_window gates sliding_window; layer_types (or, when
-// absent, the layers from max_window_layers on) say which layers use it.
-void read_qwen_window(Reader& r, LlamaConfig& c) {
+// Qwen2/Qwen3/Qwen2-MoE: use_sliding_window gates sliding_window; layer_types
+// say which layers use it, or when absent the configuration class's rule:
+// Qwen2Config and Qwen3Config slide the layers from max_window_layers on,
+// Qwen2MoeConfig the even layers below max_window_layers.
+void read_qwen_window(Reader& r, LlamaConfig& c, bool moe_layer_rule) {
   // DeepSeek-R1's Qwen distillations carry Qwen2-VL's multimodal-RoPE switch,
   // which Qwen2ForCausalLM does not read: off is the text model.
   r.require("use_mrope", nlohmann::json(false), "multimodal RoPE is Qwen2-VL's; this is a text model");
@@ -355,8 +357,10 @@ void read_qwen_window(Reader& r, LlamaConfig& c) {
       sliding.push_back(t == "sliding_attention");
     }
   } else {
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      sliding.push_back(use && window > 0 && l >= max_window_layers);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      sliding.push_back(use && window > 0 &&
+                        (moe_layer_rule ? l % 2 == 0 && l < max_window_layers : l >= max_window_layers));
+    }
   }
   bool any = false;
   for (bool s : sliding) any = any || s;
@@ -375,22 +379,28 @@ void read_qwen_window(Reader& r, LlamaConfig& c) {
   c.sliding_layers = std::move(sliding);
 }
 
-// The mixture of experts of mixtral and qwen3_moe, with their configuration
-// classes' defaults. transformers maps num_experts to num_local_experts for
-// both (attribute_map), and save_pretrained writes num_local_experts; a file
-// with both must agree.
+// The mixture of experts of mixtral, qwen3_moe and qwen2_moe, with their
+// configuration classes' defaults. transformers maps num_experts to
+// num_local_experts for mixtral and qwen3_moe (attribute_map), and
+// save_pretrained writes num_local_experts; a file with both must agree.
+// Qwen2MoeConfig has num_experts only (num_local_experts is an unknown key).
 void read_moe(Reader& r, LlamaConfig& c, bool mixtral) {
-  const int64_t fallback = mixtral ? 8 : 128;
-  const bool local = r.present("num_local_experts"), plain = r.present("num_experts");
-  const int64_t a = r.integer("num_local_experts", fallback), b = r.integer("num_experts", fallback);
-  STRATA_CHECK(!(local && plain) || a == b, kBadArgument,
-               "{}: keys 'num_local_experts' ({}) and 'num_experts' ({}) disagree; transformers "
-               "reads them as one", r.where(), a, b);
-  c.num_experts = local ? a : b;
+  const bool qwen2_moe = c.model_type == "qwen2_moe";
+  if (qwen2_moe) {
+    c.num_experts = r.integer("num_experts", int64_t{60});
+  } else {
+    const int64_t fallback = mixtral ? 8 : 128;
+    const bool local = r.present("num_local_experts"), plain = r.present("num_experts");
+    const int64_t a = r.integer("num_local_experts", fallback), b = r.integer("num_experts", fallback);
+    STRATA_CHECK(!(local && plain) || a == b, kBadArgument,
+                 "{}: keys 'num_local_experts' ({}) and 'num_experts' ({}) disagree; transformers "
+                 "reads them as one", r.where(), a, b);
+    c.num_experts = local ? a : b;
+  }
   STRATA_CHECK(c.num_experts > 0, kBadArgument,
                "{}: the number of experts is {}; strata computes the sparse layers (a dense "
                "{} has no experts)", r.where(), c.num_experts, c.model_type);
-  c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : 8);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : qwen2_moe ? 4 : 8);
   c.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
   c.output_router_logits = r.boolean("output_router_logits", false);
   if (mixtral) {
@@ -401,8 +411,15 @@ void read_moe(Reader& r, LlamaConfig& c, bool mixtral) {
               "training when it is set)");
     return;
   }
-  c.moe_intermediate_size = r.integer("moe_intermediate_size", int64_t{768});
+  c.moe_intermediate_size = r.integer("moe_intermediate_size", qwen2_moe ? int64_t{1408} : int64_t{768});
   c.norm_topk_prob = r.boolean("norm_topk_prob", false);
+  if (qwen2_moe) {
+    c.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", int64_t{5632});
+    STRATA_CHECK(c.shared_expert_intermediate_size > 0, kBadArgument,
+                 "{}: key 'shared_expert_intermediate_size' is {}; the shared expert has at least "
+                 "one unit (strata computes Qwen2-MoE with its shared expert)",
+                 r.where(), c.shared_expert_intermediate_size);
+  }
   r.require("decoder_sparse_step", json(1),
             "strata computes every layer as a mixture of experts (1); dense layers in between are "
             "not implemented");
@@ -424,7 +441,8 @@ LlamaConfig parse_llama_config(const json& j, const std::string& source) {
   c.source = j;
   const std::string mt = c.model_type;
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
-             qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe";
+             qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe",
+             qwen2_moe = mt == "qwen2_moe";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -455,21 +473,24 @@ LlamaConfig parse_llama_config(const json& j, const std::string& source) {
     c.mlp_bias = r.boolean("mlp_bias", false);
   } else if (qwen3 || qwen3_moe) {
     c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  } else if (qwen2_moe) {
+    // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
+    c.attention_qkv_bias = r.boolean("qkv_bias", true);
   } else if (!mixtral) {
     // Mistral has none and Qwen2 always has q/k/v (never o) biases, whatever attention_bias says.
     r.require("attention_bias", json(false),
               no_bias + " switch (Qwen2: q/k/v biases always, o_proj none)");
     c.attention_qkv_bias = qwen2;
   }
-  if (!llama && !mixtral && !qwen3_moe) {
+  if (!llama && !mixtral && !qwen3_moe && !qwen2_moe) {
     r.require("mlp_bias", json(false), no_bias + " (mlp_bias is llama's)");
   }
   c.qk_norm = qwen3 || qwen3_moe;
-  if (mixtral || qwen3_moe) read_moe(r, c, mixtral);
+  if (mixtral || qwen3_moe || qwen2_moe) read_moe(r, c, mixtral);
   if (mistral) {
     read_mistral_window(r, c);
-  } else if (qwen2 || qwen3) {
-    read_qwen_window(r, c);
+  } else if (qwen2 || qwen3 || qwen2_moe) {
+    read_qwen_window(r, c, qwen2_moe);
   } else if (mixtral) {
     // MixtralConfig: no window unless sliding_window is set; then every layer.
     if (r.present("sliding_window")) {

@@ -68,8 +68,9 @@ void LlamaConfig::validate() const {
   // The family's fixed shape (what transformers' modeling code for it builds).
   const bool llama = model_type == "llama", mistral = model_type == "mistral",
              qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
-             mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe";
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe, kBadArgument,
+             mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe",
+             qwen2_moe = model_type == "qwen2_moe";
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe, kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
   STRATA_CHECK(!(llama || qwen3 || qwen3_moe) || attention_qkv_bias == attention_o_bias, kBadArgument,
@@ -79,13 +80,18 @@ void LlamaConfig::validate() const {
                        "model_type {} has no attention biases", model_type);
   STRATA_CHECK(!qwen2 || (attention_qkv_bias && !attention_o_bias), kBadArgument,
                        "model_type qwen2 has q/k/v biases and no o_proj bias");
+  STRATA_CHECK(!qwen2_moe || !attention_o_bias, kBadArgument,
+               "model_type qwen2_moe has no o_proj bias (qkv_bias switches the q/k/v biases)");
   STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
                        model_type);
   STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe), kBadArgument, "model_type {} {} per-head q/k norms",
                        model_type, qwen3 || qwen3_moe ? "has" : "has no");
-  STRATA_CHECK(moe() == (mixtral || qwen3_moe), kBadArgument,
+  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe), kBadArgument,
                "model_type {} {} a mixture of experts (num_experts {})", model_type,
-               mixtral || qwen3_moe ? "is" : "is not", num_experts);
+               mixtral || qwen3_moe || qwen2_moe ? "is" : "is not", num_experts);
+  STRATA_CHECK(shared_expert() == qwen2_moe && shared_expert_intermediate_size >= 0, kBadArgument,
+               "model_type {} {} a shared expert (shared_expert_intermediate_size {})", model_type,
+               qwen2_moe ? "has" : "has no", shared_expert_intermediate_size);
   if (moe()) {
     STRATA_CHECK(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts, kBadArgument,
                  "key 'num_experts_per_tok' ({}) must be between 1 and the number of experts ({})",
@@ -99,7 +105,7 @@ void LlamaConfig::validate() const {
   STRATA_CHECK(sliding_window == 0 || !(llama || qwen3_moe), kBadArgument,
                "model_type {} has no sliding window here", model_type);
   STRATA_CHECK(
-      sliding_layers.empty() || qwen2 || qwen3, kBadArgument,
+      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe, kBadArgument,
       "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
@@ -112,8 +118,10 @@ void LlamaConfig::validate() const {
                ff = moe() ? static_cast<double>(num_experts) * static_cast<double>(moe_intermediate_size)
                           : static_cast<double>(intermediate_size);
   const double router = moe() ? static_cast<double>(num_experts) * h : 0.0;
+  // The shared expert's three projections and its gate.
+  const double shared = shared_expert() ? 3 * h * static_cast<double>(shared_expert_intermediate_size) + h : 0.0;
   const double layer =
-      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router;
+      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router + shared;
   const double parameters =
       static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
   constexpr double kMaxCount = 0x1p62;
@@ -163,6 +171,15 @@ std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
         add(x + n.up + ".weight", {c.moe_intermediate_size, h});
         add(x + n.down + ".weight", {h, c.moe_intermediate_size});
       }
+      if (c.shared_expert()) {
+        // qwen2_moe: the shared expert (a plain MLP), then its gate (Qwen2MoeSparseMoeBlock's order).
+        const int64_t s = c.shared_expert_intermediate_size;
+        const std::string x = p + n.block + ".shared_expert.";
+        add(x + "gate_proj.weight", {s, h});
+        add(x + "up_proj.weight", {s, h});
+        add(x + "down_proj.weight", {h, s});
+        add(p + n.block + ".shared_expert_gate.weight", {1, h});
+      }
       continue;
     }
     linear("mlp.gate_proj", h, inter, c.mlp_bias);
@@ -193,6 +210,7 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -252,22 +270,26 @@ nlohmann::json LlamaConfig::to_json() const {
   } else if (model_type == "qwen3" || model_type == "qwen3_moe") {
     j["attention_bias"] = attention_qkv_bias;
   }
+  if (model_type == "qwen2_moe") j["qkv_bias"] = attention_qkv_bias;
   if (moe()) {
-    // The expert count under the source's key (save_pretrained writes num_local_experts for both).
-    j[j.contains("num_experts") ? "num_experts" : "num_local_experts"] = num_experts;
+    // The expert count under the source's key (save_pretrained writes
+    // num_local_experts for mixtral and qwen3_moe; Qwen2MoeConfig knows num_experts only).
+    const bool plain = j.contains("num_experts") || model_type == "qwen2_moe";
+    j[plain ? "num_experts" : "num_local_experts"] = num_experts;
     j["num_experts_per_tok"] = num_experts_per_tok;
     j["router_aux_loss_coef"] = router_aux_loss_coef;
     j["output_router_logits"] = output_router_logits;
-    if (model_type == "qwen3_moe") {
+    if (model_type == "qwen3_moe" || model_type == "qwen2_moe") {
       j["moe_intermediate_size"] = moe_intermediate_size;
       j["norm_topk_prob"] = norm_topk_prob;
-      j["use_sliding_window"] = false;
     }
+    if (model_type == "qwen3_moe") j["use_sliding_window"] = false;
+    if (shared_expert()) j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
   }
   if (model_type == "mistral" || model_type == "mixtral") {
     j["sliding_window"] =
         sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
-  } else if (model_type == "qwen2" || model_type == "qwen3") {
+  } else if (model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen2_moe") {
     j["use_sliding_window"] = sliding_window > 0;
     if (sliding_window > 0) j["sliding_window"] = sliding_window;
     // layer_types wins over max_window_layers in transformers; written when
@@ -297,7 +319,8 @@ const char* supported_model_types() {
   return "llama (Llama 2, Llama 3 and 3.1-3.3 with rope_type llama3, SmolLM, TinyLlama), mistral "
          "(Mistral 7B, "
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
-         "(Mixtral 8x7B, 8x22B) and qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B)";
+         "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
+         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)";
 }
 
 LlamaConfig load_llama_config(const std::string& path) {

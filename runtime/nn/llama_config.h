@@ -11,13 +11,21 @@
 //   qwen3       attention_bias (all)  per head  default, linear, llama3   use_sliding_window + layer_types
 //   mixtral     -                     -         default, linear, llama3   sliding_window (all layers)
 //   qwen3_moe   attention_bias (all)  per head  default, linear, llama3   - (use_sliding_window false)
+//   qwen2_moe   qkv_bias: q, k, v     -         default, linear, llama3   use_sliding_window + layer_types
 //
-// mixtral and qwen3_moe are mixtures of experts: every layer's MLP is
-// num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
+// mixtral, qwen3_moe and qwen2_moe are mixtures of experts: every layer's MLP
+// is num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
 // (runtime/nn/moe_mlp.h); mixtral always renormalises the top-k
-// probabilities, qwen3_moe when norm_topk_prob. With output_router_logits the
-// training loss includes router_aux_loss_coef times transformers'
-// load-balancing loss (transformers adds it only then).
+// probabilities, qwen3_moe and qwen2_moe when norm_topk_prob. qwen2_moe adds
+// a shared expert to every layer: a SwiGLU MLP shared_expert_intermediate_size
+// wide that every token goes through, its output scaled per token by
+// sigmoid(shared_expert_gate(x)) and added to the routed experts' (transformers'
+// Qwen2MoeSparseMoeBlock). qwen2_moe's default layer_types differ from
+// qwen2's: with use_sliding_window, the even layers below max_window_layers
+// slide (Qwen2MoeConfig), where qwen2 slides the layers from max_window_layers
+// on. With output_router_logits the training loss includes
+// router_aux_loss_coef times transformers' load-balancing loss (transformers
+// adds it only then).
 //
 // plus llama's mlp_bias, tied embeddings and the padding token (its embedding
 // row gets no gradient from lookups, as in torch's nn.Embedding). The tensor
@@ -26,12 +34,15 @@
 // transformers 5's save_pretrained do: mixtral
 // "block_sparse_moe.gate" and "block_sparse_moe.experts.N.w1/w2/w3", qwen3_moe
 // "mlp.gate" and "mlp.experts.N.gate_proj/up_proj/down_proj" (transformers 5
-// fuses them in memory only; its fused names are refused as unknown tensors).
+// fuses them in memory only; its fused names are refused as unknown tensors);
+// qwen2_moe as qwen3_moe, plus "mlp.shared_expert.gate_proj/up_proj/down_proj"
+// and "mlp.shared_expert_gate" ([1, hidden], no bias).
 //
 // Parsing refuses, before any work and naming the key, anything that would
 // make strata compute something other than what transformers computes for the
 // checkpoint: another model_type (gemma2, phi3, mixtral, ... named with what
-// they need), another architectures class, a RoPE type or key not listed
+// they need), another architectures class, a qwen2_moe with dense layers
+// (decoder_sparse_step other than 1, mlp_only_layers), a RoPE type or key not listed
 // above, hidden_act other than silu, attention dropout, quantization, custom
 // modeling code, a family's key set to what that family does not have
 // (attention_bias true on mistral, ...), and any key strata does not know
@@ -55,7 +66,7 @@
 namespace strata::nn {
 
 struct LlamaConfig {
-  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral" or "qwen3_moe".
+  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -79,16 +90,20 @@ struct LlamaConfig {
   std::vector<bool> sliding_layers;
   // The token whose embedding row gets no gradient from lookups (-1: none).
   int64_t pad_token_id = -1;
-  // Mixture of experts (mixtral, qwen3_moe; every layer sparse): 0 experts is
-  // a dense MLP. mixtral: num_local_experts, its intermediate_size per expert,
-  // norm_topk_prob always true; qwen3_moe: num_experts, moe_intermediate_size.
+  // Mixture of experts (mixtral, qwen3_moe, qwen2_moe; every layer sparse): 0
+  // experts is a dense MLP. mixtral: num_local_experts, its intermediate_size
+  // per expert, norm_topk_prob always true; qwen3_moe and qwen2_moe:
+  // num_experts, moe_intermediate_size.
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;
   int64_t moe_intermediate_size = 0;
   bool norm_topk_prob = false;
   double router_aux_loss_coef = 0;
   bool output_router_logits = false;  // the loss includes coef * the load-balancing loss
+  // qwen2_moe's shared expert: its SwiGLU width (0: none, the other families).
+  int64_t shared_expert_intermediate_size = 0;
   bool moe() const { return num_experts > 0; }
+  bool shared_expert() const { return shared_expert_intermediate_size > 0; }
   // The config.json object this was parsed from (null when built in code):
   // to_json() keeps its other keys, so an export carries them.
   nlohmann::json source;
@@ -119,7 +134,9 @@ struct HfTensor {
 std::vector<HfTensor> hf_tensors(const LlamaConfig& config);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
-// (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight".
+// (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a
+// shared expert "<layer>.<block>.shared_expert.{gate,up,down}_proj.weight" and
+// "<layer>.<block>.shared_expert_gate.weight".
 struct MoeNames {
   const char* block;
   const char* gate;

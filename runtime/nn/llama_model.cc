@@ -231,6 +231,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;
+  const int64_t shared_inter = c.shared_expert_intermediate_size;  // qwen2_moe's shared expert (0: none)
   // The rows the experts of this rank run on: its own tokens' k choices, or
   // with expert parallelism up to every ep member's to the experts it holds.
   const int64_t ep = engine_.expert_group().size;
@@ -281,6 +282,13 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
         layout.add(m.perm, DType::kI32, {expert_rows});
         layout.add(m.inverse, DType::kI32, {expert_rows});
       }
+      if (c.shared_expert()) {
+        layout.add(m.shared.gate, t, {rows, shared_inter});
+        layout.add(m.shared.up, t, {rows, shared_inter});
+        layout.add(m.shared.act, t, {rows, shared_inter});
+        layout.add(m.shared_out, t, {rows, hidden});
+        layout.add(m.shared_logit, t, {rows, 1});
+      }
     } else {
       layout.add(d.mlp.gate, t, {rows, inter});
       layout.add(d.mlp.up, t, {rows, inter});
@@ -318,6 +326,13 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(a->moe_stats, DType::kF64, {2, experts});
     layout.add(a->moe_aux, DType::kF64, {1});
     layout.add(a->moe_aux_grad, DType::kF32, {experts});
+    if (c.shared_expert()) {
+      layout.add(g.moe.shared.dact, t, {rows, shared_inter});
+      layout.add(g.moe.shared.dgate, t, {rows, shared_inter});
+      layout.add(g.moe.shared.dup, t, {rows, shared_inter});
+      layout.add(g.moe.dshared_out, t, {rows, hidden});
+      layout.add(g.moe.dshared_logit, t, {rows, 1});
+    }
   } else {
     layout.add(g.mlp.dact, t, {rows, inter});
     layout.add(g.mlp.dgate, t, {rows, inter});

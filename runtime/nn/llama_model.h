@@ -12,7 +12,7 @@
 // descriptors only. All work is enqueued on the engine's compute stream; the
 // host waits only in loss() / loss_stats() (one small copy).
 //
-// Mixture of experts (mixtral, qwen3_moe; runtime/nn/moe_mlp.h): every
+// Mixture of experts (mixtral, qwen3_moe, qwen2_moe; runtime/nn/moe_mlp.h): every
 // layer's MLP is a MoeMlp, whose forward synchronises the compute stream once
 // (the experts' row counts). With the config's output_router_logits (what
 // makes transformers add the term), forward also computes the load-balancing

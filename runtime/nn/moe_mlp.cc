@@ -35,6 +35,14 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& c, D
     }
     experts_list_.push_back(std::move(x));
   }
+  if (c.shared_expert()) {
+    // Declared after the experts, as Qwen2MoeSparseMoeBlock (and hf_tensors) order them.
+    shared_ = std::make_unique<Mlp>(engine, child_name("shared_expert"), c, dtype, MlpTiling{}, nullptr,
+                                    c.shared_expert_intermediate_size);
+    add_child(*shared_);
+    shared_gate_ = std::make_unique<Linear>(engine, child_name("shared_expert_gate"), hidden_, 1, false, dtype);
+    add_child(*shared_gate_);
+  }
 }
 
 namespace {
@@ -98,6 +106,12 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
     engine_.exchange_experts(a.exchange, a.yp, exchange_.to_owners.reversed());
   }
   ops().moe_combine(ctx(), a.yp, a.slots, a.weights, y);
+  if (shared_) {
+    // y += sigmoid(shared_expert_gate(x)) * shared_expert(x), on this rank's rows.
+    shared_->forward(x, a.shared, a.shared_out, phase);
+    shared_gate_->forward(MatView::of(x), MatView::of(a.shared_logit), phase);
+    ops().sigmoid_gated_add(ctx(), a.shared_out, a.shared_logit, y);
+  }
 }
 
 void MoeMlp::experts_forward(const TensorView& in, const MoeActs& a, const TensorView& out, const int32_t* offsets,
@@ -222,6 +236,13 @@ void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) 
 void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& a, const MoeGrads& g,
                       const MoeAux& aux, const TensorView& dx, bool accumulate_dx) {
   STRATA_CHECK(routed_.size() == experts_list_.size(), kBadArgument, "{}: backward before forward", name_);
+  if (shared_) {
+    // The shared expert first (forward ran it last); the routed path then adds into dx.
+    ops().sigmoid_gated_add_backward(ctx(), dy, a.shared_out, a.shared_logit, g.dshared_out, g.dshared_logit);
+    shared_gate_->backward(MatView::of(g.dshared_logit), MatView::of(x), MatView::of(dx), accumulate_dx);
+    shared_->backward(g.dshared_out, x, a.shared, g.shared, dx, true);
+    accumulate_dx = true;
+  }
   ops().moe_combine_backward(ctx(), dy, a.yp, a.slots, a.weights, g.dyp, g.dweights);
   if (!expert_parallel()) {
     experts_backward(g.dyp, a.xp, a, g, g.dxp, a.host_offsets);

@@ -1,10 +1,20 @@
-// The mixture-of-experts MLP of mixtral and qwen3_moe (transformers'
-// MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock): a router (a bias-free
-// linear to E logits), softmax in fp32, the top k experts of each token (ties
-// to the lower expert, as torch.topk), their probabilities renormalised to sum
-// to 1 when the config says so (mixtral always; qwen3_moe with
-// norm_topk_prob), each expert a SwiGLU MLP, and the weighted sum of the k
-// experts' outputs. No capacity limit: no token is dropped.
+// The mixture-of-experts MLP of mixtral, qwen3_moe and qwen2_moe
+// (transformers' MixtralSparseMoeBlock / Qwen3MoeSparseMoeBlock /
+// Qwen2MoeSparseMoeBlock): a router (a bias-free linear to E logits), softmax
+// in fp32, the top k experts of each token (ties to the lower expert, as
+// torch.topk), their probabilities renormalised to sum to 1 when the config
+// says so (mixtral always; qwen3_moe and qwen2_moe with norm_topk_prob),
+// each expert a SwiGLU MLP, and the weighted sum of the k experts' outputs.
+// No capacity limit: no token is dropped.
+//
+// qwen2_moe adds a shared expert: a dense SwiGLU MLP (Mlp,
+// shared_expert_intermediate_size wide) that every token goes through, its
+// output scaled per token by sigmoid of a bias-free linear to one logit
+// ("<name>.shared_expert_gate") and added to the routed experts' sum
+// (ops.h, sigmoid_gated_add). Its parameters are ordinary dense parameters
+// (not marked as experts: they are never skipped, exchanged or split between
+// ep members); it runs on this rank's own rows after the routed experts, and
+// its backward first.
 //
 // The layer permutes the token rows by expert (a stable order: by expert,
 // then token), runs each expert's three projections as ordinary GEMMs over its
@@ -13,10 +23,13 @@
 //
 // Parameters: the router "<name>.gate.weight" [E, hidden] and, for each
 // expert, "<name>.experts.N.<gate>.weight", "<up>" [moe_intermediate, hidden]
-// and "<down>" [hidden, moe_intermediate] (mixtral: w1, w3, w2; qwen3_moe:
-// gate_proj, up_proj, down_proj). Every expert projection is a Linear with its
-// own parameter and its own operator (hook window), so a partitioning engine
-// fetches one expert's matrices alone.
+// and "<down>" [hidden, moe_intermediate] (mixtral: w1, w3, w2; qwen3_moe and
+// qwen2_moe: gate_proj, up_proj, down_proj); qwen2_moe's shared expert
+// "<name>.shared_expert.{gate,up,down}_proj.weight" [shared width, hidden] /
+// [hidden, shared width] and its gate "<name>.shared_expert_gate.weight"
+// [1, hidden]. Every expert projection is a Linear with its own parameter and
+// its own operator (hook window), so a partitioning engine fetches one
+// expert's matrices alone.
 //
 // Routed fetch: after the router, the ranks agree (Engine::sum_over_ranks of
 // the per-expert row counts: one small collective per layer forward) on the
@@ -65,6 +78,7 @@
 #include <memory>
 #include <vector>
 
+#include "runtime/nn/attention.h"
 #include "runtime/nn/linear.h"
 #include "runtime/nn/llama_config.h"
 
@@ -89,14 +103,23 @@ struct MoeActs {
   int32_t* host_offsets = nullptr;
   TensorView xr, perm, inverse, exchange, expert_out;
   int32_t* host_perm = nullptr;
+  // The shared expert (qwen2_moe; empty otherwise): its MLP's gate, up, act
+  // [rows, shared_expert_intermediate_size], its output shared_out [rows,
+  // hidden] and its gate's logit shared_logit [rows, 1].
+  MlpActs shared;
+  TensorView shared_out, shared_logit;
 };
 // Backward scratch: dyp, dxp [rows * k, hidden]; dact, dgate, dup [rows * k,
 // I]; dweights fp32 [rows, k]; dlogits [rows, E] (activation dtype).
 // With expert parallelism dact, dgate, dup hold P x rows x k rows, and dxr
 // [P rows k, hidden] is the experts' input gradient in expert order.
+// The shared expert: its MLP's scratch [rows, shared width], dshared_out
+// [rows, hidden] and dshared_logit [rows, 1].
 struct MoeGrads {
   TensorView dyp, dxp, dact, dgate, dup, dweights, dlogits;
   TensorView dxr;
+  MlpGrads shared;
+  TensorView dshared_out, dshared_logit;
 };
 // The load-balancing loss's state, shared by the layers of one model: forward
 // adds into stats (fp64 [2, E]) when it is not empty; backward adds aux_grad
@@ -119,6 +142,7 @@ class MoeMlp : public Module {
                 const MoeAux& aux, const TensorView& dx, bool accumulate_dx);
 
   int64_t experts() const { return experts_; }
+  bool has_shared_expert() const { return shared_ != nullptr; }
   int64_t top_k() const { return top_k_; }
   // Tokens routed to each expert by every rank (the counts the ranks agree
   // on), summed over the forwards since reset_load(); empty before any.
@@ -155,6 +179,8 @@ class MoeMlp : public Module {
   bool skip_unrouted_;
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
+  std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert (null otherwise)
+  std::unique_ptr<Linear> shared_gate_;  // its gate: hidden -> 1 logit, no bias
   std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
   Exchange exchange_;            // expert parallelism: this micro-batch's exchange (host state, as routed_)
   std::vector<int32_t> held_offsets_;  // exchange_.offsets as int32 (block's type)

@@ -40,6 +40,7 @@ void validate(const PlanInputs& in) {
   check_count(m.intermediate, 0, "intermediate size");
   check_count(m.vocab, 0, "vocabulary size");
   check_count(m.experts, 0, "experts");
+  check_count(m.shared_expert_intermediate, 0, "shared expert width");
   STRATA_CHECK(m.active_param_count >= 0 && m.active_param_count <= m.param_count, kBadArgument,
                "plan: {} active parameters of {} (it must be between 0 and the parameter count)",
                m.active_param_count, m.param_count);
@@ -388,7 +389,9 @@ void fill_shape_estimates(Plan& plan) {
 
   // Model-state working memory: the largest operator's 16-bit weight and
   // gradient, fetched whole (ZeRO-Infinity §3: 4·h·4h bytes for the h->4h linear).
-  const double intermediate = m.intermediate > 0 ? static_cast<double>(m.intermediate) : 4 * h;
+  const double intermediate =
+      std::max(m.intermediate > 0 ? static_cast<double>(m.intermediate) : 4 * h,
+               static_cast<double>(m.shared_expert_intermediate));  // a shared expert may be wider
   plan.largest_operator =
       fmt::format("MLP projection ({} x {})", m.hidden, static_cast<int64_t>(intermediate));
   plan.largest_operator_numel = h * intermediate;

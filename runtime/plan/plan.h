@@ -62,6 +62,9 @@ struct ModelShape {
   // worst, fetched every step).
   int64_t experts = 0;
   int64_t experts_per_token = 0;
+  // qwen2_moe's shared expert: one more MLP of this width per layer that
+  // every token goes through (its parameters are active); 0: none.
+  int64_t shared_expert_intermediate = 0;
   int64_t active_param_count = 0;  // 0: param_count
   bool shape_known() const { return layers > 0 && hidden > 0; }
   double active_params() const {

@@ -85,6 +85,7 @@ json to_json(const Plan& plan) {
                   {"vocab", in.model.vocab},
                   {"experts", in.model.experts},
                   {"experts_per_token", in.model.experts_per_token},
+                  {"shared_expert_intermediate", in.model.shared_expert_intermediate},
                   {"active_param_count", static_cast<int64_t>(in.model.active_params())}};
   const TrainingShape& t = in.training;
   out["training"] = {{"seq", t.seq},

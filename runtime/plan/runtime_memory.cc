@@ -105,6 +105,11 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   // The rows the experts run on: every ep member's tokens to this member's experts.
   const bool ep = expert_parallel > 1;
   const int64_t erk = expert_parallel * rk;
+  // qwen2_moe's shared expert: its MLP's three [rows, width] buffers, its
+  // output and its gate's logit, saved and again as backward scratch.
+  const size_t shared = c.shared_expert() ? 3 * view_nbytes(t, {rows, c.shared_expert_intermediate_size}) +
+                                                view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, 1})
+                                          : 0;
   const size_t mlp_acts =
       !c.moe() ? 3 * view_nbytes(t, {rows, inter})
                : view_nbytes(t, {rows, experts}) + view_nbytes(f32, {rows, experts}) +
@@ -112,13 +117,13 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
                      view_nbytes(DType::kI32, {experts + 1}) + view_nbytes(DType::kI32, {rows, k}) +
                      view_nbytes(DType::kI32, {rk}) + 2 * view_nbytes(t, {rk, hidden}) +
                      3 * view_nbytes(t, {erk, mi}) +
-                     (ep ? view_nbytes(t, {erk, hidden}) + 2 * view_nbytes(DType::kI32, {erk}) : 0);
+                     (ep ? view_nbytes(t, {erk, hidden}) + 2 * view_nbytes(DType::kI32, {erk}) : 0) + shared;
   const size_t mlp_scratch =
       !c.moe() ? 3 * view_nbytes(t, {rows, inter})
                : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) +
                      view_nbytes(f32, {rows, k}) + view_nbytes(t, {rows, experts}) +
                      view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
-                     view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0);
+                     view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared;
   // What one decoder layer saves for backward; one set with checkpointing.
   const size_t acts = view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
                       view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +

@@ -101,6 +101,7 @@ std::string unused_hint(const std::string& name, const nn::LlamaConfig& c) {
     return "transformers 5's fused expert tensors, its in-memory layout: save the model with "
            "save_pretrained, which writes one tensor per expert and projection";
   }
+  if (has("shared_expert")) return "a shared expert: a Qwen2-MoE checkpoint (model_type qwen2_moe)";
   if (has("experts") || has("block_sparse_moe") || has("mlp.gate.weight")) {
     return "mixture-of-experts weights (Mixtral, Qwen-MoE)";
   }

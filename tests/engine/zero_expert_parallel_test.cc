@@ -113,6 +113,45 @@ TEST_CASE("expert parallelism equals one resident rank on the combined batch", "
   }
 }
 
+TEST_CASE("expert parallelism with qwen2_moe's shared expert equals one resident rank", "[engine][zero][moe][ep]") {
+  // The shared expert and its gate are dense parameters: ZeRO-partitioned over
+  // every rank, run on each rank's own rows, never exchanged.
+  ops::set_cpu_threads(1);
+  nn::LlamaConfig c = mixtral();
+  c.model_type = "qwen2_moe";
+  c.norm_topk_prob = false;
+  c.attention_qkv_bias = true;
+  c.shared_expert_intermediate_size = 24;
+  ResidentSpec resident;
+  resident.config = c;
+  resident.adam = options_for(3).adam;
+  resident.adam.eps = 1.0f;
+  const TrainResult ref = train_resident(resident);
+  for (const bool checkpoint : {false, true}) {
+    INFO("checkpointed " << checkpoint);
+    TrainSpec spec;
+    spec.config = c;
+    spec.world = 2;
+    spec.checkpoint_activations = checkpoint;
+    spec.options = options_for(3);
+    spec.options.adam.eps = 1.0f;
+    spec.options.expert_parallel_size = 2;
+    spec.options.param_tier = Tier::kCpu;
+    spec.options.optimizer_tier = Tier::kCpu;
+    const TrainResult r = train_zero(spec);
+    const Diff d = compare(r, ref);
+    INFO("max |ep - 1 resident rank| = " << d.max_abs);
+    CHECK(d.max_abs <= 2e-6);
+    REQUIRE(r.losses.size() == ref.losses.size());
+    for (size_t i = 0; i < r.losses.size(); ++i) CHECK(r.losses[i] == Approx(ref.losses[i]).epsilon(1e-6));
+    CHECK(r.trace_drops == 0);
+    // Only the routed experts are split: the shared expert is no expert.
+    CHECK(r.expert_group_size == 2);
+    CHECK(r.held_expert_params == 2 * 3 * 16 / 2);
+    CHECK(plan::llama_arena_nbytes(c, DType::kF32, kSequences / 2, kSeq, checkpoint, false, {}, 2) == r.arena_nbytes);
+  }
+}
+
 TEST_CASE("expert parallelism: an ep size that does not divide the experts is refused, naming both",
           "[engine][zero][moe][ep]") {
   TrainSpec spec;

@@ -210,4 +210,45 @@ void check_moe_ops(Fixture& f, DType act) {
   }
 }
 
+// qwen2_moe's gated shared expert: y += sigmoid(gate) * v per row, and its
+// backward (dgate against central differences of sum dy . y in double).
+template <typename Fixture>
+void check_sigmoid_gated_add(Fixture& f, DType act) {
+  INFO("activations " << dtype_name(act));
+  const int64_t rows = 7, dim = 37;  // dim > 32: a warp's lanes loop
+  std::mt19937 gen(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Vec v(static_cast<size_t>(rows * dim)), y(v.size()), dy(v.size()), s(static_cast<size_t>(rows));
+  for (Vec* x : {&v, &y, &dy, &s}) {
+    for (double& e : *x) e = normal(gen);
+  }
+  s[3] = 6.0;  // a gate nearly open
+  s[4] = -6.0;  // and one nearly shut
+  const TensorView d_v = f.tensor(v, act, {rows, dim}), d_y = f.tensor(y, act, {rows, dim}),
+                   d_dy = f.tensor(dy, act, {rows, dim}), d_s = f.tensor(s, act, {rows, 1});
+  TensorView dv = f.zeros(act, {rows, dim}), ds = f.zeros(act, {rows, 1});
+  f.ops->sigmoid_gated_add(*f.ctx, d_v, d_s, d_y);
+  f.ops->sigmoid_gated_add_backward(*f.ctx, d_dy, d_v, d_s, dv, ds);
+  auto sigmoid = [](double x) { return 1.0 / (1.0 + std::exp(-x)); };
+  Vec want_y(y.size()), want_dv(v.size()), want_ds(s.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const double g = sigmoid(s[r]);
+    auto objective = [&](double gate) {
+      double o = 0;
+      for (int64_t d = 0; d < dim; ++d) o += dy[r * dim + d] * (y[r * dim + d] + sigmoid(gate) * v[r * dim + d]);
+      return o;
+    };
+    for (int64_t d = 0; d < dim; ++d) {
+      want_y[r * dim + d] = y[r * dim + d] + g * v[r * dim + d];
+      want_dv[r * dim + d] = g * dy[r * dim + d];
+    }
+    const double h = 1e-5;
+    want_ds[r] = (objective(s[r] + h) - objective(s[r] - h)) / (2 * h);
+  }
+  const double tol = act == DType::kF32 ? 1e-6 : 1e-2;
+  expect_near(f.read(d_y), want_y, tol, "sigmoid_gated_add y");
+  expect_near(f.read(dv), want_dv, tol, "sigmoid_gated_add_backward dv");
+  expect_near(f.read(ds), want_ds, act == DType::kF32 ? 1e-5 : 1e-2, "sigmoid_gated_add_backward dgate");
+}
+
 }  // namespace strata::test::moe

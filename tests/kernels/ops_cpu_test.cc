@@ -625,6 +625,16 @@ TEST_CASE("cpu ops: mixture-of-experts routing, permutation, combine and their b
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
 }
 
+TEST_CASE("cpu ops: the sigmoid-gated add of a shared expert and its backward match the reference",
+          "[ops][cpu][moe]") {
+  Fixture f;
+  for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_sigmoid_gated_add(f, act);
+  // The gate is one logit per row.
+  CHECK_THROWS_WITH(f.ops->sigmoid_gated_add(*f.ctx, f.zeros(DType::kF32, {4, 3}), f.zeros(DType::kF32, {4, 3}),
+                                             f.zeros(DType::kF32, {4, 3})),
+                    Catch::Contains("gate has shape [4, 3]; expected [4, 1]"));
+}
+
 TEST_CASE("cpu ops: moe ops refuse bad arguments before enqueueing", "[ops][cpu][moe]") {
   Fixture f;
   Vec l(12, 0.0);
@@ -638,5 +648,8 @@ TEST_CASE("cpu ops: moe ops refuse bad arguments before enqueueing", "[ops][cpu]
                                      tok, {}),
                     Catch::Contains("offsets has 3 elements"));
   CHECK_THROWS_WITH(f.ops->moe_gather(*f.ctx, logits, f.zeros(DType::kI32, {8}), f.zeros(DType::kBF16, {8, 3})),
+                    Catch::Contains("activations must share one dtype"));
+  CHECK_THROWS_WITH(f.ops->sigmoid_gated_add(*f.ctx, f.zeros(DType::kF32, {4, 3}), f.zeros(DType::kBF16, {4, 1}),
+                                             f.zeros(DType::kF32, {4, 3})),
                     Catch::Contains("activations must share one dtype"));
 }

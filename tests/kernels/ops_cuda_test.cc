@@ -458,6 +458,12 @@ TEST_CASE("cuda ops: mixture-of-experts routing, permutation, combine and their 
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
 }
 
+TEST_CASE("cuda ops: the sigmoid-gated add of a shared expert and its backward match the reference",
+          "[ops][cuda][moe]") {
+  Fixture f;
+  for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_sigmoid_gated_add(f, act);
+}
+
 TEST_CASE("cuda ops: swiglu add and cast", "[ops][cuda]") {
   Fixture f;
   // 5000: 8-wide accesses; 4999: a scalar tail; offset views: unaligned, all scalar.

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -47,7 +48,8 @@ void expect_refused(const json& j, std::initializer_list<std::string> needles) {
 const char* const kCases[] = {"llama_untied_f32", "llama_tied_bf16", "llama3_untied_f32", "llama3_tied_bf16",
                               "mistral_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen2_tied_bf16",
                               "qwen3_untied_f32", "qwen3_tied_bf16", "mixtral_untied_f32", "mixtral_untied_bf16",
-                              "qwen3_moe_untied_f32", "qwen3_moe_tied_bf16", "qwen3_moe_nonorm_f32"};
+                              "qwen3_moe_untied_f32", "qwen3_moe_tied_bf16", "qwen3_moe_nonorm_f32",
+                              "qwen2_moe_untied_f32", "qwen2_moe_tied_bf16"};
 
 }  // namespace
 
@@ -130,15 +132,15 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "qwen2_moe", "deepseek_v3"}) {
+  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "deepseek_v3"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
                        "qwen3"});
   }
   json j = base;
-  j["model_type"] = "qwen2_moe";
-  expect_refused(j, {"mixture of experts"});
+  j["model_type"] = "deepseek_v2";
+  expect_refused(j, {"mixture of experts with multi-head latent attention"});
   j = base;
   j["architectures"] = {"LlamaForSequenceClassification"};
   expect_refused(j, {"LlamaForSequenceClassification", "LlamaForCausalLM"});
@@ -305,7 +307,7 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
 TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
           "[nn][config][families]") {
   for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
-                           "qwen3_moe_untied_f32"}) {
+                           "qwen3_moe_untied_f32", "qwen2_moe_untied_f32"}) {
     const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);
@@ -406,4 +408,120 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
   CHECK(names.contains("model.layers.1.block_sparse_moe.gate.weight"));
   CHECK(names.contains("model.layers.1.block_sparse_moe.experts.7.w2.weight"));
   CHECK(hf_tensors(qwen).size() == tensors.size() + 4);  // q/k norms in 2 layers
+}
+
+TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and windowed layers, and refuses what "
+          "strata does not compute",
+          "[nn][config][families][moe]") {
+  const LlamaConfig c = parse_llama_config(fixture_config("qwen2_moe_untied_f32"));
+  CHECK(c.model_type == "qwen2_moe");
+  CHECK(c.num_experts == 8);
+  CHECK(c.num_experts_per_tok == 2);
+  CHECK(c.moe_intermediate_size == 8);
+  CHECK(c.shared_expert_intermediate_size == 16);
+  CHECK(c.shared_expert());
+  CHECK(!c.norm_topk_prob);  // Qwen2MoeConfig's default, as the fixture has it
+  CHECK(c.output_router_logits);
+  CHECK(c.router_aux_loss_coef == 0.02);
+  CHECK(c.attention_qkv_bias);  // qkv_bias (default true)
+  CHECK(!c.attention_o_bias);
+  CHECK(!c.qk_norm);
+  CHECK(c.attention_mask(0).window == 3);  // layer_types: layer 0 slides
+  CHECK(c.attention_mask(1).window == 0);
+  const LlamaConfig bf16 = parse_llama_config(fixture_config("qwen2_moe_tied_bf16"));
+  CHECK(bf16.norm_topk_prob);
+  CHECK(bf16.sliding_window == 0);  // use_sliding_window false (Qwen2MoeConfig writes sliding_window 0)
+  // The tensors: the routed experts as qwen3_moe, then the shared expert and its gate.
+  std::map<std::string, Shape> shapes;
+  for (const HfTensor& t : hf_tensors(c)) shapes[t.name] = t.shape;
+  CHECK(shapes.at("model.layers.1.mlp.experts.7.down_proj.weight") == Shape{32, 8});
+  CHECK(shapes.at("model.layers.1.mlp.shared_expert.gate_proj.weight") == Shape{16, 32});
+  CHECK(shapes.at("model.layers.1.mlp.shared_expert.down_proj.weight") == Shape{32, 16});
+  CHECK(shapes.at("model.layers.1.mlp.shared_expert_gate.weight") == Shape{1, 32});
+  CHECK(shapes.at("model.layers.0.self_attn.v_proj.bias") == Shape{8});
+  CHECK(!shapes.contains("model.layers.0.self_attn.o_proj.bias"));
+  // Absent keys take Qwen2MoeConfig's defaults.
+  json j = fixture_config("qwen2_moe_untied_f32");
+  for (const char* key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                          "shared_expert_intermediate_size", "qkv_bias", "router_aux_loss_coef"}) {
+    j.erase(key);
+  }
+  const LlamaConfig d = parse_llama_config(j);
+  CHECK(d.num_experts == 60);
+  CHECK(d.num_experts_per_tok == 4);
+  CHECK(d.moe_intermediate_size == 1408);
+  CHECK(d.shared_expert_intermediate_size == 5632);
+  CHECK(!d.norm_topk_prob);
+  CHECK(d.attention_qkv_bias);
+  CHECK(d.router_aux_loss_coef == 0.001);
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["qkv_bias"] = false;
+  const LlamaConfig no_bias = parse_llama_config(j);
+  CHECK(!no_bias.attention_qkv_bias);
+  CHECK(hf_tensors(no_bias).size() == hf_tensors(c).size() - 6);  // q/k/v biases in 2 layers
+  // Without layer_types, Qwen2MoeConfig's own rule: the even layers below
+  // max_window_layers slide (qwen2's rule would slide layers 3 and up).
+  j = fixture_config("qwen2_moe_untied_f32");
+  j.erase("layer_types");
+  j["num_hidden_layers"] = 6;
+  j["max_window_layers"] = 3;
+  const LlamaConfig rule = parse_llama_config(j);
+  CHECK(rule.sliding_layers == std::vector<bool>{true, false, true, false, false, false});
+  j["use_sliding_window"] = false;
+  CHECK(parse_llama_config(j).sliding_window == 0);
+  // What would be another model, or a key strata does not know.
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["decoder_sparse_step"] = 2;
+  expect_refused(j, {"decoder_sparse_step", "every layer as a mixture of experts"});
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["mlp_only_layers"] = {1};
+  expect_refused(j, {"mlp_only_layers", "[1]"});
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["shared_expert_intermediate_size"] = 0;
+  expect_refused(j, {"shared_expert_intermediate_size", "is 0"});
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["num_experts"] = 0;
+  expect_refused(j, {"number of experts is 0"});
+  for (const char* unknown : {"num_local_experts", "attention_bias", "mlp_bias", "moe_layer_freq"}) {
+    j = fixture_config("qwen2_moe_untied_f32");
+    j[unknown] = 8;
+    expect_refused(j, {std::string("key '") + unknown + "'", "model_type \"qwen2_moe\""});
+  }
+  j = fixture_config("qwen2_moe_untied_f32");
+  j["layer_types"] = {"sliding_attention", "full_attention"};
+  j["use_sliding_window"] = false;
+  expect_refused(j, {"use_sliding_window is false"});
+  // to_hf_json writes what Qwen2MoeConfig reads, and reads back as the same model.
+  const json hf = c.to_hf_json(DType::kF32);
+  CHECK(hf["architectures"] == json::array({"Qwen2MoeForCausalLM"}));
+  CHECK(hf["num_experts"] == 8);
+  CHECK(!hf.contains("num_local_experts"));
+  CHECK(hf["shared_expert_intermediate_size"] == 16);
+  CHECK(hf["qkv_bias"] == true);
+  CHECK(hf["norm_topk_prob"] == false);
+  CHECK(hf["use_sliding_window"] == true);
+  CHECK(hf["layer_types"] == json::array({"sliding_attention", "full_attention"}));
+  const LlamaConfig back = parse_llama_config(hf);
+  CHECK(back.to_hf_json(DType::kF32) == hf);
+  CHECK(back.shared_expert_intermediate_size == 16);
+  CHECK(back.sliding_layers == c.sliding_layers);
+  CHECK(back.parameter_count() == c.parameter_count());
+  // A config built in code (no source) writes num_experts, Qwen2MoeConfig's key.
+  LlamaConfig built = c;
+  built.source = nullptr;
+  CHECK(built.to_json().contains("num_experts"));
+  CHECK(parse_llama_config(built.to_json()).parameter_count() == c.parameter_count());
+  // Qwen1.5-MoE-A2.7B's published config.json: 14.3B parameters, 2.7B active.
+  const json a27b = json::parse(R"({"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192, "max_window_layers": 21,
+    "model_type": "qwen2_moe", "num_attention_heads": 16, "num_hidden_layers": 24, "num_key_value_heads": 16,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16", "transformers_version": "4.39.0.dev0", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
+    "norm_topk_prob": false, "output_router_logits": false, "router_aux_loss_coef": 0.001})");
+  const LlamaConfig q = parse_llama_config(a27b);
+  CHECK(q.sliding_window == 0);
+  CHECK(q.parameter_count() == 14315784192);
 }

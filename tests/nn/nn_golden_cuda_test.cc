@@ -43,15 +43,16 @@ TEST_CASE("golden on cuda: LoRA adapters match PEFT", "[nn][golden][cuda][lora]"
   check_lora_golden(Backend::kCuda, "lora_llama_bf16_all", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
 }
 
-TEST_CASE("golden on cuda: Mixtral and Qwen3-MoE match transformers, with and without the auxiliary loss",
+TEST_CASE("golden on cuda: Mixtral, Qwen3-MoE and Qwen2-MoE match transformers, with and without the auxiliary loss",
           "[nn][golden][cuda][moe]") {
-  for (const char* name : {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32"}) {
+  for (const char* name :
+       {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32", "qwen2_moe_untied_f32"}) {
     check_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenF32Cuda);
     GoldenRun off;
     off.router_logits_off = true;
     check_golden_run(Backend::kCuda, name, "loss_without_aux", "", kGoldenF32Cuda, off);
   }
-  for (const char* name : {"mixtral_untied_bf16", "qwen3_moe_tied_bf16"}) {
+  for (const char* name : {"mixtral_untied_bf16", "qwen3_moe_tied_bf16", "qwen2_moe_tied_bf16"}) {
     check_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
     check_golden(Backend::kCuda, name, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
   }

@@ -126,13 +126,16 @@ namespace {
 
 // scripts/make-golden-moe: E = 8 experts, top 2, GQA, 2 layers, with
 // output_router_logits (the loss includes router_aux_loss_coef * the
-// load-balancing loss); each case has an expert no token chose.
-const char* const kMoeF32Cases[] = {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32"};
-const char* const kMoeBf16Cases[] = {"mixtral_untied_bf16", "qwen3_moe_tied_bf16"};
+// load-balancing loss); each case has an expert no token chose. qwen2_moe
+// adds the shared expert and its gate, Qwen2's q/k/v biases and (fp32) a
+// sliding-window layer.
+const char* const kMoeF32Cases[] = {"mixtral_untied_f32", "qwen3_moe_untied_f32", "qwen3_moe_nonorm_f32",
+                                    "qwen2_moe_untied_f32"};
+const char* const kMoeBf16Cases[] = {"mixtral_untied_bf16", "qwen3_moe_tied_bf16", "qwen2_moe_tied_bf16"};
 
 }  // namespace
 
-TEST_CASE("golden: Mixtral and Qwen3-MoE in fp32 match transformers, with and without the auxiliary loss",
+TEST_CASE("golden: Mixtral, Qwen3-MoE and Qwen2-MoE in fp32 match transformers, with and without the auxiliary loss",
           "[nn][golden][moe]") {
   for (const char* name : kMoeF32Cases) {
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
@@ -150,7 +153,20 @@ TEST_CASE("golden: Mixtral and Qwen3-MoE in fp32 match transformers, with and wi
   }
 }
 
-TEST_CASE("golden: Mixtral and Qwen3-MoE with bf16 weights match transformers", "[nn][golden][moe]") {
+TEST_CASE("golden: Qwen2-MoE's shared expert is visible in its fixtures' loss", "[nn][golden][moe]") {
+  // The same weights without the shared expert (scripts/make-golden-moe:
+  // loss_without_feature) give a loss far outside the tolerance, so the
+  // golden checks above would catch a missing or mis-gated shared expert.
+  for (const char* name : {"qwen2_moe_untied_f32", "qwen2_moe_tied_bf16"}) {
+    const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+    const double loss = expected.at("loss").get<double>(), plain = expected.at("loss_without_feature").get<double>();
+    INFO(name << ": loss " << loss << ", without the shared expert " << plain);
+    CHECK(std::abs(plain - loss) > 100 * kGoldenF32.loss_rel * loss);
+    CHECK(std::abs(plain - loss) > kGoldenBf16VsTorchBf16.loss_rel * loss);  // even bf16's tolerance: >= 0.3%
+  }
+}
+
+TEST_CASE("golden: Mixtral, Qwen3-MoE and Qwen2-MoE with bf16 weights match transformers", "[nn][golden][moe]") {
   for (const char* name : kMoeBf16Cases) {
     check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);

@@ -488,6 +488,13 @@ TEST_CASE("strata plan --model of a mixture of experts: compute counts the activ
   const auto qwen = plan("qwen3_moe_untied_f32");
   CHECK(qwen["model"]["experts"] == 8);
   CHECK(qwen["model"]["intermediate"] == 8);
+  CHECK(qwen["model"]["shared_expert_intermediate"] == 0);
+  // qwen2_moe: the same 9216 idle routed-expert parameters; its shared expert
+  // (3 x 16 x 32 per layer) and gate (32) are active for every token.
+  const auto qwen2 = plan("qwen2_moe_untied_f32");
+  const int64_t qwen2_total = qwen2["model"]["param_count"].get<int64_t>();
+  CHECK(qwen2["model"]["shared_expert_intermediate"] == 16);
+  CHECK(qwen2["model"]["active_param_count"].get<int64_t>() == qwen2_total - 9216);
   // A dense model: every parameter is active.
   const auto dense = plan("llama_untied_f32");
   CHECK(dense["model"]["experts"] == 0);

@@ -78,6 +78,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
   const json archs = {c.model_type == "llama"     ? "LlamaForCausalLM"
                       : c.model_type == "mistral" ? "MistralForCausalLM"
                       : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                      : c.model_type == "qwen2_moe" ? "Qwen2MoeForCausalLM"
                                                   : "Qwen3ForCausalLM"};
   CHECK(out["architectures"] == archs);
   CHECK(out["torch_dtype"] == (dtype == "F32" ? "float32" : "bfloat16"));
@@ -95,7 +96,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
 }  // namespace
 
 TEST_CASE("families: import, fine-tune, export and load back give the next step's loss", "[finetune][families]") {
-  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3"}) {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "qwen2_moe"}) {
     INFO(family);
     strata::test::TempDir dir("families");
     const std::string model = fixture(std::string(family) + "_untied_f32");

@@ -93,7 +93,7 @@ void expect_refused(const fs::path& dir, std::initializer_list<std::string> need
 TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[train][hf]") {
   test::TempDir dir("hf-model");
   for (const char* name : {"llama3_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen3_tied_bf16",
-                           "mixtral_untied_bf16", "qwen3_moe_untied_f32"}) {
+                           "mixtral_untied_bf16", "qwen3_moe_untied_f32", "qwen2_moe_tied_bf16"}) {
     INFO(name);
     CHECK_NOTHROW(train::load_hf_config(fixture(name)));
     const fs::path sharded = shard_fixture(dir, name, std::string(name) + "_sharded");
@@ -174,6 +174,9 @@ TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformer
                                 c.erase("router_jitter_noise");
                               }),
                  {"block_sparse_moe", "model_type \"qwen3_moe\""});
+  // A shared expert in a qwen3_moe checkpoint: Qwen2-MoE's, which qwen3_moe does not have.
+  expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "shared", {"model.layers.0.mlp.shared_expert_gate.weight"}),
+                 {"'model.layers.0.mlp.shared_expert_gate.weight'", "model_type qwen2_moe"});
 }
 
 TEST_CASE("hf model: load_hf_weights itself refuses a tensor no parameter claims", "[train][hf]") {
