@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <string_view>
 
 #include "core/cpu_features.h"
 #include "core/error.h"
@@ -21,11 +22,18 @@ std::string core_for_this_cpu() {
   return "";
 }
 
+// The library to load: STRATA_OPENBLAS when set (a relocated copy, as the
+// GPU machine's bundle carries: scripts/gpu-check sets it), else the OpenMP
+// build this strata was compiled against.
+const char* openblas_path() {
+  const char* given = std::getenv("STRATA_OPENBLAS");
+  return given != nullptr && *given != '\0' ? given : STRATA_OPENBLAS_PATH;
+}
+
 template <typename Fn>
 Fn symbol(void* handle, const char* name) {
   void* p = dlsym(handle, name);
-  STRATA_CHECK(p != nullptr, kInternal, "OpenBLAS ({}) has no symbol {}: {}",
-               STRATA_OPENBLAS_PATH, name, dlerror());
+  STRATA_CHECK(p != nullptr, kInternal, "OpenBLAS ({}) has no symbol {}: {}", openblas_path(), name, dlerror());
   return reinterpret_cast<Fn>(p);
 }
 
@@ -41,10 +49,14 @@ Api load() {
   } else {
     a.core_source = "OpenBLAS's own detection";
   }
-  void* handle = dlopen(STRATA_OPENBLAS_PATH, RTLD_NOW | RTLD_GLOBAL);
+  void* handle = dlopen(openblas_path(), RTLD_NOW | RTLD_GLOBAL);
+  if (handle == nullptr && openblas_path() != std::string_view(STRATA_OPENBLAS_PATH)) {
+    raise(ErrorCategory::kBadArgument, "STRATA_OPENBLAS={}: cannot load it as OpenBLAS: {}", openblas_path(),
+          dlerror());
+  }
   STRATA_CHECK(handle != nullptr, kInternal,
-               "cannot load OpenBLAS from {}: {} (scripts/setup installs libopenblas-openmp-dev)",
-               STRATA_OPENBLAS_PATH, dlerror());
+               "cannot load OpenBLAS from {}: {} (scripts/setup installs libopenblas-openmp-dev)", openblas_path(),
+               dlerror());
   a.sgemm = symbol<decltype(&cblas_sgemm)>(handle, "cblas_sgemm");
   a.dgemm = symbol<decltype(&cblas_dgemm)>(handle, "cblas_dgemm");
   a.core = symbol<char* (*)()>(handle, "openblas_get_corename")();
