@@ -344,8 +344,13 @@ TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one
   // Every step: read ahead (it always clipped); never: read ahead once, then
   // speculate; alternating: both modes, each right and wrong once at least.
   CHECK(read_ahead_steps == (clipping == Clipping::kEveryStep ? 5 : clipping == Clipping::kNever ? 1 : 3));
-  CHECK(read_ahead_seconds > 0);
-  if (optimizer == Tier::kNvme) CHECK(read_ahead > 0);
+  // One read-ahead step (clipping never fires: only the first) may get
+  // nothing done before its boundary on a loaded machine (CI once saw it);
+  // over three or five, the thread must have done some.
+  if (read_ahead_steps > 1) {
+    CHECK(read_ahead_seconds > 0);
+    if (optimizer == Tier::kNvme) CHECK(read_ahead > 0);
+  }
   if (kept_speculations > 0) CHECK(kept > 0);
   if (clipped_speculations > 0) CHECK(rolled_back > 0);
   if (clipping == Clipping::kAlternating) CHECK(clipped_speculations == 2);
