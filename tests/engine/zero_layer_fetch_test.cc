@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -27,17 +26,19 @@ using offload::LayerFetch;
 
 namespace {
 
-// Every sequence one token repeated: each sequence routes to 2 experts per
-// layer, a step's 4 sequences to at most 8 of the 16 (zero_routed_test.cc).
-Batch one_token_per_sequence(int step, int64_t vocab) {
-  std::mt19937 gen(static_cast<uint32_t>(700 + step));
-  Batch b;
-  for (int64_t s = 0; s < kSequences; ++s) {
-    const auto token = static_cast<int32_t>(gen() % static_cast<uint32_t>(vocab));
-    b.ids.insert(b.ids.end(), kSeq, token);
-    b.targets.insert(b.targets.end(), kSeq, token);
-  }
-  return b;
+// A Mixtral (16 experts of width 64) under ZeRO-3 with parameters and
+// optimizer state on NVMe under `swap`, on one token per sequence
+// (repeated_tokens: a step routes to at most 8 of the 16 experts per layer).
+TrainSpec nvme_mixtral(const std::filesystem::path& swap) {
+  TrainSpec spec;
+  spec.config = mixtral_config(16, 64, /*aux=*/false);
+  spec.steps = 3;
+  spec.options = options_for(3);
+  spec.options.param_tier = Tier::kNvme;
+  spec.options.optimizer_tier = Tier::kNvme;
+  spec.options.nvme_path = swap;
+  spec.batches = repeated_tokens;
+  return spec;
 }
 
 LayerFetch sum(const std::vector<LayerFetch>& layers) {
@@ -87,14 +88,7 @@ TEST_CASE("MoE under ZeRO-3 on NVMe, per layer: the layers add up to the step, s
           "[engine][zero][moe][nvme]") {
   ops::set_cpu_threads(1);
   test::TempDir dir("strata-zero-layer-fetch");
-  TrainSpec spec;
-  spec.config = mixtral_config(16, 64, /*aux=*/false);
-  spec.steps = 3;
-  spec.options = options_for(3);
-  spec.options.param_tier = Tier::kNvme;
-  spec.options.optimizer_tier = Tier::kNvme;
-  spec.options.nvme_path = dir.path() / "routed";
-  spec.batches = one_token_per_sequence;
+  TrainSpec spec = nvme_mixtral(dir.path() / "routed");
   const TrainResult routed = train_zero(spec);
   // Random tokens: (nearly) every expert routed every step.
   spec.batches = {};
@@ -147,14 +141,7 @@ TEST_CASE("MoE under ZeRO-3 on NVMe, per layer on the timeline: each layer's cou
           "[engine][zero][moe][nvme][trace]") {
   ops::set_cpu_threads(1);
   test::TempDir dir("strata-zero-layer-trace");
-  TrainSpec spec;
-  spec.config = mixtral_config(16, 64, /*aux=*/false);
-  spec.steps = 3;
-  spec.options = options_for(3);
-  spec.options.param_tier = Tier::kNvme;
-  spec.options.optimizer_tier = Tier::kNvme;
-  spec.options.nvme_path = dir.path() / "swap";
-  spec.batches = one_token_per_sequence;
+  const TrainSpec spec = nvme_mixtral(dir.path() / "swap");
   trace::Options o;
   o.path = dir.file("trace.json");
   trace::start(o);
