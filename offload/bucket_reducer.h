@@ -10,7 +10,8 @@
 // synchronize() (and add() when kMaxBucketsInFlight buckets are still in flight).
 //
 // Ownership: borrows the accelerator, the Ops, the communicator, the layout and
-// the gradient shard, which must outlive it. It owns its stream and bucket buffers.
+// the gradient shard (and a given stream), which must outlive it. It owns its
+// bucket buffers and, when none is given, its stream.
 // Thread-safety: one thread drives it.
 // Errors: kBadArgument for misuse; a failed collective or copy surfaces from
 // synchronize() (and from every later bucket's event) as the stream's error.
@@ -31,8 +32,13 @@ namespace strata::offload {
 
 class BucketReducer {
  public:
+  // `stream`: where its copies, collectives and accumulation run — borrowed,
+  // to be shared by every reducer over the same communicator (the collectives
+  // of one communicator must run on one stream, in the order they were
+  // submitted, on every rank); null: a stream of its own.
   BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
-                const partition::PartitionLayout& layout, int64_t bucket_numel, GradShard& shard);
+                const partition::PartitionLayout& layout, int64_t bucket_numel, GradShard& shard,
+                Stream* stream = nullptr);
   ~BucketReducer();
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -68,7 +74,8 @@ class BucketReducer {
   const partition::PartitionLayout& layout_;
   int64_t bucket_numel_;
   GradShard& shard_;
-  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Stream> own_stream_;  // when no stream was given
+  Stream* stream_;
   std::unique_ptr<ops::ComputeContext> ctx_;
   std::unique_ptr<Bucket> open_;
   std::deque<std::unique_ptr<Bucket>> in_flight_;

@@ -460,7 +460,9 @@ bool ShardOptimizer::abort() {
 
 // ---- the step ------------------------------------------------------------------------
 
-kernels::GradStats ShardOptimizer::grad_stats() {
+kernels::GradStats ShardOptimizer::grad_stats(std::span<const uint8_t> include) {
+  STRATA_CHECK(include.empty() || include.size() == groups_.size(), kBadArgument,
+               "grad_stats: {} flags for {} shards", include.size(), groups_.size());
   // Statistics the thread took are of the final gradient only when one
   // backward followed prepare(): a second one adds to what it measured.
   const bool twice = std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
@@ -468,8 +470,9 @@ kernels::GradStats ShardOptimizer::grad_stats() {
     for (auto& gp : groups_) std::fill(gp->stats_known.begin(), gp->stats_known.end(), 0);
   }
   kernels::GradStats local;
-  for (auto& gp : groups_) {
-    Group& g = *gp;
+  for (size_t s = 0; s < groups_.size(); ++s) {
+    if (!include.empty() && include[s] == 0) continue;
+    Group& g = *groups_[s];
     if (g.device) {  // every sub-group's statistics in one round trip
       g.stats = g.device->grad_stats(g.shard.grads->memory());
       std::fill(g.stats_known.begin(), g.stats_known.end(), 1);

@@ -58,6 +58,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <span>
 #include <optional>
 #include <string>
 #include <vector>
@@ -160,8 +161,9 @@ class ShardOptimizer {
   // Waits for the thread's last sub-groups (once no landing can come: the
   // reducers synchronized); returns the seconds waited; rethrows its error.
   double settle();
-  // This rank's gradient statistics: every sub-group's, merged in order.
-  kernels::GradStats grad_stats();
+  // This rank's gradient statistics: every sub-group's, merged in order —
+  // of the shards s with include[s] non-zero (empty: every shard).
+  kernels::GradStats grad_stats(std::span<const uint8_t> include = {});
   // The step with `grad_scale` (kernels::combined_grad_scale) at `lr`:
   // speculated sub-groups kept when the speculation holds, else rolled back;
   // the rest updated; every group committed. Closes the step.

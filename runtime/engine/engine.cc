@@ -87,6 +87,10 @@ void Engine::exchange_experts(const TensorView&, const TensorView&, const partit
   raise(ErrorCategory::kBadArgument, "exchange_experts: this engine has no expert parallelism (one ep member)");
 }
 
+void Engine::tp_allreduce(const TensorView&) {
+  raise(ErrorCategory::kBadArgument, "tp_allreduce: this engine has no tensor parallelism (one tp rank)");
+}
+
 OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
   STRATA_CHECK(!finalized_, kBadArgument, "operator '{}' declared after finalize()", name);
   for (ParamId p : params) {

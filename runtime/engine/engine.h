@@ -84,6 +84,11 @@ struct ParamInfo {
   // the ranks that own the expert hold it (Engine::owns_expert).
   int32_t expert = -1;
   int32_t experts = 0;
+  // Tensor parallelism (Engine::tensor_group() of size > 1): true when this
+  // is this rank's shard of a tensor split across the tp group (`slice` says
+  // which block); false when every tp rank holds the same tensor (norms, the
+  // embedding, a row-parallel bias) and computes the same gradient for it.
+  bool tp_split = false;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
@@ -154,6 +159,23 @@ class Engine {
   // collective and blocking: every rank calls it at the same point. A model
   // agrees on data-dependent choices with it (which experts any rank routed to).
   virtual void sum_over_ranks(double* values, size_t count) = 0;
+
+  // ---- tensor parallelism (docs/DESIGN.md §5) ---------------------------------------
+  // The tensor-parallel group of this rank: `size` consecutive job ranks that
+  // split each decoder layer's projections (Megatron's layout), `rank` this
+  // rank's position in it. size 1 (the default): nothing is split.
+  struct TensorGroup {
+    int size = 1;
+    int rank = 0;
+  };
+  const TensorGroup& tensor_group() const { return tensor_group_; }
+  // Sums `view` (accelerator memory, float dtype) over the tensor group in
+  // place: ordered after the compute stream's work so far, and the compute
+  // stream's later work waits for it (Megatron's g after a row-parallel
+  // projection, f before a column-parallel one in backward). Collective over
+  // the tensor group, in the same order on every member; every member gets
+  // the same bits. Refused (kBadArgument) when the group has one member.
+  virtual void tp_allreduce(const TensorView& view);
 
   // ---- expert parallelism (docs/DESIGN.md §4.2) -----------------------------------
   // The expert-parallel group of this rank: `size` data-parallel ranks that
@@ -237,6 +259,8 @@ class Engine {
   virtual void on_skip_op(OpId /*op*/, Phase /*phase*/) {}
   // Set by an engine with expert parallelism (its constructor); checked there.
   void set_expert_group(ExpertGroup group) { expert_group_ = std::move(group); }
+  // Set by an engine with tensor parallelism (its constructor).
+  void set_tensor_group(TensorGroup group) { tensor_group_ = group; }
   // Refuses a window of an expert this rank does not hold (pre_op, skip_op).
   void check_owned(OpId op) const;
 
@@ -259,6 +283,7 @@ class Engine {
   std::vector<Window> open_windows_;  // pre_op without its post_op yet
   std::unique_ptr<Event> skip_point_;  // skip_op's compute-stream point (backward)
   ExpertGroup expert_group_;
+  TensorGroup tensor_group_;
 };
 
 }  // namespace strata::engine

@@ -81,6 +81,14 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
     exchange_stream_ = accelerator.create_stream();
   }
   set_expert_group(std::move(experts));
+  if (comms_.tensor != nullptr && comms_.tensor->world_size() > 1) {
+    STRATA_CHECK(comms_.tensor != comms_.gather && comms_.tensor != comms_.reduce && comms_.tensor != comms_.control,
+                 kBadArgument, "the tp group needs a communicator of its own (it runs on its own stream)");
+    STRATA_CHECK(options_.expert_parallel_size == 1, kBadArgument,
+                 "tensor parallelism with expert parallelism is not implemented yet");
+    set_tensor_group({comms_.tensor->world_size(), comms_.tensor->rank()});
+    tensor_stream_ = accelerator.create_stream();
+  }
   gather_stream_ = accelerator.create_stream();
   control_stream_ = accelerator.create_stream();
   home_stream_ = accelerator.create_stream();
@@ -93,7 +101,7 @@ ZeroEngine::~ZeroEngine() {
   if (optimizer_) optimizer_->stop();  // no sub-group is updated after this
   // Queued work reads and writes the memory freed below.
   for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get(),
-                         exchange_stream_.get()}) {
+                         exchange_stream_.get(), tensor_stream_.get()}) {
     if (stream == nullptr) continue;
     try {
       stream->synchronize();
@@ -137,9 +145,11 @@ void ZeroEngine::on_finalize() {
   // Group parameters by dtype, frozen ones apart (they have no gradient path
   // and no optimizer), with expert parallelism the experts this rank holds
   // apart (partitioned over their expert-dp group) and the others left out,
-  // in declaration order within a group.
+  // with tensor parallelism the tp shards apart (the norm counts them
+  // differently), in declaration order within a group.
   const int ep = options_.expert_parallel_size;
-  std::map<std::tuple<DType, bool, bool>, size_t> group_index;
+  const bool tp = tensor_group().size > 1;
+  std::map<std::tuple<DType, bool, bool, bool>, size_t> group_index;
   group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
@@ -153,14 +163,17 @@ void ZeroEngine::on_finalize() {
                    info.experts, info.name);
       if (!owns_expert(info.expert, info.experts)) continue;  // another ep member's
     }
-    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert}, groups_.size());
+    const bool tp_split = tp && info.tp_split;
+    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert, tp_split}, groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
       Group& g = *groups_.back();
       g.dtype = dtype;
       g.frozen = frozen;
       g.expert = expert;
-      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "");
+      g.tp_split = tp_split;
+      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") +
+              (tp_split ? "_tp" : "");
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
     }
@@ -222,7 +235,7 @@ void ZeroEngine::on_finalize() {
   optimizer.threads = options_.optimizer_threads;
   optimizer.buffer_count = options_.optimizer_buffer_count;
   optimizer.nvme_path = options_.nvme_path;
-  optimizer.rank = rank();
+  optimizer.rank = file_rank();
   optimizer.keep_files = options_.keep_swap_files;
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   optimizer.clipping = options_.gradient_clipping > 0;
@@ -232,7 +245,8 @@ void ZeroEngine::on_finalize() {
     if (g->frozen) continue;
     g->shard = static_cast<int>(shards.size());
     shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
-                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "")});
+                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") +
+                          (g->tp_split ? "_tp" : "")});
   }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
@@ -278,7 +292,7 @@ void ZeroEngine::create_group(Group& g) {
   }
   home.nvme_path = options_.nvme_path;
   home.key = g.key;
-  home.rank = rank();
+  home.rank = file_rank();
   home.keep_files = options_.keep_swap_files;
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
 
@@ -287,15 +301,19 @@ void ZeroEngine::create_group(Group& g) {
   } else if (options_.grad_tier == Tier::kNvme) {
     if (grad_swap_ == nullptr) {
       grad_swap_ = std::make_unique<nvme::SwapSpace>(
-          nvme::SwapSpaceOptions{options_.nvme_path, "grad", rank(), true, options_.keep_swap_files});
+          nvme::SwapSpaceOptions{options_.nvme_path, "grad", file_rank(), true, options_.keep_swap_files});
     }
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_, g.key);
   } else {
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout);
   }
   if (g.grads) {
+    // Groups reduced over the same communicator share its stream, so its
+    // collectives run in the order backward submits them on every rank.
+    std::unique_ptr<Stream>& stream = reduce_streams_[g.reduce_comm];
+    if (stream == nullptr) stream = accelerator().create_stream();
     g.reducer = std::make_unique<offload::BucketReducer>(accelerator(), ops(), *g.reduce_comm, *g.layout,
-                                                         options_.reduce_bucket_numel, *g.grads);
+                                                         options_.reduce_bucket_numel, *g.grads, stream.get());
   }
 
   if (options_.stage < 3) {
@@ -361,6 +379,19 @@ void ZeroEngine::exchange_experts(const TensorView& send, const TensorView& recv
   exchange_stream_->wait(*compute_point_);
   const std::unique_ptr<Event> done =
       comms_.expert_exchange->all_to_all(send.data, recv.data, splits, send.desc.dtype, *exchange_stream_);
+  compute_stream().wait(*done);
+}
+
+void ZeroEngine::tp_allreduce(const TensorView& view) {
+  if (tensor_stream_ == nullptr) Engine::tp_allreduce(view);  // refuses
+  STRATA_CHECK(is_float_storage(view.desc.dtype), kBadArgument, "tp_allreduce: {} is not a float dtype",
+               dtype_name(view.desc.dtype));
+  // After compute's writes of `view`; compute's later reads wait for the sum.
+  compute_stream().record(*compute_point_);
+  tensor_stream_->wait(*compute_point_);
+  const std::unique_ptr<Event> done =
+      comms_.tensor->allreduce(view.data, view.data, static_cast<size_t>(view.numel()), view.desc.dtype,
+                               partition::ReduceOp::kSum, *tensor_stream_);
   compute_stream().wait(*done);
 }
 
@@ -470,8 +501,27 @@ StepResult ZeroEngine::step(float lr) {
   result.optimizer_drain_seconds = optimizer_->settle();
 
   // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
-  const kernels::GradStats local = optimizer_->grad_stats();
-  double reduced[2] = {local.finite ? local.sum_sq : 0.0, local.finite ? 0.0 : 1.0};
+  double reduced[2];
+  if (tensor_group().size == 1) {
+    const kernels::GradStats local = optimizer_->grad_stats();
+    reduced[0] = local.finite ? local.sum_sq : 0.0;
+    reduced[1] = local.finite ? 0.0 : 1.0;
+  } else {
+    // The tp shards' sums over the tp group first; the replicated groups
+    // hold the same gradient on every tp rank, so they count once.
+    std::vector<uint8_t> split;
+    for (const auto& g : groups_) {
+      if (g->shard >= 0) split.push_back(g->tp_split);
+    }
+    std::vector<uint8_t> replicated(split.size());
+    for (size_t i = 0; i < split.size(); ++i) replicated[i] = !split[i];
+    const kernels::GradStats shards = optimizer_->grad_stats(split);
+    const kernels::GradStats same = optimizer_->grad_stats(replicated);
+    double tp_sum[2] = {shards.finite ? shards.sum_sq : 0.0, shards.finite ? 0.0 : 1.0};
+    allreduce_f64(tp_sum, 2, comms_.tensor, tensor_stream_.get());
+    reduced[0] = tp_sum[0] + (same.finite ? same.sum_sq : 0.0);
+    reduced[1] = tp_sum[1] + (same.finite ? 0.0 : 1.0);
+  }
   allreduce_f64(reduced, 2);
   kernels::GradStats global;
   global.sum_sq = reduced[0];
@@ -663,10 +713,13 @@ double ZeroEngine::global_sum(double value) {
   return sum;
 }
 
-void ZeroEngine::allreduce_f64(double* values, size_t count) {
+void ZeroEngine::allreduce_f64(double* values, size_t count, partition::Communicator* comm, Stream* stream) {
+  if (comm == nullptr) comm = comms_.control;
+  if (stream == nullptr) stream = control_stream_.get();
   const size_t nbytes = count * sizeof(double);
   // One small accelerator buffer serves every call (two or three a step, and
-  // one per MoE layer's routing), grown to the largest count asked for.
+  // one per MoE layer's routing), grown to the largest count asked for; each
+  // call synchronizes its stream, so no two use it at once.
   if (count > control_slots_) {
     if (control_buffer_ != nullptr) {
       control_stream_->synchronize();
@@ -675,15 +728,15 @@ void ZeroEngine::allreduce_f64(double* values, size_t count) {
     control_slots_ = std::max<size_t>(count, 4);
     control_buffer_ = accelerator().allocate(control_slots_ * sizeof(double));
   }
-  accelerator().copy_async(control_buffer_, values, nbytes, CopyKind::kHostToDevice, *control_stream_);
-  comms_.control->allreduce(control_buffer_, control_buffer_, count, DType::kF64, partition::ReduceOp::kSum,
-                            *control_stream_);
-  accelerator().copy_async(values, control_buffer_, nbytes, CopyKind::kDeviceToHost, *control_stream_);
-  control_stream_->synchronize();
+  accelerator().copy_async(control_buffer_, values, nbytes, CopyKind::kHostToDevice, *stream);
+  comm->allreduce(control_buffer_, control_buffer_, count, DType::kF64, partition::ReduceOp::kSum, *stream);
+  accelerator().copy_async(values, control_buffer_, nbytes, CopyKind::kDeviceToHost, *stream);
+  stream->synchronize();
 }
 
 int ZeroEngine::rank() const { return comms_.control->rank(); }
 int ZeroEngine::world_size() const { return comms_.control->world_size(); }
+int ZeroEngine::file_rank() const { return rank() * tensor_group().size + tensor_group().rank; }
 int64_t ZeroEngine::step_count() const { return steps_; }
 uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
 uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }

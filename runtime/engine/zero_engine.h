@@ -31,6 +31,11 @@
 //       gathered and reduced over the expert-dp group (ZeroComms::expert_*);
 //       the other members' experts have no storage here; exchange_experts is
 //       the ep group's all_to_all (docs/DESIGN.md §4.2).
+//   Tensor parallelism (ZeroComms::tensor): rank() and world_size() are the
+//       dp group's; parameters split across tp (ParamInfo::tp_split) form
+//       groups of their own, so the gradient norm sums theirs over tp and
+//       counts the replicated ones (the same on every tp rank) once; the
+//       files of a rank carry its job rank (file_rank()).
 // step() at an accumulation boundary: the global gradient norm (f64 allreduce
 // on the control communicator), clipping, a skip without any state change when
 // a gradient is not finite (with fp16 loss scaling the scale then backs off,
@@ -56,6 +61,7 @@
 #include <deque>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -92,6 +98,11 @@ struct ZeroComms {
   partition::Communicator* expert_exchange = nullptr;
   partition::Communicator* expert_gather = nullptr;
   partition::Communicator* expert_reduce = nullptr;
+  // Tensor parallelism (null: none): the tp group (Engine::tp_allreduce, and
+  // the gradient norm's sum over the split parameters). With it, gather,
+  // reduce and control are the dp group's: ZeRO partitions each tp shard over
+  // the ranks holding the same one (partition/process_groups.h).
+  partition::Communicator* tensor = nullptr;
 };
 
 // What the stage-3 coordinator did in a step, and where compute waited
@@ -140,9 +151,13 @@ class ZeroEngine final : public Engine {
 
   void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) override;
   void exchange_experts(const TensorView& send, const TensorView& recv, const partition::AllToAllSplits& splits) override;
+  void tp_allreduce(const TensorView& view) override;
   void sum_over_ranks(double* values, size_t count) override;  // the control communicator
+  // This rank among the data-parallel ranks (the world without tensor parallelism).
   int rank() const;
   int world_size() const;
+  // This rank in the job (dp rank x tp + tp rank): what its files are named by.
+  int file_rank() const;
   // After finalize: the sizes in use, with a size left to choose
   // (kChooseFromModel) replaced by the choice from the model's layers.
   const ZeroEngineOptions& options() const { return options_; }
@@ -242,6 +257,8 @@ class ZeroEngine final : public Engine {
     // Experts this rank holds (expert parallelism): partitioned over the
     // expert-dp group, gathered and reduced on its communicators.
     bool expert = false;
+    // Shards of tensors split across the tp group (ParamInfo::tp_split).
+    bool tp_split = false;
     std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts"
     partition::Communicator* gather_comm = nullptr;
     partition::Communicator* reduce_comm = nullptr;
@@ -269,7 +286,10 @@ class ZeroEngine final : public Engine {
   void check_not_prepared(const char* what) const;
   void check_no_backward(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
-  void allreduce_f64(double* values, size_t count);  // control communicator, blocks
+  // f64 sum over `comm` (the control communicator unless given) on `stream`
+  // (the control stream unless given); blocks.
+  void allreduce_f64(double* values, size_t count, partition::Communicator* comm = nullptr,
+                     Stream* stream = nullptr);
   Group& group_of(ParamId id) { return *groups_[static_cast<size_t>(group_of_[static_cast<size_t>(id)])]; }
   // This rank holds the parameter (not an expert another ep member owns).
   bool holds(ParamId id) const { return group_of_[static_cast<size_t>(id)] >= 0; }
@@ -279,12 +299,15 @@ class ZeroEngine final : public Engine {
   ZeroSizes zero_sizes_;
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   std::unique_ptr<Stream> exchange_stream_;        // expert parallelism: the token all_to_alls
+  std::unique_ptr<Stream> tensor_stream_;          // tensor parallelism: the tp group's allreduces
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
   // (ParamHome::host_range, GradShard::read): synchronized by each use.
   std::unique_ptr<Stream> home_stream_;
   std::unique_ptr<nvme::AioHandle> aio_;           // when a tier is nvme
   std::unique_ptr<nvme::SwapSpace> grad_swap_;     // grad_tier nvme: the gradient files
   std::unique_ptr<offload::HostWindow> window_;    // the homes' pinned window (before groups_)
+  // One stream per reduce communicator, shared by the groups' reducers over it (before groups_).
+  std::map<partition::Communicator*, std::unique_ptr<Stream>> reduce_streams_;
   std::vector<std::unique_ptr<Group>> groups_;     // per (dtype, frozen), in order of first declaration
   std::vector<int> group_of_;                      // per parameter; -1: not held (another ep member's expert)
   std::vector<size_t> index_in_group_;             // per parameter

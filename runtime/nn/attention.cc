@@ -40,12 +40,17 @@ Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig
       head_dim_(c.head_dim),
       rope_(c.rope),
       mask_(c.attention_mask(layer)) {
+  // Tensor parallelism: each tp rank holds heads / tp query heads and their
+  // kv heads (column-parallel q, k, v; row-parallel o).
+  const int tp = engine.tensor_group().size;
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+  const LlamaConfig share = tensor_parallel_share(c, tp);  // refuses what does not split
   const bool qkv_bias = c.attention_qkv_bias;
-  q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype, lora);
-  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype, lora);
-  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype, lora);
-  o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora);
+  const TensorSplit column = TensorSplit::kColumn, row = TensorSplit::kRow;
+  q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype, lora, column);
+  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype, lora, column);
+  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype, lora, column);
+  o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora, row);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
   if (c.qk_norm) {
     q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype);
@@ -53,6 +58,8 @@ Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig
     add_child(*q_norm_);
     add_child(*k_norm_);
   }
+  heads_ = share.num_attention_heads;
+  kv_heads_ = share.num_key_value_heads;
 }
 
 TensorView Attention::per_head(const TensorView& t) {
@@ -98,11 +105,15 @@ void Attention::forward(const TensorView& x, const TokenPlaces& places, int64_t 
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_of(places, seq));
   o_proj_->forward(mat(a.attn), mat(y), phase, scratch_of(a.lora));
+  if (engine_.tensor_group().size > 1) engine_.tp_allreduce(y);  // Megatron's g: each rank's heads' share
 }
 
 void Attention::backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                          int64_t batch, int64_t seq, const AttentionActs& a,
                          const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
+  const bool tp = engine_.tensor_group().size > 1;
+  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is summed over tp, so it cannot accumulate",
+               name_);
   o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false, scratch_of(a.lora));
   ops().attention_backward(ctx(), reshaped(g.dattn, {batch, seq, heads_, head_dim_}),
                            reshaped(a.q, {batch, seq, heads_, head_dim_}),
@@ -129,15 +140,25 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     k_proj_->backward(mat(g.dk), mat(x), mat(dx), true, scratch_of(a.lora));
   }
   v_proj_->backward(mat(g.dv), mat(x), mat(dx), true, scratch_of(a.lora));
+  if (tp) engine_.tp_allreduce(dx);  // Megatron's f: every rank's heads' share of the input gradient
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
          MlpTiling tiling, const LoraSpec* lora, int64_t intermediate)
     : Module(engine, std::move(name)) {
   const int64_t width = intermediate > 0 ? intermediate : c.intermediate_size;
-  auto make = [&](const char* local, int64_t in, int64_t out) -> std::unique_ptr<LinearBase> {
-    if (tiling.in_splits == 1 && tiling.out_splits == 1) {
-      return std::make_unique<Linear>(engine, child_name(local), in, out, c.mlp_bias, dtype, lora);
+  // Tensor parallelism: column-parallel gate and up, row-parallel down, each
+  // rank width / tp of the intermediate features.
+  const int tp = engine.tensor_group().size;
+  const bool untiled = tiling.in_splits == 1 && tiling.out_splits == 1;
+  if (tp > 1) {
+    STRATA_CHECK(width % tp == 0, kBadArgument,
+                 "tensor parallelism {} does not divide the MLP's intermediate size {}", tp, width);
+    STRATA_CHECK(untiled, kBadArgument, "MLP tiling is not implemented with tensor parallelism yet");
+  }
+  auto make = [&](const char* local, int64_t in, int64_t out, TensorSplit split) -> std::unique_ptr<LinearBase> {
+    if (untiled) {
+      return std::make_unique<Linear>(engine, child_name(local), in, out, c.mlp_bias, dtype, lora, split);
     }
     STRATA_CHECK(lora == nullptr || !lora->targets_module(local), kBadArgument,
                  "a LoRA adapter on {} needs the projection untiled: leave it out of --lora-targets "
@@ -146,9 +167,9 @@ Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType d
     return std::make_unique<TiledLinear>(engine, child_name(local), in, out, tiling.in_splits,
                                          tiling.out_splits, c.mlp_bias, dtype);
   };
-  gate_proj_ = make("gate_proj", c.hidden_size, width);
-  up_proj_ = make("up_proj", c.hidden_size, width);
-  down_proj_ = make("down_proj", width, c.hidden_size);
+  gate_proj_ = make("gate_proj", c.hidden_size, width, TensorSplit::kColumn);
+  up_proj_ = make("up_proj", c.hidden_size, width, TensorSplit::kColumn);
+  down_proj_ = make("down_proj", width, c.hidden_size, TensorSplit::kRow);
   for (LinearBase* l : {gate_proj_.get(), up_proj_.get(), down_proj_.get()}) add_child(*l);
 }
 
@@ -157,14 +178,19 @@ void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Ph
   up_proj_->forward(mat(x), mat(a.up), phase, scratch_of(a.lora));
   ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
   down_proj_->forward(mat(a.act), mat(y), phase, scratch_of(a.lora));
+  if (engine_.tensor_group().size > 1) engine_.tp_allreduce(y);  // g
 }
 
 void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, const MlpGrads& g,
                    const TensorView& dx, bool accumulate_dx) {
+  const bool tp = engine_.tensor_group().size > 1;
+  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is summed over tp, so it cannot accumulate",
+               name_);
   down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false, scratch_of(a.lora));
   ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
   gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
   up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, scratch_of(a.lora));
+  if (tp) engine_.tp_allreduce(dx);  // f
 }
 
 }  // namespace strata::nn

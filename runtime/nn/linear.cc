@@ -15,13 +15,28 @@ void LinearBase::check_rows(const MatView& a, int64_t a_cols, const MatView& b,
 }
 
 Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-               DType dtype, const LoraSpec* lora)
+               DType dtype, const LoraSpec* lora, TensorSplit split)
     : LinearBase(engine, std::move(name), in, out) {
   STRATA_CHECK(in > 0 && out > 0, kBadArgument, "{}: bad Linear shape in={} out={}", name_, in,
                out);
-  weight_ = add_parameter("weight", dtype, {out, in});
+  const int tp = engine.tensor_group().size;
+  if (split == TensorSplit::kNone || tp == 1) {
+    weight_ = add_parameter("weight", dtype, {out, in});
+    if (bias) bias_ = add_parameter("bias", dtype, {out});
+  } else if (split == TensorSplit::kColumn) {
+    weight_ = add_tp_shard("weight", dtype, {out, in}, 0);
+    if (bias) bias_ = add_tp_shard("bias", dtype, {out}, 0);
+    out_ = out / tp;
+  } else {
+    weight_ = add_tp_shard("weight", dtype, {out, in}, 1);
+    if (bias) bias_ = add_parameter("bias", dtype, {out});
+    bias_in_forward_ = engine.tensor_group().rank == 0;
+    in_ = in / tp;
+  }
+  STRATA_CHECK(lora == nullptr || !lora->targets_module(name_) || tp == 1 || split == TensorSplit::kNone,
+               kBadArgument, "{}: LoRA adapters are not implemented with tensor parallelism yet", name_);
   std::vector<ParamId> reads{weight_};
-  if (bias) reads.push_back(bias_ = add_parameter("bias", dtype, {out}));
+  if (bias_ >= 0) reads.push_back(bias_);
   if (lora != nullptr && lora->targets_module(name_)) {
     rank_ = lora->rank;
     scaling_ = static_cast<float>(lora->scaling());
@@ -51,8 +66,8 @@ std::pair<MatView, MatView> Linear::dropout_scratch(const LoraScratch& lora, int
 void Linear::forward(const MatView& x, const MatView& y, Phase phase, const LoraScratch& lora) {
   check_rows(x, in_, y, out_);
   run(op_, phase, [&] {
-    ops().linear_forward(ctx(), x, param(weight_), bias_ >= 0 ? param(bias_) : TensorView{}, y,
-                         /*accumulate=*/false);
+    ops().linear_forward(ctx(), x, param(weight_), bias_ >= 0 && bias_in_forward_ ? param(bias_) : TensorView{},
+                         y, /*accumulate=*/false);
     if (!adapted()) return;
     // y += s * (dropout(x) A^T) B^T: two thin GEMMs, s inside the second.
     const MatView h = scratch(lora, x.rows).first;

@@ -37,6 +37,17 @@ class LinearBase : public Module {
   int64_t in_, out_;
 };
 
+// Tensor parallelism (Megatron's): how a Linear's weight is split across the
+// tp group (Engine::tensor_group()). kColumn: this rank holds the output rows
+// [t out/tp, (t+1) out/tp) of the weight and bias, and computes those output
+// columns. kRow: it holds the input columns [t in/tp, (t+1) in/tp) of the
+// weight and reads those input columns; its output is a partial sum the
+// caller completes with Engine::tp_allreduce, and the bias (every rank holds
+// all of it) is added by tp rank 0 only, so the sum carries it once — its
+// gradient, from the complete dy, is the same on every rank. in_features()
+// and out_features() are this rank's widths.
+enum class TensorSplit : uint8_t { kNone, kColumn, kRow };
+
 class Linear : public LinearBase {
  public:
   // When `lora` targets this projection (LoraSpec::targets_module(name)), it
@@ -44,8 +55,10 @@ class Linear : public LinearBase {
   // "<name>.lora_B.weight" [out, r], fp32, in the same operator as the weight
   // (a partitioning engine gathers them together). Freezing the base is the
   // caller's business (LlamaModel freezes it).
+  // `in` and `out` are the whole tensor's; with a split the caller checks
+  // that the tp size divides the split one. Adapters do not combine with a split.
   Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-         DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
+         DType dtype = DType::kF32, const LoraSpec* lora = nullptr, TensorSplit split = TensorSplit::kNone);
   void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
                const LoraScratch& lora = {}) override;
   void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
@@ -69,6 +82,7 @@ class Linear : public LinearBase {
 
   ParamId weight_;
   ParamId bias_ = -1;
+  bool bias_in_forward_ = true;  // false on tp ranks > 0 of a kRow split
   ParamId lora_a_ = -1, lora_b_ = -1;
   int64_t rank_ = 0;
   float scaling_ = 0;

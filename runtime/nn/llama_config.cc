@@ -345,4 +345,29 @@ void save_llama_config(const LlamaConfig& config, const std::string& path) {
   STRATA_CHECK(out.good(), kIo, "writing model config {} failed", path);
 }
 
+LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
+  STRATA_CHECK(tp >= 1, kBadArgument, "tensor parallelism must be at least 1, got {}", tp);
+  if (tp == 1) return c;
+  STRATA_CHECK(!c.moe(), kBadArgument,
+               "model_type {}: tensor parallelism is not implemented for mixture-of-experts layers yet (use "
+               "expert parallelism: moe.expert_parallel_size)",
+               c.model_type);
+  STRATA_CHECK(!c.qk_norm, kBadArgument,
+               "model_type {}: tensor parallelism is not implemented with per-head q/k norms (q_norm, k_norm) yet",
+               c.model_type);
+  STRATA_CHECK(c.num_attention_heads % tp == 0, kBadArgument,
+               "tensor parallelism {} does not divide num_attention_heads {}", tp, c.num_attention_heads);
+  STRATA_CHECK(c.num_key_value_heads % tp == 0, kBadArgument,
+               "tensor parallelism {} does not divide num_key_value_heads {} (replicating kv heads across tp "
+               "ranks is not implemented yet)",
+               tp, c.num_key_value_heads);
+  STRATA_CHECK(c.intermediate_size % tp == 0, kBadArgument,
+               "tensor parallelism {} does not divide intermediate_size {}", tp, c.intermediate_size);
+  LlamaConfig share = c;
+  share.num_attention_heads /= tp;
+  share.num_key_value_heads /= tp;
+  share.intermediate_size /= tp;
+  return share;
+}
+
 }  // namespace strata::nn

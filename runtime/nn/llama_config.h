@@ -124,6 +124,14 @@ struct LlamaConfig {
   nlohmann::json to_hf_json(DType dtype) const;
 };
 
+// What one of `tp` tensor-parallel ranks computes of `c` (docs/DESIGN.md §5):
+// num_attention_heads, num_key_value_heads and intermediate_size divided by
+// tp, everything else as it is — the shapes of its activations. Refused
+// (kBadArgument, naming the sizes) when tp does not divide them, and for what
+// is not implemented with tensor parallelism yet: experts, per-head q/k
+// norms, fewer kv heads than tp ranks.
+LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp);
+
 // A tensor of the Hugging Face checkpoint: its name and shape.
 struct HfTensor {
   std::string name;

@@ -170,6 +170,11 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
                "model: cpu_checkpointing moves activation checkpoints to host memory and needs "
                "checkpoint_activations");
   if (options_.lora.enabled()) options_.lora.validate();
+  if (engine.tensor_group().size > 1) {
+    tensor_parallel_share(config_, engine.tensor_group().size);  // refuses a model that does not split
+    STRATA_CHECK(!options_.lora.enabled(), kBadArgument,
+                 "LoRA adapters are not implemented with tensor parallelism yet");
+  }
   if (options_.loss_chunk_rows == 0) {
     constexpr int64_t kLogitsBudget = int64_t{64} << 20;
     options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
@@ -227,7 +232,8 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->accelerator = &engine_.accelerator();
   a->batch = batch;
   a->seq = seq;
-  const LlamaConfig& c = config_;
+  // This rank's share of the heads and MLP features (all of them without tensor parallelism).
+  const LlamaConfig c = tensor_parallel_share(config_, engine_.tensor_group().size);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;

@@ -17,11 +17,12 @@ using engine::Engine;
 using engine::ParamId;
 using engine::ParamInfo;
 
-// Calls fn(tensor_element, param_element, count) for each contiguous run of
-// elements [first, first + n) of parameter p inside its file tensor: the whole
-// range for an untiled parameter, row segments for a tile.
-template <typename Fn>
-void for_each_run(const ParamInfo& p, int64_t first, int64_t n, Fn&& fn) {
+const std::string& tensor_of(const ParamInfo& p) { return p.slice ? p.slice->tensor : p.name; }
+const Shape& tensor_shape_of(const ParamInfo& p) { return p.slice ? p.slice->tensor_shape : p.shape; }
+
+}  // namespace
+
+void for_each_tensor_run(const ParamInfo& p, int64_t first, int64_t n, const TensorRunFn& fn) {
   if (!p.slice) {
     fn(first, first, n);
     return;
@@ -44,11 +45,6 @@ void for_each_run(const ParamInfo& p, int64_t first, int64_t n, Fn&& fn) {
   }
 }
 
-const std::string& tensor_of(const ParamInfo& p) { return p.slice ? p.slice->tensor : p.name; }
-const Shape& tensor_shape_of(const ParamInfo& p) { return p.slice ? p.slice->tensor_shape : p.shape; }
-
-}  // namespace
-
 void load_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
                      bool allow_unused, const std::string& prefix) {
   const SafetensorsFile file = SafetensorsFile::open(path);
@@ -65,7 +61,7 @@ void load_parameters(Engine& engine, const std::vector<ParamId>& params, const s
     engine.for_each_owned_range(
         id, Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
           const size_t dst_elem = dtype_nbytes(host.desc.dtype);
-          for_each_run(p, first, host.numel(), [&](int64_t at, int64_t into, int64_t n) {
+          for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t into, int64_t n) {
             convert(static_cast<const char*>(src.data) + at * static_cast<int64_t>(src_elem),
                     e.dtype,
                     static_cast<char*>(host.data) + (into - first) * static_cast<int64_t>(dst_elem),
@@ -116,7 +112,7 @@ void save_parameters(Engine& engine, const std::vector<ParamId>& params, const s
     const size_t elem = dtype_nbytes(p.dtype);
     engine.for_each_owned_range(
         id, Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
-          for_each_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
+          for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
             writer.write(prefix + tensor_of(p), static_cast<size_t>(at) * elem,
                          static_cast<const char*>(host.data) +
                              static_cast<size_t>(from - first) * elem,

@@ -10,6 +10,8 @@
 // tensor and the file.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,5 +31,13 @@ void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>&
 // resident engine, or world size 1); sharded checkpoints are the engine's business.
 void save_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::string& path, const std::string& prefix = "");
+
+// Where elements [first, first + n) of parameter `p` lie in the Hugging Face
+// tensor they belong to (its slice's, else its own): fn(tensor_element,
+// param_element, count) for each contiguous run — the whole range for a
+// parameter that is its tensor, row segments for a 2-D block (a TiledLinear
+// tile, a tensor-parallel shard).
+using TensorRunFn = std::function<void(int64_t tensor_element, int64_t param_element, int64_t count)>;
+void for_each_tensor_run(const engine::ParamInfo& p, int64_t first, int64_t n, const TensorRunFn& fn);
 
 }  // namespace strata::nn

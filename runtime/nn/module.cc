@@ -23,6 +23,23 @@ ParamId Module::add_parameter(const std::string& local, DType dtype, Shape shape
   return id;
 }
 
+ParamId Module::add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim) {
+  const engine::Engine::TensorGroup& tp = engine_.tensor_group();
+  STRATA_CHECK(dim < full.size() && full[dim] % tp.size == 0, kInternal,
+               "{}.{}: dimension {} of {} does not split into {} tp shards", name_, local, dim, shape_string(full),
+               tp.size);
+  Shape shape = full;
+  shape[dim] = full[dim] / tp.size;
+  std::vector<int64_t> offset(full.size(), 0);
+  offset[dim] = shape[dim] * tp.rank;
+  engine::ParamInfo info{child_name(local), dtype, shape,
+                         engine::ParameterSlice{child_name(local), full, std::move(offset)}};
+  info.tp_split = true;
+  const ParamId id = engine_.declare_parameter(std::move(info));
+  own_.push_back(id);
+  return id;
+}
+
 OpId Module::add_operator(std::vector<ParamId> params, const std::string& suffix) {
   return engine_.declare_operator(suffix.empty() ? name_ : child_name(suffix), std::move(params));
 }

@@ -42,6 +42,11 @@ class Module {
   // Declares "<name>.<local>".
   ParamId add_parameter(const std::string& local, DType dtype, Shape shape,
                         std::optional<engine::ParameterSlice> slice = std::nullopt);
+  // Declares this tp rank's shard of "<name>.<local>" (full shape `full`),
+  // split along dimension `dim` into Engine::tensor_group().size equal blocks
+  // (ParamInfo::tp_split, with the slice that places it); the caller checks
+  // that the size divides full[dim].
+  ParamId add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim);
   // Declares an operator (one hook window) reading `params`; named after this
   // module unless `suffix` is given ("<name>.<suffix>").
   OpId add_operator(std::vector<ParamId> params, const std::string& suffix = "");

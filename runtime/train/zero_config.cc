@@ -31,7 +31,7 @@ int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& mod
 
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
-                                          int expert_parallel_size) {
+                                          int expert_parallel_size, int tensor_parallel_size) {
   auto options = [&](const char* traffic) {
     partition::CommunicatorOptions o;
     o.rank = rank;
@@ -40,8 +40,21 @@ ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::S
     o.prefix = prefix + "/" + traffic;
     return o;
   };
-  auto make = [&](const char* traffic) { return partition::make_communicator(accelerator, store, options(traffic)); };
   ZeroCommunicators c;
+  if (tensor_parallel_size > 1) {
+    STRATA_CHECK(expert_parallel_size == 1, kBadArgument,
+                 "tensor parallelism with expert parallelism is not implemented yet");
+    const partition::ParallelLayout layout(world_size, tensor_parallel_size);
+    using partition::GroupKind;
+    const partition::ProcessGroup& dp = layout.group_of(GroupKind::kData, rank);
+    c.gather = partition::make_group_communicator(accelerator, store, options("gather"), dp);
+    c.reduce = partition::make_group_communicator(accelerator, store, options("reduce"), dp);
+    c.control = partition::make_group_communicator(accelerator, store, options("control"), dp);
+    c.tensor = partition::make_group_communicator(accelerator, store, options("tensor"),
+                                                  layout.group_of(GroupKind::kTensor, rank));
+    return c;
+  }
+  auto make = [&](const char* traffic) { return partition::make_communicator(accelerator, store, options(traffic)); };
   c.gather = make("gather");
   c.reduce = make("reduce");
   c.control = make("control");

@@ -22,14 +22,16 @@ using strata::zero_engine_options;
 // §5), made over `store` with keys under "<prefix>/gather", "/reduce",
 // "/control" (NCCL on cuda, Gloo on cpu); with expert_parallel_size > 1 also
 // the ep group's (the token exchange) and two over the expert-dp group (the
-// experts' gathers and reductions), partition/process_groups.h's groups.
-// Collective: every rank calls it.
+// experts' gathers and reductions); with tensor_parallel_size > 1, gather,
+// reduce and control over this rank's dp group and `tensor` over its tp group
+// — partition/process_groups.h's groups. Collective: every rank calls it.
 struct ZeroCommunicators {
   std::unique_ptr<partition::Communicator> gather, reduce, control;
   std::unique_ptr<partition::Communicator> expert_exchange, expert_gather, expert_reduce;
+  std::unique_ptr<partition::Communicator> tensor;
   engine::ZeroComms comms() const {
-    return {gather.get(), reduce.get(), control.get(), expert_exchange.get(), expert_gather.get(),
-            expert_reduce.get()};
+    return {gather.get(),         reduce.get(),        control.get(), expert_exchange.get(),
+            expert_gather.get(), expert_reduce.get(), tensor.get()};
   }
 };
 // moe.expert_parallel_size for `model` on `world_size` data-parallel ranks:
@@ -41,6 +43,6 @@ int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& mod
 
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
-                                          int expert_parallel_size = 1);
+                                          int expert_parallel_size = 1, int tensor_parallel_size = 1);
 
 }  // namespace strata::train

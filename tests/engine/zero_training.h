@@ -30,6 +30,7 @@
 #include "runtime/engine/resident_engine.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
+#include "runtime/nn/llama_weights.h"
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
 
@@ -115,6 +116,10 @@ inline double counted(std::span<const int32_t> targets) {
 
 struct TrainSpec {
   int world = 1;
+  // Tensor parallelism: world = tp x dp ranks (partition::ParallelLayout);
+  // the batch is split over the dp ranks, and each parameter is assembled
+  // from its tp shards into its whole tensor.
+  int tp = 1;
   int micro_steps = 1;
   int steps = 3;
   bool tied = false;
@@ -177,6 +182,9 @@ struct TrainResult {
   int expert_group_size = 1;                    // rank 0's Engine::expert_group().size
   int64_t held_expert_params = 0;               // rank 0: expert parameters it holds (owns_expert)
   size_t arena_nbytes = 0;                      // rank 0: LlamaModel::arena_nbytes()
+  int64_t tp_replica_mismatches = 0;            // elements of a replicated tensor whose tp copies differ
+  int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
+  int64_t tp_split_elements = 0;                // rank 0: elements of the tp shards it holds
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
 };
@@ -192,6 +200,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         engine::ZeroEngineOptions options = spec.options;
         if (spec.per_rank) spec.per_rank(rank, options);
         int step = -1;
+        const int dp = spec.world / spec.tp, dp_rank = rank / spec.tp;
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
           eng.set_overlap_policy(spec.overlap_policy);
@@ -215,16 +224,16 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           for (step = spec.first_step; step < spec.steps; ++step) {
             const Batch batch = batch_for(spec.batches, step, config.vocab_size);
             const int64_t sequences = sequences_of(batch);
-            STRATA_CHECK(sequences % (spec.world * spec.micro_steps) == 0, kBadArgument,
-                         "{} ranks x {} micro-steps do not divide the batch's {} sequences", spec.world,
+            STRATA_CHECK(sequences % (dp * spec.micro_steps) == 0, kBadArgument,
+                         "{} dp ranks x {} micro-steps do not divide the batch's {} sequences", dp,
                          spec.micro_steps, sequences);
-            const int64_t per_rank = sequences / spec.world, per_micro = per_rank / spec.micro_steps;
+            const int64_t per_rank = sequences / dp, per_micro = per_rank / spec.micro_steps;
             const auto rows = [&](int micro) {
-              return std::pair{static_cast<size_t>((rank * per_rank + micro * per_micro) * kSeq),
+              return std::pair{static_cast<size_t>((dp_rank * per_rank + micro * per_micro) * kSeq),
                                static_cast<size_t>(per_micro * kSeq)};
             };
             if (std::find(spec.eval_before.begin(), spec.eval_before.end(), step) != spec.eval_before.end()) {
-              const size_t first = static_cast<size_t>(rank * per_rank * kSeq), n = static_cast<size_t>(per_rank * kSeq);
+              const size_t first = static_cast<size_t>(dp_rank * per_rank * kSeq), n = static_cast<size_t>(per_rank * kSeq);
               nn::ForwardOptions eval;
               eval.backward = false;
               if (spec.eval_marked) eng.begin_evaluation();
@@ -274,17 +283,37 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           }
           step = -1;
           std::lock_guard lock(mutex);
+          // Whole tensors: a tp shard's elements go where its slice places them.
+          const auto tensor_numel = [](const engine::ParamInfo& p) {
+            return p.tp_split ? shape_numel(p.slice->tensor_shape) : p.numel();
+          };
           if (result.params.empty()) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
-              result.names.push_back(eng.param_info(id).name);
-              result.params.emplace_back(static_cast<size_t>(eng.param_info(id).numel()), std::nanf(""));
-              result.param_nbytes += eng.param_info(id).nbytes();
+              const engine::ParamInfo& p = eng.param_info(id);
+              result.names.push_back(p.name);
+              result.params.emplace_back(static_cast<size_t>(tensor_numel(p)), std::nanf(""));
+              result.param_nbytes += static_cast<size_t>(tensor_numel(p)) * dtype_nbytes(p.dtype);
             }
           }
+          std::vector<float> widened;
           for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+            const engine::ParamInfo& p = eng.param_info(id);
             eng.for_each_owned_range(id, engine::Engine::Access::kRead, [&](int64_t first, const TensorView& host) {
-              convert(host.data, host.desc.dtype, result.params[id].data() + first, DType::kF32,
-                      static_cast<size_t>(host.numel()));
+              widened.resize(static_cast<size_t>(host.numel()));
+              convert(host.data, host.desc.dtype, widened.data(), DType::kF32, widened.size());
+              if (!p.tp_split) {
+                // Every tp rank holds a replicated tensor: its copies must agree bit for bit.
+                float* out = result.params[id].data() + first;
+                for (size_t i = 0; i < widened.size(); ++i) {
+                  result.tp_replica_mismatches +=
+                      !std::isnan(out[i]) && std::memcmp(&out[i], &widened[i], sizeof(float)) != 0;
+                  out[i] = widened[i];
+                }
+                return;
+              }
+              nn::for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
+                std::copy_n(widened.begin() + (from - first), n, result.params[id].begin() + at);
+              });
             });
           }
           if (rank == 0) {
@@ -298,10 +327,12 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             result.prefetch = prefetch;
             result.trace_drops = eng.trace_drops();
             result.expert_group_size = eng.expert_group().size;
+            result.tensor_group_size = eng.tensor_group().size;
             result.arena_nbytes = model.arena_nbytes();
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
               const engine::ParamInfo& info = eng.param_info(id);
               result.held_expert_params += info.expert >= 0 && eng.owns_expert(info.expert, info.experts);
+              if (info.tp_split) result.tp_split_elements += info.numel();
             }
           }
         } catch (...) {
@@ -311,7 +342,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           result.failed_step[static_cast<size_t>(rank)] = step;
         }
       },
-      spec.timeout, spec.options.expert_parallel_size);
+      spec.timeout, spec.options.expert_parallel_size, spec.tp);
   return result;
 }
 

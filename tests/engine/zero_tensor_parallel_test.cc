@@ -1,0 +1,136 @@
+// Tensor parallelism composed with ZeRO data parallelism (issue 29; docs/DESIGN.md
+// §5): world = tp x dp ranks, each tp rank holding its heads' q/k/v rows and
+// o columns and its share of the MLP's features (Megatron's column- and
+// row-parallel projections, their partial outputs summed over the tp group),
+// each tp shard ZeRO-partitioned over its dp group. The same losses and
+// parameters as ONE resident rank on the combined batch, to rounding (the
+// sums run in another order), across stages, offload tiers, micro-steps and
+// checkpointed activations, for the llama (with every bias), mistral (a
+// window) and qwen2 (q/k/v biases) layers; the replicated tensors' tp copies
+// stay bit-identical.
+#include <catch2/catch.hpp>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "runtime/nn/llama_config.h"
+#include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
+
+using namespace strata;
+using namespace strata::test::zero;
+
+namespace {
+
+// model_config's shape (4 heads, 2 kv heads, intermediate 64) as a family.
+nn::LlamaConfig family(const std::string& name, bool tied = false) {
+  nn::LlamaConfig c = model_config(tied);
+  c.model_type = name;
+  if (name == "llama") {
+    c.attention_qkv_bias = c.attention_o_bias = c.mlp_bias = true;  // a row-parallel bias too
+  } else if (name == "mistral") {
+    c.sliding_window = 5;
+  } else if (name == "qwen2") {
+    c.attention_qkv_bias = true;
+  }
+  return c;
+}
+
+const TrainResult& reference(const std::string& name, bool tied) {
+  static std::map<std::pair<std::string, bool>, TrainResult> cache;
+  auto it = cache.find({name, tied});
+  if (it == cache.end()) {
+    ResidentSpec resident;
+    resident.config = family(name, tied);
+    resident.adam = options_for(3).adam;
+    resident.adam.eps = 1.0f;  // rounding-size differences stay rounding-size
+    it = cache.emplace(std::pair{name, tied}, train_resident(resident)).first;
+  }
+  return it->second;
+}
+
+struct Case {
+  std::string family;
+  int world, tp, stage;
+  Tier param, optimizer;
+  int micro_steps = 1;
+  bool checkpoint = false;
+  bool tied = false;
+};
+
+}  // namespace
+
+TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "[engine][zero][tp]") {
+  ops::set_cpu_threads(1);
+  test::TempDir dir("strata-zero-tp");
+  const std::vector<Case> cases = {
+      {"llama", 2, 2, 1, Tier::kDevice, Tier::kCpu},
+      {"llama", 2, 2, 2, Tier::kDevice, Tier::kCpu, 2},
+      {"llama", 2, 2, 3, Tier::kNvme, Tier::kNvme},
+      {"llama", 2, 2, 3, Tier::kCpu, Tier::kCpu, 1, true, true},
+      {"llama", 4, 2, 1, Tier::kDevice, Tier::kDevice},
+      {"llama", 4, 2, 2, Tier::kDevice, Tier::kNvme},
+      {"llama", 4, 2, 3, Tier::kNvme, Tier::kNvme, 1, true},
+      {"mistral", 2, 2, 3, Tier::kDevice, Tier::kCpu},
+      {"mistral", 4, 2, 2, Tier::kDevice, Tier::kCpu},
+      {"qwen2", 2, 2, 2, Tier::kDevice, Tier::kCpu},
+      {"qwen2", 4, 2, 3, Tier::kNvme, Tier::kNvme, 1, false, true},
+  };
+  for (const Case& c : cases) {
+    const std::string name = c.family + ", tp " + std::to_string(c.tp) + " x dp " + std::to_string(c.world / c.tp) +
+                             ", stage " + std::to_string(c.stage) + ", params " + std::string(tier_name(c.param)) +
+                             ", optimizer " + std::string(tier_name(c.optimizer)) +
+                             (c.micro_steps > 1 ? ", 2 micro-steps" : "") + (c.checkpoint ? ", checkpointed" : "") +
+                             (c.tied ? ", tied" : "");
+    SECTION(name) {
+      TrainSpec spec;
+      spec.config = family(c.family, c.tied);
+      spec.world = c.world;
+      spec.tp = c.tp;
+      spec.micro_steps = c.micro_steps;
+      spec.checkpoint_activations = c.checkpoint;
+      spec.options = options_for(c.stage);
+      spec.options.adam.eps = 1.0f;
+      spec.options.param_tier = c.param;
+      spec.options.optimizer_tier = c.optimizer;
+      if (c.param == Tier::kNvme || c.optimizer == Tier::kNvme) spec.options.nvme_path = dir.path() / "swap";
+      const TrainResult r = train_zero(spec);
+      const TrainResult& ref = reference(c.family, c.tied);
+      const Diff d = compare(r, ref);
+      INFO(name << ": max |tp - 1 resident rank| = " << d.max_abs);
+      CHECK(d.max_abs <= 2e-6);
+      REQUIRE(r.losses.size() == ref.losses.size());
+      for (size_t i = 0; i < r.losses.size(); ++i) CHECK(r.losses[i] == Approx(ref.losses[i]).epsilon(1e-6));
+      for (size_t i = 0; i < r.grad_norms.size(); ++i) {
+        CHECK(r.grad_norms[i] == Approx(ref.grad_norms[i]).epsilon(1e-6));
+      }
+      if (c.stage == 3) CHECK(r.trace_drops == 0);
+      CHECK(r.tp_replica_mismatches == 0);
+      // Split for real: rank 0 holds half of each projection of the 2 layers
+      // (q, k, v, o, gate, up, down, and the column-parallel biases).
+      const nn::LlamaConfig m = family(c.family, c.tied);
+      const int64_t q = m.num_attention_heads * m.head_dim, kv = m.num_key_value_heads * m.head_dim;
+      int64_t per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size;
+      if (m.attention_qkv_bias) per_layer += q + 2 * kv;
+      if (m.mlp_bias) per_layer += 2 * m.intermediate_size;
+      CHECK(r.tensor_group_size == c.tp);
+      CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer / c.tp);
+    }
+  }
+}
+
+TEST_CASE("tensor parallelism refuses a model it cannot split, naming the sizes", "[engine][tp]") {
+  nn::LlamaConfig c = model_config(false);  // 4 heads, 2 kv heads, intermediate 64
+  CHECK(nn::tensor_parallel_share(c, 2).num_attention_heads == 2);
+  CHECK(nn::tensor_parallel_share(c, 2).num_key_value_heads == 1);
+  CHECK(nn::tensor_parallel_share(c, 2).intermediate_size == 32);
+  CHECK_THROWS_WITH(nn::tensor_parallel_share(c, 4), Catch::Contains("does not divide num_key_value_heads 2"));
+  CHECK_THROWS_WITH(nn::tensor_parallel_share(c, 3), Catch::Contains("does not divide num_attention_heads 4"));
+  nn::LlamaConfig qwen3 = c;
+  qwen3.model_type = "qwen3";
+  qwen3.qk_norm = true;
+  CHECK_THROWS_WITH(nn::tensor_parallel_share(qwen3, 2), Catch::Contains("q_norm"));
+  CHECK_THROWS_WITH(nn::tensor_parallel_share(mixtral_config(4, 16, false), 2),
+                    Catch::Contains("mixture-of-experts"));
+}
