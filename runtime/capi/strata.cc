@@ -213,6 +213,11 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
                  "{}: moe.expert_parallel_size {} is for strata finetune's mixture-of-experts models; the C API "
                  "declares no experts (leave it out or set 1)",
                  source, config.expert_parallel_size);
+    // Nor split across tensor-parallel ranks: the caller's model computes whole layers.
+    STRATA_CHECK(config.tensor_parallel_size <= 1, kBadArgument,
+                 "{}: tensor_parallel.autotp_size {} is for strata finetune's models; the C API's parameters are "
+                 "whole tensors (leave it out or set 1)",
+                 source, config.tensor_parallel_size);
     partition::RankInfo rank = strata::launcher::rank_info_from_env();
     strata::set_log_rank(rank.rank, rank.world_size);
     strata::set_log_level(config.strata.log_level);

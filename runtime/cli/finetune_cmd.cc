@@ -85,6 +85,11 @@ void add_finetune_command(CLI::App& app) {
                "Keep only each decoder layer's input in forward and recompute the layer in backward (less "
                "activation memory, about a quarter more compute); activation_checkpointing.cpu_checkpointing in "
                "the config also turns it on and keeps the checkpoints in pinned CPU memory");
+  cmd->add_option("--tp", options->tensor_parallel,
+                  "Tensor parallelism: this many consecutive ranks split each decoder layer's heads and MLP "
+                  "features (tensor_parallel.autotp_size; must divide -n, the heads, kv heads and intermediate "
+                  "size); the world / N data-parallel ranks split the batch")
+      ->check(whole_number(1));
   cmd->add_option("--freeze", options->freeze,
                   "Do not train the parameters whose Hugging Face names match this shell glob (repeatable; e.g. "
                   "'model.embed_tokens.*', '*norm*', 'model.layers.[0-9].*'): no gradient and no optimizer state "

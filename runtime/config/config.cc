@@ -311,6 +311,8 @@ Config build(const json& e) {
   c.train_batch_size = e["train_batch_size"].get<int64_t>();
   c.gradient_clipping = e["gradient_clipping"].get<double>();
   c.expert_parallel_size = e["moe"]["expert_parallel_size"].is_null() ? 0 : as_int(e["moe"]["expert_parallel_size"]);
+  c.tensor_parallel_size = as_int(e["tensor_parallel"]["autotp_size"]);
+  c.sequence_parallel = e["sequence_parallel"].get<bool>();
   c.steps_per_print = e["steps_per_print"].get<int64_t>();
   c.bf16 = e["bf16"]["enabled"].get<bool>();
   for (auto [monitor, name] : {std::pair{&c.csv_monitor, "csv_monitor"}, {&c.tensorboard, "tensorboard"}}) {
@@ -434,6 +436,15 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
   }
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");
+  }
+  if (c.sequence_parallel) {
+    checker.problem("sequence_parallel is true: Megatron's sequence parallelism is not implemented yet (tensor "
+                    "parallelism is: tensor_parallel.autotp_size); set it false or leave it out");
+  }
+  if (c.tensor_parallel_size > 1 && c.expert_parallel_size > 1) {
+    checker.problem("tensor_parallel.autotp_size {} with moe.expert_parallel_size {}: tensor parallelism is not "
+                    "implemented for mixture-of-experts models yet",
+                    c.tensor_parallel_size, c.expert_parallel_size);
   }
   if (c.wandb_enabled) {
     checker.problem("wandb.enabled is true: Weights & Biases logs to its servers over the network, which strata's "

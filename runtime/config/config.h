@@ -118,6 +118,9 @@ struct Config {
   // moe.expert_parallel_size; 0: not given — chosen with the model and the
   // world (train::choose_expert_parallel_size).
   int expert_parallel_size = 0;
+  // tensor_parallel.autotp_size (1: none); sequence_parallel true is refused.
+  int tensor_parallel_size = 1;
+  bool sequence_parallel = false;
 
   // The "scheduler" block as given (null when absent); turn it into a schedule
   // with engine::LrSchedule::from_json(scheduler, optimizer.lr), which applies

@@ -85,6 +85,9 @@ std::vector<ConfigField> build_fields() {
     ep.default_value = nullptr;
     f.push_back(ep);
   }
+  // Tensor parallelism.
+  f.push_back(integer("tensor_parallel.autotp_size", 1, 1, 1 << 16, "Tensor parallelism (DeepSpeed's AutoTP key, Megatron's layout): this many consecutive ranks split each decoder layer — column-parallel q/k/v and gate/up, row-parallel o and down, each rank num_attention_heads / N heads and intermediate_size / N MLP features — and sum the partial outputs with an allreduce; ZeRO partitions each shard over the ranks holding the same one (the world / N data-parallel ranks), which split the batch. Must divide the world size, num_attention_heads, num_key_value_heads and intermediate_size. The embedding, lm_head and norms are replicated. Not yet with experts, q/k norms (qwen3), LoRA or MLP tiling (refused by name)."));
+  f.push_back(flag("sequence_parallel", false, "Megatron's sequence parallelism on top of tensor parallelism (norms and residuals on a sequence shard): refused when true, not implemented yet."));
   // Precision.
   f.push_back(flag("bf16.enabled", false, "Train with bf16 parameters and gradients (fp32 master weights)."));
   f.push_back(flag("fp16.enabled", false, "Train with fp16 parameters and gradients, with loss scaling."));

@@ -235,7 +235,7 @@ void ZeroEngine::on_finalize() {
   optimizer.threads = options_.optimizer_threads;
   optimizer.buffer_count = options_.optimizer_buffer_count;
   optimizer.nvme_path = options_.nvme_path;
-  optimizer.rank = file_rank();
+  optimizer.rank = job_rank();
   optimizer.keep_files = options_.keep_swap_files;
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   optimizer.clipping = options_.gradient_clipping > 0;
@@ -292,7 +292,7 @@ void ZeroEngine::create_group(Group& g) {
   }
   home.nvme_path = options_.nvme_path;
   home.key = g.key;
-  home.rank = file_rank();
+  home.rank = job_rank();
   home.keep_files = options_.keep_swap_files;
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
 
@@ -301,7 +301,7 @@ void ZeroEngine::create_group(Group& g) {
   } else if (options_.grad_tier == Tier::kNvme) {
     if (grad_swap_ == nullptr) {
       grad_swap_ = std::make_unique<nvme::SwapSpace>(
-          nvme::SwapSpaceOptions{options_.nvme_path, "grad", file_rank(), true, options_.keep_swap_files});
+          nvme::SwapSpaceOptions{options_.nvme_path, "grad", job_rank(), true, options_.keep_swap_files});
     }
     g.grads = std::make_unique<offload::GradShard>(accelerator(), ops(), *g.layout, *aio_, *grad_swap_, g.key);
   } else {
@@ -713,6 +713,13 @@ double ZeroEngine::global_sum(double value) {
   return sum;
 }
 
+double ZeroEngine::job_sum(double value) {
+  double sum = value;
+  allreduce_f64(&sum, 1);
+  if (tensor_stream_ != nullptr) allreduce_f64(&sum, 1, comms_.tensor, tensor_stream_.get());
+  return sum;
+}
+
 void ZeroEngine::allreduce_f64(double* values, size_t count, partition::Communicator* comm, Stream* stream) {
   if (comm == nullptr) comm = comms_.control;
   if (stream == nullptr) stream = control_stream_.get();
@@ -736,7 +743,8 @@ void ZeroEngine::allreduce_f64(double* values, size_t count, partition::Communic
 
 int ZeroEngine::rank() const { return comms_.control->rank(); }
 int ZeroEngine::world_size() const { return comms_.control->world_size(); }
-int ZeroEngine::file_rank() const { return rank() * tensor_group().size + tensor_group().rank; }
+int ZeroEngine::job_rank() const { return rank() * tensor_group().size + tensor_group().rank; }
+int ZeroEngine::job_size() const { return world_size() * tensor_group().size; }
 int64_t ZeroEngine::step_count() const { return steps_; }
 uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
 uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }

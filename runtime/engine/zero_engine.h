@@ -35,7 +35,7 @@
 //       dp group's; parameters split across tp (ParamInfo::tp_split) form
 //       groups of their own, so the gradient norm sums theirs over tp and
 //       counts the replicated ones (the same on every tp rank) once; the
-//       files of a rank carry its job rank (file_rank()).
+//       files of a rank carry its job rank (job_rank()).
 // step() at an accumulation boundary: the global gradient norm (f64 allreduce
 // on the control communicator), clipping, a skip without any state change when
 // a gradient is not finite (with fp16 loss scaling the scale then backs off,
@@ -156,8 +156,10 @@ class ZeroEngine final : public Engine {
   // This rank among the data-parallel ranks (the world without tensor parallelism).
   int rank() const;
   int world_size() const;
-  // This rank in the job (dp rank x tp + tp rank): what its files are named by.
-  int file_rank() const;
+  // This rank in the job (dp rank x tp + tp rank; rank() without tensor
+  // parallelism): what its files are named by. job_size(): every rank.
+  int job_rank() const;
+  int job_size() const;
   // After finalize: the sizes in use, with a size left to choose
   // (kChooseFromModel) replaced by the choice from the model's layers.
   const ZeroEngineOptions& options() const { return options_; }
@@ -167,6 +169,10 @@ class ZeroEngine final : public Engine {
   // Sum of `value` over ranks (f64 allreduce on the control communicator);
   // collective, blocks. For the global count of predicted tokens.
   double global_sum(double value);
+  // Sum of `value` over every rank of the job (the dp groups', then the tp
+  // group's); collective over the job, blocks. For agreement and barriers
+  // that must span the tp groups (checkpoints).
+  double job_sum(double value);
   // The optimizer at an accumulation boundary (see above); collective. `lr`
   // replaces options().adam.lr for this step (a schedule's value).
   StepResult step(float lr);

@@ -24,7 +24,7 @@ std::string params_file(const G& g) {
 }
 template <typename G>
 std::string optimizer_file(const char* what, const G& g) {
-  return fmt::format("{}_{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "");
+  return fmt::format("{}_{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.tp_split ? "_tp" : "");
 }
 
 // The exact size a state file must have, or an error naming it.
@@ -59,6 +59,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
     groups.push_back({{"dtype", dtype_name(g.dtype)},
                       {"frozen", g.frozen},
                       {"experts", g.expert},
+                      {"tp_split", g.tp_split},
                       {"params_saved", params_saved},
                       {"params", g.params.size()},
                       {"shard_numel", g.layout->shard_numel()},
@@ -83,6 +84,8 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
                                 {"rank", rank()},
                                 {"world_size", world_size()},
                                 {"expert_parallel_size", options_.expert_parallel_size},
+                                {"tensor_parallel_size", tensor_group().size},
+                                {"tensor_rank", tensor_group().rank},
                                 {"stage", options_.stage},
                                 {"steps", steps_},
                                 {"loss_scaler",
@@ -122,6 +125,11 @@ void ZeroEngine::load_state(const fs::path& dir) {
                  "{} was written with moe.expert_parallel_size {}; this run has {} (resharding experts is not "
                  "supported)",
                  state_path.string(), saved_ep, options_.expert_parallel_size);
+    const int saved_tp = state.value("tensor_parallel_size", 1), saved_tp_rank = state.value("tensor_rank", 0);
+    STRATA_CHECK(saved_tp == tensor_group().size && saved_tp_rank == tensor_group().rank, kBadArgument,
+                 "{} was written by tp rank {} of {}; this is tp rank {} of {} (resharding tensor parallelism is not "
+                 "supported)",
+                 state_path.string(), saved_tp_rank, saved_tp, tensor_group().rank, tensor_group().size);
     const auto& groups = state.at("groups");
     // Frozen parameters form groups of their own: a run that freezes others
     // has other groups, which is worth saying.
@@ -134,7 +142,7 @@ void ZeroEngine::load_state(const fs::path& dir) {
       const Group& g = *groups_[i];
       const auto& saved = groups[i];
       STRATA_CHECK(saved.at("dtype").get<std::string>() == dtype_name(g.dtype) &&
-                       saved.value("experts", false) == g.expert &&
+                       saved.value("experts", false) == g.expert && saved.value("tp_split", false) == g.tp_split &&
                        saved.at("params").get<size_t>() == g.params.size() &&
                        saved.at("shard_numel").get<int64_t>() == g.layout->shard_numel(),
                    kBadArgument,

@@ -69,8 +69,10 @@ std::string manifest_checksum(nlohmann::json manifest) {
 }
 
 // The parallel layout a checkpoint's files are cut for.
-nlohmann::json parallel_layout(int world_size) {
-  return {{"data_parallel_size", world_size}, {"tensor_parallel_size", 1}, {"expert_parallel_size", 1}};
+nlohmann::json parallel_layout(const engine::ZeroEngine& engine) {
+  return {{"data_parallel_size", engine.world_size()},
+          {"tensor_parallel_size", engine.tensor_group().size},
+          {"expert_parallel_size", 1}};
 }
 
 // A manifest read and checked: its format, its checksum, the type and range
@@ -184,8 +186,8 @@ std::string check_rank_files(const fs::path& dir, const nlohmann::json& manifest
   return {};
 }
 
-// A barrier over every rank (the engine's control communicator).
-void barrier(engine::ZeroEngine& engine) { engine.global_sum(0); }
+// A barrier over every rank of the job (the tp groups too).
+void barrier(engine::ZeroEngine& engine) { engine.job_sum(0); }
 
 }  // namespace
 
@@ -200,7 +202,7 @@ std::vector<std::string> model_differences(const nlohmann::json& saved, const nl
 }
 
 fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& trainer) {
-  const int rank = engine.rank(), world = engine.world_size();
+  const int rank = engine.job_rank(), world = engine.job_size();
   const fs::path dir = root_ / fmt::format("step_{:08}", trainer.step);
   // Each rank's hold on the root for the save (a run may hold it already:
   // shared); any rank that cannot take it fails the save on every rank.
@@ -214,7 +216,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
   } catch (const Error& e) {
     problem = e.message();
   }
-  if (engine.global_sum(problem.empty() ? 0.0 : 1.0) > 0) {
+  if (engine.job_sum(problem.empty() ? 0.0 : 1.0) > 0) {
     raise(ErrorCategory::kBadArgument, "{}",
           problem.empty() ? fmt::format("another rank cannot use the checkpoint directory {} (its log says why)",
                                         root_.string())
@@ -247,7 +249,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
                                {"engine_steps", static_cast<uint64_t>(engine.step_count())},
                                {"data_cursor", trainer.data_cursor},
                                {"world_size", static_cast<uint64_t>(world)},
-                               {"layout", parallel_layout(world)},
+                               {"layout", parallel_layout(engine)},
                                {"model", trainer.model},
                                {"ranks", ranks}};
     if (!trainer.model_files.empty()) manifest["model_files"] = trainer.model_files;
@@ -272,7 +274,7 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
 std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engine,
                                                        std::optional<int64_t> only_step,
                                                        std::vector<std::string>* rejected) {
-  const int rank = engine.rank(), world = engine.world_size();
+  const int rank = engine.job_rank(), world = engine.job_size();
   for (const auto& [step, dir] : step_dirs(root_)) {
     if (only_step && step != *only_step) continue;
     const fs::path manifest_path = dir / kManifest;
@@ -291,7 +293,7 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
               "resume with -n {})",
               manifest_path.string(), saved_world, world, saved_world);
       }
-      const std::vector<std::string> layout = model_differences(manifest.at("layout"), parallel_layout(world));
+      const std::vector<std::string> layout = model_differences(manifest.at("layout"), parallel_layout(engine));
       if (!layout.empty()) {
         raise(ErrorCategory::kBadArgument, "{} is cut for another parallel layout: {}", manifest_path.string(),
               layout.front());
@@ -315,7 +317,7 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
     }
     if (why.empty()) why = check_rank_files(dir, manifest, rank);
     // Every rank must take the same checkpoint: any rank's problem rejects it for all.
-    const double bad = engine.global_sum(why.empty() ? 0.0 : 1.0);
+    const double bad = engine.job_sum(why.empty() ? 0.0 : 1.0);
     if (bad > 0) {
       if (!why.empty()) {
         logger().warn("checkpoint {} cannot be used: {}{}", dir.string(), why,

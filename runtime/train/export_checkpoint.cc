@@ -46,8 +46,11 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   partition::Rendezvous rendezvous(rank, timeout);
   // Each rank holds the experts the run's split gave it (moe.expert_parallel_size).
   const int expert_parallel = info.state.model.value("expert_parallel_size", 1);
+  // ... and the tp shards of its tp rank (tensor_parallel.autotp_size).
+  const int tensor_parallel = info.state.model.value("tensor_parallel_size", 1);
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
-                                                          rank.world_size, timeout, "strata/export", expert_parallel);
+                                                          rank.world_size, timeout, "strata/export", expert_parallel,
+                                                          tensor_parallel);
   // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
   engine::ZeroEngineOptions zero;
   zero.stage = 3;
@@ -63,7 +66,8 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                                                                     : std::nullopt);
   STRATA_CHECK(loaded.has_value(), kBadArgument, "{}: no complete checkpoint to export", options.checkpoint.string());
   const ExportResult result =
-      export_hf_model(engine, *comms.control, config, model.parameters(), options.out, export_options);
+      export_hf_model(engine, *comms.control, config, model.parameters(), options.out, export_options,
+                      comms.tensor.get());
   if (rank.rank == 0 && options.progress != nullptr) {
     fmt::print(options.progress, "exported step {} of {} to {} ({} file(s), {} in {}, {:.1f} MB) in {:.1f} s\n",
                loaded->step, checkpoints.root().string(), options.out.string(), result.files.size(),

@@ -173,15 +173,30 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- ranks, accelerator, communicators ------------------------------------------------
   const partition::RankInfo rank = launcher::rank_info_from_env();
   const int64_t micro_batch = config.micro_batch_size, accumulation = config.gradient_accumulation_steps;
-  // The data, each rank its samples; a file that is not what --data-format says is refused here.
+  // Tensor parallelism: tp consecutive ranks split each layer and read the
+  // same samples; the world / tp data-parallel ranks split the batch.
+  STRATA_CHECK(options.tensor_parallel == 0 || config.tensor_parallel_size == 1 ||
+                   config.tensor_parallel_size == options.tensor_parallel,
+               kBadArgument, "--tp {} and {}'s tensor_parallel.autotp_size {} disagree: give one", options.tensor_parallel,
+               source, config.tensor_parallel_size);
+  const int tp = options.tensor_parallel > 0 ? options.tensor_parallel : config.tensor_parallel_size;
+  STRATA_CHECK(rank.world_size % tp == 0, kBadArgument,
+               "tensor parallelism {} (--tp / tensor_parallel.autotp_size) does not divide the {} ranks (-n)", tp,
+               rank.world_size);
+  if (tp > 1) {
+    nn::tensor_parallel_share(model_config, tp);  // refuses a model that does not split, naming the sizes
+    STRATA_CHECK(!lora.enabled(), kBadArgument, "--lora-rank with tensor parallelism (--tp {}): not implemented yet",
+                 tp);
+  }
+  const int dp = rank.world_size / tp, dp_rank = rank.rank / tp;
+  // The data, each data-parallel rank its samples; a file that is not what --data-format says is refused here.
   const std::unique_ptr<data::Batches> batches = data::open_batches(
-      options.data.string(), options.data_format,
-      {options.seq, micro_batch, rank.rank, rank.world_size, seed, options.packing});
+      options.data.string(), options.data_format, {options.seq, micro_batch, dp_rank, dp, seed, options.packing});
   const std::unique_ptr<data::Batches> eval_batches =
       options.eval_data.empty()
           ? nullptr
           : data::open_batches(options.eval_data.string(), options.data_format,
-                               {options.seq, micro_batch, rank.rank, rank.world_size, seed, options.packing});
+                               {options.seq, micro_batch, dp_rank, dp, seed, options.packing});
   const int64_t eval_count = !eval_batches             ? 0
                              : options.eval_batches > 0 ? std::min(options.eval_batches, eval_batches->eval_batches())
                                                         : eval_batches->eval_batches();
@@ -205,12 +220,13 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     trace::name_this_thread("train loop");
   }
   std::optional<trace::Span> setup_span(std::in_place, "phase", "connect");
-  STRATA_CHECK(config.train_batch_size == 0 || config.train_batch_size == micro_batch * accumulation * rank.world_size,
+  STRATA_CHECK(config.train_batch_size == 0 || config.train_batch_size == micro_batch * accumulation * dp,
                kBadArgument,
                "{}: train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
-               "world size {}",
-               source, config.train_batch_size, micro_batch, accumulation, rank.world_size);
-  const int expert_parallel = choose_expert_parallel_size(config, model_config, rank.world_size, source);
+               "data-parallel ranks {}{}",
+               source, config.train_batch_size, micro_batch, accumulation, dp,
+               tp > 1 ? fmt::format(" (the world {} / tensor parallelism {})", rank.world_size, tp) : std::string());
+  const int expert_parallel = choose_expert_parallel_size(config, model_config, dp, source);
   zero.expert_parallel_size = expert_parallel;
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   {
@@ -223,7 +239,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.seq = options.seq;
     pinned.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
     pinned.cpu_checkpointing = config.cpu_checkpointing;
-    pinned.world_size = rank.world_size;
+    pinned.world_size = dp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
     pinned.zero = zero;
     pinned.lora = lora;
     check_pinned_budget(config, source, pinned);
@@ -235,8 +251,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   model_config.num_experts, model_config.num_experts / expert_parallel,
                   config.expert_parallel_size == 0 ? " (moe.expert_parallel_size left out: the world size)" : "");
   }
+  if (tp > 1 && rank.rank == 0) {
+    logger().info("tensor parallelism: {} tp groups of {} consecutive ranks split each layer ({} heads, {} kv heads "
+                  "and {} MLP features per rank); ZeRO over {} data-parallel rank(s)",
+                  dp, tp, model_config.num_attention_heads / tp, model_config.num_key_value_heads / tp,
+                  model_config.intermediate_size / tp, dp);
+  }
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
-                                                          rank.world_size, timeout, "strata/finetune", expert_parallel);
+                                                          rank.world_size, timeout, "strata/finetune", expert_parallel,
+                                                          tp);
 
   // ---- engine, model, weights ---------------------------------------------------------
   setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
@@ -300,11 +323,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                 "{} x {} sequences of {} tokens per step, {}, activation checkpoints {}; data {}",
                 [&] {
                   int64_t n = 0;
-                  for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) n += engine.param_info(id).numel();
+                  for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) {
+                    const engine::ParamInfo& p = engine.param_info(id);
+                    n += p.tp_split ? shape_numel(p.slice->tensor_shape) : p.numel();  // a tp shard's whole tensor
+                  }
                   return n;
                 }(),
                 dtype_name(model_options.dtype), zero.stage, tier_name(zero.param_tier), tier_name(zero.optimizer_tier),
-                rank.world_size, accumulation, micro_batch, options.seq, schedule.describe(),
+                dp, accumulation, micro_batch, options.seq, schedule.describe(),
                 !model_options.checkpoint_activations ? "off"
                 : model_options.cpu_checkpointing     ? "in pinned CPU memory"
                                                       : "on the device",
@@ -321,6 +347,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   nlohmann::json checkpoint_model = {{"config", model_config.to_json()}, {"dtype", dtype_name(train_dtype)}};
   // Each rank's checkpoint holds the experts it owns: a resume or an export needs the same split.
   if (zero.expert_parallel_size > 1) checkpoint_model["expert_parallel_size"] = zero.expert_parallel_size;
+  if (tp > 1) checkpoint_model["tensor_parallel_size"] = tp;
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) {
     checkpoints.emplace(options.save_dir, options.keep_checkpoints);
@@ -561,7 +588,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                      options.export_dir, export_options);
     } else {
       if (options.merge_lora) export_options.merge = LoraMerge{lora, adapters};
-      exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options);
+      exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options,
+                                 comms.tensor.get());
     }
     result.exported = exported.files;
     if (rank.rank == 0 && options.progress != nullptr) {

@@ -50,6 +50,8 @@ struct FinetuneOptions {
   // Per-layer activation checkpointing (recompute in backward); also on when
   // the config sets activation_checkpointing.cpu_checkpointing.
   bool checkpoint_activations = false;
+  // --tp: tensor parallelism (0: the config's tensor_parallel.autotp_size).
+  int tensor_parallel = 0;
   // Parameters not trained (shell globs of their Hugging Face names,
   // runtime/train/freeze.h): no gradient and no optimizer state.
   std::vector<std::string> freeze;

@@ -1,6 +1,8 @@
 // Export: gather each tensor to rank 0 from the owned ranges, convert, write.
 #include "runtime/train/hf_export.h"
 
+#include "runtime/nn/llama_weights.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -120,7 +122,7 @@ struct TensorPlan {
 
 ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
                              const std::vector<engine::ParamId>& params, const fs::path& dir,
-                             const ExportOptions& options) {
+                             const ExportOptions& options, partition::Communicator* tensor_comm) {
   STRATA_CHECK(is_float_storage(options.dtype), kBadArgument, "export dtype must be fp32, fp16 or bf16, got {}",
                dtype_name(options.dtype));
   STRATA_CHECK(options.max_shard_nbytes > 0, kBadArgument, "export: max shard size must be > 0");
@@ -150,7 +152,10 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     return shards.size() == 1 ? std::string("model.safetensors")
                               : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, shards.size());
   };
-  const bool writer = comm.rank() == 0;
+  // With tensor parallelism the ranks of dp rank 0 (tp group 0) hold each
+  // tp shard whole after the dp gather; tp rank 0 of them gathers the shards.
+  const int tp = tensor_comm != nullptr ? tensor_comm->world_size() : 1;
+  const bool writer = comm.rank() == 0 && (tensor_comm == nullptr || tensor_comm->rank() == 0);
   // Rank 0 writes into a staging directory that replaces `dir` whole at the
   // end (export_dir.h): a directory never holds weights of two exports.
   std::optional<ExportStaging> staging;
@@ -186,10 +191,23 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
       const TensorPlan& tensor = tensors[t];
       weight_map[tensor.name] = file_name(s);
       for (engine::ParamId id : tensor.parts) {
-        const std::vector<char> whole = gather_to_rank0(engine, comm, *stream, id);
-        if (!writer) continue;
         const engine::ParamInfo& info = engine.param_info(id);
-        std::vector<char> converted(static_cast<size_t>(info.numel()) * dtype_nbytes(options.dtype));
+        std::vector<char> whole = gather_to_rank0(engine, comm, *stream, id);
+        // The blocks of the tensor this parameter gives the writer: itself,
+        // or with tensor parallelism every tp rank's shard, placed by its rank.
+        size_t blocks = 1;
+        if (info.tp_split && tp > 1) {
+          if (comm.rank() != 0) continue;
+          std::vector<char> all(whole.size() * static_cast<size_t>(tp));
+          allgather_host(*tensor_comm, engine.accelerator(), *stream, whole.data(), all.data(),
+                         static_cast<size_t>(info.numel()), info.dtype);
+          whole = std::move(all);
+          blocks = static_cast<size_t>(tp);
+        }
+        if (!writer) continue;
+        const size_t out_element = dtype_nbytes(options.dtype);
+        const auto block_numel = static_cast<size_t>(info.numel());
+        std::vector<char> converted(block_numel * blocks * out_element);
         const std::string stem = info.name.size() > 7 && info.name.ends_with(".weight")
                                      ? info.name.substr(0, info.name.size() - 7)
                                      : std::string();
@@ -198,28 +216,34 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           // W + s B A in fp32, then one conversion (adapted weights are never tiled).
           STRATA_CHECK(!info.slice && info.shape.size() == 2, kBadArgument,
                        "export: '{}' has an adapter but is not a whole matrix", info.name);
-          std::vector<float> merged(static_cast<size_t>(info.numel()));
+          std::vector<float> merged(block_numel);
           convert(whole.data(), info.dtype, merged.data(), DType::kF32, merged.size());
           add_lora_delta(merged.data(), a->second, b->second, static_cast<size_t>(info.shape[0]),
                          static_cast<size_t>(info.shape[1]), static_cast<float>(options.merge->spec.scaling()));
           convert(merged.data(), DType::kF32, converted.data(), options.dtype, merged.size());
         } else {
-          convert(whole.data(), info.dtype, converted.data(), options.dtype, static_cast<size_t>(info.numel()));
+          convert(whole.data(), info.dtype, converted.data(), options.dtype, block_numel * blocks);
         }
-        const size_t out_element = dtype_nbytes(options.dtype);
         if (!info.slice) {
           file->write(tensor.name, 0, converted.data(), converted.size());
           continue;
         }
-        // A 2-D tile: each of its rows is a piece of a row of the tensor.
-        STRATA_CHECK(info.shape.size() == 2 && tensor.shape.size() == 2 && info.slice->offset.size() == 2,
-                     kBadArgument, "export: tile '{}' is not a 2-D block of '{}'", info.name, tensor.name);
-        const auto rows = static_cast<size_t>(info.shape[0]), cols = static_cast<size_t>(info.shape[1]);
-        const auto tensor_cols = static_cast<size_t>(tensor.shape[1]);
-        for (size_t row = 0; row < rows; ++row) {
-          const size_t at = (static_cast<size_t>(info.slice->offset[0]) + row) * tensor_cols +
-                            static_cast<size_t>(info.slice->offset[1]);
-          file->write(tensor.name, at * out_element, converted.data() + row * cols * out_element, cols * out_element);
+        // A block (a tile, a tp shard): each of its elements' runs in the tensor.
+        for (size_t block = 0; block < blocks; ++block) {
+          engine::ParamInfo placed = info;
+          if (blocks > 1) {
+            // tp rank `block`'s shard: the same shape, offset by its rank along the split dimension.
+            for (size_t d = 0; d < info.shape.size(); ++d) {
+              if (info.shape[d] != info.slice->tensor_shape[d]) {
+                placed.slice->offset[d] = info.shape[d] * static_cast<int64_t>(block);
+              }
+            }
+          }
+          const char* data = converted.data() + block * block_numel * out_element;
+          nn::for_each_tensor_run(placed, 0, static_cast<int64_t>(block_numel), [&](int64_t at, int64_t from, int64_t n) {
+            file->write(tensor.name, static_cast<size_t>(at) * out_element, data + static_cast<size_t>(from) * out_element,
+                        static_cast<size_t>(n) * out_element);
+          });
         }
       }
     }

@@ -55,9 +55,12 @@ struct ExportResult {
   uint64_t tensor_nbytes = 0;
 };
 
+// `tensor_comm`: with tensor parallelism, the tp group's communicator (`comm` is
+// then the dp group's): each tp shard is gathered over dp, then over the tp
+// group of dp rank 0, and written whole by job rank 0.
 ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
                              const std::vector<engine::ParamId>& params, const std::filesystem::path& dir,
-                             const ExportOptions& options);
+                             const ExportOptions& options, partition::Communicator* tensor_comm = nullptr);
 
 // A LoRA adapter in PEFT's format, which PeftModel.from_pretrained loads onto
 // the base: adapter_config.json (peft_type LORA, r, lora_alpha, use_rslora,

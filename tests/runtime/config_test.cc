@@ -438,3 +438,14 @@ TEST_CASE("moe.expert_parallel_size: the world size when left out and it divides
   CHECK_THAT(problems_of(R"({"moe": {"expert_parallel_size": 0}})").front(), Contains("moe.expert_parallel_size"));
   CHECK_THAT(problems_of(R"({"moe": {"expert_paralel_size": 2}})").front(), Contains("moe.expert_parallel_size"));
 }
+
+TEST_CASE("tensor_parallel.autotp_size is read; sequence_parallel and tp with expert parallelism are refused",
+          "[config][tp]") {
+  CHECK(parse_config_text("{}", "ds.json").tensor_parallel_size == 1);
+  CHECK(parse_config_text(R"({"tensor_parallel": {"autotp_size": 2}})", "ds.json").tensor_parallel_size == 2);
+  CHECK_THAT(problems_of(R"({"tensor_parallel": {"autotp_size": 0}})").front(),
+             Contains("tensor_parallel.autotp_size"));
+  CHECK_THAT(only_problem(R"({"sequence_parallel": true})"), Contains("sequence parallelism is not implemented yet"));
+  CHECK_THAT(only_problem(R"({"tensor_parallel": {"autotp_size": 2}, "moe": {"expert_parallel_size": 2}})"),
+             Contains("not implemented for mixture-of-experts models yet"));
+}

@@ -3,6 +3,7 @@
 // example text. And every bad input a clear error before any training.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -143,6 +144,13 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})") +
            " --init " + model + " --data " + text + " --data-format text",
        "total_num_steps"},
+      {"tensor parallelism that does not divide the ranks", "--init " + model + " --data " + text +
+           " --data-format text --seq 32 --tp 2",
+       "tensor parallelism 2 (--tp / tensor_parallel.autotp_size) does not divide the 1 ranks"},
+      {"--tp and the config disagreeing",
+       "--config " + write_file(dir, "tp.json", R"({"tensor_parallel": {"autotp_size": 4}})") + " --init " + model +
+           " --data " + text + " --data-format text --seq 32 --tp 2",
+       "--tp 2 and"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.what);
@@ -477,4 +485,74 @@ TEST_CASE("strata finetune --freeze: the matching tensors come out bit-unchanged
   const auto all = run_command(run + "--out " + dir.file("o4") + " --freeze '*' 2>&1");
   CHECK(all.exit_code != 0);
   CHECK_THAT(all.output, Catch::Contains("nothing would be trained"));
+}
+
+TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step by step, its export holds whole "
+          "tensors, and killed with SIGKILL and resumed it ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][tp]") {
+  strata::test::TempDir dir;
+  // Qwen2: q/k/v biases (column-parallel, split with their rows).
+  write_file(dir, "qwen2.json", R"({"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
+  const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
+  const std::string run2 = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 12;
+  const auto reference = run_command(run4 + resumable_args(dir, "ref", kSteps, "qwen2.json") + " --tp 2 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  CHECK_THAT(reference.output,
+             Catch::Contains("tensor parallelism: 2 tp groups of 2 consecutive ranks split each layer (2 heads, 1 kv "
+                             "heads and 88 MLP features per rank); ZeRO over 2 data-parallel rank(s)"));
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+
+  // The same 2 data-parallel ranks without tensor parallelism read the same
+  // batches: the same losses to rounding (sums in another order), and an
+  // export of the same tensors, whole.
+  const auto whole = run_command(run2 + resumable_args(dir, "whole", kSteps, "qwen2.json") + " 2>&1");
+  INFO(whole.output);
+  REQUIRE(whole.exit_code == 0);
+  const auto tp_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
+  const auto whole_steps = read_jsonl(dir.file("whole_out") + "/metrics.jsonl");
+  REQUIRE(tp_steps.size() == kSteps);
+  REQUIRE(whole_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    CHECK(tp_steps[i]["loss"].get<double>() == Approx(whole_steps[i]["loss"].get<double>()).epsilon(1e-5));
+    CHECK(tp_steps[i]["tokens"] == whole_steps[i]["tokens"]);
+  }
+  const auto tp_file = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
+  const auto whole_file = strata::nn::SafetensorsFile::open(dir.file("whole_model") + "/model.safetensors");
+  REQUIRE(tp_file.names() == whole_file.names());
+  double max_diff = 0;
+  for (const std::string& name : whole_file.names()) {
+    CAPTURE(name);
+    REQUIRE(tp_file.entry(name).shape == whole_file.entry(name).shape);
+    const auto a = tp_file.view(name), b = whole_file.view(name);
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      max_diff = std::max(max_diff, static_cast<double>(std::fabs(a.as<float>()[i] - b.as<float>()[i])));
+    }
+  }
+  WARN("largest |tp 2 x dp 2 - dp 2| over the exported weights after " << kSteps << " steps: " << max_diff);
+  CHECK(max_diff < 1e-4);
+
+  // strata export gathers each tensor's tp shards from the checkpoint.
+  const auto exported =
+      run_command(run4 + "export " + dir.file("ref_ckpt") + " " + dir.file("exported") + " --dtype fp32 2>&1");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
+  // A resume with another tensor parallelism is refused by name.
+  const auto other = run_command(run4 + resumable_args(dir, "ref", kSteps + 2, "qwen2.json") + " --resume 2>&1");
+  CHECK(other.exit_code != 0);
+  CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout"));
+
+  const int kills = run_killed_and_resumed(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + " --tp 2",
+                                           dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == tp_steps[i]["loss"]);
 }
