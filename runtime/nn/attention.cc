@@ -129,11 +129,21 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     // Through the norms into dattn (free since o_proj's backward, and as
     // large as dq), then each projection before the next norm reuses it.
     const TensorView dq_pre = reshaped(g.dattn, a.q_pre.desc.shape);
-    q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false);
+    // With tensor parallelism each norm saw this rank's heads only: its
+    // weight gradient is summed over tp (row 0 of dnorm for q, 1 for k).
+    TensorView dw_q, dw_k;
+    if (tp) {
+      check_shape(name_, "norm gradient scratch", g.dnorm, {2, head_dim_});
+      dw_q = reshaped(g.dnorm, {2 * head_dim_});
+      dw_q.desc.shape = {head_dim_};
+      dw_k = dw_q;
+      dw_k.data = static_cast<char*>(g.dnorm.data) + head_dim_ * static_cast<int64_t>(sizeof(float));
+    }
+    q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false, dw_q);
     q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
     TensorView dk_pre = g.dattn;
     dk_pre.desc.shape = a.k_pre.desc.shape;  // the first rows * kv_heads * head_dim elements
-    k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false);
+    k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false, dw_k);
     k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true, scratch_of(a.lora));
   } else {
     q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));

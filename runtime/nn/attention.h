@@ -35,6 +35,9 @@ struct AttentionActs {
 // holds the gradients before the norms once o_proj's backward has used it.
 struct AttentionGrads {
   TensorView dq, dk, dv, dattn;
+  // With q/k norms and tensor parallelism: fp32 [2, head_dim], the norms'
+  // weight-gradient scratch (RMSNorm::backward's tp_dw); empty otherwise.
+  TensorView dnorm;
 };
 
 // Where each token is in its row: positions int32 [rows] (the rotary

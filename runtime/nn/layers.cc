@@ -36,9 +36,18 @@ void RMSNorm::forward(const TensorView& x, const TensorView& y, const TensorView
 }
 
 void RMSNorm::backward(const TensorView& dy, const TensorView& x, const TensorView& rstd,
-                       const TensorView& dx, bool accumulate_dx) {
+                       const TensorView& dx, bool accumulate_dx, const TensorView& tp_dw) {
   run(op_, Phase::kBackward, [&] {
-    ops().rmsnorm_backward(ctx(), dy, x, param(weight_), rstd, dx, accumulate_dx, grad(weight_));
+    const TensorView dw = grad(weight_);
+    if (tp_dw.data == nullptr || dw.data == nullptr) {
+      ops().rmsnorm_backward(ctx(), dy, x, param(weight_), rstd, dx, accumulate_dx, dw);
+      return;
+    }
+    check_shape(name_, "tp weight-gradient scratch", tp_dw, {dim_});
+    engine_.accelerator().memset_async(tp_dw.data, 0, tp_dw.nbytes(), engine_.compute_stream());
+    ops().rmsnorm_backward(ctx(), dy, x, param(weight_), rstd, dx, accumulate_dx, tp_dw);
+    engine_.tp_allreduce(tp_dw);
+    ops().add(ctx(), dw, tp_dw, dw);
   });
 }
 

@@ -34,8 +34,13 @@ class RMSNorm : public Module {
   void forward(const TensorView& x, const TensorView& y, const TensorView& rstd,
                Phase phase = Phase::kForward);
   // dx [rows, dim] = the input gradient (+= when accumulate_dx); adds the weight gradient.
+  // tp_dw: for a norm each tensor-parallel rank applies to its own share of
+  // the rows (qwen3's per-head q/k norms over a rank's heads), fp32 [dim]
+  // scratch: this pass's weight gradient is formed there, summed over the tp
+  // group (Engine::tp_allreduce), then added — the accumulating gradient
+  // itself must not be summed, or earlier passes would count tp times.
   void backward(const TensorView& dy, const TensorView& x, const TensorView& rstd,
-                const TensorView& dx, bool accumulate_dx);
+                const TensorView& dx, bool accumulate_dx, const TensorView& tp_dw = {});
   ParamId weight() const { return weight_; }
 
  private:

@@ -352,9 +352,6 @@ LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
                "model_type {}: tensor parallelism is not implemented for mixture-of-experts layers yet (use "
                "expert parallelism: moe.expert_parallel_size)",
                c.model_type);
-  STRATA_CHECK(!c.qk_norm, kBadArgument,
-               "model_type {}: tensor parallelism is not implemented with per-head q/k norms (q_norm, k_norm) yet",
-               c.model_type);
   STRATA_CHECK(c.num_attention_heads % tp == 0, kBadArgument,
                "tensor parallelism {} does not divide num_attention_heads {}", tp, c.num_attention_heads);
   STRATA_CHECK(c.num_key_value_heads % tp == 0, kBadArgument,

@@ -128,8 +128,8 @@ struct LlamaConfig {
 // num_attention_heads, num_key_value_heads and intermediate_size divided by
 // tp, everything else as it is — the shapes of its activations. Refused
 // (kBadArgument, naming the sizes) when tp does not divide them, and for what
-// is not implemented with tensor parallelism yet: experts, per-head q/k
-// norms, fewer kv heads than tp ranks.
+// is not implemented with tensor parallelism yet: experts, fewer kv heads
+// than tp ranks.
 LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp);
 
 // A tensor of the Hugging Face checkpoint: its name and shape.

@@ -316,6 +316,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.add(g.attn.dk, t, {rows, kv_heads, hd});
   layout.add(g.attn.dv, t, {rows, kv_heads, hd});
   layout.add(g.attn.dattn, t, {rows, heads * hd});
+  if (c.qk_norm && engine_.tensor_group().size > 1) layout.add(g.attn.dnorm, DType::kF32, {2, hd});
   if (c.moe()) {
     layout.add(g.moe.dyp, t, {rows * top_k, hidden});
     layout.add(g.moe.dxp, t, {rows * top_k, hidden});
