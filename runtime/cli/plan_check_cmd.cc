@@ -91,6 +91,11 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.sources["lora"] = source;
     } else if (flag == "--lora-targets") {
       s.lora_targets = take();
+    } else if (flag == "--tp") {
+      const std::string tp = take();
+      STRATA_CHECK(tp == "1", kBadArgument,
+                   "{}: the run used tensor parallelism (--tp {}), which the memory model does not cover yet", source,
+                   tp);
     }
   }
   if (!record.ds_config.is_null()) {
@@ -213,6 +218,9 @@ int run_plan_check(const PlanOptions& o) {
       s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
   const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
                                               : parse_config(s.ds_config, config_source);
+  STRATA_CHECK(config.tensor_parallel_size == 1, kBadArgument,
+               "{}: tensor_parallel.autotp_size {}: the memory model does not cover tensor parallelism yet",
+               config_source, config.tensor_parallel_size);
   plan::RuntimeInputs in;
   if (!s.model_config.is_null()) {
     in.model = nn::parse_llama_config(s.model_config, run_json.string() + " (\"model_config\")");

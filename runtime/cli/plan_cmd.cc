@@ -640,6 +640,13 @@ int run_plan(const Options& o) {
   if (!o.check.empty()) return run_plan_check(o);
   std::optional<Config> config;
   if (!o.config.empty()) config = load_config_file(o.config);
+  // Per-rank memory with tensor parallelism (each rank a share of the
+  // split tensors and activations) is not modelled yet: no plan rather than
+  // a plan of another run.
+  STRATA_CHECK(!config || config->tensor_parallel_size == 1, kBadArgument,
+               "{}: tensor_parallel.autotp_size {}: strata plan does not model tensor parallelism yet (plan the run "
+               "without it for an upper bound)",
+               o.config, config ? config->tensor_parallel_size : 1);
   Resolved r;
   resolve_model(o, r);
   resolve_lora(o, r);

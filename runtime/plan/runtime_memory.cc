@@ -87,9 +87,11 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DTy
   return sized;
 }
 
-size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int64_t seq,
+size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
-                          int expert_parallel) {
+                          int expert_parallel, int tensor_parallel) {
+  // A tensor-parallel rank's share of the heads and MLP features.
+  const nn::LlamaConfig c = nn::tensor_parallel_share(model, tensor_parallel);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
@@ -137,7 +139,8 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& c, DType t, int64_t batch, int6
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
   n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +
-       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch;
+       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch +
+       (c.qk_norm && tensor_parallel > 1 ? view_nbytes(f32, {2, hd}) : 0);  // the q/k norms' summed gradient
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends

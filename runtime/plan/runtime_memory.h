@@ -107,10 +107,12 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model,
 // LoRA adapters add their two [rows, r] scratch views, and with dropout two
 // [rows x the widest targeted input] ones (nn::LoraScratch). With expert
 // parallelism (expert_parallel > 1) the experts' buffers hold expert_parallel
-// x rows x k rows, plus the exchange's (nn::MoeActs).
+// x rows x k rows, plus the exchange's (nn::MoeActs). With tensor
+// parallelism (tensor_parallel > 1) one rank's: its heads and MLP features
+// (nn::tensor_parallel_share).
 size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
-                          const nn::LoraSpec& lora = {}, int expert_parallel = 1);
+                          const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1);
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "runtime/nn/llama_config.h"
+#include "runtime/plan/runtime_memory.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
@@ -120,6 +121,10 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       if (m.attention_qkv_bias) per_layer += q + 2 * kv;
       if (m.mlp_bias) per_layer += 2 * m.intermediate_size;
       CHECK(r.tensor_group_size == c.tp);
+      // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
+      const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
+      CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp) ==
+            r.arena_nbytes);
       CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer / c.tp);
     }
   }

@@ -632,3 +632,16 @@ TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
   }
   CHECK_THAT(run_command(strata_binary() + " --help").output, Catch::Contains("plan"));
 }
+
+TEST_CASE("strata plan refuses a tensor-parallel config rather than plan another run", "[plan][cli][tp]") {
+  strata::test::TempDir dir;
+  {
+    std::ofstream out(dir.file("tp.json"));
+    out << R"({"tensor_parallel": {"autotp_size": 2}})";
+  }
+  const auto result =
+      run_command(strata_binary() + " plan --layers 8 --hidden 1024 --gpu-mem 16GB --config " + dir.file("tp.json") +
+                  " 2>&1");
+  CHECK(result.exit_code != 0);
+  CHECK_THAT(result.output, Catch::Contains("strata plan does not model tensor parallelism yet"));
+}
