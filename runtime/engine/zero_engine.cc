@@ -386,6 +386,8 @@ void ZeroEngine::tp_allreduce(const TensorView& view) {
   if (tensor_stream_ == nullptr) Engine::tp_allreduce(view);  // refuses
   STRATA_CHECK(is_float_storage(view.desc.dtype), kBadArgument, "tp_allreduce: {} is not a float dtype",
                dtype_name(view.desc.dtype));
+  ++tensor_traffic_.allreduces;
+  tensor_traffic_.bytes += view.nbytes();
   // After compute's writes of `view`; compute's later reads wait for the sum.
   compute_stream().record(*compute_point_);
   tensor_stream_->wait(*compute_point_);

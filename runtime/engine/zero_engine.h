@@ -253,6 +253,13 @@ class ZeroEngine final : public Engine {
   PrefetchStats current_prefetch() const;
   // Times the operator trace was dropped since construction.
   int64_t trace_drops() const;
+  // Engine::tp_allreduce calls since construction and their bytes (the
+  // buffer's, as nccl-tests size an allreduce): Megatron's f and g.
+  struct TensorTraffic {
+    int64_t allreduces = 0;
+    uint64_t bytes = 0;
+  };
+  TensorTraffic tensor_traffic() const { return tensor_traffic_; }
 
  private:
   // One dtype group: its layout (the single source of shard offsets), this
@@ -306,6 +313,7 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   std::unique_ptr<Stream> exchange_stream_;        // expert parallelism: the token all_to_alls
   std::unique_ptr<Stream> tensor_stream_;          // tensor parallelism: the tp group's allreduces
+  TensorTraffic tensor_traffic_;
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
   // (ParamHome::host_range, GradShard::read): synchronized by each use.
   std::unique_ptr<Stream> home_stream_;

@@ -54,6 +54,9 @@ const TrainResult& reference(const std::string& name, bool tied) {
   return it->second;
 }
 
+struct Case;
+int64_t sequences_rows(const Case& c);
+
 struct Case {
   std::string family;
   int world, tp, stage;
@@ -62,6 +65,9 @@ struct Case {
   bool checkpoint = false;
   bool tied = false;
 };
+
+// Rows of one micro-step on one rank: its dp rank's share of the batch.
+int64_t sequences_rows(const Case& c) { return kSequences / (c.world / c.tp) / c.micro_steps * kSeq; }
 
 }  // namespace
 
@@ -121,6 +127,17 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       if (m.attention_qkv_bias) per_layer += q + 2 * kv;
       if (m.mlp_bias) per_layer += 2 * m.intermediate_size;
       CHECK(r.tensor_group_size == c.tp);
+      // Megatron's traffic, no more: per layer and micro-step two allreduces
+      // of [rows, hidden] in forward (after o and down), two in backward
+      // (the inputs of q/k/v and of gate/up), two more when a checkpointed
+      // layer is recomputed (every layer but the last, whose activations
+      // backward finds in place); qwen3 adds its two norms' [head_dim] gradients.
+      const int64_t micro_steps = static_cast<int64_t>(spec.steps) * c.micro_steps;
+      const int64_t rows = sequences_rows(c), layers = m.num_hidden_layers;
+      const int64_t big = micro_steps * (4 * layers + (c.checkpoint ? 2 * (layers - 1) : 0));
+      const int64_t small = m.qk_norm ? micro_steps * m.num_hidden_layers * 2 : 0;
+      CHECK(r.tensor_traffic.allreduces == big + small);
+      CHECK(r.tensor_traffic.bytes == static_cast<uint64_t>(big * rows * m.hidden_size * 4 + small * m.head_dim * 4));
       // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
       const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
       CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp) ==

@@ -184,6 +184,7 @@ struct TrainResult {
   size_t arena_nbytes = 0;                      // rank 0: LlamaModel::arena_nbytes()
   int64_t tp_replica_mismatches = 0;            // elements of a replicated tensor whose tp copies differ
   int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
+  engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp allreduces over the run
   int64_t tp_split_elements = 0;                // rank 0: elements of the tp shards it holds
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
@@ -328,6 +329,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             result.trace_drops = eng.trace_drops();
             result.expert_group_size = eng.expert_group().size;
             result.tensor_group_size = eng.tensor_group().size;
+            result.tensor_traffic = eng.tensor_traffic();
             result.arena_nbytes = model.arena_nbytes();
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
               const engine::ParamInfo& info = eng.param_info(id);
