@@ -157,3 +157,36 @@ TEST_CASE("tensor parallelism refuses a model it cannot split, naming the sizes"
   CHECK_THROWS_WITH(nn::tensor_parallel_share(mixtral_config(4, 16, false), 2),
                     Catch::Contains("mixture-of-experts"));
 }
+
+TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et al.'s formula", "[engine][tp][memory]") {
+  // Llama-2-7B at s = 4096, b = 1 in bf16, no checkpointing: the bytes one
+  // decoder layer adds to a rank's activation arena (what the model
+  // allocates: the test above holds llama_arena_nbytes equal to its arena)
+  // against "Reducing Activation Recomputation in Large Transformer Models"
+  // (arXiv 2205.05198) with tensor parallelism t and no sequence
+  // parallelism: s b h (10 + 24 / t) + 5 a s^2 b / t. The attention scores'
+  // 5 a s^2 b / t is left out: the attention kernel keeps its log-sum-exp
+  // (b a s / t floats), never the s x s scores. The rest differs by design:
+  // no dropout masks (2 s b h replicated), and SwiGLU's three [s b, 11008]
+  // against GeLU's [s b, 4h] two — together 8 + 24.1 / t.
+  nn::LlamaConfig c;
+  c.vocab_size = 32000;
+  c.hidden_size = 4096;
+  c.intermediate_size = 11008;
+  c.num_attention_heads = c.num_key_value_heads = 32;
+  c.head_dim = 128;
+  c.max_position_embeddings = 4096;
+  const int64_t s = 4096, b = 1, h = c.hidden_size;
+  const double sbh = static_cast<double>(s * b * h);
+  for (int t : {1, 2, 4}) {
+    CAPTURE(t);
+    c.num_hidden_layers = 2;
+    const size_t two = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
+    c.num_hidden_layers = 1;
+    const size_t one = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
+    const double layer = static_cast<double>(two - one), formula = sbh * (10 + 24.0 / t);
+    WARN("tp " << t << ": " << layer / 1e6 << " MB per layer = " << layer / sbh << " s b h; the formula without the "
+               "scores " << formula / sbh << " s b h; ratio " << layer / formula);
+    CHECK(layer / formula == Approx(1.0).epsilon(0.15));
+  }
+}
