@@ -89,6 +89,11 @@ struct ParamInfo {
   // which block); false when every tp rank holds the same tensor (norms, the
   // embedding, a row-parallel bias) and computes the same gradient for it.
   bool tp_split = false;
+  // Of a tp shard: how many consecutive tp ranks hold this same block (a kv
+  // head shared by the ranks whose query heads use it, when a model has
+  // fewer kv heads than tp ranks); they sum its gradient among them, and the
+  // gradient norm counts the first one's. 1: this rank's alone.
+  int32_t tp_copies = 1;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }

@@ -149,7 +149,7 @@ void ZeroEngine::on_finalize() {
   // differently), in declaration order within a group.
   const int ep = options_.expert_parallel_size;
   const bool tp = tensor_group().size > 1;
-  std::map<std::tuple<DType, bool, bool, bool>, size_t> group_index;
+  std::map<std::tuple<DType, bool, bool, bool, bool>, size_t> group_index;
   group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
@@ -164,7 +164,10 @@ void ZeroEngine::on_finalize() {
       if (!owns_expert(info.expert, info.experts)) continue;  // another ep member's
     }
     const bool tp_split = tp && info.tp_split;
-    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert, tp_split}, groups_.size());
+    // A block several tp ranks hold counts in the norm on the first of them only.
+    const bool tp_counted = !tp_split || info.tp_copies <= 1 || tensor_group().rank % info.tp_copies == 0;
+    auto [it, inserted] =
+        group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted}, groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
       Group& g = *groups_.back();
@@ -172,8 +175,9 @@ void ZeroEngine::on_finalize() {
       g.frozen = frozen;
       g.expert = expert;
       g.tp_split = tp_split;
-      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") +
-              (tp_split ? "_tp" : "");
+      g.tp_counted = tp_counted;
+      g.tp_suffix = !tp_split ? "" : tp_counted ? "_tp" : "_tp_copy";
+      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.tp_suffix;
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
     }
@@ -245,8 +249,7 @@ void ZeroEngine::on_finalize() {
     if (g->frozen) continue;
     g->shard = static_cast<int>(shards.size());
     shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
-                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") +
-                          (g->tp_split ? "_tp" : "")});
+                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->tp_suffix});
   }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
@@ -511,12 +514,13 @@ StepResult ZeroEngine::step(float lr) {
   } else {
     // The tp shards' sums over the tp group first; the replicated groups
     // hold the same gradient on every tp rank, so they count once.
-    std::vector<uint8_t> split;
+    // A block several tp ranks hold (shared kv heads) counts on the first of them only.
+    std::vector<uint8_t> split, replicated;
     for (const auto& g : groups_) {
-      if (g->shard >= 0) split.push_back(g->tp_split);
+      if (g->shard < 0) continue;
+      split.push_back(g->tp_split && g->tp_counted);
+      replicated.push_back(!g->tp_split);
     }
-    std::vector<uint8_t> replicated(split.size());
-    for (size_t i = 0; i < split.size(); ++i) replicated[i] = !split[i];
     const kernels::GradStats shards = optimizer_->grad_stats(split);
     const kernels::GradStats same = optimizer_->grad_stats(replicated);
     double tp_sum[2] = {shards.finite ? shards.sum_sq : 0.0, shards.finite ? 0.0 : 1.0};

@@ -270,8 +270,13 @@ class ZeroEngine final : public Engine {
     // Experts this rank holds (expert parallelism): partitioned over the
     // expert-dp group, gathered and reduced on its communicators.
     bool expert = false;
-    // Shards of tensors split across the tp group (ParamInfo::tp_split).
+    // Shards of tensors split across the tp group (ParamInfo::tp_split);
+    // counted: the gradient norm's (not a copy of a block a lower tp rank
+    // holds too, ParamInfo::tp_copies). tp_suffix names their files: "_tp",
+    // "_tp_copy", or "".
     bool tp_split = false;
+    bool tp_counted = true;
+    std::string tp_suffix;
     std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts"
     partition::Communicator* gather_comm = nullptr;
     partition::Communicator* reduce_comm = nullptr;

@@ -24,7 +24,7 @@ std::string params_file(const G& g) {
 }
 template <typename G>
 std::string optimizer_file(const char* what, const G& g) {
-  return fmt::format("{}_{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.tp_split ? "_tp" : "");
+  return fmt::format("{}_{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.tp_suffix);
 }
 
 // The exact size a state file must have, or an error naming it.
@@ -60,6 +60,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
                       {"frozen", g.frozen},
                       {"experts", g.expert},
                       {"tp_split", g.tp_split},
+                      {"tp_counted", g.tp_counted},
                       {"params_saved", params_saved},
                       {"params", g.params.size()},
                       {"shard_numel", g.layout->shard_numel()},
@@ -143,6 +144,7 @@ void ZeroEngine::load_state(const fs::path& dir) {
       const auto& saved = groups[i];
       STRATA_CHECK(saved.at("dtype").get<std::string>() == dtype_name(g.dtype) &&
                        saved.value("experts", false) == g.expert && saved.value("tp_split", false) == g.tp_split &&
+                       saved.value("tp_counted", true) == g.tp_counted &&
                        saved.at("params").get<size_t>() == g.params.size() &&
                        saved.at("shard_numel").get<int64_t>() == g.layout->shard_numel(),
                    kBadArgument,

@@ -47,9 +47,18 @@ Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig
   const LlamaConfig share = tensor_parallel_share(c, tp);  // refuses what does not split
   const bool qkv_bias = c.attention_qkv_bias;
   const TensorSplit column = TensorSplit::kColumn, row = TensorSplit::kRow;
+  // Fewer kv heads than ranks: this rank's query heads use kv head
+  // rank / (tp / KV), which it shares with the other ranks whose heads do.
+  TpBlock kv_block;
+  if (tp > kv_heads_) {
+    const int copies = tp / static_cast<int>(kv_heads_);
+    kv_block = TpBlock{kv_heads_, engine.tensor_group().rank / copies, copies};
+  }
   q_proj_ = std::make_unique<Linear>(engine, child_name("q_proj"), hidden_, q, qkv_bias, dtype, lora, column);
-  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype, lora, column);
-  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype, lora, column);
+  k_proj_ = std::make_unique<Linear>(engine, child_name("k_proj"), hidden_, kv, qkv_bias, dtype, lora, column,
+                                     kv_block);
+  v_proj_ = std::make_unique<Linear>(engine, child_name("v_proj"), hidden_, kv, qkv_bias, dtype, lora, column,
+                                     kv_block);
   o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora, row);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
   if (c.qk_norm) {
@@ -144,13 +153,22 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     TensorView dk_pre = g.dattn;
     dk_pre.desc.shape = a.k_pre.desc.shape;  // the first rows * kv_heads * head_dim elements
     k_norm_->backward(per_head(g.dk), per_head(a.k_pre), a.rstd_k, per_head(dk_pre), false, dw_k);
-    k_proj_->backward(mat(dk_pre), mat(x), mat(dx), true, scratch_of(a.lora));
+    kv_backward(*k_proj_, dk_pre, x, g, dx, a);
   } else {
     q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
-    k_proj_->backward(mat(g.dk), mat(x), mat(dx), true, scratch_of(a.lora));
+    kv_backward(*k_proj_, g.dk, x, g, dx, a);
   }
-  v_proj_->backward(mat(g.dv), mat(x), mat(dx), true, scratch_of(a.lora));
+  kv_backward(*v_proj_, g.dv, x, g, dx, a);
   if (tp) engine_.tp_allreduce(dx);  // Megatron's f: every rank's heads' share of the input gradient
+}
+
+void Attention::kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
+                            const TensorView& dx, const AttentionActs& a) {
+  if (proj.shared()) {
+    proj.backward_shared(mat(dy), mat(x), mat(dx), true, g.dkv);
+  } else {
+    proj.backward(mat(dy), mat(x), mat(dx), true, scratch_of(a.lora));
+  }
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,

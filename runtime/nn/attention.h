@@ -38,6 +38,10 @@ struct AttentionGrads {
   // With q/k norms and tensor parallelism: fp32 [2, head_dim], the norms'
   // weight-gradient scratch (RMSNorm::backward's tp_dw); empty otherwise.
   TensorView dnorm;
+  // With fewer kv heads than tp ranks: fp32 [num_key_value_heads x head_dim
+  // x (hidden + 1 with q/k/v biases)], the shared k/v projections' gradient
+  // scratch (Linear::backward_shared); empty otherwise.
+  TensorView dkv;
 };
 
 // Where each token is in its row: positions int32 [rows] (the rotary
@@ -71,6 +75,10 @@ class Attention : public Module {
  private:
   // A projection's per-head rows [rows, heads, head_dim] as [rows * heads, head_dim].
   static TensorView per_head(const TensorView& t);
+  // k_proj's or v_proj's backward, dx accumulated: through backward_shared
+  // when the rank shares its kv head with others (fewer kv heads than tp).
+  void kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
+                   const TensorView& dx, const AttentionActs& a);
   // The layer's mask with the batch's documents.
   ops::AttentionMask mask_of(const TokenPlaces& places, int64_t seq) const;
 

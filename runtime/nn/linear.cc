@@ -15,8 +15,8 @@ void LinearBase::check_rows(const MatView& a, int64_t a_cols, const MatView& b,
 }
 
 Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-               DType dtype, const LoraSpec* lora, TensorSplit split)
-    : LinearBase(engine, std::move(name), in, out) {
+               DType dtype, const LoraSpec* lora, TensorSplit split, TpBlock block)
+    : LinearBase(engine, std::move(name), in, out), block_(block) {
   STRATA_CHECK(in > 0 && out > 0, kBadArgument, "{}: bad Linear shape in={} out={}", name_, in,
                out);
   const int tp = engine.tensor_group().size;
@@ -24,9 +24,9 @@ Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out
     weight_ = add_parameter("weight", dtype, {out, in});
     if (bias) bias_ = add_parameter("bias", dtype, {out});
   } else if (split == TensorSplit::kColumn) {
-    weight_ = add_tp_shard("weight", dtype, {out, in}, 0);
-    if (bias) bias_ = add_tp_shard("bias", dtype, {out}, 0);
-    out_ = out / tp;
+    weight_ = add_tp_shard("weight", dtype, {out, in}, 0, block.blocks, block.block, block.copies);
+    if (bias) bias_ = add_tp_shard("bias", dtype, {out}, 0, block.blocks, block.block, block.copies);
+    out_ = out / (block.blocks > 0 ? block.blocks : tp);
   } else {
     weight_ = add_tp_shard("weight", dtype, {out, in}, 1);
     if (bias) bias_ = add_parameter("bias", dtype, {out});
@@ -81,9 +81,39 @@ void Linear::forward(const MatView& x, const MatView& y, Phase phase, const Lora
   });
 }
 
+int64_t Linear::shared_scratch_numel() const {
+  return block_.blocks * (out_ * in_ + (bias_ >= 0 ? out_ : 0));
+}
+
+void Linear::backward_shared(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                             const TensorView& scratch) {
+  check_rows(dy, out_, x, in_);
+  STRATA_CHECK(shared() && !adapted(), kInternal, "{}: backward_shared of a projection no other rank shares", name_);
+  check_shape(name_, "shared-block gradient scratch", scratch, {shared_scratch_numel()});
+  STRATA_CHECK(scratch.desc.dtype == DType::kF32, kInternal, "{}: the gradient scratch must be fp32", name_);
+  run(op_, Phase::kBackward, [&] {
+    const TensorView dw = grad(weight_), db = bias_ >= 0 ? grad(bias_) : TensorView{};
+    const int64_t per_block = out_ * in_ + (bias_ >= 0 ? out_ : 0);
+    char* mine = static_cast<char*>(scratch.data) + block_.block * per_block * static_cast<int64_t>(sizeof(float));
+    const TensorView dw_part{TensorDesc{DType::kF32, {out_, in_}, scratch.desc.tier}, mine};
+    TensorView db_part;
+    if (bias_ >= 0) {
+      db_part = TensorView{TensorDesc{DType::kF32, {out_}, scratch.desc.tier},
+                           mine + out_ * in_ * static_cast<int64_t>(sizeof(float))};
+    }
+    engine_.accelerator().memset_async(scratch.data, 0, scratch.nbytes(), engine_.compute_stream());
+    ops().linear_backward(ctx(), dy, x, param(weight_), dx, accumulate_dx, dw.data != nullptr ? dw_part : TensorView{},
+                          db.data != nullptr ? db_part : TensorView{});
+    engine_.tp_allreduce(scratch);
+    if (dw.data != nullptr) ops().add(ctx(), dw, dw_part, dw);
+    if (db.data != nullptr) ops().add(ctx(), db, db_part, db);
+  });
+}
+
 void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
                       const LoraScratch& lora) {
   check_rows(dy, out_, x, in_);
+  STRATA_CHECK(!shared(), kInternal, "{}: a block shared by tp ranks goes through backward_shared", name_);
   run(op_, Phase::kBackward, [&] {
     ops().linear_backward(ctx(), dy, x, param(weight_), dx, accumulate_dx, grad(weight_),
                           bias_ >= 0 ? grad(bias_) : TensorView{});

@@ -47,6 +47,13 @@ class LinearBase : public Module {
 // gradient, from the complete dy, is the same on every rank. in_features()
 // and out_features() are this rank's widths.
 enum class TensorSplit : uint8_t { kNone, kColumn, kRow };
+// A kColumn split into other blocks than the tp ranks': block `block` of
+// `blocks`, shared by `copies` consecutive tp ranks (a kv head the query
+// heads of several ranks use: Module::add_tp_shard). blocks 0: the ranks'.
+struct TpBlock {
+  int64_t blocks = 0, block = 0;
+  int copies = 1;
+};
 
 class Linear : public LinearBase {
  public:
@@ -58,11 +65,23 @@ class Linear : public LinearBase {
   // `in` and `out` are the whole tensor's; with a split the caller checks
   // that the tp size divides the split one. Adapters do not combine with a split.
   Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-         DType dtype = DType::kF32, const LoraSpec* lora = nullptr, TensorSplit split = TensorSplit::kNone);
+         DType dtype = DType::kF32, const LoraSpec* lora = nullptr, TensorSplit split = TensorSplit::kNone,
+         TpBlock block = {});
   void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
                const LoraScratch& lora = {}) override;
   void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
                 const LoraScratch& lora = {}) override;
+
+  // A block shared by several tp ranks (TpBlock::copies > 1): backward
+  // forms the weight and bias gradients in `scratch` (fp32, shared_scratch_numel()),
+  // each rank at its block's place and zeros elsewhere, sums it over the tp
+  // group — so each block gets the sum over the ranks sharing it — and adds
+  // its own block into the gradients. dx as backward's. backward() refuses
+  // such a projection.
+  void backward_shared(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,
+                       const TensorView& scratch);
+  int64_t shared_scratch_numel() const;
+  bool shared() const { return block_.copies > 1; }
 
   ParamId weight() const { return weight_; }
   ParamId bias() const { return bias_; }  // -1 without bias
@@ -83,6 +102,7 @@ class Linear : public LinearBase {
   ParamId weight_;
   ParamId bias_ = -1;
   bool bias_in_forward_ = true;  // false on tp ranks > 0 of a kRow split
+  TpBlock block_;                 // a shared kColumn block (copies > 1)
   ParamId lora_a_ = -1, lora_b_ = -1;
   int64_t rank_ = 0;
   float scaling_ = 0;

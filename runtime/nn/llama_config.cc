@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -354,15 +355,16 @@ LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
                c.model_type);
   STRATA_CHECK(c.num_attention_heads % tp == 0, kBadArgument,
                "tensor parallelism {} does not divide num_attention_heads {}", tp, c.num_attention_heads);
-  STRATA_CHECK(c.num_key_value_heads % tp == 0, kBadArgument,
-               "tensor parallelism {} does not divide num_key_value_heads {} (replicating kv heads across tp "
-               "ranks is not implemented yet)",
+  // Fewer kv heads than ranks: each kv head on the tp / KV ranks whose q heads use it.
+  STRATA_CHECK(c.num_key_value_heads % tp == 0 || tp % c.num_key_value_heads == 0, kBadArgument,
+               "tensor parallelism {} and num_key_value_heads {}: one must divide the other (each rank holds "
+               "whole kv heads, or shares one with the ranks whose query heads use it)",
                tp, c.num_key_value_heads);
   STRATA_CHECK(c.intermediate_size % tp == 0, kBadArgument,
                "tensor parallelism {} does not divide intermediate_size {}", tp, c.intermediate_size);
   LlamaConfig share = c;
   share.num_attention_heads /= tp;
-  share.num_key_value_heads /= tp;
+  share.num_key_value_heads = std::max<int64_t>(c.num_key_value_heads / tp, 1);
   share.intermediate_size /= tp;
   return share;
 }

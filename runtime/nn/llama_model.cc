@@ -317,6 +317,9 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.add(g.attn.dv, t, {rows, kv_heads, hd});
   layout.add(g.attn.dattn, t, {rows, heads * hd});
   if (c.qk_norm && engine_.tensor_group().size > 1) layout.add(g.attn.dnorm, DType::kF32, {2, hd});
+  if (engine_.tensor_group().size > config_.num_key_value_heads) {  // shared kv heads: Linear::backward_shared
+    layout.add(g.attn.dkv, DType::kF32, {config_.num_key_value_heads * hd * (hidden + (c.attention_qkv_bias ? 1 : 0))});
+  }
   if (c.moe()) {
     layout.add(g.moe.dyp, t, {rows * top_k, hidden});
     layout.add(g.moe.dxp, t, {rows * top_k, hidden});

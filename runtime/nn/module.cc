@@ -23,18 +23,24 @@ ParamId Module::add_parameter(const std::string& local, DType dtype, Shape shape
   return id;
 }
 
-ParamId Module::add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim) {
+ParamId Module::add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim, int64_t blocks,
+                             int64_t block, int copies) {
   const engine::Engine::TensorGroup& tp = engine_.tensor_group();
-  STRATA_CHECK(dim < full.size() && full[dim] % tp.size == 0, kInternal,
-               "{}.{}: dimension {} of {} does not split into {} tp shards", name_, local, dim, shape_string(full),
-               tp.size);
+  if (blocks == 0) {
+    blocks = tp.size;
+    block = tp.rank;
+  }
+  STRATA_CHECK(dim < full.size() && blocks >= 1 && full[dim] % blocks == 0 && block >= 0 && block < blocks,
+               kInternal, "{}.{}: dimension {} of {} does not split into {} tp blocks", name_, local, dim,
+               shape_string(full), blocks);
   Shape shape = full;
-  shape[dim] = full[dim] / tp.size;
+  shape[dim] = full[dim] / blocks;
   std::vector<int64_t> offset(full.size(), 0);
-  offset[dim] = shape[dim] * tp.rank;
+  offset[dim] = shape[dim] * block;
   engine::ParamInfo info{child_name(local), dtype, shape,
                          engine::ParameterSlice{child_name(local), full, std::move(offset)}};
   info.tp_split = true;
+  info.tp_copies = copies;
   const ParamId id = engine_.declare_parameter(std::move(info));
   own_.push_back(id);
   return id;

@@ -43,10 +43,13 @@ class Module {
   ParamId add_parameter(const std::string& local, DType dtype, Shape shape,
                         std::optional<engine::ParameterSlice> slice = std::nullopt);
   // Declares this tp rank's shard of "<name>.<local>" (full shape `full`),
-  // split along dimension `dim` into Engine::tensor_group().size equal blocks
-  // (ParamInfo::tp_split, with the slice that places it); the caller checks
-  // that the size divides full[dim].
-  ParamId add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim);
+  // split along dimension `dim` into equal blocks (ParamInfo::tp_split, with
+  // the slice that places it): by default Engine::tensor_group().size blocks,
+  // this rank's own; with `blocks` and `block` given, block `block` of
+  // `blocks`, which `copies` consecutive tp ranks share (ParamInfo::tp_copies).
+  // The caller checks that the count divides full[dim].
+  ParamId add_tp_shard(const std::string& local, DType dtype, const Shape& full, size_t dim, int64_t blocks = 0,
+                       int64_t block = 0, int copies = 1);
   // Declares an operator (one hook window) reading `params`; named after this
   // module unless `suffix` is given ("<name>.<suffix>").
   OpId add_operator(std::vector<ParamId> params, const std::string& suffix = "");

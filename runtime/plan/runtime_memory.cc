@@ -140,7 +140,10 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, 
   // Backward scratch shared by the layers, the final norm, loss and inputs.
   n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +
        2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch +
-       (c.qk_norm && tensor_parallel > 1 ? view_nbytes(f32, {2, hd}) : 0);  // the q/k norms' summed gradient
+       (c.qk_norm && tensor_parallel > 1 ? view_nbytes(f32, {2, hd}) : 0) +  // the q/k norms' summed gradient
+       (tensor_parallel > model.num_key_value_heads  // shared kv heads' summed gradients
+            ? view_nbytes(f32, {model.num_key_value_heads * hd * (hidden + (c.attention_qkv_bias ? 1 : 0))})
+            : 0);
   n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends

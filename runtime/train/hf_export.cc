@@ -10,6 +10,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
 #include "core/durable_file.h"
 #include "core/error.h"
@@ -196,6 +197,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
         // The blocks of the tensor this parameter gives the writer: itself,
         // or with tensor parallelism every tp rank's shard, placed by its rank.
         size_t blocks = 1;
+        std::vector<double> offsets;  // per tp rank, its block's offset in each dimension
         if (info.tp_split && tp > 1) {
           if (comm.rank() != 0) continue;
           std::vector<char> all(whole.size() * static_cast<size_t>(tp));
@@ -203,6 +205,11 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
                          static_cast<size_t>(info.numel()), info.dtype);
           whole = std::move(all);
           blocks = static_cast<size_t>(tp);
+          // Where each rank's block goes (ranks sharing a kv head hold the same one).
+          const size_t dims = info.slice->offset.size();
+          std::vector<double> mine(info.slice->offset.begin(), info.slice->offset.end());
+          offsets.resize(dims * blocks);
+          allgather_host(*tensor_comm, engine.accelerator(), *stream, mine.data(), offsets.data(), dims, DType::kF64);
         }
         if (!writer) continue;
         const size_t out_element = dtype_nbytes(options.dtype);
@@ -229,15 +236,14 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           continue;
         }
         // A block (a tile, a tp shard): each of its elements' runs in the tensor.
+        std::set<std::vector<int64_t>> written;
         for (size_t block = 0; block < blocks; ++block) {
           engine::ParamInfo placed = info;
           if (blocks > 1) {
-            // tp rank `block`'s shard: the same shape, offset by its rank along the split dimension.
-            for (size_t d = 0; d < info.shape.size(); ++d) {
-              if (info.shape[d] != info.slice->tensor_shape[d]) {
-                placed.slice->offset[d] = info.shape[d] * static_cast<int64_t>(block);
-              }
-            }
+            // tp rank `block`'s shard: the same shape at its own offset; a copy written once.
+            const size_t dims = info.slice->offset.size();
+            for (size_t d = 0; d < dims; ++d) placed.slice->offset[d] = static_cast<int64_t>(offsets[block * dims + d]);
+            if (!written.insert(placed.slice->offset).second) continue;
           }
           const char* data = converted.data() + block * block_numel * out_element;
           nn::for_each_tensor_run(placed, 0, static_cast<int64_t>(block_numel), [&](int64_t at, int64_t from, int64_t n) {

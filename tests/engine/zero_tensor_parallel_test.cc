@@ -88,6 +88,10 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       {"qwen2", 4, 2, 3, Tier::kNvme, Tier::kNvme, 1, false, true},
       {"qwen3", 2, 2, 2, Tier::kDevice, Tier::kCpu, 2},
       {"qwen3", 4, 2, 3, Tier::kNvme, Tier::kNvme, 1, true},
+      // tp 4 with 2 kv heads: ranks 0,1 share kv head 0, ranks 2,3 kv head 1.
+      {"llama", 4, 4, 3, Tier::kNvme, Tier::kNvme},
+      {"qwen2", 4, 4, 1, Tier::kDevice, Tier::kCpu},
+      {"qwen3", 4, 4, 2, Tier::kDevice, Tier::kCpu, 2, true},
   };
   for (const Case& c : cases) {
     const std::string name = c.family + ", tp " + std::to_string(c.tp) + " x dp " + std::to_string(c.world / c.tp) +
@@ -121,11 +125,13 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       CHECK(r.tp_replica_mismatches == 0);
       // Split for real: rank 0 holds half of each projection of the 2 layers
       // (q, k, v, o, gate, up, down, and the column-parallel biases).
+      // With fewer kv heads than ranks, one kv head each.
       const nn::LlamaConfig m = family(c.family, c.tied);
-      const int64_t q = m.num_attention_heads * m.head_dim, kv = m.num_key_value_heads * m.head_dim;
-      int64_t per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size;
+      const int64_t q = m.num_attention_heads * m.head_dim / c.tp, inter = m.intermediate_size / c.tp;
+      const int64_t kv = (m.num_key_value_heads >= c.tp ? m.num_key_value_heads / c.tp : 1) * m.head_dim;
+      int64_t per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * inter;
       if (m.attention_qkv_bias) per_layer += q + 2 * kv;
-      if (m.mlp_bias) per_layer += 2 * m.intermediate_size;
+      if (m.mlp_bias) per_layer += 2 * inter;
       CHECK(r.tensor_group_size == c.tp);
       // Megatron's traffic, no more: per layer and micro-step two allreduces
       // of [rows, hidden] in forward (after o and down), two in backward
@@ -136,13 +142,19 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       const int64_t rows = sequences_rows(c), layers = m.num_hidden_layers;
       const int64_t big = micro_steps * (4 * layers + (c.checkpoint ? 2 * (layers - 1) : 0));
       const int64_t small = m.qk_norm ? micro_steps * m.num_hidden_layers * 2 : 0;
-      CHECK(r.tensor_traffic.allreduces == big + small);
-      CHECK(r.tensor_traffic.bytes == static_cast<uint64_t>(big * rows * m.hidden_size * 4 + small * m.head_dim * 4));
+      // Shared kv heads: k's and v's gradients summed over tp in backward.
+      const bool shared = c.tp > m.num_key_value_heads;
+      const int64_t kv_sums = shared ? micro_steps * m.num_hidden_layers * 2 : 0;
+      const int64_t kv_sum_numel =
+          m.num_key_value_heads * m.head_dim * (m.hidden_size + (m.attention_qkv_bias ? 1 : 0));
+      CHECK(r.tensor_traffic.allreduces == big + small + kv_sums);
+      CHECK(r.tensor_traffic.bytes == static_cast<uint64_t>(big * rows * m.hidden_size * 4 + small * m.head_dim * 4 +
+                                                            kv_sums * kv_sum_numel * 4));
       // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
       const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
       CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp) ==
             r.arena_nbytes);
-      CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer / c.tp);
+      CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer);
     }
   }
 }
@@ -152,8 +164,14 @@ TEST_CASE("tensor parallelism refuses a model it cannot split, naming the sizes"
   CHECK(nn::tensor_parallel_share(c, 2).num_attention_heads == 2);
   CHECK(nn::tensor_parallel_share(c, 2).num_key_value_heads == 1);
   CHECK(nn::tensor_parallel_share(c, 2).intermediate_size == 32);
-  CHECK_THROWS_WITH(nn::tensor_parallel_share(c, 4), Catch::Contains("does not divide num_key_value_heads 2"));
+  CHECK(nn::tensor_parallel_share(c, 4).num_key_value_heads == 1);  // two ranks share each kv head
   CHECK_THROWS_WITH(nn::tensor_parallel_share(c, 3), Catch::Contains("does not divide num_attention_heads 4"));
+  nn::LlamaConfig six = c;  // 12 heads, 4 kv heads at tp 6: neither divides the other
+  six.num_attention_heads = 12;
+  six.num_key_value_heads = 4;
+  six.head_dim = 8;
+  six.intermediate_size = 60;
+  CHECK_THROWS_WITH(nn::tensor_parallel_share(six, 6), Catch::Contains("num_key_value_heads 4: one must divide"));
   CHECK_THROWS_WITH(nn::tensor_parallel_share(mixtral_config(4, 16, false), 2),
                     Catch::Contains("mixture-of-experts"));
 }

@@ -312,8 +312,14 @@ inline TrainResult train_zero(const TrainSpec& spec) {
                 }
                 return;
               }
+              // A block several tp ranks hold (a shared kv head): the copies must agree too.
               nn::for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
-                std::copy_n(widened.begin() + (from - first), n, result.params[id].begin() + at);
+                float* out = result.params[id].data() + at;
+                const float* in = widened.data() + (from - first);
+                for (int64_t i = 0; i < n; ++i) {
+                  result.tp_replica_mismatches += !std::isnan(out[i]) && std::memcmp(&out[i], &in[i], sizeof(float)) != 0;
+                  out[i] = in[i];
+                }
               });
             });
           }

@@ -536,6 +536,35 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
   WARN("largest |tp 2 x dp 2 - dp 2| over the exported weights after " << kSteps << " steps: " << max_diff);
   CHECK(max_diff < 1e-4);
 
+  // tp 4 with the model's 2 kv heads (two ranks share each) against one
+  // rank: the same losses, and the export writes each shared head once.
+  const auto four = run_command(run4 + resumable_args(dir, "four", 4, "qwen2.json") + " --tp 4 2>&1");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  const auto one = run_command(strata_binary() + " " + resumable_args(dir, "one", 4, "qwen2.json") + " 2>&1");
+  INFO(one.output);
+  REQUIRE(one.exit_code == 0);
+  const auto four_steps = read_jsonl(dir.file("four_out") + "/metrics.jsonl");
+  const auto one_steps = read_jsonl(dir.file("one_out") + "/metrics.jsonl");
+  REQUIRE(four_steps.size() == 4);
+  REQUIRE(one_steps.size() == 4);
+  for (int i = 0; i < 4; ++i) {
+    CHECK(four_steps[i]["loss"].get<double>() == Approx(one_steps[i]["loss"].get<double>()).epsilon(1e-5));
+  }
+  const auto four_file = strata::nn::SafetensorsFile::open(dir.file("four_model") + "/model.safetensors");
+  const auto one_file = strata::nn::SafetensorsFile::open(dir.file("one_model") + "/model.safetensors");
+  REQUIRE(four_file.names() == one_file.names());
+  double four_diff = 0;
+  for (const std::string& name : one_file.names()) {
+    CAPTURE(name);
+    REQUIRE(four_file.entry(name).shape == one_file.entry(name).shape);
+    const auto a = four_file.view(name), b = one_file.view(name);
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      four_diff = std::max(four_diff, static_cast<double>(std::fabs(a.as<float>()[i] - b.as<float>()[i])));
+    }
+  }
+  CHECK(four_diff < 1e-4);
+
   // strata export gathers each tensor's tp shards from the checkpoint.
   const auto exported =
       run_command(run4 + "export " + dir.file("ref_ckpt") + " " + dir.file("exported") + " --dtype fp32 2>&1");
