@@ -60,12 +60,8 @@ TrainResult run(const Case& c, const std::filesystem::path& swap) {
   spec.world = c.world;
   spec.micro_steps = c.micro_steps;
   spec.checkpoint_activations = c.checkpoint;
-  spec.options = options_for(c.stage);
-  spec.options.adam.eps = 1.0f;
+  spec.options = options_on(c.stage, c.param, c.optimizer, swap);
   spec.options.expert_parallel_size = c.ep;
-  spec.options.param_tier = c.param;
-  spec.options.optimizer_tier = c.optimizer;
-  if (c.param == Tier::kNvme || c.optimizer == Tier::kNvme) spec.options.nvme_path = swap;
   if (c.repeated) spec.batches = repeated_tokens;
   return train_zero(spec);
 }

@@ -106,11 +106,7 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       spec.tp = c.tp;
       spec.micro_steps = c.micro_steps;
       spec.checkpoint_activations = c.checkpoint;
-      spec.options = options_for(c.stage);
-      spec.options.adam.eps = 1.0f;
-      spec.options.param_tier = c.param;
-      spec.options.optimizer_tier = c.optimizer;
-      if (c.param == Tier::kNvme || c.optimizer == Tier::kNvme) spec.options.nvme_path = dir.path() / "swap";
+      spec.options = options_on(c.stage, c.param, c.optimizer, dir.path() / "swap");
       const TrainResult r = train_zero(spec);
       const TrainResult& ref = reference(c.family, c.tied);
       const Diff d = compare(r, ref);

@@ -487,6 +487,19 @@ inline engine::ZeroEngineOptions options_for(int stage) {
   return o;
 }
 
+// options_for(stage) on these tiers (`swap` the NVMe directory when one is
+// nvme), with Adam's eps 1: the equivalence tests against one resident rank
+// compare to rounding, and a tiny eps would magnify rounding-size gradient
+// differences into large updates.
+inline engine::ZeroEngineOptions options_on(int stage, Tier param, Tier optimizer, const std::filesystem::path& swap) {
+  engine::ZeroEngineOptions o = options_for(stage);
+  o.adam.eps = 1.0f;
+  o.param_tier = param;
+  o.optimizer_tier = optimizer;
+  if (param == Tier::kNvme || optimizer == Tier::kNvme) o.nvme_path = swap;
+  return o;
+}
+
 // Stage 3 with nothing gathered ahead and nothing kept for a later use:
 // every operator's parameters are gathered at its pre_op.
 inline engine::ZeroEngineOptions prefetch_off(engine::ZeroEngineOptions o) {

@@ -226,6 +226,24 @@ std::string resumable_args(const strata::test::TempDir& dir, const std::string& 
          dir.file(name + "_model") + " --export-dtype fp32";
 }
 
+// Two exports hold the same tensors (names, shapes); the largest
+// |a - b| over their fp32 values.
+double max_export_difference(const std::string& a_dir, const std::string& b_dir) {
+  const auto a_file = strata::nn::SafetensorsFile::open(a_dir + "/model.safetensors");
+  const auto b_file = strata::nn::SafetensorsFile::open(b_dir + "/model.safetensors");
+  REQUIRE(a_file.names() == b_file.names());
+  double most = 0;
+  for (const std::string& name : b_file.names()) {
+    CAPTURE(name);
+    REQUIRE(a_file.entry(name).shape == b_file.entry(name).shape);
+    const auto a = a_file.view(name), b = b_file.view(name);
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      most = std::max(most, static_cast<double>(std::fabs(a.as<float>()[i] - b.as<float>()[i])));
+    }
+  }
+  return most;
+}
+
 std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -521,18 +539,7 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
     CHECK(tp_steps[i]["loss"].get<double>() == Approx(whole_steps[i]["loss"].get<double>()).epsilon(1e-5));
     CHECK(tp_steps[i]["tokens"] == whole_steps[i]["tokens"]);
   }
-  const auto tp_file = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
-  const auto whole_file = strata::nn::SafetensorsFile::open(dir.file("whole_model") + "/model.safetensors");
-  REQUIRE(tp_file.names() == whole_file.names());
-  double max_diff = 0;
-  for (const std::string& name : whole_file.names()) {
-    CAPTURE(name);
-    REQUIRE(tp_file.entry(name).shape == whole_file.entry(name).shape);
-    const auto a = tp_file.view(name), b = whole_file.view(name);
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      max_diff = std::max(max_diff, static_cast<double>(std::fabs(a.as<float>()[i] - b.as<float>()[i])));
-    }
-  }
+  const double max_diff = max_export_difference(dir.file("ref_model"), dir.file("whole_model"));
   WARN("largest |tp 2 x dp 2 - dp 2| over the exported weights after " << kSteps << " steps: " << max_diff);
   CHECK(max_diff < 1e-4);
 
@@ -551,18 +558,7 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
   for (int i = 0; i < 4; ++i) {
     CHECK(four_steps[i]["loss"].get<double>() == Approx(one_steps[i]["loss"].get<double>()).epsilon(1e-5));
   }
-  const auto four_file = strata::nn::SafetensorsFile::open(dir.file("four_model") + "/model.safetensors");
-  const auto one_file = strata::nn::SafetensorsFile::open(dir.file("one_model") + "/model.safetensors");
-  REQUIRE(four_file.names() == one_file.names());
-  double four_diff = 0;
-  for (const std::string& name : one_file.names()) {
-    CAPTURE(name);
-    REQUIRE(four_file.entry(name).shape == one_file.entry(name).shape);
-    const auto a = four_file.view(name), b = one_file.view(name);
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      four_diff = std::max(four_diff, static_cast<double>(std::fabs(a.as<float>()[i] - b.as<float>()[i])));
-    }
-  }
+  const double four_diff = max_export_difference(dir.file("four_model"), dir.file("one_model"));
   CHECK(four_diff < 1e-4);
 
   // strata export gathers each tensor's tp shards from the checkpoint.
