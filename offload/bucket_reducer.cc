@@ -24,7 +24,7 @@ struct BucketReducer::Bucket {
 BucketReducer::BucketReducer(Accelerator& accelerator, ops::Ops& ops, partition::Communicator& comm,
                              const partition::PartitionLayout& layout, int64_t bucket_numel,
                              GradShard& shard, Stream* stream)
-    : accelerator_(accelerator), ops_(ops), comm_(comm), layout_(layout), bucket_numel_(bucket_numel),
+    : accelerator_(accelerator), comm_(comm), layout_(layout), bucket_numel_(bucket_numel),
       shard_(shard), own_stream_(stream == nullptr ? accelerator.create_stream() : nullptr),
       stream_(stream != nullptr ? stream : own_stream_.get()), ctx_(ops.make_context(*stream_)) {
   STRATA_CHECK(layout.world_size() == comm.world_size(), kBadArgument,

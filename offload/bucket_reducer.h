@@ -69,7 +69,6 @@ class BucketReducer {
  private:
   struct Bucket;
   Accelerator& accelerator_;
-  ops::Ops& ops_;
   partition::Communicator& comm_;
   const partition::PartitionLayout& layout_;
   int64_t bucket_numel_;
