@@ -247,6 +247,24 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
   io_->drain_range(first, first + numel);
   ensure_window(numel);
   aio_->read(*file_, window_, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
+  zero_unwritten(first, numel, window_);
+  return window_;
+}
+
+std::function<void()> GradShard::read_async(size_t first, size_t numel, float* dst) {
+  STRATA_CHECK(first + numel <= static_cast<size_t>(layout_.shard_numel()), kBadArgument,
+               "gradient range [{}, {}) outside the shard ({} elements)", first, first + numel, layout_.shard_numel());
+  STRATA_CHECK(file_ != nullptr, kInternal, "GradShard::read_async of a gradient shard in memory");
+  io_->drain_range(first, first + numel);
+  const nvme::Ticket ticket =
+      aio_->submit_read(*file_, dst, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
+  return [this, ticket, first, numel, dst] {
+    aio_->wait(ticket);
+    zero_unwritten(first, numel, dst);
+  };
+}
+
+void GradShard::zero_unwritten(size_t first, size_t numel, float* dst) const {
   // Slices no block reached since zero() hold an older step's values: zeros.
   // Only the flags of slices in the range are read: the optimizer reads a
   // final sub-group while the I/O thread still writes other slices' flags.
@@ -255,9 +273,8 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
     const size_t begin = std::max(first, static_cast<size_t>(slot.shard_offset_numel));
     const size_t end = std::min(first + numel, static_cast<size_t>(slot.shard_offset_numel + slot.slice_numel));
     if (begin >= end || written_[p] != 0) continue;
-    std::fill(window_ + (begin - first), window_ + (end - first), 0.0f);
+    std::fill(dst + (begin - first), dst + (end - first), 0.0f);
   }
-  return window_;
 }
 
 }  // namespace strata::offload
