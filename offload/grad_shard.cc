@@ -37,6 +37,7 @@ class GradShard::IoThread {
     std::unique_ptr<Event> noticed;    // recorded on the stream after the notice
     std::unique_ptr<HostEvent> done;   // the stream waits on it
     bool landed = false;               // guarded by State::mutex
+    size_t first = 0, end = 0;         // the shard elements it writes
   };
   struct State {
     std::mutex mutex;
@@ -84,6 +85,18 @@ class GradShard::IoThread {
   void drain() {
     std::unique_lock<std::mutex> lock(state_->mutex);
     state_->changed.wait(lock, [&] { return state_->jobs.empty(); });
+  }
+
+  // Returns once no queued job writes shard elements in [first, end): the
+  // optimizer's read of a final sub-group during backward waits for that
+  // sub-group's writes only, not for the blocks still landing elsewhere
+  // (a full drain there waited out the rest of backward).
+  void drain_range(size_t first, size_t end) {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    state_->changed.wait(lock, [&] {
+      return std::none_of(state_->jobs.begin(), state_->jobs.end(),
+                          [&](const std::shared_ptr<Job>& job) { return job->first < end && first < job->end; });
+    });
   }
 
  private:
@@ -185,6 +198,8 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
   auto job = std::make_shared<IoThread::Job>();
   job->noticed = accelerator_.create_event();
   job->done = accelerator_.create_host_event();
+  job->first = static_cast<size_t>(slot.shard_offset_numel);
+  job->end = job->first + static_cast<size_t>(slot.slice_numel);
   job->work = [this, p, nbytes, offset, numel = static_cast<size_t>(slot.slice_numel)] {
     if (written_[p] != 0) {
       float* on_disk = scratch_ + scratch_numel_;
@@ -229,9 +244,27 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
     stream.synchronize();
     return window_;
   }
-  io_->drain();
+  io_->drain_range(first, first + numel);
   ensure_window(numel);
   aio_->read(*file_, window_, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
+  zero_unwritten(first, numel, window_);
+  return window_;
+}
+
+std::function<void()> GradShard::read_async(size_t first, size_t numel, float* dst) {
+  STRATA_CHECK(first + numel <= static_cast<size_t>(layout_.shard_numel()), kBadArgument,
+               "gradient range [{}, {}) outside the shard ({} elements)", first, first + numel, layout_.shard_numel());
+  STRATA_CHECK(file_ != nullptr, kInternal, "GradShard::read_async of a gradient shard in memory");
+  io_->drain_range(first, first + numel);
+  const nvme::Ticket ticket =
+      aio_->submit_read(*file_, dst, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
+  return [this, ticket, first, numel, dst] {
+    aio_->wait(ticket);
+    zero_unwritten(first, numel, dst);
+  };
+}
+
+void GradShard::zero_unwritten(size_t first, size_t numel, float* dst) const {
   // Slices no block reached since zero() hold an older step's values: zeros.
   // Only the flags of slices in the range are read: the optimizer reads a
   // final sub-group while the I/O thread still writes other slices' flags.
@@ -240,9 +273,8 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
     const size_t begin = std::max(first, static_cast<size_t>(slot.shard_offset_numel));
     const size_t end = std::min(first + numel, static_cast<size_t>(slot.shard_offset_numel + slot.slice_numel));
     if (begin >= end || written_[p] != 0) continue;
-    std::fill(window_ + (begin - first), window_ + (end - first), 0.0f);
+    std::fill(dst + (begin - first), dst + (end - first), 0.0f);
   }
-  return window_;
 }
 
 }  // namespace strata::offload

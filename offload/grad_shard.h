@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -77,6 +78,12 @@ class GradShard {
   // sub-group boundaries are) — valid until the next read() or zero().
   // `stream` (idle) carries the copy when the array is not host memory.
   const float* read(size_t first, size_t numel, Stream& stream);
+  // nvme home: read() into the caller's `dst` (pinned, O_DIRECT-aligned,
+  // numel floats) without waiting: starts the read (once the range's own
+  // writes are done) and returns what completes it — waits for the read and
+  // zeroes what read() zeroes; call it exactly once, before dst is reused.
+  // The same conditions on the range as read().
+  std::function<void()> read_async(size_t first, size_t numel, float* dst);
   // The memory home's array (shard_numel fp32 in accelerator memory, read in
   // place by the DeviceOptimizer once the stream is idle); nullptr on nvme.
   const float* memory() const { return memory_; }
@@ -90,6 +97,8 @@ class GradShard {
   ops::Ops& ops_;
   const partition::PartitionLayout& layout_;
   float* memory_ = nullptr;        // memory home
+  // nvme: zeroes the slices of [first, first + numel) no block reached since zero() (dst holds the range).
+  void zero_unwritten(size_t first, size_t numel, float* dst) const;
   nvme::AioHandle* aio_ = nullptr;  // nvme home
   nvme::File* file_ = nullptr;
   std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched by the I/O thread)

@@ -33,18 +33,30 @@ double seconds_since(Clock::time_point start) {
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// A pool buffer with the I/O request using it, if any.
+// A pool buffer with the I/O request using it, if any, and the read of its
+// sub-group's gradient into it (StepInputs::grad_read), if one is in flight.
 struct Op {
+  explicit Op(PinnedBuffer b) : buffer(std::move(b)) {}
   PinnedBuffer buffer;
   nvme::Ticket ticket = 0;
   bool pending = false;
+  StepInputs::GradCompletion grad;  // empty: no gradient read into this buffer
 };
+
+// On an error path: waits out a gradient read still in flight into op's buffer.
+void drain_grad(Op& op) {
+  if (!op.grad) return;
+  StepInputs::GradCompletion grad = std::move(op.grad);
+  op.grad = nullptr;
+  try { grad(); } catch (...) {}
+}
 
 // On an error path: waits out every request still in flight, so no buffer
 // returns to the pool under a transfer. Their errors are secondary to the one
 // being rethrown and are dropped.
 void drain_pending(nvme::AioHandle& aio, std::deque<Op>& ops) {
   for (Op& op : ops) {
+    drain_grad(op);
     if (!op.pending) continue;
     op.pending = false;
     try { aio.wait(op.ticket); } catch (...) {}
@@ -55,6 +67,10 @@ void drain_pending(nvme::AioHandle& aio, std::deque<Op>& ops) {
 
 size_t OptimizerSwapper::record_nbytes(size_t numel) {
   return round_up(numel * kStateArrays * sizeof(float), nvme::kDirectIoAlignment);
+}
+
+size_t OptimizerSwapper::buffer_nbytes(size_t numel, bool with_grad) {
+  return record_nbytes(numel) + (with_grad ? round_up(numel * sizeof(float), nvme::kDirectIoAlignment) : 0);
 }
 
 OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBufferPool* pool,
@@ -201,13 +217,15 @@ void OptimizerSwapper::write_state(const StateFillFn& fill, int64_t step_count) 
 }
 
 void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k,
-                              float* p, float* m, float* v) {
+                              float* p, float* m, float* v, const void* grad) {
   const Range r = sub_group(k);
   kernels::AdamBuffers b;
   b.param = p;
   b.exp_avg = m;
   b.exp_avg_sq = v;
-  if (in.grad_source) {
+  if (grad != nullptr) {
+    b.grad = grad;
+  } else if (in.grad_source) {
     b.grad = in.grad_source(r.offset, r.numel);
     STRATA_CHECK(b.grad != nullptr, kBadArgument, "optimizer step: the gradient source gave no gradient for [{}, {})",
                  r.offset, r.offset + r.numel);
@@ -255,8 +273,17 @@ struct OptimizerSwapper::OpenStep {
   std::map<size_t, Op> prefetched;
 };
 
+float* OptimizerSwapper::grad_area(void* buffer) const {
+  if (open_ == nullptr || !open_->inputs.grad_read || pool_ == nullptr ||
+      pool_->buffer_nbytes() < buffer_nbytes(options_.sub_group_numel, true)) {
+    return nullptr;
+  }
+  return reinterpret_cast<float*>(static_cast<char*>(buffer) + stride_nbytes_);
+}
+
 void OptimizerSwapper::release_prefetched(OpenStep& open) {
   for (auto& [k, op] : open.prefetched) {
+    drain_grad(op);
     if (!op.pending) continue;
     op.pending = false;
     try {
@@ -428,10 +455,19 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   auto start_read = [&] {
     const size_t k = to_read[next_read++];
     Op op{pool_->acquire()};
-    const size_t nbytes = record_nbytes(sub_group(k).numel);
+    const Range r = sub_group(k);
+    const size_t nbytes = record_nbytes(r.numel);
     op.ticket = aio_->submit_read(in_file, op.buffer.data(), nbytes, file_offset(k));
     op.pending = true;
     timings_.bytes_read += nbytes;
+    // The gradient behind the state, into the same buffer: queued ahead with
+    // it, so the update finds both there rather than reading the gradient
+    // then (behind the reads queued meanwhile).
+    if (float* grad = grad_area(op.buffer.data())) {
+      reads.push_back(std::move(op));
+      reads.back().grad = in.grad_read(r.offset, r.numel, grad);
+      return;
+    }
     reads.push_back(std::move(op));
   };
   // Issues reads until min_reads are in flight (waiting for the oldest write
@@ -466,9 +502,17 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       }
       const Range r = sub_group(k);
       float* p = current->buffer.as<float>();
+      const void* grad = nullptr;
+      if (current->grad) {
+        const auto start = Clock::now();
+        StepInputs::GradCompletion complete = std::move(current->grad);
+        current->grad = nullptr;
+        grad = complete();
+        timings_.read_wait_seconds += seconds_since(start);
+      }
       open_->updated[k] = 1;  // its spare-slot record is about to change; the committed one never does
       ++open_->updated_count;
-      update(c, in, k, p, p + r.numel, p + 2 * r.numel);
+      update(c, in, k, p, p + r.numel, p + 2 * r.numel, grad);
       const size_t nbytes = record_nbytes(r.numel);
       current->ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
       current->pending = true;
@@ -486,6 +530,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       writes.pop_front();
     }
   } catch (...) {
+    if (current) drain_grad(*current);
     if (current && current->pending) {
       current->pending = false;
       try { aio_->wait(current->ticket); } catch (...) {}

@@ -90,6 +90,18 @@ struct StepInputs {
   // state on NVMe the committed state stays as it was (the step never commits),
   // in CPU memory the sub-groups already updated keep their new state.
   std::function<void(size_t first, size_t numel, const void* values)> param_sink;
+  // Optional, with grad_source (NVMe state, fp32 gradient): starts reading the
+  // gradient of [first, first + numel) into dst (pinned, O_DIRECT-aligned,
+  // numel floats) and returns the completion: it waits for the read and
+  // returns dst holding exactly what grad_source would give (its side effects
+  // included). The pipeline then reads each sub-group's gradient beside its
+  // state, into the same pool buffer (when the buffers have room:
+  // buffer_nbytes(numel, true)), instead of the update waiting for it behind
+  // the reads queued ahead. A completion is called at most once; one not
+  // called (an error path) is still called, its result ignored, before its
+  // buffer returns to the pool.
+  using GradCompletion = std::function<const void*()>;
+  std::function<GradCompletion(size_t first, size_t numel, float* dst)> grad_read;
 };
 
 class OptimizerSwapper {
@@ -104,6 +116,10 @@ class OptimizerSwapper {
   // Bytes one sub-group of `numel` elements takes on disk and in a pool buffer
   // (fp32 master, exp_avg, exp_avg_sq; rounded up for O_DIRECT).
   static size_t record_nbytes(size_t numel);
+  // Bytes of a pool buffer for sub-groups of `numel` elements: the record,
+  // and with `with_grad` room after it for the sub-group's fp32 gradient
+  // (StepInputs::grad_read).
+  static size_t buffer_nbytes(size_t numel, bool with_grad);
 
   // Sets the master weights to master[numel], moments to zero, step count to 0,
   // and commits that state.
@@ -201,8 +217,11 @@ class OptimizerSwapper {
   Range sub_group(size_t k) const;
   uint64_t file_offset(size_t k) const { return static_cast<uint64_t>(k) * stride_nbytes_; }
   nvme::File& slot_file(int slot);
+  // grad: the sub-group's gradient already read (grad_read), or nullptr: from grad_source / grad.
   void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
-              float* m, float* v);
+              float* m, float* v, const void* grad = nullptr);
+  // Where a pool buffer holds the sub-group's gradient, when the open step reads it there (else nullptr).
+  float* grad_area(void* buffer) const;
   void update_nvme(std::span<const size_t> sub_groups);
   struct OpenStep;
   // Waits out the open step's reads ahead and returns their buffers.

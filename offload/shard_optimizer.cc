@@ -117,7 +117,9 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
       swapper.keep_files = options_.keep_files;
       if (options_.tier == Tier::kNvme) {
         // Groups share a pool while its buffers are big enough for their sub-groups.
-        const size_t record = OptimizerSwapper::record_nbytes(stride);
+        // Room for the sub-group's gradient beside its state when the gradient is on NVMe too
+        // (StepInputs::grad_read: the pipeline reads both ahead).
+        const size_t record = OptimizerSwapper::buffer_nbytes(stride, shard.grads->on_nvme());
         if (pool == nullptr || pool->buffer_nbytes() < record) {
           PinnedPoolOptions pool_options;
           pool_options.buffer_count = options_.buffer_count;
@@ -213,6 +215,21 @@ StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
     }
     return grads;
   };
+  if (g.shard.grads->on_nvme()) {
+    // The same gradient and statistics as grad_source, read by the NVMe pipeline beside the state.
+    inputs.grad_read = [this, group](size_t first, size_t numel, float* dst) -> StepInputs::GradCompletion {
+      std::function<void()> read = group->shard.grads->read_async(first, numel, dst);
+      return [this, group, first, numel, dst, read = std::move(read)]() -> const void* {
+        read();
+        const size_t k = first / group->sub_group_numel;
+        if (group->stats_known[k] == 0) {
+          group->stats[k] = kernels::grad_stats(dst, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
+          group->stats_known[k] = 1;
+        }
+        return dst;
+      };
+    };
+  }
   inputs.grad_dtype = DType::kF32;
   inputs.grad_scale = grad_scale;
   inputs.param16_dtype = g.shard.dtype;

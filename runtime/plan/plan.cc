@@ -131,12 +131,14 @@ Fit fit_of(double need, std::optional<double> capacity) {
 }
 
 // Pinned host memory of the NVMe optimizer pipeline: buffer_count buffers, each
-// one sub-group's fp32 master and both moments (OptimizerSwapper::record_nbytes).
+// one sub-group's fp32 master and both moments and its fp32 gradient, which is
+// on NVMe with the optimizer and read beside the state
+// (OptimizerSwapper::buffer_nbytes).
 double optimizer_staging_nbytes(const Plan& plan) {
   const TrainingShape& t = plan.inputs.training;
   const double shard = param_classes(plan.inputs).trained /
                        static_cast<double>(plan.inputs.machine.data_parallel);
-  return kOptimizerBytes * static_cast<double>(t.optimizer_buffer_count) *
+  return (kOptimizerBytes + kGrad32Bytes) * static_cast<double>(t.optimizer_buffer_count) *
          std::min<double>(static_cast<double>(t.sub_group_numel), shard);
 }
 

@@ -346,10 +346,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   if (z.optimizer_tier == strata::Tier::kNvme) {
     add("optimizer pipeline buffers", Where::kPinned,
         static_cast<double>(z.optimizer_buffer_count *
-                            offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
+                            offload::OptimizerSwapper::buffer_nbytes(opt_sub_group, z.grad_tier == strata::Tier::kNvme)),
         false,
-        fmt::format("{} buffers of one sub-group's fp32 master + 2 moments ({} elements){}",
-                    z.optimizer_buffer_count, opt_sub_group, lora_basis));
+        fmt::format("{} buffers of one sub-group's fp32 master + 2 moments{} ({} elements){}",
+                    z.optimizer_buffer_count, z.grad_tier == strata::Tier::kNvme ? " + its gradient" : "",
+                    opt_sub_group, lora_basis));
   } else if (z.optimizer_tier == strata::Tier::kCpu) {
     add("optimizer state", Where::kHost, 12.0 * shard_numel, false,
         "fp32 master + 2 moments of the shard" + lora_basis);

@@ -10,8 +10,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -161,4 +164,50 @@ TEST_CASE("grad shard on nvme: a slow bucket write does not delay another stream
   REQUIRE(ran_after_ms >= 0);
   REQUIRE(ran_after_ms < 300);
   require_slice(rig.slice(0), 1);  // and the block still reached the disk
+}
+
+TEST_CASE("grad shard on nvme: read_async gives read()'s values, unwritten slices zeros", "[grad_shard]") {
+  Rig rig;
+  rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+  rig.shard.accumulate(1, rig.add_block(1, 5), *rig.stream, *rig.ctx);
+  rig.stream->synchronize();
+  const size_t n = static_cast<size_t>(rig.layout.shard_numel());
+  auto* dst = static_cast<float*>(rig.acc->allocate_pinned(n * sizeof(float)));
+  std::fill(dst, dst + n, -1.0f);  // c's slice must come back zero, not stale
+  std::function<void()> complete = rig.shard.read_async(0, n, dst);
+  complete();
+  const float* expect = rig.shard.read(0, n, *rig.stream);
+  const bool same = std::memcmp(dst, expect, n * sizeof(float)) == 0;
+  rig.acc->deallocate_pinned(dst);
+  REQUIRE(same);
+  require_slice(rig.slice(2), 0);
+}
+
+TEST_CASE("grad shard on nvme: reading a landed slice does not wait for another slice's block",
+          "[grad_shard]") {
+  // The optimizer thread reads each sub-group as soon as its slices have
+  // landed, during backward, while other blocks are still on their way; it
+  // waited for every queued block before, so it read nothing until backward
+  // ended. Here a's block is queued behind 800 ms of other work on the stream.
+  constexpr auto kSlow = std::chrono::milliseconds(800);
+  Rig rig;
+  std::atomic<bool> b_on_disk{false};
+  rig.shard.accumulate(1, rig.add_block(1, 5), *rig.stream, *rig.ctx);  // b
+  rig.stream->launch_host_func([&] {  // runs once b's block is written (the stream waits for it)
+    b_on_disk = true;
+    std::this_thread::sleep_for(kSlow);
+  });
+  rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);  // a: lands after the sleep
+  while (!b_on_disk) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const auto& b = rig.layout.param(1);
+  const size_t align = rig.layout.alignment_nbytes() / dtype_nbytes(DType::kBF16);
+  const auto start = Clock::now();
+  const float* got = rig.shard.read(static_cast<size_t>(b.shard_offset_numel), align, *rig.stream);
+  const auto read_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  std::vector<float> slice(got, got + b.slice_numel);
+  rig.stream->synchronize();
+  INFO("the read of b took " << read_ms << " ms; a's block was held " << kSlow.count() << " ms");
+  REQUIRE(read_ms < 300);
+  require_slice(slice, 5);
+  require_slice(rig.slice(0), 1);
 }

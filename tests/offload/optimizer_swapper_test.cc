@@ -441,3 +441,62 @@ TEST_CASE("a full disk when the optimizer's manifest is committed is an error na
   CHECK(resumed.step_count() == 0);
   CHECK(same_bits(load(resumed).p, master));
 }
+
+TEST_CASE("the gradient read beside the state (grad_read) gives grad_source's bits", "[offload][swapper]") {
+  // The pipeline reads each sub-group's gradient into its pool buffer with
+  // the state, when the buffers have room; the update then uses it instead of
+  // asking grad_source. Same values, so the same bits; a pool without room
+  // keeps grad_source.
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool roomy({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms});
+  offload::PinnedBufferPool tight({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, false), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper with_room(options_for(Tier::kNvme, dir.path() / "a"), &roomy, &aio);
+  offload::OptimizerSwapper without(options_for(Tier::kNvme, dir.path() / "b"), &tight, &aio);
+  const auto master = random_floats(kNumel, 4, 1.0f);
+  for (auto* s : {&cpu, &with_room, &without}) s->initialize(master.data());
+  for (int step = 1; step <= 3; ++step) {
+    const auto grad = random_floats(kNumel, 2000u + static_cast<uint32_t>(step), 2.0f);
+    int sourced = 0, started = 0, completed = 0;
+    offload::StepInputs in;
+    in.grad_source = [&](size_t first, size_t) -> const void* {
+      ++sourced;
+      return grad.data() + first;
+    };
+    in.grad_read = [&](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
+      ++started;
+      std::fill(dst, dst + numel, -7.0f);  // not yet read
+      return [&, first, numel, dst]() -> const void* {
+        ++completed;
+        std::copy_n(grad.data() + first, numel, dst);
+        return dst;
+      };
+    };
+    in.grad_dtype = DType::kF32;
+    in.grad_scale = 0.5f;
+    in.param16_dtype = DType::kF32;
+    std::vector<float> sink(kNumel);
+    in.param_sink = [&](size_t first, size_t numel, const void* v) {
+      std::memcpy(sink.data() + first, v, numel * sizeof(float));
+    };
+    offload::StepInputs plain = in;
+    plain.grad_read = nullptr;
+    cpu.step(plain);
+    const State expect = load(cpu);
+    sourced = 0;
+    with_room.step(in);
+    CAPTURE(step);
+    CHECK(started == 5);
+    CHECK(completed == 5);
+    CHECK(sourced == 0);
+    check_same_state(load(with_room), expect);
+    CHECK(same_bits(sink, expect.p));
+    started = completed = 0;
+    without.step(in);
+    CHECK(started == 0);
+    CHECK(sourced == 5);
+    check_same_state(load(without), expect);
+  }
+  CHECK(roomy.stats().in_use == 0);
+}
