@@ -439,7 +439,7 @@ TEST_CASE("moe.expert_parallel_size: the world size when left out and it divides
   CHECK_THAT(problems_of(R"({"moe": {"expert_paralel_size": 2}})").front(), Contains("moe.expert_parallel_size"));
 }
 
-TEST_CASE("tensor_parallel.autotp_size is read; sequence_parallel and tp with expert parallelism are refused",
+TEST_CASE("tensor_parallel.autotp_size is read and sequence_parallel or tp with expert parallelism refused",
           "[config][tp]") {
   CHECK(parse_config_text("{}", "ds.json").tensor_parallel_size == 1);
   CHECK(parse_config_text(R"({"tensor_parallel": {"autotp_size": 2}})", "ds.json").tensor_parallel_size == 2);
