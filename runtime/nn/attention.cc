@@ -143,10 +143,9 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     TensorView dw_q, dw_k;
     if (tp) {
       check_shape(name_, "norm gradient scratch", g.dnorm, {2, head_dim_});
-      dw_q = reshaped(g.dnorm, {2 * head_dim_});
-      dw_q.desc.shape = {head_dim_};
-      dw_k = dw_q;
-      dw_k.data = static_cast<char*>(g.dnorm.data) + head_dim_ * static_cast<int64_t>(sizeof(float));
+      const TensorDesc row{DType::kF32, {head_dim_}, g.dnorm.desc.tier};
+      dw_q = TensorView{row, g.dnorm.data};
+      dw_k = TensorView{row, static_cast<char*>(g.dnorm.data) + row.nbytes()};
     }
     q_norm_->backward(per_head(g.dq), per_head(a.q_pre), a.rstd_q, per_head(dq_pre), false, dw_q);
     q_proj_->backward(mat(dq_pre), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));

@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "runtime/nn/llama_weights.h"
 
 namespace strata::nn {
 
@@ -631,26 +632,20 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
     const bool lora_a = key_name.ends_with(".lora_A.weight"), lora_b = key_name.ends_with(".lora_B.weight");
     const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;
     const uint64_t key = splitmix64(seed) ^ fnv1a(key_name);
-    const int64_t cols = p.shape.back();
     engine.for_each_owned_range(
         id, engine::Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
           values.resize(static_cast<size_t>(host.numel()));
-          for (size_t i = 0; i < values.size(); ++i) {
-            const int64_t e = first + static_cast<int64_t>(i);
-            // Element index in the untiled tensor (2-D tiles: row, column offsets).
-            int64_t index = e;
-            if (p.slice) {
-              const auto& s = *p.slice;
-              index = s.offset.size() == 2
-                          ? (s.offset[0] + e / cols) * s.tensor_shape[1] + s.offset[1] + e % cols
-                          : s.offset[0] + e;
+          // Each element by its index in the untiled tensor (a tile's or tp shard's runs).
+          for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t from, int64_t n) {
+            for (int64_t i = 0; i < n; ++i) {
+              const auto index = static_cast<uint64_t>(at + i);
+              values[static_cast<size_t>(from - first + i)] =
+                  is_bias || lora_b ? 0.0f
+                  : is_norm         ? 1.0f
+                  : lora_a          ? static_cast<float>(lora_bound * uniform_at(key, index))
+                                    : static_cast<float>(std * normal_at(key, index));
             }
-            const auto at = static_cast<uint64_t>(index);
-            values[i] = is_bias || lora_b ? 0.0f
-                        : is_norm         ? 1.0f
-                        : lora_a          ? static_cast<float>(lora_bound * uniform_at(key, at))
-                                          : static_cast<float>(std * normal_at(key, at));
-          }
+          });
           convert(values.data(), DType::kF32, host.data, host.desc.dtype, values.size());
         });
   }
