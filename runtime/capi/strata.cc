@@ -218,6 +218,10 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
                  "{}: tensor_parallel.autotp_size {} is for strata finetune's models; the C API's parameters are "
                  "whole tensors (leave it out or set 1)",
                  source, config.tensor_parallel_size);
+    STRATA_CHECK(!config.sequence_parallel, kBadArgument,
+                 "{}: sequence_parallel is true: sequence parallelism splits strata finetune's decoder layers over "
+                 "tensor-parallel ranks; the C API's model is the caller's (leave it out or set false)",
+                 source);
     partition::RankInfo rank = strata::launcher::rank_info_from_env();
     strata::set_log_rank(rank.rank, rank.world_size);
     strata::set_log_level(config.strata.log_level);

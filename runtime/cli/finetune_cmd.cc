@@ -90,6 +90,10 @@ void add_finetune_command(CLI::App& app) {
                   "features (tensor_parallel.autotp_size; must divide -n, the heads, kv heads and intermediate "
                   "size); the world / N data-parallel ranks split the batch")
       ->check(whole_number(1));
+  cmd->add_flag("--sequence-parallel", options->sequence_parallel,
+                "Megatron's sequence parallelism over the --tp ranks (the config's sequence_parallel): each keeps "
+                "its share of the tokens' residual stream and norms, so every activation a layer saves is divided "
+                "by --tp; micro-batch x --seq must divide by it");
   cmd->add_option("--freeze", options->freeze,
                   "Do not train the parameters whose Hugging Face names match this shell glob (repeatable; e.g. "
                   "'model.embed_tokens.*', '*norm*', 'model.layers.[0-9].*'): no gradient and no optimizer state "

@@ -647,6 +647,10 @@ int run_plan(const Options& o) {
                "{}: tensor_parallel.autotp_size {}: strata plan does not model tensor parallelism yet (plan the run "
                "without it for an upper bound)",
                o.config, config ? config->tensor_parallel_size : 1);
+  STRATA_CHECK(!config || !config->sequence_parallel, kBadArgument,
+               "{}: sequence_parallel is true, which needs tensor parallelism (tensor_parallel.autotp_size of 2 or "
+               "more): strata finetune refuses this config",
+               o.config);
   Resolved r;
   resolve_model(o, r);
   resolve_lora(o, r);

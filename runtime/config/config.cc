@@ -437,10 +437,6 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
   if (c.effective["aio"]["use_gds"].get<bool>()) {
     checker.problem("aio.use_gds is true: GPUDirect Storage is not supported by strata; remove it or set false");
   }
-  if (c.sequence_parallel) {
-    checker.problem("sequence_parallel is true: Megatron's sequence parallelism is not implemented yet (tensor "
-                    "parallelism is: tensor_parallel.autotp_size); set it false or leave it out");
-  }
   if (c.tensor_parallel_size > 1 && c.expert_parallel_size > 1) {
     checker.problem("tensor_parallel.autotp_size {} with moe.expert_parallel_size {}: tensor parallelism is not "
                     "implemented for mixture-of-experts models yet",

@@ -118,7 +118,8 @@ struct Config {
   // moe.expert_parallel_size; 0: not given — chosen with the model and the
   // world (train::choose_expert_parallel_size).
   int expert_parallel_size = 0;
-  // tensor_parallel.autotp_size (1: none); sequence_parallel true is refused.
+  // tensor_parallel.autotp_size (1: none); sequence_parallel (Megatron's,
+  // over the tensor-parallel ranks: the runner refuses it without them).
   int tensor_parallel_size = 1;
   bool sequence_parallel = false;
 

@@ -91,6 +91,14 @@ void Engine::tp_allreduce(const TensorView&) {
   raise(ErrorCategory::kBadArgument, "tp_allreduce: this engine has no tensor parallelism (one tp rank)");
 }
 
+void Engine::tp_allgather(const TensorView&, const TensorView&) {
+  raise(ErrorCategory::kBadArgument, "tp_allgather: this engine has no tensor parallelism (one tp rank)");
+}
+
+void Engine::tp_reduce_scatter(const TensorView&, const TensorView&) {
+  raise(ErrorCategory::kBadArgument, "tp_reduce_scatter: this engine has no tensor parallelism (one tp rank)");
+}
+
 OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
   STRATA_CHECK(!finalized_, kBadArgument, "operator '{}' declared after finalize()", name);
   for (ParamId p : params) {

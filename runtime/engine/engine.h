@@ -181,6 +181,13 @@ class Engine {
   // the tensor group, in the same order on every member; every member gets
   // the same bits. Refused (kBadArgument) when the group has one member.
   virtual void tp_allreduce(const TensorView& view);
+  // Sequence parallelism's pair, ordered on the compute stream as tp_allreduce:
+  // tp_allgather writes `full` ([size * n, ...]) as the members' `local`
+  // ([n, ...]) in member order; tp_reduce_scatter writes `local` as this
+  // member's block of the sum of the members' `full`. Same dtype; `full` has
+  // size times `local`'s elements. Refused (kBadArgument) with one member.
+  virtual void tp_allgather(const TensorView& local, const TensorView& full);
+  virtual void tp_reduce_scatter(const TensorView& full, const TensorView& local);
 
   // ---- expert parallelism (docs/DESIGN.md §4.2) -----------------------------------
   // The expert-parallel group of this rank: `size` data-parallel ranks that

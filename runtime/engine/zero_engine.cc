@@ -400,6 +400,38 @@ void ZeroEngine::tp_allreduce(const TensorView& view) {
   compute_stream().wait(*done);
 }
 
+void ZeroEngine::tp_allgather(const TensorView& local, const TensorView& full) {
+  if (tensor_stream_ == nullptr) Engine::tp_allgather(local, full);  // refuses
+  check_tp_pair("tp_allgather", local, full);
+  ++tensor_traffic_.allgathers;
+  tensor_traffic_.bytes += full.nbytes();
+  compute_stream().record(*compute_point_);
+  tensor_stream_->wait(*compute_point_);
+  compute_stream().wait(*comms_.tensor->allgather(local.data, full.data, static_cast<size_t>(local.numel()),
+                                                  local.desc.dtype, *tensor_stream_));
+}
+
+void ZeroEngine::tp_reduce_scatter(const TensorView& full, const TensorView& local) {
+  if (tensor_stream_ == nullptr) Engine::tp_reduce_scatter(full, local);  // refuses
+  check_tp_pair("tp_reduce_scatter", local, full);
+  ++tensor_traffic_.reduce_scatters;
+  tensor_traffic_.bytes += full.nbytes();
+  compute_stream().record(*compute_point_);
+  tensor_stream_->wait(*compute_point_);
+  compute_stream().wait(*comms_.tensor->reduce_scatter(full.data, local.data, static_cast<size_t>(local.numel()),
+                                                      local.desc.dtype, partition::ReduceOp::kSum,
+                                                      *tensor_stream_));
+}
+
+void ZeroEngine::check_tp_pair(const char* op, const TensorView& local, const TensorView& full) const {
+  STRATA_CHECK(is_float_storage(local.desc.dtype) && local.desc.dtype == full.desc.dtype, kBadArgument,
+               "{}: {} and {} must be one float dtype", op, dtype_name(local.desc.dtype),
+               dtype_name(full.desc.dtype));
+  STRATA_CHECK(full.numel() == local.numel() * tensor_group().size, kBadArgument,
+               "{}: the full tensor has {} elements, not {} x {}", op, full.numel(), tensor_group().size,
+               local.numel());
+}
+
 TensorView ZeroEngine::param(ParamId id) {
   STRATA_CHECK(in_window(id, false), kBadArgument,
                "parameter '{}' used outside a hook window of an operator that lists it", param_info(id).name);

@@ -152,6 +152,8 @@ class ZeroEngine final : public Engine {
   void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) override;
   void exchange_experts(const TensorView& send, const TensorView& recv, const partition::AllToAllSplits& splits) override;
   void tp_allreduce(const TensorView& view) override;
+  void tp_allgather(const TensorView& local, const TensorView& full) override;
+  void tp_reduce_scatter(const TensorView& full, const TensorView& local) override;
   void sum_over_ranks(double* values, size_t count) override;  // the control communicator
   // This rank among the data-parallel ranks (the world without tensor parallelism).
   int rank() const;
@@ -253,15 +255,19 @@ class ZeroEngine final : public Engine {
   PrefetchStats current_prefetch() const;
   // Times the operator trace was dropped since construction.
   int64_t trace_drops() const;
-  // Engine::tp_allreduce calls since construction and their bytes (the
-  // buffer's, as nccl-tests size an allreduce): Megatron's f and g.
+  // The tensor group's collectives since construction (Megatron's f and g;
+  // with sequence parallelism their allgathers and reduce-scatters) and their
+  // bytes: each call's whole buffer (the full tensor of an allgather or
+  // reduce-scatter), as nccl-tests size them.
   struct TensorTraffic {
-    int64_t allreduces = 0;
+    int64_t allreduces = 0, allgathers = 0, reduce_scatters = 0;
     uint64_t bytes = 0;
   };
   TensorTraffic tensor_traffic() const { return tensor_traffic_; }
 
  private:
+  // Refuses a tp_allgather / tp_reduce_scatter pair of views that do not match.
+  void check_tp_pair(const char* op, const TensorView& local, const TensorView& full) const;
   // One dtype group: its layout (the single source of shard offsets), this
   // rank's shard at home, its gradient shard and reducer.
   struct Group {

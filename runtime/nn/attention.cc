@@ -113,15 +113,14 @@ void Attention::forward(const TensorView& x, const TokenPlaces& places, int64_t 
                           reshaped(a.k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.v, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(a.attn, {batch, seq, heads_, head_dim_}), a.lse, mask_of(places, seq));
-  o_proj_->forward(mat(a.attn), mat(y), phase, scratch_of(a.lora));
-  if (engine_.tensor_group().size > 1) engine_.tp_allreduce(y);  // Megatron's g: each rank's heads' share
+  o_proj_->forward(mat(a.attn), mat(y), phase, scratch_of(a.lora));  // with tp, this rank's heads' share
 }
 
 void Attention::backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                          int64_t batch, int64_t seq, const AttentionActs& a,
                          const AttentionGrads& g, const TensorView& dx, bool accumulate_dx) {
   const bool tp = engine_.tensor_group().size > 1;
-  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is summed over tp, so it cannot accumulate",
+  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is a partial sum, so it cannot accumulate",
                name_);
   o_proj_->backward(mat(dy), mat(a.attn), mat(g.dattn), false, scratch_of(a.lora));
   ops().attention_backward(ctx(), reshaped(g.dattn, {batch, seq, heads_, head_dim_}),
@@ -157,8 +156,7 @@ void Attention::backward(const TensorView& dy, const TensorView& x, const TokenP
     q_proj_->backward(mat(g.dq), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
     kv_backward(*k_proj_, g.dk, x, g, dx, a);
   }
-  kv_backward(*v_proj_, g.dv, x, g, dx, a);
-  if (tp) engine_.tp_allreduce(dx);  // Megatron's f: every rank's heads' share of the input gradient
+  kv_backward(*v_proj_, g.dv, x, g, dx, a);  // with tp, this rank's heads' share of the input gradient
 }
 
 void Attention::kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
@@ -204,20 +202,18 @@ void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Ph
   gate_proj_->forward(mat(x), mat(a.gate), phase, scratch_of(a.lora));
   up_proj_->forward(mat(x), mat(a.up), phase, scratch_of(a.lora));
   ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
-  down_proj_->forward(mat(a.act), mat(y), phase, scratch_of(a.lora));
-  if (engine_.tensor_group().size > 1) engine_.tp_allreduce(y);  // g
+  down_proj_->forward(mat(a.act), mat(y), phase, scratch_of(a.lora));  // with tp, this rank's features' share
 }
 
 void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, const MlpGrads& g,
                    const TensorView& dx, bool accumulate_dx) {
   const bool tp = engine_.tensor_group().size > 1;
-  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is summed over tp, so it cannot accumulate",
+  STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is a partial sum, so it cannot accumulate",
                name_);
   down_proj_->backward(mat(dy), mat(a.act), mat(g.dact), false, scratch_of(a.lora));
   ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
   gate_proj_->backward(mat(g.dgate), mat(x), mat(dx), accumulate_dx, scratch_of(a.lora));
-  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, scratch_of(a.lora));
-  if (tp) engine_.tp_allreduce(dx);  // f
+  up_proj_->backward(mat(g.dup), mat(x), mat(dx), true, scratch_of(a.lora));  // with tp, a partial sum
 }
 
 }  // namespace strata::nn

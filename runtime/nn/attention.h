@@ -59,10 +59,12 @@ class Attention : public Module {
   // projections it targets.
   Attention(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
             DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
-  // x, y [batch * seq, hidden].
+  // x, y [batch * seq, hidden]. With tensor parallelism y is this rank's
+  // heads' partial sum, and backward's dx likewise: the caller sums them over
+  // the tp group (Megatron's g and f; DecoderLayer).
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward);
-  // dx [rows, hidden] = input gradient (+= when accumulate_dx).
+  // dx [rows, hidden] = input gradient (+= when accumulate_dx; not with tp).
   void backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
                 int64_t batch, int64_t seq, const AttentionActs& acts,
                 const AttentionGrads& grads, const TensorView& dx, bool accumulate_dx);
@@ -112,6 +114,8 @@ class Mlp : public Module {
   Mlp(engine::Engine& engine, std::string name, const LlamaConfig& config,
       DType dtype = DType::kF32, MlpTiling tiling = {}, const LoraSpec* lora = nullptr,
       int64_t intermediate = 0);
+  // As Attention's: with tensor parallelism y and dx are this rank's
+  // features' partial sums, completed by the caller.
   void forward(const TensorView& x, const MlpActs& acts, const TensorView& y,
                Phase phase = Phase::kForward);
   void backward(const TensorView& dy, const TensorView& x, const MlpActs& acts,

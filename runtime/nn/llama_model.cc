@@ -14,8 +14,9 @@ namespace strata::nn {
 
 DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
                            int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora,
-                           bool skip_unrouted_experts)
-    : Module(engine, std::move(name)) {
+                           bool skip_unrouted_experts, bool sequence_parallel)
+    : Module(engine, std::move(name)), tp_(engine.tensor_group().size > 1), sp_(sequence_parallel) {
+  STRATA_CHECK(!sp_ || tp_, kBadArgument, "sequence parallelism needs tensor parallelism (a tp group of 2 or more)");
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
   self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype, lora);
@@ -36,17 +37,37 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Llama
   }
 }
 
+const TensorView& DecoderLayer::block_input(const TensorView& local, const TensorView& gathered) {
+  if (!sp_) return local;
+  engine_.tp_allgather(local, gathered);
+  return gathered;
+}
+
+const TensorView& DecoderLayer::block_output(const DecoderActs& a, const TensorView& out) const {
+  return sp_ ? a.partial : out;
+}
+
+void DecoderLayer::complete(const DecoderActs& a, const TensorView& out) {
+  if (sp_) {
+    engine_.tp_reduce_scatter(a.partial, out);
+  } else if (tp_) {
+    engine_.tp_allreduce(out);
+  }
+}
+
 void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                            int64_t seq, const DecoderActs& a, const TensorView& y, Phase phase) {
   // h = x + attn(norm1(x)); y = h + mlp(norm2(h)).
   input_layernorm_->forward(x, a.ln1, a.rstd1, phase);
-  self_attn_->forward(a.ln1, places, batch, seq, a.attn, a.h, phase);
+  self_attn_->forward(block_input(a.ln1, a.gathered), places, batch, seq, a.attn, block_output(a, a.h), phase);
+  complete(a, a.h);
   ops().add(ctx(), x, a.h, a.h);
   post_attention_layernorm_->forward(a.h, a.ln2, a.rstd2, phase);
   if (moe_) {
     moe_->forward(a.ln2, a.moe, a.moe_aux, y, phase);
   } else {
-    mlp_->forward(a.ln2, a.mlp, y, phase);
+    mlp_->forward(block_input(a.ln2, a.gathered), a.mlp, block_output(a, y), phase);
+    complete(a, y);
   }
   ops().add(ctx(), a.h, y, y);
 }
@@ -56,14 +77,23 @@ void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int6
                             const TensorView& dres) {
   // The residual passes the gradient through, so each norm's input gradient
   // is ADDED into dres: dy -> dh = dy + d(mlp path) -> dx = dh + d(attn path).
+  // With sequence parallelism a block's output gradient is gathered from
+  // every rank's rows (the backward of its reduce-scatter), its input
+  // gathered again, and its input gradient reduce-scattered to this rank's.
+  const auto block_dy = [&]() -> const TensorView& { return block_input(dres, g.dgathered); };
   if (moe_) {
     moe_->backward(dres, a.ln2, a.moe, g.moe, a.moe_aux, g.dln, false);
   } else {
-    mlp_->backward(dres, a.ln2, a.mlp, g.mlp, g.dln, false);
+    const TensorView& dy = block_dy();
+    mlp_->backward(dy, block_input(a.ln2, a.gathered), a.mlp, g.mlp, block_output(a, g.dln), false);
+    complete(a, g.dln);
   }
-  post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true);
-  self_attn_->backward(dres, a.ln1, places, batch, seq, a.attn, g.attn, g.dln, false);
-  input_layernorm_->backward(g.dln, x, a.rstd1, dres, /*accumulate_dx=*/true);
+  post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true, sp_ ? g.dnorm : TensorView{});
+  const TensorView& dy = block_dy();
+  self_attn_->backward(dy, block_input(a.ln1, a.gathered), places, batch, seq, a.attn, g.attn, block_output(a, g.dln),
+                       false);
+  complete(a, g.dln);
+  input_layernorm_->backward(g.dln, x, a.rstd1, dres, /*accumulate_dx=*/true, sp_ ? g.dnorm : TensorView{});
 }
 
 namespace {
@@ -117,6 +147,9 @@ struct LlamaModel::Arena {
   // forward's dropout; every acts entry points to it. Empty without adapters.
   LoraScratch lora;
   TensorView dres, final_ln, rstd_f, lse_ce, stats, count, normalizer, ids, targets;
+  // Sequence parallelism: the final norm's output on this rank's rows,
+  // gathered into final_ln for the loss (empty otherwise).
+  TensorView final_ln_local;
   // Mixture of experts: the load-balancing statistics (fp64 [2, E]), the loss
   // (fp64 [1]) and its gradient per probability (fp32 [E]); empty when dense.
   TensorView moe_stats, moe_aux, moe_aux_grad;
@@ -176,6 +209,8 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
     STRATA_CHECK(!options_.lora.enabled(), kBadArgument,
                  "LoRA adapters are not implemented with tensor parallelism yet");
   }
+  STRATA_CHECK(!options_.sequence_parallel || engine.tensor_group().size > 1, kBadArgument,
+               "sequence_parallel needs tensor parallelism (tensor_parallel.autotp_size of 2 or more)");
   if (options_.loss_chunk_rows == 0) {
     constexpr int64_t kLogitsBudget = int64_t{64} << 20;
     options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
@@ -186,7 +221,8 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
     layers_.push_back(std::make_unique<DecoderLayer>(
         engine, child_name("layers." + std::to_string(l)), config_, l, options_.dtype,
-        options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr, options_.skip_unrouted_experts));
+        options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr, options_.skip_unrouted_experts,
+        options_.sequence_parallel));
     add_child(*layers_.back());
   }
   norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size,
@@ -236,6 +272,9 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   // This rank's share of the heads and MLP features (all of them without tensor parallelism).
   const LlamaConfig c = tensor_parallel_share(config_, engine_.tensor_group().size);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
+  // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
+  const bool sp = options_.sequence_parallel;
+  const int64_t local = sp ? rows / engine_.tensor_group().size : rows;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;
   const int64_t shared_inter = c.shared_expert_intermediate_size;  // qwen2_moe's shared expert (0: none)
@@ -252,10 +291,10 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->res.resize(a->alternating ? 2 : layers + 1);
   a->acts.resize(options_.checkpoint_activations ? 1 : layers);
   ArenaLayout layout;
-  for (TensorView& r : a->res) layout.add(r, t, {rows, hidden});
+  for (TensorView& r : a->res) layout.add(r, t, {local, hidden});
   for (DecoderActs& d : a->acts) {
-    layout.add(d.ln1, t, {rows, hidden});
-    layout.add(d.rstd1, DType::kF32, {rows});
+    layout.add(d.ln1, t, {local, hidden});
+    layout.add(d.rstd1, DType::kF32, {local});
     layout.add(d.attn.q, t, {rows, heads, hd});
     layout.add(d.attn.k, t, {rows, kv_heads, hd});
     layout.add(d.attn.v, t, {rows, kv_heads, hd});
@@ -267,9 +306,9 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(d.attn.rstd_q, DType::kF32, {rows * heads});
       layout.add(d.attn.rstd_k, DType::kF32, {rows * kv_heads});
     }
-    layout.add(d.h, t, {rows, hidden});
-    layout.add(d.ln2, t, {rows, hidden});
-    layout.add(d.rstd2, DType::kF32, {rows});
+    layout.add(d.h, t, {local, hidden});
+    layout.add(d.ln2, t, {local, hidden});
+    layout.add(d.rstd2, DType::kF32, {local});
     if (c.moe()) {
       MoeActs& m = d.moe;
       layout.add(m.logits, t, {rows, experts});
@@ -312,7 +351,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     }
   }
   DecoderGrads& g = a->grads;
-  layout.add(g.dln, t, {rows, hidden});
+  layout.add(g.dln, t, {local, hidden});
   layout.add(g.attn.dq, t, {rows, heads, hd});
   layout.add(g.attn.dk, t, {rows, kv_heads, hd});
   layout.add(g.attn.dv, t, {rows, kv_heads, hd});
@@ -349,9 +388,16 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(g.mlp.dgate, t, {rows, inter});
     layout.add(g.mlp.dup, t, {rows, inter});
   }
-  layout.add(a->dres, t, {rows, hidden});
+  layout.add(a->dres, t, {local, hidden});
   layout.add(a->final_ln, t, {rows, hidden});
-  layout.add(a->rstd_f, DType::kF32, {rows});
+  layout.add(a->rstd_f, DType::kF32, {local});
+  if (sp) {  // one set for every layer (bound below)
+    layout.add(a->acts[0].gathered, t, {rows, hidden});
+    layout.add(a->acts[0].partial, t, {rows, hidden});
+    layout.add(g.dgathered, t, {rows, hidden});
+    layout.add(g.dnorm, DType::kF32, {hidden});
+    layout.add(a->final_ln_local, t, {local, hidden});
+  }
   layout.add(a->lse_ce, DType::kF32, {rows});
   layout.add(a->stats, DType::kF64, {2});
   layout.add(a->count, DType::kF64, {1});
@@ -364,6 +410,10 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->memory = engine_.accelerator().allocate_tensor(
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
+  for (DecoderActs& d : a->acts) {
+    d.gathered = a->acts[0].gathered;
+    d.partial = a->acts[0].partial;
+  }
   for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = &a->lora;
   if (c.moe()) {
     const auto per_acts = static_cast<size_t>(experts + 1);
@@ -467,6 +517,11 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
                    p, r);
     }
   }
+  STRATA_CHECK(!options_.sequence_parallel || static_cast<int64_t>(rows) % engine_.tensor_group().size == 0,
+               kBadArgument,
+               "sequence parallelism splits the micro-batch's {} x {} = {} tokens over the {} tensor-parallel ranks: "
+               "they do not divide",
+               batch, seq, rows, engine_.tensor_group().size);
   ensure_arena(batch, seq);
   Arena& a = *arena_;
   batch_ = batch;
@@ -483,7 +538,7 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   const bool aux_loss = config_.moe() && config_.output_router_logits;
   if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);
 
-  embed_tokens_->forward(a.ids, a.input(0));
+  embed_tokens_->forward(local_rows(a.ids), a.input(0));
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (a.host_checkpoints != nullptr && recomputed(l) && options.backward) {
       // Out before layer l + 1 overwrites the buffer (same stream: in order).
@@ -493,7 +548,12 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
     layers_[l]->forward(a.input(l), places, batch, seq, a.acts_of(l), a.output(l));
   }
   const TensorView& top = a.output(layers_.size() - 1);
-  norm_->forward(top, a.final_ln, a.rstd_f);
+  if (options_.sequence_parallel) {
+    norm_->forward(top, a.final_ln_local, a.rstd_f);
+    engine_.tp_allgather(a.final_ln_local, a.final_ln);  // the loss over every row, on every tp rank
+  } else {
+    norm_->forward(top, a.final_ln, a.rstd_f);
+  }
   if (aux_loss) {
     // transformers' load_balancing_loss_func over every layer's rows; the
     // gradient of grad_scale * coef * aux per router probability.
@@ -517,8 +577,10 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   }
   // The loss's backward, fused: lm_head's backward window, at the end of forward.
   run(lm_head_op_, Phase::kBackward, [&] {
-    const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, a.grads.dln,
-                                          this->grad(lm_head_param_)};
+    // d loss / d final_ln for every row (with sequence parallelism the
+    // backward's norm reads this rank's).
+    const TensorView dh = options_.sequence_parallel ? a.grads.dgathered : a.grads.dln;
+    const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, dh, this->grad(lm_head_param_)};
     ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets,
                         options_.loss_chunk_rows, a.lse_ce, a.stats, &grad);
   });
@@ -533,9 +595,11 @@ void LlamaModel::backward() {
   Arena& a = *arena_;
   Stream& s = engine_.compute_stream();
   const TokenPlaces places = this->places();
-  // grads.dln holds d loss / d final_ln (written by the fused loss).
-  norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres,
-                  /*accumulate_dx=*/false);
+  // d loss / d final_ln, written by the fused loss: grads.dln, or with
+  // sequence parallelism every row's in grads.dgathered, of which this rank's.
+  const bool sp = options_.sequence_parallel;
+  norm_->backward(sp ? local_rows(a.grads.dgathered) : a.grads.dln, a.output(layers_.size() - 1), a.rstd_f,
+                  a.dres, /*accumulate_dx=*/false, sp ? a.grads.dnorm : TensorView{});
   for (size_t l = layers_.size(); l-- > 0;) {
     if (recomputed(l)) {
       if (a.host_checkpoints != nullptr) {
@@ -549,7 +613,23 @@ void LlamaModel::backward() {
     }
     layers_[l]->backward(a.input(l), places, batch_, seq_, a.acts_of(l), a.grads, a.dres);
   }
-  embed_tokens_->backward(a.ids, a.dres);
+  if (sp) {
+    // Every row's gradient, so each tp rank adds the same table gradient.
+    engine_.tp_allgather(a.dres, a.grads.dgathered);
+    embed_tokens_->backward(a.ids, a.grads.dgathered);
+  } else {
+    embed_tokens_->backward(a.ids, a.dres);
+  }
+}
+
+TensorView LlamaModel::local_rows(const TensorView& t) const {
+  if (!options_.sequence_parallel) return t;
+  const int tp = engine_.tensor_group().size;
+  const int64_t rows = t.desc.shape[0], local = rows / tp;
+  TensorView v = t;
+  v.desc.shape[0] = local;
+  v.data = static_cast<char*>(t.data) + static_cast<size_t>(engine_.tensor_group().rank) * v.nbytes();
+  return v;
 }
 
 TokenPlaces LlamaModel::places() const {

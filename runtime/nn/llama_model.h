@@ -54,31 +54,45 @@
 
 namespace strata::nn {
 
-// Activations a decoder layer's forward saves for its backward (views of the arena).
+// Activations a decoder layer's forward saves for its backward (views of the
+// arena). `local` rows: the batch's rows, or with sequence parallelism this tp
+// rank's block of them (rows / tp).
 struct DecoderActs {
-  TensorView ln1, rstd1;  // input norm output [rows, hidden], fp32 [rows]
-  AttentionActs attn;
-  TensorView h;           // residual after attention [rows, hidden]
+  TensorView ln1, rstd1;  // input norm output [local, hidden], fp32 [local]
+  AttentionActs attn;     // every row (with tp, this rank's heads)
+  TensorView h;           // residual after attention [local, hidden]
   TensorView ln2, rstd2;  // post-attention norm
   MlpActs mlp;            // dense families
   MoeActs moe;            // mixture-of-experts families
   MoeAux moe_aux;         // the model's load-balancing state (shared by the layers)
+  // Sequence parallelism (empty otherwise), shared by the layers: a norm's
+  // output gathered from every tp rank [rows, hidden] (a column-parallel
+  // block's input, gathered again in backward rather than saved), and a
+  // row-parallel block's partial output or input gradient [rows, hidden]
+  // before its reduce-scatter.
+  TensorView gathered, partial;
 };
 // Backward scratch shared by all layers.
 struct DecoderGrads {
-  TensorView dln;  // gradient at a norm's output [rows, hidden]
+  TensorView dln;  // gradient at a norm's output [local, hidden]
   AttentionGrads attn;
   MlpGrads mlp;
   MoeGrads moe;
+  // Sequence parallelism (empty otherwise): the layer output's gradient
+  // gathered from every tp rank [rows, hidden], and fp32 [hidden] for a
+  // norm's weight gradient over this rank's rows, summed over tp before it
+  // is added (RMSNorm::backward's tp_dw).
+  TensorView dgathered, dnorm;
 };
 
 class DecoderLayer : public Module {
  public:
-  // Layer `layer` of `config`.
+  // Layer `layer` of `config`. sequence_parallel: the layer's input, output
+  // and norms hold this tp rank's block of rows (needs tensor parallelism).
   DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
                DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr,
-               bool skip_unrouted_experts = true);
-  // x, y [batch * seq, hidden].
+               bool skip_unrouted_experts = true, bool sequence_parallel = false);
+  // x, y [local, hidden] (DecoderActs); batch x seq are every rank's rows.
   void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                const DecoderActs& acts, const TensorView& y, Phase phase = Phase::kForward);
   // dres holds the gradient at the layer's output on entry and at its input on return.
@@ -88,6 +102,17 @@ class DecoderLayer : public Module {
   MoeMlp* moe() const { return moe_.get(); }  // null for a dense MLP
 
  private:
+  // Tensor parallelism's collectives around the attention and MLP blocks
+  // (Megatron's f and g). A block reads block_input(...): the norm's output,
+  // or with sequence parallelism every rank's gathered into `gathered`; it
+  // writes its partial sum to block_output(...), which complete() sums over
+  // tp into `out`: in place by an allreduce, or (sequence parallelism) from
+  // acts.partial by a reduce-scatter into this rank's rows.
+  const TensorView& block_input(const TensorView& local, const TensorView& gathered);
+  const TensorView& block_output(const DecoderActs& acts, const TensorView& out) const;
+  void complete(const DecoderActs& acts, const TensorView& out);
+
+  bool tp_ = false, sp_ = false;
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::unique_ptr<Attention> self_attn_;
   std::unique_ptr<Mlp> mlp_;     // dense families
@@ -115,6 +140,15 @@ struct LlamaModelOptions {
   // the base gets no gradient and no optimizer state), and the arena gains the
   // adapters' two [rows, r] scratch buffers.
   LoraSpec lora;
+  // Megatron's sequence parallelism (needs tensor parallelism: Engine::
+  // tensor_group() of size > 1): the residual stream, the norms and what
+  // they save hold each tp rank's block of the batch's rows (rows / tp; the
+  // rows must divide), gathered before each column-parallel block and
+  // reduce-scattered after each row-parallel one; the norms' weight
+  // gradients are summed over tp. Every activation a layer keeps is then
+  // divided by tp (Korthikanti et al.). The final norm's output is gathered
+  // for the loss, the embedding's gradient from the gathered rows.
+  bool sequence_parallel = false;
   // Mixture of experts: skip the windows of experts no rank routed a token to
   // (moe_mlp.h: a ZeRO-3 engine then never fetches them). false: every expert
   // runs its windows every step, empty where it got no rows — the same
@@ -193,6 +227,8 @@ class LlamaModel : public Module {
   void ensure_arena(int64_t batch, int64_t seq);
   TokenPlaces places() const;  // the last forward's (documents only when packed)
   // Whether the forward of layer l runs again in backward (every layer but the top).
+  // This rank's rows of a [rows, ...] arena view (all of them without sequence parallelism).
+  TensorView local_rows(const TensorView& t) const;
   bool recomputed(size_t l) const {
     return options_.checkpoint_activations && l + 1 < layers_.size();
   }

@@ -89,16 +89,18 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DTy
 
 size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
-                          int expert_parallel, int tensor_parallel) {
+                          int expert_parallel, int tensor_parallel, bool sequence_parallel) {
   // A tensor-parallel rank's share of the heads and MLP features.
   const nn::LlamaConfig c = nn::tensor_parallel_share(model, tensor_parallel);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
+  // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
+  const int64_t local = sequence_parallel ? rows / tensor_parallel : rows;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
   const DType f32 = DType::kF32;
   // The residual stream: every layer's input, or two alternating buffers when
   // the checkpoints live in host memory.
-  size_t n = (cpu_checkpointing ? 2 : layers + 1) * view_nbytes(t, {rows, hidden});
+  size_t n = (cpu_checkpointing ? 2 : layers + 1) * view_nbytes(t, {local, hidden});
   // The MLP's saved activations and backward scratch: gate, up and their
   // product; or a mixture of experts' routing, its rows in expert order and
   // each expert's gate, up, product and output (llama_model.cc, MoeActs).
@@ -127,10 +129,10 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, 
                      view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
                      view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared;
   // What one decoder layer saves for backward; one set with checkpointing.
-  const size_t acts = view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
+  const size_t acts = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
                       view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
                       view_nbytes(t, {rows, heads * hd}) + view_nbytes(f32, {batch, heads, seq}) +
-                      2 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {rows}) +
+                      2 * view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
                       mlp_acts +
                       // Qwen3's q/k before their norms and the norms' rstd.
                       (c.qk_norm ? view_nbytes(t, {rows, heads, hd}) + view_nbytes(t, {rows, kv_heads, hd}) +
@@ -138,13 +140,18 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, 
                                  : 0);
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, heads, hd}) +
+  n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, heads, hd}) +
        2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch +
        (c.qk_norm && tensor_parallel > 1 ? view_nbytes(f32, {2, hd}) : 0) +  // the q/k norms' summed gradient
        (tensor_parallel > model.num_key_value_heads  // shared kv heads' summed gradients
             ? view_nbytes(f32, {model.num_key_value_heads * hd * (hidden + (c.attention_qkv_bias ? 1 : 0))})
             : 0);
-  n += 2 * view_nbytes(t, {rows, hidden}) + 2 * view_nbytes(f32, {rows});
+  // dres, final_ln, rstd_f, the loss's lse.
+  n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
+       view_nbytes(f32, {rows});
+  if (sequence_parallel) {  // gathered, partial, dgathered, the norms' summed gradient, final_ln_local
+    n += 3 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {hidden}) + view_nbytes(t, {local, hidden});
+  }
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
   if (lora.enabled()) {

@@ -109,10 +109,13 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model,
 // parallelism (expert_parallel > 1) the experts' buffers hold expert_parallel
 // x rows x k rows, plus the exchange's (nn::MoeActs). With tensor
 // parallelism (tensor_parallel > 1) one rank's: its heads and MLP features
-// (nn::tensor_parallel_share).
+// (nn::tensor_parallel_share); with sequence parallelism as well, the
+// residual stream and the norms hold its rows / tensor_parallel rows, plus
+// the gathers' scratch (nn::LlamaModelOptions::sequence_parallel).
 size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
-                          const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1);
+                          const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1,
+                          bool sequence_parallel = false);
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

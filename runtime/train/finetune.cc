@@ -188,6 +188,18 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     STRATA_CHECK(!lora.enabled(), kBadArgument, "--lora-rank with tensor parallelism (--tp {}): not implemented yet",
                  tp);
   }
+  const bool sequence_parallel = options.sequence_parallel || config.sequence_parallel;
+  if (sequence_parallel) {
+    const char* what = options.sequence_parallel ? "--sequence-parallel" : "sequence_parallel";
+    STRATA_CHECK(tp > 1, kBadArgument,
+                 "{} needs tensor parallelism (--tp or tensor_parallel.autotp_size of 2 or more): its tokens are "
+                 "split over the tensor-parallel ranks",
+                 what);
+    STRATA_CHECK(micro_batch * options.seq % tp == 0, kBadArgument,
+                 "{}: the micro-batch's {} x {} (train_micro_batch_size_per_gpu x --seq) tokens do not divide over "
+                 "the {} tensor-parallel ranks",
+                 what, micro_batch, options.seq, tp);
+  }
   const int dp = rank.world_size / tp, dp_rank = rank.rank / tp;
   // The data, each data-parallel rank its samples; a file that is not what --data-format says is refused here.
   const std::unique_ptr<data::Batches> batches = data::open_batches(
@@ -252,10 +264,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   config.expert_parallel_size == 0 ? " (moe.expert_parallel_size left out: the world size)" : "");
   }
   if (tp > 1 && rank.rank == 0) {
-    logger().info("tensor parallelism: {} tp groups of {} consecutive ranks split each layer ({} heads, {} kv heads "
-                  "and {} MLP features per rank); ZeRO over {} data-parallel rank(s)",
-                  dp, tp, model_config.num_attention_heads / tp, model_config.num_key_value_heads / tp,
-                  model_config.intermediate_size / tp, dp);
+    const nn::LlamaConfig share = nn::tensor_parallel_share(model_config, tp);
+    logger().info("tensor parallelism: {} tp groups of {} consecutive ranks split each layer ({} heads, {} kv "
+                  "head(s){} and {} MLP features per rank){}; ZeRO over {} data-parallel rank(s)",
+                  dp, tp, share.num_attention_heads, share.num_key_value_heads,
+                  tp > model_config.num_key_value_heads ? " shared" : "", share.intermediate_size,
+                  sequence_parallel ? fmt::format(", sequence parallel ({} of each micro-batch's {} tokens per rank)",
+                                                  micro_batch * options.seq / tp, micro_batch * options.seq)
+                                    : std::string(),
+                  dp);
   }
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/finetune", expert_parallel,
@@ -269,6 +286,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
   model_options.cpu_checkpointing = config.cpu_checkpointing;
   model_options.lora = lora;
+  model_options.sequence_parallel = sequence_parallel;
   std::optional<nn::LlamaModel> built;
   try {
     built.emplace(engine, model_config, model_options);

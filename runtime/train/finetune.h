@@ -52,6 +52,9 @@ struct FinetuneOptions {
   bool checkpoint_activations = false;
   // --tp: tensor parallelism (0: the config's tensor_parallel.autotp_size).
   int tensor_parallel = 0;
+  // --sequence-parallel: Megatron's sequence parallelism over the tp ranks
+  // (also on with the config's sequence_parallel true).
+  bool sequence_parallel = false;
   // Parameters not trained (shell globs of their Hugging Face names,
   // runtime/train/freeze.h): no gradient and no optimizer state.
   std::vector<std::string> freeze;

@@ -64,6 +64,7 @@ struct Case {
   int micro_steps = 1;
   bool checkpoint = false;
   bool tied = false;
+  bool sp = false;  // sequence parallelism
 };
 
 // Rows of one micro-step on one rank: its dp rank's share of the batch.
@@ -92,18 +93,26 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       {"llama", 4, 4, 3, Tier::kNvme, Tier::kNvme},
       {"qwen2", 4, 4, 1, Tier::kDevice, Tier::kCpu},
       {"qwen3", 4, 4, 2, Tier::kDevice, Tier::kCpu, 2, true},
+      // Sequence parallelism: norms and residual on each rank's rows.
+      {"llama", 2, 2, 1, Tier::kDevice, Tier::kCpu, 1, false, false, true},
+      {"llama", 4, 2, 3, Tier::kNvme, Tier::kNvme, 2, true, false, true},
+      {"mistral", 4, 2, 2, Tier::kDevice, Tier::kCpu, 1, false, false, true},
+      {"qwen2", 2, 2, 3, Tier::kNvme, Tier::kNvme, 1, false, true, true},
+      {"qwen3", 4, 2, 1, Tier::kDevice, Tier::kDevice, 1, true, false, true},
+      {"llama", 4, 4, 2, Tier::kDevice, Tier::kCpu, 2, false, true, true},
   };
   for (const Case& c : cases) {
     const std::string name = c.family + ", tp " + std::to_string(c.tp) + " x dp " + std::to_string(c.world / c.tp) +
                              ", stage " + std::to_string(c.stage) + ", params " + std::string(tier_name(c.param)) +
                              ", optimizer " + std::string(tier_name(c.optimizer)) +
                              (c.micro_steps > 1 ? ", 2 micro-steps" : "") + (c.checkpoint ? ", checkpointed" : "") +
-                             (c.tied ? ", tied" : "");
+                             (c.tied ? ", tied" : "") + (c.sp ? ", sequence parallel" : "");
     SECTION(name) {
       TrainSpec spec;
       spec.config = family(c.family, c.tied);
       spec.world = c.world;
       spec.tp = c.tp;
+      spec.sequence_parallel = c.sp;
       spec.micro_steps = c.micro_steps;
       spec.checkpoint_activations = c.checkpoint;
       spec.options = options_on(c.stage, c.param, c.optimizer, dir.path() / "swap");
@@ -129,26 +138,48 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       if (m.attention_qkv_bias) per_layer += q + 2 * kv;
       if (m.mlp_bias) per_layer += 2 * inter;
       CHECK(r.tensor_group_size == c.tp);
-      // Megatron's traffic, no more: per layer and micro-step two allreduces
-      // of [rows, hidden] in forward (after o and down), two in backward
-      // (the inputs of q/k/v and of gate/up), two more when a checkpointed
-      // layer is recomputed (every layer but the last, whose activations
-      // backward finds in place); qwen3 adds its two norms' [head_dim] gradients.
+      // Megatron's traffic, no more. Without sequence parallelism, per layer
+      // and micro-step two allreduces of [rows, hidden] in forward (after o
+      // and down), two in backward (the inputs of q/k/v and of gate/up), two
+      // more when a checkpointed layer is recomputed (every layer but the
+      // last, whose activations backward finds in place); qwen3 adds its two
+      // norms' [head_dim] gradients. With it, each forward allreduce becomes
+      // an allgather before the block and a reduce-scatter after it; backward
+      // gathers each block's output gradient and input (saved as this rank's
+      // rows only) and reduce-scatters its input gradient; the final norm's
+      // output is gathered for the loss and the embedding's gradient in
+      // backward; the three norms' [hidden] weight gradients per layer plus
+      // the final one's are summed over tp.
       const int64_t micro_steps = static_cast<int64_t>(spec.steps) * c.micro_steps;
       const int64_t rows = sequences_rows(c), layers = m.num_hidden_layers;
-      const int64_t big = micro_steps * (4 * layers + (c.checkpoint ? 2 * (layers - 1) : 0));
+      const int64_t recomputed = c.checkpoint ? layers - 1 : 0;
       const int64_t small = m.qk_norm ? micro_steps * m.num_hidden_layers * 2 : 0;
       // Shared kv heads: k's and v's gradients summed over tp in backward.
       const bool shared = c.tp > m.num_key_value_heads;
       const int64_t kv_sums = shared ? micro_steps * m.num_hidden_layers * 2 : 0;
       const int64_t kv_sum_numel =
           m.num_key_value_heads * m.head_dim * (m.hidden_size + (m.attention_qkv_bias ? 1 : 0));
-      CHECK(r.tensor_traffic.allreduces == big + small + kv_sums);
-      CHECK(r.tensor_traffic.bytes == static_cast<uint64_t>(big * rows * m.hidden_size * 4 + small * m.head_dim * 4 +
-                                                            kv_sums * kv_sum_numel * 4));
+      const auto big_bytes = [&](int64_t n) { return static_cast<uint64_t>(n * rows * m.hidden_size * 4); };
+      const uint64_t small_bytes =
+          static_cast<uint64_t>(small * m.head_dim * 4 + kv_sums * kv_sum_numel * 4);
+      if (!c.sp) {
+        const int64_t big = micro_steps * (4 * layers + 2 * recomputed);
+        CHECK(r.tensor_traffic.allreduces == big + small + kv_sums);
+        CHECK(r.tensor_traffic.allgathers + r.tensor_traffic.reduce_scatters == 0);
+        CHECK(r.tensor_traffic.bytes == big_bytes(big) + small_bytes);
+      } else {
+        const int64_t gathers = micro_steps * (2 * layers + 4 * layers + 2 * recomputed + 2);
+        const int64_t scatters = micro_steps * (2 * layers + 2 * layers + 2 * recomputed);
+        const int64_t norms = micro_steps * (2 * layers + 1);
+        CHECK(r.tensor_traffic.allgathers == gathers);
+        CHECK(r.tensor_traffic.reduce_scatters == scatters);
+        CHECK(r.tensor_traffic.allreduces == norms + small + kv_sums);
+        CHECK(r.tensor_traffic.bytes == big_bytes(gathers + scatters) +
+                                            static_cast<uint64_t>(norms * m.hidden_size * 4) + small_bytes);
+      }
       // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
       const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
-      CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp) ==
+      CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp, c.sp) ==
             r.arena_nbytes);
       CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer);
     }
@@ -182,7 +213,9 @@ TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et 
   // 5 a s^2 b / t is left out: the attention kernel keeps its log-sum-exp
   // (b a s / t floats), never the s x s scores. The rest differs by design:
   // no dropout masks (2 s b h replicated), and SwiGLU's three [s b, 11008]
-  // against GeLU's [s b, 4h] two — together 8 + 24.1 / t.
+  // against GeLU's [s b, 4h] two — together 8 + 24.1 / t. With sequence
+  // parallelism the formula is s b h 34 / t (+ the scores' term): every
+  // saved activation divided by t, the norms' and residual's included.
   nn::LlamaConfig c;
   c.vocab_size = 32000;
   c.hidden_size = 4096;
@@ -202,5 +235,15 @@ TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et 
     WARN("tp " << t << ": " << layer / 1e6 << " MB per layer = " << layer / sbh << " s b h; the formula without the "
                "scores " << formula / sbh << " s b h; ratio " << layer / formula);
     CHECK(layer / formula == Approx(1.0).epsilon(0.15));
+    if (t == 1) continue;
+    c.num_hidden_layers = 2;
+    const size_t two_sp = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
+    c.num_hidden_layers = 1;
+    const size_t one_sp = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
+    const double layer_sp = static_cast<double>(two_sp - one_sp), formula_sp = sbh * 34.0 / t;
+    WARN("tp " << t << " with sequence parallelism: " << layer_sp / 1e6 << " MB per layer = " << layer_sp / sbh
+               << " s b h; the formula without the scores " << formula_sp / sbh << " s b h; ratio "
+               << layer_sp / formula_sp);
+    CHECK(layer_sp / formula_sp == Approx(1.0).epsilon(0.15));
   }
 }

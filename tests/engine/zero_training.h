@@ -120,6 +120,7 @@ struct TrainSpec {
   // the batch is split over the dp ranks, and each parameter is assembled
   // from its tp shards into its whole tensor.
   int tp = 1;
+  bool sequence_parallel = false;  // Megatron's, over the tp group (nn::LlamaModelOptions)
   int micro_steps = 1;
   int steps = 3;
   bool tied = false;
@@ -184,7 +185,7 @@ struct TrainResult {
   size_t arena_nbytes = 0;                      // rank 0: LlamaModel::arena_nbytes()
   int64_t tp_replica_mismatches = 0;            // elements of a replicated tensor whose tp copies differ
   int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
-  engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp allreduces over the run
+  engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp collectives over the run
   int64_t tp_split_elements = 0;                // rank 0: elements of the tp shards it holds
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
@@ -208,6 +209,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
           nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
+          model_options.sequence_parallel = spec.sequence_parallel;
           nn::LlamaModel model(eng, config, model_options);
           if (spec.frozen) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {

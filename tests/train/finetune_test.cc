@@ -505,8 +505,9 @@ TEST_CASE("strata finetune --freeze: the matching tensors come out bit-unchanged
   CHECK_THAT(all.output, Catch::Contains("nothing would be trained"));
 }
 
-TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step by step, its export holds whole "
-          "tensors, and killed with SIGKILL and resumed it ends bit for bit like an uninterrupted run",
+TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism equals the tp 1 run step by step, "
+          "its export holds whole tensors, and killed with SIGKILL and resumed it ends bit for bit like an "
+          "uninterrupted run",
           "[finetune][checkpoint][tp]") {
   strata::test::TempDir dir;
   // Qwen2: q/k/v biases (column-parallel, split with their rows).
@@ -516,12 +517,15 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
   const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
   const std::string run2 = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 12;
-  const auto reference = run_command(run4 + resumable_args(dir, "ref", kSteps, "qwen2.json") + " --tp 2 2>&1");
+  // Sequence parallelism (Megatron's) on top: each tp rank keeps half of each micro-batch's 2 x 32 tokens.
+  const std::string tp2 = " --tp 2 --sequence-parallel";
+  const auto reference = run_command(run4 + resumable_args(dir, "ref", kSteps, "qwen2.json") + tp2 + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   CHECK_THAT(reference.output,
              Catch::Contains("tensor parallelism: 2 tp groups of 2 consecutive ranks split each layer (2 heads, 1 kv "
-                             "heads and 88 MLP features per rank); ZeRO over 2 data-parallel rank(s)"));
+                             "head(s) and 88 MLP features per rank), sequence parallel (32 of each micro-batch's 64 "
+                             "tokens per rank); ZeRO over 2 data-parallel rank(s)"));
   const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
   REQUIRE(expected.size() > 1000);
 
@@ -543,8 +547,9 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
   WARN("largest |tp 2 x dp 2 - dp 2| over the exported weights after " << kSteps << " steps: " << max_diff);
   CHECK(max_diff < 1e-4);
 
-  // tp 4 with the model's 2 kv heads (two ranks share each) against one
-  // rank: the same losses, and the export writes each shared head once.
+  // tp 4 with the model's 2 kv heads (two ranks share each), without
+  // sequence parallelism, against one rank: the same losses, and the export
+  // writes each shared head once.
   const auto four = run_command(run4 + resumable_args(dir, "four", 4, "qwen2.json") + " --tp 4 2>&1");
   INFO(four.output);
   REQUIRE(four.exit_code == 0);
@@ -567,12 +572,16 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune equals the tp 1 run step b
   INFO(exported.output);
   REQUIRE(exported.exit_code == 0);
   CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
+  // Sequence parallelism without tensor parallelism is refused before anything runs.
+  const auto alone = run_command(run2 + resumable_args(dir, "alone", 2, "qwen2.json") + " --sequence-parallel 2>&1");
+  CHECK(alone.exit_code != 0);
+  CHECK_THAT(alone.output, Catch::Contains("--sequence-parallel needs tensor parallelism"));
   // A resume with another tensor parallelism is refused by name.
   const auto other = run_command(run4 + resumable_args(dir, "ref", kSteps + 2, "qwen2.json") + " --resume 2>&1");
   CHECK(other.exit_code != 0);
   CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout"));
 
-  const int kills = run_killed_and_resumed(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + " --tp 2",
+  const int kills = run_killed_and_resumed(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + tp2,
                                            dir.file("killed_ckpt"));
   INFO("killed " << kills << " times");
   CHECK(kills >= 3);
