@@ -38,6 +38,8 @@ struct RunSetup {
   int64_t seq = train::FinetuneOptions{}.seq;
   int64_t world_size = 1;
   bool checkpoint_activations = false;
+  int tensor_parallel = 0;         // --tp (0: not given: the config's)
+  bool sequence_parallel = false;  // --sequence-parallel
   // finetune's LoRA flags as given (empty: not a LoRA run), parsed as finetune parses them.
   std::string lora_rank, lora_targets = "q_proj,v_proj";
   std::filesystem::path cwd;
@@ -92,10 +94,9 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
     } else if (flag == "--lora-targets") {
       s.lora_targets = take();
     } else if (flag == "--tp") {
-      const std::string tp = take();
-      STRATA_CHECK(tp == "1", kBadArgument,
-                   "{}: the run used tensor parallelism (--tp {}), which the memory model does not cover yet", source,
-                   tp);
+      s.tensor_parallel = static_cast<int>(parse_integer(source + ": --tp", take(), 1));
+    } else if (flag == "--sequence-parallel") {
+      s.sequence_parallel = true;
     }
   }
   if (!record.ds_config.is_null()) {
@@ -218,10 +219,10 @@ int run_plan_check(const PlanOptions& o) {
       s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
   const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
                                               : parse_config(s.ds_config, config_source);
-  STRATA_CHECK(config.tensor_parallel_size == 1, kBadArgument,
-               "{}: tensor_parallel.autotp_size {}: the memory model does not cover tensor parallelism yet",
-               config_source, config.tensor_parallel_size);
   plan::RuntimeInputs in;
+  // As finetune reads them: --tp over the config's autotp_size, either sequence-parallel switch.
+  in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;
+  in.sequence_parallel = s.sequence_parallel || config.sequence_parallel;
   if (!s.model_config.is_null()) {
     in.model = nn::parse_llama_config(s.model_config, run_json.string() + " (\"model_config\")");
   } else {

@@ -22,6 +22,9 @@ struct PlanOptions {
   std::string target_efficiency;
   // LoRA (`strata finetune --lora-rank`): empty when not given.
   std::string lora_rank, lora_targets;
+  // Tensor parallelism (`strata finetune --tp`, --sequence-parallel): empty / false when not given.
+  std::string tp;
+  bool sequence_parallel = false;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.

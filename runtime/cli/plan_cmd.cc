@@ -173,6 +173,11 @@ struct Resolved {
   // moe.expert_parallel_size as strata finetune would choose it (needs
   // --model with experts; 1 otherwise), and what it changes per rank.
   int expert_parallel = 1;
+  // Tensor parallelism (--tp or tensor_parallel.autotp_size; 1: none): the
+  // whole model's parameter count (inputs.model.param_count is then one rank's)
+  // and the ranks (tp x data-parallel).
+  int tensor_parallel = 1;
+  int64_t whole_param_count = 0, ranks = 0;
 };
 
 void resolve_model(const Options& o, Resolved& r) {
@@ -344,7 +349,7 @@ void resolve_zero_sizes(Resolved& r) {
   std::vector<engine::SizedParam> sized;
   const DType dtype = DType::kBF16;  // 16-bit parameters, as the plan's formulas take them
   if (r.config) {
-    sized = plan::llama_sized_params(*r.config, dtype, r.lora);
+    sized = plan::llama_sized_params(*r.config, dtype, r.lora, r.tensor_parallel);
   } else if (m.shape_known()) {
     const int64_t h = m.hidden;
     const int64_t block = m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h;
@@ -407,6 +412,73 @@ nlohmann::json expert_parallel_json(const Resolved& r) {
           {"max_rows_per_rank", s.max_rows},
           {"max_expert_activation_bytes_per_layer", s.max_expert_activation_nbytes},
           {"exchange_bytes_per_micro_step", s.exchange_nbytes}};
+}
+
+// Tensor parallelism as strata finetune reads it (--tp over the config's
+// tensor_parallel.autotp_size, either sequence-parallel switch) and refuses
+// it: the model must split (--model), no LoRA. N_d is then the ranks / tp
+// (or --dp, with tp x --dp ranks), and the plan's model states are tp rank
+// 0's: its shards and the replicated tensors (plan::llama_rank_params).
+void resolve_tensor_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  const int from_config = config ? config->tensor_parallel_size : 1;
+  const int tp = !o.tp.empty() ? static_cast<int>(parse_integer("--tp", o.tp, 1)) : from_config;
+  if (!o.tp.empty() && from_config > 1 && from_config != tp) {
+    raise(ErrorCategory::kBadArgument, "--tp {} and {}'s tensor_parallel.autotp_size {} disagree: give one", tp,
+          o.config, from_config);
+  }
+  const bool sp = o.sequence_parallel || (config && config->sequence_parallel);
+  const char* sp_name = o.sequence_parallel ? "--sequence-parallel" : "sequence_parallel";
+  plan::Machine& hw = r.inputs.machine;
+  r.ranks = hw.data_parallel;
+  if (tp == 1) {
+    STRATA_CHECK(!sp, kBadArgument, "{} needs tensor parallelism (--tp or tensor_parallel.autotp_size of 2 or more)",
+                 sp_name);
+    return;
+  }
+  STRATA_CHECK(r.config.has_value(), kBadArgument,
+               "--tp {}: which tensors split depends on the architecture: give --model (its config.json)", tp);
+  STRATA_CHECK(!r.lora.enabled(), kBadArgument, "--tp with --lora-rank: strata does not implement LoRA with tensor "
+               "parallelism yet");
+  nn::tensor_parallel_share(*r.config, tp);  // refuses what does not split, naming the sizes
+  plan::TrainingShape& t = r.inputs.training;
+  STRATA_CHECK(!sp || t.micro_batch * t.seq % tp == 0, kBadArgument,
+               "{}: the micro-batch's {} x {} tokens do not divide over the {} tensor-parallel ranks", sp_name,
+               t.micro_batch, t.seq, tp);
+  if (r.sources["data_parallel"] == "--dp") {
+    r.ranks = hw.data_parallel * tp;
+    STRATA_CHECK(r.ranks <= hw.gpus_per_node * hw.nodes, kBadArgument,
+                 "--dp {} x --tp {} = {} ranks, more than the {} GPUs of {} node(s) x {} GPUs (--nodes, --gpus)",
+                 hw.data_parallel, tp, r.ranks, hw.gpus_per_node * hw.nodes, hw.nodes, hw.gpus_per_node);
+  } else {
+    STRATA_CHECK(hw.data_parallel % tp == 0, kBadArgument, "--tp {} does not divide the {} GPUs ({})", tp,
+                 hw.data_parallel, r.sources["data_parallel"]);
+    hw.data_parallel /= tp;
+    r.sources["data_parallel"] += fmt::format(" / tp {}", tp);
+  }
+  r.tensor_parallel = tp;
+  r.whole_param_count = r.inputs.model.param_count;
+  int64_t per_rank = 0;
+  for (const plan::RankParam& p : plan::llama_rank_params(*r.config, DType::kBF16, tp)) {
+    per_rank += shape_numel(p.spec.shape);
+  }
+  r.inputs.model.param_count = per_rank;
+  r.inputs.model.active_param_count = 0;  // dense: every parameter active
+  t.tensor_parallel = tp;
+  t.sequence_parallel = sp;
+}
+
+nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
+  const plan::TrainingShape& t = r.inputs.training;
+  const nn::LlamaConfig& c = *r.config;
+  return {{"size", r.tensor_parallel},
+          {"sequence_parallel", t.sequence_parallel},
+          {"ranks", r.ranks},
+          {"whole_parameters", r.whole_param_count},
+          {"parameters_per_rank", r.inputs.model.param_count},
+          {"activation_arena_bytes_per_rank",
+           plan::llama_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
+                                    t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel)},
+          {"collective_bytes_per_micro_step", plan.tp_collective_nbytes}};
 }
 
 void resolve_machine(const Options& o, const std::optional<Config>& config, Resolved& r) {
@@ -526,14 +598,17 @@ void resolve_machine(const Options& o, const std::optional<Config>& config, Reso
   }
 }
 
-std::string header(const Resolved& r) {
+std::string header(const Resolved& r, const plan::Plan& plan) {
   const plan::PlanInputs& in = r.inputs;
   const plan::ModelShape& m = in.model;
   const plan::TrainingShape& t = in.training;
   const plan::Machine& hw = in.machine;
   auto src = [&](const char* key) { return r.sources.at(key); };
   std::string out =
-      fmt::format("Model     {} parameters ({})\n", count_text(m.param_count), r.model_source);
+      r.tensor_parallel > 1
+          ? fmt::format("Model     {} parameters ({}); {} per tensor-parallel rank\n",
+                        count_text(r.whole_param_count), r.model_source, count_text(m.param_count))
+          : fmt::format("Model     {} parameters ({})\n", count_text(m.param_count), r.model_source);
   if (m.shape_known()) {
     out += fmt::format("          {} layers, hidden {}, {} heads, intermediate {}, vocab {}\n",
                        m.layers, m.hidden, m.heads > 0 ? std::to_string(m.heads) : "?",
@@ -558,6 +633,18 @@ std::string header(const Resolved& r) {
         "all-to-all (model states per rank as without it)\n",
         r.expert_parallel, s.experts_per_rank, r.inputs.machine.data_parallel / r.expert_parallel, s.max_rows,
         s.max_expert_activation_nbytes / 1e6, s.exchange_nbytes / 1e6);
+  }
+  if (r.tensor_parallel > 1) {
+    const nn::LlamaConfig share = nn::tensor_parallel_share(*r.config, r.tensor_parallel);
+    out += fmt::format(
+        "          tensor parallelism {} x data parallelism {} = {} ranks: each holds {} heads, {} kv head(s) and {} "
+        "MLP features of every layer{}; activations per rank as Korthikanti et al. count them (strata's arena "
+        "for them: {}, 16-bit), {:.1f} MB sent per rank and micro-step in the layers' tp collectives\n",
+        r.tensor_parallel, r.inputs.machine.data_parallel, r.ranks, share.num_attention_heads,
+        share.num_key_value_heads, share.intermediate_size,
+        t.sequence_parallel ? ", with sequence parallelism (norms and residual on 1/tp of the tokens)" : "",
+        gb_text(static_cast<double>(tensor_parallel_json(r, plan)["activation_arena_bytes_per_rank"].get<size_t>())),
+        plan.tp_collective_nbytes / 1e6);
   }
   out += fmt::format(
       "Training  seq {}, micro-batch {}, gradient accumulation {}, {}\n", t.seq, t.micro_batch,
@@ -617,6 +704,8 @@ void check_flag_combination(const Options& o) {
       {"--target-efficiency", !o.target_efficiency.empty()},
       {"--lora-rank", !o.lora_rank.empty()},
       {"--lora-targets", !o.lora_targets.empty()},
+      {"--tp", !o.tp.empty()},
+      {"--sequence-parallel", o.sequence_parallel},
       {"--units", o.units != "GB"}};
   const std::vector<std::pair<const char*, bool>> check_only = {
       {"--tolerance", o.tolerance != "15%"},
@@ -640,22 +729,12 @@ int run_plan(const Options& o) {
   if (!o.check.empty()) return run_plan_check(o);
   std::optional<Config> config;
   if (!o.config.empty()) config = load_config_file(o.config);
-  // Per-rank memory with tensor parallelism (each rank a share of the
-  // split tensors and activations) is not modelled yet: no plan rather than
-  // a plan of another run.
-  STRATA_CHECK(!config || config->tensor_parallel_size == 1, kBadArgument,
-               "{}: tensor_parallel.autotp_size {}: strata plan does not model tensor parallelism yet (plan the run "
-               "without it for an upper bound)",
-               o.config, config ? config->tensor_parallel_size : 1);
-  STRATA_CHECK(!config || !config->sequence_parallel, kBadArgument,
-               "{}: sequence_parallel is true, which needs tensor parallelism (tensor_parallel.autotp_size of 2 or "
-               "more): strata finetune refuses this config",
-               o.config);
   Resolved r;
   resolve_model(o, r);
   resolve_lora(o, r);
   resolve_training(o, config, r);
   resolve_machine(o, config, r);
+  resolve_tensor_parallel(o, config, r);
   resolve_zero_sizes(r);
   resolve_expert_parallel(o, config, r);
   plan::Plan result = plan::make_plan(r.inputs);
@@ -666,9 +745,10 @@ int run_plan(const Options& o) {
     out["sources"] = r.sources;
     out["zero_sizes"] = r.zero_sizes.to_json();
     if (r.expert_parallel > 1) out["expert_parallel"] = expert_parallel_json(r);
+    if (r.tensor_parallel > 1) out["tensor_parallel"] = tensor_parallel_json(r, result);
     std::cout << out.dump(2) << "\n";
   } else {
-    std::cout << header(r)
+    std::cout << header(r, result)
               << plan::to_text(result, o.units == "GiB" ? plan::Units::kGiB : plan::Units::kGB);
   }
   return 0;
@@ -794,6 +874,14 @@ void add_plan_command(CLI::App& app) {
        "setup "
        "items; for runs without it, this binary's resident set at the check)")
       ->type_name("SIZE");
+  text("--tp", o->tp,
+       "Tensor parallelism (strata finetune --tp; tensor_parallel.autotp_size): this many ranks split each "
+       "layer, N_d = GPUs / N data-parallel ranks (or --dp, with N x --dp ranks); needs --model. Model states, "
+       "activations and traffic are then one rank's")
+      ->type_name("N");
+  cmd->add_flag("--sequence-parallel", o->sequence_parallel,
+                "With --tp: Megatron's sequence parallelism (the config's sequence_parallel): activations divided "
+                "by N");
   cmd->add_flag("--checkpoint-activations", o->checkpoint_activations,
                 "With --check: the run used finetune's --checkpoint-activations (when run.json "
                 "does not say)");

@@ -357,6 +357,11 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
     pp.traffic.push_back(
         make_traffic(plan, "collectives", "GPU <-> GPU", nbytes, nbytes / *hw.interconnect_bw));
   }
+  if (plan.tp_collective_nbytes > 0 && hw.interconnect_bw) {
+    const double nbytes = micro_steps * plan.tp_collective_nbytes;
+    pp.traffic.push_back(
+        make_traffic(plan, "tensor parallel", "GPU <-> GPU", nbytes, nbytes / *hw.interconnect_bw));
+  }
 
   pp.step_seconds = plan.compute_seconds;
   for (const Traffic& c : pp.traffic) pp.step_seconds += c.seconds;
@@ -375,12 +380,17 @@ void fill_shape_estimates(Plan& plan) {
   const double per_checkpoint = static_cast<double>(std::min(t.layers_per_checkpoint, m.layers));
   // Activation checkpoints (ZeRO-Infinity §3): one 16-bit hidden state per
   // token every c_i layers, 2·bsz·seq·h·L/c_i bytes.
-  const double checkpoints = std::ceil(layers / per_checkpoint) * 2 * tokens * h;
+  // Tensor parallelism t: with sequence parallelism each rank keeps 1/t of
+  // the residual stream (the checkpoints) and of a layer's activations;
+  // without, Korthikanti et al.'s split: 10 of 34 s b h replicated, the rest / t.
+  const double tp = static_cast<double>(t.tensor_parallel);
+  const double checkpoints = std::ceil(layers / per_checkpoint) * 2 * tokens * h / (t.sequence_parallel ? tp : 1);
   // Activation working memory of one layer (ZeRO-Infinity §3):
   // bsz·seq·(16·h + 2·heads·seq) bytes — what a layer's forward keeps for its
   // backward. With checkpointing, one segment of c_i layers is live during
   // its recompute; without, every layer's is live at the end of the forward.
-  const double layer_working = tokens * (16 * h + 2 * heads * seq);
+  const double hidden_share = t.sequence_parallel ? 1 / tp : (10 + 24 / tp) / 34;
+  const double layer_working = tokens * (16 * h * hidden_share + 2 * heads * seq / tp);
   // LoRA's adapters keep no activation; their two [rows, r] 16-bit scratch
   // buffers are shared by every adapted projection (nn::LoraScratch).
   const double lora_scratch =
@@ -394,9 +404,10 @@ void fill_shape_estimates(Plan& plan) {
   const double intermediate =
       std::max(m.intermediate > 0 ? static_cast<double>(m.intermediate) : 4 * h,
                static_cast<double>(m.shared_expert_intermediate));  // a shared expert may be wider
-  plan.largest_operator =
-      fmt::format("MLP projection ({} x {})", m.hidden, static_cast<int64_t>(intermediate));
-  plan.largest_operator_numel = h * intermediate;
+  // A tp rank holds intermediate / t of each MLP projection (the embedding whole).
+  plan.largest_operator = fmt::format("MLP projection ({} x {}{})", m.hidden, static_cast<int64_t>(intermediate),
+                                      tp > 1 ? fmt::format(" / tp {}", t.tensor_parallel) : std::string());
+  plan.largest_operator_numel = h * intermediate / tp;
   if (m.vocab > 0 && static_cast<double>(m.vocab) * h > plan.largest_operator_numel) {
     plan.largest_operator = fmt::format("embedding / lm_head ({} x {})", m.vocab, m.hidden);
     plan.largest_operator_numel = static_cast<double>(m.vocab) * h;
@@ -406,6 +417,21 @@ void fill_shape_estimates(Plan& plan) {
       (plan.inputs.lora ? kParam16Bytes : kParam16Bytes + kGrad16Bytes) * plan.largest_operator_numel;
   plan.working_tiled_nbytes = plan.working_whole_nbytes / static_cast<double>(t.tiling);
   plan.ait_checkpoints = 24 * h * per_checkpoint;
+  if (tp > 1) {
+    // Per layer and micro-step, buffers of tokens x h (16-bit): without
+    // sequence parallelism 2 allreduces in forward and 2 in backward (+2 per
+    // recomputed layer), each moving 2 (t-1)/t of the buffer per rank; with
+    // it 2 allgathers + 2 reduce-scatters forward, 4 + 2 backward (+2 + 2
+    // recomputed), each (t-1)/t, and two more gathers per micro-step (the
+    // final norm's output, the embedding's gradient). strata's counts
+    // (tests/engine/zero_tensor_parallel_test.cc), less the norms' [hidden]
+    // weight-gradient sums, which are negligible.
+    const double buffer = 2 * tokens * h, share = (tp - 1) / tp;
+    const double recomputed = t.activation_checkpointing ? layers - 1 : 0;  // the top layer is not recomputed
+    plan.tp_collective_nbytes =
+        t.sequence_parallel ? share * buffer * (layers * 10 + recomputed * 4 + 2)
+                            : 2 * share * buffer * (layers * 4 + recomputed * 2);
+  }
 }
 
 void recommend(Plan& plan) {

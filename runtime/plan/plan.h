@@ -95,6 +95,14 @@ struct TrainingShape {
   int64_t param_buffer_count = 5;              // offload_param.buffer_count
   int64_t param_buffer_numel = 100'000'000;    // offload_param.buffer_size
   int64_t optimizer_buffer_count = 4;          // offload_optimizer.buffer_count
+  // Tensor parallelism (Megatron's; tensor_parallel.autotp_size): ranks =
+  // tensor_parallel x Machine::data_parallel, and ModelShape::param_count is
+  // one rank's (its shards and the replicated tensors). Activations per
+  // rank follow Korthikanti et al. (arXiv 2205.05198): 10 of a layer's 34 s
+  // b h replicated and 24 divided by t, all 34 divided with sequence
+  // parallelism; the layers' tp collectives are a traffic class.
+  int64_t tensor_parallel = 1;
+  bool sequence_parallel = false;
 };
 
 // The hardware. Memory capacities are optional: a tier whose capacity is
@@ -225,6 +233,9 @@ struct Plan {
   double ait_params_grads = 0;            // seq * bsz
   double ait_optimizer = 0;               // seq * bsz / 4
   double ait_checkpoints = 0;             // 24 * hidden * c_i (0 when the shape is unknown)
+  // Tensor parallelism: bytes one rank sends per micro-step in the layers'
+  // tp collectives (16-bit activations; 0 without tp or an unknown shape).
+  double tp_collective_nbytes = 0;
   std::vector<PlacementPlan> placements;  // valid_placements() order
   std::optional<size_t> recommended;      // index into placements
   std::string reason;                     // why that one, or why none

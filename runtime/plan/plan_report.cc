@@ -94,7 +94,9 @@ json to_json(const Plan& plan) {
                      {"activation_checkpointing", t.activation_checkpointing},
                      {"layers_per_checkpoint", t.layers_per_checkpoint},
                      {"checkpoints_on_cpu", t.checkpoints_on_cpu},
-                     {"tiling", t.tiling}};
+                     {"tiling", t.tiling},
+                     {"tensor_parallel", t.tensor_parallel},
+                     {"sequence_parallel", t.sequence_parallel}};
   const Machine& hw = in.machine;
   out["machine"] = {{"gpus_per_node", hw.gpus_per_node},
                     {"nodes", hw.nodes},
@@ -243,9 +245,12 @@ std::string to_text(const Plan& plan, Units units) {
         size(plan.model_states_nbytes), scale.name, size(l.full_finetune_nbytes), scale.name,
         l.ratio);
   } else {
+    // With tensor parallelism ψ is one tp rank's tensors (its shards and the replicated ones).
     out += fmt::format(
-        "  whole model      {} {} at 16 B/param; {} {} at 20 B/param (with fp32 gradients, as "
+        "  {}{} {} at 16 B/param; {} {} at 20 B/param (with fp32 gradients, as "
         "ZeRO-Infinity counts)\n",
+        in.training.tensor_parallel > 1 ? fmt::format("a tp {} rank's   ", in.training.tensor_parallel)
+                                        : std::string("whole model      "),
         size(plan.model_states_nbytes), scale.name, size(plan.model_states_with_grad32_nbytes),
         scale.name);
   }

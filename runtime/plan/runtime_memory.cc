@@ -27,14 +27,6 @@ size_t view_nbytes(DType dtype, std::initializer_list<int64_t> shape) {
   return align256(numel * dtype_nbytes(dtype));
 }
 
-// The parameters LlamaModel declares: the architecture's Hugging Face
-// tensors (nn::hf_tensors, the model's own list), for the partition layout.
-std::vector<partition::ParamSpec> llama_params(const nn::LlamaConfig& c, DType dtype) {
-  std::vector<partition::ParamSpec> out;
-  for (nn::HfTensor& t : nn::hf_tensors(c)) out.push_back({std::move(t.name), std::move(t.shape), dtype});
-  return out;
-}
-
 // The adapters LlamaModel declares with `lora` (nn::Linear): for each targeted
 // projection weight [out, in], lora_A [r, in] and lora_B [out, r], fp32.
 std::vector<partition::ParamSpec> lora_params(const nn::LlamaConfig& c, const nn::LoraSpec& lora) {
@@ -76,10 +68,37 @@ std::string_view where_name(Where where) {
   return "?";
 }
 
-std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DType dtype, const nn::LoraSpec& lora) {
+std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& c, DType dtype, int tp) {
+  std::vector<RankParam> out;
+  const nn::LlamaConfig share = nn::tensor_parallel_share(c, tp);  // refuses what does not split
+  const auto ends_with = [](std::string_view name, std::string_view tail) {
+    return name.size() >= tail.size() && name.substr(name.size() - tail.size()) == tail;
+  };
+  for (nn::HfTensor& t : nn::hf_tensors(c)) {
+    RankParam p{{std::move(t.name), std::move(t.shape), dtype}, false};
+    if (tp > 1) {
+      const std::string& n = p.spec.name;
+      const bool kv = n.find(".k_proj.") != std::string::npos || n.find(".v_proj.") != std::string::npos;
+      const bool column = kv || n.find(".q_proj.") != std::string::npos || n.find(".gate_proj.") != std::string::npos ||
+                          n.find(".up_proj.") != std::string::npos;
+      const bool row = ends_with(n, ".o_proj.weight") || ends_with(n, ".down_proj.weight");
+      if (column) {
+        p.spec.shape[0] = kv ? share.num_key_value_heads * share.head_dim : p.spec.shape[0] / tp;
+      } else if (row) {
+        p.spec.shape[1] /= tp;
+      }
+      p.split = column || row;
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DType dtype, const nn::LoraSpec& lora,
+                                                   int tensor_parallel) {
   std::vector<engine::SizedParam> sized;
-  for (const partition::ParamSpec& p : llama_params(c, dtype)) {
-    sized.push_back({p.name, shape_numel(p.shape), p.dtype, !lora.enabled()});
+  for (const RankParam& p : llama_rank_params(c, dtype, tensor_parallel)) {
+    sized.push_back({p.spec.name, shape_numel(p.spec.shape), p.spec.dtype, !lora.enabled()});
   }
   if (lora.enabled()) {
     for (const partition::ParamSpec& p : lora_params(c, lora)) sized.push_back({p.name, shape_numel(p.shape), p.dtype, true});
@@ -170,6 +189,16 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   STRATA_CHECK(in.micro_batch >= 1 && in.seq >= 1 && in.world_size >= 1, kBadArgument,
                "plan: micro-batch {}, sequence {} and world size {} must all be at least 1",
                in.micro_batch, in.seq, in.world_size);
+  const int tp = in.tensor_parallel;
+  STRATA_CHECK(tp >= 1 && in.world_size % tp == 0, kBadArgument,
+               "plan: tensor parallelism {} does not divide the {} ranks", tp, in.world_size);
+  STRATA_CHECK(!in.sequence_parallel || (tp > 1 && in.micro_batch * in.seq % tp == 0), kBadArgument,
+               "plan: sequence parallelism needs tensor parallelism of 2 or more dividing micro-batch x seq ({} x {})",
+               in.micro_batch, in.seq);
+  STRATA_CHECK(tp == 1 || !in.lora.enabled(), kBadArgument,
+               "plan: LoRA with tensor parallelism is not implemented (strata finetune refuses it)");
+  // ZeRO partitions over the data-parallel ranks.
+  const int dp = in.world_size / tp;
   STRATA_CHECK(!in.cpu_checkpointing || in.checkpoint_activations, kBadArgument,
                "plan: cpu_checkpointing needs activation checkpointing");
   if (in.lora.enabled()) in.lora.validate();
@@ -177,39 +206,53 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // The sizes the engine's finalize will use: the same choice from the same
   // parameters (the base frozen under LoRA, the adapters trained).
   const engine::ZeroSizes sizes =
-      engine::choose_zero_sizes(llama_sized_params(c, pd, in.lora), in.world_size, in.zero.sub_group_numel,
+      engine::choose_zero_sizes(llama_sized_params(c, pd, in.lora, tp), dp, in.zero.sub_group_numel,
                                 in.zero.reduce_bucket_numel, partition::kDefaultAlignmentNbytes);
   engine::ZeroEngineOptions z = in.zero;
   z.sub_group_numel = sizes.sub_group_numel;
   z.reduce_bucket_numel = sizes.reduce_bucket_numel;
   const double pe = static_cast<double>(dtype_nbytes(pd));
-  const double world = in.world_size;
+  const double world = dp;
   partition::LayoutOptions layout_options;
-  layout_options.world_size = in.world_size;
+  layout_options.world_size = dp;
   layout_options.sub_group_numel = z.sub_group_numel;
-  // ZeroEngine's groups (on_finalize): one per (dtype, frozen). Without LoRA
-  // every parameter trains in the parameter dtype; with it the base is a
-  // frozen group and the fp32 adapters the trained one.
+  // ZeroEngine's groups (on_finalize): one per (dtype, frozen, tp split), in
+  // the order of their first parameter. Without LoRA every parameter trains
+  // in the parameter dtype (with tp, the split ones a group of their own);
+  // with it the base is a frozen group and the fp32 adapters the trained one.
   struct Group {
     std::unique_ptr<partition::PartitionLayout> layout;
     double elem = 0;  // bytes per element
     bool frozen = false;
     double padded_numel = 0, largest_slice = 0, largest_full = 0;
     size_t opt_sub_group = 0;  // its sub-group (the home's chunk; the optimizer's record)
+    std::string label;         // when there are several: "frozen base", "adapters", "replicated", "tp shards"
   };
   std::vector<Group> groups;
-  const auto add_group = [&](std::vector<partition::ParamSpec> specs, DType dtype, bool frozen) {
+  const auto add_group = [&](std::vector<partition::ParamSpec> specs, DType dtype, bool frozen, std::string label) {
     Group g;
+    g.label = std::move(label);
     g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
     g.elem = static_cast<double>(dtype_nbytes(dtype));
     g.frozen = frozen;
     g.opt_sub_group = optimizer_sub_group_numel(*g.layout, dtype, z.sub_group_numel);
     groups.push_back(std::move(g));
   };
-  add_group(llama_params(c, pd), pd, in.lora.enabled());
-  if (in.lora.enabled()) add_group(lora_params(c, in.lora), DType::kF32, false);
+  {
+    std::vector<partition::ParamSpec> specs[2];  // whole, split
+    std::vector<int> order;                      // of the groups' first parameters
+    for (RankParam& p : llama_rank_params(c, pd, tp)) {
+      if (specs[p.split].empty()) order.push_back(p.split);
+      specs[p.split].push_back(std::move(p.spec));
+    }
+    for (int s : order) {
+      add_group(std::move(specs[s]), pd, in.lora.enabled(),
+                in.lora.enabled() ? "frozen base" : s ? "tp shards" : "replicated");
+    }
+  }
+  if (in.lora.enabled()) add_group(lora_params(c, in.lora), DType::kF32, false, "adapters");
   // Over every group, in bytes (the gathers hold all of them); over the
-  // trained group, in elements (gradients and optimizer state).
+  // trained groups, in elements (gradients and optimizer state).
   double shard_nbytes = 0, padded_nbytes = 0, persistent_nbytes = 0, largest_full_nbytes = 0;
   for (Group& g : groups) {
     for (const auto& slot : g.layout->params()) {
@@ -223,11 +266,21 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     padded_nbytes += g.elem * g.padded_numel;
     largest_full_nbytes = std::max(largest_full_nbytes, g.elem * g.largest_full);
   }
-  const Group& trained = groups.back();
-  const double shard_numel = static_cast<double>(trained.layout->shard_numel());
-  const double padded_numel = trained.padded_numel, largest_slice = trained.largest_slice,
-               largest_full = trained.largest_full;
-  const size_t opt_sub_group = trained.opt_sub_group;
+  // The trained groups: each has its gradient shard, reducer and optimizer
+  // state (a shared pool of pipeline buffers on NVMe).
+  std::vector<const Group*> trained;
+  double shard_numel = 0, padded_numel = 0;
+  for (const Group& g : groups) {
+    if (g.frozen) continue;
+    trained.push_back(&g);
+    shard_numel += static_cast<double>(g.layout->shard_numel());
+    padded_numel += g.padded_numel;
+  }
+  const auto sum_trained = [&](auto&& f) {
+    double total = 0;
+    for (const Group* g : trained) total += f(*g);
+    return total;
+  };
   const std::string lora_basis =
       in.lora.enabled() ? fmt::format(" (the LoRA adapters; the base is frozen)") : "";
 
@@ -245,15 +298,22 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
 
   // ---- device ------------------------------------------------------------------
   const int64_t rows = in.micro_batch * in.seq;
+  // The residual stream's rows: this rank's share with sequence parallelism.
+  const int64_t local_rows = in.sequence_parallel ? rows / tp : rows;
+  // This rank's MLP features (all of them without tensor parallelism).
+  const int64_t intermediate = nn::tensor_parallel_share(c, tp).intermediate_size;
   // The model runner allocates its arena and scratch at the first forward.
   during_steps = true;
   add("activation arena", Where::kDevice,
       static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
                                              in.checkpoint_activations, in.cpu_checkpointing,
-                                             in.lora, in.zero.expert_parallel_size)),
+                                             in.lora, in.zero.expert_parallel_size, tp, in.sequence_parallel)),
       false,
-      fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}, {}", rows,
-                  c.hidden_size, c.intermediate_size,
+      fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows,
+                  c.hidden_size, intermediate,
+                  tp == 1                  ? ""
+                  : in.sequence_parallel ? fmt::format(" (tp {}'s share; the residual stream's {} rows)", tp, local_rows)
+                                         : fmt::format(" (tp {}'s share)", tp),
                   in.checkpoint_activations
                       ? "one layer's activations + the checkpoints"
                       : fmt::format("{} layers' activations", c.num_hidden_layers)));
@@ -269,7 +329,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     // A mixture of experts accumulates into its permuted rows (rows x top-k x hidden).
     const int64_t dx_rows = c.moe() ? rows * c.num_experts_per_tok : rows;
     add("backward dx scratch", Where::kDevice,
-        4.0 * static_cast<double>(dx_rows * std::max(c.hidden_size, c.intermediate_size)), true,
+        4.0 * static_cast<double>(dx_rows * std::max(c.hidden_size, intermediate)), true,
         c.moe() ? "rows x top-k x max(hidden, intermediate) fp32 (cpu ops)"
                 : "rows x max(hidden, intermediate) fp32 (cpu ops)");
   }
@@ -311,15 +371,15 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   if (z.stage >= 2) {
     // A full fp32 gradient lives from its first use in backward until its
     // bucket is reduced: the open bucket and two in flight (bucket_reducer.cc),
-    // each up to reduce_bucket_size plus one parameter.
-    const double bucket = static_cast<double>(z.reduce_bucket_numel) + largest_full;
+    // each up to reduce_bucket_size plus one parameter; per trained group (its reducer).
+    const auto bucket = [&](const Group& g) { return static_cast<double>(z.reduce_bucket_numel) + g.largest_full; };
     add("fp32 gradients awaiting reduction", Where::kDevice,
-        4.0 * std::min(padded_numel, 3 * bucket), true,
-        fmt::format("open bucket + 2 in flight of reduce_bucket_size {}{}", z.reduce_bucket_numel,
-                    lora_basis));
+        sum_trained([&](const Group& g) { return 4.0 * std::min(g.padded_numel, 3 * bucket(g)); }), true,
+        fmt::format("open bucket + 2 in flight of reduce_bucket_size {}{}{}", z.reduce_bucket_numel,
+                    trained.size() > 1 ? " per group" : "", lora_basis));
     add("reduce-scatter buffers", Where::kDevice,
-        4.0 * (1 + 1 / world) * std::min(padded_numel, 2 * bucket), true,
-        "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
+        sum_trained([&](const Group& g) { return 4.0 * (1 + 1 / world) * std::min(g.padded_numel, 2 * bucket(g)); }),
+        true, "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
   }
 
   // ---- pinned and pageable host ----------------------------------------------------
@@ -333,9 +393,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     for (const Group& g : groups) {
       const double count = std::min(static_cast<double>(z.param_buffer_count),
                                     static_cast<double>(g.layout->params().size()));
-      add(groups.size() > 1 ? (g.frozen ? "NVMe read staging (frozen base)"
-                                        : "NVMe read staging (adapters)")
-                            : "NVMe read staging",
+      add(groups.size() > 1 ? "NVMe read staging (" + g.label + ")" : std::string("NVMe read staging"),
           Where::kPinned, count * g.elem * g.largest_slice, false,
           fmt::format("{:.0f} buffers of the largest slice ({:.0f} elements)", count,
                       g.largest_slice));
@@ -351,23 +409,33 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         "the optimizer's sub-group of 16/32-bit values (the parameter homes' window)");
   }
   if (z.optimizer_tier == strata::Tier::kNvme) {
-    add("optimizer pipeline buffers", Where::kPinned,
-        static_cast<double>(z.optimizer_buffer_count *
-                            offload::OptimizerSwapper::buffer_nbytes(opt_sub_group, z.grad_tier == strata::Tier::kNvme)),
-        false,
+    // offload/shard_optimizer.cc: the trained groups in order share a pool
+    // while its buffers hold their sub-group; a bigger one makes a new pool.
+    double pools = 0, pool_buffer = 0;
+    size_t largest_sub_group = 0;
+    for (const Group* g : trained) {
+      const size_t record = offload::OptimizerSwapper::buffer_nbytes(g->opt_sub_group, z.grad_tier == strata::Tier::kNvme);
+      if (pool_buffer < static_cast<double>(record)) {
+        pool_buffer = static_cast<double>(record);
+        pools += static_cast<double>(z.optimizer_buffer_count) * pool_buffer;
+      }
+      largest_sub_group = std::max(largest_sub_group, g->opt_sub_group);
+    }
+    add("optimizer pipeline buffers", Where::kPinned, pools, false,
         fmt::format("{} buffers of one sub-group's fp32 master + 2 moments{} ({} elements){}",
                     z.optimizer_buffer_count, z.grad_tier == strata::Tier::kNvme ? " + its gradient" : "",
-                    opt_sub_group, lora_basis));
+                    largest_sub_group, lora_basis));
   } else if (z.optimizer_tier == strata::Tier::kCpu) {
     add("optimizer state", Where::kHost, 12.0 * shard_numel, false,
         "fp32 master + 2 moments of the shard" + lora_basis);
   }
   if (z.grad_tier == strata::Tier::kNvme) {
-    add("gradient shard scratch", Where::kPinned, 4.0 * 2 * largest_slice, false,
-        "2 slices for accumulation (GradShard)");
+    add("gradient shard scratch", Where::kPinned, sum_trained([](const Group& g) { return 4.0 * 2 * g.largest_slice; }),
+        false, "2 slices for accumulation (GradShard, per trained group)");
     during_steps = true;
-    add("gradient shard window", Where::kPinned, 4.0 * static_cast<double>(opt_sub_group), false,
-        "one sub-group read for the optimizer (GradShard)");
+    add("gradient shard window", Where::kPinned,
+        sum_trained([](const Group& g) { return 4.0 * static_cast<double>(g.opt_sub_group); }), false,
+        "one sub-group read for the optimizer (GradShard, per trained group)");
   }
   during_steps = true;  // the model runner's, at the first forward
   add("input staging", Where::kPinned, 20.0 * static_cast<double>(rows) + 24, false,
@@ -375,7 +443,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   if (in.cpu_checkpointing && c.num_hidden_layers > 1) {
     add("activation checkpoints", Where::kPinned,
         static_cast<double>((c.num_hidden_layers - 1) *
-                            view_nbytes(in.activation_dtype, {rows, c.hidden_size})),
+                            view_nbytes(in.activation_dtype, {local_rows, c.hidden_size})),
         false, "every layer's input but the top one's");
   }
 
@@ -383,17 +451,22 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   during_steps = false;
   if (z.param_tier == strata::Tier::kNvme) {
     add("parameter file", Where::kNvme, shard_nbytes, false,
-        groups.size() > 1 ? "this rank's shard (a file per group: frozen base, adapters)"
-                          : "this rank's shard");
+        groups.size() > 1 ? fmt::format("this rank's shard (a file per group: {})", [&] {
+          std::string labels;
+          for (const Group& g : groups) labels += (labels.empty() ? "" : ", ") + g.label;
+          return labels;
+        }())
+                          : std::string("this rank's shard"));
   }
   if (z.grad_tier == strata::Tier::kNvme) {
     add("fp32 gradient file", Where::kNvme, 4.0 * shard_numel, false,
         "this rank's gradient shard" + lora_basis);
   }
   if (z.optimizer_tier == strata::Tier::kNvme) {
-    const double records = std::ceil(shard_numel / static_cast<double>(opt_sub_group));
-    add("optimizer state files", Where::kNvme,
-        2 * records * static_cast<double>(offload::OptimizerSwapper::record_nbytes(opt_sub_group)),
+    add("optimizer state files", Where::kNvme, sum_trained([](const Group& g) {
+          const double records = std::ceil(static_cast<double>(g.layout->shard_numel()) / static_cast<double>(g.opt_sub_group));
+          return 2 * records * static_cast<double>(offload::OptimizerSwapper::record_nbytes(g.opt_sub_group));
+        }),
         false, "two slots (crash-safe commit) of fp32 master + 2 moments per sub-group" + lora_basis);
   }
   return out;

@@ -52,6 +52,12 @@ struct RuntimeInputs {
   // group of its own with its weights only (no gradient shard, reduce buckets
   // or optimizer state), and the fp32 adapters are the trained group.
   nn::LoraSpec lora;
+  // Tensor parallelism (`--tp`, tensor_parallel.autotp_size): world_size
+  // counts every rank; ZeRO partitions over world_size / tensor_parallel.
+  // The items are tp rank 0's (llama_rank_params); with sequence parallelism
+  // its arena holds its rows' share (llama_arena_nbytes).
+  int tensor_parallel = 1;
+  bool sequence_parallel = false;
 };
 
 // Where an item lives. kPinned and kHost are both host memory (resident);
@@ -100,7 +106,18 @@ struct RuntimeMemory {
 // `lora`, its fp32 adapters, as the engine's size choice sees them: the base
 // trained without LoRA and frozen with it (engine::choose_zero_sizes).
 std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model, DType dtype,
-                                                   const nn::LoraSpec& lora);
+                                                   const nn::LoraSpec& lora, int tensor_parallel = 1);
+
+// One parameter as tensor-parallel rank 0 of `tensor_parallel` declares it:
+// LlamaModel's column-parallel q/k/v and gate/up (weight and bias: their rows
+// / tp, or one kv head's rows when tp exceeds the kv heads) and row-parallel
+// o and down weights (their columns / tp) are `split` (the ZeroEngine groups
+// them apart); the rest whole. Without tensor parallelism, every tensor whole.
+struct RankParam {
+  partition::ParamSpec spec;
+  bool split = false;
+};
+std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& model, DType dtype, int tensor_parallel);
 
 // The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
 // for a batch x seq, in bytes: every view rounded up to 256 bytes.

@@ -182,6 +182,14 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp, c.sp) ==
             r.arena_nbytes);
       CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer);
+      // strata plan's view of rank 0's tensors is the one it declares.
+      const std::vector<plan::RankParam> planned = plan::llama_rank_params(m, DType::kF32, c.tp);
+      REQUIRE(planned.size() == r.rank0_params.size());
+      for (size_t i = 0; i < planned.size(); ++i) {
+        INFO(planned[i].spec.name);
+        CHECK(planned[i].spec.shape == r.rank0_params[i].first);
+        CHECK(planned[i].split == r.rank0_params[i].second);
+      }
     }
   }
 }

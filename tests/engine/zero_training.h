@@ -187,6 +187,8 @@ struct TrainResult {
   int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
   engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp collectives over the run
   int64_t tp_split_elements = 0;                // rank 0: elements of the tp shards it holds
+  // Rank 0's parameters as it declared them: (shape, tp_split) in id order.
+  std::vector<std::pair<Shape, bool>> rank0_params;
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
 };
@@ -343,6 +345,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               const engine::ParamInfo& info = eng.param_info(id);
               result.held_expert_params += info.expert >= 0 && eng.owns_expert(info.expert, info.experts);
               if (info.tp_split) result.tp_split_elements += info.numel();
+              result.rank0_params.emplace_back(info.shape, info.tp_split);
             }
           }
         } catch (...) {

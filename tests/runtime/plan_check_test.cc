@@ -308,6 +308,54 @@ TEST_CASE("strata plan --check: a LoRA finetune (2 ranks, ZeRO-3, base and optim
   CHECK(optimizer_files < parameter_file);
 }
 
+TEST_CASE("strata plan --check: a tensor- and sequence-parallel finetune (tp 2 x dp 2, ZeRO-3, parameters and "
+          "optimizer on NVMe) agrees with its plan, its swap files exactly",
+          "[plan][check][finetune][tp]") {
+  strata::test::TempDir dir("plan-check-tp");
+  std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
+  auto ds = nlohmann::json::parse(example);
+  ds["strata"]["keep_swap_files"] = true;
+  ds["zero_optimization"].erase("sub_group_size");  // chosen from rank 0's tensors, by the plan too
+  ds["zero_optimization"].erase("reduce_bucket_size");
+  strata::test::write_file(dir, "ds.json", ds.dump());
+  const std::string out = dir.file("out");
+  const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n 4 -- " +
+                               strata_binary() + " finetune --config ds.json --init " + kExamples +
+                               "/byte_llama.json --data " + kExamples +
+                               "/data/gpl-3.0.txt --data-format text --steps 2 --seq 128 --tp 2 --sequence-parallel "
+                               "--out " + out + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
+  INFO(check.output);
+  const auto j = nlohmann::json::parse(check.output);
+  if (!kSanitized) {
+    CHECK(check.exit_code == 0);
+    CHECK(j["ok"] == true);
+  }
+  int measured = 0;
+  for (const auto& tier : j["tiers"]) {
+    if (tier["measured_bytes"].is_null()) continue;
+    ++measured;
+    INFO(tier["tier"]);
+    // Rank 0's files: its replicated tensors' group and its tp shards' group,
+    // each a parameter file, a gradient file (none here) and optimizer slots.
+    if (tier["tier"] == "nvme") CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
+    if (kSanitized && tier["tier"] == "host resident") continue;
+    CHECK(tier["ratio"].get<double>() > 0.85);
+    CHECK(tier["ratio"].get<double>() < 1.15);
+  }
+  CHECK(measured == 3);
+  // The arena is a tp rank's with sequence parallelism: what llama_arena_nbytes gives.
+  double arena = 0;
+  for (const auto& item : j["items"]) {
+    if (item["name"] == "activation arena") arena = item["bytes"].get<double>();
+  }
+  const strata::nn::LlamaConfig c = strata::nn::load_llama_config(std::string(kExamples) + "/byte_llama.json");
+  CHECK(arena == static_cast<double>(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, 4, 128, false, false,
+                                                                       {}, 1, 2, true)));
+}
+
 TEST_CASE("strata plan --check: a real 2-rank ZeRO-3 NVMe finetune agrees with its plan within 15%",
           "[plan][check][finetune]") {
   strata::test::TempDir dir("plan-check");

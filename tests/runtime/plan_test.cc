@@ -633,15 +633,74 @@ TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
   CHECK_THAT(run_command(strata_binary() + " --help").output, Catch::Contains("plan"));
 }
 
-TEST_CASE("strata plan refuses a tensor-parallel config rather than plan another run", "[plan][cli][tp]") {
+TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic, and what it refuses",
+          "[plan][cli][tp]") {
   strata::test::TempDir dir;
+  // Llama-2-7B's shape.
+  {
+    std::ofstream out(dir.file("l7b.json"));
+    out << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+      "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  }
+  const std::string plan = strata_binary() + " plan --model " + dir.file("l7b.json") +
+                           " --gpus 8 --gpu-mem 80GB --seq 4096 --bw-interconnect 100 ";
+  const auto run = run_command(plan + "--tp 4 --sequence-parallel --json 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto j = nlohmann::json::parse(run.output);
+  const auto& tp = j["tensor_parallel"];
+  CHECK(tp["size"] == 4);
+  CHECK(tp["ranks"] == 8);
+  CHECK(tp["sequence_parallel"] == true);
+  // Rank 0: a quarter of every projection, the embedding, lm_head and norms whole.
+  const int64_t h = 4096, inter = 11008, layers = 32, vocab = 32000;
+  const int64_t per_rank = layers * (4 * h * h / 4 + 3 * h * inter / 4 + 2 * h) + 2 * vocab * h + h;
+  CHECK(tp["parameters_per_rank"] == per_rank);
+  CHECK(j["model"]["param_count"] == per_rank);
+  CHECK(j["machine"]["data_parallel"] == 2);
+  CHECK(j["training"]["tensor_parallel"] == 4);
+  // Stage 3's model states per rank: 16 bytes per parameter over the 2 data-parallel ranks.
+  CHECK(j["model_states"]["zero_stages"][3]["bytes_per_rank"].get<double>() ==
+        Approx(16.0 * static_cast<double>(per_rank) / 2));
+  // Megatron's sequence-parallel traffic per micro-step, 16-bit: per layer 10
+  // gathers or reduce-scatters of s x h (4 more when the layer is
+  // recomputed: the plan checkpoints every layer), 2 more per micro-step,
+  // each moving (t - 1) / t of the buffer per rank.
+  const double buffer = 2.0 * 4096 * h, share = 3.0 / 4;
+  CHECK(tp["collective_bytes_per_micro_step"].get<double>() ==
+        Approx(share * buffer * (layers * 10 + (layers - 1) * 4 + 2)));
+  bool traffic = false;
+  for (const auto& placement : j["placements"]) {
+    for (const auto& t : placement["traffic"]) traffic |= t["class"] == "tensor parallel";
+  }
+  CHECK(traffic);
+  // The text names the split and the ranks.
+  const auto text = run_command(plan + "--tp 4 2>&1");
+  INFO(text.output);
+  CHECK(text.exit_code == 0);
+  CHECK_THAT(text.output, Catch::Contains("tensor parallelism 4 x data parallelism 2 = 8 ranks: each holds 8 heads, 8 "
+                                          "kv head(s) and 2752 MLP features") &&
+                              Catch::Contains("a tp 4 rank's"));
+  // Refused as strata finetune refuses them.
+  const auto three = run_command(plan + "--tp 3 2>&1");
+  CHECK(three.exit_code != 0);
+  CHECK_THAT(three.output, Catch::Contains("does not divide num_attention_heads 32"));
+  const auto shapeless = run_command(strata_binary() + " plan --params 7B --tp 2 2>&1");
+  CHECK(shapeless.exit_code != 0);
+  CHECK_THAT(shapeless.output, Catch::Contains("give --model"));
+  const auto alone = run_command(plan + "--sequence-parallel 2>&1");
+  CHECK(alone.exit_code != 0);
+  CHECK_THAT(alone.output, Catch::Contains("--sequence-parallel needs tensor parallelism"));
   {
     std::ofstream out(dir.file("tp.json"));
     out << R"({"tensor_parallel": {"autotp_size": 2}})";
   }
-  const auto result =
-      run_command(strata_binary() + " plan --layers 8 --hidden 1024 --gpu-mem 16GB --config " + dir.file("tp.json") +
-                  " 2>&1");
-  CHECK(result.exit_code != 0);
-  CHECK_THAT(result.output, Catch::Contains("strata plan does not model tensor parallelism yet"));
+  const auto disagree = run_command(plan + "--tp 4 --config " + dir.file("tp.json") + " 2>&1");
+  CHECK(disagree.exit_code != 0);
+  CHECK_THAT(disagree.output, Catch::Contains("disagree"));
+  const auto from_config = run_command(plan + "--config " + dir.file("tp.json") + " --json 2>&1");
+  INFO(from_config.output);
+  REQUIRE(from_config.exit_code == 0);
+  CHECK(nlohmann::json::parse(from_config.output)["tensor_parallel"]["size"] == 2);
 }
