@@ -30,10 +30,12 @@ template <typename T>
 void embedding_forward(const T* table /*[vocab, dim]*/, const int32_t* ids /*[rows]*/, int64_t rows,
                        int64_t vocab, int64_t dim, T* out /*[rows, dim]*/);
 // Rows whose id is padding_idx add nothing (torch's padding_idx); < 0: none.
+// A vocabulary shard (table_rows >= 0): dtable holds rows [first_id, first_id
+// + table_rows) of the vocab rows, and the other ids add nothing to it.
 template <typename T>
 void embedding_backward(const T* dout /*[rows, dim]*/, const int32_t* ids, int64_t rows,
-                        int64_t vocab, int64_t dim, T* dtable /*[vocab, dim], +=*/,
-                        int64_t padding_idx = -1);
+                        int64_t vocab, int64_t dim, T* dtable /*[vocab or table_rows, dim], +=*/,
+                        int64_t padding_idx = -1, int64_t first_id = 0, int64_t table_rows = -1);
 
 // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
 template <typename T>

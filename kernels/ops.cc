@@ -232,8 +232,22 @@ ComputeContext& Ops::own(ComputeContext& ctx, const char* op) const {
   return ctx;
 }
 
+namespace {
+// The whole vocabulary of an embedding op's table rows `rows` (a shard when
+// vocab > 0), refusing a shard that does not fit in it.
+int64_t embedding_vocab(const char* op, int64_t rows, int64_t first_id, int64_t vocab) {
+  if (vocab == 0) {
+    STRATA_CHECK(first_id == 0, kBadArgument, "{}: first_id {} needs the whole vocabulary (vocab)", op, first_id);
+    return rows;
+  }
+  STRATA_CHECK(first_id >= 0 && vocab > 0 && first_id + rows <= vocab, kBadArgument,
+               "{}: a shard of {} rows from id {} does not fit a vocabulary of {}", op, rows, first_id, vocab);
+  return vocab;
+}
+}  // namespace
+
 void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                            const TensorView& out) {
+                            const TensorView& out, int64_t first_id, int64_t vocab) {
   constexpr const char* op = "embedding_forward";
   own(ctx, op);
   check::float_tensor(op, "table", table);
@@ -242,12 +256,13 @@ void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const 
   STRATA_CHECK(table.desc.shape.size() == 2, kBadArgument, "{}: table must be 2-D, got {}", op,
                shape_string(table.desc.shape));
   check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
+  vocab = embedding_vocab(op, table.desc.shape[0], first_id, vocab);
   Labeled label(ctx, op, [&] { return memory(nbytes(out) * 2 + nbytes(ids), brief(out)); });
-  enqueue_embedding_forward(ctx, table, ids, out);
+  enqueue_embedding_forward(ctx, table, ids, out, first_id, vocab);
 }
 
 void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                             const TensorView& dtable, int64_t padding_idx) {
+                             const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab) {
   constexpr const char* op = "embedding_backward";
   own(ctx, op);
   if (empty(dtable)) return;  // a frozen table: no gradient
@@ -257,11 +272,12 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
   STRATA_CHECK(dtable.desc.shape.size() == 2, kBadArgument, "{}: dtable must be 2-D, got {}", op,
                shape_string(dtable.desc.shape));
   check::shape(op, "dout", dout, {ids.numel(), dtable.desc.shape[1]});
+  vocab = embedding_vocab(op, dtable.desc.shape[0], first_id, vocab);
   if (ids.numel() == 0) return;
   Labeled label(ctx, op, [&] {
     return memory(nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout));
   });
-  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx);
+  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx, first_id, vocab);
 }
 
 void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
@@ -506,6 +522,56 @@ void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorVi
     return arithmetic(gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), brief(h) + " * " + brief(w));
   });
   enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
+}
+
+void Ops::vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,
+                               int64_t first_id, const TensorView& parts) {
+  constexpr const char* op = "vocab_parallel_parts";
+  own(ctx, op);
+  check::float_tensor(op, "logits", logits);
+  check::dtype(op, "targets", targets, DType::kI32);
+  check::dtype(op, "parts", parts, DType::kF32);
+  STRATA_CHECK(logits.desc.shape.size() == 2 && first_id >= 0, kBadArgument,
+               "{}: logits must be [rows, shard vocabulary] (got {}) and first_id >= 0 (got {})", op,
+               shape_string(logits.desc.shape), first_id);
+  const int64_t n = logits.desc.shape[0];
+  check::numel(op, "targets", targets, n);
+  check::shape(op, "parts", parts, {2, n});
+  if (n == 0) return;
+  Labeled label(ctx, op, [&] { return memory(nbytes(logits) + nbytes(targets) + nbytes(parts), brief(logits)); });
+  enqueue_vocab_parallel_parts(ctx, logits, targets, first_id, parts);
+}
+
+void Ops::vocab_parallel_loss(ComputeContext& ctx, const TensorView& logits, const TensorView& gathered,
+                              const TensorView& targets, int64_t first_id, int64_t vocab, const TensorView& lse,
+                              const TensorView& stats, const VocabParallelGrad* grad) {
+  constexpr const char* op = "vocab_parallel_loss";
+  own(ctx, op);
+  check::float_tensor(op, "logits", logits);
+  check::dtype(op, "gathered", gathered, DType::kF32);
+  check::dtype(op, "targets", targets, DType::kI32);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::dtype(op, "stats", stats, DType::kF64);
+  check::numel(op, "stats", stats, 2);
+  STRATA_CHECK(logits.desc.shape.size() == 2 && gathered.desc.shape.size() == 3, kBadArgument,
+               "{}: logits must be [rows, shard vocabulary] and gathered [ranks, 2, rows] (got {} and {})", op,
+               shape_string(logits.desc.shape), shape_string(gathered.desc.shape));
+  const int64_t n = logits.desc.shape[0], shard = logits.desc.shape[1], ranks = gathered.desc.shape[0];
+  STRATA_CHECK(ranks >= 1 && first_id >= 0 && first_id + shard <= vocab, kBadArgument,
+               "{}: a shard of {} columns from id {} does not fit a vocabulary of {}", op, shard, first_id, vocab);
+  check::shape(op, "gathered", gathered, {ranks, 2, n});
+  check::numel(op, "targets", targets, n);
+  check::numel(op, "lse", lse, n);
+  if (grad != nullptr) {
+    check::dtype(op, "normalizer", grad->normalizer, DType::kF64);
+    check::numel(op, "normalizer", grad->normalizer, 1);
+  }
+  if (n == 0) return;
+  Labeled label(ctx, op, [&] {
+    return memory(nbytes(logits) * (grad != nullptr ? 2 : 1) + nbytes(gathered) + nbytes(targets) + nbytes(lse),
+                  brief(logits));
+  });
+  enqueue_vocab_parallel_loss(ctx, logits, gathered, targets, first_id, vocab, lse, stats, grad);
 }
 
 void Ops::count_targets(ComputeContext& ctx, const TensorView& targets, const TensorView& count) {

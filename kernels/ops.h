@@ -135,15 +135,22 @@ class Ops {
 
   // ---- embedding: out[r, :] = table[ids[r], :] --------------------------------
   // table [vocab, dim], ids int32 [rows], out [rows, dim].
+  //
+  // A vocabulary shard (Megatron's vocabulary-parallel embedding): with
+  // `vocab` > 0 the table holds rows [first_id, first_id + table rows) of a
+  // vocab-row table; an id outside the shard gives a zero row (another rank
+  // holds it; the model sums the ranks' outputs) and adds no gradient.
+  // padding_idx is then a global id too. vocab 0: the table is whole.
   void embedding_forward(ComputeContext& ctx, const TensorView& table,
-                                 const TensorView& ids, const TensorView& out);
+                                 const TensorView& ids, const TensorView& out, int64_t first_id = 0,
+                                 int64_t vocab = 0);
   // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids, except
   // the rows whose id is padding_idx (torch's nn.Embedding(padding_idx): that
   // row gets no gradient from lookups); padding_idx < 0: none. An empty dtable
   // (a frozen table) does nothing.
   void embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& ids, const TensorView& dtable,
-                                  int64_t padding_idx);
+                                  int64_t padding_idx, int64_t first_id = 0, int64_t vocab = 0);
 
   // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
   // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
@@ -244,6 +251,35 @@ class Ops {
   void count_targets(ComputeContext& ctx, const TensorView& targets,
                              const TensorView& count);
 
+  // ---- vocabulary-parallel cross-entropy (Megatron's, tensor parallelism) -------
+  // Each rank holds rows [first_id, first_id + V) of the output projection
+  // and forms a chunk's logits [n, V] = h W^T itself (linear_forward, in the
+  // activation dtype), so no rank forms the whole vocabulary's. Per chunk:
+  // vocab_parallel_parts writes parts fp32 [2, n]: row 0 the log-sum-exp of
+  // each logits row over this rank's columns, row 1 the logit of the row's
+  // target when this rank holds it, else 0 (and 0 for kIgnoreIndex).
+  void vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,
+                            int64_t first_id, const TensorView& parts);
+  // Then, with every rank's parts gathered fp32 [tp, 2, n] (rank-major, an
+  // allgather): lse fp32 [n] = the log-sum-exp over the whole vocabulary
+  // (the parts combined in a fixed order, so every rank gets the same bits);
+  // stats fp64 [2] += (the sum over counted rows of lse - target logit, the
+  // counted rows), the same on every rank. targets must be kIgnoreIndex or in
+  // [0, vocab) (vocab: the whole vocabulary; the caller validates them, as
+  // for cross_entropy). With `grad` the logits are
+  // overwritten with d loss / d logits over this rank's columns, for
+  //   loss = grad_scale * (sum of per-row losses) / normalizer[0]
+  // (normalizer an fp64 [1] device scalar read when the work runs; ignored
+  // rows zero); the caller's linear_backward then gives this rank's partial
+  // dh (summed over tp by the caller) and its shard's dw.
+  struct VocabParallelGrad {
+    TensorView normalizer;  // fp64 [1]
+    double grad_scale = 1.0;
+  };
+  void vocab_parallel_loss(ComputeContext& ctx, const TensorView& logits, const TensorView& gathered,
+                           const TensorView& targets, int64_t first_id, int64_t vocab, const TensorView& lse,
+                           const TensorView& stats, const VocabParallelGrad* grad);
+
   // ---- mixture of experts: routing, permutation by expert, weighted combine ------
   // rows tokens routed over E experts, k of them each (1 <= k <= E); rows * k
   // "assignments" (r, j), ordered by expert into "slots".
@@ -334,11 +370,13 @@ class Ops {
   // limits (cuda: device memory, 32-bit extents), before it enqueues anything.
   // `ctx` is always one this backend's new_context made.
   virtual std::unique_ptr<ComputeContext> new_context(Stream& stream) = 0;
+  // vocab: the whole vocabulary (the table's rows when it is whole).
   virtual void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table,
-                                         const TensorView& ids, const TensorView& out) = 0;
+                                         const TensorView& ids, const TensorView& out, int64_t first_id,
+                                         int64_t vocab) = 0;
   virtual void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                           const TensorView& ids, const TensorView& dtable,
-                                          int64_t padding_idx) = 0;
+                                          int64_t padding_idx, int64_t first_id, int64_t vocab) = 0;
   virtual void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
                                        double eps, const TensorView& y, const TensorView& rstd) = 0;
   virtual void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
@@ -383,6 +421,14 @@ class Ops {
                                      const CrossEntropyGrad* grad) = 0;
   virtual void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                                      const TensorView& count) = 0;
+  // n > 0.
+  virtual void enqueue_vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits,
+                                            const TensorView& targets, int64_t first_id,
+                                            const TensorView& parts) = 0;
+  virtual void enqueue_vocab_parallel_loss(ComputeContext& ctx, const TensorView& logits,
+                                           const TensorView& gathered, const TensorView& targets,
+                                           int64_t first_id, int64_t vocab, const TensorView& lse,
+                                           const TensorView& stats, const VocabParallelGrad* grad) = 0;
   virtual void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k,
                                  bool renormalize, const TensorView& probs,
                                  const TensorView& indices, const TensorView& weights,

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <vector>
 
@@ -142,8 +143,8 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                         const TensorView& out) override {
-    const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
+                         const TensorView& out, int64_t first_id, int64_t vocab) override {
+    const int64_t held = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
     enqueue(ctx, [=](CpuContext&) {
       const auto* id = ids.as<const int32_t>();
       const size_t te = dtype_nbytes(table.desc.dtype), oe = dtype_nbytes(out.desc.dtype);
@@ -154,19 +155,24 @@ class CpuOps final : public Ops {
       }
 #pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
       for (int64_t r = 0; r < rows; ++r) {
-        convert(table.as<const char>() + id[r] * dim * static_cast<int64_t>(te), table.desc.dtype,
-                out.as<char>() + r * dim * static_cast<int64_t>(oe), out.desc.dtype,
-                static_cast<size_t>(dim));
+        char* dst = out.as<char>() + r * dim * static_cast<int64_t>(oe);
+        const int64_t local = id[r] - first_id;
+        if (local < 0 || local >= held) {  // another rank's row: this rank adds zeros
+          std::memset(dst, 0, static_cast<size_t>(dim) * oe);
+          continue;
+        }
+        convert(table.as<const char>() + local * dim * static_cast<int64_t>(te), table.desc.dtype, dst,
+                out.desc.dtype, static_cast<size_t>(dim));
       }
     });
   }
 
   void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                          const TensorView& dtable, int64_t padding_idx) override {
-    const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
+                          const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab) override {
+    const int64_t held = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
     enqueue(ctx, [=](CpuContext& c) {
-      nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab,
-                                         dim, dtable.as<float>(), padding_idx);
+      nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab, dim,
+                                         dtable.as<float>(), padding_idx, first_id, held);
     });
   }
 
@@ -387,6 +393,87 @@ class CpuOps final : public Ops {
     enqueue(ctx, [=](CpuContext&) {
       count.as<double>()[0] +=
           static_cast<double>(nn::cpu::count_targets(targets.as<const int32_t>(), targets.numel()));
+    });
+  }
+
+  // ---- vocabulary-parallel cross-entropy: rows of this rank's logits ------------
+  void enqueue_vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,
+                                    int64_t first_id, const TensorView& parts) override {
+    const int64_t n = logits.desc.shape[0], shard = logits.desc.shape[1];
+    enqueue(ctx, [=](CpuContext& c) {
+      const float* l = widen(c, 0, logits);
+      const auto* tgt = targets.as<const int32_t>();
+      float* lse = parts.as<float>();
+      float* target_logit = lse + n;
+#pragma omp parallel for schedule(static) if (n * shard >= kMinParallelWork)
+      for (int64_t r = 0; r < n; ++r) {
+        const float* lr = l + r * shard;
+        const float m = vec::max(lr, shard);
+        lse[r] = static_cast<float>(static_cast<double>(m) + std::log(vec::exp_shifted(lr, shard, m, nullptr)));
+        const int64_t local = static_cast<int64_t>(tgt[r]) - first_id;
+        target_logit[r] = tgt[r] != kIgnoreIndex && local >= 0 && local < shard ? lr[local] : 0.0f;
+      }
+    });
+  }
+
+  void enqueue_vocab_parallel_loss(ComputeContext& ctx, const TensorView& logits, const TensorView& gathered,
+                                   const TensorView& targets, int64_t first_id, int64_t vocab, const TensorView& lse,
+                                   const TensorView& stats, const VocabParallelGrad* grad) override {
+    const int64_t n = logits.desc.shape[0], shard = logits.desc.shape[1], ranks = gathered.desc.shape[0];
+    const bool want_grad = grad != nullptr;
+    VocabParallelGrad g;
+    if (want_grad) g = *grad;
+    enqueue(ctx, [=](CpuContext& c) {
+      const auto* tgt = targets.as<const int32_t>();
+      for (int64_t r = 0; r < n; ++r) {
+        STRATA_CHECK(tgt[r] == kIgnoreIndex || (tgt[r] >= 0 && tgt[r] < vocab), kBadArgument,
+                     "vocab_parallel_loss: target {} at row {} is outside [0, {}) and not {}", tgt[r], r, vocab,
+                     kIgnoreIndex);
+      }
+      double scale = 0;
+      if (want_grad) {
+        const double normalizer = g.normalizer.as<const double>()[0];
+        STRATA_CHECK(normalizer > 0, kBadArgument,
+                     "vocab_parallel_loss: the loss normalizer is {} (no counted targets?)", normalizer);
+        scale = g.grad_scale / normalizer;
+      }
+      const float* parts = gathered.as<const float>();
+      float* lse_out = lse.as<float>();
+      // The whole vocabulary's log-sum-exp and target logit, ranks in order.
+      double loss = 0, counted = 0;
+      for (int64_t r = 0; r < n; ++r) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (int64_t p = 0; p < ranks; ++p) m = std::max(m, static_cast<double>(parts[(p * 2) * n + r]));
+        double sum = 0, target_logit = 0;
+        for (int64_t p = 0; p < ranks; ++p) {
+          sum += std::exp(static_cast<double>(parts[(p * 2) * n + r]) - m);
+          target_logit += parts[(p * 2 + 1) * n + r];
+        }
+        const double row_lse = m + std::log(sum);
+        lse_out[r] = static_cast<float>(row_lse);
+        if (tgt[r] != kIgnoreIndex) {
+          loss += row_lse - target_logit;
+          counted += 1;
+        }
+      }
+      stats.as<double>()[0] += loss;
+      stats.as<double>()[1] += counted;
+      if (!want_grad) return;
+      float* d = stage(c, 0, logits, true);
+#pragma omp parallel for schedule(static) if (n * shard >= kMinParallelWork)
+      for (int64_t r = 0; r < n; ++r) {
+        float* dr = d + r * shard;
+        if (tgt[r] == kIgnoreIndex) {
+          std::fill(dr, dr + shard, 0.0f);
+          continue;
+        }
+        // d loss / d logit = scale * (softmax - onehot) on this rank's columns.
+        const float row_lse = lse_out[r];
+        for (int64_t col = 0; col < shard; ++col) dr[col] = static_cast<float>(scale) * std::exp(dr[col] - row_lse);
+        const int64_t local = static_cast<int64_t>(tgt[r]) - first_id;
+        if (local >= 0 && local < shard) dr[local] -= static_cast<float>(scale);
+      }
+      commit(d, logits);
     });
   }
 

@@ -13,14 +13,14 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename P, typename A>
-__global__ void embedding_forward_kernel(const P* table, const int32_t* ids, int64_t rows,
+__global__ void embedding_forward_kernel(const P* table, const int32_t* ids, int64_t rows, int64_t first_id,
                                          int64_t vocab, int64_t dim, A* out, bool vectorized) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const int32_t id = ids[r];
-    // Out-of-range ids are the caller's bug; they read as a zero row rather
-    // than out of bounds.
+    const int64_t id = static_cast<int64_t>(ids[r]) - first_id;  // the row in this table (a shard's)
+    // Another shard's ids read as a zero row; out-of-range ids are the
+    // caller's bug and do the same rather than read out of bounds.
     const bool valid = id >= 0 && id < vocab;
-    const P* src = table + (valid ? static_cast<int64_t>(id) : 0) * dim;
+    const P* src = table + (valid ? id : 0) * dim;
     A* dst = out + r * dim;
     if (vectorized) {
       for (int64_t c = threadIdx.x * 8; c < dim; c += blockDim.x * 8) {
@@ -52,15 +52,16 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
 // order, which the stable sort kept) and adds the sum to dtable[id].
 template <typename T>
 __global__ void embedding_segment_kernel(const T* dout, const int32_t* sorted_ids,
-                                         const int32_t* sorted_rows, int64_t rows, int64_t vocab,
-                                         int64_t dim, int64_t padding_idx, float* dtable) {
+                                         const int32_t* sorted_rows, int64_t rows, int64_t first_id,
+                                         int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int32_t id = sorted_ids[i];
     if (i > 0 && sorted_ids[i - 1] == id) continue;  // not a segment start
-    if (id < 0 || id >= vocab || id == padding_idx) continue;
+    const int64_t local = static_cast<int64_t>(id) - first_id;  // its row in this table (a shard's)
+    if (local < 0 || local >= vocab || id == padding_idx) continue;
     int64_t end = i + 1;
     while (end < rows && sorted_ids[end] == id) ++end;
-    float* dst = dtable + static_cast<int64_t>(id) * dim;
+    float* dst = dtable + local * dim;
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
       float acc = 0.0f;
       for (int64_t j = i; j < end; ++j)
@@ -86,15 +87,15 @@ size_t sort_temp_nbytes(int64_t rows) {
 }  // namespace
 
 void launch_embedding_forward(Storage table_t, const void* table, const int32_t* ids, int64_t rows,
-                              int64_t vocab, int64_t dim, Storage out_t, void* out,
+                              int64_t first_id, int64_t vocab, int64_t dim, Storage out_t, void* out,
                               cudaStream_t stream) {
   if (rows == 0 || dim == 0) return;
   const bool vectorized = dim % 8 == 0 && aligned16(table) && aligned16(out);
   const unsigned grid = static_cast<unsigned>(rows < 65535 * 16 ? rows : 65535 * 16);
   STRATA_DISPATCH_2(table_t, P, out_t, A,
                     embedding_forward_kernel<P, A>
-                    <<<grid, kThreads, 0, stream>>>(static_cast<const P*>(table), ids, rows, vocab,
-                                                    dim, static_cast<A*>(out), vectorized));
+                    <<<grid, kThreads, 0, stream>>>(static_cast<const P*>(table), ids, rows, first_id,
+                                                    vocab, dim, static_cast<A*>(out), vectorized));
 }
 
 size_t embedding_backward_scratch_nbytes(int64_t rows) {
@@ -104,8 +105,8 @@ size_t embedding_backward_scratch_nbytes(int64_t rows) {
 }
 
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
-                                      int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable,
-                                      void* scratch, size_t scratch_nbytes, cudaStream_t stream) {
+                                      int64_t first_id, int64_t vocab, int64_t dim, int64_t padding_idx,
+                                      float* dtable, void* scratch, size_t scratch_nbytes, cudaStream_t stream) {
   if (rows == 0 || dim == 0) return cudaSuccess;
   char* base = static_cast<char*>(scratch);
   const size_t slice = align_up(static_cast<size_t>(rows) * sizeof(int32_t));
@@ -123,7 +124,7 @@ cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t
   STRATA_DISPATCH_T(t, T,
                     embedding_segment_kernel<T>
                     <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(dout), sorted_ids,
-                                                    sorted_rows, rows, vocab, dim, padding_idx,
+                                                    sorted_rows, rows, first_id, vocab, dim, padding_idx,
                                                     dtable));
   return cudaSuccess;
 }

@@ -49,15 +49,17 @@ void launch_column_sum(Storage t, const void* a, int64_t lda, const void* b, int
                        float* partial, float* dst, cudaStream_t stream);
 
 // ---- embedding.cu -----------------------------------------------------------
+// The table holds rows [first_id, first_id + vocab) (a vocabulary shard; 0 and
+// the whole vocabulary otherwise): other ids read as zero rows and add no gradient.
 void launch_embedding_forward(Storage table_t, const void* table, const int32_t* ids, int64_t rows,
-                              int64_t vocab, int64_t dim, Storage out_t, void* out,
+                              int64_t first_id, int64_t vocab, int64_t dim, Storage out_t, void* out,
                               cudaStream_t stream);
 // Scratch for the deterministic backward (ids sorted with their rows).
 size_t embedding_backward_scratch_nbytes(int64_t rows);
 // Rows whose id is padding_idx add nothing (< 0: none).
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
-                                      int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable,
-                                      void* scratch, size_t scratch_nbytes, cudaStream_t stream);
+                                      int64_t first_id, int64_t vocab, int64_t dim, int64_t padding_idx,
+                                      float* dtable, void* scratch, size_t scratch_nbytes, cudaStream_t stream);
 
 // ---- rmsnorm.cu -------------------------------------------------------------
 void launch_rmsnorm_forward(Storage t, const void* x, Storage w_t, const void* w, int64_t rows,
@@ -85,6 +87,17 @@ void launch_ce_stats(const float* loss, const int32_t* targets, int64_t rows, do
                      cudaStream_t stream);
 // count[0] += number of targets that are not kIgnoreIndex.
 void launch_count_targets(const int32_t* targets, int64_t rows, double* count, cudaStream_t stream);
+
+// ---- vocab_parallel.cu ------------------------------------------------------
+// Ops::vocab_parallel_parts on logits [n, shard] (storage t): parts fp32 [2, n].
+void launch_vocab_parallel_parts(Storage t, const void* logits, const int32_t* targets, int64_t n, int64_t shard,
+                                 int64_t first_id, float* parts, cudaStream_t stream);
+// Ops::vocab_parallel_loss's rows: lse [n] and loss [n] (0 for ignored rows)
+// from gathered [ranks, 2, n]; with normalizer non-null the logits are
+// overwritten with the gradient. launch_ce_stats then adds loss to the stats.
+void launch_vocab_parallel_loss(Storage t, void* logits, const float* gathered, int64_t ranks,
+                                const int32_t* targets, int64_t n, int64_t shard, int64_t first_id, float* lse,
+                                float* loss, const double* normalizer, double grad_scale, cudaStream_t stream);
 
 // ---- adam.cu ----------------------------------------------------------------
 // The per-step scalars of kernels::AdamCoefficients that the update reads

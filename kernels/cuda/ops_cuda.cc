@@ -250,31 +250,32 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                         const TensorView& out) override {
+                         const TensorView& out, int64_t first_id, int64_t /*vocab*/) override {
     constexpr const char* op = "embedding_forward";
     CudaContext& c = context(ctx);
     check_device(op, {{"table", &table}, {"ids", &ids}, {"out", &out}});
-    const int64_t vocab = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
+    const int64_t held = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
     run(c, op, [&] {
       cuda::launch_embedding_forward(storage(table.desc.dtype), table.data, ids.as<int32_t>(), rows,
-                                     vocab, dim, storage(out.desc.dtype), out.data,
+                                     first_id, held, dim, storage(out.desc.dtype), out.data,
                                      c.cuda_stream());
       check_launch(op);
     });
   }
 
   void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                          const TensorView& dtable, int64_t padding_idx) override {
+                          const TensorView& dtable, int64_t padding_idx, int64_t first_id,
+                          int64_t /*vocab*/) override {
     constexpr const char* op = "embedding_backward";
     CudaContext& c = context(ctx);
     check_device(op, {{"dout", &dout}, {"ids", &ids}, {"dtable", &dtable}});
-    const int64_t vocab = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
+    const int64_t held = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
     check_int(op, "rows", rows);
     run(c, op, [&] {
       const size_t nbytes = cuda::embedding_backward_scratch_nbytes(rows);
       Scratch scratch(c, nbytes);
       check_status(cuda::launch_embedding_backward(
-                       storage(dout.desc.dtype), dout.data, ids.as<int32_t>(), rows, vocab, dim,
+                       storage(dout.desc.dtype), dout.data, ids.as<int32_t>(), rows, first_id, held, dim,
                        padding_idx, dtable.as<float>(), scratch.get(), nbytes, c.cuda_stream()),
                    op);
       check_launch(op);
@@ -628,6 +629,43 @@ class CudaOps final : public Ops {
     run(c, op, [&] {
       cuda::launch_count_targets(targets.as<int32_t>(), targets.numel(), count.as<double>(),
                                  c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,
+                                    int64_t first_id, const TensorView& parts) override {
+    constexpr const char* op = "vocab_parallel_parts";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"logits", &logits}, {"targets", &targets}, {"parts", &parts}});
+    const int64_t n = logits.desc.shape[0], shard = logits.desc.shape[1];
+    check_int(op, "rows", n);
+    run(c, op, [&] {
+      cuda::launch_vocab_parallel_parts(storage(logits.desc.dtype), logits.data, targets.as<int32_t>(), n, shard,
+                                        first_id, parts.as<float>(), c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
+  void enqueue_vocab_parallel_loss(ComputeContext& ctx, const TensorView& logits, const TensorView& gathered,
+                                   const TensorView& targets, int64_t first_id, int64_t /*vocab*/,
+                                   const TensorView& lse, const TensorView& stats,
+                                   const VocabParallelGrad* grad) override {
+    constexpr const char* op = "vocab_parallel_loss";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"logits", &logits}, {"gathered", &gathered}, {"targets", &targets}, {"lse", &lse},
+                      {"stats", &stats}});
+    if (grad != nullptr) check_device(op, "normalizer", grad->normalizer);
+    const int64_t n = logits.desc.shape[0], shard = logits.desc.shape[1], ranks = gathered.desc.shape[0];
+    check_int(op, "rows", n);
+    run(c, op, [&] {
+      Scratch loss(c, static_cast<size_t>(n) * 4);  // before the first launch: a failure enqueues nothing
+      cuda::launch_vocab_parallel_loss(storage(logits.desc.dtype), logits.data, gathered.as<float>(), ranks,
+                                       targets.as<int32_t>(), n, shard, first_id, lse.as<float>(), loss.as<float>(),
+                                       grad == nullptr ? nullptr : grad->normalizer.as<double>(),
+                                       grad == nullptr ? 0.0 : grad->grad_scale, c.cuda_stream());
+      check_launch(op);
+      cuda::launch_ce_stats(loss.as<float>(), targets.as<int32_t>(), n, stats.as<double>(), c.cuda_stream());
       check_launch(op);
     });
   }

@@ -6,13 +6,20 @@ namespace strata::nn {
 Embedding::Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
                      DType dtype, int64_t padding_idx)
     : Module(engine, std::move(name)), vocab_(vocab), dim_(dim), padding_idx_(padding_idx) {
-  weight_ = add_parameter("weight", dtype, {vocab, dim});
+  const engine::Engine::TensorGroup& tp = engine.tensor_group();
+  split_ = tp.size > 1;
+  if (split_) {
+    weight_ = add_tp_shard("weight", dtype, {vocab, dim}, 0);
+    first_id_ = vocab / tp.size * tp.rank;
+  } else {
+    weight_ = add_parameter("weight", dtype, {vocab, dim});
+  }
   op_ = add_operator({weight_});
 }
 
 void Embedding::forward(const TensorView& ids, const TensorView& out, Phase phase) {
   check_shape(name_, "output", out, {ids.numel(), dim_});
-  run(op_, phase, [&] { ops().embedding_forward(ctx(), param(weight_), ids, out); });
+  run(op_, phase, [&] { ops().embedding_forward(ctx(), param(weight_), ids, out, first_id_, split_ ? vocab_ : 0); });
 }
 
 void Embedding::backward(const TensorView& ids, const TensorView& dout) {
@@ -21,7 +28,7 @@ void Embedding::backward(const TensorView& ids, const TensorView& dout) {
   // else: no window, so ZeRO-3 does not gather the table for nothing.
   if (engine_.param_info(weight_).frozen) return;
   run(op_, Phase::kBackward,
-      [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_), padding_idx_); });
+      [&] { ops().embedding_backward(ctx(), dout, ids, grad(weight_), padding_idx_, first_id_, split_ ? vocab_ : 0); });
 }
 
 RMSNorm::RMSNorm(engine::Engine& engine, std::string name, int64_t dim, double eps, DType dtype)

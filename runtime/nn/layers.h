@@ -6,6 +6,11 @@
 
 namespace strata::nn {
 
+// With tensor parallelism (Megatron's vocabulary-parallel embedding) each tp
+// rank holds the table's rows [first_id(), first_id() + vocab / tp) (the
+// caller checks that tp divides vocab): forward writes this rank's share of
+// the lookup (zeros for the other ranks' ids), which the caller sums over tp,
+// and backward adds into this rank's rows only.
 class Embedding : public Module {
  public:
   // padding_idx: the row that gets no gradient from lookups (torch's
@@ -19,9 +24,12 @@ class Embedding : public Module {
   ParamId weight() const { return weight_; }
   OpId op() const { return op_; }
   int64_t vocab() const { return vocab_; }
+  int64_t first_id() const { return first_id_; }  // this rank's first row (0 without tensor parallelism)
+  bool split() const { return split_; }
 
  private:
-  int64_t vocab_, dim_, padding_idx_;
+  int64_t vocab_, dim_, padding_idx_, first_id_ = 0;
+  bool split_ = false;
   ParamId weight_;
   OpId op_;
 };

@@ -362,6 +362,12 @@ LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
                tp, c.num_key_value_heads);
   STRATA_CHECK(c.intermediate_size % tp == 0, kBadArgument,
                "tensor parallelism {} does not divide intermediate_size {}", tp, c.intermediate_size);
+  // The embedding and lm_head split by vocabulary rows (Megatron pads the
+  // vocabulary instead; strata would then export padded tensors, or none).
+  STRATA_CHECK(c.vocab_size % tp == 0, kBadArgument,
+               "tensor parallelism {} does not divide vocab_size {} (the embedding and lm_head are split by "
+               "vocabulary rows)",
+               tp, c.vocab_size);
   LlamaConfig share = c;
   share.num_attention_heads /= tp;
   share.num_key_value_heads = std::max<int64_t>(c.num_key_value_heads / tp, 1);

@@ -128,9 +128,10 @@ struct LlamaConfig {
 // num_attention_heads, num_key_value_heads and intermediate_size divided by
 // tp (with fewer kv heads than ranks, one: the kv head its query heads use,
 // shared with tp / num_key_value_heads ranks), everything else as it is —
-// the shapes of its activations. Refused (kBadArgument, naming the sizes)
-// when tp does not divide them (nor num_key_value_heads tp), and for what is
-// not implemented with tensor parallelism yet: experts.
+// the shapes of its activations (vocab_size stays whole: the embedding's and
+// lm_head's rows split by it, Embedding). Refused (kBadArgument, naming the
+// sizes) when tp does not divide them or vocab_size (nor num_key_value_heads
+// tp), and for what is not implemented with tensor parallelism yet: experts.
 LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp);
 
 // A tensor of the Hugging Face checkpoint: its name and shape.

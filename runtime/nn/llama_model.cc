@@ -37,6 +37,19 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Llama
   }
 }
 
+namespace {
+// Completes a tp rank's partial sum over the tp group: `out` is `partial`
+// summed in place (an allreduce), or with sequence parallelism this rank's
+// rows of the sum of every rank's `partial` (a reduce-scatter). No tp: nothing.
+void sum_over_tp(engine::Engine& engine, bool sequence_parallel, const TensorView& partial, const TensorView& out) {
+  if (sequence_parallel) {
+    engine.tp_reduce_scatter(partial, out);
+  } else if (engine.tensor_group().size > 1) {
+    engine.tp_allreduce(out);
+  }
+}
+}  // namespace
+
 const TensorView& DecoderLayer::block_input(const TensorView& local, const TensorView& gathered) {
   if (!sp_) return local;
   engine_.tp_allgather(local, gathered);
@@ -47,13 +60,7 @@ const TensorView& DecoderLayer::block_output(const DecoderActs& a, const TensorV
   return sp_ ? a.partial : out;
 }
 
-void DecoderLayer::complete(const DecoderActs& a, const TensorView& out) {
-  if (sp_) {
-    engine_.tp_reduce_scatter(a.partial, out);
-  } else if (tp_) {
-    engine_.tp_allreduce(out);
-  }
-}
+void DecoderLayer::complete(const DecoderActs& a, const TensorView& out) { sum_over_tp(engine_, sp_, a.partial, out); }
 
 void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                            int64_t seq, const DecoderActs& a, const TensorView& y, Phase phase) {
@@ -98,12 +105,14 @@ void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int6
 
 namespace {
 
-// A module that only owns lm_head.weight (its kernel runs inside LlamaModel).
+// A module that only owns lm_head.weight (its kernel runs inside LlamaModel);
+// with tensor parallelism this rank's vocabulary rows, as Embedding's.
 class LmHead : public Module {
  public:
   LmHead(engine::Engine& engine, int64_t vocab, int64_t hidden, DType dtype)
       : Module(engine, "lm_head") {
-    weight = add_parameter("weight", dtype, {vocab, hidden});
+    weight = engine.tensor_group().size > 1 ? add_tp_shard("weight", dtype, {vocab, hidden}, 0)
+                                            : add_parameter("weight", dtype, {vocab, hidden});
   }
   ParamId weight;
 };
@@ -150,6 +159,11 @@ struct LlamaModel::Arena {
   // Sequence parallelism: the final norm's output on this rank's rows,
   // gathered into final_ln for the loss (empty otherwise).
   TensorView final_ln_local;
+  // Tensor parallelism: the vocabulary-parallel loss's scratch (outside the
+  // arena, as the fused loss's is): a chunk's logits [chunk, vocab / tp] and
+  // its parts, fp32 [2 x chunk] and gathered [tp x 2 x chunk].
+  Tensor vocab_memory;
+  TensorView vp_logits, vp_parts, vp_gathered;
   // Mixture of experts: the load-balancing statistics (fp64 [2, E]), the loss
   // (fp64 [1]) and its gradient per probability (fp32 [E]); empty when dense.
   TensorView moe_stats, moe_aux, moe_aux_grad;
@@ -211,10 +225,7 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   }
   STRATA_CHECK(!options_.sequence_parallel || engine.tensor_group().size > 1, kBadArgument,
                "sequence_parallel needs tensor parallelism (tensor_parallel.autotp_size of 2 or more)");
-  if (options_.loss_chunk_rows == 0) {
-    constexpr int64_t kLogitsBudget = int64_t{64} << 20;
-    options_.loss_chunk_rows = std::max<int64_t>(64, kLogitsBudget / (4 * config_.vocab_size));
-  }
+  if (options_.loss_chunk_rows == 0) options_.loss_chunk_rows = default_loss_chunk_rows(config_, engine.tensor_group().size);
   embed_tokens_ = std::make_unique<Embedding>(engine, child_name("embed_tokens"), config_.vocab_size,
                                               config_.hidden_size, options_.dtype, config_.pad_token_id);
   add_child(*embed_tokens_);
@@ -432,6 +443,17 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
       if (c.output_router_logits) d.moe_aux = MoeAux{a->moe_stats, a->moe_aux_grad};
     }
   }
+  if (embed_tokens_->split()) {
+    const int tp = engine_.tensor_group().size;
+    const int64_t chunk = std::min(options_.loss_chunk_rows, rows), shard = config_.vocab_size / tp;
+    ArenaLayout vocab;
+    vocab.add(a->vp_logits, t, {chunk, shard});
+    vocab.add(a->vp_parts, DType::kF32, {2 * chunk});
+    vocab.add(a->vp_gathered, DType::kF32, {tp * 2 * chunk});
+    a->vocab_memory = engine_.accelerator().allocate_tensor(
+        DType::kF32, {static_cast<int64_t>(vocab.nbytes() / sizeof(float))});
+    vocab.bind(a->vocab_memory.data());
+  }
   a->host = engine_.accelerator().allocate_pinned(a->host_ints_nbytes() + 4 * sizeof(double));
   a->uploaded = engine_.accelerator().create_event();
   if (options_.cpu_checkpointing && layers > 1) {
@@ -538,7 +560,14 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   const bool aux_loss = config_.moe() && config_.output_router_logits;
   if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);
 
-  embed_tokens_->forward(local_rows(a.ids), a.input(0));
+  if (embed_tokens_->split()) {
+    // This rank's vocabulary rows' share of every row's embedding, summed over tp.
+    const TensorView& partial = options_.sequence_parallel ? a.acts[0].partial : a.input(0);
+    embed_tokens_->forward(a.ids, partial);
+    sum_over_tp(engine_, options_.sequence_parallel, partial, a.input(0));
+  } else {
+    embed_tokens_->forward(a.ids, a.input(0));
+  }
   for (size_t l = 0; l < layers_.size(); ++l) {
     if (a.host_checkpoints != nullptr && recomputed(l) && options.backward) {
       // Out before layer l + 1 overwrites the buffer (same stream: in order).
@@ -561,10 +590,15 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
                        options.grad_scale * config_.router_aux_loss_coef, a.moe_aux, a.moe_aux_grad);
   }
 
+  const bool vocab_parallel = embed_tokens_->split();
   if (!options.backward) {
     run(lm_head_op_, Phase::kForward, [&] {
-      ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets,
-                          options_.loss_chunk_rows, a.lse_ce, a.stats, nullptr);
+      if (vocab_parallel) {
+        vocab_parallel_loss(TensorView{}, 0, TensorView{});
+      } else {
+        ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets, options_.loss_chunk_rows, a.lse_ce,
+                            a.stats, nullptr);
+      }
     });
     backward_pending_ = false;
     return;
@@ -576,15 +610,61 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
     normalizer = a.count;
   }
   // The loss's backward, fused: lm_head's backward window, at the end of forward.
+  // d loss / d final_ln for every row: grads.dln, or with sequence
+  // parallelism grads.dgathered (each rank's share is reduce-scattered below).
+  const TensorView dh = options_.sequence_parallel ? a.grads.dgathered : a.grads.dln;
   run(lm_head_op_, Phase::kBackward, [&] {
-    // d loss / d final_ln for every row (with sequence parallelism the
-    // backward's norm reads this rank's).
-    const TensorView dh = options_.sequence_parallel ? a.grads.dgathered : a.grads.dln;
-    const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, dh, this->grad(lm_head_param_)};
-    ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets,
-                        options_.loss_chunk_rows, a.lse_ce, a.stats, &grad);
+    if (vocab_parallel) {
+      vocab_parallel_loss(normalizer, options.grad_scale, dh);
+    } else {
+      const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, dh, this->grad(lm_head_param_)};
+      ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets, options_.loss_chunk_rows, a.lse_ce,
+                          a.stats, &grad);
+    }
   });
+  // Each rank's vocabulary rows gave a partial dh: summed over tp (into
+  // grads.dln: this rank's rows with sequence parallelism).
+  if (vocab_parallel) sum_over_tp(engine_, options_.sequence_parallel, dh, a.grads.dln);
   backward_pending_ = true;
+}
+
+void LlamaModel::vocab_parallel_loss(const TensorView& normalizer, double grad_scale, const TensorView& dh) {
+  // Megatron's vocabulary-parallel cross-entropy, chunk by chunk: this rank's
+  // logits [n, V / tp], each row's log-sum-exp and target logit over its
+  // columns, gathered from every rank (2 n floats each), the whole
+  // vocabulary's loss; in training the logits' gradient gives this rank's
+  // partial dh and its shard's lm_head gradient.
+  Arena& a = *arena_;
+  const bool training = dh.data != nullptr;
+  const TensorView w = param(lm_head_param_);
+  const TensorView dw = training ? grad(lm_head_param_) : TensorView{};
+  const int tp = engine_.tensor_group().size;
+  const int64_t rows = a.final_ln.desc.shape[0], hidden = config_.hidden_size, shard = w.desc.shape[0];
+  const int64_t chunk = a.vp_logits.desc.shape[0];
+  const ops::Ops::VocabParallelGrad grad{normalizer, grad_scale};
+  const auto rows_of = [](const TensorView& t, int64_t first, Shape shape) {
+    TensorView v = t;
+    v.data = static_cast<char*>(t.data) + static_cast<size_t>(first) * (t.nbytes() / static_cast<size_t>(t.desc.shape[0]));
+    v.desc.shape = std::move(shape);
+    return v;
+  };
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows - r0);
+    const TensorView h = rows_of(a.final_ln, r0, {n, hidden});
+    const TensorView targets = rows_of(a.targets, r0, {n});
+    const TensorView logits = rows_of(a.vp_logits, 0, {n, shard});
+    const TensorView parts = rows_of(a.vp_parts, 0, {2, n});
+    const TensorView gathered = rows_of(a.vp_gathered, 0, {tp, 2, n});
+    ops().linear_forward(ctx(), MatView::of(h), w, TensorView{}, MatView::of(logits), false);
+    ops().vocab_parallel_parts(ctx(), logits, targets, embed_tokens_->first_id(), parts);
+    engine_.tp_allgather(parts, gathered);
+    ops().vocab_parallel_loss(ctx(), logits, gathered, targets, embed_tokens_->first_id(), config_.vocab_size,
+                              rows_of(a.lse_ce, r0, {n}), a.stats, training ? &grad : nullptr);
+    if (training) {
+      ops().linear_backward(ctx(), MatView::of(logits), MatView::of(h), w, MatView::of(rows_of(dh, r0, {n, hidden})),
+                            false, dw, TensorView{});
+    }
+  }
 }
 
 void LlamaModel::backward() {
@@ -595,11 +675,11 @@ void LlamaModel::backward() {
   Arena& a = *arena_;
   Stream& s = engine_.compute_stream();
   const TokenPlaces places = this->places();
-  // d loss / d final_ln, written by the fused loss: grads.dln, or with
-  // sequence parallelism every row's in grads.dgathered, of which this rank's.
+  // grads.dln holds d loss / d final_ln (with tensor parallelism summed
+  // over tp; with sequence parallelism this rank's rows).
   const bool sp = options_.sequence_parallel;
-  norm_->backward(sp ? local_rows(a.grads.dgathered) : a.grads.dln, a.output(layers_.size() - 1), a.rstd_f,
-                  a.dres, /*accumulate_dx=*/false, sp ? a.grads.dnorm : TensorView{});
+  norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres, /*accumulate_dx=*/false,
+                  sp ? a.grads.dnorm : TensorView{});
   for (size_t l = layers_.size(); l-- > 0;) {
     if (recomputed(l)) {
       if (a.host_checkpoints != nullptr) {
@@ -614,22 +694,12 @@ void LlamaModel::backward() {
     layers_[l]->backward(a.input(l), places, batch_, seq_, a.acts_of(l), a.grads, a.dres);
   }
   if (sp) {
-    // Every row's gradient, so each tp rank adds the same table gradient.
+    // Every row's gradient, of which each tp rank adds its vocabulary rows'.
     engine_.tp_allgather(a.dres, a.grads.dgathered);
     embed_tokens_->backward(a.ids, a.grads.dgathered);
   } else {
     embed_tokens_->backward(a.ids, a.dres);
   }
-}
-
-TensorView LlamaModel::local_rows(const TensorView& t) const {
-  if (!options_.sequence_parallel) return t;
-  const int tp = engine_.tensor_group().size;
-  const int64_t rows = t.desc.shape[0], local = rows / tp;
-  TensorView v = t;
-  v.desc.shape[0] = local;
-  v.data = static_cast<char*>(t.data) + static_cast<size_t>(engine_.tensor_group().rank) * v.nbytes();
-  return v;
 }
 
 TokenPlaces LlamaModel::places() const {
@@ -688,6 +758,11 @@ double uniform_at(uint64_t key, uint64_t index) {
 }
 
 }  // namespace
+
+int64_t default_loss_chunk_rows(const LlamaConfig& config, int tensor_parallel) {
+  constexpr int64_t kLogitsBudget = int64_t{64} << 20;
+  return std::max<int64_t>(64, kLogitsBudget / (4 * (config.vocab_size / tensor_parallel)));
+}
 
 int64_t lora_widest_input(const LlamaConfig& c, const LoraSpec& lora) {
   int64_t in = 0;

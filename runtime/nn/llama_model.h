@@ -124,8 +124,9 @@ struct LlamaModelOptions {
   // Activation storage; unset: fp32 on the cpu accelerator (its kernels compute
   // in fp32 anyway), the parameter dtype on cuda.
   std::optional<DType> activation_dtype;
-  // Rows of logits the loss forms at a time (scratch: rows x vocab fp32).
-  // 0: as many as fit in 64 MiB (at least 64): bigger chunks make bigger GEMMs.
+  // Rows of logits the loss forms at a time (scratch: rows x vocab fp32;
+  // with tensor parallelism rows x vocab / tp in the activation dtype).
+  // 0: default_loss_chunk_rows (64 MiB): bigger chunks make bigger GEMMs.
   int64_t loss_chunk_rows = 0;
   MlpTiling mlp_tiling;           // memory-centric tiling of the MLP projections
   // Per-layer activation checkpointing (see above): the arena holds the
@@ -227,8 +228,12 @@ class LlamaModel : public Module {
   void ensure_arena(int64_t batch, int64_t seq);
   TokenPlaces places() const;  // the last forward's (documents only when packed)
   // Whether the forward of layer l runs again in backward (every layer but the top).
-  // This rank's rows of a [rows, ...] arena view (all of them without sequence parallelism).
-  TensorView local_rows(const TensorView& t) const;
+  // Tensor parallelism: the loss over this rank's vocabulary rows (Megatron's
+  // vocabulary-parallel cross-entropy) from arena final_ln, into lse_ce and
+  // stats; with dh (training) also this rank's partial d loss / d final_ln
+  // into it, and the lm_head shard's gradient. normalizer, grad_scale: as
+  // ForwardOptions'.
+  void vocab_parallel_loss(const TensorView& normalizer, double grad_scale, const TensorView& dh);
   bool recomputed(size_t l) const {
     return options_.checkpoint_activations && l + 1 < layers_.size();
   }
@@ -249,6 +254,11 @@ class LlamaModel : public Module {
   bool packed_ = false;  // the last forward's rows hold packed documents
   bool backward_pending_ = false;
 };
+
+// LlamaModelOptions::loss_chunk_rows when left 0: as many rows as fit 64 MiB
+// of fp32 logits over this rank's vocabulary (all of it, or vocab / tp with
+// tensor parallelism), at least 64.
+int64_t default_loss_chunk_rows(const LlamaConfig& config, int tensor_parallel = 1);
 
 // The widest input of a projection `lora` targets: the columns of its dropout
 // scratch (LoraScratch::xd).

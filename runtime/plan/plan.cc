@@ -404,13 +404,14 @@ void fill_shape_estimates(Plan& plan) {
   const double intermediate =
       std::max(m.intermediate > 0 ? static_cast<double>(m.intermediate) : 4 * h,
                static_cast<double>(m.shared_expert_intermediate));  // a shared expert may be wider
-  // A tp rank holds intermediate / t of each MLP projection (the embedding whole).
+  // A tp rank holds intermediate / t of each MLP projection and vocab / t of the embedding's rows.
   plan.largest_operator = fmt::format("MLP projection ({} x {}{})", m.hidden, static_cast<int64_t>(intermediate),
                                       tp > 1 ? fmt::format(" / tp {}", t.tensor_parallel) : std::string());
   plan.largest_operator_numel = h * intermediate / tp;
-  if (m.vocab > 0 && static_cast<double>(m.vocab) * h > plan.largest_operator_numel) {
-    plan.largest_operator = fmt::format("embedding / lm_head ({} x {})", m.vocab, m.hidden);
-    plan.largest_operator_numel = static_cast<double>(m.vocab) * h;
+  if (m.vocab > 0 && static_cast<double>(m.vocab) * h / tp > plan.largest_operator_numel) {  // vocabulary rows / tp
+    plan.largest_operator = fmt::format("embedding / lm_head ({} x {}{})", m.vocab, m.hidden,
+                                        tp > 1 ? fmt::format(" / tp {}", t.tensor_parallel) : std::string());
+    plan.largest_operator_numel = static_cast<double>(m.vocab) * h / tp;
   }
   // A frozen operator (LoRA's base) is fetched without a gradient.
   plan.working_whole_nbytes =
@@ -423,14 +424,16 @@ void fill_shape_estimates(Plan& plan) {
     // recomputed layer), each moving 2 (t-1)/t of the buffer per rank; with
     // it 2 allgathers + 2 reduce-scatters forward, 4 + 2 backward (+2 + 2
     // recomputed), each (t-1)/t, and two more gathers per micro-step (the
-    // final norm's output, the embedding's gradient). strata's counts
+    // final norm's output, the embedding's gradient). Either way the
+    // vocabulary-parallel embedding's output and the loss's dh are summed
+    // (2 allreduces, or reduce-scatters with it). strata's counts
     // (tests/engine/zero_tensor_parallel_test.cc), less the norms' [hidden]
-    // weight-gradient sums, which are negligible.
+    // weight-gradient sums and the loss's per-row parts, which are negligible.
     const double buffer = 2 * tokens * h, share = (tp - 1) / tp;
     const double recomputed = t.activation_checkpointing ? layers - 1 : 0;  // the top layer is not recomputed
     plan.tp_collective_nbytes =
-        t.sequence_parallel ? share * buffer * (layers * 10 + recomputed * 4 + 2)
-                            : 2 * share * buffer * (layers * 4 + recomputed * 2);
+        t.sequence_parallel ? share * buffer * (layers * 10 + recomputed * 4 + 4)
+                            : 2 * share * buffer * (layers * 4 + recomputed * 2 + 2);
   }
 }
 

@@ -82,12 +82,16 @@ std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& c, DType dtype, 
       const bool column = kv || n.find(".q_proj.") != std::string::npos || n.find(".gate_proj.") != std::string::npos ||
                           n.find(".up_proj.") != std::string::npos;
       const bool row = ends_with(n, ".o_proj.weight") || ends_with(n, ".down_proj.weight");
-      if (column) {
+      // The embedding and lm_head by vocabulary rows (nn::Embedding).
+      const bool vocab = n == "model.embed_tokens.weight" || n == "lm_head.weight";
+      if (vocab) {
+        p.spec.shape[0] /= tp;
+      } else if (column) {
         p.spec.shape[0] = kv ? share.num_key_value_heads * share.head_dim : p.spec.shape[0] / tp;
       } else if (row) {
         p.spec.shape[1] /= tp;
       }
-      p.split = column || row;
+      p.split = column || row || vocab;
     }
     out.push_back(std::move(p));
   }
@@ -317,12 +321,19 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                   in.checkpoint_activations
                       ? "one layer's activations + the checkpoints"
                       : fmt::format("{} layers' activations", c.num_hidden_layers)));
-  // The fused loss forms logits chunk rows at a time (llama_model.cc: 64 MiB of fp32, at least 64
-  // rows).
-  const int64_t chunk_rows = std::max<int64_t>(64, (int64_t{64} << 20) / (4 * c.vocab_size));
+  // The loss forms logits chunk rows at a time (nn::default_loss_chunk_rows:
+  // 64 MiB of fp32, at least 64 rows): the fused loss in its own fp32
+  // scratch; with tensor parallelism the model's (LlamaModel::Arena::
+  // vocab_memory): this rank's vocabulary rows in the activation dtype, and
+  // each row's two parts, gathered from every rank.
+  const int64_t chunk = std::min(nn::default_loss_chunk_rows(c, tp), rows), shard = c.vocab_size / tp;
   add("loss logits scratch", Where::kDevice,
-      4.0 * static_cast<double>(std::min(chunk_rows, rows) * c.vocab_size), false,
-      fmt::format("{} rows x vocab {} fp32", std::min(chunk_rows, rows), c.vocab_size));
+      tp == 1 ? 4.0 * static_cast<double>(chunk * c.vocab_size)
+              : static_cast<double>(view_nbytes(in.activation_dtype, {chunk, shard}) + view_nbytes(DType::kF32, {2 * chunk}) +
+                                    view_nbytes(DType::kF32, {tp * 2 * chunk})),
+      false,
+      tp == 1 ? fmt::format("{} rows x vocab {} fp32", chunk, c.vocab_size)
+              : fmt::format("{} rows x vocab {} / tp {} (this rank's rows) + their parts", chunk, c.vocab_size, tp));
   // Linear backward accumulating into dx stages the product in a [rows, in] fp32 scratch
   // (ops_cpu.cc).
   if (in.device_is_host) {

@@ -111,8 +111,9 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model,
 // One parameter as tensor-parallel rank 0 of `tensor_parallel` declares it:
 // LlamaModel's column-parallel q/k/v and gate/up (weight and bias: their rows
 // / tp, or one kv head's rows when tp exceeds the kv heads) and row-parallel
-// o and down weights (their columns / tp) are `split` (the ZeroEngine groups
-// them apart); the rest whole. Without tensor parallelism, every tensor whole.
+// o and down weights (their columns / tp), the embedding and lm_head (their
+// vocabulary rows / tp) are `split` (the ZeroEngine groups them apart); the
+// norms and row-parallel biases whole. Without tensor parallelism, every tensor whole.
 struct RankParam {
   partition::ParamSpec spec;
   bool split = false;

@@ -266,9 +266,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   if (tp > 1 && rank.rank == 0) {
     const nn::LlamaConfig share = nn::tensor_parallel_share(model_config, tp);
     logger().info("tensor parallelism: {} tp groups of {} consecutive ranks split each layer ({} heads, {} kv "
-                  "head(s){} and {} MLP features per rank){}; ZeRO over {} data-parallel rank(s)",
+                  "head(s){} and {} MLP features per rank) and the embedding and lm_head ({} of the {} vocabulary "
+                  "rows per rank){}; ZeRO over {} data-parallel rank(s)",
                   dp, tp, share.num_attention_heads, share.num_key_value_heads,
                   tp > model_config.num_key_value_heads ? " shared" : "", share.intermediate_size,
+                  model_config.vocab_size / tp, model_config.vocab_size,
                   sequence_parallel ? fmt::format(", sequence parallel ({} of each micro-batch's {} tokens per rank)",
                                                   micro_batch * options.seq / tp, micro_batch * options.seq)
                                     : std::string(),

@@ -1,8 +1,10 @@
 // Tensor parallelism composed with ZeRO data parallelism (issue 29; docs/DESIGN.md
 // §5): world = tp x dp ranks, each tp rank holding its heads' q/k/v rows and
-// o columns and its share of the MLP's features (Megatron's column- and
-// row-parallel projections, their partial outputs summed over the tp group),
-// each tp shard ZeRO-partitioned over its dp group. The same losses and
+// o columns, its share of the MLP's features (Megatron's column- and
+// row-parallel projections, their partial outputs summed over the tp group)
+// and its rows of the vocabulary (the vocabulary-parallel embedding and loss),
+// each tp shard ZeRO-partitioned over its dp group; with and without
+// sequence parallelism. The same losses and
 // parameters as ONE resident rank on the combined batch, to rounding (the
 // sums run in another order), across stages, offload tiers, micro-steps and
 // checkpointed activations, for the llama (with every bias), mistral (a
@@ -129,8 +131,8 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       if (c.stage == 3) CHECK(r.trace_drops == 0);
       CHECK(r.tp_replica_mismatches == 0);
       // Split for real: rank 0 holds half of each projection of the 2 layers
-      // (q, k, v, o, gate, up, down, and the column-parallel biases).
-      // With fewer kv heads than ranks, one kv head each.
+      // (q, k, v, o, gate, up, down, and the column-parallel biases), with
+      // fewer kv heads than ranks one kv head each, and its vocabulary rows.
       const nn::LlamaConfig m = family(c.family, c.tied);
       const int64_t q = m.num_attention_heads * m.head_dim / c.tp, inter = m.intermediate_size / c.tp;
       const int64_t kv = (m.num_key_value_heads >= c.tp ? m.num_key_value_heads / c.tp : 1) * m.head_dim;
@@ -149,7 +151,10 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       // rows only) and reduce-scatters its input gradient; the final norm's
       // output is gathered for the loss and the embedding's gradient in
       // backward; the three norms' [hidden] weight gradients per layer plus
-      // the final one's are summed over tp.
+      // the final one's are summed over tp. Either way the vocabulary-parallel
+      // embedding's output and the loss's dh are summed over tp (2 more
+      // allreduces, or reduce-scatters), and each loss chunk (16 rows) gathers
+      // its rows' 2 parts from every rank.
       const int64_t micro_steps = static_cast<int64_t>(spec.steps) * c.micro_steps;
       const int64_t rows = sequences_rows(c), layers = m.num_hidden_layers;
       const int64_t recomputed = c.checkpoint ? layers - 1 : 0;
@@ -162,26 +167,31 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       const auto big_bytes = [&](int64_t n) { return static_cast<uint64_t>(n * rows * m.hidden_size * 4); };
       const uint64_t small_bytes =
           static_cast<uint64_t>(small * m.head_dim * 4 + kv_sums * kv_sum_numel * 4);
+      const int64_t chunks = micro_steps * ((rows + 15) / 16);
+      const auto parts_bytes = static_cast<uint64_t>(micro_steps * c.tp * 2 * rows * 4);
       if (!c.sp) {
-        const int64_t big = micro_steps * (4 * layers + 2 * recomputed);
+        const int64_t big = micro_steps * (4 * layers + 2 * recomputed + 2);
         CHECK(r.tensor_traffic.allreduces == big + small + kv_sums);
-        CHECK(r.tensor_traffic.allgathers + r.tensor_traffic.reduce_scatters == 0);
-        CHECK(r.tensor_traffic.bytes == big_bytes(big) + small_bytes);
+        CHECK(r.tensor_traffic.allgathers == chunks);
+        CHECK(r.tensor_traffic.reduce_scatters == 0);
+        CHECK(r.tensor_traffic.bytes == big_bytes(big) + small_bytes + parts_bytes);
       } else {
         const int64_t gathers = micro_steps * (2 * layers + 4 * layers + 2 * recomputed + 2);
-        const int64_t scatters = micro_steps * (2 * layers + 2 * layers + 2 * recomputed);
+        const int64_t scatters = micro_steps * (2 * layers + 2 * layers + 2 * recomputed + 2);
         const int64_t norms = micro_steps * (2 * layers + 1);
-        CHECK(r.tensor_traffic.allgathers == gathers);
+        CHECK(r.tensor_traffic.allgathers == gathers + chunks);
         CHECK(r.tensor_traffic.reduce_scatters == scatters);
         CHECK(r.tensor_traffic.allreduces == norms + small + kv_sums);
-        CHECK(r.tensor_traffic.bytes == big_bytes(gathers + scatters) +
-                                            static_cast<uint64_t>(norms * m.hidden_size * 4) + small_bytes);
+        CHECK(r.tensor_traffic.bytes == big_bytes(gathers + scatters) + static_cast<uint64_t>(norms * m.hidden_size * 4) +
+                                            small_bytes + parts_bytes);
       }
       // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
       const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
       CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp, c.sp) ==
             r.arena_nbytes);
-      CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer);
+      // And its vocabulary rows of the embedding and (untied) lm_head.
+      const int64_t vocab_rows = m.vocab_size / c.tp * m.hidden_size * (c.tied ? 1 : 2);
+      CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer + vocab_rows);
       // strata plan's view of rank 0's tensors is the one it declares.
       const std::vector<plan::RankParam> planned = plan::llama_rank_params(m, DType::kF32, c.tp);
       REQUIRE(planned.size() == r.rank0_params.size());

@@ -20,6 +20,7 @@
 #include "kernels/dropout_mask.h"
 #include "tests/kernels/moe_op_checks.h"
 #include "tests/kernels/optimizer_op_checks.h"
+#include "tests/kernels/vocab_parallel_checks.h"
 
 using namespace strata;
 using namespace strata::ops;
@@ -400,6 +401,15 @@ TEST_CASE("cpu ops: fused cross-entropy gives the loss, dh and dw of the referen
       expect_close(f.read(dw), dwref, tol, "cross-entropy dw");
     }
   }
+}
+
+TEST_CASE("cpu ops: the vocabulary-parallel loss and embedding over 1, 2, 4 and 8 shards give the whole "
+          "vocabulary's loss, dh, dw and lookups",
+          "[ops][cpu][tp]") {
+  Fixture f;
+  strata::test::vocab::check_vocab_parallel_ops(f, DType::kF32, 2e-5);
+  strata::test::vocab::check_vocab_parallel_ops(f, DType::kBF16, 2e-2);
+  strata::test::vocab::check_vocab_parallel_refusals(f);
 }
 
 TEST_CASE("cpu ops refuse bad arguments before enqueueing anything", "[ops][cpu]") {

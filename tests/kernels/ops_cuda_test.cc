@@ -28,6 +28,7 @@
 #include "tests/runtime/accelerator_contract.h"
 #include "tests/kernels/cuda_ops_fixture.h"
 #include "tests/kernels/moe_op_checks.h"
+#include "tests/kernels/vocab_parallel_checks.h"
 #include "tests/support/tolerances.h"
 
 using namespace strata;
@@ -456,6 +457,15 @@ TEST_CASE("cuda ops: mixture-of-experts routing, permutation, combine and their 
           "[ops][cuda][moe]") {
   Fixture f;
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
+}
+
+TEST_CASE("cuda ops: the vocabulary-parallel loss and embedding over 1, 2, 4 and 8 shards give the whole "
+          "vocabulary's loss, dh, dw and lookups",
+          "[ops][cuda][tp]") {
+  Fixture f;
+  strata::test::vocab::check_vocab_parallel_ops(f, DType::kF32, 1e-4);
+  strata::test::vocab::check_vocab_parallel_ops(f, DType::kBF16, 2e-2);
+  strata::test::vocab::check_vocab_parallel_refusals(f);
 }
 
 TEST_CASE("cuda ops: the sigmoid-gated add of a shared expert and its backward match the reference",

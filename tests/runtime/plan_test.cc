@@ -653,9 +653,9 @@ TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic
   CHECK(tp["size"] == 4);
   CHECK(tp["ranks"] == 8);
   CHECK(tp["sequence_parallel"] == true);
-  // Rank 0: a quarter of every projection, the embedding, lm_head and norms whole.
+  // Rank 0: a quarter of every projection and of the embedding's and lm_head's rows, the norms whole.
   const int64_t h = 4096, inter = 11008, layers = 32, vocab = 32000;
-  const int64_t per_rank = layers * (4 * h * h / 4 + 3 * h * inter / 4 + 2 * h) + 2 * vocab * h + h;
+  const int64_t per_rank = layers * (4 * h * h / 4 + 3 * h * inter / 4 + 2 * h) + 2 * vocab / 4 * h + h;
   CHECK(tp["parameters_per_rank"] == per_rank);
   CHECK(j["model"]["param_count"] == per_rank);
   CHECK(j["machine"]["data_parallel"] == 2);
@@ -665,11 +665,13 @@ TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic
         Approx(16.0 * static_cast<double>(per_rank) / 2));
   // Megatron's sequence-parallel traffic per micro-step, 16-bit: per layer 10
   // gathers or reduce-scatters of s x h (4 more when the layer is
-  // recomputed: the plan checkpoints every layer), 2 more per micro-step,
+  // recomputed: the plan checkpoints every layer but the top one), 4 more
+  // per micro-step (the final norm's output and the embedding's gradient
+  // gathered, the embedding's output and the loss's dh reduce-scattered),
   // each moving (t - 1) / t of the buffer per rank.
   const double buffer = 2.0 * 4096 * h, share = 3.0 / 4;
   CHECK(tp["collective_bytes_per_micro_step"].get<double>() ==
-        Approx(share * buffer * (layers * 10 + (layers - 1) * 4 + 2)));
+        Approx(share * buffer * (layers * 10 + (layers - 1) * 4 + 4)));
   bool traffic = false;
   for (const auto& placement : j["placements"]) {
     for (const auto& t : placement["traffic"]) traffic |= t["class"] == "tensor parallel";

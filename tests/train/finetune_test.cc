@@ -524,8 +524,9 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   REQUIRE(reference.exit_code == 0);
   CHECK_THAT(reference.output,
              Catch::Contains("tensor parallelism: 2 tp groups of 2 consecutive ranks split each layer (2 heads, 1 kv "
-                             "head(s) and 88 MLP features per rank), sequence parallel (32 of each micro-batch's 64 "
-                             "tokens per rank); ZeRO over 2 data-parallel rank(s)"));
+                             "head(s) and 88 MLP features per rank) and the embedding and lm_head (128 of the 256 "
+                             "vocabulary rows per rank), sequence parallel (32 of each micro-batch's 64 tokens per "
+                             "rank); ZeRO over 2 data-parallel rank(s)"));
   const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
   REQUIRE(expected.size() > 1000);
 
@@ -572,6 +573,19 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   INFO(exported.output);
   REQUIRE(exported.exit_code == 0);
   CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
+  // Loading those weights into tp shards (each rank its rows of every split
+  // tensor, the vocabulary's included): the first step's loss is the whole
+  // model's.
+  const std::string from_export = " finetune --model " + dir.file("exported") + " --data " + kFinetuneExamples +
+                                  "/data/gpl-3.0.txt --data-format text --seq 32 --steps 1 --out ";
+  const auto loaded_tp = run_command(run4 + from_export + dir.file("loaded_tp") + " --tp 4 2>&1");
+  INFO(loaded_tp.output);
+  REQUIRE(loaded_tp.exit_code == 0);
+  const auto loaded = run_command(strata_binary() + from_export + dir.file("loaded") + " 2>&1");
+  INFO(loaded.output);
+  REQUIRE(loaded.exit_code == 0);
+  CHECK(read_jsonl(dir.file("loaded_tp") + "/metrics.jsonl")[0]["loss"].get<double>() ==
+        Approx(read_jsonl(dir.file("loaded") + "/metrics.jsonl")[0]["loss"].get<double>()).epsilon(1e-6));
   // Sequence parallelism without tensor parallelism is refused before anything runs.
   const auto alone = run_command(run2 + resumable_args(dir, "alone", 2, "qwen2.json") + " --sequence-parallel 2>&1");
   CHECK(alone.exit_code != 0);
