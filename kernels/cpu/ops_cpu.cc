@@ -121,6 +121,21 @@ void commit(const float* f, const TensorView& t) {
   commit(F32Mat{const_cast<float*>(f), m.cols}, m);
 }
 
+// The losses' checks when their work runs: every target kIgnoreIndex or in
+// [0, vocab); with a gradient, the normalizer (read now, as the op promises)
+// positive. Returns the gradient's scale, grad_scale / normalizer (0 without).
+double checked_loss_scale(const char* op, const int32_t* targets, int64_t rows, int64_t vocab,
+                          const TensorView* normalizer, double grad_scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    STRATA_CHECK(targets[r] == kIgnoreIndex || (targets[r] >= 0 && targets[r] < vocab), kBadArgument,
+                 "{}: target {} at row {} is outside [0, {}) and not {}", op, targets[r], r, vocab, kIgnoreIndex);
+  }
+  if (normalizer == nullptr) return 0;
+  const double n = normalizer->as<const double>()[0];
+  STRATA_CHECK(n > 0, kBadArgument, "{}: the loss normalizer is {} (no counted targets?)", op, n);
+  return grad_scale / n;
+}
+
 // Calls fn(begin, end) on contiguous chunks of [0, n), in parallel when n is large.
 template <typename Fn>
 void for_chunks(int64_t n, Fn&& fn) {
@@ -425,18 +440,8 @@ class CpuOps final : public Ops {
     if (want_grad) g = *grad;
     enqueue(ctx, [=](CpuContext& c) {
       const auto* tgt = targets.as<const int32_t>();
-      for (int64_t r = 0; r < n; ++r) {
-        STRATA_CHECK(tgt[r] == kIgnoreIndex || (tgt[r] >= 0 && tgt[r] < vocab), kBadArgument,
-                     "vocab_parallel_loss: target {} at row {} is outside [0, {}) and not {}", tgt[r], r, vocab,
-                     kIgnoreIndex);
-      }
-      double scale = 0;
-      if (want_grad) {
-        const double normalizer = g.normalizer.as<const double>()[0];
-        STRATA_CHECK(normalizer > 0, kBadArgument,
-                     "vocab_parallel_loss: the loss normalizer is {} (no counted targets?)", normalizer);
-        scale = g.grad_scale / normalizer;
-      }
+      const double scale =
+          checked_loss_scale("vocab_parallel_loss", tgt, n, vocab, want_grad ? &g.normalizer : nullptr, g.grad_scale);
       const float* parts = gathered.as<const float>();
       float* lse_out = lse.as<float>();
       // The whole vocabulary's log-sum-exp and target logit, ranks in order.
@@ -803,18 +808,8 @@ void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, con
     float* logits = c.scratch<float>(3, chunk * vocab);
     const auto* tgt = targets.as<const int32_t>();
     float* lse_out = lse.as<float>();
-    double scale = 0;
-    if (want_grad) {
-      const double normalizer = g.normalizer.as<const double>()[0];
-      STRATA_CHECK(normalizer > 0, kBadArgument,
-                   "cross_entropy: the loss normalizer is {} (no counted targets?)", normalizer);
-      scale = g.grad_scale / normalizer;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      STRATA_CHECK(tgt[r] == kIgnoreIndex || (tgt[r] >= 0 && tgt[r] < vocab), kBadArgument,
-                   "cross_entropy: target {} at row {} is outside [0, {}) and not {}", tgt[r], r,
-                   vocab, kIgnoreIndex);
-    }
+    const double scale =
+        checked_loss_scale("cross_entropy", tgt, rows, vocab, want_grad ? &g.normalizer : nullptr, g.grad_scale);
     double loss = 0, counted = 0;
     for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
       const int64_t n = std::min(chunk, rows - r0);

@@ -13,8 +13,8 @@ constexpr int32_t kIgnore = -100;  // strata::ops::kIgnoreIndex
 constexpr int kRowThreads = 256;
 constexpr int kSumThreads = 1024;
 
-// One block per row. A single pass keeps a running (max, sum of exp) per
-// thread; the block combines them; a second pass writes the gradient.
+// One block per row: the row's log-sum-exp in one pass (block_logsumexp), a
+// second pass writes the gradient.
 template <typename G>
 __global__ void ce_rows_kernel(const float* logits, const int32_t* targets, int64_t vocab,
                                float* lse, float* loss, G* grad, const double* normalizer,
@@ -28,19 +28,7 @@ __global__ void ce_rows_kernel(const float* logits, const int32_t* targets, int6
   // Read before the barriers below: with an fp32 gradient written in place,
   // lr[t] is overwritten in the last pass.
   const float target_logit = valid ? lr[t] : 0.0f;
-  float m = -INFINITY, s = 0.0f;
-  for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
-    const float v = lr[c];
-    if (v > m) {
-      s = s * expf(m - v) + 1.0f;
-      m = v;
-    } else {
-      s += expf(v - m);
-    }
-  }
-  const float row_max = block_max(m, scratch);
-  const float row_sum = block_sum(m == -INFINITY ? 0.0f : s * expf(m - row_max), scratch);
-  const float row_lse = row_max + logf(row_sum);
+  const float row_lse = block_logsumexp(lr, vocab, scratch);
   if (threadIdx.x == 0) {
     lse[r] = row_lse;
     loss[r] = counted && valid ? row_lse - target_logit : 0.0f;

@@ -81,6 +81,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return m;
 }
 
+// The log-sum-exp of row[0, n) over the block (every thread gets it): a
+// running (max, sum of exp) per thread in one pass, combined by the block.
+template <typename T>
+__device__ __forceinline__ float block_logsumexp(const T* row, int64_t n, float* scratch) {
+  float m = -INFINITY, s = 0.0f;
+  for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+    const float v = to_f(row[c]);
+    if (v > m) {
+      s = s * expf(m - v) + 1.0f;
+      m = v;
+    } else {
+      s += expf(v - m);
+    }
+  }
+  const float row_max = block_max(m, scratch);
+  const float row_sum = block_sum(m == -INFINITY ? 0.0f : s * expf(m - row_max), scratch);
+  return row_max + logf(row_sum);
+}
+
 // The bit pattern of a 16-bit value and back (type-safe: no pointer casts
 // between unrelated types, which the device compiler's alias analysis may
 // assume never alias).

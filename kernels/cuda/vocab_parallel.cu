@@ -13,29 +13,18 @@ namespace {
 constexpr int32_t kIgnore = -100;  // strata::ops::kIgnoreIndex
 constexpr int kRowThreads = 256;
 
-// One block per row: a running (max, sum of exp) per thread, combined by the block.
+// One block per row.
 template <typename T>
 __global__ void vp_parts_kernel(const T* logits, const int32_t* targets, int64_t n, int64_t shard, int64_t first_id,
                                 float* parts) {
   __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const T* lr = logits + r * shard;
-  float m = -INFINITY, s = 0.0f;
-  for (int64_t c = threadIdx.x; c < shard; c += blockDim.x) {
-    const float v = to_f(lr[c]);
-    if (v > m) {
-      s = s * expf(m - v) + 1.0f;
-      m = v;
-    } else {
-      s += expf(v - m);
-    }
-  }
-  const float row_max = block_max(m, scratch);
-  const float row_sum = block_sum(m == -INFINITY ? 0.0f : s * expf(m - row_max), scratch);
+  const float row_lse = block_logsumexp(lr, shard, scratch);
   if (threadIdx.x == 0) {
     const int32_t t = targets[r];
     const int64_t local = static_cast<int64_t>(t) - first_id;
-    parts[r] = row_max + logf(row_sum);
+    parts[r] = row_lse;
     parts[n + r] = t != kIgnore && local >= 0 && local < shard ? to_f(lr[local]) : 0.0f;
   }
 }

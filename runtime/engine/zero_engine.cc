@@ -391,13 +391,18 @@ void ZeroEngine::tp_allreduce(const TensorView& view) {
                dtype_name(view.desc.dtype));
   ++tensor_traffic_.allreduces;
   tensor_traffic_.bytes += view.nbytes();
-  // After compute's writes of `view`; compute's later reads wait for the sum.
+  on_tensor_stream([&] {
+    return comms_.tensor->allreduce(view.data, view.data, static_cast<size_t>(view.numel()), view.desc.dtype,
+                                    partition::ReduceOp::kSum, *tensor_stream_);
+  });
+}
+
+template <typename Submit>
+void ZeroEngine::on_tensor_stream(Submit&& submit) {
+  // After compute's writes of the buffers; compute's later reads wait for the result.
   compute_stream().record(*compute_point_);
   tensor_stream_->wait(*compute_point_);
-  const std::unique_ptr<Event> done =
-      comms_.tensor->allreduce(view.data, view.data, static_cast<size_t>(view.numel()), view.desc.dtype,
-                               partition::ReduceOp::kSum, *tensor_stream_);
-  compute_stream().wait(*done);
+  compute_stream().wait(*submit());
 }
 
 void ZeroEngine::tp_allgather(const TensorView& local, const TensorView& full) {
@@ -405,10 +410,10 @@ void ZeroEngine::tp_allgather(const TensorView& local, const TensorView& full) {
   check_tp_pair("tp_allgather", local, full);
   ++tensor_traffic_.allgathers;
   tensor_traffic_.bytes += full.nbytes();
-  compute_stream().record(*compute_point_);
-  tensor_stream_->wait(*compute_point_);
-  compute_stream().wait(*comms_.tensor->allgather(local.data, full.data, static_cast<size_t>(local.numel()),
-                                                  local.desc.dtype, *tensor_stream_));
+  on_tensor_stream([&] {
+    return comms_.tensor->allgather(local.data, full.data, static_cast<size_t>(local.numel()), local.desc.dtype,
+                                    *tensor_stream_);
+  });
 }
 
 void ZeroEngine::tp_reduce_scatter(const TensorView& full, const TensorView& local) {
@@ -416,11 +421,10 @@ void ZeroEngine::tp_reduce_scatter(const TensorView& full, const TensorView& loc
   check_tp_pair("tp_reduce_scatter", local, full);
   ++tensor_traffic_.reduce_scatters;
   tensor_traffic_.bytes += full.nbytes();
-  compute_stream().record(*compute_point_);
-  tensor_stream_->wait(*compute_point_);
-  compute_stream().wait(*comms_.tensor->reduce_scatter(full.data, local.data, static_cast<size_t>(local.numel()),
-                                                      local.desc.dtype, partition::ReduceOp::kSum,
-                                                      *tensor_stream_));
+  on_tensor_stream([&] {
+    return comms_.tensor->reduce_scatter(full.data, local.data, static_cast<size_t>(local.numel()), local.desc.dtype,
+                                         partition::ReduceOp::kSum, *tensor_stream_);
+  });
 }
 
 void ZeroEngine::check_tp_pair(const char* op, const TensorView& local, const TensorView& full) const {

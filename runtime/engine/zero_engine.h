@@ -268,6 +268,10 @@ class ZeroEngine final : public Engine {
  private:
   // Refuses a tp_allgather / tp_reduce_scatter pair of views that do not match.
   void check_tp_pair(const char* op, const TensorView& local, const TensorView& full) const;
+  // Runs a tensor-group collective that submit() enqueues on the tensor
+  // stream (returning its completion) in the compute stream's order.
+  template <typename Submit>
+  void on_tensor_stream(Submit&& submit);
   // One dtype group: its layout (the single source of shard offsets), this
   // rank's shard at home, its gradient shard and reducer.
   struct Group {

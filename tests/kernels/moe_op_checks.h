@@ -17,20 +17,12 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "tests/kernels/expect_near.h"
 
 namespace strata::test::moe {
 
 using Vec = std::vector<double>;
 
-inline void expect_near(const Vec& got, const Vec& want, double tol, const char* what) {
-  REQUIRE(got.size() == want.size());
-  double scale = 1e-3;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (size_t i = 0; i < got.size(); ++i) {
-    INFO(what << "[" << i << "] got " << got[i] << " want " << want[i]);
-    REQUIRE(std::abs(got[i] - want[i]) <= tol * scale);
-  }
-}
 
 // Softmax of one row and the top-k (descending, lower index first on ties).
 inline Vec softmax(const double* l, int64_t n) {

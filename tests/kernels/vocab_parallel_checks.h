@@ -18,6 +18,7 @@
 
 #include "kernels/nn_ops.h"
 #include "kernels/ops.h"
+#include "tests/kernels/expect_near.h"
 
 namespace strata::test::vocab {
 
@@ -31,15 +32,6 @@ inline Vec normal_vec(size_t n, uint32_t seed, double scale) {
   return v;
 }
 
-inline void expect_near(const Vec& got, const Vec& want, double tol, const char* what) {
-  REQUIRE(got.size() == want.size());
-  double scale = 1e-3;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (size_t i = 0; i < got.size(); ++i) {
-    INFO(what << "[" << i << "] got " << got[i] << " want " << want[i]);
-    REQUIRE(std::abs(got[i] - want[i]) <= tol * scale);
-  }
-}
 
 // `act`: the logits' (activation) dtype; h and w are stored in it too.
 template <typename Fixture>
