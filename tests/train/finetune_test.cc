@@ -575,17 +575,23 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
   // Loading those weights into tp shards (each rank its rows of every split
   // tensor, the vocabulary's included): the first step's loss is the whole
-  // model's.
+  // model's, and so is the evaluation after it (the vocabulary-parallel
+  // loss without its backward).
   const std::string from_export = " finetune --model " + dir.file("exported") + " --data " + kFinetuneExamples +
-                                  "/data/gpl-3.0.txt --data-format text --seq 32 --steps 1 --out ";
+                                  "/data/gpl-3.0.txt --data-format text --seq 32 --steps 1 --eval-data " +
+                                  kFinetuneExamples + "/data/gpl-3.0.txt --eval-batches 2 --out ";
   const auto loaded_tp = run_command(run4 + from_export + dir.file("loaded_tp") + " --tp 4 2>&1");
   INFO(loaded_tp.output);
   REQUIRE(loaded_tp.exit_code == 0);
   const auto loaded = run_command(strata_binary() + from_export + dir.file("loaded") + " 2>&1");
   INFO(loaded.output);
   REQUIRE(loaded.exit_code == 0);
-  CHECK(read_jsonl(dir.file("loaded_tp") + "/metrics.jsonl")[0]["loss"].get<double>() ==
-        Approx(read_jsonl(dir.file("loaded") + "/metrics.jsonl")[0]["loss"].get<double>()).epsilon(1e-6));
+  const auto tp_metrics = read_jsonl(dir.file("loaded_tp") + "/metrics.jsonl");
+  const auto whole_metrics = read_jsonl(dir.file("loaded") + "/metrics.jsonl");
+  CHECK(tp_metrics[0]["loss"].get<double>() == Approx(whole_metrics[0]["loss"].get<double>()).epsilon(1e-6));
+  REQUIRE(tp_metrics[0].contains("eval_loss"));
+  CHECK(tp_metrics[0]["eval_loss"].get<double>() ==
+        Approx(whole_metrics[0]["eval_loss"].get<double>()).epsilon(1e-6));
   // Sequence parallelism without tensor parallelism is refused before anything runs.
   const auto alone = run_command(run2 + resumable_args(dir, "alone", 2, "qwen2.json") + " --sequence-parallel 2>&1");
   CHECK(alone.exit_code != 0);
