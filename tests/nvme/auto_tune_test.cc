@@ -212,12 +212,14 @@ TEST_CASE("auto_tune picks the faster candidate when one is made slower", "[nvme
   AioOptions o = tuned_options(EngineKind::kUring, 1, {{256 * kKiB, 4}}, 4 << 20);
   std::atomic<bool> delaying{false};
   auto hook = [&](const IoPiece& piece) {
-    // 20 ms per delayed piece (its worker sleeps before handing it over):
-    // 3.3 MB/s at 64 KiB, 13 MB/s at 256 KiB, a fraction of what either
+    // 60 ms per delayed piece (its worker sleeps before handing it over):
+    // 1.1 MB/s at 64 KiB, 4.4 MB/s at 256 KiB, a fraction of what either
     // moves undelayed even on a slow virtual disk (64 KiB O_DIRECT writes:
-    // about 60 MB/s on this project's virtio test machine).
+    // about 60 MB/s on this project's virtio test machine, 18 MB/s once
+    // under AddressSanitizer beside another test's I/O, which 20 ms, 13 MB/s
+    // at 256 KiB, did not leave twice behind).
     if (delaying.load() && piece.op == op && piece.nbytes == slow_nbytes) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      std::this_thread::sleep_for(std::chrono::milliseconds(60));
     }
   };
   AioHandle handle(o, std::make_unique<strata::test::HookedBackend>(make_backend(o.engine), hook));
