@@ -141,6 +141,9 @@ class Ops {
   // vocab-row table; an id outside the shard gives a zero row (another rank
   // holds it; the model sums the ranks' outputs) and adds no gradient.
   // padding_idx is then a global id too. vocab 0: the table is whole.
+  // first_id 0 with vocab = table rows gives the whole table's results bit for
+  // bit, and so do the shards: their lookups summed, their dtable rows
+  // concatenated (a repeated id's rows are summed in the same order).
   void embedding_forward(ComputeContext& ctx, const TensorView& table,
                                  const TensorView& ids, const TensorView& out, int64_t first_id = 0,
                                  int64_t vocab = 0);

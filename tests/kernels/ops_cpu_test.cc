@@ -412,6 +412,34 @@ TEST_CASE("cpu ops: the vocabulary-parallel loss and embedding over 1, 2, 4 and 
   strata::test::vocab::check_vocab_parallel_refusals(f);
 }
 
+TEST_CASE("cpu ops: vocab_parallel_loss refuses a target outside the whole vocabulary, not just the shard, "
+          "and a zero normalizer",
+          "[ops][cpu][tp]") {
+  // Shard [10, 20) of a vocabulary of 20: target 25 is no rank's, -1 is not
+  // kIgnoreIndex. A stream's error is final: a fresh fixture for each.
+  for (int32_t bad : {25, 20, -1}) {
+    INFO("target " << bad);
+    Fixture f;
+    const TensorView logits = f.zeros(DType::kF32, {3, 10}), gathered = f.zeros(DType::kF32, {2, 2, 3});
+    const TensorView lse = f.zeros(DType::kF32, {3}), stats = f.zeros(DType::kF64, {2});
+    f.ops->vocab_parallel_loss(*f.ctx, logits, gathered, f.ints({1, kIgnoreIndex, bad}), 10, 20, lse, stats, nullptr);
+    REQUIRE_THROWS_WITH(f.stream->synchronize(),
+                        Catch::Contains("vocab_parallel_loss: target " + std::to_string(bad) +
+                                        " at row 2 is outside [0, 20)"));
+  }
+  Fixture f;
+  const TensorView logits = f.zeros(DType::kF32, {3, 10}), gathered = f.zeros(DType::kF32, {2, 2, 3});
+  const TensorView lse = f.zeros(DType::kF32, {3}), stats = f.zeros(DType::kF64, {2});
+  // The same targets are accepted (the evaluation), then the gradient's normalizer 0 is refused.
+  const TensorView targets = f.ints({1, kIgnoreIndex, 19});
+  f.ops->vocab_parallel_loss(*f.ctx, logits, gathered, targets, 10, 20, lse, stats, nullptr);
+  CHECK(f.read(stats)[1] == 2.0);
+  Vec zero = {0.0};
+  const Ops::VocabParallelGrad grad{f.tensor(zero, DType::kF64, {1}), 1.0};
+  f.ops->vocab_parallel_loss(*f.ctx, logits, gathered, targets, 10, 20, lse, stats, &grad);
+  REQUIRE_THROWS_WITH(f.stream->synchronize(), Catch::Contains("vocab_parallel_loss: the loss normalizer is 0"));
+}
+
 TEST_CASE("cpu ops refuse bad arguments before enqueueing anything", "[ops][cpu]") {
   Fixture f;
   Vec a = random_vec(12, 1), b = random_vec(8, 2);
