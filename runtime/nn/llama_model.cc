@@ -15,8 +15,8 @@ namespace strata::nn {
 DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
                            int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora,
                            bool skip_unrouted_experts, bool sequence_parallel)
-    : Module(engine, std::move(name)), tp_(engine.tensor_group().size > 1), sp_(sequence_parallel) {
-  STRATA_CHECK(!sp_ || tp_, kBadArgument, "sequence parallelism needs tensor parallelism (a tp group of 2 or more)");
+    : Module(engine, std::move(name)), sp_(sequence_parallel) {
+  STRATA_CHECK(!sp_ || engine.tensor_group().size > 1, kBadArgument, "sequence parallelism needs tensor parallelism (a tp group of 2 or more)");
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
   self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype, lora);

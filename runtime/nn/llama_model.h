@@ -112,7 +112,7 @@ class DecoderLayer : public Module {
   const TensorView& block_output(const DecoderActs& acts, const TensorView& out) const;
   void complete(const DecoderActs& acts, const TensorView& out);
 
-  bool tp_ = false, sp_ = false;
+  bool sp_ = false;
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
   std::unique_ptr<Attention> self_attn_;
   std::unique_ptr<Mlp> mlp_;     // dense families
