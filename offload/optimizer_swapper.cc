@@ -258,6 +258,7 @@ void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInpu
     span.value("sub_group", static_cast<int64_t>(k));
     in.param_sink(r.offset, r.numel, sink16 ? static_cast<const void*>(b.param16) : p);
   }
+  if (updated_hook_) updated_hook_(k);
 }
 
 struct OptimizerSwapper::OpenStep {

@@ -183,6 +183,11 @@ class OptimizerSwapper {
   bool step_open() const { return open_ != nullptr; }
   // Sub-group k was updated by the open step.
   bool updated(size_t k) const;
+  // Called by whoever drives update_sub_groups right after sub-group k's
+  // update, once its new values are in StepInputs::param16 or param_sink
+  // returned (the overlap with the next forward releases k's parameters
+  // then). Empty: none. Not called for a sub-group whose update failed.
+  void set_updated_hook(std::function<void(size_t k)> hook) { updated_hook_ = std::move(hook); }
   // The learning rate of later steps (a schedule's value); Error(kBadArgument)
   // when negative or not finite.
   void set_lr(float lr);
@@ -242,6 +247,7 @@ class OptimizerSwapper {
   bool initialized_ = false;
   StepTimings timings_;
   std::unique_ptr<OpenStep> open_;  // the step begun and not yet committed or aborted
+  std::function<void(size_t k)> updated_hook_;  // set_updated_hook
 
   // kCpu state.
   std::vector<float> master_, exp_avg_, exp_avg_sq_;

@@ -22,6 +22,8 @@ struct ParamCoordinator::Gathered {
   bool prefetched = false;       // gathered ahead; no pre_op has used this copy yet
   size_t kept_until = OperatorTrace::npos;  // kept for reuse: the trace entry that uses it next
   int staged = -1;               // the staging buffer holding its read, -1: none
+  bool read_after_update = false;  // its staged read waits for the optimizer's update of the slice
+  bool after_update = false;     // its latest gather is ordered after the optimizer's update of the slice
 };
 
 // The pinned staging buffers of one home (nc). A buffer is free when no
@@ -67,7 +69,10 @@ ParamHome::DoneFn complete_with(std::shared_ptr<HostEvent> done) {
 class ParamCoordinator::ReadQueue {
  public:
   struct Item {
-    std::shared_ptr<Event> after;
+    std::shared_ptr<Event> after;  // null: no buffer reader to wait for
+    // The optimizer's update of the range (HomeUpdate): the read starts after
+    // them, and fails with the first one's error instead of reading.
+    std::vector<std::shared_ptr<Event>> updates;
     ParamHome* home = nullptr;
     void* buf = nullptr;
     size_t nbytes = 0;
@@ -103,11 +108,23 @@ class ParamCoordinator::ReadQueue {
         item = std::move(items_.front());
         items_.pop_front();
       }
+      std::exception_ptr update_error;
+      for (const auto& update : item.updates) {
+        try {
+          update->synchronize();
+        } catch (...) {
+          if (!update_error) update_error = std::current_exception();
+        }
+      }
       try {
-        item.after->synchronize();
+        if (item.after) item.after->synchronize();
       } catch (...) {
         // The reader failed, but it is over: the buffer may be written. (Its
         // error reached the gather stream already.)
+      }
+      if (update_error) {
+        item.done->fail(update_error);
+        continue;
       }
       try {
         item.home->read_async(item.buf, item.nbytes, item.offset, complete_with(item.done));
@@ -216,11 +233,14 @@ void ParamCoordinator::pre_op(OpId op, Phase phase) {
   make_room(op);
   std::vector<Event*> waits;
   waits.reserve(info.params.size());
+  bool after_update = false;  // a gather waits for the optimizer's update: the stall is the optimizer's too
   for (ParamId id : info.params) {
     fetch(id);
-    waits.push_back(gathered_[static_cast<size_t>(id)]->ready.get());
+    const Gathered& gathered = *gathered_[static_cast<size_t>(id)];
+    waits.push_back(gathered.ready.get());
+    after_update = after_update || (gathered.after_update && !gathered.ready->query());
   }
-  wait_timed(compute_, current_, ops_.size(), op, phase, info.name, waits, layers_);
+  wait_timed(compute_, current_, ops_.size(), op, phase, info.name, waits, layers_, after_update);
   if (advance.position != OperatorTrace::npos && options_.prefetch_bucket_numel > 0) {
     prefetch_from(advance.position);
   }
@@ -393,9 +413,17 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
     // stream; a failed read becomes the gather stream's error.
     gather_.wait(*staged->read_done);
     slice = static_cast<const char*>(staged->data);
+    gathered.after_update = gathered.read_after_update;
   } else {
     slice = static_cast<const char*>(param.home->memory()) + param.home_offset_numel * dtype_nbytes(dtype);
+    // Read in place: after the optimizer has written the slice's new values.
+    gathered.after_update = false;
+    for (const auto& update : update_events(id)) {
+      if (!update->query()) gathered.after_update = true;
+      gather_.wait(*update);
+    }
   }
+  if (gathered.after_update) ++current_.gathers_after_update;
   const void* src = slice;
   void* device_copy = nullptr;
   if (param.home->tier() != Tier::kDevice && !accelerator_.host_addressable()) {
@@ -430,6 +458,18 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
   gathered_nbytes_ += full_nbytes;
   peak_gathered_nbytes_ = std::max(peak_gathered_nbytes_, gathered_nbytes_);
   current_.peak_gathered_nbytes = std::max(current_.peak_gathered_nbytes, gathered_nbytes_);
+}
+
+std::vector<std::shared_ptr<Event>> ParamCoordinator::update_events(ParamId id) const {
+  std::vector<std::shared_ptr<Event>> events;
+  const CoordinatedParam& param = params_[static_cast<size_t>(id)];
+  for (const HomeUpdate& update : home_updates_) {
+    if (update.home != param.home || update.stride_numel == 0 || param.slice_numel == 0) continue;
+    const size_t first = param.home_offset_numel / update.stride_numel;
+    const size_t last = (param.home_offset_numel + param.slice_numel - 1) / update.stride_numel;
+    for (size_t k = first; k <= last && k < update.ready.size(); ++k) events.push_back(update.ready[k]);
+  }
+  return events;
 }
 
 bool ParamCoordinator::stage_read(ParamId id, bool ahead) {
@@ -476,9 +516,28 @@ bool ParamCoordinator::stage_read(ParamId id, bool ahead) {
   const size_t nbytes = param.slice_numel * element_nbytes;
   const uint64_t offset = param.home_offset_numel * element_nbytes;
   std::shared_ptr<HostEvent> done = accelerator_.create_host_event();
-  if (deferred) {
-    read_queue_->push(ReadQueue::Item{buffer->consumed, param.home, buffer->data, nbytes, offset, done});
-    ++current_.reads_deferred;
+  // The optimizer may still be writing the range (its update overlapping this forward).
+  std::vector<std::shared_ptr<Event>> updates = update_events(id);
+  const bool update_pending = std::any_of(updates.begin(), updates.end(), [](const auto& e) { return !e->query(); });
+  std::exception_ptr update_error;
+  if (!update_pending) {
+    for (const auto& update : updates) {
+      try {
+        update->synchronize();  // complete: returns at once, or names how the update failed
+      } catch (...) {
+        update_error = std::current_exception();
+        break;
+      }
+    }
+  }
+  if (update_error) {
+    done->fail(update_error);  // the gather fails as for a failed read
+  } else if (deferred || update_pending) {
+    ReadQueue::Item item{deferred ? buffer->consumed : nullptr, {}, param.home, buffer->data, nbytes, offset, done};
+    if (update_pending) item.updates = std::move(updates);
+    read_queue_->push(std::move(item));
+    if (deferred) ++current_.reads_deferred;
+    if (update_pending) ++current_.reads_after_update;
   } else {
     param.home->read_async(buffer->data, nbytes, offset, complete_with(done));
   }
@@ -487,6 +546,7 @@ bool ParamCoordinator::stage_read(ParamId id, bool ahead) {
   auto& slot = gathered_[static_cast<size_t>(id)];
   if (slot == nullptr) slot = std::make_unique<Gathered>();
   slot->staged = static_cast<int>(buffer - staging.buffers.data());
+  slot->read_after_update = update_pending;
   ++current_.reads;
   current_.read_nbytes += nbytes;
   LayerFetch& layer = layers_.of_param(current_.layer_counts, id);

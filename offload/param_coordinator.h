@@ -36,6 +36,14 @@
 //          max_reuse_distance_numel elements. The host, which never waits for
 //          compute in forward, blocks before a gather only while the copies
 //          compute may still read would push it past max_live_parameters.
+//   update: after a step whose update overlaps the next forward
+//          (set_home_updates), a range of a home is final only once the
+//          optimizer's event for it completes: a staged read of it is
+//          submitted by the read queue after that event (without blocking
+//          the host), a gather reading the home in place waits on it on the
+//          gather stream, and a failed update fails the gather like a failed
+//          read. The windows whose gathers waited on an update have their
+//          stall counted as update_stall_seconds too.
 // Allgathers are collectives: every decision that issues one depends only on
 // the trace, the budgets and what is gathered — the same on every rank. Reads
 // are local and may run as far ahead as staging allows.
@@ -104,6 +112,8 @@ struct PrefetchStats {
   int64_t reads_ahead = 0;       // of them, issued by nc's walk before a gather needed them
   int64_t reads_deferred = 0;    // of them, queued for a buffer the gather stream still reads
   uint64_t read_nbytes = 0;      // bytes of parameter slices those reads move (this rank)
+  int64_t reads_after_update = 0;  // of them, submitted only after the optimizer's update of their range
+  int64_t gathers_after_update = 0;  // gathers ordered after the optimizer's update of their slice
   int64_t blocked_waits = 0;     // times pre_op blocked the host (every staging buffer held
                                  // by a read no gather used: after a trace change)
   double blocked_seconds = 0;    // host time pre_op spent blocked
@@ -126,6 +136,9 @@ struct PrefetchStats {
   // waits for every gradient bucket, each of which waits for compute). Work
   // the stream skips after an error is not timed. Thread-safe.
   double param_stall_seconds() const;
+  // Of it, the windows with a gather ordered after the optimizer's update of
+  // its slice (set_home_updates): time compute waited for the optimizer.
+  double update_stall_seconds() const;
   int64_t stalled_windows() const;          // windows timed
   std::vector<OpStall> op_stalls() const;   // per (op, phase) timed, most seconds first
   std::shared_ptr<StallLog> stall_log;      // null: nothing timed (yet)
@@ -150,6 +163,15 @@ struct CoordinatorOptions {
   // slice, which must be at most buffer_numel elements.
   size_t param_buffer_count = 5;                      // offload_param.buffer_count
   int64_t param_buffer_numel = 100'000'000;           // offload_param.buffer_size
+};
+
+// The optimizer is still writing a home's new values (its update overlapping
+// the next forward): elements [k * stride_numel, (k + 1) * stride_numel) are
+// final once ready[k] completes (failed: the update failed).
+struct HomeUpdate {
+  const ParamHome* home = nullptr;
+  size_t stride_numel = 0;
+  std::vector<std::shared_ptr<HostEvent>> ready;
 };
 
 // One parameter as the coordinator sees it.
@@ -212,6 +234,11 @@ class ParamCoordinator {
   bool trace_paused() const { return trace_paused_; }
   // Waits until nothing queued or staged reads the homes (the host is about to).
   void quiesce();
+  // From now on, gathers of the ranges `updates` name are ordered after
+  // their events (see "update" above); replaces the previous set (empty:
+  // every home is final). Set after release_all(), cleared once every event
+  // completed.
+  void set_home_updates(std::vector<HomeUpdate> updates) { home_updates_ = std::move(updates); }
   // The homes changed: every gathered copy is stale and released once compute
   // passes what it has queued. release(id): parameter id's only.
   void release_all();
@@ -260,6 +287,8 @@ class ParamCoordinator {
   bool persistent(ParamId id) const;
   bool in_use(ParamId id) const { return open_uses_[static_cast<size_t>(id)] > 0; }
   Staging* staging_of(ParamId id);
+  // The optimizer's events for id's slice (set_home_updates); empty when its home is final.
+  std::vector<std::shared_ptr<Event>> update_events(ParamId id) const;
 
   Accelerator& accelerator_;
   Stream& compute_;
@@ -291,6 +320,7 @@ class ParamCoordinator {
   int64_t step_boundaries_ = 0;          // end_step calls (for messages)
   bool trace_paused_ = false;
   uint64_t consumed_seq_ = 0;            // staging readers recorded on the gather stream so far
+  std::vector<HomeUpdate> home_updates_;  // set_home_updates
   std::unique_ptr<ReadQueue> read_queue_;  // with staging; destroyed first
   PrefetchStats current_, last_;
 };

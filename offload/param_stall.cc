@@ -17,7 +17,8 @@ size_t stall_index(OpId op, Phase phase) {
 }  // namespace
 
 void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op, Phase phase,
-                const std::string& name, const std::vector<Event*>& waits, const LayerTally& layers) {
+                const std::string& name, const std::vector<Event*>& waits, const LayerTally& layers,
+                bool after_update) {
   const bool pending = std::any_of(waits.begin(), waits.end(), [](Event* e) { return !e->query(); });
   if (!pending) {
     for (Event* e : waits) compute.wait(*e);
@@ -41,7 +42,7 @@ void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op,
     log->begin_ns = now;
   });
   for (Event* e : waits) compute.wait(*e);
-  compute.launch_host_func([log = stats.stall_log, index] {
+  compute.launch_host_func([log = stats.stall_log, index, after_update] {
     const int64_t end = trace::now_ns();
     int64_t begin = 0;
     std::string_view name;
@@ -55,6 +56,7 @@ void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op,
       entry.seconds += seconds;
       ++entry.windows;
       log->seconds += seconds;
+      if (after_update) log->update_seconds += seconds;
       ++log->windows;
       name = entry.name;  // set before this function was enqueued; never changes
       slot = static_cast<size_t>(entry.layer + 1);
@@ -106,6 +108,12 @@ double PrefetchStats::param_stall_seconds() const {
   if (stall_log == nullptr) return 0;
   std::lock_guard lock(stall_log->mutex);
   return stall_log->seconds;
+}
+
+double PrefetchStats::update_stall_seconds() const {
+  if (stall_log == nullptr) return 0;
+  std::lock_guard lock(stall_log->mutex);
+  return stall_log->update_seconds;
 }
 
 int64_t PrefetchStats::stalled_windows() const {

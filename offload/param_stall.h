@@ -28,6 +28,7 @@ struct StallLog {
   std::mutex mutex;
   std::vector<OpStall> entries;  // per op * kPhases + phase; op < 0 until first timed
   double seconds = 0;
+  double update_seconds = 0;  // of seconds, windows waiting for the optimizer's update (wait_timed's after_update)
   int64_t windows = 0;
   int64_t begin_ns = 0;
   std::vector<double> layer_seconds;  // per layer slot (layer + 1): the timeline's running totals
@@ -39,7 +40,8 @@ struct StallLog {
 // itself into stats.stall_log (created on first use for op_count operators),
 // under op's layer (layers.op_layer).
 void wait_timed(Stream& compute, PrefetchStats& stats, size_t op_count, OpId op, Phase phase,
-                const std::string& name, const std::vector<Event*>& waits, const LayerTally& layers);
+                const std::string& name, const std::vector<Event*>& waits, const LayerTally& layers,
+                bool after_update = false);
 
 // The step boundary on the timeline (layer_fetch.h): every layer's byte
 // counters back to 0 now, and its stall counter once the compute stream

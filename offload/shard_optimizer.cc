@@ -85,6 +85,11 @@ struct ShardOptimizer::Overlap {
   float lr = 0;                      // prepare's
   float grad_scale = 1;              // the speculated one
   double loss_scale = 1;
+  // apply_async's work: set by the caller, run once by the thread.
+  std::function<void()> job;
+  bool job_done = false;             // the job ran; finish() takes its outcome
+  std::exception_ptr job_error;
+  double job_busy_seconds = 0;
   std::thread thread;
 };
 
@@ -179,7 +184,11 @@ OverlapMode ShardOptimizer::choose_mode() const {
       break;
   }
   // Speculation redone is the whole update spent for nothing; reading ahead
-  // when clipping does not fire only leaves the arithmetic in step().
+  // when clipping does not fire only leaves the arithmetic in step() — or,
+  // with the update overlapping the next forward, nothing: then speculating
+  // would only compete with backward for the cores (and make step() wait for
+  // the thread's last sub-groups) for what the forward hides anyway.
+  if (options_.update_overlaps_forward) return OverlapMode::kReadAhead;
   return options_.clipping && last_clipped_ ? OverlapMode::kReadAhead : OverlapMode::kSpeculate;
 }
 
@@ -249,6 +258,7 @@ StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
 // ---- the optimizer overlapping backward --------------------------------------------
 
 void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
+  check_not_updating("prepare_step()");
   STRATA_CHECK(!prepared_, kBadArgument, "prepare_step() twice without a step() between");
   kernels::AdamConfig adam = options_.adam;
   adam.lr = lr;
@@ -350,7 +360,42 @@ void ShardOptimizer::thread_main() {
   Overlap& o = *overlap_;
   std::unique_lock lock(o.mutex);
   for (;;) {
-    o.cv.wait(lock, [&] { return o.stop || (!o.ready.empty() && o.error == nullptr); });
+    o.cv.wait(lock, [&] { return o.stop || o.job || (!o.ready.empty() && o.error == nullptr); });
+    if (o.job) {  // handed over before any stop: run it, so its events complete
+      std::function<void()> job = std::move(o.job);
+      o.job = nullptr;
+      o.busy = true;
+      lock.unlock();
+      const auto start = Clock::now();
+      std::exception_ptr error;
+      {
+        trace::Span span("optimizer", "update overlapping the next forward");
+        try {
+          job();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      // Every range completes: one never updated fails with the error, so
+      // nothing waits on it for ever.
+      for (auto& ready : home_ready_) {
+        for (auto& event : ready) {
+          if (error) {
+            event->fail(error);
+          } else {
+            event->signal();
+          }
+        }
+      }
+      const double seconds = seconds_since(start);
+      lock.lock();
+      o.busy = false;
+      o.job_done = true;
+      o.job_error = error;
+      o.job_busy_seconds = seconds;
+      o.cv.notify_all();
+      continue;
+    }
     if (o.stop) return;
     // Every final sub-group of one group at once: the NVMe pipeline reads ahead across them.
     const size_t group = o.ready.front().first;
@@ -463,6 +508,7 @@ bool ShardOptimizer::roll_back() {
 }
 
 bool ShardOptimizer::abort() {
+  check_not_updating("abort");
   const bool armed = armed_;
   const bool speculated = armed_ && mode_ == OverlapMode::kSpeculate;
   prepared_ = false;
@@ -502,82 +548,183 @@ kernels::GradStats ShardOptimizer::grad_stats(std::span<const uint8_t> include) 
   return local;
 }
 
-AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale) {
+ShardOptimizer::Boundary ShardOptimizer::open_boundary(float lr, float grad_scale, double loss_scale) {
   Overlap& o = *overlap_;
-  AppliedStep applied;
-  bool keep = armed_ && mode_ == OverlapMode::kSpeculate;
+  Boundary b;
+  AppliedStep& applied = b.applied;
+  b.keep = armed_ && mode_ == OverlapMode::kSpeculate;
   if (armed_) {
     applied.mode = mode_;
     applied.clipped = grad_scale != o.grad_scale;
     applied.landed_twice =
         std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
   }
-  if (keep) {
+  if (b.keep) {
     applied.redo_reason = applied.clipped            ? "gradient clipping fired"
                           : lr != o.lr               ? "step() got another lr than prepare_step()"
                           : loss_scale != o.loss_scale ? "the loss scale changed"
                           : applied.landed_twice     ? "more than one backward followed prepare_step()"
                                                      : nullptr;
     if (applied.redo_reason != nullptr) {
-      keep = false;
+      b.keep = false;
       roll_back();
       std::lock_guard lock(o.mutex);
       applied.rolled_back = o.updated > 0;
     }
   }
-  const bool read_ahead_step = armed_ && mode_ == OverlapMode::kReadAhead;
+  b.read_ahead_step = armed_ && mode_ == OverlapMode::kReadAhead;
   initialize_if_stale();
-  // Read-ahead: the sub-groups whose state is in pipeline buffers first, every
-  // group's, so no group's pipeline waits on buffers another group holds.
-  if (read_ahead_step) {
-    for (auto& gp : groups_) {
-      Group& g = *gp;
-      if (!g.swapper) continue;
-      g.swapper->set_lr(lr);
-      g.swapper->set_step_inputs(step_inputs(g, grad_scale));
-      const std::vector<size_t> ready = g.swapper->prefetched();
-      applied.sub_groups_read_ahead += static_cast<int64_t>(ready.size());
-      g.swapper->update_sub_groups(ready);
-    }
-  }
+  return b;
+}
+
+void ShardOptimizer::set_step(Boundary& b, float lr, float grad_scale) {
   for (auto& gp : groups_) {
     Group& g = *gp;
-    if (g.device) {
-      g.device->set_lr(lr);
-      g.device->step(g.shard.grads->memory(), grad_scale, g.shard.home->memory(), g.shard.dtype);
-      applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
-      continue;
-    }
-    if (!keep && !read_ahead_step) {
-      g.swapper->set_lr(lr);
+    if (!g.swapper) continue;
+    g.swapper->set_lr(lr);
+    if (b.read_ahead_step) {
+      // Opened at prepare() to read ahead: now the real scale and lr.
+      g.swapper->set_step_inputs(step_inputs(g, grad_scale));
+      b.applied.sub_groups_read_ahead += static_cast<int64_t>(g.swapper->prefetched().size());
+    } else if (!b.keep) {
       g.swapper->begin_step(step_inputs(g, grad_scale), /*revocable=*/false);
     }
+    b.applied.sub_groups += static_cast<int64_t>(g.swapper->sub_group_count());
+  }
+}
+
+void ShardOptimizer::update_rest(const Boundary& b) {
+  // Read-ahead: the sub-groups whose state is in pipeline buffers first, every
+  // group's, so no group's pipeline waits on buffers another group holds.
+  if (b.read_ahead_step) {
+    for (auto& gp : groups_) {
+      if (gp->swapper) gp->swapper->update_sub_groups(gp->swapper->prefetched());
+    }
+  }
+  // Then the rest in shard order: the order the next forward needs them.
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    if (!g.swapper) continue;
     std::vector<size_t> left;
     for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
       if (!g.swapper->updated(k)) left.push_back(k);
     }
     g.swapper->update_sub_groups(left);
-    applied.sub_groups += static_cast<int64_t>(g.swapper->sub_group_count());
   }
   // Commit only once every group is updated, so a failure above rolls back
   // every group (NVMe always; cpu when speculating).
   for (auto& gp : groups_) {
     if (gp->swapper) gp->swapper->commit_step();
   }
-  if (keep || read_ahead_step) {
+}
+
+void ShardOptimizer::close_boundary(Boundary& b) {
+  Overlap& o = *overlap_;
+  if (b.keep || b.read_ahead_step) {
     std::lock_guard lock(o.mutex);
-    applied.sub_groups_overlapped = keep ? o.updated : 0;
-    applied.overlapped_seconds = o.busy_seconds;
+    b.applied.sub_groups_overlapped = b.keep ? o.updated : 0;
+    b.applied.overlapped_seconds = o.busy_seconds;
   }
-  if (armed_) last_clipped_ = applied.clipped;
+  if (armed_) last_clipped_ = b.applied.clipped;
   prepared_ = false;
   armed_ = false;
-  return applied;
+}
+
+void ShardOptimizer::check_not_updating(const char* what) const {
+  STRATA_CHECK(!updating_, kBadArgument,
+               "{}: the optimizer's update overlapping the next forward is still running (finish() first)", what);
+}
+
+AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale) {
+  check_not_updating("apply");
+  Boundary b = open_boundary(lr, grad_scale, loss_scale);
+  set_step(b, lr, grad_scale);
+  for (auto& gp : groups_) {  // state on the accelerator: one pass over the shard
+    Group& g = *gp;
+    if (!g.device) continue;
+    g.device->set_lr(lr);
+    g.device->step(g.shard.grads->memory(), grad_scale, g.shard.home->memory(), g.shard.dtype);
+    b.applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
+  }
+  update_rest(b);
+  close_boundary(b);
+  return b.applied;
+}
+
+AppliedStep ShardOptimizer::apply_async(float lr, float grad_scale, double loss_scale,
+                                        std::vector<std::shared_ptr<Event>> after) {
+  check_not_updating("apply_async");
+  for (const auto& g : groups_) {
+    STRATA_CHECK(g->swapper != nullptr, kBadArgument,
+                 "apply_async: shard '{}' has its optimizer state on the accelerator", g->shard.name);
+  }
+  Boundary b = open_boundary(lr, grad_scale, loss_scale);
+  set_step(b, lr, grad_scale);
+  close_boundary(b);
+  // One event per sub-group; those speculated during backward are in their home already.
+  home_ready_.assign(groups_.size(), {});
+  for (size_t s = 0; s < groups_.size(); ++s) {
+    OptimizerSwapper& swapper = *groups_[s]->swapper;
+    std::vector<std::shared_ptr<HostEvent>>& ready = home_ready_[s];
+    for (size_t k = 0; k < swapper.sub_group_count(); ++k) {
+      ready.push_back(accelerator_.create_host_event());
+      if (swapper.updated(k)) ready.back()->signal();
+    }
+    swapper.set_updated_hook([ready](size_t k) { ready[k]->signal(); });
+  }
+  Overlap& o = *overlap_;
+  {
+    std::lock_guard lock(o.mutex);
+    o.job = [this, b, after = std::move(after)] {
+      for (const auto& point : after) point->synchronize();  // the homes' last readers are done
+      update_rest(b);
+    };
+    o.job_done = false;
+    o.job_error = nullptr;
+    o.job_busy_seconds = 0;
+  }
+  updating_ = true;
+  if (!o.thread.joinable()) o.thread = std::thread([this] { thread_main(); });
+  o.cv.notify_all();
+  return b.applied;
+}
+
+const std::vector<std::shared_ptr<HostEvent>>& ShardOptimizer::home_ready(size_t s) const { return home_ready_.at(s); }
+
+size_t ShardOptimizer::home_stride(size_t s) const { return groups_.at(s)->sub_group_numel; }
+
+ShardOptimizer::Finished ShardOptimizer::finish() {
+  Finished finished;
+  if (!updating_) return finished;
+  Overlap& o = *overlap_;
+  const auto start = Clock::now();
+  std::exception_ptr error;
+  {
+    std::unique_lock lock(o.mutex);
+    o.cv.wait(lock, [&] { return o.job_done; });
+    o.job_done = false;
+    error = o.job_error;
+    o.job_error = nullptr;
+    finished.busy_seconds = o.job_busy_seconds;
+  }
+  finished.wait_seconds = seconds_since(start);
+  updating_ = false;
+  for (auto& g : groups_) g->swapper->set_updated_hook({});
+  if (error) {
+    try {
+      roll_back();  // as a failed apply() leaves it: the open steps aborted, the homes rewritten
+    } catch (...) {
+      // The update's own error is the one reported.
+    }
+    std::rethrow_exception(error);
+  }
+  return finished;
 }
 
 // ---- checkpoints --------------------------------------------------------------------
 
 void ShardOptimizer::save(size_t s, const StateSinkFn& sink) {
+  check_not_updating("save");
   initialize_if_stale();  // never stepped (or loaded since): the master weights are the parameters
   Group& g = *groups_.at(s);
   if (g.device) {
@@ -594,6 +741,7 @@ void ShardOptimizer::save(size_t s, const StateSinkFn& sink) {
 }
 
 void ShardOptimizer::restore(size_t s, const StateFillFn& fill, int64_t step_count) {
+  check_not_updating("restore");
   Group& g = *groups_.at(s);
   if (g.device) {
     g.device->restore(fill, step_count);

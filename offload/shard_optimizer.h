@@ -35,11 +35,28 @@
 // speculates, or reads ahead when the previous prepared step clipped
 // (OverlapPolicy::kAuto; before any step, when clipping can fire at all):
 // speculation wins when clipping is rare, read-ahead loses nothing when it
-// fires. Both give the bits of the step taken in apply() alone.
+// fires. Both give the bits of the step taken in apply() alone. When the
+// caller hands each update over to overlap the next forward (apply_async
+// below), kAuto reads ahead on every step: the forward hides the update
+// whether clipping fires or not, and speculating would only compete with
+// backward for the cores.
 //
 // A step at the boundary: settle() (the thread's last sub-groups), grad_stats()
 // (this rank's merged statistics), then apply() — or abort() when the step is
 // skipped or fails, which closes whatever is open without applying it.
+//
+// The update overlapping the next forward (apply_async, cpu or nvme state):
+// once the norm is known only the arithmetic and the write-back are left, and
+// the next forward needs the parameters in shard order (declaration order:
+// the embedding, then layer by layer). apply_async hands the sub-groups left
+// and the commit to the optimizer thread in that order and returns; each
+// sub-group's new values in the home complete an event (home_ready) that the
+// parameter coordinator orders the next forward's gathers of that range
+// after, so the forward starts on a layer as soon as its parameters are
+// updated. finish() joins it (before the gradient shard is touched again, a
+// checkpoint, another step) and rethrows its error after rolling the step
+// back as a failed apply() is. The same sub-groups are updated with the same
+// inputs, so the bits are apply()'s.
 //
 // Ownership: borrows the accelerator, the Ops, the home stream, the I/O handle
 // and every shard's layout, home, gradient shard and reducer, which must
@@ -87,7 +104,8 @@ enum class OverlapMode {
   kReadAhead,  // takes each final sub-group's statistics and (NVMe) reads its state; updates at apply()
 };
 enum class OverlapPolicy {
-  kAuto,       // kReadAhead when the last prepared step clipped (before any: when clipping is on), else kSpeculate
+  kAuto,       // kReadAhead when the last prepared step clipped (before any: when clipping is on), or when the
+               // update overlaps the next forward (ShardOptimizerOptions::update_overlaps_forward); else kSpeculate
   kSpeculate,  // always
   kReadAhead,  // always
 };
@@ -105,6 +123,10 @@ struct ShardOptimizerOptions {
   bool overlap = true;             // prepare() arms the optimizer thread (cpu/nvme, stages 2/3)
   bool clipping = false;           // gradient_clipping is on: a step may clip (kAuto's first guess)
   OverlapPolicy policy = OverlapPolicy::kAuto;
+  // The caller will hand each step's update over with apply_async: kAuto
+  // then reads ahead every step (the update is hidden behind the next
+  // forward whether clipping fires or not, and backward is not slowed by it).
+  bool update_overlaps_forward = false;
 };
 
 // One dtype group's shard as the optimizer sees it.
@@ -168,6 +190,31 @@ class ShardOptimizer {
   // speculated sub-groups kept when the speculation holds, else rolled back;
   // the rest updated; every group committed. Closes the step.
   AppliedStep apply(float lr, float grad_scale, double loss_scale);
+  // apply(), but the updates left (after waiting for each of `after`: the
+  // last readers of the homes) and the commit run on the optimizer thread;
+  // returns once they are handed over, with what apply() returns but the
+  // thread's work. Until finish(), nothing but finish(), updating(),
+  // home_ready() and home_stride() may be called. Every group must be on the
+  // cpu or nvme tier (Error(kBadArgument) otherwise).
+  AppliedStep apply_async(float lr, float grad_scale, double loss_scale, std::vector<std::shared_ptr<Event>> after);
+  // An apply_async's work is handed over and not yet finished.
+  bool updating() const { return updating_; }
+  // Shard s's per-sub-group events of the last apply_async: ready[k] completes
+  // once sub-group k's new values are in its home (already complete for those
+  // updated during backward), or fails with the update's error. Valid until
+  // the next apply_async.
+  const std::vector<std::shared_ptr<HostEvent>>& home_ready(size_t s) const;
+  // Shard s's sub-group length (elements of its home): sub-group k is [k x it, (k + 1) x it).
+  size_t home_stride(size_t s) const;
+  // Waits for the work apply_async handed over. On its error, the step is
+  // rolled back (the homes rewritten from the committed master weights, as
+  // abort() does; cpu state keeps what a failed apply() keeps) and the error
+  // rethrown. No-op without one.
+  struct Finished {
+    double wait_seconds = 0;  // the caller blocked here
+    double busy_seconds = 0;  // the thread's time on the work
+  };
+  Finished finish();
   // Closes the step without applying anything: the thread settled, every
   // speculative update rolled back (the homes rewritten), open steps aborted.
   // Returns whether the step had been speculated (and so was rolled back).
@@ -192,6 +239,17 @@ class ShardOptimizer {
  private:
   struct Group;
   struct Overlap;
+  // One apply()'s decisions at the boundary.
+  struct Boundary {
+    AppliedStep applied;
+    bool keep = false;             // the speculated sub-groups stand
+    bool read_ahead_step = false;  // the thread read ahead: the step is open, inputs to set
+  };
+  Boundary open_boundary(float lr, float grad_scale, double loss_scale);
+  void set_step(Boundary& b, float lr, float grad_scale);  // inputs and lr of every group's step
+  void update_rest(const Boundary& b);                     // swapper groups: the updates left, then commit
+  void close_boundary(Boundary& b);                        // the thread's figures; the step closed
+  void check_not_updating(const char* what) const;
   bool overlaps() const;
   OverlapMode choose_mode() const;
   void arm(float lr);
@@ -213,6 +271,8 @@ class ShardOptimizer {
   bool armed_ = false;               // prepared with the thread armed (in mode_)
   OverlapMode mode_ = OverlapMode::kSpeculate;
   bool last_clipped_ = false;        // the last prepared, applied step clipped (kAuto)
+  bool updating_ = false;            // apply_async's work handed over, finish() not yet called
+  std::vector<std::vector<std::shared_ptr<HostEvent>>> home_ready_;  // per shard: apply_async's events
   std::unique_ptr<Overlap> overlap_;  // joined first in the destructor
 };
 

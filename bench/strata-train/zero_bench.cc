@@ -308,8 +308,6 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     const double read0 = static_cast<double>(z.nvme_bytes_read());
     const double written0 = static_cast<double>(z.nvme_bytes_written());
     const double global_count = z.global_sum(local_count);
-    // The optimizer may update each sub-group during backward, as soon as its gradient is final.
-    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
     nn::ForwardOptions forward;
     forward.normalizer = global_count;
     forward.grad_scale = z.loss_scale();
@@ -317,6 +315,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       trace::Span phase("phase", "forward");
       zm.forward(ids, targets, run.batch, run.seq, forward);
     }
+    // The optimizer may update each sub-group during backward, as soon as its gradient is final —
+    // prepared after the forward, which the last step's update may still overlap (prepare_step joins it).
+    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
     trace::Span phase("phase", "backward");
     zm.backward();
     const double loss_sum = zm.loss_stats().sum;
@@ -331,11 +332,16 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     stepping.end();
     f.step = seconds_since(start);
     const engine::PrefetchStats p = z.last_step_prefetch();
-    f.stall = p.param_stall_seconds();
-    f.compute = until_step - f.stall;
+    // The last step's update overlapping this forward: what compute waited for it (the join before
+    // backward, the stall of gathers behind it) is the optimizer's, not compute's or the prefetch's.
+    const double update_stall = p.update_stall_seconds();
+    const double update_wait = stepped.previous_update_wait_seconds;
+    f.stall = p.param_stall_seconds() - update_stall;
+    f.compute = until_step - p.param_stall_seconds() - (update_wait - update_stall);
     f.grad_wait = stepped.grad_wait_seconds;
-    f.optimizer = stepped.optimizer_seconds;
-    f.optimizer_hidden = stepped.optimizer_overlapped_seconds;
+    f.optimizer = stepped.optimizer_seconds + update_wait;
+    f.optimizer_hidden = stepped.optimizer_overlapped_seconds +
+                         std::max(0.0, stepped.previous_update_seconds - update_wait);
     f.optimizer_drain = stepped.optimizer_drain_seconds;
     f.optimizer_not_hidden = stepped.optimizer_not_hidden_fraction();
     f.sub_groups_overlapped = static_cast<double>(stepped.sub_groups_overlapped);
@@ -506,11 +512,14 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   // thread, which overlaps that thread's work) plus the thread's hidden time.
   const double optimizer_own = optimizer - optimizer_drain + optimizer_hidden;
   fmt::print("optimizer (rank 0): {:.3f} s of its own per step ({:.1f}% of the step) | {:.3f} s hidden behind "
-             "backward ({:.0f} of {} sub-groups), {:.3f} s in step() ({:.3f} s of it draining the optimizer thread) | "
-             "not hidden: {:.1f}% of its time{}\n",
+             "backward and the next forward ({:.0f} of {} sub-groups during backward), {:.3f} s waited for (in "
+             "step(), {:.3f} s of it draining the optimizer thread, and before backward) | not hidden: {:.1f}% of its "
+             "time{}\n",
              optimizer_own, 100 * optimizer_own / step, optimizer_hidden, overlapped, sub_groups_total, optimizer,
              optimizer_drain, 100 * not_hidden,
-             flags.overlap_optimizer ? "" : " (--no-overlap-optimizer)");
+             !flags.overlap_optimizer ? " (--no-overlap-optimizer)"
+             : !o.overlap_next_forward ? " (--no-overlap-forward)"
+                                       : "");
   fmt::print("gradient norm {:.3g} to {:.3g}; clipping at {:g} fired on {} of {} timed steps | the optimizer "
              "thread speculated on {} ({} redone), read ahead on {} ({:.1f} sub-groups' state read during backward "
              "per such step)\n",
@@ -630,7 +639,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                   {"aio_threads", o.aio.thread_count}, {"sub_group_size", eng.options().sub_group_numel},
                   {"reduce_bucket_size", eng.options().reduce_bucket_numel},
                   {"zero_sizes", eng.zero_sizes().to_json()},
-                  {"overlap_optimizer", flags.overlap_optimizer}, {"gradient_clipping", o.gradient_clipping},
+                  {"overlap_optimizer", flags.overlap_optimizer}, {"overlap_next_forward", o.overlap_next_forward}, {"gradient_clipping", o.gradient_clipping},
                   {"overlap_policy", flags.overlap_policy},
                   {"optimizer_buffer_count", o.optimizer_buffer_count}}},
         {"threads_per_rank", run.threads},
@@ -743,6 +752,9 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
   app.add_flag("!--no-overlap-optimizer", f.overlap_optimizer,
                "run the optimizer in step() only, instead of updating each sub-group during backward as soon as its "
                "gradient is final");
+  app.add_flag("!--no-overlap-forward", e.overlap_next_forward,
+               "ZeRO-3: finish each step's update in step(), instead of on the optimizer thread while the next "
+               "forward runs (that forward's gathers of a sub-group wait for its update only)");
   app.add_option("--overlap-policy", f.overlap_policy,
                  "what the optimizer does during backward: auto (speculate unless the last step clipped, then read "
                  "ahead), speculate, read-ahead")

@@ -28,13 +28,17 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
 
 
 }  // namespace
 
 double StepResult::optimizer_not_hidden_fraction() const {
-  const double own = optimizer_seconds - optimizer_drain_seconds + optimizer_overlapped_seconds;
-  return own > 0 ? std::min(1.0, optimizer_seconds / own) : 1.0;
+  const double own =
+      optimizer_seconds - optimizer_drain_seconds + optimizer_overlapped_seconds + previous_update_seconds;
+  return own > 0 ? std::min(1.0, (optimizer_seconds + previous_update_wait_seconds) / own) : 1.0;
 }
 
 // ---- construction and finalize -----------------------------------------------------
@@ -98,7 +102,14 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
 }
 
 ZeroEngine::~ZeroEngine() {
-  if (optimizer_) optimizer_->stop();  // no sub-group is updated after this
+  if (optimizer_) {
+    try {
+      optimizer_->finish();  // an update overlapping a forward that never came: its state committed
+    } catch (...) {
+      // Reported (or never to be) on the caller's path.
+    }
+    optimizer_->stop();  // no sub-group is updated after this
+  }
   // Queued work reads and writes the memory freed below.
   for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get(),
                          exchange_stream_.get(), tensor_stream_.get()}) {
@@ -244,6 +255,7 @@ void ZeroEngine::on_finalize() {
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   optimizer.clipping = options_.gradient_clipping > 0;
   optimizer.policy = overlap_policy_;
+  optimizer.update_overlaps_forward = update_can_overlap_forward();
   std::vector<offload::OptimizedShard> shards;
   for (auto& g : groups_) {
     if (g->frozen) continue;
@@ -336,6 +348,8 @@ void ZeroEngine::pre_op(OpId op, Phase phase) {
   STRATA_CHECK(!evaluating_ || phase == Phase::kForward, kBadArgument,
                "operator '{}' opened a {} window during an evaluation pass (forward only): end_evaluation() first",
                op_info(op).name, phase_name(phase));
+  // Backward lands gradients in the shards the update reads: it waits for the update to end.
+  if (update_pending_ && phase != Phase::kForward) finish_update();
   open_window(op, phase);
   if (coordinator_) {
     coordinator_->pre_op(op, phase);
@@ -473,6 +487,7 @@ void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
 void ZeroEngine::prepare_step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
   STRATA_CHECK(!evaluating_, kBadArgument, "prepare_step() during an evaluation pass: end_evaluation() first");
+  finish_update();  // the thread arms for this step only once the last one's update is done
   // What the step will apply when clipping does not fire: the loss scale divided out.
   const double loss_scale = loss_scaler_.scale();
   const float grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(loss_scale),
@@ -506,6 +521,7 @@ StepResult ZeroEngine::step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
   STRATA_CHECK(!evaluating_, kBadArgument, "step() during an evaluation pass: end_evaluation() first");
   check_no_backward("step");
+  finish_update();  // a step with no backward since the last one
   StepResult result;
   // Whatever fails from here on, what the optimizer opened does not stay behind.
   struct AbortOnError {
@@ -538,6 +554,21 @@ StepResult ZeroEngine::step(float lr) {
     if (g->reducer) g->reducer->synchronize();
   }
   result.grad_wait_seconds = seconds_since(start);
+  // The last step's update overlapped this step's forward: what it cost and
+  // what compute waited for (the stall log is final: every bucket waited for compute).
+  result.previous_update_seconds = update_seconds_;
+  if (join_reached_ != nullptr) {
+    // The join held compute only from when the stream ran out of the work queued before it.
+    const int64_t reached = join_reached_->load();
+    if (reached > 0 && reached < join_end_ns_) {
+      result.previous_update_wait_seconds = static_cast<double>(join_end_ns_ - reached) * 1e-9;
+    }
+    join_reached_.reset();
+  }
+  if (coordinator_ && update_seconds_ > 0) {
+    result.previous_update_wait_seconds += coordinator_->last_step().update_stall_seconds();
+  }
+  update_seconds_ = 0;
   start = Clock::now();
   result.optimizer_drain_seconds = optimizer_->settle();
 
@@ -594,11 +625,23 @@ StepResult ZeroEngine::step(float lr) {
                                                    static_cast<float>(options_.gradient_clipping));
 
   // The optimizer writes the homes: after compute's and the gathers' last reads of them.
-  compute_stream().record(*compute_point_);
-  home_stream_->wait(*compute_point_);
-  gather_stream_->record(*gather_point_);
-  home_stream_->wait(*gather_point_);
-  const offload::AppliedStep applied = optimizer_->apply(lr, result.grad_scale, loss_scale);
+  const bool overlap_forward = update_can_overlap_forward();
+  offload::AppliedStep applied;
+  if (overlap_forward) {
+    // The optimizer thread waits for those reads itself; step() returns once it has the work.
+    std::vector<std::shared_ptr<Event>> readers;
+    for (Stream* stream : {&compute_stream(), gather_stream_.get()}) {
+      readers.push_back(accelerator().create_event());
+      stream->record(*readers.back());
+    }
+    applied = optimizer_->apply_async(lr, result.grad_scale, loss_scale, std::move(readers));
+  } else {
+    compute_stream().record(*compute_point_);
+    home_stream_->wait(*compute_point_);
+    gather_stream_->record(*gather_point_);
+    home_stream_->wait(*gather_point_);
+    applied = optimizer_->apply(lr, result.grad_scale, loss_scale);
+  }
   guard.armed = false;
   if (applied.redo_reason != nullptr && applied.rolled_back) {
     logger().debug("step {}: {}; the sub-group(s) updated during backward are rolled back and redone", steps_ + 1,
@@ -616,21 +659,82 @@ StepResult ZeroEngine::step(float lr) {
   result.rolled_back = applied.rolled_back;
   result.overlap_mode = applied.mode;
   result.sub_groups_read_ahead = applied.sub_groups_read_ahead;
+  result.update_overlaps_forward = overlap_forward;
   result.optimizer_seconds = seconds_since(start);
 
   refresh_copies();
+  if (overlap_forward) {
+    // The next forward's gathers of a sub-group wait for its update; the
+    // gradient shards are zeroed once the update has read them (finish_update).
+    std::vector<offload::HomeUpdate> updates;
+    for (const auto& g : groups_) {
+      if (g->shard < 0) continue;
+      const auto s = static_cast<size_t>(g->shard);
+      updates.push_back({g->home.get(), optimizer_->home_stride(s), optimizer_->home_ready(s)});
+    }
+    coordinator_->set_home_updates(std::move(updates));
+    update_pending_ = true;
+    return result;
+  }
   zero_grad();
   return result;
 }
 
-void ZeroEngine::zero_grad() {
-  STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
-  optimizer_->abort();  // a step prepared and abandoned: its speculative updates are undone
+bool ZeroEngine::update_can_overlap_forward() const {
+  if (!options_.overlap_optimizer || !options_.overlap_next_forward || !coordinator_ ||
+      options_.optimizer_tier == Tier::kDevice) {
+    return false;
+  }
+  // The thread's host writes must not wait on device work queued behind a
+  // stream's wait on them (core/accelerator.h, HostEvent): where the
+  // accelerator's memory is not the host's, only homes and gradient shards
+  // the host reaches without a device copy qualify.
+  if (accelerator().host_addressable()) return true;
+  return std::all_of(groups_.begin(), groups_.end(), [](const auto& g) {
+    return g->frozen || (g->home->tier() != Tier::kDevice && g->grads->on_nvme());
+  });
+}
+
+void ZeroEngine::finish_update() {
+  if (!update_pending_) return;
+  update_pending_ = false;
+  // When compute reaches this point it has nothing left to run until the join returns.
+  join_reached_ = std::make_shared<std::atomic<int64_t>>(0);
+  compute_stream().launch_host_func([reached = join_reached_] { reached->store(steady_ns()); });
+  offload::ShardOptimizer::Finished finished;
+  try {
+    finished = optimizer_->finish();
+    join_end_ns_ = steady_ns();
+  } catch (...) {
+    // The step did not happen: its state stays the last committed step's and
+    // the homes were rewritten from it, so the copies gathered since are stale.
+    coordinator_->set_home_updates({});
+    join_reached_.reset();
+    --steps_;
+    logger().error("step {}: the optimizer's update (overlapping the next forward) failed; the step is undone",
+                   steps_ + 1);
+    refresh_copies();
+    zero_grad_shards();
+    throw;
+  }
+  coordinator_->set_home_updates({});
+  update_seconds_ = finished.busy_seconds;
+  zero_grad_shards();
+}
+
+void ZeroEngine::zero_grad_shards() {
   for (auto& g : groups_) {
     if (g->frozen) continue;
     g->reducer->synchronize();
     g->grads->zero(g->reducer->stream());
   }
+}
+
+void ZeroEngine::zero_grad() {
+  STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
+  finish_update();
+  optimizer_->abort();  // a step prepared and abandoned: its speculative updates are undone
+  zero_grad_shards();
   if (options_.stage == 1) {
     accelerator().memset_async(stage1_grads_, 0, stage1_grads_nbytes_, compute_stream());
     return;
@@ -693,6 +797,7 @@ void ZeroEngine::sync_full_params() {
 void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& fn) {
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
   check_not_prepared("for_each_owned_range");
+  finish_update();
   const ParamInfo& info = param_info(id);
   if (!holds(id)) {
     // Another ep member's expert: its owners have every element of it.

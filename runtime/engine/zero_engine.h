@@ -26,6 +26,13 @@
 //       their gradient is final, speculatively, rolled back exactly when the
 //       step says otherwise — or, while clipping fires, their statistics
 //       taken and their state read ahead, so step() is left the arithmetic.
+//       At stage 3 (optimizer on cpu or nvme) step() hands even that, and the
+//       state's write-back, to the optimizer thread and returns: the next
+//       forward's gathers of a sub-group's parameters wait for its update
+//       only (ParamCoordinator::set_home_updates), and the next backward's
+//       first window, prepare_step, zero_grad, a checkpoint, a parameter
+//       access or the next step() join it first (its error is rethrown
+//       there, the step undone). ZeroEngineOptions::overlap_next_forward.
 //   Expert parallelism (options.expert_parallel_size > 1): the experts this
 //       rank holds (Engine::owns_expert) form groups of their own, partitioned,
 //       gathered and reduced over the expert-dp group (ZeroComms::expert_*);
@@ -57,6 +64,7 @@
 // peers' pending allgathers fail within the communicator's timeout.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <filesystem>
@@ -131,9 +139,21 @@ struct StepResult {
   // to clip; and how many sub-groups' state it read (read-ahead, NVMe).
   std::optional<offload::OverlapMode> overlap_mode;
   int64_t sub_groups_read_ahead = 0;
+  // The update overlapping the next forward (ZeroEngineOptions::
+  // overlap_next_forward): this step's sub-groups left after backward are
+  // updated, and the state committed, after step() returns.
+  bool update_overlaps_forward = false;
+  // The previous step's update, overlapped with this step's forward (0 when
+  // none was): the optimizer thread's time on it, and what this step waited
+  // for it — the join before its backward (from when compute had run all it
+  // was given before it) plus the stall of forward windows whose gathers
+  // waited for an update.
+  double previous_update_seconds = 0;
+  double previous_update_wait_seconds = 0;
   // Of the optimizer's own time, the share compute waited for: the host time
-  // step() spent on it over (that + the thread's hidden time, less the drain
-  // the two overlap in). 1 without overlap.
+  // step() spent on it plus previous_update_wait_seconds, over (step()'s time
+  // less the drain it overlaps, plus the thread's time behind backward and
+  // previous_update_seconds). 1 without overlap.
   double optimizer_not_hidden_fraction() const;
 };
 
@@ -182,7 +202,10 @@ class ZeroEngine final : public Engine {
   // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
   // checks). Collective (it may reduce a partly filled gradient bucket): every
   // rank calls it after the previous micro-step's backward and before the
-  // last micro-step's backward — before its forward is simplest. Until step()
+  // last micro-step's backward — right after that micro-step's forward is
+  // best: it joins the last step's update overlapping the forward (see
+  // above), so called before the forward it leaves that forward nothing to
+  // overlap (the same bits either way). Until step()
   // (or zero_grad(), which abandons the step and rolls back) the parameters
   // may not be read or written through for_each_owned_range nor saved. A
   // different lr at step(), or more than one backward after this call, is
@@ -193,9 +216,10 @@ class ZeroEngine final : public Engine {
   // without a step() between.
   void prepare_step(float lr);
   // How later prepare_step()s use backward (offload/shard_optimizer.h):
-  // kAuto (the default) speculates unless the last prepared step clipped,
-  // and reads ahead while clipping fires; kSpeculate and kReadAhead fix the
-  // mode. The results are the same bits in every mode.
+  // kAuto (the default) reads ahead where the update overlaps the next
+  // forward (stage 3), else speculates unless the last prepared step
+  // clipped, and reads ahead while clipping fires; kSpeculate and kReadAhead
+  // fix the mode. The results are the same bits in every mode.
   void set_overlap_policy(offload::OverlapPolicy policy);
   // prepare_step was called and neither step() nor zero_grad() since.
   bool step_prepared() const;
@@ -312,6 +336,13 @@ class ZeroEngine final : public Engine {
   void sync_full_params();          // stages 1/2: allgather every group into the full copies
   void refresh_copies();            // the homes changed: copies are stale (re-gathered when next needed)
   void check_not_prepared(const char* what) const;
+  // The update overlapping the next forward can run here (see overlap_next_forward).
+  bool update_can_overlap_forward() const;
+  // Joins the update step() handed over (if any): waits, then zeroes the
+  // gradient shards step() left to it. On its error the step is undone (step
+  // count, copies) and the error rethrown.
+  void finish_update();
+  void zero_grad_shards();          // the gradient shards zero (their reducers synchronized)
   void check_no_backward(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
   // f64 sum over `comm` (the control communicator unless given) on `stream`
@@ -349,6 +380,11 @@ class ZeroEngine final : public Engine {
   void* control_buffer_ = nullptr;                 // allreduce_f64: control_slots_ doubles, accelerator memory
   size_t control_slots_ = 0;
   int64_t steps_ = 0;
+  bool update_pending_ = false;      // step() handed its update over; finish_update() not yet
+  double update_seconds_ = 0;        // the last finished update's thread time (StepResult::previous_update_seconds)
+  // The last join: when the compute stream reached it (0: not yet), and when it returned.
+  std::shared_ptr<std::atomic<int64_t>> join_reached_;
+  int64_t join_end_ns_ = 0;
   LossScaler loss_scaler_;
   std::unique_ptr<Event> compute_point_, gather_point_;
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather

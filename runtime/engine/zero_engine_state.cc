@@ -41,6 +41,7 @@ void expect_size(const fs::path& path, uint64_t nbytes) {
 std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState frozen) {
   STRATA_CHECK(finalized(), kBadArgument, "save_state() before finalize()");
   check_not_prepared("save_state");
+  finish_update();
   check_no_backward("save_state");
   compute_stream().synchronize();
   gather_stream_->synchronize();
@@ -106,6 +107,7 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
 void ZeroEngine::load_state(const fs::path& dir) {
   STRATA_CHECK(finalized(), kBadArgument, "load_state() before finalize()");
   check_not_prepared("load_state");
+  finish_update();
   const fs::path state_path = dir / kStateFile;
   nlohmann::json state;
   {

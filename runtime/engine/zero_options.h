@@ -52,6 +52,13 @@ struct ZeroEngineOptions {
   // each sub-group during backward as soon as its gradient is final
   // (speculatively; offload/shard_optimizer.h). false: the optimizer runs in step() only.
   bool overlap_optimizer = true;
+  // Stage 3 with overlap_optimizer: step() returns once the norm is known
+  // and hands the update (and the state's write-back) to the optimizer
+  // thread, in the order the next forward needs the parameters; that
+  // forward's gathers of a sub-group wait for its update only, and the next
+  // backward (or anything else that touches the step's state) waits for the
+  // rest (offload/shard_optimizer.h, apply_async). false: the update ends in step().
+  bool overlap_next_forward = true;
 
   // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
   int64_t prefetch_bucket_numel = 50'000'000;         // stage3_prefetch_bucket_size; 0: no prefetch

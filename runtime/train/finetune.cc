@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <memory>
@@ -495,8 +496,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     bool aux = false;  // a mixture of experts with its load-balancing loss
     model.reset_router_load();  // an evaluation since the last step routed too
     for (size_t m = 0; m < micro.size(); ++m) {
-      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
-      if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
@@ -514,6 +513,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         StreamSpan ops(engine.compute_stream(), "compute", "forward");
         model.forward(micro[m].ids, micro[m].targets, micro_batch, options.seq, forward);
       }
+      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
+      // After the forward: the last step's update may still run during it (ZeroEngine::prepare_step joins it).
+      if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       {
         trace::Span span("phase", "backward");
         span.value("micro_batch", static_cast<int64_t>(m));
@@ -541,12 +543,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.tokens = static_cast<int64_t>(global_count);
     r.seconds = seconds_since(start);
     r.nvme_bytes = engine.nvme_bytes_read() + engine.nvme_bytes_written() - nvme_before;
-    r.forward_backward_seconds = forward_backward;
-    r.optimizer_seconds = r.seconds - forward_backward;
-    r.optimizer_hidden_seconds = stepped.optimizer_overlapped_seconds;
+    // What this step's forward and backward waited for the last step's update (overlapping the forward) is
+    // the optimizer's time, as is step()'s; the thread's time behind backward and the forward is hidden.
+    r.forward_backward_seconds = forward_backward - stepped.previous_update_wait_seconds;
+    r.optimizer_seconds = r.seconds - r.forward_backward_seconds;
+    r.optimizer_hidden_seconds =
+        stepped.optimizer_overlapped_seconds +
+        std::max(0.0, stepped.previous_update_seconds - stepped.previous_update_wait_seconds);
     r.optimizer_not_hidden_fraction = stepped.optimizer_not_hidden_fraction();
     if (stepped.overlap_mode) r.optimizer_overlap = offload::overlap_mode_name(*stepped.overlap_mode);
     r.optimizer_rolled_back = stepped.rolled_back;
+    r.optimizer_overlaps_forward = stepped.update_overlaps_forward;
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
     if (model.config().moe()) r.router_imbalance = model.router_load_imbalance();

@@ -185,6 +185,7 @@ void RunReport::record(const StepRecord& r) {
                          {"optimizer_not_hidden_fraction", r.optimizer_not_hidden_fraction},
                          {"optimizer_overlap", r.optimizer_overlap.empty() ? nlohmann::json() : nlohmann::json(r.optimizer_overlap)},
                          {"optimizer_rolled_back", r.optimizer_rolled_back},
+                         {"optimizer_overlaps_forward", r.optimizer_overlaps_forward},
                          {"memory", {{"device_peak_bytes", r.device_peak_nbytes},
                                      {"host_peak_rss_bytes", r.host_peak_rss_nbytes}}}};
   if (r.eval_loss) line["eval_loss"] = finite_or_null(*r.eval_loss);

@@ -37,11 +37,15 @@ struct StepRecord {
   uint64_t nvme_bytes = 0;     // bytes rank 0 moved to and from NVMe during the step
   int64_t tokens = 0;          // predicted tokens in the global batch
   double seconds = 0;          // wall time of the step
-  double forward_backward_seconds = 0;  // this rank's forward + backward
-  double optimizer_seconds = 0;          // step(): reduction tail, norm, update, gather
-  // The optimizer overlapping backward (ZeroEngine::prepare_step): its
-  // thread's time during backward whose work the step kept, and of the
-  // optimizer's own time the share the step waited for (1: none hidden).
+  double forward_backward_seconds = 0;  // this rank's forward + backward, less what they waited for the optimizer
+  // step() (reduction tail, norm, update, gather), plus what forward and
+  // backward waited for the last step's update overlapping this forward
+  // (StepResult::previous_update_wait_seconds).
+  double optimizer_seconds = 0;
+  // The optimizer overlapping backward (ZeroEngine::prepare_step) and the
+  // next forward: its thread's time there whose work the step kept, less
+  // what was waited for, and of the optimizer's own time the share the step
+  // waited for (1: none hidden).
   double optimizer_hidden_seconds = 0;
   double optimizer_not_hidden_fraction = 1;
   // What the optimizer thread did during the last backward: "speculate" or
@@ -50,6 +54,9 @@ struct StepRecord {
   // speculated updates were rolled back (clipping fired, an overflow).
   std::string optimizer_overlap;
   bool optimizer_rolled_back = false;
+  // This step's update runs on after step(), overlapping the next step's
+  // forward (ZeRO-3 with the optimizer on cpu or nvme; StepResult::update_overlaps_forward).
+  bool optimizer_overlaps_forward = false;
   uint64_t device_peak_nbytes = 0;       // this rank's accelerator memory, highest in use so far
   uint64_t host_peak_rss_nbytes = 0;     // this rank's process, highest resident set so far (VmHWM)
   std::optional<double> eval_loss;       // the evaluation after this step, when one ran

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "nvme/io_backend.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/llama_model.h"
 #include "tests/engine/zero_training.h"
@@ -121,6 +122,8 @@ TEST_CASE("optimizer overlapping backward: bit for bit the step taken in step(),
   CAPTURE(c.stage, tier_name(c.param), tier_name(c.optimizer), tier_name(c.grad), dtype_name(c.dtype));
   TrainSpec spec = spec_for(options(c.stage, c.param, c.optimizer, c.grad, dir.path()), c.dtype);
   spec.options.gradient_clipping = 1e9;  // on, never firing: the norm is computed and speculation holds
+  // kAuto would read ahead at stage 3, whose update overlaps the next forward.
+  spec.overlap_policy = offload::OverlapPolicy::kSpeculate;
   spec.options.overlap_optimizer = false;
   const TrainResult plain = train_zero(spec);
   spec.options.overlap_optimizer = true;
@@ -163,6 +166,131 @@ TEST_CASE("optimizer overlapping backward: clipping that fires, a non-finite gra
   CHECK_FALSE(overlapped.steps[3].applied);    // not finite: skipped, nothing changed
   CHECK(overlapped.steps[3].rolled_back);
   CHECK(overlapped.steps[4].applied);
+}
+
+// Every NVMe write of a run held `delay` before it reaches the disk: the
+// optimizer's write-back then outlasts the next forward's first windows, so
+// that forward's gathers must wait for the updates (the same bits either way).
+void slow_writes(TrainSpec& spec, std::chrono::milliseconds delay) {
+  auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
+      .nth = 1, .kind = nvme::IoFault::Kind::kSlow, .op = nvme::IoOp::kWrite, .repeat = true, .delay = delay}});
+  spec.per_rank = [plan](int, engine::ZeroEngineOptions& o) {
+    o.io_backend = [plan, engine = o.aio.engine] { return nvme::make_fault_backend(nvme::make_backend(engine), plan); };
+  };
+}
+
+TEST_CASE("the update overlapping the next forward: bit for bit the step taken in step(), clipping firing or not, "
+          "every stage-3 tier, with an evaluation, micro-steps and a checkpoint between steps",
+          "[engine][zero][overlap][forward]") {
+  test::TempDir dir("strata-overlap-forward");
+  struct Case {
+    Tier param, optimizer, grad;
+    DType dtype;
+    double clipping;
+    offload::OverlapPolicy policy;
+    int micro_steps;
+  };
+  const auto auto_policy = offload::OverlapPolicy::kAuto;
+  const Case c = GENERATE_COPY(
+      Case{Tier::kDevice, Tier::kCpu, Tier::kDevice, DType::kBF16, 1e-3, auto_policy, 1},  // clipping always fires
+      Case{Tier::kCpu, Tier::kNvme, Tier::kNvme, DType::kF32, 1e-3, auto_policy, 1},
+      Case{Tier::kNvme, Tier::kNvme, Tier::kNvme, DType::kBF16, 1e-3, auto_policy, 2},
+      Case{Tier::kNvme, Tier::kNvme, Tier::kNvme, DType::kBF16, 1e9, auto_policy, 1},  // never fires: speculation
+      Case{Tier::kNvme, Tier::kCpu, Tier::kDevice, DType::kF32, 0.5, offload::OverlapPolicy::kSpeculate, 2});
+  CAPTURE(tier_name(c.param), tier_name(c.optimizer), tier_name(c.grad), dtype_name(c.dtype), c.clipping,
+          c.micro_steps);
+  TrainSpec spec = spec_for(options(3, c.param, c.optimizer, c.grad, dir.path()), c.dtype);
+  spec.steps = 4;
+  spec.micro_steps = c.micro_steps;
+  spec.options.gradient_clipping = c.clipping;
+  spec.overlap_policy = c.policy;
+  spec.eval_before = {2};  // an evaluation's forward between steps gathers behind the update too
+  spec.eval_marked = true;
+  spec.save_after_step = 1;  // a checkpoint joins the update first
+  const bool nvme = c.param == Tier::kNvme || c.optimizer == Tier::kNvme || c.grad == Tier::kNvme;
+  if (nvme) slow_writes(spec, std::chrono::milliseconds(4));
+  spec.options.overlap_optimizer = false;
+  spec.save_dir = dir.path() / "plain";
+  const TrainResult plain = train_zero(spec);
+  spec.options.overlap_optimizer = true;
+  spec.save_dir = dir.path() / "overlapped";
+  const TrainResult overlapped = train_zero(spec);
+  check_same(overlapped, plain);
+  check_same_files(dir.path() / "overlapped", dir.path() / "plain");
+  if (c.clipping == 1e-3) {
+    for (const auto& s : plain.steps) CHECK(s.grad_norm > 1e-3);  // clipping fired at every step
+  }
+  REQUIRE(overlapped.steps.size() == 4);
+  int64_t ordered = 0;
+  for (size_t s = 0; s < overlapped.steps.size(); ++s) {
+    CAPTURE(s);
+    CHECK(overlapped.steps[s].update_overlaps_forward);
+    CHECK_FALSE(plain.steps[s].update_overlaps_forward);
+    // The previous step's update ran on the optimizer thread (step 2's was joined by the checkpoint after step 1).
+    if (s > 0) CHECK(overlapped.steps[s].previous_update_seconds > 0);
+    CHECK(overlapped.steps[s].optimizer_not_hidden_fraction() <= 1.0);
+    ordered += overlapped.prefetch[s].gathers_after_update;
+    CHECK(plain.prefetch[s].gathers_after_update == 0);
+  }
+  // With the write-back slowed, the next forward found updates still running and waited for them per range.
+  if (nvme) CHECK(ordered > 0);
+  // Turned off, the step ends in step() (and gives the same bits).
+  spec.options.overlap_next_forward = false;
+  spec.save_dir = dir.path() / "in_step";
+  const TrainResult in_step = train_zero(spec);
+  check_same(in_step, plain);
+  for (const auto& s : in_step.steps) CHECK_FALSE(s.update_overlaps_forward);
+}
+
+TEST_CASE("the update overlapping the next forward: a write that fails is reported at the join before the next "
+          "backward, naming the file",
+          "[engine][zero][overlap][forward]") {
+  // One rank, gradients in memory, parameters in pinned memory, optimizer
+  // state on NVMe: after initialisation every NVMe write is the optimizer's
+  // write-back. Every write from step 1's on fails.
+  test::TempDir dir("strata-overlap-forward-fault");
+  TrainSpec spec = spec_for(options(3, Tier::kCpu, Tier::kNvme, Tier::kDevice, dir.path()), DType::kF32);
+  spec.world = 1;
+  spec.steps = 3;
+  spec.timeout = std::chrono::milliseconds(5000);
+  // Read ahead: nothing is written during backward (speculation would write there, and fail in step()).
+  spec.overlap_policy = offload::OverlapPolicy::kReadAhead;
+  // How many writes initialisation and one step take: clean runs of 1 and 2
+  // steps, every write counted (a fault that passes them through at once).
+  const auto writes_in = [&](int steps) {
+    TrainSpec counted = spec;
+    counted.steps = steps;
+    auto counter = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
+        .nth = 1, .kind = nvme::IoFault::Kind::kSlow, .op = nvme::IoOp::kWrite, .repeat = true}});
+    counted.per_rank = [counter](int, engine::ZeroEngineOptions& o) {
+      o.io_backend = [counter, engine = o.aio.engine] {
+        return nvme::make_fault_backend(nvme::make_backend(engine), counter);
+      };
+    };
+    train_zero(counted);
+    return counter->fired();
+  };
+  const uint64_t one = writes_in(1), per_step = writes_in(2) - one;
+  REQUIRE(per_step > 2);
+  auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
+      .nth = one + 2, .kind = nvme::IoFault::Kind::kError, .error = EIO, .op = nvme::IoOp::kWrite, .repeat = true}});
+  spec.per_rank = [plan](int, engine::ZeroEngineOptions& o) {
+    o.io_backend = [plan, engine = o.aio.engine] { return nvme::make_fault_backend(nvme::make_backend(engine), plan); };
+  };
+  spec.collect_errors = true;
+  const TrainResult r = train_zero(spec);
+  CHECK(plan->fired() >= 1);
+  REQUIRE(r.errors[0] != nullptr);
+  // Step 1's update fails on the optimizer thread; step 2 meets it before its backward.
+  CHECK(r.failed_step[0] == 2);
+  try {
+    std::rethrow_exception(r.errors[0]);
+  } catch (const Error& e) {
+    INFO(e.what());
+    CHECK(e.category() == ErrorCategory::kIo);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("optimizer") && Catch::Contains("slot") &&
+                                          Catch::Contains("EIO"));
+  }
 }
 
 TEST_CASE("prepare_step misuse is refused, naming the call", "[engine][zero][overlap]") {
@@ -273,11 +401,13 @@ struct ClipRun {
 // 5 steps of stage 3 (bf16, parameters on the device) with the optimizer
 // state on `optimizer` (gradient shard on NVMe with it), saved after the last.
 ClipRun train_clipping(const std::filesystem::path& dir, const std::string& name, int world, Tier optimizer,
-                       Clipping clipping, bool overlap, offload::OverlapPolicy policy, size_t buffers = 3) {
+                       Clipping clipping, bool overlap, offload::OverlapPolicy policy, size_t buffers = 3,
+                       bool forward = true) {
   engine::ZeroEngineOptions o =
       options(3, Tier::kDevice, optimizer, optimizer == Tier::kNvme ? Tier::kNvme : Tier::kDevice, dir / (name + "-swap"));
   o.gradient_clipping = kClip;
   o.overlap_optimizer = overlap;
+  o.overlap_next_forward = forward;
   o.optimizer_buffer_count = buffers;
   TrainSpec spec = spec_for(o, DType::kBF16);
   spec.world = world;
@@ -299,10 +429,13 @@ TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one
   const int world = GENERATE(1, 2);
   const Tier optimizer = GENERATE(Tier::kCpu, Tier::kNvme);
   const Clipping clipping = GENERATE(Clipping::kEveryStep, Clipping::kNever, Clipping::kAlternating);
-  CAPTURE(world, tier_name(optimizer), clipping_name(clipping));
+  // With the update overlapping the next forward, kAuto reads ahead every
+  // step; without, it alternates as clipping does.
+  const bool forward = GENERATE(false, true);
+  CAPTURE(world, tier_name(optimizer), clipping_name(clipping), forward);
   const ClipRun plain = train_clipping(dir.path(), "plain", world, optimizer, clipping, false, offload::OverlapPolicy::kAuto);
-  const ClipRun overlapped =
-      train_clipping(dir.path(), "overlapped", world, optimizer, clipping, true, offload::OverlapPolicy::kAuto);
+  const ClipRun overlapped = train_clipping(dir.path(), "overlapped", world, optimizer, clipping, true,
+                                            offload::OverlapPolicy::kAuto, 3, forward);
   check_same(overlapped.result, plain.result);
   check_same_files(overlapped.saved, plain.saved);
   REQUIRE(plain.result.steps.size() == 5);
@@ -321,7 +454,8 @@ TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one
     CHECK((p.grad_norm > kClip) == clips(clipping, s));
     CHECK_FALSE(p.overlap_mode.has_value());
     CHECK(p.applied);
-    const bool speculated = clipped_before.has_value() && !*clipped_before;
+    const bool speculated = !forward && clipped_before.has_value() && !*clipped_before;
+    CHECK(r.update_overlaps_forward == forward);
     REQUIRE(r.overlap_mode.has_value());
     CHECK(*r.overlap_mode == (speculated ? offload::OverlapMode::kSpeculate : offload::OverlapMode::kReadAhead));
     if (r.rolled_back) CHECK((speculated && clips(clipping, s)));
@@ -343,7 +477,8 @@ TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one
   }
   // Every step: read ahead (it always clipped); never: read ahead once, then
   // speculate; alternating: both modes, each right and wrong once at least.
-  CHECK(read_ahead_steps == (clipping == Clipping::kEveryStep ? 5 : clipping == Clipping::kNever ? 1 : 3));
+  CHECK(read_ahead_steps ==
+        (forward || clipping == Clipping::kEveryStep ? 5 : clipping == Clipping::kNever ? 1 : 3));
   // One read-ahead step (clipping never fires: only the first) may get
   // nothing done before its boundary on a loaded machine (CI once saw it);
   // over three or five, the thread must have done some.
@@ -353,7 +488,8 @@ TEST_CASE("an overlap that survives clipping: every step as the unoverlapped one
   }
   if (kept_speculations > 0) CHECK(kept > 0);
   if (clipped_speculations > 0) CHECK(rolled_back > 0);
-  if (clipping == Clipping::kAlternating) CHECK(clipped_speculations == 2);
+  if (clipping == Clipping::kAlternating) CHECK(clipped_speculations == (forward ? 0 : 2));
+  if (forward) CHECK(rolled_back == 0);
 }
 
 TEST_CASE("speculating or reading ahead on every step gives the same bits, whether clipping fires or not, with a "

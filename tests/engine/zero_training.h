@@ -135,6 +135,10 @@ struct TrainSpec {
   // The micro-step prepare_step precedes; -1: the last (more than one backward
   // after it is misuse the engine detects and redoes exactly).
   int prepare_micro = -1;
+  // prepare_step before that micro-step's forward instead of right after it
+  // (then the last step's update does not overlap the forward: the engine
+  // joins it at prepare_step).
+  bool prepare_before_forward = false;
   // How the optimizer uses the backward after prepare_step (ZeroEngine::set_overlap_policy).
   offload::OverlapPolicy overlap_policy = offload::OverlapPolicy::kAuto;
   // The model's dtype (parameters are read back widened to fp32).
@@ -257,13 +261,15 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             const auto micro_steps = [&](double& loss_sum) {
               for (int m = 0; m < spec.micro_steps; ++m) {
                 const int prepare_at = spec.prepare_micro >= 0 ? spec.prepare_micro : spec.micro_steps - 1;
-                if (spec.prepare_step && m == prepare_at) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
+                const bool prepare = spec.prepare_step && m == prepare_at;
+                if (prepare && spec.prepare_before_forward) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
                 auto [first, n] = rows(m);
                 nn::ForwardOptions forward;
                 forward.normalizer = global_count;
                 if (spec.grad_scale) forward.grad_scale = spec.grad_scale(rank, step);
                 model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
                               per_micro, kSeq, forward);
+                if (prepare && !spec.prepare_before_forward) eng.prepare_step(spec.prepare_lr ? spec.prepare_lr(step) : lr);
                 model.backward();
                 loss_sum += model.loss_stats().sum;
               }
