@@ -184,11 +184,10 @@ OverlapMode ShardOptimizer::choose_mode() const {
       break;
   }
   // Speculation redone is the whole update spent for nothing; reading ahead
-  // when clipping does not fire only leaves the arithmetic in step() — or,
-  // with the update overlapping the next forward, nothing: then speculating
-  // would only compete with backward for the cores (and make step() wait for
-  // the thread's last sub-groups) for what the forward hides anyway.
-  if (options_.update_overlaps_forward) return OverlapMode::kReadAhead;
+  // when clipping does not fire leaves the arithmetic to step() (or to the
+  // update overlapping the next forward, which then has the whole update to
+  // hide instead of the sub-groups speculation did not reach: measured
+  // slower, bench/PERFORMANCE.md "The update overlapping the next forward").
   return options_.clipping && last_clipped_ ? OverlapMode::kReadAhead : OverlapMode::kSpeculate;
 }
 

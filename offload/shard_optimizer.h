@@ -35,11 +35,10 @@
 // speculates, or reads ahead when the previous prepared step clipped
 // (OverlapPolicy::kAuto; before any step, when clipping can fire at all):
 // speculation wins when clipping is rare, read-ahead loses nothing when it
-// fires. Both give the bits of the step taken in apply() alone. When the
-// caller hands each update over to overlap the next forward (apply_async
-// below), kAuto reads ahead on every step: the forward hides the update
-// whether clipping fires or not, and speculating would only compete with
-// backward for the cores.
+// fires. Both give the bits of the step taken in apply() alone. With the
+// update overlapping the next forward (apply_async below) the choice is the
+// same: what speculation does not reach, and a read-ahead step's whole
+// update, then run behind the next forward.
 //
 // A step at the boundary: settle() (the thread's last sub-groups), grad_stats()
 // (this rank's merged statistics), then apply() — or abort() when the step is
@@ -104,8 +103,7 @@ enum class OverlapMode {
   kReadAhead,  // takes each final sub-group's statistics and (NVMe) reads its state; updates at apply()
 };
 enum class OverlapPolicy {
-  kAuto,       // kReadAhead when the last prepared step clipped (before any: when clipping is on), or when the
-               // update overlaps the next forward (ShardOptimizerOptions::update_overlaps_forward); else kSpeculate
+  kAuto,       // kReadAhead when the last prepared step clipped (before any: when clipping is on), else kSpeculate
   kSpeculate,  // always
   kReadAhead,  // always
 };
@@ -123,10 +121,6 @@ struct ShardOptimizerOptions {
   bool overlap = true;             // prepare() arms the optimizer thread (cpu/nvme, stages 2/3)
   bool clipping = false;           // gradient_clipping is on: a step may clip (kAuto's first guess)
   OverlapPolicy policy = OverlapPolicy::kAuto;
-  // The caller will hand each step's update over with apply_async: kAuto
-  // then reads ahead every step (the update is hidden behind the next
-  // forward whether clipping fires or not, and backward is not slowed by it).
-  bool update_overlaps_forward = false;
 };
 
 // One dtype group's shard as the optimizer sees it.

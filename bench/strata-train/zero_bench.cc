@@ -387,23 +387,20 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       "tok/s", "compute", "p.stall", "r.wait", "g.wait", "optim", "other", "nvme rd MB", "nvme wr MB", "resident",
       "io bound", "ratio", "loss");
   if (r.rank == 0) fmt::print("{}\n", table_head);
-  // Rounds of `steps` pairs: a ZeRO step, then the same step resident (all
-  // ranks at once), so that load from outside hits both alike.
+  // Rounds of `steps` ZeRO steps, then the same steps resident (all ranks at
+  // once), so that load from outside hits both alike. The ZeRO steps run back
+  // to back: each step's update overlaps the next one's forward
+  // (overlap_next_forward), so the round's first step only follows another
+  // untimed one, and the last one's update ends before the resident steps.
   for (int round = 0; round < run.rounds; ++round) {
     Round rd;
     std::vector<StepFigures> steps;
     std::vector<double> resident_s, unoffloaded_s;
-    const int warm = round == 0 ? std::max(run.warmup, 1) : 0;  // the first step records the trace
+    // The first step records the trace; later rounds warm the update overlapping the forward.
+    const int warm = round == 0 ? std::max(run.warmup, 1) : o.overlap_next_forward ? 1 : 0;
     for (int s = 0; s < warm + run.steps; ++s) {
       ranks.barrier();
       StepFigures f = zero_step(eng, model);
-      if (plain) {
-        ranks.barrier();
-        const double t = zero_step(*plain, *plain_model).step;
-        if (s >= warm) unoffloaded_s.push_back(t);
-      }
-      ranks.barrier();
-      const double resident_t = resident_step();  // the first lays out the arena: warmup too
       all_losses.push_back(f.loss);
       rd.losses.push_back(f.loss);
       if (s < warm) continue;
@@ -426,7 +423,20 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       min_norm = std::min(min_norm, f.grad_norm);
       max_norm = std::max(max_norm, f.grad_norm);
       steps.push_back(std::move(f));
-      resident_s.push_back(resident_t);
+    }
+    eng.join_update();
+    if (plain) {
+      for (int s = 0; s < warm + run.steps; ++s) {
+        ranks.barrier();
+        const double t = zero_step(*plain, *plain_model).step;
+        if (s >= warm) unoffloaded_s.push_back(t);
+      }
+      plain->join_update();
+    }
+    for (int s = 0; s < warm + run.steps; ++s) {
+      ranks.barrier();
+      const double resident_t = resident_step();  // the first lays out the arena: warmup too
+      if (s >= warm) resident_s.push_back(resident_t);
     }
     rd.zero = median_of(steps);
     rd.worst_stall = ranks.max(rd.zero.stall);

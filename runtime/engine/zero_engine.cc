@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/trace_recorder.h"
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
 #include "partition/layout.h"
@@ -255,7 +256,6 @@ void ZeroEngine::on_finalize() {
   optimizer.overlap = options_.stage > 1 && options_.overlap_optimizer;
   optimizer.clipping = options_.gradient_clipping > 0;
   optimizer.policy = overlap_policy_;
-  optimizer.update_overlaps_forward = update_can_overlap_forward();
   std::vector<offload::OptimizedShard> shards;
   for (auto& g : groups_) {
     if (g->frozen) continue;
@@ -703,6 +703,7 @@ void ZeroEngine::finish_update() {
   compute_stream().launch_host_func([reached = join_reached_] { reached->store(steady_ns()); });
   offload::ShardOptimizer::Finished finished;
   try {
+    trace::Span span("engine", "join the update");  // the host's wait for the last step's update (--trace)
     finished = optimizer_->finish();
     join_end_ns_ = steady_ns();
   } catch (...) {

@@ -216,13 +216,17 @@ class ZeroEngine final : public Engine {
   // without a step() between.
   void prepare_step(float lr);
   // How later prepare_step()s use backward (offload/shard_optimizer.h):
-  // kAuto (the default) reads ahead where the update overlaps the next
-  // forward (stage 3), else speculates unless the last prepared step
-  // clipped, and reads ahead while clipping fires; kSpeculate and kReadAhead
-  // fix the mode. The results are the same bits in every mode.
+  // kAuto (the default) speculates unless the last prepared step clipped,
+  // and reads ahead while clipping fires; kSpeculate and kReadAhead fix the
+  // mode. The results are the same bits in every mode.
   void set_overlap_policy(offload::OverlapPolicy policy);
   // prepare_step was called and neither step() nor zero_grad() since.
   bool step_prepared() const;
+  // Waits for the update the last step() handed over (overlap_next_forward)
+  // now rather than at the next backward — for a caller about to use the
+  // cores for something else (a benchmark's reference step) — and rethrows
+  // its error (the step undone). No-op when none is running.
+  void join_update() { finish_update(); }
   // An evaluation pass between steps (forward windows only, no gradient):
   // stage 3 gathers its parameters on demand and leaves the operator trace of
   // the training step alone, so the next step still follows it (without
