@@ -202,10 +202,12 @@ class ZeroEngine final : public Engine {
   // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
   // checks). Collective (it may reduce a partly filled gradient bucket): every
   // rank calls it after the previous micro-step's backward and before the
-  // last micro-step's backward — right after that micro-step's forward is
-  // best: it joins the last step's update overlapping the forward (see
+  // last micro-step's backward. Where is a trade-off (the same bits either
+  // way): it joins the last step's update overlapping the forward (see
   // above), so called before the forward it leaves that forward nothing to
-  // overlap (the same bits either way). Until step()
+  // overlap; called after it, it misses the gradients LlamaModel's forward
+  // already landed (the lm_head's, from the loss fused into forward()), whose
+  // sub-groups are then updated after backward instead of during it. Until step()
   // (or zero_grad(), which abandons the step and rolls back) the parameters
   // may not be read or written through for_each_owned_range nor saved. A
   // different lr at step(), or more than one backward after this call, is
