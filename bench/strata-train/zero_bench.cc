@@ -308,6 +308,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     const double read0 = static_cast<double>(z.nvme_bytes_read());
     const double written0 = static_cast<double>(z.nvme_bytes_written());
     const double global_count = z.global_sum(local_count);
+    // The optimizer may update each sub-group during backward, as soon as its gradient is final.
+    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
     nn::ForwardOptions forward;
     forward.normalizer = global_count;
     forward.grad_scale = z.loss_scale();
@@ -315,9 +317,6 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       trace::Span phase("phase", "forward");
       zm.forward(ids, targets, run.batch, run.seq, forward);
     }
-    // The optimizer may update each sub-group during backward, as soon as its gradient is final —
-    // prepared after the forward, which the last step's update may still overlap (prepare_step joins it).
-    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
     trace::Span phase("phase", "backward");
     zm.backward();
     const double loss_sum = zm.loss_stats().sum;

@@ -487,7 +487,21 @@ void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
 void ZeroEngine::prepare_step(float lr) {
   STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
   STRATA_CHECK(!evaluating_, kBadArgument, "prepare_step() during an evaluation pass: end_evaluation() first");
-  finish_update();  // the thread arms for this step only once the last one's update is done
+  if (update_pending_) {
+    // The last step's update may still overlap this forward: the countdown is
+    // armed at the join (the first backward window: the lm_head's, inside
+    // forward()), before any gradient of this step lands.
+    STRATA_CHECK(!deferred_prepare_, kBadArgument, "prepare_step() twice without a step() between");
+    kernels::AdamConfig adam = options_.adam;
+    adam.lr = lr;
+    adam.validate();  // a bad lr fails here, not at the join
+    deferred_prepare_ = lr;
+    return;
+  }
+  arm_step(lr);
+}
+
+void ZeroEngine::arm_step(float lr) {
   // What the step will apply when clipping does not fire: the loss scale divided out.
   const double loss_scale = loss_scaler_.scale();
   const float grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(loss_scale),
@@ -500,7 +514,7 @@ void ZeroEngine::set_overlap_policy(offload::OverlapPolicy policy) {
   if (optimizer_) optimizer_->set_policy(policy);
 }
 
-bool ZeroEngine::step_prepared() const { return optimizer_ && optimizer_->prepared(); }
+bool ZeroEngine::step_prepared() const { return deferred_prepare_.has_value() || (optimizer_ && optimizer_->prepared()); }
 
 void ZeroEngine::begin_evaluation() {
   STRATA_CHECK(finalized(), kBadArgument, "begin_evaluation() before finalize()");
@@ -711,6 +725,7 @@ void ZeroEngine::finish_update() {
     // the homes were rewritten from it, so the copies gathered since are stale.
     coordinator_->set_home_updates({});
     join_reached_.reset();
+    deferred_prepare_.reset();
     --steps_;
     logger().error("step {}: the optimizer's update (overlapping the next forward) failed; the step is undone",
                    steps_ + 1);
@@ -721,6 +736,11 @@ void ZeroEngine::finish_update() {
   coordinator_->set_home_updates({});
   update_seconds_ = finished.busy_seconds;
   zero_grad_shards();
+  if (deferred_prepare_) {
+    const float lr = *deferred_prepare_;
+    deferred_prepare_.reset();
+    arm_step(lr);
+  }
 }
 
 void ZeroEngine::zero_grad_shards() {

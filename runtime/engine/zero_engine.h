@@ -202,12 +202,11 @@ class ZeroEngine final : public Engine {
   // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
   // checks). Collective (it may reduce a partly filled gradient bucket): every
   // rank calls it after the previous micro-step's backward and before the
-  // last micro-step's backward. Where is a trade-off (the same bits either
-  // way): it joins the last step's update overlapping the forward (see
-  // above), so called before the forward it leaves that forward nothing to
-  // overlap; called after it, it misses the gradients LlamaModel's forward
-  // already landed (the lm_head's, from the loss fused into forward()), whose
-  // sub-groups are then updated after backward instead of during it. Until step()
+  // last micro-step's backward — before its forward: LlamaModel's forward
+  // already lands the lm_head's gradient (the loss's backward is fused into
+  // forward()), which a step prepared after it does not update during
+  // backward. While the last step's update overlaps the forward (see above)
+  // the arming waits for the join (the first backward window). Until step()
   // (or zero_grad(), which abandons the step and rolls back) the parameters
   // may not be read or written through for_each_owned_range nor saved. A
   // different lr at step(), or more than one backward after this call, is
@@ -348,6 +347,7 @@ class ZeroEngine final : public Engine {
   // gradient shards step() left to it. On its error the step is undone (step
   // count, copies) and the error rethrown.
   void finish_update();
+  void arm_step(float lr);          // prepare_step's work: the optimizer armed for the coming backward
   void zero_grad_shards();          // the gradient shards zero (their reducers synchronized)
   void check_no_backward(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
@@ -387,6 +387,7 @@ class ZeroEngine final : public Engine {
   size_t control_slots_ = 0;
   int64_t steps_ = 0;
   bool update_pending_ = false;      // step() handed its update over; finish_update() not yet
+  std::optional<float> deferred_prepare_;  // prepare_step's lr while an update was pending: armed at the join
   double update_seconds_ = 0;        // the last finished update's thread time (StepResult::previous_update_seconds)
   // The last join: when the compute stream reached it (0: not yet), and when it returned.
   std::shared_ptr<std::atomic<int64_t>> join_reached_;

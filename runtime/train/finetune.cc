@@ -496,6 +496,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     bool aux = false;  // a mixture of experts with its load-balancing loss
     model.reset_router_load();  // an evaluation since the last step routed too
     for (size_t m = 0; m < micro.size(); ++m) {
+      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
+      if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
@@ -513,9 +515,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         StreamSpan ops(engine.compute_stream(), "compute", "forward");
         model.forward(micro[m].ids, micro[m].targets, micro_batch, options.seq, forward);
       }
-      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
-      // After the forward: the last step's update may still run during it (ZeroEngine::prepare_step joins it).
-      if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       {
         trace::Span span("phase", "backward");
         span.value("micro_batch", static_cast<int64_t>(m));

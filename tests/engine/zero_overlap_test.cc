@@ -195,9 +195,12 @@ TEST_CASE("the update overlapping the next forward: bit for bit the step taken i
       Case{Tier::kNvme, Tier::kNvme, Tier::kNvme, DType::kBF16, 1e-3, auto_policy, 2},
       Case{Tier::kNvme, Tier::kNvme, Tier::kNvme, DType::kBF16, 1e9, auto_policy, 1},  // never fires: speculation
       Case{Tier::kNvme, Tier::kCpu, Tier::kDevice, DType::kF32, 0.5, offload::OverlapPolicy::kSpeculate, 2});
+  // Prepared before the forward, the arming waits for the join; after it, the join is prepare_step.
+  const bool before = GENERATE(true, false);
   CAPTURE(tier_name(c.param), tier_name(c.optimizer), tier_name(c.grad), dtype_name(c.dtype), c.clipping,
-          c.micro_steps);
+          c.micro_steps, before);
   TrainSpec spec = spec_for(options(3, c.param, c.optimizer, c.grad, dir.path()), c.dtype);
+  spec.prepare_before_forward = before;
   spec.steps = 4;
   spec.micro_steps = c.micro_steps;
   spec.options.gradient_clipping = c.clipping;

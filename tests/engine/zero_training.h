@@ -135,10 +135,9 @@ struct TrainSpec {
   // The micro-step prepare_step precedes; -1: the last (more than one backward
   // after it is misuse the engine detects and redoes exactly).
   int prepare_micro = -1;
-  // prepare_step before that micro-step's forward instead of right after it
-  // (then the last step's update does not overlap the forward: the engine
-  // joins it at prepare_step).
-  bool prepare_before_forward = false;
+  // prepare_step before that micro-step's forward (as finetune does), or
+  // right after it.
+  bool prepare_before_forward = true;
   // How the optimizer uses the backward after prepare_step (ZeroEngine::set_overlap_policy).
   offload::OverlapPolicy overlap_policy = offload::OverlapPolicy::kAuto;
   // The model's dtype (parameters are read back widened to fp32).
