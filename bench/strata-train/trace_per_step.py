@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Per-step busy time of each thread of a strata-train trace, against the resident step.
+"""Per-step busy time of each thread of a strata trace, and the NVMe bytes it moved.
 
     python3 bench/strata-train/trace_per_step.py TRACE.rank0.json
 
-For every "zero step" and "resident step" span of the trace (strata-train
---trace, rank 0's file), sums each track's spans inside it (clipped to the
-step), and prints the medians over the steps: the step, the compute stream's
-ops, each other track's total and its largest span kinds. Standard library
-only. bench/PERFORMANCE.md's "default model's ZeRO-3 NVMe step against its
-bound" table is this script's output.
+For every "zero step" and "resident step" span of a strata-train --trace,
+or "step" span of a strata finetune --trace (rank 0's file; the first
+finetune step, which records the operator trace, is left out), sums each
+track's spans inside it (clipped to the step), and prints the medians over
+the steps: the step, the compute stream's ops, each track's total (the
+training loop's too: its waits, "join the update" among them) and its
+largest span kinds, then the NVMe bytes of the I/O requests started in the
+step by what they moved (optimizer state, gradient, parameters). Standard
+library only. bench/PERFORMANCE.md's "default model's ZeRO-3 NVMe step
+against its bound" table and the trace figures of "The update overlapping
+the next forward" are this script's output.
 """
 import collections
 import json
@@ -41,16 +46,16 @@ def main():
                 by_kind[e["name"]] += b - a
         return total / 1e3, by_kind
 
-    for step in ("zero step", "resident step"):
-        windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == step]
+    for step in ("zero step", "resident step", "step"):
+        windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == step and e.get("cat") == "phase"]
+        if step == "step":
+            windows = windows[1:]  # finetune's first step records the operator trace
         if not windows:
             continue
         print(f"{step}: {len(windows)} steps, median ms per step")
         print(f"  the step {statistics.median((hi - lo) / 1e3 for lo, hi in windows):.1f}")
         print(f"  compute-stream ops {statistics.median(busy('compute stream', lo, hi, OPS)[0] for lo, hi in windows):.1f}")
         for track in sorted(tracks):
-            if track == "train loop":
-                continue
             per_step = [busy(track, lo, hi) for lo, hi in windows]
             median = statistics.median(t for t, _ in per_step)
             if median <= 0:
@@ -60,6 +65,22 @@ def main():
                 kinds.update(k)
             top = ", ".join(f"{k} {v / 1e3 / len(windows):.1f}" for k, v in kinds.most_common(4))
             print(f"  {track}: {median:.1f} ({top})")
+        moved = [io_bytes(spans, lo, hi) for lo, hi in windows]
+        for kind in sorted({k for m in moved for k in m}):
+            print(f"  NVMe {kind}: {statistics.median(m.get(kind, 0) for m in moved) / 1e6:.1f} MB")
+
+
+def io_bytes(spans, lo, hi):
+    """Bytes of the I/O requests started in [lo, hi), by what their file holds and direction."""
+    moved = collections.Counter()
+    for e in spans:
+        if e.get("cat") != "io" or not lo <= e["ts"] < hi:
+            continue
+        f = e.get("args", {}).get("file", "")
+        what = "optimizer state" if "/optimizer_" in f else "gradient" if "/grad/" in f else \
+            "parameters" if "/param/" in f else "other"
+        moved[f"{what} {e['name']}"] += e.get("args", {}).get("bytes", 0)
+    return moved
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "core/trace_recorder.h"
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
 #include "partition/layout.h"
@@ -29,9 +28,6 @@ size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
 
 
 }  // namespace
@@ -692,55 +688,6 @@ StepResult ZeroEngine::step(float lr) {
   }
   zero_grad();
   return result;
-}
-
-bool ZeroEngine::update_can_overlap_forward() const {
-  if (!options_.overlap_optimizer || !options_.overlap_next_forward || !coordinator_ ||
-      options_.optimizer_tier == Tier::kDevice) {
-    return false;
-  }
-  // The thread's host writes must not wait on device work queued behind a
-  // stream's wait on them (core/accelerator.h, HostEvent): where the
-  // accelerator's memory is not the host's, only homes and gradient shards
-  // the host reaches without a device copy qualify.
-  if (accelerator().host_addressable()) return true;
-  return std::all_of(groups_.begin(), groups_.end(), [](const auto& g) {
-    return g->frozen || (g->home->tier() != Tier::kDevice && g->grads->on_nvme());
-  });
-}
-
-void ZeroEngine::finish_update() {
-  if (!update_pending_) return;
-  update_pending_ = false;
-  // When compute reaches this point it has nothing left to run until the join returns.
-  join_reached_ = std::make_shared<std::atomic<int64_t>>(0);
-  compute_stream().launch_host_func([reached = join_reached_] { reached->store(steady_ns()); });
-  offload::ShardOptimizer::Finished finished;
-  try {
-    trace::Span span("engine", "join the update");  // the host's wait for the last step's update (--trace)
-    finished = optimizer_->finish();
-    join_end_ns_ = steady_ns();
-  } catch (...) {
-    // The step did not happen: its state stays the last committed step's and
-    // the homes were rewritten from it, so the copies gathered since are stale.
-    coordinator_->set_home_updates({});
-    join_reached_.reset();
-    deferred_prepare_.reset();
-    --steps_;
-    logger().error("step {}: the optimizer's update (overlapping the next forward) failed; the step is undone",
-                   steps_ + 1);
-    refresh_copies();
-    zero_grad_shards();
-    throw;
-  }
-  coordinator_->set_home_updates({});
-  update_seconds_ = finished.busy_seconds;
-  zero_grad_shards();
-  if (deferred_prepare_) {
-    const float lr = *deferred_prepare_;
-    deferred_prepare_.reset();
-    arm_step(lr);
-  }
 }
 
 void ZeroEngine::zero_grad_shards() {

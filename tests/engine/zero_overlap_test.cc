@@ -31,6 +31,7 @@ namespace {
 using test::zero::TrainResult;
 using test::zero::TrainSpec;
 using test::zero::train_zero;
+using test::zero::use_io_faults;
 
 // A different lr each step, so a step() given prepare_step's lr is checked.
 float lr_of(int step) { return test::zero::kLr * (1.0f + 0.1f * static_cast<float>(step)); }
@@ -172,9 +173,7 @@ TEST_CASE("optimizer overlapping backward: clipping that fires, a non-finite gra
 void slow_writes(TrainSpec& spec, std::chrono::milliseconds delay) {
   auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
       .nth = 1, .kind = nvme::IoFault::Kind::kSlow, .op = nvme::IoOp::kWrite, .repeat = true, .delay = delay}});
-  spec.per_rank = [plan](int, engine::ZeroEngineOptions& o) {
-    o.io_backend = [plan, engine = o.aio.engine] { return nvme::make_fault_backend(nvme::make_backend(engine), plan); };
-  };
+  use_io_faults(spec, plan);
 }
 
 TEST_CASE("the update overlapping the next forward: bit for bit the step taken in step(), clipping firing or not, "
@@ -263,11 +262,7 @@ TEST_CASE("the update overlapping the next forward: a write that fails is report
     counted.steps = steps;
     auto counter = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
         .nth = 1, .kind = nvme::IoFault::Kind::kSlow, .op = nvme::IoOp::kWrite, .repeat = true}});
-    counted.per_rank = [counter](int, engine::ZeroEngineOptions& o) {
-      o.io_backend = [counter, engine = o.aio.engine] {
-        return nvme::make_fault_backend(nvme::make_backend(engine), counter);
-      };
-    };
+    use_io_faults(counted, counter);
     train_zero(counted);
     return counter->fired();
   };
@@ -275,9 +270,7 @@ TEST_CASE("the update overlapping the next forward: a write that fails is report
   REQUIRE(per_step > 2);
   auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
       .nth = one + 2, .kind = nvme::IoFault::Kind::kError, .error = EIO, .op = nvme::IoOp::kWrite, .repeat = true}});
-  spec.per_rank = [plan](int, engine::ZeroEngineOptions& o) {
-    o.io_backend = [plan, engine = o.aio.engine] { return nvme::make_fault_backend(nvme::make_backend(engine), plan); };
-  };
+  use_io_faults(spec, plan);
   spec.collect_errors = true;
   const TrainResult r = train_zero(spec);
   CHECK(plan->fired() >= 1);

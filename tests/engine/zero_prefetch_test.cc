@@ -346,12 +346,7 @@ TEST_CASE("an NVMe read error during prefetch is that rank's step error, and its
   auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
       .nth = step0_reads + 4, .kind = nvme::IoFault::Kind::kError, .error = EIO, .op = nvme::IoOp::kRead,
       .repeat = true}});
-  spec.per_rank = [&](int rank, engine::ZeroEngineOptions& o) {
-    if (rank != 0) return;
-    o.io_backend = [plan, engine = o.aio.engine] {
-      return nvme::make_fault_backend(nvme::make_backend(engine), plan);
-    };
-  };
+  test::zero::use_io_faults(spec, plan, /*only=*/0);
   spec.collect_errors = true;
   const auto start = std::chrono::steady_clock::now();
   const TrainResult r = train_zero(spec);

@@ -24,6 +24,7 @@
 
 #include "kernels/ops.h"
 #include "kernels/optimizer.h"
+#include "nvme/io_backend.h"
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
 #include "core/error.h"
@@ -195,6 +196,15 @@ struct TrainResult {
   std::vector<std::exception_ptr> errors;       // per rank (collect_errors)
   std::vector<int> failed_step;                 // per rank: the step that threw, -1: none
 };
+
+// Every rank's I/O (or only rank `only`'s) through the fault backend
+// following `plan` (one plan across ranks and queues: it counts them all).
+inline void use_io_faults(TrainSpec& spec, std::shared_ptr<nvme::FaultPlan> plan, int only = -1) {
+  spec.per_rank = [plan, only](int rank, engine::ZeroEngineOptions& o) {
+    if (only >= 0 && rank != only) return;
+    o.io_backend = [plan, engine = o.aio.engine] { return nvme::make_fault_backend(nvme::make_backend(engine), plan); };
+  };
+}
 
 inline TrainResult train_zero(const TrainSpec& spec) {
   TrainResult result;
