@@ -6,7 +6,9 @@
 
 #include <cerrno>
 #include <chrono>
+#include <algorithm>
 #include <deque>
+#include <iterator>
 #include <optional>
 
 #include "core/error.h"
@@ -116,6 +118,7 @@ struct AioHandle::Piece {
   int tune_tag = OnlineTuner::kUntracked;
   bool tune_overtime = false;
   bool tune_started = false;  // handed to the kernel (the tuner was told)
+  bool urgent = false;  // IoPriority::kUrgent: taken before the normal pieces waiting
   uint64_t id = 0;  // key in the worker's in-flight table
   std::chrono::steady_clock::time_point started;
 };
@@ -182,32 +185,34 @@ AioStats AioHandle::stats() const {
   return stats_;
 }
 
-Ticket AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
-  return submit(IoOp::kRead, file, buf, nbytes, offset, nullptr);
+Ticket AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, IoPriority priority) {
+  return submit(IoOp::kRead, file, buf, nbytes, offset, nullptr, priority);
 }
 
-Ticket AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset) {
+Ticket AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset,
+                               IoPriority priority) {
   // The buffer is only read from for writes; the piece type is shared with reads.
-  return submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, nullptr);
+  return submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, nullptr, priority);
 }
 
-void AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done) {
+void AioHandle::submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done,
+                            IoPriority priority) {
   STRATA_CHECK(on_done != nullptr, kBadArgument, "read of {} with an empty completion callback", file.path());
-  submit(IoOp::kRead, file, buf, nbytes, offset, std::move(on_done));
+  submit(IoOp::kRead, file, buf, nbytes, offset, std::move(on_done), priority);
 }
 
 void AioHandle::submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset,
-                             DoneFn on_done) {
+                             DoneFn on_done, IoPriority priority) {
   STRATA_CHECK(on_done != nullptr, kBadArgument, "write of {} with an empty completion callback", file.path());
-  submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, std::move(on_done));
+  submit(IoOp::kWrite, file, const_cast<void*>(buf), nbytes, offset, std::move(on_done), priority);
 }
 
-void AioHandle::read(const File& file, void* buf, size_t nbytes, uint64_t offset) {
-  wait(submit_read(file, buf, nbytes, offset));
+void AioHandle::read(const File& file, void* buf, size_t nbytes, uint64_t offset, IoPriority priority) {
+  wait(submit_read(file, buf, nbytes, offset, priority));
 }
 
-void AioHandle::write(const File& file, const void* buf, size_t nbytes, uint64_t offset) {
-  wait(submit_write(file, buf, nbytes, offset));
+void AioHandle::write(const File& file, const void* buf, size_t nbytes, uint64_t offset, IoPriority priority) {
+  wait(submit_write(file, buf, nbytes, offset, priority));
 }
 
 int AioHandle::find_fixed_index(const void* buf, size_t nbytes) const {
@@ -235,7 +240,8 @@ void call_done(const AioHandle::DoneFn& on_done, std::exception_ptr error) {
 
 }  // namespace
 
-Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done) {
+Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done,
+                         IoPriority priority) {
   STRATA_CHECK(file.is_open(), kBadArgument, "{} of a closed file", op_name(op));
   STRATA_CHECK(buf != nullptr || nbytes == 0, kBadArgument, "{} of {} with a null buffer",
                op_name(op), file.path());
@@ -280,6 +286,7 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
       piece->depth = static_cast<size_t>(cut.queue_depth);
       piece->tune_tag = cut.tag;
       piece->tune_overtime = cut.overtime;
+      piece->urgent = priority == IoPriority::kUrgent;
       pieces.push_back(std::move(piece));
       at += cut.nbytes;
     }
@@ -310,7 +317,14 @@ Ticket AioHandle::submit(IoOp op, const File& file, void* buf, size_t nbytes, ui
     if (per_worker[w].empty()) continue;
     {
       std::lock_guard lock(workers_[w]->mutex);
-      for (auto& piece : per_worker[w]) workers_[w]->inbox.push_back(std::move(piece));
+      std::deque<std::unique_ptr<Piece>>& inbox = workers_[w]->inbox;
+      if (priority == IoPriority::kUrgent) {
+        // After the urgent pieces already waiting, before every normal one.
+        auto at = std::find_if(inbox.begin(), inbox.end(), [](const auto& p) { return !p->urgent; });
+        inbox.insert(at, std::make_move_iterator(per_worker[w].begin()), std::make_move_iterator(per_worker[w].end()));
+      } else {
+        for (auto& piece : per_worker[w]) inbox.push_back(std::move(piece));
+      }
     }
     workers_[w]->cv.notify_one();
   }

@@ -29,6 +29,14 @@ namespace strata::nvme {
 
 using Ticket = uint64_t;
 
+// Where a request joins its workers' queues. kUrgent: ahead of every kNormal
+// piece not yet handed to the kernel (behind urgent ones queued before it),
+// so a request the caller is about to wait for — a parameter the next
+// operator needs — does not queue behind background traffic such as the
+// optimizer's state streaming; pieces already in flight are not preempted,
+// so it waits at most a queue depth of them.
+enum class IoPriority { kNormal, kUrgent };
+
 // Per-handle counters (bytes and pieces finished, resumptions, retries).
 struct AioStats {
   uint64_t bytes_read = 0;
@@ -58,8 +66,10 @@ class AioHandle {
   // Starts reading nbytes at `offset` of `file` into `buf`. For an O_DIRECT file
   // buf, offset and nbytes must be multiples of kDirectIoAlignment; otherwise
   // throws Error(kBadArgument) stating the requirement. nbytes == 0 is allowed.
-  Ticket submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset);
-  Ticket submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset);
+  Ticket submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset,
+                     IoPriority priority = IoPriority::kNormal);
+  Ticket submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset,
+                      IoPriority priority = IoPriority::kNormal);
 
   // Completion callbacks, for callers that keep many requests in flight with
   // no thread blocked per request (the ZeRO engine's prefetch signals a
@@ -75,8 +85,10 @@ class AioHandle {
   // included, but neither consumes it nor rethrows its error (on_done got it).
   // The buffer must stay valid until on_done has been called.
   using DoneFn = std::function<void(std::exception_ptr error)>;
-  void submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
-  void submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
+  void submit_read(const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done,
+                   IoPriority priority = IoPriority::kNormal);
+  void submit_write(const File& file, const void* buf, size_t nbytes, uint64_t offset, DoneFn on_done,
+                    IoPriority priority = IoPriority::kNormal);
 
   // Blocks until the request finished. Throws Error(kIo) naming file, offset,
   // length and errno text if any piece failed (EIO, ENOSPC, EFBIG, read past
@@ -94,8 +106,10 @@ class AioHandle {
   void wait_all();
 
   // Synchronous helpers: submit + wait.
-  void read(const File& file, void* buf, size_t nbytes, uint64_t offset);
-  void write(const File& file, const void* buf, size_t nbytes, uint64_t offset);
+  void read(const File& file, void* buf, size_t nbytes, uint64_t offset,
+            IoPriority priority = IoPriority::kNormal);
+  void write(const File& file, const void* buf, size_t nbytes, uint64_t offset,
+             IoPriority priority = IoPriority::kNormal);
 
   // Registers memory (e.g. the pinned pool's buffers) as io_uring fixed
   // buffers; pieces inside a registered range then use READ_FIXED/WRITE_FIXED.
@@ -125,7 +139,8 @@ class AioHandle {
   struct Piece;
   struct Worker;
 
-  Ticket submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done);
+  Ticket submit(IoOp op, const File& file, void* buf, size_t nbytes, uint64_t offset, DoneFn on_done,
+                IoPriority priority);
   void worker_loop(Worker& worker);
   void finish_piece(Piece& piece, std::exception_ptr error);
   int find_fixed_index(const void* buf, size_t nbytes) const;

@@ -8,10 +8,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <nlohmann/json.hpp>
 
@@ -33,14 +36,40 @@ double seconds_since(Clock::time_point start) {
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// A pool buffer with the I/O request using it, if any, and the read of its
-// sub-group's gradient into it (StepInputs::grad_read), if one is in flight.
+// The write of a sub-group's new values to their home (StepInputs::
+// param_write), ended on an I/O thread.
+struct HomeWrite {
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr error;
+
+  void end(std::exception_ptr e) {
+    {
+      std::lock_guard lock(mutex);
+      done = true;
+      error = std::move(e);
+    }
+    cv.notify_all();
+  }
+  // Waits for the write; rethrows its error.
+  void wait() {
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return done; });
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+// A pool buffer with the I/O request using it, if any, the read of its
+// sub-group's gradient into it (StepInputs::grad_read), if one is in flight,
+// and the write of its new values to their home from it (param_write).
 struct Op {
   explicit Op(PinnedBuffer b) : buffer(std::move(b)) {}
   PinnedBuffer buffer;
   nvme::Ticket ticket = 0;
   bool pending = false;
   StepInputs::GradCompletion grad;  // empty: no gradient read into this buffer
+  std::shared_ptr<HomeWrite> home_write;  // null: none from this buffer
 };
 
 // On an error path: waits out a gradient read still in flight into op's buffer.
@@ -51,12 +80,20 @@ void drain_grad(Op& op) {
   try { grad(); } catch (...) {}
 }
 
+// Waits out the home write from op's buffer; rethrows its error.
+void finish_home_write(Op& op) {
+  if (!op.home_write) return;
+  std::shared_ptr<HomeWrite> write = std::move(op.home_write);
+  write->wait();
+}
+
 // On an error path: waits out every request still in flight, so no buffer
 // returns to the pool under a transfer. Their errors are secondary to the one
 // being rethrown and are dropped.
 void drain_pending(nvme::AioHandle& aio, std::deque<Op>& ops) {
   for (Op& op : ops) {
     drain_grad(op);
+    try { finish_home_write(op); } catch (...) {}
     if (!op.pending) continue;
     op.pending = false;
     try { aio.wait(op.ticket); } catch (...) {}
@@ -217,7 +254,7 @@ void OptimizerSwapper::write_state(const StateFillFn& fill, int64_t step_count) 
 }
 
 void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k,
-                              float* p, float* m, float* v, const void* grad) {
+                              float* p, float* m, float* v, const void* grad, bool deliver) {
   const Range r = sub_group(k);
   kernels::AdamBuffers b;
   b.param = p;
@@ -253,6 +290,7 @@ void OptimizerSwapper::update(const kernels::AdamCoefficients& c, const StepInpu
     kernels::adam_step(c, b, options_.isa, options_.threads);
   }
   timings_.update_seconds += seconds_since(start);
+  if (!deliver) return;
   if (in.param_sink) {
     trace::Span span("optimizer", "new values to home");
     span.value("sub_group", static_cast<int64_t>(k));
@@ -451,6 +489,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
     const auto start = Clock::now();
     op.pending = false;
     aio_->wait(op.ticket);
+    finish_home_write(op);
     waited += seconds_since(start);
   };
   auto start_read = [&] {
@@ -488,6 +527,17 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   };
   std::optional<Op> current;
   try {
+    // The gradients of the sub-groups read ahead, all queued now into their
+    // buffers (the state is there already), so each update finds its
+    // gradient rather than reading it behind the previous one's write-back.
+    for (size_t k : order) {
+      const auto ahead = open_->prefetched.find(k);
+      if (ahead == open_->prefetched.end()) break;
+      float* grad = grad_area(ahead->second.buffer.data());
+      if (grad == nullptr || ahead->second.grad) continue;
+      const Range r = sub_group(k);
+      ahead->second.grad = in.grad_read(r.offset, r.numel, grad);
+    }
     for (size_t k : order) {
       const auto ahead = open_->prefetched.find(k);
       if (ahead != open_->prefetched.end()) {
@@ -513,7 +563,21 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       }
       open_->updated[k] = 1;  // its spare-slot record is about to change; the committed one never does
       ++open_->updated_count;
-      update(c, in, k, p, p + r.numel, p + 2 * r.numel, grad);
+      // fp32 values are the master weights in this buffer: their home write
+      // runs from here while the pipeline goes on (the buffer is held until
+      // it ends), and the updated hook fires when it ends.
+      const bool write_async = in.param_write && in.param_sink && in.param16_dtype == DType::kF32;
+      update(c, in, k, p, p + r.numel, p + 2 * r.numel, grad, /*deliver=*/!write_async);
+      if (write_async) {
+        trace::Span span("optimizer", "new values to home");
+        span.value("sub_group", static_cast<int64_t>(k));
+        auto write = std::make_shared<HomeWrite>();
+        current->home_write = write;
+        in.param_write(r.offset, r.numel, p, [write, k, hook = updated_hook_](std::exception_ptr error) {
+          if (!error && hook) hook(k);
+          write->end(std::move(error));
+        });
+      }
       const size_t nbytes = record_nbytes(r.numel);
       current->ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));
       current->pending = true;
@@ -531,7 +595,10 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       writes.pop_front();
     }
   } catch (...) {
-    if (current) drain_grad(*current);
+    if (current) {
+      drain_grad(*current);
+      try { finish_home_write(*current); } catch (...) {}
+    }
     if (current && current->pending) {
       current->pending = false;
       try { aio_->wait(current->ticket); } catch (...) {}

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -102,6 +103,17 @@ struct StepInputs {
   // buffer returns to the pool.
   using GradCompletion = std::function<const void*()>;
   std::function<GradCompletion(size_t first, size_t numel, float* dst)> grad_read;
+  // Optional, with param_sink and param16_dtype kF32 (NVMe state): starts
+  // writing the new values of [first, first + numel) — `values`, the master
+  // weights in a pool buffer (O_DIRECT-aligned, held until the write ends) —
+  // where param_sink would put them, and calls done(error) exactly once, on
+  // any thread, when the write has ended (error nullptr on success; quick, no
+  // throw). The pipeline then goes on while it runs; the updated hook is
+  // called from `done` on success, and a failed write fails the step like a
+  // failed state write. Where no pool buffer holds the values (cpu state),
+  // param_sink is used.
+  using WriteDone = std::function<void(std::exception_ptr error)>;
+  std::function<void(size_t first, size_t numel, const void* values, WriteDone done)> param_write;
 };
 
 class OptimizerSwapper {
@@ -185,8 +197,10 @@ class OptimizerSwapper {
   bool updated(size_t k) const;
   // Called by whoever drives update_sub_groups right after sub-group k's
   // update, once its new values are in StepInputs::param16 or param_sink
-  // returned (the overlap with the next forward releases k's parameters
-  // then). Empty: none. Not called for a sub-group whose update failed.
+  // returned — or, with param_write, from its `done` (on an I/O thread) once
+  // the write has ended (the overlap with the next forward releases k's
+  // parameters then). Empty: none. Not called for a sub-group whose update
+  // or write failed.
   void set_updated_hook(std::function<void(size_t k)> hook) { updated_hook_ = std::move(hook); }
   // The learning rate of later steps (a schedule's value); Error(kBadArgument)
   // when negative or not finite.
@@ -223,8 +237,10 @@ class OptimizerSwapper {
   uint64_t file_offset(size_t k) const { return static_cast<uint64_t>(k) * stride_nbytes_; }
   nvme::File& slot_file(int slot);
   // grad: the sub-group's gradient already read (grad_read), or nullptr: from grad_source / grad.
+  // deliver: hand the new values to param16 / param_sink and call the
+  // updated hook (else the caller does: an asynchronous param_write).
   void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
-              float* m, float* v, const void* grad = nullptr);
+              float* m, float* v, const void* grad = nullptr, bool deliver = true);
   // Where a pool buffer holds the sub-group's gradient, when the open step reads it there (else nullptr).
   float* grad_area(void* buffer) const;
   void update_nvme(std::span<const size_t> sub_groups);

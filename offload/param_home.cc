@@ -93,6 +93,17 @@ class DeviceHome final : public ParamHome {
     done(error);
   }
 
+  void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) override {
+    std::exception_ptr error;
+    try {
+      accelerator_.copy_async(static_cast<char*>(memory_) + offset, src, nbytes, CopyKind::kHostToDevice, stream_);
+      stream_.synchronize();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    done(error);
+  }
+
  private:
   Accelerator& accelerator_;
   Stream& stream_;
@@ -119,6 +130,10 @@ class PinnedHome final : public ParamHome {
   void store_host_range(size_t, size_t) override {}
   void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
     std::memcpy(dst, static_cast<const char*>(memory_) + offset, nbytes);
+    done(nullptr);
+  }
+  void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) override {
+    std::memcpy(static_cast<char*>(memory_) + offset, src, nbytes);
     done(nullptr);
   }
 
@@ -152,20 +167,29 @@ class NvmeHome final : public ParamHome {
     check_range(options_, first, numel);
     const size_t nbytes = numel * dtype_nbytes(dtype());
     void* view = window_.get(nbytes);
-    if (load) aio_.read(*file_, view, nbytes, first * dtype_nbytes(dtype()));
+    if (load) aio_.read(*file_, view, nbytes, first * dtype_nbytes(dtype()), kPriority);
     return view;
   }
 
   void store_host_range(size_t first, size_t numel) override {
     const size_t nbytes = numel * dtype_nbytes(dtype());
-    aio_.write(*file_, window_.get(nbytes), nbytes, first * dtype_nbytes(dtype()));
+    aio_.write(*file_, window_.get(nbytes), nbytes, first * dtype_nbytes(dtype()), kPriority);
   }
 
   void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
-    aio_.submit_read(*file_, dst, nbytes, offset, std::move(done));
+    aio_.submit_read(*file_, dst, nbytes, offset, std::move(done), kPriority);
+  }
+
+  void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) override {
+    aio_.submit_write(*file_, src, nbytes, offset, std::move(done), kPriority);
   }
 
  private:
+  // The home shares the I/O handle with the optimizer's state and the
+  // gradient shards; a gather's read (compute waits for it) and the new
+  // values the next forward waits for go ahead of that streaming.
+  static constexpr nvme::IoPriority kPriority = nvme::IoPriority::kUrgent;
+
   HostWindow& window_;
   nvme::AioHandle& aio_;
   nvme::SwapSpace swap_;

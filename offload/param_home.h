@@ -26,8 +26,9 @@
 // the window and (nvme) the I/O handle, which must outlive it; owns its memory
 // or swap file (removed at destruction unless keep_files).
 // Thread-safety: one thread drives host_range/store_host_range/for_each_chunk
-// (and, for a device home, the borrowed stream); read_async may be called from
-// any thread while no host range of the same bytes is being stored.
+// (and, for a device home, the borrowed stream); read_async and write_async
+// may be called from any thread while no host range of the same bytes is
+// being stored.
 // Errors: Error(kOutOfMemory) when the shard does not fit; Error(kIo) naming
 // the file for a failed read or write (nvme), from the call or, for
 // read_async, through `done`.
@@ -123,6 +124,12 @@ class ParamHome {
   // the copy is made, and `done` called, before this returns.
   using DoneFn = std::function<void(std::exception_ptr error)>;
   virtual void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) = 0;
+  // The other way: bytes [offset, offset + nbytes) of the shard from `src`
+  // (pinned host memory, O_DIRECT-aligned for nvme, unchanged until `done`),
+  // then done(nullptr) or done(error). nvme: an asynchronous write, `done` on
+  // an I/O worker; cpu and device: the copy is made, and `done` called,
+  // before this returns. Not while a host range of the same bytes is in use.
+  virtual void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) = 0;
 
  protected:
   explicit ParamHome(const ParamHomeOptions& options) : options_(options) {}

@@ -250,6 +250,14 @@ StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
       if (range != values) std::memcpy(range, values, numel * dtype_nbytes(home->dtype()));
       home->store_host_range(first, numel);
     };
+    if (home->tier() == Tier::kNvme) {
+      // fp32: the NVMe pipeline writes the master weights to the home from
+      // its buffer while it goes on (StepInputs::param_write).
+      inputs.param_write = [home](size_t first, size_t numel, const void* values, StepInputs::WriteDone done) {
+        const size_t bytes = dtype_nbytes(home->dtype());
+        home->write_async(values, numel * bytes, first * bytes, std::move(done));
+      };
+    }
   }
   return inputs;
 }
@@ -324,6 +332,16 @@ void ShardOptimizer::arm(float lr) {
     // Read-ahead updates nothing before apply(), which sets the step's real
     // scale and lr: no state to save for a rollback.
     g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/o.mode == OverlapMode::kSpeculate);
+    // Read-ahead: the state does not depend on the gradient, so the buffers
+    // take it now in shard order — the embedding's and the first layers',
+    // whose updates the next forward waits for first (the embedding's
+    // gradient is final only when backward ends) — rather than the last
+    // layers' as their gradients become final. Before the arming below, so
+    // the thread (which drives the swapper once landings come) is not yet on it.
+    if (o.mode == OverlapMode::kReadAhead) {
+      for (size_t k = 0; k < g.swapper->sub_group_count() && g.swapper->prefetch(k); ++k) {
+      }
+    }
     // Armed in the reducer's stream order: landings of earlier buckets are not counted.
     g.shard.reducer->stream().launch_host_func([this, gi, generation] {
       std::lock_guard lock(overlap_->mutex);

@@ -4,13 +4,16 @@
 // disk intact and loadable; the pipeline never holds more than the pool.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "nvme/aio_handle.h"
@@ -499,4 +502,109 @@ TEST_CASE("the gradient read beside the state (grad_read) gives grad_source's bi
     check_same_state(load(without), expect);
   }
   CHECK(roomy.stats().in_use == 0);
+}
+
+TEST_CASE("new values written from the pool buffer (param_write) are param_sink's, the hook fires after each write, "
+          "a failed write fails the step",
+          "[offload][swapper]") {
+  // fp32 parameters on NVMe: the pipeline hands each sub-group's master
+  // weights to param_write from its buffer and goes on; the updated hook
+  // fires from the write's completion. Sub-groups read ahead (prefetch) get
+  // their gradients read into their buffers too (grad_read, not grad_source).
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper nvme(options_for(Tier::kNvme, dir.path()), &pool, &aio);
+  const auto master = random_floats(kNumel, 6, 1.0f);
+  cpu.initialize(master.data());
+  nvme.initialize(master.data());
+  for (int step = 1; step <= 3; ++step) {
+    CAPTURE(step);
+    const auto grad = random_floats(kNumel, 3000u + static_cast<uint32_t>(step), 2.0f);
+    int sourced = 0, read = 0;
+    std::vector<float> expect_values(kNumel), values(kNumel, -1.0f);
+    offload::StepInputs in;
+    in.grad_source = [&](size_t first, size_t) -> const void* {
+      ++sourced;
+      return grad.data() + first;
+    };
+    in.grad_read = [&](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
+      ++read;
+      return [&, first, numel, dst]() -> const void* {
+        std::copy_n(grad.data() + first, numel, dst);
+        return dst;
+      };
+    };
+    in.grad_dtype = DType::kF32;
+    in.grad_scale = 0.5f;
+    in.param16_dtype = DType::kF32;
+    in.param_sink = [&](size_t first, size_t numel, const void* v) {
+      std::memcpy(expect_values.data() + first, v, numel * sizeof(float));
+    };
+    offload::StepInputs reference = in;
+    reference.grad_read = nullptr;
+    cpu.step(reference);
+    sourced = read = 0;
+    // Each write ends on another thread a little later, as an I/O completion does.
+    std::mutex mutex;
+    std::vector<std::thread> writers;
+    std::vector<size_t> hooked;
+    bool hooked_before_written = false;
+    in.param_sink = [&](size_t, size_t, const void*) { FAIL("param_sink used although param_write is given"); };
+    in.param_write = [&](size_t first, size_t numel, const void* v, offload::StepInputs::WriteDone done) {
+      std::lock_guard lock(mutex);
+      writers.emplace_back([&, first, numel, v, done = std::move(done)] {
+        std::this_thread::sleep_for(2ms);
+        {
+          std::lock_guard inner(mutex);
+          std::memcpy(values.data() + first, v, numel * sizeof(float));
+        }
+        done(nullptr);
+      });
+    };
+    nvme.set_updated_hook([&](size_t k) {
+      std::lock_guard lock(mutex);
+      const auto [first, numel] = nvme.sub_group_range(k);
+      hooked_before_written |= std::memcmp(values.data() + first, expect_values.data() + first, numel * 4) != 0;
+      hooked.push_back(k);
+    });
+    nvme.begin_step(in, /*revocable=*/false);
+    CHECK(nvme.prefetch(0));
+    CHECK(nvme.prefetch(1));
+    nvme.update_sub_groups(std::vector<size_t>{0, 1, 2, 3, 4});
+    nvme.commit_step();
+    for (auto& t : writers) t.join();
+    CHECK(read == 5);  // the two read ahead included
+    CHECK(sourced == 0);
+    std::sort(hooked.begin(), hooked.end());
+    CHECK(hooked == std::vector<size_t>{0, 1, 2, 3, 4});
+    CHECK_FALSE(hooked_before_written);
+    CHECK(same_bits(values, expect_values));
+    check_same_state(load(nvme), load(cpu));
+  }
+  // A failed write: the step raises it, the hook never fires for that
+  // sub-group, and the committed state stays the last step's.
+  const State before = load(nvme);
+  const auto grad = random_floats(kNumel, 4000, 2.0f);
+  offload::StepInputs in;
+  in.grad = grad.data();
+  in.grad_dtype = DType::kF32;
+  in.grad_scale = 0.5f;
+  in.param16_dtype = DType::kF32;
+  in.param_sink = [](size_t, size_t, const void*) {};
+  in.param_write = [](size_t first, size_t, const void*, offload::StepInputs::WriteDone done) {
+    done(first == 2 * kSubGroup ? std::make_exception_ptr(Error(ErrorCategory::kIo, "home write of sub-group 2 failed"))
+                                : nullptr);
+  };
+  std::vector<size_t> hooked;
+  nvme.set_updated_hook([&](size_t k) { hooked.push_back(k); });
+  nvme.begin_step(in, /*revocable=*/false);
+  CHECK_THROWS_WITH(nvme.update_sub_groups(std::vector<size_t>{0, 1, 2, 3, 4}),
+                    Catch::Contains("home write of sub-group 2 failed"));
+  nvme.abort_step();
+  CHECK(std::find(hooked.begin(), hooked.end(), size_t{2}) == hooked.end());
+  CHECK(pool.stats().in_use == 0);
+  CHECK(nvme.step_count() == 3);
+  check_same_state(load(nvme), before);
 }

@@ -1,8 +1,8 @@
 // The parameter homes (offload/param_home.h), each tier against the same
 // contract: a new home reads as zeros (an nvme file that held an earlier
 // run's bytes included), a range written through host_range/store_host_range
-// reads back, read_async copies the bytes asked for and calls `done`, and the
-// shared window serves the largest range announced. Real O_DIRECT files and
+// reads back, read_async and write_async copy the bytes asked for and call
+// `done`, and the shared window serves the largest range announced. Real O_DIRECT files and
 // real io_uring for nvme; the cpu accelerator for device.
 #include <catch2/catch.hpp>
 
@@ -48,7 +48,7 @@ std::vector<uint16_t> read_all(offload::ParamHome& home) {
 
 }  // namespace
 
-TEST_CASE("param homes: zeros, ranges written and read back, read_async, on every tier") {
+TEST_CASE("param homes: zeros, ranges written and read back, read_async and write_async, on every tier") {
   TempDir dir("strata-param-home");
   auto acc = make_cpu_accelerator();
   auto stream = acc->create_stream();
@@ -87,6 +87,14 @@ TEST_CASE("param homes: zeros, ranges written and read back, read_async, on ever
       home->read_async(pinned, 8192, kChunk * 2, [&](std::exception_ptr e) { done.set_value(e); });
       CHECK(done.get_future().get() == nullptr);
       CHECK(std::memcmp(pinned, expected.data() + kChunk, 8192) == 0);
+
+      // write_async: the other way, then read back through every path.
+      auto* values = static_cast<uint16_t*>(pinned);
+      for (size_t i = 0; i < 4096; ++i) values[i] = expected[kChunk + i] = static_cast<uint16_t>(9000 + 3 * i);
+      std::promise<std::exception_ptr> written;
+      home->write_async(pinned, 8192, kChunk * 2, [&](std::exception_ptr e) { written.set_value(e); });
+      CHECK(written.get_future().get() == nullptr);
+      CHECK(read_all(*home) == expected);
       acc->deallocate_pinned(pinned);
 
       // A range outside the shard or above the largest announced is a bug, said so.
