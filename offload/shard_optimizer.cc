@@ -462,9 +462,10 @@ void ShardOptimizer::take_stats(Group& g, size_t k) {
 }
 
 void ShardOptimizer::read_ahead(Group& g, const std::vector<size_t>& sub_groups) {
-  // The state reads first (queued on the drive, into free pipeline buffers),
-  // then the statistics while they run: everything that does not need the
-  // global norm. A sub-group no buffer is free for is read in apply()'s pipeline.
+  // The arming took the buffers for the first sub-groups' state (shard
+  // order); one freed since (none is, until apply()) would take a final
+  // sub-group's. Then the statistics: everything that does not need the
+  // global norm. A sub-group no buffer held is read in apply()'s pipeline.
   for (size_t k : sub_groups) {
     if (!g.swapper->prefetch(k)) break;
   }

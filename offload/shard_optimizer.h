@@ -27,11 +27,13 @@
 // overlaps nothing.
 //
 // When clipping fires, every speculative update is redone, and nothing was
-// hidden. So the thread has a second way to use backward, read-ahead: as a
-// sub-group becomes final it takes what does not depend on the global norm
-// — the sub-group's gradient statistics and (NVMe) its committed state,
-// read into a free pipeline buffer — and apply() is left only the
-// arithmetic (and the reads no buffer was free for). Per step the thread
+// hidden. So there is a second way to use backward, read-ahead: what does
+// not depend on the global norm is taken before it is known — as a
+// sub-group becomes final the thread takes its gradient statistics, and
+// (NVMe) the arming reads committed state into the free pipeline buffers in
+// shard order (the embedding's first: final last, needed first by the next
+// forward) — and apply() is left only the arithmetic (and the reads no
+// buffer was free for). Per step the thread
 // speculates, or reads ahead when the previous prepared step clipped
 // (OverlapPolicy::kAuto; before any step, when clipping can fire at all):
 // speculation wins when clipping is rare, read-ahead loses nothing when it
