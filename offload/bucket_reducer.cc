@@ -1,6 +1,8 @@
 // BucketReducer: pack → reduce-scatter → accumulate, stream-ordered.
 #include "offload/bucket_reducer.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace strata::offload {
@@ -67,7 +69,16 @@ void BucketReducer::flush() {
   auto* send = static_cast<float*>(accelerator_.allocate(block_numel * world * sizeof(float)));
   auto* recv = static_cast<float*>(accelerator_.allocate(block_numel * sizeof(float)));
   // Rank-major blocks: block r holds every entry's slice r, padding zero.
-  accelerator_.memset_async(send, 0, block_numel * world * sizeof(float), *stream_);
+  // Where no slice has padding the copies below write every element: no
+  // memset (an embedding's bucket is over 100 MB).
+  size_t owned_total = 0;
+  for (const auto& entry : bucket->entries) {
+    const partition::ParamSlot& slot = layout_.param(entry.param);
+    for (int r = 0; r < world; ++r) owned_total += static_cast<size_t>(std::max<int64_t>(0, slot.owned_numel(r)));
+  }
+  if (owned_total != block_numel * world) {
+    accelerator_.memset_async(send, 0, block_numel * world * sizeof(float), *stream_);
+  }
   size_t offset = 0;
   for (const auto& entry : bucket->entries) {
     const partition::ParamSlot& slot = layout_.param(entry.param);

@@ -69,6 +69,7 @@ struct Op {
   nvme::Ticket ticket = 0;
   bool pending = false;
   StepInputs::GradCompletion grad;  // empty: no gradient read into this buffer
+  const void* grad_ready = nullptr;  // the gradient, already read into this buffer (read_grad_ahead)
   std::shared_ptr<HomeWrite> home_write;  // null: none from this buffer
 };
 
@@ -381,6 +382,25 @@ bool OptimizerSwapper::prefetch(size_t k) {
   return true;
 }
 
+const float* OptimizerSwapper::read_grad_ahead(size_t k) {
+  STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: read_grad_ahead without begin_step");
+  const auto ahead = open_->prefetched.find(k);
+  if (ahead == open_->prefetched.end()) return nullptr;
+  Op& op = ahead->second;
+  if (op.grad_ready != nullptr) return static_cast<const float*>(op.grad_ready);
+  float* grad = grad_area(op.buffer.data());
+  if (grad == nullptr) return nullptr;
+  const Range r = sub_group(k);
+  StepInputs::GradCompletion complete = open_->inputs.grad_read(r.offset, r.numel, grad);
+  op.grad_ready = complete();
+  return static_cast<const float*>(op.grad_ready);
+}
+
+void OptimizerSwapper::drop_grads_read_ahead() {
+  if (open_ == nullptr) return;
+  for (auto& entry : open_->prefetched) entry.second.grad_ready = nullptr;
+}
+
 std::vector<size_t> OptimizerSwapper::prefetched() const {
   std::vector<size_t> out;
   if (open_ == nullptr) return out;
@@ -534,7 +554,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       const auto ahead = open_->prefetched.find(k);
       if (ahead == open_->prefetched.end()) break;
       float* grad = grad_area(ahead->second.buffer.data());
-      if (grad == nullptr || ahead->second.grad) continue;
+      if (grad == nullptr || ahead->second.grad || ahead->second.grad_ready != nullptr) continue;
       const Range r = sub_group(k);
       ahead->second.grad = in.grad_read(r.offset, r.numel, grad);
     }
@@ -553,7 +573,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       }
       const Range r = sub_group(k);
       float* p = current->buffer.as<float>();
-      const void* grad = nullptr;
+      const void* grad = current->grad_ready;
       if (current->grad) {
         const auto start = Clock::now();
         StepInputs::GradCompletion complete = std::move(current->grad);
@@ -572,11 +592,11 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
         trace::Span span("optimizer", "new values to home");
         span.value("sub_group", static_cast<int64_t>(k));
         auto write = std::make_shared<HomeWrite>();
-        current->home_write = write;
         in.param_write(r.offset, r.numel, p, [write, k, hook = updated_hook_](std::exception_ptr error) {
           if (!error && hook) hook(k);
           write->end(std::move(error));
         });
+        current->home_write = std::move(write);  // only once started: one that threw never ends
       }
       const size_t nbytes = record_nbytes(r.numel);
       current->ticket = aio_->submit_write(out_file, p, nbytes, file_offset(k));

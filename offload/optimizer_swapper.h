@@ -108,7 +108,7 @@ struct StepInputs {
   // weights in a pool buffer (O_DIRECT-aligned, held until the write ends) —
   // where param_sink would put them, and calls done(error) exactly once, on
   // any thread, when the write has ended (error nullptr on success; quick, no
-  // throw). The pipeline then goes on while it runs; the updated hook is
+  // throw) — or throws without calling it when the write cannot start. The pipeline then goes on while it runs; the updated hook is
   // called from `done` on success, and a failed write fails the step like a
   // failed state write. Where no pool buffer holds the values (cpu state),
   // param_sink is used.
@@ -173,6 +173,17 @@ class OptimizerSwapper {
   // to update_sub_groups can starve that call's pipeline: update the
   // read-ahead sub-groups first. Error(kBadArgument) without an open step.
   bool prefetch(size_t k);
+  // Reads sub-group k's gradient (the open step's StepInputs::grad_read, its
+  // side effects included) into the buffer k's state was read ahead into,
+  // waits for it and returns it: k's update then uses it instead of reading
+  // it again. The gradient must be final (it is read once). nullptr when k
+  // is not read ahead, its buffer has no room for a gradient, or the inputs
+  // have no grad_read; the same pointer when called again.
+  // Error(kBadArgument) without an open step; Error(kIo) from the read.
+  const float* read_grad_ahead(size_t k);
+  // Forgets the gradients read_grad_ahead read (more gradient was added
+  // since: another backward); the updates read them again.
+  void drop_grads_read_ahead();
   // Sub-groups read ahead and not yet updated in the open step.
   std::vector<size_t> prefetched() const;
   // Replaces the open step's inputs (grad_scale included) and takes the

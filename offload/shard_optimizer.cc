@@ -455,6 +455,12 @@ void ShardOptimizer::thread_main() {
 
 void ShardOptimizer::take_stats(Group& g, size_t k) {
   if (g.stats_known[k] != 0) return;
+  // A sub-group whose state is in a pipeline buffer: its gradient is read
+  // there, the statistics taken on the way (grad_read's), and kept for the
+  // update, which would read it again.
+  if (g.swapper && g.swapper->step_open() && g.swapper->read_grad_ahead(k) != nullptr && g.stats_known[k] != 0) {
+    return;
+  }
   const auto [first, numel] = g.sub_group_range(k);
   const float* grads = g.shard.grads->read(first, numel, home_stream_);
   g.stats[k] = kernels::grad_stats(grads, DType::kF32, numel, 1.0f, std::nullopt, options_.threads);
@@ -548,7 +554,11 @@ kernels::GradStats ShardOptimizer::grad_stats(std::span<const uint8_t> include) 
   // backward followed prepare(): a second one adds to what it measured.
   const bool twice = std::any_of(groups_.begin(), groups_.end(), [](const auto& g) { return g->landed_twice; });
   if (!armed_ || twice) {
-    for (auto& gp : groups_) std::fill(gp->stats_known.begin(), gp->stats_known.end(), 0);
+    for (auto& gp : groups_) {
+      std::fill(gp->stats_known.begin(), gp->stats_known.end(), 0);
+      // So are the gradients read into pipeline buffers with them.
+      if (gp->swapper && gp->swapper->step_open()) gp->swapper->drop_grads_read_ahead();
+    }
   }
   kernels::GradStats local;
   for (size_t s = 0; s < groups_.size(); ++s) {

@@ -608,3 +608,55 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
   CHECK(nvme.step_count() == 3);
   check_same_state(load(nvme), before);
 }
+
+TEST_CASE("a gradient read ahead into its record's buffer (read_grad_ahead) is the one the update uses, once, and "
+          "dropped is read again",
+          "[offload][swapper]") {
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms});
+  nvme::AioHandle aio(nvme::AioOptions{});
+  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper nvme(options_for(Tier::kNvme, dir.path()), &pool, &aio);
+  const auto master = random_floats(kNumel, 8, 1.0f);
+  cpu.initialize(master.data());
+  nvme.initialize(master.data());
+  for (bool drop : {false, true}) {
+    CAPTURE(drop);
+    const auto grad = random_floats(kNumel, drop ? 5001 : 5000, 2.0f);
+    std::vector<int> reads(5, 0);
+    offload::StepInputs in;
+    in.grad = grad.data();
+    in.grad_dtype = DType::kF32;
+    in.grad_scale = 0.5f;
+    in.param16_dtype = DType::kF32;
+    std::vector<float> sink(kNumel);
+    in.param_sink = [&](size_t first, size_t numel, const void* v) {
+      std::memcpy(sink.data() + first, v, numel * sizeof(float));
+    };
+    cpu.step(in);
+    in.grad = nullptr;
+    in.grad_source = [&](size_t first, size_t) -> const void* { return grad.data() + first; };
+    in.grad_read = [&](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
+      ++reads[first / kSubGroup];
+      return [&, first, numel, dst]() -> const void* {
+        std::copy_n(grad.data() + first, numel, dst);
+        return dst;
+      };
+    };
+    nvme.begin_step(in, /*revocable=*/false);
+    CHECK(nvme.read_grad_ahead(0) == nullptr);  // not read ahead
+    CHECK(nvme.prefetch(0));
+    CHECK(nvme.prefetch(3));
+    const float* g0 = nvme.read_grad_ahead(0);
+    REQUIRE(g0 != nullptr);
+    CHECK(std::memcmp(g0, grad.data(), kSubGroup * sizeof(float)) == 0);
+    CHECK(nvme.read_grad_ahead(0) == g0);  // once
+    CHECK(reads[0] == 1);
+    if (drop) nvme.drop_grads_read_ahead();
+    nvme.update_sub_groups(std::vector<size_t>{0, 1, 2, 3, 4});
+    nvme.commit_step();
+    CHECK(reads == std::vector<int>{drop ? 2 : 1, 1, 1, 1, 1});
+    check_same_state(load(nvme), load(cpu));
+  }
+  CHECK(pool.stats().in_use == 0);
+}
