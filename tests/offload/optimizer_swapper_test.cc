@@ -504,6 +504,22 @@ TEST_CASE("the gradient read beside the state (grad_read) gives grad_source's bi
   CHECK(roomy.stats().in_use == 0);
 }
 
+// The same shard on cpu and on NVMe, from the same master weights, the NVMe
+// one with a pool whose buffers have room for the gradient (grad_read).
+struct CpuAndNvme {
+  test::TempDir dir{"strata-swap"};
+  offload::PinnedBufferPool pool{{3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms}};
+  nvme::AioHandle aio{nvme::AioOptions{}};
+  offload::OptimizerSwapper cpu{options_for(Tier::kCpu, {}), nullptr, nullptr};
+  offload::OptimizerSwapper nvme{options_for(Tier::kNvme, dir.path()), &pool, &aio};
+
+  explicit CpuAndNvme(uint32_t seed) {
+    const auto master = random_floats(kNumel, seed, 1.0f);
+    cpu.initialize(master.data());
+    nvme.initialize(master.data());
+  }
+};
+
 TEST_CASE("new values written from the pool buffer (param_write) are param_sink's, the hook fires after each write, "
           "a failed write fails the step",
           "[offload][swapper]") {
@@ -511,14 +527,10 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
   // weights to param_write from its buffer and goes on; the updated hook
   // fires from the write's completion. Sub-groups read ahead (prefetch) get
   // their gradients read into their buffers too (grad_read, not grad_source).
-  test::TempDir dir("strata-swap");
-  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms});
-  nvme::AioHandle aio(nvme::AioOptions{});
-  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
-  offload::OptimizerSwapper nvme(options_for(Tier::kNvme, dir.path()), &pool, &aio);
-  const auto master = random_floats(kNumel, 6, 1.0f);
-  cpu.initialize(master.data());
-  nvme.initialize(master.data());
+  CpuAndNvme swappers(6);
+  offload::OptimizerSwapper& cpu = swappers.cpu;
+  offload::OptimizerSwapper& nvme = swappers.nvme;
+  offload::PinnedBufferPool& pool = swappers.pool;
   for (int step = 1; step <= 3; ++step) {
     CAPTURE(step);
     const auto grad = random_floats(kNumel, 3000u + static_cast<uint32_t>(step), 2.0f);
@@ -612,14 +624,10 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
 TEST_CASE("a gradient read ahead into its record's buffer (read_grad_ahead) is the one the update uses, once, and "
           "dropped is read again",
           "[offload][swapper]") {
-  test::TempDir dir("strata-swap");
-  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::buffer_nbytes(kSubGroup, true), 10000ms});
-  nvme::AioHandle aio(nvme::AioOptions{});
-  offload::OptimizerSwapper cpu(options_for(Tier::kCpu, {}), nullptr, nullptr);
-  offload::OptimizerSwapper nvme(options_for(Tier::kNvme, dir.path()), &pool, &aio);
-  const auto master = random_floats(kNumel, 8, 1.0f);
-  cpu.initialize(master.data());
-  nvme.initialize(master.data());
+  CpuAndNvme swappers(8);
+  offload::OptimizerSwapper& cpu = swappers.cpu;
+  offload::OptimizerSwapper& nvme = swappers.nvme;
+  offload::PinnedBufferPool& pool = swappers.pool;
   for (bool drop : {false, true}) {
     CAPTURE(drop);
     const auto grad = random_floats(kNumel, drop ? 5001 : 5000, 2.0f);
