@@ -313,12 +313,14 @@ struct OptimizerSwapper::OpenStep {
   std::map<size_t, Op> prefetched;
 };
 
-float* OptimizerSwapper::grad_area(void* buffer) const {
-  if (open_ == nullptr || !open_->inputs.grad_read || pool_ == nullptr ||
-      pool_->buffer_nbytes() < buffer_nbytes(options_.sub_group_numel, true)) {
-    return nullptr;
-  }
+float* OptimizerSwapper::spare_area(void* buffer) const {
+  if (pool_ == nullptr || pool_->buffer_nbytes() < buffer_nbytes(options_.sub_group_numel, true)) return nullptr;
   return reinterpret_cast<float*>(static_cast<char*>(buffer) + stride_nbytes_);
+}
+
+float* OptimizerSwapper::grad_area(void* buffer) const {
+  if (open_ == nullptr || !open_->inputs.grad_read) return nullptr;
+  return spare_area(buffer);
 }
 
 void OptimizerSwapper::release_prefetched(OpenStep& open) {
@@ -583,16 +585,21 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       }
       open_->updated[k] = 1;  // its spare-slot record is about to change; the committed one never does
       ++open_->updated_count;
-      // fp32 values are the master weights in this buffer: their home write
-      // runs from here while the pipeline goes on (the buffer is held until
-      // it ends), and the updated hook fires when it ends.
-      const bool write_async = in.param_write && in.param_sink && in.param16_dtype == DType::kF32;
+      // The new values' home write runs from this buffer while the pipeline
+      // goes on (the buffer is held until it ends), and the updated hook
+      // fires when it ends: fp32 values are the master weights here; a
+      // 16-bit copy goes behind the record, where the gradient was (the
+      // update has read it) — when the buffers have that room.
+      const bool sixteen = in.param16_dtype != DType::kF32;
+      void* values = sixteen ? static_cast<void*>(spare_area(p)) : static_cast<void*>(p);
+      const bool write_async = in.param_write && in.param_sink && values != nullptr;
       update(c, in, k, p, p + r.numel, p + 2 * r.numel, grad, /*deliver=*/!write_async);
       if (write_async) {
         trace::Span span("optimizer", "new values to home");
         span.value("sub_group", static_cast<int64_t>(k));
+        if (sixteen) std::memcpy(values, sink_scratch_.data(), r.numel * dtype_nbytes(in.param16_dtype));
         auto write = std::make_shared<HomeWrite>();
-        in.param_write(r.offset, r.numel, p, [write, k, hook = updated_hook_](std::exception_ptr error) {
+        in.param_write(r.offset, r.numel, values, [write, k, hook = updated_hook_](std::exception_ptr error) {
           if (!error && hook) hook(k);
           write->end(std::move(error));
         });

@@ -103,15 +103,16 @@ struct StepInputs {
   // buffer returns to the pool.
   using GradCompletion = std::function<const void*()>;
   std::function<GradCompletion(size_t first, size_t numel, float* dst)> grad_read;
-  // Optional, with param_sink and param16_dtype kF32 (NVMe state): starts
-  // writing the new values of [first, first + numel) — `values`, the master
-  // weights in a pool buffer (O_DIRECT-aligned, held until the write ends) —
+  // Optional, with param_sink (NVMe state): starts writing the new values
+  // of [first, first + numel) — `values`, in a pool buffer (O_DIRECT-aligned,
+  // held until the write ends): the master weights for kF32, else the 16-bit
+  // copy behind the record (pool buffers of buffer_nbytes(numel, true)) —
   // where param_sink would put them, and calls done(error) exactly once, on
   // any thread, when the write has ended (error nullptr on success; quick, no
   // throw) — or throws without calling it when the write cannot start. The pipeline then goes on while it runs; the updated hook is
   // called from `done` on success, and a failed write fails the step like a
-  // failed state write. Where no pool buffer holds the values (cpu state),
-  // param_sink is used.
+  // failed state write. Where no pool buffer holds the values (cpu state, a
+  // 16-bit copy without the room), param_sink is used.
   using WriteDone = std::function<void(std::exception_ptr error)>;
   std::function<void(size_t first, size_t numel, const void* values, WriteDone done)> param_write;
 };
@@ -252,6 +253,8 @@ class OptimizerSwapper {
   // updated hook (else the caller does: an asynchronous param_write).
   void update(const kernels::AdamCoefficients& c, const StepInputs& in, size_t k, float* p,
               float* m, float* v, const void* grad = nullptr, bool deliver = true);
+  // The room behind the record in a pool buffer (buffer_nbytes(numel, true)), or nullptr.
+  float* spare_area(void* buffer) const;
   // Where a pool buffer holds the sub-group's gradient, when the open step reads it there (else nullptr).
   float* grad_area(void* buffer) const;
   void update_nvme(std::span<const size_t> sub_groups);

@@ -520,22 +520,25 @@ struct CpuAndNvme {
   }
 };
 
-TEST_CASE("new values written from the pool buffer (param_write) are param_sink's, the hook fires after each write, "
+TEST_CASE("new values written from the pool buffer (param_write), fp32 and bf16, are param_sink's, the hook fires after each write, "
           "a failed write fails the step",
           "[offload][swapper]") {
-  // fp32 parameters on NVMe: the pipeline hands each sub-group's master
-  // weights to param_write from its buffer and goes on; the updated hook
-  // fires from the write's completion. Sub-groups read ahead (prefetch) get
-  // their gradients read into their buffers too (grad_read, not grad_source).
+  // Parameters on NVMe: the pipeline hands each sub-group's new values to
+  // param_write from its buffer (fp32: the master weights; bf16: the copy
+  // behind the record) and goes on; the updated hook fires from the write's
+  // completion. Sub-groups read ahead (prefetch) get their gradients read
+  // into their buffers too (grad_read, not grad_source).
   CpuAndNvme swappers(6);
   offload::OptimizerSwapper& cpu = swappers.cpu;
   offload::OptimizerSwapper& nvme = swappers.nvme;
   offload::PinnedBufferPool& pool = swappers.pool;
-  for (int step = 1; step <= 3; ++step) {
-    CAPTURE(step);
+  for (int step = 1; step <= 6; ++step) {
+    const DType dtype = step <= 3 ? DType::kF32 : DType::kBF16;
+    const size_t esize = dtype_nbytes(dtype);
+    CAPTURE(step, dtype_name(dtype));
     const auto grad = random_floats(kNumel, 3000u + static_cast<uint32_t>(step), 2.0f);
     int sourced = 0, read = 0;
-    std::vector<float> expect_values(kNumel), values(kNumel, -1.0f);
+    std::vector<char> expect_values(kNumel * esize), values(kNumel * esize, 0x7f);
     offload::StepInputs in;
     in.grad_source = [&](size_t first, size_t) -> const void* {
       ++sourced;
@@ -550,9 +553,9 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
     };
     in.grad_dtype = DType::kF32;
     in.grad_scale = 0.5f;
-    in.param16_dtype = DType::kF32;
+    in.param16_dtype = dtype;
     in.param_sink = [&](size_t first, size_t numel, const void* v) {
-      std::memcpy(expect_values.data() + first, v, numel * sizeof(float));
+      std::memcpy(expect_values.data() + first * esize, v, numel * esize);
     };
     offload::StepInputs reference = in;
     reference.grad_read = nullptr;
@@ -570,7 +573,7 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
         std::this_thread::sleep_for(2ms);
         {
           std::lock_guard inner(mutex);
-          std::memcpy(values.data() + first, v, numel * sizeof(float));
+          std::memcpy(values.data() + first * esize, v, numel * esize);
         }
         done(nullptr);
       });
@@ -578,7 +581,8 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
     nvme.set_updated_hook([&](size_t k) {
       std::lock_guard lock(mutex);
       const auto [first, numel] = nvme.sub_group_range(k);
-      hooked_before_written |= std::memcmp(values.data() + first, expect_values.data() + first, numel * 4) != 0;
+      hooked_before_written |=
+          std::memcmp(values.data() + first * esize, expect_values.data() + first * esize, numel * esize) != 0;
       hooked.push_back(k);
     });
     nvme.begin_step(in, /*revocable=*/false);
@@ -592,7 +596,7 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
     std::sort(hooked.begin(), hooked.end());
     CHECK(hooked == std::vector<size_t>{0, 1, 2, 3, 4});
     CHECK_FALSE(hooked_before_written);
-    CHECK(same_bits(values, expect_values));
+    CHECK(values == expect_values);
     check_same_state(load(nvme), load(cpu));
   }
   // A failed write: the step raises it, the hook never fires for that
@@ -617,7 +621,7 @@ TEST_CASE("new values written from the pool buffer (param_write) are param_sink'
   nvme.abort_step();
   CHECK(std::find(hooked.begin(), hooked.end(), size_t{2}) == hooked.end());
   CHECK(pool.stats().in_use == 0);
-  CHECK(nvme.step_count() == 3);
+  CHECK(nvme.step_count() == 6);
   check_same_state(load(nvme), before);
 }
 
