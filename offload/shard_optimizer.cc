@@ -468,13 +468,9 @@ void ShardOptimizer::take_stats(Group& g, size_t k) {
 }
 
 void ShardOptimizer::read_ahead(Group& g, const std::vector<size_t>& sub_groups) {
-  // The arming took the buffers for the first sub-groups' state (shard
-  // order); one freed since (none is, until apply()) would take a final
-  // sub-group's. Then the statistics: everything that does not need the
-  // global norm. A sub-group no buffer held is read in apply()'s pipeline.
-  for (size_t k : sub_groups) {
-    if (!g.swapper->prefetch(k)) break;
-  }
+  // The arming took every free buffer for state (shard order), and none
+  // frees before apply(): what is left as sub-groups become final is their
+  // statistics (into their buffer where their state is there).
   for (size_t k : sub_groups) take_stats(g, k);
 }
 

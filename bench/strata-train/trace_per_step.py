@@ -2,6 +2,7 @@
 """Per-step busy time of each thread of a strata trace, and the NVMe bytes it moved.
 
     python3 bench/strata-train/trace_per_step.py TRACE.rank0.json
+    python3 bench/strata-train/trace_per_step.py TRACE.rank0.json --within NAME [--index N] [--min-ms T]
 
 For every "zero step" and "resident step" span of a strata-train --trace,
 or "step" span of a strata finetune --trace (rank 0's file; the first
@@ -14,6 +15,14 @@ step by what they moved (optimizer state, gradient, parameters). Standard
 library only. bench/PERFORMANCE.md's "default model's ZeRO-3 NVMe step
 against its bound" table and the trace figures of "The update overlapping
 the next forward" are this script's output.
+
+With --within, instead: every span of at least T ms (default 1) starting
+inside the N-th span named NAME (default the third, 0-based 2: a step past
+the first), in time order, as its start (ms from NAME's), duration, track,
+name and what it names (sub-group, operator, bytes, file). The figures of
+"The update behind the next forward, waiting less on the drive" come from
+`--within "update overlapping the next forward"` and `--within "optimizer
+step"`.
 """
 import collections
 import json
@@ -26,7 +35,8 @@ OPS = {"linear_forward", "linear_backward", "cross_entropy", "attention_forward"
 
 
 def main():
-    trace = json.load(open(sys.argv[1]))
+    args = sys.argv[1:]
+    trace = json.load(open(args[0]))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
@@ -34,6 +44,10 @@ def main():
     tracks = collections.defaultdict(list)
     for e in spans:
         tracks[names.get((e["pid"], e["tid"]), str(e["tid"]))].append(e)
+    if "--within" in args:
+        option = lambda flag, default: type(default)(args[args.index(flag) + 1]) if flag in args else default
+        within(spans, names, args[args.index("--within") + 1], option("--index", 2), option("--min-ms", 1.0))
+        return
 
     def busy(track, lo, hi, kinds=None):
         total, by_kind = 0.0, collections.Counter()
@@ -68,6 +82,23 @@ def main():
         moved = [io_bytes(spans, lo, hi) for lo, hi in windows]
         for kind in sorted({k for m in moved for k in m}):
             print(f"  NVMe {kind}: {statistics.median(m.get(kind, 0) for m in moved) / 1e6:.1f} MB")
+
+
+def within(spans, names, name, index, min_ms):
+    """The spans of at least min_ms starting inside the index-th span called name."""
+    outer = sorted((e for e in spans if e["name"] == name), key=lambda e: e["ts"])
+    if index >= len(outer):
+        sys.exit(f"{len(outer)} spans named {name!r}, no index {index}")
+    o = outer[index]
+    print(f"{name} #{index}: {o['dur'] / 1e3:.1f} ms")
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        if e is o or not o["ts"] <= e["ts"] < o["ts"] + o["dur"] or e["dur"] < min_ms * 1e3:
+            continue
+        a = e.get("args", {})
+        what = " ".join(f"{k}={a[k] if k != 'file' else a[k].rsplit('/', 3)[-3:]}" for k in
+                        ("sub_group", "op", "count", "bytes", "file") if k in a)
+        print(f"  {(e['ts'] - o['ts']) / 1e3:8.1f} {e['dur'] / 1e3:8.1f}  {names.get((e['pid'], e['tid']), e['tid'])}: "
+              f"{e['name']} {what}")
 
 
 def io_bytes(spans, lo, hi):

@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <random>
 #include <thread>
 #include <vector>
@@ -520,6 +521,34 @@ struct CpuAndNvme {
   }
 };
 
+// Inputs streaming the fp32 gradient `grad`: grad_source and grad_read (the
+// pipeline's read into a pool buffer), each call counted per sub-group. The
+// inputs point into this object: it must outlive the step they are given to.
+struct Fp32Grad {
+  const std::vector<float>& grad;
+  std::vector<int> sourced = std::vector<int>(5, 0), read = std::vector<int>(5, 0);
+
+  offload::StepInputs inputs(DType param_dtype) {
+    offload::StepInputs in;
+    in.grad_source = [this](size_t first, size_t) -> const void* {
+      ++sourced[first / kSubGroup];
+      return grad.data() + first;
+    };
+    in.grad_read = [this](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
+      ++read[first / kSubGroup];
+      return [this, first, numel, dst]() -> const void* {
+        std::copy_n(grad.data() + first, numel, dst);
+        return dst;
+      };
+    };
+    in.grad_dtype = DType::kF32;
+    in.grad_scale = 0.5f;
+    in.param16_dtype = param_dtype;
+    return in;
+  }
+  int total(const std::vector<int>& counts) const { return std::accumulate(counts.begin(), counts.end(), 0); }
+};
+
 TEST_CASE("new values written from the pool buffer (param_write), fp32 and bf16, are param_sink's, the hook fires after each write, "
           "a failed write fails the step",
           "[offload][swapper]") {
@@ -537,30 +566,16 @@ TEST_CASE("new values written from the pool buffer (param_write), fp32 and bf16,
     const size_t esize = dtype_nbytes(dtype);
     CAPTURE(step, dtype_name(dtype));
     const auto grad = random_floats(kNumel, 3000u + static_cast<uint32_t>(step), 2.0f);
-    int sourced = 0, read = 0;
     std::vector<char> expect_values(kNumel * esize), values(kNumel * esize, 0x7f);
-    offload::StepInputs in;
-    in.grad_source = [&](size_t first, size_t) -> const void* {
-      ++sourced;
-      return grad.data() + first;
-    };
-    in.grad_read = [&](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
-      ++read;
-      return [&, first, numel, dst]() -> const void* {
-        std::copy_n(grad.data() + first, numel, dst);
-        return dst;
-      };
-    };
-    in.grad_dtype = DType::kF32;
-    in.grad_scale = 0.5f;
-    in.param16_dtype = dtype;
-    in.param_sink = [&](size_t first, size_t numel, const void* v) {
+    Fp32Grad reference_grad{grad};  // outlives the step: the inputs point into it
+    offload::StepInputs reference = reference_grad.inputs(dtype);
+    reference.grad_read = nullptr;
+    reference.param_sink = [&](size_t first, size_t numel, const void* v) {
       std::memcpy(expect_values.data() + first * esize, v, numel * esize);
     };
-    offload::StepInputs reference = in;
-    reference.grad_read = nullptr;
     cpu.step(reference);
-    sourced = read = 0;
+    Fp32Grad counted{grad};
+    offload::StepInputs in = counted.inputs(dtype);
     // Each write ends on another thread a little later, as an I/O completion does.
     std::mutex mutex;
     std::vector<std::thread> writers;
@@ -591,8 +606,8 @@ TEST_CASE("new values written from the pool buffer (param_write), fp32 and bf16,
     nvme.update_sub_groups(std::vector<size_t>{0, 1, 2, 3, 4});
     nvme.commit_step();
     for (auto& t : writers) t.join();
-    CHECK(read == 5);  // the two read ahead included
-    CHECK(sourced == 0);
+    CHECK(counted.total(counted.read) == 5);  // the two read ahead included
+    CHECK(counted.total(counted.sourced) == 0);
     std::sort(hooked.begin(), hooked.end());
     CHECK(hooked == std::vector<size_t>{0, 1, 2, 3, 4});
     CHECK_FALSE(hooked_before_written);
@@ -635,26 +650,14 @@ TEST_CASE("a gradient read ahead into its record's buffer (read_grad_ahead) is t
   for (bool drop : {false, true}) {
     CAPTURE(drop);
     const auto grad = random_floats(kNumel, drop ? 5001 : 5000, 2.0f);
-    std::vector<int> reads(5, 0);
-    offload::StepInputs in;
-    in.grad = grad.data();
-    in.grad_dtype = DType::kF32;
-    in.grad_scale = 0.5f;
-    in.param16_dtype = DType::kF32;
-    std::vector<float> sink(kNumel);
-    in.param_sink = [&](size_t first, size_t numel, const void* v) {
-      std::memcpy(sink.data() + first, v, numel * sizeof(float));
-    };
-    cpu.step(in);
-    in.grad = nullptr;
-    in.grad_source = [&](size_t first, size_t) -> const void* { return grad.data() + first; };
-    in.grad_read = [&](size_t first, size_t numel, float* dst) -> offload::StepInputs::GradCompletion {
-      ++reads[first / kSubGroup];
-      return [&, first, numel, dst]() -> const void* {
-        std::copy_n(grad.data() + first, numel, dst);
-        return dst;
-      };
-    };
+    Fp32Grad reference_grad{grad};  // outlives the step: the inputs point into it
+    offload::StepInputs reference = reference_grad.inputs(DType::kF32);
+    reference.grad_read = nullptr;
+    reference.param_sink = [](size_t, size_t, const void*) {};
+    cpu.step(reference);
+    Fp32Grad counted{grad};
+    offload::StepInputs in = counted.inputs(DType::kF32);
+    in.param_sink = [](size_t, size_t, const void*) {};
     nvme.begin_step(in, /*revocable=*/false);
     CHECK(nvme.read_grad_ahead(0) == nullptr);  // not read ahead
     CHECK(nvme.prefetch(0));
@@ -663,11 +666,11 @@ TEST_CASE("a gradient read ahead into its record's buffer (read_grad_ahead) is t
     REQUIRE(g0 != nullptr);
     CHECK(std::memcmp(g0, grad.data(), kSubGroup * sizeof(float)) == 0);
     CHECK(nvme.read_grad_ahead(0) == g0);  // once
-    CHECK(reads[0] == 1);
+    CHECK(counted.read[0] == 1);
     if (drop) nvme.drop_grads_read_ahead();
     nvme.update_sub_groups(std::vector<size_t>{0, 1, 2, 3, 4});
     nvme.commit_step();
-    CHECK(reads == std::vector<int>{drop ? 2 : 1, 1, 1, 1, 1});
+    CHECK(counted.read == std::vector<int>{drop ? 2 : 1, 1, 1, 1, 1});
     check_same_state(load(nvme), load(cpu));
   }
   CHECK(pool.stats().in_use == 0);
