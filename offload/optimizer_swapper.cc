@@ -167,7 +167,7 @@ OptimizerSwapper::OptimizerSwapper(OptimizerSwapperOptions options, PinnedBuffer
 }
 
 OptimizerSwapper::~OptimizerSwapper() {
-  if (open_) release_prefetched(*open_);  // no read may land in a buffer back in the pool
+  if (open_) release_buffers(*open_);  // no transfer may use a buffer back in the pool
   if (swap_ && !options_.keep_files) {
     std::error_code ignored;
     std::filesystem::remove(manifest_path(), ignored);
@@ -311,6 +311,13 @@ struct OptimizerSwapper::OpenStep {
   // NVMe: sub-groups whose committed record was read ahead (prefetch), in
   // the buffer their update will use; the read may still be in flight.
   std::map<size_t, Op> prefetched;
+  // NVMe: state writes of updated sub-groups still in flight, oldest first,
+  // each holding its buffer. update_sub_groups returns once the home writes
+  // it started have ended, not these: the next call waits for them when it
+  // needs their buffers, commit_step for all (before its fdatasync), and
+  // abort_step drains them — so a batch's write-back overlaps whatever its
+  // caller does next (the optimizer thread's last batch: the norm, step()).
+  std::deque<Op> writes;
 };
 
 float* OptimizerSwapper::spare_area(void* buffer) const {
@@ -323,7 +330,9 @@ float* OptimizerSwapper::grad_area(void* buffer) const {
   return spare_area(buffer);
 }
 
-void OptimizerSwapper::release_prefetched(OpenStep& open) {
+void OptimizerSwapper::release_buffers(OpenStep& open) {
+  drain_pending(*aio_, open.writes);
+  open.writes.clear();
   for (auto& [k, op] : open.prefetched) {
     drain_grad(op);
     if (!op.pending) continue;
@@ -346,7 +355,7 @@ void OptimizerSwapper::step(const StepInputs& in) {
     commit_step();
   } catch (...) {
     // NVMe: the committed state is untouched; cpu: updated sub-groups keep their new state.
-    if (open_) release_prefetched(*open_);  // commit_step closes the step before it can fail
+    if (open_) release_buffers(*open_);  // commit_step closes the step (draining it) before it can fail
     open_.reset();
     throw;
   }
@@ -368,10 +377,11 @@ void OptimizerSwapper::begin_step(const StepInputs& in, bool revocable) {
   timings_ = StepTimings{};
 }
 
-bool OptimizerSwapper::prefetch(size_t k) {
+bool OptimizerSwapper::prefetch(size_t k, size_t keep_free) {
   STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: prefetch without begin_step");
   STRATA_CHECK(k < sub_groups_, kBadArgument, "sub-group {} out of range ({} sub-groups)", k, sub_groups_);
   if (options_.state_tier != Tier::kNvme || open_->updated[k] != 0 || open_->prefetched.count(k) != 0) return false;
+  if (pool_->available() <= keep_free) return false;
   std::optional<PinnedBuffer> buffer = pool_->try_acquire();
   if (!buffer) return false;
   Op op{std::move(*buffer)};
@@ -402,6 +412,8 @@ void OptimizerSwapper::drop_grads_read_ahead() {
   if (open_ == nullptr) return;
   for (auto& entry : open_->prefetched) entry.second.grad_ready = nullptr;
 }
+
+bool OptimizerSwapper::prefetched(size_t k) const { return open_ != nullptr && open_->prefetched.count(k) != 0; }
 
 std::vector<size_t> OptimizerSwapper::prefetched() const {
   std::vector<size_t> out;
@@ -464,6 +476,19 @@ void OptimizerSwapper::commit_step() {
     return;
   }
   const auto start = Clock::now();
+  try {
+    while (!open->writes.empty()) {
+      Op& op = open->writes.front();
+      op.pending = false;
+      aio_->wait(op.ticket);
+      finish_home_write(op);
+      open->writes.pop_front();
+    }
+  } catch (...) {
+    drain_pending(*aio_, open->writes);
+    throw;
+  }
+  timings_.write_wait_seconds += seconds_since(start);
   slot_file(static_cast<int>((generation_ + 1) % 2)).sync();
   commit(generation_ + 1, step_count_ + 1);
   timings_.commit_seconds = seconds_since(start);
@@ -473,7 +498,7 @@ void OptimizerSwapper::commit_step() {
 void OptimizerSwapper::abort_step() {
   if (open_ == nullptr) return;
   std::unique_ptr<OpenStep> open = std::move(open_);
-  release_prefetched(*open);
+  release_buffers(*open);
   if (options_.state_tier != Tier::kCpu) return;  // the committed slot was never written
   for (const auto& [k, saved] : open->saved) {
     const Range r = sub_group(k);
@@ -505,7 +530,8 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   // as far ahead as free buffers allow, so the drive always has queued work and
   // reads (on the critical path) are queued before later writes; writes hold
   // their buffers until done, which is the backpressure bounding what is in flight.
-  std::deque<Op> reads, writes;
+  std::deque<Op> reads;
+  std::deque<Op>& writes = open_->writes;  // earlier calls' too: their buffers come back as they end
   size_t next_read = 0;  // index into to_read
   auto finish = [&](Op& op, double& waited) {
     const auto start = Clock::now();
@@ -617,10 +643,11 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
         writes.pop_front();
       }
     }
-    while (!writes.empty()) {
-      finish(writes.front(), timings_.write_wait_seconds);
-      writes.pop_front();
-    }
+    // The home writes end before this returns (the caller may release the
+    // parameters); the state writes go on behind it (OpenStep::writes).
+    const auto start = Clock::now();
+    for (Op& op : writes) finish_home_write(op);
+    timings_.write_wait_seconds += seconds_since(start);
   } catch (...) {
     if (current) {
       drain_grad(*current);

@@ -160,9 +160,13 @@ class OptimizerSwapper {
   // already open or before initialize().
   void begin_step(const StepInputs& inputs, bool revocable);
   // Updates the listed sub-groups of the open step (each once per step; any
-  // order, any batching), pipelined as step() is. Error(kBadArgument) for a
-  // sub-group out of range or already updated. On an error the step stays open
-  // (with the sub-groups updated so far): abort_step it.
+  // order, any batching), pipelined as step() is. Returns once their new
+  // values are delivered (param16, param_sink, or param_write ended); with
+  // state on NVMe their state writes may still be in flight, holding their
+  // buffers — a later call, commit_step or abort_step waits for them, so a
+  // failed state write may fail one of those instead. Error(kBadArgument) for
+  // a sub-group out of range or already updated. On an error the step stays
+  // open (with the sub-groups updated so far): abort_step it.
   void update_sub_groups(std::span<const size_t> sub_groups);
   // Reads sub-group k's committed state (NVMe) into a free pool buffer now,
   // ahead of its update in the open step, so that update_sub_groups finds it
@@ -172,8 +176,10 @@ class OptimizerSwapper {
   // for cpu state (nothing to read). The buffer is held until k's update (or
   // abort_step), so a caller holding buffers for sub-groups it does not pass
   // to update_sub_groups can starve that call's pipeline: update the
-  // read-ahead sub-groups first. Error(kBadArgument) without an open step.
-  bool prefetch(size_t k);
+  // read-ahead sub-groups first, or leave `keep_free` buffers in the pool
+  // (false when no more than that are free; two keep a pipeline going).
+  // Error(kBadArgument) without an open step.
+  bool prefetch(size_t k, size_t keep_free = 0);
   // Reads sub-group k's gradient (the open step's StepInputs::grad_read, its
   // side effects included) into the buffer k's state was read ahead into,
   // waits for it and returns it: k's update then uses it instead of reading
@@ -187,15 +193,17 @@ class OptimizerSwapper {
   void drop_grads_read_ahead();
   // Sub-groups read ahead and not yet updated in the open step.
   std::vector<size_t> prefetched() const;
+  bool prefetched(size_t k) const;
   // Replaces the open step's inputs (grad_scale included) and takes the
   // current learning rate, while none of its sub-groups is updated: a step
   // opened to read ahead before its gradient scale was known.
   // Error(kBadArgument) when no step is open or a sub-group is updated.
   void set_step_inputs(const StepInputs& inputs);
-  // Closes the open step once every sub-group is updated: NVMe: fdatasync and
-  // the manifest commit; the step count advances. Error(kBadArgument) while a
-  // sub-group is not updated; Error(kIo) from the commit (the step is then
-  // closed, the committed state the old one).
+  // Closes the open step once every sub-group is updated: NVMe: the state
+  // writes still in flight, fdatasync and the manifest commit; the step count
+  // advances. Error(kBadArgument) while a sub-group is not updated; Error(kIo)
+  // from a state write or the commit (the step is then closed, the committed
+  // state the old one).
   void commit_step();
   // Closes the open step without applying it: NVMe: the committed slot is as
   // it was; cpu: a revocable step's updated sub-groups get their saved state
@@ -259,8 +267,9 @@ class OptimizerSwapper {
   float* grad_area(void* buffer) const;
   void update_nvme(std::span<const size_t> sub_groups);
   struct OpenStep;
-  // Waits out the open step's reads ahead and returns their buffers.
-  void release_prefetched(OpenStep& open);
+  // Waits out the open step's reads ahead and state writes still in flight
+  // and returns their buffers.
+  void release_buffers(OpenStep& open);
   void write_state(const StateFillFn& fill, int64_t step_count);
   void commit(uint64_t generation, int64_t step_count);
   // Throws Error(kIo) once a commit's durability became unknown.

@@ -23,6 +23,11 @@ namespace strata::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Pool buffers a speculating thread leaves free when it reads state ahead of
+// a sub-group's gradient: the pipeline's read of the next sub-group beside
+// the update of the current one.
+constexpr size_t kPipelineBuffers = 2;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
@@ -62,6 +67,10 @@ struct ShardOptimizer::Group {
   bool landed_twice = false;                            // a member landed twice: more than one backward
   std::vector<kernels::GradStats> stats;                // per sub-group: its gradient's statistics
   std::vector<uint8_t> stats_known;                     // per sub-group: stats computed this step
+  // The order sub-groups became final in since arming, and in the last
+  // backward that finalized them all: the next one's, to read state ahead by.
+  std::vector<size_t> final_order;
+  std::vector<size_t> predicted_order;
 
   size_t sub_group_count() const { return swapper ? swapper->sub_group_count() : device->sub_group_count(); }
   std::pair<size_t, size_t> sub_group_range(size_t k) const {
@@ -81,6 +90,7 @@ struct ShardOptimizer::Overlap {
   std::exception_ptr error;          // the first failure of the thread (rethrown by settle())
   double busy_seconds = 0;           // since prepare
   int64_t updated = 0;               // sub-groups the thread updated since prepare
+  int64_t prefetched = 0;            // speculating: sub-groups whose state was read ahead since prepare
   OverlapMode mode = OverlapMode::kSpeculate;  // prepare's
   float lr = 0;                      // prepare's
   float grad_scale = 1;              // the speculated one
@@ -284,6 +294,7 @@ void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
     std::lock_guard lock(o.mutex);
     o.busy_seconds = 0;
     o.updated = 0;
+    o.prefetched = 0;
     o.mode = mode_;
     o.error = nullptr;
     o.ready.clear();
@@ -326,6 +337,8 @@ void ShardOptimizer::arm(float lr) {
       std::fill(g.landed.begin(), g.landed.end(), 0);
       g.landed_twice = false;
       g.armed = false;
+      if (g.final_order.size() == g.sub_group_count()) g.predicted_order = std::move(g.final_order);
+      g.final_order.clear();
     }
     std::fill(g.stats_known.begin(), g.stats_known.end(), 0);
     g.swapper->set_lr(lr);
@@ -341,6 +354,18 @@ void ShardOptimizer::arm(float lr) {
     if (o.mode == OverlapMode::kReadAhead) {
       for (size_t k = 0; k < g.swapper->sub_group_count() && g.swapper->prefetch(k); ++k) {
       }
+    } else {
+      // Speculating: the sub-groups that become final last (the embedding's,
+      // when backward ends) have no backward left to hide their state's read
+      // behind, so it is read now, into the buffers the pipeline can spare
+      // (the order is the last backward's; none before one finalized them all).
+      int64_t read = 0;
+      for (auto k = g.predicted_order.rbegin();
+           k != g.predicted_order.rend() && g.swapper->prefetch(*k, kPipelineBuffers); ++k) {
+        ++read;
+      }
+      std::lock_guard lock(o.mutex);
+      o.prefetched += read;
     }
     // Armed in the reducer's stream order: landings of earlier buckets are not counted.
     g.shard.reducer->stream().launch_host_func([this, gi, generation] {
@@ -365,6 +390,7 @@ void ShardOptimizer::on_landed(size_t group, const std::vector<size_t>& params) 
     for (uint32_t k : g.param_sub_groups[p]) {
       if (--g.pending[k] == 0) {
         o.ready.emplace_back(group, k);
+        g.final_order.push_back(k);
         queued = true;
       }
     }
@@ -429,9 +455,12 @@ void ShardOptimizer::thread_main() {
     try {
       Group& g = *groups_[group];
       if (mode == OverlapMode::kSpeculate) {
-        trace::Span span("optimizer", "overlapped sub-groups");
-        span.value("count", static_cast<int64_t>(batch.size()));
-        g.swapper->update_sub_groups(batch);
+        {
+          trace::Span span("optimizer", "overlapped sub-groups");
+          span.value("count", static_cast<int64_t>(batch.size()));
+          g.swapper->update_sub_groups(batch);
+        }
+        prefetch_next();
       } else {
         trace::Span span("optimizer", "read-ahead sub-groups");
         span.value("count", static_cast<int64_t>(batch.size()));
@@ -451,6 +480,29 @@ void ShardOptimizer::thread_main() {
     }
     o.cv.notify_all();
   }
+}
+
+void ShardOptimizer::prefetch_next() {
+  // Between two landings the drive is idle: the state of the sub-groups the
+  // last backward finalized next is read into the buffers the pipeline can
+  // spare, so their updates find it there.
+  Overlap& o = *overlap_;
+  {
+    std::lock_guard lock(o.mutex);
+    if (!o.ready.empty()) return;
+  }
+  int64_t read = 0;
+  for (auto& gp : groups_) {
+    Group& g = *gp;
+    if (!g.swapper) continue;
+    for (size_t k : g.predicted_order) {
+      if (g.swapper->updated(k) || g.swapper->prefetched(k)) continue;
+      if (!g.swapper->prefetch(k, kPipelineBuffers)) break;
+      ++read;
+    }
+  }
+  std::lock_guard lock(o.mutex);
+  o.prefetched += read;
 }
 
 void ShardOptimizer::take_stats(Group& g, size_t k) {
@@ -647,6 +699,7 @@ void ShardOptimizer::close_boundary(Boundary& b) {
   if (b.keep || b.read_ahead_step) {
     std::lock_guard lock(o.mutex);
     b.applied.sub_groups_overlapped = b.keep ? o.updated : 0;
+    b.applied.sub_groups_prefetched = b.keep ? o.prefetched : 0;
     b.applied.overlapped_seconds = o.busy_seconds;
   }
   if (armed_) last_clipped_ = b.applied.clipped;

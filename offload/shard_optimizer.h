@@ -116,7 +116,7 @@ struct ShardOptimizerOptions {
   kernels::AdamConfig adam;
   int64_t sub_group_numel = 1'000'000'000;  // sub_group_size
   int threads = 0;                 // CPU Adam threads; 0: OpenMP default
-  size_t buffer_count = 3;         // pinned buffers of the NVMe pipeline
+  size_t buffer_count = 4;         // pinned buffers of the NVMe pipeline (offload_optimizer.buffer_count)
   std::filesystem::path nvme_path;
   int rank = 0;
   bool keep_files = false;         // nvme: leave the state files on disk (strata.keep_swap_files)
@@ -145,6 +145,10 @@ struct AppliedStep {
   // how many had their state read during backward (kReadAhead, NVMe).
   std::optional<OverlapMode> mode;
   int64_t sub_groups_read_ahead = 0;
+  // Speculating (NVMe, kept): sub-groups whose state was read before their
+  // gradient was final, in the order the previous backward finalized them —
+  // the last ones at arming, the next ones while the thread waited.
+  int64_t sub_groups_prefetched = 0;
   bool clipped = false;               // the step's scale was not prepare()'s (clipping fired)
   // Why the speculation did not hold (nullptr: it did, or nothing was
   // speculated), and whether more than one backward followed prepare().
@@ -250,6 +254,7 @@ class ShardOptimizer {
   OverlapMode choose_mode() const;
   void arm(float lr);
   void read_ahead(Group& g, const std::vector<size_t>& sub_groups);
+  void prefetch_next();  // the optimizer thread, speculating, between landings
   void take_stats(Group& g, size_t k);
   void on_landed(size_t group, const std::vector<size_t>& params);  // a reducer stream's host function
   void thread_main();

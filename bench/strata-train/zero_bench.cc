@@ -103,6 +103,7 @@ struct StepFigures {
   bool clipped = false;  // --gradient-clipping fired (the global norm above it)
   bool speculated = false, read_ahead = false, rolled_back = false;  // the optimizer thread's mode, and its redo
   double sub_groups_read_ahead = 0;
+  double sub_groups_prefetched = 0;  // speculated: state read before the gradient was final
   double nvme_read = 0, nvme_written = 0, param_read = 0, gathered = 0;  // bytes
   double peak_gathered = 0;  // most bytes of full parameters gathered at once (this rank)
   std::vector<engine::OpStall> ops;
@@ -350,6 +351,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     f.read_ahead = stepped.overlap_mode == offload::OverlapMode::kReadAhead;
     f.rolled_back = stepped.rolled_back;
     f.sub_groups_read_ahead = static_cast<double>(stepped.sub_groups_read_ahead);
+    f.sub_groups_prefetched = static_cast<double>(stepped.sub_groups_prefetched);
     f.clipped = o.gradient_clipping > 0 && stepped.grad_norm > o.gradient_clipping;
     f.other = f.step - f.compute - f.stall - f.rank_wait - f.grad_wait - f.optimizer;
     f.nvme_read = static_cast<double>(z.nvme_bytes_read()) - read0;
@@ -379,7 +381,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   std::map<std::pair<std::string, int>, std::pair<double, int64_t>> op_totals;  // (name, phase) -> seconds, windows
   std::vector<offload::LayerFetch> layer_totals;  // per layer slot (layer + 1), summed over the timed steps
   int timed_steps = 0, clipped_steps = 0, speculated_steps = 0, rolled_back_steps = 0, read_ahead_steps = 0;
-  double read_ahead_sub_groups = 0;
+  double read_ahead_sub_groups = 0, prefetched_sub_groups = 0;
   double max_norm = 0, min_norm = std::numeric_limits<double>::infinity();
   const std::string table_head = fmt::format(
       "{:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9} {:>7} {:>9}", "round", "step s",
@@ -419,6 +421,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       rolled_back_steps += f.rolled_back;
       read_ahead_steps += f.read_ahead;
       read_ahead_sub_groups += f.sub_groups_read_ahead;
+      if (f.speculated) prefetched_sub_groups += f.sub_groups_prefetched;
       min_norm = std::min(min_norm, f.grad_norm);
       max_norm = std::max(max_norm, f.grad_norm);
       steps.push_back(std::move(f));
@@ -530,10 +533,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
              : !o.overlap_next_forward ? " (--no-overlap-forward)"
                                        : "");
   fmt::print("gradient norm {:.3g} to {:.3g}; clipping at {:g} fired on {} of {} timed steps | the optimizer "
-             "thread speculated on {} ({} redone), read ahead on {} ({:.1f} sub-groups' state read during backward "
-             "per such step)\n",
+             "thread speculated on {} ({} redone; {:.1f} sub-groups' state read before their gradient was final "
+             "per such step), read ahead on {} ({:.1f} sub-groups' state read during backward per such step)\n",
              min_norm, max_norm, o.gradient_clipping, clipped_steps, timed_steps, speculated_steps, rolled_back_steps,
-             read_ahead_steps, read_ahead_steps > 0 ? read_ahead_sub_groups / read_ahead_steps : 0.0);
+             speculated_steps > 0 ? prefetched_sub_groups / speculated_steps : 0.0, read_ahead_steps,
+             read_ahead_steps > 0 ? read_ahead_sub_groups / read_ahead_steps : 0.0);
   fmt::print("bytes per step (rank 0): NVMe read {:.1f} MB (parameters {:.1f} MB), NVMe written {:.1f} MB, "
              "parameters gathered {:.1f} MB (at most {:.1f} MB gathered at once)\n",
              nvme_read / 1e6, param_read / 1e6, nvme_written / 1e6, gathered / 1e6, peak_gathered / 1e6);

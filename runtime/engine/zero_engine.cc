@@ -669,6 +669,7 @@ StepResult ZeroEngine::step(float lr) {
   result.rolled_back = applied.rolled_back;
   result.overlap_mode = applied.mode;
   result.sub_groups_read_ahead = applied.sub_groups_read_ahead;
+  result.sub_groups_prefetched = applied.sub_groups_prefetched;
   result.update_overlaps_forward = overlap_forward;
   result.optimizer_seconds = seconds_since(start);
 

@@ -139,6 +139,9 @@ struct StepResult {
   // to clip; and how many sub-groups' state it read (read-ahead, NVMe).
   std::optional<offload::OverlapMode> overlap_mode;
   int64_t sub_groups_read_ahead = 0;
+  // Speculated and kept (NVMe): sub-groups whose state the thread read before
+  // their gradient was final (offload::AppliedStep::sub_groups_prefetched).
+  int64_t sub_groups_prefetched = 0;
   // The update overlapping the next forward (ZeroEngineOptions::
   // overlap_next_forward): this step's sub-groups left after backward are
   // updated, and the state committed, after step() returns.

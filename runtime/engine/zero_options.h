@@ -46,7 +46,7 @@ struct ZeroEngineOptions {
   kernels::AdamConfig adam;
   double gradient_clipping = 0;            // max global norm; 0: no clipping
   nvme::AioOptions aio;                    // I/O engine for NVMe tiers
-  size_t optimizer_buffer_count = 3;       // pinned buffers of the NVMe optimizer pipeline
+  size_t optimizer_buffer_count = 4;       // offload_optimizer.buffer_count (its default, DeepSpeed's)
   int optimizer_threads = 0;               // CPU Adam threads; 0: OpenMP default
   // Stages 2/3 with optimizer_tier cpu or nvme: after prepare_step, update
   // each sub-group during backward as soon as its gradient is final

@@ -513,13 +513,20 @@ TEST_CASE("speculating or reading ahead on every step gives the same bits, wheth
       train_clipping(dir.path(), "overlapped", 2, Tier::kNvme, Clipping::kAlternating, true, policy, buffers);
   check_same(overlapped.result, plain.result);
   check_same_files(overlapped.saved, plain.saved);
-  int64_t read_ahead = 0, rolled_back = 0;
+  int64_t read_ahead = 0, rolled_back = 0, prefetched = 0;
   for (size_t s = 0; s < overlapped.result.steps.size(); ++s) {
     CAPTURE(s);
     const engine::StepResult& r = overlapped.result.steps[s];
     REQUIRE(r.overlap_mode.has_value());
     read_ahead += r.sub_groups_read_ahead;
     rolled_back += r.rolled_back;
+    prefetched += r.sub_groups_prefetched;
+    // Speculating, the state of the sub-groups the previous backward
+    // finalized last is read ahead of their gradients (none before a first
+    // backward, none where a rolled-back step's count is not kept), in the
+    // buffers the pipeline's two leave.
+    CHECK(r.sub_groups_prefetched <= (r.rolled_back ? 0 : static_cast<int64_t>(buffers) - 2));
+    if (s == 0) CHECK(r.sub_groups_prefetched == 0);
     if (policy == offload::OverlapPolicy::kReadAhead) {
       CHECK(*r.overlap_mode == offload::OverlapMode::kReadAhead);
       CHECK_FALSE(r.rolled_back);
@@ -534,8 +541,10 @@ TEST_CASE("speculating or reading ahead on every step gives the same bits, wheth
   if (policy == offload::OverlapPolicy::kReadAhead) {
     CHECK(read_ahead > 0);
     if (buffers == 64) CHECK(read_ahead > 2 * 5);  // more than 2 buffers could hold in 5 steps
+    CHECK(prefetched == 0);
   } else {
     CHECK(rolled_back > 0);
+    CHECK((prefetched > 0) == (buffers > 2));
   }
 }
 

@@ -208,6 +208,71 @@ TEST_CASE("a failed nvme write makes step() raise and keeps the previous state l
   CHECK(same_bits(load(resumed).p, load(cpu).p));
 }
 
+TEST_CASE("a batch's state writes go on after update_sub_groups returns: a later call, commit_step or abort_step "
+          "waits for them, and a failed one fails the step with the committed state kept",
+          "[offload][swapper]") {
+  test::TempDir dir("strata-swap");
+  offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
+  // Writes: 5 (initialize), 5 (step 1), 1 (step 2 abandoned), then step 2
+  // again. The first write of step 1 and of the abandoned step is held a
+  // second before it reaches the disk; the third of step 2 again fails.
+  auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
+      nvme::IoFault{6, nvme::IoFault::Kind::kSlow, 0, 0, nvme::IoOp::kWrite, false, 1000ms},
+      nvme::IoFault{11, nvme::IoFault::Kind::kSlow, 0, 0, nvme::IoOp::kWrite, false, 1000ms},
+      nvme::IoFault{14, nvme::IoFault::Kind::kError, 5, 0, nvme::IoOp::kWrite, false}});
+  nvme::AioOptions aio_options;
+  nvme::AioHandle aio(aio_options, nvme::make_fault_backend(nvme::make_backend(aio_options.engine), plan));
+  offload::OptimizerSwapper whole(options_for(Tier::kCpu, {}), nullptr, nullptr);
+  offload::OptimizerSwapper parts(options_for(Tier::kNvme, dir.path()), &pool, &aio);
+  const auto master = random_floats(kNumel, 4, 1.0f);
+  whole.initialize(master.data());
+  parts.initialize(master.data());
+  std::vector<BFloat16> p16_whole(kNumel), p16_parts(kNumel);
+
+  // Step 1: the first batch returns with its (held) write in flight, its
+  // buffer still taken; the later batches and the commit wait for it.
+  const auto grad1 = grad_for_step(1);
+  whole.step(inputs(grad1, p16_whole));
+  parts.begin_step(inputs(grad1, p16_parts), /*revocable=*/false);
+  parts.update_sub_groups(std::vector<size_t>{4});
+  CHECK(pool.stats().in_use == 1);  // the update waited for its new values only, not for the held write
+  parts.update_sub_groups(std::vector<size_t>{3, 2, 1, 0});
+  parts.commit_step();
+  CHECK(pool.stats().in_use == 0);
+  REQUIRE(parts.step_count() == 1);
+  check_same_state(load(parts), load(whole));
+  REQUIRE(std::memcmp(p16_whole.data(), p16_parts.data(), kNumel * 2) == 0);
+
+  // Step 2, abandoned with its write in flight: abort waits for it, every
+  // buffer comes back, the committed state is step 1's.
+  const State after_one = load(parts);
+  const auto grad2 = grad_for_step(2);
+  parts.begin_step(inputs(grad2, p16_parts), /*revocable=*/false);
+  parts.update_sub_groups(std::vector<size_t>{4});
+  CHECK(pool.stats().in_use == 1);
+  parts.abort_step();
+  CHECK(pool.stats().in_use == 0);
+  check_same_state(load(parts), after_one);
+
+  // Step 2 again; its third write fails: the step raises it (from the batch
+  // that met it or from the commit) and keeps step 1's state.
+  parts.begin_step(inputs(grad2, p16_parts), /*revocable=*/false);
+  try {
+    parts.update_sub_groups(std::vector<size_t>{4, 3});
+    parts.update_sub_groups(std::vector<size_t>{2, 1, 0});
+    parts.commit_step();
+    FAIL("the step committed although a state write failed");
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::kIo);
+    CHECK_THAT(e.what(), Catch::Contains("slot"));
+  }
+  parts.abort_step();  // closes it where the batch raised; a no-op where the commit did
+  CHECK(plan->fired() == 3);
+  CHECK(pool.stats().in_use == 0);
+  CHECK(parts.step_count() == 1);
+  check_same_state(load(parts), after_one);
+}
+
 TEST_CASE("a new run's failed initialize leaves an earlier run's committed state resumable", "[offload][swapper]") {
   test::TempDir dir("strata-swap");
   offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
@@ -376,8 +441,12 @@ TEST_CASE("state read ahead before the gradient scale is known, then updated wit
     // A step read ahead and abandoned: every buffer back, nothing changed.
     const State before = load(parts);
     parts.begin_step(inputs(grad, p16_parts), /*revocable=*/false);
-    CHECK(parts.prefetch(4));
+    CHECK_FALSE(parts.prefetch(4, /*keep_free=*/3));  // would leave fewer than 3 buffers free
+    CHECK(parts.prefetch(4, /*keep_free=*/2));
+    CHECK(parts.prefetched(4));
+    CHECK_FALSE(parts.prefetched(1));
     CHECK_FALSE(parts.prefetch(4));  // once
+    CHECK_FALSE(parts.prefetch(1, /*keep_free=*/2));
     CHECK(parts.prefetch(1));
     parts.abort_step();
     CHECK(pool.available() == 3);
