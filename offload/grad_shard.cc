@@ -6,8 +6,12 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "nvme/aio_handle.h"
 #include "nvme/swap_space.h"
@@ -150,6 +154,15 @@ class GradShard::IoThread {
   std::thread thread_;
 };
 
+// The parameter whose block the scratch holds, final (summed with what was on
+// disk) and not yet overwritten: set by the I/O thread before it writes the
+// block, cleared on the stream before the next block's copy into the scratch
+// (which waits while a read copies from it: both under `mutex`) and by zero().
+struct GradShard::Tail {
+  std::mutex mutex;
+  std::optional<size_t> param;
+};
+
 GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::PartitionLayout& layout)
     : accelerator_(accelerator), ops_(ops), layout_(layout) {
   const size_t nbytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
@@ -170,6 +183,7 @@ GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::P
   if (scratch_numel_ > 0) {
     scratch_ = static_cast<float*>(accelerator.allocate_pinned(2 * scratch_numel_ * sizeof(float)));
   }
+  tail_ = std::make_shared<Tail>();
   io_ = std::make_unique<IoThread>();
 }
 
@@ -194,6 +208,10 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
   // the I/O and one scratch serves all.
   const size_t nbytes = static_cast<size_t>(slot.slice_numel) * sizeof(float);
   const uint64_t offset = static_cast<uint64_t>(slot.shard_offset_numel) * sizeof(float);
+  stream.launch_host_func([tail = tail_] {
+    std::lock_guard lock(tail->mutex);
+    tail->param.reset();
+  });
   accelerator_.copy_async(scratch_, block, nbytes, CopyKind::kDeviceToHost, stream);
   auto job = std::make_shared<IoThread::Job>();
   job->noticed = accelerator_.create_event();
@@ -205,6 +223,10 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
       float* on_disk = scratch_ + scratch_numel_;
       aio_->read(*file_, on_disk, nbytes, offset);
       for (size_t i = 0; i < numel; ++i) scratch_[i] += on_disk[i];
+    }
+    {
+      std::lock_guard lock(tail_->mutex);
+      tail_->param = p;
     }
     aio_->write(*file_, scratch_, nbytes, offset);
     written_[p] = 1;
@@ -223,6 +245,8 @@ void GradShard::zero(Stream& stream) {
   }
   io_->drain();
   std::fill(written_.begin(), written_.end(), 0);
+  std::lock_guard lock(tail_->mutex);
+  tail_->param.reset();
 }
 
 void GradShard::ensure_window(size_t numel) {
@@ -244,10 +268,8 @@ const float* GradShard::read(size_t first, size_t numel, Stream& stream) {
     stream.synchronize();
     return window_;
   }
-  io_->drain_range(first, first + numel);
   ensure_window(numel);
-  aio_->read(*file_, window_, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
-  zero_unwritten(first, numel, window_);
+  read_async(first, numel, window_)();
   return window_;
 }
 
@@ -255,12 +277,49 @@ std::function<void()> GradShard::read_async(size_t first, size_t numel, float* d
   STRATA_CHECK(first + numel <= static_cast<size_t>(layout_.shard_numel()), kBadArgument,
                "gradient range [{}, {}) outside the shard ({} elements)", first, first + numel, layout_.shard_numel());
   STRATA_CHECK(file_ != nullptr, kInternal, "GradShard::read_async of a gradient shard in memory");
-  io_->drain_range(first, first + numel);
-  const nvme::Ticket ticket =
-      aio_->submit_read(*file_, dst, numel * sizeof(float), static_cast<uint64_t>(first) * sizeof(float));
-  return [this, ticket, first, numel, dst] {
-    aio_->wait(ticket);
-    zero_unwritten(first, numel, dst);
+  const size_t end = first + numel;
+  // The part of the range in the block the scratch holds is copied from it
+  // (its write may still be running: both only read the scratch); the rest,
+  // at most a piece on either side (slice boundaries are aligned), is read
+  // once its own writes are done.
+  size_t copied_begin = end, copied_end = end;
+  {
+    std::lock_guard lock(tail_->mutex);
+    if (tail_->param) {
+      const partition::ParamSlot& slot = layout_.param(*tail_->param);
+      const size_t slice = static_cast<size_t>(slot.shard_offset_numel);
+      const size_t begin = std::max(first, slice);
+      const size_t stop = std::min(end, slice + static_cast<size_t>(slot.slice_numel));
+      if (begin < stop) {
+        std::memcpy(dst + (begin - first), scratch_ + (begin - slice), (stop - begin) * sizeof(float));
+        copied_begin = begin;
+        copied_end = stop;
+      }
+    }
+  }
+  struct Piece {
+    size_t first, end;
+    nvme::Ticket ticket;
+  };
+  std::vector<Piece> pieces;
+  for (const auto& [begin, stop] : {std::pair{first, copied_begin}, std::pair{copied_end, end}}) {
+    if (begin >= stop) continue;
+    io_->drain_range(begin, stop);
+    pieces.push_back({begin, stop,
+                      aio_->submit_read(*file_, dst + (begin - first), (stop - begin) * sizeof(float),
+                                        static_cast<uint64_t>(begin) * sizeof(float))});
+  }
+  return [this, pieces = std::move(pieces), first, dst] {
+    std::exception_ptr error;
+    for (const Piece& piece : pieces) {
+      try {
+        aio_->wait(piece.ticket);  // every piece waited for before dst is given back
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    for (const Piece& piece : pieces) zero_unwritten(piece.first, piece.end - piece.first, dst + (piece.first - first));
   };
 }
 

@@ -19,7 +19,10 @@
 //           landed (a notice, no I/O), and the stream waits on a HostEvent
 //           the thread signals once the block is on disk: the stream, not the
 //           caller, is held until then, and the next block's copy into the
-//           scratch is ordered after it.
+//           scratch is ordered after it. The block landed last stays in the
+//           scratch until the next one's copy: a read of its slice copies it
+//           from there (the last block of backward, the embedding's, is read
+//           by the optimizer right away — not behind its own write).
 // read() gives a host view of an aligned range for the optimizer: the array
 // itself when the accelerator's memory is host memory, else a pinned window
 // filled by a copy (memory) or a read (nvme).
@@ -90,6 +93,7 @@ class GradShard {
 
  private:
   class IoThread;  // nvme: the thread that reads, adds and writes the blocks
+  struct Tail;      // nvme: which parameter's final block the scratch holds
 
   void ensure_window(size_t numel);
 
@@ -104,6 +108,7 @@ class GradShard {
   std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched by the I/O thread)
   float* scratch_ = nullptr;       // nvme: pinned, largest slice x 2 (incoming | on disk)
   size_t scratch_numel_ = 0;
+  std::shared_ptr<Tail> tail_;     // nvme (shared with the streams' host functions)
   std::unique_ptr<IoThread> io_;   // nvme; declared after what its jobs touch, so it stops first
   float* window_ = nullptr;        // pinned host view for read()
   size_t window_numel_ = 0;

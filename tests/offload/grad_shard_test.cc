@@ -211,3 +211,57 @@ TEST_CASE("grad shard on nvme: reading a landed slice does not wait for another 
   require_slice(slice, 5);
   require_slice(rig.slice(0), 1);
 }
+
+TEST_CASE("grad shard on nvme: the block landed last is read from the scratch, not back from the disk, until the "
+          "next block's copy or zero()",
+          "[grad_shard]") {
+  const auto range_of = [](const partition::ParamSlot& slot) {
+    return std::pair{static_cast<size_t>(slot.shard_offset_numel), static_cast<size_t>(slot.slice_numel)};
+  };
+  SECTION("every disk read fails: only the last block's slice reads") {
+    auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{nvme::IoFault{
+        .nth = 1, .kind = nvme::IoFault::Kind::kError, .error = 5, .op = nvme::IoOp::kRead, .repeat = true}});
+    Rig rig(plan);
+    rig.shard.accumulate(1, rig.add_block(1, 5), *rig.stream, *rig.ctx);
+    rig.shard.accumulate(2, rig.add_block(2, 3), *rig.stream, *rig.ctx);
+    rig.stream->synchronize();
+    const auto [c_first, c_numel] = range_of(rig.layout.param(2));
+    const float* c = rig.shard.read(c_first, c_numel, *rig.stream);
+    require_slice(std::vector<float>(c, c + c_numel), 3);
+    CHECK(plan->fired() == 0);
+    const auto [b_first, b_numel] = range_of(rig.layout.param(1));
+    CHECK_THROWS_AS(rig.shard.read(b_first, 2048, *rig.stream), Error);  // b is on the disk only
+    CHECK(plan->fired() == 1);
+    // a lands (its first block since zero(): nothing read to add to), so c's
+    // block is no longer in the scratch: c is read from the disk, which fails.
+    rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+    rig.stream->synchronize();
+    CHECK_THROWS_AS(rig.shard.read(c_first, c_numel, *rig.stream), Error);
+  }
+  SECTION("a range across the last block and others; an accumulated last block; zero()") {
+    Rig rig;
+    rig.shard.accumulate(1, rig.add_block(1, 5), *rig.stream, *rig.ctx);
+    rig.shard.accumulate(0, rig.add_block(0, 1), *rig.stream, *rig.ctx);
+    rig.shard.accumulate(0, rig.add_block(0, 10), *rig.stream, *rig.ctx);  // a's sum is the last block
+    rig.stream->synchronize();
+    const auto a = rig.slice(0);  // the whole shard: a from the scratch, b and c from the disk
+    for (size_t i = 0; i < a.size(); ++i) REQUIRE(a[i] == 11.0f + 2.0f * static_cast<float>(i % 7));
+    require_slice(rig.slice(1), 5);
+    require_slice(rig.slice(2), 0);
+    const size_t n = static_cast<size_t>(rig.layout.shard_numel());
+    auto* dst = static_cast<float*>(rig.acc->allocate_pinned(n * sizeof(float)));
+    std::fill(dst, dst + n, -1.0f);
+    rig.shard.read_async(0, n, dst)();
+    const float* expect = rig.shard.read(0, n, *rig.stream);
+    const bool same = std::memcmp(dst, expect, n * sizeof(float)) == 0;
+    rig.acc->deallocate_pinned(dst);
+    CHECK(same);
+    // After zero() the scratch's block is an old step's: zeros again.
+    rig.shard.zero(*rig.stream);
+    require_slice(rig.slice(0), 0);
+    rig.shard.accumulate(2, rig.add_block(2, 3), *rig.stream, *rig.ctx);
+    rig.stream->synchronize();
+    require_slice(rig.slice(0), 0);
+    require_slice(rig.slice(2), 3);
+  }
+}
