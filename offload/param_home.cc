@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "nvme/aio_handle.h"
@@ -142,14 +144,120 @@ class PinnedHome final : public ParamHome {
   void* memory_ = nullptr;
 };
 
+// The values of an NVMe home's last writes, in pinned slots of one chunk
+// each, oldest reused first: a read of a range the slots hold is a copy.
+// A slot whose write is in flight is not reused (the drive reads from it);
+// when none is free a write goes around the cache. Any slot overlapping a
+// range written (through the cache or around it) is dropped first, so a slot
+// never holds older values than the home. Thread-safe (one mutex: writes
+// and reads come from the optimizer's thread, I/O workers and the gathers).
+class WriteCache {
+ public:
+  WriteCache(Accelerator& accelerator, size_t slots, size_t slot_nbytes) : accelerator_(accelerator) {
+    for (size_t i = 0; i < slots; ++i) {
+      slots_.push_back(Slot{accelerator.allocate_pinned(slot_nbytes), slot_nbytes});
+    }
+  }
+  ~WriteCache() {
+    for (Slot& slot : slots_) accelerator_.deallocate_pinned(slot.data);
+  }
+  WriteCache(const WriteCache&) = delete;
+  WriteCache& operator=(const WriteCache&) = delete;
+
+  // A slot now holding src's bytes for [offset, offset + nbytes), its write
+  // to be started from it (ended(): when it ends); nullptr when none is free
+  // or big enough. Either way no other slot overlaps the range any more.
+  void* put(const void* src, size_t nbytes, uint64_t offset) {
+    Slot* slot = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      drop_locked(nbytes, offset);
+      for (Slot& s : slots_) {
+        if (s.writing || s.capacity < nbytes) continue;
+        if (slot == nullptr || !s.valid || (slot->valid && s.age < slot->age)) slot = &s;
+      }
+      if (slot == nullptr) return nullptr;
+      slot->valid = false;
+      slot->writing = true;  // reserved: neither read nor reused while filled
+    }
+    std::memcpy(slot->data, src, nbytes);
+    std::lock_guard lock(mutex_);
+    slot->offset = offset;
+    slot->nbytes = nbytes;
+    slot->age = ++clock_;
+    slot->valid = true;
+    return slot->data;
+  }
+  // The write from `data` (put's slot) ended; a failed one leaves nothing cached.
+  void ended(const void* data, bool ok) {
+    std::lock_guard lock(mutex_);
+    for (Slot& s : slots_) {
+      if (s.data != data) continue;
+      s.writing = false;
+      if (!ok) s.valid = false;
+    }
+  }
+  // Copies [offset, offset + nbytes) into dst when slots hold all of it (a
+  // parameter's slice may cross a sub-group boundary: two slots).
+  bool get(void* dst, size_t nbytes, uint64_t offset) {
+    std::lock_guard lock(mutex_);
+    std::vector<const Slot*> pieces;
+    for (uint64_t at = offset; at < offset + nbytes;) {
+      const auto holds = std::find_if(slots_.begin(), slots_.end(), [&](const Slot& s) {
+        return s.valid && s.offset <= at && at < s.offset + s.nbytes;
+      });
+      if (holds == slots_.end()) return false;
+      pieces.push_back(&*holds);
+      at = holds->offset + holds->nbytes;
+    }
+    for (const Slot* s : pieces) {
+      const uint64_t begin = std::max(offset, s->offset);
+      const uint64_t end = std::min(offset + nbytes, s->offset + s->nbytes);
+      std::memcpy(static_cast<char*>(dst) + (begin - offset), static_cast<const char*>(s->data) + (begin - s->offset),
+                  end - begin);
+    }
+    return true;
+  }
+  // Slots overlapping [offset, offset + nbytes) forgotten (written around the cache).
+  void drop(size_t nbytes, uint64_t offset) {
+    std::lock_guard lock(mutex_);
+    drop_locked(nbytes, offset);
+  }
+
+ private:
+  struct Slot {
+    void* data = nullptr;
+    size_t capacity = 0;
+    uint64_t offset = 0;
+    size_t nbytes = 0;
+    uint64_t age = 0;      // of its put: the oldest is reused first
+    bool valid = false;    // holds the home's bytes of its range
+    bool writing = false;  // being filled, or its write in flight
+  };
+  void drop_locked(size_t nbytes, uint64_t offset) {
+    for (Slot& s : slots_) {
+      if (s.valid && offset < s.offset + s.nbytes && s.offset < offset + nbytes) s.valid = false;
+    }
+  }
+
+  Accelerator& accelerator_;
+  std::mutex mutex_;
+  std::vector<Slot> slots_;
+  uint64_t clock_ = 0;
+};
+
 // A preallocated swap file, reached through the I/O engine.
 class NvmeHome final : public ParamHome {
  public:
-  NvmeHome(const ParamHomeOptions& options, HostWindow& window, nvme::AioHandle& aio)
+  NvmeHome(const ParamHomeOptions& options, Accelerator& accelerator, HostWindow& window, nvme::AioHandle& aio)
       : ParamHome(options),
         window_(window),
         aio_(aio),
         swap_(nvme::SwapSpaceOptions{options.nvme_path, "param", options.rank, true, options.keep_files}) {
+    if (options.cached_writes > 0) {
+      cache_ = std::make_unique<WriteCache>(accelerator, options.cached_writes,
+                                            options.chunk_numel * dtype_nbytes(options.dtype));
+    }
     file_ = &swap_.create({options.key.empty() ? std::string(dtype_name(options.dtype)) : options.key, nbytes()});
     window_.expect(options.max_range_numel * dtype_nbytes(options.dtype));
     // The file may hold an earlier run's bytes: zeros, so padding is zero as
@@ -173,14 +281,36 @@ class NvmeHome final : public ParamHome {
 
   void store_host_range(size_t first, size_t numel) override {
     const size_t nbytes = numel * dtype_nbytes(dtype());
+    if (cache_) cache_->drop(nbytes, first * dtype_nbytes(dtype()));
     aio_.write(*file_, window_.get(nbytes), nbytes, first * dtype_nbytes(dtype()), kPriority);
   }
 
   void read_async(void* dst, size_t nbytes, uint64_t offset, DoneFn done) override {
+    if (cache_ && cache_->get(dst, nbytes, offset)) {
+      done(nullptr);
+      return;
+    }
     aio_.submit_read(*file_, dst, nbytes, offset, std::move(done), kPriority);
   }
 
   void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) override {
+    if (cache_) {
+      if (void* slot = cache_->put(src, nbytes, offset)) {
+        // Written from the slot: src is no longer read, the slot is free again once it ends.
+        try {
+          aio_.submit_write(*file_, slot, nbytes, offset,
+                            [cache = cache_.get(), slot, done = std::move(done)](std::exception_ptr error) {
+                              cache->ended(slot, error == nullptr);
+                              done(std::move(error));
+                            },
+                            kPriority);
+        } catch (...) {
+          cache_->ended(slot, false);
+          throw;
+        }
+        return;
+      }
+    }
     aio_.submit_write(*file_, src, nbytes, offset, std::move(done), kPriority);
   }
 
@@ -194,6 +324,7 @@ class NvmeHome final : public ParamHome {
   nvme::AioHandle& aio_;
   nvme::SwapSpace swap_;
   nvme::File* file_ = nullptr;
+  std::unique_ptr<WriteCache> cache_;  // cached_writes > 0
 };
 
 }  // namespace
@@ -210,7 +341,7 @@ std::unique_ptr<ParamHome> make_param_home(const ParamHomeOptions& options, Acce
       return std::make_unique<PinnedHome>(options, accelerator);
     case Tier::kNvme:
       STRATA_CHECK(aio != nullptr, kInternal, "an nvme parameter home needs the I/O engine");
-      return std::make_unique<NvmeHome>(options, window, *aio);
+      return std::make_unique<NvmeHome>(options, accelerator, window, *aio);
   }
   raise(ErrorCategory::kInternal, "unknown parameter tier {}", static_cast<int>(options.tier));
 }

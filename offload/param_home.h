@@ -87,6 +87,12 @@ struct ParamHomeOptions {
   std::string key;
   int rank = 0;
   bool keep_files = false;  // nvme: leave the file on disk (strata.keep_swap_files)
+  // nvme: the values of the last `cached_writes` write_async calls of at most
+  // chunk_numel elements stay in pinned memory (that many chunks), and a
+  // read_async of a range one of them holds is copied from there instead of
+  // read back from the drive — the next forward's gathers of what the
+  // optimizer has just written. 0: none.
+  size_t cached_writes = 0;
 };
 
 class ParamHome {
@@ -129,6 +135,8 @@ class ParamHome {
   // then done(nullptr) or done(error). nvme: an asynchronous write, `done` on
   // an I/O worker; cpu and device: the copy is made, and `done` called,
   // before this returns. Not while a host range of the same bytes is in use.
+  // A read_async of these bytes issued after this returns gives them (from a
+  // cached copy, or from the drive once `done` has been called).
   virtual void write_async(const void* src, size_t nbytes, uint64_t offset, DoneFn done) = 0;
 
  protected:

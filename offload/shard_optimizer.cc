@@ -28,6 +28,7 @@ using Clock = std::chrono::steady_clock;
 // a sub-group's gradient: the pipeline's read of the next sub-group beside
 // the update of the current one.
 constexpr size_t kPipelineBuffers = 2;
+
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace

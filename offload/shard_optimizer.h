@@ -24,7 +24,11 @@
 // committed; the home rewritten from the restored master weights) and takes
 // the step as if nothing had been speculated. So a result never depends on
 // the overlap. Granularity is the sub-group: a shard of one sub-group
-// overlaps nothing.
+// overlaps nothing. With NVMe state the speculating thread also reads state
+// ahead of the gradient, into the pool buffers the pipeline can spare: at
+// arming, of the sub-groups the previous backward finalized last (the
+// embedding's: no backward is left to hide their reads behind), and between
+// landings, of the next ones in that order.
 //
 // When clipping fires, every speculative update is redone, and nothing was
 // hidden. So there is a second way to use backward, read-ahead: what does

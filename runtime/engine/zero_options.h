@@ -20,6 +20,16 @@
 
 namespace strata::engine {
 
+// Sub-groups of new values an NVMe parameter home keeps in pinned memory for
+// the next forward's gathers (ZeroEngineOptions::overlap_next_forward): as
+// many as its largest slice spans (a gather reads a whole slice: the
+// embedding's, first), and kCachedParamWrites more, written while that
+// gather waits. chunk_numel: the home's sub-group.
+constexpr size_t kCachedParamWrites = 4;
+inline size_t cached_param_writes(size_t chunk_numel, size_t largest_slice_numel) {
+  return (largest_slice_numel + chunk_numel - 1) / chunk_numel + kCachedParamWrites;
+}
+
 struct ZeroEngineOptions {
   int stage = 3;                           // 1, 2 or 3
   Tier param_tier = Tier::kDevice;         // offload_param.device; cpu/nvme need stage 3
@@ -58,6 +68,10 @@ struct ZeroEngineOptions {
   // forward's gathers of a sub-group wait for its update only, and the next
   // backward (or anything else that touches the step's state) waits for the
   // rest (offload/shard_optimizer.h, apply_async). false: the update ends in step().
+  // With a trained group's parameters on NVMe, the new values of its last
+  // sub-groups written stay in pinned memory (cached_param_writes: its
+  // largest slice's and 4 more, of the group's dtype), and the forward's
+  // gathers of them read no drive (offload::ParamHomeOptions::cached_writes).
   bool overlap_next_forward = true;
 
   // The stage-3 parameter coordinator, in elements (numel). Defaults are DeepSpeed's.
