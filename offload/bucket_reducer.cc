@@ -66,33 +66,48 @@ void BucketReducer::flush() {
   std::unique_ptr<Bucket> bucket = std::move(open_);
   const int world = layout_.world_size();
   const size_t block_numel = static_cast<size_t>(bucket->block_numel);
-  auto* send = static_cast<float*>(accelerator_.allocate(block_numel * world * sizeof(float)));
   auto* recv = static_cast<float*>(accelerator_.allocate(block_numel * sizeof(float)));
-  // Rank-major blocks: block r holds every entry's slice r, padding zero.
-  // Where no slice has padding the copies below write every element: no
-  // memset (an embedding's bucket is over 100 MB).
-  size_t owned_total = 0;
-  for (const auto& entry : bucket->entries) {
-    const partition::ParamSlot& slot = layout_.param(entry.param);
-    for (int r = 0; r < world; ++r) owned_total += static_cast<size_t>(std::max<int64_t>(0, slot.owned_numel(r)));
+  // A bucket of one parameter without padding (an embedding, alone in its
+  // bucket) is already rank-major — rank r's slice is block r — and the
+  // reduce-scatter only reads its input: it is sent from the gradient itself,
+  // without a bucket's copy of it (over 100 MB for an embedding).
+  const float* send = nullptr;
+  float* packed = nullptr;
+  if (bucket->entries.size() == 1) {
+    const partition::ParamSlot& slot = layout_.param(bucket->entries.front().param);
+    bool rank_major = true;
+    for (int r = 0; r < world; ++r) rank_major = rank_major && slot.owned_numel(r) == slot.slice_numel;
+    if (rank_major) send = bucket->entries.front().grad;
   }
-  if (owned_total != block_numel * world) {
-    accelerator_.memset_async(send, 0, block_numel * world * sizeof(float), *stream_);
-  }
-  size_t offset = 0;
-  for (const auto& entry : bucket->entries) {
-    const partition::ParamSlot& slot = layout_.param(entry.param);
-    for (int r = 0; r < world; ++r) {
-      const int64_t owned = slot.owned_numel(r);
-      if (owned <= 0) continue;
-      accelerator_.copy_async(send + r * block_numel + offset, entry.grad + slot.owned_begin(r),
-                              static_cast<size_t>(owned) * sizeof(float), CopyKind::kDeviceToDevice, *stream_);
+  if (send == nullptr) {
+    packed = static_cast<float*>(accelerator_.allocate(block_numel * world * sizeof(float)));
+    send = packed;
+    // Rank-major blocks: block r holds every entry's slice r, padding zero.
+    // Where no slice has padding the copies below write every element: no
+    // memset (an embedding's bucket is over 100 MB).
+    size_t owned_total = 0;
+    for (const auto& entry : bucket->entries) {
+      const partition::ParamSlot& slot = layout_.param(entry.param);
+      for (int r = 0; r < world; ++r) owned_total += static_cast<size_t>(std::max<int64_t>(0, slot.owned_numel(r)));
     }
-    offset += static_cast<size_t>(slot.slice_numel);
+    if (owned_total != block_numel * world) {
+      accelerator_.memset_async(packed, 0, block_numel * world * sizeof(float), *stream_);
+    }
+    size_t offset = 0;
+    for (const auto& entry : bucket->entries) {
+      const partition::ParamSlot& slot = layout_.param(entry.param);
+      for (int r = 0; r < world; ++r) {
+        const int64_t owned = slot.owned_numel(r);
+        if (owned <= 0) continue;
+        accelerator_.copy_async(packed + r * block_numel + offset, entry.grad + slot.owned_begin(r),
+                                static_cast<size_t>(owned) * sizeof(float), CopyKind::kDeviceToDevice, *stream_);
+      }
+      offset += static_cast<size_t>(slot.slice_numel);
+    }
   }
   comm_.reduce_scatter(send, recv, block_numel, DType::kF32, partition::ReduceOp::kSum, *stream_);
   ++collectives_;
-  offset = 0;
+  size_t offset = 0;
   for (const auto& entry : bucket->entries) {
     const partition::ParamSlot& slot = layout_.param(entry.param);
     shard_.accumulate(entry.param, recv + offset, *stream_, *ctx_);
@@ -105,7 +120,7 @@ void BucketReducer::flush() {
   }
   bucket->done = accelerator_.create_event();
   stream_->record(*bucket->done);
-  accelerator_.deallocate_after(send, *bucket->done);
+  if (packed != nullptr) accelerator_.deallocate_after(packed, *bucket->done);
   accelerator_.deallocate_after(recv, *bucket->done);
   for (auto& entry : bucket->entries) {
     if (entry.release) entry.release(*bucket->done);

@@ -408,6 +408,26 @@ const float* OptimizerSwapper::read_grad_ahead(size_t k) {
   return static_cast<const float*>(op.grad_ready);
 }
 
+void OptimizerSwapper::finish_writes() {
+  if (open_ == nullptr) return;
+  std::deque<Op>& writes = open_->writes;
+  const auto start = Clock::now();
+  try {
+    while (!writes.empty()) {
+      Op& op = writes.front();
+      op.pending = false;
+      aio_->wait(op.ticket);
+      finish_home_write(op);
+      writes.pop_front();
+    }
+  } catch (...) {
+    drain_pending(*aio_, writes);
+    writes.clear();
+    throw;
+  }
+  timings_.write_wait_seconds += seconds_since(start);
+}
+
 void OptimizerSwapper::drop_grads_read_ahead() {
   if (open_ == nullptr) return;
   for (auto& entry : open_->prefetched) entry.second.grad_ready = nullptr;
@@ -470,25 +490,18 @@ void OptimizerSwapper::commit_step() {
   STRATA_CHECK(open_ != nullptr, kBadArgument, "optimizer swapper: commit_step without begin_step");
   STRATA_CHECK(open_->updated_count == sub_groups_, kBadArgument,
                "optimizer swapper: commit_step with {} of {} sub-groups updated", open_->updated_count, sub_groups_);
+  try {
+    finish_writes();
+  } catch (...) {
+    open_.reset();  // closed: the committed state stays the old one
+    throw;
+  }
   std::unique_ptr<OpenStep> open = std::move(open_);  // closed, whatever happens below
   if (options_.state_tier == Tier::kCpu) {
     ++step_count_;
     return;
   }
   const auto start = Clock::now();
-  try {
-    while (!open->writes.empty()) {
-      Op& op = open->writes.front();
-      op.pending = false;
-      aio_->wait(op.ticket);
-      finish_home_write(op);
-      open->writes.pop_front();
-    }
-  } catch (...) {
-    drain_pending(*aio_, open->writes);
-    throw;
-  }
-  timings_.write_wait_seconds += seconds_since(start);
   slot_file(static_cast<int>((generation_ + 1) % 2)).sync();
   commit(generation_ + 1, step_count_ + 1);
   timings_.commit_seconds = seconds_since(start);

@@ -188,6 +188,11 @@ class OptimizerSwapper {
   // have no grad_read; the same pointer when called again.
   // Error(kBadArgument) without an open step; Error(kIo) from the read.
   const float* read_grad_ahead(size_t k);
+  // Waits for the open step's state writes still in flight (see
+  // update_sub_groups) and returns their buffers to the pool — which another
+  // swapper sharing it may be waiting for; rethrows a failed write's error
+  // (the step stays open: abort_step it). No-op without an open step.
+  void finish_writes();
   // Forgets the gradients read_grad_ahead read (more gradient was added
   // since: another backward); the updates read them again.
   void drop_grads_read_ahead();

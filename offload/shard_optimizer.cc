@@ -459,6 +459,7 @@ void ShardOptimizer::thread_main() {
         {
           trace::Span span("optimizer", "overlapped sub-groups");
           span.value("count", static_cast<int64_t>(batch.size()));
+          finish_other_writes(g);
           g.swapper->update_sub_groups(batch);
         }
         prefetch_next();
@@ -480,6 +481,15 @@ void ShardOptimizer::thread_main() {
       o.updated += static_cast<int64_t>(batch.size());
     }
     o.cv.notify_all();
+  }
+}
+
+void ShardOptimizer::finish_other_writes(const Group& g) {
+  // Groups may share a pool (the constructor): the state writes another
+  // group's batch left in flight hold buffers this group's pipeline needs,
+  // and only their swapper returns them.
+  for (auto& other : groups_) {
+    if (other.get() != &g && other->swapper) other->swapper->finish_writes();
   }
 }
 
@@ -675,7 +685,9 @@ void ShardOptimizer::update_rest(const Boundary& b) {
   // group's, so no group's pipeline waits on buffers another group holds.
   if (b.read_ahead_step) {
     for (auto& gp : groups_) {
-      if (gp->swapper) gp->swapper->update_sub_groups(gp->swapper->prefetched());
+      if (!gp->swapper) continue;
+      finish_other_writes(*gp);
+      gp->swapper->update_sub_groups(gp->swapper->prefetched());
     }
   }
   // Then the rest in shard order: the order the next forward needs them.
@@ -686,6 +698,7 @@ void ShardOptimizer::update_rest(const Boundary& b) {
     for (size_t k = 0; k < g.swapper->sub_group_count(); ++k) {
       if (!g.swapper->updated(k)) left.push_back(k);
     }
+    finish_other_writes(g);
     g.swapper->update_sub_groups(left);
   }
   // Commit only once every group is updated, so a failure above rolls back

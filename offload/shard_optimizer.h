@@ -259,6 +259,7 @@ class ShardOptimizer {
   void arm(float lr);
   void read_ahead(Group& g, const std::vector<size_t>& sub_groups);
   void prefetch_next();  // the optimizer thread, speculating, between landings
+  void finish_other_writes(const Group& g);  // before g's pipeline takes buffers
   void take_stats(Group& g, size_t k);
   void on_landed(size_t group, const std::vector<size_t>& params);  // a reducer stream's host function
   void thread_main();

@@ -213,13 +213,14 @@ TEST_CASE("a batch's state writes go on after update_sub_groups returns: a later
           "[offload][swapper]") {
   test::TempDir dir("strata-swap");
   offload::PinnedBufferPool pool({3, offload::OptimizerSwapper::record_nbytes(kSubGroup), 10000ms});
-  // Writes: 5 (initialize), 5 (step 1), 1 (step 2 abandoned), then step 2
-  // again. The first write of step 1 and of the abandoned step is held a
-  // second before it reaches the disk; the third of step 2 again fails.
+  // Writes: 5 (initialize), 5 (step 1), 1 and 3 (step 2 abandoned twice),
+  // then step 2 again. The first write of step 1 and of the first abandoned
+  // step is held a second before it reaches the disk; the third of step 2
+  // again fails.
   auto plan = std::make_shared<nvme::FaultPlan>(std::vector<nvme::IoFault>{
       nvme::IoFault{6, nvme::IoFault::Kind::kSlow, 0, 0, nvme::IoOp::kWrite, false, 1000ms},
       nvme::IoFault{11, nvme::IoFault::Kind::kSlow, 0, 0, nvme::IoOp::kWrite, false, 1000ms},
-      nvme::IoFault{14, nvme::IoFault::Kind::kError, 5, 0, nvme::IoOp::kWrite, false}});
+      nvme::IoFault{17, nvme::IoFault::Kind::kError, 5, 0, nvme::IoOp::kWrite, false}});
   nvme::AioOptions aio_options;
   nvme::AioHandle aio(aio_options, nvme::make_fault_backend(nvme::make_backend(aio_options.engine), plan));
   offload::OptimizerSwapper whole(options_for(Tier::kCpu, {}), nullptr, nullptr);
@@ -252,6 +253,16 @@ TEST_CASE("a batch's state writes go on after update_sub_groups returns: a later
   CHECK(pool.stats().in_use == 1);
   parts.abort_step();
   CHECK(pool.stats().in_use == 0);
+  check_same_state(load(parts), after_one);
+
+  // finish_writes gives the buffers back with the step still open (another
+  // swapper sharing the pool needs them).
+  parts.begin_step(inputs(grad2, p16_parts), /*revocable=*/false);
+  parts.update_sub_groups(std::vector<size_t>{4, 3, 2});
+  parts.finish_writes();
+  CHECK(pool.stats().in_use == 0);
+  CHECK(parts.step_open());
+  parts.abort_step();
   check_same_state(load(parts), after_one);
 
   // Step 2 again; its third write fails: the step raises it (from the batch
