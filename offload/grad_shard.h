@@ -22,7 +22,10 @@
 //           scratch is ordered after it. The block landed last stays in the
 //           scratch until the next one's copy: a read of its slice copies it
 //           from there (the last block of backward, the embedding's, is read
-//           by the optimizer right away — not behind its own write).
+//           by the optimizer right away — not behind its own write). The next
+//           block's copy waits while such a read copies (on cuda its stream's
+//           host function does, on the driver's one callback thread: a
+//           memcpy of one slice at most).
 // read() gives a host view of an aligned range for the optimizer: the array
 // itself when the accelerator's memory is host memory, else a pinned window
 // filled by a copy (memory) or a read (nvme).
