@@ -331,7 +331,7 @@ float* OptimizerSwapper::grad_area(void* buffer) const {
 }
 
 void OptimizerSwapper::release_buffers(OpenStep& open) {
-  drain_pending(*aio_, open.writes);
+  if (!open.writes.empty()) drain_pending(*aio_, open.writes);  // NVMe only: cpu state has no I/O handle
   open.writes.clear();
   for (auto& [k, op] : open.prefetched) {
     drain_grad(op);
