@@ -88,6 +88,13 @@ void finish_home_write(Op& op) {
   write->wait();
 }
 
+// Waits for op's request and then its home write; rethrows either's error.
+void finish(nvme::AioHandle& aio, Op& op) {
+  op.pending = false;
+  aio.wait(op.ticket);
+  finish_home_write(op);
+}
+
 // On an error path: waits out every request still in flight, so no buffer
 // returns to the pool under a transfer. Their errors are secondary to the one
 // being rethrown and are dropped.
@@ -414,10 +421,7 @@ void OptimizerSwapper::finish_writes() {
   const auto start = Clock::now();
   try {
     while (!writes.empty()) {
-      Op& op = writes.front();
-      op.pending = false;
-      aio_->wait(op.ticket);
-      finish_home_write(op);
+      finish(*aio_, writes.front());
       writes.pop_front();
     }
   } catch (...) {
@@ -546,11 +550,9 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   std::deque<Op> reads;
   std::deque<Op>& writes = open_->writes;  // earlier calls' too: their buffers come back as they end
   size_t next_read = 0;  // index into to_read
-  auto finish = [&](Op& op, double& waited) {
+  auto finish_timed = [&](Op& op, double& waited) {
     const auto start = Clock::now();
-    op.pending = false;
-    aio_->wait(op.ticket);
-    finish_home_write(op);
+    finish(*aio_, op);
     waited += seconds_since(start);
   };
   auto start_read = [&] {
@@ -576,7 +578,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
   auto top_up_reads = [&](size_t min_reads) {
     while (reads.size() < min_reads && next_read < to_read.size()) {
       while (pool_->available() == 0 && !writes.empty()) {
-        finish(writes.front(), timings_.write_wait_seconds);
+        finish_timed(writes.front(), timings_.write_wait_seconds);
         writes.pop_front();
       }
       // Every buffer already holds a read: enough in flight. (With no read at
@@ -605,10 +607,10 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
         current.emplace(std::move(ahead->second));
         open_->prefetched.erase(ahead);
         top_up_reads(0);  // only into buffers free now
-        if (current->pending) finish(*current, timings_.read_wait_seconds);
+        if (current->pending) finish_timed(*current, timings_.read_wait_seconds);
       } else {
         top_up_reads(2);  // read k at the front, the next behind it while k is waited on and updated
-        finish(reads.front(), timings_.read_wait_seconds);
+        finish_timed(reads.front(), timings_.read_wait_seconds);
         current.emplace(std::move(reads.front()));
         reads.pop_front();
       }
@@ -652,7 +654,7 @@ void OptimizerSwapper::update_nvme(std::span<const size_t> ks) {
       current.reset();
       // Completed writes free their buffers for reads further ahead.
       while (!writes.empty() && aio_->done(writes.front().ticket)) {
-        finish(writes.front(), timings_.write_wait_seconds);
+        finish_timed(writes.front(), timings_.write_wait_seconds);
         writes.pop_front();
       }
     }

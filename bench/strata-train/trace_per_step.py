@@ -19,10 +19,12 @@ the next forward" are this script's output.
 With --within, instead: every span of at least T ms (default 1) starting
 inside the N-th span named NAME (default the third, 0-based 2: a step past
 the first), in time order, as its start (ms from NAME's), duration, track,
-name and what it names (sub-group, operator, bytes, file). The figures of
-"The update behind the next forward, waiting less on the drive" come from
-`--within "update overlapping the next forward"` and `--within "optimizer
-step"`.
+name and what it names (sub-group, operator, bytes, file); then each I/O
+worker's busy time inside that span and the NVMe bytes of the requests
+started in it, by what they moved. The figures of "The update behind the
+next forward, waiting less on the drive" and "The embedding's update and
+the gathers off the drive" come from `--within "update overlapping the next
+forward"` and `--within "optimizer step"`.
 """
 import collections
 import json
@@ -46,19 +48,11 @@ def main():
         tracks[names.get((e["pid"], e["tid"]), str(e["tid"]))].append(e)
     if "--within" in args:
         option = lambda flag, default: type(default)(args[args.index(flag) + 1]) if flag in args else default
-        within(spans, names, args[args.index("--within") + 1], option("--index", 2), option("--min-ms", 1.0))
+        within(spans, names, tracks, args[args.index("--within") + 1], option("--index", 2), option("--min-ms", 1.0))
         return
 
     def busy(track, lo, hi, kinds=None):
-        total, by_kind = 0.0, collections.Counter()
-        for e in tracks[track]:
-            if kinds is not None and e["name"] not in kinds:
-                continue
-            a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
-            if b > a:
-                total += b - a
-                by_kind[e["name"]] += b - a
-        return total / 1e3, by_kind
+        return track_busy(tracks, track, lo, hi, kinds)
 
     for step in ("zero step", "resident step", "step"):
         windows = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["name"] == step and e.get("cat") == "phase"]
@@ -84,8 +78,22 @@ def main():
             print(f"  NVMe {kind}: {statistics.median(m.get(kind, 0) for m in moved) / 1e6:.1f} MB")
 
 
-def within(spans, names, name, index, min_ms):
-    """The spans of at least min_ms starting inside the index-th span called name."""
+def track_busy(tracks, track, lo, hi, kinds=None):
+    """ms of track's spans (of kinds, if given) inside [lo, hi), in all and by span name (us)."""
+    total, by_kind = 0.0, collections.Counter()
+    for e in tracks[track]:
+        if kinds is not None and e["name"] not in kinds:
+            continue
+        a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+        if b > a:
+            total += b - a
+            by_kind[e["name"]] += b - a
+    return total / 1e3, by_kind
+
+
+def within(spans, names, tracks, name, index, min_ms):
+    """The spans of at least min_ms starting inside the index-th span called name,
+    then the I/O workers' busy time inside it and the NVMe bytes of the requests started in it."""
     outer = sorted((e for e in spans if e["name"] == name), key=lambda e: e["ts"])
     if index >= len(outer):
         sys.exit(f"{len(outer)} spans named {name!r}, no index {index}")
@@ -99,6 +107,14 @@ def within(spans, names, name, index, min_ms):
                         ("sub_group", "op", "count", "bytes", "file") if k in a)
         print(f"  {(e['ts'] - o['ts']) / 1e3:8.1f} {e['dur'] / 1e3:8.1f}  {names.get((e['pid'], e['tid']), e['tid'])}: "
               f"{e['name']} {what}")
+    lo, hi = o["ts"], o["ts"] + o["dur"]
+    for track in sorted(t for t in tracks if t.startswith("io worker")):
+        total, by_kind = track_busy(tracks, track, lo, hi)
+        if total > 0:
+            kinds = ", ".join(f"{k} {v / 1e3:.1f}" for k, v in by_kind.most_common())
+            print(f"  {track} busy inside it: {total:.1f} ms ({kinds})")
+    for kind, nbytes in sorted(io_bytes(spans, lo, hi).items()):
+        print(f"  NVMe {kind} started inside it: {nbytes / 1e6:.1f} MB")
 
 
 def io_bytes(spans, lo, hi):

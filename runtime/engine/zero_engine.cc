@@ -308,10 +308,7 @@ void ZeroEngine::create_group(Group& g) {
   // The update overlapping the next forward writes a sub-group's new values
   // to an NVMe home just before that forward's gathers read them: the last
   // few stay in pinned memory, and the gathers take them from there.
-  if (home.tier == Tier::kNvme && !g.frozen && options_.overlap_optimizer && options_.overlap_next_forward &&
-      options_.optimizer_tier != Tier::kDevice) {
-    home.cached_writes = cached_param_writes(home.chunk_numel, home.max_range_numel);
-  }
+  if (!g.frozen) home.cached_writes = cached_param_writes(options_, home.tier, home.chunk_numel, home.max_range_numel);
   g.home = offload::make_param_home(home, accelerator(), *home_stream_, *window_, aio_.get());
 
   if (g.frozen) {

@@ -20,16 +20,6 @@
 
 namespace strata::engine {
 
-// Sub-groups of new values an NVMe parameter home keeps in pinned memory for
-// the next forward's gathers (ZeroEngineOptions::overlap_next_forward): as
-// many as its largest slice spans (a gather reads a whole slice: the
-// embedding's, first), and kCachedParamWrites more, written while that
-// gather waits. chunk_numel: the home's sub-group.
-constexpr size_t kCachedParamWrites = 4;
-inline size_t cached_param_writes(size_t chunk_numel, size_t largest_slice_numel) {
-  return (largest_slice_numel + chunk_numel - 1) / chunk_numel + kCachedParamWrites;
-}
-
 struct ZeroEngineOptions {
   int stage = 3;                           // 1, 2 or 3
   Tier param_tier = Tier::kDevice;         // offload_param.device; cpu/nvme need stage 3
@@ -103,5 +93,21 @@ struct ZeroEngineOptions {
   // A tier is on NVMe (the engine needs an I/O handle and nvme_path).
   bool any_nvme() const;
 };
+
+// Sub-groups of new values a trained group's parameter home on `home_tier`
+// keeps in pinned memory for the next forward's gathers
+// (offload::ParamHomeOptions::cached_writes): with the home on NVMe and the
+// update overlapping that forward, as many as its largest range spans (a
+// gather reads a whole slice: the embedding's, first) and kCachedParamWrites
+// more, written while that gather waits; else none. chunk_numel: the home's
+// sub-group; the engine and `strata plan` both ask this.
+constexpr size_t kCachedParamWrites = 4;
+inline size_t cached_param_writes(const ZeroEngineOptions& o, Tier home_tier, size_t chunk_numel,
+                                  size_t largest_range_numel) {
+  if (home_tier != Tier::kNvme || !o.overlap_optimizer || !o.overlap_next_forward || o.optimizer_tier == Tier::kDevice) {
+    return 0;
+  }
+  return (largest_range_numel + chunk_numel - 1) / chunk_numel + kCachedParamWrites;
+}
 
 }  // namespace strata::engine

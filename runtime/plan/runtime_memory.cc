@@ -410,17 +410,19 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                       g.largest_slice));
     }
   }
-  if (z.param_tier == strata::Tier::kNvme && z.overlap_optimizer && z.overlap_next_forward &&
-      z.optimizer_tier != strata::Tier::kDevice) {
-    // engine::cached_param_writes sub-groups of new values per trained NVMe home (zero_engine.cc).
-    const auto slots = [](const Group& g) {
-      return static_cast<double>(engine::cached_param_writes(
-          g.opt_sub_group, std::max(g.opt_sub_group, static_cast<size_t>(g.largest_slice))));
+  {
+    // engine::cached_param_writes sub-groups of new values per trained home (zero_engine.cc).
+    const auto cached = [&](const Group& g) {
+      const size_t slots = engine::cached_param_writes(
+          z, z.param_tier, g.opt_sub_group, std::max(g.opt_sub_group, static_cast<size_t>(g.largest_slice)));
+      return static_cast<double>(slots) * g.elem * static_cast<double>(g.opt_sub_group);
     };
-    add("parameter writes kept for the next forward", Where::kPinned,
-        sum_trained([&](const Group& g) { return slots(g) * g.elem * static_cast<double>(g.opt_sub_group); }), false,
-        "the new values of the last sub-groups written (the largest slice's and 4 more), read by the next "
-        "forward's gathers");
+    const double nbytes = sum_trained(cached);
+    if (nbytes > 0) {
+      add("parameter writes kept for the next forward", Where::kPinned, nbytes, false,
+          "the new values of the last sub-groups written (the largest slice's and 4 more), read by the next "
+          "forward's gathers");
+    }
   }
   if (z.param_tier != strata::Tier::kDevice) {
     // offload/param_home.h HostWindow: one window, shared by the homes, of a
