@@ -537,13 +537,14 @@ void ShardOptimizer::read_ahead(Group& g, const std::vector<size_t>& sub_groups)
   for (size_t k : sub_groups) take_stats(g, k);
 }
 
-double ShardOptimizer::settle_thread() {
+double ShardOptimizer::settle_thread(bool take_queued) {
   // Called once no more landings can come (the reducers synchronized): the
-  // thread finishes its batch; sub-groups it has not taken are left to the caller.
+  // thread finishes its batch and, with take_queued, the final sub-groups
+  // queued behind it (until it fails); what it has not taken is left to the caller.
   Overlap& o = *overlap_;
   const auto start = Clock::now();
   std::unique_lock lock(o.mutex);
-  o.cv.wait(lock, [&] { return !o.busy; });
+  o.cv.wait(lock, [&] { return !o.busy && (!take_queued || o.ready.empty() || o.error != nullptr); });
   o.ready.clear();
   ++o.generation;
   for (auto& g : groups_) g->armed = false;
@@ -552,7 +553,12 @@ double ShardOptimizer::settle_thread() {
 
 double ShardOptimizer::settle() {
   if (!armed_) return 0;
-  const double seconds = settle_thread();
+  // The sub-groups final at the end of backward (the embedding's, when its
+  // landing queued behind a batch still running) are taken by the thread
+  // too: left to apply_async, the next forward's first gather would wait
+  // for them (measured on strata-train's default model: 24-31% of the
+  // optimizer not hidden when they were left, 13-21% when taken).
+  const double seconds = settle_thread(/*take_queued=*/true);
   std::lock_guard lock(overlap_->mutex);
   if (overlap_->error) std::rethrow_exception(overlap_->error);
   return seconds;
@@ -598,7 +604,7 @@ bool ShardOptimizer::abort() {
   armed_ = false;
   if (armed) {
     for (auto& g : groups_) g->shard.reducer->synchronize();
-    settle_thread();
+    settle_thread(/*take_queued=*/false);
   }
   roll_back();  // read-ahead: releases the buffers read into, nothing was updated
   return speculated;

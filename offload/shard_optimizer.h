@@ -184,8 +184,9 @@ class ShardOptimizer {
   bool prepared() const { return prepared_; }
   // How later prepare()s choose the thread's mode.
   void set_policy(OverlapPolicy policy) { options_.policy = policy; }
-  // Waits for the thread's last sub-groups (once no landing can come: the
-  // reducers synchronized); returns the seconds waited; rethrows its error.
+  // Waits for the thread's last sub-groups, those queued for it included
+  // (once no landing can come: the reducers synchronized); returns the
+  // seconds waited; rethrows its error.
   double settle();
   // This rank's gradient statistics: every sub-group's, merged in order —
   // of the shards s with include[s] non-zero (empty: every shard).
@@ -263,7 +264,7 @@ class ShardOptimizer {
   void take_stats(Group& g, size_t k);
   void on_landed(size_t group, const std::vector<size_t>& params);  // a reducer stream's host function
   void thread_main();
-  double settle_thread();
+  double settle_thread(bool take_queued);
   bool roll_back();
   StepInputs step_inputs(Group& g, float grad_scale);
 
