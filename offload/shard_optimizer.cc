@@ -28,7 +28,6 @@ using Clock = std::chrono::steady_clock;
 // a sub-group's gradient: the pipeline's read of the next sub-group beside
 // the update of the current one.
 constexpr size_t kPipelineBuffers = 2;
-
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
@@ -556,8 +555,8 @@ double ShardOptimizer::settle() {
   // The sub-groups final at the end of backward (the embedding's, when its
   // landing queued behind a batch still running) are taken by the thread
   // too: left to apply_async, the next forward's first gather would wait
-  // for them (measured on strata-train's default model: 24-31% of the
-  // optimizer not hidden when they were left, 13-21% when taken).
+  // for them after step() returns, where waiting in step() for the thread
+  // already holding their state costs less (bench/PERFORMANCE.md).
   const double seconds = settle_thread(/*take_queued=*/true);
   std::lock_guard lock(overlap_->mutex);
   if (overlap_->error) std::rethrow_exception(overlap_->error);

@@ -60,7 +60,7 @@ struct ZeroEngineOptions {
   // rest (offload/shard_optimizer.h, apply_async). false: the update ends in step().
   // With a trained group's parameters on NVMe, the new values of its last
   // sub-groups written stay in pinned memory (cached_param_writes: its
-  // largest slice's and 4 more, of the group's dtype), and the forward's
+  // largest slice's and kCachedParamWrites more, of the group's dtype), and the forward's
   // gathers of them read no drive (offload::ParamHomeOptions::cached_writes).
   bool overlap_next_forward = true;
 

@@ -420,8 +420,9 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     const double nbytes = sum_trained(cached);
     if (nbytes > 0) {
       add("parameter writes kept for the next forward", Where::kPinned, nbytes, false,
-          "the new values of the last sub-groups written (the largest slice's and 4 more), read by the next "
-          "forward's gathers");
+          fmt::format("the new values of the last sub-groups written (the largest slice's and {} more), read by "
+                      "the next forward's gathers",
+                      engine::kCachedParamWrites));
     }
   }
   if (z.param_tier != strata::Tier::kDevice) {
