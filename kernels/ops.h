@@ -34,7 +34,7 @@
 // it. Token ids, targets and positions are not range-checked on the device
 // (that would need a host round trip): out-of-range values give unspecified
 // results without out-of-bounds memory access; callers validate them on the
-// host before uploading (LlamaModel does).
+// host before uploading (DecoderModel does).
 //
 // Thread-safety: an Ops object is immutable after creation and may be shared
 // by threads; a ComputeContext belongs to one stream and must be used by one

@@ -30,7 +30,7 @@
 #include "core/stream_span.h"
 #include "core/trace_recorder.h"
 #include "runtime/engine/resident_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 
 namespace sb = strata::bench;
 using strata::ErrorCategory;
@@ -64,7 +64,7 @@ std::string find_script() {
 // Model FLOPs of one forward + backward token (bench/strata-train/PERFORMANCE.md):
 // 6 per weight of every matrix the token multiplies (q, k, v, o, gate, up,
 // down, lm_head; not the embedding lookup) plus causal attention, 6 * seq * q_width per layer.
-double flops_per_token(const strata::nn::LlamaConfig& c, int64_t seq) {
+double flops_per_token(const strata::nn::DecoderConfig& c, int64_t seq) {
   const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
   const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
   const double h = static_cast<double>(c.hidden_size);
@@ -87,7 +87,7 @@ struct StrataRun {
 
 class StrataModel {
  public:
-  StrataModel(const Flags& f, const strata::nn::LlamaConfig& c)
+  StrataModel(const Flags& f, const strata::nn::DecoderConfig& c)
       : accelerator_(strata::make_accelerator(f.accelerator)),
         engine_(*accelerator_),
         model_(engine_, c, options(f)) {
@@ -124,8 +124,8 @@ class StrataModel {
   size_t host_checkpoint_nbytes() const { return model_.host_checkpoint_nbytes(); }
 
  private:
-  static strata::nn::LlamaModelOptions options(const Flags& f) {
-    strata::nn::LlamaModelOptions o;
+  static strata::nn::DecoderModelOptions options(const Flags& f) {
+    strata::nn::DecoderModelOptions o;
     o.dtype = strata::parse_dtype(f.dtype);
     o.checkpoint_activations = f.checkpoint_activations || f.cpu_checkpointing;
     o.cpu_checkpointing = f.cpu_checkpointing;
@@ -134,7 +134,7 @@ class StrataModel {
   }
   std::unique_ptr<strata::Accelerator> accelerator_;
   strata::engine::ResidentEngine engine_;
-  strata::nn::LlamaModel model_;
+  strata::nn::DecoderModel model_;
   std::vector<int32_t> ids_, targets_;
   int64_t batch_ = 0, seq_ = 0;
 };
@@ -153,7 +153,7 @@ StrataRun time_strata(StrataModel& m, int steps, int warmup) {
 
 // Runs the torch anchor once; returns its JSON (ok=false with the reason when
 // it could not run).
-nlohmann::json time_torch(const Flags& f, const strata::nn::LlamaConfig& c, int threads,
+nlohmann::json time_torch(const Flags& f, const strata::nn::DecoderConfig& c, int threads,
                           const std::string& script) {
   if (script.empty()) return {{"ok", false}, {"error", "torch_train.py not found"}};
   const std::string cmd = fmt::format(
@@ -177,8 +177,8 @@ nlohmann::json time_torch(const Flags& f, const strata::nn::LlamaConfig& c, int 
   return j;
 }
 
-strata::nn::LlamaConfig model_config(const Flags& f) {
-  strata::nn::LlamaConfig c;
+strata::nn::DecoderConfig model_config(const Flags& f) {
+  strata::nn::DecoderConfig c;
   c.vocab_size = f.vocab;
   c.hidden_size = f.hidden;
   c.intermediate_size = f.intermediate > 0 ? f.intermediate : (f.hidden * 8 / 3 + 127) / 128 * 128;
@@ -220,8 +220,8 @@ strata::bench::train::ModelRun zero_run(const Flags& f) {
 }
 
 int run(const Flags& f) {
-  using strata::nn::LlamaConfig;
-  const LlamaConfig c = model_config(f);
+  using strata::nn::DecoderConfig;
+  const DecoderConfig c = model_config(f);
   STRATA_CHECK(f.batch > 0 && f.seq > 0 && f.steps > 0 && f.rounds > 0 && f.warmup >= 0,
                kBadArgument, "--batch, --seq, --steps and --rounds must be positive");
   const int threads = f.threads > 0 ? f.threads : omp_get_max_threads();

@@ -34,7 +34,7 @@
 #include "core/trace_recorder.h"
 #include "runtime/config/size.h"
 #include "runtime/engine/resident_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
@@ -145,8 +145,8 @@ Tier param_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == 
 // cpu and nvme: the CPU Adam with state in host memory or swapped from NVMe.
 Tier optimizer_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == "cpu" ? Tier::kCpu : Tier::kDevice; }
 
-nn::LlamaModelOptions model_options(const ModelRun& run) {
-  nn::LlamaModelOptions o;
+nn::DecoderModelOptions model_options(const ModelRun& run) {
+  nn::DecoderModelOptions o;
   o.dtype = parse_dtype(run.dtype);
   o.checkpoint_activations = run.checkpoint_activations || run.cpu_checkpointing;
   o.cpu_checkpointing = run.cpu_checkpointing;
@@ -242,7 +242,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   eng.set_overlap_policy(flags.overlap_policy == "speculate"    ? offload::OverlapPolicy::kSpeculate
                          : flags.overlap_policy == "read-ahead" ? offload::OverlapPolicy::kReadAhead
                                                                 : offload::OverlapPolicy::kAuto);
-  nn::LlamaModel model(eng, run.config, model_options(run));
+  nn::DecoderModel model(eng, run.config, model_options(run));
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), 0);
   // --vs-unoffloaded: the same stage and budgets with parameters and
@@ -251,7 +251,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   const bool offloaded = o.param_tier != Tier::kDevice || o.optimizer_tier != Tier::kDevice;
   std::optional<strata::train::ZeroCommunicators> plain_comms;
   std::unique_ptr<engine::ZeroEngine> plain;
-  std::unique_ptr<nn::LlamaModel> plain_model;
+  std::unique_ptr<nn::DecoderModel> plain_model;
   if (flags.vs_unoffloaded && offloaded) {
     engine::ZeroEngineOptions po = o;
     po.param_tier = Tier::kDevice;
@@ -260,7 +260,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     plain_comms.emplace(strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout,
                                                                "strata-train/unoffloaded", flags.expert_parallel));
     plain = std::make_unique<engine::ZeroEngine>(accelerator, plain_comms->comms(), po);
-    plain_model = std::make_unique<nn::LlamaModel>(*plain, run.config, model_options(run));
+    plain_model = std::make_unique<nn::DecoderModel>(*plain, run.config, model_options(run));
     plain->finalize();
     nn::initialize_parameters(*plain, plain_model->parameters(), 0);
   }
@@ -269,10 +269,10 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   // gradient reduction, no optimizer), all ranks at once as in the ZeRO step.
   // --no-resident: none (peak host RSS is then the ZeRO engine's alone).
   std::unique_ptr<engine::ResidentEngine> resident;
-  std::unique_ptr<nn::LlamaModel> resident_model;
+  std::unique_ptr<nn::DecoderModel> resident_model;
   if (!flags.no_resident) {
     resident = std::make_unique<engine::ResidentEngine>(accelerator);
-    resident_model = std::make_unique<nn::LlamaModel>(*resident, run.config, model_options(run));
+    resident_model = std::make_unique<nn::DecoderModel>(*resident, run.config, model_options(run));
     resident->finalize();
     nn::initialize_parameters(*resident, resident_model->parameters(), 0);
   }
@@ -302,7 +302,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     drive.push_back(bw);
   };
 
-  const auto zero_step = [&](engine::ZeroEngine& z, nn::LlamaModel& zm) {
+  const auto zero_step = [&](engine::ZeroEngine& z, nn::DecoderModel& zm) {
     StepFigures f;
     trace::Span span("phase", "zero step");  // --trace
     const auto start = Clock::now();

@@ -13,18 +13,18 @@
 #include <string>
 
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::bench::train {
 
 // What the resident benchmark's flags say that the ZeRO mode uses too.
 struct ModelRun {
-  nn::LlamaConfig config;
+  nn::DecoderConfig config;
   int64_t batch = 0, seq = 0;  // sequences per rank per step, tokens per sequence
   std::string dtype, accelerator, json;
   int threads = 0, steps = 0, warmup = 0, rounds = 0;
   bool checkpoint_activations = false, cpu_checkpointing = false;
-  bool skip_unrouted_experts = true;  // LlamaModelOptions' (strata-train --all-experts: false)
+  bool skip_unrouted_experts = true;  // DecoderModelOptions' (strata-train --all-experts: false)
 };
 
 struct ZeroFlags {

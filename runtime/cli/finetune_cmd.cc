@@ -5,7 +5,7 @@
 
 #include "runtime/cli/commands.h"
 #include "runtime/config/size.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "core/error.h"
 #include "runtime/launcher/interrupt.h"

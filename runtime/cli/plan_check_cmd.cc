@@ -18,7 +18,7 @@
 #include "runtime/config/config.h"
 #include "runtime/config/json_text.h"
 #include "core/error.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan_check.h"
@@ -224,11 +224,11 @@ int run_plan_check(const PlanOptions& o) {
   in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;
   in.sequence_parallel = s.sequence_parallel || config.sequence_parallel;
   if (!s.model_config.is_null()) {
-    in.model = nn::parse_llama_config(s.model_config, run_json.string() + " (\"model_config\")");
+    in.model = nn::parse_decoder_config(s.model_config, run_json.string() + " (\"model_config\")");
   } else {
     std::filesystem::path model_config = s.model;
     if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
-    in.model = nn::load_llama_config(model_config.string());
+    in.model = nn::load_decoder_config(model_config.string());
   }
   in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   const bool device_is_host =

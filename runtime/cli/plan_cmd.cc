@@ -24,7 +24,7 @@
 #include "runtime/config/json_text.h"
 #include "runtime/config/size.h"
 #include "core/error.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan.h"
@@ -163,7 +163,7 @@ struct Resolved {
   plan::PlanInputs inputs;
   std::map<std::string, std::string> sources;
   std::string model_source;
-  std::optional<nn::LlamaConfig> config;  // with --model
+  std::optional<nn::DecoderConfig> config;  // with --model
   std::vector<std::string> hints;  // what flag would make the plan more exact
   nn::LoraSpec lora;               // --lora-rank, --lora-targets
   // sub_group_size and reduce_bucket_size: the config's (0: left out, or no
@@ -195,7 +195,7 @@ void resolve_model(const Options& o, Resolved& r) {
     if (!std::filesystem::exists(path))
       raise(ErrorCategory::kBadArgument, "--model: {} does not exist{}", path.string(),
             std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
-    const nn::LlamaConfig& config = r.config.emplace(nn::load_llama_config(path.string()));
+    const nn::DecoderConfig& config = r.config.emplace(nn::load_decoder_config(path.string()));
     m.param_count = config.parameter_count();
     m.layers = config.num_hidden_layers;
     m.hidden = config.hidden_size;
@@ -349,7 +349,7 @@ void resolve_zero_sizes(Resolved& r) {
   std::vector<engine::SizedParam> sized;
   const DType dtype = DType::kBF16;  // 16-bit parameters, as the plan's formulas take them
   if (r.config) {
-    sized = plan::llama_sized_params(*r.config, dtype, r.lora, r.tensor_parallel);
+    sized = plan::decoder_sized_params(*r.config, dtype, r.lora, r.tensor_parallel);
   } else if (m.shape_known()) {
     const int64_t h = m.hidden;
     const int64_t block = m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h;
@@ -391,7 +391,7 @@ struct ExpertParallelShape {
   double exchange_nbytes = 0;               // per micro-step, all layers, sent by one rank
 };
 ExpertParallelShape expert_parallel_shape(const Resolved& r) {
-  const nn::LlamaConfig& c = *r.config;
+  const nn::DecoderConfig& c = *r.config;
   const plan::TrainingShape& t = r.inputs.training;
   const int64_t n = r.expert_parallel, rows = t.micro_batch * t.seq * c.num_experts_per_tok;
   ExpertParallelShape s;
@@ -418,7 +418,7 @@ nlohmann::json expert_parallel_json(const Resolved& r) {
 // tensor_parallel.autotp_size, either sequence-parallel switch) and refuses
 // it: the model must split (--model), no LoRA. N_d is then the ranks / tp
 // (or --dp, with tp x --dp ranks), and the plan's model states are tp rank
-// 0's: its shards and the replicated tensors (plan::llama_rank_params).
+// 0's: its shards and the replicated tensors (plan::decoder_rank_params).
 void resolve_tensor_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
   const int from_config = config ? config->tensor_parallel_size : 1;
   const int tp = !o.tp.empty() ? static_cast<int>(parse_integer("--tp", o.tp, 1)) : from_config;
@@ -458,7 +458,7 @@ void resolve_tensor_parallel(const Options& o, const std::optional<Config>& conf
   r.tensor_parallel = tp;
   r.whole_param_count = r.inputs.model.param_count;
   int64_t per_rank = 0;
-  for (const plan::RankParam& p : plan::llama_rank_params(*r.config, DType::kBF16, tp)) {
+  for (const plan::RankParam& p : plan::decoder_rank_params(*r.config, DType::kBF16, tp)) {
     per_rank += shape_numel(p.spec.shape);
   }
   r.inputs.model.param_count = per_rank;
@@ -469,14 +469,14 @@ void resolve_tensor_parallel(const Options& o, const std::optional<Config>& conf
 
 nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
   const plan::TrainingShape& t = r.inputs.training;
-  const nn::LlamaConfig& c = *r.config;
+  const nn::DecoderConfig& c = *r.config;
   return {{"size", r.tensor_parallel},
           {"sequence_parallel", t.sequence_parallel},
           {"ranks", r.ranks},
           {"whole_parameters", r.whole_param_count},
           {"parameters_per_rank", r.inputs.model.param_count},
           {"activation_arena_bytes_per_rank",
-           plan::llama_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
+           plan::decoder_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
                                     t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel)},
           {"collective_bytes_per_micro_step", plan.tp_collective_nbytes}};
 }
@@ -635,7 +635,7 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
         s.max_expert_activation_nbytes / 1e6, s.exchange_nbytes / 1e6);
   }
   if (r.tensor_parallel > 1) {
-    const nn::LlamaConfig share = nn::tensor_parallel_share(*r.config, r.tensor_parallel);
+    const nn::DecoderConfig share = nn::tensor_parallel_share(*r.config, r.tensor_parallel);
     out += fmt::format(
         "          tensor parallelism {} x data parallelism {} = {} ranks: each holds {} heads, {} kv head(s) and {} "
         "MLP features of every layer{}; activations per rank as Korthikanti et al. count them (strata's arena "

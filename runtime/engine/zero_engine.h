@@ -205,7 +205,7 @@ class ZeroEngine final : public Engine {
   // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
   // checks). Collective (it may reduce a partly filled gradient bucket): every
   // rank calls it after the previous micro-step's backward and before the
-  // last micro-step's backward — before its forward: LlamaModel's forward
+  // last micro-step's backward — before its forward: DecoderModel's forward
   // already lands the lm_head's gradient (the loss's backward is fused into
   // forward()), which a step prepared after it does not update during
   // backward. While the last step's update overlaps the forward (see above)

@@ -31,7 +31,7 @@ MatView mat(const TensorView& t) {
 }
 }  // namespace
 
-Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig& c, int64_t layer,
+Attention::Attention(engine::Engine& engine, std::string name, const DecoderConfig& c, int64_t layer,
                      DType dtype, const LoraSpec* lora)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
@@ -44,7 +44,7 @@ Attention::Attention(engine::Engine& engine, std::string name, const LlamaConfig
   // kv heads (column-parallel q, k, v; row-parallel o).
   const int tp = engine.tensor_group().size;
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
-  const LlamaConfig share = tensor_parallel_share(c, tp);  // refuses what does not split
+  const DecoderConfig share = tensor_parallel_share(c, tp);  // refuses what does not split
   const bool qkv_bias = c.attention_qkv_bias;
   const TensorSplit column = TensorSplit::kColumn, row = TensorSplit::kRow;
   // Fewer kv heads than ranks: this rank's query heads use kv head
@@ -168,7 +168,7 @@ void Attention::kv_backward(Linear& proj, const TensorView& dy, const TensorView
   }
 }
 
-Mlp::Mlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype,
+Mlp::Mlp(engine::Engine& engine, std::string name, const DecoderConfig& c, DType dtype,
          MlpTiling tiling, const LoraSpec* lora, int64_t intermediate)
     : Module(engine, std::move(name)) {
   const int64_t width = intermediate > 0 ? intermediate : c.intermediate_size;

@@ -12,7 +12,7 @@
 
 #include "runtime/nn/layers.h"
 #include "runtime/nn/linear.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::nn {
 
@@ -57,7 +57,7 @@ class Attention : public Module {
  public:
   // Layer `layer` of `config` (its sliding window); `lora`: adapters on the
   // projections it targets.
-  Attention(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
+  Attention(engine::Engine& engine, std::string name, const DecoderConfig& config, int64_t layer,
             DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
   // x, y [batch * seq, hidden]. With tensor parallelism y is this rank's
   // heads' partial sum, and backward's dx likewise: the caller sums them over
@@ -111,7 +111,7 @@ class Mlp : public Module {
   // Adapters (`lora`) need untiled projections: a target with tiling is refused.
   // intermediate: the width (0: config.intermediate_size; qwen2_moe's shared
   // expert passes shared_expert_intermediate_size).
-  Mlp(engine::Engine& engine, std::string name, const LlamaConfig& config,
+  Mlp(engine::Engine& engine, std::string name, const DecoderConfig& config,
       DType dtype = DType::kF32, MlpTiling tiling = {}, const LoraSpec* lora = nullptr,
       int64_t intermediate = 0);
   // As Attention's: with tensor parallelism y and dx are this rank's

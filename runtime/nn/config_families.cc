@@ -14,7 +14,7 @@
 #include "core/error.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::nn {
 namespace {
@@ -251,7 +251,7 @@ const Family& family_of(Reader& r) {
 
 // RoPE: transformers 5's rope_parameters, or rope_theta with the older
 // rope_scaling (which wins when both are set; strata refuses the ambiguity).
-ops::Rope read_rope(Reader& r, const LlamaConfig& c) {
+ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
   ops::Rope rope;
   rope.theta = r.number("rope_theta", 10000.0);
   const bool nested = r.present("rope_parameters"), legacy = r.present("rope_scaling");
@@ -300,11 +300,11 @@ ops::Rope read_rope(Reader& r, const LlamaConfig& c) {
     p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
   }
   r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
-  return rope;  // its values are checked by LlamaConfig::validate
+  return rope;  // its values are checked by DecoderConfig::validate
 }
 
 // Mistral: sliding_window on every layer (default 4096 when absent, none when null).
-void read_mistral_window(Reader& r, LlamaConfig& c) {
+void read_mistral_window(Reader& r, DecoderConfig& c) {
   if (!r.contains("sliding_window")) {
     c.sliding_window = 4096;  // MistralConfig's default
     r.accept("sliding_window");
@@ -334,7 +334,7 @@ void read_mistral_window(Reader& r, LlamaConfig& c) {
 // say which layers use it, or when absent the configuration class's rule:
 // Qwen2Config and Qwen3Config slide the layers from max_window_layers on,
 // Qwen2MoeConfig the even layers below max_window_layers.
-void read_qwen_window(Reader& r, LlamaConfig& c, bool moe_layer_rule) {
+void read_qwen_window(Reader& r, DecoderConfig& c, bool moe_layer_rule) {
   // DeepSeek-R1's Qwen distillations carry Qwen2-VL's multimodal-RoPE switch,
   // which Qwen2ForCausalLM does not read: off is the text model.
   r.require("use_mrope", nlohmann::json(false), "multimodal RoPE is Qwen2-VL's; this is a text model");
@@ -384,7 +384,7 @@ void read_qwen_window(Reader& r, LlamaConfig& c, bool moe_layer_rule) {
 // num_local_experts for mixtral and qwen3_moe (attribute_map), and
 // save_pretrained writes num_local_experts; a file with both must agree.
 // Qwen2MoeConfig has num_experts only (num_local_experts is an unknown key).
-void read_moe(Reader& r, LlamaConfig& c, bool mixtral) {
+void read_moe(Reader& r, DecoderConfig& c, bool mixtral) {
   const bool qwen2_moe = c.model_type == "qwen2_moe";
   if (qwen2_moe) {
     c.num_experts = r.integer("num_experts", int64_t{60});
@@ -432,11 +432,11 @@ void read_moe(Reader& r, LlamaConfig& c, bool mixtral) {
 
 }  // namespace
 
-LlamaConfig parse_llama_config(const json& j, const std::string& source) {
+DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   STRATA_CHECK(j.is_object(), kBadArgument, "{}: expected a JSON object", source);
   Reader r(j, source);
   const Family& family = family_of(r);
-  LlamaConfig c;
+  DecoderConfig c;
   c.model_type = family.model_type;
   c.source = j;
   const std::string mt = c.model_type;

@@ -61,7 +61,7 @@ class Linear : public LinearBase {
   // also declares the adapter "<name>.lora_A.weight" [r, in] and
   // "<name>.lora_B.weight" [out, r], fp32, in the same operator as the weight
   // (a partitioning engine gathers them together). Freezing the base is the
-  // caller's business (LlamaModel freezes it).
+  // caller's business (DecoderModel freezes it).
   // `in` and `out` are the whole tensor's; with a split the caller checks
   // that the tp size divides the split one. Adapters do not combine with a split.
   Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,

@@ -11,7 +11,7 @@
 
 namespace strata::nn {
 
-MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& c, DType dtype, bool skip_unrouted)
+MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c, DType dtype, bool skip_unrouted)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
       inter_(c.moe_intermediate_size),

@@ -57,7 +57,7 @@
 // The load-balancing loss (transformers' load_balancing_loss_func): forward
 // accumulates, per expert, the number of assignments and the sum of the
 // router probabilities into the caller's aux_stats (fp64 [2, E], summed over
-// every layer); LlamaModel turns them into the loss and its gradient per
+// every layer); DecoderModel turns them into the loss and its gradient per
 // probability (aux_grad), which backward adds before the softmax.
 // Expert parallelism (Engine::expert_group() of size P > 1; docs/DESIGN.md
 // §4.2): member i of the ep group holds experts [i E/P, (i+1) E/P) and runs
@@ -80,7 +80,7 @@
 
 #include "runtime/nn/attention.h"
 #include "runtime/nn/linear.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::nn {
 
@@ -130,8 +130,8 @@ struct MoeAux {
 
 class MoeMlp : public Module {
  public:
-  // skip_unrouted: false runs every expert's windows (LlamaModelOptions::skip_unrouted_experts).
-  MoeMlp(engine::Engine& engine, std::string name, const LlamaConfig& config, DType dtype = DType::kF32,
+  // skip_unrouted: false runs every expert's windows (DecoderModelOptions::skip_unrouted_experts).
+  MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& config, DType dtype = DType::kF32,
          bool skip_unrouted = true);
   // x, y [rows, hidden]. Synchronises the compute stream once (see above).
   void forward(const TensorView& x, const MoeActs& acts, const MoeAux& aux, const TensorView& y,

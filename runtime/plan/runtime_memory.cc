@@ -1,6 +1,6 @@
 // The runtime's own memory, item by item (runtime_memory.h). Each item names
 // the allocation it mirrors; when that code changes, change the item (the
-// plan tests compare the arena with a real LlamaModel's).
+// plan tests compare the arena with a real DecoderModel's).
 #include "runtime/plan/runtime_memory.h"
 
 #include <fmt/format.h>
@@ -11,7 +11,7 @@
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "core/error.h"
 
 namespace strata::plan {
@@ -27,9 +27,9 @@ size_t view_nbytes(DType dtype, std::initializer_list<int64_t> shape) {
   return align256(numel * dtype_nbytes(dtype));
 }
 
-// The adapters LlamaModel declares with `lora` (nn::Linear): for each targeted
+// The adapters DecoderModel declares with `lora` (nn::Linear): for each targeted
 // projection weight [out, in], lora_A [r, in] and lora_B [out, r], fp32.
-std::vector<partition::ParamSpec> lora_params(const nn::LlamaConfig& c, const nn::LoraSpec& lora) {
+std::vector<partition::ParamSpec> lora_params(const nn::DecoderConfig& c, const nn::LoraSpec& lora) {
   std::vector<partition::ParamSpec> out;
   constexpr std::string_view kWeight = ".weight";
   for (const nn::HfTensor& t : nn::hf_tensors(c)) {
@@ -68,9 +68,9 @@ std::string_view where_name(Where where) {
   return "?";
 }
 
-std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& c, DType dtype, int tp) {
+std::vector<RankParam> decoder_rank_params(const nn::DecoderConfig& c, DType dtype, int tp) {
   std::vector<RankParam> out;
-  const nn::LlamaConfig share = nn::tensor_parallel_share(c, tp);  // refuses what does not split
+  const nn::DecoderConfig share = nn::tensor_parallel_share(c, tp);  // refuses what does not split
   const auto ends_with = [](std::string_view name, std::string_view tail) {
     return name.size() >= tail.size() && name.substr(name.size() - tail.size()) == tail;
   };
@@ -98,10 +98,10 @@ std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& c, DType dtype, 
   return out;
 }
 
-std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DType dtype, const nn::LoraSpec& lora,
+std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& c, DType dtype, const nn::LoraSpec& lora,
                                                    int tensor_parallel) {
   std::vector<engine::SizedParam> sized;
-  for (const RankParam& p : llama_rank_params(c, dtype, tensor_parallel)) {
+  for (const RankParam& p : decoder_rank_params(c, dtype, tensor_parallel)) {
     sized.push_back({p.spec.name, shape_numel(p.spec.shape), p.spec.dtype, !lora.enabled()});
   }
   if (lora.enabled()) {
@@ -110,11 +110,11 @@ std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& c, DTy
   return sized;
 }
 
-size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, int64_t seq,
+size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
                           int expert_parallel, int tensor_parallel, bool sequence_parallel) {
   // A tensor-parallel rank's share of the heads and MLP features.
-  const nn::LlamaConfig c = nn::tensor_parallel_share(model, tensor_parallel);
+  const nn::DecoderConfig c = nn::tensor_parallel_share(model, tensor_parallel);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const int64_t local = sequence_parallel ? rows / tensor_parallel : rows;
@@ -126,7 +126,7 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, 
   size_t n = (cpu_checkpointing ? 2 : layers + 1) * view_nbytes(t, {local, hidden});
   // The MLP's saved activations and backward scratch: gate, up and their
   // product; or a mixture of experts' routing, its rows in expert order and
-  // each expert's gate, up, product and output (llama_model.cc, MoeActs).
+  // each expert's gate, up, product and output (decoder_model.cc, MoeActs).
   const int64_t experts = c.num_experts, k = c.num_experts_per_tok, mi = c.moe_intermediate_size;
   const int64_t rk = rows * k;
   // The rows the experts run on: every ep member's tokens to this member's experts.
@@ -187,7 +187,7 @@ size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType t, int64_t batch, 
 }
 
 RuntimeMemory runtime_memory(const RuntimeInputs& in) {
-  nn::LlamaConfig c = in.model;
+  nn::DecoderConfig c = in.model;
   c.validate();
   in.zero.validate();
   STRATA_CHECK(in.micro_batch >= 1 && in.seq >= 1 && in.world_size >= 1, kBadArgument,
@@ -210,7 +210,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // The sizes the engine's finalize will use: the same choice from the same
   // parameters (the base frozen under LoRA, the adapters trained).
   const engine::ZeroSizes sizes =
-      engine::choose_zero_sizes(llama_sized_params(c, pd, in.lora, tp), dp, in.zero.sub_group_numel,
+      engine::choose_zero_sizes(decoder_sized_params(c, pd, in.lora, tp), dp, in.zero.sub_group_numel,
                                 in.zero.reduce_bucket_numel, partition::kDefaultAlignmentNbytes);
   engine::ZeroEngineOptions z = in.zero;
   z.sub_group_numel = sizes.sub_group_numel;
@@ -245,7 +245,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   {
     std::vector<partition::ParamSpec> specs[2];  // whole, split
     std::vector<int> order;                      // of the groups' first parameters
-    for (RankParam& p : llama_rank_params(c, pd, tp)) {
+    for (RankParam& p : decoder_rank_params(c, pd, tp)) {
       if (specs[p.split].empty()) order.push_back(p.split);
       specs[p.split].push_back(std::move(p.spec));
     }
@@ -309,11 +309,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // The model runner allocates its arena and scratch at the first forward.
   during_steps = true;
   add("activation arena", Where::kDevice,
-      static_cast<double>(llama_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
+      static_cast<double>(decoder_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
                                              in.checkpoint_activations, in.cpu_checkpointing,
                                              in.lora, in.zero.expert_parallel_size, tp, in.sequence_parallel)),
       false,
-      fmt::format("LlamaModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows,
+      fmt::format("DecoderModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows,
                   c.hidden_size, intermediate,
                   tp == 1                  ? ""
                   : in.sequence_parallel ? fmt::format(" (tp {}'s share; the residual stream's {} rows)", tp, local_rows)
@@ -323,7 +323,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                       : fmt::format("{} layers' activations", c.num_hidden_layers)));
   // The loss forms logits chunk rows at a time (nn::default_loss_chunk_rows:
   // 64 MiB of fp32, at least 64 rows): the fused loss in its own fp32
-  // scratch; with tensor parallelism the model's (LlamaModel::Arena::
+  // scratch; with tensor parallelism the model's (DecoderModel::Arena::
   // vocab_memory): this rank's vocabulary rows in the activation dtype, and
   // each row's two parts, gathered from every rank.
   const int64_t chunk = std::min(nn::default_loss_chunk_rows(c, tp), rows), shard = c.vocab_size / tp;

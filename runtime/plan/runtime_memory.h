@@ -1,4 +1,4 @@
-// What strata's own training loop holds per rank, item by item: a LlamaModel
+// What strata's own training loop holds per rank, item by item: a DecoderModel
 // (runtime/nn) on the ZeroEngine (runtime/engine), as `strata finetune` runs
 // it. The papers' formulas in plan.h count model states, activations and the
 // largest operator as a GPU framework of 2021 held them; this runtime keeps an
@@ -31,15 +31,15 @@
 #include "core/tensor.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/engine/zero_sizes.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 
 namespace strata::plan {
 
 struct RuntimeInputs {
-  nn::LlamaConfig model;
+  nn::DecoderConfig model;
   DType param_dtype = DType::kF32;       // parameter storage (bf16/fp16 with mixed precision)
-  DType activation_dtype = DType::kF32;  // LlamaModel's: fp32 on the cpu accelerator
+  DType activation_dtype = DType::kF32;  // DecoderModel's: fp32 on the cpu accelerator
   int64_t micro_batch = 1;
   int64_t seq = 256;
   bool checkpoint_activations = false;
@@ -54,8 +54,8 @@ struct RuntimeInputs {
   nn::LoraSpec lora;
   // Tensor parallelism (`--tp`, tensor_parallel.autotp_size): world_size
   // counts every rank; ZeRO partitions over world_size / tensor_parallel.
-  // The items are tp rank 0's (llama_rank_params); with sequence parallelism
-  // its arena holds its rows' share (llama_arena_nbytes).
+  // The items are tp rank 0's (decoder_rank_params); with sequence parallelism
+  // its arena holds its rows' share (decoder_arena_nbytes).
   int tensor_parallel = 1;
   bool sequence_parallel = false;
 };
@@ -102,14 +102,14 @@ struct RuntimeMemory {
   }
 };
 
-// The parameters LlamaModel declares for `model` (in `dtype`) and, with
+// The parameters DecoderModel declares for `model` (in `dtype`) and, with
 // `lora`, its fp32 adapters, as the engine's size choice sees them: the base
 // trained without LoRA and frozen with it (engine::choose_zero_sizes).
-std::vector<engine::SizedParam> llama_sized_params(const nn::LlamaConfig& model, DType dtype,
+std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& model, DType dtype,
                                                    const nn::LoraSpec& lora, int tensor_parallel = 1);
 
 // One parameter as tensor-parallel rank 0 of `tensor_parallel` declares it:
-// LlamaModel's column-parallel q/k/v and gate/up (weight and bias: their rows
+// DecoderModel's column-parallel q/k/v and gate/up (weight and bias: their rows
 // / tp, or one kv head's rows when tp exceeds the kv heads) and row-parallel
 // o and down weights (their columns / tp), the embedding and lm_head (their
 // vocabulary rows / tp) are `split` (the ZeroEngine groups them apart); the
@@ -118,9 +118,9 @@ struct RankParam {
   partition::ParamSpec spec;
   bool split = false;
 };
-std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& model, DType dtype, int tensor_parallel);
+std::vector<RankParam> decoder_rank_params(const nn::DecoderConfig& model, DType dtype, int tensor_parallel);
 
-// The activation arena of LlamaModel::ensure_arena (runtime/nn/llama_model.cc)
+// The activation arena of DecoderModel::ensure_arena (runtime/nn/decoder_model.cc)
 // for a batch x seq, in bytes: every view rounded up to 256 bytes.
 // LoRA adapters add their two [rows, r] scratch views, and with dropout two
 // [rows x the widest targeted input] ones (nn::LoraScratch). With expert
@@ -129,8 +129,8 @@ std::vector<RankParam> llama_rank_params(const nn::LlamaConfig& model, DType dty
 // parallelism (tensor_parallel > 1) one rank's: its heads and MLP features
 // (nn::tensor_parallel_share); with sequence parallelism as well, the
 // residual stream and the norms hold its rows / tensor_parallel rows, plus
-// the gathers' scratch (nn::LlamaModelOptions::sequence_parallel).
-size_t llama_arena_nbytes(const nn::LlamaConfig& model, DType activation_dtype, int64_t batch,
+// the gathers' scratch (nn::DecoderModelOptions::sequence_parallel).
+size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType activation_dtype, int64_t batch,
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
                           const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1,
                           bool sequence_parallel = false);

@@ -11,7 +11,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/zero_config.h"
 
@@ -33,7 +33,7 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                "it by finishing the run: strata finetune with the same flags, --resume and --export DIR (add "
                "--merge-lora for a merged model)",
                info.dir.string());
-  const nn::LlamaConfig config = nn::parse_llama_config(info.state.model["config"], info.dir.string() + "/manifest.json");
+  const nn::DecoderConfig config = nn::parse_decoder_config(info.state.model["config"], info.dir.string() + "/manifest.json");
   const DType train_dtype = parse_dtype(info.state.model.value("dtype", std::string("fp32")));
   ExportOptions export_options;
   export_options.dtype = options.dtype.empty() ? train_dtype : parse_dtype(options.dtype);
@@ -56,9 +56,9 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   zero.stage = 3;
   zero.expert_parallel_size = expert_parallel;
   engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
-  nn::LlamaModelOptions model_options;
+  nn::DecoderModelOptions model_options;
   model_options.dtype = train_dtype;
-  nn::LlamaModel model(engine, config, model_options);
+  nn::DecoderModel model(engine, config, model_options);
   engine.finalize();
   const bool is_step_dir = info.dir == options.checkpoint || std::filesystem::equivalent(info.dir, options.checkpoint);
   Checkpoints checkpoints(info.dir.parent_path(), 1);

@@ -27,8 +27,8 @@
 #include "runtime/data/batches.h"
 #include "runtime/engine/lr_schedule.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/decoder_model.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/freeze.h"
@@ -110,8 +110,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const std::string source = options.config.empty() ? "built-in defaults" : options.config.string();
   STRATA_CHECK(options.model.empty() != options.init.empty(), kBadArgument,
                "give exactly one of --model DIR (Hugging Face weights) and --init CONFIG.json (random weights)");
-  const nn::LlamaConfig model_config =
-      options.model.empty() ? nn::load_llama_config(options.init.string()) : load_hf_config(options.model);
+  const nn::DecoderConfig model_config =
+      options.model.empty() ? nn::load_decoder_config(options.init.string()) : load_hf_config(options.model);
   // "auto" values (Hugging Face Trainer configs) from the Trainer-like flags; the
   // flags set the built-in defaults' values too.
   TrainerFlags flags = options.trainer;
@@ -265,7 +265,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   config.expert_parallel_size == 0 ? " (moe.expert_parallel_size left out: the world size)" : "");
   }
   if (tp > 1 && rank.rank == 0) {
-    const nn::LlamaConfig share = nn::tensor_parallel_share(model_config, tp);
+    const nn::DecoderConfig share = nn::tensor_parallel_share(model_config, tp);
     logger().info("tensor parallelism: {} tp groups of {} consecutive ranks split each layer ({} heads, {} kv "
                   "head(s){} and {} MLP features per rank) and the embedding and lm_head ({} of the {} vocabulary "
                   "rows per rank){}; ZeRO over {} data-parallel rank(s)",
@@ -284,13 +284,13 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- engine, model, weights ---------------------------------------------------------
   setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
   engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
-  nn::LlamaModelOptions model_options;
+  nn::DecoderModelOptions model_options;
   model_options.dtype = train_dtype;
   model_options.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
   model_options.cpu_checkpointing = config.cpu_checkpointing;
   model_options.lora = lora;
   model_options.sequence_parallel = sequence_parallel;
-  std::optional<nn::LlamaModel> built;
+  std::optional<nn::DecoderModel> built;
   try {
     built.emplace(engine, model_config, model_options);
     const Frozen frozen = freeze_parameters(engine, options.freeze);
@@ -311,7 +311,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
           config.zero.offload_param.buffer_numel, engine.options().sub_group_numel,
           engine.options().reduce_bucket_numel);
   }
-  nn::LlamaModel& model = *built;
+  nn::DecoderModel& model = *built;
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
   std::vector<engine::ParamId> base, adapters;
   for (engine::ParamId id : model.parameters()) {

@@ -1,7 +1,7 @@
 // `strata finetune`: the training loop of the main job, read top to bottom in
 // finetune.cc. Each rank (started by `strata run`, torchrun or mpirun; alone
 // it is rank 0 of 1) builds the accelerator, the rendezvous and the three
-// communicators, a ZeroEngine from the ds_config, a LlamaModel on it (weights
+// communicators, a ZeroEngine from the ds_config, a DecoderModel on it (weights
 // from a Hugging Face directory, loaded shard by shard into each rank's
 // partitions, or a seeded initialisation that does not depend on the world
 // size), reads its own samples of a token file, and runs optimizer steps of

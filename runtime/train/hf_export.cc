@@ -1,7 +1,7 @@
 // Export: gather each tensor to rank 0 from the owned ranges, convert, write.
 #include "runtime/train/hf_export.h"
 
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/param_files.h"
 
 #include <fmt/format.h>
 
@@ -121,7 +121,7 @@ struct TensorPlan {
 
 }  // namespace
 
-ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
+ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::DecoderConfig& config,
                              const std::vector<engine::ParamId>& params, const fs::path& dir,
                              const ExportOptions& options, partition::Communicator* tensor_comm) {
   STRATA_CHECK(is_float_storage(options.dtype), kBadArgument, "export dtype must be fp32, fp16 or bf16, got {}",

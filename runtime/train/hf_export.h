@@ -1,6 +1,6 @@
 // Export to a Hugging Face directory (docs/DESIGN.md §5.3): config.json (the
 // source's model_type, architectures and every key it had, token ids included,
-// never relabelled: LlamaConfig::to_hf_json), the source's tokenizer, chat
+// never relabelled: DecoderConfig::to_hf_json), the source's tokenizer, chat
 // template and generation config (ExportOptions::files) and the weights as safetensors in the dtype asked
 // for, one file or, past `max_shard_nbytes`, sharded model-0000k-of-0000n.safetensors files with
 // model.safetensors.index.json. Streams tensor by tensor: each tensor is
@@ -27,7 +27,7 @@
 
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/train/model_files.h"
 
@@ -58,7 +58,7 @@ struct ExportResult {
 // `tensor_comm`: with tensor parallelism, the tp group's communicator (`comm` is
 // then the dp group's): each tp shard is gathered over dp, then over the tp
 // group of dp rank 0, and written whole by job rank 0.
-ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::LlamaConfig& config,
+ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::DecoderConfig& config,
                              const std::vector<engine::ParamId>& params, const std::filesystem::path& dir,
                              const ExportOptions& options, partition::Communicator* tensor_comm = nullptr);
 

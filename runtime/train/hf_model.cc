@@ -12,7 +12,7 @@
 
 #include "core/error.h"
 #include "runtime/engine/state_file.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/nn/safetensors.h"
 
 namespace strata::train {
@@ -84,7 +84,7 @@ WeightFiles weight_files(const fs::path& dir) {
 }
 
 // What a tensor the architecture does not use suggests about the checkpoint.
-std::string unused_hint(const std::string& name, const nn::LlamaConfig& c) {
+std::string unused_hint(const std::string& name, const nn::DecoderConfig& c) {
   auto has = [&](std::string_view part) { return name.find(part) != std::string::npos; };
   if (has("self_attn.q_proj.bias") || has("self_attn.k_proj.bias") ||
       has("self_attn.v_proj.bias")) {
@@ -116,7 +116,7 @@ std::string unused_hint(const std::string& name, const nn::LlamaConfig& c) {
 
 }  // namespace
 
-void check_hf_checkpoint(const nn::LlamaConfig& config, const fs::path& dir) {
+void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
   const WeightFiles w = weight_files(dir);
   struct Found {
     std::string file;
@@ -195,7 +195,7 @@ void check_hf_checkpoint(const nn::LlamaConfig& config, const fs::path& dir) {
   }
 }
 
-nn::LlamaConfig load_hf_config(const fs::path& dir) {
+nn::DecoderConfig load_hf_config(const fs::path& dir) {
   STRATA_CHECK(fs::is_directory(dir), kBadArgument,
                        "--model {}: not a directory (expected a Hugging Face model "
                        "directory with config.json and model.safetensors)",
@@ -209,7 +209,7 @@ nn::LlamaConfig load_hf_config(const fs::path& dir) {
                "weights, and strata does not load adapters: merge it into the model first (PEFT's "
                "merge_and_unload), or give a directory of the base alone",
                dir.string());
-  nn::LlamaConfig c = nn::load_llama_config(config.string());
+  nn::DecoderConfig c = nn::load_decoder_config(config.string());
   check_hf_checkpoint(c, dir);
   return c;
 }

@@ -22,16 +22,16 @@
 #include <vector>
 
 #include "runtime/engine/engine.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::train {
 
 // config.json of `dir`, after checking that the directory's safetensors hold
 // exactly the tensors (names and shapes) that configuration uses. Reads the
 // safetensors headers only (and, when tied, compares lm_head with the embedding).
-nn::LlamaConfig load_hf_config(const std::filesystem::path& dir);
+nn::DecoderConfig load_hf_config(const std::filesystem::path& dir);
 // The same check for a configuration already read.
-void check_hf_checkpoint(const nn::LlamaConfig& config, const std::filesystem::path& dir);
+void check_hf_checkpoint(const nn::DecoderConfig& config, const std::filesystem::path& dir);
 // Every parameter in `params` from the directory's safetensors; a tensor no
 // parameter claims (other than those above) is refused.
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,

@@ -65,7 +65,7 @@ struct StepRecord {
   // part; the gradients include router_aux_loss_coef times this).
   std::optional<double> aux_loss;
   // Mixture of experts: the routers' load imbalance over the step's
-  // micro-batches and ranks (LlamaModel::router_load_imbalance: the busiest
+  // micro-batches and ranks (DecoderModel::router_load_imbalance: the busiest
   // expert's tokens over the mean, the worst layer's; 1 is balanced).
   std::optional<double> router_imbalance;
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
@@ -89,7 +89,7 @@ struct RunRecord {
   // --check` needs neither file to be unchanged, nor to exist): the ds_config
   // with every default filled in (Config::effective; finetune's built-in
   // defaults when it had no --config) and the model's config
-  // (LlamaConfig::to_json). Null in records of older runs.
+  // (DecoderConfig::to_json). Null in records of older runs.
   nlohmann::json ds_config;
   nlohmann::json model_config;
   // sub_group_size and reduce_bucket_size as the engine used them, whether

@@ -7,7 +7,7 @@
 
 namespace strata::train {
 
-int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& model, int world_size,
+int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& model, int world_size,
                                 const std::string& source) {
   const int given = config.expert_parallel_size;
   if (given == 0) {

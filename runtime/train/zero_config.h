@@ -12,7 +12,7 @@
 #include "partition/communicator.h"
 #include "partition/store.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 namespace strata::train {
 
@@ -38,7 +38,7 @@ struct ZeroCommunicators {
 // the config's value, checked (the model has experts, the value divides the
 // world and the experts), or when not given the world size if it divides the
 // experts, else 1 (a dense model: 1). `source` names the config in errors.
-int choose_expert_parallel_size(const Config& config, const nn::LlamaConfig& model, int world_size,
+int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& model, int world_size,
                                 const std::string& source);
 
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,

@@ -1,5 +1,5 @@
 // The ZeRO engine against references, training a tiny Llama through the same
-// LlamaModel code that runs on the resident engine:
+// DecoderModel code that runs on the resident engine:
 //  - one rank, every stage: bit for bit the resident engine with the same
 //    optimizer over the same flat layout;
 //  - two ranks (threads, real Gloo over loopback) equal one rank on the
@@ -17,7 +17,7 @@
 
 #include "kernels/ops.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 

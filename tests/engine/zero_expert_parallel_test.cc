@@ -23,7 +23,7 @@ namespace {
 // 16 experts of width 16, top 2. Without the load-balancing loss: each
 // rank's micro-batches add their own auxiliary gradient (DESIGN §4.2), so N
 // ranks equal one rank only on the language-model loss.
-nn::LlamaConfig mixtral() { return mixtral_config(16, 16, /*aux=*/false); }
+nn::DecoderConfig mixtral() { return mixtral_config(16, 16, /*aux=*/false); }
 
 // One resident rank on the combined batch: random tokens (every expert
 // routed), or one token per sequence (most experts skipped: routed fetch).
@@ -103,7 +103,7 @@ TEST_CASE("expert parallelism equals one resident rank on the combined batch", "
       CHECK(r.held_expert_params == 2 * 3 * 16 / c.ep);
       // strata plan's arena is the model's, the exchange's buffers included.
       const int64_t sequences = kSequences / c.world / c.micro_steps;
-      CHECK(plan::llama_arena_nbytes(mixtral(), DType::kF32, sequences, kSeq, c.checkpoint, false, {}, c.ep) ==
+      CHECK(plan::decoder_arena_nbytes(mixtral(), DType::kF32, sequences, kSeq, c.checkpoint, false, {}, c.ep) ==
             r.arena_nbytes);
     }
   }
@@ -113,7 +113,7 @@ TEST_CASE("expert parallelism with qwen2_moe's shared expert equals one resident
   // The shared expert and its gate are dense parameters: ZeRO-partitioned over
   // every rank, run on each rank's own rows, never exchanged.
   ops::set_cpu_threads(1);
-  nn::LlamaConfig c = mixtral();
+  nn::DecoderConfig c = mixtral();
   c.model_type = "qwen2_moe";
   c.norm_topk_prob = false;
   c.attention_qkv_bias = true;
@@ -144,7 +144,7 @@ TEST_CASE("expert parallelism with qwen2_moe's shared expert equals one resident
     // Only the routed experts are split: the shared expert is no expert.
     CHECK(r.expert_group_size == 2);
     CHECK(r.held_expert_params == 2 * 3 * 16 / 2);
-    CHECK(plan::llama_arena_nbytes(c, DType::kF32, kSequences / 2, kSeq, checkpoint, false, {}, 2) == r.arena_nbytes);
+    CHECK(plan::decoder_arena_nbytes(c, DType::kF32, kSequences / 2, kSeq, checkpoint, false, {}, 2) == r.arena_nbytes);
   }
 }
 

@@ -17,9 +17,9 @@
 
 #include "kernels/ops.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_config.h"
-#include "runtime/nn/llama_model.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/decoder_config.h"
+#include "runtime/nn/decoder_model.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
@@ -44,7 +44,7 @@ TEST_CASE("torch AdamW with clipping, replayed by 2 ZeRO-3 ranks with everything
   const nlohmann::json& hyper = record.at("hyper");
   const int64_t batch = record.at("batch").get<int64_t>(), seq = record.at("seq").get<int64_t>();
   REQUIRE(batch == 2);
-  const nn::LlamaConfig config = nn::load_llama_config(fixture("config.json"));
+  const nn::DecoderConfig config = nn::load_decoder_config(fixture("config.json"));
   const test::TempDir dir("strata-golden-adamw");
 
   engine::ZeroEngineOptions options;
@@ -71,7 +71,7 @@ TEST_CASE("torch AdamW with clipping, replayed by 2 ZeRO-3 ranks with everything
   std::mutex mutex;
   test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
     engine::ZeroEngine eng(accelerator, comms, options);
-    nn::LlamaModel model(eng, config, nn::model_options(DType::kF32, 5));
+    nn::DecoderModel model(eng, config, nn::model_options(DType::kF32, 5));
     eng.finalize();
     nn::load_parameters(eng, model.parameters(), fixture("model.safetensors"));
     std::vector<double> my_losses, my_norms;

@@ -151,7 +151,7 @@ namespace {
 
 // The matrix for one model (empty: the engine tests' dense Llama), with
 // gradient clipping at `clip`, which must fall between the steps' norms.
-void run_matrix(const std::optional<nn::LlamaConfig>& config, double clip) {
+void run_matrix(const std::optional<nn::DecoderConfig>& config, double clip) {
   ops::set_cpu_threads(1);
   ResidentSpec resident;
   resident.steps = kMatrixSteps;

@@ -27,7 +27,7 @@
 
 #include "core/error.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/engine/zero_training.h"
 
 namespace strata::test::zero_mp {
@@ -40,8 +40,8 @@ inline constexpr bool kTied = true;
 
 // Every MLP projection 2 x 2 tiles (TiledLinear): each tile its own operator,
 // gathered and prefetched on its own.
-inline nn::LlamaModelOptions model_options() {
-  nn::LlamaModelOptions o = nn::model_options(DType::kF32, 16);
+inline nn::DecoderModelOptions model_options() {
+  nn::DecoderModelOptions o = nn::model_options(DType::kF32, 16);
   o.mlp_tiling = {2, 2};
   return o;
 }

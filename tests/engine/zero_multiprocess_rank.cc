@@ -34,7 +34,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/train/zero_config.h"
 #include "tests/engine/zero_multiprocess.h"
 #include "tests/nvme/hooked_backend.h"
@@ -114,8 +114,8 @@ int run(const Args& args) {
     };
   }
   engine::ZeroEngine eng(*accelerator, comms.comms(), options);
-  const nn::LlamaConfig config = zero::model_config(zero_mp::kTied);
-  nn::LlamaModel model(eng, config, zero_mp::model_options());
+  const nn::DecoderConfig config = zero::model_config(zero_mp::kTied);
+  nn::DecoderModel model(eng, config, zero_mp::model_options());
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), zero_mp::kInitSeed);
 

@@ -20,7 +20,7 @@
 
 #include "nvme/io_backend.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
@@ -307,7 +307,7 @@ TEST_CASE("the update overlapping the next forward: a write that fails is report
 TEST_CASE("prepare_step misuse is refused, naming the call", "[engine][zero][overlap]") {
   test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
     engine::ZeroEngine eng(accelerator, comms, test::zero::options_for(3));
-    nn::LlamaModel model(eng, test::zero::model_config(false), nn::model_options(DType::kF32, 16));
+    nn::DecoderModel model(eng, test::zero::model_config(false), nn::model_options(DType::kF32, 16));
     CHECK_THROWS_WITH(eng.prepare_step(0.1f), Catch::Contains("before finalize"));
     eng.finalize();
     CHECK_THROWS_WITH(eng.prepare_step(-1.0f), Catch::Contains("lr"));

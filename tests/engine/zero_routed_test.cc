@@ -27,7 +27,7 @@ using offload::OperatorTrace;
 namespace {
 
 // 16 experts of width 64 (the experts hold most bytes), top 2.
-nn::LlamaConfig mixtral(bool aux) { return mixtral_config(16, 64, aux); }
+nn::DecoderConfig mixtral(bool aux) { return mixtral_config(16, 64, aux); }
 
 }  // namespace
 
@@ -157,7 +157,7 @@ TEST_CASE("MoE: the routers' load imbalance is the busiest expert's tokens over 
   ops::set_cpu_threads(1);
   auto accelerator = make_cpu_accelerator();
   engine::ResidentEngine eng(*accelerator);
-  nn::LlamaModel model(eng, mixtral(/*aux=*/false), nn::model_options(DType::kF32, 16));
+  nn::DecoderModel model(eng, mixtral(/*aux=*/false), nn::model_options(DType::kF32, 16));
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), 7);
   CHECK(model.router_load_imbalance() == 0);  // no forward yet

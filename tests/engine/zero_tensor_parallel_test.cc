@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/plan/runtime_memory.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
@@ -28,8 +28,8 @@ using namespace strata::test::zero;
 namespace {
 
 // model_config's shape (4 heads, 2 kv heads, intermediate 64) as a family.
-nn::LlamaConfig family(const std::string& name, bool tied = false) {
-  nn::LlamaConfig c = model_config(tied);
+nn::DecoderConfig family(const std::string& name, bool tied = false) {
+  nn::DecoderConfig c = model_config(tied);
   c.model_type = name;
   if (name == "llama") {
     c.attention_qkv_bias = c.attention_o_bias = c.mlp_bias = true;  // a row-parallel bias too
@@ -133,7 +133,7 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       // Split for real: rank 0 holds half of each projection of the 2 layers
       // (q, k, v, o, gate, up, down, and the column-parallel biases), with
       // fewer kv heads than ranks one kv head each, and its vocabulary rows.
-      const nn::LlamaConfig m = family(c.family, c.tied);
+      const nn::DecoderConfig m = family(c.family, c.tied);
       const int64_t q = m.num_attention_heads * m.head_dim / c.tp, inter = m.intermediate_size / c.tp;
       const int64_t kv = (m.num_key_value_heads >= c.tp ? m.num_key_value_heads / c.tp : 1) * m.head_dim;
       int64_t per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * inter;
@@ -187,13 +187,13 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       }
       // strata plan's arena is a tp rank's (its heads and features), the q/k norms' scratch included.
       const int64_t sequences = kSequences / (c.world / c.tp) / c.micro_steps;
-      CHECK(plan::llama_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp, c.sp) ==
+      CHECK(plan::decoder_arena_nbytes(m, DType::kF32, sequences, kSeq, c.checkpoint, false, {}, 1, c.tp, c.sp) ==
             r.arena_nbytes);
       // And its vocabulary rows of the embedding and (untied) lm_head.
       const int64_t vocab_rows = m.vocab_size / c.tp * m.hidden_size * (c.tied ? 1 : 2);
       CHECK(r.tp_split_elements == m.num_hidden_layers * per_layer + vocab_rows);
       // strata plan's view of rank 0's tensors is the one it declares.
-      const std::vector<plan::RankParam> planned = plan::llama_rank_params(m, DType::kF32, c.tp);
+      const std::vector<plan::RankParam> planned = plan::decoder_rank_params(m, DType::kF32, c.tp);
       REQUIRE(planned.size() == r.rank0_params.size());
       for (size_t i = 0; i < planned.size(); ++i) {
         INFO(planned[i].spec.name);
@@ -205,13 +205,13 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
 }
 
 TEST_CASE("tensor parallelism refuses a model it cannot split, naming the sizes", "[engine][tp]") {
-  nn::LlamaConfig c = model_config(false);  // 4 heads, 2 kv heads, intermediate 64
+  nn::DecoderConfig c = model_config(false);  // 4 heads, 2 kv heads, intermediate 64
   CHECK(nn::tensor_parallel_share(c, 2).num_attention_heads == 2);
   CHECK(nn::tensor_parallel_share(c, 2).num_key_value_heads == 1);
   CHECK(nn::tensor_parallel_share(c, 2).intermediate_size == 32);
   CHECK(nn::tensor_parallel_share(c, 4).num_key_value_heads == 1);  // two ranks share each kv head
   CHECK_THROWS_WITH(nn::tensor_parallel_share(c, 3), Catch::Contains("does not divide num_attention_heads 4"));
-  nn::LlamaConfig six = c;  // 12 heads, 4 kv heads at tp 6: neither divides the other
+  nn::DecoderConfig six = c;  // 12 heads, 4 kv heads at tp 6: neither divides the other
   six.num_attention_heads = 12;
   six.num_key_value_heads = 4;
   six.head_dim = 8;
@@ -224,7 +224,7 @@ TEST_CASE("tensor parallelism refuses a model it cannot split, naming the sizes"
 TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et al.'s formula", "[engine][tp][memory]") {
   // Llama-2-7B at s = 4096, b = 1 in bf16, no checkpointing: the bytes one
   // decoder layer adds to a rank's activation arena (what the model
-  // allocates: the test above holds llama_arena_nbytes equal to its arena)
+  // allocates: the test above holds decoder_arena_nbytes equal to its arena)
   // against "Reducing Activation Recomputation in Large Transformer Models"
   // (arXiv 2205.05198) with tensor parallelism t and no sequence
   // parallelism: s b h (10 + 24 / t) + 5 a s^2 b / t. The attention scores'
@@ -234,7 +234,7 @@ TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et 
   // against GeLU's [s b, 4h] two — together 8 + 24.1 / t. With sequence
   // parallelism the formula is s b h 34 / t (+ the scores' term): every
   // saved activation divided by t, the norms' and residual's included.
-  nn::LlamaConfig c;
+  nn::DecoderConfig c;
   c.vocab_size = 32000;
   c.hidden_size = 4096;
   c.intermediate_size = 11008;
@@ -246,18 +246,18 @@ TEST_CASE("a tensor-parallel rank's activations per layer follow Korthikanti et 
   for (int t : {1, 2, 4}) {
     CAPTURE(t);
     c.num_hidden_layers = 2;
-    const size_t two = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
+    const size_t two = plan::decoder_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
     c.num_hidden_layers = 1;
-    const size_t one = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
+    const size_t one = plan::decoder_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t);
     const double layer = static_cast<double>(two - one), formula = sbh * (10 + 24.0 / t);
     WARN("tp " << t << ": " << layer / 1e6 << " MB per layer = " << layer / sbh << " s b h; the formula without the "
                "scores " << formula / sbh << " s b h; ratio " << layer / formula);
     CHECK(layer / formula == Approx(1.0).epsilon(0.15));
     if (t == 1) continue;
     c.num_hidden_layers = 2;
-    const size_t two_sp = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
+    const size_t two_sp = plan::decoder_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
     c.num_hidden_layers = 1;
-    const size_t one_sp = plan::llama_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
+    const size_t one_sp = plan::decoder_arena_nbytes(c, DType::kBF16, b, s, false, false, {}, 1, t, true);
     const double layer_sp = static_cast<double>(two_sp - one_sp), formula_sp = sbh * 34.0 / t;
     WARN("tp " << t << " with sequence parallelism: " << layer_sp / 1e6 << " MB per layer = " << layer_sp / sbh
                << " s b h; the formula without the scores " << formula_sp / sbh << " s b h; ratio "

@@ -10,7 +10,7 @@
 
 #include "kernels/ops.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
 
@@ -37,11 +37,11 @@ Run train_tiles(int64_t splits, int64_t prefetch_bucket_numel) {
     o.max_reuse_distance_numel = 0;  // nothing kept for a later use: the peak is what an operator needs
     o.optimizer_threads = 1;
     engine::ZeroEngine eng(accelerator, comms, o);
-    nn::LlamaConfig config = nn::tiny_llama(40, 32, 4096, 1, 4, 2);
+    nn::DecoderConfig config = nn::tiny_llama(40, 32, 4096, 1, 4, 2);
     config.max_position_embeddings = 32;
-    nn::LlamaModelOptions model_options = nn::model_options(DType::kF32, 16);
+    nn::DecoderModelOptions model_options = nn::model_options(DType::kF32, 16);
     model_options.mlp_tiling = {splits, splits};
-    nn::LlamaModel model(eng, config, model_options);
+    nn::DecoderModel model(eng, config, model_options);
     eng.finalize();
     nn::initialize_parameters(eng, model.parameters(), 3);
     std::vector<double> losses;

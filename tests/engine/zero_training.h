@@ -30,8 +30,8 @@
 #include "core/error.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/engine/zero_engine.h"
-#include "runtime/nn/llama_model.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/decoder_model.h"
+#include "runtime/nn/param_files.h"
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
 
@@ -42,8 +42,8 @@ using engine::ParamId;
 inline constexpr int64_t kSequences = 4, kSeq = 12;
 inline constexpr float kLr = 1e-2f;
 
-inline nn::LlamaConfig model_config(bool tied) {
-  nn::LlamaConfig c = nn::tiny_llama(40, 32, 64, 2, 4, 2);
+inline nn::DecoderConfig model_config(bool tied) {
+  nn::DecoderConfig c = nn::tiny_llama(40, 32, 64, 2, 4, 2);
   c.max_position_embeddings = 32;
   c.rms_norm_eps = 1e-5;
   c.tie_word_embeddings = tied;
@@ -52,8 +52,8 @@ inline nn::LlamaConfig model_config(bool tied) {
 
 // model_config's shape as a Mixtral: `experts` SwiGLU experts of width
 // `width` per layer, top 2, with the load-balancing loss when `aux`.
-inline nn::LlamaConfig mixtral_config(int64_t experts, int64_t width, bool aux) {
-  nn::LlamaConfig c = model_config(false);
+inline nn::DecoderConfig mixtral_config(int64_t experts, int64_t width, bool aux) {
+  nn::DecoderConfig c = model_config(false);
   c.model_type = "mixtral";
   c.num_experts = experts;
   c.num_experts_per_tok = 2;
@@ -121,11 +121,11 @@ struct TrainSpec {
   // the batch is split over the dp ranks, and each parameter is assembled
   // from its tp shards into its whole tensor.
   int tp = 1;
-  bool sequence_parallel = false;  // Megatron's, over the tp group (nn::LlamaModelOptions)
+  bool sequence_parallel = false;  // Megatron's, over the tp group (nn::DecoderModelOptions)
   int micro_steps = 1;
   int steps = 3;
   bool tied = false;
-  std::optional<nn::LlamaConfig> config;  // empty: model_config(tied)
+  std::optional<nn::DecoderConfig> config;  // empty: model_config(tied)
   bool checkpoint_activations = false;
   engine::ZeroEngineOptions options;
   BatchFn batches;  // empty: corpus (kSequences sequences)
@@ -186,7 +186,7 @@ struct TrainResult {
   int64_t trace_drops = 0;                      // rank 0
   int expert_group_size = 1;                    // rank 0's Engine::expert_group().size
   int64_t held_expert_params = 0;               // rank 0: expert parameters it holds (owns_expert)
-  size_t arena_nbytes = 0;                      // rank 0: LlamaModel::arena_nbytes()
+  size_t arena_nbytes = 0;                      // rank 0: DecoderModel::arena_nbytes()
   int64_t tp_replica_mismatches = 0;            // elements of a replicated tensor whose tp copies differ
   int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
   engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp collectives over the run
@@ -221,11 +221,11 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
           eng.set_overlap_policy(spec.overlap_policy);
-          const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
-          nn::LlamaModelOptions model_options = nn::model_options(spec.dtype, 16);
+          const nn::DecoderConfig config = spec.config ? *spec.config : model_config(spec.tied);
+          nn::DecoderModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
           model_options.sequence_parallel = spec.sequence_parallel;
-          nn::LlamaModel model(eng, config, model_options);
+          nn::DecoderModel model(eng, config, model_options);
           if (spec.frozen) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
               if (spec.frozen(eng.param_info(id).name)) eng.freeze(id);
@@ -384,8 +384,8 @@ inline TrainResult train_zero(const TrainSpec& spec) {
 struct ResidentSpec {
   int steps = 3;
   bool tied = false;
-  std::optional<nn::LlamaConfig> config;  // empty: model_config(tied)
-  nn::LlamaModelOptions model = nn::model_options(DType::kF32, 16);
+  std::optional<nn::DecoderConfig> config;  // empty: model_config(tied)
+  nn::DecoderModelOptions model = nn::model_options(DType::kF32, 16);
   uint64_t init_seed = 7;
   kernels::AdamConfig adam;
   double gradient_clipping = 0;  // max global norm; 0: none
@@ -399,8 +399,8 @@ struct ResidentSpec {
 inline TrainResult train_resident(const ResidentSpec& spec) {
   auto accelerator = make_cpu_accelerator();
   engine::ResidentEngine eng(*accelerator);
-  const nn::LlamaConfig config = spec.config ? *spec.config : model_config(spec.tied);
-  nn::LlamaModel model(eng, config, spec.model);
+  const nn::DecoderConfig config = spec.config ? *spec.config : model_config(spec.tied);
+  nn::DecoderModel model(eng, config, spec.model);
   std::vector<ParamId> trained;  // the optimizer's parameters, in declaration order
   for (ParamId id = 0; id < eng.parameter_count(); ++id) {
     if (spec.frozen && spec.frozen(eng.param_info(id).name)) {

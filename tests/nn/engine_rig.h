@@ -9,7 +9,7 @@
 
 #include "core/accelerator.h"
 #include "runtime/engine/resident_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 
 namespace strata::test {
 

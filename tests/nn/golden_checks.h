@@ -1,4 +1,4 @@
-// Checks strata's LlamaModel against the fixtures scripts/make-golden wrote
+// Checks strata's DecoderModel against the fixtures scripts/make-golden wrote
 // from Hugging Face transformers (tests/data/golden/<case>/): the mean loss and
 // every parameter's gradient, on a given accelerator; and, with LoRA adapters,
 // against the fixtures of scripts/make-golden-lora from PEFT: the loss and
@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "runtime/nn/llama_model.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/decoder_model.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/nn/lora.h"
 #include "runtime/train/peft_adapter.h"
 #include "runtime/nn/safetensors.h"
@@ -55,18 +55,18 @@ inline bool unrouted_expert(const nlohmann::json& expected, const std::string& p
   return false;
 }
 
-// Runs the case's batch through a LlamaModel with the case's storage dtype and
+// Runs the case's batch through a DecoderModel with the case's storage dtype and
 // `run`'s options, forward and backward, and compares with
 // expected.json[loss_key] and `grads_file` (every gradient it holds, and no
 // trained parameter without one).
 inline void check_golden_run(Backend backend, const std::string& name, const std::string& loss_key,
                              const std::string& grads_file, GoldenTolerance tol, const GoldenRun& run) {
   const std::string dir = golden_dir(name);
-  nn::LlamaConfig config = nn::load_llama_config(dir + "/config.json");
+  nn::DecoderConfig config = nn::load_decoder_config(dir + "/config.json");
   if (run.router_logits_off) config.output_router_logits = false;
   const nlohmann::json expected = read_json(dir + "/expected.json");
   const nlohmann::json inputs = read_json(dir + "/inputs.json");
-  nn::LlamaModelOptions options;
+  nn::DecoderModelOptions options;
   options.dtype = parse_dtype(expected.at("dtype").get<std::string>());
   options.activation_dtype = run.activation_dtype;
   options.loss_chunk_rows = 5;  // several chunks, the last one short
@@ -77,7 +77,7 @@ inline void check_golden_run(Backend backend, const std::string& name, const std
     CHECK(options.lora.scaling() == Approx(expected.at("lora").at("scaling").get<double>()));
   }
   Rig rig(backend);
-  nn::LlamaModel model(*rig.engine, config, options);
+  nn::DecoderModel model(*rig.engine, config, options);
   rig.engine->finalize();
   std::vector<nn::ParamId> base, adapters;
   for (nn::ParamId id : model.parameters()) {

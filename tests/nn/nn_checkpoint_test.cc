@@ -1,5 +1,5 @@
-// Per-decoder-layer activation checkpointing in LlamaModel
-// (LlamaModelOptions::checkpoint_activations / cpu_checkpointing): the same
+// Per-decoder-layer activation checkpointing in DecoderModel
+// (DecoderModelOptions::checkpoint_activations / cpu_checkpointing): the same
 // loss and gradients as without, bit for bit on the cpu accelerator; a smaller
 // arena, by exactly the activations of all but one layer; and the recompute
 // bracketed by Phase::kRecompute hook windows.
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/golden_checks.h"
 #include "tests/support/tolerances.h"
@@ -31,7 +31,7 @@ const char* mode_name(Mode m) {
                                                                     : "cpu checkpoints";
 }
 
-LlamaModelOptions options_for(Mode mode, LlamaModelOptions o) {
+DecoderModelOptions options_for(Mode mode, DecoderModelOptions o) {
   o.checkpoint_activations = mode != Mode::kNone;
   o.cpu_checkpointing = mode == Mode::kCpu;
   return o;
@@ -42,7 +42,7 @@ struct Batch {
   int64_t batch, seq;
 };
 
-Batch make_batch(const LlamaConfig& c, int64_t batch, int64_t seq, uint32_t seed) {
+Batch make_batch(const DecoderConfig& c, int64_t batch, int64_t seq, uint32_t seed) {
   std::mt19937 gen(seed);
   Batch b{{}, {}, batch, seq};
   for (int64_t i = 0; i < batch * seq; ++i) {
@@ -62,9 +62,9 @@ struct Result {
 
 // Two micro-batches of different shapes (the arena is laid out again between
 // them) accumulated into one gradient, from the same counter-based init.
-Result train(const LlamaConfig& c, const LlamaModelOptions& options, Mode mode) {
+Result train(const DecoderConfig& c, const DecoderModelOptions& options, Mode mode) {
   test::Rig rig;
-  LlamaModel model(*rig.engine, c, options_for(mode, options));
+  DecoderModel model(*rig.engine, c, options_for(mode, options));
   rig.engine->finalize();
   initialize_parameters(*rig.engine, model.parameters(), 77, 0.2);
   rig.engine->zero_grad();
@@ -79,7 +79,7 @@ Result train(const LlamaConfig& c, const LlamaModelOptions& options, Mode mode) 
   return r;
 }
 
-void check_same(const LlamaConfig& c, const LlamaModelOptions& options) {
+void check_same(const DecoderConfig& c, const DecoderModelOptions& options) {
   const Result want = train(c, options, Mode::kNone);
   // Guard against a vacuous comparison: the reference really has gradients.
   size_t nonzero = 0;
@@ -117,19 +117,19 @@ void check_same(const LlamaConfig& c, const LlamaModelOptions& options) {
 
 TEST_CASE("checkpointing: loss and gradients equal bit for bit (fp32, cpu)", "[nn][checkpoint]") {
   SECTION("3 layers, multi-head, untied") {
-    LlamaConfig c = tiny_llama(40, 32, 64, 3, 4, 4);
+    DecoderConfig c = tiny_llama(40, 32, 64, 3, 4, 4);
     check_same(c, model_options(DType::kF32, 8));
   }
   SECTION("4 layers, grouped-query heads, tied embeddings") {
-    LlamaConfig c = tiny_llama(40, 32, 64, 4, 4, 2);
+    DecoderConfig c = tiny_llama(40, 32, 64, 4, 4, 2);
     c.tie_word_embeddings = true;
     check_same(c, model_options(DType::kF32, 8));
   }
   SECTION("3 layers, GQA, tiled MLP, biases, bf16 storage and activations") {
-    LlamaConfig c = tiny_llama(40, 32, 64, 3, 4, 1);
+    DecoderConfig c = tiny_llama(40, 32, 64, 3, 4, 1);
     c.attention_qkv_bias = c.attention_o_bias = true;
     c.mlp_bias = true;
-    LlamaModelOptions o = model_options(DType::kBF16, 8);
+    DecoderModelOptions o = model_options(DType::kBF16, 8);
     o.activation_dtype = DType::kBF16;
     o.mlp_tiling = {2, 3};
     check_same(c, o);
@@ -146,7 +146,7 @@ TEST_CASE("checkpointing: the arena keeps one layer's activations instead of all
   // with cpu checkpoints, layers - 1 residual buffers moved to host memory.
   const int64_t layers = 8, hidden = 64, inter = 128, heads = 4, kv_heads = 2, vocab = 64;
   const int64_t batch = 2, seq = 32, rows = batch * seq, hd = hidden / heads;
-  const LlamaConfig c = tiny_llama(vocab, hidden, inter, layers, heads, kv_heads);
+  const DecoderConfig c = tiny_llama(vocab, hidden, inter, layers, heads, kv_heads);
   const int64_t layer_numel = 5 * rows * hidden + 2 * rows * kv_heads * hd + 3 * rows * inter +
                               2 * rows + batch * heads * seq;  // DecoderActs, fp32
   const auto layer_nbytes = static_cast<size_t>(layer_numel) * sizeof(float);
@@ -155,7 +155,7 @@ TEST_CASE("checkpointing: the arena keeps one layer's activations instead of all
   std::map<Mode, size_t> arena, host;
   for (Mode mode : {Mode::kNone, Mode::kDevice, Mode::kCpu}) {
     test::Rig rig;
-    LlamaModel model(*rig.engine, c, options_for(mode, model_options(DType::kF32, 16)));
+    DecoderModel model(*rig.engine, c, options_for(mode, model_options(DType::kF32, 16)));
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 5);
     CHECK(model.arena_nbytes() == 0);
@@ -180,13 +180,13 @@ TEST_CASE("checkpointing: the arena keeps one layer's activations instead of all
 TEST_CASE("checkpointing: the recompute runs in kRecompute windows, once per recomputed op",
           "[nn][checkpoint]") {
   const int64_t layers = 3;
-  LlamaConfig c = tiny_llama(40, 32, 64, layers, 4, 2);
+  DecoderConfig c = tiny_llama(40, 32, 64, layers, 4, 2);
   for (Mode mode : {Mode::kNone, Mode::kDevice, Mode::kCpu}) {
     INFO(mode_name(mode));
     test::Rig rig;
-    LlamaModelOptions o = options_for(mode, model_options(DType::kF32, 8));
+    DecoderModelOptions o = options_for(mode, model_options(DType::kF32, 8));
     o.mlp_tiling = {1, 2};  // tile windows are recomputed too
-    LlamaModel model(*rig.engine, c, o);
+    DecoderModel model(*rig.engine, c, o);
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 9);
     struct Window {
@@ -273,10 +273,10 @@ TEST_CASE("checkpointing: the recompute runs in kRecompute windows, once per rec
 TEST_CASE("checkpointing: cpu_checkpointing without checkpoint_activations is refused",
           "[nn][checkpoint]") {
   test::Rig rig;
-  LlamaModelOptions o = model_options(DType::kF32, 8);
+  DecoderModelOptions o = model_options(DType::kF32, 8);
   o.cpu_checkpointing = true;
   try {
-    LlamaModel model(*rig.engine, tiny_llama(40, 32, 64, 2, 4, 2), o);
+    DecoderModel model(*rig.engine, tiny_llama(40, 32, 64, 2, 4, 2), o);
     FAIL("no error");
   } catch (const Error& e) {
     CHECK(e.category() == ErrorCategory::kBadArgument);
@@ -286,12 +286,12 @@ TEST_CASE("checkpointing: cpu_checkpointing without checkpoint_activations is re
 
 TEST_CASE("checkpointing: an evaluation forward gives the same loss and allows no backward",
           "[nn][checkpoint]") {
-  const LlamaConfig c = tiny_llama(40, 32, 64, 3, 4, 2);
+  const DecoderConfig c = tiny_llama(40, 32, 64, 3, 4, 2);
   const Batch b = make_batch(c, 2, 6, 6);
   double losses[2] = {0, 0};
   for (Mode mode : {Mode::kNone, Mode::kCpu}) {
     test::Rig rig;
-    LlamaModel model(*rig.engine, c, options_for(mode, model_options(DType::kF32, 8)));
+    DecoderModel model(*rig.engine, c, options_for(mode, model_options(DType::kF32, 8)));
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 3);
     ForwardOptions eval;

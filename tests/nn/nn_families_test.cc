@@ -11,8 +11,8 @@
 #include <string>
 
 #include "core/error.h"
-#include "runtime/nn/llama_config.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_config.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/plan/runtime_memory.h"
 #include "tests/nn/engine_rig.h"
@@ -33,10 +33,10 @@ json fixture_config(const std::string& name) {
   return json::parse(in);
 }
 
-// parse_llama_config(j) must fail with kBadArgument and a message holding every needle.
+// parse_decoder_config(j) must fail with kBadArgument and a message holding every needle.
 void expect_refused(const json& j, std::initializer_list<std::string> needles) {
   try {
-    parse_llama_config(j);
+    parse_decoder_config(j);
     FAIL("accepted: " << j.dump());
   } catch (const Error& e) {
     INFO(e.what());
@@ -54,7 +54,7 @@ const char* const kCases[] = {"llama_untied_f32", "llama_tied_bf16", "llama3_unt
 }  // namespace
 
 TEST_CASE("families: each fixture's config.json reads as its family", "[nn][config][families]") {
-  const LlamaConfig llama3 = parse_llama_config(fixture_config("llama3_untied_f32"));
+  const DecoderConfig llama3 = parse_decoder_config(fixture_config("llama3_untied_f32"));
   CHECK(llama3.model_type == "llama");
   CHECK(llama3.rope.type == ops::RopeType::kLlama3);
   CHECK(llama3.rope.theta == 10.0);
@@ -63,19 +63,19 @@ TEST_CASE("families: each fixture's config.json reads as its family", "[nn][conf
   CHECK(llama3.rope.original_max_position_embeddings == 16.0);
   CHECK(!llama3.attention_qkv_bias);
 
-  const LlamaConfig mistral = parse_llama_config(fixture_config("mistral_untied_f32"));
+  const DecoderConfig mistral = parse_decoder_config(fixture_config("mistral_untied_f32"));
   CHECK(mistral.model_type == "mistral");
   CHECK(mistral.attention_mask(0).window == 3);
   CHECK(mistral.attention_mask(1).window == 3);
 
-  const LlamaConfig qwen2 = parse_llama_config(fixture_config("qwen2_untied_f32"));
+  const DecoderConfig qwen2 = parse_decoder_config(fixture_config("qwen2_untied_f32"));
   CHECK(qwen2.attention_qkv_bias);
   CHECK(!qwen2.attention_o_bias);
   CHECK(qwen2.attention_mask(0).window == 0);  // layer_types: full, then sliding
   CHECK(qwen2.attention_mask(1).window == 4);
   CHECK(qwen2.pad_token_id == 5);
 
-  const LlamaConfig qwen3 = parse_llama_config(fixture_config("qwen3_tied_bf16"));
+  const DecoderConfig qwen3 = parse_decoder_config(fixture_config("qwen3_tied_bf16"));
   CHECK(qwen3.qk_norm);
   CHECK(qwen3.tie_word_embeddings);
   CHECK(qwen3.attention_mask(1).window == 0);
@@ -86,22 +86,22 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
                       {"num_hidden_layers", 2}, {"num_attention_heads", 4}};
   json j = sizes;
   j["model_type"] = "llama";
-  CHECK(parse_llama_config(j).num_key_value_heads == 4);
-  CHECK(parse_llama_config(j).head_dim == 16);
-  CHECK(parse_llama_config(j).max_position_embeddings == 2048);
+  CHECK(parse_decoder_config(j).num_key_value_heads == 4);
+  CHECK(parse_decoder_config(j).head_dim == 16);
+  CHECK(parse_decoder_config(j).max_position_embeddings == 2048);
   j["model_type"] = "mistral";  // MistralConfig: 8 kv heads, a 4096-token window
   j["num_attention_heads"] = 8;
-  CHECK(parse_llama_config(j).num_key_value_heads == 8);
-  CHECK(parse_llama_config(j).sliding_window == 4096);
+  CHECK(parse_decoder_config(j).num_key_value_heads == 8);
+  CHECK(parse_decoder_config(j).sliding_window == 4096);
   j["sliding_window"] = nullptr;
-  CHECK(parse_llama_config(j).sliding_window == 0);
+  CHECK(parse_decoder_config(j).sliding_window == 0);
   j = sizes;
   j["model_type"] = "qwen3";  // Qwen3Config: head_dim 128, 32 kv heads
   j["num_attention_heads"] = 32;
   j["hidden_size"] = 256;
-  CHECK(parse_llama_config(j).head_dim == 128);
-  CHECK(parse_llama_config(j).num_key_value_heads == 32);
-  CHECK(parse_llama_config(j).qk_norm);
+  CHECK(parse_decoder_config(j).head_dim == 128);
+  CHECK(parse_decoder_config(j).num_key_value_heads == 32);
+  CHECK(parse_decoder_config(j).qk_norm);
   // Qwen2: the window from max_window_layers on, only with use_sliding_window.
   j = sizes;
   j["model_type"] = "qwen2";
@@ -109,9 +109,9 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
   j["num_key_value_heads"] = 2;
   j["sliding_window"] = 5;
   j["max_window_layers"] = 2;
-  CHECK(parse_llama_config(j).sliding_window == 0);
+  CHECK(parse_decoder_config(j).sliding_window == 0);
   j["use_sliding_window"] = true;
-  const LlamaConfig q = parse_llama_config(j);
+  const DecoderConfig q = parse_decoder_config(j);
   CHECK(q.attention_mask(1).window == 0);
   CHECK(q.attention_mask(2).window == 5);
   CHECK(q.attention_mask(3).window == 5);
@@ -122,11 +122,11 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
   j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 32.0}, {"low_freq_factor", 1.0},
                        {"high_freq_factor", 4.0}};
   j["max_position_embeddings"] = 8192;
-  const LlamaConfig l = parse_llama_config(j);
+  const DecoderConfig l = parse_decoder_config(j);
   CHECK(l.rope.theta == 500000.0);
   CHECK(l.rope.original_max_position_embeddings == 8192.0);
   j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
-  CHECK(parse_llama_config(j).rope.type == ops::RopeType::kLinear);
+  CHECK(parse_decoder_config(j).rope.type == ops::RopeType::kLinear);
 }
 
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
@@ -205,7 +205,7 @@ TEST_CASE("families: anything else is refused before any work, naming it", "[nn]
   j["use_mrope"] = true;
   expect_refused(j, {"use_mrope"});
   j["use_mrope"] = false;  // DeepSeek-R1-Distill-Qwen's configs
-  CHECK_NOTHROW(parse_llama_config(j));
+  CHECK_NOTHROW(parse_decoder_config(j));
   j = fixture_config("qwen3_untied_f32");
   j["layer_types"] = {"full_attention", "chunked_attention"};
   expect_refused(j, {"chunked_attention"});
@@ -215,7 +215,7 @@ TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's 
   for (const char* name : kCases) {
     INFO(name);
     const json source = fixture_config(name);
-    const LlamaConfig c = parse_llama_config(source);
+    const DecoderConfig c = parse_decoder_config(source);
     const json out = c.to_json();
     // Every key of the source is still there, with model_type never relabelled.
     for (const auto& [key, value] : source.items()) {
@@ -226,7 +226,7 @@ TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's 
     CHECK(out["rope_parameters"] == source["rope_parameters"]);
     if (source.contains("layer_types")) CHECK(out["layer_types"] == source["layer_types"]);
     // It reads back as the same model.
-    CHECK(parse_llama_config(out).to_json() == out);
+    CHECK(parse_decoder_config(out).to_json() == out);
     const json hf = c.to_hf_json(DType::kBF16);
     CHECK(hf["torch_dtype"] == "bfloat16");
     CHECK(hf["dtype"] == "bfloat16");
@@ -236,7 +236,7 @@ TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's 
   j["is_llama_config"] = true;
   j["rope_interleaved"] = false;
   j["temperature"] = 0.7;
-  CHECK_NOTHROW(parse_llama_config(j));
+  CHECK_NOTHROW(parse_decoder_config(j));
   j["rope_interleaved"] = true;
   expect_refused(j, {"rope_interleaved"});
 }
@@ -245,9 +245,9 @@ TEST_CASE("families: the model declares exactly hf_tensors, and the count includ
           "[nn][config][families]") {
   for (const char* name : kCases) {
     INFO(name);
-    const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
+    const DecoderConfig c = load_decoder_config(fixture(name) + "/config.json");
     test::Rig rig;
-    LlamaModel model(*rig.engine, c);
+    DecoderModel model(*rig.engine, c);
     const std::vector<HfTensor> tensors = hf_tensors(c);
     const std::vector<ParamId> params = model.parameters();
     REQUIRE(params.size() == tensors.size());
@@ -284,7 +284,7 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
  "tie_word_embeddings": true, "attention_bias": false, "use_sliding_window": false})"};
   const int64_t counts[] = {1235814400, 7248023552, 494032768, 596049920};  // as transformers counts them
   for (size_t i = 0; i < 4; ++i) {
-    const LlamaConfig c = parse_llama_config(json::parse(examples[i]));
+    const DecoderConfig c = parse_decoder_config(json::parse(examples[i]));
     INFO(c.model_type);
     CHECK(c.parameter_count() == counts[i]);
     CHECK(c.sliding_window == 0);
@@ -299,7 +299,7 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
     "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.42.3",
     "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
     "use_cache": true, "vocab_size": 49152})");
-  const LlamaConfig c = parse_llama_config(smol);
+  const DecoderConfig c = parse_decoder_config(smol);
   CHECK(c.pad_token_id == 2);
   CHECK(c.parameter_count() == 134515008);
 }
@@ -308,13 +308,13 @@ TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activa
           "[nn][config][families]") {
   for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
                            "qwen3_moe_untied_f32", "qwen2_moe_untied_f32"}) {
-    const LlamaConfig c = load_llama_config(fixture(name) + "/config.json");
+    const DecoderConfig c = load_decoder_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);
       test::Rig rig;
-      LlamaModelOptions options;
+      DecoderModelOptions options;
       options.checkpoint_activations = checkpointing;
-      LlamaModel model(*rig.engine, c, options);
+      DecoderModel model(*rig.engine, c, options);
       rig.engine->finalize();
       initialize_parameters(*rig.engine, model.parameters(), 7);
       const int64_t batch = 2, seq = 9;
@@ -322,14 +322,14 @@ TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activa
       model.forward(ids, targets, batch, seq);
       model.backward();
       CHECK(std::isfinite(model.loss()));
-      CHECK(plan::llama_arena_nbytes(c, DType::kF32, batch, seq, checkpointing, false) == model.arena_nbytes());
+      CHECK(plan::decoder_arena_nbytes(c, DType::kF32, batch, seq, checkpointing, false) == model.arena_nbytes());
     }
   }
 }
 
 TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what strata does not compute",
           "[nn][config][families][moe]") {
-  const LlamaConfig mixtral = parse_llama_config(fixture_config("mixtral_untied_f32"));
+  const DecoderConfig mixtral = parse_decoder_config(fixture_config("mixtral_untied_f32"));
   CHECK(mixtral.model_type == "mixtral");
   CHECK(mixtral.num_experts == 8);
   CHECK(mixtral.num_experts_per_tok == 2);
@@ -338,22 +338,22 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
   CHECK(mixtral.output_router_logits);
   CHECK(mixtral.router_aux_loss_coef == 0.02);
   CHECK(!mixtral.qk_norm);
-  const LlamaConfig qwen = parse_llama_config(fixture_config("qwen3_moe_untied_f32"));
+  const DecoderConfig qwen = parse_decoder_config(fixture_config("qwen3_moe_untied_f32"));
   CHECK(qwen.qk_norm);
   CHECK(qwen.norm_topk_prob);
   CHECK(qwen.moe_intermediate_size == 8);
-  CHECK(!parse_llama_config(fixture_config("qwen3_moe_nonorm_f32")).norm_topk_prob);
+  CHECK(!parse_decoder_config(fixture_config("qwen3_moe_nonorm_f32")).norm_topk_prob);
   // Published configs say num_experts (save_pretrained writes num_local_experts); both must agree.
   json j = fixture_config("qwen3_moe_untied_f32");
   j.erase("num_local_experts");
   j["num_experts"] = 8;
-  CHECK(parse_llama_config(j).num_experts == 8);
+  CHECK(parse_decoder_config(j).num_experts == 8);
   j["num_local_experts"] = 4;
   expect_refused(j, {"'num_local_experts' (4)", "'num_experts' (8)", "disagree"});
   // Absent keys take the configuration class's defaults.
   j = fixture_config("qwen3_moe_untied_f32");
   for (const char* key : {"norm_topk_prob", "router_aux_loss_coef", "output_router_logits"}) j.erase(key);
-  const LlamaConfig d = parse_llama_config(j);
+  const DecoderConfig d = parse_decoder_config(j);
   CHECK(!d.norm_topk_prob);
   CHECK(d.router_aux_loss_coef == 0.001);
   CHECK(!d.output_router_logits);
@@ -387,7 +387,7 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
     "output_router_logits": false, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
     "router_jitter_noise": 0.0, "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
     "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000})");
-  const LlamaConfig m8 = parse_llama_config(mixtral_8x7b);
+  const DecoderConfig m8 = parse_decoder_config(mixtral_8x7b);
   CHECK(m8.parameter_count() == 46702792704);  // Mixtral 8x7B's 46.7B
   const json qwen3_30b = json::parse(R"({"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false,
     "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
@@ -398,7 +398,7 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
     "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
     "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
     "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
-  const LlamaConfig q30 = parse_llama_config(qwen3_30b);
+  const DecoderConfig q30 = parse_decoder_config(qwen3_30b);
   CHECK(q30.num_experts == 128);
   CHECK(q30.parameter_count() == 30532122624);  // Qwen3-30B-A3B's 30.5B
   // The tensors: router and per-expert projections, in published checkpoints' names.
@@ -413,7 +413,7 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
 TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and windowed layers, and refuses what "
           "strata does not compute",
           "[nn][config][families][moe]") {
-  const LlamaConfig c = parse_llama_config(fixture_config("qwen2_moe_untied_f32"));
+  const DecoderConfig c = parse_decoder_config(fixture_config("qwen2_moe_untied_f32"));
   CHECK(c.model_type == "qwen2_moe");
   CHECK(c.num_experts == 8);
   CHECK(c.num_experts_per_tok == 2);
@@ -428,7 +428,7 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   CHECK(!c.qk_norm);
   CHECK(c.attention_mask(0).window == 3);  // layer_types: layer 0 slides
   CHECK(c.attention_mask(1).window == 0);
-  const LlamaConfig bf16 = parse_llama_config(fixture_config("qwen2_moe_tied_bf16"));
+  const DecoderConfig bf16 = parse_decoder_config(fixture_config("qwen2_moe_tied_bf16"));
   CHECK(bf16.norm_topk_prob);
   CHECK(bf16.sliding_window == 0);  // use_sliding_window false (Qwen2MoeConfig writes sliding_window 0)
   // The tensors: the routed experts as qwen3_moe, then the shared expert and its gate.
@@ -446,7 +446,7 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
                           "shared_expert_intermediate_size", "qkv_bias", "router_aux_loss_coef"}) {
     j.erase(key);
   }
-  const LlamaConfig d = parse_llama_config(j);
+  const DecoderConfig d = parse_decoder_config(j);
   CHECK(d.num_experts == 60);
   CHECK(d.num_experts_per_tok == 4);
   CHECK(d.moe_intermediate_size == 1408);
@@ -456,7 +456,7 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   CHECK(d.router_aux_loss_coef == 0.001);
   j = fixture_config("qwen2_moe_untied_f32");
   j["qkv_bias"] = false;
-  const LlamaConfig no_bias = parse_llama_config(j);
+  const DecoderConfig no_bias = parse_decoder_config(j);
   CHECK(!no_bias.attention_qkv_bias);
   CHECK(hf_tensors(no_bias).size() == hf_tensors(c).size() - 6);  // q/k/v biases in 2 layers
   // Without layer_types, Qwen2MoeConfig's own rule: the even layers below
@@ -465,10 +465,10 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   j.erase("layer_types");
   j["num_hidden_layers"] = 6;
   j["max_window_layers"] = 3;
-  const LlamaConfig rule = parse_llama_config(j);
+  const DecoderConfig rule = parse_decoder_config(j);
   CHECK(rule.sliding_layers == std::vector<bool>{true, false, true, false, false, false});
   j["use_sliding_window"] = false;
-  CHECK(parse_llama_config(j).sliding_window == 0);
+  CHECK(parse_decoder_config(j).sliding_window == 0);
   // What would be another model, or a key strata does not know.
   j = fixture_config("qwen2_moe_untied_f32");
   j["decoder_sparse_step"] = 2;
@@ -501,16 +501,16 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   CHECK(hf["norm_topk_prob"] == false);
   CHECK(hf["use_sliding_window"] == true);
   CHECK(hf["layer_types"] == json::array({"sliding_attention", "full_attention"}));
-  const LlamaConfig back = parse_llama_config(hf);
+  const DecoderConfig back = parse_decoder_config(hf);
   CHECK(back.to_hf_json(DType::kF32) == hf);
   CHECK(back.shared_expert_intermediate_size == 16);
   CHECK(back.sliding_layers == c.sliding_layers);
   CHECK(back.parameter_count() == c.parameter_count());
   // A config built in code (no source) writes num_experts, Qwen2MoeConfig's key.
-  LlamaConfig built = c;
+  DecoderConfig built = c;
   built.source = nullptr;
   CHECK(built.to_json().contains("num_experts"));
-  CHECK(parse_llama_config(built.to_json()).parameter_count() == c.parameter_count());
+  CHECK(parse_decoder_config(built.to_json()).parameter_count() == c.parameter_count());
   // Qwen1.5-MoE-A2.7B's published config.json: 14.3B parameters, 2.7B active.
   const json a27b = json::parse(R"({"architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0,
     "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
@@ -521,7 +521,7 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
     "use_sliding_window": false, "vocab_size": 151936, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
     "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
     "norm_topk_prob": false, "output_router_logits": false, "router_aux_loss_coef": 0.001})");
-  const LlamaConfig q = parse_llama_config(a27b);
+  const DecoderConfig q = parse_decoder_config(a27b);
   CHECK(q.sliding_window == 0);
   CHECK(q.parameter_count() == 14315784192);
 }

@@ -78,7 +78,7 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
   const std::string dir = golden_dir("llama_untied_f32_packed");
   const nlohmann::json inputs = read_json(dir + "/inputs.json");
   Rig rig(Backend::kCpu);
-  nn::LlamaModel model(*rig.engine, nn::load_llama_config(dir + "/config.json"));
+  nn::DecoderModel model(*rig.engine, nn::load_decoder_config(dir + "/config.json"));
   rig.engine->finalize();
   nn::load_parameters(*rig.engine, model.parameters(), dir + "/model.safetensors");
   nn::ForwardOptions evaluation;

@@ -11,7 +11,7 @@
 #include "core/error.h"
 #include "kernels/dropout_mask.h"
 #include "runtime/nn/linear.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/grad_check.h"
 #include "tests/nn/test_models.h"
@@ -27,8 +27,8 @@ std::vector<float> random_floats(size_t n, uint32_t seed) {
   return test::to_float(test::random_vector(n, seed));
 }
 
-LlamaConfig tiny_config() {
-  LlamaConfig c = tiny_llama(32, 32, 48, 2, 4, 2);
+DecoderConfig tiny_config() {
+  DecoderConfig c = tiny_llama(32, 32, 48, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
   c.rope.theta = 10000.0;
@@ -50,7 +50,7 @@ Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, int ignore_at = -1) 
   return b;
 }
 
-double eval_loss(LlamaModel& model, const Batch& b) {
+double eval_loss(DecoderModel& model, const Batch& b) {
   ForwardOptions eval;
   eval.backward = false;
   model.forward(b.ids, b.targets, b.batch, b.seq, eval);
@@ -224,10 +224,10 @@ TEST_CASE("TiledLinear fetches one tile at a time through the hooks", "[nn][tile
 TEST_CASE("model hooks bracket every parameter use in forward and backward", "[nn][hooks]") {
   for (bool tied : {false, true}) {
     INFO("tied " << tied);
-    LlamaConfig c = tiny_config();
+    DecoderConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     test::Rig rig;
-    LlamaModel model(*rig.engine, c);
+    DecoderModel model(*rig.engine, c);
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 7);
     std::map<ParamId, int> fwd, bwd;
@@ -262,10 +262,10 @@ TEST_CASE("model hooks bracket every parameter use in forward and backward", "[n
 
 TEST_CASE("a gradient is reported complete at its last use in backward (tied embeddings)",
           "[nn][hooks]") {
-  LlamaConfig c = tiny_config();
+  DecoderConfig c = tiny_config();
   c.tie_word_embeddings = true;
   test::Rig rig;
-  LlamaModel model(*rig.engine, c);
+  DecoderModel model(*rig.engine, c);
   rig.engine->finalize();
   initialize_parameters(*rig.engine, model.parameters(), 8);
   const ParamId embed = rig.engine->find_parameter("model.embed_tokens.weight");
@@ -297,11 +297,11 @@ TEST_CASE("modules touch parameter memory only inside their hook windows", "[nn]
   // parameter, and grad() outside a backward window: a full training step (with
   // 16-bit storage, biases, tied and untied) must never trip it.
   for (bool tied : {false, true}) {
-    LlamaConfig c = tiny_config();
+    DecoderConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     c.attention_qkv_bias = c.attention_o_bias = true;
     test::Rig rig;
-    LlamaModel model(*rig.engine, c, model_options(DType::kBF16));
+    DecoderModel model(*rig.engine, c, model_options(DType::kBF16));
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 3);
     const Batch b = make_batch(2, 6, c.vocab_size);
@@ -344,11 +344,11 @@ TEST_CASE("engine declarations: errors and ids", "[nn][engine]") {
 
 TEST_CASE("model parameters carry Hugging Face names and the configured count", "[nn]") {
   for (bool tied : {false, true}) {
-    LlamaConfig c = tiny_config();
+    DecoderConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     c.attention_qkv_bias = c.attention_o_bias = !tied;
     test::Rig rig;
-    LlamaModel model(*rig.engine, c);
+    DecoderModel model(*rig.engine, c);
     int64_t total = 0;
     std::set<std::string> names;
     for (ParamId id : model.parameters()) {
@@ -371,12 +371,12 @@ TEST_CASE("whole-model gradients match finite differences (fp32, tied, untied, t
           "[nn][grad]") {
   for (int variant = 0; variant < 3; ++variant) {
     const bool tied = variant == 1;
-    LlamaConfig c = tiny_config();
+    DecoderConfig c = tiny_config();
     c.tie_word_embeddings = tied;
     test::Rig rig;
-    LlamaModelOptions options = model_options(DType::kF32, 5);
+    DecoderModelOptions options = model_options(DType::kF32, 5);
     if (variant == 2) options.mlp_tiling = {2, 3};
-    LlamaModel model(*rig.engine, c, options);
+    DecoderModel model(*rig.engine, c, options);
     rig.engine->finalize();
     initialize_parameters(*rig.engine, model.parameters(), 11, /*std=*/0.3);
     const Batch b = make_batch(2, 6, c.vocab_size, /*ignore_at=*/4);
@@ -412,12 +412,12 @@ TEST_CASE("whole-model gradients match finite differences (fp32, tied, untied, t
 }
 
 TEST_CASE("bf16 and fp16 storage compute like fp32 on the rounded values", "[nn][dtype]") {
-  const LlamaConfig c = tiny_config();
+  const DecoderConfig c = tiny_config();
   const Batch b = make_batch(2, 8, c.vocab_size);
   for (DType dtype : {DType::kBF16, DType::kF16}) {
     test::Rig low_rig, ref_rig;
-    LlamaModel low(*low_rig.engine, c, model_options(dtype));
-    LlamaModel ref(*ref_rig.engine, c, model_options(DType::kF32));
+    DecoderModel low(*low_rig.engine, c, model_options(dtype));
+    DecoderModel ref(*ref_rig.engine, c, model_options(DType::kF32));
     low_rig.engine->finalize();
     ref_rig.engine->finalize();
     initialize_parameters(*low_rig.engine, low.parameters(), 3);
@@ -445,13 +445,13 @@ TEST_CASE("bf16 and fp16 storage compute like fp32 on the rounded values", "[nn]
 }
 
 TEST_CASE("16-bit activations on the cpu accelerator stay close to fp32", "[nn][dtype]") {
-  const LlamaConfig c = tiny_config();
+  const DecoderConfig c = tiny_config();
   const Batch b = make_batch(2, 8, c.vocab_size);
   test::Rig ref_rig, low_rig;
-  LlamaModelOptions low_options = model_options(DType::kBF16);
+  DecoderModelOptions low_options = model_options(DType::kBF16);
   low_options.activation_dtype = DType::kBF16;
-  LlamaModel ref(*ref_rig.engine, c, model_options(DType::kBF16));
-  LlamaModel low(*low_rig.engine, c, low_options);
+  DecoderModel ref(*ref_rig.engine, c, model_options(DType::kBF16));
+  DecoderModel low(*low_rig.engine, c, low_options);
   CHECK(ref.activation_dtype() == DType::kF32);  // the cpu default
   ref_rig.engine->finalize();
   low_rig.engine->finalize();
@@ -496,7 +496,7 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
     "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
     "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 4096,
     "tie_word_embeddings": true, "rope_scaling": null })");
-  const LlamaConfig c = parse_llama_config(j);
+  const DecoderConfig c = parse_decoder_config(j);
   CHECK(c.hidden_size == 64);
   CHECK(c.head_dim == 8);
   CHECK(c.num_key_value_heads == 2);
@@ -505,13 +505,13 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   CHECK(c.tie_word_embeddings);
 
   test::TempDir dir("nn-config");
-  save_llama_config(c, dir.file("config.json"));
-  const LlamaConfig back = load_llama_config(dir.file("config.json"));
+  save_decoder_config(c, dir.file("config.json"));
+  const DecoderConfig back = load_decoder_config(dir.file("config.json"));
   CHECK(back.to_json() == c.to_json());
 
   auto expect_error = [&](nlohmann::json bad, const std::string& needle) {
     try {
-      parse_llama_config(bad);
+      parse_decoder_config(bad);
       FAIL("expected an error mentioning " << needle);
     } catch (const Error& e) {
       INFO(e.what());
@@ -537,8 +537,8 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   auto nested = j;
   nested.erase("rope_theta");
   nested["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 250000.0}};
-  CHECK(parse_llama_config(nested).rope.theta == 250000.0);
+  CHECK(parse_decoder_config(nested).rope.theta == 250000.0);
   nested["rope_parameters"]["rope_type"] = "dynamic";
   expect_error(nested, "rope_type \"dynamic\" (a string) is not supported");
-  REQUIRE_THROWS_AS(load_llama_config(dir.file("absent.json")), Error);
+  REQUIRE_THROWS_AS(load_decoder_config(dir.file("absent.json")), Error);
 }

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/temp_dir.h"
 
@@ -192,15 +192,15 @@ TEST_CASE("safetensors: a huge tensor name is not echoed whole (issue 16)", "[nn
 }
 
 // HF config.json comes with the downloaded weights, so it is untrusted input
-// too (tests/fuzz/llama_config_fuzzer.cc); these were found by that fuzzer.
+// too (tests/fuzz/decoder_config_fuzzer.cc); these were found by that fuzzer.
 TEST_CASE("HF config.json: an integer above 2^63 - 1 is refused, not wrapped (issue 16)", "[nn][config][issue16]") {
   const nlohmann::json base = {{"vocab_size", 16},         {"hidden_size", 16},        {"intermediate_size", 24},
                                {"num_hidden_layers", 1},   {"num_attention_heads", 2}, {"num_key_value_heads", 1}};
-  CHECK(parse_llama_config(base).parameter_count() > 0);
+  CHECK(parse_decoder_config(base).parameter_count() > 0);
   // Above 2^63 - 1 get<int64_t>() wrapped (2^64 - 1 became -1).
   nlohmann::json j = base;
   j["vocab_size"] = 18446744073709551615ull;
-  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("'vocab_size'") && Catch::Contains("2^63 - 1"));
+  REQUIRE_THROWS_WITH(parse_decoder_config(j), Catch::Contains("'vocab_size'") && Catch::Contains("2^63 - 1"));
 }
 
 TEST_CASE("HF config.json: sizes whose products overflow int64 are refused (issue 16)", "[nn][config][issue16]") {
@@ -211,7 +211,7 @@ TEST_CASE("HF config.json: sizes whose products overflow int64 are refused (issu
   j = base;
   j["hidden_size"] = int64_t{1} << 40;
   j["intermediate_size"] = int64_t{1} << 40;
-  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("parameters, beyond what strata counts"));
+  REQUIRE_THROWS_WITH(parse_decoder_config(j), Catch::Contains("parameters, beyond what strata counts"));
   // One head of hidden_size - 1 dimensions: head_dim itself is near 2^63, so
   // even the estimate's 2 x head_dim overflowed before it was promoted.
   j = base;
@@ -219,10 +219,10 @@ TEST_CASE("HF config.json: sizes whose products overflow int64 are refused (issu
   j["hidden_size"] = std::numeric_limits<int64_t>::max() - 1;
   j["num_attention_heads"] = 1;
   j["num_key_value_heads"] = 1;
-  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("parameters, beyond what strata counts"));
+  REQUIRE_THROWS_WITH(parse_decoder_config(j), Catch::Contains("parameters, beyond what strata counts"));
   j = base;
   j["max_position_embeddings"] = int64_t{1} << 62;
-  REQUIRE_THROWS_WITH(parse_llama_config(j), Catch::Contains("max_position_embeddings"));
+  REQUIRE_THROWS_WITH(parse_decoder_config(j), Catch::Contains("max_position_embeddings"));
 }
 
 TEST_CASE("HF config.json: a JSON error quotes the file bounded and escaped (issue 16)", "[nn][config][issue16]") {
@@ -233,7 +233,7 @@ TEST_CASE("HF config.json: a JSON error quotes the file bounded and escaped (iss
     out << "{\"vocab_size\": \"" << std::string(100000, 'v') << "\xff";  // unterminated, invalid UTF-8
   }
   try {
-    load_llama_config(path);
+    load_decoder_config(path);
     FAIL("expected an error");
   } catch (const Error& e) {
     const std::string what = e.what();

@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/test_models.h"
 
@@ -56,11 +56,11 @@ class PlainAdamW {
 }  // namespace
 
 TEST_CASE("tiny model loss falls over 50 AdamW steps on a fixed corpus", "[nn][train]") {
-  LlamaConfig c = tiny_llama(48, 48, 96, 2, 4, 2);
+  DecoderConfig c = tiny_llama(48, 48, 96, 2, 4, 2);
   c.max_position_embeddings = 64;
   c.rms_norm_eps = 1e-5;
   test::Rig rig;
-  LlamaModel model(*rig.engine, c, model_options(DType::kF32, 16));
+  DecoderModel model(*rig.engine, c, model_options(DType::kF32, 16));
   rig.engine->finalize();
   initialize_parameters(*rig.engine, model.parameters(), 1234);
   PlainAdamW opt(*rig.engine, 3e-3, 0.01);

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "runtime/nn/llama_model.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/decoder_model.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/nn/test_models.h"
@@ -21,7 +21,7 @@ using namespace strata::nn;
 
 namespace {
 
-double eval_loss(LlamaModel& model, const std::vector<int32_t>& ids,
+double eval_loss(DecoderModel& model, const std::vector<int32_t>& ids,
                  const std::vector<int32_t>& targets, int64_t batch, int64_t seq) {
   ForwardOptions eval;
   eval.backward = false;
@@ -33,12 +33,12 @@ double eval_loss(LlamaModel& model, const std::vector<int32_t>& ids,
 
 TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safetensors]") {
   test::TempDir dir("nn-st-model");
-  const LlamaConfig c = tiny_llama(16, 16, 24, 1, 2, 1);
+  const DecoderConfig c = tiny_llama(16, 16, 24, 1, 2, 1);
   std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8}, targets = {2, 3, 4, 5, 6, 7, 8, 9};
 
   test::Rig ra, rb;
-  LlamaModel a(*ra.engine, c, model_options(DType::kBF16));
-  LlamaModel b(*rb.engine, c, model_options(DType::kF32));
+  DecoderModel a(*ra.engine, c, model_options(DType::kBF16));
+  DecoderModel b(*rb.engine, c, model_options(DType::kF32));
   ra.engine->finalize();
   rb.engine->finalize();
   initialize_parameters(*ra.engine, a.parameters(), 1);
@@ -56,10 +56,10 @@ TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safet
 
   // A tied model refuses a file whose lm_head differs from its embeddings,
   // even when unused tensors are allowed: it would silently compute otherwise.
-  LlamaConfig tied = c;
+  DecoderConfig tied = c;
   tied.tie_word_embeddings = true;
   test::Rig rt;
-  LlamaModel t(*rt.engine, tied);
+  DecoderModel t(*rt.engine, tied);
   rt.engine->finalize();
   REQUIRE_THROWS_WITH(load_parameters(*rt.engine, t.parameters(), dir.file("model.safetensors")),
                       Catch::Contains("lm_head.weight") && Catch::Contains("tie_word_embeddings"));
@@ -67,10 +67,10 @@ TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safet
                                       /*allow_unused=*/true),
                       Catch::Contains("tie_word_embeddings"));
   // A model with a bigger layer finds a shape mismatch naming the tensor.
-  LlamaConfig wider = c;
+  DecoderConfig wider = c;
   wider.intermediate_size = 32;
   test::Rig rw;
-  LlamaModel m(*rw.engine, wider);
+  DecoderModel m(*rw.engine, wider);
   rw.engine->finalize();
   REQUIRE_THROWS_WITH(
       load_parameters(*rw.engine, m.parameters(), dir.file("model.safetensors")),
@@ -80,16 +80,16 @@ TEST_CASE("model weights round trip through safetensors by HF name", "[nn][safet
 TEST_CASE("a model with tiled MLP loads and saves untiled HF tensors and computes the same",
           "[nn][safetensors][tiled]") {
   test::TempDir dir("nn-st-tiled");
-  LlamaConfig c = tiny_llama(16, 16, 40, 2, 2, 2);
+  DecoderConfig c = tiny_llama(16, 16, 40, 2, 2, 2);
   c.mlp_bias = true;
   std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10},
                        targets = {2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
 
   test::Rig rp, rt;
-  LlamaModel plain(*rp.engine, c);
-  LlamaModelOptions tiled_options;
+  DecoderModel plain(*rp.engine, c);
+  DecoderModelOptions tiled_options;
   tiled_options.mlp_tiling = {3, 2};
-  LlamaModel tiled(*rt.engine, c, tiled_options);
+  DecoderModel tiled(*rt.engine, c, tiled_options);
   CHECK(tiled.parameters().size() > plain.parameters().size());
   rp.engine->finalize();
   rt.engine->finalize();

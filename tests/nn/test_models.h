@@ -4,16 +4,16 @@
 
 #include <cstdint>
 
-#include "runtime/nn/llama_config.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_config.h"
+#include "runtime/nn/decoder_model.h"
 
 namespace strata::nn {
 
 // A Llama config with these sizes and head_dim = hidden / heads; every other
-// field keeps LlamaConfig's default.
-inline LlamaConfig tiny_llama(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers,
+// field keeps DecoderConfig's default.
+inline DecoderConfig tiny_llama(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers,
                               int64_t heads, int64_t kv_heads) {
-  LlamaConfig c;
+  DecoderConfig c;
   c.vocab_size = vocab;
   c.hidden_size = hidden;
   c.intermediate_size = intermediate;
@@ -24,8 +24,8 @@ inline LlamaConfig tiny_llama(int64_t vocab, int64_t hidden, int64_t intermediat
   return c;
 }
 
-inline LlamaModelOptions model_options(DType dtype, int64_t loss_chunk_rows = 256) {
-  LlamaModelOptions o;
+inline DecoderModelOptions model_options(DType dtype, int64_t loss_chunk_rows = 256) {
+  DecoderModelOptions o;
   o.dtype = dtype;
   o.loss_chunk_rows = loss_chunk_rows;
   return o;

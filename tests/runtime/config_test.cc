@@ -12,7 +12,7 @@
 #include "runtime/config/config.h"
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/train/zero_config.h"
 #include "tests/support/temp_dir.h"
 
@@ -414,8 +414,8 @@ TEST_CASE("sub_group_size and reduce_bucket_size: left out chosen from the model
 
 TEST_CASE("moe.expert_parallel_size: the world size when left out and it divides the experts or checked when given",
           "[config][moe]") {
-  nn::LlamaConfig dense;
-  nn::LlamaConfig moe;
+  nn::DecoderConfig dense;
+  nn::DecoderConfig moe;
   moe.model_type = "mixtral";
   moe.num_experts = 8;
   REQUIRE(moe.moe());

@@ -1,5 +1,5 @@
 // `strata plan --check`: the metrics.jsonl and run.json parsers' errors, the
-// runtime's activation arena against a real LlamaModel's, and a real
+// runtime's activation arena against a real DecoderModel's, and a real
 // `strata finetune` run (2 ranks, ZeRO-3, NVMe) compared with its plan by the
 // strata binary within the default 15%.
 #include "runtime/plan/plan_check.h"
@@ -19,7 +19,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "runtime/engine/resident_engine.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/config/config.h"
 #include "runtime/engine/zero_sizes.h"
 #include "runtime/plan/runtime_memory.h"
@@ -114,7 +114,7 @@ TEST_CASE("run.json records the ZeRO sizes chosen from the model, and reads back
       strata::parse_config_text(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})");
   REQUIRE(config.zero.sub_group_numel == 0);
   strata::plan::RuntimeInputs in;
-  in.model = strata::nn::load_llama_config(kExamples + "/byte_llama.json");
+  in.model = strata::nn::load_decoder_config(kExamples + "/byte_llama.json");
   in.world_size = 2;
   in.zero = strata::train::zero_engine_options(config, "ds.json");
   const strata::plan::RuntimeMemory planned = strata::plan::runtime_memory(in);
@@ -181,9 +181,9 @@ TEST_CASE("run.json round-trips, and a bad one names the file and key", "[plan][
 namespace {
 
 // A small GQA Llama for the arena checks.
-strata::nn::LlamaConfig arena_config(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers,
+strata::nn::DecoderConfig arena_config(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers,
                                      int64_t head_dim) {
-  strata::nn::LlamaConfig c;
+  strata::nn::DecoderConfig c;
   c.vocab_size = vocab;
   c.hidden_size = hidden;
   c.intermediate_size = intermediate;
@@ -195,12 +195,12 @@ strata::nn::LlamaConfig arena_config(int64_t vocab, int64_t hidden, int64_t inte
   return c;
 }
 
-// The arena a LlamaModel of `c` with `options` allocates for one batch x seq step.
-size_t model_arena_nbytes(const strata::nn::LlamaConfig& c, const strata::nn::LlamaModelOptions& options,
+// The arena a DecoderModel of `c` with `options` allocates for one batch x seq step.
+size_t model_arena_nbytes(const strata::nn::DecoderConfig& c, const strata::nn::DecoderModelOptions& options,
                           int64_t batch, int64_t seq) {
   auto accelerator = strata::make_cpu_accelerator();
   strata::engine::ResidentEngine engine(*accelerator);
-  strata::nn::LlamaModel model(engine, c, options);
+  strata::nn::DecoderModel model(engine, c, options);
   engine.finalize();
   strata::nn::initialize_parameters(engine, model.parameters(), 7);
   std::vector<int32_t> ids(batch * seq, 5), targets(batch * seq, 6);
@@ -212,36 +212,36 @@ size_t model_arena_nbytes(const strata::nn::LlamaConfig& c, const strata::nn::Ll
 
 }  // namespace
 
-TEST_CASE("the plan's activation arena is the one LlamaModel allocates", "[plan][check]") {
-  const strata::nn::LlamaConfig c = arena_config(256, 64, 176, 3, 16);
+TEST_CASE("the plan's activation arena is the one DecoderModel allocates", "[plan][check]") {
+  const strata::nn::DecoderConfig c = arena_config(256, 64, 176, 3, 16);
   const int64_t batch = 3, seq = 20;
   for (const bool checkpointing : {false, true}) {
     for (const bool cpu_checkpointing : {false, true}) {
       if (cpu_checkpointing && !checkpointing) continue;
-      strata::nn::LlamaModelOptions options;
+      strata::nn::DecoderModelOptions options;
       options.checkpoint_activations = checkpointing;
       options.cpu_checkpointing = cpu_checkpointing;
       INFO("checkpointing " << checkpointing << ", cpu " << cpu_checkpointing);
-      CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, checkpointing,
+      CHECK(strata::plan::decoder_arena_nbytes(c, strata::DType::kF32, batch, seq, checkpointing,
                                              cpu_checkpointing) == model_arena_nbytes(c, options, batch, seq));
     }
   }
 }
 
-TEST_CASE("the plan's activation arena with LoRA adapters (with and without dropout) is the one LlamaModel allocates",
+TEST_CASE("the plan's activation arena with LoRA adapters (with and without dropout) is the one DecoderModel allocates",
           "[plan][check]") {
-  const strata::nn::LlamaConfig c = arena_config(64, 32, 48, 2, 8);
+  const strata::nn::DecoderConfig c = arena_config(64, 32, 48, 2, 8);
   const int64_t batch = 2, seq = 12;
   for (const double dropout : {0.0, 0.1}) {
     INFO("dropout " << dropout);
-    strata::nn::LlamaModelOptions options;
+    strata::nn::DecoderModelOptions options;
     options.lora.rank = 3;
     options.lora.alpha = 8;
     options.lora.dropout = dropout;
     options.lora.targets = strata::nn::parse_lora_targets(dropout > 0 ? "q_proj,down_proj" : "all-linear");
     const size_t arena = model_arena_nbytes(c, options, batch, seq);
-    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, options.lora) == arena);
-    CHECK(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) < arena);
+    CHECK(strata::plan::decoder_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false, options.lora) == arena);
+    CHECK(strata::plan::decoder_arena_nbytes(c, strata::DType::kF32, batch, seq, false, false) < arena);
   }
 }
 
@@ -345,13 +345,13 @@ TEST_CASE("strata plan --check: a tensor- and sequence-parallel finetune (tp 2 x
   // Rank 0's files: its replicated tensors' group and its tp shards' group,
   // each a parameter file and optimizer slots, exactly what the plan lists.
   CHECK(check_measured_tiers(j, true) == 3);
-  // The arena is a tp rank's with sequence parallelism: what llama_arena_nbytes gives.
+  // The arena is a tp rank's with sequence parallelism: what decoder_arena_nbytes gives.
   double arena = 0;
   for (const auto& item : j["items"]) {
     if (item["name"] == "activation arena") arena = item["bytes"].get<double>();
   }
-  const strata::nn::LlamaConfig c = strata::nn::load_llama_config(std::string(kExamples) + "/byte_llama.json");
-  CHECK(arena == static_cast<double>(strata::plan::llama_arena_nbytes(c, strata::DType::kF32, 4, 128, false, false,
+  const strata::nn::DecoderConfig c = strata::nn::load_decoder_config(std::string(kExamples) + "/byte_llama.json");
+  CHECK(arena == static_cast<double>(strata::plan::decoder_arena_nbytes(c, strata::DType::kF32, 4, 128, false, false,
                                                                        {}, 1, 2, true)));
 }
 

@@ -405,7 +405,7 @@ TEST_CASE("strata plan: a Hugging Face config and a ds_config", "[plan][cli]") {
   CHECK(plan["model"]["layers"] == 8);
   CHECK(plan["model"]["heads"] == 16);
   CHECK(plan["model"]["vocab"] == 32000);
-  // LlamaConfig::parameter_count: embedding and lm_head 2·32000·1024, 8 layers
+  // DecoderConfig::parameter_count: embedding and lm_head 2·32000·1024, 8 layers
   // of q,o 1024² + k,v 2·1024·256 + MLP 3·1024·2816 + two norms, the final norm.
   CHECK(plan["model"]["param_count"] == 155'730'944);
   // train_micro_batch_size_per_gpu and gradient_accumulation_steps come from the config.

@@ -14,7 +14,7 @@
 #include "core/durable_file.h"
 #include "core/error.h"
 #include "nvme/io_backend.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/hf_export.h"
 #include "runtime/train/hf_model.h"
@@ -26,8 +26,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-nn::LlamaConfig small_config(int heads) {
-  nn::LlamaConfig c;
+nn::DecoderConfig small_config(int heads) {
+  nn::DecoderConfig c;
   c.vocab_size = 64;
   c.hidden_size = 32;
   c.intermediate_size = 48;
@@ -41,17 +41,17 @@ nn::LlamaConfig small_config(int heads) {
   return c;
 }
 
-nlohmann::json model_of(const nn::LlamaConfig& config) { return {{"config", config.to_json()}, {"dtype", "fp32"}}; }
+nlohmann::json model_of(const nn::DecoderConfig& config) { return {{"config", config.to_json()}, {"dtype", "fp32"}}; }
 
-using Body = std::function<void(engine::ZeroEngine&, nn::LlamaModel&, partition::Communicator&)>;
+using Body = std::function<void(engine::ZeroEngine&, nn::DecoderModel&, partition::Communicator&)>;
 
 // A one-rank ZeRO-3 engine holding `config`, initialised with `seed`.
-void with_model(const nn::LlamaConfig& config, uint64_t seed, const Body& body) {
+void with_model(const nn::DecoderConfig& config, uint64_t seed, const Body& body) {
   test::run_zero_ranks(1, [&](int, Accelerator& accelerator, engine::ZeroComms comms) {
     engine::ZeroEngineOptions options;
     options.stage = 3;
     engine::ZeroEngine engine(accelerator, comms, options);
-    nn::LlamaModel model(engine, config, {});
+    nn::DecoderModel model(engine, config, {});
     engine.finalize();
     nn::initialize_parameters(engine, model.parameters(), seed, 0.2);
     body(engine, model, *comms.control);
@@ -80,16 +80,16 @@ nvme::IoFault enospc_at_write(uint64_t nth) {
 
 TEST_CASE("a checkpoint of another model is refused naming the key and both values", "[checkpoint]") {
   test::TempDir dir;
-  const nn::LlamaConfig four_heads = small_config(4);
-  with_model(four_heads, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel&, partition::Communicator&) {
+  const nn::DecoderConfig four_heads = small_config(4);
+  with_model(four_heads, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel&, partition::Communicator&) {
     train::Checkpoints(dir.path(), 2).save(engine, {2, 10, model_of(four_heads)});
   });
   struct Case {
     std::string what;
-    nn::LlamaConfig config;
+    nn::DecoderConfig config;
     std::string expect;
   };
-  nn::LlamaConfig eps = four_heads, theta = four_heads;
+  nn::DecoderConfig eps = four_heads, theta = four_heads;
   eps.rms_norm_eps = 1e-6;
   theta.rope.theta = 500000;
   // Two heads of 16 have the same parameter shapes as four of 8: only the manifest can tell.
@@ -97,7 +97,7 @@ TEST_CASE("a checkpoint of another model is refused naming the key and both valu
                                                        "checkpoint, 2 in this run"},
                         Case{"rms_norm_eps", eps, "rms_norm_eps"}, Case{"rope_theta", theta, "rope_theta"}}) {
     CAPTURE(c.what);
-    with_model(c.config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel&, partition::Communicator&) {
+    with_model(c.config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel&, partition::Communicator&) {
       train::Checkpoints checkpoints(dir.path(), 2);
       checkpoints.expect_model(model_of(c.config));
       try {
@@ -110,7 +110,7 @@ TEST_CASE("a checkpoint of another model is refused naming the key and both valu
     });
   }
   // Another parameter dtype (bf16 / fp16 of the ds_config) is another model too.
-  with_model(four_heads, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel&, partition::Communicator&) {
+  with_model(four_heads, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel&, partition::Communicator&) {
     train::Checkpoints checkpoints(dir.path(), 2);
     nlohmann::json bf16 = model_of(four_heads);
     bf16["dtype"] = "bf16";
@@ -128,8 +128,8 @@ TEST_CASE("a checkpoint of another model is refused naming the key and both valu
 
 TEST_CASE("an edited manifest is detected by its checksum and the previous checkpoint used", "[checkpoint]") {
   test::TempDir dir;
-  const nn::LlamaConfig config = small_config(4);
-  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel&, partition::Communicator&) {
+  const nn::DecoderConfig config = small_config(4);
+  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel&, partition::Communicator&) {
     train::Checkpoints checkpoints(dir.path(), 2);
     checkpoints.save(engine, {2, 20, model_of(config)});
     checkpoints.save(engine, {4, 40, model_of(config)});
@@ -143,7 +143,7 @@ TEST_CASE("an edited manifest is detected by its checksum and the previous check
     REQUIRE(edited.find(from) != std::string::npos);
     edited.replace(edited.find(from), from.size(), to);
     write_file_durably(manifest, edited);
-    with_model(config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel&, partition::Communicator&) {
+    with_model(config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel&, partition::Communicator&) {
       train::Checkpoints checkpoints(dir.path(), 2);
       checkpoints.expect_model(model_of(config));
       std::vector<std::string> rejected;
@@ -162,13 +162,13 @@ TEST_CASE("an edited manifest is detected by its checksum and the previous check
 
 TEST_CASE("a write that fails during a checkpoint or an export leaves the previous one intact", "[checkpoint]") {
   test::TempDir dir;
-  const nn::LlamaConfig config = small_config(4);
+  const nn::DecoderConfig config = small_config(4);
   const fs::path ckpt = dir.path() / "ckpt", model_dir = dir.path() / "model";
   train::ExportOptions one_file;
   one_file.dtype = DType::kF32;
   train::ExportOptions sharded = one_file;
   sharded.max_shard_nbytes = 4096;
-  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel& model, partition::Communicator& comm) {
+  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel& model, partition::Communicator& comm) {
     train::Checkpoints checkpoints(ckpt, 2);
     checkpoints.save(engine, {2, 20, model_of(config)});
     train::export_hf_model(engine, comm, config, model.parameters(), model_dir, one_file);
@@ -177,7 +177,7 @@ TEST_CASE("a write that fails during a checkpoint or an export leaves the previo
   REQUIRE(exported.size() > 10000);
   for (const uint64_t nth : {1, 3, 7}) {
     CAPTURE(nth);
-    with_model(config, 2, [&](engine::ZeroEngine& engine, nn::LlamaModel& model, partition::Communicator& comm) {
+    with_model(config, 2, [&](engine::ZeroEngine& engine, nn::DecoderModel& model, partition::Communicator& comm) {
       {
         ScopedFaults faults({enospc_at_write(nth)});
         train::Checkpoints checkpoints(ckpt, 2);
@@ -207,7 +207,7 @@ TEST_CASE("a write that fails during a checkpoint or an export leaves the previo
 TEST_CASE("a re-export replaces the directory whole, both ways and a directory with both layouts is refused",
           "[export]") {
   test::TempDir dir;
-  const nn::LlamaConfig config = small_config(4);
+  const nn::DecoderConfig config = small_config(4);
   const fs::path model_dir = dir.path() / "model";
   train::ExportOptions one_file;
   one_file.dtype = DType::kF32;
@@ -218,7 +218,7 @@ TEST_CASE("a re-export replaces the directory whole, both ways and a directory w
     for (const auto& entry : fs::directory_iterator(model_dir)) out.insert(entry.path().filename().string());
     return out;
   };
-  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel& model, partition::Communicator& comm) {
+  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel& model, partition::Communicator& comm) {
     train::export_hf_model(engine, comm, config, model.parameters(), model_dir, one_file);
     write_file_durably(model_dir / "README.md", "mine\n");  // not the export's: carried over
     const auto shards = train::export_hf_model(engine, comm, config, model.parameters(), model_dir, sharded);
@@ -236,7 +236,7 @@ TEST_CASE("a re-export replaces the directory whole, both ways and a directory w
   fs::copy_file(model_dir / "config.json", mixed / "config.json");
   fs::copy_file(model_dir / "model.safetensors", mixed / "model.safetensors");
   write_file_durably(mixed / "model.safetensors.index.json", R"({"weight_map": {}})");
-  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::LlamaModel& model, partition::Communicator&) {
+  with_model(config, 1, [&](engine::ZeroEngine& engine, nn::DecoderModel& model, partition::Communicator&) {
     CHECK_THROWS_WITH(train::load_hf_weights(engine, model.parameters(), mixed),
                       Catch::Contains((mixed / "model.safetensors").string()) &&
                           Catch::Contains((mixed / "model.safetensors.index.json").string()));

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
@@ -74,7 +74,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
     if (key != "dtype" && key != "torch_dtype") CHECK(out[key] == value);
   }
   CHECK(out["model_type"] == src["model_type"]);
-  const strata::nn::LlamaConfig c = strata::nn::parse_llama_config(out);
+  const strata::nn::DecoderConfig c = strata::nn::parse_decoder_config(out);
   const json archs = {c.model_type == "llama"     ? "LlamaForCausalLM"
                       : c.model_type == "mistral" ? "MistralForCausalLM"
                       : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
@@ -191,7 +191,7 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on
   CHECK(exported["model_type"] == "mixtral");
   CHECK(exported["architectures"] == source["architectures"]);
   const strata::nn::SafetensorsFile file = strata::nn::SafetensorsFile::open(out + "/model/model.safetensors");
-  const strata::nn::LlamaConfig c = strata::nn::parse_llama_config(exported);
+  const strata::nn::DecoderConfig c = strata::nn::parse_decoder_config(exported);
   CHECK(file.names().size() == strata::nn::hf_tensors(c).size());
   for (const auto& t : strata::nn::hf_tensors(c)) {
     INFO(t.name);

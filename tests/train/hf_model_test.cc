@@ -11,7 +11,7 @@
 
 #include "core/accelerator.h"
 #include "core/error.h"
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/train/hf_model.h"
 #include "tests/nn/engine_rig.h"
@@ -97,10 +97,10 @@ TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[tra
     INFO(name);
     CHECK_NOTHROW(train::load_hf_config(fixture(name)));
     const fs::path sharded = shard_fixture(dir, name, std::string(name) + "_sharded");
-    const nn::LlamaConfig c = train::load_hf_config(sharded);
+    const nn::DecoderConfig c = train::load_hf_config(sharded);
     // The weights land where the single file's do.
     test::Rig a, b;
-    nn::LlamaModel ma(*a.engine, c), mb(*b.engine, c);
+    nn::DecoderModel ma(*a.engine, c), mb(*b.engine, c);
     a.engine->finalize();
     b.engine->finalize();
     train::load_hf_weights(*a.engine, ma.parameters(), fixture(name));
@@ -181,14 +181,14 @@ TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformer
 
 TEST_CASE("hf model: load_hf_weights itself refuses a tensor no parameter claims", "[train][hf]") {
   // Even without load_hf_config's check (a caller that reads config.json itself).
-  const nn::LlamaConfig qwen2 = nn::load_llama_config(fixture("qwen2_untied_f32") + "/config.json");
-  nn::LlamaConfig as_llama = qwen2;
+  const nn::DecoderConfig qwen2 = nn::load_decoder_config(fixture("qwen2_untied_f32") + "/config.json");
+  nn::DecoderConfig as_llama = qwen2;
   as_llama.model_type = "llama";
   as_llama.attention_qkv_bias = false;
   as_llama.sliding_window = 0;
   as_llama.sliding_layers.clear();
   test::Rig rig;
-  nn::LlamaModel model(*rig.engine, as_llama);
+  nn::DecoderModel model(*rig.engine, as_llama);
   rig.engine->finalize();
   REQUIRE_THROWS_WITH(train::load_hf_weights(*rig.engine, model.parameters(), fixture("qwen2_untied_f32")),
                       Catch::Contains("q_proj.bias' matches no parameter") ||

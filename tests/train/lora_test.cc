@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/param_files.h"
 #include "runtime/nn/lora.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/train/peft_adapter.h"
@@ -75,9 +75,9 @@ const char* const kTargets = "q_proj,v_proj,down_proj";
 // adapter in `adapter_dir` on top unless it is empty.
 double loss_of(const std::string& model_dir, const std::string& adapter_dir, const std::vector<int32_t>& ids) {
   strata::test::Rig rig;
-  nn::LlamaModelOptions options;
+  nn::DecoderModelOptions options;
   if (!adapter_dir.empty()) options.lora = strata::train::read_peft_adapter(adapter_dir).spec;
-  nn::LlamaModel model(*rig.engine, nn::load_llama_config(model_dir + "/config.json"), options);
+  nn::DecoderModel model(*rig.engine, nn::load_decoder_config(model_dir + "/config.json"), options);
   rig.engine->finalize();
   std::vector<nn::ParamId> base, adapters;
   for (nn::ParamId id : model.parameters()) {
@@ -149,7 +149,7 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
   CHECK(adapter["target_modules"].get<std::set<std::string>>() ==
         std::set<std::string>{"q_proj", "v_proj", "down_proj"});
   const nn::SafetensorsFile weights = nn::SafetensorsFile::open(dir.file("adapter") + "/adapter_model.safetensors");
-  const nn::LlamaConfig c = nn::load_llama_config(base + "/config.json");
+  const nn::DecoderConfig c = nn::load_decoder_config(base + "/config.json");
   CHECK(weights.names().size() == static_cast<size_t>(c.num_hidden_layers) * 3 * 2);
   const auto& a = weights.entry("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight");
   CHECK(a.shape == strata::Shape{4, c.intermediate_size});

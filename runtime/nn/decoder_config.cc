@@ -1,7 +1,7 @@
 // The decoder configuration's own rules: consistency, the tensor list and
 // parameter count, writing config.json back, and the file entry points.
 // Parsing, with every family's key policy, is in config_families.cc.
-#include "runtime/nn/llama_config.h"
+#include "runtime/nn/decoder_config.h"
 
 #include <fmt/format.h>
 
@@ -15,7 +15,7 @@
 
 namespace strata::nn {
 
-ops::AttentionMask LlamaConfig::attention_mask(int64_t layer) const {
+ops::AttentionMask DecoderConfig::attention_mask(int64_t layer) const {
   const bool windowed =
       sliding_window > 0 && (sliding_layers.empty() ||
                              (layer >= 0 && static_cast<size_t>(layer) < sliding_layers.size() &&
@@ -23,7 +23,7 @@ ops::AttentionMask LlamaConfig::attention_mask(int64_t layer) const {
   return ops::AttentionMask{windowed ? sliding_window : 0};
 }
 
-void LlamaConfig::validate() const {
+void DecoderConfig::validate() const {
   auto positive = [](const char* key, int64_t v) {
     STRATA_CHECK(v > 0, kBadArgument, "key '{}' must be positive, got {}", key, v);
   };
@@ -137,14 +137,14 @@ void LlamaConfig::validate() const {
       head_dim);
 }
 
-std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
+std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
   const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim,
                 kv = c.num_key_value_heads * c.head_dim, inter = c.intermediate_size;
   std::vector<HfTensor> out;
   auto add = [&](std::string name, Shape shape) {
     out.push_back({std::move(name), std::move(shape)});
   };
-  // The order of LlamaModel's declarations (llama_model.cc, attention.cc).
+  // The order of DecoderModel's declarations (decoder_model.cc, attention.cc).
   add("model.embed_tokens.weight", {c.vocab_size, h});
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
@@ -192,12 +192,12 @@ std::vector<HfTensor> hf_tensors(const LlamaConfig& c) {
   return out;
 }
 
-MoeNames moe_names(const LlamaConfig& c) {
+MoeNames moe_names(const DecoderConfig& c) {
   if (c.model_type == "mixtral") return {"block_sparse_moe", "w1", "w3", "w2"};
   return {"mlp", "gate_proj", "up_proj", "down_proj"};
 }
 
-int64_t LlamaConfig::parameter_count() const {
+int64_t DecoderConfig::parameter_count() const {
   int64_t n = 0;
   for (const HfTensor& t : hf_tensors(*this)) n += shape_numel(t.shape);
   return n;
@@ -234,7 +234,7 @@ nlohmann::json rope_json(const ops::Rope& r, bool with_theta) {
 
 }  // namespace
 
-nlohmann::json LlamaConfig::to_json() const {
+nlohmann::json DecoderConfig::to_json() const {
   nlohmann::json j = source.is_object() ? source : nlohmann::json::object();
   j["model_type"] = model_type;
   if (!j.contains("architectures")) j["architectures"] = {architecture_of(model_type)};
@@ -306,7 +306,7 @@ nlohmann::json LlamaConfig::to_json() const {
   return j;
 }
 
-nlohmann::json LlamaConfig::to_hf_json(DType dtype) const {
+nlohmann::json DecoderConfig::to_hf_json(DType dtype) const {
   nlohmann::json j = to_json();
   const char* name = dtype == DType::kF32   ? "float32"
                      : dtype == DType::kF16 ? "float16"
@@ -324,7 +324,7 @@ const char* supported_model_types() {
          "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)";
 }
 
-LlamaConfig load_llama_config(const std::string& path) {
+DecoderConfig load_decoder_config(const std::string& path) {
   std::ifstream in(path);
   if (!in) raise_errno(errno, "open model config " + path);
   nlohmann::json j;
@@ -335,10 +335,10 @@ LlamaConfig load_llama_config(const std::string& path) {
     raise(ErrorCategory::kBadArgument, "{}: not valid JSON: {}", path,
           printable_excerpt(e.what(), 240));
   }
-  return parse_llama_config(j, path);
+  return parse_decoder_config(j, path);
 }
 
-void save_llama_config(const LlamaConfig& config, const std::string& path) {
+void save_decoder_config(const DecoderConfig& config, const std::string& path) {
   std::ofstream out(path);
   if (!out) raise_errno(errno, "create model config " + path);
   out << config.to_json().dump(2) << "\n";
@@ -346,7 +346,7 @@ void save_llama_config(const LlamaConfig& config, const std::string& path) {
   STRATA_CHECK(out.good(), kIo, "writing model config {} failed", path);
 }
 
-LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
+DecoderConfig tensor_parallel_share(const DecoderConfig& c, int tp) {
   STRATA_CHECK(tp >= 1, kBadArgument, "tensor parallelism must be at least 1, got {}", tp);
   if (tp == 1) return c;
   STRATA_CHECK(!c.moe(), kBadArgument,
@@ -368,7 +368,7 @@ LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp) {
                "tensor parallelism {} does not divide vocab_size {} (the embedding and lm_head are split by "
                "vocabulary rows)",
                tp, c.vocab_size);
-  LlamaConfig share = c;
+  DecoderConfig share = c;
   share.num_attention_heads /= tp;
   share.num_key_value_heads = std::max<int64_t>(c.num_key_value_heads / tp, 1);
   share.intermediate_size /= tp;

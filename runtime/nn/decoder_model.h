@@ -1,12 +1,13 @@
-// The decoder of the Llama family (Hugging Face's LlamaForCausalLM layout, and
-// Mistral, Qwen2 and Qwen3: the variants llama_config.h describes) and its
-// runner: embedding, decoder layers (RMSNorm -> attention -> residual,
-// RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, and the output
+// The decoder every supported family is (Hugging Face's *ForCausalLM layouts
+// of llama, mistral, qwen2, qwen3 and their mixtures of experts: the variants
+// decoder_config.h describes) and its runner: embedding, decoder layers
+// (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual),
+// final RMSNorm, and the output
 // projection fused with a chunked cross-entropy loss. Parameter names are
 // Hugging Face's (hf_tensors), so weights load from and save to HF
-// safetensors unchanged (runtime/nn/llama_weights.h).
+// safetensors unchanged (runtime/nn/param_files.h).
 //
-// LlamaModel is also the model RUNNER (llm.c style): it owns one activation
+// DecoderModel is also the model RUNNER (llm.c style): it owns one activation
 // arena in accelerator memory, sized for the largest batch x seq seen, holding
 // everything a forward saves for backward plus backward scratch; modules hold
 // descriptors only. All work is enqueued on the engine's compute stream; the
@@ -26,7 +27,7 @@
 // lm_head gradient from logits formed once (ops.h, cross_entropy). backward()
 // then continues from the final norm down to the embedding.
 //
-// Activation checkpointing (LlamaModelOptions::checkpoint_activations), per
+// Activation checkpointing (DecoderModelOptions::checkpoint_activations), per
 // decoder layer: forward keeps only each layer's input (its checkpoint, which
 // is the residual stream) and runs every layer in ONE shared set of activation
 // buffers; backward, from the top, runs each layer's forward again from its
@@ -89,7 +90,7 @@ class DecoderLayer : public Module {
  public:
   // Layer `layer` of `config`. sequence_parallel: the layer's input, output
   // and norms hold this tp rank's block of rows (needs tensor parallelism).
-  DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& config, int64_t layer,
+  DecoderLayer(engine::Engine& engine, std::string name, const DecoderConfig& config, int64_t layer,
                DType dtype, MlpTiling mlp_tiling = {}, const LoraSpec* lora = nullptr,
                bool skip_unrouted_experts = true, bool sequence_parallel = false);
   // x, y [local, hidden] (DecoderActs); batch x seq are every rank's rows.
@@ -119,7 +120,7 @@ class DecoderLayer : public Module {
   std::unique_ptr<MoeMlp> moe_;  // mixture-of-experts families (config.moe())
 };
 
-struct LlamaModelOptions {
+struct DecoderModelOptions {
   DType dtype = DType::kF32;  // parameter storage
   // Activation storage; unset: fp32 on the cpu accelerator (its kernels compute
   // in fp32 anyway), the parameter dtype on cuda.
@@ -174,7 +175,7 @@ struct ForwardOptions {
   // computes for each document alone. Empty: one sequence per row, positions
   // 0..seq-1.
   std::span<const int32_t> positions{};
-  // LoRA dropout (LlamaModelOptions::lora.dropout): the mask seed of this
+  // LoRA dropout (DecoderModelOptions::lora.dropout): the mask seed of this
   // forward; give each forward its own (step, micro-batch). Only a training
   // forward (backward = true) drops; evaluation computes without dropout.
   uint64_t dropout_seed = 0;
@@ -192,10 +193,10 @@ struct LossStats {
   double mean() const { return sum / count + aux_coef * aux; }
 };
 
-class LlamaModel : public Module {
+class DecoderModel : public Module {
  public:
-  LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaModelOptions options = {});
-  ~LlamaModel() override;
+  DecoderModel(engine::Engine& engine, const DecoderConfig& config, DecoderModelOptions options = {});
+  ~DecoderModel() override;
 
   // Predicting targets[t] from ids[0..t] within each sequence. ids, targets:
   // [batch * seq] host arrays; targets may hold ops::kIgnoreIndex. Enqueues the
@@ -208,7 +209,7 @@ class LlamaModel : public Module {
   LossStats loss_stats();
   double loss() { return loss_stats().mean(); }
 
-  const LlamaConfig& config() const { return config_; }
+  const DecoderConfig& config() const { return config_; }
   DType activation_dtype() const { return act_dtype_; }
   // Mixture of experts: the routers' load imbalance over the forwards since
   // reset_router_load() — per layer, the tokens of the busiest expert over the
@@ -240,8 +241,8 @@ class LlamaModel : public Module {
   void upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
               std::span<const int32_t> positions, int64_t batch, int64_t seq, double normalizer);
 
-  LlamaConfig config_;
-  LlamaModelOptions options_;
+  DecoderConfig config_;
+  DecoderModelOptions options_;
   DType act_dtype_;
   std::unique_ptr<Embedding> embed_tokens_;
   std::vector<std::unique_ptr<DecoderLayer>> layers_;
@@ -255,14 +256,14 @@ class LlamaModel : public Module {
   bool backward_pending_ = false;
 };
 
-// LlamaModelOptions::loss_chunk_rows when left 0: as many rows as fit 64 MiB
+// DecoderModelOptions::loss_chunk_rows when left 0: as many rows as fit 64 MiB
 // of fp32 logits over this rank's vocabulary (all of it, or vocab / tp with
 // tensor parallelism), at least 64.
-int64_t default_loss_chunk_rows(const LlamaConfig& config, int tensor_parallel = 1);
+int64_t default_loss_chunk_rows(const DecoderConfig& config, int tensor_parallel = 1);
 
 // The widest input of a projection `lora` targets: the columns of its dropout
 // scratch (LoraScratch::xd).
-int64_t lora_widest_input(const LlamaConfig& config, const LoraSpec& lora);
+int64_t lora_widest_input(const DecoderConfig& config, const LoraSpec& lora);
 
 // Deterministic initialisation keyed by (parameter name, element index), so the
 // result does not depend on declaration order, world size or sharding:

@@ -1,5 +1,5 @@
 // The decoder's configuration: one struct for every supported Hugging Face
-// family, read from config.json. LlamaModel is one decoder (embedding, RMSNorm
+// family, read from config.json. DecoderModel is one decoder (embedding, RMSNorm
 // -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual, final norm,
 // lm_head); what differs between the families is which variant each piece
 // is, and this struct says it:
@@ -65,7 +65,7 @@
 
 namespace strata::nn {
 
-struct LlamaConfig {
+struct DecoderConfig {
   // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
@@ -132,7 +132,7 @@ struct LlamaConfig {
 // lm_head's rows split by it, Embedding). Refused (kBadArgument, naming the
 // sizes) when tp does not divide them or vocab_size (nor num_key_value_heads
 // tp), and for what is not implemented with tensor parallelism yet: experts.
-LlamaConfig tensor_parallel_share(const LlamaConfig& c, int tp);
+DecoderConfig tensor_parallel_share(const DecoderConfig& c, int tp);
 
 // A tensor of the Hugging Face checkpoint: its name and shape.
 struct HfTensor {
@@ -141,7 +141,7 @@ struct HfTensor {
 };
 // Every tensor the architecture uses, in the model's declaration order: the
 // checkpoint must hold exactly these (a tied lm_head may repeat the embedding).
-std::vector<HfTensor> hf_tensors(const LlamaConfig& config);
+std::vector<HfTensor> hf_tensors(const DecoderConfig& config);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
 // (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a
@@ -153,14 +153,14 @@ struct MoeNames {
   const char* up;
   const char* down;
 };
-MoeNames moe_names(const LlamaConfig& config);
+MoeNames moe_names(const DecoderConfig& config);
 
 // The families strata fine-tunes, for messages and --help.
 const char* supported_model_types();
 
-LlamaConfig parse_llama_config(const nlohmann::json& json,
+DecoderConfig parse_decoder_config(const nlohmann::json& json,
                                const std::string& source = "config.json");
-LlamaConfig load_llama_config(const std::string& path);
-void save_llama_config(const LlamaConfig& config, const std::string& path);
+DecoderConfig load_decoder_config(const std::string& path);
+void save_decoder_config(const DecoderConfig& config, const std::string& path);
 
 }  // namespace strata::nn

@@ -1,6 +1,6 @@
 // Parameters <-> safetensors by Hugging Face name, range by range; tiles
 // (ParameterSlice) map their elements into their untiled tensor row by row.
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/param_files.h"
 
 #include <cstring>
 #include <map>

@@ -1,6 +1,6 @@
-// DecoderLayer, LlamaModel (the runner with its activation arena), and
+// DecoderLayer, DecoderModel (the runner with its activation arena), and
 // counter-based parameter initialisation.
-#include "runtime/nn/llama_model.h"
+#include "runtime/nn/decoder_model.h"
 
 #include <cmath>
 #include <algorithm>
@@ -8,11 +8,11 @@
 #include <numbers>
 
 #include "core/error.h"
-#include "runtime/nn/llama_weights.h"
+#include "runtime/nn/param_files.h"
 
 namespace strata::nn {
 
-DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const LlamaConfig& c,
+DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const DecoderConfig& c,
                            int64_t layer, DType dtype, MlpTiling mlp_tiling, const LoraSpec* lora,
                            bool skip_unrouted_experts, bool sequence_parallel)
     : Module(engine, std::move(name)), sp_(sequence_parallel) {
@@ -105,7 +105,7 @@ void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int6
 
 namespace {
 
-// A module that only owns lm_head.weight (its kernel runs inside LlamaModel);
+// A module that only owns lm_head.weight (its kernel runs inside DecoderModel);
 // with tensor parallelism this rank's vocabulary rows, as Embedding's.
 class LmHead : public Module {
  public:
@@ -138,7 +138,7 @@ class ArenaLayout {
 }  // namespace
 
 // Everything a step needs in accelerator memory, plus pinned host staging.
-struct LlamaModel::Arena {
+struct DecoderModel::Arena {
   Accelerator* accelerator = nullptr;
   int64_t batch = 0, seq = 0;
   Tensor memory;
@@ -206,7 +206,7 @@ struct LlamaModel::Arena {
   }
 };
 
-LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaModelOptions options)
+DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, DecoderModelOptions options)
     : Module(engine, "model"), config_(config), options_(options) {
   config_.validate();
   act_dtype_ = options_.activation_dtype.value_or(
@@ -257,7 +257,7 @@ LlamaModel::LlamaModel(engine::Engine& engine, const LlamaConfig& config, LlamaM
   }
 }
 
-LlamaModel::~LlamaModel() {
+DecoderModel::~DecoderModel() {
   // The arena must outlive the work enqueued on it (a step abandoned by an error).
   try {
     if (arena_) engine_.compute_stream().synchronize();
@@ -266,13 +266,13 @@ LlamaModel::~LlamaModel() {
   }
 }
 
-size_t LlamaModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
+size_t DecoderModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
 
-size_t LlamaModel::host_checkpoint_nbytes() const {
+size_t DecoderModel::host_checkpoint_nbytes() const {
   return arena_ ? arena_->host_checkpoints_nbytes : 0;
 }
 
-void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
+void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   if (arena_ && arena_->batch == batch && arena_->seq == seq) return;
   if (arena_) engine_.compute_stream().synchronize();  // the old arena may still be in use
   arena_.reset();
@@ -281,7 +281,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   a->batch = batch;
   a->seq = seq;
   // This rank's share of the heads and MLP features (all of them without tensor parallelism).
-  const LlamaConfig c = tensor_parallel_share(config_, engine_.tensor_group().size);
+  const DecoderConfig c = tensor_parallel_share(config_, engine_.tensor_group().size);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const bool sp = options_.sequence_parallel;
@@ -466,7 +466,7 @@ void LlamaModel::ensure_arena(int64_t batch, int64_t seq) {
   arena_ = std::move(a);
 }
 
-void LlamaModel::upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
+void DecoderModel::upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
                         std::span<const int32_t> positions, int64_t batch, int64_t seq, double normalizer) {
   Arena& a = *arena_;
   a.uploaded->synchronize();  // the previous step's copies have read the staging memory
@@ -502,7 +502,7 @@ void LlamaModel::upload(std::span<const int32_t> ids, std::span<const int32_t> t
   s.record(*a.uploaded);
 }
 
-void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> targets,
+void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t> targets,
                          int64_t batch, int64_t seq, const ForwardOptions& options) {
   STRATA_CHECK(batch > 0 && seq > 0 && seq <= config_.max_position_embeddings, kBadArgument,
                "model: batch {} x seq {} invalid (max_position_embeddings {})", batch, seq,
@@ -628,7 +628,7 @@ void LlamaModel::forward(std::span<const int32_t> ids, std::span<const int32_t> 
   backward_pending_ = true;
 }
 
-void LlamaModel::vocab_parallel_loss(const TensorView& normalizer, double grad_scale, const TensorView& dh) {
+void DecoderModel::vocab_parallel_loss(const TensorView& normalizer, double grad_scale, const TensorView& dh) {
   // Megatron's vocabulary-parallel cross-entropy, chunk by chunk: this rank's
   // logits [n, V / tp], each row's log-sum-exp and target logit over its
   // columns, gathered from every rank (2 n floats each), the whole
@@ -667,7 +667,7 @@ void LlamaModel::vocab_parallel_loss(const TensorView& normalizer, double grad_s
   }
 }
 
-void LlamaModel::backward() {
+void DecoderModel::backward() {
   STRATA_CHECK(backward_pending_, kBadArgument,
                "model: backward() needs a forward() with ForwardOptions::backward (and only one "
                "backward per forward)");
@@ -702,13 +702,13 @@ void LlamaModel::backward() {
   }
 }
 
-TokenPlaces LlamaModel::places() const {
+TokenPlaces DecoderModel::places() const {
   TokenPlaces p = arena_->places;
   if (!packed_) p.segment_start = p.segment_end = TensorView{};
   return p;
 }
 
-LossStats LlamaModel::loss_stats() {
+LossStats DecoderModel::loss_stats() {
   STRATA_CHECK(arena_ && batch_ > 0, kBadArgument, "model: loss requested before any forward()");
   Arena& a = *arena_;
   double* host = a.host_doubles() + 1;
@@ -759,12 +759,12 @@ double uniform_at(uint64_t key, uint64_t index) {
 
 }  // namespace
 
-int64_t default_loss_chunk_rows(const LlamaConfig& config, int tensor_parallel) {
+int64_t default_loss_chunk_rows(const DecoderConfig& config, int tensor_parallel) {
   constexpr int64_t kLogitsBudget = int64_t{64} << 20;
   return std::max<int64_t>(64, kLogitsBudget / (4 * (config.vocab_size / tensor_parallel)));
 }
 
-int64_t lora_widest_input(const LlamaConfig& c, const LoraSpec& lora) {
+int64_t lora_widest_input(const DecoderConfig& c, const LoraSpec& lora) {
   int64_t in = 0;
   for (const std::string& target : lora.targets) {
     in = std::max(in, target == "o_proj"      ? c.num_attention_heads * c.head_dim
@@ -806,7 +806,7 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
   }
 }
 
-double LlamaModel::router_load_imbalance() const {
+double DecoderModel::router_load_imbalance() const {
   double worst = 0;
   for (const auto& layer : layers_) {
     const MoeMlp* moe = layer->moe();
@@ -822,7 +822,7 @@ double LlamaModel::router_load_imbalance() const {
   return worst;
 }
 
-void LlamaModel::reset_router_load() {
+void DecoderModel::reset_router_load() {
   for (auto& layer : layers_) {
     if (MoeMlp* moe = layer->moe()) moe->reset_load();
   }
