@@ -146,7 +146,7 @@ TEST_CASE("schedules: the simulation finds deadlocks, mispaired transfers and ou
   CHECK_THAT(simulate(lonely).error, Catch::Contains("has no partner: rank 0 sends rank 1 1 transfers, which receives 0"));
 }
 
-TEST_CASE("schedules: the bubble of a unit-cost simulation is the formula's; ZB-H1's a third of 1F1B's") {
+TEST_CASE("schedules: the bubble of a unit-cost simulation is the formula's, ZB-H1's a third of 1F1B's") {
   const Costs unit;  // F = B = W = 1, a whole backward 2
   for (int p : {2, 4, 8}) {
     for (int m : {4, 8, 16, 32}) {
