@@ -174,6 +174,8 @@ struct DecoderModel::Arena {
   // Pinned host memory for each acts entry's expert offsets (E + 1 int32
   // each), then (expert parallelism) the permutation upload the layers share.
   void* host_moe = nullptr;
+  // Each layer's routing, kept from its forward to its backward.
+  std::vector<MoeRouting> moe_routing;
   TokenPlaces places;  // positions, and the documents' ranges when packed
   // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
   // each), then normalizer and stats (fp64).
@@ -187,7 +189,13 @@ struct DecoderModel::Arena {
 
   const TensorView& input(size_t l) const { return alternating ? res[l % 2] : res[l]; }
   const TensorView& output(size_t l) const { return input(l + 1); }
-  const DecoderActs& acts_of(size_t l) const { return acts.size() == 1 ? acts[0] : acts[l]; }
+  // Layer l's activations, with its own routing state (a mixture of experts:
+  // kept per layer even where the layers share one set of buffers).
+  DecoderActs acts_of(size_t l) {
+    DecoderActs d = acts.size() == 1 ? acts[0] : acts[l];
+    if (!moe_routing.empty()) d.moe.routing = &moe_routing[l];
+    return d;
+  }
   void* host_checkpoint(size_t l) const {
     return static_cast<char*>(host_checkpoints) + l * checkpoint_stride;
   }
@@ -471,6 +479,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
     const auto per_acts = static_cast<size_t>(experts + 1);
     const size_t perm = ep > 1 ? 2 * static_cast<size_t>(expert_rows) : 0;
     a->host_moe = engine_.accelerator().allocate_pinned((a->acts.size() * per_acts + perm) * sizeof(int32_t));
+    a->moe_routing.resize(layers);
     for (size_t i = 0; i < a->acts.size(); ++i) {
       DecoderActs& d = a->acts[i];
       d.moe.host_offsets = static_cast<int32_t*>(a->host_moe) + i * per_acts;

@@ -42,7 +42,7 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
     : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp.rank()),
-      busy_ns_(std::make_shared<std::atomic<int64_t>>(0)), last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
+      busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()), last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
   STRATA_CHECK(pp.world_size() == spec.stages, kBadArgument,
                "pipeline schedule {} for {} stages, but the pipeline group has {} ranks", schedule_name(spec.kind),
                spec.stages, pp.world_size());
@@ -80,13 +80,13 @@ PipelineExecutor::~PipelineExecutor() {
 }
 
 template <typename Body>
-void PipelineExecutor::timed(Stream& stream, uint32_t track, std::string name, bool busy, Body&& body) {
+void PipelineExecutor::timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body) {
   auto begin = std::make_shared<int64_t>(0);
   stream.launch_host_func([begin] { *begin = trace::now_ns(); });
   body();
   stream.launch_host_func([begin, track, name = std::move(name), busy, busy_ns = busy_ns_, last = last_end_ns_] {
     const int64_t end = trace::now_ns();
-    if (busy) *busy_ns += end - *begin;
+    if (busy >= 0) (*busy_ns)[static_cast<size_t>(busy)] += end - *begin;
     int64_t seen = last->load();
     while (end > seen && !last->compare_exchange_weak(seen, end)) {
     }
@@ -152,8 +152,7 @@ void PipelineExecutor::receive(std::span<const Action> actions, const std::funct
     ops.push_back(transfer(a, chunks_[static_cast<size_t>(a.chunk)]->model->boundary(index, 0, 0)));
     name += " " + a.describe();
   }
-  timed(engine_.compute_stream(), track_, std::move(name), false,
-        [&] { pp_.exchange(ops, engine_.compute_stream()); });
+  timed(engine_.compute_stream(), track_, std::move(name), -1, [&] { pp_.exchange(ops, engine_.compute_stream()); });
 }
 
 void PipelineExecutor::send(const Action& a) {
@@ -166,7 +165,7 @@ void PipelineExecutor::send(const Action& a) {
   engine_.compute_stream().record(*written);
   send_stream_->wait(*written);
   const partition::P2POp op = transfer(a, boundary);
-  timed(*send_stream_, send_track_, a.describe(), false,
+  timed(*send_stream_, send_track_, a.describe(), -1,
         [&] { slot.sent = pp_.exchange(std::span<const partition::P2POp>(&op, 1), *send_stream_); });
 }
 
@@ -177,7 +176,8 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
   const MicroBatch mb = micro_batch(a.micro_batch);
   Slot& slot = slot_of(a.chunk, a.micro_batch, mb);
   const int index = chunk.slot_of.at(a.micro_batch);
-  timed(engine_.compute_stream(), track_, a.describe(), true, [&] {
+  const int kind = a.kind == ActionKind::kForward ? 0 : a.kind == ActionKind::kBackward ? 1 : 2;
+  timed(engine_.compute_stream(), track_, a.describe(), kind, [&] {
     switch (a.kind) {
       case ActionKind::kForward: {
         nn::ForwardOptions forward = options;
@@ -259,12 +259,15 @@ void PipelineExecutor::reserve_losses(int micro_batches) {
 StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batch, const nn::ForwardOptions& options) {
   STRATA_CHECK(options.backward, kBadArgument, "PipelineExecutor::run is a training step; evaluate() runs forward only");
   const int64_t start_ns = trace::now_ns();
-  busy_ns_->store(0);
+  for (auto& ns : *busy_ns_) ns.store(0);
   last_end_ns_->store(start_ns);
   reserve_losses(schedule_.spec.micro_batches);
   run_list(schedule_.ranks[static_cast<size_t>(stage_)], micro_batch, options);
   StepStats stats;
-  stats.busy_seconds = static_cast<double>(busy_ns_->load()) * 1e-9;
+  stats.forward_seconds = static_cast<double>((*busy_ns_)[0].load()) * 1e-9;
+  stats.backward_seconds = static_cast<double>((*busy_ns_)[1].load()) * 1e-9;
+  stats.weight_seconds = static_cast<double>((*busy_ns_)[2].load()) * 1e-9;
+  stats.busy_seconds = stats.forward_seconds + stats.backward_seconds + stats.weight_seconds;
   stats.step_seconds = static_cast<double>(last_end_ns_->load() - start_ns) * 1e-9;
   std::tie(stats.loss_sum, stats.loss_count) = pipeline_loss(schedule_.spec.micro_batches);
   // A tied embedding's two halves of the gradient are summed.

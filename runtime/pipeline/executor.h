@@ -42,6 +42,8 @@
 // enqueued work (a transfer that fails, naming the stage) surface from run().
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -69,8 +71,9 @@ struct StepStats {
   // pipeline gets it): sum of per-token losses and the count of targets.
   double loss_sum = 0, loss_count = 0;
   // This rank: the step's wall time (from run() to its last action's end),
-  // and the time its compute stream spent in F, B and W.
+  // and the time its compute stream spent in F, B and W (and in each).
   double step_seconds = 0, busy_seconds = 0;
+  double forward_seconds = 0, backward_seconds = 0, weight_seconds = 0;
   // Micro-batch slots each chunk has made so far (its peak in flight), and
   // their activation memory (DecoderModel::arena_nbytes, every chunk).
   std::vector<int> slots;
@@ -125,8 +128,9 @@ class PipelineExecutor {
   // The transfer's description: both sides compute the same tag and words.
   partition::P2POp transfer(const Action& action, const nn::DecoderModel::Boundary& boundary) const;
   // Times `body`'s work on `stream` as a span of `track` (and busy time when `busy`).
+  // `busy`: the kind's index in busy_ns_ (0 F, 1 B, 2 W), -1 for transfers.
   template <typename Body>
-  void timed(Stream& stream, uint32_t track, std::string name, bool busy, Body&& body);
+  void timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body);
 
   engine::Engine& engine_;
   partition::Communicator& pp_;
@@ -138,7 +142,8 @@ class PipelineExecutor {
   // Per micro-batch: the head's loss statistics (sum, count), pinned host memory.
   double* losses_ = nullptr;
   size_t losses_capacity_ = 0;
-  std::shared_ptr<std::atomic<int64_t>> busy_ns_;
+  // Busy nanoseconds of the step so far: F, B, W (written by the stream's host functions).
+  std::shared_ptr<std::array<std::atomic<int64_t>, 3>> busy_ns_;
   std::shared_ptr<std::atomic<int64_t>> last_end_ns_;
 };
 

@@ -6,7 +6,9 @@
 // Output file (text; floats as hexfloat, so they round-trip bit for bit):
 //   rank R STAGE DP TP              this job rank, its pp stage, dp rank, tp rank
 //   step S LOSS NORM                per step: the global mean loss, the gradient norm (0 resident)
-//   stats S BUSY STEP SLOTS BYTES   per step: busy and step seconds, slots made, activation bytes
+//   stats S BUSY STEP SLOTS BYTES G per step: busy and step seconds, slots made, activation bytes,
+//                                   ZeRO-3's parameter allgathers in the step (0 otherwise)
+//   held N                          parameters this rank's engine holds
 //   tensor NAME NUMEL               every tensor this rank holds (whole, by Hugging Face name)
 //   values NAME FIRST N V...        a run of its values: resident, the step's gradient;
 //                                   ZeRO, the final parameters this rank owns
@@ -35,7 +37,7 @@ namespace strata::test::pp {
 inline constexpr int64_t kSeq = 12;
 
 struct Case {
-  int pp = 2, tp = 1;
+  int pp = 2, tp = 1, ep = 1;
   std::string schedule = "1f1b";
   int micro_batches = 4, virtual_stages = 1;
   bool tied = false;
@@ -47,18 +49,21 @@ struct Case {
   std::string params = "device", optimizer = "cpu";  // ZeRO tiers: device, cpu, nvme
   bool checkpoint = false;
   std::string family = "llama";
+  int64_t reuse_distance = -1;  // ZeRO-3's stage3_max_reuse_distance (-1: the default)
 
   std::string flags() const {
     return fmt::format(
-        " --pp {} --tp {} --schedule {} --micro-batches {} --virtual-stages {} --tied {} --layers {} --sequences {} "
-        "--steps {} --engine {} --zero-stage {} --params {} --optimizer {} --checkpoint {} --family {}",
-        pp, tp, schedule, micro_batches, virtual_stages, tied ? 1 : 0, layers, sequences, steps, engine, zero_stage,
-        params, optimizer, checkpoint ? 1 : 0, family);
+        " --pp {} --tp {} --ep {} --schedule {} --micro-batches {} --virtual-stages {} --tied {} --layers {} --sequences {} "
+        "--steps {} --engine {} --zero-stage {} --params {} --optimizer {} --checkpoint {} --family {} "
+        "--reuse-distance {}",
+        pp, tp, ep, schedule, micro_batches, virtual_stages, tied ? 1 : 0, layers, sequences, steps, engine, zero_stage,
+        params, optimizer, checkpoint ? 1 : 0, family, reuse_distance);
   }
   // Parses flag `name` with `value`; false when the flag is not a case's.
   bool parse(const std::string& name, const std::string& value) {
     if (name == "--pp") pp = std::stoi(value);
     else if (name == "--tp") tp = std::stoi(value);
+    else if (name == "--ep") ep = std::stoi(value);
     else if (name == "--schedule") schedule = value;
     else if (name == "--micro-batches") micro_batches = std::stoi(value);
     else if (name == "--virtual-stages") virtual_stages = std::stoi(value);
@@ -72,6 +77,7 @@ struct Case {
     else if (name == "--optimizer") optimizer = value;
     else if (name == "--checkpoint") checkpoint = value == "1";
     else if (name == "--family") family = value;
+    else if (name == "--reuse-distance") reuse_distance = std::stoll(value);
     else return false;
     return true;
   }
@@ -81,7 +87,8 @@ struct Case {
     return {*kind, pp, micro_batches, virtual_stages};
   }
   std::string describe() const {
-    return fmt::format("pp {}{} {} m {}{}{}, {} engine{}{}", pp, tp > 1 ? fmt::format(" x tp {}", tp) : "", schedule,
+    return fmt::format("pp {}{}{} {} m {}{}{}, {} engine{}{}", pp, tp > 1 ? fmt::format(" x tp {}", tp) : "",
+                       ep > 1 ? fmt::format(" ep {}", ep) : "", schedule,
                        micro_batches, virtual_stages > 1 ? fmt::format(" v {}", virtual_stages) : "",
                        tied ? ", tied" : "", engine,
                        engine == "zero" ? fmt::format(" stage {} params {} optimizer {}", zero_stage, params, optimizer)
@@ -100,6 +107,14 @@ inline nn::DecoderConfig model_config(const Case& c) {
   config.model_type = c.family;
   if (c.family == "llama") config.attention_qkv_bias = config.attention_o_bias = config.mlp_bias = true;
   if (c.family == "qwen3") config.qk_norm = true;
+  if (c.family == "mixtral") {  // 16 experts of width 16, top 2, renormalised; no load-balancing loss
+    // (a micro-batch of one sequence routes its 24 choices to some of them:
+    // each micro-batch skips other experts)
+    config.num_experts = 16;
+    config.num_experts_per_tok = 2;
+    config.moe_intermediate_size = 16;
+    config.norm_topk_prob = true;
+  }
   return config;
 }
 inline constexpr double kInitStd = 0.2;
@@ -140,6 +155,7 @@ struct Output {
   int rank = -1, stage = -1, dp = -1, tp = -1;
   std::vector<StepRecord> steps;
   std::vector<std::string> stats;
+  int64_t held = 0;
   std::map<std::string, int64_t> tensors;  // name -> numel
   struct Run {
     std::string name;
@@ -162,6 +178,7 @@ inline void write_output(const std::filesystem::path& path, const Output& out) {
     f << "step " << s << " " << hex(out.steps[s].loss) << " " << hex(out.steps[s].norm) << "\n";
   }
   for (const std::string& line : out.stats) f << "stats " << line << "\n";
+  f << "held " << out.held << "\n";
   for (const auto& [name, numel] : out.tensors) f << "tensor " << name << " " << numel << "\n";
   for (const auto& run : out.runs) {
     f << "values " << run.name << " " << run.first << " " << run.values.size();
@@ -189,6 +206,8 @@ inline Output read_output(const std::filesystem::path& path) {
       out.steps.push_back({std::strtod(loss.c_str(), nullptr), std::strtod(norm.c_str(), nullptr)});
     } else if (kind == "stats") {
       out.stats.push_back(line.substr(6));
+    } else if (kind == "held") {
+      in >> out.held;
     } else if (kind == "tensor") {
       std::string name;
       int64_t numel = 0;

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,7 @@ Assembled run_case(const pp::Case& c, const test::TempDir& dir, int world) {
 struct Reference {
   double loss = 0;
   std::map<std::string, std::vector<float>> grads;
+  int64_t expert_windows = 0, expert_windows_possible = 0;
 };
 
 Reference reference(const pp::Case& c) {
@@ -100,6 +102,11 @@ Reference reference(const pp::Case& c) {
   nn::DecoderModelOptions options = nn::model_options(DType::kF32, 16);
   options.checkpoint_activations = c.checkpoint;
   nn::DecoderModel model(eng, config, options);
+  // Expert windows forward actually ran (the others were skipped: no token routed).
+  int64_t expert_windows = 0;
+  eng.set_hook_observer([&](engine::OpId op, engine::Phase phase, bool pre) {
+    expert_windows += pre && phase == engine::Phase::kForward && eng.op_info(op).name.find(".experts.") != std::string::npos;
+  });
   eng.finalize();
   nn::initialize_parameters(eng, model.parameters(), pp::kInitSeed, pp::kInitStd);
   const pp::Batch batch = pp::corpus(0, c.sequences, config.vocab_size);
@@ -118,6 +125,8 @@ Reference reference(const pp::Case& c) {
   eng.compute_stream().synchronize();
   Reference r;
   r.loss = loss / count;
+  r.expert_windows = expert_windows;
+  r.expert_windows_possible = config.moe() ? config.num_hidden_layers * config.num_experts * 3 * c.micro_batches : 0;
   for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
     const TensorView g = eng.grad_storage(id);
     r.grads[eng.param_info(id).name] = std::vector<float>(g.as<float>(), g.as<float>() + g.numel());
@@ -130,8 +139,10 @@ Reference reference(const pp::Case& c) {
 TEST_CASE("pipeline, resident stages as processes: every schedule gives one resident rank's gradients and loss",
           "[pipeline][multiprocess]") {
   std::vector<pp::Case> cases;
-  const auto add = [&](int p, const std::string& schedule, int m, int v, bool tied, bool checkpoint = false) {
+  const auto add = [&](int p, const std::string& schedule, int m, int v, bool tied, bool checkpoint = false,
+                       const std::string& family = "llama") {
     pp::Case c;
+    c.family = family;
     c.pp = p;
     c.schedule = schedule;
     c.micro_batches = m;
@@ -149,11 +160,21 @@ TEST_CASE("pipeline, resident stages as processes: every schedule gives one resi
   add(2, "zb-h1", 4, 1, true, true);
   add(2, "interleaved", 4, 2, false);
   add(2, "interleaved", 4, 2, true);
+  // Experts no token of a micro-batch went to are skipped, each micro-batch
+  // others: a stage's backward of one must use its own routing, not that of
+  // the forwards that ran since.
+  add(2, "1f1b", 8, 1, false, false, "mixtral");
+  add(2, "zb-h1", 8, 1, true, true, "mixtral");
   for (const pp::Case& c : cases) {
     SECTION(c.describe()) {
       test::TempDir dir("strata-pipeline");
       const Assembled a = run_case(c, dir, c.pp);
       const Reference ref = reference(c);
+      if (c.family == "mixtral") {
+        INFO(ref.expert_windows << " of " << ref.expert_windows_possible << " expert windows ran");
+        CHECK(ref.expert_windows > 0);
+        CHECK(ref.expert_windows < ref.expert_windows_possible);  // the premise: micro-batches skip experts
+      }
       // The loss: the same per-token sums, added in the same order.
       for (const pp::Output& rank : a.ranks) {
         REQUIRE(rank.steps.size() == 1);
@@ -226,6 +247,16 @@ TEST_CASE("pipeline with ZeRO over each stage's dp group, and tp inside each sta
   add(2, 1, 2, "1f1b", 4, 1, true, 3, "cpu", "cpu");
   add(2, 1, 2, "zb-h1", 4, 1, false, 2, "device", "nvme", false, "qwen3");
   add(4, 1, 1, "1f1b", 4, 1, true, 3, "nvme", "nvme");
+  // A mixture of experts: the experts run within a stage, split over its 2
+  // dp ranks by expert parallelism (each holds 2 of the 4).
+  add(2, 2, 1, "1f1b", 2, 1, false, 3, "cpu", "cpu", false, "mixtral");
+  cases.back().c.ep = 2;
+  add(2, 1, 1, "zb-h1", 4, 1, true, 2, "device", "nvme", false, "mixtral");
+  // ZeRO-3 keeps a stage's parameters gathered for the step's micro-batches
+  // while they fit stage3_max_reuse_distance (the cases above: each
+  // gathered once per step); with 0 it gathers them for every use.
+  add(2, 2, 1, "1f1b", 4, 1, true, 3, "cpu", "cpu");
+  cases.back().c.reuse_distance = 0;
   for (const ZeroCase& z : cases) {
     const pp::Case& c = z.c;
     SECTION(c.describe() + (z.dp > 1 ? fmt::format(" x dp {}", z.dp) : "") + " " + c.family) {
@@ -252,6 +283,24 @@ TEST_CASE("pipeline with ZeRO over each stage's dp group, and tp inside each sta
           CHECK(rank.steps[static_cast<size_t>(step)].loss == Approx(ref.losses[static_cast<size_t>(step)]).epsilon(1e-6));
           CHECK(rank.steps[static_cast<size_t>(step)].norm ==
                 Approx(ref.grad_norms[static_cast<size_t>(step)]).epsilon(1e-6));
+        }
+      }
+      if (c.zero_stage == 3) {
+        for (const pp::Output& rank : a.ranks) {
+          // The last step's allgathers (its trace recorded in the first).
+          std::istringstream last(rank.stats.back());
+          std::string field;
+          std::vector<std::string> fields;
+          while (last >> field) fields.push_back(field);
+          const int64_t gathers = std::stoll(fields.back());
+          CAPTURE(rank.rank, gathers, rank.held);
+          if (c.reuse_distance == 0) {
+            CHECK(gathers >= c.micro_batches * rank.held);
+          } else if (c.family == "mixtral") {
+            CHECK(gathers <= rank.held);  // experts another ep member holds, or none routed to, are never gathered
+          } else {
+            CHECK(gathers == rank.held);
+          }
         }
       }
       // Copies of one element on several ranks (tp replicas, a tied

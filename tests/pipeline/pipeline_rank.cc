@@ -83,6 +83,7 @@ engine::ZeroEngineOptions zero_options(const pp::Case& c, const std::filesystem:
   o.param_tier = tier_of(c.params);
   o.optimizer_tier = tier_of(c.optimizer);
   if (o.param_tier == Tier::kNvme || o.optimizer_tier == Tier::kNvme) o.nvme_path = nvme;
+  if (c.reuse_distance >= 0) o.max_reuse_distance_numel = c.reuse_distance;
   return o;
 }
 
@@ -93,7 +94,7 @@ int run(const Args& args) {
   const std::chrono::milliseconds timeout(args.timeout_ms);
   partition::Rendezvous rendezvous(info, timeout);
   auto accelerator = make_cpu_accelerator();
-  const partition::ParallelLayout layout(info.world_size, c.tp, 1, c.pp);
+  const partition::ParallelLayout layout(info.world_size, c.tp, c.ep, c.pp);
   const int dp = layout.dp_size(), dp_rank = layout.dp_rank(info.rank);
   const pipeline::ScheduleSpec spec = c.spec();
   const nn::DecoderConfig config = pp::model_config(c);
@@ -117,9 +118,11 @@ int run(const Args& args) {
     eng = std::make_unique<engine::ResidentEngine>(*accelerator);
   } else {
     comms = train::make_zero_communicators(*accelerator, rendezvous.store(), info.rank, info.world_size, timeout,
-                                           "test/pipeline", 1, c.tp, c.pp);
+                                           "test/pipeline", c.ep, c.tp, c.pp);
     pipe = comms.pipeline.get();
-    eng = std::make_unique<engine::ZeroEngine>(*accelerator, comms.comms(), zero_options(c, args.nvme));
+    engine::ZeroEngineOptions options = zero_options(c, args.nvme);
+    options.expert_parallel_size = c.ep;
+    eng = std::make_unique<engine::ZeroEngine>(*accelerator, comms.comms(), options);
   }
   auto models = pipeline::make_stage_models(*eng, config, model_options, spec, *pipe);
   eng->finalize();
@@ -143,6 +146,7 @@ int run(const Args& args) {
     const size_t rows = static_cast<size_t>(per_rank * pp::kSeq);
     double count = pp::counted(batch.targets.data() + first, rows);
     if (zero != nullptr) count = zero->global_sum(count);
+    const int64_t gathers_before = zero != nullptr ? zero->gathers_issued() : 0;
     const auto micro_batch = [&](int i) {
       const size_t at = first + static_cast<size_t>(i * per_micro * pp::kSeq), n = static_cast<size_t>(per_micro * pp::kSeq);
       return pipeline::MicroBatch{std::span<const int32_t>(batch.ids).subspan(at, n),
@@ -162,9 +166,11 @@ int run(const Args& args) {
     out.steps.push_back({loss / count, norm});
     std::string slots;
     for (int s : stats.slots) slots += (slots.empty() ? "" : ",") + std::to_string(s);
-    out.stats.push_back(fmt::format("{} {} {} {} {}", step, stats.busy_seconds, stats.step_seconds, slots,
-                                    stats.activation_nbytes));
+    out.stats.push_back(fmt::format("{} {} {} {} {} {}", step, stats.busy_seconds, stats.step_seconds, slots,
+                                    stats.activation_nbytes,
+                                    zero != nullptr ? zero->gathers_issued() - gathers_before : 0));
   }
+  out.held = eng->parameter_count();
   eng->compute_stream().synchronize();  // the last step's gradients (resident: read below) are final
   // Every tensor this rank holds, whole (tp shards placed by their slices).
   for (engine::ParamId id = 0; id < eng->parameter_count(); ++id) {
