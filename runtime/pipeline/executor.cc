@@ -42,7 +42,9 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
     : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp.rank()),
-      busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()), last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)) {
+      busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()),
+      last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)),
+      action_ns_(std::make_shared<std::vector<int64_t>>()) {
   STRATA_CHECK(pp.world_size() == spec.stages, kBadArgument,
                "pipeline schedule {} for {} stages, but the pipeline group has {} ranks", schedule_name(spec.kind),
                spec.stages, pp.world_size());
@@ -80,13 +82,18 @@ PipelineExecutor::~PipelineExecutor() {
 }
 
 template <typename Body>
-void PipelineExecutor::timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body) {
+void PipelineExecutor::timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body,
+                             size_t action) {
   auto begin = std::make_shared<int64_t>(0);
   stream.launch_host_func([begin] { *begin = trace::now_ns(); });
   body();
-  stream.launch_host_func([begin, track, name = std::move(name), busy, busy_ns = busy_ns_, last = last_end_ns_] {
+  stream.launch_host_func([begin, track, name = std::move(name), busy, busy_ns = busy_ns_, last = last_end_ns_,
+                           actions = action_ns_, action] {
     const int64_t end = trace::now_ns();
-    if (busy >= 0) (*busy_ns)[static_cast<size_t>(busy)] += end - *begin;
+    if (busy >= 0) {
+      (*busy_ns)[static_cast<size_t>(busy)] += end - *begin;
+      (*actions)[action] = end - *begin;
+    }
     int64_t seen = last->load();
     while (end > seen && !last->compare_exchange_weak(seen, end)) {
     }
@@ -170,7 +177,7 @@ void PipelineExecutor::send(const Action& a) {
 }
 
 void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(int)>& micro_batch,
-                               const nn::ForwardOptions& options) {
+                               const nn::ForwardOptions& options, size_t position) {
   Chunk& chunk = *chunks_[static_cast<size_t>(a.chunk)];
   nn::DecoderModel& model = *chunk.model;
   const MicroBatch mb = micro_batch(a.micro_batch);
@@ -207,18 +214,19 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
         break;
       default: raise(ErrorCategory::kInternal, "{} is not a compute action", a.describe());
     }
-  });
+  }, position);
 }
 
 void PipelineExecutor::run_list(const std::vector<Action>& list, const std::function<MicroBatch(int)>& micro_batch,
                                 const nn::ForwardOptions& options) {
   for (auto& chunk : chunks_) chunk->last_use.clear();
   for (size_t i = 0; i < list.size(); ++i) chunks_[static_cast<size_t>(list[i].chunk)]->last_use[list[i].micro_batch] = i;
+  action_ns_->assign(list.size(), 0);
   for (size_t i = 0; i < list.size();) {
     const Action& a = list[i];
     size_t next = i + 1;
     if (a.compute()) {
-      compute(a, micro_batch, options);
+      compute(a, micro_batch, options, i);
     } else if (a.sends()) {
       send(a);
     } else {
@@ -268,6 +276,7 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
   stats.backward_seconds = static_cast<double>((*busy_ns_)[1].load()) * 1e-9;
   stats.weight_seconds = static_cast<double>((*busy_ns_)[2].load()) * 1e-9;
   stats.busy_seconds = stats.forward_seconds + stats.backward_seconds + stats.weight_seconds;
+  for (int64_t ns : *action_ns_) stats.action_seconds.push_back(static_cast<double>(ns) * 1e-9);
   stats.step_seconds = static_cast<double>(last_end_ns_->load() - start_ns) * 1e-9;
   std::tie(stats.loss_sum, stats.loss_count) = pipeline_loss(schedule_.spec.micro_batches);
   // A tied embedding's two halves of the gradient are summed.

@@ -74,6 +74,9 @@ struct StepStats {
   // and the time its compute stream spent in F, B and W (and in each).
   double step_seconds = 0, busy_seconds = 0;
   double forward_seconds = 0, backward_seconds = 0, weight_seconds = 0;
+  // Each compute action's time, by its index in this rank's list (0 for the
+  // others): simulate(schedule, cost) replays the step with them.
+  std::vector<double> action_seconds;
   // Micro-batch slots each chunk has made so far (its peak in flight), and
   // their activation memory (DecoderModel::arena_nbytes, every chunk).
   std::vector<int> slots;
@@ -124,13 +127,14 @@ class PipelineExecutor {
   void receive(std::span<const Action> actions, const std::function<MicroBatch(int)>& micro_batch);
   void send(const Action& action);
   void compute(const Action& action, const std::function<MicroBatch(int)>& micro_batch,
-               const nn::ForwardOptions& options);
+               const nn::ForwardOptions& options, size_t position);
   // The transfer's description: both sides compute the same tag and words.
   partition::P2POp transfer(const Action& action, const nn::DecoderModel::Boundary& boundary) const;
   // Times `body`'s work on `stream` as a span of `track` (and busy time when `busy`).
-  // `busy`: the kind's index in busy_ns_ (0 F, 1 B, 2 W), -1 for transfers.
+  // `busy`: the kind's index in busy_ns_ (0 F, 1 B, 2 W), -1 for transfers;
+  // a compute's duration also goes to action_ns_[action].
   template <typename Body>
-  void timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body);
+  void timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body, size_t action = 0);
 
   engine::Engine& engine_;
   partition::Communicator& pp_;
@@ -145,6 +149,7 @@ class PipelineExecutor {
   // Busy nanoseconds of the step so far: F, B, W (written by the stream's host functions).
   std::shared_ptr<std::array<std::atomic<int64_t>, 3>> busy_ns_;
   std::shared_ptr<std::atomic<int64_t>> last_end_ns_;
+  std::shared_ptr<std::vector<int64_t>> action_ns_;  // per action of the list being run
 };
 
 // This rank's chunks of a pipeline (virtual stage k * p + pp.rank() for

@@ -229,6 +229,20 @@ double Simulation::max_idle_fraction() const {
 }
 
 Simulation simulate(const Schedule& schedule, const Costs& costs) {
+  const bool split = schedule.spec.split_backward();
+  return simulate(
+      schedule,
+      [&](int rank, size_t index) {
+        const Action& a = schedule.ranks[static_cast<size_t>(rank)][index];
+        return a.kind == ActionKind::kForward  ? costs.forward
+               : a.kind == ActionKind::kWeight ? costs.weight
+               : split                         ? costs.backward
+                                               : costs.backward + costs.weight;
+      },
+      costs.transfer);
+}
+
+Simulation simulate(const Schedule& schedule, const ActionCost& action_cost, double transfer) {
   const int p = schedule.spec.stages;
   const bool split = schedule.spec.split_backward();
   Simulation sim;
@@ -319,7 +333,7 @@ Simulation simulate(const Schedule& schedule, const Costs& costs) {
       const auto [peer, theirs] = partner[static_cast<size_t>(r)][action];
       const double received = posted[static_cast<size_t>(peer)][theirs];
       if (received < 0) break;
-      stream.free_at = std::max(at, received) + costs.transfer;
+      stream.free_at = std::max(at, received) + transfer;
       ++stream.next;
       moved = true;
     }
@@ -359,7 +373,7 @@ Simulation simulate(const Schedule& schedule, const Costs& costs) {
             (list[i].kind == ActionKind::kRecvActivation ? have_input : have_grad)[R].insert(
                 {list[i].micro_batch, list[i].chunk});
           }
-          clock[R] = done + costs.transfer;
+          clock[R] = done + transfer;
           cursor[R] = end;
           moved = true;
           continue;
@@ -383,10 +397,7 @@ Simulation simulate(const Schedule& schedule, const Costs& costs) {
           return sim;
         }
         state = a.kind == ActionKind::kForward ? 1 : a.kind == ActionKind::kBackward ? 2 : 3;
-        const double cost = a.kind == ActionKind::kForward  ? costs.forward
-                            : a.kind == ActionKind::kWeight ? costs.weight
-                            : split                         ? costs.backward
-                                                            : costs.backward + costs.weight;
+        const double cost = action_cost(r, cursor[R]);
         if (a.kind == ActionKind::kForward) {
           sim.peak_in_flight[R] = std::max(sim.peak_in_flight[R], ++in_flight[R]);
         } else if ((a.kind == ActionKind::kBackward && !split) || a.kind == ActionKind::kWeight) {

@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -131,6 +132,11 @@ struct Simulation {
   double max_idle_fraction() const;
 };
 Simulation simulate(const Schedule& schedule, const Costs& costs = {});
+// The same with each compute action's own cost: cost(rank, index of the
+// action in that rank's list) — a step's measured durations replayed, the
+// schedule's idle for exactly those. `transfer` as Costs'.
+using ActionCost = std::function<double(int rank, size_t action)>;
+Simulation simulate(const Schedule& schedule, const ActionCost& cost, double transfer = 0);
 
 // The bubble the literature gives for `spec` (every stage alike, costs as
 // above): 1F1B and GPipe (p-1)/(m+p-1); interleaved (p-1)/(v m + p-1); ZB-H1

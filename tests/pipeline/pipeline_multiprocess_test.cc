@@ -243,7 +243,7 @@ TEST_CASE("pipeline with ZeRO over each stage's dp group, and tp inside each sta
   add(2, 2, 1, "1f1b", 2, 1, true, 3, "nvme", "nvme");
   add(2, 2, 1, "zb-h1", 4, 1, false, 3, "nvme", "nvme");
   add(2, 2, 1, "interleaved", 2, 2, true, 2, "device", "cpu");
-  add(2, 1, 1, "gpipe", 4, 1, false, 1, "device", "cpu", true);
+  add(2, 1, 1, "gpipe", 4, 1, true, 1, "device", "cpu", true);
   add(2, 1, 2, "1f1b", 4, 1, true, 3, "cpu", "cpu");
   add(2, 1, 2, "zb-h1", 4, 1, false, 2, "device", "nvme", false, "qwen3");
   add(4, 1, 1, "1f1b", 4, 1, true, 3, "nvme", "nvme");
