@@ -250,6 +250,7 @@ class DecoderModel : public Module {
   };
   Boundary boundary(int slot, int64_t batch, int64_t seq);
   const DecoderModelOptions::Stage& stage() const { return options_.stage; }
+  const DecoderModelOptions& options() const { return options_; }
   // The embedding table's parameter (declared by a stage with the embedding,
   // or a head with tied embeddings); -1 when this stage holds none.
   ParamId embedding_weight() const;

@@ -24,16 +24,19 @@ void DeferredWeightGrads::defer(const ops::MatView& dy, const ops::MatView& x,
   Accelerator& accelerator = engine_.accelerator();
   const size_t dy_nbytes = static_cast<size_t>(dy.rows * dy.cols) * dtype_nbytes(dy.dtype);
   const size_t x_offset = (dy_nbytes + 255) / 256 * 256;
-  const size_t x_nbytes = static_cast<size_t>(x.rows * x.cols) * dtype_nbytes(x.dtype);
+  const size_t x_nbytes = copy_inputs_ ? static_cast<size_t>(x.rows * x.cols) * dtype_nbytes(x.dtype) : 0;
   Held h;
   h.nbytes = x_offset + x_nbytes;
   h.memory = accelerator.allocate(h.nbytes);
   Stream& stream = engine_.compute_stream();
   accelerator.copy_async(h.memory, dy.data, dy_nbytes, CopyKind::kDeviceToDevice, stream);
-  void* x_copy = static_cast<char*>(h.memory) + x_offset;
-  accelerator.copy_async(x_copy, x.data, x_nbytes, CopyKind::kDeviceToDevice, stream);
   h.dy = ops::MatView{h.memory, dy.dtype, dy.rows, dy.cols, dy.cols};
-  h.x = ops::MatView{x_copy, x.dtype, x.rows, x.cols, x.cols};
+  h.x = x;
+  if (copy_inputs_) {
+    void* x_copy = static_cast<char*>(h.memory) + x_offset;
+    accelerator.copy_async(x_copy, x.data, x_nbytes, CopyKind::kDeviceToDevice, stream);
+    h.x.data = x_copy;
+  }
   h.weight_grads = std::move(weight_grads);
   nbytes_ += h.nbytes;
   peak_nbytes_ = std::max(peak_nbytes_, nbytes_);

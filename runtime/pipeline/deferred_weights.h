@@ -2,7 +2,11 @@
 // §5.4): while a DeferredWeightGrads is the engine's WeightGradSink, each
 // Linear's backward computes only its input gradient and hands over its
 // output gradient dy and input x, which are copied here on the compute
-// stream (the model's backward scratch is reused by the next layer); run()
+// stream (the model's backward scratch is reused by the next layer), and x
+// too unless the inputs stay put until W (a model that keeps every layer's
+// activations in the micro-batch's arena: not with activation
+// checkpointing, whose layers share one set, nor sequence parallelism,
+// whose inputs are gathered into scratch the layers share); run()
 // later opens each projection's backward window and adds dy^T x (and the
 // bias's sum of dy) into its gradients, in the order they came, and frees
 // the copies.
@@ -21,7 +25,8 @@ namespace strata::pipeline {
 
 class DeferredWeightGrads final : public engine::Engine::WeightGradSink {
  public:
-  explicit DeferredWeightGrads(engine::Engine& engine) : engine_(engine) {}
+  // copy_inputs: x is copied too (see above).
+  DeferredWeightGrads(engine::Engine& engine, bool copy_inputs) : engine_(engine), copy_inputs_(copy_inputs) {}
   ~DeferredWeightGrads() override;
   DeferredWeightGrads(const DeferredWeightGrads&) = delete;
   DeferredWeightGrads& operator=(const DeferredWeightGrads&) = delete;
@@ -42,6 +47,7 @@ class DeferredWeightGrads final : public engine::Engine::WeightGradSink {
     engine::Engine::WeightGradFn weight_grads;
   };
   engine::Engine& engine_;
+  bool copy_inputs_;
   std::vector<Held> held_;
   size_t nbytes_ = 0, peak_nbytes_ = 0;
 };

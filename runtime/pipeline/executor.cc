@@ -196,7 +196,11 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
       }
       case ActionKind::kBackward:
         if (schedule_.spec.split_backward()) {
-          if (!slot.deferred) slot.deferred = std::make_unique<DeferredWeightGrads>(engine_);
+          if (!slot.deferred) {
+            // A layer's inputs stay in the slot's arena until W unless the layers share them.
+            const nn::DecoderModelOptions& o = model.options();
+            slot.deferred = std::make_unique<DeferredWeightGrads>(engine_, o.checkpoint_activations || o.sequence_parallel);
+          }
           engine_.set_weight_grad_sink(slot.deferred.get());
           try {
             model.backward(index);

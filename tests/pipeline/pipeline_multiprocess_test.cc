@@ -165,6 +165,8 @@ TEST_CASE("pipeline, resident stages as processes: every schedule gives one resi
   // the forwards that ran since.
   add(2, "1f1b", 8, 1, false, false, "mixtral");
   add(2, "zb-h1", 8, 1, true, true, "mixtral");
+  // Without checkpointing W reads the experts' inputs where forward left them (not copied).
+  add(2, "zb-h1", 8, 1, false, false, "mixtral");
   for (const pp::Case& c : cases) {
     SECTION(c.describe()) {
       test::TempDir dir("strata-pipeline");
