@@ -456,7 +456,11 @@ class CudaStream final : public Stream {
     DeviceGuard guard(shared_->device);
     STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
+  // Accelerator::borrow_stream: a stream another library owns, never destroyed here.
+  CudaStream(std::shared_ptr<Shared> shared, cudaStream_t borrowed)
+      : shared_(std::move(shared)), history_(std::make_shared<StreamHistory>()), stream_(borrowed), owned_(false) {}
   ~CudaStream() override {
+    if (!owned_) return;  // its owner's work goes on: only this wrapper's references go
     cudaStreamSynchronize(stream_);
     // All work is done: resolve every source, which also drops references to
     // other streams' histories.
