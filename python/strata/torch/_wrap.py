@@ -209,6 +209,7 @@ class Wrapped:
         # and the bytes of parameters materialized in torch now and at most (reset_peak()).
         self.hook_seconds = 0.0
         self.grad_seconds = 0.0
+        self.strata_seconds = 0.0  # of them, inside strata's fetch, release and gradient-add calls
         self.materialized_bytes = 0
         self.peak_materialized_bytes = 0
         self.device = None
@@ -394,7 +395,9 @@ class Wrapped:
             self._maybe_begin_evaluation()
         elif self._evaluating:
             self._end_evaluation()
+        start = time.perf_counter()
         self.engine.fetch_window(op.index, phase, self._stream())
+        self.strata_seconds += time.perf_counter() - start
         self.windows[phase] += 1
         op.phase = phase
         self._materialize(op)
@@ -402,7 +405,9 @@ class Wrapped:
     def _close(self, op):
         phase, op.phase, op.task = op.phase, None, -1
         self._dematerialize(op)
+        start = time.perf_counter()
         self.engine.release_window(op.index, phase, self._stream())
+        self.strata_seconds += time.perf_counter() - start
 
     # ---- evaluation and the prepared step ------------------------------------------------------
 
@@ -546,7 +551,9 @@ class Wrapped:
         grad = grad.contiguous()
         if self.average_gradients and self._world > 1:
             grad = grad.mul_(1.0 / self._world) if grad.dtype == torch.float32 else grad.float().mul_(1.0 / self._world)
+        start = time.perf_counter()
         self.engine.add_grad_device(param.index, grad.data_ptr(), _DTYPES[grad.dtype], self._stream())
+        self.strata_seconds += time.perf_counter() - start
         param.grads_seen += 1
         self._grads_pending = True
 
