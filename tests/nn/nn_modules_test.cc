@@ -338,7 +338,7 @@ TEST_CASE("engine declarations: errors and ids", "[nn][engine]") {
   REQUIRE_THROWS_WITH(e.find_parameter("nope"), Catch::Contains("no parameter named 'nope'"));
   e.pre_op(op, Phase::kForward);
   CHECK(e.param(a).desc.shape == Shape{2, 3});
-  REQUIRE_THROWS_WITH(e.post_op(op, Phase::kBackward), Catch::Contains("innermost open window"));
+  REQUIRE_THROWS_WITH(e.post_op(op, Phase::kBackward), Catch::Contains("closes no open window"));
   e.post_op(op, Phase::kForward);
 }
 
