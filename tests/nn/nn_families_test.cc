@@ -181,31 +181,18 @@ TEST_CASE("families: anything else is refused before any work, naming it", "[nn]
   j = base;
   j["auto_map"] = {{"AutoModelForCausalLM", "modeling_x.XForCausalLM"}};
   expect_refused(j, {"auto_map", "custom modeling code"});
+  // A key transformers' shared masking code computes with (chunked attention), which strata does not read.
   j = base;
-  j["hidden_activation"] = "gelu_pytorch_tanh";  // Gemma's key: unknown here
-  expect_refused(j, {"key 'hidden_activation'", "does not read it for model_type \"llama\""});
+  j["attention_chunk_size"] = 16;
+  expect_refused(j, {"key 'attention_chunk_size'", "LlamaForCausalLM can compute with it",
+                     "model_type \"llama\""});
 
-  // A family's keys set to what that family does not have.
-  j = fixture_config("mistral_untied_f32");
-  j["attention_bias"] = true;
-  expect_refused(j, {"attention_bias", "MistralForCausalLM has no such biases"});
   j = fixture_config("mistral_untied_f32");
   j["sliding_window"] = 0;
   expect_refused(j, {"sliding_window", "at least one token"});
   j = fixture_config("qwen2_untied_f32");
-  j["attention_bias"] = true;
-  expect_refused(j, {"attention_bias", "Qwen2: q/k/v biases always"});
-  j = fixture_config("qwen2_untied_f32");
-  j["mlp_bias"] = true;
-  expect_refused(j, {"mlp_bias"});
-  j = fixture_config("qwen2_untied_f32");
   j["use_sliding_window"] = false;
   expect_refused(j, {"layer_types has sliding_attention layers but use_sliding_window is false"});
-  j = fixture_config("qwen2_untied_f32");
-  j["use_mrope"] = true;
-  expect_refused(j, {"use_mrope"});
-  j["use_mrope"] = false;  // DeepSeek-R1-Distill-Qwen's configs
-  CHECK_NOTHROW(parse_decoder_config(j));
   j = fixture_config("qwen3_untied_f32");
   j["layer_types"] = {"full_attention", "chunked_attention"};
   expect_refused(j, {"chunked_attention"});
@@ -237,8 +224,46 @@ TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's 
   j["rope_interleaved"] = false;
   j["temperature"] = 0.7;
   CHECK_NOTHROW(parse_decoder_config(j));
-  j["rope_interleaved"] = true;
-  expect_refused(j, {"rope_interleaved"});
+}
+
+TEST_CASE("families: keys transformers' code for the family never reads pass, logged and kept, and the ones it "
+          "reads are refused unless strata reads them",
+          "[nn][config][families]") {
+  // Bookkeeping (a transformers 5.24 GGUF conversion's _model_name_or_path),
+  // special-token ids other than padding, and keys the family's configuration
+  // class does not take (Gemma's hidden_activation on a llama, nanotron's
+  // rope_interleaved, Qwen2-VL's use_mrope on a qwen2, attention_bias on
+  // mistral and qwen2, whose attention transformers builds without reading it).
+  const std::vector<std::pair<std::string, json>> ignored = {
+      {"llama_untied_f32", {{"_model_name_or_path", "x.gguf"}, {"unk_token_id", 0}, {"hidden_activation", "gelu"},
+                            {"rope_interleaved", true}, {"use_sliding_window", true}}},
+      {"mistral_untied_f32", {{"attention_bias", true}, {"mlp_bias", true}, {"use_sliding_window", true}}},
+      {"qwen2_untied_f32", {{"attention_bias", true}, {"mlp_bias", true}, {"use_mrope", true}}},
+      {"qwen3_moe_untied_f32", {{"max_window_layers", 3}}},
+      {"mixtral_untied_f32", {{"norm_topk_prob", false}}},
+      {"qwen2_moe_untied_f32", {{"num_local_experts", 4}, {"attention_bias", true}, {"moe_layer_freq", 2}}}};
+  for (const auto& [name, keys] : ignored) {
+    json j = fixture_config(name);
+    const DecoderConfig plain = parse_decoder_config(j);
+    j.update(keys);
+    INFO(name << " with " << keys.dump());
+    const DecoderConfig c = parse_decoder_config(j);
+    CHECK(c.parameter_count() == plain.parameter_count());
+    CHECK(c.attention_qkv_bias == plain.attention_qkv_bias);
+    CHECK(c.num_experts == plain.num_experts);
+    CHECK(c.norm_topk_prob == plain.norm_topk_prob);
+    for (const auto& [key, value] : keys.items()) CHECK(c.to_json().at(key) == value);  // kept in the export
+  }
+  // Keys transformers' code for the family reads and strata does not compute are refused by name.
+  json j = fixture_config("llama_untied_f32");
+  j["per_layer_config"] = json::array();
+  expect_refused(j, {"key 'per_layer_config'", "model_type \"llama\""});
+  j = fixture_config("mixtral_untied_f32");
+  j["router_jitter_noise"] = 0.1;
+  expect_refused(j, {"router_jitter_noise"});
+  j = fixture_config("qwen3_untied_f32");
+  j["is_causal"] = false;
+  expect_refused(j, {"key 'is_causal'"});
 }
 
 TEST_CASE("families: the model declares exactly hf_tensors, and the count includes biases and norms",
@@ -376,9 +401,6 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
   j = fixture_config("mixtral_untied_f32");
   j["router_jitter_noise"] = 0.1;
   expect_refused(j, {"router_jitter_noise", "no router jitter"});
-  j = fixture_config("mixtral_untied_f32");
-  j["norm_topk_prob"] = false;
-  expect_refused(j, {"key 'norm_topk_prob'", "model_type \"mixtral\""});
   // Published checkpoints' config.json key sets (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) are read.
   const json mixtral_8x7b = json::parse(R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
     "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
@@ -482,11 +504,6 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   j = fixture_config("qwen2_moe_untied_f32");
   j["num_experts"] = 0;
   expect_refused(j, {"number of experts is 0"});
-  for (const char* unknown : {"num_local_experts", "attention_bias", "mlp_bias", "moe_layer_freq"}) {
-    j = fixture_config("qwen2_moe_untied_f32");
-    j[unknown] = 8;
-    expect_refused(j, {std::string("key '") + unknown + "'", "model_type \"qwen2_moe\""});
-  }
   j = fixture_config("qwen2_moe_untied_f32");
   j["layer_types"] = {"sliding_attention", "full_attention"};
   j["use_sliding_window"] = false;
