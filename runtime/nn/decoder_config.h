@@ -69,6 +69,12 @@
 
 namespace strata::nn {
 
+// The self-attention a decoder layer computes (runtime/nn/attention.h, one
+// SelfAttention kind each). kGqa: grouped-query attention, RoPE on the whole
+// head (gqa_attention.h) -- every family here. Multi-head latent attention
+// (DeepSeek-V3, Kimi K2) is to be the second kind.
+enum class AttentionKind { kGqa };
+
 struct DecoderConfig {
   // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
   std::string model_type = "llama";
@@ -79,6 +85,7 @@ struct DecoderConfig {
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;  // the family's default when absent
   int64_t head_dim = 0;             // the family's default when absent (hidden / heads; qwen3: 128)
+  AttentionKind attention = AttentionKind::kGqa;
   int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
   ops::Rope rope;                   // rope_theta and the rope_type's scaling
