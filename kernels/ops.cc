@@ -83,11 +83,24 @@ void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq)
 void rope(std::string_view op, const Rope& r) {
   STRATA_CHECK(r.theta > 0 && std::isfinite(r.theta), kBadArgument, "{}: rope theta {} must be positive", op,
                r.theta);
-  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3,
+  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3 ||
+                   r.type == RopeType::kYarn,
                kBadArgument, "{}: unknown rope type {}", op, static_cast<int>(r.type));
   if (r.type == RopeType::kDefault) return;
   STRATA_CHECK(r.factor >= 1 && std::isfinite(r.factor), kBadArgument, "{}: rope factor {} must be >= 1", op,
                r.factor);
+  if (r.type == RopeType::kYarn) {
+    STRATA_CHECK(r.original_max_position_embeddings > 0 && std::isfinite(r.original_max_position_embeddings) &&
+                     std::isfinite(r.beta_fast) && std::isfinite(r.beta_slow) && std::isfinite(r.mscale) &&
+                     std::isfinite(r.mscale_all_dim) && std::isfinite(r.attention_factor) &&
+                     r.attention_factor >= 0,
+                 kBadArgument,
+                 "{}: yarn rope needs a positive original_max_position_embeddings, finite betas and mscales and "
+                 "a non-negative attention_factor (got {}, {}, {}, {}, {}, {})",
+                 op, r.original_max_position_embeddings, r.beta_fast, r.beta_slow, r.mscale, r.mscale_all_dim,
+                 r.attention_factor);
+    return;
+  }
   if (r.type != RopeType::kLlama3) return;
   STRATA_CHECK(r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
                    std::isfinite(r.high_freq_factor) && r.original_max_position_embeddings > 0,

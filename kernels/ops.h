@@ -193,7 +193,9 @@ class Ops {
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
   // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
-  // default, linear and llama3 frequencies). positions int32 [rows]. head_dim even.
+  // default, linear, llama3 and yarn frequencies), cos and sin times
+  // rope_attention_scale(rope) (YaRN's attention factor, else 1: then the
+  // backward is the transpose, not the inverse). positions int32 [rows]. head_dim even.
   void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                             const Rope& rope);
   // The inverse rotation, in place on the gradient.

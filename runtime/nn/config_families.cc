@@ -320,6 +320,14 @@ const Family& family_of(Reader& r) {
   return *family;
 }
 
+// The pre-training context of llama3 and yarn RoPE as transformers reads it:
+// a top-level original_max_position_embeddings wins, then the rope's own,
+// then max_position_embeddings.
+double original_context(Reader& r, Reader& p, const DecoderConfig& c) {
+  const double own = p.number("original_max_position_embeddings", static_cast<double>(c.max_position_embeddings));
+  return r.number("original_max_position_embeddings", own);
+}
+
 // RoPE: transformers 5's rope_parameters, or rope_theta with the older
 // rope_scaling (which wins when both are set; strata refuses the ambiguity).
 ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
@@ -347,10 +355,10 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
                              : type.is_string() ? type.get<std::string>()
                                                 : "";
     STRATA_CHECK(
-        name == "default" || name == "linear" || name == "llama3", kBadArgument,
-        "{}: rope_type {} is not supported: strata computes \"default\", \"linear\" and \"llama3\" "
-        "RoPE "
-        "(yarn, dynamic, longrope and the others change the frequencies or the attention scale)",
+        name == "default" || name == "linear" || name == "llama3" || name == "yarn", kBadArgument,
+        "{}: rope_type {} is not supported: strata computes \"default\", \"linear\", \"llama3\" and "
+        "\"yarn\" RoPE (dynamic, longrope and the others change the frequencies with the sequence length or "
+        "per dimension)",
         where, describe_json(type));
     rope.theta = p.number("rope_theta", rope.theta);
     p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
@@ -362,11 +370,32 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
       rope.factor = p.number("factor", std::nullopt);
       rope.low_freq_factor = p.number("low_freq_factor", std::nullopt);
       rope.high_freq_factor = p.number("high_freq_factor", std::nullopt);
-      // transformers: a top-level original_max_position_embeddings wins, then
-      // the rope's own, then max_position_embeddings.
-      const double own = p.number("original_max_position_embeddings",
-                                  static_cast<double>(c.max_position_embeddings));
-      rope.original_max_position_embeddings = r.number("original_max_position_embeddings", own);
+      rope.original_max_position_embeddings = original_context(r, p, c);
+    } else if (name == "yarn") {
+      // transformers' _compute_yarn_parameters: factor is required (null: the
+      // ratio of max_position_embeddings to the original context), the rest
+      // optional; beta_fast/beta_slow 0 or null mean 32 and 1, mscale and
+      // mscale_all_dim give the attention factor only when both are nonzero,
+      // an explicit attention_factor overrides them.
+      rope.type = ops::RopeType::kYarn;
+      rope.original_max_position_embeddings = original_context(r, p, c);
+      STRATA_CHECK(p.contains("factor"), kBadArgument, "{}: yarn needs key 'factor'", where);
+      rope.factor = p.present("factor") ? p.number("factor", std::nullopt)
+                                        : static_cast<double>(c.max_position_embeddings) /
+                                              rope.original_max_position_embeddings;
+      p.accept("factor");
+      rope.beta_fast = p.number("beta_fast", 0.0);
+      rope.beta_slow = p.number("beta_slow", 0.0);
+      rope.mscale = p.number("mscale", 0.0);
+      rope.mscale_all_dim = p.number("mscale_all_dim", 0.0);
+      if (p.present("attention_factor")) {
+        rope.attention_factor = p.number("attention_factor", std::nullopt);
+        STRATA_CHECK(rope.attention_factor > 0, kBadArgument,
+                     "{}: key 'attention_factor' is {}; it scales the rotary embedding and must be positive",
+                     where, rope.attention_factor);
+      }
+      p.accept("attention_factor");
+      rope.truncate = p.boolean("truncate", true);
     }
     p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
   }

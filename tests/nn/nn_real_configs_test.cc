@@ -9,10 +9,12 @@
 
 #include "core/error.h"
 #include "runtime/nn/decoder_config.h"
+#include "tests/nn/config_checks.h"
 
 using namespace strata;
 using namespace strata::nn;
 using nlohmann::json;
+using strata::test::expect_refused;
 
 namespace {
 
@@ -24,18 +26,6 @@ json read_config(const std::string& name) {
   std::ifstream in(config_path(name));
   REQUIRE(in.good());
   return json::parse(in);
-}
-
-// The refusal of `j`: kBadArgument, its message holding every needle.
-void expect_refused(const json& j, std::initializer_list<std::string> needles) {
-  try {
-    parse_decoder_config(j);
-    FAIL("accepted: " << j.dump());
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == ErrorCategory::kBadArgument);
-    for (const std::string& n : needles) CHECK_THAT(e.what(), Catch::Contains(n));
-  }
 }
 
 struct Accepted {
