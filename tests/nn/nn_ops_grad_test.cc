@@ -85,11 +85,21 @@ TEST_CASE("linear backward matches finite differences (with and without bias)", 
   }
 }
 
-TEST_CASE("rope backward matches finite differences and is the inverse rotation", "[nn][grad]") {
+TEST_CASE("rope backward matches finite differences and is the inverse rotation (YaRN: the scaled transpose)",
+          "[nn][grad]") {
   const int64_t rows = 5, heads = 2, head_dim = 6;
   const std::vector<int32_t> pos = {0, 1, 2, 7, 100};
   const strata::ops::Rope llama3{strata::ops::RopeType::kLlama3, 10000.0, 8.0, 1.0, 4.0, 64.0};
-  for (const strata::ops::Rope& rope : {strata::ops::Rope{}, llama3}) {
+  // YaRN: cos and sin times its attention factor (0.1 ln 8 + 1 here), so
+  // backward (the transpose) undoes forward up to the factor's square.
+  strata::ops::Rope yarn;
+  yarn.type = strata::ops::RopeType::kYarn;
+  yarn.theta = 10.0;
+  yarn.factor = 8.0;
+  yarn.original_max_position_embeddings = 16.0;
+  REQUIRE(strata::ops::rope_attention_scale(yarn) == Approx(0.1 * std::log(8.0) + 1.0));
+  for (const strata::ops::Rope& rope : {strata::ops::Rope{}, llama3, yarn}) {
+    const double scale = strata::ops::rope_attention_scale(rope);
     Vec x = random_vector(rows * heads * head_dim, 10);
     const Vec r = random_vector(x.size(), 11);
     auto loss = [&] {
@@ -103,10 +113,10 @@ TEST_CASE("rope backward matches finite differences and is the inverse rotation"
 
     Vec y = x;
     rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
-    CHECK(y[0] == Approx(x[0]).epsilon(1e-15));  // position 0 is the identity
-    CHECK(y[3 * heads * head_dim] != Approx(x[3 * heads * head_dim]));
+    CHECK(y[0] == Approx(scale * x[0]).epsilon(1e-14));  // position 0 only scales (by 1 but for YaRN)
+    CHECK(y[3 * heads * head_dim] != Approx(scale * x[3 * heads * head_dim]));
     rope_backward(y.data(), pos.data(), rows, heads, head_dim, rope);
-    for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(x[i]).margin(1e-12));
+    for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(scale * scale * x[i]).margin(1e-12));
     REQUIRE_THROWS_AS(rope_forward(y.data(), pos.data(), rows, heads, int64_t{5}, rope), strata::Error);
   }
 }
@@ -158,34 +168,6 @@ TEST_CASE("yarn rope frequencies and attention factor are transformers' _compute
     }
     CHECK(strata::ops::rope_attention_scale(r) == Approx(c.at("attention_factor").get<double>()).epsilon(1e-12));
   }
-}
-
-TEST_CASE("yarn rope backward matches finite differences: cos and sin scaled by the attention factor", "[nn][grad]") {
-  const int64_t rows = 5, heads = 2, head_dim = 8;
-  const std::vector<int32_t> pos = {0, 1, 2, 7, 100};
-  strata::ops::Rope rope;
-  rope.type = strata::ops::RopeType::kYarn;
-  rope.theta = 10.0;
-  rope.factor = 8.0;
-  rope.original_max_position_embeddings = 16.0;
-  const double scale = strata::ops::rope_attention_scale(rope);
-  REQUIRE(scale == Approx(0.1 * std::log(8.0) + 1.0));
-  Vec x = random_vector(rows * heads * head_dim, 12);
-  const Vec r = random_vector(x.size(), 13);
-  auto loss = [&] {
-    Vec y = x;
-    rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
-    return weighted_sum(y, r);
-  };
-  Vec dx = r;
-  rope_backward(dx.data(), pos.data(), rows, heads, head_dim, rope);
-  check_gradient("dx", x, dx, loss);
-  // Position 0 only scales; the backward is the transpose, so a round trip scales by its square.
-  Vec y = x;
-  rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
-  CHECK(y[0] == Approx(scale * x[0]).epsilon(1e-14));
-  rope_backward(y.data(), pos.data(), rows, heads, head_dim, rope);
-  for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(scale * scale * x[i]).margin(1e-12));
 }
 
 TEST_CASE("sliding-window attention: the definition, and backward by finite differences",
