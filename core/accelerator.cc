@@ -19,6 +19,12 @@ Tensor Accelerator::allocate_tensor(DType dtype, Shape shape) {
   return Tensor(std::move(desc), data, [this](void* p) { deallocate(p); });
 }
 
+std::unique_ptr<Stream> Accelerator::borrow_stream(void* /*native*/) {
+  raise(ErrorCategory::kBadArgument,
+        "the {} accelerator has no native streams to borrow (its streams are strata's own threads); pass no stream",
+        backend_name(backend()));
+}
+
 namespace {
 
 // An integer environment variable, or `fallback` when unset; anything but a

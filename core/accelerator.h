@@ -183,6 +183,14 @@ class Accelerator {
   virtual void deallocate_pinned(void* ptr) = 0;
 
   virtual std::unique_ptr<Stream> create_stream() = 0;
+  // A Stream over `native`, a stream another library owns (a cudaStream_t:
+  // torch's current stream), so that its work and this accelerator's streams
+  // can be ordered by events (record, wait) without the host waiting. The
+  // Stream does not own it: destroying the Stream neither synchronizes nor
+  // destroys `native`, which must outlive it. Its synchronize() waits for all
+  // of `native`'s work. Error(kBadArgument) for a null handle, and on cpu,
+  // whose streams are strata's own threads (there is no native stream).
+  virtual std::unique_ptr<Stream> borrow_stream(void* native);
   // An event to record on this accelerator's streams.
   virtual std::unique_ptr<Event> create_event() = 0;
   // An event a host thread completes (see HostEvent).

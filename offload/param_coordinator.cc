@@ -222,7 +222,7 @@ bool ParamCoordinator::gathered(ParamId id) const {
 void ParamCoordinator::pre_op(OpId op, Phase phase) {
   // Paused: not a window of the step (position npos: no prefetch, no reuse).
   const OperatorTrace::Advance advance = trace_paused_ ? OperatorTrace::Advance{} : trace_.advance(op, phase);
-  window_position_.push_back(advance.position);
+  window_position_.push_back({op, advance.position});
   if (advance.dropped) on_trace_dropped(advance, OperatorTrace::Entry{op, phase});
   if (!trace_paused_) {
     ++current_.windows;
@@ -247,8 +247,13 @@ void ParamCoordinator::pre_op(OpId op, Phase phase) {
 }
 
 void ParamCoordinator::post_op(OpId op, Phase /*phase*/) {
-  const size_t position = window_position_.back();
-  window_position_.pop_back();
+  // Windows may close in any order; an operator is open at most once.
+  const auto open = std::find_if(window_position_.begin(), window_position_.end(),
+                                 [&](const OpenWindow& w) { return w.op == op; });
+  STRATA_CHECK(open != window_position_.end(), kInternal, "post_op of operator '{}', which is not open",
+               ops_[static_cast<size_t>(op)].name);
+  const size_t position = open->position;
+  window_position_.erase(open);
   for (ParamId id : ops_[static_cast<size_t>(op)].params) --open_uses_[static_cast<size_t>(id)];
   keep_or_release(op, position);
 }

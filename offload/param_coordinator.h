@@ -205,7 +205,8 @@ class ParamCoordinator {
   // Every parameter of `op` is gathered (now, or earlier) when this returns,
   // and work enqueued on the compute stream afterwards runs after the gathers
   // (the stream waits on their events; the wait is timed when one is pending).
-  // Windows nest.
+  // Windows may nest or overlap and close in any order; an operator is open
+  // at most once.
   void pre_op(OpId op, Phase phase);
   // The op's kernels are enqueued; releases or keeps its parameters.
   void post_op(OpId op, Phase phase);
@@ -314,7 +315,11 @@ class ParamCoordinator {
   };
   std::deque<Releasing> releasing_;
   int64_t releasing_numel_ = 0;
-  std::vector<size_t> window_position_;  // per open window: its trace entry, or npos
+  struct OpenWindow {
+    OpId op;
+    size_t position;  // its trace entry, or npos
+  };
+  std::vector<OpenWindow> window_position_;  // per open window, in opening order
   std::vector<uint32_t> visited_;        // per parameter: walk generation (prefetch_from)
   uint32_t walk_ = 0;
   int64_t step_boundaries_ = 0;          // end_step calls (for messages)

@@ -117,14 +117,16 @@ ShardOptimizer::ShardOptimizer(Accelerator& accelerator, ops::Ops& ops, Stream& 
     const partition::PartitionLayout& layout = *shard.layout;
     const size_t shard_numel = static_cast<size_t>(layout.shard_numel());
     const size_t stride = sub_group_stride(layout, shard.dtype, options_.sub_group_numel);
+    kernels::AdamConfig adam = options_.adam;
+    if (shard.weight_decay) adam.weight_decay = *shard.weight_decay;
     if (options_.tier == Tier::kDevice) {
-      g.device = std::make_unique<DeviceOptimizer>(accelerator, ops, home_stream, shard_numel, stride, options_.adam);
+      g.device = std::make_unique<DeviceOptimizer>(accelerator, ops, home_stream, shard_numel, stride, adam);
     } else {
       OptimizerSwapperOptions swapper;
       swapper.numel = shard_numel;
       swapper.sub_group_numel = stride;
       swapper.state_tier = options_.tier;
-      swapper.adam = options_.adam;
+      swapper.adam = adam;
       swapper.threads = options_.threads;
       swapper.nvme_path = options_.nvme_path;
       swapper.group = "optimizer_" + (shard.name.empty() ? std::string(dtype_name(shard.dtype)) : shard.name);

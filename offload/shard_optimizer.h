@@ -137,6 +137,7 @@ struct OptimizedShard {
   GradShard* grads = nullptr;          // where the final gradient is
   BucketReducer* reducer = nullptr;    // lands the gradient (the overlap counts its landings)
   std::string name;                    // names its state files ("optimizer_<name>"); empty: the dtype's
+  std::optional<float> weight_decay = std::nullopt;  // its own AdamW decay; nullopt: ShardOptimizerOptions::adam's
 };
 
 // What apply() did.

@@ -26,6 +26,7 @@
 
 #include "partition/communicator.h"
 #include "partition/communicator_support.h"
+#include "core/cuda/nccl_api.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/trace_recorder.h"
@@ -68,7 +69,7 @@ class NcclCommunicator final : public Communicator {
     ncclUniqueId id;
     std::string key = options.prefix + "/nccl_unique_id";
     if (options.rank == 0) {
-      STRATA_NCCL_CHECK(ncclGetUniqueId(&id));
+      STRATA_NCCL_CHECK(nccl::api().GetUniqueId(&id));
       store.set(key, std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
     } else {
       std::vector<char> value;
@@ -89,12 +90,12 @@ class NcclCommunicator final : public Communicator {
     // NCCL binds the communicator to the calling thread's current device.
     std::unique_lock<std::mutex> lock(mutex_);
     DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
-    ncclResult_t init = ncclCommInitRankConfig(&comm_, options.world_size, id, options.rank, &config);
+    ncclResult_t init = nccl::api().CommInitRankConfig(&comm_, options.world_size, id, options.rank, &config);
     // An init that fails at once may still have made the communicator (NCCL
     // hands it out before its checks in non-blocking mode): abort frees it
     // (fail_locked), where a bare raise leaked it, as the destructor never runs.
     if (init != ncclSuccess && init != ncclInProgress) {
-      abort_and_raise_locked("ncclCommInitRankConfig", ncclGetErrorString(init));
+      abort_and_raise_locked("ncclCommInitRankConfig", nccl::api().GetErrorString(init));
     }
     wait_ready_locked("ncclCommInitRankConfig");
     lock.unlock();
@@ -114,18 +115,19 @@ class NcclCommunicator final : public Communicator {
         DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
         // Finalize is asynchronous in non-blocking mode: it flushes what was
         // issued; wait (bounded) before destroying.
-        ncclResult_t state = ncclCommFinalize(comm_);
+        ncclResult_t state = nccl::api().CommFinalize(comm_);
         auto deadline = Clock::now() + options_.timeout;
         while (state == ncclInProgress && Clock::now() < deadline) {
           std::this_thread::sleep_for(std::chrono::microseconds(100));
-          ncclCommGetAsyncError(comm_, &state);
+          nccl::api().CommGetAsyncError(comm_, &state);
         }
         if (state == ncclSuccess) {
-          ncclCommDestroy(comm_);
+          nccl::api().CommDestroy(comm_);
           comm_ = nullptr;
         } else {
-          fail_locked("ncclCommFinalize at destruction",
-                      state == ncclInProgress ? "it did not finish within the timeout" : ncclGetErrorString(state));
+          fail_locked("ncclCommFinalize at destruction", state == ncclInProgress
+                                                              ? "it did not finish within the timeout"
+                                                              : nccl::api().GetErrorString(state));
         }
       } catch (const std::exception& e) {
         logger().error("NCCL communicator of {}: {}", detail::describe_rank(options_), e.what());
@@ -144,32 +146,32 @@ class NcclCommunicator final : public Communicator {
                                    Stream& stream) override {
     const size_t nbytes = numel * dtype_nbytes(dtype) * static_cast<size_t>(world_size());
     return enqueue("allgather", numel, dtype, nbytes, stream, [&](cudaStream_t s) {
-      return ncclAllGather(send, recv, numel, nccl_type(dtype), comm_, s);
+      return nccl::api().AllGather(send, recv, numel, nccl_type(dtype), comm_, s);
     });
   }
   std::unique_ptr<Event> reduce_scatter(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                         Stream& stream) override {
     const size_t nbytes = numel * dtype_nbytes(dtype) * static_cast<size_t>(world_size());
     return enqueue("reduce_scatter", numel, dtype, nbytes, stream, [&](cudaStream_t s) {
-      return ncclReduceScatter(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
+      return nccl::api().ReduceScatter(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
     });
   }
   std::unique_ptr<Event> allreduce(const void* send, void* recv, size_t numel, DType dtype, ReduceOp op,
                                    Stream& stream) override {
     return enqueue("allreduce", numel, dtype, numel * dtype_nbytes(dtype), stream, [&](cudaStream_t s) {
-      return ncclAllReduce(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
+      return nccl::api().AllReduce(send, recv, numel, nccl_type(dtype), nccl_op(op), comm_, s);
     });
   }
   std::unique_ptr<Event> broadcast(void* data, size_t numel, DType dtype, int root, Stream& stream) override {
     return enqueue("broadcast", numel, dtype, numel * dtype_nbytes(dtype), stream, [&](cudaStream_t s) {
-      return ncclBroadcast(data, data, numel, nccl_type(dtype), root, comm_, s);
+      return nccl::api().Broadcast(data, data, numel, nccl_type(dtype), root, comm_, s);
     });
   }
   std::unique_ptr<Event> barrier(Stream& stream) override {
     // NCCL has no barrier: a one-element allreduce on a scratch word orders every rank.
     if (barrier_word_ == nullptr) barrier_word_ = accelerator_.allocate(sizeof(float));
     return enqueue("barrier", 1, DType::kF32, sizeof(float), stream, [&](cudaStream_t s) {
-      return ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
+      return nccl::api().AllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
     });
   }
   // One NCCL group of a receive from and a send to every peer with a non-empty
@@ -180,22 +182,22 @@ class NcclCommunicator final : public Communicator {
     detail::check_all_to_all(options_, send, recv, splits, dtype);
     const size_t element = dtype_nbytes(dtype), sent = splits.send_total();
     return enqueue("all_to_all", sent, dtype, sent * element, stream, [&](cudaStream_t s) {
-      ncclResult_t result = ncclGroupStart();
+      ncclResult_t result = nccl::api().GroupStart();
       if (result != ncclSuccess) return result;
       const ncclDataType_t type = nccl_type(dtype);
       for (size_t p = 0; p < splits.send_counts.size() && (result == ncclSuccess || result == ncclInProgress); ++p) {
         const int peer = static_cast<int>(p);
         if (splits.recv_counts[p] > 0) {
-          result = ncclRecv(static_cast<char*>(recv) + splits.recv_displs[p] * element, splits.recv_counts[p], type,
-                            peer, comm_, s);
+          result = nccl::api().Recv(static_cast<char*>(recv) + splits.recv_displs[p] * element,
+                                    splits.recv_counts[p], type, peer, comm_, s);
         }
         if (splits.send_counts[p] > 0 && (result == ncclSuccess || result == ncclInProgress)) {
-          result = ncclSend(static_cast<const char*>(send) + splits.send_displs[p] * element, splits.send_counts[p],
-                            type, peer, comm_, s);
+          result = nccl::api().Send(static_cast<const char*>(send) + splits.send_displs[p] * element,
+                                    splits.send_counts[p], type, peer, comm_, s);
         }
       }
       // The group is closed whatever happened inside it; the first error wins.
-      const ncclResult_t ended = ncclGroupEnd();
+      const ncclResult_t ended = nccl::api().GroupEnd();
       return result == ncclSuccess || result == ncclInProgress ? ended : result;
     });
   }
@@ -212,15 +214,16 @@ class NcclCommunicator final : public Communicator {
     }
     const std::vector<P2POp> list(ops.begin(), ops.end());
     return enqueue("exchange", numel, list.front().dtype, nbytes, stream, [&](cudaStream_t s) {
-      ncclResult_t result = ncclGroupStart();
+      const nccl::Api& api = nccl::api();
+      ncclResult_t result = api.GroupStart();
       if (result != ncclSuccess) return result;
       for (const P2POp& op : list) {
         if (op.numel() == 0 || (result != ncclSuccess && result != ncclInProgress)) continue;
         result = op.kind == P2POp::Kind::kSend
-                     ? ncclSend(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s)
-                     : ncclRecv(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s);
+                     ? api.Send(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s)
+                     : api.Recv(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s);
       }
-      const ncclResult_t ended = ncclGroupEnd();
+      const ncclResult_t ended = api.GroupEnd();
       return result == ncclSuccess || result == ncclInProgress ? ended : result;
     });
   }
@@ -245,9 +248,9 @@ class NcclCommunicator final : public Communicator {
     auto deadline = Clock::now() + options_.timeout;
     for (;;) {
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
+      nccl::api().CommGetAsyncError(comm_, &state);
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) abort_and_raise_locked(what, ncclGetErrorString(state));
+      if (state != ncclInProgress) abort_and_raise_locked(what, nccl::api().GetErrorString(state));
       if (Clock::now() > deadline) abort_and_raise_locked(what, "timed out");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
@@ -270,7 +273,9 @@ class NcclCommunicator final : public Communicator {
     stream.record(*start);
     try {
       ncclResult_t result = call(static_cast<cudaStream_t>(stream.native_handle()));
-      if (result != ncclSuccess && result != ncclInProgress) abort_and_raise_locked(what, ncclGetErrorString(result));
+      if (result != ncclSuccess && result != ncclInProgress) {
+        abort_and_raise_locked(what, nccl::api().GetErrorString(result));
+      }
       // In non-blocking mode the kernel may reach the stream only once this
       // returns, so the completion event is recorded after it.
       wait_ready_locked(what);
@@ -340,9 +345,9 @@ class NcclCommunicator final : public Communicator {
     }
     if (in_flight_.empty()) return;
     ncclResult_t async_error = ncclSuccess;
-    ncclCommGetAsyncError(comm_, &async_error);
+    nccl::api().CommGetAsyncError(comm_, &async_error);
     if (async_error != ncclSuccess && async_error != ncclInProgress) {
-      fail_locked(in_flight_.front().what, ncclGetErrorString(async_error));
+      fail_locked(in_flight_.front().what, nccl::api().GetErrorString(async_error));
       return;
     }
     for (InFlight& op : in_flight_) {
@@ -390,7 +395,7 @@ class NcclCommunicator final : public Communicator {
     if (comm_ != nullptr) {
       try {
         DeviceGuard guard(device_, DeviceGuard::Bind::kAlways);
-        ncclCommAbort(comm_);
+        nccl::api().CommAbort(comm_);
       } catch (const std::exception& e) {
         logger().error("NCCL communicator of {}: abort: {}", detail::describe_rank(options_), e.what());
       }

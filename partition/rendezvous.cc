@@ -42,11 +42,34 @@ RankInfo RankInfo::from_env() {
   if (const char* addr = env("MASTER_ADDR")) info.master_addr = addr;
   info.master_port = env_int("MASTER_PORT", kDefaultMasterPort, 1);
   STRATA_CHECK(info.master_port <= 65535, kBadArgument, "MASTER_PORT={} is not a TCP port", info.master_port);
+  if (env("MASTER_PORT") != nullptr) info.port_source = "MASTER_PORT";
+  if (env("STRATA_MASTER_PORT") != nullptr) {
+    info.master_port = env_int("STRATA_MASTER_PORT", 0, 1);
+    STRATA_CHECK(info.master_port <= 65535, kBadArgument, "STRATA_MASTER_PORT={} is not a TCP port",
+                 info.master_port);
+    info.port_source = "STRATA_MASTER_PORT";
+  } else if (env("TORCHELASTIC_RUN_ID") != nullptr && env("MASTER_PORT") != nullptr) {
+    STRATA_CHECK(info.master_port < 65535, kBadArgument,
+                 "under torchrun strata's store takes MASTER_PORT + 1, but MASTER_PORT is {}: set STRATA_MASTER_PORT",
+                 info.master_port);
+    ++info.master_port;
+    info.port_source = "MASTER_PORT + 1 (torchrun holds MASTER_PORT)";
+  }
   return info;
 }
 
 Rendezvous::Rendezvous(const RankInfo& info, std::chrono::milliseconds timeout) : info_(info) {
-  if (info_.rank == 0) server_ = std::make_unique<StoreServer>(info_.master_addr, info_.master_port);
+  if (info_.rank == 0) {
+    try {
+      server_ = std::make_unique<StoreServer>(info_.master_addr, info_.master_port);
+    } catch (const Error& error) {
+      // Say which variable chose the port, and how to choose another.
+      raise(error.category(),
+            "{} (strata's port, from {}; another process holds it: set STRATA_MASTER_PORT to a free port, the same "
+            "on every rank)",
+            error.message(), info_.port_source);
+    }
+  }
   client_ = std::make_unique<StoreClient>(info_.master_addr, info_.master_port, info_.rank, timeout);
 }
 

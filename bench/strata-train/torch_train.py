@@ -27,14 +27,14 @@ def main():
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     try:
         import torch
-        from transformers import DecoderConfig, LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM
     except Exception as e:  # noqa: BLE001 - report any import failure
         print(json.dumps({"ok": False, "error": f"cannot import torch/transformers: {e}",
                           "python": sys.executable}))
         return
     torch.set_num_threads(a.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-    config = DecoderConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+    config = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                          num_hidden_layers=a.layers, num_attention_heads=a.heads,
                          num_key_value_heads=a.kv_heads, max_position_embeddings=max(a.seq, 2048),
                          tie_word_embeddings=False)

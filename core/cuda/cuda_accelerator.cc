@@ -24,6 +24,7 @@
 
 #include "core/accelerator.h"
 #include "core/block_cache.h"
+#include "core/cuda/nccl_api.h"
 #include "core/error.h"
 #include "core/host_memory.h"
 #include "core/log.h"
@@ -455,7 +456,11 @@ class CudaStream final : public Stream {
     DeviceGuard guard(shared_->device);
     STRATA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
+  // Accelerator::borrow_stream: a stream another library owns, never destroyed here.
+  CudaStream(std::shared_ptr<Shared> shared, cudaStream_t borrowed)
+      : shared_(std::move(shared)), history_(std::make_shared<StreamHistory>()), stream_(borrowed), owned_(false) {}
   ~CudaStream() override {
+    if (!owned_) return;  // its owner's work goes on: only this wrapper's references go
     cudaStreamSynchronize(stream_);
     // All work is done: resolve every source, which also drops references to
     // other streams' histories.
@@ -589,6 +594,7 @@ class CudaStream final : public Stream {
   std::shared_ptr<Shared> shared_;
   std::shared_ptr<StreamHistory> history_;
   cudaStream_t stream_ = nullptr;
+  bool owned_ = true;  // false: borrowed (Accelerator::borrow_stream)
   // Held across each enqueue so that history positions follow device order.
   // Never taken by host functions (they may run while a submission blocks).
   std::mutex submit_mutex_;
@@ -759,6 +765,12 @@ class CudaAccelerator final : public Accelerator {
   }
 
   std::unique_ptr<Stream> create_stream() override { return std::make_unique<CudaStream>(shared_); }
+  std::unique_ptr<Stream> borrow_stream(void* native) override {
+    STRATA_CHECK(native != nullptr, kBadArgument,
+                 "borrow_stream: the stream handle is NULL (CUDA's legacy default stream cannot be borrowed: pass "
+                 "the stream the work runs on, e.g. torch.cuda.current_stream().cuda_stream)");
+    return std::make_unique<CudaStream>(shared_, static_cast<cudaStream_t>(native));
+  }
   std::unique_ptr<Event> create_event() override { return std::make_unique<CudaEvent>(); }
   std::unique_ptr<HostEvent> create_host_event() override { return std::make_unique<CudaHostEvent>(shared_); }
 
@@ -910,7 +922,10 @@ CudaInfo cuda_info() {
   info.built = true;
   cudaDriverGetVersion(&info.driver_version);
   cudaRuntimeGetVersion(&info.runtime_version);
-  ncclGetVersion(&info.nccl_version);
+  try {
+    nccl::api().GetVersion(&info.nccl_version);  // 0 when no NCCL loads (doctor says so)
+  } catch (const Error&) {
+  }
   int cublas_version = 0;
   cublasHandle_t handle = nullptr;
   int count = 0;

@@ -1,6 +1,7 @@
 // CUDA, cuBLAS and NCCL result checks.
 #include "core/cuda/cuda_check.h"
 
+#include "core/cuda/nccl_api.h"
 #include "core/error.h"
 
 namespace strata {
@@ -19,7 +20,7 @@ void check_cublas(cublasStatus_t result, std::string_view what) {
 
 void check_nccl(ncclResult_t result, std::string_view what) {
   if (result == ncclSuccess) return;
-  raise(ErrorCategory::kCuda, "{}: NCCL {} (code {})", what, ncclGetErrorString(result),
+  raise(ErrorCategory::kCuda, "{}: NCCL {} (code {})", what, nccl::api().GetErrorString(result),
         static_cast<int>(result));
 }
 

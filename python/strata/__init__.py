@@ -226,6 +226,14 @@ _get_step_breakdown = _declare("strata_get_step_breakdown", [_EP, ctypes.POINTER
 _get_op_stalls = _declare("strata_get_op_stalls", [_EP, ctypes.POINTER(_OpStall), _i32, ctypes.POINTER(_i32)])
 _save_checkpoint = _declare("strata_save_checkpoint", [_EP, ctypes.c_char_p])
 _load_checkpoint = _declare("strata_load_checkpoint", [_EP, ctypes.c_char_p])
+_freeze_param = _declare("strata_freeze_param", [_EP, _i32])
+_set_weight_decay = _declare("strata_set_weight_decay", [_EP, _i32, ctypes.c_float])
+_fetch_on_stream = _declare("strata_fetch_on_stream", [_EP, _i32, ctypes.c_int, _vp])
+_release_on_stream = _declare("strata_release_on_stream", [_EP, _i32, ctypes.c_int, _vp])
+_add_grad_device = _declare("strata_add_grad_device", [_EP, _i32, _vp, ctypes.c_int, _vp])
+_clip_grad_norm = _declare("strata_clip_grad_norm", [_EP, ctypes.c_double, ctypes.POINTER(ctypes.c_double)])
+_begin_evaluation = _declare("strata_begin_evaluation", [_EP])
+_end_evaluation = _declare("strata_end_evaluation", [_EP])
 _trace_start = _declare("strata_trace_start", [ctypes.c_char_p])
 _trace_stop = _declare("strata_trace_stop", [])
 
@@ -235,7 +243,7 @@ if _version() // 10000 != _MAJOR:
 
 
 def version():
-    """The loaded library's version string, e.g. "0.2.0"."""
+    """The loaded library's version string, e.g. "0.3.0"."""
     return _version_string().decode()
 
 
@@ -432,14 +440,20 @@ class Engine:
         return self._handle
 
     # -- declaration --
-    def register(self, name, values=None, *, shape=None, dtype=None, init=None):
+    def register(self, name, values=None, *, shape=None, dtype=None, init=None, init_into=None):
         """Registers a parameter; returns its Param.
 
         values: its full initial value (numpy array, torch tensor or array-like), the same on
                 every rank; or `shape` (+ dtype) with `init(first, count) -> values` (called at
                 finalize for this rank's ranges only) or neither (zeros).
+        init_into: instead of `init`, `init_into(first, count, address)` writes the `count`
+                elements from `first` on (storage dtype: fp32, fp16, or bf16 bits) into host
+                memory at `address` itself -- no array in between (strata.torch copies each
+                rank's ranges straight from the tensor's memory).
         dtype:  "fp32", "fp16" or "bf16"; default from the values (float32/float16), else fp32.
         """
+        if init_into is not None and (values is not None or init is not None):
+            raise InvalidArgument(1, f"strata: parameter '{name}': give one of values, init or init_into")
         array = None
         if values is not None:
             if dtype is None and str(getattr(values, "dtype", "")) == "torch.bfloat16":
@@ -456,7 +470,19 @@ class Engine:
         if array is not None:
             data = _storage(array, code)
         callback = _INIT_FN()
-        if init is not None:
+        if init_into is not None:
+            def fill_into(_user, _param, first, count, out, into=init_into):
+                try:
+                    into(int(first), int(count), int(out))
+                    return 0
+                except Exception:  # an exception must not cross into C; strata names the parameter
+                    import traceback
+                    traceback.print_exc()
+                    return 1
+
+            callback = _INIT_FN(fill_into)
+            self._keep.append(callback)
+        elif init is not None:
             storage = _NP_STORAGE[code]
 
             def fill(_user, _param, first, count, out, init=init, code=code, storage=storage):
@@ -502,6 +528,14 @@ class Engine:
         self._ops.append(op)
         return op
 
+    def freeze(self, p):
+        """Marks p frozen before finalize (strata_freeze_param): no gradient, no optimizer state."""
+        _check(_freeze_param(self._h(), self._param(p).id))
+
+    def set_weight_decay(self, p, weight_decay):
+        """Gives p its own weight decay before finalize (strata_set_weight_decay)."""
+        _check(_set_weight_decay(self._h(), self._param(p).id, float(weight_decay)))
+
     def finalize(self):
         """Partitions and stores every parameter (collective)."""
         try:
@@ -520,6 +554,50 @@ class Engine:
         window = Window(self, op_id, int(code))
         self._windows.add(window)
         return window
+
+    def fetch_window(self, op, phase, stream=None):
+        """strata_fetch (stream None) or strata_fetch_on_stream: opens op's window without a Window object;
+        pair it with release_window. `phase` is FORWARD, BACKWARD or RECOMPUTE; `stream` a cudaStream_t."""
+        if stream is None:
+            _check(_fetch(self._h(), int(op), int(phase)))
+        else:
+            _check(_fetch_on_stream(self._h(), int(op), int(phase), stream))
+
+    def release_window(self, op, phase, stream=None):
+        """strata_release (stream None) or strata_release_on_stream: windows close in any order."""
+        if stream is None:
+            _check(_release(self._h(), int(op), int(phase)))
+        else:
+            _check(_release_on_stream(self._h(), int(op), int(phase), stream))
+
+    def add_grad_device(self, p, address, dtype, stream=None):
+        """Adds the gradient at `address` (accelerator memory: host memory on the cpu accelerator; p's numel
+        values of `dtype`: "fp32", "fp16" or "bf16") into p's fp32 gradient, on strata's compute stream
+        (strata_add_grad_device): no copy through the host."""
+        _check(_add_grad_device(self._h(), self._param(p).id, address, _DTYPE_NAMES[str(dtype)], stream))
+
+    def clip_grad_norm(self, max_norm):
+        """The global gradient norm now (collective, after the last backward), and the coming step clips to
+        max_norm (<= 0: no clipping) instead of the config's gradient_clipping (strata_clip_grad_norm)."""
+        out = ctypes.c_double()
+        _check(_clip_grad_norm(self._h(), float(max_norm), ctypes.byref(out)))
+        return out.value
+
+    def begin_evaluation(self):
+        """Forward windows that are not training follow (strata_begin_evaluation)."""
+        _check(_begin_evaluation(self._h()))
+
+    def end_evaluation(self):
+        _check(_end_evaluation(self._h()))
+
+    def read_into(self, p, address):
+        """p's full value into host memory at `address` (storage dtype; collective): read() without an array."""
+        _check(_read_param(self._h(), self._param(p).id, address))
+
+    def write_from(self, p, address):
+        """Sets p from host memory at `address` (its full value, storage dtype, the same on every rank;
+        collective): write() without an array."""
+        _check(_write_param(self._h(), self._param(p).id, address))
 
     def _copy(self, param, ptr, dtype):
         """A numpy copy of p's memory at `ptr` (host memory only)."""

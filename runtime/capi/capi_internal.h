@@ -40,6 +40,27 @@ inline const char* phase_name(strata_phase phase) {
   return "?";
 }
 
+inline DType dtype_of(strata_dtype dtype) {
+  switch (dtype) {
+    case STRATA_DTYPE_F32: return DType::kF32;
+    case STRATA_DTYPE_F16: return DType::kF16;
+    case STRATA_DTYPE_BF16: return DType::kBF16;
+  }
+  return DType::kF32;  // unreachable: checked by the caller
+}
+
+inline bool valid_dtype(int dtype) { return dtype >= STRATA_DTYPE_F32 && dtype <= STRATA_DTYPE_BF16; }
+inline bool valid_phase(int phase) { return phase >= STRATA_PHASE_FORWARD && phase <= STRATA_PHASE_RECOMPUTE; }
+
+inline engine::Phase phase_of(strata_phase phase) {
+  switch (phase) {
+    case STRATA_PHASE_FORWARD: return engine::Phase::kForward;
+    case STRATA_PHASE_BACKWARD: return engine::Phase::kBackward;
+    case STRATA_PHASE_RECOMPUTE: return engine::Phase::kRecompute;
+  }
+  return engine::Phase::kForward;
+}
+
 // This thread's last failure message (strata_last_error); strata.cc.
 std::string& last_error_message();
 
@@ -105,6 +126,7 @@ struct strata_engine {
   std::vector<Window> windows;            // open, innermost last
   std::vector<int32_t> backward_seen;     // per parameter: its operators released in this backward pass
   bool finalized = false;
+  bool norm_taken = false;  // strata_clip_grad_norm reached the step boundary: no window until the step
   std::string failure;  // the error that left the engine unusable; empty while usable
   int64_t steps_skipped = 0;
 
@@ -199,6 +221,12 @@ inline void require_not_prepared(const strata_engine* e, const char* function) {
           "{} between strata_prepare_step and strata_step (the optimizer may be updating the parameters); call it "
           "between steps, or strata_zero_grad to abandon the prepared step",
           function);
+}
+
+// Between strata_begin_evaluation and strata_end_evaluation only forward windows run.
+inline void require_not_evaluating(const strata_engine* e, const char* function) {
+  require(!e->zero->evaluating(), STRATA_ERROR_INVALID_STATE,
+          "{} during an evaluation (strata_begin_evaluation); strata_end_evaluation first", function);
 }
 
 // Every backward pass begun has been finished (the engine reduces a gradient

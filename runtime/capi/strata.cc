@@ -1,6 +1,6 @@
-// The C API (strata.h) over engine::ZeroEngine: engines, declarations, hook
-// windows, steps and the timeline (the step breakdown and checkpoints are in
-// strata_state.cc). Each entry point checks its arguments and the call order
+// The C API (strata.h) over engine::ZeroEngine: engines, declarations, steps
+// and the timeline (hook windows are in strata_windows.cc, the step breakdown
+// and checkpoints in strata_state.cc). Each entry point checks its arguments and the call order
 // itself, before touching the engine, so that bad input is a status that
 // leaves the engine usable; whatever the engine then throws is caught
 // (guarded, capi_internal.h), converted to a status and a thread-local
@@ -47,27 +47,6 @@ namespace engine = strata::engine;
 namespace partition = strata::partition;
 using strata::DType;
 
-DType dtype_of(strata_dtype dtype) {
-  switch (dtype) {
-    case STRATA_DTYPE_F32: return DType::kF32;
-    case STRATA_DTYPE_F16: return DType::kF16;
-    case STRATA_DTYPE_BF16: return DType::kBF16;
-  }
-  return DType::kF32;  // unreachable: checked by the caller
-}
-
-bool valid_dtype(int dtype) { return dtype >= STRATA_DTYPE_F32 && dtype <= STRATA_DTYPE_BF16; }
-bool valid_phase(int phase) { return phase >= STRATA_PHASE_FORWARD && phase <= STRATA_PHASE_RECOMPUTE; }
-
-engine::Phase phase_of(strata_phase phase) {
-  switch (phase) {
-    case STRATA_PHASE_FORWARD: return engine::Phase::kForward;
-    case STRATA_PHASE_BACKWARD: return engine::Phase::kBackward;
-    case STRATA_PHASE_RECOMPUTE: return engine::Phase::kRecompute;
-  }
-  return engine::Phase::kForward;
-}
-
 int32_t tier_of(strata::Tier tier) {
   switch (tier) {
     case strata::Tier::kDevice: return STRATA_TIER_DEVICE;
@@ -106,16 +85,6 @@ struct SharedRendezvous {
 SharedRendezvous& shared_rendezvous() {
   static SharedRendezvous shared;
   return shared;
-}
-
-// Whether an open window (a backward one when `backward`) lists `id`.
-bool in_window(const strata_engine* e, int32_t id, bool backward) {
-  for (const auto& w : e->windows) {
-    if (backward && w.phase != STRATA_PHASE_BACKWARD) continue;
-    const auto& listed = e->ops[static_cast<size_t>(w.op)];
-    if (std::find(listed.begin(), listed.end(), id) != listed.end()) return true;
-  }
-  return false;
 }
 
 // Sum of int32 `words` over ranks on the C layer's own communicator, through
@@ -364,6 +333,28 @@ strata_status strata_find_param(strata_engine* e, const char* name, int32_t* id_
   });
 }
 
+strata_status strata_freeze_param(strata_engine* e, int32_t id) {
+  return guarded("strata_freeze_param", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_param(e, id);
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "parameter '{}' frozen after strata_finalize",
+            e->zero->param_info(id).name);
+    e->zero->freeze(id);
+  });
+}
+
+strata_status strata_set_weight_decay(strata_engine* e, int32_t id, float weight_decay) {
+  return guarded("strata_set_weight_decay", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_param(e, id);
+    require(std::isfinite(weight_decay) && weight_decay >= 0, STRATA_ERROR_INVALID_ARGUMENT,
+            "parameter '{}': weight decay {} must be finite and >= 0", e->zero->param_info(id).name, weight_decay);
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "parameter '{}' given a weight decay after strata_finalize",
+            e->zero->param_info(id).name);
+    e->zero->set_weight_decay(id, weight_decay);
+  });
+}
+
 strata_status strata_finalize(strata_engine* e) {
   return guarded("strata_finalize", e, /*poison=*/true, [&] {
     require_engine(e);
@@ -395,106 +386,6 @@ strata_status strata_finalize(strata_engine* e) {
   });
 }
 
-strata_status strata_fetch(strata_engine* e, int32_t op, strata_phase phase) {
-  return guarded("strata_fetch", e, /*poison=*/true, [&] {
-    require_engine(e);
-    require_op(e, op);
-    require(valid_phase(phase), STRATA_ERROR_INVALID_ARGUMENT, "phase {} is not a strata_phase",
-            static_cast<int>(phase));
-    require_finalized(e);
-    for (const auto& w : e->windows) {
-      require(w.op != op, STRATA_ERROR_INVALID_STATE, "operator '{}' is already fetched ({})",
-              e->zero->op_info(op).name, phase_name(w.phase));
-    }
-    e->windows.push_back({op, phase});
-    strata::trace::Span span("capi", "strata_fetch");
-    if (span.recording()) span.detail("op", e->zero->op_info(op).name).value("phase", phase);
-    e->zero->pre_op(op, phase_of(phase));
-    // The caller's code may run on the host or on another stream: values must be in place now.
-    e->zero->compute_stream().synchronize();
-  });
-}
-
-strata_status strata_release(strata_engine* e, int32_t op, strata_phase phase) {
-  return guarded("strata_release", e, /*poison=*/true, [&] {
-    require_engine(e);
-    require_op(e, op);
-    require(valid_phase(phase), STRATA_ERROR_INVALID_ARGUMENT, "phase {} is not a strata_phase",
-            static_cast<int>(phase));
-    require_finalized(e);
-    require(!e->windows.empty(), STRATA_ERROR_INVALID_STATE, "operator '{}' ({}) is not fetched; no window is open",
-            e->zero->op_info(op).name, phase_name(phase));
-    const strata_engine::Window innermost = e->windows.back();
-    require(innermost.op == op && innermost.phase == phase, STRATA_ERROR_INVALID_STATE,
-            "releasing operator '{}' ({}) but the innermost open window is '{}' ({})", e->zero->op_info(op).name,
-            phase_name(phase), e->zero->op_info(innermost.op).name, phase_name(innermost.phase));
-    e->windows.pop_back();
-    strata::trace::Span span("capi", "strata_release");
-    if (span.recording()) span.detail("op", e->zero->op_info(op).name).value("phase", phase);
-    e->zero->post_op(op, phase_of(phase));
-    if (phase == STRATA_PHASE_BACKWARD) {
-      for (int32_t p : e->ops[static_cast<size_t>(op)]) {
-        int32_t& seen = e->backward_seen[static_cast<size_t>(p)];
-        if (++seen == e->zero->uses_of(p)) seen = 0;
-      }
-    }
-  });
-}
-
-strata_status strata_param_ptr(strata_engine* e, int32_t id, void** ptr) {
-  return guarded("strata_param_ptr", e, /*poison=*/true, [&] {
-    require_engine(e);
-    require_not_null(ptr, "ptr");
-    require_param(e, id);
-    require_finalized(e);
-    require(in_window(e, id, false), STRATA_ERROR_INVALID_STATE,
-            "parameter '{}' is not available: no fetched operator lists it", e->zero->param_info(id).name);
-    *ptr = e->zero->param(id).data;
-  });
-}
-
-namespace {
-float* grad_buffer(strata_engine* e, int32_t id) {
-  require_param(e, id);
-  require_finalized(e);
-  require(in_window(e, id, true), STRATA_ERROR_INVALID_STATE,
-          "the gradient of '{}' is not available: no operator fetched for backward lists it",
-          e->zero->param_info(id).name);
-  float* grad = e->zero->grad(id).as<float>();
-  // A first use zero-fills it on the compute stream; the caller writes from elsewhere.
-  e->zero->compute_stream().synchronize();
-  return grad;
-}
-}  // namespace
-
-strata_status strata_grad_ptr(strata_engine* e, int32_t id, float** ptr) {
-  return guarded("strata_grad_ptr", e, /*poison=*/true, [&] {
-    require_engine(e);
-    require_not_null(ptr, "ptr");
-    *ptr = grad_buffer(e, id);
-  });
-}
-
-strata_status strata_add_grad(strata_engine* e, int32_t id, const float* host_grad) {
-  return guarded("strata_add_grad", e, /*poison=*/true, [&] {
-    require_engine(e);
-    require_not_null(host_grad, "host_grad");
-    float* grad = grad_buffer(e, id);
-    const size_t numel = static_cast<size_t>(e->zero->param_info(id).numel());
-    if (e->accelerator->host_addressable()) {
-      for (size_t i = 0; i < numel; ++i) grad[i] += host_grad[i];
-      return;
-    }
-    std::vector<float> sum(numel);
-    strata::Stream& stream = e->zero->compute_stream();
-    e->accelerator->copy_async(sum.data(), grad, numel * sizeof(float), strata::CopyKind::kDeviceToHost, stream);
-    stream.synchronize();
-    for (size_t i = 0; i < numel; ++i) sum[i] += host_grad[i];
-    e->accelerator->copy_async(grad, sum.data(), numel * sizeof(float), strata::CopyKind::kHostToDevice, stream);
-    stream.synchronize();
-  });
-}
-
 strata_status strata_global_sum(strata_engine* e, double value, double* sum) {
   return guarded("strata_global_sum", e, /*poison=*/true, [&] {
     require_engine(e);
@@ -511,8 +402,10 @@ strata_status strata_step(strata_engine* e, float lr, strata_step_result* result
     require_finalized(e);
     require_no_window(e);
     require_backward_done(e);
+    require_not_evaluating(e, "strata_step");
     strata::trace::Span span("capi", "strata_step");
     const Clock::time_point start = Clock::now();
+    e->norm_taken = false;  // step() takes the boundary, or fails and leaves the engine unusable
     const engine::StepResult r = e->zero->step(lr);
     e->steps_skipped += !r.applied;
     record_breakdown(e, r, start);
@@ -535,7 +428,46 @@ strata_status strata_prepare_step(strata_engine* e, float lr) {
     require_backward_done(e);
     require(!e->zero->step_prepared(), STRATA_ERROR_INVALID_STATE,
             "strata_prepare_step called twice without a strata_step (or strata_zero_grad) between");
+    require_not_evaluating(e, "strata_prepare_step");
     e->zero->prepare_step(lr);
+  });
+}
+
+strata_status strata_clip_grad_norm(strata_engine* e, double max_norm, double* norm) {
+  return guarded("strata_clip_grad_norm", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require(!std::isnan(max_norm), STRATA_ERROR_INVALID_ARGUMENT, "max_norm is NaN");
+    require_finalized(e);
+    require_no_window(e);
+    require_backward_done(e);
+    require_not_evaluating(e, "strata_clip_grad_norm");
+    const double value = e->zero->clip_grad_norm(max_norm);
+    e->norm_taken = true;
+    if (norm != nullptr) *norm = value;
+  });
+}
+
+strata_status strata_begin_evaluation(strata_engine* e) {
+  return guarded("strata_begin_evaluation", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_finalized(e);
+    require_no_window(e);
+    require_backward_done(e);
+    require_not_prepared(e, "strata_begin_evaluation");
+    require(!e->zero->evaluating(), STRATA_ERROR_INVALID_STATE, "an evaluation has begun already");
+    require(!e->norm_taken, STRATA_ERROR_INVALID_STATE,
+            "called between strata_clip_grad_norm and strata_step (strata_step or strata_zero_grad first)");
+    e->zero->begin_evaluation();
+  });
+}
+
+strata_status strata_end_evaluation(strata_engine* e) {
+  return guarded("strata_end_evaluation", e, /*poison=*/true, [&] {
+    require_engine(e);
+    require_finalized(e);
+    require_no_window(e);
+    require(e->zero->evaluating(), STRATA_ERROR_INVALID_STATE, "no evaluation has begun (strata_begin_evaluation)");
+    e->zero->end_evaluation();
   });
 }
 
@@ -554,6 +486,7 @@ strata_status strata_zero_grad(strata_engine* e) {
     require_no_window(e);
     require_backward_done(e);
     e->zero->zero_grad();
+    e->norm_taken = false;
   });
 }
 

@@ -40,6 +40,15 @@
  * values are in place (the calling thread waits), so any stream or thread may
  * read them afterwards; before strata_release the caller must have finished
  * all of its own work on those pointers (e.g. synchronized its CUDA stream).
+ * With a cuda accelerator the *_on_stream functions order the same steps on
+ * the caller's CUDA stream by events instead, and the host waits for nothing
+ * (strata_fetch_on_stream, strata_release_on_stream, strata_add_grad_device).
+ * strata's accelerator memory comes from its own budget (the cuda backend's
+ * stream-ordered pool, sized by the device's free memory at creation, or
+ * strata.memory_budget): a process that also runs another allocator on the
+ * same GPU (torch's caching allocator) shares the device between the two, so
+ * create the engine after the other library has taken what it keeps, or cap
+ * one of them (torch.cuda.set_per_process_memory_fraction).
  *
  * Errors. Every function returns a strata_status; STRATA_OK is 0. On failure
  * strata_last_error() gives a message naming the function and what was wrong;
@@ -73,14 +82,17 @@
  * written last); strata_get_step_breakdown says where the last step's time
  * and bytes went, strata_get_op_stalls which operators compute waited for.
  *
- * Not yet: exposing the compute stream (so CUDA users could skip the host
- * wait in strata_fetch); loading a checkpoint into another world size.
+ * Not yet: loading a checkpoint into another world size.
  *
  * Versioning: STRATA_VERSION_* below is the version this header belongs to;
  * strata_version() the library's. Structs and enum values change only with
  * STRATA_VERSION_MAJOR; a minor version only adds functions (and new structs
  * they fill). Since 0.2: strata_get_step_breakdown, strata_get_op_stalls,
- * strata_save_checkpoint, strata_load_checkpoint, strata_prepare_step. */
+ * strata_save_checkpoint, strata_load_checkpoint, strata_prepare_step.
+ * Since 0.3: strata_freeze_param, strata_set_weight_decay,
+ * strata_fetch_on_stream, strata_release_on_stream, strata_add_grad_device,
+ * strata_clip_grad_norm, strata_begin_evaluation, strata_end_evaluation; and
+ * strata_release closes windows in any order (0.2: the innermost only). */
 #ifndef STRATA_CAPI_STRATA_H_
 #define STRATA_CAPI_STRATA_H_
 
@@ -92,7 +104,7 @@ extern "C" {
 #endif
 
 #define STRATA_VERSION_MAJOR 0
-#define STRATA_VERSION_MINOR 2
+#define STRATA_VERSION_MINOR 3
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, like strata_version(). */
 #define STRATA_VERSION (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
@@ -267,6 +279,26 @@ strata_status strata_register_op(strata_engine* engine, const char* name, int32_
  * parameter). */
 strata_status strata_find_param(strata_engine* engine, const char* name, int32_t* id_out);
 
+/* Marks parameter `id` frozen: not trained. It gets no gradient buffer
+ * (strata_grad_ptr and strata_add_grad* refuse it, INVALID_STATE), is never
+ * reduced, has no optimizer state and never changes, but is partitioned,
+ * offloaded and fetched like any other (backward reads it to form the input
+ * gradient). For adapters on a frozen base (LoRA) and frozen layers. Before
+ * strata_finalize; every rank freezes the same parameters. Errors:
+ * INVALID_ARGUMENT (unknown id); INVALID_STATE after strata_finalize.
+ * Since 0.3. */
+strata_status strata_freeze_param(strata_engine* engine, int32_t id);
+
+/* Gives parameter `id` its own weight decay (finite, >= 0) in place of the
+ * config's optimizer.params.weight_decay: AdamW's decoupled decay, Adam's L2
+ * term, as the config's optimizer type says. A trainer's parameter groups
+ * (e.g. no decay for biases and norms). Parameters of one decay are
+ * partitioned and updated together; checkpoints record the grouping, so a
+ * load needs the same decays. Before strata_finalize; every rank gives the
+ * same decays. Errors: INVALID_ARGUMENT (unknown id, a negative or not finite
+ * decay); INVALID_STATE after strata_finalize. Since 0.3. */
+strata_status strata_set_weight_decay(strata_engine* engine, int32_t id, float weight_decay);
+
 /* COLLECTIVE. Partitions every parameter, creates each shard's storage where
  * the config says (device, pinned CPU, NVMe) and writes the initial values of
  * this rank's shard (calling init callbacks on this thread). A config
@@ -286,21 +318,43 @@ strata_status strata_finalize(strata_engine* engine);
 
 /* COLLECTIVE at stage 3 (gathers shards). Opens operator `op`'s window for
  * `phase`: on return every parameter of `op` has its full value at
- * strata_param_ptr (the calling thread waited for it). Windows nest
- * (release the innermost first); an operator cannot be open twice.
+ * strata_param_ptr (the calling thread waited for it). Windows may nest or
+ * overlap and be released in any order; an operator cannot be open twice.
+ * Every rank opens the same windows in the same order (the prefetcher
+ * follows the order of the first step: keep it the same every step).
  * Errors: INVALID_ARGUMENT (unknown op, bad phase); INVALID_STATE (before
  * finalize, op already open); IO/COMMUNICATION/OUT_OF_MEMORY (unusable). */
 strata_status strata_fetch(strata_engine* engine, int32_t op, strata_phase phase);
 
-/* Closes the innermost window, which must be (op, phase); the caller has
- * finished every use of its pointers. Pointers from strata_param_ptr and
- * strata_grad_ptr for this window are invalid afterwards (strata may free or
- * reuse them). After a BACKWARD release, a parameter whose every operator has
- * now been released in this backward pass has a complete gradient, which
- * strata reduces over ranks and accumulates into this rank's shard (stages
- * 2/3; stage 1 at strata_step). Errors: INVALID_ARGUMENT (unknown op, bad
- * phase); INVALID_STATE (not the innermost open window). */
+/* Closes the open window (op, phase) -- any open window, not only the last
+ * opened (since 0.3: an autograd engine finishes a module's backward when its
+ * inputs' gradients are done, which need not be the reverse of the order the
+ * windows opened in) -- once the caller has finished every use of its
+ * pointers. Pointers from strata_param_ptr and strata_grad_ptr for this
+ * window are invalid afterwards (strata may free or reuse them; those of a
+ * parameter another open window lists stay valid until that one closes too).
+ * After a BACKWARD release, a parameter whose every operator has now been
+ * released in this backward pass has a complete gradient, which strata
+ * reduces over ranks and accumulates into this rank's shard (stages 2/3;
+ * stage 1 at strata_step). Errors: INVALID_ARGUMENT (unknown op, bad phase);
+ * INVALID_STATE ((op, phase) is not open). */
 strata_status strata_release(strata_engine* engine, int32_t op, strata_phase phase);
+
+/* strata_fetch without the host wait: on return the parameters are being
+ * gathered, and work the caller enqueues on `stream` (a cudaStream_t, e.g.
+ * torch.cuda.current_stream().cuda_stream) after this call runs after they
+ * are in place (the stream waits on an event). A NULL stream is strata_fetch.
+ * The cpu accelerator has no streams: a non-NULL stream is INVALID_ARGUMENT
+ * there. Same errors otherwise. Since 0.3. */
+strata_status strata_fetch_on_stream(strata_engine* engine, int32_t op, strata_phase phase, void* stream);
+
+/* strata_release for work on `stream`: the window's memory is freed, and its
+ * gradients reduced, only after the work enqueued on `stream` before this call
+ * (strata's streams wait on an event; the host does not). The caller may
+ * release as soon as it has enqueued its last use. A NULL stream is
+ * strata_release (the caller has finished its work). Same errors, and
+ * INVALID_ARGUMENT for a stream on the cpu accelerator. Since 0.3. */
+strata_status strata_release_on_stream(strata_engine* engine, int32_t op, strata_phase phase, void* stream);
 
 /* *ptr receives parameter `id`'s full value (row-major, its storage dtype,
  * accelerator memory), which the caller may read but not write, valid until
@@ -322,6 +376,21 @@ strata_status strata_grad_ptr(strata_engine* engine, int32_t id, float** ptr);
  * through host memory: slower than adding on the device). Same window rules
  * and errors as strata_grad_ptr. */
 strata_status strata_add_grad(strata_engine* engine, int32_t id, const float* host_grad);
+
+/* Adds `grad` (numel values of `dtype`, F32, F16 or BF16, in accelerator
+ * memory -- host memory with the cpu accelerator -- the parameter's full
+ * gradient contribution) into parameter `id`'s fp32 gradient buffer, widening
+ * 16-bit values exactly, on strata's compute stream: no host copy. With a
+ * NULL `stream` the add has finished on return, so `grad` may be reused at
+ * once. With a stream (cuda) the add runs after the work enqueued on `stream`
+ * so far (which may still be writing `grad`), and work enqueued on `stream`
+ * afterwards runs after the add (so `grad` may be freed in stream order).
+ * Same window rules as strata_grad_ptr. Errors: INVALID_ARGUMENT (NULL grad,
+ * unknown id, bad dtype, a stream on the cpu accelerator); INVALID_STATE (no
+ * open BACKWARD window lists `id`, or it is frozen); OUT_OF_MEMORY (the
+ * widening's scratch), CUDA (unusable). Since 0.3. */
+strata_status strata_add_grad_device(strata_engine* engine, int32_t id, const void* grad, strata_dtype dtype,
+                                     void* stream);
 
 /* ---- steps (after strata_finalize, no window open) ------------------------ */
 
@@ -358,6 +427,32 @@ strata_status strata_step(strata_engine* engine, float lr, strata_step_result* r
  * finalize, a window open, a backward pass half done, already prepared);
  * COMMUNICATION (unusable). Since 0.2. */
 strata_status strata_prepare_step(strata_engine* engine, float lr);
+
+/* COLLECTIVE, optional, torch.nn.utils.clip_grad_norm_'s place in a loop:
+ * after the last backward pass before strata_step (every pass finished, no
+ * window open), *norm receives the global L2 norm of the summed (unscaled)
+ * gradients -- the grad_norm strata_step reports -- and the coming
+ * strata_step clips to `max_norm` (> 0; 0 or less: no clipping) instead of
+ * the config's gradient_clipping. The step's result is the same bits as with
+ * gradient_clipping = max_norm. Only for that step: the next one clips by the
+ * config again unless this is called again. It waits for the gradients'
+ * reductions and reads the gradient shard once (the step reads it again).
+ * After strata_prepare_step the norm is still exact, but speculative updates
+ * taken with the config's clipping may be redone. `norm` may be NULL.
+ * Errors: INVALID_ARGUMENT (max_norm not a number); INVALID_STATE (before
+ * finalize, a window open, a backward pass half done); IO/COMMUNICATION
+ * (unusable). Since 0.3. */
+strata_status strata_clip_grad_norm(strata_engine* engine, double max_norm, double* norm);
+
+/* Brackets forward passes that are not training (an evaluation between
+ * steps, forward windows only): stage 3 gathers their parameters on demand
+ * and leaves the training step's operator trace alone, so the next step still
+ * prefetches. Between steps only (no window open, no backward pass half done,
+ * not after strata_prepare_step); strata_end_evaluation before the next
+ * training window. In between, BACKWARD windows are INVALID_STATE. Errors:
+ * INVALID_STATE (misplaced, or already begun / not begun). Since 0.3. */
+strata_status strata_begin_evaluation(strata_engine* engine);
+strata_status strata_end_evaluation(strata_engine* engine);
 
 /* *scale receives the loss scale of the coming step: with fp16.enabled in the
  * config (dynamic loss scaling, DeepSpeed's fp16.* keys), multiply the loss --

@@ -3,6 +3,7 @@
 #include "runtime/engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,14 @@ void Engine::freeze(ParamId id) {
   STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "freeze: unknown parameter id {}", id);
   STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' frozen after finalize()", params_[id].name);
   params_[id].frozen = true;
+}
+
+void Engine::set_weight_decay(ParamId id, float weight_decay) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "set_weight_decay: unknown parameter id {}", id);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' given a weight decay after finalize()", params_[id].name);
+  STRATA_CHECK(std::isfinite(weight_decay) && weight_decay >= 0, kBadArgument,
+               "parameter '{}': weight decay {} must be finite and >= 0", params_[id].name, weight_decay);
+  params_[id].weight_decay = weight_decay;
 }
 
 void Engine::mark_expert(ParamId id, int expert, int experts) {
@@ -195,11 +204,13 @@ void Engine::open_window(OpId op, Phase phase) {
 
 void Engine::close_window(OpId op, Phase phase) {
   check_hook(op);
-  STRATA_CHECK(!open_windows_.empty() && open_windows_.back().op == op &&
-                   open_windows_.back().phase == phase,
-               kBadArgument, "post_op({} '{}', {}) does not close the innermost open window", op,
+  // Any open window may close (an autograd engine finishes a module's backward
+  // when its inputs' gradients are done, not in the reverse of the order they began).
+  const auto it = std::find_if(open_windows_.begin(), open_windows_.end(),
+                               [&](const Window& w) { return w.op == op && w.phase == phase; });
+  STRATA_CHECK(it != open_windows_.end(), kBadArgument, "post_op({} '{}', {}) closes no open window", op,
                op_info(op).name, phase_name(phase));
-  open_windows_.pop_back();
+  open_windows_.erase(it);
 }
 
 bool Engine::in_window(ParamId id, bool backward) const {

@@ -79,6 +79,11 @@ struct ParamInfo {
   // A partitioning engine still shards, offloads and gathers it like any
   // other parameter (backward needs it for the input gradient).
   bool frozen = false;
+  // Its own AdamW weight decay (Engine::set_weight_decay; a trainer's
+  // parameter group, e.g. no decay for biases and norms); nullopt: the
+  // optimizer's (ZeroEngineOptions::adam). Parameters of different decay
+  // form groups of their own.
+  std::optional<float> weight_decay = std::nullopt;
   // Expert `expert` of `experts` of one mixture-of-experts layer
   // (Engine::mark_expert); -1: not an expert's. With expert parallelism only
   // the ranks that own the expert hold it (Engine::owns_expert).
@@ -124,6 +129,9 @@ class Engine {
   OpId declare_operator(std::string name, std::vector<ParamId> params);
   // Marks a declared parameter frozen (ParamInfo::frozen), before finalize.
   void freeze(ParamId id);
+  // Gives a declared parameter its own weight decay (ParamInfo::weight_decay),
+  // before finalize; finite and >= 0.
+  void set_weight_decay(ParamId id, float weight_decay);
   // Marks a declared parameter as expert `expert` of the `experts` of one
   // mixture-of-experts layer (ParamInfo::expert), before finalize.
   void mark_expert(ParamId id, int expert, int experts);
@@ -290,7 +298,8 @@ class Engine {
   void check_hook(OpId op) const;
   // Hook-window bookkeeping shared by the engines: open_window (in pre_op)
   // checks the op and records the window; close_window (in post_op) checks
-  // that it closes the innermost open window and removes it. Windows nest.
+  // that it closes an open window of (op, phase) and removes it. Windows may
+  // nest or overlap, and close in any order.
   void open_window(OpId op, Phase phase);
   void close_window(OpId op, Phase phase);
   // Whether an open window (a backward one when `backward`) lists parameter `id`.

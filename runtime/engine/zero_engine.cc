@@ -9,7 +9,11 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <optional>
 #include <tuple>
+#include <utility>
+
+#include <fmt/format.h>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -163,7 +167,7 @@ void ZeroEngine::on_finalize() {
   // differently), in declaration order within a group.
   const int ep = options_.expert_parallel_size;
   const bool tp = tensor_group().size > 1;
-  std::map<std::tuple<DType, bool, bool, bool, bool, bool>, size_t> group_index;
+  std::map<std::tuple<DType, bool, bool, bool, bool, bool, std::optional<float>>, size_t> group_index;
   const int stage = comms_.pipeline != nullptr ? comms_.pipeline->rank() : 0;
   group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
@@ -183,8 +187,12 @@ void ZeroEngine::on_finalize() {
     const bool tp_counted = !tp_split || info.tp_copies <= 1 || tensor_group().rank % info.tp_copies == 0;
     // A tensor two pipeline stages hold counts in the norm on the lower one only.
     const bool stage_copy = info.stage_peer >= 0 && info.stage_peer < stage;
-    auto [it, inserted] =
-        group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted, stage_copy}, groups_.size());
+    // A parameter with its own weight decay joins the others of that decay
+    // (a frozen one has no optimizer: its decay does not matter).
+    std::optional<float> decay = frozen ? std::nullopt : info.weight_decay;
+    if (decay && *decay == options_.adam.weight_decay) decay.reset();
+    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted, stage_copy, decay},
+                                              groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
       Group& g = *groups_.back();
@@ -195,7 +203,10 @@ void ZeroEngine::on_finalize() {
       g.tp_counted = tp_counted;
       g.stage_copy = stage_copy;
       g.suffix = std::string(!tp_split ? "" : tp_counted ? "_tp" : "_tp_copy") + (stage_copy ? "_pp_copy" : "");
-      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix;
+      g.weight_decay = decay;
+      g.decay_suffix = decay ? fmt::format("_wd{}", *decay) : "";
+      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix +
+              g.decay_suffix;
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
     }
@@ -267,7 +278,9 @@ void ZeroEngine::on_finalize() {
     if (g->frozen) continue;
     g->shard = static_cast<int>(shards.size());
     shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
-                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->suffix});
+                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->suffix +
+                          g->decay_suffix,
+                      g->weight_decay});
   }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
@@ -355,6 +368,10 @@ void ZeroEngine::create_group(Group& g) {
 // ---- forward and backward ------------------------------------------------------------
 
 void ZeroEngine::pre_op(OpId op, Phase phase) {
+  STRATA_CHECK(!boundary_, kBadArgument,
+               "operator '{}' opened a {} window between clip_grad_norm() and step(): the gradients are final "
+               "there (step() or zero_grad() first)",
+               op_info(op).name, phase_name(phase));
   STRATA_CHECK(!evaluating_ || phase == Phase::kForward, kBadArgument,
                "operator '{}' opened a {} window during an evaluation pass (forward only): end_evaluation() first",
                op_info(op).name, phase_name(phase));
@@ -565,32 +582,34 @@ void ZeroEngine::end_evaluation() {
   if (coordinator_) coordinator_->set_trace_paused(false);
 }
 
-StepResult ZeroEngine::step(float lr) {
-  STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
-  STRATA_CHECK(!evaluating_, kBadArgument, "step() during an evaluation pass: end_evaluation() first");
-  check_no_backward("step");
-  finish_update();  // a step with no backward since the last one
-  StepResult result;
-  // Whatever fails from here on, what the optimizer opened does not stay behind.
-  struct AbortOnError {
-    offload::ShardOptimizer& optimizer;
-    bool armed = true;
-    ~AbortOnError() {
-      if (!armed) return;
-      try {
-        optimizer.abort();
-      } catch (...) {
-        // The step's own error is the one reported.
-      }
+double ZeroEngine::clip_grad_norm(double max_norm) {
+  STRATA_CHECK(finalized(), kBadArgument, "clip_grad_norm() before finalize()");
+  STRATA_CHECK(!evaluating_, kBadArgument, "clip_grad_norm() during an evaluation pass: end_evaluation() first");
+  check_no_backward("clip_grad_norm");
+  STRATA_CHECK(!std::isnan(max_norm), kBadArgument, "clip_grad_norm(): max_norm is NaN");
+  finish_update();
+  if (!boundary_) {
+    try {
+      boundary_ = reach_boundary();
+    } catch (...) {
+      optimizer_->abort();  // as a failed step() leaves it
+      throw;
     }
-  } guard{*optimizer_};
+  }
+  clip_override_ = max_norm > 0 ? max_norm : 0.0;
+  const GradBoundary& b = *boundary_;
+  return b.global.finite ? b.global.norm() / loss_scaler_.scale() : std::numeric_limits<double>::infinity();
+}
+
+ZeroEngine::GradBoundary ZeroEngine::reach_boundary() {
+  GradBoundary b;
   // The step boundary: the operator trace closes, no read of a home is left in flight.
   if (coordinator_) coordinator_->end_step();
   if (options_.stage > 1) {
     for (ParamId id = 0; id < parameter_count(); ++id) {
       STRATA_CHECK(param_info(id).stage_peer < 0 || grad_full_[id] == nullptr, kBadArgument,
-                   "step(): the gradient of '{}', which another pipeline stage holds too, was not summed with that "
-                   "stage's (sum_stage_gradients() comes after the last backward, before step())",
+                   "the gradient of '{}', which another pipeline stage holds too, was not summed with that stage's "
+                   "(sum_stage_gradients() comes after the last backward, before step() or clip_grad_norm())",
                    param_info(id).name);
     }
   }
@@ -609,24 +628,9 @@ StepResult ZeroEngine::step(float lr) {
   for (auto& g : groups_) {
     if (g->reducer) g->reducer->synchronize();
   }
-  result.grad_wait_seconds = seconds_since(start);
-  // The last step's update overlapped this step's forward: what it cost and
-  // what compute waited for (the stall log is final: every bucket waited for compute).
-  result.previous_update_seconds = update_seconds_;
-  if (join_reached_ != nullptr) {
-    // The join held compute only from when the stream ran out of the work queued before it.
-    const int64_t reached = join_reached_->load();
-    if (reached > 0 && reached < join_end_ns_) {
-      result.previous_update_wait_seconds = static_cast<double>(join_end_ns_ - reached) * 1e-9;
-    }
-    join_reached_.reset();
-  }
-  if (coordinator_ && update_seconds_ > 0) {
-    result.previous_update_wait_seconds += coordinator_->last_step().update_stall_seconds();
-  }
-  update_seconds_ = 0;
+  b.grad_wait_seconds = seconds_since(start);
   start = Clock::now();
-  result.optimizer_drain_seconds = optimizer_->settle();
+  b.drain_seconds = optimizer_->settle();
 
   // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
   double reduced[2];
@@ -658,9 +662,57 @@ StepResult ZeroEngine::step(float lr) {
   }
   allreduce_f64(reduced, 2);
   if (pipeline_stream_ != nullptr) allreduce_f64(reduced, 2, comms_.pipeline, pipeline_stream_.get());  // every stage's
-  kernels::GradStats global;
-  global.sum_sq = reduced[0];
-  global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
+  b.global.sum_sq = reduced[0];
+  b.global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
+  b.nonfinite_ranks = reduced[1];
+  b.norm_seconds = seconds_since(start);
+  return b;
+}
+
+StepResult ZeroEngine::step(float lr) {
+  STRATA_CHECK(finalized(), kBadArgument, "step() before finalize()");
+  STRATA_CHECK(!evaluating_, kBadArgument, "step() during an evaluation pass: end_evaluation() first");
+  check_no_backward("step");
+  finish_update();  // a step with no backward since the last one
+  StepResult result;
+  // The boundary clip_grad_norm() reached, if it did, and its clipping: this step's only.
+  std::optional<GradBoundary> reached = std::exchange(boundary_, std::nullopt);
+  const double clipping = std::exchange(clip_override_, std::nullopt).value_or(options_.gradient_clipping);
+  // Whatever fails from here on, what the optimizer opened does not stay behind.
+  struct AbortOnError {
+    offload::ShardOptimizer& optimizer;
+    bool armed = true;
+    ~AbortOnError() {
+      if (!armed) return;
+      try {
+        optimizer.abort();
+      } catch (...) {
+        // The step's own error is the one reported.
+      }
+    }
+  } guard{*optimizer_};
+  const auto start = Clock::now();
+  const GradBoundary boundary = reached ? *reached : reach_boundary();
+  // Reached by clip_grad_norm(): its wait and norm were spent before this call.
+  result.grad_wait_seconds = reached ? 0.0 : boundary.grad_wait_seconds;
+  const auto optimizer_seconds = [&] { return seconds_since(start) - result.grad_wait_seconds; };
+  // The last step's update overlapped this step's forward: what it cost and
+  // what compute waited for (the stall log is final: every bucket waited for compute).
+  result.previous_update_seconds = update_seconds_;
+  if (join_reached_ != nullptr) {
+    // The join held compute only from when the stream ran out of the work queued before it.
+    const int64_t reached = join_reached_->load();
+    if (reached > 0 && reached < join_end_ns_) {
+      result.previous_update_wait_seconds = static_cast<double>(join_end_ns_ - reached) * 1e-9;
+    }
+    join_reached_.reset();
+  }
+  if (coordinator_ && update_seconds_ > 0) {
+    result.previous_update_wait_seconds += coordinator_->last_step().update_stall_seconds();
+  }
+  update_seconds_ = 0;
+  result.optimizer_drain_seconds = boundary.drain_seconds;
+  const kernels::GradStats global = boundary.global;
   const double loss_scale = loss_scaler_.scale();
   result.loss_scale = loss_scale;
   // The gradients hold loss_scale x the true ones; report the true norm.
@@ -672,19 +724,20 @@ StepResult ZeroEngine::step(float lr) {
     guard.armed = false;
     if (options_.loss_scaling) {
       logger().info("step {}: the gradients overflow at loss scale {} on {} rank(s); the step is skipped", steps_ + 1,
-                    loss_scale, reduced[1]);
+                    loss_scale, boundary.nonfinite_ranks);
     } else {
-      logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1, reduced[1]);
+      logger().warn("step {}: a gradient is not finite on {} rank(s); the step is skipped", steps_ + 1,
+                    boundary.nonfinite_ranks);
     }
     zero_grad();
     loss_scaler_.update(true);  // throws at the minimum scale: no progress is possible
     result.step = steps_;
-    result.optimizer_seconds = seconds_since(start);
+    result.optimizer_seconds = optimizer_seconds();
     return result;
   }
   loss_scaler_.update(false);
   result.grad_scale = kernels::combined_grad_scale(global, static_cast<float>(loss_scale),
-                                                   static_cast<float>(options_.gradient_clipping));
+                                                   static_cast<float>(clipping));
 
   // The optimizer writes the homes: after compute's and the gathers' last reads of them.
   const bool overlap_forward = update_can_overlap_forward();
@@ -723,7 +776,7 @@ StepResult ZeroEngine::step(float lr) {
   result.sub_groups_read_ahead = applied.sub_groups_read_ahead;
   result.sub_groups_prefetched = applied.sub_groups_prefetched;
   result.update_overlaps_forward = overlap_forward;
-  result.optimizer_seconds = seconds_since(start);
+  result.optimizer_seconds = optimizer_seconds();
 
   refresh_copies();
   if (overlap_forward) {
@@ -754,6 +807,8 @@ void ZeroEngine::zero_grad_shards() {
 void ZeroEngine::zero_grad() {
   STRATA_CHECK(finalized(), kBadArgument, "zero_grad() before finalize()");
   finish_update();
+  boundary_.reset();  // clip_grad_norm's boundary and clipping go with the gradients
+  clip_override_.reset();
   optimizer_->abort();  // a step prepared and abandoned: its speculative updates are undone
   zero_grad_shards();
   if (options_.stage == 1) {

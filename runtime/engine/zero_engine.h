@@ -207,6 +207,14 @@ class ZeroEngine final : public Engine {
   // The optimizer at an accumulation boundary (see above); collective. `lr`
   // replaces options().adam.lr for this step (a schedule's value).
   StepResult step(float lr);
+  // The first half of step(), ahead of it (torch.nn.utils.clip_grad_norm_'s
+  // place in a loop): waits for the gradients' reductions and the optimizer
+  // thread, takes the global norm, and returns it (unscaled, as
+  // StepResult::grad_norm; infinity when a gradient is not finite); the next
+  // step() uses that norm and clips to `max_norm` (<= 0: not at all) instead
+  // of gradient_clipping -- that step only. No window may open until step()
+  // or zero_grad() (which drops it). Collective; after the last backward.
+  double clip_grad_norm(double max_norm);
   // The next backward is the last before step(lr): the optimizer may update
   // sub-groups during it (overlap_optimizer, stages 2/3; otherwise this only
   // checks). Collective (it may reduce a partly filled gradient bucket): every
@@ -327,8 +335,13 @@ class ZeroEngine final : public Engine {
     bool tp_split = false;
     bool tp_counted = true;
     bool stage_copy = false;
+    // "_tp", "_tp_copy", then "_pp_copy" for a tensor another pipeline stage counts.
     std::string suffix;
-    std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts"
+    // Parameters with their own weight decay (ParamInfo::weight_decay, not
+    // the optimizer's): that decay, and "_wd<decay>" naming their files.
+    std::optional<float> weight_decay;
+    std::string decay_suffix;
+    std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts", "fp32_wd0"
     partition::Communicator* gather_comm = nullptr;
     partition::Communicator* reduce_comm = nullptr;
     int shard = -1;                          // its index among the optimizer's shards (trainable groups)
@@ -361,6 +374,14 @@ class ZeroEngine final : public Engine {
   // gradient shards step() left to it. On its error the step is undone (step
   // count, copies) and the error rethrown.
   void finish_update();
+  // The step boundary: the trace closed, every gradient reduced into the
+  // shards, the optimizer thread settled, the global statistics taken.
+  struct GradBoundary {
+    kernels::GradStats global;
+    double nonfinite_ranks = 0;
+    double grad_wait_seconds = 0, drain_seconds = 0, norm_seconds = 0;
+  };
+  GradBoundary reach_boundary();
   void arm_step(float lr);          // prepare_step's work: the optimizer armed for the coming backward
   void zero_grad_shards();          // the gradient shards zero (their reducers synchronized)
   void check_no_backward(const char* what) const;
@@ -411,6 +432,8 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<Event> compute_point_, gather_point_;
   bool full_params_stale_ = false;   // stages 1/2: shards written since the last gather
   bool evaluating_ = false;          // between begin_evaluation and end_evaluation
+  std::optional<GradBoundary> boundary_;  // clip_grad_norm() reached it; step() takes it
+  std::optional<double> clip_override_;   // clip_grad_norm()'s max_norm for the coming step
 };
 
 }  // namespace strata::engine

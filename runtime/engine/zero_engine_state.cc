@@ -17,14 +17,16 @@ constexpr const char* kStateFile = "engine.json";
 
 // A frozen group's parameters have their own file beside the trainable group
 // of the same dtype (and no optimizer files); so have the experts this rank
-// holds under expert parallelism (params_fp32_experts.bin, master_fp32_experts.bin, ...).
+// holds under expert parallelism (params_fp32_experts.bin, master_fp32_experts.bin, ...),
+// and the parameters of their own weight decay (params_fp32_wd0.bin, master_fp32_wd0.bin, ...).
 template <typename G>
 std::string params_file(const G& g) {
   return fmt::format("params_{}.bin", g.key);
 }
 template <typename G>
 std::string optimizer_file(const char* what, const G& g) {
-  return fmt::format("{}_{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.suffix);
+  return fmt::format("{}_{}{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.suffix,
+                     g.decay_suffix);
 }
 
 // The exact size a state file must have, or an error naming it.

@@ -93,7 +93,8 @@ int exit_code_of(int status) {
 }
 
 [[noreturn]] void exec_child(const LaunchOptions& options, int local_rank, int64_t world_size, int port,
-                             int out_fd, int err_fd, const sigset_t& original_mask, pid_t launcher_pid) {
+                             int strata_port, int out_fd, int err_fd, const sigset_t& original_mask,
+                             pid_t launcher_pid) {
   // Own process group: the launcher signals each rank's whole tree. Die with the
   // launcher so that no rank outlives it (a killed launcher, a test timeout).
   setpgid(0, 0);
@@ -113,6 +114,8 @@ int exit_code_of(int status) {
   setenv("GROUP_RANK", std::to_string(options.node_rank).c_str(), 1);
   setenv("MASTER_ADDR", options.master_addr.c_str(), 1);
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  // strata's own store, so that torch.distributed can take MASTER_PORT beside it.
+  setenv("STRATA_MASTER_PORT", std::to_string(strata_port).c_str(), 1);
   std::vector<char*> argv;
   for (const auto& arg : options.command) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
@@ -124,7 +127,9 @@ int exit_code_of(int status) {
 
 partition::RankInfo rank_info_from_env() {
   partition::RankInfo rank = partition::RankInfo::from_env();
-  if (rank.world_size == 1 && std::getenv("MASTER_PORT") == nullptr) rank.master_port = find_free_port(rank.master_addr);
+  if (rank.world_size == 1 && std::getenv("MASTER_PORT") == nullptr && std::getenv("STRATA_MASTER_PORT") == nullptr) {
+    rank.master_port = find_free_port(rank.master_addr);
+  }
   return rank;
 }
 
@@ -197,6 +202,14 @@ int launch(const LaunchOptions& options) {
   const int64_t world_size = int64_t{options.nnodes} * options.nproc_per_node;
   int port = options.master_port;
   if (port == 0) port = options.nnodes == 1 ? find_free_port(options.master_addr) : 29500;
+  // strata's store port (STRATA_MASTER_PORT) beside MASTER_PORT, which a
+  // torch.distributed process group in the ranks may take: another free port
+  // on one node, the next one across nodes (every node computes the same).
+  int strata_port = port < 65535 ? port + 1 : port - 1;
+  if (options.nnodes == 1 && options.master_port == 0) {
+    for (int tries = 0; tries < 8 && (strata_port = find_free_port(options.master_addr)) == port; ++tries) {
+    }
+  }
 
   // Signals arrive through a signalfd, so the poll loop sees them in order with output.
   sigset_t handled, original;
@@ -242,7 +255,9 @@ int launch(const LaunchOptions& options) {
         for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) close(fd);
         raise_errno(err, fmt::format("fork for rank {}", r.rank));
       }
-      if (pid == 0) exec_child(options, local, world_size, port, out_pipe[1], err_pipe[1], original, launcher_pid);
+      if (pid == 0) {
+        exec_child(options, local, world_size, port, strata_port, out_pipe[1], err_pipe[1], original, launcher_pid);
+      }
       // Also here, not only in the child: a signal forwarded before the child ran
       // its own setpgid would otherwise miss it (EACCES after its exec is harmless).
       setpgid(pid, pid);

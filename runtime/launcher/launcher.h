@@ -1,6 +1,8 @@
 // `strata run`: starts the local ranks of a data-parallel job with the
 // environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT), prefixes their output lines with the rank,
+// MASTER_ADDR, MASTER_PORT) and STRATA_MASTER_PORT, strata's own store port
+// (partition/rendezvous.h), so that the ranks may also start a
+// torch.distributed process group on MASTER_PORT; prefixes their output lines with the rank,
 // forwards Ctrl-C, and when one rank fails stops the others and says which
 // rank failed and how.
 //
@@ -54,7 +56,7 @@ int launch(const LaunchOptions& options);
 int find_free_port(const std::string& host);
 
 // partition::RankInfo::from_env(), except that a process alone (no WORLD_SIZE
-// above 1) with no MASTER_PORT takes a free port instead of the default,
+// above 1) with neither MASTER_PORT nor STRATA_MASTER_PORT takes a free port instead of the default,
 // which another single-rank job on this machine may hold.
 partition::RankInfo rank_info_from_env();
 

@@ -70,7 +70,7 @@ def main():
     deepspeed.init_distributed()
     keys = json.load(open(a.init))
     keys.pop("model_type", None)  # the class says it
-    config = transformers.DecoderConfig(**keys)
+    config = transformers.LlamaConfig(**keys)
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = transformers.LlamaForCausalLM(config)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -7,7 +7,8 @@
 # give the same losses; resumes the example from a checkpoint (30 steps, saved,
 # then on to 40, alone and on two ranks) and checks that the resumed losses are
 # exactly the uninterrupted run's; builds tests/install/capi_errors.c with
-# pkg-config and runs it alone and on two ranks. Prints "embed: ok" at the end.
+# pkg-config and runs it alone and on two ranks, and tests/install/capi_hooks.c
+# (the 0.3 additions) likewise. Prints "embed: ok" at the end.
 set -euo pipefail
 build_dir="$1"; source_dir="$2"
 work="$(mktemp -d)"
@@ -68,4 +69,10 @@ cc -std=c99 -Wall -Wextra -Wpedantic -Werror $(pkg-config --cflags strata) -o "$
   -Wl,-rpath,"$(pkg-config --variable=libdir strata)" -lm
 "$work/capi_errors"
 "$strata" run -n 2 -- "$work/capi_errors"
+echo "== the 0.3 hooks (any-order release, freeze, decay, device grads, clipping, evaluation), one rank and two"
+cc -std=c99 -Wall -Wextra -Wpedantic -Werror $(pkg-config --cflags strata) -o "$work/capi_hooks" \
+  "$source_dir/tests/install/capi_hooks.c" $(pkg-config --libs strata) \
+  -Wl,-rpath,"$(pkg-config --variable=libdir strata)" -lm
+"$work/capi_hooks"
+"$strata" run -n 2 -- "$work/capi_hooks"
 echo "embed: ok"

@@ -32,8 +32,10 @@ int run(int argc, char** argv) {
   std::string scenario = argc > 1 ? argv[1] : "";
   RankInfo info = RankInfo::from_env();
   if (scenario == "env") {
-    std::printf("rank=%d world=%d local_rank=%d local_world=%d master=%s:%d\n", info.rank, info.world_size,
-                info.local_rank, info.local_world_size, info.master_addr.c_str(), info.master_port);
+    const char* master_port = std::getenv("MASTER_PORT");
+    std::printf("rank=%d world=%d local_rank=%d local_world=%d master=%s:%s store_port=%d (%s)\n", info.rank,
+                info.world_size, info.local_rank, info.local_world_size, info.master_addr.c_str(),
+                master_port != nullptr ? master_port : "-", info.master_port, info.port_source.c_str());
     return 0;
   }
   std::chrono::milliseconds timeout(argc > 3 ? std::atoi(argv[3]) : 5000);

@@ -116,3 +116,38 @@ TEST_CASE("rendezvous: RankInfo reads torchrun and mpirun variables") {
   REQUIRE_THROWS_WITH(RankInfo::from_env(), Catch::Contains("WORLD_SIZE='x'"));
   clear();
 }
+
+TEST_CASE("rendezvous: strata's store port beside torch.distributed's MASTER_PORT") {
+  auto clear = [] {
+    for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_PORT", "STRATA_MASTER_PORT", "TORCHELASTIC_RUN_ID"}) {
+      unsetenv(name);
+    }
+  };
+  clear();
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  CHECK(RankInfo::from_env().master_port == 29500);  // mpirun-like: MASTER_PORT is strata's
+  CHECK(RankInfo::from_env().port_source == "MASTER_PORT");
+  setenv("TORCHELASTIC_RUN_ID", "job", 1);  // torchrun: its agent store holds MASTER_PORT
+  CHECK(RankInfo::from_env().master_port == 29501);
+  CHECK_THAT(RankInfo::from_env().port_source, Catch::Contains("torchrun"));
+  setenv("STRATA_MASTER_PORT", "31000", 1);  // `strata run`, or the user: it wins
+  CHECK(RankInfo::from_env().master_port == 31000);
+  CHECK(RankInfo::from_env().port_source == "STRATA_MASTER_PORT");
+  setenv("STRATA_MASTER_PORT", "70000", 1);
+  CHECK_THROWS_WITH(RankInfo::from_env(), Catch::Contains("STRATA_MASTER_PORT=70000 is not a TCP port"));
+  unsetenv("STRATA_MASTER_PORT");
+  setenv("MASTER_PORT", "65535", 1);
+  CHECK_THROWS_WITH(RankInfo::from_env(), Catch::Contains("set STRATA_MASTER_PORT"));
+  clear();
+}
+
+TEST_CASE("rendezvous: a store port another process holds is refused naming STRATA_MASTER_PORT") {
+  StoreServer holder("127.0.0.1", 0);  // torchrun's agent store, say
+  RankInfo info;
+  info.master_port = holder.port();
+  info.port_source = "MASTER_PORT";
+  CHECK_THROWS_WITH(Rendezvous(info, std::chrono::milliseconds(500)),
+                    Catch::Contains("from MASTER_PORT; another process holds it: set STRATA_MASTER_PORT"));
+}

@@ -158,21 +158,21 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
       {"pipeline parallelism that does not divide the ranks", "--init " + model + " --data " + text +
            " --data-format text --seq 32 --pp 2",
        "pipeline parallelism 2 (--pp / pipeline_parallel.size) x tensor parallelism 1 does not divide the 1 ranks"},
-      {"an unknown pipeline schedule", "--init " + model + " --data " + text + " --data-format text --pp 2 "
+      {"an unknown pipeline schedule", "--init " + model + " --data " + text + " --data-format text --seq 32 --pp 2 "
            "--pp-schedule zb-v",
        "--pp-schedule zb-v: not a pipeline schedule; one of gpipe, 1f1b, interleaved, zb-h1"},
       {"interleaved micro-batches that do not fill the groups",
        "--config " + write_file(dir, "ga3.json", R"({"gradient_accumulation_steps": 3})") + " --init " + model +
-           " --data " + text + " --data-format text --pp 2 --pp-schedule interleaved --virtual-stages 2",
+           " --data " + text + " --data-format text --seq 32 --pp 2 --pp-schedule interleaved --virtual-stages 2",
        "3 micro-batches is not a multiple of 2 stages"},
-      {"more stages than layers", "--init " + model + " --data " + text + " --data-format text --pp 4",
+      {"more stages than layers", "--init " + model + " --data " + text + " --data-format text --seq 32 --pp 4",
        "the model's 2 decoder layers (num_hidden_layers) cannot fill 4 pipeline stages (pp 4)"},
       {"a mixture of experts' load-balancing loss over stages",
        "--init " + write_file(dir, "aux.json", R"({"model_type": "mixtral", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
     "output_router_logits": true, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128})") + " --data " + text + " --data-format text --pp 2",
-       "the load-balancing loss (output_router_logits true): not implemented yet"},
+    "max_position_embeddings": 128})") + " --data " + text + " --data-format text --seq 32 --pp 2",
+       "--pp 2 with model_type mixtral's load-balancing loss (output_router_logits true): not implemented yet"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.what);
