@@ -246,8 +246,9 @@ class Engine {
   // While a sink is set, a Linear's backward computes only its input
   // gradient — in a kRecompute window: it reads the weight and is not a use
   // of the gradient — and hands the sink its output gradient dy and input x
-  // (whole matrices, accelerator memory, valid only until the compute
-  // stream's next work: the sink copies them) with the function that adds
+  // (whole matrices, accelerator memory; dy valid only until the compute
+  // stream's next work, so the sink copies it; x as long as the model keeps
+  // it, which the sink is told: pipeline::DeferredWeightGrads) with the function that adds
   // dy^T x into its gradients in a kBackward window of its own (W). Modules
   // that do not consult the sink compute their weight gradients at once, so
   // the result never depends on what is deferred, only the time it runs.

@@ -144,6 +144,8 @@ struct DecoderModel::Arena {
   bool packed = false;            // the last forward's rows hold packed documents
   bool backward_pending = false;  // a training forward ran and its backward has not
   Tensor memory;
+  // Bytes of `memory` holding every layer's saved activations (kept_activations).
+  size_t kept_begin = 0, kept_end = 0;
   // The residual stream. Without cpu_checkpointing: res[0] = embeddings,
   // res[l + 1] = layer l's output, so res[l] is layer l's input (its checkpoint
   // when checkpointing). With cpu_checkpointing: two buffers used in turn,
@@ -303,6 +305,12 @@ size_t DecoderModel::host_checkpoint_nbytes() const {
   return total;
 }
 
+std::span<const std::byte> DecoderModel::kept_activations(int slot) const {
+  if (slot < 0 || static_cast<size_t>(slot) >= arenas_.size() || !arenas_[static_cast<size_t>(slot)]) return {};
+  const Arena& a = *arenas_[static_cast<size_t>(slot)];
+  return {static_cast<const std::byte*>(a.memory.data()) + a.kept_begin, a.kept_end - a.kept_begin};
+}
+
 ParamId DecoderModel::embedding_weight() const { return embed_tokens_ ? embed_tokens_->weight() : -1; }
 
 void DecoderModel::select(int slot) {
@@ -353,6 +361,9 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   a->acts.resize(options_.checkpoint_activations ? 1 : layers);
   ArenaLayout layout;
   for (TensorView& r : a->res) layout.add(r, t, {local, hidden});
+  // Every layer's saved activations, in one range; with checkpointing one
+  // set the layers share, so none is kept (kept_activations).
+  const size_t kept_begin = layout.nbytes();
   for (DecoderActs& d : a->acts) {
     layout.add(d.ln1, t, {local, hidden});
     layout.add(d.rstd1, DType::kF32, {local});
@@ -392,6 +403,10 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(d.mlp.up, t, {rows, inter});
       layout.add(d.mlp.act, t, {rows, inter});
     }
+  }
+  if (!options_.checkpoint_activations) {
+    a->kept_begin = kept_begin;
+    a->kept_end = layout.nbytes();
   }
   if (options_.lora.enabled()) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});

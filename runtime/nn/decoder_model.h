@@ -250,7 +250,13 @@ class DecoderModel : public Module {
   };
   Boundary boundary(int slot, int64_t batch, int64_t seq);
   const DecoderModelOptions::Stage& stage() const { return options_.stage; }
-  const DecoderModelOptions& options() const { return options_; }
+  // The bytes of `slot`'s arena that hold every layer's saved activations
+  // (every Linear's input among them): written by that slot's training
+  // forward only, so they stay as it left them through its backward and until
+  // its next forward (a split backward's W reads them there). Empty with
+  // activation checkpointing (one set the layers share) or before the slot's
+  // first forward.
+  std::span<const std::byte> kept_activations(int slot) const;
   // The embedding table's parameter (declared by a stage with the embedding,
   // or a head with tied embeddings); -1 when this stage holds none.
   ParamId embedding_weight() const;

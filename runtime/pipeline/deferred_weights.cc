@@ -24,7 +24,11 @@ void DeferredWeightGrads::defer(const ops::MatView& dy, const ops::MatView& x,
   Accelerator& accelerator = engine_.accelerator();
   const size_t dy_nbytes = static_cast<size_t>(dy.rows * dy.cols) * dtype_nbytes(dy.dtype);
   const size_t x_offset = (dy_nbytes + 255) / 256 * 256;
-  const size_t x_nbytes = copy_inputs_ ? static_cast<size_t>(x.rows * x.cols) * dtype_nbytes(x.dtype) : 0;
+  // x read in place when it lies wholly in the kept memory.
+  const size_t x_whole = static_cast<size_t>(x.rows * x.cols) * dtype_nbytes(x.dtype);
+  const auto* x_begin = static_cast<const std::byte*>(x.data);
+  const bool in_place = !kept_.empty() && x_begin >= kept_.data() && x_begin + x_whole <= kept_.data() + kept_.size();
+  const size_t x_nbytes = in_place ? 0 : x_whole;
   Held h;
   h.nbytes = x_offset + x_nbytes;
   h.memory = accelerator.allocate(h.nbytes);
@@ -32,7 +36,8 @@ void DeferredWeightGrads::defer(const ops::MatView& dy, const ops::MatView& x,
   accelerator.copy_async(h.memory, dy.data, dy_nbytes, CopyKind::kDeviceToDevice, stream);
   h.dy = ops::MatView{h.memory, dy.dtype, dy.rows, dy.cols, dy.cols};
   h.x = x;
-  if (copy_inputs_) {
+  ++(in_place ? in_place_ : copied_);
+  if (!in_place) {
     void* x_copy = static_cast<char*>(h.memory) + x_offset;
     accelerator.copy_async(x_copy, x.data, x_nbytes, CopyKind::kDeviceToDevice, stream);
     h.x.data = x_copy;

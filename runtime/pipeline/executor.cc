@@ -6,6 +6,7 @@
 #include <chrono>
 #include <map>
 #include <tuple>
+#include <utility>
 
 #include "core/error.h"
 #include "core/trace_recorder.h"
@@ -196,11 +197,9 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
       }
       case ActionKind::kBackward:
         if (schedule_.spec.split_backward()) {
-          if (!slot.deferred) {
-            // A layer's inputs stay in the slot's arena until W unless the layers share them.
-            const nn::DecoderModelOptions& o = model.options();
-            slot.deferred = std::make_unique<DeferredWeightGrads>(engine_, o.checkpoint_activations || o.sequence_parallel);
-          }
+          if (!slot.deferred) slot.deferred = std::make_unique<DeferredWeightGrads>(engine_);
+          // The slot is held until W: its saved activations are read there in place.
+          slot.deferred->keep(model.kept_activations(index));
           engine_.set_weight_grad_sink(slot.deferred.get());
           try {
             model.backward(index);
@@ -274,6 +273,18 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
   for (auto& ns : *busy_ns_) ns.store(0);
   last_end_ns_->store(start_ns);
   reserve_losses(schedule_.spec.micro_batches);
+  const auto deferred_inputs = [&] {
+    std::pair<int64_t, int64_t> n{0, 0};
+    for (const auto& chunk : chunks_) {
+      for (const Slot& slot : chunk->slots) {
+        if (!slot.deferred) continue;
+        n.first += slot.deferred->inputs_in_place();
+        n.second += slot.deferred->inputs_copied();
+      }
+    }
+    return n;
+  };
+  const auto inputs_before = deferred_inputs();
   run_list(schedule_.ranks[static_cast<size_t>(stage_)], micro_batch, options);
   StepStats stats;
   stats.forward_seconds = static_cast<double>((*busy_ns_)[0].load()) * 1e-9;
@@ -282,6 +293,9 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
   stats.busy_seconds = stats.forward_seconds + stats.backward_seconds + stats.weight_seconds;
   for (int64_t ns : *action_ns_) stats.action_seconds.push_back(static_cast<double>(ns) * 1e-9);
   stats.step_seconds = static_cast<double>(last_end_ns_->load() - start_ns) * 1e-9;
+  const auto inputs_after = deferred_inputs();
+  stats.weight_inputs_in_place = inputs_after.first - inputs_before.first;
+  stats.weight_inputs_copied = inputs_after.second - inputs_before.second;
   std::tie(stats.loss_sum, stats.loss_count) = pipeline_loss(schedule_.spec.micro_batches);
   // A tied embedding's two halves of the gradient are summed.
   engine_.sum_stage_gradients();

@@ -81,6 +81,9 @@ struct StepStats {
   // their activation memory (DecoderModel::arena_nbytes, every chunk).
   std::vector<int> slots;
   size_t activation_nbytes = 0;
+  // zb-h1: the Linear inputs W read where forward left them (the slot's
+  // saved activations) and those it had to copy (DeferredWeightGrads).
+  int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
   double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
 };
 

@@ -6,8 +6,10 @@
 // Output file (text; floats as hexfloat, so they round-trip bit for bit):
 //   rank R STAGE DP TP              this job rank, its pp stage, dp rank, tp rank
 //   step S LOSS NORM                per step: the global mean loss, the gradient norm (0 resident)
-//   stats S BUSY STEP SLOTS BYTES G per step: busy and step seconds, slots made, activation bytes,
-//                                   ZeRO-3's parameter allgathers in the step (0 otherwise)
+//   stats S BUSY STEP SLOTS BYTES IN COPIED G
+//                                   per step: busy and step seconds, slots made, activation bytes,
+//                                   zb-h1's W inputs read in place and copied, ZeRO-3's
+//                                   parameter allgathers in the step (0 otherwise)
 //   held N                          parameters this rank's engine holds
 //   tensor NAME NUMEL               every tensor this rank holds (whole, by Hugging Face name)
 //   values NAME FIRST N V...        a run of its values: resident, the step's gradient;

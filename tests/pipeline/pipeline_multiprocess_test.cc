@@ -177,6 +177,25 @@ TEST_CASE("pipeline, resident stages as processes: every schedule gives one resi
         CHECK(ref.expert_windows > 0);
         CHECK(ref.expert_windows < ref.expert_windows_possible);  // the premise: micro-batches skip experts
       }
+      // zb-h1's W reads the Linear inputs in place unless checkpointing shares them.
+      int64_t in_place = 0, copied = 0;
+      for (const pp::Output& rank : a.ranks) {
+        std::istringstream line(rank.stats.back());
+        std::string field;
+        std::vector<std::string> fields;
+        while (line >> field) fields.push_back(field);
+        REQUIRE(fields.size() == 8);
+        in_place += std::stoll(fields[5]);
+        copied += std::stoll(fields[6]);
+      }
+      CAPTURE(in_place, copied);
+      if (c.schedule != "zb-h1") {
+        CHECK(in_place + copied == 0);
+      } else if (c.checkpoint) {
+        CHECK((in_place == 0 && copied > 0));
+      } else {
+        CHECK((in_place > 0 && copied == 0));
+      }
       // The loss: the same per-token sums, added in the same order.
       for (const pp::Output& rank : a.ranks) {
         REQUIRE(rank.steps.size() == 1);

@@ -166,8 +166,8 @@ int run(const Args& args) {
     out.steps.push_back({loss / count, norm});
     std::string slots;
     for (int s : stats.slots) slots += (slots.empty() ? "" : ",") + std::to_string(s);
-    out.stats.push_back(fmt::format("{} {} {} {} {} {}", step, stats.busy_seconds, stats.step_seconds, slots,
-                                    stats.activation_nbytes,
+    out.stats.push_back(fmt::format("{} {} {} {} {} {} {} {}", step, stats.busy_seconds, stats.step_seconds, slots,
+                                    stats.activation_nbytes, stats.weight_inputs_in_place, stats.weight_inputs_copied,
                                     zero != nullptr ? zero->gathers_issued() - gathers_before : 0));
   }
   out.held = eng->parameter_count();
