@@ -263,6 +263,9 @@ TEST_CASE("pipeline with ZeRO over each stage's dp group, and tp inside each sta
   };
   add(2, 2, 1, "1f1b", 2, 1, true, 3, "nvme", "nvme");
   add(2, 2, 1, "zb-h1", 4, 1, false, 3, "nvme", "nvme");
+  // Every schedule over pp 2 x dp 2 at stage 3 with parameters and optimizer on NVMe.
+  add(2, 2, 1, "gpipe", 2, 1, false, 3, "nvme", "nvme");
+  add(2, 2, 1, "interleaved", 2, 2, false, 3, "nvme", "nvme");
   add(2, 2, 1, "interleaved", 2, 2, true, 2, "device", "cpu");
   add(2, 1, 1, "gpipe", 4, 1, true, 1, "device", "cpu", true);
   add(2, 1, 2, "1f1b", 4, 1, true, 3, "cpu", "cpu");

@@ -706,3 +706,90 @@ TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic
   REQUIRE(from_config.exit_code == 0);
   CHECK(nlohmann::json::parse(from_config.output)["tensor_parallel"]["size"] == 2);
 }
+
+TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in flight, point-to-point bytes and how "
+          "ZeRO-3 gathers, the bubble, and what it refuses",
+          "[plan][cli][pp]") {
+  strata::test::TempDir dir;
+  {
+    std::ofstream out(dir.file("m.json"));
+    out << R"({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 176,
+      "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4,
+      "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  }
+  const std::string plan = strata_binary() + " plan --model " + dir.file("m.json") + " --gpus 8 --seq 128 --batch 1 ";
+  const auto run = run_command(plan + "--grad-accum 8 --pp 4 --json 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto j = nlohmann::json::parse(run.output);
+  const auto& pp = j["pipeline_parallel"];
+  CHECK(pp["size"] == 4);
+  CHECK(pp["schedule"] == "1f1b");
+  CHECK(pp["micro_batches"] == 8);
+  CHECK(pp["bubble"].get<double>() == Approx(3.0 / 11));
+  CHECK(j["machine"]["data_parallel"] == 2);  // 8 GPUs / 4 stages
+  // Two layers a stage; the embedding on the first, the final norm and lm_head on the last.
+  const int64_t h = 64, inter = 176, vocab = 1000;
+  const int64_t layer = 4 * h * h + 3 * h * inter + 2 * h;
+  const std::vector<int64_t> params = {2 * layer + vocab * h, 2 * layer, 2 * layer, 2 * layer + h + vocab * h};
+  CHECK(pp["whole_parameters"] == 8 * layer + 2 * vocab * h + h);
+  CHECK(j["model"]["param_count"] == params[3]);  // the model states planned are the largest stage's
+  const auto& stages = pp["stages"];
+  REQUIRE(stages.size() == 4);
+  // One boundary transfer: [1 x 128, 64] in 16 bits; the first and last stage send one a micro-batch, the others two.
+  const double transfer = 128.0 * h * 2;
+  const double per_micro_batch = stages[3]["activation_bytes"].get<double>();
+  CHECK(per_micro_batch > 0);
+  for (int s = 0; s < 4; ++s) {
+    CAPTURE(s);
+    const auto& st = stages[static_cast<size_t>(s)];
+    CHECK(st["layers"] == 2);
+    CHECK(st["parameters"] == params[static_cast<size_t>(s)]);
+    CHECK(st["micro_batches_in_flight"] == 4 - s);  // 1F1B: p - r
+    CHECK(st["activation_bytes"].get<double>() == Approx(per_micro_batch * (4 - s)));
+    CHECK(st["p2p_bytes_sent_per_step"].get<double>() == Approx(transfer * 8 * (s == 0 || s == 3 ? 1 : 2)));
+    CHECK(st["zero3_parameters_kept_for_the_step"] == true);  // the default limits hold every stage
+    CHECK(st["zero3_gathers_per_parameter_per_step"] == 1);
+  }
+
+  // ZB-H1 from the ds_config: p micro-batches in flight everywhere, its bubble; a
+  // reuse distance that only the middle stages fit: the others re-gather for
+  // every use (a forward, a recompute and a backward per micro-batch: the plan checkpoints).
+  {
+    std::ofstream out(dir.file("ds.json"));
+    out << R"({"gradient_accumulation_steps": 8, "pipeline_parallel": {"size": 4, "schedule": "zb-h1"},
+      "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": )"
+        << 2 * layer + 1000 << "}}";
+  }
+  const auto zb = run_command(plan + "--config " + dir.file("ds.json") + " --json 2>&1");
+  INFO(zb.output);
+  REQUIRE(zb.exit_code == 0);
+  const auto z = nlohmann::json::parse(zb.output);
+  REQUIRE(z["training"]["activation_checkpointing"] == true);
+  const auto& zp = z["pipeline_parallel"];
+  CHECK(zp["schedule"] == "zb-h1");
+  CHECK(zp["bubble"].get<double>() == Approx(3.0 / 27));
+  for (int s = 0; s < 4; ++s) {
+    CAPTURE(s);
+    const auto& st = zp["stages"][static_cast<size_t>(s)];
+    const bool middle = s == 1 || s == 2;
+    CHECK(st["micro_batches_in_flight"] == 4);
+    CHECK(st["zero3_parameters_kept_for_the_step"] == middle);
+    CHECK(st["zero3_gathers_per_parameter_per_step"] == (middle ? 1 : 8 * 3));
+  }
+
+  // Refusals, in the flags' terms.
+  const auto no_model = run_command(strata_binary() + " plan --layers 8 --hidden 64 --pp 2 2>&1");
+  CHECK(no_model.exit_code != 0);
+  CHECK_THAT(no_model.output, Catch::Contains("--pp 2: the stages split the model's layers: give --model"));
+  const auto no_pp = run_command(plan + "--pp-schedule zb-h1 2>&1");
+  CHECK(no_pp.exit_code != 0);
+  CHECK_THAT(no_pp.output, Catch::Contains("--pp-schedule and --virtual-stages shape a pipeline: give --pp"));
+  const auto groups = run_command(plan + "--pp 4 --grad-accum 6 --pp-schedule interleaved --virtual-stages 2 2>&1");
+  CHECK(groups.exit_code != 0);
+  CHECK_THAT(groups.output, Catch::Contains("6 micro-batches is not a multiple of 4 stages"));
+  // Without a pipeline there is no pipeline section (ScheduleSpec's own default is 2 stages).
+  const auto none = run_command(plan + "--json 2>&1");
+  REQUIRE(none.exit_code == 0);
+  CHECK_FALSE(nlohmann::json::parse(none.output).contains("pipeline_parallel"));
+}
