@@ -19,6 +19,13 @@
 //    along a row, so the visible ranges stay contiguous and monotone and the
 //    kernels' tile skipping holds unchanged. They live where the kernels read
 //    (device memory for cuda). A kernel takes row(b * seq) for row b.
+//  - q_offset, kv_offset (a block of queries against a block of keys, context
+//    parallelism): the first query's and the first key's positions in the
+//    whole sequence, where the rules above are evaluated (the segment arrays
+//    then cover the whole sequence: `seq` entries per row). Query i of the
+//    block sees key j of the key block iff is_visible(q_offset + i,
+//    kv_offset + j); a query that sees no key of the block gets out 0 and
+//    lse -inf (visible_block_keys gives it an empty range). Both 0: one block, today's attention.
 //
 // Header-only and usable in device code (nvcc, C++17). Thread-safety: a value type.
 #pragma once
@@ -39,6 +46,8 @@ struct AttentionMask {
   const int32_t* segment_start = nullptr;
   const int32_t* segment_end = nullptr;
   int64_t seq = 0;  // entries per row of the segment arrays
+  // Global positions of the query block's and the key block's first token.
+  int64_t q_offset = 0, kv_offset = 0;
 
   STRATA_HOST_DEVICE bool has_segments() const { return segment_start != nullptr; }
   // The mask of the row whose first position is `offset` (b * seq) in the arrays.
@@ -78,6 +87,33 @@ STRATA_HOST_DEVICE inline int64_t last_seeing_query(const AttentionMask& mask, i
 
 STRATA_HOST_DEVICE inline bool is_visible(const AttentionMask& mask, int64_t query, int64_t key) {
   return key <= query && key >= first_visible_key(mask, query);
+}
+
+// The keys of a key block of kv_seq tokens that query `query` of the query
+// block sees (both block-local): [first, last) in the key block, empty when
+// first >= last. With both offsets 0: [first_visible_key(query), query + 1).
+struct BlockRange {
+  int64_t first, last;
+};
+STRATA_HOST_DEVICE inline BlockRange visible_block_keys(const AttentionMask& mask, int64_t query,
+                                                        int64_t kv_seq) {
+  const int64_t global = mask.q_offset + query;
+  int64_t first = first_visible_key(mask, global) - mask.kv_offset;
+  int64_t last = global + 1 - mask.kv_offset;
+  first = first < 0 ? 0 : (first > kv_seq ? kv_seq : first);
+  if (last > kv_seq) last = kv_seq;
+  return {first, last > first ? last : first};  // both within [0, kv_seq], monotone in query
+}
+
+// Whether any query of [q_offset, q_offset + seq) can see a key of
+// [kv_offset, kv_offset + kv_seq) by causality and the window (documents are
+// not consulted: their arrays may live in device memory). A caller skips a
+// block pair for which this is false; its rows would all be empty.
+STRATA_HOST_DEVICE inline bool block_has_visible(const AttentionMask& mask, int64_t seq, int64_t kv_seq) {
+  const int64_t q_last = mask.q_offset + seq - 1;
+  if (mask.kv_offset > q_last) return false;  // every key after every query
+  const int64_t lowest = mask.window <= 0 ? 0 : mask.q_offset - mask.window + 1;
+  return mask.kv_offset + kv_seq - 1 >= lowest;
 }
 
 }  // namespace strata::ops

@@ -72,12 +72,18 @@ void finite_scale(std::string_view op, float scale) {
   STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
 }
 
-void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq) {
+void attention_mask(std::string_view op, const AttentionMask& mask, const AttentionShape& s) {
   STRATA_CHECK(mask.window >= 0, kBadArgument, "{}: sliding window {} < 0", op, mask.window);
   STRATA_CHECK((mask.segment_start == nullptr) == (mask.segment_end == nullptr), kBadArgument,
                "{}: packed documents need both their starts and their ends", op);
-  STRATA_CHECK(!mask.has_segments() || mask.seq == seq, kBadArgument,
-               "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, seq);
+  STRATA_CHECK(mask.q_offset >= 0 && mask.kv_offset >= 0, kBadArgument,
+               "{}: block offsets must be >= 0 (queries at {}, keys at {})", op, mask.q_offset,
+               mask.kv_offset);
+  // The document arrays cover the whole sequence, so at least as far as both
+  // blocks reach (a block of the sequence reads its part of them).
+  const int64_t reach = std::max(mask.q_offset + s.seq, mask.kv_offset + s.keys());
+  STRATA_CHECK(!mask.has_segments() || mask.seq >= reach, kBadArgument,
+               "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, reach);
 }
 
 void rope(std::string_view op, const Rope& r) {
@@ -141,15 +147,15 @@ AttentionShape attention(std::string_view op, const TensorView& q, const TensorV
                "{}: q and k must be 4-D [batch, seq, heads, head_dim] (got {} and {})", op,
                shape_string(q.desc.shape), shape_string(k.desc.shape));
   AttentionShape s{q.desc.shape[0], q.desc.shape[1], q.desc.shape[2], k.desc.shape[2],
-                   q.desc.shape[3]};
+                   q.desc.shape[3], k.desc.shape[1]};
   STRATA_CHECK(s.batch > 0 && s.seq > 0 && s.heads > 0 && s.kv_heads > 0 && s.head_dim > 0 &&
-                   s.heads % s.kv_heads == 0,
+                   s.kv_seq > 0 && s.heads % s.kv_heads == 0,
                kBadArgument,
-               "{}: bad shape batch={} seq={} heads={} kv_heads={} head_dim={} (heads must be a "
+               "{}: bad shape batch={} seq={} heads={} kv_heads={} head_dim={} keys={} (heads must be a "
                "multiple of kv_heads)",
-               op, s.batch, s.seq, s.heads, s.kv_heads, s.head_dim);
-  shape(op, "k", k, {s.batch, s.seq, s.kv_heads, s.head_dim});
-  shape(op, "v", v, {s.batch, s.seq, s.kv_heads, s.head_dim});
+               op, s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.kv_seq);
+  shape(op, "k", k, {s.batch, s.kv_seq, s.kv_heads, s.head_dim});
+  shape(op, "v", v, {s.batch, s.kv_seq, s.kv_heads, s.head_dim});
   return s;
 }
 
@@ -225,7 +231,10 @@ double visible_keys(int64_t seq, int64_t window) {
 // (query, key) pair of each head (an upper bound with packed documents: their
 // ranges live where the kernels read them).
 OpLabel attention_label(const AttentionShape& s, const AttentionMask& mask, const TensorView& q, int products) {
-  const double pairs = visible_keys(s.seq, mask.window) * static_cast<double>(s.batch * s.heads);
+  const bool block = mask.q_offset != 0 || mask.kv_offset != 0 || s.keys() != s.seq;
+  const double rows = block ? static_cast<double>(s.seq) * static_cast<double>(s.keys())  // a bound
+                            : visible_keys(s.seq, mask.window);
+  const double pairs = rows * static_cast<double>(s.batch * s.heads);
   return arithmetic(static_cast<int64_t>(2 * products * pairs * static_cast<double>(s.head_dim)),
                     brief(q) + " kv " + std::to_string(s.kv_heads));
 }
@@ -463,7 +472,7 @@ void Ops::attention_forward(ComputeContext& ctx, const TensorView& q, const Tens
   constexpr const char* op = "attention_forward";
   own(ctx, op);
   const AttentionShape s = check::attention(op, q, k, v);
-  check::attention_mask(op, mask, s.seq);
+  check::attention_mask(op, mask, s);
   check::float_tensor(op, "out", out);
   check::same_dtype(op, q, out);
   check::shape(op, "out", out, q.desc.shape);
@@ -481,7 +490,7 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   constexpr const char* op = "attention_backward";
   own(ctx, op);
   const AttentionShape s = check::attention(op, q, k, v);
-  check::attention_mask(op, mask, s.seq);
+  check::attention_mask(op, mask, s);
   for (auto [what, t] : {std::pair{"dout", &dout}, {"out", &out}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check::float_tensor(op, what, *t);
     check::same_dtype(op, q, *t);
@@ -496,6 +505,25 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   // Q K^T recomputed, dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q.
   Labeled label(ctx, op, [&] { return attention_label(s, mask, q, 5); });
   enqueue_attention_backward(ctx, s, dout, q, k, v, out, lse, dq, dk, dv, mask);
+}
+
+void Ops::attention_merge(ComputeContext& ctx, const TensorView& out, const TensorView& lse,
+                          const TensorView& part, const TensorView& part_lse) {
+  constexpr const char* op = "attention_merge";
+  own(ctx, op);
+  check::dtype(op, "out", out, DType::kF32);
+  check::float_tensor(op, "part", part);
+  STRATA_CHECK(out.desc.shape.size() == 4, kBadArgument,
+               "{}: out must be 4-D [batch, seq, heads, head_dim] (got {})", op, shape_string(out.desc.shape));
+  check::shape(op, "part", part, out.desc.shape);
+  const AttentionShape s{out.desc.shape[0], out.desc.shape[1], out.desc.shape[2], out.desc.shape[2],
+                         out.desc.shape[3]};
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::dtype(op, "part_lse", part_lse, DType::kF32);
+  check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  check::shape(op, "part_lse", part_lse, {s.batch, s.heads, s.seq});
+  Labeled label(ctx, op, [&] { return memory(2 * nbytes(out) + nbytes(part) + 3 * nbytes(lse), brief(out)); });
+  enqueue_attention_merge(ctx, s, out, lse, part, part_lse);
 }
 
 void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,

@@ -120,6 +120,10 @@ struct AttentionShape {
   int64_t heads = 0;     // query heads
   int64_t kv_heads = 0;  // key/value heads; heads % kv_heads == 0
   int64_t head_dim = 0;
+  // Keys (and values) per row when they are a block of their own (context
+  // parallelism: attention_mask.h's q_offset/kv_offset); 0: seq.
+  int64_t kv_seq = 0;
+  int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }
 };
 
 class Ops {
@@ -212,12 +216,33 @@ class Ops {
   void attention_forward(ComputeContext& ctx, const TensorView& q, const TensorView& k,
                                  const TensorView& v, const TensorView& out, const TensorView& lse,
                                  const AttentionMask& mask);
-  // dq, dk, dv are overwritten.
+  //
+  // A block of queries against a block of keys (context parallelism: ring
+  // attention): k, v [batch, kv_seq, kv_heads, head_dim] may hold another
+  // number of tokens than q, and mask.q_offset / mask.kv_offset place both
+  // blocks in the whole sequence, where causality, the window and the
+  // documents are evaluated. out is then the attention over this key block
+  // alone and lse its log-sum-exp; a query that sees none of its keys gets
+  // out 0 and lse -inf. attention_merge combines the blocks' results.
+  // dq, dk, dv are overwritten. For a key block, backward takes the merged
+  // out and lse of all blocks (the probabilities exp(s - lse) and the row
+  // sums dO.O of the whole softmax, as FlashAttention's backward) and gives
+  // this block's share: dq summed over the blocks is the gradient, and so is
+  // each block's dk, dv summed over the query blocks.
   void attention_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& q, const TensorView& k, const TensorView& v,
                                   const TensorView& out, const TensorView& lse,
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionMask& mask);
+
+  // Merges a key block's attention into the result so far, exactly in fp32:
+  // lse' = log(exp(lse) + exp(part_lse)), out' = out exp(lse - lse') +
+  // part exp(part_lse - lse'), in place on out and lse. out, part [batch,
+  // seq, heads, head_dim] (out fp32, the accumulator; part any float dtype),
+  // lse, part_lse fp32 [batch, heads, seq]. A row with lse -inf (no key seen
+  // yet) takes the part's; a part with -inf leaves the row as it is.
+  void attention_merge(ComputeContext& ctx, const TensorView& out, const TensorView& lse,
+                       const TensorView& part, const TensorView& part_lse);
 
   // ---- SwiGLU: out = silu(gate) * up -------------------------------------------
   void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
@@ -428,6 +453,9 @@ class Ops {
                                           const TensorView& out, const TensorView& lse,
                                           const TensorView& dq, const TensorView& dk,
                                           const TensorView& dv, const AttentionMask& mask) = 0;
+  virtual void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& shape,
+                                       const TensorView& out, const TensorView& lse,
+                                       const TensorView& part, const TensorView& part_lse) = 0;
   virtual void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate,
                                       const TensorView& up, const TensorView& out) = 0;
   virtual void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout,

@@ -7,7 +7,10 @@
 //   backward: P recomputed from lse, dP = dO_blk V^T, dS = P (dP - delta) scale,
 //             dQ_blk = dS K, dK += dS^T Q_blk, dV += P^T dO_blk.
 // Scratch is kBq x seq per thread (not per head), so no [seq, seq] matrix is
-// ever held. The nn_ops.h templates stay the reference this is checked against.
+// ever held. A key block of its own (context parallelism) works the same with
+// key indices shifted by the offsets (ops::visible_block_keys); a row that
+// sees none of its keys gets out 0 and lse -inf, a query block that sees none
+// skips its products. The nn_ops.h templates stay the reference this is checked against.
 //
 // Parallelism: forward tasks are (batch, head, query block) — independent. In
 // backward every query head of a group adds into the same dK/dV rows, so a task
@@ -15,11 +18,14 @@
 // run one after another and the GEMMs use the whole OpenMP team instead.
 #include "kernels/cpu/attention_blocked.h"
 
+#include "kernels/attention_merge.h"
+
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/nn_gemm.h"
@@ -43,20 +49,22 @@ Strides strides_of(const AttentionShape& s) {
           static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)))};
 }
 
-// The keys a block of query rows [i0, i1) needs: [j0, i1), j0 the first key
-// its first row sees (later rows see no earlier key); row r's own keys are
-// columns [lo(r), hi(r)) of a [n, i1 - j0] score block.
+// The keys a block of query rows [i0, i1) needs: [j0, j0 + width), j0 the
+// first key its first row sees (later rows see no earlier key), the last one
+// its last row sees; row r's own keys are columns [lo, hi) of a [n, width]
+// score block (lo == hi == 0 for a row that sees none). width <= 0: no row
+// sees a key.
 struct BlockKeys {
-  int64_t j0, width;
-  int64_t lo(const AttentionMask& m, int64_t i0, int64_t r) const {
-    return first_visible_key(m, i0 + r) - j0;
+  int64_t j0, width, kv_seq;
+  BlockRange cols(const AttentionMask& m, int64_t i0, int64_t r) const {
+    const BlockRange k = visible_block_keys(m, i0 + r, kv_seq);
+    return k.first < k.last ? BlockRange{k.first - j0, k.last - j0} : BlockRange{0, 0};
   }
-  int64_t hi(int64_t i0, int64_t r) const { return i0 + r + 1 - j0; }
 };
 
-BlockKeys keys_of_block(const AttentionMask& mask, int64_t i0, int64_t i1) {
-  const int64_t j0 = first_visible_key(mask, i0);
-  return {j0, i1 - j0};
+BlockKeys keys_of_block(const AttentionMask& mask, int64_t i0, int64_t i1, int64_t kv_seq) {
+  const int64_t j0 = visible_block_keys(mask, i0, kv_seq).first;
+  return {j0, visible_block_keys(mask, i1 - 1, kv_seq).last - j0, kv_seq};
 }
 
 // Softmax rows of block scores sc [n, width] in place, each over its visible
@@ -65,7 +73,12 @@ void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const 
                    float* lse_out) {
   for (int64_t r = 0; r < n; ++r) {
     float* row = sc + r * bk.width;
-    const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+    const auto [lo, hi] = bk.cols(mask, i0, r);
+    if (lo == hi) {  // sees no key of the block
+      std::fill(row, row + bk.width, 0.0f);
+      lse_out[r] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
     const float m = vec::max(row + lo, hi - lo);
     const double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
     vec::scale(row + lo, hi - lo, static_cast<float>(1.0 / sum));
@@ -78,12 +91,19 @@ void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const 
 void forward_block(const float* q, const float* k, const float* v, const AttentionShape& s,
                    const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t h, int64_t i0,
                    float* out, float* lse, float* sc) {
-  const AttentionMask mask = batch_mask.row(b * s.seq);
-  const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0, kh = h / st.group;
-  const BlockKeys bk = keys_of_block(mask, i0, i1);
+  const AttentionMask mask = batch_mask.row(b * batch_mask.seq);
+  const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0, kh = h / st.group, kv = s.keys();
+  const BlockKeys bk = keys_of_block(mask, i0, i1, kv);
+  if (bk.width <= 0) {  // no row sees a key of the block
+    for (int64_t r = 0; r < n; ++r) {
+      std::fill_n(out + (b * s.seq + i0 + r) * st.q_row + h * st.d, st.d, 0.0f);
+      lse[(b * s.heads + h) * s.seq + i0 + r] = -std::numeric_limits<float>::infinity();
+    }
+    return;
+  }
   const float* qb = q + (b * s.seq + i0) * st.q_row + h * st.d;
-  const float* kb = k + (b * s.seq + bk.j0) * st.kv_row + kh * st.d;
-  const float* vb = v + (b * s.seq + bk.j0) * st.kv_row + kh * st.d;
+  const float* kb = k + (b * kv + bk.j0) * st.kv_row + kh * st.d;
+  const float* vb = v + (b * kv + bk.j0) * st.kv_row + kh * st.d;
   gemm<float>(false, true, n, bk.width, st.d, st.scale, qb, st.q_row, kb, st.kv_row, 0.0f, sc,
               bk.width);
   softmax_block(sc, n, i0, bk, mask, lse + (b * s.heads + h) * s.seq + i0);
@@ -96,28 +116,33 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
                    const float* out, const float* lse, const AttentionShape& s,
                    const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t kh, float* dq,
                    float* dk, float* dv, float* p, float* dp) {
-  const AttentionMask mask = batch_mask.row(b * s.seq);
-  const float* kb = k + b * s.seq * st.kv_row + kh * st.d;
-  const float* vb = v + b * s.seq * st.kv_row + kh * st.d;
-  float* dkb = dk + b * s.seq * st.kv_row + kh * st.d;
-  float* dvb = dv + b * s.seq * st.kv_row + kh * st.d;
-  for (int64_t j = 0; j < s.seq; ++j) {
+  const AttentionMask mask = batch_mask.row(b * batch_mask.seq);
+  const int64_t kv = s.keys();
+  const float* kb = k + b * kv * st.kv_row + kh * st.d;
+  const float* vb = v + b * kv * st.kv_row + kh * st.d;
+  float* dkb = dk + b * kv * st.kv_row + kh * st.d;
+  float* dvb = dv + b * kv * st.kv_row + kh * st.d;
+  for (int64_t j = 0; j < kv; ++j) {
     std::fill_n(dkb + j * st.kv_row, st.d, 0.0f);
     std::fill_n(dvb + j * st.kv_row, st.d, 0.0f);
   }
   for (int64_t h = kh * st.group; h < (kh + 1) * st.group; ++h) {
     for (int64_t i0 = 0; i0 < s.seq; i0 += kBq) {
       const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0;
-      const BlockKeys bk = keys_of_block(mask, i0, i1);
+      const BlockKeys bk = keys_of_block(mask, i0, i1, kv);
       const int64_t w = bk.width, kv_at = bk.j0 * st.kv_row;
       const int64_t off = (b * s.seq + i0) * st.q_row + h * st.d;
+      if (w <= 0) {  // no row sees a key of the block: no share of the gradient
+        for (int64_t r = 0; r < n; ++r) std::fill_n(dq + off + r * st.q_row, st.d, 0.0f);
+        continue;
+      }
       const float* row_lse = lse + (b * s.heads + h) * s.seq + i0;
       // P = exp(scale Q K^T - lse), zero where masked.
       gemm<float>(false, true, n, w, st.d, st.scale, q + off, st.q_row, kb + kv_at, st.kv_row, 0.0f,
                   p, w);
       for (int64_t r = 0; r < n; ++r) {
         float* row = p + r * w;
-        const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+        const auto [lo, hi] = bk.cols(mask, i0, r);
         vec::exp_shifted(row + lo, hi - lo, row_lse[r], row + lo);
         std::fill(row, row + lo, 0.0f);
         std::fill(row + hi, row + w, 0.0f);
@@ -132,7 +157,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
         for (int64_t c = 0; c < st.d; ++c) delta += dor[c] * orow[c];
         float* prow = p + r * w;
         float* dsrow = dp + r * w;
-        const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+        const auto [lo, hi] = bk.cols(mask, i0, r);
         for (int64_t j = lo; j < hi; ++j) dsrow[j] = prow[j] * (dsrow[j] - delta) * st.scale;
         std::fill(dsrow, dsrow + lo, 0.0f);
         std::fill(dsrow + hi, dsrow + w, 0.0f);
@@ -157,7 +182,7 @@ void attention_forward(const float* q, const float* k, const float* v, const Att
   const bool parallel_tasks = tasks >= omp_get_max_threads();
 #pragma omp parallel if (parallel_tasks)
   {
-    std::vector<float> sc(static_cast<size_t>(kBq * s.seq));
+    std::vector<float> sc(static_cast<size_t>(kBq * s.keys()));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       // Later query blocks see more keys: hand them out first (dynamic schedule).
@@ -175,11 +200,29 @@ void attention_backward(const float* dout, const float* q, const float* k, const
   const bool parallel_tasks = tasks >= omp_get_max_threads();
 #pragma omp parallel if (parallel_tasks)
   {
-    std::vector<float> p(static_cast<size_t>(kBq * s.seq)), dp(p.size());
+    std::vector<float> p(static_cast<size_t>(kBq * s.keys())), dp(p.size());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       backward_task(dout, q, k, v, out, lse, s, mask, st, t / s.kv_heads, t % s.kv_heads, dq, dk, dv,
                     p.data(), dp.data());
+    }
+  }
+}
+
+void attention_merge(const AttentionShape& s, float* out, float* lse, const float* part,
+                     const float* part_lse) {
+  const int64_t d = s.head_dim, row = s.heads * d;
+#pragma omp parallel for collapse(2) schedule(static) if (s.batch * s.seq * row >= nn::cpu::detail::kMinParallelWork)
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      for (int64_t i = 0; i < s.seq; ++i) {
+        float& l = lse[(b * s.heads + h) * s.seq + i];
+        const MergeWeights w = merge_weights(l, part_lse[(b * s.heads + h) * s.seq + i]);
+        float* o = out + (b * s.seq + i) * row + h * d;
+        const float* p = part + (b * s.seq + i) * row + h * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = o[c] * w.keep + p[c] * w.take;
+        l = w.lse;
+      }
     }
   }
 }

@@ -16,4 +16,9 @@ void attention_backward(const float* dout, const float* q, const float* k, const
                         const float* out, const float* lse, const AttentionShape& s,
                         const AttentionMask& mask, float* dq, float* dk, float* dv);
 
+// Ops::attention_merge: out [batch, seq, heads, head_dim] and lse [batch,
+// heads, seq] merged in place with a block's part and part_lse.
+void attention_merge(const AttentionShape& s, float* out, float* lse, const float* part,
+                     const float* part_lse);
+
 }  // namespace strata::ops::cpu

@@ -2,7 +2,9 @@
 // kernels are tested against. Forward keeps only the per-row log-sum-exp;
 // backward recomputes the probabilities from it (the FlashAttention
 // recurrence), so no [seq, seq] matrix is stored between passes. Query i sees
-// keys [first_visible_key(mask, i), i].
+// keys [first_visible_key(mask, i), i]; with a key block of its own (context
+// parallelism) the keys ops::visible_block_keys gives, evaluated at global
+// positions, and a row that sees none gets out 0 and lse -inf.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -39,35 +41,36 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
+  const int64_t kv = s.keys();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
-#pragma omp parallel if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
+#pragma omp parallel if (s.batch * s.heads * s.seq * kv * d >= 2 * detail::kMinParallelWork)
   {
-    std::vector<T> p(static_cast<size_t>(s.seq));
+    std::vector<T> p(static_cast<size_t>(kv));
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t h = 0; h < s.heads; ++h) {
         const int64_t kh = h / group;
         for (int64_t i = 0; i < s.seq; ++i) {
           const T* qi = q + (b * s.seq + i) * q_row + h * d;
-          const int64_t first = ops::first_visible_key(mask.row(b * s.seq), i);
+          const auto [first, last] = ops::visible_block_keys(mask.row(b * mask.seq), i, kv);
           T m = -std::numeric_limits<T>::infinity();
-          for (int64_t j = first; j <= i; ++j) {
-            p[j] = dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale;
+          for (int64_t j = first; j < last; ++j) {
+            p[j] = dot(qi, k + (b * kv + j) * kv_row + kh * d, d) * scale;
             m = std::max(m, p[j]);
           }
           T sum = 0;
-          for (int64_t j = first; j <= i; ++j) {
+          for (int64_t j = first; j < last; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
           }
           T* oi = out + (b * s.seq + i) * q_row + h * d;
           std::fill(oi, oi + d, T(0));
-          for (int64_t j = first; j <= i; ++j) {
-            const T* vj = v + (b * s.seq + j) * kv_row + kh * d;
+          for (int64_t j = first; j < last; ++j) {
+            const T* vj = v + (b * kv + j) * kv_row + kh * d;
             const T w = p[j] / sum;
             for (int64_t c = 0; c < d; ++c) oi[c] += w * vj[c];
           }
-          lse[(b * s.heads + h) * s.seq + i] = m + std::log(sum);
+          lse[(b * s.heads + h) * s.seq + i] = first < last ? m + std::log(sum) : m;  // none: -inf
         }
       }
     }
@@ -81,16 +84,17 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
+  const int64_t kv = s.keys();
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   // One (batch, kv head) per iteration: all query heads of a group write the
   // same dk/dv rows, so they stay on one thread.
 #pragma omp parallel for collapse(2) \
-    schedule(static) if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
+    schedule(static) if (s.batch * s.heads * s.seq * kv * d >= 2 * detail::kMinParallelWork)
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-      for (int64_t j = 0; j < s.seq; ++j) {
-        std::fill_n(dk + (b * s.seq + j) * kv_row + kh * d, d, T(0));
-        std::fill_n(dv + (b * s.seq + j) * kv_row + kh * d, d, T(0));
+      for (int64_t j = 0; j < kv; ++j) {
+        std::fill_n(dk + (b * kv + j) * kv_row + kh * d, d, T(0));
+        std::fill_n(dv + (b * kv + j) * kv_row + kh * d, d, T(0));
       }
       for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
         for (int64_t i = 0; i < s.seq; ++i) {
@@ -101,8 +105,9 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
           std::fill(dqi, dqi + d, T(0));
           const T delta = dot(doi, out + qo, d);  // sum_j p_ij dp_ij
           const T row_lse = lse[(b * s.heads + h) * s.seq + i];
-          for (int64_t j = ops::first_visible_key(mask.row(b * s.seq), i); j <= i; ++j) {
-            const int64_t ko = (b * s.seq + j) * kv_row + kh * d;
+          const auto [first, last] = ops::visible_block_keys(mask.row(b * mask.seq), i, kv);
+          for (int64_t j = first; j < last; ++j) {
+            const int64_t ko = (b * kv + j) * kv_row + kh * d;
             const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
             const T dp = dot(doi, v + ko, d);
             const T ds = p * (dp - delta) * scale;

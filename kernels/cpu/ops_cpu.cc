@@ -339,6 +339,15 @@ class CpuOps final : public Ops {
     });
   }
 
+  void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& s, const TensorView& out,
+                               const TensorView& lse, const TensorView& part,
+                               const TensorView& part_lse) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      cpu::attention_merge(s, out.as<float>(), lse.as<float>(), widen(c, 0, part),
+                           part_lse.as<const float>());
+    });
+  }
+
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
                       const TensorView& out) override {
     enqueue(ctx, [=](CpuContext& c) {

@@ -140,6 +140,11 @@ inline AttentionMask kernel_mask(const AttentionDims& d) {
   m.seq = d.seq;
   return m;
 }
+// ---- attention_merge.cu ---------------------------------------------------------
+// Ops::attention_merge: out fp32 [batch, seq, heads, head_dim] and lse fp32
+// [batch, heads, seq] merged in place with part (part_t) and part_lse.
+void launch_attention_merge(Storage part_t, float* out, float* lse, const void* part, const float* part_lse,
+                            int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, cudaStream_t stream);
 // The largest head_dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;
 // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];

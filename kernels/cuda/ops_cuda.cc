@@ -450,6 +450,20 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& s, const TensorView& out,
+                               const TensorView& lse, const TensorView& part,
+                               const TensorView& part_lse) override {
+    constexpr const char* op = "attention_merge";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"out", &out}, {"lse", &lse}, {"part", &part}, {"part_lse", &part_lse}});
+    run(c, op, [&] {
+      cuda::launch_attention_merge(storage(part.desc.dtype), out.as<float>(), lse.as<float>(), part.data,
+                                   part_lse.as<const float>(), s.batch, s.seq, s.heads, s.head_dim,
+                                   c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, const MoeRouter& router,
                          const TensorView& correction_bias, const TensorView& probs, const TensorView& indices,
                          const TensorView& weights, const TensorView& offsets, const TensorView& slots,
@@ -756,6 +770,10 @@ class CudaOps final : public Ops {
     STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2, kBadArgument,
                  "{}: batch {} and heads {} must be at most 65535, seq {} at most {}", op, s.batch,
                  s.heads, s.seq, INT_MAX / 2);
+    STRATA_CHECK(s.keys() == s.seq && mask.q_offset == 0 && mask.kv_offset == 0, kBadArgument,
+                 "{}: the cuda attention kernels take no key block of its own yet (keys {} for {} queries, "
+                 "offsets {} and {}: context parallelism's block attention runs on the cpu backend)",
+                 op, s.keys(), s.seq, mask.q_offset, mask.kv_offset);
     return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
   }
 
