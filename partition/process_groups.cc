@@ -1,4 +1,4 @@
-// Process groups: the pp × dp × tp (× ep) layout and communicators over one group.
+// Process groups: the pp × dp × cp × tp (× ep) layout and communicators over one group.
 #include "partition/process_groups.h"
 
 #include <algorithm>
@@ -34,6 +34,7 @@ std::string_view group_kind_name(GroupKind kind) {
     case GroupKind::kExpert: return "ep";
     case GroupKind::kExpertData: return "expert-dp";
     case GroupKind::kPipeline: return "pp";
+    case GroupKind::kContext: return "cp";
   }
   raise(ErrorCategory::kInternal, "unknown process group kind");
 }
@@ -47,8 +48,8 @@ int ProcessGroup::member(int job_rank) const {
   return at == ranks.end() ? -1 : static_cast<int>(at - ranks.begin());
 }
 
-ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_size)
-    : world_size_(world_size), tp_size_(tp_size), ep_size_(ep_size), pp_size_(pp_size) {
+ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_size, int cp_size)
+    : world_size_(world_size), tp_size_(tp_size), ep_size_(ep_size), pp_size_(pp_size), cp_size_(cp_size) {
   STRATA_CHECK(world_size >= 1, kBadArgument, "a world of {} ranks: at least 1 is needed", world_size);
   STRATA_CHECK(tp_size >= 1, kBadArgument, "tensor-parallel size {}: at least 1 is needed", tp_size);
   STRATA_CHECK(pp_size >= 1, kBadArgument, "pipeline-parallel size {}: at least 1 is needed", pp_size);
@@ -60,7 +61,12 @@ ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_
                "a world of {} ranks is not divisible by the pipeline-parallel size {} x the tensor-parallel size {}: "
                "the ranks are laid out as world = pp × dp × tp",
                world_size, pp_size, tp_size);
-  const int dp = world_size / (tp_size * pp_size);
+  STRATA_CHECK(cp_size >= 1, kBadArgument, "context-parallel size {}: at least 1 is needed", cp_size);
+  STRATA_CHECK(world_size % (tp_size * pp_size * cp_size) == 0, kBadArgument,
+               "a world of {} ranks is not divisible by the context-parallel size {} x the pipeline-parallel size {} "
+               "x the tensor-parallel size {}: the ranks are laid out as world = pp × dp × cp × tp",
+               world_size, cp_size, pp_size, tp_size);
+  const int dp = world_size / (tp_size * pp_size * cp_size);
   STRATA_CHECK(ep_size >= 1, kBadArgument, "expert-parallel size {}: at least 1 is needed", ep_size);
   STRATA_CHECK(dp % ep_size == 0, kBadArgument,
                "the expert-parallel size {} does not divide the data-parallel size {} (a world of {} ranks / "
@@ -71,24 +77,30 @@ ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_
     std::sort(ranks.begin(), ranks.end());
     groups_[kind_index(kind)].push_back(ProcessGroup{kind, 0, std::move(ranks), {}});
   };
-  const int stage_size = dp * tp_size;
-  for (int g = 0; g < dp * pp_size; ++g) {
+  const int inner = cp_size * tp_size;  // the ranks of one dp position in a stage
+  const int stage_size = dp * inner;
+  for (int g = 0; g < world_size / tp_size; ++g) {
     std::vector<int> ranks;
     for (int t = 0; t < tp_size; ++t) ranks.push_back(g * tp_size + t);
     add(GroupKind::kTensor, std::move(ranks));
   }
-  for (int d = 0; d < dp; ++d) {
-    for (int t = 0; t < tp_size; ++t) {
-      std::vector<int> ranks;
-      for (int s = 0; s < pp_size; ++s) ranks.push_back(s * stage_size + d * tp_size + t);
-      add(GroupKind::kPipeline, std::move(ranks));
-    }
+  for (int g = 0; g < world_size / cp_size; ++g) {
+    // The cp group of stage s, dp rank d and tp rank t (g = (s * dp + d) * tp + t).
+    const int first = g / tp_size * inner + g % tp_size;
+    std::vector<int> ranks;
+    for (int c = 0; c < cp_size; ++c) ranks.push_back(first + c * tp_size);
+    add(GroupKind::kContext, std::move(ranks));
   }
-  for (int j = 0; j < tp_size * pp_size; ++j) {
-    // Member k of the dp group of stage s and tp rank t (j = s * tp + t) is
-    // job rank s * stage_size + k * tp + t.
-    const int first = j / tp_size * stage_size + j % tp_size;
-    auto dp_member = [&](int k) { return first + k * tp_size; };
+  for (int j = 0; j < stage_size; ++j) {
+    std::vector<int> ranks;
+    for (int s = 0; s < pp_size; ++s) ranks.push_back(s * stage_size + j);
+    add(GroupKind::kPipeline, std::move(ranks));
+  }
+  for (int j = 0; j < inner * pp_size; ++j) {
+    // Member k of the dp group of stage s, cp rank c and tp rank t (j = s *
+    // inner + c * tp + t) is job rank s * stage_size + k * inner + c * tp + t.
+    const int first = j / inner * stage_size + j % inner;
+    auto dp_member = [&](int k) { return first + k * inner; };
     std::vector<int> data;
     for (int k = 0; k < dp; ++k) data.push_back(dp_member(k));
     add(GroupKind::kData, std::move(data));
@@ -161,7 +173,7 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
 }
 
 Communicator& ProcessGroups::of(GroupKind kind) const {
-  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp, &pp};
+  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp, &pp, &cp};
   const auto& communicator = *held[kind_index(kind)];
   STRATA_CHECK(communicator != nullptr, kBadArgument, "no {} group communicator was made", group_kind_name(kind));
   return *communicator;
@@ -181,6 +193,7 @@ ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, 
   groups.ep = make(GroupKind::kExpert);
   groups.expert_dp = make(GroupKind::kExpertData);
   groups.pp = make(GroupKind::kPipeline);
+  groups.cp = make(GroupKind::kContext);
   return groups;
 }
 

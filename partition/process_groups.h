@@ -1,20 +1,27 @@
 // Process groups (DESIGN.md §5): the job's ranks arranged as world = pp × dp
-// × tp, Megatron's layout (tp fastest, then dp, then pp), with expert
-// parallelism inside the data-parallel dimension, DeepSpeed's; and
-// communicators over one group each, connected through the job's rendezvous
-// store.
+// × cp × tp, Megatron's layout (tp fastest, then cp, then dp, then pp:
+// Megatron-Core's default order tp-cp-ep-dp-pp), with expert parallelism
+// inside the data-parallel dimension, DeepSpeed's; and communicators over one
+// group each, connected through the job's rendezvous store.
 //
-// Layout (ParallelLayout: a pure function of world, tp, ep and pp). Job rank
-// r = s*(dp*tp) + d*tp + t: pipeline stage s, data-parallel rank d, tp rank t.
-//   pp stage s        ranks s*dp*tp .. (s+1)*dp*tp - 1: the ranks holding
+// Layout (ParallelLayout: a pure function of world, tp, ep, pp and cp). Job
+// rank r = s*(dp*cp*tp) + d*(cp*tp) + c*tp + t: pipeline stage s,
+// data-parallel rank d, context-parallel rank c, tp rank t.
+//   pp stage s        ranks s*dp*cp*tp .. (s+1)*dp*cp*tp - 1: the ranks holding
 //                     stage s's layers (pipeline parallelism);
 //   tp group g        ranks g*tp .. g*tp + tp-1: consecutive, so on one node,
 //                     they hold the shards of one layer (tensor parallelism);
+//   cp group          the ranks with the same s, d and t (stride tp): each
+//                     holds two chunks of every sequence (context
+//                     parallelism: ring attention passes keys and values
+//                     around it, next to tp so that it stays on a node);
 //   dp group          within a stage, the ranks that hold the same tp shard
-//                     (stride tp), over which ZeRO partitions;
-//   pp group          the ranks with the same d and t in every stage (stride
-//                     dp*tp): one pipeline, whose member s is stage s; they
-//                     pass activations and gradients point to point;
+//                     and the same chunks (stride cp*tp), over which ZeRO
+//                     partitions (with cp > 1 the gradients are also summed
+//                     over the cp group, by whoever trains with it);
+//   pp group          the ranks with the same d, c and t in every stage
+//                     (stride dp*cp*tp): one pipeline, whose member s is
+//                     stage s; they pass activations and gradients point to point;
 //   ep group          within a dp group, ep consecutive members (dp positions
 //                     m*ep .. m*ep + ep-1): they split the experts between them;
 //   expert-dp group   within a dp group, the members that hold the same experts
@@ -38,9 +45,9 @@
 
 namespace strata::partition {
 
-enum class GroupKind { kTensor, kData, kExpert, kExpertData, kPipeline };
-inline constexpr size_t kGroupKinds = 5;
-// "tp", "dp", "ep", "expert-dp", "pp": the words errors and store keys use.
+enum class GroupKind { kTensor, kData, kExpert, kExpertData, kPipeline, kContext };
+inline constexpr size_t kGroupKinds = 6;
+// "tp", "dp", "ep", "expert-dp", "pp", "cp": the words errors and store keys use.
 std::string_view group_kind_name(GroupKind kind);
 
 struct ProcessGroup {
@@ -59,18 +66,20 @@ struct ProcessGroup {
 
 class ParallelLayout {
  public:
-  // world = pp × dp × tp, and ep divides dp. Refused otherwise, naming the sizes.
-  ParallelLayout(int world_size, int tp_size, int ep_size = 1, int pp_size = 1);
+  // world = pp × dp × cp × tp, and ep divides dp. Refused otherwise, naming the sizes.
+  ParallelLayout(int world_size, int tp_size, int ep_size = 1, int pp_size = 1, int cp_size = 1);
 
   int world_size() const { return world_size_; }
   int tp_size() const { return tp_size_; }
-  int dp_size() const { return world_size_ / (tp_size_ * pp_size_); }
+  int dp_size() const { return world_size_ / (tp_size_ * cp_size_ * pp_size_); }
   int ep_size() const { return ep_size_; }
   int pp_size() const { return pp_size_; }
-  // A rank's position in its tp group, its dp group and its pp group (its stage).
+  int cp_size() const { return cp_size_; }
+  // A rank's position in its tp group, its cp group, its dp group and its pp group (its stage).
   int tp_rank(int rank) const { return rank % tp_size_; }
-  int dp_rank(int rank) const { return rank / tp_size_ % dp_size(); }
-  int pp_rank(int rank) const { return rank / (tp_size_ * dp_size()); }
+  int cp_rank(int rank) const { return rank / tp_size_ % cp_size_; }
+  int dp_rank(int rank) const { return rank / (tp_size_ * cp_size_) % dp_size(); }
+  int pp_rank(int rank) const { return rank / (tp_size_ * cp_size_ * dp_size()); }
   // The job ranks of pipeline stage `stage`, ascending, and what errors call
   // it: "pp stage 1 (ranks 2,3)".
   std::vector<int> stage_ranks(int stage) const;
@@ -82,7 +91,7 @@ class ParallelLayout {
   const ProcessGroup& group_of(GroupKind kind, int rank) const;
 
  private:
-  int world_size_, tp_size_, ep_size_, pp_size_;
+  int world_size_, tp_size_, ep_size_, pp_size_, cp_size_;
   std::vector<ProcessGroup> groups_[kGroupKinds];  // by GroupKind
 };
 
@@ -100,10 +109,10 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
 // This rank's communicator in each group of `layout` (groups of one rank
 // included, so that callers need no special case).
 struct ProcessGroups {
-  std::unique_ptr<Communicator> tp, dp, ep, expert_dp, pp;
+  std::unique_ptr<Communicator> tp, dp, ep, expert_dp, pp, cp;
   Communicator& of(GroupKind kind) const;
 };
-// Every rank makes them in the same order (tp, dp, ep, expert-dp, pp), so that
+// Every rank makes them in the same order (tp, dp, ep, expert-dp, pp, cp), so that
 // connecting one group never waits on a rank busy connecting another.
 // job_options.world_size must be layout.world_size().
 ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& job_options,
