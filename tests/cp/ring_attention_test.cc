@@ -14,6 +14,7 @@
 
 #include "kernels/ops.h"
 #include "runtime/nn/ring_attention.h"
+#include "runtime/nn/ulysses_attention.h"
 #include "partition/process_groups.h"
 #include "tests/support/rank_threads.h"
 
@@ -35,6 +36,7 @@ struct Case {
   int64_t chunk, batch, heads, kv_heads, head_dim, window;
   bool packed;
   int dp = 1;  // the cp groups of a dp x cp layout, each its own ring
+  bool ulysses = false;  // the all-to-all method instead of the ring
 };
 
 // The whole sequence's tensors, [batch, seq, width] (lse [batch, heads, seq]).
@@ -133,6 +135,7 @@ void check_ring(const Case& c) {
     auto ctx = ops->make_context(stream);
     auto comm_stream = acc.create_stream();
     nn::RingAttention ring(*ops, *ctx, comm, *comm_stream);
+    nn::UlyssesAttention ulysses(*ops, *ctx, comm);
     std::array<std::array<Vec, 11>, 2> mine;  // q k v out lse dout dq dk dv
     nn::RingChunks t;
     std::array<TensorView, 2> dout, dq, dk, dv;
@@ -160,15 +163,23 @@ void check_ring(const Case& c) {
       dk[l] = view_of(m[7], ks);
       dv[l] = view_of(m[8], ks);
     }
-    ring.forward(t, mask);
+    if (c.ulysses) {
+      ulysses.forward(t, mask);
+    } else {
+      ring.forward(t, mask);
+    }
     stream.synchronize();
-    const uint64_t after_forward = ring.bytes_sent();
-    ring.backward(t, dout, dq, dk, dv, mask);
+    const uint64_t after_forward = c.ulysses ? ulysses.bytes_sent() : ring.bytes_sent();
+    if (c.ulysses) {
+      ulysses.backward(t, dout, dq, dk, dv, mask);
+    } else {
+      ring.backward(t, dout, dq, dk, dv, mask);
+    }
     stream.synchronize();
     comm_stream->synchronize();
     std::lock_guard lock(mu);
     bytes_forward[static_cast<size_t>(job_rank)] = after_forward;
-    bytes_total[static_cast<size_t>(job_rank)] = ring.bytes_sent();
+    bytes_total[static_cast<size_t>(job_rank)] = c.ulysses ? ulysses.bytes_sent() : ring.bytes_sent();
     skipped[static_cast<size_t>(job_rank)] = ring.pairs_skipped();
     for (int l = 0; l < 2; ++l) {
       auto& m = mine[static_cast<size_t>(l)];
@@ -191,13 +202,24 @@ void check_ring(const Case& c) {
     // their gradients (one behind the keys, the last one home; none at cp 1).
     const uint64_t kv_bytes = static_cast<uint64_t>(2 * 2 * c.batch * n * kw) * 4;
     const uint64_t dkv_hops = c.cp > 1 ? static_cast<uint64_t>(c.cp) : 0;
+    if (c.ulysses) {
+      // Ulysses: every all-to-all sends (cp - 1)/cp of a rank's share: forward q, k, v
+      // to heads and out, lse back; backward q, k, v, out, dout, lse to heads and dq, dk, dv back.
+      const auto share = [&](int64_t width) { return static_cast<uint64_t>(2 * c.batch * n * width) * 4; };
+      const uint64_t part = static_cast<uint64_t>(c.cp - 1), whole = static_cast<uint64_t>(c.cp);
+      const uint64_t fwd = share(qw) + 2 * share(kw) + share(qw) + share(c.heads);
+      const uint64_t bwd = 3 * share(qw) + 2 * share(kw) + share(c.heads) + share(qw) + 2 * share(kw);
+      CHECK(bytes_forward[static_cast<size_t>(jr)] * whole == fwd * part);
+      CHECK(bytes_total[static_cast<size_t>(jr)] * whole == (fwd + bwd) * part);
+      continue;
+    }
     CHECK(bytes_forward[static_cast<size_t>(jr)] == static_cast<uint64_t>(c.cp - 1) * kv_bytes);
     CHECK(bytes_total[static_cast<size_t>(jr)] == static_cast<uint64_t>(2 * (c.cp - 1)) * kv_bytes + dkv_hops * kv_bytes);
   }
   // Causal: of the 2cp x 2cp chunk pairs, those whose keys follow the queries are never computed.
   int64_t total_skipped = 0;
   for (int64_t s : skipped) total_skipped += s;
-  CHECK(total_skipped >= c.dp * chunks * (chunks - 1) / 2);
+  if (!c.ulysses) CHECK(total_skipped >= c.dp * chunks * (chunks - 1) / 2);
 }
 
 }  // namespace
@@ -213,4 +235,26 @@ TEST_CASE("ring attention over cp Gloo ranks gives one rank's attention, lse and
                << (c.packed ? " packed" : ""));
     check_ring(c);
   }
+}
+
+TEST_CASE("ulysses attention over cp Gloo ranks gives one rank's attention, lse and gradients; heads that do not "
+          "divide by cp are refused by name",
+          "[cp]") {
+  for (Case c : {Case{2, 16, 2, 4, 2, 8, 0, false},  // GQA, causal
+                 Case{2, 16, 1, 4, 2, 8, 6, false},  // a window narrower than a chunk
+                 Case{4, 10, 1, 4, 4, 8, 0, true},   // packed documents, a head per rank
+                 Case{2, 8, 1, 2, 2, 8, 0, false, 2}}) {  // the cp groups of dp 2 x cp 2
+    c.ulysses = true;
+    INFO("dp " << c.dp << " cp " << c.cp << " chunk " << c.chunk << " heads " << c.heads << "/" << c.kv_heads
+               << " window " << c.window << (c.packed ? " packed" : ""));
+    check_ring(c);
+  }
+  Case kv{2, 8, 1, 4, 1, 8, 0, false};
+  kv.ulysses = true;
+  REQUIRE_THROWS_WITH(check_ring(kv), Catch::Contains("ulysses attention: the 1 key/value heads do not divide by the "
+                                                      "context-parallel size 2"));
+  Case heads{3, 8, 1, 4, 1, 8, 0, false};
+  heads.ulysses = true;
+  REQUIRE_THROWS_WITH(check_ring(heads), Catch::Contains("ulysses attention: the 4 attention heads do not divide by "
+                                                         "the context-parallel size 3"));
 }

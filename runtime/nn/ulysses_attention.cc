@@ -1,0 +1,195 @@
+#include "runtime/nn/ulysses_attention.h"
+
+#include "core/error.h"
+
+namespace strata::nn {
+
+struct UlyssesAttention::Dims {
+  int cp;
+  int64_t batch, chunk, seq, heads, kv_heads, head_dim;
+  DType dtype;
+};
+
+namespace {
+// Scratch slots: the whole-sequence tensors of this rank's heads, then the
+// send/receive pairs of each all-to-all.
+constexpr size_t kQ = 0, kK = 1, kV = 2, kOut = 3, kLse = 4, kDout = 5, kDq = 6, kDk = 7, kDv = 8;
+constexpr size_t kMoveQ = 10, kMoveK = 12, kMoveV = 14, kMoveOut = 16, kMoveLse = 18, kMoveDout = 20;
+constexpr size_t kSlots = 22;
+
+char* at(const TensorView& t, int64_t element) {
+  return static_cast<char*>(t.data) + element * static_cast<int64_t>(dtype_nbytes(t.desc.dtype));
+}
+}  // namespace
+
+UlyssesAttention::UlyssesAttention(ops::Ops& ops, ops::ComputeContext& ctx, partition::Communicator& cp_group)
+    : ops_(&ops), ctx_(&ctx), cp_(&cp_group), scratch_(kSlots) {}
+
+UlyssesAttention::Dims UlyssesAttention::dims(const RingChunks& t) const {
+  const Shape& q = t.q[0].desc.shape;
+  const Shape& k = t.k[0].desc.shape;
+  const int cp = cp_->world_size();
+  STRATA_CHECK(q.size() == 4 && k.size() == 4, kBadArgument,
+               "ulysses attention: q and k chunks must be [batch, chunk, heads, head_dim]");
+  STRATA_CHECK(q[2] % cp == 0, kBadArgument,
+               "ulysses attention: the {} attention heads do not divide by the context-parallel size {} (each rank "
+               "takes heads / cp of them; use \"method\": \"ring\")",
+               q[2], cp);
+  STRATA_CHECK(k[2] % cp == 0, kBadArgument,
+               "ulysses attention: the {} key/value heads do not divide by the context-parallel size {} (each rank "
+               "takes kv_heads / cp of them; use \"method\": \"ring\")",
+               k[2], cp);
+  return {cp, q[0], q[1], 2 * cp * q[1], q[2], k[2], q[3], t.q[0].desc.dtype};
+}
+
+TensorView UlyssesAttention::scratch(size_t slot, DType dtype, const Shape& shape) {
+  Tensor& t = scratch_.at(slot);
+  if (!t.defined() || t.desc().dtype != dtype || t.desc().shape != shape) {
+    ctx_->stream().synchronize();  // earlier work may still read the old buffer
+    t = ctx_->accelerator().allocate_tensor(dtype, shape);
+  }
+  return t.view();
+}
+
+void UlyssesAttention::all_to_all(const TensorView& send, const TensorView& recv) {
+  const int cp = cp_->world_size();
+  const auto block = static_cast<size_t>(send.numel() / cp);
+  cp_->all_to_all(send.data, recv.data, partition::AllToAllSplits::even(cp, block), send.desc.dtype,
+                  ctx_->stream());
+  bytes_sent_ += static_cast<uint64_t>(cp - 1) * block * dtype_nbytes(send.desc.dtype);
+}
+
+// Blocks of the all-to-all: [rank][local chunk][batch][chunk tokens][heads/cp][head_dim].
+void UlyssesAttention::to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot) {
+  const int cp = cp_->world_size();
+  const Shape& s = chunks[0].desc.shape;
+  const int64_t B = s[0], c = s[1], H = s[2], D = s[3], hs = H / cp, S = 2 * cp * c;
+  const DType dt = chunks[0].desc.dtype;
+  const size_t es = dtype_nbytes(dt);
+  const TensorView send = scratch(slot, dt, {cp, 2, B, c, hs, D}), recv = scratch(slot + 1, dt, {cp, 2, B, c, hs, D});
+  Accelerator& acc = ctx_->accelerator();
+  Stream& stream = ctx_->stream();
+  for (int64_t p = 0; p < cp; ++p)
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < c; ++i)
+          acc.copy_async(at(send, (((p * 2 + l) * B + b) * c + i) * hs * D), at(chunks[l], ((b * c + i) * H + p * hs) * D),
+                         hs * D * es, CopyKind::kDeviceToDevice, stream);
+  all_to_all(send, recv);
+  for (int q = 0; q < cp; ++q)
+    for (int l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        acc.copy_async(at(whole, (b * S + cp_chunk(cp, q, l) * c) * hs * D),
+                       at(recv, (((q * 2 + l) * B + b) * c) * hs * D), c * hs * D * es, CopyKind::kDeviceToDevice,
+                       stream);
+}
+
+void UlyssesAttention::to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot) {
+  const int cp = cp_->world_size();
+  const Shape& s = chunks[0].desc.shape;
+  const int64_t B = s[0], c = s[1], H = s[2], D = s[3], hs = H / cp, S = 2 * cp * c;
+  const DType dt = chunks[0].desc.dtype;
+  const size_t es = dtype_nbytes(dt);
+  const TensorView send = scratch(slot, dt, {cp, 2, B, c, hs, D}), recv = scratch(slot + 1, dt, {cp, 2, B, c, hs, D});
+  Accelerator& acc = ctx_->accelerator();
+  Stream& stream = ctx_->stream();
+  for (int p = 0; p < cp; ++p)
+    for (int l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        acc.copy_async(at(send, (((p * 2 + l) * B + b) * c) * hs * D),
+                       at(whole, (b * S + cp_chunk(cp, p, l) * c) * hs * D), c * hs * D * es,
+                       CopyKind::kDeviceToDevice, stream);
+  all_to_all(send, recv);
+  for (int64_t q = 0; q < cp; ++q)
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < c; ++i)
+          acc.copy_async(at(chunks[l], ((b * c + i) * H + q * hs) * D), at(recv, (((q * 2 + l) * B + b) * c + i) * hs * D),
+                         hs * D * es, CopyKind::kDeviceToDevice, stream);
+}
+
+// Blocks: [rank][local chunk][batch][heads/cp][chunk tokens] (fp32).
+void UlyssesAttention::lse_to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot) {
+  const int cp = cp_->world_size();
+  const Shape& s = chunks[0].desc.shape;
+  const int64_t B = s[0], H = s[1], c = s[2], hs = H / cp, S = 2 * cp * c;
+  const TensorView send = scratch(slot, DType::kF32, {cp, 2, B, hs, c}),
+                   recv = scratch(slot + 1, DType::kF32, {cp, 2, B, hs, c});
+  Accelerator& acc = ctx_->accelerator();
+  Stream& stream = ctx_->stream();
+  for (int64_t p = 0; p < cp; ++p)
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        acc.copy_async(at(send, ((p * 2 + l) * B + b) * hs * c), at(chunks[l], (b * H + p * hs) * c), hs * c * 4,
+                       CopyKind::kDeviceToDevice, stream);
+  all_to_all(send, recv);
+  for (int q = 0; q < cp; ++q)
+    for (int l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < hs; ++h)
+          acc.copy_async(at(whole, (b * hs + h) * S + cp_chunk(cp, q, l) * c),
+                         at(recv, (((q * 2 + l) * B + b) * hs + h) * c), c * 4, CopyKind::kDeviceToDevice, stream);
+}
+
+void UlyssesAttention::lse_to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot) {
+  const int cp = cp_->world_size();
+  const Shape& s = chunks[0].desc.shape;
+  const int64_t B = s[0], H = s[1], c = s[2], hs = H / cp, S = 2 * cp * c;
+  const TensorView send = scratch(slot, DType::kF32, {cp, 2, B, hs, c}),
+                   recv = scratch(slot + 1, DType::kF32, {cp, 2, B, hs, c});
+  Accelerator& acc = ctx_->accelerator();
+  Stream& stream = ctx_->stream();
+  for (int p = 0; p < cp; ++p)
+    for (int l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < hs; ++h)
+          acc.copy_async(at(send, (((p * 2 + l) * B + b) * hs + h) * c),
+                         at(whole, (b * hs + h) * S + cp_chunk(cp, p, l) * c), c * 4, CopyKind::kDeviceToDevice,
+                         stream);
+  all_to_all(send, recv);
+  for (int64_t q = 0; q < cp; ++q)
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        acc.copy_async(at(chunks[l], (b * H + q * hs) * c), at(recv, ((q * 2 + l) * B + b) * hs * c), hs * c * 4,
+                       CopyKind::kDeviceToDevice, stream);
+}
+
+void UlyssesAttention::forward(const RingChunks& t, const ops::AttentionMask& mask) {
+  const Dims d = dims(t);
+  const int64_t hs = d.heads / d.cp, hkv = d.kv_heads / d.cp;
+  const TensorView q = scratch(kQ, d.dtype, {d.batch, d.seq, hs, d.head_dim}),
+                   k = scratch(kK, d.dtype, {d.batch, d.seq, hkv, d.head_dim}),
+                   v = scratch(kV, d.dtype, {d.batch, d.seq, hkv, d.head_dim}),
+                   out = scratch(kOut, d.dtype, {d.batch, d.seq, hs, d.head_dim}),
+                   lse = scratch(kLse, DType::kF32, {d.batch, hs, d.seq});
+  to_heads(t.q, q, kMoveQ);
+  to_heads(t.k, k, kMoveK);
+  to_heads(t.v, v, kMoveV);
+  ops_->attention_forward(*ctx_, q, k, v, out, lse, mask);
+  to_chunks(out, t.out, kMoveOut);
+  lse_to_chunks(lse, t.lse, kMoveLse);
+}
+
+void UlyssesAttention::backward(const RingChunks& t, const std::array<TensorView, 2>& dout,
+                                const std::array<TensorView, 2>& dq, const std::array<TensorView, 2>& dk,
+                                const std::array<TensorView, 2>& dv, const ops::AttentionMask& mask) {
+  const Dims d = dims(t);
+  const int64_t hs = d.heads / d.cp, hkv = d.kv_heads / d.cp;
+  const Shape qs{d.batch, d.seq, hs, d.head_dim}, ks{d.batch, d.seq, hkv, d.head_dim};
+  const TensorView q = scratch(kQ, d.dtype, qs), k = scratch(kK, d.dtype, ks), v = scratch(kV, d.dtype, ks),
+                   out = scratch(kOut, d.dtype, qs), lse = scratch(kLse, DType::kF32, {d.batch, hs, d.seq}),
+                   dy = scratch(kDout, d.dtype, qs), gq = scratch(kDq, d.dtype, qs), gk = scratch(kDk, d.dtype, ks),
+                   gv = scratch(kDv, d.dtype, ks);
+  to_heads(t.q, q, kMoveQ);
+  to_heads(t.k, k, kMoveK);
+  to_heads(t.v, v, kMoveV);
+  to_heads(t.out, out, kMoveOut);
+  to_heads(dout, dy, kMoveDout);
+  lse_to_heads(t.lse, lse, kMoveLse);
+  ops_->attention_backward(*ctx_, dy, q, k, v, out, lse, gq, gk, gv, mask);
+  to_chunks(gq, dq, kMoveQ);
+  to_chunks(gk, dk, kMoveK);
+  to_chunks(gv, dv, kMoveV);
+}
+
+}  // namespace strata::nn
