@@ -37,6 +37,11 @@ TensorView RingAttention::scratch(size_t slot, DType dtype, const Shape& shape) 
   return t.view();
 }
 
+std::vector<TensorView> RingAttention::buffer_set(size_t first, DType dtype, const Shape& shape) {
+  return {scratch(first, dtype, shape), scratch(first + 1, dtype, shape), scratch(first + 2, dtype, shape),
+          scratch(first + 3, dtype, shape)};
+}
+
 ops::AttentionMask RingAttention::pair_mask(const ops::AttentionMask& mask, int64_t chunk, int src, int lq,
                                             int lk) const {
   ops::AttentionMask m = mask;
@@ -80,8 +85,7 @@ void RingAttention::forward(const RingChunks& t, const ops::AttentionMask& mask)
     std::vector<TensorView> next;
     std::unique_ptr<Event> incoming;
     if (s + 1 < cp) {  // the next hop's keys/values move while this block is computed
-      const size_t set = kKv + static_cast<size_t>(s % 2) * 4;
-      next = {scratch(set, dt, ks), scratch(set + 1, dt, ks), scratch(set + 2, dt, ks), scratch(set + 3, dt, ks)};
+      next = buffer_set(kKv + static_cast<size_t>(s % 2) * 4, dt, ks);
       compute.record(*reached);
       incoming = hop(cur, next, *reached, (static_cast<uint64_t>(s) << 8) | 0x10);
     }
@@ -132,17 +136,14 @@ void RingAttention::backward(const RingChunks& t, const std::array<TensorView, 2
     std::vector<TensorView> next;
     std::unique_ptr<Event> kv_incoming;
     if (s + 1 < cp) {
-      const size_t set = kKv + static_cast<size_t>(s % 2) * 4;
-      next = {scratch(set, dt, ks), scratch(set + 1, dt, ks), scratch(set + 2, dt, ks), scratch(set + 3, dt, ks)};
+      next = buffer_set(kKv + static_cast<size_t>(s % 2) * 4, dt, ks);
       compute.record(*reached);
       kv_incoming = hop(cur, next, *reached, (static_cast<uint64_t>(s) << 8) | 0x20);
     }
     if (kv_arrived) compute.wait(*kv_arrived);
     // This step's share of src's dk, dv (set s % 2: the hop of step s - 2 that sent it has completed,
     // as step s - 1 waited for it).
-    const size_t pset = kDkvPart + static_cast<size_t>(s % 2) * 4;
-    const std::vector<TensorView> part{scratch(pset, dt, ks), scratch(pset + 1, dt, ks), scratch(pset + 2, dt, ks),
-                                       scratch(pset + 3, dt, ks)};
+    const std::vector<TensorView> part = buffer_set(kDkvPart + static_cast<size_t>(s % 2) * 4, dt, ks);
     for (const TensorView& p : part) acc.memset_async(p.data, 0, p.nbytes(), compute);
     for (int lq = 0; lq < 2; ++lq) {
       for (int lk = 0; lk < 2; ++lk) {
@@ -162,9 +163,7 @@ void RingAttention::backward(const RingChunks& t, const std::array<TensorView, 2
       for (size_t i = 0; i < part.size(); ++i) ops_->add(*ctx_, part[i], dkv_in[i], part[i]);
     }
     if (cp > 1) {
-      const size_t rset = kDkvRecv + static_cast<size_t>(s % 2) * 4;
-      std::vector<TensorView> into{scratch(rset, dt, ks), scratch(rset + 1, dt, ks), scratch(rset + 2, dt, ks),
-                                   scratch(rset + 3, dt, ks)};
+      std::vector<TensorView> into = buffer_set(kDkvRecv + static_cast<size_t>(s % 2) * 4, dt, ks);
       compute.record(*reached);
       dkv_arrived = hop(part, into, *reached, (static_cast<uint64_t>(s) << 8) | 0x40);
       dkv_in = std::move(into);

@@ -70,6 +70,8 @@ class RingAttention {
  private:
   struct Ring;  // one kv (and dkv) buffer set
   TensorView scratch(size_t slot, DType dtype, const Shape& shape);
+  // Four buffers (k0 k1 v0 v1, or their gradients) of slots first .. first + 3.
+  std::vector<TensorView> buffer_set(size_t first, DType dtype, const Shape& shape);
   ops::AttentionMask pair_mask(const ops::AttentionMask& mask, int64_t chunk, int src, int lq, int lk) const;
   // Sends `from` to the next rank and receives `into` from the previous one,
   // on the communication stream once the compute stream has passed `after`.

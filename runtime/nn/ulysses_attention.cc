@@ -59,99 +59,87 @@ void UlyssesAttention::all_to_all(const TensorView& send, const TensorView& recv
   bytes_sent_ += static_cast<uint64_t>(cp - 1) * block * dtype_nbytes(send.desc.dtype);
 }
 
-// Blocks of the all-to-all: [rank][local chunk][batch][chunk tokens][heads/cp][head_dim].
-void UlyssesAttention::to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot) {
+// Copies n elements between a run of the all-to-all's buffer and a run of
+// another tensor, into the buffer or out of it.
+void UlyssesAttention::copy_run(bool into_buffer, const TensorView& buffer, int64_t buffer_at, const TensorView& other,
+                                int64_t other_at, int64_t n) {
+  const size_t nbytes = static_cast<size_t>(n) * dtype_nbytes(buffer.desc.dtype);
+  void* dst = into_buffer ? at(buffer, buffer_at) : at(other, other_at);
+  const void* src = into_buffer ? at(other, other_at) : at(buffer, buffer_at);
+  ctx_->accelerator().copy_async(dst, src, nbytes, CopyKind::kDeviceToDevice, ctx_->stream());
+}
+
+// Token-major tensors: chunks [batch, chunk, heads, d], whole [batch, seq,
+// heads/cp, d]; the all-to-all's blocks [rank][local chunk][batch][chunk
+// tokens][heads/cp][d]. To heads: each token's head slice of rank p into
+// p's block, then every rank's chunks into their places in the sequence;
+// to chunks the same runs the other way.
+void UlyssesAttention::move_tokens(bool to_heads, const std::array<TensorView, 2>& chunks, const TensorView& whole,
+                                   size_t slot) {
   const int cp = cp_->world_size();
   const Shape& s = chunks[0].desc.shape;
   const int64_t B = s[0], c = s[1], H = s[2], D = s[3], hs = H / cp, S = 2 * cp * c;
   const DType dt = chunks[0].desc.dtype;
-  const size_t es = dtype_nbytes(dt);
   const TensorView send = scratch(slot, dt, {cp, 2, B, c, hs, D}), recv = scratch(slot + 1, dt, {cp, 2, B, c, hs, D});
-  Accelerator& acc = ctx_->accelerator();
-  Stream& stream = ctx_->stream();
-  for (int64_t p = 0; p < cp; ++p)
-    for (int64_t l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < c; ++i)
-          acc.copy_async(at(send, (((p * 2 + l) * B + b) * c + i) * hs * D), at(chunks[l], ((b * c + i) * H + p * hs) * D),
-                         hs * D * es, CopyKind::kDeviceToDevice, stream);
-  all_to_all(send, recv);
-  for (int q = 0; q < cp; ++q)
-    for (int l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        acc.copy_async(at(whole, (b * S + cp_chunk(cp, q, l) * c) * hs * D),
-                       at(recv, (((q * 2 + l) * B + b) * c) * hs * D), c * hs * D * es, CopyKind::kDeviceToDevice,
-                       stream);
+  auto chunk_side = [&](const TensorView& buffer, bool into_buffer) {
+    for (int64_t p = 0; p < cp; ++p)
+      for (size_t l = 0; l < 2; ++l)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < c; ++i)
+            copy_run(into_buffer, buffer, (((p * 2 + static_cast<int64_t>(l)) * B + b) * c + i) * hs * D, chunks[l],
+                     ((b * c + i) * H + p * hs) * D, hs * D);
+  };
+  auto whole_side = [&](const TensorView& buffer, bool into_buffer) {
+    for (int p = 0; p < cp; ++p)
+      for (int l = 0; l < 2; ++l)
+        for (int64_t b = 0; b < B; ++b)
+          copy_run(into_buffer, buffer, (((p * 2 + l) * B + b) * c) * hs * D, whole,
+                   (b * S + cp_chunk(cp, p, l) * c) * hs * D, c * hs * D);
+  };
+  if (to_heads) {
+    chunk_side(send, true);
+    all_to_all(send, recv);
+    whole_side(recv, false);
+  } else {
+    whole_side(send, true);
+    all_to_all(send, recv);
+    chunk_side(recv, false);
+  }
 }
 
-void UlyssesAttention::to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot) {
-  const int cp = cp_->world_size();
-  const Shape& s = chunks[0].desc.shape;
-  const int64_t B = s[0], c = s[1], H = s[2], D = s[3], hs = H / cp, S = 2 * cp * c;
-  const DType dt = chunks[0].desc.dtype;
-  const size_t es = dtype_nbytes(dt);
-  const TensorView send = scratch(slot, dt, {cp, 2, B, c, hs, D}), recv = scratch(slot + 1, dt, {cp, 2, B, c, hs, D});
-  Accelerator& acc = ctx_->accelerator();
-  Stream& stream = ctx_->stream();
-  for (int p = 0; p < cp; ++p)
-    for (int l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        acc.copy_async(at(send, (((p * 2 + l) * B + b) * c) * hs * D),
-                       at(whole, (b * S + cp_chunk(cp, p, l) * c) * hs * D), c * hs * D * es,
-                       CopyKind::kDeviceToDevice, stream);
-  all_to_all(send, recv);
-  for (int64_t q = 0; q < cp; ++q)
-    for (int64_t l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < c; ++i)
-          acc.copy_async(at(chunks[l], ((b * c + i) * H + q * hs) * D), at(recv, (((q * 2 + l) * B + b) * c + i) * hs * D),
-                         hs * D * es, CopyKind::kDeviceToDevice, stream);
-}
-
-// Blocks: [rank][local chunk][batch][heads/cp][chunk tokens] (fp32).
-void UlyssesAttention::lse_to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot) {
+// lse (fp32): chunks [batch, heads, chunk], whole [batch, heads/cp, seq];
+// blocks [rank][local chunk][batch][heads/cp][chunk tokens].
+void UlyssesAttention::move_lse(bool to_heads, const std::array<TensorView, 2>& chunks, const TensorView& whole,
+                                size_t slot) {
   const int cp = cp_->world_size();
   const Shape& s = chunks[0].desc.shape;
   const int64_t B = s[0], H = s[1], c = s[2], hs = H / cp, S = 2 * cp * c;
   const TensorView send = scratch(slot, DType::kF32, {cp, 2, B, hs, c}),
                    recv = scratch(slot + 1, DType::kF32, {cp, 2, B, hs, c});
-  Accelerator& acc = ctx_->accelerator();
-  Stream& stream = ctx_->stream();
-  for (int64_t p = 0; p < cp; ++p)
-    for (int64_t l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        acc.copy_async(at(send, ((p * 2 + l) * B + b) * hs * c), at(chunks[l], (b * H + p * hs) * c), hs * c * 4,
-                       CopyKind::kDeviceToDevice, stream);
-  all_to_all(send, recv);
-  for (int q = 0; q < cp; ++q)
-    for (int l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < hs; ++h)
-          acc.copy_async(at(whole, (b * hs + h) * S + cp_chunk(cp, q, l) * c),
-                         at(recv, (((q * 2 + l) * B + b) * hs + h) * c), c * 4, CopyKind::kDeviceToDevice, stream);
-}
-
-void UlyssesAttention::lse_to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot) {
-  const int cp = cp_->world_size();
-  const Shape& s = chunks[0].desc.shape;
-  const int64_t B = s[0], H = s[1], c = s[2], hs = H / cp, S = 2 * cp * c;
-  const TensorView send = scratch(slot, DType::kF32, {cp, 2, B, hs, c}),
-                   recv = scratch(slot + 1, DType::kF32, {cp, 2, B, hs, c});
-  Accelerator& acc = ctx_->accelerator();
-  Stream& stream = ctx_->stream();
-  for (int p = 0; p < cp; ++p)
-    for (int l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t h = 0; h < hs; ++h)
-          acc.copy_async(at(send, (((p * 2 + l) * B + b) * hs + h) * c),
-                         at(whole, (b * hs + h) * S + cp_chunk(cp, p, l) * c), c * 4, CopyKind::kDeviceToDevice,
-                         stream);
-  all_to_all(send, recv);
-  for (int64_t q = 0; q < cp; ++q)
-    for (int64_t l = 0; l < 2; ++l)
-      for (int64_t b = 0; b < B; ++b)
-        acc.copy_async(at(chunks[l], (b * H + q * hs) * c), at(recv, ((q * 2 + l) * B + b) * hs * c), hs * c * 4,
-                       CopyKind::kDeviceToDevice, stream);
+  auto chunk_side = [&](const TensorView& buffer, bool into_buffer) {
+    for (int64_t p = 0; p < cp; ++p)
+      for (size_t l = 0; l < 2; ++l)
+        for (int64_t b = 0; b < B; ++b)
+          copy_run(into_buffer, buffer, ((p * 2 + static_cast<int64_t>(l)) * B + b) * hs * c, chunks[l],
+                   (b * H + p * hs) * c, hs * c);
+  };
+  auto whole_side = [&](const TensorView& buffer, bool into_buffer) {
+    for (int p = 0; p < cp; ++p)
+      for (int l = 0; l < 2; ++l)
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t h = 0; h < hs; ++h)
+            copy_run(into_buffer, buffer, (((p * 2 + l) * B + b) * hs + h) * c, whole,
+                     (b * hs + h) * S + cp_chunk(cp, p, l) * c, c);
+  };
+  if (to_heads) {
+    chunk_side(send, true);
+    all_to_all(send, recv);
+    whole_side(recv, false);
+  } else {
+    whole_side(send, true);
+    all_to_all(send, recv);
+    chunk_side(recv, false);
+  }
 }
 
 void UlyssesAttention::forward(const RingChunks& t, const ops::AttentionMask& mask) {
@@ -162,12 +150,12 @@ void UlyssesAttention::forward(const RingChunks& t, const ops::AttentionMask& ma
                    v = scratch(kV, d.dtype, {d.batch, d.seq, hkv, d.head_dim}),
                    out = scratch(kOut, d.dtype, {d.batch, d.seq, hs, d.head_dim}),
                    lse = scratch(kLse, DType::kF32, {d.batch, hs, d.seq});
-  to_heads(t.q, q, kMoveQ);
-  to_heads(t.k, k, kMoveK);
-  to_heads(t.v, v, kMoveV);
+  move_tokens(true, t.q, q, kMoveQ);
+  move_tokens(true, t.k, k, kMoveK);
+  move_tokens(true, t.v, v, kMoveV);
   ops_->attention_forward(*ctx_, q, k, v, out, lse, mask);
-  to_chunks(out, t.out, kMoveOut);
-  lse_to_chunks(lse, t.lse, kMoveLse);
+  move_tokens(false, t.out, out, kMoveOut);
+  move_lse(false, t.lse, lse, kMoveLse);
 }
 
 void UlyssesAttention::backward(const RingChunks& t, const std::array<TensorView, 2>& dout,
@@ -180,16 +168,16 @@ void UlyssesAttention::backward(const RingChunks& t, const std::array<TensorView
                    out = scratch(kOut, d.dtype, qs), lse = scratch(kLse, DType::kF32, {d.batch, hs, d.seq}),
                    dy = scratch(kDout, d.dtype, qs), gq = scratch(kDq, d.dtype, qs), gk = scratch(kDk, d.dtype, ks),
                    gv = scratch(kDv, d.dtype, ks);
-  to_heads(t.q, q, kMoveQ);
-  to_heads(t.k, k, kMoveK);
-  to_heads(t.v, v, kMoveV);
-  to_heads(t.out, out, kMoveOut);
-  to_heads(dout, dy, kMoveDout);
-  lse_to_heads(t.lse, lse, kMoveLse);
+  move_tokens(true, t.q, q, kMoveQ);
+  move_tokens(true, t.k, k, kMoveK);
+  move_tokens(true, t.v, v, kMoveV);
+  move_tokens(true, t.out, out, kMoveOut);
+  move_tokens(true, dout, dy, kMoveDout);
+  move_lse(true, t.lse, lse, kMoveLse);
   ops_->attention_backward(*ctx_, dy, q, k, v, out, lse, gq, gk, gv, mask);
-  to_chunks(gq, dq, kMoveQ);
-  to_chunks(gk, dk, kMoveK);
-  to_chunks(gv, dv, kMoveV);
+  move_tokens(false, dq, gq, kMoveQ);
+  move_tokens(false, dk, gk, kMoveK);
+  move_tokens(false, dv, gv, kMoveV);
 }
 
 }  // namespace strata::nn

@@ -36,12 +36,13 @@ class UlyssesAttention {
   struct Dims;
   Dims dims(const RingChunks& t) const;
   TensorView scratch(size_t slot, DType dtype, const Shape& shape);
-  // [batch, chunk, heads, d] chunks -> this rank's heads over the whole sequence [batch, seq, heads/cp, d].
-  void to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot);
-  void to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot);
-  // lse [batch, heads, chunk] chunks <-> [batch, heads/cp, seq].
-  void lse_to_heads(const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot);
-  void lse_to_chunks(const TensorView& whole, const std::array<TensorView, 2>& chunks, size_t slot);
+  // Between [batch, chunk, heads, d] chunks and this rank's heads over the
+  // whole sequence [batch, seq, heads/cp, d] (to_heads: chunks -> whole).
+  void move_tokens(bool to_heads, const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot);
+  // The same for lse: [batch, heads, chunk] chunks <-> [batch, heads/cp, seq].
+  void move_lse(bool to_heads, const std::array<TensorView, 2>& chunks, const TensorView& whole, size_t slot);
+  void copy_run(bool into_buffer, const TensorView& buffer, int64_t buffer_at, const TensorView& other,
+                int64_t other_at, int64_t n);
   void all_to_all(const TensorView& send, const TensorView& recv);
 
   ops::Ops* ops_;
