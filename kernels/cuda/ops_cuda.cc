@@ -770,10 +770,13 @@ class CudaOps final : public Ops {
     STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2, kBadArgument,
                  "{}: batch {} and heads {} must be at most 65535, seq {} at most {}", op, s.batch,
                  s.heads, s.seq, INT_MAX / 2);
-    STRATA_CHECK(s.keys() == s.seq && mask.q_offset == 0 && mask.kv_offset == 0, kBadArgument,
+    STRATA_CHECK(s.keys() == s.seq && mask.q_offset == 0 && mask.kv_offset == 0 &&
+                     (!mask.has_segments() || mask.seq == s.seq),
+                 kBadArgument,
                  "{}: the cuda attention kernels take no key block of its own yet (keys {} for {} queries, "
-                 "offsets {} and {}: context parallelism's block attention runs on the cpu backend)",
-                 op, s.keys(), s.seq, mask.q_offset, mask.kv_offset);
+                 "offsets {} and {}, document arrays of {} entries per row: context parallelism's block attention "
+                 "runs on the cpu backend)",
+                 op, s.keys(), s.seq, mask.q_offset, mask.kv_offset, mask.has_segments() ? mask.seq : s.seq);
     return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
   }
 
