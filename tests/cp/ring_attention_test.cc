@@ -237,7 +237,7 @@ TEST_CASE("ring attention over cp Gloo ranks gives one rank's attention, lse and
   }
 }
 
-TEST_CASE("ulysses attention over cp Gloo ranks gives one rank's attention, lse and gradients; heads that do not "
+TEST_CASE("ulysses attention over cp Gloo ranks gives one rank's attention, lse and gradients, and heads that do not "
           "divide by cp are refused by name",
           "[cp]") {
   for (Case c : {Case{2, 16, 2, 4, 2, 8, 0, false},  // GQA, causal

@@ -275,7 +275,7 @@ TEST_CASE("attention blocks: 2·cp chunk pairs at global offsets, merged by thei
   }
 }
 
-TEST_CASE("attention blocks: a query that sees none of a block's keys gets out 0 and lse -inf; the merge keeps "
+TEST_CASE("attention blocks: a query that sees none of a block's keys gets out 0 and lse -inf, and the merge keeps "
           "the other side exactly",
           "[ops][cpu][cp]") {
   Tensors t;
