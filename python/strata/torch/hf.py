@@ -141,12 +141,14 @@ class StrataTrainer(transformers.Trainer):
                 shutil.rmtree(target, ignore_errors=True)
             engine.global_sum(0)
         _wrap.save_checkpoint(self.model, target)  # collective: every rank writes its shards
-        super()._save_optimizer_and_scheduler(output_dir)
+        with self.optimizer.groups_only():  # the moments are in strata/; the Trainer's file has the groups
+            super()._save_optimizer_and_scheduler(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with self.optimizer.groups_only():
+            super()._load_optimizer_and_scheduler(checkpoint)
         _wrap.load_checkpoint(self.model, os.path.join(checkpoint, _STRATA_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
