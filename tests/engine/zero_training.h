@@ -154,6 +154,9 @@ struct TrainSpec {
   std::function<bool(const std::string& name)> frozen;
   // Each parameter's lr scale (Engine::set_lr_scale) by name; empty: 1.
   std::function<float(const std::string& name)> lr_scale;
+  // > 0: ZeroEngine::clip_grad_norm(clip_grad_norm) before each step (its
+  // norm must be the step's grad_norm).
+  double clip_grad_norm = 0;
   // Called on each rank after each step (0-based), before any checkpoint.
   std::function<void(int rank, int step, engine::ZeroEngine&)> after_step;
   // Rank-specific options (e.g. a fault-injecting I/O backend on one rank).
@@ -300,7 +303,10 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             }
             micro_steps(loss_sum);
             losses.push_back(eng.global_sum(loss_sum) / global_count);
+            const double clip_norm = spec.clip_grad_norm > 0 ? eng.clip_grad_norm(spec.clip_grad_norm) : -1;
             const engine::StepResult r = eng.step(lr);
+            STRATA_CHECK(clip_norm < 0 || clip_norm == r.grad_norm, kInternal,
+                         "clip_grad_norm gave {}, the step's norm is {}", clip_norm, r.grad_norm);
             steps.push_back(r);
             norms.push_back(r.grad_norm);
             applied.push_back(r.applied);
