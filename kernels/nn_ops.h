@@ -63,7 +63,8 @@ void linear_backward(const T* dy, int64_t ldy, const T* x, int64_t ldx, const T*
 
 // ---- rotary position embedding (Hugging Face "rotate_half" convention) ------
 // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) are rotated by
-// positions[row] * rope_inv_freq(rope, i, head_dim), angles in double.
+// positions[row] * rope_inv_freq(rope, i, head_dim), angles in double, cos
+// and sin times rope_attention_scale(rope).
 // head_dim must be even.
 using ops::Rope;
 template <typename T>

@@ -83,11 +83,24 @@ void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq)
 void rope(std::string_view op, const Rope& r) {
   STRATA_CHECK(r.theta > 0 && std::isfinite(r.theta), kBadArgument, "{}: rope theta {} must be positive", op,
                r.theta);
-  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3,
+  STRATA_CHECK(r.type == RopeType::kDefault || r.type == RopeType::kLinear || r.type == RopeType::kLlama3 ||
+                   r.type == RopeType::kYarn,
                kBadArgument, "{}: unknown rope type {}", op, static_cast<int>(r.type));
   if (r.type == RopeType::kDefault) return;
   STRATA_CHECK(r.factor >= 1 && std::isfinite(r.factor), kBadArgument, "{}: rope factor {} must be >= 1", op,
                r.factor);
+  if (r.type == RopeType::kYarn) {
+    STRATA_CHECK(r.original_max_position_embeddings > 0 && std::isfinite(r.original_max_position_embeddings) &&
+                     std::isfinite(r.beta_fast) && std::isfinite(r.beta_slow) && std::isfinite(r.mscale) &&
+                     std::isfinite(r.mscale_all_dim) && std::isfinite(r.attention_factor) &&
+                     r.attention_factor >= 0,
+                 kBadArgument,
+                 "{}: yarn rope needs a positive original_max_position_embeddings, finite betas and mscales and "
+                 "a non-negative attention_factor (got {}, {}, {}, {}, {}, {})",
+                 op, r.original_max_position_embeddings, r.beta_fast, r.beta_slow, r.mscale, r.mscale_all_dim,
+                 r.attention_factor);
+    return;
+  }
   if (r.type != RopeType::kLlama3) return;
   STRATA_CHECK(r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
                    std::isfinite(r.high_freq_factor) && r.original_max_position_embeddings > 0,
@@ -95,6 +108,26 @@ void rope(std::string_view op, const Rope& r) {
                "{}: llama3 rope needs 0 < low_freq_factor < high_freq_factor and a positive "
                "original_max_position_embeddings (got {}, {}, {})",
                op, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings);
+}
+
+// A router's own consistency (moe_routing.h): kSigmoid's groups divide the
+// experts, topk_groups of them hold at least top_k experts, a finite scaling.
+void moe_router(std::string_view op, const MoeRouter& r, int64_t experts, int64_t top_k) {
+  STRATA_CHECK(r.scores == MoeScores::kSoftmax || r.scores == MoeScores::kSigmoid, kBadArgument,
+               "{}: unknown router scores {}", op, static_cast<int>(r.scores));
+  if (r.scores == MoeScores::kSoftmax) {
+    STRATA_CHECK(r.groups == 1 && r.topk_groups == 1 && r.scaling == 1.0f, kBadArgument,
+                 "{}: the softmax router takes no groups or scaling (got groups {}, topk_groups {}, scaling {})",
+                 op, r.groups, r.topk_groups, r.scaling);
+    return;
+  }
+  STRATA_CHECK(r.groups >= 1 && experts % r.groups == 0 && r.topk_groups >= 1 && r.topk_groups <= r.groups,
+               kBadArgument, "{}: {} groups with {} kept must divide the {} experts and keep at least one", op,
+               r.groups, r.topk_groups, experts);
+  STRATA_CHECK(r.topk_groups * (experts / r.groups) >= top_k, kBadArgument,
+               "{}: top_k {} is more than the {} experts of the {} groups kept", op, top_k,
+               r.topk_groups * (experts / r.groups), r.topk_groups);
+  STRATA_CHECK(std::isfinite(r.scaling), kBadArgument, "{}: router scaling {} must be finite", op, r.scaling);
 }
 
 AttentionShape attention(std::string_view op, const TensorView& q, const TensorView& k,
@@ -631,6 +664,15 @@ void Ops::moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k
                     const TensorView& probs, const TensorView& indices, const TensorView& weights,
                     const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
                     const TensorView& aux_stats) {
+  MoeRouter router;
+  router.renormalize = renormalize;
+  moe_route(ctx, logits, top_k, router, TensorView{}, probs, indices, weights, offsets, slots, tokens, aux_stats);
+}
+
+void Ops::moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, const MoeRouter& router,
+                    const TensorView& correction_bias, const TensorView& probs, const TensorView& indices,
+                    const TensorView& weights, const TensorView& offsets, const TensorView& slots,
+                    const TensorView& tokens, const TensorView& aux_stats) {
   constexpr const char* op = "moe_route";
   own(ctx, op);
   check::float_tensor(op, "logits", logits);
@@ -649,13 +691,30 @@ void Ops::moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k
     check::dtype(op, "aux_stats", aux_stats, DType::kF64);
     check::numel(op, "aux_stats", aux_stats, 2 * s.experts);
   }
+  check::moe_router(op, router, s.experts, s.k);
+  STRATA_CHECK(router.scores == MoeScores::kSigmoid || empty(correction_bias), kBadArgument,
+               "{}: a correction bias needs the sigmoid router", op);
+  STRATA_CHECK(router.scores == MoeScores::kSoftmax || empty(aux_stats), kBadArgument,
+               "{}: the sigmoid router has no load-balancing statistics", op);
+  if (!empty(correction_bias)) {
+    check::dtype(op, "correction_bias", correction_bias, DType::kF32);
+    check::numel(op, "correction_bias", correction_bias, s.experts);
+  }
   Labeled label(ctx, op, [&] { return memory(nbytes(logits) + nbytes(probs), brief(logits)); });
-  enqueue_moe_route(ctx, logits, top_k, renormalize, probs, indices, weights, offsets, slots, tokens,
+  enqueue_moe_route(ctx, logits, top_k, router, correction_bias, probs, indices, weights, offsets, slots, tokens,
                     aux_stats);
 }
 
 void Ops::moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
                              const TensorView& weights, const TensorView& dweights, bool renormalize,
+                             const TensorView& aux_grad, const TensorView& dlogits) {
+  MoeRouter router;
+  router.renormalize = renormalize;
+  moe_route_backward(ctx, probs, indices, weights, dweights, router, aux_grad, dlogits);
+}
+
+void Ops::moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                             const TensorView& weights, const TensorView& dweights, const MoeRouter& router,
                              const TensorView& aux_grad, const TensorView& dlogits) {
   constexpr const char* op = "moe_route_backward";
   own(ctx, op);
@@ -670,9 +729,12 @@ void Ops::moe_route_backward(ComputeContext& ctx, const TensorView& probs, const
     check::dtype(op, "aux_grad", aux_grad, DType::kF32);
     check::numel(op, "aux_grad", aux_grad, s.experts);
   }
+  check::moe_router(op, router, s.experts, s.k);
+  STRATA_CHECK(router.scores == MoeScores::kSoftmax || empty(aux_grad), kBadArgument,
+               "{}: the sigmoid router has no load-balancing gradient", op);
   if (s.rows == 0) return;
   Labeled label(ctx, op, [&] { return memory(nbytes(probs) + nbytes(dlogits), brief(probs)); });
-  enqueue_moe_route_backward(ctx, probs, indices, weights, dweights, renormalize, aux_grad, dlogits);
+  enqueue_moe_route_backward(ctx, probs, indices, weights, dweights, router, aux_grad, dlogits);
 }
 
 void Ops::moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,

@@ -48,6 +48,7 @@
 #include <string_view>
 
 #include "kernels/attention_mask.h"
+#include "kernels/moe_routing.h"
 #include "kernels/optimizer.h"
 #include "kernels/rope_frequencies.h"
 #include "core/accelerator.h"
@@ -193,7 +194,9 @@ class Ops {
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
   // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
-  // default, linear and llama3 frequencies). positions int32 [rows]. head_dim even.
+  // default, linear, llama3 and yarn frequencies), cos and sin times
+  // rope_attention_scale(rope) (YaRN's attention factor, else 1: then the
+  // backward is the transpose, not the inverse). positions int32 [rows]. head_dim even.
   void rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                             const Rope& rope);
   // The inverse rotation, in place on the gradient.
@@ -301,6 +304,16 @@ class Ops {
                  const TensorView& probs, const TensorView& indices, const TensorView& weights,
                  const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
                  const TensorView& aux_stats);
+  // The same with any router (moe_routing.h): kSoftmax as above; kSigmoid
+  // (DeepSeek-V3's) with probs = the sigmoid scores, the choice by probs +
+  // correction_bias (fp32 [E]; empty: none) within router.topk_groups of
+  // router.groups groups, weights the chosen probs (renormalised with
+  // transformers' 1e-20) times router.scaling. kSigmoid takes no aux_stats
+  // (transformers' sigmoid routers have no load-balancing loss).
+  void moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, const MoeRouter& router,
+                 const TensorView& correction_bias, const TensorView& probs, const TensorView& indices,
+                 const TensorView& weights, const TensorView& offsets, const TensorView& slots,
+                 const TensorView& tokens, const TensorView& aux_stats);
   // The backward of moe_route's weights: dweights fp32 [rows, k] -> dlogits
   // [rows, E] (float storage, overwritten) through the renormalisation and the
   // softmax; aux_grad fp32 [E], unless empty, is d loss / d probs[r, e] of the
@@ -308,6 +321,11 @@ class Ops {
   // backward. The top-k choice itself has no gradient.
   void moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
                           const TensorView& weights, const TensorView& dweights, bool renormalize,
+                          const TensorView& aux_grad, const TensorView& dlogits);
+  // The same with the forward's router: kSigmoid's through its scaling, its
+  // renormalisation and the sigmoid (dlogit = dp p (1 - p)); no aux_grad.
+  void moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
+                          const TensorView& weights, const TensorView& dweights, const MoeRouter& router,
                           const TensorView& aux_grad, const TensorView& dlogits);
   // xp [rows * k, dim]: slot s holds x[tokens[s]] (x [rows, dim], same dtype).
   void moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
@@ -433,13 +451,13 @@ class Ops {
                                            int64_t first_id, int64_t vocab, const TensorView& lse,
                                            const TensorView& stats, const VocabParallelGrad* grad) = 0;
   virtual void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k,
-                                 bool renormalize, const TensorView& probs,
-                                 const TensorView& indices, const TensorView& weights,
+                                 const MoeRouter& router, const TensorView& correction_bias,
+                                 const TensorView& probs, const TensorView& indices, const TensorView& weights,
                                  const TensorView& offsets, const TensorView& slots,
                                  const TensorView& tokens, const TensorView& aux_stats) = 0;
   virtual void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs,
                                           const TensorView& indices, const TensorView& weights,
-                                          const TensorView& dweights, bool renormalize,
+                                          const TensorView& dweights, const MoeRouter& router,
                                           const TensorView& aux_grad, const TensorView& dlogits) = 0;
   virtual void enqueue_moe_gather(ComputeContext& ctx, const TensorView& x, const TensorView& tokens,
                                   const TensorView& xp) = 0;

@@ -1,6 +1,7 @@
 // CPU rotary position embedding (Hugging Face rotate_half layout), forward and
 // its transpose for backward. Angles are computed in double from
-// rope_inv_freq (kernels/rope_frequencies.h).
+// rope_inv_freq, cos and sin scaled by rope_attention_scale
+// (kernels/rope_frequencies.h: YaRN's attention factor, else 1).
 #include <cmath>
 #include <vector>
 
@@ -20,13 +21,14 @@ void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t
   const int64_t half = head_dim / 2;
   std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) inv_freq[static_cast<size_t>(i)] = ops::rope_inv_freq(rope, i, head_dim);
+  const double scale = ops::rope_attention_scale(rope);
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim >= detail::kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
     const double pos = positions[r];
     for (int64_t i = 0; i < half; ++i) {
       const double angle = pos * inv_freq[static_cast<size_t>(i)];
-      const T c = static_cast<T>(std::cos(angle));
-      const T s = static_cast<T>(sign * std::sin(angle));
+      const T c = static_cast<T>(scale * std::cos(angle));
+      const T s = static_cast<T>(scale * sign * std::sin(angle));
       for (int64_t h = 0; h < heads; ++h) {
         T* xh = x + (r * heads + h) * head_dim;
         const T x1 = xh[i];

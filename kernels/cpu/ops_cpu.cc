@@ -483,39 +483,31 @@ class CpuOps final : public Ops {
   }
 
   // ---- mixture of experts (small bookkeeping; rows of dim copied or summed) ----
-  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
-                         const TensorView& probs, const TensorView& indices, const TensorView& weights,
-                         const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
-                         const TensorView& aux_stats) override {
+  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, const MoeRouter& router,
+                         const TensorView& correction_bias, const TensorView& probs, const TensorView& indices,
+                         const TensorView& weights, const TensorView& offsets, const TensorView& slots,
+                         const TensorView& tokens, const TensorView& aux_stats) override {
     enqueue(ctx, [=](CpuContext& c) {
       const int64_t rows = probs.desc.shape[0], experts = probs.desc.shape[1], k = top_k;
       const float* lf = widen(c, 0, logits);
+      const float* bias = empty(correction_bias) ? nullptr : correction_bias.as<const float>();
       float* p = probs.as<float>();
       int32_t* idx = indices.as<int32_t>();
       float* w = weights.as<float>();
+      std::vector<uint64_t> allowed(static_cast<size_t>((router.groups + 63) / 64));
       for (int64_t r = 0; r < rows; ++r) {
         const float* l = lf + r * experts;
         float* pr = p + r * experts;
-        float m = l[0];
-        for (int64_t e = 1; e < experts; ++e) m = std::max(m, l[e]);
-        float sum = 0;
-        for (int64_t e = 0; e < experts; ++e) sum += (pr[e] = std::exp(l[e] - m));
-        for (int64_t e = 0; e < experts; ++e) pr[e] /= sum;
-        // Top-k by repeated selection: the largest not yet taken, the lower index on ties.
-        float total = 0;
-        for (int64_t j = 0; j < k; ++j) {
-          int64_t best = -1;
-          for (int64_t e = 0; e < experts; ++e) {
-            bool taken = false;
-            for (int64_t i = 0; i < j; ++i) taken = taken || idx[r * k + i] == e;
-            if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
-          }
-          idx[r * k + j] = static_cast<int32_t>(best);
-          total += (w[r * k + j] = pr[best]);
+        if (router.scores == MoeScores::kSigmoid) {
+          for (int64_t e = 0; e < experts; ++e) pr[e] = 1.0f / (1.0f + std::exp(-l[e]));
+        } else {
+          float m = l[0];
+          for (int64_t e = 1; e < experts; ++e) m = std::max(m, l[e]);
+          float sum = 0;
+          for (int64_t e = 0; e < experts; ++e) sum += (pr[e] = std::exp(l[e] - m));
+          for (int64_t e = 0; e < experts; ++e) pr[e] /= sum;
         }
-        if (renormalize) {
-          for (int64_t j = 0; j < k; ++j) w[r * k + j] /= total;
-        }
+        moe_choose(router, pr, bias, experts, k, allowed.data(), idx + r * k, w + r * k);
       }
       // Counting sort of the assignments by expert, stable in (row, j).
       int32_t* off = offsets.as<int32_t>();
@@ -543,7 +535,7 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
-                                  const TensorView& weights, const TensorView& dweights, bool renormalize,
+                                  const TensorView& weights, const TensorView& dweights, const MoeRouter& router,
                                   const TensorView& aux_grad, const TensorView& dlogits) override {
     enqueue(ctx, [=](CpuContext& c) {
       const int64_t rows = probs.desc.shape[0], experts = probs.desc.shape[1], k = indices.desc.shape[1];
@@ -556,20 +548,17 @@ class CpuOps final : public Ops {
 #pragma omp parallel for schedule(static) if (rows * experts >= kMinParallelWork)
       for (int64_t r = 0; r < rows; ++r) {
         const float* pr = p + r * experts;
-        float* dp = dl + r * experts;  // d loss / d probs first, then through the softmax
-        for (int64_t e = 0; e < experts; ++e) dp[e] = ag == nullptr ? 0.0f : ag[e];
-        // w_j = p_j / S (S = sum of the chosen p): dp_j = (dw_j - sum_i dw_i w_i) / S.
-        float dot = 0, total = 0;
-        for (int64_t j = 0; j < k; ++j) {
-          dot += dw[r * k + j] * w[r * k + j];
-          total += pr[idx[r * k + j]];
+        float* dp = dl + r * experts;  // d loss / d probs first (moe_dprob), then through the scores
+        for (int64_t e = 0; e < experts; ++e) {
+          dp[e] = moe_dprob(router, pr, idx + r * k, w + r * k, dw + r * k, k, ag, e);
         }
-        for (int64_t j = 0; j < k; ++j) {
-          dp[idx[r * k + j]] += renormalize ? (dw[r * k + j] - dot) / total : dw[r * k + j];
+        if (router.scores == MoeScores::kSigmoid) {
+          for (int64_t e = 0; e < experts; ++e) dp[e] *= pr[e] * (1.0f - pr[e]);
+        } else {
+          float pd = 0;
+          for (int64_t e = 0; e < experts; ++e) pd += pr[e] * dp[e];
+          for (int64_t e = 0; e < experts; ++e) dp[e] = pr[e] * (dp[e] - pd);
         }
-        float pd = 0;
-        for (int64_t e = 0; e < experts; ++e) pd += pr[e] * dp[e];
-        for (int64_t e = 0; e < experts; ++e) dp[e] = pr[e] * (dp[e] - pd);
       }
       commit(dl, dlogits);
     });

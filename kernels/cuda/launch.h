@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/attention_mask.h"
+#include "kernels/moe_routing.h"
 #include "kernels/rope_frequencies.h"
 
 namespace strata::ops::cuda {
@@ -184,13 +185,15 @@ void launch_attention_delta(Storage t, const void* dout, const void* out, const 
 
 // ---- moe.cu -------------------------------------------------------------------
 // The moe_* ops of kernels/ops.h (shapes as there; pointers device memory;
-// aux_stats and aux_grad may be null).
+// aux_stats, aux_grad and correction_bias may be null; router.groups at most
+// kMaxMoeGroupWords * 64).
 void launch_moe_route(Storage t, const void* logits, int64_t rows, int64_t experts, int64_t k,
-                      bool renormalize, float* probs, int32_t* indices, float* weights, int32_t* offsets,
-                      int32_t* slots, int32_t* tokens, double* aux_stats, cudaStream_t stream);
+                      const MoeRouter& router, const float* correction_bias, float* probs, int32_t* indices,
+                      float* weights, int32_t* offsets, int32_t* slots, int32_t* tokens, double* aux_stats,
+                      cudaStream_t stream);
 void launch_moe_route_backward(const float* probs, const int32_t* indices, const float* weights,
                                const float* dweights, int64_t rows, int64_t experts, int64_t k,
-                               bool renormalize, const float* aux_grad, Storage t, void* dlogits,
+                               const MoeRouter& router, const float* aux_grad, Storage t, void* dlogits,
                                cudaStream_t stream);
 void launch_moe_gather(Storage t, const void* x, const int32_t* tokens, int64_t n, int64_t dim, void* xp,
                        cudaStream_t stream);

@@ -1,5 +1,6 @@
 // CUDA kernels of the mixture-of-experts ops (kernels/ops.h, moe_*): routing
-// (softmax in fp32, top-k, renormalisation), the stable permutation of the
+// (softmax or sigmoid in fp32, then kernels/moe_routing.h's choice and
+// weights, the cpu kernel's formula), the stable permutation of the
 // assignments by expert, gather/combine of token rows and their backwards,
 // and the load-balancing loss. Deterministic: every sum runs in a fixed order.
 // Routing runs one thread per token row (E is small: 8 to a few hundred) and
@@ -14,35 +15,26 @@ namespace {
 constexpr int kThreads = 256;
 
 template <typename T>
-__global__ void route_kernel(const T* logits, int64_t rows, int64_t experts, int64_t k, bool renormalize,
-                             float* probs, int32_t* indices, float* weights) {
+__global__ void route_kernel(const T* logits, int64_t rows, int64_t experts, int64_t k, MoeRouter router,
+                             const float* bias, float* probs, int32_t* indices, float* weights) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   const T* l = logits + r * experts;
   float* p = probs + r * experts;
-  float m = to_f(l[0]);
-  for (int64_t e = 1; e < experts; ++e) m = fmaxf(m, to_f(l[e]));
-  float sum = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    p[e] = expf(to_f(l[e]) - m);
-    sum += p[e];
-  }
-  for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
-  float total = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    int64_t best = -1;
+  if (router.scores == MoeScores::kSigmoid) {
+    for (int64_t e = 0; e < experts; ++e) p[e] = 1.0f / (1.0f + expf(-to_f(l[e])));
+  } else {
+    float m = to_f(l[0]);
+    for (int64_t e = 1; e < experts; ++e) m = fmaxf(m, to_f(l[e]));
+    float sum = 0;
     for (int64_t e = 0; e < experts; ++e) {
-      bool taken = false;
-      for (int64_t i = 0; i < j; ++i) taken = taken || indices[r * k + i] == e;
-      if (!taken && (best < 0 || p[e] > p[best])) best = e;
+      p[e] = expf(to_f(l[e]) - m);
+      sum += p[e];
     }
-    indices[r * k + j] = static_cast<int32_t>(best);
-    weights[r * k + j] = p[best];
-    total += p[best];
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
   }
-  if (renormalize) {
-    for (int64_t j = 0; j < k; ++j) weights[r * k + j] /= total;
-  }
+  uint64_t allowed[kMaxMoeGroupWords];
+  moe_choose(router, p, bias, experts, k, allowed, indices + r * k, weights + r * k);
 }
 
 // One block: counts per expert, their prefix sums (offsets), then each
@@ -82,26 +74,26 @@ __global__ void assign_kernel(const int32_t* indices, const float* probs, int64_
 template <typename T>
 __global__ void route_backward_kernel(const float* probs, const int32_t* indices, const float* weights,
                                       const float* dweights, int64_t rows, int64_t experts, int64_t k,
-                                      bool renormalize, const float* aux_grad, T* dlogits) {
+                                      MoeRouter router, const float* aux_grad, T* dlogits) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   const float* p = probs + r * experts;
-  float dot = 0, total = 0;
-  for (int64_t j = 0; j < k; ++j) {
-    dot += dweights[r * k + j] * weights[r * k + j];
-    total += p[indices[r * k + j]];
-  }
-  // d loss / d p_e, then the softmax's backward: p_e (dp_e - sum_i p_i dp_i).
-  auto dp = [&](int64_t e) {
-    float g = aux_grad == nullptr ? 0.0f : aux_grad[e];
-    for (int64_t j = 0; j < k; ++j) {
-      if (indices[r * k + j] == e) g += renormalize ? (dweights[r * k + j] - dot) / total : dweights[r * k + j];
+  const int32_t* idx = indices + r * k;
+  const float *w = weights + r * k, *dw = dweights + r * k;
+  // d loss / d p_e (moe_routing.h), then the scores' backward: the sigmoid's
+  // p_e (1 - p_e), or the softmax's p_e (dp_e - sum_i p_i dp_i).
+  if (router.scores == MoeScores::kSigmoid) {
+    for (int64_t e = 0; e < experts; ++e) {
+      const float dp = moe_dprob(router, p, idx, w, dw, k, aux_grad, e);
+      dlogits[r * experts + e] = from_f<T>(dp * (p[e] * (1.0f - p[e])));
     }
-    return g;
-  };
+    return;
+  }
   float pd = 0;
-  for (int64_t e = 0; e < experts; ++e) pd += p[e] * dp(e);
-  for (int64_t e = 0; e < experts; ++e) dlogits[r * experts + e] = from_f<T>(p[e] * (dp(e) - pd));
+  for (int64_t e = 0; e < experts; ++e) pd += p[e] * moe_dprob(router, p, idx, w, dw, k, aux_grad, e);
+  for (int64_t e = 0; e < experts; ++e) {
+    dlogits[r * experts + e] = from_f<T>(p[e] * (moe_dprob(router, p, idx, w, dw, k, aux_grad, e) - pd));
+  }
 }
 
 template <typename T>
@@ -204,13 +196,14 @@ unsigned int row_blocks(int64_t rows) {
 }  // namespace
 
 void launch_moe_route(Storage t, const void* logits, int64_t rows, int64_t experts, int64_t k,
-                      bool renormalize, float* probs, int32_t* indices, float* weights, int32_t* offsets,
-                      int32_t* slots, int32_t* tokens, double* aux_stats, cudaStream_t stream) {
+                      const MoeRouter& router, const float* correction_bias, float* probs, int32_t* indices,
+                      float* weights, int32_t* offsets, int32_t* slots, int32_t* tokens, double* aux_stats,
+                      cudaStream_t stream) {
   if (rows > 0) {
     STRATA_DISPATCH_T(t, T,
                       route_kernel<T><<<row_blocks(rows), kThreads, 0, stream>>>(
-                          static_cast<const T*>(logits), rows, experts, k, renormalize, probs, indices,
-                          weights));
+                          static_cast<const T*>(logits), rows, experts, k, router, correction_bias, probs,
+                          indices, weights));
   }
   const int threads = experts >= 1024 ? 1024 : static_cast<int>((experts + 31) / 32 * 32);
   assign_kernel<<<1, threads, 0, stream>>>(indices, probs, rows, experts, k, offsets, slots, tokens,
@@ -219,11 +212,11 @@ void launch_moe_route(Storage t, const void* logits, int64_t rows, int64_t exper
 
 void launch_moe_route_backward(const float* probs, const int32_t* indices, const float* weights,
                                const float* dweights, int64_t rows, int64_t experts, int64_t k,
-                               bool renormalize, const float* aux_grad, Storage t, void* dlogits,
+                               const MoeRouter& router, const float* aux_grad, Storage t, void* dlogits,
                                cudaStream_t stream) {
   STRATA_DISPATCH_T(t, T,
                     route_backward_kernel<T><<<row_blocks(rows), kThreads, 0, stream>>>(
-                        probs, indices, weights, dweights, rows, experts, k, renormalize, aux_grad,
+                        probs, indices, weights, dweights, rows, experts, k, router, aux_grad,
                         static_cast<T*>(dlogits)));
 }
 

@@ -450,19 +450,24 @@ class CudaOps final : public Ops {
     });
   }
 
-  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, bool renormalize,
-                         const TensorView& probs, const TensorView& indices, const TensorView& weights,
-                         const TensorView& offsets, const TensorView& slots, const TensorView& tokens,
-                         const TensorView& aux_stats) override {
+  void enqueue_moe_route(ComputeContext& ctx, const TensorView& logits, int64_t top_k, const MoeRouter& router,
+                         const TensorView& correction_bias, const TensorView& probs, const TensorView& indices,
+                         const TensorView& weights, const TensorView& offsets, const TensorView& slots,
+                         const TensorView& tokens, const TensorView& aux_stats) override {
     constexpr const char* op = "moe_route";
     CudaContext& c = context(ctx);
     check_device(op, {{"logits", &logits}, {"probs", &probs}, {"indices", &indices}, {"weights", &weights},
                       {"offsets", &offsets}, {"slots", &slots}, {"tokens", &tokens}});
     if (!empty(aux_stats)) check_device(op, "aux_stats", aux_stats);
+    if (!empty(correction_bias)) check_device(op, "correction_bias", correction_bias);
     check_int(op, "rows * experts", probs.numel());
+    STRATA_CHECK(router.groups <= kMaxMoeGroupWords * 64, kBadArgument,
+                 "{}: {} expert groups; the cuda router holds at most {}", op, router.groups,
+                 kMaxMoeGroupWords * 64);
     run(c, op, [&] {
       cuda::launch_moe_route(storage(logits.desc.dtype), logits.data, probs.desc.shape[0],
-                             probs.desc.shape[1], top_k, renormalize, probs.as<float>(),
+                             probs.desc.shape[1], top_k, router,
+                             empty(correction_bias) ? nullptr : correction_bias.as<float>(), probs.as<float>(),
                              indices.as<int32_t>(), weights.as<float>(), offsets.as<int32_t>(),
                              slots.as<int32_t>(), tokens.as<int32_t>(),
                              empty(aux_stats) ? nullptr : aux_stats.as<double>(), c.cuda_stream());
@@ -471,7 +476,7 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_moe_route_backward(ComputeContext& ctx, const TensorView& probs, const TensorView& indices,
-                                  const TensorView& weights, const TensorView& dweights, bool renormalize,
+                                  const TensorView& weights, const TensorView& dweights, const MoeRouter& router,
                                   const TensorView& aux_grad, const TensorView& dlogits) override {
     constexpr const char* op = "moe_route_backward";
     CudaContext& c = context(ctx);
@@ -481,7 +486,7 @@ class CudaOps final : public Ops {
     run(c, op, [&] {
       cuda::launch_moe_route_backward(probs.as<float>(), indices.as<int32_t>(), weights.as<float>(),
                                       dweights.as<float>(), probs.desc.shape[0], probs.desc.shape[1],
-                                      indices.desc.shape[1], renormalize,
+                                      indices.desc.shape[1], router,
                                       empty(aux_grad) ? nullptr : aux_grad.as<float>(),
                                       storage(dlogits.desc.dtype), dlogits.data, c.cuda_stream());
       check_launch(op);

@@ -2,7 +2,8 @@
 // One thread per (row, frequency): the angle and its sine/cosine are computed
 // once in double (positions reach 1e5 and beyond, where an fp32 angle would be
 // off by ~1e-2 rad) from rope_inv_freq (kernels/rope_frequencies.h, the
-// formula the cpu kernels use) and applied to that pair in every head.
+// formula the cpu kernels use), scaled by rope_attention_scale (YaRN's
+// attention factor, else 1), and applied to that pair in every head.
 #include "kernels/cuda/device.h"
 
 namespace strata::ops::cuda {
@@ -19,7 +20,8 @@ __global__ void rope_kernel(T* x, const int32_t* positions, int64_t rows, int64_
     const double inv_freq = rope_inv_freq(rope, i, head_dim);
     double sn, cs;
     sincos(static_cast<double>(positions[r]) * inv_freq, &sn, &cs);
-    const float c = static_cast<float>(cs), s = static_cast<float>(sign * sn);
+    const double scale = rope_attention_scale(rope);
+    const float c = static_cast<float>(scale * cs), s = static_cast<float>(scale * sign * sn);
     T* row = x + r * heads * head_dim;
     for (int64_t h = 0; h < heads; ++h) {
       T* xh = row + h * head_dim;

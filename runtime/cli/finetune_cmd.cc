@@ -20,7 +20,7 @@ void add_finetune_command(CLI::App& app) {
       "finetune",
       fmt::format("Fine-tune (or train from scratch) a decoder of the families {} with ZeRO stage 1/2/3, "
                   "parameters and optimizer state in device memory, pinned CPU memory or on NVMe as the config "
-                  "says. Any other model_type, a config.json key strata does not compute (e.g. rope_type yarn) "
+                  "says. Any other model_type, a config.json key strata does not compute (e.g. rope_type dynamic) "
                   "or a checkpoint tensor the architecture does not use is refused before training. Run one "
                   "process per rank: `strata run -n N -- strata finetune ...`; alone it is one rank. Rank 0 "
                   "shows progress and writes OUT/metrics.jsonl (one JSON object per step) and OUT/loss.svg.",

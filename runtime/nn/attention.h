@@ -1,14 +1,16 @@
-// Self-attention (q/k/v/o projections with the family's biases, Qwen3's
-// per-head q/k RMSNorm, rotary embedding with the config's frequencies,
-// causal GQA attention with the layer's sliding window) and the SwiGLU MLP
-// (gate/up/down projections), as modules whose children carry the Hugging
-// Face names ("<name>.q_proj.weight", "<name>.q_norm.weight", ...).
-// What a forward saves for its backward lives in the caller's activation arena
-// and is passed in as the *Acts structs; backward scratch as *Grads.
+// The decoder layer's two blocks: self-attention -- an interface
+// (SelfAttention) whose kind DecoderConfig::attention names, each kind saying
+// what it keeps in the activation arena (AttentionArena), so the model lays
+// it out and strata plan counts it without knowing the kind -- and the
+// SwiGLU MLP (gate/up/down projections), as modules whose children carry the
+// Hugging Face names ("<name>.q_proj.weight", ...). What a forward saves for
+// its backward lives in the caller's activation arena and is passed in as the
+// *Acts structs; backward scratch as *Grads.
 // Ownership, thread-safety, errors: see module.h.
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "runtime/nn/layers.h"
 #include "runtime/nn/linear.h"
@@ -18,31 +20,48 @@ namespace strata::nn {
 
 // A view of the same memory with another shape (same numel).
 TensorView reshaped(const TensorView& t, Shape shape);
+// A [rows, ...] tensor as a rows x (everything else) matrix: q [rows, heads,
+// head_dim] is the [rows, heads * head_dim] output of q_proj.
+MatView as_matrix(const TensorView& t);
 
-// Saved by Attention::forward for backward. q [rows, heads, head_dim] and k/v
-// [rows, kv_heads, head_dim] hold the projections after the rotary embedding
-// (and the q/k norms); attn [rows, heads * head_dim] the attention output
-// (o_proj's input); lse fp32 [batch, heads, seq]. With q/k norms (qwen3) also
-// q_pre, k_pre (the projections before the norms, shaped as q, k) and
-// rstd_q fp32 [rows * heads], rstd_k fp32 [rows * kv_heads]; empty otherwise.
+// One tensor a block keeps in the model's activation arena: the view it binds
+// (its slot in the block's list), its dtype and shape.
+struct ArenaTensor {
+  size_t slot;
+  DType dtype;
+  Shape shape;
+};
+// The bytes `tensors` take in the arena, each on a 256-byte boundary (the
+// model's layout; strata plan counts the same).
+size_t arena_nbytes(const std::vector<ArenaTensor>& tensors);
+
+// What an attention kind keeps in the activation arena for batch x seq rows:
+// per layer `saved` (what its forward saves for backward), once `scratch`
+// (backward scratch the layers share); slots index AttentionActs::saved and
+// AttentionGrads::scratch, each kind naming its own. DecoderModel lays them
+// out without knowing the kind, and strata plan sums them.
+struct AttentionArena {
+  std::vector<ArenaTensor> saved, scratch;
+  size_t saved_slots = 0, scratch_slots = 0;
+};
+// The arena of `config.attention` on one of `tensor_parallel` ranks (its
+// heads' share, tensor_parallel_share), activations in `dtype`.
+AttentionArena attention_arena(const DecoderConfig& config, int tensor_parallel, int64_t batch, int64_t seq,
+                               DType dtype);
+
+// A layer's saved attention activations (views of the arena, by the kind's
+// slots) and the model's one adapter scratch (shared by every layer, not
+// saved; null without adapters).
 struct AttentionActs {
-  TensorView q, k, v, attn, lse;
-  TensorView q_pre, k_pre, rstd_q, rstd_k;
-  // The model's one adapter scratch (shared by every layer, not saved); null without adapters.
+  std::vector<TensorView> saved;
   const LoraScratch* lora = nullptr;
 };
-// Backward scratch, same shapes as q, k, v, attn. With q/k norms, dattn also
-// holds the gradients before the norms once o_proj's backward has used it.
+// The backward scratch, by the kind's slots.
 struct AttentionGrads {
-  TensorView dq, dk, dv, dattn;
-  // With q/k norms and tensor parallelism: fp32 [2, head_dim], the norms'
-  // weight-gradient scratch (RMSNorm::backward's tp_dw); empty otherwise.
-  TensorView dnorm;
-  // With fewer kv heads than tp ranks: fp32 [num_key_value_heads x head_dim
-  // x (hidden + 1 with q/k/v biases)], the shared k/v projections' gradient
-  // scratch (Linear::backward_shared); empty otherwise.
-  TensorView dkv;
+  std::vector<TensorView> scratch;
 };
+// The model's one adapter scratch an Acts points to; an empty one without adapters.
+const LoraScratch& lora_scratch(const LoraScratch* lora);
 
 // Where each token is in its row: positions int32 [rows] (the rotary
 // embedding's), and with packed documents the first position of each token's
@@ -53,43 +72,29 @@ struct TokenPlaces {
   bool packed() const { return segment_start.data != nullptr; }
 };
 
-class Attention : public Module {
+// A decoder layer's self-attention: one of the kinds DecoderConfig::attention
+// names (gqa_attention.h), made by make_attention. Its children carry the
+// Hugging Face names ("<name>.q_proj.weight", ...).
+class SelfAttention : public Module {
  public:
-  // Layer `layer` of `config` (its sliding window); `lora`: adapters on the
-  // projections it targets.
-  Attention(engine::Engine& engine, std::string name, const DecoderConfig& config, int64_t layer,
-            DType dtype = DType::kF32, const LoraSpec* lora = nullptr);
+  using Module::Module;
   // x, y [batch * seq, hidden]. With tensor parallelism y is this rank's
   // heads' partial sum, and backward's dx likewise: the caller sums them over
-  // the tp group (Megatron's g and f; DecoderLayer).
-  void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
-               const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward);
+  // the tp group (Megatron's g and f; DecoderLayer). acts: the layer's
+  // AttentionArena::saved views.
+  virtual void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
+                       const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward) = 0;
   // dx [rows, hidden] = input gradient (+= when accumulate_dx; not with tp).
-  void backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places,
-                int64_t batch, int64_t seq, const AttentionActs& acts,
-                const AttentionGrads& grads, const TensorView& dx, bool accumulate_dx);
-
-  Linear& q_proj() { return *q_proj_; }
-  Linear& o_proj() { return *o_proj_; }
-  int64_t q_width() const { return heads_ * head_dim_; }
-  int64_t kv_width() const { return kv_heads_ * head_dim_; }
-
- private:
-  // A projection's per-head rows [rows, heads, head_dim] as [rows * heads, head_dim].
-  static TensorView per_head(const TensorView& t);
-  // k_proj's or v_proj's backward, dx accumulated: through backward_shared
-  // when the rank shares its kv head with others (fewer kv heads than tp).
-  void kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
-                   const TensorView& dx, const AttentionActs& a);
-  // The layer's mask with the batch's documents.
-  ops::AttentionMask mask_of(const TokenPlaces& places, int64_t seq) const;
-
-  int64_t hidden_, heads_, kv_heads_, head_dim_;
-  ops::Rope rope_;
-  ops::AttentionMask mask_;
-  std::unique_ptr<Linear> q_proj_, k_proj_, v_proj_, o_proj_;
-  std::unique_ptr<RMSNorm> q_norm_, k_norm_;  // null without q/k norms
+  virtual void backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places, int64_t batch,
+                        int64_t seq, const AttentionActs& acts, const AttentionGrads& grads, const TensorView& dx,
+                        bool accumulate_dx) = 0;
 };
+
+// Layer `layer`'s self-attention of the kind `config.attention`; `lora`:
+// adapters on the projections it targets.
+std::unique_ptr<SelfAttention> make_attention(engine::Engine& engine, std::string name, const DecoderConfig& config,
+                                              int64_t layer, DType dtype = DType::kF32,
+                                              const LoraSpec* lora = nullptr);
 
 // How the MLP projections are tiled (TiledLinear); 1 x 1 means plain Linear.
 struct MlpTiling {

@@ -2,16 +2,25 @@
 // defaults transformers' configuration classes give an absent key (they
 // differ: num_key_value_heads is 8 in Mistral and 32 in Qwen, head_dim 128 in
 // Qwen3, sliding_window 4096 in Mistral). Every key of the file is either
-// read here, or a generic key no model computation reads, or refused: a
-// Reader records what was read and refuses the rest by name at the end.
+// read here, or harmless, or refused: a Reader records what was read and
+// sorts the rest at the end. Harmless are generic keys no model computation
+// reads (dtype, generation settings, tool stamps), underscore-prefixed
+// bookkeeping, special-token ids other than padding, and any key transformers'
+// own code for the model_type never reads (transformers_config_keys.inc,
+// generated from its configuration classes and modeling files by
+// scripts/make-config-keys): those are logged once and kept in the export.
+// A key transformers can compute with that strata does not read is refused
+// by name.
 #include <fmt/format.h>
 
 #include <cmath>
 #include <map>
+#include <mutex>
 #include <set>
 #include <string_view>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
 #include "runtime/nn/decoder_config.h"
@@ -25,10 +34,26 @@ std::string key_text(std::string_view key) {
   return printable_excerpt(key, 80);
 }
 
+// The config.json keys transformers' code for `model_type` can read
+// (scripts/make-config-keys); null for a model_type the table does not hold.
+const std::set<std::string_view>* transformers_keys(std::string_view model_type) {
+  static const std::map<std::string_view, std::set<std::string_view>> kKeys = {
+#include "runtime/nn/transformers_config_keys.inc"
+  };
+  // Kimi K2 ships model_type kimi_k2 with DeepseekV3ForCausalLM: transformers
+  // computes it as deepseek_v3.
+  const auto it = kKeys.find(model_type == "kimi_k2" ? std::string_view("deepseek_v3") : model_type);
+  return it == kKeys.end() ? nullptr : &it->second;
+}
+
 // The keys of one config.json object, with what was read of them.
 class Reader {
  public:
-  Reader(const json& j, std::string where) : j_(j), where_(std::move(where)) {}
+  // `model_type`: the family whose transformers key table decides what an
+  // unread key is (empty: a nested object such as rope_parameters, where
+  // every key must be read).
+  Reader(const json& j, std::string where, std::string_view model_type = {})
+      : j_(j), where_(std::move(where)), transformers_(transformers_keys(model_type)) {}
   const std::string& where() const { return where_; }
   bool present(const char* key) const { return j_.contains(key) && !j_[key].is_null(); }
   bool contains(const char* key) const { return j_.contains(key); }
@@ -40,6 +65,8 @@ class Reader {
   }
   // Marks a key as understood without using its value.
   void accept(const std::string& key) { read_.insert(key); }
+  // Decides unread keys by the family's transformers key table from now on.
+  void use_transformers_keys(std::string_view model_type) { transformers_ = transformers_keys(model_type); }
 
   int64_t integer(const char* key, std::optional<int64_t> fallback) {
     const json& v = read(key);
@@ -75,8 +102,16 @@ class Reader {
                          describe_json(v));
     return v.get<bool>();
   }
-  // A key whose only supported value is `want` (or absent/null).
+  // Whether transformers' code for the family can read `key` (true when
+  // there is no table: a nested object is read whole).
+  bool transformers_reads(std::string_view key) const {
+    return transformers_ == nullptr || transformers_->contains(key);
+  }
+  // A key whose only supported value is `want` (or absent/null). A key
+  // transformers never reads for this family is left to refuse_unread, which
+  // lets it pass (transformers computes the same model whatever its value).
   void require(const char* key, const json& want, const std::string& why) {
+    if (!transformers_reads(key)) return;
     const json& v = read(key);
     if (v.is_null() || v == want) return;
     // 0 and 0.0 are the same dropout.
@@ -84,13 +119,15 @@ class Reader {
     raise(ErrorCategory::kBadArgument, "{}: key '{}' is {}; {}", where_, key, describe_json(v),
           why);
   }
-  // Every key not read: harmless ones pass, the rest are refused by name;
-  // `reader` is the transformers code that would read them.
+  // Every key not read: harmless ones pass (those transformers ignores are
+  // logged once), the rest are refused by name; `reader` is the transformers
+  // code that would read them.
   void refuse_unread(const std::string& model_type, const std::string& reader);
 
  private:
   const json& j_;
   std::string where_;
+  const std::set<std::string_view>* transformers_;
   std::set<std::string, std::less<>> read_;
 };
 
@@ -123,10 +160,37 @@ bool harmless_key(std::string_view key) {
   return kKeys.contains(key);
 }
 
+// Keys no computation reads by construction: underscore-prefixed bookkeeping
+// (_name_or_path, _model_name_or_path, ...) and special-token ids other than
+// padding (unk_token_id, ...; pad_token_id is read: it changes the
+// embedding's gradient).
+bool bookkeeping_key(std::string_view key) {
+  return key.starts_with('_') || (key.ends_with("_token_id") && key != "pad_token_id");
+}
+
+// Logs, once per process and key, that a config.json key passes unread.
+void note_ignored(const std::string& where, const std::string& key, const std::string& why) {
+  static std::mutex mutex;
+  static std::set<std::string, std::less<>> noted;
+  {
+    const std::lock_guard lock(mutex);
+    if (!noted.insert(key).second) return;
+  }
+  logger().info("{}: key '{}' {}; it passes unread and stays in the export", where, key_text(key), why);
+}
+
 void Reader::refuse_unread(const std::string& model_type, const std::string& reader) {
   for (auto it = j_.begin(); it != j_.end(); ++it) {
     const std::string& key = it.key();
     if (read_.contains(key) || harmless_key(key)) continue;
+    if (transformers_ != nullptr && bookkeeping_key(key)) {
+      note_ignored(where_, key, "is bookkeeping no model computation reads");
+      continue;
+    }
+    if (!transformers_reads(key) && key != "quantization_config" && key != "auto_map") {
+      note_ignored(where_, key, fmt::format("is not read by transformers' {}", reader));
+      continue;
+    }
     const json& v = it.value();
     if (key == "quantization_config") {
       raise(ErrorCategory::kBadArgument,
@@ -142,8 +206,6 @@ void Reader::refuse_unread(const std::string& model_type, const std::string& rea
             "strata computes {} only (remove auto_map if the model really is one)",
             where_, reader, reader);
     }
-    if (key == "rope_interleaved" && v == false)
-      continue;  // nanotron: the rotate_half layout, as here
     if ((key == "is_encoder_decoder" || key == "add_cross_attention" ||
          key == "tie_encoder_decoder") &&
         v == false) {
@@ -151,12 +213,9 @@ void Reader::refuse_unread(const std::string& model_type, const std::string& rea
     }
     if (key == "pruned_heads" && (v.is_null() || v.empty())) continue;
     raise(ErrorCategory::kBadArgument,
-          "{}: key '{}' is {}: strata does not read it for model_type \"{}\" and does not know "
-          "that it leaves the "
-          "model unchanged, so it refuses to train what might be another model. If transformers' "
-          "{} ignores "
-          "the key, remove it from config.json",
-          where_, key_text(key), describe_json(v), model_type, reader);
+          "{}: key '{}' is {}: transformers' {} can compute with it and strata does not read it "
+          "for model_type \"{}\", so it refuses to train what might be another model",
+          where_, key_text(key), describe_json(v), reader, model_type);
   }
 }
 
@@ -181,7 +240,19 @@ std::string unsupported_reason(std::string_view model_type) {
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
-      {"deepseek_v3", "DeepSeek-V3 is a mixture of experts with multi-head latent attention"},
+      {"deepseek_v3",
+       "DeepSeek-V3 needs multi-head latent attention (q_a/q_b and kv_a/kv_b projections, a shared "
+       "rope key, v_head_dim apart from the q/k head), YaRN's attention scale, the sigmoid "
+       "group-limited router with e_score_correction_bias, shared experts and dense first layers "
+       "(first_k_dense_replace)"},
+      {"kimi_k2",
+       "Kimi K2 is DeepSeek-V3's architecture (DeepseekV3ForCausalLM): it needs multi-head latent "
+       "attention, YaRN's attention scale, the sigmoid router with e_score_correction_bias, shared "
+       "experts and a dense first layer"},
+      {"glm4_moe",
+       "GLM-4.5 needs the sigmoid group-limited router with e_score_correction_bias, shared experts, "
+       "dense first layers (first_k_dense_replace) and partial rotary embedding "
+       "(partial_rotary_factor 0.5)"},
       {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
       {"gpt2", "GPT-2 has learned positions, LayerNorm and GELU"},
       {"gpt_neox", "GPT-NeoX has LayerNorm, GELU, partial rotary embedding and a parallel block"},
@@ -249,6 +320,14 @@ const Family& family_of(Reader& r) {
   return *family;
 }
 
+// The pre-training context of llama3 and yarn RoPE as transformers reads it:
+// a top-level original_max_position_embeddings wins, then the rope's own,
+// then max_position_embeddings.
+double original_context(Reader& r, Reader& p, const DecoderConfig& c) {
+  const double own = p.number("original_max_position_embeddings", static_cast<double>(c.max_position_embeddings));
+  return r.number("original_max_position_embeddings", own);
+}
+
 // RoPE: transformers 5's rope_parameters, or rope_theta with the older
 // rope_scaling (which wins when both are set; strata refuses the ambiguity).
 ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
@@ -276,10 +355,10 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
                              : type.is_string() ? type.get<std::string>()
                                                 : "";
     STRATA_CHECK(
-        name == "default" || name == "linear" || name == "llama3", kBadArgument,
-        "{}: rope_type {} is not supported: strata computes \"default\", \"linear\" and \"llama3\" "
-        "RoPE "
-        "(yarn, dynamic, longrope and the others change the frequencies or the attention scale)",
+        name == "default" || name == "linear" || name == "llama3" || name == "yarn", kBadArgument,
+        "{}: rope_type {} is not supported: strata computes \"default\", \"linear\", \"llama3\" and "
+        "\"yarn\" RoPE (dynamic, longrope and the others change the frequencies with the sequence length or "
+        "per dimension)",
         where, describe_json(type));
     rope.theta = p.number("rope_theta", rope.theta);
     p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
@@ -291,11 +370,32 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
       rope.factor = p.number("factor", std::nullopt);
       rope.low_freq_factor = p.number("low_freq_factor", std::nullopt);
       rope.high_freq_factor = p.number("high_freq_factor", std::nullopt);
-      // transformers: a top-level original_max_position_embeddings wins, then
-      // the rope's own, then max_position_embeddings.
-      const double own = p.number("original_max_position_embeddings",
-                                  static_cast<double>(c.max_position_embeddings));
-      rope.original_max_position_embeddings = r.number("original_max_position_embeddings", own);
+      rope.original_max_position_embeddings = original_context(r, p, c);
+    } else if (name == "yarn") {
+      // transformers' _compute_yarn_parameters: factor is required (null: the
+      // ratio of max_position_embeddings to the original context), the rest
+      // optional; beta_fast/beta_slow 0 or null mean 32 and 1, mscale and
+      // mscale_all_dim give the attention factor only when both are nonzero,
+      // an explicit attention_factor overrides them.
+      rope.type = ops::RopeType::kYarn;
+      rope.original_max_position_embeddings = original_context(r, p, c);
+      STRATA_CHECK(p.contains("factor"), kBadArgument, "{}: yarn needs key 'factor'", where);
+      rope.factor = p.present("factor") ? p.number("factor", std::nullopt)
+                                        : static_cast<double>(c.max_position_embeddings) /
+                                              rope.original_max_position_embeddings;
+      p.accept("factor");
+      rope.beta_fast = p.number("beta_fast", 0.0);
+      rope.beta_slow = p.number("beta_slow", 0.0);
+      rope.mscale = p.number("mscale", 0.0);
+      rope.mscale_all_dim = p.number("mscale_all_dim", 0.0);
+      if (p.present("attention_factor")) {
+        rope.attention_factor = p.number("attention_factor", std::nullopt);
+        STRATA_CHECK(rope.attention_factor > 0, kBadArgument,
+                     "{}: key 'attention_factor' is {}; it scales the rotary embedding and must be positive",
+                     where, rope.attention_factor);
+      }
+      p.accept("attention_factor");
+      rope.truncate = p.boolean("truncate", true);
     }
     p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
   }
@@ -324,10 +424,8 @@ void read_mistral_window(Reader& r, DecoderConfig& c) {
           "(it is a Ministral-style model with alternating layers); strata refuses it",
           r.where());
   }
-  r.require("use_sliding_window", json(false),
-            "transformers' MistralForCausalLM does not read it; the window is "
-            "sliding_window");
-  r.accept("max_window_layers");
+  // use_sliding_window and max_window_layers (Qwen's) are not MistralConfig's:
+  // transformers ignores them, and so do we (refuse_unread).
 }
 
 // Qwen2/Qwen3/Qwen2-MoE: use_sliding_window gates sliding_window; layer_types
@@ -335,9 +433,6 @@ void read_mistral_window(Reader& r, DecoderConfig& c) {
 // Qwen2Config and Qwen3Config slide the layers from max_window_layers on,
 // Qwen2MoeConfig the even layers below max_window_layers.
 void read_qwen_window(Reader& r, DecoderConfig& c, bool moe_layer_rule) {
-  // DeepSeek-R1's Qwen distillations carry Qwen2-VL's multimodal-RoPE switch,
-  // which Qwen2ForCausalLM does not read: off is the text model.
-  r.require("use_mrope", nlohmann::json(false), "multimodal RoPE is Qwen2-VL's; this is a text model");
   const bool use = r.boolean("use_sliding_window", false);
   const int64_t window =
       r.contains("sliding_window") ? r.integer("sliding_window", int64_t{0}) : 4096;
@@ -436,6 +531,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   STRATA_CHECK(j.is_object(), kBadArgument, "{}: expected a JSON object", source);
   Reader r(j, source);
   const Family& family = family_of(r);
+  r.use_transformers_keys(family.model_type);
   DecoderConfig c;
   c.model_type = family.model_type;
   c.source = j;
@@ -466,8 +562,10 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                        "{}: key 'pad_token_id' is {}; expected a token id or null", source,
                        c.pad_token_id);
   c.rope = read_rope(r, c);
-  const std::string no_bias =
-      fmt::format("transformers' {} has no such biases", family.architecture);
+  // Mistral's and Mixtral's attention has no biases and Qwen2's always q/k/v
+  // (never o) biases: their configuration classes take no attention_bias or
+  // mlp_bias, so transformers ignores those keys (refuse_unread lets them
+  // pass; a bias tensor in the checkpoint is still refused by name).
   if (llama) {
     c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
     c.mlp_bias = r.boolean("mlp_bias", false);
@@ -476,14 +574,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen2_moe) {
     // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
     c.attention_qkv_bias = r.boolean("qkv_bias", true);
-  } else if (!mixtral) {
-    // Mistral has none and Qwen2 always has q/k/v (never o) biases, whatever attention_bias says.
-    r.require("attention_bias", json(false),
-              no_bias + " switch (Qwen2: q/k/v biases always, o_proj none)");
+  } else {
     c.attention_qkv_bias = qwen2;
-  }
-  if (!llama && !mixtral && !qwen3_moe && !qwen2_moe) {
-    r.require("mlp_bias", json(false), no_bias + " (mlp_bias is llama's)");
   }
   c.qk_norm = qwen3 || qwen3_moe;
   if (mixtral || qwen3_moe || qwen2_moe) read_moe(r, c, mixtral);
@@ -503,14 +595,11 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen3_moe) {
     r.require("use_sliding_window", json(false),
               "strata does not apply qwen3_moe's sliding window (every layer attends fully)");
-    r.accept("sliding_window");     // unused without use_sliding_window (Qwen3MoeConfig)
-    r.accept("max_window_layers");  // published configs carry it; Qwen3MoeForCausalLM never reads it
+    r.accept("sliding_window");  // unused without use_sliding_window (Qwen3MoeConfig)
   } else {
+    // The shared masking code reads sliding_window: Llama has none.
     r.require("sliding_window", json(nullptr),
               "transformers' LlamaForCausalLM has no sliding window");
-    r.require("use_sliding_window", json(false),
-              "transformers' LlamaForCausalLM has no sliding window");
-    r.accept("max_window_layers");
     if (r.present("layer_types")) {
       for (const json& t : r.read("layer_types")) {
         STRATA_CHECK(

@@ -48,6 +48,13 @@ void DecoderConfig::validate() const {
     STRATA_CHECK(rope.factor >= 1, kBadArgument, "RoPE key 'factor' must be at least 1, got {}",
                          rope.factor);
   }
+  if (rope.type == ops::RopeType::kYarn) {
+    STRATA_CHECK(rope.original_max_position_embeddings > 0, kBadArgument,
+                 "yarn RoPE key 'original_max_position_embeddings' must be positive, got {}",
+                 rope.original_max_position_embeddings);
+    STRATA_CHECK(rope.attention_factor >= 0, kBadArgument, "yarn RoPE key 'attention_factor' must be positive, got {}",
+                 rope.attention_factor);
+  }
   if (rope.type == ops::RopeType::kLlama3) {
     STRATA_CHECK(rope.low_freq_factor > 0 && rope.high_freq_factor > rope.low_freq_factor, kBadArgument,
                          "llama3 RoPE needs 0 < low_freq_factor < high_freq_factor, got {} and {}",
@@ -220,6 +227,7 @@ nlohmann::json rope_json(const ops::Rope& r, bool with_theta) {
   nlohmann::json j = nlohmann::json::object();
   j["rope_type"] = r.type == ops::RopeType::kLlama3   ? "llama3"
                    : r.type == ops::RopeType::kLinear ? "linear"
+                   : r.type == ops::RopeType::kYarn   ? "yarn"
                                                       : "default";
   if (with_theta) j["rope_theta"] = r.theta;
   if (r.type != ops::RopeType::kDefault) j["factor"] = r.factor;
@@ -228,6 +236,16 @@ nlohmann::json rope_json(const ops::Rope& r, bool with_theta) {
     j["high_freq_factor"] = r.high_freq_factor;
     j["original_max_position_embeddings"] =
         static_cast<int64_t>(r.original_max_position_embeddings);
+  }
+  if (r.type == ops::RopeType::kYarn) {
+    // What the source gave, in transformers' terms (0: not given).
+    j["original_max_position_embeddings"] = static_cast<int64_t>(r.original_max_position_embeddings);
+    if (r.beta_fast != 0) j["beta_fast"] = r.beta_fast;
+    if (r.beta_slow != 0) j["beta_slow"] = r.beta_slow;
+    if (r.mscale != 0) j["mscale"] = r.mscale;
+    if (r.mscale_all_dim != 0) j["mscale_all_dim"] = r.mscale_all_dim;
+    if (r.attention_factor > 0) j["attention_factor"] = r.attention_factor;
+    if (!r.truncate) j["truncate"] = false;
   }
   return j;
 }

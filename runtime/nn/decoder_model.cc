@@ -19,7 +19,7 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Decod
   STRATA_CHECK(!sp_ || engine.tensor_group().size > 1, kBadArgument, "sequence parallelism needs tensor parallelism (a tp group of 2 or more)");
   input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
                                                c.rms_norm_eps, dtype);
-  self_attn_ = std::make_unique<Attention>(engine, child_name("self_attn"), c, layer, dtype, lora);
+  self_attn_ = make_attention(engine, child_name("self_attn"), c, layer, dtype, lora);
   post_attention_layernorm_ = std::make_unique<RMSNorm>(
       engine, child_name("post_attention_layernorm"), c.hidden_size, c.rms_norm_eps, dtype);
   add_child(*input_layernorm_);
@@ -286,7 +286,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const bool sp = options_.sequence_parallel;
   const int64_t local = sp ? rows / engine_.tensor_group().size : rows;
-  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
+  // What the attention kind keeps: per layer its saved activations, once its scratch.
+  const AttentionArena attention = attention_arena(config_, engine_.tensor_group().size, batch, seq, act_dtype_);
   const int64_t experts = c.num_experts, top_k = c.num_experts_per_tok, moe_inter = c.moe_intermediate_size;
   const int64_t shared_inter = c.shared_expert_intermediate_size;  // qwen2_moe's shared expert (0: none)
   // The rows the experts of this rank run on: its own tokens' k choices, or
@@ -306,17 +307,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   for (DecoderActs& d : a->acts) {
     layout.add(d.ln1, t, {local, hidden});
     layout.add(d.rstd1, DType::kF32, {local});
-    layout.add(d.attn.q, t, {rows, heads, hd});
-    layout.add(d.attn.k, t, {rows, kv_heads, hd});
-    layout.add(d.attn.v, t, {rows, kv_heads, hd});
-    layout.add(d.attn.attn, t, {rows, heads * hd});
-    layout.add(d.attn.lse, DType::kF32, {batch, heads, seq});
-    if (c.qk_norm) {
-      layout.add(d.attn.q_pre, t, {rows, heads, hd});
-      layout.add(d.attn.k_pre, t, {rows, kv_heads, hd});
-      layout.add(d.attn.rstd_q, DType::kF32, {rows * heads});
-      layout.add(d.attn.rstd_k, DType::kF32, {rows * kv_heads});
-    }
+    d.attn.saved.resize(attention.saved_slots);
+    for (const ArenaTensor& x : attention.saved) layout.add(d.attn.saved[x.slot], x.dtype, x.shape);
     layout.add(d.h, t, {local, hidden});
     layout.add(d.ln2, t, {local, hidden});
     layout.add(d.rstd2, DType::kF32, {local});
@@ -363,14 +355,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   }
   DecoderGrads& g = a->grads;
   layout.add(g.dln, t, {local, hidden});
-  layout.add(g.attn.dq, t, {rows, heads, hd});
-  layout.add(g.attn.dk, t, {rows, kv_heads, hd});
-  layout.add(g.attn.dv, t, {rows, kv_heads, hd});
-  layout.add(g.attn.dattn, t, {rows, heads * hd});
-  if (c.qk_norm && engine_.tensor_group().size > 1) layout.add(g.attn.dnorm, DType::kF32, {2, hd});
-  if (engine_.tensor_group().size > config_.num_key_value_heads) {  // shared kv heads: Linear::backward_shared
-    layout.add(g.attn.dkv, DType::kF32, {config_.num_key_value_heads * hd * (hidden + (c.attention_qkv_bias ? 1 : 0))});
-  }
+  g.attn.scratch.resize(attention.scratch_slots);
+  for (const ArenaTensor& x : attention.scratch) layout.add(g.attn.scratch[x.slot], x.dtype, x.shape);
   if (c.moe()) {
     layout.add(g.moe.dyp, t, {rows * top_k, hidden});
     layout.add(g.moe.dxp, t, {rows * top_k, hidden});

@@ -60,7 +60,7 @@ namespace strata::nn {
 // rank's block of them (rows / tp).
 struct DecoderActs {
   TensorView ln1, rstd1;  // input norm output [local, hidden], fp32 [local]
-  AttentionActs attn;     // every row (with tp, this rank's heads)
+  AttentionActs attn;     // the attention kind's (AttentionArena::saved); every row (with tp, this rank's heads)
   TensorView h;           // residual after attention [local, hidden]
   TensorView ln2, rstd2;  // post-attention norm
   MlpActs mlp;            // dense families
@@ -76,7 +76,7 @@ struct DecoderActs {
 // Backward scratch shared by all layers.
 struct DecoderGrads {
   TensorView dln;  // gradient at a norm's output [local, hidden]
-  AttentionGrads attn;
+  AttentionGrads attn;  // the attention kind's (AttentionArena::scratch)
   MlpGrads mlp;
   MoeGrads moe;
   // Sequence parallelism (empty otherwise): the layer output's gradient
@@ -115,7 +115,7 @@ class DecoderLayer : public Module {
 
   bool sp_ = false;
   std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
-  std::unique_ptr<Attention> self_attn_;
+  std::unique_ptr<SelfAttention> self_attn_;  // the kind config.attention names
   std::unique_ptr<Mlp> mlp_;     // dense families
   std::unique_ptr<MoeMlp> moe_;  // mixture-of-experts families (config.moe())
 };

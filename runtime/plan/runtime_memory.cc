@@ -118,8 +118,9 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const int64_t local = sequence_parallel ? rows / tensor_parallel : rows;
-  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads, hd = c.head_dim;
   const auto layers = static_cast<size_t>(c.num_hidden_layers);
+  // The attention kind's saved activations per layer and its backward scratch (nn::attention_arena).
+  const nn::AttentionArena attention = nn::attention_arena(model, tensor_parallel, batch, seq, t);
   const DType f32 = DType::kF32;
   // The residual stream: every layer's input, or two alternating buffers when
   // the checkpoints live in host memory.
@@ -153,22 +154,11 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
                      view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared;
   // What one decoder layer saves for backward; one set with checkpointing.
   const size_t acts = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
-                      view_nbytes(t, {rows, heads, hd}) + 2 * view_nbytes(t, {rows, kv_heads, hd}) +
-                      view_nbytes(t, {rows, heads * hd}) + view_nbytes(f32, {batch, heads, seq}) +
-                      2 * view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
-                      mlp_acts +
-                      // Qwen3's q/k before their norms and the norms' rstd.
-                      (c.qk_norm ? view_nbytes(t, {rows, heads, hd}) + view_nbytes(t, {rows, kv_heads, hd}) +
-                                       view_nbytes(f32, {rows * heads}) + view_nbytes(f32, {rows * kv_heads})
-                                 : 0);
+                      nn::arena_nbytes(attention.saved) + 2 * view_nbytes(t, {local, hidden}) +
+                      view_nbytes(f32, {local}) + mlp_acts;
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, heads, hd}) +
-       2 * view_nbytes(t, {rows, kv_heads, hd}) + view_nbytes(t, {rows, heads * hd}) + mlp_scratch +
-       (c.qk_norm && tensor_parallel > 1 ? view_nbytes(f32, {2, hd}) : 0) +  // the q/k norms' summed gradient
-       (tensor_parallel > model.num_key_value_heads  // shared kv heads' summed gradients
-            ? view_nbytes(f32, {model.num_key_value_heads * hd * (hidden + (c.attention_qkv_bias ? 1 : 0))})
-            : 0);
+  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch;
   // dres, final_ln, rstd_f, the loss's lse.
   n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
        view_nbytes(f32, {rows});

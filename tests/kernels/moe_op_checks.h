@@ -11,9 +11,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -241,6 +245,90 @@ void check_sigmoid_gated_add(Fixture& f, DType act) {
   expect_near(f.read(d_y), want_y, tol, "sigmoid_gated_add y");
   expect_near(f.read(dv), want_dv, tol, "sigmoid_gated_add_backward dv");
   expect_near(f.read(ds), want_ds, act == DType::kF32 ? 1e-5 : 1e-2, "sigmoid_gated_add_backward dgate");
+}
+
+// The sigmoid router (moe_routing.h, kSigmoid) against transformers'
+// DeepseekV3TopkRouter (scripts/make-golden-moe: sigmoid_router.json): its
+// group-limited choice with the correction bias, its weights (the unbiased
+// scores, renormalised with 1e-20, times routed_scaling_factor), and the
+// gradient of sum(weights * r) with respect to the logits, autograd's. fp32
+// logits (transformers' router computes in fp32).
+template <typename Fixture>
+void check_sigmoid_router(Fixture& f) {
+  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/sigmoid_router.json");
+  REQUIRE(in.good());
+  const nlohmann::json fixture = nlohmann::json::parse(in);
+  REQUIRE(fixture.at("cases").size() == 3);
+  for (const nlohmann::json& c : fixture.at("cases")) {
+    const int64_t rows = c.at("rows"), experts = c.at("experts"), k = c.at("k");
+    INFO("experts " << experts << ", groups " << c.at("n_group") << " keeping " << c.at("topk_group") << ", k " << k);
+    ops::MoeRouter router;
+    router.scores = ops::MoeScores::kSigmoid;
+    router.renormalize = c.at("norm_topk_prob").get<bool>();
+    router.groups = c.at("n_group");
+    router.topk_groups = c.at("topk_group");
+    router.scaling = c.at("routed_scaling_factor").get<float>();
+    Vec logits = c.at("logits").get<Vec>(), bias = c.at("bias").get<Vec>(), r = c.at("r").get<Vec>();
+    const TensorView d_logits = f.tensor(logits, DType::kF32, {rows, experts}),
+                     d_bias = f.tensor(bias, DType::kF32, {experts});
+    TensorView probs = f.zeros(DType::kF32, {rows, experts}), indices = f.zeros(DType::kI32, {rows, k}),
+               weights = f.zeros(DType::kF32, {rows, k}), offsets = f.zeros(DType::kI32, {experts + 1}),
+               slots = f.zeros(DType::kI32, {rows, k}), tokens = f.zeros(DType::kI32, {rows * k});
+    f.ops->moe_route(*f.ctx, d_logits, k, router, d_bias, probs, indices, weights, offsets, slots, tokens, {});
+    const Vec got_idx = f.read(indices), got_w = f.read(weights);
+    // transformers' topk(sorted=False) orders the chosen experts as it likes:
+    // compare each row's set, and each expert's weight, and send the
+    // gradient of each chosen expert to its place in our order.
+    Vec dw(static_cast<size_t>(rows * k));
+    for (int64_t row = 0; row < rows; ++row) {
+      INFO("row " << row);
+      std::set<int> want, got;
+      for (int64_t j = 0; j < k; ++j) {
+        want.insert(c.at("indices")[row][j].get<int>());
+        got.insert(static_cast<int>(got_idx[row * k + j]));
+      }
+      REQUIRE(got == want);
+      for (int64_t j = 0; j < k; ++j) {
+        const int e = static_cast<int>(got_idx[row * k + j]);
+        for (int64_t i = 0; i < k; ++i) {
+          if (c.at("indices")[row][i].get<int>() != e) continue;
+          CHECK(got_w[row * k + j] == Approx(c.at("weights")[row][i].get<double>()).epsilon(1e-6));
+          dw[row * k + j] = r[row * k + i];
+        }
+      }
+    }
+    // Our choice is in descending order of the biased score.
+    const Vec got_p = f.read(probs);
+    for (int64_t row = 0; row < rows; ++row) {
+      for (int64_t j = 1; j < k; ++j) {
+        const auto a = static_cast<size_t>(got_idx[row * k + j - 1]), b = static_cast<size_t>(got_idx[row * k + j]);
+        CHECK(got_p[row * experts + a] + bias[a] >= got_p[row * experts + b] + bias[b]);
+      }
+    }
+    const TensorView d_dw = f.tensor(dw, DType::kF32, {rows, k});
+    TensorView dlogits = f.zeros(DType::kF32, {rows, experts});
+    f.ops->moe_route_backward(*f.ctx, probs, indices, weights, d_dw, router, {}, dlogits);
+    expect_near(f.read(dlogits), c.at("dlogits").get<Vec>(), 1e-6, "sigmoid route_backward");
+  }
+  // What the sigmoid router does not take.
+  ops::MoeRouter bad;
+  bad.scores = ops::MoeScores::kSigmoid;
+  bad.groups = 3;
+  Vec l(16, 0.0);
+  const TensorView d_l = f.tensor(l, DType::kF32, {2, 8});
+  TensorView p = f.zeros(DType::kF32, {2, 8}), idx = f.zeros(DType::kI32, {2, 2}), w = f.zeros(DType::kF32, {2, 2}),
+             off = f.zeros(DType::kI32, {9}), sl = f.zeros(DType::kI32, {2, 2}), tok = f.zeros(DType::kI32, {4}),
+             stats = f.zeros(DType::kF64, {2, 8});
+  CHECK_THROWS_WITH(f.ops->moe_route(*f.ctx, d_l, 2, bad, {}, p, idx, w, off, sl, tok, {}),
+                    Catch::Contains("3 groups") && Catch::Contains("divide the 8 experts"));
+  bad.groups = 8;
+  bad.topk_groups = 1;
+  CHECK_THROWS_WITH(f.ops->moe_route(*f.ctx, d_l, 2, bad, {}, p, idx, w, off, sl, tok, {}),
+                    Catch::Contains("top_k 2 is more than the 1 experts"));
+  bad.groups = 4;
+  bad.topk_groups = 2;
+  CHECK_THROWS_WITH(f.ops->moe_route(*f.ctx, d_l, 2, bad, {}, p, idx, w, off, sl, tok, stats),
+                    Catch::Contains("no load-balancing statistics"));
 }
 
 }  // namespace strata::test::moe

@@ -663,6 +663,13 @@ TEST_CASE("cpu ops: mixture-of-experts routing, permutation, combine and their b
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
 }
 
+TEST_CASE("cpu ops: the sigmoid group-limited router with its correction bias and scaling is transformers' "
+          "DeepseekV3TopkRouter, forward and backward",
+          "[ops][cpu][moe]") {
+  Fixture f;
+  strata::test::moe::check_sigmoid_router(f);
+}
+
 TEST_CASE("cpu ops: the sigmoid-gated add of a shared expert and its backward match the reference",
           "[ops][cpu][moe]") {
   Fixture f;

@@ -459,6 +459,13 @@ TEST_CASE("cuda ops: mixture-of-experts routing, permutation, combine and their 
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_moe_ops(f, act);
 }
 
+TEST_CASE("cuda ops: the sigmoid group-limited router with its correction bias and scaling is transformers' "
+          "DeepseekV3TopkRouter, forward and backward",
+          "[ops][cuda][moe]") {
+  Fixture f;
+  strata::test::moe::check_sigmoid_router(f);
+}
+
 TEST_CASE("cuda ops: the vocabulary-parallel loss and embedding over 1, 2, 4 and 8 shards give the whole "
           "vocabulary's loss, dh, dw and lookups",
           "[ops][cuda][tp]") {

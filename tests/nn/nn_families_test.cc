@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "runtime/nn/decoder_config.h"
+#include "tests/nn/config_checks.h"
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/plan/runtime_memory.h"
@@ -20,6 +21,7 @@
 using namespace strata;
 using namespace strata::nn;
 using nlohmann::json;
+using strata::test::expect_refused;
 
 namespace {
 
@@ -33,19 +35,8 @@ json fixture_config(const std::string& name) {
   return json::parse(in);
 }
 
-// parse_decoder_config(j) must fail with kBadArgument and a message holding every needle.
-void expect_refused(const json& j, std::initializer_list<std::string> needles) {
-  try {
-    parse_decoder_config(j);
-    FAIL("accepted: " << j.dump());
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == ErrorCategory::kBadArgument);
-    for (const std::string& n : needles) CHECK_THAT(e.what(), Catch::Contains(n));
-  }
-}
-
 const char* const kCases[] = {"llama_untied_f32", "llama_tied_bf16", "llama3_untied_f32", "llama3_tied_bf16",
+                              "llama_yarn_untied_f32", "qwen2_yarn_tied_bf16",
                               "mistral_untied_f32", "mistral_tied_bf16", "qwen2_untied_f32", "qwen2_tied_bf16",
                               "qwen3_untied_f32", "qwen3_tied_bf16", "mixtral_untied_f32", "mixtral_untied_bf16",
                               "qwen3_moe_untied_f32", "qwen3_moe_tied_bf16", "qwen3_moe_nonorm_f32",
@@ -153,9 +144,17 @@ TEST_CASE("families: anything else is refused before any work, naming it", "[nn]
   expect_refused(j, {"no model_type"});
   // Math-changing values strata does not compute.
   j = base;
-  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0},
-                          {"original_max_position_embeddings", 32}};
-  expect_refused(j, {"rope_type \"yarn\"", "\"default\", \"linear\" and \"llama3\""});
+  j["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}, {"factor", 4.0}};
+  expect_refused(j, {"rope_type \"dynamic\"", "\"default\", \"linear\", \"llama3\" and \"yarn\""});
+  j = base;
+  j["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"original_max_position_embeddings", 32}};
+  expect_refused(j, {"yarn needs key 'factor'"});
+  j["rope_parameters"]["factor"] = 4.0;
+  j["rope_parameters"]["attention_factor"] = 0.0;
+  expect_refused(j, {"'attention_factor'", "must be positive"});
+  j["rope_parameters"].erase("attention_factor");
+  j["rope_parameters"]["beta"] = 2;  // not one of yarn's keys
+  expect_refused(j, {"'beta'", "rope_type yarn"});
   j = base;
   j["rope_parameters"]["partial_rotary_factor"] = 0.5;
   expect_refused(j, {"partial_rotary_factor", "0.5"});
@@ -181,31 +180,18 @@ TEST_CASE("families: anything else is refused before any work, naming it", "[nn]
   j = base;
   j["auto_map"] = {{"AutoModelForCausalLM", "modeling_x.XForCausalLM"}};
   expect_refused(j, {"auto_map", "custom modeling code"});
+  // A key transformers' shared masking code computes with (chunked attention), which strata does not read.
   j = base;
-  j["hidden_activation"] = "gelu_pytorch_tanh";  // Gemma's key: unknown here
-  expect_refused(j, {"key 'hidden_activation'", "does not read it for model_type \"llama\""});
+  j["attention_chunk_size"] = 16;
+  expect_refused(j, {"key 'attention_chunk_size'", "LlamaForCausalLM can compute with it",
+                     "model_type \"llama\""});
 
-  // A family's keys set to what that family does not have.
-  j = fixture_config("mistral_untied_f32");
-  j["attention_bias"] = true;
-  expect_refused(j, {"attention_bias", "MistralForCausalLM has no such biases"});
   j = fixture_config("mistral_untied_f32");
   j["sliding_window"] = 0;
   expect_refused(j, {"sliding_window", "at least one token"});
   j = fixture_config("qwen2_untied_f32");
-  j["attention_bias"] = true;
-  expect_refused(j, {"attention_bias", "Qwen2: q/k/v biases always"});
-  j = fixture_config("qwen2_untied_f32");
-  j["mlp_bias"] = true;
-  expect_refused(j, {"mlp_bias"});
-  j = fixture_config("qwen2_untied_f32");
   j["use_sliding_window"] = false;
   expect_refused(j, {"layer_types has sliding_attention layers but use_sliding_window is false"});
-  j = fixture_config("qwen2_untied_f32");
-  j["use_mrope"] = true;
-  expect_refused(j, {"use_mrope"});
-  j["use_mrope"] = false;  // DeepSeek-R1-Distill-Qwen's configs
-  CHECK_NOTHROW(parse_decoder_config(j));
   j = fixture_config("qwen3_untied_f32");
   j["layer_types"] = {"full_attention", "chunked_attention"};
   expect_refused(j, {"chunked_attention"});
@@ -237,8 +223,46 @@ TEST_CASE("families: harmless generic keys pass, and to_json keeps the source's 
   j["rope_interleaved"] = false;
   j["temperature"] = 0.7;
   CHECK_NOTHROW(parse_decoder_config(j));
-  j["rope_interleaved"] = true;
-  expect_refused(j, {"rope_interleaved"});
+}
+
+TEST_CASE("families: keys transformers' code for the family never reads pass, logged and kept, and the ones it "
+          "reads are refused unless strata reads them",
+          "[nn][config][families]") {
+  // Bookkeeping (a transformers 5.24 GGUF conversion's _model_name_or_path),
+  // special-token ids other than padding, and keys the family's configuration
+  // class does not take (Gemma's hidden_activation on a llama, nanotron's
+  // rope_interleaved, Qwen2-VL's use_mrope on a qwen2, attention_bias on
+  // mistral and qwen2, whose attention transformers builds without reading it).
+  const std::vector<std::pair<std::string, json>> ignored = {
+      {"llama_untied_f32", {{"_model_name_or_path", "x.gguf"}, {"unk_token_id", 0}, {"hidden_activation", "gelu"},
+                            {"rope_interleaved", true}, {"use_sliding_window", true}}},
+      {"mistral_untied_f32", {{"attention_bias", true}, {"mlp_bias", true}, {"use_sliding_window", true}}},
+      {"qwen2_untied_f32", {{"attention_bias", true}, {"mlp_bias", true}, {"use_mrope", true}}},
+      {"qwen3_moe_untied_f32", {{"max_window_layers", 3}}},
+      {"mixtral_untied_f32", {{"norm_topk_prob", false}}},
+      {"qwen2_moe_untied_f32", {{"num_local_experts", 4}, {"attention_bias", true}, {"moe_layer_freq", 2}}}};
+  for (const auto& [name, keys] : ignored) {
+    json j = fixture_config(name);
+    const DecoderConfig plain = parse_decoder_config(j);
+    j.update(keys);
+    INFO(name << " with " << keys.dump());
+    const DecoderConfig c = parse_decoder_config(j);
+    CHECK(c.parameter_count() == plain.parameter_count());
+    CHECK(c.attention_qkv_bias == plain.attention_qkv_bias);
+    CHECK(c.num_experts == plain.num_experts);
+    CHECK(c.norm_topk_prob == plain.norm_topk_prob);
+    for (const auto& [key, value] : keys.items()) CHECK(c.to_json().at(key) == value);  // kept in the export
+  }
+  // Keys transformers' code for the family reads and strata does not compute are refused by name.
+  json j = fixture_config("llama_untied_f32");
+  j["per_layer_config"] = json::array();
+  expect_refused(j, {"key 'per_layer_config'", "model_type \"llama\""});
+  j = fixture_config("mixtral_untied_f32");
+  j["router_jitter_noise"] = 0.1;
+  expect_refused(j, {"router_jitter_noise"});
+  j = fixture_config("qwen3_untied_f32");
+  j["is_causal"] = false;
+  expect_refused(j, {"key 'is_causal'"});
 }
 
 TEST_CASE("families: the model declares exactly hf_tensors, and the count includes biases and norms",
@@ -302,6 +326,53 @@ TEST_CASE("families: the README's example configs and real checkpoints' key sets
   const DecoderConfig c = parse_decoder_config(smol);
   CHECK(c.pad_token_id == 2);
   CHECK(c.parameter_count() == 134515008);
+}
+
+TEST_CASE("families: YaRN RoPE is read as transformers reads it, in both styles, for every family", "[nn][config][families]") {
+  // The fixture's: transformers 5's rope_parameters.
+  const DecoderConfig llama = parse_decoder_config(fixture_config("llama_yarn_untied_f32"));
+  CHECK(llama.rope.type == ops::RopeType::kYarn);
+  CHECK(llama.rope.factor == 8.0);
+  CHECK(llama.rope.original_max_position_embeddings == 16.0);
+  CHECK(llama.rope.mscale == 1.0);
+  CHECK(llama.rope.mscale_all_dim == 0.5);
+  CHECK(!llama.rope.truncate);
+  CHECK(llama.rope.beta_fast == 0.0);  // absent: transformers' default (32)
+  CHECK(ops::rope_attention_scale(llama.rope) == Approx((0.1 * std::log(8.0) + 1) / (0.05 * std::log(8.0) + 1)));
+  const DecoderConfig qwen = parse_decoder_config(fixture_config("qwen2_yarn_untied_f32"));
+  CHECK(qwen.rope.attention_factor == 1.3);
+  CHECK(ops::rope_attention_scale(qwen.rope) == 1.3);
+  CHECK(qwen.rope.beta_fast == 8.0);
+  CHECK(qwen.rope.beta_slow == 2.0);
+  // DeepSeek's style: rope_scaling with "type", a top-level original context that wins over the rope's.
+  json j = fixture_config("qwen3_untied_f32");
+  j.erase("rope_parameters");
+  j["rope_theta"] = 10000;
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 40}, {"beta_fast", 32}, {"beta_slow", 1}, {"mscale", 1.0},
+                       {"mscale_all_dim", 1.0}, {"original_max_position_embeddings", 16}};
+  j["original_max_position_embeddings"] = 8;
+  const DecoderConfig deepseek_style = parse_decoder_config(j);
+  CHECK(deepseek_style.rope.type == ops::RopeType::kYarn);
+  CHECK(deepseek_style.rope.original_max_position_embeddings == 8.0);
+  CHECK(ops::rope_attention_scale(deepseek_style.rope) == 1.0);  // mscale / mscale_all_dim
+  // factor null: max_position_embeddings over the original context, as transformers computes it.
+  j["rope_scaling"]["factor"] = nullptr;
+  CHECK(parse_decoder_config(j).rope.factor == 64.0 / 8.0);
+  // Every family reads it (the MoE ones too), and the export reads back as the same RoPE.
+  for (const char* name : {"mistral_untied_f32", "qwen3_untied_f32", "mixtral_untied_f32", "qwen3_moe_untied_f32",
+                           "qwen2_moe_untied_f32", "llama_yarn_tied_bf16", "qwen2_yarn_tied_bf16"}) {
+    INFO(name);
+    json f = fixture_config(name);
+    f["rope_parameters"] = fixture_config("qwen2_yarn_untied_f32").at("rope_parameters");
+    const DecoderConfig c = parse_decoder_config(f);
+    CHECK(c.rope.type == ops::RopeType::kYarn);
+    const DecoderConfig back = parse_decoder_config(c.to_json());
+    CHECK(back.to_json() == c.to_json());
+    for (int64_t i = 0; i < c.head_dim / 2; ++i) {
+      CHECK(ops::rope_inv_freq(back.rope, i, c.head_dim) == ops::rope_inv_freq(c.rope, i, c.head_dim));
+    }
+    CHECK(ops::rope_attention_scale(back.rope) == ops::rope_attention_scale(c.rope));
+  }
 }
 
 TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
@@ -376,9 +447,6 @@ TEST_CASE("families: mixtral and qwen3_moe read their experts, and refuse what s
   j = fixture_config("mixtral_untied_f32");
   j["router_jitter_noise"] = 0.1;
   expect_refused(j, {"router_jitter_noise", "no router jitter"});
-  j = fixture_config("mixtral_untied_f32");
-  j["norm_topk_prob"] = false;
-  expect_refused(j, {"key 'norm_topk_prob'", "model_type \"mixtral\""});
   // Published checkpoints' config.json key sets (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) are read.
   const json mixtral_8x7b = json::parse(R"({"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0,
     "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
@@ -482,11 +550,6 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   j = fixture_config("qwen2_moe_untied_f32");
   j["num_experts"] = 0;
   expect_refused(j, {"number of experts is 0"});
-  for (const char* unknown : {"num_local_experts", "attention_bias", "mlp_bias", "moe_layer_freq"}) {
-    j = fixture_config("qwen2_moe_untied_f32");
-    j[unknown] = 8;
-    expect_refused(j, {std::string("key '") + unknown + "'", "model_type \"qwen2_moe\""});
-  }
   j = fixture_config("qwen2_moe_untied_f32");
   j["layer_types"] = {"sliding_attention", "full_attention"};
   j["use_sliding_window"] = false;

@@ -20,8 +20,8 @@ TEST_CASE("golden on cuda: bf16 Llama matches transformers in bf16", "[nn][golde
   }
 }
 
-TEST_CASE("golden on cuda: Llama 3.1, Mistral, Qwen2 and Qwen3 match transformers", "[nn][golden][cuda]") {
-  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3"}) {
+TEST_CASE("golden on cuda: Llama 3.1, Mistral, Qwen2, Qwen3 and YaRN Llama and Qwen2 match transformers", "[nn][golden][cuda]") {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "llama_yarn", "qwen2_yarn"}) {
     check_golden(Backend::kCuda, std::string(family) + "_untied_f32", "loss", "grads.safetensors", kGoldenF32Cuda);
     const std::string tied = std::string(family) + "_tied_bf16";
     check_golden(Backend::kCuda, tied, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);

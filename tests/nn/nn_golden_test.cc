@@ -29,12 +29,14 @@ TEST_CASE("golden: bf16 storage matches transformers on the same 16-bit weights"
 namespace {
 
 // The families' cases (scripts/make-golden: FAMILIES): fp32 untied, bf16 tied.
-const char* const kFamilyCases[] = {"llama3", "mistral", "qwen2", "qwen3"};
+// llama_yarn and qwen2_yarn: YaRN RoPE (frequencies and attention factor),
+// their loss_without_feature the same model with default RoPE.
+const char* const kFamilyCases[] = {"llama3", "mistral", "qwen2", "qwen3", "llama_yarn", "qwen2_yarn"};
 
 }  // namespace
 
 TEST_CASE("golden: Llama 3.1 RoPE, Mistral's sliding window, Qwen2's biases and windowed layers, "
-          "Qwen3's q/k norms match transformers in fp32",
+          "Qwen3's q/k norms, YaRN on Llama and Qwen2 match transformers in fp32",
           "[nn][golden][families]") {
   for (const char* family : kFamilyCases) {
     const std::string name = std::string(family) + "_untied_f32";
@@ -51,6 +53,13 @@ TEST_CASE("golden: Llama 3.1 RoPE, Mistral's sliding window, Qwen2's biases and 
 TEST_CASE("golden: the families with tied embeddings in bf16 match transformers", "[nn][golden][families]") {
   for (const char* family : kFamilyCases) {
     const std::string name = std::string(family) + "_tied_bf16";
+    if (std::string(family).ends_with("_yarn")) {
+      // The fixture can tell YaRN in bf16 too: without it the loss moves beyond bf16's tolerance.
+      const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+      const double loss = expected.at("loss").get<double>(), plain = expected.at("loss_without_feature").get<double>();
+      INFO(name << ": loss " << loss << ", without YaRN " << plain);
+      CHECK(std::abs(plain - loss) > kGoldenBf16VsTorchBf16.loss_rel * loss);
+    }
     check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);

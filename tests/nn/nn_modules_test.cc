@@ -528,8 +528,8 @@ TEST_CASE("HF config.json is parsed with defaults and clear errors", "[nn][confi
   bad_heads["num_key_value_heads"] = 3;
   expect_error(bad_heads, "num_key_value_heads");
   auto scaling = j;
-  scaling["rope_scaling"] = {{"type", "yarn"}, {"factor", 2.0}, {"original_max_position_embeddings", 4096}};
-  expect_error(scaling, "rope_scaling: rope_type \"yarn\" (a string) is not supported");
+  scaling["rope_scaling"] = {{"type", "longrope"}, {"factor", 2.0}, {"original_max_position_embeddings", 4096}};
+  expect_error(scaling, "rope_scaling: rope_type \"longrope\" (a string) is not supported");
   auto act = j;
   act["hidden_act"] = "gelu";
   expect_error(act, "hidden_act");

@@ -2,7 +2,10 @@
 // forward, in double precision (the reference), plus float-vs-double agreement.
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numbers>
+#include <string>
 #include <vector>
 
 #include "kernels/nn_ops.h"
@@ -82,11 +85,21 @@ TEST_CASE("linear backward matches finite differences (with and without bias)", 
   }
 }
 
-TEST_CASE("rope backward matches finite differences and is the inverse rotation", "[nn][grad]") {
+TEST_CASE("rope backward matches finite differences and is the inverse rotation (YaRN: the scaled transpose)",
+          "[nn][grad]") {
   const int64_t rows = 5, heads = 2, head_dim = 6;
   const std::vector<int32_t> pos = {0, 1, 2, 7, 100};
   const strata::ops::Rope llama3{strata::ops::RopeType::kLlama3, 10000.0, 8.0, 1.0, 4.0, 64.0};
-  for (const strata::ops::Rope& rope : {strata::ops::Rope{}, llama3}) {
+  // YaRN: cos and sin times its attention factor (0.1 ln 8 + 1 here), so
+  // backward (the transpose) undoes forward up to the factor's square.
+  strata::ops::Rope yarn;
+  yarn.type = strata::ops::RopeType::kYarn;
+  yarn.theta = 10.0;
+  yarn.factor = 8.0;
+  yarn.original_max_position_embeddings = 16.0;
+  REQUIRE(strata::ops::rope_attention_scale(yarn) == Approx(0.1 * std::log(8.0) + 1.0));
+  for (const strata::ops::Rope& rope : {strata::ops::Rope{}, llama3, yarn}) {
+    const double scale = strata::ops::rope_attention_scale(rope);
     Vec x = random_vector(rows * heads * head_dim, 10);
     const Vec r = random_vector(x.size(), 11);
     auto loss = [&] {
@@ -100,10 +113,10 @@ TEST_CASE("rope backward matches finite differences and is the inverse rotation"
 
     Vec y = x;
     rope_forward(y.data(), pos.data(), rows, heads, head_dim, rope);
-    CHECK(y[0] == Approx(x[0]).epsilon(1e-15));  // position 0 is the identity
-    CHECK(y[3 * heads * head_dim] != Approx(x[3 * heads * head_dim]));
+    CHECK(y[0] == Approx(scale * x[0]).epsilon(1e-14));  // position 0 only scales (by 1 but for YaRN)
+    CHECK(y[3 * heads * head_dim] != Approx(scale * x[3 * heads * head_dim]));
     rope_backward(y.data(), pos.data(), rows, heads, head_dim, rope);
-    for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(x[i]).margin(1e-12));
+    for (size_t i = 0; i < x.size(); ++i) REQUIRE(y[i] == Approx(scale * scale * x[i]).margin(1e-12));
     REQUIRE_THROWS_AS(rope_forward(y.data(), pos.data(), rows, heads, int64_t{5}, rope), strata::Error);
   }
 }
@@ -120,6 +133,41 @@ TEST_CASE("llama3 rope frequencies follow transformers' three bands", "[nn][grad
   CHECK(strata::ops::rope_inv_freq(r, 1, 8) == Approx((1 - smooth) * 0.1 / 8 + smooth * 0.1).epsilon(1e-13));
   const strata::ops::Rope linear{strata::ops::RopeType::kLinear, 10000.0, 4.0};
   CHECK(strata::ops::rope_inv_freq(linear, 1, 8) == Approx(0.1 / 4).epsilon(1e-13));
+}
+
+TEST_CASE("yarn rope frequencies and attention factor are transformers' _compute_yarn_parameters", "[nn][grad]") {
+  // scripts/make-golden (yarn_frequencies.json): transformers' fp32 inverse
+  // frequencies and attention factor for parameter sets covering each branch
+  // (defaults, mscale with and without mscale_all_dim, an explicit
+  // attention_factor, truncate off, DeepSeek-V3's and Kimi K2's values, factor 1).
+  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/yarn_frequencies.json");
+  REQUIRE(in.good());
+  const nlohmann::json fixture = nlohmann::json::parse(in);
+  REQUIRE(fixture.at("cases").size() >= 7);
+  for (const nlohmann::json& c : fixture.at("cases")) {
+    INFO(c.dump());
+    const nlohmann::json& p = c.at("rope_parameters");
+    strata::ops::Rope r;
+    r.type = strata::ops::RopeType::kYarn;
+    r.theta = c.at("rope_theta").get<double>();
+    r.factor = p.at("factor").get<double>();
+    r.original_max_position_embeddings = p.at("original_max_position_embeddings").get<double>();
+    r.beta_fast = p.value("beta_fast", 32.0);
+    r.beta_slow = p.value("beta_slow", 1.0);
+    r.mscale = p.value("mscale", 0.0);
+    r.mscale_all_dim = p.value("mscale_all_dim", 0.0);
+    r.attention_factor = p.value("attention_factor", 0.0);
+    r.truncate = p.value("truncate", true);
+    const int64_t head_dim = c.at("head_dim").get<int64_t>();
+    const std::vector<double> want = c.at("inv_freq").get<std::vector<double>>();
+    REQUIRE(static_cast<int64_t>(want.size()) == head_dim / 2);
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      INFO("i " << i);
+      // transformers computes in fp32: agreement to its rounding.
+      CHECK(strata::ops::rope_inv_freq(r, i, head_dim) == Approx(want[static_cast<size_t>(i)]).epsilon(2e-6));
+    }
+    CHECK(strata::ops::rope_attention_scale(r) == Approx(c.at("attention_factor").get<double>()).epsilon(1e-12));
+  }
 }
 
 TEST_CASE("sliding-window attention: the definition, and backward by finite differences",

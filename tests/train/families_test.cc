@@ -221,12 +221,11 @@ TEST_CASE("families: strata finetune refuses another architecture, or a checkpoi
   const std::vector<Case> cases = {
       {model_dir("gemma2", "llama_untied_f32", [](json& c) { c["model_type"] = "gemma2"; }),
        "model_type \"gemma2\" is not supported"},
-      {model_dir("yarn", "llama_untied_f32",
+      {model_dir("dynamic", "llama_untied_f32",
                  [](json& c) {
-                   c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0},
-                                           {"original_max_position_embeddings", 32}};
+                   c["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}, {"factor", 4.0}};
                  }),
-       "rope_type \"yarn\""},
+       "rope_type \"dynamic\""},
       {model_dir("qwen2_as_llama", "qwen2_untied_f32",
                  [](json& c) {
                    c["model_type"] = "llama";
