@@ -240,15 +240,6 @@ std::string unsupported_reason(std::string_view model_type) {
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
-      {"deepseek_v3",
-       "DeepSeek-V3 needs multi-head latent attention (q_a/q_b and kv_a/kv_b projections, a shared "
-       "rope key, v_head_dim apart from the q/k head), YaRN's attention scale, the sigmoid "
-       "group-limited router with e_score_correction_bias, shared experts and dense first layers "
-       "(first_k_dense_replace)"},
-      {"kimi_k2",
-       "Kimi K2 is DeepSeek-V3's architecture (DeepseekV3ForCausalLM): it needs multi-head latent "
-       "attention, YaRN's attention scale, the sigmoid router with e_score_correction_bias, shared "
-       "experts and a dense first layer"},
       {"glm4_moe",
        "GLM-4.5 needs the sigmoid group-limited router with e_score_correction_bias, shared experts, "
        "dense first layers (first_k_dense_replace) and partial rotary embedding "
@@ -284,6 +275,8 @@ constexpr Family kFamilies[] = {
     {"mixtral", "MixtralForCausalLM", 8, std::nullopt, 4096 * 32},
     {"qwen3_moe", "Qwen3MoeForCausalLM", 4, std::nullopt, 32768},
     {"qwen2_moe", "Qwen2MoeForCausalLM", 16, std::nullopt, 32768},
+    {"deepseek_v3", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
+    {"kimi_k2", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
 };
 
 const Family& family_of(Reader& r) {
@@ -525,6 +518,58 @@ void read_moe(Reader& r, DecoderConfig& c, bool mixtral) {
                r.where(), describe_json(dense));
 }
 
+// DeepSeek-V3 and Kimi K2 (DeepseekV3Config's keys and defaults): multi-head
+// latent attention and the DeepSeek mixture of experts (decoder_config.h).
+// The file's head_dim is not read (DeepseekV3Config sets it to
+// qk_rope_head_dim); scoring_func, topk_method, ep_size, moe_layer_freq of
+// DeepSeek's own config are not DeepseekV3Config's keys (transformers
+// ignores them: refuse_unread lets them pass).
+void read_deepseek(Reader& r, DecoderConfig& c) {
+  c.attention = AttentionKind::kMla;
+  c.q_lora_rank = r.contains("q_lora_rank") ? r.integer("q_lora_rank", int64_t{0}) : 1536;
+  STRATA_CHECK(c.q_lora_rank != 0 || !r.present("q_lora_rank"), kBadArgument,
+               "{}: key 'q_lora_rank' is 0; null means q_proj (no low-rank query)", r.where());
+  c.kv_lora_rank = r.integer("kv_lora_rank", int64_t{512});
+  c.qk_nope_head_dim = r.integer("qk_nope_head_dim", int64_t{128});
+  c.qk_rope_head_dim = r.integer("qk_rope_head_dim", int64_t{64});
+  c.v_head_dim = r.contains("v_head_dim") ? r.integer("v_head_dim", int64_t{128}) : 128;
+  r.accept("head_dim");  // DeepseekV3Config overwrites it with qk_rope_head_dim
+  c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  c.rope_interleave = r.boolean("rope_interleave", true);
+  c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  // The experts (num_local_experts is DeepseekV3Config's alias of n_routed_experts).
+  const bool routed = r.present("n_routed_experts"), local = r.present("num_local_experts");
+  const int64_t a = r.integer("n_routed_experts", int64_t{256}), b = r.integer("num_local_experts", int64_t{256});
+  STRATA_CHECK(!(routed && local) || a == b, kBadArgument,
+               "{}: keys 'n_routed_experts' ({}) and 'num_local_experts' ({}) disagree; transformers reads them as one",
+               r.where(), a, b);
+  c.num_experts = local && !routed ? b : a;
+  STRATA_CHECK(c.num_experts > 0, kBadArgument, "{}: key 'n_routed_experts' is {}; strata computes the sparse layers",
+               r.where(), c.num_experts);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", int64_t{8});
+  c.moe_intermediate_size = r.integer("moe_intermediate_size", int64_t{2048});
+  const int64_t shared = r.integer("n_shared_experts", int64_t{1});
+  STRATA_CHECK(shared >= 0, kBadArgument, "{}: key 'n_shared_experts' is {}", r.where(), shared);
+  c.shared_expert_intermediate_size = shared * c.moe_intermediate_size;
+  c.sigmoid_router = true;
+  c.n_group = r.integer("n_group", int64_t{8});
+  c.topk_group = r.integer("topk_group", int64_t{4});
+  c.routed_scaling_factor = r.number("routed_scaling_factor", 2.5);
+  c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+  c.first_k_dense_replace = r.integer("first_k_dense_replace", int64_t{3});
+  // transformers' DeepseekV3ForCausalLM adds no load-balancing loss, whatever output_router_logits says.
+  r.boolean("output_router_logits", false);
+  r.accept("router_aux_loss_coef");
+  const bool nextn = r.present("num_nextn_predict_layers"), mtp = r.present("num_mtp_layers");
+  const int64_t n1 = r.integer("num_nextn_predict_layers", int64_t{1}), n2 = r.integer("num_mtp_layers", int64_t{1});
+  c.mtp_layers = nextn ? n1 : mtp ? n2 : 1;
+  r.require("sliding_window", json(nullptr), "transformers' DeepseekV3ForCausalLM attends fully in every layer");
+  // RoPE rotates the last qk_rope_head_dim dims of each q/k head (read_rope read the frequencies).
+  c.rope.rotary_offset = c.qk_nope_head_dim;
+  c.rope.rotary_dim = c.qk_rope_head_dim;
+  c.rope.interleaved = c.rope_interleave;
+}
+
 }  // namespace
 
 DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
@@ -538,7 +583,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   const std::string mt = c.model_type;
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
              qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe",
-             qwen2_moe = mt == "qwen2_moe";
+             qwen2_moe = mt == "qwen2_moe", deepseek = mt == "deepseek_v3" || mt == "kimi_k2";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -562,6 +607,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                        "{}: key 'pad_token_id' is {}; expected a token id or null", source,
                        c.pad_token_id);
   c.rope = read_rope(r, c);
+  if (deepseek) read_deepseek(r, c);
   // Mistral's and Mixtral's attention has no biases and Qwen2's always q/k/v
   // (never o) biases: their configuration classes take no attention_bias or
   // mlp_bias, so transformers ignores those keys (refuse_unread lets them
@@ -574,7 +620,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen2_moe) {
     // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
     c.attention_qkv_bias = r.boolean("qkv_bias", true);
-  } else {
+  } else if (!deepseek) {
     c.attention_qkv_bias = qwen2;
   }
   c.qk_norm = qwen3 || qwen3_moe;
@@ -592,6 +638,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                    source, c.sliding_window);
     }
     r.accept("sliding_window");
+  } else if (deepseek) {
+    // read_deepseek
   } else if (qwen3_moe) {
     r.require("use_sliding_window", json(false),
               "strata does not apply qwen3_moe's sliding window (every layer attends fully)");

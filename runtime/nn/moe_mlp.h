@@ -108,6 +108,10 @@ struct MoeActs {
   // hidden] and its gate's logit shared_logit [rows, 1].
   MlpActs shared;
   TensorView shared_out, shared_logit;
+  // The sigmoid router in a 16-bit model: its input in fp32 [rows, hidden]
+  // (transformers computes DeepseekV3TopkRouter's logits in fp32 from the
+  // fp32 weight; logits and dlogits are then fp32 too). Empty otherwise.
+  TensorView x32;
 };
 // Backward scratch: dyp, dxp [rows * k, hidden]; dact, dgate, dup [rows * k,
 // I]; dweights fp32 [rows, k]; dlogits [rows, E] (activation dtype).
@@ -120,6 +124,9 @@ struct MoeGrads {
   TensorView dxr;
   MlpGrads shared;
   TensorView dshared_out, dshared_logit;
+  // With MoeActs::x32: the router's input gradient in fp32 and in the
+  // activation dtype [rows, hidden].
+  TensorView dx32, dx16;
 };
 // The load-balancing loss's state, shared by the layers of one model: forward
 // adds into stats (fp64 [2, E]) when it is not empty; backward adds aux_grad
@@ -176,11 +183,16 @@ class MoeMlp : public Module {
 
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
+  ops::MoeRouter rule_;  // the config's router (DecoderConfig::router)
+  // The sigmoid router's e_score_correction_bias (fp32 [E], frozen: a
+  // buffer) and the window the routing reads it in; -1 without.
+  ParamId correction_bias_ = -1;
+  OpId route_op_ = -1;
   bool skip_unrouted_;
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
-  std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert (null otherwise)
-  std::unique_ptr<Linear> shared_gate_;  // its gate: hidden -> 1 logit, no bias
+  std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert, DeepSeek's shared experts (null otherwise)
+  std::unique_ptr<Linear> shared_gate_;  // qwen2_moe's gate: hidden -> 1 logit, no bias (null: ungated)
   std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
   Exchange exchange_;            // expert parallelism: this micro-batch's exchange (host state, as routed_)
   std::vector<int32_t> held_offsets_;  // exchange_.offsets as int32 (block's type)

@@ -123,7 +123,7 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "deepseek_v3"}) {
+  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "glm4_moe"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
