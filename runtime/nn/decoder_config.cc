@@ -103,11 +103,36 @@ void DecoderConfig::validate() const {
              qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
              mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe",
              qwen2_moe = model_type == "qwen2_moe",
-             deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2";
+             deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2", glm = model_type == "glm4_moe";
   STRATA_CHECK((attention == AttentionKind::kMla) == deepseek, kBadArgument,
                "model_type {} {} multi-head latent attention", model_type, deepseek ? "has" : "has no");
-  STRATA_CHECK(sigmoid_router == deepseek && (first_k_dense_replace == 0 || deepseek), kBadArgument,
-               "model_type {} {} the sigmoid router with dense first layers", model_type, deepseek ? "has" : "has no");
+  STRATA_CHECK(sigmoid_router == (deepseek || glm) && (first_k_dense_replace == 0 || deepseek || glm), kBadArgument,
+               "model_type {} {} the sigmoid router with dense first layers", model_type,
+               deepseek || glm ? "has" : "has no");
+  STRATA_CHECK((rope.rotary_dim == 0 && rope.rotary_offset == 0 && !rope.interleaved) || deepseek || glm,
+               kBadArgument, "model_type {} rotates the whole head", model_type);
+  if (glm) {
+    STRATA_CHECK(!attention_o_bias, kBadArgument, "model_type glm4_moe has no o_proj bias");
+    STRATA_CHECK(rope.rotary_offset == 0 && !rope.interleaved && rope.rotary_dim > 0 && rope.rotary_dim <= head_dim &&
+                     rope.rotary_dim % 2 == 0,
+                 kBadArgument, "model_type glm4_moe rotates an even part of the head from its start (got {} of {})",
+                 rope.rotary_dim, head_dim);
+  }
+  if (deepseek || glm) {
+    STRATA_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && num_experts % n_group == 0,
+                 kBadArgument,
+                 "keys 'n_group' ({}) and 'topk_group' ({}): 1 <= topk_group <= n_group, and n_group divides the "
+                 "{} experts",
+                 n_group, topk_group, num_experts);
+    STRATA_CHECK(topk_group * (num_experts / n_group) >= num_experts_per_tok, kBadArgument,
+                 "keys 'topk_group' ({}) groups of {} experts hold fewer than num_experts_per_tok ({})", topk_group,
+                 num_experts / n_group, num_experts_per_tok);
+    STRATA_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0, kBadArgument,
+                 "key 'routed_scaling_factor' must be positive, got {}", routed_scaling_factor);
+    STRATA_CHECK(first_k_dense_replace >= 0, kBadArgument, "key 'first_k_dense_replace' must be >= 0, got {}",
+                 first_k_dense_replace);
+    STRATA_CHECK(mtp_layers >= 0, kBadArgument, "key 'num_nextn_predict_layers' must be >= 0, got {}", mtp_layers);
+  }
   if (deepseek) {
     positive("kv_lora_rank", kv_lora_rank);
     positive("qk_nope_head_dim", qk_nope_head_dim);
@@ -124,21 +149,8 @@ void DecoderConfig::validate() const {
                  "multi-head latent attention expands the latent into every head: num_key_value_heads ({}) must "
                  "equal num_attention_heads ({})",
                  num_key_value_heads, num_attention_heads);
-    STRATA_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && num_experts % n_group == 0,
-                 kBadArgument,
-                 "keys 'n_group' ({}) and 'topk_group' ({}): 1 <= topk_group <= n_group, and n_group divides the "
-                 "{} experts",
-                 n_group, topk_group, num_experts);
-    STRATA_CHECK(topk_group * (num_experts / n_group) >= num_experts_per_tok, kBadArgument,
-                 "keys 'topk_group' ({}) groups of {} experts hold fewer than num_experts_per_tok ({})", topk_group,
-                 num_experts / n_group, num_experts_per_tok);
-    STRATA_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0, kBadArgument,
-                 "key 'routed_scaling_factor' must be positive, got {}", routed_scaling_factor);
-    STRATA_CHECK(first_k_dense_replace >= 0, kBadArgument, "key 'first_k_dense_replace' must be >= 0, got {}",
-                 first_k_dense_replace);
-    STRATA_CHECK(mtp_layers >= 0, kBadArgument, "key 'num_nextn_predict_layers' must be >= 0, got {}", mtp_layers);
   }
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek, kBadArgument,
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm, kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
   STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek) || attention_qkv_bias == attention_o_bias, kBadArgument,
@@ -152,12 +164,12 @@ void DecoderConfig::validate() const {
                "model_type qwen2_moe has no o_proj bias (qkv_bias switches the q/k/v biases)");
   STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
                        model_type);
-  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe), kBadArgument, "model_type {} {} per-head q/k norms",
+  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe) || glm, kBadArgument, "model_type {} {} per-head q/k norms",
                        model_type, qwen3 || qwen3_moe ? "has" : "has no");
-  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek), kBadArgument,
+  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek || glm), kBadArgument,
                "model_type {} {} a mixture of experts (num_experts {})", model_type,
-               mixtral || qwen3_moe || qwen2_moe || deepseek ? "is" : "is not", num_experts);
-  STRATA_CHECK((shared_expert() == qwen2_moe || deepseek) && shared_expert_intermediate_size >= 0, kBadArgument,
+               mixtral || qwen3_moe || qwen2_moe || deepseek || glm ? "is" : "is not", num_experts);
+  STRATA_CHECK((shared_expert() == qwen2_moe || deepseek || glm) && shared_expert_intermediate_size >= 0, kBadArgument,
                "model_type {} {} a shared expert (shared_expert_intermediate_size {})", model_type,
                qwen2_moe ? "has" : "has no", shared_expert_intermediate_size);
   if (moe()) {
@@ -292,6 +304,19 @@ MoeNames moe_names(const DecoderConfig& c) {
 
 bool is_buffer_tensor(const std::string& name) { return name.ends_with(".e_score_correction_bias"); }
 
+bool is_mtp_tensor(const DecoderConfig& config, const std::string& name) {
+  for (int64_t i = 0; i < config.mtp_layers; ++i) {
+    if (name.starts_with(fmt::format("model.layers.{}.", config.num_hidden_layers + i))) return true;
+  }
+  return false;
+}
+
+DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype) {
+  // DeepseekV3's and Glm4Moe's _keep_in_fp32_modules_strict: "e_score_correction_bias", "gate.weight".
+  const bool router = config.sigmoid_router && (is_buffer_tensor(name) || name.ends_with(".mlp.gate.weight"));
+  return router ? DType::kF32 : dtype;
+}
+
 int64_t DecoderConfig::parameter_count() const {
   int64_t n = 0;
   for (const HfTensor& t : hf_tensors(*this)) {
@@ -310,6 +335,7 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "deepseek_v3" || model_type == "kimi_k2") return "DeepseekV3ForCausalLM";
+  if (model_type == "glm4_moe") return "Glm4MoeForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -368,9 +394,18 @@ nlohmann::json DecoderConfig::to_json() const {
   // older releases read rope_theta and rope_scaling (and newer ones still do).
   if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
     j["rope_parameters"] = rope_json(rope, true);
+    // glm4_moe's partial rotary embedding (transformers 5 keeps it in rope_parameters).
+    if (model_type == "glm4_moe") {
+      j["rope_parameters"]["partial_rotary_factor"] =
+          static_cast<double>(rope.rotary_dim) / static_cast<double>(head_dim);
+      j.erase("partial_rotary_factor");
+    }
     j.erase("rope_theta");
     j.erase("rope_scaling");
   } else {
+    if (model_type == "glm4_moe") {
+      j["partial_rotary_factor"] = static_cast<double>(rope.rotary_dim) / static_cast<double>(head_dim);
+    }
     j["rope_theta"] = rope.theta;
     j["rope_scaling"] =
         rope.type == ops::RopeType::kDefault ? nlohmann::json(nullptr) : rope_json(rope, false);
@@ -383,14 +418,18 @@ nlohmann::json DecoderConfig::to_json() const {
   }
   if (model_type == "qwen2_moe") j["qkv_bias"] = attention_qkv_bias;
   if (sigmoid_router) {
-    // DeepseekV3Config's names (its n_routed_experts is the expert count).
+    // DeepseekV3Config's and Glm4MoeConfig's names (n_routed_experts is the expert count).
     j["attention_bias"] = attention_qkv_bias;
-    j["q_lora_rank"] = q_lora_rank > 0 ? nlohmann::json(q_lora_rank) : nlohmann::json(nullptr);
-    j["kv_lora_rank"] = kv_lora_rank;
-    j["qk_nope_head_dim"] = qk_nope_head_dim;
-    j["qk_rope_head_dim"] = qk_rope_head_dim;
-    j["v_head_dim"] = v_head_dim;
-    j["rope_interleave"] = rope_interleave;
+    if (attention == AttentionKind::kMla) {
+      j["q_lora_rank"] = q_lora_rank > 0 ? nlohmann::json(q_lora_rank) : nlohmann::json(nullptr);
+      j["kv_lora_rank"] = kv_lora_rank;
+      j["qk_nope_head_dim"] = qk_nope_head_dim;
+      j["qk_rope_head_dim"] = qk_rope_head_dim;
+      j["v_head_dim"] = v_head_dim;
+      j["rope_interleave"] = rope_interleave;
+    } else {
+      j["use_qk_norm"] = qk_norm;
+    }
     j["n_routed_experts"] = num_experts;
     j["num_experts_per_tok"] = num_experts_per_tok;
     j["moe_intermediate_size"] = moe_intermediate_size;
@@ -449,7 +488,8 @@ const char* supported_model_types() {
          "(Mistral 7B, "
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
-         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1) and kimi_k2 (Kimi K2)";
+         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2) and glm4_moe (GLM-4.5, "
+         "GLM-4.5-Air)";
 }
 
 DecoderConfig load_decoder_config(const std::string& path) {

@@ -197,6 +197,14 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& config);
 // router's e_score_correction_bias): loaded, never trained, exported
 // unchanged, and not counted by parameter_count (transformers' count).
 bool is_buffer_tensor(const std::string& name);
+// The dtype an export writes tensor `name` in when asked for `dtype`: fp32
+// for what transformers keeps in fp32 whatever the model's dtype (the
+// sigmoid router's weight and correction bias), else `dtype`.
+DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype);
+// Whether `name` is a weight of DeepSeek's multi-token prediction modules
+// (model.layers.<num_hidden_layers + i>.*, i < mtp_layers), which
+// transformers ignores: not trained, carried to an export unchanged.
+bool is_mtp_tensor(const DecoderConfig& config, const std::string& name);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
 // (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a

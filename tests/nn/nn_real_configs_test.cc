@@ -102,7 +102,7 @@ TEST_CASE("real configs: a transformers 5.24 save of SmolLM2 (bookkeeping, unk_t
 }
 
 TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parameter counts; their FP8 "
-          "quantization and custom code are refused by name; GLM-4.5 is refused by model_type",
+          "quantization and custom code are refused by name",
           "[nn][config][families]") {
   const json v3 = read_config("deepseek-v3");
   // The published file names DeepSeek's own modeling code (auto_map) and its
@@ -148,12 +148,33 @@ TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parame
   const DecoderConfig kimi = parse_decoder_config(k2);
   CHECK(kimi.model_type == "kimi_k2");
   CHECK(kimi.parameter_count() == 1026408209408);  // transformers' count: 1.03T
-  // GLM-4.5's keys as Glm4MoeConfig takes them (written here: its published file was not found either).
+}
+
+TEST_CASE("real configs: GLM-4.5 parses with transformers' parameter count", "[nn][config][families]") {
+  // GLM-4.5's published sizes as Glm4MoeConfig takes them (written here: its
+  // published config.json was not found in a repository the search tool
+  // reaches), the older top-level partial_rotary_factor included.
   const json glm = json::parse(R"({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
     "attention_bias": true, "first_k_dense_replace": 3, "head_dim": 128, "hidden_size": 5120,
     "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 160,
     "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 96, "num_experts_per_tok": 8,
     "num_hidden_layers": 92, "num_key_value_heads": 8, "partial_rotary_factor": 0.5,
-    "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": true, "vocab_size": 151552})");
-  expect_refused(glm, {"model_type \"glm4_moe\" is not supported", "partial rotary"});
+    "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": true, "vocab_size": 151552,
+    "num_nextn_predict_layers": 1, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 131072, "tie_word_embeddings": false})");
+  const DecoderConfig c = parse_decoder_config(glm);
+  CHECK(c.attention == nn::AttentionKind::kGqa);
+  CHECK(c.qk_norm);
+  CHECK(c.attention_qkv_bias);
+  CHECK_FALSE(c.attention_o_bias);
+  CHECK(c.rope.rotary_dim == 64);
+  CHECK(c.sigmoid_router);
+  CHECK(c.first_k_dense_replace == 3);
+  // transformers' count (Glm4MoeForCausalLM on the meta device, transformers
+  // 5.24): 352.8B; the published 355B counts the MTP layer too.
+  CHECK(c.parameter_count() == 352797814784);
+  CHECK(c.to_json().at("partial_rotary_factor") == 0.5);
+  json half = glm;
+  half["partial_rotary_factor"] = 0.3;  // 38.4 dims
+  expect_refused(half, {"partial_rotary_factor", "even number of dims"});
 }
