@@ -101,7 +101,7 @@ TEST_CASE("real configs: a transformers 5.24 save of SmolLM2 (bookkeeping, unk_t
   CHECK(c.to_json().at("unk_token_id") == 0);
 }
 
-TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parameter counts; their FP8 "
+TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parameter counts, their FP8 "
           "quantization and custom code are refused by name",
           "[nn][config][families]") {
   const json v3 = read_config("deepseek-v3");
