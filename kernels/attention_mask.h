@@ -23,6 +23,7 @@
 // Header-only and usable in device code (nvcc, C++17). Thread-safety: a value type.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -39,6 +40,9 @@ struct AttentionMask {
   const int32_t* segment_start = nullptr;
   const int32_t* segment_end = nullptr;
   int64_t seq = 0;  // entries per row of the segment arrays
+  // The scores' scale; 0: 1 / sqrt(head_dim). DeepSeek's multi-head latent
+  // attention under YaRN scales by qk_head_dim^-0.5 * mscale^2 (attention_scale).
+  double scale = 0;
 
   STRATA_HOST_DEVICE bool has_segments() const { return segment_start != nullptr; }
   // The mask of the row whose first position is `offset` (b * seq) in the arrays.
@@ -74,6 +78,11 @@ STRATA_HOST_DEVICE inline int64_t last_seeing_query(const AttentionMask& mask, i
     if (end < last) last = end;
   }
   return last;
+}
+
+// The scale of the scores q.k of a head_dim-wide head under `mask`.
+STRATA_HOST_DEVICE inline double attention_scale(const AttentionMask& mask, int64_t head_dim) {
+  return mask.scale > 0 ? mask.scale : 1.0 / sqrt(static_cast<double>(head_dim));
 }
 
 STRATA_HOST_DEVICE inline bool is_visible(const AttentionMask& mask, int64_t query, int64_t key) {

@@ -202,6 +202,11 @@ void check_rope(std::string_view op, const TensorView& x, const TensorView& posi
                "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
                shape_string(x.desc.shape));
   check::numel(op, "positions", positions, x.desc.shape[0]);
+  const int64_t head_dim = x.desc.shape[2], rotary = rope_rotary_dim(rope, head_dim);
+  STRATA_CHECK(rope.rotary_offset >= 0 && rope.rotary_dim >= 0 && rotary > 0 && rotary % 2 == 0 &&
+                   rope.rotary_offset + rotary <= head_dim,
+               kBadArgument, "{}: the rotated dims [{}, {} + {}) must be an even, non-empty part of the {}-wide head",
+               op, rope.rotary_offset, rope.rotary_offset, rotary, head_dim);
 }
 
 uint64_t nbytes(const TensorView& t) { return t.data == nullptr ? 0 : t.nbytes(); }
@@ -439,6 +444,23 @@ void Ops::dropout(ComputeContext& ctx, const MatView& x, const MatView& out, flo
     return memory((accumulate ? 3 : 2) * n, brief(x));
   });
   enqueue_dropout(ctx, x, out, p, seed, accumulate);
+}
+
+void Ops::copy(ComputeContext& ctx, const MatView& x, const MatView& out, bool accumulate) {
+  constexpr const char* op = "copy";
+  own(ctx, op);
+  check::matrix(op, "x", x);
+  check::matrix(op, "out", out);
+  STRATA_CHECK(x.rows == out.rows && x.cols == out.cols && x.dtype == out.dtype, kBadArgument,
+               "{}: x is {} x {} ({}), out {} x {} ({})", op, x.rows, x.cols, dtype_name(x.dtype), out.rows, out.cols,
+               dtype_name(out.dtype));
+  STRATA_CHECK(x.data != out.data, kBadArgument, "{}: x and out are the same matrix", op);
+  if (x.rows == 0 || x.cols == 0) return;
+  Labeled label(ctx, op, [&] {
+    const uint64_t n = static_cast<uint64_t>(x.rows * x.cols) * dtype_nbytes(x.dtype);
+    return memory((accumulate ? 3 : 2) * n, brief(x));
+  });
+  enqueue_dropout(ctx, x, out, 0.0f, 0, accumulate);
 }
 
 void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,

@@ -191,9 +191,17 @@ class Ops {
   void dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
                bool accumulate);
 
+  // ---- strided copy: out = x (+= when accumulate) ------------------------------
+  // x and out [rows, cols] of one dtype, may be strided (a column block of a
+  // wider matrix), must not overlap. Exact (dropout's kernel at p = 0: every
+  // element kept, scaled by exactly 1), on every backend.
+  void copy(ComputeContext& ctx, const MatView& x, const MatView& out, bool accumulate);
+
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
-  // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
+  // positions[row] * rope_inv_freq(rope, i, head_dim) -- or, with the rope's
+  // rotary_offset/rotary_dim/interleaved, the pairs rope_pair names of the
+  // rotated part, at its width's frequencies -- (rope_frequencies.h: the
   // default, linear, llama3 and yarn frequencies), cos and sin times
   // rope_attention_scale(rope) (YaRN's attention factor, else 1: then the
   // backward is the transpose, not the inverse). positions int32 [rows]. head_dim even.

@@ -38,9 +38,9 @@ struct Strides {
   float scale;
 };
 
-Strides strides_of(const AttentionShape& s) {
+Strides strides_of(const AttentionShape& s, const AttentionMask& mask) {
   return {s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim, s.heads / s.kv_heads,
-          static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)))};
+          static_cast<float>(ops::attention_scale(mask, s.head_dim))};
 }
 
 // The keys a block of query rows [i0, i1) needs: [j0, i1), j0 the first key
@@ -151,7 +151,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
 
 void attention_forward(const float* q, const float* k, const float* v, const AttentionShape& s,
                        const AttentionMask& mask, float* out, float* lse) {
-  const Strides st = strides_of(s);
+  const Strides st = strides_of(s, mask);
   const int64_t blocks = (s.seq + kBq - 1) / kBq;
   const int64_t tasks = s.batch * s.heads * blocks;
   const bool parallel_tasks = tasks >= omp_get_max_threads();
@@ -170,7 +170,7 @@ void attention_forward(const float* q, const float* k, const float* v, const Att
 void attention_backward(const float* dout, const float* q, const float* k, const float* v,
                         const float* out, const float* lse, const AttentionShape& s,
                         const AttentionMask& mask, float* dq, float* dk, float* dv) {
-  const Strides st = strides_of(s);
+  const Strides st = strides_of(s, mask);
   const int64_t tasks = s.batch * s.kv_heads;
   const bool parallel_tasks = tasks >= omp_get_max_threads();
 #pragma omp parallel if (parallel_tasks)

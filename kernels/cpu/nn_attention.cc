@@ -39,7 +39,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T scale = static_cast<T>(ops::attention_scale(mask, d));
 #pragma omp parallel if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
   {
     std::vector<T> p(static_cast<size_t>(s.seq));
@@ -81,7 +81,7 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   check_shape(s);
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T scale = static_cast<T>(ops::attention_scale(mask, d));
   // One (batch, kv head) per iteration: all query heads of a group write the
   // same dk/dv rows, so they stay on one thread.
 #pragma omp parallel for collapse(2) \

@@ -298,7 +298,7 @@ cudaError_t forward(const float* q, const float* k, const float* v, const Attent
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>((d.seq + kTile - 1) / kTile),
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+  const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kThreads, kForwardSmem<kD>, stream>>>(
       q, k, v, out, lse, d.seq, static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
       static_cast<int>(d.head_dim), scale, kernel_mask(d));
@@ -315,7 +315,7 @@ cudaError_t backward(const float* dout, const float* q, const float* k, const fl
   if (status == cudaSuccess) status = allow_smem(dq_kernel, kDqSmem<kD>);
   if (status != cudaSuccess) return status;
   const unsigned tiles = static_cast<unsigned>((d.seq + kTile - 1) / kTile);
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+  const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   const int heads = static_cast<int>(d.heads), kv_heads = static_cast<int>(d.kv_heads);
   const int head_dim = static_cast<int>(d.head_dim);
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,

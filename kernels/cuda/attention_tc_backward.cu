@@ -336,7 +336,7 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   if (status != cudaSuccess) return status;
   const bool vec =
       d.head_dim % 8 == 0 && aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim));
+  const double scale = attention_scale(d.mask, d.head_dim);
   const auto fscale = static_cast<float>(scale);
   const auto scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const unsigned tiles = static_cast<unsigned>((d.seq + kBwdTile - 1) / kBwdTile);

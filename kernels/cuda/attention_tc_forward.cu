@@ -186,7 +186,7 @@ cudaError_t launch_forward(const T* q, const T* k, const T* v, const AttentionDi
   const dim3 grid(static_cast<unsigned>((d.seq + kFwdQueryTile - 1) / kFwdQueryTile),
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
   const float scale_log2 =
-      static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(d.head_dim)));
+      static_cast<float>(1.4426950408889634 * attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kFwdThreads, smem, stream>>>(
       q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.heads),
       static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec,

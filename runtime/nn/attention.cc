@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "runtime/nn/gqa_attention.h"
+#include "runtime/nn/mla_attention.h"
 
 namespace strata::nn {
 
@@ -39,6 +40,8 @@ AttentionArena attention_arena(const DecoderConfig& config, int tensor_parallel,
   switch (config.attention) {
     case AttentionKind::kGqa:
       return GqaAttention::arena(config, tensor_parallel, batch, seq, dtype);
+    case AttentionKind::kMla:
+      return MlaAttention::arena(config, tensor_parallel, batch, seq, dtype);
   }
   raise(ErrorCategory::kInternal, "attention kind {} has no arena", static_cast<int>(config.attention));
 }
@@ -48,6 +51,8 @@ std::unique_ptr<SelfAttention> make_attention(engine::Engine& engine, std::strin
   switch (config.attention) {
     case AttentionKind::kGqa:
       return std::make_unique<GqaAttention>(engine, std::move(name), config, layer, dtype, lora);
+    case AttentionKind::kMla:
+      return std::make_unique<MlaAttention>(engine, std::move(name), config, layer, dtype, lora);
   }
   raise(ErrorCategory::kInternal, "attention kind {} is not implemented", static_cast<int>(config.attention));
 }

@@ -240,19 +240,6 @@ std::string unsupported_reason(std::string_view model_type) {
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
-      {"deepseek_v3",
-       "DeepSeek-V3 needs multi-head latent attention (q_a/q_b and kv_a/kv_b projections, a shared "
-       "rope key, v_head_dim apart from the q/k head), YaRN's attention scale, the sigmoid "
-       "group-limited router with e_score_correction_bias, shared experts and dense first layers "
-       "(first_k_dense_replace)"},
-      {"kimi_k2",
-       "Kimi K2 is DeepSeek-V3's architecture (DeepseekV3ForCausalLM): it needs multi-head latent "
-       "attention, YaRN's attention scale, the sigmoid router with e_score_correction_bias, shared "
-       "experts and a dense first layer"},
-      {"glm4_moe",
-       "GLM-4.5 needs the sigmoid group-limited router with e_score_correction_bias, shared experts, "
-       "dense first layers (first_k_dense_replace) and partial rotary embedding "
-       "(partial_rotary_factor 0.5)"},
       {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
       {"gpt2", "GPT-2 has learned positions, LayerNorm and GELU"},
       {"gpt_neox", "GPT-NeoX has LayerNorm, GELU, partial rotary embedding and a parallel block"},
@@ -284,6 +271,9 @@ constexpr Family kFamilies[] = {
     {"mixtral", "MixtralForCausalLM", 8, std::nullopt, 4096 * 32},
     {"qwen3_moe", "Qwen3MoeForCausalLM", 4, std::nullopt, 32768},
     {"qwen2_moe", "Qwen2MoeForCausalLM", 16, std::nullopt, 32768},
+    {"deepseek_v3", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
+    {"kimi_k2", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
+    {"glm4_moe", "Glm4MoeForCausalLM", 8, std::nullopt, 131072},
 };
 
 const Family& family_of(Reader& r) {
@@ -330,7 +320,11 @@ double original_context(Reader& r, Reader& p, const DecoderConfig& c) {
 
 // RoPE: transformers 5's rope_parameters, or rope_theta with the older
 // rope_scaling (which wins when both are set; strata refuses the ambiguity).
-ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
+// partial: the families with partial rotary embedding (glm4_moe): in, the
+// default partial_rotary_factor; out, the one the config gives (in
+// rope_parameters, or at the top level as older configs write it). Null:
+// the whole head rotates (a factor other than 1.0 is refused).
+ops::Rope read_rope(Reader& r, const DecoderConfig& c, double* partial = nullptr) {
   ops::Rope rope;
   rope.theta = r.number("rope_theta", 10000.0);
   const bool nested = r.present("rope_parameters"), legacy = r.present("rope_scaling");
@@ -361,7 +355,12 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
         "per dimension)",
         where, describe_json(type));
     rope.theta = p.number("rope_theta", rope.theta);
-    p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+    if (partial != nullptr) {
+      if (p.present("partial_rotary_factor")) *partial = p.number("partial_rotary_factor", std::nullopt);
+      p.accept("partial_rotary_factor");
+    } else {
+      p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+    }
     if (name == "linear") {
       rope.type = ops::RopeType::kLinear;
       rope.factor = p.number("factor", std::nullopt);
@@ -399,7 +398,14 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
     }
     p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
   }
-  r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+  if (partial != nullptr) {
+    // A top-level factor (older configs) when rope_parameters gives none.
+    const bool nested_factor = params != nullptr && params->contains("partial_rotary_factor");
+    if (!nested_factor && r.present("partial_rotary_factor")) *partial = r.number("partial_rotary_factor", std::nullopt);
+    r.accept("partial_rotary_factor");
+  } else {
+    r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+  }
   return rope;  // its values are checked by DecoderConfig::validate
 }
 
@@ -525,6 +531,89 @@ void read_moe(Reader& r, DecoderConfig& c, bool mixtral) {
                r.where(), describe_json(dense));
 }
 
+// The DeepSeek mixture of experts as DeepseekV3Config and Glm4MoeConfig
+// read it (their defaults differ, `d`): the sigmoid router, shared experts,
+// dense first layers, the MTP modules' count.
+struct SigmoidMoeDefaults {
+  int64_t experts, moe_intermediate, n_group, topk_group;
+  double scaling;
+  int64_t first_k_dense;
+};
+
+void read_sigmoid_moe(Reader& r, DecoderConfig& c, const SigmoidMoeDefaults& d) {
+  // The experts (num_local_experts is DeepseekV3Config's alias of n_routed_experts).
+  const bool routed = r.present("n_routed_experts"), local = r.present("num_local_experts");
+  const int64_t a = r.integer("n_routed_experts", d.experts), b = r.integer("num_local_experts", d.experts);
+  STRATA_CHECK(!(routed && local) || a == b, kBadArgument,
+               "{}: keys 'n_routed_experts' ({}) and 'num_local_experts' ({}) disagree; transformers reads them as one",
+               r.where(), a, b);
+  c.num_experts = local && !routed ? b : a;
+  STRATA_CHECK(c.num_experts > 0, kBadArgument, "{}: key 'n_routed_experts' is {}; strata computes the sparse layers",
+               r.where(), c.num_experts);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", int64_t{8});
+  c.moe_intermediate_size = r.integer("moe_intermediate_size", d.moe_intermediate);
+  const int64_t shared = r.integer("n_shared_experts", int64_t{1});
+  STRATA_CHECK(shared >= 0, kBadArgument, "{}: key 'n_shared_experts' is {}", r.where(), shared);
+  c.shared_expert_intermediate_size = shared * c.moe_intermediate_size;
+  c.sigmoid_router = true;
+  c.n_group = r.integer("n_group", d.n_group);
+  c.topk_group = r.integer("topk_group", d.topk_group);
+  c.routed_scaling_factor = r.number("routed_scaling_factor", d.scaling);
+  c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+  c.first_k_dense_replace = r.integer("first_k_dense_replace", d.first_k_dense);
+  // transformers' DeepseekV3 and Glm4Moe models add no load-balancing loss, whatever output_router_logits says.
+  r.boolean("output_router_logits", false);
+  r.accept("router_aux_loss_coef");
+  const bool nextn = r.present("num_nextn_predict_layers"), mtp = r.present("num_mtp_layers");
+  const int64_t n1 = r.integer("num_nextn_predict_layers", int64_t{1}), n2 = r.integer("num_mtp_layers", int64_t{1});
+  c.mtp_layers = nextn ? n1 : mtp ? n2 : 1;
+}
+
+// DeepSeek-V3 and Kimi K2 (DeepseekV3Config's keys and defaults): multi-head
+// latent attention and the DeepSeek mixture of experts (decoder_config.h).
+// The file's head_dim is not read (DeepseekV3Config sets it to
+// qk_rope_head_dim); scoring_func, topk_method, ep_size, moe_layer_freq of
+// DeepSeek's own config are not DeepseekV3Config's keys (transformers
+// ignores them: refuse_unread lets them pass).
+void read_deepseek(Reader& r, DecoderConfig& c) {
+  c.attention = AttentionKind::kMla;
+  c.q_lora_rank = r.contains("q_lora_rank") ? r.integer("q_lora_rank", int64_t{0}) : 1536;
+  STRATA_CHECK(c.q_lora_rank != 0 || !r.present("q_lora_rank"), kBadArgument,
+               "{}: key 'q_lora_rank' is 0; null means q_proj (no low-rank query)", r.where());
+  c.kv_lora_rank = r.integer("kv_lora_rank", int64_t{512});
+  c.qk_nope_head_dim = r.integer("qk_nope_head_dim", int64_t{128});
+  c.qk_rope_head_dim = r.integer("qk_rope_head_dim", int64_t{64});
+  c.v_head_dim = r.contains("v_head_dim") ? r.integer("v_head_dim", int64_t{128}) : 128;
+  r.accept("head_dim");  // DeepseekV3Config overwrites it with qk_rope_head_dim
+  c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  c.rope_interleave = r.boolean("rope_interleave", true);
+  c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  read_sigmoid_moe(r, c, {256, 2048, 8, 4, 2.5, 3});
+  r.require("sliding_window", json(nullptr), "transformers' DeepseekV3ForCausalLM attends fully in every layer");
+  // RoPE rotates the last qk_rope_head_dim dims of each q/k head (read_rope read the frequencies).
+  c.rope.rotary_offset = c.qk_nope_head_dim;
+  c.rope.rotary_dim = c.qk_rope_head_dim;
+  c.rope.interleaved = c.rope_interleave;
+}
+
+// GLM-4.5 (Glm4MoeConfig's keys and defaults): grouped-query attention with
+// q/k/v biases (attention_bias; o_proj never has one), optional per-head q/k
+// norms (use_qk_norm), rotate_half RoPE on the first partial_rotary_factor
+// of each head (default 0.5), and the DeepSeek mixture of experts.
+void read_glm4_moe(Reader& r, DecoderConfig& c, double partial) {
+  c.attention_qkv_bias = r.boolean("attention_bias", false);
+  c.qk_norm = r.boolean("use_qk_norm", false);
+  read_sigmoid_moe(r, c, {128, 1408, 1, 1, 1.0, 1});
+  r.require("sliding_window", json(nullptr), "transformers' Glm4MoeForCausalLM attends fully in every layer");
+  const double rotary = static_cast<double>(c.head_dim) * partial;
+  STRATA_CHECK(partial > 0 && partial <= 1 && std::floor(rotary) == rotary && static_cast<int64_t>(rotary) % 2 == 0,
+               kBadArgument,
+               "{}: key 'partial_rotary_factor' is {}: head_dim {} x it must be an even number of dims (transformers "
+               "takes int(head_dim x factor))",
+               r.where(), partial, c.head_dim);
+  c.rope.rotary_dim = static_cast<int64_t>(rotary);
+}
+
 }  // namespace
 
 DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
@@ -538,7 +627,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   const std::string mt = c.model_type;
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
              qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe",
-             qwen2_moe = mt == "qwen2_moe";
+             qwen2_moe = mt == "qwen2_moe", deepseek = mt == "deepseek_v3" || mt == "kimi_k2",
+             glm = mt == "glm4_moe";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -561,7 +651,10 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   STRATA_CHECK(c.pad_token_id >= -1, kBadArgument,
                        "{}: key 'pad_token_id' is {}; expected a token id or null", source,
                        c.pad_token_id);
-  c.rope = read_rope(r, c);
+  double partial = 0.5;  // Glm4MoeConfig's default partial_rotary_factor
+  c.rope = read_rope(r, c, glm ? &partial : nullptr);
+  if (deepseek) read_deepseek(r, c);
+  if (glm) read_glm4_moe(r, c, partial);
   // Mistral's and Mixtral's attention has no biases and Qwen2's always q/k/v
   // (never o) biases: their configuration classes take no attention_bias or
   // mlp_bias, so transformers ignores those keys (refuse_unread lets them
@@ -574,10 +667,10 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen2_moe) {
     // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
     c.attention_qkv_bias = r.boolean("qkv_bias", true);
-  } else {
+  } else if (!deepseek && !glm) {
     c.attention_qkv_bias = qwen2;
   }
-  c.qk_norm = qwen3 || qwen3_moe;
+  c.qk_norm = c.qk_norm || qwen3 || qwen3_moe;  // glm4_moe: use_qk_norm (read_glm4_moe)
   if (mixtral || qwen3_moe || qwen2_moe) read_moe(r, c, mixtral);
   if (mistral) {
     read_mistral_window(r, c);
@@ -592,6 +685,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                    source, c.sliding_window);
     }
     r.accept("sliding_window");
+  } else if (deepseek || glm) {
+    // read_deepseek, read_glm4_moe
   } else if (qwen3_moe) {
     r.require("use_sliding_window", json(false),
               "strata does not apply qwen3_moe's sliding window (every layer attends fully)");

@@ -72,8 +72,8 @@ namespace strata::nn {
 // The self-attention a decoder layer computes (runtime/nn/attention.h, one
 // SelfAttention kind each). kGqa: grouped-query attention, RoPE on the whole
 // head (gqa_attention.h) -- every family here. Multi-head latent attention
-// (DeepSeek-V3, Kimi K2) is to be the second kind.
-enum class AttentionKind { kGqa };
+// (DeepSeek-V3, Kimi K2) is the second: kMla (mla_attention.h).
+enum class AttentionKind { kGqa, kMla };
 
 struct DecoderConfig {
   // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
@@ -113,8 +113,48 @@ struct DecoderConfig {
   bool output_router_logits = false;  // the loss includes coef * the load-balancing loss
   // qwen2_moe's shared expert: its SwiGLU width (0: none, the other families).
   int64_t shared_expert_intermediate_size = 0;
+  // Multi-head latent attention (deepseek_v3, kimi_k2; AttentionKind::kMla):
+  // q through q_a_proj [q_lora_rank] -> q_a_layernorm -> q_b_proj (q_lora_rank
+  // 0: q_proj), keys and values from the kv_lora_rank latent of
+  // kv_a_proj_with_mqa (which also gives the one rope key all heads share)
+  // through kv_a_layernorm and kv_b_proj. head_dim is the q/k head,
+  // qk_nope_head_dim + qk_rope_head_dim; rope rotates the last
+  // qk_rope_head_dim of it (interleaved pairs with rope_interleave), at
+  // that width's frequencies; v_head_dim the value head.
+  int64_t q_lora_rank = 0, kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = true;
+  // The DeepSeek mixture of experts (deepseek_v3, kimi_k2): the sigmoid
+  // router (ops::MoeScores::kSigmoid) with its e_score_correction_bias, the
+  // group-limited choice (n_group groups, the topk_group best kept), the
+  // weights times routed_scaling_factor; n_shared_experts shared experts --
+  // one ungated SwiGLU MLP n_shared_experts x moe_intermediate_size wide
+  // (shared_expert_intermediate_size) every token goes through, named
+  // "mlp.shared_experts"; the first first_k_dense_replace layers dense
+  // (intermediate_size wide). transformers computes no load-balancing loss
+  // for them (output_router_logits changes nothing).
+  bool sigmoid_router = false;
+  int64_t n_group = 1, topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  int64_t first_k_dense_replace = 0;
+  // DeepSeek's multi-token prediction modules (num_nextn_predict_layers):
+  // transformers ignores their weights (model.layers.<num_hidden_layers>.*),
+  // and so does the training; they are carried to the export unchanged.
+  int64_t mtp_layers = 0;
   bool moe() const { return num_experts > 0; }
   bool shared_expert() const { return shared_expert_intermediate_size > 0; }
+  // Whether layer `layer`'s MLP is the mixture of experts (else dense).
+  bool layer_moe(int64_t layer) const { return moe() && layer >= first_k_dense_replace; }
+  // Whether some layer is dense / sparse.
+  bool any_dense_layer() const { return !moe() || first_k_dense_replace > 0; }
+  bool any_moe_layer() const { return moe() && first_k_dense_replace < num_hidden_layers; }
+  // qwen2_moe scales its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek's is ungated.
+  bool shared_expert_gated() const { return shared_expert() && !sigmoid_router; }
+  // The router's rule (kernels/moe_routing.h).
+  ops::MoeRouter router() const;
+  // The attention scores' scale: 1 / sqrt(head_dim), times YaRN's mscale^2
+  // for multi-head latent attention (transformers' yarn_apply_mscale).
+  double attention_scale() const;
   // The config.json object this was parsed from (null when built in code):
   // to_json() keeps its other keys, so an export carries them.
   nlohmann::json source;
@@ -153,6 +193,18 @@ struct HfTensor {
 // Every tensor the architecture uses, in the model's declaration order: the
 // checkpoint must hold exactly these (a tied lm_head may repeat the embedding).
 std::vector<HfTensor> hf_tensors(const DecoderConfig& config);
+// A checkpoint tensor that is a buffer, not a parameter (the sigmoid
+// router's e_score_correction_bias): loaded, never trained, exported
+// unchanged, and not counted by parameter_count (transformers' count).
+bool is_buffer_tensor(const std::string& name);
+// The dtype an export writes tensor `name` in when asked for `dtype`: fp32
+// for what transformers keeps in fp32 whatever the model's dtype (the
+// sigmoid router's weight and correction bias), else `dtype`.
+DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype);
+// Whether `name` is a weight of DeepSeek's multi-token prediction modules
+// (model.layers.<num_hidden_layers + i>.*, i < mtp_layers), which
+// transformers ignores: not trained, carried to an export unchanged.
+bool is_mtp_tensor(const DecoderConfig& config, const std::string& name);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
 // (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a
@@ -163,6 +215,7 @@ struct MoeNames {
   const char* gate;
   const char* up;
   const char* down;
+  const char* shared = "shared_expert";  // DeepSeek: "shared_experts"
 };
 MoeNames moe_names(const DecoderConfig& config);
 

@@ -25,7 +25,7 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Decod
   add_child(*input_layernorm_);
   add_child(*self_attn_);
   add_child(*post_attention_layernorm_);
-  if (c.moe()) {
+  if (c.layer_moe(layer)) {
     STRATA_CHECK(lora == nullptr && mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
                  "model_type {}: LoRA adapters and MLP tiling are not implemented for the experts yet",
                  c.model_type);
@@ -352,6 +352,9 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t ep = engine_.expert_group().size;
   const int64_t expert_rows = ep * rows * top_k;
   const DType t = act_dtype_;
+  // The sigmoid router computes in fp32 (moe_mlp.h, MoeActs::x32).
+  const DType router_t = c.sigmoid_router ? DType::kF32 : t;
+  const bool router_x32 = c.sigmoid_router && t != DType::kF32;
   const auto layers = layers_.size();
   // Checkpointing keeps one layer's activations; the checkpoints are the
   // residual stream, which stays here unless it goes to host memory, where
@@ -364,7 +367,14 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   // Every layer's saved activations, in one range; with checkpointing one
   // set the layers share, so none is kept (kept_activations).
   const size_t kept_begin = layout.nbytes();
-  for (DecoderActs& d : a->acts) {
+  // Which MLP each set of activations serves: this stage's layer i's (dense
+  // or sparse), or with checkpointing (one set for every layer) both kinds the model has.
+  const auto acts_need = [&](size_t i, bool sparse) {
+    if (options_.checkpoint_activations) return sparse ? c.any_moe_layer() : c.any_dense_layer();
+    return c.layer_moe(options_.stage.first_layer + static_cast<int64_t>(i)) == sparse;
+  };
+  for (size_t i = 0; i < a->acts.size(); ++i) {
+    DecoderActs& d = a->acts[i];
     layout.add(d.ln1, t, {local, hidden});
     layout.add(d.rstd1, DType::kF32, {local});
     d.attn.saved.resize(attention.saved_slots);
@@ -372,9 +382,10 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(d.h, t, {local, hidden});
     layout.add(d.ln2, t, {local, hidden});
     layout.add(d.rstd2, DType::kF32, {local});
-    if (c.moe()) {
+    if (acts_need(i, true)) {
       MoeActs& m = d.moe;
-      layout.add(m.logits, t, {rows, experts});
+      layout.add(m.logits, router_t, {rows, experts});
+      if (router_x32) layout.add(m.x32, DType::kF32, {rows, hidden});
       layout.add(m.probs, DType::kF32, {rows, experts});
       layout.add(m.indices, DType::kI32, {rows, top_k});
       layout.add(m.weights, DType::kF32, {rows, top_k});
@@ -398,7 +409,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
         layout.add(m.shared_out, t, {rows, hidden});
         layout.add(m.shared_logit, t, {rows, 1});
       }
-    } else {
+    }
+    if (acts_need(i, false)) {
       layout.add(d.mlp.gate, t, {rows, inter});
       layout.add(d.mlp.up, t, {rows, inter});
       layout.add(d.mlp.act, t, {rows, inter});
@@ -433,7 +445,11 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(a->moe_expert_out, t, {expert_rows, hidden});
     }
     layout.add(g.moe.dweights, DType::kF32, {rows, top_k});
-    layout.add(g.moe.dlogits, t, {rows, experts});
+    layout.add(g.moe.dlogits, router_t, {rows, experts});
+    if (router_x32) {
+      layout.add(g.moe.dx32, DType::kF32, {rows, hidden});
+      layout.add(g.moe.dx16, t, {rows, hidden});
+    }
     layout.add(a->moe_stats, DType::kF64, {2, experts});
     layout.add(a->moe_aux, DType::kF64, {1});
     layout.add(a->moe_aux_grad, DType::kF32, {experts});
@@ -444,7 +460,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(g.moe.dshared_out, t, {rows, hidden});
       layout.add(g.moe.dshared_logit, t, {rows, 1});
     }
-  } else {
+  }
+  if (c.any_dense_layer()) {
     layout.add(g.mlp.dact, t, {rows, inter});
     layout.add(g.mlp.dgate, t, {rows, inter});
     layout.add(g.mlp.dup, t, {rows, inter});
@@ -858,7 +875,8 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
     // Tiles are keyed by their untiled tensor and element index within it, so a
     // tiled model initialises exactly like an untiled one.
     const std::string& key_name = p.slice ? p.slice->tensor : p.name;
-    const bool is_bias = key_name.ends_with(".bias");
+    // (The sigmoid router's correction bias starts at 0 as in transformers' _init_weights.)
+    const bool is_bias = key_name.ends_with(".bias") || key_name.ends_with(".e_score_correction_bias");
     const bool is_norm = p.shape.size() == 1 && !is_bias;
     const bool lora_a = key_name.ends_with(".lora_A.weight"), lora_b = key_name.ends_with(".lora_B.weight");
     const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;

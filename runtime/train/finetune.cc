@@ -9,6 +9,8 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "partition/communicator.h"
@@ -170,6 +172,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // The source's tokenizer, chat template and generation config go with every export and checkpoint.
   if (!options.model.empty()) {
     export_options.files = read_model_files(options.model, model_config.to_hf_json(DType::kF32));
+    // The MTP modules' weights: not trained, carried to the export as they are.
+    export_options.carried = carried_hf_tensors(model_config, options.model);
   }
   STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
 
@@ -383,7 +387,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   if (options.model.empty()) {
     nn::initialize_parameters(engine, base, seed);
   } else {
-    load_hf_weights(engine, base, options.model);
+    std::set<std::string> carried;
+    for (const auto& [name, file] : export_options.carried) carried.insert(name);
+    load_hf_weights(engine, base, options.model, carried);
   }
   nn::initialize_parameters(engine, adapters, seed);
   if (start_adapter) {

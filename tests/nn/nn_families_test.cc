@@ -123,7 +123,7 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "deepseek_v3"}) {
+  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "falcon"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
@@ -378,7 +378,8 @@ TEST_CASE("families: YaRN RoPE is read as transformers reads it, in both styles,
 TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
           "[nn][config][families]") {
   for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
-                           "qwen3_moe_untied_f32", "qwen2_moe_untied_f32"}) {
+                           "qwen3_moe_untied_f32", "qwen2_moe_untied_f32", "deepseek_v3_qlora_f32", "deepseek_v3_qproj_f32",
+                           "glm4_moe_f32"}) {
     const DecoderConfig c = load_decoder_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);

@@ -397,6 +397,49 @@ TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit 
   }
 }
 
+TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a shared expert, a dense first layer) "
+          "killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][moe][deepseek]") {
+  strata::test::TempDir dir;
+  // 8 experts in 4 groups (2 kept), top 2, two ranks splitting the experts:
+  // the routing, the frozen correction bias and each rank's experts must
+  // resume exactly.
+  write_file(dir, "deepseek.json", R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 20;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "deepseek.json") + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  CHECK_THAT(reference.output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
+  // The correction bias is a buffer: exported as it started (zeros), never trained.
+  const auto model = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
+  const auto bias = model.view("model.layers.1.mlp.gate.e_score_correction_bias");
+  REQUIRE(bias.numel() == 8);
+  for (int64_t i = 0; i < 8; ++i) CHECK(bias.as<float>()[i] == 0.0f);
+  const int kills = run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "deepseek.json"),
+                                           dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
+  const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == kSteps);
+  REQUIRE(ref_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    CHECK(steps[i]["loss"] == ref_steps[i]["loss"]);
+    CHECK(steps[i]["router_imbalance"] == ref_steps[i]["router_imbalance"]);
+  }
+  CHECK(ref_steps[kSteps - 1]["loss"].get<double>() < ref_steps[0]["loss"].get<double>());
+}
+
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",
           "[finetune][checkpoint]") {
   strata::test::TempDir dir;
