@@ -155,10 +155,13 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
   // What one decoder layer saves for backward; one set with checkpointing.
   const size_t acts = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
                       nn::arena_nbytes(attention.saved) + 2 * view_nbytes(t, {local, hidden}) +
-                      view_nbytes(f32, {local}) + mlp_acts;
+                      view_nbytes(f32, {local}) + mlp_acts +
+                      // Sandwich norms (Gemma): each block's output before its norm, and that norm's rstd.
+                      (c.sandwich_norms ? 2 * (view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local})) : 0);
   n += (checkpoint_activations ? 1 : layers) * acts;
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch;
+  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch +
+       (c.sandwich_norms ? view_nbytes(t, {local, hidden}) : 0);
   // dres, final_ln, rstd_f, the loss's lse.
   n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
        view_nbytes(f32, {rows});

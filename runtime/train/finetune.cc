@@ -318,7 +318,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     (nn::is_lora_parameter(engine.param_info(id).name) ? adapters : base).push_back(id);
   }
   if (options.model.empty()) {
-    nn::initialize_parameters(engine, base, seed);
+    // A norm weight starts at 1 times the normalised input: Gemma's (1 + w) at w = 0.
+    nn::initialize_parameters(engine, base, seed, 0.02, 1.0f - model.config().norm_weight_offset);
   } else {
     load_hf_weights(engine, base, options.model);
   }

@@ -57,3 +57,12 @@ TEST_CASE("golden on cuda: Mixtral, Qwen3-MoE and Qwen2-MoE match transformers, 
     check_golden(Backend::kCuda, name, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
   }
 }
+
+TEST_CASE("golden on cuda: Gemma 2 and Gemma 3 match transformers", "[nn][golden][cuda][gemma]") {
+  for (const char* family : {"gemma2", "gemma3"}) {
+    check_golden(Backend::kCuda, std::string(family) + "_untied_f32", "loss", "grads.safetensors", kGoldenF32Cuda);
+    const std::string tied = std::string(family) + "_tied_bf16";
+    check_golden(Backend::kCuda, tied, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCuda, tied, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
+  }
+}
