@@ -37,7 +37,7 @@ TEST_CASE("golden on cuda: a packed batch equals transformers fed its documents 
 }
 
 TEST_CASE("golden on cuda: LoRA adapters match PEFT", "[nn][golden][cuda][lora]") {
-  for (const char* name : {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn"}) {
+  for (const char* name : {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn", "lora_gemma3_f32_all"}) {
     check_lora_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenF32Cuda);
   }
   check_lora_golden(Backend::kCuda, "lora_llama_bf16_all", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);

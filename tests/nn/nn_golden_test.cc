@@ -101,9 +101,10 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
 
 // scripts/make-golden-lora: PEFT adapters (random A and B, so every term of
 // the adapter path moves the loss) on frozen bases.
-const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn"};
+const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn",
+                                     "lora_gemma3_f32_all"};
 
-TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v)",
+TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v, Gemma 3)",
           "[nn][golden][lora]") {
   for (const char* name : kLoraF32Cases) {
     check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
