@@ -53,6 +53,37 @@ int job_rank(const CommunicatorOptions& options, int member) {
   return options.members[static_cast<size_t>(member)];
 }
 
+std::string describe_peer(const CommunicatorOptions& options, int member) {
+  if (member >= 0 && static_cast<size_t>(member) < options.member_names.size()) {
+    return options.member_names[static_cast<size_t>(member)];
+  }
+  return fmt::format("rank {}", job_rank(options, member));
+}
+
+std::string describe_p2p(DType dtype, const Shape& shape, uint64_t tag, const std::string& what) {
+  std::string dims;
+  for (int64_t d : shape) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  return fmt::format("[{}] {} (tag {:#x}{}{})", dims, dtype_name(dtype), tag, what.empty() ? "" : ": ", what);
+}
+
+void check_exchange(const CommunicatorOptions& options, std::span<const P2POp> ops) {
+  const std::string who = describe_rank(options);
+  STRATA_CHECK(!ops.empty(), kBadArgument, "exchange on {}: no send or receive given", who);
+  for (const P2POp& op : ops) {
+    const char* side = op.kind == P2POp::Kind::kSend ? "send" : "receive";
+    STRATA_CHECK(op.peer >= 0 && op.peer < options.world_size && op.peer != options.rank, kBadArgument,
+                 "exchange on {}: a {} of {} names peer {}, which is {}", who, side,
+                 describe_p2p(op.dtype, op.shape, op.tag, op.what), op.peer,
+                 op.peer == options.rank ? "this rank" : fmt::format("outside {} ranks", options.world_size));
+    for (int64_t d : op.shape) {
+      STRATA_CHECK(d >= 0, kBadArgument, "exchange on {}: a {} of {} has a negative dimension", who, side,
+                   describe_p2p(op.dtype, op.shape, op.tag, op.what));
+    }
+    STRATA_CHECK(op.data != nullptr || op.numel() == 0, kBadArgument, "exchange on {}: a {} of {} has no buffer", who,
+                 side, describe_p2p(op.dtype, op.shape, op.tag, op.what));
+  }
+}
+
 void check_options(const CommunicatorOptions& options) {
   const std::string where = options.group.empty() ? "" : fmt::format(" of {}", options.group);
   STRATA_CHECK(options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size, kBadArgument,
@@ -60,6 +91,9 @@ void check_options(const CommunicatorOptions& options) {
   STRATA_CHECK(options.members.empty() || options.members.size() == static_cast<size_t>(options.world_size),
                kBadArgument, "communicator{}: {} members listed for a world size of {}", where,
                options.members.size(), options.world_size);
+  STRATA_CHECK(options.member_names.empty() || options.member_names.size() == static_cast<size_t>(options.world_size),
+               kBadArgument, "communicator{}: {} member names for a world size of {}", where,
+               options.member_names.size(), options.world_size);
 }
 
 void check_all_to_all(const CommunicatorOptions& options, const void* send, const void* recv,

@@ -1,12 +1,14 @@
 // Collectives for data, tensor and expert parallelism (DESIGN.md §5):
 // allgather into a flat buffer, reduce-scatter, allreduce, broadcast, barrier
-// and all-to-all with counts per peer, each enqueued on an accelerator stream
-// and returning an event that completes with it. Gloo (TCP) serves the cpu
+// and all-to-all with counts per peer — and point-to-point sends and receives
+// for pipeline parallelism (exchange) —, each enqueued on an accelerator
+// stream and returning an event that completes with it. Gloo (TCP) serves the cpu
 // accelerator, NCCL the cuda one; make_communicator chooses. A communicator
 // spans the whole job or one process group of it (process_groups.h).
 //
-// Every rank must issue the same collectives in the same order. Buffers must
-// stay valid until the returned event completes.
+// Every rank must issue the same collectives in the same order; a
+// point-to-point exchange involves only the ranks it names (see exchange).
+// Buffers must stay valid until the returned event completes.
 //
 // Events: the returned event is an ordinary Event of the accelerator, recorded
 // on `stream` after the collective: Stream::wait / record of that accelerator's
@@ -35,6 +37,7 @@
 
 #include <chrono>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -64,6 +67,34 @@ struct CommunicatorOptions {
   // errors name ranks as the job knows them. Empty: the whole job.
   std::string group;
   std::vector<int> members;
+  // What errors call member i in place of "rank <job rank>" when it is a
+  // peer of a point-to-point transfer, e.g. "pp stage 1 (ranks 2,3)" (a
+  // pipeline group names its members by their stages). Empty: ranks.
+  std::vector<std::string> member_names;
+};
+
+// One side of a point-to-point transfer (Communicator::exchange). The sender
+// names what it sends, the receiver what it expects: the same dtype, shape
+// and tag (the caller's meaning of the transfer: which activation or
+// gradient); `what` says it in words for errors ("activation of micro-batch
+// 3 for virtual stage 2"; at most 95 bytes are carried to the peer).
+struct P2POp {
+  enum class Kind : uint8_t { kSend, kRecv };
+  Kind kind = Kind::kSend;
+  int peer = 0;           // the other side: a rank of this communicator, not this one
+  void* data = nullptr;   // kSend: read from; kRecv: written (shape_numel(shape) elements)
+  DType dtype = DType::kF32;
+  Shape shape;
+  uint64_t tag = 0;
+  std::string what;
+
+  static P2POp send(int peer, const void* data, DType dtype, Shape shape, uint64_t tag, std::string what) {
+    return {Kind::kSend, peer, const_cast<void*>(data), dtype, std::move(shape), tag, std::move(what)};
+  }
+  static P2POp recv(int peer, void* data, DType dtype, Shape shape, uint64_t tag, std::string what) {
+    return {Kind::kRecv, peer, data, dtype, std::move(shape), tag, std::move(what)};
+  }
+  size_t numel() const { return static_cast<size_t>(shape_numel(shape)); }
 };
 
 // The blocks of an all_to_all, in elements of its one dtype (MPI's
@@ -127,6 +158,28 @@ class Communicator {
   // Even blocks: all_to_all(send, recv, AllToAllSplits::even(world_size(), n), dtype, stream).
   virtual std::unique_ptr<Event> all_to_all(const void* send, void* recv, const AllToAllSplits& splits,
                                             DType dtype, Stream& stream) = 0;
+  // Point-to-point (pipeline parallelism): the sends and receives of `ops`,
+  // posted together and complete together (NCCL's group; Megatron's
+  // batch_isend_irecv), ordered on `stream` like a collective. Only the
+  // peers named take part. Pairing: this rank's n-th send to rank q is rank
+  // q's n-th receive from this rank, counted over every exchange in
+  // submission order (ops of one call in their order), whatever stream each
+  // runs on. An exchange waits until its peers have posted the matching
+  // sides, so two ranks that both send first and receive in a later call on
+  // the same stream deadlock: put a pair's crossing transfers in one call, or
+  // send from another stream (runtime/pipeline/executor.h). Refused when submitted (Error(kBadArgument)): a
+  // peer outside the communicator or this rank itself, a null buffer of a
+  // non-empty shape, an empty ops list. Gloo checks that the two sides agree
+  // (dtype, shape, tag) before any data moves — each side sends the other its
+  // description — and fails the exchange on both ranks of a pair that
+  // disagrees, naming both descriptions and the peer (CommunicatorOptions::
+  // member_names); NCCL cannot without a host wait, and there a mismatch is
+  // undefined (as all_to_all's counts). A dead peer fails it within the
+  // timeout, naming the peer. Progress: a send completes once its receiver
+  // has posted the matching receive, a receive once its sender has posted
+  // the send (both backends: NCCL's group, Gloo's rendezvous); on Gloo the
+  // sends of one exchange move in the order given.
+  virtual std::unique_ptr<Event> exchange(std::span<const P2POp> ops, Stream& stream) = 0;
 };
 
 // Gloo over TCP; buffers must be host memory. Connects to all peers (full mesh)

@@ -2,7 +2,8 @@
 // the stream's host thread with Gloo's blocking algorithms; reduce-scatter is
 // our own ring over Gloo's unbound buffers (this Gloo has no options-style one),
 // and all_to_all our own pairwise exchange over them (Gloo's alltoallv places
-// the blocks at the prefix sums of the counts, so it cannot take displacements).
+// the blocks at the prefix sums of the counts, so it cannot take displacements),
+// as are the point-to-point exchanges of pipeline parallelism.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -22,6 +23,7 @@
 #include <csignal>
 #include <cstring>
 #include <mutex>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -42,6 +44,45 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t numel)
 constexpr uint64_t kReduceScatterSlotPrefix = uint64_t{0x7e} << 56;
 constexpr uint64_t kAllToAllSlotPrefix = uint64_t{0x7d} << 56;
 constexpr uint64_t kAllToAllCountsSlotPrefix = uint64_t{0x7c} << 56;
+// Point-to-point: the n-th transfer from one rank to another (per ordered pair)
+// uses slot prefix | n for its sender's description, its receiver's, and its data.
+constexpr uint64_t kSenderSlotPrefix = uint64_t{0x7b} << 56;
+constexpr uint64_t kReceiverSlotPrefix = uint64_t{0x7a} << 56;
+constexpr uint64_t kDataSlotPrefix = uint64_t{0x79} << 56;
+constexpr uint64_t kSequenceMask = (uint64_t{1} << 56) - 1;
+constexpr size_t kMaxP2PDims = 8;
+
+// What one side of a point-to-point transfer says it sends or expects, sent to
+// the other side before the data (GlooCommunicator::point_to_point).
+struct P2PHeader {
+  uint64_t tag = 0;
+  uint32_t dtype = 0;
+  uint32_t ndims = 0;
+  int64_t dims[kMaxP2PDims] = {};
+  char what[96] = {};
+
+  static P2PHeader of(const P2POp& op) {
+    P2PHeader h;
+    h.tag = op.tag;
+    h.dtype = static_cast<uint32_t>(op.dtype);
+    h.ndims = static_cast<uint32_t>(op.shape.size());
+    std::copy(op.shape.begin(), op.shape.end(), h.dims);
+    std::memcpy(h.what, op.what.data(), std::min(op.what.size(), sizeof(h.what) - 1));
+    return h;
+  }
+  bool agrees(const P2PHeader& o) const {
+    return tag == o.tag && dtype == o.dtype && ndims == o.ndims && std::equal(dims, dims + ndims, o.dims);
+  }
+  std::string describe() const {
+    const auto type = static_cast<DType>(dtype);
+    const bool known = type == DType::kF32 || type == DType::kF16 || type == DType::kBF16 || type == DType::kI32 ||
+                       type == DType::kF64;
+    Shape shape(dims, dims + std::min<size_t>(ndims, kMaxP2PDims));
+    std::string text(what, strnlen(what, sizeof(what)));
+    if (!known) return fmt::format("elements of unknown dtype {} (tag {:#x}): {}", dtype, tag, text);
+    return detail::describe_p2p(type, shape, tag, text);
+  }
+};
 
 // What one side of a pair of ranks expects of an all_to_all, sent to the other
 // before the blocks (GlooCommunicator::agree_counts).
@@ -117,6 +158,8 @@ class GlooCommunicator final : public Communicator {
     STRATA_CHECK(accelerator.host_addressable(), kBadArgument,
                  "the Gloo communicator needs host memory (cpu accelerator), got {}", accelerator.name());
     detail::check_options(options);
+    sent_to_.assign(static_cast<size_t>(options.world_size), 0);
+    received_from_.assign(static_cast<size_t>(options.world_size), 0);
     // A peer that dies leaves a socket that raises SIGPIPE on our next write; the
     // error must come back as an exception naming the rank, not kill this process.
     struct sigaction current {};
@@ -227,6 +270,43 @@ class GlooCommunicator final : public Communicator {
     const size_t sent = splits.send_total();
     return submit("all_to_all", sent, dtype, sent * dtype_nbytes(dtype), stream,
                   [=, this](uint32_t tag) { exchange(send, recv, splits, dtype, tag); });
+  }
+
+  std::unique_ptr<Event> exchange(std::span<const P2POp> ops, Stream& stream) override {
+    detail::check_exchange(options_, ops);
+    for (const P2POp& op : ops) {
+      STRATA_CHECK(op.shape.size() <= kMaxP2PDims, kBadArgument, "exchange on {}: {} has more than {} dimensions",
+                   detail::describe_rank(options_), detail::describe_p2p(op.dtype, op.shape, op.tag, op.what),
+                   kMaxP2PDims);
+    }
+    std::vector<Transfer> transfers;
+    size_t nbytes = 0;
+    for (const P2POp& op : ops) {
+      // Sequence numbers pair the sides: assigned here, in submission order.
+      const auto peer = static_cast<size_t>(op.peer);
+      const uint64_t sequence = op.kind == P2POp::Kind::kSend ? sent_to_[peer]++ : received_from_[peer]++;
+      transfers.push_back(Transfer{op, sequence & kSequenceMask});
+      if (op.kind == P2POp::Kind::kSend) nbytes += op.numel() * dtype_nbytes(op.dtype);
+    }
+    const uint32_t number = next_exchange_++;
+    stream.launch_host_func([this, transfers = std::move(transfers), number, nbytes] {
+      trace::Span span("comm", "exchange");
+      if (span.recording()) {
+        name_thread_for_trace();
+        span.bytes(nbytes).detail("comm", options_.prefix).value("exchange", number);
+      }
+      const auto start = Clock::now();
+      try {
+        point_to_point(transfers);
+      } catch (const Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        fail_exchange(number, transfers, start, e.what());
+      }
+    });
+    auto event = accelerator_.create_event();
+    stream.record(*event);
+    return event;
   }
 
  private:
@@ -398,6 +478,92 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
+  // One side of a point-to-point transfer and its number among the transfers
+  // between this rank and its peer in its direction.
+  struct Transfer {
+    P2POp op;
+    uint64_t sequence = 0;
+    bool sends() const { return op.kind == P2POp::Kind::kSend; }
+  };
+
+  // Each transfer's two sides first swap their descriptions (P2PHeader): a
+  // sender sends data only once its receiver's description agrees (Gloo
+  // aborts the process on a message longer than the receive posted for it,
+  // and takes a shorter one silently); a disagreement fails the exchange on
+  // both sides, naming both. Receives are posted at once, with their
+  // descriptions; the sends of one exchange then move in order, each once its
+  // receiver has posted (its description arrived). One timeout bounds it all.
+  void point_to_point(const std::vector<Transfer>& transfers) {
+    const auto deadline = Clock::now() + options_.timeout;
+    auto remaining = [&] {
+      return std::max(std::chrono::milliseconds(1),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+    };
+    const size_t n = transfers.size();
+    std::vector<P2PHeader> mine(n), theirs(n);
+    using Buffer = std::unique_ptr<gloo::transport::UnboundBuffer>;
+    std::vector<Buffer> mine_buffers(n), theirs_buffers(n), data(n);
+    for (size_t i = 0; i < n; ++i) {
+      const Transfer& t = transfers[i];
+      mine[i] = P2PHeader::of(t.op);
+      const uint64_t own = (t.sends() ? kSenderSlotPrefix : kReceiverSlotPrefix) | t.sequence;
+      const uint64_t other = (t.sends() ? kReceiverSlotPrefix : kSenderSlotPrefix) | t.sequence;
+      theirs_buffers[i] = context_->createUnboundBuffer(&theirs[i], sizeof(P2PHeader));
+      mine_buffers[i] = context_->createUnboundBuffer(&mine[i], sizeof(P2PHeader));
+      theirs_buffers[i]->recv(t.op.peer, other, 0, sizeof(P2PHeader));
+      mine_buffers[i]->send(t.op.peer, own, 0, sizeof(P2PHeader));
+      const size_t bytes = t.op.numel() * dtype_nbytes(t.op.dtype);
+      if (bytes > 0) data[i] = context_->createUnboundBuffer(t.op.data, bytes);
+      // A receive of the size this side expects: the sender sends only that size.
+      if (!t.sends() && bytes > 0) data[i]->recv(t.op.peer, kDataSlotPrefix | t.sequence, 0, bytes);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const Transfer& t = transfers[i];
+      theirs_buffers[i]->waitRecv(remaining());
+      if (!mine[i].agrees(theirs[i])) {
+        // The peer has posted the receive of this side's description (it sent
+        // its own with it): let it land before the buffers go.
+        for (size_t j = 0; j <= i; ++j) {
+          try {
+            mine_buffers[j]->waitSend(remaining());
+          } catch (const std::exception&) {
+            // The disagreement below is what is reported.
+          }
+        }
+        const std::string peer = detail::describe_peer(options_, t.op.peer);
+        throw std::runtime_error(
+            "the two sides of a transfer must agree; " +
+            (t.sends() ? fmt::format("this rank sends {} to {}, which expects {}", mine[i].describe(), peer,
+                                     theirs[i].describe())
+                       : fmt::format("{} sends {} to this rank, which expects {}", peer, theirs[i].describe(),
+                                     mine[i].describe())));
+      }
+      if (t.sends() && data[i] != nullptr) data[i]->send(t.op.peer, kDataSlotPrefix | t.sequence, 0, data[i]->size);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      mine_buffers[i]->waitSend(remaining());
+      if (data[i] == nullptr) continue;
+      if (transfers[i].sends()) {
+        data[i]->waitSend(remaining());
+      } else {
+        data[i]->waitRecv(remaining());
+      }
+    }
+  }
+
+  [[noreturn]] void fail_exchange(uint32_t number, const std::vector<Transfer>& transfers, Clock::time_point start,
+                                  const std::string& what) {
+    const auto elapsed = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+    std::string list;
+    for (const Transfer& t : transfers) {
+      list += fmt::format("{}{} {} {} {}", list.empty() ? "" : ", ", t.sends() ? "send of" : "receive of",
+                          detail::describe_p2p(t.op.dtype, t.op.shape, t.op.tag, t.op.what), t.sends() ? "to" : "from",
+                          detail::describe_peer(options_, t.op.peer));
+    }
+    raise(ErrorCategory::kCommunication, "exchange #{} ({}) failed on {} after {} ms (timeout {} ms): {}; {}", number,
+          list, detail::describe_rank(options_), elapsed, options_.timeout.count(), what, describe_dead_ranks(store_));
+  }
+
   // `nbytes`: nccl-tests' size of the collective (allgather: the gathered
   // output, reduce-scatter: the input, allreduce/broadcast: the buffer,
   // all_to_all: what this rank sends), so the trace's GB/s is algbw.
@@ -487,6 +653,10 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
   uint32_t next_tag_ = 1;
+  // Point-to-point: exchanges submitted (for errors), and transfers to and from
+  // each peer so far (what pairs the sides; exchange()).
+  uint32_t next_exchange_ = 1;
+  std::vector<uint64_t> sent_to_, received_from_;
   std::mutex scratch_mutex_;           // guards acc_, incoming_
   std::vector<char> acc_, incoming_;   // reduce-scatter scratch, one block each
 };

@@ -21,6 +21,8 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <span>
+#include <vector>
 
 #include "partition/communicator.h"
 #include "partition/communicator_support.h"
@@ -196,6 +198,32 @@ class NcclCommunicator final : public Communicator {
       }
       // The group is closed whatever happened inside it; the first error wins.
       const ncclResult_t ended = nccl::api().GroupEnd();
+      return result == ncclSuccess || result == ncclInProgress ? ended : result;
+    });
+  }
+
+  // One NCCL group of every send and receive, in the order given (NCCL pairs
+  // a peer's sends and receives in order, as exchange() promises). Nothing is
+  // checked across ranks (that would make the host wait for the device).
+  std::unique_ptr<Event> exchange(std::span<const P2POp> ops, Stream& stream) override {
+    detail::check_exchange(options_, ops);
+    size_t numel = 0, nbytes = 0;
+    for (const P2POp& op : ops) {
+      numel += op.numel();
+      if (op.kind == P2POp::Kind::kSend) nbytes += op.numel() * dtype_nbytes(op.dtype);
+    }
+    const std::vector<P2POp> list(ops.begin(), ops.end());
+    return enqueue("exchange", numel, list.front().dtype, nbytes, stream, [&](cudaStream_t s) {
+      const nccl::Api& api = nccl::api();
+      ncclResult_t result = api.GroupStart();
+      if (result != ncclSuccess) return result;
+      for (const P2POp& op : list) {
+        if (op.numel() == 0 || (result != ncclSuccess && result != ncclInProgress)) continue;
+        result = op.kind == P2POp::Kind::kSend
+                     ? api.Send(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s)
+                     : api.Recv(op.data, op.numel(), nccl_type(op.dtype), op.peer, comm_, s);
+      }
+      const ncclResult_t ended = api.GroupEnd();
       return result == ncclSuccess || result == ncclInProgress ? ended : result;
     });
   }

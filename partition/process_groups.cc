@@ -1,4 +1,4 @@
-// Process groups: the tp × dp (× ep) layout and communicators over one group.
+// Process groups: the pp × dp × tp (× ep) layout and communicators over one group.
 #include "partition/process_groups.h"
 
 #include <algorithm>
@@ -11,6 +11,20 @@ namespace {
 constexpr size_t kNamedRanks = 8;  // a group's name lists at most this many ranks in full
 
 size_t kind_index(GroupKind kind) { return static_cast<size_t>(kind); }
+
+// "ranks 2,3", "rank 5", "16 ranks: 0,8,16,...,120".
+std::string describe_ranks(const std::vector<int>& ranks) {
+  std::string list;
+  auto append = [&](const std::string& item) { list += (list.empty() ? "" : ",") + item; };
+  if (ranks.size() <= kNamedRanks) {
+    for (int r : ranks) append(std::to_string(r));
+    return fmt::format("rank{} {}", ranks.size() == 1 ? "" : "s", list);
+  }
+  for (size_t i = 0; i < 3; ++i) append(std::to_string(ranks[i]));
+  append("...");
+  append(std::to_string(ranks.back()));
+  return fmt::format("{} ranks: {}", ranks.size(), list);
+}
 }  // namespace
 
 std::string_view group_kind_name(GroupKind kind) {
@@ -19,21 +33,13 @@ std::string_view group_kind_name(GroupKind kind) {
     case GroupKind::kData: return "dp";
     case GroupKind::kExpert: return "ep";
     case GroupKind::kExpertData: return "expert-dp";
+    case GroupKind::kPipeline: return "pp";
   }
   raise(ErrorCategory::kInternal, "unknown process group kind");
 }
 
 std::string ProcessGroup::name() const {
-  std::string list;
-  auto append = [&](const std::string& item) { list += (list.empty() ? "" : ",") + item; };
-  if (ranks.size() <= kNamedRanks) {
-    for (int r : ranks) append(std::to_string(r));
-    return fmt::format("{} group {} (rank{} {})", group_kind_name(kind), index, ranks.size() == 1 ? "" : "s", list);
-  }
-  for (size_t i = 0; i < 3; ++i) append(std::to_string(ranks[i]));
-  append("...");
-  append(std::to_string(ranks.back()));
-  return fmt::format("{} group {} ({} ranks: {})", group_kind_name(kind), index, ranks.size(), list);
+  return fmt::format("{} group {} ({})", group_kind_name(kind), index, describe_ranks(ranks));
 }
 
 int ProcessGroup::member(int job_rank) const {
@@ -41,32 +47,48 @@ int ProcessGroup::member(int job_rank) const {
   return at == ranks.end() ? -1 : static_cast<int>(at - ranks.begin());
 }
 
-ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size)
-    : world_size_(world_size), tp_size_(tp_size), ep_size_(ep_size) {
+ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_size)
+    : world_size_(world_size), tp_size_(tp_size), ep_size_(ep_size), pp_size_(pp_size) {
   STRATA_CHECK(world_size >= 1, kBadArgument, "a world of {} ranks: at least 1 is needed", world_size);
   STRATA_CHECK(tp_size >= 1, kBadArgument, "tensor-parallel size {}: at least 1 is needed", tp_size);
+  STRATA_CHECK(pp_size >= 1, kBadArgument, "pipeline-parallel size {}: at least 1 is needed", pp_size);
   STRATA_CHECK(world_size % tp_size == 0, kBadArgument,
                "a world of {} ranks is not divisible by the tensor-parallel size {}: the ranks are laid out as "
-               "world = tp × dp",
-               world_size, tp_size);
-  const int dp = world_size / tp_size;
+               "world = {}tp × dp",
+               world_size, tp_size, pp_size > 1 ? "pp × " : "");
+  STRATA_CHECK(world_size % (tp_size * pp_size) == 0, kBadArgument,
+               "a world of {} ranks is not divisible by the pipeline-parallel size {} x the tensor-parallel size {}: "
+               "the ranks are laid out as world = pp × dp × tp",
+               world_size, pp_size, tp_size);
+  const int dp = world_size / (tp_size * pp_size);
   STRATA_CHECK(ep_size >= 1, kBadArgument, "expert-parallel size {}: at least 1 is needed", ep_size);
   STRATA_CHECK(dp % ep_size == 0, kBadArgument,
                "the expert-parallel size {} does not divide the data-parallel size {} (a world of {} ranks / "
-               "tensor-parallel size {}): expert-parallel groups are made inside the data-parallel ones",
-               ep_size, dp, world_size, tp_size);
+               "tensor-parallel size {}{}): expert-parallel groups are made inside the data-parallel ones",
+               ep_size, dp, world_size, tp_size,
+               pp_size > 1 ? fmt::format(" / pipeline-parallel size {}", pp_size) : std::string());
   auto add = [&](GroupKind kind, std::vector<int> ranks) {
     std::sort(ranks.begin(), ranks.end());
-    groups_[kind_index(kind)].push_back(ProcessGroup{kind, 0, std::move(ranks)});
+    groups_[kind_index(kind)].push_back(ProcessGroup{kind, 0, std::move(ranks), {}});
   };
-  for (int g = 0; g < dp; ++g) {
+  const int stage_size = dp * tp_size;
+  for (int g = 0; g < dp * pp_size; ++g) {
     std::vector<int> ranks;
     for (int t = 0; t < tp_size; ++t) ranks.push_back(g * tp_size + t);
     add(GroupKind::kTensor, std::move(ranks));
   }
-  for (int j = 0; j < tp_size; ++j) {
-    // Member k of dp group j is job rank j + k * tp.
-    auto dp_member = [&](int k) { return j + k * tp_size; };
+  for (int d = 0; d < dp; ++d) {
+    for (int t = 0; t < tp_size; ++t) {
+      std::vector<int> ranks;
+      for (int s = 0; s < pp_size; ++s) ranks.push_back(s * stage_size + d * tp_size + t);
+      add(GroupKind::kPipeline, std::move(ranks));
+    }
+  }
+  for (int j = 0; j < tp_size * pp_size; ++j) {
+    // Member k of the dp group of stage s and tp rank t (j = s * tp + t) is
+    // job rank s * stage_size + k * tp + t.
+    const int first = j / tp_size * stage_size + j % tp_size;
+    auto dp_member = [&](int k) { return first + k * tp_size; };
     std::vector<int> data;
     for (int k = 0; k < dp; ++k) data.push_back(dp_member(k));
     add(GroupKind::kData, std::move(data));
@@ -86,6 +108,22 @@ ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size)
               [](const ProcessGroup& a, const ProcessGroup& b) { return a.ranks.front() < b.ranks.front(); });
     for (size_t i = 0; i < groups.size(); ++i) groups[i].index = static_cast<int>(i);
   }
+  for (ProcessGroup& pipeline : groups_[kind_index(GroupKind::kPipeline)]) {
+    for (int s = 0; s < pp_size; ++s) pipeline.member_names.push_back(stage_name(s));
+  }
+}
+
+std::vector<int> ParallelLayout::stage_ranks(int stage) const {
+  STRATA_CHECK(stage >= 0 && stage < pp_size_, kBadArgument, "pipeline stage {} is outside the {} stages", stage,
+               pp_size_);
+  const int stage_size = world_size_ / pp_size_;
+  std::vector<int> ranks;
+  for (int r = 0; r < stage_size; ++r) ranks.push_back(stage * stage_size + r);
+  return ranks;
+}
+
+std::string ParallelLayout::stage_name(int stage) const {
+  return fmt::format("pp stage {} ({})", stage, describe_ranks(stage_ranks(stage)));
 }
 
 const std::vector<ProcessGroup>& ParallelLayout::groups(GroupKind kind) const { return groups_[kind_index(kind)]; }
@@ -116,13 +154,14 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
   options.prefix = fmt::format("{}/groups/{}/{}", job_options.prefix, group_kind_name(group.kind), group.index);
   options.group = name;
   options.members = group.ranks;
+  options.member_names = group.member_names;
   auto communicator = make_communicator(accelerator, store, options);
   logger().debug("rank {}: connected {} ({})", job_options.rank, name, communicator->backend());
   return communicator;
 }
 
 Communicator& ProcessGroups::of(GroupKind kind) const {
-  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp};
+  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp, &pp};
   const auto& communicator = *held[kind_index(kind)];
   STRATA_CHECK(communicator != nullptr, kBadArgument, "no {} group communicator was made", group_kind_name(kind));
   return *communicator;
@@ -141,6 +180,7 @@ ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, 
   groups.dp = make(GroupKind::kData);
   groups.ep = make(GroupKind::kExpert);
   groups.expert_dp = make(GroupKind::kExpertData);
+  groups.pp = make(GroupKind::kPipeline);
   return groups;
 }
 

@@ -1,26 +1,34 @@
-// Process groups (DESIGN.md §5): the job's ranks arranged as world = tp × dp,
-// Megatron's layout, with expert parallelism inside the data-parallel
-// dimension, DeepSpeed's; and communicators over one group each, connected
-// through the job's rendezvous store.
+// Process groups (DESIGN.md §5): the job's ranks arranged as world = pp × dp
+// × tp, Megatron's layout (tp fastest, then dp, then pp), with expert
+// parallelism inside the data-parallel dimension, DeepSpeed's; and
+// communicators over one group each, connected through the job's rendezvous
+// store.
 //
-// Layout (ParallelLayout: a pure function of world, tp and ep):
+// Layout (ParallelLayout: a pure function of world, tp, ep and pp). Job rank
+// r = s*(dp*tp) + d*tp + t: pipeline stage s, data-parallel rank d, tp rank t.
+//   pp stage s        ranks s*dp*tp .. (s+1)*dp*tp - 1: the ranks holding
+//                     stage s's layers (pipeline parallelism);
 //   tp group g        ranks g*tp .. g*tp + tp-1: consecutive, so on one node,
 //                     they hold the shards of one layer (tensor parallelism);
-//   dp group j        ranks j, j+tp, j+2*tp, ...: the ranks that hold the same
-//                     tp shard (j = rank % tp), over which ZeRO partitions;
+//   dp group          within a stage, the ranks that hold the same tp shard
+//                     (stride tp), over which ZeRO partitions;
+//   pp group          the ranks with the same d and t in every stage (stride
+//                     dp*tp): one pipeline, whose member s is stage s; they
+//                     pass activations and gradients point to point;
 //   ep group          within a dp group, ep consecutive members (dp positions
 //                     m*ep .. m*ep + ep-1): they split the experts between them;
 //   expert-dp group   within a dp group, the members that hold the same experts
 //                     (every ep-th): they average those experts' gradients.
 // Groups of a kind are numbered in the order of their lowest rank; every rank
 // is in exactly one group of each kind. Errors and logs name a group as
-// "tp group 1 (ranks 2,3)".
+// "tp group 1 (ranks 2,3)", a stage as "pp stage 1 (ranks 2,3)".
 //
 // Thread-safety: ParallelLayout is immutable after construction.
 // Throws: Error(kBadArgument) for sizes that do not divide (naming them);
 // communicators throw as make_communicator's do, naming the group.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -30,14 +38,18 @@
 
 namespace strata::partition {
 
-enum class GroupKind { kTensor, kData, kExpert, kExpertData };
-// "tp", "dp", "ep", "expert-dp": the words errors and store keys use.
+enum class GroupKind { kTensor, kData, kExpert, kExpertData, kPipeline };
+inline constexpr size_t kGroupKinds = 5;
+// "tp", "dp", "ep", "expert-dp", "pp": the words errors and store keys use.
 std::string_view group_kind_name(GroupKind kind);
 
 struct ProcessGroup {
   GroupKind kind = GroupKind::kTensor;
   int index = 0;
   std::vector<int> ranks;  // job ranks, ascending; member i of the group is ranks[i]
+  // What errors call each member as a point-to-point peer (a pp group's:
+  // its stages, "pp stage 1 (ranks 2,3)"); empty: "rank <r>".
+  std::vector<std::string> member_names;
 
   // "tp group 1 (ranks 2,3)"; past 8 ranks the list is shortened: "dp group 0 (16 ranks: 0,8,16,...,120)".
   std::string name() const;
@@ -47,16 +59,22 @@ struct ProcessGroup {
 
 class ParallelLayout {
  public:
-  // world = tp × dp, and ep divides dp. Refused otherwise, naming the sizes.
-  ParallelLayout(int world_size, int tp_size, int ep_size = 1);
+  // world = pp × dp × tp, and ep divides dp. Refused otherwise, naming the sizes.
+  ParallelLayout(int world_size, int tp_size, int ep_size = 1, int pp_size = 1);
 
   int world_size() const { return world_size_; }
   int tp_size() const { return tp_size_; }
-  int dp_size() const { return world_size_ / tp_size_; }
+  int dp_size() const { return world_size_ / (tp_size_ * pp_size_); }
   int ep_size() const { return ep_size_; }
-  // A rank's position in its tp group and in its dp group.
+  int pp_size() const { return pp_size_; }
+  // A rank's position in its tp group, its dp group and its pp group (its stage).
   int tp_rank(int rank) const { return rank % tp_size_; }
-  int dp_rank(int rank) const { return rank / tp_size_; }
+  int dp_rank(int rank) const { return rank / tp_size_ % dp_size(); }
+  int pp_rank(int rank) const { return rank / (tp_size_ * dp_size()); }
+  // The job ranks of pipeline stage `stage`, ascending, and what errors call
+  // it: "pp stage 1 (ranks 2,3)".
+  std::vector<int> stage_ranks(int stage) const;
+  std::string stage_name(int stage) const;
 
   // Every group of `kind`, by index.
   const std::vector<ProcessGroup>& groups(GroupKind kind) const;
@@ -64,8 +82,8 @@ class ParallelLayout {
   const ProcessGroup& group_of(GroupKind kind, int rank) const;
 
  private:
-  int world_size_, tp_size_, ep_size_;
-  std::vector<ProcessGroup> groups_[4];  // by GroupKind
+  int world_size_, tp_size_, ep_size_, pp_size_;
+  std::vector<ProcessGroup> groups_[kGroupKinds];  // by GroupKind
 };
 
 // A communicator over `group`, as make_communicator makes one (NCCL for cuda,
@@ -82,10 +100,10 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
 // This rank's communicator in each group of `layout` (groups of one rank
 // included, so that callers need no special case).
 struct ProcessGroups {
-  std::unique_ptr<Communicator> tp, dp, ep, expert_dp;
+  std::unique_ptr<Communicator> tp, dp, ep, expert_dp, pp;
   Communicator& of(GroupKind kind) const;
 };
-// Every rank makes them in the same order (tp, dp, ep, expert-dp), so that
+// Every rank makes them in the same order (tp, dp, ep, expert-dp, pp), so that
 // connecting one group never waits on a rank busy connecting another.
 // job_options.world_size must be layout.world_size().
 ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& job_options,

@@ -20,6 +20,7 @@
 #include "bench/common/json_output.h"
 #include "bench/common/stats.h"
 #include "bench/common/subprocess.h"
+#include "bench/strata-train/pipeline_bench.h"
 #include "bench/strata-train/zero_bench.h"
 #include "kernels/cuda_peak.h"
 #include "kernels/op_totals.h"
@@ -361,7 +362,9 @@ int main(int argc, char** argv) {
       "LlamaForCausalLM on the same config, threads and dtype, and prints the ratio).\n"
       "--zero 1|2|3 trains the model through a ZeroEngine (ranks: `strata run -n N -- strata-train ...`\n"
       "or --ranks N threads; --batch is then per rank) and reports the step's breakdown and its ratio\n"
-      "to its bound, max(the step resident, parameter bytes read / the drive's read bandwidth)."};
+      "to its bound, max(the step resident, parameter bytes read / the drive's read bandwidth).\n"
+      "--pp N splits it into pipeline stages (`strata run -n N -- strata-train --pp N ...`) and prints each\n"
+      "stage's idle share of the step against the schedule's formula."};
   app.add_option("--hidden", f.hidden, "hidden size")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--intermediate", f.intermediate, "MLP size (default: 8/3 hidden, rounded up to 128)")
       ->check(CLI::NonNegativeNumber);
@@ -404,6 +407,8 @@ int main(int argc, char** argv) {
                  "by the rank; under `strata run -n N` without it, .rank<N> is added)");
   strata::bench::train::ZeroFlags zero;
   strata::bench::train::add_zero_flags(app, zero);
+  strata::bench::train::PipelineFlags pipeline;
+  strata::bench::train::add_pipeline_flags(app, pipeline);
   CLI11_PARSE(app, argc, argv);
   if (f.threads > 0) strata::ops::set_cpu_threads(f.threads);
   try {
@@ -417,7 +422,10 @@ int main(int argc, char** argv) {
     std::optional<strata::trace::Session> tracing;
     start_trace(trace_path, tracing);
     int status = 0;
-    if (zero.stage > 0) {
+    if (pipeline.stages > 0) {
+      STRATA_CHECK(!f.vs_torch, kBadArgument, "--vs-torch times the resident benchmark; leave it out with --pp");
+      status = strata::bench::train::run_pipeline(zero_run(f), pipeline, zero);
+    } else if (zero.stage > 0) {
       STRATA_CHECK(!f.vs_torch, kBadArgument, "--vs-torch times the resident benchmark; leave it out with --zero");
       status = strata::bench::train::run_zero(zero_run(f), zero);
     } else {

@@ -145,6 +145,8 @@ Tier param_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == 
 // cpu and nvme: the CPU Adam with state in host memory or swapped from NVMe.
 Tier optimizer_tier(const std::string& s) { return s == "nvme" ? Tier::kNvme : s == "cpu" ? Tier::kCpu : Tier::kDevice; }
 
+}  // namespace
+
 nn::DecoderModelOptions model_options(const ModelRun& run) {
   nn::DecoderModelOptions o;
   o.dtype = parse_dtype(run.dtype);
@@ -153,6 +155,8 @@ nn::DecoderModelOptions model_options(const ModelRun& run) {
   o.skip_unrouted_experts = run.skip_unrouted_experts;
   return o;
 }
+
+namespace {
 
 struct RankSetup {
   int rank = 0, world = 1, ranks_per_drive = 1;
@@ -213,10 +217,9 @@ void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::Zer
 
 double mib(double bytes) { return bytes / (1 << 20); }
 
-// The whole benchmark on one rank; rank 0 prints and writes the JSON.
-// Returns whether every check held.
-bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, Accelerator& accelerator,
-              partition::StoreClient& store) {
+}  // namespace
+
+engine::ZeroEngineOptions zero_options(const ModelRun& run, const ZeroFlags& flags) {
   engine::ZeroEngineOptions o = flags.engine;
   o.stage = flags.stage;
   o.param_tier = param_tier(flags.offload_param);
@@ -233,6 +236,16 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   o.expert_parallel_size = flags.expert_parallel;
   if (run.dtype == "fp16") o.loss_scaling = engine::LossScalerOptions{};
   o.validate();
+  return o;
+}
+
+namespace {
+
+// The whole benchmark on one rank; rank 0 prints and writes the JSON.
+// Returns whether every check held.
+bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, Accelerator& accelerator,
+              partition::StoreClient& store) {
+  const engine::ZeroEngineOptions o = zero_options(run, flags);
 
   const strata::train::ZeroCommunicators comms =
       strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero",

@@ -14,6 +14,7 @@
 
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/decoder_config.h"
+#include "runtime/nn/decoder_model.h"
 
 namespace strata::bench::train {
 
@@ -57,6 +58,11 @@ struct ZeroFlags {
 // Adds --zero, --offload-param, --offload-optimizer, --nvme-dir, --ranks and
 // the engine's knobs to `app`, bound to `flags`.
 void add_zero_flags(CLI::App& app, ZeroFlags& flags);
+
+// The engine options the flags say (tiers, Adam, threads, the swap directory
+// under --nvme-dir), and the model's.
+engine::ZeroEngineOptions zero_options(const ModelRun& run, const ZeroFlags& flags);
+nn::DecoderModelOptions model_options(const ModelRun& run);
 
 // Runs the ZeRO benchmark; rank 0 prints (and writes run.json). Returns the
 // exit status: 0, or 1 when a correctness check failed. Throws strata::Error

@@ -90,6 +90,15 @@ void add_finetune_command(CLI::App& app) {
                   "features (tensor_parallel.autotp_size; must divide -n, the heads, kv heads and intermediate "
                   "size); the world / N data-parallel ranks split the batch")
       ->check(whole_number(1));
+  cmd->add_option("--pp", options->pipeline_parallel,
+                  "Pipeline parallelism: this many stages divide the decoder's layers (pipeline_parallel.size; the "
+                  "world is pp x dp x tp); gradient_accumulation_steps micro-batches flow through them each step")
+      ->check(whole_number(1));
+  cmd->add_option("--pp-schedule", options->pipeline_schedule,
+                  "The pipeline schedule (pipeline_parallel.schedule): gpipe, 1f1b, interleaved or zb-h1");
+  cmd->add_option("--virtual-stages", options->virtual_stages,
+                  "Chunks of layers per pipeline rank for the interleaved schedule (pipeline_parallel.virtual_stages)")
+      ->check(whole_number(1));
   cmd->add_flag("--sequence-parallel", options->sequence_parallel,
                 "Megatron's sequence parallelism over the --tp ranks (the config's sequence_parallel): each keeps "
                 "its share of the tokens' residual stream and norms, so every activation a layer saves is divided "

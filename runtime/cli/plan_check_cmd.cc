@@ -39,6 +39,7 @@ struct RunSetup {
   int64_t world_size = 1;
   bool checkpoint_activations = false;
   int tensor_parallel = 0;         // --tp (0: not given: the config's)
+  int pipeline_parallel = 0;       // --pp (0: not given: the config's)
   bool sequence_parallel = false;  // --sequence-parallel
   // finetune's LoRA flags as given (empty: not a LoRA run), parsed as finetune parses them.
   std::string lora_rank, lora_targets = "q_proj,v_proj";
@@ -97,6 +98,8 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.tensor_parallel = static_cast<int>(parse_integer(source + ": --tp", take(), 1));
     } else if (flag == "--sequence-parallel") {
       s.sequence_parallel = true;
+    } else if (flag == "--pp") {
+      s.pipeline_parallel = static_cast<int>(parse_integer(source + ": --pp", take(), 1));
     }
   }
   if (!record.ds_config.is_null()) {
@@ -219,6 +222,12 @@ int run_plan_check(const PlanOptions& o) {
       s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
   const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
                                               : parse_config(s.ds_config, config_source);
+  // A pipeline stage holds a part of the model and several micro-batches' activations: not modelled here.
+  const int pipeline = s.pipeline_parallel > 0 ? s.pipeline_parallel : config.pipeline_parallel_size;
+  STRATA_CHECK(pipeline == 1, kBadArgument,
+               "{}: the run is pipeline parallel ({} stages); strata plan --check does not model a pipeline stage's "
+               "memory yet (strata plan --pp N prints each stage's activations and parameters)",
+               run_json.string(), pipeline);
   plan::RuntimeInputs in;
   // As finetune reads them: --tp over the config's autotp_size, either sequence-parallel switch.
   in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;

@@ -25,6 +25,8 @@ struct PlanOptions {
   // Tensor parallelism (`strata finetune --tp`, --sequence-parallel): empty / false when not given.
   std::string tp;
   bool sequence_parallel = false;
+  // Pipeline parallelism (`strata finetune --pp`, --pp-schedule, --virtual-stages): empty when not given.
+  std::string pp, pp_schedule, virtual_stages;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.

@@ -27,6 +27,8 @@
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
+#include "runtime/pipeline/schedule.h"
+#include "runtime/pipeline/stages.h"
 #include "runtime/plan/plan.h"
 #include "runtime/plan/plan_report.h"
 #include "runtime/plan/runtime_memory.h"
@@ -170,6 +172,10 @@ struct Resolved {
   // --config), then as the engine would use them (resolve_zero_sizes).
   int64_t sub_group_given = 0, reduce_bucket_given = 0;
   engine::ZeroSizes zero_sizes;
+  // stage3_max_live_parameters and stage3_max_reuse_distance (DeepSpeed's defaults without --config).
+  struct {
+    int64_t max_live = 1'000'000'000, max_reuse_distance = 1'000'000'000;
+  } zero_limits;
   // moe.expert_parallel_size as strata finetune would choose it (needs
   // --model with experts; 1 otherwise), and what it changes per rank.
   int expert_parallel = 1;
@@ -178,6 +184,13 @@ struct Resolved {
   // and the ranks (tp x data-parallel).
   int tensor_parallel = 1;
   int64_t whole_param_count = 0, ranks = 0;
+  // Pipeline parallelism (--pp or pipeline_parallel.size; stages 1: none):
+  // the schedule, and per stage (pp rank) its layers and parameters (a tp
+  // rank's with tensor parallelism); inputs.model.param_count is then the
+  // largest stage's.
+  pipeline::ScheduleSpec pipeline;
+  std::vector<int64_t> stage_layers, stage_params;
+  std::vector<std::vector<int64_t>> stage_chunk_layers;  // per stage, its chunks' layer counts
 };
 
 void resolve_model(const Options& o, Resolved& r) {
@@ -467,6 +480,135 @@ void resolve_tensor_parallel(const Options& o, const std::optional<Config>& conf
   t.sequence_parallel = sp;
 }
 
+// Pipeline parallelism as strata finetune reads it (--pp over the config's
+// pipeline_parallel.size, the schedule and virtual stages likewise, the
+// micro-batches the gradient accumulation steps); needs --model (the split
+// is of its layers). N_d is then the ranks / (pp x tp), and the plan's model
+// states are the largest stage's.
+void resolve_pipeline_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  const int from_config = config ? config->pipeline_parallel_size : 1;
+  const int pp = !o.pp.empty() ? static_cast<int>(parse_integer("--pp", o.pp, 1)) : from_config;
+  if (!o.pp.empty() && from_config > 1 && from_config != pp) {
+    raise(ErrorCategory::kBadArgument, "--pp {} and {}'s pipeline_parallel.size {} disagree: give one", pp, o.config,
+          from_config);
+  }
+  if (pp == 1) {
+    STRATA_CHECK(o.pp_schedule.empty() && o.virtual_stages.empty(), kBadArgument,
+                 "--pp-schedule and --virtual-stages shape a pipeline: give --pp (or pipeline_parallel.size)");
+    return;
+  }
+  STRATA_CHECK(r.config.has_value(), kBadArgument,
+               "--pp {}: the stages split the model's layers: give --model (its config.json)", pp);
+  const std::string name = !o.pp_schedule.empty() ? o.pp_schedule : config ? config->pipeline_schedule : "1f1b";
+  const auto kind = pipeline::parse_schedule(name);
+  STRATA_CHECK(kind.has_value(), kBadArgument, "--pp-schedule {}: not a pipeline schedule; one of {}", name,
+               pipeline::schedule_names());
+  const int v = !o.virtual_stages.empty() ? static_cast<int>(parse_integer("--virtual-stages", o.virtual_stages, 1))
+                : config                  ? config->virtual_stages
+                                          : 1;
+  plan::TrainingShape& t = r.inputs.training;
+  r.pipeline = {*kind, pp, static_cast<int>(t.grad_accumulation), v};
+  r.pipeline.check();
+  const nn::DecoderConfig& c = *r.config;
+  const std::vector<int64_t> split =
+      pipeline::split_layers(c.num_hidden_layers, pp, v, config ? config->pipeline_layers : std::vector<int64_t>{});
+  // Each tensor of a (tp) rank to the stage holding it, by its name.
+  std::vector<int> stage_of_layer;
+  for (size_t s = 0; s < split.size(); ++s) {
+    for (int64_t l = 0; l < split[s]; ++l) stage_of_layer.push_back(static_cast<int>(s % static_cast<size_t>(pp)));
+  }
+  r.stage_layers.assign(static_cast<size_t>(pp), 0);
+  r.stage_chunk_layers.assign(static_cast<size_t>(pp), {});
+  for (size_t s = 0; s < split.size(); ++s) {
+    r.stage_layers[s % static_cast<size_t>(pp)] += split[s];
+    r.stage_chunk_layers[s % static_cast<size_t>(pp)].push_back(split[s]);
+  }
+  r.stage_params.assign(static_cast<size_t>(pp), 0);
+  for (const plan::RankParam& p : plan::decoder_rank_params(c, DType::kBF16, r.tensor_parallel)) {
+    const std::string& n = p.spec.name;
+    const int64_t numel = shape_numel(p.spec.shape);
+    if (n.rfind("model.layers.", 0) == 0) {
+      const int64_t layer = std::stoll(n.substr(13, n.find('.', 13) - 13));
+      r.stage_params[static_cast<size_t>(stage_of_layer[static_cast<size_t>(layer)])] += numel;
+    } else if (n.rfind("model.embed_tokens.", 0) == 0) {
+      r.stage_params.front() += numel;
+      if (c.tie_word_embeddings) r.stage_params.back() += numel;  // the last stage's lm_head
+    } else {
+      r.stage_params.back() += numel;  // the final norm and lm_head
+    }
+  }
+  plan::Machine& hw = r.inputs.machine;
+  if (r.sources["data_parallel"] == "--dp") {
+    r.ranks = (r.ranks > 0 ? r.ranks : hw.data_parallel) * pp;
+  } else {
+    STRATA_CHECK(hw.data_parallel % pp == 0, kBadArgument, "--pp {} does not divide the {} data-parallel ranks ({})",
+                 pp, hw.data_parallel, r.sources["data_parallel"]);
+    hw.data_parallel /= pp;
+    r.sources["data_parallel"] += fmt::format(" / pp {}", pp);
+    r.ranks = (r.ranks > 0 ? r.ranks : hw.data_parallel * pp);
+  }
+  if (r.whole_param_count == 0) r.whole_param_count = r.inputs.model.param_count;
+  r.inputs.model.param_count = *std::max_element(r.stage_params.begin(), r.stage_params.end());
+  r.inputs.model.active_param_count = 0;
+}
+
+// Per stage: its activation memory (strata's arena per micro-batch for its
+// layers, times the micro-batches the schedule keeps in flight on it), the
+// bytes it sends per step point to point, and how a ZeRO-3 stage gathers.
+nlohmann::json pipeline_json(const Resolved& r) {
+  const nn::DecoderConfig& c = *r.config;
+  const plan::TrainingShape& t = r.inputs.training;
+  const pipeline::ScheduleSpec& spec = r.pipeline;
+  const int p = spec.stages;
+  const int64_t rows = t.micro_batch * t.seq / (t.sequence_parallel ? r.tensor_parallel : 1);
+  // One boundary transfer: [rows, hidden] in 16 bits.
+  const double transfer = static_cast<double>(rows * c.hidden_size) * 2.0;
+  const auto& limits = r.zero_limits;
+  nlohmann::json stages = nlohmann::json::array();
+  for (int s = 0; s < p; ++s) {
+    size_t arena = 0;
+    for (int64_t layers : r.stage_chunk_layers[static_cast<size_t>(s)]) {
+      nn::DecoderConfig part = c;
+      part.num_hidden_layers = layers;
+      arena += plan::decoder_arena_nbytes(part, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
+                                          t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel);
+    }
+    // Per chunk arena above; in flight counts micro-batch chunks.
+    const int in_flight = pipeline::promised_in_flight(spec, s);
+    const double per_chunk = static_cast<double>(arena) / static_cast<double>(spec.virtual_stages);
+    // Sends per step: each chunk's output forward (not the last virtual
+    // stage's) and input gradient back (not the first's), per micro-batch.
+    int boundaries = 0;
+    for (int k = 0; k < spec.virtual_stages; ++k) {
+      const int vs = k * p + s;
+      boundaries += (vs + 1 < p * spec.virtual_stages) + (vs > 0);
+    }
+    const int64_t params = r.stage_params[static_cast<size_t>(s)];
+    // ZeRO-3: a stage's parameter comes back to use after the stage's other
+    // parameters (the next micro-batch): kept gathered while they fit the
+    // reuse distance and the live budget, else gathered for every use (a
+    // forward and a backward per micro-batch; a recompute too with checkpoints).
+    const bool kept = params <= limits.max_reuse_distance && params <= limits.max_live;
+    const int uses = spec.micro_batches * (t.activation_checkpointing ? 3 : 2);
+    stages.push_back({{"stage", s},
+                      {"layers", r.stage_layers[static_cast<size_t>(s)]},
+                      {"parameters", params},
+                      {"micro_batches_in_flight", in_flight},
+                      {"activation_bytes", per_chunk * in_flight},
+                      {"p2p_bytes_sent_per_step", transfer * boundaries * spec.micro_batches},
+                      {"zero3_parameters_kept_for_the_step", kept},
+                      {"zero3_gathers_per_parameter_per_step", kept ? 1 : uses}});
+  }
+  return {{"size", p},
+          {"schedule", pipeline::schedule_name(spec.kind)},
+          {"virtual_stages", spec.virtual_stages},
+          {"micro_batches", spec.micro_batches},
+          {"bubble", pipeline::bubble_formula(spec)},
+          {"ranks", r.ranks},
+          {"whole_parameters", r.whole_param_count},
+          {"stages", stages}};
+}
+
 nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
   const plan::TrainingShape& t = r.inputs.training;
   const nn::DecoderConfig& c = *r.config;
@@ -605,7 +747,11 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
   const plan::Machine& hw = in.machine;
   auto src = [&](const char* key) { return r.sources.at(key); };
   std::string out =
-      r.tensor_parallel > 1
+      r.pipeline.stages > 1
+          ? fmt::format("Model     {} parameters ({}); {} on the largest pipeline stage{}\n",
+                        count_text(r.whole_param_count), r.model_source, count_text(m.param_count),
+                        r.tensor_parallel > 1 ? " per tensor-parallel rank" : "")
+      : r.tensor_parallel > 1
           ? fmt::format("Model     {} parameters ({}); {} per tensor-parallel rank\n",
                         count_text(r.whole_param_count), r.model_source, count_text(m.param_count))
           : fmt::format("Model     {} parameters ({})\n", count_text(m.param_count), r.model_source);
@@ -645,6 +791,29 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
         t.sequence_parallel ? ", with sequence parallelism (norms and residual on 1/tp of the tokens)" : "",
         gb_text(static_cast<double>(tensor_parallel_json(r, plan)["activation_arena_bytes_per_rank"].get<size_t>())),
         plan.tp_collective_nbytes / 1e6);
+  }
+  if (r.pipeline.stages > 1) {
+    const nlohmann::json pj = pipeline_json(r);
+    out += fmt::format(
+        "          pipeline parallelism {} ({}{}, {} micro-batches per step): bubble {:.3f} of the step by the "
+        "schedule's formula; the model states below are the largest stage's\n",
+        r.pipeline.stages, pipeline::schedule_name(r.pipeline.kind),
+        r.pipeline.virtual_stages > 1 ? fmt::format(", {} chunks per rank", r.pipeline.virtual_stages) : std::string(),
+        r.pipeline.micro_batches, pj["bubble"].get<double>());
+    for (const nlohmann::json& s : pj["stages"]) {
+      out += fmt::format(
+          "          stage {}: {} layers, {} parameters, {} micro-batch(es) in flight: {} of activations (strata's "
+          "arena, 16-bit); sends {:.1f} MB per step point to point; ZeRO-3 {}\n",
+          s["stage"].get<int>(), s["layers"].get<int64_t>(), count_text(s["parameters"].get<int64_t>()),
+          s["micro_batches_in_flight"].get<int>(), gb_text(s["activation_bytes"].get<double>()),
+          s["p2p_bytes_sent_per_step"].get<double>() / 1e6,
+          s["zero3_parameters_kept_for_the_step"].get<bool>()
+              ? "gathers each parameter once per step and keeps it for the step's micro-batches (the stage's "
+                "parameters fit stage3_max_reuse_distance and stage3_max_live_parameters)"
+              : fmt::format("gathers each parameter for every use, {} per step (the stage's parameters exceed "
+                            "stage3_max_reuse_distance or stage3_max_live_parameters)",
+                            s["zero3_gathers_per_parameter_per_step"].get<int>()));
+    }
   }
   out += fmt::format(
       "Training  seq {}, micro-batch {}, gradient accumulation {}, {}\n", t.seq, t.micro_batch,
@@ -705,6 +874,9 @@ void check_flag_combination(const Options& o) {
       {"--lora-rank", !o.lora_rank.empty()},
       {"--lora-targets", !o.lora_targets.empty()},
       {"--tp", !o.tp.empty()},
+      {"--pp", !o.pp.empty()},
+      {"--pp-schedule", !o.pp_schedule.empty()},
+      {"--virtual-stages", !o.virtual_stages.empty()},
       {"--sequence-parallel", o.sequence_parallel},
       {"--units", o.units != "GB"}};
   const std::vector<std::pair<const char*, bool>> check_only = {
@@ -735,7 +907,12 @@ int run_plan(const Options& o) {
   resolve_training(o, config, r);
   resolve_machine(o, config, r);
   resolve_tensor_parallel(o, config, r);
+  resolve_pipeline_parallel(o, config, r);
   resolve_zero_sizes(r);
+  if (config) {
+    r.zero_limits.max_live = static_cast<int64_t>(config->zero.max_live_parameters_numel);
+    r.zero_limits.max_reuse_distance = static_cast<int64_t>(config->zero.max_reuse_distance_numel);
+  }
   resolve_expert_parallel(o, config, r);
   plan::Plan result = plan::make_plan(r.inputs);
   for (const std::string& hint : r.hints) result.notes.push_back(hint);
@@ -746,6 +923,7 @@ int run_plan(const Options& o) {
     out["zero_sizes"] = r.zero_sizes.to_json();
     if (r.expert_parallel > 1) out["expert_parallel"] = expert_parallel_json(r);
     if (r.tensor_parallel > 1) out["tensor_parallel"] = tensor_parallel_json(r, result);
+    if (r.pipeline.stages > 1) out["pipeline_parallel"] = pipeline_json(r);
     std::cout << out.dump(2) << "\n";
   } else {
     std::cout << header(r, result)
@@ -879,6 +1057,15 @@ void add_plan_command(CLI::App& app) {
        "layer, N_d = GPUs / N data-parallel ranks (or --dp, with N x --dp ranks); needs --model. Model states, "
        "activations and traffic are then one rank's")
       ->type_name("N");
+  text("--pp", o->pp,
+       "Pipeline parallelism (strata finetune --pp; pipeline_parallel.size): this many stages split the layers, "
+       "N_d = GPUs / (pp x tp) (or --dp, with pp x tp x --dp ranks); needs --model. Prints per stage its layers, "
+       "parameters, activations for the micro-batches in flight, point-to-point bytes and how ZeRO-3 gathers; the "
+       "model states are the largest stage's")
+      ->type_name("N");
+  text("--pp-schedule", o->pp_schedule, "With --pp: gpipe, 1f1b, interleaved or zb-h1 (default: the config's)")
+      ->type_name("NAME");
+  text("--virtual-stages", o->virtual_stages, "With --pp: chunks of layers per rank (interleaved)")->type_name("V");
   cmd->add_flag("--sequence-parallel", o->sequence_parallel,
                 "With --tp: Megatron's sequence parallelism (the config's sequence_parallel): activations divided "
                 "by N");

@@ -1,5 +1,7 @@
 // Checking a configuration document against the schema and building Config.
 #include "runtime/config/config.h"
+
+#include "runtime/pipeline/schedule.h"
 #include "runtime/config/trainer_flags.h"
 
 #include <fcntl.h>
@@ -275,6 +277,17 @@ class Checker {
           return std::nullopt;
         }
         return value;
+      case FieldKind::kIntList: {
+        if (!value.is_array()) return std::nullopt;
+        json out = json::array();
+        for (const json& item : value) {
+          if (!item.is_number_integer()) return std::nullopt;
+          const auto i = exact_int(f, item);
+          if (!i) return std::nullopt;
+          out.push_back(*i);
+        }
+        return out;
+      }
     }
     return std::nullopt;
   }
@@ -313,6 +326,11 @@ Config build(const json& e) {
   c.expert_parallel_size = e["moe"]["expert_parallel_size"].is_null() ? 0 : as_int(e["moe"]["expert_parallel_size"]);
   c.tensor_parallel_size = as_int(e["tensor_parallel"]["autotp_size"]);
   c.sequence_parallel = e["sequence_parallel"].get<bool>();
+  const json& pipeline = e["pipeline_parallel"];
+  c.pipeline_parallel_size = as_int(pipeline["size"]);
+  c.pipeline_schedule = pipeline["schedule"].get<std::string>();
+  c.virtual_stages = as_int(pipeline["virtual_stages"]);
+  for (const json& n : pipeline["layers"]) c.pipeline_layers.push_back(n.get<int64_t>());
   c.steps_per_print = e["steps_per_print"].get<int64_t>();
   c.bf16 = e["bf16"]["enabled"].get<bool>();
   for (auto [monitor, name] : {std::pair{&c.csv_monitor, "csv_monitor"}, {&c.tensorboard, "tensorboard"}}) {
@@ -441,6 +459,33 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
     checker.problem("tensor_parallel.autotp_size {} with moe.expert_parallel_size {}: tensor parallelism is not "
                     "implemented for mixture-of-experts models yet",
                     c.tensor_parallel_size, c.expert_parallel_size);
+  }
+  if (c.pipeline_parallel_size > 1 || c.virtual_stages > 1 || !c.pipeline_layers.empty()) {
+    const auto kind = pipeline::parse_schedule(c.pipeline_schedule);
+    if (c.pipeline_parallel_size == 1) {
+      checker.problem("pipeline_parallel.{} is given but pipeline_parallel.size is 1: there is no pipeline to "
+                      "shape; set the size (or finetune --pp) or leave it out",
+                      c.virtual_stages > 1 ? "virtual_stages" : "layers");
+    } else if (*kind != pipeline::ScheduleKind::kInterleaved && c.virtual_stages > 1) {
+      checker.problem("pipeline_parallel.virtual_stages {} needs pipeline_parallel.schedule \"interleaved\" (it is "
+                      "\"{}\")",
+                      c.virtual_stages, c.pipeline_schedule);
+    } else if (*kind == pipeline::ScheduleKind::kInterleaved && c.virtual_stages < 2) {
+      checker.problem("pipeline_parallel.schedule \"interleaved\" needs pipeline_parallel.virtual_stages of 2 or "
+                      "more (chunks of layers per rank)");
+    } else if (*kind == pipeline::ScheduleKind::kInterleaved &&
+               c.gradient_accumulation_steps % c.pipeline_parallel_size != 0) {
+      checker.problem("pipeline_parallel.schedule \"interleaved\" runs micro-batches in groups of the pipeline "
+                      "size (Megatron's rule): gradient_accumulation_steps {} (the micro-batches of a step) is not "
+                      "a multiple of pipeline_parallel.size {}",
+                      c.gradient_accumulation_steps, c.pipeline_parallel_size);
+    } else if (!c.pipeline_layers.empty() &&
+               static_cast<int64_t>(c.pipeline_layers.size()) !=
+                   static_cast<int64_t>(c.pipeline_parallel_size) * c.virtual_stages) {
+      checker.problem("pipeline_parallel.layers has {} entries; one per stage (size {} x virtual_stages {}) is "
+                      "needed",
+                      c.pipeline_layers.size(), c.pipeline_parallel_size, c.virtual_stages);
+    }
   }
   if (c.wandb_enabled) {
     checker.problem("wandb.enabled is true: Weights & Biases logs to its servers over the network, which strata's "

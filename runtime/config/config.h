@@ -122,6 +122,12 @@ struct Config {
   // over the tensor-parallel ranks: the runner refuses it without them).
   int tensor_parallel_size = 1;
   bool sequence_parallel = false;
+  // pipeline_parallel (runtime/pipeline): stages, schedule name, chunks per
+  // rank, and layers per (virtual) stage (empty: as equal as possible).
+  int pipeline_parallel_size = 1;
+  std::string pipeline_schedule = "1f1b";
+  int virtual_stages = 1;
+  std::vector<int64_t> pipeline_layers;
 
   // The "scheduler" block as given (null when absent); turn it into a schedule
   // with engine::LrSchedule::from_json(scheduler, optimizer.lr), which applies

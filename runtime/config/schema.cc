@@ -87,6 +87,13 @@ std::vector<ConfigField> build_fields() {
   }
   // Tensor parallelism.
   f.push_back(integer("tensor_parallel.autotp_size", 1, 1, 1 << 16, "Tensor parallelism (DeepSpeed's AutoTP key, Megatron's layout): this many consecutive ranks split each decoder layer — column-parallel q/k/v and gate/up, row-parallel o and down, each rank num_attention_heads / N heads and intermediate_size / N MLP features — and sum the partial outputs with an allreduce; ZeRO partitions each shard over the ranks holding the same one (the world / N data-parallel ranks), which split the batch. Must divide the world size, num_attention_heads and intermediate_size, and divide num_key_value_heads or be a multiple of it (then tp / num_key_value_heads ranks share each kv head). The embedding, lm_head and norms are replicated. Not yet with experts, LoRA or MLP tiling (refused by name)."));
+  f.push_back(integer("pipeline_parallel.size", 1, 1, 1 << 16, "Pipeline parallelism: this many stages divide the decoder's layers (equal by default, or as pipeline_parallel.layers says; the embedding on the first stage, the final norm and lm_head on the last), each holding and streaming its share of the model, micro-batches flowing through them — activations forward, gradients back, point to point. Ranks are laid out world = pp x dp x tp (Megatron's order: tp fastest, then dp, then pp); ZeRO partitions each stage over its dp ranks, which split the batch. gradient_accumulation_steps is the number of micro-batches each step pipelines. Must divide the world size (with autotp_size)."));
+  f.push_back(choice("pipeline_parallel.schedule", "1f1b", {"gpipe", "1f1b", "interleaved", "zb-h1"}, "The pipeline schedule: gpipe (every forward, then every backward: all micro-batches in flight), 1f1b (Megatron's: p - r - 1 warm-up forwards on stage r, then one forward and one backward in turn: at most p - r in flight; bubble (p-1)/(m+p-1)), interleaved (Megatron's interleaved 1F1B over pipeline_parallel.virtual_stages chunks per rank: bubble divided by v; the micro-batches, gradient_accumulation_steps, must be a multiple of the size) or zb-h1 (Zero Bubble's ZB-H1: the backward split into the input gradient and the weight gradients, the latter deferred into the bubble; 1f1b's memory, about a third of its bubble)."));
+  f.push_back(integer("pipeline_parallel.virtual_stages", 1, 1, 1 << 10, "Chunks of layers per rank for the interleaved schedule (2 or more; 1 otherwise): virtual stage k x size + r is chunk k of stage r (Megatron's placement)."));
+  ConfigField layers = field("pipeline_parallel.layers", FieldKind::kIntList, json::array(), "Decoder layers per (virtual) stage, in order: one entry per stage (size x virtual_stages), each at least 1, summing to num_hidden_layers. Empty: as equal as possible, the first stages taking one more.");
+  layers.min = 1;
+  layers.max = 1 << 20;
+  f.push_back(layers);
   f.push_back(flag("sequence_parallel", false, "Megatron's sequence parallelism on top of tensor parallelism: the residual stream, the norms and what they save for backward hold each tensor-parallel rank's share of the micro-batch's tokens, gathered before each attention and MLP block and reduce-scattered after it, so every activation a layer keeps is divided by the tensor-parallel size at no extra traffic but a gather of each block's input in backward. Needs tensor_parallel.autotp_size (or --tp) of 2 or more, and micro-batch x seq divisible by it."));
   // Precision.
   f.push_back(flag("bf16.enabled", false, "Train with bf16 parameters and gradients (fp32 master weights)."));
@@ -253,6 +260,7 @@ std::string describe_accepted(const ConfigField& f) {
     case FieldKind::kString: return "a string (without NUL characters)";
     case FieldKind::kEnum: return fmt::format("one of {}", fmt::join(f.choices, ", "));
     case FieldKind::kNumberPair: return "a list of two numbers" + range(f);
+    case FieldKind::kIntList: return "a list of integers" + range(f);
   }
   return "?";
 }

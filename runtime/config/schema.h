@@ -20,6 +20,7 @@ enum class FieldKind {
   kString,
   kEnum,       // string out of `choices` (case-sensitive)
   kNumberPair, // [a, b], each within [min, max]
+  kIntList,    // [a, b, ...], integers each within [min, max] (empty allowed)
 };
 
 // A range's open end: any finite number passes.

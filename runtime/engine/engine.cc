@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/trace_recorder.h"
@@ -74,6 +76,48 @@ void Engine::mark_expert(ParamId id, int expert, int experts) {
                "parameter '{}' marked expert {} of {}", params_[id].name, expert, experts);
   params_[id].expert = expert;
   params_[id].experts = experts;
+}
+
+void Engine::share_with_stage(ParamId id, partition::Communicator& pp, int peer) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "share_with_stage: unknown parameter id {}", id);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' shared with another stage after finalize()", params_[id].name);
+  STRATA_CHECK(peer >= 0 && peer < pp.world_size() && peer != pp.rank(), kBadArgument,
+               "parameter '{}' shared with pipeline stage {}: not another stage of {}", params_[id].name, peer,
+               pp.world_size());
+  STRATA_CHECK(stage_comm_ == nullptr || stage_comm_ == &pp, kBadArgument,
+               "parameter '{}' shared over another pipeline group than the engine's other shared parameters",
+               params_[id].name);
+  stage_comm_ = &pp;
+  params_[id].stage_peer = peer;
+}
+
+void Engine::sum_stage_gradients() {
+  STRATA_CHECK(finalized_, kBadArgument, "sum_stage_gradients() before finalize()");
+  for (ParamId id = 0; id < parameter_count(); ++id) {
+    const ParamInfo& info = params_[static_cast<size_t>(id)];
+    if (info.stage_peer < 0 || info.frozen) continue;
+    const TensorView mine = stage_shared_grad(id);
+    if (mine.data == nullptr) continue;
+    // Each side sends its gradient and receives the other's, then adds: both
+    // compute the same sum (fp32 addition commutes).
+    Stream& stream = compute_stream();
+    void* theirs = accelerator_.allocate(mine.nbytes());
+    const TensorView other{mine.desc, theirs};
+    const std::string what = fmt::format("gradient of {}, shared by two pipeline stages", info.name);
+    // Tagged by the tensor's name: its id differs between the stages.
+    uint32_t name_key = 2166136261u;
+    for (char c : info.name) name_key = (name_key ^ static_cast<unsigned char>(c)) * 16777619u;
+    const uint64_t tag = uint64_t{3} << 56 | name_key;
+    const std::vector<partition::P2POp> ops = {
+        partition::P2POp::send(info.stage_peer, mine.data, DType::kF32, mine.desc.shape, tag, what),
+        partition::P2POp::recv(info.stage_peer, theirs, DType::kF32, mine.desc.shape, tag, what)};
+    stage_comm_->exchange(ops, stream);
+    ops_impl_->add(*compute_, mine, other, mine);
+    auto done = accelerator_.create_event();
+    stream.record(*done);
+    accelerator_.deallocate_after(theirs, *done);
+    on_stage_grad_summed(id);
+  }
 }
 
 bool Engine::owns_expert(int expert, int experts) const {

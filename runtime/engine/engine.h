@@ -99,6 +99,11 @@ struct ParamInfo {
   // fewer kv heads than tp ranks); they sum its gradient among them, and the
   // gradient norm counts the first one's. 1: this rank's alone.
   int32_t tp_copies = 1;
+  // Pipeline parallelism: another stage holds this same tensor too (a tied
+  // embedding: the first stage's lookup table is the last stage's lm_head);
+  // its rank in the pipeline group (Engine::share_with_stage), -1: none. The
+  // two stages' gradients are summed; the norm counts the lower stage's.
+  int32_t stage_peer = -1;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
@@ -224,6 +229,38 @@ class Engine {
   virtual void exchange_experts(const TensorView& send, const TensorView& recv,
                                 const partition::AllToAllSplits& splits);
 
+  // ---- pipeline parallelism (docs/DESIGN.md §5.4) -------------------------------------
+  // Before finalize: parameter `id` is held by another pipeline stage too
+  // (ParamInfo::stage_peer), `peer` its rank in `pp`, the pipeline group's
+  // communicator (which must outlive the engine). Every shared parameter of
+  // one engine names the same communicator.
+  void share_with_stage(ParamId id, partition::Communicator& pp, int peer);
+  // After a step's last backward and before its optimizer step: adds the peer
+  // stage's gradient of every shared parameter to this stage's, so both hold
+  // the sum (the same bits: fp32 addition commutes). Ordered on the compute
+  // stream; collective with the peers (each calls it at the same point).
+  // Nothing without shared parameters.
+  void sum_stage_gradients();
+
+  // ---- a split backward (pipeline schedules with W: zb-h1) -----------------------------
+  // While a sink is set, a Linear's backward computes only its input
+  // gradient — in a kRecompute window: it reads the weight and is not a use
+  // of the gradient — and hands the sink its output gradient dy and input x
+  // (whole matrices, accelerator memory; dy valid only until the compute
+  // stream's next work, so the sink copies it; x as long as the model keeps
+  // it, which the sink is told: pipeline::DeferredWeightGrads) with the function that adds
+  // dy^T x into its gradients in a kBackward window of its own (W). Modules
+  // that do not consult the sink compute their weight gradients at once, so
+  // the result never depends on what is deferred, only the time it runs.
+  using WeightGradFn = std::function<void(const ops::MatView& dy, const ops::MatView& x)>;
+  class WeightGradSink {
+   public:
+    virtual ~WeightGradSink() = default;
+    virtual void defer(const ops::MatView& dy, const ops::MatView& x, WeightGradFn weight_grads) = 0;
+  };
+  void set_weight_grad_sink(WeightGradSink* sink) { weight_grad_sink_ = sink; }
+  WeightGradSink* weight_grad_sink() const { return weight_grad_sink_; }
+
   // The full parameter (storage dtype, accelerator memory). Valid between
   // pre_op and post_op of an op that lists it.
   virtual TensorView param(ParamId id) = 0;
@@ -284,6 +321,13 @@ class Engine {
   void set_tensor_group(TensorGroup group) { tensor_group_ = group; }
   // Refuses a window of an expert this rank does not hold (pre_op, skip_op).
   void check_owned(OpId op) const;
+  // sum_stage_gradients' view of a shared parameter's gradient for this step:
+  // the whole fp32 tensor this rank holds (zeros when no use has added to it
+  // yet), or an empty view when it has none to sum (frozen).
+  virtual TensorView stage_shared_grad(ParamId id) = 0;
+  // After sum_stage_gradients has summed `id`'s gradient (stream-ordered on
+  // the compute stream): an engine that held it back reduces it now.
+  virtual void on_stage_grad_summed(ParamId /*id*/) {}
 
  private:
   Accelerator& accelerator_;
@@ -305,6 +349,8 @@ class Engine {
   std::unique_ptr<Event> skip_point_;  // skip_op's compute-stream point (backward)
   ExpertGroup expert_group_;
   TensorGroup tensor_group_;
+  partition::Communicator* stage_comm_ = nullptr;  // share_with_stage's pipeline group
+  WeightGradSink* weight_grad_sink_ = nullptr;
 };
 
 }  // namespace strata::engine

@@ -46,6 +46,7 @@ class ResidentEngine final : public Engine {
 
  private:
   void on_finalize() override;
+  TensorView stage_shared_grad(ParamId id) override { return grad_storage(id); }
 
   Tensor param_flat_, grad_flat_;  // bytes, accelerator memory
   std::vector<size_t> param_offset_, grad_offset_;

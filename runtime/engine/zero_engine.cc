@@ -94,6 +94,12 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
     set_tensor_group({comms_.tensor->world_size(), comms_.tensor->rank()});
     tensor_stream_ = accelerator.create_stream();
   }
+  if (comms_.pipeline != nullptr && comms_.pipeline->world_size() > 1) {
+    STRATA_CHECK(comms_.pipeline != comms_.gather && comms_.pipeline != comms_.reduce &&
+                     comms_.pipeline != comms_.control && comms_.pipeline != comms_.tensor,
+                 kBadArgument, "the pp group needs a communicator of its own");
+    pipeline_stream_ = accelerator.create_stream();
+  }
   gather_stream_ = accelerator.create_stream();
   control_stream_ = accelerator.create_stream();
   home_stream_ = accelerator.create_stream();
@@ -113,7 +119,7 @@ ZeroEngine::~ZeroEngine() {
   }
   // Queued work reads and writes the memory freed below.
   for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get(),
-                         exchange_stream_.get(), tensor_stream_.get()}) {
+                         exchange_stream_.get(), tensor_stream_.get(), pipeline_stream_.get()}) {
     if (stream == nullptr) continue;
     try {
       stream->synchronize();
@@ -161,7 +167,8 @@ void ZeroEngine::on_finalize() {
   // differently), in declaration order within a group.
   const int ep = options_.expert_parallel_size;
   const bool tp = tensor_group().size > 1;
-  std::map<std::tuple<DType, bool, bool, bool, bool, std::optional<float>>, size_t> group_index;
+  std::map<std::tuple<DType, bool, bool, bool, bool, bool, std::optional<float>>, size_t> group_index;
+  const int stage = comms_.pipeline != nullptr ? comms_.pipeline->rank() : 0;
   group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
@@ -178,12 +185,14 @@ void ZeroEngine::on_finalize() {
     const bool tp_split = tp && info.tp_split;
     // A block several tp ranks hold counts in the norm on the first of them only.
     const bool tp_counted = !tp_split || info.tp_copies <= 1 || tensor_group().rank % info.tp_copies == 0;
+    // A tensor two pipeline stages hold counts in the norm on the lower one only.
+    const bool stage_copy = info.stage_peer >= 0 && info.stage_peer < stage;
     // A parameter with its own weight decay joins the others of that decay
     // (a frozen one has no optimizer: its decay does not matter).
     std::optional<float> decay = frozen ? std::nullopt : info.weight_decay;
     if (decay && *decay == options_.adam.weight_decay) decay.reset();
-    auto [it, inserted] =
-        group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted, decay}, groups_.size());
+    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted, stage_copy, decay},
+                                              groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
       Group& g = *groups_.back();
@@ -192,10 +201,11 @@ void ZeroEngine::on_finalize() {
       g.expert = expert;
       g.tp_split = tp_split;
       g.tp_counted = tp_counted;
-      g.tp_suffix = !tp_split ? "" : tp_counted ? "_tp" : "_tp_copy";
+      g.stage_copy = stage_copy;
+      g.suffix = std::string(!tp_split ? "" : tp_counted ? "_tp" : "_tp_copy") + (stage_copy ? "_pp_copy" : "");
       g.weight_decay = decay;
       g.decay_suffix = decay ? fmt::format("_wd{}", *decay) : "";
-      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.tp_suffix +
+      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix +
               g.decay_suffix;
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
@@ -268,7 +278,7 @@ void ZeroEngine::on_finalize() {
     if (g->frozen) continue;
     g->shard = static_cast<int>(shards.size());
     shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
-                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->tp_suffix +
+                      std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->suffix +
                           g->decay_suffix,
                       g->weight_decay});
   }
@@ -492,10 +502,34 @@ TensorView ZeroEngine::grad(ParamId id) {
 
 void ZeroEngine::on_grad_ready(ParamId id, Event& ready) {
   if (options_.stage == 1) return;  // reduced at the boundary from the resident gradients
+  // Shared with another pipeline stage: held, accumulating over the step's
+  // micro-batches, until sum_stage_gradients adds the peer's and reduces it.
+  if (param_info(id).stage_peer >= 0) return;
   float* grad = grad_full_[id];
   if (grad == nullptr) return;  // the op never asked for this gradient
   grad_full_[id] = nullptr;
   group_of(id).reducer->add(index_in_group_[id], grad, ready,
+                            [this, grad](Event& consumed) { accelerator().deallocate_after(grad, consumed); });
+}
+
+TensorView ZeroEngine::stage_shared_grad(ParamId id) {
+  if (!holds(id) || param_info(id).frozen) return TensorView{};
+  const ParamInfo& info = param_info(id);
+  float*& grad = grad_full_[id];
+  if (grad == nullptr) {  // no use added to it this step
+    const size_t nbytes = static_cast<size_t>(info.numel()) * sizeof(float);
+    grad = static_cast<float*>(accelerator().allocate(nbytes));
+    accelerator().memset_async(grad, 0, nbytes, compute_stream());
+  }
+  return TensorView{TensorDesc{DType::kF32, info.shape, Tier::kDevice}, grad};
+}
+
+void ZeroEngine::on_stage_grad_summed(ParamId id) {
+  if (options_.stage == 1) return;  // step() reduces every resident gradient
+  float* grad = grad_full_[id];
+  grad_full_[id] = nullptr;
+  compute_stream().record(*compute_point_);
+  group_of(id).reducer->add(index_in_group_[id], grad, *compute_point_,
                             [this, grad](Event& consumed) { accelerator().deallocate_after(grad, consumed); });
 }
 
@@ -571,6 +605,14 @@ ZeroEngine::GradBoundary ZeroEngine::reach_boundary() {
   GradBoundary b;
   // The step boundary: the operator trace closes, no read of a home is left in flight.
   if (coordinator_) coordinator_->end_step();
+  if (options_.stage > 1) {
+    for (ParamId id = 0; id < parameter_count(); ++id) {
+      STRATA_CHECK(param_info(id).stage_peer < 0 || grad_full_[id] == nullptr, kBadArgument,
+                   "the gradient of '{}', which another pipeline stage holds too, was not summed with that stage's "
+                   "(sum_stage_gradients() comes after the last backward, before step() or clip_grad_norm())",
+                   param_info(id).name);
+    }
+  }
   if (options_.stage == 1) {
     compute_stream().record(*compute_point_);
     for (ParamId id = 0; id < parameter_count(); ++id) {
@@ -592,8 +634,13 @@ ZeroEngine::GradBoundary ZeroEngine::reach_boundary() {
 
   // Global norm and finiteness: one f64 allreduce of (sum of squares, non-finite ranks).
   double reduced[2];
+  // A tensor another pipeline stage holds too counts on the lower stage only.
+  std::vector<uint8_t> counted;
+  for (const auto& g : groups_) {
+    if (g->shard >= 0) counted.push_back(!g->stage_copy);
+  }
   if (tensor_group().size == 1) {
-    const kernels::GradStats local = optimizer_->grad_stats();
+    const kernels::GradStats local = optimizer_->grad_stats(counted);
     reduced[0] = local.finite ? local.sum_sq : 0.0;
     reduced[1] = local.finite ? 0.0 : 1.0;
   } else {
@@ -603,8 +650,8 @@ ZeroEngine::GradBoundary ZeroEngine::reach_boundary() {
     std::vector<uint8_t> split, replicated;
     for (const auto& g : groups_) {
       if (g->shard < 0) continue;
-      split.push_back(g->tp_split && g->tp_counted);
-      replicated.push_back(!g->tp_split);
+      split.push_back(g->tp_split && g->tp_counted && !g->stage_copy);
+      replicated.push_back(!g->tp_split && !g->stage_copy);
     }
     const kernels::GradStats shards = optimizer_->grad_stats(split);
     const kernels::GradStats same = optimizer_->grad_stats(replicated);
@@ -614,6 +661,7 @@ ZeroEngine::GradBoundary ZeroEngine::reach_boundary() {
     reduced[1] = tp_sum[1] + (same.finite ? 0.0 : 1.0);
   }
   allreduce_f64(reduced, 2);
+  if (pipeline_stream_ != nullptr) allreduce_f64(reduced, 2, comms_.pipeline, pipeline_stream_.get());  // every stage's
   b.global.sum_sq = reduced[0];
   b.global.finite = reduced[1] == 0.0 && std::isfinite(reduced[0]);
   b.nonfinite_ranks = reduced[1];
@@ -892,6 +940,7 @@ double ZeroEngine::job_sum(double value) {
   double sum = value;
   allreduce_f64(&sum, 1);
   if (tensor_stream_ != nullptr) allreduce_f64(&sum, 1, comms_.tensor, tensor_stream_.get());
+  if (pipeline_stream_ != nullptr) allreduce_f64(&sum, 1, comms_.pipeline, pipeline_stream_.get());
   return sum;
 }
 
@@ -918,8 +967,13 @@ void ZeroEngine::allreduce_f64(double* values, size_t count, partition::Communic
 
 int ZeroEngine::rank() const { return comms_.control->rank(); }
 int ZeroEngine::world_size() const { return comms_.control->world_size(); }
-int ZeroEngine::job_rank() const { return rank() * tensor_group().size + tensor_group().rank; }
-int ZeroEngine::job_size() const { return world_size() * tensor_group().size; }
+int ZeroEngine::job_rank() const {
+  const int stage = comms_.pipeline != nullptr ? comms_.pipeline->rank() : 0;
+  return (stage * world_size() + rank()) * tensor_group().size + tensor_group().rank;
+}
+int ZeroEngine::job_size() const {
+  return world_size() * tensor_group().size * (comms_.pipeline != nullptr ? comms_.pipeline->world_size() : 1);
+}
 int64_t ZeroEngine::step_count() const { return steps_; }
 uint64_t ZeroEngine::nvme_bytes_read() const { return aio_ ? aio_->stats().bytes_read : 0; }
 uint64_t ZeroEngine::nvme_bytes_written() const { return aio_ ? aio_->stats().bytes_written : 0; }

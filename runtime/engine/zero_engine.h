@@ -111,6 +111,11 @@ struct ZeroComms {
   // reduce and control are the dp group's: ZeRO partitions each tp shard over
   // the ranks holding the same one (partition/process_groups.h).
   partition::Communicator* tensor = nullptr;
+  // Pipeline parallelism (null: none): the pp group, over which the gradient
+  // norm, the overflow flags and job_sum are summed too (each stage holds
+  // other parameters); gather, reduce and control are then the stage's dp
+  // group's. Engine::share_with_stage names the same communicator.
+  partition::Communicator* pipeline = nullptr;
 };
 
 // What the stage-3 coordinator did in a step, and where compute waited
@@ -181,8 +186,9 @@ class ZeroEngine final : public Engine {
   // This rank among the data-parallel ranks (the world without tensor parallelism).
   int rank() const;
   int world_size() const;
-  // This rank in the job (dp rank x tp + tp rank; rank() without tensor
-  // parallelism): what its files are named by. job_size(): every rank.
+  // This rank in the job (pp stage x dp x tp + dp rank x tp + tp rank;
+  // rank() without tensor and pipeline parallelism): what its files are
+  // named by. job_size(): every rank.
   int job_rank() const;
   int job_size() const;
   // After finalize: the sizes in use, with a size left to choose
@@ -195,7 +201,7 @@ class ZeroEngine final : public Engine {
   // collective, blocks. For the global count of predicted tokens.
   double global_sum(double value);
   // Sum of `value` over every rank of the job (the dp groups', then the tp
-  // group's); collective over the job, blocks. For agreement and barriers
+  // group's, then the pp group's); collective over the job, blocks. For agreement and barriers
   // that must span the tp groups (checkpoints).
   double job_sum(double value);
   // The optimizer at an accumulation boundary (see above); collective. `lr`
@@ -322,11 +328,15 @@ class ZeroEngine final : public Engine {
     bool expert = false;
     // Shards of tensors split across the tp group (ParamInfo::tp_split);
     // counted: the gradient norm's (not a copy of a block a lower tp rank
-    // holds too, ParamInfo::tp_copies). tp_suffix names their files: "_tp",
-    // "_tp_copy", or "".
+    // holds too, ParamInfo::tp_copies); stage_copy: a tensor another pipeline
+    // stage holds too (ParamInfo::stage_peer), on the higher of the two,
+    // whose gradient the norm does not count. suffix names their files: "_tp",
+    // "_tp_copy", "" — then "_pp_copy" for a stage copy.
     bool tp_split = false;
     bool tp_counted = true;
-    std::string tp_suffix;
+    bool stage_copy = false;
+    // "_tp", "_tp_copy", then "_pp_copy" for a tensor another pipeline stage counts.
+    std::string suffix;
     // Parameters with their own weight decay (ParamInfo::weight_decay, not
     // the optimizer's): that decay, and "_wd<decay>" naming their files.
     std::optional<float> weight_decay;
@@ -346,6 +356,8 @@ class ZeroEngine final : public Engine {
   void on_finalize() override;
   void on_skip_op(OpId op, Phase phase) override;
   void on_grad_ready(ParamId id, Event& ready) override;
+  TensorView stage_shared_grad(ParamId id) override;
+  void on_stage_grad_summed(ParamId id) override;
   void create_group(Group& g);      // finalize: layout, home, gradient shard, reducer
   // Where a trained group's parameters live: offload_param's tier, except
   // with the optimizer on the accelerator, which updates them there (then
@@ -388,6 +400,7 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   std::unique_ptr<Stream> exchange_stream_;        // expert parallelism: the token all_to_alls
   std::unique_ptr<Stream> tensor_stream_;          // tensor parallelism: the tp group's allreduces
+  std::unique_ptr<Stream> pipeline_stream_;        // pipeline parallelism: the pp group's norm and job sums
   TensorTraffic tensor_traffic_;
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints
   // (ParamHome::host_range, GradShard::read): synchronized by each use.

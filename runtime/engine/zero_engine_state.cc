@@ -25,7 +25,7 @@ std::string params_file(const G& g) {
 }
 template <typename G>
 std::string optimizer_file(const char* what, const G& g) {
-  return fmt::format("{}_{}{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.tp_suffix,
+  return fmt::format("{}_{}{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.suffix,
                      g.decay_suffix);
 }
 

@@ -85,6 +85,8 @@ class SelfAttention : public Module {
   virtual void forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                        const AttentionActs& acts, const TensorView& y, Phase phase = Phase::kForward) = 0;
   // dx [rows, hidden] = input gradient (+= when accumulate_dx; not with tp).
+  // Leaves acts as forward wrote them: a split backward's W reads the
+  // projections' inputs there afterwards (pipeline::DeferredWeightGrads).
   virtual void backward(const TensorView& dy, const TensorView& x, const TokenPlaces& places, int64_t batch,
                         int64_t seq, const AttentionActs& acts, const AttentionGrads& grads, const TensorView& dx,
                         bool accumulate_dx) = 0;

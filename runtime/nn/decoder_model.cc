@@ -162,7 +162,11 @@ class ArenaLayout {
 struct DecoderModel::Arena {
   Accelerator* accelerator = nullptr;
   int64_t batch = 0, seq = 0;
+  bool packed = false;            // the last forward's rows hold packed documents
+  bool backward_pending = false;  // a training forward ran and its backward has not
   Tensor memory;
+  // Bytes of `memory` holding every layer's saved activations (kept_activations).
+  size_t kept_begin = 0, kept_end = 0;
   // The residual stream. Without cpu_checkpointing: res[0] = embeddings,
   // res[l + 1] = layer l's output, so res[l] is layer l's input (its checkpoint
   // when checkpointing). With cpu_checkpointing: two buffers used in turn,
@@ -193,6 +197,8 @@ struct DecoderModel::Arena {
   // Pinned host memory for each acts entry's expert offsets (E + 1 int32
   // each), then (expert parallelism) the permutation upload the layers share.
   void* host_moe = nullptr;
+  // Each layer's routing, kept from its forward to its backward.
+  std::vector<MoeRouting> moe_routing;
   TokenPlaces places;  // positions, and the documents' ranges when packed
   // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
   // each), then normalizer and stats (fp64).
@@ -206,7 +212,13 @@ struct DecoderModel::Arena {
 
   const TensorView& input(size_t l) const { return alternating ? res[l % 2] : res[l]; }
   const TensorView& output(size_t l) const { return input(l + 1); }
-  const DecoderActs& acts_of(size_t l) const { return acts.size() == 1 ? acts[0] : acts[l]; }
+  // Layer l's activations, with its own routing state (a mixture of experts:
+  // kept per layer even where the layers share one set of buffers).
+  DecoderActs acts_of(size_t l) {
+    DecoderActs d = acts.size() == 1 ? acts[0] : acts[l];
+    if (!moe_routing.empty()) d.moe.routing = &moe_routing[l];
+    return d;
+  }
   void* host_checkpoint(size_t l) const {
     return static_cast<char*>(host_checkpoints) + l * checkpoint_stride;
   }
@@ -251,31 +263,46 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   STRATA_CHECK(!options_.sequence_parallel || engine.tensor_group().size > 1, kBadArgument,
                "sequence_parallel needs tensor parallelism (tensor_parallel.autotp_size of 2 or more)");
   if (options_.loss_chunk_rows == 0) options_.loss_chunk_rows = default_loss_chunk_rows(config_, engine.tensor_group().size);
-  // Gemma scales the embeddings by sqrt(hidden_size) (rounded to the weights' dtype).
-  embed_tokens_ = std::make_unique<Embedding>(
-      engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype,
-      config_.pad_token_id, config_.scale_embedding ? std::sqrt(static_cast<double>(config_.hidden_size)) : 1.0);
-  add_child(*embed_tokens_);
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+  DecoderModelOptions::Stage& part = options_.stage;
+  if (part.layers < 0) part.layers = config_.num_hidden_layers - part.first_layer;
+  STRATA_CHECK(part.first_layer >= 0 && part.layers >= 1 &&
+                   part.first_layer + part.layers <= config_.num_hidden_layers,
+               kBadArgument, "model: a stage of layers [{}, {}) of a model of {} layers (num_hidden_layers)",
+               part.first_layer, part.first_layer + part.layers, config_.num_hidden_layers);
+  const bool whole = part.embedding && part.head;
+  STRATA_CHECK(whole || !(config_.moe() && config_.output_router_logits), kBadArgument,
+               "model_type {}: the load-balancing loss (output_router_logits) over a model split into pipeline "
+               "stages is not implemented (it needs every layer's routing at once)",
+               config_.model_type);
+  lookup_ = part.embedding;
+  if (part.embedding || (part.head && config_.tie_word_embeddings)) {
+    // Gemma scales the embeddings by sqrt(hidden_size) (rounded to the weights' dtype).
+    embed_tokens_ = std::make_unique<Embedding>(
+        engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype,
+        config_.pad_token_id, config_.scale_embedding ? std::sqrt(static_cast<double>(config_.hidden_size)) : 1.0);
+    add_child(*embed_tokens_);
+  }
+  for (int64_t l = part.first_layer; l < part.first_layer + part.layers; ++l) {
     layers_.push_back(std::make_unique<DecoderLayer>(
         engine, child_name("layers." + std::to_string(l)), config_, l, options_.dtype,
         options_.mlp_tiling, options_.lora.enabled() ? &options_.lora : nullptr, options_.skip_unrouted_experts,
         options_.sequence_parallel));
     add_child(*layers_.back());
   }
-  norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size,
-                                    config_.rms_norm_eps, options_.dtype, config_.norm_weight_offset);
-  add_child(*norm_);
-  if (config_.tie_word_embeddings) {
-    lm_head_param_ = embed_tokens_->weight();
-  } else {
-    auto head =
-        std::make_unique<LmHead>(engine, config_.vocab_size, config_.hidden_size, options_.dtype);
-    lm_head_param_ = head->weight;
-    lm_head_ = std::move(head);
-    add_child(*lm_head_);
+  if (part.head) {
+    norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size, config_.rms_norm_eps,
+                                      options_.dtype, config_.norm_weight_offset);
+    add_child(*norm_);
+    if (config_.tie_word_embeddings) {
+      lm_head_param_ = embed_tokens_->weight();
+    } else {
+      auto head = std::make_unique<LmHead>(engine, config_.vocab_size, config_.hidden_size, options_.dtype);
+      lm_head_param_ = head->weight;
+      lm_head_ = std::move(head);
+      add_child(*lm_head_);
+    }
+    lm_head_op_ = engine.declare_operator("lm_head", {lm_head_param_});
   }
-  lm_head_op_ = engine.declare_operator("lm_head", {lm_head_param_});
   if (options_.lora.enabled()) {
     // LoRA trains the adapters only (PEFT's bias="none": biases stay frozen too).
     for (ParamId id : parameters()) {
@@ -285,24 +312,54 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
 }
 
 DecoderModel::~DecoderModel() {
-  // The arena must outlive the work enqueued on it (a step abandoned by an error).
+  // The arenas must outlive the work enqueued on them (a step abandoned by an error).
   try {
-    if (arena_) engine_.compute_stream().synchronize();
+    if (!arenas_.empty()) engine_.compute_stream().synchronize();
   } catch (...) {
     // The stream's error belongs to the step that failed; drained either way.
   }
 }
 
-size_t DecoderModel::arena_nbytes() const { return arena_ ? arena_->memory.nbytes() : 0; }
+size_t DecoderModel::arena_nbytes() const {
+  size_t total = 0;
+  for (const auto& a : arenas_) total += a ? a->memory.nbytes() : 0;
+  return total;
+}
 
 size_t DecoderModel::host_checkpoint_nbytes() const {
-  return arena_ ? arena_->host_checkpoints_nbytes : 0;
+  size_t total = 0;
+  for (const auto& a : arenas_) total += a ? a->host_checkpoints_nbytes : 0;
+  return total;
+}
+
+std::span<const std::byte> DecoderModel::kept_activations(int slot) const {
+  if (slot < 0 || static_cast<size_t>(slot) >= arenas_.size() || !arenas_[static_cast<size_t>(slot)]) return {};
+  const Arena& a = *arenas_[static_cast<size_t>(slot)];
+  return {static_cast<const std::byte*>(a.memory.data()) + a.kept_begin, a.kept_end - a.kept_begin};
+}
+
+ParamId DecoderModel::embedding_weight() const { return embed_tokens_ ? embed_tokens_->weight() : -1; }
+
+void DecoderModel::select(int slot) {
+  STRATA_CHECK(slot >= 0, kBadArgument, "model: micro-batch slot {} < 0", slot);
+  if (static_cast<size_t>(slot) >= arenas_.size()) arenas_.resize(static_cast<size_t>(slot) + 1);
+  slot_ = slot;
+  arena_ = arenas_[static_cast<size_t>(slot)].get();
+}
+
+DecoderModel::Boundary DecoderModel::boundary(int slot, int64_t batch, int64_t seq) {
+  select(slot);
+  if (batch > 0) ensure_arena(batch, seq);
+  STRATA_CHECK(arena_ != nullptr, kBadArgument, "model: micro-batch slot {} has no activations yet", slot);
+  const Arena& a = *arena_;
+  return {a.input(0), a.output(layers_.size() - 1), a.dres, a.dres};
 }
 
 void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   if (arena_ && arena_->batch == batch && arena_->seq == seq) return;
   if (arena_) engine_.compute_stream().synchronize();  // the old arena may still be in use
-  arena_.reset();
+  arenas_[static_cast<size_t>(slot_)].reset();
+  arena_ = nullptr;
   auto a = std::make_unique<Arena>();
   a->accelerator = &engine_.accelerator();
   a->batch = batch;
@@ -322,7 +379,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t ep = engine_.expert_group().size;
   const int64_t expert_rows = ep * rows * top_k;
   const DType t = act_dtype_;
-  const auto layers = static_cast<size_t>(c.num_hidden_layers);
+  const auto layers = layers_.size();
   // Checkpointing keeps one layer's activations; the checkpoints are the
   // residual stream, which stays here unless it goes to host memory, where
   // two device buffers (a layer's input and output) remain.
@@ -331,6 +388,9 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   a->acts.resize(options_.checkpoint_activations ? 1 : layers);
   ArenaLayout layout;
   for (TensorView& r : a->res) layout.add(r, t, {local, hidden});
+  // Every layer's saved activations, in one range; with checkpointing one
+  // set the layers share, so none is kept (kept_activations).
+  const size_t kept_begin = layout.nbytes();
   for (DecoderActs& d : a->acts) {
     layout.add(d.ln1, t, {local, hidden});
     layout.add(d.rstd1, DType::kF32, {local});
@@ -376,6 +436,10 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(d.mlp.up, t, {rows, inter});
       layout.add(d.mlp.act, t, {rows, inter});
     }
+  }
+  if (!options_.checkpoint_activations) {
+    a->kept_begin = kept_begin;
+    a->kept_end = layout.nbytes();
   }
   if (options_.lora.enabled()) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});
@@ -450,6 +514,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
     const auto per_acts = static_cast<size_t>(experts + 1);
     const size_t perm = ep > 1 ? 2 * static_cast<size_t>(expert_rows) : 0;
     a->host_moe = engine_.accelerator().allocate_pinned((a->acts.size() * per_acts + perm) * sizeof(int32_t));
+    a->moe_routing.resize(layers);
     for (size_t i = 0; i < a->acts.size(); ++i) {
       DecoderActs& d = a->acts[i];
       d.moe.host_offsets = static_cast<int32_t*>(a->host_moe) + i * per_acts;
@@ -463,7 +528,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       if (c.output_router_logits) d.moe_aux = MoeAux{a->moe_stats, a->moe_aux_grad};
     }
   }
-  if (embed_tokens_->split()) {
+  if (options_.stage.head && engine_.tensor_group().size > 1) {
     const int tp = engine_.tensor_group().size;
     const int64_t chunk = std::min(options_.loss_chunk_rows, rows), shard = config_.vocab_size / tp;
     ArenaLayout vocab;
@@ -483,7 +548,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
     a->host_checkpoints_nbytes = (layers - 1) * a->checkpoint_stride;
     a->host_checkpoints = engine_.accelerator().allocate_pinned(a->host_checkpoints_nbytes);
   }
-  arena_ = std::move(a);
+  arena_ = a.get();
+  arenas_[static_cast<size_t>(slot_)] = std::move(a);
 }
 
 void DecoderModel::upload(std::span<const int32_t> ids, std::span<const int32_t> targets,
@@ -564,11 +630,10 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
                "sequence parallelism splits the micro-batch's {} x {} = {} tokens over the {} tensor-parallel ranks: "
                "they do not divide",
                batch, seq, rows, engine_.tensor_group().size);
+  select(options.slot);
   ensure_arena(batch, seq);
   Arena& a = *arena_;
-  batch_ = batch;
-  seq_ = seq;
-  packed_ = !options.positions.empty();
+  a.packed = !options.positions.empty();
   Accelerator& acc = engine_.accelerator();
   Stream& s = engine_.compute_stream();
   upload(ids, targets, options.positions, batch, seq, options.normalizer);
@@ -580,7 +645,9 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
   const bool aux_loss = config_.moe() && config_.output_router_logits;
   if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);
 
-  if (embed_tokens_->split()) {
+  if (!lookup_) {
+    // A later pipeline stage: the input is the previous stage's output, received into input(0).
+  } else if (embed_tokens_->split()) {
     // This rank's vocabulary rows' share of every row's embedding, summed over tp.
     const TensorView& partial = options_.sequence_parallel ? a.acts[0].partial : a.input(0);
     embed_tokens_->forward(a.ids, partial);
@@ -596,6 +663,11 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
     }
     layers_[l]->forward(a.input(l), places, batch, seq, a.acts_of(l), a.output(l));
   }
+  if (!options_.stage.head) {
+    // The output goes on to the next pipeline stage; its gradient comes back before backward().
+    a.backward_pending = options.backward;
+    return;
+  }
   const TensorView& top = a.output(layers_.size() - 1);
   if (options_.sequence_parallel) {
     norm_->forward(top, a.final_ln_local, a.rstd_f);
@@ -610,7 +682,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
                        options.grad_scale * config_.router_aux_loss_coef, a.moe_aux, a.moe_aux_grad);
   }
 
-  const bool vocab_parallel = embed_tokens_->split();
+  const bool vocab_parallel = engine_.tensor_group().size > 1;
   if (!options.backward) {
     run(lm_head_op_, Phase::kForward, [&] {
       if (vocab_parallel) {
@@ -620,7 +692,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
                             a.stats, nullptr, static_cast<float>(config_.final_logit_softcapping));
       }
     });
-    backward_pending_ = false;
+    a.backward_pending = false;
     return;
   }
   TensorView normalizer = a.normalizer;
@@ -645,7 +717,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
   // Each rank's vocabulary rows gave a partial dh: summed over tp (into
   // grads.dln: this rank's rows with sequence parallelism).
   if (vocab_parallel) sum_over_tp(engine_, options_.sequence_parallel, dh, a.grads.dln);
-  backward_pending_ = true;
+  a.backward_pending = true;
 }
 
 void DecoderModel::vocab_parallel_loss(const TensorView& normalizer, double grad_scale, const TensorView& dh) {
@@ -661,6 +733,7 @@ void DecoderModel::vocab_parallel_loss(const TensorView& normalizer, double grad
   const int tp = engine_.tensor_group().size;
   const int64_t rows = a.final_ln.desc.shape[0], hidden = config_.hidden_size, shard = w.desc.shape[0];
   const int64_t chunk = a.vp_logits.desc.shape[0];
+  const int64_t first_id = engine_.tensor_group().rank * shard;  // this rank's first vocabulary row
   const ops::Ops::VocabParallelGrad grad{normalizer, grad_scale};
   const auto rows_of = [](const TensorView& t, int64_t first, Shape shape) {
     TensorView v = t;
@@ -676,9 +749,9 @@ void DecoderModel::vocab_parallel_loss(const TensorView& normalizer, double grad
     const TensorView parts = rows_of(a.vp_parts, 0, {2, n});
     const TensorView gathered = rows_of(a.vp_gathered, 0, {tp, 2, n});
     ops().linear_forward(ctx(), MatView::of(h), w, TensorView{}, MatView::of(logits), false);
-    ops().vocab_parallel_parts(ctx(), logits, targets, embed_tokens_->first_id(), parts);
+    ops().vocab_parallel_parts(ctx(), logits, targets, first_id, parts);
     engine_.tp_allgather(parts, gathered);
-    ops().vocab_parallel_loss(ctx(), logits, gathered, targets, embed_tokens_->first_id(), config_.vocab_size,
+    ops().vocab_parallel_loss(ctx(), logits, gathered, targets, first_id, config_.vocab_size,
                               rows_of(a.lse_ce, r0, {n}), a.stats, training ? &grad : nullptr);
     if (training) {
       ops().linear_backward(ctx(), MatView::of(logits), MatView::of(h), w, MatView::of(rows_of(dh, r0, {n, hidden})),
@@ -687,19 +760,24 @@ void DecoderModel::vocab_parallel_loss(const TensorView& normalizer, double grad
   }
 }
 
-void DecoderModel::backward() {
-  STRATA_CHECK(backward_pending_, kBadArgument,
+void DecoderModel::backward(int slot) {
+  select(slot);
+  STRATA_CHECK(arena_ != nullptr && arena_->backward_pending, kBadArgument,
                "model: backward() needs a forward() with ForwardOptions::backward (and only one "
                "backward per forward)");
-  backward_pending_ = false;
   Arena& a = *arena_;
+  a.backward_pending = false;
   Stream& s = engine_.compute_stream();
   const TokenPlaces places = this->places();
   // grads.dln holds d loss / d final_ln (with tensor parallelism summed
   // over tp; with sequence parallelism this rank's rows).
+  // Without the head (a pipeline stage), dres already holds the output's
+  // gradient, received from the next stage.
   const bool sp = options_.sequence_parallel;
-  norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres, /*accumulate_dx=*/false,
-                  sp ? a.grads.dnorm : TensorView{});
+  if (options_.stage.head) {
+    norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres, /*accumulate_dx=*/false,
+                    sp ? a.grads.dnorm : TensorView{});
+  }
   for (size_t l = layers_.size(); l-- > 0;) {
     if (recomputed(l)) {
       if (a.host_checkpoints != nullptr) {
@@ -708,12 +786,14 @@ void DecoderModel::backward() {
       }
       // Layer l's output lands where forward put it: layer l + 1's input,
       // whose backward is done (and the recompute reproduces it anyway).
-      layers_[l]->forward(a.input(l), places, batch_, seq_, a.acts_of(l), a.output(l),
+      layers_[l]->forward(a.input(l), places, a.batch, a.seq, a.acts_of(l), a.output(l),
                           Phase::kRecompute);
     }
-    layers_[l]->backward(a.input(l), places, batch_, seq_, a.acts_of(l), a.grads, a.dres);
+    layers_[l]->backward(a.input(l), places, a.batch, a.seq, a.acts_of(l), a.grads, a.dres);
   }
-  if (sp) {
+  if (!lookup_) {
+    // dres is the input's gradient: the previous stage's to receive.
+  } else if (sp) {
     // Every row's gradient, of which each tp rank adds its vocabulary rows'.
     engine_.tp_allgather(a.dres, a.grads.dgathered);
     embed_tokens_->backward(a.ids, a.grads.dgathered);
@@ -724,12 +804,22 @@ void DecoderModel::backward() {
 
 TokenPlaces DecoderModel::places() const {
   TokenPlaces p = arena_->places;
-  if (!packed_) p.segment_start = p.segment_end = TensorView{};
+  if (!arena_->packed) p.segment_start = p.segment_end = TensorView{};
   return p;
 }
 
-LossStats DecoderModel::loss_stats() {
-  STRATA_CHECK(arena_ && batch_ > 0, kBadArgument, "model: loss requested before any forward()");
+void DecoderModel::loss_stats_async(int slot, double* host) {
+  select(slot);
+  STRATA_CHECK(options_.stage.head, kBadArgument, "model: a pipeline stage without the head has no loss");
+  STRATA_CHECK(arena_ != nullptr, kBadArgument, "model: loss requested before any forward()");
+  engine_.accelerator().copy_async(host, arena_->stats.data, 2 * sizeof(double), CopyKind::kDeviceToHost,
+                                   engine_.compute_stream());
+}
+
+LossStats DecoderModel::loss_stats(int slot) {
+  select(slot);
+  STRATA_CHECK(options_.stage.head, kBadArgument, "model: a pipeline stage without the head has no loss");
+  STRATA_CHECK(arena_ != nullptr, kBadArgument, "model: loss requested before any forward()");
   Arena& a = *arena_;
   double* host = a.host_doubles() + 1;
   engine_.accelerator().copy_async(host, a.stats.data, 2 * sizeof(double),

@@ -166,6 +166,23 @@ struct DecoderModelOptions {
   // result, all experts fetched; for measuring what routing saves
   // (strata-train --all-experts).
   bool skip_unrouted_experts = true;
+  // Pipeline parallelism (runtime/pipeline/stages.h): the part of the model
+  // this instance holds — decoder layers [first_layer, first_layer + layers),
+  // named and configured as in the whole model ("model.layers.<l>"), the
+  // embedding lookup when `embedding`, the final norm and lm_head with the
+  // loss when `head`. A stage without the embedding takes its input from
+  // boundary().input, one without the head ends at boundary().output and its
+  // backward starts from boundary().output_grad. With tied embeddings a head
+  // without the embedding declares model.embed_tokens.weight itself (its
+  // lm_head), which the first stage holds too (Engine::share_with_stage sums
+  // their gradients). The default: the whole model.
+  struct Stage {
+    int64_t first_layer = 0;
+    int64_t layers = -1;  // -1: every layer from first_layer on
+    bool embedding = true;
+    bool head = true;
+  };
+  Stage stage;
 };
 
 struct ForwardOptions {
@@ -188,6 +205,12 @@ struct ForwardOptions {
   // forward; give each forward its own (step, micro-batch). Only a training
   // forward (backward = true) drops; evaluation computes without dropout.
   uint64_t dropout_seed = 0;
+  // The micro-batch slot (pipeline schedules keep several micro-batches in
+  // flight): each slot has an activation arena of its own, so a forward in
+  // one leaves another's saved activations alone; backward(slot),
+  // loss_stats(slot) and boundary(slot, ...) name it. Slots are made on
+  // first use.
+  int slot = 0;
 };
 
 struct LossStats {
@@ -212,11 +235,40 @@ class DecoderModel : public Module {
   // forward (and, with options.backward, the loss's backward) and returns.
   void forward(std::span<const int32_t> ids, std::span<const int32_t> targets, int64_t batch,
                int64_t seq, const ForwardOptions& options = {});
-  // Adds the gradient of the last forward's loss into every parameter's gradient.
-  void backward();
-  // The last forward's loss: waits for it.
-  LossStats loss_stats();
+  // Adds the gradient of the last forward's loss (in `slot`) into every parameter's gradient.
+  void backward(int slot = 0);
+  // The last forward's loss (in `slot`; a model with the head): waits for it.
+  LossStats loss_stats(int slot = 0);
   double loss() { return loss_stats().mean(); }
+  // Copies `slot`'s last loss statistics (sum, count: two doubles) to `host`
+  // (pinned host memory) on the compute stream, without waiting: valid once
+  // the stream has run past it. A model with the head.
+  void loss_stats_async(int slot, double* host);
+
+  // A pipeline stage's edges in micro-batch slot `slot` for batch x seq rows
+  // (the slot's arena made or resized for them; batch 0: as it is): the
+  // residual stream entering the first layer (`input`: a stage without the
+  // embedding receives it here before forward) and leaving the last
+  // (`output`, read after forward by a stage without the head), and their
+  // gradients (`output_grad`: a stage without the head receives it before
+  // backward; `input_grad`, read after backward by a stage without the
+  // embedding). [rows, hidden] in the activation dtype (with sequence
+  // parallelism this tp rank's rows). Valid until the slot is resized.
+  struct Boundary {
+    TensorView input, output, output_grad, input_grad;
+  };
+  Boundary boundary(int slot, int64_t batch, int64_t seq);
+  const DecoderModelOptions::Stage& stage() const { return options_.stage; }
+  // The bytes of `slot`'s arena that hold every layer's saved activations
+  // (every Linear's input among them): written by that slot's training
+  // forward only, so they stay as it left them through its backward and until
+  // its next forward (a split backward's W reads them there). Empty with
+  // activation checkpointing (one set the layers share) or before the slot's
+  // first forward.
+  std::span<const std::byte> kept_activations(int slot) const;
+  // The embedding table's parameter (declared by a stage with the embedding,
+  // or a head with tied embeddings); -1 when this stage holds none.
+  ParamId embedding_weight() const;
 
   const DecoderConfig& config() const { return config_; }
   DType activation_dtype() const { return act_dtype_; }
@@ -227,7 +279,7 @@ class DecoderModel : public Module {
   // k experts. 0 for a dense model, or with no forward since the reset.
   double router_load_imbalance() const;
   void reset_router_load();
-  // Bytes of the activation arena in accelerator memory (0 before the first forward).
+  // Bytes of the activation arenas in accelerator memory, every slot's (0 before the first forward).
   size_t arena_nbytes() const;
   // Bytes of pinned host memory holding activation checkpoints (nonzero only
   // with cpu_checkpointing and more than one layer, after the first forward).
@@ -235,6 +287,8 @@ class DecoderModel : public Module {
 
  private:
   struct Arena;
+  // Makes `slot` the current one (arena_ its arena, or null before its first use).
+  void select(int slot);
   void ensure_arena(int64_t batch, int64_t seq);
   TokenPlaces places() const;  // the last forward's (documents only when packed)
   // Whether the forward of layer l runs again in backward (every layer but the top).
@@ -259,10 +313,10 @@ class DecoderModel : public Module {
   std::unique_ptr<Module> lm_head_;  // holds lm_head.weight unless tied
   ParamId lm_head_param_ = -1;
   OpId lm_head_op_ = -1;
-  std::unique_ptr<Arena> arena_;
-  int64_t batch_ = 0, seq_ = 0;
-  bool packed_ = false;  // the last forward's rows hold packed documents
-  bool backward_pending_ = false;
+  bool lookup_ = true;  // the embedding lookup runs here (options_.stage.embedding)
+  std::vector<std::unique_ptr<Arena>> arenas_;  // per micro-batch slot
+  int slot_ = 0;
+  Arena* arena_ = nullptr;  // arenas_[slot_]
 };
 
 // DecoderModelOptions::loss_chunk_rows when left 0: as many rows as fit 64 MiB

@@ -114,6 +114,17 @@ void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bo
                       const LoraScratch& lora) {
   check_rows(dy, out_, x, in_);
   STRATA_CHECK(!shared(), kInternal, "{}: a block shared by tp ranks goes through backward_shared", name_);
+  engine::Engine::WeightGradSink* sink = engine_.weight_grad_sink();
+  const bool trained = !engine_.param_info(weight_).frozen || (bias_ >= 0 && !engine_.param_info(bias_).frozen);
+  if (sink != nullptr && trained && !adapted() && dy.ld == dy.cols && x.ld == x.cols) {
+    // A split backward's B: the input gradient now, reading the weight in a
+    // window that adds to no gradient; the weight's and bias's later (W).
+    run(op_, Phase::kRecompute, [&] {
+      ops().linear_backward(ctx(), dy, x, param(weight_), dx, accumulate_dx, TensorView{}, TensorView{});
+    });
+    sink->defer(dy, x, [this](const MatView& dy_copy, const MatView& x_copy) { weight_backward(dy_copy, x_copy); });
+    return;
+  }
   run(op_, Phase::kBackward, [&] {
     ops().linear_backward(ctx(), dy, x, param(weight_), dx, accumulate_dx, grad(weight_),
                           bias_ >= 0 ? grad(bias_) : TensorView{});
@@ -142,6 +153,14 @@ void Linear::backward(const MatView& dy, const MatView& x, const MatView& dx, bo
     ops().linear_backward(ctx(), dh, in, param(lora_a_), want_dx ? *din : MatView{}, /*accumulate_dx=*/false,
                           grad(lora_a_), TensorView{});
     if (want_dx) ops().dropout(ctx(), *din, dx, lora.dropout, mask_seed(lora.seed), /*accumulate=*/true);
+  });
+}
+
+void Linear::weight_backward(const MatView& dy, const MatView& x) {
+  check_rows(dy, out_, x, in_);
+  run(op_, Phase::kBackward, [&] {
+    ops().linear_backward(ctx(), dy, x, param(weight_), MatView{}, false, grad(weight_),
+                          bias_ >= 0 ? grad(bias_) : TensorView{});
   });
 }
 

@@ -83,6 +83,11 @@ class Linear : public LinearBase {
   int64_t shared_scratch_numel() const;
   bool shared() const { return block_.copies > 1; }
 
+  // The weight's and bias's gradients from dy and x alone (the input
+  // gradient already taken): a deferred backward's W (Engine::WeightGradSink),
+  // in a backward window of its own.
+  void weight_backward(const MatView& dy, const MatView& x);
+
   ParamId weight() const { return weight_; }
   ParamId bias() const { return bias_; }  // -1 without bias
   OpId op() const { return op_; }

@@ -96,14 +96,15 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
     experts_forward(a.xp, a, a.yp, a.host_offsets, phase);
   } else {
     // Each member's experts' rows to it; what comes back is by source member.
-    const int64_t r = exchange_.received;
-    engine_.exchange_experts(a.xp, a.exchange, exchange_.to_owners);
+    MoeRouting& m = routing(a);
+    const int64_t r = m.received;
+    engine_.exchange_experts(a.xp, a.exchange, m.to_owners);
     if (r > 0) ops().moe_gather(ctx(), first_rows(a.exchange, r), first_rows(a.perm, r), first_rows(a.xr, r));
-    experts_forward(a.xr, a, a.expert_out, held_offsets_.data(), phase);
+    experts_forward(a.xr, a, a.expert_out, m.held_offsets.data(), phase);
     if (r > 0) {
       ops().moe_gather(ctx(), first_rows(a.expert_out, r), first_rows(a.inverse, r), first_rows(a.exchange, r));
     }
-    engine_.exchange_experts(a.exchange, a.yp, exchange_.to_owners.reversed());
+    engine_.exchange_experts(a.exchange, a.yp, m.to_owners.reversed());
   }
   ops().moe_combine(ctx(), a.yp, a.slots, a.weights, y);
   if (shared_) {
@@ -117,9 +118,10 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
 void MoeMlp::experts_forward(const TensorView& in, const MoeActs& a, const TensorView& out, const int32_t* offsets,
                              Phase phase) {
   const size_t first = first_expert(), held = held_experts();
+  const std::vector<uint8_t>& routed = routing(a).routed;
   for (size_t j = 0; j < held; ++j) {
     const Expert& x_e = experts_list_[first + j];
-    if (!routed_[first + j]) {
+    if (!routed[first + j]) {
       for (const Linear* l : {x_e.gate.get(), x_e.up.get()}) engine_.skip_op(l->op(), phase);
       continue;
     }
@@ -132,7 +134,7 @@ void MoeMlp::experts_forward(const TensorView& in, const MoeActs& a, const Tenso
   }
   for (size_t j = 0; j < held; ++j) {
     Linear& down = *experts_list_[first + j].down;
-    if (!routed_[first + j]) {
+    if (!routed[first + j]) {
       engine_.skip_op(down.op(), phase);
       continue;
     }
@@ -156,8 +158,9 @@ void MoeMlp::agree_routing(const MoeActs& a) {
   }
   load_.resize(rows.size(), 0.0);
   for (size_t e = 0; e < rows.size(); ++e) load_[e] += rows[e];
-  routed_.resize(experts);
-  for (size_t e = 0; e < experts; ++e) routed_[e] = !skip_unrouted_ || rows[e] > 0 ? 1 : 0;
+  std::vector<uint8_t>& routed = routing(a).routed;
+  routed.resize(experts);
+  for (size_t e = 0; e < experts; ++e) routed[e] = !skip_unrouted_ || rows[e] > 0 ? 1 : 0;
   if (expert_parallel()) plan_exchange(counts, a);
   if (!skip_unrouted_) return;
   // The advice covers the windows this rank opens: the experts it holds.
@@ -167,7 +170,7 @@ void MoeMlp::agree_routing(const MoeActs& a) {
     const Expert& x = experts_list_[e];
     for (const Linear* l : {x.gate.get(), x.up.get(), x.down.get()}) {
       ops.push_back(l->op());
-      skipped.push_back(routed_[e] ? 0 : 1);
+      skipped.push_back(routed[e] ? 0 : 1);
     }
   }
   engine_.plan_skip(ops, skipped);
@@ -178,6 +181,7 @@ void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) 
   const size_t members = static_cast<size_t>(group.size), held = held_experts(), first = first_expert();
   const size_t experts = experts_list_.size();
   const auto hidden = static_cast<size_t>(hidden_);
+  MoeRouting& m = routing(a);
   if (!counts.empty()) {
     // rows[q][j]: what member q sends for this member's expert j.
     std::vector<size_t> send(members), recv(members);
@@ -191,32 +195,32 @@ void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) 
         recv[q] += static_cast<size_t>(from[q][j]) * hidden;
       }
     }
-    exchange_.to_owners = partition::AllToAllSplits::packed(std::move(send), std::move(recv));
+    m.to_owners = partition::AllToAllSplits::packed(std::move(send), std::move(recv));
     // The received rows are by source member, then expert; the experts want
     // them by expert, then source member.
-    exchange_.offsets.assign(held + 1, 0);
+    m.offsets.assign(held + 1, 0);
     for (size_t j = 0; j < held; ++j) {
       int64_t n = 0;
       for (size_t q = 0; q < members; ++q) n += from[q][j];
-      exchange_.offsets[j + 1] = exchange_.offsets[j] + n;
+      m.offsets[j + 1] = m.offsets[j] + n;
     }
-    exchange_.received = exchange_.offsets[held];
+    m.received = m.offsets[held];
     const int64_t capacity = a.xr.desc.shape.front();
-    STRATA_CHECK(exchange_.received <= capacity, kBadArgument,
+    STRATA_CHECK(m.received <= capacity, kBadArgument,
                  "{}: {} token rows routed to ep member {}'s experts, more than the {} its buffers hold (every "
                  "member's micro-batch must be at most this one's)",
-                 name_, exchange_.received, group.member, capacity);
-    held_offsets_.assign(exchange_.offsets.begin(), exchange_.offsets.end());
-    const auto r = static_cast<size_t>(exchange_.received);
-    perm_.resize(2 * r);  // the permutation, then its inverse
-    std::vector<int64_t> next(exchange_.offsets.begin(), exchange_.offsets.end() - 1);
+                 name_, m.received, group.member, capacity);
+    m.held_offsets.assign(m.offsets.begin(), m.offsets.end());
+    const auto r = static_cast<size_t>(m.received);
+    m.perm.resize(2 * r);  // the permutation, then its inverse
+    std::vector<int64_t> next(m.offsets.begin(), m.offsets.end() - 1);
     int32_t source_row = 0;
     for (size_t q = 0; q < members; ++q) {
       for (size_t j = 0; j < held; ++j) {
         for (int64_t i = 0; i < from[q][j]; ++i, ++source_row) {
           const auto expert_row = static_cast<size_t>(next[j]++);
-          perm_[expert_row] = source_row;
-          perm_[r + static_cast<size_t>(source_row)] = static_cast<int32_t>(expert_row);
+          m.perm[expert_row] = source_row;
+          m.perm[r + static_cast<size_t>(source_row)] = static_cast<int32_t>(expert_row);
         }
       }
     }
@@ -224,9 +228,9 @@ void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) 
   // Uploaded on the compute stream through pinned memory the layers share
   // (activation checkpointing: the recompute uploads again), written only
   // after this forward synchronised that stream, so no upload still reads it.
-  const int64_t r = exchange_.received;
+  const int64_t r = m.received;
   if (r == 0) return;
-  std::copy(perm_.begin(), perm_.end(), a.host_perm);
+  std::copy(m.perm.begin(), m.perm.end(), a.host_perm);
   const size_t nbytes = static_cast<size_t>(r) * sizeof(int32_t);
   engine_.accelerator().copy_async(a.perm.data, a.host_perm, nbytes, CopyKind::kHostToDevice, ctx().stream());
   engine_.accelerator().copy_async(a.inverse.data, a.host_perm + r, nbytes, CopyKind::kHostToDevice,
@@ -235,7 +239,8 @@ void MoeMlp::plan_exchange(const std::vector<double>& counts, const MoeActs& a) 
 
 void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& a, const MoeGrads& g,
                       const MoeAux& aux, const TensorView& dx, bool accumulate_dx) {
-  STRATA_CHECK(routed_.size() == experts_list_.size(), kBadArgument, "{}: backward before forward", name_);
+  MoeRouting& m = routing(a);
+  STRATA_CHECK(m.routed.size() == experts_list_.size(), kBadArgument, "{}: backward before forward", name_);
   if (shared_) {
     // The shared expert first (forward ran it last); the routed path then adds into dx.
     ops().sigmoid_gated_add_backward(ctx(), dy, a.shared_out, a.shared_logit, g.dshared_out, g.dshared_logit);
@@ -248,12 +253,12 @@ void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& 
     experts_backward(g.dyp, a.xp, a, g, g.dxp, a.host_offsets);
   } else {
     // dyp to the experts' members, in expert order there; dxp back.
-    const int64_t r = exchange_.received;
-    engine_.exchange_experts(g.dyp, a.exchange, exchange_.to_owners);
+    const int64_t r = m.received;
+    engine_.exchange_experts(g.dyp, a.exchange, m.to_owners);
     if (r > 0) ops().moe_gather(ctx(), first_rows(a.exchange, r), first_rows(a.perm, r), first_rows(a.expert_out, r));
-    experts_backward(a.expert_out, a.xr, a, g, g.dxr, held_offsets_.data());
+    experts_backward(a.expert_out, a.xr, a, g, g.dxr, m.held_offsets.data());
     if (r > 0) ops().moe_gather(ctx(), first_rows(g.dxr, r), first_rows(a.inverse, r), first_rows(a.exchange, r));
-    engine_.exchange_experts(a.exchange, g.dxp, exchange_.to_owners.reversed());
+    engine_.exchange_experts(a.exchange, g.dxp, m.to_owners.reversed());
   }
   ops().moe_gather_backward(ctx(), g.dxp, a.slots, dx, accumulate_dx);
   ops().moe_route_backward(ctx(), a.probs, a.indices, a.weights, g.dweights, renormalize_, aux.aux_grad,
@@ -265,9 +270,10 @@ void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, cons
                               const TensorView& din, const int32_t* offsets) {
   const size_t first = first_expert(), held = held_experts();
   const auto rows = [&](const TensorView& t, size_t j) { return rows_of(t, offsets[j], offsets[j + 1]); };
+  const std::vector<uint8_t>& routed = routing(a).routed;
   for (size_t j = held; j-- > 0;) {
     Linear& down = *experts_list_[first + j].down;
-    if (!routed_[first + j]) {
+    if (!routed[first + j]) {
       engine_.skip_op(down.op(), Phase::kBackward);
       continue;
     }
@@ -280,7 +286,7 @@ void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, cons
   }
   for (size_t j = held; j-- > 0;) {
     const Expert& x_e = experts_list_[first + j];
-    if (!routed_[first + j]) {
+    if (!routed[first + j]) {
       for (const Linear* l : {x_e.up.get(), x_e.gate.get()}) engine_.skip_op(l->op(), Phase::kBackward);
       continue;
     }

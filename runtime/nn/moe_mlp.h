@@ -97,6 +97,20 @@ namespace strata::nn {
 // expert-order row, and back), host_perm pinned host memory for 2 P rows k
 // int32 (shared by the layers); exchange and expert_out [P rows k, hidden] are scratch that every
 // layer shares (nothing in them outlives one exchange).
+// A micro-batch's routing in one layer as the host keeps it from its forward
+// to its backward: which experts any rank routed to and, with expert
+// parallelism, the exchange planned for it. DecoderModel keeps one per layer
+// in each micro-batch's arena (pipeline schedules run a later micro-batch's
+// forward before an earlier one's backward, each in its own arena).
+struct MoeRouting {
+  std::vector<uint8_t> routed;  // per expert: some rank routed a token to it
+  // Expert parallelism: what this member receives and where it goes.
+  partition::AllToAllSplits to_owners;  // xp's rows to the members that hold them; received by source member
+  std::vector<int64_t> offsets;         // this member's experts' blocks in expert order (E/P + 1)
+  int64_t received = 0;                 // rows this member's experts run on
+  std::vector<int32_t> held_offsets;    // offsets as int32 (block's type)
+  std::vector<int32_t> perm;            // the received rows' permutation to expert order, then its inverse
+};
 struct MoeActs {
   TensorView logits, probs, indices, weights, offsets, slots, tokens;
   TensorView xp, gate, up, act, yp;
@@ -108,6 +122,8 @@ struct MoeActs {
   // hidden] and its gate's logit shared_logit [rows, 1].
   MlpActs shared;
   TensorView shared_out, shared_logit;
+  // This micro-batch's routing in this layer (owned by the arena); null: the layer's own.
+  MoeRouting* routing = nullptr;
 };
 // Backward scratch: dyp, dxp [rows * k, hidden]; dact, dgate, dup [rows * k,
 // I]; dweights fp32 [rows, k]; dlogits [rows, E] (activation dtype).
@@ -153,15 +169,12 @@ class MoeMlp : public Module {
   struct Expert {
     std::unique_ptr<Linear> gate, up, down;
   };
-  // routed_ from every rank's row counts, and the engine advised of it; with
-  // expert parallelism also exchange_ (and the permutation uploaded).
+  // The micro-batch's routed experts (routing(acts)) from every rank's row
+  // counts, and the engine advised of it; with expert parallelism also its
+  // exchange (and the permutation uploaded).
   void agree_routing(const MoeActs& acts);
-  // Expert parallelism: what this member receives and where it goes.
-  struct Exchange {
-    partition::AllToAllSplits to_owners;  // xp's rows to the members that hold them; received by source member
-    std::vector<int64_t> offsets;         // this member's experts' blocks in expert order (E/P + 1)
-    int64_t received = 0;                 // rows this member's experts run on
-  };
+  // The micro-batch's routing: the acts' own, else the layer's.
+  MoeRouting& routing(const MoeActs& a) { return a.routing != nullptr ? *a.routing : routing_; }
   bool expert_parallel() const { return engine_.expert_group().size > 1; }
   size_t first_expert() const;  // this member's first expert (0 without expert parallelism)
   size_t held_experts() const;  // how many it holds
@@ -181,10 +194,7 @@ class MoeMlp : public Module {
   std::vector<Expert> experts_list_;
   std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert (null otherwise)
   std::unique_ptr<Linear> shared_gate_;  // its gate: hidden -> 1 logit, no bias
-  std::vector<uint8_t> routed_;  // per expert: some rank routed a token to it (this micro-batch)
-  Exchange exchange_;            // expert parallelism: this micro-batch's exchange (host state, as routed_)
-  std::vector<int32_t> held_offsets_;  // exchange_.offsets as int32 (block's type)
-  std::vector<int32_t> perm_;          // the received rows' permutation to expert order, then its inverse
+  MoeRouting routing_;            // the last micro-batch's, for acts without their own
   std::vector<double> load_;     // per expert: tokens routed since reset_load()
 };
 

@@ -70,9 +70,13 @@ std::string manifest_checksum(nlohmann::json manifest) {
 
 // The parallel layout a checkpoint's files are cut for.
 nlohmann::json parallel_layout(const engine::ZeroEngine& engine) {
-  return {{"data_parallel_size", engine.world_size()},
-          {"tensor_parallel_size", engine.tensor_group().size},
-          {"expert_parallel_size", 1}};
+  nlohmann::json layout = {{"data_parallel_size", engine.world_size()},
+                           {"tensor_parallel_size", engine.tensor_group().size},
+                           {"expert_parallel_size", 1}};
+  // Recorded with a pipeline only, so checkpoints from before it still match.
+  const int pipeline = engine.job_size() / (engine.world_size() * engine.tensor_group().size);
+  if (pipeline > 1) layout["pipeline_parallel_size"] = pipeline;
+  return layout;
 }
 
 // A manifest read and checked: its format, its checksum, the type and range
@@ -295,8 +299,9 @@ std::optional<TrainerState> Checkpoints::find_and_load(engine::ZeroEngine& engin
       }
       const std::vector<std::string> layout = model_differences(manifest.at("layout"), parallel_layout(engine));
       if (!layout.empty()) {
-        raise(ErrorCategory::kBadArgument, "{} is cut for another parallel layout: {}", manifest_path.string(),
-              layout.front());
+        std::string all;
+        for (const std::string& line : layout) all += (all.empty() ? "" : "; ") + line;
+        raise(ErrorCategory::kBadArgument, "{} is cut for another parallel layout: {}", manifest_path.string(), all);
       }
       if (!expected_model_.is_null()) {
         const std::vector<std::string> model = model_differences(manifest.value("model", nlohmann::json()),

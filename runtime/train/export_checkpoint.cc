@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/decoder_model.h"
+#include "runtime/pipeline/executor.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/zero_config.h"
 
@@ -48,9 +49,13 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   const int expert_parallel = info.state.model.value("expert_parallel_size", 1);
   // ... and the tp shards of its tp rank (tensor_parallel.autotp_size).
   const int tensor_parallel = info.state.model.value("tensor_parallel_size", 1);
+  // ... and its pipeline stage's layers (pipeline_parallel.size and the split).
+  const int pipeline_parallel = info.state.model.value("pipeline_parallel_size", 1);
+  const std::vector<int64_t> stage_layers =
+      info.state.model.value("pipeline_layers", std::vector<int64_t>{});
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/export", expert_parallel,
-                                                          tensor_parallel);
+                                                          tensor_parallel, pipeline_parallel);
   // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
   engine::ZeroEngineOptions zero;
   zero.stage = 3;
@@ -58,7 +63,21 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   engine::ZeroEngine engine(*accelerator, comms.comms(), zero);
   nn::DecoderModelOptions model_options;
   model_options.dtype = train_dtype;
-  nn::DecoderModel model(engine, config, model_options);
+  // The stage's models: one chunk per split entry this rank holds (virtual stages: entries / size).
+  std::vector<std::unique_ptr<nn::DecoderModel>> models;
+  if (pipeline_parallel > 1) {
+    const int virtual_stages = static_cast<int>(stage_layers.size()) / pipeline_parallel;
+    const pipeline::ScheduleSpec spec{virtual_stages > 1 ? pipeline::ScheduleKind::kInterleaved
+                                                         : pipeline::ScheduleKind::k1F1B,
+                                      pipeline_parallel, pipeline_parallel, virtual_stages};
+    models = pipeline::make_stage_models(engine, config, model_options, spec, *comms.pipeline, stage_layers);
+  } else {
+    models.push_back(std::make_unique<nn::DecoderModel>(engine, config, model_options));
+  }
+  std::vector<engine::ParamId> params;
+  for (const auto& model : models) {
+    for (engine::ParamId id : model->parameters()) params.push_back(id);
+  }
   engine.finalize();
   const bool is_step_dir = info.dir == options.checkpoint || std::filesystem::equivalent(info.dir, options.checkpoint);
   Checkpoints checkpoints(info.dir.parent_path(), 1);
@@ -66,8 +85,8 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                                                                     : std::nullopt);
   STRATA_CHECK(loaded.has_value(), kBadArgument, "{}: no complete checkpoint to export", options.checkpoint.string());
   const ExportResult result =
-      export_hf_model(engine, *comms.control, config, model.parameters(), options.out, export_options,
-                      comms.tensor.get());
+      export_hf_model(engine, *comms.control, config, params, options.out, export_options, comms.tensor.get(),
+                      comms.pipeline.get());
   if (rank.rank == 0 && options.progress != nullptr) {
     fmt::print(options.progress, "exported step {} of {} to {} ({} file(s), {} in {}, {:.1f} MB) in {:.1f} s\n",
                loaded->step, checkpoints.root().string(), options.out.string(), result.files.size(),

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "partition/communicator.h"
+#include "partition/process_groups.h"
 #include "partition/rendezvous.h"
 #include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
@@ -29,6 +30,7 @@
 #include "runtime/engine/zero_engine.h"
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/param_files.h"
+#include "runtime/pipeline/executor.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/freeze.h"
@@ -201,7 +203,41 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  "the {} tensor-parallel ranks",
                  what, micro_batch, options.seq, tp);
   }
-  const int dp = rank.world_size / tp, dp_rank = rank.rank / tp;
+  // Pipeline parallelism: pp stages of the layers, the world pp x dp x tp
+  // (Megatron's order); the step's micro-batches flow through the stages.
+  STRATA_CHECK(options.pipeline_parallel == 0 || config.pipeline_parallel_size == 1 ||
+                   config.pipeline_parallel_size == options.pipeline_parallel,
+               kBadArgument, "--pp {} and {}'s pipeline_parallel.size {} disagree: give one", options.pipeline_parallel,
+               source, config.pipeline_parallel_size);
+  const int pp = options.pipeline_parallel > 0 ? options.pipeline_parallel : config.pipeline_parallel_size;
+  pipeline::ScheduleSpec pipeline_spec;
+  std::vector<int64_t> stage_layers;
+  if (pp > 1 || !options.pipeline_schedule.empty() || options.virtual_stages > 0) {
+    const std::string name = options.pipeline_schedule.empty() ? config.pipeline_schedule : options.pipeline_schedule;
+    const std::optional<pipeline::ScheduleKind> kind = pipeline::parse_schedule(name);
+    STRATA_CHECK(kind.has_value(), kBadArgument, "--pp-schedule {}: not a pipeline schedule; one of {}", name,
+                 pipeline::schedule_names());
+    STRATA_CHECK(pp > 1, kBadArgument,
+                 "--pp-schedule and --virtual-stages shape a pipeline: give --pp (or pipeline_parallel.size) of 2 or "
+                 "more");
+    pipeline_spec = {*kind, pp, static_cast<int>(accumulation),
+                     options.virtual_stages > 0 ? options.virtual_stages : config.virtual_stages};
+    pipeline_spec.check();  // the interleaved schedule's rule, named
+    stage_layers = pipeline::split_layers(model_config.num_hidden_layers, pp, pipeline_spec.virtual_stages,
+                                          config.pipeline_layers);
+    STRATA_CHECK(!lora.enabled(), kBadArgument,
+                 "--lora-rank with pipeline parallelism (--pp {}): not implemented yet", pp);
+    STRATA_CHECK(!(model_config.moe() && model_config.output_router_logits), kBadArgument,
+                 "--pp {} with model_type {}'s load-balancing loss (output_router_logits true): not implemented yet "
+                 "(the loss needs every layer's routing at once); set output_router_logits false in config.json",
+                 pp, model_config.model_type);
+  }
+  STRATA_CHECK(rank.world_size % (tp * pp) == 0, kBadArgument,
+               "pipeline parallelism {} (--pp / pipeline_parallel.size) x tensor parallelism {} does not divide the {} "
+               "ranks (-n)",
+               pp, tp, rank.world_size);
+  const partition::ParallelLayout parallel_layout(rank.world_size, tp, 1, pp);
+  const int dp = parallel_layout.dp_size(), dp_rank = parallel_layout.dp_rank(rank.rank);
   // The data, each data-parallel rank its samples; a file that is not what --data-format says is refused here.
   const std::unique_ptr<data::Batches> batches = data::open_batches(
       options.data.string(), options.data_format, {options.seq, micro_batch, dp_rank, dp, seed, options.packing});
@@ -238,7 +274,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                "{}: train_batch_size {} != train_micro_batch_size_per_gpu {} x gradient_accumulation_steps {} x "
                "data-parallel ranks {}{}",
                source, config.train_batch_size, micro_batch, accumulation, dp,
-               tp > 1 ? fmt::format(" (the world {} / tensor parallelism {})", rank.world_size, tp) : std::string());
+               tp > 1 || pp > 1 ? fmt::format(" (the world {} / tensor parallelism {} / pipeline parallelism {})",
+                                              rank.world_size, tp, pp)
+                                : std::string());
   const int expert_parallel = choose_expert_parallel_size(config, model_config, dp, source);
   zero.expert_parallel_size = expert_parallel;
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
@@ -277,9 +315,20 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                     : std::string(),
                   dp);
   }
+  if (pp > 1 && rank.rank == 0) {
+    std::string split;
+    for (int64_t n : stage_layers) split += (split.empty() ? "" : ", ") + std::to_string(n);
+    logger().info("pipeline parallelism: {} stages of {} rank(s) each, schedule {}{} over {} micro-batches; layers "
+                  "per {}stage: {}; bubble (idle share of a step) by the schedule's formula {:.3f}",
+                  pp, dp * tp, pipeline::schedule_name(pipeline_spec.kind),
+                  pipeline_spec.virtual_stages > 1 ? fmt::format(" ({} chunks per rank)", pipeline_spec.virtual_stages)
+                                                   : std::string(),
+                  accumulation, pipeline_spec.virtual_stages > 1 ? "virtual " : "", split,
+                  pipeline::bubble_formula(pipeline_spec));
+  }
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/finetune", expert_parallel,
-                                                          tp);
+                                                          tp, pp);
 
   // ---- engine, model, weights ---------------------------------------------------------
   setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
@@ -290,9 +339,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.cpu_checkpointing = config.cpu_checkpointing;
   model_options.lora = lora;
   model_options.sequence_parallel = sequence_parallel;
-  std::optional<nn::DecoderModel> built;
+  // One model, or this rank's pipeline stages (a model per chunk).
+  std::vector<std::unique_ptr<nn::DecoderModel>> stages;
   try {
-    built.emplace(engine, model_config, model_options);
+    if (pp > 1) {
+      stages = pipeline::make_stage_models(engine, model_config, model_options, pipeline_spec, *comms.pipeline,
+                                           stage_layers);
+    } else {
+      stages.push_back(std::make_unique<nn::DecoderModel>(engine, model_config, model_options));
+    }
     const Frozen frozen = freeze_parameters(engine, options.freeze);
     if (frozen.tensors > 0 && rank.rank == 0) {
       logger().info("--freeze: {} of {} parameter tensors ({} elements) are not trained", frozen.tensors,
@@ -311,11 +366,19 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
           config.zero.offload_param.buffer_numel, engine.options().sub_group_numel,
           engine.options().reduce_bucket_numel);
   }
-  nn::DecoderModel& model = *built;
+  nn::DecoderModel& model = *stages.front();
+  std::unique_ptr<pipeline::PipelineExecutor> executor;
+  if (pp > 1) {
+    std::vector<nn::DecoderModel*> chunks;
+    for (const auto& stage : stages) chunks.push_back(stage.get());
+    executor = std::make_unique<pipeline::PipelineExecutor>(engine, *comms.pipeline, pipeline_spec, chunks);
+  }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
   std::vector<engine::ParamId> base, adapters;
-  for (engine::ParamId id : model.parameters()) {
-    (nn::is_lora_parameter(engine.param_info(id).name) ? adapters : base).push_back(id);
+  for (const auto& stage : stages) {
+    for (engine::ParamId id : stage->parameters()) {
+      (nn::is_lora_parameter(engine.param_info(id).name) ? adapters : base).push_back(id);
+    }
   }
   if (options.model.empty()) {
     // A norm weight starts at 1 times the normalised input: Gemma's (1 + w) at w = 0.
@@ -370,6 +433,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // Each rank's checkpoint holds the experts it owns: a resume or an export needs the same split.
   if (zero.expert_parallel_size > 1) checkpoint_model["expert_parallel_size"] = zero.expert_parallel_size;
   if (tp > 1) checkpoint_model["tensor_parallel_size"] = tp;
+  // Each rank's checkpoint holds its stage's layers: a resume or an export needs the same split.
+  if (pp > 1) {
+    checkpoint_model["pipeline_parallel_size"] = pp;
+    checkpoint_model["pipeline_layers"] = stage_layers;
+  }
   std::optional<Checkpoints> checkpoints;
   if (!options.save_dir.empty()) {
     checkpoints.emplace(options.save_dir, options.keep_checkpoints);
@@ -451,13 +519,27 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     engine.begin_evaluation();
     double sum = 0;
     data::Batch b;
-    nn::ForwardOptions forward;
-    forward.backward = false;
-    for (int64_t k = 0; k < eval_count; ++k) {
-      eval_batches->eval_batch(k, b);
-      forward.positions = b.positions;
-      model.forward(b.ids, b.targets, micro_batch, options.seq, forward);
-      sum += model.loss_stats().sum;
+    if (executor) {
+      // Every stage's share of each micro-batch, forward only, through the pipeline.
+      std::vector<data::Batch> all(static_cast<size_t>(eval_count));
+      for (int64_t k = 0; k < eval_count; ++k) eval_batches->eval_batch(k, all[static_cast<size_t>(k)]);
+      sum = executor
+                ->evaluate(
+                    [&](int i) {
+                      const data::Batch& e = all[static_cast<size_t>(i)];
+                      return pipeline::MicroBatch{e.ids, e.targets, e.positions, micro_batch, options.seq};
+                    },
+                    static_cast<int>(eval_count))
+                .first;
+    } else {
+      nn::ForwardOptions forward;
+      forward.backward = false;
+      for (int64_t k = 0; k < eval_count; ++k) {
+        eval_batches->eval_batch(k, b);
+        forward.positions = b.positions;
+        model.forward(b.ids, b.targets, micro_batch, options.seq, forward);
+        sum += model.loss_stats().sum;
+      }
     }
     engine.end_evaluation();
     return engine.global_sum(sum) / eval_targets;
@@ -495,8 +577,24 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     const double lr = schedule.lr(engine.step_count());
     double loss_sum = 0, aux_sum = 0;
     bool aux = false;  // a mixture of experts with its load-balancing loss
-    model.reset_router_load();  // an evaluation since the last step routed too
-    for (size_t m = 0; m < micro.size(); ++m) {
+    for (const auto& stage : stages) stage->reset_router_load();  // an evaluation since the last step routed too
+    std::optional<pipeline::StepStats> piped;
+    if (executor) {
+      // The step's micro-batches through the pipeline (no prepare_step: the
+      // backwards of one step interleave with forwards).
+      nn::ForwardOptions forward;
+      forward.normalizer = global_count;
+      forward.grad_scale = engine.loss_scale();
+      trace::Span span("phase", "pipeline");
+      piped = executor->run(
+          [&](int i) {
+            const data::Batch& b = micro[static_cast<size_t>(i)];
+            return pipeline::MicroBatch{b.ids, b.targets, b.positions, micro_batch, options.seq};
+          },
+          forward);
+      loss_sum = piped->loss_sum;
+    }
+    for (size_t m = 0; m < (executor ? 0 : micro.size()); ++m) {
       // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
       if (m + 1 == micro.size()) engine.prepare_step(static_cast<float>(lr));
       nn::ForwardOptions forward;
@@ -556,7 +654,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     r.optimizer_overlaps_forward = stepped.update_overlaps_forward;
     r.device_peak_nbytes = accelerator->memory_stats().peak_nbytes;
     r.host_peak_rss_nbytes = peak_rss_nbytes();
-    if (model.config().moe()) r.router_imbalance = model.router_load_imbalance();
+    if (model.config().moe()) {
+      double worst = 0;
+      for (const auto& stage : stages) worst = std::max(worst, stage->router_load_imbalance());
+      r.router_imbalance = worst;
+    }
+    if (piped) {
+      r.pipeline_idle_fraction = piped->idle_fraction();
+      r.activation_nbytes = piped->activation_nbytes;
+    }
     if (aux) {
       // The mean over the step's micro-batches and ranks (the gradients add each one's).
       r.aux_loss = engine.global_sum(aux_sum) / static_cast<double>(micro.size() * static_cast<size_t>(rank.world_size));
@@ -616,7 +722,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     } else {
       if (options.merge_lora) export_options.merge = LoraMerge{lora, adapters};
       exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options,
-                                 comms.tensor.get());
+                                 comms.tensor.get(), comms.pipeline.get());
     }
     result.exported = exported.files;
     if (rank.rank == 0 && options.progress != nullptr) {

@@ -52,6 +52,11 @@ struct FinetuneOptions {
   bool checkpoint_activations = false;
   // --tp: tensor parallelism (0: the config's tensor_parallel.autotp_size).
   int tensor_parallel = 0;
+  // --pp, --pp-schedule, --virtual-stages: pipeline parallelism (0 / empty:
+  // the config's pipeline_parallel keys; given both, they must agree).
+  int pipeline_parallel = 0;
+  std::string pipeline_schedule;
+  int virtual_stages = 0;
   // --sequence-parallel: Megatron's sequence parallelism over the tp ranks
   // (also on with the config's sequence_parallel true).
   bool sequence_parallel = false;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -115,15 +116,55 @@ void add_lora_delta(float* w, const std::vector<float>& a, const std::vector<flo
 struct TensorPlan {
   std::string name;
   Shape shape;
-  std::vector<engine::ParamId> parts;
+  std::vector<engine::ParamId> parts;  // this rank's (none: another pipeline stage's tensor)
+  int stage = 0;                       // the pipeline stage that assembles it
   uint64_t nbytes(DType dtype) const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_nbytes(dtype); }
 };
+
+// Pipeline parallelism: every stage's tensors (names and shapes, in each
+// stage's order), stage by stage, a tensor two stages hold (a tied
+// embedding) the first one's. `local` is this stage's plan.
+std::vector<TensorPlan> pipeline_plan(engine::Engine& engine, partition::Communicator& pipeline, Stream& stream,
+                                      std::vector<TensorPlan> local) {
+  nlohmann::json mine = nlohmann::json::array();
+  for (const TensorPlan& t : local) mine.push_back({t.name, t.shape});
+  const std::string text = mine.dump();
+  const int stages = pipeline.world_size();
+  const double length = static_cast<double>(text.size());
+  std::vector<double> lengths(static_cast<size_t>(stages));
+  allgather_host(pipeline, engine.accelerator(), stream, &length, lengths.data(), 1, DType::kF64);
+  const auto longest = static_cast<size_t>(*std::max_element(lengths.begin(), lengths.end()));
+  // As 32-bit words (the collectives move typed elements).
+  const size_t words = (longest + 3) / 4;
+  std::vector<int32_t> padded(words, 0), all(words * static_cast<size_t>(stages));
+  std::memcpy(padded.data(), text.data(), text.size());
+  allgather_host(pipeline, engine.accelerator(), stream, padded.data(), all.data(), words, DType::kI32);
+  std::vector<TensorPlan> global;
+  std::set<std::string> seen;
+  for (int s = 0; s < stages; ++s) {
+    const char* begin = reinterpret_cast<const char*>(all.data() + static_cast<size_t>(s) * words);
+    const nlohmann::json list = nlohmann::json::parse(begin, begin + static_cast<size_t>(lengths[static_cast<size_t>(s)]));
+    for (const nlohmann::json& entry : list) {
+      const std::string name = entry[0].get<std::string>();
+      if (!seen.insert(name).second) continue;
+      TensorPlan t{name, entry[1].get<Shape>(), {}, s};
+      if (s == pipeline.rank()) {
+        for (const TensorPlan& own : local) {
+          if (own.name == name) t.parts = own.parts;
+        }
+      }
+      global.push_back(std::move(t));
+    }
+  }
+  return global;
+}
 
 }  // namespace
 
 ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::DecoderConfig& config,
                              const std::vector<engine::ParamId>& params, const fs::path& dir,
-                             const ExportOptions& options, partition::Communicator* tensor_comm) {
+                             const ExportOptions& options, partition::Communicator* tensor_comm,
+                             partition::Communicator* pipeline_comm) {
   STRATA_CHECK(is_float_storage(options.dtype), kBadArgument, "export dtype must be fp32, fp16 or bf16, got {}",
                dtype_name(options.dtype));
   STRATA_CHECK(options.max_shard_nbytes > 0, kBadArgument, "export: max shard size must be > 0");
@@ -135,6 +176,11 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     auto [it, inserted] = index_of.emplace(name, tensors.size());
     if (inserted) tensors.push_back({name, info.slice ? info.slice->tensor_shape : info.shape, {}});
     tensors[it->second].parts.push_back(id);
+  }
+  auto stream = engine.accelerator().create_stream();
+  const int stage = pipeline_comm != nullptr ? pipeline_comm->rank() : 0;
+  if (pipeline_comm != nullptr && pipeline_comm->world_size() > 1) {
+    tensors = pipeline_plan(engine, *pipeline_comm, *stream, std::move(tensors));
   }
   // Shards of at most max_shard_nbytes (a larger tensor gets a file of its own).
   std::vector<std::vector<size_t>> shards;
@@ -156,7 +202,9 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
   // With tensor parallelism the ranks of dp rank 0 (tp group 0) hold each
   // tp shard whole after the dp gather; tp rank 0 of them gathers the shards.
   const int tp = tensor_comm != nullptr ? tensor_comm->world_size() : 1;
-  const bool writer = comm.rank() == 0 && (tensor_comm == nullptr || tensor_comm->rank() == 0);
+  // Each stage's first rank assembles its stage's tensors; the first stage's writes them all.
+  const bool assembler = comm.rank() == 0 && (tensor_comm == nullptr || tensor_comm->rank() == 0);
+  const bool writer = assembler && stage == 0;
   // Rank 0 writes into a staging directory that replaces `dir` whole at the
   // end (export_dir.h): a directory never holds weights of two exports.
   std::optional<ExportStaging> staging;
@@ -167,7 +215,6 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     write_file_durably(staging->dir() / "config.json", hf.dump(2) + "\n");
     for (const auto& [name, contents] : options.files) write_file_durably(staging->dir() / name, contents);
   }
-  auto stream = engine.accelerator().create_stream();
   // Merging: every adapter on rank 0 first (they are small).
   AdapterValues adapters;
   if (options.merge) {
@@ -191,6 +238,29 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     for (size_t t : shards[s]) {
       const TensorPlan& tensor = tensors[t];
       weight_map[tensor.name] = file_name(s);
+      const size_t out_element = dtype_nbytes(options.dtype);
+      // Another stage's tensor: its first rank sends it whole to the writer.
+      const uint64_t tag = uint64_t{4} << 56 | t;
+      const std::string what = fmt::format("exported tensor {}", tensor.name);
+      if (tensor.stage != stage) {
+        if (!writer) continue;
+        std::vector<char> received(static_cast<size_t>(tensor.nbytes(options.dtype)));
+        const partition::P2POp op =
+            partition::P2POp::recv(tensor.stage, received.data(), options.dtype, tensor.shape, tag, what);
+        pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
+        file->write(tensor.name, 0, received.data(), received.size());
+        continue;
+      }
+      // The whole tensor, assembled on a later stage's first rank for the writer.
+      std::vector<char> assembled;
+      if (assembler && !writer) assembled.resize(static_cast<size_t>(tensor.nbytes(options.dtype)));
+      const auto emit = [&](size_t offset, const char* data, size_t nbytes) {
+        if (writer) {
+          file->write(tensor.name, offset, data, nbytes);
+        } else {
+          std::copy_n(data, nbytes, assembled.data() + offset);
+        }
+      };
       for (engine::ParamId id : tensor.parts) {
         const engine::ParamInfo& info = engine.param_info(id);
         std::vector<char> whole = gather_to_rank0(engine, comm, *stream, id);
@@ -211,8 +281,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           offsets.resize(dims * blocks);
           allgather_host(*tensor_comm, engine.accelerator(), *stream, mine.data(), offsets.data(), dims, DType::kF64);
         }
-        if (!writer) continue;
-        const size_t out_element = dtype_nbytes(options.dtype);
+        if (!assembler) continue;
         const auto block_numel = static_cast<size_t>(info.numel());
         std::vector<char> converted(block_numel * blocks * out_element);
         const std::string stem = info.name.size() > 7 && info.name.ends_with(".weight")
@@ -232,7 +301,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           convert(whole.data(), info.dtype, converted.data(), options.dtype, block_numel * blocks);
         }
         if (!info.slice) {
-          file->write(tensor.name, 0, converted.data(), converted.size());
+          emit(0, converted.data(), converted.size());
           continue;
         }
         // A block (a tile, a tp shard): each of its elements' runs in the tensor.
@@ -247,10 +316,14 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           }
           const char* data = converted.data() + block * block_numel * out_element;
           nn::for_each_tensor_run(placed, 0, static_cast<int64_t>(block_numel), [&](int64_t at, int64_t from, int64_t n) {
-            file->write(tensor.name, static_cast<size_t>(at) * out_element, data + static_cast<size_t>(from) * out_element,
-                        static_cast<size_t>(n) * out_element);
+            emit(static_cast<size_t>(at) * out_element, data + static_cast<size_t>(from) * out_element,
+                 static_cast<size_t>(n) * out_element);
           });
         }
+      }
+      if (assembler && !writer) {
+        const partition::P2POp op = partition::P2POp::send(0, assembled.data(), options.dtype, tensor.shape, tag, what);
+        pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
       }
     }
     if (writer) file->commit();

@@ -57,10 +57,17 @@ struct ExportResult {
 
 // `tensor_comm`: with tensor parallelism, the tp group's communicator (`comm` is
 // then the dp group's): each tp shard is gathered over dp, then over the tp
-// group of dp rank 0, and written whole by job rank 0.
+// group of dp rank 0, and written whole by job rank 0. `pipeline_comm`: with
+// pipeline parallelism, the pp group's (`params` are this stage's): the
+// stages' tensor lists are exchanged first, each tensor is assembled whole by
+// its stage's first rank (dp rank 0, tp rank 0; a tied embedding by the first
+// stage) and sent to job rank 0, which writes them all in stage order. A
+// stage's other ranks wait in their next gather meanwhile (within the
+// collective timeout).
 ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& comm, const nn::DecoderConfig& config,
                              const std::vector<engine::ParamId>& params, const std::filesystem::path& dir,
-                             const ExportOptions& options, partition::Communicator* tensor_comm = nullptr);
+                             const ExportOptions& options, partition::Communicator* tensor_comm = nullptr,
+                             partition::Communicator* pipeline_comm = nullptr);
 
 // A LoRA adapter in PEFT's format, which PeftModel.from_pretrained loads onto
 // the base: adapter_config.json (peft_type LORA, r, lora_alpha, use_rslora,

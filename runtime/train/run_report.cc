@@ -191,6 +191,8 @@ void RunReport::record(const StepRecord& r) {
   if (r.eval_loss) line["eval_loss"] = finite_or_null(*r.eval_loss);
   if (r.aux_loss) line["aux_loss"] = finite_or_null(*r.aux_loss);
   if (r.router_imbalance) line["router_imbalance"] = finite_or_null(*r.router_imbalance);
+  if (r.pipeline_idle_fraction) line["pipeline_idle_fraction"] = finite_or_null(*r.pipeline_idle_fraction);
+  if (r.activation_nbytes) line["memory"]["activation_bytes"] = *r.activation_nbytes;
   const std::string text = line.dump() + "\n";
   STRATA_CHECK(std::fwrite(text.data(), 1, text.size(), metrics_) == text.size() && std::fflush(metrics_) == 0, kIo,
                "cannot write {}: {}", metrics_path_.string(), std::strerror(errno));

@@ -68,6 +68,11 @@ struct StepRecord {
   // micro-batches and ranks (DecoderModel::router_load_imbalance: the busiest
   // expert's tokens over the mean, the worst layer's; 1 is balanced).
   std::optional<double> router_imbalance;
+  // Pipeline parallelism: the share of the step rank 0's stage computed
+  // nothing (pipeline::StepStats::idle_fraction: the bubble, and waits for
+  // transfers), and its activation memory (every micro-batch slot).
+  std::optional<double> pipeline_idle_fraction;
+  std::optional<uint64_t> activation_nbytes;
   double tokens_per_second() const { return seconds > 0 ? static_cast<double>(tokens) / seconds : 0; }
 };
 

@@ -31,7 +31,8 @@ int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& m
 
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
-                                          int expert_parallel_size, int tensor_parallel_size) {
+                                          int expert_parallel_size, int tensor_parallel_size,
+                                          int pipeline_parallel_size) {
   auto options = [&](const char* traffic) {
     partition::CommunicatorOptions o;
     o.rank = rank;
@@ -41,17 +42,25 @@ ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::S
     return o;
   };
   ZeroCommunicators c;
-  if (tensor_parallel_size > 1) {
-    STRATA_CHECK(expert_parallel_size == 1, kBadArgument,
+  if (tensor_parallel_size > 1 || pipeline_parallel_size > 1) {
+    STRATA_CHECK(expert_parallel_size == 1 || tensor_parallel_size == 1, kBadArgument,
                  "tensor parallelism with expert parallelism is not implemented yet");
-    const partition::ParallelLayout layout(world_size, tensor_parallel_size);
+    const partition::ParallelLayout layout(world_size, tensor_parallel_size, expert_parallel_size,
+                                           pipeline_parallel_size);
     using partition::GroupKind;
-    const partition::ProcessGroup& dp = layout.group_of(GroupKind::kData, rank);
-    c.gather = partition::make_group_communicator(accelerator, store, options("gather"), dp);
-    c.reduce = partition::make_group_communicator(accelerator, store, options("reduce"), dp);
-    c.control = partition::make_group_communicator(accelerator, store, options("control"), dp);
-    c.tensor = partition::make_group_communicator(accelerator, store, options("tensor"),
-                                                  layout.group_of(GroupKind::kTensor, rank));
+    const auto group = [&](const char* traffic, GroupKind kind) {
+      return partition::make_group_communicator(accelerator, store, options(traffic), layout.group_of(kind, rank));
+    };
+    c.gather = group("gather", GroupKind::kData);
+    c.reduce = group("reduce", GroupKind::kData);
+    c.control = group("control", GroupKind::kData);
+    if (tensor_parallel_size > 1) c.tensor = group("tensor", GroupKind::kTensor);
+    if (pipeline_parallel_size > 1) c.pipeline = group("pipeline", GroupKind::kPipeline);
+    if (expert_parallel_size > 1) {
+      c.expert_exchange = group("experts", GroupKind::kExpert);
+      c.expert_gather = group("expert-gather", GroupKind::kExpertData);
+      c.expert_reduce = group("expert-reduce", GroupKind::kExpertData);
+    }
     return c;
   }
   auto make = [&](const char* traffic) { return partition::make_communicator(accelerator, store, options(traffic)); };

@@ -24,14 +24,17 @@ using strata::zero_engine_options;
 // the ep group's (the token exchange) and two over the expert-dp group (the
 // experts' gathers and reductions); with tensor_parallel_size > 1, gather,
 // reduce and control over this rank's dp group and `tensor` over its tp group
-// — partition/process_groups.h's groups. Collective: every rank calls it.
+// — partition/process_groups.h's groups; with pipeline_parallel_size > 1 the
+// same over the rank's stage, and `pipeline` over its pp group. Collective:
+// every rank calls it.
 struct ZeroCommunicators {
   std::unique_ptr<partition::Communicator> gather, reduce, control;
   std::unique_ptr<partition::Communicator> expert_exchange, expert_gather, expert_reduce;
   std::unique_ptr<partition::Communicator> tensor;
+  std::unique_ptr<partition::Communicator> pipeline;
   engine::ZeroComms comms() const {
     return {gather.get(),         reduce.get(),        control.get(), expert_exchange.get(),
-            expert_gather.get(), expert_reduce.get(), tensor.get()};
+            expert_gather.get(), expert_reduce.get(), tensor.get(),  pipeline.get()};
   }
 };
 // moe.expert_parallel_size for `model` on `world_size` data-parallel ranks:
@@ -43,6 +46,7 @@ int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& m
 
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
-                                          int expert_parallel_size = 1, int tensor_parallel_size = 1);
+                                          int expert_parallel_size = 1, int tensor_parallel_size = 1,
+                                          int pipeline_parallel_size = 1);
 
 }  // namespace strata::train

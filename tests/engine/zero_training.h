@@ -387,6 +387,7 @@ struct ResidentSpec {
   std::optional<nn::DecoderConfig> config;  // empty: model_config(tied)
   nn::DecoderModelOptions model = nn::model_options(DType::kF32, 16);
   uint64_t init_seed = 7;
+  double init_std = 0.02;  // nn::initialize_parameters' std of the matrices
   kernels::AdamConfig adam;
   double gradient_clipping = 0;  // max global norm; 0: none
   int64_t sub_group_numel = 1'000'000'000;  // the engine's sub_group_size (norm summation order)
@@ -410,7 +411,7 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
     }
   }
   eng.finalize();
-  nn::initialize_parameters(eng, model.parameters(), spec.init_seed);
+  nn::initialize_parameters(eng, model.parameters(), spec.init_seed, spec.init_std);
   std::vector<partition::ParamSpec> specs;
   for (ParamId id : trained) specs.push_back({eng.param_info(id).name, eng.param_info(id).shape, DType::kF32});
   partition::LayoutOptions layout_options;

@@ -1,13 +1,12 @@
 // Catch2 main of kernels_avx512_tests: exits 77 (CTest: SKIPPED) with a clear
-// line when this CPU has no AVX-512, except when only listing tests.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
+// line when this CPU has no AVX-512, except when only listing tests. Catch2
+// itself is in tests/support/catch_session.cc.
 #include <cstdio>
 #include <cstring>
 
 #include "kernels/optimizer.h"
 #include "core/cpu_features.h"
+#include "tests/support/catch_session.h"
 
 int main(int argc, char** argv) {
   bool listing = false;
@@ -17,5 +16,5 @@ int main(int argc, char** argv) {
                 strata::cpu_features().model.c_str());
     return 77;
   }
-  return Catch::Session().run(argc, argv);
+  return strata::test::run_catch_session(argc, argv);
 }

@@ -7,7 +7,6 @@
 // that brings that back (or any other split). Exits 77 (CTest: SKIPPED) with
 // the reason where the device's statistics cannot be read or transparent huge
 // pages are off, and where the device is too busy to attribute requests.
-#define CATCH_CONFIG_RUNNER
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <linux/fiemap.h>
@@ -28,6 +27,7 @@
 #include "nvme/file.h"
 #include "core/host_memory.h"
 #include "tests/nvme/test_util.h"
+#include "tests/support/catch_session.h"
 #include "tests/support/temp_dir.h"
 
 namespace strata::nvme {
@@ -244,5 +244,5 @@ int main(int argc, char** argv) {
       return 77;
     }
   }
-  return Catch::Session().run(argc, argv);
+  return strata::test::run_catch_session(argc, argv);
 }

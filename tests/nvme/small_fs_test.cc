@@ -2,7 +2,6 @@
 // the test): ENOSPC from the engine and from swap-space creation. Its own main
 // exits 77 (CTest: SKIPPED) with the reason when mounting is not permitted.
 // Also: O_DIRECT fallback on a ramfs mount.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <sys/mount.h>
@@ -17,6 +16,7 @@
 #include "nvme/swap_space.h"
 #include "core/error.h"
 #include "tests/nvme/test_util.h"
+#include "tests/support/catch_session.h"
 #include "tests/support/temp_dir.h"
 
 using namespace strata::nvme;
@@ -122,5 +122,5 @@ int main(int argc, char** argv) {
       return 77;
     }
   }
-  return Catch::Session().run(argc, argv);
+  return strata::test::run_catch_session(argc, argv);
 }

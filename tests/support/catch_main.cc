@@ -1,13 +1,11 @@
-// Shared Catch2 main. Binaries built with STRATA_TEST_REQUIRES_GPU exit 77
-// (reported by CTest as SKIPPED) when no CUDA device is present, except when
-// asked only to list their tests.
-#define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
+// Shared Catch2 main (Catch2 itself is in catch_session.cc). Binaries built
+// with STRATA_TEST_REQUIRES_GPU exit 77 (reported by CTest as SKIPPED) when no
+// CUDA device is present, except when asked only to list their tests.
 #include <cstdio>
 #include <cstring>
 
 #include "core/accelerator.h"
+#include "tests/support/catch_session.h"
 
 int main(int argc, char** argv) {
 #ifdef STRATA_TEST_REQUIRES_GPU
@@ -19,5 +17,5 @@ int main(int argc, char** argv) {
     return 77;
   }
 #endif
-  return Catch::Session().run(argc, argv);
+  return strata::test::run_catch_session(argc, argv);
 }
