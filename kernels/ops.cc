@@ -78,6 +78,10 @@ void attention_mask(std::string_view op, const AttentionMask& mask, int64_t seq)
                "{}: packed documents need both their starts and their ends", op);
   STRATA_CHECK(!mask.has_segments() || mask.seq == seq, kBadArgument,
                "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, seq);
+  STRATA_CHECK(std::isfinite(mask.scale) && mask.scale >= 0, kBadArgument,
+               "{}: score scale {} must be 0 (1/sqrt(head_dim)) or positive", op, mask.scale);
+  STRATA_CHECK(std::isfinite(mask.softcap) && mask.softcap >= 0, kBadArgument,
+               "{}: score soft cap {} must be 0 (none) or positive", op, mask.softcap);
 }
 
 void rope(std::string_view op, const Rope& r) {
@@ -285,7 +289,7 @@ int64_t embedding_vocab(const char* op, int64_t rows, int64_t first_id, int64_t 
 }  // namespace
 
 void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                            const TensorView& out, int64_t first_id, int64_t vocab) {
+                            const TensorView& out, int64_t first_id, int64_t vocab, float scale) {
   constexpr const char* op = "embedding_forward";
   own(ctx, op);
   check::float_tensor(op, "table", table);
@@ -296,11 +300,13 @@ void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const 
   check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
   vocab = embedding_vocab(op, table.desc.shape[0], first_id, vocab);
   Labeled label(ctx, op, [&] { return memory(nbytes(out) * 2 + nbytes(ids), brief(out)); });
-  enqueue_embedding_forward(ctx, table, ids, out, first_id, vocab);
+  STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
+  enqueue_embedding_forward(ctx, table, ids, out, first_id, vocab, scale);
 }
 
 void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                             const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab) {
+                             const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab,
+                             float scale) {
   constexpr const char* op = "embedding_backward";
   own(ctx, op);
   if (empty(dtable)) return;  // a frozen table: no gradient
@@ -315,11 +321,12 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
   Labeled label(ctx, op, [&] {
     return memory(nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout));
   });
-  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx, first_id, vocab);
+  STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
+  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx, first_id, vocab, scale);
 }
 
 void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
-                          const TensorView& y, const TensorView& rstd) {
+                          const TensorView& y, const TensorView& rstd, float weight_offset) {
   constexpr const char* op = "rmsnorm_forward";
   own(ctx, op);
   check::float_tensor(op, "x", x);
@@ -332,12 +339,13 @@ void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const Tensor
   check::shape(op, "y", y, x.desc.shape);
   check::numel(op, "rstd", rstd, xm.rows);
   Labeled label(ctx, op, [&] { return memory(nbytes(x) + nbytes(y) + nbytes(w), brief(x)); });
-  enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd);
+  STRATA_CHECK(std::isfinite(weight_offset), kBadArgument, "{}: weight_offset {} is not finite", op, weight_offset);
+  enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd, weight_offset);
 }
 
 void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                            const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                           bool accumulate_dx, const TensorView& dw) {
+                           bool accumulate_dx, const TensorView& dw, float weight_offset) {
   constexpr const char* op = "rmsnorm_backward";
   own(ctx, op);
   for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
@@ -359,7 +367,8 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
   Labeled label(ctx, op, [&] {
     return memory(nbytes(dy) + nbytes(x) + nbytes(dx) * (accumulate_dx ? 2 : 1), brief(x));
   });
-  enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw);
+  STRATA_CHECK(std::isfinite(weight_offset), kBadArgument, "{}: weight_offset {} is not finite", op, weight_offset);
+  enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw, weight_offset);
 }
 
 void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
@@ -521,19 +530,20 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
 }
 
 void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                         const TensorView& out) {
+                         const TensorView& out, GluActivation act) {
   own(ctx, "swiglu_forward");
   check::elementwise("swiglu_forward", {&gate, &up, &out});
   Labeled label(ctx, "swiglu_forward", [&] { return memory(3 * nbytes(out), brief(out)); });
-  enqueue_swiglu_forward(ctx, gate, up, out);
+  enqueue_swiglu_forward(ctx, gate, up, out, act);
 }
 
 void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
-                          const TensorView& up, const TensorView& dgate, const TensorView& dup) {
+                          const TensorView& up, const TensorView& dgate, const TensorView& dup,
+                          GluActivation act) {
   own(ctx, "swiglu_backward");
   check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
   Labeled label(ctx, "swiglu_backward", [&] { return memory(5 * nbytes(dout), brief(dout)); });
-  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup);
+  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup, act);
 }
 
 void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {
@@ -545,7 +555,7 @@ void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, con
 
 void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                         const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                        const TensorView& stats, const CrossEntropyGrad* grad) {
+                        const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) {
   constexpr const char* op = "cross_entropy";
   own(ctx, op);
   check::float_tensor(op, "h", h);
@@ -576,7 +586,9 @@ void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorVi
     const int64_t gemm = 2 * rows * vocab * dim;  // logits; with the gradient dh, and dw when wanted
     return arithmetic(gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), brief(h) + " * " + brief(w));
   });
-  enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
+  STRATA_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, kBadArgument,
+               "{}: logit_softcap {} must be 0 (none) or positive", op, logit_softcap);
+  enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad, logit_softcap);
 }
 
 void Ops::vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,

@@ -6,6 +6,9 @@
 //             rows (each over its own visible keys), O_blk = P V, lse saved;
 //   backward: P recomputed from lse, dP = dO_blk V^T, dS = P (dP - delta) scale,
 //             dQ_blk = dS K, dK += dS^T Q_blk, dV += P^T dO_blk.
+// With Gemma's soft cap (mask.softcap) each visible score is capped before
+// the softmax, and backward recomputes the cap's slope 1 - tanh^2 into one
+// more kBq x seq scratch to multiply dS by.
 // Scratch is kBq x seq per thread (not per head), so no [seq, seq] matrix is
 // ever held. The nn_ops.h templates stay the reference this is checked against.
 //
@@ -43,6 +46,16 @@ Strides strides_of(const AttentionShape& s, const AttentionMask& mask) {
           static_cast<float>(ops::attention_scale(mask, s.head_dim))};
 }
 
+// Gemma 2's soft cap on the visible scores [lo, hi) of a row, in place;
+// with `slope` also 1 - tanh^2 of each (the cap's derivative, for backward).
+void cap_scores(const AttentionMask& mask, float* row, int64_t lo, int64_t hi, float* slope = nullptr) {
+  if (mask.softcap <= 0) return;
+  for (int64_t j = lo; j < hi; ++j) {
+    row[j] = attention_score(mask, row[j]);
+    if (slope != nullptr) slope[j] = attention_score_slope(mask, row[j]);
+  }
+}
+
 // The keys a block of query rows [i0, i1) needs: [j0, i1), j0 the first key
 // its first row sees (later rows see no earlier key); row r's own keys are
 // columns [lo(r), hi(r)) of a [n, i1 - j0] score block.
@@ -66,6 +79,7 @@ void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const 
   for (int64_t r = 0; r < n; ++r) {
     float* row = sc + r * bk.width;
     const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+    cap_scores(mask, row, lo, hi);
     const float m = vec::max(row + lo, hi - lo);
     const double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
     vec::scale(row + lo, hi - lo, static_cast<float>(1.0 / sum));
@@ -95,7 +109,7 @@ void forward_block(const float* q, const float* k, const float* v, const Attenti
 void backward_task(const float* dout, const float* q, const float* k, const float* v,
                    const float* out, const float* lse, const AttentionShape& s,
                    const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t kh, float* dq,
-                   float* dk, float* dv, float* p, float* dp) {
+                   float* dk, float* dv, float* p, float* dp, float* slope) {
   const AttentionMask mask = batch_mask.row(b * s.seq);
   const float* kb = k + b * s.seq * st.kv_row + kh * st.d;
   const float* vb = v + b * s.seq * st.kv_row + kh * st.d;
@@ -118,6 +132,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
       for (int64_t r = 0; r < n; ++r) {
         float* row = p + r * w;
         const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
+        cap_scores(mask, row, lo, hi, slope + r * w);
         vec::exp_shifted(row + lo, hi - lo, row_lse[r], row + lo);
         std::fill(row, row + lo, 0.0f);
         std::fill(row + hi, row + w, 0.0f);
@@ -134,6 +149,10 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
         float* dsrow = dp + r * w;
         const int64_t lo = bk.lo(mask, i0, r), hi = bk.hi(i0, r);
         for (int64_t j = lo; j < hi; ++j) dsrow[j] = prow[j] * (dsrow[j] - delta) * st.scale;
+        if (mask.softcap > 0) {
+          const float* sl = slope + r * w;
+          for (int64_t j = lo; j < hi; ++j) dsrow[j] *= sl[j];
+        }
         std::fill(dsrow, dsrow + lo, 0.0f);
         std::fill(dsrow + hi, dsrow + w, 0.0f);
       }
@@ -176,10 +195,11 @@ void attention_backward(const float* dout, const float* q, const float* k, const
 #pragma omp parallel if (parallel_tasks)
   {
     std::vector<float> p(static_cast<size_t>(kBq * s.seq)), dp(p.size());
+    std::vector<float> slope(mask.softcap > 0 ? p.size() : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       backward_task(dout, q, k, v, out, lse, s, mask, st, t / s.kv_heads, t % s.kv_heads, dq, dk, dv,
-                    p.data(), dp.data());
+                    p.data(), dp.data(), slope.data());
     }
   }
 }

@@ -31,6 +31,12 @@ T dot(const T* a, const T* b, int64_t n) {
   return acc;
 }
 
+// A scaled score after Gemma 2's soft cap (cap 0: none).
+template <typename T>
+T capped(T score, T cap) {
+  return cap > 0 ? cap * std::tanh(score / cap) : score;
+}
+
 }  // namespace
 
 template <typename T>
@@ -40,6 +46,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
   const T scale = static_cast<T>(ops::attention_scale(mask, d));
+  const T cap = static_cast<T>(mask.softcap);
 #pragma omp parallel if (s.batch * s.heads * s.seq * s.seq * d >= 2 * detail::kMinParallelWork)
   {
     std::vector<T> p(static_cast<size_t>(s.seq));
@@ -52,7 +59,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
           const int64_t first = ops::first_visible_key(mask.row(b * s.seq), i);
           T m = -std::numeric_limits<T>::infinity();
           for (int64_t j = first; j <= i; ++j) {
-            p[j] = dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale;
+            p[j] = capped(dot(qi, k + (b * s.seq + j) * kv_row + kh * d, d) * scale, cap);
             m = std::max(m, p[j]);
           }
           T sum = 0;
@@ -82,6 +89,7 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
   const T scale = static_cast<T>(ops::attention_scale(mask, d));
+  const T cap = static_cast<T>(mask.softcap);
   // One (batch, kv head) per iteration: all query heads of a group write the
   // same dk/dv rows, so they stay on one thread.
 #pragma omp parallel for collapse(2) \
@@ -103,9 +111,12 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
           const T row_lse = lse[(b * s.heads + h) * s.seq + i];
           for (int64_t j = ops::first_visible_key(mask.row(b * s.seq), i); j <= i; ++j) {
             const int64_t ko = (b * s.seq + j) * kv_row + kh * d;
-            const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
+            const T score = capped(dot(qi, k + ko, d) * scale, cap);
+            const T p = std::exp(score - row_lse);
             const T dp = dot(doi, v + ko, d);
-            const T ds = p * (dp - delta) * scale;
+            // Through the soft cap: d(c tanh(x / c))/dx = 1 - (score / c)^2.
+            const T slope = cap > 0 ? T(1) - (score / cap) * (score / cap) : T(1);
+            const T ds = p * (dp - delta) * slope * scale;
             T* dkj = dk + ko;
             T* dvj = dv + ko;
             const T* kj = k + ko;

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
       s[jj] = is_visible(mask, query, key) && key < seq
-                  ? dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale
+                  ? attention_score(mask, dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale)
                   : -INFINITY;
       tile_max = fmaxf(tile_max, s[jj]);
     }
@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(kThreads)
         if (is_visible(mask, query, key) && query < seq) {
           const float s = dot_rows<kD>(k_s + j * kLd, q_s + i * kLd);
           const float dp = dot_rows<kD>(v_s + j * kLd, do_s + i * kLd);
-          p = expf(s * scale - lse_s[i]);
-          ds = p * (dp - delta_s[i]);
+          const float capped = attention_score(mask, s * scale);
+          p = expf(capped - lse_s[i]);
+          ds = p * (dp - delta_s[i]) * attention_score_slope(mask, capped);
         }
         p_s[j * kPLd + i] = p;
         ds_s[j * kPLd + i] = ds;
@@ -254,7 +255,8 @@ __global__ void __launch_bounds__(kThreads)
       if (is_visible(mask, query, key) && key < seq && query < seq) {
         const float s = dot_rows<kD>(q_s + i * kLd, k_s + j * kLd);
         const float dp = dot_rows<kD>(do_s + i * kLd, v_s + j * kLd);
-        ds = expf(s * scale - row_lse) * (dp - row_delta);
+        const float capped = attention_score(mask, s * scale);
+        ds = expf(capped - row_lse) * (dp - row_delta) * attention_score_slope(mask, capped);
       }
       ds_s[i * kPLd + j] = ds;
     }

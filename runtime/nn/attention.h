@@ -103,7 +103,8 @@ struct MlpTiling {
   int64_t in_splits = 1, out_splits = 1;
 };
 
-// Saved by Mlp::forward: gate, up and silu(gate) * up, each [rows, intermediate].
+// Saved by Mlp::forward: gate, up and act(gate) * up, each [rows, intermediate]
+// (act: config.hidden_act, silu or Gemma's gelu-tanh).
 struct MlpActs {
   TensorView gate, up, act;
   const LoraScratch* lora = nullptr;  // as AttentionActs::lora
@@ -130,6 +131,7 @@ class Mlp : public Module {
 
  private:
   std::unique_ptr<LinearBase> gate_proj_, up_proj_, down_proj_;
+  ops::GluActivation act_;  // silu (SwiGLU) or gelu-tanh (Gemma's GeGLU)
 };
 
 }  // namespace strata::nn

@@ -22,6 +22,8 @@ ops::AttentionMask DecoderConfig::attention_mask(int64_t layer) const {
                               sliding_layers[static_cast<size_t>(layer)]));
   ops::AttentionMask mask{windowed ? sliding_window : 0};
   if (attention == AttentionKind::kMla) mask.scale = attention_scale();
+  if (query_pre_attn_scalar > 0) mask.scale = static_cast<float>(1.0 / std::sqrt(query_pre_attn_scalar));
+  mask.softcap = static_cast<float>(attn_logit_softcapping);
   return mask;
 }
 
@@ -46,6 +48,10 @@ double DecoderConfig::attention_scale() const {
     scale *= m * m;
   }
   return scale;
+}
+
+const ops::Rope& DecoderConfig::rope_of(int64_t layer) const {
+  return sliding_rope.has_value() && attention_mask(layer).window > 0 ? *sliding_rope : rope;
 }
 
 void DecoderConfig::validate() const {
@@ -102,7 +108,7 @@ void DecoderConfig::validate() const {
   const bool llama = model_type == "llama", mistral = model_type == "mistral",
              qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
              mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe",
-             qwen2_moe = model_type == "qwen2_moe",
+             qwen2_moe = model_type == "qwen2_moe", gemma3 = model_type == "gemma3_text",
              deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2", glm = model_type == "glm4_moe";
   STRATA_CHECK((attention == AttentionKind::kMla) == deepseek, kBadArgument,
                "model_type {} {} multi-head latent attention", model_type, deepseek ? "has" : "has no");
@@ -150,10 +156,11 @@ void DecoderConfig::validate() const {
                  "equal num_attention_heads ({})",
                  num_key_value_heads, num_attention_heads);
   }
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm, kBadArgument,
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm || gemma(),
+               kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
-  STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek) || attention_qkv_bias == attention_o_bias, kBadArgument,
+  STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek || gemma()) || attention_qkv_bias == attention_o_bias, kBadArgument,
                        "model_type {}: attention_bias gives q/k/v and o_proj biases together",
                        model_type);
   STRATA_CHECK(!(mistral || mixtral) || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
@@ -164,8 +171,24 @@ void DecoderConfig::validate() const {
                "model_type qwen2_moe has no o_proj bias (qkv_bias switches the q/k/v biases)");
   STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
                        model_type);
-  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe) || glm, kBadArgument, "model_type {} {} per-head q/k norms",
-                       model_type, qwen3 || qwen3_moe ? "has" : "has no");
+  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe || gemma3) || glm, kBadArgument, "model_type {} {} per-head q/k norms",
+                       model_type, qwen3 || qwen3_moe || gemma3 ? "has" : "has no");
+  // Gemma's pieces come together, and only with Gemma.
+  const bool gemma_pieces = hidden_act == ops::GluActivation::kGeluTanh && norm_weight_offset == 1 &&
+                            scale_embedding && sandwich_norms;
+  const bool llama_pieces = hidden_act == ops::GluActivation::kSilu && norm_weight_offset == 0 && !scale_embedding &&
+                            !sandwich_norms && query_pre_attn_scalar == 0 && attn_logit_softcapping == 0 &&
+                            final_logit_softcapping == 0 && !sliding_rope.has_value();
+  STRATA_CHECK(gemma() ? gemma_pieces : llama_pieces, kBadArgument,
+               "model_type {} {} GeGLU, (1 + w) norms, a scaled embedding and sandwich norms", model_type,
+               gemma() ? "needs" : "has no");
+  STRATA_CHECK(query_pre_attn_scalar >= 0 && attn_logit_softcapping >= 0 && final_logit_softcapping >= 0,
+               kBadArgument,
+               "keys 'query_pre_attn_scalar' ({}), 'attn_logit_softcapping' ({}) and 'final_logit_softcapping' ({}) "
+               "must be positive (or null: none)",
+               query_pre_attn_scalar, attn_logit_softcapping, final_logit_softcapping);
+  STRATA_CHECK(!sliding_rope.has_value() || sliding_rope->theta > 0, kBadArgument,
+               "the sliding layers' rope_theta must be positive, got {}", sliding_rope ? sliding_rope->theta : 0.0);
   STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek || glm), kBadArgument,
                "model_type {} {} a mixture of experts (num_experts {})", model_type,
                mixtral || qwen3_moe || qwen2_moe || deepseek || glm ? "is" : "is not", num_experts);
@@ -185,7 +208,7 @@ void DecoderConfig::validate() const {
   STRATA_CHECK(sliding_window == 0 || !(llama || qwen3_moe), kBadArgument,
                "model_type {} has no sliding window here", model_type);
   STRATA_CHECK(
-      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe, kBadArgument,
+      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe || gemma(), kBadArgument,
       "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
@@ -207,7 +230,7 @@ void DecoderConfig::validate() const {
   // The shared expert's three projections and its gate.
   const double shared = shared_expert() ? 3 * h * static_cast<double>(shared_expert_intermediate_size) + h : 0.0;
   const double layer =
-      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router + shared + mla +
+      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 6 * h + 2 * d + router + shared + mla +
       3 * h * static_cast<double>(intermediate_size);
   const double parameters =
       static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
@@ -264,6 +287,16 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       add(p + "self_attn.k_norm.weight", {c.head_dim});
     }
     add(p + "post_attention_layernorm.weight", {h});
+    if (c.sandwich_norms) {
+      // Gemma: post_attention_layernorm normalises the attention's output;
+      // the MLP's input norm and output norm follow (DecoderLayer's order).
+      add(p + "pre_feedforward_layernorm.weight", {h});
+      linear("mlp.gate_proj", h, inter, c.mlp_bias);
+      linear("mlp.up_proj", h, inter, c.mlp_bias);
+      linear("mlp.down_proj", inter, h, c.mlp_bias);
+      add(p + "post_feedforward_layernorm.weight", {h});
+      continue;
+    }
     if (c.layer_moe(l)) {
       // The router, then each expert's gate, up and down projections (MoeMlp's order).
       const MoeNames n = moe_names(c);
@@ -336,6 +369,8 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "deepseek_v3" || model_type == "kimi_k2") return "DeepseekV3ForCausalLM";
   if (model_type == "glm4_moe") return "Glm4MoeForCausalLM";
+  if (model_type == "gemma2") return "Gemma2ForCausalLM";
+  if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -373,7 +408,11 @@ nlohmann::json DecoderConfig::to_json() const {
   nlohmann::json j = source.is_object() ? source : nlohmann::json::object();
   j["model_type"] = model_type;
   if (!j.contains("architectures")) j["architectures"] = {architecture_of(model_type)};
-  j["hidden_act"] = "silu";
+  if (gemma()) {
+    j["hidden_activation"] = "gelu_pytorch_tanh";
+  } else {
+    j["hidden_act"] = "silu";
+  }
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
@@ -392,7 +431,14 @@ nlohmann::json DecoderConfig::to_json() const {
   }
   // RoPE in the source's style: transformers 5 nests it in rope_parameters,
   // older releases read rope_theta and rope_scaling (and newer ones still do).
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+  if (sliding_rope.has_value()) {
+    // Gemma 3: one RoPE per layer type (transformers 5's form).
+    j["rope_parameters"] = {{"full_attention", rope_json(rope, true)},
+                            {"sliding_attention", rope_json(*sliding_rope, true)}};
+    j.erase("rope_theta");
+    j.erase("rope_scaling");
+    j.erase("rope_local_base_freq");
+  } else if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
     j["rope_parameters"] = rope_json(rope, true);
     // glm4_moe's partial rotary embedding (transformers 5 keeps it in rope_parameters).
     if (model_type == "glm4_moe") {
@@ -409,6 +455,25 @@ nlohmann::json DecoderConfig::to_json() const {
     j["rope_theta"] = rope.theta;
     j["rope_scaling"] =
         rope.type == ops::RopeType::kDefault ? nlohmann::json(nullptr) : rope_json(rope, false);
+  }
+  if (gemma()) {
+    j["attention_bias"] = attention_qkv_bias;
+    // An int in transformers' Gemma configs (a float there is refused by its strict config class).
+    const double qpas = query_pre_attn_scalar;
+    j["query_pre_attn_scalar"] =
+        qpas == std::floor(qpas) ? nlohmann::json(static_cast<int64_t>(qpas)) : nlohmann::json(qpas);
+    if (model_type == "gemma2") {
+      j["attn_logit_softcapping"] = attn_logit_softcapping > 0 ? nlohmann::json(attn_logit_softcapping) : nlohmann::json(nullptr);
+    }
+    j["final_logit_softcapping"] =
+        final_logit_softcapping > 0 ? nlohmann::json(final_logit_softcapping) : nlohmann::json(nullptr);
+    j["sliding_window"] = sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
+    nlohmann::json types = nlohmann::json::array();
+    for (int64_t l = 0; l < num_hidden_layers; ++l) {
+      types.push_back(!sliding_layers.empty() && sliding_layers[static_cast<size_t>(l)] ? "sliding_attention"
+                                                                                         : "full_attention");
+    }
+    j["layer_types"] = types;  // wins over sliding_window_pattern in transformers
   }
   if (model_type == "llama") {
     j["attention_bias"] = attention_qkv_bias;
@@ -488,8 +553,8 @@ const char* supported_model_types() {
          "(Mistral 7B, "
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
-         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2) and glm4_moe (GLM-4.5, "
-         "GLM-4.5-Air)";
+         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2), glm4_moe (GLM-4.5, "
+         "GLM-4.5-Air), gemma2 (Gemma 2) and gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3)";
 }
 
 DecoderConfig load_decoder_config(const std::string& path) {

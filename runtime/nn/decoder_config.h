@@ -12,6 +12,23 @@
 //   mixtral     -                     -         default, linear, llama3   sliding_window (all layers)
 //   qwen3_moe   attention_bias (all)  per head  default, linear, llama3   - (use_sliding_window false)
 //   qwen2_moe   qkv_bias: q, k, v     -         default, linear, llama3   use_sliding_window + layer_types
+//   gemma2      attention_bias (all)  -         default, linear, llama3   layer_types (default: even layers)
+//   gemma3_text attention_bias (all)  per head  two: full and sliding     layer_types or sliding_window_pattern
+//
+// Gemma 2 and 3 (gemma2, gemma3_text: transformers' Gemma2ForCausalLM and
+// Gemma3ForCausalLM) change more than the variants above: GeGLU with gelu's
+// tanh approximation (hidden_activation gelu_pytorch_tanh), RMSNorm times
+// (1 + w) computed in fp32 (norm_weight_offset 1: every norm, q/k norms
+// included), the embedding times sqrt(hidden_size) rounded to the model's
+// dtype, "sandwich" norms (post_attention_layernorm on the attention's output
+// and post_feedforward_layernorm on the MLP's, before each residual add; the
+// MLP's input norm is pre_feedforward_layernorm), the attention scores scaled
+// by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2. Gemma 2 soft-caps
+// the attention scores (attn_logit_softcapping) and the logits
+// (final_logit_softcapping: c * tanh(x / c)); Gemma 3 has q/k norms and its
+// sliding layers their own RoPE (rope_parameters.sliding_attention, or the
+// older rope_local_base_freq), and transformers' Gemma3 ignores
+// attn_logit_softcapping. Both default to tied embeddings and pad_token_id 0.
 //
 // mixtral, qwen3_moe and qwen2_moe are mixtures of experts: every layer's MLP
 // is num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
@@ -60,6 +77,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -76,7 +94,8 @@ namespace strata::nn {
 enum class AttentionKind { kGqa, kMla };
 
 struct DecoderConfig {
-  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
+  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
+  // "deepseek_v3", "kimi_k2", "glm4_moe", "gemma2" or "gemma3_text".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -141,6 +160,17 @@ struct DecoderConfig {
   // transformers ignores their weights (model.layers.<num_hidden_layers>.*),
   // and so does the training; they are carried to the export unchanged.
   int64_t mtp_layers = 0;
+  // Gemma 2 and 3 (see above); the defaults are every other family's.
+  ops::GluActivation hidden_act = ops::GluActivation::kSilu;
+  float norm_weight_offset = 0;       // 1: Gemma's RMSNorm, x * rstd * (1 + w)
+  bool scale_embedding = false;       // embeddings times sqrt(hidden_size), in the model's dtype
+  bool sandwich_norms = false;        // post-attention and post-feedforward norms
+  double query_pre_attn_scalar = 0;   // the scores times its ^-1/2 (0: head_dim's)
+  double attn_logit_softcapping = 0;  // 0: none
+  double final_logit_softcapping = 0; // 0: none
+  // The RoPE of the sliding-window layers when it is not `rope` (Gemma 3's
+  // local layers); nullopt: every layer rotates by `rope`.
+  std::optional<ops::Rope> sliding_rope;
   bool moe() const { return num_experts > 0; }
   bool shared_expert() const { return shared_expert_intermediate_size > 0; }
   // Whether layer `layer`'s MLP is the mixture of experts (else dense).
@@ -159,8 +189,12 @@ struct DecoderConfig {
   // to_json() keeps its other keys, so an export carries them.
   nlohmann::json source;
 
-  // The attention mask of layer `layer` (its sliding window, or none).
+  // The attention mask of layer `layer` (its sliding window, or none), with
+  // the scores' scale and soft cap (Gemma's).
   ops::AttentionMask attention_mask(int64_t layer) const;
+  // The RoPE of layer `layer` (sliding_rope on a sliding layer that has one).
+  const ops::Rope& rope_of(int64_t layer) const;
+  bool gemma() const { return model_type == "gemma2" || model_type == "gemma3_text"; }
   // Parameters of the whole model (embedding, layers with their biases and
   // norms, final norm, lm_head unless tied): the sum over hf_tensors().
   int64_t parameter_count() const;

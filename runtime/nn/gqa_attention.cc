@@ -46,7 +46,7 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
       heads_(c.num_attention_heads),
       kv_heads_(c.num_key_value_heads),
       head_dim_(c.head_dim),
-      rope_(c.rope),
+      rope_(c.rope_of(layer)),
       mask_(c.attention_mask(layer)) {
   // Tensor parallelism: each tp rank holds heads / tp query heads and their
   // kv heads (column-parallel q, k, v; row-parallel o).
@@ -70,8 +70,10 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
   o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora, row);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
   if (c.qk_norm) {
-    q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype);
-    k_norm_ = std::make_unique<RMSNorm>(engine, child_name("k_norm"), head_dim_, c.rms_norm_eps, dtype);
+    q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype,
+                                        c.norm_weight_offset);
+    k_norm_ = std::make_unique<RMSNorm>(engine, child_name("k_norm"), head_dim_, c.rms_norm_eps, dtype,
+                                        c.norm_weight_offset);
     add_child(*q_norm_);
     add_child(*k_norm_);
   }

@@ -163,14 +163,17 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
   // first layers are dense); one set holding both kinds with checkpointing.
   const size_t common = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
                         nn::arena_nbytes(attention.saved) + 2 * view_nbytes(t, {local, hidden}) +
-                        view_nbytes(f32, {local});
+                        view_nbytes(f32, {local}) +
+                        // Sandwich norms (Gemma): each block's output before its norm, and that norm's rstd.
+                        (c.sandwich_norms ? 2 * (view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local})) : 0);
   if (checkpoint_activations) {
     n += common + (c.any_moe_layer() ? moe_acts : 0) + (c.any_dense_layer() ? dense_acts : 0);
   } else {
     for (int64_t l = 0; l < c.num_hidden_layers; ++l) n += common + (c.layer_moe(l) ? moe_acts : dense_acts);
   }
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch;
+  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch +
+       (c.sandwich_norms ? view_nbytes(t, {local, hidden}) : 0);
   // dres, final_ln, rstd_f, the loss's lse.
   n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
        view_nbytes(f32, {rows});

@@ -385,7 +385,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     }
   }
   if (options.model.empty()) {
-    nn::initialize_parameters(engine, base, seed);
+    // A norm weight starts at 1 times the normalised input: Gemma's (1 + w) at w = 0.
+    nn::initialize_parameters(engine, base, seed, 0.02, 1.0f - model.config().norm_weight_offset);
   } else {
     std::set<std::string> carried;
     for (const auto& [name, file] : export_options.carried) carried.insert(name);

@@ -83,6 +83,8 @@ void check_export(const std::string& dir, const std::string& source, const std::
                       : c.model_type == "qwen2_moe" ? "Qwen2MoeForCausalLM"
                       : c.model_type == "deepseek_v3" || c.model_type == "kimi_k2" ? "DeepseekV3ForCausalLM"
                       : c.model_type == "glm4_moe"  ? "Glm4MoeForCausalLM"
+                      : c.model_type == "gemma2"  ? "Gemma2ForCausalLM"
+                      : c.model_type == "gemma3_text" ? "Gemma3ForCausalLM"
                                                   : "Qwen3ForCausalLM"};
   CHECK(out["architectures"] == archs);
   CHECK(out["torch_dtype"] == (dtype == "F32" ? "float32" : "bfloat16"));
@@ -102,7 +104,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
 }  // namespace
 
 TEST_CASE("families: import, fine-tune, export and load back give the next step's loss", "[finetune][families]") {
-  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "qwen2_moe"}) {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3"}) {
     INFO(family);
     strata::test::TempDir dir("families");
     const std::string model = fixture(std::string(family) + "_untied_f32");
@@ -160,6 +162,34 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   // One batch over and over: the loss falls.
   CHECK(steps[5]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
   check_export(out + "/model", model, "BF16");
+}
+
+TEST_CASE("families: strata run -n 2 -- strata finetune: Gemma 2 and Gemma 3 under ZeRO-3 with parameters and "
+          "optimizer on NVMe",
+          "[finetune][families][gemma]") {
+  for (const char* name : {"gemma2_tied_bf16", "gemma3_tied_bf16"}) {
+    INFO(name);
+    strata::test::TempDir dir("families-gemma-nvme");
+    const std::string swap = dir.file("swap");
+    const std::string model = fixture(name);
+    const std::string data = one_window(dir, 37, 7);
+    const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap, /*bf16=*/true);
+    const std::string out = dir.file("out");
+    const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
+                                 config + " --model " + model + " --data " + data +
+                                 " --data-format u16 --seq 7 --steps 6 --out " + out + " --export " + out + "/model 2>&1");
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    CHECK_THAT(run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme"));
+    const auto steps = read_jsonl(out + "/metrics.jsonl");
+    REQUIRE(steps.size() == 6);
+    for (const auto& s : steps) {
+      CHECK(s["applied"].get<bool>());
+      CHECK(s["nvme_bytes"].get<uint64_t>() > 0);
+    }
+    CHECK(steps[5]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
+    check_export(out + "/model", model, "BF16");
+  }
 }
 
 TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on NVMe reports its load-balancing "
@@ -339,8 +369,8 @@ TEST_CASE("families: strata finetune refuses another architecture, or a checkpoi
     std::string model, expect;
   };
   const std::vector<Case> cases = {
-      {model_dir("gemma2", "llama_untied_f32", [](json& c) { c["model_type"] = "gemma2"; }),
-       "model_type \"gemma2\" is not supported"},
+      {model_dir("gemma", "llama_untied_f32", [](json& c) { c["model_type"] = "gemma"; }),
+       "model_type \"gemma\" is not supported"},
       {model_dir("dynamic", "llama_untied_f32",
                  [](json& c) {
                    c["rope_parameters"] = {{"rope_type", "dynamic"}, {"rope_theta", 1e4}, {"factor", 4.0}};

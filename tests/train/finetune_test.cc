@@ -440,6 +440,30 @@ TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a sha
   CHECK(ref_steps[kSteps - 1]["loss"].get<double>() < ref_steps[0]["loss"].get<double>());
 }
 
+TEST_CASE("a Gemma 3 killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][gemma]") {
+  strata::test::TempDir dir;
+  // Gemma 3's pieces (GeGLU, (1 + w) norms, the scaled embedding, sandwich
+  // and q/k norms, two RoPEs over sliding and full layers) under ZeRO-3 on
+  // NVMe on two ranks: every one must resume exactly.
+  write_file(dir, "gemma.json", R"({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 128, "query_pre_attn_scalar": 24, "sliding_window": 8,
+    "sliding_window_pattern": 3, "rope_theta": 10000.0, "rope_local_base_freq": 100.0})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 24;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "gemma.json") + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  const int kills =
+      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "gemma.json"), dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+}
+
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",
           "[finetune][checkpoint]") {
   strata::test::TempDir dir;
