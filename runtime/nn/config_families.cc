@@ -624,6 +624,8 @@ void read_glm4_moe(Reader& r, DecoderConfig& c, double partial) {
                "takes int(head_dim x factor))",
                r.where(), partial, c.head_dim);
   c.rope.rotary_dim = static_cast<int64_t>(rotary);
+}
+
 // Gemma 3's RoPE: one per layer type. transformers 5 writes rope_parameters
 // {"full_attention": {...}, "sliding_attention": {...}}; older configs give
 // rope_theta (default 1e6) and rope_scaling for the full layers and
