@@ -195,3 +195,29 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
   CHECK(kept.exit_code == 0);
   CHECK_THAT(kept.output, Catch::Contains("--micro-batch-order auto: step-major (the parameters live on the device"));
 }
+
+TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are step-major's, bit for bit, and the first "
+          "is the resident model's",
+          "[layer-major][strata-train]") {
+  strata::test::TempDir dir;
+  const std::string train = std::string(STRATA_BUILD_DIR) + "/bin/strata-train";
+  std::vector<nlohmann::json> losses;
+  for (const std::string order : {"step-major", "layer-major"}) {
+    const std::string json = dir.file(order + ".json");
+    const auto r = run_command(strata_binary() + " run -n 2 -- " + train +
+                               " --zero 3 --offload-param nvme --offload-optimizer nvme --nvme-dir " +
+                               dir.file(order + "_swap") +
+                               " --layers 3 --hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1 --steps 2 --warmup 1 "
+                               "--rounds 1 --drive-test-mib 4 --micro-batches 3 --micro-batch-order " +
+                               order + " --json " + json + " 2>&1");
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);  // 1 when the first loss is not the resident model's
+    CHECK_THAT(r.output, Catch::Contains("micro-batches per step: 3, " + order));
+    std::ifstream in(json);
+    const nlohmann::json out = nlohmann::json::parse(in);
+    CHECK(out["config"]["micro_batches"] == 3);
+    losses.push_back(out["rounds"][0]["losses"]);
+  }
+  REQUIRE(losses[0].size() == 3);
+  CHECK(losses[1] == losses[0]);
+}
