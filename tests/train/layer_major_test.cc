@@ -159,6 +159,22 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
   REQUIRE(killed.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(killed[i]["loss"] == step.steps[i]["loss"]);
 
+  // The orders share the checkpoint layout: step-major's checkpoint of step
+  // 3 resumed layer-major ends where step-major does.
+  const std::string half = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + ds +
+                           " --init " + dir.file("three.json") + " --data " + kFinetuneExamples +
+                           "/data/gpl-3.0.txt --data-format text --seq 16 --save " + dir.file("half_ckpt") +
+                           " --save-every 3 --out " + dir.file("half") + " --export " + dir.file("half_model") +
+                           " --export-dtype fp32 --steps ";
+  const auto first = run_command(half + "3 --micro-batch-order step-major 2>&1");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  const auto second = run_command(half + std::to_string(kSteps) + " --micro-batch-order layer-major --resume 2>&1");
+  INFO(second.output);
+  REQUIRE(second.exit_code == 0);
+  CHECK_THAT(second.output, Catch::Contains("micro-batch order layer-major"));
+  CHECK(file_bytes(dir.file("half_model") + "/model.safetensors") == step.exported);
+
   // What layer-major does not do yet is refused before step 1, by name.
   write_file(dir, "tied.json", R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
