@@ -158,6 +158,11 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
   const auto killed = read_jsonl(dir.file("killed") + "/metrics.jsonl");
   REQUIRE(killed.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(killed[i]["loss"] == step.steps[i]["loss"]);
+  // strata plan --check does not model what layer-major holds: refused by name, not mispredicted.
+  const auto planned = run_command(strata_binary() + " plan --check " + dir.file("killed") + " 2>&1");
+  CHECK(planned.exit_code != 0);
+  CHECK_THAT(planned.output, Catch::Contains("the run's micro-batches were layer-major; strata plan --check does not "
+                                             "model the activations it holds"));
 
   // The orders share the checkpoint layout: step-major's checkpoint of step
   // 3 resumed layer-major ends where step-major does.
