@@ -73,6 +73,9 @@ void check_same(const Run& layer, const Run& step, int steps) {
     CAPTURE(i);
     CHECK(layer.steps[i]["loss"] == step.steps[i]["loss"]);
     CHECK(layer.steps[i]["grad_norm"] == step.steps[i]["grad_norm"]);
+    // An evaluation runs forward only through the same chunks, layer by layer.
+    REQUIRE(layer.steps[i].contains("eval_loss") == step.steps[i].contains("eval_loss"));
+    if (step.steps[i].contains("eval_loss")) CHECK(layer.steps[i]["eval_loss"] == step.steps[i]["eval_loss"]);
   }
   REQUIRE(step.exported.size() > 1000);
   CHECK(layer.exported == step.exported);
@@ -106,8 +109,14 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
   for (const Case& c : cases) {
     SECTION(c.name) {
       const std::string ds = config(dir, c.name, c.zero, c.clip);
-      const Run step = finetune(dir, c.name + "_step", ds, "step-major", kSteps);
-      const Run layer = finetune(dir, c.name + "_layer", ds, "layer-major", kSteps);
+      // With every tier on NVMe, an evaluation after each step too.
+      const std::string eval = c.name.rfind("stage3_nvme", 0) == 0 ? " --eval-data " + kFinetuneExamples +
+                                                                          "/data/gpl-3.0.txt --eval-batches 3 "
+                                                                          "--eval-every 1"
+                                                                    : "";
+      const Run step = finetune(dir, c.name + "_step", ds, "step-major", kSteps, eval);
+      const Run layer = finetune(dir, c.name + "_layer", ds, "layer-major", kSteps, eval);
+      if (!eval.empty()) CHECK(layer.steps.back().contains("eval_loss"));
       CHECK_THAT(layer.output, Catch::Contains("micro-batch order layer-major: 3 micro-batches through each of the 3 "
                                                "decoder layers in turn"));
       CHECK_THAT(step.output, !Catch::Contains("micro-batch order layer-major"));
