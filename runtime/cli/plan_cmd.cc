@@ -188,7 +188,7 @@ struct Resolved {
   // the schedule, and per stage (pp rank) its layers and parameters (a tp
   // rank's with tensor parallelism); inputs.model.param_count is then the
   // largest stage's.
-  pipeline::ScheduleSpec pipeline;
+  pipeline::ScheduleSpec pipeline{.stages = 1};  // 1: no pipeline (ScheduleSpec's own default is 2)
   std::vector<int64_t> stage_layers, stage_params;
   std::vector<std::vector<int64_t>> stage_chunk_layers;  // per stage, its chunks' layer counts
 };
