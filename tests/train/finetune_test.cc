@@ -13,10 +13,13 @@
 
 #include "runtime/nn/safetensors.h"
 #include "tests/support/finetune_files.h"
+#include "tests/support/killed_runs.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
+using strata::test::file_bytes;
 using strata::test::kFinetuneExamples;
+using strata::test::run_killed_and_resumed;
 using strata::test::run_command;
 using strata::test::small_model;
 using strata::test::strata_binary;
@@ -265,52 +268,6 @@ double max_export_difference(const std::string& a_dir, const std::string& b_dir)
     }
   }
   return most;
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// Runs `args` (a resumable finetune) again and again, each attempt killed
-// with SIGKILL (every process of it, at once) after a delay unless it
-// finishes first, each next attempt resuming from `ckpt`, until one finishes;
-// returns how many were killed.
-int run_killed_and_resumed(const strata::test::TempDir& dir, const std::string& args, const std::string& ckpt) {
-  const std::string script = write_file(dir, "kill.sh", R"SH(#!/usr/bin/env bash
-set -u
-args="$1"; delay="$2"; ckpt="$3"; log="$4"
-resume=""
-if ls "$ckpt"/step_*/manifest.json >/dev/null 2>&1; then resume="--resume"; fi
-setsid bash -c "exec $args $resume" >"$log" 2>&1 &
-sid=$!
-end=$(( $(date +%s%N) + ${delay%.*}000000 ))
-while kill -0 $sid 2>/dev/null && [ "$(date +%s%N)" -lt "$end" ]; do sleep 0.02; done
-if kill -0 $sid 2>/dev/null; then
-  pkill -KILL -s $sid; while pgrep -s $sid >/dev/null; do sleep 0.02; done
-  echo killed; exit 0
-fi
-wait $sid; rc=$?; echo "exited $rc"
-)SH");
-  // Start-up (rendezvous, engine, model) takes a few hundred ms, a step tens:
-  // these land in start-up, in steps, in checkpoint writes and in the export.
-  const int delays_ms[] = {700, 450, 900, 600, 1100, 800, 550, 1300, 1000, 1500};
-  int kills = 0;
-  for (int attempt = 0; attempt < 30; ++attempt) {
-    const int delay = attempt < 10 ? delays_ms[attempt] : 600000;  // then let it finish
-    const std::string log = dir.file("attempt" + std::to_string(attempt) + ".log");
-    const auto r = run_command("bash " + script + " '" + args + "' " + std::to_string(delay) + " " + ckpt + " " + log);
-    INFO("attempt " << attempt << ": " << r.output << file_bytes(log));
-    REQUIRE(r.exit_code == 0);
-    if (r.output.find("killed") != std::string::npos) {
-      ++kills;
-      continue;
-    }
-    REQUIRE_THAT(r.output, Catch::Contains("exited 0"));
-    return kills;
-  }
-  FAIL("the run never finished");
-  return kills;
 }
 
 }  // namespace
