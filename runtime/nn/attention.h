@@ -70,6 +70,16 @@ const LoraScratch& lora_scratch(const LoraScratch* lora);
 struct TokenPlaces {
   TensorView positions, segment_start, segment_end;
   bool packed() const { return segment_start.data != nullptr; }
+  // A layer's mask (its window, its scale) over these places: with packed
+  // documents it also keeps each token within its document (rows of `seq`).
+  ops::AttentionMask mask(ops::AttentionMask layer, int64_t seq) const {
+    if (packed()) {
+      layer.segment_start = segment_start.as<int32_t>();
+      layer.segment_end = segment_end.as<int32_t>();
+      layer.seq = seq;
+    }
+    return layer;
+  }
 };
 
 // A decoder layer's self-attention: one of the kinds DecoderConfig::attention

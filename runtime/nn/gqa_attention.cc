@@ -85,16 +85,6 @@ TensorView GqaAttention::per_head(const TensorView& t) {
   return reshaped(t, {t.desc.shape[0] * t.desc.shape[1], t.desc.shape[2]});
 }
 
-ops::AttentionMask GqaAttention::mask_of(const TokenPlaces& places, int64_t seq) const {
-  ops::AttentionMask mask = mask_;
-  if (places.packed()) {
-    mask.segment_start = places.segment_start.as<int32_t>();
-    mask.segment_end = places.segment_end.as<int32_t>();
-    mask.seq = seq;
-  }
-  return mask;
-}
-
 void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                            const AttentionActs& a, const TensorView& y, Phase phase) {
   const int64_t rows = batch * seq;
@@ -125,7 +115,7 @@ void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64
   ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, head_dim_}),
                           reshaped(k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(v, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], mask_of(places, seq));
+                          reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], places.mask(mask_, seq));
   o_proj_->forward(as_matrix(attn), as_matrix(y), phase, lora);  // with tp, this rank's heads' share
 }
 
@@ -149,7 +139,7 @@ void GqaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
                            reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse],
                            reshaped(dq, {batch, seq, heads_, head_dim_}),
                            reshaped(dk, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(dv, {batch, seq, kv_heads_, head_dim_}), mask_of(places, seq));
+                           reshaped(dv, {batch, seq, kv_heads_, head_dim_}), places.mask(mask_, seq));
   ops().rope_backward(ctx(), dq, places.positions, rope_);
   ops().rope_backward(ctx(), dk, places.positions, rope_);
   if (q_norm_) {

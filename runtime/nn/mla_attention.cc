@@ -104,16 +104,6 @@ MlaAttention::MlaAttention(engine::Engine& engine, std::string name, const Decod
   add_child(*o_proj_);
 }
 
-ops::AttentionMask MlaAttention::mask_of(const TokenPlaces& places, int64_t seq) const {
-  ops::AttentionMask mask = mask_;
-  if (places.packed()) {
-    mask.segment_start = places.segment_start.as<int32_t>();
-    mask.segment_end = places.segment_end.as<int32_t>();
-    mask.seq = seq;
-  }
-  return mask;
-}
-
 void MlaAttention::forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
                            const AttentionActs& a, const TensorView& y, Phase phase) {
   const int64_t rows = batch * seq, d = nope_ + rope_dim_;
@@ -150,7 +140,7 @@ void MlaAttention::forward(const TensorView& x, const TokenPlaces& places, int64
   ops().copy(ctx(), head_columns(kv, kv_width, nope_, kv_width), head_columns(v, d, 0, v_dim_), false);
   ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, d}), reshaped(k, {batch, seq, heads_, d}),
                           reshaped(v, {batch, seq, heads_, d}), reshaped(attn, {batch, seq, heads_, d}),
-                          a.saved[kLse], mask_of(places, seq));
+                          a.saved[kLse], places.mask(mask_, seq));
   ops().copy(ctx(), head_columns(attn, d, 0, v_dim_), MatView::of(reshaped(attn_v, {rows * heads_, v_dim_})),
              false);
   o_proj_->forward(as_matrix(attn_v), as_matrix(y), phase, lora);
@@ -178,7 +168,7 @@ void MlaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
                            reshaped(k, {batch, seq, heads_, d}), reshaped(v, {batch, seq, heads_, d}),
                            reshaped(attn, {batch, seq, heads_, d}), a.saved[kLse],
                            reshaped(dq, {batch, seq, heads_, d}), reshaped(dk, {batch, seq, heads_, d}),
-                           reshaped(dv, {batch, seq, heads_, d}), mask_of(places, seq));
+                           reshaped(dv, {batch, seq, heads_, d}), places.mask(mask_, seq));
   // The query's path.
   ops().rope_backward(ctx(), dq, places.positions, rope_q_);
   if (q_lora_ > 0) {

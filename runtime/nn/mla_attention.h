@@ -55,8 +55,6 @@ class MlaAttention final : public SelfAttention {
                 bool accumulate_dx) override;
 
  private:
-  ops::AttentionMask mask_of(const TokenPlaces& places, int64_t seq) const;
-
   int64_t hidden_, heads_, nope_, rope_dim_, v_dim_, kv_lora_, q_lora_;
   ops::Rope rope_q_, rope_k_;  // on q's rope dims; on the shared rope key alone
   ops::AttentionMask mask_;

@@ -21,9 +21,11 @@
 #include "runtime/nn/safetensors.h"
 #include "runtime/nn/safetensors_stream.h"
 #include "tests/support/finetune_files.h"
+#include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
+using strata::test::read_jsonl;
 using strata::test::run_command;
 using strata::test::strata_binary;
 using strata::test::write_file;
@@ -39,13 +41,6 @@ json read_json(const std::string& path) {
   std::ifstream in(path);
   REQUIRE(in.good());
   return json::parse(in);
-}
-
-std::vector<json> read_jsonl(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(json::parse(line));
-  return lines;
 }
 
 // seq + 1 tokens as raw uint16: one window, so every step trains on the same

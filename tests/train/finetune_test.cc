@@ -14,25 +14,20 @@
 #include "runtime/nn/safetensors.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/killed_runs.h"
+#include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
 using strata::test::file_bytes;
 using strata::test::kFinetuneExamples;
 using strata::test::run_killed_and_resumed;
+using strata::test::read_jsonl;
 using strata::test::run_command;
 using strata::test::small_model;
 using strata::test::strata_binary;
 using strata::test::write_file;
 
 namespace {
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 
 }  // namespace
 
