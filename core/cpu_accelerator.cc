@@ -107,6 +107,10 @@ struct HostState {
     std::lock_guard<std::mutex> lock(mutex);
     return done;
   }
+  bool done_without_error() {
+    std::lock_guard<std::mutex> lock(mutex);
+    return done && error == nullptr;
+  }
   // Blocks until complete; returns its error or nullptr.
   std::exception_ptr wait() {
     std::unique_lock<std::mutex> lock(mutex);
@@ -215,14 +219,20 @@ class CpuStream final : public Stream {
   void wait(Event& event) override {
     // Snapshot the event's position now (as cudaStreamWaitEvent does), then
     // block this stream's thread on it; its error becomes this stream's.
+    // An event already complete without error orders nothing: no task, so
+    // that a caller synchronizing right after (the C API's fetch) does not
+    // wait for this stream's thread to be scheduled only to pass a wait that
+    // is over. (A failed one is still enqueued: its error becomes ours.)
     if (auto* cpu_event = dynamic_cast<CpuEvent*>(&event)) {
       QueuePoint point = cpu_event->snapshot();
       if (!point.queue) return;  // never recorded: complete
+      if (point.done() && point.error() == nullptr) return;
       enqueue([point] {
         point.wait();
         if (auto error = point.error()) std::rethrow_exception(error);
       });
     } else if (auto* host_event = dynamic_cast<CpuHostEvent*>(&event)) {
+      if (host_event->state()->done_without_error()) return;
       enqueue([state = host_event->state()] {
         if (auto error = state->wait()) std::rethrow_exception(error);
       });

@@ -30,6 +30,7 @@
 // Header-only and usable in device code (nvcc, C++17). Thread-safety: a value type.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -48,6 +49,15 @@ struct AttentionMask {
   int64_t seq = 0;  // entries per row of the segment arrays
   // Global positions of the query block's and the key block's first token.
   int64_t q_offset = 0, kv_offset = 0;
+  // How a visible key is scored (not the mask proper, but every kernel that
+  // asks the mask scores with it): the score q.k times `scale` (0: 1 /
+  // sqrt(head_dim); Gemma's query_pre_attn_scalar^-1/2; DeepSeek's multi-head
+  // latent attention under YaRN qk_head_dim^-0.5 * mscale^2), then with
+  // softcap > 0 capped to softcap * tanh(score / softcap) before the softmax
+  // (Gemma 2's attn_logit_softcapping; its backward multiplies the score's
+  // gradient by 1 - tanh^2). attention_scale() and attention_score() are the formulas.
+  double scale = 0;
+  float softcap = 0;
 
   STRATA_HOST_DEVICE bool has_segments() const { return segment_start != nullptr; }
   // The mask of the row whose first position is `offset` (b * seq) in the arrays.
@@ -63,6 +73,18 @@ struct AttentionMask {
   // the last one, whose range is as wide as any in the row.
   STRATA_HOST_DEVICE int64_t entry(int64_t i) const { return i < seq ? i : seq - 1; }
 };
+
+// A scaled score after the soft cap (the score itself without one).
+STRATA_HOST_DEVICE inline float attention_score(const AttentionMask& mask, float scaled) {
+  return mask.softcap > 0 ? mask.softcap * tanhf(scaled / mask.softcap) : scaled;
+}
+
+// d capped / d scaled for a capped score (1 without a cap).
+STRATA_HOST_DEVICE inline float attention_score_slope(const AttentionMask& mask, float capped) {
+  if (mask.softcap <= 0) return 1.0f;
+  const float t = capped / mask.softcap;
+  return 1.0f - t * t;
+}
 
 // The first key query `query` sees (keys [first, query] are visible).
 STRATA_HOST_DEVICE inline int64_t first_visible_key(const AttentionMask& mask, int64_t query) {
@@ -83,6 +105,11 @@ STRATA_HOST_DEVICE inline int64_t last_seeing_query(const AttentionMask& mask, i
     if (end < last) last = end;
   }
   return last;
+}
+
+// The scale of the scores q.k of a head_dim-wide head under `mask`.
+STRATA_HOST_DEVICE inline double attention_scale(const AttentionMask& mask, int64_t head_dim) {
+  return mask.scale > 0 ? mask.scale : 1.0 / sqrt(static_cast<double>(head_dim));
 }
 
 STRATA_HOST_DEVICE inline bool is_visible(const AttentionMask& mask, int64_t query, int64_t key) {

@@ -84,6 +84,10 @@ void attention_mask(std::string_view op, const AttentionMask& mask, const Attent
   const int64_t reach = std::max(mask.q_offset + s.seq, mask.kv_offset + s.keys());
   STRATA_CHECK(!mask.has_segments() || mask.seq >= reach, kBadArgument,
                "{}: the document arrays have {} entries per row, the sequence {}", op, mask.seq, reach);
+  STRATA_CHECK(std::isfinite(mask.scale) && mask.scale >= 0, kBadArgument,
+               "{}: score scale {} must be 0 (1/sqrt(head_dim)) or positive", op, mask.scale);
+  STRATA_CHECK(std::isfinite(mask.softcap) && mask.softcap >= 0, kBadArgument,
+               "{}: score soft cap {} must be 0 (none) or positive", op, mask.softcap);
 }
 
 void rope(std::string_view op, const Rope& r) {
@@ -208,6 +212,11 @@ void check_rope(std::string_view op, const TensorView& x, const TensorView& posi
                "{}: x must be [rows, heads, head_dim] with an even head_dim, got {}", op,
                shape_string(x.desc.shape));
   check::numel(op, "positions", positions, x.desc.shape[0]);
+  const int64_t head_dim = x.desc.shape[2], rotary = rope_rotary_dim(rope, head_dim);
+  STRATA_CHECK(rope.rotary_offset >= 0 && rope.rotary_dim >= 0 && rotary > 0 && rotary % 2 == 0 &&
+                   rope.rotary_offset + rotary <= head_dim,
+               kBadArgument, "{}: the rotated dims [{}, {} + {}) must be an even, non-empty part of the {}-wide head",
+               op, rope.rotary_offset, rope.rotary_offset, rotary, head_dim);
 }
 
 uint64_t nbytes(const TensorView& t) { return t.data == nullptr ? 0 : t.nbytes(); }
@@ -289,7 +298,7 @@ int64_t embedding_vocab(const char* op, int64_t rows, int64_t first_id, int64_t 
 }  // namespace
 
 void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                            const TensorView& out, int64_t first_id, int64_t vocab) {
+                            const TensorView& out, int64_t first_id, int64_t vocab, float scale) {
   constexpr const char* op = "embedding_forward";
   own(ctx, op);
   check::float_tensor(op, "table", table);
@@ -300,11 +309,13 @@ void Ops::embedding_forward(ComputeContext& ctx, const TensorView& table, const 
   check::shape(op, "out", out, {ids.numel(), table.desc.shape[1]});
   vocab = embedding_vocab(op, table.desc.shape[0], first_id, vocab);
   Labeled label(ctx, op, [&] { return memory(nbytes(out) * 2 + nbytes(ids), brief(out)); });
-  enqueue_embedding_forward(ctx, table, ids, out, first_id, vocab);
+  STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
+  enqueue_embedding_forward(ctx, table, ids, out, first_id, vocab, scale);
 }
 
 void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                             const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab) {
+                             const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab,
+                             float scale) {
   constexpr const char* op = "embedding_backward";
   own(ctx, op);
   if (empty(dtable)) return;  // a frozen table: no gradient
@@ -319,11 +330,12 @@ void Ops::embedding_backward(ComputeContext& ctx, const TensorView& dout, const 
   Labeled label(ctx, op, [&] {
     return memory(nbytes(dout) + nbytes(ids) + static_cast<uint64_t>(dout.numel()) * 8, brief(dout));
   });
-  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx, first_id, vocab);
+  STRATA_CHECK(std::isfinite(scale), kBadArgument, "{}: scale {} is not finite", op, scale);
+  enqueue_embedding_backward(ctx, dout, ids, dtable, padding_idx, first_id, vocab, scale);
 }
 
 void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
-                          const TensorView& y, const TensorView& rstd) {
+                          const TensorView& y, const TensorView& rstd, float weight_offset) {
   constexpr const char* op = "rmsnorm_forward";
   own(ctx, op);
   check::float_tensor(op, "x", x);
@@ -336,12 +348,13 @@ void Ops::rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const Tensor
   check::shape(op, "y", y, x.desc.shape);
   check::numel(op, "rstd", rstd, xm.rows);
   Labeled label(ctx, op, [&] { return memory(nbytes(x) + nbytes(y) + nbytes(w), brief(x)); });
-  enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd);
+  STRATA_CHECK(std::isfinite(weight_offset), kBadArgument, "{}: weight_offset {} is not finite", op, weight_offset);
+  enqueue_rmsnorm_forward(ctx, x, w, eps, y, rstd, weight_offset);
 }
 
 void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                            const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                           bool accumulate_dx, const TensorView& dw) {
+                           bool accumulate_dx, const TensorView& dw, float weight_offset) {
   constexpr const char* op = "rmsnorm_backward";
   own(ctx, op);
   for (auto [what, t] : {std::pair{"dy", &dy}, {"x", &x}, {"w", &w}, {"dx", &dx}}) {
@@ -363,7 +376,8 @@ void Ops::rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const Tens
   Labeled label(ctx, op, [&] {
     return memory(nbytes(dy) + nbytes(x) + nbytes(dx) * (accumulate_dx ? 2 : 1), brief(x));
   });
-  enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw);
+  STRATA_CHECK(std::isfinite(weight_offset), kBadArgument, "{}: weight_offset {} is not finite", op, weight_offset);
+  enqueue_rmsnorm_backward(ctx, dy, x, w, rstd, dx, accumulate_dx, dw, weight_offset);
 }
 
 void Ops::linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
@@ -450,6 +464,23 @@ void Ops::dropout(ComputeContext& ctx, const MatView& x, const MatView& out, flo
   enqueue_dropout(ctx, x, out, p, seed, accumulate);
 }
 
+void Ops::copy(ComputeContext& ctx, const MatView& x, const MatView& out, bool accumulate) {
+  constexpr const char* op = "copy";
+  own(ctx, op);
+  check::matrix(op, "x", x);
+  check::matrix(op, "out", out);
+  STRATA_CHECK(x.rows == out.rows && x.cols == out.cols && x.dtype == out.dtype, kBadArgument,
+               "{}: x is {} x {} ({}), out {} x {} ({})", op, x.rows, x.cols, dtype_name(x.dtype), out.rows, out.cols,
+               dtype_name(out.dtype));
+  STRATA_CHECK(x.data != out.data, kBadArgument, "{}: x and out are the same matrix", op);
+  if (x.rows == 0 || x.cols == 0) return;
+  Labeled label(ctx, op, [&] {
+    const uint64_t n = static_cast<uint64_t>(x.rows * x.cols) * dtype_nbytes(x.dtype);
+    return memory((accumulate ? 3 : 2) * n, brief(x));
+  });
+  enqueue_dropout(ctx, x, out, 0.0f, 0, accumulate);
+}
+
 void Ops::rope_forward(ComputeContext& ctx, const TensorView& x, const TensorView& positions,
                        const Rope& rope) {
   own(ctx, "rope_forward");
@@ -527,19 +558,20 @@ void Ops::attention_merge(ComputeContext& ctx, const TensorView& out, const Tens
 }
 
 void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                         const TensorView& out) {
+                         const TensorView& out, GluActivation act) {
   own(ctx, "swiglu_forward");
   check::elementwise("swiglu_forward", {&gate, &up, &out});
   Labeled label(ctx, "swiglu_forward", [&] { return memory(3 * nbytes(out), brief(out)); });
-  enqueue_swiglu_forward(ctx, gate, up, out);
+  enqueue_swiglu_forward(ctx, gate, up, out, act);
 }
 
 void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
-                          const TensorView& up, const TensorView& dgate, const TensorView& dup) {
+                          const TensorView& up, const TensorView& dgate, const TensorView& dup,
+                          GluActivation act) {
   own(ctx, "swiglu_backward");
   check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
   Labeled label(ctx, "swiglu_backward", [&] { return memory(5 * nbytes(dout), brief(dout)); });
-  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup);
+  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup, act);
 }
 
 void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {
@@ -551,7 +583,7 @@ void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, con
 
 void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                         const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                        const TensorView& stats, const CrossEntropyGrad* grad) {
+                        const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) {
   constexpr const char* op = "cross_entropy";
   own(ctx, op);
   check::float_tensor(op, "h", h);
@@ -582,7 +614,9 @@ void Ops::cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorVi
     const int64_t gemm = 2 * rows * vocab * dim;  // logits; with the gradient dh, and dw when wanted
     return arithmetic(gemm * (grad == nullptr ? 1 : (empty(grad->dw) ? 2 : 3)), brief(h) + " * " + brief(w));
   });
-  enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad);
+  STRATA_CHECK(std::isfinite(logit_softcap) && logit_softcap >= 0, kBadArgument,
+               "{}: logit_softcap {} must be 0 (none) or positive", op, logit_softcap);
+  enqueue_cross_entropy(ctx, h, w, targets, chunk_rows, lse, stats, grad, logit_softcap);
 }
 
 void Ops::vocab_parallel_parts(ComputeContext& ctx, const TensorView& logits, const TensorView& targets,

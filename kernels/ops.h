@@ -114,6 +114,10 @@ class ComputeContext {
   OpLabel op_label_;
 };
 
+// The activation of a gated MLP (swiglu_forward): silu (SwiGLU) or gelu's
+// tanh approximation (GeGLU, transformers' gelu_pytorch_tanh).
+enum class GluActivation { kSilu, kGeluTanh };
+
 // Shape of causal self-attention with grouped-query heads.
 struct AttentionShape {
   int64_t batch = 0, seq = 0;
@@ -149,26 +153,34 @@ class Ops {
   // first_id 0 with vocab = table rows gives the whole table's results bit for
   // bit, and so do the shards: their lookups summed, their dtable rows
   // concatenated (a repeated id's rows are summed in the same order).
+  //
+  // scale: every looked-up row times it (Gemma's sqrt(hidden_size), given
+  // already rounded to the table's dtype as transformers does), and the
+  // gradient likewise; 1: the rows as they are.
   void embedding_forward(ComputeContext& ctx, const TensorView& table,
                                  const TensorView& ids, const TensorView& out, int64_t first_id = 0,
-                                 int64_t vocab = 0);
+                                 int64_t vocab = 0, float scale = 1.0f);
   // dtable (fp32 [vocab, dim]) += scatter of dout [rows, dim] by ids, except
   // the rows whose id is padding_idx (torch's nn.Embedding(padding_idx): that
   // row gets no gradient from lookups); padding_idx < 0: none. An empty dtable
   // (a frozen table) does nothing.
   void embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                   const TensorView& ids, const TensorView& dtable,
-                                  int64_t padding_idx, int64_t first_id = 0, int64_t vocab = 0);
+                                  int64_t padding_idx, int64_t first_id = 0, int64_t vocab = 0,
+                                  float scale = 1.0f);
 
-  // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * w ------------------------------
+  // ---- RMSNorm: y = x / sqrt(mean(x^2) + eps) * (weight_offset + w) ----------
   // x, y [rows, dim]; w [dim]; rstd fp32 [rows] is saved for backward.
+  // weight_offset 0 (Llama's norm) or 1 (Gemma's, whose weights are stored as
+  // w - 1: the product in fp32, rounded once, as transformers' Gemma RMSNorm).
   void rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
-                               double eps, const TensorView& y, const TensorView& rstd);
+                               double eps, const TensorView& y, const TensorView& rstd,
+                               float weight_offset = 0.0f);
   // dx [rows, dim] is overwritten (added into when accumulate_dx); dw fp32 [dim]
   // +=, or an empty view (a frozen weight: no gradient).
   void rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                                 const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                                bool accumulate_dx, const TensorView& dw);
+                                bool accumulate_dx, const TensorView& dw, float weight_offset = 0.0f);
 
   // ---- Linear: y = scale * x W^T (+ b) -----------------------------------------
   // x [rows, in], W [out, in] (the Hugging Face layout), bias [out] or an empty
@@ -195,9 +207,17 @@ class Ops {
   void dropout(ComputeContext& ctx, const MatView& x, const MatView& out, float p, uint64_t seed,
                bool accumulate);
 
+  // ---- strided copy: out = x (+= when accumulate) ------------------------------
+  // x and out [rows, cols] of one dtype, may be strided (a column block of a
+  // wider matrix), must not overlap. Exact (dropout's kernel at p = 0: every
+  // element kept, scaled by exactly 1), on every backend.
+  void copy(ComputeContext& ctx, const MatView& x, const MatView& out, bool accumulate);
+
   // ---- rotary position embedding (Hugging Face "rotate_half") ------------------
   // In place on x [rows, heads, head_dim]: pairs (i, i + head_dim/2) rotate by
-  // positions[row] * rope_inv_freq(rope, i, head_dim) (rope_frequencies.h: the
+  // positions[row] * rope_inv_freq(rope, i, head_dim) -- or, with the rope's
+  // rotary_offset/rotary_dim/interleaved, the pairs rope_pair names of the
+  // rotated part, at its width's frequencies -- (rope_frequencies.h: the
   // default, linear, llama3 and yarn frequencies), cos and sin times
   // rope_attention_scale(rope) (YaRN's attention factor, else 1: then the
   // backward is the transpose, not the inverse). positions int32 [rows]. head_dim even.
@@ -208,6 +228,7 @@ class Ops {
                              const TensorView& positions, const Rope& rope);
 
   // ---- causal self-attention, grouped-query heads, scale 1/sqrt(head_dim) ------
+  // (or mask.scale; with mask.softcap the scores soft-capped: attention_mask.h)
   // q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
   // lse fp32 [batch, heads, seq] (log-sum-exp of each softmax row, saved so that
   // backward recomputes probabilities; no [seq, seq] matrix is kept). `mask`
@@ -244,12 +265,15 @@ class Ops {
   void attention_merge(ComputeContext& ctx, const TensorView& out, const TensorView& lse,
                        const TensorView& part, const TensorView& part_lse);
 
-  // ---- SwiGLU: out = silu(gate) * up -------------------------------------------
+  // ---- gated MLP: out = act(gate) * up ------------------------------------------
+  // act: silu (SwiGLU, the default) or gelu with the tanh approximation
+  // (GeGLU: Gemma's gelu_pytorch_tanh).
   void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                              const TensorView& out);
+                              const TensorView& out, GluActivation act = GluActivation::kSilu);
   void swiglu_backward(ComputeContext& ctx, const TensorView& dout,
                                const TensorView& gate, const TensorView& up,
-                               const TensorView& dgate, const TensorView& dup);
+                               const TensorView& dgate, const TensorView& dup,
+                               GluActivation act = GluActivation::kSilu);
 
   // ---- residual: out = a + b (out may alias a or b) ----------------------------
   void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
@@ -275,9 +299,13 @@ class Ops {
     TensorView dh;          // [rows, dim]
     TensorView dw;          // fp32 [vocab, dim], +=; may be empty
   };
+  //
+  // logit_softcap > 0: the logits are capped to c * tanh(logit / c) before the
+  // softmax (Gemma 2's final_logit_softcapping), the gradient through the cap.
   void cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                              const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                             const TensorView& stats, const CrossEntropyGrad* grad);
+                             const TensorView& stats, const CrossEntropyGrad* grad,
+                             float logit_softcap = 0.0f);
   // count fp64 [1] += number of targets that are not kIgnoreIndex.
   void count_targets(ComputeContext& ctx, const TensorView& targets,
                              const TensorView& count);
@@ -419,16 +447,18 @@ class Ops {
   // vocab: the whole vocabulary (the table's rows when it is whole).
   virtual void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table,
                                          const TensorView& ids, const TensorView& out, int64_t first_id,
-                                         int64_t vocab) = 0;
+                                         int64_t vocab, float scale) = 0;
   virtual void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout,
                                           const TensorView& ids, const TensorView& dtable,
-                                          int64_t padding_idx, int64_t first_id, int64_t vocab) = 0;
+                                          int64_t padding_idx, int64_t first_id, int64_t vocab,
+                                          float scale) = 0;
   virtual void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w,
-                                       double eps, const TensorView& y, const TensorView& rstd) = 0;
+                                       double eps, const TensorView& y, const TensorView& rstd,
+                                       float weight_offset) = 0;
   virtual void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                                         const TensorView& w, const TensorView& rstd,
                                         const TensorView& dx, bool accumulate_dx,
-                                        const TensorView& dw) = 0;
+                                        const TensorView& dw, float weight_offset) = 0;
   // rows > 0.
   virtual void enqueue_linear_forward(ComputeContext& ctx, const MatView& x, const TensorView& w,
                                       const TensorView& bias, const MatView& y, bool accumulate,
@@ -457,17 +487,18 @@ class Ops {
                                        const TensorView& out, const TensorView& lse,
                                        const TensorView& part, const TensorView& part_lse) = 0;
   virtual void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate,
-                                      const TensorView& up, const TensorView& out) = 0;
+                                      const TensorView& up, const TensorView& out, GluActivation act) = 0;
   virtual void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout,
                                        const TensorView& gate, const TensorView& up,
-                                       const TensorView& dgate, const TensorView& dup) = 0;
+                                       const TensorView& dgate, const TensorView& dup,
+                                       GluActivation act) = 0;
   virtual void enqueue_add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
                            const TensorView& out) = 0;
   // rows > 0.
   virtual void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                                      const TensorView& targets, int64_t chunk_rows,
                                      const TensorView& lse, const TensorView& stats,
-                                     const CrossEntropyGrad* grad) = 0;
+                                     const CrossEntropyGrad* grad, float logit_softcap) = 0;
   virtual void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                                      const TensorView& count) = 0;
   // n > 0.

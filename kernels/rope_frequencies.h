@@ -38,7 +38,39 @@ struct Rope {
   double mscale_all_dim = 0.0;
   double attention_factor = 0.0;    // > 0: given, overriding the mscale formula
   bool truncate = true;             // the ramp's bounds rounded out to whole dimensions
+  // The rotated part of each head: dims [rotary_offset, rotary_offset +
+  // rotary_dim), the rest passes unchanged (transformers' partial rotary:
+  // GLM-4.5's first half; DeepSeek's MLA: the qk_rope_head_dim dims after the
+  // qk_nope_head_dim ones). rotary_dim 0: the head from rotary_offset on. The
+  // frequencies are those of a rotary_dim-wide head (as transformers computes
+  // them for the rotated dims).
+  int64_t rotary_offset = 0;
+  int64_t rotary_dim = 0;
+  // DeepSeek's rope_interleave: pairs (2i, 2i + 1) of the rotated dims turn by
+  // frequency i, where rotate_half turns (i, i + rotary_dim / 2). transformers
+  // writes the turned pairs de-interleaved ([evens | odds]); in place they
+  // stay where they were: a fixed permutation of the same values, applied to
+  // q and k alike, so every q.k product -- all attention reads of them -- is
+  // the same.
+  bool interleaved = false;
 };
+
+// The width of the rotated part of a head_dim-wide head.
+STRATA_HOST_DEVICE inline int64_t rope_rotary_dim(const Rope& rope, int64_t head_dim) {
+  return rope.rotary_dim > 0 ? rope.rotary_dim : head_dim - rope.rotary_offset;
+}
+
+// The two dims of a head that rotation pair i (0 <= i < rope_rotary_dim / 2) turns.
+STRATA_HOST_DEVICE inline void rope_pair(const Rope& rope, int64_t head_dim, int64_t i, int64_t* first,
+                                         int64_t* second) {
+  if (rope.interleaved) {
+    *first = rope.rotary_offset + 2 * i;
+    *second = *first + 1;
+  } else {
+    *first = rope.rotary_offset + i;
+    *second = *first + rope_rotary_dim(rope, head_dim) / 2;
+  }
+}
 
 // YaRN's get_mscale: 0.1 * mscale * ln(scale) + 1, or 1 when scale <= 1.
 STRATA_HOST_DEVICE inline double yarn_mscale(double scale, double mscale) {

@@ -343,7 +343,7 @@ void ShardOptimizer::arm(float lr) {
       g.final_order.clear();
     }
     std::fill(g.stats_known.begin(), g.stats_known.end(), 0);
-    g.swapper->set_lr(lr);
+    g.swapper->set_lr(lr * g.shard.lr_scale);
     // Read-ahead updates nothing before apply(), which sets the step's real
     // scale and lr: no state to save for a rollback.
     g.swapper->begin_step(step_inputs(g, o.grad_scale), /*revocable=*/o.mode == OverlapMode::kSpeculate);
@@ -675,7 +675,7 @@ void ShardOptimizer::set_step(Boundary& b, float lr, float grad_scale) {
   for (auto& gp : groups_) {
     Group& g = *gp;
     if (!g.swapper) continue;
-    g.swapper->set_lr(lr);
+    g.swapper->set_lr(lr * g.shard.lr_scale);
     if (b.read_ahead_step) {
       // Opened at prepare() to read ahead: now the real scale and lr.
       g.swapper->set_step_inputs(step_inputs(g, grad_scale));
@@ -740,7 +740,7 @@ AppliedStep ShardOptimizer::apply(float lr, float grad_scale, double loss_scale)
   for (auto& gp : groups_) {  // state on the accelerator: one pass over the shard
     Group& g = *gp;
     if (!g.device) continue;
-    g.device->set_lr(lr);
+    g.device->set_lr(lr * g.shard.lr_scale);
     g.device->step(g.shard.grads->memory(), grad_scale, g.shard.home->memory(), g.shard.dtype);
     b.applied.sub_groups += static_cast<int64_t>(g.sub_group_count());
   }

@@ -138,6 +138,7 @@ struct OptimizedShard {
   BucketReducer* reducer = nullptr;    // lands the gradient (the overlap counts its landings)
   std::string name;                    // names its state files ("optimizer_<name>"); empty: the dtype's
   std::optional<float> weight_decay = std::nullopt;  // its own AdamW decay; nullopt: ShardOptimizerOptions::adam's
+  float lr_scale = 1.0f;  // its lr is the step's times this (a trainer's parameter group with its own lr)
 };
 
 // What apply() did.

@@ -427,6 +427,7 @@ int main(int argc, char** argv) {
       status = strata::bench::train::run_pipeline(zero_run(f), pipeline, zero);
     } else if (zero.stage > 0) {
       STRATA_CHECK(!f.vs_torch, kBadArgument, "--vs-torch times the resident benchmark; leave it out with --zero");
+      if (pipeline.micro_batches > 0) zero.micro_batches = pipeline.micro_batches;
       status = strata::bench::train::run_zero(zero_run(f), zero);
     } else {
       status = run(f);

@@ -47,8 +47,9 @@ void add_pipeline_flags(CLI::App& app, PipelineFlags& f) {
   app.add_option("--virtual-stages", f.virtual_stages, "--pp: chunks of layers per rank (interleaved)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
-  app.add_option("--micro-batches", f.micro_batches, "--pp: micro-batches per step (default 2 x --pp); --batch is "
-                                                     "each micro-batch's sequences")
+  app.add_option("--micro-batches", f.micro_batches,
+                 "micro-batches per step, their gradients accumulated (--pp: default 2 x --pp; --zero: default 1, "
+                 "in --micro-batch-order); --batch is each micro-batch's sequences")
       ->check(CLI::Range(0, 1 << 16));
 }
 

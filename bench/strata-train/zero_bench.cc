@@ -35,6 +35,8 @@
 #include "runtime/config/size.h"
 #include "runtime/engine/resident_engine.h"
 #include "runtime/nn/decoder_model.h"
+#include "runtime/pipeline/executor.h"
+#include "runtime/train/micro_batch_order.h"
 #include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
@@ -255,9 +257,36 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   eng.set_overlap_policy(flags.overlap_policy == "speculate"    ? offload::OverlapPolicy::kSpeculate
                          : flags.overlap_policy == "read-ahead" ? offload::OverlapPolicy::kReadAhead
                                                                 : offload::OverlapPolicy::kAuto);
-  nn::DecoderModel model(eng, run.config, model_options(run));
+  // The step's micro-batches one after another, or layer by layer through the pipeline executor.
+  const strata::train::MicroBatchOrderChoice order = strata::train::choose_micro_batch_order(
+      flags.micro_batch_order, "--micro-batch-order",
+      {o.param_tier, flags.micro_batches, 1, 1, flags.expert_parallel, false, run.config.tie_word_embeddings,
+       run.config.moe() && run.config.output_router_logits});
+  const bool layer_major = order.order == strata::train::MicroBatchOrder::kLayerMajor;
+  STRATA_CHECK(!layer_major || !flags.vs_unoffloaded, kBadArgument,
+               "--vs-unoffloaded times step-major only: leave it out with --micro-batch-order layer-major");
+  std::vector<std::unique_ptr<nn::DecoderModel>> models;
+  if (layer_major) {
+    models = pipeline::make_layer_models(eng, run.config, model_options(run));
+  } else {
+    models.push_back(std::make_unique<nn::DecoderModel>(eng, run.config, model_options(run)));
+  }
+  nn::DecoderModel& model = *models.front();
   eng.finalize();
-  nn::initialize_parameters(eng, model.parameters(), 0);
+  for (const auto& m : models) nn::initialize_parameters(eng, m->parameters(), 0);
+  std::unique_ptr<pipeline::PipelineExecutor> executor;
+  if (layer_major) {
+    std::vector<nn::DecoderModel*> chunks;
+    for (const auto& m : models) chunks.push_back(m.get());
+    executor = std::make_unique<pipeline::PipelineExecutor>(
+        eng, pipeline::ScheduleSpec{pipeline::ScheduleKind::kLayerMajor, 1, flags.micro_batches,
+                                    static_cast<int>(chunks.size())},
+        chunks);
+  }
+  if (r.rank == 0) {
+    fmt::print("micro-batches per step: {}, {}{}\n", flags.micro_batches,
+               strata::train::micro_batch_order_name(order.order), order.said.empty() ? "" : " (" + order.said + ")");
+  }
   // --vs-unoffloaded: the same stage and budgets with parameters and
   // optimizer state on the device, trained alongside (its own communicators),
   // to tell what offloading costs from what ZeRO costs.
@@ -293,7 +322,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   std::vector<int32_t> ids, targets;
   rank_batch(run, r, ids, targets);
   const double local_count = static_cast<double>(targets.size());
-  const double global_tokens = local_count * r.world;
+  const double global_tokens = local_count * r.world * flags.micro_batches;
   size_t param_nbytes = 0;
   double param_count = 0;
   for (engine::ParamId id = 0; id < eng.parameter_count(); ++id) {
@@ -315,25 +344,34 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     drive.push_back(bw);
   };
 
-  const auto zero_step = [&](engine::ZeroEngine& z, nn::DecoderModel& zm) {
+  const auto zero_step = [&](engine::ZeroEngine& z, nn::DecoderModel& zm, pipeline::PipelineExecutor* layers) {
     StepFigures f;
     trace::Span span("phase", "zero step");  // --trace
     const auto start = Clock::now();
     const double read0 = static_cast<double>(z.nvme_bytes_read());
     const double written0 = static_cast<double>(z.nvme_bytes_written());
-    const double global_count = z.global_sum(local_count);
-    // The optimizer may update each sub-group during backward, as soon as its gradient is final.
-    if (flags.overlap_optimizer) z.prepare_step(flags.lr);
+    const double global_count = z.global_sum(local_count * flags.micro_batches);
     nn::ForwardOptions forward;
     forward.normalizer = global_count;
     forward.grad_scale = z.loss_scale();
-    {
-      trace::Span phase("phase", "forward");
-      zm.forward(ids, targets, run.batch, run.seq, forward);
+    double loss_sum = 0;
+    // The micro-batches (each this rank's same tokens), their gradients accumulated.
+    trace::Span phase("phase", layers != nullptr ? "layer-major forwards and backwards" : "forwards and backwards");
+    if (layers != nullptr) {
+      loss_sum = layers->run([&](int) { return pipeline::MicroBatch{ids, targets, {}, run.batch, run.seq}; }, forward)
+                     .loss_sum;
     }
-    trace::Span phase("phase", "backward");
-    zm.backward();
-    const double loss_sum = zm.loss_stats().sum;
+    for (int m = 0; layers == nullptr && m < flags.micro_batches; ++m) {
+      // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.
+      if (flags.overlap_optimizer && m + 1 == flags.micro_batches) z.prepare_step(flags.lr);
+      {
+        trace::Span forward_phase("phase", "forward");
+        zm.forward(ids, targets, run.batch, run.seq, forward);
+      }
+      trace::Span backward_phase("phase", "backward");
+      zm.backward();
+      loss_sum += zm.loss_stats().sum;
+    }
     // Compute is done here, so step() waits only for the gradient tail.
     z.compute_stream().synchronize();
     phase.end();
@@ -382,9 +420,11 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     trace::Span span("phase", "resident step");
     const auto start = Clock::now();
     resident->zero_grad();
-    resident_model->forward(ids, targets, run.batch, run.seq);
-    resident_model->backward();
-    resident_loss = resident_model->loss();
+    for (int m = 0; m < flags.micro_batches; ++m) {  // as many micro-batches as the ZeRO step's
+      resident_model->forward(ids, targets, run.batch, run.seq);
+      resident_model->backward();
+      resident_loss = resident_model->loss();
+    }
     return seconds_since(start);
   };
 
@@ -414,7 +454,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     const int warm = round == 0 ? std::max(run.warmup, 1) : o.overlap_next_forward ? 1 : 0;
     for (int s = 0; s < warm + run.steps; ++s) {
       ranks.barrier();
-      StepFigures f = zero_step(eng, model);
+      StepFigures f = zero_step(eng, model, executor.get());
       all_losses.push_back(f.loss);
       rd.losses.push_back(f.loss);
       if (s < warm) continue;
@@ -443,7 +483,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     if (plain) {
       for (int s = 0; s < warm + run.steps; ++s) {
         ranks.barrier();
-        const double t = zero_step(*plain, *plain_model).step;
+        const double t = zero_step(*plain, *plain_model, nullptr).step;
         if (s >= warm) unoffloaded_s.push_back(t);
       }
       plain->join_update();
@@ -651,7 +691,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         {"config", {{"hidden", run.config.hidden_size}, {"intermediate", run.config.intermediate_size},
                     {"layers", run.config.num_hidden_layers}, {"heads", run.config.num_attention_heads},
                     {"kv_heads", run.config.num_key_value_heads}, {"vocab", run.config.vocab_size},
-                    {"batch_per_rank", run.batch}, {"seq", run.seq}, {"dtype", run.dtype},
+                    {"batch_per_rank", run.batch}, {"micro_batches", flags.micro_batches},
+                    {"micro_batch_order", strata::train::micro_batch_order_name(order.order)}, {"seq", run.seq}, {"dtype", run.dtype},
                     {"parameters", param_count}, {"experts", run.config.num_experts},
                     {"top_k", run.config.num_experts_per_tok}, {"expert_intermediate", run.config.moe_intermediate_size},
                     {"routed_fetch", run.config.moe() && run.skip_unrouted_experts}}},
@@ -785,6 +826,11 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
                  "what the optimizer does during backward: auto (speculate unless the last step clipped, then read "
                  "ahead), speculate, read-ahead")
       ->capture_default_str()->check(CLI::IsMember({"auto", "speculate", "read-ahead"}));
+  app.add_option("--micro-batch-order", f.micro_batch_order,
+                 "with --micro-batches: step-major (each micro-batch through the whole model in turn), layer-major "
+                 "(all through each decoder layer before the next, backwards layer by layer) or auto (layer-major "
+                 "with --offload-param cpu or nvme) -- strata.micro_batch_order")
+      ->capture_default_str()->check(CLI::IsMember({"step-major", "layer-major", "auto"}));
   app.add_option("--gradient-clipping", e.gradient_clipping,
                  "gradient_clipping: the global gradient norm's maximum (0: no clipping); where it fires, what the "
                  "optimizer speculated during backward is redone")

@@ -48,6 +48,12 @@ struct ZeroFlags {
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
   bool overlap_optimizer = true;  // prepare_step before each step's backward
   std::string overlap_policy = "auto";  // ZeroEngine::set_overlap_policy: auto, speculate, read-ahead
+  // Micro-batches per step, their gradients accumulated (--micro-batches
+  // without --pp), each --batch sequences (the same tokens each), and their
+  // order (--micro-batch-order: step-major, layer-major or auto;
+  // runtime/train/micro_batch_order.h).
+  int micro_batches = 1;
+  std::string micro_batch_order = "step-major";
   // The coordinator's budgets and aio: DeepSpeed's defaults
   // (ZeroEngineOptions'), settable per flag; sub_group_size and
   // reduce_bucket_size: chosen from the model (engine::kChooseFromModel)

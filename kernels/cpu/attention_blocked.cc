@@ -6,6 +6,9 @@
 //             rows (each over its own visible keys), O_blk = P V, lse saved;
 //   backward: P recomputed from lse, dP = dO_blk V^T, dS = P (dP - delta) scale,
 //             dQ_blk = dS K, dK += dS^T Q_blk, dV += P^T dO_blk.
+// With Gemma's soft cap (mask.softcap) each visible score is capped before
+// the softmax, and backward recomputes the cap's slope 1 - tanh^2 into one
+// more kBq x seq scratch to multiply dS by.
 // Scratch is kBq x seq per thread (not per head), so no [seq, seq] matrix is
 // ever held. A key block of its own (context parallelism) works the same with
 // key indices shifted by the offsets (ops::visible_block_keys); a row that
@@ -44,9 +47,19 @@ struct Strides {
   float scale;
 };
 
-Strides strides_of(const AttentionShape& s) {
+Strides strides_of(const AttentionShape& s, const AttentionMask& mask) {
   return {s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim, s.heads / s.kv_heads,
-          static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.head_dim)))};
+          static_cast<float>(ops::attention_scale(mask, s.head_dim))};
+}
+
+// Gemma 2's soft cap on the visible scores [lo, hi) of a row, in place;
+// with `slope` also 1 - tanh^2 of each (the cap's derivative, for backward).
+void cap_scores(const AttentionMask& mask, float* row, int64_t lo, int64_t hi, float* slope = nullptr) {
+  if (mask.softcap <= 0) return;
+  for (int64_t j = lo; j < hi; ++j) {
+    row[j] = attention_score(mask, row[j]);
+    if (slope != nullptr) slope[j] = attention_score_slope(mask, row[j]);
+  }
 }
 
 // The keys a block of query rows [i0, i1) needs: [j0, j0 + width), j0 the
@@ -79,6 +92,7 @@ void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const 
       lse_out[r] = -std::numeric_limits<float>::infinity();
       continue;
     }
+    cap_scores(mask, row, lo, hi);
     const float m = vec::max(row + lo, hi - lo);
     const double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
     vec::scale(row + lo, hi - lo, static_cast<float>(1.0 / sum));
@@ -115,7 +129,7 @@ void forward_block(const float* q, const float* k, const float* v, const Attenti
 void backward_task(const float* dout, const float* q, const float* k, const float* v,
                    const float* out, const float* lse, const AttentionShape& s,
                    const AttentionMask& batch_mask, const Strides& st, int64_t b, int64_t kh, float* dq,
-                   float* dk, float* dv, float* p, float* dp) {
+                   float* dk, float* dv, float* p, float* dp, float* slope) {
   const AttentionMask mask = batch_mask.row(b * batch_mask.seq);
   const int64_t kv = s.keys();
   const float* kb = k + b * kv * st.kv_row + kh * st.d;
@@ -143,6 +157,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
       for (int64_t r = 0; r < n; ++r) {
         float* row = p + r * w;
         const auto [lo, hi] = bk.cols(mask, i0, r);
+        cap_scores(mask, row, lo, hi, slope + r * w);
         vec::exp_shifted(row + lo, hi - lo, row_lse[r], row + lo);
         std::fill(row, row + lo, 0.0f);
         std::fill(row + hi, row + w, 0.0f);
@@ -159,6 +174,10 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
         float* dsrow = dp + r * w;
         const auto [lo, hi] = bk.cols(mask, i0, r);
         for (int64_t j = lo; j < hi; ++j) dsrow[j] = prow[j] * (dsrow[j] - delta) * st.scale;
+        if (mask.softcap > 0) {
+          const float* sl = slope + r * w;
+          for (int64_t j = lo; j < hi; ++j) dsrow[j] *= sl[j];
+        }
         std::fill(dsrow, dsrow + lo, 0.0f);
         std::fill(dsrow + hi, dsrow + w, 0.0f);
       }
@@ -176,7 +195,7 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
 
 void attention_forward(const float* q, const float* k, const float* v, const AttentionShape& s,
                        const AttentionMask& mask, float* out, float* lse) {
-  const Strides st = strides_of(s);
+  const Strides st = strides_of(s, mask);
   const int64_t blocks = (s.seq + kBq - 1) / kBq;
   const int64_t tasks = s.batch * s.heads * blocks;
   const bool parallel_tasks = tasks >= omp_get_max_threads();
@@ -195,16 +214,17 @@ void attention_forward(const float* q, const float* k, const float* v, const Att
 void attention_backward(const float* dout, const float* q, const float* k, const float* v,
                         const float* out, const float* lse, const AttentionShape& s,
                         const AttentionMask& mask, float* dq, float* dk, float* dv) {
-  const Strides st = strides_of(s);
+  const Strides st = strides_of(s, mask);
   const int64_t tasks = s.batch * s.kv_heads;
   const bool parallel_tasks = tasks >= omp_get_max_threads();
 #pragma omp parallel if (parallel_tasks)
   {
     std::vector<float> p(static_cast<size_t>(kBq * s.keys())), dp(p.size());
+    std::vector<float> slope(mask.softcap > 0 ? p.size() : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       backward_task(dout, q, k, v, out, lse, s, mask, st, t / s.kv_heads, t % s.kv_heads, dq, dk, dv,
-                    p.data(), dp.data());
+                    p.data(), dp.data(), slope.data());
     }
   }
 }

@@ -33,6 +33,12 @@ T dot(const T* a, const T* b, int64_t n) {
   return acc;
 }
 
+// A scaled score after Gemma 2's soft cap (cap 0: none).
+template <typename T>
+T capped(T score, T cap) {
+  return cap > 0 ? cap * std::tanh(score / cap) : score;
+}
+
 }  // namespace
 
 template <typename T>
@@ -42,7 +48,8 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;  // token strides
   const int64_t kv = s.keys();
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T scale = static_cast<T>(ops::attention_scale(mask, d));
+  const T cap = static_cast<T>(mask.softcap);
 #pragma omp parallel if (s.batch * s.heads * s.seq * kv * d >= 2 * detail::kMinParallelWork)
   {
     std::vector<T> p(static_cast<size_t>(kv));
@@ -55,7 +62,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
           const auto [first, last] = ops::visible_block_keys(mask.row(b * mask.seq), i, kv);
           T m = -std::numeric_limits<T>::infinity();
           for (int64_t j = first; j < last; ++j) {
-            p[j] = dot(qi, k + (b * kv + j) * kv_row + kh * d, d) * scale;
+            p[j] = capped(dot(qi, k + (b * kv + j) * kv_row + kh * d, d) * scale, cap);
             m = std::max(m, p[j]);
           }
           T sum = 0;
@@ -85,7 +92,8 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
   const int64_t q_row = s.heads * d, kv_row = s.kv_heads * d;
   const int64_t kv = s.keys();
-  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const T scale = static_cast<T>(ops::attention_scale(mask, d));
+  const T cap = static_cast<T>(mask.softcap);
   // One (batch, kv head) per iteration: all query heads of a group write the
   // same dk/dv rows, so they stay on one thread.
 #pragma omp parallel for collapse(2) \
@@ -108,9 +116,12 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
           const auto [first, last] = ops::visible_block_keys(mask.row(b * mask.seq), i, kv);
           for (int64_t j = first; j < last; ++j) {
             const int64_t ko = (b * kv + j) * kv_row + kh * d;
-            const T p = std::exp(dot(qi, k + ko, d) * scale - row_lse);
+            const T score = capped(dot(qi, k + ko, d) * scale, cap);
+            const T p = std::exp(score - row_lse);
             const T dp = dot(doi, v + ko, d);
-            const T ds = p * (dp - delta) * scale;
+            // Through the soft cap: d(c tanh(x / c))/dx = 1 - (score / c)^2.
+            const T slope = cap > 0 ? T(1) - (score / cap) * (score / cap) : T(1);
+            const T ds = p * (dp - delta) * slope * scale;
             T* dkj = dk + ko;
             T* dvj = dv + ko;
             const T* kj = k + ko;

@@ -18,9 +18,14 @@ void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t
             const Rope& rope, double sign) {
   STRATA_CHECK(head_dim > 0 && head_dim % 2 == 0, kBadArgument,
                "rope: head_dim must be even and positive, got {}", head_dim);
-  const int64_t half = head_dim / 2;
+  // The rotated dims (all of the head, or rope.rotary_offset/rotary_dim's part) and their pairs.
+  const int64_t rotary = ops::rope_rotary_dim(rope, head_dim), half = rotary / 2;
   std::vector<double> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) inv_freq[static_cast<size_t>(i)] = ops::rope_inv_freq(rope, i, head_dim);
+  std::vector<int64_t> first(static_cast<size_t>(half)), second(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    inv_freq[static_cast<size_t>(i)] = ops::rope_inv_freq(rope, i, rotary);
+    ops::rope_pair(rope, head_dim, i, &first[static_cast<size_t>(i)], &second[static_cast<size_t>(i)]);
+  }
   const double scale = ops::rope_attention_scale(rope);
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim >= detail::kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
@@ -29,12 +34,13 @@ void rotate(T* x, const int32_t* positions, int64_t rows, int64_t heads, int64_t
       const double angle = pos * inv_freq[static_cast<size_t>(i)];
       const T c = static_cast<T>(scale * std::cos(angle));
       const T s = static_cast<T>(scale * sign * std::sin(angle));
+      const int64_t a = first[static_cast<size_t>(i)], b = second[static_cast<size_t>(i)];
       for (int64_t h = 0; h < heads; ++h) {
         T* xh = x + (r * heads + h) * head_dim;
-        const T x1 = xh[i];
-        const T x2 = xh[i + half];
-        xh[i] = x1 * c - x2 * s;
-        xh[i + half] = x2 * c + x1 * s;
+        const T x1 = xh[a];
+        const T x2 = xh[b];
+        xh[a] = x1 * c - x2 * s;
+        xh[b] = x2 * c + x1 * s;
       }
     }
   }

@@ -146,6 +146,23 @@ void for_chunks(int64_t n, Fn&& fn) {
 }
 
 bool empty(const TensorView& t) { return t.data == nullptr; }
+
+// A norm's weight as fp32 plus weight_offset (Gemma's 1 + w), or as it is.
+const float* offset_weight(CpuContext& c, size_t slot, const TensorView& w, float weight_offset) {
+  const float* wf = widen(c, slot, w);
+  if (weight_offset == 0.0f) return wf;
+  float* out = c.scratch<float>(slot == 1 ? 5 : 6, w.numel());
+  for (int64_t i = 0; i < w.numel(); ++i) out[i] = wf[i] + weight_offset;
+  return out;
+}
+
+// gelu with torch's tanh approximation (gelu_pytorch_tanh) and its derivative.
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+float gelu_tanh(float x) { return 0.5f * x * (1.0f + std::tanh(kGeluC * (x + 0.044715f * x * x * x))); }
+float gelu_tanh_derivative(float x) {
+  const float t = std::tanh(kGeluC * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
+}
 bool empty(const MatView& m) { return m.data == nullptr; }
 
 class CpuOps final : public Ops {
@@ -158,15 +175,34 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                         const TensorView& out, int64_t first_id, int64_t vocab) override {
+                         const TensorView& out, int64_t first_id, int64_t vocab, float scale) override {
     const int64_t held = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
-    enqueue(ctx, [=](CpuContext&) {
+    enqueue(ctx, [=](CpuContext& c) {
       const auto* id = ids.as<const int32_t>();
       const size_t te = dtype_nbytes(table.desc.dtype), oe = dtype_nbytes(out.desc.dtype);
       for (int64_t r = 0; r < rows; ++r) {
         STRATA_CHECK(id[r] >= 0 && id[r] < vocab, kBadArgument,
                      "embedding: token id {} at position {} is outside the vocabulary [0, {})",
                      id[r], r, vocab);
+      }
+      if (scale != 1.0f) {
+        // Each row times the scale in fp32, rounded once into out's dtype
+        // (transformers: the 16-bit row times the 16-bit scale).
+        float* of = stage(c, 1, out, false);
+#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = of + r * dim;
+          const int64_t local = id[r] - first_id;
+          if (local < 0 || local >= held) {
+            std::fill_n(dst, dim, 0.0f);
+            continue;
+          }
+          convert(table.as<const char>() + local * dim * static_cast<int64_t>(te), table.desc.dtype, dst,
+                  DType::kF32, static_cast<size_t>(dim));
+          for (int64_t i = 0; i < dim; ++i) dst[i] *= scale;
+        }
+        commit(of, out);
+        return;
       }
 #pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
       for (int64_t r = 0; r < rows; ++r) {
@@ -183,20 +219,28 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
-                          const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab) override {
+                          const TensorView& dtable, int64_t padding_idx, int64_t first_id, int64_t vocab,
+                          float scale) override {
     const int64_t held = dtable.desc.shape[0], dim = dtable.desc.shape[1], rows = ids.numel();
     enqueue(ctx, [=](CpuContext& c) {
-      nn::cpu::embedding_backward<float>(widen(c, 0, dout), ids.as<const int32_t>(), rows, vocab, dim,
+      const float* d = widen(c, 0, dout);
+      if (scale != 1.0f) {
+        float* scaled = c.scratch<float>(1, rows * dim);
+        for (int64_t i = 0; i < rows * dim; ++i) scaled[i] = d[i] * scale;
+        d = scaled;
+      }
+      nn::cpu::embedding_backward<float>(d, ids.as<const int32_t>(), rows, vocab, dim,
                                          dtable.as<float>(), padding_idx, first_id, held);
     });
   }
 
   void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
-                       const TensorView& y, const TensorView& rstd) override {
+                       const TensorView& y, const TensorView& rstd, float weight_offset) override {
     const MatView xm = MatView::of(x);
     enqueue(ctx, [=](CpuContext& c) {
       float* yf = stage(c, 2, y, false);
-      nn::cpu::rmsnorm_forward<float>(widen(c, 0, x), widen(c, 1, w), xm.rows, xm.cols, eps, yf,
+      nn::cpu::rmsnorm_forward<float>(widen(c, 0, x), offset_weight(c, 1, w, weight_offset), xm.rows, xm.cols,
+                                      eps, yf,
                                       rstd.as<float>());
       commit(yf, y);
     });
@@ -204,13 +248,13 @@ class CpuOps final : public Ops {
 
   void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                         const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                        bool accumulate_dx, const TensorView& dw) override {
+                        bool accumulate_dx, const TensorView& dw, float weight_offset) override {
     const MatView xm = MatView::of(x);
     enqueue(ctx, [=](CpuContext& c) {
       const int64_t n = xm.rows * xm.cols;
       // The kernel overwrites its dx; accumulation goes through a scratch buffer.
       float* out = accumulate_dx ? c.scratch<float>(4, n) : stage(c, 3, dx, false);
-      nn::cpu::rmsnorm_backward<float>(widen(c, 0, dy), widen(c, 1, x), widen(c, 2, w),
+      nn::cpu::rmsnorm_backward<float>(widen(c, 0, dy), widen(c, 1, x), offset_weight(c, 2, w, weight_offset),
                                        rstd.as<const float>(), xm.rows, xm.cols, out,
                                        empty(dw) ? nullptr : dw.as<float>());
       if (accumulate_dx) {
@@ -349,28 +393,43 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                      const TensorView& out) override {
+                      const TensorView& out, GluActivation act) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 2, out, false);
       const float* g = widen(c, 0, gate);
       const float* u = widen(c, 1, up);
-      for_chunks(gate.numel(), [&](int64_t b, int64_t e) { vec::swiglu(g + b, u + b, e - b, of + b); });
+      if (act == GluActivation::kGeluTanh) {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) of[i] = gelu_tanh(g[i]) * u[i];
+        });
+      } else {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) { vec::swiglu(g + b, u + b, e - b, of + b); });
+      }
       commit(of, out);
     });
   }
 
   void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
-                       const TensorView& dup) override {
+                       const TensorView& dup, GluActivation act) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* dgf = stage(c, 3, dgate, false);
       float* duf = stage(c, 4, dup, false);
       const float* d = widen(c, 0, dout);
       const float* g = widen(c, 1, gate);
       const float* u = widen(c, 2, up);
-      for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
-        vec::swiglu_backward(d + b, g + b, u + b, e - b, dgf + b, duf + b);
-      });
+      if (act == GluActivation::kGeluTanh) {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) {
+            dgf[i] = d[i] * u[i] * gelu_tanh_derivative(g[i]);
+            duf[i] = d[i] * gelu_tanh(g[i]);
+          }
+        });
+      } else {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+          vec::swiglu_backward(d + b, g + b, u + b, e - b, dgf + b, duf + b);
+        });
+      }
       commit(dgf, dgate);
       commit(duf, dup);
     });
@@ -410,7 +469,7 @@ class CpuOps final : public Ops {
 
   void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                      const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                     const TensorView& stats, const CrossEntropyGrad* grad) override;
+                     const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) override;
 
   void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                      const TensorView& count) override {
@@ -791,7 +850,7 @@ class CpuOps final : public Ops {
 
 void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                            const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                           const TensorView& stats, const CrossEntropyGrad* grad) {
+                           const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) {
   const int64_t vocab = w.desc.shape[0], dim = w.desc.shape[1], rows = targets.numel();
   CrossEntropyGrad g;
   if (grad != nullptr) g = *grad;
@@ -804,6 +863,7 @@ void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, con
     float* dhf = want_grad ? stage(c, 2, g.dh, false) : nullptr;
     const int64_t chunk = std::min(chunk_rows, std::max<int64_t>(rows, 1));
     float* logits = c.scratch<float>(3, chunk * vocab);
+    float* caps = logit_softcap > 0 ? c.scratch<float>(4, chunk * vocab) : nullptr;
     const auto* tgt = targets.as<const int32_t>();
     float* lse_out = lse.as<float>();
     const double scale =
@@ -818,6 +878,14 @@ void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, con
         float* lr = logits + r * vocab;
         const int32_t t = tgt[r0 + r];
         const bool counts = t != kIgnoreIndex;
+        float* slope = nullptr;  // with a soft cap: 1 - tanh^2 of each logit (the cap's derivative)
+        if (logit_softcap > 0) {
+          slope = caps + r * vocab;
+          for (int64_t j = 0; j < vocab; ++j) {
+            lr[j] = logit_softcap * std::tanh(lr[j] / logit_softcap);
+            slope[j] = 1.0f - (lr[j] / logit_softcap) * (lr[j] / logit_softcap);
+          }
+        }
         const double logit_t = counts ? lr[t] : 0.0;  // before the exponentials replace it
         const float m = vec::max(lr, vocab);
         // In place: the gradient needs the exponentials, the loss only their sum.
@@ -832,6 +900,9 @@ void CpuOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, con
           // d loss / d logit = scale * (softmax - onehot); ignored rows give 0.
           vec::scale(lr, vocab, counts ? static_cast<float>(scale / sum) : 0.0f);
           if (counts) lr[t] -= static_cast<float>(scale);
+          if (slope != nullptr) {
+            for (int64_t j = 0; j < vocab; ++j) lr[j] *= slope[j];
+          }
         }
       }
       if (want_grad) {

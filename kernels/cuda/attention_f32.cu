@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
       s[jj] = is_visible(mask, query, key) && key < seq
-                  ? dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale
+                  ? attention_score(mask, dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale)
                   : -INFINITY;
       tile_max = fmaxf(tile_max, s[jj]);
     }
@@ -176,8 +176,9 @@ __global__ void __launch_bounds__(kThreads)
         if (is_visible(mask, query, key) && query < seq) {
           const float s = dot_rows<kD>(k_s + j * kLd, q_s + i * kLd);
           const float dp = dot_rows<kD>(v_s + j * kLd, do_s + i * kLd);
-          p = expf(s * scale - lse_s[i]);
-          ds = p * (dp - delta_s[i]);
+          const float capped = attention_score(mask, s * scale);
+          p = expf(capped - lse_s[i]);
+          ds = p * (dp - delta_s[i]) * attention_score_slope(mask, capped);
         }
         p_s[j * kPLd + i] = p;
         ds_s[j * kPLd + i] = ds;
@@ -254,7 +255,8 @@ __global__ void __launch_bounds__(kThreads)
       if (is_visible(mask, query, key) && key < seq && query < seq) {
         const float s = dot_rows<kD>(q_s + i * kLd, k_s + j * kLd);
         const float dp = dot_rows<kD>(do_s + i * kLd, v_s + j * kLd);
-        ds = expf(s * scale - row_lse) * (dp - row_delta);
+        const float capped = attention_score(mask, s * scale);
+        ds = expf(capped - row_lse) * (dp - row_delta) * attention_score_slope(mask, capped);
       }
       ds_s[i * kPLd + j] = ds;
     }
@@ -298,7 +300,7 @@ cudaError_t forward(const float* q, const float* k, const float* v, const Attent
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>((d.seq + kTile - 1) / kTile),
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+  const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kThreads, kForwardSmem<kD>, stream>>>(
       q, k, v, out, lse, d.seq, static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
       static_cast<int>(d.head_dim), scale, kernel_mask(d));
@@ -315,7 +317,7 @@ cudaError_t backward(const float* dout, const float* q, const float* k, const fl
   if (status == cudaSuccess) status = allow_smem(dq_kernel, kDqSmem<kD>);
   if (status != cudaSuccess) return status;
   const unsigned tiles = static_cast<unsigned>((d.seq + kTile - 1) / kTile);
-  const auto scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)));
+  const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   const int heads = static_cast<int>(d.heads), kv_heads = static_cast<int>(d.kv_heads);
   const int head_dim = static_cast<int>(d.head_dim);
   dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,

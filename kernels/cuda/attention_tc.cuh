@@ -103,6 +103,23 @@ __device__ __forceinline__ void scale_rows(FragC (&acc)[kFrags], const float* fa
   }
 }
 
+// Gemma 2's soft cap in kernels that fold the scale into exp2 (scale_log2):
+// a pair of raw scores q.k replaced by the raw scores whose scaled values are
+// the capped ones, so the rest of the kernel runs unchanged. No cap: as given.
+__device__ __forceinline__ float2 capped_pair(const AttentionMask& mask, float scale, float2 raw) {
+  if (mask.softcap <= 0) return raw;
+  return make_float2(attention_score(mask, raw.x * scale) / scale, attention_score(mask, raw.y * scale) / scale);
+}
+
+// The cap's derivative for a probability p = exp2(capped * log2(e) - lse2)
+// (lse2: the row's log-sum-exp in base 2), recovering the capped score from
+// p rather than keeping it in registers; 1 without a cap.
+__device__ __forceinline__ float capped_slope(const AttentionMask& mask, float p, float lse2, float /*scale_log2*/) {
+  if (mask.softcap <= 0) return 1.0f;
+  const float capped = (log2f(p) + lse2) * 0.6931471805599453f;
+  return attention_score_slope(mask, capped);
+}
+
 // Writes a warp's 16 x kD fp32 accumulators, times `scale`, as 16-bit rows
 // dst[(row0 + r) * stride + c] for row0 + r < seq and c < head_dim. Goes through
 // the warp's [16][kScoreLd] scratch four fragments (64 columns) at a time; each

@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const int c = pair_col(e, lane);
-        const float2 sv = load_pair(s_row, c);
+        const float2 sv = capped_pair(batch_mask, scale, load_pair(s_row, c));
         p[2 * e] = c >= c_lo && c < c_hi ? exp2f(sv.x * scale_log2 - lse_s[c]) : 0.0f;
         p[2 * e + 1] =
             c + 1 >= c_lo && c + 1 < c_hi ? exp2f(sv.y * scale_log2 - lse_s[c + 1]) : 0.0f;
@@ -185,8 +185,12 @@ __global__ void __launch_bounds__(kBwdThreads)
         const int c = pair_col(e, lane);
         const float2 dp = load_pair(s_row, c);
         // p == 0 covers masked columns, whose s_w entries may be stale.
-        const float ds0 = p[2 * e] != 0.0f ? p[2 * e] * (dp.x - delta_s[c]) : 0.0f;
-        const float ds1 = p[2 * e + 1] != 0.0f ? p[2 * e + 1] * (dp.y - delta_s[c + 1]) : 0.0f;
+        const float ds0 = p[2 * e] != 0.0f ? p[2 * e] * (dp.x - delta_s[c]) *
+                                                 capped_slope(batch_mask, p[2 * e], lse_s[c], scale_log2)
+                                           : 0.0f;
+        const float ds1 = p[2 * e + 1] != 0.0f ? p[2 * e + 1] * (dp.y - delta_s[c + 1]) *
+                                                     capped_slope(batch_mask, p[2 * e + 1], lse_s[c + 1], scale_log2)
+                                               : 0.0f;
         store_pair(p_row, c, ds0, ds1);
       }
       __syncwarp();
@@ -295,7 +299,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
       const int c = pair_col(e, lane);
-      const float2 sv = load_pair(s_row, c);
+      const float2 sv = capped_pair(batch_mask, scale, load_pair(s_row, c));
       p[2 * e] = c >= lo && c < visible ? exp2f(sv.x * scale_log2 - row_lse) : 0.0f;
       p[2 * e + 1] = c + 1 >= lo && c + 1 < visible ? exp2f(sv.y * scale_log2 - row_lse) : 0.0f;
     }
@@ -306,8 +310,12 @@ __global__ void __launch_bounds__(kBwdThreads)
     for (int e = 0; e < 16; ++e) {
       const int c = pair_col(e, lane);
       const float2 dp = load_pair(s_row, c);
-      const float ds0 = p[2 * e] != 0.0f ? p[2 * e] * (dp.x - row_delta) : 0.0f;
-      const float ds1 = p[2 * e + 1] != 0.0f ? p[2 * e + 1] * (dp.y - row_delta) : 0.0f;
+      const float ds0 =
+          p[2 * e] != 0.0f ? p[2 * e] * (dp.x - row_delta) * capped_slope(batch_mask, p[2 * e], row_lse, scale_log2)
+                           : 0.0f;
+      const float ds1 = p[2 * e + 1] != 0.0f ? p[2 * e + 1] * (dp.y - row_delta) *
+                                                   capped_slope(batch_mask, p[2 * e + 1], row_lse, scale_log2)
+                                             : 0.0f;
       store_pair(ds_row, c, ds0, ds1);
     }
     __syncwarp();
@@ -336,7 +344,7 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   if (status != cudaSuccess) return status;
   const bool vec =
       d.head_dim % 8 == 0 && aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d.head_dim));
+  const double scale = attention_scale(d.mask, d.head_dim);
   const auto fscale = static_cast<float>(scale);
   const auto scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   const unsigned tiles = static_cast<unsigned>((d.seq + kBwdTile - 1) / kBwdTile);

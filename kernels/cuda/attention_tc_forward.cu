@@ -86,6 +86,7 @@ __global__ void __launch_bounds__(kFwdThreads)
   float row_max = -INFINITY, row_sum = 0.0f;
 
   const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
+  const float scale = scale_log2 * 0.6931471805599453f;  // the scores' own scale (for the soft cap)
   // Columns of a key tile before this row's first visible key are masked too.
   const int first_key = static_cast<int>(first_visible_key(mask, query));
   const int key_tiles = min(seq - 1, q0 + kFwdQueryTile - 1) / kKeyTile + 1;
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(kFwdThreads)
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const int c = pair_col(e, lane);
-        const float2 sv = load_pair(s_row, c);
+        const float2 sv = capped_pair(mask, scale, load_pair(s_row, c));
         if (c >= lo && c < visible) tile_max = fmaxf(tile_max, sv.x);
         if (c + 1 >= lo && c + 1 < visible) tile_max = fmaxf(tile_max, sv.y);
       }
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kFwdThreads)
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
         const int c = pair_col(e, lane);
-        const float2 sv = load_pair(s_row, c);
+        const float2 sv = capped_pair(mask, scale, load_pair(s_row, c));
         const float p0 = c >= lo && c < visible ? exp2f(sv.x * scale_log2 - offset) : 0.0f;
         const float p1 = c + 1 >= lo && c + 1 < visible ? exp2f(sv.y * scale_log2 - offset) : 0.0f;
         tile_sum += p0 + p1;
@@ -185,8 +186,7 @@ cudaError_t launch_forward(const T* q, const T* k, const T* v, const AttentionDi
   const bool vec = d.head_dim % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
   const dim3 grid(static_cast<unsigned>((d.seq + kFwdQueryTile - 1) / kFwdQueryTile),
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
-  const float scale_log2 =
-      static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(d.head_dim)));
+  const float scale_log2 = static_cast<float>(1.4426950408889634 * attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kFwdThreads, smem, stream>>>(
       q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.heads),
       static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec,

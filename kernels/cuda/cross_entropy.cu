@@ -13,12 +13,21 @@ constexpr int32_t kIgnore = -100;  // strata::ops::kIgnoreIndex
 constexpr int kRowThreads = 256;
 constexpr int kSumThreads = 1024;
 
+// logits = cap * tanh(logits / cap) in place (Gemma 2's final soft cap).
+__global__ void softcap_kernel(float* logits, int64_t n, float cap) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    logits[i] = cap * tanhf(logits[i] / cap);
+  }
+}
+
 // One block per row: the row's log-sum-exp in one pass (block_logsumexp), a
-// second pass writes the gradient.
+// second pass writes the gradient (through the soft cap: cap > 0 means the
+// logits were capped, d capped / d logit = 1 - (capped / cap)^2).
 template <typename G>
 __global__ void ce_rows_kernel(const float* logits, const int32_t* targets, int64_t vocab,
                                float* lse, float* loss, G* grad, const double* normalizer,
-                               double grad_scale) {
+                               double grad_scale, float cap) {
   __shared__ float scratch[32];
   const int64_t r = blockIdx.x;
   const float* lr = logits + r * vocab;
@@ -42,7 +51,8 @@ __global__ void ce_rows_kernel(const float* logits, const int32_t* targets, int6
   const float scale = static_cast<float>(grad_scale / normalizer[0]);
   for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
     const float p = expf(lr[c] - row_lse);
-    gr[c] = from_f<G>(scale * (c == t ? p - 1.0f : p));
+    const float slope = cap > 0 ? 1.0f - (lr[c] / cap) * (lr[c] / cap) : 1.0f;
+    gr[c] = from_f<G>(scale * (c == t ? p - 1.0f : p) * slope);
   }
 }
 
@@ -74,18 +84,22 @@ __global__ void count_targets_kernel(const int32_t* targets, int64_t rows, doubl
 
 void launch_ce_rows(const float* logits, const int32_t* targets, int64_t n, int64_t vocab,
                     float* lse, float* loss, Storage grad_t, void* grad, const double* normalizer,
-                    double grad_scale, cudaStream_t stream) {
+                    double grad_scale, float logit_softcap, cudaStream_t stream) {
   if (n == 0) return;
   const unsigned grid = static_cast<unsigned>(n);
+  if (logit_softcap > 0) {
+    softcap_kernel<<<grid_for(n * vocab, kRowThreads), kRowThreads, 0, stream>>>(const_cast<float*>(logits),
+                                                                                 n * vocab, logit_softcap);
+  }
   if (grad == nullptr) {
     ce_rows_kernel<float><<<grid, kRowThreads, 0, stream>>>(logits, targets, vocab, lse, loss,
-                                                            nullptr, nullptr, 0.0);
+                                                            nullptr, nullptr, 0.0, logit_softcap);
     return;
   }
   STRATA_DISPATCH_T(
       grad_t, G,
       ce_rows_kernel<G><<<grid, kRowThreads, 0, stream>>>(
-          logits, targets, vocab, lse, loss, static_cast<G*>(grad), normalizer, grad_scale));
+          logits, targets, vocab, lse, loss, static_cast<G*>(grad), normalizer, grad_scale, logit_softcap));
 }
 
 void launch_ce_stats(const float* loss, const int32_t* targets, int64_t rows, double* stats,

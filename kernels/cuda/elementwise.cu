@@ -75,6 +75,30 @@ struct SwigluBackwardOp {
   }
 };
 
+// gelu(g) * u with gelu's tanh approximation (torch's gelu(approximate="tanh")).
+__device__ inline float gelu_tanh(float g, float* t_out = nullptr) {
+  const float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
+  if (t_out != nullptr) *t_out = t;
+  return 0.5f * g * (1.0f + t);
+}
+
+struct GegluOp {
+  __device__ void operator()(const float (&x)[2], float (&y)[1]) const { y[0] = gelu_tanh(x[0]) * x[1]; }
+};
+
+// d/dg [gelu(g) u] = u (0.5 (1 + t) + 0.5 g (1 - t^2) c (1 + 3 a g^2)); d/du = gelu(g).
+struct GegluBackwardOp {
+  __device__ void operator()(const float (&x)[3], float (&y)[2]) const {
+    const float d = x[0], g = x[1], u = x[2];
+    float t;
+    const float gelu = gelu_tanh(g, &t);
+    const float slope =
+        0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * g * g);
+    y[0] = d * u * slope;
+    y[1] = d * gelu;
+  }
+};
+
 template <typename T, int kIn, int kOut, typename Op>
 void launch_map(const MapArgs<T, kIn, kOut>& args, int64_t n, Op op, cudaStream_t stream) {
   if (n == 0) return;
@@ -202,22 +226,29 @@ void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* ou
 }
 
 void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t numel, void* out,
-                           cudaStream_t stream) {
-  STRATA_DISPATCH_T(
-      t, T,
-      launch_map(MapArgs<T, 2, 1>{{static_cast<const T*>(gate), static_cast<const T*>(up)},
-                                  {static_cast<T*>(out)}},
-                 numel, SwigluOp{}, stream));
+                           bool gelu_tanh, cudaStream_t stream) {
+  STRATA_DISPATCH_T(t, T, {
+    const MapArgs<T, 2, 1> args{{static_cast<const T*>(gate), static_cast<const T*>(up)}, {static_cast<T*>(out)}};
+    if (gelu_tanh) {
+      launch_map(args, numel, GegluOp{}, stream);
+    } else {
+      launch_map(args, numel, SwigluOp{}, stream);
+    }
+  });
 }
 
 void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
-                            int64_t numel, void* dgate, void* dup, cudaStream_t stream) {
-  STRATA_DISPATCH_T(
-      t, T,
-      launch_map(MapArgs<T, 3, 2>{{static_cast<const T*>(dout), static_cast<const T*>(gate),
-                                   static_cast<const T*>(up)},
-                                  {static_cast<T*>(dgate), static_cast<T*>(dup)}},
-                 numel, SwigluBackwardOp{}, stream));
+                            int64_t numel, void* dgate, void* dup, bool gelu_tanh, cudaStream_t stream) {
+  STRATA_DISPATCH_T(t, T, {
+    const MapArgs<T, 3, 2> args{
+        {static_cast<const T*>(dout), static_cast<const T*>(gate), static_cast<const T*>(up)},
+        {static_cast<T*>(dgate), static_cast<T*>(dup)}};
+    if (gelu_tanh) {
+      launch_map(args, numel, GegluBackwardOp{}, stream);
+    } else {
+      launch_map(args, numel, SwigluBackwardOp{}, stream);
+    }
+  });
 }
 
 void launch_add_bias(Storage t, void* y, int64_t ldy, Storage bias_t, const void* bias,

@@ -14,7 +14,7 @@ constexpr int kThreads = 256;
 
 template <typename P, typename A>
 __global__ void embedding_forward_kernel(const P* table, const int32_t* ids, int64_t rows, int64_t first_id,
-                                         int64_t vocab, int64_t dim, A* out, bool vectorized) {
+                                         int64_t vocab, int64_t dim, A* out, bool vectorized, float scale) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t id = static_cast<int64_t>(ids[r]) - first_id;  // the row in this table (a shard's)
     // Another shard's ids read as a zero row; out-of-range ids are the
@@ -27,6 +27,8 @@ __global__ void embedding_forward_kernel(const P* table, const int32_t* ids, int
         float f[8];
         if (valid) {
           load8(src + c, f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) f[e] *= scale;
         } else {
 #pragma unroll
           for (int e = 0; e < 8; ++e) f[e] = 0.0f;
@@ -35,7 +37,7 @@ __global__ void embedding_forward_kernel(const P* table, const int32_t* ids, int
       }
     } else {
       for (int64_t c = threadIdx.x; c < dim; c += blockDim.x)
-        dst[c] = from_f<A>(valid ? to_f(src[c]) : 0.0f);
+        dst[c] = from_f<A>(valid ? to_f(src[c]) * scale : 0.0f);
     }
   }
 }
@@ -53,7 +55,8 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
 template <typename T>
 __global__ void embedding_segment_kernel(const T* dout, const int32_t* sorted_ids,
                                          const int32_t* sorted_rows, int64_t rows, int64_t first_id,
-                                         int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable) {
+                                         int64_t vocab, int64_t dim, int64_t padding_idx, float* dtable,
+                                         float scale) {
   for (int64_t i = blockIdx.x; i < rows; i += gridDim.x) {
     const int32_t id = sorted_ids[i];
     if (i > 0 && sorted_ids[i - 1] == id) continue;  // not a segment start
@@ -65,7 +68,7 @@ __global__ void embedding_segment_kernel(const T* dout, const int32_t* sorted_id
     for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
       float acc = 0.0f;
       for (int64_t j = i; j < end; ++j)
-        acc += to_f(dout[static_cast<int64_t>(sorted_rows[j]) * dim + c]);
+        acc += to_f(dout[static_cast<int64_t>(sorted_rows[j]) * dim + c]) * scale;
       dst[c] += acc;
     }
   }
@@ -88,14 +91,14 @@ size_t sort_temp_nbytes(int64_t rows) {
 
 void launch_embedding_forward(Storage table_t, const void* table, const int32_t* ids, int64_t rows,
                               int64_t first_id, int64_t vocab, int64_t dim, Storage out_t, void* out,
-                              cudaStream_t stream) {
+                              float scale, cudaStream_t stream) {
   if (rows == 0 || dim == 0) return;
   const bool vectorized = dim % 8 == 0 && aligned16(table) && aligned16(out);
   const unsigned grid = static_cast<unsigned>(rows < 65535 * 16 ? rows : 65535 * 16);
   STRATA_DISPATCH_2(table_t, P, out_t, A,
                     embedding_forward_kernel<P, A>
                     <<<grid, kThreads, 0, stream>>>(static_cast<const P*>(table), ids, rows, first_id,
-                                                    vocab, dim, static_cast<A*>(out), vectorized));
+                                                    vocab, dim, static_cast<A*>(out), vectorized, scale));
 }
 
 size_t embedding_backward_scratch_nbytes(int64_t rows) {
@@ -106,7 +109,8 @@ size_t embedding_backward_scratch_nbytes(int64_t rows) {
 
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
                                       int64_t first_id, int64_t vocab, int64_t dim, int64_t padding_idx,
-                                      float* dtable, void* scratch, size_t scratch_nbytes, cudaStream_t stream) {
+                                      float* dtable, void* scratch, size_t scratch_nbytes, float scale,
+                                      cudaStream_t stream) {
   if (rows == 0 || dim == 0) return cudaSuccess;
   char* base = static_cast<char*>(scratch);
   const size_t slice = align_up(static_cast<size_t>(rows) * sizeof(int32_t));
@@ -125,7 +129,7 @@ cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t
                     embedding_segment_kernel<T>
                     <<<grid, kThreads, 0, stream>>>(static_cast<const T*>(dout), sorted_ids,
                                                     sorted_rows, rows, first_id, vocab, dim, padding_idx,
-                                                    dtable));
+                                                    dtable, scale));
   return cudaSuccess;
 }
 

@@ -29,10 +29,11 @@ void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64
 // out = a + b (out may alias a or b).
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,
                 cudaStream_t stream);
+// act(gate) * up: silu, or with gelu_tanh gelu's tanh approximation (GeGLU).
 void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t numel, void* out,
-                           cudaStream_t stream);
+                           bool gelu_tanh, cudaStream_t stream);
 void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
-                            int64_t numel, void* dgate, void* dup, cudaStream_t stream);
+                            int64_t numel, void* dgate, void* dup, bool gelu_tanh, cudaStream_t stream);
 // out (+= when accumulate) = x * keep / (1 - p), keep = dropout_keep(seed,
 // r * cols + c, p) (kernels/dropout_mask.h); [rows, cols] with row strides.
 void launch_dropout(Storage t, const void* x, int64_t ldx, void* out, int64_t ldo, int64_t rows, int64_t cols,
@@ -52,23 +53,27 @@ void launch_column_sum(Storage t, const void* a, int64_t lda, const void* b, int
 // ---- embedding.cu -----------------------------------------------------------
 // The table holds rows [first_id, first_id + vocab) (a vocabulary shard; 0 and
 // the whole vocabulary otherwise): other ids read as zero rows and add no gradient.
+// Each row times `scale` (1: copied), and the gradient likewise.
 void launch_embedding_forward(Storage table_t, const void* table, const int32_t* ids, int64_t rows,
                               int64_t first_id, int64_t vocab, int64_t dim, Storage out_t, void* out,
-                              cudaStream_t stream);
+                              float scale, cudaStream_t stream);
 // Scratch for the deterministic backward (ids sorted with their rows).
 size_t embedding_backward_scratch_nbytes(int64_t rows);
 // Rows whose id is padding_idx add nothing (< 0: none).
 cudaError_t launch_embedding_backward(Storage t, const void* dout, const int32_t* ids, int64_t rows,
                                       int64_t first_id, int64_t vocab, int64_t dim, int64_t padding_idx,
-                                      float* dtable, void* scratch, size_t scratch_nbytes, cudaStream_t stream);
+                                      float* dtable, void* scratch, size_t scratch_nbytes, float scale,
+                                      cudaStream_t stream);
 
 // ---- rmsnorm.cu -------------------------------------------------------------
+// The weight is w + weight_offset (Gemma's 1 + w) in both.
 void launch_rmsnorm_forward(Storage t, const void* x, Storage w_t, const void* w, int64_t rows,
-                            int64_t dim, float eps, void* y, float* rstd, cudaStream_t stream);
+                            int64_t dim, float eps, void* y, float* rstd, float weight_offset,
+                            cudaStream_t stream);
 // dx = rstd * (dy * w - x * rstd^2 * mean(dy * w * x)); added into dx when accumulate.
 void launch_rmsnorm_backward_dx(Storage t, const void* dy, const void* x, Storage w_t,
                                 const void* w, const float* rstd, int64_t rows, int64_t dim,
-                                void* dx, bool accumulate, cudaStream_t stream);
+                                void* dx, bool accumulate, float weight_offset, cudaStream_t stream);
 
 // ---- rope.cu ----------------------------------------------------------------
 // In place on x [rows, heads, head_dim]; sign +1 rotates forward, -1 back.
@@ -80,9 +85,11 @@ void launch_rope(Storage t, void* x, const int32_t* positions, int64_t rows, int
 // ignored rows). With grad non-null also grad [n, vocab] (storage grad_t; may
 // alias logits when grad_t is fp32) = grad_scale / normalizer[0] *
 // (softmax - onehot(target)), 0 on ignored rows; normalizer is read on the device.
+// logit_softcap > 0: the logits are first capped in place to c * tanh(x / c)
+// (Gemma 2), the gradient taken through the cap.
 void launch_ce_rows(const float* logits, const int32_t* targets, int64_t n, int64_t vocab,
                     float* lse, float* loss, Storage grad_t, void* grad, const double* normalizer,
-                    double grad_scale, cudaStream_t stream);
+                    double grad_scale, float logit_softcap, cudaStream_t stream);
 // stats[0] += sum of loss[0, rows) (in a fixed order), stats[1] += counted rows.
 void launch_ce_stats(const float* loss, const int32_t* targets, int64_t rows, double* stats,
                      cudaStream_t stream);

@@ -250,14 +250,14 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_embedding_forward(ComputeContext& ctx, const TensorView& table, const TensorView& ids,
-                         const TensorView& out, int64_t first_id, int64_t /*vocab*/) override {
+                         const TensorView& out, int64_t first_id, int64_t /*vocab*/, float scale) override {
     constexpr const char* op = "embedding_forward";
     CudaContext& c = context(ctx);
     check_device(op, {{"table", &table}, {"ids", &ids}, {"out", &out}});
     const int64_t held = table.desc.shape[0], dim = table.desc.shape[1], rows = ids.numel();
     run(c, op, [&] {
       cuda::launch_embedding_forward(storage(table.desc.dtype), table.data, ids.as<int32_t>(), rows,
-                                     first_id, held, dim, storage(out.desc.dtype), out.data,
+                                     first_id, held, dim, storage(out.desc.dtype), out.data, scale,
                                      c.cuda_stream());
       check_launch(op);
     });
@@ -265,7 +265,7 @@ class CudaOps final : public Ops {
 
   void enqueue_embedding_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& ids,
                           const TensorView& dtable, int64_t padding_idx, int64_t first_id,
-                          int64_t /*vocab*/) override {
+                          int64_t /*vocab*/, float scale) override {
     constexpr const char* op = "embedding_backward";
     CudaContext& c = context(ctx);
     check_device(op, {{"dout", &dout}, {"ids", &ids}, {"dtable", &dtable}});
@@ -276,14 +276,14 @@ class CudaOps final : public Ops {
       Scratch scratch(c, nbytes);
       check_status(cuda::launch_embedding_backward(
                        storage(dout.desc.dtype), dout.data, ids.as<int32_t>(), rows, first_id, held, dim,
-                       padding_idx, dtable.as<float>(), scratch.get(), nbytes, c.cuda_stream()),
+                       padding_idx, dtable.as<float>(), scratch.get(), nbytes, scale, c.cuda_stream()),
                    op);
       check_launch(op);
     });
   }
 
   void enqueue_rmsnorm_forward(ComputeContext& ctx, const TensorView& x, const TensorView& w, double eps,
-                       const TensorView& y, const TensorView& rstd) override {
+                       const TensorView& y, const TensorView& rstd, float weight_offset) override {
     constexpr const char* op = "rmsnorm_forward";
     CudaContext& c = context(ctx);
     check_device(op, {{"x", &x}, {"w", &w}, {"y", &y}, {"rstd", &rstd}});
@@ -291,14 +291,14 @@ class CudaOps final : public Ops {
     run(c, op, [&] {
       cuda::launch_rmsnorm_forward(storage(x.desc.dtype), x.data, storage(w.desc.dtype), w.data,
                                    xm.rows, xm.cols, static_cast<float>(eps), y.data,
-                                   rstd.as<float>(), c.cuda_stream());
+                                   rstd.as<float>(), weight_offset, c.cuda_stream());
       check_launch(op);
     });
   }
 
   void enqueue_rmsnorm_backward(ComputeContext& ctx, const TensorView& dy, const TensorView& x,
                         const TensorView& w, const TensorView& rstd, const TensorView& dx,
-                        bool accumulate_dx, const TensorView& dw) override {
+                        bool accumulate_dx, const TensorView& dw, float weight_offset) override {
     constexpr const char* op = "rmsnorm_backward";
     CudaContext& c = context(ctx);
     check_device(op, {{"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd", &rstd}, {"dx", &dx}});
@@ -310,7 +310,7 @@ class CudaOps final : public Ops {
       Scratch partial(c, splits > 1 ? static_cast<size_t>(splits * xm.cols) * 4 : 0);
       cuda::launch_rmsnorm_backward_dx(t, dy.data, x.data, storage(w.desc.dtype), w.data,
                                        rstd.as<float>(), xm.rows, xm.cols, dx.data, accumulate_dx,
-                                       c.cuda_stream());
+                                       weight_offset, c.cuda_stream());
       check_launch(op);
       if (empty(dw)) return;  // a frozen weight
       // dw += sum over rows of dy * x * rstd.
@@ -601,26 +601,27 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                      const TensorView& out) override {
+                      const TensorView& out, GluActivation act) override {
     constexpr const char* op = "swiglu_forward";
     CudaContext& c = context(ctx);
     check_device(op, {{"gate", &gate}, {"up", &up}, {"out", &out}});
     run(c, op, [&] {
       cuda::launch_swiglu_forward(storage(gate.desc.dtype), gate.data, up.data, gate.numel(),
-                                  out.data, c.cuda_stream());
+                                  out.data, act == GluActivation::kGeluTanh, c.cuda_stream());
       check_launch(op);
     });
   }
 
   void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
-                       const TensorView& dup) override {
+                       const TensorView& dup, GluActivation act) override {
     constexpr const char* op = "swiglu_backward";
     CudaContext& c = context(ctx);
     check_device(op, {{"dout", &dout}, {"gate", &gate}, {"up", &up}, {"dgate", &dgate}, {"dup", &dup}});
     run(c, op, [&] {
       cuda::launch_swiglu_backward(storage(gate.desc.dtype), dout.data, gate.data, up.data,
-                                   gate.numel(), dgate.data, dup.data, c.cuda_stream());
+                                   gate.numel(), dgate.data, dup.data, act == GluActivation::kGeluTanh,
+                                   c.cuda_stream());
       check_launch(op);
     });
   }
@@ -638,7 +639,7 @@ class CudaOps final : public Ops {
 
   void enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                      const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                     const TensorView& stats, const CrossEntropyGrad* grad) override;
+                     const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) override;
 
   void enqueue_count_targets(ComputeContext& ctx, const TensorView& targets,
                      const TensorView& count) override {
@@ -784,7 +785,7 @@ class CudaOps final : public Ops {
 
 void CudaOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, const TensorView& w,
                             const TensorView& targets, int64_t chunk_rows, const TensorView& lse,
-                            const TensorView& stats, const CrossEntropyGrad* grad) {
+                            const TensorView& stats, const CrossEntropyGrad* grad, float logit_softcap) {
   constexpr const char* op = "cross_entropy";
   CudaContext& c = context(ctx);
   check_device(op, {{"h", &h}, {"w", &w}, {"targets", &targets}, {"lse", &lse}, {"stats", &stats}});
@@ -821,7 +822,7 @@ void CudaOps::enqueue_cross_entropy(ComputeContext& ctx, const TensorView& h, co
       cuda::launch_ce_rows(logits.as<float>(), targets.as<int32_t>() + r0, n, vocab,
                            lse.as<float>() + r0, loss.as<float>() + r0, st, g,
                            grad == nullptr ? nullptr : grad->normalizer.as<double>(),
-                           grad == nullptr ? 0.0 : grad->grad_scale, stream);
+                           grad == nullptr ? 0.0 : grad->grad_scale, logit_softcap, stream);
       check_launch(op);
       if (grad == nullptr) continue;
       // dh [n, dim] = G [n, vocab] W [vocab, dim]; dw [vocab, dim] += G^T h.

@@ -11,7 +11,7 @@ constexpr int kThreads = 256;
 
 template <typename T, typename W>
 __global__ void rmsnorm_forward_kernel(const T* x, const W* w, int64_t rows, int64_t dim, float eps,
-                                       T* y, float* rstd, bool vectorized) {
+                                       T* y, float* rstd, bool vectorized, float offset) {
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * dim;
@@ -38,12 +38,12 @@ __global__ void rmsnorm_forward_kernel(const T* x, const W* w, int64_t rows, int
         load8(xr + c, f);
         load8(w + c, g);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) f[e] = f[e] * s * g[e];
+        for (int e = 0; e < 8; ++e) f[e] = f[e] * s * (g[e] + offset);
         store8(yr + c, f);
       }
     } else {
       for (int64_t c = threadIdx.x; c < dim; c += blockDim.x)
-        yr[c] = from_f<T>(to_f(xr[c]) * s * to_f(w[c]));
+        yr[c] = from_f<T>(to_f(xr[c]) * s * (to_f(w[c]) + offset));
     }
   }
 }
@@ -51,7 +51,7 @@ __global__ void rmsnorm_forward_kernel(const T* x, const W* w, int64_t rows, int
 template <typename T, typename W>
 __global__ void rmsnorm_backward_dx_kernel(const T* dy, const T* x, const W* w, const float* rstd,
                                            int64_t rows, int64_t dim, T* dx, bool accumulate,
-                                           bool vectorized) {
+                                           bool vectorized, float offset) {
   __shared__ float scratch[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t off = r * dim;
@@ -64,11 +64,13 @@ __global__ void rmsnorm_backward_dx_kernel(const T* dy, const T* x, const W* w, 
         load8(x + off + c, xv);
         load8(w + c, wv);
 #pragma unroll
+        for (int e = 0; e < 8; ++e) wv[e] += offset;
+#pragma unroll
         for (int e = 0; e < 8; ++e) dot += g[e] * wv[e] * xv[e];
       }
     } else {
       for (int64_t c = threadIdx.x; c < dim; c += blockDim.x)
-        dot += to_f(dy[off + c]) * to_f(w[c]) * to_f(x[off + c]);
+        dot += to_f(dy[off + c]) * (to_f(w[c]) + offset) * to_f(x[off + c]);
     }
     const float coef = s * s * block_sum(dot, scratch) / static_cast<float>(dim);
     if (vectorized) {
@@ -77,6 +79,8 @@ __global__ void rmsnorm_backward_dx_kernel(const T* dy, const T* x, const W* w, 
         load8(dy + off + c, g);
         load8(x + off + c, xv);
         load8(w + c, wv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) wv[e] += offset;
         if (accumulate) {
           load8(dx + off + c, out);
         } else {
@@ -89,7 +93,7 @@ __global__ void rmsnorm_backward_dx_kernel(const T* dy, const T* x, const W* w, 
       }
     } else {
       for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-        const float v = s * (to_f(dy[off + c]) * to_f(w[c]) - to_f(x[off + c]) * coef);
+        const float v = s * (to_f(dy[off + c]) * (to_f(w[c]) + offset) - to_f(x[off + c]) * coef);
         dx[off + c] = from_f<T>(accumulate ? to_f(dx[off + c]) + v : v);
       }
     }
@@ -103,18 +107,19 @@ unsigned row_grid(int64_t rows) {
 }  // namespace
 
 void launch_rmsnorm_forward(Storage t, const void* x, Storage w_t, const void* w, int64_t rows,
-                            int64_t dim, float eps, void* y, float* rstd, cudaStream_t stream) {
+                            int64_t dim, float eps, void* y, float* rstd, float weight_offset,
+                            cudaStream_t stream) {
   if (rows == 0) return;
   const bool vectorized = dim % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
   STRATA_DISPATCH_2(t, T, w_t, W,
                     rmsnorm_forward_kernel<T, W><<<row_grid(rows), kThreads, 0, stream>>>(
                         static_cast<const T*>(x), static_cast<const W*>(w), rows, dim, eps,
-                        static_cast<T*>(y), rstd, vectorized));
+                        static_cast<T*>(y), rstd, vectorized, weight_offset));
 }
 
 void launch_rmsnorm_backward_dx(Storage t, const void* dy, const void* x, Storage w_t,
                                 const void* w, const float* rstd, int64_t rows, int64_t dim,
-                                void* dx, bool accumulate, cudaStream_t stream) {
+                                void* dx, bool accumulate, float weight_offset, cudaStream_t stream) {
   if (rows == 0) return;
   const bool vectorized =
       dim % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(w) && aligned16(dx);
@@ -122,7 +127,7 @@ void launch_rmsnorm_backward_dx(Storage t, const void* dy, const void* x, Storag
       t, T, w_t, W,
       rmsnorm_backward_dx_kernel<T, W><<<row_grid(rows), kThreads, 0, stream>>>(
           static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const W*>(w), rstd, rows,
-          dim, static_cast<T*>(dx), accumulate, vectorized));
+          dim, static_cast<T*>(dx), accumulate, vectorized, weight_offset));
 }
 
 }  // namespace strata::ops::cuda

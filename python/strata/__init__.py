@@ -228,6 +228,11 @@ _save_checkpoint = _declare("strata_save_checkpoint", [_EP, ctypes.c_char_p])
 _load_checkpoint = _declare("strata_load_checkpoint", [_EP, ctypes.c_char_p])
 _freeze_param = _declare("strata_freeze_param", [_EP, _i32])
 _set_weight_decay = _declare("strata_set_weight_decay", [_EP, _i32, ctypes.c_float])
+_set_lr_scale = _declare("strata_set_lr_scale", [_EP, _i32, ctypes.c_float])
+_FPP = ctypes.POINTER(ctypes.POINTER(ctypes.c_float))
+_read_optimizer_state = _declare("strata_read_optimizer_state",
+                                 [_EP, _i32, ctypes.POINTER(_i32), _FPP, _FPP, ctypes.POINTER(_i64)])
+_write_optimizer_state = _declare("strata_write_optimizer_state", [_EP, _i32, ctypes.POINTER(_i32), _FPP, _FPP, _i64])
 _fetch_on_stream = _declare("strata_fetch_on_stream", [_EP, _i32, ctypes.c_int, _vp])
 _release_on_stream = _declare("strata_release_on_stream", [_EP, _i32, ctypes.c_int, _vp])
 _add_grad_device = _declare("strata_add_grad_device", [_EP, _i32, _vp, ctypes.c_int, _vp])
@@ -236,6 +241,16 @@ _begin_evaluation = _declare("strata_begin_evaluation", [_EP])
 _end_evaluation = _declare("strata_end_evaluation", [_EP])
 _trace_start = _declare("strata_trace_start", [ctypes.c_char_p])
 _trace_stop = _declare("strata_trace_stop", [])
+
+def _ids(params):
+    return (_i32 * max(len(params), 1))(*[q.id for q in params])
+
+
+def _pointers(arrays):
+    arrays = list(arrays)
+    return (ctypes.POINTER(ctypes.c_float) * max(len(arrays), 1))(
+        *[a.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) for a in arrays])
+
 
 if _version() // 10000 != _MAJOR:
     raise ImportError(f"strata: this binding is for C API {_MAJOR}.x; {library_path} is "
@@ -536,6 +551,10 @@ class Engine:
         """Gives p its own weight decay before finalize (strata_set_weight_decay)."""
         _check(_set_weight_decay(self._h(), self._param(p).id, float(weight_decay)))
 
+    def set_lr_scale(self, p, lr_scale):
+        """Gives p an lr of lr_scale times each step's, before finalize (strata_set_lr_scale)."""
+        _check(_set_lr_scale(self._h(), self._param(p).id, float(lr_scale)))
+
     def finalize(self):
         """Partitions and stores every parameter (collective)."""
         try:
@@ -677,6 +696,33 @@ class Engine:
             raise InvalidArgument(1, f"strata: values for '{param.name}' have {data.size} elements, the "
                                      f"parameter {param.numel}")
         _check(_write_param(self._h(), param.id, data.ctypes.data))
+
+    def read_optimizer_state(self, params):
+        """The Adam moments of the trained parameters `params` (collective, every rank the same list):
+        ({p: (exp_avg, exp_avg_sq)} as float32 numpy arrays of each one's shape, Adam's step count)."""
+        resolved = [self._param(p) for p in params]
+        moments = [(np.empty(q.shape, dtype=np.float32), np.empty(q.shape, dtype=np.float32)) for q in resolved]
+        step = _i64()
+        _check(_read_optimizer_state(self._h(), len(resolved), _ids(resolved), _pointers(m[0] for m in moments),
+                                     _pointers(m[1] for m in moments), ctypes.byref(step)))
+        return {q.name: m for q, m in zip(resolved, moments)}, step.value
+
+    def write_optimizer_state(self, moments, step):
+        """Sets every trained parameter's Adam moments, {p: (exp_avg, exp_avg_sq)} (each its full value, the same
+        on every rank), and Adam's step count (collective); the master weights stay."""
+        resolved, arrays = [], []
+        for p, (m, v) in moments.items():
+            q = self._param(p)
+            pair = tuple(np.ascontiguousarray(_real(_as_numpy(x), f"a moment of '{q.name}'"), dtype=np.float32)
+                         for x in (m, v))
+            for x in pair:
+                if x.size != q.numel:
+                    raise InvalidArgument(1, f"strata: a moment of '{q.name}' has {x.size} elements, the "
+                                             f"parameter {q.numel}")
+            resolved.append(q)
+            arrays.append(pair)
+        _check(_write_optimizer_state(self._h(), len(resolved), _ids(resolved), _pointers(a[0] for a in arrays),
+                                      _pointers(a[1] for a in arrays), int(step)))
 
     def stats(self):
         out = _Stats()

@@ -355,6 +355,18 @@ strata_status strata_set_weight_decay(strata_engine* e, int32_t id, float weight
   });
 }
 
+strata_status strata_set_lr_scale(strata_engine* e, int32_t id, float lr_scale) {
+  return guarded("strata_set_lr_scale", e, /*poison=*/false, [&] {
+    require_engine(e);
+    require_param(e, id);
+    require(std::isfinite(lr_scale) && lr_scale >= 0, STRATA_ERROR_INVALID_ARGUMENT,
+            "parameter '{}': lr scale {} must be finite and >= 0", e->zero->param_info(id).name, lr_scale);
+    require(!e->finalized, STRATA_ERROR_INVALID_STATE, "parameter '{}' given an lr scale after strata_finalize",
+            e->zero->param_info(id).name);
+    e->zero->set_lr_scale(id, lr_scale);
+  });
+}
+
 strata_status strata_finalize(strata_engine* e) {
   return guarded("strata_finalize", e, /*poison=*/true, [&] {
     require_engine(e);
@@ -527,6 +539,98 @@ strata_status strata_write_param(strata_engine* e, int32_t id, const void* host_
     e->zero->for_each_owned_range(id, engine::Engine::Access::kWrite, [&](int64_t first, const strata::TensorView& host) {
       std::memcpy(host.data, src + static_cast<size_t>(first) * element_nbytes, host.nbytes());
     });
+  });
+}
+
+namespace {
+
+// The moments' calls between steps, and their ids: known, trained, each once.
+// Returns each parameter's position in `ids` (-1: not listed).
+std::vector<int32_t> optimizer_state_ids(strata_engine* e, int32_t count, const int32_t* ids, const char* function) {
+  require_finalized(e);
+  require_no_window(e);
+  require_backward_done(e);
+  require_not_prepared(e, function);
+  require(count >= 0, STRATA_ERROR_INVALID_ARGUMENT, "count {} < 0", count);
+  if (count > 0) require_not_null(ids, "ids");
+  std::vector<int32_t> position(e->params.size(), -1);
+  for (int32_t i = 0; i < count; ++i) {
+    require_param(e, ids[i]);
+    const engine::ParamInfo& info = e->zero->param_info(ids[i]);
+    require(!info.frozen, STRATA_ERROR_INVALID_ARGUMENT, "'{}' is frozen (strata_freeze_param): it has no moments",
+            info.name);
+    require(position[static_cast<size_t>(ids[i])] < 0, STRATA_ERROR_INVALID_ARGUMENT, "'{}' is listed twice",
+            info.name);
+    position[static_cast<size_t>(ids[i])] = i;
+  }
+  return position;
+}
+
+}  // namespace
+
+strata_status strata_read_optimizer_state(strata_engine* e, int32_t count, const int32_t* ids,
+                                          float* const* exp_avg, float* const* exp_avg_sq, int64_t* step) {
+  return guarded("strata_read_optimizer_state", e, /*poison=*/true, [&] {
+    require_engine(e);
+    const std::vector<int32_t> position = optimizer_state_ids(e, count, ids, "strata_read_optimizer_state");
+    if (count > 0 && exp_avg != nullptr) {
+      for (int32_t i = 0; i < count; ++i) require_not_null(exp_avg[i], "exp_avg[i]");
+    }
+    if (count > 0 && exp_avg_sq != nullptr) {
+      for (int32_t i = 0; i < count; ++i) require_not_null(exp_avg_sq[i], "exp_avg_sq[i]");
+    }
+    // Each element is owned by one rank and zero elsewhere: the integer sum
+    // of the words is the owner's bits (as strata_read_param).
+    for (int32_t i = 0; i < count; ++i) {
+      const size_t numel = static_cast<size_t>(e->zero->param_info(ids[i]).numel());
+      if (exp_avg != nullptr) std::memset(exp_avg[i], 0, numel * sizeof(float));
+      if (exp_avg_sq != nullptr) std::memset(exp_avg_sq[i], 0, numel * sizeof(float));
+    }
+    e->zero->read_moments([&](int32_t id, int64_t first, size_t n, const float* m, const float* v) {
+      const int32_t i = position[static_cast<size_t>(id)];
+      if (i < 0) return;
+      if (exp_avg != nullptr) std::memcpy(exp_avg[i] + first, m, n * sizeof(float));
+      if (exp_avg_sq != nullptr) std::memcpy(exp_avg_sq[i] + first, v, n * sizeof(float));
+    });
+    static_assert(sizeof(float) == sizeof(int32_t));
+    for (int32_t i = 0; i < count; ++i) {
+      const size_t numel = static_cast<size_t>(e->zero->param_info(ids[i]).numel());
+      for (float* const* moment : {exp_avg, exp_avg_sq}) {
+        if (moment != nullptr) allreduce_i32(e, reinterpret_cast<int32_t*>(moment[i]), numel);
+      }
+    }
+    if (step != nullptr) *step = e->zero->step_count();
+  });
+}
+
+strata_status strata_write_optimizer_state(strata_engine* e, int32_t count, const int32_t* ids,
+                                           const float* const* exp_avg, const float* const* exp_avg_sq,
+                                           int64_t step) {
+  return guarded("strata_write_optimizer_state", e, /*poison=*/true, [&] {
+    require_engine(e);
+    const std::vector<int32_t> position = optimizer_state_ids(e, count, ids, "strata_write_optimizer_state");
+    require(step >= 0, STRATA_ERROR_INVALID_ARGUMENT, "step {} < 0", step);
+    if (count > 0) {
+      require_not_null(exp_avg, "exp_avg");
+      require_not_null(exp_avg_sq, "exp_avg_sq");
+      for (int32_t i = 0; i < count; ++i) {
+        require_not_null(exp_avg[i], "exp_avg[i]");
+        require_not_null(exp_avg_sq[i], "exp_avg_sq[i]");
+      }
+    }
+    for (size_t p = 0; p < position.size(); ++p) {
+      const engine::ParamInfo& info = e->zero->param_info(static_cast<int32_t>(p));
+      require(info.frozen || position[p] >= 0, STRATA_ERROR_INVALID_ARGUMENT,
+              "trained parameter '{}' is not listed (every trained parameter's moments are set together)",
+              info.name);
+    }
+    e->zero->write_moments(
+        [&](int32_t id, int64_t first, size_t n, float* m, float* v) {
+          const int32_t i = position[static_cast<size_t>(id)];
+          std::memcpy(m, exp_avg[i] + first, n * sizeof(float));
+          std::memcpy(v, exp_avg_sq[i] + first, n * sizeof(float));
+        },
+        step);
   });
 }
 

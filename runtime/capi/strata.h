@@ -92,7 +92,9 @@
  * Since 0.3: strata_freeze_param, strata_set_weight_decay,
  * strata_fetch_on_stream, strata_release_on_stream, strata_add_grad_device,
  * strata_clip_grad_norm, strata_begin_evaluation, strata_end_evaluation; and
- * strata_release closes windows in any order (0.2: the innermost only). */
+ * strata_release closes windows in any order (0.2: the innermost only).
+ * Since 0.4: strata_set_lr_scale, strata_read_optimizer_state,
+ * strata_write_optimizer_state. */
 #ifndef STRATA_CAPI_STRATA_H_
 #define STRATA_CAPI_STRATA_H_
 
@@ -104,7 +106,7 @@ extern "C" {
 #endif
 
 #define STRATA_VERSION_MAJOR 0
-#define STRATA_VERSION_MINOR 3
+#define STRATA_VERSION_MINOR 4
 #define STRATA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, like strata_version(). */
 #define STRATA_VERSION (STRATA_VERSION_MAJOR * 10000 + STRATA_VERSION_MINOR * 100 + STRATA_VERSION_PATCH)
@@ -299,6 +301,16 @@ strata_status strata_freeze_param(strata_engine* engine, int32_t id);
  * decay); INVALID_STATE after strata_finalize. Since 0.3. */
 strata_status strata_set_weight_decay(strata_engine* engine, int32_t id, float weight_decay);
 
+/* Gives parameter `id` a learning rate of `lr_scale` (finite, >= 0) times
+ * the lr each strata_step (and strata_prepare_step) is given: a trainer's
+ * parameter groups with lrs of their own (e.g. a head trained faster), whose
+ * schedule scales every group alike. Parameters of one scale are partitioned
+ * and updated together; checkpoints record the grouping, so a load needs the
+ * same scales. Before strata_finalize; every rank gives the same scales.
+ * Errors: INVALID_ARGUMENT (unknown id, a negative or not finite scale);
+ * INVALID_STATE after strata_finalize. Since 0.4. */
+strata_status strata_set_lr_scale(strata_engine* engine, int32_t id, float lr_scale);
+
 /* COLLECTIVE. Partitions every parameter, creates each shard's storage where
  * the config says (device, pinned CPU, NVMe) and writes the initial values of
  * this rank's shard (calling init callbacks on this thread). A config
@@ -477,6 +489,34 @@ strata_status strata_read_param(strata_engine* engine, int32_t id, void* host_fu
  * optimizer's fp32 master copy restarts from the new values. Same errors as
  * strata_read_param. */
 strata_status strata_write_param(strata_engine* engine, int32_t id, const void* host_full);
+
+/* COLLECTIVE. The Adam moments of the trained parameters ids[0..count), in
+ * torch.optim.Adam(W)'s terms: exp_avg[i] and exp_avg_sq[i] (host memory,
+ * numel fp32 each, either may be NULL) receive parameter ids[i]'s full first
+ * and second moments on every rank, and *step (may be NULL) the optimizer
+ * steps applied so far (the step skipped on overflow not counted: Adam's t).
+ * One pass over the optimizer state (NVMe read once). For a trainer's
+ * optimizer state_dict; not for the hot path. Every rank passes the same ids.
+ * Errors: INVALID_ARGUMENT (NULL ids with count > 0, count < 0, an unknown,
+ * repeated or frozen id); INVALID_STATE (before finalize, a window open, a
+ * backward pass half done, after strata_prepare_step); IO/COMMUNICATION
+ * (unusable). Since 0.4. */
+strata_status strata_read_optimizer_state(strata_engine* engine, int32_t count, const int32_t* ids,
+                                          float* const* exp_avg, float* const* exp_avg_sq, int64_t* step);
+
+/* COLLECTIVE. Sets the Adam moments of every trained parameter -- each one
+ * listed in ids[0..count) exactly once, exp_avg[i] and exp_avg_sq[i] its full
+ * moments (host memory, numel fp32 each, the same on every rank; each rank
+ * keeps its share) -- and the optimizer step count to `step` (>= 0), as
+ * strata_read_optimizer_state gives them (a torch optimizer's state_dict
+ * loaded). The fp32 master weights are kept (strata_write_param sets them).
+ * Errors, nothing changed: INVALID_ARGUMENT (NULL pointers, an unknown,
+ * repeated or frozen id, a trained parameter missing, step < 0);
+ * INVALID_STATE as strata_read_optimizer_state. IO/COMMUNICATION (unusable).
+ * Since 0.4. */
+strata_status strata_write_optimizer_state(strata_engine* engine, int32_t count, const int32_t* ids,
+                                           const float* const* exp_avg, const float* const* exp_avg_sq,
+                                           int64_t step);
 
 /* Fills *stats. Works on a failed engine too (stats->failed = 1). Errors:
  * INVALID_ARGUMENT (NULL). */

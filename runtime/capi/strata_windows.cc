@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/accelerator.h"
+#include "core/dtype.h"
 #include "core/trace_recorder.h"
 #include "runtime/capi/capi_internal.h"
 #include "runtime/capi/strata.h"
@@ -112,9 +113,7 @@ void release(strata_engine* e, int32_t op, strata_phase phase, void* stream) {
   }
 }
 
-// Parameter id's fp32 gradient buffer in an open backward window (a first
-// use zero-fills it on the compute stream: not waited for here).
-TensorView grad_view(strata_engine* e, int32_t id) {
+void require_grad(strata_engine* e, int32_t id) {
   require_param(e, id);
   require_finalized(e);
   require(in_window(e, id, true), STRATA_ERROR_INVALID_STATE,
@@ -122,7 +121,39 @@ TensorView grad_view(strata_engine* e, int32_t id) {
           e->zero->param_info(id).name);
   require(!e->zero->param_info(id).frozen, STRATA_ERROR_INVALID_STATE,
           "'{}' is frozen (strata_freeze_param): it has no gradient", e->zero->param_info(id).name);
+}
+
+// Parameter id's fp32 gradient buffer in an open backward window (a first
+// use zero-fills it on the compute stream: not waited for here).
+TensorView grad_view(strata_engine* e, int32_t id) {
+  require_grad(e, id);
   return e->zero->grad(id);
+}
+
+// The same buffer for this thread to add into now (host memory: the cpu
+// accelerator), with no hand-off to the compute stream's thread when it has
+// nothing queued (ZeroEngine::host_grad).
+float* host_grad(strata_engine* e, int32_t id) {
+  require_grad(e, id);
+  return e->zero->host_grad(id).as<float>();
+}
+
+// sum[i] += src[i] for n values of `dtype` in host memory, 16-bit ones widened
+// exactly first (strata::convert), so the fp32 sums are those of an fp32 add.
+void add_on_host(float* sum, const void* src, strata::DType dtype, size_t n) {
+  if (dtype == strata::DType::kF32) {
+    const float* values = static_cast<const float*>(src);
+    for (size_t i = 0; i < n; ++i) sum[i] += values[i];
+    return;
+  }
+  constexpr size_t kChunk = 4096;
+  float wide[kChunk];
+  const auto* bytes = static_cast<const char*>(src);
+  for (size_t first = 0; first < n; first += kChunk) {
+    const size_t count = std::min(kChunk, n - first);
+    strata::convert(bytes + first * strata::dtype_nbytes(dtype), dtype, wide, strata::DType::kF32, count);
+    for (size_t i = 0; i < count; ++i) sum[first + i] += wide[i];
+  }
 }
 
 }  // namespace
@@ -164,6 +195,10 @@ strata_status strata_grad_ptr(strata_engine* e, int32_t id, float** ptr) {
   return guarded("strata_grad_ptr", e, /*poison=*/true, [&] {
     require_engine(e);
     require_not_null(ptr, "ptr");
+    if (e->accelerator->host_addressable()) {
+      *ptr = host_grad(e, id);  // zeroed by this thread when new: no round trip through the compute stream
+      return;
+    }
     float* grad = grad_view(e, id).as<float>();
     e->zero->compute_stream().synchronize();  // the caller writes it from elsewhere
     *ptr = grad;
@@ -174,14 +209,14 @@ strata_status strata_add_grad(strata_engine* e, int32_t id, const float* host_gr
   return guarded("strata_add_grad", e, /*poison=*/true, [&] {
     require_engine(e);
     require_not_null(host_grad, "host_grad");
+    const size_t numel = static_cast<size_t>(e->zero->param_info(id).numel());
+    if (e->accelerator->host_addressable()) {
+      add_on_host(strata::capi::host_grad(e, id), host_grad, strata::DType::kF32, numel);
+      return;
+    }
     float* grad = grad_view(e, id).as<float>();
     strata::Stream& stream = e->zero->compute_stream();
     stream.synchronize();
-    const size_t numel = static_cast<size_t>(e->zero->param_info(id).numel());
-    if (e->accelerator->host_addressable()) {
-      for (size_t i = 0; i < numel; ++i) grad[i] += host_grad[i];
-      return;
-    }
     std::vector<float> sum(numel);
     e->accelerator->copy_async(sum.data(), grad, numel * sizeof(float), strata::CopyKind::kDeviceToHost, stream);
     stream.synchronize();
@@ -201,6 +236,14 @@ strata_status strata_add_grad_device(strata_engine* e, int32_t id, const void* g
     require(stream == nullptr || !e->accelerator->host_addressable(), STRATA_ERROR_INVALID_ARGUMENT,
             "a stream was given, but the {} accelerator has no streams of the caller's to order by (pass NULL)",
             e->accelerator->name());
+    if (e->accelerator->host_addressable()) {
+      // The cpu accelerator: added by this thread, in place (the gradient
+      // is host memory), finished on return as the contract says, and no
+      // round trip through the compute stream's thread.
+      add_on_host(host_grad(e, id), grad, dtype_of(dtype),
+                  static_cast<size_t>(e->zero->param_info(id).numel()));
+      return;
+    }
     const strata::TensorView sum = grad_view(e, id);
     std::unique_ptr<strata::Stream> caller = borrow(e, stream);
     strata::Accelerator& acc = *e->accelerator;

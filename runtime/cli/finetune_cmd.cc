@@ -99,6 +99,12 @@ void add_finetune_command(CLI::App& app) {
   cmd->add_option("--virtual-stages", options->virtual_stages,
                   "Chunks of layers per pipeline rank for the interleaved schedule (pipeline_parallel.virtual_stages)")
       ->check(whole_number(1));
+  cmd->add_option("--micro-batch-order", options->micro_batch_order,
+                  "The order of a step's micro-batches (strata.micro_batch_order): step-major (each through the whole "
+                  "model in turn), layer-major (all through each decoder layer before the next, backwards layer by "
+                  "layer: each layer's parameters fetched once forward and once backward per step; the same "
+                  "parameters bit for bit) or auto (layer-major when the parameters are offloaded and "
+                  "gradient_accumulation_steps > 1)");
   cmd->add_flag("--sequence-parallel", options->sequence_parallel,
                 "Megatron's sequence parallelism over the --tp ranks (the config's sequence_parallel): each keeps "
                 "its share of the tokens' residual stream and norms, so every activation a layer saves is divided "

@@ -24,6 +24,7 @@
 #include "runtime/plan/plan_check.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/finetune.h"
+#include "runtime/train/micro_batch_order.h"
 #include "runtime/train/run_report.h"
 #include "runtime/train/zero_config.h"
 
@@ -40,6 +41,7 @@ struct RunSetup {
   bool checkpoint_activations = false;
   int tensor_parallel = 0;         // --tp (0: not given: the config's)
   int pipeline_parallel = 0;       // --pp (0: not given: the config's)
+  std::string micro_batch_order;  // --micro-batch-order (empty: the config's)
   bool sequence_parallel = false;  // --sequence-parallel
   // finetune's LoRA flags as given (empty: not a LoRA run), parsed as finetune parses them.
   std::string lora_rank, lora_targets = "q_proj,v_proj";
@@ -100,6 +102,8 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.sequence_parallel = true;
     } else if (flag == "--pp") {
       s.pipeline_parallel = static_cast<int>(parse_integer(source + ": --pp", take(), 1));
+    } else if (flag == "--micro-batch-order") {
+      s.micro_batch_order = take();
     }
   }
   if (!record.ds_config.is_null()) {
@@ -239,6 +243,19 @@ int run_plan_check(const PlanOptions& o) {
     if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
     in.model = nn::load_decoder_config(model_config.string());
   }
+  // Layer-major holds every micro-batch's activations of every layer: not modelled here either.
+  const train::MicroBatchOrderChoice order = train::choose_micro_batch_order(
+      s.micro_batch_order.empty() ? config.strata.micro_batch_order : s.micro_batch_order,
+      s.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order",
+      {config.zero.offload_param.device == OffloadDevice::kNvme  ? Tier::kNvme
+       : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
+                                                                 : Tier::kDevice,
+       config.gradient_accumulation_steps, in.tensor_parallel, 1, 1, !s.lora_rank.empty(),
+       in.model.tie_word_embeddings, in.model.moe() && in.model.output_router_logits});
+  STRATA_CHECK(order.order == train::MicroBatchOrder::kStepMajor, kBadArgument,
+               "{}: the run's micro-batches were layer-major; strata plan --check does not model the activations "
+               "it holds (every micro-batch's of every layer) yet",
+               run_json.string());
   in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   const bool device_is_host =
       config.strata.accelerator == "cpu" ||

@@ -220,9 +220,12 @@ void resolve_model(const Options& o, Resolved& r) {
       m.experts_per_token = config.num_experts_per_tok;
       m.shared_expert_intermediate = config.shared_expert_intermediate_size;
       // Every routed expert but the token's k: three [width, hidden] matrices
-      // each, per layer. A shared expert (qwen2_moe) and its gate are active
-      // for every token: in param_count and never idle.
-      const int64_t idle = config.num_hidden_layers * (config.num_experts - config.num_experts_per_tok) * 3 *
+      // each, per sparse layer (DeepSeek's first first_k_dense_replace layers
+      // are dense). A shared expert (qwen2_moe, DeepSeek) and its gate are
+      // active for every token: in param_count and never idle.
+      int64_t sparse_layers = 0;
+      for (int64_t l = 0; l < config.num_hidden_layers; ++l) sparse_layers += config.layer_moe(l) ? 1 : 0;
+      const int64_t idle = sparse_layers * (config.num_experts - config.num_experts_per_tok) * 3 *
                            config.hidden_size * config.moe_intermediate_size;
       m.active_param_count = m.param_count - idle;
     }

@@ -98,6 +98,8 @@ struct StrataOptions {
   std::string trace_path;
   bool keep_swap_files = false;
   bool overlap_optimizer = true;
+  // strata.micro_batch_order: step-major | layer-major | auto (docs/DESIGN.md §5.5).
+  std::string micro_batch_order = "step-major";
 };
 
 struct Config {

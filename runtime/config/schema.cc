@@ -194,6 +194,7 @@ std::vector<ConfigField> build_fields() {
   f.push_back(text("strata.trace_path", "", "Write a Chrome-trace timeline of every transfer and kernel here; empty disables."));
   f.push_back(flag("strata.keep_swap_files", false, "Keep NVMe swap files after a clean shutdown."));
   f.push_back(flag("strata.overlap_optimizer", true, "ZeRO-2/3: update each optimizer sub-group during the last backward as soon as its gradient is final (rolled back exactly when clipping or an overflow fires); a smaller zero_optimization.sub_group_size overlaps more. false: the optimizer runs after backward."));
+  f.push_back(choice("strata.micro_batch_order", "step-major", {"step-major", "layer-major", "auto"}, "The order of a step's gradient_accumulation_steps micro-batches: step-major (each micro-batch's forward and backward through the whole model, one after another: every parameter used 2m times per step), layer-major (every micro-batch through decoder layer l before layer l + 1, then the backwards layer by layer from the top: each layer's parameters used in m forwards in a row and m backwards in a row; each micro-batch's activations of every layer kept until its backward; the parameters after each step bit-identical to step-major's; not with tied embeddings, tensor, pipeline or expert parallelism, LoRA or a mixture of experts' load-balancing loss) or auto (layer-major when the parameters live off the device, offload_param cpu or nvme, and there is more than one micro-batch; said once at start)."));
   return f;
 }
 

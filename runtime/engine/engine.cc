@@ -69,6 +69,14 @@ void Engine::set_weight_decay(ParamId id, float weight_decay) {
   params_[id].weight_decay = weight_decay;
 }
 
+void Engine::set_lr_scale(ParamId id, float lr_scale) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "set_lr_scale: unknown parameter id {}", id);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' given an lr scale after finalize()", params_[id].name);
+  STRATA_CHECK(std::isfinite(lr_scale) && lr_scale >= 0, kBadArgument,
+               "parameter '{}': lr scale {} must be finite and >= 0", params_[id].name, lr_scale);
+  params_[id].lr_scale = lr_scale;
+}
+
 void Engine::mark_expert(ParamId id, int expert, int experts) {
   STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "mark_expert: unknown parameter id {}", id);
   STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' marked an expert's after finalize()", params_[id].name);

@@ -84,6 +84,10 @@ struct ParamInfo {
   // optimizer's (ZeroEngineOptions::adam). Parameters of different decay
   // form groups of their own.
   std::optional<float> weight_decay = std::nullopt;
+  // Its learning rate as a multiple of the step's (Engine::set_lr_scale; a
+  // trainer's parameter group with its own lr, e.g. a head trained faster).
+  // Parameters of different scales form groups of their own.
+  float lr_scale = 1.0f;
   // Expert `expert` of `experts` of one mixture-of-experts layer
   // (Engine::mark_expert); -1: not an expert's. With expert parallelism only
   // the ranks that own the expert hold it (Engine::owns_expert).
@@ -132,6 +136,9 @@ class Engine {
   // Gives a declared parameter its own weight decay (ParamInfo::weight_decay),
   // before finalize; finite and >= 0.
   void set_weight_decay(ParamId id, float weight_decay);
+  // Gives a declared parameter its lr scale (ParamInfo::lr_scale), before
+  // finalize; finite and >= 0.
+  void set_lr_scale(ParamId id, float lr_scale);
   // Marks a declared parameter as expert `expert` of the `experts` of one
   // mixture-of-experts layer (ParamInfo::expert), before finalize.
   void mark_expert(ParamId id, int expert, int experts);

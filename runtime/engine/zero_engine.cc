@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <optional>
@@ -167,7 +168,7 @@ void ZeroEngine::on_finalize() {
   // differently), in declaration order within a group.
   const int ep = options_.expert_parallel_size;
   const bool tp = tensor_group().size > 1;
-  std::map<std::tuple<DType, bool, bool, bool, bool, bool, std::optional<float>>, size_t> group_index;
+  std::map<std::tuple<DType, bool, bool, bool, bool, bool, std::optional<float>, float>, size_t> group_index;
   const int stage = comms_.pipeline != nullptr ? comms_.pipeline->rank() : 0;
   group_of_.assign(static_cast<size_t>(parameter_count()), -1);
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
@@ -191,7 +192,10 @@ void ZeroEngine::on_finalize() {
     // (a frozen one has no optimizer: its decay does not matter).
     std::optional<float> decay = frozen ? std::nullopt : info.weight_decay;
     if (decay && *decay == options_.adam.weight_decay) decay.reset();
-    auto [it, inserted] = group_index.emplace(std::tuple{dtype, frozen, expert, tp_split, tp_counted, stage_copy, decay},
+    // So does one with its own lr scale (a frozen one has no lr either).
+    const float lr_scale = frozen ? 1.0f : info.lr_scale;
+    auto [it, inserted] = group_index.emplace(
+        std::tuple{dtype, frozen, expert, tp_split, tp_counted, stage_copy, decay, lr_scale},
                                               groups_.size());
     if (inserted) {
       groups_.push_back(std::make_unique<Group>());
@@ -205,8 +209,10 @@ void ZeroEngine::on_finalize() {
       g.suffix = std::string(!tp_split ? "" : tp_counted ? "_tp" : "_tp_copy") + (stage_copy ? "_pp_copy" : "");
       g.weight_decay = decay;
       g.decay_suffix = decay ? fmt::format("_wd{}", *decay) : "";
+      g.lr_scale = lr_scale;
+      g.lr_suffix = lr_scale != 1.0f ? fmt::format("_lr{}", lr_scale) : "";
       g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix +
-              g.decay_suffix;
+              g.decay_suffix + g.lr_suffix;
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
     }
@@ -279,8 +285,8 @@ void ZeroEngine::on_finalize() {
     g->shard = static_cast<int>(shards.size());
     shards.push_back({g->dtype, g->layout.get(), g->home.get(), g->grads.get(), g->reducer.get(),
                       std::string(dtype_name(g->dtype)) + (g->expert ? "_experts" : "") + g->suffix +
-                          g->decay_suffix,
-                      g->weight_decay});
+                          g->decay_suffix + g->lr_suffix,
+                      g->weight_decay, g->lr_scale});
   }
   optimizer_ = std::make_unique<offload::ShardOptimizer>(accelerator(), ops(), *home_stream_, aio_.get(), optimizer,
                                                 std::move(shards));
@@ -486,7 +492,16 @@ TensorView ZeroEngine::param(ParamId id) {
   return TensorView{TensorDesc{info.dtype, info.shape, Tier::kDevice}, data};
 }
 
-TensorView ZeroEngine::grad(ParamId id) {
+TensorView ZeroEngine::grad(ParamId id) { return grad_buffer(id, /*for_host=*/false); }
+
+TensorView ZeroEngine::host_grad(ParamId id) {
+  STRATA_CHECK(accelerator().host_addressable(), kBadArgument,
+               "host_grad('{}'): the {} accelerator's memory is not host memory", param_info(id).name,
+               accelerator().name());
+  return grad_buffer(id, /*for_host=*/true);
+}
+
+TensorView ZeroEngine::grad_buffer(ParamId id, bool for_host) {
   STRATA_CHECK(in_window(id, true), kBadArgument,
                "gradient of '{}' used outside a backward window of an operator that lists it", param_info(id).name);
   const ParamInfo& info = param_info(id);
@@ -495,7 +510,16 @@ TensorView ZeroEngine::grad(ParamId id) {
   if (grad == nullptr) {  // stages 2/3: exists from its first use in backward to its reduction
     const size_t nbytes = static_cast<size_t>(info.numel()) * sizeof(float);
     grad = static_cast<float*>(accelerator().allocate(nbytes));
-    accelerator().memset_async(grad, 0, nbytes, compute_stream());
+    // A new block is nobody's (allocate hands out none a queued free still
+    // waits on): the caller's thread may zero it itself, with no hand-off to
+    // the compute stream's thread.
+    if (for_host) {
+      std::memset(grad, 0, nbytes);
+    } else {
+      accelerator().memset_async(grad, 0, nbytes, compute_stream());
+    }
+  } else if (for_host) {
+    compute_stream().synchronize();  // its earlier work on the buffer (returns at once when there is none)
   }
   return TensorView{TensorDesc{DType::kF32, info.shape, Tier::kDevice}, grad};
 }

@@ -174,6 +174,14 @@ class ZeroEngine final : public Engine {
   void post_op(OpId op, Phase phase) override;
   TensorView param(ParamId id) override;
   TensorView grad(ParamId id) override;
+  // grad(), for the calling thread to add into at once (a host-addressable
+  // accelerator only, Error(kBadArgument) otherwise): a buffer made now is
+  // zero-filled by this thread instead of on the compute stream, and for one
+  // that exists the compute stream's work so far is waited for (none is
+  // queued on a caller driving the engine from the host: no wait). The
+  // caller's writes are done before its post_op, whose ready point the
+  // gradient's reduction waits for. The C API's gradient adds on cpu.
+  TensorView host_grad(ParamId id);
   void zero_grad() override;
   void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) override;
 
@@ -280,6 +288,20 @@ class ZeroEngine final : public Engine {
   // written for another world size, rank or model, Error(kIo) for a short or
   // unreadable file. Every rank calls it before the next pre_op.
   void load_state(const std::filesystem::path& dir);
+  // The Adam moments by parameter (a trainer's optimizer state_dict): this
+  // rank's elements of every trained parameter, sink(id, first, count,
+  // exp_avg, exp_avg_sq) for elements [first, first + count) of parameter id
+  // (flattened), host views valid during the call. One pass over the state
+  // (each sub-group read once from NVMe); every owned element of a trained
+  // parameter is given once, frozen ones never. write_moments replaces them:
+  // fill writes the same ranges (the padding between parameters gets zero),
+  // the fp32 master weights are kept and the Adam step count becomes
+  // `step_count`. Between steps only, like save_state; not collective.
+  using MomentSinkFn =
+      std::function<void(ParamId id, int64_t first, size_t count, const float* exp_avg, const float* exp_avg_sq)>;
+  using MomentFillFn = std::function<void(ParamId id, int64_t first, size_t count, float* exp_avg, float* exp_avg_sq)>;
+  void read_moments(const MomentSinkFn& sink);
+  void write_moments(const MomentFillFn& fill, int64_t step_count);
   // Bytes this rank's engine moved between NVMe and host memory so far
   // (parameter shards and optimizer state; 0 without an nvme tier).
   uint64_t nvme_bytes_read() const;
@@ -341,6 +363,10 @@ class ZeroEngine final : public Engine {
     // the optimizer's): that decay, and "_wd<decay>" naming their files.
     std::optional<float> weight_decay;
     std::string decay_suffix;
+    // Parameters with their own lr scale (ParamInfo::lr_scale, not 1): that
+    // scale, and "_lr<scale>" naming their files after the decay's suffix.
+    float lr_scale = 1.0f;
+    std::string lr_suffix;
     std::string key;                         // names its files: "fp32", "bf16_frozen", "fp32_experts", "fp32_wd0"
     partition::Communicator* gather_comm = nullptr;
     partition::Communicator* reduce_comm = nullptr;
@@ -386,6 +412,12 @@ class ZeroEngine final : public Engine {
   void zero_grad_shards();          // the gradient shards zero (their reducers synchronized)
   void check_no_backward(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale
+  TensorView grad_buffer(ParamId id, bool for_host);  // grad() and host_grad()
+  // The trained parameters' owned elements within shard elements [first,
+  // first + numel) of group g: fn(id, first element in the parameter,
+  // offset in the range, count).
+  template <typename Fn>
+  void for_each_param_in(const Group& g, size_t first, size_t numel, Fn&& fn) const;
   // f64 sum over `comm` (the control communicator unless given) on `stream`
   // (the control stream unless given); blocks.
   void allreduce_f64(double* values, size_t count, partition::Communicator* comm = nullptr,

@@ -18,15 +18,16 @@ constexpr const char* kStateFile = "engine.json";
 // A frozen group's parameters have their own file beside the trainable group
 // of the same dtype (and no optimizer files); so have the experts this rank
 // holds under expert parallelism (params_fp32_experts.bin, master_fp32_experts.bin, ...),
-// and the parameters of their own weight decay (params_fp32_wd0.bin, master_fp32_wd0.bin, ...).
+// and the parameters of their own weight decay (params_fp32_wd0.bin, master_fp32_wd0.bin, ...) or lr scale
+// (params_fp32_lr10.bin, ...).
 template <typename G>
 std::string params_file(const G& g) {
   return fmt::format("params_{}.bin", g.key);
 }
 template <typename G>
 std::string optimizer_file(const char* what, const G& g) {
-  return fmt::format("{}_{}{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.suffix,
-                     g.decay_suffix);
+  return fmt::format("{}_{}{}{}{}{}.bin", what, dtype_name(g.dtype), g.expert ? "_experts" : "", g.suffix,
+                     g.decay_suffix, g.lr_suffix);
 }
 
 // The exact size a state file must have, or an error naming it.
@@ -104,6 +105,65 @@ std::vector<StateFile> ZeroEngine::save_state(const fs::path& dir, FrozenState f
   files.push_back(out.finish());
   sync_directory(dir);
   return files;
+}
+
+template <typename Fn>
+void ZeroEngine::for_each_param_in(const Group& g, size_t first, size_t numel, Fn&& fn) const {
+  const int member = g.gather_comm->rank();
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    const partition::ParamSlot& slot = g.layout->param(i);
+    const size_t begin = static_cast<size_t>(slot.shard_offset_numel);
+    const size_t end = begin + static_cast<size_t>(std::max<int64_t>(slot.owned_numel(member), 0));
+    const size_t lo = std::max(begin, first), hi = std::min(end, first + numel);
+    if (lo >= hi) continue;
+    fn(g.params[i], slot.owned_begin(member) + static_cast<int64_t>(lo - begin), lo - first, hi - lo);
+  }
+}
+
+void ZeroEngine::read_moments(const MomentSinkFn& sink) {
+  STRATA_CHECK(finalized(), kBadArgument, "read_moments() before finalize()");
+  check_not_prepared("read_moments");
+  finish_update();
+  check_no_backward("read_moments");
+  for (const auto& gp : groups_) {
+    const Group& g = *gp;
+    if (g.frozen) continue;
+    optimizer_->save(static_cast<size_t>(g.shard),
+                     [&](size_t first, size_t numel, const float*, const float* m, const float* v) {
+                       for_each_param_in(g, first, numel, [&](ParamId id, int64_t from, size_t at, size_t count) {
+                         sink(id, from, count, m + at, v + at);
+                       });
+                     });
+  }
+}
+
+void ZeroEngine::write_moments(const MomentFillFn& fill, int64_t step_count) {
+  STRATA_CHECK(finalized(), kBadArgument, "write_moments() before finalize()");
+  STRATA_CHECK(step_count >= 0, kBadArgument, "write_moments: step count {} < 0", step_count);
+  check_not_prepared("write_moments");
+  finish_update();
+  check_no_backward("write_moments");
+  for (const auto& gp : groups_) {
+    const Group& g = *gp;
+    if (g.frozen) continue;
+    // The master weights stay: read first (one pass), then the state is
+    // rewritten whole, as a checkpoint's load does.
+    std::vector<float> master(static_cast<size_t>(g.layout->shard_numel()));
+    optimizer_->save(static_cast<size_t>(g.shard), [&](size_t first, size_t numel, const float* p, const float*,
+                                                       const float*) { std::copy_n(p, numel, master.data() + first); });
+    optimizer_->restore(
+        static_cast<size_t>(g.shard),
+        [&](size_t first, size_t numel, float* p, float* m, float* v) {
+          std::copy_n(master.data() + first, numel, p);
+          std::fill_n(m, numel, 0.0f);
+          std::fill_n(v, numel, 0.0f);
+          for_each_param_in(g, first, numel, [&](ParamId id, int64_t from, size_t at, size_t count) {
+            fill(id, from, count, m + at, v + at);
+          });
+        },
+        step_count);
+  }
+  steps_ = step_count;
 }
 
 void ZeroEngine::load_state(const fs::path& dir) {

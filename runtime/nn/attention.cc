@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "runtime/nn/gqa_attention.h"
+#include "runtime/nn/mla_attention.h"
 
 namespace strata::nn {
 
@@ -39,6 +40,8 @@ AttentionArena attention_arena(const DecoderConfig& config, int tensor_parallel,
   switch (config.attention) {
     case AttentionKind::kGqa:
       return GqaAttention::arena(config, tensor_parallel, batch, seq, dtype);
+    case AttentionKind::kMla:
+      return MlaAttention::arena(config, tensor_parallel, batch, seq, dtype);
   }
   raise(ErrorCategory::kInternal, "attention kind {} has no arena", static_cast<int>(config.attention));
 }
@@ -48,13 +51,15 @@ std::unique_ptr<SelfAttention> make_attention(engine::Engine& engine, std::strin
   switch (config.attention) {
     case AttentionKind::kGqa:
       return std::make_unique<GqaAttention>(engine, std::move(name), config, layer, dtype, lora);
+    case AttentionKind::kMla:
+      return std::make_unique<MlaAttention>(engine, std::move(name), config, layer, dtype, lora);
   }
   raise(ErrorCategory::kInternal, "attention kind {} is not implemented", static_cast<int>(config.attention));
 }
 
 Mlp::Mlp(engine::Engine& engine, std::string name, const DecoderConfig& c, DType dtype,
          MlpTiling tiling, const LoraSpec* lora, int64_t intermediate)
-    : Module(engine, std::move(name)) {
+    : Module(engine, std::move(name)), act_(c.hidden_act) {
   const int64_t width = intermediate > 0 ? intermediate : c.intermediate_size;
   // Tensor parallelism: column-parallel gate and up, row-parallel down, each
   // rank width / tp of the intermediate features.
@@ -85,7 +90,7 @@ Mlp::Mlp(engine::Engine& engine, std::string name, const DecoderConfig& c, DType
 void Mlp::forward(const TensorView& x, const MlpActs& a, const TensorView& y, Phase phase) {
   gate_proj_->forward(as_matrix(x), as_matrix(a.gate), phase, lora_scratch(a.lora));
   up_proj_->forward(as_matrix(x), as_matrix(a.up), phase, lora_scratch(a.lora));
-  ops().swiglu_forward(ctx(), a.gate, a.up, a.act);
+  ops().swiglu_forward(ctx(), a.gate, a.up, a.act, act_);
   down_proj_->forward(as_matrix(a.act), as_matrix(y), phase, lora_scratch(a.lora));  // with tp, this rank's features' share
 }
 
@@ -95,7 +100,7 @@ void Mlp::backward(const TensorView& dy, const TensorView& x, const MlpActs& a, 
   STRATA_CHECK(!tp || !accumulate_dx, kInternal, "{}: with tensor parallelism dx is a partial sum, so it cannot accumulate",
                name_);
   down_proj_->backward(as_matrix(dy), as_matrix(a.act), as_matrix(g.dact), false, lora_scratch(a.lora));
-  ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup);
+  ops().swiglu_backward(ctx(), g.dact, a.gate, a.up, g.dgate, g.dup, act_);
   gate_proj_->backward(as_matrix(g.dgate), as_matrix(x), as_matrix(dx), accumulate_dx, lora_scratch(a.lora));
   up_proj_->backward(as_matrix(g.dup), as_matrix(x), as_matrix(dx), true, lora_scratch(a.lora));  // with tp, a partial sum
 }

@@ -70,6 +70,16 @@ const LoraScratch& lora_scratch(const LoraScratch* lora);
 struct TokenPlaces {
   TensorView positions, segment_start, segment_end;
   bool packed() const { return segment_start.data != nullptr; }
+  // A layer's mask (its window, its scale) over these places: with packed
+  // documents it also keeps each token within its document (rows of `seq`).
+  ops::AttentionMask mask(ops::AttentionMask layer, int64_t seq) const {
+    if (packed()) {
+      layer.segment_start = segment_start.as<int32_t>();
+      layer.segment_end = segment_end.as<int32_t>();
+      layer.seq = seq;
+    }
+    return layer;
+  }
 };
 
 // A decoder layer's self-attention: one of the kinds DecoderConfig::attention
@@ -103,7 +113,8 @@ struct MlpTiling {
   int64_t in_splits = 1, out_splits = 1;
 };
 
-// Saved by Mlp::forward: gate, up and silu(gate) * up, each [rows, intermediate].
+// Saved by Mlp::forward: gate, up and act(gate) * up, each [rows, intermediate]
+// (act: config.hidden_act, silu or Gemma's gelu-tanh).
 struct MlpActs {
   TensorView gate, up, act;
   const LoraScratch* lora = nullptr;  // as AttentionActs::lora
@@ -130,6 +141,7 @@ class Mlp : public Module {
 
  private:
   std::unique_ptr<LinearBase> gate_proj_, up_proj_, down_proj_;
+  ops::GluActivation act_;  // silu (SwiGLU) or gelu-tanh (Gemma's GeGLU)
 };
 
 }  // namespace strata::nn

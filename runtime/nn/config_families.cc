@@ -223,15 +223,10 @@ void Reader::refuse_unread(const std::string& model_type, const std::string& rea
 std::string unsupported_reason(std::string_view model_type) {
   static const std::map<std::string_view, std::string_view> kReasons = {
       {"gemma", "Gemma needs GeGLU with gelu-tanh, (1 + w) RMSNorm and a scaled embedding"},
-      {"gemma2",
-       "Gemma 2 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms after "
-       "attention and MLP, and logit soft-capping"},
       {"gemma3",
-       "Gemma 3 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms, q/k "
-       "norms and alternating local/global layers with two RoPE bases (and a vision tower)"},
-      {"gemma3_text",
-       "Gemma 3 needs GeGLU with gelu-tanh, (1 + w) RMSNorm, a scaled embedding, extra norms, "
-       "q/k norms and alternating local/global layers with two RoPE bases"},
+       "a Gemma 3 checkpoint with its vision tower (Gemma3ForConditionalGeneration); strata fine-tunes "
+       "the text model: give its text_config as a gemma3_text config.json with the language model's "
+       "weights"},
       {"phi3",
        "Phi-3 has fused qkv_proj and gate_up_proj weights and its own RoPE scaling (longrope)"},
       {"phi",
@@ -240,19 +235,6 @@ std::string unsupported_reason(std::string_view model_type) {
        "OLMo 2 normalises after attention and MLP (post-norm) and has q/k norms over all heads"},
       {"olmo", "OLMo has non-parametric LayerNorm"},
       {"deepseek_v2", "DeepSeek-V2 is a mixture of experts with multi-head latent attention"},
-      {"deepseek_v3",
-       "DeepSeek-V3 needs multi-head latent attention (q_a/q_b and kv_a/kv_b projections, a shared "
-       "rope key, v_head_dim apart from the q/k head), YaRN's attention scale, the sigmoid "
-       "group-limited router with e_score_correction_bias, shared experts and dense first layers "
-       "(first_k_dense_replace)"},
-      {"kimi_k2",
-       "Kimi K2 is DeepSeek-V3's architecture (DeepseekV3ForCausalLM): it needs multi-head latent "
-       "attention, YaRN's attention scale, the sigmoid router with e_score_correction_bias, shared "
-       "experts and a dense first layer"},
-      {"glm4_moe",
-       "GLM-4.5 needs the sigmoid group-limited router with e_score_correction_bias, shared experts, "
-       "dense first layers (first_k_dense_replace) and partial rotary embedding "
-       "(partial_rotary_factor 0.5)"},
       {"falcon", "Falcon has LayerNorm, GELU and a parallel attention/MLP block"},
       {"gpt2", "GPT-2 has learned positions, LayerNorm and GELU"},
       {"gpt_neox", "GPT-NeoX has LayerNorm, GELU, partial rotary embedding and a parallel block"},
@@ -284,6 +266,11 @@ constexpr Family kFamilies[] = {
     {"mixtral", "MixtralForCausalLM", 8, std::nullopt, 4096 * 32},
     {"qwen3_moe", "Qwen3MoeForCausalLM", 4, std::nullopt, 32768},
     {"qwen2_moe", "Qwen2MoeForCausalLM", 16, std::nullopt, 32768},
+    {"deepseek_v3", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
+    {"kimi_k2", "DeepseekV3ForCausalLM", std::nullopt, std::nullopt, 4096},
+    {"glm4_moe", "Glm4MoeForCausalLM", 8, std::nullopt, 131072},
+    {"gemma2", "Gemma2ForCausalLM", 4, 256, 8192},
+    {"gemma3_text", "Gemma3ForCausalLM", 4, 256, 131072},
 };
 
 const Family& family_of(Reader& r) {
@@ -328,11 +315,20 @@ double original_context(Reader& r, Reader& p, const DecoderConfig& c) {
   return r.number("original_max_position_embeddings", own);
 }
 
+// partial: as read_rope's (below).
+ops::Rope read_rope_params(Reader& r, const json& params, const std::string& where, const DecoderConfig& c,
+                           double theta, double* partial = nullptr);
+
 // RoPE: transformers 5's rope_parameters, or rope_theta with the older
 // rope_scaling (which wins when both are set; strata refuses the ambiguity).
-ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
+// default_theta: the family's rope_theta when absent. partial: the
+// families with partial rotary embedding (glm4_moe): in, the default
+// partial_rotary_factor; out, the one the config gives (in rope_parameters,
+// or at the top level as older configs write it). Null: the whole head
+// rotates (a factor other than 1.0 is refused).
+ops::Rope read_rope(Reader& r, const DecoderConfig& c, double default_theta = 10000.0, double* partial = nullptr) {
   ops::Rope rope;
-  rope.theta = r.number("rope_theta", 10000.0);
+  rope.theta = r.number("rope_theta", default_theta);
   const bool nested = r.present("rope_parameters"), legacy = r.present("rope_scaling");
   r.read("rope_parameters");
   r.read("rope_scaling");
@@ -345,10 +341,28 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
                        : legacy ? &r.read("rope_scaling")
                                 : nullptr;
   const std::string where = r.where() + (nested ? ": rope_parameters" : ": rope_scaling");
-  if (params != nullptr) {
-    STRATA_CHECK(params->is_object(), kBadArgument, "{} must be an object, got {}", where,
-                         describe_json(*params));
-    Reader p(*params, where);
+  if (params != nullptr) rope = read_rope_params(r, *params, where, c, rope.theta, partial);
+  if (partial != nullptr) {
+    // A top-level factor (older configs) when rope_parameters gives none.
+    const bool nested_factor = params != nullptr && params->contains("partial_rotary_factor");
+    if (!nested_factor && r.present("partial_rotary_factor")) *partial = r.number("partial_rotary_factor", std::nullopt);
+    r.accept("partial_rotary_factor");
+  } else {
+    r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+  }
+  return rope;  // its values are checked by DecoderConfig::validate
+}
+
+// One RoPE parameters object (rope_parameters, rope_scaling, or one layer
+// type's entry of Gemma 3's); theta: rope_theta when the object has none.
+ops::Rope read_rope_params(Reader& r, const json& params, const std::string& where, const DecoderConfig& c,
+                           double theta, double* partial) {
+  ops::Rope rope;
+  rope.theta = theta;
+  {
+    STRATA_CHECK(params.is_object(), kBadArgument, "{} must be an object, got {}", where,
+                         describe_json(params));
+    Reader p(params, where);
     const json& type = p.present("rope_type") ? p.read("rope_type") : p.read("type");
     p.accept("type");
     const std::string name = type.is_null()     ? "default"
@@ -361,7 +375,12 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
         "per dimension)",
         where, describe_json(type));
     rope.theta = p.number("rope_theta", rope.theta);
-    p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+    if (partial != nullptr) {
+      if (p.present("partial_rotary_factor")) *partial = p.number("partial_rotary_factor", std::nullopt);
+      p.accept("partial_rotary_factor");
+    } else {
+      p.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+    }
     if (name == "linear") {
       rope.type = ops::RopeType::kLinear;
       rope.factor = p.number("factor", std::nullopt);
@@ -399,8 +418,7 @@ ops::Rope read_rope(Reader& r, const DecoderConfig& c) {
     }
     p.refuse_unread(c.model_type, "RoPE (rope_type " + name + ")");
   }
-  r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
-  return rope;  // its values are checked by DecoderConfig::validate
+  return rope;
 }
 
 // Mistral: sliding_window on every layer (default 4096 when absent, none when null).
@@ -525,6 +543,206 @@ void read_moe(Reader& r, DecoderConfig& c, bool mixtral) {
                r.where(), describe_json(dense));
 }
 
+// The DeepSeek mixture of experts as DeepseekV3Config and Glm4MoeConfig
+// read it (their defaults differ, `d`): the sigmoid router, shared experts,
+// dense first layers, the MTP modules' count.
+struct SigmoidMoeDefaults {
+  int64_t experts, moe_intermediate, n_group, topk_group;
+  double scaling;
+  int64_t first_k_dense;
+};
+
+void read_sigmoid_moe(Reader& r, DecoderConfig& c, const SigmoidMoeDefaults& d) {
+  // The experts (num_local_experts is DeepseekV3Config's alias of n_routed_experts).
+  const bool routed = r.present("n_routed_experts"), local = r.present("num_local_experts");
+  const int64_t a = r.integer("n_routed_experts", d.experts), b = r.integer("num_local_experts", d.experts);
+  STRATA_CHECK(!(routed && local) || a == b, kBadArgument,
+               "{}: keys 'n_routed_experts' ({}) and 'num_local_experts' ({}) disagree; transformers reads them as one",
+               r.where(), a, b);
+  c.num_experts = local && !routed ? b : a;
+  STRATA_CHECK(c.num_experts > 0, kBadArgument, "{}: key 'n_routed_experts' is {}; strata computes the sparse layers",
+               r.where(), c.num_experts);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", int64_t{8});
+  c.moe_intermediate_size = r.integer("moe_intermediate_size", d.moe_intermediate);
+  const int64_t shared = r.integer("n_shared_experts", int64_t{1});
+  STRATA_CHECK(shared >= 0, kBadArgument, "{}: key 'n_shared_experts' is {}", r.where(), shared);
+  c.shared_expert_intermediate_size = shared * c.moe_intermediate_size;
+  c.sigmoid_router = true;
+  c.n_group = r.integer("n_group", d.n_group);
+  c.topk_group = r.integer("topk_group", d.topk_group);
+  c.routed_scaling_factor = r.number("routed_scaling_factor", d.scaling);
+  c.norm_topk_prob = r.boolean("norm_topk_prob", true);
+  c.first_k_dense_replace = r.integer("first_k_dense_replace", d.first_k_dense);
+  // transformers' DeepseekV3 and Glm4Moe models add no load-balancing loss, whatever output_router_logits says.
+  r.boolean("output_router_logits", false);
+  r.accept("router_aux_loss_coef");
+  const bool nextn = r.present("num_nextn_predict_layers"), mtp = r.present("num_mtp_layers");
+  const int64_t n1 = r.integer("num_nextn_predict_layers", int64_t{1}), n2 = r.integer("num_mtp_layers", int64_t{1});
+  c.mtp_layers = nextn ? n1 : mtp ? n2 : 1;
+}
+
+// DeepSeek-V3 and Kimi K2 (DeepseekV3Config's keys and defaults): multi-head
+// latent attention and the DeepSeek mixture of experts (decoder_config.h).
+// The file's head_dim is not read (DeepseekV3Config sets it to
+// qk_rope_head_dim); scoring_func, topk_method, ep_size, moe_layer_freq of
+// DeepSeek's own config are not DeepseekV3Config's keys (transformers
+// ignores them: refuse_unread lets them pass).
+void read_deepseek(Reader& r, DecoderConfig& c) {
+  c.attention = AttentionKind::kMla;
+  c.q_lora_rank = r.contains("q_lora_rank") ? r.integer("q_lora_rank", int64_t{0}) : 1536;
+  STRATA_CHECK(c.q_lora_rank != 0 || !r.present("q_lora_rank"), kBadArgument,
+               "{}: key 'q_lora_rank' is 0; null means q_proj (no low-rank query)", r.where());
+  c.kv_lora_rank = r.integer("kv_lora_rank", int64_t{512});
+  c.qk_nope_head_dim = r.integer("qk_nope_head_dim", int64_t{128});
+  c.qk_rope_head_dim = r.integer("qk_rope_head_dim", int64_t{64});
+  c.v_head_dim = r.contains("v_head_dim") ? r.integer("v_head_dim", int64_t{128}) : 128;
+  r.accept("head_dim");  // DeepseekV3Config overwrites it with qk_rope_head_dim
+  c.head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  c.rope_interleave = r.boolean("rope_interleave", true);
+  c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  read_sigmoid_moe(r, c, {256, 2048, 8, 4, 2.5, 3});
+  r.require("sliding_window", json(nullptr), "transformers' DeepseekV3ForCausalLM attends fully in every layer");
+  // RoPE rotates the last qk_rope_head_dim dims of each q/k head (read_rope read the frequencies).
+  c.rope.rotary_offset = c.qk_nope_head_dim;
+  c.rope.rotary_dim = c.qk_rope_head_dim;
+  c.rope.interleaved = c.rope_interleave;
+}
+
+// GLM-4.5 (Glm4MoeConfig's keys and defaults): grouped-query attention with
+// q/k/v biases (attention_bias; o_proj never has one), optional per-head q/k
+// norms (use_qk_norm), rotate_half RoPE on the first partial_rotary_factor
+// of each head (default 0.5), and the DeepSeek mixture of experts.
+void read_glm4_moe(Reader& r, DecoderConfig& c, double partial) {
+  c.attention_qkv_bias = r.boolean("attention_bias", false);
+  c.qk_norm = r.boolean("use_qk_norm", false);
+  read_sigmoid_moe(r, c, {128, 1408, 1, 1, 1.0, 1});
+  r.require("sliding_window", json(nullptr), "transformers' Glm4MoeForCausalLM attends fully in every layer");
+  const double rotary = static_cast<double>(c.head_dim) * partial;
+  STRATA_CHECK(partial > 0 && partial <= 1 && std::floor(rotary) == rotary && static_cast<int64_t>(rotary) % 2 == 0,
+               kBadArgument,
+               "{}: key 'partial_rotary_factor' is {}: head_dim {} x it must be an even number of dims (transformers "
+               "takes int(head_dim x factor))",
+               r.where(), partial, c.head_dim);
+  c.rope.rotary_dim = static_cast<int64_t>(rotary);
+}
+
+// Gemma 3's RoPE: one per layer type. transformers 5 writes rope_parameters
+// {"full_attention": {...}, "sliding_attention": {...}}; older configs give
+// rope_theta (default 1e6) and rope_scaling for the full layers and
+// rope_local_base_freq (default 1e4) for the sliding ones
+// (Gemma3TextConfig.convert_rope_params_to_dict: the top-level keys fill in
+// a theta the per-type entry lacks, rope_scaling updates the full layers').
+void read_gemma3_rope(Reader& r, DecoderConfig& c) {
+  const double full_theta = r.number("rope_theta", 1000000.0);
+  const double local_theta = r.number("rope_local_base_freq", 10000.0);
+  const json& nested = r.read("rope_parameters");
+  if (nested.is_null()) {
+    c.rope = read_rope(r, c, 1000000.0);  // rope_theta and rope_scaling
+    c.sliding_rope = ops::Rope{};
+    c.sliding_rope->theta = local_theta;
+    return;
+  }
+  STRATA_CHECK(nested.is_object() && (nested.contains("full_attention") || nested.contains("sliding_attention")),
+               kBadArgument,
+               "{}: key 'rope_parameters' is {}; Gemma 3 takes one entry per layer type (\"full_attention\", "
+               "\"sliding_attention\")",
+               r.where(), describe_json(nested));
+  STRATA_CHECK(!r.present("rope_scaling"), kBadArgument,
+               "{}: both 'rope_parameters' and 'rope_scaling' are set; give one", r.where());
+  r.accept("rope_scaling");
+  for (auto it = nested.begin(); it != nested.end(); ++it) {
+    STRATA_CHECK(it.key() == "full_attention" || it.key() == "sliding_attention", kBadArgument,
+                 "{}: rope_parameters has an entry for '{}'; Gemma 3's layers are full_attention and "
+                 "sliding_attention",
+                 r.where(), key_text(it.key()));
+  }
+  const auto entry = [&](const char* type, double theta) {
+    const json& e = nested.contains(type) && !nested[type].is_null() ? nested[type] : json::object();
+    return read_rope_params(r, e, r.where() + ": rope_parameters." + type, c, theta);
+  };
+  c.rope = entry("full_attention", full_theta);
+  c.sliding_rope = entry("sliding_attention", local_theta);
+  r.require("partial_rotary_factor", 1.0, "strata rotates the whole head (1.0)");
+}
+
+// A soft cap: its value, 0 for null (none), the family's default when absent.
+double read_softcap(Reader& r, const char* key, double fallback) {
+  if (r.contains(key) && !r.present(key)) {
+    r.accept(key);
+    return 0;
+  }
+  const double cap = r.number(key, fallback);
+  STRATA_CHECK(cap > 0 || (!r.present(key) && cap == 0), kBadArgument,
+               "{}: key '{}' is {}; a soft cap is positive (null: none)", r.where(), key, cap);
+  return cap;
+}
+
+// Gemma 2 and Gemma 3 (gemma2, gemma3_text): everything their configuration
+// classes and modeling code read besides the shared sizes, with their defaults.
+void read_gemma(Reader& r, DecoderConfig& c) {
+  const bool gemma3 = c.model_type == "gemma3_text";
+  const json& act = r.read("hidden_activation");
+  STRATA_CHECK(act.is_null() || act == "gelu_pytorch_tanh", kBadArgument,
+               "{}: key 'hidden_activation' is {}; strata computes Gemma's GeGLU with gelu's tanh approximation "
+               "(\"gelu_pytorch_tanh\")",
+               r.where(), describe_json(act));
+  c.hidden_act = ops::GluActivation::kGeluTanh;
+  c.norm_weight_offset = 1;
+  c.scale_embedding = true;
+  c.sandwich_norms = true;
+  c.qk_norm = gemma3;
+  c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", false);
+  c.query_pre_attn_scalar = r.number("query_pre_attn_scalar", 256.0);
+  STRATA_CHECK(c.query_pre_attn_scalar > 0, kBadArgument,
+               "{}: key 'query_pre_attn_scalar' is {}; the scores are scaled by its inverse square root",
+               r.where(), c.query_pre_attn_scalar);
+  c.final_logit_softcapping = read_softcap(r, "final_logit_softcapping", gemma3 ? 0.0 : 30.0);
+  if (gemma3) {
+    // transformers' Gemma3Attention never passes attn_logit_softcapping to
+    // its attention: whatever its value, the scores are not capped.
+    r.accept("attn_logit_softcapping");
+  } else {
+    c.attn_logit_softcapping = read_softcap(r, "attn_logit_softcapping", 50.0);
+  }
+  r.require("use_bidirectional_attention", json(false),
+            "strata trains causal language models (Gemma's bidirectional attention is for embeddings)");
+  if (gemma3) {
+    read_gemma3_rope(r, c);
+  } else {
+    c.rope = read_rope(r, c);
+  }
+  // The window and which layers slide: layer_types, else every other layer
+  // (Gemma 2) or all but every sliding_window_pattern-th (Gemma 3, default 6).
+  const int64_t window = r.contains("sliding_window") ? r.integer("sliding_window", int64_t{0}) : 4096;
+  r.accept("sliding_window");
+  const int64_t pattern = gemma3 ? r.integer("sliding_window_pattern", int64_t{6}) : 2;
+  STRATA_CHECK(pattern > 0, kBadArgument, "{}: key 'sliding_window_pattern' is {}; it must be positive", r.where(),
+               pattern);
+  std::vector<bool> sliding;
+  const json& types = r.read("layer_types");
+  if (!types.is_null()) {
+    STRATA_CHECK(types.is_array() && static_cast<int64_t>(types.size()) == c.num_hidden_layers, kBadArgument,
+                 "{}: key 'layer_types' must list one type per layer ({}), got {}", r.where(), c.num_hidden_layers,
+                 describe_json(types));
+    for (const json& t : types) {
+      STRATA_CHECK(t == "full_attention" || t == "sliding_attention", kBadArgument,
+                   "{}: layer_types holds {}; strata computes \"full_attention\" and \"sliding_attention\"",
+                   r.where(), describe_json(t));
+      sliding.push_back(t == "sliding_attention");
+    }
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) sliding.push_back((l + 1) % pattern != 0);
+  }
+  bool any = false;
+  for (bool s : sliding) any = any || s;
+  if (!any) return;
+  STRATA_CHECK(window > 0, kBadArgument,
+               "{}: layer_types has sliding_attention layers but sliding_window is {} (give the window)", r.where(),
+               window);
+  c.sliding_window = window;
+  c.sliding_layers = std::move(sliding);
+}
+
 }  // namespace
 
 DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
@@ -538,7 +756,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   const std::string mt = c.model_type;
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
              qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe",
-             qwen2_moe = mt == "qwen2_moe";
+             qwen2_moe = mt == "qwen2_moe", deepseek = mt == "deepseek_v3" || mt == "kimi_k2",
+             glm = mt == "glm4_moe", gemma = mt == "gemma2" || mt == "gemma3_text";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -556,12 +775,19 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
     c.head_dim = derived_head_dim;  // Mistral: "head_dim or hidden // heads"
   c.max_position_embeddings = r.integer("max_position_embeddings", family.max_positions_default);
   c.rms_norm_eps = r.number("rms_norm_eps", 1e-6);
-  c.tie_word_embeddings = r.boolean("tie_word_embeddings", false);
-  c.pad_token_id = r.integer("pad_token_id", int64_t{-1});
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", gemma);  // Gemma's configuration classes tie
+  c.pad_token_id = r.integer("pad_token_id", gemma ? int64_t{0} : int64_t{-1});
   STRATA_CHECK(c.pad_token_id >= -1, kBadArgument,
                        "{}: key 'pad_token_id' is {}; expected a token id or null", source,
                        c.pad_token_id);
-  c.rope = read_rope(r, c);
+  double partial = 0.5;  // Glm4MoeConfig's default partial_rotary_factor
+  if (gemma) {
+    read_gemma(r, c);
+  } else {
+    c.rope = read_rope(r, c, 10000.0, glm ? &partial : nullptr);
+  }
+  if (deepseek) read_deepseek(r, c);
+  if (glm) read_glm4_moe(r, c, partial);
   // Mistral's and Mixtral's attention has no biases and Qwen2's always q/k/v
   // (never o) biases: their configuration classes take no attention_bias or
   // mlp_bias, so transformers ignores those keys (refuse_unread lets them
@@ -574,10 +800,10 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen2_moe) {
     // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
     c.attention_qkv_bias = r.boolean("qkv_bias", true);
-  } else {
+  } else if (!deepseek && !glm && !gemma) {  // read_deepseek, read_glm4_moe, read_gemma read theirs
     c.attention_qkv_bias = qwen2;
   }
-  c.qk_norm = qwen3 || qwen3_moe;
+  c.qk_norm = c.qk_norm || qwen3 || qwen3_moe;  // glm4_moe: use_qk_norm (read_glm4_moe); gemma3: read_gemma
   if (mixtral || qwen3_moe || qwen2_moe) read_moe(r, c, mixtral);
   if (mistral) {
     read_mistral_window(r, c);
@@ -592,6 +818,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                    source, c.sliding_window);
     }
     r.accept("sliding_window");
+  } else if (deepseek || glm || gemma) {
+    // read_deepseek, read_glm4_moe, read_gemma
   } else if (qwen3_moe) {
     r.require("use_sliding_window", json(false),
               "strata does not apply qwen3_moe's sliding window (every layer attends fully)");

@@ -20,7 +20,38 @@ ops::AttentionMask DecoderConfig::attention_mask(int64_t layer) const {
       sliding_window > 0 && (sliding_layers.empty() ||
                              (layer >= 0 && static_cast<size_t>(layer) < sliding_layers.size() &&
                               sliding_layers[static_cast<size_t>(layer)]));
-  return ops::AttentionMask{windowed ? sliding_window : 0};
+  ops::AttentionMask mask{windowed ? sliding_window : 0};
+  if (attention == AttentionKind::kMla) mask.scale = attention_scale();
+  if (query_pre_attn_scalar > 0) mask.scale = static_cast<float>(1.0 / std::sqrt(query_pre_attn_scalar));
+  mask.softcap = static_cast<float>(attn_logit_softcapping);
+  return mask;
+}
+
+ops::MoeRouter DecoderConfig::router() const {
+  ops::MoeRouter r;
+  r.renormalize = norm_topk_prob;
+  if (sigmoid_router) {
+    r.scores = ops::MoeScores::kSigmoid;
+    r.groups = n_group;
+    r.topk_groups = topk_group;
+    r.scaling = static_cast<float>(routed_scaling_factor);
+  }
+  return r;
+}
+
+double DecoderConfig::attention_scale() const {
+  double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  // transformers' yarn_apply_mscale (DeepseekV3Attention): a rope_type other
+  // than default with a nonzero mscale_all_dim (only yarn takes that key here).
+  if (attention == AttentionKind::kMla && rope.type == ops::RopeType::kYarn && rope.mscale_all_dim != 0) {
+    const double m = ops::yarn_mscale(rope.factor, rope.mscale_all_dim);
+    scale *= m * m;
+  }
+  return scale;
+}
+
+const ops::Rope& DecoderConfig::rope_of(int64_t layer) const {
+  return sliding_rope.has_value() && attention_mask(layer).window > 0 ? *sliding_rope : rope;
 }
 
 void DecoderConfig::validate() const {
@@ -77,11 +108,59 @@ void DecoderConfig::validate() const {
   const bool llama = model_type == "llama", mistral = model_type == "mistral",
              qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
              mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe",
-             qwen2_moe = model_type == "qwen2_moe";
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe, kBadArgument,
+             qwen2_moe = model_type == "qwen2_moe", gemma3 = model_type == "gemma3_text",
+             deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2", glm = model_type == "glm4_moe";
+  STRATA_CHECK((attention == AttentionKind::kMla) == deepseek, kBadArgument,
+               "model_type {} {} multi-head latent attention", model_type, deepseek ? "has" : "has no");
+  STRATA_CHECK(sigmoid_router == (deepseek || glm) && (first_k_dense_replace == 0 || deepseek || glm), kBadArgument,
+               "model_type {} {} the sigmoid router with dense first layers", model_type,
+               deepseek || glm ? "has" : "has no");
+  STRATA_CHECK((rope.rotary_dim == 0 && rope.rotary_offset == 0 && !rope.interleaved) || deepseek || glm,
+               kBadArgument, "model_type {} rotates the whole head", model_type);
+  if (glm) {
+    STRATA_CHECK(!attention_o_bias, kBadArgument, "model_type glm4_moe has no o_proj bias");
+    STRATA_CHECK(rope.rotary_offset == 0 && !rope.interleaved && rope.rotary_dim > 0 && rope.rotary_dim <= head_dim &&
+                     rope.rotary_dim % 2 == 0,
+                 kBadArgument, "model_type glm4_moe rotates an even part of the head from its start (got {} of {})",
+                 rope.rotary_dim, head_dim);
+  }
+  if (deepseek || glm) {
+    STRATA_CHECK(n_group >= 1 && topk_group >= 1 && topk_group <= n_group && num_experts % n_group == 0,
+                 kBadArgument,
+                 "keys 'n_group' ({}) and 'topk_group' ({}): 1 <= topk_group <= n_group, and n_group divides the "
+                 "{} experts",
+                 n_group, topk_group, num_experts);
+    STRATA_CHECK(topk_group * (num_experts / n_group) >= num_experts_per_tok, kBadArgument,
+                 "keys 'topk_group' ({}) groups of {} experts hold fewer than num_experts_per_tok ({})", topk_group,
+                 num_experts / n_group, num_experts_per_tok);
+    STRATA_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0, kBadArgument,
+                 "key 'routed_scaling_factor' must be positive, got {}", routed_scaling_factor);
+    STRATA_CHECK(first_k_dense_replace >= 0, kBadArgument, "key 'first_k_dense_replace' must be >= 0, got {}",
+                 first_k_dense_replace);
+    STRATA_CHECK(mtp_layers >= 0, kBadArgument, "key 'num_nextn_predict_layers' must be >= 0, got {}", mtp_layers);
+  }
+  if (deepseek) {
+    positive("kv_lora_rank", kv_lora_rank);
+    positive("qk_nope_head_dim", qk_nope_head_dim);
+    positive("qk_rope_head_dim", qk_rope_head_dim);
+    positive("v_head_dim", v_head_dim);
+    STRATA_CHECK(q_lora_rank >= 0, kBadArgument, "key 'q_lora_rank' must be positive or null, got {}", q_lora_rank);
+    STRATA_CHECK(head_dim == qk_nope_head_dim + qk_rope_head_dim, kBadArgument,
+                 "the q/k head ({}) must be qk_nope_head_dim + qk_rope_head_dim ({} + {})", head_dim,
+                 qk_nope_head_dim, qk_rope_head_dim);
+    STRATA_CHECK(v_head_dim <= head_dim, kBadArgument,
+                 "key 'v_head_dim' ({}) wider than the q/k head ({}) is not implemented", v_head_dim, head_dim);
+    STRATA_CHECK(qk_rope_head_dim % 2 == 0, kBadArgument, "key 'qk_rope_head_dim' ({}) must be even", qk_rope_head_dim);
+    STRATA_CHECK(num_key_value_heads == num_attention_heads, kBadArgument,
+                 "multi-head latent attention expands the latent into every head: num_key_value_heads ({}) must "
+                 "equal num_attention_heads ({})",
+                 num_key_value_heads, num_attention_heads);
+  }
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm || gemma(),
+               kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
-  STRATA_CHECK(!(llama || qwen3 || qwen3_moe) || attention_qkv_bias == attention_o_bias, kBadArgument,
+  STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek || gemma()) || attention_qkv_bias == attention_o_bias, kBadArgument,
                        "model_type {}: attention_bias gives q/k/v and o_proj biases together",
                        model_type);
   STRATA_CHECK(!(mistral || mixtral) || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
@@ -92,12 +171,28 @@ void DecoderConfig::validate() const {
                "model_type qwen2_moe has no o_proj bias (qkv_bias switches the q/k/v biases)");
   STRATA_CHECK(!mlp_bias || llama, kBadArgument, "model_type {} has no MLP biases (mlp_bias is llama's)",
                        model_type);
-  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe), kBadArgument, "model_type {} {} per-head q/k norms",
-                       model_type, qwen3 || qwen3_moe ? "has" : "has no");
-  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe), kBadArgument,
+  STRATA_CHECK(qk_norm == (qwen3 || qwen3_moe || gemma3) || glm, kBadArgument, "model_type {} {} per-head q/k norms",
+                       model_type, qwen3 || qwen3_moe || gemma3 ? "has" : "has no");
+  // Gemma's pieces come together, and only with Gemma.
+  const bool gemma_pieces = hidden_act == ops::GluActivation::kGeluTanh && norm_weight_offset == 1 &&
+                            scale_embedding && sandwich_norms;
+  const bool llama_pieces = hidden_act == ops::GluActivation::kSilu && norm_weight_offset == 0 && !scale_embedding &&
+                            !sandwich_norms && query_pre_attn_scalar == 0 && attn_logit_softcapping == 0 &&
+                            final_logit_softcapping == 0 && !sliding_rope.has_value();
+  STRATA_CHECK(gemma() ? gemma_pieces : llama_pieces, kBadArgument,
+               "model_type {} {} GeGLU, (1 + w) norms, a scaled embedding and sandwich norms", model_type,
+               gemma() ? "needs" : "has no");
+  STRATA_CHECK(query_pre_attn_scalar >= 0 && attn_logit_softcapping >= 0 && final_logit_softcapping >= 0,
+               kBadArgument,
+               "keys 'query_pre_attn_scalar' ({}), 'attn_logit_softcapping' ({}) and 'final_logit_softcapping' ({}) "
+               "must be positive (or null: none)",
+               query_pre_attn_scalar, attn_logit_softcapping, final_logit_softcapping);
+  STRATA_CHECK(!sliding_rope.has_value() || sliding_rope->theta > 0, kBadArgument,
+               "the sliding layers' rope_theta must be positive, got {}", sliding_rope ? sliding_rope->theta : 0.0);
+  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek || glm), kBadArgument,
                "model_type {} {} a mixture of experts (num_experts {})", model_type,
-               mixtral || qwen3_moe || qwen2_moe ? "is" : "is not", num_experts);
-  STRATA_CHECK(shared_expert() == qwen2_moe && shared_expert_intermediate_size >= 0, kBadArgument,
+               mixtral || qwen3_moe || qwen2_moe || deepseek || glm ? "is" : "is not", num_experts);
+  STRATA_CHECK((shared_expert() == qwen2_moe || deepseek || glm) && shared_expert_intermediate_size >= 0, kBadArgument,
                "model_type {} {} a shared expert (shared_expert_intermediate_size {})", model_type,
                qwen2_moe ? "has" : "has no", shared_expert_intermediate_size);
   if (moe()) {
@@ -113,13 +208,19 @@ void DecoderConfig::validate() const {
   STRATA_CHECK(sliding_window == 0 || !(llama || qwen3_moe), kBadArgument,
                "model_type {} has no sliding window here", model_type);
   STRATA_CHECK(
-      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe, kBadArgument,
+      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe || gemma(), kBadArgument,
       "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
   // bounding those two, estimated in double, keeps all of them exact.
   // Every operand is a double before the first product: int64 arithmetic
   // here could overflow on exactly the sizes this check exists to refuse.
+  const double mla = attention == AttentionKind::kMla
+                         ? static_cast<double>(hidden_size) * static_cast<double>(q_lora_rank + kv_lora_rank) +
+                               static_cast<double>(num_attention_heads) *
+                                   static_cast<double>(head_dim + v_head_dim) *
+                                   static_cast<double>(q_lora_rank + kv_lora_rank + hidden_size)
+                         : 0.0;
   const double h = static_cast<double>(hidden_size), d = static_cast<double>(head_dim),
                q = static_cast<double>(num_attention_heads) * d,
                kv = static_cast<double>(num_key_value_heads) * d,
@@ -129,7 +230,8 @@ void DecoderConfig::validate() const {
   // The shared expert's three projections and its gate.
   const double shared = shared_expert() ? 3 * h * static_cast<double>(shared_expert_intermediate_size) + h : 0.0;
   const double layer =
-      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 4 * h + 2 * d + router + shared;
+      2 * h * q + 2 * h * kv + 3 * h * ff + 2 * ff + q + 2 * kv + 6 * h + 2 * d + router + shared + mla +
+      3 * h * static_cast<double>(intermediate_size);
   const double parameters =
       static_cast<double>(vocab_size) * h * 2 + static_cast<double>(num_hidden_layers) * layer + h;
   constexpr double kMaxCount = 0x1p62;
@@ -160,18 +262,46 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       add(p + name + ".weight", {out_features, in});
       if (bias) add(p + name + ".bias", {out_features});
     };
-    linear("self_attn.q_proj", h, q, c.attention_qkv_bias);
-    linear("self_attn.k_proj", h, kv, c.attention_qkv_bias);
-    linear("self_attn.v_proj", h, kv, c.attention_qkv_bias);
-    linear("self_attn.o_proj", q, h, c.attention_o_bias);
+    if (c.attention == AttentionKind::kMla) {
+      // MlaAttention's order: q (low-rank or whole), the kv latent and rope key, kv_b, o.
+      const int64_t heads = c.num_attention_heads;
+      if (c.q_lora_rank > 0) {
+        linear("self_attn.q_a_proj", h, c.q_lora_rank, c.attention_qkv_bias);
+        add(p + "self_attn.q_a_layernorm.weight", {c.q_lora_rank});
+        linear("self_attn.q_b_proj", c.q_lora_rank, q, false);
+      } else {
+        linear("self_attn.q_proj", h, q, false);
+      }
+      linear("self_attn.kv_a_proj_with_mqa", h, c.kv_lora_rank + c.qk_rope_head_dim, c.attention_qkv_bias);
+      add(p + "self_attn.kv_a_layernorm.weight", {c.kv_lora_rank});
+      linear("self_attn.kv_b_proj", c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), false);
+      linear("self_attn.o_proj", heads * c.v_head_dim, h, c.attention_o_bias);
+    } else {
+      linear("self_attn.q_proj", h, q, c.attention_qkv_bias);
+      linear("self_attn.k_proj", h, kv, c.attention_qkv_bias);
+      linear("self_attn.v_proj", h, kv, c.attention_qkv_bias);
+      linear("self_attn.o_proj", q, h, c.attention_o_bias);
+    }
     if (c.qk_norm) {
       add(p + "self_attn.q_norm.weight", {c.head_dim});
       add(p + "self_attn.k_norm.weight", {c.head_dim});
     }
     add(p + "post_attention_layernorm.weight", {h});
-    if (c.moe()) {
+    if (c.sandwich_norms) {
+      // Gemma: post_attention_layernorm normalises the attention's output;
+      // the MLP's input norm and output norm follow (DecoderLayer's order).
+      add(p + "pre_feedforward_layernorm.weight", {h});
+      linear("mlp.gate_proj", h, inter, c.mlp_bias);
+      linear("mlp.up_proj", h, inter, c.mlp_bias);
+      linear("mlp.down_proj", inter, h, c.mlp_bias);
+      add(p + "post_feedforward_layernorm.weight", {h});
+      continue;
+    }
+    if (c.layer_moe(l)) {
       // The router, then each expert's gate, up and down projections (MoeMlp's order).
       const MoeNames n = moe_names(c);
+      // The sigmoid router's correction bias (a buffer: fp32, never trained; MoeMlp's own, so first).
+      if (c.sigmoid_router) add(p + n.block + ".gate.e_score_correction_bias", {c.num_experts});
       add(p + n.block + ".gate.weight", {c.num_experts, h});
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string x = fmt::format("{}{}.experts.{}.", p, n.block, e);
@@ -182,11 +312,11 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       if (c.shared_expert()) {
         // qwen2_moe: the shared expert (a plain MLP), then its gate (Qwen2MoeSparseMoeBlock's order).
         const int64_t s = c.shared_expert_intermediate_size;
-        const std::string x = p + n.block + ".shared_expert.";
+        const std::string x = p + n.block + "." + n.shared + ".";
         add(x + "gate_proj.weight", {s, h});
         add(x + "up_proj.weight", {s, h});
         add(x + "down_proj.weight", {h, s});
-        add(p + n.block + ".shared_expert_gate.weight", {1, h});
+        if (c.shared_expert_gated()) add(p + n.block + ".shared_expert_gate.weight", {1, h});
       }
       continue;
     }
@@ -201,12 +331,30 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
 
 MoeNames moe_names(const DecoderConfig& c) {
   if (c.model_type == "mixtral") return {"block_sparse_moe", "w1", "w3", "w2"};
+  if (c.sigmoid_router) return {"mlp", "gate_proj", "up_proj", "down_proj", "shared_experts"};
   return {"mlp", "gate_proj", "up_proj", "down_proj"};
+}
+
+bool is_buffer_tensor(const std::string& name) { return name.ends_with(".e_score_correction_bias"); }
+
+bool is_mtp_tensor(const DecoderConfig& config, const std::string& name) {
+  for (int64_t i = 0; i < config.mtp_layers; ++i) {
+    if (name.starts_with(fmt::format("model.layers.{}.", config.num_hidden_layers + i))) return true;
+  }
+  return false;
+}
+
+DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype) {
+  // DeepseekV3's and Glm4Moe's _keep_in_fp32_modules_strict: "e_score_correction_bias", "gate.weight".
+  const bool router = config.sigmoid_router && (is_buffer_tensor(name) || name.ends_with(".mlp.gate.weight"));
+  return router ? DType::kF32 : dtype;
 }
 
 int64_t DecoderConfig::parameter_count() const {
   int64_t n = 0;
-  for (const HfTensor& t : hf_tensors(*this)) n += shape_numel(t.shape);
+  for (const HfTensor& t : hf_tensors(*this)) {
+    if (!is_buffer_tensor(t.name)) n += shape_numel(t.shape);
+  }
   return n;
 }
 
@@ -219,6 +367,10 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "mixtral") return "MixtralForCausalLM";
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
+  if (model_type == "deepseek_v3" || model_type == "kimi_k2") return "DeepseekV3ForCausalLM";
+  if (model_type == "glm4_moe") return "Glm4MoeForCausalLM";
+  if (model_type == "gemma2") return "Gemma2ForCausalLM";
+  if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -256,14 +408,19 @@ nlohmann::json DecoderConfig::to_json() const {
   nlohmann::json j = source.is_object() ? source : nlohmann::json::object();
   j["model_type"] = model_type;
   if (!j.contains("architectures")) j["architectures"] = {architecture_of(model_type)};
-  j["hidden_act"] = "silu";
+  if (gemma()) {
+    j["hidden_activation"] = "gelu_pytorch_tanh";
+  } else {
+    j["hidden_act"] = "silu";
+  }
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
   j["intermediate_size"] = intermediate_size;
   j["num_hidden_layers"] = num_hidden_layers;
   j["num_attention_heads"] = num_attention_heads;
   j["num_key_value_heads"] = num_key_value_heads;
-  j["head_dim"] = head_dim;
+  // DeepseekV3Config's head_dim is the rope part (its __post_init__ sets it so).
+  j["head_dim"] = attention == AttentionKind::kMla ? qk_rope_head_dim : head_dim;
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = rms_norm_eps;
   j["tie_word_embeddings"] = tie_word_embeddings;
@@ -274,14 +431,49 @@ nlohmann::json DecoderConfig::to_json() const {
   }
   // RoPE in the source's style: transformers 5 nests it in rope_parameters,
   // older releases read rope_theta and rope_scaling (and newer ones still do).
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+  if (sliding_rope.has_value()) {
+    // Gemma 3: one RoPE per layer type (transformers 5's form).
+    j["rope_parameters"] = {{"full_attention", rope_json(rope, true)},
+                            {"sliding_attention", rope_json(*sliding_rope, true)}};
+    j.erase("rope_theta");
+    j.erase("rope_scaling");
+    j.erase("rope_local_base_freq");
+  } else if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
     j["rope_parameters"] = rope_json(rope, true);
+    // glm4_moe's partial rotary embedding (transformers 5 keeps it in rope_parameters).
+    if (model_type == "glm4_moe") {
+      j["rope_parameters"]["partial_rotary_factor"] =
+          static_cast<double>(rope.rotary_dim) / static_cast<double>(head_dim);
+      j.erase("partial_rotary_factor");
+    }
     j.erase("rope_theta");
     j.erase("rope_scaling");
   } else {
+    if (model_type == "glm4_moe") {
+      j["partial_rotary_factor"] = static_cast<double>(rope.rotary_dim) / static_cast<double>(head_dim);
+    }
     j["rope_theta"] = rope.theta;
     j["rope_scaling"] =
         rope.type == ops::RopeType::kDefault ? nlohmann::json(nullptr) : rope_json(rope, false);
+  }
+  if (gemma()) {
+    j["attention_bias"] = attention_qkv_bias;
+    // An int in transformers' Gemma configs (a float there is refused by its strict config class).
+    const double qpas = query_pre_attn_scalar;
+    j["query_pre_attn_scalar"] =
+        qpas == std::floor(qpas) ? nlohmann::json(static_cast<int64_t>(qpas)) : nlohmann::json(qpas);
+    if (model_type == "gemma2") {
+      j["attn_logit_softcapping"] = attn_logit_softcapping > 0 ? nlohmann::json(attn_logit_softcapping) : nlohmann::json(nullptr);
+    }
+    j["final_logit_softcapping"] =
+        final_logit_softcapping > 0 ? nlohmann::json(final_logit_softcapping) : nlohmann::json(nullptr);
+    j["sliding_window"] = sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
+    nlohmann::json types = nlohmann::json::array();
+    for (int64_t l = 0; l < num_hidden_layers; ++l) {
+      types.push_back(!sliding_layers.empty() && sliding_layers[static_cast<size_t>(l)] ? "sliding_attention"
+                                                                                         : "full_attention");
+    }
+    j["layer_types"] = types;  // wins over sliding_window_pattern in transformers
   }
   if (model_type == "llama") {
     j["attention_bias"] = attention_qkv_bias;
@@ -290,7 +482,29 @@ nlohmann::json DecoderConfig::to_json() const {
     j["attention_bias"] = attention_qkv_bias;
   }
   if (model_type == "qwen2_moe") j["qkv_bias"] = attention_qkv_bias;
-  if (moe()) {
+  if (sigmoid_router) {
+    // DeepseekV3Config's and Glm4MoeConfig's names (n_routed_experts is the expert count).
+    j["attention_bias"] = attention_qkv_bias;
+    if (attention == AttentionKind::kMla) {
+      j["q_lora_rank"] = q_lora_rank > 0 ? nlohmann::json(q_lora_rank) : nlohmann::json(nullptr);
+      j["kv_lora_rank"] = kv_lora_rank;
+      j["qk_nope_head_dim"] = qk_nope_head_dim;
+      j["qk_rope_head_dim"] = qk_rope_head_dim;
+      j["v_head_dim"] = v_head_dim;
+      j["rope_interleave"] = rope_interleave;
+    } else {
+      j["use_qk_norm"] = qk_norm;
+    }
+    j["n_routed_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["n_shared_experts"] = moe_intermediate_size > 0 ? shared_expert_intermediate_size / moe_intermediate_size : 0;
+    j["n_group"] = n_group;
+    j["topk_group"] = topk_group;
+    j["routed_scaling_factor"] = routed_scaling_factor;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["first_k_dense_replace"] = first_k_dense_replace;
+  } else if (moe()) {
     // The expert count under the source's key (save_pretrained writes
     // num_local_experts for mixtral and qwen3_moe; Qwen2MoeConfig knows num_experts only).
     const bool plain = j.contains("num_experts") || model_type == "qwen2_moe";
@@ -339,7 +553,8 @@ const char* supported_model_types() {
          "(Mistral 7B, "
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
-         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)";
+         "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2), glm4_moe (GLM-4.5, "
+         "GLM-4.5-Air), gemma2 (Gemma 2) and gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3)";
 }
 
 DecoderConfig load_decoder_config(const std::string& path) {
@@ -367,6 +582,8 @@ void save_decoder_config(const DecoderConfig& config, const std::string& path) {
 DecoderConfig tensor_parallel_share(const DecoderConfig& c, int tp) {
   STRATA_CHECK(tp >= 1, kBadArgument, "tensor parallelism must be at least 1, got {}", tp);
   if (tp == 1) return c;
+  STRATA_CHECK(c.attention != AttentionKind::kMla, kBadArgument,
+               "model_type {}: tensor parallelism is not implemented for multi-head latent attention yet", c.model_type);
   STRATA_CHECK(!c.moe(), kBadArgument,
                "model_type {}: tensor parallelism is not implemented for mixture-of-experts layers yet (use "
                "expert parallelism: moe.expert_parallel_size)",

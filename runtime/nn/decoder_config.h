@@ -12,6 +12,23 @@
 //   mixtral     -                     -         default, linear, llama3   sliding_window (all layers)
 //   qwen3_moe   attention_bias (all)  per head  default, linear, llama3   - (use_sliding_window false)
 //   qwen2_moe   qkv_bias: q, k, v     -         default, linear, llama3   use_sliding_window + layer_types
+//   gemma2      attention_bias (all)  -         default, linear, llama3   layer_types (default: even layers)
+//   gemma3_text attention_bias (all)  per head  two: full and sliding     layer_types or sliding_window_pattern
+//
+// Gemma 2 and 3 (gemma2, gemma3_text: transformers' Gemma2ForCausalLM and
+// Gemma3ForCausalLM) change more than the variants above: GeGLU with gelu's
+// tanh approximation (hidden_activation gelu_pytorch_tanh), RMSNorm times
+// (1 + w) computed in fp32 (norm_weight_offset 1: every norm, q/k norms
+// included), the embedding times sqrt(hidden_size) rounded to the model's
+// dtype, "sandwich" norms (post_attention_layernorm on the attention's output
+// and post_feedforward_layernorm on the MLP's, before each residual add; the
+// MLP's input norm is pre_feedforward_layernorm), the attention scores scaled
+// by query_pre_attn_scalar^-1/2 instead of head_dim^-1/2. Gemma 2 soft-caps
+// the attention scores (attn_logit_softcapping) and the logits
+// (final_logit_softcapping: c * tanh(x / c)); Gemma 3 has q/k norms and its
+// sliding layers their own RoPE (rope_parameters.sliding_attention, or the
+// older rope_local_base_freq), and transformers' Gemma3 ignores
+// attn_logit_softcapping. Both default to tied embeddings and pad_token_id 0.
 //
 // mixtral, qwen3_moe and qwen2_moe are mixtures of experts: every layer's MLP
 // is num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
@@ -60,6 +77,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -72,11 +90,12 @@ namespace strata::nn {
 // The self-attention a decoder layer computes (runtime/nn/attention.h, one
 // SelfAttention kind each). kGqa: grouped-query attention, RoPE on the whole
 // head (gqa_attention.h) -- every family here. Multi-head latent attention
-// (DeepSeek-V3, Kimi K2) is to be the second kind.
-enum class AttentionKind { kGqa };
+// (DeepSeek-V3, Kimi K2) is the second: kMla (mla_attention.h).
+enum class AttentionKind { kGqa, kMla };
 
 struct DecoderConfig {
-  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe" or "qwen2_moe".
+  // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
+  // "deepseek_v3", "kimi_k2", "glm4_moe", "gemma2" or "gemma3_text".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -113,14 +132,69 @@ struct DecoderConfig {
   bool output_router_logits = false;  // the loss includes coef * the load-balancing loss
   // qwen2_moe's shared expert: its SwiGLU width (0: none, the other families).
   int64_t shared_expert_intermediate_size = 0;
+  // Multi-head latent attention (deepseek_v3, kimi_k2; AttentionKind::kMla):
+  // q through q_a_proj [q_lora_rank] -> q_a_layernorm -> q_b_proj (q_lora_rank
+  // 0: q_proj), keys and values from the kv_lora_rank latent of
+  // kv_a_proj_with_mqa (which also gives the one rope key all heads share)
+  // through kv_a_layernorm and kv_b_proj. head_dim is the q/k head,
+  // qk_nope_head_dim + qk_rope_head_dim; rope rotates the last
+  // qk_rope_head_dim of it (interleaved pairs with rope_interleave), at
+  // that width's frequencies; v_head_dim the value head.
+  int64_t q_lora_rank = 0, kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = true;
+  // The DeepSeek mixture of experts (deepseek_v3, kimi_k2): the sigmoid
+  // router (ops::MoeScores::kSigmoid) with its e_score_correction_bias, the
+  // group-limited choice (n_group groups, the topk_group best kept), the
+  // weights times routed_scaling_factor; n_shared_experts shared experts --
+  // one ungated SwiGLU MLP n_shared_experts x moe_intermediate_size wide
+  // (shared_expert_intermediate_size) every token goes through, named
+  // "mlp.shared_experts"; the first first_k_dense_replace layers dense
+  // (intermediate_size wide). transformers computes no load-balancing loss
+  // for them (output_router_logits changes nothing).
+  bool sigmoid_router = false;
+  int64_t n_group = 1, topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  int64_t first_k_dense_replace = 0;
+  // DeepSeek's multi-token prediction modules (num_nextn_predict_layers):
+  // transformers ignores their weights (model.layers.<num_hidden_layers>.*),
+  // and so does the training; they are carried to the export unchanged.
+  int64_t mtp_layers = 0;
+  // Gemma 2 and 3 (see above); the defaults are every other family's.
+  ops::GluActivation hidden_act = ops::GluActivation::kSilu;
+  float norm_weight_offset = 0;       // 1: Gemma's RMSNorm, x * rstd * (1 + w)
+  bool scale_embedding = false;       // embeddings times sqrt(hidden_size), in the model's dtype
+  bool sandwich_norms = false;        // post-attention and post-feedforward norms
+  double query_pre_attn_scalar = 0;   // the scores times its ^-1/2 (0: head_dim's)
+  double attn_logit_softcapping = 0;  // 0: none
+  double final_logit_softcapping = 0; // 0: none
+  // The RoPE of the sliding-window layers when it is not `rope` (Gemma 3's
+  // local layers); nullopt: every layer rotates by `rope`.
+  std::optional<ops::Rope> sliding_rope;
   bool moe() const { return num_experts > 0; }
   bool shared_expert() const { return shared_expert_intermediate_size > 0; }
+  // Whether layer `layer`'s MLP is the mixture of experts (else dense).
+  bool layer_moe(int64_t layer) const { return moe() && layer >= first_k_dense_replace; }
+  // Whether some layer is dense / sparse.
+  bool any_dense_layer() const { return !moe() || first_k_dense_replace > 0; }
+  bool any_moe_layer() const { return moe() && first_k_dense_replace < num_hidden_layers; }
+  // qwen2_moe scales its shared expert by sigmoid(shared_expert_gate(x)); DeepSeek's is ungated.
+  bool shared_expert_gated() const { return shared_expert() && !sigmoid_router; }
+  // The router's rule (kernels/moe_routing.h).
+  ops::MoeRouter router() const;
+  // The attention scores' scale: 1 / sqrt(head_dim), times YaRN's mscale^2
+  // for multi-head latent attention (transformers' yarn_apply_mscale).
+  double attention_scale() const;
   // The config.json object this was parsed from (null when built in code):
   // to_json() keeps its other keys, so an export carries them.
   nlohmann::json source;
 
-  // The attention mask of layer `layer` (its sliding window, or none).
+  // The attention mask of layer `layer` (its sliding window, or none), with
+  // the scores' scale and soft cap (Gemma's).
   ops::AttentionMask attention_mask(int64_t layer) const;
+  // The RoPE of layer `layer` (sliding_rope on a sliding layer that has one).
+  const ops::Rope& rope_of(int64_t layer) const;
+  bool gemma() const { return model_type == "gemma2" || model_type == "gemma3_text"; }
   // Parameters of the whole model (embedding, layers with their biases and
   // norms, final norm, lm_head unless tied): the sum over hf_tensors().
   int64_t parameter_count() const;
@@ -153,6 +227,18 @@ struct HfTensor {
 // Every tensor the architecture uses, in the model's declaration order: the
 // checkpoint must hold exactly these (a tied lm_head may repeat the embedding).
 std::vector<HfTensor> hf_tensors(const DecoderConfig& config);
+// A checkpoint tensor that is a buffer, not a parameter (the sigmoid
+// router's e_score_correction_bias): loaded, never trained, exported
+// unchanged, and not counted by parameter_count (transformers' count).
+bool is_buffer_tensor(const std::string& name);
+// The dtype an export writes tensor `name` in when asked for `dtype`: fp32
+// for what transformers keeps in fp32 whatever the model's dtype (the
+// sigmoid router's weight and correction bias), else `dtype`.
+DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype);
+// Whether `name` is a weight of DeepSeek's multi-token prediction modules
+// (model.layers.<num_hidden_layers + i>.*, i < mtp_layers), which
+// transformers ignores: not trained, carried to an export unchanged.
+bool is_mtp_tensor(const DecoderConfig& config, const std::string& name);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
 // (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a
@@ -163,6 +249,7 @@ struct MoeNames {
   const char* gate;
   const char* up;
   const char* down;
+  const char* shared = "shared_expert";  // DeepSeek: "shared_experts"
 };
 MoeNames moe_names(const DecoderConfig& config);
 

@@ -17,15 +17,23 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Decod
                            bool skip_unrouted_experts, bool sequence_parallel)
     : Module(engine, std::move(name)), sp_(sequence_parallel) {
   STRATA_CHECK(!sp_ || engine.tensor_group().size > 1, kBadArgument, "sequence parallelism needs tensor parallelism (a tp group of 2 or more)");
-  input_layernorm_ = std::make_unique<RMSNorm>(engine, child_name("input_layernorm"), c.hidden_size,
-                                               c.rms_norm_eps, dtype);
+  const auto norm = [&](const char* local) {
+    return std::make_unique<RMSNorm>(engine, child_name(local), c.hidden_size, c.rms_norm_eps, dtype,
+                                     c.norm_weight_offset);
+  };
+  input_layernorm_ = norm("input_layernorm");
   self_attn_ = make_attention(engine, child_name("self_attn"), c, layer, dtype, lora);
-  post_attention_layernorm_ = std::make_unique<RMSNorm>(
-      engine, child_name("post_attention_layernorm"), c.hidden_size, c.rms_norm_eps, dtype);
   add_child(*input_layernorm_);
   add_child(*self_attn_);
+  if (c.sandwich_norms) {
+    STRATA_CHECK(!c.moe(), kInternal, "model_type {}: sandwich norms around experts are not implemented",
+                 c.model_type);
+    attn_out_norm_ = norm("post_attention_layernorm");
+    add_child(*attn_out_norm_);
+  }
+  post_attention_layernorm_ = norm(c.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   add_child(*post_attention_layernorm_);
-  if (c.moe()) {
+  if (c.layer_moe(layer)) {
     STRATA_CHECK(lora == nullptr && mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
                  "model_type {}: LoRA adapters and MLP tiling are not implemented for the experts yet",
                  c.model_type);
@@ -34,6 +42,10 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Decod
   } else {
     mlp_ = std::make_unique<Mlp>(engine, child_name("mlp"), c, dtype, mlp_tiling, lora);
     add_child(*mlp_);
+  }
+  if (c.sandwich_norms) {
+    mlp_out_norm_ = norm("post_feedforward_layernorm");
+    add_child(*mlp_out_norm_);
   }
 }
 
@@ -64,17 +76,22 @@ void DecoderLayer::complete(const DecoderActs& a, const TensorView& out) { sum_o
 
 void DecoderLayer::forward(const TensorView& x, const TokenPlaces& places, int64_t batch,
                            int64_t seq, const DecoderActs& a, const TensorView& y, Phase phase) {
-  // h = x + attn(norm1(x)); y = h + mlp(norm2(h)).
+  // h = x + attn(norm1(x)); y = h + mlp(norm2(h)). Sandwich norms (Gemma):
+  // h = x + norm(attn(norm1(x))); y = h + norm(mlp(norm2(h))).
   input_layernorm_->forward(x, a.ln1, a.rstd1, phase);
-  self_attn_->forward(block_input(a.ln1, a.gathered), places, batch, seq, a.attn, block_output(a, a.h), phase);
-  complete(a, a.h);
+  const TensorView& attn_y = attn_out_norm_ ? a.attn_out : a.h;
+  self_attn_->forward(block_input(a.ln1, a.gathered), places, batch, seq, a.attn, block_output(a, attn_y), phase);
+  complete(a, attn_y);
+  if (attn_out_norm_) attn_out_norm_->forward(a.attn_out, a.h, a.rstd_attn_out, phase);
   ops().add(ctx(), x, a.h, a.h);
   post_attention_layernorm_->forward(a.h, a.ln2, a.rstd2, phase);
   if (moe_) {
     moe_->forward(a.ln2, a.moe, a.moe_aux, y, phase);
   } else {
-    mlp_->forward(block_input(a.ln2, a.gathered), a.mlp, block_output(a, y), phase);
-    complete(a, y);
+    const TensorView& mlp_y = mlp_out_norm_ ? a.mlp_out : y;
+    mlp_->forward(block_input(a.ln2, a.gathered), a.mlp, block_output(a, mlp_y), phase);
+    complete(a, mlp_y);
+    if (mlp_out_norm_) mlp_out_norm_->forward(a.mlp_out, y, a.rstd_mlp_out, phase);
   }
   ops().add(ctx(), a.h, y, y);
 }
@@ -87,15 +104,19 @@ void DecoderLayer::backward(const TensorView& x, const TokenPlaces& places, int6
   // With sequence parallelism a block's output gradient is gathered from
   // every rank's rows (the backward of its reduce-scatter), its input
   // gathered again, and its input gradient reduce-scattered to this rank's.
-  const auto block_dy = [&]() -> const TensorView& { return block_input(dres, g.dgathered); };
+  // Sandwich norms: a block's output gradient is its norm's input gradient (g.dpost).
+  const auto block_dy = [&]() -> const TensorView& { return block_input(attn_out_norm_ ? g.dpost : dres, g.dgathered); };
+  const TensorView tp_dw = sp_ ? g.dnorm : TensorView{};
   if (moe_) {
     moe_->backward(dres, a.ln2, a.moe, g.moe, a.moe_aux, g.dln, false);
   } else {
+    if (mlp_out_norm_) mlp_out_norm_->backward(dres, a.mlp_out, a.rstd_mlp_out, g.dpost, false, tp_dw);
     const TensorView& dy = block_dy();
     mlp_->backward(dy, block_input(a.ln2, a.gathered), a.mlp, g.mlp, block_output(a, g.dln), false);
     complete(a, g.dln);
   }
-  post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true, sp_ ? g.dnorm : TensorView{});
+  post_attention_layernorm_->backward(g.dln, a.h, a.rstd2, dres, /*accumulate_dx=*/true, tp_dw);
+  if (attn_out_norm_) attn_out_norm_->backward(dres, a.attn_out, a.rstd_attn_out, g.dpost, false, tp_dw);
   const TensorView& dy = block_dy();
   self_attn_->backward(dy, block_input(a.ln1, a.gathered), places, batch, seq, a.attn, g.attn, block_output(a, g.dln),
                        false);
@@ -232,6 +253,10 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   if (options_.lora.enabled()) options_.lora.validate();
   if (engine.tensor_group().size > 1) {
     tensor_parallel_share(config_, engine.tensor_group().size);  // refuses a model that does not split
+    STRATA_CHECK(config_.final_logit_softcapping == 0, kBadArgument,
+                 "model_type {}: final_logit_softcapping with tensor parallelism is not implemented yet (the "
+                 "vocabulary-parallel loss has no soft cap); train it without tensor_parallel",
+                 config_.model_type);
     STRATA_CHECK(!options_.lora.enabled(), kBadArgument,
                  "LoRA adapters are not implemented with tensor parallelism yet");
   }
@@ -251,8 +276,10 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
                config_.model_type);
   lookup_ = part.embedding;
   if (part.embedding || (part.head && config_.tie_word_embeddings)) {
-    embed_tokens_ = std::make_unique<Embedding>(engine, child_name("embed_tokens"), config_.vocab_size,
-                                                config_.hidden_size, options_.dtype, config_.pad_token_id);
+    // Gemma scales the embeddings by sqrt(hidden_size) (rounded to the weights' dtype).
+    embed_tokens_ = std::make_unique<Embedding>(
+        engine, child_name("embed_tokens"), config_.vocab_size, config_.hidden_size, options_.dtype,
+        config_.pad_token_id, config_.scale_embedding ? std::sqrt(static_cast<double>(config_.hidden_size)) : 1.0);
     add_child(*embed_tokens_);
   }
   for (int64_t l = part.first_layer; l < part.first_layer + part.layers; ++l) {
@@ -264,7 +291,7 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   }
   if (part.head) {
     norm_ = std::make_unique<RMSNorm>(engine, child_name("norm"), config_.hidden_size, config_.rms_norm_eps,
-                                      options_.dtype);
+                                      options_.dtype, config_.norm_weight_offset);
     add_child(*norm_);
     if (config_.tie_word_embeddings) {
       lm_head_param_ = embed_tokens_->weight();
@@ -352,6 +379,9 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   const int64_t ep = engine_.expert_group().size;
   const int64_t expert_rows = ep * rows * top_k;
   const DType t = act_dtype_;
+  // The sigmoid router computes in fp32 (moe_mlp.h, MoeActs::x32).
+  const DType router_t = c.sigmoid_router ? DType::kF32 : t;
+  const bool router_x32 = c.sigmoid_router && t != DType::kF32;
   const auto layers = layers_.size();
   // Checkpointing keeps one layer's activations; the checkpoints are the
   // residual stream, which stays here unless it goes to host memory, where
@@ -364,7 +394,14 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   // Every layer's saved activations, in one range; with checkpointing one
   // set the layers share, so none is kept (kept_activations).
   const size_t kept_begin = layout.nbytes();
-  for (DecoderActs& d : a->acts) {
+  // Which MLP each set of activations serves: this stage's layer i's (dense
+  // or sparse), or with checkpointing (one set for every layer) both kinds the model has.
+  const auto acts_need = [&](size_t i, bool sparse) {
+    if (options_.checkpoint_activations) return sparse ? c.any_moe_layer() : c.any_dense_layer();
+    return c.layer_moe(options_.stage.first_layer + static_cast<int64_t>(i)) == sparse;
+  };
+  for (size_t i = 0; i < a->acts.size(); ++i) {
+    DecoderActs& d = a->acts[i];
     layout.add(d.ln1, t, {local, hidden});
     layout.add(d.rstd1, DType::kF32, {local});
     d.attn.saved.resize(attention.saved_slots);
@@ -372,9 +409,16 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
     layout.add(d.h, t, {local, hidden});
     layout.add(d.ln2, t, {local, hidden});
     layout.add(d.rstd2, DType::kF32, {local});
-    if (c.moe()) {
+    if (c.sandwich_norms) {
+      layout.add(d.attn_out, t, {local, hidden});
+      layout.add(d.rstd_attn_out, DType::kF32, {local});
+      layout.add(d.mlp_out, t, {local, hidden});
+      layout.add(d.rstd_mlp_out, DType::kF32, {local});
+    }
+    if (acts_need(i, true)) {
       MoeActs& m = d.moe;
-      layout.add(m.logits, t, {rows, experts});
+      layout.add(m.logits, router_t, {rows, experts});
+      if (router_x32) layout.add(m.x32, DType::kF32, {rows, hidden});
       layout.add(m.probs, DType::kF32, {rows, experts});
       layout.add(m.indices, DType::kI32, {rows, top_k});
       layout.add(m.weights, DType::kF32, {rows, top_k});
@@ -398,7 +442,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
         layout.add(m.shared_out, t, {rows, hidden});
         layout.add(m.shared_logit, t, {rows, 1});
       }
-    } else {
+    }
+    if (acts_need(i, false)) {
       layout.add(d.mlp.gate, t, {rows, inter});
       layout.add(d.mlp.up, t, {rows, inter});
       layout.add(d.mlp.act, t, {rows, inter});
@@ -419,6 +464,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   }
   DecoderGrads& g = a->grads;
   layout.add(g.dln, t, {local, hidden});
+  if (c.sandwich_norms) layout.add(g.dpost, t, {local, hidden});
   g.attn.scratch.resize(attention.scratch_slots);
   for (const ArenaTensor& x : attention.scratch) layout.add(g.attn.scratch[x.slot], x.dtype, x.shape);
   if (c.moe()) {
@@ -433,7 +479,11 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(a->moe_expert_out, t, {expert_rows, hidden});
     }
     layout.add(g.moe.dweights, DType::kF32, {rows, top_k});
-    layout.add(g.moe.dlogits, t, {rows, experts});
+    layout.add(g.moe.dlogits, router_t, {rows, experts});
+    if (router_x32) {
+      layout.add(g.moe.dx32, DType::kF32, {rows, hidden});
+      layout.add(g.moe.dx16, t, {rows, hidden});
+    }
     layout.add(a->moe_stats, DType::kF64, {2, experts});
     layout.add(a->moe_aux, DType::kF64, {1});
     layout.add(a->moe_aux_grad, DType::kF32, {experts});
@@ -444,7 +494,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
       layout.add(g.moe.dshared_out, t, {rows, hidden});
       layout.add(g.moe.dshared_logit, t, {rows, 1});
     }
-  } else {
+  }
+  if (c.any_dense_layer()) {
     layout.add(g.mlp.dact, t, {rows, inter});
     layout.add(g.mlp.dgate, t, {rows, inter});
     layout.add(g.mlp.dup, t, {rows, inter});
@@ -655,7 +706,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
         vocab_parallel_loss(TensorView{}, 0, TensorView{});
       } else {
         ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets, options_.loss_chunk_rows, a.lse_ce,
-                            a.stats, nullptr);
+                            a.stats, nullptr, static_cast<float>(config_.final_logit_softcapping));
       }
     });
     a.backward_pending = false;
@@ -677,7 +728,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
     } else {
       const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, dh, this->grad(lm_head_param_)};
       ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets, options_.loss_chunk_rows, a.lse_ce,
-                          a.stats, &grad);
+                          a.stats, &grad, static_cast<float>(config_.final_logit_softcapping));
     }
   });
   // Each rank's vocabulary rows gave a partial dh: summed over tp (into
@@ -851,14 +902,15 @@ int64_t lora_widest_input(const DecoderConfig& c, const LoraSpec& lora) {
 }
 
 void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
-                           uint64_t seed, double std) {
+                           uint64_t seed, double std, float norm_value) {
   std::vector<float> values;
   for (ParamId id : params) {
     const engine::ParamInfo& p = engine.param_info(id);
     // Tiles are keyed by their untiled tensor and element index within it, so a
     // tiled model initialises exactly like an untiled one.
     const std::string& key_name = p.slice ? p.slice->tensor : p.name;
-    const bool is_bias = key_name.ends_with(".bias");
+    // (The sigmoid router's correction bias starts at 0 as in transformers' _init_weights.)
+    const bool is_bias = key_name.ends_with(".bias") || key_name.ends_with(".e_score_correction_bias");
     const bool is_norm = p.shape.size() == 1 && !is_bias;
     const bool lora_a = key_name.ends_with(".lora_A.weight"), lora_b = key_name.ends_with(".lora_B.weight");
     const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;
@@ -872,7 +924,7 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
               const auto index = static_cast<uint64_t>(at + i);
               values[static_cast<size_t>(from - first + i)] =
                   is_bias || lora_b ? 0.0f
-                  : is_norm         ? 1.0f
+                  : is_norm         ? norm_value
                   : lora_a          ? static_cast<float>(lora_bound * uniform_at(key, index))
                                     : static_cast<float>(std * normal_at(key, index));
             }

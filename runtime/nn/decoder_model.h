@@ -62,7 +62,10 @@ struct DecoderActs {
   TensorView ln1, rstd1;  // input norm output [local, hidden], fp32 [local]
   AttentionActs attn;     // the attention kind's (AttentionArena::saved); every row (with tp, this rank's heads)
   TensorView h;           // residual after attention [local, hidden]
-  TensorView ln2, rstd2;  // post-attention norm
+  TensorView ln2, rstd2;  // post-attention norm (Gemma's pre_feedforward_layernorm)
+  // Sandwich norms (Gemma; empty otherwise): the attention's and the MLP's
+  // outputs before their own norms [local, hidden], and those norms' rstd.
+  TensorView attn_out, rstd_attn_out, mlp_out, rstd_mlp_out;
   MlpActs mlp;            // dense families
   MoeActs moe;            // mixture-of-experts families
   MoeAux moe_aux;         // the model's load-balancing state (shared by the layers)
@@ -76,6 +79,7 @@ struct DecoderActs {
 // Backward scratch shared by all layers.
 struct DecoderGrads {
   TensorView dln;  // gradient at a norm's output [local, hidden]
+  TensorView dpost;  // sandwich norms: the gradient at a block's output, before its norm [local, hidden]
   AttentionGrads attn;  // the attention kind's (AttentionArena::scratch)
   MlpGrads mlp;
   MoeGrads moe;
@@ -114,7 +118,12 @@ class DecoderLayer : public Module {
   void complete(const DecoderActs& acts, const TensorView& out);
 
   bool sp_ = false;
-  std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_;
+  // post_attention_layernorm_ is the MLP's input norm (Gemma names it
+  // pre_feedforward_layernorm); with sandwich norms attn_out_norm_
+  // ("post_attention_layernorm") and mlp_out_norm_
+  // ("post_feedforward_layernorm") normalise each block's output before its
+  // residual add (null otherwise).
+  std::unique_ptr<RMSNorm> input_layernorm_, post_attention_layernorm_, attn_out_norm_, mlp_out_norm_;
   std::unique_ptr<SelfAttention> self_attn_;  // the kind config.attention names
   std::unique_ptr<Mlp> mlp_;     // dense families
   std::unique_ptr<MoeMlp> moe_;  // mixture-of-experts families (config.moe())
@@ -325,8 +334,9 @@ int64_t lora_widest_input(const DecoderConfig& config, const LoraSpec& lora);
 // adapter as PEFT starts it: lora_A Kaiming-uniform (U(-1/sqrt(in),
 // 1/sqrt(in)), torch's kaiming_uniform_ with a = sqrt(5)), lora_B zero, so
 // training starts from the base model. Writes each rank's owned ranges only
-// (engine.for_each_owned_range).
+// (engine.for_each_owned_range). norm_value: the norm weights' value (0 for
+// Gemma's norms, which multiply by 1 + w, as transformers initialises them).
 void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& params,
-                           uint64_t seed, double std = 0.02);
+                           uint64_t seed, double std = 0.02, float norm_value = 1.0f);
 
 }  // namespace strata::nn

@@ -46,7 +46,7 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
       heads_(c.num_attention_heads),
       kv_heads_(c.num_key_value_heads),
       head_dim_(c.head_dim),
-      rope_(c.rope),
+      rope_(c.rope_of(layer)),
       mask_(c.attention_mask(layer)) {
   // Tensor parallelism: each tp rank holds heads / tp query heads and their
   // kv heads (column-parallel q, k, v; row-parallel o).
@@ -70,8 +70,10 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
   o_proj_ = std::make_unique<Linear>(engine, child_name("o_proj"), q, hidden_, c.attention_o_bias, dtype, lora, row);
   for (Linear* l : {q_proj_.get(), k_proj_.get(), v_proj_.get(), o_proj_.get()}) add_child(*l);
   if (c.qk_norm) {
-    q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype);
-    k_norm_ = std::make_unique<RMSNorm>(engine, child_name("k_norm"), head_dim_, c.rms_norm_eps, dtype);
+    q_norm_ = std::make_unique<RMSNorm>(engine, child_name("q_norm"), head_dim_, c.rms_norm_eps, dtype,
+                                        c.norm_weight_offset);
+    k_norm_ = std::make_unique<RMSNorm>(engine, child_name("k_norm"), head_dim_, c.rms_norm_eps, dtype,
+                                        c.norm_weight_offset);
     add_child(*q_norm_);
     add_child(*k_norm_);
   }
@@ -81,16 +83,6 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
 
 TensorView GqaAttention::per_head(const TensorView& t) {
   return reshaped(t, {t.desc.shape[0] * t.desc.shape[1], t.desc.shape[2]});
-}
-
-ops::AttentionMask GqaAttention::mask_of(const TokenPlaces& places, int64_t seq) const {
-  ops::AttentionMask mask = mask_;
-  if (places.packed()) {
-    mask.segment_start = places.segment_start.as<int32_t>();
-    mask.segment_end = places.segment_end.as<int32_t>();
-    mask.seq = seq;
-  }
-  return mask;
 }
 
 void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64_t batch, int64_t seq,
@@ -123,7 +115,7 @@ void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64
   ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, head_dim_}),
                           reshaped(k, {batch, seq, kv_heads_, head_dim_}),
                           reshaped(v, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], mask_of(places, seq));
+                          reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], places.mask(mask_, seq));
   o_proj_->forward(as_matrix(attn), as_matrix(y), phase, lora);  // with tp, this rank's heads' share
 }
 
@@ -147,7 +139,7 @@ void GqaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
                            reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse],
                            reshaped(dq, {batch, seq, heads_, head_dim_}),
                            reshaped(dk, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(dv, {batch, seq, kv_heads_, head_dim_}), mask_of(places, seq));
+                           reshaped(dv, {batch, seq, kv_heads_, head_dim_}), places.mask(mask_, seq));
   ops().rope_backward(ctx(), dq, places.positions, rope_);
   ops().rope_backward(ctx(), dk, places.positions, rope_);
   if (q_norm_) {

@@ -52,8 +52,6 @@ class GqaAttention final : public SelfAttention {
   // when the rank shares its kv head with others (fewer kv heads than tp).
   void kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
                    const TensorView& dx, const AttentionActs& a);
-  // The layer's mask with the batch's documents.
-  ops::AttentionMask mask_of(const TokenPlaces& places, int64_t seq) const;
 
   int64_t hidden_, heads_, kv_heads_, head_dim_;
   ops::Rope rope_;

@@ -15,8 +15,10 @@ class Embedding : public Module {
  public:
   // padding_idx: the row that gets no gradient from lookups (torch's
   // nn.Embedding padding_idx; the config's pad_token_id); -1: none.
+  // scale: every looked-up row times it (Gemma's sqrt(hidden_size), rounded
+  // to `dtype` here as transformers rounds it to the weight's dtype).
   Embedding(engine::Engine& engine, std::string name, int64_t vocab, int64_t dim,
-            DType dtype = DType::kF32, int64_t padding_idx = -1);
+            DType dtype = DType::kF32, int64_t padding_idx = -1, double scale = 1.0);
   // ids int32 [rows] (validated by the caller) -> out [rows, dim].
   void forward(const TensorView& ids, const TensorView& out, Phase phase = Phase::kForward);
   // Adds dout [rows, dim] into the table gradient.
@@ -29,15 +31,17 @@ class Embedding : public Module {
 
  private:
   int64_t vocab_, dim_, padding_idx_, first_id_ = 0;
+  float scale_ = 1.0f;
   bool split_ = false;
   ParamId weight_;
   OpId op_;
 };
 
+// y = x / rms(x) * (weight_offset + w): weight_offset 1 is Gemma's norm.
 class RMSNorm : public Module {
  public:
   RMSNorm(engine::Engine& engine, std::string name, int64_t dim, double eps,
-          DType dtype = DType::kF32);
+          DType dtype = DType::kF32, float weight_offset = 0.0f);
   // x, y [rows, dim]; rstd fp32 [rows] (saved for backward).
   void forward(const TensorView& x, const TensorView& y, const TensorView& rstd,
                Phase phase = Phase::kForward);
@@ -54,6 +58,7 @@ class RMSNorm : public Module {
  private:
   int64_t dim_;
   double eps_;
+  float weight_offset_;
   ParamId weight_;
   OpId op_;
 };

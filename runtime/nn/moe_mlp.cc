@@ -18,10 +18,20 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c,
       experts_(c.num_experts),
       top_k_(c.num_experts_per_tok),
       renormalize_(c.norm_topk_prob),
+      rule_(c.router()),
       skip_unrouted_(skip_unrouted) {
   STRATA_CHECK(c.moe(), kBadArgument, "{}: model_type {} has no experts", name_, c.model_type);
   const MoeNames n = moe_names(c);
-  router_ = std::make_unique<Linear>(engine, child_name("gate"), hidden_, experts_, false, dtype);
+  if (c.sigmoid_router) {
+    // transformers keeps the correction bias (and the router's weight) in
+    // fp32 whatever the model's dtype; the bias selects experts, never
+    // trained (a buffer: frozen, exported as loaded).
+    correction_bias_ = add_parameter("gate.e_score_correction_bias", DType::kF32, {experts_});
+    engine.freeze(correction_bias_);
+    route_op_ = add_operator({correction_bias_}, "route");
+  }
+  router_ = std::make_unique<Linear>(engine, child_name("gate"), hidden_, experts_, false,
+                                     c.sigmoid_router ? DType::kF32 : dtype);
   add_child(*router_);
   for (int64_t e = 0; e < experts_; ++e) {
     const std::string p = child_name(fmt::format("experts.{}.", e));
@@ -37,11 +47,13 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c,
   }
   if (c.shared_expert()) {
     // Declared after the experts, as Qwen2MoeSparseMoeBlock (and hf_tensors) order them.
-    shared_ = std::make_unique<Mlp>(engine, child_name("shared_expert"), c, dtype, MlpTiling{}, nullptr,
+    shared_ = std::make_unique<Mlp>(engine, child_name(n.shared), c, dtype, MlpTiling{}, nullptr,
                                     c.shared_expert_intermediate_size);
     add_child(*shared_);
-    shared_gate_ = std::make_unique<Linear>(engine, child_name("shared_expert_gate"), hidden_, 1, false, dtype);
-    add_child(*shared_gate_);
+    if (c.shared_expert_gated()) {
+      shared_gate_ = std::make_unique<Linear>(engine, child_name("shared_expert_gate"), hidden_, 1, false, dtype);
+      add_child(*shared_gate_);
+    }
   }
 }
 
@@ -73,12 +85,20 @@ size_t MoeMlp::held_experts() const {
 
 void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, const TensorView& y,
                      Phase phase) {
-  router_->forward(MatView::of(x), MatView::of(a.logits), phase);
+  if (a.x32.data != nullptr) ops().cast(ctx(), x, a.x32);
+  router_->forward(MatView::of(a.x32.data != nullptr ? a.x32 : x), MatView::of(a.logits), phase);
   // A recompute routes again (the same bytes give the same choice) but must
   // not count its assignments into the load-balancing statistics twice.
   const TensorView stats = phase == Phase::kRecompute ? TensorView{} : aux.stats;
-  ops().moe_route(ctx(), a.logits, top_k_, renormalize_, a.probs, a.indices, a.weights, a.offsets,
-                  a.slots, a.tokens, stats);
+  if (route_op_ >= 0) {
+    run(route_op_, phase, [&] {
+      ops().moe_route(ctx(), a.logits, top_k_, rule_, param(correction_bias_), a.probs, a.indices, a.weights,
+                      a.offsets, a.slots, a.tokens, stats);
+    });
+  } else {
+    ops().moe_route(ctx(), a.logits, top_k_, renormalize_, a.probs, a.indices, a.weights, a.offsets,
+                    a.slots, a.tokens, stats);
+  }
   // The one host synchronisation of the layer (moe_mlp.h): the row blocks' sizes.
   engine_.accelerator().copy_async(a.host_offsets, a.offsets.data, a.offsets.nbytes(),
                                    CopyKind::kDeviceToHost, ctx().stream());
@@ -108,10 +128,15 @@ void MoeMlp::forward(const TensorView& x, const MoeActs& a, const MoeAux& aux, c
   }
   ops().moe_combine(ctx(), a.yp, a.slots, a.weights, y);
   if (shared_) {
-    // y += sigmoid(shared_expert_gate(x)) * shared_expert(x), on this rank's rows.
+    // y += sigmoid(shared_expert_gate(x)) * shared_expert(x), on this rank's
+    // rows (DeepSeek: y += shared_experts(x), ungated).
     shared_->forward(x, a.shared, a.shared_out, phase);
-    shared_gate_->forward(MatView::of(x), MatView::of(a.shared_logit), phase);
-    ops().sigmoid_gated_add(ctx(), a.shared_out, a.shared_logit, y);
+    if (shared_gate_) {
+      shared_gate_->forward(MatView::of(x), MatView::of(a.shared_logit), phase);
+      ops().sigmoid_gated_add(ctx(), a.shared_out, a.shared_logit, y);
+    } else {
+      ops().add(ctx(), y, a.shared_out, y);
+    }
   }
 }
 
@@ -241,11 +266,14 @@ void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& 
                       const MoeAux& aux, const TensorView& dx, bool accumulate_dx) {
   MoeRouting& m = routing(a);
   STRATA_CHECK(m.routed.size() == experts_list_.size(), kBadArgument, "{}: backward before forward", name_);
-  if (shared_) {
+  if (shared_gate_) {
     // The shared expert first (forward ran it last); the routed path then adds into dx.
     ops().sigmoid_gated_add_backward(ctx(), dy, a.shared_out, a.shared_logit, g.dshared_out, g.dshared_logit);
     shared_gate_->backward(MatView::of(g.dshared_logit), MatView::of(x), MatView::of(dx), accumulate_dx);
     shared_->backward(g.dshared_out, x, a.shared, g.shared, dx, true);
+    accumulate_dx = true;
+  } else if (shared_) {
+    shared_->backward(dy, x, a.shared, g.shared, dx, accumulate_dx);
     accumulate_dx = true;
   }
   ops().moe_combine_backward(ctx(), dy, a.yp, a.slots, a.weights, g.dyp, g.dweights);
@@ -261,9 +289,16 @@ void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& 
     engine_.exchange_experts(a.exchange, g.dxp, m.to_owners.reversed());
   }
   ops().moe_gather_backward(ctx(), g.dxp, a.slots, dx, accumulate_dx);
-  ops().moe_route_backward(ctx(), a.probs, a.indices, a.weights, g.dweights, renormalize_, aux.aux_grad,
-                           g.dlogits);
-  router_->backward(MatView::of(g.dlogits), MatView::of(x), MatView::of(dx), true);
+  ops().moe_route_backward(ctx(), a.probs, a.indices, a.weights, g.dweights, rule_, aux.aux_grad, g.dlogits);
+  if (route_op_ >= 0) engine_.skip_op(route_op_, Phase::kBackward);  // the bias has no gradient
+  if (a.x32.data != nullptr) {
+    // The fp32 router's input gradient, rounded once and added.
+    router_->backward(MatView::of(g.dlogits), MatView::of(a.x32), MatView::of(g.dx32), false);
+    ops().cast(ctx(), g.dx32, g.dx16);
+    ops().add(ctx(), dx, g.dx16, dx);
+  } else {
+    router_->backward(MatView::of(g.dlogits), MatView::of(x), MatView::of(dx), true);
+  }
 }
 
 void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, const MoeActs& a, const MoeGrads& g,

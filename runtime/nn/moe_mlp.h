@@ -124,6 +124,10 @@ struct MoeActs {
   TensorView shared_out, shared_logit;
   // This micro-batch's routing in this layer (owned by the arena); null: the layer's own.
   MoeRouting* routing = nullptr;
+  // The sigmoid router in a 16-bit model: its input in fp32 [rows, hidden]
+  // (transformers computes DeepseekV3TopkRouter's logits in fp32 from the
+  // fp32 weight; logits and dlogits are then fp32 too). Empty otherwise.
+  TensorView x32;
 };
 // Backward scratch: dyp, dxp [rows * k, hidden]; dact, dgate, dup [rows * k,
 // I]; dweights fp32 [rows, k]; dlogits [rows, E] (activation dtype).
@@ -136,6 +140,9 @@ struct MoeGrads {
   TensorView dxr;
   MlpGrads shared;
   TensorView dshared_out, dshared_logit;
+  // With MoeActs::x32: the router's input gradient in fp32 and in the
+  // activation dtype [rows, hidden].
+  TensorView dx32, dx16;
 };
 // The load-balancing loss's state, shared by the layers of one model: forward
 // adds into stats (fp64 [2, E]) when it is not empty; backward adds aux_grad
@@ -189,11 +196,16 @@ class MoeMlp : public Module {
 
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
+  ops::MoeRouter rule_;  // the config's router (DecoderConfig::router)
+  // The sigmoid router's e_score_correction_bias (fp32 [E], frozen: a
+  // buffer) and the window the routing reads it in; -1 without.
+  ParamId correction_bias_ = -1;
+  OpId route_op_ = -1;
   bool skip_unrouted_;
   std::unique_ptr<Linear> router_;
   std::vector<Expert> experts_list_;
-  std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert (null otherwise)
-  std::unique_ptr<Linear> shared_gate_;  // its gate: hidden -> 1 logit, no bias
+  std::unique_ptr<Mlp> shared_;          // qwen2_moe's shared expert, DeepSeek's shared experts (null otherwise)
+  std::unique_ptr<Linear> shared_gate_;  // qwen2_moe's gate: hidden -> 1 logit, no bias (null: ungated)
   MoeRouting routing_;            // the last micro-batch's, for acts without their own
   std::vector<double> load_;     // per expert: tokens routed since reset_load()
 };

@@ -42,13 +42,27 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
-    : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp.rank()),
+    : PipelineExecutor(engine, &pp, spec, std::move(chunks)) {}
+
+PipelineExecutor::PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec,
+                                   std::vector<nn::DecoderModel*> chunks)
+    : PipelineExecutor(engine, nullptr, spec, std::move(chunks)) {}
+
+PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
+                                   std::vector<nn::DecoderModel*> chunks)
+    : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp != nullptr ? pp->rank() : 0),
       busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()),
       last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)),
       action_ns_(std::make_shared<std::vector<int64_t>>()) {
-  STRATA_CHECK(pp.world_size() == spec.stages, kBadArgument,
-               "pipeline schedule {} for {} stages, but the pipeline group has {} ranks", schedule_name(spec.kind),
-               spec.stages, pp.world_size());
+  if (pp != nullptr) {
+    STRATA_CHECK(pp->world_size() == spec.stages, kBadArgument,
+                 "pipeline schedule {} for {} stages, but the pipeline group has {} ranks", schedule_name(spec.kind),
+                 spec.stages, pp->world_size());
+  } else {
+    STRATA_CHECK(spec.local_handoff(), kBadArgument,
+                 "pipeline schedule {} passes boundaries between ranks: it needs the pipeline group's communicator",
+                 schedule_name(spec.kind));
+  }
   STRATA_CHECK(static_cast<int>(chunks.size()) == spec.virtual_stages, kBadArgument,
                "pipeline stage {}: {} models given for {} virtual stages per rank", stage_, chunks.size(),
                spec.virtual_stages);
@@ -160,7 +174,7 @@ void PipelineExecutor::receive(std::span<const Action> actions, const std::funct
     ops.push_back(transfer(a, chunks_[static_cast<size_t>(a.chunk)]->model->boundary(index, 0, 0)));
     name += " " + a.describe();
   }
-  timed(engine_.compute_stream(), track_, std::move(name), -1, [&] { pp_.exchange(ops, engine_.compute_stream()); });
+  timed(engine_.compute_stream(), track_, std::move(name), -1, [&] { pp_->exchange(ops, engine_.compute_stream()); });
 }
 
 void PipelineExecutor::send(const Action& a) {
@@ -174,7 +188,33 @@ void PipelineExecutor::send(const Action& a) {
   send_stream_->wait(*written);
   const partition::P2POp op = transfer(a, boundary);
   timed(*send_stream_, send_track_, a.describe(), -1,
-        [&] { slot.sent = pp_.exchange(std::span<const partition::P2POp>(&op, 1), *send_stream_); });
+        [&] { slot.sent = pp_->exchange(std::span<const partition::P2POp>(&op, 1), *send_stream_); });
+}
+
+int PipelineExecutor::handoff_source(const Action& a) const {
+  if (!schedule_.spec.local_handoff()) return -1;
+  const int chunks = static_cast<int>(chunks_.size());
+  if (a.kind == ActionKind::kForward) return a.chunk > 0 ? a.chunk - 1 : -1;
+  if (a.kind == ActionKind::kBackward) return a.chunk + 1 < chunks ? a.chunk + 1 : -1;
+  return -1;
+}
+
+void PipelineExecutor::hand_over(const Action& a, int slot) {
+  const int from = handoff_source(a);
+  if (from < 0) return;
+  Chunk& source = *chunks_[static_cast<size_t>(from)];
+  const auto found = source.slot_of.find(a.micro_batch);
+  STRATA_CHECK(found != source.slot_of.end(), kInternal, "{}: chunk {} holds no micro-batch {} to hand over",
+               a.describe(), from, a.micro_batch);
+  const nn::DecoderModel::Boundary theirs = source.model->boundary(found->second, 0, 0);
+  const nn::DecoderModel::Boundary mine = chunks_[static_cast<size_t>(a.chunk)]->model->boundary(slot, 0, 0);
+  const bool forward = a.kind == ActionKind::kForward;
+  const TensorView& src = forward ? theirs.output : theirs.input_grad;
+  const TensorView& dst = forward ? mine.input : mine.output_grad;
+  STRATA_CHECK(src.desc.shape == dst.desc.shape && src.desc.dtype == dst.desc.dtype, kInternal,
+               "{}: the boundary of chunk {} does not match chunk {}'s", a.describe(), from, a.chunk);
+  engine_.accelerator().copy_async(dst.data, src.data, src.nbytes(), CopyKind::kDeviceToDevice,
+                                   engine_.compute_stream());
 }
 
 void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(int)>& micro_batch,
@@ -186,6 +226,7 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
   const int index = chunk.slot_of.at(a.micro_batch);
   const int kind = a.kind == ActionKind::kForward ? 0 : a.kind == ActionKind::kBackward ? 1 : 2;
   timed(engine_.compute_stream(), track_, a.describe(), kind, [&] {
+    hand_over(a, index);
     switch (a.kind) {
       case ActionKind::kForward: {
         nn::ForwardOptions forward = options;
@@ -223,7 +264,12 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
 void PipelineExecutor::run_list(const std::vector<Action>& list, const std::function<MicroBatch(int)>& micro_batch,
                                 const nn::ForwardOptions& options) {
   for (auto& chunk : chunks_) chunk->last_use.clear();
-  for (size_t i = 0; i < list.size(); ++i) chunks_[static_cast<size_t>(list[i].chunk)]->last_use[list[i].micro_batch] = i;
+  for (size_t i = 0; i < list.size(); ++i) {
+    chunks_[static_cast<size_t>(list[i].chunk)]->last_use[list[i].micro_batch] = i;
+    // A boundary handed over in memory is read from the neighbour's slot.
+    const int from = handoff_source(list[i]);
+    if (from >= 0) chunks_[static_cast<size_t>(from)]->last_use[list[i].micro_batch] = i;
+  }
   action_ns_->assign(list.size(), 0);
   for (size_t i = 0; i < list.size();) {
     const Action& a = list[i];
@@ -237,8 +283,11 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
       receive(std::span<const Action>(list).subspan(i, next - i), micro_batch);
     }
     for (size_t j = i; j < next; ++j) {
-      Chunk& chunk = *chunks_[static_cast<size_t>(list[j].chunk)];
-      if (chunk.last_use.at(list[j].micro_batch) == j) release(list[j].chunk, list[j].micro_batch);
+      for (const int c : {list[j].chunk, handoff_source(list[j])}) {
+        if (c < 0) continue;
+        Chunk& chunk = *chunks_[static_cast<size_t>(c)];
+        if (chunk.last_use.at(list[j].micro_batch) == j) release(c, list[j].micro_batch);
+      }
     }
     i = next;
   }
@@ -253,7 +302,9 @@ std::pair<double, double> PipelineExecutor::pipeline_loss(int micro_batches) {
     loss[1] += losses_[2 * i + 1];
   }
   // Every stage reports the last stage's loss.
-  pp_.allreduce(loss, loss, 2, DType::kF64, partition::ReduceOp::kSum, engine_.compute_stream())->synchronize();
+  if (pp_ != nullptr) {
+    pp_->allreduce(loss, loss, 2, DType::kF64, partition::ReduceOp::kSum, engine_.compute_stream())->synchronize();
+  }
   return {loss[0], loss[1]};
 }
 
@@ -314,9 +365,10 @@ std::pair<double, double> PipelineExecutor::evaluate(const std::function<MicroBa
   for (int i = 0; i < count; ++i) {
     for (int k = 0; k < v; ++k) {
       const int s = k * p + stage_;
-      if (s > 0) list.push_back({ActionKind::kRecvActivation, i, k, (s - 1) % p});
+      const bool sent = !schedule_.spec.local_handoff();  // else handed over in memory
+      if (sent && s > 0) list.push_back({ActionKind::kRecvActivation, i, k, (s - 1) % p});
       list.push_back({ActionKind::kForward, i, k, -1});
-      if (s < last) list.push_back({ActionKind::kSendActivation, i, k, (s + 1) % p});
+      if (sent && s < last) list.push_back({ActionKind::kSendActivation, i, k, (s + 1) % p});
     }
   }
   reserve_losses(count);
@@ -345,6 +397,24 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_stage_models(engine::Engine&
     if (config.tie_word_embeddings && spec.stages > 1 && model.embedding_weight() >= 0) {
       engine.share_with_stage(model.embedding_weight(), pp, part.embedding ? spec.stages - 1 : 0);
     }
+  }
+  return models;
+}
+
+std::vector<std::unique_ptr<nn::DecoderModel>> make_layer_models(engine::Engine& engine, const nn::DecoderConfig& config,
+                                                                 const nn::DecoderModelOptions& options) {
+  STRATA_CHECK(!config.tie_word_embeddings, kBadArgument,
+               "micro_batch_order layer-major with tie_word_embeddings true: not implemented yet (the embedding's "
+               "lookup and lm_head halves of the gradient would add in another order than step-major's); use "
+               "step-major");
+  const int layers = static_cast<int>(config.num_hidden_layers);
+  const std::vector<int64_t> split = split_layers(config.num_hidden_layers, 1, layers);
+  std::vector<std::unique_ptr<nn::DecoderModel>> models;
+  for (int k = 0; k < layers; ++k) {
+    const StagePart part = stage_part(split, 1, 0, k);
+    nn::DecoderModelOptions o = options;
+    o.stage = {part.first_layer, part.layers, part.embedding, part.head};
+    models.push_back(std::make_unique<nn::DecoderModel>(engine, config, o));
   }
   return models;
 }

@@ -94,6 +94,10 @@ class PipelineExecutor {
   // communicator (its rank is this stage; size p = spec.stages).
   PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                    std::vector<nn::DecoderModel*> chunks);
+  // A schedule of one rank whose chunks hand their boundaries over in memory
+  // (ScheduleSpec::local_handoff: layer-major): no pipeline group; the loss
+  // is this rank's. chunks[k] is virtual stage k.
+  PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks);
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -117,6 +121,8 @@ class PipelineExecutor {
   int stage() const { return stage_; }
 
  private:
+  PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
+                   std::vector<nn::DecoderModel*> chunks);
   struct Slot;
   struct Chunk;
   Slot& slot_of(int chunk, int micro_batch, const MicroBatch& mb);
@@ -129,6 +135,12 @@ class PipelineExecutor {
   void reserve_losses(int micro_batches);
   void receive(std::span<const Action> actions, const std::function<MicroBatch(int)>& micro_batch);
   void send(const Action& action);
+  // local_handoff: what `action` reads from the neighbouring chunk's slot of
+  // its micro-batch (F: the chunk below's output into its input; B: the
+  // chunk above's input gradient into its output gradient), copied on the
+  // compute stream; and that neighbour's chunk (-1: none).
+  void hand_over(const Action& action, int slot);
+  int handoff_source(const Action& action) const;
   void compute(const Action& action, const std::function<MicroBatch(int)>& micro_batch,
                const nn::ForwardOptions& options, size_t position);
   // The transfer's description: both sides compute the same tag and words.
@@ -140,7 +152,7 @@ class PipelineExecutor {
   void timed(Stream& stream, uint32_t track, std::string name, int busy, Body&& body, size_t action = 0);
 
   engine::Engine& engine_;
-  partition::Communicator& pp_;
+  partition::Communicator* pp_;  // null: one rank, local handoff
   Schedule schedule_;
   int stage_;
   std::vector<std::unique_ptr<Chunk>> chunks_;
@@ -164,5 +176,15 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_stage_models(engine::Engine&
                                                                  const nn::DecoderModelOptions& options,
                                                                  const ScheduleSpec& spec, partition::Communicator& pp,
                                                                  std::span<const int64_t> layers = {});
+
+// The layer-major chunks of a whole model on one rank (ScheduleKind::
+// kLayerMajor): chunk k is decoder layer k, the embedding on the first, the
+// final norm and the loss on the last, named and declared in the whole
+// model's order (so its checkpoints are the step-major model's). Refuses
+// tied embeddings by name (the last chunk's lm_head is the first chunk's
+// table, used by chunks m backwards apart: the gradient's two halves would
+// add in another order than step-major's). Before engine.finalize().
+std::vector<std::unique_ptr<nn::DecoderModel>> make_layer_models(engine::Engine& engine, const nn::DecoderConfig& config,
+                                                                 const nn::DecoderModelOptions& options);
 
 }  // namespace strata::pipeline

@@ -16,12 +16,14 @@ std::string_view schedule_name(ScheduleKind kind) {
     case ScheduleKind::k1F1B: return "1f1b";
     case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kZbH1: return "zb-h1";
+    case ScheduleKind::kLayerMajor: return "layer-major";
   }
   raise(ErrorCategory::kInternal, "unknown schedule");
 }
 
 std::optional<ScheduleKind> parse_schedule(std::string_view name) {
-  for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved, ScheduleKind::kZbH1}) {
+  for (ScheduleKind kind : {ScheduleKind::kGpipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved, ScheduleKind::kZbH1,
+                            ScheduleKind::kLayerMajor}) {
     if (schedule_name(kind) == name) return kind;
   }
   return std::nullopt;
@@ -34,6 +36,14 @@ void ScheduleSpec::check() const {
   STRATA_CHECK(stages >= 1, kBadArgument, "pipeline schedule {}: {} stages; at least 1 is needed", name, stages);
   STRATA_CHECK(micro_batches >= 1, kBadArgument, "pipeline schedule {}: {} micro-batches; at least 1 is needed", name,
                micro_batches);
+  if (kind == ScheduleKind::kLayerMajor) {
+    STRATA_CHECK(stages == 1, kBadArgument,
+                 "schedule layer-major runs every layer on one rank: {} stages; it needs 1 (no pipeline parallelism)",
+                 stages);
+    STRATA_CHECK(virtual_stages >= 1, kBadArgument, "schedule layer-major: {} chunks of layers; at least 1 is needed",
+                 virtual_stages);
+    return;
+  }
   if (kind != ScheduleKind::kInterleaved) {
     STRATA_CHECK(virtual_stages == 1, kBadArgument,
                  "pipeline schedule {} runs one chunk of layers per rank: virtual_stages {} needs the interleaved "
@@ -204,6 +214,20 @@ Schedule zb_h1(int stages, int micro_batches) {
   return with_communication(spec, order);
 }
 
+Schedule layer_major(int micro_batches, int chunks) {
+  const ScheduleSpec spec{ScheduleKind::kLayerMajor, 1, micro_batches, chunks};
+  spec.check();
+  std::vector<Action> rank;
+  for (int k = 0; k < chunks; ++k) {
+    for (int i = 0; i < micro_batches; ++i) rank.push_back(compute(ActionKind::kForward, i, k));
+  }
+  for (int k = chunks - 1; k >= 0; --k) {
+    for (int i = 0; i < micro_batches; ++i) rank.push_back(compute(ActionKind::kBackward, i, k));
+  }
+  // No transfers: one rank, the boundaries handed over in memory (local_handoff).
+  return Schedule{spec, {std::move(rank)}};
+}
+
 Schedule make_schedule(const ScheduleSpec& spec) {
   spec.check();
   switch (spec.kind) {
@@ -211,6 +235,7 @@ Schedule make_schedule(const ScheduleSpec& spec) {
     case ScheduleKind::k1F1B: return one_f_one_b(spec.stages, spec.micro_batches);
     case ScheduleKind::kInterleaved: return interleaved(spec.stages, spec.micro_batches, spec.virtual_stages);
     case ScheduleKind::kZbH1: return zb_h1(spec.stages, spec.micro_batches);
+    case ScheduleKind::kLayerMajor: return layer_major(spec.micro_batches, spec.virtual_stages);
   }
   raise(ErrorCategory::kInternal, "unknown schedule");
 }
@@ -382,12 +407,22 @@ Simulation simulate(const Schedule& schedule, const ActionCost& action_cost, dou
         const int s = a.chunk * p + r;
         int& state = progress[R][key];
         std::string wrong;
+        // A boundary handed over in memory exists once the neighbouring chunk has run.
+        const bool local = schedule.spec.local_handoff();
+        const auto neighbour = [&](int chunk) {
+          const auto it = progress[R].find({a.micro_batch, chunk});
+          return it == progress[R].end() ? 0 : it->second;
+        };
         if (a.kind == ActionKind::kForward) {
           if (state != 0) wrong = "runs twice";
-          if (s > 0 && have_input[R].count(key) == 0) wrong = "runs before its input was received";
+          const bool input = local ? neighbour(a.chunk - 1) >= 1 : have_input[R].count(key) > 0;
+          if (s > 0 && !input) wrong = local ? "runs before the chunk below forwarded it" : "runs before its input was received";
         } else if (a.kind == ActionKind::kBackward) {
           if (state != 1) wrong = state == 0 ? "runs before its forward" : "runs twice";
-          if (s + 1 < stages && have_grad[R].count(key) == 0) wrong = "runs before its output's gradient was received";
+          const bool grad = local ? neighbour(a.chunk + 1) >= 2 : have_grad[R].count(key) > 0;
+          if (s + 1 < stages && !grad) {
+            wrong = local ? "runs before the chunk above ran its backward" : "runs before its output's gradient was received";
+          }
         } else {
           if (!split) wrong = "splits a backward the schedule does not split";
           if (state != 2) wrong = state < 2 ? "runs before its backward" : "runs twice";
@@ -447,6 +482,7 @@ double bubble_formula(const ScheduleSpec& spec, const Costs& costs) {
     case ScheduleKind::kGpipe:
     case ScheduleKind::k1F1B: return (p - 1) / (m + p - 1);
     case ScheduleKind::kInterleaved: return (p - 1) / (v * m + p - 1);
+    case ScheduleKind::kLayerMajor: return 0;  // one rank: nothing to wait for
     case ScheduleKind::kZbH1: {
       const double bubble = (p - 1) * (costs.forward + costs.backward - costs.weight);
       return bubble / (m * (costs.forward + costs.backward + costs.weight) + bubble);
@@ -463,6 +499,7 @@ int promised_in_flight(const ScheduleSpec& spec, int rank) {
     case ScheduleKind::kInterleaved:
       return m == p ? v * m : std::min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m);
     case ScheduleKind::kZbH1: return std::min(p, m);
+    case ScheduleKind::kLayerMajor: return v * m;
   }
   raise(ErrorCategory::kInternal, "unknown schedule");
 }

@@ -27,6 +27,17 @@
 //                and W (weight gradients), rank r deferring its W's by r
 //                backwards into what would be bubble: at most p micro-batches
 //                in flight, 1F1B's peak.
+//   layer-major  one rank (p = 1), the decoder as v single-layer chunks
+//                (GreedySnake's vertical order, docs/DESIGN.md §5.5): every
+//                micro-batch through chunk k before chunk k + 1, then the
+//                backwards chunk by chunk from the top, each chunk's over
+//                every micro-batch in order; each chunk's parameters are
+//                used by m forwards in a row and m backwards in a row. Its
+//                boundaries are handed over in memory (no transfer actions):
+//                the executor copies chunk k's output into chunk k + 1's
+//                input before its forward, and chunk k + 1's input gradient
+//                into chunk k's output gradient before its backward. Every
+//                micro-batch of every chunk is in flight: m * v.
 //
 // Communication (runtime/pipeline/executor.h runs it so): a send is handed
 // to the rank's send stream, which sends in order, each once its data exists
@@ -50,12 +61,14 @@
 
 namespace strata::pipeline {
 
-enum class ScheduleKind : uint8_t { kGpipe, k1F1B, kInterleaved, kZbH1 };
-// "gpipe", "1f1b", "interleaved", "zb-h1".
+enum class ScheduleKind : uint8_t { kGpipe, k1F1B, kInterleaved, kZbH1, kLayerMajor };
+// "gpipe", "1f1b", "interleaved", "zb-h1", "layer-major".
 std::string_view schedule_name(ScheduleKind kind);
 // nullopt for a name that is none of them.
 std::optional<ScheduleKind> parse_schedule(std::string_view name);
-// The names, for errors and help: "gpipe, 1f1b, interleaved, zb-h1".
+// The pipeline schedules' names, for errors and help: "gpipe, 1f1b,
+// interleaved, zb-h1" (layer-major is no pipeline: parse_schedule knows it,
+// --pp-schedule does not offer it).
 std::string schedule_names();
 
 struct ScheduleSpec {
@@ -68,6 +81,9 @@ struct ScheduleSpec {
   void check() const;
   // Whether the backward is split into B and W (zb-h1).
   bool split_backward() const { return kind == ScheduleKind::kZbH1; }
+  // Whether neighbouring virtual stages share a rank, their boundaries
+  // handed over in memory rather than sent (layer-major).
+  bool local_handoff() const { return kind == ScheduleKind::kLayerMajor; }
 };
 
 enum class ActionKind : uint8_t {
@@ -106,6 +122,7 @@ Schedule gpipe(int stages, int micro_batches);
 Schedule one_f_one_b(int stages, int micro_batches);
 Schedule interleaved(int stages, int micro_batches, int virtual_stages);
 Schedule zb_h1(int stages, int micro_batches);
+Schedule layer_major(int micro_batches, int chunks);
 
 // What a run of a schedule takes, in any unit: a chunk's forward, its input
 // gradient (B of a split backward) and its weight gradients (W); a whole
@@ -144,7 +161,7 @@ Simulation simulate(const Schedule& schedule, const ActionCost& cost, double tra
 double bubble_formula(const ScheduleSpec& spec, const Costs& costs = {});
 // The peak of micro-batch chunks in flight the schedule promises per rank:
 // gpipe m; 1f1b min(p - r, m); interleaved min(2(p - r - 1) + (v - 1)p + 1, v m);
-// zb-h1 min(p, m).
+// zb-h1 min(p, m); layer-major v m.
 int promised_in_flight(const ScheduleSpec& spec, int rank);
 
 }  // namespace strata::pipeline

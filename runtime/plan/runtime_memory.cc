@@ -138,27 +138,42 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
   const size_t shared = c.shared_expert() ? 3 * view_nbytes(t, {rows, c.shared_expert_intermediate_size}) +
                                                 view_nbytes(t, {rows, hidden}) + view_nbytes(t, {rows, 1})
                                           : 0;
-  const size_t mlp_acts =
-      !c.moe() ? 3 * view_nbytes(t, {rows, inter})
-               : view_nbytes(t, {rows, experts}) + view_nbytes(f32, {rows, experts}) +
+  // The sigmoid router (DeepSeek, GLM) computes in fp32: its logits and their
+  // gradient, and in a 16-bit model its input and input gradient in fp32.
+  const DType router_t = c.sigmoid_router ? f32 : t;
+  const size_t router_x32 = c.sigmoid_router && t != f32 ? view_nbytes(f32, {rows, hidden}) : 0;
+  const size_t dense_acts = 3 * view_nbytes(t, {rows, inter});
+  const size_t moe_acts =
+      !c.moe() ? 0
+               : view_nbytes(router_t, {rows, experts}) + router_x32 + view_nbytes(f32, {rows, experts}) +
                      view_nbytes(DType::kI32, {rows, k}) + view_nbytes(f32, {rows, k}) +
                      view_nbytes(DType::kI32, {experts + 1}) + view_nbytes(DType::kI32, {rows, k}) +
                      view_nbytes(DType::kI32, {rk}) + 2 * view_nbytes(t, {rk, hidden}) +
                      3 * view_nbytes(t, {erk, mi}) +
                      (ep ? view_nbytes(t, {erk, hidden}) + 2 * view_nbytes(DType::kI32, {erk}) : 0) + shared;
   const size_t mlp_scratch =
-      !c.moe() ? 3 * view_nbytes(t, {rows, inter})
-               : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) +
-                     view_nbytes(f32, {rows, k}) + view_nbytes(t, {rows, experts}) +
-                     view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
-                     view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared;
-  // What one decoder layer saves for backward; one set with checkpointing.
-  const size_t acts = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
-                      nn::arena_nbytes(attention.saved) + 2 * view_nbytes(t, {local, hidden}) +
-                      view_nbytes(f32, {local}) + mlp_acts;
-  n += (checkpoint_activations ? 1 : layers) * acts;
+      (c.any_dense_layer() ? 3 * view_nbytes(t, {rows, inter}) : 0) +
+      (!c.moe() ? 0
+                : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) + view_nbytes(f32, {rows, k}) +
+                      view_nbytes(router_t, {rows, experts}) +
+                      (router_x32 > 0 ? router_x32 + view_nbytes(t, {rows, hidden}) : 0) +
+                      view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
+                      view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared);
+  // What one decoder layer saves for backward (its MLP's kind: DeepSeek's
+  // first layers are dense); one set holding both kinds with checkpointing.
+  const size_t common = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
+                        nn::arena_nbytes(attention.saved) + 2 * view_nbytes(t, {local, hidden}) +
+                        view_nbytes(f32, {local}) +
+                        // Sandwich norms (Gemma): each block's output before its norm, and that norm's rstd.
+                        (c.sandwich_norms ? 2 * (view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local})) : 0);
+  if (checkpoint_activations) {
+    n += common + (c.any_moe_layer() ? moe_acts : 0) + (c.any_dense_layer() ? dense_acts : 0);
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) n += common + (c.layer_moe(l) ? moe_acts : dense_acts);
+  }
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch;
+  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch +
+       (c.sandwich_norms ? view_nbytes(t, {local, hidden}) : 0);
   // dres, final_ln, rstd_f, the loss's lse.
   n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
        view_nbytes(f32, {rows});

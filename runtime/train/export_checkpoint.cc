@@ -84,6 +84,13 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   const auto loaded = checkpoints.find_and_load(engine, is_step_dir ? std::optional<int64_t>(info.state.step)
                                                                     : std::nullopt);
   STRATA_CHECK(loaded.has_value(), kBadArgument, "{}: no complete checkpoint to export", options.checkpoint.string());
+  if (rank.rank == 0 && config.mtp_layers > 0) {
+    // A checkpoint holds what was trained: the MTP modules' weights stayed in the source model.
+    logger().warn("{}: the checkpoint does not hold the {} multi-token prediction module(s) (model.layers.{}.*), "
+                  "which the run carried untrained: the export has none; copy them from the source model "
+                  "(strata finetune --export writes them)",
+                  options.checkpoint.string(), config.mtp_layers, config.num_hidden_layers);
+  }
   const ExportResult result =
       export_hf_model(engine, *comms.control, config, params, options.out, export_options, comms.tensor.get(),
                       comms.pipeline.get());

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "partition/communicator.h"
@@ -31,6 +33,7 @@
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/param_files.h"
 #include "runtime/pipeline/executor.h"
+#include "runtime/train/micro_batch_order.h"
 #include "runtime/plan/runtime_memory.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/freeze.h"
@@ -170,6 +173,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // The source's tokenizer, chat template and generation config go with every export and checkpoint.
   if (!options.model.empty()) {
     export_options.files = read_model_files(options.model, model_config.to_hf_json(DType::kF32));
+    // The MTP modules' weights: not trained, carried to the export as they are.
+    export_options.carried = carried_hf_tensors(model_config, options.model);
   }
   STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
 
@@ -279,6 +284,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                 : std::string());
   const int expert_parallel = choose_expert_parallel_size(config, model_config, dp, source);
   zero.expert_parallel_size = expert_parallel;
+  // The step's micro-batches layer by layer (docs/DESIGN.md §5.5) or one after another.
+  const MicroBatchOrderChoice order = choose_micro_batch_order(
+      options.micro_batch_order.empty() ? config.strata.micro_batch_order : options.micro_batch_order,
+      options.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order",
+      {zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(), model_config.tie_word_embeddings,
+       model_config.moe() && model_config.output_router_logits});
+  const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
+  if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   {
     plan::RuntimeInputs pinned;
@@ -345,6 +358,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     if (pp > 1) {
       stages = pipeline::make_stage_models(engine, model_config, model_options, pipeline_spec, *comms.pipeline,
                                            stage_layers);
+    } else if (layer_major) {
+      stages = pipeline::make_layer_models(engine, model_config, model_options);
     } else {
       stages.push_back(std::make_unique<nn::DecoderModel>(engine, model_config, model_options));
     }
@@ -372,6 +387,18 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     std::vector<nn::DecoderModel*> chunks;
     for (const auto& stage : stages) chunks.push_back(stage.get());
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, *comms.pipeline, pipeline_spec, chunks);
+  } else if (layer_major) {
+    // One rank's layers as single-layer chunks, the schedule layer-major (runtime/pipeline/schedule.h).
+    std::vector<nn::DecoderModel*> chunks;
+    for (const auto& stage : stages) chunks.push_back(stage.get());
+    const pipeline::ScheduleSpec spec{pipeline::ScheduleKind::kLayerMajor, 1, static_cast<int>(accumulation),
+                                      static_cast<int>(chunks.size())};
+    executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks);
+    if (rank.rank == 0) {
+      logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
+                    "then each layer's backwards from the top",
+                    accumulation, chunks.size());
+    }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
   std::vector<engine::ParamId> base, adapters;
@@ -381,9 +408,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     }
   }
   if (options.model.empty()) {
-    nn::initialize_parameters(engine, base, seed);
+    // A norm weight starts at 1 times the normalised input: Gemma's (1 + w) at w = 0.
+    nn::initialize_parameters(engine, base, seed, 0.02, 1.0f - model.config().norm_weight_offset);
   } else {
-    load_hf_weights(engine, base, options.model);
+    std::set<std::string> carried;
+    for (const auto& [name, file] : export_options.carried) carried.insert(name);
+    load_hf_weights(engine, base, options.model, carried);
   }
   nn::initialize_parameters(engine, adapters, seed);
   if (start_adapter) {
@@ -659,7 +689,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       r.router_imbalance = worst;
     }
     if (piped) {
-      r.pipeline_idle_fraction = piped->idle_fraction();
+      if (pp > 1) r.pipeline_idle_fraction = piped->idle_fraction();
       r.activation_nbytes = piped->activation_nbytes;
     }
     if (aux) {

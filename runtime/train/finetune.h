@@ -57,6 +57,9 @@ struct FinetuneOptions {
   int pipeline_parallel = 0;
   std::string pipeline_schedule;
   int virtual_stages = 0;
+  // --micro-batch-order: step-major | layer-major | auto (runtime/train/
+  // micro_batch_order.h); empty: the config's strata.micro_batch_order.
+  std::string micro_batch_order;
   // --sequence-parallel: Megatron's sequence parallelism over the tp ranks
   // (also on with the config's sequence_parallel true).
   bool sequence_parallel = false;

@@ -15,6 +15,7 @@
 
 #include "core/durable_file.h"
 #include "core/error.h"
+#include "runtime/nn/safetensors.h"
 #include "runtime/nn/safetensors_stream.h"
 #include "runtime/train/export_dir.h"
 
@@ -117,8 +118,9 @@ struct TensorPlan {
   std::string name;
   Shape shape;
   std::vector<engine::ParamId> parts;  // this rank's (none: another pipeline stage's tensor)
+  DType dtype;                         // written in: the export's, or fp32 for what transformers keeps in fp32
   int stage = 0;                       // the pipeline stage that assembles it
-  uint64_t nbytes(DType dtype) const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_nbytes(dtype); }
+  uint64_t nbytes() const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_nbytes(dtype); }
 };
 
 // Pipeline parallelism: every stage's tensors (names and shapes, in each
@@ -147,7 +149,7 @@ std::vector<TensorPlan> pipeline_plan(engine::Engine& engine, partition::Communi
     for (const nlohmann::json& entry : list) {
       const std::string name = entry[0].get<std::string>();
       if (!seen.insert(name).second) continue;
-      TensorPlan t{name, entry[1].get<Shape>(), {}, s};
+      TensorPlan t{name, entry[1].get<Shape>(), {}, DType::kF32, s};  // dtype: set by the caller
       if (s == pipeline.rank()) {
         for (const TensorPlan& own : local) {
           if (own.name == name) t.parts = own.parts;
@@ -174,19 +176,23 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     const engine::ParamInfo& info = engine.param_info(id);
     const std::string& name = info.slice ? info.slice->tensor : info.name;
     auto [it, inserted] = index_of.emplace(name, tensors.size());
-    if (inserted) tensors.push_back({name, info.slice ? info.slice->tensor_shape : info.shape, {}});
+    if (inserted) {
+      tensors.push_back({name, info.slice ? info.slice->tensor_shape : info.shape, {},
+                         nn::export_dtype(config, name, options.dtype)});
+    }
     tensors[it->second].parts.push_back(id);
   }
   auto stream = engine.accelerator().create_stream();
   const int stage = pipeline_comm != nullptr ? pipeline_comm->rank() : 0;
   if (pipeline_comm != nullptr && pipeline_comm->world_size() > 1) {
     tensors = pipeline_plan(engine, *pipeline_comm, *stream, std::move(tensors));
+    for (TensorPlan& t : tensors) t.dtype = nn::export_dtype(config, t.name, options.dtype);
   }
   // Shards of at most max_shard_nbytes (a larger tensor gets a file of its own).
   std::vector<std::vector<size_t>> shards;
   uint64_t shard_nbytes = 0, total_nbytes = 0;
   for (size_t t = 0; t < tensors.size(); ++t) {
-    const uint64_t n = tensors[t].nbytes(options.dtype);
+    const uint64_t n = tensors[t].nbytes();
     if (shards.empty() || (shard_nbytes > 0 && shard_nbytes + n > options.max_shard_nbytes)) {
       shards.emplace_back();
       shard_nbytes = 0;
@@ -195,9 +201,10 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     shard_nbytes += n;
     total_nbytes += n;
   }
+  // The carried tensors (ExportOptions::carried) go in a last shard of their own.
+  const size_t files = shards.size() + (options.carried.empty() ? 0 : 1);
   const auto file_name = [&](size_t s) {
-    return shards.size() == 1 ? std::string("model.safetensors")
-                              : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, shards.size());
+    return files == 1 ? std::string("model.safetensors") : fmt::format("model-{:05}-of-{:05}.safetensors", s + 1, files);
   };
   // With tensor parallelism the ranks of dp rank 0 (tp group 0) hold each
   // tp shard whole after the dp gather; tp rank 0 of them gathers the shards.
@@ -231,29 +238,29 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     if (writer) {
       const fs::path staged = staging->dir() / file_name(s);
       std::vector<nn::SafetensorsDecl> decls;
-      for (size_t t : shards[s]) decls.push_back({tensors[t].name, options.dtype, tensors[t].shape});
+      for (size_t t : shards[s]) decls.push_back({tensors[t].name, tensors[t].dtype, tensors[t].shape});
       file = std::make_unique<nn::SafetensorsStreamWriter>(staged.string(), decls,
                                                            std::map<std::string, std::string>{{"format", "pt"}});
     }
     for (size_t t : shards[s]) {
       const TensorPlan& tensor = tensors[t];
       weight_map[tensor.name] = file_name(s);
-      const size_t out_element = dtype_nbytes(options.dtype);
+      const size_t out_element = dtype_nbytes(tensor.dtype);
       // Another stage's tensor: its first rank sends it whole to the writer.
       const uint64_t tag = uint64_t{4} << 56 | t;
       const std::string what = fmt::format("exported tensor {}", tensor.name);
       if (tensor.stage != stage) {
         if (!writer) continue;
-        std::vector<char> received(static_cast<size_t>(tensor.nbytes(options.dtype)));
+        std::vector<char> received(static_cast<size_t>(tensor.nbytes()));
         const partition::P2POp op =
-            partition::P2POp::recv(tensor.stage, received.data(), options.dtype, tensor.shape, tag, what);
+            partition::P2POp::recv(tensor.stage, received.data(), tensor.dtype, tensor.shape, tag, what);
         pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
         file->write(tensor.name, 0, received.data(), received.size());
         continue;
       }
       // The whole tensor, assembled on a later stage's first rank for the writer.
       std::vector<char> assembled;
-      if (assembler && !writer) assembled.resize(static_cast<size_t>(tensor.nbytes(options.dtype)));
+      if (assembler && !writer) assembled.resize(static_cast<size_t>(tensor.nbytes()));
       const auto emit = [&](size_t offset, const char* data, size_t nbytes) {
         if (writer) {
           file->write(tensor.name, offset, data, nbytes);
@@ -282,6 +289,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           allgather_host(*tensor_comm, engine.accelerator(), *stream, mine.data(), offsets.data(), dims, DType::kF64);
         }
         if (!assembler) continue;
+        const DType out_dtype = tensor.dtype;
         const auto block_numel = static_cast<size_t>(info.numel());
         std::vector<char> converted(block_numel * blocks * out_element);
         const std::string stem = info.name.size() > 7 && info.name.ends_with(".weight")
@@ -296,9 +304,9 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           convert(whole.data(), info.dtype, merged.data(), DType::kF32, merged.size());
           add_lora_delta(merged.data(), a->second, b->second, static_cast<size_t>(info.shape[0]),
                          static_cast<size_t>(info.shape[1]), static_cast<float>(options.merge->spec.scaling()));
-          convert(merged.data(), DType::kF32, converted.data(), options.dtype, merged.size());
+          convert(merged.data(), DType::kF32, converted.data(), out_dtype, merged.size());
         } else {
-          convert(whole.data(), info.dtype, converted.data(), options.dtype, block_numel * blocks);
+          convert(whole.data(), info.dtype, converted.data(), out_dtype, block_numel * blocks);
         }
         if (!info.slice) {
           emit(0, converted.data(), converted.size());
@@ -322,14 +330,35 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
         }
       }
       if (assembler && !writer) {
-        const partition::P2POp op = partition::P2POp::send(0, assembled.data(), options.dtype, tensor.shape, tag, what);
+        const partition::P2POp op = partition::P2POp::send(0, assembled.data(), tensor.dtype, tensor.shape, tag, what);
         pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
       }
     }
     if (writer) file->commit();
     result.files.push_back(path);
   }
-  if (writer && shards.size() > 1) {
+  if (writer && !options.carried.empty()) {
+    // The untrained tensors, copied as the source holds them.
+    const std::string name = file_name(shards.size());
+    std::map<std::filesystem::path, nn::SafetensorsFile> sources;
+    std::vector<nn::SafetensorsDecl> decls;
+    for (const auto& [tensor, source] : options.carried) {
+      auto it = sources.find(source);
+      if (it == sources.end()) it = sources.emplace(source, nn::SafetensorsFile::open(source.string())).first;
+      const TensorView v = it->second.view(tensor);
+      decls.push_back({tensor, v.desc.dtype, v.desc.shape});
+    }
+    nn::SafetensorsStreamWriter file((staging->dir() / name).string(), decls, {{"format", "pt"}});
+    for (const auto& [tensor, source] : options.carried) {
+      const TensorView v = sources.at(source).view(tensor);
+      file.write(tensor, 0, v.data, v.nbytes());
+      weight_map[tensor] = name;
+      total_nbytes += v.nbytes();
+    }
+    file.commit();
+    result.files.push_back(dir / name);
+  }
+  if (writer && files > 1) {
     const nlohmann::json index = {{"metadata", {{"total_size", total_nbytes}}}, {"weight_map", weight_map}};
     write_file_durably(staging->dir() / "model.safetensors.index.json", index.dump(2) + "\n");
     result.files.push_back(dir / "model.safetensors.index.json");

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -47,6 +48,11 @@ struct ExportOptions {
   // Set: each weight W with an adapter is written as W + s B A (summed in
   // fp32, then converted to dtype once), what PEFT's merge_and_unload gives.
   std::optional<LoraMerge> merge;
+  // Tensors copied byte for byte (their dtype and shape) from the safetensors
+  // file named beside each, untrained (the MTP modules: hf_model.h's
+  // carried_hf_tensors), into the last shard, a file of their own, which the
+  // index (always written then) maps them to.
+  std::map<std::string, std::filesystem::path> carried;
 };
 
 // What was written (rank 0; other ranks get the same file list).

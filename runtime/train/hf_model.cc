@@ -11,6 +11,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "runtime/engine/state_file.h"
 #include "runtime/nn/param_files.h"
 #include "runtime/nn/safetensors.h"
@@ -151,8 +152,13 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
 
   // Unused tensors first: they say the checkpoint is another model.
   std::vector<std::string> unused;
+  size_t mtp = 0;
   for (const auto& [name, f] : found) {
     if (expected.contains(name) || derived_buffer(name)) continue;
+    if (nn::is_mtp_tensor(config, name)) {
+      ++mtp;
+      continue;
+    }
     if (name == kHead && config.tie_word_embeddings && found.contains(kEmbed)) {
       // Tied: the file may store the shared matrix twice, but only if it is the same.
       const nn::SafetensorsFile& hf = opened.at(f.file);
@@ -180,6 +186,14 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
           dir.string(), first, found.at(first).file, config.model_type, unused_hint(first, config),
           unused.size() > 1 ? fmt::format(", and {} more tensors are unused", unused.size() - 1)
                             : "");
+  }
+  if (mtp > 0) {
+    logger().info(
+        "--model {}: {} tensors of the multi-token prediction module{} (model.layers.{}{}.*), which transformers' {} "
+        "ignores, are not trained and are carried to the export unchanged",
+        dir.string(), mtp, config.mtp_layers > 1 ? "s" : "", config.num_hidden_layers,
+        config.mtp_layers > 1 ? fmt::format("-{}", config.num_hidden_layers + config.mtp_layers - 1) : "",
+        config.to_json().at("architectures")[0].get<std::string>());
   }
   for (const auto& [name, shape] : expected) {
     const auto it = found.find(name);
@@ -214,8 +228,21 @@ nn::DecoderConfig load_hf_config(const fs::path& dir) {
   return c;
 }
 
+std::map<std::string, fs::path> carried_hf_tensors(const nn::DecoderConfig& config, const fs::path& dir) {
+  std::map<std::string, fs::path> carried;
+  if (config.mtp_layers == 0) return carried;
+  const WeightFiles w = weight_files(dir);
+  for (const std::string& file : w.files) {
+    const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
+    for (const std::string& name : f.names()) {
+      if (nn::is_mtp_tensor(config, name)) carried.emplace(name, dir / file);
+    }
+  }
+  return carried;
+}
+
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const fs::path& dir) {
+                     const fs::path& dir, const std::set<std::string>& carried) {
   const WeightFiles w = weight_files(dir);
   // Each parameter goes with the file its (untiled) tensor lives in.
   std::map<std::string, std::vector<engine::ParamId>> by_file;
@@ -234,13 +261,15 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     by_file[it->second].push_back(id);
   }
   // No file may hold a weight the model leaves out (check_hf_checkpoint says
-  // why in the model's terms; this is the same rule for any caller).
+  // why in the model's terms; this is the same rule for any caller), but
+  // what it carries untrained (`carried`: the MTP modules).
   for (const std::string& file : w.files) {
     const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
     for (const std::string& name : f.names()) {
       const bool tied_head = name == kHead && !wanted.contains(kHead) && wanted.contains(kEmbed) &&
                              (w.index.empty() || w.weight_map.at(kEmbed) == file);
-      STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head, kBadArgument,
+      STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head || carried.contains(name),
+                   kBadArgument,
                            "{}: tensor '{}' matches no parameter of the model",
                            (dir / file).string(), name);
     }

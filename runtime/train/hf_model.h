@@ -18,6 +18,8 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -32,10 +34,15 @@ namespace strata::train {
 nn::DecoderConfig load_hf_config(const std::filesystem::path& dir);
 // The same check for a configuration already read.
 void check_hf_checkpoint(const nn::DecoderConfig& config, const std::filesystem::path& dir);
+// The tensors of the directory a model carries without training them: the
+// MTP modules' (nn::is_mtp_tensor), by name, with the file holding each.
+std::map<std::string, std::filesystem::path> carried_hf_tensors(const nn::DecoderConfig& config,
+                                                                const std::filesystem::path& dir);
 // Every parameter in `params` from the directory's safetensors; a tensor no
 // parameter claims (other than those above) is refused.
+// `carried`: tensors the files may hold without a parameter (carried_hf_tensors').
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const std::filesystem::path& dir);
+                     const std::filesystem::path& dir, const std::set<std::string>& carried = {});
 // The identity of the directory's weights: each weights file (and the index
 // when sharded) with its size and CRC-32, [{"file", "bytes", "crc32"}, ...]
 // in name order. With checksums it reads every byte once; without, crc32 is

@@ -39,6 +39,20 @@ nn::DecoderConfig family(const std::string& name, bool tied = false) {
     c.attention_qkv_bias = true;
   } else if (name == "qwen3") {
     c.qk_norm = true;  // per-head norms: each tp rank's heads add to one weight's gradient
+  } else if (name == "gemma3_text") {
+    // Gemma 3's pieces: the sandwich norms split nothing (they normalise
+    // whole rows, after each block's sum over tp), the scores' scale and
+    // each layer's RoPE are per head.
+    c.qk_norm = true;
+    c.hidden_act = ops::GluActivation::kGeluTanh;
+    c.norm_weight_offset = 1;
+    c.scale_embedding = true;
+    c.sandwich_norms = true;
+    c.query_pre_attn_scalar = 12;
+    c.sliding_window = 5;
+    c.sliding_layers = {true, false};
+    c.sliding_rope = c.rope;
+    c.sliding_rope->theta = 100;
   }
   return c;
 }
@@ -102,6 +116,8 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       {"qwen2", 2, 2, 3, Tier::kNvme, Tier::kNvme, 1, false, true, true},
       {"qwen3", 4, 2, 1, Tier::kDevice, Tier::kDevice, 1, true, false, true},
       {"llama", 4, 4, 2, Tier::kDevice, Tier::kCpu, 2, false, true, true},
+      {"gemma3_text", 2, 2, 3, Tier::kNvme, Tier::kNvme, 1, true, true},
+      {"gemma3_text", 4, 2, 2, Tier::kDevice, Tier::kCpu, 1, false, false, true},
   };
   for (const Case& c : cases) {
     const std::string name = c.family + ", tp " + std::to_string(c.tp) + " x dp " + std::to_string(c.world / c.tp) +
@@ -178,7 +194,7 @@ TEST_CASE("tensor parallelism equals one resident rank on the combined batch", "
       } else {
         const int64_t gathers = micro_steps * (2 * layers + 4 * layers + 2 * recomputed + 2);
         const int64_t scatters = micro_steps * (2 * layers + 2 * layers + 2 * recomputed + 2);
-        const int64_t norms = micro_steps * (2 * layers + 1);
+        const int64_t norms = micro_steps * ((m.sandwich_norms ? 4 : 2) * layers + 1);  // Gemma: 4 per layer
         CHECK(r.tensor_traffic.allgathers == gathers + chunks);
         CHECK(r.tensor_traffic.reduce_scatters == scatters);
         CHECK(r.tensor_traffic.allreduces == norms + small + kv_sums);

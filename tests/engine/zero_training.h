@@ -152,6 +152,13 @@ struct TrainSpec {
   int abandoned_step = -1;
   // Parameters to freeze (Engine::freeze) by name; empty: none.
   std::function<bool(const std::string& name)> frozen;
+  // Each parameter's lr scale (Engine::set_lr_scale) by name; empty: 1.
+  std::function<float(const std::string& name)> lr_scale;
+  // > 0: ZeroEngine::clip_grad_norm(clip_grad_norm) before each step (its
+  // norm must be the step's grad_norm).
+  double clip_grad_norm = 0;
+  // Called on each rank after each step (0-based), before any checkpoint.
+  std::function<void(int rank, int step, engine::ZeroEngine&)> after_step;
   // Rank-specific options (e.g. a fault-injecting I/O backend on one rank).
   std::function<void(int rank, engine::ZeroEngineOptions&)> per_rank;
   // Before these steps (0-based), each rank runs an evaluation forward
@@ -231,6 +238,11 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               if (spec.frozen(eng.param_info(id).name)) eng.freeze(id);
             }
           }
+          if (spec.lr_scale) {
+            for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+              eng.set_lr_scale(id, spec.lr_scale(eng.param_info(id).name));
+            }
+          }
           eng.finalize();
           nn::initialize_parameters(eng, model.parameters(), 7);
           const std::string rank_dir = "rank" + std::to_string(rank);
@@ -291,11 +303,15 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             }
             micro_steps(loss_sum);
             losses.push_back(eng.global_sum(loss_sum) / global_count);
+            const double clip_norm = spec.clip_grad_norm > 0 ? eng.clip_grad_norm(spec.clip_grad_norm) : -1;
             const engine::StepResult r = eng.step(lr);
+            STRATA_CHECK(clip_norm < 0 || clip_norm == r.grad_norm, kInternal,
+                         "clip_grad_norm gave {}, the step's norm is {}", clip_norm, r.grad_norm);
             steps.push_back(r);
             norms.push_back(r.grad_norm);
             applied.push_back(r.applied);
             prefetch.push_back(eng.last_step_prefetch());
+            if (spec.after_step) spec.after_step(rank, step, eng);
             if (step == spec.save_after_step) {
               std::filesystem::create_directories(spec.save_dir / rank_dir);
               eng.save_state(spec.save_dir / rank_dir);

@@ -12,7 +12,8 @@
  *     cpu accelerator;
  *   - strata_clip_grad_norm: the norm before the step, the step's clipping to
  *     max_norm, no window until the step;
- *   - strata_begin_evaluation / strata_end_evaluation around forward windows.
+ *   - strata_begin_evaluation / strata_end_evaluation around forward windows;
+ *   - 0.4: strata_set_lr_scale, strata_read/write_optimizer_state.
  * Every misuse a status naming the problem, the engine usable. Prints
  * "capi_hooks: ok". */
 #include <math.h>
@@ -253,8 +254,73 @@ static void evaluation(void) {
   REQUIRE_OK(strata_engine_destroy(e));
 }
 
+/* 0.4: an lr scale per parameter (AdamW's first step moves it lr x scale), and the Adam moments read by
+ * parameter (after one step: (1 - beta1) g and (1 - beta2) g^2, g summed over ranks) and written back
+ * (zero and step 0: the next step is a first step again). */
+static void lr_scale_and_moments(void) {
+  enum { N = 8 };
+  int32_t world, w, h, op, both[2], twice[2];
+  const int64_t shape[1] = {N};
+  float got[N], m_w[N], v_w[N], m_h[N], v_h[N], zeros[N] = {0};
+  float* m[2] = {m_w, m_h};
+  float* v[2] = {v_w, v_h};
+  const float* z[2] = {zeros, zeros};
+  int64_t step = -1;
+  int i;
+  double g;
+  strata_engine* e = create(&world);
+  g = 0.25 * world;
+  REQUIRE_OK(strata_register_param(e, "w", STRATA_DTYPE_F32, 1, shape, NULL, init_ones, NULL, &w));
+  REQUIRE_OK(strata_register_param(e, "head", STRATA_DTYPE_F32, 1, shape, NULL, init_ones, NULL, &h));
+  EXPECT(strata_set_lr_scale(e, h, -1.0f), STRATA_ERROR_INVALID_ARGUMENT, "'head': lr scale -1");
+  EXPECT(strata_set_lr_scale(e, h, INFINITY), STRATA_ERROR_INVALID_ARGUMENT, "must be finite and >= 0");
+  EXPECT(strata_set_lr_scale(e, 9, 1.0f), STRATA_ERROR_INVALID_ARGUMENT, "parameter id 9 is not registered");
+  REQUIRE_OK(strata_set_lr_scale(e, h, 3.0f));
+  REQUIRE_OK(strata_set_weight_decay(e, w, 0.0f));
+  REQUIRE_OK(strata_set_weight_decay(e, h, 0.0f));
+  both[0] = w, both[1] = h;
+  twice[0] = w, twice[1] = w;
+  REQUIRE_OK(strata_register_op(e, "layer", 2, both, &op));
+  EXPECT(strata_read_optimizer_state(e, 2, both, m, v, &step), STRATA_ERROR_INVALID_STATE, "before strata_finalize");
+  REQUIRE_OK(strata_finalize(e));
+  EXPECT(strata_set_lr_scale(e, w, 2.0f), STRATA_ERROR_INVALID_STATE, "after strata_finalize");
+  REQUIRE_OK(strata_fetch(e, op, STRATA_PHASE_BACKWARD));
+  add_all(e, w, N, 0.25f);
+  add_all(e, h, N, 0.25f);
+  EXPECT(strata_read_optimizer_state(e, 2, both, m, v, &step), STRATA_ERROR_INVALID_STATE, "still fetched");
+  REQUIRE_OK(strata_release(e, op, STRATA_PHASE_BACKWARD));
+  REQUIRE_OK(strata_step(e, 0.1f, NULL));
+  REQUIRE_OK(strata_read_param(e, w, got));
+  for (i = 0; i < N; ++i) CHECK(fabsf(got[i] - 0.9f) < 1e-5f, "w[%d] = %f, want 0.9", i, got[i]);
+  REQUIRE_OK(strata_read_param(e, h, got));
+  for (i = 0; i < N; ++i) CHECK(fabsf(got[i] - 0.7f) < 1e-5f, "head[%d] = %f, want 0.7 (lr x 3)", i, got[i]);
+  EXPECT(strata_read_optimizer_state(e, 2, twice, m, v, &step), STRATA_ERROR_INVALID_ARGUMENT, "'w' is listed twice");
+  EXPECT(strata_read_optimizer_state(e, -1, both, m, v, &step), STRATA_ERROR_INVALID_ARGUMENT, "count -1");
+  REQUIRE_OK(strata_read_optimizer_state(e, 2, both, m, v, &step));
+  CHECK(step == 1, "step %lld, want 1", (long long)step);
+  for (i = 0; i < N; ++i) {
+    CHECK(fabs(m_w[i] - 0.1 * g) < 1e-6 && fabs(m_h[i] - 0.1 * g) < 1e-6, "exp_avg[%d] %f %f", i, m_w[i], m_h[i]);
+    CHECK(fabs(v_w[i] - 0.001 * g * g) < 1e-8, "exp_avg_sq[%d] %g", i, v_w[i]);
+  }
+  EXPECT(strata_write_optimizer_state(e, 1, both, z, z, 0), STRATA_ERROR_INVALID_ARGUMENT,
+         "trained parameter 'head' is not listed");
+  EXPECT(strata_write_optimizer_state(e, 2, both, z, z, -3), STRATA_ERROR_INVALID_ARGUMENT, "step -3");
+  REQUIRE_OK(strata_write_optimizer_state(e, 2, both, z, z, 0));
+  REQUIRE_OK(strata_fetch(e, op, STRATA_PHASE_BACKWARD));
+  add_all(e, w, N, 0.25f);
+  add_all(e, h, N, 0.25f);
+  REQUIRE_OK(strata_release(e, op, STRATA_PHASE_BACKWARD));
+  REQUIRE_OK(strata_step(e, 0.1f, NULL));
+  REQUIRE_OK(strata_read_param(e, w, got));
+  for (i = 0; i < N; ++i) CHECK(fabsf(got[i] - 0.8f) < 1e-5f, "w[%d] = %f, want 0.8 (a first step again)", i, got[i]);
+  REQUIRE_OK(strata_read_param(e, h, got));
+  for (i = 0; i < N; ++i) CHECK(fabsf(got[i] - 0.4f) < 1e-5f, "head[%d] = %f, want 0.4", i, got[i]);
+  REQUIRE_OK(strata_engine_destroy(e));
+}
+
 int main(void) {
   release_in_any_order();
+  lr_scale_and_moments();
   freeze_and_decay();
   device_grads_and_clipping();
   evaluation();

@@ -367,6 +367,42 @@ TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, pac
   }
 }
 
+TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap matches the reference", "[ops][cpu][gemma]") {
+  for (DType dt : kDtypes) {
+    for (auto [batch, seq, heads, kv, hd, window] : {std::tuple{2, 13, 4, 2, 8, 0}, {1, 70, 4, 1, 16, 5}}) {
+      INFO(dtype_name(dt) << " seq " << seq << " window " << window);
+      AttentionMask mask{window};
+      mask.scale = 0.6f;
+      mask.softcap = 1.2f;
+      Fixture f;
+      const double tol = tol_of(dt);
+      const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
+      Vec q = random_vec(nq, 60, 2.0), k = random_vec(nkv, 61, 2.0), v = random_vec(nkv, 62),
+          dout = random_vec(nq, 63);
+      auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
+           vv = f.tensor(v, dt, {batch, seq, kv, hd});
+      auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
+      f.ops->attention_forward(*f.ctx, qv, kv_, vv, ov, lse, mask);
+      nn::cpu::AttentionShape s{batch, seq, heads, kv, hd};
+      Vec oref(nq), lref(static_cast<size_t>(batch * heads * seq));
+      nn::cpu::attention_forward<double>(q.data(), k.data(), v.data(), s, oref.data(), lref.data(), mask);
+      expect_close(f.read(ov), oref, tol, "attention out");
+      expect_close(f.read(lse), lref, 1e-4, "attention lse");
+      Vec o_used = f.read(ov);
+      auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
+           dv = f.zeros(dt, {batch, seq, kv, hd});
+      f.ops->attention_backward(*f.ctx, f.tensor(dout, dt, {batch, seq, heads, hd}), qv, kv_, vv, ov, lse, dq, dk,
+                                dv, mask);
+      Vec dqr(nq), dkr(nkv), dvr(nkv);
+      nn::cpu::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), o_used.data(), lref.data(), s,
+                                          dqr.data(), dkr.data(), dvr.data(), mask);
+      expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
+      expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
+      expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
+    }
+  }
+}
+
 TEST_CASE("cpu ops: fused cross-entropy gives the loss, dh and dw of the reference",
           "[ops][cpu]") {
   for (DType dt : kDtypes) {

@@ -3,6 +3,7 @@
 // source's keys, and every refusal: another model_type, a math-changing key or
 // value strata does not compute, a key it does not know.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -123,7 +124,7 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "deepseek_v2", "deepseek_v3"}) {
+  for (const char* type : {"gemma", "gemma3", "phi3", "olmo2", "deepseek_v2", "falcon"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
@@ -378,7 +379,8 @@ TEST_CASE("families: YaRN RoPE is read as transformers reads it, in both styles,
 TEST_CASE("families: strata plan's arena is the model's, Qwen3's q/k norm activations and experts included",
           "[nn][config][families]") {
   for (const char* name : {"qwen3_untied_f32", "qwen2_untied_f32", "mistral_untied_f32", "mixtral_untied_f32",
-                           "qwen3_moe_untied_f32", "qwen2_moe_untied_f32"}) {
+                           "qwen3_moe_untied_f32", "qwen2_moe_untied_f32", "deepseek_v3_qlora_f32", "deepseek_v3_qproj_f32",
+                           "glm4_moe_f32"}) {
     const DecoderConfig c = load_decoder_config(fixture(name) + "/config.json");
     for (const bool checkpointing : {false, true}) {
       INFO(name << " checkpointing " << checkpointing);
@@ -587,4 +589,81 @@ TEST_CASE("families: qwen2_moe reads its experts, shared expert, biases and wind
   const DecoderConfig q = parse_decoder_config(a27b);
   CHECK(q.sliding_window == 0);
   CHECK(q.parameter_count() == 14315784192);
+}
+
+TEST_CASE("families: Gemma 2 and Gemma 3 configs, with their defaults and both RoPE forms", "[nn][config][families][gemma]") {
+  const DecoderConfig g2 = parse_decoder_config(fixture_config("gemma2_untied_f32"));
+  CHECK(g2.hidden_act == ops::GluActivation::kGeluTanh);
+  CHECK(g2.norm_weight_offset == 1.0f);
+  CHECK(g2.scale_embedding);
+  CHECK(g2.sandwich_norms);
+  CHECK_FALSE(g2.qk_norm);
+  CHECK(g2.query_pre_attn_scalar == 12);
+  CHECK(g2.attn_logit_softcapping == 1.0);
+  CHECK(g2.final_logit_softcapping == 1.5);
+  CHECK(g2.sliding_window == 3);
+  CHECK(g2.sliding_layers == std::vector<bool>{true, false});
+  CHECK(g2.attention_mask(0).window == 3);
+  CHECK(g2.attention_mask(1).window == 0);
+  CHECK(g2.attention_mask(1).softcap == 1.0f);
+  CHECK(std::abs(g2.attention_mask(1).scale - 1.0 / std::sqrt(12.0)) < 1e-7);
+  CHECK(g2.pad_token_id == 0);
+  // hf_tensors: the sandwich norms and the MLP's input norm under Gemma's names.
+  std::vector<std::string> names;
+  for (const HfTensor& t : hf_tensors(g2)) names.push_back(t.name);
+  for (const char* want : {"model.layers.0.post_attention_layernorm.weight", "model.layers.0.pre_feedforward_layernorm.weight",
+                           "model.layers.1.post_feedforward_layernorm.weight"}) {
+    CHECK(std::find(names.begin(), names.end(), want) != names.end());
+  }
+
+  const DecoderConfig g3 = parse_decoder_config(fixture_config("gemma3_untied_f32"));
+  CHECK(g3.qk_norm);
+  CHECK(g3.attn_logit_softcapping == 0);  // transformers' Gemma 3 never caps the scores
+  CHECK(g3.final_logit_softcapping == 0);
+  CHECK(g3.sliding_layers == std::vector<bool>{true, true, false});
+  REQUIRE(g3.sliding_rope.has_value());
+  CHECK(g3.rope_of(0).theta == 10.0);
+  CHECK(g3.rope_of(0).type == ops::RopeType::kDefault);
+  CHECK(g3.rope_of(2).theta == 100.0);
+  CHECK(g3.rope_of(2).type == ops::RopeType::kLinear);
+  CHECK(g3.rope_of(2).factor == 2.0);
+  // The round trip keeps every piece.
+  const DecoderConfig again = parse_decoder_config(g3.to_json());
+  CHECK(again.sliding_layers == g3.sliding_layers);
+  CHECK(again.rope_of(0).theta == 10.0);
+  CHECK(again.rope_of(2).factor == 2.0);
+  CHECK(again.query_pre_attn_scalar == 12);
+  // transformers' strict Gemma config classes take an int there, not 12.0.
+  CHECK(g3.to_json().at("query_pre_attn_scalar").is_number_integer());
+
+  // Gemma 3's older form (the published 27B text config): rope_theta and
+  // rope_scaling for the full layers, rope_local_base_freq for the sliding
+  // ones, sliding_window_pattern for the layers.
+  json legacy = fixture_config("gemma3_untied_f32");
+  for (const char* k : {"rope_parameters", "layer_types"}) legacy.erase(k);
+  legacy["num_hidden_layers"] = 7;
+  legacy["sliding_window_pattern"] = 6;
+  legacy["rope_theta"] = 1000000.0;
+  legacy["rope_local_base_freq"] = 10000.0;
+  legacy["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  const DecoderConfig l = parse_decoder_config(legacy);
+  CHECK(l.sliding_layers == std::vector<bool>{true, true, true, true, true, false, true});
+  CHECK(l.rope_of(5).theta == 1000000.0);
+  CHECK(l.rope_of(5).factor == 8.0);
+  CHECK(l.rope_of(0).theta == 10000.0);
+  CHECK(l.rope_of(0).type == ops::RopeType::kDefault);
+
+  // What strata does not compute is refused, naming the key.
+  json j = fixture_config("gemma2_untied_f32");
+  j["hidden_activation"] = "gelu";
+  expect_refused(j, {"hidden_activation", "gelu_pytorch_tanh"});
+  j = fixture_config("gemma3_untied_f32");
+  j["use_bidirectional_attention"] = true;
+  expect_refused(j, {"use_bidirectional_attention"});
+  j = fixture_config("gemma3_untied_f32");
+  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10.0}};
+  expect_refused(j, {"rope_parameters", "full_attention"});
+  j = fixture_config("gemma2_untied_f32");
+  j["model_type"] = "gemma3";
+  expect_refused(j, {"text_config"});
 }

@@ -37,7 +37,7 @@ TEST_CASE("golden on cuda: a packed batch equals transformers fed its documents 
 }
 
 TEST_CASE("golden on cuda: LoRA adapters match PEFT", "[nn][golden][cuda][lora]") {
-  for (const char* name : {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn"}) {
+  for (const char* name : {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn", "lora_gemma3_f32_all"}) {
     check_lora_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenF32Cuda);
   }
   check_lora_golden(Backend::kCuda, "lora_llama_bf16_all", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
@@ -55,5 +55,14 @@ TEST_CASE("golden on cuda: Mixtral, Qwen3-MoE and Qwen2-MoE match transformers, 
   for (const char* name : {"mixtral_untied_bf16", "qwen3_moe_tied_bf16", "qwen2_moe_tied_bf16"}) {
     check_golden(Backend::kCuda, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
     check_golden(Backend::kCuda, name, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
+  }
+}
+
+TEST_CASE("golden on cuda: Gemma 2 and Gemma 3 match transformers", "[nn][golden][cuda][gemma]") {
+  for (const char* family : {"gemma2", "gemma3"}) {
+    check_golden(Backend::kCuda, std::string(family) + "_untied_f32", "loss", "grads.safetensors", kGoldenF32Cuda);
+    const std::string tied = std::string(family) + "_tied_bf16";
+    check_golden(Backend::kCuda, tied, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCuda, tied, "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda, DType::kF32);
   }
 }

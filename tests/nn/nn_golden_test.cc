@@ -101,9 +101,10 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
 
 // scripts/make-golden-lora: PEFT adapters (random A and B, so every term of
 // the adapter path moves the loss) on frozen bases.
-const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn"};
+const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn",
+                                     "lora_gemma3_f32_all"};
 
-TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v)",
+TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v, Gemma 3)",
           "[nn][golden][lora]") {
   for (const char* name : kLoraF32Cases) {
     check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
@@ -183,5 +184,46 @@ TEST_CASE("golden: Mixtral, Qwen3-MoE and Qwen2-MoE with bf16 weights match tran
     GoldenRun off;
     off.router_logits_off = true;
     check_golden_run(Backend::kCpu, name, "loss_without_aux_f32", "", kGoldenF32, off);
+  }
+}
+
+namespace {
+
+// scripts/make-golden-gemma: Gemma 2 (soft caps on the scores and the
+// logits, a sliding layer and a full one) and Gemma 3 (q/k norms, two
+// sliding layers and a full one, each kind with its own RoPE); both with
+// GeGLU, (1 + w) norms, the scaled embedding, sandwich norms and
+// query_pre_attn_scalar.
+const char* const kGemmaCases[] = {"gemma2", "gemma3"};
+
+}  // namespace
+
+TEST_CASE("golden: Gemma 2 and Gemma 3 in fp32 match transformers, every piece of their math visible in the loss",
+          "[nn][golden][gemma]") {
+  for (const char* family : kGemmaCases) {
+    const std::string name = std::string(family) + "_untied_f32";
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32, std::nullopt,
+                 /*checkpoint_activations=*/true, /*cpu_checkpointing=*/true);
+    // The fixture can tell: each piece taken out alone (transformers with
+    // that piece disabled) moves the loss far outside the tolerance.
+    const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+    const double loss = expected.at("loss").get<double>();
+    const nlohmann::json& without = expected.at("loss_without_feature");
+    CHECK(without.size() == 8);
+    for (auto it = without.begin(); it != without.end(); ++it) {
+      const double plain = it.value().get<double>();
+      INFO(name << ": loss " << loss << ", without " << it.key() << " " << plain);
+      CHECK(std::abs(plain - loss) > 100 * kGoldenF32.loss_rel * loss);
+    }
+  }
+}
+
+TEST_CASE("golden: Gemma 2 and Gemma 3 with tied bf16 weights match transformers", "[nn][golden][gemma]") {
+  for (const char* family : kGemmaCases) {
+    const std::string name = std::string(family) + "_tied_bf16";
+    check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
   }
 }

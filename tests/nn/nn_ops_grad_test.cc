@@ -373,3 +373,49 @@ TEST_CASE("float kernels agree with the double reference", "[nn]") {
   for (size_t i = 0; i < nkv; ++i) REQUIRE(dkf[i] == Approx(dk[i]).margin(1e-4));
   for (size_t i = 0; i < nkv; ++i) REQUIRE(dvf[i] == Approx(dv[i]).margin(1e-4));
 }
+
+TEST_CASE("Gemma's attention scores: query_pre_attn_scalar's scale and the soft cap, by definition and finite "
+          "differences",
+          "[nn][grad][gemma]") {
+  AttentionShape s;
+  s.batch = 1;
+  s.seq = 7;
+  s.heads = 2;
+  s.kv_heads = 1;
+  s.head_dim = 3;
+  AttentionMask mask{3};
+  mask.scale = 0.8f;   // not 1/sqrt(head_dim)
+  mask.softcap = 0.7f;  // small enough to bend these scores
+  const size_t nq = s.batch * s.seq * s.heads * s.head_dim, nkv = nq / 2;
+  Vec q = random_vector(nq, 50, 2.0), k = random_vector(nkv, 51, 2.0), v = random_vector(nkv, 52);
+  const Vec r = random_vector(nq, 53);
+  Vec out(nq), lse(s.batch * s.heads * s.seq);
+  attention_forward(q.data(), k.data(), v.data(), s, out.data(), lse.data(), mask);
+  {
+    // Query 5 of head 1: softmax over keys 3..5 of cap * tanh(scale * q.k / cap).
+    const int64_t h = 1, i = 5, d = s.head_dim;
+    double p[3], sum = 0;
+    for (int64_t j = 3; j <= 5; ++j) {
+      double sc = 0;
+      for (int64_t c = 0; c < d; ++c) sc += q[(i * s.heads + h) * d + c] * k[j * d + c];
+      p[j - 3] = std::exp(double(mask.softcap) * std::tanh(double(mask.scale) * sc / double(mask.softcap)));
+      sum += p[j - 3];
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      double o = 0;
+      for (int64_t j = 3; j <= 5; ++j) o += p[j - 3] / sum * v[j * d + c];
+      CHECK(out[(i * s.heads + h) * d + c] == Approx(o).epsilon(1e-6));
+    }
+  }
+  auto loss = [&] {
+    Vec o(nq), l(lse.size());
+    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
+    return weighted_sum(o, r);
+  };
+  Vec dq(nq), dk(nkv), dv(nkv);
+  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
+                     dk.data(), dv.data(), mask);
+  check_gradient("dq", q, dq, loss);
+  check_gradient("dk", k, dk, loss);
+  check_gradient("dv", v, dv, loss);
+}

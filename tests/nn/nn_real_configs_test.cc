@@ -3,6 +3,7 @@
 // them: each accepted with transformers' parameter count and its keys kept
 // for the export, or refused naming what strata does not compute.
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -100,22 +101,80 @@ TEST_CASE("real configs: a transformers 5.24 save of SmolLM2 (bookkeeping, unk_t
   CHECK(c.to_json().at("unk_token_id") == 0);
 }
 
-TEST_CASE("real configs: DeepSeek-V3, Kimi K2 and GLM-4.5 are refused by model_type, naming what they need",
+TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parameter counts, their FP8 "
+          "quantization and custom code are refused by name",
           "[nn][config][families]") {
   const json v3 = read_config("deepseek-v3");
-  expect_refused(v3, {"model_type \"deepseek_v3\" is not supported", "multi-head latent attention",
-                      "e_score_correction_bias", "first_k_dense_replace"});
+  // The published file names DeepSeek's own modeling code (auto_map) and its
+  // FP8 checkpoint (quantization_config): both refused by name.
+  expect_refused(v3, {"auto_map"});
+  json plain = v3;
+  plain.erase("auto_map");
+  expect_refused(plain, {"quantization_config"});
+  plain.erase("quantization_config");
+  // ep_size, moe_layer_freq, scoring_func, topk_method: DeepSeek's own keys,
+  // which DeepseekV3Config does not take (they pass, logged).
+  const DecoderConfig c = parse_decoder_config(plain);
+  CHECK(c.attention == nn::AttentionKind::kMla);
+  CHECK(c.head_dim == 192);
+  CHECK(c.q_lora_rank == 1536);
+  CHECK(c.sigmoid_router);
+  CHECK(c.n_group == 8);
+  CHECK(c.topk_group == 4);
+  CHECK(c.first_k_dense_replace == 3);
+  CHECK(c.shared_expert_intermediate_size == 2048);
+  CHECK(c.mtp_layers == 1);
+  CHECK(c.rope.rotary_offset == 128);
+  CHECK(c.rope.rotary_dim == 64);
+  CHECK(c.rope.interleaved);
+  // YaRN factor 40, mscale_all_dim 1: the scores' scale 192^-0.5 x (0.1 ln 40 + 1)^2.
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  CHECK(c.attention_scale() == Approx(mscale * mscale / std::sqrt(192.0)).epsilon(1e-12));
+  // transformers' count (sum of DeepseekV3ForCausalLM's parameters on the
+  // meta device, transformers 5.24): 671B; the MTP layer is not part of it.
+  CHECK(c.parameter_count() == 671026404352);
+  CHECK(c.to_json().at("head_dim") == 64);
+  CHECK(c.to_json().at("scoring_func") == "sigmoid");  // kept for the export
   // Kimi K2 is DeepseekV3ForCausalLM under model_type kimi_k2 (its published
-  // config.json was not found in a repository: the DeepSeek-V3 file relabelled).
-  json k2 = v3;
-  k2["model_type"] = "kimi_k2";
-  expect_refused(k2, {"model_type \"kimi_k2\" is not supported", "DeepSeek-V3's architecture"});
-  // GLM-4.5's keys as Glm4MoeConfig takes them (written here: its published file was not found either).
+  // config.json was not found in a repository the search tool reaches: the
+  // DeepSeek-V3 file with K2's published differences -- 64 heads, 384
+  // experts, one group, one dense layer, scaling 2.827, its vocabulary, rope
+  // theta 50000 and YaRN factor 32 with betas 1/1).
+  json k2 = plain;
+  k2.update(json::parse(R"({"model_type": "kimi_k2", "num_attention_heads": 64, "num_key_value_heads": 64,
+    "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.827, "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 131072})"));
+  k2["rope_scaling"].update(json::parse(R"({"factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0})"));
+  const DecoderConfig kimi = parse_decoder_config(k2);
+  CHECK(kimi.model_type == "kimi_k2");
+  CHECK(kimi.parameter_count() == 1026408209408);  // transformers' count: 1.03T
+}
+
+TEST_CASE("real configs: GLM-4.5 parses with transformers' parameter count", "[nn][config][families]") {
+  // GLM-4.5's published sizes as Glm4MoeConfig takes them (written here: its
+  // published config.json was not found in a repository the search tool
+  // reaches), the older top-level partial_rotary_factor included.
   const json glm = json::parse(R"({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
     "attention_bias": true, "first_k_dense_replace": 3, "head_dim": 128, "hidden_size": 5120,
     "intermediate_size": 12288, "moe_intermediate_size": 1536, "n_group": 1, "n_routed_experts": 160,
     "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 96, "num_experts_per_tok": 8,
     "num_hidden_layers": 92, "num_key_value_heads": 8, "partial_rotary_factor": 0.5,
-    "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": true, "vocab_size": 151552})");
-  expect_refused(glm, {"model_type \"glm4_moe\" is not supported", "partial rotary"});
+    "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": true, "vocab_size": 151552,
+    "num_nextn_predict_layers": 1, "rope_theta": 1000000, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 131072, "tie_word_embeddings": false})");
+  const DecoderConfig c = parse_decoder_config(glm);
+  CHECK(c.attention == nn::AttentionKind::kGqa);
+  CHECK(c.qk_norm);
+  CHECK(c.attention_qkv_bias);
+  CHECK_FALSE(c.attention_o_bias);
+  CHECK(c.rope.rotary_dim == 64);
+  CHECK(c.sigmoid_router);
+  CHECK(c.first_k_dense_replace == 3);
+  // transformers' count (Glm4MoeForCausalLM on the meta device, transformers
+  // 5.24): 352.8B; the published 355B counts the MTP layer too.
+  CHECK(c.parameter_count() == 352797814784);
+  CHECK(c.to_json().at("partial_rotary_factor") == 0.5);
+  json half = glm;
+  half["partial_rotary_factor"] = 0.3;  // 38.4 dims
+  expect_refused(half, {"partial_rotary_factor", "even number of dims"});
 }

@@ -183,3 +183,29 @@ TEST_CASE("schedules: the bubble of a unit-cost simulation is the formula's, ZB-
   CHECK(bubble_formula({ScheduleKind::kZbH1, 4, 8, 1}) == Approx(3.0 / 27));
   CHECK(bubble_formula({ScheduleKind::kInterleaved, 4, 8, 2}) == Approx(3.0 / 19));
 }
+
+TEST_CASE("schedules: layer-major runs every micro-batch through a chunk before the next, backwards from the top, on "
+          "one rank without transfers") {
+  const Schedule s = make_schedule({ScheduleKind::kLayerMajor, 1, 3, 2});
+  REQUIRE(s.ranks.size() == 1);
+  CHECK(computes(s, 0) == "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2");
+  for (const Action& a : s.ranks[0]) CHECK(a.compute());  // boundaries handed over in memory
+  CHECK(parse_schedule("layer-major") == ScheduleKind::kLayerMajor);
+  const Simulation sim = simulate(s);
+  INFO(sim.error);
+  REQUIRE(sim.error.empty());
+  CHECK(sim.peak_in_flight[0] == 6);
+  CHECK(promised_in_flight(s.spec, 0) == 6);
+  CHECK(bubble_formula(s.spec) == 0);
+  // A chunk run before the one below forwarded it, or a backward before the one above's, is found.
+  Schedule early = s;
+  std::swap(early.ranks[0][2], early.ranks[0][3]);  // F0.1 before F2: fine; F0.1 first is not
+  Schedule wrong{s.spec, {{Action{ActionKind::kForward, 0, 1, -1}, Action{ActionKind::kForward, 0, 0, -1}}}};
+  CHECK_THAT(simulate(wrong).error, Catch::Contains("rank 0's F0.1 (action 0) runs before the chunk below forwarded it"));
+  CHECK(simulate(early).error.empty());
+  Schedule down{s.spec, {{Action{ActionKind::kForward, 0, 0, -1}, Action{ActionKind::kForward, 0, 1, -1},
+                          Action{ActionKind::kBackward, 0, 0, -1}}}};
+  CHECK_THAT(simulate(down).error, Catch::Contains("rank 0's B0 (action 2) runs before the chunk above ran its backward"));
+  CHECK_THROWS_WITH(make_schedule({ScheduleKind::kLayerMajor, 2, 3, 2}),
+                    Catch::Contains("schedule layer-major runs every layer on one rank: 2 stages; it needs 1"));
+}

@@ -13,23 +13,21 @@
 
 #include "runtime/nn/safetensors.h"
 #include "tests/support/finetune_files.h"
+#include "tests/support/killed_runs.h"
+#include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 
+using strata::test::file_bytes;
 using strata::test::kFinetuneExamples;
+using strata::test::run_killed_and_resumed;
+using strata::test::read_jsonl;
 using strata::test::run_command;
 using strata::test::small_model;
 using strata::test::strata_binary;
 using strata::test::write_file;
 
 namespace {
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
 
 }  // namespace
 
@@ -267,52 +265,6 @@ double max_export_difference(const std::string& a_dir, const std::string& b_dir)
   return most;
 }
 
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// Runs `args` (a resumable finetune) again and again, each attempt killed
-// with SIGKILL (every process of it, at once) after a delay unless it
-// finishes first, each next attempt resuming from `ckpt`, until one finishes;
-// returns how many were killed.
-int run_killed_and_resumed(const strata::test::TempDir& dir, const std::string& args, const std::string& ckpt) {
-  const std::string script = write_file(dir, "kill.sh", R"SH(#!/usr/bin/env bash
-set -u
-args="$1"; delay="$2"; ckpt="$3"; log="$4"
-resume=""
-if ls "$ckpt"/step_*/manifest.json >/dev/null 2>&1; then resume="--resume"; fi
-setsid bash -c "exec $args $resume" >"$log" 2>&1 &
-sid=$!
-end=$(( $(date +%s%N) + ${delay%.*}000000 ))
-while kill -0 $sid 2>/dev/null && [ "$(date +%s%N)" -lt "$end" ]; do sleep 0.02; done
-if kill -0 $sid 2>/dev/null; then
-  pkill -KILL -s $sid; while pgrep -s $sid >/dev/null; do sleep 0.02; done
-  echo killed; exit 0
-fi
-wait $sid; rc=$?; echo "exited $rc"
-)SH");
-  // Start-up (rendezvous, engine, model) takes a few hundred ms, a step tens:
-  // these land in start-up, in steps, in checkpoint writes and in the export.
-  const int delays_ms[] = {700, 450, 900, 600, 1100, 800, 550, 1300, 1000, 1500};
-  int kills = 0;
-  for (int attempt = 0; attempt < 30; ++attempt) {
-    const int delay = attempt < 10 ? delays_ms[attempt] : 600000;  // then let it finish
-    const std::string log = dir.file("attempt" + std::to_string(attempt) + ".log");
-    const auto r = run_command("bash " + script + " '" + args + "' " + std::to_string(delay) + " " + ckpt + " " + log);
-    INFO("attempt " << attempt << ": " << r.output << file_bytes(log));
-    REQUIRE(r.exit_code == 0);
-    if (r.output.find("killed") != std::string::npos) {
-      ++kills;
-      continue;
-    }
-    REQUIRE_THAT(r.output, Catch::Contains("exited 0"));
-    return kills;
-  }
-  FAIL("the run never finished");
-  return kills;
-}
-
 }  // namespace
 
 TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for bit like an uninterrupted one",
@@ -395,6 +347,73 @@ TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit 
     CHECK(steps[i]["aux_loss"] == ref_steps[i]["aux_loss"]);
     CHECK(steps[i]["router_imbalance"] == ref_steps[i]["router_imbalance"]);
   }
+}
+
+TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a shared expert, a dense first layer) "
+          "killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][moe][deepseek]") {
+  strata::test::TempDir dir;
+  // 8 experts in 4 groups (2 kept), top 2, two ranks splitting the experts:
+  // the routing, the frozen correction bias and each rank's experts must
+  // resume exactly.
+  write_file(dir, "deepseek.json", R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 20;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "deepseek.json") + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  CHECK_THAT(reference.output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
+  // The correction bias is a buffer: exported as it started (zeros), never trained.
+  const auto model = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
+  const auto bias = model.view("model.layers.1.mlp.gate.e_score_correction_bias");
+  REQUIRE(bias.numel() == 8);
+  for (int64_t i = 0; i < 8; ++i) CHECK(bias.as<float>()[i] == 0.0f);
+  const int kills = run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "deepseek.json"),
+                                           dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
+  const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(steps.size() == kSteps);
+  REQUIRE(ref_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    CHECK(steps[i]["loss"] == ref_steps[i]["loss"]);
+    CHECK(steps[i]["router_imbalance"] == ref_steps[i]["router_imbalance"]);
+  }
+  CHECK(ref_steps[kSteps - 1]["loss"].get<double>() < ref_steps[0]["loss"].get<double>());
+}
+
+TEST_CASE("a Gemma 3 killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
+          "[finetune][checkpoint][gemma]") {
+  strata::test::TempDir dir;
+  // Gemma 3's pieces (GeGLU, (1 + w) norms, the scaled embedding, sandwich
+  // and q/k norms, two RoPEs over sliding and full layers) under ZeRO-3 on
+  // NVMe on two ranks: every one must resume exactly.
+  write_file(dir, "gemma.json", R"({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 128, "query_pre_attn_scalar": 24, "sliding_window": 8,
+    "sliding_window_pattern": 3, "rope_theta": 10000.0, "rope_local_base_freq": 100.0})");
+  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 24;
+  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "gemma.json") + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
+  REQUIRE(expected.size() > 1000);
+  const int kills =
+      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "gemma.json"), dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
 }
 
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",

@@ -19,8 +19,10 @@ use. strata.torch.hf has the Hugging Face Trainer (StrataTrainer).
 from strata import BACKWARD, FORWARD, RECOMPUTE
 
 from ._optim import Optimizer
-from ._wrap import (StrataTorchError, Wrapped, clip_grad_norm_, load_checkpoint, save_checkpoint, wrap,
-                    wrapped_of)
+from ._scaler import GradScaler
+from ._wrap import (StrataTorchError, Wrapped, clip_grad_norm_, load_checkpoint, register_external_parameter,
+                    save_checkpoint, wrap, wrapped_of)
 
-__all__ = ["wrap", "Optimizer", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "wrapped_of", "Wrapped",
+__all__ = ["wrap", "Optimizer", "GradScaler", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "register_external_parameter",
+           "wrapped_of", "Wrapped",
            "StrataTorchError", "FORWARD", "BACKWARD", "RECOMPUTE"]

@@ -24,6 +24,14 @@ Between uses a parameter keeps its Parameter object with empty storage; around e
              backward from the parameter's memory of that moment (the BACKWARD fetch): the
              gathered memory of the forward is strata's and is reused after release. Every other
              tensor goes to the hooks outside (activation checkpointing's), unchanged.
+  shared:    a module called more than once in a forward gets a FORWARD window per call; its
+             BACKWARD window opens at the backward of its last call and closes after that of its
+             first, so strata gets the summed gradient in one window.
+  external:  until the first step a TorchFunctionMode refuses a torch function given a parameter
+             outside every window listing it (a parent reading a child's weight), naming both;
+             register_external_parameter lists it with the module that reads it. A module that
+             did not run in a pass whose parameter's other operators did gets an empty BACKWARD
+             window at its end (strata counts one per operator listing the parameter).
 
 The engine is created, and the parameters registered and partitioned, when st.Optimizer is built
 (or at the first forward): only then are the trained set, per-parameter weight decay and the
@@ -42,6 +50,8 @@ import weakref
 import torch
 
 import strata as _strata
+
+from . import _safetensors
 
 FORWARD, BACKWARD, RECOMPUTE = _strata.FORWARD, _strata.BACKWARD, _strata.RECOMPUTE
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -92,7 +102,7 @@ def _cuda_tensor(ptr, shape, dtype, device):
 
 class _Param:
     __slots__ = ("index", "name", "tensor", "shape", "dtype", "numel", "nbytes", "ops", "open", "trained",
-                 "weight_decay", "storage_ptr", "grads_seen", "hook", "__weakref__")
+                 "weight_decay", "storage_ptr", "grads_seen", "hook", "view", "view_ptr", "source", "empty", "__weakref__")
 
     def __init__(self, index, name, tensor):
         self.index, self.name, self.tensor = index, name, tensor
@@ -106,17 +116,25 @@ class _Param:
         self.storage_ptr = 0   # its gathered memory while materialized (saved-tensor handles match on it)
         self.grads_seen = 0    # gradients handed to strata since the last step
         self.hook = None
+        self.view = None       # the last tensor over strata's gathered memory, and its address: a window that
+        self.view_ptr = 0      # finds the parameter at the same address again reuses it
+        self.source = None     # where its initial values are in st.wrap's weights= (None: the tensor's own)
+        self.empty = None      # its storage between uses: an empty tensor of its dtype and device
 
 
 class _Op:
-    __slots__ = ("index", "name", "module", "params", "phase", "task", "calls", "forward_calls", "__weakref__")
+    __slots__ = ("index", "name", "module", "params", "phase", "task", "calls", "forward_calls", "backward_uses",
+                 "backward_left", "backward_done", "__weakref__")
 
     def __init__(self, index, name, module, params):
         self.index, self.name, self.module, self.params = index, name, module, params
         self.phase = None      # the open window's phase, or None
         self.task = -1         # the autograd graph task that opened a BACKWARD window
         self.calls = []        # per forward call in progress: (opened the window, saved-tensor hooks)
-        self.forward_calls = 0  # training forwards since the last backward ended
+        self.forward_calls = 0  # training forwards since the last backward ended (a shared module: several)
+        self.backward_uses = 0  # of them, the backward passes through the module so far in this backward
+        self.backward_left = 0  # of those, the ones whose backward has not finished yet
+        self.backward_done = False  # its BACKWARD window of this backward pass was released
 
 
 class _SavedParam:
@@ -173,6 +191,58 @@ class _PostBackward(torch.autograd.Function):
         return (None,) + grads
 
 
+# Tensor attributes that an empty placeholder answers as the parameter would (its dtype, device, ...): reading
+# them outside a window is harmless (transformers' model.dtype does, on its first parameter).
+_METADATA = frozenset({"dtype", "device", "requires_grad", "is_leaf", "grad_fn", "layout", "is_cuda", "is_meta",
+                       "is_sparse", "is_quantized", "is_floating_point", "is_complex", "element_size", "__hash__",
+                       "__eq__", "grad", "_backward_hooks", "name", "__repr__", "__format__", "__reduce_ex__"})
+
+
+def _metadata_only(func):
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name in _METADATA
+
+
+class _UseCheck(torch.overrides.TorchFunctionMode):
+    """Active during a wrapped model's forwards until its first step: Wrapped.check_use on every torch function,
+    and the stack of the model's modules running (to name the one that uses a parameter it should not)."""
+
+    def __init__(self, wrapped):
+        super().__init__()
+        self.wrapped = wrapped
+        self.stack = []
+        self.handles = []
+
+    def __enter__(self):
+        names = self.wrapped._module_names
+
+        def enter(module, args):
+            if module in names:
+                self.stack.append(names[module])
+
+        def leave(module, args, output):  # returns None: the output stays
+            if module in names and self.stack:
+                self.stack.pop()
+        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+                        torch.nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return super().__exit__(*exc)
+
+    def module_name(self):
+        return f"module '{self.stack[-1]}'" if self.stack else "the model"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.wrapped.check_use(func, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+
 def _flatten(value):
     return torch.utils._pytree.tree_flatten(value)
 
@@ -184,7 +254,7 @@ def _grad_tensors(leaves):
 class Wrapped:
     """The strata side of a wrapped model (model._strata_torch): the engine, parameters and operators."""
 
-    def __init__(self, model, config, average_gradients=True):
+    def __init__(self, model, config, average_gradients=True, weights=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"strata.torch.wrap: model must be a torch.nn.Module, not {type(model).__name__}")
         if model in _BY_MODULE or any(m in _BY_MODULE for m in model.modules()):
@@ -216,67 +286,156 @@ class Wrapped:
         names = {}
         for name, p in model.named_parameters(remove_duplicate=True):
             names[id(p)] = name
-        by_id = {}
+        self._param_of = {}  # id(Parameter) -> _Param
+        self._module_names = {m: n or "<root>" for n, m in model.named_modules(remove_duplicate=True)}
+        meta = []
         for module_name, module in model.named_modules(remove_duplicate=True):
             own = [p for p in module._parameters.values() if p is not None]
             if not own:
                 continue
             listed = []
             for p in own:
-                if p.device.type == "meta":
-                    raise StrataTorchError(
-                        f"strata.torch.wrap: parameter '{names.get(id(p), '?')}' is on the meta device; build the "
-                        "model with its values (from_pretrained, or initialised) before wrapping it")
+                name = names.get(id(p), f"{module_name}.?")
                 if p.dtype not in _DTYPES:
-                    raise StrataTorchError(
-                        f"strata.torch.wrap: parameter '{names.get(id(p), '?')}' is {p.dtype}; strata stores "
-                        "float32, float16 or bfloat16")
-                if self.device is None:
+                    raise StrataTorchError(f"strata.torch.wrap: parameter '{name}' is {p.dtype}; strata stores "
+                                           "float32, float16 or bfloat16")
+                if p.device.type == "meta":
+                    meta.append(name)
+                elif self.device is None:
                     self.device = p.device
                 elif p.device != self.device:
-                    raise StrataTorchError(
-                        f"strata.torch.wrap: parameters on {self.device} and {p.device} ('{names.get(id(p), '?')}'); "
-                        "move the model to one device first")
-                param = by_id.get(id(p))
+                    raise StrataTorchError(f"strata.torch.wrap: parameters on {self.device} and {p.device} "
+                                           f"('{name}'); move the model to one device first")
+                param = self._param_of.get(id(p))
                 if param is None:
-                    param = _Param(len(self.params), names.get(id(p), f"{module_name}.?"), p)
-                    by_id[id(p)] = param
+                    param = _Param(len(self.params), name, p)
+                    self._param_of[id(p)] = param
                     self.params.append(param)
                 if param not in listed:
                     listed.append(param)
-            op = _Op(len(self.ops), module_name or "<root>", module, listed)
-            for param in listed:
-                param.ops.append(op)
-            self.ops.append(op)
-            self._modules[module] = op
+            self._add_op(module, listed)
         if not self.params:
             raise StrataTorchError("strata.torch.wrap: the model has no parameters")
-        self._cuda = self.device.type == "cuda"
         accelerator = self.config.setdefault("strata", {}).get("accelerator", "auto")
+        self.weights = None
+        if meta:
+            if weights is None:
+                raise StrataTorchError(
+                    f"strata.torch.wrap: parameter '{meta[0]}' is on the meta device ({len(meta)} parameter(s) "
+                    "are); give its values: st.wrap(model, config, weights=\"model.safetensors\" or a Hugging Face "
+                    "directory), or build the model with them")
+        if weights is not None:
+            try:
+                self.weights = _safetensors.Weights(weights)
+                for param in self.params:
+                    param.source = self.weights.find(param.name, self._aliases(param), param.shape,
+                                                     required=param.tensor.device.type == "meta")
+            except _safetensors.WeightsError as error:
+                raise StrataTorchError(f"strata.torch.wrap: {error}") from None
+            self._load_meta_buffers()
+        if self.device is None:  # every parameter on meta: strata's accelerator decides
+            cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
+            self.device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda
+                           else torch.device("cpu"))
+        self._cuda = self.device.type == "cuda"
+        self._replace_meta_parameters()
         wanted = "cuda" if self._cuda else "cpu"
         if accelerator not in ("auto", wanted):
             raise StrataTorchError(
                 f"strata.torch.wrap: the config's strata.accelerator is {accelerator!r} but the model is on "
                 f"{self.device}; move the model or set strata.accelerator to {wanted!r}")
         self.config["strata"]["accelerator"] = wanted
-        for module, op in self._modules.items():
-            _BY_MODULE[module] = self
-            ref = weakref.ref(op)
-            self._handles.append(module.register_forward_pre_hook(
-                lambda m, args, kwargs, ref=ref: self._timed(self._pre_forward, ref(), args, kwargs),
-                with_kwargs=True))
-            self._handles.append(module.register_forward_hook(
-                lambda m, args, kwargs, out, ref=ref: self._timed(self._post_forward, ref(), out), with_kwargs=True,
-                always_call=True))
-            self._handles.append(module._register_state_dict_hook(
-                lambda m, state, prefix, meta, ref=ref: self._gather_state(ref(), state, prefix)))
         # A forward of the whole model without gradients is an evaluation; one with them a training pass,
         # even where parts of it run without (reentrant activation checkpointing's first forward).
         self._evaluation_pass = False
+        # Until the first step, every forward checks that no parameter is used outside a window listing it
+        # (a parent reading a child's weight): refused naming both, before torch fails on an empty tensor.
+        self._check_uses = True
+        self._use_check = None
+        self._hook_depth = 0
         self._handles.append(model.register_forward_pre_hook(lambda m, args: self._root_forward(), prepend=True))
+        self._handles.append(model.register_forward_hook(lambda m, args, out: self._root_forward_done(),
+                                                         always_call=True))
         _BY_MODULE[model] = self
         for param in self.params:
             _BY_PARAM[param.tensor] = self
+
+    def _replace_meta_parameters(self):
+        """A Parameter on meta cannot take real storage (torch refuses set_data across those devices): each is
+        replaced, in every module holding it, by an empty one of its dtype on the model's device (the same
+        object wherever it was tied). The only Parameters st.wrap replaces: build the optimizer after it."""
+        new = {}
+        for param in self.params:
+            old = param.tensor
+            if old.device.type != "meta":
+                continue
+            param.tensor = torch.nn.Parameter(torch.empty(0, dtype=param.dtype, device=self.device),
+                                              requires_grad=old.requires_grad)
+            new[id(old)] = param.tensor
+            del self._param_of[id(old)]
+            self._param_of[id(param.tensor)] = param
+        if not new:
+            return
+        for module in self._module_names:
+            for key, value in module._parameters.items():
+                if value is not None and id(value) in new:
+                    module._parameters[key] = new[id(value)]
+
+    def _aliases(self, param):
+        """Every name the model has for a parameter (a tied weight has several)."""
+        return [n for n, p in self.model.named_parameters(remove_duplicate=False) if p is param.tensor]
+
+    def _load_meta_buffers(self):
+        for name, buffer in self.model.named_buffers():
+            if buffer.device.type != "meta":
+                continue
+            module_name, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            value = self.weights.read_whole(name, tuple(buffer.shape), buffer.dtype)
+            if value is None:
+                raise StrataTorchError(
+                    f"strata.torch.wrap: buffer '{name}' is on the meta device and not in {self.weights.where}; "
+                    "build the model with its buffers materialized (accelerate's init_empty_weights() keeps them "
+                    "off meta), or set it before wrapping")
+            module._buffers[attr] = value
+
+    def _add_op(self, module, params):
+        """Makes `module` an operator listing `params` and hooks it."""
+        op = _Op(len(self.ops), self._module_names[module], module, params)
+        for param in params:
+            param.ops.append(op)
+        self.ops.append(op)
+        self._modules[module] = op
+        _BY_MODULE[module] = self
+        ref = weakref.ref(op)
+        self._handles.append(module.register_forward_pre_hook(
+            lambda m, args, kwargs, ref=ref: self._timed(self._pre_forward, ref(), args, kwargs),
+            with_kwargs=True))
+        self._handles.append(module.register_forward_hook(
+            lambda m, args, kwargs, out, ref=ref: self._timed(self._post_forward, ref(), out), with_kwargs=True,
+            always_call=True))
+        self._handles.append(module._register_state_dict_hook(
+            lambda m, state, prefix, meta, ref=ref: self._gather_state(ref(), state, prefix)))
+        return op
+
+    def register_external_parameter(self, module, parameter):
+        """Lists `parameter` in `module`'s operator: gathered around module's forward and backward too."""
+        if self.finalized:
+            raise StrataTorchError("strata.torch.register_external_parameter: call it before st.Optimizer (the "
+                                   "operators are fixed when the engine is created)")
+        param = self._param_of.get(id(parameter))
+        if param is None:
+            raise StrataTorchError("strata.torch.register_external_parameter: the parameter is not one of the "
+                                   "wrapped model's")
+        if module not in self._module_names:
+            raise StrataTorchError("strata.torch.register_external_parameter: the module is not part of the "
+                                   "wrapped model")
+        op = self._modules.get(module)
+        if op is None:
+            self._add_op(module, [param])
+        elif param not in op.params:
+            op.params.append(param)
+            param.ops.append(op)
 
     # ---- creation (st.Optimizer, or the first forward) ------------------------------------------
 
@@ -284,9 +443,10 @@ class Wrapped:
     def finalized(self):
         return self.engine is not None
 
-    def finalize(self, trained=None, weight_decay=None, optimizer_params=None):
+    def finalize(self, trained=None, weight_decay=None, optimizer_params=None, lr_scale=None):
         """Creates the engine (collective), registers and partitions every parameter, and empties them.
         trained: the Parameters to train (default: requires_grad); weight_decay: {Parameter: decay};
+        lr_scale: {Parameter: its lr over each step's};
         optimizer_params: lr, betas, eps, weight_decay from st.Optimizer, filling the config's "auto"s
         (or absent keys) and refused when they contradict it."""
         if self.finalized:
@@ -310,6 +470,7 @@ class Wrapped:
                                    "Trainer's keys)")
         trained_ids = {id(p) for p in trained} if trained is not None else None
         decays = {id(p): float(v) for p, v in (weight_decay or {}).items()}
+        scales = {id(p): float(v) for p, v in (lr_scale or {}).items()}
         self.engine = _strata.Engine(config)
         try:
             self._world = self.engine.world_size
@@ -321,9 +482,12 @@ class Wrapped:
             for param in self.params:
                 if not param.trained:
                     self.engine.freeze(param.index)
-                elif id(param.tensor) in decays:
+                    continue
+                if id(param.tensor) in decays:
                     param.weight_decay = decays[id(param.tensor)]
                     self.engine.set_weight_decay(param.index, param.weight_decay)
+                if id(param.tensor) in scales:
+                    self.engine.set_lr_scale(param.index, scales[id(param.tensor)])
             for op in self.ops:
                 self.engine.op(op.name, [p.index for p in op.params])
             self.engine.finalize()
@@ -334,7 +498,8 @@ class Wrapped:
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().close())  # swap files and locks go at exit
         for param in self.params:
-            param.tensor.data = self._empty(param)
+            param.empty = self._empty(param)
+            param.tensor.data = param.empty
             if param.trained:
                 param.hook = param.tensor.register_post_accumulate_grad_hook(
                     lambda t, param=param: self._timed_grad(param))
@@ -342,6 +507,9 @@ class Wrapped:
         return self
 
     def _initializer(self, param):
+        if param.source is not None:  # each rank reads its own ranges from the file, into strata's memory
+            return lambda first, count, address: self.weights.read_into(param.source, first, count, address,
+                                                                      param.dtype)
         source = param.tensor.detach()
         itemsize = source.element_size()
 
@@ -366,12 +534,14 @@ class Wrapped:
             if param.open > 1:
                 continue  # another open window gathered it: the same memory
             ptr = self.engine.ptr(param.index)
-            if self._cuda:
-                t = _cuda_tensor(ptr, param.shape, param.dtype, self.device)
-            else:
-                buffer = (ctypes.c_byte * param.nbytes).from_address(ptr)
-                t = torch.frombuffer(buffer, dtype=param.dtype, count=param.numel).view(param.shape)
-            param.tensor.data = t
+            if ptr != param.view_ptr:  # gathered elsewhere than last time: a new view (else the last one again)
+                if self._cuda:
+                    param.view = _cuda_tensor(ptr, param.shape, param.dtype, self.device)
+                else:
+                    buffer = (ctypes.c_byte * param.nbytes).from_address(ptr)
+                    param.view = torch.frombuffer(buffer, dtype=param.dtype, count=param.numel).view(param.shape)
+                param.view_ptr = ptr
+            param.tensor.data = param.view
             param.storage_ptr = ptr
             self._by_storage[ptr] = param
             self.materialized_bytes += param.nbytes
@@ -385,7 +555,7 @@ class Wrapped:
             self._by_storage.pop(param.storage_ptr, None)
             param.storage_ptr = 0
             self.materialized_bytes -= param.nbytes
-            param.tensor.data = self._empty(param)
+            param.tensor.data = param.empty
 
     def _stream(self):
         return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else None
@@ -441,9 +611,11 @@ class Wrapped:
 
     def _timed(self, hook, *args):
         start = time.perf_counter()
+        self._hook_depth += 1
         try:
             return hook(*args)
         finally:
+            self._hook_depth -= 1
             self.hook_seconds += time.perf_counter() - start
 
     def reset_peak(self):
@@ -452,6 +624,33 @@ class Wrapped:
     def _root_forward(self):
         if torch._C._current_graph_task_id() == -1:
             self._evaluation_pass = not torch.is_grad_enabled()
+            if self._check_uses and self._use_check is None:
+                self._use_check = _UseCheck(self)
+                self._use_check.__enter__()
+
+    def _root_forward_done(self):
+        check, self._use_check = self._use_check, None
+        if check is not None:
+            check.__exit__(None, None, None)
+
+    def check_use(self, func, args, kwargs):
+        """Refuses a torch function given a parameter that is not gathered: one read outside every window that
+        lists it (a parent using a child's weight), which would otherwise meet torch with an empty tensor."""
+        if self._hook_depth or not self.finalized or _metadata_only(func):
+            return
+        for value in (*args, *(kwargs or {}).values()):
+            for item in (value if isinstance(value, (list, tuple)) else (value,)):
+                if not isinstance(item, torch.nn.Parameter):
+                    continue
+                param = self._param_of.get(id(item))
+                if param is None or param.open > 0:
+                    continue
+                user = self._use_check.module_name() if self._use_check is not None else "the model"
+                owners = ", ".join(f"'{o.name}'" for o in param.ops)
+                raise StrataTorchError(
+                    f"strata.torch: {user} uses parameter '{param.name}' outside the forward of {owners}, the "
+                    "module(s) strata gathers it for (there it has no values); list it with the module that uses "
+                    f"it before st.Optimizer: st.register_external_parameter(<{user}>, <'{param.name}'>)")
 
     def _pre_forward(self, op, args, kwargs):
         if not self.finalized:
@@ -461,11 +660,7 @@ class Wrapped:
         training = torch.is_grad_enabled()
         if phase == FORWARD and training:
             self._end_evaluation()
-            if op.forward_calls > 0:
-                raise StrataTorchError(
-                    f"strata.torch: module '{op.name}' runs twice in one forward pass; strata counts one backward "
-                    "use per module and forward (a module shared within a forward is not supported yet)")
-            op.forward_calls += 1
+            op.forward_calls += 1  # a module called twice (shared) gets a window per call
             self._maybe_prepare()
         opened = op.phase is None
         if opened:
@@ -513,26 +708,53 @@ class Wrapped:
         if task not in self._task_callbacks:
             self._task_callbacks.add(task)
             torch.autograd.Variable._execution_engine.queue_callback(lambda task=task: self._end_backward(task))
+        if op.phase == BACKWARD:
+            # A module called more than once in the forward: its backward window, opened by the backward of a
+            # later call, stays open for the earlier ones, so that strata gets its gradient in one window.
+            op.backward_uses += 1
+            op.backward_left += 1
+            return
         if op.phase is not None:
             raise StrataTorchError(
                 f"strata.torch: backward reached module '{op.name}' while its {_PHASE_NAMES[op.phase]} window is "
                 "still open")
+        if op.backward_done:
+            raise StrataTorchError(
+                f"strata.torch: backward reached module '{op.name}' again after its backward window closed in this "
+                f"pass ({op.forward_calls} training call(s) counted in forward): a module called more than once "
+                "where the forward's calls were not counted (inside reentrant activation checkpointing; use "
+                "use_reentrant=False)")
+        op.backward_uses, op.backward_left = 1, 1
         self._open(op, BACKWARD)
         op.task = task
 
     def _post_backward(self, op):
-        if op.phase == BACKWARD:
+        if op.phase != BACKWARD:
+            return
+        op.backward_left -= 1
+        if op.backward_left <= 0 and op.backward_uses >= max(op.forward_calls, 1):
             self._close(op)
+            op.backward_done = True
 
     def _end_backward(self, task):
         self._task_callbacks.discard(task)
         for op in self.ops:
             if op.phase == BACKWARD and op.task == task:
                 self._close(op)
+                op.backward_done = True
         if not self._task_callbacks:
+            # A module that did not run (its parent read its parameters: register_external_parameter) shares
+            # a parameter with one whose backward did: strata counts a backward window per operator listing
+            # it, so this one gets an empty window (no gradient added) to complete the parameter's backward.
+            for op in self.ops:
+                if not op.backward_done and op.phase is None and any(
+                        o.backward_done for p in op.params if p.trained for o in p.ops if o is not op):
+                    self._open(op, BACKWARD)
+                    self._close(op)
             self._micro_steps += 1
             for op in self.ops:
-                op.forward_calls = 0
+                op.forward_calls = op.backward_uses = op.backward_left = 0
+                op.backward_done = False
 
     def _timed_grad(self, param):
         start = time.perf_counter()
@@ -579,8 +801,9 @@ class Wrapped:
             param = saved.param
             if param.open == 0:
                 raise StrataTorchError(
-                    f"strata.torch: backward needs parameter '{param.name}' outside a window of a module owning it "
-                    "(a parameter used outside its module's forward is not supported)")
+                    f"strata.torch: backward needs parameter '{param.name}' outside a window of a module listing it "
+                    "(used outside its module's forward: list it with the module using it, "
+                    "st.register_external_parameter, before st.Optimizer)")
             storage = param.tensor.detach().untyped_storage()
             return torch.empty(0, dtype=saved.dtype, device=param.tensor.device).set_(
                 storage, saved.offset, saved.size, saved.stride)
@@ -612,6 +835,7 @@ class Wrapped:
         return result
 
     def _after_step(self):
+        self._check_uses = False  # a step went through: the forward's uses were checked
         self._prepared = False
         self._grads_pending = False
         self._micro_steps = 0
@@ -676,11 +900,26 @@ def _same(a, b):
         return a == b
 
 
-def wrap(model, config, *, average_gradients=True):
+def wrap(model, config, *, weights=None, average_gradients=True):
     """Hands `model`'s parameters to strata, configured by `config` (a ds_config path or dict); returns the
-    same model, hooked. Build st.Optimizer(model) next: the engine is created then (every rank together)."""
-    Wrapped(model, config, average_gradients=average_gradients)
+    same model, hooked. Build st.Optimizer(model) next: the engine is created then (every rank together).
+
+    weights: initial values from safetensors instead of the tensors -- a .safetensors file, or a directory
+    holding model.safetensors or a sharded model.safetensors.index.json (a Hugging Face save_pretrained
+    directory). Each rank reads only the ranges of the shard it owns, straight into strata's memory, so a
+    model built on the meta device (`with torch.device("meta"): model = ...`) is never materialized whole.
+    Parameters on meta need it; a parameter missing from the files is refused by name (one not on meta then
+    keeps its own values), and meta buffers are read from the files whole."""
+    Wrapped(model, config, average_gradients=average_gradients, weights=weights)
     return model
+
+
+def register_external_parameter(module, parameter):
+    """Gathers `parameter` around `module`'s forward and backward as well as its own module's: for a module
+    that reads a parameter of another module directly (a parent using a child's weight), which strata would
+    otherwise have gathered only inside that other module's forward (DeepSpeed ZeRO-3 has the same call).
+    Before st.Optimizer. Without it such a use is refused at the first forward, naming both."""
+    wrapped_of(module).register_external_parameter(module, parameter)
 
 
 def wrapped_of(obj):

@@ -12,7 +12,10 @@ clipping (the logged grad_norm is strata's global norm). The config's "auto" val
 TrainingArguments as DeepSpeed's integration fills them; an explicit value that contradicts them is refused.
 Checkpoints go through the Trainer's own save and resume: each checkpoint-<step>/ holds, beside the Trainer's
 files, strata/ (every rank's shards and optimizer state, st.save_checkpoint); save_model gathers the weights
-on every rank (collective) and rank 0 writes them. No DDP: strata reduces the gradients itself.
+on every rank (collective) and rank 0 writes them. No DDP: strata reduces the gradients itself. fp16=True is
+strata's loss scaler (the config's fp16 block, DeepSpeed's dynamic rule) in place of torch's GradScaler: the
+loss is multiplied by strata's scale before backward, and a step strata skips on overflow leaves the lr
+schedule where it was.
 """
 
 import os
@@ -49,8 +52,12 @@ def trainer_config(strata_config, args, world_size):
         raise _wrap.StrataTorchError(f"StrataTrainer: TrainingArguments.optim is {args.optim!r}; strata runs AdamW "
                                      f"(optim one of {sorted(_ADAMW)}; the config's optimizer.type says Adam or AdamW)")
     if args.fp16:
-        raise _wrap.StrataTorchError("StrataTrainer: fp16=True (torch's GradScaler) is not supported with strata yet; "
-                                     "use bf16=True or fp32")
+        # strata's loss scaler in place of torch's GradScaler: the config's fp16 block (DeepSpeed's keys).
+        section = config.setdefault("fp16", {})
+        if section.get("enabled", "auto") not in ("auto", True):
+            raise _wrap.StrataTorchError("StrataTrainer: fp16=True but the config's fp16.enabled is "
+                                         f"{section['enabled']!r}; make them agree (or write \"auto\")")
+        section["enabled"] = True
     if config.get("scheduler") not in (None, "auto"):
         raise _wrap.StrataTorchError("StrataTrainer: the config has a scheduler section; the Trainer's "
                                      "lr_scheduler_type sets the schedule (remove the section)")
@@ -85,6 +92,20 @@ class StrataTrainer(transformers.Trainer):
         config = trainer_config(strata_config, self.args, self.args.world_size)
         _wrap.wrap(self.model, config)
         self._strata = _wrap.wrapped_of(self.model)
+        # strata decides whether a step was skipped (a gradient not finite on some rank; fp16 overflow): the
+        # Trainer then leaves the lr schedule alone, as it does for torch's GradScaler.
+        trainer = self
+        self.accelerator.__class__ = type("StrataAccelerator", (type(self.accelerator),), {
+            "optimizer_step_was_skipped": property(lambda _: trainer._strata_step_skipped())})
+        if self.args.fp16:
+            # The loss times strata's scale, in place of accelerate's GradScaler (none left to unscale).
+            self.accelerator.scaler = None
+            backward = self.accelerator.backward
+            self.accelerator.backward = lambda loss, **kw: backward(loss * self._strata.engine.loss_scale(), **kw)
+
+    def _strata_step_skipped(self):
+        result = getattr(self.optimizer, "last_result", None)
+        return result is not None and not result.applied
 
     # ---- the optimizer: st.Optimizer, with the Trainer's groups; no DDP around the model ----------
 
@@ -141,12 +162,14 @@ class StrataTrainer(transformers.Trainer):
                 shutil.rmtree(target, ignore_errors=True)
             engine.global_sum(0)
         _wrap.save_checkpoint(self.model, target)  # collective: every rank writes its shards
-        super()._save_optimizer_and_scheduler(output_dir)
+        with self.optimizer.groups_only():  # the moments are in strata/; the Trainer's file has the groups
+            super()._save_optimizer_and_scheduler(output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with self.optimizer.groups_only():
+            super()._load_optimizer_and_scheduler(checkpoint)
         _wrap.load_checkpoint(self.model, os.path.join(checkpoint, _STRATA_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

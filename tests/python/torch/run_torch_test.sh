@@ -17,6 +17,6 @@ cd "$source_dir/tests/python/torch"
 case "$how" in
   alone) exec "$venv/bin/python" "$test.py" ;;
   strata-run) exec "$build_dir/bin/strata" run -n 2 -- "$venv/bin/python" "$test.py" ;;
-  torchrun) exec "$venv/bin/torchrun" --nproc_per_node 2 "$test.py" ;;
+  torchrun) exec "$venv/bin/torchrun" --standalone --nproc_per_node 2 "$test.py" ;;  # --standalone: a free port, not 29500
   *) echo "run_torch_test: '$how' is not alone, strata-run or torchrun" >&2; exit 2 ;;
 esac

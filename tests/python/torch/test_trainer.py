@@ -4,7 +4,7 @@ gradient accumulation 2 (strata's micro-steps), gradient checkpointing on, clipp
 ZeRO-3 with parameters and optimizer on NVMe: every logged loss within 1e-5 relative and every grad_norm
 within 1e-5 -- alone, or on 2 ranks (strata run, torchrun) against one rank on the combined batch; then the Trainer's own checkpoint of step 3 resumed in a fresh Trainer (another init): steps
 4-5 equal the uninterrupted run's bit for bit; save_model writes weights transformers loads with the run's
-loss."""
+loss; fp16=True with strata's loss scaler skips an overflowing step as torch's GradScaler does."""
 
 import json
 import os
@@ -65,6 +65,36 @@ def reference(out):
     return json.loads(result.read_text())
 
 
+class _Overflowing(StrataTrainer):
+    """Its second optimizer step's loss is infinite (every gradient overflows)."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        out = super().compute_loss(model, inputs, *args, **kwargs)
+        if self.state.global_step != 1:
+            return out
+        return (out[0] * float("inf"),) + tuple(out[1:]) if isinstance(out, tuple) else out * float("inf")
+
+
+def fp16(out, strata_config, want, want_norms):
+    """fp16=True: strata's loss scaler in place of torch's GradScaler. The first step's loss and (unscaled) norm
+    are the fp32 run's; the overflowing second step is skipped on every rank, the scale halves and the Trainer's
+    lr schedule stays where it was (as with torch's GradScaler); the third step trains again."""
+    cfg = dict(strata_config, fp16={"enabled": "auto", "loss_scale_window": 1000, "hysteresis": 1})
+    args = arguments(out / "fp16", fp16=True, max_steps=3, logging_nan_inf_filter=False)
+    trainer = _Overflowing(model=gpt2(), args=args, train_dataset=Tokens(), strata_config=cfg)
+    trainer.train()
+    losses, norms, lrs = logged(trainer, "loss"), logged(trainer, "grad_norm"), logged(trainer, "learning_rate")
+    log(f"fp16 with an overflow at step 2: losses {losses}, grad_norm {norms}, lr {lrs}, loss scale "
+        f"{trainer._strata.engine.loss_scale()}")
+    assert relative(losses[0], want[0]) < 1e-5 and relative(norms[0], want_norms[0]) < 1e-5, (losses, want)
+    # (The Trainer's logged loss of step 3 is nan: its running sum kept step 2's inf. Step 3's norm is finite.)
+    assert losses[1] == float("inf") and norms[2] < 100 and trainer.optimizer.last_result.applied
+    assert lrs[1] < lrs[0] and lrs[2] == lrs[1], lrs  # each step's lr: the skipped one did not advance it
+    assert trainer._strata.engine.loss_scale() == 2.0 ** 15
+    assert trainer._strata.engine.stats()["steps_skipped"] == 1
+    trainer._strata.engine.close()
+
+
 def main():
     torch.set_num_threads(1)
     if sys.argv[1:2] == ["--reference"]:  # the one-rank Trainer of reference()
@@ -115,6 +145,8 @@ def main():
         with torch.no_grad():
             resumed.model(**Tokens()[0:4])  # the forward's gathers are collective
     resumed._strata.engine.global_sum(0)
+    resumed._strata.engine.close()
+    fp16(out, strata_config, want, want_norms)
     if RANK == 0:
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(nvme, ignore_errors=True)

@@ -57,8 +57,9 @@ def loop(model, opt, steps, *, clip=None, schedule=None, accumulation=1, evaluat
     return losses, norms, evals
 
 
-def compare(name, make, cfg, *, groups=None, freeze=None, checkpointing=None, after_wrap=None, **kw):
-    """Trains `make()` with strata (config `cfg`) and with torch AdamW, the same loop; returns the models."""
+def compare(name, make, cfg, *, groups=None, freeze=None, checkpointing=None, after_wrap=None, wrap=None, **kw):
+    """Trains `make()` with strata (config `cfg`) and with torch AdamW, the same loop; returns the models.
+    wrap: makes the wrapped model instead of st.wrap(make(), cfg) (the reference is still make()'s)."""
     model = make()
     if freeze:
         freeze(model)
@@ -68,7 +69,7 @@ def compare(name, make, cfg, *, groups=None, freeze=None, checkpointing=None, af
     ref_opt = torch.optim.AdamW(groups(reference) if groups else
                                 [p for p in reference.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     want, want_norms, want_evals = loop(reference, ref_opt, STEPS, **kw)
-    st.wrap(model, cfg)
+    model = st.wrap(model, cfg) if wrap is None else wrap()
     if after_wrap:
         after_wrap(model)
     opt = st.Optimizer(model, groups(model) if groups else None)
