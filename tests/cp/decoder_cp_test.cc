@@ -32,6 +32,20 @@ nn::DecoderConfig family(const std::string& name) {
   } else if (name == "qwen3") {
     c.qk_norm = true;
     c.sliding_window = 2;  // narrower than a chunk (12 / 4 = 3 tokens at cp 2)
+  } else if (name == "gemma2") {
+    // Gemma's pieces: the scores' scale and soft cap in every block, the
+    // logits' soft cap, sandwich norms, a sliding layer with its own RoPE.
+    c.hidden_act = ops::GluActivation::kGeluTanh;
+    c.norm_weight_offset = 1;
+    c.scale_embedding = true;
+    c.sandwich_norms = true;
+    c.query_pre_attn_scalar = 12;
+    c.attn_logit_softcapping = 2;
+    c.final_logit_softcapping = 3;
+    c.sliding_window = 5;
+    c.sliding_layers = {true, false};
+    c.sliding_rope = c.rope;
+    c.sliding_rope->theta = 100;
   }
   return c;
 }
@@ -87,6 +101,8 @@ TEST_CASE("context parallelism equals one resident rank on the combined batch", 
       {"qwen3", 2, 2, ContextMethod::kRing, 1, true},
       {"qwen3", 2, 2, ContextMethod::kUlysses, 2, true},
       {"llama", 4, 2, ContextMethod::kRing, 3, true},  // dp 2 x cp 2
+      {"gemma2", 2, 2, ContextMethod::kRing, 2, true},
+      {"gemma2", 2, 2, ContextMethod::kUlysses, 3},
   };
   for (const Case& c : cases) {
     const std::string name = c.family + ", cp " + std::to_string(c.cp) + " x dp " + std::to_string(c.world / c.cp) +
