@@ -654,7 +654,7 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
 }
 
 TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals one rank step by step, ring and "
-          "Ulysses, killed with SIGKILL and resumed bit for bit; the refusals are by name",
+          "Ulysses, killed with SIGKILL and resumed bit for bit, the refusals by name",
           "[finetune][checkpoint][cp]") {
   strata::test::TempDir dir;
   small_model(dir);  // 4 heads, 2 kv heads: Ulysses splits them 2 ways
