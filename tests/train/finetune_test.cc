@@ -685,6 +685,28 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
     WARN("largest |cp 2 " << method << " - 1 rank| over the exported weights after " << kSteps << " steps: " << diff);
     CHECK(diff < 1e-4);
   }
+  // cp 4 (8 chunks of 4 tokens, three hops per ring pass) and dp 2 x cp 2 against the dp 2 run.
+  const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
+  const auto four = run_command(run4 + resumable_args(dir, "cp4", kSteps) + " --cp 4 2>&1");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  const auto dp2 = run_command(run2 + resumable_args(dir, "dp2", kSteps) + " 2>&1");
+  INFO(dp2.output);
+  REQUIRE(dp2.exit_code == 0);
+  const auto dp2cp2 = run_command(run4 + resumable_args(dir, "dp2cp2", kSteps) + " --cp 2 2>&1");
+  INFO(dp2cp2.output);
+  REQUIRE(dp2cp2.exit_code == 0);
+  for (const auto& [got, want] : {std::pair{"cp4", "one"}, std::pair{"dp2cp2", "dp2"}}) {
+    const auto got_steps = read_jsonl(dir.file(std::string(got) + "_out") + "/metrics.jsonl");
+    const auto want_steps = read_jsonl(dir.file(std::string(want) + "_out") + "/metrics.jsonl");
+    REQUIRE(got_steps.size() == kSteps);
+    REQUIRE(want_steps.size() == kSteps);
+    for (int i = 0; i < kSteps; ++i) {
+      CHECK(got_steps[i]["loss"].get<double>() == Approx(want_steps[i]["loss"].get<double>()).epsilon(1e-5));
+      CHECK(got_steps[i]["tokens"] == want_steps[i]["tokens"]);
+    }
+    CHECK(max_export_difference(dir.file(std::string(got) + "_model"), dir.file(std::string(want) + "_model")) < 1e-4);
+  }
   // Killed at moments (start-up, steps, checkpoints, the export) and resumed: the ring run's weights, bit for bit.
   const int kills = run_killed_and_resumed(dir, run2 + resumable_args(dir, "killed", kSteps) + " --cp 2",
                                            dir.file("killed_ckpt"), {700, 450, 900, 1100});
@@ -710,6 +732,10 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
   CHECK(lora.exit_code != 0);
   CHECK_THAT(lora.output, Catch::Contains("--cp 2 with LoRA (--lora-rank): context parallelism with it is not "
                                           "implemented yet"));
+  const auto ulysses4 = run_command(run4 + "finetune --cp 4 --cp-method ulysses --seq 32" + data + " 2>&1");
+  CHECK(ulysses4.exit_code != 0);
+  CHECK_THAT(ulysses4.output, Catch::Contains("num_key_value_heads 2 do not both divide by 4 (use \"method\": "
+                                              "\"ring\")"));
   const auto tp = run_command(run2 + "finetune --cp 2 --tp 2 --seq 32" + data + " 2>&1");
   CHECK(tp.exit_code != 0);
   CHECK_THAT(tp.output, Catch::Contains("--cp 2 with tensor parallelism (--tp 2)"));
