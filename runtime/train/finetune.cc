@@ -501,6 +501,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // Each rank's checkpoint holds the experts it owns: a resume or an export needs the same split.
   if (zero.expert_parallel_size > 1) checkpoint_model["expert_parallel_size"] = zero.expert_parallel_size;
   if (tp > 1) checkpoint_model["tensor_parallel_size"] = tp;
+  // ZeRO partitions over dp x cp: an export rebuilds the same communicators.
+  if (cp > 1) checkpoint_model["context_parallel_size"] = cp;
   // Each rank's checkpoint holds its stage's layers: a resume or an export needs the same split.
   if (pp > 1) {
     checkpoint_model["pipeline_parallel_size"] = pp;

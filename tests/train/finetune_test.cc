@@ -717,6 +717,13 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
   const auto killed_steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(killed_steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(killed_steps[i]["step"].get<int>() == i + 1);
+  // strata export rebuilds the run's ZeRO partition over dp x cp from the checkpoint: the run's own export.
+  const auto exported =
+      run_command(run2 + "export " + dir.file("ring_ckpt") + " " + dir.file("exported") + " --dtype fp32 2>&1");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") ==
+        file_bytes(dir.file("ring_model") + "/model.safetensors"));
   // The checkpoints record cp: resuming them as 2 data-parallel ranks is refused.
   const auto other = run_command(run2 + resumable_args(dir, "killed", kSteps + 2) + " --resume 2>&1");
   CHECK(other.exit_code != 0);
