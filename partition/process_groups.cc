@@ -35,6 +35,7 @@ std::string_view group_kind_name(GroupKind kind) {
     case GroupKind::kExpertData: return "expert-dp";
     case GroupKind::kPipeline: return "pp";
     case GroupKind::kContext: return "cp";
+    case GroupKind::kDataContext: return "dp-cp";
   }
   raise(ErrorCategory::kInternal, "unknown process group kind");
 }
@@ -95,6 +96,13 @@ ParallelLayout::ParallelLayout(int world_size, int tp_size, int ep_size, int pp_
     std::vector<int> ranks;
     for (int s = 0; s < pp_size; ++s) ranks.push_back(s * stage_size + j);
     add(GroupKind::kPipeline, std::move(ranks));
+  }
+  for (int j = 0; j < pp_size * tp_size; ++j) {
+    // The dp-cp group of stage s and tp rank t (j = s * tp + t): member
+    // d * cp + c is job rank s * stage_size + (d * cp + c) * tp + t.
+    std::vector<int> ranks;
+    for (int m = 0; m < dp * cp_size; ++m) ranks.push_back(j / tp_size * stage_size + m * tp_size + j % tp_size);
+    add(GroupKind::kDataContext, std::move(ranks));
   }
   for (int j = 0; j < inner * pp_size; ++j) {
     // Member k of the dp group of stage s, cp rank c and tp rank t (j = s *
@@ -173,7 +181,7 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
 }
 
 Communicator& ProcessGroups::of(GroupKind kind) const {
-  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp, &pp, &cp};
+  const std::unique_ptr<Communicator>* held[] = {&tp, &dp, &ep, &expert_dp, &pp, &cp, &dp_cp};
   const auto& communicator = *held[kind_index(kind)];
   STRATA_CHECK(communicator != nullptr, kBadArgument, "no {} group communicator was made", group_kind_name(kind));
   return *communicator;
@@ -194,6 +202,7 @@ ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, 
   groups.expert_dp = make(GroupKind::kExpertData);
   groups.pp = make(GroupKind::kPipeline);
   groups.cp = make(GroupKind::kContext);
+  groups.dp_cp = make(GroupKind::kDataContext);
   return groups;
 }
 

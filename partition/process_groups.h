@@ -19,6 +19,12 @@
 //                     and the same chunks (stride cp*tp), over which ZeRO
 //                     partitions (with cp > 1 the gradients are also summed
 //                     over the cp group, by whoever trains with it);
+//   dp-cp group       within a stage, the ranks with the same tp rank (the
+//                     dp group's members times the cp group's, stride tp:
+//                     member d*cp + c): they hold the same parameters, so
+//                     ZeRO partitions and reduces over it with cp > 1
+//                     (Megatron's data-parallel group with context
+//                     parallelism); with cp 1 it is the dp group;
 //   pp group          the ranks with the same d, c and t in every stage
 //                     (stride dp*cp*tp): one pipeline, whose member s is
 //                     stage s; they pass activations and gradients point to point;
@@ -45,9 +51,9 @@
 
 namespace strata::partition {
 
-enum class GroupKind { kTensor, kData, kExpert, kExpertData, kPipeline, kContext };
-inline constexpr size_t kGroupKinds = 6;
-// "tp", "dp", "ep", "expert-dp", "pp", "cp": the words errors and store keys use.
+enum class GroupKind { kTensor, kData, kExpert, kExpertData, kPipeline, kContext, kDataContext };
+inline constexpr size_t kGroupKinds = 7;
+// "tp", "dp", "ep", "expert-dp", "pp", "cp", "dp-cp": the words errors and store keys use.
 std::string_view group_kind_name(GroupKind kind);
 
 struct ProcessGroup {
@@ -109,10 +115,10 @@ std::unique_ptr<Communicator> make_group_communicator(Accelerator& accelerator, 
 // This rank's communicator in each group of `layout` (groups of one rank
 // included, so that callers need no special case).
 struct ProcessGroups {
-  std::unique_ptr<Communicator> tp, dp, ep, expert_dp, pp, cp;
+  std::unique_ptr<Communicator> tp, dp, ep, expert_dp, pp, cp, dp_cp;
   Communicator& of(GroupKind kind) const;
 };
-// Every rank makes them in the same order (tp, dp, ep, expert-dp, pp, cp), so that
+// Every rank makes them in the same order (tp, dp, ep, expert-dp, pp, cp, dp-cp), so that
 // connecting one group never waits on a rank busy connecting another.
 // job_options.world_size must be layout.world_size().
 ProcessGroups make_process_groups(Accelerator& accelerator, StoreClient& store, const CommunicatorOptions& job_options,

@@ -191,6 +191,10 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
                  "{}: sequence_parallel is true: sequence parallelism splits strata finetune's decoder layers over "
                  "tensor-parallel ranks; the C API's model is the caller's (leave it out or set false)",
                  source);
+    STRATA_CHECK(config.context_parallel_size <= 1, kBadArgument,
+                 "{}: context_parallel.size {} is for strata finetune's models: context parallelism splits their "
+                 "sequences and attention over ranks; the C API's model is the caller's (leave it out or set 1)",
+                 source, config.context_parallel_size);
     partition::RankInfo rank = strata::launcher::rank_info_from_env();
     strata::set_log_rank(rank.rank, rank.world_size);
     strata::set_log_level(config.strata.log_level);

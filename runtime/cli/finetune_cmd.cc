@@ -105,6 +105,14 @@ void add_finetune_command(CLI::App& app) {
                   "layer: each layer's parameters fetched once forward and once backward per step; the same "
                   "parameters bit for bit) or auto (layer-major when the parameters are offloaded and "
                   "gradient_accumulation_steps > 1)");
+  cmd->add_option("--cp", options->context_parallel,
+                  "Context parallelism: this many ranks split every sequence, each holding 2 of its 2 x N chunks of "
+                  "every layer (context_parallel.size; the world is dp x cp; --seq must divide by 2 x N); the "
+                  "world / N data-parallel ranks split the batch")
+      ->check(whole_number(1));
+  cmd->add_option("--cp-method", options->context_method,
+                  "How the attention crosses the --cp ranks (context_parallel.method): ring (keys and values passed "
+                  "around them) or ulysses (all-to-alls between sequence and heads; the heads must divide by --cp)");
   cmd->add_flag("--sequence-parallel", options->sequence_parallel,
                 "Megatron's sequence parallelism over the --tp ranks (the config's sequence_parallel): each keeps "
                 "its share of the tokens' residual stream and norms, so every activation a layer saves is divided "

@@ -40,6 +40,7 @@ struct RunSetup {
   int64_t world_size = 1;
   bool checkpoint_activations = false;
   int tensor_parallel = 0;         // --tp (0: not given: the config's)
+  int context_parallel = 0;        // --cp (0: not given: the config's)
   int pipeline_parallel = 0;       // --pp (0: not given: the config's)
   std::string micro_batch_order;  // --micro-batch-order (empty: the config's)
   bool sequence_parallel = false;  // --sequence-parallel
@@ -102,6 +103,8 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.sequence_parallel = true;
     } else if (flag == "--pp") {
       s.pipeline_parallel = static_cast<int>(parse_integer(source + ": --pp", take(), 1));
+    } else if (flag == "--cp") {
+      s.context_parallel = static_cast<int>(parse_integer(source + ": --cp", take(), 1));
     } else if (flag == "--micro-batch-order") {
       s.micro_batch_order = take();
     }
@@ -232,6 +235,11 @@ int run_plan_check(const PlanOptions& o) {
                "{}: the run is pipeline parallel ({} stages); strata plan --check does not model a pipeline stage's "
                "memory yet (strata plan --pp N prints each stage's activations and parameters)",
                run_json.string(), pipeline);
+  // Context parallelism: each rank holds two chunks of every sequence; not modelled here.
+  const int context = s.context_parallel > 0 ? s.context_parallel : config.context_parallel_size;
+  STRATA_CHECK(context == 1, kBadArgument,
+               "{}: the run is context parallel ({} ranks per sequence); strata plan --check does not model it yet",
+               run_json.string(), context);
   plan::RuntimeInputs in;
   // As finetune reads them: --tp over the config's autotp_size, either sequence-parallel switch.
   in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;

@@ -436,6 +436,11 @@ nlohmann::json expert_parallel_json(const Resolved& r) {
 // (or --dp, with tp x --dp ranks), and the plan's model states are tp rank
 // 0's: its shards and the replicated tensors (plan::decoder_rank_params).
 void resolve_tensor_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  // Context parallelism is trained (strata finetune --cp) but not planned yet: refused rather than planned without it.
+  STRATA_CHECK(!config || config->context_parallel_size <= 1, kBadArgument,
+               "{}: context_parallel.size {}: strata plan does not model context parallelism yet (plan the run "
+               "without it)",
+               o.config, config ? config->context_parallel_size : 1);
   const int from_config = config ? config->tensor_parallel_size : 1;
   const int tp = !o.tp.empty() ? static_cast<int>(parse_integer("--tp", o.tp, 1)) : from_config;
   if (!o.tp.empty() && from_config > 1 && from_config != tp) {

@@ -326,6 +326,8 @@ Config build(const json& e) {
   c.expert_parallel_size = e["moe"]["expert_parallel_size"].is_null() ? 0 : as_int(e["moe"]["expert_parallel_size"]);
   c.tensor_parallel_size = as_int(e["tensor_parallel"]["autotp_size"]);
   c.sequence_parallel = e["sequence_parallel"].get<bool>();
+  c.context_parallel_size = as_int(e["context_parallel"]["size"]);
+  c.context_parallel_method = e["context_parallel"]["method"].get<std::string>();
   const json& pipeline = e["pipeline_parallel"];
   c.pipeline_parallel_size = as_int(pipeline["size"]);
   c.pipeline_schedule = pipeline["schedule"].get<std::string>();
@@ -459,6 +461,20 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
     checker.problem("tensor_parallel.autotp_size {} with moe.expert_parallel_size {}: tensor parallelism is not "
                     "implemented for mixture-of-experts models yet",
                     c.tensor_parallel_size, c.expert_parallel_size);
+  }
+  if (c.context_parallel_size > 1) {
+    // What context parallelism is not built with yet, by the keys that ask for it.
+    const auto refuse = [&](bool combined, const std::string& what) {
+      if (combined) {
+        checker.problem("context_parallel.size {} with {}: context parallelism with it is not implemented yet",
+                        c.context_parallel_size, what);
+      }
+    };
+    refuse(c.tensor_parallel_size > 1, fmt::format("tensor_parallel.autotp_size {}", c.tensor_parallel_size));
+    refuse(c.sequence_parallel, "sequence_parallel");
+    refuse(c.pipeline_parallel_size > 1, fmt::format("pipeline_parallel.size {}", c.pipeline_parallel_size));
+    refuse(c.expert_parallel_size > 1, fmt::format("moe.expert_parallel_size {}", c.expert_parallel_size));
+    refuse(c.strata.micro_batch_order == "layer-major", "strata.micro_batch_order \"layer-major\"");
   }
   if (c.pipeline_parallel_size > 1 || c.virtual_stages > 1 || !c.pipeline_layers.empty()) {
     const auto kind = pipeline::parse_schedule(c.pipeline_schedule);

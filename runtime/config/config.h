@@ -124,6 +124,10 @@ struct Config {
   // over the tensor-parallel ranks: the runner refuses it without them).
   int tensor_parallel_size = 1;
   bool sequence_parallel = false;
+  // context_parallel.size (1: none) and .method ("ring" or "ulysses",
+  // nn::parse_context_method).
+  int context_parallel_size = 1;
+  std::string context_parallel_method = "ring";
   // pipeline_parallel (runtime/pipeline): stages, schedule name, chunks per
   // rank, and layers per (virtual) stage (empty: as equal as possible).
   int pipeline_parallel_size = 1;

@@ -209,6 +209,23 @@ class Engine {
   virtual void tp_allgather(const TensorView& local, const TensorView& full);
   virtual void tp_reduce_scatter(const TensorView& full, const TensorView& local);
 
+  // ---- context parallelism (docs/DESIGN.md §5, issue 46) ----------------------------
+  // The context-parallel group of this rank: `size` ranks that split every
+  // sequence, member `rank` holding its chunks `rank` and 2·size−1−rank
+  // (nn::RingAttention's layout); `comm` the group's communicator, over which
+  // the model's attention passes keys and values (or Ulysses' all-to-alls),
+  // and `stream` a stream of the engine's for those transfers (both null with
+  // size 1). The members hold the same parameters: an engine with it sums
+  // every gradient over the group as over data parallelism (ZeroEngine:
+  // ZeRO over the dp x cp ranks).
+  struct ContextGroup {
+    int size = 1;
+    int rank = 0;
+    partition::Communicator* comm = nullptr;
+    Stream* stream = nullptr;
+  };
+  const ContextGroup& context_group() const { return context_group_; }
+
   // ---- expert parallelism (docs/DESIGN.md §4.2) -----------------------------------
   // The expert-parallel group of this rank: `size` data-parallel ranks that
   // split every mixture-of-experts layer's experts between them, member i
@@ -326,6 +343,8 @@ class Engine {
   void set_expert_group(ExpertGroup group) { expert_group_ = std::move(group); }
   // Set by an engine with tensor parallelism (its constructor).
   void set_tensor_group(TensorGroup group) { tensor_group_ = group; }
+  // Set by an engine with context parallelism (its constructor).
+  void set_context_group(ContextGroup group) { context_group_ = group; }
   // Refuses a window of an expert this rank does not hold (pre_op, skip_op).
   void check_owned(OpId op) const;
   // sum_stage_gradients' view of a shared parameter's gradient for this step:
@@ -356,6 +375,7 @@ class Engine {
   std::unique_ptr<Event> skip_point_;  // skip_op's compute-stream point (backward)
   ExpertGroup expert_group_;
   TensorGroup tensor_group_;
+  ContextGroup context_group_;
   partition::Communicator* stage_comm_ = nullptr;  // share_with_stage's pipeline group
   WeightGradSink* weight_grad_sink_ = nullptr;
 };

@@ -95,6 +95,19 @@ ZeroEngine::ZeroEngine(Accelerator& accelerator, ZeroComms comms, ZeroEngineOpti
     set_tensor_group({comms_.tensor->world_size(), comms_.tensor->rank()});
     tensor_stream_ = accelerator.create_stream();
   }
+  if (comms_.context != nullptr && comms_.context->world_size() > 1) {
+    STRATA_CHECK(comms_.context != comms_.gather && comms_.context != comms_.reduce &&
+                     comms_.context != comms_.control && comms_.context != comms_.tensor,
+                 kBadArgument, "the cp group needs a communicator of its own (it runs on its own stream)");
+    STRATA_CHECK(options_.expert_parallel_size == 1, kBadArgument,
+                 "context parallelism with expert parallelism is not implemented yet");
+    STRATA_CHECK(world_size() % comms_.context->world_size() == 0, kBadArgument,
+                 "context parallelism: the {} ZeRO ranks are not a multiple of the context-parallel size {} (gather, "
+                 "reduce and control must be the dp-cp group's)",
+                 world_size(), comms_.context->world_size());
+    context_stream_ = accelerator.create_stream();
+    set_context_group({comms_.context->world_size(), comms_.context->rank(), comms_.context, context_stream_.get()});
+  }
   if (comms_.pipeline != nullptr && comms_.pipeline->world_size() > 1) {
     STRATA_CHECK(comms_.pipeline != comms_.gather && comms_.pipeline != comms_.reduce &&
                      comms_.pipeline != comms_.control && comms_.pipeline != comms_.tensor,
@@ -120,7 +133,7 @@ ZeroEngine::~ZeroEngine() {
   }
   // Queued work reads and writes the memory freed below.
   for (Stream* stream : {&compute_stream(), gather_stream_.get(), control_stream_.get(), home_stream_.get(),
-                         exchange_stream_.get(), tensor_stream_.get(), pipeline_stream_.get()}) {
+                         exchange_stream_.get(), tensor_stream_.get(), context_stream_.get(), pipeline_stream_.get()}) {
     if (stream == nullptr) continue;
     try {
       stream->synchronize();

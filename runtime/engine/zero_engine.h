@@ -116,6 +116,12 @@ struct ZeroComms {
   // other parameters); gather, reduce and control are then the stage's dp
   // group's. Engine::share_with_stage names the same communicator.
   partition::Communicator* pipeline = nullptr;
+  // Context parallelism (null: none): the cp group (Engine::context_group(),
+  // the model's ring or Ulysses attention). With it, gather, reduce and
+  // control are the dp-cp group's: the ranks of a cp group hold the same
+  // parameters, so ZeRO partitions and sums gradients over dp x cp
+  // (partition/process_groups.h), and rank() / world_size() are that group's.
+  partition::Communicator* context = nullptr;
 };
 
 // What the stage-3 coordinator did in a step, and where compute waited
@@ -191,7 +197,8 @@ class ZeroEngine final : public Engine {
   void tp_allgather(const TensorView& local, const TensorView& full) override;
   void tp_reduce_scatter(const TensorView& full, const TensorView& local) override;
   void sum_over_ranks(double* values, size_t count) override;  // the control communicator
-  // This rank among the data-parallel ranks (the world without tensor parallelism).
+  // This rank among the data-parallel ranks (the world without tensor parallelism;
+  // with context parallelism the dp x cp ranks ZeRO partitions over, member d * cp + c).
   int rank() const;
   int world_size() const;
   // This rank in the job (pp stage x dp x tp + dp rank x tp + tp rank;
@@ -432,6 +439,7 @@ class ZeroEngine final : public Engine {
   std::unique_ptr<Stream> gather_stream_, control_stream_;
   std::unique_ptr<Stream> exchange_stream_;        // expert parallelism: the token all_to_alls
   std::unique_ptr<Stream> tensor_stream_;          // tensor parallelism: the tp group's allreduces
+  std::unique_ptr<Stream> context_stream_;         // context parallelism: the model's ring transfers
   std::unique_ptr<Stream> pipeline_stream_;        // pipeline parallelism: the pp group's norm and job sums
   TensorTraffic tensor_traffic_;
   // Host <-> home and gradient-shard copies of the optimizer, init, checkpoints

@@ -63,20 +63,29 @@ struct AttentionGrads {
 // The model's one adapter scratch an Acts points to; an empty one without adapters.
 const LoraScratch& lora_scratch(const LoraScratch* lora);
 
+class ContextAttention;  // context_attention.h
+
 // Where each token is in its row: positions int32 [rows] (the rotary
 // embedding's), and with packed documents the first position of each token's
 // document and one past its last (int32 [rows] each, kernels/attention_mask.h);
-// segment views without data: one document per row.
+// segment views without data: one document per row. With context parallelism
+// (`context` set) the rows are this rank's two chunks of every sequence
+// (context_attention.h), positions theirs in the whole sequence, the document
+// arrays over the whole sequences (context_size times the rows), and the
+// attention goes through `context`.
 struct TokenPlaces {
   TensorView positions, segment_start, segment_end;
+  ContextAttention* context = nullptr;
+  int context_size = 1;
   bool packed() const { return segment_start.data != nullptr; }
   // A layer's mask (its window, its scale) over these places: with packed
-  // documents it also keeps each token within its document (rows of `seq`).
+  // documents it also keeps each token within its document (rows of `seq`
+  // tokens this rank holds: the whole sequence is context_size times it).
   ops::AttentionMask mask(ops::AttentionMask layer, int64_t seq) const {
     if (packed()) {
       layer.segment_start = segment_start.as<int32_t>();
       layer.segment_end = segment_end.as<int32_t>();
-      layer.seq = seq;
+      layer.seq = seq * context_size;
     }
     return layer;
   }

@@ -161,7 +161,9 @@ class ArenaLayout {
 // Everything a step needs in accelerator memory, plus pinned host staging.
 struct DecoderModel::Arena {
   Accelerator* accelerator = nullptr;
-  int64_t batch = 0, seq = 0;
+  // seq: the tokens per sequence this rank holds; whole_seq: the sequences'
+  // (context parallelism: seq = whole_seq / cp, this rank's two chunks).
+  int64_t batch = 0, seq = 0, whole_seq = 0;
   bool packed = false;            // the last forward's rows hold packed documents
   bool backward_pending = false;  // a training forward ran and its backward has not
   Tensor memory;
@@ -200,8 +202,8 @@ struct DecoderModel::Arena {
   // Each layer's routing, kept from its forward to its backward.
   std::vector<MoeRouting> moe_routing;
   TokenPlaces places;  // positions, and the documents' ranges when packed
-  // Host side: ids, targets, positions, segment starts and ends (int32 [rows]
-  // each), then normalizer and stats (fp64).
+  // Host side: ids, targets, positions (int32 [rows] each), segment starts
+  // and ends (int32 [batch x whole_seq] each), then normalizer and stats (fp64).
   void* host = nullptr;
   std::unique_ptr<Event> uploaded;  // the last upload's copies have read `host`
   // cpu_checkpointing: pinned host memory, checkpoint l (the input of layer l,
@@ -228,7 +230,7 @@ struct DecoderModel::Arena {
     return reinterpret_cast<double*>(static_cast<char*>(host) + host_ints_nbytes());
   }
   size_t host_ints_nbytes() const {
-    return (static_cast<size_t>(5 * batch * seq) * sizeof(int32_t) + 7) / 8 * 8;
+    return (static_cast<size_t>(3 * batch * seq + 2 * batch * whole_seq) * sizeof(int32_t) + 7) / 8 * 8;
   }
   // The owner drains the compute stream first (copies may still use host_checkpoints).
   ~Arena() {
@@ -262,6 +264,23 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   }
   STRATA_CHECK(!options_.sequence_parallel || engine.tensor_group().size > 1, kBadArgument,
                "sequence_parallel needs tensor parallelism (tensor_parallel.autotp_size of 2 or more)");
+  if (const int cp = engine.context_group().size; cp > 1) {
+    // What context parallelism has been built and tested with; the rest by name.
+    const auto refuse_with = [&](bool combined, const std::string& what) {
+      STRATA_CHECK(!combined, kBadArgument, "context parallelism (size {}) with {} is not implemented yet", cp, what);
+    };
+    refuse_with(engine.tensor_group().size > 1, "tensor parallelism (tensor_parallel.autotp_size)");
+    refuse_with(options_.lora.enabled(), "LoRA adapters");
+    refuse_with(config_.moe(), fmt::format("mixture-of-experts layers (model_type {})", config_.model_type));
+    refuse_with(config_.attention != AttentionKind::kGqa,
+                fmt::format("multi-head latent attention (model_type {})", config_.model_type));
+    const DecoderModelOptions::Stage& stage = options_.stage;
+    refuse_with(stage.first_layer != 0 || (stage.layers >= 0 && stage.layers != config_.num_hidden_layers) ||
+                    !stage.embedding || !stage.head,
+                "pipeline stages or layer-major micro-batches (a model split into parts)");
+    check_context_parallel(config_.num_attention_heads, config_.num_key_value_heads, cp, options_.context_method);
+    context_ = std::make_unique<ContextAttention>(engine, options_.context_method);
+  }
   if (options_.loss_chunk_rows == 0) options_.loss_chunk_rows = default_loss_chunk_rows(config_, engine.tensor_group().size);
   DecoderModelOptions::Stage& part = options_.stage;
   if (part.layers < 0) part.layers = config_.num_hidden_layers - part.first_layer;
@@ -355,8 +374,15 @@ DecoderModel::Boundary DecoderModel::boundary(int slot, int64_t batch, int64_t s
   return {a.input(0), a.output(layers_.size() - 1), a.dres, a.dres};
 }
 
-void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
-  if (arena_ && arena_->batch == batch && arena_->seq == seq) return;
+ContextLayout DecoderModel::context_layout(int64_t batch, int64_t seq) const {
+  const engine::Engine::ContextGroup& group = engine_.context_group();
+  return {group.size, group.rank, batch, seq};
+}
+
+void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
+  if (arena_ && arena_->batch == batch && arena_->whole_seq == whole_seq) return;
+  // This rank's tokens of each sequence (all of them without context parallelism).
+  const int64_t seq = context_layout(batch, whole_seq).local_seq();
   if (arena_) engine_.compute_stream().synchronize();  // the old arena may still be in use
   arenas_[static_cast<size_t>(slot_)].reset();
   arena_ = nullptr;
@@ -364,6 +390,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   a->accelerator = &engine_.accelerator();
   a->batch = batch;
   a->seq = seq;
+  a->whole_seq = whole_seq;
   // This rank's share of the heads and MLP features (all of them without tensor parallelism).
   const DecoderConfig c = tensor_parallel_share(config_, engine_.tensor_group().size);
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
@@ -517,8 +544,10 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t seq) {
   layout.add(a->ids, DType::kI32, {rows});
   layout.add(a->targets, DType::kI32, {rows});
   layout.add(a->places.positions, DType::kI32, {rows});
-  layout.add(a->places.segment_start, DType::kI32, {rows});
-  layout.add(a->places.segment_end, DType::kI32, {rows});
+  // The documents over the whole sequences (context parallelism: the block
+  // attention evaluates them at global positions).
+  layout.add(a->places.segment_start, DType::kI32, {batch * whole_seq});
+  layout.add(a->places.segment_end, DType::kI32, {batch * whole_seq});
   a->memory = engine_.accelerator().allocate_tensor(
       DType::kF32, {static_cast<int64_t>(layout.nbytes() / sizeof(float))});
   layout.bind(a->memory.data());
@@ -573,22 +602,33 @@ void DecoderModel::upload(std::span<const int32_t> ids, std::span<const int32_t>
                         std::span<const int32_t> positions, int64_t batch, int64_t seq, double normalizer) {
   Arena& a = *arena_;
   a.uploaded->synchronize();  // the previous step's copies have read the staging memory
-  const auto rows = static_cast<size_t>(batch * seq);
+  // This rank's rows (context parallelism: its chunks of each sequence) and every row's documents.
+  const ContextLayout place = context_layout(batch, seq);
+  const auto rows = static_cast<size_t>(place.local_rows()), whole = static_cast<size_t>(batch * seq);
   int32_t* h = a.host_ints();
-  std::memcpy(h, ids.data(), rows * sizeof(int32_t));
-  std::memcpy(h + rows, targets.data(), rows * sizeof(int32_t));
   int32_t* pos = h + 2 * rows;
   int32_t* start = h + 3 * rows;
-  int32_t* end = h + 4 * rows;
-  if (positions.empty()) {
-    for (size_t r = 0; r < rows; ++r) pos[r] = static_cast<int32_t>(r % static_cast<size_t>(seq));
+  int32_t* end = start + whole;
+  if (place.cp == 1) {
+    std::memcpy(h, ids.data(), rows * sizeof(int32_t));
+    std::memcpy(h + rows, targets.data(), rows * sizeof(int32_t));
   } else {
+    for (size_t r = 0; r < rows; ++r) {
+      const auto from = static_cast<size_t>(place.whole_row(static_cast<int64_t>(r)));
+      h[r] = ids[from];
+      h[rows + r] = targets[from];
+    }
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    const auto from = static_cast<size_t>(place.whole_row(static_cast<int64_t>(r)));
+    pos[r] = positions.empty() ? static_cast<int32_t>(from % static_cast<size_t>(seq)) : positions[from];
+  }
+  if (!positions.empty()) {
     // A document starts where its position is 0 and ends where the next one starts.
-    std::memcpy(pos, positions.data(), rows * sizeof(int32_t));
-    for (size_t r = 0; r < rows; ++r) start[r] = static_cast<int32_t>(r % static_cast<size_t>(seq)) - pos[r];
-    for (size_t r = rows; r-- > 0;) {
+    for (size_t r = 0; r < whole; ++r) start[r] = static_cast<int32_t>(r % static_cast<size_t>(seq)) - positions[r];
+    for (size_t r = whole; r-- > 0;) {
       const bool last_in_row = (r + 1) % static_cast<size_t>(seq) == 0;
-      end[r] = last_in_row ? static_cast<int32_t>(seq) : pos[r + 1] == 0 ? start[r + 1] : end[r + 1];
+      end[r] = last_in_row ? static_cast<int32_t>(seq) : positions[r + 1] == 0 ? start[r + 1] : end[r + 1];
     }
   }
   a.host_doubles()[0] = normalizer;
@@ -598,8 +638,8 @@ void DecoderModel::upload(std::span<const int32_t> ids, std::span<const int32_t>
   acc.copy_async(a.targets.data, h + rows, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
   acc.copy_async(a.places.positions.data, pos, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
   if (!positions.empty()) {
-    acc.copy_async(a.places.segment_start.data, start, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
-    acc.copy_async(a.places.segment_end.data, end, rows * sizeof(int32_t), CopyKind::kHostToDevice, s);
+    acc.copy_async(a.places.segment_start.data, start, whole * sizeof(int32_t), CopyKind::kHostToDevice, s);
+    acc.copy_async(a.places.segment_end.data, end, whole * sizeof(int32_t), CopyKind::kHostToDevice, s);
   }
   acc.copy_async(a.normalizer.data, a.host_doubles(), sizeof(double), CopyKind::kHostToDevice, s);
   s.record(*a.uploaded);
@@ -642,6 +682,11 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
                    p, r);
     }
   }
+  const int cp = engine_.context_group().size;
+  STRATA_CHECK(cp == 1 || seq % (2 * cp) == 0, kBadArgument,
+               "context parallelism cuts each sequence into 2 x {} = {} chunks (two per rank), but the sequence "
+               "length {} does not divide by {}",
+               cp, 2 * cp, seq, 2 * cp);
   STRATA_CHECK(!options_.sequence_parallel || static_cast<int64_t>(rows) % engine_.tensor_group().size == 0,
                kBadArgument,
                "sequence parallelism splits the micro-batch's {} x {} = {} tokens over the {} tensor-parallel ranks: "
@@ -653,7 +698,10 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
   a.packed = !options.positions.empty();
   Accelerator& acc = engine_.accelerator();
   Stream& s = engine_.compute_stream();
-  upload(ids, targets, options.positions, batch, seq, options.normalizer);
+  // With context parallelism each rank has a share of the micro-batch's
+  // targets: the normaliser is the whole micro-batch's count, as one rank's.
+  const double normalizer = cp > 1 && options.normalizer == 0 ? static_cast<double>(counted) : options.normalizer;
+  upload(ids, targets, options.positions, batch, seq, normalizer);
   const TokenPlaces places = this->places();
   // This forward's LoRA dropout (a recompute in backward reads the same).
   a.lora.dropout = options.backward ? static_cast<float>(options_.lora.dropout) : 0.0f;
@@ -678,7 +726,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
       acc.copy_async(a.host_checkpoint(l), a.input(l).data, a.input(l).nbytes(),
                      CopyKind::kDeviceToHost, s);
     }
-    layers_[l]->forward(a.input(l), places, batch, seq, a.acts_of(l), a.output(l));
+    layers_[l]->forward(a.input(l), places, batch, a.seq, a.acts_of(l), a.output(l));
   }
   if (!options_.stage.head) {
     // The output goes on to the next pipeline stage; its gradient comes back before backward().
@@ -712,11 +760,11 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
     a.backward_pending = false;
     return;
   }
-  TensorView normalizer = a.normalizer;
-  if (options.normalizer == 0) {
+  TensorView normalizer_view = a.normalizer;
+  if (normalizer == 0) {
     acc.memset_async(a.count.data, 0, a.count.nbytes(), s);
     ops().count_targets(ctx(), a.targets, a.count);
-    normalizer = a.count;
+    normalizer_view = a.count;
   }
   // The loss's backward, fused: lm_head's backward window, at the end of forward.
   // d loss / d final_ln for every row: grads.dln, or with sequence
@@ -724,9 +772,9 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
   const TensorView dh = options_.sequence_parallel ? a.grads.dgathered : a.grads.dln;
   run(lm_head_op_, Phase::kBackward, [&] {
     if (vocab_parallel) {
-      vocab_parallel_loss(normalizer, options.grad_scale, dh);
+      vocab_parallel_loss(normalizer_view, options.grad_scale, dh);
     } else {
-      const ops::Ops::CrossEntropyGrad grad{normalizer, options.grad_scale, dh, this->grad(lm_head_param_)};
+      const ops::Ops::CrossEntropyGrad grad{normalizer_view, options.grad_scale, dh, this->grad(lm_head_param_)};
       ops().cross_entropy(ctx(), a.final_ln, param(lm_head_param_), a.targets, options_.loss_chunk_rows, a.lse_ce,
                           a.stats, &grad, static_cast<float>(config_.final_logit_softcapping));
     }
@@ -822,6 +870,10 @@ void DecoderModel::backward(int slot) {
 TokenPlaces DecoderModel::places() const {
   TokenPlaces p = arena_->places;
   if (!arena_->packed) p.segment_start = p.segment_end = TensorView{};
+  if (context_) {
+    p.context = context_.get();
+    p.context_size = context_->size();
+  }
   return p;
 }
 

@@ -50,6 +50,7 @@
 #include <span>
 
 #include "runtime/nn/attention.h"
+#include "runtime/nn/context_attention.h"
 #include "runtime/nn/layers.h"
 #include "runtime/nn/moe_mlp.h"
 
@@ -160,6 +161,19 @@ struct DecoderModelOptions {
   // divided by tp (Korthikanti et al.). The final norm's output is gathered
   // for the loss, the embedding's gradient from the gathered rows.
   bool sequence_parallel = false;
+  // Context parallelism (Engine::context_group() of size > 1; issue 46): how
+  // the attention crosses the cp group — keys and values around the ring,
+  // or Ulysses' all-to-alls (context_attention.h). Each cp rank is given the
+  // whole micro-batch (forward's ids, targets, positions; the same on every
+  // member) and computes its two chunks of every sequence (chunk-major rows,
+  // ContextLayout): RoPE at their positions in the whole sequence, packed
+  // documents over the whole sequence, the loss of its rows only
+  // (loss_stats() is this rank's share; the ranks' shares sum to the
+  // micro-batch's), every gradient this rank's share, which the engine sums
+  // over the group as over dp. seq must divide by 2 x cp. Refused with
+  // tensor or sequence parallelism, pipeline stages, LoRA, experts and
+  // multi-head latent attention (not implemented), by name.
+  ContextMethod context_method = ContextMethod::kRing;
   // Mixture of experts: skip the windows of experts no rank routed a token to
   // (moe_mlp.h: a ZeRO-3 engine then never fetches them). false: every expert
   // runs its windows every step, empty where it got no rows — the same
@@ -190,7 +204,8 @@ struct ForwardOptions {
   bool backward = true;
   // The loss whose gradient is taken is grad_scale * (sum of per-token losses)
   // / normalizer. 0: this micro-batch's own count of predicted tokens (counted
-  // on the device). Set it to the count over all ranks and micro-batches of a
+  // on the device; with context parallelism on the host, over the whole
+  // micro-batch). Set it to the count over all ranks and micro-batches of a
   // step so that gradients add up to the gradient of the combined batch's mean.
   double normalizer = 0;
   double grad_scale = 1.0;  // e.g. an fp16 loss scale
@@ -289,7 +304,10 @@ class DecoderModel : public Module {
   struct Arena;
   // Makes `slot` the current one (arena_ its arena, or null before its first use).
   void select(int slot);
+  // For micro-batches of batch x seq tokens (with context parallelism this
+  // rank's two chunks of each sequence: Arena::seq is seq / cp).
   void ensure_arena(int64_t batch, int64_t seq);
+  ContextLayout context_layout(int64_t batch, int64_t seq) const;
   TokenPlaces places() const;  // the last forward's (documents only when packed)
   // Whether the forward of layer l runs again in backward (every layer but the top).
   // Tensor parallelism: the loss over this rank's vocabulary rows (Megatron's
@@ -314,6 +332,7 @@ class DecoderModel : public Module {
   ParamId lm_head_param_ = -1;
   OpId lm_head_op_ = -1;
   bool lookup_ = true;  // the embedding lookup runs here (options_.stage.embedding)
+  std::unique_ptr<ContextAttention> context_;  // context parallelism's attention (null without)
   std::vector<std::unique_ptr<Arena>> arenas_;  // per micro-batch slot
   int slot_ = 0;
   Arena* arena_ = nullptr;  // arenas_[slot_]

@@ -3,6 +3,7 @@
 #include "runtime/nn/gqa_attention.h"
 
 #include "core/error.h"
+#include "runtime/nn/context_attention.h"
 
 namespace strata::nn {
 
@@ -112,10 +113,14 @@ void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64
   v_proj_->forward(as_matrix(x), as_matrix(v), phase, lora);
   ops().rope_forward(ctx(), q, places.positions, rope_);
   ops().rope_forward(ctx(), k, places.positions, rope_);
-  ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, head_dim_}),
-                          reshaped(k, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(v, {batch, seq, kv_heads_, head_dim_}),
-                          reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], places.mask(mask_, seq));
+  if (places.context != nullptr) {  // this rank's two chunks of each sequence, with the cp group
+    places.context->forward(q, k, v, attn, a.saved[kLse], batch, places.mask(mask_, seq));
+  } else {
+    ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, head_dim_}),
+                            reshaped(k, {batch, seq, kv_heads_, head_dim_}),
+                            reshaped(v, {batch, seq, kv_heads_, head_dim_}),
+                            reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], places.mask(mask_, seq));
+  }
   o_proj_->forward(as_matrix(attn), as_matrix(y), phase, lora);  // with tp, this rank's heads' share
 }
 
@@ -132,14 +137,18 @@ void GqaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
   const TensorView &dq = g.scratch[kDq], &dk = g.scratch[kDk], &dv = g.scratch[kDv], &dattn = g.scratch[kDattn];
   const LoraScratch& lora = lora_scratch(a.lora);
   o_proj_->backward(as_matrix(dy), as_matrix(attn), as_matrix(dattn), false, lora);
-  ops().attention_backward(ctx(), reshaped(dattn, {batch, seq, heads_, head_dim_}),
-                           reshaped(q, {batch, seq, heads_, head_dim_}),
-                           reshaped(k, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(v, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse],
-                           reshaped(dq, {batch, seq, heads_, head_dim_}),
-                           reshaped(dk, {batch, seq, kv_heads_, head_dim_}),
-                           reshaped(dv, {batch, seq, kv_heads_, head_dim_}), places.mask(mask_, seq));
+  if (places.context != nullptr) {
+    places.context->backward(dattn, q, k, v, attn, a.saved[kLse], dq, dk, dv, batch, places.mask(mask_, seq));
+  } else {
+    ops().attention_backward(ctx(), reshaped(dattn, {batch, seq, heads_, head_dim_}),
+                             reshaped(q, {batch, seq, heads_, head_dim_}),
+                             reshaped(k, {batch, seq, kv_heads_, head_dim_}),
+                             reshaped(v, {batch, seq, kv_heads_, head_dim_}),
+                             reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse],
+                             reshaped(dq, {batch, seq, heads_, head_dim_}),
+                             reshaped(dk, {batch, seq, kv_heads_, head_dim_}),
+                             reshaped(dv, {batch, seq, kv_heads_, head_dim_}), places.mask(mask_, seq));
+  }
   ops().rope_backward(ctx(), dq, places.positions, rope_);
   ops().rope_backward(ctx(), dk, places.positions, rope_);
   if (q_norm_) {

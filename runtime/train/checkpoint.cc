@@ -70,9 +70,13 @@ std::string manifest_checksum(nlohmann::json manifest) {
 
 // The parallel layout a checkpoint's files are cut for.
 nlohmann::json parallel_layout(const engine::ZeroEngine& engine) {
-  nlohmann::json layout = {{"data_parallel_size", engine.world_size()},
+  // With context parallelism ZeRO's ranks are dp x cp (recorded with it only,
+  // so checkpoints from before it still match).
+  const int context = engine.context_group().size;
+  nlohmann::json layout = {{"data_parallel_size", engine.world_size() / context},
                            {"tensor_parallel_size", engine.tensor_group().size},
                            {"expert_parallel_size", 1}};
+  if (context > 1) layout["context_parallel_size"] = context;
   // Recorded with a pipeline only, so checkpoints from before it still match.
   const int pipeline = engine.job_size() / (engine.world_size() * engine.tensor_group().size);
   if (pipeline > 1) layout["pipeline_parallel_size"] = pipeline;

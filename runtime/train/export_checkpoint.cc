@@ -53,9 +53,11 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   const int pipeline_parallel = info.state.model.value("pipeline_parallel_size", 1);
   const std::vector<int64_t> stage_layers =
       info.state.model.value("pipeline_layers", std::vector<int64_t>{});
+  // ... and ZeRO's partition over the dp x cp ranks (context_parallel.size).
+  const int context_parallel = info.state.model.value("context_parallel_size", 1);
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/export", expert_parallel,
-                                                          tensor_parallel, pipeline_parallel);
+                                                          tensor_parallel, pipeline_parallel, context_parallel);
   // The shard layout does not depend on the stage or the tiers: load into the simplest engine.
   engine::ZeroEngineOptions zero;
   zero.stage = 3;

@@ -241,8 +241,40 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                "pipeline parallelism {} (--pp / pipeline_parallel.size) x tensor parallelism {} does not divide the {} "
                "ranks (-n)",
                pp, tp, rank.world_size);
-  const partition::ParallelLayout parallel_layout(rank.world_size, tp, 1, pp);
+  // Context parallelism: cp ranks read the same samples, each computing two
+  // chunks of every sequence; ZeRO runs over the dp x cp ranks.
+  STRATA_CHECK(options.context_parallel == 0 || config.context_parallel_size == 1 ||
+                   config.context_parallel_size == options.context_parallel,
+               kBadArgument, "--cp {} and {}'s context_parallel.size {} disagree: give one", options.context_parallel,
+               source, config.context_parallel_size);
+  const int cp = options.context_parallel > 0 ? options.context_parallel : config.context_parallel_size;
+  const nn::ContextMethod cp_method =
+      options.context_method.empty() ? nn::parse_context_method(config.context_parallel_method, source + ": context_parallel.method")
+                                     : nn::parse_context_method(options.context_method, "--cp-method");
+  if (cp > 1) {
+    const auto refuse = [&](bool combined, const std::string& what) {
+      STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: context parallelism with it is not implemented yet", cp,
+                   what);
+    };
+    refuse(tp > 1, fmt::format("tensor parallelism (--tp {})", tp));
+    refuse(sequence_parallel, "sequence parallelism");
+    refuse(pp > 1, fmt::format("pipeline parallelism (--pp {})", pp));
+    refuse(lora.enabled(), "LoRA (--lora-rank)");
+    refuse(model_config.moe(), fmt::format("a mixture-of-experts model (model_type {})", model_config.model_type));
+    refuse(model_config.attention != nn::AttentionKind::kGqa,
+           fmt::format("multi-head latent attention (model_type {})", model_config.model_type));
+    STRATA_CHECK(options.seq % (2 * cp) == 0, kBadArgument,
+                 "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two "
+                 "chunks per rank",
+                 options.seq, cp, 2 * cp);
+    nn::check_context_parallel(model_config.num_attention_heads, model_config.num_key_value_heads, cp, cp_method);
+    STRATA_CHECK(rank.world_size % cp == 0, kBadArgument,
+                 "context parallelism {} (--cp / context_parallel.size) does not divide the {} ranks (-n)", cp,
+                 rank.world_size);
+  }
+  const partition::ParallelLayout parallel_layout(rank.world_size, tp, 1, pp, cp);
   const int dp = parallel_layout.dp_size(), dp_rank = parallel_layout.dp_rank(rank.rank);
+  const int cp_rank = parallel_layout.cp_rank(rank.rank);
   // The data, each data-parallel rank its samples; a file that is not what --data-format says is refused here.
   const std::unique_ptr<data::Batches> batches = data::open_batches(
       options.data.string(), options.data_format, {options.seq, micro_batch, dp_rank, dp, seed, options.packing});
@@ -289,7 +321,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       options.micro_batch_order.empty() ? config.strata.micro_batch_order : options.micro_batch_order,
       options.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order",
       {zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(), model_config.tie_word_embeddings,
-       model_config.moe() && model_config.output_router_logits});
+       model_config.moe() && model_config.output_router_logits, cp});
   const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
   if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
@@ -300,10 +332,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.device_is_host = accelerator->host_addressable();
     pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
     pinned.micro_batch = micro_batch;
-    pinned.seq = options.seq;
+    pinned.seq = options.seq / cp;  // this rank's tokens of each sequence
     pinned.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
     pinned.cpu_checkpointing = config.cpu_checkpointing;
-    pinned.world_size = dp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
+    pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
     pinned.zero = zero;
     pinned.lora = lora;
     check_pinned_budget(config, source, pinned);
@@ -339,9 +371,15 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   accumulation, pipeline_spec.virtual_stages > 1 ? "virtual " : "", split,
                   pipeline::bubble_formula(pipeline_spec));
   }
+  if (cp > 1 && rank.rank == 0) {
+    logger().info("context parallelism: {} cp groups of {} ranks split each sequence of {} tokens into {} chunks of {} "
+                  "(two per rank: {} tokens of each sequence per rank), attention by {}; ZeRO over the {} x {} ranks",
+                  dp, cp, options.seq, 2 * cp, options.seq / (2 * cp), options.seq / cp,
+                  nn::context_method_name(cp_method), dp, cp);
+  }
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/finetune", expert_parallel,
-                                                          tp, pp);
+                                                          tp, pp, cp);
 
   // ---- engine, model, weights ---------------------------------------------------------
   setup_span.emplace("phase", options.model.empty() ? "init weights" : "load weights");
@@ -352,6 +390,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   model_options.cpu_checkpointing = config.cpu_checkpointing;
   model_options.lora = lora;
   model_options.sequence_parallel = sequence_parallel;
+  model_options.context_method = cp_method;
   // One model, or this rank's pipeline stages (a model per chunk).
   std::vector<std::unique_ptr<nn::DecoderModel>> stages;
   try {
@@ -462,6 +501,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // Each rank's checkpoint holds the experts it owns: a resume or an export needs the same split.
   if (zero.expert_parallel_size > 1) checkpoint_model["expert_parallel_size"] = zero.expert_parallel_size;
   if (tp > 1) checkpoint_model["tensor_parallel_size"] = tp;
+  // ZeRO partitions over dp x cp: an export rebuilds the same communicators.
+  if (cp > 1) checkpoint_model["context_parallel_size"] = cp;
   // Each rank's checkpoint holds its stage's layers: a resume or an export needs the same split.
   if (pp > 1) {
     checkpoint_model["pipeline_parallel_size"] = pp;
@@ -598,7 +639,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     double local_count = 0;
     for (data::Batch& b : micro) {
       batches->next(b);
-      local_count += count_targets(b.targets);
+      // The ranks of a cp group read the same samples: one of them counts them.
+      if (cp_rank == 0) local_count += count_targets(b.targets);
     }
     // Normalise by every rank's predicted tokens of this step, so N ranks equal one rank on the combined batch.
     const double global_count = engine.global_sum(local_count);

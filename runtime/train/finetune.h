@@ -60,6 +60,10 @@ struct FinetuneOptions {
   // --micro-batch-order: step-major | layer-major | auto (runtime/train/
   // micro_batch_order.h); empty: the config's strata.micro_batch_order.
   std::string micro_batch_order;
+  // --cp, --cp-method: context parallelism (0 / empty: the config's
+  // context_parallel keys; given both, they must agree).
+  int context_parallel = 0;
+  std::string context_method;
   // --sequence-parallel: Megatron's sequence parallelism over the tp ranks
   // (also on with the config's sequence_parallel true).
   bool sequence_parallel = false;

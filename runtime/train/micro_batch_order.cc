@@ -12,6 +12,7 @@ std::string layer_major_gap(const MicroBatchOrderContext& c) {
   if (c.tensor_parallel > 1) return fmt::format("tensor parallelism (--tp {})", c.tensor_parallel);
   if (c.pipeline_parallel > 1) return fmt::format("pipeline parallelism (--pp {})", c.pipeline_parallel);
   if (c.expert_parallel > 1) return fmt::format("expert parallelism (moe.expert_parallel_size {})", c.expert_parallel);
+  if (c.context_parallel > 1) return fmt::format("context parallelism (--cp {})", c.context_parallel);
   if (c.lora) return "LoRA (--lora-rank)";
   if (c.tied_embeddings) return "tied embeddings (tie_word_embeddings true in config.json)";
   if (c.router_aux_loss) return "the load-balancing loss (output_router_logits true in config.json)";

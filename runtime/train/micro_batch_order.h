@@ -29,6 +29,7 @@ struct MicroBatchOrderContext {
   bool lora = false;
   bool tied_embeddings = false;     // tie_word_embeddings
   bool router_aux_loss = false;     // a mixture of experts' load-balancing loss (output_router_logits)
+  int context_parallel = 1;         // last: callers that list the fields above by position leave it 1
 };
 
 struct MicroBatchOrderChoice {
@@ -39,7 +40,7 @@ struct MicroBatchOrderChoice {
 
 // `name` ("step-major", "layer-major" or "auto") as `what` gives it (the
 // flag or the config key, for errors). layer-major with what it does not do
-// yet (tensor, pipeline or expert parallelism, LoRA, tied embeddings, the
+// yet (tensor, pipeline, expert or context parallelism, LoRA, tied embeddings, the
 // load-balancing loss) is refused naming it; auto chooses layer-major when
 // the parameters live off the device and there is more than one
 // micro-batch, and it can run; step-major otherwise.

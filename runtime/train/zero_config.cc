@@ -32,7 +32,7 @@ int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& m
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
                                           int expert_parallel_size, int tensor_parallel_size,
-                                          int pipeline_parallel_size) {
+                                          int pipeline_parallel_size, int context_parallel_size) {
   auto options = [&](const char* traffic) {
     partition::CommunicatorOptions o;
     o.rank = rank;
@@ -42,19 +42,24 @@ ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::S
     return o;
   };
   ZeroCommunicators c;
-  if (tensor_parallel_size > 1 || pipeline_parallel_size > 1) {
+  if (tensor_parallel_size > 1 || pipeline_parallel_size > 1 || context_parallel_size > 1) {
     STRATA_CHECK(expert_parallel_size == 1 || tensor_parallel_size == 1, kBadArgument,
                  "tensor parallelism with expert parallelism is not implemented yet");
+    STRATA_CHECK(expert_parallel_size == 1 || context_parallel_size == 1, kBadArgument,
+                 "context parallelism with expert parallelism is not implemented yet");
     const partition::ParallelLayout layout(world_size, tensor_parallel_size, expert_parallel_size,
-                                           pipeline_parallel_size);
+                                           pipeline_parallel_size, context_parallel_size);
     using partition::GroupKind;
     const auto group = [&](const char* traffic, GroupKind kind) {
       return partition::make_group_communicator(accelerator, store, options(traffic), layout.group_of(kind, rank));
     };
-    c.gather = group("gather", GroupKind::kData);
-    c.reduce = group("reduce", GroupKind::kData);
-    c.control = group("control", GroupKind::kData);
+    // ZeRO's ranks: those holding the same parameters (a cp group's members do).
+    const GroupKind zero = context_parallel_size > 1 ? GroupKind::kDataContext : GroupKind::kData;
+    c.gather = group("gather", zero);
+    c.reduce = group("reduce", zero);
+    c.control = group("control", zero);
     if (tensor_parallel_size > 1) c.tensor = group("tensor", GroupKind::kTensor);
+    if (context_parallel_size > 1) c.context = group("context", GroupKind::kContext);
     if (pipeline_parallel_size > 1) c.pipeline = group("pipeline", GroupKind::kPipeline);
     if (expert_parallel_size > 1) {
       c.expert_exchange = group("experts", GroupKind::kExpert);

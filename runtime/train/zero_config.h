@@ -25,16 +25,19 @@ using strata::zero_engine_options;
 // experts' gathers and reductions); with tensor_parallel_size > 1, gather,
 // reduce and control over this rank's dp group and `tensor` over its tp group
 // — partition/process_groups.h's groups; with pipeline_parallel_size > 1 the
-// same over the rank's stage, and `pipeline` over its pp group. Collective:
+// same over the rank's stage, and `pipeline` over its pp group; with
+// context_parallel_size > 1 gather, reduce and control over the rank's dp-cp
+// group (ZeRO over dp x cp) and `context` over its cp group. Collective:
 // every rank calls it.
 struct ZeroCommunicators {
   std::unique_ptr<partition::Communicator> gather, reduce, control;
   std::unique_ptr<partition::Communicator> expert_exchange, expert_gather, expert_reduce;
   std::unique_ptr<partition::Communicator> tensor;
   std::unique_ptr<partition::Communicator> pipeline;
+  std::unique_ptr<partition::Communicator> context;
   engine::ZeroComms comms() const {
-    return {gather.get(),         reduce.get(),        control.get(), expert_exchange.get(),
-            expert_gather.get(), expert_reduce.get(), tensor.get(),  pipeline.get()};
+    return {gather.get(),        reduce.get(), control.get(),  expert_exchange.get(), expert_gather.get(),
+            expert_reduce.get(), tensor.get(), pipeline.get(), context.get()};
   }
 };
 // moe.expert_parallel_size for `model` on `world_size` data-parallel ranks:
@@ -47,6 +50,6 @@ int choose_expert_parallel_size(const Config& config, const nn::DecoderConfig& m
 ZeroCommunicators make_zero_communicators(Accelerator& accelerator, partition::StoreClient& store, int rank,
                                           int world_size, std::chrono::milliseconds timeout, const std::string& prefix,
                                           int expert_parallel_size = 1, int tensor_parallel_size = 1,
-                                          int pipeline_parallel_size = 1);
+                                          int pipeline_parallel_size = 1, int context_parallel_size = 1);
 
 }  // namespace strata::train

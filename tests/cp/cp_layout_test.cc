@@ -32,6 +32,10 @@ TEST_CASE("process groups: pp x dp x cp x tp in Megatron's order, tp fastest, th
   REQUIRE(ranks_of(layout, GroupKind::kPipeline) ==
           std::vector<Ranks>{{0, 8}, {1, 9}, {2, 10}, {3, 11}, {4, 12}, {5, 13}, {6, 14}, {7, 15}});
   REQUIRE(layout.group_of(GroupKind::kContext, 6).name() == "cp group 2 (ranks 4,6)");
+  // ZeRO's ranks with cp: a stage's ranks of one tp rank, dp x cp of them.
+  REQUIRE(ranks_of(layout, GroupKind::kDataContext) ==
+          std::vector<Ranks>{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}});
+  REQUIRE(layout.group_of(GroupKind::kDataContext, 13).name() == "dp-cp group 3 (ranks 9,11,13,15)");
   REQUIRE((layout.pp_rank(13) == 1 && layout.dp_rank(13) == 1 && layout.cp_rank(13) == 0 && layout.tp_rank(13) == 1));
   // cp alone: one cp group of every rank.
   const ParallelLayout alone(4, 1, 1, 1, 4);
@@ -54,7 +58,8 @@ TEST_CASE("process groups: with cp, every rank is in one group of each kind, the
           INFO("world " << world << " pp " << pp << " cp " << cp << " tp " << tp);
           const ParallelLayout layout(world, tp, 1, pp, cp);
           const std::pair<GroupKind, int> sizes[] = {
-              {GroupKind::kTensor, tp}, {GroupKind::kContext, cp}, {GroupKind::kData, dp}, {GroupKind::kPipeline, pp}};
+              {GroupKind::kTensor, tp}, {GroupKind::kContext, cp}, {GroupKind::kData, dp}, {GroupKind::kPipeline, pp},
+              {GroupKind::kDataContext, dp * cp}};
           for (const auto& [kind, size] : sizes) {
             std::multiset<int> seen;
             for (const ProcessGroup& group : layout.groups(kind)) {
@@ -80,6 +85,11 @@ TEST_CASE("process groups: with cp, every rank is in one group of each kind, the
               REQUIRE((layout.dp_rank(q) == layout.dp_rank(r) && layout.cp_rank(q) == layout.cp_rank(r) &&
                        layout.tp_rank(q) == layout.tp_rank(r)));
             }
+            for (int q : layout.group_of(GroupKind::kDataContext, r).ranks) {
+              REQUIRE((layout.pp_rank(q) == layout.pp_rank(r) && layout.tp_rank(q) == layout.tp_rank(r)));
+            }
+            REQUIRE(layout.group_of(GroupKind::kDataContext, r).member(r) ==
+                    layout.dp_rank(r) * cp + layout.cp_rank(r));
             REQUIRE(layout.group_of(GroupKind::kContext, r).member(r) == layout.cp_rank(r));
             REQUIRE(layout.group_of(GroupKind::kData, r).member(r) == layout.dp_rank(r));
             REQUIRE(layout.group_of(GroupKind::kPipeline, r).member(r) == layout.pp_rank(r));

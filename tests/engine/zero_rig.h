@@ -18,14 +18,16 @@ namespace strata::test {
 using ZeroRankBody = std::function<void(int rank, Accelerator&, engine::ZeroComms)>;
 
 // expert_parallel_size > 1: also the ep and expert-dp groups' communicators;
-// tensor_parallel_size > 1: the dp group's three and the tp group's.
+// tensor_parallel_size > 1: the dp group's three and the tp group's;
+// context_parallel_size > 1: the dp-cp group's three and the cp group's.
 inline void run_zero_ranks(int world_size, const ZeroRankBody& body,
                            std::chrono::milliseconds timeout = std::chrono::milliseconds(30000),
-                           int expert_parallel_size = 1, int tensor_parallel_size = 1) {
+                           int expert_parallel_size = 1, int tensor_parallel_size = 1, int context_parallel_size = 1) {
   run_rank_threads(world_size, timeout, [&](int rank, partition::StoreClient& store, Accelerator& accelerator) {
     const train::ZeroCommunicators comms = train::make_zero_communicators(accelerator, store, rank, world_size,
                                                                           timeout, "test", expert_parallel_size,
-                                                                          tensor_parallel_size);
+                                                                          tensor_parallel_size, 1,
+                                                                          context_parallel_size);
     body(rank, accelerator, comms.comms());
   });
 }

@@ -66,6 +66,7 @@ inline nn::DecoderConfig mixtral_config(int64_t experts, int64_t width, bool aux
 
 struct Batch {
   std::vector<int32_t> ids, targets;
+  std::vector<int32_t> positions;  // packed documents (ForwardOptions::positions); empty: none
 };
 
 // Step `step`'s global batch: random tokens, the next token as target, about
@@ -122,6 +123,11 @@ struct TrainSpec {
   // from its tp shards into its whole tensor.
   int tp = 1;
   bool sequence_parallel = false;  // Megatron's, over the tp group (nn::DecoderModelOptions)
+  // Context parallelism: world = dp x cp x tp ranks; the ranks of a cp group
+  // get the same rows (the model takes its chunks), ZeRO runs over dp x cp.
+  int cp = 1;
+  nn::ContextMethod cp_method = nn::ContextMethod::kRing;
+  double init_std = 0.02;  // nn::initialize_parameters' std of the matrices
   int micro_steps = 1;
   int steps = 3;
   bool tied = false;
@@ -224,7 +230,8 @@ inline TrainResult train_zero(const TrainSpec& spec) {
         engine::ZeroEngineOptions options = spec.options;
         if (spec.per_rank) spec.per_rank(rank, options);
         int step = -1;
-        const int dp = spec.world / spec.tp, dp_rank = rank / spec.tp;
+        const int dp = spec.world / (spec.tp * spec.cp), dp_rank = rank / (spec.tp * spec.cp);
+        const int cp_rank = rank / spec.tp % spec.cp;
         try {
           engine::ZeroEngine eng(accelerator, comms, options);
           eng.set_overlap_policy(spec.overlap_policy);
@@ -232,6 +239,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           nn::DecoderModelOptions model_options = nn::model_options(spec.dtype, 16);
           model_options.checkpoint_activations = spec.checkpoint_activations;
           model_options.sequence_parallel = spec.sequence_parallel;
+          model_options.context_method = spec.cp_method;
           nn::DecoderModel model(eng, config, model_options);
           if (spec.frozen) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
@@ -244,7 +252,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             }
           }
           eng.finalize();
-          nn::initialize_parameters(eng, model.parameters(), 7);
+          nn::initialize_parameters(eng, model.parameters(), 7, spec.init_std);
           const std::string rank_dir = "rank" + std::to_string(rank);
           if (!spec.load_dir.empty()) eng.load_state(spec.load_dir / rank_dir);
           std::vector<double> losses, norms;
@@ -262,10 +270,15 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               return std::pair{static_cast<size_t>((dp_rank * per_rank + micro * per_micro) * kSeq),
                                static_cast<size_t>(per_micro * kSeq)};
             };
+            const auto positions = [&](size_t first, size_t n) {
+              return batch.positions.empty() ? std::span<const int32_t>{}
+                                             : std::span<const int32_t>(batch.positions).subspan(first, n);
+            };
             if (std::find(spec.eval_before.begin(), spec.eval_before.end(), step) != spec.eval_before.end()) {
               const size_t first = static_cast<size_t>(dp_rank * per_rank * kSeq), n = static_cast<size_t>(per_rank * kSeq);
               nn::ForwardOptions eval;
               eval.backward = false;
+              eval.positions = positions(first, n);
               if (spec.eval_marked) eng.begin_evaluation();
               model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
                             per_rank, kSeq, eval);
@@ -273,7 +286,8 @@ inline TrainResult train_zero(const TrainSpec& spec) {
               if (spec.eval_marked) eng.end_evaluation();
             }
             double local_count = 0;
-            for (int m = 0; m < spec.micro_steps; ++m) {
+            // The members of a cp group hold the same rows: one counts them.
+            for (int m = 0; m < spec.micro_steps && cp_rank == 0; ++m) {
               auto [first, n] = rows(m);
               local_count += counted(std::span(batch.targets).subspan(first, n));
             }
@@ -287,6 +301,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
                 auto [first, n] = rows(m);
                 nn::ForwardOptions forward;
                 forward.normalizer = global_count;
+                forward.positions = positions(first, n);
                 if (spec.grad_scale) forward.grad_scale = spec.grad_scale(rank, step);
                 model.forward(std::span(batch.ids).subspan(first, n), std::span(batch.targets).subspan(first, n),
                               per_micro, kSeq, forward);
@@ -386,7 +401,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           result.failed_step[static_cast<size_t>(rank)] = step;
         }
       },
-      spec.timeout, spec.options.expert_parallel_size, spec.tp);
+      spec.timeout, spec.options.expert_parallel_size, spec.tp, spec.cp);
   return result;
 }
 
@@ -455,7 +470,9 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
   for (int step = 0; step < spec.steps; ++step) {
     const Batch batch = batch_for(spec.batches, step, config.vocab_size);
     eng.zero_grad();
-    model.forward(batch.ids, batch.targets, sequences_of(batch), kSeq);
+    nn::ForwardOptions forward;
+    forward.positions = batch.positions;
+    model.forward(batch.ids, batch.targets, sequences_of(batch), kSeq, forward);
     model.backward();
     result.losses.push_back(model.loss());
     eng.compute_stream().synchronize();

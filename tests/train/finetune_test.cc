@@ -631,6 +631,101 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == tp_steps[i]["loss"]);
 }
 
+TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals one rank step by step, ring and "
+          "Ulysses, killed with SIGKILL and resumed bit for bit, the refusals by name",
+          "[finetune][checkpoint][cp]") {
+  strata::test::TempDir dir;
+  small_model(dir);  // 4 heads, 2 kv heads: Ulysses splits them 2 ways
+  const std::string run2 = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 10;
+  // One rank on the same micro-batches (the two cp ranks read the same samples).
+  const auto one = run_command(strata_binary() + " " + resumable_args(dir, "one", kSteps) + " 2>&1");
+  INFO(one.output);
+  REQUIRE(one.exit_code == 0);
+  const auto one_steps = read_jsonl(dir.file("one_out") + "/metrics.jsonl");
+  REQUIRE(one_steps.size() == kSteps);
+  for (const std::string method : {"ring", "ulysses"}) {
+    const auto cp = run_command(run2 + resumable_args(dir, method, kSteps) + " --cp 2 --cp-method " + method +
+                                " 2>&1");
+    INFO(cp.output);
+    REQUIRE(cp.exit_code == 0);
+    CHECK_THAT(cp.output, Catch::Contains("context parallelism: 1 cp groups of 2 ranks split each sequence of 32 tokens "
+                                          "into 4 chunks of 8 (two per rank: 16 tokens of each sequence per rank), "
+                                          "attention by " + method));
+    const auto cp_steps = read_jsonl(dir.file(method + "_out") + "/metrics.jsonl");
+    REQUIRE(cp_steps.size() == kSteps);
+    for (int i = 0; i < kSteps; ++i) {
+      CHECK(cp_steps[i]["loss"].get<double>() == Approx(one_steps[i]["loss"].get<double>()).epsilon(1e-5));
+      CHECK(cp_steps[i]["tokens"] == one_steps[i]["tokens"]);
+      CHECK(cp_steps[i]["grad_norm"].get<double>() == Approx(one_steps[i]["grad_norm"].get<double>()).epsilon(1e-5));
+    }
+    const double diff = max_export_difference(dir.file(method + "_model"), dir.file("one_model"));
+    WARN("largest |cp 2 " << method << " - 1 rank| over the exported weights after " << kSteps << " steps: " << diff);
+    CHECK(diff < 1e-4);
+  }
+  // cp 4 (8 chunks of 4 tokens, three hops per ring pass) and dp 2 x cp 2 against the dp 2 run.
+  const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
+  const auto four = run_command(run4 + resumable_args(dir, "cp4", kSteps) + " --cp 4 2>&1");
+  INFO(four.output);
+  REQUIRE(four.exit_code == 0);
+  const auto dp2 = run_command(run2 + resumable_args(dir, "dp2", kSteps) + " 2>&1");
+  INFO(dp2.output);
+  REQUIRE(dp2.exit_code == 0);
+  const auto dp2cp2 = run_command(run4 + resumable_args(dir, "dp2cp2", kSteps) + " --cp 2 2>&1");
+  INFO(dp2cp2.output);
+  REQUIRE(dp2cp2.exit_code == 0);
+  for (const auto& [got, want] : {std::pair{"cp4", "one"}, std::pair{"dp2cp2", "dp2"}}) {
+    const auto got_steps = read_jsonl(dir.file(std::string(got) + "_out") + "/metrics.jsonl");
+    const auto want_steps = read_jsonl(dir.file(std::string(want) + "_out") + "/metrics.jsonl");
+    REQUIRE(got_steps.size() == kSteps);
+    REQUIRE(want_steps.size() == kSteps);
+    for (int i = 0; i < kSteps; ++i) {
+      CHECK(got_steps[i]["loss"].get<double>() == Approx(want_steps[i]["loss"].get<double>()).epsilon(1e-5));
+      CHECK(got_steps[i]["tokens"] == want_steps[i]["tokens"]);
+    }
+    CHECK(max_export_difference(dir.file(std::string(got) + "_model"), dir.file(std::string(want) + "_model")) < 1e-4);
+  }
+  // Killed at moments (start-up, steps, checkpoints, the export) and resumed: the ring run's weights, bit for bit.
+  const int kills = run_killed_and_resumed(dir, run2 + resumable_args(dir, "killed", kSteps) + " --cp 2",
+                                           dir.file("killed_ckpt"), {700, 450, 900, 1100});
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 2);
+  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") ==
+        file_bytes(dir.file("ring_model") + "/model.safetensors"));
+  const auto killed_steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
+  REQUIRE(killed_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) CHECK(killed_steps[i]["step"].get<int>() == i + 1);
+  // strata export rebuilds the run's ZeRO partition over dp x cp from the checkpoint: the run's own export.
+  const auto exported =
+      run_command(run2 + "export " + dir.file("ring_ckpt") + " " + dir.file("exported") + " --dtype fp32 2>&1");
+  INFO(exported.output);
+  REQUIRE(exported.exit_code == 0);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") ==
+        file_bytes(dir.file("ring_model") + "/model.safetensors"));
+  // The checkpoints record cp: resuming them as 2 data-parallel ranks is refused.
+  const auto other = run_command(run2 + resumable_args(dir, "killed", kSteps + 2) + " --resume 2>&1");
+  CHECK(other.exit_code != 0);
+  CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout"));
+  CHECK_THAT(other.output, Catch::Contains("context_parallel_size"));
+  // Before any step: a sequence that does not cut into 2 x cp chunks, and what is not built yet.
+  const std::string data = " --data " + kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --steps 1 --out " +
+                           dir.file("refused_out") + " --init " + dir.file("small.json");
+  const auto odd = run_command(run2 + "finetune --cp 2 --seq 30" + data + " 2>&1");
+  CHECK(odd.exit_code != 0);
+  CHECK_THAT(odd.output, Catch::Contains("--seq 30 does not divide by 2 x --cp 2 = 4"));
+  const auto lora = run_command(run2 + "finetune --cp 2 --seq 32 --lora-rank 4" + data + " 2>&1");
+  CHECK(lora.exit_code != 0);
+  CHECK_THAT(lora.output, Catch::Contains("--cp 2 with LoRA (--lora-rank): context parallelism with it is not "
+                                          "implemented yet"));
+  const auto ulysses4 = run_command(run4 + "finetune --cp 4 --cp-method ulysses --seq 32" + data + " 2>&1");
+  CHECK(ulysses4.exit_code != 0);
+  CHECK_THAT(ulysses4.output, Catch::Contains("num_key_value_heads 2 do not both divide by 4 (use \"method\": "
+                                              "\"ring\")"));
+  const auto tp = run_command(run2 + "finetune --cp 2 --tp 2 --seq 32" + data + " 2>&1");
+  CHECK(tp.exit_code != 0);
+  CHECK_THAT(tp.output, Catch::Contains("--cp 2 with tensor parallelism (--tp 2)"));
+}
+
 TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step by step, strata export gathers every "
           "stage, and killed with SIGKILL at random moments and resumed it ends bit for bit",
           "[finetune][checkpoint][pp]") {

@@ -1,0 +1,102 @@
+#include "runtime/nn/context_attention.h"
+
+#include "core/error.h"
+
+namespace strata::nn {
+
+std::string_view context_method_name(ContextMethod method) {
+  return method == ContextMethod::kUlysses ? "ulysses" : "ring";
+}
+
+ContextMethod parse_context_method(std::string_view name, const std::string& source) {
+  if (name == "ring") return ContextMethod::kRing;
+  if (name == "ulysses") return ContextMethod::kUlysses;
+  raise(ErrorCategory::kBadArgument, "{}: \"{}\" is not a context-parallel method (\"ring\" or \"ulysses\")", source,
+        name);
+}
+
+void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method) {
+  if (method != ContextMethod::kUlysses) return;
+  STRATA_CHECK(heads % cp == 0 && kv_heads % cp == 0, kBadArgument,
+               "context parallelism \"ulysses\" gives each of the {} ranks heads / {} of the attention heads, but the "
+               "model's num_attention_heads {} and num_key_value_heads {} do not both divide by {} (use \"method\": "
+               "\"ring\")",
+               cp, cp, heads, kv_heads, cp);
+}
+
+ContextAttention::ContextAttention(engine::Engine& engine, ContextMethod method)
+    : cp_(engine.context_group().size), method_(method) {
+  const engine::Engine::ContextGroup& group = engine.context_group();
+  STRATA_CHECK(group.size > 1 && group.comm != nullptr, kInternal, "context attention without a cp group");
+  if (method == ContextMethod::kRing) {
+    STRATA_CHECK(group.stream != nullptr, kInternal, "ring attention without the engine's cp stream");
+    ring_ = std::make_unique<RingAttention>(engine.ops(), engine.compute(), *group.comm, *group.stream);
+  } else {
+    ulysses_ = std::make_unique<UlyssesAttention>(engine.ops(), engine.compute(), *group.comm);
+  }
+}
+
+ContextAttention::~ContextAttention() = default;
+
+namespace {
+// Chunk l (0 or 1) of a chunk-major tensor: its second half or first, as [batch, chunk, rest...].
+TensorView chunk_of(const TensorView& t, int l, Shape shape) {
+  TensorView v = t;
+  v.desc.shape = std::move(shape);
+  STRATA_CHECK(2 * v.desc.numel() == t.desc.numel(), kInternal, "context attention: a chunk of {} elements is not half "
+               "of {}", v.desc.numel(), t.desc.numel());
+  v.data = static_cast<char*>(t.data) + static_cast<size_t>(l) * v.desc.nbytes();
+  return v;
+}
+
+std::array<TensorView, 2> chunks(const TensorView& t, const Shape& shape) {
+  return {chunk_of(t, 0, shape), chunk_of(t, 1, shape)};
+}
+
+struct Dims {
+  int64_t chunk, heads, kv_heads, head_dim;
+};
+
+Dims dims_of(const TensorView& q, const TensorView& k, int64_t batch) {
+  STRATA_CHECK(q.desc.shape.size() == 3 && k.desc.shape.size() == 3 && batch > 0 &&
+                   q.desc.shape[0] % (2 * batch) == 0,
+               kInternal, "context attention: q and k must be [rows, heads, head_dim] over 2 chunks of {} rows",
+               batch);
+  return {q.desc.shape[0] / (2 * batch), q.desc.shape[1], k.desc.shape[1], q.desc.shape[2]};
+}
+
+RingChunks ring_chunks(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& lse, int64_t batch, const Dims& d) {
+  const Shape qs{batch, d.chunk, d.heads, d.head_dim}, ks{batch, d.chunk, d.kv_heads, d.head_dim};
+  return {chunks(q, qs), chunks(k, ks), chunks(v, ks), chunks(out, qs), chunks(lse, {batch, d.heads, d.chunk})};
+}
+}  // namespace
+
+void ContextAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& lse, int64_t batch, const ops::AttentionMask& mask) {
+  const Dims d = dims_of(q, k, batch);
+  const RingChunks t = ring_chunks(q, k, v, out, lse, batch, d);
+  if (ring_) {
+    ring_->forward(t, mask);
+  } else {
+    ulysses_->forward(t, mask);
+  }
+}
+
+void ContextAttention::backward(const TensorView& dout, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& out, const TensorView& lse,
+                                const TensorView& dq, const TensorView& dk, const TensorView& dv, int64_t batch,
+                                const ops::AttentionMask& mask) {
+  const Dims d = dims_of(q, k, batch);
+  const RingChunks t = ring_chunks(q, k, v, out, lse, batch, d);
+  const Shape qs{batch, d.chunk, d.heads, d.head_dim}, ks{batch, d.chunk, d.kv_heads, d.head_dim};
+  if (ring_) {
+    ring_->backward(t, chunks(dout, qs), chunks(dq, qs), chunks(dk, ks), chunks(dv, ks), mask);
+  } else {
+    ulysses_->backward(t, chunks(dout, qs), chunks(dq, qs), chunks(dk, ks), chunks(dv, ks), mask);
+  }
+}
+
+uint64_t ContextAttention::bytes_sent() const { return ring_ ? ring_->bytes_sent() : ulysses_->bytes_sent(); }
+
+}  // namespace strata::nn

@@ -1,0 +1,205 @@
+// Context parallelism in the decoder (issue 46; docs/DESIGN.md §5): cp ranks
+// (real Gloo ranks as threads) each holding chunks c and 2cp−1−c of every
+// sequence, RoPE at global positions, the attention through ring attention or
+// Ulysses, the loss and its normaliser summed over the ranks, ZeRO over dp x
+// cp — the same losses, gradient norms and parameters as ONE resident rank
+// on the combined batch, to rounding (the blocks' log-sum-exp merge runs in
+// another order). The matrices start at std 0.2, so that a piece of the math
+// left out moves the loss visibly; and what is not implemented is refused by
+// name.
+#include <catch2/catch.hpp>
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/nn/decoder_config.h"
+#include "tests/engine/zero_training.h"
+#include "tests/support/temp_dir.h"
+
+using namespace strata;
+using namespace strata::test::zero;
+
+namespace {
+
+constexpr double kInitStd = 0.2;
+
+nn::DecoderConfig family(const std::string& name) {
+  nn::DecoderConfig c = model_config(false);  // 4 heads, 2 kv heads, 2 layers
+  c.model_type = name;
+  if (name == "llama") {
+    c.attention_qkv_bias = c.attention_o_bias = c.mlp_bias = true;
+  } else if (name == "qwen3") {
+    c.qk_norm = true;
+    c.sliding_window = 2;  // narrower than a chunk (12 / 4 = 3 tokens at cp 2)
+  } else if (name == "gemma2") {
+    // Gemma's pieces: the scores' scale and soft cap in every block, the
+    // logits' soft cap, sandwich norms, a sliding layer with its own RoPE.
+    c.hidden_act = ops::GluActivation::kGeluTanh;
+    c.norm_weight_offset = 1;
+    c.scale_embedding = true;
+    c.sandwich_norms = true;
+    c.query_pre_attn_scalar = 12;
+    c.attn_logit_softcapping = 2;
+    c.final_logit_softcapping = 3;
+    c.sliding_window = 5;
+    c.sliding_layers = {true, false};
+    c.sliding_rope = c.rope;
+    c.sliding_rope->theta = 100;
+  }
+  return c;
+}
+
+// Packed documents: each sequence of kSeq tokens a run of documents whose
+// lengths change with the sequence, so that documents cross the chunks'
+// edges (chunks of 3 tokens at cp 2).
+Batch packed(int step, int64_t vocab) {
+  Batch b = corpus(step, vocab);
+  const std::vector<std::vector<int>> lengths = {{5, 4, 3}, {2, 10}, {7, 5}, {1, 6, 5}};
+  for (int64_t s = 0; s < kSequences; ++s) {
+    for (int n : lengths[static_cast<size_t>(s)]) {
+      for (int i = 0; i < n; ++i) b.positions.push_back(i);
+    }
+  }
+  return b;
+}
+
+const TrainResult& reference(const std::string& name, bool documents) {
+  static std::map<std::pair<std::string, bool>, TrainResult> cache;
+  auto it = cache.find({name, documents});
+  if (it == cache.end()) {
+    ResidentSpec resident;
+    resident.config = family(name);
+    resident.adam = options_for(3).adam;
+    resident.adam.eps = 1.0f;  // rounding-size differences stay rounding-size
+    resident.init_std = kInitStd;
+    if (documents) resident.batches = packed;
+    it = cache.emplace(std::pair{name, documents}, train_resident(resident)).first;
+  }
+  return it->second;
+}
+
+struct Case {
+  std::string family;
+  int world, cp;
+  nn::ContextMethod method;
+  int stage;
+  bool documents = false;
+  bool checkpoint = false;
+};
+
+}  // namespace
+
+TEST_CASE("context parallelism equals one resident rank on the combined batch", "[cp][engine]") {
+  ops::set_cpu_threads(1);
+  test::TempDir dir("strata-cp");
+  using nn::ContextMethod;
+  const std::vector<Case> cases = {
+      {"llama", 2, 2, ContextMethod::kRing, 2},
+      {"llama", 2, 2, ContextMethod::kUlysses, 3},
+      {"llama", 2, 2, ContextMethod::kRing, 3, true, true},
+      {"qwen3", 2, 2, ContextMethod::kRing, 1, true},
+      {"qwen3", 2, 2, ContextMethod::kUlysses, 2, true},
+      {"llama", 4, 2, ContextMethod::kRing, 3, true},  // dp 2 x cp 2
+      {"gemma2", 2, 2, ContextMethod::kRing, 2, true},
+      {"gemma2", 2, 2, ContextMethod::kUlysses, 3},
+  };
+  for (const Case& c : cases) {
+    const std::string name = c.family + ", cp " + std::to_string(c.cp) + " x dp " + std::to_string(c.world / c.cp) +
+                             " " + std::string(nn::context_method_name(c.method)) + ", stage " +
+                             std::to_string(c.stage) + (c.documents ? ", packed documents" : "") +
+                             (c.checkpoint ? ", checkpointed" : "");
+    SECTION(name) {
+      TrainSpec spec;
+      spec.config = family(c.family);
+      spec.world = c.world;
+      spec.cp = c.cp;
+      spec.cp_method = c.method;
+      spec.init_std = kInitStd;
+      spec.checkpoint_activations = c.checkpoint;
+      spec.options = options_on(c.stage, Tier::kDevice, Tier::kCpu, dir.path() / "swap");
+      if (c.documents) spec.batches = packed;
+      const TrainResult r = train_zero(spec);
+      const TrainResult& ref = reference(c.family, c.documents);
+      const Diff d = compare(r, ref);
+      WARN(name << ": max |cp - 1 resident rank| = " << d.max_abs << " (largest parameter " << d.max_ref << ")");
+      CHECK(d.max_abs <= 1e-6);
+      REQUIRE(r.losses.size() == ref.losses.size());
+      for (size_t i = 0; i < r.losses.size(); ++i) CHECK(r.losses[i] == Approx(ref.losses[i]).epsilon(1e-6));
+      REQUIRE(r.grad_norms.size() == ref.grad_norms.size());
+      for (size_t i = 0; i < r.grad_norms.size(); ++i) {
+        CHECK(r.grad_norms[i] == Approx(ref.grad_norms[i]).epsilon(1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE("the cp reference is sensitive: positions, documents and the window move the loss", "[cp][engine]") {
+  // What the equivalence above rests on: at std 0.2 the model's loss moves
+  // visibly when a piece of the math the ranks must agree on changes —
+  // the documents' mask and the rotary positions (packed: positions restart
+  // per document) and the window.
+  ops::set_cpu_threads(1);
+  const TrainResult& whole = reference("llama", false);
+  const TrainResult& documents = reference("llama", true);
+  const TrainResult& qwen3 = reference("qwen3", true);
+  ResidentSpec no_window;
+  no_window.config = family("qwen3");
+  no_window.config->sliding_window = 0;
+  no_window.adam = options_for(3).adam;
+  no_window.adam.eps = 1.0f;
+  no_window.init_std = kInitStd;
+  no_window.batches = packed;
+  const TrainResult wide = train_resident(no_window);
+  WARN("first loss: whole sequences " << whole.losses[0] << ", packed documents " << documents.losses[0]
+                                      << "; qwen3 window 2 " << qwen3.losses[0] << ", no window " << wide.losses[0]);
+  CHECK(std::abs(whole.losses[0] - documents.losses[0]) > 1e-3);
+  CHECK(std::abs(qwen3.losses[0] - wide.losses[0]) > 1e-3);
+}
+
+TEST_CASE("context parallelism refuses by name what it does not implement", "[cp][engine]") {
+  ops::set_cpu_threads(1);
+  std::vector<std::string> errors(2);
+  test::run_zero_ranks(
+      2,
+      [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
+        engine::ZeroEngine eng(accelerator, comms, options_for(2));
+        REQUIRE(eng.context_group().size == 2);
+        REQUIRE(eng.context_group().rank == rank);
+        REQUIRE(eng.world_size() == 2);  // ZeRO over dp 1 x cp 2
+        nn::DecoderModelOptions lora = nn::model_options(DType::kF32, 16);
+        lora.lora.rank = 4;
+        lora.lora.alpha = 8;
+        lora.lora.targets = {"q_proj"};
+        CHECK_THROWS_WITH(nn::DecoderModel(eng, model_config(false), lora),
+                          Catch::Contains("context parallelism (size 2) with LoRA adapters is not implemented"));
+        nn::DecoderModelOptions stage = nn::model_options(DType::kF32, 16);
+        stage.stage.layers = 1;
+        CHECK_THROWS_WITH(nn::DecoderModel(eng, model_config(false), stage),
+                          Catch::Contains("with pipeline stages or layer-major micro-batches"));
+        CHECK_THROWS_WITH(nn::DecoderModel(eng, mixtral_config(4, 16, false), nn::model_options(DType::kF32, 16)),
+                          Catch::Contains("with mixture-of-experts layers (model_type mixtral)"));
+        nn::DecoderConfig three = model_config(false);  // 3 kv heads do not split 2 ways
+        three.num_attention_heads = 6;
+        three.num_key_value_heads = 3;
+        three.head_dim = 8;
+        nn::DecoderModelOptions ulysses = nn::model_options(DType::kF32, 16);
+        ulysses.context_method = nn::ContextMethod::kUlysses;
+        CHECK_THROWS_WITH(nn::DecoderModel(eng, three, ulysses),
+                          Catch::Contains("num_key_value_heads 3 do not both divide by 2 (use \"method\": \"ring\")"));
+        // Ring attention takes them; a sequence that does not cut into 4 chunks is refused before anything runs.
+        nn::DecoderModel model(eng, model_config(false), nn::model_options(DType::kF32, 16));
+        eng.finalize();
+        const std::vector<int32_t> ids(10, 1);
+        try {
+          model.forward(ids, ids, 1, 10);
+        } catch (const Error& e) {
+          errors[static_cast<size_t>(rank)] = e.message();
+        }
+      },
+      std::chrono::milliseconds(30000), 1, 1, 2);
+  for (const std::string& e : errors) {
+    CHECK_THAT(e, Catch::Contains("cuts each sequence into 2 x 2 = 4 chunks (two per rank), but the sequence length "
+                                  "10 does not divide by 4"));
+  }
+}
