@@ -19,6 +19,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "kernels/dropout_mask.h"
+#include "tests/kernels/glu_reference.h"
 #include "tests/kernels/moe_op_checks.h"
 #include "tests/kernels/optimizer_op_checks.h"
 #include "tests/kernels/vocab_parallel_checks.h"
@@ -368,18 +369,29 @@ TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, pac
   }
 }
 
-TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap matches the reference", "[ops][cpu][gemma]") {
-  for (DType dt : kDtypes) {
+TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap, and with gpt-oss's sinks (their gradient "
+          "included), matches the reference",
+          "[ops][cpu][gemma][gpt_oss]") {
+  // Sinks large and small against the scores: some rows mostly sink.
+  std::vector<float> sinks = {2.5f, -1.0f, 0.3f, 6.0f};
+  for (const bool with_sinks : {false, true}) {
+   for (DType dt : kDtypes) {
+    // Query blocks of 64 rows: seq 70 crosses one; window 5 leaves rows with few keys.
     for (auto [batch, seq, heads, kv, hd, window] : {std::tuple{2, 13, 4, 2, 8, 0}, {1, 70, 4, 1, 16, 5}}) {
-      INFO(dtype_name(dt) << " seq " << seq << " window " << window);
+      INFO(dtype_name(dt) << " seq " << seq << " window " << window << (with_sinks ? " sinks" : " Gemma"));
       AttentionMask mask{window};
-      mask.scale = 0.6f;
-      mask.softcap = 1.2f;
+      if (with_sinks) {
+        mask.sinks = sinks.data();
+      } else {
+        mask.scale = 0.6f;
+        mask.softcap = 1.2f;
+      }
       Fixture f;
       const double tol = tol_of(dt);
       const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
-      Vec q = random_vec(nq, 60, 2.0), k = random_vec(nkv, 61, 2.0), v = random_vec(nkv, 62),
-          dout = random_vec(nq, 63);
+      const uint32_t seed = with_sinks ? 70 : 60;
+      Vec q = random_vec(nq, seed, 2.0), k = random_vec(nkv, seed + 1, 2.0), v = random_vec(nkv, seed + 2),
+          dout = random_vec(nq, seed + 3);
       auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
            vv = f.tensor(v, dt, {batch, seq, kv, hd});
       auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
@@ -390,63 +402,26 @@ TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap matches the 
       expect_close(f.read(ov), oref, tol, "attention out");
       expect_close(f.read(lse), lref, 1e-4, "attention lse");
       Vec o_used = f.read(ov);
+      auto dout_t = f.tensor(dout, dt, {batch, seq, heads, hd});
       auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
            dv = f.zeros(dt, {batch, seq, kv, hd});
-      f.ops->attention_backward(*f.ctx, f.tensor(dout, dt, {batch, seq, heads, hd}), qv, kv_, vv, ov, lse, dq, dk,
-                                dv, mask);
+      f.ops->attention_backward(*f.ctx, dout_t, qv, kv_, vv, ov, lse, dq, dk, dv, mask);
       Vec dqr(nq), dkr(nkv), dvr(nkv);
       nn::cpu::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), o_used.data(), lref.data(), s,
                                           dqr.data(), dkr.data(), dvr.data(), mask);
       expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
       expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
       expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
-    }
-  }
-}
-
-TEST_CASE("cpu ops: gpt-oss's attention sinks match the reference, their gradient included", "[ops][cpu][gpt_oss]") {
-  for (DType dt : kDtypes) {
-    // Query blocks of 64 rows: seq 70 crosses one; window 5 leaves rows with few keys.
-    for (auto [batch, seq, heads, kv, hd, window] : {std::tuple{2, 13, 4, 2, 8, 0}, {1, 70, 4, 1, 16, 5}}) {
-      INFO(dtype_name(dt) << " seq " << seq << " window " << window);
-      Fixture f;
-      const double tol = tol_of(dt);
-      // Sinks large and small against the scores: some rows mostly sink.
-      std::vector<float> sinks = {2.5f, -1.0f, 0.3f, 6.0f};
-      AttentionMask mask{window};
-      mask.sinks = sinks.data();
-      const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
-      Vec q = random_vec(nq, 70, 2.0), k = random_vec(nkv, 71, 2.0), v = random_vec(nkv, 72),
-          dout = random_vec(nq, 73);
-      auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
-           vv = f.tensor(v, dt, {batch, seq, kv, hd});
-      auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
-      f.ops->attention_forward(*f.ctx, qv, kv_, vv, ov, lse, mask);
-      nn::cpu::AttentionShape s{batch, seq, heads, kv, hd};
-      Vec oref(nq), lref(static_cast<size_t>(batch * heads * seq));
-      nn::cpu::attention_forward<double>(q.data(), k.data(), v.data(), s, oref.data(), lref.data(), mask);
-      expect_close(f.read(ov), oref, tol, "attention out");
-      expect_close(f.read(lse), lref, 1e-4, "attention lse");
-      Vec o_used = f.read(ov);
-      Vec dov = dout;
-      auto dout_t = f.tensor(dov, dt, {batch, seq, heads, hd});
-      auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
-           dv = f.zeros(dt, {batch, seq, kv, hd});
-      f.ops->attention_backward(*f.ctx, dout_t, qv, kv_, vv, ov, lse, dq, dk, dv, mask);
-      Vec dqr(nq), dkr(nkv), dvr(nkv);
-      nn::cpu::attention_backward<double>(dov.data(), q.data(), k.data(), v.data(), o_used.data(), lref.data(), s,
-                                          dqr.data(), dkr.data(), dvr.data(), mask);
-      expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
-      expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
-      expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
+      if (!with_sinks) continue;
       // The sinks' gradient adds into what is there.
       Vec ds0 = {0.5, 0.0, -0.25, 1.0};
       auto ds = f.tensor(ds0, DType::kF32, {heads});
       f.ops->attention_sinks_backward(*f.ctx, dout_t, ov, lse, mask, ds);
       Vec dsr = ds0;
-      nn::cpu::attention_sinks_backward<double>(dov.data(), o_used.data(), lref.data(), s, sinks.data(), dsr.data());
+      nn::cpu::attention_sinks_backward<double>(dout.data(), o_used.data(), lref.data(), s, sinks.data(), dsr.data());
       expect_close(f.read(ds), dsr, 2 * tol, "attention dsinks");
     }
+   }
   }
 }
 
@@ -485,12 +460,7 @@ TEST_CASE("cpu ops: gpt-oss's clamped SwiGLU by its definition, the clamps' grad
     Vec want(n), dgw(n), duw(n);
     int clamped_gate = 0, clamped_up = 0;
     for (int64_t i = 0; i < n; ++i) {
-      // transformers: gate.clamp(max=7), up.clamp(-7, 7), (up + 1) * gate * sigmoid(1.702 * gate).
-      const double gc = std::min(g[i], 7.0), uc = std::clamp(u[i], -7.0, 7.0);
-      const double sig = 1.0 / (1.0 + std::exp(-1.702 * gc));
-      want[i] = (uc + 1) * gc * sig;
-      dgw[i] = g[i] <= 7.0 ? dy[i] * (uc + 1) * (sig + gc * 1.702 * sig * (1 - sig)) : 0.0;
-      duw[i] = u[i] >= -7.0 && u[i] <= 7.0 ? dy[i] * gc * sig : 0.0;
+      strata::test::clamped_swiglu_reference(g[i], u[i], dy[i], 1.702, 7.0, &want[i], &dgw[i], &duw[i]);
       clamped_gate += g[i] > 7.0;
       clamped_up += std::abs(u[i]) > 7.0;
     }
