@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -772,8 +773,15 @@ void read_gpt_oss(Reader& r, DecoderConfig& c) {
   c.router_bias = true;
   c.stacked_experts = true;
   c.expert_act = ops::GluActivation::kClampedSwiglu;
-  c.glu_clamp.alpha = static_cast<float>(r.number("swiglu_alpha", 1.702));
-  c.glu_clamp.limit = static_cast<float>(r.number("swiglu_limit", 7.0));
+  // The kernels compute in float: a value beyond float's range is refused, not cast (undefined).
+  const auto single = [&](const char* key, double fallback) {
+    const double v = r.number(key, fallback);
+    STRATA_CHECK(std::abs(v) <= std::numeric_limits<float>::max(), kBadArgument,
+                 "{}: key '{}' is {}, beyond a float's range", r.where(), key, v);
+    return static_cast<float>(v);
+  };
+  c.glu_clamp.alpha = single("swiglu_alpha", 1.702);
+  c.glu_clamp.limit = single("swiglu_limit", 7.0);
   const bool own_rope = r.present("rope_parameters") || r.present("rope_scaling");
   c.rope = read_rope(r, c, 150000.0);
   if (!own_rope) {

@@ -753,6 +753,9 @@ TEST_CASE("families: gpt-oss configs, with GptOssConfig's defaults, and what str
   j["swiglu_limit"] = 0.0;
   expect_refused(j, {"swiglu_limit"});
   j = fixture_config("gpt_oss_untied_f32");
+  j["swiglu_alpha"] = 1e300;  // the kernels' float: refused, never cast out of range
+  expect_refused(j, {"swiglu_alpha", "float's range"});
+  j = fixture_config("gpt_oss_untied_f32");
   j["num_local_experts"] = 8;
   j["num_experts"] = 4;
   expect_refused(j, {"num_local_experts", "num_experts"});
