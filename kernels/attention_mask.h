@@ -26,6 +26,12 @@
 //    block sees key j of the key block iff is_visible(q_offset + i,
 //    kv_offset + j); a query that sees no key of the block gets out 0 and
 //    lse -inf (visible_block_keys gives it an empty range). Both 0: one block, today's attention.
+//  - sinks (gpt-oss's attention sinks; not a mask either, but how every
+//    softmax row is normalised): one learned logit per query head that joins
+//    each row's softmax denominator and attends to no value, p_j = exp(s_j) /
+//    (sum_k exp(s_k) + exp(sink_h)); lse includes it (a row that sees no key
+//    gets lse = sink). Backward is unchanged given that lse (p = exp(s - lse)),
+//    and the sinks' own gradient is Ops::attention_sinks_backward.
 //
 // Header-only and usable in device code (nvcc, C++17). Thread-safety: a value type.
 #pragma once
@@ -58,6 +64,9 @@ struct AttentionMask {
   // gradient by 1 - tanh^2). attention_scale() and attention_score() are the formulas.
   double scale = 0;
   float softcap = 0;
+  // Attention sinks: fp32 [heads] where the kernels read (device memory for
+  // cuda); null: none. Only with one block (both offsets 0, keys = queries).
+  const float* sinks = nullptr;
 
   STRATA_HOST_DEVICE bool has_segments() const { return segment_start != nullptr; }
   // The mask of the row whose first position is `offset` (b * seq) in the arrays.

@@ -91,6 +91,13 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
                         const T* lse, const AttentionShape& shape, T* dq, T* dk, T* dv,
                         const AttentionMask& mask = {});
 
+// The attention sinks' gradient (mask.sinks, attention_mask.h): dsinks[h] +=
+// -sum over batch and queries of exp(sinks[h] - lse) <dout, out>, from the
+// forward's out and lse (which include the sinks).
+template <typename T>
+void attention_sinks_backward(const T* dout, const T* out, const T* lse, const AttentionShape& shape,
+                              const float* sinks, T* dsinks);
+
 // ---- SwiGLU: out = silu(gate) * up ------------------------------------------
 template <typename T>
 void swiglu_forward(const T* gate, const T* up, int64_t numel, T* out);

@@ -88,6 +88,21 @@ void attention_mask(std::string_view op, const AttentionMask& mask, const Attent
                "{}: score scale {} must be 0 (1/sqrt(head_dim)) or positive", op, mask.scale);
   STRATA_CHECK(std::isfinite(mask.softcap) && mask.softcap >= 0, kBadArgument,
                "{}: score soft cap {} must be 0 (none) or positive", op, mask.softcap);
+  // A block's partial softmax would count the sink once per block.
+  STRATA_CHECK(mask.sinks == nullptr || (mask.q_offset == 0 && mask.kv_offset == 0 && s.keys() == s.seq),
+               kBadArgument,
+               "{}: attention sinks with a key block of its own (context parallelism) are not implemented "
+               "(queries at {}, keys at {}, {} keys for {} queries)",
+               op, mask.q_offset, mask.kv_offset, s.keys(), s.seq);
+}
+
+void glu(std::string_view op, GluActivation act, const GluClamp& c) {
+  STRATA_CHECK(act == GluActivation::kSilu || act == GluActivation::kGeluTanh || act == GluActivation::kClampedSwiglu,
+               kBadArgument, "{}: unknown activation {}", op, static_cast<int>(act));
+  if (act != GluActivation::kClampedSwiglu) return;
+  STRATA_CHECK(std::isfinite(c.alpha) && std::isfinite(c.limit) && c.limit > 0, kBadArgument,
+               "{}: the clamped SwiGLU needs a finite alpha and a positive finite limit (got {} and {})", op,
+               c.alpha, c.limit);
 }
 
 void rope(std::string_view op, const Rope& r) {
@@ -538,6 +553,28 @@ void Ops::attention_backward(ComputeContext& ctx, const TensorView& dout, const 
   enqueue_attention_backward(ctx, s, dout, q, k, v, out, lse, dq, dk, dv, mask);
 }
 
+void Ops::attention_sinks_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& out,
+                                   const TensorView& lse, const AttentionMask& mask, const TensorView& dsinks) {
+  constexpr const char* op = "attention_sinks_backward";
+  own(ctx, op);
+  STRATA_CHECK(mask.sinks != nullptr, kBadArgument, "{}: the mask has no sinks", op);
+  check::float_tensor(op, "dout", dout);
+  check::float_tensor(op, "out", out);
+  check::same_dtype(op, dout, out);
+  STRATA_CHECK(out.desc.shape.size() == 4, kBadArgument,
+               "{}: out must be 4-D [batch, seq, heads, head_dim] (got {})", op, shape_string(out.desc.shape));
+  check::shape(op, "dout", dout, out.desc.shape);
+  const AttentionShape s{out.desc.shape[0], out.desc.shape[1], out.desc.shape[2], out.desc.shape[2],
+                         out.desc.shape[3]};
+  check::attention_mask(op, mask, s);
+  check::dtype(op, "lse", lse, DType::kF32);
+  check::shape(op, "lse", lse, {s.batch, s.heads, s.seq});
+  check::dtype(op, "dsinks", dsinks, DType::kF32);
+  check::shape(op, "dsinks", dsinks, {s.heads});
+  Labeled label(ctx, op, [&] { return memory(2 * nbytes(out) + nbytes(lse), brief(out)); });
+  enqueue_attention_sinks_backward(ctx, s, dout, out, lse, mask, dsinks);
+}
+
 void Ops::attention_merge(ComputeContext& ctx, const TensorView& out, const TensorView& lse,
                           const TensorView& part, const TensorView& part_lse) {
   constexpr const char* op = "attention_merge";
@@ -558,20 +595,22 @@ void Ops::attention_merge(ComputeContext& ctx, const TensorView& out, const Tens
 }
 
 void Ops::swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                         const TensorView& out, GluActivation act) {
+                         const TensorView& out, GluActivation act, const GluClamp& clamp) {
   own(ctx, "swiglu_forward");
   check::elementwise("swiglu_forward", {&gate, &up, &out});
+  check::glu("swiglu_forward", act, clamp);
   Labeled label(ctx, "swiglu_forward", [&] { return memory(3 * nbytes(out), brief(out)); });
-  enqueue_swiglu_forward(ctx, gate, up, out, act);
+  enqueue_swiglu_forward(ctx, gate, up, out, act, clamp);
 }
 
 void Ops::swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                           const TensorView& up, const TensorView& dgate, const TensorView& dup,
-                          GluActivation act) {
+                          GluActivation act, const GluClamp& clamp) {
   own(ctx, "swiglu_backward");
   check::elementwise("swiglu_backward", {&dout, &gate, &up, &dgate, &dup});
+  check::glu("swiglu_backward", act, clamp);
   Labeled label(ctx, "swiglu_backward", [&] { return memory(5 * nbytes(dout), brief(dout)); });
-  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup, act);
+  enqueue_swiglu_backward(ctx, dout, gate, up, dgate, dup, act, clamp);
 }
 
 void Ops::add(ComputeContext& ctx, const TensorView& a, const TensorView& b, const TensorView& out) {

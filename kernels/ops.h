@@ -48,6 +48,7 @@
 #include <string_view>
 
 #include "kernels/attention_mask.h"
+#include "kernels/glu.h"
 #include "kernels/moe_routing.h"
 #include "kernels/optimizer.h"
 #include "kernels/rope_frequencies.h"
@@ -113,10 +114,6 @@ class ComputeContext {
   const Ops* owner_ = nullptr;  // set by Ops::make_context
   OpLabel op_label_;
 };
-
-// The activation of a gated MLP (swiglu_forward): silu (SwiGLU) or gelu's
-// tanh approximation (GeGLU, transformers' gelu_pytorch_tanh).
-enum class GluActivation { kSilu, kGeluTanh };
 
 // Shape of causal self-attention with grouped-query heads.
 struct AttentionShape {
@@ -256,6 +253,15 @@ class Ops {
                                   const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const AttentionMask& mask);
 
+  // The attention sinks' gradient (mask.sinks, attention_mask.h; gpt-oss):
+  // dsinks fp32 [heads] += -sum over batch and queries of exp(sink_h - lse)
+  // <dout, out>, the sink's probability times the row's dO.O (the softmax's
+  // backward, the sink attending to no value). dout, out [batch, seq, heads,
+  // head_dim] and lse fp32 [batch, heads, seq] as attention_backward takes
+  // them; mask.sinks must be set.
+  void attention_sinks_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& out,
+                                const TensorView& lse, const AttentionMask& mask, const TensorView& dsinks);
+
   // Merges a key block's attention into the result so far, exactly in fp32:
   // lse' = log(exp(lse) + exp(part_lse)), out' = out exp(lse - lse') +
   // part exp(part_lse - lse'), in place on out and lse. out, part [batch,
@@ -266,14 +272,17 @@ class Ops {
                        const TensorView& part, const TensorView& part_lse);
 
   // ---- gated MLP: out = act(gate) * up ------------------------------------------
-  // act: silu (SwiGLU, the default) or gelu with the tanh approximation
-  // (GeGLU: Gemma's gelu_pytorch_tanh).
+  // act (kernels/glu.h): silu (SwiGLU, the default), gelu with the tanh
+  // approximation (GeGLU: Gemma's gelu_pytorch_tanh), or gpt-oss's clamped
+  // SwiGLU with `clamp`'s alpha and limit ((clamp(up) + 1) * g * sigmoid(alpha g),
+  // g = min(gate, limit); `clamp` is read for that activation only).
   void swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                              const TensorView& out, GluActivation act = GluActivation::kSilu);
+                              const TensorView& out, GluActivation act = GluActivation::kSilu,
+                              const GluClamp& clamp = {});
   void swiglu_backward(ComputeContext& ctx, const TensorView& dout,
                                const TensorView& gate, const TensorView& up,
                                const TensorView& dgate, const TensorView& dup,
-                               GluActivation act = GluActivation::kSilu);
+                               GluActivation act = GluActivation::kSilu, const GluClamp& clamp = {});
 
   // ---- residual: out = a + b (out may alias a or b) ----------------------------
   void add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
@@ -483,15 +492,20 @@ class Ops {
                                           const TensorView& out, const TensorView& lse,
                                           const TensorView& dq, const TensorView& dk,
                                           const TensorView& dv, const AttentionMask& mask) = 0;
+  virtual void enqueue_attention_sinks_backward(ComputeContext& ctx, const AttentionShape& shape,
+                                                const TensorView& dout, const TensorView& out,
+                                                const TensorView& lse, const AttentionMask& mask,
+                                                const TensorView& dsinks) = 0;
   virtual void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& shape,
                                        const TensorView& out, const TensorView& lse,
                                        const TensorView& part, const TensorView& part_lse) = 0;
   virtual void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate,
-                                      const TensorView& up, const TensorView& out, GluActivation act) = 0;
+                                      const TensorView& up, const TensorView& out, GluActivation act,
+                                      const GluClamp& clamp) = 0;
   virtual void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout,
                                        const TensorView& gate, const TensorView& up,
                                        const TensorView& dgate, const TensorView& dup,
-                                       GluActivation act) = 0;
+                                       GluActivation act, const GluClamp& clamp) = 0;
   virtual void enqueue_add(ComputeContext& ctx, const TensorView& a, const TensorView& b,
                            const TensorView& out) = 0;
   // rows > 0.

@@ -8,7 +8,9 @@
 //             dQ_blk = dS K, dK += dS^T Q_blk, dV += P^T dO_blk.
 // With Gemma's soft cap (mask.softcap) each visible score is capped before
 // the softmax, and backward recomputes the cap's slope 1 - tanh^2 into one
-// more kBq x seq scratch to multiply dS by.
+// more kBq x seq scratch to multiply dS by. gpt-oss's sinks (mask.sinks) join
+// each row's max and denominator in forward; backward needs nothing more than
+// the lse that includes them.
 // Scratch is kBq x seq per thread (not per head), so no [seq, seq] matrix is
 // ever held. A key block of its own (context parallelism) works the same with
 // key indices shifted by the offsets (ops::visible_block_keys); a row that
@@ -81,20 +83,22 @@ BlockKeys keys_of_block(const AttentionMask& mask, int64_t i0, int64_t i1, int64
 }
 
 // Softmax rows of block scores sc [n, width] in place, each over its visible
-// columns; writes lse; zeroes the masked columns of each row.
-void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const AttentionMask& mask,
+// columns and the head's sink (-inf: none); writes lse; zeroes the masked
+// columns of each row.
+void softmax_block(float* sc, int64_t n, int64_t i0, const BlockKeys& bk, const AttentionMask& mask, float sink,
                    float* lse_out) {
   for (int64_t r = 0; r < n; ++r) {
     float* row = sc + r * bk.width;
     const auto [lo, hi] = bk.cols(mask, i0, r);
-    if (lo == hi) {  // sees no key of the block
+    if (lo == hi) {  // sees no key of the block: the sink alone, or nothing
       std::fill(row, row + bk.width, 0.0f);
-      lse_out[r] = -std::numeric_limits<float>::infinity();
+      lse_out[r] = sink;
       continue;
     }
     cap_scores(mask, row, lo, hi);
-    const float m = vec::max(row + lo, hi - lo);
-    const double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
+    const float m = std::max(vec::max(row + lo, hi - lo), sink);
+    double sum = vec::exp_shifted(row + lo, hi - lo, m, row + lo);
+    if (mask.sinks != nullptr) sum += std::exp(static_cast<double>(sink) - m);
     vec::scale(row + lo, hi - lo, static_cast<float>(1.0 / sum));
     std::fill(row, row + lo, 0.0f);
     std::fill(row + hi, row + bk.width, 0.0f);
@@ -108,10 +112,11 @@ void forward_block(const float* q, const float* k, const float* v, const Attenti
   const AttentionMask mask = batch_mask.row(b * batch_mask.seq);
   const int64_t i1 = std::min(i0 + kBq, s.seq), n = i1 - i0, kh = h / st.group, kv = s.keys();
   const BlockKeys bk = keys_of_block(mask, i0, i1, kv);
+  const float sink = mask.sinks != nullptr ? mask.sinks[h] : -std::numeric_limits<float>::infinity();
   if (bk.width <= 0) {  // no row sees a key of the block
     for (int64_t r = 0; r < n; ++r) {
       std::fill_n(out + (b * s.seq + i0 + r) * st.q_row + h * st.d, st.d, 0.0f);
-      lse[(b * s.heads + h) * s.seq + i0 + r] = -std::numeric_limits<float>::infinity();
+      lse[(b * s.heads + h) * s.seq + i0 + r] = sink;
     }
     return;
   }
@@ -120,7 +125,7 @@ void forward_block(const float* q, const float* k, const float* v, const Attenti
   const float* vb = v + (b * kv + bk.j0) * st.kv_row + kh * st.d;
   gemm<float>(false, true, n, bk.width, st.d, st.scale, qb, st.q_row, kb, st.kv_row, 0.0f, sc,
               bk.width);
-  softmax_block(sc, n, i0, bk, mask, lse + (b * s.heads + h) * s.seq + i0);
+  softmax_block(sc, n, i0, bk, mask, sink, lse + (b * s.heads + h) * s.seq + i0);
   gemm<float>(false, false, n, st.d, bk.width, 1.0f, sc, bk.width, vb, st.kv_row, 0.0f,
               out + (b * s.seq + i0) * st.q_row + h * st.d, st.q_row);
 }

@@ -60,12 +60,14 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
         for (int64_t i = 0; i < s.seq; ++i) {
           const T* qi = q + (b * s.seq + i) * q_row + h * d;
           const auto [first, last] = ops::visible_block_keys(mask.row(b * mask.seq), i, kv);
-          T m = -std::numeric_limits<T>::infinity();
+          // A sink joins the denominator with no value (-inf: none).
+          const T sink = mask.sinks != nullptr ? T(mask.sinks[h]) : -std::numeric_limits<T>::infinity();
+          T m = sink;
           for (int64_t j = first; j < last; ++j) {
             p[j] = capped(dot(qi, k + (b * kv + j) * kv_row + kh * d, d) * scale, cap);
             m = std::max(m, p[j]);
           }
-          T sum = 0;
+          T sum = mask.sinks != nullptr ? std::exp(sink - m) : T(0);
           for (int64_t j = first; j < last; ++j) {
             p[j] = std::exp(p[j] - m);
             sum += p[j];
@@ -77,7 +79,7 @@ void attention_forward(const T* q, const T* k, const T* v, const AttentionShape&
             const T w = p[j] / sum;
             for (int64_t c = 0; c < d; ++c) oi[c] += w * vj[c];
           }
-          lse[(b * s.heads + h) * s.seq + i] = first < last ? m + std::log(sum) : m;  // none: -inf
+          lse[(b * s.heads + h) * s.seq + i] = sum > 0 ? m + std::log(sum) : m;  // none: -inf
         }
       }
     }
@@ -137,6 +139,29 @@ void attention_backward(const T* dout, const T* q, const T* k, const T* v, const
   }
 }
 
+template <typename T>
+void attention_sinks_backward(const T* dout, const T* out, const T* lse, const AttentionShape& s,
+                              const float* sinks, T* dsinks) {
+  const int64_t d = s.head_dim, q_row = s.heads * d;
+  // dsink_h = -sum over rows of p_sink (dO . O): the softmax's backward with
+  // the sink's dp = 0. One head per iteration: each adds into its own entry.
+#pragma omp parallel for schedule(static) if (s.batch * s.heads * s.seq * d >= detail::kMinParallelWork)
+  for (int64_t h = 0; h < s.heads; ++h) {
+    T acc = 0;
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t i = 0; i < s.seq; ++i) {
+        const int64_t o = (b * s.seq + i) * q_row + h * d;
+        acc += std::exp(T(sinks[h]) - lse[(b * s.heads + h) * s.seq + i]) * dot(dout + o, out + o, d);
+      }
+    }
+    dsinks[h] -= acc;
+  }
+}
+
+template void attention_sinks_backward<float>(const float*, const float*, const float*, const AttentionShape&,
+                                              const float*, float*);
+template void attention_sinks_backward<double>(const double*, const double*, const double*, const AttentionShape&,
+                                               const float*, double*);
 template void attention_forward<float>(const float*, const float*, const float*,
                                        const AttentionShape&, float*, float*, const AttentionMask&);
 template void attention_forward<double>(const double*, const double*, const double*,

@@ -383,6 +383,15 @@ class CpuOps final : public Ops {
     });
   }
 
+  void enqueue_attention_sinks_backward(ComputeContext& ctx, const AttentionShape& s, const TensorView& dout,
+                                        const TensorView& out, const TensorView& lse, const AttentionMask& mask,
+                                        const TensorView& dsinks) override {
+    enqueue(ctx, [=](CpuContext& c) {
+      nn::cpu::attention_sinks_backward<float>(widen(c, 0, dout), widen(c, 1, out), lse.as<const float>(), s,
+                                               mask.sinks, dsinks.as<float>());
+    });
+  }
+
   void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& s, const TensorView& out,
                                const TensorView& lse, const TensorView& part,
                                const TensorView& part_lse) override {
@@ -393,12 +402,16 @@ class CpuOps final : public Ops {
   }
 
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                      const TensorView& out, GluActivation act) override {
+                      const TensorView& out, GluActivation act, const GluClamp& clamp) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* of = stage(c, 2, out, false);
       const float* g = widen(c, 0, gate);
       const float* u = widen(c, 1, up);
-      if (act == GluActivation::kGeluTanh) {
+      if (act == GluActivation::kClampedSwiglu) {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) of[i] = clamped_swiglu(g[i], u[i], clamp);
+        });
+      } else if (act == GluActivation::kGeluTanh) {
         for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i) of[i] = gelu_tanh(g[i]) * u[i];
         });
@@ -411,14 +424,18 @@ class CpuOps final : public Ops {
 
   void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
-                       const TensorView& dup, GluActivation act) override {
+                       const TensorView& dup, GluActivation act, const GluClamp& clamp) override {
     enqueue(ctx, [=](CpuContext& c) {
       float* dgf = stage(c, 3, dgate, false);
       float* duf = stage(c, 4, dup, false);
       const float* d = widen(c, 0, dout);
       const float* g = widen(c, 1, gate);
       const float* u = widen(c, 2, up);
-      if (act == GluActivation::kGeluTanh) {
+      if (act == GluActivation::kClampedSwiglu) {
+        for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) clamped_swiglu_backward(d[i], g[i], u[i], clamp, dgf + i, duf + i);
+        });
+      } else if (act == GluActivation::kGeluTanh) {
         for_chunks(gate.numel(), [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i) {
             dgf[i] = d[i] * u[i] * gelu_tanh_derivative(g[i]);

@@ -99,6 +99,19 @@ struct GegluBackwardOp {
   }
 };
 
+// gpt-oss's clamped SwiGLU (kernels/glu.h).
+struct ClampedSwigluOp {
+  GluClamp clamp;
+  __device__ void operator()(const float (&x)[2], float (&y)[1]) const { y[0] = clamped_swiglu(x[0], x[1], clamp); }
+};
+
+struct ClampedSwigluBackwardOp {
+  GluClamp clamp;
+  __device__ void operator()(const float (&x)[3], float (&y)[2]) const {
+    clamped_swiglu_backward(x[0], x[1], x[2], clamp, &y[0], &y[1]);
+  }
+};
+
 template <typename T, int kIn, int kOut, typename Op>
 void launch_map(const MapArgs<T, kIn, kOut>& args, int64_t n, Op op, cudaStream_t stream) {
   if (n == 0) return;
@@ -226,10 +239,12 @@ void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* ou
 }
 
 void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t numel, void* out,
-                           bool gelu_tanh, cudaStream_t stream) {
+                           GluActivation act, GluClamp clamp, cudaStream_t stream) {
   STRATA_DISPATCH_T(t, T, {
     const MapArgs<T, 2, 1> args{{static_cast<const T*>(gate), static_cast<const T*>(up)}, {static_cast<T*>(out)}};
-    if (gelu_tanh) {
+    if (act == GluActivation::kClampedSwiglu) {
+      launch_map(args, numel, ClampedSwigluOp{clamp}, stream);
+    } else if (act == GluActivation::kGeluTanh) {
       launch_map(args, numel, GegluOp{}, stream);
     } else {
       launch_map(args, numel, SwigluOp{}, stream);
@@ -238,12 +253,15 @@ void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t 
 }
 
 void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
-                            int64_t numel, void* dgate, void* dup, bool gelu_tanh, cudaStream_t stream) {
+                            int64_t numel, void* dgate, void* dup, GluActivation act, GluClamp clamp,
+                            cudaStream_t stream) {
   STRATA_DISPATCH_T(t, T, {
     const MapArgs<T, 3, 2> args{
         {static_cast<const T*>(dout), static_cast<const T*>(gate), static_cast<const T*>(up)},
         {static_cast<T*>(dgate), static_cast<T*>(dup)}};
-    if (gelu_tanh) {
+    if (act == GluActivation::kClampedSwiglu) {
+      launch_map(args, numel, ClampedSwigluBackwardOp{clamp}, stream);
+    } else if (act == GluActivation::kGeluTanh) {
       launch_map(args, numel, GegluBackwardOp{}, stream);
     } else {
       launch_map(args, numel, SwigluBackwardOp{}, stream);

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/attention_mask.h"
+#include "kernels/glu.h"
 #include "kernels/moe_routing.h"
 #include "kernels/rope_frequencies.h"
 
@@ -29,11 +30,13 @@ void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64
 // out = a + b (out may alias a or b).
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,
                 cudaStream_t stream);
-// act(gate) * up: silu, or with gelu_tanh gelu's tanh approximation (GeGLU).
+// act(gate) * up: silu, gelu's tanh approximation (GeGLU), or gpt-oss's
+// clamped SwiGLU with `clamp` (kernels/glu.h).
 void launch_swiglu_forward(Storage t, const void* gate, const void* up, int64_t numel, void* out,
-                           bool gelu_tanh, cudaStream_t stream);
+                           GluActivation act, GluClamp clamp, cudaStream_t stream);
 void launch_swiglu_backward(Storage t, const void* dout, const void* gate, const void* up,
-                            int64_t numel, void* dgate, void* dup, bool gelu_tanh, cudaStream_t stream);
+                            int64_t numel, void* dgate, void* dup, GluActivation act, GluClamp clamp,
+                            cudaStream_t stream);
 // out (+= when accumulate) = x * keep / (1 - p), keep = dropout_keep(seed,
 // r * cols + c, p) (kernels/dropout_mask.h); [rows, cols] with row strides.
 void launch_dropout(Storage t, const void* x, int64_t ldx, void* out, int64_t ldo, int64_t rows, int64_t cols,

@@ -450,6 +450,14 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_attention_sinks_backward(ComputeContext&, const AttentionShape&, const TensorView&,
+                                        const TensorView&, const TensorView&, const AttentionMask&,
+                                        const TensorView&) override {
+    raise(ErrorCategory::kBadArgument,
+          "attention_sinks_backward: the cuda backend has no attention sinks yet (gpt-oss's attention runs on the "
+          "cpu backend)");
+  }
+
   void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& s, const TensorView& out,
                                const TensorView& lse, const TensorView& part,
                                const TensorView& part_lse) override {
@@ -601,27 +609,26 @@ class CudaOps final : public Ops {
   }
 
   void enqueue_swiglu_forward(ComputeContext& ctx, const TensorView& gate, const TensorView& up,
-                      const TensorView& out, GluActivation act) override {
+                      const TensorView& out, GluActivation act, const GluClamp& clamp) override {
     constexpr const char* op = "swiglu_forward";
     CudaContext& c = context(ctx);
     check_device(op, {{"gate", &gate}, {"up", &up}, {"out", &out}});
     run(c, op, [&] {
       cuda::launch_swiglu_forward(storage(gate.desc.dtype), gate.data, up.data, gate.numel(),
-                                  out.data, act == GluActivation::kGeluTanh, c.cuda_stream());
+                                  out.data, act, clamp, c.cuda_stream());
       check_launch(op);
     });
   }
 
   void enqueue_swiglu_backward(ComputeContext& ctx, const TensorView& dout, const TensorView& gate,
                        const TensorView& up, const TensorView& dgate,
-                       const TensorView& dup, GluActivation act) override {
+                       const TensorView& dup, GluActivation act, const GluClamp& clamp) override {
     constexpr const char* op = "swiglu_backward";
     CudaContext& c = context(ctx);
     check_device(op, {{"dout", &dout}, {"gate", &gate}, {"up", &up}, {"dgate", &dgate}, {"dup", &dup}});
     run(c, op, [&] {
       cuda::launch_swiglu_backward(storage(gate.desc.dtype), dout.data, gate.data, up.data,
-                                   gate.numel(), dgate.data, dup.data, act == GluActivation::kGeluTanh,
-                                   c.cuda_stream());
+                                   gate.numel(), dgate.data, dup.data, act, clamp, c.cuda_stream());
       check_launch(op);
     });
   }
@@ -778,6 +785,10 @@ class CudaOps final : public Ops {
                  "offsets {} and {}, document arrays of {} entries per row: context parallelism's block attention "
                  "runs on the cpu backend)",
                  op, s.keys(), s.seq, mask.q_offset, mask.kv_offset, mask.has_segments() ? mask.seq : s.seq);
+    STRATA_CHECK(mask.sinks == nullptr, kBadArgument,
+                 "{}: the cuda attention kernels have no attention sinks yet (gpt-oss's attention runs on the cpu "
+                 "backend)",
+                 op);
     return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
   }
 

@@ -61,10 +61,17 @@ using offload::phase_name;
 // Where a parameter sits when it is a block of a larger logical tensor (a
 // TiledLinear tile of a Hugging Face weight): that tensor's name and shape,
 // and the block's offset in each dimension. Used to load and save by HF name.
+// With `strides` it is instead a strided view of the tensor (gpt-oss's
+// stacked experts: one expert's transposed block, gate and up interleaved):
+// element i of a 1-D parameter, or (i, j) of a 2-D one, is element base + i
+// strides[0] (+ j strides[1]) of the tensor in row-major order; `offset` is
+// then unused. Either way no two parameters cover the same element.
 struct ParameterSlice {
   std::string tensor;
   Shape tensor_shape;
   std::vector<int64_t> offset;
+  std::vector<int64_t> strides;  // empty: the block at `offset`
+  int64_t base = 0;
 };
 
 // What a parameter is; no storage. `name` is the Hugging Face tensor name (or,

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -271,6 +272,7 @@ constexpr Family kFamilies[] = {
     {"glm4_moe", "Glm4MoeForCausalLM", 8, std::nullopt, 131072},
     {"gemma2", "Gemma2ForCausalLM", 4, 256, 8192},
     {"gemma3_text", "Gemma3ForCausalLM", 4, 256, 131072},
+    {"gpt_oss", "GptOssForCausalLM", 8, 64, 131072},
 };
 
 const Family& family_of(Reader& r) {
@@ -497,18 +499,22 @@ void read_qwen_window(Reader& r, DecoderConfig& c, bool moe_layer_rule) {
 // num_local_experts for mixtral and qwen3_moe (attribute_map), and
 // save_pretrained writes num_local_experts; a file with both must agree.
 // Qwen2MoeConfig has num_experts only (num_local_experts is an unknown key).
+// num_local_experts, or num_experts (the alias transformers' attribute_map gives it).
+int64_t read_local_experts(Reader& r, int64_t fallback) {
+  const bool local = r.present("num_local_experts"), plain = r.present("num_experts");
+  const int64_t a = r.integer("num_local_experts", fallback), b = r.integer("num_experts", fallback);
+  STRATA_CHECK(!(local && plain) || a == b, kBadArgument,
+               "{}: keys 'num_local_experts' ({}) and 'num_experts' ({}) disagree; transformers "
+               "reads them as one", r.where(), a, b);
+  return local ? a : b;
+}
+
 void read_moe(Reader& r, DecoderConfig& c, bool mixtral) {
   const bool qwen2_moe = c.model_type == "qwen2_moe";
   if (qwen2_moe) {
     c.num_experts = r.integer("num_experts", int64_t{60});
   } else {
-    const int64_t fallback = mixtral ? 8 : 128;
-    const bool local = r.present("num_local_experts"), plain = r.present("num_experts");
-    const int64_t a = r.integer("num_local_experts", fallback), b = r.integer("num_experts", fallback);
-    STRATA_CHECK(!(local && plain) || a == b, kBadArgument,
-                 "{}: keys 'num_local_experts' ({}) and 'num_experts' ({}) disagree; transformers "
-                 "reads them as one", r.where(), a, b);
-    c.num_experts = local ? a : b;
+    c.num_experts = read_local_experts(r, mixtral ? 8 : 128);
   }
   STRATA_CHECK(c.num_experts > 0, kBadArgument,
                "{}: the number of experts is {}; strata computes the sparse layers (a dense "
@@ -677,6 +683,34 @@ double read_softcap(Reader& r, const char* key, double fallback) {
   return cap;
 }
 
+// Which layers slide (Gemma 2 and 3, gpt-oss): layer_types, else all but
+// every pattern-th layer (pattern 2: the even layers), with the window they use.
+void read_layer_types(Reader& r, DecoderConfig& c, int64_t window, int64_t pattern) {
+  std::vector<bool> sliding;
+  const json& types = r.read("layer_types");
+  if (!types.is_null()) {
+    STRATA_CHECK(types.is_array() && static_cast<int64_t>(types.size()) == c.num_hidden_layers, kBadArgument,
+                 "{}: key 'layer_types' must list one type per layer ({}), got {}", r.where(), c.num_hidden_layers,
+                 describe_json(types));
+    for (const json& t : types) {
+      STRATA_CHECK(t == "full_attention" || t == "sliding_attention", kBadArgument,
+                   "{}: layer_types holds {}; strata computes \"full_attention\" and \"sliding_attention\"",
+                   r.where(), describe_json(t));
+      sliding.push_back(t == "sliding_attention");
+    }
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) sliding.push_back((l + 1) % pattern != 0);
+  }
+  bool any = false;
+  for (bool s : sliding) any = any || s;
+  if (!any) return;
+  STRATA_CHECK(window > 0, kBadArgument,
+               "{}: layer_types has sliding_attention layers but sliding_window is {} (give the window)", r.where(),
+               window);
+  c.sliding_window = window;
+  c.sliding_layers = std::move(sliding);
+}
+
 // Gemma 2 and Gemma 3 (gemma2, gemma3_text): everything their configuration
 // classes and modeling code read besides the shared sizes, with their defaults.
 void read_gemma(Reader& r, DecoderConfig& c) {
@@ -718,29 +752,50 @@ void read_gemma(Reader& r, DecoderConfig& c) {
   const int64_t pattern = gemma3 ? r.integer("sliding_window_pattern", int64_t{6}) : 2;
   STRATA_CHECK(pattern > 0, kBadArgument, "{}: key 'sliding_window_pattern' is {}; it must be positive", r.where(),
                pattern);
-  std::vector<bool> sliding;
-  const json& types = r.read("layer_types");
-  if (!types.is_null()) {
-    STRATA_CHECK(types.is_array() && static_cast<int64_t>(types.size()) == c.num_hidden_layers, kBadArgument,
-                 "{}: key 'layer_types' must list one type per layer ({}), got {}", r.where(), c.num_hidden_layers,
-                 describe_json(types));
-    for (const json& t : types) {
-      STRATA_CHECK(t == "full_attention" || t == "sliding_attention", kBadArgument,
-                   "{}: layer_types holds {}; strata computes \"full_attention\" and \"sliding_attention\"",
-                   r.where(), describe_json(t));
-      sliding.push_back(t == "sliding_attention");
-    }
-  } else {
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) sliding.push_back((l + 1) % pattern != 0);
+  read_layer_types(r, c, window, pattern);
+}
+
+// gpt-oss (gpt_oss) as GptOssConfig reads it: attention biases and sinks, the
+// stacked experts with their biases and clamped SwiGLU behind a biased
+// router (softmax over the top k), sliding and full layers, and YaRN RoPE
+// when the config gives none (GptOssConfig's __post_init__).
+void read_gpt_oss(Reader& r, DecoderConfig& c) {
+  c.attention_qkv_bias = c.attention_o_bias = r.boolean("attention_bias", true);
+  c.attention_sinks = true;
+  c.num_experts = read_local_experts(r, 128);
+  STRATA_CHECK(c.num_experts > 0, kBadArgument, "{}: the number of experts is {}; gpt-oss has at least one",
+               r.where(), c.num_experts);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", int64_t{4});
+  c.router_aux_loss_coef = r.number("router_aux_loss_coef", 0.001);
+  c.output_router_logits = r.boolean("output_router_logits", false);
+  c.moe_intermediate_size = c.intermediate_size;  // GptOssExperts: intermediate_size per expert
+  c.norm_topk_prob = true;  // GptOssTopKRouter: softmax over the top-k logits
+  c.router_bias = true;
+  c.stacked_experts = true;
+  c.expert_act = ops::GluActivation::kClampedSwiglu;
+  // The kernels compute in float: a value beyond float's range is refused, not cast (undefined).
+  const auto single = [&](const char* key, double fallback) {
+    const double v = r.number(key, fallback);
+    STRATA_CHECK(std::abs(v) <= std::numeric_limits<float>::max(), kBadArgument,
+                 "{}: key '{}' is {}, beyond a float's range", r.where(), key, v);
+    return static_cast<float>(v);
+  };
+  c.glu_clamp.alpha = single("swiglu_alpha", 1.702);
+  c.glu_clamp.limit = single("swiglu_limit", 7.0);
+  const bool own_rope = r.present("rope_parameters") || r.present("rope_scaling");
+  c.rope = read_rope(r, c, 150000.0);
+  if (!own_rope) {
+    // GptOssConfig's default rope_parameters (rope_theta as given, else 150000).
+    c.rope.type = ops::RopeType::kYarn;
+    c.rope.factor = 32.0;
+    c.rope.beta_fast = 32.0;
+    c.rope.beta_slow = 1.0;
+    c.rope.truncate = false;
+    c.rope.original_max_position_embeddings = 4096;
   }
-  bool any = false;
-  for (bool s : sliding) any = any || s;
-  if (!any) return;
-  STRATA_CHECK(window > 0, kBadArgument,
-               "{}: layer_types has sliding_attention layers but sliding_window is {} (give the window)", r.where(),
-               window);
-  c.sliding_window = window;
-  c.sliding_layers = std::move(sliding);
+  const int64_t window = r.contains("sliding_window") ? r.integer("sliding_window", int64_t{0}) : 128;
+  r.accept("sliding_window");
+  read_layer_types(r, c, window, 2);
 }
 
 }  // namespace
@@ -757,7 +812,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   const bool llama = mt == "llama", mistral = mt == "mistral", qwen2 = mt == "qwen2",
              qwen3 = mt == "qwen3", mixtral = mt == "mixtral", qwen3_moe = mt == "qwen3_moe",
              qwen2_moe = mt == "qwen2_moe", deepseek = mt == "deepseek_v3" || mt == "kimi_k2",
-             glm = mt == "glm4_moe", gemma = mt == "gemma2" || mt == "gemma3_text";
+             glm = mt == "glm4_moe", gemma = mt == "gemma2" || mt == "gemma3_text", oss = mt == "gpt_oss";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   c.vocab_size = r.integer("vocab_size", std::nullopt);
@@ -774,7 +829,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   if (mistral && c.head_dim == 0)
     c.head_dim = derived_head_dim;  // Mistral: "head_dim or hidden // heads"
   c.max_position_embeddings = r.integer("max_position_embeddings", family.max_positions_default);
-  c.rms_norm_eps = r.number("rms_norm_eps", 1e-6);
+  c.rms_norm_eps = r.number("rms_norm_eps", oss ? 1e-5 : 1e-6);
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", gemma);  // Gemma's configuration classes tie
   c.pad_token_id = r.integer("pad_token_id", gemma ? int64_t{0} : int64_t{-1});
   STRATA_CHECK(c.pad_token_id >= -1, kBadArgument,
@@ -783,6 +838,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   double partial = 0.5;  // Glm4MoeConfig's default partial_rotary_factor
   if (gemma) {
     read_gemma(r, c);
+  } else if (oss) {
+    read_gpt_oss(r, c);
   } else {
     c.rope = read_rope(r, c, 10000.0, glm ? &partial : nullptr);
   }
@@ -800,7 +857,7 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   } else if (qwen2_moe) {
     // Qwen2MoeConfig's qkv_bias switches the q/k/v biases (o_proj never has one).
     c.attention_qkv_bias = r.boolean("qkv_bias", true);
-  } else if (!deepseek && !glm && !gemma) {  // read_deepseek, read_glm4_moe, read_gemma read theirs
+  } else if (!deepseek && !glm && !gemma && !oss) {  // read_deepseek, read_glm4_moe, read_gemma, read_gpt_oss read theirs
     c.attention_qkv_bias = qwen2;
   }
   c.qk_norm = c.qk_norm || qwen3 || qwen3_moe;  // glm4_moe: use_qk_norm (read_glm4_moe); gemma3: read_gemma
@@ -818,8 +875,8 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
                    source, c.sliding_window);
     }
     r.accept("sliding_window");
-  } else if (deepseek || glm || gemma) {
-    // read_deepseek, read_glm4_moe, read_gemma
+  } else if (deepseek || glm || gemma || oss) {
+    // read_deepseek, read_glm4_moe, read_gemma, read_gpt_oss
   } else if (qwen3_moe) {
     r.require("use_sliding_window", json(false),
               "strata does not apply qwen3_moe's sliding window (every layer attends fully)");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <string>
 
 #include "core/error.h"
 #include "runtime/config/json_text.h"
@@ -109,7 +110,8 @@ void DecoderConfig::validate() const {
              qwen2 = model_type == "qwen2", qwen3 = model_type == "qwen3",
              mixtral = model_type == "mixtral", qwen3_moe = model_type == "qwen3_moe",
              qwen2_moe = model_type == "qwen2_moe", gemma3 = model_type == "gemma3_text",
-             deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2", glm = model_type == "glm4_moe";
+             deepseek = model_type == "deepseek_v3" || model_type == "kimi_k2", glm = model_type == "glm4_moe",
+             oss = gpt_oss();
   STRATA_CHECK((attention == AttentionKind::kMla) == deepseek, kBadArgument,
                "model_type {} {} multi-head latent attention", model_type, deepseek ? "has" : "has no");
   STRATA_CHECK(sigmoid_router == (deepseek || glm) && (first_k_dense_replace == 0 || deepseek || glm), kBadArgument,
@@ -156,11 +158,13 @@ void DecoderConfig::validate() const {
                  "equal num_attention_heads ({})",
                  num_key_value_heads, num_attention_heads);
   }
-  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm || gemma(),
+  STRATA_CHECK(llama || mistral || qwen2 || qwen3 || mixtral || qwen3_moe || qwen2_moe || deepseek || glm || gemma() ||
+                   oss,
                kBadArgument,
                        "model_type \"{}\" is not supported; supported: {}",
                        printable_excerpt(model_type, 80), supported_model_types());
-  STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek || gemma()) || attention_qkv_bias == attention_o_bias, kBadArgument,
+  STRATA_CHECK(!(llama || qwen3 || qwen3_moe || deepseek || gemma() || oss) || attention_qkv_bias == attention_o_bias,
+               kBadArgument,
                        "model_type {}: attention_bias gives q/k/v and o_proj biases together",
                        model_type);
   STRATA_CHECK(!(mistral || mixtral) || (!attention_qkv_bias && !attention_o_bias), kBadArgument,
@@ -189,9 +193,23 @@ void DecoderConfig::validate() const {
                query_pre_attn_scalar, attn_logit_softcapping, final_logit_softcapping);
   STRATA_CHECK(!sliding_rope.has_value() || sliding_rope->theta > 0, kBadArgument,
                "the sliding layers' rope_theta must be positive, got {}", sliding_rope ? sliding_rope->theta : 0.0);
-  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek || glm), kBadArgument,
+  STRATA_CHECK(moe() == (mixtral || qwen3_moe || qwen2_moe || deepseek || glm || oss), kBadArgument,
                "model_type {} {} a mixture of experts (num_experts {})", model_type,
-               mixtral || qwen3_moe || qwen2_moe || deepseek || glm ? "is" : "is not", num_experts);
+               mixtral || qwen3_moe || qwen2_moe || deepseek || glm || oss ? "is" : "is not", num_experts);
+  // gpt-oss's pieces come together, and only with gpt-oss.
+  const bool oss_pieces = attention_sinks && router_bias && stacked_experts &&
+                          expert_act == ops::GluActivation::kClampedSwiglu && norm_topk_prob;
+  const bool no_oss_pieces = !attention_sinks && !router_bias && !stacked_experts &&
+                             expert_act == ops::GluActivation::kSilu;
+  STRATA_CHECK(oss ? oss_pieces : no_oss_pieces, kBadArgument,
+               "model_type {} {} attention sinks, a router bias and stacked experts with the clamped SwiGLU "
+               "(softmax over the top k)",
+               model_type, oss ? "needs" : "has no");
+  if (oss) {
+    STRATA_CHECK(std::isfinite(glu_clamp.alpha) && std::isfinite(glu_clamp.limit) && glu_clamp.limit > 0,
+                 kBadArgument, "keys 'swiglu_alpha' ({}) and 'swiglu_limit' ({}) must be finite, the limit positive",
+                 glu_clamp.alpha, glu_clamp.limit);
+  }
   STRATA_CHECK((shared_expert() == qwen2_moe || deepseek || glm) && shared_expert_intermediate_size >= 0, kBadArgument,
                "model_type {} {} a shared expert (shared_expert_intermediate_size {})", model_type,
                qwen2_moe ? "has" : "has no", shared_expert_intermediate_size);
@@ -208,7 +226,7 @@ void DecoderConfig::validate() const {
   STRATA_CHECK(sliding_window == 0 || !(llama || qwen3_moe), kBadArgument,
                "model_type {} has no sliding window here", model_type);
   STRATA_CHECK(
-      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe || gemma(), kBadArgument,
+      sliding_layers.empty() || qwen2 || qwen3 || qwen2_moe || gemma() || oss, kBadArgument,
       "model_type {} applies a sliding window to every layer or none (no layer_types)", model_type);
   // parameter_count() and the model's shapes multiply these in int64; every
   // such product is at most the parameter count (or the RoPE table), so
@@ -277,6 +295,8 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       linear("self_attn.kv_b_proj", c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), false);
       linear("self_attn.o_proj", heads * c.v_head_dim, h, c.attention_o_bias);
     } else {
+      // gpt-oss's sinks: GqaAttention's own parameter, so before its projections.
+      if (c.attention_sinks) add(p + "self_attn.sinks", {c.num_attention_heads});
       linear("self_attn.q_proj", h, q, c.attention_qkv_bias);
       linear("self_attn.k_proj", h, kv, c.attention_qkv_bias);
       linear("self_attn.v_proj", h, kv, c.attention_qkv_bias);
@@ -302,7 +322,17 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       const MoeNames n = moe_names(c);
       // The sigmoid router's correction bias (a buffer: fp32, never trained; MoeMlp's own, so first).
       if (c.sigmoid_router) add(p + n.block + ".gate.e_score_correction_bias", {c.num_experts});
-      add(p + n.block + ".gate.weight", {c.num_experts, h});
+      linear(fmt::format("{}.{}", n.block, n.router), h, c.num_experts, c.router_bias);
+      if (c.stacked_experts) {
+        // gpt-oss: every expert's projections stacked, x W ([E, in, out]), with biases.
+        const int64_t i = c.moe_intermediate_size, e = c.num_experts;
+        const std::string x = p + n.block + ".experts.";
+        add(x + "gate_up_proj", {e, h, 2 * i});
+        add(x + "gate_up_proj_bias", {e, 2 * i});
+        add(x + "down_proj", {e, i, h});
+        add(x + "down_proj_bias", {e, h});
+        continue;
+      }
       for (int64_t e = 0; e < c.num_experts; ++e) {
         const std::string x = fmt::format("{}{}.experts.{}.", p, n.block, e);
         add(x + n.gate + ".weight", {c.moe_intermediate_size, h});
@@ -331,6 +361,7 @@ std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
 
 MoeNames moe_names(const DecoderConfig& c) {
   if (c.model_type == "mixtral") return {"block_sparse_moe", "w1", "w3", "w2"};
+  if (c.stacked_experts) return {"mlp", "gate_up_proj", "gate_up_proj", "down_proj", "shared_expert", "router"};
   if (c.sigmoid_router) return {"mlp", "gate_proj", "up_proj", "down_proj", "shared_experts"};
   return {"mlp", "gate_proj", "up_proj", "down_proj"};
 }
@@ -371,6 +402,7 @@ const char* architecture_of(const std::string& model_type) {
   if (model_type == "glm4_moe") return "Glm4MoeForCausalLM";
   if (model_type == "gemma2") return "Gemma2ForCausalLM";
   if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
+  if (model_type == "gpt_oss") return "GptOssForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -456,6 +488,23 @@ nlohmann::json DecoderConfig::to_json() const {
     j["rope_scaling"] =
         rope.type == ops::RopeType::kDefault ? nlohmann::json(nullptr) : rope_json(rope, false);
   }
+  if (gemma() || gpt_oss()) {
+    j["sliding_window"] = sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
+    nlohmann::json types = nlohmann::json::array();
+    for (int64_t l = 0; l < num_hidden_layers; ++l) {
+      types.push_back(!sliding_layers.empty() && sliding_layers[static_cast<size_t>(l)] ? "sliding_attention"
+                                                                                         : "full_attention");
+    }
+    j["layer_types"] = types;  // wins over sliding_window_pattern in transformers
+  }
+  if (gpt_oss()) {
+    j["attention_bias"] = attention_qkv_bias;
+    // The shortest decimal that reads back as the kernels' float (0.8, not 0.800000011920929).
+    const auto decimal = [](float v) { return std::stod(fmt::format("{}", v)); };
+    j["swiglu_limit"] = decimal(glu_clamp.limit);
+    // GptOssConfig's own key since transformers 5 (older releases fix alpha at 1.702).
+    if (j.contains("swiglu_alpha") || glu_clamp.alpha != 1.702f) j["swiglu_alpha"] = decimal(glu_clamp.alpha);
+  }
   if (gemma()) {
     j["attention_bias"] = attention_qkv_bias;
     // An int in transformers' Gemma configs (a float there is refused by its strict config class).
@@ -467,13 +516,6 @@ nlohmann::json DecoderConfig::to_json() const {
     }
     j["final_logit_softcapping"] =
         final_logit_softcapping > 0 ? nlohmann::json(final_logit_softcapping) : nlohmann::json(nullptr);
-    j["sliding_window"] = sliding_window > 0 ? nlohmann::json(sliding_window) : nlohmann::json(nullptr);
-    nlohmann::json types = nlohmann::json::array();
-    for (int64_t l = 0; l < num_hidden_layers; ++l) {
-      types.push_back(!sliding_layers.empty() && sliding_layers[static_cast<size_t>(l)] ? "sliding_attention"
-                                                                                         : "full_attention");
-    }
-    j["layer_types"] = types;  // wins over sliding_window_pattern in transformers
   }
   if (model_type == "llama") {
     j["attention_bias"] = attention_qkv_bias;
@@ -554,7 +596,8 @@ const char* supported_model_types() {
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
          "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2), glm4_moe (GLM-4.5, "
-         "GLM-4.5-Air), gemma2 (Gemma 2) and gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3)";
+         "GLM-4.5-Air), gemma2 (Gemma 2), gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3) and "
+         "gpt_oss (gpt-oss-20b, gpt-oss-120b in bf16 or fp32; not their MXFP4 checkpoints)";
 }
 
 DecoderConfig load_decoder_config(const std::string& path) {

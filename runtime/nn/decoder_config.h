@@ -14,6 +14,7 @@
 //   qwen2_moe   qkv_bias: q, k, v     -         default, linear, llama3   use_sliding_window + layer_types
 //   gemma2      attention_bias (all)  -         default, linear, llama3   layer_types (default: even layers)
 //   gemma3_text attention_bias (all)  per head  two: full and sliding     layer_types or sliding_window_pattern
+//   gpt_oss     attention_bias (all)  -         yarn by default           layer_types (default: even layers)
 //
 // Gemma 2 and 3 (gemma2, gemma3_text: transformers' Gemma2ForCausalLM and
 // Gemma3ForCausalLM) change more than the variants above: GeGLU with gelu's
@@ -29,6 +30,20 @@
 // sliding layers their own RoPE (rope_parameters.sliding_attention, or the
 // older rope_local_base_freq), and transformers' Gemma3 ignores
 // attn_logit_softcapping. Both default to tied embeddings and pad_token_id 0.
+//
+// gpt-oss (gpt_oss: transformers' GptOssForCausalLM) is a mixture of experts
+// with pieces of its own, each an optional field below: attention sinks (one
+// learned logit per query head in each softmax row's denominator,
+// "self_attn.sinks"), a router with a bias ("mlp.router.weight" and ".bias";
+// the softmax over the top-k logits, which is the softmax renormalised over
+// the top k: norm_topk_prob), experts with biases and the clamped SwiGLU
+// (swiglu_alpha, swiglu_limit), stored stacked as transformers' GptOssExperts
+// holds them ("mlp.experts.gate_up_proj" [E, hidden, 2 I], gate and up
+// interleaved along its last dimension, "mlp.experts.gate_up_proj_bias" [E,
+// 2 I], "mlp.experts.down_proj" [E, I, hidden], "mlp.experts.down_proj_bias"
+// [E, hidden]; x W rather than x W^T). Its RoPE defaults to YaRN (factor 32
+// over 4096 positions, truncate false, theta 150000) and its layers to
+// sliding (window 128) and full attention in turn.
 //
 // mixtral, qwen3_moe and qwen2_moe are mixtures of experts: every layer's MLP
 // is num_experts SwiGLU experts (moe_intermediate_size wide) behind a router
@@ -95,7 +110,7 @@ enum class AttentionKind { kGqa, kMla };
 
 struct DecoderConfig {
   // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
-  // "deepseek_v3", "kimi_k2", "glm4_moe", "gemma2" or "gemma3_text".
+  // "deepseek_v3", "kimi_k2", "glm4_moe", "gemma2", "gemma3_text" or "gpt_oss".
   std::string model_type = "llama";
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -171,6 +186,14 @@ struct DecoderConfig {
   // The RoPE of the sliding-window layers when it is not `rope` (Gemma 3's
   // local layers); nullopt: every layer rotates by `rope`.
   std::optional<ops::Rope> sliding_rope;
+  // gpt-oss's pieces (see above); the defaults are every other family's.
+  bool attention_sinks = false;   // "self_attn.sinks" [num_attention_heads]
+  bool router_bias = false;       // the router's bias [E]
+  // The experts as strided views of stacked [E, in, out] tensors with biases,
+  // gate and up interleaved (MoeMlp); false: a tensor per expert and projection.
+  bool stacked_experts = false;
+  ops::GluActivation expert_act = ops::GluActivation::kSilu;  // kClampedSwiglu: gpt-oss's
+  ops::GluClamp glu_clamp;        // swiglu_alpha and swiglu_limit (kClampedSwiglu only)
   bool moe() const { return num_experts > 0; }
   bool shared_expert() const { return shared_expert_intermediate_size > 0; }
   // Whether layer `layer`'s MLP is the mixture of experts (else dense).
@@ -195,6 +218,7 @@ struct DecoderConfig {
   // The RoPE of layer `layer` (sliding_rope on a sliding layer that has one).
   const ops::Rope& rope_of(int64_t layer) const;
   bool gemma() const { return model_type == "gemma2" || model_type == "gemma3_text"; }
+  bool gpt_oss() const { return model_type == "gpt_oss"; }
   // Parameters of the whole model (embedding, layers with their biases and
   // norms, final norm, lm_head unless tied): the sum over hf_tensors().
   int64_t parameter_count() const;
@@ -250,6 +274,7 @@ struct MoeNames {
   const char* up;
   const char* down;
   const char* shared = "shared_expert";  // DeepSeek: "shared_experts"
+  const char* router = "gate";           // gpt-oss: "router"
 };
 MoeNames moe_names(const DecoderConfig& config);
 

@@ -962,8 +962,9 @@ void initialize_parameters(engine::Engine& engine, const std::vector<ParamId>& p
     // tiled model initialises exactly like an untiled one.
     const std::string& key_name = p.slice ? p.slice->tensor : p.name;
     // (The sigmoid router's correction bias starts at 0 as in transformers' _init_weights.)
-    const bool is_bias = key_name.ends_with(".bias") || key_name.ends_with(".e_score_correction_bias");
-    const bool is_norm = p.shape.size() == 1 && !is_bias;
+    // (gpt-oss's stacked experts' biases end in "_bias"; its sinks start normal, as transformers' _init_weights.)
+    const bool is_bias = key_name.ends_with(".bias") || key_name.ends_with("_bias");
+    const bool is_norm = p.shape.size() == 1 && !is_bias && !key_name.ends_with(".sinks");
     const bool lora_a = key_name.ends_with(".lora_A.weight"), lora_b = key_name.ends_with(".lora_B.weight");
     const double lora_bound = lora_a ? 1.0 / std::sqrt(static_cast<double>(p.shape.back())) : 0.0;
     const uint64_t key = splitmix64(seed) ^ fnv1a(key_name);

@@ -28,6 +28,7 @@ AttentionArena GqaAttention::arena(const DecoderConfig& whole, int tensor_parall
     a.saved.push_back({kRstdQ, f32, {rows * heads}});
     a.saved.push_back({kRstdK, f32, {rows * kv_heads}});
   }
+  if (c.attention_sinks) a.saved.push_back({kSinks, f32, {heads}});
   a.scratch = {{kDq, t, {rows, heads, hd}},
                {kDk, t, {rows, kv_heads, hd}},
                {kDv, t, {rows, kv_heads, hd}},
@@ -55,6 +56,12 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
   const DecoderConfig share = tensor_parallel_share(c, tp);  // refuses what does not split
   const bool qkv_bias = c.attention_qkv_bias;
+  if (c.attention_sinks) {
+    // Declared first: this module's own parameter precedes its children's (Module::parameters).
+    STRATA_CHECK(tp == 1, kBadArgument, "{}: attention sinks are not implemented with tensor parallelism yet", name_);
+    sinks_ = add_parameter("sinks", dtype, {heads_});
+    sinks_op_ = add_operator({sinks_}, "sinks");
+  }
   const TensorSplit column = TensorSplit::kColumn, row = TensorSplit::kRow;
   // Fewer kv heads than ranks: this rank's query heads use kv head
   // rank / (tp / KV), which it shares with the other ranks whose heads do.
@@ -80,6 +87,15 @@ GqaAttention::GqaAttention(engine::Engine& engine, std::string name, const Decod
   }
   heads_ = share.num_attention_heads;
   kv_heads_ = share.num_key_value_heads;
+}
+
+ops::AttentionMask GqaAttention::sink_mask(const ops::AttentionMask& mask, const AttentionActs& a) {
+  const TensorView& sinks = a.saved[kSinks];
+  check_shape(name_, "sinks", sinks, {heads_});
+  ops().cast(ctx(), param(sinks_), sinks);
+  ops::AttentionMask m = mask;
+  m.sinks = sinks.as<const float>();
+  return m;
 }
 
 TensorView GqaAttention::per_head(const TensorView& t) {
@@ -113,13 +129,15 @@ void GqaAttention::forward(const TensorView& x, const TokenPlaces& places, int64
   v_proj_->forward(as_matrix(x), as_matrix(v), phase, lora);
   ops().rope_forward(ctx(), q, places.positions, rope_);
   ops().rope_forward(ctx(), k, places.positions, rope_);
+  ops::AttentionMask mask = places.mask(mask_, seq);
+  if (sinks_ >= 0) run(sinks_op_, phase, [&] { mask = sink_mask(mask, a); });
   if (places.context != nullptr) {  // this rank's two chunks of each sequence, with the cp group
-    places.context->forward(q, k, v, attn, a.saved[kLse], batch, places.mask(mask_, seq));
+    places.context->forward(q, k, v, attn, a.saved[kLse], batch, mask);
   } else {
     ops().attention_forward(ctx(), reshaped(q, {batch, seq, heads_, head_dim_}),
                             reshaped(k, {batch, seq, kv_heads_, head_dim_}),
                             reshaped(v, {batch, seq, kv_heads_, head_dim_}),
-                            reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], places.mask(mask_, seq));
+                            reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], mask);
   }
   o_proj_->forward(as_matrix(attn), as_matrix(y), phase, lora);  // with tp, this rank's heads' share
 }
@@ -137,9 +155,11 @@ void GqaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
   const TensorView &dq = g.scratch[kDq], &dk = g.scratch[kDk], &dv = g.scratch[kDv], &dattn = g.scratch[kDattn];
   const LoraScratch& lora = lora_scratch(a.lora);
   o_proj_->backward(as_matrix(dy), as_matrix(attn), as_matrix(dattn), false, lora);
-  if (places.context != nullptr) {
-    places.context->backward(dattn, q, k, v, attn, a.saved[kLse], dq, dk, dv, batch, places.mask(mask_, seq));
-  } else {
+  const auto attention = [&](const ops::AttentionMask& mask) {
+    if (places.context != nullptr) {  // sinks with cp's key blocks: refused by the ops
+      places.context->backward(dattn, q, k, v, attn, a.saved[kLse], dq, dk, dv, batch, mask);
+      return;
+    }
     ops().attention_backward(ctx(), reshaped(dattn, {batch, seq, heads_, head_dim_}),
                              reshaped(q, {batch, seq, heads_, head_dim_}),
                              reshaped(k, {batch, seq, kv_heads_, head_dim_}),
@@ -147,7 +167,22 @@ void GqaAttention::backward(const TensorView& dy, const TensorView& x, const Tok
                              reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse],
                              reshaped(dq, {batch, seq, heads_, head_dim_}),
                              reshaped(dk, {batch, seq, kv_heads_, head_dim_}),
-                             reshaped(dv, {batch, seq, kv_heads_, head_dim_}), places.mask(mask_, seq));
+                             reshaped(dv, {batch, seq, kv_heads_, head_dim_}), mask);
+  };
+  if (sinks_ >= 0) {
+    // The sinks again as the kernels read them (with activation checkpointing
+    // the layers share the saved slots), and their gradient unless frozen.
+    run(sinks_op_, Phase::kBackward, [&] {
+      const ops::AttentionMask mask = sink_mask(places.mask(mask_, seq), a);
+      attention(mask);
+      const TensorView dsinks = grad(sinks_);
+      if (dsinks.data != nullptr) {
+        ops().attention_sinks_backward(ctx(), reshaped(dattn, {batch, seq, heads_, head_dim_}),
+                                       reshaped(attn, {batch, seq, heads_, head_dim_}), a.saved[kLse], mask, dsinks);
+      }
+    });
+  } else {
+    attention(places.mask(mask_, seq));
   }
   ops().rope_backward(ctx(), dq, places.positions, rope_);
   ops().rope_backward(ctx(), dk, places.positions, rope_);

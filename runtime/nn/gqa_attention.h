@@ -2,7 +2,8 @@
 // family but DeepSeek's: q/k/v/o projections with the family's biases,
 // Qwen3's per-head q/k RMSNorm, the rotary embedding with the config's
 // frequencies on the whole head, causal GQA attention with the layer's
-// sliding window. With tensor parallelism each rank holds heads / tp query
+// sliding window, and gpt-oss's attention sinks ("<name>.sinks" [heads], read
+// in a window of their own). With tensor parallelism each rank holds heads / tp query
 // heads and their kv heads (column-parallel q, k, v; row-parallel o), or
 // shares one kv head with the ranks whose query heads use it.
 // Ownership, thread-safety, errors: see module.h.
@@ -21,8 +22,10 @@ class GqaAttention final : public SelfAttention {
   // q/k norms), attn [rows, heads * head_dim] the attention output (o_proj's
   // input), lse fp32 [batch, heads, seq]; with q/k norms (qwen3) also q_pre,
   // k_pre (the projections before the norms, shaped as q, k) and rstd_q fp32
-  // [rows * heads], rstd_k fp32 [rows * kv_heads], absent otherwise.
-  enum Saved : size_t { kQ, kK, kV, kAttn, kLse, kQPre, kKPre, kRstdQ, kRstdK, kSavedSlots };
+  // [rows * heads], rstd_k fp32 [rows * kv_heads], absent otherwise; with
+  // attention sinks (gpt-oss) sinks fp32 [heads], the sinks as the kernels
+  // read them (cast from the parameter in its window, forward and backward).
+  enum Saved : size_t { kQ, kK, kV, kAttn, kLse, kQPre, kKPre, kRstdQ, kRstdK, kSinks, kSavedSlots };
   // Its backward scratch (AttentionGrads::scratch): dq, dk, dv, dattn shaped
   // as q, k, v, attn (with q/k norms dattn also holds the gradients before
   // the norms once o_proj's backward has used it); with q/k norms and tensor
@@ -53,7 +56,12 @@ class GqaAttention final : public SelfAttention {
   void kv_backward(Linear& proj, const TensorView& dy, const TensorView& x, const AttentionGrads& g,
                    const TensorView& dx, const AttentionActs& a);
 
+  // The mask with the sinks (cast into the saved slot) when the layer has them.
+  ops::AttentionMask sink_mask(const ops::AttentionMask& mask, const AttentionActs& a);
+
   int64_t hidden_, heads_, kv_heads_, head_dim_;
+  ParamId sinks_ = -1;  // gpt-oss's attention sinks; -1: none
+  OpId sinks_op_ = -1;
   ops::Rope rope_;
   ops::AttentionMask mask_;
   std::unique_ptr<Linear> q_proj_, k_proj_, v_proj_, o_proj_;

@@ -15,12 +15,18 @@ void LinearBase::check_rows(const MatView& a, int64_t a_cols, const MatView& b,
 }
 
 Linear::Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
-               DType dtype, const LoraSpec* lora, TensorSplit split, TpBlock block)
+               DType dtype, const LoraSpec* lora, TensorSplit split, TpBlock block, const LinearSlices* slices)
     : LinearBase(engine, std::move(name), in, out), block_(block) {
   STRATA_CHECK(in > 0 && out > 0, kBadArgument, "{}: bad Linear shape in={} out={}", name_, in,
                out);
   const int tp = engine.tensor_group().size;
-  if (split == TensorSplit::kNone || tp == 1) {
+  if (slices != nullptr) {
+    STRATA_CHECK(split == TensorSplit::kNone && (lora == nullptr || !lora->targets_module(name_)), kBadArgument,
+                 "{}: a projection stored as a view of a larger tensor takes no tensor-parallel split or adapter",
+                 name_);
+    weight_ = add_parameter("weight", dtype, {out, in}, slices->weight);
+    if (bias) bias_ = add_parameter("bias", dtype, {out}, slices->bias);
+  } else if (split == TensorSplit::kNone || tp == 1) {
     weight_ = add_parameter("weight", dtype, {out, in});
     if (bias) bias_ = add_parameter("bias", dtype, {out});
   } else if (split == TensorSplit::kColumn) {
@@ -182,14 +188,14 @@ TiledLinear::TiledLinear(engine::Engine& engine, std::string name, int64_t in, i
     if (bias) {
       b = add_parameter("bias.tile_" + std::to_string(o), dtype,
                         {out_parts_[o + 1] - out_parts_[o]},
-                        engine::ParameterSlice{child_name("bias"), {out}, {out_parts_[o]}});
+                        engine::ParameterSlice{child_name("bias"), {out}, {out_parts_[o]}, {}, 0});
     }
     for (int64_t i = 0; i < in_splits; ++i) {
       const std::string suffix = "tile_" + std::to_string(o) + "_" + std::to_string(i);
       const ParamId w = add_parameter(
           "weight." + suffix, dtype,
           {out_parts_[o + 1] - out_parts_[o], in_parts_[i + 1] - in_parts_[i]},
-          engine::ParameterSlice{child_name("weight"), {out, in}, {out_parts_[o], in_parts_[i]}});
+          engine::ParameterSlice{child_name("weight"), {out, in}, {out_parts_[o], in_parts_[i]}, {}, 0});
       // The bias of an out part is added once, with its first input tile.
       const ParamId tile_bias = i == 0 ? b : -1;
       const OpId op = tile_bias >= 0 ? add_operator({w, tile_bias}, suffix) : add_operator({w}, suffix);

@@ -55,6 +55,13 @@ struct TpBlock {
   int copies = 1;
 };
 
+// A Linear's weight and bias as views of larger checkpoint tensors rather
+// than tensors of their own (gpt-oss's stacked experts: strided
+// engine::ParameterSlice views, each expert's block transposed).
+struct LinearSlices {
+  engine::ParameterSlice weight, bias;
+};
+
 class Linear : public LinearBase {
  public:
   // When `lora` targets this projection (LoraSpec::targets_module(name)), it
@@ -64,9 +71,11 @@ class Linear : public LinearBase {
   // caller's business (DecoderModel freezes it).
   // `in` and `out` are the whole tensor's; with a split the caller checks
   // that the tp size divides the split one. Adapters do not combine with a split.
+  // `slices`: where the weight and bias lie in the checkpoint (null: tensors
+  // "<name>.weight" and "<name>.bias" of their own); no split or adapter with them.
   Linear(engine::Engine& engine, std::string name, int64_t in, int64_t out, bool bias,
          DType dtype = DType::kF32, const LoraSpec* lora = nullptr, TensorSplit split = TensorSplit::kNone,
-         TpBlock block = {});
+         TpBlock block = {}, const LinearSlices* slices = nullptr);
   void forward(const MatView& x, const MatView& y, Phase phase = Phase::kForward,
                const LoraScratch& lora = {}) override;
   void backward(const MatView& dy, const MatView& x, const MatView& dx, bool accumulate_dx,

@@ -38,7 +38,7 @@ ParamId Module::add_tp_shard(const std::string& local, DType dtype, const Shape&
   std::vector<int64_t> offset(full.size(), 0);
   offset[dim] = shape[dim] * block;
   engine::ParamInfo info{child_name(local), dtype, shape,
-                         engine::ParameterSlice{child_name(local), full, std::move(offset)}};
+                         engine::ParameterSlice{child_name(local), full, std::move(offset), {}, 0}};
   info.tp_split = true;
   info.tp_copies = copies;
   const ParamId id = engine_.declare_parameter(std::move(info));

@@ -11,6 +11,28 @@
 
 namespace strata::nn {
 
+namespace {
+
+// Expert e's projection to `out` features as views of the stacked tensor
+// `tensor` [E, in, width] (x W) and its bias "<tensor>_bias" [E, width]:
+// columns first, first + step, ... of block e (out of them), transposed into
+// the Linear's [out, in] -- element (o, i) is block e's (i, first + o step).
+LinearSlices stacked_slices(const std::string& tensor, int64_t experts, int64_t e, int64_t in, int64_t width,
+                            int64_t first, int64_t step) {
+  LinearSlices s;
+  s.weight.tensor = tensor;
+  s.weight.tensor_shape = {experts, in, width};
+  s.weight.strides = {step, width};
+  s.weight.base = e * in * width + first;
+  s.bias.tensor = tensor + "_bias";
+  s.bias.tensor_shape = {experts, width};
+  s.bias.strides = {step};
+  s.bias.base = e * width + first;
+  return s;
+}
+
+}  // namespace
+
 MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c, DType dtype, bool skip_unrouted)
     : Module(engine, std::move(name)),
       hidden_(c.hidden_size),
@@ -19,6 +41,8 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c,
       top_k_(c.num_experts_per_tok),
       renormalize_(c.norm_topk_prob),
       rule_(c.router()),
+      act_(c.expert_act),
+      clamp_(c.glu_clamp),
       skip_unrouted_(skip_unrouted) {
   STRATA_CHECK(c.moe(), kBadArgument, "{}: model_type {} has no experts", name_, c.model_type);
   const MoeNames n = moe_names(c);
@@ -30,18 +54,35 @@ MoeMlp::MoeMlp(engine::Engine& engine, std::string name, const DecoderConfig& c,
     engine.freeze(correction_bias_);
     route_op_ = add_operator({correction_bias_}, "route");
   }
-  router_ = std::make_unique<Linear>(engine, child_name("gate"), hidden_, experts_, false,
+  router_ = std::make_unique<Linear>(engine, child_name(n.router), hidden_, experts_, c.router_bias,
                                      c.sigmoid_router ? DType::kF32 : dtype);
   add_child(*router_);
   for (int64_t e = 0; e < experts_; ++e) {
     const std::string p = child_name(fmt::format("experts.{}.", e));
     Expert x;
-    x.gate = std::make_unique<Linear>(engine, p + n.gate, hidden_, inter_, false, dtype);
-    x.up = std::make_unique<Linear>(engine, p + n.up, hidden_, inter_, false, dtype);
-    x.down = std::make_unique<Linear>(engine, p + n.down, inter_, hidden_, false, dtype);
+    if (c.stacked_experts) {
+      // gpt-oss: gate and up are the even and odd columns of gate_up_proj[e]
+      // ([hidden, 2 I], x W), down is down_proj[e] ([I, hidden]), each
+      // transposed into a Linear's [out, in], with the bias entries alike.
+      const std::string stack = child_name("experts.");
+      const LinearSlices gate = stacked_slices(stack + n.gate, experts_, e, hidden_, 2 * inter_, 0, 2);
+      const LinearSlices up = stacked_slices(stack + n.up, experts_, e, hidden_, 2 * inter_, 1, 2);
+      const LinearSlices down = stacked_slices(stack + n.down, experts_, e, inter_, hidden_, 0, 1);
+      x.gate = std::make_unique<Linear>(engine, p + "gate", hidden_, inter_, true, dtype, nullptr, TensorSplit::kNone,
+                                        TpBlock{}, &gate);
+      x.up = std::make_unique<Linear>(engine, p + "up", hidden_, inter_, true, dtype, nullptr, TensorSplit::kNone,
+                                      TpBlock{}, &up);
+      x.down = std::make_unique<Linear>(engine, p + "down", inter_, hidden_, true, dtype, nullptr,
+                                        TensorSplit::kNone, TpBlock{}, &down);
+    } else {
+      x.gate = std::make_unique<Linear>(engine, p + n.gate, hidden_, inter_, false, dtype);
+      x.up = std::make_unique<Linear>(engine, p + n.up, hidden_, inter_, false, dtype);
+      x.down = std::make_unique<Linear>(engine, p + n.down, inter_, hidden_, false, dtype);
+    }
     for (Linear* l : {x.gate.get(), x.up.get(), x.down.get()}) {
       add_child(*l);
       engine.mark_expert(l->weight(), static_cast<int>(e), static_cast<int>(experts_));
+      if (l->bias() >= 0) engine.mark_expert(l->bias(), static_cast<int>(e), static_cast<int>(experts_));
     }
     experts_list_.push_back(std::move(x));
   }
@@ -155,7 +196,8 @@ void MoeMlp::experts_forward(const TensorView& in, const MoeActs& a, const Tenso
   }
   const int64_t rows = offsets[held];
   if (rows > 0) {
-    ops().swiglu_forward(ctx(), first_rows(a.gate, rows), first_rows(a.up, rows), first_rows(a.act, rows));
+    ops().swiglu_forward(ctx(), first_rows(a.gate, rows), first_rows(a.up, rows), first_rows(a.act, rows), act_,
+                         clamp_);
   }
   for (size_t j = 0; j < held; ++j) {
     Linear& down = *experts_list_[first + j].down;
@@ -317,7 +359,7 @@ void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, cons
   const int64_t n = offsets[held];
   if (n > 0) {
     ops().swiglu_backward(ctx(), first_rows(g.dact, n), first_rows(a.gate, n), first_rows(a.up, n),
-                          first_rows(g.dgate, n), first_rows(g.dup, n));
+                          first_rows(g.dgate, n), first_rows(g.dup, n), act_, clamp_);
   }
   for (size_t j = held; j-- > 0;) {
     const Expert& x_e = experts_list_[first + j];

@@ -7,6 +7,16 @@
 // each expert a SwiGLU MLP, and the weighted sum of the k experts' outputs.
 // No capacity limit: no token is dropped.
 //
+// gpt-oss (DecoderConfig::stacked_experts; transformers' GptOssMLP): the
+// router ("<name>.router") has a bias, the softmax over the top-k logits is
+// the renormalised top-k softmax, and each expert's gate, up and down are
+// Linears with biases whose parameters ("<name>.experts.N.gate.weight", ...)
+// are strided views of the stacked checkpoint tensors (LinearSlices: expert
+// N's block of "<name>.experts.gate_up_proj", gate its even columns and up
+// its odd ones, transposed; "<name>.experts.down_proj" likewise), so the
+// experts run, fetch and skip as every family's do; the activation is the
+// clamped SwiGLU (DecoderConfig::expert_act, glu_clamp).
+//
 // qwen2_moe adds a shared expert: a dense SwiGLU MLP (Mlp,
 // shared_expert_intermediate_size wide) that every token goes through, its
 // output scaled per token by sigmoid of a bias-free linear to one logit
@@ -197,6 +207,8 @@ class MoeMlp : public Module {
   int64_t hidden_, inter_, experts_, top_k_;
   bool renormalize_;
   ops::MoeRouter rule_;  // the config's router (DecoderConfig::router)
+  ops::GluActivation act_;  // the experts' activation (gpt-oss: the clamped SwiGLU)
+  ops::GluClamp clamp_;
   // The sigmoid router's e_score_correction_bias (fp32 [E], frozen: a
   // buffer) and the window the routing reads it in; -1 without.
   ParamId correction_bias_ = -1;

@@ -2,6 +2,7 @@
 // (ParameterSlice) map their elements into their untiled tensor row by row.
 #include "runtime/nn/param_files.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <set>
@@ -28,6 +29,22 @@ void for_each_tensor_run(const ParamInfo& p, int64_t first, int64_t n, const Ten
     return;
   }
   const auto& s = *p.slice;
+  if (!s.strides.empty()) {
+    // A strided view: runs where the last dimension's stride is 1, else one element each.
+    STRATA_CHECK(s.strides.size() == p.shape.size() && (p.shape.size() == 1 || p.shape.size() == 2), kInternal,
+                 "parameter '{}': strided view of '{}' must be 1-D or 2-D with a stride per dimension", p.name,
+                 s.tensor);
+    const int64_t cols = p.shape.back(), col_stride = s.strides.back();
+    const int64_t row_stride = p.shape.size() == 2 ? s.strides[0] : 0;
+    for (int64_t e = first; e < first + n;) {
+      const int64_t r = e / cols, c = e % cols;
+      const int64_t at = s.base + r * row_stride + c * col_stride;
+      const int64_t len = col_stride == 1 ? std::min(cols - c, first + n - e) : 1;
+      fn(at, e, len);
+      e += len;
+    }
+    return;
+  }
   STRATA_CHECK(s.tensor_shape.size() == p.shape.size() && s.offset.size() == p.shape.size() &&
                    (p.shape.size() == 1 || p.shape.size() == 2),
                kInternal, "parameter '{}': slice of '{}' must be 1-D or 2-D with matching rank",

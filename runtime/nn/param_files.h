@@ -36,7 +36,9 @@ void save_parameters(engine::Engine& engine, const std::vector<engine::ParamId>&
 // tensor they belong to (its slice's, else its own): fn(tensor_element,
 // param_element, count) for each contiguous run — the whole range for a
 // parameter that is its tensor, row segments for a 2-D block (a TiledLinear
-// tile, a tensor-parallel shard).
+// tile, a tensor-parallel shard), single elements for a strided view whose
+// last stride is not 1 (gpt-oss's stacked experts, read and written element
+// by element: slow for the published sizes).
 using TensorRunFn = std::function<void(int64_t tensor_element, int64_t param_element, int64_t count)>;
 void for_each_tensor_run(const engine::ParamInfo& p, int64_t first, int64_t n, const TensorRunFn& fn);
 

@@ -98,7 +98,10 @@ std::string unused_hint(const std::string& name, const nn::DecoderConfig& c) {
     return "per-head q/k norms: a Qwen3 checkpoint (model_type qwen3)";
   }
   if (has("mlp.") && ends_with(name, ".bias")) return "MLP biases: a llama with mlp_bias true";
-  if (c.moe() && (has("experts.gate_up_proj") || has("experts.down_proj"))) {
+  if (has("self_attn.sinks") || has("mlp.router.")) {
+    return "attention sinks or a biased router: a gpt-oss checkpoint (model_type gpt_oss)";
+  }
+  if (c.moe() && !c.stacked_experts && (has("experts.gate_up_proj") || has("experts.down_proj"))) {
     return "transformers 5's fused expert tensors, its in-memory layout: save the model with "
            "save_pretrained, which writes one tensor per expert and projection";
   }

@@ -4,6 +4,7 @@
 // an op enqueues and returns without waiting for its work; the optimizer ops
 // (adam_step, grad_sum_sq) give the bits of kernels::adam_step / grad_stats.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "core/accelerator.h"
 #include "core/error.h"
 #include "kernels/dropout_mask.h"
+#include "tests/kernels/glu_reference.h"
 #include "tests/kernels/moe_op_checks.h"
 #include "tests/kernels/optimizer_op_checks.h"
 #include "tests/kernels/vocab_parallel_checks.h"
@@ -367,18 +369,29 @@ TEST_CASE("cpu ops: GQA causal attention, with and without a sliding window, pac
   }
 }
 
-TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap matches the reference", "[ops][cpu][gemma]") {
-  for (DType dt : kDtypes) {
+TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap, and with gpt-oss's sinks (their gradient "
+          "included), matches the reference",
+          "[ops][cpu][gemma][gpt_oss]") {
+  // Sinks large and small against the scores: some rows mostly sink.
+  std::vector<float> sinks = {2.5f, -1.0f, 0.3f, 6.0f};
+  for (const bool with_sinks : {false, true}) {
+   for (DType dt : kDtypes) {
+    // Query blocks of 64 rows: seq 70 crosses one; window 5 leaves rows with few keys.
     for (auto [batch, seq, heads, kv, hd, window] : {std::tuple{2, 13, 4, 2, 8, 0}, {1, 70, 4, 1, 16, 5}}) {
-      INFO(dtype_name(dt) << " seq " << seq << " window " << window);
+      INFO(dtype_name(dt) << " seq " << seq << " window " << window << (with_sinks ? " sinks" : " Gemma"));
       AttentionMask mask{window};
-      mask.scale = 0.6f;
-      mask.softcap = 1.2f;
+      if (with_sinks) {
+        mask.sinks = sinks.data();
+      } else {
+        mask.scale = 0.6f;
+        mask.softcap = 1.2f;
+      }
       Fixture f;
       const double tol = tol_of(dt);
       const size_t nq = static_cast<size_t>(batch * seq * heads * hd), nkv = nq / heads * kv;
-      Vec q = random_vec(nq, 60, 2.0), k = random_vec(nkv, 61, 2.0), v = random_vec(nkv, 62),
-          dout = random_vec(nq, 63);
+      const uint32_t seed = with_sinks ? 70 : 60;
+      Vec q = random_vec(nq, seed, 2.0), k = random_vec(nkv, seed + 1, 2.0), v = random_vec(nkv, seed + 2),
+          dout = random_vec(nq, seed + 3);
       auto qv = f.tensor(q, dt, {batch, seq, heads, hd}), kv_ = f.tensor(k, dt, {batch, seq, kv, hd}),
            vv = f.tensor(v, dt, {batch, seq, kv, hd});
       auto ov = f.zeros(dt, {batch, seq, heads, hd}), lse = f.zeros(DType::kF32, {batch, heads, seq});
@@ -389,18 +402,78 @@ TEST_CASE("cpu ops: attention with Gemma's score scale and soft cap matches the 
       expect_close(f.read(ov), oref, tol, "attention out");
       expect_close(f.read(lse), lref, 1e-4, "attention lse");
       Vec o_used = f.read(ov);
+      auto dout_t = f.tensor(dout, dt, {batch, seq, heads, hd});
       auto dq = f.zeros(dt, {batch, seq, heads, hd}), dk = f.zeros(dt, {batch, seq, kv, hd}),
            dv = f.zeros(dt, {batch, seq, kv, hd});
-      f.ops->attention_backward(*f.ctx, f.tensor(dout, dt, {batch, seq, heads, hd}), qv, kv_, vv, ov, lse, dq, dk,
-                                dv, mask);
+      f.ops->attention_backward(*f.ctx, dout_t, qv, kv_, vv, ov, lse, dq, dk, dv, mask);
       Vec dqr(nq), dkr(nkv), dvr(nkv);
       nn::cpu::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), o_used.data(), lref.data(), s,
                                           dqr.data(), dkr.data(), dvr.data(), mask);
       expect_close(f.read(dq), dqr, 2 * tol, "attention dq");
       expect_close(f.read(dk), dkr, 2 * tol, "attention dk");
       expect_close(f.read(dv), dvr, 2 * tol, "attention dv");
+      if (!with_sinks) continue;
+      // The sinks' gradient adds into what is there.
+      Vec ds0 = {0.5, 0.0, -0.25, 1.0};
+      auto ds = f.tensor(ds0, DType::kF32, {heads});
+      f.ops->attention_sinks_backward(*f.ctx, dout_t, ov, lse, mask, ds);
+      Vec dsr = ds0;
+      nn::cpu::attention_sinks_backward<double>(dout.data(), o_used.data(), lref.data(), s, sinks.data(), dsr.data());
+      expect_close(f.read(ds), dsr, 2 * tol, "attention dsinks");
     }
+   }
   }
+}
+
+TEST_CASE("cpu ops: attention sinks are refused with a key block of its own and without sinks", "[ops][cpu][gpt_oss]") {
+  Fixture f;
+  const int64_t b = 1, s = 4, h = 2, d = 4;
+  std::vector<float> sinks = {0.0f, 1.0f};
+  AttentionMask mask;
+  mask.sinks = sinks.data();
+  mask.q_offset = 4;
+  auto q = f.zeros(DType::kF32, {b, s, h, d}), k = f.zeros(DType::kF32, {b, s, h, d}),
+       v = f.zeros(DType::kF32, {b, s, h, d}), o = f.zeros(DType::kF32, {b, s, h, d}),
+       lse = f.zeros(DType::kF32, {b, h, s}), ds = f.zeros(DType::kF32, {h});
+  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, k, v, o, lse, mask),
+                      Catch::Contains("attention sinks with a key block of its own"));
+  REQUIRE_THROWS_WITH(f.ops->attention_sinks_backward(*f.ctx, o, o, lse, AttentionMask{}, ds),
+                      Catch::Contains("the mask has no sinks"));
+  mask.q_offset = 0;
+  REQUIRE_THROWS_WITH(f.ops->attention_sinks_backward(*f.ctx, o, o, lse, mask, f.zeros(DType::kF32, {h + 1})),
+                      Catch::Contains("dsinks"));
+}
+
+TEST_CASE("cpu ops: gpt-oss's clamped SwiGLU by its definition, the clamps' gradients included", "[ops][cpu][gpt_oss]") {
+  const GluClamp clamp{1.702f, 7.0f};
+  for (DType dt : kDtypes) {
+    INFO(dtype_name(dt));
+    Fixture f;
+    const double tol = tol_of(dt);
+    // Values on both sides of both clamps (|x| up to 10 against the limit 7).
+    const int64_t n = 64;
+    Vec g = random_vec(n, 80, 10.0), u = random_vec(n, 81, 10.0), dy = random_vec(n, 82);
+    auto gv = f.tensor(g, dt, {n}), uv = f.tensor(u, dt, {n}), out = f.zeros(dt, {n});
+    f.ops->swiglu_forward(*f.ctx, gv, uv, out, GluActivation::kClampedSwiglu, clamp);
+    auto dg = f.zeros(dt, {n}), du = f.zeros(dt, {n});
+    f.ops->swiglu_backward(*f.ctx, f.tensor(dy, dt, {n}), gv, uv, dg, du, GluActivation::kClampedSwiglu, clamp);
+    Vec want(n), dgw(n), duw(n);
+    int clamped_gate = 0, clamped_up = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      strata::test::clamped_swiglu_reference(g[i], u[i], dy[i], 1.702, 7.0, &want[i], &dgw[i], &duw[i]);
+      clamped_gate += g[i] > 7.0;
+      clamped_up += std::abs(u[i]) > 7.0;
+    }
+    REQUIRE(clamped_gate > 0);
+    REQUIRE(clamped_up > 0);
+    expect_close(f.read(out), want, tol, "clamped swiglu");
+    expect_close(f.read(dg), dgw, tol, "clamped swiglu dgate");
+    expect_close(f.read(du), duw, tol, "clamped swiglu dup");
+  }
+  Fixture f;
+  auto t = f.zeros(DType::kF32, {4});
+  REQUIRE_THROWS_WITH(f.ops->swiglu_forward(*f.ctx, t, t, t, GluActivation::kClampedSwiglu, GluClamp{1.702f, 0.0f}),
+                      Catch::Contains("positive finite limit"));
 }
 
 TEST_CASE("cpu ops: fused cross-entropy gives the loss, dh and dw of the reference",

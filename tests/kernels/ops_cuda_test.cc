@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "tests/runtime/accelerator_contract.h"
 #include "tests/kernels/cuda_ops_fixture.h"
+#include "tests/kernels/glu_reference.h"
 #include "tests/kernels/moe_op_checks.h"
 #include "tests/kernels/vocab_parallel_checks.h"
 #include "tests/support/tolerances.h"
@@ -479,6 +480,36 @@ TEST_CASE("cuda ops: the sigmoid-gated add of a shared expert and its backward m
           "[ops][cuda][moe]") {
   Fixture f;
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_sigmoid_gated_add(f, act);
+}
+
+TEST_CASE("cuda ops: gpt-oss's clamped SwiGLU by its definition; attention sinks refused by name",
+          "[ops][cuda][gpt_oss]") {
+  Fixture f;
+  const GluClamp clamp{1.702f, 7.0f};
+  for (DType dt : kDtypes) {
+    INFO(dtype_name(dt));
+    const int64_t n = 4999;  // 8-wide accesses and a scalar tail; values on both sides of both clamps
+    Vec g = random_vec(n, 90, 10.0), u = random_vec(n, 91, 10.0), d = random_vec(n, 92);
+    auto d_g = f.tensor(g, dt, {n}), d_u = f.tensor(u, dt, {n}), d_d = f.tensor(d, dt, {n});
+    auto o = f.zeros(dt, {n}), dg = f.zeros(dt, {n}), du = f.zeros(dt, {n});
+    f.ops->swiglu_forward(*f.ctx, d_g, d_u, o, GluActivation::kClampedSwiglu, clamp);
+    f.ops->swiglu_backward(*f.ctx, d_d, d_g, d_u, dg, du, GluActivation::kClampedSwiglu, clamp);
+    Vec want_o(n), want_dg(n), want_du(n);
+    for (int64_t i = 0; i < n; ++i) {
+      strata::test::clamped_swiglu_reference(g[i], u[i], d[i], 1.702, 7.0, &want_o[i], &want_dg[i], &want_du[i]);
+    }
+    expect_close("clamped swiglu out", f.read(o), want_o, kSwiglu.of(dt));
+    expect_close("clamped swiglu dgate", f.read(dg), want_dg, kSwiglu.of(dt));
+    expect_close("clamped swiglu dup", f.read(du), want_du, kSwiglu.of(dt));
+  }
+  // The flash kernels have no sinks yet: refused by name, never ignored.
+  auto q = f.zeros(DType::kF32, {1, 4, 2, 8}), lse = f.zeros(DType::kF32, {1, 2, 4});
+  auto sinks = f.zeros(DType::kF32, {2}), dsinks = f.zeros(DType::kF32, {2});
+  AttentionMask mask;
+  mask.sinks = sinks.as<const float>();
+  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, q, q, q, lse, mask), Catch::Contains("attention sinks"));
+  REQUIRE_THROWS_WITH(f.ops->attention_sinks_backward(*f.ctx, q, q, lse, mask, dsinks),
+                      Catch::Contains("attention sinks"));
 }
 
 TEST_CASE("cuda ops: swiglu add and cast", "[ops][cuda]") {

@@ -667,3 +667,101 @@ TEST_CASE("families: Gemma 2 and Gemma 3 configs, with their defaults and both R
   j["model_type"] = "gemma3";
   expect_refused(j, {"text_config"});
 }
+
+TEST_CASE("families: gpt-oss configs, with GptOssConfig's defaults, and what strata refuses", "[nn][config][families][gpt_oss]") {
+  const DecoderConfig c = parse_decoder_config(fixture_config("gpt_oss_untied_f32"));
+  CHECK(c.gpt_oss());
+  CHECK(c.attention_sinks);
+  CHECK(c.router_bias);
+  CHECK(c.stacked_experts);
+  CHECK(c.norm_topk_prob);
+  CHECK(c.expert_act == ops::GluActivation::kClampedSwiglu);
+  CHECK(c.glu_clamp.limit == 0.8f);
+  CHECK(c.glu_clamp.alpha == 1.3f);
+  CHECK(c.num_experts == 8);
+  CHECK(c.moe_intermediate_size == 12);
+  CHECK(c.sliding_layers == std::vector<bool>{true, false});
+  CHECK(c.attention_mask(0).window == 3);
+  CHECK(c.attention_mask(1).window == 0);
+  CHECK(c.rope.type == ops::RopeType::kYarn);
+  CHECK(c.rope.factor == 4.0);
+  CHECK_FALSE(c.rope.truncate);
+  // hf_tensors: the sinks, the router with its bias, the stacked experts as transformers saves them.
+  std::map<std::string, Shape> shapes;
+  for (const HfTensor& t : hf_tensors(c)) shapes[t.name] = t.shape;
+  CHECK(shapes.at("model.layers.0.self_attn.sinks") == Shape{2});
+  CHECK(shapes.at("model.layers.1.mlp.router.weight") == Shape{8, 16});
+  CHECK(shapes.at("model.layers.1.mlp.router.bias") == Shape{8});
+  CHECK(shapes.at("model.layers.0.mlp.experts.gate_up_proj") == Shape{8, 16, 24});
+  CHECK(shapes.at("model.layers.0.mlp.experts.gate_up_proj_bias") == Shape{8, 24});
+  CHECK(shapes.at("model.layers.0.mlp.experts.down_proj") == Shape{8, 12, 16});
+  CHECK(shapes.at("model.layers.0.mlp.experts.down_proj_bias") == Shape{8, 16});
+  CHECK(shapes.size() == 3 + 2 * 17);  // per layer: 2 norms, the sinks, 4 projections and their biases, router, experts
+  const nn::SafetensorsFile weights =
+      nn::SafetensorsFile::open(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/gpt_oss_untied_f32/model.safetensors");
+  CHECK(weights.names().size() == shapes.size());
+  for (const auto& [name, shape] : shapes) CHECK(weights.entry(name).shape == shape);
+  // The round trip keeps every piece.
+  const json hf = c.to_hf_json(DType::kF32);
+  CHECK(hf.at("architectures") == json::array({"GptOssForCausalLM"}));
+  const DecoderConfig back = parse_decoder_config(hf);
+  CHECK(back.to_hf_json(DType::kF32) == hf);
+  CHECK(back.glu_clamp.alpha == 1.3f);
+  CHECK(back.sliding_layers == c.sliding_layers);
+  CHECK(back.parameter_count() == c.parameter_count());
+
+  // GptOssConfig's defaults: YaRN (factor 32 over 4096, truncate false,
+  // theta 150000), window 128 on the even layers, alpha 1.702, limit 7, biases.
+  json d = fixture_config("gpt_oss_untied_f32");
+  for (const char* k : {"rope_parameters", "layer_types", "sliding_window", "swiglu_alpha", "swiglu_limit",
+                        "attention_bias", "num_local_experts", "num_experts_per_tok"}) {
+    d.erase(k);
+  }
+  d["num_hidden_layers"] = 3;
+  d["num_experts"] = 8;  // GptOssConfig's alias of num_local_experts
+  const DecoderConfig def = parse_decoder_config(d);
+  CHECK(def.rope.type == ops::RopeType::kYarn);
+  CHECK(def.rope.theta == 150000.0);
+  CHECK(def.rope.factor == 32.0);
+  CHECK(def.rope.beta_fast == 32.0);
+  CHECK(def.rope.beta_slow == 1.0);
+  CHECK_FALSE(def.rope.truncate);
+  CHECK(def.rope.original_max_position_embeddings == 4096.0);
+  CHECK(def.sliding_window == 128);
+  CHECK(def.sliding_layers == std::vector<bool>{true, false, true});
+  CHECK(def.glu_clamp.alpha == 1.702f);
+  CHECK(def.glu_clamp.limit == 7.0f);
+  CHECK(def.attention_qkv_bias);
+  CHECK(def.attention_o_bias);
+  CHECK(def.num_experts == 8);
+  CHECK(def.num_experts_per_tok == 4);
+
+  // What strata does not compute is refused, naming the key.
+  json j = fixture_config("gpt_oss_untied_f32");
+  j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  expect_refused(j, {"quantization_config"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["rope_parameters"]["rope_type"] = "longrope";
+  expect_refused(j, {"rope_type", "longrope"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["sliding_window"] = nullptr;
+  expect_refused(j, {"sliding_window"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["layer_types"] = json::array({"sliding_attention", "chunked_attention"});
+  expect_refused(j, {"layer_types", "chunked_attention"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["swiglu_limit"] = 0.0;
+  expect_refused(j, {"swiglu_limit"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["swiglu_alpha"] = 1e300;  // the kernels' float: refused, never cast out of range
+  expect_refused(j, {"swiglu_alpha", "float's range"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["num_local_experts"] = 8;
+  j["num_experts"] = 4;
+  expect_refused(j, {"num_local_experts", "num_experts"});
+  j = fixture_config("gpt_oss_untied_f32");
+  j["attention_dropout"] = 0.1;
+  expect_refused(j, {"attention_dropout"});
+  // Tensor parallelism: not with experts (expert parallelism instead).
+  CHECK_THROWS_WITH(tensor_parallel_share(c, 2), Catch::Contains("mixture-of-experts"));
+}

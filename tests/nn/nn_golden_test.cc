@@ -1,6 +1,8 @@
 // strata's loss and every gradient against Hugging Face transformers on the
 // cpu accelerator (fixtures from scripts/make-golden; tolerances justified in
 // tests/support/tolerances.h, section 3).
+#include <iostream>
+
 #include "tests/nn/golden_checks.h"
 #include "tests/support/tolerances.h"
 
@@ -226,4 +228,45 @@ TEST_CASE("golden: Gemma 2 and Gemma 3 with tied bf16 weights match transformers
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
   }
+}
+
+// scripts/make-golden-gptoss: gpt-oss (attention sinks, q/k/v/o biases, a
+// sliding layer and a full one, YaRN; 8 stacked experts with biases and the
+// clamped SwiGLU, gate and up interleaved, behind a biased router whose
+// softmax runs over the top 2; the load-balancing loss), fp32 and bf16 weights.
+TEST_CASE("golden: gpt-oss in fp32 matches transformers, every piece of its math visible in the loss",
+          "[nn][golden][gpt_oss]") {
+  const std::string name = "gpt_oss_untied_f32";
+  check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
+  std::cout << name << ": max gradient difference " << last_golden_grad_rel() << " of the gradient's max\n";
+  check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32, std::nullopt,
+               /*checkpoint_activations=*/true);
+  GoldenRun off;
+  off.router_logits_off = true;
+  check_golden_run(Backend::kCpu, name, "loss_without_aux", "", kGoldenF32, off);
+  // The fixture can tell: each piece taken out alone (transformers with that
+  // piece disabled) moves the loss far outside the tolerance.
+  const nlohmann::json expected = read_json(golden_dir(name) + "/expected.json");
+  const double loss = expected.at("loss").get<double>();
+  const nlohmann::json& without = expected.at("loss_without_feature");
+  CHECK(without.size() == 10);
+  for (auto it = without.begin(); it != without.end(); ++it) {
+    const double plain = it.value().get<double>();
+    INFO(name << ": loss " << loss << ", without " << it.key() << " " << plain);
+    CHECK(std::abs(plain - loss) > 100 * kGoldenF32.loss_rel * loss);
+  }
+  CHECK(!expected.at("unrouted_experts").empty());
+}
+
+TEST_CASE("golden: gpt-oss with bf16 weights matches transformers", "[nn][golden][gpt_oss]") {
+  const std::string name = "gpt_oss_untied_bf16";
+  check_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+  std::cout << name << " (the bf16 weights in fp32): max gradient difference " << last_golden_grad_rel() << "\n";
+  check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+  std::cout << name << " (fp32 activations vs torch bf16): max gradient difference " << last_golden_grad_rel() << "\n";
+  check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+  std::cout << name << " (bf16 activations vs torch bf16): max gradient difference " << last_golden_grad_rel() << "\n";
+  GoldenRun off;
+  off.router_logits_off = true;
+  check_golden_run(Backend::kCpu, name, "loss_without_aux_f32", "", kGoldenF32, off);
 }

@@ -419,3 +419,63 @@ TEST_CASE("Gemma's attention scores: query_pre_attn_scalar's scale and the soft 
   check_gradient("dk", k, dk, loss);
   check_gradient("dv", v, dv, loss);
 }
+
+TEST_CASE("gpt-oss's attention sinks: the definition, and backward (the sinks' too) by finite differences",
+          "[nn][grad][gpt_oss]") {
+  AttentionShape s;
+  s.batch = 2;
+  s.seq = 6;
+  s.heads = 2;
+  s.kv_heads = 1;
+  s.head_dim = 3;
+  std::vector<float> sinks = {0.4f, -0.7f};
+  AttentionMask mask{3};
+  mask.sinks = sinks.data();
+  const size_t nq = s.batch * s.seq * s.heads * s.head_dim, nkv = nq / 2;
+  Vec q = random_vector(nq, 60, 2.0), k = random_vector(nkv, 61, 2.0), v = random_vector(nkv, 62);
+  const Vec r = random_vector(nq, 63);
+  Vec out(nq), lse(s.batch * s.heads * s.seq);
+  attention_forward(q.data(), k.data(), v.data(), s, out.data(), lse.data(), mask);
+  {
+    // Batch 1, query 4 of head 1: transformers' eager_attention_forward -- the
+    // scores of keys 2..4 and the sink in one softmax, the sink's column dropped.
+    const int64_t b = 1, h = 1, i = 4, d = s.head_dim;
+    double p[3], sum = std::exp(double(sinks[h]));
+    for (int64_t j = 2; j <= 4; ++j) {
+      double sc = 0;
+      for (int64_t c = 0; c < d; ++c) sc += q[((b * s.seq + i) * s.heads + h) * d + c] * k[(b * s.seq + j) * d + c];
+      p[j - 2] = std::exp(sc / std::sqrt(double(d)));
+      sum += p[j - 2];
+    }
+    for (int64_t c = 0; c < d; ++c) {
+      double o = 0;
+      for (int64_t j = 2; j <= 4; ++j) o += p[j - 2] / sum * v[(b * s.seq + j) * d + c];
+      CHECK(out[((b * s.seq + i) * s.heads + h) * d + c] == Approx(o).epsilon(1e-12));
+    }
+    CHECK(lse[(b * s.heads + h) * s.seq + i] == Approx(std::log(sum)).epsilon(1e-12));
+  }
+  auto loss = [&] {
+    Vec o(nq), l(lse.size());
+    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
+    return weighted_sum(o, r);
+  };
+  Vec dq(nq), dk(nkv), dv(nkv), dsinks(2, 0.0);
+  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
+                     dk.data(), dv.data(), mask);
+  attention_sinks_backward(r.data(), out.data(), lse.data(), s, sinks.data(), dsinks.data());
+  check_gradient("dq", q, dq, loss);
+  check_gradient("dk", k, dk, loss);
+  check_gradient("dv", v, dv, loss);
+  // The sinks are fp32: central differences of a step fp32 holds exactly.
+  for (size_t h = 0; h < sinks.size(); ++h) {
+    const float keep = sinks[h], step = 1.0f / 1024;
+    sinks[h] = keep + step;
+    const double up = loss();
+    sinks[h] = keep - step;
+    const double down = loss();
+    sinks[h] = keep;
+    INFO("dsinks[" << h << "]");
+    CHECK(dsinks[h] == Approx((up - down) / (2.0 * step)).epsilon(1e-4).margin(1e-7));
+    CHECK(std::abs(dsinks[h]) > 1e-3);  // the sinks do move this loss
+  }
+}

@@ -178,3 +178,48 @@ TEST_CASE("real configs: GLM-4.5 parses with transformers' parameter count", "[n
   half["partial_rotary_factor"] = 0.3;  // 38.4 dims
   expect_refused(half, {"partial_rotary_factor", "even number of dims"});
 }
+
+TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count, its MXFP4 checkpoint refused by name",
+          "[nn][config][families][gpt_oss]") {
+  // The published config.json (tests/data/configs/SOURCES.md) names the
+  // MXFP4 checkpoint: refused by name. Without quantization_config -- the
+  // bf16 checkpoints' config -- it parses as transformers reads it.
+  const json published = read_config("gpt-oss-120b");
+  expect_refused(published, {"quantization_config"});
+  json plain = published;
+  plain.erase("quantization_config");
+  // experts_per_token and initial_context_length: OpenAI's own keys, which
+  // GptOssConfig does not take (they pass, logged).
+  const DecoderConfig c = parse_decoder_config(plain);
+  CHECK(c.gpt_oss());
+  CHECK(c.num_experts == 128);
+  CHECK(c.num_experts_per_tok == 4);
+  CHECK(c.moe_intermediate_size == 2880);
+  CHECK(c.attention_sinks);
+  CHECK(c.router_bias);
+  CHECK(c.stacked_experts);
+  CHECK(c.norm_topk_prob);
+  CHECK(c.glu_clamp.limit == 7.0f);
+  CHECK(c.glu_clamp.alpha == 1.702f);
+  CHECK(c.attention_qkv_bias);
+  CHECK(c.attention_o_bias);
+  CHECK(c.sliding_window == 128);
+  CHECK(c.attention_mask(0).window == 128);
+  CHECK(c.attention_mask(1).window == 0);
+  CHECK(c.rope.type == ops::RopeType::kYarn);
+  CHECK(c.rope.theta == 150000.0);
+  CHECK(c.rope.factor == 32.0);
+  CHECK_FALSE(c.rope.truncate);
+  CHECK(c.rope.original_max_position_embeddings == 4096.0);
+  CHECK(c.pad_token_id == 199999);
+  // transformers' count (GptOssForCausalLM on the meta device, transformers 5.24): 116.8B.
+  CHECK(c.parameter_count() == 116829156672);
+  // The export keeps every key and reads back as the same model.
+  const json out = c.to_hf_json(DType::kBF16);
+  for (const auto& [key, value] : plain.items()) {
+    INFO(key);
+    CHECK(out.contains(key));
+  }
+  CHECK(out.at("architectures") == json::array({"GptOssForCausalLM"}));
+  CHECK(parse_decoder_config(out).parameter_count() == 116829156672);
+}

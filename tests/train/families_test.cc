@@ -80,6 +80,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
                       : c.model_type == "glm4_moe"  ? "Glm4MoeForCausalLM"
                       : c.model_type == "gemma2"  ? "Gemma2ForCausalLM"
                       : c.model_type == "gemma3_text" ? "Gemma3ForCausalLM"
+                      : c.model_type == "gpt_oss"  ? "GptOssForCausalLM"
                                                   : "Qwen3ForCausalLM"};
   CHECK(out["architectures"] == archs);
   CHECK(out["torch_dtype"] == (dtype == "F32" ? "float32" : "bfloat16"));
@@ -99,7 +100,7 @@ void check_export(const std::string& dir, const std::string& source, const std::
 }  // namespace
 
 TEST_CASE("families: import, fine-tune, export and load back give the next step's loss", "[finetune][families]") {
-  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3"}) {
+  for (const char* family : {"llama3", "mistral", "qwen2", "qwen3", "qwen2_moe", "gemma2", "gemma3", "gpt_oss"}) {
     INFO(family);
     strata::test::TempDir dir("families");
     const std::string model = fixture(std::string(family) + "_untied_f32");
@@ -159,10 +160,10 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   check_export(out + "/model", model, "BF16");
 }
 
-TEST_CASE("families: strata run -n 2 -- strata finetune: Gemma 2 and Gemma 3 under ZeRO-3 with parameters and "
-          "optimizer on NVMe",
-          "[finetune][families][gemma]") {
-  for (const char* name : {"gemma2_tied_bf16", "gemma3_tied_bf16"}) {
+TEST_CASE("families: strata run -n 2 -- strata finetune: Gemma 2, Gemma 3 and gpt-oss under ZeRO-3 with parameters "
+          "and optimizer on NVMe",
+          "[finetune][families][gemma][gpt_oss]") {
+  for (const char* name : {"gemma2_tied_bf16", "gemma3_tied_bf16", "gpt_oss_untied_bf16"}) {
     INFO(name);
     strata::test::TempDir dir("families-gemma-nvme");
     const std::string swap = dir.file("swap");

@@ -383,19 +383,32 @@ TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a sha
   CHECK(ref_steps[kSteps - 1]["loss"].get<double>() < ref_steps[0]["loss"].get<double>());
 }
 
-TEST_CASE("a Gemma 3 killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
-          "[finetune][checkpoint][gemma]") {
-  strata::test::TempDir dir;
+TEST_CASE("a Gemma 3 and a gpt-oss killed with SIGKILL at random moments and resumed end bit for bit like "
+          "uninterrupted runs",
+          "[finetune][checkpoint][gemma][gpt_oss]") {
   // Gemma 3's pieces (GeGLU, (1 + w) norms, the scaled embedding, sandwich
-  // and q/k norms, two RoPEs over sliding and full layers) under ZeRO-3 on
-  // NVMe on two ranks: every one must resume exactly.
-  write_file(dir, "gemma.json", R"({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
+  // and q/k norms, two RoPEs over sliding and full layers), and gpt-oss's
+  // (attention sinks, biases, YaRN, the stacked experts with their biases
+  // and clamped SwiGLU behind a biased router, split between the two ranks),
+  // under ZeRO-3 on NVMe on two ranks: every one must resume exactly.
+  const std::pair<const char*, const char*> kModels[] = {
+      {"gemma.json", R"({"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64,
     "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 16, "max_position_embeddings": 128, "query_pre_attn_scalar": 24, "sliding_window": 8,
-    "sliding_window_pattern": 3, "rope_theta": 10000.0, "rope_local_base_freq": 100.0})");
-  const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
-  constexpr int kSteps = 24;
-  expect_resumed_like_uninterrupted(dir, run, kSteps, "gemma.json");
+    "sliding_window_pattern": 3, "rope_theta": 10000.0, "rope_local_base_freq": 100.0})"},
+      {"gpt_oss.json", R"({"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 128,
+    "sliding_window": 8, "swiglu_limit": 1.0})"},
+  };
+  for (const auto& [file, config] : kModels) {
+    INFO(file);
+    strata::test::TempDir dir;
+    write_file(dir, file, config);
+    const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+    constexpr int kSteps = 24;
+    expect_resumed_like_uninterrupted(dir, run, kSteps, file);
+  }
 }
 
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",
