@@ -20,6 +20,8 @@
 #include "core/error.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
+#include "runtime/pipeline/schedule.h"
+#include "runtime/pipeline/stages.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/plan/plan_check.h"
 #include "runtime/plan/runtime_memory.h"
@@ -42,6 +44,8 @@ struct RunSetup {
   int tensor_parallel = 0;         // --tp (0: not given: the config's)
   int context_parallel = 0;        // --cp (0: not given: the config's)
   int pipeline_parallel = 0;       // --pp (0: not given: the config's)
+  std::string pipeline_schedule;   // --pp-schedule (empty: the config's)
+  int virtual_stages = 0;          // --virtual-stages (0: the config's)
   std::string micro_batch_order;  // --micro-batch-order (empty: the config's)
   bool sequence_parallel = false;  // --sequence-parallel
   // finetune's LoRA flags as given (empty: not a LoRA run), parsed as finetune parses them.
@@ -105,6 +109,10 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.pipeline_parallel = static_cast<int>(parse_integer(source + ": --pp", take(), 1));
     } else if (flag == "--cp") {
       s.context_parallel = static_cast<int>(parse_integer(source + ": --cp", take(), 1));
+    } else if (flag == "--pp-schedule") {
+      s.pipeline_schedule = take();
+    } else if (flag == "--virtual-stages") {
+      s.virtual_stages = static_cast<int>(parse_integer(source + ": --virtual-stages", take(), 1));
     } else if (flag == "--micro-batch-order") {
       s.micro_batch_order = take();
     }
@@ -229,17 +237,13 @@ int run_plan_check(const PlanOptions& o) {
       s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
   const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
                                               : parse_config(s.ds_config, config_source);
-  // A pipeline stage holds a part of the model and several micro-batches' activations: not modelled here.
-  const int pipeline = s.pipeline_parallel > 0 ? s.pipeline_parallel : config.pipeline_parallel_size;
-  STRATA_CHECK(pipeline == 1, kBadArgument,
-               "{}: the run is pipeline parallel ({} stages); strata plan --check does not model a pipeline stage's "
-               "memory yet (strata plan --pp N prints each stage's activations and parameters)",
-               run_json.string(), pipeline);
   // Context parallelism: each rank holds two chunks of every sequence; not modelled here.
   const int context = s.context_parallel > 0 ? s.context_parallel : config.context_parallel_size;
   STRATA_CHECK(context == 1, kBadArgument,
                "{}: the run is context parallel ({} ranks per sequence); strata plan --check does not model it yet",
                run_json.string(), context);
+  // As finetune reads them: --pp and the schedule's flags over the config's pipeline_parallel.
+  const int pp = s.pipeline_parallel > 0 ? s.pipeline_parallel : config.pipeline_parallel_size;
   plan::RuntimeInputs in;
   // As finetune reads them: --tp over the config's autotp_size, either sequence-parallel switch.
   in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;
@@ -258,8 +262,21 @@ int run_plan_check(const PlanOptions& o) {
       {config.zero.offload_param.device == OffloadDevice::kNvme  ? Tier::kNvme
        : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
                                                                  : Tier::kDevice,
-       config.gradient_accumulation_steps, in.tensor_parallel, 1, 1, !s.lora_rank.empty(),
+       config.gradient_accumulation_steps, in.tensor_parallel, pp, 1, !s.lora_rank.empty(),
        in.model.tie_word_embeddings, in.model.moe() && in.model.output_router_logits});
+  if (pp > 1) {
+    // Rank 0's memory is measured: pp rank 0's (Megatron's order puts the pipeline slowest).
+    const std::string name = s.pipeline_schedule.empty() ? config.pipeline_schedule : s.pipeline_schedule;
+    const std::optional<pipeline::ScheduleKind> kind = pipeline::parse_schedule(name);
+    STRATA_CHECK(kind.has_value(), kBadArgument, "{}: --pp-schedule {}: not a pipeline schedule; one of {}",
+                 run_json.string(), name, pipeline::schedule_names());
+    in.pipeline = {*kind, pp, static_cast<int>(config.gradient_accumulation_steps),
+                   s.virtual_stages > 0 ? s.virtual_stages : config.virtual_stages};
+    in.pipeline.check();
+    in.pipeline_split = pipeline::split_layers(in.model.num_hidden_layers, pp, in.pipeline.virtual_stages,
+                                               config.pipeline_layers);
+    in.pipeline_rank = 0;
+  }
   STRATA_CHECK(order.order == train::MicroBatchOrder::kStepMajor, kBadArgument,
                "{}: the run's micro-batches were layer-major; strata plan --check does not model the activations "
                "it holds (every micro-batch's of every layer) yet",
@@ -276,7 +293,8 @@ int run_plan_check(const PlanOptions& o) {
   in.cpu_checkpointing = config.cpu_checkpointing;
   in.world_size = static_cast<int>(s.world_size);
   in.zero = train::zero_engine_options(config, config_source);
-  in.zero.expert_parallel_size = train::choose_expert_parallel_size(config, in.model, in.world_size, config_source);
+  in.zero.expert_parallel_size = train::choose_expert_parallel_size(
+      config, in.model, in.world_size / (in.tensor_parallel * pp), config_source);  // over the data-parallel ranks
   if (!s.lora_rank.empty()) {
     // The frozen base and the adapters' groups; alpha (the scale) sizes nothing.
     in.lora.rank = parse_integer(s.sources["lora"] + ": --lora-rank", s.lora_rank, 1);
@@ -317,6 +335,17 @@ int run_plan_check(const PlanOptions& o) {
   result.rows.push_back({device_is_host ? "device (cpu)" : "device", memory.device_nbytes,
                          static_cast<double>(measured.device_peak_nbytes),
                          "memory.device_peak_bytes in " + rank0});
+  if (pp > 1) {
+    // The arenas of pp rank 0's micro-batch slots, which the run counts itself.
+    double arenas = 0;
+    for (const plan::MemoryItem& item : memory.items) arenas += item.name == "activation arenas" ? item.nbytes : 0;
+    result.rows.push_back(
+        {"activations (pp rank 0)", arenas,
+         measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
+                                    : std::nullopt,
+         measured.activation_nbytes ? "memory.activation_bytes in " + rank0
+                                    : std::string("not measured: the records have no memory.activation_bytes")});
+  }
   result.rows.push_back({"host resident", baseline + memory.resident_nbytes(device_is_host),
                          static_cast<double>(measured.host_peak_rss_nbytes),
                          "memory.host_peak_rss_bytes in " + rank0});
@@ -351,6 +380,14 @@ int run_plan_check(const PlanOptions& o) {
                   {"sources", s.sources}};
     if (in.lora.enabled())
       out["run"]["lora"] = {{"rank", in.lora.rank}, {"targets", in.lora.targets}};
+    if (pp > 1) {
+      out["run"]["pipeline"] = {{"size", pp},
+                                {"schedule", pipeline::schedule_name(in.pipeline.kind)},
+                                {"virtual_stages", in.pipeline.virtual_stages},
+                                {"micro_batches", in.pipeline.micro_batches},
+                                {"layers", in.pipeline_split},
+                                {"rank_modelled", in.pipeline_rank}};
+    }
     out["items"] = items;
     out["process_baseline"] = {{"bytes", static_cast<uint64_t>(std::llround(baseline))},
                                {"from", baseline_from},
@@ -361,7 +398,7 @@ int run_plan_check(const PlanOptions& o) {
         "Run       {} ({} steps)\n"
         "          config {} ({}), model {} ({})\n"
         "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
-        "checkpointing {}{}\n\n"
+        "checkpointing {}{}{}\n\n"
         "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
         metrics.string(), measured.steps, config_name, s.sources["config"], s.model.string(),
         s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
@@ -372,7 +409,17 @@ int run_plan_check(const PlanOptions& o) {
         in.lora.enabled() ? fmt::format("\n          LoRA rank {} on {} ({}): the base frozen",
                                         in.lora.rank, fmt::join(in.lora.targets, ","),
                                         s.sources["lora"])
-                          : std::string());
+                          : std::string(),
+        pp > 1
+            ? fmt::format("\n          pipeline parallel: {} stages, schedule {}{}, {} micro-batches, layers per "
+                          "{}stage {}; pp rank 0's share (rank 0 measured it)",
+                          pp, pipeline::schedule_name(in.pipeline.kind),
+                          in.pipeline.virtual_stages > 1
+                              ? fmt::format(" ({} chunks per rank)", in.pipeline.virtual_stages)
+                              : std::string(),
+                          in.pipeline.micro_batches, in.pipeline.virtual_stages > 1 ? "virtual " : "",
+                          fmt::join(in.pipeline_split, ","))
+            : std::string());
     for (const plan::MemoryItem& item : memory.items) {
       text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
                           plan::where_name(item.where), item.during_steps ? "steps" : "setup",

@@ -232,6 +232,7 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
         nn::ForwardOptions forward = options;
         forward.slot = index;
         forward.positions = mb.positions;
+        forward.dropout_seed = mb.dropout_seed;
         model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
         if (model.stage().head) model.loss_stats_async(index, losses_ + 2 * static_cast<size_t>(a.micro_batch));
         break;

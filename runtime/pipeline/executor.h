@@ -64,6 +64,7 @@ class DeferredWeightGrads;
 struct MicroBatch {
   std::span<const int32_t> ids, targets, positions;  // [batch * seq]; positions may be empty
   int64_t batch = 0, seq = 0;
+  uint64_t dropout_seed = 0;  // its LoRA dropout masks' seed (nn::ForwardOptions::dropout_seed)
 };
 
 struct StepStats {

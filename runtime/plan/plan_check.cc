@@ -58,6 +58,14 @@ RunMeasurement parse_metrics(const std::string& text, const std::string& source)
         std::max(m.device_peak_nbytes, memory_field(record, "device_peak_bytes", where));
     m.host_peak_rss_nbytes =
         std::max(m.host_peak_rss_nbytes, memory_field(record, "host_peak_rss_bytes", where));
+    // A pipeline's (or layer-major) step: its arenas, when the record has them.
+    const auto memory = record.find("memory");
+    const auto activations = memory->find("activation_bytes");
+    if (activations != memory->end()) {
+      STRATA_CHECK(activations->is_number_unsigned(), kBadArgument,
+                   "{}: \"memory.activation_bytes\" is not a byte count", where);
+      m.activation_nbytes = std::max(m.activation_nbytes.value_or(0), activations->get<uint64_t>());
+    }
     ++m.steps;
   }
   STRATA_CHECK(

@@ -25,6 +25,9 @@ struct RunMeasurement {
   int64_t steps = 0;                  // step records read
   uint64_t device_peak_nbytes = 0;    // highest memory.device_peak_bytes over the steps
   uint64_t host_peak_rss_nbytes = 0;  // highest memory.host_peak_rss_bytes over the steps
+  // Highest memory.activation_bytes (the arenas of a pipeline's micro-batch
+  // slots), when the records have it.
+  std::optional<uint64_t> activation_nbytes;
 };
 
 // Parses metrics.jsonl text; `source` names the file in errors.

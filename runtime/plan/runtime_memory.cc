@@ -7,11 +7,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
+#include <optional>
+#include <string>
+#include <utility>
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
 #include "runtime/nn/decoder_model.h"
+#include "runtime/pipeline/stages.h"
 #include "core/error.h"
 
 namespace strata::plan {
@@ -52,7 +57,64 @@ size_t optimizer_sub_group_numel(const partition::PartitionLayout& layout, DType
   return static_cast<size_t>(std::min(limit, std::max<int64_t>(layout.shard_numel(), 1)));
 }
 
+// What pp rank `rank` holds of the model (RuntimeInputs::pipeline): its
+// chunks, and which tensors (by Hugging Face name) are its.
+struct StageShare {
+  std::vector<pipeline::StagePart> chunks;
+  bool embedding = false, head = false;
+  bool holds(const nn::DecoderConfig& c, std::string_view name) const {
+    constexpr std::string_view kLayers = "model.layers.";
+    if (name.substr(0, kLayers.size()) == kLayers) {
+      const std::string_view rest = name.substr(kLayers.size());
+      const int64_t layer = std::stoll(std::string(rest.substr(0, rest.find('.'))));
+      for (const pipeline::StagePart& part : chunks) {
+        if (layer >= part.first_layer && layer < part.first_layer + part.layers) return true;
+      }
+      return false;
+    }
+    // The embedding where the tokens come in, and as the tied lm_head at the end.
+    if (name.substr(0, 19) == "model.embed_tokens.") return embedding || (head && c.tie_word_embeddings);
+    return head;  // the final norm and lm_head
+  }
+};
+
+StageShare stage_share(const RuntimeInputs& in) {
+  StageShare share;
+  const pipeline::ScheduleSpec& spec = in.pipeline;
+  for (int k = 0; k < spec.virtual_stages; ++k) {
+    share.chunks.push_back(pipeline::stage_part(in.pipeline_split, spec.stages, in.pipeline_rank, k));
+    share.embedding = share.embedding || share.chunks.back().embedding;
+    share.head = share.head || share.chunks.back().head;
+  }
+  return share;
+}
+
 }  // namespace
+
+ChunkSlots pipeline_chunk_slots(const pipeline::Schedule& schedule, int rank) {
+  const std::vector<pipeline::Action>& list = schedule.ranks.at(static_cast<size_t>(rank));
+  const auto chunks = static_cast<size_t>(schedule.spec.virtual_stages);
+  ChunkSlots out{std::vector<int>(chunks, 0), std::vector<int>(chunks, 0)};
+  // Each (chunk, micro-batch)'s first and last action.
+  std::map<std::pair<int, int>, std::pair<size_t, size_t>> span;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto [it, inserted] = span.try_emplace({list[i].chunk, list[i].micro_batch}, i, i);
+    it->second.second = i;
+  }
+  std::vector<int> held(chunks, 0), awaiting(chunks, 0);
+  for (size_t i = 0; i < list.size(); ++i) {
+    const pipeline::Action& a = list[i];
+    const auto k = static_cast<size_t>(a.chunk);
+    const auto& [first, last] = span.at({a.chunk, a.micro_batch});
+    if (first == i) out.slots[k] = std::max(out.slots[k], ++held[k]);
+    if (a.kind == pipeline::ActionKind::kBackward && schedule.spec.split_backward()) {
+      out.awaiting_weight_grads[k] = std::max(out.awaiting_weight_grads[k], ++awaiting[k]);
+    }
+    if (a.kind == pipeline::ActionKind::kWeight) --awaiting[k];
+    if (last == i) --held[k];
+  }
+  return out;
+}
 
 std::string_view where_name(Where where) {
   switch (where) {
@@ -206,17 +268,33 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                in.micro_batch, in.seq);
   STRATA_CHECK(tp == 1 || !in.lora.enabled(), kBadArgument,
                "plan: LoRA with tensor parallelism is not implemented (strata finetune refuses it)");
+  // Pipeline parallelism: this pp rank's share of the model.
+  const int pp = in.pipeline.stages;
+  STRATA_CHECK(pp >= 1 && in.world_size % (tp * pp) == 0, kBadArgument,
+               "plan: pipeline parallelism {} x tensor parallelism {} does not divide the {} ranks", pp, tp,
+               in.world_size);
+  std::optional<StageShare> stage;
+  if (pp > 1) {
+    in.pipeline.check();
+    STRATA_CHECK(static_cast<int>(in.pipeline_split.size()) == pp * in.pipeline.virtual_stages, kBadArgument,
+                 "plan: {} layer counts for {} x {} virtual pipeline stages", in.pipeline_split.size(), pp,
+                 in.pipeline.virtual_stages);
+    stage = stage_share(in);
+  }
+  const auto ours = [&](std::string_view name) { return !stage || stage->holds(c, name); };
   // ZeRO partitions over the data-parallel ranks.
-  const int dp = in.world_size / tp;
+  const int dp = in.world_size / (tp * pp);
   STRATA_CHECK(!in.cpu_checkpointing || in.checkpoint_activations, kBadArgument,
                "plan: cpu_checkpointing needs activation checkpointing");
   if (in.lora.enabled()) in.lora.validate();
   const DType pd = in.param_dtype;
   // The sizes the engine's finalize will use: the same choice from the same
   // parameters (the base frozen under LoRA, the adapters trained).
+  std::vector<engine::SizedParam> sized_params = decoder_sized_params(c, pd, in.lora, tp);
+  std::erase_if(sized_params, [&](const engine::SizedParam& p) { return !ours(p.name); });
   const engine::ZeroSizes sizes =
-      engine::choose_zero_sizes(decoder_sized_params(c, pd, in.lora, tp), dp, in.zero.sub_group_numel,
-                                in.zero.reduce_bucket_numel, partition::kDefaultAlignmentNbytes);
+      engine::choose_zero_sizes(sized_params, dp, in.zero.sub_group_numel, in.zero.reduce_bucket_numel,
+                                partition::kDefaultAlignmentNbytes);
   engine::ZeroEngineOptions z = in.zero;
   z.sub_group_numel = sizes.sub_group_numel;
   z.reduce_bucket_numel = sizes.reduce_bucket_numel;
@@ -251,6 +329,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     std::vector<partition::ParamSpec> specs[2];  // whole, split
     std::vector<int> order;                      // of the groups' first parameters
     for (RankParam& p : decoder_rank_params(c, pd, tp)) {
+      if (!ours(p.spec.name)) continue;  // another pipeline stage's
       if (specs[p.split].empty()) order.push_back(p.split);
       specs[p.split].push_back(std::move(p.spec));
     }
@@ -259,7 +338,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                 in.lora.enabled() ? "frozen base" : s ? "tp shards" : "replicated");
     }
   }
-  if (in.lora.enabled()) add_group(lora_params(c, in.lora), DType::kF32, false, "adapters");
+  if (in.lora.enabled()) {
+    std::vector<partition::ParamSpec> adapters = lora_params(c, in.lora);
+    std::erase_if(adapters, [&](const partition::ParamSpec& p) { return !ours(p.name); });
+    add_group(std::move(adapters), DType::kF32, false, "adapters");
+  }
   // Over every group, in bytes (the gathers hold all of them); over the
   // trained groups, in elements (gradients and optimizer state).
   double shard_nbytes = 0, padded_nbytes = 0, persistent_nbytes = 0, largest_full_nbytes = 0;
@@ -313,32 +396,89 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   const int64_t intermediate = nn::tensor_parallel_share(c, tp).intermediate_size;
   // The model runner allocates its arena and scratch at the first forward.
   during_steps = true;
-  add("activation arena", Where::kDevice,
-      static_cast<double>(decoder_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
-                                             in.checkpoint_activations, in.cpu_checkpointing,
-                                             in.lora, in.zero.expert_parallel_size, tp, in.sequence_parallel)),
-      false,
-      fmt::format("DecoderModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows,
-                  c.hidden_size, intermediate,
-                  tp == 1                  ? ""
-                  : in.sequence_parallel ? fmt::format(" (tp {}'s share; the residual stream's {} rows)", tp, local_rows)
-                                         : fmt::format(" (tp {}'s share)", tp),
-                  in.checkpoint_activations
-                      ? "one layer's activations + the checkpoints"
-                      : fmt::format("{} layers' activations", c.num_hidden_layers)));
+  // Arenas (one per micro-batch slot of each chunk with a pipeline) and
+  // their host checkpoints, and the pinned inputs each one stages.
+  int arenas = 1;
+  double host_checkpoint_nbytes =
+      in.cpu_checkpointing && c.num_hidden_layers > 1
+          ? static_cast<double>((c.num_hidden_layers - 1) * view_nbytes(in.activation_dtype, {local_rows, c.hidden_size}))
+          : 0;
+  if (stage) {
+    const pipeline::Schedule schedule = pipeline::make_schedule(in.pipeline);
+    const ChunkSlots slots = pipeline_chunk_slots(schedule, in.pipeline_rank);
+    double arena_nbytes = 0, deferred_nbytes = 0;
+    std::string per_chunk;
+    arenas = 0;
+    host_checkpoint_nbytes = 0;
+    for (size_t k = 0; k < stage->chunks.size(); ++k) {
+      const pipeline::StagePart& part = stage->chunks[k];
+      nn::DecoderConfig layers = c;
+      layers.num_hidden_layers = part.layers;
+      arena_nbytes += slots.slots[k] * static_cast<double>(decoder_arena_nbytes(
+                                           layers, in.activation_dtype, in.micro_batch, in.seq,
+                                           in.checkpoint_activations, in.cpu_checkpointing, in.lora,
+                                           in.zero.expert_parallel_size, tp, in.sequence_parallel));
+      arenas += slots.slots[k];
+      if (in.cpu_checkpointing && part.layers > 1) {
+        host_checkpoint_nbytes += slots.slots[k] * static_cast<double>((part.layers - 1) *
+                                                                       view_nbytes(in.activation_dtype, {local_rows, c.hidden_size}));
+      }
+      // zb-h1: each Linear's output gradient dy [rows, out] copied at B until
+      // W (its input x is read in place from the slot; LoRA-adapted
+      // projections compute their weight gradients at once, none deferred).
+      if (slots.awaiting_weight_grads[k] > 0) {
+        const nn::DecoderConfig share = nn::tensor_parallel_share(c, tp);
+        const int64_t q = share.num_attention_heads * share.head_dim, kv = share.num_key_value_heads * share.head_dim;
+        const std::pair<const char*, int64_t> outs[] = {{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}, {"o_proj", c.hidden_size},
+                                                        {"gate_proj", share.intermediate_size}, {"up_proj", share.intermediate_size},
+                                                        {"down_proj", c.hidden_size}};
+        int64_t out_features = 0;
+        for (const auto& [name, n] : outs) {
+          if (!in.lora.enabled() || !in.lora.targets_module(name)) out_features += n;
+        }
+        deferred_nbytes += slots.awaiting_weight_grads[k] * static_cast<double>(part.layers) *
+                           static_cast<double>(rows * out_features * static_cast<int64_t>(dtype_nbytes(in.activation_dtype)));
+      }
+      per_chunk += fmt::format("{}{} x {} layers", per_chunk.empty() ? "" : " + ", slots.slots[k], part.layers);
+    }
+    add("activation arenas", Where::kDevice, arena_nbytes, false,
+        fmt::format("DecoderModel's arena per micro-batch slot of pp rank {}'s layers: {} (slots x layers, the "
+                    "{} schedule's micro-batches in flight), {} rows x hidden {} / intermediate {}",
+                    in.pipeline_rank, per_chunk, pipeline::schedule_name(in.pipeline.kind), rows, c.hidden_size,
+                    intermediate));
+    add("deferred weight-gradient inputs", Where::kDevice, deferred_nbytes, true,
+        "zb-h1: each Linear's output gradient copied at B, held until its W, for the most micro-batches between "
+        "them (the attention and MLP projections' output widths x rows)");
+  } else {
+    add("activation arena", Where::kDevice,
+        static_cast<double>(decoder_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
+                                                 in.checkpoint_activations, in.cpu_checkpointing, in.lora,
+                                                 in.zero.expert_parallel_size, tp, in.sequence_parallel)),
+        false,
+        fmt::format("DecoderModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows, c.hidden_size,
+                    intermediate,
+                    tp == 1                  ? ""
+                    : in.sequence_parallel ? fmt::format(" (tp {}'s share; the residual stream's {} rows)", tp,
+                                                         local_rows)
+                                           : fmt::format(" (tp {}'s share)", tp),
+                    in.checkpoint_activations ? "one layer's activations + the checkpoints"
+                                              : fmt::format("{} layers' activations", c.num_hidden_layers)));
+  }
   // The loss forms logits chunk rows at a time (nn::default_loss_chunk_rows:
   // 64 MiB of fp32, at least 64 rows): the fused loss in its own fp32
   // scratch; with tensor parallelism the model's (DecoderModel::Arena::
   // vocab_memory): this rank's vocabulary rows in the activation dtype, and
   // each row's two parts, gathered from every rank.
   const int64_t chunk = std::min(nn::default_loss_chunk_rows(c, tp), rows), shard = c.vocab_size / tp;
-  add("loss logits scratch", Where::kDevice,
-      tp == 1 ? 4.0 * static_cast<double>(chunk * c.vocab_size)
-              : static_cast<double>(view_nbytes(in.activation_dtype, {chunk, shard}) + view_nbytes(DType::kF32, {2 * chunk}) +
-                                    view_nbytes(DType::kF32, {tp * 2 * chunk})),
-      false,
-      tp == 1 ? fmt::format("{} rows x vocab {} fp32", chunk, c.vocab_size)
-              : fmt::format("{} rows x vocab {} / tp {} (this rank's rows) + their parts", chunk, c.vocab_size, tp));
+  if (!stage || stage->head) {  // with a pipeline, the last stage's
+    add("loss logits scratch", Where::kDevice,
+        tp == 1 ? 4.0 * static_cast<double>(chunk * c.vocab_size)
+                : static_cast<double>(view_nbytes(in.activation_dtype, {chunk, shard}) +
+                                      view_nbytes(DType::kF32, {2 * chunk}) + view_nbytes(DType::kF32, {tp * 2 * chunk})),
+        false,
+        tp == 1 ? fmt::format("{} rows x vocab {} fp32", chunk, c.vocab_size)
+                : fmt::format("{} rows x vocab {} / tp {} (this rank's rows) + their parts", chunk, c.vocab_size, tp));
+  }
   // Linear backward accumulating into dx stages the product in a [rows, in] fp32 scratch
   // (ops_cpu.cc).
   if (in.device_is_host) {
@@ -469,14 +609,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         "one sub-group read for the optimizer (GradShard, per trained group)");
   }
   during_steps = true;  // the model runner's, at the first forward
-  add("input staging", Where::kPinned, 20.0 * static_cast<double>(rows) + 24, false,
-      "ids, targets, positions, document starts and ends");
-  if (in.cpu_checkpointing && c.num_hidden_layers > 1) {
-    add("activation checkpoints", Where::kPinned,
-        static_cast<double>((c.num_hidden_layers - 1) *
-                            view_nbytes(in.activation_dtype, {local_rows, c.hidden_size})),
-        false, "every layer's input but the top one's");
-  }
+  add("input staging", Where::kPinned, arenas * (20.0 * static_cast<double>(rows) + 24), false,
+      arenas > 1 ? fmt::format("ids, targets, positions, document starts and ends, per arena ({})", arenas)
+                 : std::string("ids, targets, positions, document starts and ends"));
+  add("activation checkpoints", Where::kPinned, host_checkpoint_nbytes, false,
+      stage ? "every layer's input but the top one's, per arena" : "every layer's input but the top one's");
 
   // ---- NVMe ----------------------------------------------------------------------
   during_steps = false;

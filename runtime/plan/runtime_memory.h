@@ -33,6 +33,7 @@
 #include "runtime/engine/zero_sizes.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
+#include "runtime/pipeline/schedule.h"
 
 namespace strata::plan {
 
@@ -58,7 +59,29 @@ struct RuntimeInputs {
   // its arena holds its rows' share (decoder_arena_nbytes).
   int tensor_parallel = 1;
   bool sequence_parallel = false;
+  // Pipeline parallelism (pipeline.stages > 1): the items are pp rank
+  // `pipeline_rank`'s. Its chunks' layers (pipeline::stage_part of
+  // `pipeline_split`, the layers per virtual stage), the embedding where it
+  // holds virtual stage 0, the final norm, lm_head and loss where it holds
+  // the last (a tied embedding on both); each chunk an arena per
+  // micro-batch slot, as many as the schedule keeps in flight on it
+  // (pipeline_chunk_slots); zb-h1's deferred weight gradients' copies.
+  // world_size counts every rank: ZeRO partitions over world_size /
+  // (tensor_parallel x stages).
+  pipeline::ScheduleSpec pipeline{.stages = 1};
+  std::vector<int64_t> pipeline_split;
+  int pipeline_rank = 0;
 };
+
+// The micro-batch slots each chunk of pp rank `rank` makes in a step of
+// `schedule` (pipeline::PipelineExecutor's: a slot from the micro-batch's
+// first action on the chunk to its last), and for a split backward the most
+// micro-batches between their B and their W (whose output gradients wait,
+// copied, for W).
+struct ChunkSlots {
+  std::vector<int> slots, awaiting_weight_grads;
+};
+ChunkSlots pipeline_chunk_slots(const pipeline::Schedule& schedule, int rank);
 
 // Where an item lives. kPinned and kHost are both host memory (resident);
 // kPinned is page-locked (mlock), so it is resident from allocation on.

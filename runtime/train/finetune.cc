@@ -108,6 +108,14 @@ double count_targets(const std::vector<int32_t>& targets) {
   return n;
 }
 
+// LoRA dropout's masks for a step's micro-batch m (0-based): a function of
+// the run's seed, the step and the micro-batch, so a resumed run drops what
+// the uninterrupted one did and a pipeline's stages what one rank would.
+uint64_t lora_dropout_seed(uint64_t seed, int64_t step, int64_t m) {
+  return seed ^ (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull) ^
+         (static_cast<uint64_t>(m + 1) * 0xc2b2ae3d27d4eb4full);
+}
+
 }  // namespace
 
 FinetuneResult run_finetune(const FinetuneOptions& options) {
@@ -230,8 +238,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pipeline_spec.check();  // the interleaved schedule's rule, named
     stage_layers = pipeline::split_layers(model_config.num_hidden_layers, pp, pipeline_spec.virtual_stages,
                                           config.pipeline_layers);
-    STRATA_CHECK(!lora.enabled(), kBadArgument,
-                 "--lora-rank with pipeline parallelism (--pp {}): not implemented yet", pp);
     STRATA_CHECK(!(model_config.moe() && model_config.output_router_logits), kBadArgument,
                  "--pp {} with model_type {}'s load-balancing loss (output_router_logits true): not implemented yet "
                  "(the loss needs every layer's routing at once); set output_router_logits false in config.json",
@@ -660,7 +666,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       piped = executor->run(
           [&](int i) {
             const data::Batch& b = micro[static_cast<size_t>(i)];
-            return pipeline::MicroBatch{b.ids, b.targets, b.positions, micro_batch, options.seq};
+            return pipeline::MicroBatch{b.ids, b.targets, b.positions, micro_batch, options.seq,
+                                        lora_dropout_seed(seed, step, i)};
           },
           forward);
       loss_sum = piped->loss_sum;
@@ -672,10 +679,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();  // fp16: step() divides it out
       forward.positions = micro[m].positions;     // packed documents: attention within each
-      // LoRA dropout's masks: a function of the run's seed, the step and the
-      // micro-batch, so a resumed run drops what the uninterrupted one did.
-      forward.dropout_seed = seed ^ (static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull) ^
-                             (static_cast<uint64_t>(m + 1) * 0xc2b2ae3d27d4eb4full);
+      forward.dropout_seed = lora_dropout_seed(seed, step, static_cast<int64_t>(m));
       // Each phase twice on the timeline: on the loop's track, the host's view
       // (issuing ops, waiting for parameters); on the compute stream's, the
       // ops' (from the first to the last of them having run).
@@ -789,7 +793,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     ExportResult exported;
     if (lora.enabled() && !options.merge_lora) {
       exported = export_lora_adapter(engine, *comms.control, lora, adapters, options.model.string(),
-                                     options.export_dir, export_options);
+                                     options.export_dir, export_options, comms.pipeline.get());
     } else {
       if (options.merge_lora) export_options.merge = LoraMerge{lora, adapters};
       exported = export_hf_model(engine, *comms.control, model_config, base, options.export_dir, export_options,

@@ -369,16 +369,29 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
 
 ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator& comm, const nn::LoraSpec& spec,
                                  const std::vector<engine::ParamId>& adapters, const std::string& base_model,
-                                 const fs::path& dir, const ExportOptions& options) {
+                                 const fs::path& dir, const ExportOptions& options,
+                                 partition::Communicator* pipeline_comm) {
   constexpr const char* kFile = "adapter_model.safetensors";
-  const bool writer = comm.rank() == 0;
+  std::vector<TensorPlan> tensors;
+  for (engine::ParamId id : adapters) {
+    const engine::ParamInfo& info = engine.param_info(id);
+    tensors.push_back({std::string(nn::kPeftPrefix) + info.name, info.shape, {id}, DType::kF32});
+  }
+  auto stream = engine.accelerator().create_stream();
+  const int stage = pipeline_comm != nullptr ? pipeline_comm->rank() : 0;
+  if (pipeline_comm != nullptr && pipeline_comm->world_size() > 1) {
+    tensors = pipeline_plan(engine, *pipeline_comm, *stream, std::move(tensors));
+    for (TensorPlan& t : tensors) t.dtype = DType::kF32;
+  }
+  // Each stage's first rank gathers its stage's adapters; the first stage's writes them all.
+  const bool assembler = comm.rank() == 0;
+  const bool writer = assembler && stage == 0;
   std::optional<ExportStaging> staging;
   std::vector<nn::SafetensorsDecl> decls;
   ExportResult result;
-  for (engine::ParamId id : adapters) {
-    const engine::ParamInfo& info = engine.param_info(id);
-    decls.push_back({std::string(nn::kPeftPrefix) + info.name, DType::kF32, info.shape});
-    result.tensor_nbytes += static_cast<uint64_t>(info.numel()) * sizeof(float);
+  for (const TensorPlan& t : tensors) {
+    decls.push_back({t.name, DType::kF32, t.shape});
+    result.tensor_nbytes += t.nbytes();
   }
   std::unique_ptr<nn::SafetensorsStreamWriter> file;
   if (writer) {
@@ -410,10 +423,27 @@ ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator
     file = std::make_unique<nn::SafetensorsStreamWriter>((staging->dir() / kFile).string(), decls,
                                                          std::map<std::string, std::string>{{"format", "pt"}});
   }
-  auto stream = engine.accelerator().create_stream();
-  for (size_t i = 0; i < adapters.size(); ++i) {
-    const std::vector<float> values = gather_f32_to_rank0(engine, comm, *stream, adapters[i]);
-    if (writer) file->write(decls[i].name, 0, values.data(), values.size() * sizeof(float));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorPlan& t = tensors[i];
+    // Another stage's adapter: its first rank sends it to the writer.
+    const uint64_t tag = uint64_t{5} << 56 | i;
+    const std::string what = fmt::format("exported adapter {}", t.name);
+    if (t.stage != stage) {
+      if (!writer) continue;
+      std::vector<float> received(static_cast<size_t>(shape_numel(t.shape)));
+      const partition::P2POp op = partition::P2POp::recv(t.stage, received.data(), DType::kF32, t.shape, tag, what);
+      pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
+      file->write(t.name, 0, received.data(), received.size() * sizeof(float));
+      continue;
+    }
+    STRATA_CHECK(t.parts.size() == 1, kInternal, "export: adapter {} is not one parameter", t.name);
+    std::vector<float> values = gather_f32_to_rank0(engine, comm, *stream, t.parts.front());
+    if (writer) {
+      file->write(t.name, 0, values.data(), values.size() * sizeof(float));
+    } else if (assembler) {
+      const partition::P2POp op = partition::P2POp::send(0, values.data(), DType::kF32, t.shape, tag, what);
+      pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
+    }
   }
   if (writer) {
     file->commit();

@@ -80,9 +80,12 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
 // target_modules, base_model_name_or_path = `base_model`, or null when
 // empty) and adapter_model.safetensors (every adapter in fp32, named
 // "base_model.model.<name>"), plus options.files. The directory is replaced
-// whole, as by export_hf_model. Collective, like export_hf_model.
+// whole, as by export_hf_model. Collective, like export_hf_model;
+// `pipeline_comm` as there (`adapters` are this stage's): every stage's
+// adapters are written, in stage order.
 ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator& comm, const nn::LoraSpec& spec,
                                  const std::vector<engine::ParamId>& adapters, const std::string& base_model,
-                                 const std::filesystem::path& dir, const ExportOptions& options);
+                                 const std::filesystem::path& dir, const ExportOptions& options,
+                                 partition::Communicator* pipeline_comm = nullptr);
 
 }  // namespace strata::train

@@ -12,6 +12,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -480,4 +481,84 @@ TEST_CASE("strata plan --check on a live run measures rank 0's swap files agains
     CHECK(tier["measured_bytes"] == tier["predicted_bytes"]);
   }
   CHECK(nvme_measured);
+}
+
+TEST_CASE("the plan's micro-batch slots per pipeline chunk are the schedule's micro-batches in flight",
+          "[plan][check][pp]") {
+  namespace pipeline = strata::pipeline;
+  for (const pipeline::ScheduleKind kind : {pipeline::ScheduleKind::kGpipe, pipeline::ScheduleKind::k1F1B,
+                                            pipeline::ScheduleKind::kZbH1, pipeline::ScheduleKind::kInterleaved}) {
+    for (int p = 2; p <= 4; ++p) {
+      for (int m = p; m <= 8; m += p) {
+        const int v = kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+        const pipeline::Schedule schedule = pipeline::make_schedule({kind, p, m, v});
+        const pipeline::Simulation sim = pipeline::simulate(schedule);
+        REQUIRE(sim.error.empty());
+        for (int r = 0; r < p; ++r) {
+          CAPTURE(pipeline::schedule_name(kind), p, m, r);
+          const strata::plan::ChunkSlots slots = strata::plan::pipeline_chunk_slots(schedule, r);
+          int total = 0;
+          for (int n : slots.slots) total += n;
+          // One chunk: its slots are the rank's peak in flight; several: each chunk's own peaks add up to at least it.
+          if (v == 1) CHECK(total == sim.peak_in_flight[static_cast<size_t>(r)]);
+          CHECK(total >= sim.peak_in_flight[static_cast<size_t>(r)]);
+          CHECK(total <= v * m);
+          // Only a split backward leaves weight gradients waiting, on at most its slots.
+          CHECK((slots.awaiting_weight_grads[0] > 0) == schedule.spec.split_backward());
+          CHECK(slots.awaiting_weight_grads[0] <= slots.slots[0]);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("strata plan --check: a pipeline-parallel finetune (pp 2 x dp 2, zb-h1, 4 micro-batches, ZeRO-3, "
+          "parameters and optimizer on NVMe) is checked as pp rank 0's share: its arenas and swap files exactly",
+          "[plan][check][finetune][pp]") {
+  strata::test::TempDir dir("plan-check-pp");
+  std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
+  auto ds = nlohmann::json::parse(example);
+  ds["strata"]["keep_swap_files"] = true;
+  ds["zero_optimization"].erase("sub_group_size");  // chosen from the stage's tensors, by the plan too
+  ds["zero_optimization"].erase("reduce_bucket_size");
+  ds["gradient_accumulation_steps"] = 4;
+  ds["pipeline_parallel"] = {{"size", 2}, {"schedule", "zb-h1"}};
+  strata::test::write_file(dir, "ds.json", ds.dump());
+  const std::string out = dir.file("out");
+  const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n 4 -- " +
+                               strata_binary() + " finetune --config ds.json --init " + kExamples +
+                               "/byte_llama.json --data " + kExamples +
+                               "/data/gpl-3.0.txt --data-format text --steps 2 --seq 64 --out " + out + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
+  INFO(check.output);
+  const auto j = nlohmann::json::parse(check.output);
+  CHECK(j["run"]["pipeline"]["size"] == 2);
+  CHECK(j["run"]["pipeline"]["schedule"] == "zb-h1");
+  CHECK(j["run"]["pipeline"]["layers"] == nlohmann::json({2, 2}));
+  // pp rank 0's arenas (zb-h1 keeps 2 micro-batches in flight on it: 2
+  // slots of 2 layers) and its stage's swap files (the embedding and layers
+  // 0-1 only), exactly. The device and host rows are measured too; what the
+  // executor adds beyond its arenas and deferred weight gradients is not
+  // modelled yet, so they are not held to the tolerance here.
+  std::set<std::string> exact;
+  for (const auto& tier : j["tiers"]) {
+    CAPTURE(tier["tier"]);
+    REQUIRE(!tier["measured_bytes"].is_null());
+    if (tier["tier"] == "activations (pp rank 0)" || tier["tier"] == "nvme") {
+      CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
+      exact.insert(tier["tier"].get<std::string>());
+    }
+  }
+  CHECK(exact.size() == 2);
+  const strata::nn::DecoderConfig c = strata::nn::load_decoder_config(std::string(kExamples) + "/byte_llama.json");
+  strata::nn::DecoderConfig two = c;
+  two.num_hidden_layers = 2;
+  for (const auto& item : j["items"]) {
+    CHECK(item["name"] != "loss logits scratch");  // the last stage's
+    if (item["name"] == "activation arenas") {
+      CHECK(item["bytes"] == 2 * strata::plan::decoder_arena_nbytes(two, strata::DType::kF32, 4, 64, false, false));
+    }
+  }
 }

@@ -274,11 +274,12 @@ std::string expect_resumed_like_uninterrupted(const strata::test::TempDir& dir, 
   return reference.output;
 }
 
-// Two exports hold the same tensors (names, shapes); the largest
+// Two exports hold the same tensors (names, shapes) in `file`; the largest
 // |a - b| over their fp32 values.
-double max_export_difference(const std::string& a_dir, const std::string& b_dir) {
-  const auto a_file = strata::nn::SafetensorsFile::open(a_dir + "/model.safetensors");
-  const auto b_file = strata::nn::SafetensorsFile::open(b_dir + "/model.safetensors");
+double max_export_difference(const std::string& a_dir, const std::string& b_dir,
+                             const std::string& file = "model.safetensors") {
+  const auto a_file = strata::nn::SafetensorsFile::open(a_dir + "/" + file);
+  const auto b_file = strata::nn::SafetensorsFile::open(b_dir + "/" + file);
   REQUIRE(a_file.names() == b_file.names());
   double most = 0;
   for (const std::string& name : b_file.names()) {
@@ -290,6 +291,14 @@ double max_export_difference(const std::string& a_dir, const std::string& b_dir)
     }
   }
   return most;
+}
+
+// Four layers (two per pipeline stage), tied embeddings: the first stage's
+// lookup table is the last stage's lm_head, their gradients summed.
+void tied4_model(const strata::test::TempDir& dir) {
+  write_file(dir, "tied4.json", R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 176, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": true})");
 }
 
 }  // namespace
@@ -743,11 +752,7 @@ TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step
           "stage, and killed with SIGKILL at random moments and resumed it ends bit for bit",
           "[finetune][checkpoint][pp]") {
   strata::test::TempDir dir;
-  // Four layers (two per stage), tied embeddings: the first stage's lookup
-  // table is the last stage's lm_head, their gradients summed.
-  write_file(dir, "tied4.json", R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 176, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": true})");
+  tied4_model(dir);
   const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
   const std::string run2 = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 8;
@@ -796,4 +801,48 @@ TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == pp_steps[i]["loss"]);
+}
+
+TEST_CASE("pipeline parallelism with LoRA: a pp 2 x dp 2 finetune of the adapters equals the dp 2 run step by step, "
+          "its PEFT adapter holds every stage's, and killed with SIGKILL and resumed it ends bit for bit",
+          "[finetune][checkpoint][pp][lora]") {
+  strata::test::TempDir dir;
+  tied4_model(dir);
+  const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
+  const std::string run2 = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
+  constexpr int kSteps = 8;
+  // Dropout too: each micro-batch's masks are the same on its stages as on one rank.
+  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear --lora-dropout 0.1";
+  const std::string micro = R"("gradient_accumulation_steps": 4,)";
+  const std::string pipeline = micro + R"( "pipeline_parallel": {"size": 2, "schedule": "zb-h1"},)";
+  const auto reference =
+      run_command(run4 + resumable_args(dir, "ref", kSteps, "tied4.json", pipeline) + lora + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  CHECK_THAT(reference.output, Catch::Contains("pipeline parallelism: 2 stages of 2 rank(s) each, schedule zb-h1"));
+  const std::string expected = file_bytes(dir.file("ref_model") + "/adapter_model.safetensors");
+  REQUIRE(expected.size() > 1000);
+
+  // The same 2 data-parallel ranks without the pipeline: the same losses to
+  // rounding, an adapter of the same tensors (every layer's, both stages').
+  const auto whole = run_command(run2 + resumable_args(dir, "whole", kSteps, "tied4.json", micro) + lora + " 2>&1");
+  INFO(whole.output);
+  REQUIRE(whole.exit_code == 0);
+  const auto pp_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
+  const auto whole_steps = read_jsonl(dir.file("whole_out") + "/metrics.jsonl");
+  REQUIRE(pp_steps.size() == kSteps);
+  REQUIRE(whole_steps.size() == kSteps);
+  for (int i = 0; i < kSteps; ++i) {
+    CHECK(pp_steps[i]["loss"].get<double>() == Approx(whole_steps[i]["loss"].get<double>()).epsilon(1e-5));
+  }
+  const auto adapter = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/adapter_model.safetensors");
+  CHECK(adapter.names().size() == 4 * 7 * 2);  // 4 layers x 7 projections x lora_A, lora_B
+  const double max_diff = max_export_difference(dir.file("ref_model"), dir.file("whole_model"), "adapter_model.safetensors");
+  WARN("largest |pp 2 x dp 2 - dp 2| over the exported adapters after " << kSteps << " steps: " << max_diff);
+  CHECK(max_diff < 1e-4);
+  CHECK(file_bytes(dir.file("ref_model") + "/adapter_config.json") ==
+        file_bytes(dir.file("whole_model") + "/adapter_config.json"));
+
+  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline) + lora, expected,
+                            "adapter_model.safetensors");
 }
