@@ -157,7 +157,8 @@ void backward_task(const float* dout, const float* q, const float* k, const floa
       for (int64_t r = 0; r < n; ++r) {
         float* row = p + r * w;
         const auto [lo, hi] = bk.cols(mask, i0, r);
-        cap_scores(mask, row, lo, hi, slope + r * w);
+        // slope is empty (null) without a soft cap: no offset from it then.
+        cap_scores(mask, row, lo, hi, mask.softcap > 0 ? slope + r * w : nullptr);
         vec::exp_shifted(row + lo, hi - lo, row_lse[r], row + lo);
         std::fill(row, row + lo, 0.0f);
         std::fill(row + hi, row + w, 0.0f);

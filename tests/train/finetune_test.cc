@@ -247,6 +247,33 @@ std::string resumable_args(const strata::test::TempDir& dir, const std::string& 
          dir.file(name + "_model") + " --export-dtype fp32";
 }
 
+// The same resumable run ("killed", args from resumable_args) killed with
+// SIGKILL at moments and resumed, at least 3 times, exports `file` with the
+// bytes `expected` (an uninterrupted run's).
+void expect_killed_run_exports(const strata::test::TempDir& dir, const std::string& args, const std::string& expected,
+                               const std::string& file = "model.safetensors") {
+  const int kills = run_killed_and_resumed(dir, args, dir.file("killed_ckpt"));
+  INFO("killed " << kills << " times");
+  CHECK(kills >= 3);
+  CHECK(file_bytes(dir.file("killed_model") + "/" + file) == expected);
+}
+
+// An uninterrupted resumable run ("ref") on `run` (the launcher, e.g. strata
+// run -n 2), then the same run killed and resumed, ending with the same export
+// `file` bit for bit. `init`, `extra`: as resumable_args; `flags`: appended
+// to both runs. Returns the uninterrupted run's output.
+std::string expect_resumed_like_uninterrupted(const strata::test::TempDir& dir, const std::string& run, int steps,
+                                              const std::string& init = "small.json", const std::string& flags = "",
+                                              const std::string& file = "model.safetensors") {
+  const auto reference = run_command(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
+  INFO(reference.output);
+  REQUIRE(reference.exit_code == 0);
+  const std::string expected = file_bytes(dir.file("ref_model") + "/" + file);
+  REQUIRE(expected.size() > 1000);
+  expect_killed_run_exports(dir, run + resumable_args(dir, "killed", steps, init) + flags, expected, file);
+  return reference.output;
+}
+
 // Two exports hold the same tensors (names, shapes); the largest
 // |a - b| over their fp32 values.
 double max_export_difference(const std::string& a_dir, const std::string& b_dir) {
@@ -273,16 +300,7 @@ TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for
   small_model(dir);
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 30;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
-  REQUIRE(expected.size() > 1000);
-  const int kills = run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps), dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  WARN("killed " << kills << " times");
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  expect_resumed_like_uninterrupted(dir, run, kSteps);
   // The metrics of the resumed run cover every step once.
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
@@ -297,16 +315,7 @@ TEST_CASE("LoRA killed with SIGKILL at random moments and resumed: the adapter c
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear --lora-dropout 0.1";
   constexpr int kSteps = 30;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps) + lora + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/adapter_model.safetensors");
-  REQUIRE(expected.size() > 1000);
-  const int kills =
-      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps) + lora, dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/adapter_model.safetensors") == expected);
+  expect_resumed_like_uninterrupted(dir, run, kSteps, "small.json", lora, "adapter_model.safetensors");
 }
 
 TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
@@ -322,23 +331,14 @@ TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit 
     "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 24;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "moe.json") + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
-  REQUIRE(expected.size() > 1000);
-  CHECK_THAT(reference.output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
+  const std::string output = expect_resumed_like_uninterrupted(dir, run, kSteps, "moe.json");
+  CHECK_THAT(output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
   // strata export gathers every expert from the rank that holds it.
   const auto exported = run_command(run + "export " + dir.file("ref_ckpt") + " " + dir.file("exported") +
                                     " --dtype fp32 2>&1");
   INFO(exported.output);
   REQUIRE(exported.exit_code == 0);
-  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == expected);
-  const int kills =
-      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "moe.json"), dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  CHECK(file_bytes(dir.file("exported") + "/model.safetensors") == file_bytes(dir.file("ref_model") + "/model.safetensors"));
   const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
@@ -365,22 +365,13 @@ TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a sha
     "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 20;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "deepseek.json") + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
-  REQUIRE(expected.size() > 1000);
-  CHECK_THAT(reference.output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
+  const std::string output = expect_resumed_like_uninterrupted(dir, run, kSteps, "deepseek.json");
+  CHECK_THAT(output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
   // The correction bias is a buffer: exported as it started (zeros), never trained.
   const auto model = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
   const auto bias = model.view("model.layers.1.mlp.gate.e_score_correction_bias");
   REQUIRE(bias.numel() == 8);
   for (int64_t i = 0; i < 8; ++i) CHECK(bias.as<float>()[i] == 0.0f);
-  const int kills = run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "deepseek.json"),
-                                           dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
   const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
@@ -404,16 +395,7 @@ TEST_CASE("a Gemma 3 killed with SIGKILL at random moments and resumed ends bit 
     "sliding_window_pattern": 3, "rope_theta": 10000.0, "rope_local_base_freq": 100.0})");
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 24;
-  const auto reference = run_command(run + resumable_args(dir, "ref", kSteps, "gemma.json") + " 2>&1");
-  INFO(reference.output);
-  REQUIRE(reference.exit_code == 0);
-  const std::string expected = file_bytes(dir.file("ref_model") + "/model.safetensors");
-  REQUIRE(expected.size() > 1000);
-  const int kills =
-      run_killed_and_resumed(dir, run + resumable_args(dir, "killed", kSteps, "gemma.json"), dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  expect_resumed_like_uninterrupted(dir, run, kSteps, "gemma.json");
 }
 
 TEST_CASE("a damaged newest checkpoint is named and the previous one used, --resume without one is an error",
@@ -643,11 +625,7 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   CHECK(other.exit_code != 0);
   CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout"));
 
-  const int kills = run_killed_and_resumed(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + tp2,
-                                           dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + tp2, expected);
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == tp_steps[i]["loss"]);
@@ -706,11 +684,7 @@ TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step
   CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout") &&
                                Catch::Contains("pipeline_parallel_size is 2 in the checkpoint, absent in this run"));
 
-  const int kills = run_killed_and_resumed(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline),
-                                           dir.file("killed_ckpt"));
-  INFO("killed " << kills << " times");
-  CHECK(kills >= 3);
-  CHECK(file_bytes(dir.file("killed_model") + "/model.safetensors") == expected);
+  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline), expected);
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == pp_steps[i]["loss"]);

@@ -155,12 +155,14 @@ class _Outer:
         self.packed, self.unpack = packed, unpack
 
 
-class _PreBackward(torch.autograd.Function):
-    """On a module's outputs: its backward fetches the module's parameters before the module's own backward."""
+class _BackwardHook(torch.autograd.Function):
+    """On a module's tensors: their backward calls the module's wrapper's `hook` (by name) for the module. On its
+    outputs, "_pre_backward" fetches the module's parameters before the module's own backward; on its inputs,
+    "_post_backward" releases them once the module's backward is done."""
 
     @staticmethod
-    def forward(ctx, op_ref, *tensors):
-        ctx.op_ref = op_ref
+    def forward(ctx, op_ref, hook, *tensors):
+        ctx.op_ref, ctx.hook = op_ref, hook
         ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in tensors)
 
@@ -169,26 +171,20 @@ class _PreBackward(torch.autograd.Function):
         op = ctx.op_ref()
         if op is not None:
             w = _BY_MODULE[op.module]
-            w._timed(w._pre_backward, op)
-        return (None,) + grads
+            w._timed(getattr(w, ctx.hook), op)
+        return (None, None) + grads
 
 
-class _PostBackward(torch.autograd.Function):
-    """On a module's inputs: its backward releases the module's parameters once the module's backward is done."""
-
-    @staticmethod
-    def forward(ctx, op_ref, *tensors):
-        ctx.op_ref = op_ref
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        op = ctx.op_ref()
-        if op is not None:
-            w = _BY_MODULE[op.module]
-            w._timed(w._post_backward, op)
-        return (None,) + grads
+def _through_backward_hook(op, hook, tree):
+    """`tree` with its tensors that need gradients passed through _BackwardHook(`hook`); None when it has none."""
+    leaves, spec = _flatten(tree)
+    wanted = _grad_tensors(leaves)
+    if not wanted:
+        return None
+    detached = _BackwardHook.apply(weakref.ref(op), hook, *[leaves[i] for i in wanted])
+    for i, t in zip(wanted, detached):
+        leaves[i] = t
+    return torch.utils._pytree.tree_unflatten(leaves, spec)
 
 
 # Tensor attributes that an empty placeholder answers as the parameter would (its dtype, device, ...): reading
@@ -674,14 +670,7 @@ class Wrapped:
         op.calls.append((opened, hooks))
         if not training:
             return None
-        leaves, spec = _flatten((args, kwargs))
-        wanted = _grad_tensors(leaves)
-        if not wanted:
-            return None
-        detached = _PostBackward.apply(weakref.ref(op), *[leaves[i] for i in wanted])
-        for i, t in zip(wanted, detached):
-            leaves[i] = t
-        return torch.utils._pytree.tree_unflatten(leaves, spec)
+        return _through_backward_hook(op, "_post_backward", (args, kwargs))
 
     def _post_forward(self, op, output):
         if not op.calls:  # the pre-hook failed before recording the call
@@ -694,14 +683,7 @@ class Wrapped:
             self._dematerialize(op)
         if not torch.is_grad_enabled():
             return None
-        leaves, spec = _flatten(output)
-        wanted = _grad_tensors(leaves)
-        if not wanted:
-            return None
-        detached = _PreBackward.apply(weakref.ref(op), *[leaves[i] for i in wanted])
-        for i, t in zip(wanted, detached):
-            leaves[i] = t
-        return torch.utils._pytree.tree_unflatten(leaves, spec)
+        return _through_backward_hook(op, "_pre_backward", output)
 
     def _pre_backward(self, op):
         task = torch._C._current_graph_task_id()
