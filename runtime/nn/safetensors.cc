@@ -255,6 +255,10 @@ void SafetensorsFile::read(const std::string& name, const TensorView& dst,
   STRATA_CHECK(allow_convert || e.dtype == dst.desc.dtype, kBadArgument,
                "{}: tensor '{}' has dtype {}, expected {}", path_, name, dtype_name(e.dtype),
                dtype_name(dst.desc.dtype));
+  STRATA_CHECK(e.dtype == dst.desc.dtype || is_float_storage(e.dtype), kBadArgument,
+               "{}: tensor '{}' is {}, the bytes of a quantized checkpoint (read with its quantization_config, "
+               "not converted)",
+               path_, name, dtype_name(e.dtype));
   convert(data_ + e.begin, e.dtype, dst.data, dst.desc.dtype, static_cast<size_t>(dst.numel()));
 }
 

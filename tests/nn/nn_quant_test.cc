@@ -5,6 +5,7 @@
 // loaded into fp32 and bf16 masters bit for bit equal to transformers'
 // dequantization; and every malformed checkpoint or config refused by name.
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -294,4 +295,30 @@ TEST_CASE("quant: a malformed FP8 checkpoint is refused naming the tensor and it
   // scale_fmt ue8m0 reads the same file the same way.
   CHECK_NOTHROW(train::load_hf_config(
       fp8_copy(dir, "ue8m0", [](json& c) { c["quantization_config"]["scale_fmt"] = "ue8m0"; })));
+}
+
+TEST_CASE("quant: FP8 blocks of any size dequantize the same whatever range is read", "[nn][quant]") {
+  // [5, 7] in [2, 3] blocks: a [3, 3] grid, ragged in both directions.
+  std::vector<uint8_t> codes(35);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>((i * 29 + 5) % 126);
+  std::vector<float> scales(9);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = 0.125f * static_cast<float>(i + 1);
+  const TensorView w{TensorDesc{DType::kF8E4M3, {5, 7}, Tier::kCpu}, codes.data()};
+  const TensorView s{TensorDesc{DType::kF32, {3, 3}, Tier::kCpu}, scales.data()};
+  std::vector<float> whole(35);
+  nn::dequantize_fp8_block(w, s, 2, 3, 0, 35, whole.data(), DType::kF32);
+  for (int64_t i = 0; i < 35; ++i) {
+    INFO("element " << i);
+    const auto block = static_cast<size_t>((i / 7) / 2 * 3 + (i % 7) / 3);  // row block x 3 + column block
+    const float want = fp8_e4m3_to_float(codes[static_cast<size_t>(i)]) * scales[block];
+    CHECK(std::bit_cast<uint32_t>(whole[static_cast<size_t>(i)]) == std::bit_cast<uint32_t>(want));
+  }
+  // Every range (the loader reads owned ranges, split anywhere) gives the same elements.
+  for (int64_t first = 0; first < 35; ++first) {
+    for (int64_t n = 0; first + n <= 35; n += 3) {
+      std::vector<float> part(static_cast<size_t>(n));
+      nn::dequantize_fp8_block(w, s, 2, 3, first, n, part.data(), DType::kF32);
+      CHECK(std::equal(part.begin(), part.end(), whole.begin() + first));
+    }
+  }
 }
