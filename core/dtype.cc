@@ -14,6 +14,8 @@ std::string_view dtype_name(DType dtype) {
     case DType::kBF16: return "bf16";
     case DType::kI32: return "int32";
     case DType::kF64: return "fp64";
+    case DType::kF8E4M3: return "fp8_e4m3";
+    case DType::kU8: return "uint8";
   }
   return "?";
 }

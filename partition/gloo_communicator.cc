@@ -76,7 +76,7 @@ struct P2PHeader {
   std::string describe() const {
     const auto type = static_cast<DType>(dtype);
     const bool known = type == DType::kF32 || type == DType::kF16 || type == DType::kBF16 || type == DType::kI32 ||
-                       type == DType::kF64;
+                       type == DType::kF64 || type == DType::kF8E4M3 || type == DType::kU8;
     Shape shape(dims, dims + std::min<size_t>(ndims, kMaxP2PDims));
     std::string text(what, strnlen(what, sizeof(what)));
     if (!known) return fmt::format("elements of unknown dtype {} (tag {:#x}): {}", dtype, tag, text);
@@ -115,13 +115,18 @@ ReduceFn sum_fn(DType dtype) {
     case DType::kBF16: return sum_converted<BFloat16, bf16_to_float, float_to_bf16>;
     case DType::kI32: return sum_same<int32_t>;
     case DType::kF64: return sum_same<double>;
+    case DType::kF8E4M3:
+    case DType::kU8: break;  // checkpoint bytes: moved, never summed
   }
-  raise(ErrorCategory::kInternal, "unknown dtype");
+  raise(ErrorCategory::kBadArgument, "gloo: a reduction of {} elements (checkpoint bytes only move)",
+        dtype_name(dtype));
 }
 
 // Divides (not multiplies by the reciprocal) so an average rounds like sum / n.
 // An int32 average truncates toward zero.
 void divide(void* data, size_t numel, DType dtype, float divisor) {
+  STRATA_CHECK(is_float_storage(dtype) || dtype == DType::kF64 || dtype == DType::kI32, kBadArgument,
+               "gloo: an average of {} elements (checkpoint bytes only move)", dtype_name(dtype));
   if (dtype == DType::kF64) {
     auto* p = static_cast<double*>(data);
     for (size_t i = 0; i < numel; ++i) p[i] /= static_cast<double>(divisor);
@@ -147,6 +152,7 @@ void with_element_type(DType dtype, Fn&& fn) {
   switch (dtype_nbytes(dtype)) {
     case 8: fn(uint64_t{}); break;
     case 4: fn(uint32_t{}); break;
+    case 1: fn(uint8_t{}); break;
     default: fn(uint16_t{}); break;
   }
 }

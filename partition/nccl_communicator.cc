@@ -53,6 +53,8 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::kBF16: return ncclBfloat16;
     case DType::kI32: return ncclInt32;
     case DType::kF64: return ncclFloat64;
+    case DType::kF8E4M3:
+    case DType::kU8: return ncclUint8;  // checkpoint bytes: moved, never summed
   }
   raise(ErrorCategory::kInternal, "unknown dtype");
 }

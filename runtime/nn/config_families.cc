@@ -188,18 +188,11 @@ void Reader::refuse_unread(const std::string& model_type, const std::string& rea
       note_ignored(where_, key, "is bookkeeping no model computation reads");
       continue;
     }
-    if (!transformers_reads(key) && key != "quantization_config" && key != "auto_map") {
+    if (!transformers_reads(key) && key != "auto_map") {
       note_ignored(where_, key, fmt::format("is not read by transformers' {}", reader));
       continue;
     }
     const json& v = it.value();
-    if (key == "quantization_config") {
-      raise(ErrorCategory::kBadArgument,
-            "{}: key 'quantization_config' is set: the weights are quantized, and strata trains "
-            "full-precision "
-            "weights only (load the unquantized model)",
-            where_);
-    }
     if (key == "auto_map") {
       raise(ErrorCategory::kBadArgument,
             "{}: key 'auto_map' names custom modeling code, which transformers would run instead "
@@ -894,6 +887,10 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
       }
     }
   }
+  // Quantized weights: FP8 blocks and MXFP4 are read and dequantized exactly,
+  // any other quantization is refused naming its quant_method.
+  if (r.present("quantization_config")) c.quant = parse_checkpoint_quant(r.read("quantization_config"), source, mt);
+  r.accept("quantization_config");
   r.refuse_unread(mt, family.architecture);
   try {
     c.validate();

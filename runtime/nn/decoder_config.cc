@@ -587,6 +587,7 @@ nlohmann::json DecoderConfig::to_hf_json(DType dtype) const {
                                             : "bfloat16";
   j["torch_dtype"] = name;
   if (j.contains("dtype")) j["dtype"] = name;  // transformers 5's name for it
+  j.erase("quantization_config");             // the weights are written dequantized
   return j;
 }
 

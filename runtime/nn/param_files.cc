@@ -73,18 +73,16 @@ void load_parameters(Engine& engine, const std::vector<ParamId>& params, const s
     STRATA_CHECK(e.shape == tensor_shape_of(p), kBadArgument,
                  "{}: tensor '{}' has shape {}, but the model's '{}' needs {}", path, name,
                  shape_string(e.shape), p.name, shape_string(tensor_shape_of(p)));
+    STRATA_CHECK(is_float_storage(e.dtype), kBadArgument,
+                 "{}: tensor '{}' is {}, the bytes of a quantized checkpoint; they are read with the model's "
+                 "quantization_config (config.json), not as '{}' itself",
+                 path, name, dtype_name(e.dtype), p.name);
     const TensorView src = file.view(name);
     const size_t src_elem = dtype_nbytes(e.dtype);
-    engine.for_each_owned_range(
-        id, Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
-          const size_t dst_elem = dtype_nbytes(host.desc.dtype);
-          for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t into, int64_t n) {
-            convert(static_cast<const char*>(src.data) + at * static_cast<int64_t>(src_elem),
-                    e.dtype,
-                    static_cast<char*>(host.data) + (into - first) * static_cast<int64_t>(dst_elem),
-                    host.desc.dtype, static_cast<size_t>(n));
-          });
-        });
+    load_parameter(engine, id, [&](int64_t at, int64_t n, void* dst, DType dst_dtype) {
+      convert(static_cast<const char*>(src.data) + at * static_cast<int64_t>(src_elem), e.dtype, dst, dst_dtype,
+              static_cast<size_t>(n));
+    });
     claimed.insert(name);
   }
   // A tied model (no lm_head parameter) must not drop a distinct lm_head from
@@ -108,6 +106,17 @@ void load_parameters(Engine& engine, const std::vector<ParamId>& params, const s
     STRATA_CHECK(claimed.contains(name), kBadArgument,
                  "{}: tensor '{}' matches no parameter of the model", path, name);
   }
+}
+
+void load_parameter(Engine& engine, ParamId id, const TensorSource& source) {
+  const ParamInfo& p = engine.param_info(id);
+  engine.for_each_owned_range(id, Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
+    const size_t dst_elem = dtype_nbytes(host.desc.dtype);
+    for_each_tensor_run(p, first, host.numel(), [&](int64_t at, int64_t into, int64_t n) {
+      source(at, n, static_cast<char*>(host.data) + (into - first) * static_cast<int64_t>(dst_elem),
+             host.desc.dtype);
+    });
+  });
 }
 
 void save_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,

@@ -26,6 +26,12 @@ namespace strata::nn {
 void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::string& path, bool allow_unused = false,
                      const std::string& prefix = "");
+// Where the values of a Hugging Face tensor come from: writes its elements
+// [first, first + n) (row-major), as dst_dtype, to dst.
+using TensorSource = std::function<void(int64_t first, int64_t n, void* dst, DType dst_dtype)>;
+// Loads parameter `id` (the ranges this rank owns) from its tensor's `source`
+// (a dequantizing reader, checkpoint_quant.h); the caller checked the shape.
+void load_parameter(engine::Engine& engine, engine::ParamId id, const TensorSource& source);
 // Writes every parameter in its storage dtype (tiles as their untiled
 // tensor), named prefix + its name. Needs a rank that owns every element (a
 // resident engine, or world size 1); sharded checkpoints are the engine's business.

@@ -36,7 +36,11 @@ DType parse_st_dtype(const std::string& path, const std::string& name, const std
   if (s == "F32") return DType::kF32;
   if (s == "F16") return DType::kF16;
   if (s == "BF16") return DType::kBF16;
-  raise(ErrorCategory::kBadArgument, "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16",
+  // The bytes of quantized checkpoints (runtime/nn/checkpoint_quant.h): FP8
+  // weights, MXFP4 blocks and scales. Only the quantized reader computes with them.
+  if (s == "F8_E4M3") return DType::kF8E4M3;
+  if (s == "U8") return DType::kU8;
+  raise(ErrorCategory::kBadArgument, "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16, F8_E4M3, U8",
         path, quoted(name), quoted(s));
 }
 
@@ -60,6 +64,10 @@ std::string_view safetensors_dtype_name(DType dtype) {
       return "I32";
     case DType::kF64:
       return "F64";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
@@ -247,6 +255,10 @@ void SafetensorsFile::read(const std::string& name, const TensorView& dst,
   STRATA_CHECK(allow_convert || e.dtype == dst.desc.dtype, kBadArgument,
                "{}: tensor '{}' has dtype {}, expected {}", path_, name, dtype_name(e.dtype),
                dtype_name(dst.desc.dtype));
+  STRATA_CHECK(e.dtype == dst.desc.dtype || is_float_storage(e.dtype), kBadArgument,
+               "{}: tensor '{}' is {}, the bytes of a quantized checkpoint (read with its quantization_config, "
+               "not converted)",
+               path_, name, dtype_name(e.dtype));
   convert(data_ + e.begin, e.dtype, dst.data, dst.desc.dtype, static_cast<size_t>(dst.numel()));
 }
 

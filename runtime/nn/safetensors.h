@@ -87,7 +87,8 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
 };
 
-// "F32", "F16", "BF16" <-> DType; other safetensors dtypes raise kBadArgument.
+// "F32", "F16", "BF16", and the quantized checkpoints' "F8_E4M3", "U8" <-> DType;
+// other safetensors dtypes raise kBadArgument.
 std::string_view safetensors_dtype_name(DType dtype);
 
 }  // namespace strata::nn

@@ -183,6 +183,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     export_options.files = read_model_files(options.model, model_config.to_hf_json(DType::kF32));
     // The MTP modules' weights: not trained, carried to the export as they are.
     export_options.carried = carried_hf_tensors(model_config, options.model);
+    export_options.quant = model_config.quant;
   }
   STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
 
@@ -458,7 +459,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   } else {
     std::set<std::string> carried;
     for (const auto& [name, file] : export_options.carried) carried.insert(name);
-    load_hf_weights(engine, base, options.model, carried);
+    load_hf_weights(engine, base, options.model, carried, model_config.quant);
   }
   nn::initialize_parameters(engine, adapters, seed);
   if (start_adapter) {

@@ -345,15 +345,44 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     for (const auto& [tensor, source] : options.carried) {
       auto it = sources.find(source);
       if (it == sources.end()) it = sources.emplace(source, nn::SafetensorsFile::open(source.string())).first;
-      const TensorView v = it->second.view(tensor);
-      decls.push_back({tensor, v.desc.dtype, v.desc.shape});
+    }
+    // A carried FP8 weight (DeepSeek's MTP module in an FP8 checkpoint) is
+    // written dequantized, its "_scale_inv" consumed: the export's
+    // config.json has no quantization_config to scale it by.
+    const auto view_of = [&](const std::string& tensor) { return sources.at(options.carried.at(tensor)).view(tensor); };
+    const auto scale_of = [&](const std::string& tensor, const TensorView& v) {
+      const std::string scale = tensor + "_scale_inv";
+      STRATA_CHECK(v.desc.dtype != DType::kF8E4M3 ||
+                       (options.quant.method == nn::QuantMethod::kFp8Block && options.carried.contains(scale)),
+                   kBadArgument, "carried tensor '{}' is FP8 without its '{}' or the model's FP8 quantization_config",
+                   tensor, scale);
+      return v.desc.dtype == DType::kF8E4M3 ? scale : std::string();
+    };
+    std::set<std::string> consumed;
+    for (const auto& [tensor, source] : options.carried) {
+      const TensorView v = view_of(tensor);
+      if (const std::string scale = scale_of(tensor, v); !scale.empty()) consumed.insert(scale);
+    }
+    for (const auto& [tensor, source] : options.carried) {
+      if (consumed.contains(tensor)) continue;
+      const TensorView v = view_of(tensor);
+      decls.push_back({tensor, v.desc.dtype == DType::kF8E4M3 ? options.dtype : v.desc.dtype, v.desc.shape});
     }
     nn::SafetensorsStreamWriter file((staging->dir() / name).string(), decls, {{"format", "pt"}});
     for (const auto& [tensor, source] : options.carried) {
-      const TensorView v = sources.at(source).view(tensor);
-      file.write(tensor, 0, v.data, v.nbytes());
+      if (consumed.contains(tensor)) continue;
+      const TensorView v = view_of(tensor);
+      if (const std::string scale = scale_of(tensor, v); !scale.empty()) {
+        Tensor values = Tensor::host(options.dtype, v.desc.shape);
+        nn::dequantize_fp8_block(v, view_of(scale), options.quant.block_rows, options.quant.block_cols, 0,
+                                 v.numel(), values.data(), options.dtype);
+        file.write(tensor, 0, values.data(), values.nbytes());
+        total_nbytes += values.nbytes();
+      } else {
+        file.write(tensor, 0, v.data, v.nbytes());
+        total_nbytes += v.nbytes();
+      }
       weight_map[tensor] = name;
-      total_nbytes += v.nbytes();
     }
     file.commit();
     result.files.push_back(dir / name);

@@ -53,6 +53,10 @@ struct ExportOptions {
   // carried_hf_tensors), into the last shard, a file of their own, which the
   // index (always written then) maps them to.
   std::map<std::string, std::filesystem::path> carried;
+  // The source's quantization (config.json's quantization_config): a carried
+  // FP8 weight is written dequantized in `dtype` and its scale grid dropped,
+  // as the export's config.json has no quantization_config.
+  nn::CheckpointQuant quant;
 };
 
 // What was written (rank 0; other ranks get the same file list).

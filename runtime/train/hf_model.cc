@@ -126,7 +126,7 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
     std::string file;
     Shape shape;
   };
-  std::map<std::string, Found> found;
+  nn::CheckpointTensors stored;  // as the files hold them
   std::map<std::string, nn::SafetensorsFile> opened;
   for (const std::string& file : w.files) {
     const fs::path path = dir / file;
@@ -134,7 +134,8 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
                          w.index.empty() ? dir.string() : w.index.string(), path.string());
     nn::SafetensorsFile f = nn::SafetensorsFile::open(path.string());
     for (const std::string& name : f.names()) {
-      const auto [it, fresh] = found.emplace(name, Found{file, f.entry(name).shape});
+      const nn::SafetensorsEntry& e = f.entry(name);
+      const auto [it, fresh] = stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
       STRATA_CHECK(fresh, kBadArgument, "--model {}: tensor '{}' is in both {} and {}", dir.string(),
                            name, it->second.file, file);
       STRATA_CHECK(
@@ -145,10 +146,15 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
     opened.emplace(file, std::move(f));
   }
   for (const auto& [name, file] : w.weight_map) {
-    STRATA_CHECK(found.contains(name), kBadArgument,
+    STRATA_CHECK(stored.contains(name), kBadArgument,
                          "{}: the weight_map maps '{}' to {}, which does not hold it",
                          w.index.string(), name, file);
   }
+  // Quantized weights (config.json's quantization_config) as the model sees
+  // them: dequantized shapes under their own names, their scales consumed.
+  const nn::DequantizedView view = nn::dequantized_view(config.quant, stored, "--model " + dir.string());
+  std::map<std::string, Found> found;
+  for (const auto& [name, shape] : view.shapes) found.emplace(name, Found{view.files.at(name), shape});
   std::map<std::string, Shape> expected;
   for (nn::HfTensor& t : nn::hf_tensors(config))
     expected.emplace(std::move(t.name), std::move(t.shape));
@@ -245,15 +251,38 @@ std::map<std::string, fs::path> carried_hf_tensors(const nn::DecoderConfig& conf
 }
 
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const fs::path& dir, const std::set<std::string>& carried) {
+                     const fs::path& dir, const std::set<std::string>& carried, const nn::CheckpointQuant& quant) {
   const WeightFiles w = weight_files(dir);
-  // Each parameter goes with the file its (untiled) tensor lives in.
+  // Every file mapped once, and what it holds.
+  std::map<std::string, nn::SafetensorsFile> opened;
+  nn::CheckpointTensors stored;
+  for (const std::string& file : w.files) {
+    nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
+    for (const std::string& name : f.names()) {
+      const nn::SafetensorsEntry& e = f.entry(name);
+      stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
+    }
+    opened.emplace(file, std::move(f));
+  }
+  const nn::DequantizedView view = nn::dequantized_view(quant, stored, dir.string());
+  // Each parameter goes with the file its (untiled) tensor lives in; a
+  // quantized one with the reader that dequantizes it.
   std::map<std::string, std::vector<engine::ParamId>> by_file;
+  std::vector<std::pair<engine::ParamId, const nn::QuantizedTensor*>> dequantized;
   std::set<std::string> wanted;
   for (engine::ParamId id : params) {
     const auto& info = engine.param_info(id);
     const std::string& tensor = info.slice ? info.slice->tensor : info.name;
     wanted.insert(tensor);
+    if (const auto q = view.quantized.find(tensor); q != view.quantized.end()) {
+      const Shape& shape = info.slice ? info.slice->tensor_shape : info.shape;
+      STRATA_CHECK(q->second.shape == shape, kBadArgument,
+                   "{}: quantized tensor '{}' has shape {} dequantized, but the model's '{}' needs {}",
+                   (dir / view.files.at(tensor)).string(), tensor, shape_string(q->second.shape), info.name,
+                   shape_string(shape));
+      dequantized.emplace_back(id, &q->second);
+      continue;
+    }
     if (w.index.empty()) {
       by_file["model.safetensors"].push_back(id);
       continue;
@@ -266,20 +295,27 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
   // No file may hold a weight the model leaves out (check_hf_checkpoint says
   // why in the model's terms; this is the same rule for any caller), but
   // what it carries untrained (`carried`: the MTP modules).
-  for (const std::string& file : w.files) {
-    const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
-    for (const std::string& name : f.names()) {
-      const bool tied_head = name == kHead && !wanted.contains(kHead) && wanted.contains(kEmbed) &&
-                             (w.index.empty() || w.weight_map.at(kEmbed) == file);
-      STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head || carried.contains(name),
-                   kBadArgument,
-                           "{}: tensor '{}' matches no parameter of the model",
-                           (dir / file).string(), name);
-    }
+  for (const auto& [name, file] : view.files) {
+    const bool tied_head = name == kHead && !wanted.contains(kHead) && wanted.contains(kEmbed) &&
+                           (w.index.empty() || w.weight_map.at(kEmbed) == file);
+    STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head || carried.contains(name),
+                 kBadArgument, "{}: tensor '{}' matches no parameter of the model", (dir / file).string(), name);
   }
   for (const auto& [file, ids] : by_file) {
     // Unused tensors were refused above; the tied lm_head is compared with the embedding here.
     nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true);
+  }
+  // Quantized weights: dequantized range by range from the mapped files, in fp32, rounded once to the parameter's dtype.
+  for (const auto& [id, q] : dequantized) {
+    const TensorView data = opened.at(stored.at(q->data).file).view(q->data);
+    const TensorView scale = opened.at(stored.at(q->scale).file).view(q->scale);
+    nn::load_parameter(engine, id, [&](int64_t first, int64_t n, void* dst, DType dst_dtype) {
+      if (q->method == nn::QuantMethod::kFp8Block) {
+        nn::dequantize_fp8_block(data, scale, quant.block_rows, quant.block_cols, first, n, dst, dst_dtype);
+      } else {
+        nn::dequantize_mxfp4(data, scale, first, n, dst, dst_dtype);
+      }
+    });
   }
 }
 

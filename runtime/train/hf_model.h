@@ -4,6 +4,11 @@
 // file and tensor by tensor into each rank's owned ranges
 // (Engine::for_each_owned_range): no rank holds a whole model.
 //
+// A quantized checkpoint (config.json's quantization_config: FP8 blocks,
+// MXFP4) holds each quantized weight as its stored form and scales
+// (nn/checkpoint_quant.h); the check and the load see it dequantized under
+// its own name.
+//
 // The checkpoint must hold exactly the tensors the architecture uses
 // (nn::hf_tensors): a tensor the model would not use means the checkpoint is
 // another model than config.json says (a Qwen2 checkpoint labelled llama
@@ -41,8 +46,12 @@ std::map<std::string, std::filesystem::path> carried_hf_tensors(const nn::Decode
 // Every parameter in `params` from the directory's safetensors; a tensor no
 // parameter claims (other than those above) is refused.
 // `carried`: tensors the files may hold without a parameter (carried_hf_tensors').
+// `quant`: config.json's quantization_config; its quantized weights are
+// dequantized exactly into the parameters' dtype, range by range from the
+// mapped files (nn/checkpoint_quant.h).
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const std::filesystem::path& dir, const std::set<std::string>& carried = {});
+                     const std::filesystem::path& dir, const std::set<std::string>& carried = {},
+                     const nn::CheckpointQuant& quant = {});
 // The identity of the directory's weights: each weights file (and the index
 // when sharded) with its size and CRC-32, [{"file", "bytes", "crc32"}, ...]
 // in name order. With checksums it reads every byte once; without, crc32 is

@@ -102,15 +102,21 @@ TEST_CASE("real configs: a transformers 5.24 save of SmolLM2 (bookkeeping, unk_t
 }
 
 TEST_CASE("real configs: DeepSeek-V3 and Kimi K2 parse with transformers' parameter counts, their FP8 "
-          "quantization and custom code are refused by name",
+          "quantization read, custom code refused by name",
           "[nn][config][families]") {
   const json v3 = read_config("deepseek-v3");
-  // The published file names DeepSeek's own modeling code (auto_map) and its
-  // FP8 checkpoint (quantization_config): both refused by name.
+  // The published file names DeepSeek's own modeling code (auto_map),
+  // refused by name, and its FP8 checkpoint (quantization_config: e4m3,
+  // 128 x 128 blocks, dynamic activations), read and dequantized.
   expect_refused(v3, {"auto_map"});
   json plain = v3;
   plain.erase("auto_map");
-  expect_refused(plain, {"quantization_config"});
+  const DecoderConfig fp8 = parse_decoder_config(plain);
+  CHECK(fp8.quant.method == nn::QuantMethod::kFp8Block);
+  CHECK(fp8.quant.block_rows == 128);
+  CHECK(fp8.quant.block_cols == 128);
+  CHECK_FALSE(fp8.quant.ue8m0);
+  CHECK_FALSE(fp8.to_hf_json(DType::kBF16).contains("quantization_config"));  // exported dequantized
   plain.erase("quantization_config");
   // ep_size, moe_layer_freq, scoring_func, topk_method: DeepSeek's own keys,
   // which DeepseekV3Config does not take (they pass, logged).

@@ -67,6 +67,11 @@ void check_export(const std::string& dir, const std::string& source, const std::
   const json src = read_json(source + "/config.json"), out = read_json(dir + "/config.json");
   for (const auto& [key, value] : src.items()) {
     INFO("config key " << key);
+    // The weights are written dequantized: the quantization is not the export's.
+    if (key == "quantization_config") {
+      CHECK_FALSE(out.contains(key));
+      continue;
+    }
     CHECK(out.contains(key));
     if (key != "dtype" && key != "torch_dtype") CHECK(out[key] == value);
   }
@@ -288,6 +293,96 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: DeepSeek-V3, Kimi K2 an
     INFO("step 5 " << next << ", the export's first " << loaded);
     CHECK(std::abs(loaded - next) <= (bf16 ? 1e-2 : 1e-6) * next);
   }
+}
+
+TEST_CASE("families: a DeepSeek-V3 FP8 checkpoint fine-tunes from its dequantized weights, exports bf16 without "
+          "its quantization_config, and the export loads back to the next step's loss",
+          "[finetune][families][deepseek][quant]") {
+  strata::test::TempDir dir("families-fp8");
+  const std::string fp8 = fixture("fp8_deepseek_v3");
+  const json source = read_json(fp8 + "/config.json");
+  REQUIRE(source["quantization_config"]["quant_method"] == "fp8");
+  // The fixture plus an FP8 multi-token prediction module (model.layers.2.*,
+  // as DeepSeek ships it): carried untrained, written dequantized.
+  const std::string model = dir.file("model");
+  std::filesystem::create_directories(model);
+  for (const char* f : {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
+    std::filesystem::copy_file(fp8 + "/" + f, model + "/" + f);
+  std::vector<uint8_t> codes(4 * 136);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>((i * 37) % 120);  // finite codes
+  const std::vector<float> scale = {0.5f, 0.0625f}, norm(136, 1.5f);
+  {
+    strata::nn::SafetensorsStreamWriter mtp(model + "/mtp.safetensors",
+                                            {{"model.layers.2.eh_proj.weight", strata::DType::kF8E4M3, {4, 136}},
+                                             {"model.layers.2.eh_proj.weight_scale_inv", strata::DType::kF32, {1, 2}},
+                                             {"model.layers.2.enorm.weight", strata::DType::kF32, {136}}});
+    mtp.write("model.layers.2.eh_proj.weight", 0, codes.data(), codes.size());
+    mtp.write("model.layers.2.eh_proj.weight_scale_inv", 0, scale.data(), scale.size() * sizeof(float));
+    mtp.write("model.layers.2.enorm.weight", 0, norm.data(), norm.size() * sizeof(float));
+    mtp.commit();
+  }
+  json index = read_json(fp8 + "/model.safetensors.index.json");
+  for (const char* t : {"model.layers.2.eh_proj.weight", "model.layers.2.eh_proj.weight_scale_inv",
+                        "model.layers.2.enorm.weight"})
+    index["weight_map"][t] = "mtp.safetensors";
+  write_file(dir, "model/model.safetensors.index.json", index.dump());
+  const std::string data = one_window(dir, source["vocab_size"].get<int>(), 7);
+  const std::string config = write_file(dir, "ds.json", R"({"train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1, "bf16": {"enabled": true},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}, "zero_optimization": {"stage": 3}})");
+  const std::string common = strata_binary() + " finetune --config " + config + " --data " + data +
+                             " --data-format u16 --seq 7 ";
+  const auto first = run_command(common + "--model " + model + " --steps 2 --out " + dir.file("a") + " --export " +
+                                 dir.file("export") + " 2>&1");
+  INFO(first.output);
+  REQUIRE(first.exit_code == 0);
+  CHECK_THAT(first.output, Catch::Contains("2 tensors of the multi-token prediction module"));
+  // The model's tensors dequantized and trained, in bf16; the MTP module
+  // carried in the last shard, its FP8 weight dequantized (fp32 product,
+  // rounded once to bf16) and its scale grid gone.
+  const json exported = read_json(dir.file("export") + "/config.json");
+  CHECK_FALSE(exported.contains("quantization_config"));
+  for (const auto& [key, value] : source.items()) {
+    INFO("config key " << key);
+    if (key != "quantization_config") CHECK(exported.contains(key));
+    if (key != "quantization_config" && key != "dtype" && key != "torch_dtype") CHECK(exported[key] == value);
+  }
+  const json map = read_json(dir.file("export") + "/model.safetensors.index.json")["weight_map"];
+  CHECK_FALSE(map.contains("model.layers.2.eh_proj.weight_scale_inv"));
+  const auto carried = strata::nn::SafetensorsFile::open(dir.file("export") + "/" +
+                                                         map["model.layers.2.eh_proj.weight"].get<std::string>());
+  const auto eh = carried.view("model.layers.2.eh_proj.weight");
+  REQUIRE(eh.desc.dtype == strata::DType::kBF16);
+  REQUIRE(eh.desc.shape == strata::Shape({4, 136}));
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const float want = strata::fp8_e4m3_to_float(codes[i]) * scale[(i % 136) / 128];
+    CHECK(static_cast<const strata::BFloat16*>(eh.data)[i].bits == strata::float_to_bf16(want).bits);
+  }
+  const auto weights = strata::nn::SafetensorsFile::open(dir.file("export") + "/" +
+                                                         map["model.norm.weight"].get<std::string>());
+  const strata::nn::DecoderConfig c = strata::nn::parse_decoder_config(exported);
+  CHECK(weights.names().size() == strata::nn::hf_tensors(c).size());
+  for (const auto& t : strata::nn::hf_tensors(c)) {
+    INFO(t.name);
+    REQUIRE(weights.contains(t.name));
+    CHECK(weights.entry(t.name).shape == t.shape);
+    const bool fp32 = strata::nn::export_dtype(c, t.name, strata::DType::kBF16) == strata::DType::kF32;
+    CHECK(weights.entry(t.name).dtype == (fp32 ? strata::DType::kF32 : strata::DType::kBF16));
+  }
+  const auto longer = run_command(common + "--model " + model + " --steps 3 --out " + dir.file("b") + " 2>&1");
+  INFO(longer.output);
+  REQUIRE(longer.exit_code == 0);
+  const auto again =
+      run_command(common + "--model " + dir.file("export") + " --steps 1 --out " + dir.file("c") + " 2>&1");
+  INFO(again.output);
+  REQUIRE(again.exit_code == 0);
+  const auto steps = read_jsonl(dir.file("b") + "/metrics.jsonl");
+  REQUIRE(steps.size() == 3);
+  const double start = steps[0]["loss"].get<double>(), next = steps[2]["loss"].get<double>();
+  const double loaded = read_jsonl(dir.file("c") + "/metrics.jsonl").at(0)["loss"].get<double>();
+  INFO("step 1 " << start << ", step 3 " << next << ", the export's first " << loaded);
+  CHECK(std::abs(start - next) > 1e-3 * start);  // training moved the model
+  CHECK(loaded == next);                         // bf16 masters, exported bf16: the same weights
 }
 
 TEST_CASE("families: DeepSeek's multi-token prediction weights are carried to the export unchanged, with a notice",
