@@ -395,9 +395,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                       static_cast<int>(chunks.size())};
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks);
     if (rank.rank == 0) {
+      // Each micro-batch's input to every layer (and one gradient flowing down), kept by the executor.
+      const double boundaries = static_cast<double>(accumulation) * static_cast<double>(chunks.size()) *
+                                static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
+                                static_cast<double>(dtype_nbytes(chunks.front()->activation_dtype()));
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
-                    "then each layer's backwards from the top",
-                    accumulation, chunks.size());
+                    "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
+                    "activations and gradients take {:.1f} MiB, besides one working arena per layer",
+                    accumulation, chunks.size(), boundaries / (1 << 20));
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
