@@ -359,6 +359,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     // The micro-batches (each this rank's same tokens), their gradients accumulated.
     trace::Span phase("phase", layers != nullptr ? "layer-major forwards and backwards" : "forwards and backwards");
     if (layers != nullptr) {
+      // Each layer's gradient is final after its m backwards: its update overlaps the backwards of the layers below.
+      if (flags.overlap_optimizer) z.prepare_step(flags.lr, flags.micro_batches);
       const pipeline::StepStats stats =
           layers->run([&](int) { return pipeline::MicroBatch{ids, targets, {}, run.batch, run.seq}; }, forward);
       loss_sum = stats.loss_sum;

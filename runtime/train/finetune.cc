@@ -614,12 +614,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (const auto& stage : stages) stage->reset_router_load();  // an evaluation since the last step routed too
     std::optional<pipeline::StepStats> piped;
     if (executor) {
-      // The step's micro-batches through the pipeline (no prepare_step: the
-      // backwards of one step interleave with forwards).
+      // The step's micro-batches through the pipeline (pipeline parallelism:
+      // no prepare_step, the backwards of one step interleave with forwards).
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();
       trace::Span span("phase", "pipeline");
+      // Layer-major: each layer's gradient is final after its m backwards, and its update overlaps the layers below.
+      if (layer_major) engine.prepare_step(static_cast<float>(lr), static_cast<int>(micro.size()));
       piped = executor->run(
           [&](int i) {
             const data::Batch& b = micro[static_cast<size_t>(i)];
