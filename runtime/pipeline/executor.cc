@@ -292,13 +292,15 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
     nn::ForwardOptions forward = options;
     forward.slot = index;
     forward.positions = mb.positions;
+    // An evaluation takes each micro-batch through every chunk in turn: one set of boundaries serves them all.
+    const int kept = options.backward ? a.micro_batch : 0;
     switch (a.kind) {
       case ActionKind::kForward: {
-        if (kept_) hand_over(a.chunk, a.micro_batch, index, false, true);
+        if (kept_) hand_over(a.chunk, kept, index, false, true);
         model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
         if (model.stage().head) model.loss_stats_async(index, losses_ + 2 * static_cast<size_t>(a.micro_batch));
         if (kept_) {
-          hand_over(a.chunk, a.micro_batch, index, false, false);
+          hand_over(a.chunk, kept, index, false, false);
           kept_->resident[static_cast<size_t>(a.chunk)] = a.micro_batch;
         }
         break;
@@ -311,11 +313,11 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
                          "{}: the head chunk's slot holds micro-batch {}, and its forward cannot run again (it adds "
                          "the loss's gradient)",
                          a.describe(), resident);
-            hand_over(a.chunk, a.micro_batch, index, false, true);  // the kept input back into the slot
+            hand_over(a.chunk, kept, index, false, true);  // the kept input back into the slot
             model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
             resident = a.micro_batch;
           }
-          hand_over(a.chunk, a.micro_batch, index, true, true);  // the gradient from the chunk above
+          hand_over(a.chunk, kept, index, true, true);  // the gradient from the chunk above
         }
         if (schedule_.spec.split_backward()) {
           if (!slot.deferred) slot.deferred = std::make_unique<DeferredWeightGrads>(engine_);
@@ -333,7 +335,7 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
           model.backward(index);
         }
         if (kept_) {
-          hand_over(a.chunk, a.micro_batch, index, true, false);  // the gradient for the chunk below
+          hand_over(a.chunk, kept, index, true, false);  // the gradient for the chunk below
           kept_->resident[static_cast<size_t>(a.chunk)] = -1;
         }
         break;

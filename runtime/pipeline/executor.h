@@ -147,7 +147,8 @@ class PipelineExecutor {
   // `micro_batch` (KeptBoundaries): the activation (the input into the slot,
   // or the output out to the next chunk's kept input) or the gradient (the
   // output's gradient into the slot, or the input's out), on the compute
-  // stream; nothing where the chunk has no such neighbour.
+  // stream; nothing where the chunk has no such neighbour. An evaluation
+  // keeps every micro-batch's in micro-batch 0's (one passes at a time).
   void hand_over(int chunk, int micro_batch, int slot, bool gradient, bool into_slot);
   void compute(const Action& action, const std::function<MicroBatch(int)>& micro_batch,
                const nn::ForwardOptions& options, size_t position);
