@@ -62,7 +62,7 @@ struct ShardOptimizer::Group {
   std::vector<std::vector<uint32_t>> param_sub_groups;  // per member: the sub-groups its slice meets
   std::vector<int32_t> members_of_sub_group;            // per sub-group: members whose slice meets it
   std::vector<int32_t> pending;                         // per sub-group: members not landed since arming
-  std::vector<uint8_t> landed;                          // per member: landed since arming
+  std::vector<int32_t> landed;                          // per member: landings since arming
   bool armed = false;                                   // counting the last backward's landings
   bool landed_twice = false;                            // a member landed twice: more than one backward
   std::vector<kernels::GradStats> stats;                // per sub-group: its gradient's statistics
@@ -93,6 +93,7 @@ struct ShardOptimizer::Overlap {
   int64_t prefetched = 0;            // speculating: sub-groups whose state was read ahead since prepare
   OverlapMode mode = OverlapMode::kSpeculate;  // prepare's
   float lr = 0;                      // prepare's
+  int backwards = 1;                 // prepare's: the landings that make a member final
   float grad_scale = 1;              // the speculated one
   double loss_scale = 1;
   // apply_async's work: set by the caller, run once by the thread.
@@ -276,14 +277,16 @@ StepInputs ShardOptimizer::step_inputs(Group& g, float grad_scale) {
 
 // ---- the optimizer overlapping backward --------------------------------------------
 
-void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale) {
+void ShardOptimizer::prepare(float lr, float grad_scale, double loss_scale, int backwards) {
   check_not_updating("prepare_step()");
   STRATA_CHECK(!prepared_, kBadArgument, "prepare_step() twice without a step() between");
+  STRATA_CHECK(backwards >= 1, kBadArgument, "prepare_step(): {} backward passes to come; at least 1", backwards);
   kernels::AdamConfig adam = options_.adam;
   adam.lr = lr;
   adam.validate();  // a bad lr fails here, not on the optimizer thread
   Overlap& o = *overlap_;
   o.lr = lr;
+  o.backwards = backwards;
   o.loss_scale = loss_scale;
   o.grad_scale = grad_scale;
   mode_ = choose_mode();
@@ -384,11 +387,11 @@ void ShardOptimizer::on_landed(size_t group, const std::vector<size_t>& params) 
   if (!g.armed) return;
   bool queued = false;
   for (size_t p : params) {
-    if (g.landed[p] != 0) {
-      g.landed_twice = true;  // a second backward: what was speculated may miss its gradient
+    if (g.landed[p] >= o.backwards) {
+      g.landed_twice = true;  // one backward more: what was speculated may miss its gradient
       continue;
     }
-    g.landed[p] = 1;
+    if (++g.landed[p] < o.backwards) continue;  // more of this step's backwards to come
     for (uint32_t k : g.param_sub_groups[p]) {
       if (--g.pending[k] == 0) {
         o.ready.emplace_back(group, k);

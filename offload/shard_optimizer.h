@@ -182,7 +182,10 @@ class ShardOptimizer {
   // the countdown and the thread, speculating `grad_scale` (the loss scale
   // divided out, no clipping) and `loss_scale`. Collective (a reducer's open
   // bucket is flushed). Error(kBadArgument) when already prepared.
-  void prepare(float lr, float grad_scale, double loss_scale);
+  // `backwards`: the backward passes each parameter's gradient still lands
+  // from before apply() (layer-major runs each layer's m backwards in a row:
+  // m); a sub-group is final once each member landed that many times.
+  void prepare(float lr, float grad_scale, double loss_scale, int backwards = 1);
   bool prepared() const { return prepared_; }
   // How later prepare()s choose the thread's mode.
   void set_policy(OverlapPolicy policy) { options_.policy = policy; }

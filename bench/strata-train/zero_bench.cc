@@ -344,6 +344,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     drive.push_back(bw);
   };
 
+  bool activations_said = false;
   const auto zero_step = [&](engine::ZeroEngine& z, nn::DecoderModel& zm, pipeline::PipelineExecutor* layers) {
     StepFigures f;
     trace::Span span("phase", "zero step");  // --trace
@@ -358,8 +359,20 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     // The micro-batches (each this rank's same tokens), their gradients accumulated.
     trace::Span phase("phase", layers != nullptr ? "layer-major forwards and backwards" : "forwards and backwards");
     if (layers != nullptr) {
-      loss_sum = layers->run([&](int) { return pipeline::MicroBatch{ids, targets, {}, run.batch, run.seq}; }, forward)
-                     .loss_sum;
+      // Each layer's gradient is final after its m backwards: its update overlaps the backwards of the layers below.
+      if (flags.overlap_optimizer) z.prepare_step(flags.lr, flags.micro_batches);
+      const pipeline::StepStats stats =
+          layers->run([&](int) { return pipeline::MicroBatch{ids, targets, {}, run.batch, run.seq}; }, forward);
+      loss_sum = stats.loss_sum;
+      if (!activations_said && r.rank == 0) {
+        // The first step lays the activations out: each layer's one working arena, and each micro-batch's boundaries.
+        fmt::print("layer-major activations: {:.2f} MiB ({:.2f} MiB of working arenas, one per layer; {:.2f} MiB of "
+                   "layer-boundary activations and gradients, {} micro-batches)\n",
+                   static_cast<double>(stats.activation_nbytes) / (1 << 20),
+                   static_cast<double>(stats.activation_nbytes - stats.boundary_nbytes) / (1 << 20),
+                   static_cast<double>(stats.boundary_nbytes) / (1 << 20), flags.micro_batches);
+      }
+      activations_said = true;
     }
     for (int m = 0; layers == nullptr && m < flags.micro_batches; ++m) {
       // The optimizer may update each sub-group during the last backward, as soon as its gradient is final.

@@ -572,9 +572,10 @@ void ZeroEngine::on_stage_grad_summed(ParamId id) {
 
 // ---- the step ---------------------------------------------------------------------
 
-void ZeroEngine::prepare_step(float lr) {
+void ZeroEngine::prepare_step(float lr, int backwards) {
   STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
   STRATA_CHECK(!evaluating_, kBadArgument, "prepare_step() during an evaluation pass: end_evaluation() first");
+  prepared_backwards_ = backwards;
   if (update_pending_) {
     // The last step's update may still overlap this forward: the countdown is
     // armed at the join (the first backward window: the lm_head's, inside
@@ -594,7 +595,7 @@ void ZeroEngine::arm_step(float lr) {
   const double loss_scale = loss_scaler_.scale();
   const float grad_scale = kernels::combined_grad_scale(kernels::GradStats{0.0, true}, static_cast<float>(loss_scale),
                                                         static_cast<float>(options_.gradient_clipping));
-  optimizer_->prepare(lr, grad_scale, loss_scale);
+  optimizer_->prepare(lr, grad_scale, loss_scale, prepared_backwards_);
 }
 
 void ZeroEngine::set_overlap_policy(offload::OverlapPolicy policy) {

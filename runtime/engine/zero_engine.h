@@ -246,8 +246,11 @@ class ZeroEngine final : public Engine {
   // speculated during an earlier backward has already changed the parameters
   // the next micro-step's forward gathers (a rollback cannot undo that), so
   // call it before the last micro-step. Error(kBadArgument) when called twice
-  // without a step() between.
-  void prepare_step(float lr);
+  // without a step() between. `backwards`: the backward passes still to come
+  // (layer-major: the step's m, each layer's in a row, so a layer's update
+  // overlaps the backwards of the layers below; nothing of a sub-group is
+  // used by a forward after its last backward).
+  void prepare_step(float lr, int backwards = 1);
   // How later prepare_step()s use backward (offload/shard_optimizer.h):
   // kAuto (the default) speculates unless the last prepared step clipped,
   // and reads ahead while clipping fires; kSpeculate and kReadAhead fix the
@@ -415,7 +418,8 @@ class ZeroEngine final : public Engine {
     double grad_wait_seconds = 0, drain_seconds = 0, norm_seconds = 0;
   };
   GradBoundary reach_boundary();
-  void arm_step(float lr);          // prepare_step's work: the optimizer armed for the coming backward
+  void arm_step(float lr);          // prepare_step's work: the optimizer armed for the coming backward(s)
+  int prepared_backwards_ = 1;      // prepare_step's backwards
   void zero_grad_shards();          // the gradient shards zero (their reducers synchronized)
   void check_no_backward(const char* what) const;
   void note_written(ParamId id);    // after a kWrite range: copies and master weights are stale

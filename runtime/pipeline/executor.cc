@@ -81,6 +81,7 @@ PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicat
                  stage_, chunk->virtual_stage, part.embedding ? "holds" : "lacks", part.head ? "holds" : "lacks", last);
     chunks_.push_back(std::move(chunk));
   }
+  if (spec.local_handoff()) kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), chunks_.size());
   send_stream_ = engine.accelerator().create_stream();
   track_ = trace::make_track(fmt::format("pipeline stage {}", stage_));
   send_track_ = trace::make_track(fmt::format("pipeline stage {} send", stage_));
@@ -191,30 +192,92 @@ void PipelineExecutor::send(const Action& a) {
         [&] { slot.sent = pp_->exchange(std::span<const partition::P2POp>(&op, 1), *send_stream_); });
 }
 
-int PipelineExecutor::handoff_source(const Action& a) const {
-  if (!schedule_.spec.local_handoff()) return -1;
-  const int chunks = static_cast<int>(chunks_.size());
-  if (a.kind == ActionKind::kForward) return a.chunk > 0 ? a.chunk - 1 : -1;
-  if (a.kind == ActionKind::kBackward) return a.chunk + 1 < chunks ? a.chunk + 1 : -1;
-  return -1;
-}
+// Layer-major's boundaries (docs/DESIGN.md §5.5): what a micro-batch carries
+// from one chunk to the next, kept per micro-batch so that each chunk computes
+// in ONE slot of its model (its activation arena reused by every micro-batch)
+// instead of holding m: forward copies chunk k's output to the input of chunk
+// k + 1; backward runs chunk k's forward again from its kept input when the
+// slot holds another micro-batch (the recompute of activation checkpointing:
+// the same kernels on the same input, so the same bits), then its backward,
+// the gradient flowing down handed over through one buffer per micro-batch
+// (chunk k + 1's backwards of the step all run before chunk k's). The head
+// chunk is never recomputed (its forward adds the loss's gradient): the
+// schedule runs its backward right after its forward.
+struct PipelineExecutor::KeptBoundaries {
+  struct Buffer {
+    void* data = nullptr;
+    size_t nbytes = 0, capacity = 0;
+  };
+  KeptBoundaries(Accelerator& a, size_t chunks) : acc(a), inputs(chunks), resident(chunks, -1) {}
+  ~KeptBoundaries() {
+    for (auto& chunk : inputs) {
+      for (Buffer& b : chunk) free(b);
+    }
+    for (Buffer& b : grads) free(b);
+  }
+  void free(Buffer& b) {
+    if (b.data != nullptr) acc.deallocate(b.data);
+    b = Buffer{};
+  }
+  KeptBoundaries(const KeptBoundaries&) = delete;
+  KeptBoundaries& operator=(const KeptBoundaries&) = delete;
+  // `b` sized for `nbytes` (grown: what the stream still reads of the old one is done first).
+  void* hold(Buffer& b, size_t nbytes, Stream& stream) {
+    if (b.capacity < nbytes) {
+      if (b.data != nullptr) {
+        stream.synchronize();
+        free(b);
+      }
+      b.data = acc.allocate(nbytes);
+      b.capacity = nbytes;
+    }
+    b.nbytes = nbytes;
+    return b.data;
+  }
+  Buffer& input(int chunk, int micro_batch) {
+    auto& of_chunk = inputs[static_cast<size_t>(chunk)];
+    if (of_chunk.size() <= static_cast<size_t>(micro_batch)) of_chunk.resize(static_cast<size_t>(micro_batch) + 1);
+    return of_chunk[static_cast<size_t>(micro_batch)];
+  }
+  Buffer& grad(int micro_batch) {
+    if (grads.size() <= static_cast<size_t>(micro_batch)) grads.resize(static_cast<size_t>(micro_batch) + 1);
+    return grads[static_cast<size_t>(micro_batch)];
+  }
+  size_t nbytes() const {
+    size_t n = 0;
+    for (const auto& chunk : inputs) {
+      for (const Buffer& b : chunk) n += b.capacity;
+    }
+    for (const Buffer& b : grads) n += b.capacity;
+    return n;
+  }
 
-void PipelineExecutor::hand_over(const Action& a, int slot) {
-  const int from = handoff_source(a);
-  if (from < 0) return;
-  Chunk& source = *chunks_[static_cast<size_t>(from)];
-  const auto found = source.slot_of.find(a.micro_batch);
-  STRATA_CHECK(found != source.slot_of.end(), kInternal, "{}: chunk {} holds no micro-batch {} to hand over",
-               a.describe(), from, a.micro_batch);
-  const nn::DecoderModel::Boundary theirs = source.model->boundary(found->second, 0, 0);
-  const nn::DecoderModel::Boundary mine = chunks_[static_cast<size_t>(a.chunk)]->model->boundary(slot, 0, 0);
-  const bool forward = a.kind == ActionKind::kForward;
-  const TensorView& src = forward ? theirs.output : theirs.input_grad;
-  const TensorView& dst = forward ? mine.input : mine.output_grad;
-  STRATA_CHECK(src.desc.shape == dst.desc.shape && src.desc.dtype == dst.desc.dtype, kInternal,
-               "{}: the boundary of chunk {} does not match chunk {}'s", a.describe(), from, a.chunk);
-  engine_.accelerator().copy_async(dst.data, src.data, src.nbytes(), CopyKind::kDeviceToDevice,
-                                   engine_.compute_stream());
+  Accelerator& acc;
+  std::vector<std::vector<Buffer>> inputs;  // [chunk][micro-batch]: the residual stream entering the chunk
+  std::vector<Buffer> grads;                // [micro-batch]: the gradient flowing down
+  std::vector<int> resident;                // [chunk]: the micro-batch whose activations its slot holds; -1 none
+};
+
+void PipelineExecutor::hand_over(int chunk, int micro_batch, int slot, bool gradient, bool into_slot) {
+  const int chunks = static_cast<int>(chunks_.size());
+  // The input comes from the chunk below and the output's gradient from the one above.
+  const bool from_above = gradient == into_slot;  // the output's gradient in, or the output out
+  if (from_above ? chunk + 1 >= chunks : chunk == 0) return;
+  const nn::DecoderModel::Boundary mine = chunks_[static_cast<size_t>(chunk)]->model->boundary(slot, 0, 0);
+  const TensorView& view = gradient ? (into_slot ? mine.output_grad : mine.input_grad)
+                                    : (into_slot ? mine.input : mine.output);
+  KeptBoundaries::Buffer& kept =
+      gradient ? kept_->grad(micro_batch) : kept_->input(into_slot ? chunk : chunk + 1, micro_batch);
+  Stream& stream = engine_.compute_stream();
+  if (into_slot) {
+    STRATA_CHECK(kept.data != nullptr && kept.nbytes == view.nbytes(), kInternal,
+                 "micro-batch {} at chunk {}: the kept {} holds {} bytes, the slot's {}", micro_batch, chunk,
+                 gradient ? "gradient" : "input", kept.nbytes, view.nbytes());
+    engine_.accelerator().copy_async(view.data, kept.data, view.nbytes(), CopyKind::kDeviceToDevice, stream);
+  } else {
+    void* to = kept_->hold(kept, view.nbytes(), stream);
+    engine_.accelerator().copy_async(to, view.data, view.nbytes(), CopyKind::kDeviceToDevice, stream);
+  }
 }
 
 void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(int)>& micro_batch,
@@ -226,18 +289,37 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
   const int index = chunk.slot_of.at(a.micro_batch);
   const int kind = a.kind == ActionKind::kForward ? 0 : a.kind == ActionKind::kBackward ? 1 : 2;
   timed(engine_.compute_stream(), track_, a.describe(), kind, [&] {
-    hand_over(a, index);
+    nn::ForwardOptions forward = options;
+    forward.slot = index;
+    forward.positions = mb.positions;
+    forward.dropout_seed = mb.dropout_seed;  // a recompute drops what its forward dropped
+    // An evaluation takes each micro-batch through every chunk in turn: one set of boundaries serves them all.
+    const int kept = options.backward ? a.micro_batch : 0;
     switch (a.kind) {
       case ActionKind::kForward: {
-        nn::ForwardOptions forward = options;
-        forward.slot = index;
-        forward.positions = mb.positions;
-        forward.dropout_seed = mb.dropout_seed;
+        if (kept_) hand_over(a.chunk, kept, index, false, true);
         model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
         if (model.stage().head) model.loss_stats_async(index, losses_ + 2 * static_cast<size_t>(a.micro_batch));
+        if (kept_) {
+          hand_over(a.chunk, kept, index, false, false);
+          kept_->resident[static_cast<size_t>(a.chunk)] = a.micro_batch;
+        }
         break;
       }
       case ActionKind::kBackward:
+        if (kept_) {
+          int& resident = kept_->resident[static_cast<size_t>(a.chunk)];
+          if (resident != a.micro_batch) {
+            STRATA_CHECK(!model.stage().head, kInternal,
+                         "{}: the head chunk's slot holds micro-batch {}, and its forward cannot run again (it adds "
+                         "the loss's gradient)",
+                         a.describe(), resident);
+            hand_over(a.chunk, kept, index, false, true);  // the kept input back into the slot
+            model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
+            resident = a.micro_batch;
+          }
+          hand_over(a.chunk, kept, index, true, true);  // the gradient from the chunk above
+        }
         if (schedule_.spec.split_backward()) {
           if (!slot.deferred) slot.deferred = std::make_unique<DeferredWeightGrads>(engine_);
           // The slot is held until W: its saved activations are read there in place.
@@ -253,6 +335,10 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
         } else {
           model.backward(index);
         }
+        if (kept_) {
+          hand_over(a.chunk, kept, index, true, false);  // the gradient for the chunk below
+          kept_->resident[static_cast<size_t>(a.chunk)] = -1;
+        }
         break;
       case ActionKind::kWeight:
         if (slot.deferred) slot.deferred->run();
@@ -267,10 +353,8 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
   for (auto& chunk : chunks_) chunk->last_use.clear();
   for (size_t i = 0; i < list.size(); ++i) {
     chunks_[static_cast<size_t>(list[i].chunk)]->last_use[list[i].micro_batch] = i;
-    // A boundary handed over in memory is read from the neighbour's slot.
-    const int from = handoff_source(list[i]);
-    if (from >= 0) chunks_[static_cast<size_t>(from)]->last_use[list[i].micro_batch] = i;
   }
+  if (kept_) kept_->resident.assign(chunks_.size(), -1);
   action_ns_->assign(list.size(), 0);
   for (size_t i = 0; i < list.size();) {
     const Action& a = list[i];
@@ -284,10 +368,10 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
       receive(std::span<const Action>(list).subspan(i, next - i), micro_batch);
     }
     for (size_t j = i; j < next; ++j) {
-      for (const int c : {list[j].chunk, handoff_source(list[j])}) {
-        if (c < 0) continue;
-        Chunk& chunk = *chunks_[static_cast<size_t>(c)];
-        if (chunk.last_use.at(list[j].micro_batch) == j) release(c, list[j].micro_batch);
+      // Boundaries handed over in memory are kept aside: each chunk computes in one slot.
+      const int c = list[j].chunk;
+      if (kept_ || chunks_[static_cast<size_t>(c)]->last_use.at(list[j].micro_batch) == j) {
+        release(c, list[j].micro_batch);
       }
     }
     i = next;
@@ -355,6 +439,8 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
     stats.slots.push_back(static_cast<int>(chunk->slots.size()));
     stats.activation_nbytes += chunk->model->arena_nbytes();
   }
+  if (kept_) stats.boundary_nbytes = kept_->nbytes();
+  stats.activation_nbytes += stats.boundary_nbytes;
   return stats;
 }
 

@@ -82,6 +82,10 @@ struct StepStats {
   // their activation memory (DecoderModel::arena_nbytes, every chunk).
   std::vector<int> slots;
   size_t activation_nbytes = 0;
+  // Of activation_nbytes, layer-major's layer-boundary activations and the
+  // gradients flowing down that the executor keeps per micro-batch (0 for
+  // the other schedules, whose chunks keep their boundaries in their slots).
+  size_t boundary_nbytes = 0;
   // zb-h1: the Linear inputs W read where forward left them (the slot's
   // saved activations) and those it had to copy (DeferredWeightGrads).
   int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
@@ -97,7 +101,10 @@ class PipelineExecutor {
                    std::vector<nn::DecoderModel*> chunks);
   // A schedule of one rank whose chunks hand their boundaries over in memory
   // (ScheduleSpec::local_handoff: layer-major): no pipeline group; the loss
-  // is this rank's. chunks[k] is virtual stage k.
+  // is this rank's. chunks[k] is virtual stage k. Only each micro-batch's
+  // boundaries are kept (its input to every chunk, its gradient flowing
+  // down); each chunk computes in one slot and runs its forward again before
+  // a backward whose activations its slot no longer holds (DESIGN §5.5).
   PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks);
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
@@ -126,6 +133,7 @@ class PipelineExecutor {
                    std::vector<nn::DecoderModel*> chunks);
   struct Slot;
   struct Chunk;
+  struct KeptBoundaries;
   Slot& slot_of(int chunk, int micro_batch, const MicroBatch& mb);
   void release(int chunk, int micro_batch);
   // Runs `list` (this rank's actions), giving slots back after each one's last use.
@@ -136,12 +144,13 @@ class PipelineExecutor {
   void reserve_losses(int micro_batches);
   void receive(std::span<const Action> actions, const std::function<MicroBatch(int)>& micro_batch);
   void send(const Action& action);
-  // local_handoff: what `action` reads from the neighbouring chunk's slot of
-  // its micro-batch (F: the chunk below's output into its input; B: the
-  // chunk above's input gradient into its output gradient), copied on the
-  // compute stream; and that neighbour's chunk (-1: none).
-  void hand_over(const Action& action, int slot);
-  int handoff_source(const Action& action) const;
+  // local_handoff: copies between `chunk`'s slot and the boundaries kept for
+  // `micro_batch` (KeptBoundaries): the activation (the input into the slot,
+  // or the output out to the next chunk's kept input) or the gradient (the
+  // output's gradient into the slot, or the input's out), on the compute
+  // stream; nothing where the chunk has no such neighbour. An evaluation
+  // keeps every micro-batch's in micro-batch 0's (one passes at a time).
+  void hand_over(int chunk, int micro_batch, int slot, bool gradient, bool into_slot);
   void compute(const Action& action, const std::function<MicroBatch(int)>& micro_batch,
                const nn::ForwardOptions& options, size_t position);
   // The transfer's description: both sides compute the same tag and words.
@@ -166,6 +175,9 @@ class PipelineExecutor {
   std::shared_ptr<std::array<std::atomic<int64_t>, 3>> busy_ns_;
   std::shared_ptr<std::atomic<int64_t>> last_end_ns_;
   std::shared_ptr<std::vector<int64_t>> action_ns_;  // per action of the list being run
+  // local_handoff (layer-major): each micro-batch's layer-boundary activations
+  // and its gradient flowing down, kept here; each chunk computes in one slot.
+  std::unique_ptr<KeptBoundaries> kept_;
 };
 
 // This rank's chunks of a pipeline (virtual stage k * p + pp.rank() for

@@ -218,10 +218,16 @@ Schedule layer_major(int micro_batches, int chunks) {
   const ScheduleSpec spec{ScheduleKind::kLayerMajor, 1, micro_batches, chunks};
   spec.check();
   std::vector<Action> rank;
-  for (int k = 0; k < chunks; ++k) {
+  for (int k = 0; k + 1 < chunks; ++k) {
     for (int i = 0; i < micro_batches; ++i) rank.push_back(compute(ActionKind::kForward, i, k));
   }
-  for (int k = chunks - 1; k >= 0; --k) {
+  // The top chunk's backward right after its forward: the head's forward adds
+  // the loss's gradient, so it is the one chunk the executor cannot recompute.
+  for (int i = 0; i < micro_batches; ++i) {
+    rank.push_back(compute(ActionKind::kForward, i, chunks - 1));
+    rank.push_back(compute(ActionKind::kBackward, i, chunks - 1));
+  }
+  for (int k = chunks - 2; k >= 0; --k) {
     for (int i = 0; i < micro_batches; ++i) rank.push_back(compute(ActionKind::kBackward, i, k));
   }
   // No transfers: one rank, the boundaries handed over in memory (local_handoff).
@@ -499,7 +505,7 @@ int promised_in_flight(const ScheduleSpec& spec, int rank) {
     case ScheduleKind::kInterleaved:
       return m == p ? v * m : std::min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m);
     case ScheduleKind::kZbH1: return std::min(p, m);
-    case ScheduleKind::kLayerMajor: return v * m;
+    case ScheduleKind::kLayerMajor: return (v - 1) * m + 1;
   }
   raise(ErrorCategory::kInternal, "unknown schedule");
 }

@@ -32,12 +32,15 @@
 //                micro-batch through chunk k before chunk k + 1, then the
 //                backwards chunk by chunk from the top, each chunk's over
 //                every micro-batch in order; each chunk's parameters are
-//                used by m forwards in a row and m backwards in a row. Its
-//                boundaries are handed over in memory (no transfer actions):
-//                the executor copies chunk k's output into chunk k + 1's
-//                input before its forward, and chunk k + 1's input gradient
-//                into chunk k's output gradient before its backward. Every
-//                micro-batch of every chunk is in flight: m * v.
+//                used by m forwards in a row and m backwards in a row. The
+//                top chunk (the head) runs each micro-batch's backward right
+//                after its forward: its forward adds the loss's gradient, so
+//                it cannot be recomputed. Its boundaries are handed over in
+//                memory (no transfer actions): the executor keeps each
+//                micro-batch's input to every chunk and the gradient flowing
+//                down, and recomputes a chunk's forward from its kept input
+//                before its backward. In flight (between F and B):
+//                (v - 1) m + 1, each holding only its boundary.
 //
 // Communication (runtime/pipeline/executor.h runs it so): a send is handed
 // to the rank's send stream, which sends in order, each once its data exists
@@ -161,7 +164,7 @@ Simulation simulate(const Schedule& schedule, const ActionCost& cost, double tra
 double bubble_formula(const ScheduleSpec& spec, const Costs& costs = {});
 // The peak of micro-batch chunks in flight the schedule promises per rank:
 // gpipe m; 1f1b min(p - r, m); interleaved min(2(p - r - 1) + (v - 1)p + 1, v m);
-// zb-h1 min(p, m); layer-major v m.
+// zb-h1 min(p, m); layer-major (v - 1) m + 1.
 int promised_in_flight(const ScheduleSpec& spec, int rank);
 
 }  // namespace strata::pipeline

@@ -441,9 +441,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                       static_cast<int>(chunks.size())};
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks);
     if (rank.rank == 0) {
+      // Each micro-batch's input to every layer (and one gradient flowing down), kept by the executor.
+      const double boundaries = static_cast<double>(accumulation) * static_cast<double>(chunks.size()) *
+                                static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
+                                static_cast<double>(dtype_nbytes(chunks.front()->activation_dtype()));
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
-                    "then each layer's backwards from the top",
-                    accumulation, chunks.size());
+                    "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
+                    "activations and gradients take {:.1f} MiB, besides one working arena per layer",
+                    accumulation, chunks.size(), boundaries / (1 << 20));
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
@@ -658,12 +663,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (const auto& stage : stages) stage->reset_router_load();  // an evaluation since the last step routed too
     std::optional<pipeline::StepStats> piped;
     if (executor) {
-      // The step's micro-batches through the pipeline (no prepare_step: the
-      // backwards of one step interleave with forwards).
+      // The step's micro-batches through the pipeline (pipeline parallelism:
+      // no prepare_step, the backwards of one step interleave with forwards).
       nn::ForwardOptions forward;
       forward.normalizer = global_count;
       forward.grad_scale = engine.loss_scale();
       trace::Span span("phase", "pipeline");
+      // Layer-major: each layer's gradient is final after its m backwards, and its update overlaps the layers below.
+      if (layer_major) engine.prepare_step(static_cast<float>(lr), static_cast<int>(micro.size()));
       piped = executor->run(
           [&](int i) {
             const data::Batch& b = micro[static_cast<size_t>(i)];

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -114,11 +115,13 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
       if (!eval.empty()) CHECK(layer.steps.back().contains("eval_loss"));
       CHECK_THAT(layer.output, Catch::Contains("micro-batch order layer-major: 3 micro-batches through each of the 3 "
                                                "decoder layers in turn"));
+      // 3 micro-batches x 3 layers x 2 x 16 rows x 64 x 4 bytes (fp32 on the cpu).
+      CHECK_THAT(layer.output, Catch::Contains("the layer-boundary activations and gradients take 0.1 MiB"));
       CHECK_THAT(step.output, !Catch::Contains("micro-batch order layer-major"));
       for (const auto& s : layer.steps) {
         CHECK(s["grad_norm"].get<double>() > 0);
         if (c.clip > 0) CHECK(s["grad_norm"].get<double>() > c.clip);  // clipping fired
-        CHECK(s["memory"]["activation_bytes"].get<double>() > 0);  // every micro-batch's layers, held
+        CHECK(s["memory"]["activation_bytes"].get<double>() > 0);  // the boundaries and each layer's arena
       }
       check_same(layer, step, kSteps);
     }
@@ -238,6 +241,20 @@ TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are ste
     INFO(r.output);
     REQUIRE(r.exit_code == 0);  // 1 when the first loss is not the resident model's
     CHECK_THAT(r.output, Catch::Contains("micro-batches per step: 3, " + order));
+    // The optimizer armed for the step's backwards (layer-major: all m of
+    // them, each layer's in a row) updates sub-groups during backward, and
+    // its speculation holds (no clipping): nothing redone.
+    std::smatch overlap;
+    REQUIRE(std::regex_search(r.output, overlap, std::regex(R"(\((\d+) of (\d+) sub-groups during backward\))")));
+    CHECK(std::stoi(overlap[1].str()) > 0);
+    std::smatch redone;
+    REQUIRE(std::regex_search(r.output, redone, std::regex(R"(speculated on (\d+) \((\d+) redone;)")));
+    CHECK(std::stoi(redone[2].str()) == 0);
+    if (order == "layer-major") {
+      // Kept per micro-batch: the input of layers 1 and 2 and one gradient, 3 x 3 x 8 rows x 64 x 4 bytes = 0.0176 MiB.
+      CHECK_THAT(r.output, Catch::Contains("one per layer; 0.02 MiB of layer-boundary activations and gradients, 3 "
+                                           "micro-batches)"));
+    }
     std::ifstream in(json);
     const nlohmann::json out = nlohmann::json::parse(in);
     CHECK(out["config"]["micro_batches"] == 3);
