@@ -185,13 +185,13 @@ TEST_CASE("real configs: GLM-4.5 parses with transformers' parameter count", "[n
   expect_refused(half, {"partial_rotary_factor", "even number of dims"});
 }
 
-TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count, its MXFP4 checkpoint refused by name",
+TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count, its MXFP4 quantization read",
           "[nn][config][families][gpt_oss]") {
   // The published config.json (tests/data/configs/SOURCES.md) names the
-  // MXFP4 checkpoint: refused by name. Without quantization_config -- the
-  // bf16 checkpoints' config -- it parses as transformers reads it.
+  // MXFP4 checkpoint: read and dequantized. Without quantization_config --
+  // the bf16 checkpoints' config -- it parses the same.
   const json published = read_config("gpt-oss-120b");
-  expect_refused(published, {"quantization_config"});
+  CHECK(parse_decoder_config(published).quant.method == nn::QuantMethod::kMxfp4);
   json plain = published;
   plain.erase("quantization_config");
   // experts_per_token and initial_context_length: OpenAI's own keys, which

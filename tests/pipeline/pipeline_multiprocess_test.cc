@@ -297,7 +297,7 @@ TEST_CASE("pipeline with ZeRO over each stage's dp group, and tp inside each sta
       spec.adam.eps = 1.0f;
       spec.batches = [&](int step, int64_t vocab) {
         pp::Batch b = pp::corpus(step, c.sequences, vocab);
-        return zero::Batch{b.ids, b.targets};
+        return zero::Batch{b.ids, b.targets, {}};
       };
       const zero::TrainResult ref = zero::train_resident(spec);
       for (const pp::Output& rank : a.ranks) {

@@ -485,3 +485,53 @@ TEST_CASE("families: strata finetune refuses another architecture, or a checkpoi
     CHECK_FALSE(std::filesystem::exists(out + "/metrics.jsonl"));  // nothing trained
   }
 }
+
+TEST_CASE("families: a gpt-oss MXFP4 checkpoint loads to transformers' dequantized experts exactly, computes "
+          "transformers' loss on them, and exports fp32 without its quantization_config",
+          "[finetune][families][gpt_oss][quant]") {
+  strata::test::TempDir dir("families-mxfp4");
+  // scripts/make-golden-mxfp4: the experts as "_blocks" + "_scales"; beside
+  // them transformers' convert_moe_packed_tensors of each and its loss.
+  const std::string model = fixture("mxfp4_gpt_oss");
+  const json source = read_json(model + "/config.json");
+  REQUIRE(source["quantization_config"]["quant_method"] == "mxfp4");
+  const json expected = read_json(model + "/expected.json");
+  const int seq = expected["seq"].get<int>();
+  const std::string data = one_window(dir, source["vocab_size"].get<int>(), seq);
+  // lr 0: the step leaves every weight as loaded, so the export shows what was read.
+  const std::string config = write_file(dir, "ds.json", R"({"train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}}, "zero_optimization": {"stage": 3}})");
+  const auto run = run_command(strata_binary() + " finetune --config " + config + " --data " + data +
+                               " --data-format u16 --seq " + std::to_string(seq) + " --model " + model +
+                               " --steps 1 --out " + dir.file("out") + " --export " + dir.file("export") +
+                               " --export-dtype fp32 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  const double loss = read_jsonl(dir.file("out") + "/metrics.jsonl").at(0)["loss"].get<double>();
+  CHECK(loss == Approx(expected["loss"].get<double>()).epsilon(1e-5));
+  CHECK_FALSE(read_json(dir.file("export") + "/config.json").contains("quantization_config"));
+  const auto want = strata::nn::SafetensorsFile::open(model + "/expected.safetensors");
+  const auto got = strata::nn::SafetensorsFile::open(dir.file("export") + "/model.safetensors");
+  REQUIRE(want.names().size() == 4);
+  for (const std::string& name : want.names()) {
+    INFO(name);
+    REQUIRE(got.contains(name));
+    REQUIRE(got.entry(name).shape == want.entry(name).shape);
+    // Equal values (an lr 0 AdamW step may turn a -0 into +0, as torch's
+    // does: -0 + (+0) is +0); anything else is a wrong dequantization.
+    const auto w = want.view(name), g = got.view(name);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < w.numel(); ++i) differ += w.as<float>()[i] != g.as<float>()[i];
+    CHECK(differ == 0);
+  }
+  // The unquantized tensors come out as they went in.
+  const auto source_file = strata::nn::SafetensorsFile::open(model + "/model.safetensors");
+  for (const std::string& name : source_file.names()) {
+    if (name.ends_with("_blocks") || name.ends_with("_scales")) continue;
+    INFO(name);
+    REQUIRE(got.contains(name));
+    const auto a = source_file.view(name), b = got.view(name);
+    REQUIRE(a.numel() == b.numel());
+    CHECK(std::memcmp(a.data, b.data, static_cast<size_t>(a.numel()) * sizeof(float)) == 0);
+  }
+}
