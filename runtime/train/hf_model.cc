@@ -306,7 +306,11 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true);
   }
   // Quantized weights: dequantized range by range from the mapped files, in fp32, rounded once to the parameter's dtype.
-  for (const auto& [id, q] : dequantized) {
+  for (const auto& entry : dequantized) {
+    // Named copies, not structured bindings: the lambda below captures q,
+    // which clang before 16 cannot do with a binding.
+    const engine::ParamId id = entry.first;
+    const nn::QuantizedTensor* q = entry.second;
     const TensorView data = opened.at(stored.at(q->data).file).view(q->data);
     const TensorView scale = opened.at(stored.at(q->scale).file).view(q->scale);
     nn::load_parameter(engine, id, [&](int64_t first, int64_t n, void* dst, DType dst_dtype) {
