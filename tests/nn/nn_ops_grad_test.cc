@@ -18,6 +18,28 @@ using strata::test::random_vector;
 using strata::test::weighted_sum;
 using Vec = std::vector<double>;
 
+namespace {
+
+// attention_backward's dq, dk, dv against central differences of
+// sum(out * r), out = attention_forward(q, k, v) under `mask` (whose sinks,
+// if any, both read).
+void check_attention_gradients(Vec& q, Vec& k, Vec& v, const Vec& r, const Vec& out, const Vec& lse,
+                               const AttentionShape& s, const AttentionMask& mask) {
+  auto loss = [&] {
+    Vec o(q.size()), l(lse.size());
+    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
+    return weighted_sum(o, r);
+  };
+  Vec dq(q.size()), dk(k.size()), dv(v.size());
+  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(), dk.data(),
+                     dv.data(), mask);
+  check_gradient("dq", q, dq, loss);
+  check_gradient("dk", k, dk, loss);
+  check_gradient("dv", v, dv, loss);
+}
+
+}  // namespace
+
 TEST_CASE("embedding backward matches finite differences", "[nn][grad]") {
   const int64_t vocab = 7, dim = 5, rows = 6;
   const std::vector<int32_t> ids = {3, 0, 3, 6, 1, 3};  // repeats: gradients must add up
@@ -200,17 +222,7 @@ TEST_CASE("sliding-window attention: the definition, and backward by finite diff
       CHECK(out[(i * s.heads + h) * d + c] == Approx(o).epsilon(1e-12));
     }
   }
-  auto loss = [&] {
-    Vec o(nq), l(lse.size());
-    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
-    return weighted_sum(o, r);
-  };
-  Vec dq(nq), dk(nkv), dv(nkv);
-  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
-                     dk.data(), dv.data(), mask);
-  check_gradient("dq", q, dq, loss);
-  check_gradient("dk", k, dk, loss);
-  check_gradient("dv", v, dv, loss);
+  check_attention_gradients(q, k, v, r, out, lse, s, mask);
 }
 
 TEST_CASE("GQA causal attention: forward matches the definition, backward finite differences",
@@ -407,17 +419,7 @@ TEST_CASE("Gemma's attention scores: query_pre_attn_scalar's scale and the soft 
       CHECK(out[(i * s.heads + h) * d + c] == Approx(o).epsilon(1e-6));
     }
   }
-  auto loss = [&] {
-    Vec o(nq), l(lse.size());
-    attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
-    return weighted_sum(o, r);
-  };
-  Vec dq(nq), dk(nkv), dv(nkv);
-  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
-                     dk.data(), dv.data(), mask);
-  check_gradient("dq", q, dq, loss);
-  check_gradient("dk", k, dk, loss);
-  check_gradient("dv", v, dv, loss);
+  check_attention_gradients(q, k, v, r, out, lse, s, mask);
 }
 
 TEST_CASE("gpt-oss's attention sinks: the definition, and backward (the sinks' too) by finite differences",
@@ -454,18 +456,14 @@ TEST_CASE("gpt-oss's attention sinks: the definition, and backward (the sinks' t
     }
     CHECK(lse[(b * s.heads + h) * s.seq + i] == Approx(std::log(sum)).epsilon(1e-12));
   }
+  check_attention_gradients(q, k, v, r, out, lse, s, mask);
   auto loss = [&] {
     Vec o(nq), l(lse.size());
     attention_forward(q.data(), k.data(), v.data(), s, o.data(), l.data(), mask);
     return weighted_sum(o, r);
   };
-  Vec dq(nq), dk(nkv), dv(nkv), dsinks(2, 0.0);
-  attention_backward(r.data(), q.data(), k.data(), v.data(), out.data(), lse.data(), s, dq.data(),
-                     dk.data(), dv.data(), mask);
+  Vec dsinks(2, 0.0);
   attention_sinks_backward(r.data(), out.data(), lse.data(), s, sinks.data(), dsinks.data());
-  check_gradient("dq", q, dq, loss);
-  check_gradient("dk", k, dk, loss);
-  check_gradient("dv", v, dv, loss);
   // The sinks are fp32: central differences of a step fp32 holds exactly.
   for (size_t h = 0; h < sinks.size(); ++h) {
     const float keep = sinks[h], step = 1.0f / 1024;

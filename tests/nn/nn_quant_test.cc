@@ -22,6 +22,7 @@
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/train/hf_model.h"
+#include "tests/nn/config_checks.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/temp_dir.h"
 
@@ -84,17 +85,6 @@ fs::path fp8_copy(const test::TempDir& dir, const std::string& sub, const std::f
   }
   write_json(out / "model.safetensors.index.json", index);
   return out;
-}
-
-void expect_refused(const fs::path& dir, std::initializer_list<std::string> needles) {
-  try {
-    train::load_hf_config(dir);
-    FAIL("accepted " << dir.string());
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == ErrorCategory::kBadArgument);
-    for (const std::string& n : needles) CHECK_THAT(e.what(), Catch::Contains(n));
-  }
 }
 
 void expect_config_refused(const json& qc, std::initializer_list<std::string> needles,
@@ -256,10 +246,10 @@ TEST_CASE("quant: a malformed FP8 checkpoint is refused naming the tensor and it
   test::TempDir dir("quant");
   const std::string scale = std::string(kKvA) + "_scale_inv";
   // The scale grid lives in the first shard, its weight in the second.
-  expect_refused(fp8_copy(dir, "no_scale", {}, [&](const std::string&, Tensors& t) { t.erase(scale); }),
+  test::expect_checkpoint_refused(fp8_copy(dir, "no_scale", {}, [&](const std::string&, Tensors& t) { t.erase(scale); }),
                  {kKvA, "model-00002-of-00002.safetensors", "_scale_inv", "cannot be scaled"});
   // A grid of the wrong shape (truncated to one row of blocks).
-  expect_refused(fp8_copy(dir, "short_grid", {},
+  test::expect_checkpoint_refused(fp8_copy(dir, "short_grid", {},
                           [&](const std::string&, Tensors& t) {
                             if (!t.contains(scale)) return;
                             TensorView v = t.at(scale);
@@ -268,14 +258,14 @@ TEST_CASE("quant: a malformed FP8 checkpoint is refused naming the tensor and it
                           }),
                  {scale, "model-00001-of-00002.safetensors", "[1, 2]", "[2, 2]", "corrupt or truncated"});
   // Without quantization_config the FP8 bytes have no meaning.
-  expect_refused(fp8_copy(dir, "no_config", [](json& c) { c.erase("quantization_config"); }),
+  test::expect_checkpoint_refused(fp8_copy(dir, "no_config", [](json& c) { c.erase("quantization_config"); }),
                  {"F8_E4M3", "quantization_config", "model-0000"});
   // A module the config leaves unquantized but the checkpoint stores in FP8.
-  expect_refused(fp8_copy(dir, "not_converted",
+  test::expect_checkpoint_refused(fp8_copy(dir, "not_converted",
                           [](json& c) { c["quantization_config"]["modules_to_not_convert"] = {"kv_a_proj_with_mqa"}; }),
                  {"kv_a_proj_with_mqa", "modules_to_not_convert", "disagree"});
   // A scale beside a weight that is not FP8 (it would be dropped, the weight read unscaled).
-  expect_refused(fp8_copy(dir, "bf16_scaled", {},
+  test::expect_checkpoint_refused(fp8_copy(dir, "bf16_scaled", {},
                           [&](const std::string&, Tensors& t) {
                             if (t.contains("model.norm.weight"))
                               t["model.norm.weight_scale_inv"] = t.at("model.norm.weight");

@@ -140,11 +140,16 @@ TEST_CASE("families: import, fine-tune, export and load back give the next step'
   }
 }
 
-TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with parameters and optimizer on NVMe",
-          "[finetune][families]") {
+namespace {
+
+// `strata run -n 2 -- strata finetune` of fixture `name` under ZeRO-3 with
+// parameters and optimizer state on NVMe, bf16: every step applied and
+// reading the drive, the loss falling on one batch, the export the source's.
+void check_zero3_nvme_finetune(const std::string& name) {
+  INFO(name);
   strata::test::TempDir dir("families-nvme");
   const std::string swap = dir.file("swap");
-  const std::string model = fixture("qwen3_tied_bf16");
+  const std::string model = fixture(name);
   const std::string data = one_window(dir, 37, 7);
   const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap, /*bf16=*/true);
   const std::string out = dir.file("out");
@@ -165,32 +170,17 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with
   check_export(out + "/model", model, "BF16");
 }
 
+}  // namespace
+
+TEST_CASE("families: strata run -n 2 -- strata finetune: Qwen3 under ZeRO-3 with parameters and optimizer on NVMe",
+          "[finetune][families]") {
+  check_zero3_nvme_finetune("qwen3_tied_bf16");
+}
+
 TEST_CASE("families: strata run -n 2 -- strata finetune: Gemma 2, Gemma 3 and gpt-oss under ZeRO-3 with parameters "
           "and optimizer on NVMe",
           "[finetune][families][gemma][gpt_oss]") {
-  for (const char* name : {"gemma2_tied_bf16", "gemma3_tied_bf16", "gpt_oss_untied_bf16"}) {
-    INFO(name);
-    strata::test::TempDir dir("families-gemma-nvme");
-    const std::string swap = dir.file("swap");
-    const std::string model = fixture(name);
-    const std::string data = one_window(dir, 37, 7);
-    const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap, /*bf16=*/true);
-    const std::string out = dir.file("out");
-    const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
-                                 config + " --model " + model + " --data " + data +
-                                 " --data-format u16 --seq 7 --steps 6 --out " + out + " --export " + out + "/model 2>&1");
-    INFO(run.output);
-    REQUIRE(run.exit_code == 0);
-    CHECK_THAT(run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme"));
-    const auto steps = read_jsonl(out + "/metrics.jsonl");
-    REQUIRE(steps.size() == 6);
-    for (const auto& s : steps) {
-      CHECK(s["applied"].get<bool>());
-      CHECK(s["nvme_bytes"].get<uint64_t>() > 0);
-    }
-    CHECK(steps[5]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
-    check_export(out + "/model", model, "BF16");
-  }
+  for (const char* name : {"gemma2_tied_bf16", "gemma3_tied_bf16", "gpt_oss_untied_bf16"}) check_zero3_nvme_finetune(name);
 }
 
 TEST_CASE("families: strata run -n 2 -- strata finetune: Mixtral under ZeRO-3 on NVMe reports its load-balancing "

@@ -14,6 +14,7 @@
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/train/hf_model.h"
+#include "tests/nn/config_checks.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/temp_dir.h"
 
@@ -77,17 +78,6 @@ fs::path shard_fixture(const test::TempDir& dir, const std::string& name, const 
   return out;
 }
 
-void expect_refused(const fs::path& dir, std::initializer_list<std::string> needles) {
-  try {
-    train::load_hf_config(dir);
-    FAIL("accepted " << dir.string());
-  } catch (const Error& e) {
-    INFO(e.what());
-    CHECK(e.category() == ErrorCategory::kBadArgument);
-    for (const std::string& n : needles) CHECK_THAT(e.what(), Catch::Contains(n));
-  }
-}
-
 }  // namespace
 
 TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[train][hf]") {
@@ -117,7 +107,7 @@ TEST_CASE("hf model: every family's checkpoint loads, single and sharded", "[tra
 TEST_CASE("hf model: a checkpoint that is not the architecture config.json names is refused", "[train][hf]") {
   test::TempDir dir("hf-model");
   // A Qwen2 checkpoint labelled llama: its q/k/v biases would be dropped.
-  expect_refused(copy_fixture(dir, "qwen2_untied_f32", "qwen2_as_llama",
+  test::expect_checkpoint_refused(copy_fixture(dir, "qwen2_untied_f32", "qwen2_as_llama",
                               [](json& c) {
                                 c["model_type"] = "llama";
                                 for (const char* k : {"use_sliding_window", "sliding_window", "max_window_layers",
@@ -128,14 +118,14 @@ TEST_CASE("hf model: a checkpoint that is not the architecture config.json names
                  {"'model.layers.0.self_attn.k_proj.bias'", "model_type \"llama\"", "Qwen2", "5 more tensors",
                   "refuses"});
   // A Qwen3 checkpoint labelled qwen2: the q/k norms would be dropped.
-  expect_refused(copy_fixture(dir, "qwen3_untied_f32", "qwen3_as_qwen2",
+  test::expect_checkpoint_refused(copy_fixture(dir, "qwen3_untied_f32", "qwen3_as_qwen2",
                               [](json& c) {
                                 c["model_type"] = "qwen2";
                                 c.erase("attention_bias");
                               }),
                  {"k_norm.weight'", "Qwen3"});
   // A Llama labelled qwen2 lacks the biases qwen2 has.
-  expect_refused(copy_fixture(dir, "llama_untied_f32", "llama_as_qwen2",
+  test::expect_checkpoint_refused(copy_fixture(dir, "llama_untied_f32", "llama_as_qwen2",
                               [](json& c) {
                                 c["model_type"] = "qwen2";
                                 for (const char* k : {"attention_bias", "mlp_bias", "pretraining_tp"}) c.erase(k);
@@ -148,9 +138,9 @@ TEST_CASE("hf model: a checkpoint that is not the architecture config.json names
     c["tie_word_embeddings"] = true;
     write_json(untied / "config.json", c);
   }
-  expect_refused(untied, {"lm_head.weight", "differs", "tie_word_embeddings"});
+  test::expect_checkpoint_refused(untied, {"lm_head.weight", "differs", "tie_word_embeddings"});
   // A stray tensor in a shard, and an index that maps a tensor to a file without it.
-  expect_refused(shard_fixture(dir, "mistral_untied_f32", "stray", {"model.layers.2.input_layernorm.weight"}),
+  test::expect_checkpoint_refused(shard_fixture(dir, "mistral_untied_f32", "stray", {"model.layers.2.input_layernorm.weight"}),
                  {"'model.layers.2.input_layernorm.weight'", "model-00002-of-00002.safetensors"});
   const fs::path bad_index = shard_fixture(dir, "mistral_untied_f32", "bad_index");
   {
@@ -158,16 +148,16 @@ TEST_CASE("hf model: a checkpoint that is not the architecture config.json names
     index["weight_map"]["model.norm.weight"] = "model-00001-of-00002.safetensors";
     write_json(bad_index / "model.safetensors.index.json", index);
   }
-  expect_refused(bad_index, {"model.norm.weight"});
+  test::expect_checkpoint_refused(bad_index, {"model.norm.weight"});
 }
 
 TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformers 5's fused in-memory layout is refused",
           "[train][hf][moe]") {
   test::TempDir dir("hf-model");
-  expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "fused", {"model.layers.0.mlp.experts.gate_up_proj"}),
+  test::expect_checkpoint_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "fused", {"model.layers.0.mlp.experts.gate_up_proj"}),
                  {"'model.layers.0.mlp.experts.gate_up_proj'", "fused", "save_pretrained"});
   // A Mixtral checkpoint labelled qwen3_moe: its experts have other names.
-  expect_refused(copy_fixture(dir, "mixtral_untied_f32", "mixtral_as_qwen3_moe",
+  test::expect_checkpoint_refused(copy_fixture(dir, "mixtral_untied_f32", "mixtral_as_qwen3_moe",
                               [](json& c) {
                                 c["model_type"] = "qwen3_moe";
                                 c["architectures"] = {"Qwen3MoeForCausalLM"};
@@ -175,7 +165,7 @@ TEST_CASE("hf model: MoE experts are read one tensor per expert, and transformer
                               }),
                  {"block_sparse_moe", "model_type \"qwen3_moe\""});
   // A shared expert in a qwen3_moe checkpoint: Qwen2-MoE's, which qwen3_moe does not have.
-  expect_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "shared", {"model.layers.0.mlp.shared_expert_gate.weight"}),
+  test::expect_checkpoint_refused(shard_fixture(dir, "qwen3_moe_untied_f32", "shared", {"model.layers.0.mlp.shared_expert_gate.weight"}),
                  {"'model.layers.0.mlp.shared_expert_gate.weight'", "model_type qwen2_moe"});
 }
 
