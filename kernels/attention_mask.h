@@ -49,7 +49,8 @@ namespace strata::ops {
 
 struct AttentionMask {
   int64_t window = 0;  // 0: no sliding window (plain causal)
-  // Packed documents; null: one document per row. int32 [batch * seq] each.
+  // Packed documents; null: one document per row. int32 [batch * seq] each,
+  // read when the op runs: like its views, valid until its stream has run it.
   const int32_t* segment_start = nullptr;
   const int32_t* segment_end = nullptr;
   int64_t seq = 0;  // entries per row of the segment arrays
