@@ -68,7 +68,9 @@ if(NOT STRATA_CUDA STREQUAL "OFF")
   elseif(STRATA_CUDA STREQUAL "AUTO" AND NOT strata_gpu_archs)
     set(strata_cuda_off_reason "nvcc found but no NVIDIA GPU here; STRATA_CUDA=ON builds it anyway")
   else()
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    # CMake's CUDAARCHS environment variable, like -DCMAKE_CUDA_ARCHITECTURES,
+    # chooses for the caller (CI compiles sm_90 only: .ci/run).
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
       # The GPUs present, where nvcc knows them all; else sm_80 and sm_90 (each
       # with its PTX, which newer GPUs compile at load).
       set(default_archs 80 90)
