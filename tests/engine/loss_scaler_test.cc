@@ -7,13 +7,14 @@
 
 #include "core/error.h"
 #include "runtime/engine/loss_scaler.h"
+#include "tests/support/test_paths.h"
 
 using strata::engine::LossScaler;
 using strata::engine::LossScalerOptions;
 
 TEST_CASE("the dynamic loss scale follows DeepSpeed's, step for step, and gives up at the minimum",
           "[engine][fp16]") {
-  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/loss_scale.json");
+  std::ifstream in(strata::test::source_dir() + "/tests/data/golden/loss_scale.json");
   REQUIRE(in.good());
   const auto golden = nlohmann::json::parse(in);
   REQUIRE(golden["cases"].size() >= 5);

@@ -24,13 +24,14 @@
 #include "tests/engine/zero_rig.h"
 #include "tests/nn/test_models.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 
 namespace {
 
 std::string fixture(const std::string& file) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/adamw/" + file;
+  return strata::test::source_dir() + "/tests/data/golden/adamw/" + file;
 }
 
 }  // namespace

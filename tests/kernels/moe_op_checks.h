@@ -22,6 +22,7 @@
 
 #include "kernels/ops.h"
 #include "tests/kernels/expect_near.h"
+#include "tests/support/test_paths.h"
 
 namespace strata::test::moe {
 
@@ -255,7 +256,7 @@ void check_sigmoid_gated_add(Fixture& f, DType act) {
 // logits (transformers' router computes in fp32).
 template <typename Fixture>
 void check_sigmoid_router(Fixture& f) {
-  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/sigmoid_router.json");
+  std::ifstream in(strata::test::source_dir() + "/tests/data/golden/sigmoid_router.json");
   REQUIRE(in.good());
   const nlohmann::json fixture = nlohmann::json::parse(in);
   REQUIRE(fixture.at("cases").size() == 3);

@@ -20,11 +20,12 @@
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/tolerances.h"
+#include "tests/support/test_paths.h"
 
 namespace strata::test {
 
 inline std::string golden_dir(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+  return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
 inline nlohmann::json read_json(const std::string& path) {

@@ -18,6 +18,7 @@
 #include "runtime/nn/safetensors.h"
 #include "runtime/plan/runtime_memory.h"
 #include "tests/nn/engine_rig.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using namespace strata::nn;
@@ -27,7 +28,7 @@ using strata::test::expect_refused;
 namespace {
 
 std::string fixture(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+  return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
 json fixture_config(const std::string& name) {
@@ -698,7 +699,7 @@ TEST_CASE("families: gpt-oss configs, with GptOssConfig's defaults, and what str
   CHECK(shapes.at("model.layers.0.mlp.experts.down_proj_bias") == Shape{8, 16});
   CHECK(shapes.size() == 3 + 2 * 17);  // per layer: 2 norms, the sinks, 4 projections and their biases, router, experts
   const nn::SafetensorsFile weights =
-      nn::SafetensorsFile::open(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/gpt_oss_untied_f32/model.safetensors");
+      nn::SafetensorsFile::open(strata::test::source_dir() + "/tests/data/golden/gpt_oss_untied_f32/model.safetensors");
   CHECK(weights.names().size() == shapes.size());
   for (const auto& [name, shape] : shapes) CHECK(weights.entry(name).shape == shape);
   // The round trip keeps every piece.

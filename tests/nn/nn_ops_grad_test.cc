@@ -11,6 +11,7 @@
 #include "kernels/nn_ops.h"
 #include "core/error.h"
 #include "tests/nn/grad_check.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata::nn::cpu;
 using strata::test::check_gradient;
@@ -162,7 +163,7 @@ TEST_CASE("yarn rope frequencies and attention factor are transformers' _compute
   // frequencies and attention factor for parameter sets covering each branch
   // (defaults, mscale with and without mscale_all_dim, an explicit
   // attention_factor, truncate off, DeepSeek-V3's and Kimi K2's values, factor 1).
-  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/yarn_frequencies.json");
+  std::ifstream in(strata::test::source_dir() + "/tests/data/golden/yarn_frequencies.json");
   REQUIRE(in.good());
   const nlohmann::json fixture = nlohmann::json::parse(in);
   REQUIRE(fixture.at("cases").size() >= 7);

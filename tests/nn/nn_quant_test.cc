@@ -25,6 +25,7 @@
 #include "tests/nn/config_checks.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using nlohmann::json;
@@ -33,7 +34,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string golden(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+  return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
 // The bytes of `view`, for bit-for-bit comparisons.

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "runtime/nn/decoder_config.h"
 #include "tests/nn/config_checks.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using namespace strata::nn;
@@ -20,7 +21,7 @@ using strata::test::expect_refused;
 namespace {
 
 std::string config_path(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/configs/" + name + ".json";
+  return strata::test::source_dir() + "/tests/data/configs/" + name + ".json";
 }
 
 json read_config(const std::string& name) {

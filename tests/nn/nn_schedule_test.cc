@@ -6,12 +6,13 @@
 
 #include "core/error.h"
 #include "runtime/engine/lr_schedule.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using strata::engine::LrSchedule;
 
 TEST_CASE("lr schedules give DeepSpeed's rate for every update", "[engine][lr]") {
-  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lr_schedules.json");
+  std::ifstream in(strata::test::source_dir() + "/tests/data/golden/lr_schedules.json");
   REQUIRE(in.good());
   const auto golden = nlohmann::json::parse(in);
   const double base = golden.at("base_lr").get<double>();

@@ -8,10 +8,11 @@
 
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 namespace {
 
-std::string strata_io() { return std::string(STRATA_BUILD_DIR) + "/bin/strata-io"; }
+std::string strata_io() { return strata::test::build_dir() + "/bin/strata-io"; }
 
 }  // namespace
 

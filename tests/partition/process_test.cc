@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "tests/support/test_paths.h"
 
 namespace {
 struct Result {
@@ -20,7 +21,7 @@ struct Result {
 
 // Runs `strata run ARGS` under coreutils timeout, so a hang fails the test instead of blocking CI.
 Result strata_run(const std::string& args, int limit_s = 60) {
-  std::string command = "timeout -k 5 " + std::to_string(limit_s) + " " STRATA_BUILD_DIR "/bin/strata run " + args +
+  std::string command = "timeout -k 5 " + std::to_string(limit_s) + " " + strata::test::build_dir() + "/bin/strata run " + args +
                         " 2>&1";
   auto start = std::chrono::steady_clock::now();
   FILE* pipe = popen(command.c_str(), "r");
@@ -214,7 +215,7 @@ TEST_CASE("strata run: a failed rank's own children do not outlive the run") {
 
 TEST_CASE("strata run: Ctrl-C is forwarded to every rank") {
   // The shell sends SIGINT to the launcher; each rank traps it and reports.
-  Result r = strata_run("-n 1 --no-prefix -- sh -c '" STRATA_BUILD_DIR
+  Result r = strata_run("-n 1 --no-prefix -- sh -c '" + strata::test::build_dir() +
                         "/bin/strata run -n 2 -- sh -c \"trap \\\"echo got-int; exit 0\\\" INT; echo ready; "
                         "while true; do sleep 0.05; done\" & pid=$!; sleep 1; kill -INT $pid; wait $pid; echo launcher=$?'");
   INFO(r.output);

@@ -8,6 +8,7 @@
 
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using strata::test::run_command;
 using strata::test::strata_binary;
@@ -41,7 +42,7 @@ TEST_CASE("strata doctor rejects a missing directory", "[cli]") {
 
 TEST_CASE("strata config check: exit codes and messages", "[cli]") {
   strata::test::TempDir dir;
-  const auto good = run_command(strata_binary() + " config check " STRATA_SOURCE_DIR
+  const auto good = run_command(strata_binary() + " config check " + strata::test::source_dir() +
                                 "/tests/runtime/configs/ds_zero3_nvme.json 2>/dev/null");
   REQUIRE(good.exit_code == 0);
   REQUIRE(nlohmann::json::parse(good.output)["zero_optimization"]["stage"] == 3);
@@ -103,7 +104,7 @@ TEST_CASE("strata run: flag values out of range say the range", "[cli][issue16]"
 TEST_CASE("the bench tools refuse bad flags with a message and an exit code in 1..127, never abort or loop",
           "[cli][tools]") {
   strata::test::TempDir dir;
-  const std::string bin = std::string(STRATA_BUILD_DIR) + "/bin/";
+  const std::string bin = strata::test::build_dir() + "/bin/";
   struct Case {
     std::string command, expect;
   };

@@ -15,6 +15,7 @@
 #include "runtime/nn/decoder_config.h"
 #include "runtime/train/zero_config.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using Catch::Contains;
@@ -40,7 +41,7 @@ std::string only_problem(const std::string& text) {
 }  // namespace
 
 TEST_CASE("a typical DeepSpeed ZeRO-3 NVMe-offload config is accepted", "[config]") {
-  const Config c = load_config_file(STRATA_SOURCE_DIR "/tests/runtime/configs/ds_zero3_nvme.json");
+  const Config c = load_config_file(strata::test::source_dir() + "/tests/runtime/configs/ds_zero3_nvme.json");
   REQUIRE(c.zero.stage == 3);
   REQUIRE(c.zero.offload_param.device == OffloadDevice::kNvme);
   REQUIRE(c.zero.offload_optimizer.nvme_path == "/local_nvme");
@@ -175,7 +176,7 @@ TEST_CASE("syntax errors and unreadable files name where", "[config]") {
 }
 
 TEST_CASE("docs/config.md is generated from the schema", "[config][docs]") {
-  std::ifstream file(STRATA_SOURCE_DIR "/docs/config.md");
+  std::ifstream file(strata::test::source_dir() + "/docs/config.md");
   REQUIRE(file.good());
   std::stringstream text;
   text << file.rdbuf();

@@ -10,6 +10,7 @@
 #include <regex>
 #include <string>
 #include <vector>
+#include "tests/support/test_paths.h"
 
 namespace fs = std::filesystem;
 
@@ -26,7 +27,7 @@ std::string top_folder(const std::string& path) { return path.substr(0, path.fin
 }  // namespace
 
 TEST_CASE("no library folder includes a header from a floor above it, or from a sibling on its floor") {
-  const fs::path root = STRATA_SOURCE_DIR;
+  const fs::path root = strata::test::source_dir();
   const std::regex include(R"(^\s*#\s*include\s+"([a-z_]+/[^"]+)\")");
   std::vector<std::string> violations;
   size_t files = 0, includes = 0;

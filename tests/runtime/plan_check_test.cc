@@ -29,6 +29,7 @@
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using strata::Error;
 using strata::plan::parse_metrics;
@@ -37,7 +38,7 @@ using strata::test::strata_binary;
 
 namespace {
 
-const std::string kExamples = STRATA_SOURCE_DIR "/examples/finetune";
+const std::string kExamples = strata::test::source_dir() + "/examples/finetune";
 
 // A sanitizer build's processes (this one and the strata it runs) carry
 // shadow memory, redzones and a quarantine of freed blocks: their resident

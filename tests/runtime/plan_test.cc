@@ -13,6 +13,7 @@
 #include "runtime/train/zero_config.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata::plan;
 using strata::test::run_command;
@@ -396,7 +397,7 @@ TEST_CASE("strata plan: a Hugging Face config and a ds_config", "[plan][cli]") {
   }
   const auto result =
       run_command(strata_binary() + " plan --model " + dir.path().string() + " --config " +
-                  STRATA_SOURCE_DIR
+                  strata::test::source_dir() +
                   "/tests/runtime/configs/ds_zero3_nvme.json --gpus 1 --gpu-mem 16GB "
                   "--nvme-path " +
                   dir.path().string() + " --seq 512 --json");
@@ -466,7 +467,7 @@ TEST_CASE("strata plan: bad input names the flag or file", "[plan][cli]") {
 TEST_CASE("strata plan --model of a mixture of experts: compute counts the active parameters, memory every expert",
           "[plan][cli][moe]") {
   const auto plan = [](const std::string& fixture) {
-    const auto result = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR "/tests/data/golden/" +
+    const auto result = run_command(strata_binary() + " plan --model " + strata::test::source_dir() + "/tests/data/golden/" +
                                     fixture + " --gpu-mem 1GB --json");
     REQUIRE(result.exit_code == 0);
     return nlohmann::json::parse(result.output);
@@ -504,7 +505,7 @@ TEST_CASE("strata plan --model of a mixture of experts: compute counts the activ
 TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert parallelism as finetune chooses it",
           "[plan][cli][moe]") {
   const auto plan = [](const std::string& args) {
-    const auto result = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR
+    const auto result = run_command(strata_binary() + " plan --model " + strata::test::source_dir() +
                                     "/tests/data/golden/mixtral_untied_f32 --gpu-mem 1GB --gpus 4 --seq 512 " + args +
                                     " 2>&1");
     INFO(result.output);
@@ -523,14 +524,14 @@ TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert paralle
   CHECK(ep["exchange_bytes_per_micro_step"].get<double>() == Approx(4.0 * 2 * 1024 * 32 * 2 * 0.75));
   CHECK_THAT(plan(""), Catch::Contains("expert parallelism 4 (moe.expert_parallel_size): each rank holds 2 experts"));
   // 3 ranks do not divide 8 experts: every rank holds every expert, nothing said.
-  const auto three = run_command(strata_binary() + " plan --model " STRATA_SOURCE_DIR
+  const auto three = run_command(strata_binary() + " plan --model " + strata::test::source_dir() +
                                  "/tests/data/golden/mixtral_untied_f32 --gpu-mem 1GB --gpus 3 --json");
   REQUIRE(three.exit_code == 0);
   CHECK_FALSE(nlohmann::json::parse(three.output).contains("expert_parallel"));
 }
 
 TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
-  const std::string model = STRATA_SOURCE_DIR "/tests/data/golden/llama_untied_f32";
+  const std::string model = strata::test::source_dir() + "/tests/data/golden/llama_untied_f32";
   const auto lora = [&](const std::string& args) {
     const auto result = run_command(strata_binary() + " plan " + args + " --gpu-mem 1GB --json");
     REQUIRE(result.exit_code == 0);
@@ -560,7 +561,7 @@ TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes
   // plan counts every element of adapter_model.safetensors.
   for (const char* fixture : {"lora_llama_f32_all", "lora_qwen2_f32_attn"}) {
     INFO(fixture);
-    const std::string dir = std::string(STRATA_SOURCE_DIR "/tests/data/golden/") + fixture;
+    const std::string dir = strata::test::source_dir() + "/tests/data/golden/" + fixture;
     std::ifstream config_file(dir + "/adapter_config.json");
     const auto peft = nlohmann::json::parse(config_file);
     std::string targets;

@@ -15,6 +15,7 @@
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using strata::test::read_trace;
 using strata::test::kFinetuneExamples;
@@ -96,7 +97,7 @@ TEST_CASE("strata-train --trace: every op a span on the compute stream with its 
           "[trace]") {
   strata::test::TempDir dir("trace-train");
   const std::string path = dir.file("train.json");
-  const auto run = run_command(std::string(STRATA_BUILD_DIR) + "/bin/strata-train --accelerator cpu --layers 2 "
+  const auto run = run_command(strata::test::build_dir() + "/bin/strata-train --accelerator cpu --layers 2 "
                                "--hidden 64 --heads 4 --vocab 256 --batch 2 --seq 32 --steps 1 --rounds 1 --warmup 1 "
                                "--threads 1 --trace " + path + " 2>&1");
   INFO(run.output);

@@ -7,11 +7,12 @@
 #include <string>
 
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 namespace strata::test {
 
 // The example's folder: its data/ holds the text the finetune tests train on.
-inline const std::string kFinetuneExamples = STRATA_SOURCE_DIR "/examples/finetune";
+inline const std::string kFinetuneExamples = strata::test::source_dir() + "/examples/finetune";
 
 // Writes `text` to dir/name and returns the file's path.
 inline std::string write_file(const TempDir& dir, const std::string& name, const std::string& text) {

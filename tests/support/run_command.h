@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include "tests/support/test_paths.h"
 
 namespace strata::test {
 
@@ -40,6 +41,6 @@ inline CommandResult run_with_limit(const std::string& command, int limit_s) {
   return run_command("timeout -k 5 " + std::to_string(limit_s) + " " + command + " 2>&1");
 }
 
-inline std::string strata_binary() { return std::string(STRATA_BUILD_DIR) + "/bin/strata"; }
+inline std::string strata_binary() { return strata::test::build_dir() + "/bin/strata"; }
 
 }  // namespace strata::test

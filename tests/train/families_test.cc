@@ -24,6 +24,7 @@
 #include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using strata::test::read_jsonl;
 using strata::test::run_command;
@@ -34,7 +35,7 @@ using nlohmann::json;
 namespace {
 
 std::string fixture(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+  return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
 json read_json(const std::string& path) {

@@ -17,6 +17,7 @@
 #include "tests/nn/config_checks.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using namespace strata;
 using nlohmann::json;
@@ -25,7 +26,7 @@ namespace fs = std::filesystem;
 namespace {
 
 std::string fixture(const std::string& name) {
-  return std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + name;
+  return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
 json read_json(const fs::path& path) {

@@ -16,6 +16,7 @@
 #include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using strata::test::file_bytes;
 using strata::test::kFinetuneExamples;
@@ -228,7 +229,7 @@ TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are ste
           "is the resident model's",
           "[layer-major][strata-train]") {
   strata::test::TempDir dir;
-  const std::string train = std::string(STRATA_BUILD_DIR) + "/bin/strata-train";
+  const std::string train = strata::test::build_dir() + "/bin/strata-train";
   std::vector<nlohmann::json> losses;
   for (const std::string order : {"step-major", "layer-major"}) {
     const std::string json = dir.file(order + ".json");

@@ -26,6 +26,7 @@
 #include "tests/support/finetune_files.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
+#include "tests/support/test_paths.h"
 
 using nlohmann::json;
 using strata::test::run_command;
@@ -50,7 +51,7 @@ std::string file_bytes(const std::string& path) {
 // The PEFT fixture's base alone (its directory also holds the adapter, which
 // strata refuses to ignore): dir/base.
 std::string base_model(const strata::test::TempDir& dir) {
-  const std::string src = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::string src = strata::test::source_dir() + "/tests/data/golden/lora_llama_f32_all";
   const std::string out = dir.file("base");
   fs::create_directories(out);
   for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(src + "/" + f, out + "/" + f);
@@ -282,7 +283,7 @@ TEST_CASE("LoRA: bad flags and a model directory holding an adapter are refused 
   struct Case {
     std::string args, expect;
   };
-  const std::string fixture = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::string fixture = strata::test::source_dir() + "/tests/data/golden/lora_llama_f32_all";
   const std::vector<Case> cases = {
       {"--lora-rank 4 --lora-dropout 1", "--lora-dropout must be in [0, 1), got 1"},
       {"--lora-rank 4 --lora-targets q_proj,lm_head", "--lora-targets: 'lm_head' is not a projection"},
@@ -311,7 +312,7 @@ TEST_CASE("LoRA: --lora-init starts from a PEFT adapter and refuses what plain L
           "[finetune][lora]") {
   strata::test::TempDir dir("lora-init");
   const std::string base = base_model(dir), data = tokens(dir);
-  const std::string fixture = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/lora_llama_f32_all";
+  const std::string fixture = strata::test::source_dir() + "/tests/data/golden/lora_llama_f32_all";
   const std::string common = strata_binary() + " finetune --model " + base + " --data " + data +
                              " --data-format u16 --seq 8 --steps 2 --weight-decay 0 ";
   // At learning rate 0 the adapter comes out as it went in: PEFT's settings and every value.
