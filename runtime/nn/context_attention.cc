@@ -1,5 +1,7 @@
 #include "runtime/nn/context_attention.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace strata::nn {
@@ -15,8 +17,18 @@ ContextMethod parse_context_method(std::string_view name, const std::string& sou
         name);
 }
 
-void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method) {
+void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method, int tp) {
   if (method != ContextMethod::kUlysses) return;
+  if (tp > 1) {
+    // A tp rank's heads (tensor_parallel_share's: it refuses what does not split by tp).
+    const int64_t rank_heads = heads / tp, rank_kv = std::max<int64_t>(kv_heads / tp, 1);
+    STRATA_CHECK(rank_heads % cp == 0 && rank_kv % cp == 0, kBadArgument,
+                 "context parallelism \"ulysses\" gives each of the {} ranks of a cp group 1/{} of its tensor-parallel "
+                 "rank's heads, but with tensor parallelism {} a rank holds {} of the num_attention_heads {} and {} of "
+                 "the num_key_value_heads {}{}, which do not both divide by {} (use \"method\": \"ring\")",
+                 cp, cp, tp, rank_heads, heads, rank_kv, kv_heads, kv_heads < tp ? " (shared)" : "", cp);
+    return;
+  }
   STRATA_CHECK(heads % cp == 0 && kv_heads % cp == 0, kBadArgument,
                "context parallelism \"ulysses\" gives each of the {} ranks heads / {} of the attention heads, but the "
                "model's num_attention_heads {} and num_key_value_heads {} do not both divide by {} (use \"method\": "

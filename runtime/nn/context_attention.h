@@ -55,7 +55,10 @@ struct ContextLayout {
 
 // Refuses, by name, a model whose attention context parallelism cannot split
 // `cp` ways with `method` (Ulysses: heads and kv heads must divide by cp).
-void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method);
+// With tensor parallelism `tp` the cp group of each tp rank splits that
+// rank's share (tensor_parallel_share: heads / tp, and kv_heads / tp or one
+// shared kv head), which is what must divide.
+void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method, int tp = 1);
 
 class ContextAttention {
  public:
