@@ -347,6 +347,8 @@ size_t DecoderModel::arena_nbytes() const {
   return total;
 }
 
+size_t DecoderModel::context_buffer_nbytes() const { return context_ ? context_->buffer_nbytes() : 0; }
+
 size_t DecoderModel::host_checkpoint_nbytes() const {
   size_t total = 0;
   for (const auto& a : arenas_) total += a ? a->host_checkpoints_nbytes : 0;

@@ -98,8 +98,10 @@ void check_pinned_budget(const Config& config, const std::string& source, const 
   raise(ErrorCategory::kBadArgument,
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
         "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
-        "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq)",
-        source, budget, memory.pinned_nbytes, items);
+        "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
+        source, budget, memory.pinned_nbytes, items,
+        inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
+                                    : std::string("; or split each sequence over more ranks, --cp"));
 }
 
 double count_targets(const std::vector<int32_t>& targets) {
@@ -344,7 +346,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.device_is_host = accelerator->host_addressable();
     pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
     pinned.micro_batch = micro_batch;
-    pinned.seq = options.seq / cp;  // this rank's tokens of each sequence
+    pinned.seq = options.seq;
+    pinned.context_parallel = cp;  // this rank's tokens of each sequence: seq / cp
+    pinned.context_method = cp_method;
     pinned.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
     pinned.cpu_checkpointing = config.cpu_checkpointing;
     pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
@@ -755,6 +759,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     if (piped) {
       if (pp > 1) r.pipeline_idle_fraction = piped->idle_fraction();
       r.activation_nbytes = piped->activation_nbytes;
+    } else {
+      // The arena, and with context parallelism the ring's or Ulysses' buffers beside it.
+      r.activation_nbytes = model.arena_nbytes() + model.context_buffer_nbytes();
     }
     if (aux) {
       // The mean over the step's micro-batches and ranks (the gradients add each one's).

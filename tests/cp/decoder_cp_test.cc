@@ -15,6 +15,7 @@
 
 #include "runtime/nn/context_attention.h"
 #include "runtime/nn/decoder_config.h"
+#include "runtime/plan/runtime_memory.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
@@ -143,6 +144,17 @@ TEST_CASE("context parallelism equals one resident rank on the combined batch", 
       WARN(name << ": max |cp - 1 resident rank| = " << d.max_abs << " (largest parameter " << d.max_ref << ")");
       CHECK(d.max_abs <= 1e-6);
       CHECK(r.tensor_group_size == c.tp);
+      // What strata plan counts for a cp rank, exactly: its arena (s/cp rows,
+      // the documents over the whole sequences) and beside it the ring's or
+      // Ulysses' buffers on its tp rank's heads.
+      const nn::DecoderConfig share = nn::tensor_parallel_share(*spec.config, c.tp);
+      const int64_t batch = kSequences / (c.world / (c.cp * c.tp));
+      CHECK(r.arena_nbytes == plan::decoder_arena_nbytes(*spec.config, DType::kF32, batch, kSeq, c.checkpoint, false,
+                                                         {}, 1, c.tp, c.sequence_parallel, c.cp));
+      CHECK(r.context_buffer_nbytes == nn::context_buffer_nbytes(c.method, c.cp, batch, kSeq,
+                                                                 share.num_attention_heads,
+                                                                 share.num_key_value_heads, spec.config->head_dim,
+                                                                 DType::kF32));
       CHECK(r.tp_replica_mismatches == 0);  // every tp rank's copy of a replicated tensor, bit for bit
       REQUIRE(r.losses.size() == ref.losses.size());
       for (size_t i = 0; i < r.losses.size(); ++i) CHECK(r.losses[i] == Approx(ref.losses[i]).epsilon(1e-6));
