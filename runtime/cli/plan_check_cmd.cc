@@ -43,6 +43,7 @@ struct RunSetup {
   bool checkpoint_activations = false;
   int tensor_parallel = 0;         // --tp (0: not given: the config's)
   int context_parallel = 0;        // --cp (0: not given: the config's)
+  std::string context_method;      // --cp-method (empty: the config's)
   int pipeline_parallel = 0;       // --pp (0: not given: the config's)
   std::string pipeline_schedule;   // --pp-schedule (empty: the config's)
   int virtual_stages = 0;          // --virtual-stages (0: the config's)
@@ -109,6 +110,8 @@ void setup_from_record(const train::RunRecord& record, const std::string& source
       s.pipeline_parallel = static_cast<int>(parse_integer(source + ": --pp", take(), 1));
     } else if (flag == "--cp") {
       s.context_parallel = static_cast<int>(parse_integer(source + ": --cp", take(), 1));
+    } else if (flag == "--cp-method") {
+      s.context_method = take();
     } else if (flag == "--pp-schedule") {
       s.pipeline_schedule = take();
     } else if (flag == "--virtual-stages") {
@@ -237,14 +240,16 @@ int run_plan_check(const PlanOptions& o) {
       s.ds_config.is_null() ? s.config.string() : run_json.string() + " (\"ds_config\")";
   const Config config = s.ds_config.is_null() ? load_config_file(s.config.string())
                                               : parse_config(s.ds_config, config_source);
-  // Context parallelism: each rank holds two chunks of every sequence; not modelled here.
-  const int context = s.context_parallel > 0 ? s.context_parallel : config.context_parallel_size;
-  STRATA_CHECK(context == 1, kBadArgument,
-               "{}: the run is context parallel ({} ranks per sequence); strata plan --check does not model it yet",
-               run_json.string(), context);
   // As finetune reads them: --pp and the schedule's flags over the config's pipeline_parallel.
   const int pp = s.pipeline_parallel > 0 ? s.pipeline_parallel : config.pipeline_parallel_size;
   plan::RuntimeInputs in;
+  // Context parallelism as finetune reads it: --cp and --cp-method over the config's context_parallel.
+  in.context_parallel = s.context_parallel > 0 ? s.context_parallel : config.context_parallel_size;
+  in.context_method = s.context_method.empty()
+                          ? nn::parse_context_method(config.context_parallel_method,
+                                                     config_source + ": context_parallel.method")
+                          : nn::parse_context_method(s.context_method, run_json.string() + ": --cp-method");
+  const int cp = in.context_parallel;
   // As finetune reads them: --tp over the config's autotp_size, either sequence-parallel switch.
   in.tensor_parallel = s.tensor_parallel > 0 ? s.tensor_parallel : config.tensor_parallel_size;
   in.sequence_parallel = s.sequence_parallel || config.sequence_parallel;
@@ -263,7 +268,7 @@ int run_plan_check(const PlanOptions& o) {
        : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
                                                                  : Tier::kDevice,
        config.gradient_accumulation_steps, in.tensor_parallel, pp, 1, !s.lora_rank.empty(),
-       in.model.tie_word_embeddings, in.model.moe() && in.model.output_router_logits});
+       in.model.tie_word_embeddings, in.model.moe() && in.model.output_router_logits, cp});
   if (pp > 1) {
     // Rank 0's memory is measured: pp rank 0's (Megatron's order puts the pipeline slowest).
     const std::string name = s.pipeline_schedule.empty() ? config.pipeline_schedule : s.pipeline_schedule;
@@ -294,7 +299,7 @@ int run_plan_check(const PlanOptions& o) {
   in.world_size = static_cast<int>(s.world_size);
   in.zero = train::zero_engine_options(config, config_source);
   in.zero.expert_parallel_size = train::choose_expert_parallel_size(
-      config, in.model, in.world_size / (in.tensor_parallel * pp), config_source);  // over the data-parallel ranks
+      config, in.model, in.world_size / (in.tensor_parallel * pp * cp), config_source);  // over the data-parallel ranks
   if (!s.lora_rank.empty()) {
     // The frozen base and the adapters' groups; alpha (the scale) sizes nothing.
     in.lora.rank = parse_integer(s.sources["lora"] + ": --lora-rank", s.lora_rank, 1);
@@ -341,6 +346,20 @@ int run_plan_check(const PlanOptions& o) {
     for (const plan::MemoryItem& item : memory.items) arenas += item.name == "activation arenas" ? item.nbytes : 0;
     result.rows.push_back(
         {"activations (pp rank 0)", arenas,
+         measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
+                                    : std::nullopt,
+         measured.activation_nbytes ? "memory.activation_bytes in " + rank0
+                                    : std::string("not measured: the records have no memory.activation_bytes")});
+  }
+  if (cp > 1) {
+    // A cp rank's arena and the ring's or Ulysses' buffers, which the run counts itself.
+    double activations = 0;
+    for (const plan::MemoryItem& item : memory.items) {
+      const bool counted = item.name == "activation arena" || item.name == "context-parallel attention buffers";
+      activations += counted ? item.nbytes : 0;
+    }
+    result.rows.push_back(
+        {fmt::format("activations (cp rank, s/{})", cp), activations,
          measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
                                     : std::nullopt,
          measured.activation_nbytes ? "memory.activation_bytes in " + rank0

@@ -27,6 +27,8 @@ struct PlanOptions {
   bool sequence_parallel = false;
   // Pipeline parallelism (`strata finetune --pp`, --pp-schedule, --virtual-stages): empty when not given.
   std::string pp, pp_schedule, virtual_stages;
+  // Context parallelism (`strata finetune --cp`, --cp-method): empty when not given.
+  std::string cp, cp_method;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.

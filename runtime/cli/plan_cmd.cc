@@ -24,6 +24,7 @@
 #include "runtime/config/json_text.h"
 #include "runtime/config/size.h"
 #include "core/error.h"
+#include "runtime/nn/context_attention.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
@@ -191,6 +192,9 @@ struct Resolved {
   pipeline::ScheduleSpec pipeline{.stages = 1};  // 1: no pipeline (ScheduleSpec's own default is 2)
   std::vector<int64_t> stage_layers, stage_params;
   std::vector<std::vector<int64_t>> stage_chunk_layers;  // per stage, its chunks' layer counts
+  // Context parallelism (--cp or context_parallel.size; 1: none) and its method.
+  int context_parallel = 1;
+  nn::ContextMethod context_method = nn::ContextMethod::kRing;
 };
 
 void resolve_model(const Options& o, Resolved& r) {
@@ -430,23 +434,26 @@ nlohmann::json expert_parallel_json(const Resolved& r) {
           {"exchange_bytes_per_micro_step", s.exchange_nbytes}};
 }
 
+// A parallel size as strata finetune reads it: the flag (when given) over
+// the config's key; both given and different is refused, naming both.
+int size_over_config(const char* flag, const std::string& given, int from_config, const std::string& config_path,
+                     const char* key) {
+  const int size = !given.empty() ? static_cast<int>(parse_integer(flag, given, 1)) : from_config;
+  if (!given.empty() && from_config > 1 && from_config != size) {
+    raise(ErrorCategory::kBadArgument, "{} {} and {}'s {} {} disagree: give one", flag, size, config_path, key,
+          from_config);
+  }
+  return size;
+}
+
 // Tensor parallelism as strata finetune reads it (--tp over the config's
 // tensor_parallel.autotp_size, either sequence-parallel switch) and refuses
 // it: the model must split (--model), no LoRA. N_d is then the ranks / tp
 // (or --dp, with tp x --dp ranks), and the plan's model states are tp rank
 // 0's: its shards and the replicated tensors (plan::decoder_rank_params).
 void resolve_tensor_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  // Context parallelism is trained (strata finetune --cp) but not planned yet: refused rather than planned without it.
-  STRATA_CHECK(!config || config->context_parallel_size <= 1, kBadArgument,
-               "{}: context_parallel.size {}: strata plan does not model context parallelism yet (plan the run "
-               "without it)",
-               o.config, config ? config->context_parallel_size : 1);
-  const int from_config = config ? config->tensor_parallel_size : 1;
-  const int tp = !o.tp.empty() ? static_cast<int>(parse_integer("--tp", o.tp, 1)) : from_config;
-  if (!o.tp.empty() && from_config > 1 && from_config != tp) {
-    raise(ErrorCategory::kBadArgument, "--tp {} and {}'s tensor_parallel.autotp_size {} disagree: give one", tp,
-          o.config, from_config);
-  }
+  const int tp = size_over_config("--tp", o.tp, config ? config->tensor_parallel_size : 1, o.config,
+                                  "tensor_parallel.autotp_size");
   const bool sp = o.sequence_parallel || (config && config->sequence_parallel);
   const char* sp_name = o.sequence_parallel ? "--sequence-parallel" : "sequence_parallel";
   plan::Machine& hw = r.inputs.machine;
@@ -494,12 +501,8 @@ void resolve_tensor_parallel(const Options& o, const std::optional<Config>& conf
 // is of its layers). N_d is then the ranks / (pp x tp), and the plan's model
 // states are the largest stage's.
 void resolve_pipeline_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  const int from_config = config ? config->pipeline_parallel_size : 1;
-  const int pp = !o.pp.empty() ? static_cast<int>(parse_integer("--pp", o.pp, 1)) : from_config;
-  if (!o.pp.empty() && from_config > 1 && from_config != pp) {
-    raise(ErrorCategory::kBadArgument, "--pp {} and {}'s pipeline_parallel.size {} disagree: give one", pp, o.config,
-          from_config);
-  }
+  const int pp = size_over_config("--pp", o.pp, config ? config->pipeline_parallel_size : 1, o.config,
+                                  "pipeline_parallel.size");
   if (pp == 1) {
     STRATA_CHECK(o.pp_schedule.empty() && o.virtual_stages.empty(), kBadArgument,
                  "--pp-schedule and --virtual-stages shape a pipeline: give --pp (or pipeline_parallel.size)");
@@ -617,6 +620,115 @@ nlohmann::json pipeline_json(const Resolved& r) {
           {"stages", stages}};
 }
 
+// Context parallelism as strata finetune reads it (--cp over the config's
+// context_parallel.size, --cp-method over its method) and refuses it: the
+// dense GQA families from --model, not with pipeline stages or LoRA, seq
+// divisible by 2 x cp, Ulysses's heads (a tp rank's) divisible by cp. ZeRO
+// partitions over dp x cp (finetune's), so N_d stays the data-parallel
+// ranks it was; each of them holds seq / cp tokens of every sequence.
+void resolve_context_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
+  const int cp = size_over_config("--cp", o.cp, config ? config->context_parallel_size : 1, o.config,
+                                  "context_parallel.size");
+  if (cp == 1) {
+    STRATA_CHECK(o.cp_method.empty(), kBadArgument, "--cp-method goes with --cp (or context_parallel.size) of 2 or more");
+    return;
+  }
+  r.context_method = !o.cp_method.empty() ? nn::parse_context_method(o.cp_method, "--cp-method")
+                     : config ? nn::parse_context_method(config->context_parallel_method,
+                                                         o.config + ": context_parallel.method")
+                              : nn::ContextMethod::kRing;
+  STRATA_CHECK(r.config.has_value(), kBadArgument,
+               "--cp {}: what the ring or Ulysses moves depends on the attention's heads: give --model (its "
+               "config.json)",
+               cp);
+  const nn::DecoderConfig& c = *r.config;
+  const auto refuse = [&](bool combined, const std::string& what) {
+    STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: strata finetune does not implement it yet", cp, what);
+  };
+  refuse(r.pipeline.stages > 1, fmt::format("pipeline parallelism (--pp {})", r.pipeline.stages));
+  refuse(r.lora.enabled(), "LoRA (--lora-rank)");
+  refuse(c.moe(), fmt::format("a mixture-of-experts model (model_type {})", c.model_type));
+  refuse(c.attention != nn::AttentionKind::kGqa, fmt::format("multi-head latent attention (model_type {})", c.model_type));
+  plan::TrainingShape& t = r.inputs.training;
+  STRATA_CHECK(t.seq % (2 * cp) == 0, kBadArgument,
+               "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two chunks "
+               "per rank",
+               t.seq, cp, 2 * cp);
+  nn::check_context_parallel(c.num_attention_heads, c.num_key_value_heads, cp, r.context_method, r.tensor_parallel);
+  plan::Machine& hw = r.inputs.machine;
+  STRATA_CHECK(hw.data_parallel % cp == 0, kBadArgument,
+               "--cp {} does not divide the {} data-parallel ranks ({}): ZeRO partitions over dp x cp", cp,
+               hw.data_parallel, r.sources["data_parallel"]);
+  STRATA_CHECK(!t.sequence_parallel || t.micro_batch * (t.seq / cp) % r.tensor_parallel == 0, kBadArgument,
+               "sequence parallelism: a cp rank's {} x {} tokens do not divide over the {} tensor-parallel ranks",
+               t.micro_batch, t.seq / cp, r.tensor_parallel);
+  r.context_parallel = cp;
+  r.sources["data_parallel"] += fmt::format(" (dp {} x cp {})", hw.data_parallel / cp, cp);
+  t.context_parallel = cp;
+}
+
+// What one rank sends in its cp group, 16-bit activations as the rest of the
+// plan: ring attention's hops of its kv heads' keys and values, 2·(s/cp)·b·
+// h_kv bytes-per-element each, cp − 1 per layer forward ((cp−1)/cp · 2·s·b·h_kv)
+// and 2cp − 1 backward (the keys and values again, and the dk/dv
+// accumulators one hop behind them, the last hop home: about twice); Ulysses'
+// all-to-alls, each sending (cp−1)/cp of a rank's share: forward q, k, v and
+// out (about 4·s·b·h/cp), lse (fp32), backward q, k, v, out, dout, lse and dq,
+// dk, dv. The recompute of a checkpointed layer passes forward again.
+// RingAttention's and UlyssesAttention's bytes_sent() count the same
+// (tests/cp/ring_attention_test.cc).
+struct ContextExchange {
+  double forward = 0, backward = 0;  // per layer
+  double per_micro_step = 0;
+};
+ContextExchange context_exchange(const Resolved& r) {
+  const nn::DecoderConfig share = nn::tensor_parallel_share(*r.config, r.tensor_parallel);
+  const plan::TrainingShape& t = r.inputs.training;
+  const double cp = r.context_parallel, e = 2, d = static_cast<double>(r.config->head_dim);
+  const double tokens = static_cast<double>(t.micro_batch) * static_cast<double>(t.seq) / cp;  // a rank's
+  const double h = static_cast<double>(share.num_attention_heads) * d;
+  const double h_kv = static_cast<double>(share.num_key_value_heads) * d;
+  ContextExchange x;
+  if (r.context_method == nn::ContextMethod::kRing) {
+    const double hop = 2 * tokens * h_kv * e;
+    x.forward = (cp - 1) * hop;
+    x.backward = (2 * cp - 1) * hop;
+  } else {
+    const double share_sent = (cp - 1) / cp * tokens;
+    const double lse = static_cast<double>(share.num_attention_heads) * 4;
+    x.forward = share_sent * ((2 * h + 2 * h_kv) * e + lse);
+    x.backward = share_sent * ((4 * h + 4 * h_kv) * e + lse);
+  }
+  const double layers = static_cast<double>(r.config->num_hidden_layers);
+  const double recomputed = t.activation_checkpointing ? layers - 1 : 0;  // the top layer is not recomputed
+  x.per_micro_step = layers * (x.forward + x.backward) + recomputed * x.forward;
+  return x;
+}
+
+nlohmann::json context_parallel_json(const Resolved& r) {
+  const nn::DecoderConfig& c = *r.config;
+  const plan::TrainingShape& t = r.inputs.training;
+  const int cp = r.context_parallel, tp = r.tensor_parallel;
+  const nn::DecoderConfig share = nn::tensor_parallel_share(c, tp);
+  const auto arena = [&](int n) {
+    return plan::decoder_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
+                                      t.checkpoints_on_cpu, {}, 1, tp, t.sequence_parallel, n);
+  };
+  const ContextExchange x = context_exchange(r);
+  return {{"size", cp},
+          {"method", std::string(nn::context_method_name(r.context_method))},
+          {"data_parallel", r.inputs.machine.data_parallel / cp},
+          {"tokens_per_rank", t.micro_batch * t.seq / cp},
+          {"activation_arena_bytes_per_rank", arena(cp)},
+          {"activation_arena_bytes_at_cp_1", arena(1)},
+          {"attention_buffer_bytes_per_rank",
+           nn::context_buffer_nbytes(r.context_method, cp, t.micro_batch, t.seq, share.num_attention_heads,
+                                     share.num_key_value_heads, c.head_dim, DType::kBF16)},
+          {"bytes_per_layer_forward", x.forward},
+          {"bytes_per_layer_backward", x.backward},
+          {"bytes_per_micro_step", x.per_micro_step}};
+}
+
 nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
   const plan::TrainingShape& t = r.inputs.training;
   const nn::DecoderConfig& c = *r.config;
@@ -627,7 +739,8 @@ nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
           {"parameters_per_rank", r.inputs.model.param_count},
           {"activation_arena_bytes_per_rank",
            plan::decoder_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
-                                    t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel)},
+                                    t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel,
+                                    r.context_parallel)},
           {"collective_bytes_per_micro_step", plan.tp_collective_nbytes}};
 }
 
@@ -800,6 +913,22 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
         gb_text(static_cast<double>(tensor_parallel_json(r, plan)["activation_arena_bytes_per_rank"].get<size_t>())),
         plan.tp_collective_nbytes / 1e6);
   }
+  if (r.context_parallel > 1) {
+    const nlohmann::json cj = context_parallel_json(r);
+    const int cp = r.context_parallel;
+    out += fmt::format(
+        "          context parallelism {} ({}) x data parallelism {}{}: each rank holds {} of every sequence's {} tokens "
+        "(chunks r and {}-r of {}); activations per rank at s/{} (strata's arena {} against {} at cp 1, plus {} of "
+        "{} buffers, 16-bit); sends {:.2f} MB per layer forward, {:.2f} MB backward, {:.1f} MB per micro-step; "
+        "ZeRO over the {} dp x cp ranks\n",
+        cp, nn::context_method_name(r.context_method), r.inputs.machine.data_parallel / cp,
+        r.tensor_parallel > 1 ? std::string(" (a cp group per tp rank, on its heads)") : std::string(), t.seq / cp,
+        t.seq, 2 * cp - 1, 2 * cp, cp, gb_text(cj["activation_arena_bytes_per_rank"].get<double>()),
+        gb_text(cj["activation_arena_bytes_at_cp_1"].get<double>()),
+        gb_text(cj["attention_buffer_bytes_per_rank"].get<double>()), nn::context_method_name(r.context_method),
+        cj["bytes_per_layer_forward"].get<double>() / 1e6, cj["bytes_per_layer_backward"].get<double>() / 1e6,
+        cj["bytes_per_micro_step"].get<double>() / 1e6, r.inputs.machine.data_parallel);
+  }
   if (r.pipeline.stages > 1) {
     const nlohmann::json pj = pipeline_json(r);
     out += fmt::format(
@@ -885,6 +1014,8 @@ void check_flag_combination(const Options& o) {
       {"--pp", !o.pp.empty()},
       {"--pp-schedule", !o.pp_schedule.empty()},
       {"--virtual-stages", !o.virtual_stages.empty()},
+      {"--cp", !o.cp.empty()},
+      {"--cp-method", !o.cp_method.empty()},
       {"--sequence-parallel", o.sequence_parallel},
       {"--units", o.units != "GB"}};
   const std::vector<std::pair<const char*, bool>> check_only = {
@@ -916,6 +1047,8 @@ int run_plan(const Options& o) {
   resolve_machine(o, config, r);
   resolve_tensor_parallel(o, config, r);
   resolve_pipeline_parallel(o, config, r);
+  resolve_context_parallel(o, config, r);
+  if (r.context_parallel > 1) r.inputs.training.context_exchange_nbytes = context_exchange(r).per_micro_step;
   resolve_zero_sizes(r);
   if (config) {
     r.zero_limits.max_live = static_cast<int64_t>(config->zero.max_live_parameters_numel);
@@ -932,6 +1065,7 @@ int run_plan(const Options& o) {
     if (r.expert_parallel > 1) out["expert_parallel"] = expert_parallel_json(r);
     if (r.tensor_parallel > 1) out["tensor_parallel"] = tensor_parallel_json(r, result);
     if (r.pipeline.stages > 1) out["pipeline_parallel"] = pipeline_json(r);
+    if (r.context_parallel > 1) out["context_parallel"] = context_parallel_json(r);
     std::cout << out.dump(2) << "\n";
   } else {
     std::cout << header(r, result)
@@ -1071,6 +1205,14 @@ void add_plan_command(CLI::App& app) {
        "parameters, activations for the micro-batches in flight, point-to-point bytes and how ZeRO-3 gathers; the "
        "model states are the largest stage's")
       ->type_name("N");
+  text("--cp", o->cp,
+       "Context parallelism (strata finetune --cp; context_parallel.size): this many ranks split every sequence "
+       "(two chunks of seq / 2N each); needs --model. ZeRO partitions over dp x cp, so N_d stays GPUs / tp (or "
+       "--dp); activations, compute and tp traffic are a rank's seq / N tokens', and the ring's or Ulysses' bytes "
+       "a traffic class")
+      ->type_name("N");
+  text("--cp-method", o->cp_method, "With --cp: ring or ulysses (default: the config's context_parallel.method)")
+      ->type_name("NAME");
   text("--pp-schedule", o->pp_schedule, "With --pp: gpipe, 1f1b, interleaved or zb-h1 (default: the config's)")
       ->type_name("NAME");
   text("--virtual-stages", o->virtual_stages, "With --pp: chunks of layers per rank (interleaved)")->type_name("V");

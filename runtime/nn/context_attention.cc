@@ -1,5 +1,7 @@
 #include "runtime/nn/context_attention.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace strata::nn {
@@ -15,8 +17,18 @@ ContextMethod parse_context_method(std::string_view name, const std::string& sou
         name);
 }
 
-void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method) {
+void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method, int tp) {
   if (method != ContextMethod::kUlysses) return;
+  if (tp > 1) {
+    // A tp rank's heads (tensor_parallel_share's: it refuses what does not split by tp).
+    const int64_t rank_heads = heads / tp, rank_kv = std::max<int64_t>(kv_heads / tp, 1);
+    STRATA_CHECK(rank_heads % cp == 0 && rank_kv % cp == 0, kBadArgument,
+                 "context parallelism \"ulysses\" gives each of the {} ranks of a cp group 1/{} of its tensor-parallel "
+                 "rank's heads, but with tensor parallelism {} a rank holds {} of the num_attention_heads {} and {} of "
+                 "the num_key_value_heads {}{}, which do not both divide by {} (use \"method\": \"ring\")",
+                 cp, cp, tp, rank_heads, heads, rank_kv, kv_heads, kv_heads < tp ? " (shared)" : "", cp);
+    return;
+  }
   STRATA_CHECK(heads % cp == 0 && kv_heads % cp == 0, kBadArgument,
                "context parallelism \"ulysses\" gives each of the {} ranks heads / {} of the attention heads, but the "
                "model's num_attention_heads {} and num_key_value_heads {} do not both divide by {} (use \"method\": "
@@ -98,5 +110,29 @@ void ContextAttention::backward(const TensorView& dout, const TensorView& q, con
 }
 
 uint64_t ContextAttention::bytes_sent() const { return ring_ ? ring_->bytes_sent() : ulysses_->bytes_sent(); }
+
+size_t ContextAttention::buffer_nbytes() const {
+  return ring_ ? ring_->buffer_nbytes() : ulysses_->buffer_nbytes();
+}
+
+size_t context_buffer_nbytes(ContextMethod method, int cp, int64_t batch, int64_t seq, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, DType dtype) {
+  if (cp <= 1) return 0;
+  const int64_t e = static_cast<int64_t>(dtype_nbytes(dtype)), f32 = 4;
+  const int64_t tokens = batch * seq / cp;  // this rank's, both chunks
+  if (method == ContextMethod::kUlysses) {
+    // Per token of this rank's (b·s/cp = b·s x heads/cp / heads): q, out,
+    // dout, dq and the send/receive blocks of q, out and dout; k, v, dk, dv
+    // and those of k and v; lse and its blocks (fp32).
+    return static_cast<size_t>(tokens * ((10 * heads + 8 * kv_heads) * head_dim * e + 3 * heads * f32));
+  }
+  // RingAttention's slots (ring_attention.cc) over a chunk's b·s/2cp tokens:
+  // k/v ring sets (one at cp 2: a single hop), 8 dk/dv accumulators in two
+  // sets each sent and received, a block's dk, dv; a block's out and dq; the
+  // fp32 merged outputs of both chunks; a block's lse (fp32).
+  const int64_t chunk_tokens = tokens / 2, kv_sets = std::min<int64_t>(cp - 1, 2);
+  return static_cast<size_t>(chunk_tokens * ((4 * kv_sets + 18) * kv_heads * head_dim * e +
+                                             2 * heads * head_dim * e + 2 * heads * head_dim * f32 + heads * f32));
+}
 
 }  // namespace strata::nn

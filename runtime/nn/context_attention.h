@@ -55,7 +55,24 @@ struct ContextLayout {
 
 // Refuses, by name, a model whose attention context parallelism cannot split
 // `cp` ways with `method` (Ulysses: heads and kv heads must divide by cp).
-void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method);
+// With tensor parallelism `tp` the cp group of each tp rank splits that
+// rank's share (tensor_parallel_share: heads / tp, and kv_heads / tp or one
+// shared kv head), which is what must divide.
+void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMethod method, int tp = 1);
+
+// The bytes of the ring's or Ulysses' buffers (outside the model's arena)
+// once a forward and a backward have run over `batch` sequences of `seq`
+// tokens (the whole sequence) on a rank whose attention has `heads` and
+// `kv_heads` (its tp share) of `head_dim` in `dtype` — what
+// ContextAttention::buffer_nbytes() then holds, exactly. Either way b·s/cp
+// tokens' worth: ring attention a chunk's (b·s/2cp tokens) k/v ring buffers
+// (one set at cp 2, two above), two sets each of the dk/dv accumulators
+// sent and received, a block's output and gradients, the fp32 merged
+// outputs and a block's lse; Ulysses this rank's heads / cp over the whole
+// sequence (q, k, v, out, lse, their gradients) and each all-to-all's send
+// and receive blocks. 0 at cp 1.
+size_t context_buffer_nbytes(ContextMethod method, int cp, int64_t batch, int64_t seq, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, DType dtype);
 
 class ContextAttention {
  public:
@@ -83,6 +100,8 @@ class ContextAttention {
 
   // Bytes this rank has sent to the others of its cp group.
   uint64_t bytes_sent() const;
+  // Bytes of the ring's or Ulysses' buffers it holds (context_buffer_nbytes).
+  size_t buffer_nbytes() const;
 
  private:
   int cp_;

@@ -269,7 +269,6 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
     const auto refuse_with = [&](bool combined, const std::string& what) {
       STRATA_CHECK(!combined, kBadArgument, "context parallelism (size {}) with {} is not implemented yet", cp, what);
     };
-    refuse_with(engine.tensor_group().size > 1, "tensor parallelism (tensor_parallel.autotp_size)");
     refuse_with(options_.lora.enabled(), "LoRA adapters");
     refuse_with(config_.moe(), fmt::format("mixture-of-experts layers (model_type {})", config_.model_type));
     refuse_with(config_.attention != AttentionKind::kGqa,
@@ -278,7 +277,10 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
     refuse_with(stage.first_layer != 0 || (stage.layers >= 0 && stage.layers != config_.num_hidden_layers) ||
                     !stage.embedding || !stage.head,
                 "pipeline stages or layer-major micro-batches (a model split into parts)");
-    check_context_parallel(config_.num_attention_heads, config_.num_key_value_heads, cp, options_.context_method);
+    // With tensor parallelism the ring or Ulysses runs over the cp group of
+    // each tp rank, on that rank's heads and kv heads.
+    check_context_parallel(config_.num_attention_heads, config_.num_key_value_heads, cp, options_.context_method,
+                           engine.tensor_group().size);
     context_ = std::make_unique<ContextAttention>(engine, options_.context_method);
   }
   if (options_.loss_chunk_rows == 0) options_.loss_chunk_rows = default_loss_chunk_rows(config_, engine.tensor_group().size);
@@ -344,6 +346,8 @@ size_t DecoderModel::arena_nbytes() const {
   for (const auto& a : arenas_) total += a ? a->memory.nbytes() : 0;
   return total;
 }
+
+size_t DecoderModel::context_buffer_nbytes() const { return context_ ? context_->buffer_nbytes() : 0; }
 
 size_t DecoderModel::host_checkpoint_nbytes() const {
   size_t total = 0;
@@ -687,11 +691,15 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
                "context parallelism cuts each sequence into 2 x {} = {} chunks (two per rank), but the sequence "
                "length {} does not divide by {}",
                cp, 2 * cp, seq, 2 * cp);
-  STRATA_CHECK(!options_.sequence_parallel || static_cast<int64_t>(rows) % engine_.tensor_group().size == 0,
+  // Sequence parallelism splits this rank's rows (with context parallelism
+  // its two chunks of every sequence) over the tp ranks.
+  STRATA_CHECK(!options_.sequence_parallel || static_cast<int64_t>(rows) / cp % engine_.tensor_group().size == 0,
                kBadArgument,
-               "sequence parallelism splits the micro-batch's {} x {} = {} tokens over the {} tensor-parallel ranks: "
+               "sequence parallelism splits the micro-batch's {} x {} = {} tokens{} over the {} tensor-parallel ranks: "
                "they do not divide",
-               batch, seq, rows, engine_.tensor_group().size);
+               batch, seq, rows,
+               cp > 1 ? fmt::format(" (this cp rank's {} of them, context parallelism {})", rows / cp, cp) : "",
+               engine_.tensor_group().size);
   select(options.slot);
   ensure_arena(batch, seq);
   Arena& a = *arena_;

@@ -296,6 +296,9 @@ class DecoderModel : public Module {
   void reset_router_load();
   // Bytes of the activation arenas in accelerator memory, every slot's (0 before the first forward).
   size_t arena_nbytes() const;
+  // Context parallelism: the bytes of the ring's or Ulysses' buffers, outside
+  // the arenas (ContextAttention::buffer_nbytes; 0 without).
+  size_t context_buffer_nbytes() const;
   // Bytes of pinned host memory holding activation checkpoints (nonzero only
   // with cpu_checkpointing and more than one layer, after the first forward).
   size_t host_checkpoint_nbytes() const;

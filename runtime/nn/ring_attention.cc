@@ -37,6 +37,12 @@ TensorView RingAttention::scratch(size_t slot, DType dtype, const Shape& shape) 
   return t.view();
 }
 
+size_t RingAttention::buffer_nbytes() const {
+  size_t total = 0;
+  for (const Tensor& t : scratch_) total += t.defined() ? t.nbytes() : 0;
+  return total;
+}
+
 std::vector<TensorView> RingAttention::buffer_set(size_t first, DType dtype, const Shape& shape) {
   return {scratch(first, dtype, shape), scratch(first + 1, dtype, shape), scratch(first + 2, dtype, shape),
           scratch(first + 3, dtype, shape)};

@@ -63,6 +63,10 @@ class RingAttention {
 
   // Bytes this rank has sent around the ring (keys, values, their gradients).
   uint64_t bytes_sent() const { return bytes_sent_; }
+  // Bytes of the buffers it holds (ring buffers, block outputs and
+  // gradients, the fp32 accumulators): context_buffer_nbytes's figure once a
+  // forward and a backward have run.
+  size_t buffer_nbytes() const;
   // Chunk pairs computed and skipped (nothing visible) so far.
   int64_t pairs_computed() const { return pairs_computed_; }
   int64_t pairs_skipped() const { return pairs_skipped_; }

@@ -51,6 +51,12 @@ TensorView UlyssesAttention::scratch(size_t slot, DType dtype, const Shape& shap
   return t.view();
 }
 
+size_t UlyssesAttention::buffer_nbytes() const {
+  size_t total = 0;
+  for (const Tensor& t : scratch_) total += t.defined() ? t.nbytes() : 0;
+  return total;
+}
+
 void UlyssesAttention::all_to_all(const TensorView& send, const TensorView& recv) {
   const int cp = cp_->world_size();
   const auto block = static_cast<size_t>(send.numel() / cp);

@@ -31,6 +31,9 @@ class UlyssesAttention {
 
   // Bytes this rank has sent to other ranks (its own block excluded).
   uint64_t bytes_sent() const { return bytes_sent_; }
+  // Bytes of the buffers it holds (this rank's heads over the whole sequence,
+  // the all-to-alls' send and receive blocks).
+  size_t buffer_nbytes() const;
 
  private:
   struct Dims;

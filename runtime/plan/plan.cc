@@ -61,6 +61,13 @@ void validate(const PlanInputs& in) {
   check_count(t.param_buffer_count, 1, "offload_param.buffer_count");
   check_count(t.param_buffer_numel, 1, "offload_param.buffer_size");
   check_count(t.optimizer_buffer_count, 1, "offload_optimizer.buffer_count");
+  check_count(t.context_parallel, 1, "context-parallel size");
+  STRATA_CHECK(t.context_parallel == 1 || t.seq % (2 * t.context_parallel) == 0, kBadArgument,
+               "plan: context parallelism {} cuts each sequence into 2 x {} chunks, but the sequence length {} does not "
+               "divide by {}",
+               t.context_parallel, t.context_parallel, t.seq, 2 * t.context_parallel);
+  STRATA_CHECK(t.context_exchange_nbytes >= 0, kBadArgument, "plan: context-parallel bytes {} < 0",
+               t.context_exchange_nbytes);
   if (in.lora) {
     check_count(in.lora->rank, 1, "the LoRA rank");
     check_count(in.lora->adapter_count, 1, "the LoRA adapters' parameter count");
@@ -362,6 +369,11 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
     pp.traffic.push_back(
         make_traffic(plan, "tensor parallel", "GPU <-> GPU", nbytes, nbytes / *hw.interconnect_bw));
   }
+  if (t.context_exchange_nbytes > 0 && hw.interconnect_bw) {
+    const double nbytes = micro_steps * t.context_exchange_nbytes;
+    pp.traffic.push_back(
+        make_traffic(plan, "context parallel", "GPU <-> GPU", nbytes, nbytes / *hw.interconnect_bw));
+  }
 
   pp.step_seconds = plan.compute_seconds;
   for (const Traffic& c : pp.traffic) pp.step_seconds += c.seconds;
@@ -375,8 +387,10 @@ void fill_shape_estimates(Plan& plan) {
   const double h = static_cast<double>(m.hidden), layers = static_cast<double>(m.layers);
   const double heads =
       m.heads > 0 ? static_cast<double>(m.heads) : std::max(1.0, std::floor(h / 128));
-  const double tokens = static_cast<double>(t.micro_batch) * static_cast<double>(t.seq);
-  const double seq = static_cast<double>(t.seq);
+  // A rank's tokens: with context parallelism its seq / cp of each sequence.
+  const double cp = static_cast<double>(t.context_parallel);
+  const double tokens = static_cast<double>(t.micro_batch) * static_cast<double>(t.seq) / cp;
+  const double seq = static_cast<double>(t.seq) / cp;
   const double per_checkpoint = static_cast<double>(std::min(t.layers_per_checkpoint, m.layers));
   // Activation checkpoints (ZeRO-Infinity §3): one 16-bit hidden state per
   // token every c_i layers, 2·bsz·seq·h·L/c_i bytes.
@@ -602,7 +616,9 @@ Plan make_plan(const PlanInputs& inputs) {
   plan.inputs = inputs;
   const TrainingShape& t = inputs.training;
   const double psi = static_cast<double>(inputs.model.param_count);
-  const double tokens = static_cast<double>(t.micro_batch) * static_cast<double>(t.seq);
+  // A rank's tokens (context parallelism: seq / cp of each sequence).
+  const double tokens =
+      static_cast<double>(t.micro_batch) * static_cast<double>(t.seq) / static_cast<double>(t.context_parallel);
   // 2 flops per parameter and token per pass: forward, backward (2 passes),
   // and the recompute under checkpointing (ZeRO-Infinity §4.1: 2·4·bsz·seq·ψ).
   const double passes = t.activation_checkpointing ? 4 : 3;

@@ -103,6 +103,16 @@ struct TrainingShape {
   // parallelism; the layers' tp collectives are a traffic class.
   int64_t tensor_parallel = 1;
   bool sequence_parallel = false;
+  // Context parallelism (context_parallel.size, --cp): each rank holds seq /
+  // context_parallel tokens of every sequence (its two chunks), so its
+  // activations, compute and tp collectives are those tokens' (the attention
+  // scores' term: s/cp queries against s/cp keys in hand, the ring's chunk
+  // pair or Ulysses' heads / cp over the whole s alike); Machine::data_parallel
+  // stays ZeRO's partitions, dp x cp. The ring's or Ulysses' bytes one rank
+  // sends per micro-step are given (the caller knows the kv heads) and are a
+  // traffic class.
+  int64_t context_parallel = 1;
+  double context_exchange_nbytes = 0;
 };
 
 // The hardware. Memory capacities are optional: a tier whose capacity is

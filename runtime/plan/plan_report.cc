@@ -96,7 +96,8 @@ json to_json(const Plan& plan) {
                      {"checkpoints_on_cpu", t.checkpoints_on_cpu},
                      {"tiling", t.tiling},
                      {"tensor_parallel", t.tensor_parallel},
-                     {"sequence_parallel", t.sequence_parallel}};
+                     {"sequence_parallel", t.sequence_parallel},
+                     {"context_parallel", t.context_parallel}};
   const Machine& hw = in.machine;
   out["machine"] = {{"gpus_per_node", hw.gpus_per_node},
                     {"nodes", hw.nodes},
@@ -263,7 +264,10 @@ std::string to_text(const Plan& plan, Units units) {
   }
 
   if (plan.activations_checkpointed && plan.activations_full) {
-    out += fmt::format("\nActivations per rank (micro-batch {} x seq {})\n", t.micro_batch, t.seq);
+    out += fmt::format("\nActivations per rank (micro-batch {} x seq {}{})\n", t.micro_batch, t.seq,
+                       t.context_parallel > 1 ? fmt::format(" / cp {}: {} tokens of each sequence per rank",
+                                                            t.context_parallel, t.seq / t.context_parallel)
+                                              : std::string());
     out += fmt::format(
         "  checkpointed every {} layer(s)  {} {} checkpoints + {} {} working (recompute of one "
         "segment)\n",

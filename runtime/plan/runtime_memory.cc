@@ -174,9 +174,12 @@ std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& c,
 
 size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
-                          int expert_parallel, int tensor_parallel, bool sequence_parallel) {
+                          int expert_parallel, int tensor_parallel, bool sequence_parallel, int context_parallel) {
   // A tensor-parallel rank's share of the heads and MLP features.
   const nn::DecoderConfig c = nn::tensor_parallel_share(model, tensor_parallel);
+  // A cp rank's tokens of each sequence (every one without context parallelism).
+  const int64_t whole_seq = seq;
+  seq /= context_parallel;
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const int64_t local = sequence_parallel ? rows / tensor_parallel : rows;
@@ -243,7 +246,8 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
     n += 3 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {hidden}) + view_nbytes(t, {local, hidden});
   }
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
-  n += 5 * view_nbytes(DType::kI32, {rows});  // ids, targets, positions, document starts and ends
+  // ids, targets, positions; document starts and ends over the whole sequences.
+  n += 3 * view_nbytes(DType::kI32, {rows}) + 2 * view_nbytes(DType::kI32, {batch * whole_seq});
   if (lora.enabled()) {
     n += 2 * view_nbytes(t, {rows, lora.rank});  // LoraScratch h and dh
     if (lora.dropout > 0) {  // xd and dxd, for the widest targeted input
@@ -263,11 +267,21 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   const int tp = in.tensor_parallel;
   STRATA_CHECK(tp >= 1 && in.world_size % tp == 0, kBadArgument,
                "plan: tensor parallelism {} does not divide the {} ranks", tp, in.world_size);
-  STRATA_CHECK(!in.sequence_parallel || (tp > 1 && in.micro_batch * in.seq % tp == 0), kBadArgument,
-               "plan: sequence parallelism needs tensor parallelism of 2 or more dividing micro-batch x seq ({} x {})",
-               in.micro_batch, in.seq);
+  // Context parallelism: each rank holds seq / cp tokens of every sequence, two chunks of seq / 2cp.
+  const int cp = in.context_parallel;
+  STRATA_CHECK(cp == 1 || (cp > 1 && in.seq % (2 * cp) == 0), kBadArgument,
+               "plan: context parallelism {} cuts each sequence into 2 x {} chunks, but seq {} does not divide by {}",
+               cp, cp, in.seq, 2 * cp);
+  STRATA_CHECK(!in.sequence_parallel || (tp > 1 && in.micro_batch * (in.seq / cp) % tp == 0), kBadArgument,
+               "plan: sequence parallelism needs tensor parallelism of 2 or more dividing micro-batch x seq{} ({} x {})",
+               cp > 1 ? " / cp" : "", in.micro_batch, in.seq / cp);
   STRATA_CHECK(tp == 1 || !in.lora.enabled(), kBadArgument,
                "plan: LoRA with tensor parallelism is not implemented (strata finetune refuses it)");
+  STRATA_CHECK(cp == 1 || (in.pipeline.stages == 1 && !in.lora.enabled() && !c.moe() &&
+                           c.attention == nn::AttentionKind::kGqa),
+               kBadArgument,
+               "plan: context parallelism with pipeline stages, LoRA, experts or multi-head latent attention is not "
+               "implemented (strata finetune refuses it)");
   // Pipeline parallelism: this pp rank's share of the model.
   const int pp = in.pipeline.stages;
   STRATA_CHECK(pp >= 1 && in.world_size % (tp * pp) == 0, kBadArgument,
@@ -389,7 +403,8 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   };
 
   // ---- device ------------------------------------------------------------------
-  const int64_t rows = in.micro_batch * in.seq;
+  // This rank's rows (with context parallelism its two chunks of every sequence).
+  const int64_t rows = in.micro_batch * in.seq / cp;
   // The residual stream's rows: this rank's share with sequence parallelism.
   const int64_t local_rows = in.sequence_parallel ? rows / tp : rows;
   // This rank's MLP features (all of them without tensor parallelism).
@@ -453,16 +468,32 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     add("activation arena", Where::kDevice,
         static_cast<double>(decoder_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,
                                                  in.checkpoint_activations, in.cpu_checkpointing, in.lora,
-                                                 in.zero.expert_parallel_size, tp, in.sequence_parallel)),
+                                                 in.zero.expert_parallel_size, tp, in.sequence_parallel, cp)),
         false,
-        fmt::format("DecoderModel's arena: {} rows x hidden {} / intermediate {}{}, {}", rows, c.hidden_size,
-                    intermediate,
+        fmt::format("DecoderModel's arena: {} rows{} x hidden {} / intermediate {}{}, {}", rows,
+                    cp > 1 ? fmt::format(" (cp {}'s share: {} of each sequence's {} tokens)", cp, in.seq / cp, in.seq)
+                           : std::string(),
+                    c.hidden_size, intermediate,
                     tp == 1                  ? ""
                     : in.sequence_parallel ? fmt::format(" (tp {}'s share; the residual stream's {} rows)", tp,
                                                          local_rows)
                                            : fmt::format(" (tp {}'s share)", tp),
                     in.checkpoint_activations ? "one layer's activations + the checkpoints"
                                               : fmt::format("{} layers' activations", c.num_hidden_layers)));
+    // The ring's or Ulysses' buffers: the attention's own, beside the arena, on a tp rank's heads.
+    const nn::DecoderConfig heads = nn::tensor_parallel_share(c, tp);
+    add("context-parallel attention buffers", Where::kDevice,
+        static_cast<double>(nn::context_buffer_nbytes(in.context_method, cp, in.micro_batch, in.seq,
+                                                      heads.num_attention_heads, heads.num_key_value_heads,
+                                                      c.head_dim, in.activation_dtype)),
+        false,
+        fmt::format("{} over {} ranks: {} tokens (b x s / cp) of {} heads and {} kv heads x head_dim {}{}",
+                    nn::context_method_name(in.context_method), cp, rows, heads.num_attention_heads,
+                    heads.num_key_value_heads, c.head_dim,
+                    in.context_method == nn::ContextMethod::kRing
+                        ? " (k/v ring buffers, the dk/dv accumulators sent and received, a block's output and "
+                          "gradients, the fp32 merged outputs)"
+                        : " (heads / cp over the whole sequence, with their gradients, and the all-to-alls' blocks)"));
   }
   // The loss forms logits chunk rows at a time (nn::default_loss_chunk_rows:
   // 64 MiB of fp32, at least 64 rows): the fused loss in its own fp32
@@ -609,7 +640,9 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         "one sub-group read for the optimizer (GradShard, per trained group)");
   }
   during_steps = true;  // the model runner's, at the first forward
-  add("input staging", Where::kPinned, arenas * (20.0 * static_cast<double>(rows) + 24), false,
+  // ids, targets and positions per row; document starts and ends over the whole sequences.
+  add("input staging", Where::kPinned,
+      arenas * (12.0 * static_cast<double>(rows) + 8.0 * static_cast<double>(in.micro_batch * in.seq) + 24), false,
       arenas > 1 ? fmt::format("ids, targets, positions, document starts and ends, per arena ({})", arenas)
                  : std::string("ids, targets, positions, document starts and ends"));
   add("activation checkpoints", Where::kPinned, host_checkpoint_nbytes, false,

@@ -31,6 +31,7 @@
 #include "core/tensor.h"
 #include "runtime/engine/zero_engine.h"
 #include "runtime/engine/zero_sizes.h"
+#include "runtime/nn/context_attention.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/pipeline/schedule.h"
@@ -59,6 +60,15 @@ struct RuntimeInputs {
   // its arena holds its rows' share (decoder_arena_nbytes).
   int tensor_parallel = 1;
   bool sequence_parallel = false;
+  // Context parallelism (`--cp`, context_parallel.size): `seq` is the whole
+  // sequence, of which each rank holds seq / context_parallel tokens (its two
+  // chunks): its arena those rows (with sequence parallelism their share),
+  // the document arrays over the whole sequences, and beside the arena the
+  // ring's or Ulysses' buffers (nn::context_buffer_nbytes). world_size still
+  // counts every rank: ZeRO partitions over world_size / tensor_parallel =
+  // dp x cp.
+  int context_parallel = 1;
+  nn::ContextMethod context_method = nn::ContextMethod::kRing;
   // Pipeline parallelism (pipeline.stages > 1): the items are pp rank
   // `pipeline_rank`'s. Its chunks' layers (pipeline::stage_part of
   // `pipeline_split`, the layers per virtual stage), the embedding where it
@@ -152,11 +162,14 @@ std::vector<RankParam> decoder_rank_params(const nn::DecoderConfig& model, DType
 // parallelism (tensor_parallel > 1) one rank's: its heads and MLP features
 // (nn::tensor_parallel_share); with sequence parallelism as well, the
 // residual stream and the norms hold its rows / tensor_parallel rows, plus
-// the gathers' scratch (nn::DecoderModelOptions::sequence_parallel).
+// the gathers' scratch (nn::DecoderModelOptions::sequence_parallel). With
+// context parallelism (context_parallel > 1) `seq` is the whole sequence: the
+// rows are a cp rank's batch x seq / context_parallel, the document arrays
+// the whole sequences' (nn::ContextLayout).
 size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType activation_dtype, int64_t batch,
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
                           const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1,
-                          bool sequence_parallel = false);
+                          bool sequence_parallel = false, int context_parallel = 1);
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

@@ -98,8 +98,10 @@ void check_pinned_budget(const Config& config, const std::string& source, const 
   raise(ErrorCategory::kBadArgument,
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
         "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
-        "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq)",
-        source, budget, memory.pinned_nbytes, items);
+        "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
+        source, budget, memory.pinned_nbytes, items,
+        inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
+                                    : std::string("; or split each sequence over more ranks, --cp"));
 }
 
 double count_targets(const std::vector<int32_t>& targets) {
@@ -263,8 +265,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: context parallelism with it is not implemented yet", cp,
                    what);
     };
-    refuse(tp > 1, fmt::format("tensor parallelism (--tp {})", tp));
-    refuse(sequence_parallel, "sequence parallelism");
     refuse(pp > 1, fmt::format("pipeline parallelism (--pp {})", pp));
     refuse(lora.enabled(), "LoRA (--lora-rank)");
     refuse(model_config.moe(), fmt::format("a mixture-of-experts model (model_type {})", model_config.model_type));
@@ -274,10 +274,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two "
                  "chunks per rank",
                  options.seq, cp, 2 * cp);
-    nn::check_context_parallel(model_config.num_attention_heads, model_config.num_key_value_heads, cp, cp_method);
-    STRATA_CHECK(rank.world_size % cp == 0, kBadArgument,
-                 "context parallelism {} (--cp / context_parallel.size) does not divide the {} ranks (-n)", cp,
-                 rank.world_size);
+    // With tensor parallelism the cp group of each tp rank splits its heads.
+    nn::check_context_parallel(model_config.num_attention_heads, model_config.num_key_value_heads, cp, cp_method, tp);
+    STRATA_CHECK(rank.world_size % (cp * tp * pp) == 0, kBadArgument,
+                 "context parallelism {} (--cp / context_parallel.size){} does not divide the {} ranks (-n)", cp,
+                 tp > 1 ? fmt::format(" x tensor parallelism {}", tp) : std::string(), rank.world_size);
+    // Sequence parallelism splits a cp rank's tokens (its two chunks of every sequence) over the tp ranks.
+    STRATA_CHECK(!sequence_parallel || micro_batch * (options.seq / cp) % tp == 0, kBadArgument,
+                 "{}: a cp rank's {} x {} (train_micro_batch_size_per_gpu x --seq / --cp {}) tokens do not divide "
+                 "over the {} tensor-parallel ranks",
+                 options.sequence_parallel ? "--sequence-parallel" : "sequence_parallel", micro_batch,
+                 options.seq / cp, cp, tp);
   }
   const partition::ParallelLayout parallel_layout(rank.world_size, tp, 1, pp, cp);
   const int dp = parallel_layout.dp_size(), dp_rank = parallel_layout.dp_rank(rank.rank);
@@ -339,7 +346,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.device_is_host = accelerator->host_addressable();
     pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
     pinned.micro_batch = micro_batch;
-    pinned.seq = options.seq / cp;  // this rank's tokens of each sequence
+    pinned.seq = options.seq;
+    pinned.context_parallel = cp;  // this rank's tokens of each sequence: seq / cp
+    pinned.context_method = cp_method;
     pinned.checkpoint_activations = options.checkpoint_activations || config.cpu_checkpointing;
     pinned.cpu_checkpointing = config.cpu_checkpointing;
     pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
@@ -362,9 +371,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   dp, tp, share.num_attention_heads, share.num_key_value_heads,
                   tp > model_config.num_key_value_heads ? " shared" : "", share.intermediate_size,
                   model_config.vocab_size / tp, model_config.vocab_size,
-                  sequence_parallel ? fmt::format(", sequence parallel ({} of each micro-batch's {} tokens per rank)",
-                                                  micro_batch * options.seq / tp, micro_batch * options.seq)
-                                    : std::string(),
+                  !sequence_parallel ? std::string()
+                  : cp > 1 ? fmt::format(", sequence parallel ({} of a cp rank's {} tokens of each micro-batch per rank)",
+                                         micro_batch * options.seq / (cp * tp), micro_batch * options.seq / cp)
+                           : fmt::format(", sequence parallel ({} of each micro-batch's {} tokens per rank)",
+                                         micro_batch * options.seq / tp, micro_batch * options.seq),
                   dp);
   }
   if (pp > 1 && rank.rank == 0) {
@@ -380,9 +391,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   if (cp > 1 && rank.rank == 0) {
     logger().info("context parallelism: {} cp groups of {} ranks split each sequence of {} tokens into {} chunks of {} "
-                  "(two per rank: {} tokens of each sequence per rank), attention by {}; ZeRO over the {} x {} ranks",
-                  dp, cp, options.seq, 2 * cp, options.seq / (2 * cp), options.seq / cp,
-                  nn::context_method_name(cp_method), dp, cp);
+                  "(two per rank: {} tokens of each sequence per rank), attention by {}{}; ZeRO over the {} x {} ranks",
+                  dp * tp, cp, options.seq, 2 * cp, options.seq / (2 * cp), options.seq / cp,
+                  nn::context_method_name(cp_method),
+                  tp > 1 ? fmt::format(" over each tp rank's heads (a cp group per tp rank, stride {})", tp)
+                         : std::string(),
+                  dp, cp);
   }
   const ZeroCommunicators comms = make_zero_communicators(*accelerator, rendezvous.store(), rank.rank,
                                                           rank.world_size, timeout, "strata/finetune", expert_parallel,
@@ -745,6 +759,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     if (piped) {
       if (pp > 1) r.pipeline_idle_fraction = piped->idle_fraction();
       r.activation_nbytes = piped->activation_nbytes;
+    } else {
+      // The arena, and with context parallelism the ring's or Ulysses' buffers beside it.
+      r.activation_nbytes = model.arena_nbytes() + model.context_buffer_nbytes();
     }
     if (aux) {
       // The mean over the step's micro-batches and ranks (the gradients add each one's).

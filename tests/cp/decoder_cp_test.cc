@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "runtime/nn/context_attention.h"
 #include "runtime/nn/decoder_config.h"
+#include "runtime/plan/runtime_memory.h"
 #include "tests/engine/zero_training.h"
 #include "tests/support/temp_dir.h"
 
@@ -26,9 +28,13 @@ constexpr double kInitStd = 0.2;
 
 nn::DecoderConfig family(const std::string& name) {
   nn::DecoderConfig c = model_config(false);  // 4 heads, 2 kv heads, 2 layers
-  c.model_type = name;
+  c.model_type = name == "llama-mha" ? "llama" : name;
   if (name == "llama") {
     c.attention_qkv_bias = c.attention_o_bias = c.mlp_bias = true;
+  } else if (name == "llama-mha") {
+    // As many kv heads as heads: Ulysses at cp 2 x tp 2 splits a tp rank's 2 kv heads.
+    c.attention_qkv_bias = c.attention_o_bias = true;
+    c.num_key_value_heads = c.num_attention_heads;
   } else if (name == "qwen3") {
     c.qk_norm = true;
     c.sliding_window = 2;  // narrower than a chunk (12 / 4 = 3 tokens at cp 2)
@@ -86,6 +92,8 @@ struct Case {
   int stage;
   bool documents = false;
   bool checkpoint = false;
+  int tp = 1;  // world = dp x cp x tp: the cp groups stride tp, each on its tp rank's heads
+  bool sequence_parallel = false;
 };
 
 }  // namespace
@@ -103,9 +111,18 @@ TEST_CASE("context parallelism equals one resident rank on the combined batch", 
       {"llama", 4, 2, ContextMethod::kRing, 3, true},  // dp 2 x cp 2
       {"gemma2", 2, 2, ContextMethod::kRing, 2, true},
       {"gemma2", 2, 2, ContextMethod::kUlysses, 3},
+      // cp 2 x tp 2: ring on a tp rank's 2 heads and 1 kv head; Ulysses on
+      // its 2 heads and 2 kv heads; sequence parallelism's shards inside
+      // each cp rank's two chunks.
+      {"llama", 4, 2, ContextMethod::kRing, 3, true, false, 2, true},
+      {"llama", 4, 2, ContextMethod::kRing, 2, false, true, 2},
+      {"llama-mha", 4, 2, ContextMethod::kUlysses, 3, true, false, 2, true},
+      {"qwen3", 4, 2, ContextMethod::kRing, 1, true, false, 2, true},
   };
   for (const Case& c : cases) {
-    const std::string name = c.family + ", cp " + std::to_string(c.cp) + " x dp " + std::to_string(c.world / c.cp) +
+    const std::string name = c.family + ", cp " + std::to_string(c.cp) + " x dp " +
+                             std::to_string(c.world / (c.cp * c.tp)) +
+                             (c.tp > 1 ? " x tp " + std::to_string(c.tp) : "") + (c.sequence_parallel ? " with SP" : "") +
                              " " + std::string(nn::context_method_name(c.method)) + ", stage " +
                              std::to_string(c.stage) + (c.documents ? ", packed documents" : "") +
                              (c.checkpoint ? ", checkpointed" : "");
@@ -115,6 +132,8 @@ TEST_CASE("context parallelism equals one resident rank on the combined batch", 
       spec.world = c.world;
       spec.cp = c.cp;
       spec.cp_method = c.method;
+      spec.tp = c.tp;
+      spec.sequence_parallel = c.sequence_parallel;
       spec.init_std = kInitStd;
       spec.checkpoint_activations = c.checkpoint;
       spec.options = options_on(c.stage, Tier::kDevice, Tier::kCpu, dir.path() / "swap");
@@ -124,6 +143,19 @@ TEST_CASE("context parallelism equals one resident rank on the combined batch", 
       const Diff d = compare(r, ref);
       WARN(name << ": max |cp - 1 resident rank| = " << d.max_abs << " (largest parameter " << d.max_ref << ")");
       CHECK(d.max_abs <= 1e-6);
+      CHECK(r.tensor_group_size == c.tp);
+      // What strata plan counts for a cp rank, exactly: its arena (s/cp rows,
+      // the documents over the whole sequences) and beside it the ring's or
+      // Ulysses' buffers on its tp rank's heads.
+      const nn::DecoderConfig share = nn::tensor_parallel_share(*spec.config, c.tp);
+      const int64_t batch = kSequences / (c.world / (c.cp * c.tp));
+      CHECK(r.arena_nbytes == plan::decoder_arena_nbytes(*spec.config, DType::kF32, batch, kSeq, c.checkpoint, false,
+                                                         {}, 1, c.tp, c.sequence_parallel, c.cp));
+      CHECK(r.context_buffer_nbytes == nn::context_buffer_nbytes(c.method, c.cp, batch, kSeq,
+                                                                 share.num_attention_heads,
+                                                                 share.num_key_value_heads, spec.config->head_dim,
+                                                                 DType::kF32));
+      CHECK(r.tp_replica_mismatches == 0);  // every tp rank's copy of a replicated tensor, bit for bit
       REQUIRE(r.losses.size() == ref.losses.size());
       for (size_t i = 0; i < r.losses.size(); ++i) CHECK(r.losses[i] == Approx(ref.losses[i]).epsilon(1e-6));
       REQUIRE(r.grad_norms.size() == ref.grad_norms.size());
@@ -159,6 +191,12 @@ TEST_CASE("the cp reference is sensitive: positions, documents and the window mo
 
 TEST_CASE("context parallelism refuses by name what it does not implement", "[cp][engine]") {
   ops::set_cpu_threads(1);
+  // With tensor parallelism Ulysses splits a tp rank's heads: 2 kv heads over tp 2 leave one per rank.
+  CHECK_THROWS_WITH(nn::check_context_parallel(4, 2, 2, nn::ContextMethod::kUlysses, 2),
+                    Catch::Contains("with tensor parallelism 2 a rank holds 2 of the num_attention_heads 4 and 1 of "
+                                    "the num_key_value_heads 2, which do not both divide by 2"));
+  CHECK_NOTHROW(nn::check_context_parallel(4, 4, 2, nn::ContextMethod::kUlysses, 2));
+  CHECK_NOTHROW(nn::check_context_parallel(4, 2, 2, nn::ContextMethod::kRing, 2));
   std::vector<std::string> errors(2);
   test::run_zero_ranks(
       2,

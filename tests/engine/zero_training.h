@@ -200,6 +200,7 @@ struct TrainResult {
   int expert_group_size = 1;                    // rank 0's Engine::expert_group().size
   int64_t held_expert_params = 0;               // rank 0: expert parameters it holds (owns_expert)
   size_t arena_nbytes = 0;                      // rank 0: DecoderModel::arena_nbytes()
+  size_t context_buffer_nbytes = 0;             // rank 0: DecoderModel::context_buffer_nbytes()
   int64_t tp_replica_mismatches = 0;            // elements of a replicated tensor whose tp copies differ
   int tensor_group_size = 1;                    // rank 0's Engine::tensor_group().size
   engine::ZeroEngine::TensorTraffic tensor_traffic;  // rank 0's tp collectives over the run
@@ -387,6 +388,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             result.tensor_group_size = eng.tensor_group().size;
             result.tensor_traffic = eng.tensor_traffic();
             result.arena_nbytes = model.arena_nbytes();
+            result.context_buffer_nbytes = model.context_buffer_nbytes();
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {
               const engine::ParamInfo& info = eng.param_info(id);
               result.held_expert_params += info.expert >= 0 && eng.owns_expert(info.expert, info.experts);

@@ -708,6 +708,97 @@ TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic
   CHECK(nlohmann::json::parse(from_config.output)["tensor_parallel"]["size"] == 2);
 }
 
+TEST_CASE("strata plan --cp: a rank's activations at s/cp, the ring's and Ulysses' bytes per layer, and what it "
+          "refuses",
+          "[plan][cli][cp]") {
+  strata::test::TempDir dir;
+  // Llama-3-8B's shape: 32 heads and 8 kv heads of 128.
+  {
+    std::ofstream out(dir.file("l8b.json"));
+    out << R"({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+  }
+  const std::string plan = strata_binary() + " plan --model " + dir.file("l8b.json") +
+                           " --gpus 8 --gpu-mem 80GB --seq 32768 --bw-interconnect 100 ";
+  const auto ring = run_command(plan + "--cp 4 --json 2>&1");
+  INFO(ring.output);
+  REQUIRE(ring.exit_code == 0);
+  const auto j = nlohmann::json::parse(ring.output);
+  const auto& cp = j["context_parallel"];
+  CHECK(cp["size"] == 4);
+  CHECK(cp["method"] == "ring");
+  CHECK(cp["data_parallel"] == 2);
+  CHECK(cp["tokens_per_rank"] == 8192);
+  CHECK(j["machine"]["data_parallel"] == 8);  // ZeRO partitions over dp x cp, as finetune's
+  CHECK(j["training"]["context_parallel"] == 4);
+  // The ring, 16-bit: (cp - 1)/cp · 2·s·b·h_kv per layer forward; backward
+  // 2cp - 1 hops (the keys and values again, the dk/dv accumulators one hop
+  // behind, the last one home); a micro-step's layers, and the recompute's
+  // forward of every checkpointed layer but the top one.
+  const double s = 32768, h_kv = 8 * 128, h = 32 * 128, layers = 32;
+  const double forward = 3.0 / 4 * 2 * s * h_kv * 2, backward = 7.0 / 4 * 2 * s * h_kv * 2;
+  CHECK(cp["bytes_per_layer_forward"].get<double>() == Approx(forward));
+  CHECK(cp["bytes_per_layer_backward"].get<double>() == Approx(backward));
+  CHECK(cp["bytes_per_micro_step"].get<double>() == Approx(layers * (forward + backward) + (layers - 1) * forward));
+  bool traffic = false;
+  for (const auto& placement : j["placements"]) {
+    for (const auto& t : placement["traffic"]) traffic |= t["class"] == "context parallel";
+  }
+  CHECK(traffic);
+  // A rank's activations follow s/cp: strata's arena (the document arrays
+  // stay the whole sequence's) and the plan's formulas against cp 1's.
+  const double arena = cp["activation_arena_bytes_per_rank"].get<double>();
+  const double arena1 = cp["activation_arena_bytes_at_cp_1"].get<double>();
+  CHECK(arena == Approx(arena1 / 4).epsilon(0.01));
+  CHECK(cp["attention_buffer_bytes_per_rank"].get<double>() > 0);
+  const auto one = run_command(plan + "--json 2>&1");
+  REQUIRE(one.exit_code == 0);
+  const auto j1 = nlohmann::json::parse(one.output);
+  CHECK(j["activations"]["checkpointed"]["checkpoint_bytes"].get<double>() ==
+        Approx(j1["activations"]["checkpointed"]["checkpoint_bytes"].get<double>() / 4));
+  // Ulysses: each all-to-all sends (cp - 1)/cp of a rank's s/cp tokens: q, k, v and out
+  // forward (16-bit) and lse (fp32); backward q, k, v, out, dout, lse there and dq, dk, dv back.
+  const auto ulysses = run_command(plan + "--cp 4 --cp-method ulysses --json 2>&1");
+  INFO(ulysses.output);
+  REQUIRE(ulysses.exit_code == 0);
+  const auto ju = nlohmann::json::parse(ulysses.output);
+  const auto& u = ju["context_parallel"];
+  CHECK(u["method"] == "ulysses");
+  const double sent = 3.0 / 4 * s / 4;
+  CHECK(u["bytes_per_layer_forward"].get<double>() == Approx(sent * ((2 * h + 2 * h_kv) * 2 + 32 * 4)));
+  CHECK(u["bytes_per_layer_backward"].get<double>() == Approx(sent * ((4 * h + 4 * h_kv) * 2 + 32 * 4)));
+  // With tp 2 each tp rank's cp group moves its 4 kv heads.
+  const auto tp = run_command(plan + "--cp 2 --tp 2 --sequence-parallel --json 2>&1");
+  INFO(tp.output);
+  REQUIRE(tp.exit_code == 0);
+  const auto jt = nlohmann::json::parse(tp.output);
+  CHECK(jt["context_parallel"]["data_parallel"] == 2);
+  CHECK(jt["context_parallel"]["bytes_per_layer_forward"].get<double>() == Approx(1.0 / 2 * 2 * s * 4 * 128 * 2));
+  const auto text = run_command(plan + "--cp 4 2>&1");
+  INFO(text.output);
+  CHECK(text.exit_code == 0);
+  CHECK_THAT(text.output, Catch::Contains("context parallelism 4 (ring) x data parallelism 2: each rank holds 8192 of "
+                                          "every sequence's 32768 tokens"));
+  // Refused as strata finetune refuses them.
+  const auto odd = run_command(plan + "--cp 3 2>&1");
+  CHECK(odd.exit_code != 0);
+  CHECK_THAT(odd.output, Catch::Contains("--seq 32768 does not divide by 2 x --cp 3 = 6"));
+  const auto split = run_command(plan + "--cp 4 --tp 4 --cp-method ulysses 2>&1");
+  CHECK(split.exit_code != 0);
+  CHECK_THAT(split.output, Catch::Contains("a rank holds 8 of the num_attention_heads 32 and 2 of the "
+                                           "num_key_value_heads 8, which do not both divide by 4"));
+  const auto many = run_command(plan + "--cp 16 2>&1");
+  CHECK(many.exit_code != 0);
+  CHECK_THAT(many.output, Catch::Contains("--cp 16 does not divide the 8 data-parallel ranks"));
+  const auto shapeless = run_command(strata_binary() + " plan --params 7B --cp 2 2>&1");
+  CHECK(shapeless.exit_code != 0);
+  CHECK_THAT(shapeless.output, Catch::Contains("give --model"));
+  const auto method = run_command(plan + "--cp-method ring 2>&1");
+  CHECK(method.exit_code != 0);
+  CHECK_THAT(method.output, Catch::Contains("--cp-method goes with --cp"));
+}
+
 TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in flight, point-to-point bytes and how "
           "ZeRO-3 gathers, the bubble, and what it refuses",
           "[plan][cli][pp]") {

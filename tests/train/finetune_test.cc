@@ -685,18 +685,30 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
     WARN("largest |cp 2 " << method << " - 1 rank| over the exported weights after " << kSteps << " steps: " << diff);
     CHECK(diff < 1e-4);
   }
-  // cp 4 (8 chunks of 4 tokens, three hops per ring pass) and dp 2 x cp 2 against the dp 2 run.
+  // cp 4 (8 chunks of 4 tokens, three hops per ring pass), cp 2 x tp 2 with
+  // sequence parallelism (a ring per tp rank over its 2 heads and 1 kv head,
+  // each tp rank 16 of a cp rank's 32 tokens) against one rank, and dp 2 x
+  // cp 2 against the dp 2 run.
   const std::string run4 = strata_binary() + " run -n 4 -- " + strata_binary() + " ";
   const auto four = run_command(run4 + resumable_args(dir, "cp4", kSteps) + " --cp 4 2>&1");
   INFO(four.output);
   REQUIRE(four.exit_code == 0);
+  const auto cp2tp2 =
+      run_command(run4 + resumable_args(dir, "cp2tp2", kSteps) + " --cp 2 --tp 2 --sequence-parallel 2>&1");
+  INFO(cp2tp2.output);
+  REQUIRE(cp2tp2.exit_code == 0);
+  CHECK_THAT(cp2tp2.output, Catch::Contains("sequence parallel (16 of a cp rank's 32 tokens of each micro-batch per "
+                                            "rank)"));
+  CHECK_THAT(cp2tp2.output, Catch::Contains("attention by ring over each tp rank's heads (a cp group per tp rank, "
+                                            "stride 2)"));
   const auto dp2 = run_command(run2 + resumable_args(dir, "dp2", kSteps) + " 2>&1");
   INFO(dp2.output);
   REQUIRE(dp2.exit_code == 0);
   const auto dp2cp2 = run_command(run4 + resumable_args(dir, "dp2cp2", kSteps) + " --cp 2 2>&1");
   INFO(dp2cp2.output);
   REQUIRE(dp2cp2.exit_code == 0);
-  for (const auto& [got, want] : {std::pair{"cp4", "one"}, std::pair{"dp2cp2", "dp2"}}) {
+  for (const auto& [got, want] :
+       {std::pair{"cp4", "one"}, std::pair{"cp2tp2", "one"}, std::pair{"dp2cp2", "dp2"}}) {
     const auto got_steps = read_jsonl(dir.file(std::string(got) + "_out") + "/metrics.jsonl");
     const auto want_steps = read_jsonl(dir.file(std::string(want) + "_out") + "/metrics.jsonl");
     REQUIRE(got_steps.size() == kSteps);
@@ -743,9 +755,11 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
   CHECK(ulysses4.exit_code != 0);
   CHECK_THAT(ulysses4.output, Catch::Contains("num_key_value_heads 2 do not both divide by 4 (use \"method\": "
                                               "\"ring\")"));
-  const auto tp = run_command(run2 + "finetune --cp 2 --tp 2 --seq 32" + data + " 2>&1");
+  // Ulysses at cp 2 x tp 2 splits a tp rank's heads: the model's 2 kv heads leave one per tp rank.
+  const auto tp = run_command(run4 + "finetune --cp 2 --tp 2 --cp-method ulysses --seq 32" + data + " 2>&1");
   CHECK(tp.exit_code != 0);
-  CHECK_THAT(tp.output, Catch::Contains("--cp 2 with tensor parallelism (--tp 2)"));
+  CHECK_THAT(tp.output, Catch::Contains("with tensor parallelism 2 a rank holds 2 of the num_attention_heads 4 and 1 "
+                                        "of the num_key_value_heads 2, which do not both divide by 2"));
 }
 
 TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step by step, strata export gathers every "
