@@ -494,15 +494,19 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_layer_models(engine::Engine&
                "micro_batch_order layer-major with tie_word_embeddings true: not implemented yet (the embedding's "
                "lookup and lm_head halves of the gradient would add in another order than step-major's); use "
                "step-major");
-  const int layers = static_cast<int>(config.num_hidden_layers);
-  const std::vector<int64_t> split = split_layers(config.num_hidden_layers, 1, layers);
+  const int64_t layers = config.num_hidden_layers;
   std::vector<std::unique_ptr<nn::DecoderModel>> models;
-  for (int k = 0; k < layers; ++k) {
-    const StagePart part = stage_part(split, 1, 0, k);
+  const auto add = [&](int64_t first_layer, int64_t count, bool embedding, bool head) {
     nn::DecoderModelOptions o = options;
-    o.stage = {part.first_layer, part.layers, part.embedding, part.head};
+    o.stage = {first_layer, count, embedding, head};
     models.push_back(std::make_unique<nn::DecoderModel>(engine, config, o));
-  }
+  };
+  // The embedding and the head are chunks of their own: a layer's next use
+  // (the next micro-batch's) is then one layer's parameters away, never one
+  // layer plus the embedding or lm_head.
+  add(0, 0, true, false);
+  for (int64_t l = 0; l < layers; ++l) add(l, 1, false, false);
+  add(layers, 0, false, true);
   return models;
 }
 

@@ -191,9 +191,10 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_stage_models(engine::Engine&
                                                                  std::span<const int64_t> layers = {});
 
 // The layer-major chunks of a whole model on one rank (ScheduleKind::
-// kLayerMajor): chunk k is decoder layer k, the embedding on the first, the
-// final norm and the loss on the last, named and declared in the whole
-// model's order (so its checkpoints are the step-major model's). Refuses
+// kLayerMajor), L + 2 of them for L decoder layers: chunk 0 is the embedding,
+// chunk k + 1 decoder layer k, chunk L + 1 the final norm and lm_head with
+// the loss, named and declared in the whole model's order (so its
+// checkpoints are the step-major model's). Refuses
 // tied embeddings by name (the last chunk's lm_head is the first chunk's
 // table, used by chunks m backwards apart: the gradient's two halves would
 // add in another order than step-major's). Before engine.finalize().

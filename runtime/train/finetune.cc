@@ -434,21 +434,24 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (const auto& stage : stages) chunks.push_back(stage.get());
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, *comms.pipeline, pipeline_spec, chunks);
   } else if (layer_major) {
-    // One rank's layers as single-layer chunks, the schedule layer-major (runtime/pipeline/schedule.h).
+    // One rank's layers as single-layer chunks between the embedding's and the head's, the schedule
+    // layer-major (runtime/pipeline/schedule.h).
     std::vector<nn::DecoderModel*> chunks;
     for (const auto& stage : stages) chunks.push_back(stage.get());
     const pipeline::ScheduleSpec spec{pipeline::ScheduleKind::kLayerMajor, 1, static_cast<int>(accumulation),
                                       static_cast<int>(chunks.size())};
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks);
     if (rank.rank == 0) {
-      // Each micro-batch's input to every layer (and one gradient flowing down), kept by the executor.
+      // Each micro-batch's input to every chunk but the embedding's (and one gradient flowing down), kept by
+      // the executor: as many as chunks.
       const double boundaries = static_cast<double>(accumulation) * static_cast<double>(chunks.size()) *
                                 static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
                                 static_cast<double>(dtype_nbytes(chunks.front()->activation_dtype()));
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
                     "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
-                    "activations and gradients take {:.1f} MiB, besides one working arena per layer",
-                    accumulation, chunks.size(), boundaries / (1 << 20));
+                    "activations and gradients take {:.1f} MiB, besides one working arena per layer, the "
+                    "embedding's and the head's",
+                    accumulation, chunks.size() - 2, boundaries / (1 << 20));
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.
