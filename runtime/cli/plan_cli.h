@@ -27,6 +27,8 @@ struct PlanOptions {
   bool sequence_parallel = false;
   // Pipeline parallelism (`strata finetune --pp`, --pp-schedule, --virtual-stages): empty when not given.
   std::string pp, pp_schedule, virtual_stages;
+  // The micro-batch order (`strata finetune --micro-batch-order`): empty when not given.
+  std::string micro_batch_order;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.
