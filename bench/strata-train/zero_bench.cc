@@ -366,7 +366,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
       loss_sum = stats.loss_sum;
       if (!activations_said && r.rank == 0) {
         // The first step lays the activations out: each layer's one working arena, and each micro-batch's boundaries.
-        fmt::print("layer-major activations: {:.2f} MiB ({:.2f} MiB of working arenas, one per layer; {:.2f} MiB of "
+        fmt::print("layer-major activations: {:.2f} MiB ({:.2f} MiB of working arenas, one per layer, the "
+                   "embedding's and the head's; {:.2f} MiB of "
                    "layer-boundary activations and gradients, {} micro-batches)\n",
                    static_cast<double>(stats.activation_nbytes) / (1 << 20),
                    static_cast<double>(stats.activation_nbytes - stats.boundary_nbytes) / (1 << 20),

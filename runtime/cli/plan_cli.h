@@ -29,6 +29,8 @@ struct PlanOptions {
   std::string pp, pp_schedule, virtual_stages;
   // Context parallelism (`strata finetune --cp`, --cp-method): empty when not given.
   std::string cp, cp_method;
+  // The micro-batch order (`strata finetune --micro-batch-order`): empty when not given.
+  std::string micro_batch_order;
   std::string units = "GB";
   bool json = false;
   // --check RUN: the run directory (or its metrics.jsonl) to compare with.

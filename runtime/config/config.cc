@@ -378,7 +378,8 @@ Config build(const json& e) {
               s["seed"].get<uint64_t>(),           s["log_level"].get<std::string>(),
               s["collective_timeout_s"].get<double>(), s["pinned_pool_size"].get<uint64_t>(),
               s["trace_path"].get<std::string>(),  s["keep_swap_files"].get<bool>(),
-              s["overlap_optimizer"].get<bool>(),  s["micro_batch_order"].get<std::string>()};
+              s["overlap_optimizer"].get<bool>(),  s["micro_batch_order"].get<std::string>(),
+              s["layer_major_boundaries"].get<std::string>()};
   c.effective = e;
   return c;
 }

@@ -100,6 +100,8 @@ struct StrataOptions {
   bool overlap_optimizer = true;
   // strata.micro_batch_order: step-major | layer-major | auto (docs/DESIGN.md §5.5).
   std::string micro_batch_order = "step-major";
+  // strata.layer_major_boundaries: device | cpu (pinned host memory, within strata.pinned_pool_size).
+  std::string layer_major_boundaries = "device";
 };
 
 struct Config {

@@ -286,10 +286,13 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   if (options_.loss_chunk_rows == 0) options_.loss_chunk_rows = default_loss_chunk_rows(config_, engine.tensor_group().size);
   DecoderModelOptions::Stage& part = options_.stage;
   if (part.layers < 0) part.layers = config_.num_hidden_layers - part.first_layer;
-  STRATA_CHECK(part.first_layer >= 0 && part.layers >= 1 &&
+  STRATA_CHECK(part.first_layer >= 0 && part.layers >= 0 &&
                    part.first_layer + part.layers <= config_.num_hidden_layers,
                kBadArgument, "model: a stage of layers [{}, {}) of a model of {} layers (num_hidden_layers)",
                part.first_layer, part.first_layer + part.layers, config_.num_hidden_layers);
+  // No layer: the embedding alone or the head alone (layer-major's own chunks for them).
+  STRATA_CHECK(part.layers >= 1 || part.embedding != part.head, kBadArgument,
+               "model: a stage without decoder layers holds the embedding or the head, one of them");
   const bool whole = part.embedding && part.head;
   STRATA_CHECK(whole || !(config_.moe() && config_.output_router_logits), kBadArgument,
                "model_type {}: the load-balancing loss (output_router_logits) over a model split into pipeline "
@@ -375,7 +378,7 @@ DecoderModel::Boundary DecoderModel::boundary(int slot, int64_t batch, int64_t s
   if (batch > 0) ensure_arena(batch, seq);
   STRATA_CHECK(arena_ != nullptr, kBadArgument, "model: micro-batch slot {} has no activations yet", slot);
   const Arena& a = *arena_;
-  return {a.input(0), a.output(layers_.size() - 1), a.dres, a.dres};
+  return {a.input(0), a.input(layers_.size()), a.dres, a.dres};
 }
 
 ContextLayout DecoderModel::context_layout(int64_t batch, int64_t seq) const {
@@ -419,7 +422,8 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
   // two device buffers (a layer's input and output) remain.
   a->alternating = options_.cpu_checkpointing;
   a->res.resize(a->alternating ? 2 : layers + 1);
-  a->acts.resize(options_.checkpoint_activations ? 1 : layers);
+  // (A stage of the embedding or the head alone keeps no layer's activations.)
+  a->acts.resize(layers == 0 ? 0 : options_.checkpoint_activations ? 1 : layers);
   ArenaLayout layout;
   for (TensorView& r : a->res) layout.add(r, t, {local, hidden});
   // Every layer's saved activations, in one range; with checkpointing one
@@ -484,7 +488,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
     a->kept_begin = kept_begin;
     a->kept_end = layout.nbytes();
   }
-  if (options_.lora.enabled()) {
+  if (options_.lora.enabled() && layers > 0) {
     layout.add(a->lora.h, t, {rows, options_.lora.rank});
     layout.add(a->lora.dh, t, {rows, options_.lora.rank});
     if (options_.lora.dropout > 0) {
@@ -496,9 +500,13 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
   DecoderGrads& g = a->grads;
   layout.add(g.dln, t, {local, hidden});
   if (c.sandwich_norms) layout.add(g.dpost, t, {local, hidden});
-  g.attn.scratch.resize(attention.scratch_slots);
-  for (const ArenaTensor& x : attention.scratch) layout.add(g.attn.scratch[x.slot], x.dtype, x.shape);
-  if (c.moe()) {
+  // The layers' backward scratch (none in a stage of the embedding or the head alone).
+  const bool layer_scratch = layers > 0;
+  if (layer_scratch) {
+    g.attn.scratch.resize(attention.scratch_slots);
+    for (const ArenaTensor& x : attention.scratch) layout.add(g.attn.scratch[x.slot], x.dtype, x.shape);
+  }
+  if (c.moe() && layer_scratch) {
     layout.add(g.moe.dyp, t, {rows * top_k, hidden});
     layout.add(g.moe.dxp, t, {rows * top_k, hidden});
     layout.add(g.moe.dact, t, {expert_rows, moe_inter});
@@ -526,7 +534,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
       layout.add(g.moe.dshared_logit, t, {rows, 1});
     }
   }
-  if (c.any_dense_layer()) {
+  if (c.any_dense_layer() && layer_scratch) {
     layout.add(g.mlp.dact, t, {rows, inter});
     layout.add(g.mlp.dgate, t, {rows, inter});
     layout.add(g.mlp.dup, t, {rows, inter});
@@ -534,9 +542,11 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
   layout.add(a->dres, t, {local, hidden});
   layout.add(a->final_ln, t, {rows, hidden});
   layout.add(a->rstd_f, DType::kF32, {local});
-  if (sp) {  // one set for every layer (bound below)
-    layout.add(a->acts[0].gathered, t, {rows, hidden});
-    layout.add(a->acts[0].partial, t, {rows, hidden});
+  if (sp) {
+    if (layers > 0) {  // one set for every layer (bound below)
+      layout.add(a->acts[0].gathered, t, {rows, hidden});
+      layout.add(a->acts[0].partial, t, {rows, hidden});
+    }
     layout.add(g.dgathered, t, {rows, hidden});
     layout.add(g.dnorm, DType::kF32, {hidden});
     layout.add(a->final_ln_local, t, {local, hidden});
@@ -560,7 +570,7 @@ void DecoderModel::ensure_arena(int64_t batch, int64_t whole_seq) {
     d.partial = a->acts[0].partial;
   }
   for (DecoderActs& d : a->acts) d.attn.lora = d.mlp.lora = &a->lora;
-  if (c.moe()) {
+  if (c.moe() && layers > 0) {
     const auto per_acts = static_cast<size_t>(experts + 1);
     const size_t perm = ep > 1 ? 2 * static_cast<size_t>(expert_rows) : 0;
     a->host_moe = engine_.accelerator().allocate_pinned((a->acts.size() * per_acts + perm) * sizeof(int32_t));
@@ -741,7 +751,7 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
     a.backward_pending = options.backward;
     return;
   }
-  const TensorView& top = a.output(layers_.size() - 1);
+  const TensorView& top = a.input(layers_.size());  // the last layer's output (no layer: the input)
   if (options_.sequence_parallel) {
     norm_->forward(top, a.final_ln_local, a.rstd_f);
     engine_.tp_allgather(a.final_ln_local, a.final_ln);  // the loss over every row, on every tp rank
@@ -848,7 +858,7 @@ void DecoderModel::backward(int slot) {
   // gradient, received from the next stage.
   const bool sp = options_.sequence_parallel;
   if (options_.stage.head) {
-    norm_->backward(a.grads.dln, a.output(layers_.size() - 1), a.rstd_f, a.dres, /*accumulate_dx=*/false,
+    norm_->backward(a.grads.dln, a.input(layers_.size()), a.rstd_f, a.dres, /*accumulate_dx=*/false,
                     sp ? a.grads.dnorm : TensorView{});
   }
   for (size_t l = layers_.size(); l-- > 0;) {

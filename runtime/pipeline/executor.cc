@@ -42,14 +42,14 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
-    : PipelineExecutor(engine, &pp, spec, std::move(chunks)) {}
+    : PipelineExecutor(engine, &pp, spec, std::move(chunks), BoundaryHome::kDevice) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec,
-                                   std::vector<nn::DecoderModel*> chunks)
-    : PipelineExecutor(engine, nullptr, spec, std::move(chunks)) {}
+                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home)
+    : PipelineExecutor(engine, nullptr, spec, std::move(chunks), home) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
-                                   std::vector<nn::DecoderModel*> chunks)
+                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home)
     : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp != nullptr ? pp->rank() : 0),
       busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()),
       last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)),
@@ -81,7 +81,9 @@ PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicat
                  stage_, chunk->virtual_stage, part.embedding ? "holds" : "lacks", part.head ? "holds" : "lacks", last);
     chunks_.push_back(std::move(chunk));
   }
-  if (spec.local_handoff()) kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), chunks_.size());
+  if (spec.local_handoff()) {
+    kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), chunks_.size(), home == BoundaryHome::kPinnedHost);
+  }
   send_stream_ = engine.accelerator().create_stream();
   track_ = trace::make_track(fmt::format("pipeline stage {}", stage_));
   send_track_ = trace::make_track(fmt::format("pipeline stage {} send", stage_));
@@ -208,7 +210,8 @@ struct PipelineExecutor::KeptBoundaries {
     void* data = nullptr;
     size_t nbytes = 0, capacity = 0;
   };
-  KeptBoundaries(Accelerator& a, size_t chunks) : acc(a), inputs(chunks), resident(chunks, -1) {}
+  KeptBoundaries(Accelerator& a, size_t chunks, bool host) : acc(a), pinned_host(host), inputs(chunks),
+                                                               resident(chunks, -1) {}
   ~KeptBoundaries() {
     for (auto& chunk : inputs) {
       for (Buffer& b : chunk) free(b);
@@ -216,7 +219,7 @@ struct PipelineExecutor::KeptBoundaries {
     for (Buffer& b : grads) free(b);
   }
   void free(Buffer& b) {
-    if (b.data != nullptr) acc.deallocate(b.data);
+    if (b.data != nullptr) pinned_host ? acc.deallocate_pinned(b.data) : acc.deallocate(b.data);
     b = Buffer{};
   }
   KeptBoundaries(const KeptBoundaries&) = delete;
@@ -228,7 +231,7 @@ struct PipelineExecutor::KeptBoundaries {
         stream.synchronize();
         free(b);
       }
-      b.data = acc.allocate(nbytes);
+      b.data = pinned_host ? acc.allocate_pinned(nbytes) : acc.allocate(nbytes);
       b.capacity = nbytes;
     }
     b.nbytes = nbytes;
@@ -253,6 +256,7 @@ struct PipelineExecutor::KeptBoundaries {
   }
 
   Accelerator& acc;
+  bool pinned_host;                         // the buffers are pinned host memory (else accelerator memory)
   std::vector<std::vector<Buffer>> inputs;  // [chunk][micro-batch]: the residual stream entering the chunk
   std::vector<Buffer> grads;                // [micro-batch]: the gradient flowing down
   std::vector<int> resident;                // [chunk]: the micro-batch whose activations its slot holds; -1 none
@@ -273,10 +277,12 @@ void PipelineExecutor::hand_over(int chunk, int micro_batch, int slot, bool grad
     STRATA_CHECK(kept.data != nullptr && kept.nbytes == view.nbytes(), kInternal,
                  "micro-batch {} at chunk {}: the kept {} holds {} bytes, the slot's {}", micro_batch, chunk,
                  gradient ? "gradient" : "input", kept.nbytes, view.nbytes());
-    engine_.accelerator().copy_async(view.data, kept.data, view.nbytes(), CopyKind::kDeviceToDevice, stream);
+    engine_.accelerator().copy_async(view.data, kept.data, view.nbytes(),
+                                     kept_->pinned_host ? CopyKind::kHostToDevice : CopyKind::kDeviceToDevice, stream);
   } else {
     void* to = kept_->hold(kept, view.nbytes(), stream);
-    engine_.accelerator().copy_async(to, view.data, view.nbytes(), CopyKind::kDeviceToDevice, stream);
+    engine_.accelerator().copy_async(to, view.data, view.nbytes(),
+                                     kept_->pinned_host ? CopyKind::kDeviceToHost : CopyKind::kDeviceToDevice, stream);
   }
 }
 
@@ -439,8 +445,11 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
     stats.slots.push_back(static_cast<int>(chunk->slots.size()));
     stats.activation_nbytes += chunk->model->arena_nbytes();
   }
-  if (kept_) stats.boundary_nbytes = kept_->nbytes();
-  stats.activation_nbytes += stats.boundary_nbytes;
+  if (kept_) {
+    stats.boundary_nbytes = kept_->nbytes();
+    stats.boundaries_pinned = kept_->pinned_host;
+  }
+  if (!stats.boundaries_pinned) stats.activation_nbytes += stats.boundary_nbytes;
   return stats;
 }
 
@@ -494,15 +503,19 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_layer_models(engine::Engine&
                "micro_batch_order layer-major with tie_word_embeddings true: not implemented yet (the embedding's "
                "lookup and lm_head halves of the gradient would add in another order than step-major's); use "
                "step-major");
-  const int layers = static_cast<int>(config.num_hidden_layers);
-  const std::vector<int64_t> split = split_layers(config.num_hidden_layers, 1, layers);
+  const int64_t layers = config.num_hidden_layers;
   std::vector<std::unique_ptr<nn::DecoderModel>> models;
-  for (int k = 0; k < layers; ++k) {
-    const StagePart part = stage_part(split, 1, 0, k);
+  const auto add = [&](int64_t first_layer, int64_t count, bool embedding, bool head) {
     nn::DecoderModelOptions o = options;
-    o.stage = {part.first_layer, part.layers, part.embedding, part.head};
+    o.stage = {first_layer, count, embedding, head};
     models.push_back(std::make_unique<nn::DecoderModel>(engine, config, o));
-  }
+  };
+  // The embedding and the head are chunks of their own: a layer's next use
+  // (the next micro-batch's) is then one layer's parameters away, never one
+  // layer plus the embedding or lm_head.
+  add(0, 0, true, false);
+  for (int64_t l = 0; l < layers; ++l) add(l, 1, false, false);
+  add(layers, 0, false, true);
   return models;
 }
 

@@ -82,15 +82,22 @@ struct StepStats {
   // their activation memory (DecoderModel::arena_nbytes, every chunk).
   std::vector<int> slots;
   size_t activation_nbytes = 0;
-  // Of activation_nbytes, layer-major's layer-boundary activations and the
-  // gradients flowing down that the executor keeps per micro-batch (0 for
-  // the other schedules, whose chunks keep their boundaries in their slots).
+  // Layer-major's layer-boundary activations and the gradients flowing down
+  // that the executor keeps per micro-batch (0 for the other schedules, whose
+  // chunks keep their boundaries in their slots): part of activation_nbytes
+  // in accelerator memory, pinned host memory when boundaries_pinned.
   size_t boundary_nbytes = 0;
+  bool boundaries_pinned = false;
   // zb-h1: the Linear inputs W read where forward left them (the slot's
   // saved activations) and those it had to copy (DeferredWeightGrads).
   int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
   double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
 };
+
+// Where a local-handoff schedule (layer-major) keeps each micro-batch's
+// boundaries: accelerator memory, or pinned host memory (copied out after
+// each forward and back before each use, on the compute stream).
+enum class BoundaryHome : uint8_t { kDevice, kPinnedHost };
 
 class PipelineExecutor {
  public:
@@ -105,7 +112,9 @@ class PipelineExecutor {
   // boundaries are kept (its input to every chunk, its gradient flowing
   // down); each chunk computes in one slot and runs its forward again before
   // a backward whose activations its slot no longer holds (DESIGN §5.5).
-  PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks);
+  // The boundaries live in `home`.
+  PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks,
+                   BoundaryHome home = BoundaryHome::kDevice);
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -130,7 +139,7 @@ class PipelineExecutor {
 
  private:
   PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
-                   std::vector<nn::DecoderModel*> chunks);
+                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home);
   struct Slot;
   struct Chunk;
   struct KeptBoundaries;
@@ -191,9 +200,10 @@ std::vector<std::unique_ptr<nn::DecoderModel>> make_stage_models(engine::Engine&
                                                                  std::span<const int64_t> layers = {});
 
 // The layer-major chunks of a whole model on one rank (ScheduleKind::
-// kLayerMajor): chunk k is decoder layer k, the embedding on the first, the
-// final norm and the loss on the last, named and declared in the whole
-// model's order (so its checkpoints are the step-major model's). Refuses
+// kLayerMajor), L + 2 of them for L decoder layers: chunk 0 is the embedding,
+// chunk k + 1 decoder layer k, chunk L + 1 the final norm and lm_head with
+// the loss, named and declared in the whole model's order (so its
+// checkpoints are the step-major model's). Refuses
 // tied embeddings by name (the last chunk's lm_head is the first chunk's
 // table, used by chunks m backwards apart: the gradient's two halves would
 // add in another order than step-major's). Before engine.finalize().

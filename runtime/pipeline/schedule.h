@@ -27,8 +27,9 @@
 //                and W (weight gradients), rank r deferring its W's by r
 //                backwards into what would be bubble: at most p micro-batches
 //                in flight, 1F1B's peak.
-//   layer-major  one rank (p = 1), the decoder as v single-layer chunks
-//                (GreedySnake's vertical order, docs/DESIGN.md §5.5): every
+//   layer-major  one rank (p = 1), the decoder as v chunks: the embedding,
+//                each layer, the head (GreedySnake's vertical order,
+//                docs/DESIGN.md §5.5): every
 //                micro-batch through chunk k before chunk k + 1, then the
 //                backwards chunk by chunk from the top, each chunk's over
 //                every micro-batch in order; each chunk's parameters are

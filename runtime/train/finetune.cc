@@ -84,24 +84,37 @@ std::vector<std::shared_ptr<DirectoryLock>> own_run_directories(const engine::Ze
 // strata.pinned_pool_size: an upper bound of the page-locked host memory a
 // rank holds, checked before any is allocated against what this runtime pins
 // for this model and ds_config (runtime/plan/runtime_memory.h, item by item).
-void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs) {
+// `boundary_nbytes`: layer-major's boundaries kept in pinned host memory
+// (strata.layer_major_boundaries cpu; 0: none there).
+void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs,
+                         double boundary_nbytes) {
   const uint64_t budget = config.strata.pinned_pool_nbytes;
   if (budget == 0) return;  // sized from the buffer counts
   const plan::RuntimeMemory memory = plan::runtime_memory(inputs);
-  if (memory.pinned_nbytes <= static_cast<double>(budget)) return;
+  const double pinned = memory.pinned_nbytes + boundary_nbytes;
+  if (pinned <= static_cast<double>(budget)) return;
   std::string items;
   for (const plan::MemoryItem& item : memory.items) {
     if (item.where != plan::Where::kPinned || item.nbytes <= 0) continue;
     items += fmt::format("{}{} {:.0f} bytes{}", items.empty() ? "" : ", ", item.name, item.nbytes,
                          item.upper_bound ? " at most" : "");
   }
+  if (boundary_nbytes > 0) {
+    items += fmt::format("{}layer-major boundaries (strata.layer_major_boundaries cpu) {:.0f} bytes",
+                         items.empty() ? "" : ", ", boundary_nbytes);
+  }
   raise(ErrorCategory::kBadArgument,
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
         "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
         "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
+<<<<<<< HEAD
         source, budget, memory.pinned_nbytes, items,
         inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
                                     : std::string("; or split each sequence over more ranks, --cp"));
+=======
+        source, budget, pinned, items,
+        boundary_nbytes > 0 ? ", gradient_accumulation_steps; or keep the boundaries on the device" : "");
+>>>>>>> lm3
 }
 
 double count_targets(const std::vector<int32_t>& targets) {
@@ -338,13 +351,27 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
        model_config.moe() && model_config.output_router_logits, cp});
   const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
   if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
+  const bool boundaries_pinned = config.strata.layer_major_boundaries == "cpu";
+  if (boundaries_pinned && !layer_major && rank.rank == 0) {
+    logger().info("strata.layer_major_boundaries cpu: no effect, the micro-batches are step-major (no boundaries "
+                  "are kept)");
+  }
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
+  // Layer-major keeps each micro-batch's input to every chunk but the
+  // embedding's, and one gradient flowing down: as many as its L + 2 chunks,
+  // [micro_batch x seq, hidden] each in the activation dtype (fp32 on the cpu accelerator).
+  const DType activation_dtype = accelerator->host_addressable() ? DType::kF32 : train_dtype;
+  const double boundary_nbytes =
+      layer_major ? static_cast<double>(accumulation) * static_cast<double>(model_config.num_hidden_layers + 2) *
+                        static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
+                        static_cast<double>(dtype_nbytes(activation_dtype))
+                  : 0.0;
   {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
     pinned.param_dtype = train_dtype;
     pinned.device_is_host = accelerator->host_addressable();
-    pinned.activation_dtype = pinned.device_is_host ? DType::kF32 : train_dtype;
+    pinned.activation_dtype = activation_dtype;
     pinned.micro_batch = micro_batch;
     pinned.seq = options.seq;
     pinned.context_parallel = cp;  // this rank's tokens of each sequence: seq / cp
@@ -354,7 +381,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
     pinned.zero = zero;
     pinned.lora = lora;
-    check_pinned_budget(config, source, pinned);
+    check_pinned_budget(config, source, pinned, boundaries_pinned ? boundary_nbytes : 0.0);
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
@@ -448,21 +475,21 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (const auto& stage : stages) chunks.push_back(stage.get());
     executor = std::make_unique<pipeline::PipelineExecutor>(engine, *comms.pipeline, pipeline_spec, chunks);
   } else if (layer_major) {
-    // One rank's layers as single-layer chunks, the schedule layer-major (runtime/pipeline/schedule.h).
+    // One rank's layers as single-layer chunks between the embedding's and the head's, the schedule
+    // layer-major (runtime/pipeline/schedule.h).
     std::vector<nn::DecoderModel*> chunks;
     for (const auto& stage : stages) chunks.push_back(stage.get());
     const pipeline::ScheduleSpec spec{pipeline::ScheduleKind::kLayerMajor, 1, static_cast<int>(accumulation),
                                       static_cast<int>(chunks.size())};
-    executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks);
+    executor = std::make_unique<pipeline::PipelineExecutor>(
+        engine, spec, chunks, boundaries_pinned ? pipeline::BoundaryHome::kPinnedHost : pipeline::BoundaryHome::kDevice);
     if (rank.rank == 0) {
-      // Each micro-batch's input to every layer (and one gradient flowing down), kept by the executor.
-      const double boundaries = static_cast<double>(accumulation) * static_cast<double>(chunks.size()) *
-                                static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
-                                static_cast<double>(dtype_nbytes(chunks.front()->activation_dtype()));
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
                     "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
-                    "activations and gradients take {:.1f} MiB, besides one working arena per layer",
-                    accumulation, chunks.size(), boundaries / (1 << 20));
+                    "activations and gradients take {:.1f} MiB of {} (strata.layer_major_boundaries), besides one "
+                    "working arena per layer, the embedding's and the head's",
+                    accumulation, chunks.size() - 2, boundary_nbytes / (1 << 20),
+                    boundaries_pinned ? "pinned host memory" : "device memory");
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.

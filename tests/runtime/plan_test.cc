@@ -2,6 +2,7 @@
 // ZeRO-Infinity's 0.1T model), the efficiency model, placements and the
 // recommendation, and the command as a user runs it, bad input included.
 #include "runtime/plan/plan.h"
+#include "runtime/plan/order_plan.h"
 
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -884,4 +885,114 @@ TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in fli
   const auto none = run_command(plan + "--json 2>&1");
   REQUIRE(none.exit_code == 0);
   CHECK_FALSE(nlohmann::json::parse(none.output).contains("pipeline_parallel"));
+}
+
+TEST_CASE("plan: the micro-batch orders' parameter reads and step bounds", "[plan][layer-major]") {
+  // 1000 parameters, the largest chunk and layer 100, 2000 bytes per fetch of
+  // every parameter, 8 micro-batches, 1000 B/s from the home, 3 s of compute.
+  OrderInputs in;
+  in.param_count = 1000;
+  in.largest_chunk_params = 100;
+  in.largest_layer_params = 100;
+  in.shard_nbytes = 2000;
+  in.micro_batches = 8;
+  in.read_bandwidth = 1000;
+  in.step_major_compute_seconds = 3;
+  in.max_reuse_distance = 250;  // twice the largest layer, not the model
+  in.max_live = 500;
+  OrderPlan p = predict_micro_batch_orders(in);
+  CHECK_FALSE(p.whole_model_kept);
+  CHECK(p.chunks_kept);
+  // Step-major: a forward and a backward fetch per micro-batch (the recompute
+  // beside the backward: a layer fits the distance), 2 x 8; layer-major 2.
+  CHECK(p.step_major.fetches == 16);
+  CHECK(p.step_major.param_read_nbytes == 32000);
+  CHECK(p.step_major.io_seconds == 32);
+  CHECK(p.step_major.step_seconds == 32);  // max(compute 3, reads 32)
+  CHECK(p.layer_major.fetches == 2);
+  CHECK(p.layer_major.param_read_nbytes == 4000);
+  CHECK(p.layer_major.compute_seconds == 3);  // checkpointing recomputes in both orders
+  CHECK(p.layer_major.step_seconds == 4);
+  CHECK(p.speedup() == 8);
+  CHECK(p.read_ratio() == 8);
+  CHECK_THAT(p.describe(), Catch::Contains("layer-major fetches each parameter twice per step, step-major 16 times"));
+  // Reads below compute: the bound is compute's.
+  in.read_bandwidth = 1e6;
+  CHECK(predict_micro_batch_orders(in).speedup() == 1);
+  in.read_bandwidth = 1000;
+  // A distance below twice the largest layer: layer-major fetches what step-major does.
+  in.max_reuse_distance = 150;
+  p = predict_micro_batch_orders(in);
+  CHECK_FALSE(p.chunks_kept);
+  CHECK(p.layer_major.fetches == 16);
+  CHECK_THAT(p.describe(), Catch::Contains("layer-major fetches what step-major does"));
+  // A live budget below the largest chunk (the head) likewise.
+  in.max_reuse_distance = 250;
+  in.largest_chunk_params = 300;
+  in.max_live = 250;
+  CHECK_FALSE(predict_micro_batch_orders(in).chunks_kept);
+  in.largest_chunk_params = 100;
+  in.max_live = 500;
+  // Below a layer: the recompute fetches again, 3 per micro-batch.
+  in.max_reuse_distance = 50;
+  CHECK(predict_micro_batch_orders(in).step_major.fetches == 24);
+  // Without checkpointing layer-major still recomputes: 4 passes against 3.
+  in.activation_checkpointing = false;
+  CHECK(predict_micro_batch_orders(in).step_major.fetches == 16);
+  in.max_reuse_distance = 250;
+  p = predict_micro_batch_orders(in);
+  CHECK(p.layer_major.compute_seconds == Approx(4.0));
+  CHECK(p.step_major.compute_seconds == 3);
+  // The whole model kept gathered (DeepSpeed's default budgets): one fetch per step in both orders.
+  in.max_reuse_distance = in.max_live = 1'000'000'000;
+  p = predict_micro_batch_orders(in);
+  CHECK(p.whole_model_kept);
+  CHECK(p.step_major.fetches == 1);
+  CHECK(p.layer_major.fetches == 1);
+  CHECK_THROWS_WITH(predict_micro_batch_orders(OrderInputs{}), Catch::Contains("must be above 0"));
+}
+
+TEST_CASE("strata plan --micro-batch-order: both orders predicted on the config's placement, and auto's choice",
+          "[plan][cli][layer-major]") {
+  strata::test::TempDir dir;
+  // The 59.6M strata-train model's shape, ZeRO-3 on NVMe with budgets below the model, 8 micro-batches.
+  {
+    std::ofstream out(dir.file("ds.json"));
+    out << R"({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+      "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ")" << dir.file("swap")
+        << R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << dir.file("swap") << R"("},
+      "stage3_max_reuse_distance": 8e6, "stage3_max_live_parameters": 2e7}})";
+  }
+  const std::string plan = strata_binary() + " plan --layers 16 --hidden 512 --intermediate 1408 --vocab 8000 " +
+                           "--seq 16 --config " + dir.file("ds.json") + " --bw-nvme 2 ";
+  const auto result = run_command(plan + "--micro-batch-order auto --json 2>&1");
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  const auto order = nlohmann::json::parse(result.output)["micro_batch_order"];
+  CHECK(order["order"] == "layer-major");
+  CHECK(order["auto_chooses"] == "layer-major");
+  CHECK(order["source"] == "--micro-batch-order");
+  // A layer: 4 x 512^2 + 3 x 512 x 1408 + 2 x 512; the head (lm_head and the norm) is the largest chunk.
+  CHECK(order["largest_layer_parameters"] == 3'212'288);
+  CHECK(order["largest_chunk_parameters"] == 8000 * 512 + 512);
+  CHECK(order["step_major"]["fetches_per_step"] == 16);
+  CHECK(order["layer_major"]["fetches_per_step"] == 2);
+  CHECK(order["step_major"]["param_read_bytes_per_step"].get<double>() ==
+        Approx(8 * order["layer_major"]["param_read_bytes_per_step"].get<double>()));
+  // At the default 70 TFLOPS the reads bound the step: 8x fewer of them, 8x the speed.
+  CHECK(order["predicted_speedup"].get<double>() == Approx(8));
+  // On a machine whose compute bounds the step (10 GFLOP/s, this CPU's order) the orders tie.
+  const auto slow = run_command(plan + "--peak-tflops 0.01 --micro-batch-order auto --json 2>&1");
+  REQUIRE(slow.exit_code == 0);
+  CHECK(nlohmann::json::parse(slow.output)["micro_batch_order"]["predicted_speedup"].get<double>() == Approx(1));
+  // The text names both orders and the config's default (step-major) as the order run.
+  const auto text = run_command(plan + "2>&1");
+  CHECK_THAT(text.output, Catch::Contains("micro-batch order step-major (strata.micro_batch_order: step-major); auto "
+                                          "would choose layer-major"));
+  CHECK_THAT(text.output, Catch::Contains("layer-major fetches every parameter 2 time(s) per step"));
+  // What finetune refuses, the plan refuses by the same name.
+  const auto refused = run_command(plan + "--micro-batch-order layer-major --lora-rank 4 2>&1");
+  CHECK(refused.exit_code != 0);
+  CHECK_THAT(refused.output, Catch::Contains("--micro-batch-order layer-major with LoRA (--lora-rank): not implemented"));
 }

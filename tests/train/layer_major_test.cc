@@ -116,7 +116,8 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
       if (!eval.empty()) CHECK(layer.steps.back().contains("eval_loss"));
       CHECK_THAT(layer.output, Catch::Contains("micro-batch order layer-major: 3 micro-batches through each of the 3 "
                                                "decoder layers in turn"));
-      // 3 micro-batches x 3 layers x 2 x 16 rows x 64 x 4 bytes (fp32 on the cpu).
+      // 3 micro-batches x 5 chunks (the 3 layers, the embedding, the head) x 2 x 16 rows x 64 x 4 bytes
+      // (fp32 on the cpu): 0.117 MiB.
       CHECK_THAT(layer.output, Catch::Contains("the layer-boundary activations and gradients take 0.1 MiB"));
       CHECK_THAT(step.output, !Catch::Contains("micro-batch order layer-major"));
       for (const auto& s : layer.steps) {
@@ -225,6 +226,37 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
   CHECK_THAT(kept.output, Catch::Contains("--micro-batch-order auto: step-major (the parameters live on the device"));
 }
 
+TEST_CASE("layer-major with its boundaries in pinned host memory gives step-major's bits, and a pinned budget they "
+          "do not fit is refused before step 1",
+          "[finetune][layer-major]") {
+  strata::test::TempDir dir;
+  three_layers(dir);
+  const std::string zero = R"("stage": 3, "sub_group_size": 5000, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "cpu"})";
+  const std::string ds = config(dir, "device", zero, 0.05);
+  const std::string pinned = config(dir, "pinned", zero + R"(}, "strata": {"layer_major_boundaries": "cpu")", 0.05);
+  constexpr int kSteps = 2;
+  const Run step = finetune(dir, "step", ds, "step-major", kSteps);
+  const Run layer = finetune(dir, "layer", pinned, "layer-major", kSteps);
+  CHECK_THAT(layer.output, Catch::Contains("the layer-boundary activations and gradients take 0.1 MiB of pinned host "
+                                           "memory (strata.layer_major_boundaries)"));
+  check_same(layer, step, kSteps);
+  // The boundaries count in strata.pinned_pool_size: a budget of 1 byte
+  // holds none of the run's pinned buffers, and the refusal, before any
+  // step, lists the boundaries among them (3 micro-batches x 5 chunks x 2 x
+  // 16 rows x 64 x 4 bytes).
+  const std::string tight = config(
+      dir, "tight", zero + R"(}, "strata": {"layer_major_boundaries": "cpu", "pinned_pool_size": 1)", 0.05);
+  const auto refused = run_command(strata_binary() + " finetune --config " + tight + " --init " +
+                                   dir.file("three.json") + " --data " + kFinetuneExamples +
+                                   "/data/gpl-3.0.txt --data-format text --seq 16 --steps 1 --micro-batch-order "
+                                   "layer-major --out " + dir.file("tight_out") + " 2>&1");
+  CHECK(refused.exit_code != 0);
+  CHECK_THAT(refused.output, Catch::Contains("layer-major boundaries (strata.layer_major_boundaries cpu) 122880 bytes"));
+  CHECK_THAT(refused.output, Catch::Contains("or keep the boundaries on the device"));
+  CHECK_THAT(refused.output, !Catch::Contains("step 1"));
+}
+
 TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are step-major's, bit for bit, and the first "
           "is the resident model's",
           "[layer-major][strata-train]") {
@@ -252,9 +284,10 @@ TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are ste
     REQUIRE(std::regex_search(r.output, redone, std::regex(R"(speculated on (\d+) \((\d+) redone;)")));
     CHECK(std::stoi(redone[2].str()) == 0);
     if (order == "layer-major") {
-      // Kept per micro-batch: the input of layers 1 and 2 and one gradient, 3 x 3 x 8 rows x 64 x 4 bytes = 0.0176 MiB.
-      CHECK_THAT(r.output, Catch::Contains("one per layer; 0.02 MiB of layer-boundary activations and gradients, 3 "
-                                           "micro-batches)"));
+      // Kept per micro-batch: the input of the 3 layers and of the head and one gradient, 3 x 5 x 8 rows x 64 x
+      // 4 bytes = 0.0293 MiB.
+      CHECK_THAT(r.output, Catch::Contains("one per layer, the embedding's and the head's; 0.03 MiB of layer-boundary "
+                                           "activations and gradients, 3 micro-batches)"));
     }
     std::ifstream in(json);
     const nlohmann::json out = nlohmann::json::parse(in);

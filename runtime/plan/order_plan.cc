@@ -1,0 +1,62 @@
+// The micro-batch orders' parameter reads and step times, predicted.
+#include "runtime/plan/order_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace strata::plan {
+
+OrderPlan predict_micro_batch_orders(const OrderInputs& in) {
+  STRATA_CHECK(in.param_count > 0 && in.largest_chunk_params > 0 && in.largest_layer_params > 0, kBadArgument,
+               "micro-batch order plan: the model's parameters ({}), largest chunk ({}) and layer ({}) must be above 0",
+               in.param_count, in.largest_chunk_params, in.largest_layer_params);
+  STRATA_CHECK(in.micro_batches >= 1, kBadArgument, "micro-batch order plan: {} micro-batches (gradient "
+               "accumulation steps) must be at least 1", in.micro_batches);
+  STRATA_CHECK(in.shard_nbytes > 0 && in.read_bandwidth > 0 && in.step_major_compute_seconds >= 0, kBadArgument,
+               "micro-batch order plan: the shard's bytes ({}) and the read bandwidth ({}) must be above 0, the "
+               "compute ({} s) at least 0",
+               in.shard_nbytes, in.read_bandwidth, in.step_major_compute_seconds);
+  OrderPlan plan;
+  const auto m = static_cast<double>(in.micro_batches);
+  const auto fits = [&](double numel) {
+    return numel <= static_cast<double>(in.max_reuse_distance) && numel <= static_cast<double>(in.max_live);
+  };
+  plan.whole_model_kept = fits(static_cast<double>(in.param_count));
+  // A layer's recompute and backward alternate: its last projection's next
+  // use is about two layers' windows away. The embedding's and the head's
+  // uses follow one another at once: they need only the live budget.
+  plan.chunks_kept = fits(2.0 * static_cast<double>(in.largest_layer_params)) &&
+                     static_cast<double>(in.largest_chunk_params) <= static_cast<double>(in.max_live);
+  // Step-major: a forward and a backward fetch per micro-batch; the
+  // recompute shares the backward's when a layer's windows fit the distance.
+  const double per_micro_batch =
+      in.activation_checkpointing && !fits(static_cast<double>(in.largest_layer_params)) ? 3 : 2;
+  plan.step_major.fetches = plan.whole_model_kept ? 1 : m * per_micro_batch;
+  plan.layer_major.fetches = plan.whole_model_kept ? 1 : plan.chunks_kept ? 2 : m * per_micro_batch;
+  plan.step_major.compute_seconds = in.step_major_compute_seconds;
+  // Layer-major recomputes every layer's forward: 4 passes where step-major without checkpointing has 3.
+  plan.layer_major.compute_seconds = in.step_major_compute_seconds * (in.activation_checkpointing ? 1.0 : 4.0 / 3.0);
+  for (OrderPrediction* p : {&plan.step_major, &plan.layer_major}) {
+    p->param_read_nbytes = p->fetches * in.shard_nbytes;
+    p->io_seconds = p->param_read_nbytes / in.read_bandwidth;
+    p->step_seconds = std::max(p->compute_seconds, p->io_seconds);
+  }
+  return plan;
+}
+
+std::string OrderPlan::describe() const {
+  if (whole_model_kept) {
+    return "the whole model fits stage3_max_reuse_distance and stage3_max_live_parameters: both orders fetch each "
+           "parameter once per step";
+  }
+  if (!chunks_kept) {
+    return "stage3_max_reuse_distance or stage3_max_live_parameters is below twice the largest layer (or the live "
+           "budget below the embedding or the head): layer-major fetches what step-major does";
+  }
+  return fmt::format("layer-major fetches each parameter twice per step, step-major {:g} times", step_major.fetches);
+}
+
+}  // namespace strata::plan

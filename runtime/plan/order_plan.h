@@ -1,0 +1,80 @@
+// What the order of a step's micro-batches (strata.micro_batch_order;
+// docs/DESIGN.md §5.5) does to a ZeRO-3 step whose parameters live off the
+// device, predicted for `strata plan`: the parameter bytes each rank reads
+// per step in step-major and in layer-major order, and the step times they
+// bound — from the model's sizes, the ZeRO-3 budgets
+// (stage3_max_reuse_distance, stage3_max_live_parameters) and the bandwidth
+// of the parameters' home.
+//
+// The fetch counts are the coordinator's (offload/param_coordinator.h): a
+// gathered parameter is kept while its next use lies within the reuse
+// distance (the elements of the windows in between) and the live budget
+// holds it, else fetched again.
+//   step-major  each micro-batch runs the whole model, forward then
+//               backward: a parameter is fetched for its forward and again
+//               for its backward (its recompute beside it, when a layer fits
+//               the reuse distance), 2 m fetches per step — or once per step
+//               when the whole model fits both budgets (kept gathered for
+//               the step).
+//   layer-major every micro-batch through a chunk (a layer; the embedding
+//               and the head are chunks of their own) before the next: a
+//               layer's next use is the next micro-batch's, about two
+//               layers' windows away in backward (recompute and backward
+//               alternate; the embedding's and the head's uses follow one
+//               another at once), so with budgets of twice the largest layer
+//               (and a live budget holding the largest chunk) each parameter
+//               is fetched once for the m forwards and once for the m
+//               backwards: 2 per step, flat in m. Below that, what
+//               step-major fetches.
+// Compute: every layer-major chunk but the head runs its forward again
+// before its backward (activation checkpointing's recompute), so without
+// checkpointing layer-major computes 4 passes where step-major computes 3.
+// The step's bound is the larger of compute and the reads (the coordinator
+// reads ahead while compute runs), as strata-train's bound.
+//
+// Thread-safety: pure functions. Errors: Error(kBadArgument) naming the input
+// out of range.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace strata::plan {
+
+struct OrderInputs {
+  int64_t param_count = 0;           // the model's parameters (ψ), > 0
+  int64_t largest_chunk_params = 0;  // the largest layer-major chunk: a layer, the embedding or the head; > 0
+  int64_t largest_layer_params = 0;  // the largest decoder layer; > 0
+  double shard_nbytes = 0;           // this rank's share of one fetch of every parameter (ψ x bytes / N_d), > 0
+  int64_t micro_batches = 1;         // gradient_accumulation_steps, >= 1
+  bool activation_checkpointing = true;
+  int64_t max_reuse_distance = 1'000'000'000;  // stage3_max_reuse_distance (elements)
+  int64_t max_live = 1'000'000'000;            // stage3_max_live_parameters (elements)
+  double read_bandwidth = 0;         // bytes/s this rank reads its parameters at from their home, > 0
+  double step_major_compute_seconds = 0;  // the step's compute in step-major, >= 0
+};
+
+struct OrderPrediction {
+  double fetches = 0;            // of every parameter, per step
+  double param_read_nbytes = 0;  // per rank and step: fetches x shard_nbytes
+  double io_seconds = 0;         // param_read_nbytes / read_bandwidth
+  double compute_seconds = 0;
+  double step_seconds = 0;       // max(compute, io)
+};
+
+struct OrderPlan {
+  OrderPrediction step_major, layer_major;
+  // Whether the budgets keep the whole model gathered through the step (then
+  // the orders read the same), and layer-major's chunks through their uses.
+  bool whole_model_kept = false, chunks_kept = false;
+  double speedup() const { return layer_major.step_seconds > 0 ? step_major.step_seconds / layer_major.step_seconds : 0; }
+  double read_ratio() const {
+    return layer_major.param_read_nbytes > 0 ? step_major.param_read_nbytes / layer_major.param_read_nbytes : 0;
+  }
+  // One line: what layer-major saves (or why it saves nothing) with these budgets.
+  std::string describe() const;
+};
+
+OrderPlan predict_micro_batch_orders(const OrderInputs& in);
+
+}  // namespace strata::plan
