@@ -107,14 +107,11 @@ void check_pinned_budget(const Config& config, const std::string& source, const 
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
         "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
         "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
-<<<<<<< HEAD
-        source, budget, memory.pinned_nbytes, items,
-        inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
-                                    : std::string("; or split each sequence over more ranks, --cp"));
-=======
         source, budget, pinned, items,
-        boundary_nbytes > 0 ? ", gradient_accumulation_steps; or keep the boundaries on the device" : "");
->>>>>>> lm3
+        // Layer-major does not combine with context parallelism (refused), so one suggestion or the other.
+        boundary_nbytes > 0             ? std::string(", gradient_accumulation_steps; or keep the boundaries on the device")
+        : inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
+                                        : std::string("; or split each sequence over more ranks, --cp"));
 }
 
 double count_targets(const std::vector<int32_t>& targets) {
