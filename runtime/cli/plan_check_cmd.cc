@@ -305,6 +305,7 @@ int run_plan_check(const PlanOptions& o) {
     in.lora.rank = parse_integer(s.sources["lora"] + ": --lora-rank", s.lora_rank, 1);
     in.lora.alpha = 8;
     in.lora.targets = nn::parse_lora_targets(s.lora_targets);
+    nn::resolve_lora_targets(in.lora, in.model);
   }
   // Relative swap paths are relative to the run's working directory.
   if (!in.zero.nvme_path.empty() && in.zero.nvme_path.is_relative() && !s.cwd.empty())

@@ -284,6 +284,11 @@ void resolve_lora(const Options& o, Resolved& r) {
   spec.alpha = 8;  // PEFT's default; the scale changes no size
   spec.targets = nn::parse_lora_targets(o.lora_targets.empty() ? "q_proj,v_proj" : o.lora_targets);
   spec.validate();
+  if (r.config) {
+    nn::resolve_lora_targets(spec, *r.config);
+  } else if (spec.targets.front() == nn::kAllLinear) {
+    spec.targets = nn::lora_projections(nn::DecoderConfig{});  // a dense model's: attention and MLP
+  }
   r.lora = spec;
   plan::LoraShape lora;
   lora.rank = spec.rank;

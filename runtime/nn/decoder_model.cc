@@ -34,9 +34,11 @@ DecoderLayer::DecoderLayer(engine::Engine& engine, std::string name, const Decod
   post_attention_layernorm_ = norm(c.sandwich_norms ? "pre_feedforward_layernorm" : "post_attention_layernorm");
   add_child(*post_attention_layernorm_);
   if (c.layer_moe(layer)) {
-    STRATA_CHECK(lora == nullptr && mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
-                 "model_type {}: LoRA adapters and MLP tiling are not implemented for the experts yet",
-                 c.model_type);
+    // With LoRA the experts, the shared experts and the router carry no
+    // adapter and stay frozen (resolve_lora_targets leaves no MLP target on
+    // a mixture of experts: PEFT would put those on the fused experts).
+    STRATA_CHECK(mlp_tiling.in_splits == 1 && mlp_tiling.out_splits == 1, kBadArgument,
+                 "model_type {}: MLP tiling is not implemented for the experts yet", c.model_type);
     moe_ = std::make_unique<MoeMlp>(engine, child_name(moe_names(c).block), c, dtype, skip_unrouted_experts);
     add_child(*moe_);
   } else {
@@ -252,7 +254,10 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   STRATA_CHECK(!options_.cpu_checkpointing || options_.checkpoint_activations, kBadArgument,
                "model: cpu_checkpointing moves activation checkpoints to host memory and needs "
                "checkpoint_activations");
-  if (options_.lora.enabled()) options_.lora.validate();
+  if (options_.lora.enabled()) {
+    options_.lora.validate();
+    resolve_lora_targets(options_.lora, config_);  // all-linear, and what this model has, as PEFT sees them
+  }
   if (engine.tensor_group().size > 1) {
     tensor_parallel_share(config_, engine.tensor_group().size);  // refuses a model that does not split
     STRATA_CHECK(config_.final_logit_softcapping == 0, kBadArgument,
@@ -964,8 +969,11 @@ int64_t default_loss_chunk_rows(const DecoderConfig& config, int tensor_parallel
 int64_t lora_widest_input(const DecoderConfig& c, const LoraSpec& lora) {
   int64_t in = 0;
   for (const std::string& target : lora.targets) {
+    // (Multi-head latent attention's o_proj reads heads x v_head_dim <= heads x head_dim.)
     in = std::max(in, target == "o_proj"      ? c.num_attention_heads * c.head_dim
                       : target == "down_proj" ? c.intermediate_size
+                      : target == "q_b_proj"  ? c.q_lora_rank
+                      : target == "kv_b_proj" ? c.kv_lora_rank
                                               : c.hidden_size);
   }
   return in;

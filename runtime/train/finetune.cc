@@ -180,6 +180,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                model_config.max_position_embeddings);
   if (lora.enabled()) {
     lora.validate();
+    nn::resolve_lora_targets(lora, model_config);  // all-linear as PEFT expands it on this model; what it lacks refused
     STRATA_CHECK(options.freeze.empty(), kBadArgument,
                  "--freeze with --lora-rank: LoRA trains the adapters only, the whole base is frozen already");
   }

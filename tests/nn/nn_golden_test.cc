@@ -102,11 +102,16 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
 }
 
 // scripts/make-golden-lora: PEFT adapters (random A and B, so every term of
-// the adapter path moves the loss) on frozen bases.
-const char* const kLoraF32Cases[] = {"lora_llama_f32_all", "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn",
-                                     "lora_gemma3_f32_all"};
+// the adapter path moves the loss) on frozen bases; on the mixtures of
+// experts the attention's projections (multi-head latent attention's five on
+// DeepSeek-V3), the experts, shared experts and routers frozen, the
+// load-balancing term in the loss where the config asks for it.
+const char* const kLoraF32Cases[] = {"lora_llama_f32_all",       "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn",
+                                     "lora_gemma3_f32_all",      "lora_qwen3_moe_f32_attn",  "lora_deepseek_v3_f32_mla",
+                                     "lora_glm4_moe_f32_attn",   "lora_gpt_oss_f32_attn"};
 
-TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v, Gemma 3)",
+TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v, Gemma 3, and the "
+          "attention of Qwen3-MoE, DeepSeek-V3's latent attention, GLM-4.5 with rsLoRA, gpt-oss)",
           "[nn][golden][lora]") {
   for (const char* name : kLoraF32Cases) {
     check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
@@ -118,12 +123,13 @@ TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, q
   }
 }
 
-TEST_CASE("golden: LoRA on a bf16 base (fp32 adapters, as PEFT keeps them) matches PEFT",
+TEST_CASE("golden: LoRA on a bf16 base (fp32 adapters, as PEFT keeps them) matches PEFT, Llama and GLM-4.5",
           "[nn][golden][lora]") {
-  const char* name = "lora_llama_bf16_all";
-  check_lora_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
-  check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
-  check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+  for (const char* name : {"lora_llama_bf16_all", "lora_glm4_moe_bf16_attn"}) {
+    check_lora_golden(Backend::kCpu, name, "loss_f32", "grads_f32.safetensors", kGoldenF32);
+    check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+    check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
+  }
 }
 
 TEST_CASE("golden: LoRA with activation checkpointing recomputes the adapters' path exactly",
@@ -132,6 +138,8 @@ TEST_CASE("golden: LoRA with activation checkpointing recomputes the adapters' p
   run.lora = true;
   run.checkpoint_activations = true;
   check_golden_run(Backend::kCpu, "lora_llama_f32_all", "loss", "grads.safetensors", kGoldenF32, run);
+  // And through the recomputed routing and latent attention of a mixture of experts.
+  check_golden_run(Backend::kCpu, "lora_deepseek_v3_f32_mla", "loss", "grads.safetensors", kGoldenF32, run);
 }
 
 namespace {

@@ -293,6 +293,19 @@ double max_export_difference(const std::string& a_dir, const std::string& b_dir,
   return most;
 }
 
+// A tiny DeepSeek-V3 (dir/deepseek.json): 8 experts in 4 groups (2 kept), top
+// 2 (two ranks split the experts), a shared expert, a dense first layer,
+// q_lora, v_head_dim unlike the q/k head's.
+void deepseek_model(const strata::test::TempDir& dir) {
+  write_file(dir, "deepseek.json", R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
+    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
+}
+
 // Four layers (two per pipeline stage), tied embeddings: the first stage's
 // lookup table is the last stage's lm_head, their gradients summed.
 void tied4_model(const strata::test::TempDir& dir) {
@@ -316,15 +329,20 @@ TEST_CASE("killed with SIGKILL at random moments and resumed, a run ends bit for
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["step"].get<int>() == i + 1);
 }
 
-TEST_CASE("LoRA killed with SIGKILL at random moments and resumed: the adapter comes out bit for bit like an "
-          "uninterrupted run's",
-          "[finetune][checkpoint][lora]") {
+TEST_CASE("LoRA on a DeepSeek-V3's latent attention, its experts frozen and split over 2 ranks, killed with SIGKILL "
+          "at random moments and resumed: the adapter comes out bit for bit like an uninterrupted run's",
+          "[finetune][checkpoint][lora][moe]") {
   strata::test::TempDir dir;
-  small_model(dir);
+  deepseek_model(dir);
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
-  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear --lora-dropout 0.1";
-  constexpr int kSteps = 30;
-  expect_resumed_like_uninterrupted(dir, run, kSteps, "small.json", lora, "adapter_model.safetensors");
+  // Dropout too: its masks must be drawn again exactly after a resume.
+  const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-dropout 0.1 --lora-targets "
+                           "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj";
+  constexpr int kSteps = 24;
+  const std::string output =
+      expect_resumed_like_uninterrupted(dir, run, kSteps, "deepseek.json", lora, "adapter_model.safetensors");
+  CHECK_THAT(output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)") &&
+                         Catch::Contains("20 adapter tensors"));
 }
 
 TEST_CASE("a Mixtral killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
@@ -362,16 +380,8 @@ TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a sha
           "killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
           "[finetune][checkpoint][moe][deepseek]") {
   strata::test::TempDir dir;
-  // 8 experts in 4 groups (2 kept), top 2, two ranks splitting the experts:
-  // the routing, the frozen correction bias and each rank's experts must
-  // resume exactly.
-  write_file(dir, "deepseek.json", R"({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 24,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24,
-    "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "max_position_embeddings": 128,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": false})");
+  // The routing, the frozen correction bias and each rank's experts must resume exactly.
+  deepseek_model(dir);
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 20;
   const std::string output = expect_resumed_like_uninterrupted(dir, run, kSteps, "deepseek.json");

@@ -58,12 +58,12 @@ std::string base_model(const strata::test::TempDir& dir) {
   return out;
 }
 
-// 200 tokens of the fixture's vocabulary (61) as raw uint16.
-std::string tokens(const strata::test::TempDir& dir) {
+// 200 tokens of the fixture's vocabulary (61, or `vocab`) as raw uint16.
+std::string tokens(const strata::test::TempDir& dir, int vocab = 61) {
   const std::string path = dir.file("tokens.u16");
   std::ofstream out(path, std::ios::binary);
   for (int i = 0; i < 200; ++i) {
-    const auto t = static_cast<uint16_t>((i * 17 + i / 7) % 61);
+    const auto t = static_cast<uint16_t>((i * 17 + i / 7) % vocab);
     out.write(reinterpret_cast<const char*>(&t), sizeof t);
   }
   REQUIRE(out.good());
@@ -370,3 +370,114 @@ TEST_CASE("LoRA: --lora-init starts from a PEFT adapter and refuses what plain L
   }
 }
 
+
+TEST_CASE("LoRA targets on mixtures of experts are PEFT's: the attention's projections, while all-linear and the MLP "
+          "names, which PEFT applies to the fused experts, and projections a model lacks are refused by name",
+          "[lora][moe]") {
+  const auto config = [](const std::string& fixture) {
+    return nn::load_decoder_config(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + fixture + "/config.json");
+  };
+  const auto resolved = [&](const std::string& fixture, const std::string& targets) {
+    nn::LoraSpec spec{4, 8, false, nn::parse_lora_targets(targets)};
+    spec.validate();
+    nn::resolve_lora_targets(spec, config(fixture));
+    return spec.targets;
+  };
+  using Names = std::vector<std::string>;
+  CHECK(resolved("lora_llama_f32_all", "all-linear") ==
+        Names{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"});
+  // gpt-oss: its experts are fused parameters and its router no nn.Linear, so
+  // PEFT's all-linear is the attention.
+  CHECK(resolved("gpt_oss_untied_f32", "all-linear") == Names{"q_proj", "k_proj", "v_proj", "o_proj"});
+  CHECK(resolved("deepseek_v3_qlora_f32", "kv_b_proj,q_a_proj") == Names{"kv_b_proj", "q_a_proj"});
+  CHECK(resolved("deepseek_v3_qproj_f32", "q_proj,o_proj") == Names{"q_proj", "o_proj"});
+  CHECK(resolved("glm4_moe_f32", "q_proj,v_proj") == Names{"q_proj", "v_proj"});
+  struct Case {
+    std::string fixture, targets, expect;
+  };
+  const std::vector<Case> refused = {
+      {"qwen3_moe_untied_f32", "all-linear",
+       "--lora-targets all-linear on model_type qwen3_moe: PEFT (on transformers 5, which fuses the experts) makes "
+       "all-linear reach the routed experts"},
+      {"deepseek_v3_qlora_f32", "all-linear", "name the projections instead (q_a_proj,q_b_proj,kv_a_proj_with_mqa,"},
+      {"deepseek_v3_qlora_f32", "q_a_proj,gate_proj",
+       "--lora-targets gate_proj on model_type deepseek_v3: PEFT (on transformers 5, which fuses the experts) applies "
+       "gate_proj, up_proj and down_proj to the routed experts' fused gate_up_proj and down_proj (target_parameters), "
+       "never to the dense layers' MLPs or the shared experts"},
+      {"glm4_moe_f32", "down_proj", "--lora-targets down_proj on model_type glm4_moe: PEFT"},
+      {"mixtral_untied_f32", "all-linear", "--lora-targets all-linear on model_type mixtral: PEFT"},
+      {"mixtral_untied_f32", "up_proj", "--lora-targets up_proj on model_type mixtral: every MLP of the model is the "
+                                        "routed experts'"},
+      {"qwen2_moe_untied_f32", "gate_proj", "never to the dense layers' MLPs or the shared experts"},
+      {"gpt_oss_untied_f32", "down_proj", "every MLP of the model is the routed experts'"},
+      {"qwen3_moe_untied_f32", "q_a_proj",
+       "'q_a_proj' is not a projection of model_type qwen3_moe (its projections: q_proj,k_proj,v_proj,o_proj)"},
+      {"deepseek_v3_qlora_f32", "q_proj", "'q_proj' is not a projection of model_type deepseek_v3"},
+      {"deepseek_v3_qproj_f32", "q_b_proj", "'q_b_proj' is not a projection of model_type deepseek_v3"},
+      {"lora_llama_f32_all", "kv_b_proj", "'kv_b_proj' is not a projection of model_type llama"},
+  };
+  for (const Case& c : refused) {
+    INFO(c.fixture << ": --lora-targets " << c.targets);
+    CHECK_THROWS_WITH(resolved(c.fixture, c.targets), Catch::Contains(c.expect));
+  }
+}
+
+TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism and ZeRO-3 on NVMe trains "
+          "DeepSeek-V3's latent-attention adapters with the experts, shared experts and routers frozen, and the adapter "
+          "export and the merged export compute the same loss",
+          "[finetune][lora][moe]") {
+  strata::test::TempDir dir("lora-moe");
+  const std::string base = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/deepseek_v3_qlora_f32";
+  const nn::DecoderConfig c = nn::load_decoder_config(base + "/config.json");
+  const std::string data = tokens(dir, static_cast<int>(c.vocab_size)), swap = dir.file("swap");
+  const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap);
+  const std::string targets = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj";
+  const std::string common = strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                             " --model " + base + " --data " + data + " --data-format u16 --seq 8 --steps 3 " +
+                             "--lora-rank 4 --lora-alpha 8 --lora-targets " + targets + " --export-dtype fp32";
+  const auto adapter_run = run_command(common + " --out " + dir.file("a") + " --export " + dir.file("adapter") + " 2>&1");
+  INFO(adapter_run.output);
+  REQUIRE(adapter_run.exit_code == 0);
+  CHECK_THAT(adapter_run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme") &&
+                                     Catch::Contains("expert parallelism: 2 ranks split the 8 experts") &&
+                                     Catch::Contains("LoRA r=4 alpha=8 (scale 2) on " + targets) &&
+                                     Catch::Contains("20 adapter tensors"));
+  const auto merged_run =
+      run_command(common + " --out " + dir.file("m") + " --merge-lora --export " + dir.file("merged") + " 2>&1");
+  INFO(merged_run.output);
+  REQUIRE(merged_run.exit_code == 0);
+
+  const json adapter = read_json(dir.file("adapter") + "/adapter_config.json");
+  CHECK(adapter["target_modules"].get<std::set<std::string>>() ==
+        std::set<std::string>{"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"});
+  const nn::SafetensorsFile weights = nn::SafetensorsFile::open(dir.file("adapter") + "/adapter_model.safetensors");
+  CHECK(weights.names().size() == static_cast<size_t>(c.num_hidden_layers) * 5 * 2);
+  CHECK(weights.entry("base_model.model.model.layers.1.self_attn.kv_b_proj.lora_A.weight").shape ==
+        strata::Shape{4, c.kv_lora_rank});
+
+  // The merge moved exactly the targeted weights; the experts, the shared
+  // experts, the routers, their correction biases and the rest are the base's, bit for bit.
+  const nn::SafetensorsFile before = nn::SafetensorsFile::open(base + "/model.safetensors");
+  const nn::SafetensorsFile after = nn::SafetensorsFile::open(dir.file("merged") + "/model.safetensors");
+  REQUIRE(after.names().size() == before.names().size());
+  const nn::LoraSpec spec{4, 8, false, {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}};
+  int changed = 0;
+  for (const std::string& name : before.names()) {
+    INFO(name);
+    const strata::TensorView x = before.view(name), y = after.view(name);
+    REQUIRE(x.nbytes() == y.nbytes());
+    const bool same = std::memcmp(x.data, y.data, x.nbytes()) == 0;
+    const bool targeted = name.ends_with(".weight") && spec.targets_module(name.substr(0, name.size() - 7));
+    CHECK(same == !targeted);
+    changed += !same;
+  }
+  CHECK(changed == c.num_hidden_layers * 5);
+
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 17; ++i) ids.push_back(static_cast<int32_t>((i * 29 + 5) % c.vocab_size));
+  const double adapted = loss_of(base, dir.file("adapter"), ids), merged = loss_of(dir.file("merged"), "", ids);
+  const double plain = loss_of(base, "", ids);
+  INFO("base " << plain << ", base + adapter " << adapted << ", merged " << merged);
+  CHECK(std::abs(adapted - merged) <= 1e-5 * adapted);
+  CHECK(std::abs(adapted - plain) > 1e-3 * plain);
+}
