@@ -375,7 +375,7 @@ TEST_CASE("LoRA targets on mixtures of experts are PEFT's: the attention's proje
           "names, which PEFT applies to the fused experts, and projections a model lacks are refused by name",
           "[lora][moe]") {
   const auto config = [](const std::string& fixture) {
-    return nn::load_decoder_config(std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/" + fixture + "/config.json");
+    return nn::load_decoder_config(strata::test::source_dir() + "/tests/data/golden/" + fixture + "/config.json");
   };
   const auto resolved = [&](const std::string& fixture, const std::string& targets) {
     nn::LoraSpec spec{4, 8, false, nn::parse_lora_targets(targets)};
@@ -427,7 +427,7 @@ TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism
           "export and the merged export compute the same loss",
           "[finetune][lora][moe]") {
   strata::test::TempDir dir("lora-moe");
-  const std::string base = std::string(STRATA_SOURCE_DIR) + "/tests/data/golden/deepseek_v3_qlora_f32";
+  const std::string base = strata::test::source_dir() + "/tests/data/golden/deepseek_v3_qlora_f32";
   const nn::DecoderConfig c = nn::load_decoder_config(base + "/config.json");
   const std::string data = tokens(dir, static_cast<int>(c.vocab_size)), swap = dir.file("swap");
   const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", swap);
