@@ -182,6 +182,10 @@ strata_status strata_engine_create(const char* config_json, strata_engine** out)
                  "{}: moe.expert_parallel_size {} is for strata finetune's mixture-of-experts models; the C API "
                  "declares no experts (leave it out or set 1)",
                  source, config.expert_parallel_size);
+    STRATA_CHECK(config.router_bias_update_rate == 0, kBadArgument,
+                 "{}: moe.router_bias_update_rate {} is for strata finetune's DeepSeek-style models; the C API "
+                 "declares no router (leave it out or set 0)",
+                 source, config.router_bias_update_rate);
     // Nor split across tensor-parallel ranks: the caller's model computes whole layers.
     STRATA_CHECK(config.tensor_parallel_size <= 1, kBadArgument,
                  "{}: tensor_parallel.autotp_size {} is for strata finetune's models; the C API's parameters are "

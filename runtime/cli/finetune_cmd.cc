@@ -105,6 +105,13 @@ void add_finetune_command(CLI::App& app) {
                   "layer: each layer's parameters fetched once forward and once backward per step; the same "
                   "parameters bit for bit) or auto (layer-major when the parameters are offloaded and "
                   "gradient_accumulation_steps > 1)");
+  cmd->add_option("--moe-router-bias-update-rate", options->router_bias_update_rate,
+                  "DeepSeek-V3's auxiliary-loss-free load balancing (moe.router_bias_update_rate; deepseek_v3, "
+                  "kimi_k2, glm4_moe): after each step every MoE layer's e_score_correction_bias moves by this rate "
+                  "towards balance, b_i += rate x sign(mean load - load_i), from the step's token counts over all "
+                  "micro-batches and ranks; the bias is then checkpointed and exported as updated. 0: off "
+                  "(transformers' behaviour, the default)")
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--cp", options->context_parallel,
                   "Context parallelism: this many ranks split every sequence, each holding 2 of its 2 x N chunks of "
                   "every layer (context_parallel.size; the world is dp x cp; --seq must divide by 2 x N); the "

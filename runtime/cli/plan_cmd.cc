@@ -225,16 +225,13 @@ void resolve_model(const Options& o, Resolved& r) {
       m.experts = config.num_experts;
       m.experts_per_token = config.num_experts_per_tok;
       m.shared_expert_intermediate = config.shared_expert_intermediate_size;
-      // Every routed expert but the token's k: three [width, hidden] matrices
-      // each, per sparse layer (DeepSeek's first first_k_dense_replace layers
-      // are dense). A shared expert (qwen2_moe, DeepSeek) and its gate are
-      // active for every token: in param_count and never idle.
-      int64_t sparse_layers = 0;
-      for (int64_t l = 0; l < config.num_hidden_layers; ++l) sparse_layers += config.layer_moe(l) ? 1 : 0;
-      const int64_t idle = sparse_layers * (config.num_experts - config.num_experts_per_tok) * 3 *
-                           config.hidden_size * config.moe_intermediate_size;
-      m.active_param_count = m.param_count - idle;
+      // Every routed expert but the token's k is idle (its matrices and,
+      // gpt-oss's, biases; DeepSeek's first first_k_dense_replace layers are
+      // dense). A shared expert (qwen2_moe, DeepSeek) and its gate are active
+      // for every token: in param_count and never idle.
+      m.active_param_count = config.active_parameter_count();
     }
+    m.input_embedding_count = config.input_embedding_count();
     r.model_source = path.string();
     return;
   }
@@ -498,6 +495,7 @@ void resolve_tensor_parallel(const Options& o, const std::optional<Config>& conf
   }
   r.inputs.model.param_count = per_rank;
   r.inputs.model.active_param_count = 0;  // dense: every parameter active
+  r.inputs.model.input_embedding_count = 0;  // per rank: the whole model's is in the text
   t.tensor_parallel = tp;
   t.sequence_parallel = sp;
 }
@@ -568,6 +566,7 @@ void resolve_pipeline_parallel(const Options& o, const std::optional<Config>& co
   if (r.whole_param_count == 0) r.whole_param_count = r.inputs.model.param_count;
   r.inputs.model.param_count = *std::max_element(r.stage_params.begin(), r.stage_params.end());
   r.inputs.model.active_param_count = 0;
+  r.inputs.model.input_embedding_count = 0;  // per stage: the whole model's is in the text
 }
 
 // Per stage: its activation memory (strata's arena per micro-batch for its
@@ -1020,10 +1019,23 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
                        m.intermediate > 0 ? std::to_string(m.intermediate) : "4*hidden",
                        m.vocab > 0 ? std::to_string(m.vocab) : "?");
   }
+  if (r.config) {
+    // The whole model's, with and without the input embedding (a lookup):
+    // published active counts differ on it (gpt-oss-120b's 5.1B leaves it out).
+    const int64_t active = r.config->active_parameter_count(), lookup = r.config->input_embedding_count();
+    out += lookup > 0
+               ? fmt::format("          active per token: {} parameters with the input embedding, {} without it "
+                             "(its {} x {} table is a lookup; published active counts leave it out)\n",
+                             count_text(active), count_text(active - lookup), r.config->vocab_size,
+                             r.config->hidden_size)
+               : fmt::format("          active per token: {} parameters, the embedding included (tied to lm_head, "
+                             "it is the output projection too)\n",
+                             count_text(active));
+  }
   if (m.experts > 0) {
-    out += fmt::format("          mixture of experts: {} experts of width {} per layer, {} per token: {} parameters "
-                       "active per token (compute counts these; memory and transfers every expert)\n",
-                       m.experts, m.intermediate, m.experts_per_token, count_text(m.active_param_count));
+    out += fmt::format("          mixture of experts: {} experts of width {} per layer, {} per token (compute counts "
+                       "the active parameters; memory and transfers every expert)\n",
+                       m.experts, m.intermediate, m.experts_per_token);
     if (m.shared_expert_intermediate > 0) {
       out += fmt::format("          plus a shared expert of width {} per layer that every token uses (active)\n",
                          m.shared_expert_intermediate);

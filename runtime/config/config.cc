@@ -324,6 +324,7 @@ Config build(const json& e) {
   c.train_batch_size = e["train_batch_size"].get<int64_t>();
   c.gradient_clipping = e["gradient_clipping"].get<double>();
   c.expert_parallel_size = e["moe"]["expert_parallel_size"].is_null() ? 0 : as_int(e["moe"]["expert_parallel_size"]);
+  c.router_bias_update_rate = e["moe"]["router_bias_update_rate"].get<double>();
   c.tensor_parallel_size = as_int(e["tensor_parallel"]["autotp_size"]);
   c.sequence_parallel = e["sequence_parallel"].get<bool>();
   c.context_parallel_size = as_int(e["context_parallel"]["size"]);

@@ -122,6 +122,9 @@ struct Config {
   // moe.expert_parallel_size; 0: not given — chosen with the model and the
   // world (train::choose_expert_parallel_size).
   int expert_parallel_size = 0;
+  // moe.router_bias_update_rate: DeepSeek-V3's auxiliary-loss-free balancing
+  // rate (nn::DecoderModel::update_correction_biases); 0: off.
+  double router_bias_update_rate = 0;
   // tensor_parallel.autotp_size (1: none); sequence_parallel (Megatron's,
   // over the tensor-parallel ranks: the runner refuses it without them).
   int tensor_parallel_size = 1;

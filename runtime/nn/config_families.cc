@@ -808,7 +808,9 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
              glm = mt == "glm4_moe", gemma = mt == "gemma2" || mt == "gemma3_text", oss = mt == "gpt_oss";
   r.require("hidden_act", json("silu"), "strata computes SwiGLU with silu (\"silu\")");
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
-  c.vocab_size = r.integer("vocab_size", std::nullopt);
+  // Sizes are required, but Gemma 3's published multimodal configs give their
+  // text_config without vocab_size: Gemma3TextConfig's default, 262208, is what transformers builds.
+  c.vocab_size = r.integer("vocab_size", mt == "gemma3_text" ? std::optional<int64_t>(262208) : std::nullopt);
   c.hidden_size = r.integer("hidden_size", std::nullopt);
   c.intermediate_size = r.integer("intermediate_size", std::nullopt);
   c.num_hidden_layers = r.integer("num_hidden_layers", std::nullopt);

@@ -389,6 +389,22 @@ int64_t DecoderConfig::parameter_count() const {
   return n;
 }
 
+int64_t DecoderConfig::active_parameter_count() const {
+  if (!moe()) return parameter_count();
+  // The routed experts' tensors (one expert's each, or gpt-oss's E stacked in
+  // dimension 0): E equal shares, of which a token uses num_experts_per_tok.
+  int64_t experts_numel = 0;
+  for (const HfTensor& t : hf_tensors(*this)) {
+    if (t.name.find(".experts.") != std::string::npos) experts_numel += shape_numel(t.shape);
+  }
+  const int64_t idle = experts_numel / num_experts * (num_experts - num_experts_per_tok);
+  return parameter_count() - idle;
+}
+
+int64_t DecoderConfig::input_embedding_count() const {
+  return tie_word_embeddings ? 0 : vocab_size * hidden_size;
+}
+
 namespace {
 
 const char* architecture_of(const std::string& model_type) {

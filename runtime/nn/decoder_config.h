@@ -227,6 +227,17 @@ struct DecoderConfig {
   // Parameters of the whole model (embedding, layers with their biases and
   // norms, final norm, lm_head unless tied): the sum over hf_tensors().
   int64_t parameter_count() const;
+  // What one token computes with: parameter_count() less the routed experts
+  // a token does not use (per MoE layer num_experts - num_experts_per_tok of
+  // them: their matrices and, gpt-oss's, their biases); the input
+  // embedding's table is included (input_embedding_count() says how much of
+  // it is that lookup). parameter_count() for a dense model.
+  int64_t active_parameter_count() const;
+  // The input embedding's vocab_size x hidden_size table when it is not tied
+  // to lm_head (a lookup, no arithmetic: published active counts such as
+  // gpt-oss's 5.1B leave it out); 0 when tied (then it is the output
+  // projection too, which computes).
+  int64_t input_embedding_count() const;
   // Checks consistency (divisibility, positivity, sizes); throws kBadArgument naming the key.
   void validate() const;
   // config.json as transformers reads it for this model_type: the source's

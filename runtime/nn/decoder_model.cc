@@ -1029,6 +1029,24 @@ double DecoderModel::router_load_imbalance() const {
   return worst;
 }
 
+std::vector<std::vector<double>> DecoderModel::router_loads() const {
+  std::vector<std::vector<double>> loads;
+  for (const auto& layer : layers_) {
+    if (const MoeMlp* moe = layer->moe()) loads.push_back(moe->load());
+  }
+  return loads;
+}
+
+void DecoderModel::update_correction_biases(float rate) {
+  STRATA_CHECK(config_.sigmoid_router, kBadArgument,
+               "moe.router_bias_update_rate: model_type {} has no e_score_correction_bias to update (DeepSeek's "
+               "auxiliary-loss-free balancing needs the sigmoid router of deepseek_v3, kimi_k2 or glm4_moe)",
+               config_.model_type);
+  for (auto& layer : layers_) {
+    if (MoeMlp* moe = layer->moe()) moe->update_correction_bias(rate);
+  }
+}
+
 void DecoderModel::reset_router_load() {
   for (auto& layer : layers_) {
     if (MoeMlp* moe = layer->moe()) moe->reset_load();

@@ -293,7 +293,16 @@ class DecoderModel : public Module {
   // the worst layer's. 1 is a perfect balance, E / k every token on the same
   // k experts. 0 for a dense model, or with no forward since the reset.
   double router_load_imbalance() const;
+  // Each MoE layer's MoeMlp::load() (tokens per expert over the forwards since
+  // reset_router_load()), in layer order; dense layers left out.
+  std::vector<std::vector<double>> router_loads() const;
   void reset_router_load();
+  // DeepSeek-V3's auxiliary-loss-free balancing (moe.router_bias_update_rate):
+  // every MoE layer's e_score_correction_bias takes MoeMlp::update_correction_bias
+  // from the tokens routed since reset_router_load(). Call after the optimizer
+  // step (collective as for_each_owned_range is). kBadArgument when no layer
+  // of this model has a correction bias.
+  void update_correction_biases(float rate);
   // Bytes of the activation arenas in accelerator memory, every slot's (0 before the first forward).
   size_t arena_nbytes() const;
   // Context parallelism: the bytes of the ring's or Ulysses' buffers, outside

@@ -343,6 +343,40 @@ void MoeMlp::backward(const TensorView& dy, const TensorView& x, const MoeActs& 
   }
 }
 
+std::vector<float> correction_bias_steps(const std::vector<double>& load, float rate) {
+  // sign(mean - load_i) = sign(total - E load_i): whole token counts, compared exactly.
+  double total = 0;
+  for (double n : load) total += n;
+  const auto experts = static_cast<double>(load.size());
+  std::vector<float> steps(load.size(), 0.0f);
+  for (size_t e = 0; e < load.size(); ++e) {
+    const double offset = total - experts * load[e];
+    steps[e] = offset > 0 ? rate : offset < 0 ? -rate : 0.0f;
+  }
+  return steps;
+}
+
+void MoeMlp::update_correction_bias(float rate) {
+  STRATA_CHECK(correction_bias_ >= 0, kBadArgument,
+               "{}: the router has no e_score_correction_bias to update (only DeepSeek's sigmoid router does)", name_);
+  if (load_.empty()) return;  // no forward since reset_load(): nothing to balance
+  const std::vector<float> steps = correction_bias_steps(load_, rate);
+  // The current values first (a resident engine's write range starts empty), then the sum, in fp32.
+  std::vector<float> bias(steps.size(), 0.0f);
+  engine_.for_each_owned_range(correction_bias_, engine::Engine::Access::kRead,
+                               [&](int64_t first, const TensorView& host) {
+                                 std::copy_n(host.as<float>(), host.numel(), bias.begin() + first);
+                               });
+  engine_.for_each_owned_range(correction_bias_, engine::Engine::Access::kWrite,
+                               [&](int64_t first, const TensorView& host) {
+                                 float* out = host.as<float>();
+                                 for (int64_t i = 0; i < host.numel(); ++i) {
+                                   const auto e = static_cast<size_t>(first + i);
+                                   out[i] = steps[e] == 0.0f ? bias[e] : bias[e] + steps[e];
+                                 }
+                               });
+}
+
 void MoeMlp::experts_backward(const TensorView& dout, const TensorView& in, const MoeActs& a, const MoeGrads& g,
                               const TensorView& din, const int32_t* offsets) {
   const size_t first = first_expert(), held = held_experts();

@@ -161,6 +161,13 @@ struct MoeAux {
   TensorView stats, aux_grad;
 };
 
+// DeepSeek-V3's auxiliary-loss-free balancing: the step each expert's
+// correction bias takes after an optimizer step, rate * sign(mean(load) -
+// load[e]) -- +rate for an expert under the mean, -rate over it, 0 at it
+// (sign(0) = 0) --, `load` the tokens routed to each expert (whole counts,
+// compared exactly: sign(sum - E load[e])).
+std::vector<float> correction_bias_steps(const std::vector<double>& load, float rate);
+
 class MoeMlp : public Module {
  public:
   // skip_unrouted: false runs every expert's windows (DecoderModelOptions::skip_unrouted_experts).
@@ -181,6 +188,15 @@ class MoeMlp : public Module {
   // on), summed over the forwards since reset_load(); empty before any.
   const std::vector<double>& load() const { return load_; }
   void reset_load() { load_.clear(); }
+  // Whether the router has DeepSeek's e_score_correction_bias (the sigmoid router).
+  bool has_correction_bias() const { return correction_bias_ >= 0; }
+  // DeepSeek-V3's auxiliary-loss-free balancing, called after an optimizer
+  // step: b_i += rate * sign(mean load - load_i) in fp32 for every expert i,
+  // load() the tokens routed to it since reset_load() (every rank's: every
+  // rank writes the same values; nothing routed since: unchanged). Writes the
+  // bias through Engine::for_each_owned_range (kBadArgument without a
+  // correction bias); not inside a hook window or between prepare_step and step.
+  void update_correction_bias(float rate);
 
  private:
   struct Expert {

@@ -66,6 +66,10 @@ struct ModelShape {
   // every token goes through (its parameters are active); 0: none.
   int64_t shared_expert_intermediate = 0;
   int64_t active_param_count = 0;  // 0: param_count
+  // Of the active parameters, the input embedding's table when it is not
+  // tied to lm_head (a lookup: published active counts such as gpt-oss's
+  // 5.1B leave it out); 0 when tied or unknown.
+  int64_t input_embedding_count = 0;
   bool shape_known() const { return layers > 0 && hidden > 0; }
   double active_params() const {
     return static_cast<double>(active_param_count > 0 ? active_param_count : param_count);

@@ -86,7 +86,9 @@ json to_json(const Plan& plan) {
                   {"experts", in.model.experts},
                   {"experts_per_token", in.model.experts_per_token},
                   {"shared_expert_intermediate", in.model.shared_expert_intermediate},
-                  {"active_param_count", static_cast<int64_t>(in.model.active_params())}};
+                  {"active_param_count", static_cast<int64_t>(in.model.active_params())},
+                  {"active_param_count_without_input_embedding",
+                   static_cast<int64_t>(in.model.active_params()) - in.model.input_embedding_count}};
   const TrainingShape& t = in.training;
   out["training"] = {{"seq", t.seq},
                      {"micro_batch", t.micro_batch},

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <fstream>
 #include <memory>
@@ -186,6 +187,22 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   }
   STRATA_CHECK(!options.merge_lora || (lora.enabled() && !options.export_dir.empty()), kBadArgument,
                "--merge-lora needs --lora-rank (adapters to merge) and --export DIR (where the merged model goes)");
+  // DeepSeek-V3's auxiliary-loss-free balancing: the correction biases move after each step.
+  const bool bias_rate_flag = options.router_bias_update_rate >= 0;
+  const double bias_rate = bias_rate_flag ? options.router_bias_update_rate : config.router_bias_update_rate;
+  const char* bias_rate_name = bias_rate_flag ? "--moe-router-bias-update-rate" : "moe.router_bias_update_rate";
+  STRATA_CHECK(bias_rate <= 1 && std::isfinite(bias_rate), kBadArgument, "{} {}: must be in [0, 1]", bias_rate_name,
+               bias_rate);
+  if (bias_rate > 0) {
+    STRATA_CHECK(model_config.sigmoid_router, kBadArgument,
+                 "{} {}: model_type {} has no e_score_correction_bias (DeepSeek's auxiliary-loss-free balancing is "
+                 "for deepseek_v3, kimi_k2 and glm4_moe); leave it out or set 0",
+                 bias_rate_name, bias_rate, model_config.model_type);
+    STRATA_CHECK(!lora.enabled(), kBadArgument,
+                 "{} {} with --lora-rank: not implemented yet (a LoRA checkpoint leaves the frozen base out, the "
+                 "updated correction biases with it)",
+                 bias_rate_name, bias_rate);
+  }
   const uint64_t seed = options.seed.value_or(config.strata.seed);
   const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   ExportOptions export_options;
@@ -753,6 +770,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     trace::Span optimizer_span("phase", "optimizer step");
     const engine::StepResult stepped = engine.step(static_cast<float>(lr));
     optimizer_span.end();
+    if (bias_rate > 0 && stepped.applied) {
+      // From this step's routing (reset at its start): every rank's counts, so every rank writes the same.
+      trace::Span span("phase", "correction bias update");
+      for (const auto& stage : stages) stage->update_correction_biases(static_cast<float>(bias_rate));
+    }
     StepRecord r;
     r.step = step;
     r.loss = loss;

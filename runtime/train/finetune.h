@@ -60,6 +60,9 @@ struct FinetuneOptions {
   // --micro-batch-order: step-major | layer-major | auto (runtime/train/
   // micro_batch_order.h); empty: the config's strata.micro_batch_order.
   std::string micro_batch_order;
+  // --moe-router-bias-update-rate: DeepSeek-V3's auxiliary-loss-free
+  // balancing rate (moe.router_bias_update_rate); negative: the config's.
+  double router_bias_update_rate = -1;
   // --cp, --cp-method: context parallelism (0 / empty: the config's
   // context_parallel keys; given both, they must agree).
   int context_parallel = 0;

@@ -8,6 +8,9 @@
 // (the recompute exchanges again), and with the routed-fetch skipping.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -145,6 +148,63 @@ TEST_CASE("expert parallelism with qwen2_moe's shared expert equals one resident
     CHECK(r.expert_group_size == 2);
     CHECK(r.held_expert_params == 2 * 3 * 16 / 2);
     CHECK(plan::decoder_arena_nbytes(c, DType::kF32, kSequences / 2, kSeq, checkpoint, false, {}, 2) == r.arena_nbytes);
+  }
+}
+
+TEST_CASE("DeepSeek's auxiliary-loss-free balancing: 2 ranks (ep 2 or dp 2) update the correction biases bit for bit "
+          "like one resident rank on the combined batch",
+          "[engine][zero][moe][ep][deepseek]") {
+  // The sigmoid router (glm4_moe's: DeepSeek's router behind grouped-query
+  // attention) in mixtral()'s shape. The counts are whole numbers every rank
+  // agrees on, so the biases are the same bits whenever the routing is; the
+  // rate is large against the init's scores, so the moved biases change the
+  // routing of the next steps.
+  ops::set_cpu_threads(1);
+  nn::DecoderConfig c = mixtral();
+  c.model_type = "glm4_moe";
+  c.sigmoid_router = true;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.routed_scaling_factor = 2.5;
+  c.rope.rotary_dim = c.head_dim;  // glm4_moe's partial rotary, here the whole head
+  constexpr float kRate = 1e-2f;
+  ResidentSpec resident;
+  resident.config = c;
+  resident.adam = options_for(3).adam;
+  resident.adam.eps = 1.0f;
+  resident.router_bias_update_rate = kRate;
+  const TrainResult ref = train_resident(resident);
+  std::vector<size_t> biases;
+  for (size_t p = 0; p < ref.names.size(); ++p) {
+    if (ref.names[p].ends_with(".e_score_correction_bias")) biases.push_back(p);
+  }
+  REQUIRE(biases.size() == 2);
+  for (size_t p : biases) {
+    // Moved, by whole steps of the rate (3 steps: each entry within 3 rates of 0).
+    CAPTURE(ref.names[p]);
+    CHECK(std::any_of(ref.params[p].begin(), ref.params[p].end(), [](float b) { return b != 0.0f; }));
+    for (float b : ref.params[p]) CHECK(std::fabs(b) <= 3 * kRate * 1.0001f);
+  }
+  // ZeRO-3 (the bias's gathered copies released when written) and stage 1
+  // (the full copies gathered again), with and without expert parallelism.
+  for (const std::pair<int, int>& shape : {std::pair{2, 3}, std::pair{1, 3}, std::pair{2, 1}}) {
+    const int ep = shape.first, stage = shape.second;
+    INFO("ep " << ep << " (dp 2), stage " << stage);
+    TrainSpec spec;
+    spec.config = c;
+    spec.world = 2;
+    spec.options = options_for(stage);
+    spec.options.adam.eps = 1.0f;
+    spec.options.expert_parallel_size = ep;
+    spec.router_bias_update_rate = kRate;
+    const TrainResult r = train_zero(spec);
+    for (size_t p : biases) {
+      CAPTURE(ref.names[p]);
+      CHECK(std::memcmp(r.params[p].data(), ref.params[p].data(), ref.params[p].size() * sizeof(float)) == 0);
+    }
+    const Diff d = compare(r, ref);
+    INFO("max |2 ranks - 1 resident rank| = " << d.max_abs);
+    CHECK(d.max_abs <= 2e-6);
   }
 }
 

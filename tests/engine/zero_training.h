@@ -183,6 +183,9 @@ struct TrainSpec {
   int save_after_step = -1;
   std::filesystem::path load_dir;
   int first_step = 0;
+  // > 0: DeepSeek's auxiliary-loss-free balancing after each step
+  // (DecoderModel::update_correction_biases, as strata finetune runs it).
+  float router_bias_update_rate = 0;
 };
 
 struct TrainResult {
@@ -294,6 +297,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             }
             const double global_count = eng.global_sum(local_count);
             const float lr = spec.lr ? spec.lr(step) : options.adam.lr;
+            model.reset_router_load();
             const auto micro_steps = [&](double& loss_sum) {
               for (int m = 0; m < spec.micro_steps; ++m) {
                 const int prepare_at = spec.prepare_micro >= 0 ? spec.prepare_micro : spec.micro_steps - 1;
@@ -323,6 +327,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
             const engine::StepResult r = eng.step(lr);
             STRATA_CHECK(clip_norm < 0 || clip_norm == r.grad_norm, kInternal,
                          "clip_grad_norm gave {}, the step's norm is {}", clip_norm, r.grad_norm);
+            if (spec.router_bias_update_rate > 0 && r.applied) model.update_correction_biases(spec.router_bias_update_rate);
             steps.push_back(r);
             norms.push_back(r.grad_norm);
             applied.push_back(r.applied);
@@ -428,6 +433,7 @@ struct ResidentSpec {
   // Parameters not trained (by name): left out of the optimizer's layout, as
   // the ZeroEngine leaves its frozen groups out of the optimizer.
   std::function<bool(const std::string& name)> frozen;
+  float router_bias_update_rate = 0;  // as TrainSpec's
 };
 
 inline TrainResult train_resident(const ResidentSpec& spec) {
@@ -437,6 +443,7 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
   nn::DecoderModel model(eng, config, spec.model);
   std::vector<ParamId> trained;  // the optimizer's parameters, in declaration order
   for (ParamId id = 0; id < eng.parameter_count(); ++id) {
+    if (eng.param_info(id).frozen) continue;  // frozen by the model (a buffer: the correction bias)
     if (spec.frozen && spec.frozen(eng.param_info(id).name)) {
       eng.freeze(id);
     } else {
@@ -472,6 +479,7 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
   for (int step = 0; step < spec.steps; ++step) {
     const Batch batch = batch_for(spec.batches, step, config.vocab_size);
     eng.zero_grad();
+    model.reset_router_load();
     nn::ForwardOptions forward;
     forward.positions = batch.positions;
     model.forward(batch.ids, batch.targets, sequences_of(batch), kSeq, forward);
@@ -500,6 +508,7 @@ inline TrainResult train_resident(const ResidentSpec& spec) {
     for (size_t i = 0; i < trained.size(); ++i) {
       layout.gather_param(i, {master.data()}, eng.param_storage(trained[i]).data);
     }
+    if (spec.router_bias_update_rate > 0) model.update_correction_biases(spec.router_bias_update_rate);
   }
   for (ParamId id = 0; id < eng.parameter_count(); ++id) result.names.push_back(eng.param_info(id).name);
   snapshot(result.params);

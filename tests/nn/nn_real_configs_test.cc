@@ -221,6 +221,13 @@ TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count,
   CHECK(c.pad_token_id == 199999);
   // transformers' count (GptOssForCausalLM on the meta device, transformers 5.24): 116.8B.
   CHECK(c.parameter_count() == 116829156672);
+  // Active per token: 4 of the 128 experts (their matrices and biases), and
+  // the rest; OpenAI's published 5.1B (5.13B) is that without the input
+  // embedding's 201088 x 2880 lookup table (scripts/count-hf-params:
+  // "active": 5711982912, "active_without_input_embedding": 5132849472).
+  CHECK(c.active_parameter_count() == 5711982912);
+  CHECK(c.input_embedding_count() == 201088 * 2880);
+  CHECK(c.active_parameter_count() - c.input_embedding_count() == 5132849472);
   // The export keeps every key and reads back as the same model.
   const json out = c.to_hf_json(DType::kBF16);
   for (const auto& [key, value] : plain.items()) {
@@ -229,4 +236,36 @@ TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count,
   }
   CHECK(out.at("architectures") == json::array({"GptOssForCausalLM"}));
   CHECK(parse_decoder_config(out).parameter_count() == 116829156672);
+}
+
+TEST_CASE("real configs: Gemma 3 27B's published checkpoint config is refused by name, its text model parses with "
+          "transformers' parameter count",
+          "[nn][config][families][gemma]") {
+  // google/gemma-3-27b-it (tests/data/configs/SOURCES.md) is a multimodal
+  // checkpoint (Gemma3ForConditionalGeneration, a SigLIP vision tower):
+  // refused naming model_type gemma3 and what to give instead.
+  const json published = read_config("gemma-3-27b-it");
+  expect_refused(published, {"gemma3", "vision tower", "text_config", "gemma3_text"});
+  // Its text model: the text_config as a gemma3_text config.json (transformers'
+  // Gemma3TextConfig defaults fill the rest: vocab 262208, tied embeddings,
+  // sliding_window_pattern 6, rope_local_base_freq 10000, linear scaling 8 on
+  // the global layers).
+  const DecoderConfig c = parse_decoder_config(published.at("text_config"));
+  CHECK(c.model_type == "gemma3_text");
+  CHECK(c.num_hidden_layers == 62);
+  CHECK(c.hidden_size == 5376);
+  CHECK(c.head_dim == 128);
+  CHECK(c.vocab_size == 262208);
+  CHECK(c.tie_word_embeddings);
+  CHECK(c.query_pre_attn_scalar == 168);
+  CHECK(c.sliding_window == 1024);
+  CHECK(c.attention_mask(0).window == 1024);
+  CHECK(c.attention_mask(5).window == 0);
+  // transformers 5.24's count of that text model (Gemma3ForCausalLM on the meta device):
+  //   /work/.venv-ref/bin/python scripts/count-hf-params tests/data/configs/gemma-3-27b-it.json
+  //   -> "text_model": {"class": "Gemma3ForCausalLM", "parameters": 27009346304}
+  // (the whole checkpoint, vision tower and projector included: 27432406640).
+  CHECK(c.parameter_count() == 27009346304);
+  CHECK(c.active_parameter_count() == c.parameter_count());
+  CHECK(c.input_embedding_count() == 0);  // tied: the embedding is lm_head too
 }

@@ -503,6 +503,45 @@ TEST_CASE("strata plan --model of a mixture of experts: compute counts the activ
   CHECK(dense["model"]["active_param_count"] == dense["model"]["param_count"]);
 }
 
+TEST_CASE("strata plan says what its active count includes: gpt-oss-120b's 5.71B with the input embedding and "
+          "OpenAI's 5.13B without it, Gemma 3 27B's text model as transformers counts it",
+          "[plan][cli][moe]") {
+  const std::string configs = STRATA_SOURCE_DIR "/tests/data/configs/";
+  const auto oss = run_command(strata_binary() + " plan --model " + configs + "gpt-oss-120b.json --gpu-mem 141GB 2>&1");
+  INFO(oss.output);
+  REQUIRE(oss.exit_code == 0);
+  CHECK_THAT(oss.output, Catch::Contains("Model     116.83B parameters"));
+  CHECK_THAT(oss.output, Catch::Contains("active per token: 5.71B parameters with the input embedding, 5.13B "
+                                         "without it (its 201088 x 2880 table is a lookup"));
+  const auto json = run_command(strata_binary() + " plan --model " + configs + "gpt-oss-120b.json --gpu-mem 141GB --json");
+  REQUIRE(json.exit_code == 0);
+  const auto j = nlohmann::json::parse(json.output);
+  CHECK(j["model"]["param_count"] == 116829156672);  // transformers 5.24's (tests/nn/nn_real_configs_test.cc)
+  CHECK(j["model"]["active_param_count"] == 5711982912);
+  CHECK(j["model"]["active_param_count_without_input_embedding"] == 5132849472);
+  // Gemma 3 27B: the published checkpoint's text_config as a config.json
+  // (strata refuses the multimodal one by name): transformers' 27,009,346,304
+  // (scripts/count-hf-params), every parameter active, the embedding tied.
+  strata::test::TempDir dir;
+  std::ifstream in(configs + "gemma-3-27b-it.json");
+  const auto published = nlohmann::json::parse(in);
+  std::ofstream(dir.file("gemma3_text.json")) << published.at("text_config").dump();
+  const auto gemma = run_command(strata_binary() + " plan --model " + dir.file("gemma3_text.json") +
+                                 " --gpu-mem 141GB --json");
+  INFO(gemma.output);
+  REQUIRE(gemma.exit_code == 0);
+  const auto g = nlohmann::json::parse(gemma.output);
+  CHECK(g["model"]["param_count"] == 27009346304);
+  CHECK(g["model"]["active_param_count"] == 27009346304);
+  CHECK(g["model"]["active_param_count_without_input_embedding"] == 27009346304);
+  const auto text = run_command(strata_binary() + " plan --model " + dir.file("gemma3_text.json") + " --gpu-mem 141GB 2>&1");
+  CHECK_THAT(text.output, Catch::Contains("active per token: 27.01B parameters, the embedding included (tied to "
+                                          "lm_head"));
+  const auto refused = run_command(strata_binary() + " plan --model " + configs + "gemma-3-27b-it.json 2>&1");
+  CHECK(refused.exit_code != 0);
+  CHECK_THAT(refused.output, Catch::Contains("gemma3") && Catch::Contains("vision tower"));
+}
+
 TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert parallelism as finetune chooses it",
           "[plan][cli][moe]") {
   const auto plan = [](const std::string& args) {

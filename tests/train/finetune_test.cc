@@ -171,6 +171,10 @@ TEST_CASE("strata finetune: bad input is a clear error before any training", "[f
     "output_router_logits": true, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 128})") + " --data " + text + " --data-format text --seq 32 --pp 2",
        "--pp 2 with model_type mixtral's load-balancing loss (output_router_logits true): not implemented yet"},
+      {"DeepSeek's bias balancing on a model without a correction bias",
+       "--config " + write_file(dir, "bias.json", R"({"moe": {"router_bias_update_rate": 0.001}})") + " --init " +
+           model + " --data " + text + " --data-format text --seq 32",
+       "moe.router_bias_update_rate 0.001: model_type llama has no e_score_correction_bias"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.what);
@@ -380,17 +384,27 @@ TEST_CASE("a DeepSeek-V3 (multi-head latent attention, the sigmoid router, a sha
           "killed with SIGKILL at random moments and resumed ends bit for bit like an uninterrupted run",
           "[finetune][checkpoint][moe][deepseek]") {
   strata::test::TempDir dir;
-  // The routing, the frozen correction bias and each rank's experts must resume exactly.
+  // 8 experts in 4 groups (2 kept), top 2, two ranks splitting the experts,
+  // with DeepSeek's auxiliary-loss-free balancing: the routing, the
+  // correction biases it moves after each step (state the checkpoints hold)
+  // and each rank's experts must resume exactly.
   deepseek_model(dir);
   const std::string run = strata_binary() + " run -n 2 -- " + strata_binary() + " ";
   constexpr int kSteps = 20;
-  const std::string output = expect_resumed_like_uninterrupted(dir, run, kSteps, "deepseek.json");
+  const std::string output = expect_resumed_like_uninterrupted(dir, run, kSteps, "deepseek.json", " --moe-router-bias-update-rate 0.001");
   CHECK_THAT(output, Catch::Contains("expert parallelism: 2 ranks split the 8 experts of each layer (4 each)"));
-  // The correction bias is a buffer: exported as it started (zeros), never trained.
+  // The correction bias started at zero and moved by 0.001 a step towards
+  // balance (the export, bit for bit the killed run's too, holds it).
   const auto model = strata::nn::SafetensorsFile::open(dir.file("ref_model") + "/model.safetensors");
   const auto bias = model.view("model.layers.1.mlp.gate.e_score_correction_bias");
   REQUIRE(bias.numel() == 8);
-  for (int64_t i = 0; i < 8; ++i) CHECK(bias.as<float>()[i] == 0.0f);
+  REQUIRE(bias.desc.dtype == strata::DType::kF32);
+  int moved = 0;
+  for (int64_t i = 0; i < 8; ++i) {
+    moved += bias.as<float>()[i] != 0.0f;
+    CHECK(std::fabs(bias.as<float>()[i]) <= kSteps * 0.001f * 1.001f);
+  }
+  CHECK(moved > 0);
   const auto ref_steps = read_jsonl(dir.file("ref_out") + "/metrics.jsonl");
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
