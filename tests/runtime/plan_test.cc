@@ -506,7 +506,7 @@ TEST_CASE("strata plan --model of a mixture of experts: compute counts the activ
 TEST_CASE("strata plan says what its active count includes: gpt-oss-120b's 5.71B with the input embedding and "
           "OpenAI's 5.13B without it, Gemma 3 27B's text model as transformers counts it",
           "[plan][cli][moe]") {
-  const std::string configs = STRATA_SOURCE_DIR "/tests/data/configs/";
+  const std::string configs = strata::test::source_dir() + "/tests/data/configs/";
   const auto oss = run_command(strata_binary() + " plan --model " + configs + "gpt-oss-120b.json --gpu-mem 141GB 2>&1");
   INFO(oss.output);
   REQUIRE(oss.exit_code == 0);
