@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "kernels/fp8_blocks.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
 
@@ -310,21 +311,10 @@ void dequantize_fp8_block(const TensorView& weight, const TensorView& scale_inv,
                    grid_cols == (cols + block_cols - 1) / block_cols,
                kInternal, "dequantize_fp8_block: grid {} for weight {}", shape_string(scale_inv.desc.shape),
                shape_string(weight.desc.shape));
-  static const std::array<float, 256> kValues = [] {
-    std::array<float, 256> v{};
-    for (size_t i = 0; i < v.size(); ++i) v[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
-    return v;
-  }();
-  const auto* w = static_cast<const uint8_t*>(weight.data);
-  const auto* s = static_cast<const float*>(scale_inv.data);
-  size_t out = 0;
-  // One run per (row, column block): one scale each.
-  for (int64_t e = first, end = first + n; e < end;) {
-    const int64_t row = e / cols, col = e % cols;
-    const int64_t stop = std::min(end, row * cols + std::min(cols, (col / block_cols + 1) * block_cols));
-    const float scale = s[(row / block_rows) * grid_cols + col / block_cols];
-    for (; e < stop; ++e, ++out) store_from_float(dst, dst_dtype, out, kValues[w[e]] * scale);
-  }
+  // The one arithmetic of FP8 blocks, shared with Ops::dequantize_fp8_blocks' backends.
+  const kernels::Fp8Blocks shape{weight.desc.shape[0], cols, block_rows, block_cols};
+  kernels::dequantize_fp8_blocks(static_cast<const uint8_t*>(weight.data) + first,
+                                 static_cast<const float*>(scale_inv.data), shape, first, n, dst, dst_dtype);
 }
 
 void dequantize_mxfp4(const TensorView& blocks, const TensorView& scales, int64_t first, int64_t n, void* dst,
