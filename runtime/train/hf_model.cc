@@ -135,7 +135,7 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
     nn::SafetensorsFile f = nn::SafetensorsFile::open(path.string());
     for (const std::string& name : f.names()) {
       const nn::SafetensorsEntry& e = f.entry(name);
-      const auto [it, fresh] = stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
+      const auto [it, fresh] = stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape, e.e8m0});
       STRATA_CHECK(fresh, kBadArgument, "--model {}: tensor '{}' is in both {} and {}", dir.string(),
                            name, it->second.file, file);
       STRATA_CHECK(
@@ -266,7 +266,7 @@ Catalogue open_catalogue(const fs::path& dir) {
     nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
     for (const std::string& name : f.names()) {
       const nn::SafetensorsEntry& e = f.entry(name);
-      c.stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
+      c.stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape, e.e8m0});
     }
     c.opened.emplace(file, std::move(f));
   }
@@ -351,7 +351,9 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     const TensorView scale = opened.at(stored.at(q->scale).file).view(q->scale);
     if (engine.param_info(id).fp8) {
       // Kept in FP8 by the engine (keep_fp8_frozen): the bytes and scales as stored.
-      engine.write_fp8_blocks(id, scale, [&](int64_t first, const TensorView& host) {
+      std::vector<float> grid = nn::fp32_scale_grid(scale);  // an F8_E8M0 grid's values in fp32
+      const TensorView grid_view{TensorDesc{DType::kF32, scale.desc.shape, Tier::kCpu}, grid.data()};
+      engine.write_fp8_blocks(id, grid_view, [&](int64_t first, const TensorView& host) {
         std::memcpy(host.data, static_cast<const uint8_t*>(data.data) + first, static_cast<size_t>(host.numel()));
       });
       continue;

@@ -371,3 +371,33 @@ TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bit
   Tensor wrong = rig.accelerator->allocate_tensor(DType::kBF16, {136, 144});
   refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 128, 128, wrong.view()); }, "out has shape");
 }
+
+TEST_CASE("quant: an F8_E8M0 scale grid (transformers' ue8m0 saves) reads as its exponents and dequantizes to "
+          "transformers' values bit for bit; a plain uint8 grid is refused",
+          "[nn][quant]") {
+  const nn::SafetensorsFile t = nn::SafetensorsFile::open(golden("quant/tables.safetensors"));
+  const nn::SafetensorsEntry& grid = t.entry("e8m0_weight_scale_inv");
+  CHECK(grid.e8m0);
+  CHECK(grid.dtype == DType::kU8);
+  CHECK_FALSE(t.entry("scales").e8m0);  // MXFP4's exponents are stored U8
+  const TensorView w = t.view("e8m0_weight"), s = t.view("e8m0_weight_scale_inv");
+  const std::vector<float> values = nn::fp32_scale_grid(s);
+  CHECK(values == std::vector<float>{std::ldexp(1.0f, -127), std::ldexp(1.0f, -10), 1.0f, std::ldexp(1.0f, 127)});
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    INFO(dtype_name(dtype));
+    std::vector<uint8_t> got(static_cast<size_t>(w.numel()) * dtype_nbytes(dtype));
+    nn::dequantize_fp8_block(w, s, 128, 128, 0, w.numel(), got.data(), dtype);
+    CHECK(got == bytes_of(t.view(dtype == DType::kF32 ? "e8m0_f32" : "e8m0_bf16")));
+  }
+  // A checkpoint's catalogue: an F8_E8M0 grid scales its FP8 weight; uint8 bytes do not.
+  const nn::CheckpointQuant q = nn::parse_checkpoint_quant(
+      {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}, {"scale_fmt", "ue8m0"}},
+      "config.json", "llama");
+  nn::CheckpointTensors tensors;
+  tensors["model.layers.0.mlp.up_proj.weight"] = {"model.safetensors", DType::kF8E4M3, {130, 136}};
+  tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = {"model.safetensors", DType::kU8, {2, 2}, true};
+  CHECK(nn::dequantized_view(q, tensors, "dir").quantized.size() == 1);
+  tensors["model.layers.0.mlp.up_proj.weight_scale_inv"].e8m0 = false;
+  CHECK_THROWS_WITH(nn::dequantized_view(q, tensors, "dir"),
+                    Catch::Contains("up_proj.weight_scale_inv") && Catch::Contains("F8_E8M0"));
+}
