@@ -373,7 +373,7 @@ TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bit
 }
 
 TEST_CASE("quant: an F8_E8M0 scale grid (transformers' ue8m0 saves) reads as its exponents and dequantizes to "
-          "transformers' values bit for bit; a plain uint8 grid is refused",
+          "transformers' values bit for bit, and a plain uint8 grid is refused",
           "[nn][quant]") {
   const nn::SafetensorsFile t = nn::SafetensorsFile::open(golden("quant/tables.safetensors"));
   const nn::SafetensorsEntry& grid = t.entry("e8m0_weight_scale_inv");
