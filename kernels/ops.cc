@@ -956,6 +956,29 @@ void Ops::cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst
   enqueue_cast(ctx, src, dst);
 }
 
+void Ops::dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, const TensorView& scale_inv,
+                                int64_t block_rows, int64_t block_cols, const TensorView& out) {
+  constexpr const char* op = "dequantize_fp8_blocks";
+  own(ctx, op);
+  check::dtype(op, "weight", weight, DType::kF8E4M3);
+  STRATA_CHECK(weight.desc.shape.size() == 2, kBadArgument, "{}: weight must be [rows, cols], got {}", op,
+               shape_string(weight.desc.shape));
+  STRATA_CHECK(block_rows > 0 && block_cols > 0, kBadArgument, "{}: blocks of {} x {}; expected positive sizes", op,
+               block_rows, block_cols);
+  const kernels::Fp8Blocks shape{weight.desc.shape[0], weight.desc.shape[1], block_rows, block_cols};
+  check::dtype(op, "scale_inv", scale_inv, DType::kF32);
+  check::shape(op, "scale_inv", scale_inv, {shape.grid_rows(), shape.grid_cols()});
+  check::float_tensor(op, "out", out);
+  check::shape(op, "out", out, weight.desc.shape);
+  for (const TensorView* t : {&weight, &scale_inv}) {
+    STRATA_CHECK(t->desc.tier != Tier::kNvme, kBadArgument, "{}: an input is on NVMe, not addressable", op);
+  }
+  Labeled label(ctx, op, [&] {
+    return memory(nbytes(weight) + nbytes(scale_inv) + nbytes(out), brief(weight) + " -> " + brief(out));
+  });
+  enqueue_dequantize_fp8_blocks(ctx, weight, scale_inv, shape, out);
+}
+
 void Ops::adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
                     const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
                     const TensorView& param_copy) {

@@ -48,6 +48,7 @@
 #include <string_view>
 
 #include "kernels/attention_mask.h"
+#include "kernels/fp8_blocks.h"
 #include "kernels/glu.h"
 #include "kernels/moe_routing.h"
 #include "kernels/optimizer.h"
@@ -423,6 +424,14 @@ class Ops {
   // ---- casts: dst = src converted (same shape, any float storage dtypes) ---------
   void cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst);
 
+  // ---- FP8 block-quantized weights (kernels/fp8_blocks.h) -------------------------
+  // out (float storage, [rows, cols]) = weight (fp8_e4m3 [rows, cols])
+  // dequantized by scale_inv (fp32 [ceil(rows / block_rows), ceil(cols /
+  // block_cols)], ragged edge blocks): kernels::dequantize_fp8_blocks' bits
+  // on every backend. A frozen base kept in FP8 is dequantized so per gather.
+  void dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, const TensorView& scale_inv,
+                             int64_t block_rows, int64_t block_cols, const TensorView& out);
+
   // ---- the optimizer on the accelerator (offload_optimizer.device none) ---------
   // One Adam/AdamW update of n elements, in place: param (the fp32 master),
   // exp_avg and exp_avg_sq are fp32 [n], grad fp32 [n]; param_copy, unless
@@ -553,6 +562,9 @@ class Ops {
                                                   const TensorView& v, const TensorView& gate,
                                                   const TensorView& dv, const TensorView& dgate) = 0;
   virtual void enqueue_cast(ComputeContext& ctx, const TensorView& src, const TensorView& dst) = 0;
+  virtual void enqueue_dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight,
+                                             const TensorView& scale_inv, const kernels::Fp8Blocks& shape,
+                                             const TensorView& out) = 0;
   // numel > 0.
   virtual void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                                  const TensorView& param, const TensorView& exp_avg,

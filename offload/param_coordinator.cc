@@ -360,6 +360,12 @@ int64_t ParamCoordinator::gathered_numel(ParamId id) const {
   return static_cast<int64_t>(params_[static_cast<size_t>(id)].slice_numel) * comm_of(id).world_size();
 }
 
+size_t ParamCoordinator::gathered_bytes(ParamId id) const {
+  const CoordinatedParam& param = params_[static_cast<size_t>(id)];
+  if (param.expand) return param.expanded_nbytes;
+  return static_cast<size_t>(gathered_numel(id)) * dtype_nbytes(param.home->dtype());
+}
+
 partition::Communicator& ParamCoordinator::comm_of(ParamId id) const {
   partition::Communicator* comm = params_[static_cast<size_t>(id)].comm;
   return comm != nullptr ? *comm : comm_;
@@ -409,7 +415,9 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
     staged = &staging->buffers[static_cast<size_t>(gathered.staged)];
   }
   wait_for_room(gathered_numel(id));
-  gathered.full = accelerator_.allocate(full_nbytes);
+  gathered.full = accelerator_.allocate(gathered_bytes(id));
+  // An expanded parameter's stored elements land in scratch first.
+  void* target = param.expand ? accelerator_.allocate(full_nbytes) : gathered.full;
 
   // The slice as the allgather reads it: in the home's memory, or staged.
   const char* slice = nullptr;
@@ -443,7 +451,8 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
     staged->consumed_seq = ++consumed_seq_;
   };
   if (staged != nullptr && device_copy != nullptr) mark_consumed();
-  comm.allgather(src, gathered.full, param.slice_numel, dtype, gather_);
+  comm.allgather(src, target, param.slice_numel, dtype, gather_);
+  if (param.expand) param.expand(target, gathered.full, gather_);
   ++gathers_issued_;
   ++current_.gathers;
   current_.gather_nbytes += full_nbytes;
@@ -458,9 +467,10 @@ void ParamCoordinator::issue_gather(ParamId id, bool prefetch) {
     gathered.staged = -1;
   }
   if (device_copy != nullptr) accelerator_.deallocate_after(device_copy, *gathered.ready);
+  if (target != gathered.full) accelerator_.deallocate_after(target, *gathered.ready);
   gathered.prefetched = prefetch;
   live_numel_ += gathered_numel(id);
-  gathered_nbytes_ += full_nbytes;
+  gathered_nbytes_ += gathered_bytes(id);
   peak_gathered_nbytes_ = std::max(peak_gathered_nbytes_, gathered_nbytes_);
   current_.peak_gathered_nbytes = std::max(current_.peak_gathered_nbytes, gathered_nbytes_);
 }
@@ -727,7 +737,7 @@ void ParamCoordinator::release_gathered(ParamId id, Event& after) {
   gathered->prefetched = false;
   gathered->kept_until = OperatorTrace::npos;
   live_numel_ -= gathered_numel(id);
-  gathered_nbytes_ -= static_cast<size_t>(gathered_numel(id)) * dtype_nbytes(params_[static_cast<size_t>(id)].home->dtype());
+  gathered_nbytes_ -= gathered_bytes(id);
 }
 
 }  // namespace strata::offload

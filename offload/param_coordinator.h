@@ -63,6 +63,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -185,6 +186,13 @@ struct CoordinatedParam {
   // The ranks it is partitioned over (an expert's: its expert-dp group);
   // null: the coordinator's gather communicator. Used on the gather stream.
   partition::Communicator* comm = nullptr;
+  // The home holds the parameter in another form than compute reads it (a
+  // frozen FP8 weight, its e4m3 bytes): the allgather fills a scratch buffer
+  // of the stored elements, then expand(stored, full, gather stream)
+  // enqueues the writing of the whole parameter (expanded_nbytes) from it on
+  // that stream. Empty: the gathered elements are the parameter.
+  std::function<void(const void* stored, void* full, Stream& stream)> expand = nullptr;
+  size_t expanded_nbytes = 0;
 };
 
 // One operator: the parameters its kernels read, in order.
@@ -284,6 +292,7 @@ class ParamCoordinator {
   void release_gathered(ParamId id, Event& after);
   void wait_for_room(int64_t need);
   int64_t gathered_numel(ParamId id) const;
+  size_t gathered_bytes(ParamId id) const;  // of its gathered copy (expanded_nbytes for an expanded one)
   partition::Communicator& comm_of(ParamId id) const;  // CoordinatedParam::comm or comm_
   bool persistent(ParamId id) const;
   bool in_use(ParamId id) const { return open_uses_[static_cast<size_t>(id)] > 0; }

@@ -798,6 +798,21 @@ class CpuOps final : public Ops {
     });
   }
 
+  void enqueue_dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, const TensorView& scale_inv,
+                                     const kernels::Fp8Blocks& shape, const TensorView& out) override {
+    enqueue(ctx, [=](CpuContext&) {
+      // Row by row (each row's runs are independent), the reader's arithmetic.
+      const int64_t rows = shape.rows, cols = shape.cols;
+      const size_t row_nbytes = static_cast<size_t>(cols) * dtype_nbytes(out.desc.dtype);
+#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels::dequantize_fp8_blocks(weight.as<uint8_t>() + r * cols, scale_inv.as<float>(), shape, r * cols, cols,
+                                       static_cast<char*>(out.data) + static_cast<size_t>(r) * row_nbytes,
+                                       out.desc.dtype);
+      }
+    });
+  }
+
   void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
                  const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
                  const TensorView& param_copy) override {

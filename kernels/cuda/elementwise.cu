@@ -217,6 +217,27 @@ __global__ void column_sum_finish_kernel(const float* partial, int64_t splits, i
   dst[c] += total;
 }
 
+// torch's float8_e4m3fn widened exactly (core/dtype.h's fp8_e4m3_to_float).
+__device__ __forceinline__ float e4m3_to_f(unsigned int bits) {
+  const unsigned int sign = (bits & 0x80u) << 24;
+  const unsigned int exponent = (bits >> 3) & 0xfu, mantissa = bits & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return __uint_as_float(sign | 0x7fc00000u);
+  if (exponent == 0) return __uint_as_float(sign | __float_as_uint(static_cast<float>(mantissa) * 0x1p-9f));
+  return __uint_as_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+template <typename D>
+__global__ void dequantize_fp8_blocks_kernel(const uint8_t* w, const float* scale_inv, int64_t rows, int64_t cols,
+                                             int64_t block_rows, int64_t block_cols, int64_t grid_cols, D* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t n = rows * cols;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t r = i / cols, c = i - r * cols;
+    // One product in fp32 (nothing to fuse), one rounding to D: the host's bits.
+    out[i] = from_f<D>(__fmul_rn(e4m3_to_f(w[i]), scale_inv[(r / block_rows) * grid_cols + c / block_cols]));
+  }
+}
+
 }  // namespace
 
 void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64_t numel,
@@ -227,6 +248,16 @@ void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64
   STRATA_DISPATCH_2(src_t, S, dst_t, D,
                     cast_kernel<S, D><<<grid_for(items, kThreads), kThreads, 0, stream>>>(
                         static_cast<const S*>(src), static_cast<D*>(dst), numel, vectorized));
+}
+
+void launch_dequantize_fp8_blocks(const uint8_t* w, const float* scale_inv, int64_t rows, int64_t cols,
+                                  int64_t block_rows, int64_t block_cols, Storage out_t, void* out,
+                                  cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  const int64_t grid_cols = (cols + block_cols - 1) / block_cols;
+  STRATA_DISPATCH_T(out_t, D,
+                    dequantize_fp8_blocks_kernel<D><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
+                        w, scale_inv, rows, cols, block_rows, block_cols, grid_cols, static_cast<D*>(out)));
 }
 
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,

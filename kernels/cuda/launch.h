@@ -27,6 +27,12 @@ enum class Storage : int { kF32, kF16, kBF16 };
 // dst = src converted (any storage types, numel elements).
 void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64_t numel,
                  cudaStream_t stream);
+// out[i, j] = float(e4m3 w[i, j]) * scale_inv[i / block_rows, j / block_cols],
+// rounded once to out_t (kernels/fp8_blocks.h); out [rows, cols], the grid
+// ceil(rows / block_rows) x ceil(cols / block_cols).
+void launch_dequantize_fp8_blocks(const uint8_t* w, const float* scale_inv, int64_t rows, int64_t cols,
+                                  int64_t block_rows, int64_t block_cols, Storage out_t, void* out,
+                                  cudaStream_t stream);
 // out = a + b (out may alias a or b).
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,
                 cudaStream_t stream);

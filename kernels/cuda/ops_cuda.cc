@@ -709,6 +709,19 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, const TensorView& scale_inv,
+                                     const kernels::Fp8Blocks& shape, const TensorView& out) override {
+    constexpr const char* op = "dequantize_fp8_blocks";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"weight", &weight}, {"scale_inv", &scale_inv}, {"out", &out}});
+    run(c, op, [&] {
+      cuda::launch_dequantize_fp8_blocks(weight.as<uint8_t>(), scale_inv.as<float>(), shape.rows, shape.cols,
+                                         shape.block_rows, shape.block_cols, storage(out.desc.dtype), out.data,
+                                         c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                  const TensorView& param, const TensorView& exp_avg, const TensorView& exp_avg_sq,
                  const TensorView& grad, const TensorView& param_copy) override {

@@ -61,6 +61,23 @@ void Engine::freeze(ParamId id) {
   params_[id].frozen = true;
 }
 
+void Engine::store_fp8_blocks(ParamId id, int64_t block_rows, int64_t block_cols) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "store_fp8_blocks: unknown parameter id {}", id);
+  ParamInfo& p = params_[id];
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' asked to be kept in FP8 after finalize()", p.name);
+  // A trained parameter needs exact masters and a gradient; only what never changes stays quantized.
+  STRATA_CHECK(p.frozen, kBadArgument, "parameter '{}' is trained: only a frozen one can be kept in FP8", p.name);
+  STRATA_CHECK(p.shape.size() == 2 && block_rows > 0 && block_cols > 0, kBadArgument,
+               "parameter '{}' {} cannot be kept in FP8 blocks of {} x {}: a 2-D weight and positive blocks", p.name,
+               shape_string(p.shape), block_rows, block_cols);
+  p.fp8 = kernels::Fp8Blocks{p.shape[0], p.shape[1], block_rows, block_cols};
+}
+
+void Engine::write_fp8_blocks(ParamId id, const TensorView& /*scale_inv*/, const RangeFn& /*fn*/) {
+  raise(ErrorCategory::kBadArgument, "parameter '{}' is not kept in FP8 by this engine: write it with "
+        "for_each_owned_range", param_info(id).name);
+}
+
 void Engine::set_weight_decay(ParamId id, float weight_decay) {
   STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "set_weight_decay: unknown parameter id {}", id);
   STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' given a weight decay after finalize()", params_[id].name);
@@ -174,6 +191,9 @@ OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
 
 void Engine::finalize() {
   STRATA_CHECK(!finalized_, kBadArgument, "finalize() called twice");
+  if (!keeps_fp8_blocks()) {
+    for (ParamInfo& p : params_) p.fp8.reset();
+  }
   on_finalize();
   finalized_ = true;
 }

@@ -154,6 +154,9 @@ ZeroEngine::~ZeroEngine() {
   }
   if (stage1_grads_) accelerator().deallocate(stage1_grads_);
   if (control_buffer_) accelerator().deallocate(control_buffer_);
+  for (const auto& scales : fp8_scales_) {
+    if (scales && scales->device) accelerator().deallocate(scales->device);
+  }
 }
 
 void ZeroEngine::on_finalize() {
@@ -164,7 +167,7 @@ void ZeroEngine::on_finalize() {
     for (ParamId id = 0; id < parameter_count(); ++id) {
       const ParamInfo& p = param_info(id);
       if (p.expert >= 0 && !owns_expert(p.expert, p.experts)) continue;
-      sized.push_back({p.name, p.numel(), p.dtype, !p.frozen});
+      sized.push_back({p.name, p.numel(), p.fp8 ? DType::kF8E4M3 : p.dtype, !p.frozen});
     }
     zero_sizes_ = choose_zero_sizes(sized, world_size(), options_.sub_group_numel, options_.reduce_bucket_numel,
                                     partition::kDefaultAlignmentNbytes);
@@ -187,7 +190,7 @@ void ZeroEngine::on_finalize() {
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
     const ParamInfo& info = param_info(id);
-    const DType dtype = info.dtype;
+    const DType dtype = info.fp8 ? DType::kF8E4M3 : info.dtype;  // as the home stores it
     const bool frozen = info.frozen;
     const bool expert = ep > 1 && info.expert >= 0;
     if (expert) {
@@ -263,6 +266,27 @@ void ZeroEngine::on_finalize() {
       const partition::ParamSlot& slot = g.layout->param(index_in_group_[id]);
       params[id] = {g.home.get(), static_cast<size_t>(slot.slice_numel), static_cast<size_t>(slot.shard_offset_numel),
                     param_info(id).numel(), g.expert ? g.gather_comm : nullptr};
+      const ParamInfo& info = param_info(id);
+      if (!info.fp8) continue;
+      // Kept in FP8: its whole scale grid on every rank (filled by
+      // write_fp8_blocks), and each gather dequantized on the gather stream.
+      if (fp8_scales_.empty()) fp8_scales_.resize(static_cast<size_t>(parameter_count()));
+      if (gather_ctx_ == nullptr) gather_ctx_ = ops().make_context(*gather_stream_);
+      auto scales = std::make_unique<Fp8Scales>();
+      const size_t grid = static_cast<size_t>(info.fp8->grid_numel());
+      scales->host.assign(grid, 0.0f);
+      scales->device = accelerator().allocate(grid * sizeof(float));
+      accelerator().memset_async(scales->device, 0, grid * sizeof(float), compute_stream());
+      params[id].expanded_nbytes = info.nbytes();
+      params[id].expand = [this, id, device = scales->device](const void* stored, void* full, Stream&) {
+        const ParamInfo& p = param_info(id);
+        const kernels::Fp8Blocks& b = *p.fp8;
+        ops().dequantize_fp8_blocks(
+            *gather_ctx_, TensorView{TensorDesc{DType::kF8E4M3, p.shape, Tier::kDevice}, const_cast<void*>(stored)},
+            TensorView{TensorDesc{DType::kF32, {b.grid_rows(), b.grid_cols()}, Tier::kDevice}, device},
+            b.block_rows, b.block_cols, TensorView{TensorDesc{p.dtype, p.shape, Tier::kDevice}, full});
+      };
+      fp8_scales_[id] = std::move(scales);
     }
     std::vector<offload::CoordinatedOp> ops;
     for (OpId op = 0; op < operator_count(); ++op) {
@@ -910,9 +934,52 @@ void ZeroEngine::sync_full_params() {
 
 void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& fn) {
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
+  const ParamInfo& info = param_info(id);
+  if (!info.fp8) {
+    owned_home_range(id, access, info.dtype, fn);
+    return;
+  }
+  STRATA_CHECK(access == Access::kRead, kBadArgument,
+               "parameter '{}' is kept in FP8 (a frozen weight of an FP8 checkpoint): write it with write_fp8_blocks",
+               info.name);
+  // Its owned e4m3 bytes dequantized on the host, with the kernel the gathers' ops share.
+  owned_home_range(id, Access::kRead, DType::kF8E4M3, [&](int64_t first, const TensorView& bytes) {
+    std::vector<char> values(static_cast<size_t>(bytes.numel()) * dtype_nbytes(info.dtype));
+    kernels::dequantize_fp8_blocks(bytes.as<uint8_t>(), fp8_scales_[static_cast<size_t>(id)]->host.data(), *info.fp8,
+                                   first, bytes.numel(), values.data(), info.dtype);
+    fn(first, TensorView{TensorDesc{info.dtype, bytes.desc.shape, Tier::kCpu}, values.data()});
+  });
+}
+
+void ZeroEngine::write_fp8_blocks(ParamId id, const TensorView& scale_inv, const RangeFn& fn) {
+  STRATA_CHECK(finalized(), kBadArgument, "write_fp8_blocks before finalize()");
+  const ParamInfo& info = param_info(id);
+  if (!info.fp8) Engine::write_fp8_blocks(id, scale_inv, fn);  // refuses
+  const kernels::Fp8Blocks& b = *info.fp8;
+  const Shape grid{b.grid_rows(), b.grid_cols()};
+  STRATA_CHECK(scale_inv.desc.dtype == DType::kF32 && scale_inv.desc.shape == grid && scale_inv.data != nullptr,
+               kBadArgument, "write_fp8_blocks('{}'): the scales are {} {}, not the fp32 grid {} of its {} blocks",
+               info.name, dtype_name(scale_inv.desc.dtype), shape_string(scale_inv.desc.shape), shape_string(grid),
+               b.block_rows == b.block_cols ? std::to_string(b.block_rows)
+                                            : fmt::format("{} x {}", b.block_rows, b.block_cols));
+  if (holds(id)) {
+    check_not_prepared("write_fp8_blocks");
+    finish_update();
+    // Gathers in flight read the device grid: they finish first.
+    compute_stream().synchronize();
+    gather_stream_->synchronize();
+    Fp8Scales& scales = *fp8_scales_[static_cast<size_t>(id)];
+    std::memcpy(scales.host.data(), scale_inv.data, scales.host.size() * sizeof(float));
+    accelerator().copy_async(scales.device, scales.host.data(), scales.host.size() * sizeof(float),
+                             CopyKind::kHostToDevice, *home_stream_);
+    home_stream_->synchronize();
+  }
+  owned_home_range(id, Access::kWrite, DType::kF8E4M3, fn);
+}
+
+void ZeroEngine::owned_home_range(ParamId id, Access access, DType dtype, const RangeFn& fn) {
   check_not_prepared("for_each_owned_range");
   finish_update();
-  const ParamInfo& info = param_info(id);
   if (!holds(id)) {
     // Another ep member's expert: its owners have every element of it.
     if (access == Access::kWrite && !coordinator_) full_params_stale_ = true;
@@ -935,7 +1002,7 @@ void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& 
   if (coordinator_) coordinator_->quiesce();
   const size_t first = static_cast<size_t>(slot.shard_offset_numel), numel = static_cast<size_t>(slot.slice_numel);
   void* host = g.home->host_range(first, numel, /*load=*/true);
-  const TensorView view{TensorDesc{info.dtype, {owned}, Tier::kCpu}, host};
+  const TensorView view{TensorDesc{dtype, {owned}, Tier::kCpu}, host};
   fn(slot.owned_begin(member), view);
   if (access == Access::kRead) return;
   g.home->store_host_range(first, numel);

@@ -5,13 +5,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
+#include <bit>
+#include <cstring>
+#include <limits>
 #include <cmath>
 #include <mutex>
 #include <set>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "kernels/fp8_blocks.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
 
@@ -227,9 +230,11 @@ DequantizedView dequantized_view(const CheckpointQuant& quant, const CheckpointT
                    "{}: FP8 tensor '{}' (in {}) has no '{}' beside it: its values cannot be scaled", where, name,
                    t.file, scale);
       const Shape grid = scale_grid(quant, t.shape);
-      STRATA_CHECK(s->second.dtype == DType::kF32 && s->second.shape == grid, kBadArgument,
+      // fp32, or F8_E8M0 (transformers' ue8m0 saves); plain uint8 bytes are not a scale.
+      const bool grid_dtype = s->second.dtype == DType::kF32 || (s->second.dtype == DType::kU8 && s->second.e8m0);
+      STRATA_CHECK(grid_dtype && s->second.shape == grid, kBadArgument,
                    "{}: '{}' (in {}) is {} {}, but FP8 tensor '{}' {} with weight_block_size [{}, {}] needs an fp32 "
-                   "grid {} (a corrupt or truncated scale grid)",
+                   "(or F8_E8M0) grid {} (a corrupt or truncated scale grid)",
                    where, scale, s->second.file, dtype_name(s->second.dtype), shape_string(s->second.shape), name,
                    shape_string(t.shape), quant.block_rows, quant.block_cols, shape_string(grid));
       const std::string module = ends_with(name, ".weight") ? strip(name, ".weight") : name;
@@ -298,8 +303,34 @@ DequantizedView dequantized_view(const CheckpointQuant& quant, const CheckpointT
   return view;
 }
 
+std::vector<float> fp32_scale_grid(const TensorView& scale_inv) {
+  const auto n = static_cast<size_t>(scale_inv.numel());
+  STRATA_CHECK(scale_inv.desc.dtype == DType::kF32 || scale_inv.desc.dtype == DType::kU8, kInternal,
+               "fp32_scale_grid: a {} grid", dtype_name(scale_inv.desc.dtype));
+  std::vector<float> out(n);
+  if (scale_inv.desc.dtype == DType::kF32) {
+    std::memcpy(out.data(), scale_inv.data, n * sizeof(float));
+    return out;
+  }
+  const auto* e = static_cast<const uint8_t*>(scale_inv.data);
+  for (size_t i = 0; i < n; ++i) {
+    // The exponent in a float's exponent field: exact, 0 the subnormal 2^-127.
+    out[i] = e[i] == 0xff ? std::numeric_limits<float>::quiet_NaN()
+             : e[i] == 0  ? std::bit_cast<float>(uint32_t{1} << 22)
+                          : std::bit_cast<float>(static_cast<uint32_t>(e[i]) << 23);
+  }
+  return out;
+}
+
 void dequantize_fp8_block(const TensorView& weight, const TensorView& scale_inv, int64_t block_rows,
                           int64_t block_cols, int64_t first, int64_t n, void* dst, DType dst_dtype) {
+  if (scale_inv.desc.dtype == DType::kU8) {
+    // F8_E8M0 exponents: the same arithmetic on their fp32 values.
+    std::vector<float> grid = fp32_scale_grid(scale_inv);
+    dequantize_fp8_block(weight, TensorView{TensorDesc{DType::kF32, scale_inv.desc.shape, Tier::kCpu}, grid.data()},
+                         block_rows, block_cols, first, n, dst, dst_dtype);
+    return;
+  }
   STRATA_CHECK(weight.desc.dtype == DType::kF8E4M3 && weight.desc.shape.size() == 2 &&
                    scale_inv.desc.dtype == DType::kF32 && scale_inv.desc.shape.size() == 2 && block_rows > 0 &&
                    block_cols > 0 && first >= 0 && n >= 0 && first + n <= weight.numel() &&
@@ -310,21 +341,10 @@ void dequantize_fp8_block(const TensorView& weight, const TensorView& scale_inv,
                    grid_cols == (cols + block_cols - 1) / block_cols,
                kInternal, "dequantize_fp8_block: grid {} for weight {}", shape_string(scale_inv.desc.shape),
                shape_string(weight.desc.shape));
-  static const std::array<float, 256> kValues = [] {
-    std::array<float, 256> v{};
-    for (size_t i = 0; i < v.size(); ++i) v[i] = fp8_e4m3_to_float(static_cast<uint8_t>(i));
-    return v;
-  }();
-  const auto* w = static_cast<const uint8_t*>(weight.data);
-  const auto* s = static_cast<const float*>(scale_inv.data);
-  size_t out = 0;
-  // One run per (row, column block): one scale each.
-  for (int64_t e = first, end = first + n; e < end;) {
-    const int64_t row = e / cols, col = e % cols;
-    const int64_t stop = std::min(end, row * cols + std::min(cols, (col / block_cols + 1) * block_cols));
-    const float scale = s[(row / block_rows) * grid_cols + col / block_cols];
-    for (; e < stop; ++e, ++out) store_from_float(dst, dst_dtype, out, kValues[w[e]] * scale);
-  }
+  // The one arithmetic of FP8 blocks, shared with Ops::dequantize_fp8_blocks' backends.
+  const kernels::Fp8Blocks shape{weight.desc.shape[0], cols, block_rows, block_cols};
+  kernels::dequantize_fp8_blocks(static_cast<const uint8_t*>(weight.data) + first,
+                                 static_cast<const float*>(scale_inv.data), shape, first, n, dst, dst_dtype);
 }
 
 void dequantize_mxfp4(const TensorView& blocks, const TensorView& scales, int64_t first, int64_t n, void* dst,

@@ -77,6 +77,7 @@ struct CheckpointTensor {
   std::string file;
   DType dtype = DType::kF32;
   Shape shape;
+  bool e8m0 = false;  // stored F8_E8M0, read as its exponent bytes (kU8): SafetensorsEntry::e8m0
 };
 // Every tensor of a checkpoint (all its files), by name.
 using CheckpointTensors = std::map<std::string, CheckpointTensor>;
@@ -103,8 +104,13 @@ struct DequantizedView {
 DequantizedView dequantized_view(const CheckpointQuant& quant, const CheckpointTensors& tensors,
                                  const std::string& where);
 
+// An FP8 weight's scale grid in fp32: an fp32 grid's values, or those of an
+// F8_E8M0 one (kU8 exponent bytes: transformers' ue8m0 saves), 2^(byte - 127)
+// exactly as torch widens float8_e8m0fnu (0xff NaN, 0 the subnormal 2^-127).
+std::vector<float> fp32_scale_grid(const TensorView& scale_inv);
+
 // Elements [first, first + n) (row-major) of an FP8 weight `weight`
-// (F8_E4M3 [rows, cols]) dequantized by `scale_inv` (fp32 grid) with
+// (F8_E4M3 [rows, cols]) dequantized by `scale_inv` (fp32 or F8_E8M0 grid) with
 // block_rows x block_cols blocks, into dst (n elements of float storage type
 // dst_dtype).
 void dequantize_fp8_block(const TensorView& weight, const TensorView& scale_inv, int64_t block_rows,

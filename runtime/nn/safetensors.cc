@@ -39,8 +39,9 @@ DType parse_st_dtype(const std::string& path, const std::string& name, const std
   // The bytes of quantized checkpoints (runtime/nn/checkpoint_quant.h): FP8
   // weights, MXFP4 blocks and scales. Only the quantized reader computes with them.
   if (s == "F8_E4M3") return DType::kF8E4M3;
-  if (s == "U8") return DType::kU8;
-  raise(ErrorCategory::kBadArgument, "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16, F8_E4M3, U8",
+  if (s == "U8" || s == "F8_E8M0") return DType::kU8;  // F8_E8M0: exponent bytes (SafetensorsEntry::e8m0)
+  raise(ErrorCategory::kBadArgument,
+        "{}: tensor '{}' has dtype '{}'; supported: F32, F16, BF16, F8_E4M3, F8_E8M0, U8",
         path, quoted(name), quoted(s));
 }
 
@@ -140,6 +141,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     SafetensorsEntry e;
     e.name = name;
     e.dtype = parse_st_dtype(path, name, value["dtype"].get<std::string>());
+    e.e8m0 = value["dtype"] == "F8_E8M0";
     // Shapes are int64 (Shape): every dimension, and the product of the
     // non-zero ones (a 0 elsewhere must not hide [0, 2^63] or [0, 2^40, 2^40]),
     // must fit with room for 8-byte elements, so no later product overflows.

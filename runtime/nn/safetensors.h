@@ -28,6 +28,10 @@ struct SafetensorsEntry {
   DType dtype = DType::kF32;
   Shape shape;
   size_t begin = 0, end = 0;  // byte offsets into the data section
+  // Stored F8_E8M0 (torch's float8_e8m0fnu: 2^(byte - 127), 0xff NaN; the
+  // scale grids transformers' ue8m0 FP8 saves write): read as its exponent
+  // bytes, dtype kU8 -- only the quantized reader computes with them.
+  bool e8m0 = false;
 };
 
 class SafetensorsFile {
@@ -87,7 +91,8 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
 };
 
-// "F32", "F16", "BF16", and the quantized checkpoints' "F8_E4M3", "U8" <-> DType;
+// "F32", "F16", "BF16", and the quantized checkpoints' "F8_E4M3", "U8" <-> DType
+// ("F8_E8M0" is read as kU8 with SafetensorsEntry::e8m0);
 // other safetensors dtypes raise kBadArgument.
 std::string_view safetensors_dtype_name(DType dtype);
 

@@ -71,6 +71,10 @@ void validate(const PlanInputs& in) {
   if (in.lora) {
     check_count(in.lora->rank, 1, "the LoRA rank");
     check_count(in.lora->adapter_count, 1, "the LoRA adapters' parameter count");
+    STRATA_CHECK(in.lora->fp8_param_count >= 0 && in.lora->fp8_param_count <= in.model.param_count &&
+                     in.lora->fp8_block_numel >= 1,
+                 kBadArgument, "the FP8 base's {} FP8 parameters (of {}) in blocks of {} do not fit the base",
+                 in.lora->fp8_param_count, in.model.param_count, in.lora->fp8_block_numel);
   }
   const Machine& hw = in.machine;
   check_count(hw.gpus_per_node, 1, "GPUs per node");
@@ -107,7 +111,17 @@ struct ParamClasses {
   }
 };
 
-ParamClasses param_classes(const PlanInputs& in) {
+// Bytes per parameter of LoRA's frozen base at ZeRO stage `stage`: its
+// 16-bit weight, but at stage 3 an FP8 checkpoint's FP8 weights stay FP8 (a
+// byte and their share of a 4-byte scale per block).
+double base_bytes_per_param(const PlanInputs& in, int stage) {
+  if (!in.lora || in.lora->fp8_param_count == 0 || stage != 3) return kParam16Bytes;
+  const double psi = static_cast<double>(in.model.param_count);
+  const double fp8 = static_cast<double>(in.lora->fp8_param_count);
+  return (kParam16Bytes * (psi - fp8) + (1 + 4 / in.lora->fp8_block_numel) * fp8) / psi;
+}
+
+ParamClasses param_classes(const PlanInputs& in, int stage = 3) {
   ParamClasses c;
   const double psi = static_cast<double>(in.model.param_count);
   if (!in.lora) {
@@ -115,6 +129,7 @@ ParamClasses param_classes(const PlanInputs& in) {
     return c;
   }
   c.frozen = psi;
+  c.frozen_param = base_bytes_per_param(in, stage);
   c.trained = static_cast<double>(in.lora->adapter_count);
   c.trained_param = kAdapterParamBytes;
   c.trained_grad = kAdapterGradBytes;
@@ -154,7 +169,7 @@ void fill_memory(const Plan& plan, PlacementPlan& pp) {
   const PlanInputs& in = plan.inputs;
   const TrainingShape& t = in.training;
   const Placement& p = pp.placement;
-  const ParamClasses c = param_classes(in);
+  const ParamClasses c = param_classes(in, p.stage);
   const double n = static_cast<double>(in.machine.data_parallel);
   const double psi = c.all(), shard = psi / n;
   const double trained = c.trained, trained_shard = trained / n, frozen_shard = c.frozen / n;
@@ -279,7 +294,7 @@ void fill_traffic(const Plan& plan, PlacementPlan& pp) {
   const Machine& hw = in.machine;
   const TrainingShape& t = in.training;
   const Placement& p = pp.placement;
-  const ParamClasses c = param_classes(in);
+  const ParamClasses c = param_classes(in, p.stage);
   const double n = static_cast<double>(hw.data_parallel);
   const double trained_shard = c.trained / n, frozen_shard = c.frozen / n;
   const double micro_steps = static_cast<double>(t.grad_accumulation);
@@ -640,6 +655,7 @@ Plan make_plan(const PlanInputs& inputs) {
     plan.flops_per_step = static_cast<double>(t.grad_accumulation) * 2 * tokens *
                           ((passes - 1) * psi + passes * adapters);
     LoraStates lora;
+    lora.base_bytes_per_param = base_bytes_per_param(inputs, 3);
     lora.base_nbytes = lora.base_bytes_per_param * psi;
     lora.adapter_nbytes = lora.adapter_bytes_per_param * adapters;
     lora.full_finetune_nbytes = (kParam16Bytes + kGrad16Bytes + kOptimizerBytes) * psi;
@@ -649,9 +665,10 @@ Plan make_plan(const PlanInputs& inputs) {
     // ZeRO's stages with the base's weights in place of its states: stage 1
     // partitions the adapters' K, 2 their gradients too, 3 everything.
     const double n = static_cast<double>(inputs.machine.data_parallel);
-    const double base = lora.base_nbytes, w = kAdapterParamBytes * adapters,
-                 g = kAdapterGradBytes * adapters, k = kOptimizerBytes * adapters;
-    plan.zero_stage_nbytes = {base + w + g + k, base + w + g + k / n, base + w + (g + k) / n,
+    // (An FP8 base stays FP8 at stage 3 only.)
+    const double base = lora.base_nbytes, base16 = base_bytes_per_param(inputs, 2) * psi,
+                 w = kAdapterParamBytes * adapters, g = kAdapterGradBytes * adapters, k = kOptimizerBytes * adapters;
+    plan.zero_stage_nbytes = {base16 + w + g + k, base16 + w + g + k / n, base16 + w + (g + k) / n,
                               (base + w + g + k) / n};
     plan.lora = lora;
   }

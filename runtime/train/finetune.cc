@@ -48,6 +48,38 @@
 namespace strata::train {
 namespace {
 
+// What LoRA's frozen base takes at home when an FP8 checkpoint's weights stay
+// FP8 (ParamInfo::fp8), against the bf16 they would take dequantized.
+void log_fp8_base(const engine::Engine& engine, const nn::DecoderConfig& config,
+                  const engine::ZeroEngineOptions& zero) {
+  if (config.quant.method != nn::QuantMethod::kFp8Block) return;
+  int64_t kept = 0, elements = 0, scale_bytes = 0, other_bytes = 0;
+  for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) {
+    const engine::ParamInfo& p = engine.param_info(id);
+    if (!p.frozen) continue;
+    if (p.fp8) {
+      ++kept;
+      elements += p.numel();
+      scale_bytes += p.fp8->grid_numel() * static_cast<int64_t>(sizeof(float));
+    } else {
+      other_bytes += static_cast<int64_t>(p.nbytes());
+    }
+  }
+  constexpr double kMiB = 1 << 20;
+  if (kept == 0) {
+    logger().info("finetune: the FP8 checkpoint's frozen weights are dequantized to the run's dtype (a frozen base "
+                  "stays FP8 with LoRA at ZeRO stage 3)");
+    return;
+  }
+  logger().info("finetune: the frozen base keeps {} FP8 weights in FP8 on {}: {:.3f} MiB of e4m3 and {:.3f} MiB of "
+                "scales, where bf16 would take {:.3f} MiB ({:.2f}x); its other {} MiB are stored as the run's "
+                "(embedding, norms, unquantized weights)",
+                kept, tier_name(zero.param_tier), static_cast<double>(elements) / kMiB,
+                static_cast<double>(scale_bytes) / kMiB, 2.0 * static_cast<double>(elements) / kMiB,
+                static_cast<double>(elements + scale_bytes) / (2.0 * static_cast<double>(elements)),
+                fmt::format("{:.3f}", static_cast<double>(other_bytes) / kMiB));
+}
+
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -470,6 +502,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       logger().info("--freeze: {} of {} parameter tensors ({} elements) are not trained", frozen.tensors,
                     frozen.total_tensors, frozen.elements);
     }
+    // LoRA's base from an FP8 checkpoint stays FP8 at home (ZeRO-3; docs/DESIGN.md
+    // §4.2.2). Not --freeze's: its checkpoints save the frozen tensors, which
+    // `strata export` reads back in the run's dtype.
+    if (lora.enabled() && !options.model.empty()) {
+      std::vector<engine::ParamId> all;
+      for (const auto& stage : stages) {
+        const std::vector<engine::ParamId> ids = stage->parameters();
+        all.insert(all.end(), ids.begin(), ids.end());
+      }
+      keep_fp8_frozen(engine, all, options.model, model_config.quant);
+    }
     engine.finalize();
   } catch (const Error& e) {
     if (e.category() != ErrorCategory::kOutOfMemory) throw;
@@ -523,6 +566,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     load_hf_weights(engine, base, options.model, carried, model_config.quant);
   }
   nn::initialize_parameters(engine, adapters, seed);
+  if (rank.rank == 0) log_fp8_base(engine, model_config, zero);
   if (start_adapter) {
     // Exactly the adapters this model declares: a tensor more or less is refused by name.
     nn::load_parameters(engine, adapters, start_adapter->weights.string(), false, std::string(nn::kPeftPrefix));

@@ -135,7 +135,7 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
     nn::SafetensorsFile f = nn::SafetensorsFile::open(path.string());
     for (const std::string& name : f.names()) {
       const nn::SafetensorsEntry& e = f.entry(name);
-      const auto [it, fresh] = stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
+      const auto [it, fresh] = stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape, e.e8m0});
       STRATA_CHECK(fresh, kBadArgument, "--model {}: tensor '{}' is in both {} and {}", dir.string(),
                            name, it->second.file, file);
       STRATA_CHECK(
@@ -250,20 +250,56 @@ std::map<std::string, fs::path> carried_hf_tensors(const nn::DecoderConfig& conf
   return carried;
 }
 
-void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const fs::path& dir, const std::set<std::string>& carried, const nn::CheckpointQuant& quant) {
-  const WeightFiles w = weight_files(dir);
-  // Every file mapped once, and what it holds.
+namespace {
+
+// Every weights file of a directory mapped once, and what each holds.
+struct Catalogue {
+  WeightFiles w;
   std::map<std::string, nn::SafetensorsFile> opened;
   nn::CheckpointTensors stored;
-  for (const std::string& file : w.files) {
+};
+
+Catalogue open_catalogue(const fs::path& dir) {
+  Catalogue c;
+  c.w = weight_files(dir);
+  for (const std::string& file : c.w.files) {
     nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
     for (const std::string& name : f.names()) {
       const nn::SafetensorsEntry& e = f.entry(name);
-      stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape});
+      c.stored.emplace(name, nn::CheckpointTensor{file, e.dtype, e.shape, e.e8m0});
     }
-    opened.emplace(file, std::move(f));
+    c.opened.emplace(file, std::move(f));
   }
+  return c;
+}
+
+}  // namespace
+
+int64_t keep_fp8_frozen(engine::Engine& engine, const std::vector<engine::ParamId>& params, const fs::path& dir,
+                        const nn::CheckpointQuant& quant) {
+  if (quant.method != nn::QuantMethod::kFp8Block) return 0;
+  const Catalogue c = open_catalogue(dir);
+  const nn::DequantizedView view = nn::dequantized_view(quant, c.stored, dir.string());
+  int64_t kept = 0;
+  for (engine::ParamId id : params) {
+    const engine::ParamInfo& info = engine.param_info(id);
+    if (!info.frozen || info.slice) continue;
+    const auto q = view.quantized.find(info.name);
+    if (q == view.quantized.end() || q->second.method != nn::QuantMethod::kFp8Block || q->second.shape != info.shape) {
+      continue;  // load_hf_weights names a shape that differs
+    }
+    engine.store_fp8_blocks(id, quant.block_rows, quant.block_cols);
+    ++kept;
+  }
+  return kept;
+}
+
+void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                     const fs::path& dir, const std::set<std::string>& carried, const nn::CheckpointQuant& quant) {
+  Catalogue catalogue = open_catalogue(dir);
+  const WeightFiles& w = catalogue.w;
+  const std::map<std::string, nn::SafetensorsFile>& opened = catalogue.opened;
+  const nn::CheckpointTensors& stored = catalogue.stored;
   const nn::DequantizedView view = nn::dequantized_view(quant, stored, dir.string());
   // Each parameter goes with the file its (untiled) tensor lives in; a
   // quantized one with the reader that dequantizes it.
@@ -313,6 +349,15 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     const nn::QuantizedTensor* q = entry.second;
     const TensorView data = opened.at(stored.at(q->data).file).view(q->data);
     const TensorView scale = opened.at(stored.at(q->scale).file).view(q->scale);
+    if (engine.param_info(id).fp8) {
+      // Kept in FP8 by the engine (keep_fp8_frozen): the bytes and scales as stored.
+      std::vector<float> grid = nn::fp32_scale_grid(scale);  // an F8_E8M0 grid's values in fp32
+      const TensorView grid_view{TensorDesc{DType::kF32, scale.desc.shape, Tier::kCpu}, grid.data()};
+      engine.write_fp8_blocks(id, grid_view, [&](int64_t first, const TensorView& host) {
+        std::memcpy(host.data, static_cast<const uint8_t*>(data.data) + first, static_cast<size_t>(host.numel()));
+      });
+      continue;
+    }
     nn::load_parameter(engine, id, [&](int64_t first, int64_t n, void* dst, DType dst_dtype) {
       if (q->method == nn::QuantMethod::kFp8Block) {
         nn::dequantize_fp8_block(data, scale, quant.block_rows, quant.block_cols, first, n, dst, dst_dtype);

@@ -313,3 +313,92 @@ TEST_CASE("quant: FP8 blocks of any size dequantize the same whatever range is r
     }
   }
 }
+
+TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bits for every FP8 weight of the "
+          "fixture, and its front end refuses what is not an FP8 weight with its grid",
+          "[nn][quant][ops]") {
+  const fs::path dir = golden("fp8_deepseek_v3");
+  const nn::SafetensorsFile want = nn::SafetensorsFile::open((dir / "dequantized.safetensors").string());
+  std::map<std::string, nn::SafetensorsFile> shards;
+  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}) {
+    shards.emplace(f, nn::SafetensorsFile::open((dir / f).string()));
+  }
+  const auto find = [&](const std::string& name) {
+    for (const auto& [file, s] : shards) {
+      if (s.contains(name)) return s.view(name);
+    }
+    FAIL("no tensor " << name);
+    return TensorView{};
+  };
+  test::Rig rig;
+  ops::Ops& ops = rig.engine->ops();
+  ops::ComputeContext& ctx = rig.engine->compute();
+  const auto on_device = [&](const TensorView& host) {
+    Tensor t = rig.accelerator->allocate_tensor(host.desc.dtype, host.desc.shape);
+    std::memcpy(t.data(), host.data, host.nbytes());  // the cpu accelerator's memory is host memory
+    return t;
+  };
+  int checked = 0;
+  for (const std::string& name : want.names()) {
+    if (!name.ends_with(".f32")) continue;
+    const std::string weight = name.substr(0, name.size() - 4);
+    INFO(weight);
+    const Tensor w = on_device(find(weight)), s = on_device(find(weight + "_scale_inv"));
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      Tensor out = rig.accelerator->allocate_tensor(dtype, w.view().desc.shape);
+      ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 128, 128, out.view());
+      rig.engine->compute_stream().synchronize();
+      CHECK(bytes_of(out.view()) == bytes_of(want.view(weight + (dtype == DType::kF32 ? ".f32" : ".bf16"))));
+    }
+    ++checked;
+  }
+  CHECK(checked == 22);
+  // Refused before anything is enqueued, naming the argument.
+  const Tensor w = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"));  // [144, 136]
+  const Tensor s = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"));
+  Tensor out = rig.accelerator->allocate_tensor(DType::kBF16, {144, 136});
+  const auto refused = [&](const std::function<void()>& call, const std::string& says) {
+    try {
+      call();
+      FAIL("accepted; expected: " << says);
+    } catch (const Error& e) {
+      CHECK(e.category() == ErrorCategory::kBadArgument);
+      CHECK_THAT(e.what(), Catch::Contains("dequantize_fp8_blocks") && Catch::Contains(says));
+    }
+  };
+  refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 64, 128, out.view()); }, "scale_inv has shape [2, 2]");
+  refused([&] { ops.dequantize_fp8_blocks(ctx, s.view(), s.view(), 128, 128, out.view()); }, "weight has dtype fp32");
+  refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 0, 128, out.view()); }, "blocks of 0 x 128");
+  Tensor wrong = rig.accelerator->allocate_tensor(DType::kBF16, {136, 144});
+  refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 128, 128, wrong.view()); }, "out has shape");
+}
+
+TEST_CASE("quant: an F8_E8M0 scale grid (transformers' ue8m0 saves) reads as its exponents and dequantizes to "
+          "transformers' values bit for bit, and a plain uint8 grid is refused",
+          "[nn][quant]") {
+  const nn::SafetensorsFile t = nn::SafetensorsFile::open(golden("quant/tables.safetensors"));
+  const nn::SafetensorsEntry& grid = t.entry("e8m0_weight_scale_inv");
+  CHECK(grid.e8m0);
+  CHECK(grid.dtype == DType::kU8);
+  CHECK_FALSE(t.entry("scales").e8m0);  // MXFP4's exponents are stored U8
+  const TensorView w = t.view("e8m0_weight"), s = t.view("e8m0_weight_scale_inv");
+  const std::vector<float> values = nn::fp32_scale_grid(s);
+  CHECK(values == std::vector<float>{std::ldexp(1.0f, -127), std::ldexp(1.0f, -10), 1.0f, std::ldexp(1.0f, 127)});
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    INFO(dtype_name(dtype));
+    std::vector<uint8_t> got(static_cast<size_t>(w.numel()) * dtype_nbytes(dtype));
+    nn::dequantize_fp8_block(w, s, 128, 128, 0, w.numel(), got.data(), dtype);
+    CHECK(got == bytes_of(t.view(dtype == DType::kF32 ? "e8m0_f32" : "e8m0_bf16")));
+  }
+  // A checkpoint's catalogue: an F8_E8M0 grid scales its FP8 weight; uint8 bytes do not.
+  const nn::CheckpointQuant q = nn::parse_checkpoint_quant(
+      {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"weight_block_size", {128, 128}}, {"scale_fmt", "ue8m0"}},
+      "config.json", "llama");
+  nn::CheckpointTensors tensors;
+  tensors["model.layers.0.mlp.up_proj.weight"] = {"model.safetensors", DType::kF8E4M3, {130, 136}};
+  tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = {"model.safetensors", DType::kU8, {2, 2}, true};
+  CHECK(nn::dequantized_view(q, tensors, "dir").quantized.size() == 1);
+  tensors["model.layers.0.mlp.up_proj.weight_scale_inv"].e8m0 = false;
+  CHECK_THROWS_WITH(nn::dequantized_view(q, tensors, "dir"),
+                    Catch::Contains("up_proj.weight_scale_inv") && Catch::Contains("F8_E8M0"));
+}

@@ -570,6 +570,33 @@ TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert paralle
   CHECK_FALSE(nlohmann::json::parse(three.output).contains("expert_parallel"));
 }
 
+TEST_CASE("plan: an FP8 checkpoint's LoRA base counts 1 byte per FP8 parameter and its scales at ZeRO-3, 2 below",
+          "[plan][quant]") {
+  // ψ = 1000 blocks of 128 x 128, 800 of them FP8; ψ_a = 100; N_d = 2.
+  constexpr double kBlock = 128 * 128;
+  PlanInputs in;
+  in.model.param_count = static_cast<int64_t>(1000 * kBlock);
+  in.lora = LoraShape{8, {"q_proj", "v_proj"}, 100};
+  in.lora->fp8_param_count = static_cast<int64_t>(800 * kBlock);
+  in.machine.data_parallel = 2;
+  in.machine.gpus_per_node = 2;
+  const Plan plan = make_plan(in);
+  REQUIRE(plan.lora);
+  const double base = 2 * 200 * kBlock + 800 * kBlock + 4 * 800;  // 16-bit rest, e4m3, a scale per block
+  CHECK(plan.lora->base_nbytes == Approx(base));
+  CHECK(plan.lora->base_bytes_per_param == Approx(base / (1000 * kBlock)));
+  CHECK(plan.lora->base_bytes_per_param < 1.21);
+  CHECK(plan.zero_stage_nbytes[3] == Approx((base + 2000) / 2));
+  CHECK(plan.zero_stage_nbytes[2] == Approx(2 * 1000 * kBlock + 400 + 800));  // below stage 3: dequantized
+  CHECK(find(plan, {3, Tier::kNvme, Tier::kCpu}).param16.nvme == Approx((base + 400) / 2));
+  CHECK(find(plan, {1, Tier::kGpu, Tier::kGpu}).param16.gpu == Approx(2 * 1000 * kBlock + 400));
+  // Without FP8 weights the base is 16-bit at every stage.
+  in.lora->fp8_param_count = 0;
+  CHECK(make_plan(in).lora->base_bytes_per_param == 2);
+  in.lora->fp8_param_count = static_cast<int64_t>(1001 * kBlock);
+  CHECK_THROWS_WITH(make_plan(in), Catch::Contains("FP8 parameters"));
+}
+
 TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
   const std::string model = strata::test::source_dir() + "/tests/data/golden/llama_untied_f32";
   const auto lora = [&](const std::string& args) {
@@ -631,6 +658,14 @@ TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes
   CHECK(sizes["lora"]["adapter_param_count"] == 2 * (4 * 512 + 3 * 640));
   // Without --lora-rank there is no LoRA section.
   CHECK(!lora("--model " + model).contains("lora"));
+  // An FP8 checkpoint (tests/data/golden/fp8_llama: its 14 layer weights
+  // FP8, 245,760 elements): the base at a byte per FP8 parameter at ZeRO-3.
+  const auto fp8 = lora("--model " + strata::test::source_dir() + "/tests/data/golden/fp8_llama --lora-rank 4");
+  CHECK(fp8["lora"]["base_fp8_param_count"] == 245'760);
+  const double fp8_base = fp8["lora"]["base_param_count"].get<double>();
+  CHECK(fp8["lora"]["base_bytes"].get<double>() ==
+        Approx(2 * (fp8_base - 245'760) + 245'760 + 4 * 245'760 / 16384.0).margin(1));
+  CHECK(lora("--model " + model + " --lora-rank 8")["lora"]["base_fp8_param_count"] == 0);
 
   const auto text = run_command(strata_binary() + " plan --model " + model +
                                 " --lora-rank 8 --lora-targets all-linear --gpu-mem 1GB");

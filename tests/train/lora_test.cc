@@ -21,6 +21,7 @@
 #include "runtime/nn/param_files.h"
 #include "runtime/nn/lora.h"
 #include "runtime/nn/safetensors.h"
+#include "runtime/train/hf_model.h"
 #include "runtime/train/peft_adapter.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/finetune_files.h"
@@ -480,4 +481,75 @@ TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism
   INFO("base " << plain << ", base + adapter " << adapted << ", merged " << merged);
   CHECK(std::abs(adapted - merged) <= 1e-5 * adapted);
   CHECK(std::abs(adapted - plain) > 1e-3 * plain);
+TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap file half of bf16's, and trains to the "
+          "dequantized base's losses bit for bit",
+          "[finetune][lora][quant]") {
+  strata::test::TempDir dir("lora-fp8");
+  const std::string fp8 = strata::test::source_dir() + "/tests/data/golden/fp8_llama";
+  // Its dequantized twin: the reader's values (transformers' dequantization,
+  // tests/nn/nn_quant_test.cc) stored bf16, without the quantization_config.
+  const std::string twin = dir.file("bf16");
+  fs::create_directories(twin);
+  json twin_config = read_json(fp8 + "/config.json");
+  REQUIRE(twin_config.contains("quantization_config"));
+  twin_config.erase("quantization_config");
+  write_file(dir, "bf16/config.json", twin_config.dump(2));
+  int64_t fp8_numel = 0;
+  {
+    strata::test::Rig rig;
+    nn::DecoderModelOptions options;
+    options.dtype = strata::DType::kBF16;
+    const nn::DecoderConfig c = strata::train::load_hf_config(fp8);
+    nn::DecoderModel model(*rig.engine, c, options);
+    rig.engine->finalize();
+    strata::train::load_hf_weights(*rig.engine, model.parameters(), fp8, {}, c.quant);
+    nn::save_parameters(*rig.engine, model.parameters(), twin + "/model.safetensors");
+    const nn::SafetensorsFile stored = nn::SafetensorsFile::open(fp8 + "/model.safetensors");
+    for (const std::string& name : stored.names()) {
+      if (stored.entry(name).dtype == strata::DType::kF8E4M3) fp8_numel += stored.view(name).numel();
+    }
+  }
+  REQUIRE(fp8_numel == 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 192 * 128));
+  const std::string data = tokens(dir);
+  const auto run = [&](const std::string& model, const std::string& name) {
+    const std::string swap = dir.file(name + "_swap");
+    const std::string config = write_file(dir, name + ".json", R"({
+      "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "bf16": {"enabled": true},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+      "zero_optimization": {"stage": 3, "sub_group_size": 1000, "reduce_bucket_size": 1000,
+        "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+        "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}},
+      "strata": {"keep_swap_files": true}})");
+    const auto result = run_command(strata_binary() + " finetune --config " + config + " --model " + model +
+                                    " --data " + data + " --data-format u16 --seq 8 --steps 4 --lora-rank 4 " +
+                                    "--lora-alpha 8 --lora-targets q_proj,v_proj,down_proj --out " +
+                                    dir.file(name + "_out") + " 2>&1");
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    std::vector<double> losses;
+    std::ifstream in(dir.file(name + "_out") + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty()) losses.push_back(json::parse(line)["loss"].get<double>());
+    }
+    return std::make_pair(result.output, losses);
+  };
+  const auto [kept_log, kept] = run(fp8, "fp8");
+  const auto [twin_log, dequantized] = run(twin, "bf16");
+  CHECK_THAT(kept_log, Catch::Contains("the frozen base keeps 14 FP8 weights in FP8 on nvme") &&
+                           Catch::Contains("(0.50x)"));
+  CHECK_THAT(twin_log, !Catch::Contains("FP8"));
+  REQUIRE(kept.size() == 4);
+  CHECK(kept == dequantized);  // the same dequantized values, every step's loss bit for bit
+  CHECK(std::isfinite(kept.front()));
+  // On disk: a byte per element of the FP8 weights, where the twin's bf16 home holds two.
+  const fs::path fp8_files = dir.file("fp8_swap") + "/param/rank0", twin_files = dir.file("bf16_swap") + "/param/rank0";
+  const auto size = [](const fs::path& p) {
+    REQUIRE(fs::exists(p));
+    return static_cast<int64_t>(fs::file_size(p));
+  };
+  const int64_t fp8_file = size(fp8_files / "fp8_e4m3_frozen.swp");
+  const int64_t rest = size(fp8_files / "bf16_frozen.swp"), all_bf16 = size(twin_files / "bf16_frozen.swp");
+  INFO("FP8 home " << fp8_file << " bytes, the rest of the base " << rest << ", the twin's bf16 base " << all_bf16);
+  CHECK(fp8_file == fp8_numel);
+  CHECK(all_bf16 - rest == 2 * fp8_file);
 }
