@@ -481,6 +481,8 @@ TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism
   INFO("base " << plain << ", base + adapter " << adapted << ", merged " << merged);
   CHECK(std::abs(adapted - merged) <= 1e-5 * adapted);
   CHECK(std::abs(adapted - plain) > 1e-3 * plain);
+}
+
 TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap file half of bf16's, and trains to the "
           "dequantized base's losses bit for bit",
           "[finetune][lora][quant]") {
