@@ -483,20 +483,30 @@ TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism
   CHECK(std::abs(adapted - plain) > 1e-3 * plain);
 }
 
-TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap file half of bf16's, and trains to the "
-          "dequantized base's losses bit for bit",
-          "[finetune][lora][quant]") {
-  strata::test::TempDir dir("lora-fp8");
-  const std::string fp8 = strata::test::source_dir() + "/tests/data/golden/fp8_llama";
-  // Its dequantized twin: the reader's values (transformers' dequantization,
-  // tests/nn/nn_quant_test.cc) stored bf16, without the quantization_config.
+namespace {
+
+// A LoRA run on an FP8 checkpoint (`fixture`, under tests/data/golden) and on
+// its dequantized twin (the reader's values, transformers' dequantization as
+// tests/nn/nn_quant_test.cc checks, stored bf16 without the
+// quantization_config), `ranks` ranks, ZeRO-3 with the base and optimizer on
+// NVMe: every step's loss bit for bit the twin's, the FP8 weights' home a byte
+// per element. Returns the FP8 run's log, the swap directories and the FP8
+// element count.
+struct Fp8Runs {
+  std::string kept_log;
+  fs::path kept_swap, twin_swap;
+  int64_t fp8_numel = 0;
+};
+Fp8Runs check_fp8_base_kept(const strata::test::TempDir& dir, const std::string& fixture, int ranks, int vocab,
+                            const std::string& targets) {
+  const std::string fp8 = strata::test::source_dir() + "/tests/data/golden/" + fixture;
   const std::string twin = dir.file("bf16");
   fs::create_directories(twin);
   json twin_config = read_json(fp8 + "/config.json");
   REQUIRE(twin_config.contains("quantization_config"));
   twin_config.erase("quantization_config");
   write_file(dir, "bf16/config.json", twin_config.dump(2));
-  int64_t fp8_numel = 0;
+  Fp8Runs runs;
   {
     strata::test::Rig rig;
     nn::DecoderModelOptions options;
@@ -506,13 +516,17 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
     rig.engine->finalize();
     strata::train::load_hf_weights(*rig.engine, model.parameters(), fp8, {}, c.quant);
     nn::save_parameters(*rig.engine, model.parameters(), twin + "/model.safetensors");
-    const nn::SafetensorsFile stored = nn::SafetensorsFile::open(fp8 + "/model.safetensors");
-    for (const std::string& name : stored.names()) {
-      if (stored.entry(name).dtype == strata::DType::kF8E4M3) fp8_numel += stored.view(name).numel();
+    for (const fs::path& shard : fs::directory_iterator(fp8)) {
+      if (shard.extension() != ".safetensors") continue;
+      const nn::SafetensorsFile stored = nn::SafetensorsFile::open(shard.string());
+      for (const std::string& name : stored.names()) {
+        if (stored.entry(name).dtype == strata::DType::kF8E4M3) runs.fp8_numel += stored.view(name).numel();
+      }
     }
   }
-  REQUIRE(fp8_numel == 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 192 * 128));
-  const std::string data = tokens(dir);
+  const std::string data = tokens(dir, vocab);
+  const std::string launch =
+      ranks > 1 ? strata_binary() + " run -n " + std::to_string(ranks) + " -- " + strata_binary() : strata_binary();
   const auto run = [&](const std::string& model, const std::string& name) {
     const std::string swap = dir.file(name + "_swap");
     const std::string config = write_file(dir, name + ".json", R"({
@@ -522,10 +536,9 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
         "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
         "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}},
       "strata": {"keep_swap_files": true}})");
-    const auto result = run_command(strata_binary() + " finetune --config " + config + " --model " + model +
-                                    " --data " + data + " --data-format u16 --seq 8 --steps 4 --lora-rank 4 " +
-                                    "--lora-alpha 8 --lora-targets q_proj,v_proj,down_proj --out " +
-                                    dir.file(name + "_out") + " 2>&1");
+    const auto result = run_command(launch + " finetune --config " + config + " --model " + model + " --data " +
+                                    data + " --data-format u16 --seq 8 --steps 4 --lora-rank 4 --lora-alpha 8 " +
+                                    "--lora-targets " + targets + " --out " + dir.file(name + "_out") + " 2>&1");
     INFO(result.output);
     REQUIRE(result.exit_code == 0);
     std::vector<double> losses;
@@ -537,21 +550,53 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
   };
   const auto [kept_log, kept] = run(fp8, "fp8");
   const auto [twin_log, dequantized] = run(twin, "bf16");
-  CHECK_THAT(kept_log, Catch::Contains("the frozen base keeps 14 FP8 weights in FP8 on nvme") &&
-                           Catch::Contains("(0.50x)"));
+  CHECK_THAT(kept_log, Catch::Contains("in FP8 on nvme") && Catch::Contains("(0.50x)"));
   CHECK_THAT(twin_log, !Catch::Contains("FP8"));
   REQUIRE(kept.size() == 4);
   CHECK(kept == dequantized);  // the same dequantized values, every step's loss bit for bit
   CHECK(std::isfinite(kept.front()));
+  runs.kept_log = kept_log;
+  runs.kept_swap = dir.file("fp8_swap") + "/param";
+  runs.twin_swap = dir.file("bf16_swap") + "/param";
+  return runs;
+}
+
+int64_t file_size_of(const fs::path& p) {
+  REQUIRE(fs::exists(p));
+  return static_cast<int64_t>(fs::file_size(p));
+}
+
+}  // namespace
+
+TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap file half of bf16's, and trains to the "
+          "dequantized base's losses bit for bit",
+          "[finetune][lora][quant]") {
+  strata::test::TempDir dir("lora-fp8");
+  const Fp8Runs runs = check_fp8_base_kept(dir, "fp8_llama", 1, 61, "q_proj,v_proj,down_proj");
+  REQUIRE(runs.fp8_numel == 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 192 * 128));
+  CHECK_THAT(runs.kept_log, Catch::Contains("the frozen base keeps 14 FP8 weights in FP8 on nvme"));
   // On disk: a byte per element of the FP8 weights, where the twin's bf16 home holds two.
-  const fs::path fp8_files = dir.file("fp8_swap") + "/param/rank0", twin_files = dir.file("bf16_swap") + "/param/rank0";
-  const auto size = [](const fs::path& p) {
-    REQUIRE(fs::exists(p));
-    return static_cast<int64_t>(fs::file_size(p));
-  };
-  const int64_t fp8_file = size(fp8_files / "fp8_e4m3_frozen.swp");
-  const int64_t rest = size(fp8_files / "bf16_frozen.swp"), all_bf16 = size(twin_files / "bf16_frozen.swp");
+  const fs::path fp8_files = runs.kept_swap / "rank0", twin_files = runs.twin_swap / "rank0";
+  const int64_t fp8_file = file_size_of(fp8_files / "fp8_e4m3_frozen.swp");
+  const int64_t rest = file_size_of(fp8_files / "bf16_frozen.swp"),
+                all_bf16 = file_size_of(twin_files / "bf16_frozen.swp");
   INFO("FP8 home " << fp8_file << " bytes, the rest of the base " << rest << ", the twin's bf16 base " << all_bf16);
-  CHECK(fp8_file == fp8_numel);
+  CHECK(fp8_file == runs.fp8_numel);
   CHECK(all_bf16 - rest == 2 * fp8_file);
+}
+
+TEST_CASE("strata run -n 2: LoRA on a DeepSeek-V3 FP8 checkpoint (ragged blocks) with its experts split over the "
+          "ranks keeps the base and the experts in FP8 on NVMe and trains to the dequantized base's losses bit for bit",
+          "[finetune][lora][quant][moe]") {
+  strata::test::TempDir dir("lora-fp8-moe");
+  const Fp8Runs runs = check_fp8_base_kept(dir, "fp8_deepseek_v3", 2, 32,
+                                           "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj");
+  CHECK_THAT(runs.kept_log, Catch::Contains("the frozen base keeps 22 FP8 weights in FP8 on nvme") &&
+                                Catch::Contains("expert parallelism: 2 ranks split the 2 experts"));
+  for (const char* rank : {"rank0", "rank1"}) {
+    // Each rank's share of the FP8 weights, the routed experts' own file beside them.
+    CHECK(file_size_of(runs.kept_swap / rank / "fp8_e4m3_frozen.swp") > 0);
+    CHECK(file_size_of(runs.kept_swap / rank / "fp8_e4m3_frozen_experts.swp") > 0);
+    CHECK_FALSE(fs::exists(runs.kept_swap / rank / "bf16_frozen_experts.swp"));
+  }
 }
