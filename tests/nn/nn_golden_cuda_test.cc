@@ -1,5 +1,6 @@
 // The golden checks (nn_golden_test.cc) on the cuda accelerator; SKIPPED
 // without a GPU. Default activations on cuda are the parameter dtype.
+#include "tests/nn/fp8_checks.h"
 #include "tests/nn/golden_checks.h"
 #include "tests/support/tolerances.h"
 #include "tests/support/test_paths.h"
@@ -72,44 +73,6 @@ TEST_CASE("golden on cuda: FP8 blocks dequantize to transformers' bits, as the c
           "[nn][golden][cuda][quant]") {
   // Every FP8 weight of the DeepSeek fixture (ragged blocks) through
   // Ops::dequantize_fp8_blocks on the device, fp32 and bf16.
-  const std::string dir = strata::test::source_dir() + "/tests/data/golden/fp8_deepseek_v3/";
-  const nn::SafetensorsFile want = nn::SafetensorsFile::open(dir + "dequantized.safetensors");
-  std::vector<nn::SafetensorsFile> shards;
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}) {
-    shards.push_back(nn::SafetensorsFile::open(dir + f));
-  }
-  const auto find = [&](const std::string& name) {
-    for (const auto& s : shards) {
-      if (s.contains(name)) return s.view(name);
-    }
-    FAIL("no tensor " << name);
-    return TensorView{};
-  };
   Rig rig(Backend::kCuda);
-  Stream& stream = rig.engine->compute_stream();
-  const auto upload = [&](const TensorView& host) {
-    Tensor t = rig.accelerator->allocate_tensor(host.desc.dtype, host.desc.shape);
-    rig.accelerator->copy_async(t.data(), host.data, host.nbytes(), CopyKind::kHostToDevice, stream);
-    stream.synchronize();
-    return t;
-  };
-  int checked = 0;
-  for (const std::string& name : want.names()) {
-    if (!name.ends_with(".f32")) continue;
-    const std::string weight = name.substr(0, name.size() - 4);
-    INFO(weight);
-    const Tensor w = upload(find(weight)), s = upload(find(weight + "_scale_inv"));
-    for (const DType dtype : {DType::kF32, DType::kBF16}) {
-      Tensor out = rig.accelerator->allocate_tensor(dtype, w.view().desc.shape);
-      rig.engine->ops().dequantize_fp8_blocks(rig.engine->compute(), w.view(), s.view(), 128, 128, out.view());
-      std::vector<uint8_t> got(out.view().nbytes());
-      rig.accelerator->copy_async(got.data(), out.data(), got.size(), CopyKind::kDeviceToHost, stream);
-      stream.synchronize();
-      const TensorView golden = want.view(weight + (dtype == DType::kF32 ? ".f32" : ".bf16"));
-      const auto* g = static_cast<const uint8_t*>(golden.data);
-      CHECK(got == std::vector<uint8_t>(g, g + golden.nbytes()));
-    }
-    ++checked;
-  }
-  CHECK(checked == 22);
+  CHECK(check_fp8_dequantize_golden(rig, Fp8Fixture()) == 22);
 }

@@ -24,6 +24,7 @@
 #include "runtime/train/hf_model.h"
 #include "tests/nn/config_checks.h"
 #include "tests/nn/engine_rig.h"
+#include "tests/nn/fp8_checks.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/test_paths.h"
 
@@ -317,42 +318,13 @@ TEST_CASE("quant: FP8 blocks of any size dequantize the same whatever range is r
 TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bits for every FP8 weight of the "
           "fixture, and its front end refuses what is not an FP8 weight with its grid",
           "[nn][quant][ops]") {
-  const fs::path dir = golden("fp8_deepseek_v3");
-  const nn::SafetensorsFile want = nn::SafetensorsFile::open((dir / "dequantized.safetensors").string());
-  std::map<std::string, nn::SafetensorsFile> shards;
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}) {
-    shards.emplace(f, nn::SafetensorsFile::open((dir / f).string()));
-  }
-  const auto find = [&](const std::string& name) {
-    for (const auto& [file, s] : shards) {
-      if (s.contains(name)) return s.view(name);
-    }
-    FAIL("no tensor " << name);
-    return TensorView{};
-  };
+  const test::Fp8Fixture fixture;
+  const auto find = [&](const std::string& name) { return fixture.find(name); };
   test::Rig rig;
   ops::Ops& ops = rig.engine->ops();
   ops::ComputeContext& ctx = rig.engine->compute();
-  const auto on_device = [&](const TensorView& host) {
-    Tensor t = rig.accelerator->allocate_tensor(host.desc.dtype, host.desc.shape);
-    std::memcpy(t.data(), host.data, host.nbytes());  // the cpu accelerator's memory is host memory
-    return t;
-  };
-  int checked = 0;
-  for (const std::string& name : want.names()) {
-    if (!name.ends_with(".f32")) continue;
-    const std::string weight = name.substr(0, name.size() - 4);
-    INFO(weight);
-    const Tensor w = on_device(find(weight)), s = on_device(find(weight + "_scale_inv"));
-    for (const DType dtype : {DType::kF32, DType::kBF16}) {
-      Tensor out = rig.accelerator->allocate_tensor(dtype, w.view().desc.shape);
-      ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 128, 128, out.view());
-      rig.engine->compute_stream().synchronize();
-      CHECK(bytes_of(out.view()) == bytes_of(want.view(weight + (dtype == DType::kF32 ? ".f32" : ".bf16"))));
-    }
-    ++checked;
-  }
-  CHECK(checked == 22);
+  const auto on_device = [&](const TensorView& host) { return test::upload(rig, host); };
+  CHECK(test::check_fp8_dequantize_golden(rig, fixture) == 22);
   // Refused before anything is enqueued, naming the argument.
   const Tensor w = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight"));  // [144, 136]
   const Tensor s = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"));
