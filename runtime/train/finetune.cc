@@ -49,35 +49,38 @@ namespace strata::train {
 namespace {
 
 // What LoRA's frozen base takes at home when an FP8 checkpoint's weights stay
-// FP8 (ParamInfo::fp8), against the bf16 they would take dequantized.
+// FP8 (ParamInfo::fp8), against what they would take dequantized to the run's dtype.
 void log_fp8_base(const engine::Engine& engine, const nn::DecoderConfig& config,
                   const engine::ZeroEngineOptions& zero) {
   if (config.quant.method != nn::QuantMethod::kFp8Block) return;
-  int64_t kept = 0, elements = 0, scale_bytes = 0, other_bytes = 0;
+  int64_t kept = 0, fp8_bytes = 0, scale_bytes = 0, dequantized_bytes = 0, other_bytes = 0;
+  DType compute_dtype = DType::kBF16;  // what the kept weights are dequantized to (the base's dtype)
   for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) {
     const engine::ParamInfo& p = engine.param_info(id);
     if (!p.frozen) continue;
     if (p.fp8) {
       ++kept;
-      elements += p.numel();
+      fp8_bytes += p.numel();  // a byte per element
       scale_bytes += p.fp8->grid_numel() * static_cast<int64_t>(sizeof(float));
+      dequantized_bytes += static_cast<int64_t>(p.nbytes());
+      compute_dtype = p.dtype;
     } else {
       other_bytes += static_cast<int64_t>(p.nbytes());
     }
   }
-  constexpr double kMiB = 1 << 20;
   if (kept == 0) {
     logger().info("finetune: the FP8 checkpoint's frozen weights are dequantized to the run's dtype (a frozen base "
                   "stays FP8 with LoRA at ZeRO stage 3)");
     return;
   }
+  constexpr double kMiB = 1 << 20;
+  const auto mib = [&](int64_t n) { return static_cast<double>(n) / kMiB; };
   logger().info("finetune: the frozen base keeps {} FP8 weights in FP8 on {}: {:.3f} MiB of e4m3 and {:.3f} MiB of "
-                "scales, where bf16 would take {:.3f} MiB ({:.2f}x); its other {} MiB are stored as the run's "
-                "(embedding, norms, unquantized weights)",
-                kept, tier_name(zero.param_tier), static_cast<double>(elements) / kMiB,
-                static_cast<double>(scale_bytes) / kMiB, 2.0 * static_cast<double>(elements) / kMiB,
-                static_cast<double>(elements + scale_bytes) / (2.0 * static_cast<double>(elements)),
-                fmt::format("{:.3f}", static_cast<double>(other_bytes) / kMiB));
+                "scales, where the run's {} would take {:.3f} MiB ({:.2f}x); its other {:.3f} MiB are stored as the "
+                "run's (embedding, norms, unquantized weights)",
+                kept, tier_name(zero.param_tier), mib(fp8_bytes), mib(scale_bytes), dtype_name(compute_dtype),
+                mib(dequantized_bytes), static_cast<double>(fp8_bytes + scale_bytes) / static_cast<double>(dequantized_bytes),
+                mib(other_bytes));
 }
 
 using Clock = std::chrono::steady_clock;
