@@ -98,6 +98,26 @@ double loss_of(const std::string& model_dir, const std::string& adapter_dir, con
   return model.loss();
 }
 
+// A --merge-lora export against its base: every targeted weight moved and
+// every other tensor is the base's bit for bit; returns how many moved.
+int merged_weights_changed(const std::string& base_weights, const std::string& merged_weights,
+                           const nn::LoraSpec& spec) {
+  const nn::SafetensorsFile before = nn::SafetensorsFile::open(base_weights);
+  const nn::SafetensorsFile after = nn::SafetensorsFile::open(merged_weights);
+  REQUIRE(after.names().size() == before.names().size());
+  int changed = 0;
+  for (const std::string& name : before.names()) {
+    INFO(name);
+    const strata::TensorView x = before.view(name), y = after.view(name);
+    REQUIRE(x.nbytes() == y.nbytes());
+    const bool same = std::memcmp(x.data, y.data, x.nbytes()) == 0;
+    const bool targeted = name.ends_with(".weight") && spec.targets_module(name.substr(0, name.size() - 7));
+    CHECK(same == !targeted);
+    changed += !same;
+  }
+  return changed;
+}
+
 }  // namespace
 
 TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVMe trains the adapters only, the "
@@ -168,19 +188,9 @@ TEST_CASE("LoRA: strata run -n 2 under ZeRO-3 with the base and optimizer on NVM
   // Merged: the targeted weights moved, every other tensor is the base's, bit for bit.
   const nn::SafetensorsFile before = nn::SafetensorsFile::open(base + "/model.safetensors");
   const nn::SafetensorsFile after = nn::SafetensorsFile::open(dir.file("merged") + "/model.safetensors");
-  REQUIRE(after.names().size() == before.names().size());
   const nn::LoraSpec spec{4, 8, false, {"q_proj", "v_proj", "down_proj"}};
-  int changed = 0;
-  for (const std::string& name : before.names()) {
-    INFO(name);
-    const strata::TensorView x = before.view(name), y = after.view(name);
-    REQUIRE(x.nbytes() == y.nbytes());
-    const bool same = std::memcmp(x.data, y.data, x.nbytes()) == 0;
-    const bool targeted = name.size() > 7 && spec.targets_module(name.substr(0, name.size() - 7));
-    CHECK(same == !targeted);
-    changed += !same;
-  }
-  CHECK(changed == c.num_hidden_layers * 3);
+  CHECK(merged_weights_changed(base + "/model.safetensors", dir.file("merged") + "/model.safetensors", spec) ==
+        c.num_hidden_layers * 3);
   // And each targeted weight is the base's W + s B A of the exported adapter
   // (to fp32 rounding): the frozen W itself did not move in training.
   for (const std::string& name : before.names()) {
@@ -458,21 +468,9 @@ TEST_CASE("LoRA on a mixture of experts: strata run -n 2 with expert parallelism
 
   // The merge moved exactly the targeted weights; the experts, the shared
   // experts, the routers, their correction biases and the rest are the base's, bit for bit.
-  const nn::SafetensorsFile before = nn::SafetensorsFile::open(base + "/model.safetensors");
-  const nn::SafetensorsFile after = nn::SafetensorsFile::open(dir.file("merged") + "/model.safetensors");
-  REQUIRE(after.names().size() == before.names().size());
   const nn::LoraSpec spec{4, 8, false, {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}};
-  int changed = 0;
-  for (const std::string& name : before.names()) {
-    INFO(name);
-    const strata::TensorView x = before.view(name), y = after.view(name);
-    REQUIRE(x.nbytes() == y.nbytes());
-    const bool same = std::memcmp(x.data, y.data, x.nbytes()) == 0;
-    const bool targeted = name.ends_with(".weight") && spec.targets_module(name.substr(0, name.size() - 7));
-    CHECK(same == !targeted);
-    changed += !same;
-  }
-  CHECK(changed == c.num_hidden_layers * 5);
+  CHECK(merged_weights_changed(base + "/model.safetensors", dir.file("merged") + "/model.safetensors", spec) ==
+        c.num_hidden_layers * 5);
 
   std::vector<int32_t> ids;
   for (int i = 0; i < 17; ++i) ids.push_back(static_cast<int32_t>((i * 29 + 5) % c.vocab_size));
