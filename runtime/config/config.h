@@ -100,7 +100,8 @@ struct StrataOptions {
   bool overlap_optimizer = true;
   // strata.micro_batch_order: step-major | layer-major | auto (docs/DESIGN.md §5.5).
   std::string micro_batch_order = "step-major";
-  // strata.layer_major_boundaries: device | cpu (pinned host memory, within strata.pinned_pool_size).
+  // strata.layer_major_boundaries: device | cpu (pinned host memory, within strata.pinned_pool_size) |
+  // nvme (a file under the nvme tier's nvme_path, staged through pinned memory).
   std::string layer_major_boundaries = "device";
 };
 

@@ -207,6 +207,9 @@ class ZeroEngine final : public Engine {
   // named by. job_size(): every rank.
   int job_rank() const;
   int job_size() const;
+  // The I/O handle of the tiers on NVMe (null when none is): others that
+  // stream through the same engine (layer-major's boundaries) borrow it.
+  nvme::AioHandle* nvme_io() const { return aio_.get(); }
   // After finalize: the sizes in use, with a size left to choose
   // (kChooseFromModel) replaced by the choice from the model's layers.
   const ZeroEngineOptions& options() const { return options_; }

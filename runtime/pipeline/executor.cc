@@ -42,14 +42,16 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
-    : PipelineExecutor(engine, &pp, spec, std::move(chunks), BoundaryHome::kDevice) {}
+    : PipelineExecutor(engine, &pp, spec, std::move(chunks), BoundaryHome::kDevice, BoundaryNvme{}) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec,
-                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home)
-    : PipelineExecutor(engine, nullptr, spec, std::move(chunks), home) {}
+                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home,
+                                   const BoundaryNvme& nvme)
+    : PipelineExecutor(engine, nullptr, spec, std::move(chunks), home, nvme) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
-                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home)
+                                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home,
+                                   const BoundaryNvme& nvme)
     : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp != nullptr ? pp->rank() : 0),
       busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()),
       last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)),
@@ -82,7 +84,7 @@ PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicat
     chunks_.push_back(std::move(chunk));
   }
   if (spec.local_handoff()) {
-    kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), chunks_.size(), home == BoundaryHome::kPinnedHost);
+    kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), static_cast<int>(chunks_.size()), home, nvme);
   }
   send_stream_ = engine.accelerator().create_stream();
   track_ = trace::make_track(fmt::format("pipeline stage {}", stage_));
@@ -205,63 +207,6 @@ void PipelineExecutor::send(const Action& a) {
 // (chunk k + 1's backwards of the step all run before chunk k's). The head
 // chunk is never recomputed (its forward adds the loss's gradient): the
 // schedule runs its backward right after its forward.
-struct PipelineExecutor::KeptBoundaries {
-  struct Buffer {
-    void* data = nullptr;
-    size_t nbytes = 0, capacity = 0;
-  };
-  KeptBoundaries(Accelerator& a, size_t chunks, bool host) : acc(a), pinned_host(host), inputs(chunks),
-                                                               resident(chunks, -1) {}
-  ~KeptBoundaries() {
-    for (auto& chunk : inputs) {
-      for (Buffer& b : chunk) free(b);
-    }
-    for (Buffer& b : grads) free(b);
-  }
-  void free(Buffer& b) {
-    if (b.data != nullptr) pinned_host ? acc.deallocate_pinned(b.data) : acc.deallocate(b.data);
-    b = Buffer{};
-  }
-  KeptBoundaries(const KeptBoundaries&) = delete;
-  KeptBoundaries& operator=(const KeptBoundaries&) = delete;
-  // `b` sized for `nbytes` (grown: what the stream still reads of the old one is done first).
-  void* hold(Buffer& b, size_t nbytes, Stream& stream) {
-    if (b.capacity < nbytes) {
-      if (b.data != nullptr) {
-        stream.synchronize();
-        free(b);
-      }
-      b.data = pinned_host ? acc.allocate_pinned(nbytes) : acc.allocate(nbytes);
-      b.capacity = nbytes;
-    }
-    b.nbytes = nbytes;
-    return b.data;
-  }
-  Buffer& input(int chunk, int micro_batch) {
-    auto& of_chunk = inputs[static_cast<size_t>(chunk)];
-    if (of_chunk.size() <= static_cast<size_t>(micro_batch)) of_chunk.resize(static_cast<size_t>(micro_batch) + 1);
-    return of_chunk[static_cast<size_t>(micro_batch)];
-  }
-  Buffer& grad(int micro_batch) {
-    if (grads.size() <= static_cast<size_t>(micro_batch)) grads.resize(static_cast<size_t>(micro_batch) + 1);
-    return grads[static_cast<size_t>(micro_batch)];
-  }
-  size_t nbytes() const {
-    size_t n = 0;
-    for (const auto& chunk : inputs) {
-      for (const Buffer& b : chunk) n += b.capacity;
-    }
-    for (const Buffer& b : grads) n += b.capacity;
-    return n;
-  }
-
-  Accelerator& acc;
-  bool pinned_host;                         // the buffers are pinned host memory (else accelerator memory)
-  std::vector<std::vector<Buffer>> inputs;  // [chunk][micro-batch]: the residual stream entering the chunk
-  std::vector<Buffer> grads;                // [micro-batch]: the gradient flowing down
-  std::vector<int> resident;                // [chunk]: the micro-batch whose activations its slot holds; -1 none
-};
-
 void PipelineExecutor::hand_over(int chunk, int micro_batch, int slot, bool gradient, bool into_slot) {
   const int chunks = static_cast<int>(chunks_.size());
   // The input comes from the chunk below and the output's gradient from the one above.
@@ -270,20 +215,42 @@ void PipelineExecutor::hand_over(int chunk, int micro_batch, int slot, bool grad
   const nn::DecoderModel::Boundary mine = chunks_[static_cast<size_t>(chunk)]->model->boundary(slot, 0, 0);
   const TensorView& view = gradient ? (into_slot ? mine.output_grad : mine.input_grad)
                                     : (into_slot ? mine.input : mine.output);
-  KeptBoundaries::Buffer& kept =
-      gradient ? kept_->grad(micro_batch) : kept_->input(into_slot ? chunk : chunk + 1, micro_batch);
-  Stream& stream = engine_.compute_stream();
+  const BoundaryKey key{into_slot ? chunk : chunk + 1, micro_batch, gradient};
   if (into_slot) {
-    STRATA_CHECK(kept.data != nullptr && kept.nbytes == view.nbytes(), kInternal,
-                 "micro-batch {} at chunk {}: the kept {} holds {} bytes, the slot's {}", micro_batch, chunk,
-                 gradient ? "gradient" : "input", kept.nbytes, view.nbytes());
-    engine_.accelerator().copy_async(view.data, kept.data, view.nbytes(),
-                                     kept_->pinned_host ? CopyKind::kHostToDevice : CopyKind::kDeviceToDevice, stream);
+    kept_->restore(key, view.data, view.nbytes(), engine_.compute_stream());
   } else {
-    void* to = kept_->hold(kept, view.nbytes(), stream);
-    engine_.accelerator().copy_async(to, view.data, view.nbytes(),
-                                     kept_->pinned_host ? CopyKind::kDeviceToHost : CopyKind::kDeviceToDevice, stream);
+    kept_->keep(key, view.data, view.nbytes(), engine_.compute_stream());
   }
+}
+
+void PipelineExecutor::prefetch_boundaries(const std::vector<Action>& list, size_t position, bool training) {
+  if (kept_->home() != BoundaryHome::kNvme) return;
+  // The restores of the compute actions after `position`, as compute() will
+  // make them (the slots' residents followed), up to one per micro-batch
+  // and one more: the rest of the chunk in hand and the start of the next.
+  const int micro_batches = schedule_.spec.micro_batches;
+  const int chunks = static_cast<int>(chunks_.size());
+  std::vector<int> resident = resident_;
+  std::vector<KeptBoundaries::Upcoming> upcoming;
+  std::vector<BoundaryKey> kept;  // kept by an action of the window, before any restore of it
+  for (size_t i = position + 1; i < list.size() && static_cast<int>(upcoming.size()) <= micro_batches; ++i) {
+    const Action& a = list[i];
+    if (!a.compute()) continue;
+    const int mb = training ? a.micro_batch : 0;
+    const auto restores = [&](const BoundaryKey& key) {
+      const bool read = std::find(kept.begin(), kept.end(), key) == kept.end();
+      upcoming.push_back({key, read});
+    };
+    if (a.kind == ActionKind::kForward) {
+      if (a.chunk > 0) restores({a.chunk, mb, false});
+      if (a.chunk + 1 < chunks) kept.push_back({a.chunk + 1, mb, false});
+      resident[static_cast<size_t>(a.chunk)] = a.micro_batch;
+    } else if (a.kind == ActionKind::kBackward) {
+      if (resident[static_cast<size_t>(a.chunk)] != a.micro_batch) restores({a.chunk, mb, false});
+      resident[static_cast<size_t>(a.chunk)] = -1;
+    }
+  }
+  kept_->prefetch(upcoming);
 }
 
 void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(int)>& micro_batch,
@@ -308,13 +275,13 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
         if (model.stage().head) model.loss_stats_async(index, losses_ + 2 * static_cast<size_t>(a.micro_batch));
         if (kept_) {
           hand_over(a.chunk, kept, index, false, false);
-          kept_->resident[static_cast<size_t>(a.chunk)] = a.micro_batch;
+          resident_[static_cast<size_t>(a.chunk)] = a.micro_batch;
         }
         break;
       }
       case ActionKind::kBackward:
         if (kept_) {
-          int& resident = kept_->resident[static_cast<size_t>(a.chunk)];
+          int& resident = resident_[static_cast<size_t>(a.chunk)];
           if (resident != a.micro_batch) {
             STRATA_CHECK(!model.stage().head, kInternal,
                          "{}: the head chunk's slot holds micro-batch {}, and its forward cannot run again (it adds "
@@ -343,7 +310,7 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
         }
         if (kept_) {
           hand_over(a.chunk, kept, index, true, false);  // the gradient for the chunk below
-          kept_->resident[static_cast<size_t>(a.chunk)] = -1;
+          resident_[static_cast<size_t>(a.chunk)] = -1;
         }
         break;
       case ActionKind::kWeight:
@@ -360,12 +327,13 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
   for (size_t i = 0; i < list.size(); ++i) {
     chunks_[static_cast<size_t>(list[i].chunk)]->last_use[list[i].micro_batch] = i;
   }
-  if (kept_) kept_->resident.assign(chunks_.size(), -1);
+  if (kept_) resident_.assign(chunks_.size(), -1);
   action_ns_->assign(list.size(), 0);
   for (size_t i = 0; i < list.size();) {
     const Action& a = list[i];
     size_t next = i + 1;
     if (a.compute()) {
+      if (kept_) prefetch_boundaries(list, i, options.backward);
       compute(a, micro_batch, options, i);
     } else if (a.sends()) {
       send(a);
@@ -446,8 +414,10 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
     stats.activation_nbytes += chunk->model->arena_nbytes();
   }
   if (kept_) {
-    stats.boundary_nbytes = kept_->nbytes();
-    stats.boundaries_pinned = kept_->pinned_host;
+    stats.boundary_nbytes = kept_->memory_nbytes();
+    stats.boundaries_pinned = kept_->home() != BoundaryHome::kDevice;
+    stats.boundary_file_nbytes = kept_->file_nbytes();
+    stats.boundary_read_nbytes = kept_->read_nbytes();
   }
   if (!stats.boundaries_pinned) stats.activation_nbytes += stats.boundary_nbytes;
   return stats;

@@ -53,6 +53,7 @@
 #include "partition/communicator.h"
 #include "runtime/engine/engine.h"
 #include "runtime/nn/decoder_model.h"
+#include "runtime/pipeline/kept_boundaries.h"
 #include "runtime/pipeline/schedule.h"
 #include "runtime/pipeline/stages.h"
 
@@ -85,19 +86,17 @@ struct StepStats {
   // Layer-major's layer-boundary activations and the gradients flowing down
   // that the executor keeps per micro-batch (0 for the other schedules, whose
   // chunks keep their boundaries in their slots): part of activation_nbytes
-  // in accelerator memory, pinned host memory when boundaries_pinned.
+  // in accelerator memory, pinned host memory when boundaries_pinned (their
+  // staging buffers with boundaries on nvme: boundary_file_nbytes more on
+  // the drive, boundary_read_nbytes of them read back during the step).
   size_t boundary_nbytes = 0;
   bool boundaries_pinned = false;
+  uint64_t boundary_file_nbytes = 0, boundary_read_nbytes = 0;
   // zb-h1: the Linear inputs W read where forward left them (the slot's
   // saved activations) and those it had to copy (DeferredWeightGrads).
   int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
   double idle_fraction() const { return step_seconds > 0 ? 1.0 - busy_seconds / step_seconds : 0.0; }
 };
-
-// Where a local-handoff schedule (layer-major) keeps each micro-batch's
-// boundaries: accelerator memory, or pinned host memory (copied out after
-// each forward and back before each use, on the compute stream).
-enum class BoundaryHome : uint8_t { kDevice, kPinnedHost };
 
 class PipelineExecutor {
  public:
@@ -112,9 +111,9 @@ class PipelineExecutor {
   // boundaries are kept (its input to every chunk, its gradient flowing
   // down); each chunk computes in one slot and runs its forward again before
   // a backward whose activations its slot no longer holds (DESIGN §5.5).
-  // The boundaries live in `home`.
+  // The boundaries live in `home` (kept_boundaries.h; `nvme` for kNvme).
   PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks,
-                   BoundaryHome home = BoundaryHome::kDevice);
+                   BoundaryHome home = BoundaryHome::kDevice, const BoundaryNvme& nvme = {});
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -139,10 +138,9 @@ class PipelineExecutor {
 
  private:
   PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
-                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home);
+                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home, const BoundaryNvme& nvme);
   struct Slot;
   struct Chunk;
-  struct KeptBoundaries;
   Slot& slot_of(int chunk, int micro_batch, const MicroBatch& mb);
   void release(int chunk, int micro_batch);
   // Runs `list` (this rank's actions), giving slots back after each one's last use.
@@ -160,6 +158,9 @@ class PipelineExecutor {
   // stream; nothing where the chunk has no such neighbour. An evaluation
   // keeps every micro-batch's in micro-batch 0's (one passes at a time).
   void hand_over(int chunk, int micro_batch, int slot, bool gradient, bool into_slot);
+  // local_handoff with boundaries on nvme: tells kept_ which boundaries the
+  // compute actions after list[position] restore (the next chunk's worth).
+  void prefetch_boundaries(const std::vector<Action>& list, size_t position, bool training);
   void compute(const Action& action, const std::function<MicroBatch(int)>& micro_batch,
                const nn::ForwardOptions& options, size_t position);
   // The transfer's description: both sides compute the same tag and words.
@@ -187,6 +188,7 @@ class PipelineExecutor {
   // local_handoff (layer-major): each micro-batch's layer-boundary activations
   // and its gradient flowing down, kept here; each chunk computes in one slot.
   std::unique_ptr<KeptBoundaries> kept_;
+  std::vector<int> resident_;  // [chunk]: the micro-batch whose activations its slot holds; -1 none
 };
 
 // This rank's chunks of a pipeline (virtual stage k * p + pp.rank() for

@@ -120,8 +120,9 @@ std::vector<std::shared_ptr<DirectoryLock>> own_run_directories(const engine::Ze
 // strata.pinned_pool_size: an upper bound of the page-locked host memory a
 // rank holds, checked before any is allocated against what this runtime pins
 // for this model and ds_config (runtime/plan/runtime_memory.h, item by item).
-// `boundary_nbytes`: layer-major's boundaries kept in pinned host memory
-// (strata.layer_major_boundaries cpu; 0: none there).
+// `boundary_nbytes`: the pinned host memory layer-major's boundaries take
+// (strata.layer_major_boundaries cpu: all of them; nvme: their staging and
+// the gradients flowing down; 0: none there).
 void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs,
                          double boundary_nbytes) {
   const uint64_t budget = config.strata.pinned_pool_nbytes;
@@ -136,8 +137,8 @@ void check_pinned_budget(const Config& config, const std::string& source, const 
                          item.upper_bound ? " at most" : "");
   }
   if (boundary_nbytes > 0) {
-    items += fmt::format("{}layer-major boundaries (strata.layer_major_boundaries cpu) {:.0f} bytes",
-                         items.empty() ? "" : ", ", boundary_nbytes);
+    items += fmt::format("{}layer-major boundaries (strata.layer_major_boundaries {}) {:.0f} bytes",
+                         items.empty() ? "" : ", ", config.strata.layer_major_boundaries, boundary_nbytes);
   }
   raise(ErrorCategory::kBadArgument,
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
@@ -145,7 +146,7 @@ void check_pinned_budget(const Config& config, const std::string& source, const 
         "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
         source, budget, pinned, items,
         // Layer-major does not combine with context parallelism (refused), so one suggestion or the other.
-        boundary_nbytes > 0             ? std::string(", gradient_accumulation_steps; or keep the boundaries on the device")
+        boundary_nbytes > 0             ? std::string(", gradient_accumulation_steps; or keep the boundaries on the device or nvme")
         : inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
                                         : std::string("; or split each sequence over more ranks, --cp"));
 }
@@ -401,21 +402,40 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
        model_config.moe() && model_config.output_router_logits, cp});
   const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
   if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
-  const bool boundaries_pinned = config.strata.layer_major_boundaries == "cpu";
+  const std::string& boundaries_where = config.strata.layer_major_boundaries;
+  const pipeline::BoundaryHome boundary_home = boundaries_where == "nvme" ? pipeline::BoundaryHome::kNvme
+                                               : boundaries_where == "cpu" ? pipeline::BoundaryHome::kPinnedHost
+                                                                           : pipeline::BoundaryHome::kDevice;
+  const bool boundaries_pinned = boundary_home != pipeline::BoundaryHome::kDevice;
   if (boundaries_pinned && !layer_major && rank.rank == 0) {
-    logger().info("strata.layer_major_boundaries cpu: no effect, the micro-batches are step-major (no boundaries "
-                  "are kept)");
+    logger().info("strata.layer_major_boundaries {}: no effect, the micro-batches are step-major (no boundaries "
+                  "are kept)",
+                  boundaries_where);
   }
+  STRATA_CHECK(!layer_major || boundary_home != pipeline::BoundaryHome::kNvme || zero.any_nvme(), kBadArgument,
+               "{}: strata.layer_major_boundaries nvme puts the boundaries' file under the run's nvme_path, but no "
+               "tier is on nvme (offload_param.device or offload_optimizer.device): set one, or keep the boundaries "
+               "on the device or cpu",
+               source);
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   // Layer-major keeps each micro-batch's input to every chunk but the
   // embedding's, and one gradient flowing down: as many as its L + 2 chunks,
   // [micro_batch x seq, hidden] each in the activation dtype (fp32 on the cpu accelerator).
   const DType activation_dtype = accelerator->host_addressable() ? DType::kF32 : train_dtype;
+  const size_t one_boundary_nbytes = static_cast<size_t>(micro_batch * options.seq * model_config.hidden_size) *
+                                     dtype_nbytes(activation_dtype);
   const double boundary_nbytes =
       layer_major ? static_cast<double>(accumulation) * static_cast<double>(model_config.num_hidden_layers + 2) *
-                        static_cast<double>(micro_batch * options.seq * model_config.hidden_size) *
-                        static_cast<double>(dtype_nbytes(activation_dtype))
+                        static_cast<double>(one_boundary_nbytes)
                   : 0.0;
+  // With the boundaries on nvme, the pinned host memory is the staging
+  // (runtime/pipeline/kept_boundaries.h: 2m + 2 inputs, aligned) and the m gradients.
+  const double boundary_pinned_nbytes =
+      !layer_major || !boundaries_pinned ? 0.0
+      : boundary_home == pipeline::BoundaryHome::kPinnedHost
+          ? boundary_nbytes
+          : static_cast<double>(2 * accumulation + 2) * static_cast<double>((one_boundary_nbytes + 4095) / 4096 * 4096) +
+                static_cast<double>(accumulation) * static_cast<double>(one_boundary_nbytes);
   {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
@@ -431,7 +451,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
     pinned.zero = zero;
     pinned.lora = lora;
-    check_pinned_budget(config, source, pinned, boundaries_pinned ? boundary_nbytes : 0.0);
+    check_pinned_budget(config, source, pinned, boundary_pinned_nbytes);
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);
@@ -542,15 +562,22 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     for (const auto& stage : stages) chunks.push_back(stage.get());
     const pipeline::ScheduleSpec spec{pipeline::ScheduleKind::kLayerMajor, 1, static_cast<int>(accumulation),
                                       static_cast<int>(chunks.size())};
-    executor = std::make_unique<pipeline::PipelineExecutor>(
-        engine, spec, chunks, boundaries_pinned ? pipeline::BoundaryHome::kPinnedHost : pipeline::BoundaryHome::kDevice);
+    pipeline::BoundaryNvme on_nvme;
+    if (boundary_home == pipeline::BoundaryHome::kNvme) {
+      on_nvme = {engine.nvme_io(), zero.nvme_path, engine.job_rank(), zero.keep_swap_files, one_boundary_nbytes,
+                 static_cast<int>(accumulation)};
+    }
+    executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks, boundary_home, on_nvme);
     if (rank.rank == 0) {
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
                     "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
                     "activations and gradients take {:.1f} MiB of {} (strata.layer_major_boundaries), besides one "
                     "working arena per layer, the embedding's and the head's",
                     accumulation, chunks.size() - 2, boundary_nbytes / (1 << 20),
-                    boundaries_pinned ? "pinned host memory" : "device memory");
+                    boundary_home == pipeline::BoundaryHome::kNvme
+                        ? fmt::format("nvme, through {:.1f} MiB of pinned staging", boundary_pinned_nbytes / (1 << 20))
+                    : boundaries_pinned ? std::string("pinned host memory")
+                                        : std::string("device memory"));
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.

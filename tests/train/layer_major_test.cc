@@ -5,6 +5,7 @@
 // exactly, across ZeRO stages and tiers, with clipping firing and not, and
 // after kill -9 and resume.
 #include <catch2/catch.hpp>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -255,6 +256,45 @@ TEST_CASE("layer-major with its boundaries in pinned host memory gives step-majo
   CHECK_THAT(refused.output, Catch::Contains("layer-major boundaries (strata.layer_major_boundaries cpu) 122880 bytes"));
   CHECK_THAT(refused.output, Catch::Contains("or keep the boundaries on the device"));
   CHECK_THAT(refused.output, !Catch::Contains("step 1"));
+}
+
+TEST_CASE("layer-major with its boundaries on nvme gives step-major's bits, evaluation included, and needs a tier "
+          "on nvme",
+          "[finetune][layer-major]") {
+  strata::test::TempDir dir;
+  three_layers(dir);
+  const std::string swap = dir.file("swap");
+  const std::string zero = R"("stage": 3, "sub_group_size": 5000,
+      "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})";
+  const std::string ds = config(dir, "device", zero, 0.05);
+  const std::string on_nvme = config(
+      dir, "on_nvme", zero + R"(}, "strata": {"layer_major_boundaries": "nvme", "keep_swap_files": true)", 0.05);
+  constexpr int kSteps = 2;
+  const std::string eval = " --eval-data " + kFinetuneExamples + "/data/gpl-3.0.txt --eval-batches 2 --eval-every 1";
+  const Run step = finetune(dir, "step", ds, "step-major", kSteps, eval);
+  const Run layer = finetune(dir, "layer", on_nvme, "layer-major", kSteps, eval);
+  // Staging: 2 x 3 + 2 inputs of 2 x 16 rows x 64 x 4 bytes (8192, aligned already) and 3 gradients: 0.09 MiB.
+  CHECK_THAT(layer.output, Catch::Contains("the layer-boundary activations and gradients take 0.1 MiB of nvme, "
+                                           "through 0.1 MiB of pinned staging"));
+  check_same(layer, step, kSteps);
+  // Each rank's file: a place per chunk (5) and micro-batch (3), kept by strata.keep_swap_files.
+  for (int r = 0; r < 2; ++r) {
+    const std::string file = swap + "/layer_major/rank" + std::to_string(r) + "/boundaries.swp";
+    REQUIRE(std::filesystem::exists(file));
+    CHECK(std::filesystem::file_size(file) == 5 * 3 * 8192);
+  }
+  // Without a tier on nvme there is no nvme_path for the file: refused before step 1.
+  const std::string cpu = config(dir, "cpu", R"("stage": 3, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "cpu"}}, "strata": {"layer_major_boundaries": "nvme")", 0.0);
+  const auto refused = run_command(strata_binary() + " finetune --config " + cpu + " --init " + dir.file("three.json") +
+                                   " --data " + kFinetuneExamples +
+                                   "/data/gpl-3.0.txt --data-format text --seq 16 --steps 1 --micro-batch-order "
+                                   "layer-major --out " + dir.file("cpu_out") + " 2>&1");
+  CHECK(refused.exit_code != 0);
+  CHECK_THAT(refused.output, Catch::Contains("strata.layer_major_boundaries nvme puts the boundaries' file under the "
+                                             "run's nvme_path, but no tier is on nvme"));
+  CHECK_THAT(refused.output, !Catch::Contains("step 1 "));
 }
 
 TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are step-major's, bit for bit, and the first "
