@@ -667,7 +667,10 @@ void resolve_context_parallel(const Options& o, const std::optional<Config>& con
   const auto refuse = [&](bool combined, const std::string& what) {
     STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: strata finetune does not implement it yet", cp, what);
   };
-  refuse(r.pipeline.stages > 1, fmt::format("pipeline parallelism (--pp {})", r.pipeline.stages));
+  STRATA_CHECK(r.pipeline.stages == 1, kBadArgument,
+               "--cp {} with pipeline parallelism (--pp {}): strata finetune trains it, but strata plan does not model "
+               "it yet",
+               cp, r.pipeline.stages);
   refuse(r.lora.enabled(), "LoRA (--lora-rank)");
   refuse(c.moe(), fmt::format("a mixture-of-experts model (model_type {})", c.model_type));
   refuse(c.attention != nn::AttentionKind::kGqa, fmt::format("multi-head latent attention (model_type {})", c.model_type));

@@ -472,7 +472,6 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
                         c.context_parallel_size, what);
       }
     };
-    refuse(c.pipeline_parallel_size > 1, fmt::format("pipeline_parallel.size {}", c.pipeline_parallel_size));
     refuse(c.expert_parallel_size > 1, fmt::format("moe.expert_parallel_size {}", c.expert_parallel_size));
     refuse(c.strata.micro_batch_order == "layer-major", "strata.micro_batch_order \"layer-major\"");
   }

@@ -278,10 +278,8 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
     refuse_with(config_.moe(), fmt::format("mixture-of-experts layers (model_type {})", config_.model_type));
     refuse_with(config_.attention != AttentionKind::kGqa,
                 fmt::format("multi-head latent attention (model_type {})", config_.model_type));
-    const DecoderModelOptions::Stage& stage = options_.stage;
-    refuse_with(stage.first_layer != 0 || (stage.layers >= 0 && stage.layers != config_.num_hidden_layers) ||
-                    !stage.embedding || !stage.head,
-                "pipeline stages or layer-major micro-batches (a model split into parts)");
+    // A pipeline stage's model runs the ring or Ulysses over its own layers:
+    // its boundaries are this rank's rows (its two chunks of every sequence).
     // With tensor parallelism the ring or Ulysses runs over the cp group of
     // each tp rank, on that rank's heads and kv heads.
     check_context_parallel(config_.num_attention_heads, config_.num_key_value_heads, cp, options_.context_method,

@@ -277,11 +277,12 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                cp > 1 ? " / cp" : "", in.micro_batch, in.seq / cp);
   STRATA_CHECK(tp == 1 || !in.lora.enabled(), kBadArgument,
                "plan: LoRA with tensor parallelism is not implemented (strata finetune refuses it)");
-  STRATA_CHECK(cp == 1 || (in.pipeline.stages == 1 && !in.lora.enabled() && !c.moe() &&
-                           c.attention == nn::AttentionKind::kGqa),
-               kBadArgument,
-               "plan: context parallelism with pipeline stages, LoRA, experts or multi-head latent attention is not "
-               "implemented (strata finetune refuses it)");
+  STRATA_CHECK(cp == 1 || (!in.lora.enabled() && !c.moe() && c.attention == nn::AttentionKind::kGqa), kBadArgument,
+               "plan: context parallelism with LoRA, experts or multi-head latent attention is not implemented "
+               "(strata finetune refuses it)");
+  STRATA_CHECK(cp == 1 || in.pipeline.stages == 1, kBadArgument,
+               "plan: context parallelism with pipeline stages trains (strata finetune), but strata plan does not "
+               "model its memory yet");
   // Pipeline parallelism: this pp rank's share of the model.
   const int pp = in.pipeline.stages;
   STRATA_CHECK(pp >= 1 && in.world_size % (tp * pp) == 0, kBadArgument,

@@ -329,7 +329,6 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: context parallelism with it is not implemented yet", cp,
                    what);
     };
-    refuse(pp > 1, fmt::format("pipeline parallelism (--pp {})", pp));
     refuse(lora.enabled(), "LoRA (--lora-rank)");
     refuse(model_config.moe(), fmt::format("a mixture-of-experts model (model_type {})", model_config.model_type));
     refuse(model_config.attention != nn::AttentionKind::kGqa,

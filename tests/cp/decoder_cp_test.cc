@@ -211,10 +211,6 @@ TEST_CASE("context parallelism refuses by name what it does not implement", "[cp
         lora.lora.targets = {"q_proj"};
         CHECK_THROWS_WITH(nn::DecoderModel(eng, model_config(false), lora),
                           Catch::Contains("context parallelism (size 2) with LoRA adapters is not implemented"));
-        nn::DecoderModelOptions stage = nn::model_options(DType::kF32, 16);
-        stage.stage.layers = 1;
-        CHECK_THROWS_WITH(nn::DecoderModel(eng, model_config(false), stage),
-                          Catch::Contains("with pipeline stages or layer-major micro-batches"));
         CHECK_THROWS_WITH(nn::DecoderModel(eng, mixtral_config(4, 16, false), nn::model_options(DType::kF32, 16)),
                           Catch::Contains("with mixture-of-experts layers (model_type mixtral)"));
         nn::DecoderConfig three = model_config(false);  // 3 kv heads do not split 2 ways

@@ -56,9 +56,10 @@ std::vector<Case> cases(const std::string& swap, const std::string& other_swap) 
       {"eps 0 (the engine's own limit)", R"({"optimizer": {"type": "AdamW", "params": {"eps": 0}}})",
        "optimizer eps must be > 0"},
       {"fp16 and bf16", R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", "choose one 16-bit format"},
-      {"context parallelism with pipeline parallelism",
-       R"({"context_parallel": {"size": 2}, "pipeline_parallel": {"size": 2}})",
-       "context_parallel.size 2 with pipeline_parallel.size 2: context parallelism with it is not implemented"},
+      {"context parallelism with layer-major micro-batches",
+       R"({"context_parallel": {"size": 2}, "strata": {"micro_batch_order": "layer-major"}})",
+       "context_parallel.size 2 with strata.micro_batch_order \"layer-major\": context parallelism with it is not "
+       "implemented"},
       {"an unknown context-parallel method", R"({"context_parallel": {"method": "striped"}})",
        "context_parallel.method"},
   };

@@ -731,8 +731,14 @@ TEST_CASE("context parallelism: strata run -n 2 -- strata finetune --cp 2 equals
   const auto dp2cp2 = run_command(run4 + resumable_args(dir, "dp2cp2", kSteps) + " --cp 2 2>&1");
   INFO(dp2cp2.output);
   REQUIRE(dp2cp2.exit_code == 0);
+  // pp 2 x cp 2: each stage's cp pair splits every sequence, the boundaries
+  // between stages a cp rank's rows (zb-h1: the weight gradients deferred too).
+  const auto pp2cp2 =
+      run_command(run4 + resumable_args(dir, "pp2cp2", kSteps) + " --cp 2 --pp 2 --pp-schedule zb-h1 2>&1");
+  INFO(pp2cp2.output);
+  REQUIRE(pp2cp2.exit_code == 0);
   for (const auto& [got, want] :
-       {std::pair{"cp4", "one"}, std::pair{"cp2tp2", "one"}, std::pair{"dp2cp2", "dp2"}}) {
+       {std::pair{"cp4", "one"}, std::pair{"cp2tp2", "one"}, std::pair{"dp2cp2", "dp2"}, std::pair{"pp2cp2", "one"}}) {
     const auto got_steps = read_jsonl(dir.file(std::string(got) + "_out") + "/metrics.jsonl");
     const auto want_steps = read_jsonl(dir.file(std::string(want) + "_out") + "/metrics.jsonl");
     REQUIRE(got_steps.size() == kSteps);
