@@ -143,18 +143,51 @@ void launch_grad_sum_sq(const float* grad, int64_t numel, float scale, double* p
                         cudaStream_t stream);
 
 // ---- attention_*.cu ---------------------------------------------------------
+// seq queries against kv_seq keys: one block (kv_seq == seq, offsets 0), or a
+// query block against a key block of its own (context parallelism), placed in
+// the whole sequence by mask.q_offset / mask.kv_offset (attention_mask.h).
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   AttentionMask mask;  // which keys a query sees (attention_mask.h)
+  int64_t kv_seq = 0;  // keys (and values) per row; 0: seq
+  int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }
 };
 // The mask the kernels apply: the sliding window as 0 when it cannot bind
-// (none, or at least seq long, so every causal key is in it), the segments
-// (packed documents, device memory) as given.
+// (none, or at least as long as the farthest query is from the first key, so
+// every causal key is in it), the segments (packed documents, device memory)
+// as given, with their entries per row (the whole sequence's: seq for one block).
 inline AttentionMask kernel_mask(const AttentionDims& d) {
   AttentionMask m = d.mask;
-  if (!(m.window > 0 && m.window < d.seq)) m.window = 0;
-  m.seq = d.seq;
+  if (!(m.window > 0 && m.window < m.q_offset + d.seq - m.kv_offset)) m.window = 0;
+  m.seq = m.has_segments() ? m.seq : d.seq;
   return m;
+}
+// The queries of a block of seq queries that see key `key` of the key block
+// (both block-local; the mirror of attention_mask.h's visible_block_keys, for
+// the dK/dV kernels, which walk from a key to its queries): [first, last),
+// empty when first >= last. The global key g is seen by the queries
+// [g, last_seeing_query(g)]. Monotone in key like the keys' ranges in query.
+STRATA_HOST_DEVICE inline BlockRange seeing_block_queries(const AttentionMask& mask, int64_t key, int64_t seq) {
+  const int64_t global = mask.kv_offset + key;
+  int64_t first = global - mask.q_offset;
+  const int64_t last_global = last_seeing_query(mask, global);  // INT64_MAX: no bound
+  int64_t last = last_global >= mask.q_offset + seq ? seq : last_global + 1 - mask.q_offset;
+  first = first < 0 ? 0 : (first > seq ? seq : first);
+  if (last < 0) last = 0;
+  return {first, last > first ? last : first};
+}
+// The keys [first, last) of the key block that some query of local rows
+// [q0, q1) (q0 < q1 <= seq) sees: the first row's first key to the last row's
+// last (both ends monotone in the query); empty when first >= last.
+STRATA_HOST_DEVICE inline BlockRange tile_block_keys(const AttentionMask& mask, int64_t q0, int64_t q1,
+                                                     int64_t kv_seq) {
+  return {visible_block_keys(mask, q0, kv_seq).first, visible_block_keys(mask, q1 - 1, kv_seq).last};
+}
+// The queries [first, last) of the query block that see some key of local
+// keys [k0, k1) (k0 < k1 <= kv_seq).
+STRATA_HOST_DEVICE inline BlockRange tile_seeing_queries(const AttentionMask& mask, int64_t k0, int64_t k1,
+                                                         int64_t seq) {
+  return {seeing_block_queries(mask, k0, seq).first, seeing_block_queries(mask, k1 - 1, seq).last};
 }
 // ---- attention_merge.cu ---------------------------------------------------------
 // Ops::attention_merge: out fp32 [batch, seq, heads, head_dim] and lse fp32
@@ -163,8 +196,9 @@ void launch_attention_merge(Storage part_t, float* out, float* lse, const void* 
                             int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, cudaStream_t stream);
 // The largest head_dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;
-// q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
-// lse fp32 [batch, heads, seq]. head_dim in [1, kMaxAttentionHeadDim].
+// q, out [batch, seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim];
+// lse fp32 [batch, heads, seq] (a row that sees no key: -inf, or its head's
+// sink with mask.sinks). head_dim in [1, kMaxAttentionHeadDim].
 cudaError_t launch_attention_forward(Storage t, const void* q, const void* k, const void* v,
                                      const AttentionDims& dims, void* out, float* lse,
                                      cudaStream_t stream);
@@ -203,6 +237,12 @@ cudaError_t attention_backward_f32(const float* dout, const float* q, const floa
 // delta[b, h, i] = sum_c dout[b, i, h, c] * out[b, i, h, c] (the softmax-backward row term).
 void launch_attention_delta(Storage t, const void* dout, const void* out, const AttentionDims& dims,
                             float* delta, cudaStream_t stream);
+// Ops::attention_sinks_backward: dsinks[h] -= sum over batch and queries of
+// exp(sinks[h] - lse[b, h, i]) * sum_c dout[b, i, h, c] * out[b, i, h, c].
+// One block per head, summed in a fixed order (bitwise repeatable).
+void launch_attention_sinks_backward(Storage t, const void* dout, const void* out, const float* lse,
+                                     const float* sinks, const AttentionDims& dims, float* dsinks,
+                                     cudaStream_t stream);
 
 // ---- moe.cu -------------------------------------------------------------------
 // The moe_* ops of kernels/ops.h (shapes as there; pointers device memory;
