@@ -33,7 +33,7 @@
 //    q_offset / kv_offset placing both blocks in the whole sequence): the
 //    same loops over block-local tiles, their ranges from the global
 //    positions (attention_mask.h visible_block_keys for a query's keys,
-//    launch.h seeing_block_queries for a key's queries), so a tile pair
+//    attention_block_ranges.h for a key's queries and a tile's), so a tile pair
 //    with nothing visible is never loaded. A row that sees no key of the
 //    block gets out 0 and lse -inf (the cpu kernel's definition); backward
 //    takes the merged out and lse and gives the block's share.

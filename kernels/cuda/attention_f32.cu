@@ -6,7 +6,7 @@
 // column. Design and shared-memory budget: attention.cu. Masks beyond
 // causality (a sliding window, packed documents) and a key block of its own
 // (context parallelism: kv_seq keys, global offsets) come from
-// attention_mask.h and launch.h's block ranges: key tiles wholly outside a
+// attention_mask.h and attention_block_ranges.h: key tiles wholly outside a
 // query tile's visible keys are skipped (and query tiles outside a key tile's
 // queries), the rest masked per element. A row that sees no key gets out 0
 // and lse -inf; gpt-oss's sinks start each row's running max and sum at the
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool has_sink = batch_mask.sinks != nullptr;
   float row_max = has_sink ? batch_mask.sinks[h] : -INFINITY, row_sum = has_sink ? 1.0f : 0.0f;
   const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
-  // This row's keys [lo, hi) of the key block (none for a padding row), and
-  // the key tiles some row of the tile sees.
+  // This row's keys [keys.first, keys.last) of the key block (none for a
+  // padding row), and the key tiles some row of the tile sees.
   const BlockRange keys = query < seq ? visible_block_keys(mask, query, kv_seq) : BlockRange{0, 0};
   const BlockRange tile_keys = tile_block_keys(mask, q0, min(q0 + kTile, seq), kv_seq);
   const int64_t key_tiles = tile_keys.last > tile_keys.first ? (tile_keys.last + kTile - 1) / kTile : 0;

@@ -34,7 +34,7 @@ template <typename T>
 using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-// The keys of the key block (launch.h's block ranges, at global positions)
+// The keys of the key block (attention_block_ranges.h, at global positions)
 // that a warp's 16 query rows attend to, in the forward and dQ kernels.
 struct WarpKeys {
   int first, last;  // this lane's row: keys [first, last) (none for a padding row)

@@ -5,8 +5,8 @@
 //    the group's query heads and the query tiles at or after the key tile.
 //  - dQ: one block per (64-query tile, head, batch); 4 warps of 16 queries
 //    loop over the key tiles up to the diagonal, recomputing P.
-// A sliding window, packed documents and a key block of its own (attention_
-// mask.h; launch.h's block ranges: kv_seq keys at global offsets) skip the
+// A sliding window, packed documents and a key block of its own (kv_seq keys
+// at global offsets; attention_mask.h, attention_block_ranges.h) skip the
 // tiles no row of the block's tile reaches and mask per element inside. Sinks
 // need nothing here: the lse they joined gives every P. Design, tiling and
 // shared-memory budget: attention.cu.

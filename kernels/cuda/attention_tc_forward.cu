@@ -2,7 +2,7 @@
 // fp32 accumulation) with an online softmax: one block per (64-query tile,
 // head, batch), 4 warps of 16 query rows, 64-key tiles. Design and shared-
 // memory budget: attention.cu. A sliding window, packed documents and a key
-// block of its own (attention_mask.h; launch.h's block ranges) skip the key
+// block of its own (attention_mask.h, attention_block_ranges.h) skip the key
 // tiles no row of the query tile sees and mask the rest per element; a row
 // that sees no key gets out 0 and lse -inf. gpt-oss's sinks start a row's
 // running max at the sink and its running sum at 1 (the sink's own term).

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/attention_block_ranges.h"
 #include "kernels/attention_mask.h"
 #include "kernels/glu.h"
 #include "kernels/moe_routing.h"
@@ -161,33 +162,6 @@ inline AttentionMask kernel_mask(const AttentionDims& d) {
   if (!(m.window > 0 && m.window < m.q_offset + d.seq - m.kv_offset)) m.window = 0;
   m.seq = m.has_segments() ? m.seq : d.seq;
   return m;
-}
-// The queries of a block of seq queries that see key `key` of the key block
-// (both block-local; the mirror of attention_mask.h's visible_block_keys, for
-// the dK/dV kernels, which walk from a key to its queries): [first, last),
-// empty when first >= last. The global key g is seen by the queries
-// [g, last_seeing_query(g)]. Monotone in key like the keys' ranges in query.
-STRATA_HOST_DEVICE inline BlockRange seeing_block_queries(const AttentionMask& mask, int64_t key, int64_t seq) {
-  const int64_t global = mask.kv_offset + key;
-  int64_t first = global - mask.q_offset;
-  const int64_t last_global = last_seeing_query(mask, global);  // INT64_MAX: no bound
-  int64_t last = last_global >= mask.q_offset + seq ? seq : last_global + 1 - mask.q_offset;
-  first = first < 0 ? 0 : (first > seq ? seq : first);
-  if (last < 0) last = 0;
-  return {first, last > first ? last : first};
-}
-// The keys [first, last) of the key block that some query of local rows
-// [q0, q1) (q0 < q1 <= seq) sees: the first row's first key to the last row's
-// last (both ends monotone in the query); empty when first >= last.
-STRATA_HOST_DEVICE inline BlockRange tile_block_keys(const AttentionMask& mask, int64_t q0, int64_t q1,
-                                                     int64_t kv_seq) {
-  return {visible_block_keys(mask, q0, kv_seq).first, visible_block_keys(mask, q1 - 1, kv_seq).last};
-}
-// The queries [first, last) of the query block that see some key of local
-// keys [k0, k1) (k0 < k1 <= kv_seq).
-STRATA_HOST_DEVICE inline BlockRange tile_seeing_queries(const AttentionMask& mask, int64_t k0, int64_t k1,
-                                                         int64_t seq) {
-  return {seeing_block_queries(mask, k0, seq).first, seeing_block_queries(mask, k1 - 1, seq).last};
 }
 // ---- attention_merge.cu ---------------------------------------------------------
 // Ops::attention_merge: out fp32 [batch, seq, heads, head_dim] and lse fp32
