@@ -1,6 +1,7 @@
 // Causal grouped-query attention on CUDA: the entry points (dispatch by
-// storage type and head_dim), the backward's row term delta, and the design
-// of the kernels in attention_tc_*.cu and attention_f32.cu.
+// storage type and head_dim), the backward's row term delta, the attention
+// sinks' gradient, and the design of the kernels in attention_tc_*.cu and
+// attention_f32.cu.
 //
 // Algorithm (FlashAttention-2). No [seq, seq] matrix exists anywhere: scores
 // are formed a tile at a time in shared memory and discarded.
@@ -28,6 +29,18 @@
 //    key tiles (dK/dV) end their query loop after the last query that sees
 //    their last key, and elements outside [first_visible_key, query] are
 //    masked like those above the diagonal.
+//  - A key block of its own (context parallelism: kv_seq keys, the mask's
+//    q_offset / kv_offset placing both blocks in the whole sequence): the
+//    same loops over block-local tiles, their ranges from the global
+//    positions (attention_mask.h visible_block_keys for a query's keys,
+//    attention_block_ranges.h for a key's queries and a tile's), so a tile pair
+//    with nothing visible is never loaded. A row that sees no key of the
+//    block gets out 0 and lse -inf (the cpu kernel's definition); backward
+//    takes the merged out and lse and gives the block's share.
+//  - Sinks (gpt-oss): the forward's running max starts at the head's sink
+//    and the running sum at 1, so out and lse are the softmax with the sink
+//    in its denominator; backward is unchanged given that lse, and the
+//    sinks' own gradient is attention_sinks_backward_kernel.
 //  - Any seq: tiles past the end are zero-filled on load and masked, lse and
 //    outputs are written for rows < seq only. Any head_dim <= 128: tiles are
 //    padded with zero columns to 64 or 128 (kD); others are kBadArgument.
@@ -91,6 +104,35 @@ __global__ void attention_delta_kernel(const T* dout, const T* out, int64_t rows
   }
 }
 
+// dsinks[h] -= sum over rows of exp(sink_h - lse) (dO . O): one block per
+// head, a warp per (batch, query) row at a time, the block's partial sums
+// added in a fixed order (no atomics: bitwise repeatable).
+template <typename T>
+__global__ void attention_sinks_backward_kernel(const T* dout, const T* out, const float* lse,
+                                                const float* sinks, int64_t batch, int64_t seq,
+                                                int64_t heads, int64_t head_dim, float* dsinks) {
+  __shared__ float warp_total[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int64_t h = blockIdx.x;
+  const float sink = sinks[h];
+  float acc = 0.0f;  // lane 0's share
+  for (int64_t row = warp; row < batch * seq; row += warps) {
+    const int64_t b = row / seq, i = row % seq;
+    const int64_t at = ((b * seq + i) * heads + h) * head_dim;
+    float dot = 0.0f;
+    for (int64_t c = lane; c < head_dim; c += 32) dot += to_f(dout[at + c]) * to_f(out[at + c]);
+    dot = warp_sum(dot);
+    acc += expf(sink - lse[(b * heads + h) * seq + i]) * dot;
+  }
+  if (lane == 0) warp_total[warp] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += warp_total[w];
+    dsinks[h] -= total;
+  }
+}
+
 int current_sm_count() {
   int device = 0, count = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -118,11 +160,22 @@ void launch_attention_delta(Storage t, const void* dout, const void* out, const 
                         d.heads, d.head_dim, delta));
 }
 
+void launch_attention_sinks_backward(Storage t, const void* dout, const void* out, const float* lse,
+                                     const float* sinks, const AttentionDims& d, float* dsinks,
+                                     cudaStream_t stream) {
+  if (d.heads == 0) return;
+  constexpr int kThreads = 256;
+  STRATA_DISPATCH_T(t, T,
+                    attention_sinks_backward_kernel<T><<<static_cast<unsigned>(d.heads), kThreads, 0, stream>>>(
+                        static_cast<const T*>(dout), static_cast<const T*>(out), lse, sinks, d.batch, d.seq,
+                        d.heads, d.head_dim, dsinks));
+}
+
 AttentionBackwardPlan plan_attention_backward(Storage t, const AttentionDims& d) {
   AttentionBackwardPlan plan;
   plan.splits = t == Storage::kF32 ? 1 : attention_dkdv_splits(d, current_sm_count());
   const size_t delta_nbytes = align256(static_cast<size_t>(d.batch * d.heads * d.seq) * 4);
-  const size_t kv_numel = static_cast<size_t>(d.batch * d.seq * d.kv_heads * d.head_dim);
+  const size_t kv_numel = static_cast<size_t>(d.batch * d.keys() * d.kv_heads * d.head_dim);
   plan.workspace_nbytes =
       delta_nbytes + (plan.splits > 1 ? 2 * static_cast<size_t>(plan.splits) * kv_numel * 4 : 0);
   return plan;

@@ -4,8 +4,14 @@
 // query tile, no [seq, seq] matrix and no atomics. Tiles are 32 x 32; a row of
 // a tile is owned by 4 consecutive threads of one warp, each taking every 4th
 // column. Design and shared-memory budget: attention.cu. Masks beyond
-// causality (a sliding window) come from attention_mask.h: key tiles wholly
-// outside a query tile's visible range are skipped, the rest masked per element.
+// causality (a sliding window, packed documents) and a key block of its own
+// (context parallelism: kv_seq keys, global offsets) come from
+// attention_mask.h and attention_block_ranges.h: key tiles wholly outside a
+// query tile's visible keys are skipped (and query tiles outside a key tile's
+// queries), the rest masked per element. A row that sees no key gets out 0
+// and lse -inf; gpt-oss's sinks start each row's running max and sum at the
+// sink (max = sink, sum = exp(sink - sink) = 1), so they join the denominator
+// and the lse with no value.
 #include "kernels/cuda/device.h"
 
 namespace strata::ops::cuda {
@@ -42,8 +48,8 @@ template <int kD>
 __global__ void __launch_bounds__(kThreads)
     attention_forward_f32_kernel(const float* __restrict__ q, const float* __restrict__ k,
                                  const float* __restrict__ v, float* __restrict__ out,
-                                 float* __restrict__ lse, int64_t seq, int heads, int kv_heads,
-                                 int head_dim, float scale, AttentionMask batch_mask) {
+                                 float* __restrict__ lse, int64_t seq, int64_t kv_seq, int heads,
+                                 int kv_heads, int head_dim, float scale, AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -55,22 +61,29 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t q0 = q_tile * kTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t q_offset = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
-  const int64_t kv_offset = b * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
-  load_tile32<kD>(q_s, q + q_offset, q_stride, q0, seq, head_dim);
+  const int64_t q_base = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
+  const int64_t kv_base = b * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  load_tile32<kD>(q_s, q + q_base, q_stride, q0, seq, head_dim);
   const int r = threadIdx.x / 4, t = threadIdx.x % 4;
   const int64_t query = q0 + r;
   float o[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) o[cc] = 0.0f;
-  float row_max = -INFINITY, row_sum = 0.0f;
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
-  const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
-  for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
+  // A sink is a key of score `sink` with no value: the running max starts
+  // there and the running sum at its exp(sink - sink) = 1.
+  const bool has_sink = batch_mask.sinks != nullptr;
+  float row_max = has_sink ? batch_mask.sinks[h] : -INFINITY, row_sum = has_sink ? 1.0f : 0.0f;
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
+  // This row's keys [keys.first, keys.last) of the key block (none for a
+  // padding row), and the key tiles some row of the tile sees.
+  const BlockRange keys = query < seq ? visible_block_keys(mask, query, kv_seq) : BlockRange{0, 0};
+  const BlockRange tile_keys = tile_block_keys(mask, q0, min(q0 + kTile, seq), kv_seq);
+  const int64_t key_tiles = tile_keys.last > tile_keys.first ? (tile_keys.last + kTile - 1) / kTile : 0;
+  for (int64_t kt = tile_keys.first / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
     __syncthreads();  // previous tile's readers are done (first: nothing)
-    load_tile32<kD>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim);
-    load_tile32<kD>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim);
+    load_tile32<kD>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim);
+    load_tile32<kD>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim);
     __syncthreads();
     float s[kPerThread];
     float tile_max = -INFINITY;
@@ -78,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int jj = 0; jj < kPerThread; ++jj) {
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
-      s[jj] = is_visible(mask, query, key) && key < seq
+      s[jj] = key >= keys.first && key < keys.last
                   ? attention_score(mask, dot_rows<kD>(q_s + r * kLd, k_s + j * kLd) * scale)
                   : -INFINITY;
       tile_max = fmaxf(tile_max, s[jj]);
@@ -109,14 +122,16 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (query < seq) {
-    const float inv = 1.0f / row_sum;
-    float* out_row = out + q_offset + query * q_stride;
+    // A row that saw no key (and has no sink): out 0, lse -inf.
+    const float inv = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    float* out_row = out + q_base + query * q_stride;
 #pragma unroll
     for (int cc = 0; cc < kD / 4; ++cc) {
       const int c = t + 4 * cc;
       if (c < head_dim) out_row[c] = o[cc] * inv;
     }
-    if (t == 0) lse[(static_cast<int64_t>(b) * heads + h) * seq + query] = row_max + logf(row_sum);
+    if (t == 0)
+      lse[(static_cast<int64_t>(b) * heads + h) * seq + query] = row_sum > 0.0f ? row_max + logf(row_sum) : -INFINITY;
   }
 }
 
@@ -126,7 +141,8 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ k, const float* __restrict__ v,
                               const float* __restrict__ lse, const float* __restrict__ delta,
                               float* __restrict__ dk, float* __restrict__ dv, int64_t seq,
-                              int heads, int kv_heads, int head_dim, float scale, AttentionMask batch_mask) {
+                              int64_t kv_seq, int heads, int kv_heads, int head_dim, float scale,
+                              AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* k_s = smem32;
@@ -142,27 +158,30 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t k0 = key_tile * kTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t kv_offset = b * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
-  load_tile32<kD>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim);
-  load_tile32<kD>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim);
+  const int64_t kv_base = b * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  load_tile32<kD>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim);
+  load_tile32<kD>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim);
   const int j = threadIdx.x / 4, t = threadIdx.x % 4;
   const int64_t key = k0 + j;
   float dk_acc[kD / 4], dv_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dk_acc[cc] = dv_acc[cc] = 0.0f;
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
-  // Query tiles past the last query that sees one of this tile's keys are skipped.
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
+  // The queries that see this row's key (none for a padding row), and the
+  // query tiles that see some key of the tile (the others are skipped).
+  const BlockRange queries = key < kv_seq ? seeing_block_queries(mask, key, seq) : BlockRange{0, 0};
+  const BlockRange tile_queries = tile_seeing_queries(mask, k0, min(k0 + kTile, kv_seq), seq);
   const int64_t q_tiles =
-      min((seq + kTile - 1) / kTile, last_seeing_query(mask, k0 + kTile - 1) / kTile + 1);
+      tile_queries.last > tile_queries.first ? (tile_queries.last + kTile - 1) / kTile : 0;
   for (int hi = 0; hi < group; ++hi) {
     const int h = kh * group + hi;
-    const int64_t q_offset = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
+    const int64_t q_base = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
     const int64_t row_offset = (static_cast<int64_t>(b) * heads + h) * seq;
-    for (int64_t qt = key_tile; qt < q_tiles; ++qt) {
+    for (int64_t qt = tile_queries.first / kTile; qt < q_tiles; ++qt) {
       const int64_t q0 = qt * kTile;
       __syncthreads();
-      load_tile32<kD>(q_s, q + q_offset, q_stride, q0, seq, head_dim);
-      load_tile32<kD>(do_s, dout + q_offset, q_stride, q0, seq, head_dim);
+      load_tile32<kD>(q_s, q + q_base, q_stride, q0, seq, head_dim);
+      load_tile32<kD>(do_s, dout + q_base, q_stride, q0, seq, head_dim);
       for (int i = threadIdx.x; i < kTile; i += kThreads) {
         lse_s[i] = q0 + i < seq ? lse[row_offset + q0 + i] : 0.0f;
         delta_s[i] = q0 + i < seq ? delta[row_offset + q0 + i] : 0.0f;
@@ -173,7 +192,7 @@ __global__ void __launch_bounds__(kThreads)
         const int i = t + 4 * ii;
         const int64_t query = q0 + i;
         float p = 0.0f, ds = 0.0f;
-        if (is_visible(mask, query, key) && query < seq) {
+        if (query >= queries.first && query < queries.last) {
           const float s = dot_rows<kD>(k_s + j * kLd, q_s + i * kLd);
           const float dp = dot_rows<kD>(v_s + j * kLd, do_s + i * kLd);
           const float capped = attention_score(mask, s * scale);
@@ -194,9 +213,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (key < seq) {
-    float* dk_row = dk + kv_offset + key * kv_stride;
-    float* dv_row = dv + kv_offset + key * kv_stride;
+  if (key < kv_seq) {
+    float* dk_row = dk + kv_base + key * kv_stride;
+    float* dv_row = dv + kv_base + key * kv_stride;
 #pragma unroll
     for (int cc = 0; cc < kD / 4; ++cc) {
       const int c = t + 4 * cc;
@@ -213,8 +232,8 @@ __global__ void __launch_bounds__(kThreads)
     attention_dq_f32_kernel(const float* __restrict__ dout, const float* __restrict__ q,
                             const float* __restrict__ k, const float* __restrict__ v,
                             const float* __restrict__ lse, const float* __restrict__ delta,
-                            float* __restrict__ dq, int64_t seq, int heads, int kv_heads,
-                            int head_dim, float scale, AttentionMask batch_mask) {
+                            float* __restrict__ dq, int64_t seq, int64_t kv_seq, int heads,
+                            int kv_heads, int head_dim, float scale, AttentionMask batch_mask) {
   constexpr int kLd = kLd32<kD>;
   extern __shared__ __align__(16) float smem32[];
   float* q_s = smem32;
@@ -227,10 +246,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t q0 = q_tile * kTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t q_offset = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
-  const int64_t kv_offset = b * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
-  load_tile32<kD>(q_s, q + q_offset, q_stride, q0, seq, head_dim);
-  load_tile32<kD>(do_s, dout + q_offset, q_stride, q0, seq, head_dim);
+  const int64_t q_base = b * seq * q_stride + static_cast<int64_t>(h) * head_dim;
+  const int64_t kv_base = b * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  load_tile32<kD>(q_s, q + q_base, q_stride, q0, seq, head_dim);
+  load_tile32<kD>(do_s, dout + q_base, q_stride, q0, seq, head_dim);
   const int i = threadIdx.x / 4, t = threadIdx.x % 4;
   const int64_t query = q0 + i;
   const int64_t row = (static_cast<int64_t>(b) * heads + h) * seq + query;
@@ -239,20 +258,22 @@ __global__ void __launch_bounds__(kThreads)
   float dq_acc[kD / 4];
 #pragma unroll
   for (int cc = 0; cc < kD / 4; ++cc) dq_acc[cc] = 0.0f;
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
-  const int64_t key_tiles = min(seq - 1, q0 + kTile - 1) / kTile + 1;
-  for (int64_t kt = first_visible_key(mask, q0) / kTile; kt < key_tiles; ++kt) {
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
+  const BlockRange keys = query < seq ? visible_block_keys(mask, query, kv_seq) : BlockRange{0, 0};
+  const BlockRange tile_keys = tile_block_keys(mask, q0, min(q0 + kTile, seq), kv_seq);
+  const int64_t key_tiles = tile_keys.last > tile_keys.first ? (tile_keys.last + kTile - 1) / kTile : 0;
+  for (int64_t kt = tile_keys.first / kTile; kt < key_tiles; ++kt) {
     const int64_t k0 = kt * kTile;
     __syncthreads();
-    load_tile32<kD>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim);
-    load_tile32<kD>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim);
+    load_tile32<kD>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim);
+    load_tile32<kD>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim);
     __syncthreads();
 #pragma unroll
     for (int jj = 0; jj < kPerThread; ++jj) {
       const int j = t + 4 * jj;
       const int64_t key = k0 + j;
       float ds = 0.0f;
-      if (is_visible(mask, query, key) && key < seq && query < seq) {
+      if (key >= keys.first && key < keys.last) {
         const float s = dot_rows<kD>(q_s + i * kLd, k_s + j * kLd);
         const float dp = dot_rows<kD>(do_s + i * kLd, v_s + j * kLd);
         const float capped = attention_score(mask, s * scale);
@@ -268,7 +289,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (query < seq) {
-    float* dq_row = dq + q_offset + query * q_stride;
+    float* dq_row = dq + q_base + query * q_stride;
 #pragma unroll
     for (int cc = 0; cc < kD / 4; ++cc) {
       const int c = t + 4 * cc;
@@ -302,7 +323,7 @@ cudaError_t forward(const float* q, const float* k, const float* v, const Attent
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
   const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kThreads, kForwardSmem<kD>, stream>>>(
-      q, k, v, out, lse, d.seq, static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
+      q, k, v, out, lse, d.seq, d.keys(), static_cast<int>(d.heads), static_cast<int>(d.kv_heads),
       static_cast<int>(d.head_dim), scale, kernel_mask(d));
   return cudaGetLastError();
 }
@@ -316,15 +337,16 @@ cudaError_t backward(const float* dout, const float* q, const float* k, const fl
   cudaError_t status = allow_smem(dkdv, kDkdvSmem<kD>);
   if (status == cudaSuccess) status = allow_smem(dq_kernel, kDqSmem<kD>);
   if (status != cudaSuccess) return status;
-  const unsigned tiles = static_cast<unsigned>((d.seq + kTile - 1) / kTile);
+  const unsigned q_tiles = static_cast<unsigned>((d.seq + kTile - 1) / kTile);
+  const unsigned kv_tiles = static_cast<unsigned>((d.keys() + kTile - 1) / kTile);
   const auto scale = static_cast<float>(attention_scale(d.mask, d.head_dim));
   const int heads = static_cast<int>(d.heads), kv_heads = static_cast<int>(d.kv_heads);
   const int head_dim = static_cast<int>(d.head_dim);
-  dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,
-         kDkdvSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dk, dv, d.seq, heads, kv_heads,
+  dkdv<<<dim3(kv_tiles, static_cast<unsigned>(d.kv_heads), static_cast<unsigned>(d.batch)), kThreads,
+         kDkdvSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dk, dv, d.seq, d.keys(), heads, kv_heads,
                                   head_dim, scale, kernel_mask(d));
-  dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)), kThreads,
-              kDqSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dq, d.seq, heads, kv_heads,
+  dq_kernel<<<dim3(q_tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)), kThreads,
+              kDqSmem<kD>, stream>>>(dout, q, k, v, lse, delta, dq, d.seq, d.keys(), heads, kv_heads,
                                      head_dim, scale, kernel_mask(d));
   return cudaGetLastError();
 }

@@ -34,6 +34,34 @@ template <typename T>
 using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
+// The keys of the key block (attention_block_ranges.h, at global positions)
+// that a warp's 16 query rows attend to, in the forward and dQ kernels.
+struct WarpKeys {
+  int first, last;  // this lane's row: keys [first, last) (none for a padding row)
+  BlockRange warp;  // the warp's rows' (none when all of them are padding)
+  int tile_begin, tile_end;  // the key tiles some row of the block's query tile sees
+  // The 16-key column groups of the key tile at k0 that the warp computes: up
+  // to the one holding its last key there (earlier groups it does not see are
+  // computed and masked); 0 when it sees none of the tile. Warp-uniform.
+  __device__ __forceinline__ int groups(int k0) const {
+    if (warp.last <= warp.first || warp.first >= k0 + kKeyTile || warp.last <= k0) return 0;
+    return (static_cast<int>(min(warp.last, static_cast<int64_t>(k0 + kKeyTile))) - k0 + 15) / 16;
+  }
+};
+// For query `query` of the warp whose rows start at warp_row0, in the query
+// tile of kTileRows rows at q0, of seq queries against kv_seq keys.
+template <int kTileRows>
+__device__ __forceinline__ WarpKeys warp_keys(const AttentionMask& mask, int q0, int warp_row0, int query, int seq,
+                                              int kv_seq) {
+  const BlockRange row = query < seq ? visible_block_keys(mask, query, kv_seq) : BlockRange{0, 0};
+  const BlockRange warp = warp_row0 < seq ? tile_block_keys(mask, warp_row0, min(warp_row0 + kRowsPerWarp, seq), kv_seq)
+                                          : BlockRange{0, 0};
+  const BlockRange tile = tile_block_keys(mask, q0, min(q0 + kTileRows, seq), kv_seq);
+  const int tile_end = tile.last > tile.first ? static_cast<int>((tile.last + kKeyTile - 1) / kKeyTile) : 0;
+  return {static_cast<int>(row.first), static_cast<int>(row.last), warp, static_cast<int>(tile.first) / kKeyTile,
+          tile_end};
+}
+
 // Loads rows [row0, row0 + kRows) of a [seq, stride] slice into a shared tile
 // dst[kRows][kTileLd<kD>]: element (r, c) = src[(row0 + r) * stride + c] for
 // c < head_dim, and zero for rows at or beyond seq and for c >= head_dim (so

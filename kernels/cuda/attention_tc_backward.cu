@@ -5,8 +5,11 @@
 //    the group's query heads and the query tiles at or after the key tile.
 //  - dQ: one block per (64-query tile, head, batch); 4 warps of 16 queries
 //    loop over the key tiles up to the diagonal, recomputing P.
-// A sliding window (attention_mask.h) skips the tiles outside it and masks
-// per element inside. Design, tiling and shared-memory budget: attention.cu.
+// A sliding window, packed documents and a key block of its own (kv_seq keys
+// at global offsets; attention_mask.h, attention_block_ranges.h) skip the
+// tiles no row of the block's tile reaches and mask per element inside. Sinks
+// need nothing here: the lse they joined gives every P. Design, tiling and
+// shared-memory budget: attention.cu.
 #include "kernels/cuda/attention_tc.cuh"
 
 namespace strata::ops::cuda {
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kBwdThreads)
                              const T* __restrict__ k, const T* __restrict__ v,
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dk_part,
-                             float* __restrict__ dv_part, int seq, int heads, int kv_heads,
+                             float* __restrict__ dv_part, int seq, int kv_seq, int heads, int kv_heads,
                              int head_dim, int splits, float scale, float scale_log2, bool vec,
                              AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -108,10 +111,10 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int k0 = key_tile * kBwdTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t kv_offset =
-      static_cast<int64_t>(b) * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
-  load_tile<T, kBwdTile, kD, kBwdThreads>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim, vec);
-  load_tile<T, kBwdTile, kD, kBwdThreads>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim, vec);
+  const int64_t kv_base =
+      static_cast<int64_t>(b) * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  load_tile<T, kBwdTile, kD, kBwdThreads>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
+  load_tile<T, kBwdTile, kD, kBwdThreads>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
 
   FragC dk_acc[kFrags], dv_acc[kFrags];
 #pragma unroll
@@ -122,14 +125,19 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int warp_key0 = k0 + warp * kRowsPerWarp;
   const int r = lane / 2;
   const int key = warp_key0 + r;
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
-  // The last query that sees this row's key, and the query tiles past the
-  // last query that sees any key of the block's tile (skipped).
-  const int64_t row_last = last_seeing_query(mask, key);
-  const int key_last = row_last < seq ? static_cast<int>(row_last) : seq - 1;
-  const int64_t tile_last = last_seeing_query(mask, k0 + kBwdTile - 1);
-  const int q_tiles = tile_last < seq ? static_cast<int>(tile_last) / kBwdTile + 1
-                                      : (seq + kBwdTile - 1) / kBwdTile;
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
+  // The queries [first_query, last_query) that see this row's key (none for a
+  // padding row), those that see some key of the warp's 16 (none when all are
+  // padding), and the query tiles that see some key of the block's tile (the
+  // others are skipped).
+  const BlockRange row_queries = key < kv_seq ? seeing_block_queries(mask, key, seq) : BlockRange{0, 0};
+  const int first_query = static_cast<int>(row_queries.first), last_query = static_cast<int>(row_queries.last);
+  const BlockRange warp_queries =
+      warp_key0 < kv_seq ? tile_seeing_queries(mask, warp_key0, min(warp_key0 + kRowsPerWarp, kv_seq), seq)
+                         : BlockRange{0, 0};
+  const BlockRange tile_queries = tile_seeing_queries(mask, k0, min(k0 + kBwdTile, kv_seq), seq);
+  const int q_tiles = tile_queries.last > tile_queries.first
+                          ? static_cast<int>((tile_queries.last + kBwdTile - 1) / kBwdTile) : 0;
   const T* k_rows = k_s + warp * kRowsPerWarp * kLd;
   const T* v_rows = v_s + warp * kRowsPerWarp * kLd;
   const float* s_row = s_w + r * kScoreLd;
@@ -137,34 +145,38 @@ __global__ void __launch_bounds__(kBwdThreads)
 
   for (int hi = 0; hi < heads_per_block; ++hi) {
     const int h = kh * group + split * heads_per_block + hi;
-    const int64_t q_offset =
+    const int64_t q_base =
         static_cast<int64_t>(b) * seq * q_stride + static_cast<int64_t>(h) * head_dim;
     const int64_t row_offset = (static_cast<int64_t>(b) * heads + h) * seq;
-    // Query tiles before the key tile see none of its keys (causal).
-    for (int qt = key_tile; qt < q_tiles; ++qt) {
+    // Query tiles before the first query that sees the tile's first key see
+    // none of its keys (causal).
+    for (int qt = static_cast<int>(tile_queries.first) / kBwdTile; qt < q_tiles; ++qt) {
       const int q0 = qt * kBwdTile;
       __syncthreads();  // the previous step is done with q_s, do_s, lse_s, delta_s
-      load_tile<T, kBwdTile, kD, kBwdThreads>(q_s, q + q_offset, q_stride, q0, seq, head_dim, vec);
-      load_tile<T, kBwdTile, kD, kBwdThreads>(do_s, dout + q_offset, q_stride, q0, seq, head_dim,
+      load_tile<T, kBwdTile, kD, kBwdThreads>(q_s, q + q_base, q_stride, q0, seq, head_dim, vec);
+      load_tile<T, kBwdTile, kD, kBwdThreads>(do_s, dout + q_base, q_stride, q0, seq, head_dim,
                                               vec);
       load_row_vector<kBwdTile, kBwdThreads>(lse_s, lse + row_offset, q0, seq, kLog2e);
       load_row_vector<kBwdTile, kBwdThreads>(delta_s, delta + row_offset, q0, seq, 1.0f);
       __syncthreads();
       // Query groups (16 queries) of this tile that see any of the warp's
-      // keys: those ending at or after warp_key0, and starting before seq.
-      const int n_first = warp_key0 > q0 ? (warp_key0 - q0) / 16 : 0;
-      const int n_end = min(4, (seq - q0 + 15) / 16);
-      if (warp_key0 >= seq || n_first >= n_end) continue;  // warp-uniform
+      // keys: from the one holding the warp's first seeing query to the one
+      // holding its last (which is before seq).
+      if (warp_queries.last <= warp_queries.first || warp_queries.first >= q0 + kBwdTile ||
+          warp_queries.last <= q0)
+        continue;  // warp-uniform
+      const int n_first = warp_queries.first > q0 ? static_cast<int>(warp_queries.first - q0) / 16 : 0;
+      const int n_end = (static_cast<int>(min(warp_queries.last, static_cast<int64_t>(q0 + kBwdTile))) - q0 + 15) / 16;
 
       // P^T = exp(K Q^T * scale - lse) for the warp's keys (rows) and the
       // tile's queries (columns), in registers (fp32) and in p_w (16-bit).
-      // Column c (query q0 + c) is visible iff it is in a computed group, not
-      // before this row's key, not past the last query that sees the key and
-      // before seq: c_lo <= c < c_hi.
+      // Column c (query q0 + c) is visible iff it is in a computed group and
+      // among the queries that see this row's key [first_query, last_query)
+      // (which end before seq): c_lo <= c < c_hi.
       scores<T, kD>(k_rows, q_s, n_first, n_end, s_w);
       __syncwarp();
-      const int c_lo = max(n_first * 16, key - q0);
-      const int c_hi = min(min(n_end * 16, seq - q0), key_last - q0 + 1);
+      const int c_lo = max(n_first * 16, first_query - q0);
+      const int c_hi = min(n_end * 16, last_query - q0);
       float p[32];
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
@@ -199,13 +211,13 @@ __global__ void __launch_bounds__(kBwdThreads)
   }
   __syncwarp();
   if (splits == 1) {
-    store_rows<T, kD>(dk_acc, s_w, dk + kv_offset, kv_stride, warp_key0, seq, head_dim, scale);
-    store_rows<T, kD>(dv_acc, s_w, dv + kv_offset, kv_stride, warp_key0, seq, head_dim, 1.0f);
+    store_rows<T, kD>(dk_acc, s_w, dk + kv_base, kv_stride, warp_key0, kv_seq, head_dim, scale);
+    store_rows<T, kD>(dv_acc, s_w, dv + kv_base, kv_stride, warp_key0, kv_seq, head_dim, 1.0f);
   } else {
-    const int64_t part = static_cast<int64_t>(split) * gridDim.z * seq * kv_stride;
-    store_rows<float, kD>(dk_acc, s_w, dk_part + part + kv_offset, kv_stride, warp_key0, seq,
+    const int64_t part = static_cast<int64_t>(split) * gridDim.z * kv_seq * kv_stride;
+    store_rows<float, kD>(dk_acc, s_w, dk_part + part + kv_base, kv_stride, warp_key0, kv_seq,
                           head_dim, scale);
-    store_rows<float, kD>(dv_acc, s_w, dv_part + part + kv_offset, kv_stride, warp_key0, seq,
+    store_rows<float, kD>(dv_acc, s_w, dv_part + part + kv_base, kv_stride, warp_key0, kv_seq,
                           head_dim, 1.0f);
   }
 #endif
@@ -228,7 +240,7 @@ __global__ void __launch_bounds__(kBwdThreads)
     attention_dq_tc_kernel(const T* __restrict__ dout, const T* __restrict__ q,
                            const T* __restrict__ k, const T* __restrict__ v,
                            const float* __restrict__ lse, const float* __restrict__ delta,
-                           T* __restrict__ dq, int seq, int heads, int kv_heads, int head_dim,
+                           T* __restrict__ dq, int seq, int kv_seq, int heads, int kv_heads, int head_dim,
                            float scale, float scale_log2, bool vec, AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = BwdSmem<kD>;
@@ -251,13 +263,13 @@ __global__ void __launch_bounds__(kBwdThreads)
   const int q0 = q_tile * kBwdTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t q_offset =
+  const int64_t q_base =
       static_cast<int64_t>(b) * seq * q_stride + static_cast<int64_t>(h) * head_dim;
-  const int64_t kv_offset =
-      static_cast<int64_t>(b) * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  const int64_t kv_base =
+      static_cast<int64_t>(b) * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
   const int64_t row_offset = (static_cast<int64_t>(b) * heads + h) * seq;
-  load_tile<T, kBwdTile, kD, kBwdThreads>(q_s, q + q_offset, q_stride, q0, seq, head_dim, vec);
-  load_tile<T, kBwdTile, kD, kBwdThreads>(do_s, dout + q_offset, q_stride, q0, seq, head_dim, vec);
+  load_tile<T, kBwdTile, kD, kBwdThreads>(q_s, q + q_base, q_stride, q0, seq, head_dim, vec);
+  load_tile<T, kBwdTile, kD, kBwdThreads>(do_s, dout + q_base, q_stride, q0, seq, head_dim, vec);
   load_row_vector<kBwdTile, kBwdThreads>(lse_s, lse + row_offset, q0, seq, kLog2e);
   load_row_vector<kBwdTile, kBwdThreads>(delta_s, delta + row_offset, q0, seq, 1.0f);
 
@@ -271,25 +283,21 @@ __global__ void __launch_bounds__(kBwdThreads)
   const T* do_rows = do_s + warp * kRowsPerWarp * kLd;
   const float* s_row = s_w + r * kScoreLd;
   T* ds_row = ds_w + r * kProbLd;
-  const int key_tiles = min(seq - 1, q0 + kBwdTile - 1) / kBwdTile + 1;
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
-  const int first_key = static_cast<int>(first_visible_key(mask, query));
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
+  const WarpKeys keys = warp_keys<kBwdTile>(mask, q0, warp_row0, query, seq, kv_seq);
 
-  for (int kt = static_cast<int>(first_visible_key(mask, q0)) / kBwdTile; kt < key_tiles; ++kt) {
+  for (int kt = keys.tile_begin; kt < keys.tile_end; ++kt) {
     const int k0 = kt * kBwdTile;
     __syncthreads();  // the previous step is done with k_s, v_s (first: q_s etc. are loaded)
-    load_tile<T, kBwdTile, kD, kBwdThreads>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim, vec);
-    load_tile<T, kBwdTile, kD, kBwdThreads>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim, vec);
+    load_tile<T, kBwdTile, kD, kBwdThreads>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
+    load_tile<T, kBwdTile, kD, kBwdThreads>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
     __syncthreads();
-    // Key groups that some row of the warp sees and that start before seq.
-    const int last_row = warp_row0 + kRowsPerWarp - 1;
-    if (warp_row0 >= seq || last_row < k0) continue;  // warp-uniform
-    const int n_cols = min(min(4, (last_row - k0) / 16 + 1), (seq - k0 + 15) / 16);
-    // Column c (key k0 + c) is visible iff computed, before seq, not after
-    // the query and not before its first visible key (a row at or past seq
-    // sees nothing): lo <= c < visible.
-    const int visible = query < seq ? min(min(n_cols * 16, seq - k0), query - k0 + 1) : 0;
-    const int lo = max(0, first_key - k0);
+    const int n_cols = keys.groups(k0);
+    if (n_cols == 0) continue;  // warp-uniform
+    // Column c (key k0 + c) is visible iff computed and in the row's keys
+    // [keys.first, keys.last) (which end before kv_seq): lo <= c < visible.
+    const int visible = min(n_cols * 16, keys.last - k0);
+    const int lo = max(0, keys.first - k0);
 
     scores<T, kD>(q_rows, k_s, 0, n_cols, s_w);  // S = Q K^T
     __syncwarp();
@@ -322,7 +330,7 @@ __global__ void __launch_bounds__(kBwdThreads)
     accumulate<T, kD>(dq_acc, ds_w, k_s, 0, n_cols);  // dQ += dS K (scaled at the end)
   }
   __syncwarp();
-  store_rows<T, kD>(dq_acc, s_w, dq + q_offset, q_stride, warp_row0, seq, head_dim, scale);
+  store_rows<T, kD>(dq_acc, s_w, dq + q_base, q_stride, warp_row0, seq, head_dim, scale);
 #endif
 }
 
@@ -347,15 +355,16 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
   const double scale = attention_scale(d.mask, d.head_dim);
   const auto fscale = static_cast<float>(scale);
   const auto scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  const unsigned tiles = static_cast<unsigned>((d.seq + kBwdTile - 1) / kBwdTile);
-  const int seq = static_cast<int>(d.seq), heads = static_cast<int>(d.heads);
+  const unsigned q_tiles = static_cast<unsigned>((d.seq + kBwdTile - 1) / kBwdTile);
+  const unsigned kv_tiles = static_cast<unsigned>((d.keys() + kBwdTile - 1) / kBwdTile);
+  const int seq = static_cast<int>(d.seq), kv_seq = static_cast<int>(d.keys()), heads = static_cast<int>(d.heads);
   const int kv_heads = static_cast<int>(d.kv_heads), head_dim = static_cast<int>(d.head_dim);
-  const int64_t kv_numel = d.batch * d.seq * d.kv_heads * d.head_dim;
+  const int64_t kv_numel = d.batch * d.keys() * d.kv_heads * d.head_dim;
   float* dk_part = splits > 1 ? partial : nullptr;
   float* dv_part = splits > 1 ? partial + splits * kv_numel : nullptr;
-  dkdv<<<dim3(tiles, static_cast<unsigned>(d.kv_heads * splits), static_cast<unsigned>(d.batch)),
+  dkdv<<<dim3(kv_tiles, static_cast<unsigned>(d.kv_heads * splits), static_cast<unsigned>(d.batch)),
          kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dk, dv, dk_part, dv_part, seq,
-                                      heads, kv_heads, head_dim, splits, fscale, scale_log2, vec,
+                                      kv_seq, heads, kv_heads, head_dim, splits, fscale, scale_log2, vec,
                                       kernel_mask(d));
   if (splits > 1) {
     dkdv_reduce_kernel<T>
@@ -363,8 +372,8 @@ cudaError_t launch_backward(const T* dout, const T* q, const T* k, const T* v, c
     dkdv_reduce_kernel<T>
         <<<grid_for(kv_numel, 256), 256, 0, stream>>>(dv_part, splits, kv_numel, dv);
   }
-  dq_kernel<<<dim3(tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
-              kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dq, seq, heads, kv_heads,
+  dq_kernel<<<dim3(q_tiles, static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch)),
+              kBwdThreads, smem, stream>>>(dout, q, k, v, lse, delta, dq, seq, kv_seq, heads, kv_heads,
                                            head_dim, fscale, scale_log2, vec, kernel_mask(d));
   return cudaGetLastError();
 }
@@ -393,7 +402,7 @@ int attention_dkdv_splits(const AttentionDims& d, int sm_count) {
   // reduced in order) only when the plain grid would leave SMs idle: GQA with
   // few kv heads and a small batch.
   const int64_t group = d.heads / d.kv_heads;
-  const int64_t blocks = (d.seq + kBwdTile - 1) / kBwdTile * d.kv_heads * d.batch;
+  const int64_t blocks = (d.keys() + kBwdTile - 1) / kBwdTile * d.kv_heads * d.batch;
   int splits = 1;
   while (blocks * splits < 2 * static_cast<int64_t>(sm_count) && group % (2 * splits) == 0)
     splits *= 2;

@@ -1,8 +1,11 @@
 // Causal GQA attention forward for fp16/bf16 on tensor cores (WMMA 16x16x16,
 // fp32 accumulation) with an online softmax: one block per (64-query tile,
 // head, batch), 4 warps of 16 query rows, 64-key tiles. Design and shared-
-// memory budget: attention.cu. A sliding window (attention_mask.h) skips the
-// key tiles before the tile's first visible key and masks the rest per element.
+// memory budget: attention.cu. A sliding window, packed documents and a key
+// block of its own (attention_mask.h, attention_block_ranges.h) skip the key
+// tiles no row of the query tile sees and mask the rest per element; a row
+// that sees no key gets out 0 and lse -inf. gpt-oss's sinks start a row's
+// running max at the sink and its running sum at 1 (the sink's own term).
 #include "kernels/cuda/attention_tc.cuh"
 
 namespace strata::ops::cuda {
@@ -36,7 +39,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kFwdThreads)
     attention_forward_tc_kernel(const T* __restrict__ q, const T* __restrict__ k,
                                 const T* __restrict__ v, T* __restrict__ out,
-                                float* __restrict__ lse, int seq, int heads, int kv_heads,
+                                float* __restrict__ lse, int seq, int kv_seq, int heads, int kv_heads,
                                 int head_dim, float scale_log2, bool vec, AttentionMask batch_mask) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Smem = FwdSmem<kD>;
@@ -58,12 +61,12 @@ __global__ void __launch_bounds__(kFwdThreads)
   const int q0 = q_tile * kFwdQueryTile;
   const int64_t q_stride = static_cast<int64_t>(heads) * head_dim;
   const int64_t kv_stride = static_cast<int64_t>(kv_heads) * head_dim;
-  const int64_t q_offset =
+  const int64_t q_base =
       static_cast<int64_t>(b) * seq * q_stride + static_cast<int64_t>(h) * head_dim;
-  const int64_t kv_offset =
-      static_cast<int64_t>(b) * seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
+  const int64_t kv_base =
+      static_cast<int64_t>(b) * kv_seq * kv_stride + static_cast<int64_t>(kh) * head_dim;
 
-  load_tile<T, kFwdQueryTile, kD, kFwdThreads>(q_s, q + q_offset, q_stride, q0, seq, head_dim, vec);
+  load_tile<T, kFwdQueryTile, kD, kFwdThreads>(q_s, q + q_base, q_stride, q0, seq, head_dim, vec);
   __syncthreads();
   FragA<T> q_frag[kFrags];
 #pragma unroll
@@ -83,22 +86,21 @@ __global__ void __launch_bounds__(kFwdThreads)
   const int query = warp_row0 + r;
   const float* s_row = s_w + r * kScoreLd;
   T* p_row = p_w + r * kProbLd;
-  float row_max = -INFINITY, row_sum = 0.0f;
+  // A sink (log2 units like the scores) is a key with no value: the running
+  // max starts at it and the running sum at exp2(sink - sink) = 1.
+  const bool has_sink = batch_mask.sinks != nullptr;
+  float row_max = has_sink ? batch_mask.sinks[h] * 1.4426950408889634f : -INFINITY;
+  float row_sum = has_sink ? 1.0f : 0.0f;
 
-  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * seq);
+  const AttentionMask mask = batch_mask.row(static_cast<int64_t>(b) * batch_mask.seq);
   const float scale = scale_log2 * 0.6931471805599453f;  // the scores' own scale (for the soft cap)
-  // Columns of a key tile before this row's first visible key are masked too.
-  const int first_key = static_cast<int>(first_visible_key(mask, query));
-  const int key_tiles = min(seq - 1, q0 + kFwdQueryTile - 1) / kKeyTile + 1;
-  for (int kt = static_cast<int>(first_visible_key(mask, q0)) / kKeyTile; kt < key_tiles; ++kt) {
+  const WarpKeys keys = warp_keys<kFwdQueryTile>(mask, q0, warp_row0, query, seq, kv_seq);
+  for (int kt = keys.tile_begin; kt < keys.tile_end; ++kt) {
     const int k0 = kt * kKeyTile;
-    load_tile<T, kKeyTile, kD, kFwdThreads>(k_s, k + kv_offset, kv_stride, k0, seq, head_dim, vec);
-    load_tile<T, kKeyTile, kD, kFwdThreads>(v_s, v + kv_offset, kv_stride, k0, seq, head_dim, vec);
+    load_tile<T, kKeyTile, kD, kFwdThreads>(k_s, k + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
+    load_tile<T, kKeyTile, kD, kFwdThreads>(v_s, v + kv_base, kv_stride, k0, kv_seq, head_dim, vec);
     __syncthreads();
-    // 16-key column groups this warp can see (causal): group n holds keys
-    // k0 + 16n .. k0 + 16n + 15, seen by some row iff k0 + 16n <= last row.
-    const int last_row = warp_row0 + kRowsPerWarp - 1;
-    const int n_cols = last_row < k0 ? 0 : min(4, (last_row - k0) / 16 + 1);
+    const int n_cols = keys.groups(k0);
     if (n_cols > 0) {  // warp-uniform
       // S = Q K^T for the visible column groups.
       for (int n = 0; n < n_cols; ++n) {
@@ -113,11 +115,11 @@ __global__ void __launch_bounds__(kFwdThreads)
         wmma::store_matrix_sync(s_w + n * 16, s_acc, kScoreLd, wmma::mem_row_major);
       }
       __syncwarp();
-      // Column c (key k0 + c) is visible iff it is in a computed group, before
-      // seq, not after the query and not before its first visible key:
+      // Column c (key k0 + c) is visible iff it is in a computed group and in
+      // the row's keys [keys.first, keys.last) (which end before kv_seq):
       // lo <= c < visible.
-      const int visible = min(min(n_cols * 16, seq - k0), query - k0 + 1);
-      const int lo = max(0, first_key - k0);
+      const int visible = min(n_cols * 16, keys.last - k0);
+      const int lo = max(0, keys.first - k0);
       float tile_max = -INFINITY;
 #pragma unroll
       for (int e = 0; e < 16; ++e) {
@@ -162,16 +164,17 @@ __global__ void __launch_bounds__(kFwdThreads)
     __syncthreads();  // the next iteration overwrites k_s and v_s
   }
 
-  // O /= row sum; lse = ln(sum_j exp(s_j)) = max * ln 2 + ln(sum).
+  // O /= row sum; lse = ln(sum_j exp(s_j)) = max * ln 2 + ln(sum) (a row
+  // that saw no key and has no sink: O 0, lse -inf).
   if (lane % 2 == 0) {
     alpha_w[r] = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     if (query < seq)
       lse[(static_cast<int64_t>(b) * heads + h) * seq + query] =
-          row_max * 0.6931471805599453f + logf(row_sum);
+          row_sum > 0.0f ? row_max * 0.6931471805599453f + logf(row_sum) : -INFINITY;
   }
   __syncwarp();
   scale_rows(o_acc, alpha_w, frag_row);
-  store_rows<T, kD>(o_acc, s_w, out + q_offset, q_stride, warp_row0, seq, head_dim, 1.0f);
+  store_rows<T, kD>(o_acc, s_w, out + q_base, q_stride, warp_row0, seq, head_dim, 1.0f);
 #endif
 }
 
@@ -188,7 +191,7 @@ cudaError_t launch_forward(const T* q, const T* k, const T* v, const AttentionDi
                   static_cast<unsigned>(d.heads), static_cast<unsigned>(d.batch));
   const float scale_log2 = static_cast<float>(1.4426950408889634 * attention_scale(d.mask, d.head_dim));
   kernel<<<grid, kFwdThreads, smem, stream>>>(
-      q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.heads),
+      q, k, v, out, lse, static_cast<int>(d.seq), static_cast<int>(d.keys()), static_cast<int>(d.heads),
       static_cast<int>(d.kv_heads), static_cast<int>(d.head_dim), scale_log2, vec,
       kernel_mask(d));
   return cudaGetLastError();

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/attention_block_ranges.h"
 #include "kernels/attention_mask.h"
 #include "kernels/glu.h"
 #include "kernels/moe_routing.h"
@@ -143,17 +144,23 @@ void launch_grad_sum_sq(const float* grad, int64_t numel, float scale, double* p
                         cudaStream_t stream);
 
 // ---- attention_*.cu ---------------------------------------------------------
+// seq queries against kv_seq keys: one block (kv_seq == seq, offsets 0), or a
+// query block against a key block of its own (context parallelism), placed in
+// the whole sequence by mask.q_offset / mask.kv_offset (attention_mask.h).
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   AttentionMask mask;  // which keys a query sees (attention_mask.h)
+  int64_t kv_seq = 0;  // keys (and values) per row; 0: seq
+  int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }
 };
 // The mask the kernels apply: the sliding window as 0 when it cannot bind
-// (none, or at least seq long, so every causal key is in it), the segments
-// (packed documents, device memory) as given.
+// (none, or at least as long as the farthest query is from the first key, so
+// every causal key is in it), the segments (packed documents, device memory)
+// as given, with their entries per row (the whole sequence's: seq for one block).
 inline AttentionMask kernel_mask(const AttentionDims& d) {
   AttentionMask m = d.mask;
-  if (!(m.window > 0 && m.window < d.seq)) m.window = 0;
-  m.seq = d.seq;
+  if (!(m.window > 0 && m.window < m.q_offset + d.seq - m.kv_offset)) m.window = 0;
+  m.seq = m.has_segments() ? m.seq : d.seq;
   return m;
 }
 // ---- attention_merge.cu ---------------------------------------------------------
@@ -163,8 +170,9 @@ void launch_attention_merge(Storage part_t, float* out, float* lse, const void* 
                             int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, cudaStream_t stream);
 // The largest head_dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;
-// q, out [batch, seq, heads, head_dim]; k, v [batch, seq, kv_heads, head_dim];
-// lse fp32 [batch, heads, seq]. head_dim in [1, kMaxAttentionHeadDim].
+// q, out [batch, seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim];
+// lse fp32 [batch, heads, seq] (a row that sees no key: -inf, or its head's
+// sink with mask.sinks). head_dim in [1, kMaxAttentionHeadDim].
 cudaError_t launch_attention_forward(Storage t, const void* q, const void* k, const void* v,
                                      const AttentionDims& dims, void* out, float* lse,
                                      cudaStream_t stream);
@@ -203,6 +211,12 @@ cudaError_t attention_backward_f32(const float* dout, const float* q, const floa
 // delta[b, h, i] = sum_c dout[b, i, h, c] * out[b, i, h, c] (the softmax-backward row term).
 void launch_attention_delta(Storage t, const void* dout, const void* out, const AttentionDims& dims,
                             float* delta, cudaStream_t stream);
+// Ops::attention_sinks_backward: dsinks[h] -= sum over batch and queries of
+// exp(sinks[h] - lse[b, h, i]) * sum_c dout[b, i, h, c] * out[b, i, h, c].
+// One block per head, summed in a fixed order (bitwise repeatable).
+void launch_attention_sinks_backward(Storage t, const void* dout, const void* out, const float* lse,
+                                     const float* sinks, const AttentionDims& dims, float* dsinks,
+                                     cudaStream_t stream);
 
 // ---- moe.cu -------------------------------------------------------------------
 // The moe_* ops of kernels/ops.h (shapes as there; pointers device memory;

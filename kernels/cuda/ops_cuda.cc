@@ -450,12 +450,18 @@ class CudaOps final : public Ops {
     });
   }
 
-  void enqueue_attention_sinks_backward(ComputeContext&, const AttentionShape&, const TensorView&,
-                                        const TensorView&, const TensorView&, const AttentionMask&,
-                                        const TensorView&) override {
-    raise(ErrorCategory::kBadArgument,
-          "attention_sinks_backward: the cuda backend has no attention sinks yet (gpt-oss's attention runs on the "
-          "cpu backend)");
+  void enqueue_attention_sinks_backward(ComputeContext& ctx, const AttentionShape& s, const TensorView& dout,
+                                        const TensorView& out, const TensorView& lse, const AttentionMask& mask,
+                                        const TensorView& dsinks) override {
+    constexpr const char* op = "attention_sinks_backward";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"dout", &dout}, {"out", &out}, {"lse", &lse}, {"dsinks", &dsinks}});
+    const cuda::AttentionDims d{s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask, s.keys()};
+    run(c, op, [&] {
+      cuda::launch_attention_sinks_backward(storage(out.desc.dtype), dout.data, out.data, lse.as<const float>(),
+                                            mask.sinks, d, dsinks.as<float>(), c.cuda_stream());
+      check_launch(op);
+    });
   }
 
   void enqueue_attention_merge(ComputeContext& ctx, const AttentionShape& s, const TensorView& out,
@@ -788,21 +794,13 @@ class CudaOps final : public Ops {
     STRATA_CHECK(s.head_dim <= cuda::kMaxAttentionHeadDim, kBadArgument,
                  "{}: head_dim {} is not supported by the cuda attention kernels (at most {})", op,
                  s.head_dim, cuda::kMaxAttentionHeadDim);
-    STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2, kBadArgument,
-                 "{}: batch {} and heads {} must be at most 65535, seq {} at most {}", op, s.batch,
-                 s.heads, s.seq, INT_MAX / 2);
-    STRATA_CHECK(s.keys() == s.seq && mask.q_offset == 0 && mask.kv_offset == 0 &&
-                     (!mask.has_segments() || mask.seq == s.seq),
-                 kBadArgument,
-                 "{}: the cuda attention kernels take no key block of its own yet (keys {} for {} queries, "
-                 "offsets {} and {}, document arrays of {} entries per row: context parallelism's block attention "
-                 "runs on the cpu backend)",
-                 op, s.keys(), s.seq, mask.q_offset, mask.kv_offset, mask.has_segments() ? mask.seq : s.seq);
-    STRATA_CHECK(mask.sinks == nullptr, kBadArgument,
-                 "{}: the cuda attention kernels have no attention sinks yet (gpt-oss's attention runs on the cpu "
-                 "backend)",
-                 op);
-    return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask};
+    STRATA_CHECK(s.batch <= 65535 && s.heads <= 65535 && s.seq <= INT_MAX / 2 && s.keys() <= INT_MAX / 2,
+                 kBadArgument, "{}: batch {} and heads {} must be at most 65535, seq {} and keys {} at most {}", op,
+                 s.batch, s.heads, s.seq, s.keys(), INT_MAX / 2);
+    // Key blocks (context parallelism: keys != seq, global offsets, document
+    // arrays covering the whole sequence) and sinks (device memory, like the
+    // document arrays) are the kernels' own: the front end has checked them.
+    return {s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, mask, s.keys()};
   }
 
 };

@@ -7,6 +7,8 @@
 // double precision (the reference templates, to 1e-12) and through the cpu
 // Ops in fp32 (the blocked kernels and the merge op, to fp32's tolerance),
 // for GQA, sliding windows narrower and wider than a chunk, and packed documents.
+// Also the ranges the cuda kernels walk (attention_block_ranges.h) against
+// the cpu kernels' visible pairs.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "core/accelerator.h"
+#include "kernels/attention_block_ranges.h"
 #include "kernels/attention_merge.h"
 #include "kernels/nn_ops.h"
 #include "kernels/ops.h"
@@ -303,6 +306,64 @@ TEST_CASE("attention blocks: a query that sees none of a block's keys gets out 0
   CHECK(merge_weights(-INFINITY, 0.25f).take == 1.0f);
   CHECK(merge_weights(0.0f, 0.0f).lse == Approx(std::log(2.0)));
   CHECK(merge_weights(0.0f, 0.0f).keep == Approx(0.5));
+}
+
+TEST_CASE("attention blocks: the ranges a tiled kernel walks hold exactly the visible pairs (a key's queries, "
+          "a tile's keys and queries)",
+          "[ops][cpu][cp]") {
+  // The cuda kernels' loops (attention_block_ranges.h): a key's queries must
+  // be exactly the queries whose visible_block_keys hold it, and a tile's
+  // range must cover every key (query) its rows see, or a kernel would skip
+  // a pair. Random blocks of a 300-token sequence: offsets, keys != queries,
+  // windows (some wider than everything), packed documents.
+  std::mt19937 gen(46);
+  auto draw = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
+  constexpr int kTokens = 300;
+  std::vector<int32_t> start(kTokens), end(kTokens);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int seq = draw(1, 90), kv = draw(1, 90);
+    AttentionMask m{draw(0, 2) == 0 ? 0 : draw(1, 200)};
+    m.q_offset = trial % 4 == 0 ? 0 : draw(0, kTokens - seq);
+    m.kv_offset = trial % 4 == 0 ? 0 : draw(0, kTokens - kv);
+    if (draw(0, 1) == 0) {
+      for (int at = 0; at < kTokens;) {
+        const int stop = std::min(kTokens, at + draw(1, 60));
+        std::fill(start.begin() + at, start.begin() + stop, at);
+        std::fill(end.begin() + at, end.begin() + stop, stop);
+        at = stop;
+      }
+      m.segment_start = start.data();
+      m.segment_end = end.data();
+      m.seq = kTokens;
+    }
+    INFO("trial " << trial << ": " << seq << " queries at " << m.q_offset << ", " << kv << " keys at "
+                  << m.kv_offset << ", window " << m.window << (m.has_segments() ? ", documents" : ""));
+    // seen[i * kv + j]: query i sees key j (the cpu kernel's definition).
+    std::vector<char> seen(static_cast<size_t>(seq * kv), 0);
+    for (int i = 0; i < seq; ++i) {
+      const BlockRange r = visible_block_keys(m, i, kv);
+      for (int64_t j = r.first; j < r.last; ++j) seen[static_cast<size_t>(i * kv + j)] = 1;
+    }
+    int bad_keys = 0, bad_tiles = 0;
+    for (int j = 0; j < kv; ++j) {
+      const BlockRange r = seeing_block_queries(m, j, seq);
+      for (int i = 0; i < seq; ++i) bad_keys += (i >= r.first && i < r.last) != (seen[static_cast<size_t>(i * kv + j)] != 0);
+    }
+    for (int tile : {16, 32, 64}) {
+      for (int q0 = 0; q0 < seq; q0 += tile) {
+        const BlockRange r = tile_block_keys(m, q0, std::min(q0 + tile, seq), kv);
+        for (int i = q0; i < std::min(q0 + tile, seq); ++i)
+          for (int j = 0; j < kv; ++j) bad_tiles += seen[static_cast<size_t>(i * kv + j)] && !(j >= r.first && j < r.last);
+      }
+      for (int k0 = 0; k0 < kv; k0 += tile) {
+        const BlockRange r = tile_seeing_queries(m, k0, std::min(k0 + tile, kv), seq);
+        for (int j = k0; j < std::min(k0 + tile, kv); ++j)
+          for (int i = 0; i < seq; ++i) bad_tiles += seen[static_cast<size_t>(i * kv + j)] && !(i >= r.first && i < r.last);
+      }
+    }
+    CHECK(bad_keys == 0);
+    CHECK(bad_tiles == 0);
+  }
 }
 
 TEST_CASE("attention blocks: bad offsets, key blocks and merges are refused by name", "[ops][cpu][cp]") {

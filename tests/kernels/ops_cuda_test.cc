@@ -2,7 +2,9 @@
 // kernels/nn_ops.h, run on the same rounded inputs) for every op, forward and
 // backward, in fp32, fp16 and bf16, with the tolerances of
 // tests/support/tolerances.h (section 2). Also: attention at many shapes (seq not a
-// multiple of a tile, seq 1, GQA groups 1/2/3/4, head_dim 20..128, seq 4096);
+// multiple of a tile, seq 1, GQA groups 1/2/3/4, head_dim 20..128, seq 4096),
+// a query block against a key block at global offsets (context parallelism)
+// and key blocks merged by their log-sum-exps, gpt-oss's attention sinks;
 // strided, accumulating, mixed-dtype Linear; the fused cross-entropy with
 // ignored targets, several chunk sizes, stats over two calls and a normalizer
 // written by an earlier kernel; bitwise determinism; that no op waits for the
@@ -54,17 +56,19 @@ Vec random_vec(size_t n, uint32_t seed, double scale = 1.0) {
 // |got - want| <= abs * max(max|want|, scale_floor) + rel * |want| for every
 // element. scale_floor is the size of the terms where the exact result can
 // cancel to zero (attention gradients at seq 1: dS = P (dP - delta) = 0).
+// An infinite want (the lse -inf of a row that sees no key) must be got
+// exactly, and does not count in the scale.
 void expect_close(const std::string& what, const Vec& got, const Vec& want, const OpTol& tol,
                   double scale_floor = 0.0) {
   REQUIRE(got.size() == want.size());
   double scale = scale_floor;
-  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (double w : want) scale = std::isfinite(w) ? std::max(scale, std::abs(w)) : scale;
   size_t bad = 0, worst = 0;
   double worst_ratio = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double diff = std::abs(got[i] - want[i]);
     const double allowed = tol.abs * scale + tol.rel * std::abs(want[i]);
-    const bool ok = diff <= allowed;  // false for NaN
+    const bool ok = std::isfinite(want[i]) ? diff <= allowed : got[i] == want[i];  // false for NaN
     const double ratio = ok ? (allowed > 0 ? diff / allowed : 0.0) : INFINITY;
     if (!ok) ++bad;
     if (ratio > worst_ratio || (!ok && bad == 1)) {
@@ -318,19 +322,23 @@ namespace {
 // Forward and backward of one attention shape in one dtype against the
 // reference; backward runs from the device's own out and lse (as training
 // does; lse and out are checked separately), and twice, to check that it is
-// bitwise repeatable.
-// `host_mask`: the reference's mask when `mask` holds device pointers (packed documents).
+// bitwise repeatable. A key block of its own (s.kv_seq, mask.q_offset /
+// kv_offset) is checked the same way: the cpu kernel is the contract. With
+// sinks, also their gradient (attention_sinks_backward, accumulating).
+// `host_mask`: the reference's mask when `mask` holds device pointers (packed
+// documents, sinks).
 void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMask mask = {},
                      const AttentionMask* host_mask = nullptr) {
   const AttentionMask& ref_mask = host_mask != nullptr ? *host_mask : mask;
-  INFO("batch " << s.batch << " seq " << s.seq << " heads " << s.heads << " kv_heads " << s.kv_heads
-                << " head_dim " << s.head_dim << " dtype " << dtype_name(dt) << " window "
-                << mask.window);
+  INFO("batch " << s.batch << " seq " << s.seq << " keys " << s.keys() << " heads " << s.heads << " kv_heads "
+                << s.kv_heads << " head_dim " << s.head_dim << " dtype " << dtype_name(dt) << " window "
+                << mask.window << " offsets " << mask.q_offset << ", " << mask.kv_offset << " documents "
+                << mask.has_segments() << " sinks " << (mask.sinks != nullptr));
   const int64_t nq = s.batch * s.seq * s.heads * s.head_dim;
-  const int64_t nkv = s.batch * s.seq * s.kv_heads * s.head_dim;
+  const int64_t nkv = s.batch * s.keys() * s.kv_heads * s.head_dim;
   const int64_t nl = s.batch * s.heads * s.seq;
   const Shape q_shape{s.batch, s.seq, s.heads, s.head_dim};
-  const Shape kv_shape{s.batch, s.seq, s.kv_heads, s.head_dim};
+  const Shape kv_shape{s.batch, s.keys(), s.kv_heads, s.head_dim};
   const uint32_t seed = static_cast<uint32_t>(s.seq * 31 + s.head_dim);
   // Scores of a few units, like a trained model's: softmax rows neither flat nor one-hot.
   Vec q = random_vec(nq, seed, 1.5), k = random_vec(nkv, seed + 1, 1.5);
@@ -346,7 +354,8 @@ void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMas
   ref::attention_forward<double>(q.data(), k.data(), v.data(), s, want_out.data(), want_lse.data(),
                                  ref_mask);
   const Vec got_out = f.read(out), got_lse = f.read(lse);
-  const bool windowed = mask.window > 0 || mask.has_segments();
+  const bool windowed = mask.window > 0 || mask.has_segments() || s.keys() != s.seq || mask.q_offset > 0 ||
+                        mask.kv_offset > 0;
   const OpTolRow& out_tol = windowed ? kAttentionWindowOut : kAttentionOut;
   const OpTolRow& lse_tol = windowed ? kAttentionWindowLse : kAttentionLse;
   const OpTolRow& grad_tol = windowed ? kAttentionWindowGrad : kAttentionGrad;
@@ -368,11 +377,58 @@ void check_attention(Fixture& f, const AttentionShape& s, DType dt, AttentionMas
   CHECK(f.bytes(dq) == f.bytes(dq2));
   CHECK(f.bytes(dk) == f.bytes(dk2));
   CHECK(f.bytes(dv) == f.bytes(dv2));
+  if (mask.sinks == nullptr) return;
+  // dsinks accumulates: it starts at 0.25 on both sides.
+  Vec want_dsinks(static_cast<size_t>(s.heads), 0.25);
+  auto dsinks = f.tensor(want_dsinks, DType::kF32, {s.heads});
+  f.ops->attention_sinks_backward(*f.ctx, d_dout, out, lse, mask, dsinks);
+  ref::attention_sinks_backward<double>(dout.data(), got_out.data(), got_lse.data(), s, ref_mask.sinks,
+                                        want_dsinks.data());
+  expect_close("attention dsinks", f.read(dsinks), want_dsinks, kAttentionGrad.of(dt), 1.0);
 }
 
 AttentionShape shape(int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
                      int64_t head_dim) {
   return AttentionShape{batch, seq, heads, kv_heads, head_dim};
+}
+
+// A query block of `seq` tokens against a key block of `keys` tokens.
+AttentionShape block(int64_t batch, int64_t seq, int64_t keys, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  return AttentionShape{batch, seq, heads, kv_heads, head_dim, keys};
+}
+
+// Packed documents over `batch` rows of `tokens` positions: the first
+// position of each position's document and one past its last, row-major,
+// the documents' lengths cycling through kLengths (each row from its own place).
+struct Documents {
+  std::vector<int32_t> start, end;
+};
+Documents documents(int64_t batch, int64_t tokens) {
+  constexpr int32_t kLengths[] = {1, 7, 30, 2, 66, 5, 130};
+  Documents docs{std::vector<int32_t>(static_cast<size_t>(batch * tokens)),
+                 std::vector<int32_t>(static_cast<size_t>(batch * tokens))};
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t at = 0;
+    for (size_t d = static_cast<size_t>(b); at < tokens; ++d) {
+      const int32_t stop = std::min<int32_t>(static_cast<int32_t>(tokens), at + kLengths[d % std::size(kLengths)]);
+      for (int32_t i = at; i < stop; ++i) {
+        docs.start[static_cast<size_t>(b * tokens + i)] = at;
+        docs.end[static_cast<size_t>(b * tokens + i)] = stop;
+      }
+      at = stop;
+    }
+  }
+  return docs;
+}
+
+// `mask` (host and device forms) with the documents `docs` of rows of `tokens` positions.
+void add_documents(Fixture& f, const Documents& docs, int64_t tokens, AttentionMask& host, AttentionMask& device) {
+  host.segment_start = docs.start.data();
+  host.segment_end = docs.end.data();
+  host.seq = device.seq = tokens;
+  const TensorView d_start = f.ints(docs.start), d_end = f.ints(docs.end);
+  device.segment_start = d_start.as<int32_t>();
+  device.segment_end = d_end.as<int32_t>();
 }
 
 }  // namespace
@@ -408,30 +464,145 @@ TEST_CASE("cuda ops: sliding-window attention (Mistral, Qwen2 sliding layers)", 
 
 TEST_CASE("cuda ops: packed documents (a block-diagonal causal mask), with and without a window", "[ops][cuda]") {
   Fixture f;
-  constexpr int32_t kLengths[] = {1, 7, 30, 2, 66, 5, 130};
   const std::pair<AttentionShape, int64_t> cases[] = {
       {shape(2, 70, 6, 2, 32), 0}, {shape(1, 333, 4, 1, 128), 0}, {shape(2, 200, 4, 2, 64), 13}};
   for (const auto& [s, window] : cases) {
-    std::vector<int32_t> start(static_cast<size_t>(s.batch * s.seq)), end(start.size());
-    for (int64_t b = 0; b < s.batch; ++b) {
-      int32_t at = 0;
-      for (size_t d = static_cast<size_t>(b); at < s.seq; ++d) {
-        const int32_t stop = std::min<int32_t>(static_cast<int32_t>(s.seq), at + kLengths[d % std::size(kLengths)]);
-        for (int32_t i = at; i < stop; ++i) {
-          start[static_cast<size_t>(b * s.seq + i)] = at;
-          end[static_cast<size_t>(b * s.seq + i)] = stop;
-        }
-        at = stop;
-      }
-    }
+    const Documents docs = documents(s.batch, s.seq);
     AttentionMask host{window}, device{window};
-    host.segment_start = start.data();
-    host.segment_end = end.data();
-    host.seq = device.seq = s.seq;
-    const TensorView d_start = f.ints(start), d_end = f.ints(end);
-    device.segment_start = d_start.as<int32_t>();
-    device.segment_end = d_end.as<int32_t>();
+    add_documents(f, docs, s.seq, host, device);
     for (DType dt : kDtypes) check_attention(f, s, dt, device, &host);
+  }
+}
+
+TEST_CASE("cuda ops: a query block against a key block at global offsets (ring attention's blocks)",
+          "[ops][cuda][cp]") {
+  Fixture f;
+  struct Case {
+    AttentionShape s;
+    int64_t q_offset, kv_offset, window;
+  };
+  // Keys wholly before the queries (no mask at all); straddling the diagonal
+  // with keys != seq and a GQA group of 4 at head_dim 128; keys wholly after
+  // the queries (every row sees nothing: out 0, lse -inf, no gradient);
+  // windows smaller than a block, so that some rows see a part of the block
+  // and later rows none of it; a window that reaches past the block's start.
+  const Case cases[] = {
+      {block(2, 70, 100, 6, 2, 64), 130, 0, 0},  {block(1, 96, 80, 4, 1, 128), 64, 40, 0},
+      {block(2, 64, 64, 4, 2, 64), 0, 64, 0},    {block(1, 100, 130, 4, 2, 64), 200, 60, 50},
+      {block(1, 33, 47, 2, 2, 128), 47, 0, 20},  {block(2, 40, 90, 4, 2, 64), 100, 30, 300},
+  };
+  for (const Case& c : cases) {
+    AttentionMask mask{c.window};
+    mask.q_offset = c.q_offset;
+    mask.kv_offset = c.kv_offset;
+    for (DType dt : kDtypes) check_attention(f, c.s, dt, mask);
+  }
+  // Packed documents over the whole sequence (arrays of 230 entries a row),
+  // with and without a window.
+  for (int64_t window : {0, 13}) {
+    const AttentionShape s = block(2, 70, 90, 6, 2, 64);
+    const Documents docs = documents(s.batch, 230);
+    AttentionMask host{window}, device{window};
+    add_documents(f, docs, 230, host, device);
+    host.q_offset = device.q_offset = 128;
+    host.kv_offset = device.kv_offset = 30;
+    for (DType dt : kDtypes) check_attention(f, s, dt, device, &host);
+  }
+}
+
+namespace {
+
+// Tokens [t0, t1) of x [batch, tokens, width].
+Vec token_rows(const Vec& x, int64_t batch, int64_t tokens, int64_t width, int64_t t0, int64_t t1) {
+  Vec out;
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto from = x.begin() + (b * tokens + t0) * width;
+    out.insert(out.end(), from, from + (t1 - t0) * width);
+  }
+  return out;
+}
+
+// One query block of the whole sequence against the key blocks that split
+// it, as ring attention runs them: each block's forward merged into an fp32
+// accumulator by attention_merge gives the attention over all the keys (the
+// reference with one key block of every token); each block's backward from
+// the merged out and lse gives its share: the dq shares sum to the whole dq,
+// and each block's dk, dv are the whole dk, dv's rows of that block.
+void check_merged_blocks(Fixture& f, DType dt, int64_t window) {
+  const int64_t batch = 2, tokens = 160, heads = 4, kv_heads = 2, d = 64;
+  const int64_t q0 = 96, seq = tokens - q0;  // the query block: the last 64 tokens
+  const int64_t cuts[] = {0, 70, tokens};     // key blocks [0, 70), [70, 160)
+  INFO("dtype " << dtype_name(dt) << " window " << window);
+  const int64_t q_row = heads * d, kv_row = kv_heads * d;
+  Vec q = rounded(random_vec(static_cast<size_t>(batch * seq * q_row), 71, 1.5), dt);
+  Vec k = rounded(random_vec(static_cast<size_t>(batch * tokens * kv_row), 72, 1.5), dt);
+  Vec v = rounded(random_vec(static_cast<size_t>(batch * tokens * kv_row), 73), dt);
+  Vec dout = rounded(random_vec(static_cast<size_t>(batch * seq * q_row), 74), dt);
+  const Shape q_shape{batch, seq, heads, d}, lse_shape{batch, heads, seq};
+  auto d_q = f.tensor(q, dt, q_shape), d_dout = f.tensor(dout, dt, q_shape);
+  auto acc = f.zeros(DType::kF32, q_shape);
+  Vec none(static_cast<size_t>(batch * heads * seq), -INFINITY);
+  auto acc_lse = f.tensor(none, DType::kF32, lse_shape);
+  struct Block {
+    TensorView k, v;
+    AttentionMask mask;
+  };
+  std::vector<Block> blocks;
+  for (size_t i = 0; i + 1 < std::size(cuts); ++i) {
+    const int64_t n = cuts[i + 1] - cuts[i];
+    Vec kb = token_rows(k, batch, tokens, kv_row, cuts[i], cuts[i + 1]);
+    Vec vb = token_rows(v, batch, tokens, kv_row, cuts[i], cuts[i + 1]);
+    AttentionMask mask{window};
+    mask.q_offset = q0;
+    mask.kv_offset = cuts[i];
+    blocks.push_back({f.tensor(kb, dt, {batch, n, kv_heads, d}), f.tensor(vb, dt, {batch, n, kv_heads, d}), mask});
+    auto part = f.zeros(dt, q_shape), part_lse = f.zeros(DType::kF32, lse_shape);
+    f.ops->attention_forward(*f.ctx, d_q, blocks.back().k, blocks.back().v, part, part_lse, mask);
+    f.ops->attention_merge(*f.ctx, acc, acc_lse, part, part_lse);
+  }
+  const AttentionShape whole = block(batch, seq, tokens, heads, kv_heads, d);
+  AttentionMask whole_mask{window};
+  whole_mask.q_offset = q0;
+  const size_t nq = q.size(), nkv = k.size(), nl = none.size();
+  Vec want_out(nq), want_lse(nl);
+  ref::attention_forward<double>(q.data(), k.data(), v.data(), whole, want_out.data(), want_lse.data(), whole_mask);
+  const Vec got_out = f.read(acc), got_lse = f.read(acc_lse);
+  expect_close("merged out", got_out, want_out, kAttentionWindowOut.of(dt));
+  expect_close("merged lse", got_lse, want_lse, kAttentionWindowLse.of(dt));
+
+  // Backward from the merged out (in the activations' dtype, as the model keeps it) and lse.
+  Vec out_dt = got_out;
+  auto d_out = f.tensor(out_dt, dt, q_shape);
+  Vec want_dq(nq), want_dk(nkv), want_dv(nkv);
+  ref::attention_backward<double>(dout.data(), q.data(), k.data(), v.data(), out_dt.data(), got_lse.data(), whole,
+                                  want_dq.data(), want_dk.data(), want_dv.data(), whole_mask);
+  Vec dq_sum(nq, 0.0);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const int64_t n = cuts[i + 1] - cuts[i];
+    auto dq = f.zeros(dt, q_shape), dk = f.zeros(dt, {batch, n, kv_heads, d}), dv = f.zeros(dt, {batch, n, kv_heads, d});
+    f.ops->attention_backward(*f.ctx, d_dout, d_q, blocks[i].k, blocks[i].v, d_out, acc_lse, dq, dk, dv,
+                              blocks[i].mask);
+    const Vec got_dq = f.read(dq);
+    for (size_t j = 0; j < nq; ++j) dq_sum[j] += got_dq[j];
+    expect_close("block dk", f.read(dk), token_rows(want_dk, batch, tokens, kv_row, cuts[i], cuts[i + 1]),
+                 kAttentionWindowGrad.of(dt), 1.0);
+    expect_close("block dv", f.read(dv), token_rows(want_dv, batch, tokens, kv_row, cuts[i], cuts[i + 1]),
+                 kAttentionWindowGrad.of(dt), 1.0);
+  }
+  // Two rounded shares: twice the tolerance of one.
+  const OpTol one = kAttentionWindowGrad.of(dt);
+  expect_close("summed dq", dq_sum, want_dq, OpTol{2 * one.abs, 2 * one.rel}, 1.0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda ops: key blocks merged by their log-sum-exps give the whole sequence's attention, forward and "
+          "backward",
+          "[ops][cuda][cp]") {
+  Fixture f;
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    check_merged_blocks(f, dt, 0);
+    check_merged_blocks(f, dt, 40);  // a window shorter than either key block
   }
 }
 
@@ -482,8 +653,7 @@ TEST_CASE("cuda ops: the sigmoid-gated add of a shared expert and its backward m
   for (DType act : {DType::kF32, DType::kBF16}) strata::test::moe::check_sigmoid_gated_add(f, act);
 }
 
-TEST_CASE("cuda ops: gpt-oss's clamped SwiGLU by its definition; attention sinks refused by name",
-          "[ops][cuda][gpt_oss]") {
+TEST_CASE("cuda ops: gpt-oss's clamped SwiGLU by its definition", "[ops][cuda][gpt_oss]") {
   Fixture f;
   const GluClamp clamp{1.702f, 7.0f};
   for (DType dt : kDtypes) {
@@ -502,14 +672,28 @@ TEST_CASE("cuda ops: gpt-oss's clamped SwiGLU by its definition; attention sinks
     expect_close("clamped swiglu dgate", f.read(dg), want_dg, kSwiglu.of(dt));
     expect_close("clamped swiglu dup", f.read(du), want_du, kSwiglu.of(dt));
   }
-  // The flash kernels have no sinks yet: refused by name, never ignored.
-  auto q = f.zeros(DType::kF32, {1, 4, 2, 8}), lse = f.zeros(DType::kF32, {1, 2, 4});
-  auto sinks = f.zeros(DType::kF32, {2}), dsinks = f.zeros(DType::kF32, {2});
-  AttentionMask mask;
-  mask.sinks = sinks.as<const float>();
-  REQUIRE_THROWS_WITH(f.ops->attention_forward(*f.ctx, q, q, q, q, lse, mask), Catch::Contains("attention sinks"));
-  REQUIRE_THROWS_WITH(f.ops->attention_sinks_backward(*f.ctx, q, q, lse, mask, dsinks),
-                      Catch::Contains("attention sinks"));
+}
+
+TEST_CASE("cuda ops: gpt-oss's attention sinks join every softmax row, forward, backward and their own gradient",
+          "[ops][cuda][gpt_oss]") {
+  Fixture f;
+  // gpt-oss alternates sliding-window layers (with sinks) and full ones;
+  // packed documents too. Sinks of a few units, like the scores: some rows
+  // give the sink most of their weight, others little.
+  const std::pair<AttentionShape, int64_t> cases[] = {
+      {shape(2, 70, 6, 2, 64), 0}, {shape(1, 130, 4, 1, 128), 32}, {shape(2, 70, 6, 2, 32), 0}};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const auto& [s, window] = cases[i];
+    Vec sinks = random_vec(static_cast<size_t>(s.heads), 80 + static_cast<uint32_t>(i), 3.0);
+    auto d_sinks = f.tensor(sinks, DType::kF32, {s.heads});
+    const std::vector<float> host_sinks(sinks.begin(), sinks.end());
+    AttentionMask host{window}, device{window};
+    host.sinks = host_sinks.data();
+    device.sinks = d_sinks.as<const float>();
+    const Documents docs = documents(s.batch, s.seq);
+    if (i == 2) add_documents(f, docs, s.seq, host, device);
+    for (DType dt : kDtypes) check_attention(f, s, dt, device, &host);
+  }
 }
 
 TEST_CASE("cuda ops: swiglu add and cast", "[ops][cuda]") {

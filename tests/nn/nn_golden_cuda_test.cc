@@ -69,6 +69,17 @@ TEST_CASE("golden on cuda: Gemma 2 and Gemma 3 match transformers", "[nn][golden
   }
 }
 
+// scripts/make-golden-gptoss's fixtures (nn_golden_test.cc): attention sinks
+// in the flash kernels and their gradient, a sliding layer and a full one,
+// YaRN, biases, the biased router and the clamped SwiGLU experts.
+TEST_CASE("golden on cuda: gpt-oss matches transformers, its attention sinks on the flash kernels",
+          "[nn][golden][cuda][gpt_oss]") {
+  check_golden(Backend::kCuda, "gpt_oss_untied_f32", "loss", "grads.safetensors", kGoldenF32Cuda);
+  check_golden(Backend::kCuda, "gpt_oss_untied_bf16", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+  check_golden(Backend::kCuda, "gpt_oss_untied_bf16", "loss_f32", "grads_f32.safetensors", kGoldenF32Cuda,
+               DType::kF32);
+}
+
 TEST_CASE("golden on cuda: FP8 blocks dequantize to transformers' bits, as the cpu kernel does",
           "[nn][golden][cuda][quant]") {
   // Every FP8 weight of the DeepSeek fixture (ragged blocks) through
