@@ -233,9 +233,11 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  "{} {}: model_type {} has no e_score_correction_bias (DeepSeek's auxiliary-loss-free balancing is "
                  "for deepseek_v3, kimi_k2 and glm4_moe); leave it out or set 0",
                  bias_rate_name, bias_rate, model_config.model_type);
-    STRATA_CHECK(!lora.enabled(), kBadArgument,
-                 "{} {} with --lora-rank: not implemented yet (a LoRA checkpoint leaves the frozen base out, the "
-                 "updated correction biases with it)",
+    // With LoRA the biases move beside the adapters: a merged export carries
+    // them; a PEFT adapter has no place for them (docs/DESIGN.md §4.2.1).
+    STRATA_CHECK(!lora.enabled() || options.export_dir.empty() || options.merge_lora, kBadArgument,
+                 "{} {} with --lora-rank exports the merged model only (--merge-lora): a PEFT adapter holds the "
+                 "adapters, not the updated e_score_correction_bias of each MoE layer's router",
                  bias_rate_name, bias_rate);
   }
   const uint64_t seed = options.seed.value_or(config.strata.seed);
@@ -648,7 +650,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         }
         checkpoint_model["base_weights"] = identity;
       }
-      checkpoints->omit_frozen();
+      // The frozen base is left out, unless the correction biases move:
+      // they live in the base's frozen fp32 group, saved whole then.
+      if (bias_rate == 0) checkpoints->omit_frozen();
     }
     checkpoints->expect_model(checkpoint_model);
   }
