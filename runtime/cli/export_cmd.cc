@@ -20,8 +20,10 @@ void add_export_command(CLI::App& app) {
       ->required()
       ->check(CLI::ExistingDirectory);
   cmd->add_option("DIR", options->out, "The Hugging Face directory to write")->required();
-  cmd->add_option("--dtype", options->dtype, "fp32, fp16 or bf16 (default: the training dtype)")
-      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  cmd->add_option("--dtype", options->dtype,
+                  "fp32, fp16, bf16 or fp8 (the decoder layers' linear weights block-quantized as DeepSeek's FP8 "
+                  "checkpoints, 128 x 128 blocks or the source's, the rest bf16; default: the training dtype)")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8"}));
   cmd->add_option("--shard-size", *shard_size,
                   "Largest safetensors file; past it the weights are sharded with model.safetensors.index.json")
       ->capture_default_str();

@@ -171,8 +171,11 @@ void add_finetune_command(CLI::App& app) {
   cmd->add_option("--export", options->export_dir,
                   "At the end, write a Hugging Face directory here (config.json + safetensors, streamed tensor by "
                   "tensor; transformers' from_pretrained loads it)");
-  cmd->add_option("--export-dtype", options->export_dtype, "fp32, fp16 or bf16 (default: the training dtype)")
-      ->check(CLI::IsMember({"fp32", "fp16", "bf16"}));
+  cmd->add_option("--export-dtype", options->export_dtype,
+                  "fp32, fp16, bf16 or fp8 (the decoder layers' linear weights block-quantized as DeepSeek's FP8 "
+                  "checkpoints, 128 x 128 blocks or the source's, the rest bf16; with --lora-rank only merged); "
+                  "default: the training dtype")
+      ->check(CLI::IsMember({"fp32", "fp16", "bf16", "fp8"}));
   auto shard_size = std::make_shared<std::string>("5GB");
   cmd->add_option("--export-shard-size", *shard_size,
                   "Largest safetensors file of the export; past it the weights are sharded with "

@@ -37,7 +37,8 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   const nn::DecoderConfig config = nn::parse_decoder_config(info.state.model["config"], info.dir.string() + "/manifest.json");
   const DType train_dtype = parse_dtype(info.state.model.value("dtype", std::string("fp32")));
   ExportOptions export_options;
-  export_options.dtype = options.dtype.empty() ? train_dtype : parse_dtype(options.dtype);
+  set_export_dtype(export_options, options.dtype, train_dtype, "--dtype");
+  export_options.quant = config.quant;
   export_options.max_shard_nbytes = options.shard_nbytes;
   export_options.files = info.state.model_files;  // the source's tokenizer, template, generation config
 
@@ -99,7 +100,7 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
   if (rank.rank == 0 && options.progress != nullptr) {
     fmt::print(options.progress, "exported step {} of {} to {} ({} file(s), {} in {}, {:.1f} MB) in {:.1f} s\n",
                loaded->step, checkpoints.root().string(), options.out.string(), result.files.size(),
-               dtype_name(export_options.dtype), result.files.size() > 1 ? "sharded" : "one file",
+               export_dtype_label(export_options), result.files.size() > 1 ? "sharded" : "one file",
                static_cast<double>(result.tensor_nbytes) / 1e6,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }

@@ -20,7 +20,7 @@ namespace strata::train {
 struct ExportCheckpointOptions {
   std::filesystem::path checkpoint;  // a --save directory (its newest checkpoint) or one step_<N> directory
   std::filesystem::path out;         // the Hugging Face directory to write
-  std::string dtype;                 // fp32 | fp16 | bf16; empty: the training dtype
+  std::string dtype;                 // fp32 | fp16 | bf16 | fp8 (hf_export.h); empty: the training dtype
   uint64_t shard_nbytes = 5'000'000'000;
   std::FILE* progress = stderr;      // rank 0's summary line; nullptr: none
 };

@@ -234,15 +234,17 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  "{} {}: model_type {} has no e_score_correction_bias (DeepSeek's auxiliary-loss-free balancing is "
                  "for deepseek_v3, kimi_k2 and glm4_moe); leave it out or set 0",
                  bias_rate_name, bias_rate, model_config.model_type);
-    STRATA_CHECK(!lora.enabled(), kBadArgument,
-                 "{} {} with --lora-rank: not implemented yet (a LoRA checkpoint leaves the frozen base out, the "
-                 "updated correction biases with it)",
+    // With LoRA the biases move beside the adapters: a merged export carries
+    // them; a PEFT adapter has no place for them (docs/DESIGN.md §4.2.1).
+    STRATA_CHECK(!lora.enabled() || options.export_dir.empty() || options.merge_lora, kBadArgument,
+                 "{} {} with --lora-rank exports the merged model only (--merge-lora): a PEFT adapter holds the "
+                 "adapters, not the updated e_score_correction_bias of each MoE layer's router",
                  bias_rate_name, bias_rate);
   }
   const uint64_t seed = options.seed.value_or(config.strata.seed);
   const DType train_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   ExportOptions export_options;
-  export_options.dtype = options.export_dtype.empty() ? train_dtype : parse_dtype(options.export_dtype);
+  set_export_dtype(export_options, options.export_dtype, train_dtype, "--export-dtype");
   export_options.max_shard_nbytes = options.export_shard_nbytes;
   // The source's tokenizer, chat template and generation config go with every export and checkpoint.
   if (!options.model.empty()) {
@@ -251,7 +253,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     export_options.carried = carried_hf_tensors(model_config, options.model);
     export_options.quant = model_config.quant;
   }
-  STRATA_CHECK(is_float_storage(export_options.dtype), kBadArgument, "--export-dtype must be fp32, fp16 or bf16");
+  // A PEFT adapter is written in fp32 (adapters stay in their dtype); merged, the model is the base's.
+  STRATA_CHECK(!export_options.fp8 || !lora.enabled() || options.merge_lora, kBadArgument,
+               "--export-dtype fp8 with --lora-rank: the export is a PEFT adapter, written in fp32 as adapters "
+               "are (not quantized); add --merge-lora to export the merged model with FP8 weights");
 
   // ---- ranks, accelerator, communicators ------------------------------------------------
   const partition::RankInfo rank = launcher::rank_info_from_env();
@@ -671,7 +676,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         }
         checkpoint_model["base_weights"] = identity;
       }
-      checkpoints->omit_frozen();
+      // The frozen base is left out, unless the correction biases move:
+      // they live in the base's frozen fp32 group, saved whole then.
+      if (bias_rate == 0) checkpoints->omit_frozen();
     }
     checkpoints->expect_model(checkpoint_model);
   }
@@ -952,7 +959,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                  adapter ? "the LoRA adapter in PEFT's format"
                          : exported.files.size() == 1 ? "one file" : "sharded",
                  options.merge_lora ? ", merged with its LoRA adapter" : "",
-                 adapter ? "fp32" : dtype_name(export_options.dtype), static_cast<double>(exported.tensor_nbytes) / 1e6,
+                 adapter ? "fp32" : export_dtype_label(export_options), static_cast<double>(exported.tensor_nbytes) / 1e6,
                  seconds_since(start));
     }
   }

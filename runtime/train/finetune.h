@@ -91,7 +91,7 @@ struct FinetuneOptions {
   int keep_checkpoints = 2;          // complete checkpoints kept
   bool resume = false;               // continue from save_dir's newest complete checkpoint
   std::filesystem::path export_dir;  // empty: no export; else a Hugging Face directory at the end
-  std::string export_dtype;          // fp32 | fp16 | bf16; empty: the training dtype
+  std::string export_dtype;          // fp32 | fp16 | bf16 | fp8 (hf_export.h); empty: the training dtype
   uint64_t export_shard_nbytes = 5'000'000'000;
   // Chrome/Perfetto trace JSON of the run, one file per rank ("{rank}" in the
   // path is replaced, else ".rank<N>" is added with several ranks; see

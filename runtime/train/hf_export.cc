@@ -1,6 +1,7 @@
 // Export: gather each tensor to rank 0 from the owned ranges, convert, write.
 #include "runtime/train/hf_export.h"
 
+#include "runtime/nn/fp8_export.h"
 #include "runtime/nn/param_files.h"
 
 #include <fmt/format.h>
@@ -15,6 +16,7 @@
 
 #include "core/durable_file.h"
 #include "core/error.h"
+#include "kernels/fp8_quantize.h"
 #include "runtime/nn/safetensors.h"
 #include "runtime/nn/safetensors_stream.h"
 #include "runtime/train/export_dir.h"
@@ -120,8 +122,63 @@ struct TensorPlan {
   std::vector<engine::ParamId> parts;  // this rank's (none: another pipeline stage's tensor)
   DType dtype;                         // written in: the export's, or fp32 for what transformers keeps in fp32
   int stage = 0;                       // the pipeline stage that assembles it
+  // FP8 export: assembled in fp32 (dtype), written as e4m3 and its scale grid `grid`.
+  bool fp8 = false;
+  Shape grid = {};
   uint64_t nbytes() const { return static_cast<uint64_t>(shape_numel(shape)) * dtype_nbytes(dtype); }
+  // What the file holds of it.
+  uint64_t written_nbytes() const {
+    return fp8 ? static_cast<uint64_t>(shape_numel(shape)) + static_cast<uint64_t>(shape_numel(grid)) * sizeof(float)
+               : nbytes();
+  }
 };
+
+std::string scale_name(const std::string& weight) { return weight + "_scale_inv"; }
+
+// An FP8-exported tensor's fp32 values (`values`, whole) quantized per block
+// (kernels/fp8_quantize.h) and written with its scale grid.
+void write_fp8(nn::SafetensorsStreamWriter& file, const TensorPlan& t, const std::vector<char>& values,
+               const nn::CheckpointQuant& quant) {
+  const auto numel = static_cast<size_t>(shape_numel(t.shape));
+  std::vector<float> x(numel);
+  std::memcpy(x.data(), values.data(), numel * sizeof(float));
+  for (size_t i = 0; i < numel; ++i) {
+    STRATA_CHECK(std::isfinite(x[i]), kBadArgument,
+                 "export: '{}' holds {} (element {}): FP8 (e4m3) has no infinities or NaN to write it with; export "
+                 "it in bf16",
+                 t.name, x[i], i);
+  }
+  const kernels::Fp8Blocks shape{t.shape[0], t.shape[1], quant.block_rows, quant.block_cols};
+  std::vector<uint8_t> codes(numel);
+  std::vector<float> scales(static_cast<size_t>(shape.grid_numel()));
+  kernels::quantize_fp8_blocks(x.data(), shape, quant.ue8m0, codes.data(), scales.data());
+  file.write(t.name, 0, codes.data(), codes.size());
+  file.write(scale_name(t.name), 0, scales.data(), scales.size() * sizeof(float));
+}
+
+// The quantization_config of an FP8 export of `config` holding `tensors`:
+// the source's as it had it, or for a source that was not FP8 transformers'
+// FineGrainedFP8Config (128 x 128 blocks, dynamic activations) naming the
+// modules it would otherwise convert that stay unquantized: lm_head and each
+// decoder layer's 2-D weight fp8_export_weight leaves (routers, gates).
+nlohmann::json fp8_export_config(const nn::DecoderConfig& config, const std::vector<TensorPlan>& tensors) {
+  if (config.quant.method == nn::QuantMethod::kFp8Block && config.source.contains("quantization_config")) {
+    return config.source["quantization_config"];
+  }
+  nlohmann::json unconverted = nlohmann::json::array({"lm_head"});
+  for (const TensorPlan& t : tensors) {
+    if (t.shape.size() == 2 && t.name.starts_with("model.layers.") && t.name.ends_with(".weight") && !t.fp8) {
+      const std::string module = t.name.substr(0, t.name.size() - 7);
+      if (module.find("norm") == std::string::npos) unconverted.push_back(module);
+    }
+  }
+  return {{"quant_method", "fp8"},
+          {"fmt", "e4m3"},
+          {"activation_scheme", "dynamic"},
+          {"weight_block_size", {config.quant.block_rows, config.quant.block_cols}},
+          {"scale_fmt", "float"},
+          {"modules_to_not_convert", unconverted}};
+}
 
 // Pipeline parallelism: every stage's tensors (names and shapes, in each
 // stage's order), stage by stage, a tensor two stages hold (a tied
@@ -188,11 +245,24 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     tensors = pipeline_plan(engine, *pipeline_comm, *stream, std::move(tensors));
     for (TensorPlan& t : tensors) t.dtype = nn::export_dtype(config, t.name, options.dtype);
   }
+  if (options.fp8) {
+    STRATA_CHECK(config.quant.method != nn::QuantMethod::kMxfp4 && !config.gpt_oss(), kBadArgument,
+                 "export dtype fp8 of model_type {}: gpt-oss's experts are fused 3-D tensors (MXFP4 in its "
+                 "checkpoints), which strata does not write as FP8 blocks; export bf16",
+                 config.model_type);
+    for (TensorPlan& t : tensors) {
+      if (!nn::fp8_export_weight(t.name, t.shape, config.quant)) continue;
+      t.fp8 = true;
+      t.dtype = DType::kF32;
+      t.grid = {(t.shape[0] + config.quant.block_rows - 1) / config.quant.block_rows,
+                (t.shape[1] + config.quant.block_cols - 1) / config.quant.block_cols};
+    }
+  }
   // Shards of at most max_shard_nbytes (a larger tensor gets a file of its own).
   std::vector<std::vector<size_t>> shards;
   uint64_t shard_nbytes = 0, total_nbytes = 0;
   for (size_t t = 0; t < tensors.size(); ++t) {
-    const uint64_t n = tensors[t].nbytes();
+    const uint64_t n = tensors[t].written_nbytes();
     if (shards.empty() || (shard_nbytes > 0 && shard_nbytes + n > options.max_shard_nbytes)) {
       shards.emplace_back();
       shard_nbytes = 0;
@@ -218,7 +288,8 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
   if (writer) {
     staging.emplace(dir);
     // The source's model_type, architectures and keys, with the export's dtype.
-    const nlohmann::json hf = config.to_hf_json(options.dtype);
+    nlohmann::json hf = config.to_hf_json(options.dtype);
+    if (options.fp8) hf["quantization_config"] = fp8_export_config(config, tensors);
     write_file_durably(staging->dir() / "config.json", hf.dump(2) + "\n");
     for (const auto& [name, contents] : options.files) write_file_durably(staging->dir() / name, contents);
   }
@@ -238,13 +309,22 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     if (writer) {
       const fs::path staged = staging->dir() / file_name(s);
       std::vector<nn::SafetensorsDecl> decls;
-      for (size_t t : shards[s]) decls.push_back({tensors[t].name, tensors[t].dtype, tensors[t].shape});
+      for (size_t t : shards[s]) {
+        const TensorPlan& plan = tensors[t];
+        if (plan.fp8) {
+          decls.push_back({plan.name, DType::kF8E4M3, plan.shape});
+          decls.push_back({scale_name(plan.name), DType::kF32, plan.grid});
+        } else {
+          decls.push_back({plan.name, plan.dtype, plan.shape});
+        }
+      }
       file = std::make_unique<nn::SafetensorsStreamWriter>(staged.string(), decls,
                                                            std::map<std::string, std::string>{{"format", "pt"}});
     }
     for (size_t t : shards[s]) {
       const TensorPlan& tensor = tensors[t];
       weight_map[tensor.name] = file_name(s);
+      if (tensor.fp8) weight_map[scale_name(tensor.name)] = file_name(s);
       const size_t out_element = dtype_nbytes(tensor.dtype);
       // Another stage's tensor: its first rank sends it whole to the writer.
       const uint64_t tag = uint64_t{4} << 56 | t;
@@ -255,14 +335,19 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
         const partition::P2POp op =
             partition::P2POp::recv(tensor.stage, received.data(), tensor.dtype, tensor.shape, tag, what);
         pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
-        file->write(tensor.name, 0, received.data(), received.size());
+        if (tensor.fp8) {
+          write_fp8(*file, tensor, received, config.quant);
+        } else {
+          file->write(tensor.name, 0, received.data(), received.size());
+        }
         continue;
       }
-      // The whole tensor, assembled on a later stage's first rank for the writer.
+      // The whole tensor, assembled on a later stage's first rank for the
+      // writer, or by the writer to quantize it whole (FP8).
       std::vector<char> assembled;
-      if (assembler && !writer) assembled.resize(static_cast<size_t>(tensor.nbytes()));
+      if (assembler && (!writer || tensor.fp8)) assembled.resize(static_cast<size_t>(tensor.nbytes()));
       const auto emit = [&](size_t offset, const char* data, size_t nbytes) {
-        if (writer) {
+        if (writer && !tensor.fp8) {
           file->write(tensor.name, offset, data, nbytes);
         } else {
           std::copy_n(data, nbytes, assembled.data() + offset);
@@ -329,6 +414,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
           });
         }
       }
+      if (writer && tensor.fp8) write_fp8(*file, tensor, assembled, config.quant);
       if (assembler && !writer) {
         const partition::P2POp op = partition::P2POp::send(0, assembled.data(), tensor.dtype, tensor.shape, tag, what);
         pipeline_comm->exchange(std::span<const partition::P2POp>(&op, 1), *stream)->synchronize();
@@ -350,7 +436,9 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
     // written dequantized, its "_scale_inv" consumed: the export's
     // config.json has no quantization_config to scale it by.
     const auto view_of = [&](const std::string& tensor) { return sources.at(options.carried.at(tensor)).view(tensor); };
+    // An FP8 export copies them as they are, scales included.
     const auto scale_of = [&](const std::string& tensor, const TensorView& v) {
+      if (options.fp8) return std::string();
       const std::string scale = tensor + "_scale_inv";
       STRATA_CHECK(v.desc.dtype != DType::kF8E4M3 ||
                        (options.quant.method == nn::QuantMethod::kFp8Block && options.carried.contains(scale)),
@@ -480,6 +568,24 @@ ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator
   }
   result.files.push_back(dir / kFile);
   return result;
+}
+
+std::string export_dtype_label(const ExportOptions& options) {
+  return (options.fp8 ? "fp8 and " : "") + std::string(dtype_name(options.dtype));
+}
+
+void set_export_dtype(ExportOptions& options, const std::string& name, DType train_dtype, const std::string& flag) {
+  options.fp8 = name == "fp8";
+  if (name.empty() || options.fp8) {
+    // FP8: the quantized weights e4m3, the rest bf16 as DeepSeek's checkpoints hold them.
+    options.dtype = options.fp8 ? DType::kBF16 : train_dtype;
+    return;
+  }
+  STRATA_CHECK(name == "fp32" || name == "fp16" || name == "bf16", kBadArgument,
+               "{} {}: strata exports fp32, fp16, bf16 or fp8 (block-quantized FP8 as DeepSeek's checkpoints are); "
+               "other formats and quantizations (int8, nf4, gptq, awq, mxfp4, ...) are not written",
+               flag, name);
+  options.dtype = parse_dtype(name);
 }
 
 }  // namespace strata::train

@@ -55,9 +55,27 @@ struct ExportOptions {
   std::map<std::string, std::filesystem::path> carried;
   // The source's quantization (config.json's quantization_config): a carried
   // FP8 weight is written dequantized in `dtype` and its scale grid dropped,
-  // as the export's config.json has no quantization_config.
+  // as the export's config.json has no quantization_config (unless fp8).
   nn::CheckpointQuant quant;
+  // FP8 on request (--export-dtype fp8, docs/DESIGN.md §5.3): each weight
+  // nn::fp8_export_weight names (what the source held in FP8; for another
+  // source the decoder layers' linear projections, experts included) is
+  // written e4m3 with its fp32 "<name>_scale_inv" grid, re-quantized from the
+  // run's values per block of quant's weight_block_size (128 x 128 for a
+  // source that was not FP8) by kernels/fp8_quantize.h, its scale_fmt's
+  // rounding; the rest in `dtype` (bf16); carried tensors byte for byte,
+  // scales included; config.json's quantization_config the source's (or
+  // transformers' FineGrainedFP8 form naming what stays unquantized).
+  bool fp8 = false;
 };
+
+// Sets options.dtype (and options.fp8) from an export dtype as the flags
+// spell it: fp32, fp16, bf16, or fp8 (the FP8 weights and bf16 for the rest);
+// empty: `train_dtype`. `flag` names the flag in messages. Refused by name:
+// other formats (int8, nf4, mxfp4, ...: strata writes no other quantization).
+void set_export_dtype(ExportOptions& options, const std::string& name, DType train_dtype, const std::string& flag);
+// What the export writes, for progress lines: "bf16", or "fp8 and bf16".
+std::string export_dtype_label(const ExportOptions& options);
 
 // What was written (rank 0; other ranks get the same file list).
 struct ExportResult {

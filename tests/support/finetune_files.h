@@ -2,6 +2,7 @@
 // text (a ds_config, a data file, a script), and the small model config.
 #pragma once
 
+#include <cstdint>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -48,6 +49,20 @@ inline std::string small_model(const TempDir& dir) {
   return write_file(dir, "small.json", R"({"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
     "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})");
+}
+
+// seq + 1 tokens as raw uint16 (token i = (7 i + 3) mod vocab) in
+// dir/tokens.u16, returned: one window, so every step trains on the same
+// batch and a later run's step can be compared with an earlier run's.
+inline std::string one_window(const TempDir& dir, int vocab, int seq) {
+  const std::string path = dir.file("tokens.u16");
+  std::ofstream out(path, std::ios::binary);
+  for (int i = 0; i <= seq; ++i) {
+    const auto t = static_cast<uint16_t>((i * 7 + 3) % vocab);
+    out.write(reinterpret_cast<const char*>(&t), sizeof t);
+  }
+  if (!out.good()) throw std::runtime_error("cannot write " + path);
+  return path;
 }
 
 }  // namespace strata::test

@@ -29,6 +29,7 @@
 using strata::test::read_jsonl;
 using strata::test::run_command;
 using strata::test::strata_binary;
+using strata::test::one_window;
 using strata::test::write_file;
 using nlohmann::json;
 
@@ -42,19 +43,6 @@ json read_json(const std::string& path) {
   std::ifstream in(path);
   REQUIRE(in.good());
   return json::parse(in);
-}
-
-// seq + 1 tokens as raw uint16: one window, so every step trains on the same
-// batch and a later run's step can be compared with an earlier run's.
-std::string one_window(const strata::test::TempDir& dir, int vocab, int seq) {
-  const std::string path = dir.file("tokens.u16");
-  std::ofstream out(path, std::ios::binary);
-  for (int i = 0; i <= seq; ++i) {
-    const auto t = static_cast<uint16_t>((i * 7 + 3) % vocab);
-    out.write(reinterpret_cast<const char*>(&t), sizeof t);
-  }
-  REQUIRE(out.good());
-  return path;
 }
 
 // The fp32 AdamW run of the round trips: a learning rate that moves the loss visibly.
