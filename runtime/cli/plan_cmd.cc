@@ -296,17 +296,11 @@ void resolve_lora(const Options& o, Resolved& r) {
           spec.rank, count);
   lora.adapter_count = static_cast<int64_t>(count);
   if (r.config && r.config->quant.method == nn::QuantMethod::kFp8Block) {
-    // The weights an FP8 checkpoint stores FP8, as the published ones do: the
-    // layers' 2-D weights but the router's and modules_to_not_convert's.
+    // The weights an FP8 checkpoint stores FP8 (plan::stored_fp8).
     const nn::CheckpointQuant& q = r.config->quant;
     int64_t fp8 = 0;
     for (const nn::HfTensor& t : nn::hf_tensors(*r.config)) {
-      const std::string& name = t.name;
-      if (t.shape.size() != 2 || !name.starts_with("model.layers.") || !name.ends_with(".weight") ||
-          name.ends_with("mlp.gate.weight") || q.not_converted(name.substr(0, name.size() - 7))) {
-        continue;
-      }
-      fp8 += t.shape[0] * t.shape[1];
+      if (plan::stored_fp8(*r.config, t.name, t.shape)) fp8 += t.shape[0] * t.shape[1];
     }
     lora.fp8_param_count = fp8;
     lora.fp8_block_numel = static_cast<double>(q.block_rows) * static_cast<double>(q.block_cols);
