@@ -178,23 +178,7 @@ void resolve_model(const Options& o, Resolved& r) {
       raise(ErrorCategory::kBadArgument, "--model: {} does not exist{}", path.string(),
             std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
     const nn::DecoderConfig& config = r.config.emplace(nn::load_decoder_config(path.string()));
-    m.param_count = config.parameter_count();
-    m.layers = config.num_hidden_layers;
-    m.hidden = config.hidden_size;
-    m.heads = config.num_attention_heads;
-    m.intermediate = config.moe() ? config.moe_intermediate_size : config.intermediate_size;
-    m.vocab = config.vocab_size;
-    if (config.moe()) {
-      m.experts = config.num_experts;
-      m.experts_per_token = config.num_experts_per_tok;
-      m.shared_expert_intermediate = config.shared_expert_intermediate_size;
-      // Every routed expert but the token's k is idle (its matrices and,
-      // gpt-oss's, biases; DeepSeek's first first_k_dense_replace layers are
-      // dense). A shared expert (qwen2_moe, DeepSeek) and its gate are active
-      // for every token: in param_count and never idle.
-      m.active_param_count = config.active_parameter_count();
-    }
-    m.input_embedding_count = config.input_embedding_count();
+    m = plan::decoder_model_shape(config);
     r.model_source = path.string();
     return;
   }

@@ -25,28 +25,15 @@ namespace strata::cli::plan_cli {
 namespace {
 
 std::pair<int64_t, int64_t> largest_chunk_and_layer(const Resolved& r) {
-  int64_t embedding = 0, head = 0, layer = 0;
   if (r.config) {
-    std::map<int64_t, int64_t> layers;
-    for (const plan::RankParam& p : plan::decoder_rank_params(*r.config, DType::kBF16, r.tensor_parallel)) {
-      const std::string& n = p.spec.name;
-      const int64_t numel = shape_numel(p.spec.shape);
-      if (n.rfind("model.layers.", 0) == 0) {
-        layers[std::stoll(n.substr(13, n.find('.', 13) - 13))] += numel;
-      } else if (n.rfind("model.embed_tokens.", 0) == 0) {
-        embedding += numel;
-        if (r.config->tie_word_embeddings) head += numel;  // the head's lm_head
-      } else {
-        head += numel;  // the final norm and lm_head
-      }
-    }
-    for (const auto& entry : layers) layer = std::max(layer, entry.second);
-  } else if (const plan::ModelShape& m = r.inputs.model; m.shape_known()) {
-    const int64_t h = m.hidden;
-    layer = (m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h) + 2 * h;
-    embedding = m.vocab * h;
-    head = m.vocab * h + h;
+    const plan::ChunkSizes sizes = plan::largest_chunk_and_layer(*r.config, r.tensor_parallel);
+    return {sizes.largest_chunk, sizes.largest_layer};
   }
+  const plan::ModelShape& m = r.inputs.model;
+  if (!m.shape_known()) return {0, 0};
+  const int64_t h = m.hidden;
+  const int64_t layer = (m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h) + 2 * h;
+  const int64_t embedding = m.vocab * h, head = m.vocab * h + h;
   return {std::max({embedding, head, layer}), layer};
 }
 
@@ -73,15 +60,25 @@ nlohmann::json micro_batch_order_json(const PlanOptions& o, const std::optional<
   }
   const plan::Tier params = placement && placement->stage == 3 ? placement->params : plan::Tier::kGpu;
   const plan::TrainingShape& t = r.inputs.training;
-  const train::MicroBatchOrderContext context{
+  const auto [chunk, layer] = largest_chunk_and_layer(r);
+  // Both orders predicted (plan/order_plan.h) where the parameters live off the device.
+  std::optional<plan::OrderInputs> in;
+  std::optional<plan::OrderPlan> predicted;
+  if (placement && chunk > 0 && params != plan::Tier::kGpu) {
+    in = plan::order_inputs(r.inputs, result.compute_seconds, chunk, layer, params, r.zero_limits.max_reuse_distance,
+                            r.zero_limits.max_live);
+    predicted = plan::predict_micro_batch_orders(*in);
+  }
+  train::MicroBatchOrderContext context{
       params == plan::Tier::kNvme  ? strata::Tier::kNvme
       : params == plan::Tier::kCpu ? strata::Tier::kCpu
                                    : strata::Tier::kDevice,
       t.grad_accumulation, r.tensor_parallel, r.pipeline.stages, r.expert_parallel, r.lora.enabled(),
       r.config && r.config->tie_word_embeddings, r.config && r.config->moe() && r.config->output_router_logits};
+  context.context_parallel = r.context_parallel;
+  context.predicted = predicted ? &*predicted : nullptr;
   const train::MicroBatchOrderChoice chosen = train::choose_micro_batch_order(name, what, context);
   const train::MicroBatchOrderChoice automatic = train::choose_micro_batch_order("auto", what, context);
-  const auto [chunk, layer] = largest_chunk_and_layer(r);
   if (!placement || chunk == 0) return nullptr;
   nlohmann::json out = {{"given", name},
                         {"source", !o.micro_batch_order.empty() ? "--micro-batch-order"
@@ -94,22 +91,7 @@ nlohmann::json micro_batch_order_json(const PlanOptions& o, const std::optional<
                         {"micro_batches", t.grad_accumulation},
                         {"largest_chunk_parameters", chunk},
                         {"largest_layer_parameters", layer}};
-  if (params == plan::Tier::kGpu) return out;  // nothing read off the device in either order
-  const plan::Machine& hw = r.inputs.machine;
-  plan::OrderInputs in;
-  in.param_count = r.inputs.model.param_count;
-  in.largest_chunk_params = chunk;
-  in.largest_layer_params = layer;
-  // This rank's share of one fetch of every 16-bit parameter (the plan's dtype).
-  in.shard_nbytes = static_cast<double>(in.param_count) * plan::kParam16Bytes / static_cast<double>(hw.data_parallel);
-  in.micro_batches = t.grad_accumulation;
-  in.activation_checkpointing = t.activation_checkpointing;
-  in.max_reuse_distance = r.zero_limits.max_reuse_distance;
-  in.max_live = r.zero_limits.max_live;
-  in.read_bandwidth = params == plan::Tier::kNvme ? hw.nvme_read_bw / static_cast<double>(hw.gpus_per_node)
-                                                  : hw.gpu_cpu_bw;
-  in.step_major_compute_seconds = result.compute_seconds;
-  const plan::OrderPlan predicted = plan::predict_micro_batch_orders(in);
+  if (!predicted) return out;  // nothing read off the device in either order
   const auto order_json = [](const plan::OrderPrediction& p) {
     return nlohmann::json{{"fetches_per_step", p.fetches},
                           {"param_read_bytes_per_step", p.param_read_nbytes},
@@ -117,13 +99,13 @@ nlohmann::json micro_batch_order_json(const PlanOptions& o, const std::optional<
                           {"compute_seconds", p.compute_seconds},
                           {"step_seconds", p.step_seconds}};
   };
-  out["read_bandwidth"] = in.read_bandwidth;
-  out["step_major"] = order_json(predicted.step_major);
-  out["layer_major"] = order_json(predicted.layer_major);
-  out["whole_model_kept"] = predicted.whole_model_kept;
-  out["chunks_kept"] = predicted.chunks_kept;
-  out["predicted_speedup"] = predicted.speedup();
-  out["why"] = predicted.describe();
+  out["read_bandwidth"] = in->read_bandwidth;
+  out["step_major"] = order_json(predicted->step_major);
+  out["layer_major"] = order_json(predicted->layer_major);
+  out["whole_model_kept"] = predicted->whole_model_kept;
+  out["chunks_kept"] = predicted->chunks_kept;
+  out["predicted_speedup"] = predicted->speedup();
+  out["why"] = predicted->describe();
   return out;
 }
 

@@ -161,6 +161,28 @@ std::vector<RankParam> decoder_rank_params(const nn::DecoderConfig& c, DType dty
   return out;
 }
 
+ModelShape decoder_model_shape(const nn::DecoderConfig& c) {
+  ModelShape m;
+  m.param_count = c.parameter_count();
+  m.layers = c.num_hidden_layers;
+  m.hidden = c.hidden_size;
+  m.heads = c.num_attention_heads;
+  m.intermediate = c.moe() ? c.moe_intermediate_size : c.intermediate_size;
+  m.vocab = c.vocab_size;
+  if (c.moe()) {
+    m.experts = c.num_experts;
+    m.experts_per_token = c.num_experts_per_tok;
+    m.shared_expert_intermediate = c.shared_expert_intermediate_size;
+    // Every routed expert but the token's k is idle (its matrices and,
+    // gpt-oss's, biases; DeepSeek's first first_k_dense_replace layers are
+    // dense). A shared expert (qwen2_moe, DeepSeek) and its gate are active
+    // for every token: in param_count and never idle.
+    m.active_param_count = c.active_parameter_count();
+  }
+  m.input_embedding_count = c.input_embedding_count();
+  return m;
+}
+
 bool stored_fp8(const nn::DecoderConfig& c, std::string_view name, const Shape& shape) {
   if (c.quant.method != nn::QuantMethod::kFp8Block || shape.size() != 2 || !name.starts_with("model.layers.") ||
       !name.ends_with(".weight") || name.ends_with("mlp.gate.weight")) {

@@ -36,6 +36,7 @@
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/pipeline/schedule.h"
+#include "runtime/plan/plan.h"
 
 namespace strata::plan {
 
@@ -143,6 +144,11 @@ struct RuntimeMemory {
 std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& model, DType dtype,
                                                    const nn::LoraSpec& lora, int tensor_parallel = 1,
                                                    bool fp8_base = false);
+
+// The plan's shape of `model` (strata plan --model): its parameters, layers,
+// widths and vocabulary; with experts their count, width and the active
+// parameters; the input embedding (a lookup).
+ModelShape decoder_model_shape(const nn::DecoderConfig& model);
 
 // Whether a block-quantized FP8 checkpoint of `model` stores the tensor
 // `name` of `shape` in FP8, as the published ones do: the layers' 2-D

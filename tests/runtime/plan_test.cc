@@ -1024,10 +1024,19 @@ TEST_CASE("strata plan --micro-batch-order: both orders predicted on the config'
         Approx(8 * order["layer_major"]["param_read_bytes_per_step"].get<double>()));
   // At the default 70 TFLOPS the reads bound the step: 8x fewer of them, 8x the speed.
   CHECK(order["predicted_speedup"].get<double>() == Approx(8));
-  // On a machine whose compute bounds the step (10 GFLOP/s, this CPU's order) the orders tie.
+  CHECK_THAT(order["auto_says"].get<std::string>(),
+             Catch::Contains("--micro-batch-order auto: layer-major, predicted") &&
+                 Catch::Contains("s/step against step-major's"));
+  // On a machine whose compute bounds the step (10 GFLOP/s, this CPU's order)
+  // the orders tie: auto predicts no gain and stays step-major, saying so.
   const auto slow = run_command(plan + "--peak-tflops 0.01 --micro-batch-order auto --json 2>&1");
   REQUIRE(slow.exit_code == 0);
-  CHECK(nlohmann::json::parse(slow.output)["micro_batch_order"]["predicted_speedup"].get<double>() == Approx(1));
+  const auto slow_order = nlohmann::json::parse(slow.output)["micro_batch_order"];
+  CHECK(slow_order["predicted_speedup"].get<double>() == Approx(1));
+  CHECK(slow_order["order"] == "step-major");
+  CHECK(slow_order["auto_chooses"] == "step-major");
+  CHECK_THAT(slow_order["auto_says"].get<std::string>(),
+             Catch::Contains("auto: step-major, predicted") && Catch::Contains("but compute bounds the step"));
   // The text names both orders and the config's default (step-major) as the order run.
   const auto text = run_command(plan + "2>&1");
   CHECK_THAT(text.output, Catch::Contains("micro-batch order step-major (strata.micro_batch_order: step-major); auto "
