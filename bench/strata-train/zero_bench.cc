@@ -258,10 +258,16 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                          : flags.overlap_policy == "read-ahead" ? offload::OverlapPolicy::kReadAhead
                                                                 : offload::OverlapPolicy::kAuto);
   // The step's micro-batches one after another, or layer by layer through the pipeline executor.
-  const strata::train::MicroBatchOrderChoice order = strata::train::choose_micro_batch_order(
-      flags.micro_batch_order, "--micro-batch-order",
-      {o.param_tier, flags.micro_batches, 1, 1, flags.expert_parallel, false, run.config.tie_word_embeddings,
-       run.config.moe() && run.config.output_router_logits});
+  // auto as strata finetune chooses it (runtime/train/micro_batch_order.h).
+  const std::optional<plan::OrderPlan> predicted_orders = strata::train::predict_run_orders(
+      run.config, o.stage, o.param_tier, o.max_reuse_distance_numel, o.max_live_parameters_numel, run.batch, run.seq,
+      flags.micro_batches, run.checkpoint_activations || run.cpu_checkpointing, r.world, r.world);
+  strata::train::MicroBatchOrderContext order_context{
+      o.param_tier, flags.micro_batches, 1, 1, flags.expert_parallel, false, run.config.tie_word_embeddings,
+      run.config.moe() && run.config.output_router_logits};
+  order_context.predicted = predicted_orders ? &*predicted_orders : nullptr;
+  const strata::train::MicroBatchOrderChoice order =
+      strata::train::choose_micro_batch_order(flags.micro_batch_order, "--micro-batch-order", order_context);
   const bool layer_major = order.order == strata::train::MicroBatchOrder::kLayerMajor;
   STRATA_CHECK(!layer_major || !flags.vs_unoffloaded, kBadArgument,
                "--vs-unoffloaded times step-major only: leave it out with --micro-batch-order layer-major");

@@ -260,15 +260,24 @@ int run_plan_check(const PlanOptions& o) {
     if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
     in.model = nn::load_decoder_config(model_config.string());
   }
-  // Layer-major holds every micro-batch's activations of every layer: not modelled here either.
+  // Layer-major holds every micro-batch's activations of every layer: not
+  // modelled here either. auto chose as finetune chooses (the run's ranks on one node).
+  const Tier param_tier = config.zero.offload_param.device == OffloadDevice::kNvme  ? Tier::kNvme
+                          : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
+                                                                                    : Tier::kDevice;
+  const int dp = static_cast<int>(s.world_size) / (in.tensor_parallel * pp * cp);
+  const std::optional<plan::OrderPlan> predicted_orders = train::predict_run_orders(
+      in.model, config.zero.stage, param_tier, static_cast<int64_t>(config.zero.max_reuse_distance_numel),
+      static_cast<int64_t>(config.zero.max_live_parameters_numel), config.micro_batch_size, s.seq,
+      config.gradient_accumulation_steps, s.checkpoint_activations || config.cpu_checkpointing, std::max(1, dp),
+      static_cast<int>(s.world_size));
+  train::MicroBatchOrderContext order_context{param_tier, config.gradient_accumulation_steps, in.tensor_parallel, pp,
+                                              1, !s.lora_rank.empty(), in.model.tie_word_embeddings,
+                                              in.model.moe() && in.model.output_router_logits, cp};
+  order_context.predicted = predicted_orders ? &*predicted_orders : nullptr;
   const train::MicroBatchOrderChoice order = train::choose_micro_batch_order(
       s.micro_batch_order.empty() ? config.strata.micro_batch_order : s.micro_batch_order,
-      s.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order",
-      {config.zero.offload_param.device == OffloadDevice::kNvme  ? Tier::kNvme
-       : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
-                                                                 : Tier::kDevice,
-       config.gradient_accumulation_steps, in.tensor_parallel, pp, 1, !s.lora_rank.empty(),
-       in.model.tie_word_embeddings, in.model.moe() && in.model.output_router_logits, cp});
+      s.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order", order_context);
   if (pp > 1) {
     // Rank 0's memory is measured: pp rank 0's (Megatron's order puts the pipeline slowest).
     const std::string name = s.pipeline_schedule.empty() ? config.pipeline_schedule : s.pipeline_schedule;

@@ -1,5 +1,6 @@
 // `strata plan`'s flags, shared by its two modes: planning a job
-// (plan_cmd.cc) and checking a finished run against its plan
+// (plan_cmd.cc, with plan_parallelism.cc and plan_micro_batch_order.cc;
+// plan_resolved.h) and checking a finished run against its plan
 // (plan_check_cmd.cc). Internal to runtime/cli.
 #pragma once
 

@@ -2,8 +2,10 @@
 // placement, the bandwidth each needs, the efficiency predicted and the
 // placement to use, for a model (HF config.json or sizes), an optional
 // ds_config and a machine (detected, or described by flags). The model is in
-// runtime/plan; this file turns flags, files and probes into its inputs and
-// says where each value came from. --check RUN is plan_check_cmd.cc.
+// runtime/plan; this file turns flags, files and probes into its inputs
+// (plan_resolved.h's Resolved) and says where each value came from. The
+// parallel dimensions resolve in plan_parallelism.cc, the micro-batch order
+// in plan_micro_batch_order.cc; --check RUN is plan_check_cmd.cc.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,13 +14,13 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
 #include "runtime/cli/commands.h"
 #include "runtime/cli/plan_cli.h"
+#include "runtime/cli/plan_resolved.h"
 #include "runtime/config/config.h"
 #include "runtime/config/engine_options.h"
 #include "runtime/config/json_text.h"
@@ -29,13 +31,9 @@
 #include "runtime/nn/lora.h"
 #include "runtime/plan/machine_probe.h"
 #include "runtime/pipeline/schedule.h"
-#include "runtime/pipeline/stages.h"
-#include "runtime/plan/order_plan.h"
 #include "runtime/plan/plan.h"
 #include "runtime/plan/plan_report.h"
 #include "runtime/plan/runtime_memory.h"
-#include "runtime/train/micro_batch_order.h"
-#include "runtime/train/zero_config.h"
 #include "partition/layout.h"
 #include "runtime/engine/zero_sizes.h"
 
@@ -163,41 +161,6 @@ std::string count_text(int64_t count) {
   return std::to_string(count);
 }
 
-// Inputs for the plan, and a line of provenance per value for the header.
-struct Resolved {
-  plan::PlanInputs inputs;
-  std::map<std::string, std::string> sources;
-  std::string model_source;
-  std::optional<nn::DecoderConfig> config;  // with --model
-  std::vector<std::string> hints;  // what flag would make the plan more exact
-  nn::LoraSpec lora;               // --lora-rank, --lora-targets
-  // sub_group_size and reduce_bucket_size: the config's (0: left out, or no
-  // --config), then as the engine would use them (resolve_zero_sizes).
-  int64_t sub_group_given = 0, reduce_bucket_given = 0;
-  engine::ZeroSizes zero_sizes;
-  // stage3_max_live_parameters and stage3_max_reuse_distance (DeepSpeed's defaults without --config).
-  struct {
-    int64_t max_live = 1'000'000'000, max_reuse_distance = 1'000'000'000;
-  } zero_limits;
-  // moe.expert_parallel_size as strata finetune would choose it (needs
-  // --model with experts; 1 otherwise), and what it changes per rank.
-  int expert_parallel = 1;
-  // Tensor parallelism (--tp or tensor_parallel.autotp_size; 1: none): the
-  // whole model's parameter count (inputs.model.param_count is then one rank's)
-  // and the ranks (tp x data-parallel).
-  int tensor_parallel = 1;
-  int64_t whole_param_count = 0, ranks = 0;
-  // Pipeline parallelism (--pp or pipeline_parallel.size; stages 1: none):
-  // the schedule, and per stage (pp rank) its layers and parameters (a tp
-  // rank's with tensor parallelism); inputs.model.param_count is then the
-  // largest stage's.
-  pipeline::ScheduleSpec pipeline{.stages = 1};  // 1: no pipeline (ScheduleSpec's own default is 2)
-  std::vector<int64_t> stage_layers, stage_params;
-  std::vector<std::vector<int64_t>> stage_chunk_layers;  // per stage, its chunks' layer counts
-  // Context parallelism (--cp or context_parallel.size; 1: none) and its method.
-  int context_parallel = 1;
-  nn::ContextMethod context_method = nn::ContextMethod::kRing;
-};
 
 void resolve_model(const Options& o, Resolved& r) {
   plan::ModelShape& m = r.inputs.model;
@@ -215,23 +178,7 @@ void resolve_model(const Options& o, Resolved& r) {
       raise(ErrorCategory::kBadArgument, "--model: {} does not exist{}", path.string(),
             std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
     const nn::DecoderConfig& config = r.config.emplace(nn::load_decoder_config(path.string()));
-    m.param_count = config.parameter_count();
-    m.layers = config.num_hidden_layers;
-    m.hidden = config.hidden_size;
-    m.heads = config.num_attention_heads;
-    m.intermediate = config.moe() ? config.moe_intermediate_size : config.intermediate_size;
-    m.vocab = config.vocab_size;
-    if (config.moe()) {
-      m.experts = config.num_experts;
-      m.experts_per_token = config.num_experts_per_tok;
-      m.shared_expert_intermediate = config.shared_expert_intermediate_size;
-      // Every routed expert but the token's k is idle (its matrices and,
-      // gpt-oss's, biases; DeepSeek's first first_k_dense_replace layers are
-      // dense). A shared expert (qwen2_moe, DeepSeek) and its gate are active
-      // for every token: in param_count and never idle.
-      m.active_param_count = config.active_parameter_count();
-    }
-    m.input_embedding_count = config.input_embedding_count();
+    m = plan::decoder_model_shape(config);
     r.model_source = path.string();
     return;
   }
@@ -333,17 +280,11 @@ void resolve_lora(const Options& o, Resolved& r) {
           spec.rank, count);
   lora.adapter_count = static_cast<int64_t>(count);
   if (r.config && r.config->quant.method == nn::QuantMethod::kFp8Block) {
-    // The weights an FP8 checkpoint stores FP8, as the published ones do: the
-    // layers' 2-D weights but the router's and modules_to_not_convert's.
+    // The weights an FP8 checkpoint stores FP8 (plan::stored_fp8).
     const nn::CheckpointQuant& q = r.config->quant;
     int64_t fp8 = 0;
     for (const nn::HfTensor& t : nn::hf_tensors(*r.config)) {
-      const std::string& name = t.name;
-      if (t.shape.size() != 2 || !name.starts_with("model.layers.") || !name.ends_with(".weight") ||
-          name.ends_with("mlp.gate.weight") || q.not_converted(name.substr(0, name.size() - 7))) {
-        continue;
-      }
-      fp8 += t.shape[0] * t.shape[1];
+      if (plan::stored_fp8(*r.config, t.name, t.shape)) fp8 += t.shape[0] * t.shape[1];
     }
     lora.fp8_param_count = fp8;
     lora.fp8_block_numel = static_cast<double>(q.block_rows) * static_cast<double>(q.block_cols);
@@ -411,494 +352,6 @@ void resolve_zero_sizes(Resolved& r) {
   r.inputs.training.reduce_bucket_numel = r.zero_sizes.reduce_bucket_numel;
 }
 
-// Expert parallelism with a mixture of experts from --model: the size
-// finetune would use (the config's, or the data-parallel world when it
-// divides the experts), refused as finetune refuses it.
-void resolve_expert_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  if (!r.config || !r.config->moe()) return;
-  const Config given = config ? *config : Config{};
-  r.expert_parallel = train::choose_expert_parallel_size(given, *r.config,
-                                                         static_cast<int>(r.inputs.machine.data_parallel),
-                                                         config ? o.config : std::string("strata plan"));
-}
-
-// What expert parallelism changes per rank, per micro-step (16-bit activations,
-// as the rest of the plan): the experts each rank runs, the rows they may
-// receive, and the all-to-all's bytes (rows out and back, forward and backward).
-struct ExpertParallelShape {
-  int64_t experts_per_rank = 0, max_rows = 0;
-  double max_expert_activation_nbytes = 0;  // per layer: gate, up, act + received rows
-  double exchange_nbytes = 0;               // per micro-step, all layers, sent by one rank
-};
-ExpertParallelShape expert_parallel_shape(const Resolved& r) {
-  const nn::DecoderConfig& c = *r.config;
-  const plan::TrainingShape& t = r.inputs.training;
-  const int64_t n = r.expert_parallel, rows = t.micro_batch * t.seq * c.num_experts_per_tok;
-  ExpertParallelShape s;
-  s.experts_per_rank = c.num_experts / n;
-  s.max_rows = n * rows;
-  s.max_expert_activation_nbytes =
-      2.0 * static_cast<double>(s.max_rows) * static_cast<double>(3 * c.moe_intermediate_size + c.hidden_size);
-  // Each of the 4 exchanges a layer makes (rows out, outputs back, and their
-  // gradients) sends the share of the rows other members hold: (n-1)/n on average.
-  s.exchange_nbytes = 4.0 * static_cast<double>(c.num_hidden_layers) * static_cast<double>(rows) *
-                      static_cast<double>(c.hidden_size) * 2.0 * static_cast<double>(n - 1) / static_cast<double>(n);
-  return s;
-}
-nlohmann::json expert_parallel_json(const Resolved& r) {
-  const ExpertParallelShape s = expert_parallel_shape(r);
-  return {{"size", r.expert_parallel},
-          {"experts_per_rank", s.experts_per_rank},
-          {"max_rows_per_rank", s.max_rows},
-          {"max_expert_activation_bytes_per_layer", s.max_expert_activation_nbytes},
-          {"exchange_bytes_per_micro_step", s.exchange_nbytes}};
-}
-
-// A parallel size as strata finetune reads it: the flag (when given) over
-// the config's key; both given and different is refused, naming both.
-int size_over_config(const char* flag, const std::string& given, int from_config, const std::string& config_path,
-                     const char* key) {
-  const int size = !given.empty() ? static_cast<int>(parse_integer(flag, given, 1)) : from_config;
-  if (!given.empty() && from_config > 1 && from_config != size) {
-    raise(ErrorCategory::kBadArgument, "{} {} and {}'s {} {} disagree: give one", flag, size, config_path, key,
-          from_config);
-  }
-  return size;
-}
-
-// Tensor parallelism as strata finetune reads it (--tp over the config's
-// tensor_parallel.autotp_size, either sequence-parallel switch) and refuses
-// it: the model must split (--model), no LoRA. N_d is then the ranks / tp
-// (or --dp, with tp x --dp ranks), and the plan's model states are tp rank
-// 0's: its shards and the replicated tensors (plan::decoder_rank_params).
-void resolve_tensor_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  const int tp = size_over_config("--tp", o.tp, config ? config->tensor_parallel_size : 1, o.config,
-                                  "tensor_parallel.autotp_size");
-  const bool sp = o.sequence_parallel || (config && config->sequence_parallel);
-  const char* sp_name = o.sequence_parallel ? "--sequence-parallel" : "sequence_parallel";
-  plan::Machine& hw = r.inputs.machine;
-  r.ranks = hw.data_parallel;
-  if (tp == 1) {
-    STRATA_CHECK(!sp, kBadArgument, "{} needs tensor parallelism (--tp or tensor_parallel.autotp_size of 2 or more)",
-                 sp_name);
-    return;
-  }
-  STRATA_CHECK(r.config.has_value(), kBadArgument,
-               "--tp {}: which tensors split depends on the architecture: give --model (its config.json)", tp);
-  STRATA_CHECK(!r.lora.enabled(), kBadArgument, "--tp with --lora-rank: strata does not implement LoRA with tensor "
-               "parallelism yet");
-  nn::tensor_parallel_share(*r.config, tp);  // refuses what does not split, naming the sizes
-  plan::TrainingShape& t = r.inputs.training;
-  STRATA_CHECK(!sp || t.micro_batch * t.seq % tp == 0, kBadArgument,
-               "{}: the micro-batch's {} x {} tokens do not divide over the {} tensor-parallel ranks", sp_name,
-               t.micro_batch, t.seq, tp);
-  if (r.sources["data_parallel"] == "--dp") {
-    r.ranks = hw.data_parallel * tp;
-    STRATA_CHECK(r.ranks <= hw.gpus_per_node * hw.nodes, kBadArgument,
-                 "--dp {} x --tp {} = {} ranks, more than the {} GPUs of {} node(s) x {} GPUs (--nodes, --gpus)",
-                 hw.data_parallel, tp, r.ranks, hw.gpus_per_node * hw.nodes, hw.nodes, hw.gpus_per_node);
-  } else {
-    STRATA_CHECK(hw.data_parallel % tp == 0, kBadArgument, "--tp {} does not divide the {} GPUs ({})", tp,
-                 hw.data_parallel, r.sources["data_parallel"]);
-    hw.data_parallel /= tp;
-    r.sources["data_parallel"] += fmt::format(" / tp {}", tp);
-  }
-  r.tensor_parallel = tp;
-  r.whole_param_count = r.inputs.model.param_count;
-  int64_t per_rank = 0;
-  for (const plan::RankParam& p : plan::decoder_rank_params(*r.config, DType::kBF16, tp)) {
-    per_rank += shape_numel(p.spec.shape);
-  }
-  r.inputs.model.param_count = per_rank;
-  r.inputs.model.active_param_count = 0;  // dense: every parameter active
-  r.inputs.model.input_embedding_count = 0;  // per rank: the whole model's is in the text
-  t.tensor_parallel = tp;
-  t.sequence_parallel = sp;
-}
-
-// Pipeline parallelism as strata finetune reads it (--pp over the config's
-// pipeline_parallel.size, the schedule and virtual stages likewise, the
-// micro-batches the gradient accumulation steps); needs --model (the split
-// is of its layers). N_d is then the ranks / (pp x tp), and the plan's model
-// states are the largest stage's.
-void resolve_pipeline_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  const int pp = size_over_config("--pp", o.pp, config ? config->pipeline_parallel_size : 1, o.config,
-                                  "pipeline_parallel.size");
-  if (pp == 1) {
-    STRATA_CHECK(o.pp_schedule.empty() && o.virtual_stages.empty(), kBadArgument,
-                 "--pp-schedule and --virtual-stages shape a pipeline: give --pp (or pipeline_parallel.size)");
-    return;
-  }
-  STRATA_CHECK(r.config.has_value(), kBadArgument,
-               "--pp {}: the stages split the model's layers: give --model (its config.json)", pp);
-  const std::string name = !o.pp_schedule.empty() ? o.pp_schedule : config ? config->pipeline_schedule : "1f1b";
-  const auto kind = pipeline::parse_schedule(name);
-  STRATA_CHECK(kind.has_value(), kBadArgument, "--pp-schedule {}: not a pipeline schedule; one of {}", name,
-               pipeline::schedule_names());
-  const int v = !o.virtual_stages.empty() ? static_cast<int>(parse_integer("--virtual-stages", o.virtual_stages, 1))
-                : config                  ? config->virtual_stages
-                                          : 1;
-  plan::TrainingShape& t = r.inputs.training;
-  r.pipeline = {*kind, pp, static_cast<int>(t.grad_accumulation), v};
-  r.pipeline.check();
-  const nn::DecoderConfig& c = *r.config;
-  const std::vector<int64_t> split =
-      pipeline::split_layers(c.num_hidden_layers, pp, v, config ? config->pipeline_layers : std::vector<int64_t>{});
-  // Each tensor of a (tp) rank to the stage holding it, by its name.
-  std::vector<int> stage_of_layer;
-  for (size_t s = 0; s < split.size(); ++s) {
-    for (int64_t l = 0; l < split[s]; ++l) stage_of_layer.push_back(static_cast<int>(s % static_cast<size_t>(pp)));
-  }
-  r.stage_layers.assign(static_cast<size_t>(pp), 0);
-  r.stage_chunk_layers.assign(static_cast<size_t>(pp), {});
-  for (size_t s = 0; s < split.size(); ++s) {
-    r.stage_layers[s % static_cast<size_t>(pp)] += split[s];
-    r.stage_chunk_layers[s % static_cast<size_t>(pp)].push_back(split[s]);
-  }
-  r.stage_params.assign(static_cast<size_t>(pp), 0);
-  for (const plan::RankParam& p : plan::decoder_rank_params(c, DType::kBF16, r.tensor_parallel)) {
-    const std::string& n = p.spec.name;
-    const int64_t numel = shape_numel(p.spec.shape);
-    if (n.rfind("model.layers.", 0) == 0) {
-      const int64_t layer = std::stoll(n.substr(13, n.find('.', 13) - 13));
-      r.stage_params[static_cast<size_t>(stage_of_layer[static_cast<size_t>(layer)])] += numel;
-    } else if (n.rfind("model.embed_tokens.", 0) == 0) {
-      r.stage_params.front() += numel;
-      if (c.tie_word_embeddings) r.stage_params.back() += numel;  // the last stage's lm_head
-    } else {
-      r.stage_params.back() += numel;  // the final norm and lm_head
-    }
-  }
-  plan::Machine& hw = r.inputs.machine;
-  if (r.sources["data_parallel"] == "--dp") {
-    r.ranks = (r.ranks > 0 ? r.ranks : hw.data_parallel) * pp;
-  } else {
-    STRATA_CHECK(hw.data_parallel % pp == 0, kBadArgument, "--pp {} does not divide the {} data-parallel ranks ({})",
-                 pp, hw.data_parallel, r.sources["data_parallel"]);
-    hw.data_parallel /= pp;
-    r.sources["data_parallel"] += fmt::format(" / pp {}", pp);
-    r.ranks = (r.ranks > 0 ? r.ranks : hw.data_parallel * pp);
-  }
-  if (r.whole_param_count == 0) r.whole_param_count = r.inputs.model.param_count;
-  r.inputs.model.param_count = *std::max_element(r.stage_params.begin(), r.stage_params.end());
-  r.inputs.model.active_param_count = 0;
-  r.inputs.model.input_embedding_count = 0;  // per stage: the whole model's is in the text
-}
-
-// Per stage: its activation memory (strata's arena per micro-batch for its
-// layers, times the micro-batches the schedule keeps in flight on it), the
-// bytes it sends per step point to point, and how a ZeRO-3 stage gathers.
-nlohmann::json pipeline_json(const Resolved& r) {
-  const nn::DecoderConfig& c = *r.config;
-  const plan::TrainingShape& t = r.inputs.training;
-  const pipeline::ScheduleSpec& spec = r.pipeline;
-  const int p = spec.stages;
-  const int64_t rows = t.micro_batch * t.seq / (t.sequence_parallel ? r.tensor_parallel : 1);
-  // One boundary transfer: [rows, hidden] in 16 bits.
-  const double transfer = static_cast<double>(rows * c.hidden_size) * 2.0;
-  const auto& limits = r.zero_limits;
-  nlohmann::json stages = nlohmann::json::array();
-  for (int s = 0; s < p; ++s) {
-    size_t arena = 0;
-    for (int64_t layers : r.stage_chunk_layers[static_cast<size_t>(s)]) {
-      nn::DecoderConfig part = c;
-      part.num_hidden_layers = layers;
-      arena += plan::decoder_arena_nbytes(part, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
-                                          t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel);
-    }
-    // Per chunk arena above; in flight counts micro-batch chunks.
-    const int in_flight = pipeline::promised_in_flight(spec, s);
-    const double per_chunk = static_cast<double>(arena) / static_cast<double>(spec.virtual_stages);
-    // Sends per step: each chunk's output forward (not the last virtual
-    // stage's) and input gradient back (not the first's), per micro-batch.
-    int boundaries = 0;
-    for (int k = 0; k < spec.virtual_stages; ++k) {
-      const int vs = k * p + s;
-      boundaries += (vs + 1 < p * spec.virtual_stages) + (vs > 0);
-    }
-    const int64_t params = r.stage_params[static_cast<size_t>(s)];
-    // ZeRO-3: a stage's parameter comes back to use after the stage's other
-    // parameters (the next micro-batch): kept gathered while they fit the
-    // reuse distance and the live budget, else gathered for every use (a
-    // forward and a backward per micro-batch; a recompute too with checkpoints).
-    const bool kept = params <= limits.max_reuse_distance && params <= limits.max_live;
-    const int uses = spec.micro_batches * (t.activation_checkpointing ? 3 : 2);
-    stages.push_back({{"stage", s},
-                      {"layers", r.stage_layers[static_cast<size_t>(s)]},
-                      {"parameters", params},
-                      {"micro_batches_in_flight", in_flight},
-                      {"activation_bytes", per_chunk * in_flight},
-                      {"p2p_bytes_sent_per_step", transfer * boundaries * spec.micro_batches},
-                      {"zero3_parameters_kept_for_the_step", kept},
-                      {"zero3_gathers_per_parameter_per_step", kept ? 1 : uses}});
-  }
-  return {{"size", p},
-          {"schedule", pipeline::schedule_name(spec.kind)},
-          {"virtual_stages", spec.virtual_stages},
-          {"micro_batches", spec.micro_batches},
-          {"bubble", pipeline::bubble_formula(spec)},
-          {"ranks", r.ranks},
-          {"whole_parameters", r.whole_param_count},
-          {"stages", stages}};
-}
-
-// Context parallelism as strata finetune reads it (--cp over the config's
-// context_parallel.size, --cp-method over its method) and refuses it: the
-// dense GQA families from --model, not with pipeline stages or LoRA, seq
-// divisible by 2 x cp, Ulysses's heads (a tp rank's) divisible by cp. ZeRO
-// partitions over dp x cp (finetune's), so N_d stays the data-parallel
-// ranks it was; each of them holds seq / cp tokens of every sequence.
-void resolve_context_parallel(const Options& o, const std::optional<Config>& config, Resolved& r) {
-  const int cp = size_over_config("--cp", o.cp, config ? config->context_parallel_size : 1, o.config,
-                                  "context_parallel.size");
-  if (cp == 1) {
-    STRATA_CHECK(o.cp_method.empty(), kBadArgument, "--cp-method goes with --cp (or context_parallel.size) of 2 or more");
-    return;
-  }
-  r.context_method = !o.cp_method.empty() ? nn::parse_context_method(o.cp_method, "--cp-method")
-                     : config ? nn::parse_context_method(config->context_parallel_method,
-                                                         o.config + ": context_parallel.method")
-                              : nn::ContextMethod::kRing;
-  STRATA_CHECK(r.config.has_value(), kBadArgument,
-               "--cp {}: what the ring or Ulysses moves depends on the attention's heads: give --model (its "
-               "config.json)",
-               cp);
-  const nn::DecoderConfig& c = *r.config;
-  const auto refuse = [&](bool combined, const std::string& what) {
-    STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: strata finetune does not implement it yet", cp, what);
-  };
-  STRATA_CHECK(r.pipeline.stages == 1, kBadArgument,
-               "--cp {} with pipeline parallelism (--pp {}): strata finetune trains it, but strata plan does not model "
-               "it yet",
-               cp, r.pipeline.stages);
-  refuse(r.lora.enabled(), "LoRA (--lora-rank)");
-  refuse(c.moe(), fmt::format("a mixture-of-experts model (model_type {})", c.model_type));
-  refuse(c.attention != nn::AttentionKind::kGqa, fmt::format("multi-head latent attention (model_type {})", c.model_type));
-  plan::TrainingShape& t = r.inputs.training;
-  STRATA_CHECK(t.seq % (2 * cp) == 0, kBadArgument,
-               "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two chunks "
-               "per rank",
-               t.seq, cp, 2 * cp);
-  nn::check_context_parallel(c.num_attention_heads, c.num_key_value_heads, cp, r.context_method, r.tensor_parallel);
-  plan::Machine& hw = r.inputs.machine;
-  STRATA_CHECK(hw.data_parallel % cp == 0, kBadArgument,
-               "--cp {} does not divide the {} data-parallel ranks ({}): ZeRO partitions over dp x cp", cp,
-               hw.data_parallel, r.sources["data_parallel"]);
-  STRATA_CHECK(!t.sequence_parallel || t.micro_batch * (t.seq / cp) % r.tensor_parallel == 0, kBadArgument,
-               "sequence parallelism: a cp rank's {} x {} tokens do not divide over the {} tensor-parallel ranks",
-               t.micro_batch, t.seq / cp, r.tensor_parallel);
-  r.context_parallel = cp;
-  r.sources["data_parallel"] += fmt::format(" (dp {} x cp {})", hw.data_parallel / cp, cp);
-  t.context_parallel = cp;
-}
-
-// What one rank sends in its cp group, 16-bit activations as the rest of the
-// plan: ring attention's hops of its kv heads' keys and values, 2·(s/cp)·b·
-// h_kv bytes-per-element each, cp − 1 per layer forward ((cp−1)/cp · 2·s·b·h_kv)
-// and 2cp − 1 backward (the keys and values again, and the dk/dv
-// accumulators one hop behind them, the last hop home: about twice); Ulysses'
-// all-to-alls, each sending (cp−1)/cp of a rank's share: forward q, k, v and
-// out (about 4·s·b·h/cp), lse (fp32), backward q, k, v, out, dout, lse and dq,
-// dk, dv. The recompute of a checkpointed layer passes forward again.
-// RingAttention's and UlyssesAttention's bytes_sent() count the same
-// (tests/cp/ring_attention_test.cc).
-struct ContextExchange {
-  double forward = 0, backward = 0;  // per layer
-  double per_micro_step = 0;
-};
-ContextExchange context_exchange(const Resolved& r) {
-  const nn::DecoderConfig share = nn::tensor_parallel_share(*r.config, r.tensor_parallel);
-  const plan::TrainingShape& t = r.inputs.training;
-  const double cp = r.context_parallel, e = 2, d = static_cast<double>(r.config->head_dim);
-  const double tokens = static_cast<double>(t.micro_batch) * static_cast<double>(t.seq) / cp;  // a rank's
-  const double h = static_cast<double>(share.num_attention_heads) * d;
-  const double h_kv = static_cast<double>(share.num_key_value_heads) * d;
-  ContextExchange x;
-  if (r.context_method == nn::ContextMethod::kRing) {
-    const double hop = 2 * tokens * h_kv * e;
-    x.forward = (cp - 1) * hop;
-    x.backward = (2 * cp - 1) * hop;
-  } else {
-    const double share_sent = (cp - 1) / cp * tokens;
-    const double lse = static_cast<double>(share.num_attention_heads) * 4;
-    x.forward = share_sent * ((2 * h + 2 * h_kv) * e + lse);
-    x.backward = share_sent * ((4 * h + 4 * h_kv) * e + lse);
-  }
-  const double layers = static_cast<double>(r.config->num_hidden_layers);
-  const double recomputed = t.activation_checkpointing ? layers - 1 : 0;  // the top layer is not recomputed
-  x.per_micro_step = layers * (x.forward + x.backward) + recomputed * x.forward;
-  return x;
-}
-
-nlohmann::json context_parallel_json(const Resolved& r) {
-  const nn::DecoderConfig& c = *r.config;
-  const plan::TrainingShape& t = r.inputs.training;
-  const int cp = r.context_parallel, tp = r.tensor_parallel;
-  const nn::DecoderConfig share = nn::tensor_parallel_share(c, tp);
-  const auto arena = [&](int n) {
-    return plan::decoder_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
-                                      t.checkpoints_on_cpu, {}, 1, tp, t.sequence_parallel, n);
-  };
-  const ContextExchange x = context_exchange(r);
-  return {{"size", cp},
-          {"method", std::string(nn::context_method_name(r.context_method))},
-          {"data_parallel", r.inputs.machine.data_parallel / cp},
-          {"tokens_per_rank", t.micro_batch * t.seq / cp},
-          {"activation_arena_bytes_per_rank", arena(cp)},
-          {"activation_arena_bytes_at_cp_1", arena(1)},
-          {"attention_buffer_bytes_per_rank",
-           nn::context_buffer_nbytes(r.context_method, cp, t.micro_batch, t.seq, share.num_attention_heads,
-                                     share.num_key_value_heads, c.head_dim, DType::kBF16)},
-          {"bytes_per_layer_forward", x.forward},
-          {"bytes_per_layer_backward", x.backward},
-          {"bytes_per_micro_step", x.per_micro_step}};
-}
-
-nlohmann::json tensor_parallel_json(const Resolved& r, const plan::Plan& plan) {
-  const plan::TrainingShape& t = r.inputs.training;
-  const nn::DecoderConfig& c = *r.config;
-  return {{"size", r.tensor_parallel},
-          {"sequence_parallel", t.sequence_parallel},
-          {"ranks", r.ranks},
-          {"whole_parameters", r.whole_param_count},
-          {"parameters_per_rank", r.inputs.model.param_count},
-          {"activation_arena_bytes_per_rank",
-           plan::decoder_arena_nbytes(c, DType::kBF16, t.micro_batch, t.seq, t.activation_checkpointing,
-                                    t.checkpoints_on_cpu, {}, 1, r.tensor_parallel, t.sequence_parallel,
-                                    r.context_parallel)},
-          {"collective_bytes_per_micro_step", plan.tp_collective_nbytes}};
-}
-
-// The largest layer-major chunk and decoder layer (plan/order_plan.h), this
-// (tp) rank's elements: from the model's tensors with --model, else a layer of
-// 4·hidden² + 3·hidden·intermediate (12·hidden² without --intermediate) and
-// two norms, the embedding and the head vocab·hidden; 0 when the shape is unknown.
-std::pair<int64_t, int64_t> largest_chunk_and_layer(const Resolved& r) {
-  int64_t embedding = 0, head = 0, layer = 0;
-  if (r.config) {
-    std::map<int64_t, int64_t> layers;
-    for (const plan::RankParam& p : plan::decoder_rank_params(*r.config, DType::kBF16, r.tensor_parallel)) {
-      const std::string& n = p.spec.name;
-      const int64_t numel = shape_numel(p.spec.shape);
-      if (n.rfind("model.layers.", 0) == 0) {
-        layers[std::stoll(n.substr(13, n.find('.', 13) - 13))] += numel;
-      } else if (n.rfind("model.embed_tokens.", 0) == 0) {
-        embedding += numel;
-        if (r.config->tie_word_embeddings) head += numel;  // the head's lm_head
-      } else {
-        head += numel;  // the final norm and lm_head
-      }
-    }
-    for (const auto& entry : layers) layer = std::max(layer, entry.second);
-  } else if (const plan::ModelShape& m = r.inputs.model; m.shape_known()) {
-    const int64_t h = m.hidden;
-    layer = (m.intermediate > 0 ? 4 * h * h + 3 * h * m.intermediate : 12 * h * h) + 2 * h;
-    embedding = m.vocab * h;
-    head = m.vocab * h + h;
-  }
-  return {std::max({embedding, head, layer}), layer};
-}
-
-// The micro-batch order (--micro-batch-order, else the config's
-// strata.micro_batch_order, else finetune's default step-major), what auto
-// chooses, and both orders' parameter reads and step bounds (plan/order_plan.h)
-// on the config's placement (else the recommended one). Refuses what finetune
-// refuses (layer-major with what it does not do yet). Null when the model's
-// shape or a placement is unknown.
-nlohmann::json micro_batch_order_json(const Options& o, const std::optional<Config>& config, const Resolved& r,
-                                      const plan::Plan& result) {
-  const std::string what = !o.micro_batch_order.empty() ? "--micro-batch-order" : "strata.micro_batch_order";
-  const std::string name = !o.micro_batch_order.empty() ? o.micro_batch_order
-                           : config                     ? config->strata.micro_batch_order
-                                                        : std::string("step-major");
-  std::optional<plan::Placement> placement;
-  if (r.inputs.configured_stage) {
-    placement = plan::Placement{*r.inputs.configured_stage, *r.inputs.configured_params,
-                                *r.inputs.configured_optimizer};
-  } else if (result.recommended) {
-    placement = result.placements[*result.recommended].placement;
-  }
-  const plan::Tier params = placement && placement->stage == 3 ? placement->params : plan::Tier::kGpu;
-  const plan::TrainingShape& t = r.inputs.training;
-  const train::MicroBatchOrderContext context{
-      params == plan::Tier::kNvme  ? strata::Tier::kNvme
-      : params == plan::Tier::kCpu ? strata::Tier::kCpu
-                                   : strata::Tier::kDevice,
-      t.grad_accumulation, r.tensor_parallel, r.pipeline.stages, r.expert_parallel, r.lora.enabled(),
-      r.config && r.config->tie_word_embeddings, r.config && r.config->moe() && r.config->output_router_logits};
-  const train::MicroBatchOrderChoice chosen = train::choose_micro_batch_order(name, what, context);
-  const train::MicroBatchOrderChoice automatic = train::choose_micro_batch_order("auto", what, context);
-  const auto [chunk, layer] = largest_chunk_and_layer(r);
-  if (!placement || chunk == 0) return nullptr;
-  nlohmann::json out = {{"given", name},
-                        {"source", !o.micro_batch_order.empty() ? "--micro-batch-order"
-                                   : config                     ? "strata.micro_batch_order"
-                                                                : "the default"},
-                        {"order", train::micro_batch_order_name(chosen.order)},
-                        {"auto_chooses", train::micro_batch_order_name(automatic.order)},
-                        {"auto_says", automatic.said},
-                        {"placement", plan::describe(*placement)},
-                        {"micro_batches", t.grad_accumulation},
-                        {"largest_chunk_parameters", chunk},
-                        {"largest_layer_parameters", layer}};
-  if (params == plan::Tier::kGpu) return out;  // nothing read off the device in either order
-  const plan::Machine& hw = r.inputs.machine;
-  plan::OrderInputs in;
-  in.param_count = r.inputs.model.param_count;
-  in.largest_chunk_params = chunk;
-  in.largest_layer_params = layer;
-  // This rank's share of one fetch of every 16-bit parameter (the plan's dtype).
-  in.shard_nbytes = static_cast<double>(in.param_count) * plan::kParam16Bytes / static_cast<double>(hw.data_parallel);
-  in.micro_batches = t.grad_accumulation;
-  in.activation_checkpointing = t.activation_checkpointing;
-  in.max_reuse_distance = r.zero_limits.max_reuse_distance;
-  in.max_live = r.zero_limits.max_live;
-  in.read_bandwidth = params == plan::Tier::kNvme ? hw.nvme_read_bw / static_cast<double>(hw.gpus_per_node)
-                                                  : hw.gpu_cpu_bw;
-  in.step_major_compute_seconds = result.compute_seconds;
-  const plan::OrderPlan predicted = plan::predict_micro_batch_orders(in);
-  const auto order_json = [](const plan::OrderPrediction& p) {
-    return nlohmann::json{{"fetches_per_step", p.fetches},
-                          {"param_read_bytes_per_step", p.param_read_nbytes},
-                          {"io_seconds", p.io_seconds},
-                          {"compute_seconds", p.compute_seconds},
-                          {"step_seconds", p.step_seconds}};
-  };
-  out["read_bandwidth"] = in.read_bandwidth;
-  out["step_major"] = order_json(predicted.step_major);
-  out["layer_major"] = order_json(predicted.layer_major);
-  out["whole_model_kept"] = predicted.whole_model_kept;
-  out["chunks_kept"] = predicted.chunks_kept;
-  out["predicted_speedup"] = predicted.speedup();
-  out["why"] = predicted.describe();
-  return out;
-}
-
-std::string micro_batch_order_text(const nlohmann::json& j) {
-  const std::string said = j["auto_says"].get<std::string>();
-  std::string out = fmt::format("Order     micro-batch order {} ({}: {}); auto would choose {}{}\n",
-                                j["order"].get<std::string>(), j["source"].get<std::string>(),
-                                j["given"].get<std::string>(), j["auto_chooses"].get<std::string>(),
-                                said.empty() ? std::string() : " -- " + said);
-  if (!j.contains("step_major")) {
-    out += fmt::format("          {}: the parameters live on the device, so neither order reads them from off it\n",
-                       j["placement"].get<std::string>());
-    return out;
-  }
-  const auto order = [&](const char* name, const nlohmann::json& p) {
-    return fmt::format("{} fetches every parameter {:g} time(s) per step, {:.2f} GB per rank ({:.3f} s at {:.1f} "
-                       "GB/s), compute {:.3f} s: step >= {:.3f} s",
-                       name, p["fetches_per_step"].get<double>(), p["param_read_bytes_per_step"].get<double>() / 1e9,
-                       p["io_seconds"].get<double>(), j["read_bandwidth"].get<double>() / 1e9,
-                       p["compute_seconds"].get<double>(), p["step_seconds"].get<double>());
-  };
-  out += fmt::format("          {}, {} micro-batches: {};\n          {} ({:.2f}x step-major's step by these "
-                     "bounds)\n          {}\n",
-                     j["placement"].get<std::string>(), j["micro_batches"].get<int64_t>(),
-                     order("step-major", j["step_major"]), order("layer-major", j["layer_major"]),
-                     j["predicted_speedup"].get<double>(), j["why"].get<std::string>());
-  return out;
-}
 
 void resolve_machine(const Options& o, const std::optional<Config>& config, Resolved& r) {
   plan::Machine& hw = r.inputs.machine;
@@ -1099,7 +552,7 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
         cj["bytes_per_micro_step"].get<double>() / 1e6, r.inputs.machine.data_parallel);
   }
   if (r.pipeline.stages > 1) {
-    const nlohmann::json pj = pipeline_json(r);
+    const nlohmann::json pj = pipeline_parallel_json(r);
     out += fmt::format(
         "          pipeline parallelism {} ({}{}, {} micro-batches per step): bubble {:.3f} of the step by the "
         "schedule's formula; the model states below are the largest stage's\n",
@@ -1235,7 +688,7 @@ int run_plan(const Options& o) {
     out["zero_sizes"] = r.zero_sizes.to_json();
     if (r.expert_parallel > 1) out["expert_parallel"] = expert_parallel_json(r);
     if (r.tensor_parallel > 1) out["tensor_parallel"] = tensor_parallel_json(r, result);
-    if (r.pipeline.stages > 1) out["pipeline_parallel"] = pipeline_json(r);
+    if (r.pipeline.stages > 1) out["pipeline_parallel"] = pipeline_parallel_json(r);
     if (r.context_parallel > 1) out["context_parallel"] = context_parallel_json(r);
     if (!order.is_null()) out["micro_batch_order"] = order;
     std::cout << out.dump(2) << "\n";

@@ -335,6 +335,14 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
     if (a.compute()) {
       if (kept_) prefetch_boundaries(list, i, options.backward);
       compute(a, micro_batch, options, i);
+      // The host waits for each compute action before it enqueues the next,
+      // as the step-major loop waits for each micro-batch's loss: what an
+      // action frees stream-ordered (its weight gradients once reduced,
+      // zb-h1's deferred copies, gathered parameters) is held by the
+      // allocator until the stream passes it, so a host running a step
+      // ahead held every micro-batch's at once -- 1.16-1.51x the device
+      // memory the schedule needs (strata plan --check, docs/DESIGN.md §5.4).
+      engine_.compute_stream().synchronize();
     } else if (a.sends()) {
       send(a);
     } else {

@@ -4,8 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 
 #include "core/error.h"
+#include "runtime/plan/runtime_memory.h"
 
 namespace strata::plan {
 
@@ -45,6 +48,58 @@ OrderPlan predict_micro_batch_orders(const OrderInputs& in) {
     p->step_seconds = std::max(p->compute_seconds, p->io_seconds);
   }
   return plan;
+}
+
+OrderInputs order_inputs(const PlanInputs& inputs, double step_major_compute_seconds, int64_t largest_chunk_params,
+                         int64_t largest_layer_params, Tier params, int64_t max_reuse_distance, int64_t max_live) {
+  const Machine& hw = inputs.machine;
+  OrderInputs in;
+  in.param_count = inputs.model.param_count;
+  in.largest_chunk_params = largest_chunk_params;
+  in.largest_layer_params = largest_layer_params;
+  // This rank's share of one fetch of every 16-bit parameter (the plan's dtype).
+  in.shard_nbytes = static_cast<double>(in.param_count) * kParam16Bytes / static_cast<double>(hw.data_parallel);
+  in.micro_batches = inputs.training.grad_accumulation;
+  in.activation_checkpointing = inputs.training.activation_checkpointing;
+  in.max_reuse_distance = max_reuse_distance;
+  in.max_live = max_live;
+  in.read_bandwidth = params == Tier::kNvme ? hw.nvme_read_bw / static_cast<double>(hw.gpus_per_node) : hw.gpu_cpu_bw;
+  in.step_major_compute_seconds = step_major_compute_seconds;
+  return in;
+}
+
+ChunkSizes largest_chunk_and_layer(const nn::DecoderConfig& model, int tensor_parallel) {
+  int64_t embedding = 0, head = 0;
+  std::map<int64_t, int64_t> layers;
+  for (const RankParam& p : decoder_rank_params(model, DType::kBF16, tensor_parallel)) {
+    const std::string& n = p.spec.name;
+    const int64_t numel = shape_numel(p.spec.shape);
+    if (n.rfind("model.layers.", 0) == 0) {
+      layers[std::stoll(n.substr(13, n.find('.', 13) - 13))] += numel;
+    } else if (n.rfind("model.embed_tokens.", 0) == 0) {
+      embedding += numel;
+      if (model.tie_word_embeddings) head += numel;  // the head's lm_head
+    } else {
+      head += numel;  // the final norm and lm_head
+    }
+  }
+  ChunkSizes sizes;
+  for (const auto& entry : layers) sizes.largest_layer = std::max(sizes.largest_layer, entry.second);
+  sizes.largest_chunk = std::max({embedding, head, sizes.largest_layer});
+  return sizes;
+}
+
+OrderPlan predict_micro_batch_orders_for(const nn::DecoderConfig& model, const TrainingShape& training,
+                                         const Machine& hardware, Tier params, int64_t max_reuse_distance,
+                                         int64_t max_live) {
+  PlanInputs inputs;
+  inputs.model = decoder_model_shape(model);
+  inputs.training = training;
+  inputs.machine = hardware;
+  const Plan plan = make_plan(inputs);
+  const ChunkSizes sizes = largest_chunk_and_layer(model);
+  return predict_micro_batch_orders(order_inputs(inputs, plan.compute_seconds, sizes.largest_chunk,
+                                                 sizes.largest_layer, params, max_reuse_distance, max_live));
 }
 
 std::string OrderPlan::describe() const {

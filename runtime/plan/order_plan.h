@@ -39,6 +39,9 @@
 #include <cstdint>
 #include <string>
 
+#include "runtime/nn/decoder_config.h"
+#include "runtime/plan/plan.h"
+
 namespace strata::plan {
 
 struct OrderInputs {
@@ -76,5 +79,36 @@ struct OrderPlan {
 };
 
 OrderPlan predict_micro_batch_orders(const OrderInputs& in);
+
+// The prediction's inputs for a plan's model, training and machine
+// (`inputs`; model.param_count is this rank's), the step's compute that
+// make_plan predicts for them, the largest layer-major chunk and decoder
+// layer (largest_chunk_and_layer), the tier the parameters live on (not
+// kGpu) and the ZeRO-3 budgets: this rank's share of a fetch of every
+// 16-bit parameter, read from NVMe (the node's bandwidth shared by its
+// GPUs) or from CPU memory (the GPU<->CPU bandwidth). One mapping for
+// `strata plan` and for `strata finetune`'s auto.
+OrderInputs order_inputs(const PlanInputs& inputs, double step_major_compute_seconds, int64_t largest_chunk_params,
+                         int64_t largest_layer_params, Tier params, int64_t max_reuse_distance, int64_t max_live);
+
+// The largest layer-major chunk and decoder layer of `model`, a
+// tensor-parallel rank's elements (decoder_rank_params): each decoder layer,
+// the embedding, the head (the final norm and lm_head, the embedding again
+// when tied).
+struct ChunkSizes {
+  int64_t largest_chunk = 0, largest_layer = 0;
+};
+ChunkSizes largest_chunk_and_layer(const nn::DecoderConfig& model, int tensor_parallel = 1);
+
+// A run's model, training and machine (`hardware`: strata plan's default
+// figures, with the run's ranks) as strata plan sees them: its shape
+// (decoder_model_shape), and both orders predicted with `params` the
+// parameters' home and the ZeRO-3 budgets. What strata finetune's
+// micro_batch_order auto asks, so that `strata plan` with the same
+// configuration (--model, --config, --seq, --dp and --gpus the ranks) prints
+// the same choice.
+OrderPlan predict_micro_batch_orders_for(const nn::DecoderConfig& model, const TrainingShape& training,
+                                         const Machine& hardware, Tier params, int64_t max_reuse_distance,
+                                         int64_t max_live);
 
 }  // namespace strata::plan

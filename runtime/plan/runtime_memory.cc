@@ -15,6 +15,7 @@
 
 #include "offload/optimizer_swapper.h"
 #include "partition/layout.h"
+#include "kernels/fp8_blocks.h"
 #include "runtime/nn/decoder_model.h"
 #include "runtime/pipeline/stages.h"
 #include "core/error.h"
@@ -160,11 +161,46 @@ std::vector<RankParam> decoder_rank_params(const nn::DecoderConfig& c, DType dty
   return out;
 }
 
+ModelShape decoder_model_shape(const nn::DecoderConfig& c) {
+  ModelShape m;
+  m.param_count = c.parameter_count();
+  m.layers = c.num_hidden_layers;
+  m.hidden = c.hidden_size;
+  m.heads = c.num_attention_heads;
+  m.intermediate = c.moe() ? c.moe_intermediate_size : c.intermediate_size;
+  m.vocab = c.vocab_size;
+  if (c.moe()) {
+    m.experts = c.num_experts;
+    m.experts_per_token = c.num_experts_per_tok;
+    m.shared_expert_intermediate = c.shared_expert_intermediate_size;
+    // Every routed expert but the token's k is idle (its matrices and,
+    // gpt-oss's, biases; DeepSeek's first first_k_dense_replace layers are
+    // dense). A shared expert (qwen2_moe, DeepSeek) and its gate are active
+    // for every token: in param_count and never idle.
+    m.active_param_count = c.active_parameter_count();
+  }
+  m.input_embedding_count = c.input_embedding_count();
+  return m;
+}
+
+bool stored_fp8(const nn::DecoderConfig& c, std::string_view name, const Shape& shape) {
+  if (c.quant.method != nn::QuantMethod::kFp8Block || shape.size() != 2 || !name.starts_with("model.layers.") ||
+      !name.ends_with(".weight") || name.ends_with("mlp.gate.weight")) {
+    return false;
+  }
+  return !c.quant.not_converted(std::string(name.substr(0, name.size() - 7)));
+}
+
+bool keeps_fp8_base(const nn::DecoderConfig& c, const nn::LoraSpec& lora, int zero_stage, int tensor_parallel) {
+  return c.quant.method == nn::QuantMethod::kFp8Block && lora.enabled() && zero_stage == 3 && tensor_parallel == 1;
+}
+
 std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& c, DType dtype, const nn::LoraSpec& lora,
-                                                   int tensor_parallel) {
+                                                   int tensor_parallel, bool fp8_base) {
   std::vector<engine::SizedParam> sized;
   for (const RankParam& p : decoder_rank_params(c, dtype, tensor_parallel)) {
-    sized.push_back({p.spec.name, shape_numel(p.spec.shape), p.spec.dtype, !lora.enabled()});
+    const bool fp8 = fp8_base && stored_fp8(c, p.spec.name, p.spec.shape);
+    sized.push_back({p.spec.name, shape_numel(p.spec.shape), fp8 ? DType::kF8E4M3 : p.spec.dtype, !lora.enabled()});
   }
   if (lora.enabled()) {
     for (const partition::ParamSpec& p : lora_params(c, lora)) sized.push_back({p.name, shape_numel(p.shape), p.dtype, true});
@@ -305,7 +341,10 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   const DType pd = in.param_dtype;
   // The sizes the engine's finalize will use: the same choice from the same
   // parameters (the base frozen under LoRA, the adapters trained).
-  std::vector<engine::SizedParam> sized_params = decoder_sized_params(c, pd, in.lora, tp);
+  // A LoRA base from an FP8 checkpoint at ZeRO-3: its stored-FP8 weights
+  // stay FP8 at home (docs/DESIGN.md §4.2.2), a group of e4m3 bytes.
+  const bool fp8_base = keeps_fp8_base(c, in.lora, in.zero.stage, tp);
+  std::vector<engine::SizedParam> sized_params = decoder_sized_params(c, pd, in.lora, tp, fp8_base);
   std::erase_if(sized_params, [&](const engine::SizedParam& p) { return !ours(p.name); });
   const engine::ZeroSizes sizes =
       engine::choose_zero_sizes(sized_params, dp, in.zero.sub_group_numel, in.zero.reduce_bucket_numel,
@@ -324,33 +363,46 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   // with it the base is a frozen group and the fp32 adapters the trained one.
   struct Group {
     std::unique_ptr<partition::PartitionLayout> layout;
-    double elem = 0;  // bytes per element
+    double elem = 0;  // bytes per element at home
+    // Bytes per element a gather holds: elem, or for an FP8 group the
+    // dequantized full copy (the parameter dtype) and the e4m3 bytes gathered into.
+    double gathered_elem = 0;
     bool frozen = false;
     double padded_numel = 0, largest_slice = 0, largest_full = 0;
     size_t opt_sub_group = 0;  // its sub-group (the home's chunk; the optimizer's record)
     std::string label;         // when there are several: "frozen base", "adapters", "replicated", "tp shards"
   };
   std::vector<Group> groups;
+  double fp8_scale_nbytes = 0;  // every FP8 weight's whole fp32 scale grid
+  int64_t fp8_weights = 0;
   const auto add_group = [&](std::vector<partition::ParamSpec> specs, DType dtype, bool frozen, std::string label) {
     Group g;
     g.label = std::move(label);
     g.layout = std::make_unique<partition::PartitionLayout>(std::move(specs), layout_options);
     g.elem = static_cast<double>(dtype_nbytes(dtype));
+    g.gathered_elem = dtype == DType::kF8E4M3 ? g.elem + static_cast<double>(dtype_nbytes(pd)) : g.elem;
     g.frozen = frozen;
     g.opt_sub_group = optimizer_sub_group_numel(*g.layout, dtype, z.sub_group_numel);
     groups.push_back(std::move(g));
   };
   {
-    std::vector<partition::ParamSpec> specs[2];  // whole, split
+    std::vector<partition::ParamSpec> specs[3];  // whole, split, FP8
     std::vector<int> order;                      // of the groups' first parameters
     for (RankParam& p : decoder_rank_params(c, pd, tp)) {
       if (!ours(p.spec.name)) continue;  // another pipeline stage's
-      if (specs[p.split].empty()) order.push_back(p.split);
-      specs[p.split].push_back(std::move(p.spec));
+      const int kind = fp8_base && stored_fp8(c, p.spec.name, p.spec.shape) ? 2 : p.split;
+      if (kind == 2) {
+        p.spec.dtype = DType::kF8E4M3;
+        const kernels::Fp8Blocks blocks{p.spec.shape[0], p.spec.shape[1], c.quant.block_rows, c.quant.block_cols};
+        fp8_scale_nbytes += 4.0 * static_cast<double>(blocks.grid_numel());
+        ++fp8_weights;
+      }
+      if (specs[kind].empty()) order.push_back(kind);
+      specs[kind].push_back(std::move(p.spec));
     }
     for (int s : order) {
-      add_group(std::move(specs[s]), pd, in.lora.enabled(),
-                in.lora.enabled() ? "frozen base" : s ? "tp shards" : "replicated");
+      add_group(std::move(specs[s]), s == 2 ? DType::kF8E4M3 : pd, in.lora.enabled(),
+                s == 2 ? "FP8 base" : in.lora.enabled() ? "frozen base" : s ? "tp shards" : "replicated");
     }
   }
   if (in.lora.enabled()) {
@@ -367,11 +419,11 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
       g.padded_numel += full;
       g.largest_slice = std::max(g.largest_slice, static_cast<double>(slot.slice_numel));
       g.largest_full = std::max(g.largest_full, full);
-      if (slot.numel <= z.persistence_threshold_numel) persistent_nbytes += g.elem * full;
+      if (slot.numel <= z.persistence_threshold_numel) persistent_nbytes += g.gathered_elem * full;
     }
     shard_nbytes += static_cast<double>(g.layout->shard_nbytes());
-    padded_nbytes += g.elem * g.padded_numel;
-    largest_full_nbytes = std::max(largest_full_nbytes, g.elem * g.largest_full);
+    padded_nbytes += g.gathered_elem * g.padded_numel;
+    largest_full_nbytes = std::max(largest_full_nbytes, g.gathered_elem * g.largest_full);
   }
   // The trained groups: each has its gradient shard, reducer and optimizer
   // state (a shared pool of pipeline buffers on NVMe).
@@ -529,6 +581,14 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
   if (z.stage < 3) {
     add("full parameters", Where::kDevice, padded_nbytes, false,
         "stages 1/2 keep every parameter gathered");
+  }
+  if (fp8_weights > 0) {
+    // ZeroEngine::Fp8Scales: on the accelerator for the gathers'
+    // dequantization, on the host for reads of the owned ranges.
+    const std::string grids = fmt::format("the FP8 base's {} weights' whole fp32 scale grids ({} x {} blocks)",
+                                          fp8_weights, c.quant.block_rows, c.quant.block_cols);
+    add("FP8 scale grids", Where::kDevice, fp8_scale_nbytes, false, grids + ", for the gathers");
+    add("FP8 scale grids (host copy)", Where::kHost, fp8_scale_nbytes, false, grids + ", for owned reads");
   }
   if (z.stage == 1) {
     add("full fp32 gradients", Where::kDevice, 4.0 * padded_numel, false,

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/dtype.h"
@@ -35,6 +36,7 @@
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
 #include "runtime/pipeline/schedule.h"
+#include "runtime/plan/plan.h"
 
 namespace strata::plan {
 
@@ -137,9 +139,26 @@ struct RuntimeMemory {
 
 // The parameters DecoderModel declares for `model` (in `dtype`) and, with
 // `lora`, its fp32 adapters, as the engine's size choice sees them: the base
-// trained without LoRA and frozen with it (engine::choose_zero_sizes).
+// trained without LoRA and frozen with it (engine::choose_zero_sizes); with
+// `fp8_base` (keeps_fp8_base) the weights stored_fp8 names in e4m3.
 std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& model, DType dtype,
-                                                   const nn::LoraSpec& lora, int tensor_parallel = 1);
+                                                   const nn::LoraSpec& lora, int tensor_parallel = 1,
+                                                   bool fp8_base = false);
+
+// The plan's shape of `model` (strata plan --model): its parameters, layers,
+// widths and vocabulary; with experts their count, width and the active
+// parameters; the input embedding (a lookup).
+ModelShape decoder_model_shape(const nn::DecoderConfig& model);
+
+// Whether a block-quantized FP8 checkpoint of `model` stores the tensor
+// `name` of `shape` in FP8, as the published ones do: the layers' 2-D
+// weights but the router's (mlp.gate) and modules_to_not_convert's. False
+// for a model that is not FP8.
+bool stored_fp8(const nn::DecoderConfig& model, std::string_view name, const Shape& shape);
+// Whether strata finetune keeps those weights in FP8 at home (docs/DESIGN.md
+// §4.2.2): a LoRA base (frozen, whole tensors) at ZeRO-3; stages 1/2 and tp
+// shards dequantize at load.
+bool keeps_fp8_base(const nn::DecoderConfig& model, const nn::LoraSpec& lora, int zero_stage, int tensor_parallel);
 
 // One parameter as tensor-parallel rank 0 of `tensor_parallel` declares it:
 // DecoderModel's column-parallel q/k/v and gate/up (weight and bias: their rows

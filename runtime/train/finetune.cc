@@ -398,12 +398,20 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                 : std::string());
   const int expert_parallel = choose_expert_parallel_size(config, model_config, dp, source);
   zero.expert_parallel_size = expert_parallel;
-  // The step's micro-batches layer by layer (docs/DESIGN.md §5.5) or one after another.
+  // The step's micro-batches layer by layer (docs/DESIGN.md §5.5) or one
+  // after another; auto asks strata plan's model for both orders' step
+  // times, on its default machine figures with this run's ranks.
+  const std::optional<plan::OrderPlan> predicted_orders = predict_run_orders(
+      model_config, zero.stage, zero.param_tier, zero.max_reuse_distance_numel, zero.max_live_parameters_numel,
+      micro_batch, options.seq, accumulation, options.checkpoint_activations || config.cpu_checkpointing, dp,
+      rank.local_world_size);
+  MicroBatchOrderContext order_context{zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(),
+                                       model_config.tie_word_embeddings,
+                                       model_config.moe() && model_config.output_router_logits, cp};
+  order_context.predicted = predicted_orders ? &*predicted_orders : nullptr;
   const MicroBatchOrderChoice order = choose_micro_batch_order(
       options.micro_batch_order.empty() ? config.strata.micro_batch_order : options.micro_batch_order,
-      options.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order",
-      {zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(), model_config.tie_word_embeddings,
-       model_config.moe() && model_config.output_router_logits, cp});
+      options.micro_batch_order.empty() ? "strata.micro_batch_order" : "--micro-batch-order", order_context);
   const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
   if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
   const std::string& boundaries_where = config.strata.layer_major_boundaries;

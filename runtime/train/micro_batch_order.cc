@@ -1,6 +1,8 @@
 // The micro-batch order: the name checked, auto resolved, layer-major's gaps refused by name.
 #include "runtime/train/micro_batch_order.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace strata::train {
@@ -48,11 +50,46 @@ MicroBatchOrderChoice choose_micro_batch_order(std::string_view name, std::strin
                         "{} times, but it does not run with {} yet)",
                         what, context.micro_batches, gap)};
   }
-  return {MicroBatchOrder::kLayerMajor,
-          fmt::format("{} auto: layer-major (parameters on {}, {} micro-batches: each layer's parameters fetched for "
-                      "{} forwards in a row and {} backwards in a row)",
-                      what, context.param_tier == Tier::kNvme ? "NVMe" : "the CPU", context.micro_batches,
-                      context.micro_batches, context.micro_batches)};
+  const std::string home = context.param_tier == Tier::kNvme ? "NVMe" : "the CPU";
+  if (context.predicted == nullptr) {
+    return {MicroBatchOrder::kStepMajor,
+            fmt::format("{} auto: step-major (parameters on {}, {} micro-batches, but no prediction of the orders' "
+                        "step times here: give layer-major to run it)",
+                        what, home, context.micro_batches)};
+  }
+  const plan::OrderPlan& p = *context.predicted;
+  if (p.layer_major.step_seconds < p.step_major.step_seconds) {
+    return {MicroBatchOrder::kLayerMajor,
+            fmt::format("{} auto: layer-major, predicted {:.3g} s/step against step-major's {:.3g} s (parameters on "
+                        "{}, {} micro-batches: {})",
+                        what, p.layer_major.step_seconds, p.step_major.step_seconds, home, context.micro_batches,
+                        p.describe())};
+  }
+  return {MicroBatchOrder::kStepMajor,
+          fmt::format("{} auto: step-major, predicted {:.3g} s/step against layer-major's {:.3g} s (parameters on "
+                      "{}, {} micro-batches: {}{})",
+                      what, p.step_major.step_seconds, p.layer_major.step_seconds, home, context.micro_batches,
+                      p.describe(),
+                      p.chunks_kept && !p.whole_model_kept ? ", but compute bounds the step" : "")};
+}
+
+std::optional<plan::OrderPlan> predict_run_orders(const nn::DecoderConfig& model, int zero_stage, Tier param_tier,
+                                                  int64_t max_reuse_distance, int64_t max_live, int64_t micro_batch,
+                                                  int64_t seq, int64_t micro_batches, bool activation_checkpointing,
+                                                  int data_parallel, int ranks_per_node) {
+  if (zero_stage != 3 || param_tier == Tier::kDevice || micro_batches <= 1) return std::nullopt;
+  plan::TrainingShape shape;
+  shape.seq = seq;
+  shape.micro_batch = micro_batch;
+  shape.grad_accumulation = micro_batches;
+  shape.activation_checkpointing = activation_checkpointing;
+  plan::Machine machine;
+  machine.data_parallel = data_parallel;
+  machine.gpus_per_node = std::max(1, ranks_per_node);
+  machine.nodes = (data_parallel + machine.gpus_per_node - 1) / machine.gpus_per_node;
+  return plan::predict_micro_batch_orders_for(model, shape, machine,
+                                              param_tier == Tier::kNvme ? plan::Tier::kNvme : plan::Tier::kCpu,
+                                              max_reuse_distance, max_live);
 }
 
 }  // namespace strata::train

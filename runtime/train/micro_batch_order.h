@@ -12,10 +12,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "core/tensor.h"
+#include "runtime/nn/decoder_config.h"
+#include "runtime/plan/order_plan.h"
 
 namespace strata::train {
 
@@ -29,7 +32,10 @@ struct MicroBatchOrderContext {
   bool lora = false;
   bool tied_embeddings = false;     // tie_word_embeddings
   bool router_aux_loss = false;     // a mixture of experts' load-balancing loss (output_router_logits)
-  int context_parallel = 1;         // last: callers that list the fields above by position leave it 1
+  int context_parallel = 1;         // callers that list the fields above by position leave it 1
+  // Both orders' step times predicted for this run (plan::predict_micro_batch_orders_for);
+  // null: none, and auto stays step-major.
+  const plan::OrderPlan* predicted = nullptr;
 };
 
 struct MicroBatchOrderChoice {
@@ -41,12 +47,27 @@ struct MicroBatchOrderChoice {
 // `name` ("step-major", "layer-major" or "auto") as `what` gives it (the
 // flag or the config key, for errors). layer-major with what it does not do
 // yet (tensor, pipeline, expert or context parallelism, LoRA, tied embeddings, the
-// load-balancing loss) is refused naming it; auto chooses layer-major when
-// the parameters live off the device and there is more than one
-// micro-batch, and it can run; step-major otherwise.
+// load-balancing loss) is refused naming it; auto chooses layer-major where
+// the parameters live off the device, there is more than one micro-batch,
+// it can run, and context.predicted gives it a shorter step than
+// step-major's (the first three are necessary, not sufficient: budgets that
+// keep the whole model gathered, or a step its compute bounds, gain
+// nothing); step-major otherwise. Either way it says why, once.
 MicroBatchOrderChoice choose_micro_batch_order(std::string_view name, std::string_view what,
                                                const MicroBatchOrderContext& context);
 
 std::string_view micro_batch_order_name(MicroBatchOrder order);
+
+// Both orders predicted for a run of `model` (plan::predict_micro_batch_orders_for):
+// `micro_batches` of micro_batch x seq tokens per rank, ZeRO-3 with the
+// parameters on `param_tier` and the budgets `max_reuse_distance` and
+// `max_live` (stage3_max_reuse_distance, stage3_max_live_parameters), on
+// strata plan's default machine figures with `data_parallel` ranks,
+// `ranks_per_node` of them sharing a node's NVMe. Nothing where auto needs
+// no prediction: a stage below 3, the parameters on the device, one micro-batch.
+std::optional<plan::OrderPlan> predict_run_orders(const nn::DecoderConfig& model, int zero_stage, Tier param_tier,
+                                                  int64_t max_reuse_distance, int64_t max_live, int64_t micro_batch,
+                                                  int64_t seq, int64_t micro_batches, bool activation_checkpointing,
+                                                  int data_parallel, int ranks_per_node);
 
 }  // namespace strata::train

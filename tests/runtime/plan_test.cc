@@ -44,6 +44,45 @@ const PlacementPlan& find(const Plan& plan, Placement p) {
   throw;
 }
 
+// `strata plan --model` on a llama-shaped config.json written to a temporary
+// directory, with the flags every run of a test shares: the tp, cp and pp
+// tests' setup.
+struct LlamaPlan {
+  strata::test::TempDir dir;
+  std::string plan;  // the command up to the flags each run adds
+
+  LlamaPlan(int64_t vocab, int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads,
+            int64_t max_positions, const std::string& flags) {
+    std::ofstream(dir.file("config.json"))
+        << nlohmann::json{{"model_type", "llama"},          {"vocab_size", vocab},
+                          {"hidden_size", hidden},          {"intermediate_size", intermediate},
+                          {"num_hidden_layers", layers},    {"num_attention_heads", heads},
+                          {"num_key_value_heads", kv_heads}, {"max_position_embeddings", max_positions},
+                          {"rms_norm_eps", 1e-5},           {"tie_word_embeddings", false}}
+               .dump();
+    plan = strata_binary() + " plan --model " + dir.file("config.json") + " " + flags + " ";
+  }
+  strata::test::CommandResult run(const std::string& flags) const { return run_command(plan + flags + " 2>&1"); }
+  // The plan with `flags` added, as --json prints it (it must run).
+  nlohmann::json json(const std::string& flags) const {
+    const auto result = run(flags + " --json");
+    INFO(result.output);
+    REQUIRE(result.exit_code == 0);
+    return nlohmann::json::parse(result.output);
+  }
+  // The plan with `flags` added, refused: its message.
+  std::string refusal(const std::string& flags) const {
+    const auto result = run(flags);
+    CHECK(result.exit_code != 0);
+    return result.output;
+  }
+  // A ds_config beside the model, for --config.
+  std::string write(const std::string& name, const std::string& text) const {
+    std::ofstream(dir.file(name)) << text;
+    return dir.file(name);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("plan: ZeRO paper's 7.5B model on N_d = 64 (Figure 1)", "[plan]") {
@@ -711,20 +750,9 @@ TEST_CASE("strata plan --help explains the flags", "[plan][cli]") {
 
 TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic, and what it refuses",
           "[plan][cli][tp]") {
-  strata::test::TempDir dir;
   // Llama-2-7B's shape.
-  {
-    std::ofstream out(dir.file("l7b.json"));
-    out << R"({"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-      "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  }
-  const std::string plan = strata_binary() + " plan --model " + dir.file("l7b.json") +
-                           " --gpus 8 --gpu-mem 80GB --seq 4096 --bw-interconnect 100 ";
-  const auto run = run_command(plan + "--tp 4 --sequence-parallel --json 2>&1");
-  INFO(run.output);
-  REQUIRE(run.exit_code == 0);
-  const auto j = nlohmann::json::parse(run.output);
+  const LlamaPlan l7b(32000, 4096, 11008, 32, 32, 32, 4096, "--gpus 8 --gpu-mem 80GB --seq 4096 --bw-interconnect 100");
+  const auto j = l7b.json("--tp 4 --sequence-parallel");
   const auto& tp = j["tensor_parallel"];
   CHECK(tp["size"] == 4);
   CHECK(tp["ranks"] == 8);
@@ -754,52 +782,30 @@ TEST_CASE("strata plan --tp: one rank's model states, activations and tp traffic
   }
   CHECK(traffic);
   // The text names the split and the ranks.
-  const auto text = run_command(plan + "--tp 4 2>&1");
+  const auto text = l7b.run("--tp 4");
   INFO(text.output);
   CHECK(text.exit_code == 0);
   CHECK_THAT(text.output, Catch::Contains("tensor parallelism 4 x data parallelism 2 = 8 ranks: each holds 8 heads, 8 "
                                           "kv head(s) and 2752 MLP features") &&
                               Catch::Contains("a tp 4 rank's"));
   // Refused as strata finetune refuses them.
-  const auto three = run_command(plan + "--tp 3 2>&1");
-  CHECK(three.exit_code != 0);
-  CHECK_THAT(three.output, Catch::Contains("does not divide num_attention_heads 32"));
+  CHECK_THAT(l7b.refusal("--tp 3"), Catch::Contains("does not divide num_attention_heads 32"));
   const auto shapeless = run_command(strata_binary() + " plan --params 7B --tp 2 2>&1");
   CHECK(shapeless.exit_code != 0);
   CHECK_THAT(shapeless.output, Catch::Contains("give --model"));
-  const auto alone = run_command(plan + "--sequence-parallel 2>&1");
-  CHECK(alone.exit_code != 0);
-  CHECK_THAT(alone.output, Catch::Contains("--sequence-parallel needs tensor parallelism"));
-  {
-    std::ofstream out(dir.file("tp.json"));
-    out << R"({"tensor_parallel": {"autotp_size": 2}})";
-  }
-  const auto disagree = run_command(plan + "--tp 4 --config " + dir.file("tp.json") + " 2>&1");
-  CHECK(disagree.exit_code != 0);
-  CHECK_THAT(disagree.output, Catch::Contains("disagree"));
-  const auto from_config = run_command(plan + "--config " + dir.file("tp.json") + " --json 2>&1");
-  INFO(from_config.output);
-  REQUIRE(from_config.exit_code == 0);
-  CHECK(nlohmann::json::parse(from_config.output)["tensor_parallel"]["size"] == 2);
+  CHECK_THAT(l7b.refusal("--sequence-parallel"), Catch::Contains("--sequence-parallel needs tensor parallelism"));
+  const std::string tp_config = l7b.write("tp.json", R"({"tensor_parallel": {"autotp_size": 2}})");
+  CHECK_THAT(l7b.refusal("--tp 4 --config " + tp_config), Catch::Contains("disagree"));
+  CHECK(l7b.json("--config " + tp_config)["tensor_parallel"]["size"] == 2);
 }
 
 TEST_CASE("strata plan --cp: a rank's activations at s/cp, the ring's and Ulysses' bytes per layer, and what it "
           "refuses",
           "[plan][cli][cp]") {
-  strata::test::TempDir dir;
   // Llama-3-8B's shape: 32 heads and 8 kv heads of 128.
-  {
-    std::ofstream out(dir.file("l8b.json"));
-    out << R"({"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-      "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-      "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  }
-  const std::string plan = strata_binary() + " plan --model " + dir.file("l8b.json") +
-                           " --gpus 8 --gpu-mem 80GB --seq 32768 --bw-interconnect 100 ";
-  const auto ring = run_command(plan + "--cp 4 --json 2>&1");
-  INFO(ring.output);
-  REQUIRE(ring.exit_code == 0);
-  const auto j = nlohmann::json::parse(ring.output);
+  const LlamaPlan l8b(128256, 4096, 14336, 32, 32, 8, 131072,
+                      "--gpus 8 --gpu-mem 80GB --seq 32768 --bw-interconnect 100");
+  const auto j = l8b.json("--cp 4");
   const auto& cp = j["context_parallel"];
   CHECK(cp["size"] == 4);
   CHECK(cp["method"] == "ring");
@@ -827,68 +833,42 @@ TEST_CASE("strata plan --cp: a rank's activations at s/cp, the ring's and Ulysse
   const double arena1 = cp["activation_arena_bytes_at_cp_1"].get<double>();
   CHECK(arena == Approx(arena1 / 4).epsilon(0.01));
   CHECK(cp["attention_buffer_bytes_per_rank"].get<double>() > 0);
-  const auto one = run_command(plan + "--json 2>&1");
-  REQUIRE(one.exit_code == 0);
-  const auto j1 = nlohmann::json::parse(one.output);
+  const auto j1 = l8b.json("");
   CHECK(j["activations"]["checkpointed"]["checkpoint_bytes"].get<double>() ==
         Approx(j1["activations"]["checkpointed"]["checkpoint_bytes"].get<double>() / 4));
   // Ulysses: each all-to-all sends (cp - 1)/cp of a rank's s/cp tokens: q, k, v and out
   // forward (16-bit) and lse (fp32); backward q, k, v, out, dout, lse there and dq, dk, dv back.
-  const auto ulysses = run_command(plan + "--cp 4 --cp-method ulysses --json 2>&1");
-  INFO(ulysses.output);
-  REQUIRE(ulysses.exit_code == 0);
-  const auto ju = nlohmann::json::parse(ulysses.output);
+  const auto ju = l8b.json("--cp 4 --cp-method ulysses");
   const auto& u = ju["context_parallel"];
   CHECK(u["method"] == "ulysses");
   const double sent = 3.0 / 4 * s / 4;
   CHECK(u["bytes_per_layer_forward"].get<double>() == Approx(sent * ((2 * h + 2 * h_kv) * 2 + 32 * 4)));
   CHECK(u["bytes_per_layer_backward"].get<double>() == Approx(sent * ((4 * h + 4 * h_kv) * 2 + 32 * 4)));
   // With tp 2 each tp rank's cp group moves its 4 kv heads.
-  const auto tp = run_command(plan + "--cp 2 --tp 2 --sequence-parallel --json 2>&1");
-  INFO(tp.output);
-  REQUIRE(tp.exit_code == 0);
-  const auto jt = nlohmann::json::parse(tp.output);
+  const auto jt = l8b.json("--cp 2 --tp 2 --sequence-parallel");
   CHECK(jt["context_parallel"]["data_parallel"] == 2);
   CHECK(jt["context_parallel"]["bytes_per_layer_forward"].get<double>() == Approx(1.0 / 2 * 2 * s * 4 * 128 * 2));
-  const auto text = run_command(plan + "--cp 4 2>&1");
+  const auto text = l8b.run("--cp 4");
   INFO(text.output);
   CHECK(text.exit_code == 0);
   CHECK_THAT(text.output, Catch::Contains("context parallelism 4 (ring) x data parallelism 2: each rank holds 8192 of "
                                           "every sequence's 32768 tokens"));
   // Refused as strata finetune refuses them.
-  const auto odd = run_command(plan + "--cp 3 2>&1");
-  CHECK(odd.exit_code != 0);
-  CHECK_THAT(odd.output, Catch::Contains("--seq 32768 does not divide by 2 x --cp 3 = 6"));
-  const auto split = run_command(plan + "--cp 4 --tp 4 --cp-method ulysses 2>&1");
-  CHECK(split.exit_code != 0);
-  CHECK_THAT(split.output, Catch::Contains("a rank holds 8 of the num_attention_heads 32 and 2 of the "
+  CHECK_THAT(l8b.refusal("--cp 3"), Catch::Contains("--seq 32768 does not divide by 2 x --cp 3 = 6"));
+  CHECK_THAT(l8b.refusal("--cp 4 --tp 4 --cp-method ulysses"), Catch::Contains("a rank holds 8 of the num_attention_heads 32 and 2 of the "
                                            "num_key_value_heads 8, which do not both divide by 4"));
-  const auto many = run_command(plan + "--cp 16 2>&1");
-  CHECK(many.exit_code != 0);
-  CHECK_THAT(many.output, Catch::Contains("--cp 16 does not divide the 8 data-parallel ranks"));
+  CHECK_THAT(l8b.refusal("--cp 16"), Catch::Contains("--cp 16 does not divide the 8 data-parallel ranks"));
   const auto shapeless = run_command(strata_binary() + " plan --params 7B --cp 2 2>&1");
   CHECK(shapeless.exit_code != 0);
   CHECK_THAT(shapeless.output, Catch::Contains("give --model"));
-  const auto method = run_command(plan + "--cp-method ring 2>&1");
-  CHECK(method.exit_code != 0);
-  CHECK_THAT(method.output, Catch::Contains("--cp-method goes with --cp"));
+  CHECK_THAT(l8b.refusal("--cp-method ring"), Catch::Contains("--cp-method goes with --cp"));
 }
 
 TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in flight, point-to-point bytes and how "
           "ZeRO-3 gathers, the bubble, and what it refuses",
           "[plan][cli][pp]") {
-  strata::test::TempDir dir;
-  {
-    std::ofstream out(dir.file("m.json"));
-    out << R"({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 176,
-      "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 4,
-      "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
-  }
-  const std::string plan = strata_binary() + " plan --model " + dir.file("m.json") + " --gpus 8 --seq 128 --batch 1 ";
-  const auto run = run_command(plan + "--grad-accum 8 --pp 4 --json 2>&1");
-  INFO(run.output);
-  REQUIRE(run.exit_code == 0);
-  const auto j = nlohmann::json::parse(run.output);
+  const LlamaPlan m(1000, 64, 176, 8, 4, 4, 256, "--gpus 8 --seq 128 --batch 1");
+  const auto j = m.json("--grad-accum 8 --pp 4");
   const auto& pp = j["pipeline_parallel"];
   CHECK(pp["size"] == 4);
   CHECK(pp["schedule"] == "1f1b");
@@ -922,16 +902,10 @@ TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in fli
   // ZB-H1 from the ds_config: p micro-batches in flight everywhere, its bubble; a
   // reuse distance that only the middle stages fit: the others re-gather for
   // every use (a forward, a recompute and a backward per micro-batch: the plan checkpoints).
-  {
-    std::ofstream out(dir.file("ds.json"));
-    out << R"({"gradient_accumulation_steps": 8, "pipeline_parallel": {"size": 4, "schedule": "zb-h1"},
-      "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": )"
-        << 2 * layer + 1000 << "}}";
-  }
-  const auto zb = run_command(plan + "--config " + dir.file("ds.json") + " --json 2>&1");
-  INFO(zb.output);
-  REQUIRE(zb.exit_code == 0);
-  const auto z = nlohmann::json::parse(zb.output);
+  const std::string zb_config =
+      m.write("ds.json", R"({"gradient_accumulation_steps": 8, "pipeline_parallel": {"size": 4, "schedule": "zb-h1"},
+      "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": )" + std::to_string(2 * layer + 1000) + "}}");
+  const auto z = m.json("--config " + zb_config);
   REQUIRE(z["training"]["activation_checkpointing"] == true);
   const auto& zp = z["pipeline_parallel"];
   CHECK(zp["schedule"] == "zb-h1");
@@ -949,16 +923,10 @@ TEST_CASE("strata plan --pp: each stage's layers, parameters, activations in fli
   const auto no_model = run_command(strata_binary() + " plan --layers 8 --hidden 64 --pp 2 2>&1");
   CHECK(no_model.exit_code != 0);
   CHECK_THAT(no_model.output, Catch::Contains("--pp 2: the stages split the model's layers: give --model"));
-  const auto no_pp = run_command(plan + "--pp-schedule zb-h1 2>&1");
-  CHECK(no_pp.exit_code != 0);
-  CHECK_THAT(no_pp.output, Catch::Contains("--pp-schedule and --virtual-stages shape a pipeline: give --pp"));
-  const auto groups = run_command(plan + "--pp 4 --grad-accum 6 --pp-schedule interleaved --virtual-stages 2 2>&1");
-  CHECK(groups.exit_code != 0);
-  CHECK_THAT(groups.output, Catch::Contains("6 micro-batches is not a multiple of 4 stages"));
+  CHECK_THAT(m.refusal("--pp-schedule zb-h1"), Catch::Contains("--pp-schedule and --virtual-stages shape a pipeline: give --pp"));
+  CHECK_THAT(m.refusal("--pp 4 --grad-accum 6 --pp-schedule interleaved --virtual-stages 2"), Catch::Contains("6 micro-batches is not a multiple of 4 stages"));
   // Without a pipeline there is no pipeline section (ScheduleSpec's own default is 2 stages).
-  const auto none = run_command(plan + "--json 2>&1");
-  REQUIRE(none.exit_code == 0);
-  CHECK_FALSE(nlohmann::json::parse(none.output).contains("pipeline_parallel"));
+  CHECK_FALSE(m.json("").contains("pipeline_parallel"));
 }
 
 TEST_CASE("plan: the micro-batch orders' parameter reads and step bounds", "[plan][layer-major]") {
@@ -1056,10 +1024,19 @@ TEST_CASE("strata plan --micro-batch-order: both orders predicted on the config'
         Approx(8 * order["layer_major"]["param_read_bytes_per_step"].get<double>()));
   // At the default 70 TFLOPS the reads bound the step: 8x fewer of them, 8x the speed.
   CHECK(order["predicted_speedup"].get<double>() == Approx(8));
-  // On a machine whose compute bounds the step (10 GFLOP/s, this CPU's order) the orders tie.
+  CHECK_THAT(order["auto_says"].get<std::string>(),
+             Catch::Contains("--micro-batch-order auto: layer-major, predicted") &&
+                 Catch::Contains("s/step against step-major's"));
+  // On a machine whose compute bounds the step (10 GFLOP/s, this CPU's order)
+  // the orders tie: auto predicts no gain and stays step-major, saying so.
   const auto slow = run_command(plan + "--peak-tflops 0.01 --micro-batch-order auto --json 2>&1");
   REQUIRE(slow.exit_code == 0);
-  CHECK(nlohmann::json::parse(slow.output)["micro_batch_order"]["predicted_speedup"].get<double>() == Approx(1));
+  const auto slow_order = nlohmann::json::parse(slow.output)["micro_batch_order"];
+  CHECK(slow_order["predicted_speedup"].get<double>() == Approx(1));
+  CHECK(slow_order["order"] == "step-major");
+  CHECK(slow_order["auto_chooses"] == "step-major");
+  CHECK_THAT(slow_order["auto_says"].get<std::string>(),
+             Catch::Contains("auto: step-major, predicted") && Catch::Contains("but compute bounds the step"));
   // The text names both orders and the config's default (step-major) as the order run.
   const auto text = run_command(plan + "2>&1");
   CHECK_THAT(text.output, Catch::Contains("micro-batch order step-major (strata.micro_batch_order: step-major); auto "

@@ -141,17 +141,37 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
       "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})", 0.05);
   constexpr int kSteps = 6;
-  // auto (the config's key): parameters on NVMe and 3 micro-batches choose layer-major, said once.
+  // auto (the config's key) asks strata plan's prediction: parameters on
+  // NVMe and 3 micro-batches are not enough. A reuse distance that holds two
+  // layers (61696 elements) but not the model (125376): layer-major fetches
+  // each parameter twice per step where step-major fetches it 6 times, a
+  // predicted gain, said once with both step times.
   const Run step = finetune(dir, "step", ds, "step-major", kSteps);
-  const std::string keyed = config(dir, "keyed", R"("stage": 3, "sub_group_size": 5000,
+  const auto auto_config = [&](const std::string& name, const std::string& budget) {
+    return config(dir, name, R"("stage": 3, "sub_group_size": 5000,)" + budget + R"(
       "offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
       "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("}}, "strata": {"micro_batch_order": "auto")",
-                                 0.05);
-  const Run automatic = finetune(dir, "auto", keyed, "", kSteps);
-  CHECK_THAT(automatic.output, Catch::Contains("strata.micro_batch_order auto: layer-major (parameters on NVMe, 3 "
-                                               "micro-batches"));
+                  0.05);
+  };
+  const Run automatic = finetune(dir, "auto", auto_config("keyed", R"( "stage3_max_reuse_distance": 100000,)"), "",
+                                 kSteps);
+  CHECK_THAT(automatic.output, Catch::Contains("strata.micro_batch_order auto: layer-major, predicted") &&
+                                   Catch::Contains("s/step against step-major's") &&
+                                   Catch::Contains("layer-major fetches each parameter twice per step, step-major 6 "
+                                                   "times"));
   CHECK_THAT(automatic.output, Catch::Contains("micro-batch order layer-major: 3 micro-batches"));
   check_same(automatic, step, kSteps);
+  // DeepSpeed's default budgets keep the whole model gathered: both orders
+  // fetch each parameter once, no gain, and auto stays step-major.
+  const auto whole = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " +
+                                auto_config("whole", "") + " --init " + dir.file("three.json") + " --data " +
+                                kFinetuneExamples + "/data/gpl-3.0.txt --data-format text --seq 16 --steps 1 --out " +
+                                dir.file("whole") + " 2>&1");
+  INFO(whole.output);
+  REQUIRE(whole.exit_code == 0);
+  CHECK_THAT(whole.output, Catch::Contains("strata.micro_batch_order auto: step-major, predicted") &&
+                              Catch::Contains("the whole model fits stage3_max_reuse_distance"));
+  CHECK_THAT(whole.output, !Catch::Contains("micro-batch order layer-major"));
 
   // Killed at once (every process of the run) at moments from start-up to
   // the export, resumed from its newest checkpoint each time.

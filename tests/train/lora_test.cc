@@ -581,6 +581,25 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
   INFO("FP8 home " << fp8_file << " bytes, the rest of the base " << rest << ", the twin's bf16 base " << all_bf16);
   CHECK(fp8_file == runs.fp8_numel);
   CHECK(all_bf16 - rest == 2 * fp8_file);
+  // strata plan --check models each run as it held its base: the FP8 weights
+  // a group of e4m3 bytes at home with their scale grids, the twin's in bf16;
+  // the swap files exactly.
+  for (const std::string name : {"fp8", "bf16"}) {
+    CAPTURE(name);
+    const auto check = run_command(strata_binary() + " plan --check " + dir.file(name + "_out") + " --json");
+    INFO(check.output);
+    const json j = json::parse(check.output);
+    bool nvme = false;
+    for (const auto& tier : j["tiers"]) {
+      if (tier["tier"] != "nvme") continue;
+      nvme = true;
+      CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
+    }
+    CHECK(nvme);
+    bool grids = false;
+    for (const auto& item : j["items"]) grids |= item["name"] == "FP8 scale grids";
+    CHECK(grids == (name == "fp8"));
+  }
 }
 
 TEST_CASE("strata run -n 2: LoRA on a DeepSeek-V3 FP8 checkpoint (ragged blocks) with its experts split over the "
