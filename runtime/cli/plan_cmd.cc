@@ -664,13 +664,8 @@ void resolve_context_parallel(const Options& o, const std::optional<Config>& con
                "config.json)",
                cp);
   const nn::DecoderConfig& c = *r.config;
-  const auto refuse = [&](bool combined, const std::string& what) {
-    STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: strata finetune does not implement it yet", cp, what);
-  };
-  refuse(r.pipeline.stages > 1, fmt::format("pipeline parallelism (--pp {})", r.pipeline.stages));
-  refuse(r.lora.enabled(), "LoRA (--lora-rank)");
-  refuse(c.moe(), fmt::format("a mixture-of-experts model (model_type {})", c.model_type));
-  refuse(c.attention != nn::AttentionKind::kGqa, fmt::format("multi-head latent attention (model_type {})", c.model_type));
+  nn::refuse_unsupported_with_context_parallel(
+      fmt::format("--cp {}", cp), nn::context_parallel_uses(c, r.lora.enabled(), r.pipeline.stages));
   plan::TrainingShape& t = r.inputs.training;
   STRATA_CHECK(t.seq % (2 * cp) == 0, kBadArgument,
                "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two chunks "
