@@ -363,6 +363,8 @@ int main(int argc, char** argv) {
       "--zero 1|2|3 trains the model through a ZeroEngine (ranks: `strata run -n N -- strata-train ...`\n"
       "or --ranks N threads; --batch is then per rank) and reports the step's breakdown and its ratio\n"
       "to its bound, max(the step resident, parameter bytes read / the drive's read bandwidth).\n"
+      "--cp N (with --zero) splits every sequence over cp groups of N ranks (ring attention or --cp-method\n"
+      "ulysses), ZeRO over dp x cp.\n"
       "--pp N splits it into pipeline stages (`strata run -n N -- strata-train --pp N ...`) and prints each\n"
       "stage's idle share of the step against the schedule's formula."};
   app.add_option("--hidden", f.hidden, "hidden size")->capture_default_str()->check(CLI::PositiveNumber);
@@ -422,6 +424,10 @@ int main(int argc, char** argv) {
     std::optional<strata::trace::Session> tracing;
     start_trace(trace_path, tracing);
     int status = 0;
+    STRATA_CHECK(zero.context_parallel == 1 || (zero.stage > 0 && pipeline.stages == 0), kBadArgument,
+                 "--cp {} runs through a ZeroEngine: give --zero 1, 2 or 3 (and no --pp: context parallelism with "
+                 "pipeline stages is not implemented yet)",
+                 zero.context_parallel);
     if (pipeline.stages > 0) {
       STRATA_CHECK(!f.vs_torch, kBadArgument, "--vs-torch times the resident benchmark; leave it out with --pp");
       status = strata::bench::train::run_pipeline(zero_run(f), pipeline, zero);

@@ -158,6 +158,12 @@ nn::DecoderModelOptions model_options(const ModelRun& run) {
   return o;
 }
 
+nn::DecoderModelOptions model_options(const ModelRun& run, const ZeroFlags& flags) {
+  nn::DecoderModelOptions o = model_options(run);
+  o.context_method = nn::parse_context_method(flags.context_method, "--cp-method");
+  return o;
+}
+
 namespace {
 
 struct RankSetup {
@@ -165,18 +171,21 @@ struct RankSetup {
   bool processes = false;
 };
 
-// The global batch: world x batch sequences of random tokens, each target the
-// next token; the same every step (so the loss falls as the model learns it).
-// This rank's share is rows [rank * batch, (rank + 1) * batch).
-void rank_batch(const ModelRun& run, const RankSetup& r, std::vector<int32_t>& ids, std::vector<int32_t>& targets) {
+// The global batch: dp x batch sequences of random tokens (dp = world / cp),
+// each target the next token; the same every step (so the loss falls as the
+// model learns it). This rank's share is rows [d * batch, (d + 1) * batch) of
+// its dp rank d = rank / cp: the members of a cp group take the same rows (the
+// model takes its chunks of them).
+void rank_batch(const ModelRun& run, const RankSetup& r, int cp, std::vector<int32_t>& ids,
+                std::vector<int32_t>& targets) {
   std::mt19937 gen(1);
   const auto vocab = static_cast<uint32_t>(run.config.vocab_size);
   ids.clear();
   targets.clear();
-  for (int64_t s = 0; s < run.batch * r.world; ++s) {
+  for (int64_t s = 0; s < run.batch * (r.world / cp); ++s) {
     std::vector<int32_t> tokens(static_cast<size_t>(run.seq + 1));
     for (auto& t : tokens) t = static_cast<int32_t>(gen() % vocab);
-    if (s / run.batch != r.rank) continue;
+    if (s / run.batch != r.rank / cp) continue;
     ids.insert(ids.end(), tokens.begin(), tokens.end() - 1);
     targets.insert(targets.end(), tokens.begin() + 1, tokens.end());
   }
@@ -186,7 +195,7 @@ void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::Zer
                   const RankSetup& r, double param_count, size_t param_nbytes) {
   const char* coretype = std::getenv("OPENBLAS_CORETYPE");
   fmt::print("strata-train --zero {}: {} rank(s) ({}) | params on {}, optimizer state on {}, gradients on {}{} | hidden {} inter {} "
-             "layers {} heads {}/{} vocab {} | {} x {} sequences of {} tokens per step | {} | {} threads per rank | "
+             "layers {} heads {}/{} vocab {} | {} x {} sequences of {} tokens per step (dp ranks x --batch) | {} | {} threads per rank | "
              "OPENBLAS_CORETYPE={} | OpenBLAS core {}\n",
              o.stage, r.world, r.processes ? "processes" : "threads", tier_name(o.param_tier),
              tier_name(o.optimizer_tier), tier_name(o.grad_tier),
@@ -194,8 +203,8 @@ void print_header(const ModelRun& run, const ZeroFlags& flags, const engine::Zer
                  ? " under " + flags.nvme_dir
                  : "",
              run.config.hidden_size, run.config.intermediate_size, run.config.num_hidden_layers,
-             run.config.num_attention_heads, run.config.num_key_value_heads, run.config.vocab_size, r.world,
-             run.batch, run.seq, run.dtype, run.threads, coretype != nullptr ? coretype : "(unset)",
+             run.config.num_attention_heads, run.config.num_key_value_heads, run.config.vocab_size,
+             r.world / flags.context_parallel, run.batch, run.seq, run.dtype, run.threads, coretype != nullptr ? coretype : "(unset)",
              run.accelerator == "cpu" ? ops::cpu_blas_core() : "-");
   if (run.config.moe()) {
     fmt::print("experts: {} per layer of width {}, top {} | {}\n", run.config.num_experts,
@@ -251,7 +260,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
 
   const strata::train::ZeroCommunicators comms =
       strata::train::make_zero_communicators(accelerator, store, r.rank, r.world, kTimeout, "strata-train/zero",
-                                             flags.expert_parallel);
+                                             flags.expert_parallel, 1, 1, flags.context_parallel);
   RankSum ranks(accelerator, store, r.rank, r.world);
   engine::ZeroEngine eng(accelerator, comms.comms(), o);
   eng.set_overlap_policy(flags.overlap_policy == "speculate"    ? offload::OverlapPolicy::kSpeculate
@@ -275,7 +284,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   if (layer_major) {
     models = pipeline::make_layer_models(eng, run.config, model_options(run));
   } else {
-    models.push_back(std::make_unique<nn::DecoderModel>(eng, run.config, model_options(run)));
+    models.push_back(std::make_unique<nn::DecoderModel>(eng, run.config, model_options(run, flags)));
   }
   nn::DecoderModel& model = *models.front();
   eng.finalize();
@@ -326,8 +335,9 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   }
 
   std::vector<int32_t> ids, targets;
-  rank_batch(run, r, ids, targets);
-  const double local_count = static_cast<double>(targets.size());
+  rank_batch(run, r, flags.context_parallel, ids, targets);
+  // A cp group's members hold the same rows: each counts 1/cp of them.
+  const double local_count = static_cast<double>(targets.size()) / flags.context_parallel;
   const double global_tokens = local_count * r.world * flags.micro_batches;
   size_t param_nbytes = 0;
   double param_count = 0;
@@ -336,6 +346,12 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     param_count += static_cast<double>(eng.param_info(id).numel());
   }
   if (r.rank == 0) print_header(run, flags, eng.options(), r, param_count, param_nbytes);
+  if (r.rank == 0 && flags.context_parallel > 1) {
+    fmt::print("context parallelism ({}): {} cp group(s) of {} ranks, each rank 2 chunks of {} tokens of every "
+               "sequence; ZeRO over dp {} x cp {}\n",
+               flags.context_method, r.world / flags.context_parallel, flags.context_parallel,
+               run.seq / (2 * flags.context_parallel), r.world / flags.context_parallel, flags.context_parallel);
+  }
 
   // The drive's read bandwidth, measured by rank 0 while the others wait.
   std::vector<DriveBandwidth> drive;
@@ -719,7 +735,10 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         {"zero", {{"stage", o.stage}, {"offload_param", tier_name(o.param_tier)},
                   {"offload_optimizer", tier_name(o.optimizer_tier)}, {"offload_grad", tier_name(o.grad_tier)},
                   {"resident_reference", !flags.no_resident}, {"nvme_dir", flags.nvme_dir},
-                  {"ranks", r.world}, {"processes", r.processes}, {"prefetch_bucket", o.prefetch_bucket_numel},
+                  {"ranks", r.world}, {"processes", r.processes}, {"context_parallel", flags.context_parallel},
+                  {"context_parallel_method", flags.context_parallel > 1 ? nlohmann::json(flags.context_method)
+                                                                         : nlohmann::json()},
+                  {"context_buffer_bytes", model.context_buffer_nbytes()}, {"prefetch_bucket", o.prefetch_bucket_numel},
                   {"max_live", o.max_live_parameters_numel}, {"reuse_distance", o.max_reuse_distance_numel},
                   {"param_buffer_count", o.param_buffer_count}, {"param_buffer_size", o.param_buffer_numel},
                   {"aio_block_size", o.aio.block_size}, {"aio_queue_depth", o.aio.queue_depth},
@@ -807,6 +826,15 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
                  "holds experts / ep and runs them on every member's tokens, exchanged all-to-all); must divide "
                  "--ranks and --experts")
       ->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--cp", f.context_parallel,
+                 "context parallelism: cp groups of this many ranks, each rank holding 2 of 2 x N chunks of every "
+                 "sequence (its attention through the ring or Ulysses); ZeRO runs over dp x cp, dp = ranks / N; "
+                 "must divide --ranks, and 2 x N must divide --seq")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  app.add_option("--cp-method", f.context_method,
+                 "--cp: ring (keys and values passed around the ring) or ulysses (all-to-alls from sequence to heads; "
+                 "--heads and --kv-heads must divide by --cp)")
+      ->capture_default_str()->check(CLI::IsMember({"ring", "ulysses"}));
   app.add_flag("--vs-unoffloaded", f.vs_unoffloaded,
                "also time the same stage with nothing offloaded (parameters and optimizer state on the device), "
                "alternating step by step");
@@ -877,6 +905,22 @@ int run_zero(const ModelRun& run, const ZeroFlags& flags) {
                "--ep {} splits experts between ranks: give --experts too", flags.expert_parallel);
   STRATA_CHECK(!run.config.moe() || run.config.num_experts % flags.expert_parallel == 0, kBadArgument,
                "--ep {} does not divide --experts {}", flags.expert_parallel, run.config.num_experts);
+  if (flags.context_parallel > 1) {
+    STRATA_CHECK(run.seq % (2 * flags.context_parallel) == 0, kBadArgument,
+                 "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two "
+                 "chunks per rank",
+                 run.seq, flags.context_parallel, 2 * flags.context_parallel);
+    STRATA_CHECK(!flags.vs_unoffloaded, kBadArgument, "--vs-unoffloaded times the run without --cp: leave it out with --cp");
+    nn::refuse_unsupported_with_context_parallel(
+        fmt::format("--cp {}", flags.context_parallel),
+        {{nn::CpFeature::kExperts, run.config.moe(), "--experts"},
+         {nn::CpFeature::kLayerMajor, flags.micro_batch_order != "step-major",
+          fmt::format("--micro-batch-order {}", flags.micro_batch_order)}});
+    nn::check_context_parallel(run.config.num_attention_heads, run.config.num_key_value_heads, flags.context_parallel,
+                               nn::parse_context_method(flags.context_method, "--cp-method"));
+  } else {
+    STRATA_CHECK(flags.context_method == "ring", kBadArgument, "--cp-method goes with --cp of 2 or more");
+  }
   if (nvme) ensure_run_directory(flags.nvme_dir, "--nvme-dir");
   const bool processes = std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr;
   // Ranks as threads share this process's cores; more ranks than cores
@@ -899,9 +943,13 @@ int run_zero(const ModelRun& run, const ZeroFlags& flags) {
     std::unique_ptr<Accelerator> accelerator = make_accelerator(run.accelerator);
     partition::Rendezvous rendezvous(info, kTimeout);
     RankSetup r{info.rank, info.world_size, info.local_world_size, true};
+    STRATA_CHECK(info.world_size % flags.context_parallel == 0, kBadArgument, "--cp {} does not divide the {} ranks",
+                 flags.context_parallel, info.world_size);
     ok = run_rank(run, flags, r, *accelerator, rendezvous.store());
   } else {
     const int world = std::max(flags.ranks, 1);
+    STRATA_CHECK(world % flags.context_parallel == 0, kBadArgument, "--cp {} does not divide --ranks {}",
+                 flags.context_parallel, world);
     partition::StoreServer server("127.0.0.1", 0);
     std::unique_ptr<Accelerator> accelerator = make_accelerator(run.accelerator);
     std::vector<std::exception_ptr> errors(static_cast<size_t>(world));

@@ -44,6 +44,11 @@ struct ZeroFlags {
   int ranks = 0;  // threads of this process when not started by `strata run`; 0: 1
   bool vs_unoffloaded = false;  // also time the same stage with nothing offloaded
   int expert_parallel = 1;  // --ep: moe.expert_parallel_size (needs --experts)
+  // --cp N [--cp-method]: context parallelism (issue 46), the ranks in cp
+  // groups of N that each hold 2 of 2N chunks of every sequence; ZeRO over
+  // dp x cp, dp = ranks / cp.
+  int context_parallel = 1;
+  std::string context_method = "ring";
   float lr = 1e-3f;
   int64_t drive_test_mib = 1024;  // the bandwidth probe's file
   bool overlap_optimizer = true;  // prepare_step before each step's backward
@@ -69,6 +74,8 @@ void add_zero_flags(CLI::App& app, ZeroFlags& flags);
 // under --nvme-dir), and the model's.
 engine::ZeroEngineOptions zero_options(const ModelRun& run, const ZeroFlags& flags);
 nn::DecoderModelOptions model_options(const ModelRun& run);
+// With the flags' context-parallel method.
+nn::DecoderModelOptions model_options(const ModelRun& run, const ZeroFlags& flags);
 
 // Runs the ZeRO benchmark; rank 0 prints (and writes run.json). Returns the
 // exit status: 0, or 1 when a correctness check failed. Throws strata::Error

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "runtime/cli/plan_resolved.h"
 #include "runtime/nn/context_attention.h"
+#include "runtime/nn/context_support.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/pipeline/schedule.h"
 #include "runtime/pipeline/stages.h"
@@ -267,16 +268,12 @@ void resolve_context_parallel(const PlanOptions& o, const std::optional<Config>&
                "config.json)",
                cp);
   const nn::DecoderConfig& c = *r.config;
-  const auto refuse = [&](bool combined, const std::string& what) {
-    STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: strata finetune does not implement it yet", cp, what);
-  };
+  nn::refuse_unsupported_with_context_parallel(
+      fmt::format("--cp {}", cp), nn::context_parallel_uses(c, r.lora.enabled(), r.pipeline.stages));
   STRATA_CHECK(r.pipeline.stages == 1, kBadArgument,
                "--cp {} with pipeline parallelism (--pp {}): strata finetune trains it, but strata plan does not model "
                "it yet",
                cp, r.pipeline.stages);
-  refuse(r.lora.enabled(), "LoRA (--lora-rank)");
-  refuse(c.moe(), fmt::format("a mixture-of-experts model (model_type {})", c.model_type));
-  refuse(c.attention != nn::AttentionKind::kGqa, fmt::format("multi-head latent attention (model_type {})", c.model_type));
   plan::TrainingShape& t = r.inputs.training;
   STRATA_CHECK(t.seq % (2 * cp) == 0, kBadArgument,
                "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two chunks "

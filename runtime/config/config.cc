@@ -24,6 +24,7 @@
 #include "runtime/config/schema.h"
 #include "runtime/config/size.h"
 #include "runtime/engine/lr_schedule.h"
+#include "runtime/nn/context_support.h"
 
 namespace strata {
 namespace {
@@ -465,15 +466,18 @@ void check_combinations(const Config& c, Checker& checker, bool frozen_parameter
                     c.tensor_parallel_size, c.expert_parallel_size);
   }
   if (c.context_parallel_size > 1) {
-    // What context parallelism is not built with yet, by the keys that ask for it.
-    const auto refuse = [&](bool combined, const std::string& what) {
-      if (combined) {
-        checker.problem("context_parallel.size {} with {}: context parallelism with it is not implemented yet",
-                        c.context_parallel_size, what);
-      }
-    };
-    refuse(c.expert_parallel_size > 1, fmt::format("moe.expert_parallel_size {}", c.expert_parallel_size));
-    refuse(c.strata.micro_batch_order == "layer-major", "strata.micro_batch_order \"layer-major\"");
+    // What context parallelism is not built with yet (nn/context_support.h), by the keys that ask for it.
+    using nn::CpFeature;
+    for (const std::string& problem : nn::unsupported_with_context_parallel(
+             fmt::format("context_parallel.size {}", c.context_parallel_size),
+             {{CpFeature::kPipeline, c.pipeline_parallel_size > 1,
+               fmt::format("pipeline_parallel.size {}", c.pipeline_parallel_size)},
+              {CpFeature::kExperts, c.expert_parallel_size > 1,
+               fmt::format("moe.expert_parallel_size {}", c.expert_parallel_size)},
+              {CpFeature::kLayerMajor, c.strata.micro_batch_order == "layer-major",
+               "strata.micro_batch_order \"layer-major\""}})) {
+      checker.problem("{}", problem);
+    }
   }
   if (c.pipeline_parallel_size > 1 || c.virtual_stages > 1 || !c.pipeline_layers.empty()) {
     const auto kind = pipeline::parse_schedule(c.pipeline_schedule);

@@ -2,7 +2,9 @@
 // environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 // MASTER_ADDR, MASTER_PORT) and STRATA_MASTER_PORT, strata's own store port
 // (partition/rendezvous.h), so that the ranks may also start a
-// torch.distributed process group on MASTER_PORT; prefixes their output lines with the rank,
+// torch.distributed process group on MASTER_PORT, and unless it is set
+// OMP_NUM_THREADS to the cores / local ranks (at least 1: the ranks share the
+// cores instead of each spinning OpenMP workers on all of them); prefixes their output lines with the rank,
 // forwards Ctrl-C, and when one rank fails stops the others and says which
 // rank failed and how.
 //

@@ -126,13 +126,8 @@ size_t context_buffer_nbytes(ContextMethod method, int cp, int64_t batch, int64_
     // and those of k and v; lse and its blocks (fp32).
     return static_cast<size_t>(tokens * ((10 * heads + 8 * kv_heads) * head_dim * e + 3 * heads * f32));
   }
-  // RingAttention's slots (ring_attention.cc) over a chunk's b·s/2cp tokens:
-  // k/v ring sets (one at cp 2: a single hop), 8 dk/dv accumulators in two
-  // sets each sent and received, a block's dk, dv; a block's out and dq; the
-  // fp32 merged outputs of both chunks; a block's lse (fp32).
-  const int64_t chunk_tokens = tokens / 2, kv_sets = std::min<int64_t>(cp - 1, 2);
-  return static_cast<size_t>(chunk_tokens * ((4 * kv_sets + 18) * kv_heads * head_dim * e +
-                                             2 * heads * head_dim * e + 2 * heads * head_dim * f32 + heads * f32));
+  // RingAttention's one allocation over a chunk's b·s/2cp tokens (ring_attention.cc).
+  return ring_buffer_nbytes(cp, batch, seq / (2 * cp), heads, kv_heads, head_dim, dtype);
 }
 
 }  // namespace strata::nn

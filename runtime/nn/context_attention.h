@@ -25,6 +25,7 @@
 #include <string_view>
 
 #include "runtime/engine/engine.h"
+#include "runtime/nn/context_support.h"
 #include "runtime/nn/ring_attention.h"
 #include "runtime/nn/ulysses_attention.h"
 
@@ -66,11 +67,11 @@ void check_context_parallel(int64_t heads, int64_t kv_heads, int cp, ContextMeth
 // `kv_heads` (its tp share) of `head_dim` in `dtype` — what
 // ContextAttention::buffer_nbytes() then holds, exactly. Either way b·s/cp
 // tokens' worth: ring attention a chunk's (b·s/2cp tokens) k/v ring buffers
-// (one set at cp 2, two above), two sets each of the dk/dv accumulators
-// sent and received, a block's output and gradients, the fp32 merged
-// outputs and a block's lse; Ulysses this rank's heads / cp over the whole
-// sequence (q, k, v, out, lse, their gradients) and each all-to-all's send
-// and receive blocks. 0 at cp 1.
+// (one set at cp 2, two above) and beside them the larger of forward's (a
+// block's output and lse, the fp32 merged outputs) and backward's (a block's
+// gradients, two sets of the dk/dv accumulators), ring_buffer_nbytes;
+// Ulysses this rank's heads / cp over the whole sequence (q, k, v, out, lse,
+// their gradients) and each all-to-all's send and receive blocks. 0 at cp 1.
 size_t context_buffer_nbytes(ContextMethod method, int cp, int64_t batch, int64_t seq, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, DType dtype);
 

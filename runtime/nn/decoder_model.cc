@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "runtime/nn/context_support.h"
 #include "runtime/nn/param_files.h"
 
 namespace strata::nn {
@@ -270,16 +271,16 @@ DecoderModel::DecoderModel(engine::Engine& engine, const DecoderConfig& config, 
   STRATA_CHECK(!options_.sequence_parallel || engine.tensor_group().size > 1, kBadArgument,
                "sequence_parallel needs tensor parallelism (tensor_parallel.autotp_size of 2 or more)");
   if (const int cp = engine.context_group().size; cp > 1) {
-    // What context parallelism has been built and tested with; the rest by name.
-    const auto refuse_with = [&](bool combined, const std::string& what) {
-      STRATA_CHECK(!combined, kBadArgument, "context parallelism (size {}) with {} is not implemented yet", cp, what);
-    };
-    refuse_with(options_.lora.enabled(), "LoRA adapters");
-    refuse_with(config_.moe(), fmt::format("mixture-of-experts layers (model_type {})", config_.model_type));
-    refuse_with(config_.attention != AttentionKind::kGqa,
-                fmt::format("multi-head latent attention (model_type {})", config_.model_type));
-    // A pipeline stage's model runs the ring or Ulysses over its own layers:
-    // its boundaries are this rank's rows (its two chunks of every sequence).
+    // What context parallelism has been built and tested with (context_support.h); the rest by name.
+    refuse_unsupported_with_context_parallel(
+        fmt::format("context parallelism (size {})", cp),
+        {{CpFeature::kLora, options_.lora.enabled(), "LoRA adapters"},
+         {CpFeature::kExperts, config_.moe(), fmt::format("mixture-of-experts layers (model_type {})", config_.model_type)},
+         {CpFeature::kLatentAttention, config_.attention != AttentionKind::kGqa,
+          fmt::format("multi-head latent attention (model_type {})", config_.model_type)}});
+    // A model split into parts runs the ring or Ulysses over its own layers,
+    // its boundaries this rank's rows: a pipeline stage does (kPipeline);
+    // layer-major's chunks are refused with cp where the order is chosen.
     // With tensor parallelism the ring or Ulysses runs over the cp group of
     // each tp rank, on that rank's heads and kv heads.
     check_context_parallel(config_.num_attention_heads, config_.num_key_value_heads, cp, options_.context_method,
@@ -726,7 +727,11 @@ void DecoderModel::forward(std::span<const int32_t> ids, std::span<const int32_t
   const TokenPlaces places = this->places();
   // This forward's LoRA dropout (a recompute in backward reads the same).
   a.lora.dropout = options.backward ? static_cast<float>(options_.lora.dropout) : 0.0f;
-  a.lora.seed = options.dropout_seed;
+  // With context parallelism each cp rank holds other tokens in the same
+  // local rows: its own masks, not its neighbours' pattern again.
+  const engine::Engine::ContextGroup& cp_group = engine_.context_group();
+  a.lora.seed = cp_group.size > 1 ? options.dropout_seed ^ (static_cast<uint64_t>(cp_group.rank + 1) * 0xd6e8feb86659fd93ull)
+                                  : options.dropout_seed;
   acc.memset_async(a.stats.data, 0, a.stats.nbytes(), s);
   const bool aux_loss = config_.moe() && config_.output_router_logits;
   if (aux_loss) acc.memset_async(a.moe_stats.data, 0, a.moe_stats.nbytes(), s);

@@ -313,9 +313,10 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                cp > 1 ? " / cp" : "", in.micro_batch, in.seq / cp);
   STRATA_CHECK(tp == 1 || !in.lora.enabled(), kBadArgument,
                "plan: LoRA with tensor parallelism is not implemented (strata finetune refuses it)");
-  STRATA_CHECK(cp == 1 || (!in.lora.enabled() && !c.moe() && c.attention == nn::AttentionKind::kGqa), kBadArgument,
-               "plan: context parallelism with LoRA, experts or multi-head latent attention is not implemented "
-               "(strata finetune refuses it)");
+  if (cp > 1) {
+    nn::refuse_unsupported_with_context_parallel(fmt::format("plan: context parallelism {}", cp),
+                                                 nn::context_parallel_uses(c, in.lora.enabled(), in.pipeline.stages));
+  }
   STRATA_CHECK(cp == 1 || in.pipeline.stages == 1, kBadArgument,
                "plan: context parallelism with pipeline stages trains (strata finetune), but strata plan does not "
                "model its memory yet");
@@ -544,8 +545,8 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                     nn::context_method_name(in.context_method), cp, rows, heads.num_attention_heads,
                     heads.num_key_value_heads, c.head_dim,
                     in.context_method == nn::ContextMethod::kRing
-                        ? " (k/v ring buffers, the dk/dv accumulators sent and received, a block's output and "
-                          "gradients, the fp32 merged outputs)"
+                        ? " (k/v ring buffers, and the larger of forward's block output and fp32 merged outputs "
+                          "and backward's block gradients and two sets of dk/dv accumulators)"
                         : " (heads / cp over the whole sequence, with their gradients, and the all-to-alls' blocks)"));
   }
   // The loss forms logits chunk rows at a time (nn::default_loss_chunk_rows:

@@ -17,6 +17,7 @@
 #include "partition/communicator.h"
 #include "partition/process_groups.h"
 #include "partition/rendezvous.h"
+#include "runtime/nn/context_support.h"
 #include "runtime/launcher/launcher.h"
 #include "runtime/config/config.h"
 #include "kernels/op_totals.h"
@@ -330,14 +331,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       options.context_method.empty() ? nn::parse_context_method(config.context_parallel_method, source + ": context_parallel.method")
                                      : nn::parse_context_method(options.context_method, "--cp-method");
   if (cp > 1) {
-    const auto refuse = [&](bool combined, const std::string& what) {
-      STRATA_CHECK(!combined, kBadArgument, "--cp {} with {}: context parallelism with it is not implemented yet", cp,
-                   what);
-    };
-    refuse(lora.enabled(), "LoRA (--lora-rank)");
-    refuse(model_config.moe(), fmt::format("a mixture-of-experts model (model_type {})", model_config.model_type));
-    refuse(model_config.attention != nn::AttentionKind::kGqa,
-           fmt::format("multi-head latent attention (model_type {})", model_config.model_type));
+    nn::refuse_unsupported_with_context_parallel(fmt::format("--cp {}", cp),
+                                                 nn::context_parallel_uses(model_config, lora.enabled(), pp));
     STRATA_CHECK(options.seq % (2 * cp) == 0, kBadArgument,
                  "--seq {} does not divide by 2 x --cp {} = {}: context parallelism cuts every sequence into two "
                  "chunks per rank",

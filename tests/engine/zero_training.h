@@ -127,6 +127,7 @@ struct TrainSpec {
   // get the same rows (the model takes its chunks), ZeRO runs over dp x cp.
   int cp = 1;
   nn::ContextMethod cp_method = nn::ContextMethod::kRing;
+  nn::LoraSpec lora;  // adapters (the model then freezes the rest)
   double init_std = 0.02;  // nn::initialize_parameters' std of the matrices
   int micro_steps = 1;
   int steps = 3;
@@ -244,6 +245,7 @@ inline TrainResult train_zero(const TrainSpec& spec) {
           model_options.checkpoint_activations = spec.checkpoint_activations;
           model_options.sequence_parallel = spec.sequence_parallel;
           model_options.context_method = spec.cp_method;
+          model_options.lora = spec.lora;
           nn::DecoderModel model(eng, config, model_options);
           if (spec.frozen) {
             for (ParamId id = 0; id < eng.parameter_count(); ++id) {

@@ -6,7 +6,9 @@
 #include "core/accelerator.h"
 
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <string>
+#include <thread>
 
 #include "core/error.h"
 #include "tests/support/finetune_files.h"
@@ -64,6 +66,19 @@ TEST_CASE("launch: nnodes x nproc and global ranks do not overflow int", "[launc
   REQUIRE(result.exit_code == 0);
   REQUIRE_THAT(result.output, Catch::Contains("R=2147483644 W=2147483646") &&
                                   Catch::Contains("R=2147483645 W=2147483646"));
+}
+
+TEST_CASE("strata run: the local ranks share the cores' OpenMP threads unless OMP_NUM_THREADS is given",
+          "[launcher]") {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto result = run_command("env -u OMP_NUM_THREADS " + strata_run("-n 2 -- sh -c 'echo T=$OMP_NUM_THREADS'"));
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  CHECK_THAT(result.output, Catch::Contains("T=" + std::to_string(std::max(1, cores / 2))));
+  result = run_command("env OMP_NUM_THREADS=3 " + strata_run("-n 2 -- sh -c 'echo T=$OMP_NUM_THREADS'"));
+  INFO(result.output);
+  REQUIRE(result.exit_code == 0);
+  CHECK_THAT(result.output, Catch::Contains("T=3") && !Catch::Contains("T=1\n"));
 }
 
 TEST_CASE("strata run: a failure grace too long for the clock means wait, not kill at once",
