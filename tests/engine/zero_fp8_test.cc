@@ -46,14 +46,7 @@ TEST_CASE("fp8 base: frozen FP8 weights stay FP8 on two NVMe ranks, their swap f
     std::vector<std::pair<std::string, std::string>> write_refusals;
     std::vector<std::string> wrong_dtype, wrong_gather;
     test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
-      engine::ZeroEngineOptions o;
-      o.stage = 3;
-      o.param_tier = Tier::kNvme;
-      o.nvme_path = tmp.path() / "swap";
-      o.keep_swap_files = true;
-      o.persistence_threshold_numel = 0;
-      o.optimizer_threads = 1;
-      engine::ZeroEngine eng(accelerator, comms, o);
+      engine::ZeroEngine eng(accelerator, comms, test::nvme_stage3_options(tmp.path() / "swap"));
       nn::DecoderModelOptions mo;
       mo.dtype = dtype;
       nn::DecoderModel model(eng, config, mo);

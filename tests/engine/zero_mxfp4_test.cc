@@ -56,14 +56,7 @@ TEST_CASE("mxfp4 base: a frozen MXFP4 tensor stays in its 4-bit form on two NVMe
     int64_t owned_numel = 0, split_first = -1, gathers_right = 0, gathers = 0;
     std::vector<std::string> refusals, wrong_dtype;
     test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
-      engine::ZeroEngineOptions o;
-      o.stage = 3;
-      o.param_tier = Tier::kNvme;
-      o.nvme_path = tmp.path() / "swap";
-      o.keep_swap_files = true;
-      o.persistence_threshold_numel = 0;
-      o.optimizer_threads = 1;
-      engine::ZeroEngine eng(accelerator, comms, o);
+      engine::ZeroEngine eng(accelerator, comms, test::nvme_stage3_options(tmp.path() / "swap"));
       const engine::ParamId id =
           eng.declare_parameter({"mlp.experts.down_proj", dtype, {shape.rows, shape.cols}, std::nullopt});
       const engine::OpId op = eng.declare_operator("mlp.experts", {id});

@@ -39,6 +39,17 @@ std::string golden(const std::string& name) {
   return strata::test::source_dir() + "/tests/data/golden/" + name;
 }
 
+// Runs `call` and checks it is refused (kBadArgument) naming op `op` and `says`.
+void expect_op_refused(const std::function<void()>& call, const std::string& op, const std::string& says) {
+  try {
+    call();
+    FAIL("accepted; expected: " << says);
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::kBadArgument);
+    CHECK_THAT(e.what(), Catch::Contains(op) && Catch::Contains(says));
+  }
+}
+
 // The bytes of `view`, for bit-for-bit comparisons.
 std::vector<uint8_t> bytes_of(const TensorView& view) {
   const auto* p = static_cast<const uint8_t*>(view.data);
@@ -209,13 +220,7 @@ TEST_CASE("quant: an MXFP4 expert's weight reads, packs to its kept form (4.25 b
   // Refused before anything is enqueued, naming the argument.
   const Tensor p = test::upload(rig, packed), g = test::upload(rig, grid);
   const auto refused = [&](const std::function<void()>& call, const std::string& says) {
-    try {
-      call();
-      FAIL("accepted; expected: " << says);
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::kBadArgument);
-      CHECK_THAT(e.what(), Catch::Contains("dequantize_mxfp4_blocks") && Catch::Contains(says));
-    }
+    expect_op_refused(call, "dequantize_mxfp4_blocks", says);
   };
   Tensor cols48 = rig.accelerator->allocate_tensor(DType::kBF16, {4, 48});
   refused([&] { ops.dequantize_mxfp4_blocks(ctx, p.view(), g.view(), cols48.view()); }, "a multiple of 32");
@@ -407,13 +412,7 @@ TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bit
   const Tensor s = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"));
   Tensor out = rig.accelerator->allocate_tensor(DType::kBF16, {144, 136});
   const auto refused = [&](const std::function<void()>& call, const std::string& says) {
-    try {
-      call();
-      FAIL("accepted; expected: " << says);
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::kBadArgument);
-      CHECK_THAT(e.what(), Catch::Contains("dequantize_fp8_blocks") && Catch::Contains(says));
-    }
+    expect_op_refused(call, "dequantize_fp8_blocks", says);
   };
   refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 64, 128, out.view()); }, "scale_inv has shape [2, 2]");
   refused([&] { ops.dequantize_fp8_blocks(ctx, s.view(), s.view(), 128, 128, out.view()); }, "weight has dtype fp32");
