@@ -979,6 +979,28 @@ void Ops::dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, c
   enqueue_dequantize_fp8_blocks(ctx, weight, scale_inv, shape, out);
 }
 
+void Ops::dequantize_mxfp4_blocks(ComputeContext& ctx, const TensorView& packed, const TensorView& scales,
+                                  const TensorView& out) {
+  constexpr const char* op = "dequantize_mxfp4_blocks";
+  own(ctx, op);
+  check::float_tensor(op, "out", out);
+  STRATA_CHECK(out.desc.shape.size() == 2 && out.desc.shape[1] % 32 == 0, kBadArgument,
+               "{}: out must be [rows, cols] with cols a multiple of 32 (MXFP4 blocks of 32), got {}", op,
+               shape_string(out.desc.shape));
+  const kernels::Mxfp4Blocks shape{out.desc.shape[0], out.desc.shape[1]};
+  check::dtype(op, "packed", packed, DType::kU8);
+  check::shape(op, "packed", packed, {shape.packed_nbytes()});
+  check::dtype(op, "scales", scales, DType::kU8);
+  check::shape(op, "scales", scales, {shape.rows, shape.cols / 32});
+  for (const TensorView* t : {&packed, &scales}) {
+    STRATA_CHECK(t->desc.tier != Tier::kNvme, kBadArgument, "{}: an input is on NVMe, not addressable", op);
+  }
+  Labeled label(ctx, op, [&] {
+    return memory(nbytes(packed) + nbytes(scales) + nbytes(out), brief(packed) + " -> " + brief(out));
+  });
+  enqueue_dequantize_mxfp4_blocks(ctx, packed, scales, shape, out);
+}
+
 void Ops::adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
                     const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
                     const TensorView& param_copy) {

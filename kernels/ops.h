@@ -50,6 +50,7 @@
 #include "kernels/attention_mask.h"
 #include "kernels/fp8_blocks.h"
 #include "kernels/glu.h"
+#include "kernels/mxfp4_blocks.h"
 #include "kernels/moe_routing.h"
 #include "kernels/optimizer.h"
 #include "kernels/rope_frequencies.h"
@@ -432,6 +433,15 @@ class Ops {
   void dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight, const TensorView& scale_inv,
                              int64_t block_rows, int64_t block_cols, const TensorView& out);
 
+  // ---- MXFP4 weights (kernels/mxfp4_blocks.h) -----------------------------------
+  // out (float storage, [rows, cols], cols a multiple of 32) = the kept
+  // form's `packed` codes (uint8 [rows * cols / 2], two per byte in element
+  // order) scaled by `scales` (uint8 e8m0 [rows, cols / 32], one per 32
+  // elements): the checkpoint reader's bits (kernels::dequantize_mxfp4) on
+  // every backend. A frozen MXFP4 expert kept so at home is dequantized per gather.
+  void dequantize_mxfp4_blocks(ComputeContext& ctx, const TensorView& packed, const TensorView& scales,
+                               const TensorView& out);
+
   // ---- the optimizer on the accelerator (offload_optimizer.device none) ---------
   // One Adam/AdamW update of n elements, in place: param (the fp32 master),
   // exp_avg and exp_avg_sq are fp32 [n], grad fp32 [n]; param_copy, unless
@@ -565,6 +575,9 @@ class Ops {
   virtual void enqueue_dequantize_fp8_blocks(ComputeContext& ctx, const TensorView& weight,
                                              const TensorView& scale_inv, const kernels::Fp8Blocks& shape,
                                              const TensorView& out) = 0;
+  virtual void enqueue_dequantize_mxfp4_blocks(ComputeContext& ctx, const TensorView& packed,
+                                               const TensorView& scales, const kernels::Mxfp4Blocks& shape,
+                                               const TensorView& out) = 0;
   // numel > 0.
   virtual void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                                  const TensorView& param, const TensorView& exp_avg,

@@ -813,6 +813,20 @@ class CpuOps final : public Ops {
     });
   }
 
+  void enqueue_dequantize_mxfp4_blocks(ComputeContext& ctx, const TensorView& packed, const TensorView& scales,
+                                       const kernels::Mxfp4Blocks& shape, const TensorView& out) override {
+    enqueue(ctx, [=](CpuContext&) {
+      // Row by row (each row's blocks are its own), the reader's value table.
+      const int64_t rows = shape.rows, cols = shape.cols;
+      const size_t row_nbytes = static_cast<size_t>(cols) * dtype_nbytes(out.desc.dtype);
+#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
+      for (int64_t r = 0; r < rows; ++r) {
+        kernels::dequantize_mxfp4(packed.as<uint8_t>() + r * cols / 2, scales.as<uint8_t>(), r * cols, cols,
+                                  static_cast<char*>(out.data) + static_cast<size_t>(r) * row_nbytes, out.desc.dtype);
+      }
+    });
+  }
+
   void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs, const TensorView& param,
                  const TensorView& exp_avg, const TensorView& exp_avg_sq, const TensorView& grad,
                  const TensorView& param_copy) override {

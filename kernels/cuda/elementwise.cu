@@ -238,6 +238,22 @@ __global__ void dequantize_fp8_blocks_kernel(const uint8_t* w, const float* scal
   }
 }
 
+// e2m1 by its code (kernels/mxfp4_blocks.h's kFp4Values).
+__constant__ float kFp4[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+template <typename D>
+__global__ void dequantize_mxfp4_blocks_kernel(const uint8_t* packed, const uint8_t* scales, int64_t n, D* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const unsigned int s = scales[i >> 5];
+    // 2^(s - 127) as torch.ldexp gives it: 2^-127 subnormal for 0, inf for 255.
+    const float scale = __uint_as_float(s == 0 ? 1u << 22 : s == 255 ? 0x7f800000u : s << 23);
+    const unsigned int code = (packed[i >> 1] >> ((i & 1) * 4)) & 0xfu;
+    out[i] = from_f<D>(__fmul_rn(kFp4[code], scale));
+  }
+}
+
 }  // namespace
 
 void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64_t numel,
@@ -258,6 +274,14 @@ void launch_dequantize_fp8_blocks(const uint8_t* w, const float* scale_inv, int6
   STRATA_DISPATCH_T(out_t, D,
                     dequantize_fp8_blocks_kernel<D><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(
                         w, scale_inv, rows, cols, block_rows, block_cols, grid_cols, static_cast<D*>(out)));
+}
+
+void launch_dequantize_mxfp4_blocks(const uint8_t* packed, const uint8_t* scales, int64_t numel, Storage out_t,
+                                    void* out, cudaStream_t stream) {
+  if (numel == 0) return;
+  STRATA_DISPATCH_T(out_t, D,
+                    dequantize_mxfp4_blocks_kernel<D><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(
+                        packed, scales, numel, static_cast<D*>(out)));
 }
 
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,

@@ -34,6 +34,11 @@ void launch_cast(Storage src_t, const void* src, Storage dst_t, void* dst, int64
 void launch_dequantize_fp8_blocks(const uint8_t* w, const float* scale_inv, int64_t rows, int64_t cols,
                                   int64_t block_rows, int64_t block_cols, Storage out_t, void* out,
                                   cudaStream_t stream);
+// out[i] (numel elements) = MXFP4's kept form (kernels/mxfp4_blocks.h): FP4
+// code i (packed[i / 2]'s low nibble for even i, high for odd) times
+// 2^(scales[i / 32] - 127) in fp32, rounded once to out_t.
+void launch_dequantize_mxfp4_blocks(const uint8_t* packed, const uint8_t* scales, int64_t numel, Storage out_t,
+                                    void* out, cudaStream_t stream);
 // out = a + b (out may alias a or b).
 void launch_add(Storage t, const void* a, const void* b, int64_t numel, void* out,
                 cudaStream_t stream);

@@ -728,6 +728,18 @@ class CudaOps final : public Ops {
     });
   }
 
+  void enqueue_dequantize_mxfp4_blocks(ComputeContext& ctx, const TensorView& packed, const TensorView& scales,
+                                       const kernels::Mxfp4Blocks& shape, const TensorView& out) override {
+    constexpr const char* op = "dequantize_mxfp4_blocks";
+    CudaContext& c = context(ctx);
+    check_device(op, {{"packed", &packed}, {"scales", &scales}, {"out", &out}});
+    run(c, op, [&] {
+      cuda::launch_dequantize_mxfp4_blocks(packed.as<uint8_t>(), scales.as<uint8_t>(), shape.numel(),
+                                           storage(out.desc.dtype), out.data, c.cuda_stream());
+      check_launch(op);
+    });
+  }
+
   void enqueue_adam_step(ComputeContext& ctx, const kernels::AdamCoefficients& coeffs,
                  const TensorView& param, const TensorView& exp_avg, const TensorView& exp_avg_sq,
                  const TensorView& grad, const TensorView& param_copy) override {

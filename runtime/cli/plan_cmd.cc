@@ -279,15 +279,23 @@ void resolve_lora(const Options& o, Resolved& r) {
     raise(ErrorCategory::kBadArgument, "--lora-rank {} gives {:.3g} adapter parameters, beyond 2^62",
           spec.rank, count);
   lora.adapter_count = static_cast<int64_t>(count);
-  if (r.config && r.config->quant.method == nn::QuantMethod::kFp8Block) {
-    // The weights an FP8 checkpoint stores FP8 (plan::stored_fp8).
+  if (r.config && r.config->quant.quantized()) {
+    // The weights a checkpoint stores quantized, as the published ones do --
+    // FP8: plan::stored_fp8 (the layers' 2-D weights but the router's and
+    // modules_to_not_convert's); MXFP4: gpt-oss's stacked expert weights.
     const nn::CheckpointQuant& q = r.config->quant;
-    int64_t fp8 = 0;
+    const bool mxfp4 = q.method == nn::QuantMethod::kMxfp4;
+    int64_t quantized = 0;
     for (const nn::HfTensor& t : nn::hf_tensors(*r.config)) {
-      if (plan::stored_fp8(*r.config, t.name, t.shape)) fp8 += t.shape[0] * t.shape[1];
+      const std::string& name = t.name;
+      const bool stored = mxfp4 ? t.shape.size() == 3 && name.find(".mlp.experts.") != std::string::npos &&
+                                      !name.ends_with("_bias") && !q.not_converted(name.substr(0, name.rfind('.')))
+                                : plan::stored_fp8(*r.config, name, t.shape);
+      if (stored) quantized += shape_numel(t.shape);
     }
-    lora.fp8_param_count = fp8;
-    lora.fp8_block_numel = static_cast<double>(q.block_rows) * static_cast<double>(q.block_cols);
+    lora.quantized_param_count = quantized;
+    lora.quantized_bytes_per_param = mxfp4 ? 17.0 / 32.0 : 1 + 4 / (static_cast<double>(q.block_rows) * q.block_cols);
+    lora.quantized_format = mxfp4 ? "MXFP4" : "FP8";
   }
   r.inputs.lora = std::move(lora);
 }

@@ -61,20 +61,31 @@ void Engine::freeze(ParamId id) {
   params_[id].frozen = true;
 }
 
-void Engine::store_fp8_blocks(ParamId id, int64_t block_rows, int64_t block_cols) {
-  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "store_fp8_blocks: unknown parameter id {}", id);
+void Engine::store_blocks(ParamId id, const kernels::QuantBlocks& blocks) {
+  STRATA_CHECK(id >= 0 && id < parameter_count(), kBadArgument, "store_blocks: unknown parameter id {}", id);
   ParamInfo& p = params_[id];
-  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' asked to be kept in FP8 after finalize()", p.name);
+  STRATA_CHECK(!finalized_, kBadArgument, "parameter '{}' asked to be kept in {} after finalize()", p.name,
+               blocks.name());
   // A trained parameter needs exact masters and a gradient; only what never changes stays quantized.
-  STRATA_CHECK(p.frozen, kBadArgument, "parameter '{}' is trained: only a frozen one can be kept in FP8", p.name);
-  STRATA_CHECK(p.shape.size() == 2 && block_rows > 0 && block_cols > 0, kBadArgument,
-               "parameter '{}' {} cannot be kept in FP8 blocks of {} x {}: a 2-D weight and positive blocks", p.name,
-               shape_string(p.shape), block_rows, block_cols);
-  p.fp8 = kernels::Fp8Blocks{p.shape[0], p.shape[1], block_rows, block_cols};
+  STRATA_CHECK(p.frozen, kBadArgument, "parameter '{}' is trained: only a frozen one can be kept in {}", p.name,
+               blocks.name());
+  if (blocks.format == kernels::QuantBlocks::Format::kFp8) {
+    const kernels::Fp8Blocks& b = blocks.fp8;
+    STRATA_CHECK(p.shape == Shape({b.rows, b.cols}) && b.block_rows > 0 && b.block_cols > 0, kBadArgument,
+                 "parameter '{}' {} cannot be kept in FP8 as [{}, {}] in blocks of {} x {}: its own 2-D shape and "
+                 "positive blocks",
+                 p.name, shape_string(p.shape), b.rows, b.cols, b.block_rows, b.block_cols);
+  } else {
+    const kernels::Mxfp4Blocks& b = blocks.mxfp4;
+    STRATA_CHECK(p.shape == Shape({b.rows, b.cols}) && b.cols % 32 == 0, kBadArgument,
+                 "parameter '{}' {} cannot be kept in MXFP4 as [{}, {}]: its own 2-D shape, the rows in blocks of 32",
+                 p.name, shape_string(p.shape), b.rows, b.cols);
+  }
+  p.blocks = blocks;
 }
 
-void Engine::write_fp8_blocks(ParamId id, const TensorView& /*scale_inv*/, const RangeFn& /*fn*/) {
-  raise(ErrorCategory::kBadArgument, "parameter '{}' is not kept in FP8 by this engine: write it with "
+void Engine::write_blocks(ParamId id, const TensorView& /*scales*/, const RangeFn& /*fn*/) {
+  raise(ErrorCategory::kBadArgument, "parameter '{}' is not kept block-quantized by this engine: write it with "
         "for_each_owned_range", param_info(id).name);
 }
 
@@ -191,8 +202,8 @@ OpId Engine::declare_operator(std::string name, std::vector<ParamId> params) {
 
 void Engine::finalize() {
   STRATA_CHECK(!finalized_, kBadArgument, "finalize() called twice");
-  if (!keeps_fp8_blocks()) {
-    for (ParamInfo& p : params_) p.fp8.reset();
+  if (!keeps_blocks()) {
+    for (ParamInfo& p : params_) p.blocks.reset();
   }
   on_finalize();
   finalized_ = true;

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
+#include "kernels/quant_blocks.h"
 #include "offload/hook_ids.h"
 #include "core/accelerator.h"
 #include "core/tensor.h"
@@ -115,15 +116,17 @@ struct ParamInfo {
   // its rank in the pipeline group (Engine::share_with_stage), -1: none. The
   // two stages' gradients are summed; the norm counts the lower stage's.
   int32_t stage_peer = -1;
-  // Kept block-quantized (Engine::store_fp8_blocks: a frozen weight read
-  // from an FP8 checkpoint). A ZeRO-3 engine keeps its elements at home as
-  // their e4m3 bytes (one byte each, partitioned like any parameter's
-  // elements) with the fp32 scale grid whole on every rank, and dequantizes
-  // it to `dtype` on the accelerator per gather (Ops::dequantize_fp8_blocks);
-  // param() and for_each_owned_range(kRead) give the dequantized values,
-  // the bits of a reader that dequantized it at load. After finalize set
-  // only where the engine keeps it so (nullopt: stored in `dtype`).
-  std::optional<kernels::Fp8Blocks> fp8 = std::nullopt;
+  // Kept block-quantized (Engine::store_blocks: a frozen weight read from
+  // an FP8 or MXFP4 checkpoint; docs/DESIGN.md §4.2.2). A ZeRO-3 engine keeps
+  // it at home in its stored form (QuantBlocks::stored_shape: FP8's e4m3
+  // bytes, MXFP4's codes and scales, partitioned like any parameter's
+  // elements) with the scale grid whole on every rank, and dequantizes it to
+  // `dtype` on the accelerator per gather (Ops::dequantize_fp8_blocks,
+  // Ops::dequantize_mxfp4_blocks); param() and for_each_owned_range(kRead)
+  // give the dequantized values, the bits of a reader that dequantized it at
+  // load. After finalize set only where the engine keeps it so (nullopt:
+  // stored in `dtype`).
+  std::optional<kernels::QuantBlocks> blocks = std::nullopt;
 
   int64_t numel() const { return shape_numel(shape); }
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_nbytes(dtype); }
@@ -158,13 +161,15 @@ class Engine {
   // Marks a declared parameter as expert `expert` of the `experts` of one
   // mixture-of-experts layer (ParamInfo::expert), before finalize.
   void mark_expert(ParamId id, int expert, int experts);
-  // Asks that frozen 2-D parameter `id` be kept in FP8 blocks of block_rows
-  // x block_cols (ParamInfo::fp8), before finalize and after freeze. An
-  // engine that does not keep FP8 (ResidentEngine, ZeroEngine below stage
-  // 3: their full copies live on the accelerator anyway) stores it in its
-  // dtype: after finalize param_info(id).fp8 says which, and a parameter
-  // kept in FP8 is written with write_fp8_blocks, not for_each_owned_range.
-  void store_fp8_blocks(ParamId id, int64_t block_rows, int64_t block_cols);
+  // Asks that frozen parameter `id` be kept block-quantized as `blocks`
+  // describes (ParamInfo::blocks; its shape must be the parameter's: FP8 a
+  // 2-D weight with positive blocks, MXFP4 a 2-D weight with rows of a
+  // multiple of 32 elements), before finalize and after freeze. An engine that does
+  // not keep blocks (ResidentEngine, ZeroEngine below stage 3: their full
+  // copies live on the accelerator anyway) stores it in its dtype: after
+  // finalize param_info(id).blocks says which, and a parameter kept so is
+  // written with write_blocks, not for_each_owned_range.
+  void store_blocks(ParamId id, const kernels::QuantBlocks& blocks);
   // Creates storage for every declared parameter (zero-filled; see
   // for_each_owned_range to initialise or load). Once only.
   void finalize();
@@ -337,21 +342,24 @@ class Engine {
   enum class Access : uint8_t { kRead, kWrite };
   using RangeFn = std::function<void(int64_t first, const TensorView& host)>;
   virtual void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) = 0;
-  // A parameter kept in FP8 (param_info(id).fp8 after finalize): its scale
-  // grid `scale_inv` (an fp32 host view of the whole grid, copied) and its
-  // e4m3 elements, fn(first, host) over this rank's owned ranges as
-  // for_each_owned_range(kWrite) gives them but with fp8_e4m3 host views.
-  // Error(kBadArgument) for a parameter not kept in FP8 or a grid of another
+  // A parameter kept block-quantized (param_info(id).blocks after
+  // finalize): its scale grid `scales` (a host view of the whole grid of
+  // QuantBlocks::scale_dtype and scale_shape, copied) and its stored form,
+  // fn(first, host) over this rank's owned ranges of it as
+  // for_each_owned_range(kWrite) gives them but with host views of
+  // QuantBlocks::stored_dtype over the stored elements (FP8: e4m3 bytes,
+  // one per element; MXFP4: bytes of the kept form, kernels::pack_mxfp4's).
+  // Error(kBadArgument) for a parameter not kept so or a grid of another
   // shape. Blocks until written.
-  virtual void write_fp8_blocks(ParamId id, const TensorView& scale_inv, const RangeFn& fn);
+  virtual void write_blocks(ParamId id, const TensorView& scales, const RangeFn& fn);
 
  protected:
   // `accelerator` must outlive the engine.
   explicit Engine(Accelerator& accelerator);
   virtual void on_finalize() = 0;
-  // Whether this engine keeps the parameters store_fp8_blocks names in FP8;
+  // Whether this engine keeps the parameters store_blocks names quantized;
   // finalize drops the requests of one that does not, before on_finalize.
-  virtual bool keeps_fp8_blocks() const { return false; }
+  virtual bool keeps_blocks() const { return false; }
   // Called by implementations at the start of pre_op / post_op.
   void check_hook(OpId op) const;
   // Hook-window bookkeeping shared by the engines: open_window (in pre_op)

@@ -154,7 +154,7 @@ ZeroEngine::~ZeroEngine() {
   }
   if (stage1_grads_) accelerator().deallocate(stage1_grads_);
   if (control_buffer_) accelerator().deallocate(control_buffer_);
-  for (const auto& scales : fp8_scales_) {
+  for (const auto& scales : kept_scales_) {
     if (scales && scales->device) accelerator().deallocate(scales->device);
   }
 }
@@ -167,7 +167,8 @@ void ZeroEngine::on_finalize() {
     for (ParamId id = 0; id < parameter_count(); ++id) {
       const ParamInfo& p = param_info(id);
       if (p.expert >= 0 && !owns_expert(p.expert, p.experts)) continue;
-      sized.push_back({p.name, p.numel(), p.fp8 ? DType::kF8E4M3 : p.dtype, !p.frozen});
+      sized.push_back({p.name, p.blocks ? p.blocks->stored_nbytes() : p.numel(),
+                       p.blocks ? p.blocks->stored_dtype() : p.dtype, !p.frozen});
     }
     zero_sizes_ = choose_zero_sizes(sized, world_size(), options_.sub_group_numel, options_.reduce_bucket_numel,
                                     partition::kDefaultAlignmentNbytes);
@@ -190,7 +191,7 @@ void ZeroEngine::on_finalize() {
   index_in_group_.resize(static_cast<size_t>(parameter_count()));
   for (ParamId id = 0; id < parameter_count(); ++id) {
     const ParamInfo& info = param_info(id);
-    const DType dtype = info.fp8 ? DType::kF8E4M3 : info.dtype;  // as the home stores it
+    const DType dtype = info.blocks ? info.blocks->stored_dtype() : info.dtype;  // as the home stores it
     const bool frozen = info.frozen;
     const bool expert = ep > 1 && info.expert >= 0;
     if (expert) {
@@ -227,7 +228,8 @@ void ZeroEngine::on_finalize() {
       g.decay_suffix = decay ? fmt::format("_wd{}", *decay) : "";
       g.lr_scale = lr_scale;
       g.lr_suffix = lr_scale != 1.0f ? fmt::format("_lr{}", lr_scale) : "";
-      g.key = std::string(dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix +
+      // A uint8 home holds MXFP4's kept form (nothing else is stored as bytes).
+      g.key = std::string(dtype == DType::kU8 ? "mxfp4" : dtype_name(dtype)) + (frozen ? "_frozen" : "") + (expert ? "_experts" : "") + g.suffix +
               g.decay_suffix + g.lr_suffix;
       g.gather_comm = expert ? comms_.expert_gather : comms_.gather;
       g.reduce_comm = expert ? comms_.expert_reduce : comms_.reduce;
@@ -267,26 +269,40 @@ void ZeroEngine::on_finalize() {
       params[id] = {g.home.get(), static_cast<size_t>(slot.slice_numel), static_cast<size_t>(slot.shard_offset_numel),
                     param_info(id).numel(), g.expert ? g.gather_comm : nullptr};
       const ParamInfo& info = param_info(id);
-      if (!info.fp8) continue;
-      // Kept in FP8: its whole scale grid on every rank (filled by
-      // write_fp8_blocks), and each gather dequantized on the gather stream.
-      if (fp8_scales_.empty()) fp8_scales_.resize(static_cast<size_t>(parameter_count()));
+      if (!info.blocks) continue;
+      // Kept block-quantized: its whole scale grid on every rank (filled by
+      // write_blocks), and each gather dequantized on the gather stream.
+      if (kept_scales_.empty()) kept_scales_.resize(static_cast<size_t>(parameter_count()));
       if (gather_ctx_ == nullptr) gather_ctx_ = ops().make_context(*gather_stream_);
-      auto scales = std::make_unique<Fp8Scales>();
-      const size_t grid = static_cast<size_t>(info.fp8->grid_numel());
-      scales->host.assign(grid, 0.0f);
-      scales->device = accelerator().allocate(grid * sizeof(float));
-      accelerator().memset_async(scales->device, 0, grid * sizeof(float), compute_stream());
+      const kernels::QuantBlocks& b = *info.blocks;
+      auto scales = std::make_unique<KeptScales>();
+      const size_t grid_nbytes = static_cast<size_t>(shape_numel(b.scale_shape())) * dtype_nbytes(b.scale_dtype());
+      scales->host.assign(grid_nbytes, 0);
       params[id].expanded_nbytes = info.nbytes();
-      params[id].expand = [this, id, device = scales->device](const void* stored, void* full, Stream&) {
-        const ParamInfo& p = param_info(id);
-        const kernels::Fp8Blocks& b = *p.fp8;
-        ops().dequantize_fp8_blocks(
-            *gather_ctx_, TensorView{TensorDesc{DType::kF8E4M3, p.shape, Tier::kDevice}, const_cast<void*>(stored)},
-            TensorView{TensorDesc{DType::kF32, {b.grid_rows(), b.grid_cols()}, Tier::kDevice}, device},
-            b.block_rows, b.block_cols, TensorView{TensorDesc{p.dtype, p.shape, Tier::kDevice}, full});
-      };
-      fp8_scales_[id] = std::move(scales);
+      if (b.format == kernels::QuantBlocks::Format::kFp8) {
+        scales->device = accelerator().allocate(grid_nbytes);
+        accelerator().memset_async(scales->device, 0, grid_nbytes, compute_stream());
+        params[id].expand = [this, id, device = scales->device](const void* stored, void* full, Stream&) {
+          const ParamInfo& p = param_info(id);
+          const kernels::Fp8Blocks& f = p.blocks->fp8;
+          ops().dequantize_fp8_blocks(
+              *gather_ctx_, TensorView{TensorDesc{DType::kF8E4M3, p.shape, Tier::kDevice}, const_cast<void*>(stored)},
+              TensorView{TensorDesc{DType::kF32, {f.grid_rows(), f.grid_cols()}, Tier::kDevice}, device},
+              f.block_rows, f.block_cols, TensorView{TensorDesc{p.dtype, p.shape, Tier::kDevice}, full});
+        };
+      } else {
+        // The gathered kept form: the codes, then the scales (kernels/mxfp4_blocks.h).
+        params[id].expand = [this, id](const void* stored, void* full, Stream&) {
+          const ParamInfo& p = param_info(id);
+          const kernels::Mxfp4Blocks& m = p.blocks->mxfp4;
+          auto* bytes = static_cast<uint8_t*>(const_cast<void*>(stored));
+          ops().dequantize_mxfp4_blocks(
+              *gather_ctx_, TensorView{TensorDesc{DType::kU8, {m.packed_nbytes()}, Tier::kDevice}, bytes},
+              TensorView{TensorDesc{DType::kU8, p.blocks->scale_shape(), Tier::kDevice}, bytes + m.packed_nbytes()},
+              TensorView{TensorDesc{p.dtype, p.shape, Tier::kDevice}, full});
+        };
+      }
+      kept_scales_[id] = std::move(scales);
     }
     std::vector<offload::CoordinatedOp> ops;
     for (OpId op = 0; op < operator_count(); ++op) {
@@ -350,7 +366,10 @@ void ZeroEngine::on_finalize() {
 
 void ZeroEngine::create_group(Group& g) {
   std::vector<partition::ParamSpec> specs;
-  for (ParamId id : g.params) specs.push_back({param_info(id).name, param_info(id).shape, g.dtype});
+  for (ParamId id : g.params) {
+    const ParamInfo& info = param_info(id);
+    specs.push_back({info.name, info.blocks ? info.blocks->stored_shape() : info.shape, g.dtype});
+  }
   partition::LayoutOptions layout_options;
   layout_options.world_size = g.gather_comm->world_size();
   layout_options.sub_group_numel = options_.sub_group_numel;
@@ -935,46 +954,59 @@ void ZeroEngine::sync_full_params() {
 void ZeroEngine::for_each_owned_range(ParamId id, Access access, const RangeFn& fn) {
   STRATA_CHECK(finalized(), kBadArgument, "for_each_owned_range before finalize()");
   const ParamInfo& info = param_info(id);
-  if (!info.fp8) {
+  if (!info.blocks) {
     owned_home_range(id, access, info.dtype, fn);
     return;
   }
+  const kernels::QuantBlocks& b = *info.blocks;
   STRATA_CHECK(access == Access::kRead, kBadArgument,
-               "parameter '{}' is kept in FP8 (a frozen weight of an FP8 checkpoint): write it with write_fp8_blocks",
-               info.name);
-  // Its owned e4m3 bytes dequantized on the host, with the kernel the gathers' ops share.
-  owned_home_range(id, Access::kRead, DType::kF8E4M3, [&](int64_t first, const TensorView& bytes) {
-    std::vector<char> values(static_cast<size_t>(bytes.numel()) * dtype_nbytes(info.dtype));
-    kernels::dequantize_fp8_blocks(bytes.as<uint8_t>(), fp8_scales_[static_cast<size_t>(id)]->host.data(), *info.fp8,
-                                   first, bytes.numel(), values.data(), info.dtype);
-    fn(first, TensorView{TensorDesc{info.dtype, bytes.desc.shape, Tier::kCpu}, values.data()});
+               "parameter '{}' is kept in {} (a frozen weight of a quantized checkpoint): write it with write_blocks",
+               info.name, b.name());
+  // Its owned stored bytes dequantized on the host, with the kernels the gathers' ops share.
+  const uint8_t* grid = kept_scales_[static_cast<size_t>(id)]->host.data();
+  owned_home_range(id, Access::kRead, b.stored_dtype(), [&](int64_t first, const TensorView& bytes) {
+    int64_t element = first, n = bytes.numel();
+    if (b.format == kernels::QuantBlocks::Format::kMxfp4) {
+      // Bytes of the codes hold two elements each; the scales' bytes none.
+      element = 2 * first;
+      n = 2 * std::max<int64_t>(0, std::min(first + bytes.numel(), b.mxfp4.packed_nbytes()) - first);
+      if (n == 0) return;
+    }
+    std::vector<char> values(static_cast<size_t>(n) * dtype_nbytes(info.dtype));
+    if (b.format == kernels::QuantBlocks::Format::kFp8) {
+      kernels::dequantize_fp8_blocks(bytes.as<uint8_t>(), reinterpret_cast<const float*>(grid), b.fp8, first, n,
+                                     values.data(), info.dtype);
+    } else {
+      kernels::dequantize_mxfp4(bytes.as<uint8_t>(), grid, element, n, values.data(), info.dtype);
+    }
+    fn(element, TensorView{TensorDesc{info.dtype, {n}, Tier::kCpu}, values.data()});
   });
 }
 
-void ZeroEngine::write_fp8_blocks(ParamId id, const TensorView& scale_inv, const RangeFn& fn) {
-  STRATA_CHECK(finalized(), kBadArgument, "write_fp8_blocks before finalize()");
+void ZeroEngine::write_blocks(ParamId id, const TensorView& scales, const RangeFn& fn) {
+  STRATA_CHECK(finalized(), kBadArgument, "write_blocks before finalize()");
   const ParamInfo& info = param_info(id);
-  if (!info.fp8) Engine::write_fp8_blocks(id, scale_inv, fn);  // refuses
-  const kernels::Fp8Blocks& b = *info.fp8;
-  const Shape grid{b.grid_rows(), b.grid_cols()};
-  STRATA_CHECK(scale_inv.desc.dtype == DType::kF32 && scale_inv.desc.shape == grid && scale_inv.data != nullptr,
-               kBadArgument, "write_fp8_blocks('{}'): the scales are {} {}, not the fp32 grid {} of its {} blocks",
-               info.name, dtype_name(scale_inv.desc.dtype), shape_string(scale_inv.desc.shape), shape_string(grid),
-               b.block_rows == b.block_cols ? std::to_string(b.block_rows)
-                                            : fmt::format("{} x {}", b.block_rows, b.block_cols));
+  if (!info.blocks) Engine::write_blocks(id, scales, fn);  // refuses
+  const kernels::QuantBlocks& b = *info.blocks;
+  STRATA_CHECK(scales.desc.dtype == b.scale_dtype() && scales.desc.shape == b.scale_shape() && scales.data != nullptr,
+               kBadArgument, "write_blocks('{}'): the scales are {} {}, not the {} grid {} of its {} blocks", info.name,
+               dtype_name(scales.desc.dtype), shape_string(scales.desc.shape), dtype_name(b.scale_dtype()),
+               shape_string(b.scale_shape()), b.name());
   if (holds(id)) {
-    check_not_prepared("write_fp8_blocks");
+    check_not_prepared("write_blocks");
     finish_update();
     // Gathers in flight read the device grid: they finish first.
     compute_stream().synchronize();
     gather_stream_->synchronize();
-    Fp8Scales& scales = *fp8_scales_[static_cast<size_t>(id)];
-    std::memcpy(scales.host.data(), scale_inv.data, scales.host.size() * sizeof(float));
-    accelerator().copy_async(scales.device, scales.host.data(), scales.host.size() * sizeof(float),
-                             CopyKind::kHostToDevice, *home_stream_);
-    home_stream_->synchronize();
+    KeptScales& kept = *kept_scales_[static_cast<size_t>(id)];
+    std::memcpy(kept.host.data(), scales.data, kept.host.size());
+    if (kept.device != nullptr) {
+      accelerator().copy_async(kept.device, kept.host.data(), kept.host.size(), CopyKind::kHostToDevice,
+                               *home_stream_);
+      home_stream_->synchronize();
+    }
   }
-  owned_home_range(id, Access::kWrite, DType::kF8E4M3, fn);
+  owned_home_range(id, Access::kWrite, b.stored_dtype(), fn);
 }
 
 void ZeroEngine::owned_home_range(ParamId id, Access access, DType dtype, const RangeFn& fn) {

@@ -190,7 +190,7 @@ class ZeroEngine final : public Engine {
   TensorView host_grad(ParamId id);
   void zero_grad() override;
   void for_each_owned_range(ParamId id, Access access, const RangeFn& fn) override;
-  void write_fp8_blocks(ParamId id, const TensorView& scale_inv, const RangeFn& fn) override;
+  void write_blocks(ParamId id, const TensorView& scales, const RangeFn& fn) override;
 
   void plan_skip(std::span<const OpId> ops, std::span<const uint8_t> skipped) override;
   void exchange_experts(const TensorView& send, const TensorView& recv, const partition::AllToAllSplits& splits) override;
@@ -394,10 +394,10 @@ class ZeroEngine final : public Engine {
     std::vector<size_t> full_offset;         // per member: offset in full_flat
   };
   void on_finalize() override;
-  // Stage 3 keeps frozen FP8 weights in FP8 (the stages 1/2 keep full copies on the accelerator).
-  bool keeps_fp8_blocks() const override { return options_.stage == 3; }
+  // Stage 3 keeps frozen FP8 and MXFP4 weights so (the stages 1/2 keep full copies on the accelerator).
+  bool keeps_blocks() const override { return options_.stage == 3; }
   // fn(first, host) over parameter id's owned range, host a view of `dtype`
-  // elements of its home (for_each_owned_range and write_fp8_blocks).
+  // elements of its home (for_each_owned_range and write_blocks).
   void owned_home_range(ParamId id, Access access, DType dtype, const RangeFn& fn);
   void on_skip_op(OpId op, Phase phase) override;
   void on_grad_ready(ParamId id, Event& ready) override;
@@ -469,15 +469,16 @@ class ZeroEngine final : public Engine {
   std::vector<float*> grad_full_;                  // per parameter: its full fp32 gradient (stage 1: resident)
   void* stage1_grads_ = nullptr;                   // stage 1: every full fp32 gradient
   size_t stage1_grads_nbytes_ = 0;
-  // Parameters kept in FP8 (ParamInfo::fp8): each one's whole scale grid, on
-  // the host (for_each_owned_range's dequantization) and in accelerator
-  // memory (the gathers'), indexed by parameter (null: not kept in FP8).
-  struct Fp8Scales {
-    std::vector<float> host;
+  // Parameters kept block-quantized (ParamInfo::blocks): each one's whole
+  // scale grid (QuantBlocks::scale_dtype), on the host (for_each_owned_range's
+  // dequantization) and, for FP8, in accelerator memory (the gathers'; MXFP4's
+  // gathers carry their scales), indexed by parameter (null: not kept so).
+  struct KeptScales {
+    std::vector<uint8_t> host;
     void* device = nullptr;
   };
-  std::vector<std::unique_ptr<Fp8Scales>> fp8_scales_;
-  std::unique_ptr<ops::ComputeContext> gather_ctx_;  // the gathers' dequantization (with any FP8 parameter)
+  std::vector<std::unique_ptr<KeptScales>> kept_scales_;
+  std::unique_ptr<ops::ComputeContext> gather_ctx_;  // the gathers' dequantization (with any parameter kept so)
   std::unique_ptr<offload::ParamCoordinator> coordinator_;  // stage 3; before groups_ die
   std::unique_ptr<offload::ShardOptimizer> optimizer_;      // after the groups it borrows
   offload::OverlapPolicy overlap_policy_ = offload::OverlapPolicy::kAuto;  // set_overlap_policy, kept for finalize

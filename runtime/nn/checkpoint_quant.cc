@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "kernels/fp8_blocks.h"
+#include "kernels/mxfp4_blocks.h"
 #include "runtime/config/json_describe.h"
 #include "runtime/config/json_text.h"
 
@@ -145,11 +146,6 @@ CheckpointQuant parse_mxfp4(const json& qc, const std::string& where, const std:
 Shape scale_grid(const CheckpointQuant& q, const Shape& weight) {
   return {(weight[0] + q.block_rows - 1) / q.block_rows, (weight[1] + q.block_cols - 1) / q.block_cols};
 }
-
-// e2m1 (FP4) by its 4-bit code: transformers' FP4_VALUES.
-constexpr float kFp4Values[16] = {+0.0f, +0.5f, +1.0f, +1.5f, +2.0f, +3.0f, +4.0f, +6.0f,
-                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
 
 // Which prefixes of `text` the regex `pattern` (literal characters, '.' any
 // character, '*' the element before repeated) matches whole: result[p] for
@@ -354,20 +350,10 @@ void dequantize_mxfp4(const TensorView& blocks, const TensorView& scales, int64_
                    scales.desc.shape == Shape({b[0], b[1], b[2]}) && first >= 0 && n >= 0 &&
                    first + n <= blocks.numel() * 2 && is_float_storage(dst_dtype),
                kInternal, "dequantize_mxfp4: bad arguments");
-  const int64_t rows = b[1], groups = b[2], cols = groups * 32;  // the output is [E, cols, rows]
-  const auto* blk = static_cast<const uint8_t*>(blocks.data);
-  const auto* exp = static_cast<const uint8_t*>(scales.data);
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t e = first + k;
-    const int64_t expert = e / (cols * rows), c = (e / rows) % cols, r = e % rows;
-    const int64_t group = (expert * rows + r) * groups + c / 32;
-    const uint8_t byte = blk[group * 16 + (c % 32) / 2];
-    const uint8_t code = (c % 2 == 0) ? (byte & 0x0f) : (byte >> 4);
-    // torch.ldexp(x, e) is x * pow(2.0, e) in fp32: 2^128 is inf (and 0 * inf NaN),
-    // 2^-127 an exact subnormal; the product is exact, rounded once to dst.
-    const float scale = std::ldexp(1.0f, static_cast<int>(exp[group]) - 127);
-    store_from_float(dst, dst_dtype, static_cast<size_t>(k), kFp4Values[code] * scale);
-  }
+  // The output [E, groups * 32, rows]: the stacked [experts, in, width].
+  const kernels::Mxfp4Stacked shape{b[0], b[2] * 32, b[1]};
+  kernels::dequantize_mxfp4_stacked(static_cast<const uint8_t*>(blocks.data), static_cast<const uint8_t*>(scales.data),
+                                    shape, first, n, dst, dst_dtype);
 }
 
 }  // namespace strata::nn

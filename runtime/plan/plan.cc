@@ -71,10 +71,11 @@ void validate(const PlanInputs& in) {
   if (in.lora) {
     check_count(in.lora->rank, 1, "the LoRA rank");
     check_count(in.lora->adapter_count, 1, "the LoRA adapters' parameter count");
-    STRATA_CHECK(in.lora->fp8_param_count >= 0 && in.lora->fp8_param_count <= in.model.param_count &&
-                     in.lora->fp8_block_numel >= 1,
-                 kBadArgument, "the FP8 base's {} FP8 parameters (of {}) in blocks of {} do not fit the base",
-                 in.lora->fp8_param_count, in.model.param_count, in.lora->fp8_block_numel);
+    STRATA_CHECK(in.lora->quantized_param_count >= 0 && in.lora->quantized_param_count <= in.model.param_count &&
+                     in.lora->quantized_bytes_per_param > 0 && in.lora->quantized_bytes_per_param <= kParam16Bytes,
+                 kBadArgument, "the {} base's {} {} parameters (of {}) at {} bytes each do not fit the base",
+                 in.lora->quantized_format, in.lora->quantized_param_count, in.lora->quantized_format,
+                 in.model.param_count, in.lora->quantized_bytes_per_param);
   }
   const Machine& hw = in.machine;
   check_count(hw.gpus_per_node, 1, "GPUs per node");
@@ -112,13 +113,14 @@ struct ParamClasses {
 };
 
 // Bytes per parameter of LoRA's frozen base at ZeRO stage `stage`: its
-// 16-bit weight, but at stage 3 an FP8 checkpoint's FP8 weights stay FP8 (a
-// byte and their share of a 4-byte scale per block).
+// 16-bit weight, but at stage 3 a quantized checkpoint's quantized weights
+// stay in their stored form (FP8: a byte and a share of a 4-byte scale per
+// block; MXFP4: 4.25 bits).
 double base_bytes_per_param(const PlanInputs& in, int stage) {
-  if (!in.lora || in.lora->fp8_param_count == 0 || stage != 3) return kParam16Bytes;
+  if (!in.lora || in.lora->quantized_param_count == 0 || stage != 3) return kParam16Bytes;
   const double psi = static_cast<double>(in.model.param_count);
-  const double fp8 = static_cast<double>(in.lora->fp8_param_count);
-  return (kParam16Bytes * (psi - fp8) + (1 + 4 / in.lora->fp8_block_numel) * fp8) / psi;
+  const double q = static_cast<double>(in.lora->quantized_param_count);
+  return (kParam16Bytes * (psi - q) + in.lora->quantized_bytes_per_param * q) / psi;
 }
 
 ParamClasses param_classes(const PlanInputs& in, int stage = 3) {

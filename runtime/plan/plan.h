@@ -81,12 +81,15 @@ struct LoraShape {
   int64_t rank = 0;                  // r; > 0
   std::vector<std::string> targets;  // projection names (nn::kLoraProjections)
   int64_t adapter_count = 0;         // ψ_a: Σ r·(in + out) over the adapted projections; > 0
-  // A base from an FP8 checkpoint (quantization_config fp8): of its
-  // parameters, those stored FP8, which ZeRO-3 keeps in FP8 -- a byte each
-  // and a 4-byte scale per fp8_block_numel of them (docs/DESIGN.md §4.2.2);
-  // the rest, and all of them below stage 3, take 16 bits. 0: none.
-  int64_t fp8_param_count = 0;
-  double fp8_block_numel = 128.0 * 128.0;
+  // A base from a quantized checkpoint (quantization_config fp8 or mxfp4):
+  // of its parameters, those stored quantized, which ZeRO-3 keeps so at
+  // quantized_bytes_per_param each (docs/DESIGN.md §4.2.2) -- FP8: a byte
+  // and a 4-byte scale per block (1 + 4 / 16384 for 128 x 128); MXFP4: half
+  // a byte and a byte of scale per 32 (17/32, 4.25 bits); the rest, and all
+  // of them below stage 3, take 16 bits. 0: none.
+  int64_t quantized_param_count = 0;
+  double quantized_bytes_per_param = 1.0 + 4.0 / (128.0 * 128.0);
+  std::string quantized_format = "FP8";  // "FP8" or "MXFP4", for the report
 };
 
 // What one training step does, and the ZeRO buffers it keeps (ds_config keys,
@@ -222,8 +225,8 @@ struct ActivationBytes {
 
 // The model states of a LoRA plan beside full fine-tuning of the same base.
 struct LoraStates {
-  // Frozen: the 16-bit weight only -- at ZeRO-3 an FP8 base's FP8 weights
-  // at 1 + 4 / block bytes (LoraShape::fp8_param_count), averaged over the base.
+  // Frozen: the 16-bit weight only -- at ZeRO-3 a quantized base's quantized
+  // weights at LoraShape::quantized_bytes_per_param, averaged over the base.
   double base_bytes_per_param = kParam16Bytes;
   // Adapters: fp32 weight + fp32 gradient + K; their gradient is already the
   // fp32 one ZeRO-Infinity counts, so 20 in both counts (stage 1 with the

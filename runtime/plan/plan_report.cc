@@ -131,7 +131,8 @@ json to_json(const Plan& plan) {
                    {"base_param_count", in.model.param_count},
                    {"adapter_param_count", in.lora->adapter_count},
                    {"base_bytes_per_param", l.base_bytes_per_param},
-                   {"base_fp8_param_count", in.lora->fp8_param_count},
+                   {"base_quantized_param_count", in.lora->quantized_param_count},
+                   {"base_quantized_format", in.lora->quantized_param_count > 0 ? in.lora->quantized_format : ""},
                    {"adapter_bytes_per_param", l.adapter_bytes_per_param},
                    {"base_bytes", whole(l.base_nbytes)},
                    {"adapter_bytes", whole(l.adapter_nbytes)},
@@ -233,13 +234,14 @@ std::string to_text(const Plan& plan, Units units) {
     const double adapters = static_cast<double>(in.lora->adapter_count);
     out += fmt::format("  LoRA rank {} on {}: the base frozen, the adapters trained in fp32\n",
                        in.lora->rank, targets);
-    if (in.lora->fp8_param_count > 0) {
+    if (in.lora->quantized_param_count > 0) {
+      const std::string& format = in.lora->quantized_format;
       out += fmt::format(
-          "  base             {} parameters, frozen: {:.3g} B/param at ZeRO-3 (the FP8 checkpoint's {} FP8 "
-          "weights kept in FP8, 1 B + a 4-byte scale per {:.0f}, the rest 16-bit; 2 B below stage 3; on the "
+          "  base             {} parameters, frozen: {:.3g} B/param at ZeRO-3 (the {} checkpoint's {} {} "
+          "weights kept in {}, {:.4g} B each with their scales, the rest 16-bit; 2 B below stage 3; on the "
           "parameters' tier, no gradient, no optimizer state) = {} {}\n",
-          count(psi), l.base_bytes_per_param, count(static_cast<double>(in.lora->fp8_param_count)),
-          in.lora->fp8_block_numel, size(l.base_nbytes), scale.name);
+          count(psi), l.base_bytes_per_param, format, count(static_cast<double>(in.lora->quantized_param_count)),
+          format, format, in.lora->quantized_bytes_per_param, size(l.base_nbytes), scale.name);
     } else {
       out += fmt::format(
           "  base             {} parameters, frozen: {:.0f} B/param (16-bit weights only, on the "

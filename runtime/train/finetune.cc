@@ -49,20 +49,26 @@
 namespace strata::train {
 namespace {
 
-// What LoRA's frozen base takes at home when an FP8 checkpoint's weights stay
-// FP8 (ParamInfo::fp8), against what they would take dequantized to the run's dtype.
-void log_fp8_base(const engine::Engine& engine, const nn::DecoderConfig& config,
-                  const engine::ZeroEngineOptions& zero) {
-  if (config.quant.method != nn::QuantMethod::kFp8Block) return;
-  int64_t kept = 0, fp8_bytes = 0, scale_bytes = 0, dequantized_bytes = 0, other_bytes = 0;
+// What LoRA's frozen base takes at home when a quantized checkpoint's weights
+// stay in their stored form (ParamInfo::blocks: FP8 e4m3, MXFP4), against what
+// they would take dequantized to the run's dtype.
+void log_quantized_base(const engine::Engine& engine, const nn::DecoderConfig& config,
+                        const engine::ZeroEngineOptions& zero) {
+  if (!config.quant.quantized()) return;
+  const char* format = config.quant.method == nn::QuantMethod::kFp8Block ? "FP8" : "MXFP4";
+  const char* unit = config.quant.method == nn::QuantMethod::kFp8Block ? "e4m3" : "4-bit codes";
+  int64_t kept = 0, stored_bytes = 0, scale_bytes = 0, dequantized_bytes = 0, other_bytes = 0;
   DType compute_dtype = DType::kBF16;  // what the kept weights are dequantized to (the base's dtype)
   for (engine::ParamId id = 0; id < engine.parameter_count(); ++id) {
     const engine::ParamInfo& p = engine.param_info(id);
     if (!p.frozen) continue;
-    if (p.fp8) {
+    if (p.blocks) {
       ++kept;
-      fp8_bytes += p.numel();  // a byte per element
-      scale_bytes += p.fp8->grid_numel() * static_cast<int64_t>(sizeof(float));
+      const int64_t grid = shape_numel(p.blocks->scale_shape()) * static_cast<int64_t>(dtype_nbytes(p.blocks->scale_dtype()));
+      // FP8: a byte per element and the fp32 grid; MXFP4: half a byte per element and a byte per 32.
+      const bool fp8 = p.blocks->format == kernels::QuantBlocks::Format::kFp8;
+      stored_bytes += fp8 ? p.blocks->stored_nbytes() : p.blocks->mxfp4.packed_nbytes();
+      scale_bytes += grid;
       dequantized_bytes += static_cast<int64_t>(p.nbytes());
       compute_dtype = p.dtype;
     } else {
@@ -70,17 +76,19 @@ void log_fp8_base(const engine::Engine& engine, const nn::DecoderConfig& config,
     }
   }
   if (kept == 0) {
-    logger().info("finetune: the FP8 checkpoint's frozen weights are dequantized to the run's dtype (a frozen base "
-                  "stays FP8 with LoRA at ZeRO stage 3)");
+    logger().info("finetune: the {} checkpoint's frozen weights are dequantized to the run's dtype (a frozen base "
+                  "stays {} with LoRA at ZeRO stage 3)",
+                  format, format);
     return;
   }
   constexpr double kMiB = 1 << 20;
   const auto mib = [&](int64_t n) { return static_cast<double>(n) / kMiB; };
-  logger().info("finetune: the frozen base keeps {} FP8 weights in FP8 on {}: {:.3f} MiB of e4m3 and {:.3f} MiB of "
+  logger().info("finetune: the frozen base keeps {} {} weights in {} on {}: {:.3f} MiB of {} and {:.3f} MiB of "
                 "scales, where the run's {} would take {:.3f} MiB ({:.2f}x); its other {:.3f} MiB are stored as the "
                 "run's (embedding, norms, unquantized weights)",
-                kept, tier_name(zero.param_tier), mib(fp8_bytes), mib(scale_bytes), dtype_name(compute_dtype),
-                mib(dequantized_bytes), static_cast<double>(fp8_bytes + scale_bytes) / static_cast<double>(dequantized_bytes),
+                kept, format, format, tier_name(zero.param_tier), mib(stored_bytes), unit, mib(scale_bytes),
+                dtype_name(compute_dtype), mib(dequantized_bytes),
+                static_cast<double>(stored_bytes + scale_bytes) / static_cast<double>(dequantized_bytes),
                 mib(other_bytes));
 }
 
@@ -532,7 +540,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       logger().info("--freeze: {} of {} parameter tensors ({} elements) are not trained", frozen.tensors,
                     frozen.total_tensors, frozen.elements);
     }
-    // LoRA's base from an FP8 checkpoint stays FP8 at home (ZeRO-3; docs/DESIGN.md
+    // LoRA's base from an FP8 or MXFP4 checkpoint stays so at home (ZeRO-3; docs/DESIGN.md
     // §4.2.2). Not --freeze's: its checkpoints save the frozen tensors, which
     // `strata export` reads back in the run's dtype.
     if (lora.enabled() && !options.model.empty()) {
@@ -541,7 +549,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
         const std::vector<engine::ParamId> ids = stage->parameters();
         all.insert(all.end(), ids.begin(), ids.end());
       }
-      keep_fp8_frozen(engine, all, options.model, model_config.quant);
+      keep_quantized_frozen(engine, all, options.model, model_config.quant);
     }
     engine.finalize();
   } catch (const Error& e) {
@@ -603,7 +611,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     load_hf_weights(engine, base, options.model, carried, model_config.quant);
   }
   nn::initialize_parameters(engine, adapters, seed);
-  if (rank.rank == 0) log_fp8_base(engine, model_config, zero);
+  if (rank.rank == 0) log_quantized_base(engine, model_config, zero);
   if (start_adapter) {
     // Exactly the adapters this model declares: a tensor more or less is refused by name.
     nn::load_parameters(engine, adapters, start_adapter->weights.string(), false, std::string(nn::kPeftPrefix));

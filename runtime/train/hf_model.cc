@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -259,6 +260,25 @@ struct Catalogue {
   nn::CheckpointTensors stored;
 };
 
+// An expert's weight [out, in] as a view of a stacked MXFP4 tensor [E, in,
+// width] (gpt-oss: ParameterSlice strides {step, width}, base e * in * width
+// + first): row o is the checkpoint's block column e * width + first + o *
+// step (kernels/mxfp4_blocks.h). nullopt: not such a view.
+struct Mxfp4View {
+  kernels::Mxfp4Stacked stacked;
+  int64_t first_column = 0, column_step = 0;
+};
+std::optional<Mxfp4View> mxfp4_view(const engine::ParamInfo& p, const nn::QuantizedTensor& q) {
+  if (q.method != nn::QuantMethod::kMxfp4 || !p.slice || p.shape.size() != 2) return std::nullopt;
+  const engine::ParameterSlice& s = *p.slice;
+  if (s.strides.size() != 2 || s.tensor_shape.size() != 3) return std::nullopt;
+  const int64_t in = s.tensor_shape[1], width = s.tensor_shape[2], step = s.strides[0];
+  if (s.strides[1] != width || p.shape[1] != in || in % 32 != 0 || step <= 0 || s.base < 0) return std::nullopt;
+  const int64_t expert = s.base / (in * width), first = s.base % (in * width);
+  if (first >= width || first + (p.shape[0] - 1) * step >= width) return std::nullopt;
+  return Mxfp4View{{s.tensor_shape[0], in, width}, expert * width + first, step};
+}
+
 Catalogue open_catalogue(const fs::path& dir) {
   Catalogue c;
   c.w = weight_files(dir);
@@ -275,20 +295,31 @@ Catalogue open_catalogue(const fs::path& dir) {
 
 }  // namespace
 
-int64_t keep_fp8_frozen(engine::Engine& engine, const std::vector<engine::ParamId>& params, const fs::path& dir,
-                        const nn::CheckpointQuant& quant) {
-  if (quant.method != nn::QuantMethod::kFp8Block) return 0;
+int64_t keep_quantized_frozen(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                              const fs::path& dir, const nn::CheckpointQuant& quant) {
+  if (!quant.quantized()) return 0;
   const Catalogue c = open_catalogue(dir);
   const nn::DequantizedView view = nn::dequantized_view(quant, c.stored, dir.string());
   int64_t kept = 0;
   for (engine::ParamId id : params) {
     const engine::ParamInfo& info = engine.param_info(id);
-    if (!info.frozen || info.slice) continue;
+    if (!info.frozen) continue;
+    if (info.slice) {
+      // An expert's weight viewing gpt-oss's stacked MXFP4 tensor; other slices (tiles, tp shards) are dequantized.
+      const auto q = view.quantized.find(info.slice->tensor);
+      if (q != view.quantized.end() && mxfp4_view(info, q->second)) {
+        engine.store_blocks(id, kernels::QuantBlocks::of(kernels::Mxfp4Blocks{info.shape[0], info.shape[1]}));
+        ++kept;
+      }
+      continue;
+    }
     const auto q = view.quantized.find(info.name);
-    if (q == view.quantized.end() || q->second.method != nn::QuantMethod::kFp8Block || q->second.shape != info.shape) {
+    if (q == view.quantized.end() || q->second.shape != info.shape) {
       continue;  // load_hf_weights names a shape that differs
     }
-    engine.store_fp8_blocks(id, quant.block_rows, quant.block_cols);
+    if (q->second.method != nn::QuantMethod::kFp8Block) continue;  // a whole stacked MXFP4 tensor: dequantized
+    const Shape& s = info.shape;
+    engine.store_blocks(id, kernels::QuantBlocks::of(kernels::Fp8Blocks{s[0], s[1], quant.block_rows, quant.block_cols}));
     ++kept;
   }
   return kept;
@@ -349,12 +380,44 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
     const nn::QuantizedTensor* q = entry.second;
     const TensorView data = opened.at(stored.at(q->data).file).view(q->data);
     const TensorView scale = opened.at(stored.at(q->scale).file).view(q->scale);
-    if (engine.param_info(id).fp8) {
-      // Kept in FP8 by the engine (keep_fp8_frozen): the bytes and scales as stored.
-      std::vector<float> grid = nn::fp32_scale_grid(scale);  // an F8_E8M0 grid's values in fp32
-      const TensorView grid_view{TensorDesc{DType::kF32, scale.desc.shape, Tier::kCpu}, grid.data()};
-      engine.write_fp8_blocks(id, grid_view, [&](int64_t first, const TensorView& host) {
-        std::memcpy(host.data, static_cast<const uint8_t*>(data.data) + first, static_cast<size_t>(host.numel()));
+    if (const auto& kept = engine.param_info(id).blocks) {
+      // Kept quantized by the engine (keep_quantized_frozen): FP8's bytes and
+      // scales as stored, MXFP4's packed into its kept form.
+      if (kept->format == kernels::QuantBlocks::Format::kFp8) {
+        std::vector<float> grid = nn::fp32_scale_grid(scale);  // an F8_E8M0 grid's values in fp32
+        const TensorView grid_view{TensorDesc{DType::kF32, scale.desc.shape, Tier::kCpu}, grid.data()};
+        engine.write_blocks(id, grid_view, [&](int64_t first, const TensorView& host) {
+          std::memcpy(host.data, static_cast<const uint8_t*>(data.data) + first, static_cast<size_t>(host.numel()));
+        });
+      } else {
+        // The rows' block columns of the stacked tensor, codes and scales as stored.
+        const engine::ParamInfo& info = engine.param_info(id);
+        const std::optional<Mxfp4View> v = mxfp4_view(info, *q);
+        STRATA_CHECK(v.has_value(), kInternal, "'{}' kept in MXFP4 is not a view of '{}'", info.name, q->data);
+        const auto* blocks = static_cast<const uint8_t*>(data.data);
+        const auto* scales = static_cast<const uint8_t*>(scale.data);
+        const int64_t per_row = v->stacked.in / 32;
+        std::vector<uint8_t> grid(static_cast<size_t>(kept->mxfp4.scale_numel()));
+        for (int64_t o = 0; o < info.shape[0]; ++o) {
+          std::memcpy(grid.data() + o * per_row, scales + (v->first_column + o * v->column_step) * per_row,
+                      static_cast<size_t>(per_row));
+        }
+        const TensorView grid_view{TensorDesc{DType::kU8, kept->scale_shape(), Tier::kCpu}, grid.data()};
+        engine.write_blocks(id, grid_view, [&](int64_t first, const TensorView& host) {
+          kernels::pack_mxfp4_columns(blocks, scales, v->stacked, v->first_column, v->column_step, info.shape[0],
+                                      first, host.numel(), host.as<uint8_t>());
+        });
+      }
+      continue;
+    }
+    if (const std::optional<Mxfp4View> v = mxfp4_view(engine.param_info(id), *q)) {
+      // An expert's weight: its rows are whole block columns of the stacked
+      // tensor, dequantized row by row (one pass, the codes in order).
+      const auto* blocks = static_cast<const uint8_t*>(data.data);
+      const auto* scales = static_cast<const uint8_t*>(scale.data);
+      engine.for_each_owned_range(id, engine::Engine::Access::kWrite, [&](int64_t first, const TensorView& host) {
+        kernels::dequantize_mxfp4_columns(blocks, scales, v->stacked, v->first_column, v->column_step, first,
+                                          host.numel(), host.data, host.desc.dtype);
       });
       continue;
     }

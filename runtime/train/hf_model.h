@@ -43,20 +43,20 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const std::filesystem:
 // MTP modules' (nn::is_mtp_tensor), by name, with the file holding each.
 std::map<std::string, std::filesystem::path> carried_hf_tensors(const nn::DecoderConfig& config,
                                                                 const std::filesystem::path& dir);
-// Asks the engine to keep in FP8 (Engine::store_fp8_blocks) each frozen
+// Asks the engine to keep block-quantized (Engine::store_blocks) each frozen
 // parameter of `params` that is a whole tensor (not a tile or a tp shard)
-// which the directory's checkpoint stores FP8 under `quant` (method fp8),
-// before finalize; load_hf_weights then writes their bytes and scales as
-// stored. Returns how many were asked (0 without FP8 quantization).
-int64_t keep_fp8_frozen(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                        const std::filesystem::path& dir, const nn::CheckpointQuant& quant);
+// which the directory's checkpoint stores quantized under `quant` (FP8
+// blocks, MXFP4), before finalize; load_hf_weights then writes their stored
+// form and scales. Returns how many were asked (0 without quantization).
+int64_t keep_quantized_frozen(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                              const std::filesystem::path& dir, const nn::CheckpointQuant& quant);
 // Every parameter in `params` from the directory's safetensors; a tensor no
 // parameter claims (other than those above) is refused.
 // `carried`: tensors the files may hold without a parameter (carried_hf_tensors').
 // `quant`: config.json's quantization_config; its quantized weights are
 // dequantized exactly into the parameters' dtype, range by range from the
 // mapped files (nn/checkpoint_quant.h) -- or, for a parameter the engine keeps
-// in FP8 (ParamInfo::fp8), written as stored (Engine::write_fp8_blocks).
+// block-quantized (ParamInfo::blocks), written in its stored form (Engine::write_blocks).
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::filesystem::path& dir, const std::set<std::string>& carried = {},
                      const nn::CheckpointQuant& quant = {});

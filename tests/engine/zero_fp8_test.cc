@@ -1,4 +1,4 @@
-// A frozen weight of an FP8 checkpoint kept in FP8 (ParamInfo::fp8,
+// A frozen weight of an FP8 checkpoint kept in FP8 (ParamInfo::blocks,
 // docs/DESIGN.md §4.2.2): on two ranks with the parameters on NVMe its home
 // holds its e4m3 bytes (one per element: the swap file half of bf16's), its
 // slices split blocks anywhere (the scale grid is whole on every rank), and
@@ -46,25 +46,18 @@ TEST_CASE("fp8 base: frozen FP8 weights stay FP8 on two NVMe ranks, their swap f
     std::vector<std::pair<std::string, std::string>> write_refusals;
     std::vector<std::string> wrong_dtype, wrong_gather;
     test::run_zero_ranks(2, [&](int rank, Accelerator& accelerator, engine::ZeroComms comms) {
-      engine::ZeroEngineOptions o;
-      o.stage = 3;
-      o.param_tier = Tier::kNvme;
-      o.nvme_path = tmp.path() / "swap";
-      o.keep_swap_files = true;
-      o.persistence_threshold_numel = 0;
-      o.optimizer_threads = 1;
-      engine::ZeroEngine eng(accelerator, comms, o);
+      engine::ZeroEngine eng(accelerator, comms, test::nvme_stage3_options(tmp.path() / "swap"));
       nn::DecoderModelOptions mo;
       mo.dtype = dtype;
       nn::DecoderModel model(eng, config, mo);
       for (engine::ParamId id : model.parameters()) eng.freeze(id);
-      const int64_t kept = train::keep_fp8_frozen(eng, model.parameters(), dir, config.quant);
+      const int64_t kept = train::keep_quantized_frozen(eng, model.parameters(), dir, config.quant);
       eng.finalize();
       train::load_hf_weights(eng, model.parameters(), dir, {}, config.quant);
       int64_t numel = 0;
       for (engine::ParamId id : model.parameters()) {
         const engine::ParamInfo& info = eng.param_info(id);
-        if (!info.fp8) continue;
+        if (!info.blocks) continue;
         numel += info.numel();
         // Held as its bytes: writing values is refused by name.
         std::string refusal = "(not refused)";
@@ -87,7 +80,7 @@ TEST_CASE("fp8 base: frozen FP8 weights stay FP8 on two NVMe ranks, their swap f
           all.resize(info.nbytes());
           std::memcpy(all.data() + first * static_cast<int64_t>(dtype_nbytes(dtype)), host.data, host.nbytes());
           // A rank's range that starts inside a 128-column block of a row: the grid is whole on every rank.
-          if (rank == 1 && first % info.fp8->cols % 128 != 0) ++split_blocks;
+          if (rank == 1 && first % info.blocks->fp8.cols % 128 != 0) ++split_blocks;
         });
       }
       // Every operator's parameters through the hooks: gathered as e4m3, dequantized per gather.
@@ -96,7 +89,7 @@ TEST_CASE("fp8 base: frozen FP8 weights stay FP8 on two NVMe ranks, their swap f
         eng.pre_op(op, engine::Phase::kForward);
         for (engine::ParamId p : eng.op_info(op).params) {
           const engine::ParamInfo& info = eng.param_info(p);
-          if (!info.fp8) continue;
+          if (!info.blocks) continue;
           const TensorView v = eng.param(p);
           std::vector<uint8_t> bytes(v.nbytes());
           accelerator.copy_async(bytes.data(), v.data, v.nbytes(), CopyKind::kDeviceToHost, eng.compute_stream());

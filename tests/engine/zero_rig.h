@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <filesystem>
 #include <functional>
 
 #include "core/accelerator.h"
@@ -30,6 +31,20 @@ inline void run_zero_ranks(int world_size, const ZeroRankBody& body,
                                                                           context_parallel_size);
     body(rank, accelerator, comms.comms());
   });
+}
+
+// ZeRO-3 with the parameters on NVMe under `nvme_path`, the swap files kept
+// (the kept-base tests read their sizes), every parameter gathered (none
+// persistent), one optimizer thread.
+inline engine::ZeroEngineOptions nvme_stage3_options(const std::filesystem::path& nvme_path) {
+  engine::ZeroEngineOptions o;
+  o.stage = 3;
+  o.param_tier = Tier::kNvme;
+  o.nvme_path = nvme_path;
+  o.keep_swap_files = true;
+  o.persistence_threshold_numel = 0;
+  o.optimizer_threads = 1;
+  return o;
 }
 
 }  // namespace strata::test

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/mxfp4_blocks.h"
 #include "runtime/nn/checkpoint_quant.h"
 #include "runtime/nn/decoder_model.h"
 #include "runtime/nn/safetensors.h"
@@ -36,6 +37,17 @@ namespace {
 
 std::string golden(const std::string& name) {
   return strata::test::source_dir() + "/tests/data/golden/" + name;
+}
+
+// Runs `call` and checks it is refused (kBadArgument) naming op `op` and `says`.
+void expect_op_refused(const std::function<void()>& call, const std::string& op, const std::string& says) {
+  try {
+    call();
+    FAIL("accepted; expected: " << says);
+  } catch (const Error& e) {
+    CHECK(e.category() == ErrorCategory::kBadArgument);
+    CHECK_THAT(e.what(), Catch::Contains(op) && Catch::Contains(says));
+  }
 }
 
 // The bytes of `view`, for bit-for-bit comparisons.
@@ -147,6 +159,76 @@ TEST_CASE("quant: MXFP4 dequantizes as transformers' convert_moe_packed_tensors,
     CHECK(std::memcmp(part.data(), static_cast<const char*>(want.data) + 333 * dtype_nbytes(dtype),
                       100 * dtype_nbytes(dtype)) == 0);
   }
+}
+
+TEST_CASE("quant: an MXFP4 expert's weight reads, packs to its kept form (4.25 bits) by any range, and "
+          "Ops::dequantize_mxfp4_blocks gives transformers' values bit for bit",
+          "[nn][quant][ops]") {
+  const nn::SafetensorsFile t = nn::SafetensorsFile::open(golden("quant/tables.safetensors"));
+  const TensorView blocks = t.view("blocks"), scales = t.view("scales");
+  REQUIRE(blocks.desc.shape == Shape({2, 6, 2, 16}));
+  const auto* b = blocks.as<uint8_t>();
+  const auto* s = scales.as<uint8_t>();
+  // The stacked [2, 64, 6]; expert 1's weight of columns 1, 3, 5 (gpt-oss's
+  // up_proj: step 2) is [3, 64], element (o, i) the stacked (1, i, 1 + 2 o).
+  const kernels::Mxfp4Stacked stacked{2, 64, 6};
+  const int64_t first_column = 1 * 6 + 1, step = 2, rows = 3;
+  const kernels::Mxfp4Blocks shape{rows, 64};
+  std::vector<uint8_t> kept(static_cast<size_t>(shape.stored_nbytes()));
+  REQUIRE(kept.size() * 32 == static_cast<size_t>(shape.numel()) * 17);
+  kernels::pack_mxfp4_columns(b, s, stacked, first_column, step, rows, 0, shape.stored_nbytes(), kept.data());
+  // Any byte range packs to the whole's bytes (the loader writes each rank's slice).
+  for (const auto& [first, n] : {std::pair<int64_t, int64_t>{0, 1}, {5, 90}, {95, 2}, {96, 6}, {31, 71}}) {
+    INFO("bytes [" << first << ", " << first + n << ")");
+    std::vector<uint8_t> part(static_cast<size_t>(n));
+    kernels::pack_mxfp4_columns(b, s, stacked, first_column, step, rows, first, n, part.data());
+    CHECK(std::equal(part.begin(), part.end(), kept.begin() + first));
+  }
+  test::Rig rig;
+  ops::Ops& ops = rig.engine->ops();
+  ops::ComputeContext& ctx = rig.engine->compute();
+  const TensorView packed{TensorDesc{DType::kU8, {shape.packed_nbytes()}, Tier::kCpu}, kept.data()};
+  const TensorView grid{TensorDesc{DType::kU8, {rows, 2}, Tier::kCpu}, kept.data() + shape.packed_nbytes()};
+  for (const auto& [name, dtype] : {std::pair{"mxfp4_f32", DType::kF32}, std::pair{"mxfp4_bf16", DType::kBF16},
+                                    std::pair{"mxfp4_f16", DType::kF16}}) {
+    INFO(name);
+    const size_t esize = dtype_nbytes(dtype);
+    const auto* golden_bytes = static_cast<const char*>(t.view(name).data);
+    std::vector<char> want(static_cast<size_t>(shape.numel()) * esize);
+    for (int64_t o = 0; o < rows; ++o) {
+      for (int64_t i = 0; i < 64; ++i) {
+        std::memcpy(want.data() + static_cast<size_t>(o * 64 + i) * esize,
+                    golden_bytes + static_cast<size_t>((1 * 64 + i) * 6 + 1 + 2 * o) * esize, esize);
+      }
+    }
+    // The loader's reading of the weight, whole and from an odd element.
+    std::vector<char> got(want.size());
+    kernels::dequantize_mxfp4_columns(b, s, stacked, first_column, step, 0, shape.numel(), got.data(), dtype);
+    CHECK(got == want);
+    kernels::dequantize_mxfp4_columns(b, s, stacked, first_column, step, 37, 101, got.data(), dtype);
+    CHECK(std::memcmp(got.data(), want.data() + 37 * esize, 101 * esize) == 0);
+    // The kept form through the op, and a host range of it from an odd element.
+    const Tensor p = test::upload(rig, packed), g = test::upload(rig, grid);
+    Tensor out = rig.accelerator->allocate_tensor(dtype, {rows, 64});
+    ops.dequantize_mxfp4_blocks(ctx, p.view(), g.view(), out.view());
+    rig.engine->compute_stream().synchronize();
+    const std::vector<uint8_t> out_bytes = bytes_of(out.view());
+    CHECK(std::memcmp(out_bytes.data(), want.data(), want.size()) == 0);
+    kernels::dequantize_mxfp4(kept.data() + 37 / 2, kept.data() + shape.packed_nbytes(), 37, 101, got.data(), dtype);
+    CHECK(std::memcmp(got.data(), want.data() + 37 * esize, 101 * esize) == 0);
+  }
+  // Refused before anything is enqueued, naming the argument.
+  const Tensor p = test::upload(rig, packed), g = test::upload(rig, grid);
+  const auto refused = [&](const std::function<void()>& call, const std::string& says) {
+    expect_op_refused(call, "dequantize_mxfp4_blocks", says);
+  };
+  Tensor cols48 = rig.accelerator->allocate_tensor(DType::kBF16, {4, 48});
+  refused([&] { ops.dequantize_mxfp4_blocks(ctx, p.view(), g.view(), cols48.view()); }, "a multiple of 32");
+  Tensor more = rig.accelerator->allocate_tensor(DType::kBF16, {6, 64});
+  refused([&] { ops.dequantize_mxfp4_blocks(ctx, p.view(), g.view(), more.view()); }, "packed has shape");
+  Tensor out = rig.accelerator->allocate_tensor(DType::kBF16, {rows, 64});
+  refused([&] { ops.dequantize_mxfp4_blocks(ctx, g.view(), g.view(), out.view()); }, "packed has shape");
+  refused([&] { ops.dequantize_mxfp4_blocks(ctx, p.view(), p.view(), out.view()); }, "scales has shape");
 }
 
 TEST_CASE("quant: a DeepSeek-V3 FP8 checkpoint loads to transformers' dequantized values bit for bit", "[nn][quant]") {
@@ -330,13 +412,7 @@ TEST_CASE("quant: Ops::dequantize_fp8_blocks gives transformers' dequantized bit
   const Tensor s = on_device(find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"));
   Tensor out = rig.accelerator->allocate_tensor(DType::kBF16, {144, 136});
   const auto refused = [&](const std::function<void()>& call, const std::string& says) {
-    try {
-      call();
-      FAIL("accepted; expected: " << says);
-    } catch (const Error& e) {
-      CHECK(e.category() == ErrorCategory::kBadArgument);
-      CHECK_THAT(e.what(), Catch::Contains("dequantize_fp8_blocks") && Catch::Contains(says));
-    }
+    expect_op_refused(call, "dequantize_fp8_blocks", says);
   };
   refused([&] { ops.dequantize_fp8_blocks(ctx, w.view(), s.view(), 64, 128, out.view()); }, "scale_inv has shape [2, 2]");
   refused([&] { ops.dequantize_fp8_blocks(ctx, s.view(), s.view(), 128, 128, out.view()); }, "weight has dtype fp32");

@@ -616,7 +616,7 @@ TEST_CASE("plan: an FP8 checkpoint's LoRA base counts 1 byte per FP8 parameter a
   PlanInputs in;
   in.model.param_count = static_cast<int64_t>(1000 * kBlock);
   in.lora = LoraShape{8, {"q_proj", "v_proj"}, 100};
-  in.lora->fp8_param_count = static_cast<int64_t>(800 * kBlock);
+  in.lora->quantized_param_count = static_cast<int64_t>(800 * kBlock);
   in.machine.data_parallel = 2;
   in.machine.gpus_per_node = 2;
   const Plan plan = make_plan(in);
@@ -630,10 +630,15 @@ TEST_CASE("plan: an FP8 checkpoint's LoRA base counts 1 byte per FP8 parameter a
   CHECK(find(plan, {3, Tier::kNvme, Tier::kCpu}).param16.nvme == Approx((base + 400) / 2));
   CHECK(find(plan, {1, Tier::kGpu, Tier::kGpu}).param16.gpu == Approx(2 * 1000 * kBlock + 400));
   // Without FP8 weights the base is 16-bit at every stage.
-  in.lora->fp8_param_count = 0;
+  in.lora->quantized_param_count = 0;
   CHECK(make_plan(in).lora->base_bytes_per_param == 2);
-  in.lora->fp8_param_count = static_cast<int64_t>(1001 * kBlock);
+  in.lora->quantized_param_count = static_cast<int64_t>(1001 * kBlock);
   CHECK_THROWS_WITH(make_plan(in), Catch::Contains("FP8 parameters"));
+  // MXFP4 (gpt-oss's experts): 4.25 bits each.
+  in.lora->quantized_param_count = static_cast<int64_t>(640 * kBlock);
+  in.lora->quantized_bytes_per_param = 17.0 / 32.0;
+  in.lora->quantized_format = "MXFP4";
+  CHECK(make_plan(in).lora->base_nbytes == Approx(2 * 360 * kBlock + 640 * kBlock * 17 / 32));
 }
 
 TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes", "[plan][cli]") {
@@ -700,11 +705,19 @@ TEST_CASE("strata plan --lora-rank: the adapters counted from the model's shapes
   // An FP8 checkpoint (tests/data/golden/fp8_llama: its 14 layer weights
   // FP8, 245,760 elements): the base at a byte per FP8 parameter at ZeRO-3.
   const auto fp8 = lora("--model " + strata::test::source_dir() + "/tests/data/golden/fp8_llama --lora-rank 4");
-  CHECK(fp8["lora"]["base_fp8_param_count"] == 245'760);
+  CHECK(fp8["lora"]["base_quantized_param_count"] == 245'760);
+  CHECK(fp8["lora"]["base_quantized_format"] == "FP8");
   const double fp8_base = fp8["lora"]["base_param_count"].get<double>();
   CHECK(fp8["lora"]["base_bytes"].get<double>() ==
         Approx(2 * (fp8_base - 245'760) + 245'760 + 4 * 245'760 / 16384.0).margin(1));
-  CHECK(lora("--model " + model + " --lora-rank 8")["lora"]["base_fp8_param_count"] == 0);
+  CHECK(lora("--model " + model + " --lora-rank 8")["lora"]["base_quantized_param_count"] == 0);
+  // gpt-oss's MXFP4 checkpoint (tests/data/golden/mxfp4_gpt_oss): its 4
+  // stacked expert tensors, 49,152 elements, at 4.25 bits; the rest 16-bit.
+  const auto mxfp4 = lora("--model " + strata::test::source_dir() + "/tests/data/golden/mxfp4_gpt_oss --lora-rank 4");
+  CHECK(mxfp4["lora"]["base_quantized_param_count"] == 2 * (4 * 64 * 64 + 4 * 32 * 64));
+  CHECK(mxfp4["lora"]["base_quantized_format"] == "MXFP4");
+  const double mxfp4_base = mxfp4["lora"]["base_param_count"].get<double>();
+  CHECK(mxfp4["lora"]["base_bytes"].get<double>() == Approx(2 * (mxfp4_base - 49'152) + 49'152 * 17 / 32.0).margin(1));
 
   const auto text = run_command(strata_binary() + " plan --model " + model +
                                 " --lora-rank 8 --lora-targets all-linear --gpu-mem 1GB");
