@@ -57,6 +57,9 @@ struct ExportOptions {
   // FP8 weight is written dequantized in `dtype` and its scale grid dropped,
   // as the export's config.json has no quantization_config.
   nn::CheckpointQuant quant;
+  // Where the adapters go in adapter_model.safetensors (nn::checkpoint_names
+  // of the model: PEFT's names on a gemma3 checkpoint's text model).
+  nn::CheckpointNames names;
 };
 
 // What was written (rank 0; other ranks get the same file list).
@@ -83,7 +86,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
 // the base: adapter_config.json (peft_type LORA, r, lora_alpha, use_rslora,
 // target_modules, base_model_name_or_path = `base_model`, or null when
 // empty) and adapter_model.safetensors (every adapter in fp32, named
-// "base_model.model.<name>"), plus options.files. The directory is replaced
+// "base_model.model.<name>", options.names.adapter_name), plus options.files. The directory is replaced
 // whole, as by export_hf_model. Collective, like export_hf_model;
 // `pipeline_comm` as there (`adapters` are this stage's): every stage's
 // adapters are written, in stage order.
