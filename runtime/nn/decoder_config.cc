@@ -668,7 +668,8 @@ const char* supported_model_types() {
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
          "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2), glm4_moe (GLM-4.5, "
-         "GLM-4.5-Air), gemma2 (Gemma 2), gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3) and "
+         "GLM-4.5-Air), gemma2 (Gemma 2), gemma3_text (Gemma 3 1B), gemma3 (the text model of Gemma 3 "
+         "4B-27B as published, Gemma3ForConditionalGeneration: the vision tower is carried untrained) and "
          "gpt_oss (gpt-oss-20b, gpt-oss-120b in bf16 or fp32; not their MXFP4 checkpoints)";
 }
 

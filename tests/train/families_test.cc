@@ -432,6 +432,20 @@ TEST_CASE("families: strata run -n 2 -- strata finetune: the text model of a Gem
   CHECK(vision == 23);
   CHECK(index["weight_map"].size() == source.names().size());
   CHECK(index["weight_map"]["language_model.model.norm.weight"] == "model-00001-of-00002.safetensors");
+  // A checkpoint of the run holds the text model only: strata export refuses it (the vision tower stayed in the
+  // source), naming what to do instead.
+  const std::string save = dir.file("save");
+  const auto saved = run_command(strata_binary() + " finetune --config " + write_file(dir, "fp32.json", kFp32Config) +
+                                 " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 1 --out " +
+                                 dir.file("out1") + " --save " + save + " 2>&1");
+  INFO(saved.output);
+  REQUIRE(saved.exit_code == 0);
+  const auto exported_ckpt = run_command(strata_binary() + " export " + save + " " + dir.file("ckpt-export") + " 2>&1");
+  INFO(exported_ckpt.output);
+  CHECK(exported_ckpt.exit_code != 0);
+  CHECK_THAT(exported_ckpt.output, Catch::Contains("does not hold the vision tower and projector") &&
+                                       Catch::Contains("--resume and --export DIR"));
+  CHECK_FALSE(std::filesystem::exists(dir.file("ckpt-export")));
 }
 
 TEST_CASE("families: a gemma3 checkpoint in either layout trains its text model, and image placeholders in the data and "
