@@ -256,8 +256,37 @@ DOCUMENT = {"chat": chat_document, "prompt-completion": prompt_completion_docume
 KEYS = {"chat": {"messages"}, "prompt-completion": {"prompt", "completion"}, "text": {"text"}}
 
 
+# Gemma3Config's image placeholders (its defaults when config.json leaves them out).
+GEMMA3_IMAGE_TOKENS = (("image_token_index", 262144), ("boi_token_index", 255999), ("eoi_token_index", 256000))
+
+
+def image_placeholders(model_dir):
+    """{id: key} of the image placeholders of a gemma3 (Gemma3ForConditionalGeneration) model: strata trains its
+    text model and cannot fill them."""
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError:
+            return {}  # strata finetune names what is wrong with it
+    if not isinstance(config, dict) or config.get("model_type") != "gemma3":
+        return {}
+    return {config.get(key, default): key for key, default in GEMMA3_IMAGE_TOKENS}
+
+
+def refuse_image_placeholders(ids, placeholders, where):
+    for t, token in enumerate(ids):
+        if token in placeholders:
+            refuse(f"{where}: token {t} of the document is {token}, the model's image placeholder "
+                   f"({placeholders[token]} of config.json): strata trains the text model of a gemma3 checkpoint and "
+                   "cannot fill images; remove the image from the line")
+
+
 def prepare(args):
     text = ModelText(args.model, need_template=args.format == "chat")
+    placeholders = image_placeholders(args.model)
     documents, truncated, targets, longest = [], 0, 0, 0
     with open(args.input, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -277,6 +306,7 @@ def prepare(args):
                 refuse(f"{where}: key \"{unknown[0]}\" is not part of the {args.format} format (expected "
                        f"{', '.join(sorted(KEYS[args.format]))})")
             ids, mask = DOCUMENT[args.format](text, record, where)
+            refuse_image_placeholders(ids, placeholders, where)
             longest = max(longest, len(ids))
             if args.max_length and len(ids) > args.max_length:
                 ids, mask = ids[:args.max_length], mask[:args.max_length]

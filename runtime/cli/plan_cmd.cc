@@ -179,6 +179,7 @@ void resolve_model(const Options& o, Resolved& r) {
             std::filesystem::is_directory(o.model) ? " (the directory has no config.json)" : "");
     const nn::DecoderConfig& config = r.config.emplace(nn::load_decoder_config(path.string()));
     m = plan::decoder_model_shape(config);
+    m.carried_param_count = config.checkpoint_parameter_count() - config.parameter_count();
     r.model_source = path.string();
     return;
   }
@@ -511,6 +512,11 @@ std::string header(const Resolved& r, const plan::Plan& plan) {
                : fmt::format("          active per token: {} parameters, the embedding included (tied to lm_head, "
                              "it is the output projection too)\n",
                              count_text(active));
+    if (m.carried_param_count > 0) {
+      out += fmt::format("          the text model of a Gemma3ForConditionalGeneration checkpoint of {} parameters: its "
+                         "vision tower and projector ({}) are carried to the export untrained\n",
+                         count_text(m.param_count + m.carried_param_count), count_text(m.carried_param_count));
+    }
   }
   if (m.experts > 0) {
     out += fmt::format("          mixture of experts: {} experts of width {} per layer, {} per token (compute counts "

@@ -73,6 +73,17 @@ void Batches::eval_batch(int64_t k, Batch& b) const {
   }
 }
 
+void Batches::refuse_id(int64_t token, const std::string& where, const RefusedIds& refused) const {
+  std::string key;
+  for (const auto& r : refused) {
+    if (r.second == token) key += (key.empty() ? "" : ", ") + r.first;
+  }
+  raise(ErrorCategory::kBadArgument,
+        "{}: token {} {} is the model's image placeholder ({} of config.json): strata trains the text model of a "
+        "gemma3 checkpoint and cannot fill images; prepare the data without them. Checked before step 1",
+        path_, token, where, key);
+}
+
 namespace {
 
 // ---- token streams ----------------------------------------------------------------------
@@ -85,15 +96,20 @@ class StreamBatches final : public Batches {
     windows_ = (file_.size() - 1) / options.seq;
   }
 
-  void check_ids(int64_t vocab) const override {
+  void check_ids_in(int64_t vocab, const RefusedIds& refused) const override {
     const int64_t largest = file_.format() == TokenFormat::kText  ? 255
                             : file_.format() == TokenFormat::kU32 ? int64_t{0xffffffff}
                                                                   : int64_t{0xffff};
-    if (largest < vocab) return;  // the format cannot hold an id >= vocab
+    bool possible = largest >= vocab;  // else the format cannot hold an id >= vocab
+    for (const auto& r : refused) possible = possible || r.second <= largest;
+    if (!possible) return;
     const int64_t n = file_.size(), begin = n * options_.rank / options_.world,
                   end = n * (options_.rank + 1) / options_.world;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t token = file_.token(i);
+      for (const auto& r : refused) {
+        if (token == r.second) refuse_id(token, fmt::format("at position {}", i), refused);
+      }
       if (token >= vocab) {
         raise(ErrorCategory::kBadArgument,
               "{}: token {} at position {} is outside the model's vocabulary [0, {}) (vocab_size of the model "
@@ -155,11 +171,22 @@ class DocumentBatches final : public Batches {
                  file_.path(), seq);
   }
 
-  void check_ids(int64_t vocab) const override {
+  void check_ids_in(int64_t vocab, const RefusedIds& refused) const override {
     const int64_t n = file_.tokens(), begin = n * options_.rank / options_.world,
                   end = n * (options_.rank + 1) / options_.world;
     for (int64_t i = begin; i < end; ++i) {
       const uint32_t token = file_.token(i);
+      for (const auto& r : refused) {
+        if (static_cast<int64_t>(token) != r.second) continue;
+        // Its document: the line of the JSONL it was prepared from, blank lines aside.
+        int64_t d = 0;
+        while (d + 1 < file_.documents() && file_.document_end(d) <= i) ++d;
+        refuse_id(token,
+                  fmt::format("(token {} of the file) in document {}, line {} of the JSONL it was prepared from "
+                              "(blank lines not counted)",
+                              i, d, d + 1),
+                  refused);
+      }
       if (static_cast<int64_t>(token) >= vocab) {
         raise(ErrorCategory::kBadArgument,
               "{}: token {} (token {} of the file) is outside the model's vocabulary [0, {}) (vocab_size of the "

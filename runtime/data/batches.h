@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/data/token_file.h"
@@ -65,8 +66,13 @@ class Batches {
   uint64_t cursor() const { return cursor_; }
   void set_cursor(uint64_t cursor) { cursor_ = cursor; }
   int64_t windows() const { return windows_; }  // samples per epoch
-  // Every token id below `vocab`; each rank checks 1/world of the file (before step 1).
-  virtual void check_ids(int64_t vocab) const = 0;
+  // Ids a model has but the data must not hold, each with its config.json
+  // key (a gemma3 checkpoint's image placeholders: strata cannot fill them).
+  using RefusedIds = std::vector<std::pair<std::string, int64_t>>;
+  // Every token id below `vocab` and none of `refused`; each rank checks
+  // 1/world of the file (before step 1). Refused naming the file and the
+  // token's position (and document, prepared data).
+  void check_ids(int64_t vocab, const RefusedIds& refused = {}) const { check_ids_in(vocab, refused); }
   // One line for the log: the file, its format, tokens, windows (and documents, cut, dropped).
   virtual std::string describe() const = 0;
   const std::string& path() const { return path_; }
@@ -75,6 +81,9 @@ class Batches {
   // packed: the batches carry document positions (prepared data).
   Batches(std::string path, BatchOptions options, bool packed)
       : path_(std::move(path)), options_(options), packed_(packed) {}
+  virtual void check_ids_in(int64_t vocab, const RefusedIds& refused) const = 0;
+  // The error for token `token`, which is refused[k]'s id, at `where` in the file.
+  [[noreturn]] void refuse_id(int64_t token, const std::string& where, const RefusedIds& refused) const;
   // Writes window w into sample s of a batch next() or eval_batch() sized.
   virtual void fill(Batch& batch, int64_t s, int64_t w) const = 0;
   // Global sample g of the training order (over epochs) -> window.

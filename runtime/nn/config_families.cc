@@ -217,10 +217,6 @@ void Reader::refuse_unread(const std::string& model_type, const std::string& rea
 std::string unsupported_reason(std::string_view model_type) {
   static const std::map<std::string_view, std::string_view> kReasons = {
       {"gemma", "Gemma needs GeGLU with gelu-tanh, (1 + w) RMSNorm and a scaled embedding"},
-      {"gemma3",
-       "a Gemma 3 checkpoint with its vision tower (Gemma3ForConditionalGeneration); strata fine-tunes "
-       "the text model: give its text_config as a gemma3_text config.json with the language model's "
-       "weights"},
       {"phi3",
        "Phi-3 has fused qkv_proj and gate_up_proj weights and its own RoPE scaling (longrope)"},
       {"phi",
@@ -793,8 +789,118 @@ void read_gpt_oss(Reader& r, DecoderConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// The parameters of a gemma3 checkpoint's vision tower (transformers'
+// SiglipVisionModel from vision_config, with SiglipVisionConfig's defaults)
+// and multi-modal projector (mm_input_projection_weight [vision hidden, text
+// hidden] and the soft embedding norm): strata carries them untrained and
+// counts them for the checkpoint's size.
+int64_t vision_parameter_count(const json& v, int64_t text_hidden, const std::string& source) {
+  const std::string where = source + ": vision_config";
+  const json& object = v.is_null() ? json::object() : v;
+  STRATA_CHECK(object.is_object(), kBadArgument, "{} must be an object, got {}", where, describe_json(v));
+  STRATA_CHECK(!object.contains("model_type") || object["model_type"] == "siglip_vision_model", kBadArgument,
+               "{}: model_type is {}; Gemma 3's vision tower is \"siglip_vision_model\"", where,
+               describe_json(object["model_type"]));
+  const auto size = [&](const char* key, int64_t fallback) {
+    const json& x = object.contains(key) ? object[key] : json(fallback);
+    STRATA_CHECK(x.is_number_integer() && x.get<int64_t>() > 0 && x.get<int64_t>() < (int64_t{1} << 31), kBadArgument,
+                 "{}: key '{}' must be a positive integer, got {}", where, key, describe_json(x));
+    return x.get<int64_t>();
+  };
+  const int64_t h = size("hidden_size", 768), inner = size("intermediate_size", 3072),
+                layers = size("num_hidden_layers", 12), channels = size("num_channels", 3),
+                image = size("image_size", 224), patch = size("patch_size", 16);
+  const json& head = object.contains("vision_use_head") ? object["vision_use_head"] : json(true);
+  STRATA_CHECK(head.is_boolean(), kBadArgument, "{}: key 'vision_use_head' must be true or false, got {}", where,
+               describe_json(head));
+  // In 128-bit integers (each size below 2^31, no term overflows), checked against int64's range.
+  __extension__ typedef __int128 Wide;  // a GCC/Clang extension (-Wpedantic)
+  const Wide H = h, side = image / patch, mlp = H * inner + inner + Wide{inner} * h + h;
+  Wide n = H * channels * patch * patch + h  // patch_embedding (a convolution with a bias)
+           + side * side * h                  // position_embedding
+           + Wide{layers} * (2 * 2 * H + 4 * (H * h + h) + mlp)  // two LayerNorms, q/k/v/out, fc1/fc2
+           + 2 * H;                                               // post_layernorm
+  if (head.get<bool>()) n += H + 3 * H * h + 3 * H + H * h + h + 2 * H + mlp;  // the pooling head
+  n += H * text_hidden + h;  // the projector
+  STRATA_CHECK(n <= INT64_MAX, kBadArgument, "{}: the vision tower's sizes give more than 2^63 parameters", where);
+  return static_cast<int64_t>(n);
+}
+
+// A gemma3 config.json (Gemma3ForConditionalGeneration): its text model is
+// text_config read as gemma3_text (Gemma3Config builds a Gemma3TextConfig
+// from it whatever its model_type says), tied by the top level's
+// tie_word_embeddings (default true: transformers ties by the top level's);
+// the vision tower's config passes unread (strata never runs it, its weights
+// are carried to the export), and so do the keys only images use.
+DecoderConfig parse_gemma3(const json& j, const std::string& source) {
+  Reader r(j, source);
+  r.read("model_type");
+  const json& archs = r.read("architectures");
+  STRATA_CHECK(archs.is_null() || archs == json::array({"Gemma3ForConditionalGeneration"}), kBadArgument,
+               "{}: architectures is {} with model_type \"gemma3\"; strata trains the text model of "
+               "[\"Gemma3ForConditionalGeneration\"] only",
+               source, describe_json(archs));
+  const json& text = r.read("text_config");
+  STRATA_CHECK(text.is_null() || text.is_object(), kBadArgument, "{}: key 'text_config' must be an object, got {}",
+               source, describe_json(text));
+  json t = text.is_null() ? json::object() : text;
+  STRATA_CHECK(!t.contains("model_type") || t["model_type"] == "gemma3_text", kBadArgument,
+               "{}: text_config's model_type is {}; a gemma3 checkpoint's text model is \"gemma3_text\"", source,
+               describe_json(t["model_type"]));
+  STRATA_CHECK(!t.contains("architectures"), kBadArgument,
+               "{}: text_config names architectures {}; Gemma3ForConditionalGeneration builds its own text model",
+               source, describe_json(t["architectures"]));
+  const bool own_type = t.contains("model_type");
+  t["model_type"] = "gemma3_text";
+  DecoderConfig c = parse_decoder_config(t, source + ": text_config");
+  if (!own_type) c.source.erase("model_type");
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", true);
+  Multimodal m;
+  m.config = j;
+  // The placeholders of images (Gemma3Config's defaults when absent).
+  for (const auto& [key, fallback] : {std::pair<const char*, int64_t>{"image_token_index", 262144},
+                                      {"boi_token_index", 255999},
+                                      {"eoi_token_index", 256000}}) {
+    m.image_tokens.emplace_back(key, r.integer(key, fallback));
+  }
+  // The vision tower's and the projector's sizes: strata never runs them,
+  // only counts their parameters (the checkpoint's count, strata plan).
+  m.vision_parameters = vision_parameter_count(r.read("vision_config"), c.hidden_size, source);
+  STRATA_CHECK(m.vision_parameters <= INT64_MAX - c.parameter_count(), kBadArgument,
+               "{}: the text model and the vision tower together have more than 2^63 parameters", source);
+  if (r.contains("mm_tokens_per_image")) {
+    note_ignored(source, "mm_tokens_per_image", "sizes the images, which text-only training never sees");
+  }
+  r.accept("mm_tokens_per_image");
+  // What is left is generic (dtype, token ids, bookkeeping), or not Gemma3Config's: a text model's
+  // key at the top level, which transformers leaves unread there, is most likely misplaced.
+  r.accept("initializer_range");  // the vision tower's and projector's initialisation
+  static const std::set<std::string_view> kOwn = {"model_type",        "architectures",   "text_config",
+                                                  "vision_config",     "mm_tokens_per_image", "tie_word_embeddings",
+                                                  "image_token_index", "boi_token_index", "eoi_token_index",
+                                                  "initializer_range", "quantization_config"};
+  const std::set<std::string_view>* text_keys = transformers_keys("gemma3_text");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& key = it.key();
+    if (bookkeeping_key(key)) r.accept(key);
+    if (kOwn.contains(key) || harmless_key(key) || bookkeeping_key(key)) continue;
+    STRATA_CHECK(text_keys == nullptr || !text_keys->contains(key), kBadArgument,
+                 "{}: key '{}' is at the top level of a gemma3 config, where Gemma3ForConditionalGeneration does not "
+                 "read it: the text model's keys go in text_config",
+                 source, key_text(key));
+  }
+  r.refuse_unread("gemma3", "Gemma3ForConditionalGeneration");
+  c.multimodal = std::move(m);
+  return c;
+}
+
+}  // namespace
+
 DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   STRATA_CHECK(j.is_object(), kBadArgument, "{}: expected a JSON object", source);
+  if (j.contains("model_type") && j["model_type"] == "gemma3") return parse_gemma3(j, source);
   Reader r(j, source);
   const Family& family = family_of(r);
   r.use_transformers_keys(family.model_type);
@@ -810,11 +916,17 @@ DecoderConfig parse_decoder_config(const json& j, const std::string& source) {
   r.require("attention_dropout", json(0.0), "strata applies no dropout (0.0)");
   // Sizes are required, but Gemma 3's published multimodal configs give their
   // text_config without vocab_size: Gemma3TextConfig's default, 262208, is what transformers builds.
-  c.vocab_size = r.integer("vocab_size", mt == "gemma3_text" ? std::optional<int64_t>(262208) : std::nullopt);
-  c.hidden_size = r.integer("hidden_size", std::nullopt);
-  c.intermediate_size = r.integer("intermediate_size", std::nullopt);
-  c.num_hidden_layers = r.integer("num_hidden_layers", std::nullopt);
-  c.num_attention_heads = r.integer("num_attention_heads", std::nullopt);
+  // Gemma3TextConfig gives every size a default (a gemma3 config's
+  // text_config may leave any out); the other families' are required.
+  const bool g3 = mt == "gemma3_text";
+  const auto size = [&](const char* key, int64_t gemma3_default) {
+    return r.integer(key, g3 ? std::optional<int64_t>(gemma3_default) : std::nullopt);
+  };
+  c.vocab_size = size("vocab_size", 262208);
+  c.hidden_size = size("hidden_size", 2304);
+  c.intermediate_size = size("intermediate_size", 9216);
+  c.num_hidden_layers = size("num_hidden_layers", 26);
+  c.num_attention_heads = size("num_attention_heads", 8);
   c.num_key_value_heads = r.contains("num_key_value_heads")
                               ? r.integer("num_key_value_heads", c.num_attention_heads)
                               : family.kv_heads_default.value_or(c.num_attention_heads);

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "runtime/config/json_text.h"
+#include "runtime/nn/lora.h"
 
 namespace strata::nn {
 
@@ -375,6 +376,37 @@ bool is_mtp_tensor(const DecoderConfig& config, const std::string& name) {
   return false;
 }
 
+std::string CheckpointNames::file_name(const std::string& name) const {
+  if (name == "lm_head.weight") return head;
+  if (name.starts_with("model.")) return text_prefix + name.substr(6);
+  return name;
+}
+
+std::optional<std::string> CheckpointNames::model_name(const std::string& name) const {
+  if (name == head) return std::string("lm_head.weight");
+  if (name.starts_with(text_prefix)) return "model." + name.substr(text_prefix.size());
+  return std::nullopt;
+}
+
+std::string CheckpointNames::adapter_name(const std::string& name) const {
+  const std::string module = !peft_prefix.empty() && name.starts_with("model.") ? peft_prefix + name.substr(6) : name;
+  return std::string(kPeftPrefix) + module;
+}
+
+bool is_vision_tensor(const std::string& name) {
+  const std::string_view n = std::string_view(name).starts_with("model.") ? std::string_view(name).substr(6) : name;
+  return n.starts_with("vision_tower.") || n.starts_with("multi_modal_projector.");
+}
+
+bool is_carried_tensor(const DecoderConfig& config, const std::string& name) {
+  return is_mtp_tensor(config, name) || (config.multimodal && is_vision_tensor(name));
+}
+
+const CheckpointNames& checkpoint_names(const DecoderConfig& config) {
+  static const CheckpointNames kOwn;
+  return config.multimodal ? config.multimodal->names : kOwn;
+}
+
 DType export_dtype(const DecoderConfig& config, const std::string& name, DType dtype) {
   // DeepseekV3's and Glm4Moe's _keep_in_fp32_modules_strict: "e_score_correction_bias", "gate.weight".
   const bool router = config.sigmoid_router && (is_buffer_tensor(name) || name.ends_with(".mlp.gate.weight"));
@@ -452,7 +484,24 @@ nlohmann::json rope_json(const ops::Rope& r, bool with_theta) {
 
 }  // namespace
 
+int64_t DecoderConfig::checkpoint_parameter_count() const {
+  return parameter_count() + (multimodal ? multimodal->vision_parameters : 0);
+}
+
 nlohmann::json DecoderConfig::to_json() const {
+  if (multimodal) {
+    // The gemma3 config.json with the text model as its text_config (the
+    // tie is the top level's; the text_config keeps its own key as it was).
+    DecoderConfig text = *this;
+    text.multimodal.reset();
+    nlohmann::json t = text.to_json();
+    if (!source.contains("architectures")) t.erase("architectures");
+    if (!source.contains("tie_word_embeddings")) t.erase("tie_word_embeddings");
+    if (source.contains("tie_word_embeddings")) t["tie_word_embeddings"] = source["tie_word_embeddings"];
+    nlohmann::json j = multimodal->config;
+    j["text_config"] = std::move(t);
+    return j;
+  }
   nlohmann::json j = source.is_object() ? source : nlohmann::json::object();
   j["model_type"] = model_type;
   if (!j.contains("architectures")) j["architectures"] = {architecture_of(model_type)};
@@ -603,6 +652,12 @@ nlohmann::json DecoderConfig::to_hf_json(DType dtype) const {
                                             : "bfloat16";
   j["torch_dtype"] = name;
   if (j.contains("dtype")) j["dtype"] = name;  // transformers 5's name for it
+  if (multimodal) {
+    // A text_config that names a dtype names the export's too.
+    for (const char* key : {"torch_dtype", "dtype"}) {
+      if (j["text_config"].contains(key)) j["text_config"][key] = name;
+    }
+  }
   j.erase("quantization_config");             // the weights are written dequantized
   return j;
 }
@@ -613,7 +668,8 @@ const char* supported_model_types() {
          "with or without a sliding window), qwen2 (Qwen2, Qwen2.5), qwen3 (dense Qwen3), mixtral "
          "(Mixtral 8x7B, 8x22B), qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe "
          "(Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), deepseek_v3 (DeepSeek-V3, R1), kimi_k2 (Kimi K2), glm4_moe (GLM-4.5, "
-         "GLM-4.5-Air), gemma2 (Gemma 2), gemma3_text (Gemma 3 1B, and the text model of the larger Gemma 3) and "
+         "GLM-4.5-Air), gemma2 (Gemma 2), gemma3_text (Gemma 3 1B), gemma3 (the text model of Gemma 3 "
+         "4B-27B as published, Gemma3ForConditionalGeneration: the vision tower is carried untrained) and "
          "gpt_oss (gpt-oss-20b, gpt-oss-120b in bf16 or fp32; not their MXFP4 checkpoints)";
 }
 

@@ -31,6 +31,14 @@
 // older rope_local_base_freq), and transformers' Gemma3 ignores
 // attn_logit_softcapping. Both default to tied embeddings and pad_token_id 0.
 //
+// A gemma3 config.json (Gemma3ForConditionalGeneration, the published Gemma 3
+// 4B-27B) parses to its text model: text_config read as gemma3_text, tied by
+// the top level's tie_word_embeddings, with `multimodal` set (the whole
+// config, where the text model's tensors sit in the files, the image
+// placeholder ids, the vision tower's parameter count). The vision tower and
+// projector are never run: their tensors are carried to the export unchanged
+// (is_carried_tensor), and to_json() writes the gemma3 config back.
+//
 // gpt-oss (gpt_oss: transformers' GptOssForCausalLM) is a mixture of experts
 // with pieces of its own, each an optional field below: attention sinks (one
 // learned logit per query head in each softmax row's denominator,
@@ -72,7 +80,7 @@
 //
 // Parsing refuses, before any work and naming the key, anything that would
 // make strata compute something other than what transformers computes for the
-// checkpoint: another model_type (gemma2, phi3, deepseek_v3, ... named with
+// checkpoint: another model_type (gemma, phi3, olmo2, ... named with
 // what they need), another architectures class, a qwen2_moe with dense layers
 // (decoder_sparse_step other than 1, mlp_only_layers), a RoPE type or key not listed
 // above, hidden_act other than silu, attention dropout, quantization other
@@ -93,6 +101,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -108,6 +117,45 @@ namespace strata::nn {
 // head (gqa_attention.h) -- every family here. Multi-head latent attention
 // (DeepSeek-V3, Kimi K2) is the second: kMla (mla_attention.h).
 enum class AttentionKind { kGqa, kMla };
+
+// Where a model's tensors sit in its checkpoint's files: "model.X" at
+// text_prefix + "X", "lm_head.weight" at `head`. A causal LM's names are the
+// model's own; Gemma3ForConditionalGeneration's text model sits under
+// "language_model.model." (the published checkpoints, and what transformers
+// 5 writes: it saves in the 4.x layout) or "model.language_model." (its
+// in-memory names, which some saves keep), its lm_head at
+// "language_model.lm_head.weight" or "lm_head.weight".
+struct CheckpointNames {
+  std::string text_prefix = "model.";
+  std::string head = "lm_head.weight";
+  // PEFT's names of the text model's modules on the loaded
+  // Gemma3ForConditionalGeneration (transformers 5's in-memory
+  // "model.language_model.*"); empty: the model's own.
+  std::string peft_prefix;
+  // The name of adapter tensor `name` in PEFT's adapter_model.safetensors
+  // (kPeftPrefix + the module's name in the transformers model).
+  std::string adapter_name(const std::string& name) const;
+  // The file's name of model tensor `name`.
+  std::string file_name(const std::string& name) const;
+  // The model's name of the file's tensor `name`; nullopt when it is not the text model's.
+  std::optional<std::string> model_name(const std::string& name) const;
+};
+
+// What a gemma3 checkpoint has besides its text model.
+struct Multimodal {
+  nlohmann::json config;  // the whole config.json (text_config is rewritten from the text model by to_json)
+  CheckpointNames names{"language_model.model.", "language_model.lm_head.weight", "model.language_model."};
+  // The image placeholder ids (image_token_index, boi_token_index,
+  // eoi_token_index): strata trains on text and cannot fill them.
+  std::vector<std::pair<std::string, int64_t>> image_tokens;
+  // Parameters of the vision tower and the projector (from vision_config).
+  int64_t vision_parameters = 0;
+};
+
+// Whether `name` is a tensor of a gemma3 checkpoint's vision tower or
+// multi-modal projector ("vision_tower.*", "multi_modal_projector.*", with or
+// without transformers 5's "model." before them).
+bool is_vision_tensor(const std::string& name);
 
 struct DecoderConfig {
   // config.json's model_type: "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe",
@@ -187,6 +235,10 @@ struct DecoderConfig {
   // The RoPE of the sliding-window layers when it is not `rope` (Gemma 3's
   // local layers); nullopt: every layer rotates by `rope`.
   std::optional<ops::Rope> sliding_rope;
+  // A gemma3 checkpoint (Gemma3ForConditionalGeneration): this struct is its
+  // text model (text_config, model_type gemma3_text, tie_word_embeddings the
+  // top level's: transformers ties by it); set only then.
+  std::optional<Multimodal> multimodal;
   // gpt-oss's pieces (see above); the defaults are every other family's.
   bool attention_sinks = false;   // "self_attn.sinks" [num_attention_heads]
   bool router_bias = false;       // the router's bias [E]
@@ -233,6 +285,11 @@ struct DecoderConfig {
   // embedding's table is included (input_embedding_count() says how much of
   // it is that lookup). parameter_count() for a dense model.
   int64_t active_parameter_count() const;
+  // What the checkpoint holds: parameter_count(), plus a gemma3 checkpoint's
+  // vision tower (SigLIP, from vision_config) and multi-modal projector,
+  // which strata carries untrained (transformers' count of the whole
+  // Gemma3ForConditionalGeneration).
+  int64_t checkpoint_parameter_count() const;
   // The input embedding's vocab_size x hidden_size table when it is not tied
   // to lm_head (a lookup, no arithmetic: published active counts such as
   // gpt-oss's 5.1B leave it out); 0 when tied (then it is the output
@@ -280,6 +337,12 @@ DType export_dtype(const DecoderConfig& config, const std::string& name, DType d
 // (model.layers.<num_hidden_layers + i>.*, i < mtp_layers), which
 // transformers ignores: not trained, carried to an export unchanged.
 bool is_mtp_tensor(const DecoderConfig& config, const std::string& name);
+// Whether the checkpoint's tensor `name` (a file's name) is carried to the
+// export untrained: an MTP module's, or a gemma3 checkpoint's vision tower
+// and projector.
+bool is_carried_tensor(const DecoderConfig& config, const std::string& name);
+// Where the model's tensors sit in its checkpoint (CheckpointNames{} but for gemma3).
+const CheckpointNames& checkpoint_names(const DecoderConfig& config);
 
 // The Hugging Face names of a MoE layer's pieces: "<layer>.<block>.gate.weight"
 // (the router) and "<layer>.<block>.experts.N.<gate|up|down>.weight"; with a

@@ -109,6 +109,20 @@ std::vector<std::string> lora_projections(const DecoderConfig& c) {
 
 void resolve_lora_targets(LoraSpec& lora, const DecoderConfig& c) {
   if (!lora.enabled()) return;
+  if (c.multimodal) {
+    // PEFT 0.21 matches target names on the whole Gemma3ForConditionalGeneration:
+    // q_proj, k_proj and v_proj are also the SigLIP vision tower's attention,
+    // and all-linear reaches its out_proj and fc1/fc2 too; strata trains the
+    // text model only, so what PEFT would place would not be what strata trains.
+    for (const std::string& t : lora.targets) {
+      STRATA_CHECK(t != "q_proj" && t != "k_proj" && t != "v_proj" && t != kAllLinear, kBadArgument,
+                   "--lora-targets {} on a gemma3 checkpoint (Gemma3ForConditionalGeneration): PEFT puts '{}' on the "
+                   "vision tower's {} too, which strata does not train (it trains the text model): target o_proj, "
+                   "gate_proj, up_proj and down_proj, which only the text model has{}",
+                   t, t, t == kAllLinear ? "linear layers" : "attention projection of that name",
+                   t == "q_proj" || t == "v_proj" ? " (q_proj,v_proj is --lora-targets' default)" : "");
+    }
+  }
   const std::vector<std::string> projections = lora_projections(c);
   const std::string attention = joined(attention_projections(c));
   if (lora.targets.size() == 1 && lora.targets.front() == kAllLinear) {

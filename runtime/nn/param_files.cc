@@ -64,11 +64,16 @@ void for_each_tensor_run(const ParamInfo& p, int64_t first, int64_t n, const Ten
 
 void load_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
                      bool allow_unused, const std::string& prefix) {
+  load_parameters(engine, params, path, allow_unused, [&](const std::string& name) { return prefix + name; });
+}
+
+void load_parameters(Engine& engine, const std::vector<ParamId>& params, const std::string& path,
+                     bool allow_unused, const std::function<std::string(const std::string&)>& file_name) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   std::set<std::string> claimed;
   for (ParamId id : params) {
     const ParamInfo& p = engine.param_info(id);
-    const std::string name = prefix + tensor_of(p);
+    const std::string name = file_name(tensor_of(p));
     const SafetensorsEntry& e = file.entry(name);
     STRATA_CHECK(e.shape == tensor_shape_of(p), kBadArgument,
                  "{}: tensor '{}' has shape {}, but the model's '{}' needs {}", path, name,
@@ -87,8 +92,8 @@ void load_parameters(Engine& engine, const std::vector<ParamId>& params, const s
   }
   // A tied model (no lm_head parameter) must not drop a distinct lm_head from
   // the file, even with allow_unused: that would silently load other weights.
-  constexpr const char* kHead = "lm_head.weight";
-  constexpr const char* kEmbed = "model.embed_tokens.weight";
+  const std::string kHead = file_name("lm_head.weight");
+  const std::string kEmbed = file_name("model.embed_tokens.weight");
   if (!claimed.contains(kHead) && claimed.contains(kEmbed) && file.contains(kHead)) {
     const SafetensorsEntry& head = file.entry(kHead);
     const SafetensorsEntry& embed = file.entry(kEmbed);

@@ -26,6 +26,11 @@ namespace strata::nn {
 void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::string& path, bool allow_unused = false,
                      const std::string& prefix = "");
+// The same with parameter "x" read from the file's tensor file_name("x")
+// (a gemma3 checkpoint's text model: nn::CheckpointNames::file_name).
+void load_parameters(engine::Engine& engine, const std::vector<engine::ParamId>& params,
+                     const std::string& path, bool allow_unused,
+                     const std::function<std::string(const std::string&)>& file_name);
 // Where the values of a Hugging Face tensor come from: writes its elements
 // [first, first + n) (row-major), as dst_dtype, to dst.
 using TensorSource = std::function<void(int64_t first, int64_t n, void* dst, DType dst_dtype)>;

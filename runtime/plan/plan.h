@@ -70,6 +70,9 @@ struct ModelShape {
   // tied to lm_head (a lookup: published active counts such as gpt-oss's
   // 5.1B leave it out); 0 when tied or unknown.
   int64_t input_embedding_count = 0;
+  // Parameters the checkpoint holds beside the model, carried untrained (a
+  // gemma3 checkpoint's vision tower and projector): no memory in training.
+  int64_t carried_param_count = 0;
   bool shape_known() const { return layers > 0 && hidden > 0; }
   double active_params() const {
     return static_cast<double>(active_param_count > 0 ? active_param_count : param_count);

@@ -88,7 +88,8 @@ json to_json(const Plan& plan) {
                   {"shared_expert_intermediate", in.model.shared_expert_intermediate},
                   {"active_param_count", static_cast<int64_t>(in.model.active_params())},
                   {"active_param_count_without_input_embedding",
-                   static_cast<int64_t>(in.model.active_params()) - in.model.input_embedding_count}};
+                   static_cast<int64_t>(in.model.active_params()) - in.model.input_embedding_count},
+                  {"checkpoint_param_count", in.model.param_count + in.model.carried_param_count}};
   const TrainingShape& t = in.training;
   out["training"] = {{"seq", t.seq},
                      {"micro_batch", t.micro_batch},

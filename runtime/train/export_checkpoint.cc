@@ -35,6 +35,15 @@ ExportResult export_checkpoint(const ExportCheckpointOptions& options) {
                "--merge-lora for a merged model)",
                info.dir.string());
   const nn::DecoderConfig config = nn::parse_decoder_config(info.state.model["config"], info.dir.string() + "/manifest.json");
+  // A checkpoint holds what was trained: a gemma3 checkpoint's vision tower
+  // stayed in the source model, and Gemma3ForConditionalGeneration without it
+  // would load with a random one.
+  STRATA_CHECK(!config.multimodal, kBadArgument,
+               "{} is a checkpoint of the text model of a gemma3 checkpoint (Gemma3ForConditionalGeneration): it does "
+               "not hold the vision tower and projector, which the run carried untrained from the source model, so "
+               "its export would not load as that model. Export by finishing the run: strata finetune with the same "
+               "flags, --resume and --export DIR",
+               info.dir.string());
   const DType train_dtype = parse_dtype(info.state.model.value("dtype", std::string("fp32")));
   ExportOptions export_options;
   set_export_dtype(export_options, options.dtype, train_dtype, "--dtype");

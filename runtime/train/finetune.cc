@@ -258,9 +258,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // The source's tokenizer, chat template and generation config go with every export and checkpoint.
   if (!options.model.empty()) {
     export_options.files = read_model_files(options.model, model_config.to_hf_json(DType::kF32));
-    // The MTP modules' weights: not trained, carried to the export as they are.
+    // The MTP modules and a gemma3 vision tower: not trained, carried to the export as they are.
     export_options.carried = carried_hf_tensors(model_config, options.model);
     export_options.quant = model_config.quant;
+    export_options.names = nn::checkpoint_names(model_config);
   }
   // A PEFT adapter is written in fp32 (adapters stay in their dtype); merged, the model is the base's.
   STRATA_CHECK(!export_options.fp8 || !lora.enabled() || options.merge_lora, kBadArgument,
@@ -608,17 +609,22 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   } else {
     std::set<std::string> carried;
     for (const auto& [name, file] : export_options.carried) carried.insert(name);
-    load_hf_weights(engine, base, options.model, carried, model_config.quant);
+    load_hf_weights(engine, base, options.model, carried, model_config.quant, nn::checkpoint_names(model_config));
   }
   nn::initialize_parameters(engine, adapters, seed);
   if (rank.rank == 0) log_quantized_base(engine, model_config, zero);
   if (start_adapter) {
     // Exactly the adapters this model declares: a tensor more or less is refused by name.
-    nn::load_parameters(engine, adapters, start_adapter->weights.string(), false, std::string(nn::kPeftPrefix));
+    const nn::CheckpointNames& names = nn::checkpoint_names(model_config);
+    nn::load_parameters(engine, adapters, start_adapter->weights.string(), false,
+                        [&](const std::string& name) { return names.adapter_name(name); });
   }
   setup_span.reset();
-  batches->check_ids(model_config.vocab_size);
-  if (eval_batches) eval_batches->check_ids(model_config.vocab_size);
+  // A gemma3 checkpoint's image placeholders: the text model cannot take them.
+  const data::Batches::RefusedIds refused =
+      model_config.multimodal ? model_config.multimodal->image_tokens : data::Batches::RefusedIds{};
+  batches->check_ids(model_config.vocab_size, refused);
+  if (eval_batches) eval_batches->check_ids(model_config.vocab_size, refused);
   if (lora.enabled()) {
     int64_t trained = 0;
     for (engine::ParamId id : adapters) trained += engine.param_info(id).numel();

@@ -229,12 +229,14 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
   STRATA_CHECK(options.max_shard_nbytes > 0, kBadArgument, "export: max shard size must be > 0");
   std::vector<TensorPlan> tensors;
   std::map<std::string, size_t> index_of;
+  // Each tensor under the checkpoint's name (a gemma3 checkpoint's text model under its prefix).
+  const nn::CheckpointNames& names = nn::checkpoint_names(config);
   for (engine::ParamId id : params) {
     const engine::ParamInfo& info = engine.param_info(id);
     const std::string& name = info.slice ? info.slice->tensor : info.name;
     auto [it, inserted] = index_of.emplace(name, tensors.size());
     if (inserted) {
-      tensors.push_back({name, info.slice ? info.slice->tensor_shape : info.shape, {},
+      tensors.push_back({names.file_name(name), info.slice ? info.slice->tensor_shape : info.shape, {},
                          nn::export_dtype(config, name, options.dtype)});
     }
     tensors[it->second].parts.push_back(id);
@@ -250,6 +252,9 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
                  "export dtype fp8 of model_type {}: gpt-oss's experts are fused 3-D tensors (MXFP4 in its "
                  "checkpoints), which strata does not write as FP8 blocks; export bf16",
                  config.model_type);
+    STRATA_CHECK(!config.multimodal, kBadArgument,
+                 "export dtype fp8 of a gemma3 checkpoint: its text model sits under language_model.* beside the "
+                 "vision tower, and strata writes FP8 blocks only for a text model's own names; export bf16");
     for (TensorPlan& t : tensors) {
       if (!nn::fp8_export_weight(t.name, t.shape, config.quant)) continue;
       t.fp8 = true;
@@ -492,7 +497,7 @@ ExportResult export_lora_adapter(engine::Engine& engine, partition::Communicator
   std::vector<TensorPlan> tensors;
   for (engine::ParamId id : adapters) {
     const engine::ParamInfo& info = engine.param_info(id);
-    tensors.push_back({std::string(nn::kPeftPrefix) + info.name, info.shape, {id}, DType::kF32});
+    tensors.push_back({options.names.adapter_name(info.name), info.shape, {id}, DType::kF32});
   }
   auto stream = engine.accelerator().create_stream();
   const int stage = pipeline_comm != nullptr ? pipeline_comm->rank() : 0;

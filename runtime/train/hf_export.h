@@ -67,6 +67,9 @@ struct ExportOptions {
   // scales included; config.json's quantization_config the source's (or
   // transformers' FineGrainedFP8 form naming what stays unquantized).
   bool fp8 = false;
+  // Where the adapters go in adapter_model.safetensors (nn::checkpoint_names
+  // of the model: PEFT's names on a gemma3 checkpoint's text model).
+  nn::CheckpointNames names;
 };
 
 // Sets options.dtype (and options.fp8) from an export dtype as the flags
@@ -101,7 +104,7 @@ ExportResult export_hf_model(engine::Engine& engine, partition::Communicator& co
 // the base: adapter_config.json (peft_type LORA, r, lora_alpha, use_rslora,
 // target_modules, base_model_name_or_path = `base_model`, or null when
 // empty) and adapter_model.safetensors (every adapter in fp32, named
-// "base_model.model.<name>"), plus options.files. The directory is replaced
+// "base_model.model.<name>", options.names.adapter_name), plus options.files. The directory is replaced
 // whole, as by export_hf_model. Collective, like export_hf_model;
 // `pipeline_comm` as there (`adapters` are this stage's): every stage's
 // adapters are written, in stage order.

@@ -4,11 +4,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
@@ -154,14 +156,29 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
   // Quantized weights (config.json's quantization_config) as the model sees
   // them: dequantized shapes under their own names, their scales consumed.
   const nn::DequantizedView view = nn::dequantized_view(config.quant, stored, "--model " + dir.string());
+  // By the model's names (a gemma3 checkpoint's text model sits under its own prefix);
+  // the vision tower and projector of a gemma3 checkpoint are carried, unread.
+  const nn::CheckpointNames& names = nn::checkpoint_names(config);
   std::map<std::string, Found> found;
-  for (const auto& [name, shape] : view.shapes) found.emplace(name, Found{view.files.at(name), shape});
+  std::vector<std::string> unused;
+  size_t vision = 0;
+  for (const auto& [name, shape] : view.shapes) {
+    if (config.multimodal && nn::is_vision_tensor(name)) {
+      ++vision;
+      continue;
+    }
+    const std::optional<std::string> model = names.model_name(name);
+    if (!model) {
+      if (!derived_buffer(name)) unused.push_back(name);
+      continue;
+    }
+    found.emplace(*model, Found{view.files.at(name), shape});
+  }
   std::map<std::string, Shape> expected;
   for (nn::HfTensor& t : nn::hf_tensors(config))
     expected.emplace(std::move(t.name), std::move(t.shape));
 
   // Unused tensors first: they say the checkpoint is another model.
-  std::vector<std::string> unused;
   size_t mtp = 0;
   for (const auto& [name, f] : found) {
     if (expected.contains(name) || derived_buffer(name)) continue;
@@ -173,19 +190,20 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
       // Tied: the file may store the shared matrix twice, but only if it is the same.
       const nn::SafetensorsFile& hf = opened.at(f.file);
       const nn::SafetensorsFile& ef = opened.at(found.at(kEmbed).file);
-      const TensorView h = hf.view(kHead), e = ef.view(kEmbed);
+      const TensorView h = hf.view(names.file_name(kHead)), e = ef.view(names.file_name(kEmbed));
       STRATA_CHECK(
           h.desc.dtype == e.desc.dtype && h.desc.shape == e.desc.shape &&
               std::memcmp(h.data, e.data, h.nbytes()) == 0, kBadArgument,
           "--model {}: config.json ties lm_head to embed_tokens (tie_word_embeddings), but the "
           "checkpoint's '{}' differs from '{}'; the model is untied (set tie_word_embeddings to "
           "false)",
-          dir.string(), kHead, kEmbed);
+          dir.string(), names.file_name(kHead), names.file_name(kEmbed));
       continue;
     }
-    unused.push_back(name);
+    unused.push_back(names.file_name(name));
   }
   if (!unused.empty()) {
+    std::sort(unused.begin(), unused.end());
     const std::string& first = unused.front();
     raise(ErrorCategory::kBadArgument,
           "--model {}: the checkpoint's tensor '{}' (in {}) is not used by model_type \"{}\" as "
@@ -193,7 +211,7 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
           "describes it ({}){}; training without it would make another model than the "
           "checkpoint's, so strata "
           "refuses. Fix config.json (model_type and its keys) to describe the checkpoint",
-          dir.string(), first, found.at(first).file, config.model_type, unused_hint(first, config),
+          dir.string(), first, view.files.at(first), config.model_type, unused_hint(first, config),
           unused.size() > 1 ? fmt::format(", and {} more tensors are unused", unused.size() - 1)
                             : "");
   }
@@ -205,16 +223,21 @@ void check_hf_checkpoint(const nn::DecoderConfig& config, const fs::path& dir) {
         config.mtp_layers > 1 ? fmt::format("-{}", config.num_hidden_layers + config.mtp_layers - 1) : "",
         config.to_json().at("architectures")[0].get<std::string>());
   }
+  if (vision > 0) {
+    logger().info("--model {}: {} tensors of the vision tower and projector are passed through unchanged: not "
+                  "trained, not used (strata trains the text model of Gemma3ForConditionalGeneration)",
+                  dir.string(), vision);
+  }
   for (const auto& [name, shape] : expected) {
     const auto it = found.find(name);
     STRATA_CHECK(it != found.end(), kBadArgument,
                          "--model {}: the checkpoint has no tensor '{}', which model_type \"{}\" "
                          "with this config.json "
                          "uses",
-                         dir.string(), name, config.model_type);
+                         dir.string(), names.file_name(name), config.model_type);
     STRATA_CHECK(it->second.shape == shape, kBadArgument,
                          "--model {}: tensor '{}' (in {}) has shape {}, but config.json gives {}",
-                         dir.string(), name, it->second.file, shape_string(it->second.shape),
+                         dir.string(), names.file_name(name), it->second.file, shape_string(it->second.shape),
                          shape_string(shape));
   }
 }
@@ -234,18 +257,30 @@ nn::DecoderConfig load_hf_config(const fs::path& dir) {
                "merge_and_unload), or give a directory of the base alone",
                dir.string());
   nn::DecoderConfig c = nn::load_decoder_config(config.string());
+  if (c.multimodal) {
+    // Where the text model sits: the published (and transformers 5's saved)
+    // "language_model.model.", or transformers 5's in-memory "model.language_model.".
+    const WeightFiles w = weight_files(dir);
+    for (const std::string& file : w.files) {
+      if (!fs::exists(dir / file)) continue;  // check_hf_checkpoint names it
+      const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
+      for (const std::string& name : f.names()) {
+        if (name.starts_with("model.language_model.")) c.multimodal->names = {"model.language_model.", "lm_head.weight", "model.language_model."};
+      }
+    }
+  }
   check_hf_checkpoint(c, dir);
   return c;
 }
 
 std::map<std::string, fs::path> carried_hf_tensors(const nn::DecoderConfig& config, const fs::path& dir) {
   std::map<std::string, fs::path> carried;
-  if (config.mtp_layers == 0) return carried;
+  if (config.mtp_layers == 0 && !config.multimodal) return carried;
   const WeightFiles w = weight_files(dir);
   for (const std::string& file : w.files) {
     const nn::SafetensorsFile f = nn::SafetensorsFile::open((dir / file).string());
     for (const std::string& name : f.names()) {
-      if (nn::is_mtp_tensor(config, name)) carried.emplace(name, dir / file);
+      if (nn::is_carried_tensor(config, name)) carried.emplace(name, dir / file);
     }
   }
   return carried;
@@ -326,7 +361,8 @@ int64_t keep_quantized_frozen(engine::Engine& engine, const std::vector<engine::
 }
 
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
-                     const fs::path& dir, const std::set<std::string>& carried, const nn::CheckpointQuant& quant) {
+                     const fs::path& dir, const std::set<std::string>& carried, const nn::CheckpointQuant& quant,
+                     const nn::CheckpointNames& names) {
   Catalogue catalogue = open_catalogue(dir);
   const WeightFiles& w = catalogue.w;
   const std::map<std::string, nn::SafetensorsFile>& opened = catalogue.opened;
@@ -339,7 +375,7 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
   std::set<std::string> wanted;
   for (engine::ParamId id : params) {
     const auto& info = engine.param_info(id);
-    const std::string& tensor = info.slice ? info.slice->tensor : info.name;
+    const std::string tensor = names.file_name(info.slice ? info.slice->tensor : info.name);
     wanted.insert(tensor);
     if (const auto q = view.quantized.find(tensor); q != view.quantized.end()) {
       const Shape& shape = info.slice ? info.slice->tensor_shape : info.shape;
@@ -362,15 +398,17 @@ void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>&
   // No file may hold a weight the model leaves out (check_hf_checkpoint says
   // why in the model's terms; this is the same rule for any caller), but
   // what it carries untrained (`carried`: the MTP modules).
+  const std::string head = names.file_name(kHead), embed = names.file_name(kEmbed);
   for (const auto& [name, file] : view.files) {
-    const bool tied_head = name == kHead && !wanted.contains(kHead) && wanted.contains(kEmbed) &&
-                           (w.index.empty() || w.weight_map.at(kEmbed) == file);
+    const bool tied_head = name == head && !wanted.contains(head) && wanted.contains(embed) &&
+                           (w.index.empty() || w.weight_map.at(embed) == file);
     STRATA_CHECK(wanted.contains(name) || derived_buffer(name) || tied_head || carried.contains(name),
                  kBadArgument, "{}: tensor '{}' matches no parameter of the model", (dir / file).string(), name);
   }
   for (const auto& [file, ids] : by_file) {
     // Unused tensors were refused above; the tied lm_head is compared with the embedding here.
-    nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true);
+    nn::load_parameters(engine, ids, (dir / file).string(), /*allow_unused=*/true,
+                        [&](const std::string& name) { return names.file_name(name); });
   }
   // Quantized weights: dequantized range by range from the mapped files, in fp32, rounded once to the parameter's dtype.
   for (const auto& entry : dequantized) {

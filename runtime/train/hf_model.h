@@ -16,7 +16,9 @@
 // any work. So is a directory with a PEFT adapter (adapter_config.json),
 // which transformers would apply on top. The only tensors let through are derived buffers that
 // transformers itself ignores (rotary_emb.inv_freq) and, with
-// tie_word_embeddings, an lm_head.weight identical to the embedding.
+// tie_word_embeddings, an lm_head.weight identical to the embedding; the
+// MTP modules and a gemma3 checkpoint's vision tower and projector are
+// carried to the export untrained, with a notice naming how many.
 // Errors: Error(kBadArgument/kIo) naming the directory or file and what is
 // missing or wrong (no weights file, a tensor the index does not map, a shape
 // that disagrees with config.json, an unused tensor).
@@ -40,7 +42,8 @@ nn::DecoderConfig load_hf_config(const std::filesystem::path& dir);
 // The same check for a configuration already read.
 void check_hf_checkpoint(const nn::DecoderConfig& config, const std::filesystem::path& dir);
 // The tensors of the directory a model carries without training them: the
-// MTP modules' (nn::is_mtp_tensor), by name, with the file holding each.
+// MTP modules' and a gemma3 checkpoint's vision tower and projector
+// (nn::is_carried_tensor), by name, with the file holding each.
 std::map<std::string, std::filesystem::path> carried_hf_tensors(const nn::DecoderConfig& config,
                                                                 const std::filesystem::path& dir);
 // Asks the engine to keep block-quantized (Engine::store_blocks) each frozen
@@ -57,9 +60,10 @@ int64_t keep_quantized_frozen(engine::Engine& engine, const std::vector<engine::
 // dequantized exactly into the parameters' dtype, range by range from the
 // mapped files (nn/checkpoint_quant.h) -- or, for a parameter the engine keeps
 // block-quantized (ParamInfo::blocks), written in its stored form (Engine::write_blocks).
+// `names`: where the model's tensors sit in the files (nn::checkpoint_names).
 void load_hf_weights(engine::Engine& engine, const std::vector<engine::ParamId>& params,
                      const std::filesystem::path& dir, const std::set<std::string>& carried = {},
-                     const nn::CheckpointQuant& quant = {});
+                     const nn::CheckpointQuant& quant = {}, const nn::CheckpointNames& names = {});
 // The identity of the directory's weights: each weights file (and the index
 // when sharded) with its size and CRC-32, [{"file", "bytes", "crc32"}, ...]
 // in name order. With checksums it reads every byte once; without, crc32 is

@@ -92,6 +92,37 @@ with tempfile.TemporaryDirectory() as tmp:
                         os.path.join(tmp, "y.sd"), "--venv", venv], capture_output=True, text=True)
     check(r.returncode == 1 and "no chat template" in r.stderr, f"no template: {r.stderr!r}")
 
+    # A gemma3 (Gemma3ForConditionalGeneration) model: a line whose tokens hold
+    # an image placeholder id is refused naming file:line; the others prepare.
+    gemma3 = os.path.join(tmp, "gemma3")
+    os.makedirs(gemma3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(MODEL, name), "rb") as src, open(os.path.join(gemma3, name), "wb") as dst:
+            dst.write(src.read())
+    probe = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                            "import sys, tokenizers; t = tokenizers.Tokenizer.from_file(sys.argv[1]); "
+                            "print(t.encode('picture', add_special_tokens=False).ids[0])",
+                            os.path.join(MODEL, "tokenizer.json")], capture_output=True, text=True)
+    check(probe.returncode == 0, f"tokenizing 'picture': {probe.stderr!r}")
+    if probe.returncode == 0:
+        boi = int(probe.stdout)
+        with open(os.path.join(gemma3, "config.json"), "w", encoding="utf-8") as f:
+            json.dump({"model_type": "gemma3", "boi_token_index": boi, "text_config": {}}, f)
+        path = os.path.join(tmp, "image.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write('{"text": "words"}\n{"text": "picture"}\n')
+        out = os.path.join(tmp, "image.sd")
+        r = subprocess.run([strata, "data", "prepare", "--model", gemma3, "--input", path, "--format", "text",
+                            "--out", out, "--venv", venv], capture_output=True, text=True)
+        check(r.returncode == 1 and f"{path}:2: token" in r.stderr and f"is {boi}, the model's image placeholder "
+              "(boi_token_index" in r.stderr, f"gemma3 image placeholder: {r.stderr!r}")
+        check(not os.path.exists(out), "a refused input wrote image.sd")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write('{"text": "words"}\n')
+        r = subprocess.run([strata, "data", "prepare", "--model", gemma3, "--input", path, "--format", "text",
+                            "--out", out, "--venv", venv], capture_output=True, text=True)
+        check(r.returncode == 0, f"gemma3 text only: {r.stderr!r}")
+
 if failures:
     print(f"{len(failures)} failure(s)")
     sys.exit(1)

@@ -15,6 +15,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const nn::DecoderConfig config = nn::load_decoder_config(file.path());
     if (config.parameter_count() <= 0) fuzz::fail("non-positive parameter count", "");
+    if (config.checkpoint_parameter_count() < config.parameter_count())
+      fuzz::fail("the checkpoint counts fewer parameters than its model", "");
     const nn::DecoderConfig again = nn::parse_decoder_config(config.to_json(), "to_json");
     if (again.to_json() != config.to_json())
       fuzz::fail("to_json does not round-trip", config.to_json().dump());

@@ -93,10 +93,13 @@ inline void check_golden_run(Backend backend, const std::string& name, const std
   for (nn::ParamId id : model.parameters()) {
     (nn::is_lora_parameter(rig.engine->param_info(id).name) ? adapters : base).push_back(id);
   }
-  nn::load_parameters(*rig.engine, base, dir + "/model.safetensors");
+  // A gemma3 checkpoint's text model sits under its own names, beside the vision tower (not loaded).
+  const nn::CheckpointNames& names = nn::checkpoint_names(config);
+  nn::load_parameters(*rig.engine, base, dir + "/model.safetensors", /*allow_unused=*/config.multimodal.has_value(),
+                      [&](const std::string& name) { return names.file_name(name); });
   if (run.lora) {
     nn::load_parameters(*rig.engine, adapters, dir + "/adapter_model.safetensors", false,
-                        std::string(nn::kPeftPrefix));
+                        [&](const std::string& name) { return names.adapter_name(name); });
   }
   const auto ids = inputs.at("ids").get<std::vector<int32_t>>();
   const auto targets = inputs.at("targets").get<std::vector<int32_t>>();

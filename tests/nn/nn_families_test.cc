@@ -125,7 +125,7 @@ TEST_CASE("families: absent keys take the family's transformers default", "[nn][
 TEST_CASE("families: anything else is refused before any work, naming it", "[nn][config][families]") {
   const json base = fixture_config("llama_untied_f32");
   // Other architectures, with what they would need.
-  for (const char* type : {"gemma", "gemma3", "phi3", "olmo2", "deepseek_v2", "falcon"}) {
+  for (const char* type : {"gemma", "phi3", "olmo2", "deepseek_v2", "falcon"}) {
     json j = base;
     j["model_type"] = type;
     expect_refused(j, {std::string("model_type \"") + type + "\" is not supported", "llama", "mistral", "qwen2",
@@ -667,6 +667,72 @@ TEST_CASE("families: Gemma 2 and Gemma 3 configs, with their defaults and both R
   j = fixture_config("gemma2_untied_f32");
   j["model_type"] = "gemma3";
   expect_refused(j, {"text_config"});
+}
+
+TEST_CASE("families: a gemma3 config (Gemma3ForConditionalGeneration) is its text_config's text model, the vision "
+          "tower counted and carried",
+          "[nn][config][families][gemma]") {
+  const json mm = fixture_config("gemma3mm_tied_f32");
+  const DecoderConfig c = parse_decoder_config(mm);
+  REQUIRE(c.multimodal);
+  CHECK(c.model_type == "gemma3_text");
+  CHECK(c.tie_word_embeddings);  // the top level's (Gemma3Config ties by default)
+  CHECK(c.num_hidden_layers == 3);
+  CHECK(c.qk_norm);
+  CHECK(c.sliding_rope.has_value());
+  CHECK(c.multimodal->image_tokens ==
+        std::vector<std::pair<std::string, int64_t>>{{"image_token_index", 36}, {"boi_token_index", 34}, {"eoi_token_index", 35}});
+  // The checkpoint's names: the text model under language_model.model., its head under language_model.
+  const CheckpointNames& names = checkpoint_names(c);
+  CHECK(names.file_name("model.layers.0.self_attn.q_proj.weight") == "language_model.model.layers.0.self_attn.q_proj.weight");
+  CHECK(names.file_name("lm_head.weight") == "language_model.lm_head.weight");
+  CHECK(names.model_name("language_model.model.norm.weight") == std::optional<std::string>("model.norm.weight"));
+  CHECK_FALSE(names.model_name("model.norm.weight").has_value());
+  CHECK(names.adapter_name("model.layers.1.self_attn.o_proj.lora_A.weight") ==
+        "base_model.model.model.language_model.layers.1.self_attn.o_proj.lora_A.weight");
+  CHECK(is_carried_tensor(c, "vision_tower.encoder.layers.0.mlp.fc1.weight"));
+  CHECK(is_carried_tensor(c, "model.multi_modal_projector.mm_soft_emb_norm.weight"));
+  CHECK_FALSE(is_carried_tensor(c, "language_model.model.norm.weight"));
+  // transformers 5.24's counts (scripts/count-hf-params on the fixture's config.json):
+  // Gemma3ForConditionalGeneration 18,360, its Gemma3ForCausalLM text model 6,608.
+  CHECK(c.parameter_count() == 6608);
+  CHECK(c.checkpoint_parameter_count() == 18360);
+  // to_json: the gemma3 config with the text model as its text_config, which parses back.
+  const json out = c.to_json();
+  CHECK(out["model_type"] == "gemma3");
+  CHECK(out["vision_config"] == mm["vision_config"]);
+  for (const auto& [key, value] : mm["text_config"].items()) {
+    INFO("text_config key " << key);
+    CHECK(out["text_config"][key] == value);
+  }
+  CHECK_FALSE(out["text_config"].contains("architectures"));
+  CHECK(parse_decoder_config(out).parameter_count() == c.parameter_count());
+  CHECK(c.to_hf_json(DType::kBF16)["torch_dtype"] == "bfloat16");
+  // Gemma3TextConfig's defaults fill an empty text_config, tied by the top level.
+  const DecoderConfig d = parse_decoder_config(json{{"model_type", "gemma3"}, {"text_config", json::object()}});
+  CHECK(d.hidden_size == 2304);
+  CHECK(d.num_hidden_layers == 26);
+  CHECK(d.vocab_size == 262208);
+  CHECK(d.num_key_value_heads == 4);
+  CHECK(d.head_dim == 256);
+  CHECK(d.tie_word_embeddings);
+  CHECK_FALSE(parse_decoder_config(json{{"model_type", "gemma3"}, {"tie_word_embeddings", false}}).tie_word_embeddings);
+  // Refused by name: another class, another text model or vision tower, a text key at the top level.
+  json j = mm;
+  j["architectures"] = {"Gemma3ForCausalLM"};
+  expect_refused(j, {"architectures", "Gemma3ForConditionalGeneration"});
+  j = mm;
+  j["text_config"]["model_type"] = "gemma2";
+  expect_refused(j, {"text_config", "gemma3_text"});
+  j = mm;
+  j["vision_config"]["model_type"] = "clip_vision_model";
+  expect_refused(j, {"vision_config", "siglip_vision_model"});
+  j = mm;
+  j["text_config"]["use_bidirectional_attention"] = true;
+  expect_refused(j, {"text_config", "use_bidirectional_attention"});
+  j = mm;
+  j["quantization_config"] = {{"quant_method", "bitsandbytes"}};
+  expect_refused(j, {"quantization_config"});
 }
 
 TEST_CASE("families: gpt-oss configs, with GptOssConfig's defaults, and what strata refuses", "[nn][config][families][gpt_oss]") {

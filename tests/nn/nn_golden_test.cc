@@ -108,10 +108,11 @@ TEST_CASE("golden: a packed batch equals transformers fed its documents one by o
 // load-balancing term in the loss where the config asks for it.
 const char* const kLoraF32Cases[] = {"lora_llama_f32_all",       "lora_llama_f32_qv_rslora", "lora_qwen2_f32_attn",
                                      "lora_gemma3_f32_all",      "lora_qwen3_moe_f32_attn",  "lora_deepseek_v3_f32_mla",
-                                     "lora_glm4_moe_f32_attn",   "lora_gpt_oss_f32_attn"};
+                                     "lora_glm4_moe_f32_attn",   "lora_gpt_oss_f32_attn",    "lora_gemma3mm_f32_o_mlp"};
 
 TEST_CASE("golden: LoRA adapters match PEFT (all projections, q/v with rsLoRA, qwen2's biased q/k/v, Gemma 3, and the "
-          "attention of Qwen3-MoE, DeepSeek-V3's latent attention, GLM-4.5 with rsLoRA, gpt-oss)",
+          "attention of Qwen3-MoE, DeepSeek-V3's latent attention, GLM-4.5 with rsLoRA, gpt-oss, and o_proj and the MLP "
+          "of a Gemma 3 checkpoint's text model, beside its vision tower)",
           "[nn][golden][lora]") {
   for (const char* name : kLoraF32Cases) {
     check_lora_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenF32);
@@ -236,6 +237,25 @@ TEST_CASE("golden: Gemma 2 and Gemma 3 with tied bf16 weights match transformers
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
     check_golden(Backend::kCpu, name, "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
   }
+}
+
+// scripts/make-golden-gemma's gemma3mm cases: the text model of a
+// Gemma3ForConditionalGeneration saved by transformers (its layout, the
+// vision tower beside it), which the script checks computes exactly
+// Gemma3ForCausalLM's loss and gradients on text.
+TEST_CASE("golden: the text model of a Gemma 3 checkpoint with its vision tower matches transformers, fp32 and bf16",
+          "[nn][golden][gemma]") {
+  check_golden(Backend::kCpu, "gemma3mm_tied_f32", "loss", "grads.safetensors", kGoldenF32);
+  const nlohmann::json expected = read_json(golden_dir("gemma3mm_tied_f32") + "/expected.json");
+  const double loss = expected.at("loss").get<double>();
+  CHECK(expected.at("causal_lm_loss").get<double>() == loss);
+  for (const auto& [piece, plain] : expected.at("loss_without_feature").items()) {
+    INFO("loss " << loss << ", without " << piece << " " << plain);
+    CHECK(std::abs(plain.get<double>() - loss) > 100 * kGoldenF32.loss_rel * loss);
+  }
+  check_golden(Backend::kCpu, "gemma3mm_tied_bf16", "loss_f32", "grads_f32.safetensors", kGoldenF32);
+  check_golden(Backend::kCpu, "gemma3mm_tied_bf16", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16);
+  check_golden(Backend::kCpu, "gemma3mm_tied_bf16", "loss", "grads.safetensors", kGoldenBf16VsTorchBf16, DType::kBF16);
 }
 
 // scripts/make-golden-gptoss: gpt-oss (attention sinks, q/k/v/o biases, a

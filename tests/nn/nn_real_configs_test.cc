@@ -238,19 +238,25 @@ TEST_CASE("real configs: gpt-oss-120b parses with transformers' parameter count,
   CHECK(parse_decoder_config(out).parameter_count() == 116829156672);
 }
 
-TEST_CASE("real configs: Gemma 3 27B's published checkpoint config is refused by name, its text model parses with "
-          "transformers' parameter count",
+TEST_CASE("real configs: Gemma 3 27B's published checkpoint config reads as its text model, with transformers' "
+          "parameter counts of the text model and of the whole checkpoint",
           "[nn][config][families][gemma]") {
   // google/gemma-3-27b-it (tests/data/configs/SOURCES.md) is a multimodal
-  // checkpoint (Gemma3ForConditionalGeneration, a SigLIP vision tower):
-  // refused naming model_type gemma3 and what to give instead.
+  // checkpoint (Gemma3ForConditionalGeneration, a SigLIP vision tower): strata
+  // trains its text model, the text_config (transformers' Gemma3TextConfig
+  // defaults fill the rest: vocab 262208, sliding_window_pattern 6,
+  // rope_local_base_freq 10000, linear scaling 8 on the global layers), tied
+  // as Gemma3Config ties by default; the text_config alone as a gemma3_text
+  // config.json is the same model.
   const json published = read_config("gemma-3-27b-it");
-  expect_refused(published, {"gemma3", "vision tower", "text_config", "gemma3_text"});
-  // Its text model: the text_config as a gemma3_text config.json (transformers'
-  // Gemma3TextConfig defaults fill the rest: vocab 262208, tied embeddings,
-  // sliding_window_pattern 6, rope_local_base_freq 10000, linear scaling 8 on
-  // the global layers).
+  const DecoderConfig mm = parse_decoder_config(published);
+  REQUIRE(mm.multimodal);
+  CHECK(mm.multimodal->image_tokens == std::vector<std::pair<std::string, int64_t>>{
+                                           {"image_token_index", 262144}, {"boi_token_index", 255999},
+                                           {"eoi_token_index", 256000}});
   const DecoderConfig c = parse_decoder_config(published.at("text_config"));
+  CHECK(mm.parameter_count() == c.parameter_count());
+  CHECK(mm.tie_word_embeddings);
   CHECK(c.model_type == "gemma3_text");
   CHECK(c.num_hidden_layers == 62);
   CHECK(c.hidden_size == 5376);
@@ -264,8 +270,11 @@ TEST_CASE("real configs: Gemma 3 27B's published checkpoint config is refused by
   // transformers 5.24's count of that text model (Gemma3ForCausalLM on the meta device):
   //   /work/.venv-ref/bin/python scripts/count-hf-params tests/data/configs/gemma-3-27b-it.json
   //   -> "text_model": {"class": "Gemma3ForCausalLM", "parameters": 27009346304}
-  // (the whole checkpoint, vision tower and projector included: 27432406640).
+  //    "model": {"class": "Gemma3ForConditionalGeneration", "parameters": 27432406640}
+  // (the whole checkpoint, vision tower and projector included).
   CHECK(c.parameter_count() == 27009346304);
+  CHECK(mm.checkpoint_parameter_count() == 27432406640);
+  CHECK(c.checkpoint_parameter_count() == c.parameter_count());
   CHECK(c.active_parameter_count() == c.parameter_count());
   CHECK(c.input_embedding_count() == 0);  // tied: the embedding is lm_head too
 }

@@ -559,7 +559,7 @@ TEST_CASE("strata plan says what its active count includes: gpt-oss-120b's 5.71B
   CHECK(j["model"]["active_param_count"] == 5711982912);
   CHECK(j["model"]["active_param_count_without_input_embedding"] == 5132849472);
   // Gemma 3 27B: the published checkpoint's text_config as a config.json
-  // (strata refuses the multimodal one by name): transformers' 27,009,346,304
+  // (the same text model as the multimodal one, below): transformers' 27,009,346,304
   // (scripts/count-hf-params), every parameter active, the embedding tied.
   strata::test::TempDir dir;
   std::ifstream in(configs + "gemma-3-27b-it.json");
@@ -576,9 +576,18 @@ TEST_CASE("strata plan says what its active count includes: gpt-oss-120b's 5.71B
   const auto text = run_command(strata_binary() + " plan --model " + dir.file("gemma3_text.json") + " --gpu-mem 141GB 2>&1");
   CHECK_THAT(text.output, Catch::Contains("active per token: 27.01B parameters, the embedding included (tied to "
                                           "lm_head"));
-  const auto refused = run_command(strata_binary() + " plan --model " + configs + "gemma-3-27b-it.json 2>&1");
-  CHECK(refused.exit_code != 0);
-  CHECK_THAT(refused.output, Catch::Contains("gemma3") && Catch::Contains("vision tower"));
+  // The published multimodal config: its text model planned, the whole
+  // checkpoint counted as transformers counts Gemma3ForConditionalGeneration.
+  const auto mm = run_command(strata_binary() + " plan --model " + configs + "gemma-3-27b-it.json --gpu-mem 141GB --json");
+  INFO(mm.output);
+  REQUIRE(mm.exit_code == 0);
+  const auto m = nlohmann::json::parse(mm.output);
+  CHECK(m["model"]["param_count"] == 27009346304);
+  CHECK(m["model"]["checkpoint_param_count"] == 27432406640);
+  CHECK(g["model"]["checkpoint_param_count"] == 27009346304);
+  const auto mm_text = run_command(strata_binary() + " plan --model " + configs + "gemma-3-27b-it.json --gpu-mem 141GB 2>&1");
+  CHECK_THAT(mm_text.output, Catch::Contains("Gemma3ForConditionalGeneration checkpoint of 27.43B parameters: its vision "
+                                             "tower and projector (423.06M) are carried to the export untrained"));
 }
 
 TEST_CASE("strata plan --model of a mixture of experts on 4 GPUs: expert parallelism as finetune chooses it",

@@ -364,6 +364,152 @@ TEST_CASE("families: a DeepSeek-V3 FP8 checkpoint fine-tunes from its dequantize
   CHECK(loaded == next);                         // bf16 masters, exported bf16: the same weights
 }
 
+TEST_CASE("families: strata run -n 2 -- strata finetune: the text model of a Gemma 3 checkpoint with its vision "
+          "tower (Gemma3ForConditionalGeneration) under ZeRO-3 on NVMe, the vision tower carried to the export",
+          "[finetune][families][gemma]") {
+  strata::test::TempDir dir("families-gemma3mm");
+  const std::string model = fixture("gemma3mm_tied_bf16");
+  const std::string data = one_window(dir, 34, 7);  // text only: below the image placeholders 34, 35, 36
+  const std::string config = strata::test::zero3_nvme_config(dir, "ds.json", dir.file("swap"), /*bf16=*/true);
+  const std::string out = dir.file("out"), exported = out + "/model";
+  const auto run = run_command(strata_binary() + " run -n 2 -- " + strata_binary() + " finetune --config " + config +
+                               " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 4 --out " +
+                               out + " --export " + exported + " 2>&1");
+  INFO(run.output);
+  REQUIRE(run.exit_code == 0);
+  CHECK_THAT(run.output, Catch::Contains("ZeRO stage 3, params on nvme, optimizer state on nvme") &&
+                             Catch::Contains("23 tensors of the vision tower and projector are passed through "
+                                             "unchanged: not trained, not used"));
+  const auto steps = read_jsonl(out + "/metrics.jsonl");
+  REQUIRE(steps.size() == 4);
+  for (const auto& s : steps) CHECK(s["nvme_bytes"].get<uint64_t>() > 0);
+  CHECK(steps[3]["loss"].get<double>() < steps[0]["loss"].get<double>() - 0.1);
+  // config.json: the source's gemma3 config, its text_config the text model's.
+  const json src = read_json(model + "/config.json"), cfg = read_json(exported + "/config.json");
+  CHECK(cfg["model_type"] == "gemma3");
+  CHECK(cfg["architectures"] == json::array({"Gemma3ForConditionalGeneration"}));
+  for (const char* key : {"vision_config", "image_token_index", "boi_token_index", "eoi_token_index",
+                          "mm_tokens_per_image"}) {
+    INFO(key);
+    CHECK(cfg[key] == src[key]);
+  }
+  for (const auto& [key, value] : src["text_config"].items()) {
+    INFO("text_config key " << key);
+    CHECK(cfg["text_config"][key] == value);
+  }
+  // The weights: the text model's under the checkpoint's names, the vision
+  // tower's and the projector's byte for byte in the last shard.
+  const json index = read_json(exported + "/model.safetensors.index.json");
+  const strata::nn::DecoderConfig c = strata::nn::parse_decoder_config(cfg);
+  REQUIRE(c.multimodal);
+  const strata::nn::SafetensorsFile source = strata::nn::SafetensorsFile::open(model + "/model.safetensors");
+  size_t vision = 0;
+  for (const std::string& name : source.names()) {
+    INFO(name);
+    REQUIRE(index["weight_map"].contains(name));
+    const auto file = strata::nn::SafetensorsFile::open(exported + "/" + index["weight_map"][name].get<std::string>());
+    const strata::TensorView theirs = source.view(name), ours = file.view(name);
+    CHECK(ours.desc.shape == theirs.desc.shape);
+    CHECK(ours.desc.dtype == theirs.desc.dtype);
+    if (!strata::nn::is_vision_tensor(name)) continue;
+    ++vision;
+    CHECK(index["weight_map"][name] == "model-00002-of-00002.safetensors");
+    REQUIRE(ours.nbytes() == theirs.nbytes());
+    CHECK(std::memcmp(ours.data, theirs.data, ours.nbytes()) == 0);
+  }
+  CHECK(vision == 23);
+  CHECK(index["weight_map"].size() == source.names().size());
+  CHECK(index["weight_map"]["language_model.model.norm.weight"] == "model-00001-of-00002.safetensors");
+  // A checkpoint of the run holds the text model only: strata export refuses it (the vision tower stayed in the
+  // source), naming what to do instead.
+  const std::string save = dir.file("save");
+  const auto saved = run_command(strata_binary() + " finetune --config " + write_file(dir, "fp32.json", kFp32Config) +
+                                 " --model " + model + " --data " + data + " --data-format u16 --seq 7 --steps 1 --out " +
+                                 dir.file("out1") + " --save " + save + " 2>&1");
+  INFO(saved.output);
+  REQUIRE(saved.exit_code == 0);
+  const auto exported_ckpt = run_command(strata_binary() + " export " + save + " " + dir.file("ckpt-export") + " 2>&1");
+  INFO(exported_ckpt.output);
+  CHECK(exported_ckpt.exit_code != 0);
+  CHECK_THAT(exported_ckpt.output, Catch::Contains("does not hold the vision tower and projector") &&
+                                       Catch::Contains("--resume and --export DIR"));
+  CHECK_FALSE(std::filesystem::exists(dir.file("ckpt-export")));
+}
+
+TEST_CASE("families: a gemma3 checkpoint in either layout trains its text model, and image placeholders in the data and "
+          "LoRA targets PEFT would also put on the vision tower are refused by name",
+          "[finetune][families][gemma]") {
+  strata::test::TempDir dir("families-gemma3mm-layout");
+  const std::string source = fixture("gemma3mm_tied_f32");
+  // transformers 5's in-memory names (model.language_model.*, model.vision_tower.*), as some saves keep them.
+  const std::string renamed = dir.file("renamed");
+  std::filesystem::create_directories(renamed);
+  std::filesystem::copy_file(source + "/config.json", renamed + "/config.json");
+  {
+    const strata::nn::SafetensorsFile in = strata::nn::SafetensorsFile::open(source + "/model.safetensors");
+    const auto rename = [](const std::string& name) {
+      return name.starts_with("language_model.model.") ? "model.language_model." + name.substr(21) : "model." + name;
+    };
+    std::vector<strata::nn::SafetensorsDecl> decls;
+    for (const std::string& name : in.names()) {
+      decls.push_back({rename(name), in.entry(name).dtype, in.entry(name).shape});
+    }
+    strata::nn::SafetensorsStreamWriter out(renamed + "/model.safetensors", decls);
+    for (const std::string& name : in.names()) {
+      const strata::TensorView v = in.view(name);
+      out.write(rename(name), 0, v.data, v.nbytes());
+    }
+    out.commit();
+  }
+  const std::string data = one_window(dir, 34, 7);
+  const std::string cfg = write_file(dir, "ds.json", kFp32Config);
+  const auto first_loss = [&](const std::string& model, const std::string& out, const std::string& extra) {
+    const auto run = run_command(strata_binary() + " finetune --config " + cfg + " --data " + data +
+                                 " --data-format u16 --seq 7 --model " + model + " --steps 1 --out " + dir.file(out) +
+                                 extra + " 2>&1");
+    INFO(run.output);
+    REQUIRE(run.exit_code == 0);
+    return read_jsonl(dir.file(out) + "/metrics.jsonl").at(0)["loss"].get<double>();
+  };
+  const double published = first_loss(source, "a", "");
+  CHECK(first_loss(renamed, "b", "") == published);
+  // LoRA on the text model's o_proj and MLP: the adapter under PEFT's names on Gemma3ForConditionalGeneration.
+  first_loss(source, "lora", " --lora-rank 2 --lora-alpha 4 --lora-targets o_proj,down_proj --export " +
+                                 dir.file("adapter"));
+  const strata::nn::SafetensorsFile adapter =
+      strata::nn::SafetensorsFile::open(dir.file("adapter") + "/adapter_model.safetensors");
+  CHECK(adapter.contains("base_model.model.model.language_model.layers.2.self_attn.o_proj.lora_B.weight"));
+  CHECK(adapter.contains("base_model.model.model.language_model.layers.0.mlp.down_proj.lora_A.weight"));
+  CHECK(adapter.names().size() == 3 * 2 * 2);
+  // q_proj (and the default q_proj,v_proj, and all-linear) would reach the vision tower under PEFT.
+  for (const char* targets : {"q_proj,o_proj", "all-linear"}) {
+    const auto refused = run_command(strata_binary() + " finetune --config " + cfg + " --data " + data +
+                                     " --data-format u16 --seq 7 --model " + source + " --steps 1 --out " +
+                                     dir.file("refused") + " --lora-rank 2 --lora-alpha 4 --lora-targets " + targets +
+                                     " 2>&1");
+    INFO(refused.output);
+    CHECK(refused.exit_code != 0);
+    CHECK_THAT(refused.output, Catch::Contains("--lora-targets") && Catch::Contains("vision tower") &&
+                                   Catch::Contains("o_proj, gate_proj, up_proj and down_proj"));
+  }
+  // An image placeholder (boi_token_index 34) in the data: refused naming the file and the position.
+  const std::string image = dir.file("image.u16");
+  {
+    std::ofstream out(image, std::ios::binary);
+    for (int i = 0; i <= 7; ++i) {
+      const auto t = static_cast<uint16_t>(i == 5 ? 34 : i + 1);
+      out.write(reinterpret_cast<const char*>(&t), sizeof t);
+    }
+  }
+  const auto placeholder = run_command(strata_binary() + " finetune --config " + cfg + " --data " + image +
+                                       " --data-format u16 --seq 7 --model " + source + " --steps 1 --out " +
+                                       dir.file("image") + " 2>&1");
+  INFO(placeholder.output);
+  CHECK(placeholder.exit_code != 0);
+  CHECK_THAT(placeholder.output, Catch::Contains(image + ": token 34 at position 5 is the model's image placeholder "
+                                                         "(boi_token_index of config.json)"));
+}
+
 TEST_CASE("families: DeepSeek's multi-token prediction weights are carried to the export unchanged, with a notice",
           "[finetune][families][deepseek]") {
   strata::test::TempDir dir("families-mtp");
