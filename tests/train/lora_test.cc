@@ -587,7 +587,7 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
   // strata plan --check models each run as it held its base: the FP8 weights
   // a group of e4m3 bytes at home with their scale grids, the twin's in bf16;
   // the swap files exactly.
-  for (const std::string name : {"fp8", "bf16"}) {
+  for (const std::string name : {"quantized", "bf16"}) {  // check_quantized_base_kept's two runs
     CAPTURE(name);
     const auto check = run_command(strata_binary() + " plan --check " + dir.file(name + "_out") + " --json");
     INFO(check.output);
@@ -601,7 +601,7 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
     CHECK(nvme);
     bool grids = false;
     for (const auto& item : j["items"]) grids |= item["name"] == "FP8 scale grids";
-    CHECK(grids == (name == "fp8"));
+    CHECK(grids == (name == "quantized"));
   }
 }
 
