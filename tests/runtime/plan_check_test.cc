@@ -513,28 +513,42 @@ TEST_CASE("the plan's micro-batch slots per pipeline chunk are the schedule's mi
   }
 }
 
-TEST_CASE("strata plan --check: a pipeline-parallel finetune (pp 2 x dp 2, zb-h1, 4 micro-batches, ZeRO-3, "
-          "parameters and optimizer on NVMe) is checked as pp rank 0's share: its arenas and swap files exactly",
-          "[plan][check][finetune][pp]") {
-  strata::test::TempDir dir("plan-check-pp");
+namespace {
+
+// A finetune of byte_llama under `strata run -n ranks` with the example's
+// ZeRO-3 NVMe config, 4 micro-batches and `pipeline` (sizes chosen from the
+// stage's tensors, by the plan too), 2 steps of seq 64 into dir/out; then
+// `strata plan --check` of it, as JSON.
+nlohmann::json check_pipeline_run(const strata::test::TempDir& dir, int ranks, const nlohmann::json& pipeline,
+                                  bool keep_swap_files) {
   std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
   auto ds = nlohmann::json::parse(example);
-  ds["strata"]["keep_swap_files"] = true;
-  ds["zero_optimization"].erase("sub_group_size");  // chosen from the stage's tensors, by the plan too
+  if (keep_swap_files) ds["strata"]["keep_swap_files"] = true;
+  ds["zero_optimization"].erase("sub_group_size");
   ds["zero_optimization"].erase("reduce_bucket_size");
   ds["gradient_accumulation_steps"] = 4;
-  ds["pipeline_parallel"] = {{"size", 2}, {"schedule", "zb-h1"}};
+  ds["pipeline_parallel"] = pipeline;
   strata::test::write_file(dir, "ds.json", ds.dump());
   const std::string out = dir.file("out");
-  const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n 4 -- " +
-                               strata_binary() + " finetune --config ds.json --init " + kExamples +
-                               "/byte_llama.json --data " + kExamples +
-                               "/data/gpl-3.0.txt --data-format text --steps 2 --seq 64 --out " + out + " 2>&1");
+  const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n " +
+                               std::to_string(ranks) + " -- " + strata_binary() +
+                               " finetune --config ds.json --init " + kExamples + "/byte_llama.json --data " +
+                               kExamples + "/data/gpl-3.0.txt --data-format text --steps 2 --seq 64 --out " + out +
+                               " 2>&1");
   INFO(run.output);
   REQUIRE(run.exit_code == 0);
   const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
   INFO(check.output);
-  const auto j = nlohmann::json::parse(check.output);
+  return nlohmann::json::parse(check.output);
+}
+
+}  // namespace
+
+TEST_CASE("strata plan --check: a pipeline-parallel finetune (pp 2 x dp 2, zb-h1, 4 micro-batches, ZeRO-3, "
+          "parameters and optimizer on NVMe) is checked as pp rank 0's share: its arenas and swap files exactly",
+          "[plan][check][finetune][pp]") {
+  strata::test::TempDir dir("plan-check-pp");
+  const auto j = check_pipeline_run(dir, 4, {{"size", 2}, {"schedule", "zb-h1"}}, true);
   CHECK(j["run"]["pipeline"]["size"] == 2);
   CHECK(j["run"]["pipeline"]["schedule"] == "zb-h1");
   CHECK(j["run"]["pipeline"]["layers"] == nlohmann::json({2, 2}));
@@ -574,24 +588,9 @@ TEST_CASE("strata plan --check holds a 1F1B and an interleaved pipeline run's de
   for (const std::string schedule : {"1f1b", "interleaved"}) {
     CAPTURE(schedule);
     strata::test::TempDir dir("plan-check-pp-" + schedule);
-    std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
-    auto ds = nlohmann::json::parse(example);
-    ds["zero_optimization"].erase("sub_group_size");
-    ds["zero_optimization"].erase("reduce_bucket_size");
-    ds["gradient_accumulation_steps"] = 4;
-    ds["pipeline_parallel"] = {{"size", 2}, {"schedule", schedule}};
-    if (schedule == "interleaved") ds["pipeline_parallel"]["virtual_stages"] = 2;
-    strata::test::write_file(dir, "ds.json", ds.dump());
-    const std::string out = dir.file("out");
-    const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n 2 -- " +
-                                 strata_binary() + " finetune --config ds.json --init " + kExamples +
-                                 "/byte_llama.json --data " + kExamples +
-                                 "/data/gpl-3.0.txt --data-format text --steps 2 --seq 64 --out " + out + " 2>&1");
-    INFO(run.output);
-    REQUIRE(run.exit_code == 0);
-    const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
-    INFO(check.output);
-    const auto j = nlohmann::json::parse(check.output);
+    nlohmann::json pipeline = {{"size", 2}, {"schedule", schedule}};
+    if (schedule == "interleaved") pipeline["virtual_stages"] = 2;
+    const auto j = check_pipeline_run(dir, 2, pipeline, false);
     CHECK(j["run"]["pipeline"]["schedule"] == schedule);
     int held = 0;
     for (const auto& tier : j["tiers"]) {
