@@ -38,6 +38,29 @@ struct KeptBoundaries::Staged {
   uint64_t last_use = 0;
 };
 
+namespace {
+
+// kNvme's staging: two chunks' worth of inputs and two more (the inputs the
+// chunk in hand reads and those it writes for the next, plus read-ahead
+// across a chunk's end), each a direct-I/O-aligned place of the file.
+int staging_buffers(int micro_batches) { return 2 * micro_batches + 2; }
+size_t staging_stride(size_t nbytes) {
+  return (nbytes + nvme::kDirectIoAlignment - 1) / nvme::kDirectIoAlignment * nvme::kDirectIoAlignment;
+}
+
+}  // namespace
+
+size_t kept_boundaries_pinned_nbytes(BoundaryHome home, int chunks, int micro_batches, size_t nbytes) {
+  const size_t m = static_cast<size_t>(std::max(micro_batches, 0));
+  switch (home) {
+    case BoundaryHome::kDevice: return 0;
+    case BoundaryHome::kPinnedHost: return static_cast<size_t>(std::max(chunks - 1, 0)) * m * nbytes + m * nbytes;
+    case BoundaryHome::kNvme:
+      return static_cast<size_t>(staging_buffers(micro_batches)) * staging_stride(nbytes) + m * nbytes;
+  }
+  return 0;
+}
+
 KeptBoundaries::KeptBoundaries(Accelerator& accelerator, int chunks, BoundaryHome home, const BoundaryNvme& nvme)
     : acc_(accelerator), home_(home), nvme_(nvme), inputs_(static_cast<size_t>(std::max(chunks, 0))) {
   if (home_ != BoundaryHome::kNvme) return;
@@ -46,12 +69,8 @@ KeptBoundaries::KeptBoundaries(Accelerator& accelerator, int chunks, BoundaryHom
                "(a tier on nvme: offload_param or offload_optimizer device nvme)");
   STRATA_CHECK(nvme_.capacity_nbytes > 0 && nvme_.micro_batches > 0, kBadArgument,
                "strata.layer_major_boundaries nvme: no boundary size or micro-batch count given");
-  stride_ = (nvme_.capacity_nbytes + nvme::kDirectIoAlignment - 1) / nvme::kDirectIoAlignment *
-            nvme::kDirectIoAlignment;
-  // Two chunks' worth of inputs and two more: the inputs the chunk in hand
-  // reads and those it writes for the next, plus read-ahead across a chunk's end.
-  const int staged = 2 * nvme_.micro_batches + 2;
-  for (int i = 0; i < staged; ++i) {
+  stride_ = staging_stride(nvme_.capacity_nbytes);
+  for (int i = 0; i < staging_buffers(nvme_.micro_batches); ++i) {
     auto s = std::make_unique<Staged>();
     s->data = acc_.allocate_pinned(stride_);
     staging_.push_back(std::move(s));

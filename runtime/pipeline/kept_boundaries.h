@@ -58,6 +58,13 @@ enum class BoundaryHome : uint8_t { kDevice, kPinnedHost, kNvme };
 // "device" | "cpu" | "nvme" (strata.layer_major_boundaries's spelling).
 const char* boundary_home_name(BoundaryHome home);
 
+// The pinned host memory a store of `home` holds for `chunks` chunks of
+// `micro_batches` boundaries of `nbytes` each, once every boundary has been
+// kept (what memory_nbytes() then says): kPinnedHost every input of chunks
+// 1.. and the m gradients; kNvme its 2m + 2 staging buffers (each `nbytes`
+// rounded up to the direct-I/O alignment) and the m gradients; kDevice none.
+size_t kept_boundaries_pinned_nbytes(BoundaryHome home, int chunks, int micro_batches, size_t nbytes);
+
 // What kNvme needs.
 struct BoundaryNvme {
   nvme::AioHandle* io = nullptr;  // the engine's I/O handle (borrowed)

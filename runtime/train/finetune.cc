@@ -444,14 +444,12 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       layer_major ? static_cast<double>(accumulation) * static_cast<double>(model_config.num_hidden_layers + 2) *
                         static_cast<double>(one_boundary_nbytes)
                   : 0.0;
-  // With the boundaries on nvme, the pinned host memory is the staging
-  // (runtime/pipeline/kept_boundaries.h: 2m + 2 inputs, aligned) and the m gradients.
+  // What of them is pinned host memory (with nvme: the staging and the gradients).
   const double boundary_pinned_nbytes =
-      !layer_major || !boundaries_pinned ? 0.0
-      : boundary_home == pipeline::BoundaryHome::kPinnedHost
-          ? boundary_nbytes
-          : static_cast<double>(2 * accumulation + 2) * static_cast<double>((one_boundary_nbytes + 4095) / 4096 * 4096) +
-                static_cast<double>(accumulation) * static_cast<double>(one_boundary_nbytes);
+      layer_major ? static_cast<double>(pipeline::kept_boundaries_pinned_nbytes(
+                        boundary_home, static_cast<int>(model_config.num_hidden_layers + 2),
+                        static_cast<int>(accumulation), one_boundary_nbytes))
+                  : 0.0;
   {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
