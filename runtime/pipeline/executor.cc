@@ -424,8 +424,6 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
   if (kept_) {
     stats.boundary_nbytes = kept_->memory_nbytes();
     stats.boundaries_pinned = kept_->home() != BoundaryHome::kDevice;
-    stats.boundary_file_nbytes = kept_->file_nbytes();
-    stats.boundary_read_nbytes = kept_->read_nbytes();
   }
   if (!stats.boundaries_pinned) stats.activation_nbytes += stats.boundary_nbytes;
   return stats;

@@ -86,12 +86,10 @@ struct StepStats {
   // Layer-major's layer-boundary activations and the gradients flowing down
   // that the executor keeps per micro-batch (0 for the other schedules, whose
   // chunks keep their boundaries in their slots): part of activation_nbytes
-  // in accelerator memory, pinned host memory when boundaries_pinned (their
-  // staging buffers with boundaries on nvme: boundary_file_nbytes more on
-  // the drive, boundary_read_nbytes of them read back during the step).
+  // in accelerator memory, pinned host memory when boundaries_pinned (with
+  // boundaries on nvme: their staging buffers and the gradients).
   size_t boundary_nbytes = 0;
   bool boundaries_pinned = false;
-  uint64_t boundary_file_nbytes = 0, boundary_read_nbytes = 0;
   // zb-h1: the Linear inputs W read where forward left them (the slot's
   // saved activations) and those it had to copy (DeferredWeightGrads).
   int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
