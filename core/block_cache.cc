@@ -14,9 +14,8 @@ void* BlockCache::reserve(size_t requested, size_t block, Freed& to_free) {
   reap(to_free);
   if (auto hit = cached_.find(block); hit != cached_.end()) {
     // The same size again (a gathered parameter, a gradient, a bucket).
-    void* ptr = hit->second;
-    cached_.erase(hit);
-    cached_nbytes_ -= block;
+    void* ptr = hit->second->ptr;
+    uncache(hit);
     commit(ptr, block);
     in_use_ += block;
     peak_ = std::max(peak_, in_use_);
@@ -32,9 +31,8 @@ void* BlockCache::reserve(size_t requested, size_t block, Freed& to_free) {
   // Cached bytes count against the budget: drop the largest until it fits.
   while (in_use_ + cached_nbytes_ + block > options_.capacity) {
     auto largest = std::prev(cached_.end());
-    cached_nbytes_ -= largest->first;
-    to_free.emplace_back(largest->second, largest->first);
-    cached_.erase(largest);
+    to_free.emplace_back(largest->second->ptr, largest->first);
+    uncache(largest);
   }
   in_use_ += block;  // reserved; cancel() undoes it
   peak_ = std::max(peak_, in_use_);
@@ -89,14 +87,29 @@ void BlockCache::reap(Freed& to_free) {
 }
 
 void BlockCache::release(void* ptr, size_t nbytes, Freed& to_free) {
-  const bool keep = nbytes >= options_.min_cached_nbytes &&
-                    (!options_.cache_within_peak || in_use_ + cached_nbytes_ + nbytes <= peak_);
+  const bool keep =
+      nbytes >= options_.min_cached_nbytes && (!options_.cache_within_peak || in_use_ + nbytes <= peak_);
   if (!keep) {
     to_free.emplace_back(ptr, nbytes);
     return;
   }
-  cached_.emplace(nbytes, ptr);
+  // Within the peak: the least recently cached blocks make room.
+  while (options_.cache_within_peak && in_use_ + cached_nbytes_ + nbytes > peak_) {
+    const Cached oldest = cached_order_.front();
+    auto range = cached_.equal_range(oldest.nbytes);
+    auto it = std::find_if(range.first, range.second,
+                           [&](const auto& entry) { return entry.second->ptr == oldest.ptr; });
+    to_free.emplace_back(oldest.ptr, oldest.nbytes);
+    uncache(it);
+  }
+  cached_.emplace(nbytes, cached_order_.insert(cached_order_.end(), Cached{nbytes, ptr}));
   cached_nbytes_ += nbytes;
+}
+
+void BlockCache::uncache(std::multimap<size_t, std::list<Cached>::iterator>::iterator it) {
+  cached_nbytes_ -= it->first;
+  cached_order_.erase(it->second);
+  cached_.erase(it);
 }
 
 MemoryStats BlockCache::stats() const {
@@ -111,8 +124,9 @@ MemoryStats BlockCache::stats() const {
 
 BlockCache::Freed BlockCache::drop_cached() {
   Freed out;
-  for (const auto& [nbytes, ptr] : cached_) out.emplace_back(ptr, nbytes);
+  for (const Cached& block : cached_order_) out.emplace_back(block.ptr, block.nbytes);
   cached_.clear();
+  cached_order_.clear();
   cached_nbytes_ = 0;
   return out;
 }
@@ -120,7 +134,7 @@ BlockCache::Freed BlockCache::drop_cached() {
 BlockCache::Freed BlockCache::all_blocks() const {
   Freed out;
   for (const auto& [ptr, nbytes] : live_) out.emplace_back(ptr, nbytes);
-  for (const auto& [nbytes, ptr] : cached_) out.emplace_back(ptr, nbytes);
+  for (const Cached& block : cached_order_) out.emplace_back(block.ptr, block.nbytes);
   return out;
 }
 

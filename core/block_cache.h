@@ -11,11 +11,14 @@
 // Policy (Options): which freed blocks are kept. The cpu accelerator keeps
 // only its own >= 128 KiB mappings (each fresh one is page faults and kernel
 // zeroing) and only while in use + cached stays within the peak in use, so
-// caching never holds more memory than was once in use at the same time; the
-// cuda accelerator keeps every block (cudaFree is expensive), its cache bounded
-// by the budget alone. Requests reuse a cached block of exactly their size:
-// the caller rounds sizes into classes first (cuda does), so one huge block is
-// never held for a small request.
+// caching never holds more memory than was once in use at the same time: a
+// freed block that would pass the peak evicts the least recently cached
+// blocks first (a step's transient sizes come back each micro-batch; a size
+// used once per step, held in the cache, would otherwise push every other
+// block back to the system); the cuda accelerator keeps every block (cudaFree
+// is expensive), its cache bounded by the budget alone. Requests reuse a
+// cached block of exactly their size: the caller rounds sizes into classes
+// first (cuda does), so one huge block is never held for a small request.
 //
 // Thread-safety: none; the accelerator calls it under its own mutex.
 // Errors: Error(kOutOfMemory) from reserve() saying what is in use, pending,
@@ -24,6 +27,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <list>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -91,7 +95,14 @@ class BlockCache {
   std::unordered_map<void*, size_t> live_;  // every block handed out and not yet free
   std::vector<Pending> pending_;
   std::unordered_set<void*> pending_ptrs_;
-  std::multimap<size_t, void*> cached_;  // free blocks by size
+  struct Cached {
+    size_t nbytes;
+    void* ptr;
+  };
+  // Takes `it` out of the cache (both indexes below).
+  void uncache(std::multimap<size_t, std::list<Cached>::iterator>::iterator it);
+  std::list<Cached> cached_order_;  // free blocks, least recently cached first
+  std::multimap<size_t, std::list<Cached>::iterator> cached_;  // the same blocks by size
 };
 
 }  // namespace strata

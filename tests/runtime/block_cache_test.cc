@@ -89,11 +89,45 @@ TEST_CASE("block cache: the cpu policy keeps only large blocks, within the peak"
   cache.free(address(1), freed, "deallocate");
   CHECK(freed.size() == 1);  // large and within the peak: kept
   CHECK(cache.stats().cached_nbytes == big);
-  // Another size is allocated fresh; freeing it would exceed the peak: not kept.
+  // Another size is allocated fresh; caching it beside the first would exceed
+  // the peak: the least recently cached block goes back to make room.
   REQUIRE(cache.reserve(2 * big, 2 * big, freed) == nullptr);
   cache.commit(address(3), 2 * big);
   cache.free(address(3), freed, "deallocate");
-  CHECK(freed.size() == 2);
+  REQUIRE(freed.size() == 2);
+  CHECK(freed.back() == std::make_pair(address(1), big));
   const strata::MemoryStats s = cache.stats();
+  CHECK(s.cached_nbytes == 2 * big);
   CHECK(s.in_use_nbytes + s.cached_nbytes <= s.peak_nbytes);
+}
+
+TEST_CASE("block cache: within the peak, a freed block evicts the least recently cached ones, oldest first",
+          "[accelerator][block_cache]") {
+  // A step's transient sizes come back every micro-batch; a block used once
+  // per step must not hold the room they need (each miss is a fresh mapping:
+  // page faults and zeroing).
+  BlockCache cache({1 << 30, 1 << 20, /*cache_within_peak=*/true, "cpu"});
+  BlockCache::Freed freed;
+  const size_t mib = 1 << 20;
+  // Peak 6 MiB: blocks of 1, 2 and 3 MiB live at once.
+  for (int i = 1; i <= 3; ++i) {
+    REQUIRE(cache.reserve(i * mib, i * mib, freed) == nullptr);
+    cache.commit(address(i), i * mib);
+  }
+  for (int i = 1; i <= 3; ++i) cache.free(address(i), freed, "deallocate");
+  REQUIRE(freed.empty());  // all three cached: 6 MiB, the peak
+  // 1.5 MiB live (a size not cached), then freed: the oldest cached (1 MiB,
+  // then 2 MiB) make room; the 3 MiB one, cached last, stays.
+  const size_t odd = 3 * mib / 2;
+  REQUIRE(cache.reserve(odd, odd, freed) == nullptr);
+  REQUIRE(freed.empty());  // within the budget: nothing dropped to allocate
+  cache.commit(address(4), odd);
+  cache.free(address(4), freed, "deallocate");
+  REQUIRE(freed.size() == 2);
+  CHECK(freed[0] == std::make_pair(address(1), mib));
+  CHECK(freed[1] == std::make_pair(address(2), 2 * mib));
+  CHECK(cache.stats().cached_nbytes == 3 * mib + odd);
+  CHECK(cache.stats().peak_nbytes == 6 * mib);
+  CHECK(cache.reserve(3 * mib, 3 * mib, freed) == address(3));
+  CHECK(cache.reserve(odd, odd, freed) == address(4));
 }
