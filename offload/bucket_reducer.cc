@@ -65,6 +65,10 @@ void BucketReducer::flush() {
   }
   std::unique_ptr<Bucket> bucket = std::move(open_);
   const int world = layout_.world_size();
+  if (world == 1) {
+    flush_alone(std::move(bucket));
+    return;
+  }
   const size_t block_numel = static_cast<size_t>(bucket->block_numel);
   auto* recv = static_cast<float*>(accelerator_.allocate(block_numel * sizeof(float)));
   // A bucket of one parameter without padding (an embedding, alone in its
@@ -113,6 +117,42 @@ void BucketReducer::flush() {
     shard_.accumulate(entry.param, recv + offset, *stream_, *ctx_);
     offset += static_cast<size_t>(slot.slice_numel);
   }
+  finish(std::move(bucket), packed, recv);
+}
+
+void BucketReducer::flush_alone(std::unique_ptr<Bucket> bucket) {
+  // A world of one: the reduce-scatter is the identity, so there is nothing to
+  // pack or send — each gradient is added to the shard where backward wrote
+  // it (a model's worth of gradients per micro-batch not copied twice: the
+  // single-device offload's common case). Only a padded slice (a norm's
+  // weight rounded up to the alignment) is copied, into a zeroed block, since
+  // the shard adds whole slices. The same adds in the same order: the same bits.
+  size_t padded_numel = 0;
+  for (const auto& entry : bucket->entries) {
+    const partition::ParamSlot& slot = layout_.param(entry.param);
+    if (slot.owned_numel(0) != slot.slice_numel) padded_numel += static_cast<size_t>(slot.slice_numel);
+  }
+  float* padded = nullptr;
+  if (padded_numel > 0) {
+    padded = static_cast<float*>(accelerator_.allocate(padded_numel * sizeof(float)));
+    accelerator_.memset_async(padded, 0, padded_numel * sizeof(float), *stream_);
+  }
+  size_t offset = 0;
+  for (const auto& entry : bucket->entries) {
+    const partition::ParamSlot& slot = layout_.param(entry.param);
+    if (slot.owned_numel(0) == slot.slice_numel) {
+      shard_.accumulate(entry.param, entry.grad, *stream_, *ctx_);
+      continue;
+    }
+    accelerator_.copy_async(padded + offset, entry.grad, static_cast<size_t>(slot.owned_numel(0)) * sizeof(float),
+                            CopyKind::kDeviceToDevice, *stream_);
+    shard_.accumulate(entry.param, padded + offset, *stream_, *ctx_);
+    offset += static_cast<size_t>(slot.slice_numel);
+  }
+  finish(std::move(bucket), padded, nullptr);
+}
+
+void BucketReducer::finish(std::unique_ptr<Bucket> bucket, float* packed, float* recv) {
   if (landed_) {
     std::vector<size_t> params;
     for (const auto& entry : bucket->entries) params.push_back(entry.param);
@@ -121,7 +161,7 @@ void BucketReducer::flush() {
   bucket->done = accelerator_.create_event();
   stream_->record(*bucket->done);
   if (packed != nullptr) accelerator_.deallocate_after(packed, *bucket->done);
-  accelerator_.deallocate_after(recv, *bucket->done);
+  if (recv != nullptr) accelerator_.deallocate_after(recv, *bucket->done);
   for (auto& entry : bucket->entries) {
     if (entry.release) entry.release(*bucket->done);
   }

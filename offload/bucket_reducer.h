@@ -3,7 +3,10 @@
 // `bucket_numel` elements as they become complete, each bucket is
 // reduce-scattered (summed in fp32) on the reducer's own stream and
 // communicator, and this rank's block is added into its fp32 gradient shard
-// accumulator — while backward goes on.
+// accumulator — while backward goes on. In a world of one, where the
+// reduce-scatter is the identity, each gradient is added to the accumulator
+// where it lies (no pack, no collective; a padded slice alone is copied into
+// a zeroed block): the same adds, the same bits.
 //
 // Works on any accelerator: packing is stream-ordered copies, accumulation is
 // GradShard::accumulate on the reducer's stream; nothing waits on the host except
@@ -68,6 +71,11 @@ class BucketReducer {
 
  private:
   struct Bucket;
+  // flush() in a world of one: each gradient added to the shard in place.
+  void flush_alone(std::unique_ptr<Bucket> bucket);
+  // After the accumulation is queued: the landed callback, the bucket's event,
+  // the releases (packed and recv may be nullptr); the bucket joins in_flight_.
+  void finish(std::unique_ptr<Bucket> bucket, float* packed, float* recv);
   Accelerator& accelerator_;
   partition::Communicator& comm_;
   const partition::PartitionLayout& layout_;

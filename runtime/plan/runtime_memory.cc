@@ -370,6 +370,9 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
     double gathered_elem = 0;
     bool frozen = false;
     double padded_numel = 0, largest_slice = 0, largest_full = 0;
+    // The slices of the parameters whose slice has padding (a world of one's
+    // reducer copies only these: bucket_reducer.cc).
+    double padding_slices_numel = 0;
     size_t opt_sub_group = 0;  // its sub-group (the home's chunk; the optimizer's record)
     std::string label;         // when there are several: "frozen base", "adapters", "replicated", "tp shards"
   };
@@ -420,6 +423,7 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
       g.padded_numel += full;
       g.largest_slice = std::max(g.largest_slice, static_cast<double>(slot.slice_numel));
       g.largest_full = std::max(g.largest_full, full);
+      if (slot.owned_numel(0) != slot.slice_numel) g.padding_slices_numel += static_cast<double>(slot.slice_numel);
       if (slot.numel <= z.persistence_threshold_numel) persistent_nbytes += g.gathered_elem * full;
     }
     shard_nbytes += static_cast<double>(g.layout->shard_nbytes());
@@ -626,9 +630,15 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         sum_trained([&](const Group& g) { return 4.0 * std::min(g.padded_numel, 3 * bucket(g)); }), true,
         fmt::format("open bucket + 2 in flight of reduce_bucket_size {}{}{}", z.reduce_bucket_numel,
                     trained.size() > 1 ? " per group" : "", lora_basis));
-    add("reduce-scatter buffers", Where::kDevice,
-        sum_trained([&](const Group& g) { return 4.0 * (1 + 1 / world) * std::min(g.padded_numel, 2 * bucket(g)); }),
-        true, "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
+    if (world > 1) {
+      add("reduce-scatter buffers", Where::kDevice,
+          sum_trained([&](const Group& g) { return 4.0 * (1 + 1 / world) * std::min(g.padded_numel, 2 * bucket(g)); }),
+          true, "2 buckets in flight: send (all ranks' slices) + receive (this rank's)");
+    } else {
+      add("padded gradient copies", Where::kDevice,
+          sum_trained([&](const Group& g) { return 4.0 * std::min(g.padding_slices_numel, 2 * bucket(g)); }), true,
+          "a world of one reduces in place: only padded slices are copied, 2 buckets in flight");
+    }
   }
 
   // ---- pinned and pageable host ----------------------------------------------------
