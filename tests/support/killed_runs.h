@@ -3,7 +3,9 @@
 // assertions inside: include from a Catch test only).
 #pragma once
 
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -18,6 +20,19 @@ namespace strata::test {
 inline std::string file_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Kill delays spread over an uninterrupted run that took `reference` (wall
+// time, this machine, now): they land in start-up, in steps, in checkpoint
+// writes and in the export however fast the run is, and the first three add
+// up to less than one run, so at least three attempts are killed before one
+// can finish (fixed delays let a fast machine finish on the third).
+inline std::vector<int> kill_delays_over(std::chrono::milliseconds reference) {
+  std::vector<int> delays;
+  for (double fraction : {0.3, 0.2, 0.4, 0.25, 0.5, 0.35, 0.2, 0.6, 0.45, 0.7}) {
+    delays.push_back(std::max(150, static_cast<int>(fraction * static_cast<double>(reference.count()))));
+  }
+  return delays;
 }
 
 // Runs `args` (a resumable finetune) again and again, each attempt killed

@@ -3,6 +3,7 @@
 // example text. And every bad input a clear error before any training.
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 
 #include <cmath>
 #include <fstream>
@@ -255,8 +256,8 @@ std::string resumable_args(const strata::test::TempDir& dir, const std::string& 
 // SIGKILL at moments and resumed, at least 3 times, exports `file` with the
 // bytes `expected` (an uninterrupted run's).
 void expect_killed_run_exports(const strata::test::TempDir& dir, const std::string& args, const std::string& expected,
-                               const std::string& file = "model.safetensors") {
-  const int kills = run_killed_and_resumed(dir, args, dir.file("killed_ckpt"));
+                               const std::string& file = "model.safetensors", std::vector<int> delays_ms = {}) {
+  const int kills = run_killed_and_resumed(dir, args, dir.file("killed_ckpt"), std::move(delays_ms));
   INFO("killed " << kills << " times");
   CHECK(kills >= 3);
   CHECK(file_bytes(dir.file("killed_model") + "/" + file) == expected);
@@ -269,12 +270,15 @@ void expect_killed_run_exports(const strata::test::TempDir& dir, const std::stri
 std::string expect_resumed_like_uninterrupted(const strata::test::TempDir& dir, const std::string& run, int steps,
                                               const std::string& init = "small.json", const std::string& flags = "",
                                               const std::string& file = "model.safetensors") {
+  const auto start = std::chrono::steady_clock::now();
   const auto reference = run_command(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   const std::string expected = file_bytes(dir.file("ref_model") + "/" + file);
   REQUIRE(expected.size() > 1000);
-  expect_killed_run_exports(dir, run + resumable_args(dir, "killed", steps, init) + flags, expected, file);
+  expect_killed_run_exports(dir, run + resumable_args(dir, "killed", steps, init) + flags, expected, file,
+                            strata::test::kill_delays_over(took));
   return reference.output;
 }
 
