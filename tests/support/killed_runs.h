@@ -35,6 +35,19 @@ inline std::vector<int> kill_delays_over(std::chrono::milliseconds reference) {
   return delays;
 }
 
+// run_command, and the wall time it took (the uninterrupted run whose
+// duration kill_delays_over spreads the kills over).
+struct TimedCommand {
+  CommandResult result;
+  std::chrono::milliseconds took;
+};
+inline TimedCommand run_timed(const std::string& command) {
+  const auto start = std::chrono::steady_clock::now();
+  CommandResult result = run_command(command);
+  return {std::move(result), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                 std::chrono::steady_clock::now() - start)};
+}
+
 // Runs `args` (a resumable finetune) again and again, each attempt killed
 // with SIGKILL (every process of it, at once) after a delay unless it
 // finishes first, each next attempt resuming from `ckpt`, until one finishes;

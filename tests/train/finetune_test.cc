@@ -3,7 +3,6 @@
 // example text. And every bad input a clear error before any training.
 #include <algorithm>
 #include <catch2/catch.hpp>
-#include <chrono>
 
 #include <cmath>
 #include <fstream>
@@ -270,9 +269,7 @@ void expect_killed_run_exports(const strata::test::TempDir& dir, const std::stri
 std::string expect_resumed_like_uninterrupted(const strata::test::TempDir& dir, const std::string& run, int steps,
                                               const std::string& init = "small.json", const std::string& flags = "",
                                               const std::string& file = "model.safetensors") {
-  const auto start = std::chrono::steady_clock::now();
-  const auto reference = run_command(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
-  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  const auto [reference, took] = strata::test::run_timed(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   const std::string expected = file_bytes(dir.file("ref_model") + "/" + file);
@@ -593,7 +590,8 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   constexpr int kSteps = 12;
   // Sequence parallelism (Megatron's) on top: each tp rank keeps half of each micro-batch's 2 x 32 tokens.
   const std::string tp2 = " --tp 2 --sequence-parallel";
-  const auto reference = run_command(run4 + resumable_args(dir, "ref", kSteps, "qwen2.json") + tp2 + " 2>&1");
+  const auto [reference, reference_took] =
+      strata::test::run_timed(run4 + resumable_args(dir, "ref", kSteps, "qwen2.json") + tp2 + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   CHECK_THAT(reference.output,
@@ -675,7 +673,8 @@ TEST_CASE("tensor parallelism: a tp 2 x dp 2 finetune with sequence parallelism 
   CHECK(other.exit_code != 0);
   CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout"));
 
-  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + tp2, expected);
+  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "qwen2.json") + tp2, expected,
+                            "model.safetensors", strata::test::kill_delays_over(reference_took));
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == tp_steps[i]["loss"]);
@@ -809,7 +808,8 @@ TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step
   constexpr int kSteps = 8;
   const std::string micro = R"("gradient_accumulation_steps": 4,)";
   const std::string pipeline = micro + R"( "pipeline_parallel": {"size": 2, "schedule": "1f1b"},)";
-  const auto reference = run_command(run4 + resumable_args(dir, "ref", kSteps, "tied4.json", pipeline) + " 2>&1");
+  const auto [reference, reference_took] =
+      strata::test::run_timed(run4 + resumable_args(dir, "ref", kSteps, "tied4.json", pipeline) + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   CHECK_THAT(reference.output, Catch::Contains("pipeline parallelism: 2 stages of 2 rank(s) each, schedule 1f1b over 4 "
@@ -848,7 +848,8 @@ TEST_CASE("pipeline parallelism: a pp 2 x dp 2 finetune equals the dp 2 run step
   CHECK_THAT(other.output, Catch::Contains("is cut for another parallel layout") &&
                                Catch::Contains("pipeline_parallel_size is 2 in the checkpoint, absent in this run"));
 
-  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline), expected);
+  expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline), expected,
+                            "model.safetensors", strata::test::kill_delays_over(reference_took));
   const auto steps = read_jsonl(dir.file("killed_out") + "/metrics.jsonl");
   REQUIRE(steps.size() == kSteps);
   for (int i = 0; i < kSteps; ++i) CHECK(steps[i]["loss"] == pp_steps[i]["loss"]);
@@ -866,8 +867,8 @@ TEST_CASE("pipeline parallelism with LoRA: a pp 2 x dp 2 finetune of the adapter
   const std::string lora = " --lora-rank 4 --lora-alpha 16 --lora-targets all-linear --lora-dropout 0.1";
   const std::string micro = R"("gradient_accumulation_steps": 4,)";
   const std::string pipeline = micro + R"( "pipeline_parallel": {"size": 2, "schedule": "zb-h1"},)";
-  const auto reference =
-      run_command(run4 + resumable_args(dir, "ref", kSteps, "tied4.json", pipeline) + lora + " 2>&1");
+  const auto [reference, reference_took] =
+      strata::test::run_timed(run4 + resumable_args(dir, "ref", kSteps, "tied4.json", pipeline) + lora + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   CHECK_THAT(reference.output, Catch::Contains("pipeline parallelism: 2 stages of 2 rank(s) each, schedule zb-h1"));
@@ -895,5 +896,5 @@ TEST_CASE("pipeline parallelism with LoRA: a pp 2 x dp 2 finetune of the adapter
         file_bytes(dir.file("whole_model") + "/adapter_config.json"));
 
   expect_killed_run_exports(dir, run4 + resumable_args(dir, "killed", kSteps, "tied4.json", pipeline) + lora, expected,
-                            "adapter_model.safetensors");
+                            "adapter_model.safetensors", strata::test::kill_delays_over(reference_took));
 }
