@@ -253,7 +253,8 @@ std::string resumable_args(const strata::test::TempDir& dir, const std::string& 
 
 // The same resumable run ("killed", args from resumable_args) killed with
 // SIGKILL at moments and resumed, at least 3 times, exports `file` with the
-// bytes `expected` (an uninterrupted run's).
+// bytes `expected` (an uninterrupted run's). `delays_ms`: the kills' delays,
+// kill_delays_over the uninterrupted run's wall time (empty: fixed ones).
 void expect_killed_run_exports(const strata::test::TempDir& dir, const std::string& args, const std::string& expected,
                                const std::string& file = "model.safetensors", std::vector<int> delays_ms = {}) {
   const int kills = run_killed_and_resumed(dir, args, dir.file("killed_ckpt"), std::move(delays_ms));
@@ -269,7 +270,8 @@ void expect_killed_run_exports(const strata::test::TempDir& dir, const std::stri
 std::string expect_resumed_like_uninterrupted(const strata::test::TempDir& dir, const std::string& run, int steps,
                                               const std::string& init = "small.json", const std::string& flags = "",
                                               const std::string& file = "model.safetensors") {
-  const auto [reference, took] = strata::test::run_timed(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
+  const auto [reference, took] =
+      strata::test::run_timed(run + resumable_args(dir, "ref", steps, init) + flags + " 2>&1");
   INFO(reference.output);
   REQUIRE(reference.exit_code == 0);
   const std::string expected = file_bytes(dir.file("ref_model") + "/" + file);
