@@ -90,6 +90,16 @@ void convert_rows(const void* src, DType src_dtype, int64_t src_ld, void* dst, D
   }
 }
 
+// row(r, out_row) for each of `rows` rows of `cols` elements of `out`, rows
+// in parallel when the work is large (the block dequantizers: each row's
+// blocks are its own).
+template <typename RowFn>
+void for_each_out_row(int64_t rows, int64_t cols, const TensorView& out, RowFn row) {
+  const size_t row_nbytes = static_cast<size_t>(cols) * dtype_nbytes(out.desc.dtype);
+#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) row(r, static_cast<char*>(out.data) + static_cast<size_t>(r) * row_nbytes);
+}
+
 // `m` as fp32 for reading.
 F32Mat widen(CpuContext& c, size_t slot, const MatView& m) {
   if (m.dtype == DType::kF32) return {static_cast<float*>(m.data), m.ld};
@@ -802,14 +812,11 @@ class CpuOps final : public Ops {
                                      const kernels::Fp8Blocks& shape, const TensorView& out) override {
     enqueue(ctx, [=](CpuContext&) {
       // Row by row (each row's runs are independent), the reader's arithmetic.
-      const int64_t rows = shape.rows, cols = shape.cols;
-      const size_t row_nbytes = static_cast<size_t>(cols) * dtype_nbytes(out.desc.dtype);
-#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
-      for (int64_t r = 0; r < rows; ++r) {
+      const int64_t cols = shape.cols;
+      for_each_out_row(shape.rows, cols, out, [&](int64_t r, void* out_row) {
         kernels::dequantize_fp8_blocks(weight.as<uint8_t>() + r * cols, scale_inv.as<float>(), shape, r * cols, cols,
-                                       static_cast<char*>(out.data) + static_cast<size_t>(r) * row_nbytes,
-                                       out.desc.dtype);
-      }
+                                       out_row, out.desc.dtype);
+      });
     });
   }
 
@@ -817,13 +824,11 @@ class CpuOps final : public Ops {
                                        const kernels::Mxfp4Blocks& shape, const TensorView& out) override {
     enqueue(ctx, [=](CpuContext&) {
       // Row by row (each row's blocks are its own), the reader's value table.
-      const int64_t rows = shape.rows, cols = shape.cols;
-      const size_t row_nbytes = static_cast<size_t>(cols) * dtype_nbytes(out.desc.dtype);
-#pragma omp parallel for schedule(static) if (rows * cols >= kMinParallelWork)
-      for (int64_t r = 0; r < rows; ++r) {
-        kernels::dequantize_mxfp4(packed.as<uint8_t>() + r * cols / 2, scales.as<uint8_t>(), r * cols, cols,
-                                  static_cast<char*>(out.data) + static_cast<size_t>(r) * row_nbytes, out.desc.dtype);
-      }
+      const int64_t cols = shape.cols;
+      for_each_out_row(shape.rows, cols, out, [&](int64_t r, void* out_row) {
+        kernels::dequantize_mxfp4(packed.as<uint8_t>() + r * cols / 2, scales.as<uint8_t>(), r * cols, cols, out_row,
+                                  out.desc.dtype);
+      });
     });
   }
 

@@ -567,6 +567,17 @@ int64_t file_size_of(const fs::path& p) {
   return static_cast<int64_t>(fs::file_size(p));
 }
 
+// Rank 0's swap files of the kept run's base: its quantized home `kept_file`
+// and the rest of its base (bf16), beside the bf16 twin's whole base, in bytes.
+struct BaseFiles {
+  int64_t kept = 0, rest = 0, twin_bf16 = 0;
+};
+BaseFiles base_files(const QuantRuns& runs, const std::string& kept_file) {
+  const fs::path kept = runs.kept_swap / "rank0", twin = runs.twin_swap / "rank0";
+  return {file_size_of(kept / kept_file), file_size_of(kept / "bf16_frozen.swp"),
+          file_size_of(twin / "bf16_frozen.swp")};
+}
+
 }  // namespace
 
 TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap file half of bf16's, and trains to the "
@@ -577,13 +588,11 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
   REQUIRE(runs.quantized_numel == 2 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 192 * 128));
   CHECK_THAT(runs.kept_log, Catch::Contains("the frozen base keeps 14 FP8 weights in FP8 on nvme"));
   // On disk: a byte per element of the FP8 weights, where the twin's bf16 home holds two.
-  const fs::path fp8_files = runs.kept_swap / "rank0", twin_files = runs.twin_swap / "rank0";
-  const int64_t fp8_file = file_size_of(fp8_files / "fp8_e4m3_frozen.swp");
-  const int64_t rest = file_size_of(fp8_files / "bf16_frozen.swp"),
-                all_bf16 = file_size_of(twin_files / "bf16_frozen.swp");
-  INFO("FP8 home " << fp8_file << " bytes, the rest of the base " << rest << ", the twin's bf16 base " << all_bf16);
-  CHECK(fp8_file == runs.quantized_numel);
-  CHECK(all_bf16 - rest == 2 * fp8_file);
+  const BaseFiles files = base_files(runs, "fp8_e4m3_frozen.swp");
+  INFO("FP8 home " << files.kept << " bytes, the rest of the base " << files.rest << ", the twin's bf16 base "
+                   << files.twin_bf16);
+  CHECK(files.kept == runs.quantized_numel);
+  CHECK(files.twin_bf16 - files.rest == 2 * files.kept);
   // strata plan --check models each run as it held its base: the FP8 weights
   // a group of e4m3 bytes at home with their scale grids, the twin's in bf16;
   // the swap files exactly.
@@ -633,11 +642,9 @@ TEST_CASE("LoRA on gpt-oss's MXFP4 checkpoint keeps the experts in their 4-bit f
   // On disk: each expert weight's kept form (2048 elements: 1088 bytes) in
   // its own slice, padded to a 4 KiB page as its bf16 twin's 4096 bytes are:
   // on this tiny model the pages hide the 17/64 (zero_mxfp4_test shows it).
-  const fs::path kept_files = runs.kept_swap / "rank0", twin_files = runs.twin_swap / "rank0";
-  const int64_t kept_file = file_size_of(kept_files / "mxfp4_frozen.swp");
-  const int64_t rest = file_size_of(kept_files / "bf16_frozen.swp"),
-                all_bf16 = file_size_of(twin_files / "bf16_frozen.swp");
-  INFO("MXFP4 home " << kept_file << " bytes, the rest of the base " << rest << ", the twin's bf16 base " << all_bf16);
-  CHECK(kept_file == 24 * 4096);
-  CHECK(all_bf16 - rest == 2 * runs.quantized_numel);
+  const BaseFiles files = base_files(runs, "mxfp4_frozen.swp");
+  INFO("MXFP4 home " << files.kept << " bytes, the rest of the base " << files.rest << ", the twin's bf16 base "
+                     << files.twin_bf16);
+  CHECK(files.kept == 24 * 4096);
+  CHECK(files.twin_bf16 - files.rest == 2 * runs.quantized_numel);
 }
