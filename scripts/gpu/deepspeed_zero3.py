@@ -9,7 +9,8 @@ transformers' LlamaForCausalLM built from CONFIG_JSON (the Hugging Face
 config.json strata's --init takes) inside deepspeed.zero.Init, trained with
 deepspeed.initialize: ZeRO stage 3, bf16, AdamW, parameters and optimizer state
 offloaded to NVMe under DIR (DeepSpeed's async_io op, built on the spot by the
-machine's ninja and compiler). If that op cannot be built or used here, both
+machine's ninja and compiler, against the libaio that gpu-check points CPATH
+and LIBRARY_PATH at). If that op cannot be built or used here, both
 are offloaded to CPU memory instead and the output says so: the ratio is then
 against DeepSpeed's CPU offload, not its NVMe offload. The data are random
 windows of TEXT's bytes (vocab 256), as `strata finetune --data-format text`
@@ -51,6 +52,8 @@ def main():
             raise RuntimeError("AsyncIOBuilder is not compatible (libaio missing?)")
         AsyncIOBuilder().load()
     except Exception as e:  # noqa: BLE001 - any failure means: no NVMe offload here
+        import traceback
+        traceback.print_exc()  # into gpu-check's log: why the op did not build
         device, note = "cpu", f" (DeepSpeed's async_io op unusable here: {str(e).splitlines()[0][:160]}; CPU offload instead)"
     offload = {"device": device, "pin_memory": True}
     if device == "nvme":
