@@ -270,7 +270,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
   // auto as strata finetune chooses it (runtime/train/micro_batch_order.h).
   const std::optional<plan::OrderPlan> predicted_orders = strata::train::predict_run_orders(
       run.config, o.stage, o.param_tier, o.max_reuse_distance_numel, o.max_live_parameters_numel, run.batch, run.seq,
-      flags.micro_batches, run.checkpoint_activations || run.cpu_checkpointing, r.world, r.world);
+      flags.micro_batches, run.checkpoint_activations || run.cpu_checkpointing, r.world, r.world,
+      flags.layer_major_activations == "keep");
   strata::train::MicroBatchOrderContext order_context{
       o.param_tier, flags.micro_batches, 1, 1, flags.expert_parallel, false, run.config.tie_word_embeddings,
       run.config.moe() && run.config.output_router_logits};
@@ -296,11 +297,15 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
     executor = std::make_unique<pipeline::PipelineExecutor>(
         eng, pipeline::ScheduleSpec{pipeline::ScheduleKind::kLayerMajor, 1, flags.micro_batches,
                                     static_cast<int>(chunks.size())},
-        chunks);
+        chunks, pipeline::BoundaryHome::kDevice, pipeline::BoundaryNvme{},
+        flags.layer_major_activations == "keep" ? pipeline::LayerActivations::kKeep
+                                                : pipeline::LayerActivations::kRecompute);
   }
   if (r.rank == 0) {
-    fmt::print("micro-batches per step: {}, {}{}\n", flags.micro_batches,
-               strata::train::micro_batch_order_name(order.order), order.said.empty() ? "" : " (" + order.said + ")");
+    fmt::print("micro-batches per step: {}, {}{}{}\n", flags.micro_batches,
+               strata::train::micro_batch_order_name(order.order),
+               layer_major ? fmt::format(", activations {}", flags.layer_major_activations) : std::string(),
+               order.said.empty() ? "" : " (" + order.said + ")");
   }
   // --vs-unoffloaded: the same stage and budgets with parameters and
   // optimizer state on the device, trained alongside (its own communicators),
@@ -387,13 +392,22 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
           layers->run([&](int) { return pipeline::MicroBatch{ids, targets, {}, run.batch, run.seq}; }, forward);
       loss_sum = stats.loss_sum;
       if (!activations_said && r.rank == 0) {
-        // The first step lays the activations out: each layer's one working arena, and each micro-batch's boundaries.
-        fmt::print("layer-major activations: {:.2f} MiB ({:.2f} MiB of working arenas, one per layer, the "
-                   "embedding's and the head's; {:.2f} MiB of "
-                   "layer-boundary activations and gradients, {} micro-batches)\n",
+        // The first step lays the activations out: each layer's working arenas (one, or one per micro-batch
+        // with --layer-major-activations keep), and each micro-batch's boundaries.
+        int arenas = 0;
+        for (const int slots : stats.slots) arenas += slots;
+        fmt::print("layer-major activations: {:.2f} MiB ({:.2f} MiB of working arenas, {} ({} in all); {:.2f} MiB of "
+                   "layer-boundary activations and gradients, {} micro-batches); {} layer forwards run again for "
+                   "backward per step\n",
                    static_cast<double>(stats.activation_nbytes) / (1 << 20),
                    static_cast<double>(stats.activation_nbytes - stats.boundary_nbytes) / (1 << 20),
-                   static_cast<double>(stats.boundary_nbytes) / (1 << 20), flags.micro_batches);
+                   flags.layer_major_activations == "keep"
+                       ? "one per micro-batch of every layer and of the embedding, one the head's (its backward "
+                         "follows its forward)"
+                       : "one per layer, the embedding's and the head's",
+                   arenas,
+                   static_cast<double>(stats.boundary_nbytes) / (1 << 20), flags.micro_batches,
+                   stats.recomputed_forwards);
       }
       activations_said = true;
     }
@@ -728,7 +742,8 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                     {"layers", run.config.num_hidden_layers}, {"heads", run.config.num_attention_heads},
                     {"kv_heads", run.config.num_key_value_heads}, {"vocab", run.config.vocab_size},
                     {"batch_per_rank", run.batch}, {"micro_batches", flags.micro_batches},
-                    {"micro_batch_order", strata::train::micro_batch_order_name(order.order)}, {"seq", run.seq}, {"dtype", run.dtype},
+                    {"micro_batch_order", strata::train::micro_batch_order_name(order.order)},
+                    {"layer_major_activations", flags.layer_major_activations}, {"seq", run.seq}, {"dtype", run.dtype},
                     {"parameters", param_count}, {"experts", run.config.num_experts},
                     {"top_k", run.config.num_experts_per_tok}, {"expert_intermediate", run.config.moe_intermediate_size},
                     {"routed_fetch", run.config.moe() && run.skip_unrouted_experts}}},
@@ -879,6 +894,11 @@ void add_zero_flags(CLI::App& app, ZeroFlags& f) {
                  "(all through each decoder layer before the next, backwards layer by layer) or auto (layer-major "
                  "with --offload-param cpu or nvme) -- strata.micro_batch_order")
       ->capture_default_str()->check(CLI::IsMember({"step-major", "layer-major", "auto"}));
+  app.add_option("--layer-major-activations", f.layer_major_activations,
+                 "layer-major: recompute (each layer's forward again before its backwards, one micro-batch's "
+                 "activations per layer at a time) or keep (every micro-batch's activations kept from its forward to "
+                 "its backward, nothing recomputed) -- strata.layer_major_activations")
+      ->capture_default_str()->check(CLI::IsMember({"recompute", "keep"}));
   app.add_option("--gradient-clipping", e.gradient_clipping,
                  "gradient_clipping: the global gradient norm's maximum (0: no clipping); where it fires, what the "
                  "optimizer speculated during backward is redone")

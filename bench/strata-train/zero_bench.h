@@ -59,6 +59,8 @@ struct ZeroFlags {
   // runtime/train/micro_batch_order.h).
   int micro_batches = 1;
   std::string micro_batch_order = "step-major";
+  // --layer-major-activations: recompute or keep (strata.layer_major_activations).
+  std::string layer_major_activations = "recompute";
   // The coordinator's budgets and aio: DeepSpeed's defaults
   // (ZeroEngineOptions'), settable per flag; sub_group_size and
   // reduce_bucket_size: chosen from the model (engine::kChooseFromModel)

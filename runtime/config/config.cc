@@ -381,7 +381,7 @@ Config build(const json& e) {
               s["collective_timeout_s"].get<double>(), s["pinned_pool_size"].get<uint64_t>(),
               s["trace_path"].get<std::string>(),  s["keep_swap_files"].get<bool>(),
               s["overlap_optimizer"].get<bool>(),  s["micro_batch_order"].get<std::string>(),
-              s["layer_major_boundaries"].get<std::string>()};
+              s["layer_major_boundaries"].get<std::string>(), s["layer_major_activations"].get<std::string>()};
   c.effective = e;
   return c;
 }

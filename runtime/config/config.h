@@ -103,6 +103,9 @@ struct StrataOptions {
   // strata.layer_major_boundaries: device | cpu (pinned host memory, within strata.pinned_pool_size) |
   // nvme (a file under the nvme tier's nvme_path, staged through pinned memory).
   std::string layer_major_boundaries = "device";
+  // strata.layer_major_activations: recompute (each layer's forward again
+  // before its backwards) | keep (every micro-batch's, no recompute).
+  std::string layer_major_activations = "recompute";
 };
 
 struct Config {

@@ -33,6 +33,10 @@ struct PipelineExecutor::Chunk {
   std::map<int, size_t> last_use;
 };
 
+const char* layer_activations_name(LayerActivations activations) {
+  return activations == LayerActivations::kKeep ? "keep" : "recompute";
+}
+
 namespace {
 using Clock = std::chrono::steady_clock;
 
@@ -42,16 +46,17 @@ enum class Carries : uint64_t { kActivation = 1, kGradient = 2 };
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator& pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks)
-    : PipelineExecutor(engine, &pp, spec, std::move(chunks), BoundaryHome::kDevice, BoundaryNvme{}) {}
+    : PipelineExecutor(engine, &pp, spec, std::move(chunks), BoundaryHome::kDevice, BoundaryNvme{},
+                       LayerActivations::kRecompute) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks, BoundaryHome home,
-                                   const BoundaryNvme& nvme)
-    : PipelineExecutor(engine, nullptr, spec, std::move(chunks), home, nvme) {}
+                                   const BoundaryNvme& nvme, LayerActivations activations)
+    : PipelineExecutor(engine, nullptr, spec, std::move(chunks), home, nvme, activations) {}
 
 PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
                                    std::vector<nn::DecoderModel*> chunks, BoundaryHome home,
-                                   const BoundaryNvme& nvme)
+                                   const BoundaryNvme& nvme, LayerActivations activations)
     : engine_(engine), pp_(pp), schedule_(make_schedule(spec)), stage_(pp != nullptr ? pp->rank() : 0),
       busy_ns_(std::make_shared<std::array<std::atomic<int64_t>, 3>>()),
       last_end_ns_(std::make_shared<std::atomic<int64_t>>(0)),
@@ -84,6 +89,7 @@ PipelineExecutor::PipelineExecutor(engine::Engine& engine, partition::Communicat
     chunks_.push_back(std::move(chunk));
   }
   if (spec.local_handoff()) {
+    keep_activations_ = activations == LayerActivations::kKeep;
     kept_ = std::make_unique<KeptBoundaries>(engine.accelerator(), static_cast<int>(chunks_.size()), home, nvme);
   }
   send_stream_ = engine.accelerator().create_stream();
@@ -246,7 +252,9 @@ void PipelineExecutor::prefetch_boundaries(const std::vector<Action>& list, size
       if (a.chunk + 1 < chunks) kept.push_back({a.chunk + 1, mb, false});
       resident[static_cast<size_t>(a.chunk)] = a.micro_batch;
     } else if (a.kind == ActionKind::kBackward) {
-      if (resident[static_cast<size_t>(a.chunk)] != a.micro_batch) restores({a.chunk, mb, false});
+      if (!keep_activations_ && resident[static_cast<size_t>(a.chunk)] != a.micro_batch) {
+        restores({a.chunk, mb, false});
+      }
       resident[static_cast<size_t>(a.chunk)] = -1;
     }
   }
@@ -282,13 +290,15 @@ void PipelineExecutor::compute(const Action& a, const std::function<MicroBatch(i
       case ActionKind::kBackward:
         if (kept_) {
           int& resident = resident_[static_cast<size_t>(a.chunk)];
-          if (resident != a.micro_batch) {
+          // kKeep: the slot has held this micro-batch's activations since its forward.
+          if (!keep_activations_ && resident != a.micro_batch) {
             STRATA_CHECK(!model.stage().head, kInternal,
                          "{}: the head chunk's slot holds micro-batch {}, and its forward cannot run again (it adds "
                          "the loss's gradient)",
                          a.describe(), resident);
             hand_over(a.chunk, kept, index, false, true);  // the kept input back into the slot
             model.forward(mb.ids, mb.targets, mb.batch, mb.seq, forward);
+            ++recomputed_forwards_;
             resident = a.micro_batch;
           }
           hand_over(a.chunk, kept, index, true, true);  // the gradient from the chunk above
@@ -350,9 +360,10 @@ void PipelineExecutor::run_list(const std::vector<Action>& list, const std::func
       receive(std::span<const Action>(list).subspan(i, next - i), micro_batch);
     }
     for (size_t j = i; j < next; ++j) {
-      // Boundaries handed over in memory are kept aside: each chunk computes in one slot.
+      // Boundaries handed over in memory are kept aside: each chunk computes in one slot
+      // (kRecompute), or holds each micro-batch's until its last use as a pipeline does (kKeep).
       const int c = list[j].chunk;
-      if (kept_ || chunks_[static_cast<size_t>(c)]->last_use.at(list[j].micro_batch) == j) {
+      if ((kept_ && !keep_activations_) || chunks_[static_cast<size_t>(c)]->last_use.at(list[j].micro_batch) == j) {
         release(c, list[j].micro_batch);
       }
     }
@@ -403,8 +414,10 @@ StepStats PipelineExecutor::run(const std::function<MicroBatch(int)>& micro_batc
     return n;
   };
   const auto inputs_before = deferred_inputs();
+  recomputed_forwards_ = 0;
   run_list(schedule_.ranks[static_cast<size_t>(stage_)], micro_batch, options);
   StepStats stats;
+  stats.recomputed_forwards = recomputed_forwards_;
   stats.forward_seconds = static_cast<double>((*busy_ns_)[0].load()) * 1e-9;
   stats.backward_seconds = static_cast<double>((*busy_ns_)[1].load()) * 1e-9;
   stats.weight_seconds = static_cast<double>((*busy_ns_)[2].load()) * 1e-9;

@@ -61,6 +61,21 @@ namespace strata::pipeline {
 
 class DeferredWeightGrads;
 
+// Layer-major (ScheduleSpec::local_handoff): what each chunk keeps of a
+// micro-batch between its forward and its backward.
+//   kRecompute  one slot per chunk, its arena reused by every micro-batch:
+//               backward runs the chunk's forward again from the kept input
+//               (activation checkpointing's recompute; a chunk's activations
+//               for one micro-batch at a time).
+//   kKeep       a slot per micro-batch (m per chunk, as a pipeline keeps one
+//               per micro-batch in flight): backward finds its forward's
+//               activations, nothing is recomputed; m times the activation
+//               memory of step-major without checkpointing. The same kernels
+//               on the same inputs either way, so the same bits.
+enum class LayerActivations : uint8_t { kRecompute, kKeep };
+// "recompute" | "keep" (strata.layer_major_activations's spelling).
+const char* layer_activations_name(LayerActivations activations);
+
 // One micro-batch, as DecoderModel::forward takes it.
 struct MicroBatch {
   std::span<const int32_t> ids, targets, positions;  // [batch * seq]; positions may be empty
@@ -90,6 +105,9 @@ struct StepStats {
   // boundaries on nvme: their staging buffers and the gradients).
   size_t boundary_nbytes = 0;
   bool boundaries_pinned = false;
+  // Layer-major: the chunk forwards run again before a backward because the
+  // chunk's slot held another micro-batch (LayerActivations::kRecompute; 0 with kKeep).
+  int64_t recomputed_forwards = 0;
   // zb-h1: the Linear inputs W read where forward left them (the slot's
   // saved activations) and those it had to copy (DeferredWeightGrads).
   int64_t weight_inputs_in_place = 0, weight_inputs_copied = 0;
@@ -108,10 +126,13 @@ class PipelineExecutor {
   // is this rank's. chunks[k] is virtual stage k. Only each micro-batch's
   // boundaries are kept (its input to every chunk, its gradient flowing
   // down); each chunk computes in one slot and runs its forward again before
-  // a backward whose activations its slot no longer holds (DESIGN §5.5).
-  // The boundaries live in `home` (kept_boundaries.h; `nvme` for kNvme).
+  // a backward whose activations its slot no longer holds (DESIGN §5.5) —
+  // or, with `activations` kKeep, keeps a slot per micro-batch and
+  // recomputes nothing. The boundaries live in `home` (kept_boundaries.h;
+  // `nvme` for kNvme).
   PipelineExecutor(engine::Engine& engine, const ScheduleSpec& spec, std::vector<nn::DecoderModel*> chunks,
-                   BoundaryHome home = BoundaryHome::kDevice, const BoundaryNvme& nvme = {});
+                   BoundaryHome home = BoundaryHome::kDevice, const BoundaryNvme& nvme = {},
+                   LayerActivations activations = LayerActivations::kRecompute);
   ~PipelineExecutor();
   PipelineExecutor(const PipelineExecutor&) = delete;
   PipelineExecutor& operator=(const PipelineExecutor&) = delete;
@@ -136,7 +157,8 @@ class PipelineExecutor {
 
  private:
   PipelineExecutor(engine::Engine& engine, partition::Communicator* pp, const ScheduleSpec& spec,
-                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home, const BoundaryNvme& nvme);
+                   std::vector<nn::DecoderModel*> chunks, BoundaryHome home, const BoundaryNvme& nvme,
+                   LayerActivations activations);
   struct Slot;
   struct Chunk;
   Slot& slot_of(int chunk, int micro_batch, const MicroBatch& mb);
@@ -186,7 +208,10 @@ class PipelineExecutor {
   // local_handoff (layer-major): each micro-batch's layer-boundary activations
   // and its gradient flowing down, kept here; each chunk computes in one slot.
   std::unique_ptr<KeptBoundaries> kept_;
-  std::vector<int> resident_;  // [chunk]: the micro-batch whose activations its slot holds; -1 none
+  // kKeep: each micro-batch's slot is held from its forward to its backward.
+  bool keep_activations_ = false;
+  int64_t recomputed_forwards_ = 0;  // in the step run() is running
+  std::vector<int> resident_;  // kRecompute, [chunk]: the micro-batch whose activations its slot holds; -1 none
 };
 
 // This rank's chunks of a pipeline (virtual stage k * p + pp.rank() for

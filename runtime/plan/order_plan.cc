@@ -40,8 +40,10 @@ OrderPlan predict_micro_batch_orders(const OrderInputs& in) {
   plan.step_major.fetches = plan.whole_model_kept ? 1 : m * per_micro_batch;
   plan.layer_major.fetches = plan.whole_model_kept ? 1 : plan.chunks_kept ? 2 : m * per_micro_batch;
   plan.step_major.compute_seconds = in.step_major_compute_seconds;
-  // Layer-major recomputes every layer's forward: 4 passes where step-major without checkpointing has 3.
-  plan.layer_major.compute_seconds = in.step_major_compute_seconds * (in.activation_checkpointing ? 1.0 : 4.0 / 3.0);
+  // Layer-major recomputes every layer's forward: 4 passes where step-major without checkpointing has 3
+  // (none when it keeps the activations).
+  const bool same_passes = in.activation_checkpointing || in.layer_major_keeps_activations;
+  plan.layer_major.compute_seconds = in.step_major_compute_seconds * (same_passes ? 1.0 : 4.0 / 3.0);
   for (OrderPrediction* p : {&plan.step_major, &plan.layer_major}) {
     p->param_read_nbytes = p->fetches * in.shard_nbytes;
     p->io_seconds = p->param_read_nbytes / in.read_bandwidth;
@@ -61,6 +63,7 @@ OrderInputs order_inputs(const PlanInputs& inputs, double step_major_compute_sec
   in.shard_nbytes = static_cast<double>(in.param_count) * kParam16Bytes / static_cast<double>(hw.data_parallel);
   in.micro_batches = inputs.training.grad_accumulation;
   in.activation_checkpointing = inputs.training.activation_checkpointing;
+  in.layer_major_keeps_activations = inputs.training.layer_major_keeps_activations;
   in.max_reuse_distance = max_reuse_distance;
   in.max_live = max_live;
   in.read_bandwidth = params == Tier::kNvme ? hw.nvme_read_bw / static_cast<double>(hw.gpus_per_node) : hw.gpu_cpu_bw;

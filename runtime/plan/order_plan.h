@@ -28,7 +28,9 @@
 //               step-major fetches.
 // Compute: every layer-major chunk but the head runs its forward again
 // before its backward (activation checkpointing's recompute), so without
-// checkpointing layer-major computes 4 passes where step-major computes 3.
+// checkpointing layer-major computes 4 passes where step-major computes 3 —
+// unless it keeps every micro-batch's activations
+// (strata.layer_major_activations keep): then 3, as step-major.
 // The step's bound is the larger of compute and the reads (the coordinator
 // reads ahead while compute runs), as strata-train's bound.
 //
@@ -51,6 +53,8 @@ struct OrderInputs {
   double shard_nbytes = 0;           // this rank's share of one fetch of every parameter (ψ x bytes / N_d), > 0
   int64_t micro_batches = 1;         // gradient_accumulation_steps, >= 1
   bool activation_checkpointing = true;
+  // strata.layer_major_activations keep: layer-major runs no recompute of its own.
+  bool layer_major_keeps_activations = false;
   int64_t max_reuse_distance = 1'000'000'000;  // stage3_max_reuse_distance (elements)
   int64_t max_live = 1'000'000'000;            // stage3_max_live_parameters (elements)
   double read_bandwidth = 0;         // bytes/s this rank reads its parameters at from their home, > 0

@@ -104,6 +104,9 @@ struct TrainingShape {
   bool activation_checkpointing = true;
   int64_t layers_per_checkpoint = 1;  // c_i
   bool checkpoints_on_cpu = false;    // activation_checkpointing.cpu_checkpointing
+  // strata.layer_major_activations keep: layer-major keeps every micro-batch's
+  // activations (no recompute; plan/order_plan.h).
+  bool layer_major_keeps_activations = false;
   int64_t tiling = 16;  // memory-centric tiling factor (ZeRO-Infinity §5.1.3 used 16)
   int64_t reduce_bucket_numel = 500'000'000;   // reduce_bucket_size
   int64_t prefetch_bucket_numel = 50'000'000;  // stage3_prefetch_bucket_size

@@ -408,7 +408,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const std::optional<plan::OrderPlan> predicted_orders = predict_run_orders(
       model_config, zero.stage, zero.param_tier, zero.max_reuse_distance_numel, zero.max_live_parameters_numel,
       micro_batch, options.seq, accumulation, options.checkpoint_activations || config.cpu_checkpointing, dp,
-      rank.local_world_size);
+      rank.local_world_size, config.strata.layer_major_activations == "keep");
   MicroBatchOrderContext order_context{zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(),
                                        model_config.tie_word_embeddings,
                                        model_config.moe() && model_config.output_router_logits, cp};
@@ -427,6 +427,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     logger().info("strata.layer_major_boundaries {}: no effect, the micro-batches are step-major (no boundaries "
                   "are kept)",
                   boundaries_where);
+  }
+  if (config.strata.layer_major_activations == "keep" && !layer_major && rank.rank == 0) {
+    logger().info("strata.layer_major_activations keep: no effect, the micro-batches are step-major");
   }
   STRATA_CHECK(!layer_major || boundary_home != pipeline::BoundaryHome::kNvme || zero.any_nvme(), kBadArgument,
                "{}: strata.layer_major_boundaries nvme puts the boundaries' file under the run's nvme_path, but no "
@@ -581,17 +584,25 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       on_nvme = {engine.nvme_io(), zero.nvme_path, engine.job_rank(), zero.keep_swap_files, one_boundary_nbytes,
                  static_cast<int>(accumulation)};
     }
-    executor = std::make_unique<pipeline::PipelineExecutor>(engine, spec, chunks, boundary_home, on_nvme);
+    const bool keep = config.strata.layer_major_activations == "keep";
+    executor = std::make_unique<pipeline::PipelineExecutor>(
+        engine, spec, chunks, boundary_home, on_nvme,
+        keep ? pipeline::LayerActivations::kKeep : pipeline::LayerActivations::kRecompute);
     if (rank.rank == 0) {
       logger().info("micro-batch order layer-major: {} micro-batches through each of the {} decoder layers in turn, "
-                    "then each layer's backwards from the top, recomputed from its input; the layer-boundary "
-                    "activations and gradients take {:.1f} MiB of {} (strata.layer_major_boundaries), besides one "
-                    "working arena per layer, the embedding's and the head's",
-                    accumulation, chunks.size() - 2, boundary_nbytes / (1 << 20),
+                    "then each layer's backwards from the top, {}; the layer-boundary "
+                    "activations and gradients take {:.1f} MiB of {} (strata.layer_major_boundaries), besides {}",
+                    accumulation, chunks.size() - 2,
+                    keep ? "on the activations their forwards kept (strata.layer_major_activations keep)"
+                         : "recomputed from its input",
+                    boundary_nbytes / (1 << 20),
                     boundary_home == pipeline::BoundaryHome::kNvme
                         ? fmt::format("nvme, through {:.1f} MiB of pinned staging", boundary_pinned_nbytes / (1 << 20))
                     : boundaries_pinned ? std::string("pinned host memory")
-                                        : std::string("device memory"));
+                                        : std::string("device memory"),
+                    keep ? fmt::format("a working arena per micro-batch ({}) of every layer, the embedding and the head",
+                                       accumulation)
+                         : std::string("one working arena per layer, the embedding's and the head's"));
     }
   }
   // The base from the checkpoint (or seeded), LoRA's adapters as PEFT starts them.

@@ -76,13 +76,15 @@ MicroBatchOrderChoice choose_micro_batch_order(std::string_view name, std::strin
 std::optional<plan::OrderPlan> predict_run_orders(const nn::DecoderConfig& model, int zero_stage, Tier param_tier,
                                                   int64_t max_reuse_distance, int64_t max_live, int64_t micro_batch,
                                                   int64_t seq, int64_t micro_batches, bool activation_checkpointing,
-                                                  int data_parallel, int ranks_per_node) {
+                                                  int data_parallel, int ranks_per_node,
+                                                  bool layer_major_keeps_activations) {
   if (zero_stage != 3 || param_tier == Tier::kDevice || micro_batches <= 1) return std::nullopt;
   plan::TrainingShape shape;
   shape.seq = seq;
   shape.micro_batch = micro_batch;
   shape.grad_accumulation = micro_batches;
   shape.activation_checkpointing = activation_checkpointing;
+  shape.layer_major_keeps_activations = layer_major_keeps_activations;
   plan::Machine machine;
   machine.data_parallel = data_parallel;
   machine.gpus_per_node = std::max(1, ranks_per_node);

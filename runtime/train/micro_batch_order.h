@@ -65,9 +65,11 @@ std::string_view micro_batch_order_name(MicroBatchOrder order);
 // strata plan's default machine figures with `data_parallel` ranks,
 // `ranks_per_node` of them sharing a node's NVMe. Nothing where auto needs
 // no prediction: a stage below 3, the parameters on the device, one micro-batch.
+// `layer_major_keeps_activations`: strata.layer_major_activations keep (no recompute).
 std::optional<plan::OrderPlan> predict_run_orders(const nn::DecoderConfig& model, int zero_stage, Tier param_tier,
                                                   int64_t max_reuse_distance, int64_t max_live, int64_t micro_batch,
                                                   int64_t seq, int64_t micro_batches, bool activation_checkpointing,
-                                                  int data_parallel, int ranks_per_node);
+                                                  int data_parallel, int ranks_per_node,
+                                                  bool layer_major_keeps_activations = false);
 
 }  // namespace strata::train

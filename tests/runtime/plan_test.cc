@@ -1007,6 +1007,10 @@ TEST_CASE("plan: the micro-batch orders' parameter reads and step bounds", "[pla
   p = predict_micro_batch_orders(in);
   CHECK(p.layer_major.compute_seconds == Approx(4.0));
   CHECK(p.step_major.compute_seconds == 3);
+  // Unless it keeps every micro-batch's activations (strata.layer_major_activations keep): 3 passes, as step-major.
+  in.layer_major_keeps_activations = true;
+  CHECK(predict_micro_batch_orders(in).layer_major.compute_seconds == 3);
+  in.layer_major_keeps_activations = false;
   // The whole model kept gathered (DeepSpeed's default budgets): one fetch per step in both orders.
   in.max_reuse_distance = in.max_live = 1'000'000'000;
   p = predict_micro_batch_orders(in);

@@ -132,6 +132,48 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
   }
 }
 
+TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_major_activations keep) gives "
+          "step-major's parameters bit for bit, recomputing nothing, on 2 ranks",
+          "[finetune][layer-major]") {
+  strata::test::TempDir dir;
+  three_layers(dir);
+  const std::string swap = dir.file("swap");
+  struct Case {
+    std::string name, zero;
+    double clip;
+  };
+  const Case cases[] = {
+      {"stage2_cpu", R"("stage": 2, "offload_optimizer": {"device": "cpu"})", 0.0},
+      {"stage3_nvme_clip", R"("stage": 3, "sub_group_size": 5000, "offload_param": {"device": "nvme", "nvme_path": ")" +
+                               swap + R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})",
+       0.05},
+  };
+  constexpr int kSteps = 3;
+  for (const Case& c : cases) {
+    SECTION(c.name) {
+      const std::string ds = config(dir, c.name, c.zero, c.clip);
+      const std::string kept = config(dir, c.name + "_keep", c.zero + R"(}, "strata": {"layer_major_activations": "keep")",
+                                      c.clip);
+      const Run step = finetune(dir, c.name + "_step", kept, "step-major", kSteps);
+      const Run recompute = finetune(dir, c.name + "_recompute", ds, "layer-major", kSteps);
+      const Run keep = finetune(dir, c.name + "_keep", kept, "layer-major", kSteps);
+      CHECK_THAT(step.output, Catch::Contains("strata.layer_major_activations keep: no effect, the micro-batches are "
+                                              "step-major"));
+      CHECK_THAT(keep.output, Catch::Contains("then each layer's backwards from the top, on the activations their "
+                                              "forwards kept (strata.layer_major_activations keep)"));
+      CHECK_THAT(keep.output, Catch::Contains("a working arena per micro-batch (3) of every layer"));
+      CHECK_THAT(recompute.output, Catch::Contains("recomputed from its input"));
+      // Three arenas of each chunk where recompute has one: more activation memory, the same boundaries.
+      REQUIRE(keep.steps.size() == recompute.steps.size());
+      CHECK(keep.steps[0]["memory"]["activation_bytes"].get<double>() >
+            2 * recompute.steps[0]["memory"]["activation_bytes"].get<double>());
+      if (c.clip > 0) CHECK(keep.steps[0]["grad_norm"].get<double>() > c.clip);  // clipping fired
+      check_same(keep, step, kSteps);
+      check_same(recompute, step, kSteps);
+    }
+  }
+}
+
 TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's parameters bit for bit, auto and what "
           "layer-major does not do are said by name",
           "[finetune][layer-major][checkpoint]") {
@@ -323,20 +365,23 @@ TEST_CASE("layer-major with its boundaries on nvme gives step-major's bits, eval
   CHECK_THAT(refused.output, !Catch::Contains("step 1 "));
 }
 
-TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are step-major's, bit for bit, and the first "
-          "is the resident model's",
+TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are step-major's, bit for bit, its "
+          "activations recomputed or kept, and the first is the resident model's",
           "[layer-major][strata-train]") {
   strata::test::TempDir dir;
   const std::string train = strata::test::build_dir() + "/bin/strata-train";
   std::vector<nlohmann::json> losses;
-  for (const std::string order : {"step-major", "layer-major"}) {
-    const std::string json = dir.file(order + ".json");
+  for (const std::string run : {"step-major", "layer-major", "layer-major keep"}) {
+    const std::string order = run.substr(0, run.find(' '));
+    const bool keep = run.ends_with("keep");
+    const std::string name = keep ? "layer-major-keep" : order;
+    const std::string json = dir.file(name + ".json");
     const auto r = run_command(strata_binary() + " run -n 2 -- " + train +
                                " --zero 3 --offload-param nvme --offload-optimizer nvme --nvme-dir " +
-                               dir.file(order + "_swap") +
+                               dir.file(name + "_swap") +
                                " --layers 3 --hidden 64 --heads 2 --vocab 64 --seq 8 --batch 1 --steps 2 --warmup 1 "
                                "--rounds 1 --drive-test-mib 4 --micro-batches 3 --micro-batch-order " +
-                               order + " --json " + json + " 2>&1");
+                               order + (keep ? " --layer-major-activations keep" : "") + " --json " + json + " 2>&1");
     INFO(r.output);
     REQUIRE(r.exit_code == 0);  // 1 when the first loss is not the resident model's
     CHECK_THAT(r.output, Catch::Contains("micro-batches per step: 3, " + order));
@@ -351,9 +396,17 @@ TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are ste
     CHECK(std::stoi(redone[2].str()) == 0);
     if (order == "layer-major") {
       // Kept per micro-batch: the input of the 3 layers and of the head and one gradient, 3 x 5 x 8 rows x 64 x
-      // 4 bytes = 0.0293 MiB.
-      CHECK_THAT(r.output, Catch::Contains("one per layer, the embedding's and the head's; 0.03 MiB of layer-boundary "
-                                           "activations and gradients, 3 micro-batches)"));
+      // 4 bytes = 0.0293 MiB; the working arenas one per chunk, or one per micro-batch of each chunk when kept.
+      CHECK_THAT(r.output, Catch::Contains(keep ? "one per micro-batch of every layer and of the embedding, one the "
+                                                  "head's (its backward follows its forward) (13 in all); 0.03 MiB of "
+                                                : "one per layer, the embedding's and the head's (5 in all); 0.03 MiB of "));
+      // Recompute: every chunk's forward again for each of its backwards (micro-batch 0 first, while its slot
+      // holds the last forward's), the head's never: 3 layers + the embedding, 3 micro-batches each.
+      CHECK_THAT(r.output, Catch::Contains(keep ? "layer-boundary activations and gradients, 3 micro-batches); 0 layer "
+                                                  "forwards run again for backward per step"
+                                                : "layer-boundary activations and gradients, 3 micro-batches); 12 layer "
+                                                  "forwards run again for backward per step"));
+      CHECK_THAT(r.output, Catch::Contains(keep ? "layer-major, activations keep" : "layer-major, activations recompute"));
     }
     std::ifstream in(json);
     const nlohmann::json out = nlohmann::json::parse(in);
@@ -362,4 +415,5 @@ TEST_CASE("strata-train --zero 3 --micro-batches 3: layer-major's losses are ste
   }
   REQUIRE(losses[0].size() == 3);
   CHECK(losses[1] == losses[0]);
+  CHECK(losses[2] == losses[0]);
 }
