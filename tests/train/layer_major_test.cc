@@ -47,6 +47,20 @@ std::string config(const strata::test::TempDir& dir, const std::string& name, co
     "zero_optimization": {)" + zero + "}}");
 }
 
+// One ZeRO configuration of a test's matrix: the zero_optimization body and
+// the gradient_clipping (0.05 fires on every step of this model, whose
+// gradient norm is several times that; 0 turns it off).
+struct ZeroCase {
+  std::string name, zero;
+  double clip;
+};
+
+// Parameters and optimizer state on NVMe under `swap`: zero_optimization's offload keys.
+std::string nvme_tiers(const std::string& swap) {
+  return R"("offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})";
+}
+
 struct Run {
   std::string output, exported;
   std::vector<nlohmann::json> steps;
@@ -87,16 +101,8 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
           "[finetune][layer-major]") {
   strata::test::TempDir dir;
   three_layers(dir);
-  const std::string swap = dir.file("swap");
-  const std::string nvme = R"("offload_param": {"device": "nvme", "nvme_path": ")" + swap + R"("},
-      "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})";
-  struct Case {
-    std::string name, zero;
-    double clip;
-  };
-  // Clipping at 0.05 fires on every step of this model (its gradient norm
-  // is several times that); 0 turns it off.
-  const Case cases[] = {
+  const std::string nvme = nvme_tiers(dir.file("swap"));
+  const ZeroCase cases[] = {
       {"stage1", R"("stage": 1)", 0.05},
       {"stage2_cpu", R"("stage": 2, "offload_optimizer": {"device": "cpu"})", 0.0},
       {"stage3_cpu", R"("stage": 3, "sub_group_size": 5000, "offload_param": {"device": "cpu"},
@@ -105,7 +111,7 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
       {"stage3_nvme_clip", R"("stage": 3, "sub_group_size": 5000, )" + nvme, 0.05},
   };
   constexpr int kSteps = 3;
-  for (const Case& c : cases) {
+  for (const ZeroCase& c : cases) {
     SECTION(c.name) {
       const std::string ds = config(dir, c.name, c.zero, c.clip);
       // With every tier on NVMe, an evaluation after each step too.
@@ -137,19 +143,12 @@ TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_maj
           "[finetune][layer-major]") {
   strata::test::TempDir dir;
   three_layers(dir);
-  const std::string swap = dir.file("swap");
-  struct Case {
-    std::string name, zero;
-    double clip;
-  };
-  const Case cases[] = {
+  const ZeroCase cases[] = {
       {"stage2_cpu", R"("stage": 2, "offload_optimizer": {"device": "cpu"})", 0.0},
-      {"stage3_nvme_clip", R"("stage": 3, "sub_group_size": 5000, "offload_param": {"device": "nvme", "nvme_path": ")" +
-                               swap + R"("}, "offload_optimizer": {"device": "nvme", "nvme_path": ")" + swap + R"("})",
-       0.05},
+      {"stage3_nvme_clip", R"("stage": 3, "sub_group_size": 5000, )" + nvme_tiers(dir.file("swap")), 0.05},
   };
   constexpr int kSteps = 3;
-  for (const Case& c : cases) {
+  for (const ZeroCase& c : cases) {
     SECTION(c.name) {
       const std::string ds = config(dir, c.name, c.zero, c.clip);
       const std::string kept = config(dir, c.name + "_keep", c.zero + R"(}, "strata": {"layer_major_activations": "keep")",
