@@ -1,6 +1,6 @@
 // The golden checks (nn_golden_test.cc) on the cuda accelerator; SKIPPED
 // without a GPU. Default activations on cuda are the parameter dtype.
-#include "tests/nn/fp8_checks.h"
+#include "tests/nn/quant_checks.h"
 #include "tests/nn/golden_checks.h"
 #include "tests/support/tolerances.h"
 #include "tests/support/test_paths.h"
@@ -86,4 +86,11 @@ TEST_CASE("golden on cuda: FP8 blocks dequantize to transformers' bits, as the c
   // Ops::dequantize_fp8_blocks on the device, fp32 and bf16.
   Rig rig(Backend::kCuda);
   CHECK(check_fp8_dequantize_golden(rig, Fp8Fixture()) == 22);
+}
+
+TEST_CASE("golden on cuda: MXFP4 blocks dequantize to transformers' bits, as the cpu kernel does",
+          "[nn][golden][cuda][quant]") {
+  // gpt-oss's kept expert form through Ops::dequantize_mxfp4_blocks on the device, fp32, bf16 and fp16.
+  Rig rig(Backend::kCuda);
+  CHECK(check_mxfp4_dequantize_golden(rig) == 3);
 }

@@ -1,4 +1,6 @@
-// The FP8 dequantization op against transformers on either backend: every
+// The block dequantization ops against transformers on either backend.
+//
+// FP8: every
 // FP8 weight of the DeepSeek-V3 fixture (tests/data/golden/fp8_deepseek_v3,
 // ragged blocks, two shards) through Ops::dequantize_fp8_blocks, fp32 and
 // bf16, bit for bit the values scripts/make-golden-quant wrote. Used by
@@ -8,9 +10,12 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "kernels/mxfp4_blocks.h"
 #include "runtime/nn/safetensors.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/test_paths.h"
@@ -67,6 +72,53 @@ inline int check_fp8_dequantize_golden(Rig& rig, const Fp8Fixture& fixture) {
       const auto* g = static_cast<const uint8_t*>(golden.data);
       CHECK(got == std::vector<uint8_t>(g, g + golden.nbytes()));
     }
+    ++checked;
+  }
+  return checked;
+}
+
+// The MXFP4 dequantization op against transformers on either backend: one
+// expert's weight of the quant tables' stacked [2, 64, 6] (gpt-oss's up_proj
+// columns: expert 1, columns 1, 3, 5, so [3, 64]) packed to its kept form,
+// then Ops::dequantize_mxfp4_blocks on `rig`'s backend in fp32, bf16 and fp16,
+// bit for bit the values scripts/make-golden-quant wrote
+// (tests/data/golden/quant/tables.safetensors). Returns how many dtypes it
+// checked (3). Used by nn_quant_test (cpu) and nn_golden_cuda_test (cuda).
+inline int check_mxfp4_dequantize_golden(Rig& rig) {
+  const nn::SafetensorsFile t =
+      nn::SafetensorsFile::open(source_dir() + "/tests/data/golden/quant/tables.safetensors");
+  const TensorView blocks = t.view("blocks"), scales = t.view("scales");
+  REQUIRE(blocks.desc.shape == Shape({2, 6, 2, 16}));
+  // Element (o, i) of the weight is the stacked (1, i, 1 + 2 o).
+  const kernels::Mxfp4Stacked stacked{2, 64, 6};
+  const int64_t first_column = 1 * 6 + 1, step = 2, rows = 3;
+  const kernels::Mxfp4Blocks shape{rows, 64};
+  std::vector<uint8_t> kept(static_cast<size_t>(shape.stored_nbytes()));
+  kernels::pack_mxfp4_columns(blocks.as<uint8_t>(), scales.as<uint8_t>(), stacked, first_column, step, rows, 0,
+                              shape.stored_nbytes(), kept.data());
+  const Tensor packed = upload(rig, TensorView{TensorDesc{DType::kU8, {shape.packed_nbytes()}, Tier::kCpu}, kept.data()});
+  const Tensor grid =
+      upload(rig, TensorView{TensorDesc{DType::kU8, {rows, 2}, Tier::kCpu}, kept.data() + shape.packed_nbytes()});
+  Stream& stream = rig.engine->compute_stream();
+  int checked = 0;
+  for (const auto& [name, dtype] : {std::pair{"mxfp4_f32", DType::kF32}, std::pair{"mxfp4_bf16", DType::kBF16},
+                                    std::pair{"mxfp4_f16", DType::kF16}}) {
+    INFO(name);
+    const size_t esize = dtype_nbytes(dtype);
+    const auto* golden_bytes = static_cast<const uint8_t*>(t.view(name).data);
+    std::vector<uint8_t> want(static_cast<size_t>(shape.numel()) * esize);
+    for (int64_t o = 0; o < rows; ++o) {
+      for (int64_t i = 0; i < 64; ++i) {
+        std::memcpy(want.data() + static_cast<size_t>(o * 64 + i) * esize,
+                    golden_bytes + static_cast<size_t>((1 * 64 + i) * 6 + 1 + 2 * o) * esize, esize);
+      }
+    }
+    Tensor out = rig.accelerator->allocate_tensor(dtype, {rows, 64});
+    rig.engine->ops().dequantize_mxfp4_blocks(rig.engine->compute(), packed.view(), grid.view(), out.view());
+    std::vector<uint8_t> got(out.view().nbytes());
+    rig.accelerator->copy_async(got.data(), out.data(), got.size(), CopyKind::kDeviceToHost, stream);
+    stream.synchronize();
+    CHECK(got == want);
     ++checked;
   }
   return checked;
