@@ -193,16 +193,9 @@ TEST_CASE("quant: an MXFP4 expert's weight reads, packs to its kept form (4.25 b
                                     std::pair{"mxfp4_f16", DType::kF16}}) {
     INFO(name);
     const size_t esize = dtype_nbytes(dtype);
-    const auto* golden_bytes = static_cast<const char*>(t.view(name).data);
-    std::vector<char> want(static_cast<size_t>(shape.numel()) * esize);
-    for (int64_t o = 0; o < rows; ++o) {
-      for (int64_t i = 0; i < 64; ++i) {
-        std::memcpy(want.data() + static_cast<size_t>(o * 64 + i) * esize,
-                    golden_bytes + static_cast<size_t>((1 * 64 + i) * 6 + 1 + 2 * o) * esize, esize);
-      }
-    }
+    const std::vector<uint8_t> want = test::mxfp4_expert_golden(t, name, dtype);
     // The loader's reading of the weight, whole and from an odd element.
-    std::vector<char> got(want.size());
+    std::vector<uint8_t> got(want.size());
     kernels::dequantize_mxfp4_columns(b, s, stacked, first_column, step, 0, shape.numel(), got.data(), dtype);
     CHECK(got == want);
     kernels::dequantize_mxfp4_columns(b, s, stacked, first_column, step, 37, 101, got.data(), dtype);

@@ -84,12 +84,27 @@ inline int check_fp8_dequantize_golden(Rig& rig, const Fp8Fixture& fixture) {
 // bit for bit the values scripts/make-golden-quant wrote
 // (tests/data/golden/quant/tables.safetensors). Returns how many dtypes it
 // checked (3). Used by nn_quant_test (cpu) and nn_golden_cuda_test (cuda).
+// transformers' values of that weight ([3, 64]: element (o, i) the stacked
+// (1, i, 1 + 2 o)) as the tables' `name` (mxfp4_f32, mxfp4_bf16, mxfp4_f16) holds them in `dtype`.
+inline std::vector<uint8_t> mxfp4_expert_golden(const nn::SafetensorsFile& tables, const std::string& name,
+                                                DType dtype) {
+  const size_t esize = dtype_nbytes(dtype);
+  const auto* golden_bytes = static_cast<const uint8_t*>(tables.view(name).data);
+  std::vector<uint8_t> want(3 * 64 * esize);
+  for (int64_t o = 0; o < 3; ++o) {
+    for (int64_t i = 0; i < 64; ++i) {
+      std::memcpy(want.data() + static_cast<size_t>(o * 64 + i) * esize,
+                  golden_bytes + static_cast<size_t>((1 * 64 + i) * 6 + 1 + 2 * o) * esize, esize);
+    }
+  }
+  return want;
+}
+
 inline int check_mxfp4_dequantize_golden(Rig& rig) {
   const nn::SafetensorsFile t =
       nn::SafetensorsFile::open(source_dir() + "/tests/data/golden/quant/tables.safetensors");
   const TensorView blocks = t.view("blocks"), scales = t.view("scales");
   REQUIRE(blocks.desc.shape == Shape({2, 6, 2, 16}));
-  // Element (o, i) of the weight is the stacked (1, i, 1 + 2 o).
   const kernels::Mxfp4Stacked stacked{2, 64, 6};
   const int64_t first_column = 1 * 6 + 1, step = 2, rows = 3;
   const kernels::Mxfp4Blocks shape{rows, 64};
@@ -104,15 +119,7 @@ inline int check_mxfp4_dequantize_golden(Rig& rig) {
   for (const auto& [name, dtype] : {std::pair{"mxfp4_f32", DType::kF32}, std::pair{"mxfp4_bf16", DType::kBF16},
                                     std::pair{"mxfp4_f16", DType::kF16}}) {
     INFO(name);
-    const size_t esize = dtype_nbytes(dtype);
-    const auto* golden_bytes = static_cast<const uint8_t*>(t.view(name).data);
-    std::vector<uint8_t> want(static_cast<size_t>(shape.numel()) * esize);
-    for (int64_t o = 0; o < rows; ++o) {
-      for (int64_t i = 0; i < 64; ++i) {
-        std::memcpy(want.data() + static_cast<size_t>(o * 64 + i) * esize,
-                    golden_bytes + static_cast<size_t>((1 * 64 + i) * 6 + 1 + 2 * o) * esize, esize);
-      }
-    }
+    const std::vector<uint8_t> want = mxfp4_expert_golden(t, name, dtype);
     Tensor out = rig.accelerator->allocate_tensor(dtype, {rows, 64});
     rig.engine->ops().dequantize_mxfp4_blocks(rig.engine->compute(), packed.view(), grid.view(), out.view());
     std::vector<uint8_t> got(out.view().nbytes());
