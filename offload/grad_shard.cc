@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "nvme/aio_handle.h"
+#include "nvme/io_options.h"
 #include "nvme/swap_space.h"
 #include "core/error.h"
 
@@ -163,6 +165,24 @@ struct GradShard::Tail {
   std::optional<size_t> param;
 };
 
+// A parameter's held sum (hold_blocks): host memory aligned for O_DIRECT, so
+// that a reader can write it out as it is (write_held).
+struct GradShard::HeldSum {
+  float* data = nullptr;
+  size_t capacity = 0;  // floats
+  explicit HeldSum(size_t numel) {
+    const size_t nbytes = (numel * sizeof(float) + nvme::kDirectIoAlignment - 1) / nvme::kDirectIoAlignment *
+                          nvme::kDirectIoAlignment;
+    data = static_cast<float*>(std::aligned_alloc(nvme::kDirectIoAlignment, nbytes));
+    STRATA_CHECK(data != nullptr, kOutOfMemory, "cannot allocate {} bytes of host memory to hold a gradient",
+                 nbytes);
+    capacity = nbytes / sizeof(float);
+  }
+  ~HeldSum() { std::free(data); }
+  HeldSum(const HeldSum&) = delete;
+  HeldSum& operator=(const HeldSum&) = delete;
+};
+
 GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::PartitionLayout& layout)
     : accelerator_(accelerator), ops_(ops), layout_(layout) {
   const size_t nbytes = static_cast<size_t>(layout.shard_numel()) * sizeof(float);
@@ -177,6 +197,8 @@ GradShard::GradShard(Accelerator& accelerator, ops::Ops& ops, const partition::P
     : accelerator_(accelerator), ops_(ops), layout_(layout), aio_(&aio) {
   file_ = &swap.create({key, static_cast<uint64_t>(layout.shard_numel()) * sizeof(float)});
   written_.assign(layout.params().size(), 0);
+  blocks_.assign(layout.params().size(), 0);
+  held_.resize(layout.params().size());
   for (const auto& slot : layout.params()) {
     scratch_numel_ = std::max(scratch_numel_, static_cast<size_t>(slot.slice_numel));
   }
@@ -218,10 +240,27 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
   job->done = accelerator_.create_host_event();
   job->first = static_cast<size_t>(slot.shard_offset_numel);
   job->end = job->first + static_cast<size_t>(slot.slice_numel);
-  job->work = [this, p, nbytes, offset, numel = static_cast<size_t>(slot.slice_numel)] {
-    if (written_[p] != 0) {
+  job->work = [this, p, nbytes, offset, numel = static_cast<size_t>(slot.slice_numel), hold = hold_] {
+    // Every addition is the new block plus the sum of the earlier ones (fp32
+    // addition commutes bit for bit), whether that sum is held or on disk.
+    const int blocks = ++blocks_[p];
+    std::unique_ptr<HeldSum>& held = held_[p];
+    if (blocks < hold && written_[p] == 0) {  // an earlier block of a held run: summed here, not written
+      if (!held) {
+        held = take_spare(numel);
+        std::memcpy(held->data, scratch_, nbytes);
+      } else {
+        for (size_t i = 0; i < numel; ++i) held->data[i] += scratch_[i];
+      }
+      return;
+    }
+    if (held) {
+      for (size_t i = 0; i < numel; ++i) scratch_[i] += held->data[i];
+      give_back(std::move(held));
+    } else if (written_[p] != 0) {
       float* on_disk = scratch_ + scratch_numel_;
       aio_->read(*file_, on_disk, nbytes, offset);
+      disk_bytes_ += nbytes;
       for (size_t i = 0; i < numel; ++i) scratch_[i] += on_disk[i];
     }
     {
@@ -229,6 +268,7 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
       tail_->param = p;
     }
     aio_->write(*file_, scratch_, nbytes, offset);
+    disk_bytes_ += nbytes;
     written_[p] = 1;
   };
   stream.launch_host_func(io_->notice(job));
@@ -245,8 +285,52 @@ void GradShard::zero(Stream& stream) {
   }
   io_->drain();
   std::fill(written_.begin(), written_.end(), 0);
+  std::fill(blocks_.begin(), blocks_.end(), 0);
+  for (auto& held : held_) {
+    if (held) give_back(std::move(held));  // a step abandoned half way: its sums are dropped
+  }
   std::lock_guard lock(tail_->mutex);
   tail_->param.reset();
+}
+
+void GradShard::hold_blocks(int blocks) {
+  STRATA_CHECK(blocks >= 1, kBadArgument, "GradShard::hold_blocks({}): at least 1", blocks);
+  hold_ = blocks;
+}
+
+uint64_t GradShard::disk_bytes() const { return disk_bytes_.load(); }
+
+std::unique_ptr<GradShard::HeldSum> GradShard::take_spare(size_t numel) {
+  {
+    std::lock_guard lock(spare_mutex_);
+    for (auto it = spare_.begin(); it != spare_.end(); ++it) {
+      if ((*it)->capacity >= numel) {
+        std::unique_ptr<HeldSum> sum = std::move(*it);
+        spare_.erase(it);
+        return sum;
+      }
+    }
+  }
+  return std::make_unique<HeldSum>(numel);
+}
+
+void GradShard::give_back(std::unique_ptr<HeldSum> sum) {
+  std::lock_guard lock(spare_mutex_);
+  spare_.push_back(std::move(sum));
+}
+
+void GradShard::write_held(size_t first, size_t end) {
+  for (size_t p = 0; p < held_.size(); ++p) {
+    const partition::ParamSlot& slot = layout_.param(p);
+    const size_t begin = static_cast<size_t>(slot.shard_offset_numel);
+    // Only this range's parameters are looked at: the I/O thread may be summing others'.
+    if (begin >= end || begin + static_cast<size_t>(slot.slice_numel) <= first || !held_[p]) continue;
+    const size_t nbytes = static_cast<size_t>(slot.slice_numel) * sizeof(float);
+    aio_->write(*file_, held_[p]->data, nbytes, static_cast<uint64_t>(begin) * sizeof(float));
+    disk_bytes_ += nbytes;
+    written_[p] = 1;
+    give_back(std::move(held_[p]));
+  }
 }
 
 void GradShard::ensure_window(size_t numel) {
@@ -305,6 +389,7 @@ std::function<void()> GradShard::read_async(size_t first, size_t numel, float* d
   for (const auto& [begin, stop] : {std::pair{first, copied_begin}, std::pair{copied_end, end}}) {
     if (begin >= stop) continue;
     io_->drain_range(begin, stop);
+    write_held(begin, stop);  // sums of fewer blocks than held: on disk before the read
     pieces.push_back({begin, stop,
                       aio_->submit_read(*file_, dst + (begin - first), (stop - begin) * sizeof(float),
                                         static_cast<uint64_t>(begin) * sizeof(float))});

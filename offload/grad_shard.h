@@ -26,6 +26,13 @@
 //           block's copy waits while such a read copies (on cuda its stream's
 //           host function does, on the driver's one callback thread: a
 //           memcpy of one slice at most).
+// Held blocks (nvme, hold_blocks(n): layer-major, whose n backwards of a
+// parameter come in a row): a parameter's first n - 1 blocks since zero() are
+// summed in host memory on the I/O thread, and the n-th is added to that sum
+// and written once: one write per parameter and step instead of a write and
+// n - 1 read-add-writes. The same fp32 additions in the same order (each
+// block added to the sum of the earlier ones), so the same bits. A read of a
+// slice still held (fewer blocks came than announced) writes its sum first.
 // read() gives a host view of an aligned range for the optimizer: the array
 // itself when the accelerator's memory is host memory, else a pinned window
 // filled by a copy (memory) or a read (nvme).
@@ -42,10 +49,12 @@
 // (the reducer's synchronize) for accumulate, directly for read().
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -77,8 +86,16 @@ class GradShard {
   // memory) into parameter p's slice, on `stream` after its queued work;
   // `block` is read before the stream's next queued operation starts.
   void accumulate(size_t p, const float* block, Stream& stream, ops::ComputeContext& ctx);
-  // Every element zero again. `stream` must be idle.
+  // Every element zero again (held sums dropped). `stream` must be idle.
   void zero(Stream& stream);
+  // nvme: of each parameter's blocks since zero(), the first `blocks` (>= 1)
+  // are summed in host memory and written once, with the last (see above);
+  // 1 (the default) writes each. Applies to the blocks accumulate() queues
+  // from now on: set it before a step's first block (layer-major's
+  // prepare_step), and keep it for the step.
+  void hold_blocks(int blocks);
+  // nvme: bytes the blocks cost on disk so far (written and read back), for tests.
+  uint64_t disk_bytes() const;
   // A host view of shard elements [first, first + numel) — both multiples of
   // the layout's alignment in elements of the group's dtype (slice and
   // sub-group boundaries are) — valid until the next read() or zero().
@@ -99,6 +116,9 @@ class GradShard {
   struct Tail;      // nvme: which parameter's final block the scratch holds
 
   void ensure_window(size_t numel);
+  // nvme, the I/O thread or a caller past drain_range: writes the sum held for
+  // each parameter of [first, end) that has one (fewer blocks than held).
+  void write_held(size_t first, size_t end);
 
   Accelerator& accelerator_;
   ops::Ops& ops_;
@@ -109,6 +129,18 @@ class GradShard {
   nvme::AioHandle* aio_ = nullptr;  // nvme home
   nvme::File* file_ = nullptr;
   std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched by the I/O thread)
+  // nvme, held blocks: blocks per parameter and step (1: none held), each
+  // parameter's blocks since zero() and its held sum (empty: none), and
+  // released sums' buffers for the next (one layer's at a time, layer-major).
+  struct HeldSum;  // an O_DIRECT-aligned host buffer
+  int hold_ = 1;
+  std::vector<int> blocks_;
+  std::vector<std::unique_ptr<HeldSum>> held_;   // [param]: null when none held
+  std::mutex spare_mutex_;                        // spare_ is shared by the I/O thread and readers
+  std::vector<std::unique_ptr<HeldSum>> spare_;
+  std::atomic<uint64_t> disk_bytes_{0};
+  std::unique_ptr<HeldSum> take_spare(size_t numel);
+  void give_back(std::unique_ptr<HeldSum> sum);
   float* scratch_ = nullptr;       // nvme: pinned, largest slice x 2 (incoming | on disk)
   size_t scratch_numel_ = 0;
   std::shared_ptr<Tail> tail_;     // nvme (shared with the streams' host functions)

@@ -619,6 +619,12 @@ void ZeroEngine::prepare_step(float lr, int backwards) {
   STRATA_CHECK(finalized(), kBadArgument, "prepare_step() before finalize()");
   STRATA_CHECK(!evaluating_, kBadArgument, "prepare_step() during an evaluation pass: end_evaluation() first");
   prepared_backwards_ = backwards;
+  // Layer-major: a parameter's m gradient blocks come in a row, so an NVMe
+  // gradient shard sums them in host memory and writes each slice once
+  // (GradShard::hold_blocks) instead of m read-add-writes.
+  for (auto& g : groups_) {
+    if (!g->frozen && g->grads && g->grads->on_nvme()) g->grads->hold_blocks(backwards);
+  }
   if (update_pending_) {
     // The last step's update may still overlap this forward: the countdown is
     // armed at the join (the first backward window: the lm_head's, inside
