@@ -110,7 +110,6 @@ void BucketReducer::flush() {
     }
   }
   comm_.reduce_scatter(send, recv, block_numel, DType::kF32, partition::ReduceOp::kSum, *stream_);
-  ++collectives_;
   size_t offset = 0;
   for (const auto& entry : bucket->entries) {
     const partition::ParamSlot& slot = layout_.param(entry.param);

@@ -67,7 +67,6 @@ class BucketReducer {
   void synchronize();
 
   Stream& stream() { return *stream_; }
-  int64_t collectives_issued() const { return collectives_; }
 
  private:
   struct Bucket;
@@ -86,7 +85,6 @@ class BucketReducer {
   std::unique_ptr<ops::ComputeContext> ctx_;
   std::unique_ptr<Bucket> open_;
   std::deque<std::unique_ptr<Bucket>> in_flight_;
-  int64_t collectives_ = 0;
   LandedFn landed_;
 };
 
