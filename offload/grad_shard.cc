@@ -260,7 +260,6 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
     } else if (written_[p] != 0) {
       float* on_disk = scratch_ + scratch_numel_;
       aio_->read(*file_, on_disk, nbytes, offset);
-      disk_bytes_ += nbytes;
       for (size_t i = 0; i < numel; ++i) scratch_[i] += on_disk[i];
     }
     {
@@ -268,7 +267,6 @@ void GradShard::accumulate(size_t p, const float* block, Stream& stream, ops::Co
       tail_->param = p;
     }
     aio_->write(*file_, scratch_, nbytes, offset);
-    disk_bytes_ += nbytes;
     written_[p] = 1;
   };
   stream.launch_host_func(io_->notice(job));
@@ -298,8 +296,6 @@ void GradShard::hold_blocks(int blocks) {
   hold_ = blocks;
 }
 
-uint64_t GradShard::disk_bytes() const { return disk_bytes_.load(); }
-
 std::unique_ptr<GradShard::HeldSum> GradShard::take_spare(size_t numel) {
   {
     std::lock_guard lock(spare_mutex_);
@@ -327,7 +323,6 @@ void GradShard::write_held(size_t first, size_t end) {
     if (begin >= end || begin + static_cast<size_t>(slot.slice_numel) <= first || !held_[p]) continue;
     const size_t nbytes = static_cast<size_t>(slot.slice_numel) * sizeof(float);
     aio_->write(*file_, held_[p]->data, nbytes, static_cast<uint64_t>(begin) * sizeof(float));
-    disk_bytes_ += nbytes;
     written_[p] = 1;
     give_back(std::move(held_[p]));
   }

@@ -49,7 +49,6 @@
 // (the reducer's synchronize) for accumulate, directly for read().
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -94,8 +93,6 @@ class GradShard {
   // from now on: set it before a step's first block (layer-major's
   // prepare_step), and keep it for the step.
   void hold_blocks(int blocks);
-  // nvme: bytes the blocks cost on disk so far (written and read back), for tests.
-  uint64_t disk_bytes() const;
   // A host view of shard elements [first, first + numel) — both multiples of
   // the layout's alignment in elements of the group's dtype (slice and
   // sub-group boundaries are) — valid until the next read() or zero().
@@ -130,7 +127,7 @@ class GradShard {
   nvme::File* file_ = nullptr;
   std::vector<uint8_t> written_;   // nvme: per parameter, written since zero() (touched by the I/O thread)
   // nvme, held blocks: blocks per parameter and step (1: none held), each
-  // parameter's blocks since zero() and its held sum (empty: none), and
+  // parameter's blocks since zero() and its held sum (null: none), and
   // released sums' buffers for the next (one layer's at a time, layer-major).
   struct HeldSum;  // an O_DIRECT-aligned host buffer
   int hold_ = 1;
@@ -138,7 +135,6 @@ class GradShard {
   std::vector<std::unique_ptr<HeldSum>> held_;   // [param]: null when none held
   std::mutex spare_mutex_;                        // spare_ is shared by the I/O thread and readers
   std::vector<std::unique_ptr<HeldSum>> spare_;
-  std::atomic<uint64_t> disk_bytes_{0};
   std::unique_ptr<HeldSum> take_spare(size_t numel);
   void give_back(std::unique_ptr<HeldSum> sum);
   float* scratch_ = nullptr;       // nvme: pinned, largest slice x 2 (incoming | on disk)

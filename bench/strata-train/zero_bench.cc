@@ -268,10 +268,10 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                                                                 : offload::OverlapPolicy::kAuto);
   // The step's micro-batches one after another, or layer by layer through the pipeline executor.
   // auto as strata finetune chooses it (runtime/train/micro_batch_order.h).
+  const bool keep_activations = flags.layer_major_activations == "keep";
   const std::optional<plan::OrderPlan> predicted_orders = strata::train::predict_run_orders(
       run.config, o.stage, o.param_tier, o.max_reuse_distance_numel, o.max_live_parameters_numel, run.batch, run.seq,
-      flags.micro_batches, run.checkpoint_activations || run.cpu_checkpointing, r.world, r.world,
-      flags.layer_major_activations == "keep");
+      flags.micro_batches, run.checkpoint_activations || run.cpu_checkpointing, r.world, r.world, keep_activations);
   strata::train::MicroBatchOrderContext order_context{
       o.param_tier, flags.micro_batches, 1, 1, flags.expert_parallel, false, run.config.tie_word_embeddings,
       run.config.moe() && run.config.output_router_logits};
@@ -298,8 +298,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
         eng, pipeline::ScheduleSpec{pipeline::ScheduleKind::kLayerMajor, 1, flags.micro_batches,
                                     static_cast<int>(chunks.size())},
         chunks, pipeline::BoundaryHome::kDevice, pipeline::BoundaryNvme{},
-        flags.layer_major_activations == "keep" ? pipeline::LayerActivations::kKeep
-                                                : pipeline::LayerActivations::kRecompute);
+        keep_activations ? pipeline::LayerActivations::kKeep : pipeline::LayerActivations::kRecompute);
   }
   if (r.rank == 0) {
     fmt::print("micro-batches per step: {}, {}{}{}\n", flags.micro_batches,
@@ -401,7 +400,7 @@ bool run_rank(const ModelRun& run, const ZeroFlags& flags, const RankSetup& r, A
                    "backward per step\n",
                    static_cast<double>(stats.activation_nbytes) / (1 << 20),
                    static_cast<double>(stats.activation_nbytes - stats.boundary_nbytes) / (1 << 20),
-                   flags.layer_major_activations == "keep"
+                   keep_activations
                        ? "one per micro-batch of every layer and of the embedding, one the head's (its backward "
                          "follows its forward)"
                        : "one per layer, the embedding's and the head's",

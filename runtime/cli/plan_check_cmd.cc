@@ -270,7 +270,7 @@ int run_plan_check(const PlanOptions& o) {
       in.model, config.zero.stage, param_tier, static_cast<int64_t>(config.zero.max_reuse_distance_numel),
       static_cast<int64_t>(config.zero.max_live_parameters_numel), config.micro_batch_size, s.seq,
       config.gradient_accumulation_steps, s.checkpoint_activations || config.cpu_checkpointing, std::max(1, dp),
-      static_cast<int>(s.world_size), config.strata.layer_major_activations == "keep");
+      static_cast<int>(s.world_size), config.strata.keeps_layer_activations());
   train::MicroBatchOrderContext order_context{param_tier, config.gradient_accumulation_steps, in.tensor_parallel, pp,
                                               1, !s.lora_rank.empty(), in.model.tie_word_embeddings,
                                               in.model.moe() && in.model.output_router_logits, cp};

@@ -309,7 +309,7 @@ void resolve_training(const Options& o, const std::optional<Config>& config, Res
     t.micro_batch = config->micro_batch_size;
     t.grad_accumulation = config->gradient_accumulation_steps;
     t.checkpoints_on_cpu = config->cpu_checkpointing;
-    t.layer_major_keeps_activations = config->strata.layer_major_activations == "keep";
+    t.layer_major_keeps_activations = config->strata.keeps_layer_activations();
     r.reduce_bucket_given = z.reduce_bucket_numel;  // 0: chosen from the model (resolve_zero_sizes)
     t.prefetch_bucket_numel = z.prefetch_bucket_numel;
     r.sub_group_given = z.sub_group_numel;

@@ -106,6 +106,7 @@ struct StrataOptions {
   // strata.layer_major_activations: recompute (each layer's forward again
   // before its backwards) | keep (every micro-batch's, no recompute).
   std::string layer_major_activations = "recompute";
+  bool keeps_layer_activations() const { return layer_major_activations == "keep"; }
 };
 
 struct Config {

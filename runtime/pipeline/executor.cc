@@ -33,10 +33,6 @@ struct PipelineExecutor::Chunk {
   std::map<int, size_t> last_use;
 };
 
-const char* layer_activations_name(LayerActivations activations) {
-  return activations == LayerActivations::kKeep ? "keep" : "recompute";
-}
-
 namespace {
 using Clock = std::chrono::steady_clock;
 

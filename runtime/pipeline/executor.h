@@ -73,8 +73,6 @@ class DeferredWeightGrads;
 //               memory of step-major without checkpointing. The same kernels
 //               on the same inputs either way, so the same bits.
 enum class LayerActivations : uint8_t { kRecompute, kKeep };
-// "recompute" | "keep" (strata.layer_major_activations's spelling).
-const char* layer_activations_name(LayerActivations activations);
 
 // One micro-batch, as DecoderModel::forward takes it.
 struct MicroBatch {

@@ -408,7 +408,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const std::optional<plan::OrderPlan> predicted_orders = predict_run_orders(
       model_config, zero.stage, zero.param_tier, zero.max_reuse_distance_numel, zero.max_live_parameters_numel,
       micro_batch, options.seq, accumulation, options.checkpoint_activations || config.cpu_checkpointing, dp,
-      rank.local_world_size, config.strata.layer_major_activations == "keep");
+      rank.local_world_size, config.strata.keeps_layer_activations());
   MicroBatchOrderContext order_context{zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(),
                                        model_config.tie_word_embeddings,
                                        model_config.moe() && model_config.output_router_logits, cp};
@@ -428,7 +428,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                   "are kept)",
                   boundaries_where);
   }
-  if (config.strata.layer_major_activations == "keep" && !layer_major && rank.rank == 0) {
+  if (config.strata.keeps_layer_activations() && !layer_major && rank.rank == 0) {
     logger().info("strata.layer_major_activations keep: no effect, the micro-batches are step-major");
   }
   STRATA_CHECK(!layer_major || boundary_home != pipeline::BoundaryHome::kNvme || zero.any_nvme(), kBadArgument,
@@ -584,7 +584,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       on_nvme = {engine.nvme_io(), zero.nvme_path, engine.job_rank(), zero.keep_swap_files, one_boundary_nbytes,
                  static_cast<int>(accumulation)};
     }
-    const bool keep = config.strata.layer_major_activations == "keep";
+    const bool keep = config.strata.keeps_layer_activations();
     executor = std::make_unique<pipeline::PipelineExecutor>(
         engine, spec, chunks, boundary_home, on_nvme,
         keep ? pipeline::LayerActivations::kKeep : pipeline::LayerActivations::kRecompute);
