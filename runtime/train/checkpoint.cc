@@ -275,6 +275,9 @@ fs::path Checkpoints::save(engine::ZeroEngine& engine, const TrainerState& train
       if (ec) logger().warn("could not remove the old checkpoint {}: {}", path.string(), ec.message());
     }
   }
+  // Released before the last barrier: once save returns on any rank, no
+  // rank's lock file is left in the root (a copy of it taken then is clean).
+  lock.reset();
   barrier(engine);
   return dir;
 }

@@ -354,6 +354,9 @@ def checkpoint_bad_input(swap_dir):
             with eng.fetch(lin, "forward"):
                 expect_error(strata.InvalidState, "still fetched", eng.save_checkpoint, ckpt)
             eng.save_checkpoint(os.path.join(ckpt, "good"))
+            # Returned on this rank: every rank has let go of the directory.
+            locks = [f for f in os.listdir(os.path.join(ckpt, "good")) if f.endswith(".lock")]
+            assert not locks, f"lock files left after strata_save_checkpoint returned: {locks}"
             step_dir = os.path.join(ckpt, "good", "step_00000002")
             mine = os.path.join(step_dir, f"rank{eng.rank}")
             for how, file, needle in (("truncate", "params_fp32.bin", "bytes, the manifest says"),
