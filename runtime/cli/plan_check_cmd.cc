@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
+#include "runtime/pipeline/kept_boundaries.h"
 #include "runtime/pipeline/schedule.h"
 #include "runtime/pipeline/stages.h"
 #include "runtime/plan/machine_probe.h"
@@ -260,8 +261,7 @@ int run_plan_check(const PlanOptions& o) {
     if (std::filesystem::is_directory(model_config, ec)) model_config /= "config.json";
     in.model = nn::load_decoder_config(model_config.string());
   }
-  // Layer-major holds every micro-batch's activations of every layer: not
-  // modelled here either. auto chose as finetune chooses (the run's ranks on one node).
+  // The micro-batch order: auto chose as finetune chooses (the run's ranks on one node).
   const Tier param_tier = config.zero.offload_param.device == OffloadDevice::kNvme  ? Tier::kNvme
                           : config.zero.offload_param.device == OffloadDevice::kCpu ? Tier::kCpu
                                                                                     : Tier::kDevice;
@@ -291,10 +291,11 @@ int run_plan_check(const PlanOptions& o) {
                                                config.pipeline_layers);
     in.pipeline_rank = 0;
   }
-  STRATA_CHECK(order.order == train::MicroBatchOrder::kStepMajor, kBadArgument,
-               "{}: the run's micro-batches were layer-major; strata plan --check does not model the activations "
-               "it holds (every micro-batch's of every layer) yet",
-               run_json.string());
+  if (order.order == train::MicroBatchOrder::kLayerMajor) {
+    in.layer_major = {static_cast<int>(config.gradient_accumulation_steps), config.strata.keeps_layer_activations(),
+                      pipeline::parse_boundary_home(config.strata.layer_major_boundaries,
+                                                    config_source + ": strata.layer_major_boundaries")};
+  }
   in.param_dtype = config.bf16 ? DType::kBF16 : config.fp16.enabled ? DType::kF16 : DType::kF32;
   const bool device_is_host =
       config.strata.accelerator == "cpu" ||
@@ -361,6 +362,21 @@ int run_plan_check(const PlanOptions& o) {
          measured.activation_nbytes ? "memory.activation_bytes in " + rank0
                                     : std::string("not measured: the records have no memory.activation_bytes")});
   }
+  if (in.layer_major.micro_batches > 0) {
+    // The layers' arenas, and the boundaries kept in device memory, which the run counts itself.
+    double activations = 0;
+    for (const plan::MemoryItem& item : memory.items) {
+      const bool counted = item.name == "activation arenas" ||
+                           (item.name == "layer-major boundaries" && item.where == plan::Where::kDevice);
+      activations += counted ? item.nbytes : 0;
+    }
+    result.rows.push_back(
+        {"activations (layer-major)", activations,
+         measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
+                                    : std::nullopt,
+         measured.activation_nbytes ? "memory.activation_bytes in " + rank0
+                                    : std::string("not measured: the records have no memory.activation_bytes")});
+  }
   if (cp > 1) {
     // A cp rank's arena and the ring's or Ulysses' buffers, which the run counts itself.
     double activations = 0;
@@ -417,6 +433,13 @@ int run_plan_check(const PlanOptions& o) {
                                 {"layers", in.pipeline_split},
                                 {"rank_modelled", in.pipeline_rank}};
     }
+    if (in.layer_major.micro_batches > 0) {
+      out["run"]["micro_batch_order"] = {
+          {"order", "layer-major"},
+          {"micro_batches", in.layer_major.micro_batches},
+          {"activations", in.layer_major.keep_activations ? "keep" : "recompute"},
+          {"boundaries", pipeline::boundary_home_name(in.layer_major.boundaries)}};
+    }
     out["items"] = items;
     out["process_baseline"] = {{"bytes", static_cast<uint64_t>(std::llround(baseline))},
                                {"from", baseline_from},
@@ -449,6 +472,13 @@ int run_plan_check(const PlanOptions& o) {
                           in.pipeline.micro_batches, in.pipeline.virtual_stages > 1 ? "virtual " : "",
                           fmt::join(in.pipeline_split, ","))
             : std::string());
+    if (in.layer_major.micro_batches > 0) {
+      text.insert(text.find("\n\nWhat this runtime holds"),
+                  fmt::format("\n          micro-batches layer-major: {} of them through each layer in turn, "
+                              "activations {}, boundaries on {}",
+                              in.layer_major.micro_batches, in.layer_major.keep_activations ? "kept" : "recomputed",
+                              pipeline::boundary_home_name(in.layer_major.boundaries)));
+    }
     for (const plan::MemoryItem& item : memory.items) {
       text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
                           plan::where_name(item.where), item.during_steps ? "steps" : "setup",

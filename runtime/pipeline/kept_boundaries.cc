@@ -21,6 +21,13 @@ const char* boundary_home_name(BoundaryHome home) {
   return "?";
 }
 
+BoundaryHome parse_boundary_home(std::string_view name, std::string_view what) {
+  for (const BoundaryHome home : {BoundaryHome::kDevice, BoundaryHome::kPinnedHost, BoundaryHome::kNvme}) {
+    if (name == boundary_home_name(home)) return home;
+  }
+  raise(ErrorCategory::kBadArgument, "{} {}: not where boundaries can be kept; one of device, cpu, nvme", what, name);
+}
+
 // A pinned staging buffer of kNvme and the input it holds. Its life:
 // keep() copies a boundary in on the stream (`copied` recorded after it),
 // and once that copy has run the write to the boundary's place in the file
@@ -50,15 +57,11 @@ size_t staging_stride(size_t nbytes) {
 
 }  // namespace
 
-size_t kept_boundaries_pinned_nbytes(BoundaryHome home, int chunks, int micro_batches, size_t nbytes) {
-  const size_t m = static_cast<size_t>(std::max(micro_batches, 0));
-  switch (home) {
-    case BoundaryHome::kDevice: return 0;
-    case BoundaryHome::kPinnedHost: return static_cast<size_t>(std::max(chunks - 1, 0)) * m * nbytes + m * nbytes;
-    case BoundaryHome::kNvme:
-      return static_cast<size_t>(staging_buffers(micro_batches)) * staging_stride(nbytes) + m * nbytes;
-  }
-  return 0;
+KeptBoundariesSize kept_boundaries_size(BoundaryHome home, int chunks, int micro_batches, size_t nbytes) {
+  const size_t m = static_cast<size_t>(std::max(micro_batches, 0)), k = static_cast<size_t>(std::max(chunks, 0));
+  if (home != BoundaryHome::kNvme) return {(k > 0 ? k - 1 : 0) * m * nbytes + m * nbytes, 0};
+  return {static_cast<size_t>(staging_buffers(micro_batches)) * staging_stride(nbytes) + m * nbytes,
+          static_cast<uint64_t>(k) * m * staging_stride(nbytes)};
 }
 
 KeptBoundaries::KeptBoundaries(Accelerator& accelerator, int chunks, BoundaryHome home, const BoundaryNvme& nvme)

@@ -39,6 +39,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "core/accelerator.h"
@@ -57,13 +58,21 @@ enum class BoundaryHome : uint8_t { kDevice, kPinnedHost, kNvme };
 
 // "device" | "cpu" | "nvme" (strata.layer_major_boundaries's spelling).
 const char* boundary_home_name(BoundaryHome home);
+// The home so spelled; Error(kBadArgument) naming `what` (the key) for another spelling.
+BoundaryHome parse_boundary_home(std::string_view name, std::string_view what);
 
-// The pinned host memory a store of `home` holds for `chunks` chunks of
-// `micro_batches` boundaries of `nbytes` each, once every boundary has been
-// kept (what memory_nbytes() then says): kPinnedHost every input of chunks
-// 1.. and the m gradients; kNvme its 2m + 2 staging buffers (each `nbytes`
-// rounded up to the direct-I/O alignment) and the m gradients; kDevice none.
-size_t kept_boundaries_pinned_nbytes(BoundaryHome home, int chunks, int micro_batches, size_t nbytes);
+// What a store of `home` holds for `chunks` chunks of `micro_batches`
+// boundaries of `nbytes` each, once every boundary has been kept (what
+// memory_nbytes() and file_nbytes() then say): its memory, accelerator memory
+// for kDevice and pinned host memory for the others -- every input of chunks
+// 1.. and the m gradients (kDevice, kPinnedHost), or kNvme's 2m + 2 staging
+// buffers (each `nbytes` rounded up to the direct-I/O alignment) and the m
+// gradients; and kNvme's file, a place per (chunk, micro-batch).
+struct KeptBoundariesSize {
+  size_t memory_nbytes = 0;
+  uint64_t file_nbytes = 0;
+};
+KeptBoundariesSize kept_boundaries_size(BoundaryHome home, int chunks, int micro_batches, size_t nbytes);
 
 // What kNvme needs.
 struct BoundaryNvme {

@@ -100,13 +100,16 @@ bool CheckResult::ok() const {
 }
 
 std::string check_text(const CheckResult& r) {
+  // The tier column as wide as its longest name ("activations (layer-major)").
+  size_t width = 15;
+  for (const CheckRow& row : r.rows) width = std::max(width, row.tier.size());
   std::string out =
-      fmt::format("{:<15} {:>12} {:>12} {:>9}  {:<10} {}\n", "tier", "predicted", "measured",
+      fmt::format("{:<{}} {:>12} {:>12} {:>9}  {:<10} {}\n", "tier", width, "predicted", "measured",
                   "ratio", fmt::format("±{:.0f}%", 100 * r.tolerance), "measured from");
   for (const CheckRow& row : r.rows) {
     const auto mb = [](double nbytes) { return fmt::format("{:.1f} MB", nbytes / 1e6); };
     out +=
-        fmt::format("{:<15} {:>12} {:>12} {:>9}  {:<10} {}\n", row.tier, mb(row.predicted_nbytes),
+        fmt::format("{:<{}} {:>12} {:>12} {:>9}  {:<10} {}\n", row.tier, width, mb(row.predicted_nbytes),
                     row.measured_nbytes ? mb(*row.measured_nbytes) : "-",
                     row.measured_nbytes ? fmt::format("{:.3f}", row.ratio()) : "-",
                     !row.measured_nbytes      ? "n/a"

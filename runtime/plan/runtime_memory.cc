@@ -211,6 +211,15 @@ std::vector<engine::SizedParam> decoder_sized_params(const nn::DecoderConfig& c,
 size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t batch, int64_t seq,
                           bool checkpoint_activations, bool cpu_checkpointing, const nn::LoraSpec& lora,
                           int expert_parallel, int tensor_parallel, bool sequence_parallel, int context_parallel) {
+  return decoder_chunk_arena_nbytes(model, {0, model.num_hidden_layers, true, true}, t, batch, seq,
+                                    checkpoint_activations, cpu_checkpointing, lora, expert_parallel, tensor_parallel,
+                                    sequence_parallel, context_parallel);
+}
+
+size_t decoder_chunk_arena_nbytes(const nn::DecoderConfig& model, const pipeline::StagePart& part, DType t,
+                                  int64_t batch, int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
+                                  const nn::LoraSpec& lora, int expert_parallel, int tensor_parallel,
+                                  bool sequence_parallel, int context_parallel) {
   // A tensor-parallel rank's share of the heads and MLP features.
   const nn::DecoderConfig c = nn::tensor_parallel_share(model, tensor_parallel);
   // A cp rank's tokens of each sequence (every one without context parallelism).
@@ -219,7 +228,10 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
   const int64_t rows = batch * seq, hidden = c.hidden_size, inter = c.intermediate_size;
   // The residual stream's and the norms' rows: this rank's block with sequence parallelism.
   const int64_t local = sequence_parallel ? rows / tensor_parallel : rows;
-  const auto layers = static_cast<size_t>(c.num_hidden_layers);
+  const auto layers = static_cast<size_t>(part.layers);
+  // A chunk of the embedding or the head alone keeps no layer's activations
+  // and has none of the layers' backward scratch.
+  const bool any_layer = layers > 0;
   // The attention kind's saved activations per layer and its backward scratch (nn::attention_arena).
   const nn::AttentionArena attention = nn::attention_arena(model, tensor_parallel, batch, seq, t);
   const DType f32 = DType::kF32;
@@ -253,13 +265,15 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
                      3 * view_nbytes(t, {erk, mi}) +
                      (ep ? view_nbytes(t, {erk, hidden}) + 2 * view_nbytes(DType::kI32, {erk}) : 0) + shared;
   const size_t mlp_scratch =
-      (c.any_dense_layer() ? 3 * view_nbytes(t, {rows, inter}) : 0) +
-      (!c.moe() ? 0
-                : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) + view_nbytes(f32, {rows, k}) +
-                      view_nbytes(router_t, {rows, experts}) +
-                      (router_x32 > 0 ? router_x32 + view_nbytes(t, {rows, hidden}) : 0) +
-                      view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
-                      view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) + shared);
+      !any_layer ? 0
+                 : (c.any_dense_layer() ? 3 * view_nbytes(t, {rows, inter}) : 0) +
+                       (!c.moe() ? 0
+                                 : 2 * view_nbytes(t, {rk, hidden}) + 3 * view_nbytes(t, {erk, mi}) +
+                                       view_nbytes(f32, {rows, k}) + view_nbytes(router_t, {rows, experts}) +
+                                       (router_x32 > 0 ? router_x32 + view_nbytes(t, {rows, hidden}) : 0) +
+                                       view_nbytes(DType::kF64, {2, experts}) + view_nbytes(DType::kF64, {1}) +
+                                       view_nbytes(f32, {experts}) + (ep ? 3 * view_nbytes(t, {erk, hidden}) : 0) +
+                                       shared);
   // What one decoder layer saves for backward (its MLP's kind: DeepSeek's
   // first layers are dense); one set holding both kinds with checkpointing.
   const size_t common = view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local}) +
@@ -268,23 +282,26 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType t, int64_t bat
                         // Sandwich norms (Gemma): each block's output before its norm, and that norm's rstd.
                         (c.sandwich_norms ? 2 * (view_nbytes(t, {local, hidden}) + view_nbytes(f32, {local})) : 0);
   if (checkpoint_activations) {
-    n += common + (c.any_moe_layer() ? moe_acts : 0) + (c.any_dense_layer() ? dense_acts : 0);
+    if (any_layer) n += common + (c.any_moe_layer() ? moe_acts : 0) + (c.any_dense_layer() ? dense_acts : 0);
   } else {
-    for (int64_t l = 0; l < c.num_hidden_layers; ++l) n += common + (c.layer_moe(l) ? moe_acts : dense_acts);
+    for (int64_t l = part.first_layer; l < part.first_layer + part.layers; ++l) {
+      n += common + (c.layer_moe(l) ? moe_acts : dense_acts);
+    }
   }
   // Backward scratch shared by the layers, the final norm, loss and inputs.
-  n += view_nbytes(t, {local, hidden}) + nn::arena_nbytes(attention.scratch) + mlp_scratch +
+  n += view_nbytes(t, {local, hidden}) + (any_layer ? nn::arena_nbytes(attention.scratch) : 0) + mlp_scratch +
        (c.sandwich_norms ? view_nbytes(t, {local, hidden}) : 0);
   // dres, final_ln, rstd_f, the loss's lse.
   n += view_nbytes(t, {local, hidden}) + view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {local}) +
        view_nbytes(f32, {rows});
-  if (sequence_parallel) {  // gathered, partial, dgathered, the norms' summed gradient, final_ln_local
-    n += 3 * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {hidden}) + view_nbytes(t, {local, hidden});
+  if (sequence_parallel) {  // gathered and partial (a chunk with layers), dgathered, the norms' summed gradient, final_ln_local
+    n += (any_layer ? 3 : 1) * view_nbytes(t, {rows, hidden}) + view_nbytes(f32, {hidden}) +
+         view_nbytes(t, {local, hidden});
   }
   n += view_nbytes(DType::kF64, {2}) + 2 * view_nbytes(DType::kF64, {1});
   // ids, targets, positions; document starts and ends over the whole sequences.
   n += 3 * view_nbytes(DType::kI32, {rows}) + 2 * view_nbytes(DType::kI32, {batch * whole_seq});
-  if (lora.enabled()) {
+  if (lora.enabled() && any_layer) {
     n += 2 * view_nbytes(t, {rows, lora.rank});  // LoraScratch h and dh
     if (lora.dropout > 0) {  // xd and dxd, for the widest targeted input
       n += 2 * view_nbytes(t, {rows * nn::lora_widest_input(c, lora)});
@@ -333,6 +350,9 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
                  in.pipeline.virtual_stages);
     stage = stage_share(in);
   }
+  STRATA_CHECK(in.layer_major.micro_batches == 0 || (pp == 1 && cp == 1 && tp == 1), kBadArgument,
+               "plan: layer-major micro-batches with pipeline, context or tensor parallelism: strata finetune "
+               "refuses them");
   const auto ours = [&](std::string_view name) { return !stage || stage->holds(c, name); };
   // ZeRO partitions over the data-parallel ranks.
   const int dp = in.world_size / (tp * pp);
@@ -476,19 +496,35 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
       in.cpu_checkpointing && c.num_hidden_layers > 1
           ? static_cast<double>((c.num_hidden_layers - 1) * view_nbytes(in.activation_dtype, {local_rows, c.hidden_size}))
           : 0;
+  // The model in chunks, each an arena per micro-batch slot: pp rank
+  // pipeline_rank's stages, or layer-major's layers between the embedding
+  // and the head (pipeline::make_layer_models).
+  const RuntimeInputs::LayerMajor& lm = in.layer_major;
+  std::vector<pipeline::StagePart> parts;
+  ChunkSlots slots;
   if (stage) {
-    const pipeline::Schedule schedule = pipeline::make_schedule(in.pipeline);
-    const ChunkSlots slots = pipeline_chunk_slots(schedule, in.pipeline_rank);
+    parts = stage->chunks;
+    slots = pipeline_chunk_slots(pipeline::make_schedule(in.pipeline), in.pipeline_rank);
+  } else if (lm.micro_batches > 0) {
+    parts.push_back({0, 0, true, false});
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l) parts.push_back({l, 1, false, false});
+    parts.push_back({c.num_hidden_layers, 0, false, true});
+    const int chunks = static_cast<int>(parts.size());
+    // Keeping, a slot holds a micro-batch from its forward to its backward, as
+    // a pipeline's does; recomputing, every micro-batch computes in one.
+    slots = lm.keep_activations
+                ? pipeline_chunk_slots(pipeline::layer_major(lm.micro_batches, chunks), 0)
+                : ChunkSlots{std::vector<int>(static_cast<size_t>(chunks), 1), std::vector<int>(static_cast<size_t>(chunks), 0)};
+  }
+  if (!parts.empty()) {
     double arena_nbytes = 0, deferred_nbytes = 0;
     std::string per_chunk;
     arenas = 0;
     host_checkpoint_nbytes = 0;
-    for (size_t k = 0; k < stage->chunks.size(); ++k) {
-      const pipeline::StagePart& part = stage->chunks[k];
-      nn::DecoderConfig layers = c;
-      layers.num_hidden_layers = part.layers;
-      arena_nbytes += slots.slots[k] * static_cast<double>(decoder_arena_nbytes(
-                                           layers, in.activation_dtype, in.micro_batch, in.seq,
+    for (size_t k = 0; k < parts.size(); ++k) {
+      const pipeline::StagePart& part = parts[k];
+      arena_nbytes += slots.slots[k] * static_cast<double>(decoder_chunk_arena_nbytes(
+                                           c, part, in.activation_dtype, in.micro_batch, in.seq,
                                            in.checkpoint_activations, in.cpu_checkpointing, in.lora,
                                            in.zero.expert_parallel_size, tp, in.sequence_parallel));
       arenas += slots.slots[k];
@@ -512,16 +548,51 @@ RuntimeMemory runtime_memory(const RuntimeInputs& in) {
         deferred_nbytes += slots.awaiting_weight_grads[k] * static_cast<double>(part.layers) *
                            static_cast<double>(rows * out_features * static_cast<int64_t>(dtype_nbytes(in.activation_dtype)));
       }
-      per_chunk += fmt::format("{}{} x {} layers", per_chunk.empty() ? "" : " + ", slots.slots[k], part.layers);
+      if (stage) per_chunk += fmt::format("{}{} x {} layers", per_chunk.empty() ? "" : " + ", slots.slots[k], part.layers);
     }
-    add("activation arenas", Where::kDevice, arena_nbytes, false,
-        fmt::format("DecoderModel's arena per micro-batch slot of pp rank {}'s layers: {} (slots x layers, the "
-                    "{} schedule's micro-batches in flight), {} rows x hidden {} / intermediate {}",
-                    in.pipeline_rank, per_chunk, pipeline::schedule_name(in.pipeline.kind), rows, c.hidden_size,
-                    intermediate));
-    add("deferred weight-gradient inputs", Where::kDevice, deferred_nbytes, true,
-        "zb-h1: each Linear's output gradient copied at B, held until its W, for the most micro-batches between "
-        "them (the attention and MLP projections' output widths x rows)");
+    if (stage) {
+      add("activation arenas", Where::kDevice, arena_nbytes, false,
+          fmt::format("DecoderModel's arena per micro-batch slot of pp rank {}'s layers: {} (slots x layers, the "
+                      "{} schedule's micro-batches in flight), {} rows x hidden {} / intermediate {}",
+                      in.pipeline_rank, per_chunk, pipeline::schedule_name(in.pipeline.kind), rows, c.hidden_size,
+                      intermediate));
+      add("deferred weight-gradient inputs", Where::kDevice, deferred_nbytes, true,
+          "zb-h1: each Linear's output gradient copied at B, held until its W, for the most micro-batches between "
+          "them (the attention and MLP projections' output widths x rows)");
+    } else {
+      add("activation arenas", Where::kDevice, arena_nbytes, false,
+          fmt::format("layer-major: DecoderModel's arena of each of the {} layers, the embedding's and the head's, "
+                      "{} ({} in all), {} rows x hidden {} / intermediate {}",
+                      c.num_hidden_layers,
+                      lm.keep_activations ? fmt::format("one per micro-batch ({}; strata.layer_major_activations keep)",
+                                                        lm.micro_batches)
+                                          : std::string("one that every micro-batch recomputes in"),
+                      arenas, rows, c.hidden_size, intermediate));
+      // Each micro-batch's input to every chunk but the embedding's, and the
+      // gradient flowing down: [rows, hidden] in the activation dtype.
+      const int chunks = static_cast<int>(parts.size());
+      const size_t boundary = static_cast<size_t>(local_rows * c.hidden_size) * dtype_nbytes(in.activation_dtype);
+      const pipeline::KeptBoundariesSize kept = pipeline::kept_boundaries_size(lm.boundaries, chunks, lm.micro_batches, boundary);
+      const std::string shape = fmt::format("{} micro-batches x ({} chunk inputs + the gradient flowing down) of "
+                                            "{} rows x hidden {}",
+                                            lm.micro_batches, chunks - 1, local_rows, c.hidden_size);
+      switch (lm.boundaries) {
+        case pipeline::BoundaryHome::kDevice:
+          add("layer-major boundaries", Where::kDevice, static_cast<double>(kept.memory_nbytes), false, shape);
+          break;
+        case pipeline::BoundaryHome::kPinnedHost:
+          add("layer-major boundaries", Where::kPinned, static_cast<double>(kept.memory_nbytes), false,
+              shape + " (strata.layer_major_boundaries cpu)");
+          break;
+        case pipeline::BoundaryHome::kNvme:
+          add("layer-major boundaries' staging", Where::kPinned, static_cast<double>(kept.memory_nbytes), false,
+              fmt::format("strata.layer_major_boundaries nvme: {} staging buffers and the {} gradients flowing down",
+                          2 * lm.micro_batches + 2, lm.micro_batches));
+          add("layer-major boundaries", Where::kNvme, static_cast<double>(kept.file_nbytes), false,
+              shape + ", less the gradients: a place per (chunk, micro-batch) of a file under nvme_path/layer_major");
+          break;
+      }
+    }
   } else {
     add("activation arena", Where::kDevice,
         static_cast<double>(decoder_arena_nbytes(c, in.activation_dtype, in.micro_batch, in.seq,

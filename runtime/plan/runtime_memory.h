@@ -35,7 +35,9 @@
 #include "runtime/nn/context_attention.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/nn/lora.h"
+#include "runtime/pipeline/kept_boundaries.h"
 #include "runtime/pipeline/schedule.h"
+#include "runtime/pipeline/stages.h"
 #include "runtime/plan/plan.h"
 
 namespace strata::plan {
@@ -83,6 +85,19 @@ struct RuntimeInputs {
   pipeline::ScheduleSpec pipeline{.stages = 1};
   std::vector<int64_t> pipeline_split;
   int pipeline_rank = 0;
+  // Layer-major micro-batches (strata.micro_batch_order; docs/DESIGN.md §5.5),
+  // when micro_batches > 0: the model as single-layer chunks between the
+  // embedding's and the head's (pipeline::make_layer_models), each with one
+  // arena every micro-batch reuses, or one per micro-batch when it keeps their
+  // activations (strata.layer_major_activations keep); and every
+  // micro-batch's boundaries where `boundaries` keeps them
+  // (pipeline::KeptBoundaries: device, pinned host, or a file under
+  // zero.nvme_path through pinned staging).
+  struct LayerMajor {
+    int micro_batches = 0;  // gradient_accumulation_steps; 0: step-major
+    bool keep_activations = false;
+    pipeline::BoundaryHome boundaries = pipeline::BoundaryHome::kDevice;
+  } layer_major;
 };
 
 // The micro-batch slots each chunk of pp rank `rank` makes in a step of
@@ -189,6 +204,15 @@ size_t decoder_arena_nbytes(const nn::DecoderConfig& model, DType activation_dty
                           int64_t seq, bool checkpoint_activations, bool cpu_checkpointing,
                           const nn::LoraSpec& lora = {}, int expert_parallel = 1, int tensor_parallel = 1,
                           bool sequence_parallel = false, int context_parallel = 1);
+// The arena of one chunk of the model (nn::DecoderModelOptions::stage: a
+// pipeline stage's, or layer-major's single layers, embedding and head): its
+// layers' activations, each layer's MLP by its own index (DeepSeek's first
+// layers are dense), and none of the layers' backward scratch or LoRA's
+// when it holds no layer. decoder_arena_nbytes is the whole model's chunk.
+size_t decoder_chunk_arena_nbytes(const nn::DecoderConfig& model, const pipeline::StagePart& part,
+                                  DType activation_dtype, int64_t batch, int64_t seq, bool checkpoint_activations,
+                                  bool cpu_checkpointing, const nn::LoraSpec& lora = {}, int expert_parallel = 1,
+                                  int tensor_parallel = 1, bool sequence_parallel = false, int context_parallel = 1);
 
 // Per rank, item by item. Throws Error(kBadArgument) for inputs the runtime refuses.
 RuntimeMemory runtime_memory(const RuntimeInputs& inputs);

@@ -128,36 +128,34 @@ std::vector<std::shared_ptr<DirectoryLock>> own_run_directories(const engine::Ze
 
 // strata.pinned_pool_size: an upper bound of the page-locked host memory a
 // rank holds, checked before any is allocated against what this runtime pins
-// for this model and ds_config (runtime/plan/runtime_memory.h, item by item).
-// `boundary_nbytes`: the pinned host memory layer-major's boundaries take
-// (strata.layer_major_boundaries cpu: all of them; nvme: their staging and
-// the gradients flowing down; 0: none there).
-void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs,
-                         double boundary_nbytes) {
+// for this model and ds_config (runtime/plan/runtime_memory.h, item by item;
+// layer-major's boundaries among them where they are pinned).
+void check_pinned_budget(const Config& config, const std::string& source, const plan::RuntimeInputs& inputs) {
   const uint64_t budget = config.strata.pinned_pool_nbytes;
   if (budget == 0) return;  // sized from the buffer counts
   const plan::RuntimeMemory memory = plan::runtime_memory(inputs);
-  const double pinned = memory.pinned_nbytes + boundary_nbytes;
-  if (pinned <= static_cast<double>(budget)) return;
+  if (memory.pinned_nbytes <= static_cast<double>(budget)) return;
   std::string items;
   for (const plan::MemoryItem& item : memory.items) {
     if (item.where != plan::Where::kPinned || item.nbytes <= 0) continue;
     items += fmt::format("{}{} {:.0f} bytes{}", items.empty() ? "" : ", ", item.name, item.nbytes,
                          item.upper_bound ? " at most" : "");
   }
-  if (boundary_nbytes > 0) {
-    items += fmt::format("{}layer-major boundaries (strata.layer_major_boundaries {}) {:.0f} bytes",
-                         items.empty() ? "" : ", ", config.strata.layer_major_boundaries, boundary_nbytes);
-  }
+  const bool layer_major = inputs.layer_major.micro_batches > 0;
+  const bool boundaries_pinned = layer_major && inputs.layer_major.boundaries != pipeline::BoundaryHome::kDevice;
   raise(ErrorCategory::kBadArgument,
         "{}: strata.pinned_pool_size is {} bytes, but this run pins {:.0f} bytes per rank ({}). Raise "
         "strata.pinned_pool_size, or lower what sizes those buffers (offload_optimizer.buffer_count, "
         "offload_param.buffer_count and buffer_size, sub_group_size, train_micro_batch_size_per_gpu x --seq{})",
-        source, budget, pinned, items,
+        source, budget, memory.pinned_nbytes, items,
         // Layer-major does not combine with context parallelism (refused), so one suggestion or the other.
-        boundary_nbytes > 0             ? std::string(", gradient_accumulation_steps; or keep the boundaries on the device or nvme")
+        boundaries_pinned ? fmt::format(", gradient_accumulation_steps; or keep the boundaries on the device{} "
+                                        "(strata.layer_major_boundaries)",
+                                        inputs.layer_major.boundaries == pipeline::BoundaryHome::kNvme ? ""
+                                                                                                        : " or nvme")
+        : layer_major                 ? std::string()
         : inputs.context_parallel > 1 ? fmt::format(" / --cp {}", inputs.context_parallel)
-                                        : std::string("; or split each sequence over more ranks, --cp"));
+                                      : std::string("; or split each sequence over more ranks, --cp"));
 }
 
 double count_targets(const std::vector<int32_t>& targets) {
@@ -419,9 +417,8 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const bool layer_major = order.order == MicroBatchOrder::kLayerMajor;
   if (!order.said.empty() && rank.rank == 0) logger().info("{}", order.said);
   const std::string& boundaries_where = config.strata.layer_major_boundaries;
-  const pipeline::BoundaryHome boundary_home = boundaries_where == "nvme" ? pipeline::BoundaryHome::kNvme
-                                               : boundaries_where == "cpu" ? pipeline::BoundaryHome::kPinnedHost
-                                                                           : pipeline::BoundaryHome::kDevice;
+  const pipeline::BoundaryHome boundary_home =
+      pipeline::parse_boundary_home(boundaries_where, source + ": strata.layer_major_boundaries");
   const bool boundaries_pinned = boundary_home != pipeline::BoundaryHome::kDevice;
   if (boundaries_pinned && !layer_major && rank.rank == 0) {
     logger().info("strata.layer_major_boundaries {}: no effect, the micro-batches are step-major (no boundaries "
@@ -438,21 +435,25 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                source);
   std::unique_ptr<Accelerator> accelerator = make_accelerator(config.strata.accelerator);
   // Layer-major keeps each micro-batch's input to every chunk but the
-  // embedding's, and one gradient flowing down: as many as its L + 2 chunks,
+  // embedding's, and the gradient flowing down (pipeline::KeptBoundaries):
   // [micro_batch x seq, hidden] each in the activation dtype (fp32 on the cpu accelerator).
   const DType activation_dtype = accelerator->host_addressable() ? DType::kF32 : train_dtype;
   const size_t one_boundary_nbytes = static_cast<size_t>(micro_batch * options.seq * model_config.hidden_size) *
                                      dtype_nbytes(activation_dtype);
+  const int layer_chunks = static_cast<int>(model_config.num_hidden_layers + 2);
+  // All of them, and what of them is pinned host memory (with nvme: the staging and the gradients).
   const double boundary_nbytes =
-      layer_major ? static_cast<double>(accumulation) * static_cast<double>(model_config.num_hidden_layers + 2) *
-                        static_cast<double>(one_boundary_nbytes)
+      layer_major ? static_cast<double>(pipeline::kept_boundaries_size(pipeline::BoundaryHome::kDevice, layer_chunks,
+                                                                       static_cast<int>(accumulation),
+                                                                       one_boundary_nbytes)
+                                            .memory_nbytes)
                   : 0.0;
-  // What of them is pinned host memory (with nvme: the staging and the gradients).
   const double boundary_pinned_nbytes =
-      layer_major ? static_cast<double>(pipeline::kept_boundaries_pinned_nbytes(
-                        boundary_home, static_cast<int>(model_config.num_hidden_layers + 2),
-                        static_cast<int>(accumulation), one_boundary_nbytes))
-                  : 0.0;
+      layer_major && boundaries_pinned
+          ? static_cast<double>(pipeline::kept_boundaries_size(boundary_home, layer_chunks,
+                                                               static_cast<int>(accumulation), one_boundary_nbytes)
+                                    .memory_nbytes)
+          : 0.0;
   {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
@@ -468,7 +469,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.world_size = dp * cp;  // ZeRO's partitions (each holds a tp shard: the model's memory counted whole is an upper bound)
     pinned.zero = zero;
     pinned.lora = lora;
-    check_pinned_budget(config, source, pinned, boundary_pinned_nbytes);
+    if (layer_major) {
+      pinned.layer_major = {static_cast<int>(accumulation), config.strata.keeps_layer_activations(), boundary_home};
+    }
+    check_pinned_budget(config, source, pinned);
   }
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(config.strata.collective_timeout_s * 1000));
   partition::Rendezvous rendezvous(rank, timeout);

@@ -121,13 +121,11 @@ TEST_CASE("kept boundaries come back bit for bit from device, pinned host and nv
         CHECK(kept.file_nbytes() == 0);
         CHECK(kept.memory_nbytes() == ((kChunks - 1) * kMicroBatches + kMicroBatches) * kNbytes);
       }
-      // What finetune budgets before step 1 (strata.pinned_pool_size) is what the store holds.
-      if (home != BoundaryHome::kDevice) {
-        CHECK(strata::pipeline::kept_boundaries_pinned_nbytes(home, kChunks, kMicroBatches, kNbytes) ==
-              kept.memory_nbytes());
-      } else {
-        CHECK(strata::pipeline::kept_boundaries_pinned_nbytes(home, kChunks, kMicroBatches, kNbytes) == 0);
-      }
+      // What finetune budgets before step 1 (strata.pinned_pool_size) and strata plan predicts is what the store holds.
+      const strata::pipeline::KeptBoundariesSize size =
+          strata::pipeline::kept_boundaries_size(home, kChunks, kMicroBatches, kNbytes);
+      CHECK(size.memory_nbytes == kept.memory_nbytes());
+      CHECK(size.file_nbytes == kept.file_nbytes());
     }
   }
 }

@@ -516,18 +516,18 @@ TEST_CASE("the plan's micro-batch slots per pipeline chunk are the schedule's mi
 namespace {
 
 // A finetune of byte_llama under `strata run -n ranks` with the example's
-// ZeRO-3 NVMe config, 4 micro-batches and `pipeline` (sizes chosen from the
-// stage's tensors, by the plan too), 2 steps of seq 64 into dir/out; then
-// `strata plan --check` of it, as JSON.
-nlohmann::json check_pipeline_run(const strata::test::TempDir& dir, int ranks, const nlohmann::json& pipeline,
-                                  bool keep_swap_files) {
+// ZeRO-3 NVMe config, 4 micro-batches (sizes chosen from the tensors, by the
+// plan too) and `strata` / `pipeline` merged in, 2 steps of seq 64 into
+// dir/out; then `strata plan --check` of it, as JSON.
+nlohmann::json check_accumulating_run(const strata::test::TempDir& dir, int ranks, const nlohmann::json& strata_keys,
+                                      const nlohmann::json& pipeline = nullptr) {
   std::ifstream example(std::string(kExamples) + "/ds_zero3_nvme.json");
   auto ds = nlohmann::json::parse(example);
-  if (keep_swap_files) ds["strata"]["keep_swap_files"] = true;
+  if (!strata_keys.is_null()) ds["strata"] = strata_keys;
   ds["zero_optimization"].erase("sub_group_size");
   ds["zero_optimization"].erase("reduce_bucket_size");
   ds["gradient_accumulation_steps"] = 4;
-  ds["pipeline_parallel"] = pipeline;
+  if (!pipeline.is_null()) ds["pipeline_parallel"] = pipeline;
   strata::test::write_file(dir, "ds.json", ds.dump());
   const std::string out = dir.file("out");
   const auto run = run_command("cd " + dir.path().string() + " && " + strata_binary() + " run -n " +
@@ -540,6 +540,14 @@ nlohmann::json check_pipeline_run(const strata::test::TempDir& dir, int ranks, c
   const auto check = run_command(strata_binary() + " plan --check " + out + " --json");
   INFO(check.output);
   return nlohmann::json::parse(check.output);
+}
+
+// The same with `pipeline` (the swap files kept to be measured, or not).
+nlohmann::json check_pipeline_run(const strata::test::TempDir& dir, int ranks, const nlohmann::json& pipeline,
+                                  bool keep_swap_files) {
+  return check_accumulating_run(dir, ranks,
+                                keep_swap_files ? nlohmann::json{{"keep_swap_files", true}} : nlohmann::json(nullptr),
+                                pipeline);
 }
 
 }  // namespace
@@ -574,6 +582,63 @@ TEST_CASE("strata plan --check: a pipeline-parallel finetune (pp 2 x dp 2, zb-h1
     CHECK(item["name"] != "loss logits scratch");  // the last stage's
     if (item["name"] == "activation arenas") {
       CHECK(item["bytes"] == 2 * strata::plan::decoder_arena_nbytes(two, strata::DType::kF32, 4, 64, false, false));
+    }
+  }
+}
+
+TEST_CASE("strata plan --check: a layer-major finetune (2 ranks, 4 micro-batches, ZeRO-3 on NVMe) is checked: its "
+          "arenas and boundaries, recomputing or keeping, on the device or nvme, exactly",
+          "[plan][check][finetune][layer-major]") {
+  const strata::nn::DecoderConfig c = strata::nn::load_decoder_config(std::string(kExamples) + "/byte_llama.json");
+  for (const bool keep : {false, true}) {
+    for (const std::string boundaries : {"device", "nvme"}) {
+      CAPTURE(keep, boundaries);
+      strata::test::TempDir dir("plan-check-layer-major");
+      const auto j = check_accumulating_run(dir, 2,
+                                            {{"micro_batch_order", "layer-major"},
+                                             {"layer_major_activations", keep ? "keep" : "recompute"},
+                                             {"layer_major_boundaries", boundaries},
+                                             {"keep_swap_files", true}});
+      CHECK(j["run"]["micro_batch_order"] == nlohmann::json({{"order", "layer-major"},
+                                                             {"micro_batches", 4},
+                                                             {"activations", keep ? "keep" : "recompute"},
+                                                             {"boundaries", boundaries}}));
+      std::set<std::string> exact;
+      for (const auto& tier : j["tiers"]) {
+        CAPTURE(tier["tier"]);
+        REQUIRE(!tier["measured_bytes"].is_null());
+        if (tier["tier"] == "activations (layer-major)" || tier["tier"] == "nvme") {
+          CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
+          exact.insert(tier["tier"].get<std::string>());
+        }
+        if (tier["tier"] == "device (cpu)" && !kSanitized) CHECK(tier["within_tolerance"] == true);
+      }
+      CHECK(exact.size() == 2);
+      // The arenas: each of the 4 layers' (one layer each), the embedding's
+      // and the head's (no layer, no layer scratch); one each recomputing;
+      // keeping, one per micro-batch, but the head's (each micro-batch's
+      // backward follows its forward there). The boundaries: 4 micro-batches
+      // x (5 chunk inputs + the gradient flowing down) of 4 x 64 rows x 128 fp32.
+      const auto arena = [&](const strata::pipeline::StagePart& part) {
+        return strata::plan::decoder_chunk_arena_nbytes(c, part, strata::DType::kF32, 4, 64, false, false);
+      };
+      size_t arenas = (keep ? 4 : 1) * arena({0, 0, true, false}) + arena({4, 0, false, true});
+      for (int64_t l = 0; l < 4; ++l) arenas += (keep ? 4 : 1) * arena({l, 1, false, false});
+      CHECK(arena({0, 0, true, false}) < arena({0, 1, false, false}));
+      const size_t boundary = 4 * 64 * 128 * 4;
+      bool boundaries_seen = false;
+      for (const auto& item : j["items"]) {
+        CAPTURE(item["name"]);
+        if (item["name"] == "activation arenas") CHECK(item["bytes"] == arenas);
+        if (item["name"] == "layer-major boundaries") {
+          boundaries_seen = true;
+          CHECK(item["where"] == boundaries);
+          // On nvme the file has a place per (chunk, micro-batch) instead, the
+          // gradients in pinned memory: as many places, each already aligned.
+          CHECK(item["bytes"] == 4 * 6 * boundary);
+        }
+      }
+      CHECK(boundaries_seen);
     }
   }
 }
