@@ -292,6 +292,11 @@ int run_plan_check(const PlanOptions& o) {
     in.pipeline_rank = 0;
   }
   if (order.order == train::MicroBatchOrder::kLayerMajor) {
+    // A run's run.json records what auto chose; a config given here may not.
+    STRATA_CHECK(config.strata.layer_major_activations != "auto", kBadArgument,
+                 "{}: strata.layer_major_activations auto: the run chose keep or recompute from its accelerator's "
+                 "memory, which this configuration does not record; give the one it logged",
+                 config_source);
     in.layer_major = {static_cast<int>(config.gradient_accumulation_steps), config.strata.keeps_layer_activations(),
                       pipeline::parse_boundary_home(config.strata.layer_major_boundaries,
                                                     config_source + ": strata.layer_major_boundaries")};

@@ -309,6 +309,7 @@ void resolve_training(const Options& o, const std::optional<Config>& config, Res
     t.micro_batch = config->micro_batch_size;
     t.grad_accumulation = config->gradient_accumulation_steps;
     t.checkpoints_on_cpu = config->cpu_checkpointing;
+    // auto counts as recompute: what a run keeps depends on its accelerator's memory.
     t.layer_major_keeps_activations = config->strata.keeps_layer_activations();
     r.reduce_bucket_given = z.reduce_bucket_numel;  // 0: chosen from the model (resolve_zero_sizes)
     t.prefetch_bucket_numel = z.prefetch_bucket_numel;

@@ -104,8 +104,10 @@ struct StrataOptions {
   // nvme (a file under the nvme tier's nvme_path, staged through pinned memory).
   std::string layer_major_boundaries = "device";
   // strata.layer_major_activations: recompute (each layer's forward again
-  // before its backwards) | keep (every micro-batch's, no recompute).
-  std::string layer_major_activations = "recompute";
+  // before its backwards) | keep (every micro-batch's, no recompute) | auto
+  // (keep where they fit: train::choose_layer_activations).
+  std::string layer_major_activations = "auto";
+  // Given as keep (auto's choice is the run's: train::choose_layer_activations).
   bool keeps_layer_activations() const { return layer_major_activations == "keep"; }
 };
 

@@ -406,7 +406,7 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   const std::optional<plan::OrderPlan> predicted_orders = predict_run_orders(
       model_config, zero.stage, zero.param_tier, zero.max_reuse_distance_numel, zero.max_live_parameters_numel,
       micro_batch, options.seq, accumulation, options.checkpoint_activations || config.cpu_checkpointing, dp,
-      rank.local_world_size, config.strata.keeps_layer_activations());
+      rank.local_world_size, config.strata.keeps_layer_activations());  // auto's activations counted recomputed
   MicroBatchOrderContext order_context{zero.param_tier, accumulation, tp, pp, expert_parallel, lora.enabled(),
                                        model_config.tie_word_embeddings,
                                        model_config.moe() && model_config.output_router_logits, cp};
@@ -454,6 +454,9 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
                                                                static_cast<int>(accumulation), one_boundary_nbytes)
                                     .memory_nbytes)
           : 0.0;
+  // Layer-major's activations kept or recomputed (auto: kept where strata
+  // plan's model of this run says they fit the accelerator; every rank agrees below).
+  LayerActivationsChoice activations;
   {
     plan::RuntimeInputs pinned;
     pinned.model = model_config;
@@ -470,7 +473,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
     pinned.zero = zero;
     pinned.lora = lora;
     if (layer_major) {
-      pinned.layer_major = {static_cast<int>(accumulation), config.strata.keeps_layer_activations(), boundary_home};
+      pinned.layer_major = {static_cast<int>(accumulation), false, boundary_home};
+      activations = choose_layer_activations(config.strata.layer_major_activations, "strata.layer_major_activations",
+                                             pinned, accelerator->memory_stats().capacity_nbytes);
+      pinned.layer_major.keep_activations = activations.keep;
     }
     check_pinned_budget(config, source, pinned);
   }
@@ -588,7 +594,14 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
       on_nvme = {engine.nvme_io(), zero.nvme_path, engine.job_rank(), zero.keep_swap_files, one_boundary_nbytes,
                  static_cast<int>(accumulation)};
     }
-    const bool keep = config.strata.keeps_layer_activations();
+    // Recompute gathers parameters again: every rank runs the same choice
+    // (auto sized it from this rank's accelerator; keep only where all can).
+    const bool keep = engine.job_sum(activations.keep ? 1.0 : 0.0) == static_cast<double>(engine.job_size());
+    if (!activations.said.empty() && rank.rank == 0) {
+      logger().info("{}{}", activations.said,
+                    keep == activations.keep ? "" : "; recompute on every rank: another rank's accelerator cannot keep them");
+    }
+    activations.keep = keep;
     executor = std::make_unique<pipeline::PipelineExecutor>(
         engine, spec, chunks, boundary_home, on_nvme,
         keep ? pipeline::LayerActivations::kKeep : pipeline::LayerActivations::kRecompute);
@@ -739,7 +752,10 @@ FinetuneResult run_finetune(const FinetuneOptions& options) {
   // ---- the steps ------------------------------------------------------------------------
   std::unique_ptr<RunReport> report;
   if (rank.rank == 0) {
-    const RunRecord inputs = configured_run_record(config.effective, model_config.to_json(), engine.zero_sizes());
+    // What ran: auto's activations as chosen, so that strata plan --check models them.
+    nlohmann::json effective = config.effective;
+    if (layer_major) effective["strata"]["layer_major_activations"] = activations.keep ? "keep" : "recompute";
+    const RunRecord inputs = configured_run_record(effective, model_config.to_json(), engine.zero_sizes());
     report = std::make_unique<RunReport>(options.out, options.steps, options.progress,
                                          options.resume ? std::optional<int64_t>(done) : std::nullopt, inputs);
     report->set_print_every(config.steps_per_print);

@@ -94,4 +94,31 @@ std::optional<plan::OrderPlan> predict_run_orders(const nn::DecoderConfig& model
                                               max_reuse_distance, max_live);
 }
 
+LayerActivationsChoice choose_layer_activations(std::string_view name, std::string_view what,
+                                                const plan::RuntimeInputs& run, size_t budget_nbytes) {
+  STRATA_CHECK(name == "recompute" || name == "keep" || name == "auto", kBadArgument,
+               "{} {}: not what layer-major does with its activations; one of recompute, keep, auto", what, name);
+  if (name != "auto") return {name == "keep", {}};
+  plan::RuntimeInputs kept = run, recomputed = run;
+  kept.layer_major.keep_activations = true;
+  recomputed.layer_major.keep_activations = false;
+  double keep_nbytes = 0, recompute_nbytes = 0;
+  try {
+    keep_nbytes = plan::runtime_memory(kept).device_nbytes;
+    recompute_nbytes = plan::runtime_memory(recomputed).device_nbytes;
+  } catch (const Error& e) {
+    return {false, fmt::format("{} auto: recompute (strata plan's model does not describe this run, so keeping "
+                               "every micro-batch's activations cannot be sized: {})",
+                               what, e.message())};
+  }
+  const double limit = kAutoKeepBudgetShare * static_cast<double>(budget_nbytes);
+  const auto gib = [](double nbytes) { return nbytes / static_cast<double>(1 << 30); };
+  const bool keep = keep_nbytes <= limit;
+  return {keep, fmt::format("{} auto: {} (device memory predicted {:.3f} GiB keeping every micro-batch's activations, "
+                            "{:.3f} GiB recomputing them; {} {:.0f}% of the accelerator's {:.3f} GiB)",
+                            what, keep ? "keep" : "recompute", gib(keep_nbytes), gib(recompute_nbytes),
+                            keep ? "within" : "keeping would pass", 100 * kAutoKeepBudgetShare,
+                            gib(static_cast<double>(budget_nbytes)))};
+}
+
 }  // namespace strata::train

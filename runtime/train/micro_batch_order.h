@@ -8,7 +8,7 @@
 // give the same parameters after each step, bit for bit.
 //
 // Thread-safety: pure functions. Errors: Error(kBadArgument) naming the flag
-// or key and what layer-major does not do yet.
+// or key and what layer-major does not do yet, or a name that is not a choice.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +19,7 @@
 #include "core/tensor.h"
 #include "runtime/nn/decoder_config.h"
 #include "runtime/plan/order_plan.h"
+#include "runtime/plan/runtime_memory.h"
 
 namespace strata::train {
 
@@ -57,6 +58,30 @@ MicroBatchOrderChoice choose_micro_batch_order(std::string_view name, std::strin
                                                const MicroBatchOrderContext& context);
 
 std::string_view micro_batch_order_name(MicroBatchOrder order);
+
+// strata.layer_major_activations for a layer-major run.
+struct LayerActivationsChoice {
+  bool keep = false;
+  // For auto: the line to log once, saying what it chose and why; empty otherwise.
+  std::string said;
+};
+
+// Of the accelerator's memory budget, the share the device memory predicted
+// with every micro-batch's activations kept may take for auto to keep them:
+// the rest is for what the prediction leaves out (op scratch, an allocator's
+// cache and fragmentation).
+inline constexpr double kAutoKeepBudgetShare = 0.75;
+
+// `name` ("recompute", "keep" or "auto") as `what` gives it (for errors).
+// auto keeps where strata plan's runtime model of this run (`run`, its
+// layer_major set; keep_activations ignored) predicts device memory with the
+// activations kept of at most kAutoKeepBudgetShare x `budget_nbytes` (the
+// accelerator's, Accelerator::memory_stats().capacity_nbytes), and recomputes
+// otherwise or where the model does not describe the run; either way it says
+// why, with both predictions. Every rank must run the same choice (recompute
+// gathers parameters again): the caller agrees on it across ranks.
+LayerActivationsChoice choose_layer_activations(std::string_view name, std::string_view what,
+                                                const plan::RuntimeInputs& run, size_t budget_nbytes);
 
 // Both orders predicted for a run of `model` (plan::predict_micro_batch_orders_for):
 // `micro_batches` of micro_batch x seq tokens per rank, ZeRO-3 with the

@@ -6,6 +6,7 @@
 // after kill -9 and resume.
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "runtime/nn/decoder_config.h"
+#include "runtime/plan/runtime_memory.h"
+#include "runtime/train/micro_batch_order.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/killed_runs.h"
 #include "tests/support/jsonl.h"
@@ -113,7 +117,9 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
   constexpr int kSteps = 3;
   for (const ZeroCase& c : cases) {
     SECTION(c.name) {
-      const std::string ds = config(dir, c.name, c.zero, c.clip);
+      // Recomputing (auto keeps this model's activations: the keep test below).
+      const std::string ds =
+          config(dir, c.name, c.zero + R"(}, "strata": {"layer_major_activations": "recompute")", c.clip);
       // With every tier on NVMe, an evaluation after each step too.
       const std::string eval = c.name.rfind("stage3_nvme", 0) == 0 ? " --eval-data " + kFinetuneExamples +
                                                                           "/data/gpl-3.0.txt --eval-batches 3 "
@@ -138,8 +144,8 @@ TEST_CASE("layer-major micro-batches give step-major's parameters bit for bit at
   }
 }
 
-TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_major_activations keep) gives "
-          "step-major's parameters bit for bit, recomputing nothing, on 2 ranks",
+TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_major_activations keep, and auto "
+          "where they fit) gives step-major's parameters bit for bit, recomputing nothing, on 2 ranks",
           "[finetune][layer-major]") {
   strata::test::TempDir dir;
   three_layers(dir);
@@ -150,12 +156,24 @@ TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_maj
   constexpr int kSteps = 3;
   for (const ZeroCase& c : cases) {
     SECTION(c.name) {
-      const std::string ds = config(dir, c.name, c.zero, c.clip);
+      const std::string ds =
+          config(dir, c.name, c.zero + R"(}, "strata": {"layer_major_activations": "recompute")", c.clip);
       const std::string kept = config(dir, c.name + "_keep", c.zero + R"(}, "strata": {"layer_major_activations": "keep")",
                                       c.clip);
+      const std::string automatic = config(dir, c.name + "_auto", c.zero, c.clip);  // the default: auto
       const Run step = finetune(dir, c.name + "_step", kept, "step-major", kSteps);
       const Run recompute = finetune(dir, c.name + "_recompute", ds, "layer-major", kSteps);
       const Run keep = finetune(dir, c.name + "_keep", kept, "layer-major", kSteps);
+      const Run chosen = finetune(dir, c.name + "_auto", automatic, "layer-major", kSteps);
+      // auto: this model's kept activations are far within the cpu
+      // accelerator's budget (half the host's memory), so it keeps them, says
+      // so with both predictions, and run.json records what ran.
+      CHECK_THAT(chosen.output, Catch::Contains("strata.layer_major_activations auto: keep (device memory predicted") &&
+                                    Catch::Contains("GiB recomputing them; within 75% of the accelerator's"));
+      std::ifstream run_json(dir.file(c.name + "_auto") + "/run.json");
+      CHECK(nlohmann::json::parse(run_json)["ds_config"]["strata"]["layer_major_activations"] == "keep");
+      CHECK(chosen.steps[0]["memory"]["activation_bytes"] == keep.steps[0]["memory"]["activation_bytes"]);
+      check_same(chosen, step, kSteps);
       CHECK_THAT(step.output, Catch::Contains("strata.layer_major_activations keep: no effect, the micro-batches are "
                                               "step-major"));
       CHECK_THAT(keep.output, Catch::Contains("then each layer's backwards from the top, on the activations their "
@@ -171,6 +189,50 @@ TEST_CASE("layer-major keeping every micro-batch's activations (strata.layer_maj
       check_same(recompute, step, kSteps);
     }
   }
+}
+
+TEST_CASE("strata.layer_major_activations auto keeps where strata plan's model of the run fits 75% of the "
+          "accelerator's budget and recomputes where it does not (saying why) while keep and recompute pass through",
+          "[layer-major]") {
+  namespace train = strata::train;
+  strata::plan::RuntimeInputs run;
+  run.model = strata::nn::parse_decoder_config(nlohmann::json::parse(R"({"model_type": "llama", "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": false})"),
+                                               "three layers");
+  run.micro_batch = 2;
+  run.seq = 16;
+  run.layer_major = {3, false, strata::pipeline::BoundaryHome::kDevice};
+  strata::plan::RuntimeInputs kept = run;
+  kept.layer_major.keep_activations = true;
+  const double keep_nbytes = strata::plan::runtime_memory(kept).device_nbytes;
+  const double recompute_nbytes = strata::plan::runtime_memory(run).device_nbytes;
+  REQUIRE(keep_nbytes > recompute_nbytes);
+  // The budget at which keeping takes exactly 75%, and a byte short of what keeping needs there.
+  const auto fits = static_cast<size_t>(std::ceil(keep_nbytes / train::kAutoKeepBudgetShare));
+  const train::LayerActivationsChoice roomy = train::choose_layer_activations("auto", "key", run, fits);
+  CHECK(roomy.keep);
+  CHECK_THAT(roomy.said, Catch::StartsWith("key auto: keep (device memory predicted") &&
+                             Catch::Contains("within 75% of the accelerator's"));
+  const train::LayerActivationsChoice tight =
+      train::choose_layer_activations("auto", "key", run, static_cast<size_t>(keep_nbytes));
+  CHECK_FALSE(tight.keep);
+  CHECK_THAT(tight.said, Catch::StartsWith("key auto: recompute (device memory predicted") &&
+                             Catch::Contains("keeping would pass 75% of the accelerator's"));
+  // Given, whatever the budget: no line to log.
+  CHECK(train::choose_layer_activations("keep", "key", run, 1).keep);
+  CHECK(train::choose_layer_activations("keep", "key", run, 1).said.empty());
+  CHECK_FALSE(train::choose_layer_activations("recompute", "key", run, fits).keep);
+  CHECK_THROWS_WITH(train::choose_layer_activations("kept", "--layer-major-activations", run, fits),
+                    Catch::Contains("--layer-major-activations kept: not what layer-major does with its activations; "
+                                    "one of recompute, keep, auto"));
+  // A run the model does not describe (layer-major with tensor parallelism is refused) recompute, saying why.
+  strata::plan::RuntimeInputs undescribed = run;
+  undescribed.tensor_parallel = 2;
+  undescribed.world_size = 2;
+  const train::LayerActivationsChoice unknown = train::choose_layer_activations("auto", "key", undescribed, fits);
+  CHECK_FALSE(unknown.keep);
+  CHECK_THAT(unknown.said, Catch::Contains("does not describe this run"));
 }
 
 TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's parameters bit for bit, auto and what "
