@@ -356,45 +356,35 @@ int run_plan_check(const PlanOptions& o) {
   result.rows.push_back({device_is_host ? "device (cpu)" : "device", memory.device_nbytes,
                          static_cast<double>(measured.device_peak_nbytes),
                          "memory.device_peak_bytes in " + rank0});
-  if (pp > 1) {
-    // The arenas of pp rank 0's micro-batch slots, which the run counts itself.
-    double arenas = 0;
-    for (const plan::MemoryItem& item : memory.items) arenas += item.name == "activation arenas" ? item.nbytes : 0;
+  // The activations the run counts itself (memory.activation_bytes): the
+  // items `counted` names, under the row `tier`.
+  const auto activations_row = [&](std::string tier, const auto& counted) {
+    double predicted = 0;
+    for (const plan::MemoryItem& item : memory.items) predicted += counted(item) ? item.nbytes : 0;
     result.rows.push_back(
-        {"activations (pp rank 0)", arenas,
+        {std::move(tier), predicted,
          measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
                                     : std::nullopt,
          measured.activation_nbytes ? "memory.activation_bytes in " + rank0
                                     : std::string("not measured: the records have no memory.activation_bytes")});
+  };
+  if (pp > 1) {
+    // The arenas of pp rank 0's micro-batch slots.
+    activations_row("activations (pp rank 0)",
+                    [](const plan::MemoryItem& item) { return item.name == "activation arenas"; });
   }
   if (in.layer_major.micro_batches > 0) {
-    // The layers' arenas, and the boundaries kept in device memory, which the run counts itself.
-    double activations = 0;
-    for (const plan::MemoryItem& item : memory.items) {
-      const bool counted = item.name == "activation arenas" ||
-                           (item.name == "layer-major boundaries" && item.where == plan::Where::kDevice);
-      activations += counted ? item.nbytes : 0;
-    }
-    result.rows.push_back(
-        {"activations (layer-major)", activations,
-         measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
-                                    : std::nullopt,
-         measured.activation_nbytes ? "memory.activation_bytes in " + rank0
-                                    : std::string("not measured: the records have no memory.activation_bytes")});
+    // The layers' arenas, and the boundaries kept in device memory.
+    activations_row("activations (layer-major)", [](const plan::MemoryItem& item) {
+      return item.name == "activation arenas" ||
+             (item.name == "layer-major boundaries" && item.where == plan::Where::kDevice);
+    });
   }
   if (cp > 1) {
-    // A cp rank's arena and the ring's or Ulysses' buffers, which the run counts itself.
-    double activations = 0;
-    for (const plan::MemoryItem& item : memory.items) {
-      const bool counted = item.name == "activation arena" || item.name == "context-parallel attention buffers";
-      activations += counted ? item.nbytes : 0;
-    }
-    result.rows.push_back(
-        {fmt::format("activations (cp rank, s/{})", cp), activations,
-         measured.activation_nbytes ? std::optional<double>(static_cast<double>(*measured.activation_nbytes))
-                                    : std::nullopt,
-         measured.activation_nbytes ? "memory.activation_bytes in " + rank0
-                                    : std::string("not measured: the records have no memory.activation_bytes")});
+    // A cp rank's arena and the ring's or Ulysses' buffers.
+    activations_row(fmt::format("activations (cp rank, s/{})", cp), [](const plan::MemoryItem& item) {
+      return item.name == "activation arena" || item.name == "context-parallel attention buffers";
+    });
   }
   result.rows.push_back({"host resident", baseline + memory.resident_nbytes(device_is_host),
                          static_cast<double>(measured.host_peak_rss_nbytes),

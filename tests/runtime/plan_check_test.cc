@@ -27,6 +27,7 @@
 #include "runtime/train/zero_config.h"
 #include "runtime/train/run_report.h"
 #include "tests/support/finetune_files.h"
+#include "tests/support/plan_check.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/test_paths.h"
@@ -542,6 +543,19 @@ nlohmann::json check_accumulating_run(const strata::test::TempDir& dir, int rank
   return nlohmann::json::parse(check.output);
 }
 
+// Every tier of a check `j` measured; the activations row `activations` and
+// the swap files exactly as predicted; the device peak within the tolerance
+// (the host row of so small a run is the process's own allocator slack: check_notes).
+void check_exact_tiers(const nlohmann::json& j, const std::string& activations) {
+  for (const auto& tier : j["tiers"]) {
+    CAPTURE(tier["tier"]);
+    REQUIRE(!tier["measured_bytes"].is_null());
+    if (tier["tier"] == "device (cpu)" && !kSanitized) CHECK(tier["within_tolerance"] == true);
+  }
+  strata::test::check_tier_exact(j, activations);
+  strata::test::check_tier_exact(j, "nvme");
+}
+
 // The same with `pipeline` (the swap files kept to be measured, or not).
 nlohmann::json check_pipeline_run(const strata::test::TempDir& dir, int ranks, const nlohmann::json& pipeline,
                                   bool keep_swap_files) {
@@ -564,17 +578,7 @@ TEST_CASE("strata plan --check: a pipeline-parallel finetune (pp 2 x dp 2, zb-h1
   // slots of 2 layers) and its stage's swap files (the embedding and layers
   // 0-1 only), exactly; its device peak within the tolerance (the host row
   // of so small a run is the process's own allocator slack: check_notes).
-  std::set<std::string> exact;
-  for (const auto& tier : j["tiers"]) {
-    CAPTURE(tier["tier"]);
-    REQUIRE(!tier["measured_bytes"].is_null());
-    if (tier["tier"] == "activations (pp rank 0)" || tier["tier"] == "nvme") {
-      CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
-      exact.insert(tier["tier"].get<std::string>());
-    }
-    if (tier["tier"] == "device (cpu)" && !kSanitized) CHECK(tier["within_tolerance"] == true);
-  }
-  CHECK(exact.size() == 2);
+  check_exact_tiers(j, "activations (pp rank 0)");
   const strata::nn::DecoderConfig c = strata::nn::load_decoder_config(std::string(kExamples) + "/byte_llama.json");
   strata::nn::DecoderConfig two = c;
   two.num_hidden_layers = 2;
@@ -603,17 +607,7 @@ TEST_CASE("strata plan --check: a layer-major finetune (2 ranks, 4 micro-batches
                                                              {"micro_batches", 4},
                                                              {"activations", keep ? "keep" : "recompute"},
                                                              {"boundaries", boundaries}}));
-      std::set<std::string> exact;
-      for (const auto& tier : j["tiers"]) {
-        CAPTURE(tier["tier"]);
-        REQUIRE(!tier["measured_bytes"].is_null());
-        if (tier["tier"] == "activations (layer-major)" || tier["tier"] == "nvme") {
-          CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
-          exact.insert(tier["tier"].get<std::string>());
-        }
-        if (tier["tier"] == "device (cpu)" && !kSanitized) CHECK(tier["within_tolerance"] == true);
-      }
-      CHECK(exact.size() == 2);
+      check_exact_tiers(j, "activations (layer-major)");
       // The arenas: each of the 4 layers' (one layer each), the embedding's
       // and the head's (no layer, no layer scratch); one each recomputing;
       // keeping, one per micro-batch, but the head's (each micro-batch's
@@ -709,13 +703,7 @@ TEST_CASE("context parallelism: a sequence whose activation checkpoints exceed s
   const auto j = nlohmann::json::parse(check.output);
   // The cp rank's arena and its ring buffers as the run counts them, exactly;
   // the pinned staging and checkpoints within the budget.
-  bool activations = false;
-  for (const auto& tier : j["tiers"]) {
-    if (tier["tier"] != "activations (cp rank, s/4)") continue;
-    activations = true;
-    CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
-  }
-  CHECK(activations);
+  strata::test::check_tier_exact(j, "activations (cp rank, s/4)");
   double pinned = 0;
   for (const auto& item : j["items"]) {
     if (item["where"] == "pinned host") pinned += item["bytes"].get<double>();

@@ -19,6 +19,7 @@
 #include "runtime/train/micro_batch_order.h"
 #include "tests/support/finetune_files.h"
 #include "tests/support/killed_runs.h"
+#include "tests/support/plan_check.h"
 #include "tests/support/jsonl.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
@@ -303,13 +304,7 @@ TEST_CASE("layer-major killed with SIGKILL and resumed ends with step-major's pa
   INFO(planned.output);
   const nlohmann::json check = nlohmann::json::parse(planned.output);
   CHECK(check["run"]["micro_batch_order"]["order"] == "layer-major");
-  bool activations = false;
-  for (const auto& tier : check["tiers"]) {
-    if (tier["tier"] != "activations (layer-major)") continue;
-    activations = true;
-    CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
-  }
-  CHECK(activations);
+  strata::test::check_tier_exact(check, "activations (layer-major)");
 
   // The orders share the checkpoint layout: step-major's checkpoint of step
   // 3 resumed layer-major ends where step-major does.

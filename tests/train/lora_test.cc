@@ -25,6 +25,7 @@
 #include "runtime/train/peft_adapter.h"
 #include "tests/nn/engine_rig.h"
 #include "tests/support/finetune_files.h"
+#include "tests/support/plan_check.h"
 #include "tests/support/run_command.h"
 #include "tests/support/temp_dir.h"
 #include "tests/support/test_paths.h"
@@ -601,13 +602,7 @@ TEST_CASE("LoRA on an FP8 checkpoint keeps the base in FP8 on NVMe, its swap fil
     const auto check = run_command(strata_binary() + " plan --check " + dir.file(name + "_out") + " --json");
     INFO(check.output);
     const json j = json::parse(check.output);
-    bool nvme = false;
-    for (const auto& tier : j["tiers"]) {
-      if (tier["tier"] != "nvme") continue;
-      nvme = true;
-      CHECK(tier["predicted_bytes"] == tier["measured_bytes"]);
-    }
-    CHECK(nvme);
+    strata::test::check_tier_exact(j, "nvme");
     bool grids = false;
     for (const auto& item : j["items"]) grids |= item["name"] == "FP8 scale grids";
     CHECK(grids == (name == "quantized"));
