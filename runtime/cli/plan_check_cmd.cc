@@ -445,7 +445,7 @@ int run_plan_check(const PlanOptions& o) {
         "Run       {} ({} steps)\n"
         "          config {} ({}), model {} ({})\n"
         "          {} rank(s) ({}), micro-batch {}, seq {}, {} parameters, activation "
-        "checkpointing {}{}{}\n\n"
+        "checkpointing {}{}{}{}\n\n"
         "What this runtime holds per rank (runtime/plan/runtime_memory.h):\n",
         metrics.string(), measured.steps, config_name, s.sources["config"], s.model.string(),
         s.sources["model"], s.world_size, s.sources["world_size"], in.micro_batch, s.seq,
@@ -466,14 +466,13 @@ int run_plan_check(const PlanOptions& o) {
                               : std::string(),
                           in.pipeline.micro_batches, in.pipeline.virtual_stages > 1 ? "virtual " : "",
                           fmt::join(in.pipeline_split, ","))
+            : std::string(),
+        in.layer_major.micro_batches > 0
+            ? fmt::format("\n          micro-batches layer-major: {} of them through each layer in turn, "
+                          "activations {}, boundaries on {}",
+                          in.layer_major.micro_batches, in.layer_major.keep_activations ? "kept" : "recomputed",
+                          pipeline::boundary_home_name(in.layer_major.boundaries))
             : std::string());
-    if (in.layer_major.micro_batches > 0) {
-      text.insert(text.find("\n\nWhat this runtime holds"),
-                  fmt::format("\n          micro-batches layer-major: {} of them through each layer in turn, "
-                              "activations {}, boundaries on {}",
-                              in.layer_major.micro_batches, in.layer_major.keep_activations ? "kept" : "recomputed",
-                              pipeline::boundary_home_name(in.layer_major.boundaries)));
-    }
     for (const plan::MemoryItem& item : memory.items) {
       text += fmt::format("  {:<34} {:<12} {:<6} {:>2}{:>9.2f} MB  {}\n", item.name,
                           plan::where_name(item.where), item.during_steps ? "steps" : "setup",
